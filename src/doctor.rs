@@ -1,0 +1,1 @@
+//! `fleetlink-fe doctor`: host readiness checks. Owned by the tuning work.

@@ -1,0 +1,4 @@
+//! Shared helpers for integration tests: brokers and redis-servers on free ports.
+#![allow(dead_code)]
+
+pub mod redis;
