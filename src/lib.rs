@@ -1,9 +1,37 @@
-//! fleetlink: a thread-per-core websocket command broker (architecture tour filled in below).
+//! fleetlink: a thread-per-core websocket command broker for fleets of rigs.
+//!
+//! # Threads
+//! ```text
+//!            admin HTTP thread ──┐            ┌── core 0: monoio (io_uring) loop, listener, conns
+//! SIGTERM ─▶ main ── drain ──────┼─▶ bridge ◀─┼── core 1: …
+//!                                │  (registry,└── core N-1
+//!                                │   Redis)
+//! ```
+//! Cores share nothing. They talk to the bridge (and the admin thread to them) only through
+//! bounded queues with a doorbell ([`doorbell`]), carrying the types in [`registry::msg`].
+//!
+//! # Module map
+//! - [`config`]: flags, env, TOML → [`config::Config`].
+//! - [`http_upgrade`], [`ws`]: the sans-IO HTTP upgrade and RFC 6455 frame layer.
+//! - [`protocol`]: the JSON messages of the rig protocol; [`ids`]: validated identifiers.
+//! - [`worker`]: one event loop per core: accept, connections, sweep, drain.
+//! - [`registry`]: the bridge thread, the embedded registry, the Redis scripts.
+//! - [`admin`]: health, readiness, metrics, rigs, standalone control plane.
+//! - [`metrics`], [`reply`], [`events`]: what the broker reports, in the contract's shapes.
+//! - [`doctor`], [`dev_certs`]: operator tools bundled in the binary.
 #![warn(missing_docs, unreachable_pub)]
 
+pub mod admin;
+pub mod config;
+pub mod dev_certs;
 pub mod doctor;
+pub mod doorbell;
+pub mod events;
 pub mod http_upgrade;
 pub mod ids;
+pub mod metrics;
 pub mod protocol;
 pub mod registry;
+pub mod reply;
+pub mod worker;
 pub mod ws;

@@ -1,1 +1,116 @@
-fn main(){}
+//! `fleetlink-fe`: parse the configuration, start the bridge, the cores and the admin thread,
+//! then wait for SIGTERM/SIGINT or `POST /v1/drain` and drain (CONTRACT.md §7).
+
+use std::net::TcpListener;
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use anyhow::Context;
+use fleetlink::config::{Cli, Config, Tool};
+use fleetlink::registry::bridge::{self, BridgeShared};
+use fleetlink::registry::msg::{ToBridge, ToCore};
+use fleetlink::{admin, doorbell, worker};
+
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
+/// Messages a core or the bridge may have waiting before senders get "full".
+const QUEUE: usize = 65_536;
+
+fn main() -> ExitCode {
+    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info")).init();
+    let cli = match Cli::load(std::env::args_os().collect()) {
+        Ok(cli) => cli,
+        Err(e) => match e.downcast::<clap::Error>() {
+            Ok(clap_err) => clap_err.exit(),
+            Err(e) => {
+                eprintln!("fleetlink-fe: {e:#}");
+                return ExitCode::from(64);
+            }
+        },
+    };
+    let result = match cli.tool {
+        Some(Tool::Doctor { connections }) => return fleetlink::doctor::main(connections),
+        Some(Tool::DevCerts { out, rigs, broker_names }) => fleetlink::dev_certs::main(&out, rigs, &broker_names),
+        None => cli.broker.validate().and_then(run),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("fleetlink-fe: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(cfg: Config) -> anyhow::Result<()> {
+    // Read-only for the life of the process; every thread borrows it.
+    let cfg: &'static Config = Box::leak(Box::new(cfg));
+    anyhow::ensure!(cfg.redis.is_none(), "fleet mode (--redis) is not available in this build yet");
+    anyhow::ensure!(cfg.tls.is_none(), "TLS is not available in this build yet");
+    if !cfg.listen.ip().is_loopback() && cfg.tls.is_none() {
+        log::warn!("!!! plain ws on non-loopback {}: rig traffic and identities travel unencrypted; use --tls-cert/--tls-key", cfg.listen);
+    }
+    let driver = worker::driver_name(cfg);
+    if driver != "io_uring" {
+        log::warn!("!!! io_uring unavailable or disabled: running on the epoll driver (metric fleetlink_driver{{driver=\"epoll\"}})");
+    }
+    let listeners = worker::bind_listeners(cfg.listen, cfg.cores, cfg.backlog)
+        .with_context(|| format!("binding {}", cfg.listen))?;
+    let listen = listeners.first().map(|l| l.local_addr()).transpose()?.context("no listener")?;
+    let admin_listener = TcpListener::bind(cfg.admin).with_context(|| format!("binding admin {}", cfg.admin))?;
+    let admin_addr = admin_listener.local_addr()?;
+
+    let (bridge_tx, bridge_rx) = doorbell::channel::<ToBridge>(QUEUE)?;
+    let mut core_txs = Vec::with_capacity(cfg.cores);
+    let mut core_rxs = Vec::with_capacity(cfg.cores);
+    for _ in 0..cfg.cores {
+        let (tx, rx) = doorbell::channel::<ToCore>(QUEUE)?;
+        core_txs.push(tx);
+        core_rxs.push(rx);
+    }
+    let shared = Arc::new(BridgeShared::default());
+    let bridge = bridge::spawn(cfg, bridge_rx, core_txs.clone(), shared.clone())?;
+    let mut cores = Vec::with_capacity(cfg.cores);
+    for (i, (listener, inbox)) in listeners.into_iter().zip(core_rxs).enumerate() {
+        cores.push(worker::spawn(i, cfg, listener, inbox, bridge_tx.clone())?);
+    }
+    let draining = Arc::new(AtomicBool::new(false));
+    let (drain_tx, drain_rx) = crossbeam_channel::bounded::<()>(4);
+    let admin = Arc::new(admin::Admin::new(bridge_tx.clone(), core_txs.clone(), shared, draining.clone(), drain_tx.clone()));
+    admin::spawn(admin_listener, admin)?;
+    spawn_signal_thread(drain_tx)?;
+
+    // Machine-readable: tests and scripts wait for this line to learn the bound ports.
+    println!(
+        "fleetlink-fe ready listen={listen} admin={admin_addr} broker_id={} cores={} driver={driver}",
+        cfg.broker_id, cfg.cores
+    );
+    log::info!("broker {} listening on {listen} (admin {admin_addr}), {} cores, {driver}", cfg.broker_id, cfg.cores);
+
+    let _ = drain_rx.recv();
+    draining.store(true, Ordering::SeqCst);
+    log::info!("draining over {:?}", cfg.drain);
+    for core in &core_txs {
+        let _ = core.send(ToCore::Drain { window: cfg.drain });
+    }
+    for core in cores {
+        let _ = core.join();
+    }
+    let _ = bridge_tx.send(ToBridge::Shutdown);
+    let _ = bridge.join();
+    log::info!("drained; exiting");
+    Ok(())
+}
+
+fn spawn_signal_thread(drain: crossbeam_channel::Sender<()>) -> anyhow::Result<()> {
+    use signal_hook::consts::{SIGINT, SIGTERM};
+    let mut signals = signal_hook::iterator::Signals::new([SIGTERM, SIGINT])?;
+    std::thread::Builder::new().name("fleetlink-signals".into()).spawn(move || {
+        for _ in signals.forever() {
+            let _ = drain.try_send(());
+        }
+    })?;
+    Ok(())
+}

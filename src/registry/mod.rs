@@ -1,2 +1,11 @@
-//! Registry: who owns which rig. Embedded (standalone) and Redis backends.
+//! Who owns which rig, and the control plane around it.
+//!
+//! - [`msg`]: the only types that cross threads.
+//! - [`embedded`]: the standalone registry (pure state).
+//! - [`bridge`]: the thread that owns the registry and talks to cores.
+//! - [`scripts`]: the Redis Lua scripts of fleet mode.
+
+pub mod bridge;
+pub mod embedded;
+pub mod msg;
 pub mod scripts;

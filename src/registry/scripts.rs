@@ -1,1 +1,351 @@
-//! Lua registry scripts (lua/*.lua) and their typed EVALSHA wrappers. Owned by the Lua work.
+//! The registry's Lua scripts (`lua/*.lua`, embedded at build time) and typed EVALSHA wrappers.
+//!
+//! Every write to `rig:*` and `broker:*` goes through these four scripts (CONTRACT.md §3), so
+//! each check-then-write is atomic in Redis. Each script's header states its KEYS, ARGV and
+//! reply; the parsers here accept exactly those shapes and turn anything else into
+//! [`RegistryError::UnexpectedReply`] (a `lua/` and a binary from different builds).
+//!
+//! Called from the single Redis thread (`registry::bridge`); nothing here keeps state between
+//! calls, so one `Scripts` serves every reconnect. Invocations use EVALSHA and, on `NOSCRIPT`
+//! (Redis restarted, `SCRIPT FLUSH`, failover to a replica), load the script and retry once:
+//! `redis::ScriptInvocation::invoke` does exactly that.
+
+use std::time::Duration;
+
+use redis::{ConnectionLike, Script, Value};
+
+use crate::ids::{BootId, RigId};
+
+/// Most rig keys sent in one refresh or release call. A script blocks Redis while it runs; a
+/// 1000-key refresh takes about 1.5 ms of Redis time (`registry_upkeep_cost` in
+/// tests/lua_scripts.rs), so a broker with 19,000 rigs sends 19 short calls, not one 27 ms one.
+pub const REFRESH_CHUNK: usize = 1000;
+
+/// Longest TTL the scripts accept (they take at most 15 decimal digits of milliseconds).
+const MAX_TTL_MS: u128 = 999_999_999_999_999;
+
+/// The four registry scripts, hashed once; cheap to share by reference.
+#[derive(Debug, Clone)]
+pub struct Scripts {
+    /// Claims a rig on hello: `lua/hello.lua`.
+    hello: Script,
+    /// Extends this broker's leases in batches: `lua/refresh.lua`.
+    refresh: Script,
+    /// Compare-and-deletes this broker's entries: `lua/release.lua`.
+    release: Script,
+    /// Writes the broker liveness key: `lua/broker.lua`.
+    broker: Script,
+}
+
+/// What a hello did to the rig's entry.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum HelloOutcome {
+    /// This boot on this broker now owns the rig. `previous` is the entry it replaced, so the
+    /// caller can tell another broker to evict its stale socket.
+    Owned {
+        /// The replaced entry, `None` when the key was empty. It may name this very broker
+        /// (the same rig process reconnecting here), which needs no evict.
+        previous: Option<Owner>,
+    },
+    /// A newer boot owns the rig; nothing was written and the socket closes with 4409.
+    Older {
+        /// The entry that won.
+        current: Owner,
+    },
+}
+
+/// A stored `<boot_id>|<broker_id>` entry, split at the first `|`.
+///
+/// Redis may hold anything under a rig key, so parsing never fails: text without a `|` is kept
+/// whole in `boot_id` with an empty `broker_id`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Owner {
+    /// The owning boot, or the raw stored text when it has no `|`.
+    pub boot_id: String,
+    /// The owning broker, empty when the stored text has no `|`.
+    pub broker_id: String,
+}
+
+/// What a refresh did to one rig's entry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RefreshStatus {
+    /// Still ours: the TTL was extended.
+    Ok,
+    /// The key was gone (expired, or Redis restarted empty): it was written again as ours.
+    Restored,
+    /// Someone else's entry (or garbage): untouched; the caller closes that socket with 4410.
+    Superseded,
+}
+
+/// Why a registry call failed.
+#[derive(Debug, thiserror::Error)]
+pub enum RegistryError {
+    /// Redis was unreachable or refused the command (including a script's own error reply);
+    /// the bridge reconnects and calls [`Scripts::load`] again.
+    #[error("redis: {0}")]
+    Redis(#[from] redis::RedisError),
+    /// A script answered with a shape its `lua/` header does not promise: the scripts on the
+    /// server and this binary disagree. Never retried blindly.
+    #[error("unexpected reply from a registry script: {0}")]
+    UnexpectedReply(String),
+}
+
+impl Scripts {
+    /// Embeds and hashes the scripts; no Redis traffic.
+    pub fn new() -> Scripts {
+        Scripts {
+            hello: Script::new(include_str!("../../lua/hello.lua")),
+            refresh: Script::new(include_str!("../../lua/refresh.lua")),
+            release: Script::new(include_str!("../../lua/release.lua")),
+            broker: Script::new(include_str!("../../lua/broker.lua")),
+        }
+    }
+
+    /// Sends SCRIPT LOAD for all four scripts. EVALSHA would load them lazily anyway; loading
+    /// up front makes a broken script fail at startup, and lets `/readyz` say "scripts loaded".
+    pub fn load(&self, con: &mut impl ConnectionLike) -> Result<(), RegistryError> {
+        for script in [&self.hello, &self.refresh, &self.release, &self.broker] {
+            script.load(con)?;
+        }
+        Ok(())
+    }
+
+    /// Claims `rig` for `boot` on `broker_id` unless a newer boot holds it (CONTRACT.md §3).
+    pub fn hello(
+        &self,
+        con: &mut impl ConnectionLike,
+        rig: &RigId,
+        boot: &BootId,
+        broker_id: &str,
+        ttl: Duration,
+    ) -> Result<HelloOutcome, RegistryError> {
+        let reply: Value = self
+            .hello
+            .key(rig_key(rig))
+            .arg(boot.as_str())
+            .arg(broker_id)
+            .arg(ttl_ms(ttl))
+            .invoke(con)?;
+        let (status, value) = match &reply {
+            Value::Array(items) if items.len() == 2 => (text(&items[0]), lossy(&items[1])),
+            _ => (None, None),
+        };
+        match (status, value) {
+            (Some("ok"), Some(v)) if v.is_empty() => Ok(HelloOutcome::Owned { previous: None }),
+            (Some("ok"), Some(v)) => Ok(HelloOutcome::Owned {
+                previous: Some(Owner::parse(&v)),
+            }),
+            (Some("older"), Some(v)) => Ok(HelloOutcome::Older {
+                current: Owner::parse(&v),
+            }),
+            _ => Err(unexpected("hello", &reply)),
+        }
+    }
+
+    /// Extends the lease of every `(rig, boot)` this broker holds, in calls of at most
+    /// [`REFRESH_CHUNK`] keys; statuses come back in `entries` order.
+    ///
+    /// On an error, the chunks before it have been applied and their statuses are lost; that
+    /// is harmless because the next tick sends the same tuples and gets the same answers
+    /// (a superseded entry is never touched, so it is still reported as superseded).
+    pub fn refresh(
+        &self,
+        con: &mut impl ConnectionLike,
+        entries: &[(RigId, BootId)],
+        broker_id: &str,
+        ttl: Duration,
+    ) -> Result<Vec<RefreshStatus>, RegistryError> {
+        let mut statuses = Vec::with_capacity(entries.len());
+        for chunk in entries.chunks(REFRESH_CHUNK) {
+            let mut call = self.refresh.prepare_invoke();
+            call.arg(ttl_ms(ttl));
+            for (rig, boot) in chunk {
+                call.key(rig_key(rig)).arg(tuple(boot, broker_id));
+            }
+            let reply: Value = call.invoke(con)?;
+            let parsed = match &reply {
+                Value::Array(items) if items.len() == chunk.len() => {
+                    items.iter().map(refresh_status).collect::<Option<Vec<_>>>()
+                }
+                _ => None,
+            };
+            statuses.extend(parsed.ok_or_else(|| unexpected("refresh", &reply))?);
+        }
+        Ok(statuses)
+    }
+
+    /// Deletes the entries that are still exactly this broker's tuple (disconnect, drain), in
+    /// calls of at most [`REFRESH_CHUNK`] keys; returns how many were deleted.
+    pub fn release(
+        &self,
+        con: &mut impl ConnectionLike,
+        entries: &[(RigId, BootId)],
+        broker_id: &str,
+    ) -> Result<usize, RegistryError> {
+        let mut deleted = 0;
+        for chunk in entries.chunks(REFRESH_CHUNK) {
+            let mut call = self.release.prepare_invoke();
+            for (rig, boot) in chunk {
+                call.key(rig_key(rig)).arg(tuple(boot, broker_id));
+            }
+            let reply: Value = call.invoke(con)?;
+            deleted += match reply {
+                Value::Int(n) if (0..=chunk.len() as i64).contains(&n) => n as usize,
+                _ => return Err(unexpected("release", &reply)),
+            };
+        }
+        Ok(deleted)
+    }
+
+    /// Writes `broker:<broker_id>` = `json` with `ttl`, so control can count live brokers.
+    pub fn broker_heartbeat(
+        &self,
+        con: &mut impl ConnectionLike,
+        broker_id: &str,
+        json: &str,
+        ttl: Duration,
+    ) -> Result<(), RegistryError> {
+        let reply: Value = self
+            .broker
+            .key(broker_key(broker_id))
+            .arg(json)
+            .arg(ttl_ms(ttl))
+            .invoke(con)?;
+        match text(&reply) {
+            Some("ok") => Ok(()),
+            _ => Err(unexpected("broker", &reply)),
+        }
+    }
+}
+
+impl Default for Scripts {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Owner {
+    /// Splits a stored entry at its first `|` (a boot id never contains one); never fails.
+    pub fn parse(raw: &str) -> Owner {
+        let (boot_id, broker_id) = raw.split_once('|').unwrap_or((raw, ""));
+        Owner {
+            boot_id: boot_id.to_owned(),
+            broker_id: broker_id.to_owned(),
+        }
+    }
+}
+
+/// The registry key of a rig: `rig:<rig_id>`.
+pub fn rig_key(rig: &RigId) -> String {
+    format!("rig:{rig}")
+}
+
+/// The liveness key of a broker: `broker:<broker_id>`.
+pub fn broker_key(id: &str) -> String {
+    format!("broker:{id}")
+}
+
+/// The value of a rig key: `<boot_id>|<broker_id>`.
+pub fn tuple(boot: &BootId, broker: &str) -> String {
+    format!("{boot}|{broker}")
+}
+
+/// A TTL in the scripts' unit. Redis rejects `PX 0` and the scripts reject more than 15
+/// digits, so the value is clamped to that range rather than failing mid-refresh.
+fn ttl_ms(ttl: Duration) -> u64 {
+    // Cannot truncate: the clamp bound is below u64::MAX.
+    ttl.as_millis().clamp(1, MAX_TTL_MS) as u64
+}
+
+/// One refresh status as the script spells it.
+fn refresh_status(v: &Value) -> Option<RefreshStatus> {
+    match text(v)? {
+        "ok" => Some(RefreshStatus::Ok),
+        "restored" => Some(RefreshStatus::Restored),
+        "superseded" => Some(RefreshStatus::Superseded),
+        _ => None,
+    }
+}
+
+/// A string reply as UTF-8 text; `None` for other types and for bytes that are not UTF-8.
+fn text(v: &Value) -> Option<&str> {
+    match v {
+        Value::BulkString(b) => std::str::from_utf8(b).ok(),
+        Value::SimpleString(s) => Some(s),
+        _ => None,
+    }
+}
+
+/// A stored value echoed back by a script; any bytes are accepted, since Redis may hold garbage.
+fn lossy(v: &Value) -> Option<String> {
+    match v {
+        Value::BulkString(b) => Some(String::from_utf8_lossy(b).into_owned()),
+        Value::SimpleString(s) => Some(s.clone()),
+        _ => None,
+    }
+}
+
+/// The error for a reply of the wrong shape, quoting (the start of) what arrived.
+fn unexpected(script: &str, reply: &Value) -> RegistryError {
+    let mut shown = format!("{reply:?}");
+    if shown.len() > 200 {
+        let cut = (0..=200)
+            .rev()
+            .find(|&i| shown.is_char_boundary(i))
+            .unwrap_or(0);
+        shown.truncate(cut);
+        shown.push('…');
+    }
+    RegistryError::UnexpectedReply(format!("{script}.lua answered {shown}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const BOOT: &str = "01890a5d-ac96-774b-bcce-b302099a8057";
+
+    #[test]
+    fn keys_and_tuples() {
+        let rig = RigId::parse("rig-0414").unwrap();
+        let boot = BootId::parse(BOOT).unwrap();
+        assert_eq!(rig_key(&rig), "rig:rig-0414");
+        assert_eq!(broker_key("fe-1:8080"), "broker:fe-1:8080");
+        assert_eq!(tuple(&boot, "fe-1"), format!("{BOOT}|fe-1"));
+    }
+
+    #[test]
+    fn owner_parse_tolerates_garbage() {
+        let owner = Owner::parse(&format!("{BOOT}|fe|odd"));
+        assert_eq!(owner.boot_id, BOOT);
+        assert_eq!(owner.broker_id, "fe|odd");
+        let raw = Owner::parse("garbage");
+        assert_eq!(
+            (raw.boot_id.as_str(), raw.broker_id.as_str()),
+            ("garbage", "")
+        );
+    }
+
+    #[test]
+    fn ttl_is_clamped_to_what_the_scripts_accept() {
+        assert_eq!(ttl_ms(Duration::ZERO), 1);
+        assert_eq!(ttl_ms(Duration::from_micros(1500)), 1);
+        assert_eq!(ttl_ms(Duration::from_secs(60)), 60_000);
+        assert_eq!(ttl_ms(Duration::MAX).to_string().len(), 15);
+    }
+
+    #[test]
+    fn wrong_shapes_are_unexpected() {
+        assert_eq!(
+            refresh_status(&Value::BulkString(b"ok".to_vec())),
+            Some(RefreshStatus::Ok)
+        );
+        assert_eq!(refresh_status(&Value::BulkString(b"OK".to_vec())), None);
+        assert_eq!(refresh_status(&Value::Int(1)), None);
+        let long = Value::BulkString(vec![b'x'; 1000]);
+        let RegistryError::UnexpectedReply(msg) = unexpected("refresh", &long) else {
+            panic!("wrong variant");
+        };
+        assert!(msg.len() < 300, "{msg}");
+    }
+}

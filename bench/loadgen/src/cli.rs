@@ -1,0 +1,346 @@
+//! Command-line interface and the small value parsers it needs (durations, source ranges,
+//! labels, ws URLs). Parsers are plain functions so they are unit-testable without clap.
+
+use std::collections::BTreeMap;
+use std::net::Ipv4Addr;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, Parser, Subcommand};
+
+/// Sockets one child process may hold: the platform caps open files at 20,000 per process and a
+/// child also needs a few descriptors for itself.
+pub const MAX_SOCKETS_PER_PROC: usize = 18_000;
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "fleetlink-loadgen",
+    version,
+    about = "Load generator for the fleetlink broker"
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub cmd: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Open N rigs (hello/welcome, ack every command) and hold them.
+    Rigs(RigsArgs),
+    /// POST one command to each rig through the admin API, stamped with `sent_at_us`.
+    AdminFanout(FanoutArgs),
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct RigsArgs {
+    /// Rig endpoint, e.g. ws://127.0.0.1:8080/agent
+    #[arg(long)]
+    pub url: String,
+    /// Number of rigs to open.
+    #[arg(long)]
+    pub rigs: usize,
+    /// Child processes to split the rigs over (default: enough for 18,000 sockets each).
+    #[arg(long)]
+    pub procs: Option<usize>,
+    /// Source addresses, round-robin per rig: `127.0.0.1-127.0.0.16`, `a,b,c` or one address.
+    /// Default: 127.0.0.1-127.0.0.16 for a loopback target, otherwise the kernel's choice.
+    #[arg(long)]
+    pub sources: Option<String>,
+    /// Rig ids are `<prefix>-<index:06>`.
+    #[arg(long, default_value = "rig")]
+    pub prefix: String,
+    /// First rig index (lets several runs add disjoint rigs to one broker).
+    #[arg(long, default_value_t = 0)]
+    pub start_index: usize,
+    /// Labels sent in every hello: `k=v,k2=v2`.
+    #[arg(long, default_value = "")]
+    pub labels: String,
+    /// Handshakes (connect to welcome) in flight per process.
+    #[arg(long, default_value_t = 256)]
+    pub concurrency: usize,
+    /// How long to keep the rigs connected once the ramp is over.
+    #[arg(long, default_value = "60s", value_parser = parse_duration)]
+    pub hold: Duration,
+    /// Hard bound on the whole run, ramp included.
+    #[arg(long, default_value = "300s", value_parser = parse_duration)]
+    pub max_time: Duration,
+    /// Per attempt: TCP connect + upgrade + hello/welcome must finish within this.
+    #[arg(long, default_value = "30s", value_parser = parse_duration)]
+    pub handshake_timeout: Duration,
+    /// Write the JSON report here (`-` = stdout, after the ALL_WELCOMED line).
+    #[arg(long)]
+    pub report: Option<String>,
+    /// Internal: run as a child over rigs [START, START+COUNT) and talk JSON lines on stdio.
+    #[arg(long, hide = true, value_parser = parse_slice)]
+    pub child_slice: Option<(usize, usize)>,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct FanoutArgs {
+    /// Admin base URL, e.g. http://127.0.0.1:9090
+    #[arg(long, default_value = "http://127.0.0.1:9090")]
+    pub admin: String,
+    #[arg(long, default_value = "rig")]
+    pub prefix: String,
+    #[arg(long)]
+    pub rigs: usize,
+    #[arg(long, default_value_t = 0)]
+    pub start_index: usize,
+    /// Command name to send.
+    #[arg(long, default_value = "bench")]
+    pub name: String,
+    /// Keep-alive HTTP connections used in parallel.
+    #[arg(long, default_value_t = 8)]
+    pub concurrency: usize,
+    /// Bound on the whole fan-out.
+    #[arg(long, default_value = "120s", value_parser = parse_duration)]
+    pub max_time: Duration,
+    /// Also write the JSON summary here (it is always printed on stdout).
+    #[arg(long)]
+    pub report: Option<String>,
+}
+
+/// `250ms`, `20s`, `5m`, `1h`; a bare number is seconds.
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let s = s.trim();
+    let split = s
+        .find(|c: char| !c.is_ascii_digit() && c != '.')
+        .unwrap_or(s.len());
+    let (num, unit) = s.split_at(split);
+    let n: f64 = num.parse().map_err(|_| format!("bad duration {s:?}"))?;
+    let secs = match unit {
+        "" | "s" => n,
+        "ms" => n / 1000.0,
+        "us" => n / 1_000_000.0,
+        "m" => n * 60.0,
+        "h" => n * 3600.0,
+        _ => return Err(format!("bad duration unit in {s:?} (use ms, s, m, h)")),
+    };
+    if !secs.is_finite() || secs < 0.0 {
+        return Err(format!("bad duration {s:?}"));
+    }
+    Ok(Duration::from_secs_f64(secs))
+}
+
+/// `START:COUNT` for the hidden child flag.
+fn parse_slice(s: &str) -> Result<(usize, usize), String> {
+    let (a, b) = s.split_once(':').ok_or("slice is START:COUNT")?;
+    Ok((
+        a.parse().map_err(|_| "bad slice start")?,
+        b.parse().map_err(|_| "bad slice count")?,
+    ))
+}
+
+/// Expands `127.0.0.1-127.0.0.16` (inclusive, may cross octets), `a,b,c` lists, or one address.
+pub fn parse_sources(s: &str) -> Result<Vec<Ipv4Addr>> {
+    let mut out = Vec::new();
+    for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        if let Some((a, b)) = part.split_once('-') {
+            let a: Ipv4Addr = a
+                .trim()
+                .parse()
+                .with_context(|| format!("bad address {a:?}"))?;
+            let b: Ipv4Addr = b
+                .trim()
+                .parse()
+                .with_context(|| format!("bad address {b:?}"))?;
+            let (lo, hi) = (u32::from(a), u32::from(b));
+            if hi < lo {
+                bail!("source range {part:?} is reversed");
+            }
+            if hi - lo >= 65_536 {
+                bail!("source range {part:?} is too large");
+            }
+            out.extend((lo..=hi).map(Ipv4Addr::from));
+        } else {
+            out.push(
+                part.parse()
+                    .with_context(|| format!("bad address {part:?}"))?,
+            );
+        }
+    }
+    if out.is_empty() {
+        bail!("no source addresses in {s:?}");
+    }
+    Ok(out)
+}
+
+/// `k=v,k2=v2` into a map; empty string gives no labels.
+pub fn parse_labels(s: &str) -> Result<BTreeMap<String, String>> {
+    let mut out = BTreeMap::new();
+    for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        let (k, v) = part
+            .split_once('=')
+            .with_context(|| format!("label {part:?} is not k=v"))?;
+        out.insert(k.trim().to_string(), v.trim().to_string());
+    }
+    Ok(out)
+}
+
+/// The parts of a `ws://host:port/path` (or `http://…`) URL the tools need.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PlainUrl {
+    pub host: String,
+    pub port: u16,
+    pub path: String,
+}
+
+/// Parses a plain-text URL; TLS is out of scope for these tools (the broker's TLS cost is measured
+/// separately), so `wss://`/`https://` are refused rather than silently sent in clear.
+pub fn parse_plain_url(url: &str, scheme: &str, default_port: u16) -> Result<PlainUrl> {
+    let rest = url
+        .strip_prefix(scheme)
+        .and_then(|r| r.strip_prefix("://"))
+        .with_context(|| format!("{url:?} is not a {scheme}:// URL"))?;
+    let (authority, path) = match rest.find('/') {
+        Some(i) => (&rest[..i], &rest[i..]),
+        None => (rest, "/"),
+    };
+    let (host, port) = match authority.rsplit_once(':') {
+        Some((h, p)) if !h.ends_with(']') || h.starts_with('[') => (
+            h,
+            p.parse().with_context(|| format!("bad port in {url:?}"))?,
+        ),
+        _ => (authority, default_port),
+    };
+    if host.is_empty() {
+        bail!("no host in {url:?}");
+    }
+    Ok(PlainUrl {
+        host: host
+            .trim_start_matches('[')
+            .trim_end_matches(']')
+            .to_string(),
+        port,
+        path: path.to_string(),
+    })
+}
+
+impl RigsArgs {
+    /// Child processes to use: the flag, or the fewest that keep each under the socket cap.
+    pub fn effective_procs(&self) -> Result<usize> {
+        let min = self.rigs.div_ceil(MAX_SOCKETS_PER_PROC).max(1);
+        let procs = self.procs.unwrap_or(min).max(1);
+        if procs < min {
+            bail!(
+                "{} rigs over {procs} process(es) exceeds {MAX_SOCKETS_PER_PROC} sockets per process; use --procs {min} or more",
+                self.rigs
+            );
+        }
+        Ok(procs.min(self.rigs.max(1)))
+    }
+
+    /// The source list to bind to: the flag, or 16 loopback addresses for a loopback target.
+    pub fn effective_sources(&self, target_is_loopback_v4: bool) -> Result<Vec<Ipv4Addr>> {
+        match &self.sources {
+            Some(s) => parse_sources(s),
+            None if target_is_loopback_v4 => parse_sources("127.0.0.1-127.0.0.16"),
+            None => Ok(Vec::new()),
+        }
+    }
+}
+
+/// Splits `rigs` into `procs` contiguous slices `(start, count)`, sizes differing by at most one.
+pub fn split_slices(start: usize, rigs: usize, procs: usize) -> Vec<(usize, usize)> {
+    let procs = procs.max(1);
+    let (base, extra) = (rigs / procs, rigs % procs);
+    let mut at = start;
+    (0..procs)
+        .map(|i| {
+            let n = base + usize::from(i < extra);
+            let s = (at, n);
+            at += n;
+            s
+        })
+        .filter(|&(_, n)| n > 0)
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("250ms").unwrap(), Duration::from_millis(250));
+        assert_eq!(parse_duration("20s").unwrap(), Duration::from_secs(20));
+        assert_eq!(parse_duration("5m").unwrap(), Duration::from_secs(300));
+        assert_eq!(parse_duration("7").unwrap(), Duration::from_secs(7));
+        assert_eq!(parse_duration("1.5s").unwrap(), Duration::from_millis(1500));
+        assert!(parse_duration("5 parsecs").is_err());
+        assert!(parse_duration("").is_err());
+    }
+
+    #[test]
+    fn sources() {
+        let v = parse_sources("127.0.0.1-127.0.0.16").unwrap();
+        assert_eq!(v.len(), 16);
+        assert_eq!(v[0], Ipv4Addr::new(127, 0, 0, 1));
+        assert_eq!(v[15], Ipv4Addr::new(127, 0, 0, 16));
+        let v = parse_sources("127.0.0.254-127.0.1.1").unwrap();
+        assert_eq!(v.len(), 4);
+        assert_eq!(v[3], Ipv4Addr::new(127, 0, 1, 1));
+        assert_eq!(parse_sources("127.0.0.3").unwrap().len(), 1);
+        assert_eq!(parse_sources("127.0.0.3, 127.0.0.9").unwrap().len(), 2);
+        assert!(parse_sources("127.0.0.9-127.0.0.1").is_err());
+        assert!(parse_sources("nope").is_err());
+        assert!(parse_sources("").is_err());
+    }
+
+    #[test]
+    fn labels() {
+        let l = parse_labels("group=a, site=lab1").unwrap();
+        assert_eq!(l["group"], "a");
+        assert_eq!(l["site"], "lab1");
+        assert!(parse_labels("").unwrap().is_empty());
+        assert!(parse_labels("novalue").is_err());
+    }
+
+    #[test]
+    fn urls() {
+        let u = parse_plain_url("ws://127.0.0.1:8080/agent", "ws", 80).unwrap();
+        assert_eq!(
+            (u.host.as_str(), u.port, u.path.as_str()),
+            ("127.0.0.1", 8080, "/agent")
+        );
+        let u = parse_plain_url("http://localhost", "http", 80).unwrap();
+        assert_eq!(
+            (u.host.as_str(), u.port, u.path.as_str()),
+            ("localhost", 80, "/")
+        );
+        let u = parse_plain_url("ws://[::1]:9/x", "ws", 80).unwrap();
+        assert_eq!((u.host.as_str(), u.port), ("::1", 9));
+        assert!(parse_plain_url("wss://h/agent", "ws", 80).is_err());
+    }
+
+    #[test]
+    fn slices_and_procs() {
+        assert_eq!(split_slices(0, 10, 3), vec![(0, 4), (4, 3), (7, 3)]);
+        assert_eq!(split_slices(100, 2, 4), vec![(100, 1), (101, 1)]);
+        let parse = |args: &[&str]| {
+            let mut full = vec![
+                "fleetlink-loadgen",
+                "rigs",
+                "--url",
+                "ws://127.0.0.1:1/agent",
+            ];
+            full.extend_from_slice(args);
+            match Cli::try_parse_from(full).unwrap().cmd {
+                Command::Rigs(r) => r,
+                Command::AdminFanout(_) => unreachable!(),
+            }
+        };
+        let r = parse(&["--rigs", "40000"]);
+        assert_eq!(r.effective_procs().unwrap(), 3);
+        assert_eq!(r.hold, Duration::from_secs(60));
+        assert_eq!(r.concurrency, 256);
+        assert!(parse(&["--rigs", "40000", "--procs", "2"])
+            .effective_procs()
+            .is_err());
+        let r = parse(&["--rigs", "5", "--hold", "250ms", "--child-slice", "3:2"]);
+        assert_eq!(r.child_slice, Some((3, 2)));
+        assert_eq!(r.hold, Duration::from_millis(250));
+        assert_eq!(r.effective_sources(true).unwrap().len(), 16);
+        assert!(r.effective_sources(false).unwrap().is_empty());
+    }
+}

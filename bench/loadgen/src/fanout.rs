@@ -1,0 +1,153 @@
+//! `admin-fanout`: one command per rig through `POST /v1/rigs/{id}/commands`, each stamped with
+//! `args.sent_at_us` just before it is written, so the rigs side can measure publish-to-receipt.
+//! Stands in for the Redis publish path in latency scenarios until that path exists.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use serde::Serialize;
+use serde_json::Value;
+
+use crate::cli::{parse_plain_url, FanoutArgs};
+use crate::hist::{Histogram, Summary};
+use crate::http::HttpConn;
+use crate::rig::unix_us;
+
+#[derive(Debug, Default)]
+struct Tally {
+    ok: u64,
+    errors: BTreeMap<String, u64>,
+    http_us: Histogram,
+    first_sent_unix_us: Option<u64>,
+    last_sent_unix_us: Option<u64>,
+}
+
+/// Printed on stdout (and written to `--report`).
+#[derive(Debug, Serialize)]
+pub struct FanoutReport {
+    pub rigs: u64,
+    pub ok: u64,
+    pub failed: u64,
+    /// Reply `error` values (`rig_not_connected`, `rig_unresponsive`, …) or transport failures.
+    pub errors: BTreeMap<String, u64>,
+    pub elapsed_ms: u64,
+    pub timed_out: bool,
+    /// Request write to reply read, per POST.
+    pub http_us: Summary,
+    pub first_sent_unix_us: Option<u64>,
+    pub last_sent_unix_us: Option<u64>,
+}
+
+/// The `error` of a reply, or `None` when the command was accepted.
+fn classify(status: u16, body: &[u8]) -> Option<String> {
+    match serde_json::from_slice::<Value>(body) {
+        Ok(v) if v.get("ok").and_then(Value::as_bool) == Some(true) => None,
+        Ok(v) => Some(
+            v.get("error")
+                .and_then(Value::as_str)
+                .map_or_else(|| format!("http_{status}"), str::to_string),
+        ),
+        Err(_) => Some(format!("http_{status}")),
+    }
+}
+
+pub async fn run_fanout(args: FanoutArgs) -> Result<i32> {
+    let url = parse_plain_url(&args.admin, "http", 80)?;
+    let addr: SocketAddr = tokio::net::lookup_host((url.host.as_str(), url.port))
+        .await
+        .with_context(|| format!("resolving {}", url.host))?
+        .next()
+        .context("no address for admin host")?;
+    let base = Arc::new(url.path.trim_end_matches('/').to_string());
+    let host = format!("{}:{}", url.host, url.port);
+    let name_json = serde_json::to_string(&args.name)?;
+    let next = Arc::new(AtomicUsize::new(0));
+    let tally = Arc::new(Mutex::new(Tally::default()));
+    let started = Instant::now();
+
+    let mut tasks = tokio::task::JoinSet::new();
+    for _ in 0..args.concurrency.clamp(1, args.rigs.max(1)) {
+        let (next, tally, base, name_json, prefix) = (
+            next.clone(),
+            tally.clone(),
+            base.clone(),
+            name_json.clone(),
+            args.prefix.clone(),
+        );
+        let (rigs, start) = (args.rigs, args.start_index);
+        let mut conn = HttpConn::new(addr, host.clone());
+        tasks.spawn(async move {
+            loop {
+                let i = next.fetch_add(1, Relaxed);
+                if i >= rigs {
+                    break;
+                }
+                let path = format!("{base}/v1/rigs/{prefix}-{:06}/commands", start + i);
+                let sent = unix_us();
+                let body = format!(r#"{{"name":{name_json},"args":{{"sent_at_us":{sent}}}}}"#);
+                let t0 = Instant::now();
+                let result = conn.request("POST", &path, body.as_bytes()).await;
+                let took = t0.elapsed().as_micros() as u64;
+                let mut t = tally.lock().unwrap_or_else(|e| e.into_inner());
+                t.first_sent_unix_us = Some(t.first_sent_unix_us.map_or(sent, |f| f.min(sent)));
+                t.last_sent_unix_us = t.last_sent_unix_us.max(Some(sent));
+                t.http_us.record(took);
+                let error = match result {
+                    Ok(r) => classify(r.status, &r.body),
+                    Err(_) => Some("transport_error".to_string()),
+                };
+                match error {
+                    None => t.ok += 1,
+                    Some(e) => *t.errors.entry(e).or_insert(0) += 1,
+                }
+            }
+        });
+    }
+    let timed_out = tokio::time::timeout(args.max_time, async {
+        while tasks.join_next().await.is_some() {}
+    })
+    .await
+    .is_err();
+    tasks.abort_all();
+
+    let t = tally.lock().unwrap_or_else(|e| e.into_inner());
+    let report = FanoutReport {
+        rigs: args.rigs as u64,
+        ok: t.ok,
+        failed: args.rigs as u64 - t.ok,
+        errors: t.errors.clone(),
+        elapsed_ms: started.elapsed().as_millis() as u64,
+        timed_out,
+        http_us: t.http_us.summary(),
+        first_sent_unix_us: t.first_sent_unix_us,
+        last_sent_unix_us: t.last_sent_unix_us,
+    };
+    let json = serde_json::to_string(&report)?;
+    println!("{json}");
+    if let Some(path) = &args.report {
+        std::fs::write(path, format!("{json}\n")).with_context(|| format!("writing {path}"))?;
+    }
+    Ok(if report.failed == 0 { 0 } else { 2 })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn classify_replies() {
+        assert_eq!(
+            classify(200, br#"{"id":"1","ok":true,"rig_id":"r","seq":1}"#),
+            None
+        );
+        assert_eq!(
+            classify(404, br#"{"ok":false,"error":"rig_not_connected"}"#).as_deref(),
+            Some("rig_not_connected")
+        );
+        assert_eq!(classify(500, b"oops").as_deref(), Some("http_500"));
+    }
+}

@@ -1,0 +1,158 @@
+//! A minimal keep-alive HTTP/1.1 client: enough to POST JSON to the admin API quickly and
+//! read `Content-Length` (or close-delimited) replies. No chunked encoding, no TLS.
+
+use std::net::SocketAddr;
+
+use anyhow::{bail, Context, Result};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::net::TcpStream;
+
+/// Largest reply body accepted (admin replies are small JSON objects).
+const MAX_BODY: usize = 1 << 20;
+
+pub struct HttpConn {
+    addr: SocketAddr,
+    host: String,
+    stream: Option<BufReader<TcpStream>>,
+}
+
+/// Status and body of one reply.
+#[derive(Debug)]
+pub struct Reply {
+    pub status: u16,
+    pub body: Vec<u8>,
+}
+
+impl HttpConn {
+    pub fn new(addr: SocketAddr, host: String) -> Self {
+        Self {
+            addr,
+            host,
+            stream: None,
+        }
+    }
+
+    /// Sends one request on the kept-alive connection (opening one if needed). A failed request
+    /// is not retried: a POST may already have been applied.
+    pub async fn request(&mut self, method: &str, path: &str, body: &[u8]) -> Result<Reply> {
+        let result = self.request_inner(method, path, body).await;
+        if result.is_err() {
+            self.stream = None;
+        }
+        result
+    }
+
+    async fn request_inner(&mut self, method: &str, path: &str, body: &[u8]) -> Result<Reply> {
+        if self.stream.is_none() {
+            let s = TcpStream::connect(self.addr).await.context("connect")?;
+            s.set_nodelay(true)?;
+            self.stream = Some(BufReader::new(s));
+        }
+        let stream = self.stream.as_mut().context("no stream")?;
+        let head = format!(
+            "{method} {path} HTTP/1.1\r\nHost: {}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+            self.host,
+            body.len()
+        );
+        let mut req = Vec::with_capacity(head.len() + body.len());
+        req.extend_from_slice(head.as_bytes());
+        req.extend_from_slice(body);
+        stream.get_mut().write_all(&req).await.context("write")?;
+
+        let mut line = String::new();
+        if stream.read_line(&mut line).await.context("read status")? == 0 {
+            bail!("connection closed before reply");
+        }
+        let status: u16 = line
+            .split_whitespace()
+            .nth(1)
+            .and_then(|s| s.parse().ok())
+            .with_context(|| format!("bad status line {line:?}"))?;
+        let (mut length, mut close) = (None, false);
+        loop {
+            line.clear();
+            if stream.read_line(&mut line).await.context("read header")? == 0 {
+                bail!("connection closed in headers");
+            }
+            let l = line.trim_end();
+            if l.is_empty() {
+                break;
+            }
+            if let Some((k, v)) = l.split_once(':') {
+                let (k, v) = (k.trim().to_ascii_lowercase(), v.trim());
+                match k.as_str() {
+                    "content-length" => {
+                        length = Some(v.parse::<usize>().context("content-length")?)
+                    }
+                    "connection" => close = v.eq_ignore_ascii_case("close"),
+                    "transfer-encoding" if !v.eq_ignore_ascii_case("identity") => {
+                        bail!("transfer-encoding {v} not supported")
+                    }
+                    _ => {}
+                }
+            }
+        }
+        let mut body = Vec::new();
+        match length {
+            Some(n) if n > MAX_BODY => bail!("reply body too large ({n})"),
+            Some(n) => {
+                body.resize(n, 0);
+                stream.read_exact(&mut body).await.context("read body")?;
+            }
+            None => {
+                stream
+                    .take(MAX_BODY as u64)
+                    .read_to_end(&mut body)
+                    .await
+                    .context("read body")?;
+                close = true;
+            }
+        }
+        if close {
+            self.stream = None;
+        }
+        Ok(Reply { status, body })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::net::TcpListener;
+
+    #[tokio::test]
+    async fn keep_alive_round_trips() {
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        tokio::spawn(async move {
+            let (s, _) = l.accept().await.unwrap();
+            let mut s = BufReader::new(s);
+            for i in 0..2 {
+                let mut len = 0;
+                loop {
+                    let mut line = String::new();
+                    s.read_line(&mut line).await.unwrap();
+                    if line == "\r\n" {
+                        break;
+                    }
+                    if let Some(v) = line.to_ascii_lowercase().strip_prefix("content-length:") {
+                        len = v.trim().parse().unwrap();
+                    }
+                }
+                let mut body = vec![0; len];
+                s.read_exact(&mut body).await.unwrap();
+                let reply = format!("{{\"n\":{i}}}");
+                let msg = format!(
+                    "HTTP/1.1 200 OK\r\nContent-Length: {}\r\n\r\n{reply}",
+                    reply.len()
+                );
+                s.get_mut().write_all(msg.as_bytes()).await.unwrap();
+            }
+        });
+        let mut c = HttpConn::new(addr, "x".into());
+        let r = c.request("POST", "/a", b"{}").await.unwrap();
+        assert_eq!((r.status, r.body.as_slice()), (200, &b"{\"n\":0}"[..]));
+        let r = c.request("POST", "/b", b"{}").await.unwrap();
+        assert_eq!(r.body, b"{\"n\":1}");
+    }
+}

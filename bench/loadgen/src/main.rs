@@ -1,0 +1,37 @@
+use clap::Parser;
+use fleetlink_loadgen::cli::{Cli, Command};
+use fleetlink_loadgen::{fanout, orchestrator};
+
+/// One event-loop thread: the client should be cheap next to the broker it measures; more
+/// parallelism comes from `--procs` child processes.
+fn main() {
+    let cli = Cli::parse();
+    let rt = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("loadgen: runtime: {e}");
+            std::process::exit(1);
+        }
+    };
+    let result = rt.block_on(async move {
+        match cli.cmd {
+            Command::Rigs(args) => match args.child_slice {
+                Some((start, count)) => orchestrator::run_child(args, start, count).await,
+                None => orchestrator::run_parent(args).await,
+            },
+            Command::AdminFanout(args) => fanout::run_fanout(args).await,
+        }
+    });
+    // Don't wait for lingering rig tasks: the report is written, the run is over.
+    rt.shutdown_background();
+    match result {
+        Ok(code) => std::process::exit(code),
+        Err(e) => {
+            eprintln!("loadgen: error: {e:#}");
+            std::process::exit(1);
+        }
+    }
+}

@@ -1,0 +1,372 @@
+//! The `rigs` subcommand as seen by the user: splits the rigs over workers (in-process for one,
+//! re-exec'd children for more, since a process may hold at most 20,000 descriptors), prints
+//! progress and the single `ALL_WELCOMED` line, holds, stops the workers and merges their reports.
+
+use std::io::Write;
+use std::net::{IpAddr, SocketAddr};
+use std::process::Stdio;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio::process::{Child, ChildStdin};
+use tokio::signal::unix::{signal, SignalKind};
+use tokio::sync::{mpsc, watch, Notify, Semaphore};
+
+use crate::cli::{parse_labels, parse_plain_url, split_slices, RigsArgs};
+use crate::report::{Counters, FinalReport, Progress, WorkerReport};
+use crate::rig::RigEnv;
+use crate::worker::{emit_stdout, run_worker, WorkerMsg};
+
+/// Exit codes: 0 every rig welcomed; 2 some were not; 1 (from main) setup errors.
+pub const EXIT_INCOMPLETE: i32 = 2;
+
+/// How long stopped workers get to send their reports before children are killed.
+const REPORT_GRACE: Duration = Duration::from_secs(15);
+
+enum Event {
+    Msg(usize, WorkerMsg),
+    Exited(usize),
+}
+
+enum Handle {
+    InProc(watch::Sender<bool>),
+    Child {
+        child: Box<Child>,
+        stdin: Option<ChildStdin>,
+    },
+}
+
+impl Handle {
+    async fn stop(&mut self) {
+        match self {
+            Handle::InProc(tx) => {
+                let _ = tx.send(true);
+            }
+            Handle::Child { stdin, .. } => {
+                if let Some(mut s) = stdin.take() {
+                    let _ = s.write_all(b"stop\n").await;
+                    // dropping closes the pipe: EOF also means stop
+                }
+            }
+        }
+    }
+
+    fn kill(&mut self) {
+        if let Handle::Child { child, .. } = self {
+            let _ = child.start_kill();
+        }
+    }
+}
+
+/// Builds the shared rig environment for one worker.
+async fn rig_env(args: &RigsArgs, count: usize, deadline: tokio::time::Instant) -> Result<RigEnv> {
+    let url = parse_plain_url(&args.url, "ws", 80)?;
+    let addr: SocketAddr = tokio::net::lookup_host((url.host.as_str(), url.port))
+        .await
+        .with_context(|| format!("resolving {}", url.host))?
+        .find(SocketAddr::is_ipv4)
+        .or_else(|| {
+            url.host
+                .parse::<IpAddr>()
+                .ok()
+                .map(|ip| SocketAddr::new(ip, url.port))
+        })
+        .with_context(|| format!("no address for {}", url.host))?;
+    let loopback_v4 = matches!(addr.ip(), IpAddr::V4(ip) if ip.is_loopback());
+    let sources = args.effective_sources(loopback_v4)?;
+    if !sources.is_empty() && !addr.is_ipv4() {
+        bail!("--sources are IPv4 but the target {addr} is not");
+    }
+    let labels = parse_labels(&args.labels)?;
+    Ok(RigEnv {
+        addr,
+        url: args.url.clone(),
+        prefix: args.prefix.clone(),
+        labels_json: serde_json::to_string(&labels)?,
+        sources,
+        handshake_timeout: args.handshake_timeout,
+        deadline,
+        ws_config: RigEnv::small_ws_config(),
+        counters: Arc::new(Counters::new(count)),
+        permits: Semaphore::new(args.concurrency.max(1)),
+        settled: Notify::new(),
+    })
+}
+
+/// Child mode: run one slice, talk JSON lines on stdout, stop on "stop"/EOF on stdin or a signal.
+pub async fn run_child(args: RigsArgs, start: usize, count: usize) -> Result<i32> {
+    crate::worker::raise_nofile_limit();
+    // Retries stop at the run's bound; the parent normally stops us well before our own safety.
+    let deadline = tokio::time::Instant::now() + args.max_time;
+    let env = Arc::new(rig_env(&args, count, deadline).await?);
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let safety = args.max_time + Duration::from_secs(20);
+    tokio::spawn(async move {
+        let mut term = signal(SignalKind::terminate()).ok();
+        let mut lines = BufReader::new(tokio::io::stdin()).lines();
+        tokio::select! {
+            _ = async { while let Ok(Some(l)) = lines.next_line().await { if l.trim() == "stop" { break; } } } => {}
+            _ = async { match term.as_mut() { Some(t) => { t.recv().await; } None => std::future::pending().await } } => {}
+            _ = tokio::signal::ctrl_c() => {}
+            _ = tokio::time::sleep(safety) => {}
+        }
+        let _ = stop_tx.send(true);
+    });
+    run_worker(env, start, count, stop_rx, emit_stdout).await;
+    Ok(0)
+}
+
+/// Re-executes this binary as a child over one slice.
+fn spawn_child(args: &RigsArgs, start: usize, count: usize) -> Result<(Child, ChildStdin)> {
+    let exe = std::env::current_exe().context("locating own executable")?;
+    let ms = |d: Duration| format!("{}ms", d.as_millis());
+    let mut cmd = tokio::process::Command::new(exe);
+    cmd.arg("rigs")
+        .args(["--url", &args.url])
+        .args(["--rigs", &args.rigs.to_string()])
+        .args(["--prefix", &args.prefix])
+        .args(["--labels", &args.labels])
+        .args(["--concurrency", &args.concurrency.to_string()])
+        .args(["--hold", &ms(args.hold)])
+        .args(["--max-time", &ms(args.max_time)])
+        .args(["--handshake-timeout", &ms(args.handshake_timeout)])
+        .args(["--child-slice", &format!("{start}:{count}")]);
+    if let Some(s) = &args.sources {
+        cmd.args(["--sources", s]);
+    }
+    cmd.stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .kill_on_drop(true);
+    let mut child = cmd.spawn().context("spawning child")?;
+    let stdin = child.stdin.take().context("child stdin")?;
+    Ok((child, stdin))
+}
+
+/// Per-worker state as the parent sees it.
+#[derive(Default)]
+struct WorkerView {
+    progress: Progress,
+    report: Option<WorkerReport>,
+    exited: bool,
+}
+
+impl WorkerView {
+    fn settled(&self) -> bool {
+        self.exited || (self.progress.settled() && self.progress.total > 0)
+    }
+}
+
+fn total_progress(views: &[WorkerView]) -> Progress {
+    let mut p = Progress::default();
+    views.iter().for_each(|v| p.add(&v.progress));
+    p
+}
+
+/// Parent mode: the whole `rigs` run. Returns the process exit code.
+pub async fn run_parent(args: RigsArgs) -> Result<i32> {
+    let started = Instant::now();
+    let deadline = tokio::time::Instant::now() + args.max_time;
+    let procs = args.effective_procs()?;
+    let slices = split_slices(args.start_index, args.rigs, procs);
+    let (tx, mut rx) = mpsc::unbounded_channel::<Event>();
+    let mut handles = Vec::new();
+    let sources_n;
+
+    if slices.len() <= 1 {
+        crate::worker::raise_nofile_limit();
+        let (start, count) = slices.first().copied().unwrap_or((args.start_index, 0));
+        let env = Arc::new(rig_env(&args, count, deadline).await?);
+        sources_n = env.sources.len();
+        let (stop_tx, stop_rx) = watch::channel(false);
+        let tx2 = tx.clone();
+        tokio::spawn(async move {
+            let emit = |m| {
+                let _ = tx2.send(Event::Msg(0, m));
+            };
+            run_worker(env, start, count, stop_rx, emit).await;
+            let _ = tx2.send(Event::Exited(0));
+        });
+        handles.push(Handle::InProc(stop_tx));
+    } else {
+        // Validate once here so a bad flag fails fast rather than in every child.
+        sources_n = rig_env(&args, 0, deadline).await?.sources.len();
+        for (i, &(start, count)) in slices.iter().enumerate() {
+            let (mut child, stdin) = spawn_child(&args, start, count)?;
+            let stdout = child.stdout.take().context("child stdout")?;
+            let tx2 = tx.clone();
+            tokio::spawn(async move {
+                let mut lines = BufReader::new(stdout).lines();
+                while let Ok(Some(line)) = lines.next_line().await {
+                    match serde_json::from_str::<WorkerMsg>(&line) {
+                        Ok(m) => {
+                            let _ = tx2.send(Event::Msg(i, m));
+                        }
+                        Err(_) => eprintln!("loadgen: child {i}: unexpected output: {line}"),
+                    }
+                }
+                let _ = tx2.send(Event::Exited(i));
+            });
+            handles.push(Handle::Child {
+                child: Box::new(child),
+                stdin: Some(stdin),
+            });
+        }
+    }
+    drop(tx);
+
+    let mut views: Vec<WorkerView> = (0..handles.len()).map(|_| WorkerView::default()).collect();
+    let apply = |views: &mut Vec<WorkerView>, ev: Event| match ev {
+        Event::Msg(i, WorkerMsg::Progress(p)) => views[i].progress = p,
+        Event::Msg(i, WorkerMsg::Report(r)) => views[i].report = Some(*r),
+        Event::Exited(i) => views[i].exited = true,
+    };
+    let mut term = signal(SignalKind::terminate()).context("SIGTERM handler")?;
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    tick.tick().await;
+    let mut exit_reason = None;
+    let mut ramp_ms = None;
+    let mut all_welcomed = false;
+
+    // Ramp: until every worker has settled (each rig welcomed or failed for good).
+    let all_settled = |views: &[WorkerView]| views.iter().all(WorkerView::settled);
+    while exit_reason.is_none() && !all_settled(&views) {
+        tokio::select! {
+            ev = rx.recv() => match ev {
+                Some(ev) => apply(&mut views, ev),
+                None => exit_reason = Some("workers_gone"),
+            },
+            _ = tick.tick() => {
+                let p = total_progress(&views);
+                eprintln!(
+                    "loadgen: t={:.1}s open={} welcomed={}/{} failed={} retries_503={}",
+                    started.elapsed().as_secs_f64(), p.open, p.welcomed, args.rigs, p.failed, p.retries_503
+                );
+            }
+            _ = tokio::time::sleep_until(deadline) => exit_reason = Some("max_time"),
+            _ = term.recv() => exit_reason = Some("signal"),
+            _ = tokio::signal::ctrl_c() => exit_reason = Some("signal"),
+        }
+    }
+    if exit_reason.is_none() {
+        let elapsed = started.elapsed().as_millis() as u64;
+        ramp_ms = Some(elapsed);
+        let p = total_progress(&views);
+        all_welcomed = p.welcomed as usize == args.rigs;
+        let mut out = std::io::stdout().lock();
+        if all_welcomed {
+            let _ = writeln!(out, "ALL_WELCOMED rigs={} elapsed_ms={elapsed}", args.rigs);
+        } else {
+            let _ = writeln!(
+                out,
+                "RAMP_INCOMPLETE rigs={} welcomed={} failed={} elapsed_ms={elapsed}",
+                args.rigs, p.welcomed, p.failed
+            );
+        }
+        let _ = out.flush();
+        eprintln!(
+            "loadgen: ramp done in {elapsed} ms: welcomed={} failed={}; holding {:?}",
+            p.welcomed, p.failed, args.hold
+        );
+
+        // Hold: keep draining events (children's pipes must not fill) until hold/max-time/signal.
+        let hold_end = (tokio::time::Instant::now() + args.hold).min(deadline);
+        while exit_reason.is_none() {
+            tokio::select! {
+                ev = rx.recv() => match ev {
+                    Some(ev) => apply(&mut views, ev),
+                    None => exit_reason = Some("workers_gone"),
+                },
+                _ = tokio::time::sleep_until(hold_end) => {
+                    exit_reason = Some(if hold_end < deadline { "hold_elapsed" } else { "max_time" });
+                }
+                _ = term.recv() => exit_reason = Some("signal"),
+                _ = tokio::signal::ctrl_c() => exit_reason = Some("signal"),
+            }
+        }
+    }
+
+    // Stop and collect reports.
+    for h in &mut handles {
+        h.stop().await;
+    }
+    let grace_end = tokio::time::Instant::now() + REPORT_GRACE;
+    while !views.iter().all(|v| v.exited) {
+        tokio::select! {
+            ev = rx.recv() => match ev {
+                Some(ev) => apply(&mut views, ev),
+                None => break,
+            },
+            _ = tokio::time::sleep_until(grace_end) => {
+                eprintln!("loadgen: workers did not report within {REPORT_GRACE:?}; killing");
+                handles.iter_mut().for_each(Handle::kill);
+                break;
+            }
+        }
+    }
+    for h in &mut handles {
+        if let Handle::Child { child, .. } = h {
+            let _ = tokio::time::timeout(Duration::from_secs(2), child.wait()).await;
+        }
+    }
+
+    let mut merged = WorkerReport::default();
+    let mut lost = 0;
+    for v in &views {
+        match &v.report {
+            Some(r) => merged.merge(r),
+            None => lost += 1,
+        }
+    }
+    let report = FinalReport {
+        url: args.url.clone(),
+        rigs: args.rigs as u64,
+        start_index: args.start_index as u64,
+        procs: views.len() as u64,
+        sources: sources_n as u64,
+        all_welcomed,
+        ramp_ms,
+        elapsed_ms: started.elapsed().as_millis() as u64,
+        exit_reason: exit_reason.unwrap_or("hold_elapsed").to_string(),
+        children_lost: lost,
+        welcomed: merged.welcomed,
+        failed: merged.failed,
+        failed_by_reason: merged.failed_by_reason.clone(),
+        retries_503: merged.retries_503,
+        retries_4503: merged.retries_4503,
+        dropped_after_welcome: merged.dropped_after_welcome,
+        commands_received: merged.commands_received,
+        acks_sent: merged.acks_sent,
+        goaways: merged.goaways,
+        close_codes: merged.close_codes.clone(),
+        latency_us: merged.latency_us.summary(),
+        handshake_us: merged.handshake_us.summary(),
+        first_command_unix_us: merged.first_command_unix_us,
+        last_command_unix_us: merged.last_command_unix_us,
+    };
+    let json = serde_json::to_string_pretty(&report)?;
+    match args.report.as_deref() {
+        Some("-") => println!("{json}"),
+        Some(path) => {
+            std::fs::write(path, format!("{json}\n")).with_context(|| format!("writing {path}"))?
+        }
+        None => {}
+    }
+    eprintln!(
+        "loadgen: done ({}) welcomed={} failed={} commands={} latency_us p50={:?} p99={:?} max={:?}",
+        report.exit_reason,
+        report.welcomed,
+        report.failed,
+        report.commands_received,
+        report.latency_us.p50,
+        report.latency_us.p99,
+        report.latency_us.max
+    );
+    Ok(if all_welcomed && lost == 0 {
+        0
+    } else {
+        EXIT_INCOMPLETE
+    })
+}

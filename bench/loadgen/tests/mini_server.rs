@@ -1,0 +1,203 @@
+//! Runs the real binary against a tiny in-test websocket server that checks each hello, sends
+//! `welcome` and one stamped command, and records acks and peer addresses.
+
+use std::collections::BTreeSet;
+use std::net::{IpAddr, SocketAddr};
+use std::process::Command;
+use std::sync::atomic::{AtomicU64, Ordering::SeqCst};
+use std::sync::{Arc, Mutex};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use fleetlink_loadgen::uuid7::is_canonical_v7;
+use futures_util::{SinkExt, StreamExt};
+use serde_json::Value;
+use tokio::net::TcpListener;
+use tokio_tungstenite::tungstenite::handshake::server::{ErrorResponse, Request, Response};
+use tokio_tungstenite::tungstenite::http::StatusCode;
+use tokio_tungstenite::tungstenite::Message;
+
+#[derive(Default)]
+struct Seen {
+    upgrades: AtomicU64,
+    rejected_503: AtomicU64,
+    acks: AtomicU64,
+    bad_hellos: AtomicU64,
+    peers: Mutex<BTreeSet<IpAddr>>,
+    rig_ids: Mutex<BTreeSet<String>>,
+}
+
+fn now_us() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_micros() as u64
+}
+
+/// Serves /agent; answers the first `reject_first` upgrades with 503 + Retry-After: 1.
+async fn serve(listener: TcpListener, seen: Arc<Seen>, reject_first: u64) {
+    loop {
+        let Ok((tcp, peer)) = listener.accept().await else {
+            return;
+        };
+        let seen = seen.clone();
+        tokio::spawn(async move {
+            handle(tcp, peer, seen, reject_first).await;
+        });
+    }
+}
+
+async fn handle(tcp: tokio::net::TcpStream, peer: SocketAddr, seen: Arc<Seen>, reject_first: u64) {
+    let n = seen.upgrades.fetch_add(1, SeqCst);
+    let _ = tcp.set_nodelay(true);
+    // The callback's Result type is fixed by tungstenite.
+    #[allow(clippy::result_large_err)]
+    let callback = |req: &Request, resp: Response| -> Result<Response, ErrorResponse> {
+        if n < reject_first {
+            let mut e = ErrorResponse::new(None);
+            *e.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
+            e.headers_mut().insert("Retry-After", "1".parse().unwrap());
+            return Err(e);
+        }
+        assert_eq!(req.uri().path(), "/agent");
+        Ok(resp)
+    };
+    let Ok(mut ws) = tokio_tungstenite::accept_hdr_async(tcp, callback).await else {
+        seen.rejected_503.fetch_add(1, SeqCst);
+        return;
+    };
+    seen.peers.lock().unwrap().insert(peer.ip());
+    let Some(Ok(Message::Text(hello))) = ws.next().await else {
+        return;
+    };
+    let v: Value = serde_json::from_str(&hello).unwrap();
+    let rig_id = v["rig_id"].as_str().unwrap_or_default().to_string();
+    let ok = v["type"] == "hello"
+        && v["version"] == "loadgen"
+        && v["labels"]["group"] == "test"
+        && is_canonical_v7(v["boot_id"].as_str().unwrap_or_default())
+        && rig_id.starts_with("t-")
+        && rig_id.len() == 8;
+    if !ok {
+        seen.bad_hellos.fetch_add(1, SeqCst);
+    }
+    seen.rig_ids.lock().unwrap().insert(rig_id.clone());
+    let welcome = format!(
+        r#"{{"type":"welcome","broker_id":"mini","rig_id":"{rig_id}","ping_interval_ms":20000,"resumed":false}}"#
+    );
+    let command = format!(
+        r#"{{"type":"command","seq":1,"id":"c1","name":"x","args":{{"sent_at_us":{}}}}}"#,
+        now_us()
+    );
+    if ws.send(Message::text(welcome)).await.is_err()
+        || ws.send(Message::text(command)).await.is_err()
+    {
+        return;
+    }
+    while let Some(Ok(msg)) = ws.next().await {
+        if let Message::Text(t) = msg {
+            let v: Value = serde_json::from_str(&t).unwrap();
+            if v["type"] == "ack" && v["seq"] == 1 {
+                seen.acks.fetch_add(1, SeqCst);
+            }
+        }
+    }
+}
+
+fn run_loadgen(port: u16, procs: &str, report: &std::path::Path) -> (i32, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_fleetlink-loadgen"))
+        .args(["rigs", "--url", &format!("ws://127.0.0.1:{port}/agent")])
+        .args([
+            "--rigs",
+            "20",
+            "--procs",
+            procs,
+            "--prefix",
+            "t",
+            "--labels",
+            "group=test",
+        ])
+        .args([
+            "--sources",
+            "127.0.0.1-127.0.0.4",
+            "--hold",
+            "500ms",
+            "--max-time",
+            "30s",
+        ])
+        .arg("--report")
+        .arg(report)
+        .output()
+        .expect("run loadgen");
+    eprintln!("loadgen stderr:\n{}", String::from_utf8_lossy(&out.stderr));
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+    )
+}
+
+fn check(procs: &str, reject_first: u64) {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let listener = rt.block_on(TcpListener::bind("127.0.0.1:0")).unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let seen = Arc::new(Seen::default());
+    rt.spawn(serve(listener, seen.clone(), reject_first));
+
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("report.json");
+    let (code, stdout) = run_loadgen(port, procs, &path);
+    let lines: Vec<&str> = stdout
+        .lines()
+        .filter(|l| l.starts_with("ALL_WELCOMED"))
+        .collect();
+    assert_eq!(lines.len(), 1, "stdout: {stdout}");
+    assert!(
+        lines[0].starts_with("ALL_WELCOMED rigs=20 elapsed_ms="),
+        "{}",
+        lines[0]
+    );
+    assert_eq!(code, 0, "stdout: {stdout}");
+
+    let r: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    assert_eq!(r["welcomed"], 20, "{r:#}");
+    assert_eq!(r["failed"], 0, "{r:#}");
+    assert_eq!(r["all_welcomed"], true);
+    assert_eq!(r["commands_received"], 20);
+    assert_eq!(r["acks_sent"], 20);
+    assert_eq!(r["retries_503"], reject_first);
+    assert_eq!(r["latency_us"]["count"], 20);
+    assert!(r["latency_us"]["p99"].as_u64().is_some());
+    assert_eq!(r["handshake_us"]["count"], 20);
+    assert_eq!(r["exit_reason"], "hold_elapsed");
+    assert_eq!(r["procs"], procs.parse::<u64>().unwrap());
+
+    // The server side agrees: every rig acked, ids distinct, sources spread.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    while seen.acks.load(SeqCst) < 20 && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    assert_eq!(seen.acks.load(SeqCst), 20);
+    assert_eq!(seen.bad_hellos.load(SeqCst), 0);
+    assert_eq!(seen.rejected_503.load(SeqCst), reject_first);
+    assert_eq!(seen.rig_ids.lock().unwrap().len(), 20);
+    assert!(seen.rig_ids.lock().unwrap().contains("t-000019"));
+    assert_eq!(
+        seen.peers.lock().unwrap().len(),
+        4,
+        "{:?}",
+        seen.peers.lock().unwrap()
+    );
+}
+
+#[test]
+fn twenty_rigs_in_two_children() {
+    check("2", 0);
+}
+
+#[test]
+fn twenty_rigs_in_process_with_a_503_retry() {
+    check("1", 1);
+}

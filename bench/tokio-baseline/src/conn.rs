@@ -1,0 +1,249 @@
+//! The rig endpoint: accept loop and one task per connection. The task owns the websocket and
+//! is its only writer; it `select!`s over inbound frames, its outbox, registry close requests and
+//! the ping timer. This is the straightforward tokio design the thread-per-core broker is
+//! compared against.
+
+use std::net::SocketAddr;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::{SinkExt, StreamExt};
+use serde_json::{json, Value};
+use tokio::net::{TcpListener, TcpSocket, TcpStream};
+use tokio::time::{sleep_until, timeout, Instant};
+use tokio_tungstenite::tungstenite::handshake::server::{Callback, ErrorResponse, Request, Response};
+use tokio_tungstenite::tungstenite::http::StatusCode;
+use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
+use tokio_tungstenite::tungstenite::protocol::CloseFrame;
+use tokio_tungstenite::tungstenite::{Bytes, Error as WsError, Message};
+use tokio_tungstenite::WebSocketStream;
+
+use crate::hello::{parse_hello, Hello};
+use crate::registry::{unix_ms, RegisterError, RigConn};
+use crate::App;
+
+type Ws = WebSocketStream<TcpStream>;
+
+pub const CLOSE_PING_TIMEOUT: u16 = 4002;
+pub const CLOSE_BAD_HELLO: u16 = 4400;
+pub const CLOSE_HELLO_TIMEOUT: u16 = 4408;
+pub const CLOSE_OLDER_BOOT: u16 = 4409;
+/// Recorded when the peer vanished without a close frame.
+const CLOSE_ABNORMAL: u16 = 1006;
+/// How long we wait for the peer's close reply before dropping the socket.
+const CLOSE_LINGER: Duration = Duration::from_secs(2);
+
+/// Binds the rig listener with an explicit backlog: the default overflows in accept storms.
+pub fn bind(addr: SocketAddr, backlog: u32) -> std::io::Result<TcpListener> {
+    let sock = if addr.is_ipv4() { TcpSocket::new_v4()? } else { TcpSocket::new_v6()? };
+    sock.set_reuseaddr(true)?;
+    sock.bind(addr)?;
+    sock.listen(backlog)
+}
+
+pub async fn accept_loop(listener: TcpListener, app: Arc<App>) {
+    loop {
+        match listener.accept().await {
+            Ok((stream, _)) => {
+                tokio::spawn(handle(stream, app.clone()));
+            }
+            Err(e) => {
+                // EMFILE and friends: back off instead of spinning on a full fd table.
+                eprintln!("accept: {e}");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
+}
+
+/// Serves `/agent` only; every other path gets a 404 instead of an upgrade.
+struct AgentPath;
+
+impl Callback for AgentPath {
+    fn on_request(self, req: &Request, resp: Response) -> Result<Response, ErrorResponse> {
+        if req.uri().path() == "/agent" {
+            return Ok(resp);
+        }
+        let mut e = ErrorResponse::new(Some("not found".into()));
+        *e.status_mut() = StatusCode::NOT_FOUND;
+        Err(e)
+    }
+}
+
+async fn close(app: &App, ws: &mut Ws, code: u16, reason: &str) {
+    app.metrics.closed(code);
+    let frame = CloseFrame { code: CloseCode::from(code), reason: reason.to_string().into() };
+    let _ = timeout(CLOSE_LINGER, async {
+        ws.close(Some(frame)).await?;
+        while ws.next().await.is_some() {}
+        Ok::<_, WsError>(())
+    })
+    .await;
+}
+
+async fn handle(stream: TcpStream, app: Arc<App>) {
+    let _ = stream.set_nodelay(true);
+    let hello_timeout = app.cfg.hello_timeout;
+    let mut ws = match timeout(
+        hello_timeout,
+        tokio_tungstenite::accept_hdr_async_with_config(stream, AgentPath, Some(app.ws_config)),
+    )
+    .await
+    {
+        Ok(Ok(ws)) => ws,
+        Ok(Err(_)) => {
+            app.metrics.accepts_handshake_error.fetch_add(1, Relaxed);
+            return;
+        }
+        Err(_) => {
+            app.metrics.accepts_handshake_timeout.fetch_add(1, Relaxed);
+            return;
+        }
+    };
+    app.metrics.accepts_ok.fetch_add(1, Relaxed);
+
+    let hello = match timeout(hello_timeout, ws.next()).await {
+        Err(_) => return close(&app, &mut ws, CLOSE_HELLO_TIMEOUT, "no hello").await,
+        Ok(Some(Ok(Message::Text(t)))) => match parse_hello(&t) {
+            Ok(h) => h,
+            Err(reason) => {
+                app.metrics.hellos_rejected.fetch_add(1, Relaxed);
+                return close(&app, &mut ws, CLOSE_BAD_HELLO, reason).await;
+            }
+        },
+        Ok(Some(Ok(Message::Close(_)))) | Ok(None) | Ok(Some(Err(_))) => return,
+        Ok(Some(Ok(_))) => {
+            app.metrics.hellos_rejected.fetch_add(1, Relaxed);
+            return close(&app, &mut ws, CLOSE_BAD_HELLO, "first message must be a hello").await;
+        }
+    };
+
+    let conn_id = app.next_conn_id.fetch_add(1, Relaxed);
+    let Hello { rig_id, boot_id, labels, v, .. } = hello;
+    let conn = Arc::new(RigConn::new(conn_id, rig_id, boot_id, labels));
+    let outbox = match app.registry.register(conn.clone()) {
+        Ok(rx) => rx,
+        Err(RegisterError::OlderBootId) => {
+            return close(&app, &mut ws, CLOSE_OLDER_BOOT, "a newer boot_id owns this rig").await;
+        }
+    };
+    app.metrics.connections.fetch_add(1, Relaxed);
+    session(&app, &mut ws, &conn, outbox, v).await;
+    app.registry.unregister(&conn);
+    app.metrics.connections.fetch_sub(1, Relaxed);
+}
+
+/// Liveness state: a ping every interval; a pong must follow within the timeout.
+struct Liveness {
+    next_ping: Instant,
+    pong_deadline: Option<Instant>,
+    missed: u32,
+}
+
+async fn session(
+    app: &App,
+    ws: &mut Ws,
+    conn: &RigConn,
+    mut outbox: tokio::sync::mpsc::Receiver<crate::registry::Outgoing>,
+    v: u64,
+) {
+    let mut welcome = json!({
+        "type": "welcome",
+        "broker_id": app.broker_id,
+        "rig_id": conn.rig_id,
+        "ping_interval_ms": app.cfg.ping_interval.as_millis() as u64,
+        "resumed": false,
+    });
+    if v != 1 {
+        welcome["v"] = v.into();
+    }
+    if ws.send(Message::text(welcome.to_string())).await.is_err() {
+        return app.metrics.closed(CLOSE_ABNORMAL);
+    }
+    let cfg = &app.cfg;
+    let mut live = Liveness { next_ping: Instant::now() + cfg.ping_interval, pong_deadline: None, missed: 0 };
+
+    loop {
+        let wake = live.pong_deadline.map_or(live.next_ping, |d| d.min(live.next_ping));
+        tokio::select! {
+            msg = ws.next() => match msg {
+                Some(Ok(Message::Text(t))) => on_text(app, conn, &t),
+                Some(Ok(Message::Pong(_))) => {
+                    live.pong_deadline = None;
+                    live.missed = 0;
+                }
+                Some(Ok(Message::Close(frame))) => {
+                    app.metrics.closed(frame.map_or(1005, |f| u16::from(f.code)));
+                    let _ = timeout(CLOSE_LINGER, ws.flush()).await; // our close reply
+                    return;
+                }
+                Some(Ok(_)) => {} // binary: ignored; pings are answered by tungstenite
+                Some(Err(WsError::Capacity(_))) => return close(app, ws, 1009, "message too big").await,
+                Some(Err(WsError::Utf8(_))) => return close(app, ws, 1007, "invalid utf-8").await,
+                Some(Err(WsError::Protocol(_))) => return close(app, ws, 1002, "protocol error").await,
+                Some(Err(_)) | None => return app.metrics.closed(CLOSE_ABNORMAL),
+            },
+            out = outbox.recv() => {
+                // The sender lives in the registry until we unregister, so None cannot happen
+                // while we own the rig; treat it as superseded if it does.
+                let Some(out) = out else { return close(app, ws, crate::registry::CLOSE_SUPERSEDED, "superseded").await };
+                if ws.send(Message::text(out.text)).await.is_err() {
+                    return app.metrics.closed(CLOSE_ABNORMAL);
+                }
+                conn.written_seq.store(out.seq, Relaxed);
+            }
+            _ = conn.close.notified() => {
+                let code = conn.close_code.load(Relaxed);
+                let reason = if code == crate::registry::CLOSE_KICKED { "kicked" } else { "superseded" };
+                return close(app, ws, code, reason).await;
+            }
+            _ = sleep_until(wake) => {
+                let now = Instant::now();
+                if live.pong_deadline.is_some_and(|d| now >= d) {
+                    live.pong_deadline = None;
+                    live.missed += 1;
+                    if live.missed >= cfg.max_missed_pongs {
+                        return close(app, ws, CLOSE_PING_TIMEOUT, "ping timeout").await;
+                    }
+                }
+                if now >= live.next_ping {
+                    if ws.send(Message::Ping(Bytes::new())).await.is_err() {
+                        return app.metrics.closed(CLOSE_ABNORMAL);
+                    }
+                    live.next_ping = now + cfg.ping_interval;
+                    if live.pong_deadline.is_none() {
+                        live.pong_deadline = Some(now + cfg.pong_timeout);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// A rig message after the hello: acks are recorded; results/events counted; the rest ignored.
+fn on_text(app: &App, conn: &RigConn, text: &str) {
+    let m = &app.metrics;
+    let Ok(v) = serde_json::from_str::<Value>(text) else {
+        m.unknown_messages.fetch_add(1, Relaxed);
+        return;
+    };
+    match v.get("type").and_then(Value::as_str) {
+        Some("ack") => {
+            if let Some(seq) = v.get("seq").and_then(Value::as_u64) {
+                conn.last_ack_seq.fetch_max(seq, Relaxed);
+                conn.last_ack_at_ms.store(unix_ms(), Relaxed);
+                m.acks.fetch_add(1, Relaxed);
+            }
+        }
+        Some("result") => {
+            m.results.fetch_add(1, Relaxed);
+        }
+        Some("event") => {
+            m.events.fetch_add(1, Relaxed);
+        }
+        _ => {
+            m.unknown_messages.fetch_add(1, Relaxed);
+        }
+    }
+}

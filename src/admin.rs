@@ -1,0 +1,288 @@
+//! Admin HTTP (CONTRACT.md §6): health, readiness, metrics, the rig list, and the standalone
+//! control plane (commands, kicks, drain). Plain HTTP/1.1, one request per connection, on its
+//! own thread so nothing here ever runs on a core.
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use crossbeam_channel::Sender;
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use crate::doorbell::Mailbox;
+use crate::ids::{BootId, RigId};
+use crate::metrics::{self, CoreSnapshot};
+use crate::registry::bridge::BridgeShared;
+use crate::registry::msg::{CommandReq, ReplyTo, ToBridge, ToCore};
+use crate::reply;
+
+/// Concurrent admin requests; more get 503 at once.
+const MAX_ACTIVE: usize = 32;
+/// Largest request (head + body) accepted.
+const MAX_REQUEST: usize = 1 << 20;
+/// How long a request may take to arrive, and a core or the bridge to answer.
+const IO_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// What the admin thread needs from the rest of the broker.
+pub struct Admin {
+    /// The bridge inbox (commands, kicks).
+    pub bridge: Mailbox<ToBridge>,
+    /// Every core's inbox (snapshots).
+    pub cores: Vec<Mailbox<ToCore>>,
+    /// Bridge figures.
+    pub bridge_stats: Arc<BridgeShared>,
+    /// Set once a drain started; readiness fails from then on.
+    pub draining: Arc<AtomicBool>,
+    /// Asks the main thread to drain.
+    pub drain: Sender<()>,
+    active: AtomicUsize,
+}
+
+impl Admin {
+    /// Bundles the handles.
+    pub fn new(
+        bridge: Mailbox<ToBridge>,
+        cores: Vec<Mailbox<ToCore>>,
+        bridge_stats: Arc<BridgeShared>,
+        draining: Arc<AtomicBool>,
+        drain: Sender<()>,
+    ) -> Self {
+        Self { bridge, cores, bridge_stats, draining, drain, active: AtomicUsize::new(0) }
+    }
+}
+
+/// Serves `listener` on a new thread.
+pub fn spawn(listener: TcpListener, admin: Arc<Admin>) -> std::io::Result<JoinHandle<()>> {
+    std::thread::Builder::new().name("fleetlink-admin".into()).spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(mut stream) = stream else { continue };
+            if admin.active.fetch_add(1, Ordering::SeqCst) >= MAX_ACTIVE {
+                admin.active.fetch_sub(1, Ordering::SeqCst);
+                let _ = respond(&mut stream, 503, "text/plain", b"busy\n");
+                continue;
+            }
+            let admin = admin.clone();
+            let spawned = std::thread::Builder::new().name("fleetlink-admin-req".into()).spawn({
+                let admin = admin.clone();
+                move || {
+                    let _ = serve(&admin, stream);
+                    admin.active.fetch_sub(1, Ordering::SeqCst);
+                }
+            });
+            if spawned.is_err() {
+                admin.active.fetch_sub(1, Ordering::SeqCst);
+            }
+        }
+    })
+}
+
+struct Request {
+    method: String,
+    path: String,
+    body: Vec<u8>,
+}
+
+fn serve(admin: &Admin, mut stream: TcpStream) -> std::io::Result<()> {
+    stream.set_read_timeout(Some(IO_TIMEOUT))?;
+    stream.set_write_timeout(Some(IO_TIMEOUT))?;
+    let Some(req) = read_request(&mut stream)? else {
+        return respond(&mut stream, 400, "text/plain", b"bad request\n");
+    };
+    let (status, ctype, body) = route(admin, &req);
+    respond(&mut stream, status, ctype, &body)
+}
+
+fn read_request(stream: &mut TcpStream) -> std::io::Result<Option<Request>> {
+    let mut buf = Vec::new();
+    let mut chunk = [0u8; 4096];
+    loop {
+        let n = stream.read(&mut chunk)?;
+        if n == 0 {
+            return Ok(None);
+        }
+        buf.extend_from_slice(chunk.get(..n).unwrap_or_default());
+        let mut headers = [httparse::EMPTY_HEADER; 32];
+        let mut req = httparse::Request::new(&mut headers);
+        let head_len = match req.parse(&buf) {
+            Ok(httparse::Status::Complete(len)) => len,
+            Ok(httparse::Status::Partial) if buf.len() < MAX_REQUEST => continue,
+            _ => return Ok(None),
+        };
+        let content_length = req
+            .headers
+            .iter()
+            .find(|h| h.name.eq_ignore_ascii_case("content-length"))
+            .and_then(|h| std::str::from_utf8(h.value).ok()?.trim().parse::<usize>().ok())
+            .unwrap_or(0);
+        if head_len + content_length > MAX_REQUEST {
+            return Ok(None);
+        }
+        let method = req.method.unwrap_or("").to_string();
+        let path = req.path.unwrap_or("").split('?').next().unwrap_or("").to_string();
+        while buf.len() < head_len + content_length {
+            let n = stream.read(&mut chunk)?;
+            if n == 0 {
+                return Ok(None);
+            }
+            buf.extend_from_slice(chunk.get(..n).unwrap_or_default());
+        }
+        let body = buf.get(head_len..head_len + content_length).unwrap_or_default().to_vec();
+        return Ok(Some(Request { method, path, body }));
+    }
+}
+
+fn respond(stream: &mut TcpStream, status: u16, ctype: &str, body: &[u8]) -> std::io::Result<()> {
+    let reason = match status {
+        200 => "OK",
+        202 => "Accepted",
+        400 => "Bad Request",
+        404 => "Not Found",
+        405 => "Method Not Allowed",
+        503 => "Service Unavailable",
+        504 => "Gateway Timeout",
+        _ => "Error",
+    };
+    let head = format!(
+        "HTTP/1.1 {status} {reason}\r\nContent-Type: {ctype}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    );
+    stream.write_all(head.as_bytes())?;
+    stream.write_all(body)?;
+    stream.flush()
+}
+
+type Answer = (u16, &'static str, Vec<u8>);
+
+fn route(admin: &Admin, req: &Request) -> Answer {
+    let parts: Vec<&str> = req.path.trim_matches('/').split('/').collect();
+    match (req.method.as_str(), parts.as_slice()) {
+        ("GET", ["healthz"]) => (200, "text/plain", b"ok\n".to_vec()),
+        ("GET", ["readyz"]) => readyz(admin),
+        ("GET", ["metrics"]) => {
+            let snaps = snapshots(admin, false);
+            let stats = admin.bridge_stats.stats(admin.bridge.len());
+            let text = metrics::render(&snaps, &stats, admin.draining.load(Ordering::SeqCst));
+            (200, "text/plain; version=0.0.4", text.into_bytes())
+        }
+        ("GET", ["v1", "rigs"]) => {
+            let mut rigs: Vec<_> = snapshots(admin, true).into_iter().flat_map(|s| s.rigs).collect();
+            rigs.sort_by(|a, b| a.rig_id.cmp(&b.rig_id));
+            json_answer(200, &serde_json::to_value(rigs).unwrap_or_default())
+        }
+        ("POST", ["v1", "rigs", rig, "commands"]) => command(admin, rig, &req.body),
+        ("POST", ["v1", "rigs", rig, "kick"]) => kick(admin, rig),
+        ("POST", ["v1", "drain"]) => {
+            admin.draining.store(true, Ordering::SeqCst);
+            let _ = admin.drain.try_send(());
+            json_answer(202, &json!({"ok": true, "draining": true}))
+        }
+        (_, ["healthz" | "readyz" | "metrics"] | ["v1", "rigs", ..] | ["v1", "drain"]) => {
+            (405, "text/plain", b"method not allowed\n".to_vec())
+        }
+        _ => (404, "text/plain", b"not found\n".to_vec()),
+    }
+}
+
+fn readyz(admin: &Admin) -> Answer {
+    if admin.draining.load(Ordering::SeqCst) {
+        return (503, "text/plain", b"draining\n".to_vec());
+    }
+    // Every core must answer: a wedged core is not ready.
+    let answered = snapshots(admin, false).len();
+    if answered < admin.cores.len() {
+        return (503, "text/plain", format!("{answered}/{} cores answered\n", admin.cores.len()).into_bytes());
+    }
+    (200, "text/plain", b"ready\n".to_vec())
+}
+
+/// Asks every core for a snapshot; cores that do not answer in time are left out.
+fn snapshots(admin: &Admin, rigs: bool) -> Vec<CoreSnapshot> {
+    let (tx, rx) = crossbeam_channel::bounded(admin.cores.len());
+    let asked = admin
+        .cores
+        .iter()
+        .filter(|core| core.send(ToCore::Snapshot { rigs, reply: tx.clone() }).is_ok())
+        .count();
+    let deadline = Instant::now() + Duration::from_secs(2);
+    let mut out: Vec<CoreSnapshot> = (0..asked).map_while(|_| rx.recv_deadline(deadline).ok()).collect();
+    out.sort_by_key(|s| s.core);
+    out
+}
+
+#[derive(Deserialize)]
+struct CommandBody {
+    name: String,
+    #[serde(default)]
+    args: Option<Value>,
+    #[serde(default)]
+    id: Option<String>,
+}
+
+fn command(admin: &Admin, rig: &str, body: &[u8]) -> Answer {
+    let parsed: Result<CommandBody, _> = serde_json::from_slice(body);
+    let id = parsed.as_ref().ok().and_then(|b| b.id.clone()).unwrap_or_else(new_id);
+    let Some(rig_id) = RigId::parse(rig) else {
+        return json_answer(400, &reply::error(&id, Some(rig), "bad_request", "invalid rig id"));
+    };
+    let body = match parsed {
+        Ok(b) if !b.name.is_empty() && b.name.len() <= 128 && matches!(b.args, None | Some(Value::Object(_))) => b,
+        Ok(_) => return json_answer(400, &reply::error(&id, Some(rig), "bad_request", "name must be 1-128 bytes and args an object")),
+        Err(e) => return json_answer(400, &reply::error(&id, Some(rig), "bad_request", &e.to_string())),
+    };
+    let (tx, rx) = crossbeam_channel::bounded(1);
+    let req = CommandReq {
+        id: id.clone(),
+        rig: rig_id,
+        name: body.name,
+        args: body.args.unwrap_or_else(|| json!({})),
+        reply: ReplyTo::Admin(tx),
+    };
+    if admin.bridge.send(ToBridge::Command(req)).is_err() {
+        return json_answer(503, &reply::error(&id, Some(rig), "overloaded", "bridge queue full"));
+    }
+    await_reply(&id, rig, &rx)
+}
+
+fn kick(admin: &Admin, rig: &str) -> Answer {
+    let id = new_id();
+    let Some(rig_id) = RigId::parse(rig) else {
+        return json_answer(400, &reply::error(&id, Some(rig), "bad_request", "invalid rig id"));
+    };
+    let (tx, rx) = crossbeam_channel::bounded(1);
+    let msg = ToBridge::Kick { id: id.clone(), rig: rig_id, reply: ReplyTo::Admin(tx) };
+    if admin.bridge.send(msg).is_err() {
+        return json_answer(503, &reply::error(&id, Some(rig), "overloaded", "bridge queue full"));
+    }
+    await_reply(&id, rig, &rx)
+}
+
+fn await_reply(id: &str, rig: &str, rx: &crossbeam_channel::Receiver<Value>) -> Answer {
+    match rx.recv_timeout(IO_TIMEOUT) {
+        Ok(v) => {
+            let status = match v["error"].as_str() {
+                None => 200,
+                Some("rig_not_connected") => 404,
+                Some("bad_request") => 400,
+                Some(_) => 503,
+            };
+            json_answer(status, &v)
+        }
+        Err(_) => json_answer(504, &reply::error(id, Some(rig), "timeout", "no answer from the broker core in time")),
+    }
+}
+
+fn json_answer(status: u16, v: &Value) -> Answer {
+    let mut body = serde_json::to_vec(v).unwrap_or_default();
+    body.push(b'\n');
+    (status, "application/json", body)
+}
+
+/// A fresh command id (UUIDv7 text: unique and time-ordered).
+pub fn new_id() -> String {
+    let ms = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
+    BootId::generate(ms).to_string()
+}

@@ -1,0 +1,399 @@
+//! Command line, `FLEETLINK_*` environment and optional TOML file, merged into one validated
+//! [`Config`].
+//!
+//! Precedence: a flag on the command line beats its environment variable, which beats the
+//! `--config` file, which beats the default. Every flag is documented with its default and unit
+//! in `--help`; the defaults are CONTRACT.md §1's.
+
+use std::ffi::OsString;
+use std::net::SocketAddr;
+use std::num::NonZeroUsize;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::parser::ValueSource;
+use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand};
+
+/// `fleetlink-fe`: the thread-per-core websocket broker for rig fleets.
+#[derive(Parser, Debug)]
+#[command(name = "fleetlink-fe", version, about, long_about = None)]
+pub struct Cli {
+    /// Broker flags (used when no subcommand is given).
+    #[command(flatten)]
+    pub broker: BrokerArgs,
+    /// Optional tool to run instead of the broker.
+    #[command(subcommand)]
+    pub tool: Option<Tool>,
+}
+
+/// Tools bundled into the broker binary.
+#[derive(Subcommand, Debug)]
+pub enum Tool {
+    /// Check this host's kernel and limits for N connections; exit 1 if it cannot hold them.
+    Doctor {
+        /// Connections the host should hold.
+        #[arg(long, default_value_t = 1_000_000)]
+        connections: u64,
+    },
+    /// Write a development CA, a broker certificate and N rig client certificates.
+    DevCerts {
+        /// Output directory (created if missing).
+        #[arg(long)]
+        out: PathBuf,
+        /// Number of rig certificates (rig-0001 …).
+        #[arg(long, default_value_t = 3)]
+        rigs: usize,
+        /// Extra DNS names for the broker certificate (localhost and 127.0.0.1 are always in).
+        #[arg(long = "broker-name")]
+        broker_names: Vec<String>,
+    },
+}
+
+/// Every broker option (CONTRACT.md §1). Durations accept `250ms`, `20s`, `5m`, `1h`.
+#[derive(Args, Debug, Clone)]
+pub struct BrokerArgs {
+    /// TOML file with the same keys as these flags (e.g. `ping-interval = "20s"`).
+    #[arg(long, env = "FLEETLINK_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// Rig websocket endpoint. Default 0.0.0.0:8080, or 0.0.0.0:8443 with TLS.
+    #[arg(long, env = "FLEETLINK_LISTEN")]
+    pub listen: Option<SocketAddr>,
+    /// Admin HTTP endpoint (health, metrics, rigs, commands, drain). Plain HTTP: keep it private.
+    #[arg(long, env = "FLEETLINK_ADMIN", default_value = "127.0.0.1:9090")]
+    pub admin: SocketAddr,
+    /// Broker id for registry entries and channel names. Default: hostname-port.
+    #[arg(long, env = "FLEETLINK_BROKER_ID")]
+    pub broker_id: Option<String>,
+    /// Event-loop threads, one per core, each pinned. Default: all online cores.
+    #[arg(long, env = "FLEETLINK_CORES")]
+    pub cores: Option<NonZeroUsize>,
+    /// Redis URL (redis://host:port/db). Without it the broker runs standalone.
+    #[arg(long, env = "FLEETLINK_REDIS")]
+    pub redis: Option<String>,
+    /// Server certificate chain (PEM); with --tls-key enables TLS.
+    #[arg(long, env = "FLEETLINK_TLS_CERT")]
+    pub tls_cert: Option<PathBuf>,
+    /// Server private key (PEM).
+    #[arg(long, env = "FLEETLINK_TLS_KEY")]
+    pub tls_key: Option<PathBuf>,
+    /// CA bundle (PEM) for client certificates; makes them required (mTLS).
+    #[arg(long, env = "FLEETLINK_CLIENT_CA")]
+    pub client_ca: Option<PathBuf>,
+    /// PEM CRL file(s), reloaded when they change. Repeat the flag for several.
+    #[arg(long, env = "FLEETLINK_CRL", value_delimiter = ',')]
+    pub crl: Vec<PathBuf>,
+    /// Interval between PINGs sent to each rig.
+    #[arg(long, env = "FLEETLINK_PING_INTERVAL", default_value = "20s", value_parser = parse_duration)]
+    pub ping_interval: Duration,
+    /// Time a rig has to answer a PING with a PONG.
+    #[arg(long, env = "FLEETLINK_PONG_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
+    pub pong_timeout: Duration,
+    /// Missed PONGs in a row before the broker closes the socket with 4002.
+    #[arg(long, env = "FLEETLINK_MAX_MISSED_PONGS", default_value_t = 3)]
+    pub max_missed_pongs: u8,
+    /// Time from TCP accept to a complete request head, and from upgrade to a valid hello.
+    #[arg(long, env = "FLEETLINK_HELLO_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
+    pub hello_timeout: Duration,
+    /// New connections per second for the whole broker (split evenly across cores).
+    #[arg(long, env = "FLEETLINK_ACCEPT_RATE", default_value_t = 50.0)]
+    pub accept_rate: f64,
+    /// Accept bucket size for the whole broker (split evenly across cores).
+    #[arg(long, env = "FLEETLINK_ACCEPT_BURST", default_value_t = 100)]
+    pub accept_burst: u32,
+    /// Connection cap for the whole broker (split across cores); beyond it, 503. Default: none.
+    #[arg(long, env = "FLEETLINK_MAX_CONNECTIONS")]
+    pub max_connections: Option<u64>,
+    /// Per-rig bound on commands queued but not yet written; beyond it, rig_unresponsive.
+    #[arg(long, env = "FLEETLINK_OUTBOX", default_value_t = 128)]
+    pub outbox: u32,
+    /// Largest inbound message in bytes; larger closes with 1009.
+    #[arg(long, env = "FLEETLINK_MAX_MESSAGE", default_value_t = 65536)]
+    pub max_message: usize,
+    /// Registry lease lifetime.
+    #[arg(long, env = "FLEETLINK_REGISTRY_TTL", default_value = "60s", value_parser = parse_duration)]
+    pub registry_ttl: Duration,
+    /// Registry lease refresh interval.
+    #[arg(long, env = "FLEETLINK_REGISTRY_REFRESH", default_value = "10s", value_parser = parse_duration)]
+    pub registry_refresh: Duration,
+    /// Graceful shutdown window: goaway delays spread over it, 1001 at its end.
+    #[arg(long, env = "FLEETLINK_DRAIN", default_value = "10s", value_parser = parse_duration)]
+    pub drain: Duration,
+    /// Inbound messages per second per rig; over it the broker stops reading that socket.
+    #[arg(long, env = "FLEETLINK_RIG_RATE", default_value_t = 100.0)]
+    pub rig_rate: f64,
+    /// Inbound message burst per rig.
+    #[arg(long, env = "FLEETLINK_RIG_BURST", default_value_t = 200)]
+    pub rig_burst: u32,
+    /// Hello label whose value metrics aggregate rigs by.
+    #[arg(long, env = "FLEETLINK_GROUP_LABEL", default_value = "group")]
+    pub group_label: String,
+    /// Listen backlog of each core's listener (raise net.core.somaxconn to match).
+    #[arg(long, env = "FLEETLINK_BACKLOG", default_value_t = 4096)]
+    pub backlog: i32,
+    /// Close rigs that send unknown message types with 4400 instead of ignoring them.
+    #[arg(long, env = "FLEETLINK_STRICT")]
+    pub strict: bool,
+    /// Test only: also serve /echo, a plain websocket echo with limits lifted (conformance).
+    #[arg(long, env = "FLEETLINK_ECHO_ENDPOINT")]
+    pub echo_endpoint: bool,
+    /// Use the epoll driver even where io_uring works (diagnostics, comparisons).
+    #[arg(long, env = "FLEETLINK_FORCE_EPOLL")]
+    pub force_epoll: bool,
+}
+
+/// Validated configuration shared (read-only) by every thread.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// Rig endpoint.
+    pub listen: SocketAddr,
+    /// Admin endpoint.
+    pub admin: SocketAddr,
+    /// Broker id.
+    pub broker_id: String,
+    /// Event-loop threads.
+    pub cores: usize,
+    /// Redis URL; None = standalone.
+    pub redis: Option<String>,
+    /// TLS files, when enabled.
+    pub tls: Option<TlsFiles>,
+    /// PING period.
+    pub ping_interval: Duration,
+    /// PONG deadline.
+    pub pong_timeout: Duration,
+    /// Misses before 4002.
+    pub max_missed_pongs: u8,
+    /// Head and hello deadline.
+    pub hello_timeout: Duration,
+    /// Broker-wide accepts per second.
+    pub accept_rate: f64,
+    /// Broker-wide accept burst.
+    pub accept_burst: u32,
+    /// Broker-wide connection cap.
+    pub max_connections: Option<u64>,
+    /// Per-rig unwritten command bound.
+    pub outbox: usize,
+    /// Inbound message cap (bytes).
+    pub max_message: usize,
+    /// Registry lease TTL.
+    pub registry_ttl: Duration,
+    /// Registry refresh period.
+    pub registry_refresh: Duration,
+    /// Drain window.
+    pub drain: Duration,
+    /// Per-rig inbound messages per second.
+    pub rig_rate: f64,
+    /// Per-rig inbound burst.
+    pub rig_burst: u32,
+    /// Metrics grouping label.
+    pub group_label: String,
+    /// Listen backlog per core.
+    pub backlog: i32,
+    /// Unknown types close with 4400.
+    pub strict: bool,
+    /// Serve /echo for conformance suites.
+    pub echo_endpoint: bool,
+    /// Skip io_uring.
+    pub force_epoll: bool,
+}
+
+/// TLS material paths.
+#[derive(Debug, Clone)]
+pub struct TlsFiles {
+    /// Certificate chain.
+    pub cert: PathBuf,
+    /// Private key.
+    pub key: PathBuf,
+    /// Client CA bundle (mTLS) if any.
+    pub client_ca: Option<PathBuf>,
+    /// CRL files.
+    pub crl: Vec<PathBuf>,
+}
+
+impl Cli {
+    /// Parses argv + env, then fills flags still at their defaults from `--config`.
+    pub fn load(argv: Vec<OsString>) -> anyhow::Result<Cli> {
+        let matches = Cli::command().try_get_matches_from(&argv)?;
+        let cli = Cli::from_arg_matches(&matches)?;
+        let Some(path) = cli.broker.config.clone() else { return Ok(cli) };
+        let text = std::fs::read_to_string(&path)
+            .map_err(|e| anyhow::anyhow!("reading config {}: {e}", path.display()))?;
+        let table: toml::Table =
+            text.parse().map_err(|e| anyhow::anyhow!("parsing config {}: {e}", path.display()))?;
+        let mut merged = argv;
+        for (key, value) in table {
+            let id = key.replace('-', "_");
+            let explicit = matches!(
+                matches.value_source(&id),
+                Some(ValueSource::CommandLine | ValueSource::EnvVariable)
+            );
+            if id == "config" || explicit {
+                continue;
+            }
+            if Cli::command().get_arguments().all(|a| a.get_id() != id.as_str()) {
+                anyhow::bail!("config {}: unknown key {key:?}", path.display());
+            }
+            for v in toml_values(&value) {
+                merged.push(format!("--{}", key.replace('_', "-")).into());
+                merged.push(v.into());
+            }
+        }
+        Ok(Cli::try_parse_from(merged)?)
+    }
+}
+
+fn toml_values(v: &toml::Value) -> Vec<String> {
+    match v {
+        toml::Value::String(s) => vec![s.clone()],
+        toml::Value::Array(a) => a.iter().flat_map(toml_values).collect(),
+        toml::Value::Boolean(b) => vec![b.to_string()],
+        other => vec![other.to_string()],
+    }
+}
+
+impl BrokerArgs {
+    /// Checks cross-field rules and fills computed defaults.
+    pub fn validate(self) -> anyhow::Result<Config> {
+        let tls = match (self.tls_cert, self.tls_key) {
+            (Some(cert), Some(key)) => {
+                Some(TlsFiles { cert, key, client_ca: self.client_ca, crl: self.crl })
+            }
+            (None, None) if self.client_ca.is_none() => None,
+            _ => anyhow::bail!("--tls-cert and --tls-key go together (and --client-ca needs them)"),
+        };
+        let default_port = if tls.is_some() { 8443 } else { 8080 };
+        let listen = self.listen.unwrap_or_else(|| SocketAddr::from(([0, 0, 0, 0], default_port)));
+        let cores = self
+            .cores
+            .map(NonZeroUsize::get)
+            .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, NonZeroUsize::get));
+        let broker_id = self.broker_id.unwrap_or_else(|| format!("{}-{}", hostname(), listen.port()));
+        anyhow::ensure!(!broker_id.is_empty() && !broker_id.contains('|'), "--broker-id must be non-empty and must not contain '|'");
+        anyhow::ensure!(self.accept_rate > 0.0, "--accept-rate must be > 0");
+        anyhow::ensure!(self.accept_burst > 0, "--accept-burst must be > 0");
+        anyhow::ensure!(self.rig_rate > 0.0 && self.rig_burst > 0, "--rig-rate and --rig-burst must be > 0");
+        anyhow::ensure!(self.outbox > 0, "--outbox must be > 0");
+        anyhow::ensure!(self.max_message >= 125, "--max-message must be at least 125 bytes");
+        anyhow::ensure!(self.max_missed_pongs > 0, "--max-missed-pongs must be > 0");
+        for (name, d) in [
+            ("--ping-interval", self.ping_interval),
+            ("--pong-timeout", self.pong_timeout),
+            ("--hello-timeout", self.hello_timeout),
+            ("--registry-refresh", self.registry_refresh),
+        ] {
+            anyhow::ensure!(d >= Duration::from_millis(10), "{name} must be at least 10ms");
+        }
+        anyhow::ensure!(self.registry_ttl > self.registry_refresh, "--registry-ttl must exceed --registry-refresh");
+        Ok(Config {
+            listen,
+            admin: self.admin,
+            broker_id,
+            cores,
+            redis: self.redis,
+            tls,
+            ping_interval: self.ping_interval,
+            pong_timeout: self.pong_timeout,
+            max_missed_pongs: self.max_missed_pongs,
+            hello_timeout: self.hello_timeout,
+            accept_rate: self.accept_rate,
+            accept_burst: self.accept_burst,
+            max_connections: self.max_connections,
+            outbox: self.outbox as usize,
+            max_message: self.max_message,
+            registry_ttl: self.registry_ttl,
+            registry_refresh: self.registry_refresh,
+            drain: self.drain,
+            rig_rate: self.rig_rate,
+            rig_burst: self.rig_burst,
+            group_label: self.group_label,
+            backlog: self.backlog,
+            strict: self.strict,
+            echo_endpoint: self.echo_endpoint,
+            force_epoll: self.force_epoll,
+        })
+    }
+}
+
+fn hostname() -> String {
+    let mut buf = [0u8; 256];
+    // SAFETY: buf is valid for its length; gethostname NUL-terminates within it on success.
+    let rc = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
+    let len = buf.iter().position(|&b| b == 0).unwrap_or(0);
+    if rc != 0 || len == 0 {
+        return "fleetlink".into();
+    }
+    String::from_utf8_lossy(&buf[..len]).into_owned()
+}
+
+/// Parses `250ms`, `20s`, `5m`, `1h` (a bare number is seconds).
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let s = s.trim();
+    let split = s.find(|c: char| !c.is_ascii_digit() && c != '.').unwrap_or(s.len());
+    let (num, unit) = s.split_at(split);
+    let n: f64 = num.parse().map_err(|_| format!("bad duration {s:?} (use e.g. 250ms, 20s, 5m)"))?;
+    let secs = match unit {
+        "ms" => n / 1000.0,
+        "" | "s" => n,
+        "m" => n * 60.0,
+        "h" => n * 3600.0,
+        _ => return Err(format!("bad duration unit in {s:?} (ms, s, m, h)")),
+    };
+    if !secs.is_finite() || secs < 0.0 {
+        return Err(format!("bad duration {s:?}"));
+    }
+    Ok(Duration::from_secs_f64(secs))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn load(args: &[&str]) -> anyhow::Result<Config> {
+        let argv = std::iter::once("fleetlink-fe").chain(args.iter().copied()).map(OsString::from);
+        Cli::load(argv.collect())?.broker.validate()
+    }
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("250ms"), Ok(Duration::from_millis(250)));
+        assert_eq!(parse_duration("20s"), Ok(Duration::from_secs(20)));
+        assert_eq!(parse_duration("5m"), Ok(Duration::from_secs(300)));
+        assert_eq!(parse_duration("3"), Ok(Duration::from_secs(3)));
+        assert!(parse_duration("5x").is_err());
+        assert!(parse_duration("").is_err());
+    }
+
+    #[test]
+    fn defaults_match_contract() {
+        let c = load(&[]).unwrap();
+        assert_eq!(c.listen.port(), 8080);
+        assert_eq!(c.admin.port(), 9090);
+        assert_eq!(c.ping_interval, Duration::from_secs(20));
+        assert_eq!(c.pong_timeout, Duration::from_secs(10));
+        assert_eq!(c.max_missed_pongs, 3);
+        assert_eq!(c.outbox, 128);
+        assert_eq!(c.max_message, 65536);
+        assert_eq!(c.registry_ttl, Duration::from_secs(60));
+        assert!(c.broker_id.ends_with("-8080"));
+    }
+
+    #[test]
+    fn config_file_fills_defaults_but_flags_win() {
+        let dir = std::env::temp_dir().join(format!("fl-cfg-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("c.toml");
+        std::fs::write(&path, "ping-interval = \"5s\"\noutbox = 7\nbroker_id = \"fe-x\"\n").unwrap();
+        let c = load(&["--config", path.to_str().unwrap(), "--outbox", "9"]).unwrap();
+        assert_eq!(c.ping_interval, Duration::from_secs(5));
+        assert_eq!(c.outbox, 9);
+        assert_eq!(c.broker_id, "fe-x");
+        std::fs::write(&path, "no-such-key = 1\n").unwrap();
+        assert!(load(&["--config", path.to_str().unwrap()]).is_err());
+    }
+
+    #[test]
+    fn tls_flags_go_together() {
+        assert!(load(&["--tls-cert", "a.pem"]).is_err());
+        let c = load(&["--tls-cert", "a.pem", "--tls-key", "k.pem"]).unwrap();
+        assert_eq!(c.listen.port(), 8443);
+    }
+}

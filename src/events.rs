@@ -1,0 +1,39 @@
+//! Lifecycle events for `fleetlink:events` (CONTRACT.md §4): one JSON object per event, each
+//! with `type`, `rig_id`, `broker_id`, `at`, and `seq`/`id`/`code` where they apply.
+
+use std::time::SystemTime;
+
+use serde_json::{json, Value};
+
+use crate::ids::{BootId, RigId, Seq};
+use crate::reply::rfc3339;
+
+/// A rig was welcomed.
+pub fn connected(broker: &str, rig: &RigId, boot: &BootId, resumed: bool) -> Value {
+    json!({"type": "connected", "rig_id": rig.as_str(), "boot_id": boot.as_str(),
+           "broker_id": broker, "resumed": resumed, "at": rfc3339(SystemTime::now())})
+}
+
+/// A welcomed rig's connection closed with `code`.
+pub fn disconnected(broker: &str, rig: &RigId, boot: &BootId, code: u16, reason: &str) -> Value {
+    json!({"type": "disconnected", "rig_id": rig.as_str(), "boot_id": boot.as_str(),
+           "broker_id": broker, "code": code, "reason": reason, "at": rfc3339(SystemTime::now())})
+}
+
+/// The rig acked command `seq` (`id` when the broker still knew it).
+pub fn ack(broker: &str, rig: &RigId, seq: Seq, id: Option<&str>) -> Value {
+    json!({"type": "ack", "rig_id": rig.as_str(), "broker_id": broker, "seq": seq.0, "id": id,
+           "at": rfc3339(SystemTime::now())})
+}
+
+/// The rig reported the result of command `seq`.
+pub fn result(broker: &str, rig: &RigId, seq: Seq, ok: bool, output: Option<Value>) -> Value {
+    json!({"type": "result", "rig_id": rig.as_str(), "broker_id": broker, "seq": seq.0, "ok": ok,
+           "output": output, "at": rfc3339(SystemTime::now())})
+}
+
+/// The rig reported an event of its own.
+pub fn event(broker: &str, rig: &RigId, name: &str, data: Option<Value>) -> Value {
+    json!({"type": "event", "rig_id": rig.as_str(), "broker_id": broker, "name": name,
+           "data": data, "at": rfc3339(SystemTime::now())})
+}

@@ -1,0 +1,319 @@
+//! Per-core counters, shipped to the admin thread as snapshots, rendered as Prometheus text.
+//!
+//! A core bumps plain `Cell`s (no atomics, no sharing); the admin thread asks each core for a
+//! [`CoreSnapshot`] through its inbox and sums them. Rig-level figures are aggregated by the
+//! `--group-label` value, never one series per rig.
+
+use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
+use std::fmt::Write as _;
+
+use serde::Serialize;
+
+/// A counter's index. Keep [`COUNTERS`] in the same order.
+#[derive(Clone, Copy, Debug)]
+#[allow(missing_docs)]
+pub enum C {
+    AcceptOk,
+    AcceptRateLimited,
+    AcceptOverCapacity,
+    AcceptShed,
+    AcceptError,
+    Upgraded,
+    Reject400,
+    Reject401,
+    Reject404,
+    Reject405,
+    Reject426,
+    Reject431,
+    HeadTimeout,
+    MsgHello,
+    MsgAck,
+    MsgResult,
+    MsgEvent,
+    MsgUnknown,
+    MsgInvalid,
+    MsgBinary,
+    CmdEnqueued,
+    CmdWritten,
+    CmdAcked,
+    CmdOutboxFull,
+    CmdNotConnected,
+    CmdResumeSent,
+    CmdResumeDropped,
+    PingsSent,
+    PongsReceived,
+    RigRatePaused,
+    BridgeQueueFull,
+    Kicks,
+}
+
+/// (metric name, label pair) for each counter, in [`C`] order.
+const COUNTERS: [(&str, &str); 32] = [
+    ("fleetlink_accepts_total", "result=\"ok\""),
+    ("fleetlink_accepts_total", "result=\"rate_limited\""),
+    ("fleetlink_accepts_total", "result=\"over_capacity\""),
+    ("fleetlink_accepts_total", "result=\"shed\""),
+    ("fleetlink_accepts_total", "result=\"error\""),
+    ("fleetlink_upgrades_total", "result=\"ok\""),
+    ("fleetlink_upgrades_total", "result=\"400\""),
+    ("fleetlink_upgrades_total", "result=\"401\""),
+    ("fleetlink_upgrades_total", "result=\"404\""),
+    ("fleetlink_upgrades_total", "result=\"405\""),
+    ("fleetlink_upgrades_total", "result=\"426\""),
+    ("fleetlink_upgrades_total", "result=\"431\""),
+    ("fleetlink_upgrades_total", "result=\"head_timeout\""),
+    ("fleetlink_messages_in_total", "type=\"hello\""),
+    ("fleetlink_messages_in_total", "type=\"ack\""),
+    ("fleetlink_messages_in_total", "type=\"result\""),
+    ("fleetlink_messages_in_total", "type=\"event\""),
+    ("fleetlink_messages_in_total", "type=\"unknown\""),
+    ("fleetlink_messages_in_total", "type=\"invalid\""),
+    ("fleetlink_messages_in_total", "type=\"binary\""),
+    ("fleetlink_commands_total", "result=\"enqueued\""),
+    ("fleetlink_commands_total", "result=\"written\""),
+    ("fleetlink_commands_total", "result=\"acked\""),
+    ("fleetlink_commands_total", "result=\"outbox_full\""),
+    ("fleetlink_commands_total", "result=\"not_connected\""),
+    ("fleetlink_commands_total", "result=\"resent\""),
+    ("fleetlink_commands_total", "result=\"resume_dropped\""),
+    ("fleetlink_pings_sent_total", ""),
+    ("fleetlink_pongs_received_total", ""),
+    ("fleetlink_rig_rate_paused_total", ""),
+    ("fleetlink_bridge_queue_full_total", "from=\"core\""),
+    ("fleetlink_kicks_total", ""),
+];
+
+/// Close codes counted one by one; anything else is `other`. 1006 = closed without a close
+/// frame (peer vanished, I/O error).
+pub const CLOSE_CODES: [u16; 17] =
+    [1000, 1001, 1002, 1003, 1006, 1007, 1008, 1009, 1011, 1012, 4002, 4400, 4403, 4408, 4409, 4410, 4503];
+
+/// Upper bounds (ms) of the ack latency histogram buckets.
+pub const ACK_BUCKETS_MS: [u64; 12] = [1, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000];
+
+/// One core's counters. Not `Send`: only its core touches it.
+#[derive(Default)]
+pub struct CoreMetrics {
+    counters: [Cell<u64>; COUNTERS.len()],
+    closes: [Cell<u64>; CLOSE_CODES.len() + 1],
+    ack_buckets: [Cell<u64>; ACK_BUCKETS_MS.len() + 1],
+    ack_sum_ms: Cell<u64>,
+    /// Open TCP connections (any phase).
+    pub connections: Cell<u64>,
+    groups: RefCell<HashMap<Box<str>, u64>>,
+}
+
+impl CoreMetrics {
+    /// Adds one to counter `c`.
+    pub fn inc(&self, c: C) {
+        self.add(c, 1);
+    }
+
+    /// Adds `n` to counter `c`.
+    pub fn add(&self, c: C, n: u64) {
+        let cell = &self.counters[c as usize];
+        cell.set(cell.get() + n);
+    }
+
+    /// Counts a close by its code.
+    pub fn close(&self, code: u16) {
+        let i = CLOSE_CODES.iter().position(|&c| c == code).unwrap_or(CLOSE_CODES.len());
+        let cell = &self.closes[i];
+        cell.set(cell.get() + 1);
+    }
+
+    /// Records one ack latency.
+    pub fn ack_latency(&self, ms: u64) {
+        let i = ACK_BUCKETS_MS.iter().position(|&b| ms <= b).unwrap_or(ACK_BUCKETS_MS.len());
+        let cell = &self.ack_buckets[i];
+        cell.set(cell.get() + 1);
+        self.ack_sum_ms.set(self.ack_sum_ms.get() + ms);
+    }
+
+    /// A welcomed rig joined (`+1`) or left (`-1`) group `g`.
+    pub fn group(&self, g: &str, joined: bool) {
+        let mut groups = self.groups.borrow_mut();
+        if joined {
+            *groups.entry(g.into()).or_default() += 1;
+        } else if let Some(n) = groups.get_mut(g) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                groups.remove(g);
+            }
+        }
+    }
+
+    /// Copies everything into a `Send` snapshot.
+    pub fn snapshot(&self, core: usize, driver: &'static str) -> CoreSnapshot {
+        CoreSnapshot {
+            core,
+            driver,
+            counters: self.counters.iter().map(Cell::get).collect(),
+            closes: self.closes.iter().map(Cell::get).collect(),
+            ack_buckets: self.ack_buckets.iter().map(Cell::get).collect(),
+            ack_sum_ms: self.ack_sum_ms.get(),
+            connections: self.connections.get(),
+            groups: self.groups.borrow().iter().map(|(k, v)| (k.to_string(), *v)).collect(),
+            rigs: Vec::new(),
+        }
+    }
+}
+
+/// A rig as `/v1/rigs` lists it.
+#[derive(Debug, Clone, Serialize)]
+pub struct RigInfo {
+    /// Rig id.
+    pub rig_id: String,
+    /// Boot id of the session.
+    pub boot_id: String,
+    /// Hello labels.
+    pub labels: HashMap<String, String>,
+    /// RFC 3339 time of the welcome.
+    pub connected_at: String,
+    /// Last acked seq (0 = none).
+    pub last_ack_seq: u64,
+    /// RFC 3339 time of the last ack.
+    pub last_ack_at: Option<String>,
+    /// Commands queued, not yet written.
+    pub outbox_depth: usize,
+    /// Next seq to assign.
+    pub next_seq: u64,
+    /// Core holding the connection.
+    pub core: usize,
+}
+
+/// What a core ships to the admin thread.
+#[derive(Debug, Clone, Default)]
+pub struct CoreSnapshot {
+    /// Core index.
+    pub core: usize,
+    /// `io_uring` or `epoll`.
+    pub driver: &'static str,
+    /// Counters in [`C`] order.
+    pub counters: Vec<u64>,
+    /// Closes in [`CLOSE_CODES`] order, then other.
+    pub closes: Vec<u64>,
+    /// Ack latency buckets, then +Inf.
+    pub ack_buckets: Vec<u64>,
+    /// Sum of ack latencies in ms.
+    pub ack_sum_ms: u64,
+    /// Open connections.
+    pub connections: u64,
+    /// Welcomed rigs per group label value.
+    pub groups: Vec<(String, u64)>,
+    /// Rig list, when asked for.
+    pub rigs: Vec<RigInfo>,
+}
+
+/// Bridge-side figures.
+#[derive(Debug, Clone, Default)]
+pub struct BridgeStats {
+    /// 1 when Redis is reachable (always 0 standalone).
+    pub redis_up: u64,
+    /// Registry operations by (op, result).
+    pub registry_ops: Vec<(String, String, u64)>,
+    /// Messages waiting in the bridge inbox.
+    pub queue_depth: u64,
+    /// Messages the bridge could not hand to a core (its inbox was full).
+    pub core_queue_full: u64,
+    /// Pub/sub messages (direction, count).
+    pub pubsub: Vec<(String, u64)>,
+}
+
+/// Renders all snapshots as Prometheus text exposition.
+pub fn render(cores: &[CoreSnapshot], bridge: &BridgeStats, draining: bool) -> String {
+    let mut out = String::with_capacity(8192);
+    let sum = |f: &dyn Fn(&CoreSnapshot) -> u64| cores.iter().map(f).sum::<u64>();
+    let _ = writeln!(out, "# TYPE fleetlink_connections gauge");
+    for c in cores {
+        let _ = writeln!(out, "fleetlink_connections{{core=\"{}\"}} {}", c.core, c.connections);
+    }
+    let _ = writeln!(out, "# TYPE fleetlink_driver gauge");
+    for c in cores {
+        let _ = writeln!(out, "fleetlink_driver{{core=\"{}\",driver=\"{}\"}} 1", c.core, c.driver);
+    }
+    let mut last = "";
+    for (i, (name, labels)) in COUNTERS.iter().enumerate() {
+        if *name != last {
+            let _ = writeln!(out, "# TYPE {name} counter");
+            last = name;
+        }
+        let v = sum(&|c: &CoreSnapshot| c.counters.get(i).copied().unwrap_or(0));
+        if labels.is_empty() {
+            let _ = writeln!(out, "{name} {v}");
+        } else {
+            let _ = writeln!(out, "{name}{{{labels}}} {v}");
+        }
+    }
+    let _ = writeln!(out, "# TYPE fleetlink_closes_total counter");
+    for i in 0..=CLOSE_CODES.len() {
+        let code = CLOSE_CODES.get(i).map_or("other".to_string(), |c| c.to_string());
+        let v = sum(&|c: &CoreSnapshot| c.closes.get(i).copied().unwrap_or(0));
+        let _ = writeln!(out, "fleetlink_closes_total{{code=\"{code}\"}} {v}");
+    }
+    let _ = writeln!(out, "# TYPE fleetlink_outbox_full_total counter");
+    let _ = writeln!(out, "fleetlink_outbox_full_total {}", sum(&|c: &CoreSnapshot| c.counters.get(C::CmdOutboxFull as usize).copied().unwrap_or(0)));
+    let _ = writeln!(out, "# TYPE fleetlink_ack_latency_seconds histogram");
+    let mut cumulative = 0;
+    for i in 0..=ACK_BUCKETS_MS.len() {
+        cumulative += sum(&|c: &CoreSnapshot| c.ack_buckets.get(i).copied().unwrap_or(0));
+        let le = ACK_BUCKETS_MS.get(i).map_or("+Inf".to_string(), |ms| format!("{}", *ms as f64 / 1000.0));
+        let _ = writeln!(out, "fleetlink_ack_latency_seconds_bucket{{le=\"{le}\"}} {cumulative}");
+    }
+    let _ = writeln!(out, "fleetlink_ack_latency_seconds_sum {}", sum(&|c: &CoreSnapshot| c.ack_sum_ms) as f64 / 1000.0);
+    let _ = writeln!(out, "fleetlink_ack_latency_seconds_count {cumulative}");
+    let mut groups: HashMap<&str, u64> = HashMap::new();
+    for c in cores {
+        for (g, n) in &c.groups {
+            *groups.entry(g).or_default() += n;
+        }
+    }
+    let _ = writeln!(out, "# TYPE fleetlink_rigs gauge");
+    let mut groups: Vec<_> = groups.into_iter().collect();
+    groups.sort();
+    for (g, n) in groups {
+        let _ = writeln!(out, "fleetlink_rigs{{group=\"{}\"}} {n}", escape(g));
+    }
+    let _ = writeln!(out, "# TYPE fleetlink_redis_up gauge\nfleetlink_redis_up {}", bridge.redis_up);
+    let _ = writeln!(out, "# TYPE fleetlink_registry_ops_total counter");
+    for (op, result, n) in &bridge.registry_ops {
+        let _ = writeln!(out, "fleetlink_registry_ops_total{{op=\"{op}\",result=\"{result}\"}} {n}");
+    }
+    let _ = writeln!(out, "# TYPE fleetlink_pubsub_messages_total counter");
+    for (dir, n) in &bridge.pubsub {
+        let _ = writeln!(out, "fleetlink_pubsub_messages_total{{direction=\"{dir}\"}} {n}");
+    }
+    let _ = writeln!(out, "# TYPE fleetlink_bridge_queue_depth gauge\nfleetlink_bridge_queue_depth {}", bridge.queue_depth);
+    let _ = writeln!(out, "fleetlink_bridge_queue_full_total{{from=\"bridge\"}} {}", bridge.core_queue_full);
+    let _ = writeln!(out, "# TYPE fleetlink_draining gauge\nfleetlink_draining {}", u8::from(draining));
+    out
+}
+
+fn escape(s: &str) -> String {
+    s.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn renders_counters_closes_groups() {
+        let m = CoreMetrics::default();
+        m.inc(C::AcceptOk);
+        m.close(4002);
+        m.close(4999);
+        m.ack_latency(3);
+        m.group("lab-a", true);
+        m.group("lab-a", true);
+        m.group("lab-a", false);
+        let text = render(&[m.snapshot(0, "io_uring")], &BridgeStats::default(), false);
+        assert!(text.contains("fleetlink_accepts_total{result=\"ok\"} 1"));
+        assert!(text.contains("fleetlink_closes_total{code=\"4002\"} 1"));
+        assert!(text.contains("fleetlink_closes_total{code=\"other\"} 1"));
+        assert!(text.contains("fleetlink_ack_latency_seconds_bucket{le=\"0.005\"} 1"));
+        assert!(text.contains("fleetlink_rigs{group=\"lab-a\"} 1"));
+        assert!(text.contains("fleetlink_driver{core=\"0\",driver=\"io_uring\"} 1"));
+    }
+}

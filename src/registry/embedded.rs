@@ -1,0 +1,335 @@
+//! The standalone (no Redis) registry: which connection owns which rig, with the same rules the
+//! Redis scripts enforce (CONTRACT.md §3), plus the session memory that lets a rig that
+//! reconnects with the same boot_id keep its seq and its unacked commands.
+//!
+//! Pure state: the bridge feeds it inputs and carries out the [`Action`]s it returns.
+
+use std::collections::{HashMap, VecDeque};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+use crate::ids::{BootId, ConnId, RigId, Seq};
+use crate::registry::msg::{CommandReq, ReplyTo, SeqCommand, ToCore, Verdict};
+use crate::reply;
+
+/// Something the bridge must do.
+#[derive(Debug)]
+pub enum Action {
+    /// Send to the core that owns the connection.
+    Core(ConnId, ToCore),
+    /// Answer a control request.
+    Reply(ReplyTo, Value),
+    /// Publish a lifecycle event.
+    Event(Value),
+}
+
+#[derive(Debug)]
+enum Owner {
+    Live(ConnId),
+    /// Same session moving to a new connection: the old one was told to close and its `Closed`
+    /// (with the session's seq and unacked commands) completes the move.
+    Handover { old: ConnId, new: ConnId, pending: Vec<CommandReq> },
+}
+
+#[derive(Debug)]
+struct Entry {
+    boot: BootId,
+    owner: Owner,
+    labels: Vec<(String, String)>,
+}
+
+#[derive(Debug)]
+struct Parked {
+    boot: BootId,
+    next_seq: Seq,
+    carried: Vec<SeqCommand>,
+    at: Instant,
+}
+
+/// The in-process registry.
+#[derive(Debug)]
+pub struct Embedded {
+    rigs: HashMap<RigId, Entry>,
+    parked: HashMap<RigId, Parked>,
+    parked_order: VecDeque<(Instant, RigId)>,
+    park_for: Duration,
+    max_pending: usize,
+}
+
+impl Embedded {
+    /// `park_for`: how long a disconnected session is remembered (the registry TTL);
+    /// `max_pending`: commands held for a rig while it moves between connections (the outbox).
+    pub fn new(park_for: Duration, max_pending: usize) -> Self {
+        Self {
+            rigs: HashMap::new(),
+            parked: HashMap::new(),
+            parked_order: VecDeque::new(),
+            park_for,
+            max_pending,
+        }
+    }
+
+    /// Rigs currently owned by a connection.
+    pub fn len(&self) -> usize {
+        self.rigs.len()
+    }
+
+    /// True when no rig is connected.
+    pub fn is_empty(&self) -> bool {
+        self.rigs.is_empty()
+    }
+
+    /// Labels of every connected rig (for selectors).
+    pub fn iter_labels(&self) -> impl Iterator<Item = (&RigId, &[(String, String)])> {
+        self.rigs.iter().map(|(r, e)| (r, e.labels.as_slice()))
+    }
+
+    /// A valid hello on `conn`. Newer-or-equal boot wins; equal boot continues the session.
+    pub fn hello(
+        &mut self,
+        conn: ConnId,
+        rig: RigId,
+        boot: BootId,
+        labels: Vec<(String, String)>,
+    ) -> Vec<Action> {
+        let mut out = Vec::new();
+        if let Some(entry) = self.rigs.get_mut(&rig) {
+            if entry.boot > boot {
+                out.push(Action::Core(conn, ToCore::Verdict { conn, verdict: Verdict::Older }));
+                return out;
+            }
+            let same = entry.boot == boot;
+            let old = match &mut entry.owner {
+                Owner::Live(old) => *old,
+                Owner::Handover { new, .. } => std::mem::replace(new, conn),
+            };
+            out.push(Action::Core(old, ToCore::Supersede { conn: old }));
+            entry.labels = labels;
+            if same {
+                // Wait for the old connection's Closed: it carries the session's seq.
+                match &mut entry.owner {
+                    Owner::Live(_) => {
+                        entry.owner = Owner::Handover { old, new: conn, pending: Vec::new() }
+                    }
+                    Owner::Handover { .. } => {
+                        // The superseded `new` never got a verdict; it is closing with 4410.
+                    }
+                }
+                return out;
+            }
+            entry.boot = boot;
+            let held = match std::mem::replace(&mut entry.owner, Owner::Live(conn)) {
+                Owner::Handover { pending, .. } => pending,
+                Owner::Live(_) => Vec::new(),
+            };
+            out.push(accept(conn, Seq(1), false, Vec::new()));
+            out.extend(held.into_iter().map(|req| Action::Core(conn, ToCore::Command { conn, req })));
+            return out;
+        }
+        let (next_seq, resumed, carried) = match self.parked.remove(&rig) {
+            Some(p) if p.boot == boot => (p.next_seq, true, p.carried),
+            _ => (Seq(1), false, Vec::new()),
+        };
+        self.rigs.insert(rig, Entry { boot, owner: Owner::Live(conn), labels });
+        out.push(accept(conn, next_seq, resumed, carried));
+        out
+    }
+
+    /// A welcomed connection closed. Only the exact owner releases the entry.
+    pub fn closed(
+        &mut self,
+        conn: ConnId,
+        rig: RigId,
+        boot: BootId,
+        next_seq: Seq,
+        carried: Vec<SeqCommand>,
+        now: Instant,
+    ) -> Vec<Action> {
+        let mut out = Vec::new();
+        let Some(entry) = self.rigs.get_mut(&rig) else { return out };
+        match &mut entry.owner {
+            Owner::Live(c) if *c == conn => {
+                self.rigs.remove(&rig);
+                self.park(rig, boot, next_seq, carried, now);
+            }
+            Owner::Handover { old, new, pending } if *old == conn => {
+                let new = *new;
+                let pending = std::mem::take(pending);
+                entry.owner = Owner::Live(new);
+                out.push(accept(new, next_seq, true, carried));
+                for req in pending {
+                    out.push(Action::Core(new, ToCore::Command { conn: new, req }));
+                }
+            }
+            _ => {}
+        }
+        out
+    }
+
+    /// A connection that said hello closed before its verdict was carried out.
+    pub fn abandoned(&mut self, conn: ConnId, rig: &RigId) -> Vec<Action> {
+        let mut out = Vec::new();
+        let Some(entry) = self.rigs.get_mut(rig) else { return out };
+        match &mut entry.owner {
+            Owner::Live(c) if *c == conn => {
+                self.rigs.remove(rig);
+            }
+            Owner::Handover { new, pending, .. } if *new == conn => {
+                for req in pending.drain(..) {
+                    out.push(not_connected(req));
+                }
+            }
+            _ => {}
+        }
+        out
+    }
+
+    /// Routes a command to the connection that holds the rig.
+    pub fn command(&mut self, req: CommandReq) -> Vec<Action> {
+        let max_pending = self.max_pending;
+        match self.rigs.get_mut(&req.rig).map(|e| &mut e.owner) {
+            Some(Owner::Live(conn)) => vec![Action::Core(*conn, ToCore::Command { conn: *conn, req })],
+            Some(Owner::Handover { pending, .. }) if pending.len() < max_pending => {
+                pending.push(req);
+                Vec::new()
+            }
+            Some(Owner::Handover { .. }) => {
+                let body = reply::error(&req.id, Some(req.rig.as_str()), "rig_unresponsive", "rig is reconnecting and its hand-over queue is full");
+                vec![Action::Reply(req.reply, body)]
+            }
+            None => vec![not_connected(req)],
+        }
+    }
+
+    /// Routes a kick.
+    pub fn kick(&mut self, id: String, rig: RigId, reply_to: ReplyTo) -> Vec<Action> {
+        match self.rigs.get(&rig).map(|e| &e.owner) {
+            Some(Owner::Live(conn) | Owner::Handover { new: conn, .. }) => {
+                vec![Action::Core(*conn, ToCore::Kick { conn: *conn, id, rig, reply: reply_to })]
+            }
+            None => {
+                let body = reply::error(&id, Some(rig.as_str()), "rig_not_connected", "no connection holds this rig");
+                vec![Action::Reply(reply_to, body)]
+            }
+        }
+    }
+
+    /// Forgets parked sessions older than the park window.
+    pub fn expire(&mut self, now: Instant) {
+        while let Some((at, _)) = self.parked_order.front() {
+            if now.duration_since(*at) < self.park_for {
+                break;
+            }
+            if let Some((at, rig)) = self.parked_order.pop_front() {
+                if self.parked.get(&rig).is_some_and(|p| p.at == at) {
+                    self.parked.remove(&rig);
+                }
+            }
+        }
+    }
+
+    fn park(&mut self, rig: RigId, boot: BootId, next_seq: Seq, carried: Vec<SeqCommand>, now: Instant) {
+        self.parked_order.push_back((now, rig.clone()));
+        self.parked.insert(rig, Parked { boot, next_seq, carried, at: now });
+    }
+}
+
+fn accept(conn: ConnId, next_seq: Seq, resumed: bool, carried: Vec<SeqCommand>) -> Action {
+    Action::Core(conn, ToCore::Verdict { conn, verdict: Verdict::Accept { next_seq, resumed, carried } })
+}
+
+fn not_connected(req: CommandReq) -> Action {
+    let body = reply::error(&req.id, Some(req.rig.as_str()), "rig_not_connected", "no connection holds this rig");
+    Action::Reply(req.reply, body)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ids::CoreId;
+
+    fn rig() -> RigId {
+        RigId::parse("rig-1").unwrap()
+    }
+    fn boot(ms: u64) -> BootId {
+        BootId::generate(ms)
+    }
+    fn conn(n: u64) -> ConnId {
+        ConnId::new(CoreId(0), n)
+    }
+    fn verdict_of(actions: &[Action], c: ConnId) -> Option<&Verdict> {
+        actions.iter().find_map(|a| match a {
+            Action::Core(to, ToCore::Verdict { verdict, .. }) if *to == c => Some(verdict),
+            _ => None,
+        })
+    }
+    fn superseded(actions: &[Action]) -> Vec<ConnId> {
+        actions
+            .iter()
+            .filter_map(|a| match a {
+                Action::Core(_, ToCore::Supersede { conn }) => Some(*conn),
+                _ => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn older_boot_is_refused_newer_takes_over() {
+        let mut r = Embedded::new(Duration::from_secs(60), 4);
+        let now = Instant::now();
+        let a = r.hello(conn(1), rig(), boot(200), vec![]);
+        assert!(matches!(verdict_of(&a, conn(1)), Some(Verdict::Accept { resumed: false, .. })));
+        let b = r.hello(conn(2), rig(), boot(100), vec![]);
+        assert!(matches!(verdict_of(&b, conn(2)), Some(Verdict::Older)));
+        assert!(superseded(&b).is_empty(), "an older hello writes nothing");
+        let c = r.hello(conn(3), rig(), boot(300), vec![]);
+        assert_eq!(superseded(&c), vec![conn(1)]);
+        assert!(matches!(verdict_of(&c, conn(3)), Some(Verdict::Accept { next_seq: Seq(1), .. })));
+        // The stale connection's close must not release the new owner.
+        r.closed(conn(1), rig(), boot(200), Seq(5), vec![], now);
+        assert_eq!(r.len(), 1);
+    }
+
+    #[test]
+    fn same_boot_hands_the_session_over() {
+        let mut r = Embedded::new(Duration::from_secs(60), 4);
+        let now = Instant::now();
+        let b = boot(100);
+        r.hello(conn(1), rig(), b, vec![]);
+        let a = r.hello(conn(2), rig(), b, vec![]);
+        assert_eq!(superseded(&a), vec![conn(1)]);
+        assert!(verdict_of(&a, conn(2)).is_none(), "waits for the old connection's seq");
+        let (tx, _rx) = crossbeam_channel::bounded(1);
+        let req = CommandReq { id: "c".into(), rig: rig(), name: "x".into(), args: Value::Null, reply: ReplyTo::Admin(tx) };
+        assert!(r.command(req).is_empty(), "held during the hand-over");
+        let done = r.closed(conn(1), rig(), b, Seq(8), vec![], now);
+        assert!(matches!(verdict_of(&done, conn(2)), Some(Verdict::Accept { next_seq: Seq(8), resumed: true, .. })));
+        assert!(done.iter().any(|a| matches!(a, Action::Core(c, ToCore::Command { .. }) if *c == conn(2))));
+    }
+
+    #[test]
+    fn parked_session_resumes_then_expires() {
+        let mut r = Embedded::new(Duration::from_secs(60), 4);
+        let now = Instant::now();
+        let b = boot(100);
+        r.hello(conn(1), rig(), b, vec![]);
+        r.closed(conn(1), rig(), b, Seq(4), vec![], now);
+        assert!(r.is_empty());
+        let a = r.hello(conn(2), rig(), b, vec![]);
+        assert!(matches!(verdict_of(&a, conn(2)), Some(Verdict::Accept { next_seq: Seq(4), resumed: true, .. })));
+        r.closed(conn(2), rig(), b, Seq(6), vec![], now);
+        r.expire(now + Duration::from_secs(61));
+        let a = r.hello(conn(3), rig(), b, vec![]);
+        assert!(matches!(verdict_of(&a, conn(3)), Some(Verdict::Accept { next_seq: Seq(1), resumed: false, .. })));
+    }
+
+    #[test]
+    fn unknown_rig_gets_not_connected() {
+        let mut r = Embedded::new(Duration::from_secs(60), 4);
+        let (tx, _rx) = crossbeam_channel::bounded(1);
+        let req = CommandReq { id: "c".into(), rig: rig(), name: "x".into(), args: Value::Null, reply: ReplyTo::Admin(tx) };
+        let a = r.command(req);
+        assert!(matches!(&a[..], [Action::Reply(_, v)] if v["error"] == "rig_not_connected"));
+    }
+}

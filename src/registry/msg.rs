@@ -1,0 +1,172 @@
+//! The only types that cross threads: cores ⇄ bridge ⇄ admin. Owned, `Send`, sent over bounded
+//! queues (`crate::doorbell`). A full queue hands the message back, and the sender answers for it.
+
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::Sender;
+use serde_json::Value;
+
+use crate::ids::{BootId, ConnId, RigId, Seq};
+
+/// A command that has its seq: queued on a connection, or carried to the next connection of the
+/// same session.
+#[derive(Debug, Clone)]
+pub struct SeqCommand {
+    /// Its seq in the session.
+    pub seq: Seq,
+    /// Control's command id.
+    pub id: Box<str>,
+    /// The encoded `command` JSON (payload of one text frame).
+    pub json: Box<[u8]>,
+    /// When it was enqueued (for "oldest queued cmd age").
+    pub queued_at: Instant,
+    /// When it was last written to a socket (for ack latency); None while queued.
+    pub written_at: Option<Instant>,
+}
+
+/// Where a reply to a control request goes.
+#[derive(Debug, Clone)]
+pub enum ReplyTo {
+    /// The admin HTTP thread waiting on a one-shot channel.
+    Admin(Sender<Value>),
+    /// A Redis channel (`reply_to`), published by the bridge.
+    Channel(String),
+}
+
+/// A request to enqueue one command for one rig.
+#[derive(Debug)]
+pub struct CommandReq {
+    /// Control's command id.
+    pub id: String,
+    /// Target rig.
+    pub rig: RigId,
+    /// Command name.
+    pub name: String,
+    /// Command arguments (a JSON object).
+    pub args: Value,
+    /// Where the single reply goes.
+    pub reply: ReplyTo,
+}
+
+/// The registry's answer to a hello.
+#[derive(Debug)]
+pub enum Verdict {
+    /// Welcome the rig.
+    Accept {
+        /// Next seq to assign in this session.
+        next_seq: Seq,
+        /// True when an existing session continues (CONTRACT.md §5).
+        resumed: bool,
+        /// Commands of the session not yet acked, to send after welcome.
+        carried: Vec<SeqCommand>,
+    },
+    /// A live session with a newer boot_id owns the rig: close 4409.
+    Older,
+    /// The registry could not take the hello now: close 4503.
+    Busy,
+}
+
+/// Bridge/admin → core.
+#[derive(Debug)]
+pub enum ToCore {
+    /// The answer to a connection's hello.
+    Verdict {
+        /// The connection that said hello.
+        conn: ConnId,
+        /// What to do.
+        verdict: Verdict,
+    },
+    /// Another connection took this rig over: close 4410.
+    Supersede {
+        /// The superseded connection.
+        conn: ConnId,
+    },
+    /// Enqueue a command on a connection.
+    Command {
+        /// The connection believed to hold the rig.
+        conn: ConnId,
+        /// The request.
+        req: CommandReq,
+    },
+    /// Close a rig's connection with 1012 (force reconnect).
+    Kick {
+        /// The connection.
+        conn: ConnId,
+        /// Control's request id.
+        id: String,
+        /// The rig.
+        rig: RigId,
+        /// Where the reply goes.
+        reply: ReplyTo,
+    },
+    /// Send a snapshot of this core's metrics (and rigs when `rigs`).
+    Snapshot {
+        /// Include the rig list.
+        rigs: bool,
+        /// Where the snapshot goes.
+        reply: Sender<crate::metrics::CoreSnapshot>,
+    },
+    /// Start a graceful drain over `window`.
+    Drain {
+        /// The drain window.
+        window: Duration,
+    },
+}
+
+/// Core/admin → bridge.
+#[derive(Debug)]
+pub enum ToBridge {
+    /// A valid hello arrived on a connection.
+    Hello {
+        /// The connection.
+        conn: ConnId,
+        /// Claimed rig id.
+        rig: RigId,
+        /// Its boot.
+        boot: BootId,
+        /// Hello labels.
+        labels: Vec<(String, String)>,
+    },
+    /// A connection that had been welcomed closed.
+    Closed {
+        /// The connection.
+        conn: ConnId,
+        /// Its rig.
+        rig: RigId,
+        /// Its boot.
+        boot: BootId,
+        /// The next seq the session would have used.
+        next_seq: Seq,
+        /// Commands of the session not yet acked, kept for the session's next connection.
+        carried: Vec<SeqCommand>,
+    },
+    /// A hello never got a verdict because its connection went away first.
+    Abandoned {
+        /// The connection.
+        conn: ConnId,
+        /// The rig it claimed.
+        rig: RigId,
+    },
+    /// A lifecycle event for `fleetlink:events` (CONTRACT.md §4).
+    Event(Value),
+    /// A reply for a Redis `reply_to` channel.
+    Reply {
+        /// The channel.
+        channel: String,
+        /// The reply object.
+        body: Value,
+    },
+    /// Route a command to whichever connection holds the rig.
+    Command(CommandReq),
+    /// Close a rig's connection with 1012.
+    Kick {
+        /// Control's request id.
+        id: String,
+        /// The rig.
+        rig: RigId,
+        /// Where the reply goes.
+        reply: ReplyTo,
+    },
+    /// The broker is stopping: release what it holds and exit.
+    Shutdown,
+}

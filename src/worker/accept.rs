@@ -1,0 +1,126 @@
+//! Per-core accept loop: one SO_REUSEPORT listener, the core's share of the accept token
+//! bucket and of `--max-connections`, and a bounded number of polite 503 answers.
+
+use std::future::{poll_fn, Future};
+use std::io;
+use std::net::SocketAddr;
+use std::os::fd::AsRawFd;
+use std::pin::pin;
+use std::rc::Rc;
+use std::task::Poll;
+use std::time::{Duration, Instant};
+
+use monoio::net::{TcpListener, TcpStream};
+use socket2::{Domain, Protocol, Socket, Type};
+
+use crate::http_upgrade;
+use crate::metrics::C;
+use crate::worker::bucket::TokenBucket;
+use crate::worker::conn;
+use crate::worker::core::{recv, Conn, Core};
+
+/// 503 answers in flight per core; beyond it a storm's connections are closed unanswered
+/// (counted as `shed`) so rejecting costs bounded memory.
+const MAX_REJECTING: u32 = 1024;
+
+/// Binds one listener per core on `addr`, all on the same port (SO_REUSEPORT lets the kernel
+/// spread connections across them). Port 0 is resolved by the first bind.
+pub fn bind_listeners(addr: SocketAddr, cores: usize, backlog: i32) -> io::Result<Vec<std::net::TcpListener>> {
+    let mut out = Vec::with_capacity(cores);
+    let mut addr = addr;
+    for _ in 0..cores {
+        let sock = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))?;
+        sock.set_reuse_address(true)?;
+        sock.set_reuse_port(true)?;
+        sock.set_nonblocking(true)?;
+        sock.bind(&addr.into())?;
+        sock.listen(backlog)?;
+        let listener: std::net::TcpListener = sock.into();
+        addr = listener.local_addr()?;
+        out.push(listener);
+    }
+    Ok(out)
+}
+
+/// Accepts until the core starts draining, then drops the listener (closing it).
+pub(crate) async fn run(core: Rc<Core>, listener: TcpListener) {
+    let cores = core.cfg.cores as f64;
+    let burst = (core.cfg.accept_burst as f64 / cores).max(1.0);
+    let mut bucket = TokenBucket::new(core.cfg.accept_rate / cores, burst, Instant::now());
+    loop {
+        let accepted = {
+            let mut accept = pin!(listener.accept());
+            poll_fn(|cx| {
+                if core.accept_stop.poll(cx) {
+                    return Poll::Ready(None);
+                }
+                accept.as_mut().poll(cx).map(Some)
+            })
+            .await
+        };
+        match accepted {
+            None => return,
+            Some(Ok((stream, _peer))) => admit(&core, &mut bucket, stream),
+            Some(Err(e)) => {
+                core.metrics.inc(C::AcceptError);
+                // Out of descriptors or memory: back off instead of spinning on the error.
+                if matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM)) {
+                    monoio::time::sleep(Duration::from_millis(50)).await;
+                }
+            }
+        }
+    }
+}
+
+fn admit(core: &Rc<Core>, bucket: &mut TokenBucket, stream: TcpStream) {
+    if core.max_conns.is_some_and(|max| core.metrics.connections.get() >= max) {
+        return reject(core, stream, C::AcceptOverCapacity);
+    }
+    if !bucket.try_take(Instant::now()) {
+        return reject(core, stream, C::AcceptRateLimited);
+    }
+    core.metrics.inc(C::AcceptOk);
+    core.metrics.connections.set(core.metrics.connections.get() + 1);
+    let _ = stream.set_nodelay(true);
+    let id = core.next_conn_id();
+    let conn = Rc::new(Conn::new(core, id, stream.as_raw_fd()));
+    let deadline = conn.st.borrow().deadline;
+    core.conns.borrow_mut().insert(id, conn.clone());
+    core.wheel.borrow_mut().insert(deadline, id);
+    monoio::spawn(conn::serve(core.clone(), stream, conn));
+}
+
+/// `503 Service Unavailable` with `Retry-After: 5..=15` (CONTRACT.md §2), then close.
+fn reject(core: &Rc<Core>, stream: TcpStream, why: C) {
+    core.metrics.inc(why);
+    if core.rejecting.get() >= MAX_REJECTING {
+        core.metrics.inc(C::AcceptShed);
+        return;
+    }
+    core.rejecting.set(core.rejecting.get() + 1);
+    let core = core.clone();
+    monoio::spawn(async move {
+        let fd = stream.as_raw_fd();
+        let answer = http_upgrade::service_unavailable(fastrand::u32(5..=15));
+        // SAFETY: fd is the open socket owned by `stream`; the answer fits an empty send buffer.
+        unsafe {
+            libc::send(fd, answer.as_ptr().cast(), answer.len(), libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL);
+            libc::shutdown(fd, libc::SHUT_WR);
+        }
+        // Read the request (and the peer's FIN) so closing does not reset our answer away.
+        let deadline = monoio::time::Instant::now() + Duration::from_secs(1);
+        loop {
+            let ready = monoio::time::timeout_at(deadline, stream.readable(false)).await;
+            if !matches!(ready, Ok(Ok(()))) {
+                break;
+            }
+            let mut scratch = core.scratch.borrow_mut();
+            match recv(fd, &mut scratch) {
+                Ok(0) => break,
+                Err(e) if e.kind() != io::ErrorKind::WouldBlock => break,
+                _ => {}
+            }
+        }
+        core.rejecting.set(core.rejecting.get() - 1);
+    });
+}

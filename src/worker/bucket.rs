@@ -1,0 +1,90 @@
+//! Token buckets: one per core for accepts, one compact one per connection for inbound
+//! messages (CONTRACT.md §1 `--accept-*`, §2 fairness).
+
+use std::time::Instant;
+
+/// A classic token bucket (per core, for accepts).
+#[derive(Debug)]
+pub struct TokenBucket {
+    rate: f64,
+    burst: f64,
+    tokens: f64,
+    last: Instant,
+}
+
+impl TokenBucket {
+    /// `rate` tokens per second, at most `burst` stored; starts full.
+    pub fn new(rate: f64, burst: f64, now: Instant) -> Self {
+        Self { rate, burst, tokens: burst, last: now }
+    }
+
+    /// Takes one token if there is one.
+    pub fn try_take(&mut self, now: Instant) -> bool {
+        let elapsed = now.saturating_duration_since(self.last).as_secs_f64();
+        self.tokens = (self.tokens + elapsed * self.rate).min(self.burst);
+        self.last = now;
+        if self.tokens >= 1.0 {
+            self.tokens -= 1.0;
+            true
+        } else {
+            false
+        }
+    }
+}
+
+/// A per-connection bucket in 8 bytes: tokens and the core clock (ms) of the last refill.
+/// Rate and burst are the broker's, passed in, so each connection stores only its state.
+#[derive(Debug, Clone, Copy)]
+pub struct RigBucket {
+    tokens: f32,
+    at_ms: u32,
+}
+
+impl RigBucket {
+    /// A full bucket.
+    pub fn full(burst: u32, now_ms: u32) -> Self {
+        Self { tokens: burst as f32, at_ms: now_ms }
+    }
+
+    /// Takes one token, or says how many ms until one is there.
+    pub fn take(&mut self, rate: f64, burst: u32, now_ms: u32) -> Result<(), u32> {
+        // wrapping_sub: the core clock wraps after ~49 days; intervals stay correct.
+        let elapsed = now_ms.wrapping_sub(self.at_ms) as f64 / 1000.0;
+        self.tokens = ((self.tokens as f64) + elapsed * rate).min(burst as f64) as f32;
+        self.at_ms = now_ms;
+        if self.tokens >= 1.0 {
+            self.tokens -= 1.0;
+            Ok(())
+        } else {
+            let wait = ((1.0 - self.tokens as f64) / rate * 1000.0).ceil();
+            Err((wait as u32).max(1))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn accept_bucket_refills_at_rate() {
+        let t0 = Instant::now();
+        let mut b = TokenBucket::new(10.0, 2.0, t0);
+        assert!(b.try_take(t0));
+        assert!(b.try_take(t0));
+        assert!(!b.try_take(t0));
+        assert!(b.try_take(t0 + Duration::from_millis(100)));
+        assert!(!b.try_take(t0 + Duration::from_millis(100)));
+    }
+
+    #[test]
+    fn rig_bucket_says_how_long_to_wait() {
+        let mut b = RigBucket::full(2, 0);
+        assert!(b.take(100.0, 2, 0).is_ok());
+        assert!(b.take(100.0, 2, 0).is_ok());
+        assert_eq!(b.take(100.0, 2, 0), Err(10));
+        assert!(b.take(100.0, 2, 10).is_ok());
+        assert_eq!(std::mem::size_of::<RigBucket>(), 8);
+    }
+}

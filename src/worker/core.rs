@@ -1,0 +1,397 @@
+//! Per-core state (`Core`) and per-connection state (`Conn`). Neither is `Send`: a core's
+//! connections live and die on its thread, so plain `Cell`/`RefCell` suffice.
+//!
+//! Writes to a socket happen only on its core thread and only through [`Conn::send`] (ordered,
+//! one writer): bytes go straight to the kernel when nothing is queued ahead of them, and the
+//! remainder waits in `out` for the connection task to flush on writability.
+
+use std::borrow::Cow;
+use std::cell::{Cell, RefCell};
+use std::collections::{HashMap, VecDeque};
+use std::io;
+use std::os::fd::RawFd;
+use std::rc::Rc;
+use std::task::Waker;
+use std::time::{Instant, SystemTime};
+
+use crate::config::Config;
+use crate::doorbell::Mailbox;
+use crate::ids::{BootId, ConnId, CoreId, RigId, Seq};
+use crate::metrics::CoreMetrics;
+use crate::registry::msg::{SeqCommand, ToBridge};
+use crate::worker::bucket::RigBucket;
+use crate::worker::wheel::{Tick, Wheel};
+use crate::ws::{self, Decoder, Limits, OpCode};
+
+/// Above this many unsent bytes a connection stops reading (so a peer that sends but does not
+/// read cannot make us queue unbounded pongs or echoes).
+pub(crate) const OUT_HIGH_WATER: usize = 256 * 1024;
+
+/// One core's world.
+pub(crate) struct Core {
+    pub(crate) id: CoreId,
+    pub(crate) cfg: &'static Config,
+    /// `io_uring` or `epoll`, exported as a metric label.
+    pub(crate) driver: &'static str,
+    pub(crate) metrics: CoreMetrics,
+    pub(crate) conns: RefCell<HashMap<ConnId, Rc<Conn>>>,
+    pub(crate) wheel: RefCell<Wheel>,
+    pub(crate) tick_ms: u64,
+    pub(crate) started: Instant,
+    /// The one read buffer of this core: every connection reads into it, then keeps only the
+    /// bytes of an incomplete frame.
+    pub(crate) scratch: RefCell<Box<[u8]>>,
+    pub(crate) bridge: Mailbox<ToBridge>,
+    /// Set when a drain starts: the accept loop stops, no new hello is taken.
+    pub(crate) draining: Cell<bool>,
+    /// Wakes the accept loop when a drain starts.
+    pub(crate) accept_stop: LocalNotify,
+    /// Wakes the inbox loop when the drain is over.
+    pub(crate) done: LocalNotify,
+    /// Set when the drain is over and every connection is gone.
+    pub(crate) finished: Cell<bool>,
+    next_conn: Cell<u64>,
+    /// This core's share of `--max-connections`.
+    pub(crate) max_conns: Option<u64>,
+    /// Rejections (503) in progress, bounded so a storm cannot pile up tasks.
+    pub(crate) rejecting: Cell<u32>,
+    /// Fleet mode: publish lifecycle events.
+    pub(crate) fleet: bool,
+}
+
+impl Core {
+    pub(crate) fn new(
+        index: usize,
+        cfg: &'static Config,
+        driver: &'static str,
+        bridge: Mailbox<ToBridge>,
+    ) -> Self {
+        let tick_ms = tick_ms(cfg);
+        let horizon = [cfg.hello_timeout, cfg.ping_interval, cfg.pong_timeout]
+            .iter()
+            .map(|d| d.as_millis() as u64)
+            .max()
+            .unwrap_or(1000);
+        let share = |total: u64| {
+            let n = cfg.cores as u64;
+            total / n + u64::from((index as u64) < total % n)
+        };
+        Self {
+            id: CoreId(index as u16),
+            cfg,
+            driver,
+            metrics: CoreMetrics::default(),
+            conns: RefCell::new(HashMap::new()),
+            wheel: RefCell::new(Wheel::new((horizon / tick_ms) as usize + 2)),
+            tick_ms,
+            started: Instant::now(),
+            scratch: RefCell::new(vec![0u8; 64 * 1024].into_boxed_slice()),
+            bridge,
+            draining: Cell::new(false),
+            accept_stop: LocalNotify::default(),
+            done: LocalNotify::default(),
+            finished: Cell::new(false),
+            next_conn: Cell::new(0),
+            max_conns: cfg.max_connections.map(share),
+            rejecting: Cell::new(0),
+            fleet: cfg.redis.is_some(),
+        }
+    }
+
+    /// Milliseconds since the core started (wraps after ~49 days; compare with wrapping_sub).
+    pub(crate) fn now_ms(&self) -> u32 {
+        self.started.elapsed().as_millis() as u32
+    }
+
+    /// The current tick.
+    pub(crate) fn now_tick(&self) -> Tick {
+        self.started.elapsed().as_millis() as u64 / self.tick_ms
+    }
+
+    /// Ticks in `d` (at least one).
+    pub(crate) fn ticks(&self, d: std::time::Duration) -> Tick {
+        (d.as_millis() as u64).div_ceil(self.tick_ms).max(1)
+    }
+
+    pub(crate) fn next_conn_id(&self) -> ConnId {
+        let n = self.next_conn.get() + 1;
+        self.next_conn.set(n);
+        ConnId::new(self.id, n)
+    }
+
+    /// Marks the core finished once a drain has emptied it.
+    pub(crate) fn check_drained(&self) {
+        if self.draining.get() && self.conns.borrow().is_empty() && !self.finished.get() {
+            self.finished.set(true);
+            self.done.notify();
+        }
+    }
+
+    /// Sends to the bridge; a full bridge queue is counted and the message is dropped.
+    pub(crate) fn to_bridge(&self, msg: ToBridge) -> bool {
+        if self.bridge.send(msg).is_err() {
+            self.metrics.inc(crate::metrics::C::BridgeQueueFull);
+            return false;
+        }
+        true
+    }
+}
+
+/// Sweep tick: fine enough for the shortest liveness setting, never finer than 5 ms nor
+/// coarser than 250 ms.
+fn tick_ms(cfg: &Config) -> u64 {
+    let shortest = [cfg.hello_timeout, cfg.ping_interval, cfg.pong_timeout]
+        .iter()
+        .map(|d| d.as_millis() as u64)
+        .min()
+        .unwrap_or(1000);
+    (shortest / 8).clamp(5, 250)
+}
+
+/// A single-waiter, single-thread notification.
+#[derive(Default)]
+pub(crate) struct LocalNotify {
+    waker: Cell<Option<Waker>>,
+    set: Cell<bool>,
+}
+
+impl LocalNotify {
+    pub(crate) fn notify(&self) {
+        self.set.set(true);
+        if let Some(w) = self.waker.take() {
+            w.wake();
+        }
+    }
+
+    /// Polls for a notification (consumes it).
+    pub(crate) fn poll(&self, cx: &std::task::Context<'_>) -> bool {
+        if self.set.replace(false) {
+            return true;
+        }
+        self.waker.set(Some(cx.waker().clone()));
+        false
+    }
+}
+
+/// Where a connection is in its life.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Phase {
+    /// Reading the HTTP request head.
+    Handshake,
+    /// Upgraded on /agent; waiting for the hello.
+    AwaitHello,
+    /// Hello sent to the registry; waiting for its verdict.
+    AwaitVerdict,
+    /// Welcomed rig.
+    Live,
+    /// /echo (conformance): no hello, no pings.
+    Echo,
+    /// Close frame queued/sent; waiting for the peer's close.
+    Closing,
+    /// Finished; the task drops the socket.
+    Done,
+}
+
+/// A rig's session on this connection (allocated at hello).
+pub(crate) struct Session {
+    pub(crate) rig: RigId,
+    pub(crate) boot: BootId,
+    /// Protocol version the rig spoke.
+    pub(crate) v: u32,
+    pub(crate) labels: Vec<(String, String)>,
+    pub(crate) group: Option<Box<str>>,
+    pub(crate) next_seq: Seq,
+    pub(crate) last_ack: Seq,
+    pub(crate) last_ack_at: Option<SystemTime>,
+    pub(crate) connected_at: SystemTime,
+    /// The hello's `last_seq`: carried commands up to it are already on the rig.
+    pub(crate) resume_from: Option<Seq>,
+    /// The registry accepted the hello and `welcome` went out.
+    pub(crate) welcomed: bool,
+    /// Commands queued, not yet written (bounded by `--outbox`).
+    pub(crate) outbox: VecDeque<SeqCommand>,
+    /// Commands written, not yet acked: kept for ack latency and for the session's next
+    /// connection (bounded by `--outbox`; the oldest is dropped and counted beyond it).
+    pub(crate) unacked: VecDeque<SeqCommand>,
+}
+
+/// Liveness bookkeeping, in ticks.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Liveness {
+    pub(crate) last_ping: Tick,
+    pub(crate) awaiting_pong: bool,
+    pub(crate) missed: u8,
+}
+
+/// The mutable state of one connection.
+pub(crate) struct ConnState {
+    pub(crate) phase: Phase,
+    pub(crate) decoder: Decoder,
+    /// Unparsed input (a partial head or frame). Empty, and unallocated, while idle.
+    pub(crate) rbuf: Vec<u8>,
+    /// Unsent output. Empty, and unallocated, while idle.
+    pub(crate) out: Vec<u8>,
+    pub(crate) out_pos: usize,
+    pub(crate) session: Option<Box<Session>>,
+    pub(crate) live: Liveness,
+    /// Tick by which the head / hello / verdict must have arrived.
+    pub(crate) deadline: Tick,
+    pub(crate) bucket: RigBucket,
+    /// Core clock (ms) until which reading is paused because the rig is over its rate.
+    pub(crate) paused_until: Option<u32>,
+    /// `rbuf` holds input that was left unprocessed on purpose (paused), not a partial frame.
+    pub(crate) rbuf_ready: bool,
+    /// Close code we sent (or echoed), for metrics and events.
+    pub(crate) close_code: Option<u16>,
+    pub(crate) close_reason: Cow<'static, str>,
+}
+
+/// A connection as its core sees it.
+pub(crate) struct Conn {
+    pub(crate) id: ConnId,
+    pub(crate) fd: RawFd,
+    pub(crate) st: RefCell<ConnState>,
+    waker: Cell<Option<Waker>>,
+    woken: Cell<bool>,
+}
+
+impl Conn {
+    pub(crate) fn new(core: &Core, id: ConnId, fd: RawFd) -> Self {
+        let limits = Limits { max_message: core.cfg.max_message, max_fragments: 1024 };
+        Self {
+            id,
+            fd,
+            st: RefCell::new(ConnState {
+                phase: Phase::Handshake,
+                decoder: Decoder::new(limits),
+                rbuf: Vec::new(),
+                out: Vec::new(),
+                out_pos: 0,
+                session: None,
+                live: Liveness::default(),
+                deadline: core.now_tick() + core.ticks(core.cfg.hello_timeout),
+                bucket: RigBucket::full(core.cfg.rig_burst, core.now_ms()),
+                paused_until: None,
+                rbuf_ready: false,
+                close_code: None,
+                close_reason: Cow::Borrowed(""),
+            }),
+            waker: Cell::new(None),
+            woken: Cell::new(false),
+        }
+    }
+
+    /// Wakes the connection task (it re-checks its state: output to flush, close to finish).
+    pub(crate) fn notify(&self) {
+        self.woken.set(true);
+        if let Some(w) = self.waker.take() {
+            w.wake();
+        }
+    }
+
+    /// For the task: consumes a pending notification, or registers to be woken.
+    pub(crate) fn poll_notified(&self, cx: &std::task::Context<'_>) -> bool {
+        if self.woken.replace(false) {
+            return true;
+        }
+        let w = self.waker.take();
+        match w {
+            Some(w) if w.will_wake(cx.waker()) => self.waker.set(Some(w)),
+            _ => self.waker.set(Some(cx.waker().clone())),
+        }
+        false
+    }
+
+    /// Queues one server frame behind anything already queued and tries to write now.
+    pub(crate) fn send_frame(&self, st: &mut ConnState, op: OpCode, payload: &[u8]) {
+        ws::encode_frame(&mut st.out, op, payload);
+        self.flush_or_wake(st);
+    }
+
+    /// Queues raw bytes (HTTP responses) and tries to write now.
+    pub(crate) fn send_raw(&self, st: &mut ConnState, bytes: &[u8]) {
+        st.out.extend_from_slice(bytes);
+        self.flush_or_wake(st);
+    }
+
+    fn flush_or_wake(&self, st: &mut ConnState) {
+        match flush(self.fd, st) {
+            Ok(true) => {}
+            // The task waits for writability (or sees the error) once woken.
+            Ok(false) | Err(_) => self.notify(),
+        }
+    }
+
+    /// Starts the close handshake with `code` (RFC 6455 §7.1.2). The task finishes it.
+    pub(crate) fn close(&self, st: &mut ConnState, code: u16, reason: impl Into<Cow<'static, str>>) {
+        match st.phase {
+            Phase::Closing | Phase::Done => return,
+            Phase::Handshake => {
+                st.phase = Phase::Done;
+                self.notify();
+                return;
+            }
+            _ => {}
+        }
+        let reason = reason.into();
+        let mut frame = Vec::new();
+        ws::encode_close(&mut frame, code, &reason);
+        st.out.extend_from_slice(&frame);
+        st.close_code = Some(code);
+        st.close_reason = reason;
+        st.phase = Phase::Closing;
+        let _ = flush(self.fd, st);
+        self.notify();
+    }
+}
+
+/// Writes as much of `st.out` as the kernel takes. Ok(true) when all of it went out.
+pub(crate) fn flush(fd: RawFd, st: &mut ConnState) -> io::Result<bool> {
+    while st.out_pos < st.out.len() {
+        let rest = st.out.get(st.out_pos..).unwrap_or_default();
+        // SAFETY: `rest` is a valid initialized slice; fd is owned by the live connection task
+        // (the table entry, and with it this call, is removed before the socket is dropped).
+        let n = unsafe {
+            libc::send(fd, rest.as_ptr().cast(), rest.len(), libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL)
+        };
+        if n < 0 {
+            let err = io::Error::last_os_error();
+            return match err.kind() {
+                io::ErrorKind::WouldBlock => Ok(false),
+                io::ErrorKind::Interrupted => continue,
+                _ => Err(err),
+            };
+        }
+        st.out_pos += n as usize;
+    }
+    // Idle connections hold no output buffer at all.
+    st.out = Vec::new();
+    st.out_pos = 0;
+    Ok(true)
+}
+
+/// Reads what is ready into `buf`. Ok(0) is EOF; WouldBlock means nothing (yet).
+pub(crate) fn recv(fd: RawFd, buf: &mut [u8]) -> io::Result<usize> {
+    loop {
+        // SAFETY: `buf` is a valid writable slice; see `flush` for fd validity.
+        let n = unsafe { libc::recv(fd, buf.as_mut_ptr().cast(), buf.len(), libc::MSG_DONTWAIT) };
+        if n >= 0 {
+            return Ok(n as usize);
+        }
+        let err = io::Error::last_os_error();
+        if err.kind() != io::ErrorKind::Interrupted {
+            return Err(err);
+        }
+    }
+}
+
+impl ConnState {
+    /// Whether input may be parsed now (not waiting for a verdict, not over the rate, not
+    /// backed up on output, not finished).
+    pub(crate) fn can_consume(&self, now_ms: u32) -> bool {
+        let paused = self.paused_until.is_some_and(|t| (t.wrapping_sub(now_ms) as i32) > 0);
+        !paused
+            && !matches!(self.phase, Phase::AwaitVerdict | Phase::Done)
+            && self.out.len() - self.out_pos < OUT_HIGH_WATER
+    }
+}

@@ -1,0 +1,51 @@
+//! Graceful drain on one core (CONTRACT.md §7): stop accepting, send every rig a `goaway` with
+//! its own delay drawn uniformly from the window, close what is left with 1001 at the end.
+
+use std::rc::Rc;
+use std::time::Duration;
+
+use crate::protocol;
+use crate::worker::core::{Core, Phase};
+use crate::ws::OpCode;
+
+/// Extra time after the window for close handshakes before the core gives up on stragglers.
+const GRACE: Duration = Duration::from_secs(3);
+
+pub(crate) fn start(core: &Rc<Core>, window: Duration) {
+    if core.draining.replace(true) {
+        return;
+    }
+    core.accept_stop.notify();
+    let window_ms = window.as_millis() as u64;
+    let conns: Vec<_> = core.conns.borrow().values().cloned().collect();
+    for conn in conns {
+        let mut st = conn.st.borrow_mut();
+        match st.phase {
+            Phase::Live => {
+                let v = st.session.as_ref().map_or(1, |s| s.v);
+                let delay = if window_ms == 0 { 0 } else { fastrand::u64(0..window_ms) };
+                let goaway = protocol::encode_goaway(v, "drain", delay);
+                conn.send_frame(&mut st, OpCode::Text, &goaway);
+            }
+            Phase::Handshake | Phase::AwaitHello | Phase::AwaitVerdict | Phase::Echo => {
+                conn.close(&mut st, 1001, "broker draining");
+            }
+            Phase::Closing | Phase::Done => {}
+        }
+    }
+    let core = core.clone();
+    monoio::spawn(async move {
+        monoio::time::sleep(window).await;
+        let conns: Vec<_> = core.conns.borrow().values().cloned().collect();
+        for conn in conns {
+            conn.close(&mut conn.st.borrow_mut(), 1001, "broker shutting down");
+        }
+        core.check_drained();
+        monoio::time::sleep(GRACE).await;
+        // Stragglers that never finished their close handshake are dropped with the runtime.
+        if !core.finished.get() {
+            core.finished.set(true);
+            core.done.notify();
+        }
+    });
+}

@@ -1,0 +1,106 @@
+//! A core's inbox: messages from the bridge and the admin thread, drained whenever the
+//! doorbell rings. The loop sleeps on one readiness op while nothing arrives.
+
+use std::future::{poll_fn, Future};
+use std::pin::pin;
+use std::rc::Rc;
+use std::task::Poll;
+
+use crate::doorbell::Inbox;
+use crate::metrics::{RigInfo, C};
+use crate::registry::msg::ToCore;
+use crate::reply;
+use crate::worker::core::{Core, Phase};
+use crate::worker::{drain, session};
+
+/// Handles messages until the core has finished draining.
+pub(crate) async fn run(core: Rc<Core>, inbox: Inbox<ToCore>) -> std::io::Result<()> {
+    let bell = monoio::net::UnixStream::from_std(inbox.listen.try_clone()?)?;
+    loop {
+        while let Some(msg) = inbox.try_recv() {
+            handle(&core, msg);
+        }
+        if core.finished.get() {
+            return Ok(());
+        }
+        if !inbox.arm() {
+            continue;
+        }
+        let mut ring = pin!(bell.readable(false));
+        poll_fn(|cx| {
+            if core.done.poll(cx) {
+                return Poll::Ready(());
+            }
+            ring.as_mut().poll(cx).map(|_| ())
+        })
+        .await;
+        inbox.clear();
+    }
+}
+
+fn handle(core: &Rc<Core>, msg: ToCore) {
+    let conn_of = |id| core.conns.borrow().get(&id).cloned();
+    match msg {
+        ToCore::Verdict { conn, verdict } => {
+            if let Some(c) = conn_of(conn) {
+                session::on_verdict(core, &c, &mut c.st.borrow_mut(), verdict);
+            }
+        }
+        ToCore::Supersede { conn } => {
+            if let Some(c) = conn_of(conn) {
+                c.close(&mut c.st.borrow_mut(), 4410, "superseded by a newer connection of this rig");
+            }
+        }
+        ToCore::Command { conn, req } => match conn_of(conn) {
+            Some(c) => session::on_command(core, &c, &mut c.st.borrow_mut(), req),
+            None => {
+                core.metrics.inc(C::CmdNotConnected);
+                let body = reply::error(&req.id, Some(req.rig.as_str()), "rig_not_connected", "the rig's connection closed");
+                session::deliver(core, req.reply, body);
+            }
+        },
+        ToCore::Kick { conn, id, rig, reply: to } => {
+            let body = match conn_of(conn) {
+                Some(c) => {
+                    core.metrics.inc(C::Kicks);
+                    c.close(&mut c.st.borrow_mut(), 1012, "kicked by control; reconnect");
+                    reply::done(&id, &rig)
+                }
+                None => reply::error(&id, Some(rig.as_str()), "rig_not_connected", "the rig's connection closed"),
+            };
+            session::deliver(core, to, body);
+        }
+        ToCore::Snapshot { rigs, reply } => {
+            let mut snap = core.metrics.snapshot(core.id.0 as usize, core.driver);
+            if rigs {
+                snap.rigs = rig_list(core);
+            }
+            // The admin thread may have given up waiting; nothing to do then.
+            let _ = reply.try_send(snap);
+        }
+        ToCore::Drain { window } => drain::start(core, window),
+    }
+}
+
+fn rig_list(core: &Core) -> Vec<RigInfo> {
+    let conns = core.conns.borrow();
+    let mut out = Vec::new();
+    for conn in conns.values() {
+        let st = conn.st.borrow();
+        let Some(s) = st.session.as_ref().filter(|s| s.welcomed && st.phase == Phase::Live) else {
+            continue;
+        };
+        out.push(RigInfo {
+            rig_id: s.rig.to_string(),
+            boot_id: s.boot.to_string(),
+            labels: s.labels.iter().cloned().collect(),
+            connected_at: reply::rfc3339(s.connected_at),
+            last_ack_seq: s.last_ack.0,
+            last_ack_at: s.last_ack_at.map(reply::rfc3339),
+            outbox_depth: s.outbox.len(),
+            next_seq: s.next_seq.0,
+            core: core.id.0 as usize,
+        });
+    }
+    out
+}

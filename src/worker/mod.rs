@@ -1,0 +1,93 @@
+//! One thread = one core = one monoio runtime (io_uring, or epoll with a loud warning).
+//!
+//! Each core owns its listener, accept bucket, connection table, timer wheel and metrics; the
+//! only ways in are its inbox ([`crate::doorbell`]) and its sockets. Nothing here is shared
+//! between cores.
+//!
+//! - `accept`: listener, token bucket, 503s.
+//! - `conn`: the per-connection IO loop.
+//! - `session`: what a connection does with messages, verdicts and commands.
+//! - `sweep` + `wheel`: deadlines and liveness without per-connection timers.
+//! - `inbox`: messages from the bridge and admin.
+//! - `drain`: graceful shutdown.
+
+mod accept;
+mod bucket;
+mod conn;
+pub(crate) mod core;
+mod drain;
+mod inbox;
+mod session;
+mod sweep;
+mod wheel;
+
+pub use accept::bind_listeners;
+pub use bucket::{RigBucket, TokenBucket};
+
+use std::rc::Rc;
+use std::thread::JoinHandle;
+
+use monoio::{IoUringDriver, LegacyDriver, RuntimeBuilder};
+
+use crate::config::Config;
+use crate::doorbell::{Inbox, Mailbox};
+use crate::registry::msg::{ToBridge, ToCore};
+use crate::worker::core::Core;
+
+/// io_uring submission queue size per core. Idle connections each hold one in-flight PollAdd,
+/// which lives in the kernel, not in the SQ, so this only bounds one batch of submissions.
+const URING_ENTRIES: u32 = 4096;
+
+/// Which event driver a core runs.
+pub fn driver_name(cfg: &Config) -> &'static str {
+    if !cfg.force_epoll && monoio::utils::detect_uring() {
+        "io_uring"
+    } else {
+        "epoll"
+    }
+}
+
+/// Starts core `index` on its own pinned thread.
+pub fn spawn(
+    index: usize,
+    cfg: &'static Config,
+    listener: std::net::TcpListener,
+    inbox: Inbox<ToCore>,
+    bridge: Mailbox<ToBridge>,
+) -> std::io::Result<JoinHandle<()>> {
+    std::thread::Builder::new().name(format!("fleetlink-core-{index}")).spawn(move || {
+        if let Some(ids) = core_affinity::get_core_ids().filter(|ids| !ids.is_empty()) {
+            core_affinity::set_for_current(ids[index % ids.len()]);
+        }
+        let driver = driver_name(cfg);
+        let main = core_main(index, cfg, driver, listener, inbox, bridge);
+        let result = if driver == "io_uring" {
+            RuntimeBuilder::<IoUringDriver>::new()
+                .enable_timer()
+                .with_entries(URING_ENTRIES)
+                .build()
+                .map(|mut rt| rt.block_on(main))
+        } else {
+            RuntimeBuilder::<LegacyDriver>::new().enable_timer().build().map(|mut rt| rt.block_on(main))
+        };
+        match result {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) | Err(e) => log::error!("core {index} stopped: {e}"),
+        }
+    })
+}
+
+async fn core_main(
+    index: usize,
+    cfg: &'static Config,
+    driver: &'static str,
+    listener: std::net::TcpListener,
+    inbox: Inbox<ToCore>,
+    bridge: Mailbox<ToBridge>,
+) -> std::io::Result<()> {
+    let core = Rc::new(Core::new(index, cfg, driver, bridge));
+    let listener = monoio::net::TcpListener::from_std(listener)?;
+    monoio::spawn(accept::run(core.clone(), listener));
+    monoio::spawn(sweep::run(core.clone()));
+    inbox::run(core, inbox).await
+}

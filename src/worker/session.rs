@@ -1,0 +1,399 @@
+//! What a connection does with what it receives: the upgrade, rig messages, the registry's
+//! verdicts and control's commands. No awaits and no socket calls other than through
+//! [`Conn`]'s ordered writer, so every rule here runs to completion on the core thread.
+
+use std::collections::VecDeque;
+use std::time::{Instant, SystemTime};
+
+use crate::http_upgrade::{self, Reject};
+use crate::ids::Seq;
+use crate::metrics::C;
+use crate::protocol::{self, ClientMsg, Hello};
+use crate::registry::msg::{CommandReq, ReplyTo, SeqCommand, ToBridge, Verdict};
+use crate::reply::{self, Unresponsive};
+use crate::worker::core::{Conn, ConnState, Core, Phase, Session};
+use crate::ws::{Decoder, Limits, Message, OpCode};
+use crate::{events, protocol::encode_welcome};
+
+/// Longest request head accepted (CONTRACT.md §2: larger is 431).
+pub(crate) const MAX_HEAD: usize = 8 * 1024;
+
+/// Limits of the test-only /echo endpoint (CONTRACT.md §1 `--echo-endpoint`).
+const ECHO_LIMITS: Limits = Limits { max_message: 16 << 20, max_fragments: 65_536 };
+
+/// Parses as much of `input` as the connection may consume now; returns the bytes used.
+pub(crate) fn consume(core: &Core, conn: &Conn, st: &mut ConnState, input: &[u8]) -> usize {
+    let mut pos = 0;
+    st.rbuf_ready = false;
+    while pos < input.len() {
+        if !st.can_consume(core.now_ms()) {
+            st.rbuf_ready = true;
+            break;
+        }
+        let rest = input.get(pos..).unwrap_or_default();
+        if st.phase == Phase::Handshake {
+            match http_upgrade::parse_request(rest, MAX_HEAD, |p| known_path(core, p)) {
+                Ok(None) => break,
+                Ok(Some((len, req))) => {
+                    pos += len;
+                    upgrade(core, conn, st, &req.path, &req.key);
+                }
+                Err(reject) => {
+                    refuse(core, conn, st, &reject);
+                    break;
+                }
+            }
+            continue;
+        }
+        match st.decoder.decode(rest) {
+            Ok(None) => break,
+            Ok(Some((used, msg))) => {
+                pos += used;
+                if let Some(msg) = msg {
+                    on_message(core, conn, st, msg);
+                }
+            }
+            Err(e) => {
+                if st.phase == Phase::Closing {
+                    st.phase = Phase::Done;
+                } else {
+                    conn.close(st, e.close_code(), e.to_string());
+                }
+                break;
+            }
+        }
+    }
+    pos
+}
+
+fn known_path(core: &Core, path: &str) -> bool {
+    path == "/agent" || (core.cfg.echo_endpoint && path == "/echo")
+}
+
+fn refuse(core: &Core, conn: &Conn, st: &mut ConnState, reject: &Reject) {
+    core.metrics.inc(match reject {
+        Reject::BadRequest => C::Reject400,
+        Reject::NotFound => C::Reject404,
+        Reject::MethodNotAllowed => C::Reject405,
+        Reject::UpgradeRequired => C::Reject426,
+        Reject::HeaderTooLarge => C::Reject431,
+    });
+    conn.send_raw(st, &reject.response());
+    st.phase = Phase::Done;
+}
+
+fn upgrade(core: &Core, conn: &Conn, st: &mut ConnState, path: &str, key: &str) {
+    core.metrics.inc(C::Upgraded);
+    conn.send_raw(st, &http_upgrade::switching_protocols(key));
+    if path == "/echo" {
+        st.decoder = Decoder::new(ECHO_LIMITS);
+        st.phase = Phase::Echo;
+    } else {
+        // The hello deadline runs from the upgrade (CONTRACT.md §1 `--hello-timeout`).
+        st.phase = Phase::AwaitHello;
+        st.deadline = core.now_tick() + core.ticks(core.cfg.hello_timeout);
+        core.wheel.borrow_mut().insert(st.deadline, conn.id);
+    }
+}
+
+fn on_message(core: &Core, conn: &Conn, st: &mut ConnState, msg: Message) {
+    match msg {
+        Message::Ping(payload) => {
+            if st.phase != Phase::Closing {
+                conn.send_frame(st, OpCode::Pong, &payload);
+            }
+        }
+        Message::Pong(_) => {
+            core.metrics.inc(C::PongsReceived);
+            st.live.awaiting_pong = false;
+            st.live.missed = 0;
+        }
+        Message::Close(frame) => {
+            if st.phase == Phase::Closing {
+                st.phase = Phase::Done;
+                return;
+            }
+            // Echo the peer's code (RFC 6455 §5.5.1), then close the TCP connection first.
+            let code = frame.as_ref().map(|f| f.code);
+            match code {
+                Some(code) => crate::ws::encode_close(&mut st.out, code, ""),
+                None => crate::ws::encode_frame(&mut st.out, OpCode::Close, &[]),
+            }
+            st.close_code = Some(code.unwrap_or(1005));
+            st.phase = Phase::Done;
+            let _ = crate::worker::core::flush(conn.fd, st);
+        }
+        Message::Text(text) if st.phase == Phase::Echo => {
+            conn.send_frame(st, OpCode::Text, text.as_bytes())
+        }
+        Message::Binary(data) if st.phase == Phase::Echo => {
+            conn.send_frame(st, OpCode::Binary, &data)
+        }
+        Message::Binary(_) => {
+            core.metrics.inc(C::MsgBinary);
+            if st.phase != Phase::Closing {
+                conn.close(st, 1003, "messages are JSON text frames");
+            }
+        }
+        Message::Text(text) => on_text(core, conn, st, text.as_bytes()),
+    }
+}
+
+fn on_text(core: &Core, conn: &Conn, st: &mut ConnState, text: &[u8]) {
+    match st.phase {
+        Phase::AwaitHello => match protocol::parse_client_msg(text) {
+            Ok(ClientMsg::Hello(hello)) => on_hello(core, conn, st, hello),
+            _ => {
+                core.metrics.inc(C::MsgInvalid);
+                conn.close(st, 4400, "first message must be a valid hello");
+            }
+        },
+        Phase::Live => {
+            let now = core.now_ms();
+            if let Err(wait_ms) = st.bucket.take(core.cfg.rig_rate, core.cfg.rig_burst, now) {
+                // Over its rate: stop reading this socket until a token is back (TCP pushes
+                // back on this rig alone; nothing is dropped).
+                core.metrics.inc(C::RigRatePaused);
+                st.paused_until = Some(now.wrapping_add(wait_ms));
+            }
+            on_rig_message(core, conn, st, text);
+        }
+        // Closing: the RFC says data after our close frame is ignored.
+        _ => {}
+    }
+}
+
+fn on_hello(core: &Core, conn: &Conn, st: &mut ConnState, hello: Hello) {
+    core.metrics.inc(C::MsgHello);
+    if core.draining.get() {
+        conn.close(st, 4503, "retry_after=5");
+        return;
+    }
+    let Hello { v, rig_id, boot_id, labels, last_seq, .. } = hello;
+    let group = labels
+        .iter()
+        .find(|(k, _)| *k == core.cfg.group_label)
+        .map(|(_, v)| v.as_str().into());
+    let msg = ToBridge::Hello { conn: conn.id, rig: rig_id.clone(), boot: boot_id, labels: labels.clone() };
+    st.session = Some(Box::new(Session {
+        rig: rig_id,
+        boot: boot_id,
+        v,
+        labels,
+        group,
+        next_seq: Seq(1),
+        last_ack: Seq(0),
+        last_ack_at: None,
+        connected_at: SystemTime::now(),
+        resume_from: last_seq,
+        welcomed: false,
+        outbox: VecDeque::new(),
+        unacked: VecDeque::new(),
+    }));
+    if core.to_bridge(msg) {
+        st.phase = Phase::AwaitVerdict;
+    } else {
+        st.session = None;
+        conn.close(st, 4503, retry_after());
+    }
+}
+
+fn retry_after() -> String {
+    format!("retry_after={}", fastrand::u32(5..=15))
+}
+
+fn on_rig_message(core: &Core, conn: &Conn, st: &mut ConnState, text: &[u8]) {
+    let Some(session) = st.session.as_mut() else { return };
+    let broker = core.cfg.broker_id.as_str();
+    match protocol::parse_client_msg(text) {
+        Ok(ClientMsg::Ack { seq, .. }) => {
+            core.metrics.inc(C::MsgAck);
+            let id = on_ack(core, session, seq);
+            if core.fleet {
+                core.to_bridge(ToBridge::Event(events::ack(broker, &session.rig, seq, id.as_deref())));
+            }
+        }
+        Ok(ClientMsg::Result { seq, ok, output, .. }) => {
+            core.metrics.inc(C::MsgResult);
+            if core.fleet {
+                core.to_bridge(ToBridge::Event(events::result(broker, &session.rig, seq, ok, output)));
+            }
+        }
+        Ok(ClientMsg::Event { name, data, .. }) => {
+            core.metrics.inc(C::MsgEvent);
+            if core.fleet {
+                core.to_bridge(ToBridge::Event(events::event(broker, &session.rig, &name, data)));
+            }
+        }
+        Ok(ClientMsg::Unknown { .. }) | Ok(ClientMsg::Hello(_)) => {
+            core.metrics.inc(C::MsgUnknown);
+            if core.cfg.strict {
+                conn.close(st, 4400, "unknown message type");
+            }
+        }
+        Err(_) => {
+            core.metrics.inc(C::MsgInvalid);
+            if core.cfg.strict {
+                conn.close(st, 4400, "invalid message");
+            }
+        }
+    }
+}
+
+/// Records an ack; returns the command id when the broker still held the command.
+fn on_ack(core: &Core, s: &mut Session, seq: Seq) -> Option<Box<str>> {
+    if seq > s.last_ack {
+        s.last_ack = seq;
+        s.last_ack_at = Some(SystemTime::now());
+    }
+    let mut id = None;
+    while s.unacked.front().is_some_and(|c| c.seq <= seq) {
+        let Some(cmd) = s.unacked.pop_front() else { break };
+        if cmd.seq == seq {
+            core.metrics.inc(C::CmdAcked);
+            if let Some(at) = cmd.written_at {
+                core.metrics.ack_latency(at.elapsed().as_millis() as u64);
+            }
+            id = Some(cmd.id);
+        }
+    }
+    if s.unacked.is_empty() {
+        s.unacked = VecDeque::new();
+    }
+    id
+}
+
+/// Moves queued commands to the socket while it keeps up. Called after enqueue and after the
+/// task flushed a backlog.
+pub(crate) fn pump(core: &Core, conn: &Conn, st: &mut ConnState) {
+    while st.out.is_empty() {
+        let Some(session) = st.session.as_mut() else { return };
+        let Some(mut cmd) = session.outbox.pop_front() else {
+            session.outbox = VecDeque::new();
+            return;
+        };
+        cmd.written_at = Some(Instant::now());
+        let json = cmd.json.clone();
+        if session.unacked.len() >= core.cfg.outbox {
+            session.unacked.pop_front();
+            core.metrics.inc(C::CmdResumeDropped);
+        }
+        session.unacked.push_back(cmd);
+        core.metrics.inc(C::CmdWritten);
+        conn.send_frame(st, OpCode::Text, &json);
+    }
+}
+
+/// The registry's answer to this connection's hello.
+pub(crate) fn on_verdict(core: &Core, conn: &Conn, st: &mut ConnState, verdict: Verdict) {
+    if st.phase != Phase::AwaitVerdict {
+        return;
+    }
+    let (next_seq, resumed, carried) = match verdict {
+        Verdict::Accept { next_seq, resumed, carried } => (next_seq, resumed, carried),
+        Verdict::Older => return conn.close(st, 4409, "a newer boot of this rig is connected"),
+        Verdict::Busy => return conn.close(st, 4503, retry_after()),
+    };
+    let Some(session) = st.session.as_mut() else { return };
+    session.next_seq = next_seq;
+    session.welcomed = true;
+    let welcome = encode_welcome(
+        session.v,
+        &core.cfg.broker_id,
+        &session.rig,
+        core.cfg.ping_interval.as_millis() as u64,
+        resumed,
+    );
+    let already = session.resume_from.unwrap_or(Seq(0));
+    for cmd in carried.into_iter().filter(|c| c.seq > already) {
+        core.metrics.inc(C::CmdResumeSent);
+        session.outbox.push_back(cmd);
+    }
+    if let Some(g) = &session.group {
+        core.metrics.group(g, true);
+    }
+    if core.fleet {
+        let ev = events::connected(&core.cfg.broker_id, &session.rig, &session.boot, resumed);
+        core.to_bridge(ToBridge::Event(ev));
+    }
+    st.phase = Phase::Live;
+    st.live.last_ping = core.now_tick();
+    core.wheel.borrow_mut().insert(st.live.last_ping + core.ticks(core.cfg.ping_interval), conn.id);
+    conn.send_frame(st, OpCode::Text, &welcome);
+    pump(core, conn, st);
+    // Input that arrived behind the hello is parsed now.
+    conn.notify();
+}
+
+/// Control's command for this connection's rig.
+pub(crate) fn on_command(core: &Core, conn: &Conn, st: &mut ConnState, req: CommandReq) {
+    let live = st.phase == Phase::Live;
+    let Some(session) = st.session.as_mut().filter(|s| live && s.rig == req.rig) else {
+        core.metrics.inc(C::CmdNotConnected);
+        let body = reply::error(&req.id, Some(req.rig.as_str()), "rig_not_connected", "the rig's connection is closing");
+        return deliver(core, req.reply, body);
+    };
+    if session.outbox.len() >= core.cfg.outbox {
+        core.metrics.inc(C::CmdOutboxFull);
+        let oldest = session.outbox.front().map(|c| c.queued_at.elapsed()).unwrap_or_default();
+        let body = reply::unresponsive(
+            &req.id,
+            &session.rig,
+            Unresponsive {
+                queued: session.outbox.len(),
+                capacity: core.cfg.outbox,
+                oldest_age: oldest,
+                last_ack_seq: session.last_ack,
+                last_ack_at: session.last_ack_at,
+            },
+        );
+        return deliver(core, req.reply, body);
+    }
+    let seq = session.next_seq;
+    session.next_seq = Seq(seq.0 + 1);
+    let json = protocol::encode_command(session.v, seq, &req.id, &req.name, &req.args);
+    session.outbox.push_back(SeqCommand {
+        seq,
+        id: req.id.as_str().into(),
+        json: json.into_boxed_slice(),
+        queued_at: Instant::now(),
+        written_at: None,
+    });
+    core.metrics.inc(C::CmdEnqueued);
+    let body = reply::enqueued(&req.id, &session.rig, seq);
+    deliver(core, req.reply, body);
+    pump(core, conn, st);
+}
+
+/// Sends a reply to wherever control waits for it.
+pub(crate) fn deliver(core: &Core, to: ReplyTo, body: serde_json::Value) {
+    match to {
+        // A gone waiter (timed out) is not an error here.
+        ReplyTo::Admin(tx) => drop(tx.try_send(body)),
+        ReplyTo::Channel(channel) => {
+            core.to_bridge(ToBridge::Reply { channel, body });
+        }
+    }
+}
+
+/// Called once when the connection task ends: tell the registry, fix metrics.
+pub(crate) fn on_closed(core: &Core, conn: &Conn, st: &mut ConnState) {
+    core.metrics.close(st.close_code.unwrap_or(1006));
+    let Some(session) = st.session.take() else { return };
+    let s = *session;
+    if !s.welcomed {
+        core.to_bridge(ToBridge::Abandoned { conn: conn.id, rig: s.rig });
+        return;
+    }
+    if let Some(g) = &s.group {
+        core.metrics.group(g, false);
+    }
+    if core.fleet {
+        let code = st.close_code.unwrap_or(1006);
+        let ev = events::disconnected(&core.cfg.broker_id, &s.rig, &s.boot, code, &st.close_reason);
+        core.to_bridge(ToBridge::Event(ev));
+    }
+    let mut carried: Vec<SeqCommand> = s.unacked.into_iter().collect();
+    carried.extend(s.outbox);
+    core.to_bridge(ToBridge::Closed { conn: conn.id, rig: s.rig, boot: s.boot, next_seq: s.next_seq, carried });
+}

@@ -1,0 +1,76 @@
+//! The per-core sweep: advances the timer wheel one tick at a time and enforces the deadlines
+//! of the connections that are due (head/hello deadline, PING, PONG, CONTRACT.md §2 liveness).
+
+use std::rc::Rc;
+use std::time::Duration;
+
+use crate::ids::ConnId;
+use crate::metrics::C;
+use crate::worker::core::{Core, Phase};
+use crate::ws::OpCode;
+
+/// Runs until the core finishes.
+pub(crate) async fn run(core: Rc<Core>) {
+    let start = monoio::time::Instant::from_std(core.started);
+    let tick = Duration::from_millis(core.tick_ms);
+    while !core.finished.get() {
+        let next = core.wheel.borrow().now() + 1;
+        monoio::time::sleep_until(start + tick * next as u32).await;
+        let due = core.wheel.borrow_mut().advance();
+        for id in &due {
+            visit(&core, *id);
+        }
+        core.wheel.borrow_mut().recycle(due);
+    }
+}
+
+fn visit(core: &Core, id: ConnId) {
+    let Some(conn) = core.conns.borrow().get(&id).cloned() else { return };
+    let now = core.wheel.borrow().now();
+    let mut st = conn.st.borrow_mut();
+    let next = match st.phase {
+        Phase::Handshake | Phase::AwaitHello | Phase::AwaitVerdict if now < st.deadline => {
+            Some(st.deadline)
+        }
+        Phase::Handshake => {
+            core.metrics.inc(C::HeadTimeout);
+            conn.close(&mut st, 1000, "");
+            None
+        }
+        Phase::AwaitHello => {
+            conn.close(&mut st, 4408, "no hello within the hello timeout");
+            None
+        }
+        Phase::AwaitVerdict => {
+            conn.close(&mut st, 4503, format!("retry_after={}", fastrand::u32(5..=15)));
+            None
+        }
+        Phase::Live => {
+            let ping = core.ticks(core.cfg.ping_interval);
+            // A PONG later than the next PING counts as missed too.
+            let pong = core.ticks(core.cfg.pong_timeout).min(ping);
+            let live = &mut st.live;
+            if live.awaiting_pong && now >= live.last_ping + pong {
+                live.awaiting_pong = false;
+                live.missed += 1;
+                if live.missed >= core.cfg.max_missed_pongs {
+                    conn.close(&mut st, 4002, "ping timeout");
+                    return;
+                }
+            }
+            let live = &mut st.live;
+            if now >= live.last_ping + ping {
+                live.last_ping = now;
+                live.awaiting_pong = true;
+                core.metrics.inc(C::PingsSent);
+                conn.send_frame(&mut st, OpCode::Ping, &[]);
+            }
+            let live = &st.live;
+            Some(if live.awaiting_pong { live.last_ping + pong } else { live.last_ping + ping })
+        }
+        Phase::Echo | Phase::Closing | Phase::Done => None,
+    };
+    if let Some(at) = next {
+        core.wheel.borrow_mut().insert(at, id);
+    }
+}

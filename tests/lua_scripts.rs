@@ -1,0 +1,579 @@
+//! Every branch of the registry's Lua scripts (lua/*.lua), run by their Rust wrappers against a
+//! real redis-server on a free port.
+
+mod common;
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use redis::{Connection, Value};
+
+use common::redis::RedisServer;
+use fleetlink::ids::{BootId, RigId};
+use fleetlink::registry::scripts::{
+    broker_key, rig_key, tuple, HelloOutcome, Owner, RefreshStatus, RegistryError, Scripts,
+    REFRESH_CHUNK,
+};
+
+const TTL: Duration = Duration::from_secs(60);
+const T0: u64 = 1_700_000_000_000;
+
+fn rig(name: &str) -> RigId {
+    RigId::parse(name).expect("test rig id")
+}
+
+/// A boot id for `ms` after T0, so tests can order boots.
+fn boot(ms: u64) -> BootId {
+    BootId::generate(T0 + ms)
+}
+
+/// A fresh server, a connection to it, and the scripts, already loaded.
+fn setup() -> (RedisServer, Connection, Scripts) {
+    let server = RedisServer::start();
+    let mut con = server.connection();
+    let scripts = Scripts::new();
+    scripts.load(&mut con).expect("SCRIPT LOAD");
+    (server, con, scripts)
+}
+
+fn get(con: &mut Connection, key: &str) -> Option<String> {
+    redis::cmd("GET").arg(key).query(con).expect("GET")
+}
+
+fn set(con: &mut Connection, key: &str, value: &str) {
+    let _: () = redis::cmd("SET")
+        .arg(key)
+        .arg(value)
+        .query(con)
+        .expect("SET");
+}
+
+fn pttl(con: &mut Connection, key: &str) -> i64 {
+    redis::cmd("PTTL").arg(key).query(con).expect("PTTL")
+}
+
+fn run(con: &mut Connection, args: &[&str]) {
+    let _: Value = redis::cmd(args[0])
+        .arg(&args[1..])
+        .query(con)
+        .expect("command");
+}
+
+/// Calls and server time of one command, from `INFO commandstats`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Stat {
+    calls: u64,
+    usec: u64,
+}
+
+/// `INFO commandstats` by command name (`get`, `evalsha`, `script|load`, ...).
+fn command_stats(con: &mut Connection) -> HashMap<String, Stat> {
+    let info: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query(con)
+        .expect("INFO");
+    let field = |rest: &str, name: &str| -> Option<u64> {
+        let value = rest
+            .split(',')
+            .find_map(|kv| kv.strip_prefix(name)?.strip_prefix('='))?;
+        value.parse().ok()
+    };
+    info.lines()
+        .filter_map(|l| {
+            let (name, rest) = l.strip_prefix("cmdstat_")?.split_once(':')?;
+            let stat = Stat {
+                calls: field(rest, "calls")?,
+                usec: field(rest, "usec")?,
+            };
+            Some((name.to_owned(), stat))
+        })
+        .collect()
+}
+
+/// Calls of `name` since the last CONFIG RESETSTAT; 0 when never called.
+fn calls(con: &mut Connection, name: &str) -> u64 {
+    command_stats(con).get(name).map_or(0, |s| s.calls)
+}
+
+// ---- hello.lua ----
+
+#[test]
+fn hello_on_empty_key_takes_the_rig_with_ttl() {
+    let (_server, mut con, scripts) = setup();
+    let (r, b) = (rig("rig-1"), boot(0));
+    let out = scripts.hello(&mut con, &r, &b, "fe-a", TTL).unwrap();
+    assert_eq!(out, HelloOutcome::Owned { previous: None });
+    assert_eq!(get(&mut con, "rig:rig-1"), Some(tuple(&b, "fe-a")));
+    let left = pttl(&mut con, "rig:rig-1");
+    assert!((59_000..=60_000).contains(&left), "pttl {left}");
+}
+
+#[test]
+fn hello_with_equal_boot_reclaims_and_reports_previous_broker() {
+    let (_server, mut con, scripts) = setup();
+    let (r, b) = (rig("rig-1"), boot(0));
+    scripts.hello(&mut con, &r, &b, "fe-a", TTL).unwrap();
+    // Same process reconnecting, to another broker: it wins, and fe-a must be told to evict.
+    let out = scripts.hello(&mut con, &r, &b, "fe-b", TTL).unwrap();
+    let previous = Owner {
+        boot_id: b.to_string(),
+        broker_id: "fe-a".into(),
+    };
+    assert_eq!(
+        out,
+        HelloOutcome::Owned {
+            previous: Some(previous)
+        }
+    );
+    assert_eq!(get(&mut con, "rig:rig-1"), Some(tuple(&b, "fe-b")));
+}
+
+#[test]
+fn hello_with_newer_boot_takes_over_from_another_broker() {
+    let (_server, mut con, scripts) = setup();
+    let r = rig("rig-1");
+    let (old, new) = (boot(0), boot(1));
+    scripts.hello(&mut con, &r, &old, "fe-a", TTL).unwrap();
+    let out = scripts.hello(&mut con, &r, &new, "fe-b", TTL).unwrap();
+    let HelloOutcome::Owned {
+        previous: Some(previous),
+    } = out
+    else {
+        panic!("expected takeover, got {out:?}");
+    };
+    assert_eq!(previous.boot_id, old.to_string());
+    assert_eq!(previous.broker_id, "fe-a");
+    assert_eq!(get(&mut con, "rig:rig-1"), Some(tuple(&new, "fe-b")));
+}
+
+#[test]
+fn hello_with_older_boot_writes_nothing() {
+    let (_server, mut con, scripts) = setup();
+    let r = rig("rig-1");
+    let (old, new) = (boot(0), boot(1));
+    scripts
+        .hello(&mut con, &r, &new, "fe-a", Duration::from_secs(5))
+        .unwrap();
+    // The 4409 case: a stale process (or a clone) with an older boot id.
+    let out = scripts.hello(&mut con, &r, &old, "fe-b", TTL).unwrap();
+    let current = Owner {
+        boot_id: new.to_string(),
+        broker_id: "fe-a".into(),
+    };
+    assert_eq!(out, HelloOutcome::Older { current });
+    assert_eq!(get(&mut con, "rig:rig-1"), Some(tuple(&new, "fe-a")));
+    assert!(
+        pttl(&mut con, "rig:rig-1") <= 5_000,
+        "TTL must not be touched"
+    );
+}
+
+#[test]
+fn hello_orders_boots_by_every_character() {
+    let (_server, mut con, scripts) = setup();
+    let r = rig("rig-1");
+    // Same millisecond, differing only in the last hex digit: 'a' (0x61) beats '9' (0x39).
+    let low = BootId::parse("01890a5d-ac96-774b-bcce-b302099a8059").unwrap();
+    let high = BootId::parse("01890a5d-ac96-774b-bcce-b302099a805a").unwrap();
+    scripts.hello(&mut con, &r, &high, "fe-a", TTL).unwrap();
+    let out = scripts.hello(&mut con, &r, &low, "fe-b", TTL).unwrap();
+    assert!(matches!(out, HelloOutcome::Older { .. }), "{out:?}");
+}
+
+#[test]
+fn hello_overwrites_malformed_entries() {
+    let (_server, mut con, scripts) = setup();
+    let (r, b) = (rig("rig-1"), boot(0));
+    // No '|'; a '|' after text that is no boot id (and sorts above any); a hash.
+    let garbage = [
+        "garbage",
+        "zzzzzzzz-zzzz-zzzz-zzzz-zzzzzzzzzzzz|fe-x",
+        "ffff|fe-x",
+    ];
+    for value in garbage {
+        set(&mut con, "rig:rig-1", value);
+        let out = scripts.hello(&mut con, &r, &b, "fe-a", TTL).unwrap();
+        let expected = HelloOutcome::Owned {
+            previous: Some(Owner::parse(value)),
+        };
+        assert_eq!(out, expected, "stored {value:?}");
+        assert_eq!(get(&mut con, "rig:rig-1"), Some(tuple(&b, "fe-a")));
+    }
+    run(&mut con, &["DEL", "rig:rig-1"]);
+    run(&mut con, &["HSET", "rig:rig-1", "f", "v"]);
+    let out = scripts.hello(&mut con, &r, &b, "fe-a", TTL).unwrap();
+    assert_eq!(out, HelloOutcome::Owned { previous: None });
+    assert_eq!(get(&mut con, "rig:rig-1"), Some(tuple(&b, "fe-a")));
+}
+
+// ---- refresh.lua ----
+
+#[test]
+fn refresh_extends_our_ttl() {
+    let (_server, mut con, scripts) = setup();
+    let (r, b) = (rig("rig-1"), boot(0));
+    scripts
+        .hello(&mut con, &r, &b, "fe-a", Duration::from_secs(2))
+        .unwrap();
+    assert!(pttl(&mut con, "rig:rig-1") <= 2_000);
+    let out = scripts.refresh(&mut con, &[(r, b)], "fe-a", TTL).unwrap();
+    assert_eq!(out, [RefreshStatus::Ok]);
+    let left = pttl(&mut con, "rig:rig-1");
+    assert!(left > 50_000, "TTL not extended: {left}");
+    assert_eq!(get(&mut con, "rig:rig-1"), Some(tuple(&b, "fe-a")));
+}
+
+#[test]
+fn refresh_restores_a_deleted_key() {
+    let (_server, mut con, scripts) = setup();
+    let (r, b) = (rig("rig-1"), boot(0));
+    scripts.hello(&mut con, &r, &b, "fe-a", TTL).unwrap();
+    run(&mut con, &["DEL", "rig:rig-1"]);
+    let out = scripts.refresh(&mut con, &[(r, b)], "fe-a", TTL).unwrap();
+    assert_eq!(out, [RefreshStatus::Restored]);
+    assert_eq!(get(&mut con, "rig:rig-1"), Some(tuple(&b, "fe-a")));
+    assert!(pttl(&mut con, "rig:rig-1") > 50_000);
+}
+
+#[test]
+fn refresh_restores_everything_after_flushall() {
+    let (_server, mut con, scripts) = setup();
+    let entries: Vec<_> = (0..10)
+        .map(|i| (rig(&format!("rig-{i}")), boot(i)))
+        .collect();
+    for (r, b) in &entries {
+        scripts.hello(&mut con, r, b, "fe-a", TTL).unwrap();
+    }
+    run(&mut con, &["FLUSHALL"]);
+    let out = scripts.refresh(&mut con, &entries, "fe-a", TTL).unwrap();
+    assert_eq!(out, vec![RefreshStatus::Restored; 10]);
+    for (r, b) in &entries {
+        assert_eq!(get(&mut con, &rig_key(r)), Some(tuple(b, "fe-a")));
+    }
+}
+
+#[test]
+fn refresh_after_redis_restart_reloads_the_script_and_restores() {
+    let (mut server, mut con, scripts) = setup();
+    let (r, b) = (rig("rig-1"), boot(0));
+    scripts.hello(&mut con, &r, &b, "fe-a", TTL).unwrap();
+    server.restart();
+    let err = scripts.refresh(&mut con, &[(r.clone(), b)], "fe-a", TTL);
+    assert!(matches!(err, Err(RegistryError::Redis(_))), "{err:?}");
+    // What the bridge does: reconnect; the new server has no scripts until EVALSHA loads them.
+    let mut con = server.connection();
+    let out = scripts.refresh(&mut con, &[(r, b)], "fe-a", TTL).unwrap();
+    assert_eq!(out, [RefreshStatus::Restored]);
+    assert_eq!(get(&mut con, "rig:rig-1"), Some(tuple(&b, "fe-a")));
+}
+
+#[test]
+fn refresh_is_superseded_by_a_newer_tuple_and_touches_nothing() {
+    let (_server, mut con, scripts) = setup();
+    let r = rig("rig-1");
+    let (old, new) = (boot(0), boot(1));
+    scripts.hello(&mut con, &r, &old, "fe-a", TTL).unwrap();
+    scripts
+        .hello(&mut con, &r, &new, "fe-b", Duration::from_secs(5))
+        .unwrap();
+    let out = scripts.refresh(&mut con, &[(r, old)], "fe-a", TTL).unwrap();
+    assert_eq!(out, [RefreshStatus::Superseded]);
+    assert_eq!(get(&mut con, "rig:rig-1"), Some(tuple(&new, "fe-b")));
+    assert!(
+        pttl(&mut con, "rig:rig-1") <= 5_000,
+        "TTL must not be touched"
+    );
+}
+
+#[test]
+fn refresh_is_superseded_by_garbage() {
+    let (_server, mut con, scripts) = setup();
+    let (r, b) = (rig("rig-1"), boot(0));
+    for value in ["garbage".to_owned(), tuple(&b, "fe-b"), format!("{b}|")] {
+        set(&mut con, "rig:rig-1", &value);
+        let out = scripts
+            .refresh(&mut con, &[(r.clone(), b)], "fe-a", TTL)
+            .unwrap();
+        assert_eq!(out, [RefreshStatus::Superseded], "stored {value:?}");
+        assert_eq!(get(&mut con, "rig:rig-1"), Some(value));
+        assert_eq!(pttl(&mut con, "rig:rig-1"), -1, "no TTL may be added");
+    }
+    run(&mut con, &["DEL", "rig:rig-1"]);
+    run(&mut con, &["RPUSH", "rig:rig-1", "x"]);
+    let out = scripts.refresh(&mut con, &[(r, b)], "fe-a", TTL).unwrap();
+    assert_eq!(out, [RefreshStatus::Superseded]);
+}
+
+#[test]
+fn refresh_batch_crosses_chunks_in_order() {
+    let (_server, mut con, scripts) = setup();
+    let n = 2_500;
+    let entries: Vec<_> = (0..n)
+        .map(|i| (rig(&format!("rig-{i}")), boot(i)))
+        .collect();
+    let mut expected = Vec::with_capacity(n as usize);
+    let mut fill = redis::pipe();
+    for (i, (r, b)) in entries.iter().enumerate() {
+        let key = rig_key(r);
+        // i % 3: 0 ours, 1 missing, 2 someone else's.
+        match i % 3 {
+            0 => fill
+                .cmd("SET")
+                .arg(&key)
+                .arg(tuple(b, "fe-a"))
+                .arg("PX")
+                .arg(1_000),
+            1 => fill.cmd("DEL").arg(&key),
+            _ => fill.cmd("SET").arg(&key).arg(tuple(b, "fe-b")),
+        };
+        expected.push(
+            [
+                RefreshStatus::Ok,
+                RefreshStatus::Restored,
+                RefreshStatus::Superseded,
+            ][i % 3],
+        );
+    }
+    let _: () = fill.query(&mut con).unwrap();
+    run(&mut con, &["CONFIG", "RESETSTAT"]);
+    let out = scripts.refresh(&mut con, &entries, "fe-a", TTL).unwrap();
+    let evalsha = calls(&mut con, "evalsha");
+    assert_eq!(out, expected);
+    assert_eq!(evalsha, n.div_ceil(REFRESH_CHUNK as u64));
+    for (i, (r, b)) in entries.iter().enumerate().step_by(7) {
+        let owner = if i % 3 == 2 { "fe-b" } else { "fe-a" };
+        assert_eq!(
+            get(&mut con, &rig_key(r)),
+            Some(tuple(b, owner)),
+            "entry {i}"
+        );
+    }
+}
+
+#[test]
+fn refresh_and_release_of_nothing_send_nothing() {
+    let (_server, mut con, scripts) = setup();
+    run(&mut con, &["CONFIG", "RESETSTAT"]);
+    assert_eq!(scripts.refresh(&mut con, &[], "fe-a", TTL).unwrap(), []);
+    assert_eq!(scripts.release(&mut con, &[], "fe-a").unwrap(), 0);
+    assert_eq!(calls(&mut con, "evalsha"), 0);
+}
+
+// ---- release.lua ----
+
+#[test]
+fn release_deletes_exact_matches_only() {
+    let (_server, mut con, scripts) = setup();
+    let entries: Vec<_> = (0..5)
+        .map(|i| (rig(&format!("rig-{i}")), boot(i)))
+        .collect();
+    let b0 = entries[0].1;
+    set(&mut con, "rig:rig-0", &tuple(&b0, "fe-a")); // ours: deleted
+    set(&mut con, "rig:rig-1", &tuple(&boot(100), "fe-a")); // newer boot, same broker
+    set(&mut con, "rig:rig-2", &tuple(&entries[2].1, "fe-b")); // same boot, other broker
+    set(&mut con, "rig:rig-3", "garbage"); // rig-4 is missing
+    let deleted = scripts.release(&mut con, &entries, "fe-a").unwrap();
+    assert_eq!(deleted, 1);
+    assert_eq!(get(&mut con, "rig:rig-0"), None);
+    assert!(get(&mut con, "rig:rig-1").is_some());
+    assert!(get(&mut con, "rig:rig-2").is_some());
+    assert_eq!(get(&mut con, "rig:rig-3").as_deref(), Some("garbage"));
+    // A raw value equal to the expected tuple is deleted however it got there.
+    set(&mut con, "rig:rig-3", &tuple(&entries[3].1, "fe-a"));
+    assert_eq!(scripts.release(&mut con, &entries, "fe-a").unwrap(), 1);
+}
+
+#[test]
+fn release_batch_crosses_chunks() {
+    let (_server, mut con, scripts) = setup();
+    let entries: Vec<_> = (0..2_100)
+        .map(|i| (rig(&format!("rig-{i}")), boot(i)))
+        .collect();
+    for (r, b) in &entries {
+        scripts.hello(&mut con, r, b, "fe-a", TTL).unwrap();
+    }
+    // Every tenth rig was taken over by another broker and must survive.
+    for (r, b) in entries.iter().step_by(10) {
+        scripts.hello(&mut con, r, b, "fe-b", TTL).unwrap();
+    }
+    assert_eq!(scripts.release(&mut con, &entries, "fe-a").unwrap(), 1_890);
+    let left: Vec<String> = redis::cmd("KEYS").arg("rig:*").query(&mut con).unwrap();
+    assert_eq!(left.len(), 210);
+}
+
+// ---- broker.lua ----
+
+#[test]
+fn broker_heartbeat_sets_json_with_ttl() {
+    let (_server, mut con, scripts) = setup();
+    let json = r#"{"address":"10.0.0.1:8080","cores":2,"connections":7}"#;
+    let ttl = Duration::from_secs(30);
+    scripts
+        .broker_heartbeat(&mut con, "fe-a", json, ttl)
+        .unwrap();
+    assert_eq!(broker_key("fe-a"), "broker:fe-a");
+    assert_eq!(get(&mut con, "broker:fe-a").as_deref(), Some(json));
+    let left = pttl(&mut con, "broker:fe-a");
+    assert!((29_000..=30_000).contains(&left), "pttl {left}");
+}
+
+// ---- loading and bad input ----
+
+#[test]
+fn load_registers_all_four_scripts() {
+    let server = RedisServer::start();
+    let mut con = server.connection();
+    Scripts::new().load(&mut con).unwrap();
+    let sources = [
+        include_str!("../lua/hello.lua"),
+        include_str!("../lua/refresh.lua"),
+        include_str!("../lua/release.lua"),
+        include_str!("../lua/broker.lua"),
+    ];
+    let mut exists = redis::cmd("SCRIPT");
+    exists.arg("EXISTS");
+    for src in sources {
+        exists.arg(redis::Script::new(src).get_hash());
+    }
+    let found: Vec<i64> = exists.query(&mut con).unwrap();
+    assert_eq!(found, [1, 1, 1, 1]);
+}
+
+#[test]
+fn evalsha_after_script_flush_reloads() {
+    let (_server, mut con, scripts) = setup();
+    let (r, b) = (rig("rig-1"), boot(0));
+    let entries = [(r.clone(), b)];
+    run(&mut con, &["SCRIPT", "FLUSH"]);
+    scripts.hello(&mut con, &r, &b, "fe-a", TTL).unwrap();
+    run(&mut con, &["SCRIPT", "FLUSH"]);
+    assert_eq!(
+        scripts.refresh(&mut con, &entries, "fe-a", TTL).unwrap(),
+        [RefreshStatus::Ok]
+    );
+    run(&mut con, &["SCRIPT", "FLUSH"]);
+    scripts
+        .broker_heartbeat(&mut con, "fe-a", "{}", TTL)
+        .unwrap();
+    run(&mut con, &["SCRIPT", "FLUSH"]);
+    assert_eq!(scripts.release(&mut con, &entries, "fe-a").unwrap(), 1);
+    // Each call went NOSCRIPT -> SCRIPT LOAD -> EVALSHA again.
+    assert_eq!(calls(&mut con, "evalsha"), 8);
+    assert_eq!(calls(&mut con, "script|load"), 8, "4 at setup, 4 reloads");
+}
+
+#[test]
+fn scripts_reject_bad_arguments_before_writing() {
+    let (_server, mut con, _scripts) = setup();
+    let b = boot(0).to_string();
+    let refresh = redis::Script::new(include_str!("../lua/refresh.lua"));
+    let hello = redis::Script::new(include_str!("../lua/hello.lua"));
+    let broker = redis::Script::new(include_str!("../lua/broker.lua"));
+    let release = redis::Script::new(include_str!("../lua/release.lua"));
+    let bad: Vec<redis::RedisResult<Value>> = vec![
+        // ttl 0, a missing ARGV, then a non-canonical boot id.
+        refresh
+            .key("rig:a")
+            .arg("0")
+            .arg(format!("{b}|fe"))
+            .invoke(&mut con),
+        refresh
+            .key("rig:a")
+            .key("rig:b")
+            .arg("1000")
+            .arg(format!("{b}|fe"))
+            .invoke(&mut con),
+        hello
+            .key("rig:a")
+            .arg(b.to_uppercase())
+            .arg("fe")
+            .arg("1000")
+            .invoke(&mut con),
+        hello
+            .key("rig:a")
+            .arg(&b)
+            .arg("fe")
+            .arg("1e3")
+            .invoke(&mut con),
+        broker.key("broker:fe").arg("{}").arg("-5").invoke(&mut con),
+        release
+            .key("rig:a")
+            .key("rig:b")
+            .arg(format!("{b}|fe"))
+            .invoke(&mut con),
+    ];
+    for reply in bad {
+        let err = reply.expect_err("bad ARGV must be an error reply");
+        assert!(err.to_string().contains("fleetlink"), "{err}");
+    }
+    let keys: Vec<String> = redis::cmd("KEYS").arg("*").query(&mut con).unwrap();
+    assert!(keys.is_empty(), "{keys:?}");
+}
+
+// ---- measurement ----
+
+/// Cost of one refresh tick for a full broker, as Redis counts it. Run on purpose:
+/// `cargo test --test lua_scripts -- --ignored --nocapture registry_upkeep_cost`
+#[test]
+#[ignore]
+fn registry_upkeep_cost() {
+    for n in [10_000u64, 19_000] {
+        let (_server, mut con, scripts) = setup();
+        let entries: Vec<_> = (0..n)
+            .map(|i| (rig(&format!("rig-{i:05}")), boot(i)))
+            .collect();
+        let mut fill = redis::pipe();
+        for (r, b) in &entries {
+            fill.cmd("SET")
+                .arg(rig_key(r))
+                .arg(tuple(b, "fe-a"))
+                .arg("PX")
+                .arg(60_000)
+                .ignore();
+        }
+        let _: () = fill.query(&mut con).unwrap();
+        for (label, flush) in [
+            ("steady, all ok", false),
+            ("after FLUSHALL, all restored", true),
+        ] {
+            if flush {
+                run(&mut con, &["FLUSHALL"]);
+            }
+            run(&mut con, &["CONFIG", "RESETSTAT"]);
+            let started = Instant::now();
+            let out = scripts.refresh(&mut con, &entries, "fe-a", TTL).unwrap();
+            let wall = started.elapsed();
+            let mut stats = command_stats(&mut con);
+            stats.retain(|name, _| name != "info" && !name.starts_with("config"));
+            assert_eq!(out.len(), n as usize);
+            report(n, label, wall, &stats);
+        }
+    }
+}
+
+/// Prints one upkeep measurement: round trips, inner commands, Redis busy time, wall time.
+fn report(n: u64, label: &str, wall: Duration, stats: &HashMap<String, Stat>) {
+    let evalsha = stats
+        .get("evalsha")
+        .copied()
+        .unwrap_or(Stat { calls: 0, usec: 0 });
+    let mut inner: Vec<_> = stats
+        .iter()
+        .filter(|(name, _)| *name != "evalsha")
+        .collect();
+    inner.sort_by_key(|(name, _)| name.as_str());
+    let inner_calls: u64 = inner.iter().map(|(_, s)| s.calls).sum();
+    let detail: Vec<String> = inner
+        .iter()
+        .map(|(name, s)| format!("{name} {}", s.calls))
+        .collect();
+    println!("registry_upkeep_cost: {n} rigs, one refresh tick ({label})");
+    println!("  EVALSHA calls (round trips): {}", evalsha.calls);
+    println!("  inner commands: {inner_calls} ({})", detail.join(", "));
+    println!(
+        "  Redis busy in EVALSHA: {:.1} ms total, {:.2} ms per call (mean)",
+        evalsha.usec as f64 / 1000.0,
+        evalsha.usec as f64 / 1000.0 / evalsha.calls.max(1) as f64
+    );
+    println!("  client wall time (debug build, loopback): {wall:.1?}");
+}
