@@ -133,7 +133,7 @@ impl Bridge {
 
     fn carry_out(&mut self, action: Action) {
         match action {
-            Action::Core(conn, msg) => self.to_core(conn, msg),
+            Action::Core(conn, msg) => self.send_to_core(conn, msg),
             Action::Reply(to, body) => self.reply(to, body),
             Action::Event(_) => {
                 self.shared.events.fetch_add(1, Ordering::Relaxed);
@@ -141,7 +141,7 @@ impl Bridge {
         }
     }
 
-    fn to_core(&mut self, conn: ConnId, msg: ToCore) {
+    fn send_to_core(&mut self, conn: ConnId, msg: ToCore) {
         let Some(core) = self.cores.get(conn.core().0 as usize) else { return };
         let Err(Full(msg)) = core.send(msg) else { return };
         self.shared.core_queue_full.fetch_add(1, Ordering::Relaxed);

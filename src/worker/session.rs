@@ -15,6 +15,10 @@ use crate::worker::core::{Conn, ConnState, Core, Phase, Session};
 use crate::ws::{Decoder, Limits, Message, OpCode};
 use crate::{events, protocol::encode_welcome};
 
+/// Written-but-unacked commands kept per rig, as a multiple of `--outbox`: enough for a rig
+/// that acks in batches, bounded for one that never acks.
+const UNACKED_PER_OUTBOX: usize = 8;
+
 /// Longest request head accepted (CONTRACT.md §2: larger is 431).
 pub(crate) const MAX_HEAD: usize = 8 * 1024;
 
@@ -242,15 +246,15 @@ fn on_rig_message(core: &Core, conn: &Conn, st: &mut ConnState, text: &[u8]) {
 
 /// Records an ack; returns the command id when the broker still held the command.
 fn on_ack(core: &Core, s: &mut Session, seq: Seq) -> Option<Box<str>> {
-    if seq > s.last_ack {
+    let mut id = None;
+    if seq > s.last_ack && seq < s.next_seq {
+        core.metrics.inc(C::CmdAcked);
         s.last_ack = seq;
         s.last_ack_at = Some(SystemTime::now());
     }
-    let mut id = None;
     while s.unacked.front().is_some_and(|c| c.seq <= seq) {
         let Some(cmd) = s.unacked.pop_front() else { break };
         if cmd.seq == seq {
-            core.metrics.inc(C::CmdAcked);
             if let Some(at) = cmd.written_at {
                 core.metrics.ack_latency(at.elapsed().as_millis() as u64);
             }
@@ -274,7 +278,7 @@ pub(crate) fn pump(core: &Core, conn: &Conn, st: &mut ConnState) {
         };
         cmd.written_at = Some(Instant::now());
         let json = cmd.json.clone();
-        if session.unacked.len() >= core.cfg.outbox {
+        if session.unacked.len() >= core.cfg.outbox * UNACKED_PER_OUTBOX {
             session.unacked.pop_front();
             core.metrics.inc(C::CmdResumeDropped);
         }

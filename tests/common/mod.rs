@@ -1,4 +1,5 @@
 //! Shared helpers for integration tests: brokers and redis-servers on free ports.
 #![allow(dead_code)]
 
+pub mod broker;
 pub mod redis;

@@ -165,6 +165,14 @@ fn total_progress(views: &[WorkerView]) -> Progress {
     p
 }
 
+/// Prints one stdout line and flushes at once: scripts block on it. (No lock is held across an
+/// await, so `run_parent` stays `Send`.)
+fn print_line(line: &str) {
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{line}");
+    let _ = out.flush();
+}
+
 /// Parent mode: the whole `rigs` run. Returns the process exit code.
 pub async fn run_parent(args: RigsArgs) -> Result<i32> {
     let started = Instant::now();
@@ -241,7 +249,7 @@ pub async fn run_parent(args: RigsArgs) -> Result<i32> {
             _ = tick.tick() => {
                 let p = total_progress(&views);
                 eprintln!(
-                    "loadgen: t={:.1}s open={} welcomed={}/{} failed={} retries_503={}",
+                    "loadgen: t={:.1}s connected={} welcomed={}/{} failed={} retries_503={}",
                     started.elapsed().as_secs_f64(), p.open, p.welcomed, args.rigs, p.failed, p.retries_503
                 );
             }
@@ -255,17 +263,15 @@ pub async fn run_parent(args: RigsArgs) -> Result<i32> {
         ramp_ms = Some(elapsed);
         let p = total_progress(&views);
         all_welcomed = p.welcomed as usize == args.rigs;
-        let mut out = std::io::stdout().lock();
-        if all_welcomed {
-            let _ = writeln!(out, "ALL_WELCOMED rigs={} elapsed_ms={elapsed}", args.rigs);
+        let line = if all_welcomed {
+            format!("ALL_WELCOMED rigs={} elapsed_ms={elapsed}", args.rigs)
         } else {
-            let _ = writeln!(
-                out,
+            format!(
                 "RAMP_INCOMPLETE rigs={} welcomed={} failed={} elapsed_ms={elapsed}",
                 args.rigs, p.welcomed, p.failed
-            );
-        }
-        let _ = out.flush();
+            )
+        };
+        print_line(&line);
         eprintln!(
             "loadgen: ramp done in {elapsed} ms: welcomed={} failed={}; holding {:?}",
             p.welcomed, p.failed, args.hold

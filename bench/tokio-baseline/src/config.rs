@@ -7,7 +7,11 @@ use std::time::Duration;
 use clap::Parser;
 
 #[derive(Debug, Clone, Parser)]
-#[command(name = "fleetlink-tokio-baseline", version, about = "tokio + tokio-tungstenite baseline broker")]
+#[command(
+    name = "fleetlink-tokio-baseline",
+    version,
+    about = "tokio + tokio-tungstenite baseline broker"
+)]
 pub struct Config {
     /// Rig endpoint.
     #[arg(long, env = "FLEETLINK_LISTEN", default_value = "0.0.0.0:8080")]
@@ -52,14 +56,18 @@ pub struct Config {
 
 impl Config {
     pub fn broker_id(&self) -> String {
-        self.broker_id.clone().unwrap_or_else(|| format!("tokio-baseline-{}", self.listen.port()))
+        self.broker_id
+            .clone()
+            .unwrap_or_else(|| format!("tokio-baseline-{}", self.listen.port()))
     }
 }
 
 /// `250ms`, `20s`, `5m`, `1h`; a bare number is seconds.
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
     let s = s.trim();
-    let split = s.find(|c: char| !c.is_ascii_digit() && c != '.').unwrap_or(s.len());
+    let split = s
+        .find(|c: char| !c.is_ascii_digit() && c != '.')
+        .unwrap_or(s.len());
     let (num, unit) = s.split_at(split);
     let n: f64 = num.parse().map_err(|_| format!("bad duration {s:?}"))?;
     let secs = match unit {
@@ -88,7 +96,8 @@ mod tests {
         assert_eq!(c.max_missed_pongs, 3);
         assert_eq!(c.read_buffer, None);
         assert_eq!(c.broker_id(), "tokio-baseline-8080");
-        let c = Config::try_parse_from(["x", "--read-buffer", "4096", "--ping-interval", "250ms"]).unwrap();
+        let c = Config::try_parse_from(["x", "--read-buffer", "4096", "--ping-interval", "250ms"])
+            .unwrap();
         assert_eq!(c.read_buffer, Some(4096));
         assert_eq!(c.ping_interval, Duration::from_millis(250));
     }

@@ -12,7 +12,9 @@ use futures_util::{SinkExt, StreamExt};
 use serde_json::{json, Value};
 use tokio::net::{TcpListener, TcpSocket, TcpStream};
 use tokio::time::{sleep_until, timeout, Instant};
-use tokio_tungstenite::tungstenite::handshake::server::{Callback, ErrorResponse, Request, Response};
+use tokio_tungstenite::tungstenite::handshake::server::{
+    Callback, ErrorResponse, Request, Response,
+};
 use tokio_tungstenite::tungstenite::http::StatusCode;
 use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
 use tokio_tungstenite::tungstenite::protocol::CloseFrame;
@@ -36,7 +38,11 @@ const CLOSE_LINGER: Duration = Duration::from_secs(2);
 
 /// Binds the rig listener with an explicit backlog: the default overflows in accept storms.
 pub fn bind(addr: SocketAddr, backlog: u32) -> std::io::Result<TcpListener> {
-    let sock = if addr.is_ipv4() { TcpSocket::new_v4()? } else { TcpSocket::new_v6()? };
+    let sock = if addr.is_ipv4() {
+        TcpSocket::new_v4()?
+    } else {
+        TcpSocket::new_v6()?
+    };
     sock.set_reuseaddr(true)?;
     sock.bind(addr)?;
     sock.listen(backlog)
@@ -73,7 +79,10 @@ impl Callback for AgentPath {
 
 async fn close(app: &App, ws: &mut Ws, code: u16, reason: &str) {
     app.metrics.closed(code);
-    let frame = CloseFrame { code: CloseCode::from(code), reason: reason.to_string().into() };
+    let frame = CloseFrame {
+        code: CloseCode::from(code),
+        reason: reason.to_string().into(),
+    };
     let _ = timeout(CLOSE_LINGER, async {
         ws.close(Some(frame)).await?;
         while ws.next().await.is_some() {}
@@ -115,17 +124,35 @@ async fn handle(stream: TcpStream, app: Arc<App>) {
         Ok(Some(Ok(Message::Close(_)))) | Ok(None) | Ok(Some(Err(_))) => return,
         Ok(Some(Ok(_))) => {
             app.metrics.hellos_rejected.fetch_add(1, Relaxed);
-            return close(&app, &mut ws, CLOSE_BAD_HELLO, "first message must be a hello").await;
+            return close(
+                &app,
+                &mut ws,
+                CLOSE_BAD_HELLO,
+                "first message must be a hello",
+            )
+            .await;
         }
     };
 
     let conn_id = app.next_conn_id.fetch_add(1, Relaxed);
-    let Hello { rig_id, boot_id, labels, v, .. } = hello;
+    let Hello {
+        rig_id,
+        boot_id,
+        labels,
+        v,
+        ..
+    } = hello;
     let conn = Arc::new(RigConn::new(conn_id, rig_id, boot_id, labels));
     let outbox = match app.registry.register(conn.clone()) {
         Ok(rx) => rx,
         Err(RegisterError::OlderBootId) => {
-            return close(&app, &mut ws, CLOSE_OLDER_BOOT, "a newer boot_id owns this rig").await;
+            return close(
+                &app,
+                &mut ws,
+                CLOSE_OLDER_BOOT,
+                "a newer boot_id owns this rig",
+            )
+            .await;
         }
     };
     app.metrics.connections.fetch_add(1, Relaxed);
@@ -162,10 +189,16 @@ async fn session(
         return app.metrics.closed(CLOSE_ABNORMAL);
     }
     let cfg = &app.cfg;
-    let mut live = Liveness { next_ping: Instant::now() + cfg.ping_interval, pong_deadline: None, missed: 0 };
+    let mut live = Liveness {
+        next_ping: Instant::now() + cfg.ping_interval,
+        pong_deadline: None,
+        missed: 0,
+    };
 
     loop {
-        let wake = live.pong_deadline.map_or(live.next_ping, |d| d.min(live.next_ping));
+        let wake = live
+            .pong_deadline
+            .map_or(live.next_ping, |d| d.min(live.next_ping));
         tokio::select! {
             msg = ws.next() => match msg {
                 Some(Ok(Message::Text(t))) => on_text(app, conn, &t),

@@ -18,7 +18,8 @@ pub struct Hello {
 
 fn valid_rig_id(s: &str) -> bool {
     (1..=64).contains(&s.len())
-        && s.bytes().all(|c| c.is_ascii_alphanumeric() || matches!(c, b'.' | b'_' | b'-'))
+        && s.bytes()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, b'.' | b'_' | b'-'))
 }
 
 /// Canonical lowercase UUIDv7 text: 36 chars, version 7, RFC variant.
@@ -40,21 +41,35 @@ pub fn parse_hello(text: &str) -> Result<Hello, &'static str> {
     if obj.get("type").and_then(Value::as_str) != Some("hello") {
         return Err("first message must be hello");
     }
-    let rig_id = obj.get("rig_id").and_then(Value::as_str).ok_or("rig_id missing")?;
+    let rig_id = obj
+        .get("rig_id")
+        .and_then(Value::as_str)
+        .ok_or("rig_id missing")?;
     if !valid_rig_id(rig_id) {
         return Err("bad rig_id");
     }
-    let boot_id = obj.get("boot_id").and_then(Value::as_str).ok_or("boot_id missing")?;
+    let boot_id = obj
+        .get("boot_id")
+        .and_then(Value::as_str)
+        .ok_or("boot_id missing")?;
     if !valid_boot_id(boot_id) {
         return Err("boot_id is not a canonical uuidv7");
     }
-    let version = obj.get("version").and_then(Value::as_str).ok_or("version missing")?;
+    let version = obj
+        .get("version")
+        .and_then(Value::as_str)
+        .ok_or("version missing")?;
     let mut labels = BTreeMap::new();
     match obj.get("labels") {
         None | Some(Value::Null) => {}
         Some(Value::Object(m)) => {
             for (k, v) in m {
-                labels.insert(k.clone(), v.as_str().ok_or("label values must be strings")?.to_string());
+                labels.insert(
+                    k.clone(),
+                    v.as_str()
+                        .ok_or("label values must be strings")?
+                        .to_string(),
+                );
             }
         }
         Some(_) => return Err("labels must be an object"),

@@ -26,7 +26,12 @@ pub struct Metrics {
 
 impl Metrics {
     pub fn closed(&self, code: u16) {
-        *self.closes.lock().unwrap_or_else(|e| e.into_inner()).entry(code).or_insert(0) += 1;
+        *self
+            .closes
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .entry(code)
+            .or_insert(0) += 1;
     }
 
     pub fn render(&self) -> String {
@@ -34,7 +39,12 @@ impl Metrics {
         let g = |s: &mut String, name: &str, kind: &str, v: i64| {
             let _ = writeln!(s, "# TYPE {name} {kind}\n{name} {v}");
         };
-        g(&mut s, "fleetlink_connections", "gauge", self.connections.load(Relaxed));
+        g(
+            &mut s,
+            "fleetlink_connections",
+            "gauge",
+            self.connections.load(Relaxed),
+        );
         let _ = writeln!(s, "# TYPE fleetlink_accepts_total counter");
         for (result, c) in [
             ("ok", &self.accepts_ok),
@@ -42,7 +52,11 @@ impl Metrics {
             ("handshake_timeout", &self.accepts_handshake_timeout),
             ("hello_rejected", &self.hellos_rejected),
         ] {
-            let _ = writeln!(s, "fleetlink_accepts_total{{result=\"{result}\"}} {}", c.load(Relaxed));
+            let _ = writeln!(
+                s,
+                "fleetlink_accepts_total{{result=\"{result}\"}} {}",
+                c.load(Relaxed)
+            );
         }
         let _ = writeln!(s, "# TYPE fleetlink_commands_total counter");
         for (result, c) in [
@@ -51,7 +65,11 @@ impl Metrics {
             ("rig_unresponsive", &self.commands_unresponsive),
             ("bad_request", &self.commands_bad_request),
         ] {
-            let _ = writeln!(s, "fleetlink_commands_total{{result=\"{result}\"}} {}", c.load(Relaxed));
+            let _ = writeln!(
+                s,
+                "fleetlink_commands_total{{result=\"{result}\"}} {}",
+                c.load(Relaxed)
+            );
         }
         let _ = writeln!(s, "# TYPE fleetlink_rig_messages_total counter");
         for (t, c) in [
@@ -60,10 +78,18 @@ impl Metrics {
             ("event", &self.events),
             ("unknown", &self.unknown_messages),
         ] {
-            let _ = writeln!(s, "fleetlink_rig_messages_total{{type=\"{t}\"}} {}", c.load(Relaxed));
+            let _ = writeln!(
+                s,
+                "fleetlink_rig_messages_total{{type=\"{t}\"}} {}",
+                c.load(Relaxed)
+            );
         }
         let _ = writeln!(s, "# TYPE fleetlink_outbox_full_total counter");
-        let _ = writeln!(s, "fleetlink_outbox_full_total {}", self.commands_unresponsive.load(Relaxed));
+        let _ = writeln!(
+            s,
+            "fleetlink_outbox_full_total {}",
+            self.commands_unresponsive.load(Relaxed)
+        );
         let _ = writeln!(s, "# TYPE fleetlink_closes_total counter");
         for (code, n) in self.closes.lock().unwrap_or_else(|e| e.into_inner()).iter() {
             let _ = writeln!(s, "fleetlink_closes_total{{code=\"{code}\"}} {n}");

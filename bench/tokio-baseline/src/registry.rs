@@ -15,7 +15,10 @@ pub const CLOSE_SUPERSEDED: u16 = 4410;
 pub const CLOSE_KICKED: u16 = 1012;
 
 pub fn unix_ms() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
 }
 
 /// A command ready to write: its seq and its serialised `command` message.
@@ -43,7 +46,12 @@ pub struct RigConn {
 }
 
 impl RigConn {
-    pub fn new(conn_id: u64, rig_id: String, boot_id: String, labels: BTreeMap<String, String>) -> Self {
+    pub fn new(
+        conn_id: u64,
+        rig_id: String,
+        boot_id: String,
+        labels: BTreeMap<String, String>,
+    ) -> Self {
         Self {
             conn_id,
             rig_id,
@@ -94,7 +102,13 @@ pub enum RegisterError {
 pub enum EnqueueError {
     NotConnected,
     /// Outbox full; the `rig_unresponsive` reply fields.
-    Full { depth: usize, cap: usize, oldest_age: Duration, last_ack_seq: u64, last_ack_at_ms: u64 },
+    Full {
+        depth: usize,
+        cap: usize,
+        oldest_age: Duration,
+        last_ack_seq: u64,
+        last_ack_at_ms: u64,
+    },
 }
 
 pub struct Registry {
@@ -104,7 +118,10 @@ pub struct Registry {
 
 impl Registry {
     pub fn new(outbox_cap: usize) -> Self {
-        Self { rigs: Mutex::new(HashMap::new()), outbox_cap: outbox_cap.max(1) }
+        Self {
+            rigs: Mutex::new(HashMap::new()),
+            outbox_cap: outbox_cap.max(1),
+        }
     }
 
     fn lock(&self) -> MutexGuard<'_, HashMap<String, Entry>> {
@@ -134,7 +151,12 @@ impl Registry {
         let (tx, rx) = mpsc::channel(self.outbox_cap);
         rigs.insert(
             conn.rig_id.clone(),
-            Entry { conn, outbox: tx, next_seq, queued: VecDeque::new() },
+            Entry {
+                conn,
+                outbox: tx,
+                next_seq,
+                queued: VecDeque::new(),
+            },
         );
         Ok(rx)
     }
@@ -142,18 +164,28 @@ impl Registry {
     /// Removes the entry if it still belongs to this connection.
     pub fn unregister(&self, conn: &RigConn) {
         let mut rigs = self.lock();
-        if rigs.get(&conn.rig_id).is_some_and(|e| e.conn.conn_id == conn.conn_id) {
+        if rigs
+            .get(&conn.rig_id)
+            .is_some_and(|e| e.conn.conn_id == conn.conn_id)
+        {
             rigs.remove(&conn.rig_id);
         }
     }
 
     /// Assigns the next seq and queues the command; seq advances only when it was queued.
-    pub fn enqueue(&self, rig_id: &str, id: &str, name: &str, args: &Value) -> Result<u64, EnqueueError> {
+    pub fn enqueue(
+        &self,
+        rig_id: &str,
+        id: &str,
+        name: &str,
+        args: &Value,
+    ) -> Result<u64, EnqueueError> {
         let mut rigs = self.lock();
         let e = rigs.get_mut(rig_id).ok_or(EnqueueError::NotConnected)?;
         e.prune();
         let seq = e.next_seq;
-        let text = json!({"type": "command", "seq": seq, "id": id, "name": name, "args": args}).to_string();
+        let text = json!({"type": "command", "seq": seq, "id": id, "name": name, "args": args})
+            .to_string();
         match e.outbox.try_send(Outgoing { seq, text }) {
             Ok(()) => {
                 e.next_seq += 1;
@@ -163,7 +195,10 @@ impl Registry {
             Err(mpsc::error::TrySendError::Full(_)) => Err(EnqueueError::Full {
                 depth: e.queued.len(),
                 cap: self.outbox_cap,
-                oldest_age: e.queued.front().map_or(Duration::ZERO, |&(_, t)| t.elapsed()),
+                oldest_age: e
+                    .queued
+                    .front()
+                    .map_or(Duration::ZERO, |&(_, t)| t.elapsed()),
                 last_ack_seq: e.conn.last_ack_seq.load(Relaxed),
                 last_ack_at_ms: e.conn.last_ack_at_ms.load(Relaxed),
             }),
@@ -221,18 +256,32 @@ mod tests {
         let reg = Registry::new(4);
         let a = conn(1, NEW);
         let _rx_a = reg.register(a.clone()).unwrap();
-        assert_eq!(reg.register(conn(2, OLD)).err(), Some(RegisterError::OlderBootId));
-        assert_eq!(a.close_code.load(Relaxed), 0, "refused hello must not disturb the owner");
+        assert_eq!(
+            reg.register(conn(2, OLD)).err(),
+            Some(RegisterError::OlderBootId)
+        );
+        assert_eq!(
+            a.close_code.load(Relaxed),
+            0,
+            "refused hello must not disturb the owner"
+        );
         assert_eq!(reg.enqueue("r1", "c1", "x", &json!({})), Ok(1));
         let b = conn(3, NEW);
         let _rx_b = reg.register(b.clone()).unwrap();
         assert_eq!(a.close_code.load(Relaxed), CLOSE_SUPERSEDED);
-        assert_eq!(reg.enqueue("r1", "c2", "x", &json!({})), Ok(2), "same session keeps seq");
+        assert_eq!(
+            reg.enqueue("r1", "c2", "x", &json!({})),
+            Ok(2),
+            "same session keeps seq"
+        );
         reg.unregister(&a); // stale connection's cleanup must not remove the new owner
         assert_eq!(reg.len(), 1);
         reg.unregister(&b);
         assert_eq!(reg.len(), 0);
-        assert_eq!(reg.enqueue("r1", "c3", "x", &json!({})), Err(EnqueueError::NotConnected));
+        assert_eq!(
+            reg.enqueue("r1", "c3", "x", &json!({})),
+            Err(EnqueueError::NotConnected)
+        );
     }
 
     #[test]
@@ -243,14 +292,20 @@ mod tests {
         assert_eq!(reg.enqueue("r1", "a", "x", &json!({})), Ok(1));
         assert_eq!(reg.enqueue("r1", "b", "x", &json!({})), Ok(2));
         match reg.enqueue("r1", "c", "x", &json!({})) {
-            Err(EnqueueError::Full { depth: 2, cap: 2, .. }) => {}
+            Err(EnqueueError::Full {
+                depth: 2, cap: 2, ..
+            }) => {}
             other => panic!("{other:?}"),
         }
         let first = rx.try_recv().unwrap();
         assert_eq!(first.seq, 1);
         assert!(first.text.contains(r#""type":"command""#));
         c.written_seq.store(1, Relaxed);
-        assert_eq!(reg.enqueue("r1", "d", "x", &json!({})), Ok(3), "seq not consumed by the refusal");
+        assert_eq!(
+            reg.enqueue("r1", "d", "x", &json!({})),
+            Ok(3),
+            "seq not consumed by the refusal"
+        );
         assert_eq!(reg.list()[0]["outbox_depth"], 2);
         assert!(reg.kick("r1"));
         assert_eq!(c.close_code.load(Relaxed), CLOSE_KICKED);

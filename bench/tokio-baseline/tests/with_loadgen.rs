@@ -1,0 +1,243 @@
+//! End-to-end: the baseline binary against the load generator (20 rigs + admin fan-out) and
+//! against hand-driven clients for the registry's close codes.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use clap::Parser;
+use fleetlink_loadgen::cli::{Cli, Command as LgCommand};
+use futures_util::{SinkExt, StreamExt};
+use serde_json::Value;
+use tokio_tungstenite::tungstenite::Message;
+
+/// The baseline on ephemeral ports; killed on drop.
+struct Broker {
+    child: Child,
+    rigs: String,
+    admin: String,
+}
+
+impl Drop for Broker {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn start_broker(extra: &[&str]) -> Broker {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_fleetlink-tokio-baseline"))
+        .args([
+            "--listen",
+            "127.0.0.1:0",
+            "--admin",
+            "127.0.0.1:0",
+            "--workers",
+            "2",
+        ])
+        .args(extra)
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start baseline");
+    // The start-up line names the bound ports: "... rigs on A admin on B ...".
+    let mut line = String::new();
+    BufReader::new(child.stderr.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let words: Vec<&str> = line.split_whitespace().collect();
+    let after = |w: &str| words[words.iter().position(|x| *x == w).unwrap() + 2].to_string();
+    Broker {
+        rigs: after("rigs"),
+        admin: after("admin"),
+        child,
+    }
+}
+
+async fn http_get(addr: &str, path: &str) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let req = format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+    s.write_all(req.as_bytes()).await.unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).await.unwrap();
+    out
+}
+
+fn loadgen(args: &[&str]) -> LgCommand {
+    let mut full = vec!["fleetlink-loadgen"];
+    full.extend_from_slice(args);
+    Cli::parse_from(full).cmd
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn twenty_rigs_get_one_command_each() {
+    let b = start_broker(&["--read-buffer", "4096", "--write-buffer", "0"]);
+    let dir = tempfile::tempdir().unwrap();
+    let report = dir.path().join("rigs.json");
+    let url = format!("ws://{}/agent", b.rigs);
+    let LgCommand::Rigs(rigs) = loadgen(&[
+        "rigs",
+        "--url",
+        &url,
+        "--rigs",
+        "20",
+        "--procs",
+        "1",
+        "--prefix",
+        "it",
+        "--hold",
+        "3s",
+        "--max-time",
+        "30s",
+        "--report",
+        report.to_str().unwrap(),
+    ]) else {
+        unreachable!()
+    };
+    let run = tokio::spawn(fleetlink_loadgen::orchestrator::run_parent(rigs));
+
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !http_get(&b.admin, "/metrics")
+        .await
+        .contains("fleetlink_connections 20\n")
+    {
+        assert!(Instant::now() < deadline, "rigs did not all connect");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let list = http_get(&b.admin, "/v1/rigs").await;
+    assert!(list.contains("\"rig_id\":\"it-000019\""), "{list}");
+
+    let admin = format!("http://{}", b.admin);
+    let LgCommand::AdminFanout(f) = loadgen(&[
+        "admin-fanout",
+        "--admin",
+        &admin,
+        "--prefix",
+        "it",
+        "--rigs",
+        "20",
+    ]) else {
+        unreachable!()
+    };
+    assert_eq!(
+        fleetlink_loadgen::fanout::run_fanout(f).await.unwrap(),
+        0,
+        "every POST accepted"
+    );
+    // An unknown rig is refused with the contract's error.
+    let LgCommand::AdminFanout(f) = loadgen(&[
+        "admin-fanout",
+        "--admin",
+        &admin,
+        "--prefix",
+        "nobody",
+        "--rigs",
+        "1",
+    ]) else {
+        unreachable!()
+    };
+    assert_eq!(fleetlink_loadgen::fanout::run_fanout(f).await.unwrap(), 2);
+
+    assert_eq!(run.await.unwrap().unwrap(), 0);
+    let r: Value = serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+    assert_eq!(r["welcomed"], 20, "{r:#}");
+    assert_eq!(r["commands_received"], 20, "{r:#}");
+    assert_eq!(r["acks_sent"], 20);
+    assert_eq!(r["latency_us"]["count"], 20);
+    assert_eq!(r["dropped_after_welcome"], 0);
+
+    let metrics = http_get(&b.admin, "/metrics").await;
+    assert!(
+        metrics.contains("fleetlink_commands_total{result=\"ok\"} 20\n"),
+        "{metrics}"
+    );
+    assert!(metrics.contains("fleetlink_commands_total{result=\"rig_not_connected\"} 1\n"));
+    assert!(
+        metrics.contains("fleetlink_rig_messages_total{type=\"ack\"} 20\n"),
+        "{metrics}"
+    );
+}
+
+type Client =
+    tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>>;
+
+async fn hello(b: &Broker, rig: &str, boot: &str) -> Client {
+    let (mut ws, _) = tokio_tungstenite::connect_async(format!("ws://{}/agent", b.rigs))
+        .await
+        .unwrap();
+    let h = format!(r#"{{"type":"hello","rig_id":"{rig}","boot_id":"{boot}","version":"t"}}"#);
+    ws.send(Message::text(h)).await.unwrap();
+    ws
+}
+
+/// The next close code the client sees (skipping other messages), or the welcome's rig_id.
+async fn next_event(ws: &mut Client) -> String {
+    loop {
+        match tokio::time::timeout(Duration::from_secs(5), ws.next())
+            .await
+            .expect("timeout")
+        {
+            Some(Ok(Message::Text(t))) => {
+                let v: Value = serde_json::from_str(&t).unwrap();
+                return format!(
+                    "{}:{}",
+                    v["type"].as_str().unwrap(),
+                    v["rig_id"].as_str().unwrap_or("")
+                );
+            }
+            Some(Ok(Message::Close(f))) => {
+                return format!("close:{}", f.map_or(0, |f| u16::from(f.code)))
+            }
+            Some(Ok(_)) => {}
+            other => return format!("end:{other:?}"),
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn registry_close_codes() {
+    let b = start_broker(&[
+        "--ping-interval",
+        "300ms",
+        "--pong-timeout",
+        "200ms",
+        "--max-missed-pongs",
+        "2",
+    ]);
+    const OLD: &str = "017f22e2-79b0-7cc3-98c4-dc0c0c07398f";
+    const NEW: &str = "019f22e2-79b0-7cc3-98c4-dc0c0c07398f";
+
+    let mut a = hello(&b, "r1", NEW).await;
+    assert_eq!(next_event(&mut a).await, "welcome:r1");
+    let mut older = hello(&b, "r1", OLD).await;
+    assert_eq!(next_event(&mut older).await, "close:4409");
+    let mut same = hello(&b, "r1", NEW).await;
+    assert_eq!(next_event(&mut same).await, "welcome:r1");
+    assert_eq!(next_event(&mut a).await, "close:4410");
+
+    let mut bad = hello(&b, "bad id", NEW).await;
+    assert_eq!(next_event(&mut bad).await, "close:4400");
+
+    // Not reading means not answering pings (tungstenite pongs on read): 4002 after 2 misses.
+    let mut silent = hello(&b, "quiet", NEW).await;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let mut saw = Vec::new();
+    while let Ok(Some(Ok(m))) = tokio::time::timeout(Duration::from_secs(2), silent.next()).await {
+        saw.push(m);
+    }
+    assert!(
+        saw.iter()
+            .any(|m| matches!(m, Message::Close(Some(f)) if u16::from(f.code) == 4002)),
+        "{saw:?}"
+    );
+    // The answering rig survived the same pings.
+    assert!(http_get(&b.admin, "/v1/rigs")
+        .await
+        .contains("\"rig_id\":\"r1\""));
+
+    let r = tokio_tungstenite::connect_async(format!("ws://{}/elsewhere", b.rigs)).await;
+    match r {
+        Err(tokio_tungstenite::tungstenite::Error::Http(resp)) => assert_eq!(resp.status(), 404),
+        other => panic!("expected 404, got {other:?}"),
+    }
+}

@@ -1,0 +1,297 @@
+//! Runs the real `fleetlink-fe` binary on free ports (port 0) and talks to it like a user:
+//! tungstenite for rigs, plain HTTP for the admin API.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use serde_json::{json, Value};
+use tungstenite::stream::MaybeTlsStream;
+use tungstenite::{Message, WebSocket};
+
+/// A websocket client over a plain TCP stream.
+pub type Ws = WebSocket<MaybeTlsStream<TcpStream>>;
+
+/// A running broker process, killed on drop.
+pub struct Broker {
+    child: Child,
+    /// Rig endpoint.
+    pub listen: SocketAddr,
+    /// Admin endpoint.
+    pub admin: SocketAddr,
+    /// The broker id it announced.
+    pub broker_id: String,
+}
+
+impl Broker {
+    /// Starts the broker with `args` (plus loopback port-0 listeners unless given).
+    pub fn start(args: &[&str]) -> Broker {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_fleetlink-fe"));
+        if !args.contains(&"--listen") {
+            cmd.args(["--listen", "127.0.0.1:0"]);
+        }
+        if !args.contains(&"--admin") {
+            cmd.args(["--admin", "127.0.0.1:0"]);
+        }
+        cmd.args(args).env("RUST_LOG", "warn").stdout(Stdio::piped()).stderr(Stdio::inherit());
+        let mut child = cmd.spawn().expect("spawn fleetlink-fe");
+        let stdout = child.stdout.take().expect("stdout");
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                let _ = tx.send(line);
+            }
+        });
+        let line = rx.recv_timeout(Duration::from_secs(20)).expect("broker printed no ready line");
+        let field = |k: &str| {
+            line.split_whitespace()
+                .find_map(|w| w.strip_prefix(&format!("{k}=")))
+                .unwrap_or_else(|| panic!("no {k} in {line:?}"))
+                .to_string()
+        };
+        Broker {
+            listen: field("listen").parse().unwrap(),
+            admin: field("admin").parse().unwrap(),
+            broker_id: field("broker_id"),
+            child,
+        }
+    }
+
+    /// ws URL for `path`.
+    pub fn url(&self, path: &str) -> String {
+        format!("ws://{}{path}", self.listen)
+    }
+
+    /// Opens a websocket on `path` (read timeout 10 s so a broken test fails, not hangs).
+    pub fn connect(&self, path: &str) -> Ws {
+        let stream = TcpStream::connect(self.listen).unwrap();
+        stream.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let (ws, _resp) = tungstenite::client(self.url(path), MaybeTlsStream::Plain(stream)).unwrap();
+        ws
+    }
+
+    /// Connects as `rig` with a fresh boot and returns the socket after `welcome`.
+    pub fn rig(&self, rig: &str) -> (Ws, String, Value) {
+        let boot = boot_id();
+        let mut ws = self.connect("/agent");
+        let welcome = hello(&mut ws, rig, &boot, json!({}));
+        (ws, boot, welcome)
+    }
+
+    /// One admin HTTP request; returns status and body.
+    pub fn http(&self, method: &str, path: &str, body: &str) -> (u16, String) {
+        http(self.admin, method, path, body)
+    }
+
+    /// Sends a command through the admin API and returns the reply.
+    pub fn command(&self, rig: &str, name: &str, args: Value) -> (u16, Value) {
+        let body = json!({"name": name, "args": args}).to_string();
+        let (status, text) = self.http("POST", &format!("/v1/rigs/{rig}/commands"), &body);
+        (status, serde_json::from_str(&text).unwrap_or(Value::Null))
+    }
+
+    /// Polls `/metrics` until `line` shows up (or panics at the deadline).
+    pub fn wait_metric(&self, line: &str) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let (_, text) = self.http("GET", "/metrics", "");
+            if text.lines().any(|l| l == line) {
+                return;
+            }
+            assert!(Instant::now() < deadline, "metric {line:?} never appeared:\n{text}");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Sends SIGTERM.
+    pub fn sigterm(&self) {
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+    }
+
+    /// Waits for the process to exit, up to `limit`.
+    pub fn wait_exit(&mut self, limit: Duration) -> Option<ExitStatus> {
+        let deadline = Instant::now() + limit;
+        loop {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                return Some(status);
+            }
+            if Instant::now() > deadline {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Resident set size of the broker process in bytes.
+    pub fn rss(&self) -> u64 {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id())).unwrap();
+        let kb: u64 = status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.split_whitespace().next()?.parse().ok())
+            .unwrap();
+        kb * 1024
+    }
+
+    /// The process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+}
+
+impl Drop for Broker {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A fresh UUIDv7 boot id.
+pub fn boot_id() -> String {
+    let ms = SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_millis() as u64;
+    fleetlink::ids::BootId::generate(ms).to_string()
+}
+
+/// Sends hello and returns the welcome (panics on anything else).
+pub fn hello(ws: &mut Ws, rig: &str, boot: &str, labels: Value) -> Value {
+    let msg = json!({"type": "hello", "rig_id": rig, "boot_id": boot, "version": "test", "labels": labels});
+    ws.send(Message::Text(msg.to_string().into())).unwrap();
+    let welcome = read_json(ws);
+    assert_eq!(welcome["type"], "welcome", "{welcome}");
+    welcome
+}
+
+/// Reads until a text message arrives (answering pings as tungstenite does) and parses it.
+pub fn read_json(ws: &mut Ws) -> Value {
+    loop {
+        match ws.read().expect("read") {
+            Message::Text(t) => return serde_json::from_str(t.as_str()).unwrap(),
+            Message::Ping(_) | Message::Pong(_) => continue,
+            other => panic!("expected text, got {other:?}"),
+        }
+    }
+}
+
+/// Reads until the broker's close frame; returns its code.
+pub fn read_close(ws: &mut Ws) -> u16 {
+    loop {
+        match ws.read() {
+            Ok(Message::Close(Some(frame))) => return u16::from(frame.code),
+            Ok(Message::Close(None)) => return 1005,
+            Ok(_) => continue,
+            Err(e) => panic!("connection ended without a close frame: {e}"),
+        }
+    }
+}
+
+/// One HTTP/1.1 request with `Connection: close`; returns status and body.
+pub fn http(addr: SocketAddr, method: &str, path: &str, body: &str) -> (u16, String) {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(15))).unwrap();
+    write!(
+        s,
+        "{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut resp = String::new();
+    s.read_to_string(&mut resp).unwrap();
+    let status = resp.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+    let body = resp.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default();
+    (status, body)
+}
+
+/// Sends raw bytes on a fresh TCP connection and returns everything until the server closes.
+pub fn raw_exchange(addr: SocketAddr, bytes: &[u8]) -> String {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(15))).unwrap();
+    s.write_all(bytes).unwrap();
+    let mut out = Vec::new();
+    let _ = s.read_to_end(&mut out);
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// Polls `cond` every 10 ms until it holds, panicking with `what` after `limit`.
+pub fn eventually(limit: Duration, what: &str, mut cond: impl FnMut() -> bool) {
+    let deadline = Instant::now() + limit;
+    while !cond() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// A rig on a raw socket: it never answers pings on its own (tungstenite would), so tests can
+/// play a peer that has gone silent.
+pub struct RawRig {
+    stream: TcpStream,
+    buf: Vec<u8>,
+}
+
+impl RawRig {
+    /// Upgrades on /agent and sends a hello; returns after the welcome frame.
+    pub fn hello(b: &Broker, rig: &str) -> RawRig {
+        let mut stream = TcpStream::connect(b.listen).unwrap();
+        stream.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        write!(stream, "GET /agent HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n").unwrap();
+        let mut rig_conn = RawRig { stream, buf: Vec::new() };
+        while !rig_conn.buf.windows(4).any(|w| w == b"\r\n\r\n") {
+            rig_conn.fill();
+        }
+        let end = rig_conn.buf.windows(4).position(|w| w == b"\r\n\r\n").unwrap() + 4;
+        assert!(rig_conn.buf.starts_with(b"HTTP/1.1 101"));
+        rig_conn.buf.drain(..end);
+        let hello = json!({"type":"hello","rig_id":rig,"boot_id":boot_id(),"version":"raw"}).to_string();
+        rig_conn.send_text(&hello);
+        let (op, payload) = rig_conn.read_frame();
+        assert_eq!(op, 0x1);
+        assert!(String::from_utf8_lossy(&payload).contains("welcome"));
+        rig_conn
+    }
+
+    /// Sends one masked text frame.
+    pub fn send_text(&mut self, text: &str) {
+        let mut frame = Vec::new();
+        fleetlink::ws::encode_client_frame(&mut frame, true, fleetlink::ws::OpCode::Text, [1, 2, 3, 4], text.as_bytes());
+        self.stream.write_all(&frame).unwrap();
+    }
+
+    fn fill(&mut self) {
+        let mut chunk = [0u8; 4096];
+        let n = self.stream.read(&mut chunk).expect("read");
+        assert!(n > 0, "connection closed");
+        self.buf.extend_from_slice(&chunk[..n]);
+    }
+
+    /// Reads one (unmasked, server) frame: opcode and payload.
+    pub fn read_frame(&mut self) -> (u8, Vec<u8>) {
+        loop {
+            if self.buf.len() >= 2 {
+                let op = self.buf[0] & 0x0f;
+                let (len, off) = match self.buf[1] & 0x7f {
+                    126 if self.buf.len() >= 4 => (u16::from_be_bytes([self.buf[2], self.buf[3]]) as usize, 4),
+                    127 if self.buf.len() >= 10 => (u64::from_be_bytes(self.buf[2..10].try_into().unwrap()) as usize, 10),
+                    n @ 0..=125 => (n as usize, 2),
+                    _ => (usize::MAX, 0),
+                };
+                if len != usize::MAX && self.buf.len() >= off + len {
+                    let payload = self.buf[off..off + len].to_vec();
+                    self.buf.drain(..off + len);
+                    return (op, payload);
+                }
+            }
+            self.fill();
+        }
+    }
+
+    /// Reads frames until a close frame; returns its code.
+    pub fn read_close(&mut self) -> u16 {
+        loop {
+            let (op, payload) = self.read_frame();
+            if op == 0x8 {
+                return u16::from_be_bytes([payload[0], payload[1]]);
+            }
+        }
+    }
+}

@@ -1,0 +1,44 @@
+//! Graceful drain (CONTRACT.md §7): readiness fails, every rig gets its own goaway delay within
+//! the window, 1001 at the end, exit 0.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::broker::{read_close, read_json, Broker};
+
+fn drain_with(trigger: impl FnOnce(&Broker)) {
+    let mut b = Broker::start(&["--drain", "600ms"]);
+    let mut rigs: Vec<_> = (0..20).map(|i| b.rig(&format!("rig-{i:02}")).0).collect();
+    assert_eq!(b.http("GET", "/readyz", "").0, 200);
+    let started = Instant::now();
+    trigger(&b);
+    let mut delays = Vec::new();
+    for ws in &mut rigs {
+        let goaway = read_json(ws);
+        assert_eq!(goaway["type"], "goaway");
+        let d = goaway["reconnect_after_ms"].as_u64().unwrap();
+        assert!(d < 600, "{d}");
+        delays.push(d);
+    }
+    delays.sort();
+    delays.dedup();
+    assert!(delays.len() > 10, "delays should be spread, got {delays:?}");
+    assert_eq!(b.http("GET", "/readyz", "").0, 503);
+    for ws in &mut rigs {
+        assert_eq!(read_close(ws), 1001);
+    }
+    assert!(started.elapsed() >= Duration::from_millis(550));
+    let status = b.wait_exit(Duration::from_secs(10)).expect("broker did not exit");
+    assert!(status.success(), "{status:?}");
+}
+
+#[test]
+fn sigterm_drains_and_exits_zero() {
+    drain_with(|b| b.sigterm());
+}
+
+#[test]
+fn admin_drain_route_drains_and_exits_zero() {
+    drain_with(|b| assert_eq!(b.http("POST", "/v1/drain", "").0, 202));
+}

@@ -1,0 +1,224 @@
+//! A rig's life on one broker, driven by a third-party client (tungstenite): hello, welcome,
+//! commands in order, acks, liveness, and every close code a rig can earn.
+
+mod common;
+
+use std::time::Duration;
+
+use common::broker::{boot_id, eventually, hello, read_close, read_json, Broker, RawRig};
+use serde_json::json;
+use tungstenite::protocol::frame::coding::{Data, OpCode};
+use tungstenite::protocol::frame::Frame;
+use tungstenite::Message;
+
+#[test]
+fn hello_gets_welcome_with_contract_fields() {
+    let b = Broker::start(&["--cores", "2", "--broker-id", "fe-test"]);
+    let (_ws, _boot, welcome) = b.rig("rig-0414");
+    assert_eq!(welcome["broker_id"], "fe-test");
+    assert_eq!(welcome["rig_id"], "rig-0414");
+    assert_eq!(welcome["ping_interval_ms"], 20000);
+    assert_eq!(welcome["resumed"], false);
+    let (_, rigs) = b.http("GET", "/v1/rigs", "");
+    let rigs: serde_json::Value = serde_json::from_str(&rigs).unwrap();
+    assert_eq!(rigs[0]["rig_id"], "rig-0414");
+    assert_eq!(rigs[0]["last_ack_seq"], 0);
+}
+
+#[test]
+fn fragmented_hello_is_reassembled() {
+    let b = Broker::start(&[]);
+    let mut ws = b.connect("/agent");
+    let text = json!({"type":"hello","rig_id":"rig-frag","boot_id":boot_id(),"version":"t"}).to_string();
+    let (a, rest) = text.split_at(10);
+    let (m, z) = rest.split_at(7);
+    ws.write(Message::Frame(Frame::message(a.as_bytes().to_vec(), OpCode::Data(Data::Text), false))).unwrap();
+    // A ping between fragments is legal (RFC 6455 §5.4) and must be answered.
+    ws.write(Message::Ping(b"mid".to_vec().into())).unwrap();
+    ws.write(Message::Frame(Frame::message(m.as_bytes().to_vec(), OpCode::Data(Data::Continue), false))).unwrap();
+    ws.write(Message::Frame(Frame::message(z.as_bytes().to_vec(), OpCode::Data(Data::Continue), true))).unwrap();
+    ws.flush().unwrap();
+    let mut saw_pong = false;
+    loop {
+        match ws.read().unwrap() {
+            Message::Pong(p) => {
+                assert_eq!(&p[..], b"mid");
+                saw_pong = true;
+            }
+            Message::Text(t) => {
+                let v: serde_json::Value = serde_json::from_str(t.as_str()).unwrap();
+                assert_eq!(v["type"], "welcome");
+                break;
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    assert!(saw_pong);
+}
+
+#[test]
+fn bad_first_message_closes_4400() {
+    let b = Broker::start(&[]);
+    for bad in [
+        json!({"type":"ack","seq":1}).to_string(),
+        json!({"type":"hello","rig_id":"bad id","boot_id":boot_id(),"version":"t"}).to_string(),
+        json!({"type":"hello","rig_id":"r1","boot_id":"01890a5d-ac96-474b-bcce-b302099a8057","version":"t"}).to_string(),
+        "not json".to_string(),
+    ] {
+        let mut ws = b.connect("/agent");
+        ws.send(Message::Text(bad.clone().into())).unwrap();
+        assert_eq!(read_close(&mut ws), 4400, "{bad}");
+    }
+    b.wait_metric("fleetlink_closes_total{code=\"4400\"} 4");
+}
+
+#[test]
+fn no_hello_closes_4408() {
+    let b = Broker::start(&["--hello-timeout", "300ms"]);
+    let mut ws = b.connect("/agent");
+    assert_eq!(read_close(&mut ws), 4408);
+}
+
+#[test]
+fn binary_message_closes_1003_and_oversize_closes_1009() {
+    let b = Broker::start(&["--max-message", "1024"]);
+    let (mut ws, _, _) = b.rig("rig-big");
+    ws.send(Message::Text("x".repeat(2000).into())).unwrap();
+    assert_eq!(read_close(&mut ws), 1009);
+    let (mut ws, _, _) = b.rig("rig-bin");
+    ws.send(Message::Binary(vec![1, 2, 3].into())).unwrap();
+    assert_eq!(read_close(&mut ws), 1003);
+}
+
+#[test]
+fn broker_pings_and_a_silent_rig_is_closed_4002() {
+    let b = Broker::start(&["--ping-interval", "100ms", "--pong-timeout", "50ms", "--max-missed-pongs", "2"]);
+    // tungstenite answers pings on read; this rig reads, so it stays up across many pings.
+    let (mut ws, _, _) = b.rig("rig-alive");
+    if let tungstenite::stream::MaybeTlsStream::Plain(s) = ws.get_mut() {
+        s.set_read_timeout(Some(Duration::from_millis(50))).unwrap();
+    }
+    let mut pings = 0;
+    let deadline = std::time::Instant::now() + Duration::from_millis(600);
+    while std::time::Instant::now() < deadline {
+        match ws.read() {
+            Ok(Message::Ping(_)) => pings += 1,
+            Ok(other) => panic!("{other:?}"),
+            Err(tungstenite::Error::Io(e)) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            Err(e) => panic!("{e}"),
+        }
+    }
+    assert!(pings >= 3, "saw {pings} pings");
+    drop(ws);
+    // A rig that never answers pings: after 2 missed pongs it gets 4002.
+    let mut silent = RawRig::hello(&b, "rig-silent");
+    let started = std::time::Instant::now();
+    assert_eq!(silent.read_close(), 4002);
+    // interval × (misses − 1) + timeout = 150 ms, plus sweep granularity.
+    let took = started.elapsed();
+    assert!(took >= Duration::from_millis(140) && took < Duration::from_secs(2), "{took:?}");
+    b.wait_metric("fleetlink_closes_total{code=\"4002\"} 1");
+}
+
+#[test]
+fn commands_arrive_in_seq_order_and_acks_are_recorded() {
+    let b = Broker::start(&[]);
+    let (mut ws, _, _) = b.rig("rig-cmd");
+    for i in 0..200 {
+        let (status, reply) = b.command("rig-cmd", "dmesg", json!({"lines": i}));
+        assert_eq!(status, 200, "{reply}");
+        assert_eq!(reply["ok"], true);
+        assert_eq!(reply["seq"], i + 1);
+        assert_eq!(reply["rig_id"], "rig-cmd");
+    }
+    for i in 0..200u64 {
+        let cmd = read_json(&mut ws);
+        assert_eq!(cmd["type"], "command");
+        assert_eq!(cmd["seq"], i + 1);
+        assert_eq!(cmd["name"], "dmesg");
+        assert_eq!(cmd["args"]["lines"], i);
+        ws.send(Message::Text(json!({"type":"ack","seq":i + 1}).to_string().into())).unwrap();
+    }
+    eventually(Duration::from_secs(5), "last_ack_seq 200", || {
+        let rigs: serde_json::Value = serde_json::from_str(&b.http("GET", "/v1/rigs", "").1).unwrap();
+        rigs[0]["last_ack_seq"] == 200 && rigs[0]["last_ack_at"].is_string()
+    });
+    b.wait_metric("fleetlink_commands_total{result=\"acked\"} 200");
+}
+
+#[test]
+fn unknown_rig_and_bad_requests_get_contract_errors() {
+    let b = Broker::start(&[]);
+    let (status, reply) = b.command("rig-nobody", "reboot", json!({}));
+    assert_eq!(status, 404);
+    assert_eq!(reply["error"], "rig_not_connected");
+    let (status, text) = b.http("POST", "/v1/rigs/rig-x/commands", "{\"args\":{}}");
+    assert_eq!(status, 400, "{text}");
+    let (status, _) = b.http("POST", "/v1/rigs/bad%20id/commands", "{\"name\":\"x\"}");
+    assert_eq!(status, 400);
+}
+
+#[test]
+fn full_outbox_answers_rig_unresponsive() {
+    let b = Broker::start(&["--outbox", "4"]);
+    // Raw TCP upgrade, hello, then never read again: the socket buffers fill, then the outbox.
+    let (ws, _, _) = b.rig("rig-stuck");
+    let big = "x".repeat(60_000);
+    let mut last = serde_json::Value::Null;
+    for _ in 0..2000 {
+        let (status, reply) = b.command("rig-stuck", "blob", json!({"data": big}));
+        last = reply;
+        if status == 503 {
+            break;
+        }
+    }
+    assert_eq!(last["error"], "rig_unresponsive", "{last}");
+    assert!(last["detail"].as_str().unwrap().starts_with("outbox full (4/4)"), "{last}");
+    assert_eq!(last["last_ack_seq"], 0);
+    assert_eq!(last["suggested_action"], "force_reconnect");
+    assert!(last.get("last_ack_at").is_some());
+    drop(ws);
+}
+
+#[test]
+fn older_boot_is_refused_4409_and_takeover_closes_4410() {
+    let b = Broker::start(&[]);
+    let older = boot_id();
+    std::thread::sleep(Duration::from_millis(2)); // UUIDv7 orders by millisecond
+    let (mut first, _, _) = b.rig("rig-dup");
+    let mut stale = b.connect("/agent");
+    stale.send(Message::Text(json!({"type":"hello","rig_id":"rig-dup","boot_id":older,"version":"t"}).to_string().into())).unwrap();
+    assert_eq!(read_close(&mut stale), 4409);
+    let (_second, _, _) = b.rig("rig-dup");
+    assert_eq!(read_close(&mut first), 4410);
+}
+
+#[test]
+fn same_boot_reconnect_continues_the_session() {
+    let b = Broker::start(&[]);
+    let boot = boot_id();
+    let mut a = b.connect("/agent");
+    hello(&mut a, "rig-resume", &boot, json!({}));
+    let (_, r) = b.command("rig-resume", "one", json!({}));
+    assert_eq!(r["seq"], 1);
+    assert_eq!(read_json(&mut a)["seq"], 1);
+    // Reconnect with the same boot without closing the first socket (a network blip).
+    let mut c = b.connect("/agent");
+    let welcome = hello(&mut c, "rig-resume", &boot, json!({}));
+    assert_eq!(welcome["resumed"], true);
+    // Seq 1 was never acked and the hello carried no last_seq: it is sent again, then 2.
+    assert_eq!(read_json(&mut c)["seq"], 1);
+    let (_, r) = b.command("rig-resume", "two", json!({}));
+    assert_eq!(r["seq"], 2);
+    assert_eq!(read_json(&mut c)["seq"], 2);
+    assert_eq!(read_close(&mut a), 4410);
+}
+
+#[test]
+fn kick_closes_1012() {
+    let b = Broker::start(&[]);
+    let (mut ws, _, _) = b.rig("rig-kick");
+    let (status, body) = b.http("POST", "/v1/rigs/rig-kick/kick", "");
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(read_close(&mut ws), 1012);
+}

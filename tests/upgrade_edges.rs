@@ -1,0 +1,103 @@
+//! What the rig endpoint answers before a websocket exists (CONTRACT.md §2): 404, 426, 431,
+//! a stalled head, and 503 + Retry-After when the accept bucket is empty.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::{Duration, Instant};
+
+use common::broker::{raw_exchange, Broker};
+
+const KEY: &str = "dGhlIHNhbXBsZSBub25jZQ==";
+
+fn upgrade_head(path: &str) -> String {
+    format!("GET {path} HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Key: {KEY}\r\nSec-WebSocket-Version: 13\r\n\r\n")
+}
+
+#[test]
+fn statuses_before_the_upgrade() {
+    // A short hello timeout ends the upgraded-but-silent connections quickly.
+    let b = Broker::start(&["--hello-timeout", "300ms"]);
+    let resp = raw_exchange(b.listen, upgrade_head("/agent").as_bytes());
+    assert!(resp.starts_with("HTTP/1.1 101"), "{resp}");
+    assert!(resp.contains("s3pPLMBiTxaQ9kYGzzhZRbK+xOo="), "{resp}");
+    let resp = raw_exchange(b.listen, upgrade_head("/nope").as_bytes());
+    assert!(resp.starts_with("HTTP/1.1 404"), "{resp}");
+    let resp = raw_exchange(b.listen, b"GET /agent HTTP/1.1\r\nHost: x\r\n\r\n");
+    assert!(resp.starts_with("HTTP/1.1 426"), "{resp}");
+    let huge = format!("GET /agent HTTP/1.1\r\nHost: x\r\nX-Pad: {}\r\n\r\n", "a".repeat(9000));
+    let resp = raw_exchange(b.listen, huge.as_bytes());
+    assert!(resp.starts_with("HTTP/1.1 431"), "{resp}");
+    // permessage-deflate is declined (no extension header), not refused.
+    let deflate = upgrade_head("/agent").replace("\r\n\r\n", "\r\nSec-WebSocket-Extensions: permessage-deflate\r\n\r\n");
+    let resp = raw_exchange(b.listen, deflate.as_bytes());
+    assert!(resp.starts_with("HTTP/1.1 101") && !resp.to_lowercase().contains("extensions"), "{resp}");
+    b.wait_metric("fleetlink_upgrades_total{result=\"431\"} 1");
+}
+
+#[test]
+fn a_stalled_head_is_closed_after_the_hello_timeout() {
+    let b = Broker::start(&["--hello-timeout", "300ms"]);
+    let mut s = TcpStream::connect(b.listen).unwrap();
+    s.write_all(b"GET /agent HTTP/1.1\r\nHost: x\r\n").unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let started = Instant::now();
+    let mut buf = [0u8; 64];
+    let n = s.read(&mut buf).unwrap_or(0);
+    assert_eq!(n, 0, "expected EOF, got {:?}", String::from_utf8_lossy(&buf[..n]));
+    assert!(started.elapsed() < Duration::from_secs(3));
+    b.wait_metric("fleetlink_upgrades_total{result=\"head_timeout\"} 1");
+}
+
+#[test]
+fn accept_storm_gets_503_with_retry_after() {
+    let b = Broker::start(&["--accept-rate", "1", "--accept-burst", "2", "--cores", "1"]);
+    // All at once: the bucket holds 2 tokens and refills at 1/s.
+    let mut socks: Vec<TcpStream> = (0..20).map(|_| TcpStream::connect(b.listen).unwrap()).collect();
+    let mut ok = 0;
+    let mut unavailable = 0;
+    for s in &mut socks {
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        s.write_all(upgrade_head("/agent").as_bytes()).unwrap();
+        let resp = read_head(s);
+        if resp.starts_with("HTTP/1.1 101") {
+            ok += 1;
+        } else if resp.starts_with("HTTP/1.1 503") {
+            unavailable += 1;
+            let retry: u32 = resp
+                .lines()
+                .find_map(|l| l.strip_prefix("Retry-After: "))
+                .and_then(|v| v.trim().parse().ok())
+                .unwrap_or_else(|| panic!("no Retry-After in {resp}"));
+            assert!((5..=15).contains(&retry), "{retry}");
+        } else {
+            panic!("unexpected answer {resp:?}");
+        }
+    }
+    assert!((2..=4).contains(&ok), "ok={ok}");
+    assert_eq!(ok + unavailable, 20);
+    b.wait_metric(&format!("fleetlink_accepts_total{{result=\"rate_limited\"}} {unavailable}"));
+}
+
+/// Reads one HTTP response head.
+fn read_head(s: &mut TcpStream) -> String {
+    let mut out = Vec::new();
+    let mut byte = [0u8; 1];
+    while !out.ends_with(b"\r\n\r\n") {
+        match s.read(&mut byte) {
+            Ok(1) => out.push(byte[0]),
+            _ => break,
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+#[test]
+fn max_connections_gets_503() {
+    let b = Broker::start(&["--max-connections", "2", "--cores", "1"]);
+    let _a = b.rig("rig-a");
+    let _b = b.rig("rig-b");
+    let resp = raw_exchange(b.listen, upgrade_head("/agent").as_bytes());
+    assert!(resp.starts_with("HTTP/1.1 503"), "{resp}");
+}
