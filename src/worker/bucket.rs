@@ -46,19 +46,25 @@ impl RigBucket {
         Self { tokens: burst as f32, at_ms: now_ms }
     }
 
-    /// Takes one token, or says how many ms until one is there.
-    pub fn take(&mut self, rate: f64, burst: u32, now_ms: u32) -> Result<(), u32> {
+    /// Refills, then says whether a token is there, or how many ms until one is.
+    pub fn ready(&mut self, rate: f64, burst: u32, now_ms: u32) -> Result<(), u32> {
         // wrapping_sub: the core clock wraps after ~49 days; intervals stay correct.
         let elapsed = now_ms.wrapping_sub(self.at_ms) as f64 / 1000.0;
         self.tokens = ((self.tokens as f64) + elapsed * rate).min(burst as f64) as f32;
         self.at_ms = now_ms;
         if self.tokens >= 1.0 {
-            self.tokens -= 1.0;
             Ok(())
         } else {
             let wait = ((1.0 - self.tokens as f64) / rate * 1000.0).ceil();
             Err((wait as u32).max(1))
         }
+    }
+
+    /// Takes one token, or says how many ms until one is there.
+    pub fn take(&mut self, rate: f64, burst: u32, now_ms: u32) -> Result<(), u32> {
+        self.ready(rate, burst, now_ms)?;
+        self.tokens -= 1.0;
+        Ok(())
     }
 }
 

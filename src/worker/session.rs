@@ -49,6 +49,17 @@ pub(crate) fn consume(core: &Core, conn: &Conn, st: &mut ConnState, input: &[u8]
             }
             continue;
         }
+        if st.phase == Phase::Live {
+            let now = core.now_ms();
+            if let Err(wait_ms) = st.bucket.ready(core.cfg.rig_rate, core.cfg.rig_burst, now) {
+                // Over its rate: stop reading this rig until a token is back. TCP pushes back
+                // on this rig alone; nothing is dropped (CONTRACT.md §2 fairness).
+                core.metrics.inc(C::RigRatePaused);
+                st.paused_until = Some(now.wrapping_add(wait_ms));
+                st.rbuf_ready = true;
+                break;
+            }
+        }
         match st.decoder.decode(rest) {
             Ok(None) => break,
             Ok(Some((used, msg))) => {
@@ -153,13 +164,8 @@ fn on_text(core: &Core, conn: &Conn, st: &mut ConnState, text: &[u8]) {
             }
         },
         Phase::Live => {
-            let now = core.now_ms();
-            if let Err(wait_ms) = st.bucket.take(core.cfg.rig_rate, core.cfg.rig_burst, now) {
-                // Over its rate: stop reading this socket until a token is back (TCP pushes
-                // back on this rig alone; nothing is dropped).
-                core.metrics.inc(C::RigRatePaused);
-                st.paused_until = Some(now.wrapping_add(wait_ms));
-            }
+            // `consume` checked a token is there before decoding this message.
+            let _ = st.bucket.take(core.cfg.rig_rate, core.cfg.rig_burst, core.now_ms());
             on_rig_message(core, conn, st, text);
         }
         // Closing: the RFC says data after our close frame is ignored.

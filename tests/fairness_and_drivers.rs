@@ -1,0 +1,54 @@
+//! Per-rig fairness (CONTRACT.md §2: over its rate a rig is paused, never dropped) and the
+//! epoll fallback driver serving the same protocol.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::broker::{read_json, Broker};
+use serde_json::json;
+use tungstenite::Message;
+
+#[test]
+fn a_chatty_rig_is_slowed_not_dropped() {
+    let b = Broker::start(&["--rig-rate", "50", "--rig-burst", "5"]);
+    let (mut ws, _, _) = b.rig("rig-chatty");
+    let started = Instant::now();
+    for i in 0..40 {
+        let ev = json!({"type":"event","name":"tick","data":{"i":i}});
+        ws.send(Message::Text(ev.to_string().into())).unwrap();
+    }
+    b.wait_metric("fleetlink_messages_in_total{type=\"event\"} 40");
+    // 35 messages beyond the burst at 50/s take at least ~0.7 s.
+    assert!(started.elapsed() >= Duration::from_millis(600), "{:?}", started.elapsed());
+    assert!(metric(&b, "fleetlink_rig_rate_paused_total ") > 0);
+    // Still connected and served.
+    let (status, reply) = b.command("rig-chatty", "noop", json!({}));
+    assert_eq!(status, 200, "{reply}");
+    assert_eq!(read_json(&mut ws)["type"], "command");
+}
+
+#[test]
+fn epoll_driver_serves_the_same_protocol() {
+    let b = Broker::start(&["--force-epoll", "--ping-interval", "100ms"]);
+    b.wait_metric("fleetlink_driver{core=\"0\",driver=\"epoll\"} 1");
+    let (mut ws, _, welcome) = b.rig("rig-epoll");
+    assert_eq!(welcome["rig_id"], "rig-epoll");
+    let (status, reply) = b.command("rig-epoll", "uptime", json!({}));
+    assert_eq!(status, 200, "{reply}");
+    let cmd = read_json(&mut ws);
+    assert_eq!(cmd["seq"], 1);
+    // The sweep pings on this driver too; tungstenite answers while it reads.
+    if let tungstenite::stream::MaybeTlsStream::Plain(s) = ws.get_mut() {
+        s.set_read_timeout(Some(Duration::from_millis(20))).unwrap();
+    }
+    common::broker::eventually(Duration::from_secs(5), "pongs on epoll", || {
+        let _ = ws.read();
+        metric(&b, "fleetlink_pongs_received_total ") >= 2
+    });
+}
+
+fn metric(b: &Broker, prefix: &str) -> u64 {
+    let (_, text) = b.http("GET", "/metrics", "");
+    text.lines().find_map(|l| l.strip_prefix(prefix)).and_then(|v| v.parse().ok()).unwrap_or(0)
+}
