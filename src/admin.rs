@@ -51,33 +51,44 @@ impl Admin {
         draining: Arc<AtomicBool>,
         drain: Sender<()>,
     ) -> Self {
-        Self { bridge, cores, bridge_stats, draining, drain, active: AtomicUsize::new(0) }
+        Self {
+            bridge,
+            cores,
+            bridge_stats,
+            draining,
+            drain,
+            active: AtomicUsize::new(0),
+        }
     }
 }
 
 /// Serves `listener` on a new thread.
 pub fn spawn(listener: TcpListener, admin: Arc<Admin>) -> std::io::Result<JoinHandle<()>> {
-    std::thread::Builder::new().name("fleetlink-admin".into()).spawn(move || {
-        for stream in listener.incoming() {
-            let Ok(mut stream) = stream else { continue };
-            if admin.active.fetch_add(1, Ordering::SeqCst) >= MAX_ACTIVE {
-                admin.active.fetch_sub(1, Ordering::SeqCst);
-                let _ = respond(&mut stream, 503, "text/plain", b"busy\n");
-                continue;
-            }
-            let admin = admin.clone();
-            let spawned = std::thread::Builder::new().name("fleetlink-admin-req".into()).spawn({
+    std::thread::Builder::new()
+        .name("fleetlink-admin".into())
+        .spawn(move || {
+            for stream in listener.incoming() {
+                let Ok(mut stream) = stream else { continue };
+                if admin.active.fetch_add(1, Ordering::SeqCst) >= MAX_ACTIVE {
+                    admin.active.fetch_sub(1, Ordering::SeqCst);
+                    let _ = respond(&mut stream, 503, "text/plain", b"busy\n");
+                    continue;
+                }
                 let admin = admin.clone();
-                move || {
-                    let _ = serve(&admin, stream);
+                let spawned = std::thread::Builder::new()
+                    .name("fleetlink-admin-req".into())
+                    .spawn({
+                        let admin = admin.clone();
+                        move || {
+                            let _ = serve(&admin, stream);
+                            admin.active.fetch_sub(1, Ordering::SeqCst);
+                        }
+                    });
+                if spawned.is_err() {
                     admin.active.fetch_sub(1, Ordering::SeqCst);
                 }
-            });
-            if spawned.is_err() {
-                admin.active.fetch_sub(1, Ordering::SeqCst);
             }
-        }
-    })
+        })
 }
 
 struct Request {
@@ -116,13 +127,25 @@ fn read_request(stream: &mut TcpStream) -> std::io::Result<Option<Request>> {
             .headers
             .iter()
             .find(|h| h.name.eq_ignore_ascii_case("content-length"))
-            .and_then(|h| std::str::from_utf8(h.value).ok()?.trim().parse::<usize>().ok())
+            .and_then(|h| {
+                std::str::from_utf8(h.value)
+                    .ok()?
+                    .trim()
+                    .parse::<usize>()
+                    .ok()
+            })
             .unwrap_or(0);
         if head_len + content_length > MAX_REQUEST {
             return Ok(None);
         }
         let method = req.method.unwrap_or("").to_string();
-        let path = req.path.unwrap_or("").split('?').next().unwrap_or("").to_string();
+        let path = req
+            .path
+            .unwrap_or("")
+            .split('?')
+            .next()
+            .unwrap_or("")
+            .to_string();
         while buf.len() < head_len + content_length {
             let n = stream.read(&mut chunk)?;
             if n == 0 {
@@ -130,7 +153,10 @@ fn read_request(stream: &mut TcpStream) -> std::io::Result<Option<Request>> {
             }
             buf.extend_from_slice(chunk.get(..n).unwrap_or_default());
         }
-        let body = buf.get(head_len..head_len + content_length).unwrap_or_default().to_vec();
+        let body = buf
+            .get(head_len..head_len + content_length)
+            .unwrap_or_default()
+            .to_vec();
         return Ok(Some(Request { method, path, body }));
     }
 }
@@ -169,7 +195,10 @@ fn route(admin: &Admin, req: &Request) -> Answer {
             (200, "text/plain; version=0.0.4", text.into_bytes())
         }
         ("GET", ["v1", "rigs"]) => {
-            let mut rigs: Vec<_> = snapshots(admin, true).into_iter().flat_map(|s| s.rigs).collect();
+            let mut rigs: Vec<_> = snapshots(admin, true)
+                .into_iter()
+                .flat_map(|s| s.rigs)
+                .collect();
             rigs.sort_by(|a, b| a.rig_id.cmp(&b.rig_id));
             json_answer(200, &serde_json::to_value(rigs).unwrap_or_default())
         }
@@ -191,10 +220,17 @@ fn readyz(admin: &Admin) -> Answer {
     if admin.draining.load(Ordering::SeqCst) {
         return (503, "text/plain", b"draining\n".to_vec());
     }
+    if let Some(why) = admin.bridge_stats.not_ready() {
+        return (503, "text/plain", format!("{why}\n").into_bytes());
+    }
     // Every core must answer: a wedged core is not ready.
     let answered = snapshots(admin, false).len();
     if answered < admin.cores.len() {
-        return (503, "text/plain", format!("{answered}/{} cores answered\n", admin.cores.len()).into_bytes());
+        return (
+            503,
+            "text/plain",
+            format!("{answered}/{} cores answered\n", admin.cores.len()).into_bytes(),
+        );
     }
     (200, "text/plain", b"ready\n".to_vec())
 }
@@ -205,10 +241,18 @@ fn snapshots(admin: &Admin, rigs: bool) -> Vec<CoreSnapshot> {
     let asked = admin
         .cores
         .iter()
-        .filter(|core| core.send(ToCore::Snapshot { rigs, reply: tx.clone() }).is_ok())
+        .filter(|core| {
+            core.send(ToCore::Snapshot {
+                rigs,
+                reply: tx.clone(),
+            })
+            .is_ok()
+        })
         .count();
     let deadline = Instant::now() + Duration::from_secs(2);
-    let mut out: Vec<CoreSnapshot> = (0..asked).map_while(|_| rx.recv_deadline(deadline).ok()).collect();
+    let mut out: Vec<CoreSnapshot> = (0..asked)
+        .map_while(|_| rx.recv_deadline(deadline).ok())
+        .collect();
     out.sort_by_key(|s| s.core);
     out
 }
@@ -224,14 +268,42 @@ struct CommandBody {
 
 fn command(admin: &Admin, rig: &str, body: &[u8]) -> Answer {
     let parsed: Result<CommandBody, _> = serde_json::from_slice(body);
-    let id = parsed.as_ref().ok().and_then(|b| b.id.clone()).unwrap_or_else(new_id);
+    let id = parsed
+        .as_ref()
+        .ok()
+        .and_then(|b| b.id.clone())
+        .unwrap_or_else(new_id);
     let Some(rig_id) = RigId::parse(rig) else {
-        return json_answer(400, &reply::error(&id, Some(rig), "bad_request", "invalid rig id"));
+        return json_answer(
+            400,
+            &reply::error(&id, Some(rig), "bad_request", "invalid rig id"),
+        );
     };
     let body = match parsed {
-        Ok(b) if !b.name.is_empty() && b.name.len() <= 128 && matches!(b.args, None | Some(Value::Object(_))) => b,
-        Ok(_) => return json_answer(400, &reply::error(&id, Some(rig), "bad_request", "name must be 1-128 bytes and args an object")),
-        Err(e) => return json_answer(400, &reply::error(&id, Some(rig), "bad_request", &e.to_string())),
+        Ok(b)
+            if !b.name.is_empty()
+                && b.name.len() <= 128
+                && matches!(b.args, None | Some(Value::Object(_))) =>
+        {
+            b
+        }
+        Ok(_) => {
+            return json_answer(
+                400,
+                &reply::error(
+                    &id,
+                    Some(rig),
+                    "bad_request",
+                    "name must be 1-128 bytes and args an object",
+                ),
+            )
+        }
+        Err(e) => {
+            return json_answer(
+                400,
+                &reply::error(&id, Some(rig), "bad_request", &e.to_string()),
+            )
+        }
     };
     let (tx, rx) = crossbeam_channel::bounded(1);
     let req = CommandReq {
@@ -242,7 +314,10 @@ fn command(admin: &Admin, rig: &str, body: &[u8]) -> Answer {
         reply: ReplyTo::Admin(tx),
     };
     if admin.bridge.send(ToBridge::Command(req)).is_err() {
-        return json_answer(503, &reply::error(&id, Some(rig), "overloaded", "bridge queue full"));
+        return json_answer(
+            503,
+            &reply::error(&id, Some(rig), "overloaded", "bridge queue full"),
+        );
     }
     await_reply(&id, rig, &rx)
 }
@@ -250,12 +325,22 @@ fn command(admin: &Admin, rig: &str, body: &[u8]) -> Answer {
 fn kick(admin: &Admin, rig: &str) -> Answer {
     let id = new_id();
     let Some(rig_id) = RigId::parse(rig) else {
-        return json_answer(400, &reply::error(&id, Some(rig), "bad_request", "invalid rig id"));
+        return json_answer(
+            400,
+            &reply::error(&id, Some(rig), "bad_request", "invalid rig id"),
+        );
     };
     let (tx, rx) = crossbeam_channel::bounded(1);
-    let msg = ToBridge::Kick { id: id.clone(), rig: rig_id, reply: ReplyTo::Admin(tx) };
+    let msg = ToBridge::Kick {
+        id: id.clone(),
+        rig: rig_id,
+        reply: ReplyTo::Admin(tx),
+    };
     if admin.bridge.send(msg).is_err() {
-        return json_answer(503, &reply::error(&id, Some(rig), "overloaded", "bridge queue full"));
+        return json_answer(
+            503,
+            &reply::error(&id, Some(rig), "overloaded", "bridge queue full"),
+        );
     }
     await_reply(&id, rig, &rx)
 }
@@ -271,7 +356,15 @@ fn await_reply(id: &str, rig: &str, rx: &crossbeam_channel::Receiver<Value>) -> 
             };
             json_answer(status, &v)
         }
-        Err(_) => json_answer(504, &reply::error(id, Some(rig), "timeout", "no answer from the broker core in time")),
+        Err(_) => json_answer(
+            504,
+            &reply::error(
+                id,
+                Some(rig),
+                "timeout",
+                "no answer from the broker core in time",
+            ),
+        ),
     }
 }
 
@@ -283,6 +376,8 @@ fn json_answer(status: u16, v: &Value) -> Answer {
 
 /// A fresh command id (UUIDv7 text: unique and time-ordered).
 pub fn new_id() -> String {
-    let ms = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
+    let ms = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64);
     BootId::generate(ms).to_string()
 }

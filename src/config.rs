@@ -214,23 +214,29 @@ impl Cli {
     pub fn load(argv: Vec<OsString>) -> anyhow::Result<Cli> {
         let matches = Cli::command().try_get_matches_from(&argv)?;
         let cli = Cli::from_arg_matches(&matches)?;
-        let Some(path) = cli.broker.config.clone() else { return Ok(cli) };
+        let Some(path) = cli.broker.config.clone() else {
+            return Ok(cli);
+        };
         let text = std::fs::read_to_string(&path)
             .map_err(|e| anyhow::anyhow!("reading config {}: {e}", path.display()))?;
-        let table: toml::Table =
-            text.parse().map_err(|e| anyhow::anyhow!("parsing config {}: {e}", path.display()))?;
+        let table: toml::Table = text
+            .parse()
+            .map_err(|e| anyhow::anyhow!("parsing config {}: {e}", path.display()))?;
         let mut merged = argv;
         for (key, value) in table {
             let id = key.replace('-', "_");
+            if Cli::command()
+                .get_arguments()
+                .all(|a| a.get_id() != id.as_str())
+            {
+                anyhow::bail!("config {}: unknown key {key:?}", path.display());
+            }
             let explicit = matches!(
                 matches.value_source(&id),
                 Some(ValueSource::CommandLine | ValueSource::EnvVariable)
             );
             if id == "config" || explicit {
                 continue;
-            }
-            if Cli::command().get_arguments().all(|a| a.get_id() != id.as_str()) {
-                anyhow::bail!("config {}: unknown key {key:?}", path.display());
             }
             for v in toml_values(&value) {
                 merged.push(format!("--{}", key.replace('_', "-")).into());
@@ -254,25 +260,41 @@ impl BrokerArgs {
     /// Checks cross-field rules and fills computed defaults.
     pub fn validate(self) -> anyhow::Result<Config> {
         let tls = match (self.tls_cert, self.tls_key) {
-            (Some(cert), Some(key)) => {
-                Some(TlsFiles { cert, key, client_ca: self.client_ca, crl: self.crl })
-            }
+            (Some(cert), Some(key)) => Some(TlsFiles {
+                cert,
+                key,
+                client_ca: self.client_ca,
+                crl: self.crl,
+            }),
             (None, None) if self.client_ca.is_none() => None,
             _ => anyhow::bail!("--tls-cert and --tls-key go together (and --client-ca needs them)"),
         };
         let default_port = if tls.is_some() { 8443 } else { 8080 };
-        let listen = self.listen.unwrap_or_else(|| SocketAddr::from(([0, 0, 0, 0], default_port)));
+        let listen = self
+            .listen
+            .unwrap_or_else(|| SocketAddr::from(([0, 0, 0, 0], default_port)));
         let cores = self
             .cores
             .map(NonZeroUsize::get)
             .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, NonZeroUsize::get));
-        let broker_id = self.broker_id.unwrap_or_else(|| format!("{}-{}", hostname(), listen.port()));
-        anyhow::ensure!(!broker_id.is_empty() && !broker_id.contains('|'), "--broker-id must be non-empty and must not contain '|'");
+        let broker_id = self
+            .broker_id
+            .unwrap_or_else(|| format!("{}-{}", hostname(), listen.port()));
+        anyhow::ensure!(
+            !broker_id.is_empty() && !broker_id.contains('|'),
+            "--broker-id must be non-empty and must not contain '|'"
+        );
         anyhow::ensure!(self.accept_rate > 0.0, "--accept-rate must be > 0");
         anyhow::ensure!(self.accept_burst > 0, "--accept-burst must be > 0");
-        anyhow::ensure!(self.rig_rate > 0.0 && self.rig_burst > 0, "--rig-rate and --rig-burst must be > 0");
+        anyhow::ensure!(
+            self.rig_rate > 0.0 && self.rig_burst > 0,
+            "--rig-rate and --rig-burst must be > 0"
+        );
         anyhow::ensure!(self.outbox > 0, "--outbox must be > 0");
-        anyhow::ensure!(self.max_message >= 125, "--max-message must be at least 125 bytes");
+        anyhow::ensure!(
+            self.max_message >= 125,
+            "--max-message must be at least 125 bytes"
+        );
         anyhow::ensure!(self.max_missed_pongs > 0, "--max-missed-pongs must be > 0");
         for (name, d) in [
             ("--ping-interval", self.ping_interval),
@@ -280,9 +302,15 @@ impl BrokerArgs {
             ("--hello-timeout", self.hello_timeout),
             ("--registry-refresh", self.registry_refresh),
         ] {
-            anyhow::ensure!(d >= Duration::from_millis(10), "{name} must be at least 10ms");
+            anyhow::ensure!(
+                d >= Duration::from_millis(10),
+                "{name} must be at least 10ms"
+            );
         }
-        anyhow::ensure!(self.registry_ttl > self.registry_refresh, "--registry-ttl must exceed --registry-refresh");
+        anyhow::ensure!(
+            self.registry_ttl > self.registry_refresh,
+            "--registry-ttl must exceed --registry-refresh"
+        );
         Ok(Config {
             listen,
             admin: self.admin,
@@ -327,9 +355,13 @@ fn hostname() -> String {
 /// Parses `250ms`, `20s`, `5m`, `1h` (a bare number is seconds).
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
     let s = s.trim();
-    let split = s.find(|c: char| !c.is_ascii_digit() && c != '.').unwrap_or(s.len());
+    let split = s
+        .find(|c: char| !c.is_ascii_digit() && c != '.')
+        .unwrap_or(s.len());
     let (num, unit) = s.split_at(split);
-    let n: f64 = num.parse().map_err(|_| format!("bad duration {s:?} (use e.g. 250ms, 20s, 5m)"))?;
+    let n: f64 = num
+        .parse()
+        .map_err(|_| format!("bad duration {s:?} (use e.g. 250ms, 20s, 5m)"))?;
     let secs = match unit {
         "ms" => n / 1000.0,
         "" | "s" => n,
@@ -348,7 +380,9 @@ mod tests {
     use super::*;
 
     fn load(args: &[&str]) -> anyhow::Result<Config> {
-        let argv = std::iter::once("fleetlink-fe").chain(args.iter().copied()).map(OsString::from);
+        let argv = std::iter::once("fleetlink-fe")
+            .chain(args.iter().copied())
+            .map(OsString::from);
         Cli::load(argv.collect())?.broker.validate()
     }
 
@@ -381,7 +415,11 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("fl-cfg-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("c.toml");
-        std::fs::write(&path, "ping-interval = \"5s\"\noutbox = 7\nbroker_id = \"fe-x\"\n").unwrap();
+        std::fs::write(
+            &path,
+            "ping-interval = \"5s\"\noutbox = 7\nbroker_id = \"fe-x\"\n",
+        )
+        .unwrap();
         let c = load(&["--config", path.to_str().unwrap(), "--outbox", "9"]).unwrap();
         assert_eq!(c.ping_interval, Duration::from_secs(5));
         assert_eq!(c.outbox, 9);

@@ -21,7 +21,10 @@ pub struct Mailbox<T> {
 
 impl<T> Clone for Mailbox<T> {
     fn clone(&self) -> Self {
-        Self { tx: self.tx.clone(), bell: self.bell.clone() }
+        Self {
+            tx: self.tx.clone(),
+            bell: self.bell.clone(),
+        }
     }
 }
 
@@ -48,8 +51,17 @@ pub fn channel<T>(capacity: usize) -> io::Result<(Mailbox<T>, Inbox<T>)> {
     ring.set_nonblocking(true)?;
     listen.set_nonblocking(true)?;
     let (tx, rx) = crossbeam_channel::bounded(capacity);
-    let bell = Arc::new(Bell { armed: AtomicBool::new(false), ring });
-    Ok((Mailbox { tx, bell: bell.clone() }, Inbox { rx, bell, listen }))
+    let bell = Arc::new(Bell {
+        armed: AtomicBool::new(false),
+        ring,
+    });
+    Ok((
+        Mailbox {
+            tx,
+            bell: bell.clone(),
+        },
+        Inbox { rx, bell, listen },
+    ))
 }
 
 impl<T> Mailbox<T> {
@@ -116,13 +128,20 @@ mod tests {
         let (tx, rx) = channel::<u32>(4).unwrap();
         tx.send(1).unwrap();
         let mut b = [0u8; 8];
-        assert!((&rx.listen).read(&mut b).is_err(), "no ring while not armed");
+        assert!(
+            (&rx.listen).read(&mut b).is_err(),
+            "no ring while not armed"
+        );
         assert!(!rx.arm(), "arm sees the queued message");
         assert_eq!(rx.try_recv(), Some(1));
         assert!(rx.arm());
         tx.send(2).unwrap();
         tx.send(3).unwrap();
-        assert_eq!((&rx.listen).read(&mut b).unwrap(), 1, "one ring for a burst");
+        assert_eq!(
+            (&rx.listen).read(&mut b).unwrap(),
+            1,
+            "one ring for a burst"
+        );
         rx.clear();
         assert_eq!(rx.try_recv(), Some(2));
     }

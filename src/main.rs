@@ -12,8 +12,14 @@ use fleetlink::registry::bridge::{self, BridgeShared};
 use fleetlink::registry::msg::{ToBridge, ToCore};
 use fleetlink::{admin, doorbell, worker};
 
+#[cfg(not(feature = "heap-stats"))]
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
+#[cfg(feature = "heap-stats")]
+#[global_allocator]
+static GLOBAL: fleetlink::heap_stats::Counting<mimalloc::MiMalloc> =
+    fleetlink::heap_stats::Counting(mimalloc::MiMalloc);
 
 /// Messages a core or the bridge may have waiting before senders get "full".
 const QUEUE: usize = 65_536;
@@ -32,7 +38,11 @@ fn main() -> ExitCode {
     };
     let result = match cli.tool {
         Some(Tool::Doctor { connections }) => return fleetlink::doctor::main(connections),
-        Some(Tool::DevCerts { out, rigs, broker_names }) => fleetlink::dev_certs::main(&out, rigs, &broker_names),
+        Some(Tool::DevCerts {
+            out,
+            rigs,
+            broker_names,
+        }) => fleetlink::dev_certs::main(&out, rigs, &broker_names),
         None => cli.broker.validate().and_then(run),
     };
     match result {
@@ -47,7 +57,6 @@ fn main() -> ExitCode {
 fn run(cfg: Config) -> anyhow::Result<()> {
     // Read-only for the life of the process; every thread borrows it.
     let cfg: &'static Config = Box::leak(Box::new(cfg));
-    anyhow::ensure!(cfg.redis.is_none(), "fleet mode (--redis) is not available in this build yet");
     anyhow::ensure!(cfg.tls.is_none(), "TLS is not available in this build yet");
     if !cfg.listen.ip().is_loopback() && cfg.tls.is_none() {
         log::warn!("!!! plain ws on non-loopback {}: rig traffic and identities travel unencrypted; use --tls-cert/--tls-key", cfg.listen);
@@ -58,8 +67,13 @@ fn run(cfg: Config) -> anyhow::Result<()> {
     }
     let listeners = worker::bind_listeners(cfg.listen, cfg.cores, cfg.backlog)
         .with_context(|| format!("binding {}", cfg.listen))?;
-    let listen = listeners.first().map(|l| l.local_addr()).transpose()?.context("no listener")?;
-    let admin_listener = TcpListener::bind(cfg.admin).with_context(|| format!("binding admin {}", cfg.admin))?;
+    let listen = listeners
+        .first()
+        .map(|l| l.local_addr())
+        .transpose()?
+        .context("no listener")?;
+    let admin_listener =
+        TcpListener::bind(cfg.admin).with_context(|| format!("binding admin {}", cfg.admin))?;
     let admin_addr = admin_listener.local_addr()?;
 
     let (bridge_tx, bridge_rx) = doorbell::channel::<ToBridge>(QUEUE)?;
@@ -70,7 +84,7 @@ fn run(cfg: Config) -> anyhow::Result<()> {
         core_txs.push(tx);
         core_rxs.push(rx);
     }
-    let shared = Arc::new(BridgeShared::default());
+    let shared = Arc::new(BridgeShared::new(cfg.redis.is_some()));
     let bridge = bridge::spawn(cfg, bridge_rx, core_txs.clone(), shared.clone())?;
     let mut cores = Vec::with_capacity(cfg.cores);
     for (i, (listener, inbox)) in listeners.into_iter().zip(core_rxs).enumerate() {
@@ -78,7 +92,13 @@ fn run(cfg: Config) -> anyhow::Result<()> {
     }
     let draining = Arc::new(AtomicBool::new(false));
     let (drain_tx, drain_rx) = crossbeam_channel::bounded::<()>(4);
-    let admin = Arc::new(admin::Admin::new(bridge_tx.clone(), core_txs.clone(), shared, draining.clone(), drain_tx.clone()));
+    let admin = Arc::new(admin::Admin::new(
+        bridge_tx.clone(),
+        core_txs.clone(),
+        shared,
+        draining.clone(),
+        drain_tx.clone(),
+    ));
     admin::spawn(admin_listener, admin)?;
     spawn_signal_thread(drain_tx)?;
 
@@ -87,7 +107,11 @@ fn run(cfg: Config) -> anyhow::Result<()> {
         "fleetlink-fe ready listen={listen} admin={admin_addr} broker_id={} cores={} driver={driver}",
         cfg.broker_id, cfg.cores
     );
-    log::info!("broker {} listening on {listen} (admin {admin_addr}), {} cores, {driver}", cfg.broker_id, cfg.cores);
+    log::info!(
+        "broker {} listening on {listen} (admin {admin_addr}), {} cores, {driver}",
+        cfg.broker_id,
+        cfg.cores
+    );
 
     let _ = drain_rx.recv();
     draining.store(true, Ordering::SeqCst);
@@ -107,10 +131,12 @@ fn run(cfg: Config) -> anyhow::Result<()> {
 fn spawn_signal_thread(drain: crossbeam_channel::Sender<()>) -> anyhow::Result<()> {
     use signal_hook::consts::{SIGINT, SIGTERM};
     let mut signals = signal_hook::iterator::Signals::new([SIGTERM, SIGINT])?;
-    std::thread::Builder::new().name("fleetlink-signals".into()).spawn(move || {
-        for _ in signals.forever() {
-            let _ = drain.try_send(());
-        }
-    })?;
+    std::thread::Builder::new()
+        .name("fleetlink-signals".into())
+        .spawn(move || {
+            for _ in signals.forever() {
+                let _ = drain.try_send(());
+            }
+        })?;
     Ok(())
 }

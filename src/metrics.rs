@@ -86,8 +86,10 @@ const COUNTERS: [(&str, &str); 32] = [
 
 /// Close codes counted one by one; anything else is `other`. 1006 = closed without a close
 /// frame (peer vanished, I/O error).
-pub const CLOSE_CODES: [u16; 17] =
-    [1000, 1001, 1002, 1003, 1006, 1007, 1008, 1009, 1011, 1012, 4002, 4400, 4403, 4408, 4409, 4410, 4503];
+pub const CLOSE_CODES: [u16; 17] = [
+    1000, 1001, 1002, 1003, 1006, 1007, 1008, 1009, 1011, 1012, 4002, 4400, 4403, 4408, 4409, 4410,
+    4503,
+];
 
 /// Upper bounds (ms) of the ack latency histogram buckets.
 pub const ACK_BUCKETS_MS: [u64; 12] = [1, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000];
@@ -118,14 +120,20 @@ impl CoreMetrics {
 
     /// Counts a close by its code.
     pub fn close(&self, code: u16) {
-        let i = CLOSE_CODES.iter().position(|&c| c == code).unwrap_or(CLOSE_CODES.len());
+        let i = CLOSE_CODES
+            .iter()
+            .position(|&c| c == code)
+            .unwrap_or(CLOSE_CODES.len());
         let cell = &self.closes[i];
         cell.set(cell.get() + 1);
     }
 
     /// Records one ack latency.
     pub fn ack_latency(&self, ms: u64) {
-        let i = ACK_BUCKETS_MS.iter().position(|&b| ms <= b).unwrap_or(ACK_BUCKETS_MS.len());
+        let i = ACK_BUCKETS_MS
+            .iter()
+            .position(|&b| ms <= b)
+            .unwrap_or(ACK_BUCKETS_MS.len());
         let cell = &self.ack_buckets[i];
         cell.set(cell.get() + 1);
         self.ack_sum_ms.set(self.ack_sum_ms.get() + ms);
@@ -154,7 +162,12 @@ impl CoreMetrics {
             ack_buckets: self.ack_buckets.iter().map(Cell::get).collect(),
             ack_sum_ms: self.ack_sum_ms.get(),
             connections: self.connections.get(),
-            groups: self.groups.borrow().iter().map(|(k, v)| (k.to_string(), *v)).collect(),
+            groups: self
+                .groups
+                .borrow()
+                .iter()
+                .map(|(k, v)| (k.to_string(), *v))
+                .collect(),
             rigs: Vec::new(),
         }
     }
@@ -227,11 +240,19 @@ pub fn render(cores: &[CoreSnapshot], bridge: &BridgeStats, draining: bool) -> S
     let sum = |f: &dyn Fn(&CoreSnapshot) -> u64| cores.iter().map(f).sum::<u64>();
     let _ = writeln!(out, "# TYPE fleetlink_connections gauge");
     for c in cores {
-        let _ = writeln!(out, "fleetlink_connections{{core=\"{}\"}} {}", c.core, c.connections);
+        let _ = writeln!(
+            out,
+            "fleetlink_connections{{core=\"{}\"}} {}",
+            c.core, c.connections
+        );
     }
     let _ = writeln!(out, "# TYPE fleetlink_driver gauge");
     for c in cores {
-        let _ = writeln!(out, "fleetlink_driver{{core=\"{}\",driver=\"{}\"}} 1", c.core, c.driver);
+        let _ = writeln!(
+            out,
+            "fleetlink_driver{{core=\"{}\",driver=\"{}\"}} 1",
+            c.core, c.driver
+        );
     }
     let mut last = "";
     for (i, (name, labels)) in COUNTERS.iter().enumerate() {
@@ -248,20 +269,39 @@ pub fn render(cores: &[CoreSnapshot], bridge: &BridgeStats, draining: bool) -> S
     }
     let _ = writeln!(out, "# TYPE fleetlink_closes_total counter");
     for i in 0..=CLOSE_CODES.len() {
-        let code = CLOSE_CODES.get(i).map_or("other".to_string(), |c| c.to_string());
+        let code = CLOSE_CODES
+            .get(i)
+            .map_or("other".to_string(), |c| c.to_string());
         let v = sum(&|c: &CoreSnapshot| c.closes.get(i).copied().unwrap_or(0));
         let _ = writeln!(out, "fleetlink_closes_total{{code=\"{code}\"}} {v}");
     }
     let _ = writeln!(out, "# TYPE fleetlink_outbox_full_total counter");
-    let _ = writeln!(out, "fleetlink_outbox_full_total {}", sum(&|c: &CoreSnapshot| c.counters.get(C::CmdOutboxFull as usize).copied().unwrap_or(0)));
+    let _ = writeln!(
+        out,
+        "fleetlink_outbox_full_total {}",
+        sum(&|c: &CoreSnapshot| c
+            .counters
+            .get(C::CmdOutboxFull as usize)
+            .copied()
+            .unwrap_or(0))
+    );
     let _ = writeln!(out, "# TYPE fleetlink_ack_latency_seconds histogram");
     let mut cumulative = 0;
     for i in 0..=ACK_BUCKETS_MS.len() {
         cumulative += sum(&|c: &CoreSnapshot| c.ack_buckets.get(i).copied().unwrap_or(0));
-        let le = ACK_BUCKETS_MS.get(i).map_or("+Inf".to_string(), |ms| format!("{}", *ms as f64 / 1000.0));
-        let _ = writeln!(out, "fleetlink_ack_latency_seconds_bucket{{le=\"{le}\"}} {cumulative}");
+        let le = ACK_BUCKETS_MS
+            .get(i)
+            .map_or("+Inf".to_string(), |ms| format!("{}", *ms as f64 / 1000.0));
+        let _ = writeln!(
+            out,
+            "fleetlink_ack_latency_seconds_bucket{{le=\"{le}\"}} {cumulative}"
+        );
     }
-    let _ = writeln!(out, "fleetlink_ack_latency_seconds_sum {}", sum(&|c: &CoreSnapshot| c.ack_sum_ms) as f64 / 1000.0);
+    let _ = writeln!(
+        out,
+        "fleetlink_ack_latency_seconds_sum {}",
+        sum(&|c: &CoreSnapshot| c.ack_sum_ms) as f64 / 1000.0
+    );
     let _ = writeln!(out, "fleetlink_ack_latency_seconds_count {cumulative}");
     let mut groups: HashMap<&str, u64> = HashMap::new();
     for c in cores {
@@ -275,23 +315,55 @@ pub fn render(cores: &[CoreSnapshot], bridge: &BridgeStats, draining: bool) -> S
     for (g, n) in groups {
         let _ = writeln!(out, "fleetlink_rigs{{group=\"{}\"}} {n}", escape(g));
     }
-    let _ = writeln!(out, "# TYPE fleetlink_redis_up gauge\nfleetlink_redis_up {}", bridge.redis_up);
+    let _ = writeln!(
+        out,
+        "# TYPE fleetlink_redis_up gauge\nfleetlink_redis_up {}",
+        bridge.redis_up
+    );
     let _ = writeln!(out, "# TYPE fleetlink_registry_ops_total counter");
     for (op, result, n) in &bridge.registry_ops {
-        let _ = writeln!(out, "fleetlink_registry_ops_total{{op=\"{op}\",result=\"{result}\"}} {n}");
+        let _ = writeln!(
+            out,
+            "fleetlink_registry_ops_total{{op=\"{op}\",result=\"{result}\"}} {n}"
+        );
     }
     let _ = writeln!(out, "# TYPE fleetlink_pubsub_messages_total counter");
     for (dir, n) in &bridge.pubsub {
-        let _ = writeln!(out, "fleetlink_pubsub_messages_total{{direction=\"{dir}\"}} {n}");
+        let _ = writeln!(
+            out,
+            "fleetlink_pubsub_messages_total{{direction=\"{dir}\"}} {n}"
+        );
     }
-    let _ = writeln!(out, "# TYPE fleetlink_bridge_queue_depth gauge\nfleetlink_bridge_queue_depth {}", bridge.queue_depth);
-    let _ = writeln!(out, "fleetlink_bridge_queue_full_total{{from=\"bridge\"}} {}", bridge.core_queue_full);
-    let _ = writeln!(out, "# TYPE fleetlink_draining gauge\nfleetlink_draining {}", u8::from(draining));
+    let _ = writeln!(
+        out,
+        "# TYPE fleetlink_bridge_queue_depth gauge\nfleetlink_bridge_queue_depth {}",
+        bridge.queue_depth
+    );
+    let _ = writeln!(
+        out,
+        "fleetlink_bridge_queue_full_total{{from=\"bridge\"}} {}",
+        bridge.core_queue_full
+    );
+    let _ = writeln!(
+        out,
+        "# TYPE fleetlink_draining gauge\nfleetlink_draining {}",
+        u8::from(draining)
+    );
+    let (bytes, allocs) = crate::heap_stats::live();
+    if allocs != 0 {
+        let _ = writeln!(
+            out,
+            "# TYPE fleetlink_heap_live_bytes gauge\nfleetlink_heap_live_bytes {bytes}"
+        );
+        let _ = writeln!(out, "# TYPE fleetlink_heap_live_allocations gauge\nfleetlink_heap_live_allocations {allocs}");
+    }
     out
 }
 
 fn escape(s: &str) -> String {
-    s.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
+    s.replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
 }
 
 #[cfg(test)]

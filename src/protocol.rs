@@ -122,18 +122,33 @@ pub fn parse_client_msg(bytes: &[u8]) -> Result<ClientMsg, ProtocolError> {
     match raw.ty.as_str() {
         "hello" => parse_hello(v, raw).map(ClientMsg::Hello),
         "ack" => {
-            let seq = raw.seq.ok_or(ProtocolError::Invalid { ty: "ack", why: "missing seq" })?;
+            let seq = raw.seq.ok_or(ProtocolError::Invalid {
+                ty: "ack",
+                why: "missing seq",
+            })?;
             Ok(ClientMsg::Ack { v, seq: Seq(seq) })
         }
         "result" => {
             let invalid = |why| ProtocolError::Invalid { ty: "result", why };
             let seq = raw.seq.ok_or(invalid("missing seq"))?;
             let ok = raw.ok.ok_or(invalid("missing ok"))?;
-            Ok(ClientMsg::Result { v, seq: Seq(seq), ok, output: raw.output })
+            Ok(ClientMsg::Result {
+                v,
+                seq: Seq(seq),
+                ok,
+                output: raw.output,
+            })
         }
         "event" => {
-            let name = raw.name.ok_or(ProtocolError::Invalid { ty: "event", why: "missing name" })?;
-            Ok(ClientMsg::Event { v, name, data: raw.data })
+            let name = raw.name.ok_or(ProtocolError::Invalid {
+                ty: "event",
+                why: "missing name",
+            })?;
+            Ok(ClientMsg::Event {
+                v,
+                name,
+                data: raw.data,
+            })
         }
         _ => Ok(ClientMsg::Unknown { ty: raw.ty }),
     }
@@ -141,8 +156,16 @@ pub fn parse_client_msg(bytes: &[u8]) -> Result<ClientMsg, ProtocolError> {
 
 fn parse_hello(v: u32, raw: RawMsg) -> Result<Hello, ProtocolError> {
     let invalid = |why| ProtocolError::Invalid { ty: "hello", why };
-    let rig_id = raw.rig_id.as_deref().and_then(RigId::parse).ok_or(invalid("rig_id"))?;
-    let boot_id = raw.boot_id.as_deref().and_then(BootId::parse).ok_or(invalid("boot_id"))?;
+    let rig_id = raw
+        .rig_id
+        .as_deref()
+        .and_then(RigId::parse)
+        .ok_or(invalid("rig_id"))?;
+    let boot_id = raw
+        .boot_id
+        .as_deref()
+        .and_then(BootId::parse)
+        .ok_or(invalid("boot_id"))?;
     let version = raw.version.ok_or(invalid("missing version"))?;
     if version.len() > MAX_LABEL_LEN {
         return Err(invalid("version too long"));
@@ -163,7 +186,14 @@ fn parse_hello(v: u32, raw: RawMsg) -> Result<Hello, ProtocolError> {
         }
         labels.sort();
     }
-    Ok(Hello { v, rig_id, boot_id, version, labels, last_seq: raw.last_seq.map(Seq) })
+    Ok(Hello {
+        v,
+        rig_id,
+        boot_id,
+        version,
+        labels,
+        last_seq: raw.last_seq.map(Seq),
+    })
 }
 
 /// `welcome` (CONTRACT.md §2).
@@ -206,7 +236,14 @@ pub fn encode_command(v: u32, seq: Seq, id: &str, name: &str, args: &Value) -> V
         name: &'a str,
         args: &'a Value,
     }
-    to_vec(&Command { ty: "command", v, seq: seq.0, id, name, args })
+    to_vec(&Command {
+        ty: "command",
+        v,
+        seq: seq.0,
+        id,
+        name,
+        args,
+    })
 }
 
 /// `goaway` (CONTRACT.md §2, §7).
@@ -219,7 +256,12 @@ pub fn encode_goaway(v: u32, reason: &str, reconnect_after_ms: u64) -> Vec<u8> {
         reason: &'a str,
         reconnect_after_ms: u64,
     }
-    to_vec(&Goaway { ty: "goaway", v, reason, reconnect_after_ms })
+    to_vec(&Goaway {
+        ty: "goaway",
+        v,
+        reason,
+        reconnect_after_ms,
+    })
 }
 
 fn to_vec<T: Serialize>(msg: &T) -> Vec<u8> {
@@ -238,7 +280,9 @@ mod tests {
         let text = format!(
             r#"{{"type":"hello","rig_id":"rig-1","boot_id":"{BOOT}","version":"1.2","labels":{{"lab":"b","group":"a"}},"last_seq":7,"extra":1}}"#
         );
-        let ClientMsg::Hello(h) = parse_client_msg(text.as_bytes()).unwrap() else { panic!() };
+        let ClientMsg::Hello(h) = parse_client_msg(text.as_bytes()).unwrap() else {
+            panic!()
+        };
         assert_eq!(h.rig_id.as_str(), "rig-1");
         assert_eq!(h.v, 1);
         assert_eq!(h.last_seq, Some(Seq(7)));
@@ -280,12 +324,18 @@ mod tests {
     #[test]
     fn encodes_contract_fields() {
         let rig = RigId::parse("rig-1").unwrap();
-        let w: Value = serde_json::from_slice(&encode_welcome(1, "fe", &rig, 20000, false)).unwrap();
+        let w: Value =
+            serde_json::from_slice(&encode_welcome(1, "fe", &rig, 20000, false)).unwrap();
         assert_eq!(w["type"], "welcome");
         assert_eq!(w["ping_interval_ms"], 20000);
-        let c: Value =
-            serde_json::from_slice(&encode_command(1, Seq(5), "c1", "reboot", &serde_json::json!({})))
-                .unwrap();
+        let c: Value = serde_json::from_slice(&encode_command(
+            1,
+            Seq(5),
+            "c1",
+            "reboot",
+            &serde_json::json!({}),
+        ))
+        .unwrap();
         assert_eq!(c["seq"], 5);
         assert_eq!(c["name"], "reboot");
     }

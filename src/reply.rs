@@ -85,7 +85,10 @@ mod tests {
                 last_ack_at: Some(UNIX_EPOCH + Duration::from_millis(1_500)),
             },
         );
-        assert_eq!(v["detail"], "outbox full (128/128), oldest queued cmd age 47s");
+        assert_eq!(
+            v["detail"],
+            "outbox full (128/128), oldest queued cmd age 47s"
+        );
         assert_eq!(v["last_ack_seq"], 9);
         assert_eq!(v["last_ack_at"], "1970-01-01T00:00:01.500Z");
         assert_eq!(v["suggested_action"], "force_reconnect");

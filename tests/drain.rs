@@ -29,7 +29,9 @@ fn drain_with(trigger: impl FnOnce(&Broker)) {
         assert_eq!(read_close(ws), 1001);
     }
     assert!(started.elapsed() >= Duration::from_millis(550));
-    let status = b.wait_exit(Duration::from_secs(10)).expect("broker did not exit");
+    let status = b
+        .wait_exit(Duration::from_secs(10))
+        .expect("broker did not exit");
     assert!(status.success(), "{status:?}");
 }
 

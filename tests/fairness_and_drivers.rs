@@ -20,7 +20,11 @@ fn a_chatty_rig_is_slowed_not_dropped() {
     }
     b.wait_metric("fleetlink_messages_in_total{type=\"event\"} 40");
     // 35 messages beyond the burst at 50/s take at least ~0.7 s.
-    assert!(started.elapsed() >= Duration::from_millis(600), "{:?}", started.elapsed());
+    assert!(
+        started.elapsed() >= Duration::from_millis(600),
+        "{:?}",
+        started.elapsed()
+    );
     assert!(metric(&b, "fleetlink_rig_rate_paused_total ") > 0);
     // Still connected and served.
     let (status, reply) = b.command("rig-chatty", "noop", json!({}));
@@ -50,5 +54,8 @@ fn epoll_driver_serves_the_same_protocol() {
 
 fn metric(b: &Broker, prefix: &str) -> u64 {
     let (_, text) = b.http("GET", "/metrics", "");
-    text.lines().find_map(|l| l.strip_prefix(prefix)).and_then(|v| v.parse().ok()).unwrap_or(0)
+    text.lines()
+        .find_map(|l| l.strip_prefix(prefix))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
 }

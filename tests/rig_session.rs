@@ -29,14 +29,30 @@ fn hello_gets_welcome_with_contract_fields() {
 fn fragmented_hello_is_reassembled() {
     let b = Broker::start(&[]);
     let mut ws = b.connect("/agent");
-    let text = json!({"type":"hello","rig_id":"rig-frag","boot_id":boot_id(),"version":"t"}).to_string();
+    let text =
+        json!({"type":"hello","rig_id":"rig-frag","boot_id":boot_id(),"version":"t"}).to_string();
     let (a, rest) = text.split_at(10);
     let (m, z) = rest.split_at(7);
-    ws.write(Message::Frame(Frame::message(a.as_bytes().to_vec(), OpCode::Data(Data::Text), false))).unwrap();
+    ws.write(Message::Frame(Frame::message(
+        a.as_bytes().to_vec(),
+        OpCode::Data(Data::Text),
+        false,
+    )))
+    .unwrap();
     // A ping between fragments is legal (RFC 6455 §5.4) and must be answered.
     ws.write(Message::Ping(b"mid".to_vec().into())).unwrap();
-    ws.write(Message::Frame(Frame::message(m.as_bytes().to_vec(), OpCode::Data(Data::Continue), false))).unwrap();
-    ws.write(Message::Frame(Frame::message(z.as_bytes().to_vec(), OpCode::Data(Data::Continue), true))).unwrap();
+    ws.write(Message::Frame(Frame::message(
+        m.as_bytes().to_vec(),
+        OpCode::Data(Data::Continue),
+        false,
+    )))
+    .unwrap();
+    ws.write(Message::Frame(Frame::message(
+        z.as_bytes().to_vec(),
+        OpCode::Data(Data::Continue),
+        true,
+    )))
+    .unwrap();
     ws.flush().unwrap();
     let mut saw_pong = false;
     loop {
@@ -92,7 +108,14 @@ fn binary_message_closes_1003_and_oversize_closes_1009() {
 
 #[test]
 fn broker_pings_and_a_silent_rig_is_closed_4002() {
-    let b = Broker::start(&["--ping-interval", "100ms", "--pong-timeout", "50ms", "--max-missed-pongs", "2"]);
+    let b = Broker::start(&[
+        "--ping-interval",
+        "100ms",
+        "--pong-timeout",
+        "50ms",
+        "--max-missed-pongs",
+        "2",
+    ]);
     // tungstenite answers pings on read; this rig reads, so it stays up across many pings.
     let (mut ws, _, _) = b.rig("rig-alive");
     if let tungstenite::stream::MaybeTlsStream::Plain(s) = ws.get_mut() {
@@ -116,7 +139,10 @@ fn broker_pings_and_a_silent_rig_is_closed_4002() {
     assert_eq!(silent.read_close(), 4002);
     // interval × (misses − 1) + timeout = 150 ms, plus sweep granularity.
     let took = started.elapsed();
-    assert!(took >= Duration::from_millis(140) && took < Duration::from_secs(2), "{took:?}");
+    assert!(
+        took >= Duration::from_millis(140) && took < Duration::from_secs(2),
+        "{took:?}"
+    );
     b.wait_metric("fleetlink_closes_total{code=\"4002\"} 1");
 }
 
@@ -137,10 +163,14 @@ fn commands_arrive_in_seq_order_and_acks_are_recorded() {
         assert_eq!(cmd["seq"], i + 1);
         assert_eq!(cmd["name"], "dmesg");
         assert_eq!(cmd["args"]["lines"], i);
-        ws.send(Message::Text(json!({"type":"ack","seq":i + 1}).to_string().into())).unwrap();
+        ws.send(Message::Text(
+            json!({"type":"ack","seq":i + 1}).to_string().into(),
+        ))
+        .unwrap();
     }
     eventually(Duration::from_secs(5), "last_ack_seq 200", || {
-        let rigs: serde_json::Value = serde_json::from_str(&b.http("GET", "/v1/rigs", "").1).unwrap();
+        let rigs: serde_json::Value =
+            serde_json::from_str(&b.http("GET", "/v1/rigs", "").1).unwrap();
         rigs[0]["last_ack_seq"] == 200 && rigs[0]["last_ack_at"].is_string()
     });
     b.wait_metric("fleetlink_commands_total{result=\"acked\"} 200");
@@ -173,7 +203,13 @@ fn full_outbox_answers_rig_unresponsive() {
         }
     }
     assert_eq!(last["error"], "rig_unresponsive", "{last}");
-    assert!(last["detail"].as_str().unwrap().starts_with("outbox full (4/4)"), "{last}");
+    assert!(
+        last["detail"]
+            .as_str()
+            .unwrap()
+            .starts_with("outbox full (4/4)"),
+        "{last}"
+    );
     assert_eq!(last["last_ack_seq"], 0);
     assert_eq!(last["suggested_action"], "force_reconnect");
     assert!(last.get("last_ack_at").is_some());
@@ -187,7 +223,13 @@ fn older_boot_is_refused_4409_and_takeover_closes_4410() {
     std::thread::sleep(Duration::from_millis(2)); // UUIDv7 orders by millisecond
     let (mut first, _, _) = b.rig("rig-dup");
     let mut stale = b.connect("/agent");
-    stale.send(Message::Text(json!({"type":"hello","rig_id":"rig-dup","boot_id":older,"version":"t"}).to_string().into())).unwrap();
+    stale
+        .send(Message::Text(
+            json!({"type":"hello","rig_id":"rig-dup","boot_id":older,"version":"t"})
+                .to_string()
+                .into(),
+        ))
+        .unwrap();
     assert_eq!(read_close(&mut stale), 4409);
     let (_second, _, _) = b.rig("rig-dup");
     assert_eq!(read_close(&mut first), 4410);

@@ -26,13 +26,22 @@ fn statuses_before_the_upgrade() {
     assert!(resp.starts_with("HTTP/1.1 404"), "{resp}");
     let resp = raw_exchange(b.listen, b"GET /agent HTTP/1.1\r\nHost: x\r\n\r\n");
     assert!(resp.starts_with("HTTP/1.1 426"), "{resp}");
-    let huge = format!("GET /agent HTTP/1.1\r\nHost: x\r\nX-Pad: {}\r\n\r\n", "a".repeat(9000));
+    let huge = format!(
+        "GET /agent HTTP/1.1\r\nHost: x\r\nX-Pad: {}\r\n\r\n",
+        "a".repeat(9000)
+    );
     let resp = raw_exchange(b.listen, huge.as_bytes());
     assert!(resp.starts_with("HTTP/1.1 431"), "{resp}");
     // permessage-deflate is declined (no extension header), not refused.
-    let deflate = upgrade_head("/agent").replace("\r\n\r\n", "\r\nSec-WebSocket-Extensions: permessage-deflate\r\n\r\n");
+    let deflate = upgrade_head("/agent").replace(
+        "\r\n\r\n",
+        "\r\nSec-WebSocket-Extensions: permessage-deflate\r\n\r\n",
+    );
     let resp = raw_exchange(b.listen, deflate.as_bytes());
-    assert!(resp.starts_with("HTTP/1.1 101") && !resp.to_lowercase().contains("extensions"), "{resp}");
+    assert!(
+        resp.starts_with("HTTP/1.1 101") && !resp.to_lowercase().contains("extensions"),
+        "{resp}"
+    );
     b.wait_metric("fleetlink_upgrades_total{result=\"431\"} 1");
 }
 
@@ -45,7 +54,12 @@ fn a_stalled_head_is_closed_after_the_hello_timeout() {
     let started = Instant::now();
     let mut buf = [0u8; 64];
     let n = s.read(&mut buf).unwrap_or(0);
-    assert_eq!(n, 0, "expected EOF, got {:?}", String::from_utf8_lossy(&buf[..n]));
+    assert_eq!(
+        n,
+        0,
+        "expected EOF, got {:?}",
+        String::from_utf8_lossy(&buf[..n])
+    );
     assert!(started.elapsed() < Duration::from_secs(3));
     b.wait_metric("fleetlink_upgrades_total{result=\"head_timeout\"} 1");
 }
@@ -54,7 +68,9 @@ fn a_stalled_head_is_closed_after_the_hello_timeout() {
 fn accept_storm_gets_503_with_retry_after() {
     let b = Broker::start(&["--accept-rate", "1", "--accept-burst", "2", "--cores", "1"]);
     // All at once: the bucket holds 2 tokens and refills at 1/s.
-    let mut socks: Vec<TcpStream> = (0..20).map(|_| TcpStream::connect(b.listen).unwrap()).collect();
+    let mut socks: Vec<TcpStream> = (0..20)
+        .map(|_| TcpStream::connect(b.listen).unwrap())
+        .collect();
     let mut ok = 0;
     let mut unavailable = 0;
     for s in &mut socks {
@@ -77,7 +93,9 @@ fn accept_storm_gets_503_with_retry_after() {
     }
     assert!((2..=4).contains(&ok), "ok={ok}");
     assert_eq!(ok + unavailable, 20);
-    b.wait_metric(&format!("fleetlink_accepts_total{{result=\"rate_limited\"}} {unavailable}"));
+    b.wait_metric(&format!(
+        "fleetlink_accepts_total{{result=\"rate_limited\"}} {unavailable}"
+    ));
 }
 
 /// Reads one HTTP response head.

@@ -6,7 +6,10 @@
 use fleetlink::ws::{Decoder, Limits, Message, ProtocolError};
 use libfuzzer_sys::fuzz_target;
 
-const LIMITS: Limits = Limits { max_message: 4096, max_fragments: 8 };
+const LIMITS: Limits = Limits {
+    max_message: 4096,
+    max_fragments: 8,
+};
 
 fn decode_in_reads(input: &[u8], read: usize) -> (Vec<Message>, Option<ProtocolError>) {
     let mut decoder = Decoder::new(LIMITS);

@@ -1,60 +1,153 @@
-//! The bridge thread: the one place that owns the registry (embedded, or Redis in fleet mode)
-//! and the control plane. Cores and the admin thread reach it only through its bounded inbox;
-//! it reaches cores only through theirs.
+//! The bridge thread: the one place that owns the registry and the control plane. Cores and
+//! the admin thread reach it only through its bounded inbox; it reaches cores only through
+//! theirs.
 //!
-//! Standalone, it blocks on its inbox (no wake-ups while idle) and expires parked sessions once a
-//! second.
+//! Standalone, the embedded registry is the whole truth. In fleet mode (`--redis`) it stays the
+//! local index of which connection holds which rig, while Redis arbitrates between brokers
+//! (Lua scripts), carries control messages (pub/sub) and events. The thread sleeps in `poll(2)`
+//! on its inbox doorbell and its subscription socket, waking for the next timer at the latest.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::collections::HashMap;
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use serde_json::Value;
+use serde_json::{json, Value};
 
 use crate::config::Config;
 use crate::doorbell::{Full, Inbox, Mailbox};
-use crate::ids::ConnId;
+use crate::ids::{BootId, ConnId, RigId};
 use crate::metrics::BridgeStats;
+use crate::registry::control::{self, Control};
 use crate::registry::embedded::{Action, Embedded};
-use crate::registry::msg::{ReplyTo, ToBridge, ToCore, Verdict};
+use crate::registry::fleet::{self, Fleet};
+use crate::registry::msg::{CommandReq, ReplyTo, ToBridge, ToCore, Verdict};
+use crate::registry::scripts::{HelloOutcome, RefreshStatus};
 use crate::reply;
 
+/// Inbox messages handled per wake before the bridge looks at Redis and its timers again.
+const BATCH: usize = 4096;
+/// How often the broker publishes a canary on its own channel.
+const CANARY_EVERY: Duration = Duration::from_secs(1);
+/// Readiness fails when no canary came back for this long.
+const CANARY_STALE: Duration = Duration::from_secs(5);
+/// The `broker:<id>` key: refreshed every 10 s with a 30 s TTL (CONTRACT.md §3).
+const HEARTBEAT_EVERY: Duration = Duration::from_secs(10);
+const HEARTBEAT_TTL: Duration = Duration::from_secs(30);
+/// A broadcast reply goes out after this even if some rigs' cores never answered.
+const BROADCAST_WAIT: Duration = Duration::from_secs(5);
+
+/// Registry operations counted by (op, result), in this order.
+pub const REGISTRY_OPS: [(&str, &str); 12] = [
+    ("hello", "ok"),
+    ("hello", "older"),
+    ("hello", "unavailable"),
+    ("refresh", "ok"),
+    ("refresh", "restored"),
+    ("refresh", "superseded"),
+    ("release", "sent"),
+    ("evict", "sent"),
+    ("evict", "received"),
+    ("control", "bad_request"),
+    ("reply", "orphaned"),
+    ("publish", "dropped"),
+];
+
 /// Bridge figures the admin thread reads (written only by the bridge thread).
-#[derive(Default, Debug)]
+#[derive(Debug)]
 pub struct BridgeShared {
+    /// True in fleet mode.
+    pub fleet: bool,
     /// 1 while Redis answers.
     pub redis_up: AtomicU64,
+    /// True once the scripts are loaded and both channels are subscribed.
+    pub subscribed: AtomicBool,
+    /// Unix ms when our own canary last came back.
+    pub canary_at_ms: AtomicU64,
     /// Messages the bridge could not hand to a full core inbox.
     pub core_queue_full: AtomicU64,
-    /// Replies whose admin waiter had already gone.
-    pub replies_orphaned: AtomicU64,
-    /// Hellos handled.
-    pub hellos: AtomicU64,
-    /// Hellos refused as older (4409).
-    pub hellos_older: AtomicU64,
-    /// Releases (welcomed connections closed).
-    pub releases: AtomicU64,
-    /// Lifecycle events (dropped standalone: there is no events channel).
-    pub events: AtomicU64,
+    /// Counters in [`REGISTRY_OPS`] order.
+    pub ops: [AtomicU64; REGISTRY_OPS.len()],
+    /// Pub/sub messages received.
+    pub pubsub_in: AtomicU64,
+    /// Pub/sub messages published.
+    pub pubsub_out: AtomicU64,
 }
 
 impl BridgeShared {
-    /// Copies the figures for `/metrics`.
-    pub fn stats(&self, queue_depth: usize) -> BridgeStats {
-        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        BridgeStats {
-            redis_up: get(&self.redis_up),
-            registry_ops: vec![
-                ("hello".into(), "ok".into(), get(&self.hellos) - get(&self.hellos_older)),
-                ("hello".into(), "older".into(), get(&self.hellos_older)),
-                ("release".into(), "ok".into(), get(&self.releases)),
-            ],
-            queue_depth: queue_depth as u64,
-            core_queue_full: get(&self.core_queue_full),
-            pubsub: vec![("events".into(), get(&self.events))],
+    /// Fresh figures; `fleet` says whether Redis is configured.
+    pub fn new(fleet: bool) -> Self {
+        Self {
+            fleet,
+            redis_up: AtomicU64::new(0),
+            subscribed: AtomicBool::new(false),
+            canary_at_ms: AtomicU64::new(0),
+            core_queue_full: AtomicU64::new(0),
+            ops: Default::default(),
+            pubsub_in: AtomicU64::new(0),
+            pubsub_out: AtomicU64::new(0),
         }
     }
+
+    fn count(&self, op: &str, result: &str) {
+        if let Some(i) = REGISTRY_OPS
+            .iter()
+            .position(|&(o, r)| o == op && r == result)
+        {
+            self.ops[i].fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Why the broker is not ready, if it is not (fleet mode: Redis, scripts, subscription and
+    /// a recent canary; CONTRACT.md §4).
+    pub fn not_ready(&self) -> Option<String> {
+        if !self.fleet {
+            return None;
+        }
+        if self.redis_up.load(Ordering::Relaxed) == 0 {
+            return Some("redis unreachable".into());
+        }
+        if !self.subscribed.load(Ordering::Relaxed) {
+            return Some("subscription not live".into());
+        }
+        let age = unix_ms().saturating_sub(self.canary_at_ms.load(Ordering::Relaxed));
+        if age > CANARY_STALE.as_millis() as u64 {
+            return Some(format!("no canary for {age} ms"));
+        }
+        None
+    }
+
+    /// Copies the figures for `/metrics`.
+    pub fn stats(&self, queue_depth: usize) -> BridgeStats {
+        BridgeStats {
+            redis_up: self.redis_up.load(Ordering::Relaxed),
+            registry_ops: REGISTRY_OPS
+                .iter()
+                .zip(&self.ops)
+                .map(|(&(op, result), n)| {
+                    (
+                        op.to_string(),
+                        result.to_string(),
+                        n.load(Ordering::Relaxed),
+                    )
+                })
+                .collect(),
+            queue_depth: queue_depth as u64,
+            core_queue_full: self.core_queue_full.load(Ordering::Relaxed),
+            pubsub: vec![
+                ("in".into(), self.pubsub_in.load(Ordering::Relaxed)),
+                ("out".into(), self.pubsub_out.load(Ordering::Relaxed)),
+            ],
+        }
+    }
+}
+
+fn unix_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
 }
 
 /// Starts the bridge thread.
@@ -63,97 +156,260 @@ pub fn spawn(
     inbox: Inbox<ToBridge>,
     cores: Vec<Mailbox<ToCore>>,
     shared: Arc<BridgeShared>,
-) -> std::io::Result<JoinHandle<()>> {
-    std::thread::Builder::new().name("fleetlink-bridge".into()).spawn(move || {
-        let mut bridge = Bridge {
-            registry: Embedded::new(cfg.registry_ttl, cfg.outbox),
-            cores,
-            shared,
-        };
-        bridge.run(&inbox);
-    })
+) -> anyhow::Result<JoinHandle<()>> {
+    let fleet = cfg
+        .redis
+        .as_deref()
+        .map(|url| Fleet::new(url, &cfg.broker_id))
+        .transpose()?;
+    let handle = std::thread::Builder::new()
+        .name("fleetlink-bridge".into())
+        .spawn(move || {
+            let now = Instant::now();
+            let mut bridge = Bridge {
+                cfg,
+                registry: Embedded::new(cfg.registry_ttl, cfg.outbox),
+                cores,
+                shared,
+                fleet,
+                broadcasts: HashMap::new(),
+                next_agg: 0,
+                next_refresh: now + cfg.registry_refresh,
+                next_heartbeat: now,
+                next_canary: now,
+                next_expire: now,
+                started_at: reply::rfc3339(SystemTime::now()),
+            };
+            bridge.run(&inbox);
+        })?;
+    Ok(handle)
+}
+
+/// A broadcast waiting for its rigs' answers.
+struct Broadcast {
+    id: String,
+    reply_to: String,
+    matched: usize,
+    enqueued: usize,
+    failed: Vec<Value>,
+    outstanding: usize,
+    deadline: Instant,
 }
 
 struct Bridge {
+    cfg: &'static Config,
     registry: Embedded,
     cores: Vec<Mailbox<ToCore>>,
     shared: Arc<BridgeShared>,
+    fleet: Option<Fleet>,
+    broadcasts: HashMap<u64, Broadcast>,
+    next_agg: u64,
+    next_refresh: Instant,
+    next_heartbeat: Instant,
+    next_canary: Instant,
+    next_expire: Instant,
+    started_at: String,
 }
 
 impl Bridge {
     fn run(&mut self, inbox: &Inbox<ToBridge>) {
-        let mut last_expire = Instant::now();
         loop {
-            let msg = inbox.recv_timeout(Duration::from_secs(1));
+            let mut handled = 0;
+            while handled < BATCH {
+                match inbox.try_recv() {
+                    Some(ToBridge::Shutdown) => return self.shutdown(),
+                    Some(msg) => self.handle(msg),
+                    None => break,
+                }
+                handled += 1;
+            }
             let now = Instant::now();
-            if now.duration_since(last_expire) >= Duration::from_secs(1) {
-                self.registry.expire(now);
-                last_expire = now;
+            self.redis_io(now);
+            self.timers(now);
+            if handled == BATCH || !inbox.arm() {
+                continue;
             }
-            match msg {
-                Some(ToBridge::Shutdown) => return,
-                Some(msg) => self.handle(msg, now),
-                None => {}
-            }
+            self.sleep(inbox, now);
+            inbox.clear();
         }
     }
 
-    fn handle(&mut self, msg: ToBridge, now: Instant) {
+    /// Sleeps until the doorbell rings, the subscription has data, or the next timer is due.
+    fn sleep(&self, inbox: &Inbox<ToBridge>, now: Instant) {
+        let mut next = self.next_expire;
+        if self.fleet.is_some() {
+            next = next
+                .min(self.next_refresh)
+                .min(self.next_heartbeat)
+                .min(self.next_canary);
+        }
+        if let Some(b) = self.broadcasts.values().map(|b| b.deadline).min() {
+            next = next.min(b);
+        }
+        let timeout = next.saturating_duration_since(now).as_millis().min(1000) as i32;
+        let mut fds = vec![libc::pollfd {
+            fd: inbox.listen.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        }];
+        if let Some(fd) = self.fleet.as_ref().and_then(Fleet::fd) {
+            fds.push(libc::pollfd {
+                fd,
+                events: libc::POLLIN,
+                revents: 0,
+            });
+        }
+        // SAFETY: `fds` is a valid array of initialized pollfd for its length.
+        unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, timeout.max(1)) };
+    }
+
+    fn handle(&mut self, msg: ToBridge) {
         let actions = match msg {
-            ToBridge::Hello { conn, rig, boot, labels } => {
-                self.shared.hellos.fetch_add(1, Ordering::Relaxed);
-                let actions = self.registry.hello(conn, rig, boot, labels);
-                let older = actions.iter().any(|a| {
-                    matches!(a, Action::Core(_, ToCore::Verdict { verdict: Verdict::Older, .. }))
-                });
-                if older {
-                    self.shared.hellos_older.fetch_add(1, Ordering::Relaxed);
+            ToBridge::Hello {
+                conn,
+                rig,
+                boot,
+                labels,
+            } => self.hello(conn, rig, boot, labels),
+            ToBridge::Closed {
+                conn,
+                rig,
+                boot,
+                next_seq,
+                carried,
+            } => {
+                let (actions, released) = self.registry.closed(
+                    conn,
+                    rig.clone(),
+                    boot,
+                    next_seq,
+                    carried,
+                    Instant::now(),
+                );
+                if released {
+                    self.release(rig, boot);
                 }
                 actions
             }
-            ToBridge::Closed { conn, rig, boot, next_seq, carried } => {
-                self.shared.releases.fetch_add(1, Ordering::Relaxed);
-                self.registry.closed(conn, rig, boot, next_seq, carried, now)
+            ToBridge::Abandoned { conn, rig } => {
+                let (actions, released) = self.registry.abandoned(conn, &rig);
+                if let Some(boot) = released {
+                    self.release(rig, boot);
+                }
+                actions
             }
-            ToBridge::Abandoned { conn, rig } => self.registry.abandoned(conn, &rig),
-            ToBridge::Event(_) => {
-                self.shared.events.fetch_add(1, Ordering::Relaxed);
+            ToBridge::Event(ev) => {
+                self.publish(fleet::EVENTS.to_string(), &ev);
                 Vec::new()
             }
-            // Standalone has no Redis reply channels; nothing sends these here.
-            ToBridge::Reply { .. } => Vec::new(),
+            ToBridge::Reply { channel, body } => {
+                self.publish(channel, &body);
+                Vec::new()
+            }
+            ToBridge::Part { agg, body } => {
+                self.broadcast_part(agg, &body);
+                Vec::new()
+            }
             ToBridge::Command(req) => self.registry.command(req),
             ToBridge::Kick { id, rig, reply } => self.registry.kick(id, rig, reply),
             ToBridge::Shutdown => Vec::new(),
         };
-        for action in actions {
-            self.carry_out(action);
+        self.carry_out(actions);
+    }
+
+    fn hello(
+        &mut self,
+        conn: ConnId,
+        rig: RigId,
+        boot: BootId,
+        labels: Vec<(String, String)>,
+    ) -> Vec<Action> {
+        let ttl = self.cfg.registry_ttl;
+        let outcome = self.fleet.as_mut().map(|f| f.hello(&rig, &boot, ttl));
+        match outcome {
+            None => self.shared.count("hello", "ok"),
+            Some(None) | Some(Some(Err(_))) => self.shared.count("hello", "unavailable"),
+            Some(Some(Ok(HelloOutcome::Older { .. }))) => {
+                self.shared.count("hello", "older");
+                return vec![Action::Core(
+                    conn,
+                    ToCore::Verdict {
+                        conn,
+                        verdict: Verdict::Older,
+                    },
+                )];
+            }
+            Some(Some(Ok(HelloOutcome::Owned { previous }))) => {
+                self.shared.count("hello", "ok");
+                // Takeover from another broker: tell it now, not at its next refresh.
+                if let Some(prev) = previous
+                    .filter(|p| !p.broker_id.is_empty() && p.broker_id != self.cfg.broker_id)
+                {
+                    self.shared.count("evict", "sent");
+                    let evict =
+                        json!({"type": "evict", "rig_id": rig.as_str(), "boot_id": boot.as_str()});
+                    self.publish(fleet::broker_channel(&prev.broker_id), &evict);
+                }
+            }
+        }
+        self.registry.hello(conn, rig, boot, labels)
+    }
+
+    fn release(&mut self, rig: RigId, boot: BootId) {
+        if let Some(f) = self.fleet.as_mut() {
+            self.shared.count("release", "sent");
+            f.release(rig, boot);
         }
     }
 
-    fn carry_out(&mut self, action: Action) {
-        match action {
-            Action::Core(conn, msg) => self.send_to_core(conn, msg),
-            Action::Reply(to, body) => self.reply(to, body),
-            Action::Event(_) => {
-                self.shared.events.fetch_add(1, Ordering::Relaxed);
+    fn publish(&mut self, channel: String, body: &Value) {
+        let Some(f) = self.fleet.as_mut() else { return };
+        let before = f.dropped;
+        f.publish(channel, serde_json::to_vec(body).unwrap_or_default());
+        if f.dropped > before {
+            self.shared.count("publish", "dropped");
+        }
+    }
+
+    fn carry_out(&mut self, actions: Vec<Action>) {
+        for action in actions {
+            match action {
+                Action::Core(conn, msg) => self.send_to_core(conn, msg),
+                Action::Reply(to, body) => self.reply(to, body),
+                Action::Event(ev) => self.publish(fleet::EVENTS.to_string(), &ev),
             }
         }
     }
 
     fn send_to_core(&mut self, conn: ConnId, msg: ToCore) {
-        let Some(core) = self.cores.get(conn.core().0 as usize) else { return };
-        let Err(Full(msg)) = core.send(msg) else { return };
+        let Some(core) = self.cores.get(conn.core().0 as usize) else {
+            return;
+        };
+        let Err(Full(msg)) = core.send(msg) else {
+            return;
+        };
         self.shared.core_queue_full.fetch_add(1, Ordering::Relaxed);
         // The core cannot take it: answer for what we hold. A lost verdict is covered by the
-        // core's own hello deadline; a lost supersede by the next hello or ping timeout.
+        // core's own hello deadline; a lost supersede by the next refresh or ping timeout.
         match msg {
             ToCore::Command { req, .. } => {
-                let body = reply::error(&req.id, Some(req.rig.as_str()), "overloaded", "broker core queue full");
+                let body = reply::error(
+                    &req.id,
+                    Some(req.rig.as_str()),
+                    "overloaded",
+                    "broker core queue full",
+                );
                 self.reply(req.reply, body);
             }
-            ToCore::Kick { id, rig, reply: to, .. } => {
-                let body = reply::error(&id, Some(rig.as_str()), "overloaded", "broker core queue full");
+            ToCore::Kick {
+                id, rig, reply: to, ..
+            } => {
+                let body = reply::error(
+                    &id,
+                    Some(rig.as_str()),
+                    "overloaded",
+                    "broker core queue full",
+                );
                 self.reply(to, body);
             }
             _ => {}
@@ -164,11 +420,229 @@ impl Bridge {
         match to {
             ReplyTo::Admin(tx) => {
                 if tx.try_send(body).is_err() {
-                    self.shared.replies_orphaned.fetch_add(1, Ordering::Relaxed);
+                    self.shared.count("reply", "orphaned");
                 }
             }
-            // Fleet mode publishes these; standalone never creates channel replies.
-            ReplyTo::Channel(_) => {}
+            ReplyTo::Channel(channel) => self.publish(channel, &body),
+            ReplyTo::Aggregate(agg) => self.broadcast_part(agg, &body),
+        }
+    }
+
+    /// Flushes queued publishes and releases, reads the subscription, reconnects when down.
+    fn redis_io(&mut self, now: Instant) {
+        let Some(f) = self.fleet.as_mut() else { return };
+        let was_up = f.is_up();
+        if !f.ensure(now) {
+            if was_up || self.shared.redis_up.load(Ordering::Relaxed) == 1 {
+                self.shared.redis_up.store(0, Ordering::Relaxed);
+                self.shared.subscribed.store(false, Ordering::Relaxed);
+            }
+            return;
+        }
+        self.shared.redis_up.store(1, Ordering::Relaxed);
+        let published = f.published;
+        f.flush();
+        let pushes = f.read();
+        self.shared
+            .subscribed
+            .store(f.is_subscribed(), Ordering::Relaxed);
+        self.shared
+            .pubsub_out
+            .fetch_add(f.published - published, Ordering::Relaxed);
+        if std::mem::take(&mut f.just_connected) {
+            // Re-assert every lease we hold: Redis may have restarted empty.
+            self.next_refresh = now;
+            self.next_heartbeat = now;
+            self.next_canary = now;
+        }
+        for push in pushes {
+            self.shared.pubsub_in.fetch_add(1, Ordering::Relaxed);
+            self.control(&push.channel, &push.payload, now);
+        }
+    }
+
+    fn control(&mut self, channel: &str, payload: &[u8], now: Instant) {
+        let broadcast = channel == fleet::BROADCAST;
+        match control::parse(payload, broadcast) {
+            Ok(Control::Canary { broker_id }) => {
+                if broker_id == self.cfg.broker_id {
+                    self.shared.canary_at_ms.store(unix_ms(), Ordering::Relaxed);
+                }
+            }
+            Ok(Control::Command(req)) => {
+                let actions = self.registry.command(req);
+                self.carry_out(actions);
+            }
+            Ok(Control::Kick { id, rig, reply_to }) => {
+                let actions = self.registry.kick(id, rig, ReplyTo::Channel(reply_to));
+                self.carry_out(actions);
+            }
+            Ok(Control::Evict { rig, boot }) => {
+                self.shared.count("evict", "received");
+                let actions = self.registry.supersede(&rig, Some(boot));
+                self.carry_out(actions);
+            }
+            Ok(Control::Broadcast {
+                id,
+                selector,
+                name,
+                args,
+                reply_to,
+            }) => {
+                self.broadcast(id, &selector, name, args, reply_to, now);
+            }
+            Err(bad) => {
+                self.shared.count("control", "bad_request");
+                if let Some((id, reply_to)) = bad.reply_to {
+                    self.publish(
+                        reply_to,
+                        &reply::error(&id, bad.rig.as_deref(), "bad_request", &bad.why),
+                    );
+                }
+            }
+        }
+    }
+
+    fn broadcast(
+        &mut self,
+        id: String,
+        selector: &[(String, String)],
+        name: String,
+        args: Value,
+        reply_to: String,
+        now: Instant,
+    ) {
+        let rigs = self.registry.matching(selector);
+        let agg = self.next_agg;
+        self.next_agg += 1;
+        self.broadcasts.insert(
+            agg,
+            Broadcast {
+                id: id.clone(),
+                reply_to,
+                matched: rigs.len(),
+                enqueued: 0,
+                failed: Vec::new(),
+                outstanding: rigs.len(),
+                deadline: now + BROADCAST_WAIT,
+            },
+        );
+        for rig in rigs {
+            let req = CommandReq {
+                id: id.clone(),
+                rig,
+                name: name.clone(),
+                args: args.clone(),
+                reply: ReplyTo::Aggregate(agg),
+            };
+            let actions = self.registry.command(req);
+            self.carry_out(actions);
+        }
+        self.finish_broadcast(agg, false);
+    }
+
+    fn broadcast_part(&mut self, agg: u64, body: &Value) {
+        let Some(b) = self.broadcasts.get_mut(&agg) else {
+            return;
+        };
+        b.outstanding = b.outstanding.saturating_sub(1);
+        if body["ok"] == true {
+            b.enqueued += 1;
+        } else {
+            b.failed
+                .push(json!({"rig_id": body["rig_id"], "error": body["error"]}));
+        }
+        self.finish_broadcast(agg, false);
+    }
+
+    /// Publishes the broadcast's one reply once every rig answered (or at its deadline).
+    fn finish_broadcast(&mut self, agg: u64, timed_out: bool) {
+        let done = self
+            .broadcasts
+            .get(&agg)
+            .is_some_and(|b| b.outstanding == 0 || timed_out);
+        if !done {
+            return;
+        }
+        let Some(b) = self.broadcasts.remove(&agg) else {
+            return;
+        };
+        let body = json!({
+            "id": b.id, "ok": true, "broker_id": self.cfg.broker_id, "matched": b.matched,
+            "enqueued": b.enqueued, "failed": b.failed, "unanswered": b.outstanding,
+        });
+        self.publish(b.reply_to, &body);
+    }
+
+    fn timers(&mut self, now: Instant) {
+        if now >= self.next_expire {
+            self.registry.expire(now);
+            self.next_expire = now + Duration::from_secs(1);
+        }
+        let late: Vec<u64> = self
+            .broadcasts
+            .iter()
+            .filter(|(_, b)| b.deadline <= now)
+            .map(|(k, _)| *k)
+            .collect();
+        for agg in late {
+            self.finish_broadcast(agg, true);
+        }
+        if self.fleet.as_ref().is_none_or(|f| !f.is_up()) {
+            return;
+        }
+        if now >= self.next_canary {
+            self.next_canary = now + CANARY_EVERY;
+            let canary =
+                json!({"type": "canary", "broker_id": self.cfg.broker_id, "at": unix_ms()});
+            self.publish(fleet::broker_channel(&self.cfg.broker_id), &canary);
+        }
+        if now >= self.next_heartbeat {
+            self.next_heartbeat = now + HEARTBEAT_EVERY;
+            let blob = json!({
+                "broker_id": self.cfg.broker_id, "address": self.cfg.listen.to_string(),
+                "cores": self.cfg.cores, "started_at": self.started_at, "connections": self.registry.len(),
+            });
+            if let Some(f) = self.fleet.as_mut() {
+                f.heartbeat(&blob.to_string(), HEARTBEAT_TTL);
+            }
+        }
+        if now >= self.next_refresh {
+            self.next_refresh = now + self.cfg.registry_refresh;
+            self.refresh();
+        }
+    }
+
+    /// One batched lease refresh for every rig this broker holds (CONTRACT.md §3).
+    fn refresh(&mut self) {
+        let entries = self.registry.live_sessions();
+        if entries.is_empty() {
+            return;
+        }
+        let ttl = self.cfg.registry_ttl;
+        let Some(statuses) = self.fleet.as_mut().and_then(|f| f.refresh(&entries, ttl)) else {
+            return;
+        };
+        for ((rig, _), status) in entries.iter().zip(statuses) {
+            match status {
+                RefreshStatus::Ok => self.shared.count("refresh", "ok"),
+                RefreshStatus::Restored => self.shared.count("refresh", "restored"),
+                RefreshStatus::Superseded => {
+                    self.shared.count("refresh", "superseded");
+                    let actions = self.registry.supersede(rig, None);
+                    self.carry_out(actions);
+                }
+            }
+        }
+    }
+
+    /// Releases every lease this broker holds, then returns (the end of a drain).
+    fn shutdown(&mut self) {
+        for (rig, boot) in self.registry.live_sessions() {
+            self.release(rig, boot);
+        }
+        if let Some(f) = self.fleet.as_mut() {
+            f.flush();
         }
     }
 }

@@ -28,15 +28,23 @@ pub enum Action {
 enum Owner {
     Live(ConnId),
     /// Same session moving to a new connection: the old one was told to close and its `Closed`
-    /// (with the session's seq and unacked commands) completes the move.
-    Handover { old: ConnId, new: ConnId, pending: Vec<CommandReq> },
+    /// (with the session's seq and unacked commands) completes the move. Boxed: rare, and it
+    /// would otherwise widen every rig's entry.
+    Handover(Box<Handover>),
+}
+
+#[derive(Debug)]
+struct Handover {
+    old: ConnId,
+    new: ConnId,
+    pending: Vec<CommandReq>,
 }
 
 #[derive(Debug)]
 struct Entry {
     boot: BootId,
     owner: Owner,
-    labels: Vec<(String, String)>,
+    labels: Box<[(String, String)]>,
 }
 
 #[derive(Debug)]
@@ -82,7 +90,7 @@ impl Embedded {
 
     /// Labels of every connected rig (for selectors).
     pub fn iter_labels(&self) -> impl Iterator<Item = (&RigId, &[(String, String)])> {
-        self.rigs.iter().map(|(r, e)| (r, e.labels.as_slice()))
+        self.rigs.iter().map(|(r, e)| (r, &e.labels[..]))
     }
 
     /// A valid hello on `conn`. Newer-or-equal boot wins; equal boot continues the session.
@@ -96,23 +104,33 @@ impl Embedded {
         let mut out = Vec::new();
         if let Some(entry) = self.rigs.get_mut(&rig) {
             if entry.boot > boot {
-                out.push(Action::Core(conn, ToCore::Verdict { conn, verdict: Verdict::Older }));
+                out.push(Action::Core(
+                    conn,
+                    ToCore::Verdict {
+                        conn,
+                        verdict: Verdict::Older,
+                    },
+                ));
                 return out;
             }
             let same = entry.boot == boot;
             let old = match &mut entry.owner {
                 Owner::Live(old) => *old,
-                Owner::Handover { new, .. } => std::mem::replace(new, conn),
+                Owner::Handover(h) => std::mem::replace(&mut h.new, conn),
             };
             out.push(Action::Core(old, ToCore::Supersede { conn: old }));
-            entry.labels = labels;
+            entry.labels = labels.into_boxed_slice();
             if same {
                 // Wait for the old connection's Closed: it carries the session's seq.
                 match &mut entry.owner {
                     Owner::Live(_) => {
-                        entry.owner = Owner::Handover { old, new: conn, pending: Vec::new() }
+                        entry.owner = Owner::Handover(Box::new(Handover {
+                            old,
+                            new: conn,
+                            pending: Vec::new(),
+                        }))
                     }
-                    Owner::Handover { .. } => {
+                    Owner::Handover(_) => {
                         // The superseded `new` never got a verdict; it is closing with 4410.
                     }
                 }
@@ -120,23 +138,34 @@ impl Embedded {
             }
             entry.boot = boot;
             let held = match std::mem::replace(&mut entry.owner, Owner::Live(conn)) {
-                Owner::Handover { pending, .. } => pending,
+                Owner::Handover(h) => h.pending,
                 Owner::Live(_) => Vec::new(),
             };
             out.push(accept(conn, Seq(1), false, Vec::new()));
-            out.extend(held.into_iter().map(|req| Action::Core(conn, ToCore::Command { conn, req })));
+            out.extend(
+                held.into_iter()
+                    .map(|req| Action::Core(conn, ToCore::Command { conn, req })),
+            );
             return out;
         }
         let (next_seq, resumed, carried) = match self.parked.remove(&rig) {
             Some(p) if p.boot == boot => (p.next_seq, true, p.carried),
             _ => (Seq(1), false, Vec::new()),
         };
-        self.rigs.insert(rig, Entry { boot, owner: Owner::Live(conn), labels });
+        self.rigs.insert(
+            rig,
+            Entry {
+                boot,
+                owner: Owner::Live(conn),
+                labels: labels.into_boxed_slice(),
+            },
+        );
         out.push(accept(conn, next_seq, resumed, carried));
         out
     }
 
-    /// A welcomed connection closed. Only the exact owner releases the entry.
+    /// A welcomed connection closed. Only the exact owner releases the entry; the flag says
+    /// whether it did (fleet mode then releases the Redis lease too).
     pub fn closed(
         &mut self,
         conn: ConnId,
@@ -145,17 +174,20 @@ impl Embedded {
         next_seq: Seq,
         carried: Vec<SeqCommand>,
         now: Instant,
-    ) -> Vec<Action> {
+    ) -> (Vec<Action>, bool) {
         let mut out = Vec::new();
-        let Some(entry) = self.rigs.get_mut(&rig) else { return out };
+        let Some(entry) = self.rigs.get_mut(&rig) else {
+            return (out, false);
+        };
         match &mut entry.owner {
             Owner::Live(c) if *c == conn => {
                 self.rigs.remove(&rig);
                 self.park(rig, boot, next_seq, carried, now);
+                return (out, true);
             }
-            Owner::Handover { old, new, pending } if *old == conn => {
-                let new = *new;
-                let pending = std::mem::take(pending);
+            Owner::Handover(h) if h.old == conn => {
+                let new = h.new;
+                let pending = std::mem::take(&mut h.pending);
                 entry.owner = Owner::Live(new);
                 out.push(accept(new, next_seq, true, carried));
                 for req in pending {
@@ -164,38 +196,88 @@ impl Embedded {
             }
             _ => {}
         }
-        out
+        (out, false)
     }
 
-    /// A connection that said hello closed before its verdict was carried out.
-    pub fn abandoned(&mut self, conn: ConnId, rig: &RigId) -> Vec<Action> {
+    /// A connection that said hello closed before its verdict was carried out. The returned
+    /// boot is set when that removed a live entry (its lease should be released).
+    pub fn abandoned(&mut self, conn: ConnId, rig: &RigId) -> (Vec<Action>, Option<BootId>) {
         let mut out = Vec::new();
-        let Some(entry) = self.rigs.get_mut(rig) else { return out };
+        let Some(entry) = self.rigs.get_mut(rig) else {
+            return (out, None);
+        };
         match &mut entry.owner {
             Owner::Live(c) if *c == conn => {
+                let boot = entry.boot;
                 self.rigs.remove(rig);
+                return (out, Some(boot));
             }
-            Owner::Handover { new, pending, .. } if *new == conn => {
-                for req in pending.drain(..) {
+            Owner::Handover(h) if h.new == conn => {
+                for req in h.pending.drain(..) {
                     out.push(not_connected(req));
                 }
             }
             _ => {}
         }
+        (out, None)
+    }
+
+    /// Every rig this broker holds, with its boot (for lease refreshes).
+    pub fn live_sessions(&self) -> Vec<(RigId, BootId)> {
+        self.rigs.iter().map(|(r, e)| (r.clone(), e.boot)).collect()
+    }
+
+    /// Another broker owns `rig` now (a refresh said superseded, or an evict arrived with a boot
+    /// at least as new as ours): close the local connection with 4410 and forget the entry.
+    pub fn supersede(&mut self, rig: &RigId, at_least: Option<BootId>) -> Vec<Action> {
+        let Some(entry) = self.rigs.get(rig) else {
+            return Vec::new();
+        };
+        if at_least.is_some_and(|b| entry.boot > b) {
+            return Vec::new();
+        }
+        let Some(entry) = self.rigs.remove(rig) else {
+            return Vec::new();
+        };
+        let mut out = Vec::new();
+        match entry.owner {
+            Owner::Live(c) => out.push(Action::Core(c, ToCore::Supersede { conn: c })),
+            Owner::Handover(h) => {
+                out.push(Action::Core(h.old, ToCore::Supersede { conn: h.old }));
+                out.push(Action::Core(h.new, ToCore::Supersede { conn: h.new }));
+                out.extend(h.pending.into_iter().map(not_connected));
+            }
+        }
         out
+    }
+
+    /// Rigs whose labels include every `selector` pair.
+    pub fn matching(&self, selector: &[(String, String)]) -> Vec<RigId> {
+        self.rigs
+            .iter()
+            .filter(|(_, e)| selector.iter().all(|kv| e.labels.contains(kv)))
+            .map(|(r, _)| r.clone())
+            .collect()
     }
 
     /// Routes a command to the connection that holds the rig.
     pub fn command(&mut self, req: CommandReq) -> Vec<Action> {
         let max_pending = self.max_pending;
         match self.rigs.get_mut(&req.rig).map(|e| &mut e.owner) {
-            Some(Owner::Live(conn)) => vec![Action::Core(*conn, ToCore::Command { conn: *conn, req })],
-            Some(Owner::Handover { pending, .. }) if pending.len() < max_pending => {
-                pending.push(req);
+            Some(Owner::Live(conn)) => {
+                vec![Action::Core(*conn, ToCore::Command { conn: *conn, req })]
+            }
+            Some(Owner::Handover(h)) if h.pending.len() < max_pending => {
+                h.pending.push(req);
                 Vec::new()
             }
-            Some(Owner::Handover { .. }) => {
-                let body = reply::error(&req.id, Some(req.rig.as_str()), "rig_unresponsive", "rig is reconnecting and its hand-over queue is full");
+            Some(Owner::Handover(_)) => {
+                let body = reply::error(
+                    &req.id,
+                    Some(req.rig.as_str()),
+                    "rig_unresponsive",
+                    "rig is reconnecting and its hand-over queue is full",
+                );
                 vec![Action::Reply(req.reply, body)]
             }
             None => vec![not_connected(req)],
@@ -205,11 +287,28 @@ impl Embedded {
     /// Routes a kick.
     pub fn kick(&mut self, id: String, rig: RigId, reply_to: ReplyTo) -> Vec<Action> {
         match self.rigs.get(&rig).map(|e| &e.owner) {
-            Some(Owner::Live(conn) | Owner::Handover { new: conn, .. }) => {
-                vec![Action::Core(*conn, ToCore::Kick { conn: *conn, id, rig, reply: reply_to })]
+            Some(owner) => {
+                let conn = match owner {
+                    Owner::Live(c) => *c,
+                    Owner::Handover(h) => h.new,
+                };
+                vec![Action::Core(
+                    conn,
+                    ToCore::Kick {
+                        conn,
+                        id,
+                        rig,
+                        reply: reply_to,
+                    },
+                )]
             }
             None => {
-                let body = reply::error(&id, Some(rig.as_str()), "rig_not_connected", "no connection holds this rig");
+                let body = reply::error(
+                    &id,
+                    Some(rig.as_str()),
+                    "rig_not_connected",
+                    "no connection holds this rig",
+                );
                 vec![Action::Reply(reply_to, body)]
             }
         }
@@ -229,18 +328,48 @@ impl Embedded {
         }
     }
 
-    fn park(&mut self, rig: RigId, boot: BootId, next_seq: Seq, carried: Vec<SeqCommand>, now: Instant) {
+    fn park(
+        &mut self,
+        rig: RigId,
+        boot: BootId,
+        next_seq: Seq,
+        carried: Vec<SeqCommand>,
+        now: Instant,
+    ) {
         self.parked_order.push_back((now, rig.clone()));
-        self.parked.insert(rig, Parked { boot, next_seq, carried, at: now });
+        self.parked.insert(
+            rig,
+            Parked {
+                boot,
+                next_seq,
+                carried,
+                at: now,
+            },
+        );
     }
 }
 
 fn accept(conn: ConnId, next_seq: Seq, resumed: bool, carried: Vec<SeqCommand>) -> Action {
-    Action::Core(conn, ToCore::Verdict { conn, verdict: Verdict::Accept { next_seq, resumed, carried } })
+    Action::Core(
+        conn,
+        ToCore::Verdict {
+            conn,
+            verdict: Verdict::Accept {
+                next_seq,
+                resumed,
+                carried,
+            },
+        },
+    )
 }
 
 fn not_connected(req: CommandReq) -> Action {
-    let body = reply::error(&req.id, Some(req.rig.as_str()), "rig_not_connected", "no connection holds this rig");
+    let body = reply::error(
+        &req.id,
+        Some(req.rig.as_str()),
+        "rig_not_connected",
+        "no connection holds this rig",
+    );
     Action::Reply(req.reply, body)
 }
 
@@ -279,16 +408,30 @@ mod tests {
         let mut r = Embedded::new(Duration::from_secs(60), 4);
         let now = Instant::now();
         let a = r.hello(conn(1), rig(), boot(200), vec![]);
-        assert!(matches!(verdict_of(&a, conn(1)), Some(Verdict::Accept { resumed: false, .. })));
+        assert!(matches!(
+            verdict_of(&a, conn(1)),
+            Some(Verdict::Accept { resumed: false, .. })
+        ));
         let b = r.hello(conn(2), rig(), boot(100), vec![]);
         assert!(matches!(verdict_of(&b, conn(2)), Some(Verdict::Older)));
         assert!(superseded(&b).is_empty(), "an older hello writes nothing");
         let c = r.hello(conn(3), rig(), boot(300), vec![]);
         assert_eq!(superseded(&c), vec![conn(1)]);
-        assert!(matches!(verdict_of(&c, conn(3)), Some(Verdict::Accept { next_seq: Seq(1), .. })));
+        assert!(matches!(
+            verdict_of(&c, conn(3)),
+            Some(Verdict::Accept {
+                next_seq: Seq(1),
+                ..
+            })
+        ));
         // The stale connection's close must not release the new owner.
-        r.closed(conn(1), rig(), boot(200), Seq(5), vec![], now);
+        let (_, released) = r.closed(conn(1), rig(), boot(200), Seq(5), vec![], now);
+        assert!(!released);
         assert_eq!(r.len(), 1);
+        // A refresh that finds another owner supersedes the local connection.
+        let a = r.supersede(&rig(), None);
+        assert_eq!(superseded(&a), vec![conn(3)]);
+        assert!(r.is_empty());
     }
 
     #[test]
@@ -299,13 +442,32 @@ mod tests {
         r.hello(conn(1), rig(), b, vec![]);
         let a = r.hello(conn(2), rig(), b, vec![]);
         assert_eq!(superseded(&a), vec![conn(1)]);
-        assert!(verdict_of(&a, conn(2)).is_none(), "waits for the old connection's seq");
+        assert!(
+            verdict_of(&a, conn(2)).is_none(),
+            "waits for the old connection's seq"
+        );
         let (tx, _rx) = crossbeam_channel::bounded(1);
-        let req = CommandReq { id: "c".into(), rig: rig(), name: "x".into(), args: Value::Null, reply: ReplyTo::Admin(tx) };
+        let req = CommandReq {
+            id: "c".into(),
+            rig: rig(),
+            name: "x".into(),
+            args: Value::Null,
+            reply: ReplyTo::Admin(tx),
+        };
         assert!(r.command(req).is_empty(), "held during the hand-over");
-        let done = r.closed(conn(1), rig(), b, Seq(8), vec![], now);
-        assert!(matches!(verdict_of(&done, conn(2)), Some(Verdict::Accept { next_seq: Seq(8), resumed: true, .. })));
-        assert!(done.iter().any(|a| matches!(a, Action::Core(c, ToCore::Command { .. }) if *c == conn(2))));
+        let (done, released) = r.closed(conn(1), rig(), b, Seq(8), vec![], now);
+        assert!(!released, "the session moved, the lease stays");
+        assert!(matches!(
+            verdict_of(&done, conn(2)),
+            Some(Verdict::Accept {
+                next_seq: Seq(8),
+                resumed: true,
+                ..
+            })
+        ));
+        assert!(done
+            .iter()
+            .any(|a| matches!(a, Action::Core(c, ToCore::Command { .. }) if *c == conn(2))));
     }
 
     #[test]
@@ -314,21 +476,57 @@ mod tests {
         let now = Instant::now();
         let b = boot(100);
         r.hello(conn(1), rig(), b, vec![]);
-        r.closed(conn(1), rig(), b, Seq(4), vec![], now);
+        assert!(r.closed(conn(1), rig(), b, Seq(4), vec![], now).1);
         assert!(r.is_empty());
         let a = r.hello(conn(2), rig(), b, vec![]);
-        assert!(matches!(verdict_of(&a, conn(2)), Some(Verdict::Accept { next_seq: Seq(4), resumed: true, .. })));
+        assert!(matches!(
+            verdict_of(&a, conn(2)),
+            Some(Verdict::Accept {
+                next_seq: Seq(4),
+                resumed: true,
+                ..
+            })
+        ));
         r.closed(conn(2), rig(), b, Seq(6), vec![], now);
         r.expire(now + Duration::from_secs(61));
         let a = r.hello(conn(3), rig(), b, vec![]);
-        assert!(matches!(verdict_of(&a, conn(3)), Some(Verdict::Accept { next_seq: Seq(1), resumed: false, .. })));
+        assert!(matches!(
+            verdict_of(&a, conn(3)),
+            Some(Verdict::Accept {
+                next_seq: Seq(1),
+                resumed: false,
+                ..
+            })
+        ));
+    }
+
+    #[test]
+    fn selectors_match_every_pair() {
+        let mut r = Embedded::new(Duration::from_secs(60), 4);
+        let lab = |v: &str| {
+            vec![
+                ("lab".to_string(), v.to_string()),
+                ("os".to_string(), "linux".to_string()),
+            ]
+        };
+        r.hello(conn(1), RigId::parse("a").unwrap(), boot(1), lab("x"));
+        r.hello(conn(2), RigId::parse("b").unwrap(), boot(1), lab("y"));
+        assert_eq!(r.matching(&[("lab".into(), "x".into())]).len(), 1);
+        assert_eq!(r.matching(&[("os".into(), "linux".into())]).len(), 2);
+        assert_eq!(r.matching(&[("os".into(), "bsd".into())]).len(), 0);
     }
 
     #[test]
     fn unknown_rig_gets_not_connected() {
         let mut r = Embedded::new(Duration::from_secs(60), 4);
         let (tx, _rx) = crossbeam_channel::bounded(1);
-        let req = CommandReq { id: "c".into(), rig: rig(), name: "x".into(), args: Value::Null, reply: ReplyTo::Admin(tx) };
+        let req = CommandReq {
+            id: "c".into(),
+            rig: rig(),
+            name: "x".into(),
+            args: Value::Null,
+            reply: ReplyTo::Admin(tx),
+        };
         let a = r.command(req);
         assert!(matches!(&a[..], [Action::Reply(_, v)] if v["error"] == "rig_not_connected"));
     }

@@ -3,9 +3,13 @@
 //! - [`msg`]: the only types that cross threads.
 //! - [`embedded`]: the standalone registry (pure state).
 //! - [`bridge`]: the thread that owns the registry and talks to cores.
+//! - `fleet`, [`pubsub`], [`control`]: fleet mode's Redis I/O and control messages.
 //! - [`scripts`]: the Redis Lua scripts of fleet mode.
 
 pub mod bridge;
+pub mod control;
 pub mod embedded;
+pub mod fleet;
 pub mod msg;
+pub mod pubsub;
 pub mod scripts;

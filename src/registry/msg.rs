@@ -31,6 +31,8 @@ pub enum ReplyTo {
     Admin(Sender<Value>),
     /// A Redis channel (`reply_to`), published by the bridge.
     Channel(String),
+    /// One rig's part of a broadcast; the bridge sums the parts into one reply.
+    Aggregate(u64),
 }
 
 /// A request to enqueue one command for one rig.
@@ -154,6 +156,13 @@ pub enum ToBridge {
         /// The channel.
         channel: String,
         /// The reply object.
+        body: Value,
+    },
+    /// One rig's answer to a broadcast command.
+    Part {
+        /// The broadcast it belongs to.
+        agg: u64,
+        /// The per-rig reply.
         body: Value,
     },
     /// Route a command to whichever connection holds the rig.

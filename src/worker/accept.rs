@@ -25,7 +25,11 @@ const MAX_REJECTING: u32 = 1024;
 
 /// Binds one listener per core on `addr`, all on the same port (SO_REUSEPORT lets the kernel
 /// spread connections across them). Port 0 is resolved by the first bind.
-pub fn bind_listeners(addr: SocketAddr, cores: usize, backlog: i32) -> io::Result<Vec<std::net::TcpListener>> {
+pub fn bind_listeners(
+    addr: SocketAddr,
+    cores: usize,
+    backlog: i32,
+) -> io::Result<Vec<std::net::TcpListener>> {
     let mut out = Vec::with_capacity(cores);
     let mut addr = addr;
     for _ in 0..cores {
@@ -64,7 +68,10 @@ pub(crate) async fn run(core: Rc<Core>, listener: TcpListener) {
             Some(Err(e)) => {
                 core.metrics.inc(C::AcceptError);
                 // Out of descriptors or memory: back off instead of spinning on the error.
-                if matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM)) {
+                if matches!(
+                    e.raw_os_error(),
+                    Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM)
+                ) {
                     monoio::time::sleep(Duration::from_millis(50)).await;
                 }
             }
@@ -73,21 +80,35 @@ pub(crate) async fn run(core: Rc<Core>, listener: TcpListener) {
 }
 
 fn admit(core: &Rc<Core>, bucket: &mut TokenBucket, stream: TcpStream) {
-    if core.max_conns.is_some_and(|max| core.metrics.connections.get() >= max) {
+    if core
+        .max_conns
+        .is_some_and(|max| core.metrics.connections.get() >= max)
+    {
         return reject(core, stream, C::AcceptOverCapacity);
     }
     if !bucket.try_take(Instant::now()) {
         return reject(core, stream, C::AcceptRateLimited);
     }
     core.metrics.inc(C::AcceptOk);
-    core.metrics.connections.set(core.metrics.connections.get() + 1);
+    core.metrics
+        .connections
+        .set(core.metrics.connections.get() + 1);
     let _ = stream.set_nodelay(true);
     let id = core.next_conn_id();
     let conn = Rc::new(Conn::new(core, id, stream.as_raw_fd()));
     let deadline = conn.st.borrow().deadline;
     core.conns.borrow_mut().insert(id, conn.clone());
     core.wheel.borrow_mut().insert(deadline, id);
-    monoio::spawn(conn::serve(core.clone(), stream, conn));
+    let task = conn::serve(core.clone(), stream, conn);
+    if id.0 & 0xffff_ffff_ffff == 1 {
+        log::debug!(
+            "core {}: connection task {} B, state {} B",
+            core.id.0,
+            std::mem::size_of_val(&task),
+            std::mem::size_of::<crate::worker::core::ConnState>()
+        );
+    }
+    monoio::spawn(task);
 }
 
 /// `503 Service Unavailable` with `Retry-After: 5..=15` (CONTRACT.md §2), then close.
@@ -104,7 +125,12 @@ fn reject(core: &Rc<Core>, stream: TcpStream, why: C) {
         let answer = http_upgrade::service_unavailable(fastrand::u32(5..=15));
         // SAFETY: fd is the open socket owned by `stream`; the answer fits an empty send buffer.
         unsafe {
-            libc::send(fd, answer.as_ptr().cast(), answer.len(), libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL);
+            libc::send(
+                fd,
+                answer.as_ptr().cast(),
+                answer.len(),
+                libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
+            );
             libc::shutdown(fd, libc::SHUT_WR);
         }
         // Read the request (and the peer's FIN) so closing does not reset our answer away.

@@ -15,7 +15,12 @@ pub struct TokenBucket {
 impl TokenBucket {
     /// `rate` tokens per second, at most `burst` stored; starts full.
     pub fn new(rate: f64, burst: f64, now: Instant) -> Self {
-        Self { rate, burst, tokens: burst, last: now }
+        Self {
+            rate,
+            burst,
+            tokens: burst,
+            last: now,
+        }
     }
 
     /// Takes one token if there is one.
@@ -43,7 +48,10 @@ pub struct RigBucket {
 impl RigBucket {
     /// A full bucket.
     pub fn full(burst: u32, now_ms: u32) -> Self {
-        Self { tokens: burst as f32, at_ms: now_ms }
+        Self {
+            tokens: burst as f32,
+            at_ms: now_ms,
+        }
     }
 
     /// Refills, then says whether a token is there, or how many ms until one is.

@@ -81,7 +81,8 @@ pub(crate) async fn serve(core: Rc<Core>, stream: TcpStream, conn: Rc<Conn>) {
         }
     }
     let deadline = linger.unwrap_or_else(|| monoio::time::Instant::now() + CLOSE_LINGER);
-    finish(&core, &conn, &stream, deadline, released).await;
+    // Boxed: the close path's timer state must not widen every idle connection's task.
+    Box::pin(finish(&core, &conn, &stream, deadline, released)).await;
 }
 
 /// Waits for whichever comes first: readability (if `read`), writability (if `write`), a
@@ -94,7 +95,8 @@ async fn wait(
     until: Option<monoio::time::Instant>,
 ) -> Woke {
     let mut readable = pin!(read.then(|| stream.readable(false)));
-    let mut writable = pin!(write.then(|| stream.writable(false)));
+    // Boxed: a full socket buffer is rare, so its op must not widen every idle task either.
+    let mut writable = write.then(|| Box::pin(stream.writable(false)));
     // Boxed: timers are rare (rate pause, close linger) and must not grow every idle task.
     let mut timer = until.map(|t| Box::pin(monoio::time::sleep_until(t)));
     poll_fn(|cx| {
@@ -103,12 +105,20 @@ async fn wait(
         }
         if let Some(f) = readable.as_mut().as_pin_mut() {
             if let Poll::Ready(r) = f.poll(cx) {
-                return Poll::Ready(if r.is_ok() { Woke::Readable } else { Woke::Failed });
+                return Poll::Ready(if r.is_ok() {
+                    Woke::Readable
+                } else {
+                    Woke::Failed
+                });
             }
         }
-        if let Some(f) = writable.as_mut().as_pin_mut() {
-            if let Poll::Ready(r) = f.poll(cx) {
-                return Poll::Ready(if r.is_ok() { Woke::Writable } else { Woke::Failed });
+        if let Some(f) = writable.as_mut() {
+            if let Poll::Ready(r) = f.as_mut().poll(cx) {
+                return Poll::Ready(if r.is_ok() {
+                    Woke::Writable
+                } else {
+                    Woke::Failed
+                });
             }
         }
         if let Some(t) = timer.as_mut() {
@@ -200,7 +210,9 @@ async fn finish(
         }
     }
     core.conns.borrow_mut().remove(&conn.id);
-    core.metrics.connections.set(core.metrics.connections.get().saturating_sub(1));
+    core.metrics
+        .connections
+        .set(core.metrics.connections.get().saturating_sub(1));
     {
         let mut st = conn.st.borrow_mut();
         st.phase = Phase::Done;

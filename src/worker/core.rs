@@ -198,7 +198,7 @@ pub(crate) struct Session {
     pub(crate) boot: BootId,
     /// Protocol version the rig spoke.
     pub(crate) v: u32,
-    pub(crate) labels: Vec<(String, String)>,
+    pub(crate) labels: Box<[(String, String)]>,
     pub(crate) group: Option<Box<str>>,
     pub(crate) next_seq: Seq,
     pub(crate) last_ack: Seq,
@@ -208,11 +208,41 @@ pub(crate) struct Session {
     pub(crate) resume_from: Option<Seq>,
     /// The registry accepted the hello and `welcome` went out.
     pub(crate) welcomed: bool,
+    /// Command queues, allocated only while a command is in flight (idle rigs hold none).
+    pub(crate) queues: Option<Box<Queues>>,
+}
+
+/// A rig's commands between control and its ack.
+#[derive(Default)]
+pub(crate) struct Queues {
     /// Commands queued, not yet written (bounded by `--outbox`).
     pub(crate) outbox: VecDeque<SeqCommand>,
     /// Commands written, not yet acked: kept for ack latency and for the session's next
-    /// connection (bounded by `--outbox`; the oldest is dropped and counted beyond it).
+    /// connection (bounded; the oldest is dropped and counted beyond it).
     pub(crate) unacked: VecDeque<SeqCommand>,
+}
+
+impl Session {
+    /// The queues, allocated on first use.
+    pub(crate) fn queues(&mut self) -> &mut Queues {
+        self.queues.get_or_insert_with(Box::default)
+    }
+
+    /// Commands queued and not yet written.
+    pub(crate) fn outbox_len(&self) -> usize {
+        self.queues.as_ref().map_or(0, |q| q.outbox.len())
+    }
+
+    /// Frees the queues once nothing is in flight.
+    pub(crate) fn shrink_queues(&mut self) {
+        if self
+            .queues
+            .as_ref()
+            .is_some_and(|q| q.outbox.is_empty() && q.unacked.is_empty())
+        {
+            self.queues = None;
+        }
+    }
 }
 
 /// Liveness bookkeeping, in ticks.
@@ -257,7 +287,10 @@ pub(crate) struct Conn {
 
 impl Conn {
     pub(crate) fn new(core: &Core, id: ConnId, fd: RawFd) -> Self {
-        let limits = Limits { max_message: core.cfg.max_message, max_fragments: 1024 };
+        let limits = Limits {
+            max_message: core.cfg.max_message,
+            max_fragments: 1024,
+        };
         Self {
             id,
             fd,
@@ -323,7 +356,12 @@ impl Conn {
     }
 
     /// Starts the close handshake with `code` (RFC 6455 §7.1.2). The task finishes it.
-    pub(crate) fn close(&self, st: &mut ConnState, code: u16, reason: impl Into<Cow<'static, str>>) {
+    pub(crate) fn close(
+        &self,
+        st: &mut ConnState,
+        code: u16,
+        reason: impl Into<Cow<'static, str>>,
+    ) {
         match st.phase {
             Phase::Closing | Phase::Done => return,
             Phase::Handshake => {
@@ -352,7 +390,12 @@ pub(crate) fn flush(fd: RawFd, st: &mut ConnState) -> io::Result<bool> {
         // SAFETY: `rest` is a valid initialized slice; fd is owned by the live connection task
         // (the table entry, and with it this call, is removed before the socket is dropped).
         let n = unsafe {
-            libc::send(fd, rest.as_ptr().cast(), rest.len(), libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL)
+            libc::send(
+                fd,
+                rest.as_ptr().cast(),
+                rest.len(),
+                libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
+            )
         };
         if n < 0 {
             let err = io::Error::last_os_error();
@@ -389,7 +432,9 @@ impl ConnState {
     /// Whether input may be parsed now (not waiting for a verdict, not over the rate, not
     /// backed up on output, not finished).
     pub(crate) fn can_consume(&self, now_ms: u32) -> bool {
-        let paused = self.paused_until.is_some_and(|t| (t.wrapping_sub(now_ms) as i32) > 0);
+        let paused = self
+            .paused_until
+            .is_some_and(|t| (t.wrapping_sub(now_ms) as i32) > 0);
         !paused
             && !matches!(self.phase, Phase::AwaitVerdict | Phase::Done)
             && self.out.len() - self.out_pos < OUT_HIGH_WATER

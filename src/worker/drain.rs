@@ -23,7 +23,11 @@ pub(crate) fn start(core: &Rc<Core>, window: Duration) {
         match st.phase {
             Phase::Live => {
                 let v = st.session.as_ref().map_or(1, |s| s.v);
-                let delay = if window_ms == 0 { 0 } else { fastrand::u64(0..window_ms) };
+                let delay = if window_ms == 0 {
+                    0
+                } else {
+                    fastrand::u64(0..window_ms)
+                };
                 let goaway = protocol::encode_goaway(v, "drain", delay);
                 conn.send_frame(&mut st, OpCode::Text, &goaway);
             }

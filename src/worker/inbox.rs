@@ -48,25 +48,44 @@ fn handle(core: &Rc<Core>, msg: ToCore) {
         }
         ToCore::Supersede { conn } => {
             if let Some(c) = conn_of(conn) {
-                c.close(&mut c.st.borrow_mut(), 4410, "superseded by a newer connection of this rig");
+                c.close(
+                    &mut c.st.borrow_mut(),
+                    4410,
+                    "superseded by a newer connection of this rig",
+                );
             }
         }
         ToCore::Command { conn, req } => match conn_of(conn) {
             Some(c) => session::on_command(core, &c, &mut c.st.borrow_mut(), req),
             None => {
                 core.metrics.inc(C::CmdNotConnected);
-                let body = reply::error(&req.id, Some(req.rig.as_str()), "rig_not_connected", "the rig's connection closed");
+                let body = reply::error(
+                    &req.id,
+                    Some(req.rig.as_str()),
+                    "rig_not_connected",
+                    "the rig's connection closed",
+                );
                 session::deliver(core, req.reply, body);
             }
         },
-        ToCore::Kick { conn, id, rig, reply: to } => {
+        ToCore::Kick {
+            conn,
+            id,
+            rig,
+            reply: to,
+        } => {
             let body = match conn_of(conn) {
                 Some(c) => {
                     core.metrics.inc(C::Kicks);
                     c.close(&mut c.st.borrow_mut(), 1012, "kicked by control; reconnect");
                     reply::done(&id, &rig)
                 }
-                None => reply::error(&id, Some(rig.as_str()), "rig_not_connected", "the rig's connection closed"),
+                None => reply::error(
+                    &id,
+                    Some(rig.as_str()),
+                    "rig_not_connected",
+                    "the rig's connection closed",
+                ),
             };
             session::deliver(core, to, body);
         }
@@ -87,7 +106,11 @@ fn rig_list(core: &Core) -> Vec<RigInfo> {
     let mut out = Vec::new();
     for conn in conns.values() {
         let st = conn.st.borrow();
-        let Some(s) = st.session.as_ref().filter(|s| s.welcomed && st.phase == Phase::Live) else {
+        let Some(s) = st
+            .session
+            .as_ref()
+            .filter(|s| s.welcomed && st.phase == Phase::Live)
+        else {
             continue;
         };
         out.push(RigInfo {
@@ -97,7 +120,7 @@ fn rig_list(core: &Core) -> Vec<RigInfo> {
             connected_at: reply::rfc3339(s.connected_at),
             last_ack_seq: s.last_ack.0,
             last_ack_at: s.last_ack_at.map(reply::rfc3339),
-            outbox_depth: s.outbox.len(),
+            outbox_depth: s.outbox_len(),
             next_seq: s.next_seq.0,
             core: core.id.0 as usize,
         });

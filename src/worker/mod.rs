@@ -55,26 +55,31 @@ pub fn spawn(
     inbox: Inbox<ToCore>,
     bridge: Mailbox<ToBridge>,
 ) -> std::io::Result<JoinHandle<()>> {
-    std::thread::Builder::new().name(format!("fleetlink-core-{index}")).spawn(move || {
-        if let Some(ids) = core_affinity::get_core_ids().filter(|ids| !ids.is_empty()) {
-            core_affinity::set_for_current(ids[index % ids.len()]);
-        }
-        let driver = driver_name(cfg);
-        let main = core_main(index, cfg, driver, listener, inbox, bridge);
-        let result = if driver == "io_uring" {
-            RuntimeBuilder::<IoUringDriver>::new()
-                .enable_timer()
-                .with_entries(URING_ENTRIES)
-                .build()
-                .map(|mut rt| rt.block_on(main))
-        } else {
-            RuntimeBuilder::<LegacyDriver>::new().enable_timer().build().map(|mut rt| rt.block_on(main))
-        };
-        match result {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) | Err(e) => log::error!("core {index} stopped: {e}"),
-        }
-    })
+    std::thread::Builder::new()
+        .name(format!("fleetlink-core-{index}"))
+        .spawn(move || {
+            if let Some(ids) = core_affinity::get_core_ids().filter(|ids| !ids.is_empty()) {
+                core_affinity::set_for_current(ids[index % ids.len()]);
+            }
+            let driver = driver_name(cfg);
+            let main = core_main(index, cfg, driver, listener, inbox, bridge);
+            let result = if driver == "io_uring" {
+                RuntimeBuilder::<IoUringDriver>::new()
+                    .enable_timer()
+                    .with_entries(URING_ENTRIES)
+                    .build()
+                    .map(|mut rt| rt.block_on(main))
+            } else {
+                RuntimeBuilder::<LegacyDriver>::new()
+                    .enable_timer()
+                    .build()
+                    .map(|mut rt| rt.block_on(main))
+            };
+            match result {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) | Err(e) => log::error!("core {index} stopped: {e}"),
+            }
+        })
 }
 
 async fn core_main(

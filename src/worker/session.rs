@@ -2,7 +2,6 @@
 //! verdicts and control's commands. No awaits and no socket calls other than through
 //! [`Conn`]'s ordered writer, so every rule here runs to completion on the core thread.
 
-use std::collections::VecDeque;
 use std::time::{Instant, SystemTime};
 
 use crate::http_upgrade::{self, Reject};
@@ -23,7 +22,10 @@ const UNACKED_PER_OUTBOX: usize = 8;
 pub(crate) const MAX_HEAD: usize = 8 * 1024;
 
 /// Limits of the test-only /echo endpoint (CONTRACT.md §1 `--echo-endpoint`).
-const ECHO_LIMITS: Limits = Limits { max_message: 16 << 20, max_fragments: 65_536 };
+const ECHO_LIMITS: Limits = Limits {
+    max_message: 16 << 20,
+    max_fragments: 65_536,
+};
 
 /// Parses as much of `input` as the connection may consume now; returns the bytes used.
 pub(crate) fn consume(core: &Core, conn: &Conn, st: &mut ConnState, input: &[u8]) -> usize {
@@ -165,7 +167,9 @@ fn on_text(core: &Core, conn: &Conn, st: &mut ConnState, text: &[u8]) {
         },
         Phase::Live => {
             // `consume` checked a token is there before decoding this message.
-            let _ = st.bucket.take(core.cfg.rig_rate, core.cfg.rig_burst, core.now_ms());
+            let _ = st
+                .bucket
+                .take(core.cfg.rig_rate, core.cfg.rig_burst, core.now_ms());
             on_rig_message(core, conn, st, text);
         }
         // Closing: the RFC says data after our close frame is ignored.
@@ -179,17 +183,29 @@ fn on_hello(core: &Core, conn: &Conn, st: &mut ConnState, hello: Hello) {
         conn.close(st, 4503, "retry_after=5");
         return;
     }
-    let Hello { v, rig_id, boot_id, labels, last_seq, .. } = hello;
+    let Hello {
+        v,
+        rig_id,
+        boot_id,
+        labels,
+        last_seq,
+        ..
+    } = hello;
     let group = labels
         .iter()
         .find(|(k, _)| *k == core.cfg.group_label)
         .map(|(_, v)| v.as_str().into());
-    let msg = ToBridge::Hello { conn: conn.id, rig: rig_id.clone(), boot: boot_id, labels: labels.clone() };
+    let msg = ToBridge::Hello {
+        conn: conn.id,
+        rig: rig_id.clone(),
+        boot: boot_id,
+        labels: labels.clone(),
+    };
     st.session = Some(Box::new(Session {
         rig: rig_id,
         boot: boot_id,
         v,
-        labels,
+        labels: labels.into_boxed_slice(),
         group,
         next_seq: Seq(1),
         last_ack: Seq(0),
@@ -197,8 +213,7 @@ fn on_hello(core: &Core, conn: &Conn, st: &mut ConnState, hello: Hello) {
         connected_at: SystemTime::now(),
         resume_from: last_seq,
         welcomed: false,
-        outbox: VecDeque::new(),
-        unacked: VecDeque::new(),
+        queues: None,
     }));
     if core.to_bridge(msg) {
         st.phase = Phase::AwaitVerdict;
@@ -213,26 +228,46 @@ fn retry_after() -> String {
 }
 
 fn on_rig_message(core: &Core, conn: &Conn, st: &mut ConnState, text: &[u8]) {
-    let Some(session) = st.session.as_mut() else { return };
+    let Some(session) = st.session.as_mut() else {
+        return;
+    };
     let broker = core.cfg.broker_id.as_str();
     match protocol::parse_client_msg(text) {
         Ok(ClientMsg::Ack { seq, .. }) => {
             core.metrics.inc(C::MsgAck);
             let id = on_ack(core, session, seq);
             if core.fleet {
-                core.to_bridge(ToBridge::Event(events::ack(broker, &session.rig, seq, id.as_deref())));
+                core.to_bridge(ToBridge::Event(events::ack(
+                    broker,
+                    &session.rig,
+                    seq,
+                    id.as_deref(),
+                )));
             }
         }
-        Ok(ClientMsg::Result { seq, ok, output, .. }) => {
+        Ok(ClientMsg::Result {
+            seq, ok, output, ..
+        }) => {
             core.metrics.inc(C::MsgResult);
             if core.fleet {
-                core.to_bridge(ToBridge::Event(events::result(broker, &session.rig, seq, ok, output)));
+                core.to_bridge(ToBridge::Event(events::result(
+                    broker,
+                    &session.rig,
+                    seq,
+                    ok,
+                    output,
+                )));
             }
         }
         Ok(ClientMsg::Event { name, data, .. }) => {
             core.metrics.inc(C::MsgEvent);
             if core.fleet {
-                core.to_bridge(ToBridge::Event(events::event(broker, &session.rig, &name, data)));
+                core.to_bridge(ToBridge::Event(events::event(
+                    broker,
+                    &session.rig,
+                    &name,
+                    data,
+                )));
             }
         }
         Ok(ClientMsg::Unknown { .. }) | Ok(ClientMsg::Hello(_)) => {
@@ -258,8 +293,13 @@ fn on_ack(core: &Core, s: &mut Session, seq: Seq) -> Option<Box<str>> {
         s.last_ack = seq;
         s.last_ack_at = Some(SystemTime::now());
     }
-    while s.unacked.front().is_some_and(|c| c.seq <= seq) {
-        let Some(cmd) = s.unacked.pop_front() else { break };
+    let Some(q) = s.queues.as_mut() else {
+        return None;
+    };
+    while q.unacked.front().is_some_and(|c| c.seq <= seq) {
+        let Some(cmd) = q.unacked.pop_front() else {
+            break;
+        };
         if cmd.seq == seq {
             if let Some(at) = cmd.written_at {
                 core.metrics.ack_latency(at.elapsed().as_millis() as u64);
@@ -267,9 +307,7 @@ fn on_ack(core: &Core, s: &mut Session, seq: Seq) -> Option<Box<str>> {
             id = Some(cmd.id);
         }
     }
-    if s.unacked.is_empty() {
-        s.unacked = VecDeque::new();
-    }
+    s.shrink_queues();
     id
 }
 
@@ -277,18 +315,22 @@ fn on_ack(core: &Core, s: &mut Session, seq: Seq) -> Option<Box<str>> {
 /// task flushed a backlog.
 pub(crate) fn pump(core: &Core, conn: &Conn, st: &mut ConnState) {
     while st.out.is_empty() {
-        let Some(session) = st.session.as_mut() else { return };
-        let Some(mut cmd) = session.outbox.pop_front() else {
-            session.outbox = VecDeque::new();
+        let Some(session) = st.session.as_mut() else {
+            return;
+        };
+        let Some(q) = session.queues.as_mut() else {
+            return;
+        };
+        let Some(mut cmd) = q.outbox.pop_front() else {
             return;
         };
         cmd.written_at = Some(Instant::now());
         let json = cmd.json.clone();
-        if session.unacked.len() >= core.cfg.outbox * UNACKED_PER_OUTBOX {
-            session.unacked.pop_front();
+        if q.unacked.len() >= core.cfg.outbox * UNACKED_PER_OUTBOX {
+            q.unacked.pop_front();
             core.metrics.inc(C::CmdResumeDropped);
         }
-        session.unacked.push_back(cmd);
+        q.unacked.push_back(cmd);
         core.metrics.inc(C::CmdWritten);
         conn.send_frame(st, OpCode::Text, &json);
     }
@@ -300,11 +342,17 @@ pub(crate) fn on_verdict(core: &Core, conn: &Conn, st: &mut ConnState, verdict: 
         return;
     }
     let (next_seq, resumed, carried) = match verdict {
-        Verdict::Accept { next_seq, resumed, carried } => (next_seq, resumed, carried),
+        Verdict::Accept {
+            next_seq,
+            resumed,
+            carried,
+        } => (next_seq, resumed, carried),
         Verdict::Older => return conn.close(st, 4409, "a newer boot of this rig is connected"),
         Verdict::Busy => return conn.close(st, 4503, retry_after()),
     };
-    let Some(session) = st.session.as_mut() else { return };
+    let Some(session) = st.session.as_mut() else {
+        return;
+    };
     session.next_seq = next_seq;
     session.welcomed = true;
     let welcome = encode_welcome(
@@ -317,7 +365,7 @@ pub(crate) fn on_verdict(core: &Core, conn: &Conn, st: &mut ConnState, verdict: 
     let already = session.resume_from.unwrap_or(Seq(0));
     for cmd in carried.into_iter().filter(|c| c.seq > already) {
         core.metrics.inc(C::CmdResumeSent);
-        session.outbox.push_back(cmd);
+        session.queues().outbox.push_back(cmd);
     }
     if let Some(g) = &session.group {
         core.metrics.group(g, true);
@@ -328,7 +376,10 @@ pub(crate) fn on_verdict(core: &Core, conn: &Conn, st: &mut ConnState, verdict: 
     }
     st.phase = Phase::Live;
     st.live.last_ping = core.now_tick();
-    core.wheel.borrow_mut().insert(st.live.last_ping + core.ticks(core.cfg.ping_interval), conn.id);
+    core.wheel.borrow_mut().insert(
+        st.live.last_ping + core.ticks(core.cfg.ping_interval),
+        conn.id,
+    );
     conn.send_frame(st, OpCode::Text, &welcome);
     pump(core, conn, st);
     // Input that arrived behind the hello is parsed now.
@@ -340,17 +391,27 @@ pub(crate) fn on_command(core: &Core, conn: &Conn, st: &mut ConnState, req: Comm
     let live = st.phase == Phase::Live;
     let Some(session) = st.session.as_mut().filter(|s| live && s.rig == req.rig) else {
         core.metrics.inc(C::CmdNotConnected);
-        let body = reply::error(&req.id, Some(req.rig.as_str()), "rig_not_connected", "the rig's connection is closing");
+        let body = reply::error(
+            &req.id,
+            Some(req.rig.as_str()),
+            "rig_not_connected",
+            "the rig's connection is closing",
+        );
         return deliver(core, req.reply, body);
     };
-    if session.outbox.len() >= core.cfg.outbox {
+    if session.outbox_len() >= core.cfg.outbox {
         core.metrics.inc(C::CmdOutboxFull);
-        let oldest = session.outbox.front().map(|c| c.queued_at.elapsed()).unwrap_or_default();
+        let oldest = session
+            .queues()
+            .outbox
+            .front()
+            .map(|c| c.queued_at.elapsed())
+            .unwrap_or_default();
         let body = reply::unresponsive(
             &req.id,
             &session.rig,
             Unresponsive {
-                queued: session.outbox.len(),
+                queued: session.outbox_len(),
                 capacity: core.cfg.outbox,
                 oldest_age: oldest,
                 last_ack_seq: session.last_ack,
@@ -362,7 +423,7 @@ pub(crate) fn on_command(core: &Core, conn: &Conn, st: &mut ConnState, req: Comm
     let seq = session.next_seq;
     session.next_seq = Seq(seq.0 + 1);
     let json = protocol::encode_command(session.v, seq, &req.id, &req.name, &req.args);
-    session.outbox.push_back(SeqCommand {
+    session.queues().outbox.push_back(SeqCommand {
         seq,
         id: req.id.as_str().into(),
         json: json.into_boxed_slice(),
@@ -383,16 +444,24 @@ pub(crate) fn deliver(core: &Core, to: ReplyTo, body: serde_json::Value) {
         ReplyTo::Channel(channel) => {
             core.to_bridge(ToBridge::Reply { channel, body });
         }
+        ReplyTo::Aggregate(agg) => {
+            core.to_bridge(ToBridge::Part { agg, body });
+        }
     }
 }
 
 /// Called once when the connection task ends: tell the registry, fix metrics.
 pub(crate) fn on_closed(core: &Core, conn: &Conn, st: &mut ConnState) {
     core.metrics.close(st.close_code.unwrap_or(1006));
-    let Some(session) = st.session.take() else { return };
+    let Some(session) = st.session.take() else {
+        return;
+    };
     let s = *session;
     if !s.welcomed {
-        core.to_bridge(ToBridge::Abandoned { conn: conn.id, rig: s.rig });
+        core.to_bridge(ToBridge::Abandoned {
+            conn: conn.id,
+            rig: s.rig,
+        });
         return;
     }
     if let Some(g) = &s.group {
@@ -403,7 +472,15 @@ pub(crate) fn on_closed(core: &Core, conn: &Conn, st: &mut ConnState) {
         let ev = events::disconnected(&core.cfg.broker_id, &s.rig, &s.boot, code, &st.close_reason);
         core.to_bridge(ToBridge::Event(ev));
     }
-    let mut carried: Vec<SeqCommand> = s.unacked.into_iter().collect();
-    carried.extend(s.outbox);
-    core.to_bridge(ToBridge::Closed { conn: conn.id, rig: s.rig, boot: s.boot, next_seq: s.next_seq, carried });
+    let carried: Vec<SeqCommand> = s
+        .queues
+        .map(|q| q.unacked.into_iter().chain(q.outbox).collect())
+        .unwrap_or_default();
+    core.to_bridge(ToBridge::Closed {
+        conn: conn.id,
+        rig: s.rig,
+        boot: s.boot,
+        next_seq: s.next_seq,
+        carried,
+    });
 }

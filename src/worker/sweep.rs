@@ -25,7 +25,9 @@ pub(crate) async fn run(core: Rc<Core>) {
 }
 
 fn visit(core: &Core, id: ConnId) {
-    let Some(conn) = core.conns.borrow().get(&id).cloned() else { return };
+    let Some(conn) = core.conns.borrow().get(&id).cloned() else {
+        return;
+    };
     let now = core.wheel.borrow().now();
     let mut st = conn.st.borrow_mut();
     let next = match st.phase {
@@ -42,7 +44,11 @@ fn visit(core: &Core, id: ConnId) {
             None
         }
         Phase::AwaitVerdict => {
-            conn.close(&mut st, 4503, format!("retry_after={}", fastrand::u32(5..=15)));
+            conn.close(
+                &mut st,
+                4503,
+                format!("retry_after={}", fastrand::u32(5..=15)),
+            );
             None
         }
         Phase::Live => {
@@ -66,7 +72,11 @@ fn visit(core: &Core, id: ConnId) {
                 conn.send_frame(&mut st, OpCode::Ping, &[]);
             }
             let live = &st.live;
-            Some(if live.awaiting_pong { live.last_ping + pong } else { live.last_ping + ping })
+            Some(if live.awaiting_pong {
+                live.last_ping + pong
+            } else {
+                live.last_ping + ping
+            })
         }
         Phase::Echo | Phase::Closing | Phase::Done => None,
     };

@@ -18,7 +18,10 @@ pub(crate) struct Wheel {
 impl Wheel {
     /// A wheel covering `slots` ticks (at least 2).
     pub(crate) fn new(slots: usize) -> Self {
-        Self { slots: (0..slots.max(2)).map(|_| Vec::new()).collect(), now: 0 }
+        Self {
+            slots: (0..slots.max(2)).map(|_| Vec::new()).collect(),
+            now: 0,
+        }
     }
 
     /// The tick the wheel has advanced to.
@@ -41,7 +44,10 @@ impl Wheel {
     pub(crate) fn advance(&mut self) -> Vec<ConnId> {
         self.now += 1;
         let n = self.slots.len() as Tick;
-        self.slots.get_mut((self.now % n) as usize).map(std::mem::take).unwrap_or_default()
+        self.slots
+            .get_mut((self.now % n) as usize)
+            .map(std::mem::take)
+            .unwrap_or_default()
     }
 
     /// Returns a drained Vec to the slot it came from, unless the slot got new entries.

@@ -35,7 +35,10 @@ impl Broker {
         if !args.contains(&"--admin") {
             cmd.args(["--admin", "127.0.0.1:0"]);
         }
-        cmd.args(args).env("RUST_LOG", "warn").stdout(Stdio::piped()).stderr(Stdio::inherit());
+        cmd.args(args)
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit());
         let mut child = cmd.spawn().expect("spawn fleetlink-fe");
         let stdout = child.stdout.take().expect("stdout");
         let (tx, rx) = mpsc::channel();
@@ -44,7 +47,9 @@ impl Broker {
                 let _ = tx.send(line);
             }
         });
-        let line = rx.recv_timeout(Duration::from_secs(20)).expect("broker printed no ready line");
+        let line = rx
+            .recv_timeout(Duration::from_secs(20))
+            .expect("broker printed no ready line");
         let field = |k: &str| {
             line.split_whitespace()
                 .find_map(|w| w.strip_prefix(&format!("{k}=")))
@@ -67,8 +72,11 @@ impl Broker {
     /// Opens a websocket on `path` (read timeout 10 s so a broken test fails, not hangs).
     pub fn connect(&self, path: &str) -> Ws {
         let stream = TcpStream::connect(self.listen).unwrap();
-        stream.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-        let (ws, _resp) = tungstenite::client(self.url(path), MaybeTlsStream::Plain(stream)).unwrap();
+        stream
+            .set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        let (ws, _resp) =
+            tungstenite::client(self.url(path), MaybeTlsStream::Plain(stream)).unwrap();
         ws
     }
 
@@ -100,7 +108,10 @@ impl Broker {
             if text.lines().any(|l| l == line) {
                 return;
             }
-            assert!(Instant::now() < deadline, "metric {line:?} never appeared:\n{text}");
+            assert!(
+                Instant::now() < deadline,
+                "metric {line:?} never appeared:\n{text}"
+            );
             std::thread::sleep(Duration::from_millis(20));
         }
     }
@@ -150,7 +161,10 @@ impl Drop for Broker {
 
 /// A fresh UUIDv7 boot id.
 pub fn boot_id() -> String {
-    let ms = SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_millis() as u64;
+    let ms = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64;
     fleetlink::ids::BootId::generate(ms).to_string()
 }
 
@@ -198,8 +212,15 @@ pub fn http(addr: SocketAddr, method: &str, path: &str, body: &str) -> (u16, Str
     .unwrap();
     let mut resp = String::new();
     s.read_to_string(&mut resp).unwrap();
-    let status = resp.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
-    let body = resp.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default();
+    let status = resp
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    let body = resp
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default();
     (status, body)
 }
 
@@ -233,16 +254,27 @@ impl RawRig {
     /// Upgrades on /agent and sends a hello; returns after the welcome frame.
     pub fn hello(b: &Broker, rig: &str) -> RawRig {
         let mut stream = TcpStream::connect(b.listen).unwrap();
-        stream.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        stream
+            .set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
         write!(stream, "GET /agent HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n").unwrap();
-        let mut rig_conn = RawRig { stream, buf: Vec::new() };
+        let mut rig_conn = RawRig {
+            stream,
+            buf: Vec::new(),
+        };
         while !rig_conn.buf.windows(4).any(|w| w == b"\r\n\r\n") {
             rig_conn.fill();
         }
-        let end = rig_conn.buf.windows(4).position(|w| w == b"\r\n\r\n").unwrap() + 4;
+        let end = rig_conn
+            .buf
+            .windows(4)
+            .position(|w| w == b"\r\n\r\n")
+            .unwrap()
+            + 4;
         assert!(rig_conn.buf.starts_with(b"HTTP/1.1 101"));
         rig_conn.buf.drain(..end);
-        let hello = json!({"type":"hello","rig_id":rig,"boot_id":boot_id(),"version":"raw"}).to_string();
+        let hello =
+            json!({"type":"hello","rig_id":rig,"boot_id":boot_id(),"version":"raw"}).to_string();
         rig_conn.send_text(&hello);
         let (op, payload) = rig_conn.read_frame();
         assert_eq!(op, 0x1);
@@ -253,7 +285,13 @@ impl RawRig {
     /// Sends one masked text frame.
     pub fn send_text(&mut self, text: &str) {
         let mut frame = Vec::new();
-        fleetlink::ws::encode_client_frame(&mut frame, true, fleetlink::ws::OpCode::Text, [1, 2, 3, 4], text.as_bytes());
+        fleetlink::ws::encode_client_frame(
+            &mut frame,
+            true,
+            fleetlink::ws::OpCode::Text,
+            [1, 2, 3, 4],
+            text.as_bytes(),
+        );
         self.stream.write_all(&frame).unwrap();
     }
 
@@ -270,8 +308,13 @@ impl RawRig {
             if self.buf.len() >= 2 {
                 let op = self.buf[0] & 0x0f;
                 let (len, off) = match self.buf[1] & 0x7f {
-                    126 if self.buf.len() >= 4 => (u16::from_be_bytes([self.buf[2], self.buf[3]]) as usize, 4),
-                    127 if self.buf.len() >= 10 => (u64::from_be_bytes(self.buf[2..10].try_into().unwrap()) as usize, 10),
+                    126 if self.buf.len() >= 4 => {
+                        (u16::from_be_bytes([self.buf[2], self.buf[3]]) as usize, 4)
+                    }
+                    127 if self.buf.len() >= 10 => (
+                        u64::from_be_bytes(self.buf[2..10].try_into().unwrap()) as usize,
+                        10,
+                    ),
                     n @ 0..=125 => (n as usize, 2),
                     _ => (usize::MAX, 0),
                 };

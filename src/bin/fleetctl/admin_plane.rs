@@ -1,0 +1,354 @@
+//! Standalone mode: one broker's admin HTTP API (CONTRACT.md §6).
+//!
+//! A minimal HTTP/1.1 client over `std::net` (one request per connection, `Connection: close`,
+//! response head parsed by httparse). Commands answer with the same reply JSON as the pub/sub
+//! plane; a selector broadcast is done here, rig by rig, from `GET /v1/rigs`.
+
+use std::io::{ErrorKind, Read, Write};
+use std::net::{TcpStream, ToSocketAddrs};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use fleetlink::admin::new_id;
+use fleetlink::ids::RigId;
+use serde_json::{json, Map, Value};
+
+use crate::cli::{usage, AdminUrl, Selector};
+use crate::render::secs;
+use crate::{error_reply, Broadcast, ControlPlane, Page};
+
+/// Longest wait for the TCP connection.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// Longest wait for a read-only request (`/v1/rigs` asks every core, up to 2 s).
+const IO_TIMEOUT: Duration = Duration::from_secs(10);
+/// Largest response accepted (a `/v1/rigs` of a full broker is a few MiB).
+const MAX_RESPONSE: usize = 256 << 20;
+
+/// One broker's admin API.
+pub(crate) struct AdminPlane {
+    url: AdminUrl,
+}
+
+/// Status and body of one response.
+struct Response {
+    status: u16,
+    body: Vec<u8>,
+}
+
+impl AdminPlane {
+    /// Nothing is connected until a command runs.
+    pub(crate) fn new(url: AdminUrl) -> AdminPlane {
+        AdminPlane { url }
+    }
+
+    fn send_with_id(
+        &self,
+        id: &str,
+        rig: &RigId,
+        name: &str,
+        args: &Map<String, Value>,
+        timeout: Duration,
+    ) -> anyhow::Result<Value> {
+        let body = json!({"id": id, "name": name, "args": args});
+        self.reply(
+            id,
+            rig,
+            &format!("/v1/rigs/{rig}/commands"),
+            Some(&body),
+            timeout,
+        )
+    }
+
+    /// POSTs and expects a reply object; no answer in time is a locally built `timeout` reply.
+    fn reply(
+        &self,
+        id: &str,
+        rig: &RigId,
+        path: &str,
+        body: Option<&Value>,
+        timeout: Duration,
+    ) -> anyhow::Result<Value> {
+        let Some(resp) = self.call("POST", path, body, timeout)? else {
+            let detail = format!("no answer from the admin API within {}", secs(timeout));
+            return Ok(error_reply(
+                Some(id),
+                Some(rig.as_str()),
+                "timeout",
+                &detail,
+            ));
+        };
+        match serde_json::from_slice::<Value>(&resp.body) {
+            Ok(v) if v.get("ok").is_some_and(Value::is_boolean) => Ok(v),
+            _ => bail!(
+                "admin API answered {} to POST {path}: {}",
+                resp.status,
+                excerpt(&resp.body)
+            ),
+        }
+    }
+
+    /// The rows of `GET /v1/rigs`.
+    fn rigs(&self) -> anyhow::Result<Vec<Value>> {
+        let resp = self
+            .call("GET", "/v1/rigs", None, IO_TIMEOUT)?
+            .context("GET /v1/rigs timed out")?;
+        match serde_json::from_slice(&resp.body) {
+            Ok(Value::Array(rows)) if resp.status == 200 => Ok(rows),
+            _ => bail!(
+                "admin API answered {} to GET /v1/rigs: {}",
+                resp.status,
+                excerpt(&resp.body)
+            ),
+        }
+    }
+
+    /// One request; `Ok(None)` when the answer did not arrive within `timeout`.
+    fn call(
+        &self,
+        method: &str,
+        path: &str,
+        body: Option<&Value>,
+        timeout: Duration,
+    ) -> anyhow::Result<Option<Response>> {
+        let deadline = Instant::now() + timeout;
+        let shown = format!("http://{}{}", self.url.authority, self.url.prefix);
+        let mut stream = self
+            .connect()
+            .with_context(|| format!("cannot reach the admin API at {shown}"))?;
+        let body = body.map(Value::to_string).unwrap_or_default();
+        let head = format!(
+            "{method} {}{path} HTTP/1.1\r\nHost: {}\r\nUser-Agent: fleetctl\r\nAccept: application/json\r\n\
+             Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+            self.url.prefix,
+            self.url.authority,
+            body.len()
+        );
+        stream.set_write_timeout(Some(CONNECT_TIMEOUT))?;
+        stream
+            .write_all(head.as_bytes())
+            .and_then(|()| stream.write_all(body.as_bytes()))
+            .with_context(|| format!("sending {method} {path} to {shown}"))?;
+        let mut buf = Vec::new();
+        let mut chunk = [0u8; 16 << 10];
+        loop {
+            let Some(left) = deadline
+                .checked_duration_since(Instant::now())
+                .filter(|d| !d.is_zero())
+            else {
+                return Ok(None);
+            };
+            stream.set_read_timeout(Some(left))?;
+            let n = match stream.read(&mut chunk) {
+                Ok(n) => n,
+                Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
+                    return Ok(None)
+                }
+                Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+                Err(e) => {
+                    return Err(e).with_context(|| {
+                        format!("reading the answer to {method} {path} from {shown}")
+                    })
+                }
+            };
+            buf.extend_from_slice(chunk.get(..n).unwrap_or_default());
+            if let Some(resp) = parse_response(&buf, n == 0)? {
+                return Ok(Some(resp));
+            }
+            if n == 0 {
+                bail!("{shown} closed the connection before a full answer to {method} {path}");
+            }
+            if buf.len() > MAX_RESPONSE {
+                bail!("answer to {method} {path} is larger than {MAX_RESPONSE} bytes");
+            }
+        }
+    }
+
+    fn connect(&self) -> std::io::Result<TcpStream> {
+        let mut last = None;
+        for addr in self.url.authority.to_socket_addrs()? {
+            match TcpStream::connect_timeout(&addr, CONNECT_TIMEOUT) {
+                Ok(s) => return Ok(s),
+                Err(e) => last = Some(e),
+            }
+        }
+        Err(last.unwrap_or_else(|| {
+            std::io::Error::new(ErrorKind::NotFound, "host resolved to no address")
+        }))
+    }
+}
+
+impl ControlPlane for AdminPlane {
+    /// `send RIG NAME`: `POST /v1/rigs/{rig}/commands`.
+    fn send(
+        &mut self,
+        rig: &RigId,
+        name: &str,
+        args: &Map<String, Value>,
+        timeout: Duration,
+    ) -> anyhow::Result<Value> {
+        self.send_with_id(&new_id(), rig, name, args, timeout)
+    }
+
+    /// `kick RIG`: `POST /v1/rigs/{rig}/kick`.
+    fn kick(&mut self, rig: &RigId, timeout: Duration) -> anyhow::Result<Value> {
+        self.reply(
+            &new_id(),
+            rig,
+            &format!("/v1/rigs/{rig}/kick"),
+            None,
+            timeout,
+        )
+    }
+
+    /// `send --selector`: every rig of `GET /v1/rigs` whose labels match, one POST each, summed
+    /// up as one broadcast reply whose `broker_id` is the admin address.
+    fn broadcast(
+        &mut self,
+        selector: &Selector,
+        name: &str,
+        args: &Map<String, Value>,
+        timeout: Duration,
+    ) -> anyhow::Result<Broadcast> {
+        let id = new_id();
+        let matching: Vec<RigId> = self
+            .rigs()?
+            .iter()
+            .filter(|row| {
+                selector
+                    .iter()
+                    .all(|(k, v)| row["labels"][k].as_str() == Some(v.as_str()))
+            })
+            .filter_map(|row| RigId::parse(row["rig_id"].as_str()?))
+            .collect();
+        let mut failed = Vec::new();
+        for rig in &matching {
+            let reply = match self.send_with_id(&id, rig, name, args, timeout) {
+                Ok(reply) => reply,
+                Err(e) => error_reply(
+                    Some(&id),
+                    Some(rig.as_str()),
+                    "admin_error",
+                    &format!("{e:#}"),
+                ),
+            };
+            if reply["ok"].as_bool() != Some(true) {
+                failed.push(json!({"rig_id": rig.as_str(), "error": reply["error"], "detail": reply["detail"]}));
+            }
+        }
+        let broker = self.url.authority.clone();
+        let reply = json!({"id": id, "ok": true, "broker_id": broker, "matched": matching.len(),
+                           "enqueued": matching.len() - failed.len(), "failed": failed});
+        Ok(Broadcast {
+            id,
+            expected: vec![broker],
+            replies: vec![reply],
+            timeout,
+        })
+    }
+
+    /// `status RIG`: the rig's row of `GET /v1/rigs`.
+    fn status(&mut self, rig: &RigId) -> anyhow::Result<Value> {
+        let found = self
+            .rigs()?
+            .into_iter()
+            .find(|row| row["rig_id"].as_str() == Some(rig.as_str()));
+        Ok(match found {
+            Some(Value::Object(mut row)) => {
+                row.insert("ok".into(), json!(true));
+                Value::Object(row)
+            }
+            _ => {
+                let detail = format!("not connected to the broker at {}", self.url.authority);
+                error_reply(None, Some(rig.as_str()), "rig_not_connected", &detail)
+            }
+        })
+    }
+
+    /// `list`: `GET /v1/rigs`, paged locally; the cursor is an offset into the sorted list.
+    fn list(&mut self, page_size: u64, cursor: u64) -> anyhow::Result<Page> {
+        let rigs = self.rigs()?;
+        let start = usize::try_from(cursor)
+            .unwrap_or(usize::MAX)
+            .min(rigs.len());
+        let end = start
+            .saturating_add(usize::try_from(page_size).unwrap_or(usize::MAX))
+            .min(rigs.len());
+        let next_cursor = if end < rigs.len() { end as u64 } else { 0 };
+        let rows = rigs.into_iter().skip(start).take(end - start).collect();
+        Ok(Page { rows, next_cursor })
+    }
+
+    /// `brokers`: liveness and readiness of this one broker.
+    fn brokers(&mut self) -> anyhow::Result<Vec<Value>> {
+        let health = self
+            .call("GET", "/healthz", None, IO_TIMEOUT)?
+            .context("GET /healthz timed out")?;
+        let ready = self
+            .call("GET", "/readyz", None, IO_TIMEOUT)?
+            .context("GET /readyz timed out")?;
+        Ok(vec![json!({
+            "broker_id": self.url.authority,
+            "admin": format!("http://{}{}", self.url.authority, self.url.prefix),
+            "healthz": health.status,
+            "readyz": ready.status,
+            "ready": ready.status == 200,
+            "detail": excerpt(&ready.body),
+        })])
+    }
+
+    /// The admin API has no event stream: a usage error.
+    fn events(
+        &mut self,
+        _: Option<Duration>,
+        _: Option<u64>,
+        _: &mut dyn FnMut(&Value),
+    ) -> anyhow::Result<u64> {
+        let msg = "events needs fleet mode (--redis URL): the admin API has no event stream";
+        Err(usage(clap::error::ErrorKind::InvalidSubcommand, msg.into()).into())
+    }
+}
+
+/// A complete response in `buf`, `None` when more bytes are needed. Without Content-Length the
+/// body runs to EOF (`eof`).
+fn parse_response(buf: &[u8], eof: bool) -> anyhow::Result<Option<Response>> {
+    let mut headers = [httparse::EMPTY_HEADER; 32];
+    let mut resp = httparse::Response::new(&mut headers);
+    let head_len = match resp.parse(buf).context("malformed HTTP response")? {
+        httparse::Status::Complete(n) => n,
+        httparse::Status::Partial => return Ok(None),
+    };
+    let status = resp.code.unwrap_or(0);
+    let length = resp
+        .headers
+        .iter()
+        .find(|h| h.name.eq_ignore_ascii_case("content-length"))
+        .and_then(|h| {
+            std::str::from_utf8(h.value)
+                .ok()?
+                .trim()
+                .parse::<usize>()
+                .ok()
+        });
+    let rest = buf.get(head_len..).unwrap_or_default();
+    match length {
+        Some(n) if rest.len() >= n => Ok(Some(Response {
+            status,
+            body: rest.get(..n).unwrap_or_default().to_vec(),
+        })),
+        None if eof => Ok(Some(Response {
+            status,
+            body: rest.to_vec(),
+        })),
+        _ => Ok(None),
+    }
+}
+
+/// The start of a body as one line of text, for error messages.
+fn excerpt(body: &[u8]) -> String {
+    let text = String::from_utf8_lossy(body);
+    let text = text.trim();
+    match text.char_indices().nth(200) {
+        Some((i, _)) => format!("{}…", &text[..i]),
+        None => text.to_owned(),
+    }
+}

@@ -1,0 +1,332 @@
+//! The command line of fleetctl (CONTRACT.md §1) and its value parsers.
+//!
+//! Every check that can be made without the network happens here, so a bad invocation exits 64
+//! before anything is sent. The plane (Redis or admin HTTP) is resolved here too: flags beat
+//! env vars, and naming both planes at the same level is a usage error.
+
+use std::collections::BTreeMap;
+use std::ffi::OsString;
+use std::time::Duration;
+
+use clap::error::ErrorKind;
+use clap::{CommandFactory, Parser, Subcommand};
+use fleetlink::ids::RigId;
+use serde_json::{Map, Value};
+
+/// Env var naming the Redis URL of the fleet (same as `--redis`).
+const ENV_REDIS: &str = "FLEETCTL_REDIS";
+/// Env var naming one broker's admin URL (same as `--admin`).
+const ENV_ADMIN: &str = "FLEETCTL_ADMIN";
+/// Admin URL used when neither plane is named anywhere (the broker's default `--admin`).
+const DEFAULT_ADMIN: &str = "http://127.0.0.1:9090";
+
+/// Control-plane CLI of fleetlink: send commands, kick, inspect rigs and brokers, tail events.
+///
+/// Exit codes: 0 ok, 2 an error reply (or the plane is unreachable), 3 timeout, 64 usage.
+#[derive(Parser, Debug)]
+#[command(name = "fleetctl", version)]
+pub(crate) struct Cli {
+    /// Fleet mode: the Redis backplane, e.g. redis://10.0.0.5:6379/ [env: FLEETCTL_REDIS]
+    #[arg(long, global = true, value_name = "URL", conflicts_with = "admin")]
+    redis: Option<String>,
+    /// Standalone mode: one broker's admin API [env: FLEETCTL_ADMIN]
+    /// [default: http://127.0.0.1:9090]
+    #[arg(long, global = true, value_name = "URL")]
+    admin: Option<String>,
+    /// Print reply objects as JSON, one per line.
+    #[arg(long, global = true)]
+    pub(crate) json: bool,
+    #[command(subcommand)]
+    pub(crate) command: Command,
+}
+
+/// The subcommands.
+#[derive(Subcommand, Debug)]
+pub(crate) enum Command {
+    /// Send a command to one rig (RIG NAME), or to every rig matching --selector (NAME).
+    #[command(
+        override_usage = "fleetctl send RIG NAME [--args JSON] [--timeout 5s]\n       \
+                          fleetctl send --selector k=v[,k=v] NAME [--args JSON] [--timeout 5s]"
+    )]
+    Send(SendArgs),
+    /// Force a rig to reconnect: its socket closes with 1012.
+    Kick {
+        /// The rig id.
+        #[arg(value_parser = parse_rig)]
+        rig: RigId,
+        /// How long to wait for the broker's reply.
+        #[arg(long, value_name = "DURATION", default_value = "5s", value_parser = parse_timeout)]
+        timeout: Duration,
+    },
+    /// Show where a rig is connected (registry entry and its broker's liveness).
+    Status {
+        /// The rig id.
+        #[arg(value_parser = parse_rig)]
+        rig: RigId,
+    },
+    /// List connected rigs, one page at a time.
+    List {
+        /// Rigs per page (Redis: SCAN COUNT; a page may hold a few more).
+        #[arg(long, default_value_t = 500, value_parser = clap::value_parser!(u64).range(1..=100_000))]
+        page_size: u64,
+        /// Where to resume: the `next cursor` of the previous page (0 = start).
+        #[arg(long, default_value_t = 0)]
+        cursor: u64,
+    },
+    /// List live brokers (Redis), or the health of the admin broker.
+    Brokers,
+    /// Tail `fleetlink:events` (Redis only) until Ctrl-C, --count or --for.
+    Events {
+        /// Stop after this many events (exit 3 if --for ends first).
+        #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+        count: Option<u64>,
+        /// Stop after this long.
+        #[arg(long = "for", value_name = "DURATION", value_parser = parse_timeout)]
+        for_: Option<Duration>,
+    },
+}
+
+/// Arguments of `send`; [`SendArgs::target`] sorts out the two forms.
+#[derive(clap::Args, Debug)]
+pub(crate) struct SendArgs {
+    /// RIG, then NAME; with --selector only NAME.
+    #[arg(value_name = "RIG|NAME")]
+    first: String,
+    /// NAME (when a RIG is given).
+    #[arg(value_name = "NAME")]
+    second: Option<String>,
+    /// Broadcast to rigs whose hello labels match all pairs, e.g. group=lab,site=b.
+    #[arg(long, value_name = "k=v[,k=v]", value_parser = parse_selector)]
+    selector: Option<Selector>,
+    /// Command arguments: a JSON object.
+    #[arg(long, value_name = "JSON", default_value = "{}", value_parser = parse_args)]
+    pub(crate) args: Map<String, Value>,
+    /// How long to wait for replies.
+    #[arg(long, value_name = "DURATION", default_value = "5s", value_parser = parse_timeout)]
+    pub(crate) timeout: Duration,
+}
+
+/// Label pairs of a broadcast, sorted so the JSON is stable.
+pub(crate) type Selector = BTreeMap<String, String>;
+
+/// Who a `send` goes to.
+#[derive(Debug)]
+pub(crate) enum Target {
+    /// One rig through its registry entry (or the admin API).
+    Rig(RigId),
+    /// Every rig whose labels match.
+    Selector(Selector),
+}
+
+/// Where fleetctl talks to.
+#[derive(Debug, Clone)]
+pub(crate) enum Plane {
+    /// `redis://…`: the fleet's registry and pub/sub.
+    Redis(String),
+    /// `http://host:port`: one broker's admin API.
+    Admin(AdminUrl),
+}
+
+/// A parsed `http://host:port[/prefix]` admin URL.
+#[derive(Debug, Clone)]
+pub(crate) struct AdminUrl {
+    /// `host:port`, for connecting and the Host header.
+    pub(crate) authority: String,
+    /// Path prefix without a trailing slash (usually empty).
+    pub(crate) prefix: String,
+}
+
+impl Cli {
+    /// Parses `argv` and resolves the plane; every error is a clap error (exit 64).
+    pub(crate) fn load(argv: Vec<OsString>) -> Result<(Cli, Plane), clap::Error> {
+        let cli = Cli::try_parse_from(argv)?;
+        let plane = cli.plane()?;
+        Ok((cli, plane))
+    }
+
+    fn plane(&self) -> Result<Plane, clap::Error> {
+        let env = |name: &str| std::env::var(name).ok().filter(|v| !v.is_empty());
+        let (redis, admin) = match (&self.redis, &self.admin) {
+            (None, None) => (env(ENV_REDIS), env(ENV_ADMIN)),
+            (redis, admin) => (redis.clone(), admin.clone()),
+        };
+        match (redis, admin) {
+            (Some(_), Some(_)) => Err(usage(
+                ErrorKind::ArgumentConflict,
+                format!(
+                    "{ENV_REDIS} and {ENV_ADMIN} are both set; pass --redis or --admin to pick one"
+                ),
+            )),
+            (Some(url), None) => parse_redis_url(&url).map(Plane::Redis),
+            (None, admin) => {
+                parse_admin_url(admin.as_deref().unwrap_or(DEFAULT_ADMIN)).map(Plane::Admin)
+            }
+        }
+    }
+}
+
+impl SendArgs {
+    /// The target and the command name, or a usage error for the wrong number of words.
+    pub(crate) fn target(&self) -> Result<(Target, &str), clap::Error> {
+        match (&self.selector, &self.second) {
+            (Some(sel), None) => Ok((Target::Selector(sel.clone()), &self.first)),
+            (Some(_), Some(_)) => Err(usage(
+                ErrorKind::ArgumentConflict,
+                "with --selector give only NAME, not RIG NAME".into(),
+            )),
+            (None, Some(name)) => {
+                let rig =
+                    parse_rig(&self.first).map_err(|e| usage(ErrorKind::ValueValidation, e))?;
+                Ok((Target::Rig(rig), name))
+            }
+            (None, None) => Err(usage(
+                ErrorKind::MissingRequiredArgument,
+                "send needs RIG NAME (or --selector k=v NAME)".into(),
+            )),
+        }
+    }
+}
+
+/// A usage error rendered like clap's own.
+pub(crate) fn usage(kind: ErrorKind, msg: String) -> clap::Error {
+    Cli::command().error(kind, msg)
+}
+
+fn parse_rig(s: &str) -> Result<RigId, String> {
+    RigId::parse(s).ok_or_else(|| format!("invalid rig id {s:?}: 1-64 of [A-Za-z0-9._-]"))
+}
+
+/// A duration as the broker spells them (`250ms`, `5s`, `2m`), greater than zero.
+fn parse_timeout(s: &str) -> Result<Duration, String> {
+    match fleetlink::config::parse_duration(s)? {
+        d if d.is_zero() => Err(format!("duration {s:?} must be greater than zero")),
+        d => Ok(d),
+    }
+}
+
+fn parse_selector(s: &str) -> Result<Selector, String> {
+    let mut out = Selector::new();
+    for pair in s.split(',') {
+        let Some((k, v)) = pair.split_once('=') else {
+            return Err(format!("selector pair {pair:?} is not k=v"));
+        };
+        if k.trim().is_empty() {
+            return Err(format!("selector pair {pair:?} has an empty label"));
+        }
+        if out
+            .insert(k.trim().to_owned(), v.trim().to_owned())
+            .is_some()
+        {
+            return Err(format!("label {k:?} appears twice in the selector"));
+        }
+    }
+    Ok(out)
+}
+
+fn parse_args(s: &str) -> Result<Map<String, Value>, String> {
+    match serde_json::from_str(s) {
+        Ok(Value::Object(map)) => Ok(map),
+        Ok(_) => Err("--args must be a JSON object, e.g. '{\"path\":\"/tmp\"}'".into()),
+        Err(e) => Err(format!("--args is not valid JSON: {e}")),
+    }
+}
+
+fn parse_redis_url(s: &str) -> Result<String, clap::Error> {
+    let ok = ["redis://", "rediss://", "unix://", "redis+unix://"]
+        .iter()
+        .any(|p| s.starts_with(p));
+    if ok && redis::Client::open(s).is_ok() {
+        return Ok(s.to_owned());
+    }
+    Err(usage(
+        ErrorKind::ValueValidation,
+        format!(
+            "invalid Redis URL {:?} (expected redis://host:port/)",
+            redact(s)
+        ),
+    ))
+}
+
+fn parse_admin_url(s: &str) -> Result<AdminUrl, clap::Error> {
+    let bad = |why: &str| {
+        usage(
+            ErrorKind::ValueValidation,
+            format!("invalid admin URL {s:?}: {why}"),
+        )
+    };
+    let rest = match s.split_once("://") {
+        Some(("http", rest)) => rest,
+        Some((scheme, _)) => {
+            return Err(bad(&format!(
+                "scheme {scheme:?} (the admin API is plain http)"
+            )))
+        }
+        None => s,
+    };
+    let (authority, prefix) = rest.split_once('/').map_or((rest, ""), |(a, p)| (a, p));
+    if authority.is_empty() || authority.contains('@') {
+        return Err(bad("expected http://host:port"));
+    }
+    let has_port = authority
+        .rsplit_once(':')
+        .is_some_and(|(_, p)| p.parse::<u16>().is_ok());
+    let authority = if has_port {
+        authority.to_owned()
+    } else {
+        format!("{authority}:80")
+    };
+    let prefix = prefix.trim_end_matches('/');
+    let prefix = if prefix.is_empty() {
+        String::new()
+    } else {
+        format!("/{prefix}")
+    };
+    Ok(AdminUrl { authority, prefix })
+}
+
+/// `url` with any password replaced, for messages.
+pub(crate) fn redact(url: &str) -> String {
+    match (url.split_once("://"), url.rfind('@')) {
+        (Some((scheme, rest)), Some(_)) => match rest.rsplit_once('@') {
+            Some((_, host)) => format!("{scheme}://***@{host}"),
+            None => url.to_owned(),
+        },
+        _ => url.to_owned(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn selectors() {
+        let sel = parse_selector("group=lab, site=b").unwrap();
+        assert_eq!(sel.get("group").map(String::as_str), Some("lab"));
+        assert_eq!(sel.get("site").map(String::as_str), Some("b"));
+        assert!(parse_selector("group").is_err());
+        assert!(parse_selector("=x").is_err());
+        assert!(parse_selector("a=1,a=2").is_err());
+    }
+
+    #[test]
+    fn admin_urls() {
+        let u = parse_admin_url("http://127.0.0.1:9090/").unwrap();
+        assert_eq!(
+            (u.authority.as_str(), u.prefix.as_str()),
+            ("127.0.0.1:9090", "")
+        );
+        let u = parse_admin_url("fe-1.lab/api/").unwrap();
+        assert_eq!(
+            (u.authority.as_str(), u.prefix.as_str()),
+            ("fe-1.lab:80", "/api")
+        );
+        assert!(parse_admin_url("https://x:1").is_err());
+    }
+
+    #[test]
+    fn redaction() {
+        assert_eq!(redact("redis://user:pw@h:6379/"), "redis://***@h:6379/");
+        assert_eq!(redact("redis://h:6379/"), "redis://h:6379/");
+    }
+}

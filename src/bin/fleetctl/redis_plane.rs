@@ -1,0 +1,430 @@
+//! Fleet mode: the registry keys and pub/sub channels of CONTRACT.md §3–4.
+//!
+//! A request subscribes to a fresh `fleetlink:reply:<id>` on its own connection and only then
+//! publishes, so a reply can never arrive before anyone listens. Everything read from Redis is
+//! untrusted: a malformed payload is skipped with a warning, never unwrapped.
+
+use std::collections::BTreeSet;
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, Context};
+use fleetlink::admin::new_id;
+use fleetlink::ids::RigId;
+use fleetlink::registry::scripts::{broker_key, rig_key, Owner};
+use redis::{Client, Connection, PubSub};
+use serde_json::{json, Map, Value};
+
+use crate::cli::{redact, Selector};
+use crate::render::secs;
+use crate::{error_reply, Broadcast, ControlPlane, Page};
+
+/// Longest wait for a TCP connection to Redis.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// Longest wait for Redis to answer an ordinary command.
+const IO_TIMEOUT: Duration = Duration::from_secs(10);
+/// SCAN COUNT used when walking `broker:*` (brokers are few).
+const BROKER_SCAN_COUNT: u64 = 1000;
+/// Where every broker listens for selector commands.
+const BROADCAST_CHANNEL: &str = "fleetlink:broadcast";
+/// Where brokers publish rig and command lifecycle events.
+const EVENTS_CHANNEL: &str = "fleetlink:events";
+
+/// A lazily connected view of the fleet's Redis.
+pub(crate) struct RedisPlane {
+    client: Client,
+    /// The command connection, opened on first use so usage errors never need Redis.
+    con: Option<Connection>,
+    /// The URL without its password, for messages.
+    shown: String,
+}
+
+impl RedisPlane {
+    /// Checks the URL; no connection is made yet.
+    pub(crate) fn new(url: &str) -> anyhow::Result<RedisPlane> {
+        let shown = redact(url);
+        let client = Client::open(url).with_context(|| format!("invalid Redis URL {shown}"))?;
+        Ok(RedisPlane {
+            client,
+            con: None,
+            shown,
+        })
+    }
+
+    /// Looks up the owner, subscribes, publishes `build(id, reply_to)`, waits for one reply.
+    fn request(
+        &mut self,
+        rig: &RigId,
+        timeout: Duration,
+        build: impl FnOnce(&str, &str) -> Value,
+    ) -> anyhow::Result<Value> {
+        let deadline = Instant::now() + timeout;
+        let id = new_id();
+        let key = rig_key(rig);
+        let entry: Option<String> = redis::cmd("GET")
+            .arg(&key)
+            .query(self.con()?)
+            .map_err(failed("GET"))?;
+        let Some(entry) = entry else {
+            let detail = format!("no registry entry {key}: the rig is not connected to any broker");
+            return Ok(error_reply(
+                Some(&id),
+                Some(rig.as_str()),
+                "rig_not_connected",
+                &detail,
+            ));
+        };
+        let owner = Owner::parse(&entry);
+        if owner.broker_id.is_empty() {
+            let detail = format!("registry entry {key} is malformed: {entry:?}");
+            return Ok(error_reply(
+                Some(&id),
+                Some(rig.as_str()),
+                "rig_not_connected",
+                &detail,
+            ));
+        }
+        let reply_to = format!("fleetlink:reply:{id}");
+        let mut sub_con = self.open()?;
+        let mut sub = sub_con.as_pubsub();
+        sub.subscribe(&reply_to).map_err(failed("SUBSCRIBE"))?;
+        let channel = format!("fleetlink:broker:{}", owner.broker_id);
+        let receivers = self.publish(&channel, &build(&id, &reply_to))?;
+        if receivers == 0 {
+            let detail = format!(
+                "{key} names broker {} but nothing listens on {channel}: the broker is gone \
+                 (the stale entry expires with its TTL)",
+                owner.broker_id
+            );
+            return Ok(error_reply(
+                Some(&id),
+                Some(rig.as_str()),
+                "rig_not_connected",
+                &detail,
+            ));
+        }
+        while let Some(reply) = next_json(&mut sub, Some(deadline))? {
+            if reply["id"].as_str().is_none_or(|r| r == id) {
+                return Ok(reply);
+            }
+        }
+        let detail = format!(
+            "no reply from broker {} within {}",
+            owner.broker_id,
+            secs(timeout)
+        );
+        Ok(error_reply(
+            Some(&id),
+            Some(rig.as_str()),
+            "timeout",
+            &detail,
+        ))
+    }
+
+    /// Every key matching `pattern` (a full SCAN walk).
+    fn scan_all(&mut self, pattern: &str, count: u64) -> anyhow::Result<Vec<String>> {
+        let mut keys = BTreeSet::new();
+        let mut cursor = 0u64;
+        loop {
+            let (next, batch): (u64, Vec<String>) = redis::cmd("SCAN")
+                .arg(cursor)
+                .arg("MATCH")
+                .arg(pattern)
+                .arg("COUNT")
+                .arg(count)
+                .query(self.con()?)
+                .map_err(failed("SCAN"))?;
+            keys.extend(batch);
+            cursor = next;
+            if cursor == 0 {
+                return Ok(keys.into_iter().collect());
+            }
+        }
+    }
+
+    fn publish(&mut self, channel: &str, msg: &Value) -> anyhow::Result<i64> {
+        redis::cmd("PUBLISH")
+            .arg(channel)
+            .arg(msg.to_string())
+            .query(self.con()?)
+            .map_err(failed("PUBLISH"))
+    }
+
+    /// The command connection, opened on first use.
+    fn con(&mut self) -> anyhow::Result<&mut Connection> {
+        let con = match self.con.take() {
+            Some(con) => con,
+            None => self.open()?,
+        };
+        Ok(self.con.insert(con))
+    }
+
+    /// A new connection with bounded connect, read and write times.
+    fn open(&self) -> anyhow::Result<Connection> {
+        let con = self
+            .client
+            .get_connection_with_timeout(CONNECT_TIMEOUT)
+            .map_err(|e| anyhow!("cannot connect to Redis at {}: {e}", self.shown))?;
+        con.set_read_timeout(Some(IO_TIMEOUT))?;
+        con.set_write_timeout(Some(IO_TIMEOUT))?;
+        Ok(con)
+    }
+}
+
+impl ControlPlane for RedisPlane {
+    /// `send RIG NAME`: one command through the rig's broker channel.
+    fn send(
+        &mut self,
+        rig: &RigId,
+        name: &str,
+        args: &Map<String, Value>,
+        timeout: Duration,
+    ) -> anyhow::Result<Value> {
+        self.request(rig, timeout, |id, reply_to| {
+            json!({"type": "command", "id": id, "rig_id": rig.as_str(), "name": name, "args": args,
+                   "reply_to": reply_to})
+        })
+    }
+
+    /// `kick RIG`: the rig's broker closes its socket with 1012.
+    fn kick(&mut self, rig: &RigId, timeout: Duration) -> anyhow::Result<Value> {
+        self.request(rig, timeout, |id, reply_to| {
+            json!({"type": "kick", "id": id, "rig_id": rig.as_str(), "reply_to": reply_to})
+        })
+    }
+
+    /// `send --selector`: one broadcast; collects a reply per live broker until the deadline.
+    fn broadcast(
+        &mut self,
+        selector: &Selector,
+        name: &str,
+        args: &Map<String, Value>,
+        timeout: Duration,
+    ) -> anyhow::Result<Broadcast> {
+        let deadline = Instant::now() + timeout;
+        let id = new_id();
+        let expected: Vec<String> = self
+            .scan_all("broker:*", BROKER_SCAN_COUNT)?
+            .iter()
+            .filter_map(|k| k.strip_prefix("broker:").map(str::to_owned))
+            .collect();
+        let mut out = Broadcast {
+            id: id.clone(),
+            expected,
+            replies: Vec::new(),
+            timeout,
+        };
+        if out.expected.is_empty() {
+            bail!(
+                "no live brokers (no broker:* keys in {}); nothing was sent",
+                self.shown
+            );
+        }
+        let reply_to = format!("fleetlink:reply:{id}");
+        let mut sub_con = self.open()?;
+        let mut sub = sub_con.as_pubsub();
+        sub.subscribe(&reply_to).map_err(failed("SUBSCRIBE"))?;
+        let msg = json!({"type": "command", "id": id, "selector": selector, "name": name, "args": args,
+                         "reply_to": reply_to});
+        self.publish(BROADCAST_CHANNEL, &msg)?;
+        let mut waiting: BTreeSet<String> = out.expected.iter().cloned().collect();
+        let mut replied = BTreeSet::new();
+        while !waiting.is_empty() {
+            let Some(reply) = next_json(&mut sub, Some(deadline))? else {
+                break;
+            };
+            if reply["id"].as_str() != Some(id.as_str()) {
+                continue;
+            }
+            // Brokers reply once; a repeat must not count its rigs twice.
+            let broker = reply["broker_id"].as_str().unwrap_or_default().to_owned();
+            if !replied.insert(broker.clone()) {
+                eprintln!("fleetctl: warning: ignoring a second reply from broker {broker:?}");
+                continue;
+            }
+            waiting.remove(&broker);
+            out.replies.push(reply);
+        }
+        Ok(out)
+    }
+
+    /// `status RIG`: the registry entry, its lease, and whether its broker is alive.
+    fn status(&mut self, rig: &RigId) -> anyhow::Result<Value> {
+        let key = rig_key(rig);
+        let (entry, pttl): (Option<String>, i64) = redis::pipe()
+            .cmd("GET")
+            .arg(&key)
+            .cmd("PTTL")
+            .arg(&key)
+            .query(self.con()?)
+            .map_err(failed("GET"))?;
+        let Some(entry) = entry else {
+            let detail = format!("no registry entry {key}: the rig is not connected to any broker");
+            return Ok(error_reply(
+                None,
+                Some(rig.as_str()),
+                "rig_not_connected",
+                &detail,
+            ));
+        };
+        let owner = Owner::parse(&entry);
+        let bkey = broker_key(&owner.broker_id);
+        let (blob, broker_pttl): (Option<String>, i64) = redis::pipe()
+            .cmd("GET")
+            .arg(&bkey)
+            .cmd("PTTL")
+            .arg(&bkey)
+            .query(self.con()?)
+            .map_err(failed("GET"))?;
+        Ok(json!({
+            "ok": true,
+            "rig_id": rig.as_str(),
+            "boot_id": owner.boot_id,
+            "broker_id": owner.broker_id,
+            "ttl_ms": pttl,
+            "broker_live": blob.is_some(),
+            "broker_ttl_ms": blob.as_ref().map(|_| broker_pttl),
+            "broker": blob.as_deref().map(parse_blob),
+        }))
+    }
+
+    /// `list`: SCAN `rig:*` from `cursor` until at least `page_size` rigs or the end.
+    fn list(&mut self, page_size: u64, cursor: u64) -> anyhow::Result<Page> {
+        let mut keys = Vec::new();
+        let mut cursor = cursor;
+        loop {
+            let (next, batch): (u64, Vec<String>) = redis::cmd("SCAN")
+                .arg(cursor)
+                .arg("MATCH")
+                .arg("rig:*")
+                .arg("COUNT")
+                .arg(page_size)
+                .query(self.con()?)
+                .map_err(failed("SCAN"))?;
+            keys.extend(batch);
+            cursor = next;
+            if cursor == 0 || keys.len() as u64 >= page_size {
+                break;
+            }
+        }
+        let values: Vec<Option<String>> = if keys.is_empty() {
+            Vec::new()
+        } else {
+            redis::cmd("MGET")
+                .arg(&keys)
+                .query(self.con()?)
+                .map_err(failed("MGET"))?
+        };
+        // A key that expired between SCAN and MGET is simply gone from the page.
+        let mut rows: Vec<Value> = keys
+            .iter()
+            .zip(values)
+            .filter_map(|(key, value)| {
+                let owner = Owner::parse(&value?);
+                let rig = key.strip_prefix("rig:")?;
+                Some(json!({"rig_id": rig, "boot_id": owner.boot_id, "broker_id": owner.broker_id}))
+            })
+            .collect();
+        rows.sort_by(|a, b| a["rig_id"].as_str().cmp(&b["rig_id"].as_str()));
+        Ok(Page {
+            rows,
+            next_cursor: cursor,
+        })
+    }
+
+    /// `brokers`: every live `broker:*` key with its blob and remaining TTL.
+    fn brokers(&mut self) -> anyhow::Result<Vec<Value>> {
+        let mut keys = self.scan_all("broker:*", BROKER_SCAN_COUNT)?;
+        keys.sort();
+        let mut rows = Vec::with_capacity(keys.len());
+        for key in keys {
+            let (blob, pttl): (Option<String>, i64) = redis::pipe()
+                .cmd("GET")
+                .arg(&key)
+                .cmd("PTTL")
+                .arg(&key)
+                .query(self.con()?)
+                .map_err(failed("GET"))?;
+            let Some(blob) = blob else { continue };
+            let mut row = match parse_blob(&blob) {
+                Value::Object(map) => map,
+                other => Map::from_iter([("raw".to_owned(), other)]),
+            };
+            let id = key.strip_prefix("broker:").unwrap_or(&key);
+            row.insert("broker_id".into(), json!(id));
+            row.insert("ttl_ms".into(), json!(pttl));
+            rows.push(Value::Object(row));
+        }
+        Ok(rows)
+    }
+
+    /// `events`: calls `each` for every event until `limit` passes or `count` events arrived;
+    /// returns how many arrived.
+    fn events(
+        &mut self,
+        limit: Option<Duration>,
+        count: Option<u64>,
+        each: &mut dyn FnMut(&Value),
+    ) -> anyhow::Result<u64> {
+        let deadline = limit.map(|d| Instant::now() + d);
+        let mut sub_con = self.open()?;
+        let mut sub = sub_con.as_pubsub();
+        sub.subscribe(EVENTS_CHANNEL).map_err(failed("SUBSCRIBE"))?;
+        let mut seen = 0;
+        while count.is_none_or(|n| seen < n) {
+            let Some(event) = next_json(&mut sub, deadline)? else {
+                break;
+            };
+            each(&event);
+            seen += 1;
+        }
+        Ok(seen)
+    }
+}
+
+/// The next JSON object on `sub`, or `None` once `deadline` passes. Payloads that are not JSON
+/// objects are skipped with a warning.
+fn next_json(sub: &mut PubSub<'_>, deadline: Option<Instant>) -> anyhow::Result<Option<Value>> {
+    loop {
+        let wait = match deadline {
+            Some(d) => match d.checked_duration_since(Instant::now()) {
+                Some(left) if !left.is_zero() => Some(left),
+                _ => return Ok(None),
+            },
+            None => None,
+        };
+        sub.set_read_timeout(wait)?;
+        let msg = match sub.get_message() {
+            Ok(msg) => msg,
+            Err(e) if e.is_timeout() => return Ok(None),
+            Err(e) => bail!("lost the Redis subscription: {e}"),
+        };
+        let payload: Vec<u8> = match msg.get_payload() {
+            Ok(p) => p,
+            Err(e) => {
+                eprintln!(
+                    "fleetctl: warning: unreadable message on {}: {e}",
+                    msg.get_channel_name()
+                );
+                continue;
+            }
+        };
+        match serde_json::from_slice(&payload) {
+            Ok(v @ Value::Object(_)) => return Ok(Some(v)),
+            _ => eprintln!(
+                "fleetctl: warning: ignoring a non-JSON message on {}: {}",
+                msg.get_channel_name(),
+                String::from_utf8_lossy(&payload)
+            ),
+        }
+    }
+}
+
+/// Maps a failed Redis command to one readable line (the redis error already names its cause).
+fn failed(what: &'static str) -> impl FnOnce(redis::RedisError) -> anyhow::Error {
+    move |e| anyhow!("Redis {what} failed: {e}")
+}
+
+/// A `broker:*` blob as JSON, or the raw text when it is not JSON.
+fn parse_blob(blob: &str) -> Value {
+    serde_json::from_str(blob).unwrap_or_else(|_| Value::String(blob.to_owned()))
+}

@@ -1,0 +1,262 @@
+//! The command line of `fleetlink-agent` (CONTRACT.md §1) and its validation into [`Config`].
+//!
+//! Everything a broker would refuse later (a bad rig id, too many labels) is refused here, at
+//! start, with exit code 64, instead of as a reconnect loop of 4400 closes.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{bail, ensure, Context};
+use clap::Parser;
+use fleetlink::config::parse_duration;
+use fleetlink::ids::RigId;
+use fleetlink::protocol::{MAX_LABELS, MAX_LABEL_LEN};
+
+/// The reference rig agent: hello, ack, run allowed commands, reconnect with jitter.
+#[derive(Parser, Debug)]
+#[command(name = "fleetlink-agent", version)]
+pub(crate) struct Cli {
+    /// Broker rig endpoint: `ws://HOST:PORT/agent` or `wss://HOST:PORT/agent`.
+    #[arg(long, env = "FLEETLINK_AGENT_URL")]
+    url: String,
+    /// This rig's id: 1–64 of `[A-Za-z0-9._-]`.
+    #[arg(long, env = "FLEETLINK_AGENT_RIG_ID")]
+    rig_id: String,
+    /// Hello labels, `k=v,k=v` (at most 32, each key and value at most 128 bytes).
+    #[arg(long, env = "FLEETLINK_AGENT_LABELS", default_value = "")]
+    labels: String,
+    /// A command name the default handler may run (repeat the flag). Others are refused.
+    #[arg(long = "allow", value_name = "CMD")]
+    allow: Vec<String>,
+    /// Client certificate chain (PEM) for mTLS; needs --tls-key and a wss:// URL.
+    #[arg(long, env = "FLEETLINK_AGENT_TLS_CERT")]
+    tls_cert: Option<PathBuf>,
+    /// Private key (PEM) of --tls-cert.
+    #[arg(long, env = "FLEETLINK_AGENT_TLS_KEY")]
+    tls_key: Option<PathBuf>,
+    /// CA bundle (PEM) to trust for the broker's certificate. Default: the system bundle.
+    #[arg(long, env = "FLEETLINK_AGENT_CA")]
+    ca: Option<PathBuf>,
+    /// Append `seq=N id=ID name=NAME ok=BOOL` per executed command, fsync'd (exactly-once checks).
+    #[arg(long)]
+    exec_log: Option<PathBuf>,
+    /// Bytes of stdout and of stderr kept per command; the rest is counted and dropped.
+    #[arg(long, default_value_t = 64 * 1024)]
+    output_cap: usize,
+    /// Timeout of a command whose args carry no `timeout_ms`; the process group is killed.
+    #[arg(long, default_value = "60s", value_parser = parse_duration)]
+    command_timeout: Duration,
+    /// Largest message the agent sends, in bytes: the broker's --max-message. Bigger results
+    /// are cut down to fit.
+    #[arg(long, default_value_t = 65_536)]
+    max_message: usize,
+    /// Accepted commands waiting for the worker. When full, the agent reconnects without
+    /// acking, and the broker replays the rest later.
+    #[arg(long, default_value_t = 1024)]
+    max_pending: usize,
+    /// Give up (exit 3) after this many consecutive failed connection attempts.
+    #[arg(long)]
+    max_attempts: Option<u32>,
+    /// Stop (exit 0) after this long, e.g. `30s`.
+    #[arg(long, value_parser = parse_duration)]
+    run_for: Option<Duration>,
+}
+
+/// A validated configuration.
+#[derive(Debug)]
+pub(crate) struct Config {
+    pub(crate) endpoint: Endpoint,
+    pub(crate) rig_id: RigId,
+    pub(crate) labels: BTreeMap<String, String>,
+    pub(crate) allow: BTreeSet<String>,
+    /// `(cert, key)` for mTLS.
+    pub(crate) identity: Option<(PathBuf, PathBuf)>,
+    pub(crate) ca: Option<PathBuf>,
+    pub(crate) exec_log: Option<PathBuf>,
+    pub(crate) output_cap: usize,
+    pub(crate) command_timeout: Duration,
+    pub(crate) max_message: usize,
+    pub(crate) max_pending: usize,
+    pub(crate) max_attempts: Option<u32>,
+    pub(crate) run_for: Option<Duration>,
+}
+
+/// Where the broker is: kept as a host name so every attempt resolves it again.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Endpoint {
+    /// `wss://`.
+    pub(crate) tls: bool,
+    /// Host name or IP literal, without IPv6 brackets (also the TLS server name).
+    pub(crate) host: String,
+    pub(crate) port: u16,
+    /// The URL as given, for the upgrade request.
+    pub(crate) url: String,
+}
+
+impl Cli {
+    /// Checks the flags against each other and the contract's limits.
+    pub(crate) fn validate(self) -> anyhow::Result<Config> {
+        let endpoint = parse_url(&self.url).map_err(anyhow::Error::msg)?;
+        let rig_id = RigId::parse(&self.rig_id)
+            .with_context(|| format!("--rig-id {:?}: 1-64 of [A-Za-z0-9._-]", self.rig_id))?;
+        let labels = parse_labels(&self.labels).map_err(anyhow::Error::msg)?;
+        let identity = match (self.tls_cert, self.tls_key) {
+            (Some(cert), Some(key)) => Some((cert, key)),
+            (None, None) => None,
+            _ => bail!("--tls-cert and --tls-key go together"),
+        };
+        ensure!(
+            endpoint.tls || (identity.is_none() && self.ca.is_none()),
+            "--tls-cert/--tls-key/--ca need a wss:// URL"
+        );
+        ensure!(self.max_pending > 0, "--max-pending must be > 0");
+        ensure!(self.max_attempts != Some(0), "--max-attempts must be > 0");
+        ensure!(
+            self.max_message >= 1024,
+            "--max-message must be at least 1024"
+        );
+        if let Some(bad) = self.allow.iter().find(|a| a.is_empty()) {
+            bail!("--allow {bad:?}: empty command name");
+        }
+        Ok(Config {
+            endpoint,
+            rig_id,
+            labels,
+            allow: self.allow.into_iter().collect(),
+            identity,
+            ca: self.ca,
+            exec_log: self.exec_log,
+            output_cap: self.output_cap,
+            command_timeout: self.command_timeout,
+            max_message: self.max_message,
+            max_pending: self.max_pending,
+            max_attempts: self.max_attempts,
+            run_for: self.run_for,
+        })
+    }
+}
+
+/// Parses `ws[s]://HOST[:PORT][/PATH]`; the port defaults to 80 / 443.
+pub(crate) fn parse_url(url: &str) -> Result<Endpoint, String> {
+    let (tls, rest) = if let Some(rest) = url.strip_prefix("wss://") {
+        (true, rest)
+    } else if let Some(rest) = url.strip_prefix("ws://") {
+        (false, rest)
+    } else {
+        return Err(format!("--url {url:?}: must start with ws:// or wss://"));
+    };
+    let authority = rest.split(['/', '?']).next().unwrap_or("");
+    let bad = || format!("--url {url:?}: bad host or port");
+    let (host, port) = if let Some(v6) = authority.strip_prefix('[') {
+        let (host, after) = v6.split_once(']').ok_or_else(bad)?;
+        (host, after.strip_prefix(':'))
+    } else {
+        match authority.rsplit_once(':') {
+            Some((host, port)) => (host, Some(port)),
+            None => (authority, None),
+        }
+    };
+    if host.is_empty() || authority.contains('@') {
+        return Err(bad());
+    }
+    let port = match port {
+        Some(p) => p.parse::<u16>().ok().filter(|&p| p != 0).ok_or_else(bad)?,
+        None if tls => 443,
+        None => 80,
+    };
+    Ok(Endpoint {
+        tls,
+        host: host.to_string(),
+        port,
+        url: url.to_string(),
+    })
+}
+
+/// Parses `k=v,k=v` (empty = no labels) within the hello's limits (CONTRACT.md §2).
+pub(crate) fn parse_labels(text: &str) -> Result<BTreeMap<String, String>, String> {
+    let mut out = BTreeMap::new();
+    for pair in text.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        let (k, v) = pair
+            .split_once('=')
+            .ok_or_else(|| format!("--labels: {pair:?} is not k=v"))?;
+        let (k, v) = (k.trim(), v.trim());
+        if k.is_empty() || k.len() > MAX_LABEL_LEN || v.len() > MAX_LABEL_LEN {
+            return Err(format!(
+                "--labels: {pair:?}: keys 1-{MAX_LABEL_LEN} bytes, values up to {MAX_LABEL_LEN}"
+            ));
+        }
+        if out.insert(k.to_string(), v.to_string()).is_some() {
+            return Err(format!("--labels: {k:?} given twice"));
+        }
+    }
+    if out.len() > MAX_LABELS {
+        return Err(format!("--labels: at most {MAX_LABELS} labels"));
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls() {
+        let e = parse_url("ws://127.0.0.1:8080/agent").unwrap();
+        assert_eq!((e.tls, e.host.as_str(), e.port), (false, "127.0.0.1", 8080));
+        let e = parse_url("wss://broker.lab/agent").unwrap();
+        assert_eq!((e.tls, e.host.as_str(), e.port), (true, "broker.lab", 443));
+        let e = parse_url("ws://[::1]:9/agent").unwrap();
+        assert_eq!((e.host.as_str(), e.port), ("::1", 9));
+        assert_eq!(parse_url("ws://h").unwrap().port, 80);
+        for bad in [
+            "http://h/agent",
+            "ws://:80/agent",
+            "ws://h:0/",
+            "ws://h:99999/",
+            "ws://u@h/",
+            "ws://[::1/",
+        ] {
+            assert!(parse_url(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn labels() {
+        let l = parse_labels("group=a, lab = b,").unwrap();
+        assert_eq!(l.get("group").map(String::as_str), Some("a"));
+        assert_eq!(l.get("lab").map(String::as_str), Some("b"));
+        assert!(parse_labels("").unwrap().is_empty());
+        assert!(parse_labels("k=").is_ok());
+        assert!(parse_labels("novalue").is_err());
+        assert!(parse_labels("=v").is_err());
+        assert!(parse_labels("a=1,a=2").is_err());
+        let many: Vec<String> = (0..=MAX_LABELS).map(|i| format!("k{i}=v")).collect();
+        assert!(parse_labels(&many.join(",")).is_err());
+    }
+
+    #[test]
+    fn flags_go_together() {
+        let parse = |args: &[&str]| {
+            let mut argv = vec!["fleetlink-agent", "--rig-id", "rig-1"];
+            argv.extend_from_slice(args);
+            Cli::try_parse_from(argv)
+                .map_err(anyhow::Error::from)
+                .and_then(Cli::validate)
+        };
+        assert!(parse(&["--url", "ws://h/agent"]).is_ok());
+        assert!(parse(&["--url", "ws://h/agent", "--ca", "ca.pem"]).is_err());
+        assert!(parse(&["--url", "wss://h/agent", "--tls-cert", "c.pem"]).is_err());
+        assert!(parse(&[
+            "--url",
+            "wss://h/agent",
+            "--tls-cert",
+            "c",
+            "--tls-key",
+            "k"
+        ])
+        .is_ok());
+        assert!(parse(&["--url", "ws://h/agent", "--max-attempts", "0"]).is_err());
+        assert!(parse(&["--url", "ws://h/agent", "--run-for", "250ms"]).is_ok());
+    }
+}

@@ -1,0 +1,366 @@
+//! What a command does on the rig. [`Handler`] is the seam; [`Allowlist`] is the default: run
+//! the program named by the command, if `--allow`ed, with `args.argv` as its arguments (no
+//! shell), stdout and stderr captured up to a cap, killed at a timeout.
+//!
+//! Called only from the worker thread, one command at a time, in seq order.
+
+use std::collections::BTreeSet;
+use std::io::Read;
+use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::process::{Child, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::{mpsc, Arc};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+use crate::proto::{error_output, Command};
+
+/// How often a running command's exit is polled.
+const POLL: Duration = Duration::from_millis(10);
+/// After the program exits, how long its pipes may stay open (a daemonized grandchild) before
+/// the process group is killed so the output can be collected.
+const PIPE_GRACE: Duration = Duration::from_millis(500);
+
+/// What running a command came to.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Outcome {
+    /// The result's `ok`.
+    pub(crate) ok: bool,
+    /// The result's `output`.
+    pub(crate) output: Value,
+    /// Whether anything was executed (an exec-log line is written only then).
+    pub(crate) executed: bool,
+}
+
+impl Outcome {
+    fn refused(why: &str) -> Outcome {
+        Outcome {
+            ok: false,
+            output: error_output(why),
+            executed: false,
+        }
+    }
+}
+
+/// Runs commands. Implementations must not panic on any `args` the broker relays.
+pub(crate) trait Handler: Send {
+    /// Runs `cmd` to completion.
+    fn handle(&mut self, cmd: &Command) -> Outcome;
+}
+
+/// The process group of the command running now (0 = none), so a stopping agent can kill it.
+#[derive(Clone, Default)]
+pub(crate) struct Running(Arc<AtomicI32>);
+
+impl Running {
+    /// Kills the running command's process group, if any.
+    pub(crate) fn kill(&self) {
+        let pgid = self.0.load(Ordering::SeqCst);
+        if pgid > 0 {
+            // SAFETY: plain syscall; a stale pgid at worst gets ESRCH.
+            unsafe { libc::kill(-pgid, libc::SIGKILL) };
+        }
+    }
+}
+
+/// The default handler: programs named by `--allow`, nothing else.
+pub(crate) struct Allowlist {
+    allow: BTreeSet<String>,
+    output_cap: usize,
+    default_timeout: Duration,
+    running: Running,
+}
+
+impl Allowlist {
+    pub(crate) fn new(
+        allow: BTreeSet<String>,
+        output_cap: usize,
+        default_timeout: Duration,
+        running: Running,
+    ) -> Self {
+        Self {
+            allow,
+            output_cap,
+            default_timeout,
+            running,
+        }
+    }
+}
+
+impl Handler for Allowlist {
+    fn handle(&mut self, cmd: &Command) -> Outcome {
+        if !self.allow.contains(&cmd.name) {
+            return Outcome::refused("not allowed");
+        }
+        let argv = match cmd.args.get("argv") {
+            None | Some(Value::Null) => Vec::new(),
+            Some(Value::Array(items)) => {
+                match items
+                    .iter()
+                    .map(|v| v.as_str().map(str::to_string))
+                    .collect::<Option<Vec<_>>>()
+                {
+                    Some(argv) => argv,
+                    None => return Outcome::refused("bad args: argv must be an array of strings"),
+                }
+            }
+            Some(_) => return Outcome::refused("bad args: argv must be an array of strings"),
+        };
+        let timeout = match cmd.args.get("timeout_ms") {
+            None | Some(Value::Null) => self.default_timeout,
+            Some(v) => match v.as_u64().filter(|&ms| ms > 0) {
+                Some(ms) => Duration::from_millis(ms),
+                None => return Outcome::refused("bad args: timeout_ms must be a positive integer"),
+            },
+        };
+        run_program(&cmd.name, &argv, self.output_cap, timeout, &self.running)
+    }
+}
+
+/// One captured stream: the first `cap` bytes and the total seen.
+type Captured = (Vec<u8>, u64);
+
+fn run_program(
+    program: &str,
+    argv: &[String],
+    cap: usize,
+    timeout: Duration,
+    running: &Running,
+) -> Outcome {
+    let started = Instant::now();
+    let spawned = std::process::Command::new(program)
+        .args(argv)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        // Its own process group, so a timeout kills whatever it started too.
+        .process_group(0)
+        .spawn();
+    let mut child = match spawned {
+        Ok(child) => child,
+        Err(e) => {
+            return Outcome {
+                ok: false,
+                output: error_output(&format!("spawn failed: {e}")),
+                executed: true,
+            }
+        }
+    };
+    let pgid = child.id() as i32;
+    running.0.store(pgid, Ordering::SeqCst);
+    let (tx, rx) = mpsc::channel();
+    spawn_reader(child.stdout.take(), cap, 0, tx.clone());
+    spawn_reader(child.stderr.take(), cap, 1, tx);
+    let (status, timed_out) = wait_until(&mut child, started + timeout, pgid);
+    let mut streams: [Captured; 2] = Default::default();
+    let mut pending = 2;
+    let mut grace = Instant::now() + PIPE_GRACE;
+    let mut killed = false;
+    while pending > 0 {
+        match rx.recv_timeout(grace.saturating_duration_since(Instant::now())) {
+            Ok((i, captured)) => {
+                streams[i] = captured;
+                pending -= 1;
+            }
+            Err(mpsc::RecvTimeoutError::Timeout) if !killed => {
+                kill_group(pgid);
+                killed = true;
+                grace = Instant::now() + PIPE_GRACE;
+            }
+            Err(_) => break,
+        }
+    }
+    running.0.store(0, Ordering::SeqCst);
+    let [(out, out_total), (err, err_total)] = streams;
+    let exit_code = status.and_then(|s| s.code());
+    let signal = status.and_then(|s| s.signal());
+    let output = json!({
+        "exit_code": exit_code,
+        "signal": signal,
+        "timed_out": timed_out,
+        "duration_ms": started.elapsed().as_millis() as u64,
+        "stdout": String::from_utf8_lossy(&out),
+        "stderr": String::from_utf8_lossy(&err),
+        "stdout_truncated": out_total > out.len() as u64,
+        "stderr_truncated": err_total > err.len() as u64,
+    });
+    let ok = !timed_out && status.is_some_and(|s| s.success());
+    Outcome {
+        ok,
+        output,
+        executed: true,
+    }
+}
+
+/// Waits for `child` until `deadline`, then kills its process group. Returns the exit status
+/// (`None` if waiting failed) and whether it timed out.
+fn wait_until(child: &mut Child, deadline: Instant, pgid: i32) -> (Option<ExitStatus>, bool) {
+    loop {
+        match child.try_wait() {
+            Ok(Some(status)) => return (Some(status), false),
+            Ok(None) => {}
+            Err(e) => {
+                log::warn!("waiting for pid {pgid}: {e}");
+                kill_group(pgid);
+                return (child.wait().ok(), false);
+            }
+        }
+        if Instant::now() >= deadline {
+            kill_group(pgid);
+            return (child.wait().ok(), true);
+        }
+        thread::sleep(POLL);
+    }
+}
+
+fn kill_group(pgid: i32) {
+    // SAFETY: plain syscall on our own child's process group.
+    unsafe { libc::kill(-pgid, libc::SIGKILL) };
+}
+
+/// Reads a pipe to its end on a thread: keeps `cap` bytes, counts the rest.
+fn spawn_reader<R: Read + Send + 'static>(
+    pipe: Option<R>,
+    cap: usize,
+    index: usize,
+    tx: mpsc::Sender<(usize, Captured)>,
+) {
+    let spawned = thread::Builder::new()
+        .name("agent-pipe".into())
+        .spawn(move || {
+            let mut kept = Vec::new();
+            let mut total = 0u64;
+            if let Some(mut pipe) = pipe {
+                let mut buf = [0u8; 8192];
+                loop {
+                    match pipe.read(&mut buf) {
+                        Ok(0) => break,
+                        Ok(n) => {
+                            total += n as u64;
+                            let room = cap.saturating_sub(kept.len()).min(n);
+                            kept.extend_from_slice(&buf[..room]);
+                        }
+                        Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                        Err(_) => break,
+                    }
+                }
+            }
+            let _ = tx.send((index, (kept, total)));
+        });
+    if let Err(e) = spawned {
+        log::warn!("no thread to read a command's output: {e}");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cmd(name: &str, args: Value) -> Command {
+        Command {
+            seq: 1,
+            id: "c".into(),
+            name: name.into(),
+            args,
+        }
+    }
+
+    fn allow(names: &[&str], cap: usize) -> Allowlist {
+        let allow = names.iter().map(|s| s.to_string()).collect();
+        Allowlist::new(allow, cap, Duration::from_secs(10), Running::default())
+    }
+
+    #[test]
+    fn not_allowed_is_refused_and_not_run() {
+        let out =
+            allow(&["echo"], 100).handle(&cmd("rm", json!({"argv": ["-rf", "/nonexistent"]})));
+        assert_eq!(
+            out,
+            Outcome {
+                ok: false,
+                output: json!({"error": "not allowed"}),
+                executed: false
+            }
+        );
+    }
+
+    #[test]
+    fn runs_with_argv_and_captures() {
+        let out = allow(&["echo"], 100).handle(&cmd("echo", json!({"argv": ["hello", "rig"]})));
+        assert!(out.ok && out.executed, "{out:?}");
+        assert_eq!(out.output["stdout"], "hello rig\n");
+        assert_eq!(out.output["exit_code"], 0);
+        assert_eq!(out.output["stdout_truncated"], false);
+    }
+
+    #[test]
+    fn no_shell_is_involved() {
+        let out = allow(&["echo"], 100).handle(&cmd("echo", json!({"argv": ["$HOME;", "`id`"]})));
+        assert_eq!(out.output["stdout"], "$HOME; `id`\n");
+    }
+
+    #[test]
+    fn failures_and_bad_args() {
+        let mut h = allow(&["false", "no-such-program-fleetlink"], 100);
+        let out = h.handle(&cmd("false", json!({})));
+        assert!(!out.ok && out.executed);
+        assert_eq!(out.output["exit_code"], 1);
+        let out = h.handle(&cmd("no-such-program-fleetlink", json!({})));
+        assert!(!out.ok && out.executed);
+        assert!(out.output["error"]
+            .as_str()
+            .unwrap()
+            .starts_with("spawn failed"));
+        for bad in [
+            json!({"argv": "x"}),
+            json!({"argv": [1]}),
+            json!({"timeout_ms": -5}),
+            json!({"timeout_ms": 0}),
+        ] {
+            let out = h.handle(&cmd("false", bad.clone()));
+            assert!(!out.ok && !out.executed, "{bad}");
+        }
+    }
+
+    #[test]
+    fn output_is_capped() {
+        let out = allow(&["head"], 1000)
+            .handle(&cmd("head", json!({"argv": ["-c", "100000", "/dev/zero"]})));
+        assert!(out.ok, "{out:?}");
+        assert_eq!(out.output["stdout"].as_str().unwrap().len(), 1000);
+        assert_eq!(out.output["stdout_truncated"], true);
+    }
+
+    #[test]
+    fn timeout_kills_the_process_group() {
+        let started = Instant::now();
+        let out = allow(&["sh"], 100).handle(&cmd(
+            "sh",
+            json!({"argv": ["-c", "sleep 30 & sleep 30"], "timeout_ms": 200}),
+        ));
+        assert!(!out.ok && out.executed);
+        assert_eq!(out.output["timed_out"], true);
+        assert_eq!(out.output["signal"], libc::SIGKILL);
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "{:?}",
+            started.elapsed()
+        );
+    }
+
+    #[test]
+    fn a_grandchild_holding_the_pipes_does_not_hang_the_worker() {
+        let started = Instant::now();
+        let out =
+            allow(&["sh"], 100).handle(&cmd("sh", json!({"argv": ["-c", "echo hi; sleep 30 &"]})));
+        assert!(out.ok, "{out:?}");
+        assert_eq!(out.output["stdout"], "hi\n");
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "{:?}",
+            started.elapsed()
+        );
+    }
+}

@@ -1,0 +1,606 @@
+//! The agent's life (CONTRACT.md §2, §5, §7): connect, hello, welcome; then ack each command on
+//! receipt and hand it to the worker, and send the results the worker finishes; when the
+//! connection ends, pick the wait (backoff, the broker's Retry-After, or the goaway delay) and
+//! connect again with the same boot_id and `last_seq`.
+//!
+//! Everything runs on the main thread except commands (the worker). The socket is read with a
+//! short timeout, so one loop both answers pings (tungstenite queues the pong on read) and
+//! sends results as they finish.
+
+use std::collections::VecDeque;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{Receiver, SyncSender, TrySendError};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use fastrand::Rng;
+use fleetlink::ids::BootId;
+use rustls::ClientConfig;
+use tungstenite::protocol::frame::coding::CloseCode;
+use tungstenite::protocol::CloseFrame;
+use tungstenite::{Message, WebSocket};
+
+use crate::backoff::{
+    next_delay, parse_close_retry_after, retry_after_delay, HEALTHY_AFTER, MAX_RETRY_AFTER_S,
+};
+use crate::cli::Config;
+use crate::dial::{self, DialError};
+use crate::proto::{self, Command, ServerMsg};
+use crate::seq::{SeqTracker, SeqVerdict};
+use crate::tls::Stream;
+use crate::worker::{Done, Job};
+
+/// Socket read timeout: the latency of sending a finished result and of noticing a stop.
+const POLL: Duration = Duration::from_millis(50);
+/// Longest wait for `welcome` after hello.
+const WELCOME_TIMEOUT: Duration = Duration::from_secs(30);
+/// Longest wait for the broker's close frame after ours.
+const CLOSE_TIMEOUT: Duration = Duration::from_secs(2);
+/// Added to three ping intervals: a broker silent for that long is presumed gone.
+const SILENCE_SLACK: Duration = Duration::from_secs(10);
+
+/// Why the agent stopped; the process exit code.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Exit {
+    /// SIGTERM/SIGINT or `--run-for` elapsed: 0.
+    Stopped,
+    /// The worker thread died: 1.
+    Fatal,
+    /// `--max-attempts` consecutive failures: 3.
+    GaveUp,
+    /// A seq gap: commands were lost, so going on would hide it: 4.
+    SeqGap,
+    /// The broker refused this rig for good (4400 bad hello, 4403 identity, 4409 newer boot): 5.
+    Refused,
+}
+
+impl Exit {
+    pub(crate) fn code(self) -> u8 {
+        match self {
+            Exit::Stopped => 0,
+            Exit::Fatal => 1,
+            Exit::GaveUp => 3,
+            Exit::SeqGap => 4,
+            Exit::Refused => 5,
+        }
+    }
+}
+
+/// How one connection attempt ended.
+enum End {
+    /// No websocket, or it broke or was closed.
+    Lost {
+        why: String,
+        /// How long it was up after `welcome` (`None`: never welcomed).
+        welcomed_for: Option<Duration>,
+        /// The broker's close code and reason, if it sent one.
+        close: Option<(u16, String)>,
+    },
+    /// HTTP 503, with the Retry-After seconds if usable.
+    Unavailable(Option<u64>),
+    /// The broker sent goaway: reconnect at this instant.
+    Goaway(Instant),
+    /// Stop the agent.
+    Exit(Exit),
+}
+
+/// The process-wide state: survives connections.
+pub(crate) struct Agent {
+    cfg: Config,
+    tls: Option<Arc<ClientConfig>>,
+    /// Fresh per process, never per connection: a reconnect resumes the broker session.
+    boot: BootId,
+    seqs: SeqTracker,
+    /// Counts broker sessions (bumped by every `resumed: false` welcome). A result carries its
+    /// command's epoch and is dropped if that session is gone: its seq means nothing now.
+    epoch: u64,
+    jobs: SyncSender<Job>,
+    done: Receiver<Done>,
+    /// A result taken from `done` whose send failed; sent first on the next connection.
+    unsent: VecDeque<Done>,
+    /// Consecutive failed attempts (the backoff's n).
+    failures: u32,
+    rng: Rng,
+    stop: Arc<AtomicBool>,
+    /// `--run-for` deadline.
+    deadline: Option<Instant>,
+}
+
+/// One live websocket and what the session loop tracks about it.
+struct Conn {
+    ws: WebSocket<Stream>,
+    addr: SocketAddr,
+    welcomed: Option<Instant>,
+    goaway: Option<Instant>,
+}
+
+impl Conn {
+    fn lost(&self, why: String, close: Option<(u16, String)>) -> End {
+        if let Some(at) = self.goaway {
+            log::info!("connection ended after goaway: {why}");
+            return End::Goaway(at);
+        }
+        End::Lost {
+            why,
+            welcomed_for: self.welcomed.map(|w| w.elapsed()),
+            close,
+        }
+    }
+}
+
+/// What one read produced.
+enum Read {
+    /// Nothing within the poll interval.
+    Idle,
+    /// A ping, pong or binary message: the broker is alive.
+    Control,
+    Text(String),
+    Closed(u16, String),
+    Failed(String),
+}
+
+impl Agent {
+    pub(crate) fn new(
+        cfg: Config,
+        tls: Option<Arc<ClientConfig>>,
+        jobs: SyncSender<Job>,
+        done: Receiver<Done>,
+        stop: Arc<AtomicBool>,
+    ) -> Agent {
+        let unix_ms = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_millis() as u64)
+            .unwrap_or(0);
+        let deadline = cfg.run_for.map(|d| Instant::now() + d);
+        Agent {
+            cfg,
+            tls,
+            boot: BootId::generate(unix_ms),
+            seqs: SeqTracker::default(),
+            epoch: 0,
+            jobs,
+            done,
+            unsent: VecDeque::new(),
+            failures: 0,
+            rng: Rng::new(),
+            stop,
+            deadline,
+        }
+    }
+
+    /// Connects until told to stop, or a reason to give up.
+    pub(crate) fn run(mut self) -> Exit {
+        log::info!(
+            "rig {} boot_id {} (version {})",
+            self.cfg.rig_id,
+            self.boot,
+            env!("CARGO_PKG_VERSION")
+        );
+        let mut attempt = 0u64;
+        loop {
+            if self.stopping() {
+                return Exit::Stopped;
+            }
+            attempt += 1;
+            log::info!(
+                "connecting to {} (attempt {attempt}, last_seq {:?})",
+                self.cfg.endpoint.url,
+                self.seqs.last_seq()
+            );
+            let end = match dial::dial(&self.cfg.endpoint, self.tls.as_ref()) {
+                Ok((ws, addr)) => self.connection(Conn {
+                    ws,
+                    addr,
+                    welcomed: None,
+                    goaway: None,
+                }),
+                Err(DialError::Unavailable { retry_after }) => End::Unavailable(retry_after),
+                Err(DialError::Failed(why)) => End::Lost {
+                    why,
+                    welcomed_for: None,
+                    close: None,
+                },
+            };
+            let delay = match self.plan(end) {
+                Ok(delay) => delay,
+                Err(exit) => return exit,
+            };
+            if !self.sleep(delay) {
+                return Exit::Stopped;
+            }
+        }
+    }
+
+    /// The wait before the next attempt, or why there is none.
+    fn plan(&mut self, end: End) -> Result<Duration, Exit> {
+        match end {
+            End::Exit(exit) => Err(exit),
+            End::Goaway(at) => {
+                self.failures = 0;
+                let delay = at.saturating_duration_since(Instant::now());
+                log::info!(
+                    "reconnecting in {}ms as the goaway asked",
+                    delay.as_millis()
+                );
+                Ok(delay)
+            }
+            End::Unavailable(secs) => self.hinted(secs, "HTTP 503"),
+            End::Lost {
+                why,
+                welcomed_for,
+                close,
+            } => {
+                if let Some((code, reason)) = &close {
+                    match code {
+                        4400 | 4403 | 4409 => {
+                            log::error!(
+                                "!!! broker refused rig {}: close {code} {reason:?}; not retrying",
+                                self.cfg.rig_id
+                            );
+                            return Err(Exit::Refused);
+                        }
+                        4503 => {
+                            if let Some(secs) = parse_close_retry_after(reason) {
+                                return self.hinted(Some(secs), "close 4503");
+                            }
+                        }
+                        _ => {}
+                    }
+                }
+                let healthy = welcomed_for.is_some_and(|d| d >= HEALTHY_AFTER);
+                self.backoff(&why, healthy)
+            }
+        }
+    }
+
+    /// A broker hint (`Retry-After`); without one, the ordinary backoff.
+    fn hinted(&mut self, secs: Option<u64>, what: &str) -> Result<Duration, Exit> {
+        let Some(secs) = secs else {
+            return self.backoff(&format!("{what} without a usable Retry-After"), false);
+        };
+        self.count_failure(what)?;
+        let delay = retry_after_delay(secs, &mut self.rng);
+        log::warn!(
+            "{what}: retry in {:.2}s (Retry-After: {secs})",
+            delay.as_secs_f64()
+        );
+        Ok(delay)
+    }
+
+    fn backoff(&mut self, why: &str, healthy: bool) -> Result<Duration, Exit> {
+        if healthy {
+            self.failures = 0;
+        } else {
+            self.count_failure(why)?;
+        }
+        let delay = next_delay(self.failures, &mut self.rng);
+        log::warn!(
+            "{why}; retry in {:.2}s (backoff n={})",
+            delay.as_secs_f64(),
+            self.failures
+        );
+        Ok(delay)
+    }
+
+    fn count_failure(&mut self, why: &str) -> Result<(), Exit> {
+        self.failures = self.failures.saturating_add(1);
+        match self.cfg.max_attempts {
+            Some(max) if self.failures >= max => {
+                log::error!("{why}; giving up after {max} consecutive failed attempts");
+                Err(Exit::GaveUp)
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// Runs one connection from hello to its end.
+    fn connection(&mut self, mut conn: Conn) -> End {
+        if let Err(e) = conn.ws.get_ref().tcp().set_read_timeout(Some(POLL)) {
+            return conn.lost(format!("socket options: {e}"), None);
+        }
+        let hello = proto::hello(
+            self.cfg.rig_id.as_str(),
+            self.boot.as_str(),
+            &self.cfg.labels,
+            self.seqs.last_seq(),
+        );
+        if let Err(e) = conn.ws.send(Message::text(hello)) {
+            return conn.lost(format!("sending hello: {e}"), None);
+        }
+        let ping_interval_ms = match self.await_welcome(&mut conn) {
+            Ok(ms) => ms,
+            Err(end) => return end,
+        };
+        let silence_limit =
+            Duration::from_millis(ping_interval_ms.saturating_mul(3)) + SILENCE_SLACK;
+        let mut last_rx = Instant::now();
+        loop {
+            if self.stopping() {
+                close(&mut conn.ws, 1001, "agent stopping");
+                return End::Exit(Exit::Stopped);
+            }
+            if let Some(at) = conn.goaway.filter(|&at| Instant::now() >= at) {
+                close(&mut conn.ws, 1000, "goaway");
+                return End::Goaway(at);
+            }
+            if last_rx.elapsed() > silence_limit {
+                return conn.lost(
+                    format!("broker silent for {}s", silence_limit.as_secs()),
+                    None,
+                );
+            }
+            if let Err(why) = self.send_results(&mut conn.ws) {
+                return conn.lost(why, None);
+            }
+            match read(&mut conn.ws) {
+                Read::Idle => {}
+                Read::Control => last_rx = Instant::now(),
+                Read::Text(text) => {
+                    last_rx = Instant::now();
+                    if let Some(end) = self.on_text(&mut conn, &text) {
+                        return end;
+                    }
+                }
+                Read::Closed(code, reason) => {
+                    return conn.lost(
+                        format!("closed by broker: {code} {reason:?}"),
+                        Some((code, reason)),
+                    )
+                }
+                Read::Failed(why) => return conn.lost(why, None),
+            }
+        }
+    }
+
+    /// Waits for `welcome`; returns its ping interval.
+    fn await_welcome(&mut self, conn: &mut Conn) -> Result<u64, End> {
+        let deadline = Instant::now() + WELCOME_TIMEOUT;
+        loop {
+            if self.stopping() {
+                close(&mut conn.ws, 1001, "agent stopping");
+                return Err(End::Exit(Exit::Stopped));
+            }
+            match read(&mut conn.ws) {
+                Read::Text(text) => match proto::parse_server_msg(&text) {
+                    Ok(ServerMsg::Welcome {
+                        broker_id,
+                        ping_interval_ms,
+                        resumed,
+                    }) => {
+                        self.on_welcome(conn, &broker_id, resumed);
+                        return Ok(ping_interval_ms);
+                    }
+                    Ok(other) => log::warn!("before welcome, ignored: {other:?}"),
+                    Err(e) => log::warn!(
+                        "before welcome, ignored a bad message ({e}): {}",
+                        clip(&text)
+                    ),
+                },
+                Read::Idle | Read::Control => {
+                    if Instant::now() > deadline {
+                        return Err(conn.lost(
+                            format!("no welcome within {}s", WELCOME_TIMEOUT.as_secs()),
+                            None,
+                        ));
+                    }
+                }
+                Read::Closed(code, reason) => {
+                    let why = format!("closed before welcome: {code} {reason:?}");
+                    return Err(conn.lost(why, Some((code, reason))));
+                }
+                Read::Failed(why) => return Err(conn.lost(why, None)),
+            }
+        }
+    }
+
+    fn on_welcome(&mut self, conn: &mut Conn, broker_id: &str, resumed: bool) {
+        if !resumed {
+            if let Some(last) = self.seqs.last_seq() {
+                log::warn!(
+                    "!!! broker {broker_id} has no session for boot {} (restarted, or the session expired): \
+                     seqs restart at 1; unsent results of the old session (up to seq {last}) are dropped",
+                    self.boot
+                );
+            }
+            self.seqs.restart();
+            self.epoch += 1;
+        }
+        conn.welcomed = Some(Instant::now());
+        log::info!(
+            "connected to {}: broker_id={broker_id} resumed={resumed} boot_id={} last_seq={:?}",
+            conn.addr,
+            self.boot,
+            self.seqs.last_seq()
+        );
+    }
+
+    fn on_text(&mut self, conn: &mut Conn, text: &str) -> Option<End> {
+        match proto::parse_server_msg(text) {
+            Ok(ServerMsg::Command(cmd)) => self.on_command(conn, cmd),
+            Ok(ServerMsg::Goaway {
+                reason,
+                reconnect_after_ms,
+            }) => {
+                let delay = Duration::from_millis(reconnect_after_ms.min(MAX_RETRY_AFTER_S * 1000));
+                log::info!(
+                    "goaway (reason {reason:?}): reconnect in {}ms",
+                    delay.as_millis()
+                );
+                conn.goaway.get_or_insert(Instant::now() + delay);
+                None
+            }
+            Ok(ServerMsg::Welcome { .. }) => {
+                log::warn!("a second welcome, ignored");
+                None
+            }
+            Ok(ServerMsg::Unknown(ty)) => {
+                log::debug!("ignoring message type {ty:?}");
+                None
+            }
+            Err(e) => {
+                log::warn!("ignoring a bad message ({e}): {}", clip(text));
+                None
+            }
+        }
+    }
+
+    fn on_command(&mut self, conn: &mut Conn, cmd: Command) -> Option<End> {
+        let seq = cmd.seq;
+        match self.seqs.judge(seq) {
+            SeqVerdict::Duplicate => {
+                log::info!(
+                    "duplicate seq={seq} (last seen {:?}): acked again, not run",
+                    self.seqs.last_seq()
+                );
+            }
+            SeqVerdict::Gap { missing } => {
+                log::error!(
+                    "!!! SEQ GAP: got seq={seq} but seqs {}..={} never arrived: the broker lost commands; \
+                     stopping (exit {})",
+                    missing.start(),
+                    missing.end(),
+                    Exit::SeqGap.code()
+                );
+                close(&mut conn.ws, 1000, "seq gap");
+                return Some(End::Exit(Exit::SeqGap));
+            }
+            SeqVerdict::Run => {
+                log::info!("command seq={seq} id={} name={}", cmd.id, cmd.name);
+                match self.jobs.try_send(Job {
+                    epoch: self.epoch,
+                    cmd,
+                }) {
+                    Ok(()) => self.seqs.record(seq),
+                    Err(TrySendError::Full(_)) => {
+                        // Not recorded, not acked: the next hello's last_seq makes the broker
+                        // replay it and everything after.
+                        let why = format!(
+                            "{} commands pending, seq={seq} not accepted",
+                            self.cfg.max_pending
+                        );
+                        close(&mut conn.ws, 1013, "agent busy");
+                        return Some(conn.lost(why, None));
+                    }
+                    Err(TrySendError::Disconnected(_)) => {
+                        log::error!("the worker thread is gone");
+                        return Some(End::Exit(Exit::Fatal));
+                    }
+                }
+            }
+        }
+        match conn.ws.send(Message::text(proto::ack(seq))) {
+            Ok(()) => None,
+            Err(e) => Some(conn.lost(format!("sending ack: {e}"), None)),
+        }
+    }
+
+    /// Sends every finished result; on a failed send the result is kept for the next connection.
+    fn send_results(&mut self, ws: &mut WebSocket<Stream>) -> Result<(), String> {
+        loop {
+            let done = match self.unsent.pop_front() {
+                Some(done) => done,
+                None => match self.done.try_recv() {
+                    Ok(done) => done,
+                    Err(_) => return Ok(()),
+                },
+            };
+            if done.epoch != self.epoch {
+                log::warn!(
+                    "dropping the result of seq={}: its broker session is gone",
+                    done.seq
+                );
+                continue;
+            }
+            let text = proto::result(done.seq, done.ok, done.output.clone(), self.cfg.max_message);
+            if let Err(e) = ws.send(Message::text(text)) {
+                let why = format!("sending result seq={}: {e}", done.seq);
+                self.unsent.push_front(done);
+                return Err(why);
+            }
+        }
+    }
+
+    fn stopping(&self) -> bool {
+        self.stop.load(Ordering::SeqCst) || self.deadline.is_some_and(|d| Instant::now() >= d)
+    }
+
+    /// Sleeps `delay` unless told to stop first (then `false`).
+    fn sleep(&self, delay: Duration) -> bool {
+        let until = Instant::now() + delay;
+        loop {
+            if self.stopping() {
+                return false;
+            }
+            let left = until.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return true;
+            }
+            std::thread::sleep(left.min(POLL));
+        }
+    }
+}
+
+/// One read with the socket's poll timeout.
+fn read(ws: &mut WebSocket<Stream>) -> Read {
+    match ws.read() {
+        Ok(Message::Text(text)) => Read::Text(text.as_str().to_string()),
+        Ok(Message::Ping(_)) => {
+            // Send the queued pong now rather than at the next read.
+            let _ = ws.flush();
+            Read::Control
+        }
+        Ok(Message::Binary(_)) => {
+            log::warn!("binary message from the broker, ignored");
+            Read::Control
+        }
+        Ok(Message::Pong(_) | Message::Frame(_)) => Read::Control,
+        Ok(Message::Close(frame)) => {
+            // tungstenite queued the close echo; write it.
+            let _ = ws.flush();
+            match frame {
+                Some(f) => Read::Closed(u16::from(f.code), f.reason.as_str().to_string()),
+                None => Read::Closed(1005, String::new()),
+            }
+        }
+        Err(tungstenite::Error::Io(e)) if idle(&e) => Read::Idle,
+        Err(tungstenite::Error::ConnectionClosed | tungstenite::Error::AlreadyClosed) => {
+            Read::Failed("connection closed".into())
+        }
+        Err(e) => Read::Failed(e.to_string()),
+    }
+}
+
+/// Starts the close handshake and waits (briefly) for the broker's echo.
+fn close(ws: &mut WebSocket<Stream>, code: u16, reason: &str) {
+    let frame = CloseFrame {
+        code: CloseCode::from(code),
+        reason: reason.into(),
+    };
+    if ws.close(Some(frame)).is_err() {
+        return;
+    }
+    let deadline = Instant::now() + CLOSE_TIMEOUT;
+    while Instant::now() < deadline {
+        match ws.read() {
+            Ok(_) => {}
+            Err(tungstenite::Error::Io(e)) if idle(&e) => {}
+            Err(_) => return,
+        }
+    }
+}
+
+/// A read error that only means "nothing yet": the poll timeout, or an interrupted call.
+fn idle(e: &std::io::Error) -> bool {
+    use std::io::ErrorKind::{Interrupted, TimedOut, WouldBlock};
+    matches!(e.kind(), WouldBlock | TimedOut | Interrupted)
+}
+
+/// The start of a message, for logs.
+fn clip(text: &str) -> &str {
+    let mut end = text.len().min(200);
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    &text[..end]
+}

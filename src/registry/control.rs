@@ -1,0 +1,221 @@
+//! Control-plane messages arriving over Redis pub/sub (CONTRACT.md §4), parsed and validated
+//! into owned requests. A bad message never reaches a core: it is answered with `bad_request`
+//! when it names a `reply_to`, and counted either way.
+
+use serde::Deserialize;
+use serde_json::{Map, Value};
+
+use crate::ids::{BootId, RigId};
+use crate::registry::msg::{CommandReq, ReplyTo};
+
+/// A validated control message.
+#[derive(Debug)]
+pub enum Control {
+    /// Enqueue a command for one rig; the reply goes to its `reply_to` channel.
+    Command(CommandReq),
+    /// Close a rig's connection with 1012.
+    Kick {
+        /// Request id.
+        id: String,
+        /// The rig.
+        rig: RigId,
+        /// Reply channel.
+        reply_to: String,
+    },
+    /// Another broker took `rig` over with `boot`: close ours if it is not newer.
+    Evict {
+        /// The rig.
+        rig: RigId,
+        /// The new owner's boot.
+        boot: BootId,
+    },
+    /// A command for every rig matching `selector`.
+    Broadcast {
+        /// Request id.
+        id: String,
+        /// Label pairs every matching rig has.
+        selector: Vec<(String, String)>,
+        /// Command name.
+        name: String,
+        /// Command args.
+        args: Value,
+        /// Reply channel.
+        reply_to: String,
+    },
+    /// A readiness canary (ours, or another broker's on a shared channel).
+    Canary {
+        /// Who sent it.
+        broker_id: String,
+    },
+}
+
+/// Why a control message was refused, with where to say so.
+#[derive(Debug)]
+pub struct Bad {
+    /// What was wrong.
+    pub why: String,
+    /// The rig it named, if any.
+    pub rig: Option<String>,
+    /// (id, reply_to) when the message had a reply channel.
+    pub reply_to: Option<(String, String)>,
+}
+
+#[derive(Deserialize)]
+struct Raw {
+    #[serde(rename = "type")]
+    ty: String,
+    #[serde(default)]
+    id: Option<String>,
+    #[serde(default)]
+    rig_id: Option<String>,
+    #[serde(default)]
+    boot_id: Option<String>,
+    #[serde(default)]
+    name: Option<String>,
+    #[serde(default)]
+    args: Option<Value>,
+    #[serde(default)]
+    reply_to: Option<String>,
+    #[serde(default)]
+    selector: Option<Map<String, Value>>,
+    #[serde(default)]
+    broker_id: Option<String>,
+}
+
+/// Parses one pub/sub payload; `broadcast` says it came on `fleetlink:broadcast`.
+pub fn parse(payload: &[u8], broadcast: bool) -> Result<Control, Bad> {
+    let raw: Raw = serde_json::from_slice(payload).map_err(|e| Bad {
+        why: format!("not a control message: {e}"),
+        rig: None,
+        reply_to: None,
+    })?;
+    let id = raw.id.clone().unwrap_or_else(crate::admin::new_id);
+    let reply_to = raw.reply_to.clone().filter(|r| !r.is_empty());
+    let bad = |why: &str| Bad {
+        why: why.to_string(),
+        rig: raw.rig_id.clone(),
+        reply_to: reply_to.clone().map(|r| (id.clone(), r)),
+    };
+    match (raw.ty.as_str(), broadcast) {
+        ("canary", _) => Ok(Control::Canary {
+            broker_id: raw.broker_id.unwrap_or_default(),
+        }),
+        ("evict", false) => {
+            let rig = raw
+                .rig_id
+                .as_deref()
+                .and_then(RigId::parse)
+                .ok_or_else(|| bad("evict needs a valid rig_id"))?;
+            let boot = raw
+                .boot_id
+                .as_deref()
+                .and_then(BootId::parse)
+                .ok_or_else(|| bad("evict needs a valid boot_id"))?;
+            Ok(Control::Evict { rig, boot })
+        }
+        ("kick", false) => {
+            let rig = raw
+                .rig_id
+                .as_deref()
+                .and_then(RigId::parse)
+                .ok_or_else(|| bad("kick needs a valid rig_id"))?;
+            let reply_to = reply_to.clone().ok_or_else(|| bad("kick needs reply_to"))?;
+            Ok(Control::Kick { id, rig, reply_to })
+        }
+        ("command", _) => {
+            let reply_to = reply_to
+                .clone()
+                .ok_or_else(|| bad("command needs reply_to"))?;
+            let name = raw
+                .name
+                .clone()
+                .filter(|n| !n.is_empty() && n.len() <= 128)
+                .ok_or_else(|| bad("command needs a name of 1-128 bytes"))?;
+            let args = match raw.args.clone() {
+                None => Value::Object(Map::new()),
+                Some(a @ Value::Object(_)) => a,
+                Some(_) => return Err(bad("args must be an object")),
+            };
+            if broadcast {
+                let selector = raw
+                    .selector
+                    .as_ref()
+                    .ok_or_else(|| bad("a broadcast command needs a selector"))?;
+                let mut pairs = Vec::with_capacity(selector.len());
+                for (k, v) in selector {
+                    let Value::String(v) = v else {
+                        return Err(bad("selector values must be strings"));
+                    };
+                    pairs.push((k.clone(), v.clone()));
+                }
+                return Ok(Control::Broadcast {
+                    id,
+                    selector: pairs,
+                    name,
+                    args,
+                    reply_to,
+                });
+            }
+            let rig = raw
+                .rig_id
+                .as_deref()
+                .and_then(RigId::parse)
+                .ok_or_else(|| bad("command needs a valid rig_id"))?;
+            Ok(Control::Command(CommandReq {
+                id,
+                rig,
+                name,
+                args,
+                reply: ReplyTo::Channel(reply_to),
+            }))
+        }
+        _ => Err(bad("unknown control message type")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn commands_kicks_evicts_broadcasts() {
+        let c = parse(br#"{"type":"command","id":"c1","rig_id":"r1","name":"reboot","args":{},"reply_to":"x"}"#, false).unwrap();
+        assert!(matches!(c, Control::Command(CommandReq { ref id, .. }) if id == "c1"));
+        let k = parse(
+            br#"{"type":"kick","id":"k","rig_id":"r1","reply_to":"x"}"#,
+            false,
+        )
+        .unwrap();
+        assert!(matches!(k, Control::Kick { .. }));
+        let e = parse(
+            br#"{"type":"evict","rig_id":"r1","boot_id":"01890a5d-ac96-774b-bcce-b302099a8057"}"#,
+            false,
+        )
+        .unwrap();
+        assert!(matches!(e, Control::Evict { .. }));
+        let b = parse(
+            br#"{"type":"command","id":"b","selector":{"lab":"a"},"name":"x","reply_to":"r"}"#,
+            true,
+        )
+        .unwrap();
+        assert!(matches!(b, Control::Broadcast { ref selector, .. } if selector.len() == 1));
+    }
+
+    #[test]
+    fn bad_messages_say_where_to_answer() {
+        let bad = parse(
+            br#"{"type":"command","id":"c1","rig_id":"bad id","name":"x","reply_to":"chan"}"#,
+            false,
+        )
+        .unwrap_err();
+        assert_eq!(bad.reply_to, Some(("c1".into(), "chan".into())));
+        let bad = parse(
+            br#"{"type":"command","rig_id":"r","name":"x","args":[1],"reply_to":"chan"}"#,
+            false,
+        )
+        .unwrap_err();
+        assert!(bad.why.contains("args"));
+        assert!(parse(b"garbage", false).unwrap_err().reply_to.is_none());
+        assert!(parse(br#"{"type":"evict","rig_id":"r"}"#, true).is_err());
+    }
+}

@@ -1,0 +1,235 @@
+//! Fleet mode's Redis I/O, owned by the bridge thread: the command connection (Lua registry
+//! scripts, batched publishes, heartbeats) and the subscription. Every call is bounded by a
+//! socket timeout; any failure drops both connections and schedules a reconnect with capped,
+//! jittered backoff, while the broker keeps serving its rigs from the embedded registry.
+
+use std::os::fd::{AsRawFd, RawFd};
+use std::time::{Duration, Instant};
+
+use redis::{ConnectionInfo, IntoConnectionInfo};
+
+use crate::ids::{BootId, RigId};
+use crate::registry::pubsub::{Push, Subscriber};
+use crate::registry::scripts::{HelloOutcome, RefreshStatus, Scripts};
+
+/// Socket timeout for every Redis call: a hung Redis stalls the bridge at most this long.
+const IO_TIMEOUT: Duration = Duration::from_secs(2);
+/// Publishes held while Redis is slow or down; beyond it they are dropped and counted.
+const MAX_OUTGOING: usize = 100_000;
+/// Backoff cap between reconnect attempts.
+const MAX_BACKOFF: Duration = Duration::from_secs(5);
+
+/// Channel every broker subscribes to for broadcasts (CONTRACT.md §4).
+pub const BROADCAST: &str = "fleetlink:broadcast";
+/// Channel of lifecycle events (CONTRACT.md §4).
+pub const EVENTS: &str = "fleetlink:events";
+
+/// A broker's own control channel.
+pub fn broker_channel(id: &str) -> String {
+    format!("fleetlink:broker:{id}")
+}
+
+/// Redis connections and what is waiting to be sent on them.
+pub(crate) struct Fleet {
+    info: ConnectionInfo,
+    broker_id: String,
+    scripts: Scripts,
+    con: Option<redis::Connection>,
+    sub: Option<Subscriber>,
+    outgoing: Vec<(String, Vec<u8>)>,
+    releases: Vec<(RigId, BootId)>,
+    failures: u32,
+    next_attempt: Instant,
+    /// Publishes dropped because the queue was full while Redis was away.
+    pub(crate) dropped: u64,
+    /// Publishes sent.
+    pub(crate) published: u64,
+    /// Set after every successful (re)connect; the bridge re-asserts its rigs then.
+    pub(crate) just_connected: bool,
+}
+
+impl Fleet {
+    pub(crate) fn new(url: &str, broker_id: &str) -> anyhow::Result<Self> {
+        let info = url.into_connection_info()?;
+        Ok(Self {
+            info,
+            broker_id: broker_id.to_string(),
+            scripts: Scripts::new(),
+            con: None,
+            sub: None,
+            outgoing: Vec::new(),
+            releases: Vec::new(),
+            failures: 0,
+            next_attempt: Instant::now(),
+            dropped: 0,
+            published: 0,
+            just_connected: false,
+        })
+    }
+
+    /// True while both connections are up.
+    pub(crate) fn is_up(&self) -> bool {
+        self.con.is_some() && self.sub.is_some()
+    }
+
+    /// True once Redis confirmed both subscriptions.
+    pub(crate) fn is_subscribed(&self) -> bool {
+        self.sub.as_ref().is_some_and(|s| s.confirmed >= 2)
+    }
+
+    /// Connects if down and the backoff allows. Returns true when up.
+    pub(crate) fn ensure(&mut self, now: Instant) -> bool {
+        if self.is_up() {
+            return true;
+        }
+        if now < self.next_attempt {
+            return false;
+        }
+        match self.open() {
+            Ok(()) => {
+                log::info!("redis: connected, scripts loaded, subscribed");
+                self.failures = 0;
+                self.just_connected = true;
+                true
+            }
+            Err(e) => {
+                self.fail(now, &e);
+                false
+            }
+        }
+    }
+
+    fn open(&mut self) -> anyhow::Result<()> {
+        let client = redis::Client::open(self.info.clone())?;
+        let mut con = client.get_connection_with_timeout(IO_TIMEOUT)?;
+        con.set_read_timeout(Some(IO_TIMEOUT))?;
+        con.set_write_timeout(Some(IO_TIMEOUT))?;
+        self.scripts.load(&mut con)?;
+        let channels = [broker_channel(&self.broker_id), BROADCAST.to_string()];
+        let sub = Subscriber::connect(&self.info, &channels, IO_TIMEOUT)?;
+        self.con = Some(con);
+        self.sub = Some(sub);
+        Ok(())
+    }
+
+    /// Drops both connections and schedules the next attempt.
+    pub(crate) fn fail(&mut self, now: Instant, why: &dyn std::fmt::Display) {
+        if self.is_up() || self.failures == 0 {
+            log::warn!("redis: {why}; serving from the local registry until it returns");
+        }
+        self.con = None;
+        self.sub = None;
+        self.failures = self.failures.saturating_add(1);
+        let base = Duration::from_millis(100)
+            .saturating_mul(1 << self.failures.min(10))
+            .min(MAX_BACKOFF);
+        self.next_attempt = now + base.mul_f64(0.5 + fastrand::f64());
+    }
+
+    /// Runs the hello script. None when Redis is unavailable.
+    pub(crate) fn hello(
+        &mut self,
+        rig: &RigId,
+        boot: &BootId,
+        ttl: Duration,
+    ) -> Option<Result<HelloOutcome, String>> {
+        let con = self.con.as_mut()?;
+        match self.scripts.hello(con, rig, boot, &self.broker_id, ttl) {
+            Ok(outcome) => Some(Ok(outcome)),
+            Err(e) => {
+                let msg = e.to_string();
+                self.fail(Instant::now(), &msg);
+                None
+            }
+        }
+    }
+
+    /// Refreshes the leases of `entries`. None when Redis is unavailable.
+    pub(crate) fn refresh(
+        &mut self,
+        entries: &[(RigId, BootId)],
+        ttl: Duration,
+    ) -> Option<Vec<RefreshStatus>> {
+        let con = self.con.as_mut()?;
+        match self.scripts.refresh(con, entries, &self.broker_id, ttl) {
+            Ok(statuses) => Some(statuses),
+            Err(e) => {
+                self.fail(Instant::now(), &e);
+                None
+            }
+        }
+    }
+
+    /// Writes the `broker:<id>` liveness key.
+    pub(crate) fn heartbeat(&mut self, json: &str, ttl: Duration) {
+        let Some(con) = self.con.as_mut() else { return };
+        if let Err(e) = self
+            .scripts
+            .broker_heartbeat(con, &self.broker_id, json, ttl)
+        {
+            self.fail(Instant::now(), &e);
+        }
+    }
+
+    /// Queues a compare-and-delete of a released lease (sent with the next flush).
+    pub(crate) fn release(&mut self, rig: RigId, boot: BootId) {
+        if self.releases.len() < MAX_OUTGOING {
+            self.releases.push((rig, boot));
+        }
+    }
+
+    /// Queues a PUBLISH (sent with the next flush, in order).
+    pub(crate) fn publish(&mut self, channel: String, payload: Vec<u8>) {
+        if self.outgoing.len() >= MAX_OUTGOING {
+            self.dropped += 1;
+            return;
+        }
+        self.outgoing.push((channel, payload));
+    }
+
+    /// Sends queued releases and publishes, each batch in one round trip.
+    pub(crate) fn flush(&mut self) {
+        let Some(con) = self.con.as_mut() else { return };
+        if !self.releases.is_empty() {
+            let releases = std::mem::take(&mut self.releases);
+            if let Err(e) = self.scripts.release(con, &releases, &self.broker_id) {
+                self.fail(Instant::now(), &e);
+                return;
+            }
+        }
+        if self.outgoing.is_empty() {
+            return;
+        }
+        let mut pipe = redis::pipe();
+        for (channel, payload) in &self.outgoing {
+            pipe.publish(channel, payload.as_slice()).ignore();
+        }
+        match pipe.query::<()>(con) {
+            Ok(()) => {
+                self.published += self.outgoing.len() as u64;
+                self.outgoing.clear();
+            }
+            // Kept for the next connection: publishes are events and replies control waits for.
+            Err(e) => self.fail(Instant::now(), &e),
+        }
+    }
+
+    /// Messages that arrived on the subscription.
+    pub(crate) fn read(&mut self) -> Vec<Push> {
+        let Some(sub) = self.sub.as_mut() else {
+            return Vec::new();
+        };
+        match sub.read() {
+            Ok(pushes) => pushes,
+            Err(e) => {
+                self.fail(Instant::now(), &e);
+                Vec::new()
+            }
+        }
+    }
+
+    /// The subscription socket, for poll(2).
+    pub(crate) fn fd(&self) -> Option<RawFd> {
+        self.sub.as_ref().map(AsRawFd::as_raw_fd)
+    }
+}

@@ -1,0 +1,239 @@
+//! A minimal, non-blocking Redis pub/sub reader for the bridge thread.
+//!
+//! The `redis` crate's sync `PubSub` blocks in its read, which would leave the bridge unable to
+//! serve its inbox. This reader owns a plain TCP socket in non-blocking mode, so the bridge can
+//! `poll(2)` it together with its inbox doorbell and never busy-waits.
+
+use std::io::{self, Read, Write};
+use std::net::{TcpStream, ToSocketAddrs};
+use std::os::fd::{AsRawFd, RawFd};
+use std::time::Duration;
+
+use redis::{ConnectionAddr, ConnectionInfo};
+
+/// Largest unparsed input kept; a longer message than this from Redis is a protocol failure.
+const MAX_BUFFER: usize = 64 << 20;
+
+/// One pushed message on a subscribed channel.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Push {
+    /// The channel.
+    pub channel: String,
+    /// The payload.
+    pub payload: Vec<u8>,
+}
+
+/// A subscription connection.
+pub struct Subscriber {
+    stream: TcpStream,
+    buf: Vec<u8>,
+    /// Channels confirmed by Redis so far.
+    pub confirmed: usize,
+}
+
+impl Subscriber {
+    /// Connects (with AUTH when the URL has credentials) and subscribes to `channels`.
+    pub fn connect(
+        info: &ConnectionInfo,
+        channels: &[String],
+        timeout: Duration,
+    ) -> io::Result<Self> {
+        let (host, port) = match &info.addr {
+            ConnectionAddr::Tcp(host, port) => (host.clone(), *port),
+            _ => {
+                return Err(io::Error::new(
+                    io::ErrorKind::Unsupported,
+                    "only redis:// over TCP is supported",
+                ))
+            }
+        };
+        let addr = (host.as_str(), port)
+            .to_socket_addrs()?
+            .next()
+            .ok_or_else(|| io::Error::new(io::ErrorKind::NotFound, "redis host did not resolve"))?;
+        let mut stream = TcpStream::connect_timeout(&addr, timeout)?;
+        stream.set_nodelay(true)?;
+        stream.set_read_timeout(Some(timeout))?;
+        stream.set_write_timeout(Some(timeout))?;
+        if let Some(password) = &info.redis.password {
+            let mut args = vec!["AUTH"];
+            if let Some(user) = &info.redis.username {
+                args.push(user);
+            }
+            args.push(password);
+            stream.write_all(&command(&args))?;
+            let mut reply = [0u8; 256];
+            let n = stream.read(&mut reply)?;
+            if !reply.get(..n).unwrap_or_default().starts_with(b"+OK") {
+                return Err(io::Error::new(
+                    io::ErrorKind::PermissionDenied,
+                    "redis AUTH failed",
+                ));
+            }
+        }
+        let mut args = vec!["SUBSCRIBE"];
+        args.extend(channels.iter().map(String::as_str));
+        stream.write_all(&command(&args))?;
+        stream.set_nonblocking(true)?;
+        Ok(Self {
+            stream,
+            buf: Vec::new(),
+            confirmed: 0,
+        })
+    }
+
+    /// Reads whatever arrived and returns the complete messages. An error means the connection
+    /// is gone (EOF, reset, or a reply this reader does not understand).
+    pub fn read(&mut self) -> io::Result<Vec<Push>> {
+        let mut chunk = [0u8; 16 * 1024];
+        loop {
+            match self.stream.read(&mut chunk) {
+                Ok(0) => {
+                    return Err(io::Error::new(
+                        io::ErrorKind::UnexpectedEof,
+                        "redis closed the subscription",
+                    ))
+                }
+                Ok(n) => self
+                    .buf
+                    .extend_from_slice(chunk.get(..n).unwrap_or_default()),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+            if self.buf.len() > MAX_BUFFER {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    "oversized redis push",
+                ));
+            }
+        }
+        let mut out = Vec::new();
+        let mut pos = 0;
+        while let Some((used, value)) = parse(self.buf.get(pos..).unwrap_or_default())? {
+            pos += used;
+            match value {
+                Value::Array(items) => match items.as_slice() {
+                    [Value::Bulk(kind), Value::Bulk(channel), Value::Bulk(payload)]
+                        if kind == b"message" =>
+                    {
+                        out.push(Push {
+                            channel: String::from_utf8_lossy(channel).into_owned(),
+                            payload: payload.clone(),
+                        });
+                    }
+                    [Value::Bulk(kind), _, Value::Int(_)] if kind == b"subscribe" => {
+                        self.confirmed += 1
+                    }
+                    _ => {}
+                },
+                Value::Error(e) => {
+                    return Err(io::Error::other(format!(
+                        "redis: {}",
+                        String::from_utf8_lossy(&e)
+                    )))
+                }
+                _ => {}
+            }
+        }
+        self.buf.drain(..pos);
+        Ok(out)
+    }
+}
+
+impl AsRawFd for Subscriber {
+    fn as_raw_fd(&self) -> RawFd {
+        self.stream.as_raw_fd()
+    }
+}
+
+fn command(args: &[&str]) -> Vec<u8> {
+    let mut out = format!("*{}\r\n", args.len()).into_bytes();
+    for a in args {
+        out.extend_from_slice(format!("${}\r\n", a.len()).as_bytes());
+        out.extend_from_slice(a.as_bytes());
+        out.extend_from_slice(b"\r\n");
+    }
+    out
+}
+
+#[derive(Debug, PartialEq)]
+enum Value {
+    Bulk(Vec<u8>),
+    Int(i64),
+    Error(Vec<u8>),
+    Simple,
+    Nil,
+    Array(Vec<Value>),
+}
+
+/// Parses one RESP2 value. Ok(None) = incomplete.
+fn parse(buf: &[u8]) -> io::Result<Option<(usize, Value)>> {
+    let bad = || io::Error::new(io::ErrorKind::InvalidData, "malformed redis reply");
+    let Some(line_end) = buf.windows(2).position(|w| w == b"\r\n") else {
+        return Ok(None);
+    };
+    let line = buf.get(1..line_end).ok_or_else(bad)?;
+    let after = line_end + 2;
+    let number = || -> io::Result<i64> {
+        std::str::from_utf8(line)
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .ok_or_else(bad)
+    };
+    match buf.first() {
+        Some(b'+') => Ok(Some((after, Value::Simple))),
+        Some(b'-') => Ok(Some((after, Value::Error(line.to_vec())))),
+        Some(b':') => Ok(Some((after, Value::Int(number()?)))),
+        Some(b'$') => {
+            let n = number()?;
+            if n < 0 {
+                return Ok(Some((after, Value::Nil)));
+            }
+            let n = usize::try_from(n).map_err(|_| bad())?;
+            if buf.len() < after + n + 2 {
+                return Ok(None);
+            }
+            let data = buf.get(after..after + n).ok_or_else(bad)?.to_vec();
+            Ok(Some((after + n + 2, Value::Bulk(data))))
+        }
+        Some(b'*') => {
+            let n = number()?;
+            if n < 0 {
+                return Ok(Some((after, Value::Nil)));
+            }
+            let mut items = Vec::new();
+            let mut pos = after;
+            for _ in 0..n {
+                let Some((used, v)) = parse(buf.get(pos..).unwrap_or_default())? else {
+                    return Ok(None);
+                };
+                pos += used;
+                items.push(v);
+            }
+            Ok(Some((pos, Value::Array(items))))
+        }
+        _ => Err(bad()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_messages_and_partials() {
+        let msg = b"*3\r\n$7\r\nmessage\r\n$2\r\nch\r\n$5\r\nhello\r\n";
+        let (n, v) = parse(msg).unwrap().unwrap();
+        assert_eq!(n, msg.len());
+        assert!(matches!(v, Value::Array(ref items) if items.len() == 3));
+        for cut in 0..msg.len() {
+            assert!(parse(&msg[..cut]).unwrap().is_none(), "cut at {cut}");
+        }
+        assert!(parse(b"?x\r\n").is_err());
+        assert_eq!(
+            command(&["SUBSCRIBE", "a"]),
+            b"*2\r\n$9\r\nSUBSCRIBE\r\n$1\r\na\r\n".to_vec()
+        );
+    }
+}

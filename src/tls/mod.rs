@@ -1,0 +1,310 @@
+//! TLS on the rig listener: rustls server configuration, client-certificate verification with
+//! CRLs, hot reload, and the rig identity a client certificate grants (CONTRACT.md §1–2).
+//!
+//! Who calls what:
+//! - `main` builds a [`TlsReloader`] from `--tls-cert`, `--tls-key`, `--client-ca`, `--crl` and
+//!   starts its watcher ([`TlsReloader::spawn_watcher`]: file changes and SIGHUP).
+//! - Each core keeps a [`ConfigCache`] and, per accepted socket, calls [`new_connection`] with
+//!   the config it returns; `worker/conn.rs` drives the `rustls::ServerConnection` itself
+//!   (`read_tls` / `process_new_packets` / `reader` / `writer` / `write_tls`) on the core thread.
+//! - After the handshake it calls [`peer_identities`] once, keeps the strings, and closes with
+//!   4403 when [`identity_matches`] says the hello's `rig_id` is not one of them.
+//!
+//! Invariants:
+//! - Nothing here that a handshake runs reads a file or takes a lock: files are read only by
+//!   [`build_server_config`], at startup and on the watcher thread. The handshake's CPU cost
+//!   (one ECDHE, one signature, the client chain and CRL lookups) is all that runs on a core.
+//! - A config is immutable once built. A reload builds a new one; connections keep the config
+//!   they started their handshake with, so a reload never touches a live connection. A cert
+//!   revoked by a reloaded CRL is refused at its next full handshake, and every handshake is
+//!   full: there is no session resumption (it would skip the revocation check, and at the
+//!   accept rate's 50 handshakes/s per broker it would save nothing measurable).
+//! - With `--client-ca` every client must present a certificate that chains to the bundle;
+//!   with `--crl`, every certificate of the chain except the trust anchor must be covered by
+//!   a CRL of its issuer (rustls' default, as nginx's `ssl_crl`): a cert from an issuer that has
+//!   no CRL among the files is refused (unknown revocation status). CRL `nextUpdate` is not
+//!   enforced: a stale CRL still revokes.
+
+mod identity;
+mod reload;
+
+use std::fs;
+use std::io;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use rustls::crypto::CryptoProvider;
+use rustls::pki_types::{CertificateDer, CertificateRevocationListDer, PrivateKeyDer};
+use rustls::server::{NoServerSessionStorage, VerifierBuilderError, WebPkiClientVerifier};
+use rustls::{RootCertStore, ServerConfig, ServerConnection};
+use rustls_pemfile::Item;
+
+pub use identity::{cert_identities, identity_matches, peer_identities};
+pub use reload::{ConfigCache, TlsReloader};
+
+/// Bound of the bytes a connection buffers on its way out: encrypted records not yet taken by
+/// `write_tls`, and plaintext written before the handshake finished. 16 KiB is one full TLS
+/// record. Past it, `writer().write` accepts fewer bytes than offered (possibly 0): the
+/// connection loop must then flush with `write_tls` and offer the rest later, never
+/// `write_all` into it. Received plaintext has rustls' own fixed 16 KiB bound, and the
+/// incoming record buffer shrinks back to 4 KiB once it holds no partial record.
+pub const SEND_BUFFER_LIMIT: usize = 16 * 1024;
+
+/// The TLS files of the rig listener, as given by the flags.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TlsPaths {
+    /// `--tls-cert`: the server certificate chain, PEM, end-entity first.
+    pub cert: PathBuf,
+    /// `--tls-key`: the server's private key, PEM (PKCS#8, PKCS#1 or SEC1), exactly one.
+    pub key: PathBuf,
+    /// `--client-ca`: the CA bundle client certificates must chain to; makes them required.
+    pub client_ca: Option<PathBuf>,
+    /// `--crl`: PEM CRL files checked by the client verifier; needs `client_ca`.
+    pub crl: Vec<PathBuf>,
+}
+
+impl TlsPaths {
+    /// Every file a config is built from: what the reload watcher watches.
+    pub fn files(&self) -> impl Iterator<Item = &Path> {
+        [self.cert.as_path(), self.key.as_path()]
+            .into_iter()
+            .chain(self.client_ca.as_deref())
+            .chain(self.crl.iter().map(PathBuf::as_path))
+    }
+}
+
+/// Why a TLS configuration could not be built. Each names the file at fault. At startup the
+/// broker exits with it; on reload the old config stays in force and the error is logged.
+#[derive(Debug, thiserror::Error)]
+pub enum TlsError {
+    /// A file could not be read.
+    #[error("reading {}: {source}", path.display())]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// What the OS said.
+        source: io::Error,
+    },
+    /// A file is not well-formed PEM (bad base64, an unterminated block).
+    #[error("{}: not valid PEM: {source}", path.display())]
+    Pem {
+        /// The file.
+        path: PathBuf,
+        /// What the PEM reader said.
+        source: io::Error,
+    },
+    /// A file holds none of the PEM blocks it must hold.
+    #[error("{}: no {what} found", path.display())]
+    Missing {
+        /// The file.
+        path: PathBuf,
+        /// What was looked for, e.g. "CERTIFICATE block".
+        what: &'static str,
+    },
+    /// The key file holds more than one private key: which one is meant is a guess we refuse.
+    #[error("{}: {count} private keys; expected exactly one", path.display())]
+    ManyKeys {
+        /// The key file.
+        path: PathBuf,
+        /// How many keys it holds.
+        count: usize,
+    },
+    /// rustls refused the certificate chain with this key: the key does not match the
+    /// end-entity certificate, or its type is unsupported.
+    #[error("{} with key {}: {source}", cert.display(), key.display())]
+    CertKey {
+        /// The certificate file.
+        cert: PathBuf,
+        /// The key file.
+        key: PathBuf,
+        /// What rustls said.
+        source: rustls::Error,
+    },
+    /// A certificate of the client CA bundle is not usable as a trust anchor.
+    #[error("{}: certificate #{index} is not a usable CA: {source}", path.display())]
+    ClientCa {
+        /// The bundle.
+        path: PathBuf,
+        /// Its position in the bundle, from 1.
+        index: usize,
+        /// What rustls said.
+        source: rustls::Error,
+    },
+    /// A CRL file does not parse as a CRL the verifier can use.
+    #[error("{}: unusable CRL: {source}", path.display())]
+    Crl {
+        /// The CRL file.
+        path: PathBuf,
+        /// What the verifier builder said.
+        source: VerifierBuilderError,
+    },
+    /// `--crl` without `--client-ca`: with no client certificates there is nothing to revoke,
+    /// and silently checking nothing would mislead the operator.
+    #[error("{}: --crl needs --client-ca", path.display())]
+    CrlWithoutClientCa {
+        /// The first CRL file.
+        path: PathBuf,
+    },
+    /// The client verifier could not be built from the CA bundle.
+    #[error("{}: client verifier: {source}", path.display())]
+    Verifier {
+        /// The CA bundle.
+        path: PathBuf,
+        /// What the verifier builder said.
+        source: VerifierBuilderError,
+    },
+    /// rustls refused the protocol versions (not expected with the ring provider).
+    #[error("TLS configuration: {0}")]
+    Config(rustls::Error),
+}
+
+/// Builds the rig listener's config from `paths`: TLS 1.3 and 1.2 (for old agents), the ring
+/// provider's default suites and groups, ALPN `http/1.1`, no session resumption (no tickets,
+/// no session cache: see the module doc), no early data, 16 KiB records. With `client_ca`, a
+/// [`WebPkiClientVerifier`] that requires a client certificate chaining to the bundle and
+/// checks it against the CRLs. Reads every file once; does no other IO.
+pub fn build_server_config(paths: &TlsPaths) -> Result<Arc<ServerConfig>, TlsError> {
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let chain = read_certs(&paths.cert)?;
+    let key = read_key(&paths.key)?;
+    let builder = ServerConfig::builder_with_provider(provider.clone())
+        .with_protocol_versions(&[&rustls::version::TLS13, &rustls::version::TLS12])
+        .map_err(TlsError::Config)?;
+    let builder = match &paths.client_ca {
+        Some(ca) => builder.with_client_cert_verifier(client_verifier(ca, &paths.crl, provider)?),
+        None => match paths.crl.first() {
+            Some(path) => return Err(TlsError::CrlWithoutClientCa { path: path.clone() }),
+            None => builder.with_no_client_auth(),
+        },
+    };
+    let mut config = builder
+        .with_single_cert(chain, key)
+        .map_err(|source| TlsError::CertKey {
+            cert: paths.cert.clone(),
+            key: paths.key.clone(),
+            source,
+        })?;
+    config.alpn_protocols = vec![b"http/1.1".to_vec()];
+    config.session_storage = Arc::new(NoServerSessionStorage {});
+    config.send_tls13_tickets = 0;
+    config.max_early_data_size = 0;
+    // 16 KiB records: smaller ones would not lower per-connection memory (bounded by
+    // SEND_BUFFER_LIMIT either way), only add a header and tag per record.
+    config.max_fragment_size = None;
+    Ok(Arc::new(config))
+}
+
+/// A server connection for one accepted socket, with [`SEND_BUFFER_LIMIT`] applied.
+pub fn new_connection(config: Arc<ServerConfig>) -> Result<ServerConnection, rustls::Error> {
+    let mut conn = ServerConnection::new(config)?;
+    conn.set_buffer_limit(Some(SEND_BUFFER_LIMIT));
+    Ok(conn)
+}
+
+/// The client verifier: certs required, chained to `ca`, checked against every CRL in `crls`.
+/// Each CRL file is first tried alone so an unusable one is named in the error.
+fn client_verifier(
+    ca: &Path,
+    crl_files: &[PathBuf],
+    provider: Arc<CryptoProvider>,
+) -> Result<Arc<dyn rustls::server::danger::ClientCertVerifier>, TlsError> {
+    let mut roots = RootCertStore::empty();
+    for (i, cert) in read_certs(ca)?.into_iter().enumerate() {
+        roots.add(cert).map_err(|source| TlsError::ClientCa {
+            path: ca.to_owned(),
+            index: i + 1,
+            source,
+        })?;
+    }
+    let roots = Arc::new(roots);
+    let mut crls = Vec::new();
+    for path in crl_files {
+        let these = read_crls(path)?;
+        WebPkiClientVerifier::builder_with_provider(roots.clone(), provider.clone())
+            .with_crls(these.iter().cloned())
+            .build()
+            .map_err(|source| TlsError::Crl {
+                path: path.clone(),
+                source,
+            })?;
+        crls.extend(these);
+    }
+    WebPkiClientVerifier::builder_with_provider(roots, provider)
+        .with_crls(crls)
+        .build()
+        .map_err(|source| TlsError::Verifier {
+            path: ca.to_owned(),
+            source,
+        })
+}
+
+fn read_certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError> {
+    let certs: Vec<_> = read_pem(path)?
+        .into_iter()
+        .filter_map(|item| match item {
+            Item::X509Certificate(cert) => Some(cert),
+            _ => None,
+        })
+        .collect();
+    if certs.is_empty() {
+        return Err(TlsError::Missing {
+            path: path.to_owned(),
+            what: "CERTIFICATE block",
+        });
+    }
+    Ok(certs)
+}
+
+fn read_key(path: &Path) -> Result<PrivateKeyDer<'static>, TlsError> {
+    let mut keys: Vec<PrivateKeyDer<'static>> = read_pem(path)?
+        .into_iter()
+        .filter_map(|item| match item {
+            Item::Pkcs8Key(k) => Some(k.into()),
+            Item::Pkcs1Key(k) => Some(k.into()),
+            Item::Sec1Key(k) => Some(k.into()),
+            _ => None,
+        })
+        .collect();
+    match keys.len() {
+        0 => Err(TlsError::Missing {
+            path: path.to_owned(),
+            what: "PRIVATE KEY block (PKCS#8, RSA or EC)",
+        }),
+        1 => Ok(keys.remove(0)),
+        count => Err(TlsError::ManyKeys {
+            path: path.to_owned(),
+            count,
+        }),
+    }
+}
+
+fn read_crls(path: &Path) -> Result<Vec<CertificateRevocationListDer<'static>>, TlsError> {
+    let crls: Vec<_> = read_pem(path)?
+        .into_iter()
+        .filter_map(|item| match item {
+            Item::Crl(crl) => Some(crl),
+            _ => None,
+        })
+        .collect();
+    if crls.is_empty() {
+        return Err(TlsError::Missing {
+            path: path.to_owned(),
+            what: "X509 CRL block",
+        });
+    }
+    Ok(crls)
+}
+
+/// Every PEM block of `path`, read whole (the files are small; one read is one snapshot).
+fn read_pem(path: &Path) -> Result<Vec<Item>, TlsError> {
+    let bytes = fs::read(path).map_err(|source| TlsError::Read {
+        path: path.to_owned(),
+        source,
+    })?;
+    rustls_pemfile::read_all(&mut bytes.as_slice())
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|source| TlsError::Pem {
+            path: path.to_owned(),
+            source,
+        })
+}

@@ -1,0 +1,785 @@
+//! `fleetlink-agent` end to end: against the real standalone broker (commands, acks, kick and
+//! resume, 503 + Retry-After, drain + goaway), against a scripted fake broker (duplicates, seq
+//! gap, hello fields, refusal), and over TLS through a test TLS terminator (mTLS, TLS 1.2).
+
+mod common;
+
+use std::io::{BufRead, BufReader, ErrorKind, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use common::broker::{eventually, Broker};
+use serde_json::{json, Value};
+use tungstenite::protocol::frame::coding::CloseCode;
+use tungstenite::protocol::CloseFrame;
+use tungstenite::{Message, WebSocket};
+
+/// A running agent process: its stderr log lines with arrival times, its exec log. Killed on
+/// drop; its log is printed if the test failed.
+struct Agent {
+    child: Child,
+    lines: Arc<Mutex<Vec<(Instant, String)>>>,
+    exec_log: PathBuf,
+    dir: PathBuf,
+}
+
+impl Agent {
+    fn start(url: &str, rig: &str, extra: &[&str]) -> Agent {
+        static N: AtomicUsize = AtomicUsize::new(0);
+        let dir = std::env::temp_dir().join(format!(
+            "fleetlink-agent-test-{}-{}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::SeqCst)
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        let exec_log = dir.join("exec.log");
+        let mut child = Command::new(env!("CARGO_BIN_EXE_fleetlink-agent"))
+            .args(["--url", url, "--rig-id", rig, "--exec-log"])
+            .arg(&exec_log)
+            .args(extra)
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn fleetlink-agent");
+        let stderr = child.stderr.take().unwrap();
+        let lines = Arc::new(Mutex::new(Vec::new()));
+        let sink = lines.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                sink.lock().unwrap().push((Instant::now(), line));
+            }
+        });
+        Agent {
+            child,
+            lines,
+            exec_log,
+            dir,
+        }
+    }
+
+    /// The first log line containing `pat` (and when it arrived), waiting up to `limit`.
+    fn wait_line(&self, pat: &str, limit: Duration) -> (Instant, String) {
+        let deadline = Instant::now() + limit;
+        loop {
+            if let Some(hit) = self
+                .lines
+                .lock()
+                .unwrap()
+                .iter()
+                .find(|(_, l)| l.contains(pat))
+            {
+                return hit.clone();
+            }
+            assert!(
+                Instant::now() < deadline,
+                "no agent log line with {pat:?}:\n{}",
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    fn has_line(&self, pat: &str) -> bool {
+        self.lines
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|(_, l)| l.contains(pat))
+    }
+
+    fn log(&self) -> String {
+        self.lines
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|(_, l)| format!("  {l}\n"))
+            .collect()
+    }
+
+    /// The boot_id the agent announced.
+    fn boot_id(&self) -> String {
+        let (_, line) = self.wait_line(" boot_id ", Duration::from_secs(10));
+        let boot = line
+            .split(" boot_id ")
+            .nth(1)
+            .and_then(|s| s.split_whitespace().next())
+            .unwrap();
+        boot.to_string()
+    }
+
+    fn exec_lines(&self) -> Vec<String> {
+        std::fs::read_to_string(&self.exec_log)
+            .unwrap_or_default()
+            .lines()
+            .map(str::to_string)
+            .collect()
+    }
+
+    fn wait_exit(&mut self, limit: Duration) -> ExitStatus {
+        let deadline = Instant::now() + limit;
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return status;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "agent did not exit:\n{}",
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        if std::thread::panicking() {
+            eprintln!("agent log:\n{}", self.log());
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn rigs(b: &Broker) -> Vec<Value> {
+    let (status, body) = b.http("GET", "/v1/rigs", "");
+    assert_eq!(status, 200, "{body}");
+    serde_json::from_str::<Value>(&body)
+        .unwrap()
+        .as_array()
+        .cloned()
+        .unwrap_or_default()
+}
+
+fn rig(b: &Broker, id: &str) -> Option<Value> {
+    rigs(b).into_iter().find(|r| r["rig_id"] == id)
+}
+
+fn wait_rig(b: &Broker, id: &str, what: &str, cond: impl Fn(&Value) -> bool) -> Value {
+    let mut found = None;
+    eventually(Duration::from_secs(15), what, || {
+        found = rig(b, id).filter(|r| cond(r));
+        found.is_some()
+    });
+    found.unwrap()
+}
+
+fn send(b: &Broker, rig: &str, name: &str, args: Value) -> u64 {
+    let (status, reply) = b.command(rig, name, args);
+    assert_eq!(status, 200, "{reply}");
+    assert_eq!(reply["ok"], true, "{reply}");
+    reply["seq"].as_u64().unwrap()
+}
+
+#[test]
+fn runs_allowed_commands_once_and_acks_refused_ones() {
+    let b = Broker::start(&[]);
+    let agent = Agent::start(
+        &b.url("/agent"),
+        "rig-run",
+        &["--allow", "echo", "--labels", "group=lab1,os=linux"],
+    );
+    let boot = agent.boot_id();
+    let r = wait_rig(&b, "rig-run", "rig-run listed", |_| true);
+    assert_eq!(r["boot_id"], boot.as_str());
+    assert_eq!(r["labels"], json!({"group": "lab1", "os": "linux"}));
+
+    let seq = send(&b, "rig-run", "echo", json!({"argv": ["hello", "fleet"]}));
+    assert_eq!(seq, 1);
+    wait_rig(&b, "rig-run", "ack of seq 1", |r| r["last_ack_seq"] == 1);
+    eventually(Duration::from_secs(10), "exec-log line for seq 1", || {
+        agent.exec_lines().len() == 1
+    });
+    let line = &agent.exec_lines()[0];
+    assert!(
+        line.starts_with("seq=1 id=") && line.ends_with(" name=echo ok=true"),
+        "{line}"
+    );
+    agent.wait_line("finished seq=1 name=echo ok=true", Duration::from_secs(5));
+
+    let seq = send(
+        &b,
+        "rig-run",
+        "rm",
+        json!({"argv": ["-rf", "/tmp/nothing-here"]}),
+    );
+    assert_eq!(seq, 2);
+    wait_rig(&b, "rig-run", "ack of seq 2", |r| r["last_ack_seq"] == 2);
+    agent.wait_line("finished seq=2 name=rm ok=false", Duration::from_secs(5));
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(
+        agent.exec_lines().len(),
+        1,
+        "a refused command was executed"
+    );
+}
+
+#[test]
+fn kick_reconnects_and_resumes_the_same_session() {
+    let b = Broker::start(&[]);
+    let agent = Agent::start(&b.url("/agent"), "rig-kick", &["--allow", "echo"]);
+    let boot = agent.boot_id();
+    wait_rig(&b, "rig-kick", "rig-kick listed", |_| true);
+    assert_eq!(send(&b, "rig-kick", "echo", json!({"argv": ["one"]})), 1);
+    wait_rig(&b, "rig-kick", "ack of seq 1", |r| r["last_ack_seq"] == 1);
+
+    let (status, body) = b.http("POST", "/v1/rigs/rig-kick/kick", "");
+    assert_eq!(status, 200, "{body}");
+    agent.wait_line("closed by broker: 1012", Duration::from_secs(5));
+    let (_, line) = agent.wait_line("resumed=true", Duration::from_secs(15));
+    assert!(
+        line.contains(&format!("boot_id={boot}")) && line.contains("last_seq=Some(1)"),
+        "{line}"
+    );
+    let r = wait_rig(&b, "rig-kick", "rig-kick back", |_| true);
+    assert_eq!(r["boot_id"], boot.as_str());
+
+    // The session went on: the next command is seq 2, and nothing ran twice.
+    assert_eq!(send(&b, "rig-kick", "echo", json!({"argv": ["two"]})), 2);
+    wait_rig(&b, "rig-kick", "ack of seq 2", |r| r["last_ack_seq"] == 2);
+    eventually(Duration::from_secs(10), "two exec-log lines", || {
+        agent.exec_lines().len() >= 2
+    });
+    std::thread::sleep(Duration::from_millis(200));
+    let seqs: Vec<String> = agent
+        .exec_lines()
+        .iter()
+        .map(|l| l.split_whitespace().next().unwrap().to_string())
+        .collect();
+    assert_eq!(seqs, ["seq=1", "seq=2"]);
+}
+
+#[test]
+fn over_capacity_503_waits_for_retry_after() {
+    let b = Broker::start(&["--max-connections", "0"]);
+    let agent = Agent::start(&b.url("/agent"), "rig-full", &[]);
+    let (seen, line) = agent.wait_line("HTTP 503: retry in ", Duration::from_secs(10));
+    let secs: f64 = line
+        .split("retry in ")
+        .nth(1)
+        .unwrap()
+        .split('s')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    let hint: f64 = line
+        .split("Retry-After: ")
+        .nth(1)
+        .unwrap()
+        .trim_end_matches(')')
+        .parse()
+        .unwrap();
+    assert!((5.0..=15.0).contains(&hint), "{line}");
+    assert!(secs >= hint * 0.9 && secs <= hint * 1.1, "{line}");
+    // It really waits: no second attempt in the next two seconds (the delay is at least 4.5 s).
+    std::thread::sleep(Duration::from_secs(2).saturating_sub(seen.elapsed()));
+    assert!(
+        !agent.has_line("attempt 2"),
+        "reconnected before Retry-After:\n{}",
+        agent.log()
+    );
+}
+
+#[test]
+fn drain_goaway_delays_the_reconnect_and_the_boot_survives_a_broker_change() {
+    let mut b1 = Broker::start(&["--drain", "500ms"]);
+    let listen = b1.listen.to_string();
+    let agent = Agent::start(&b1.url("/agent"), "rig-drain", &["--allow", "echo"]);
+    let boot = agent.boot_id();
+    wait_rig(&b1, "rig-drain", "rig-drain listed", |_| true);
+    assert_eq!(
+        send(&b1, "rig-drain", "echo", json!({"argv": ["before"]})),
+        1
+    );
+    wait_rig(&b1, "rig-drain", "ack of seq 1", |r| r["last_ack_seq"] == 1);
+
+    let drained_at = Instant::now();
+    assert_eq!(b1.http("POST", "/v1/drain", "").0, 202);
+    let (_, line) = agent.wait_line("goaway (reason", Duration::from_secs(5));
+    let ms: u64 = line
+        .split("reconnect in ")
+        .nth(1)
+        .unwrap()
+        .trim_end_matches("ms")
+        .parse()
+        .unwrap();
+    assert!(ms < 500, "{line}");
+    let (reconnected, _) = agent.wait_line("attempt 2", Duration::from_secs(5));
+    assert!(
+        reconnected - drained_at >= Duration::from_millis(ms),
+        "reconnected before the goaway delay ({ms} ms)"
+    );
+    assert!(b1
+        .wait_exit(Duration::from_secs(10))
+        .is_some_and(|s| s.success()));
+
+    // A new broker on the same address: the agent finds it with the same boot; the broker has
+    // no session for it, so seqs restart at 1 and the new seq 1 runs.
+    let b2 = Broker::start(&["--listen", &listen]);
+    let r = wait_rig(&b2, "rig-drain", "rig-drain on the second broker", |_| true);
+    assert_eq!(r["boot_id"], boot.as_str());
+    agent.wait_line("seqs restart at 1", Duration::from_secs(5));
+    assert_eq!(
+        send(&b2, "rig-drain", "echo", json!({"argv": ["after"]})),
+        1
+    );
+    eventually(Duration::from_secs(10), "second exec-log line", || {
+        agent.exec_lines().len() == 2
+    });
+    let lines = agent.exec_lines();
+    assert!(lines.iter().all(|l| l.starts_with("seq=1 ")), "{lines:?}");
+    assert_ne!(
+        lines[0], lines[1],
+        "the two seq=1 commands have different ids"
+    );
+}
+
+/// A scripted broker on a free port, speaking through tungstenite's server side.
+struct FakeBroker {
+    listener: TcpListener,
+}
+
+type ServerWs = WebSocket<TcpStream>;
+
+impl FakeBroker {
+    fn new() -> FakeBroker {
+        FakeBroker {
+            listener: TcpListener::bind("127.0.0.1:0").unwrap(),
+        }
+    }
+
+    fn url(&self) -> String {
+        format!("ws://{}/agent", self.listener.local_addr().unwrap())
+    }
+
+    /// Accepts the next rig connection and returns it with its hello.
+    fn accept(&self) -> (ServerWs, Value) {
+        self.listener.set_nonblocking(true).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let stream = loop {
+            match self.listener.accept() {
+                Ok((stream, _)) => break stream,
+                Err(e) if e.kind() == ErrorKind::WouldBlock && Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(10))
+                }
+                Err(e) => panic!("the agent did not connect: {e}"),
+            }
+        };
+        stream.set_nonblocking(false).unwrap();
+        stream
+            .set_read_timeout(Some(Duration::from_secs(15)))
+            .unwrap();
+        let mut ws = tungstenite::accept(stream).unwrap();
+        let hello = recv(&mut ws);
+        assert_eq!(hello["type"], "hello", "{hello}");
+        (ws, hello)
+    }
+}
+
+fn recv(ws: &mut ServerWs) -> Value {
+    loop {
+        match ws.read().expect("read from agent") {
+            Message::Text(t) => return serde_json::from_str(t.as_str()).unwrap(),
+            Message::Ping(_) | Message::Pong(_) => continue,
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+}
+
+fn push(ws: &mut ServerWs, msg: Value) {
+    ws.send(Message::text(msg.to_string())).unwrap();
+}
+
+fn welcome(ws: &mut ServerWs, resumed: bool) {
+    push(
+        ws,
+        json!({"type": "welcome", "broker_id": "fake", "rig_id": "r", "ping_interval_ms": 20000, "resumed": resumed}),
+    );
+}
+
+fn command(seq: u64, name: &str) -> Value {
+    json!({"type": "command", "seq": seq, "id": format!("cmd-{seq}"), "name": name, "args": {"argv": [format!("#{seq}")]}})
+}
+
+/// Reads until an ack, returning its seq; results on the way are collected into `results`.
+fn recv_ack(ws: &mut ServerWs, results: &mut Vec<Value>) -> u64 {
+    loop {
+        let msg = recv(ws);
+        match msg["type"].as_str() {
+            Some("ack") => return msg["seq"].as_u64().unwrap(),
+            Some("result") => results.push(msg),
+            _ => panic!("unexpected {msg}"),
+        }
+    }
+}
+
+fn close_with(ws: &mut ServerWs, code: u16, reason: &str) {
+    let _ = ws.close(Some(CloseFrame {
+        code: CloseCode::from(code),
+        reason: reason.into(),
+    }));
+    while ws.read().is_ok() {}
+}
+
+#[test]
+fn hello_fields_duplicates_resume_and_seq_gap() {
+    let fake = FakeBroker::new();
+    let mut agent = Agent::start(
+        &fake.url(),
+        "rig-fake",
+        &["--allow", "echo", "--labels", "group=g"],
+    );
+    let (mut ws, hello) = fake.accept();
+    let boot = hello["boot_id"].as_str().unwrap().to_string();
+    assert!(fleetlink::ids::BootId::parse(&boot).is_some(), "{hello}");
+    assert_eq!(hello["rig_id"], "rig-fake");
+    assert_eq!(hello["version"], env!("CARGO_PKG_VERSION"));
+    assert_eq!(hello["labels"], json!({"group": "g"}));
+    assert!(hello.get("last_seq").is_none(), "{hello}");
+    assert!(fleetlink::protocol::parse_client_msg(hello.to_string().as_bytes()).is_ok());
+
+    welcome(&mut ws, false);
+    let mut results = Vec::new();
+    push(&mut ws, command(1, "echo"));
+    assert_eq!(recv_ack(&mut ws, &mut results), 1);
+    // A replay of seq 1 is acked again and not run.
+    push(&mut ws, command(1, "echo"));
+    assert_eq!(recv_ack(&mut ws, &mut results), 1);
+    while results.is_empty() {
+        let msg = recv(&mut ws);
+        assert_eq!(msg["type"], "result", "{msg}");
+        results.push(msg);
+    }
+    assert_eq!(results[0]["seq"], 1);
+    assert_eq!(results[0]["ok"], true);
+    assert_eq!(results[0]["output"]["stdout"], "#1\n");
+    close_with(&mut ws, 1012, "kicked");
+
+    // Same boot, last_seq 1; a replay of 1 then 2: only 2 runs.
+    let (mut ws, hello) = fake.accept();
+    assert_eq!(hello["boot_id"], boot.as_str());
+    assert_eq!(hello["last_seq"], 1);
+    welcome(&mut ws, true);
+    push(&mut ws, command(1, "echo"));
+    push(&mut ws, command(2, "echo"));
+    let mut results = Vec::new();
+    assert_eq!(recv_ack(&mut ws, &mut results), 1);
+    assert_eq!(recv_ack(&mut ws, &mut results), 2);
+    while !results.iter().any(|r| r["seq"] == 2) {
+        results.push(recv(&mut ws));
+    }
+    // Seq 3 never comes: 4 is a gap, and the agent stops with exit code 4.
+    push(&mut ws, command(4, "echo"));
+    let status = agent.wait_exit(Duration::from_secs(10));
+    assert_eq!(status.code(), Some(4), "{}", agent.log());
+    assert!(agent.has_line("SEQ GAP"));
+    let lines = agent.exec_lines();
+    assert_eq!(lines.len(), 2, "{lines:?}");
+    assert!(
+        lines[0].starts_with("seq=1 id=cmd-1 name=echo") && lines[1].starts_with("seq=2 id=cmd-2 "),
+        "{lines:?}"
+    );
+}
+
+#[test]
+fn retry_after_close_and_refusal() {
+    let fake = FakeBroker::new();
+    let mut agent = Agent::start(&fake.url(), "rig-refused", &[]);
+    let (mut ws, _) = fake.accept();
+    close_with(&mut ws, 4503, "retry_after=7");
+    let (_, line) = agent.wait_line("close 4503: retry in ", Duration::from_secs(5));
+    assert!(line.ends_with("(Retry-After: 7)"), "{line}");
+    drop(ws);
+
+    // A newer boot owns this rig id: the agent gives up for good (exit 5), it does not fight.
+    let fake = FakeBroker::new();
+    let mut agent2 = Agent::start(&fake.url(), "rig-refused", &[]);
+    let (mut ws, _) = fake.accept();
+    close_with(&mut ws, 4409, "a newer boot of this rig is connected");
+    assert_eq!(agent2.wait_exit(Duration::from_secs(10)).code(), Some(5));
+    let _ = agent.child.kill();
+    agent.wait_exit(Duration::from_secs(5));
+}
+
+#[test]
+fn unknown_messages_and_garbage_do_not_stop_the_agent() {
+    let fake = FakeBroker::new();
+    let agent = Agent::start(&fake.url(), "rig-odd", &["--allow", "echo"]);
+    let (mut ws, _) = fake.accept();
+    welcome(&mut ws, false);
+    for text in [
+        "not json",
+        "[1,2]",
+        r#"{"type":"news","x":1}"#,
+        r#"{"type":"command","seq":"1"}"#,
+    ] {
+        ws.send(Message::text(text)).unwrap();
+    }
+    ws.send(Message::binary(vec![0u8, 159, 146, 150])).unwrap();
+    push(&mut ws, command(1, "echo"));
+    assert_eq!(recv_ack(&mut ws, &mut Vec::new()), 1);
+    agent.wait_line("ignoring a bad message", Duration::from_secs(5));
+    agent.wait_line(
+        "binary message from the broker, ignored",
+        Duration::from_secs(5),
+    );
+}
+
+#[test]
+fn run_for_stops_with_exit_zero_and_max_attempts_gives_up() {
+    let fake = FakeBroker::new();
+    let mut agent = Agent::start(&fake.url(), "rig-brief", &["--run-for", "1s"]);
+    let (mut ws, _) = fake.accept();
+    welcome(&mut ws, false);
+    assert_eq!(agent.wait_exit(Duration::from_secs(10)).code(), Some(0));
+    // The agent closed politely (1001) rather than dropping the socket.
+    let mut code = None;
+    while let Ok(msg) = ws.read() {
+        if let Message::Close(Some(f)) = msg {
+            code = Some(u16::from(f.code));
+        }
+    }
+    assert_eq!(code, Some(1001));
+
+    let port = TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let mut agent = Agent::start(
+        &format!("ws://127.0.0.1:{port}/agent"),
+        "rig-brief",
+        &["--max-attempts", "1"],
+    );
+    assert_eq!(agent.wait_exit(Duration::from_secs(10)).code(), Some(3));
+}
+
+#[test]
+fn bad_command_lines_exit_64() {
+    for args in [
+        vec!["--url", "http://x/agent", "--rig-id", "r"],
+        vec!["--url", "ws://x/agent", "--rig-id", "bad id"],
+        vec!["--url", "ws://x/agent", "--rig-id", "r", "--ca", "ca.pem"],
+        vec!["--url", "ws://x/agent"],
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_fleetlink-agent"))
+            .args(&args)
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(64), "{args:?}");
+    }
+}
+
+/// Per TLS handshake: the negotiated version and whether the client presented a certificate.
+type Handshakes = Arc<Mutex<Vec<(rustls::ProtocolVersion, bool)>>>;
+
+/// A TLS terminator in front of the broker: rustls server with `versions`, client certificates
+/// required from `ca`; forwards plaintext to `upstream`. Returns its address and, per
+/// handshake, the negotiated version and whether the client presented a certificate.
+fn tls_proxy(
+    upstream: SocketAddr,
+    cert: &Path,
+    key: &Path,
+    ca: &Path,
+    versions: &[&'static rustls::SupportedProtocolVersion],
+) -> (SocketAddr, Handshakes) {
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut roots = rustls::RootCertStore::empty();
+    for c in pem_certs(ca) {
+        roots.add(c).unwrap();
+    }
+    let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(
+        Arc::new(roots),
+        provider.clone(),
+    )
+    .build()
+    .unwrap();
+    let key_pem = std::fs::read(key).unwrap();
+    let key = rustls_pemfile::private_key(&mut key_pem.as_slice())
+        .unwrap()
+        .unwrap();
+    let config = rustls::ServerConfig::builder_with_provider(provider)
+        .with_protocol_versions(versions)
+        .unwrap()
+        .with_client_cert_verifier(verifier)
+        .with_single_cert(pem_certs(cert), key)
+        .unwrap();
+    let config = Arc::new(config);
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let seen2 = seen.clone();
+    std::thread::spawn(move || {
+        for tcp in listener.incoming().map_while(Result::ok) {
+            let config = config.clone();
+            let seen = seen2.clone();
+            std::thread::spawn(move || {
+                let _ = relay(tcp, config, upstream, seen);
+            });
+        }
+    });
+    (addr, seen)
+}
+
+fn relay(
+    tcp: TcpStream,
+    config: Arc<rustls::ServerConfig>,
+    upstream: SocketAddr,
+    seen: Handshakes,
+) -> std::io::Result<()> {
+    let mut tls = rustls::StreamOwned::new(
+        rustls::ServerConnection::new(config).map_err(std::io::Error::other)?,
+        tcp,
+    );
+    tls.sock.set_read_timeout(Some(Duration::from_secs(10)))?;
+    while tls.conn.is_handshaking() {
+        tls.conn.complete_io(&mut tls.sock)?;
+    }
+    let version = tls.conn.protocol_version().unwrap();
+    seen.lock()
+        .unwrap()
+        .push((version, tls.conn.peer_certificates().is_some()));
+    let mut plain = TcpStream::connect(upstream)?;
+    plain.set_read_timeout(Some(Duration::from_millis(5)))?;
+    tls.sock.set_read_timeout(Some(Duration::from_millis(5)))?;
+    let mut buf = [0u8; 16384];
+    let idle = |e: &std::io::Error| matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut);
+    loop {
+        match tls.read(&mut buf) {
+            Ok(0) => return Ok(()),
+            Ok(n) => plain.write_all(&buf[..n])?,
+            Err(e) if idle(&e) => {}
+            Err(e) => return Err(e),
+        }
+        match plain.read(&mut buf) {
+            Ok(0) => return Ok(()),
+            Ok(n) => {
+                tls.write_all(&buf[..n])?;
+                tls.flush()?;
+            }
+            Err(e) if idle(&e) => {}
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+fn pem_certs(path: &Path) -> Vec<rustls::pki_types::CertificateDer<'static>> {
+    let pem = std::fs::read(path).unwrap();
+    rustls_pemfile::certs(&mut pem.as_slice())
+        .collect::<Result<_, _>>()
+        .unwrap()
+}
+
+fn tls_dir() -> (PathBuf, fleetlink::dev_certs::Summary) {
+    static N: AtomicUsize = AtomicUsize::new(0);
+    let dir = std::env::temp_dir().join(format!(
+        "fleetlink-agent-tls-{}-{}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::SeqCst)
+    ));
+    let pki = fleetlink::dev_certs::generate(&dir, 1, &[]).unwrap();
+    (dir, pki)
+}
+
+#[test]
+fn wss_with_mtls_over_tls13_and_tls12() {
+    let b = Broker::start(&[]);
+    let (dir, pki) = tls_dir();
+    let rig_cert = &pki.rigs[0];
+    for (versions, expect) in [
+        (
+            &[&rustls::version::TLS13][..],
+            rustls::ProtocolVersion::TLSv1_3,
+        ),
+        (
+            &[&rustls::version::TLS12][..],
+            rustls::ProtocolVersion::TLSv1_2,
+        ),
+    ] {
+        let (proxy, seen) = tls_proxy(
+            b.listen,
+            &pki.broker_cert,
+            &pki.broker_key,
+            &pki.ca_cert,
+            versions,
+        );
+        let url = format!("wss://localhost:{}/agent", proxy.port());
+        let ca = pki.ca_cert.to_str().unwrap();
+        let (cert, key) = (
+            rig_cert.cert.to_str().unwrap(),
+            rig_cert.key.to_str().unwrap(),
+        );
+        let agent = Agent::start(
+            &url,
+            &rig_cert.rig_id,
+            &[
+                "--ca",
+                ca,
+                "--tls-cert",
+                cert,
+                "--tls-key",
+                key,
+                "--allow",
+                "echo",
+            ],
+        );
+        let boot = agent.boot_id();
+        wait_rig(&b, &rig_cert.rig_id, "rig over TLS", |r| {
+            r["boot_id"] == boot.as_str()
+        });
+        let seq = send(&b, &rig_cert.rig_id, "echo", json!({"argv": ["over tls"]}));
+        wait_rig(&b, &rig_cert.rig_id, "ack over TLS", |r| {
+            r["last_ack_seq"] == seq
+        });
+        assert_eq!(seen.lock().unwrap()[0], (expect, true));
+        drop(agent);
+        b.http("POST", &format!("/v1/rigs/{}/kick", rig_cert.rig_id), "");
+        eventually(Duration::from_secs(10), "rig gone", || {
+            rig(&b, &rig_cert.rig_id).is_none()
+        });
+    }
+
+    // Without a client certificate the terminator refuses the handshake: no connection.
+    let (proxy, _) = tls_proxy(
+        b.listen,
+        &pki.broker_cert,
+        &pki.broker_key,
+        &pki.ca_cert,
+        rustls::ALL_VERSIONS,
+    );
+    let url = format!("wss://localhost:{}/agent", proxy.port());
+    let mut agent = Agent::start(
+        &url,
+        "rig-anon",
+        &["--ca", pki.ca_cert.to_str().unwrap(), "--max-attempts", "1"],
+    );
+    assert_eq!(agent.wait_exit(Duration::from_secs(10)).code(), Some(3));
+    assert!(rig(&b, "rig-anon").is_none());
+    // And an agent that does not trust the broker's CA never sends its hello.
+    let other = tls_dir();
+    let mut agent = Agent::start(
+        &url,
+        "rig-0001",
+        &[
+            "--ca",
+            other.1.ca_cert.to_str().unwrap(),
+            "--tls-cert",
+            rig_cert.cert.to_str().unwrap(),
+            "--tls-key",
+            rig_cert.key.to_str().unwrap(),
+            "--max-attempts",
+            "1",
+        ],
+    );
+    assert_eq!(agent.wait_exit(Duration::from_secs(10)).code(), Some(3));
+    assert!(agent.has_line("certificate"), "{}", agent.log());
+    let _ = std::fs::remove_dir_all(dir);
+    let _ = std::fs::remove_dir_all(other.0);
+}

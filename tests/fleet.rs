@@ -1,0 +1,326 @@
+//! Fleet mode: two real brokers and a real redis-server (each on a free port). Control talks
+//! only to Redis, as `redis-cli`/redis-py would (CONTRACT.md §3, §4).
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::broker::{boot_id, eventually, hello, read_close, read_json, Broker};
+use common::redis::RedisServer;
+use fleetlink::registry::pubsub::Subscriber;
+use redis::{Commands, IntoConnectionInfo};
+use serde_json::{json, Value};
+use tungstenite::Message;
+
+fn fleet_broker(redis: &RedisServer, id: &str, extra: &[&str]) -> Broker {
+    let url = redis.url();
+    let mut args = vec!["--redis", url.as_str(), "--broker-id", id];
+    args.extend_from_slice(extra);
+    let b = Broker::start(&args);
+    eventually(Duration::from_secs(10), "broker ready", || {
+        b.http("GET", "/readyz", "").0 == 200
+    });
+    b
+}
+
+/// A subscription that stays subscribed (redis-rs's `PubSub` unsubscribes when dropped).
+struct Listener(Subscriber, std::collections::VecDeque<Value>);
+
+impl Listener {
+    fn new(redis: &RedisServer, channel: &str) -> Listener {
+        let info = redis.url().into_connection_info().unwrap();
+        let mut sub =
+            Subscriber::connect(&info, &[channel.to_string()], Duration::from_secs(5)).unwrap();
+        eventually(Duration::from_secs(5), "subscribed", || {
+            sub.read().unwrap();
+            sub.confirmed == 1
+        });
+        Listener(sub, Default::default())
+    }
+
+    /// The next `n` messages, polling with a deadline.
+    fn next(&mut self, n: usize, limit: Duration) -> Vec<Value> {
+        let deadline = Instant::now() + limit;
+        while self.1.len() < n {
+            for push in self.0.read().unwrap() {
+                self.1
+                    .push_back(serde_json::from_slice(&push.payload).unwrap());
+            }
+            assert!(
+                Instant::now() < deadline,
+                "only {} of {n} messages in time",
+                self.1.len()
+            );
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        self.1.drain(..n).collect()
+    }
+}
+
+/// A control client: subscribes to a fresh reply channel first, then publishes requests.
+struct Control {
+    con: redis::Connection,
+    sub: Listener,
+    reply_to: String,
+}
+
+impl Control {
+    fn new(redis: &RedisServer) -> Control {
+        let reply_to = format!("fleetlink:reply:{}", boot_id());
+        let sub = Listener::new(redis, &reply_to);
+        Control {
+            con: redis.client().get_connection().unwrap(),
+            sub,
+            reply_to,
+        }
+    }
+
+    fn publish(&mut self, channel: &str, msg: Value) {
+        let _: i64 = self.con.publish(channel, msg.to_string()).unwrap();
+    }
+
+    fn replies(&mut self, n: usize, limit: Duration) -> Vec<Value> {
+        self.sub.next(n, limit)
+    }
+
+    fn command(&mut self, broker: &str, rig: &str, name: &str, args: Value) -> Value {
+        let reply_to = self.reply_to.clone();
+        let msg = json!({"type":"command","id":boot_id(),"rig_id":rig,"name":name,"args":args,"reply_to":reply_to});
+        self.publish(&format!("fleetlink:broker:{broker}"), msg);
+        self.replies(1, Duration::from_secs(5)).remove(0)
+    }
+}
+
+fn owner(redis: &RedisServer, rig: &str) -> Option<String> {
+    redis.connection().get(format!("rig:{rig}")).unwrap()
+}
+
+#[test]
+fn commands_through_redis_arrive_in_order_and_acks_become_events() {
+    let redis = RedisServer::start();
+    let a = fleet_broker(&redis, "fe-a", &[]);
+    let (mut ws, boot, _) = a.rig("rig-0414");
+    assert_eq!(owner(&redis, "rig-0414"), Some(format!("{boot}|fe-a")));
+    let mut events = Listener::new(&redis, "fleetlink:events");
+    let mut ctl = Control::new(&redis);
+    let reply_to = ctl.reply_to.clone();
+    for i in 0..1000 {
+        let msg = json!({"type":"command","id":format!("c{i}"),"rig_id":"rig-0414","name":"n","args":{"i":i},"reply_to":reply_to});
+        ctl.publish("fleetlink:broker:fe-a", msg);
+    }
+    let replies = ctl.replies(1000, Duration::from_secs(10));
+    for (i, r) in replies.iter().enumerate() {
+        assert_eq!(r["ok"], true, "{r}");
+        assert_eq!(r["id"], format!("c{i}"));
+        assert_eq!(r["seq"], i + 1);
+    }
+    for i in 0..1000u64 {
+        let cmd = read_json(&mut ws);
+        assert_eq!(cmd["seq"], i + 1);
+        assert_eq!(cmd["args"]["i"], i);
+        ws.send(Message::Text(
+            json!({"type":"ack","seq":i + 1}).to_string().into(),
+        ))
+        .unwrap();
+    }
+    let mut acks = 0;
+    while acks < 1000 {
+        let ev = events.next(1, Duration::from_secs(10)).remove(0);
+        if ev["type"] == "ack" {
+            acks += 1;
+            assert_eq!(ev["seq"], acks);
+            assert_eq!(ev["rig_id"], "rig-0414");
+        }
+    }
+    // Unknown rig on this broker, and a bad request, get the contract's errors.
+    assert_eq!(
+        ctl.command("fe-a", "rig-nobody", "x", json!({}))["error"],
+        "rig_not_connected"
+    );
+    assert_eq!(
+        ctl.command("fe-a", "rig-0414", "", json!({}))["error"],
+        "bad_request"
+    );
+}
+
+#[test]
+fn broadcast_reaches_exactly_the_matching_rigs_on_both_brokers() {
+    let redis = RedisServer::start();
+    let a = fleet_broker(&redis, "fe-a", &[]);
+    let b = fleet_broker(&redis, "fe-b", &[]);
+    let mut rigs = Vec::new();
+    for (broker, rig, lab) in [
+        (&a, "r-a1", "x"),
+        (&a, "r-a2", "y"),
+        (&b, "r-b1", "x"),
+        (&b, "r-b2", "x"),
+    ] {
+        let mut ws = broker.connect("/agent");
+        hello(&mut ws, rig, &boot_id(), json!({"lab": lab}));
+        rigs.push((rig, lab, ws));
+    }
+    let mut ctl = Control::new(&redis);
+    let msg = json!({"type":"command","id":"b1","selector":{"lab":"x"},"name":"fw","args":{},"reply_to":ctl.reply_to});
+    ctl.publish("fleetlink:broadcast", msg);
+    let mut replies = ctl.replies(2, Duration::from_secs(10));
+    replies.sort_by_key(|r| r["broker_id"].as_str().unwrap().to_string());
+    assert_eq!(replies[0]["broker_id"], "fe-a");
+    assert_eq!(replies[0]["matched"], 1);
+    assert_eq!(replies[0]["enqueued"], 1);
+    assert_eq!(replies[1]["matched"], 2);
+    assert_eq!(replies[1]["enqueued"], 2);
+    for (rig, lab, ws) in &mut rigs {
+        if *lab == "x" {
+            assert_eq!(read_json(ws)["name"], "fw", "{rig}");
+        } else {
+            let s = match ws.get_mut() {
+                tungstenite::stream::MaybeTlsStream::Plain(s) => s,
+                _ => unreachable!(),
+            };
+            s.set_read_timeout(Some(Duration::from_millis(300)))
+                .unwrap();
+            assert!(ws.read().is_err(), "{rig} must not get the broadcast");
+        }
+    }
+}
+
+#[test]
+fn ownership_converges_across_brokers() {
+    let redis = RedisServer::start();
+    let a = fleet_broker(&redis, "fe-a", &[]);
+    let b = fleet_broker(&redis, "fe-b", &[]);
+    let boot = boot_id();
+    let mut on_a = a.connect("/agent");
+    hello(&mut on_a, "rig-7", &boot, json!({}));
+    // Same boot on another broker: the new owner evicts the old socket at once.
+    let started = Instant::now();
+    let mut on_b = b.connect("/agent");
+    hello(&mut on_b, "rig-7", &boot, json!({}));
+    assert_eq!(read_close(&mut on_a), 4410);
+    assert!(
+        started.elapsed() < Duration::from_secs(1),
+        "{:?}",
+        started.elapsed()
+    );
+    assert_eq!(owner(&redis, "rig-7"), Some(format!("{boot}|fe-b")));
+    // An older boot anywhere is refused and writes nothing.
+    let mut older = a.connect("/agent");
+    let old = "01890a5d-ac96-774b-bcce-b302099a8057";
+    older
+        .send(Message::Text(
+            json!({"type":"hello","rig_id":"rig-7","boot_id":old,"version":"t"})
+                .to_string()
+                .into(),
+        ))
+        .unwrap();
+    assert_eq!(read_close(&mut older), 4409);
+    assert_eq!(owner(&redis, "rig-7"), Some(format!("{boot}|fe-b")));
+    // A clean close releases the key.
+    on_b.close(None).unwrap();
+    eventually(Duration::from_secs(5), "key released", || {
+        owner(&redis, "rig-7").is_none()
+    });
+}
+
+#[test]
+fn a_stale_refresh_closes_4410() {
+    let redis = RedisServer::start();
+    let a = fleet_broker(
+        &redis,
+        "fe-03",
+        &["--registry-refresh", "100ms", "--registry-ttl", "2s"],
+    );
+    let (mut ws, _, _) = a.rig("rig-race");
+    // fe_07 took the rig over (as its hello script would), but fe_03 never heard an evict.
+    let newer = boot_id();
+    let _: () = redis
+        .connection()
+        .set(format!("rig:rig-race"), format!("{newer}|fe-07"))
+        .unwrap();
+    assert_eq!(read_close(&mut ws), 4410);
+    assert_eq!(
+        owner(&redis, "rig-race"),
+        Some(format!("{newer}|fe-07")),
+        "fe-03 must not touch fe-07's entry"
+    );
+}
+
+#[test]
+fn a_crashed_brokers_keys_expire_by_ttl() {
+    let redis = RedisServer::start();
+    let mut a = fleet_broker(
+        &redis,
+        "fe-a",
+        &["--registry-ttl", "1s", "--registry-refresh", "200ms"],
+    );
+    let (_ws, _, _) = a.rig("rig-orphan");
+    assert!(owner(&redis, "rig-orphan").is_some());
+    let live: bool = redis.connection().exists("broker:fe-a").unwrap();
+    assert!(live);
+    unsafe { libc::kill(a.pid() as i32, libc::SIGKILL) };
+    a.wait_exit(Duration::from_secs(5));
+    eventually(Duration::from_secs(5), "lease expired", || {
+        owner(&redis, "rig-orphan").is_none()
+    });
+}
+
+#[test]
+fn readiness_follows_redis_and_rigs_survive_an_outage() {
+    let mut redis = RedisServer::start();
+    let a = fleet_broker(&redis, "fe-a", &["--registry-refresh", "200ms"]);
+    let (mut ws, boot, _) = a.rig("rig-steady");
+    redis.kill9();
+    eventually(Duration::from_secs(10), "readyz 503", || {
+        a.http("GET", "/readyz", "").0 == 503
+    });
+    // Local control keeps working through the admin API.
+    let (status, reply) = a.command("rig-steady", "still-here", json!({}));
+    assert_eq!(status, 200, "{reply}");
+    assert_eq!(read_json(&mut ws)["name"], "still-here");
+    redis.restart();
+    eventually(Duration::from_secs(15), "readyz 200 again", || {
+        a.http("GET", "/readyz", "").0 == 200
+    });
+    // The fresh, empty Redis has the lease again (re-asserted by the refresh).
+    eventually(Duration::from_secs(5), "lease restored", || {
+        owner(&redis, "rig-steady") == Some(format!("{boot}|fe-a"))
+    });
+    let mut ctl = Control::new(&redis);
+    assert_eq!(
+        ctl.command("fe-a", "rig-steady", "after", json!({}))["ok"],
+        true
+    );
+}
+
+#[test]
+fn a_stuck_rig_gets_rig_unresponsive_and_memory_stays_bounded() {
+    let redis = RedisServer::start();
+    let a = fleet_broker(&redis, "fe-a", &["--outbox", "8"]);
+    let (_ws, _, _) = a.rig("rig-stuck");
+    let rss_before = a.rss();
+    let mut ctl = Control::new(&redis);
+    let blob = "x".repeat(60_000);
+    let mut last = Value::Null;
+    for _ in 0..3000 {
+        last = ctl.command("fe-a", "rig-stuck", "blob", json!({"data": blob}));
+        if last["ok"] == false {
+            break;
+        }
+    }
+    assert_eq!(last["error"], "rig_unresponsive", "{last}");
+    assert!(last["detail"]
+        .as_str()
+        .unwrap()
+        .starts_with("outbox full (8/8)"));
+    assert_eq!(last["suggested_action"], "force_reconnect");
+    // Keep pushing: every further command is refused, and memory does not grow with them.
+    for _ in 0..200 {
+        assert_eq!(
+            ctl.command("fe-a", "rig-stuck", "blob", json!({"data": blob}))["error"],
+            "rig_unresponsive"
+        );
+    }
+    let grown = a.rss().saturating_sub(rss_before);
+    // Bounded by outbox (8) + unacked memory (8 × 8) commands of 60 KB, plus allocator slack.
+    assert!(grown < 32 << 20, "RSS grew by {grown} bytes");
+}

@@ -1,0 +1,750 @@
+//! fleetctl end to end: the built binary against a throwaway redis-server with fake brokers
+//! (fleet mode), and against the real `fleetlink-fe` in standalone mode (admin API).
+
+mod common;
+
+use std::process::{Command, Output, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use common::broker::{boot_id, hello, read_close, read_json, Broker};
+use common::redis::RedisServer;
+use serde_json::{json, Value};
+
+/// What one fleetctl run left behind.
+struct Run {
+    code: i32,
+    stdout: String,
+    stderr: String,
+}
+
+impl Run {
+    fn from(out: Output) -> Run {
+        Run {
+            code: out.status.code().unwrap_or(-1),
+            stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+            stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+        }
+    }
+
+    /// stdout as JSON lines.
+    fn lines(&self) -> Vec<Value> {
+        self.stdout
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON: {l:?}: {e}")))
+            .collect()
+    }
+
+    fn assert_code(&self, code: i32) -> &Run {
+        assert_eq!(
+            self.code, code,
+            "exit code\nstdout:\n{}\nstderr:\n{}",
+            self.stdout, self.stderr
+        );
+        assert!(
+            !self.stderr.contains("panicked"),
+            "fleetctl panicked:\n{}",
+            self.stderr
+        );
+        self
+    }
+}
+
+/// fleetctl with a clean environment (no FLEETCTL_* from the caller's shell).
+fn fleetctl_cmd(args: &[&str]) -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_fleetctl"));
+    cmd.args(args)
+        .env_remove("FLEETCTL_REDIS")
+        .env_remove("FLEETCTL_ADMIN")
+        .stdin(Stdio::null());
+    cmd
+}
+
+fn fleetctl(args: &[&str]) -> Run {
+    Run::from(fleetctl_cmd(args).output().expect("run fleetctl"))
+}
+
+/// A stand-in for a fleet-mode broker: subscribes to its channel and `fleetlink:broadcast`,
+/// records every message, and answers them unless silent.
+struct FakeBroker {
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+    /// Every message received, in order.
+    seen: mpsc::Receiver<Value>,
+}
+
+impl FakeBroker {
+    /// Starts answering as `id`; `matched` is what its broadcast replies report.
+    fn start(redis: &RedisServer, id: &str, answer: bool, matched: u64) -> FakeBroker {
+        let mut con = redis.connection();
+        let blob = json!({"broker_id": id, "address": "127.0.0.1:8080", "cores": 2,
+                          "started_at": "2026-01-01T00:00:00.000Z", "connections": matched});
+        let _: () = redis::cmd("SET")
+            .arg(format!("broker:{id}"))
+            .arg(blob.to_string())
+            .arg("PX")
+            .arg(30_000)
+            .query(&mut con)
+            .unwrap();
+        let stop = Arc::new(AtomicBool::new(false));
+        let (seen_tx, seen) = mpsc::channel();
+        let (ready_tx, ready_rx) = mpsc::channel();
+        let mut sub_con = redis.connection();
+        let mut pub_con = redis.connection();
+        let id = id.to_owned();
+        let thread = std::thread::spawn({
+            let stop = stop.clone();
+            move || {
+                let mut sub = sub_con.as_pubsub();
+                sub.subscribe(vec![
+                    format!("fleetlink:broker:{id}"),
+                    "fleetlink:broadcast".to_owned(),
+                ])
+                .unwrap();
+                sub.set_read_timeout(Some(Duration::from_millis(50)))
+                    .unwrap();
+                ready_tx.send(()).unwrap();
+                while !stop.load(Ordering::SeqCst) {
+                    let msg = match sub.get_message() {
+                        Ok(msg) => msg,
+                        Err(e) if e.is_timeout() => continue,
+                        Err(e) => panic!("fake broker lost redis: {e}"),
+                    };
+                    let payload: String = msg.get_payload().unwrap();
+                    let m: Value = serde_json::from_str(&payload).unwrap();
+                    let _ = seen_tx.send(m.clone());
+                    if !answer {
+                        continue;
+                    }
+                    let reply = match (m["type"].as_str(), m.get("selector")) {
+                        (Some("command"), Some(_)) => {
+                            json!({"id": m["id"], "ok": true, "broker_id": id,
+                            "matched": matched, "enqueued": matched, "failed": []})
+                        }
+                        (Some("command"), None) => {
+                            json!({"id": m["id"], "ok": true, "rig_id": m["rig_id"], "seq": 1})
+                        }
+                        (Some("kick"), _) => {
+                            json!({"id": m["id"], "ok": true, "rig_id": m["rig_id"]})
+                        }
+                        _ => continue,
+                    };
+                    let to = m["reply_to"].as_str().unwrap().to_owned();
+                    let _: i64 = redis::cmd("PUBLISH")
+                        .arg(to)
+                        .arg(reply.to_string())
+                        .query(&mut pub_con)
+                        .unwrap();
+                }
+            }
+        });
+        ready_rx
+            .recv_timeout(Duration::from_secs(10))
+            .expect("fake broker subscribed");
+        FakeBroker {
+            stop,
+            thread: Some(thread),
+            seen,
+        }
+    }
+
+    /// The next message it received (within 5 s).
+    fn next(&self) -> Value {
+        self.seen
+            .recv_timeout(Duration::from_secs(5))
+            .expect("fake broker got a message")
+    }
+}
+
+impl Drop for FakeBroker {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Registers `rig` on `broker` the way the hello script would.
+fn register(redis: &RedisServer, rig: &str, broker: &str) -> String {
+    let boot = boot_id();
+    let mut con = redis.connection();
+    let _: () = redis::cmd("SET")
+        .arg(format!("rig:{rig}"))
+        .arg(format!("{boot}|{broker}"))
+        .arg("PX")
+        .arg(60_000)
+        .query(&mut con)
+        .unwrap();
+    boot
+}
+
+#[test]
+fn redis_send_prints_the_reply() {
+    let redis = RedisServer::start();
+    let fe = FakeBroker::start(&redis, "fe-t", true, 0);
+    register(&redis, "rig-1", "fe-t");
+    let run = fleetctl(&[
+        "--redis",
+        &redis.url(),
+        "--json",
+        "send",
+        "rig-1",
+        "reboot",
+        "--args",
+        r#"{"delay":3}"#,
+    ]);
+    run.assert_code(0);
+    let cmd = fe.next();
+    assert_eq!(cmd["type"], "command");
+    assert_eq!(cmd["rig_id"], "rig-1");
+    assert_eq!(cmd["name"], "reboot");
+    assert_eq!(cmd["args"], json!({"delay": 3}));
+    let id = cmd["id"].as_str().unwrap();
+    assert_eq!(cmd["reply_to"], format!("fleetlink:reply:{id}"));
+    assert_eq!(
+        run.lines(),
+        vec![json!({"id": id, "ok": true, "rig_id": "rig-1", "seq": 1})]
+    );
+
+    let human = fleetctl(&["--redis", &redis.url(), "send", "rig-1", "reboot"]);
+    human.assert_code(0);
+    assert!(
+        human.stdout.starts_with("rig-1: enqueued as seq 1"),
+        "{}",
+        human.stdout
+    );
+}
+
+#[test]
+fn redis_send_to_unknown_rig_exits_2() {
+    let redis = RedisServer::start();
+    let run = fleetctl(&[
+        "--redis",
+        &redis.url(),
+        "--json",
+        "send",
+        "nobody",
+        "reboot",
+    ]);
+    run.assert_code(2);
+    let reply = &run.lines()[0];
+    assert_eq!(reply["ok"], false);
+    assert_eq!(reply["error"], "rig_not_connected");
+    assert_eq!(reply["rig_id"], "nobody");
+}
+
+#[test]
+fn redis_send_to_a_gone_broker_is_rig_not_connected() {
+    let redis = RedisServer::start();
+    register(&redis, "rig-1", "fe-dead");
+    let run = fleetctl(&["--redis", &redis.url(), "--json", "send", "rig-1", "reboot"]);
+    run.assert_code(2);
+    let reply = &run.lines()[0];
+    assert_eq!(reply["error"], "rig_not_connected");
+    assert!(
+        reply["detail"].as_str().unwrap().contains("fe-dead"),
+        "{reply}"
+    );
+}
+
+#[test]
+fn redis_send_to_a_silent_broker_times_out() {
+    let redis = RedisServer::start();
+    let fe = FakeBroker::start(&redis, "fe-t", false, 0);
+    register(&redis, "rig-1", "fe-t");
+    let started = Instant::now();
+    let run = fleetctl(&[
+        "--redis",
+        &redis.url(),
+        "--json",
+        "send",
+        "rig-1",
+        "reboot",
+        "--timeout",
+        "400ms",
+    ]);
+    let took = started.elapsed();
+    run.assert_code(3);
+    assert!(
+        took >= Duration::from_millis(400),
+        "gave up early: {took:?}"
+    );
+    assert!(
+        took < Duration::from_secs(4),
+        "timeout not honoured: {took:?}"
+    );
+    assert_eq!(fe.next()["name"], "reboot");
+    let reply = &run.lines()[0];
+    assert_eq!(reply["error"], "timeout");
+}
+
+#[test]
+fn redis_kick_publishes_a_kick() {
+    let redis = RedisServer::start();
+    let fe = FakeBroker::start(&redis, "fe-t", true, 0);
+    register(&redis, "rig-1", "fe-t");
+    let run = fleetctl(&["--redis", &redis.url(), "--json", "kick", "rig-1"]);
+    run.assert_code(0);
+    let kick = fe.next();
+    assert_eq!(kick["type"], "kick");
+    assert_eq!(kick["rig_id"], "rig-1");
+    assert!(kick.get("reply_to").is_some());
+    assert_eq!(run.lines()[0]["ok"], true);
+}
+
+#[test]
+fn redis_broadcast_collects_one_reply_per_broker() {
+    let redis = RedisServer::start();
+    let a = FakeBroker::start(&redis, "fe-a", true, 2);
+    let b = FakeBroker::start(&redis, "fe-b", true, 1);
+    let run = fleetctl(&[
+        "--redis",
+        &redis.url(),
+        "--json",
+        "send",
+        "--selector",
+        "group=lab,site=b",
+        "update",
+        "--args",
+        r#"{"v":2}"#,
+    ]);
+    run.assert_code(0);
+    for fe in [&a, &b] {
+        let m = fe.next();
+        assert_eq!(m["type"], "command");
+        assert_eq!(m["selector"], json!({"group": "lab", "site": "b"}));
+        assert_eq!(m["name"], "update");
+        assert_eq!(m["args"], json!({"v": 2}));
+    }
+    let mut replies = run.lines();
+    replies.sort_by_key(|r| r["broker_id"].as_str().unwrap().to_owned());
+    assert_eq!(replies.len(), 2);
+    assert_eq!(
+        (
+            replies[0]["broker_id"].as_str(),
+            replies[0]["matched"].as_u64()
+        ),
+        (Some("fe-a"), Some(2))
+    );
+    assert_eq!(
+        (
+            replies[1]["broker_id"].as_str(),
+            replies[1]["matched"].as_u64()
+        ),
+        (Some("fe-b"), Some(1))
+    );
+
+    let human = fleetctl(&[
+        "--redis",
+        &redis.url(),
+        "send",
+        "--selector",
+        "group=lab",
+        "update",
+    ]);
+    human.assert_code(0);
+    assert!(
+        human
+            .stdout
+            .contains("total: 2/2 brokers replied, 3 matched, 3 enqueued, 0 failed"),
+        "{}",
+        human.stdout
+    );
+}
+
+#[test]
+fn redis_broadcast_with_a_silent_live_broker_exits_3() {
+    let redis = RedisServer::start();
+    let _a = FakeBroker::start(&redis, "fe-a", true, 2);
+    let _quiet = FakeBroker::start(&redis, "fe-quiet", false, 0);
+    let run = fleetctl(&[
+        "--redis",
+        &redis.url(),
+        "--json",
+        "send",
+        "--selector",
+        "group=lab",
+        "x",
+        "--timeout",
+        "500ms",
+    ]);
+    run.assert_code(3);
+    let lines = run.lines();
+    assert_eq!(lines.len(), 2, "{lines:?}");
+    let quiet = lines
+        .iter()
+        .find(|l| l["broker_id"] == "fe-quiet")
+        .expect("missing broker reported");
+    assert_eq!(quiet["error"], "timeout");
+}
+
+#[test]
+fn redis_status_tells_live_from_dead_brokers() {
+    let redis = RedisServer::start();
+    let _fe = FakeBroker::start(&redis, "fe-t", true, 5);
+    let boot = register(&redis, "rig-live", "fe-t");
+    register(&redis, "rig-stale", "fe-dead");
+
+    let live = fleetctl(&["--redis", &redis.url(), "--json", "status", "rig-live"]);
+    live.assert_code(0);
+    let s = &live.lines()[0];
+    assert_eq!(s["boot_id"], boot.as_str());
+    assert_eq!(s["broker_id"], "fe-t");
+    assert_eq!(s["broker_live"], true);
+    assert_eq!(s["broker"]["connections"], 5);
+    assert!(s["ttl_ms"].as_i64().unwrap() > 0);
+
+    let dead = fleetctl(&["--redis", &redis.url(), "--json", "status", "rig-stale"]);
+    dead.assert_code(0);
+    assert_eq!(dead.lines()[0]["broker_live"], false);
+    let human = fleetctl(&["--redis", &redis.url(), "status", "rig-stale"]);
+    assert!(human.stdout.contains("fe-dead (dead"), "{}", human.stdout);
+
+    fleetctl(&["--redis", &redis.url(), "status", "rig-none"]).assert_code(2);
+}
+
+#[test]
+fn redis_list_pages_over_2500_rigs() {
+    let redis = RedisServer::start();
+    let mut con = redis.connection();
+    let mut pipe = redis::pipe();
+    for i in 0..2500 {
+        pipe.cmd("SET")
+            .arg(format!("rig:rig-{i:04}"))
+            .arg(format!("{}|fe-{}", boot_id(), i % 3))
+            .ignore();
+    }
+    pipe.cmd("SET").arg("broker:fe-0").arg("{}").ignore();
+    let _: () = pipe.query(&mut con).unwrap();
+
+    let mut seen = std::collections::BTreeSet::new();
+    let (mut cursor, mut pages) = (0u64, 0);
+    loop {
+        let run = fleetctl(&[
+            "--redis",
+            &redis.url(),
+            "--json",
+            "list",
+            "--page-size",
+            "400",
+            "--cursor",
+            &cursor.to_string(),
+        ]);
+        run.assert_code(0);
+        let mut lines = run.lines();
+        let last = lines.pop().expect("cursor line");
+        for row in &lines {
+            assert!(
+                row["boot_id"].as_str().unwrap().len() == 36
+                    && row["broker_id"].as_str().unwrap().starts_with("fe-")
+            );
+            seen.insert(row["rig_id"].as_str().unwrap().to_owned());
+        }
+        pages += 1;
+        cursor = last["next_cursor"].as_u64().expect("next_cursor");
+        if cursor == 0 {
+            break;
+        }
+        assert!(pages < 100, "paging does not end");
+    }
+    assert_eq!(seen.len(), 2500);
+    assert!(pages >= 6, "pages of ~400 expected, got {pages}");
+
+    let human = fleetctl(&["--redis", &redis.url(), "list", "--page-size", "10"]);
+    human.assert_code(0);
+    assert!(human.stdout.starts_with("RIG"), "{}", human.stdout);
+    assert!(human.stdout.contains("next: --cursor"), "{}", human.stdout);
+}
+
+#[test]
+fn redis_brokers_lists_live_broker_keys() {
+    let redis = RedisServer::start();
+    let _a = FakeBroker::start(&redis, "fe-a", true, 7);
+    let run = fleetctl(&["--redis", &redis.url(), "--json", "brokers"]);
+    run.assert_code(0);
+    let rows = run.lines();
+    assert_eq!(rows.len(), 1);
+    assert_eq!(rows[0]["broker_id"], "fe-a");
+    assert_eq!(rows[0]["connections"], 7);
+    assert!(rows[0]["ttl_ms"].as_i64().unwrap() > 20_000);
+}
+
+#[test]
+fn redis_events_tail_stops_after_count() {
+    let redis = RedisServer::start();
+    let mut con = redis.connection();
+    let child = fleetctl_cmd(&[
+        "--redis",
+        &redis.url(),
+        "--json",
+        "events",
+        "--count",
+        "2",
+        "--for",
+        "20s",
+    ])
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped())
+    .spawn()
+    .unwrap();
+    common::broker::eventually(Duration::from_secs(10), "fleetctl subscribed", || {
+        let subs: (String, i64) = redis::cmd("PUBSUB")
+            .arg("NUMSUB")
+            .arg("fleetlink:events")
+            .query(&mut con)
+            .unwrap();
+        subs.1 == 1
+    });
+    let events = [
+        json!({"type": "connected", "rig_id": "rig-1", "boot_id": boot_id(), "broker_id": "fe-t", "at": "2026-01-01T00:00:00.000Z"}),
+        json!({"type": "disconnected", "rig_id": "rig-1", "code": 1012, "reason": "kick", "at": "2026-01-01T00:00:01.000Z"}),
+        json!({"type": "ack", "rig_id": "rig-1", "seq": 1}),
+    ];
+    for e in &events {
+        let _: i64 = redis::cmd("PUBLISH")
+            .arg("fleetlink:events")
+            .arg(e.to_string())
+            .query(&mut con)
+            .unwrap();
+    }
+    let run = Run::from(child.wait_with_output().unwrap());
+    run.assert_code(0);
+    assert_eq!(run.lines(), events[..2].to_vec());
+
+    // Human lines, and a window that ends before the count: exit 3.
+    let child = fleetctl_cmd(&[
+        "--redis",
+        &redis.url(),
+        "events",
+        "--count",
+        "5",
+        "--for",
+        "1500ms",
+    ])
+    .stdout(Stdio::piped())
+    .spawn()
+    .unwrap();
+    common::broker::eventually(Duration::from_secs(10), "fleetctl subscribed", || {
+        let subs: (String, i64) = redis::cmd("PUBSUB")
+            .arg("NUMSUB")
+            .arg("fleetlink:events")
+            .query(&mut con)
+            .unwrap();
+        subs.1 == 1
+    });
+    let _: i64 = redis::cmd("PUBLISH")
+        .arg("fleetlink:events")
+        .arg(events[1].to_string())
+        .query(&mut con)
+        .unwrap();
+    let run = Run::from(child.wait_with_output().unwrap());
+    run.assert_code(3);
+    assert_eq!(
+        run.stdout.trim(),
+        "2026-01-01T00:00:01.000Z disconnected rig-1 code=1012 reason=kick"
+    );
+
+    fleetctl(&["--redis", &redis.url(), "events", "--for", "200ms"]).assert_code(0);
+}
+
+#[test]
+fn redis_unreachable_is_a_clear_error() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let run = fleetctl(&[
+        "--redis",
+        &format!("redis://127.0.0.1:{port}/"),
+        "send",
+        "rig-1",
+        "reboot",
+    ]);
+    run.assert_code(2);
+    assert!(
+        run.stderr.contains("cannot connect to Redis"),
+        "{}",
+        run.stderr
+    );
+}
+
+#[test]
+fn admin_send_reaches_the_rig() {
+    let b = Broker::start(&["--cores", "1"]);
+    let (mut ws, _boot, _) = b.rig("rig-a");
+    let admin = format!("http://{}", b.admin);
+    let run = fleetctl(&[
+        "--admin",
+        &admin,
+        "--json",
+        "send",
+        "rig-a",
+        "reboot",
+        "--args",
+        r#"{"n":1}"#,
+    ]);
+    run.assert_code(0);
+    let reply = &run.lines()[0];
+    assert_eq!(
+        (
+            reply["ok"].as_bool(),
+            reply["rig_id"].as_str(),
+            reply["seq"].as_u64()
+        ),
+        (Some(true), Some("rig-a"), Some(1))
+    );
+    let cmd = read_json(&mut ws);
+    assert_eq!(cmd["type"], "command");
+    assert_eq!(cmd["name"], "reboot");
+    assert_eq!(cmd["args"], json!({"n": 1}));
+    assert_eq!(cmd["seq"], 1);
+    assert_eq!(cmd["id"], reply["id"]);
+}
+
+#[test]
+fn admin_send_to_unknown_rig_exits_2() {
+    let b = Broker::start(&["--cores", "1"]);
+    let admin = format!("http://{}", b.admin);
+    let run = fleetctl(&["--admin", &admin, "--json", "send", "nobody", "reboot"]);
+    run.assert_code(2);
+    assert_eq!(run.lines()[0]["error"], "rig_not_connected");
+    // Env selects the plane too.
+    let run = Run::from(
+        fleetctl_cmd(&["send", "nobody", "reboot"])
+            .env("FLEETCTL_ADMIN", &admin)
+            .output()
+            .unwrap(),
+    );
+    run.assert_code(2);
+    assert!(
+        run.stdout.starts_with("nobody: rig_not_connected"),
+        "{}",
+        run.stdout
+    );
+}
+
+#[test]
+fn admin_kick_closes_the_rig_with_1012() {
+    let b = Broker::start(&["--cores", "1"]);
+    let (mut ws, _boot, _) = b.rig("rig-k");
+    let run = fleetctl(&["--admin", &format!("http://{}", b.admin), "kick", "rig-k"]);
+    run.assert_code(0);
+    assert_eq!(read_close(&mut ws), 1012);
+}
+
+#[test]
+fn admin_status_list_and_selector() {
+    let b = Broker::start(&["--cores", "1"]);
+    let admin = format!("http://{}", b.admin);
+    let mut lab = b.connect("/agent");
+    hello(&mut lab, "rig-lab", &boot_id(), json!({"group": "lab"}));
+    let mut other = b.connect("/agent");
+    hello(
+        &mut other,
+        "rig-other",
+        &boot_id(),
+        json!({"group": "other"}),
+    );
+
+    let status = fleetctl(&["--admin", &admin, "--json", "status", "rig-lab"]);
+    status.assert_code(0);
+    assert_eq!(status.lines()[0]["labels"], json!({"group": "lab"}));
+    fleetctl(&["--admin", &admin, "status", "rig-none"]).assert_code(2);
+
+    let page = fleetctl(&["--admin", &admin, "--json", "list", "--page-size", "1"]);
+    page.assert_code(0);
+    let lines = page.lines();
+    assert_eq!(
+        (
+            lines[0]["rig_id"].as_str(),
+            lines[1]["next_cursor"].as_u64()
+        ),
+        (Some("rig-lab"), Some(1))
+    );
+    let page = fleetctl(&[
+        "--admin",
+        &admin,
+        "--json",
+        "list",
+        "--page-size",
+        "1",
+        "--cursor",
+        "1",
+    ]);
+    let lines = page.lines();
+    assert_eq!(
+        (
+            lines[0]["rig_id"].as_str(),
+            lines[1]["next_cursor"].as_u64()
+        ),
+        (Some("rig-other"), Some(0))
+    );
+
+    let run = fleetctl(&[
+        "--admin",
+        &admin,
+        "--json",
+        "send",
+        "--selector",
+        "group=lab",
+        "ping",
+    ]);
+    run.assert_code(0);
+    let summary = &run.lines()[0];
+    assert_eq!(
+        (summary["matched"].as_u64(), summary["enqueued"].as_u64()),
+        (Some(1), Some(1))
+    );
+    assert_eq!(read_json(&mut lab)["name"], "ping");
+
+    let health = fleetctl(&["--admin", &admin, "--json", "brokers"]);
+    health.assert_code(0);
+    assert_eq!(health.lines()[0]["healthz"], 200);
+}
+
+#[test]
+fn usage_errors_exit_64() {
+    let cases: &[&[&str]] = &[
+        &[],
+        &["frobnicate"],
+        &["send", "rig-1"],
+        &["send", "rig-1", "reboot", "--args", "[1,2]"],
+        &["send", "rig-1", "reboot", "--args", "{nope"],
+        &["send", "rig-1", "reboot", "--timeout", "soon"],
+        &["send", "--selector", "group", "reboot"],
+        &["send", "--selector", "group=lab", "rig-1", "reboot"],
+        &["send", "bad rig!", "reboot"],
+        &[
+            "--redis",
+            "redis://127.0.0.1:1/",
+            "--admin",
+            "http://127.0.0.1:1",
+            "list",
+        ],
+        &["--redis", "http://127.0.0.1:1", "list"],
+        &["--admin", "http://127.0.0.1:1", "events"],
+        &["list", "--page-size", "0"],
+    ];
+    for args in cases {
+        let run = fleetctl(args);
+        assert_eq!(
+            run.code, 64,
+            "fleetctl {args:?}\nstdout: {}\nstderr: {}",
+            run.stdout, run.stderr
+        );
+        assert!(!run.stderr.is_empty(), "fleetctl {args:?} gave no message");
+    }
+    let both = Run::from(
+        fleetctl_cmd(&["list"])
+            .env("FLEETCTL_REDIS", "redis://127.0.0.1:1/")
+            .env("FLEETCTL_ADMIN", "http://x:1")
+            .output()
+            .unwrap(),
+    );
+    both.assert_code(64);
+    fleetctl(&["--help"]).assert_code(0);
+}
