@@ -235,7 +235,7 @@ fn a_stale_refresh_closes_4410() {
     let newer = boot_id();
     let _: () = redis
         .connection()
-        .set(format!("rig:rig-race"), format!("{newer}|fe-07"))
+        .set("rig:rig-race", format!("{newer}|fe-07"))
         .unwrap();
     assert_eq!(read_close(&mut ws), 4410);
     assert_eq!(

@@ -293,9 +293,7 @@ fn on_ack(core: &Core, s: &mut Session, seq: Seq) -> Option<Box<str>> {
         s.last_ack = seq;
         s.last_ack_at = Some(SystemTime::now());
     }
-    let Some(q) = s.queues.as_mut() else {
-        return None;
-    };
+    let q = s.queues.as_mut()?;
     while q.unacked.front().is_some_and(|c| c.seq <= seq) {
         let Some(cmd) = q.unacked.pop_front() else {
             break;

@@ -4,7 +4,8 @@
 //!
 //! Module map:
 //! - `cli`: flags → validated `Config`.
-//! - `session`: the connection loop and the reconnect policy (the only socket IO after dial).
+//! - `session`: the connection loop (the only socket IO after dial).
+//! - `reconnect`: how long to wait after an attempt ends, or whether to stop; pure.
 //! - `dial`: resolve, connect, TLS, upgrade; 503 + Retry-After.
 //! - `tls`: rustls client config and the plain/TLS stream.
 //! - `proto`: the JSON messages, pure.
@@ -21,6 +22,7 @@ mod cli;
 mod dial;
 mod handler;
 mod proto;
+mod reconnect;
 mod seq;
 mod session;
 mod tls;
@@ -35,7 +37,8 @@ use clap::Parser;
 
 use crate::cli::{Cli, Config};
 use crate::handler::{Allowlist, Running};
-use crate::session::{Agent, Exit};
+use crate::reconnect::Exit;
+use crate::session::Agent;
 use crate::worker::ExecLog;
 
 /// Exit code of a bad command line (sysexits `EX_USAGE`), as `fleetctl` uses.

@@ -21,12 +21,11 @@ use tungstenite::protocol::frame::coding::CloseCode;
 use tungstenite::protocol::CloseFrame;
 use tungstenite::{Message, WebSocket};
 
-use crate::backoff::{
-    next_delay, parse_close_retry_after, retry_after_delay, HEALTHY_AFTER, MAX_RETRY_AFTER_S,
-};
+use crate::backoff::MAX_RETRY_AFTER_S;
 use crate::cli::Config;
 use crate::dial::{self, DialError};
 use crate::proto::{self, Command, ServerMsg};
+use crate::reconnect::{End, Exit, Policy};
 use crate::seq::{SeqTracker, SeqVerdict};
 use crate::tls::Stream;
 use crate::worker::{Done, Job};
@@ -39,51 +38,6 @@ const WELCOME_TIMEOUT: Duration = Duration::from_secs(30);
 const CLOSE_TIMEOUT: Duration = Duration::from_secs(2);
 /// Added to three ping intervals: a broker silent for that long is presumed gone.
 const SILENCE_SLACK: Duration = Duration::from_secs(10);
-
-/// Why the agent stopped; the process exit code.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Exit {
-    /// SIGTERM/SIGINT or `--run-for` elapsed: 0.
-    Stopped,
-    /// The worker thread died: 1.
-    Fatal,
-    /// `--max-attempts` consecutive failures: 3.
-    GaveUp,
-    /// A seq gap: commands were lost, so going on would hide it: 4.
-    SeqGap,
-    /// The broker refused this rig for good (4400 bad hello, 4403 identity, 4409 newer boot): 5.
-    Refused,
-}
-
-impl Exit {
-    pub(crate) fn code(self) -> u8 {
-        match self {
-            Exit::Stopped => 0,
-            Exit::Fatal => 1,
-            Exit::GaveUp => 3,
-            Exit::SeqGap => 4,
-            Exit::Refused => 5,
-        }
-    }
-}
-
-/// How one connection attempt ended.
-enum End {
-    /// No websocket, or it broke or was closed.
-    Lost {
-        why: String,
-        /// How long it was up after `welcome` (`None`: never welcomed).
-        welcomed_for: Option<Duration>,
-        /// The broker's close code and reason, if it sent one.
-        close: Option<(u16, String)>,
-    },
-    /// HTTP 503, with the Retry-After seconds if usable.
-    Unavailable(Option<u64>),
-    /// The broker sent goaway: reconnect at this instant.
-    Goaway(Instant),
-    /// Stop the agent.
-    Exit(Exit),
-}
 
 /// The process-wide state: survives connections.
 pub(crate) struct Agent {
@@ -99,9 +53,7 @@ pub(crate) struct Agent {
     done: Receiver<Done>,
     /// A result taken from `done` whose send failed; sent first on the next connection.
     unsent: VecDeque<Done>,
-    /// Consecutive failed attempts (the backoff's n).
-    failures: u32,
-    rng: Rng,
+    policy: Policy,
     stop: Arc<AtomicBool>,
     /// `--run-for` deadline.
     deadline: Option<Instant>,
@@ -153,6 +105,7 @@ impl Agent {
             .map(|d| d.as_millis() as u64)
             .unwrap_or(0);
         let deadline = cfg.run_for.map(|d| Instant::now() + d);
+        let policy = Policy::new(cfg.max_attempts, Rng::new());
         Agent {
             cfg,
             tls,
@@ -162,8 +115,7 @@ impl Agent {
             jobs,
             done,
             unsent: VecDeque::new(),
-            failures: 0,
-            rng: Rng::new(),
+            policy,
             stop,
             deadline,
         }
@@ -202,95 +154,13 @@ impl Agent {
                     close: None,
                 },
             };
-            let delay = match self.plan(end) {
+            let delay = match self.policy.plan(end, Instant::now()) {
                 Ok(delay) => delay,
                 Err(exit) => return exit,
             };
             if !self.sleep(delay) {
                 return Exit::Stopped;
             }
-        }
-    }
-
-    /// The wait before the next attempt, or why there is none.
-    fn plan(&mut self, end: End) -> Result<Duration, Exit> {
-        match end {
-            End::Exit(exit) => Err(exit),
-            End::Goaway(at) => {
-                self.failures = 0;
-                let delay = at.saturating_duration_since(Instant::now());
-                log::info!(
-                    "reconnecting in {}ms as the goaway asked",
-                    delay.as_millis()
-                );
-                Ok(delay)
-            }
-            End::Unavailable(secs) => self.hinted(secs, "HTTP 503"),
-            End::Lost {
-                why,
-                welcomed_for,
-                close,
-            } => {
-                if let Some((code, reason)) = &close {
-                    match code {
-                        4400 | 4403 | 4409 => {
-                            log::error!(
-                                "!!! broker refused rig {}: close {code} {reason:?}; not retrying",
-                                self.cfg.rig_id
-                            );
-                            return Err(Exit::Refused);
-                        }
-                        4503 => {
-                            if let Some(secs) = parse_close_retry_after(reason) {
-                                return self.hinted(Some(secs), "close 4503");
-                            }
-                        }
-                        _ => {}
-                    }
-                }
-                let healthy = welcomed_for.is_some_and(|d| d >= HEALTHY_AFTER);
-                self.backoff(&why, healthy)
-            }
-        }
-    }
-
-    /// A broker hint (`Retry-After`); without one, the ordinary backoff.
-    fn hinted(&mut self, secs: Option<u64>, what: &str) -> Result<Duration, Exit> {
-        let Some(secs) = secs else {
-            return self.backoff(&format!("{what} without a usable Retry-After"), false);
-        };
-        self.count_failure(what)?;
-        let delay = retry_after_delay(secs, &mut self.rng);
-        log::warn!(
-            "{what}: retry in {:.2}s (Retry-After: {secs})",
-            delay.as_secs_f64()
-        );
-        Ok(delay)
-    }
-
-    fn backoff(&mut self, why: &str, healthy: bool) -> Result<Duration, Exit> {
-        if healthy {
-            self.failures = 0;
-        } else {
-            self.count_failure(why)?;
-        }
-        let delay = next_delay(self.failures, &mut self.rng);
-        log::warn!(
-            "{why}; retry in {:.2}s (backoff n={})",
-            delay.as_secs_f64(),
-            self.failures
-        );
-        Ok(delay)
-    }
-
-    fn count_failure(&mut self, why: &str) -> Result<(), Exit> {
-        self.failures = self.failures.saturating_add(1);
-        match self.cfg.max_attempts {
-            Some(max) if self.failures >= max => {
-                log::error!("{why}; giving up after {max} consecutive failed attempts");
-                Err(Exit::GaveUp)
-            }
-            _ => Ok(()),
         }
     }
 
