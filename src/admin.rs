@@ -166,6 +166,7 @@ fn respond(stream: &mut TcpStream, status: u16, ctype: &str, body: &[u8]) -> std
         200 => "OK",
         202 => "Accepted",
         400 => "Bad Request",
+        403 => "Forbidden",
         404 => "Not Found",
         405 => "Method Not Allowed",
         503 => "Service Unavailable",
@@ -352,6 +353,7 @@ fn await_reply(id: &str, rig: &str, rx: &crossbeam_channel::Receiver<Value>) -> 
                 None => 200,
                 Some("rig_not_connected") => 404,
                 Some("bad_request") => 400,
+                Some("forbidden") => 403,
                 Some(_) => 503,
             };
             json_answer(status, &v)

@@ -82,6 +82,13 @@ pub struct BrokerArgs {
     /// PEM CRL file(s), reloaded when they change. Repeat the flag for several.
     #[arg(long, env = "FLEETLINK_CRL", value_delimiter = ',')]
     pub crl: Vec<PathBuf>,
+    /// Public key(s) (PEM, Ed25519 or P-256) that sign rig bearer tokens. With it, every
+    /// upgrade needs `Authorization: Bearer <JWT>`; bad or expired tokens get 401.
+    #[arg(long, env = "FLEETLINK_JWT_KEY", value_delimiter = ',')]
+    pub jwt_key: Vec<PathBuf>,
+    /// Required `aud` claim of rig tokens (tokens that carry `aud` need it set).
+    #[arg(long, env = "FLEETLINK_JWT_AUDIENCE")]
+    pub jwt_audience: Option<String>,
     /// Interval between PINGs sent to each rig.
     #[arg(long, env = "FLEETLINK_PING_INTERVAL", default_value = "20s", value_parser = parse_duration)]
     pub ping_interval: Duration,
@@ -156,6 +163,10 @@ pub struct Config {
     pub redis: Option<String>,
     /// TLS files, when enabled.
     pub tls: Option<TlsFiles>,
+    /// Token verification keys (empty: no tokens).
+    pub jwt_keys: Vec<PathBuf>,
+    /// Required token audience.
+    pub jwt_audience: Option<String>,
     /// PING period.
     pub ping_interval: Duration,
     /// PONG deadline.
@@ -318,6 +329,8 @@ impl BrokerArgs {
             cores,
             redis: self.redis,
             tls,
+            jwt_keys: self.jwt_key,
+            jwt_audience: self.jwt_audience,
             ping_interval: self.ping_interval,
             pong_timeout: self.pong_timeout,
             max_missed_pongs: self.max_missed_pongs,

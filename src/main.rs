@@ -5,11 +5,14 @@ use std::net::TcpListener;
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::Context;
 use fleetlink::config::{Cli, Config, Tool};
+use fleetlink::jwt::JwtVerifier;
 use fleetlink::registry::bridge::{self, BridgeShared};
 use fleetlink::registry::msg::{ToBridge, ToCore};
+use fleetlink::tls::{TlsPaths, TlsReloader};
 use fleetlink::{admin, doorbell, worker};
 
 #[cfg(not(feature = "heap-stats"))]
@@ -57,7 +60,6 @@ fn main() -> ExitCode {
 fn run(cfg: Config) -> anyhow::Result<()> {
     // Read-only for the life of the process; every thread borrows it.
     let cfg: &'static Config = Box::leak(Box::new(cfg));
-    anyhow::ensure!(cfg.tls.is_none(), "TLS is not available in this build yet");
     if !cfg.listen.ip().is_loopback() && cfg.tls.is_none() {
         log::warn!("!!! plain ws on non-loopback {}: rig traffic and identities travel unencrypted; use --tls-cert/--tls-key", cfg.listen);
     }
@@ -76,6 +78,7 @@ fn run(cfg: Config) -> anyhow::Result<()> {
         TcpListener::bind(cfg.admin).with_context(|| format!("binding admin {}", cfg.admin))?;
     let admin_addr = admin_listener.local_addr()?;
 
+    let guard = security(cfg)?;
     let (bridge_tx, bridge_rx) = doorbell::channel::<ToBridge>(QUEUE)?;
     let mut core_txs = Vec::with_capacity(cfg.cores);
     let mut core_rxs = Vec::with_capacity(cfg.cores);
@@ -88,7 +91,14 @@ fn run(cfg: Config) -> anyhow::Result<()> {
     let bridge = bridge::spawn(cfg, bridge_rx, core_txs.clone(), shared.clone())?;
     let mut cores = Vec::with_capacity(cfg.cores);
     for (i, (listener, inbox)) in listeners.into_iter().zip(core_rxs).enumerate() {
-        cores.push(worker::spawn(i, cfg, listener, inbox, bridge_tx.clone())?);
+        cores.push(worker::spawn(
+            i,
+            cfg,
+            listener,
+            inbox,
+            bridge_tx.clone(),
+            guard.clone(),
+        )?);
     }
     let draining = Arc::new(AtomicBool::new(false));
     let (drain_tx, drain_rx) = crossbeam_channel::bounded::<()>(4);
@@ -126,6 +136,34 @@ fn run(cfg: Config) -> anyhow::Result<()> {
     let _ = bridge.join();
     log::info!("drained; exiting");
     Ok(())
+}
+
+/// Loads TLS material (and starts its file/SIGHUP watcher) and the token verifier.
+fn security(cfg: &Config) -> anyhow::Result<worker::Guard> {
+    let tls = match &cfg.tls {
+        Some(files) => {
+            let paths = TlsPaths {
+                cert: files.cert.clone(),
+                key: files.key.clone(),
+                client_ca: files.client_ca.clone(),
+                crl: files.crl.clone(),
+            };
+            let reloader = TlsReloader::new(paths)?;
+            reloader.spawn_watcher(Duration::from_secs(1))?;
+            Some(reloader)
+        }
+        None => None,
+    };
+    let jwt = if cfg.jwt_keys.is_empty() {
+        None
+    } else {
+        let mut verifier = JwtVerifier::from_pem_files(&cfg.jwt_keys)?;
+        if let Some(aud) = &cfg.jwt_audience {
+            verifier = verifier.with_audience(aud.clone());
+        }
+        Some(Arc::new(verifier))
+    };
+    Ok(worker::Guard { tls, jwt })
 }
 
 fn spawn_signal_thread(drain: crossbeam_channel::Sender<()>) -> anyhow::Result<()> {

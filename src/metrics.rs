@@ -46,10 +46,13 @@ pub enum C {
     RigRatePaused,
     BridgeQueueFull,
     Kicks,
+    TlsFailed,
+    IdentityMismatch,
+    Forbidden,
 }
 
 /// (metric name, label pair) for each counter, in [`C`] order.
-const COUNTERS: [(&str, &str); 32] = [
+const COUNTERS: [(&str, &str); 35] = [
     ("fleetlink_accepts_total", "result=\"ok\""),
     ("fleetlink_accepts_total", "result=\"rate_limited\""),
     ("fleetlink_accepts_total", "result=\"over_capacity\""),
@@ -82,6 +85,9 @@ const COUNTERS: [(&str, &str); 32] = [
     ("fleetlink_rig_rate_paused_total", ""),
     ("fleetlink_bridge_queue_full_total", "from=\"core\""),
     ("fleetlink_kicks_total", ""),
+    ("fleetlink_tls_handshake_failures_total", ""),
+    ("fleetlink_identity_mismatch_total", ""),
+    ("fleetlink_forbidden_total", ""),
 ];
 
 /// Close codes counted one by one; anything else is `other`. 1006 = closed without a close
@@ -95,7 +101,6 @@ pub const CLOSE_CODES: [u16; 17] = [
 pub const ACK_BUCKETS_MS: [u64; 12] = [1, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000];
 
 /// One core's counters. Not `Send`: only its core touches it.
-#[derive(Default)]
 pub struct CoreMetrics {
     counters: [Cell<u64>; COUNTERS.len()],
     closes: [Cell<u64>; CLOSE_CODES.len() + 1],
@@ -104,6 +109,19 @@ pub struct CoreMetrics {
     /// Open TCP connections (any phase).
     pub connections: Cell<u64>,
     groups: RefCell<HashMap<Box<str>, u64>>,
+}
+
+impl Default for CoreMetrics {
+    fn default() -> Self {
+        Self {
+            counters: std::array::from_fn(|_| Cell::new(0)),
+            closes: Default::default(),
+            ack_buckets: Default::default(),
+            ack_sum_ms: Cell::new(0),
+            connections: Cell::new(0),
+            groups: RefCell::default(),
+        }
+    }
 }
 
 impl CoreMetrics {

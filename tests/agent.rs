@@ -533,7 +533,7 @@ fn unknown_messages_and_garbage_do_not_stop_the_agent() {
 }
 
 #[test]
-fn run_for_stops_with_exit_zero_and_max_attempts_gives_up() {
+fn run_for_and_sigterm_stop_with_exit_zero_and_max_attempts_gives_up() {
     let fake = FakeBroker::new();
     let mut agent = Agent::start(&fake.url(), "rig-brief", &["--run-for", "1s"]);
     let (mut ws, _) = fake.accept();
@@ -547,6 +547,14 @@ fn run_for_stops_with_exit_zero_and_max_attempts_gives_up() {
         }
     }
     assert_eq!(code, Some(1001));
+
+    // SIGTERM: the same polite stop.
+    let mut agent = Agent::start(&fake.url(), "rig-brief", &[]);
+    let (mut ws, _) = fake.accept();
+    welcome(&mut ws, false);
+    agent.wait_line("connected to", Duration::from_secs(5));
+    unsafe { libc::kill(agent.child.id() as i32, libc::SIGTERM) };
+    assert_eq!(agent.wait_exit(Duration::from_secs(10)).code(), Some(0));
 
     let port = TcpListener::bind("127.0.0.1:0")
         .unwrap()

@@ -96,6 +96,7 @@ fn admit(core: &Rc<Core>, bucket: &mut TokenBucket, stream: TcpStream) {
     let _ = stream.set_nodelay(true);
     let id = core.next_conn_id();
     let conn = Rc::new(Conn::new(core, id, stream.as_raw_fd()));
+    conn.st.borrow_mut().sec = core.new_security();
     let deadline = conn.st.borrow().deadline;
     core.conns.borrow_mut().insert(id, conn.clone());
     core.wheel.borrow_mut().insert(deadline, id);

@@ -11,8 +11,13 @@ use std::time::Duration;
 
 use monoio::net::TcpStream;
 
-use crate::worker::core::{flush, recv, Conn, Core, Phase};
+use crate::metrics::C;
+use crate::worker::core::{flush, recv, Conn, ConnState, Core, Phase};
 use crate::worker::session;
+use crate::worker::transport::{self, TlsRead};
+
+/// The close reason recorded when the peer ended the TCP connection first.
+const PEER_CLOSED: &str = "peer closed the connection";
 
 /// How long a closing connection waits for the peer's close frame / FIN.
 const CLOSE_LINGER: Duration = Duration::from_secs(2);
@@ -32,7 +37,7 @@ pub(crate) async fn serve(core: Rc<Core>, stream: TcpStream, conn: Rc<Conn>) {
     loop {
         let (read, write, until) = {
             let mut st = conn.st.borrow_mut();
-            if st.out_pos < st.out.len() {
+            if st.has_output() {
                 match flush(conn.fd, &mut st) {
                     Ok(true) => session::pump(&core, &conn, &mut st),
                     Ok(false) => {}
@@ -45,7 +50,7 @@ pub(crate) async fn serve(core: Rc<Core>, stream: TcpStream, conn: Rc<Conn>) {
                 keep_rest(&mut st.rbuf, buf, used);
                 continue;
             }
-            let pending_out = st.out_pos < st.out.len();
+            let pending_out = st.has_output();
             if matches!(st.phase, Phase::Closing | Phase::Done) && linger.is_none() {
                 linger = Some(monoio::time::Instant::now() + CLOSE_LINGER);
                 // The rig is gone as far as the registry is concerned: release now, so a
@@ -134,21 +139,13 @@ async fn wait(
 fn on_readable(core: &Core, conn: &Conn) {
     let mut scratch = core.scratch.borrow_mut();
     let mut st = conn.st.borrow_mut();
-    let n = match recv(conn.fd, &mut scratch) {
-        Ok(0) => {
-            // Peer closed: without a close frame that is 1006 (abnormal), unless we were
-            // already closing.
+    let n = match read_some(core, conn.fd, &mut st, &mut scratch) {
+        Ok(Some(n)) => n,
+        Ok(None) => return,
+        Err(reason) => {
             if st.phase != Phase::Closing && st.close_code.is_none() {
-                st.close_reason = "peer closed the connection".into();
+                st.close_reason = reason.into();
             }
-            st.phase = Phase::Done;
-            st.out = Vec::new();
-            st.out_pos = 0;
-            return;
-        }
-        Ok(n) => n,
-        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return,
-        Err(_) => {
             st.phase = Phase::Done;
             st.out = Vec::new();
             st.out_pos = 0;
@@ -167,6 +164,50 @@ fn on_readable(core: &Core, conn: &Conn) {
         let used = session::consume(core, conn, &mut st, &buf);
         keep_rest(&mut st.rbuf, buf, used);
     }
+}
+
+/// Reads plaintext into `buf`: Ok(Some(n)) with n > 0, Ok(None) when nothing is there yet, or
+/// Err(reason) when the connection is over (EOF, reset, TLS failure).
+fn read_some(
+    core: &Core,
+    fd: std::os::fd::RawFd,
+    st: &mut ConnState,
+    buf: &mut [u8],
+) -> Result<Option<usize>, &'static str> {
+    let Some(tls) = st.sec.as_mut().and_then(|s| s.tls.as_mut()) else {
+        return match recv(fd, buf) {
+            Ok(0) => Err(PEER_CLOSED),
+            Ok(n) => Ok(Some(n)),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => Ok(None),
+            Err(_) => Err("socket error"),
+        };
+    };
+    let was_handshaking = tls.is_handshaking();
+    let read = transport::read_tls(fd, tls, buf);
+    if was_handshaking && !tls.is_handshaking() {
+        let ids = crate::tls::peer_identities(tls);
+        if let Some(sec) = st.sec.as_mut() {
+            sec.peer_ids = Some(ids);
+        }
+    }
+    let result = match read {
+        Ok(TlsRead::Data(0)) => Ok(None),
+        Ok(TlsRead::Data(n)) => Ok(Some(n)),
+        Ok(TlsRead::Closed) => Err(PEER_CLOSED),
+        Ok(TlsRead::Failed(e)) => {
+            core.metrics.inc(C::TlsFailed);
+            log::debug!("tls: {e}");
+            // Send the alert rustls queued, then end.
+            let _ = flush(fd, st);
+            Err("tls error")
+        }
+        Err(_) => Err("socket error"),
+    };
+    // Handshake records and session tickets go out as soon as rustls has them.
+    if st.has_output() {
+        let _ = flush(fd, st);
+    }
+    result
 }
 
 /// Keeps `buf[used..]` as the connection's pending input; frees the buffer when nothing is
@@ -192,7 +233,7 @@ async fn finish(
     let fd = conn.fd;
     // SAFETY: fd is this task's open socket.
     unsafe { libc::shutdown(fd, libc::SHUT_WR) };
-    let peer_closed = conn.st.borrow().close_reason == "peer closed the connection";
+    let peer_closed = conn.st.borrow().close_reason == PEER_CLOSED;
     if !peer_closed {
         // Read and drop until the peer's FIN so our close frame or HTTP answer is not reset.
         loop {

@@ -11,16 +11,21 @@ use std::collections::{HashMap, VecDeque};
 use std::io;
 use std::os::fd::RawFd;
 use std::rc::Rc;
+use std::sync::Arc;
 use std::task::Waker;
 use std::time::{Instant, SystemTime};
 
 use crate::config::Config;
 use crate::doorbell::Mailbox;
 use crate::ids::{BootId, ConnId, CoreId, RigId, Seq};
+use crate::jwt::JwtVerifier;
 use crate::metrics::CoreMetrics;
 use crate::registry::msg::{SeqCommand, ToBridge};
+use crate::tls::ConfigCache;
 use crate::worker::bucket::RigBucket;
+use crate::worker::transport::{self, Security};
 use crate::worker::wheel::{Tick, Wheel};
+use crate::worker::Guard;
 use crate::ws::{self, Decoder, Limits, OpCode};
 
 /// Above this many unsent bytes a connection stops reading (so a peer that sends but does not
@@ -57,6 +62,10 @@ pub(crate) struct Core {
     pub(crate) rejecting: Cell<u32>,
     /// Fleet mode: publish lifecycle events.
     pub(crate) fleet: bool,
+    /// This core's view of the TLS config (None: plain ws).
+    pub(crate) tls: RefCell<Option<ConfigCache>>,
+    /// Bearer-token verifier (None: no tokens).
+    pub(crate) jwt: Option<Arc<JwtVerifier>>,
 }
 
 impl Core {
@@ -65,6 +74,7 @@ impl Core {
         cfg: &'static Config,
         driver: &'static str,
         bridge: Mailbox<ToBridge>,
+        guard: Guard,
     ) -> Self {
         let tick_ms = tick_ms(cfg);
         let horizon = [cfg.hello_timeout, cfg.ping_interval, cfg.pong_timeout]
@@ -95,6 +105,8 @@ impl Core {
             max_conns: cfg.max_connections.map(share),
             rejecting: Cell::new(0),
             fleet: cfg.redis.is_some(),
+            tls: RefCell::new(guard.tls.map(ConfigCache::new)),
+            jwt: guard.jwt,
         }
     }
 
@@ -125,6 +137,30 @@ impl Core {
             self.finished.set(true);
             self.done.notify();
         }
+    }
+
+    /// A TLS session for a new connection, when TLS is on.
+    pub(crate) fn new_security(&self) -> Option<Box<Security>> {
+        let mut cache = self.tls.borrow_mut();
+        let tls = match cache.as_mut() {
+            Some(cache) => match crate::tls::new_connection(cache.config().clone()) {
+                Ok(conn) => Some(conn),
+                Err(e) => {
+                    log::warn!("tls: cannot start a session: {e}");
+                    return None;
+                }
+            },
+            None => None,
+        };
+        if tls.is_none() && self.jwt.is_none() {
+            return None;
+        }
+        Some(Box::new(Security {
+            tls,
+            peer_ids: None,
+            scope: None,
+            token_rig: None,
+        }))
     }
 
     /// Sends to the bridge; a full bridge queue is counted and the message is dropped.
@@ -271,6 +307,8 @@ pub(crate) struct ConnState {
     pub(crate) paused_until: Option<u32>,
     /// `rbuf` holds input that was left unprocessed on purpose (paused), not a partial frame.
     pub(crate) rbuf_ready: bool,
+    /// TLS session and token scope; None on plain, token-less connections.
+    pub(crate) sec: Option<Box<Security>>,
     /// Close code we sent (or echoed), for metrics and events.
     pub(crate) close_code: Option<u16>,
     pub(crate) close_reason: Cow<'static, str>,
@@ -306,6 +344,7 @@ impl Conn {
                 bucket: RigBucket::full(core.cfg.rig_burst, core.now_ms()),
                 paused_until: None,
                 rbuf_ready: false,
+                sec: None,
                 close_code: None,
                 close_reason: Cow::Borrowed(""),
             }),
@@ -383,10 +422,24 @@ impl Conn {
     }
 }
 
-/// Writes as much of `st.out` as the kernel takes. Ok(true) when all of it went out.
+/// Writes as much of `st.out` as the kernel takes (through TLS when the connection has it).
+/// Ok(true) when all of it went out.
 pub(crate) fn flush(fd: RawFd, st: &mut ConnState) -> io::Result<bool> {
-    while st.out_pos < st.out.len() {
-        let rest = st.out.get(st.out_pos..).unwrap_or_default();
+    let done = match st.sec.as_mut().and_then(|s| s.tls.as_mut()) {
+        Some(tls) => transport::flush_tls(fd, tls, &st.out, &mut st.out_pos)?,
+        None => flush_plain(fd, &st.out, &mut st.out_pos)?,
+    };
+    if st.out_pos >= st.out.len() {
+        // Idle connections hold no output buffer at all.
+        st.out = Vec::new();
+        st.out_pos = 0;
+    }
+    Ok(done)
+}
+
+fn flush_plain(fd: RawFd, out: &[u8], pos: &mut usize) -> io::Result<bool> {
+    while *pos < out.len() {
+        let rest = out.get(*pos..).unwrap_or_default();
         // SAFETY: `rest` is a valid initialized slice; fd is owned by the live connection task
         // (the table entry, and with it this call, is removed before the socket is dropped).
         let n = unsafe {
@@ -405,11 +458,8 @@ pub(crate) fn flush(fd: RawFd, st: &mut ConnState) -> io::Result<bool> {
                 _ => Err(err),
             };
         }
-        st.out_pos += n as usize;
+        *pos += n as usize;
     }
-    // Idle connections hold no output buffer at all.
-    st.out = Vec::new();
-    st.out_pos = 0;
     Ok(true)
 }
 
@@ -429,6 +479,16 @@ pub(crate) fn recv(fd: RawFd, buf: &mut [u8]) -> io::Result<usize> {
 }
 
 impl ConnState {
+    /// Bytes (or TLS records) still waiting to go out.
+    pub(crate) fn has_output(&self) -> bool {
+        self.out_pos < self.out.len()
+            || self
+                .sec
+                .as_ref()
+                .and_then(|s| s.tls.as_ref())
+                .is_some_and(|t| t.wants_write())
+    }
+
     /// Whether input may be parsed now (not waiting for a verdict, not over the rate, not
     /// backed up on output, not finished).
     pub(crate) fn can_consume(&self, now_ms: u32) -> bool {

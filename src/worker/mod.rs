@@ -19,19 +19,23 @@ mod drain;
 mod inbox;
 mod session;
 mod sweep;
+mod transport;
 mod wheel;
 
 pub use accept::bind_listeners;
 pub use bucket::{RigBucket, TokenBucket};
 
 use std::rc::Rc;
+use std::sync::Arc;
 use std::thread::JoinHandle;
 
 use monoio::{IoUringDriver, LegacyDriver, RuntimeBuilder};
 
 use crate::config::Config;
 use crate::doorbell::{Inbox, Mailbox};
+use crate::jwt::JwtVerifier;
 use crate::registry::msg::{ToBridge, ToCore};
+use crate::tls::TlsReloader;
 use crate::worker::core::Core;
 
 /// io_uring submission queue size per core. Idle connections each hold one in-flight PollAdd,
@@ -47,6 +51,15 @@ pub fn driver_name(cfg: &Config) -> &'static str {
     }
 }
 
+/// Shared, read-mostly security material every core uses at accept/upgrade time.
+#[derive(Clone, Default)]
+pub struct Guard {
+    /// TLS configs (reloaded on file change / SIGHUP).
+    pub tls: Option<Arc<TlsReloader>>,
+    /// Bearer-token verifier.
+    pub jwt: Option<Arc<JwtVerifier>>,
+}
+
 /// Starts core `index` on its own pinned thread.
 pub fn spawn(
     index: usize,
@@ -54,6 +67,7 @@ pub fn spawn(
     listener: std::net::TcpListener,
     inbox: Inbox<ToCore>,
     bridge: Mailbox<ToBridge>,
+    guard: Guard,
 ) -> std::io::Result<JoinHandle<()>> {
     std::thread::Builder::new()
         .name(format!("fleetlink-core-{index}"))
@@ -62,7 +76,7 @@ pub fn spawn(
                 core_affinity::set_for_current(ids[index % ids.len()]);
             }
             let driver = driver_name(cfg);
-            let main = core_main(index, cfg, driver, listener, inbox, bridge);
+            let main = core_main(index, cfg, driver, listener, inbox, bridge, guard);
             let result = if driver == "io_uring" {
                 RuntimeBuilder::<IoUringDriver>::new()
                     .enable_timer()
@@ -89,8 +103,9 @@ async fn core_main(
     listener: std::net::TcpListener,
     inbox: Inbox<ToCore>,
     bridge: Mailbox<ToBridge>,
+    guard: Guard,
 ) -> std::io::Result<()> {
-    let core = Rc::new(Core::new(index, cfg, driver, bridge));
+    let core = Rc::new(Core::new(index, cfg, driver, bridge, guard));
     let listener = monoio::net::TcpListener::from_std(listener)?;
     monoio::spawn(accept::run(core.clone(), listener));
     monoio::spawn(sweep::run(core.clone()));

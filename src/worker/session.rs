@@ -11,6 +11,7 @@ use crate::protocol::{self, ClientMsg, Hello};
 use crate::registry::msg::{CommandReq, ReplyTo, SeqCommand, ToBridge, Verdict};
 use crate::reply::{self, Unresponsive};
 use crate::worker::core::{Conn, ConnState, Core, Phase, Session};
+use crate::worker::transport::Security;
 use crate::ws::{Decoder, Limits, Message, OpCode};
 use crate::{events, protocol::encode_welcome};
 
@@ -22,9 +23,11 @@ const UNACKED_PER_OUTBOX: usize = 8;
 pub(crate) const MAX_HEAD: usize = 8 * 1024;
 
 /// Limits of the test-only /echo endpoint (CONTRACT.md §1 `--echo-endpoint`).
+/// Autobahn 9.3.1 sends a 4 MiB message as 1 + 65,536 frames of 64 bytes, so the contract's
+/// "65,536 fragments" is read as continuation fragments after the first frame.
 const ECHO_LIMITS: Limits = Limits {
     max_message: 16 << 20,
-    max_fragments: 65_536,
+    max_fragments: 65_536 + 1,
 };
 
 /// Parses as much of `input` as the connection may consume now; returns the bytes used.
@@ -42,6 +45,12 @@ pub(crate) fn consume(core: &Core, conn: &Conn, st: &mut ConnState, input: &[u8]
                 Ok(None) => break,
                 Ok(Some((len, req))) => {
                     pos += len;
+                    if !authorize(core, st, req.authorization.as_deref()) {
+                        core.metrics.inc(C::Reject401);
+                        conn.send_raw(st, &http_upgrade::unauthorized());
+                        st.phase = Phase::Done;
+                        break;
+                    }
                     upgrade(core, conn, st, &req.path, &req.key);
                 }
                 Err(reject) => {
@@ -71,11 +80,12 @@ pub(crate) fn consume(core: &Core, conn: &Conn, st: &mut ConnState, input: &[u8]
                 }
             }
             Err(e) => {
-                if st.phase == Phase::Closing {
-                    st.phase = Phase::Done;
-                } else {
+                // Fail the connection (RFC 6455 §7.1.7): our close frame, then drop TCP; no
+                // waiting for a close handshake with a peer that broke the protocol.
+                if st.phase != Phase::Closing {
                     conn.close(st, e.close_code(), e.to_string());
                 }
+                st.phase = Phase::Done;
                 break;
             }
         }
@@ -97,6 +107,42 @@ fn refuse(core: &Core, conn: &Conn, st: &mut ConnState, reject: &Reject) {
     });
     conn.send_raw(st, &reject.response());
     st.phase = Phase::Done;
+}
+
+/// Checks the upgrade's bearer token when tokens are configured; keeps its scope and rig claim.
+fn authorize(core: &Core, st: &mut ConnState, authorization: Option<&str>) -> bool {
+    let Some(verifier) = core.jwt.as_ref() else {
+        return true;
+    };
+    let Some(token) = authorization.and_then(crate::jwt::bearer) else {
+        return false;
+    };
+    match verifier.verify(token, SystemTime::now()) {
+        Ok(claims) => {
+            if let Some(sec) = st.sec.as_mut() {
+                sec.scope = Some(claims.scope);
+                sec.token_rig = claims.rig_id;
+            }
+            true
+        }
+        Err(e) => {
+            log::debug!("refused token: {e}");
+            false
+        }
+    }
+}
+
+/// The rig's proven identities: mTLS certificate names and the token's rig claim must all
+/// allow `rig` (CONTRACT.md §2, 4403).
+fn identity_ok(st: &ConnState, rig: &str) -> bool {
+    let Some(sec) = st.sec.as_ref() else {
+        return true;
+    };
+    let cert_ok = match &sec.peer_ids {
+        Some(ids) if !ids.is_empty() => crate::tls::identity_matches(ids, rig),
+        _ => true,
+    };
+    cert_ok && sec.token_rig.as_deref().is_none_or(|r| r == rig)
 }
 
 fn upgrade(core: &Core, conn: &Conn, st: &mut ConnState, path: &str, key: &str) {
@@ -183,6 +229,15 @@ fn on_hello(core: &Core, conn: &Conn, st: &mut ConnState, hello: Hello) {
         conn.close(st, 4503, "retry_after=5");
         return;
     }
+    if !identity_ok(st, hello.rig_id.as_str()) {
+        core.metrics.inc(C::IdentityMismatch);
+        conn.close(
+            st,
+            4403,
+            "rig_id is not the identity this connection proved",
+        );
+        return;
+    }
     let Hello {
         v,
         rig_id,
@@ -228,11 +283,18 @@ fn retry_after() -> String {
 }
 
 fn on_rig_message(core: &Core, conn: &Conn, st: &mut ConnState, text: &[u8]) {
+    let msg = protocol::parse_client_msg(text);
+    if let Ok(ClientMsg::Event { name, .. }) = &msg {
+        if !scope_allows(&st.sec, |s| s.allows_emit(name)) {
+            core.metrics.inc(C::Forbidden);
+            return;
+        }
+    }
     let Some(session) = st.session.as_mut() else {
         return;
     };
     let broker = core.cfg.broker_id.as_str();
-    match protocol::parse_client_msg(text) {
+    match msg {
         Ok(ClientMsg::Ack { seq, .. }) => {
             core.metrics.inc(C::MsgAck);
             let id = on_ack(core, session, seq);
@@ -387,7 +449,12 @@ pub(crate) fn on_verdict(core: &Core, conn: &Conn, st: &mut ConnState, verdict: 
 /// Control's command for this connection's rig.
 pub(crate) fn on_command(core: &Core, conn: &Conn, st: &mut ConnState, req: CommandReq) {
     let live = st.phase == Phase::Live;
-    let Some(session) = st.session.as_mut().filter(|s| live && s.rig == req.rig) else {
+    if st
+        .session
+        .as_ref()
+        .filter(|s| live && s.rig == req.rig)
+        .is_none()
+    {
         core.metrics.inc(C::CmdNotConnected);
         let body = reply::error(
             &req.id,
@@ -396,6 +463,19 @@ pub(crate) fn on_command(core: &Core, conn: &Conn, st: &mut ConnState, req: Comm
             "the rig's connection is closing",
         );
         return deliver(core, req.reply, body);
+    };
+    if !scope_allows(&st.sec, |s| s.allows_command(&req.name)) {
+        core.metrics.inc(C::Forbidden);
+        let body = reply::error(
+            &req.id,
+            Some(req.rig.as_str()),
+            "forbidden",
+            "the rig's token does not allow this command",
+        );
+        return deliver(core, req.reply, body);
+    }
+    let Some(session) = st.session.as_mut() else {
+        return;
     };
     if session.outbox_len() >= core.cfg.outbox {
         core.metrics.inc(C::CmdOutboxFull);
@@ -432,6 +512,13 @@ pub(crate) fn on_command(core: &Core, conn: &Conn, st: &mut ConnState, req: Comm
     let body = reply::enqueued(&req.id, &session.rig, seq);
     deliver(core, req.reply, body);
     pump(core, conn, st);
+}
+
+/// Whether the connection's token scope (if any) allows something.
+fn scope_allows(sec: &Option<Box<Security>>, check: impl Fn(&crate::jwt::Scope) -> bool) -> bool {
+    sec.as_ref()
+        .and_then(|s| s.scope.as_ref())
+        .is_none_or(check)
 }
 
 /// Sends a reply to wherever control waits for it.

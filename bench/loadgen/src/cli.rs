@@ -29,6 +29,8 @@ pub enum Command {
     Rigs(RigsArgs),
     /// POST one command to each rig through the admin API, stamped with `sent_at_us`.
     AdminFanout(FanoutArgs),
+    /// PUBLISH commands on a broker's Redis channel (fleet mode), stamped with `sent_at_us`.
+    RedisPublish(RedisPublishArgs),
 }
 
 #[derive(Debug, Clone, Args)]
@@ -70,6 +72,10 @@ pub struct RigsArgs {
     /// Write the JSON report here (`-` = stdout, after the ALL_WELCOMED line).
     #[arg(long)]
     pub report: Option<String>,
+    /// End the hold early once this many commands have been received (over all rigs), so a
+    /// latency run stops as soon as its last command has arrived.
+    #[arg(long)]
+    pub until_commands: Option<u64>,
     /// Internal: run as a child over rigs [START, START+COUNT) and talk JSON lines on stdio.
     #[arg(long, hide = true, value_parser = parse_slice)]
     pub child_slice: Option<(usize, usize)>,
@@ -92,12 +98,76 @@ pub struct FanoutArgs {
     /// Keep-alive HTTP connections used in parallel.
     #[arg(long, default_value_t = 8)]
     pub concurrency: usize,
+    /// Rounds: the whole fan-out is repeated this many times (`--rigs 1 --count 500` = 500
+    /// single commands to one rig, one at a time).
+    #[arg(long, default_value_t = 1)]
+    pub count: usize,
+    /// Pause after each round.
+    #[arg(long, default_value = "0s", value_parser = parse_duration)]
+    pub interval: Duration,
     /// Bound on the whole fan-out.
     #[arg(long, default_value = "120s", value_parser = parse_duration)]
     pub max_time: Duration,
     /// Also write the JSON summary here (it is always printed on stdout).
     #[arg(long)]
     pub report: Option<String>,
+}
+
+/// What `redis-publish` sends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum PublishMode {
+    /// One command per rig, all in one Redis pipeline per round.
+    Fanout,
+    /// `--count` commands to the first rig, one PUBLISH at a time, `--interval` apart.
+    Single,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct RedisPublishArgs {
+    /// Redis URL, e.g. redis://127.0.0.1:16379/
+    #[arg(long)]
+    pub redis: String,
+    /// The broker whose channel `fleetlink:broker:<id>` gets the commands.
+    #[arg(long)]
+    pub broker_id: String,
+    #[arg(long, default_value = "rig")]
+    pub prefix: String,
+    /// Rigs addressed in fan-out mode (single mode uses the first one).
+    #[arg(long, default_value_t = 1)]
+    pub rigs: usize,
+    #[arg(long, default_value_t = 0)]
+    pub start_index: usize,
+    #[arg(long, value_enum, default_value_t = PublishMode::Fanout)]
+    pub mode: PublishMode,
+    /// Fan-out: rounds (default 1). Single: commands (default 500).
+    #[arg(long)]
+    pub count: Option<usize>,
+    /// Pause between single commands, or after each fan-out round.
+    #[arg(long, default_value = "10ms", value_parser = parse_duration)]
+    pub interval: Duration,
+    /// Command name to send.
+    #[arg(long, default_value = "bench")]
+    pub name: String,
+    /// Reply channel named in every command; nobody needs to listen (latency is measured by the
+    /// rigs).
+    #[arg(long, default_value = "fleetlink:bench:replies")]
+    pub reply_to: String,
+    /// Bound on the whole run (checked between PUBLISHes/rounds and used as the socket timeout).
+    #[arg(long, default_value = "120s", value_parser = parse_duration)]
+    pub max_time: Duration,
+    /// Also write the JSON summary here (it is always printed on stdout).
+    #[arg(long)]
+    pub report: Option<String>,
+}
+
+impl RedisPublishArgs {
+    /// `--count`, or the mode's default.
+    pub fn effective_count(&self) -> usize {
+        self.count.unwrap_or(match self.mode {
+            PublishMode::Fanout => 1,
+            PublishMode::Single => 500,
+        })
+    }
 }
 
 /// `250ms`, `20s`, `5m`, `1h`; a bare number is seconds.
@@ -327,7 +397,7 @@ mod tests {
             full.extend_from_slice(args);
             match Cli::try_parse_from(full).unwrap().cmd {
                 Command::Rigs(r) => r,
-                Command::AdminFanout(_) => unreachable!(),
+                _ => unreachable!(),
             }
         };
         let r = parse(&["--rigs", "40000"]);
@@ -342,5 +412,49 @@ mod tests {
         assert_eq!(r.hold, Duration::from_millis(250));
         assert_eq!(r.effective_sources(true).unwrap().len(), 16);
         assert!(r.effective_sources(false).unwrap().is_empty());
+        assert_eq!(r.until_commands, None);
+        let r = parse(&["--rigs", "5", "--until-commands", "500"]);
+        assert_eq!(r.until_commands, Some(500));
+    }
+
+    #[test]
+    fn redis_publish_args() {
+        let parse = |args: &[&str]| {
+            let mut full = vec![
+                "fleetlink-loadgen",
+                "redis-publish",
+                "--redis",
+                "redis://127.0.0.1:1/",
+                "--broker-id",
+                "fe-a",
+            ];
+            full.extend_from_slice(args);
+            match Cli::try_parse_from(full).unwrap().cmd {
+                Command::RedisPublish(r) => r,
+                _ => unreachable!(),
+            }
+        };
+        let r = parse(&["--rigs", "10000"]);
+        assert_eq!(
+            (r.mode, r.effective_count(), r.interval),
+            (PublishMode::Fanout, 1, Duration::from_millis(10))
+        );
+        let r = parse(&["--mode", "single", "--interval", "20ms"]);
+        assert_eq!(
+            (r.mode, r.effective_count(), r.interval),
+            (PublishMode::Single, 500, Duration::from_millis(20))
+        );
+        assert_eq!(
+            parse(&["--mode", "single", "--count", "7"]).effective_count(),
+            7
+        );
+        let f = match Cli::try_parse_from(["fleetlink-loadgen", "admin-fanout", "--rigs", "1"])
+            .unwrap()
+            .cmd
+        {
+            Command::AdminFanout(f) => f,
+            _ => unreachable!(),
+        };
+        assert_eq!((f.count, f.interval), (1, Duration::ZERO));
     }
 }

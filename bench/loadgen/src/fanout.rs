@@ -1,6 +1,7 @@
 //! `admin-fanout`: one command per rig through `POST /v1/rigs/{id}/commands`, each stamped with
 //! `args.sent_at_us` just before it is written, so the rigs side can measure publish-to-receipt.
-//! Stands in for the Redis publish path in latency scenarios until that path exists.
+//! `--count` repeats the fan-out (with `--rigs 1`: single commands, `--interval` apart). The
+//! Redis path of fleet mode is `redis-publish` (`redis_pub.rs`).
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -30,6 +31,10 @@ struct Tally {
 #[derive(Debug, Serialize)]
 pub struct FanoutReport {
     pub rigs: u64,
+    /// `--count`: how many times every rig was sent a command.
+    pub rounds: u64,
+    /// rigs × rounds.
+    pub commands: u64,
     pub ok: u64,
     pub failed: u64,
     /// Reply `error` values (`rig_not_connected`, `rig_unresponsive`, …) or transport failures.
@@ -64,61 +69,98 @@ pub async fn run_fanout(args: FanoutArgs) -> Result<i32> {
         .context("no address for admin host")?;
     let base = Arc::new(url.path.trim_end_matches('/').to_string());
     let host = format!("{}:{}", url.host, url.port);
-    let name_json = serde_json::to_string(&args.name)?;
-    let next = Arc::new(AtomicUsize::new(0));
+    let name_json = Arc::new(serde_json::to_string(&args.name)?);
     let tally = Arc::new(Mutex::new(Tally::default()));
     let started = Instant::now();
+    let deadline = tokio::time::Instant::now() + args.max_time;
+    let rounds = args.count.max(1);
+    let width = args.concurrency.clamp(1, args.rigs.max(1));
+    // Keep-alive connections live across rounds: each round's tasks hand theirs back.
+    let mut conns: Vec<HttpConn> = (0..width)
+        .map(|_| HttpConn::new(addr, host.clone()))
+        .collect();
+    let mut timed_out = false;
 
-    let mut tasks = tokio::task::JoinSet::new();
-    for _ in 0..args.concurrency.clamp(1, args.rigs.max(1)) {
-        let (next, tally, base, name_json, prefix) = (
-            next.clone(),
-            tally.clone(),
-            base.clone(),
-            name_json.clone(),
-            args.prefix.clone(),
-        );
-        let (rigs, start) = (args.rigs, args.start_index);
-        let mut conn = HttpConn::new(addr, host.clone());
-        tasks.spawn(async move {
-            loop {
-                let i = next.fetch_add(1, Relaxed);
-                if i >= rigs {
-                    break;
+    for round in 0..rounds {
+        let next = Arc::new(AtomicUsize::new(0));
+        let mut tasks = tokio::task::JoinSet::new();
+        for mut conn in conns.drain(..) {
+            let (next, tally, base, name_json, prefix) = (
+                next.clone(),
+                tally.clone(),
+                base.clone(),
+                name_json.clone(),
+                args.prefix.clone(),
+            );
+            let (rigs, start) = (args.rigs, args.start_index);
+            tasks.spawn(async move {
+                loop {
+                    let i = next.fetch_add(1, Relaxed);
+                    if i >= rigs {
+                        break;
+                    }
+                    let path = format!("{base}/v1/rigs/{prefix}-{:06}/commands", start + i);
+                    let sent = unix_us();
+                    let body = format!(r#"{{"name":{name_json},"args":{{"sent_at_us":{sent}}}}}"#);
+                    let t0 = Instant::now();
+                    let result = conn.request("POST", &path, body.as_bytes()).await;
+                    let took = t0.elapsed().as_micros() as u64;
+                    let mut t = tally.lock().unwrap_or_else(|e| e.into_inner());
+                    t.first_sent_unix_us = Some(t.first_sent_unix_us.map_or(sent, |f| f.min(sent)));
+                    t.last_sent_unix_us = t.last_sent_unix_us.max(Some(sent));
+                    t.http_us.record(took);
+                    let error = match result {
+                        Ok(r) => classify(r.status, &r.body),
+                        Err(_) => Some("transport_error".to_string()),
+                    };
+                    match error {
+                        None => t.ok += 1,
+                        Some(e) => *t.errors.entry(e).or_insert(0) += 1,
+                    }
                 }
-                let path = format!("{base}/v1/rigs/{prefix}-{:06}/commands", start + i);
-                let sent = unix_us();
-                let body = format!(r#"{{"name":{name_json},"args":{{"sent_at_us":{sent}}}}}"#);
-                let t0 = Instant::now();
-                let result = conn.request("POST", &path, body.as_bytes()).await;
-                let took = t0.elapsed().as_micros() as u64;
-                let mut t = tally.lock().unwrap_or_else(|e| e.into_inner());
-                t.first_sent_unix_us = Some(t.first_sent_unix_us.map_or(sent, |f| f.min(sent)));
-                t.last_sent_unix_us = t.last_sent_unix_us.max(Some(sent));
-                t.http_us.record(took);
-                let error = match result {
-                    Ok(r) => classify(r.status, &r.body),
-                    Err(_) => Some("transport_error".to_string()),
-                };
-                match error {
-                    None => t.ok += 1,
-                    Some(e) => *t.errors.entry(e).or_insert(0) += 1,
+                conn
+            });
+        }
+        let joined = tokio::time::timeout_at(deadline, async {
+            let mut back = Vec::new();
+            while let Some(r) = tasks.join_next().await {
+                if let Ok(conn) = r {
+                    back.push(conn);
                 }
             }
-        });
+            back
+        })
+        .await;
+        match joined {
+            Ok(back) => conns = back,
+            Err(_) => {
+                tasks.abort_all();
+                timed_out = true;
+                break;
+            }
+        }
+        if conns.is_empty() {
+            break; // every task panicked; the tally says what was done
+        }
+        if round + 1 < rounds && !args.interval.is_zero() {
+            if tokio::time::timeout_at(deadline, tokio::time::sleep(args.interval))
+                .await
+                .is_err()
+            {
+                timed_out = true;
+                break;
+            }
+        }
     }
-    let timed_out = tokio::time::timeout(args.max_time, async {
-        while tasks.join_next().await.is_some() {}
-    })
-    .await
-    .is_err();
-    tasks.abort_all();
 
     let t = tally.lock().unwrap_or_else(|e| e.into_inner());
+    let total = (args.rigs * rounds) as u64;
     let report = FanoutReport {
         rigs: args.rigs as u64,
+        rounds: rounds as u64,
+        commands: total,
         ok: t.ok,
-        failed: args.rigs as u64 - t.ok,
+        failed: total - t.ok,
         errors: t.errors.clone(),
         elapsed_ms: started.elapsed().as_millis() as u64,
         timed_out,

@@ -1,11 +1,16 @@
 use clap::Parser;
 use fleetlink_loadgen::cli::{Cli, Command};
-use fleetlink_loadgen::{fanout, orchestrator};
+use fleetlink_loadgen::{fanout, orchestrator, redis_pub};
 
 /// One event-loop thread: the client should be cheap next to the broker it measures; more
 /// parallelism comes from `--procs` child processes.
 fn main() {
     let cli = Cli::parse();
+    // The Redis publisher is synchronous: it needs no runtime.
+    let cli = match cli.cmd {
+        Command::RedisPublish(args) => exit_with(redis_pub::run_publish(args)),
+        cmd => Cli { cmd },
+    };
     let rt = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -23,10 +28,15 @@ fn main() {
                 None => orchestrator::run_parent(args).await,
             },
             Command::AdminFanout(args) => fanout::run_fanout(args).await,
+            Command::RedisPublish(_) => unreachable!("handled before the runtime"),
         }
     });
     // Don't wait for lingering rig tasks: the report is written, the run is over.
     rt.shutdown_background();
+    exit_with(result)
+}
+
+fn exit_with(result: anyhow::Result<i32>) -> ! {
     match result {
         Ok(code) => std::process::exit(code),
         Err(e) => {

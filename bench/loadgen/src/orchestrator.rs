@@ -277,9 +277,18 @@ pub async fn run_parent(args: RigsArgs) -> Result<i32> {
             p.welcomed, p.failed, args.hold
         );
 
-        // Hold: keep draining events (children's pipes must not fill) until hold/max-time/signal.
+        // Hold: keep draining events (children's pipes must not fill) until hold/max-time/signal,
+        // or until `--until-commands` commands have arrived.
         let hold_end = (tokio::time::Instant::now() + args.hold).min(deadline);
+        let enough = |views: &[WorkerView]| {
+            args.until_commands
+                .is_some_and(|n| total_progress(views).commands >= n)
+        };
         while exit_reason.is_none() {
+            if enough(&views) {
+                exit_reason = Some("until_commands");
+                break;
+            }
             tokio::select! {
                 ev = rx.recv() => match ev {
                     Some(ev) => apply(&mut views, ev),

@@ -90,6 +90,7 @@ impl Counters {
             welcomed: self.welcomed.load(Relaxed),
             failed: self.failed.load(Relaxed),
             retries_503: self.retries_503.load(Relaxed) + self.retries_4503.load(Relaxed),
+            commands: self.commands.load(Relaxed),
         }
     }
 
@@ -123,6 +124,9 @@ pub struct Progress {
     pub welcomed: u64,
     pub failed: u64,
     pub retries_503: u64,
+    /// Commands received so far (lets the parent end a hold at `--until-commands`).
+    #[serde(default)]
+    pub commands: u64,
 }
 
 impl Progress {
@@ -136,6 +140,7 @@ impl Progress {
         self.welcomed += o.welcomed;
         self.failed += o.failed;
         self.retries_503 += o.retries_503;
+        self.commands += o.commands;
     }
 }
 
@@ -201,7 +206,7 @@ pub struct FinalReport {
     /// Start to the last welcome (or to the last ramp outcome if some failed).
     pub ramp_ms: Option<u64>,
     pub elapsed_ms: u64,
-    /// `hold_elapsed`, `max_time`, `signal`.
+    /// `hold_elapsed`, `until_commands`, `max_time`, `signal`, `workers_gone`.
     pub exit_reason: String,
     /// Child processes that ended without a report (crash, kill).
     pub children_lost: u64,

@@ -21,9 +21,11 @@ pub enum WorkerMsg {
     Report(Box<WorkerReport>),
 }
 
-/// Progress cadence while ramping and once settled (the parent only needs it during ramp).
+/// Progress cadence while ramping and once settled. Progress is only emitted when it changed, so
+/// an idle hold sends nothing; while commands arrive the parent learns their count within a
+/// quarter second (for `--until-commands`).
 const RAMP_TICK: Duration = Duration::from_millis(250);
-const HOLD_TICK: Duration = Duration::from_secs(2);
+const HOLD_TICK: Duration = Duration::from_millis(250);
 /// How long rig tasks get to close their sockets after stop.
 const CLOSE_GRACE: Duration = Duration::from_secs(5);
 

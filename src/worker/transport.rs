@@ -1,0 +1,122 @@
+//! What sits between a connection's bytes and its socket: nothing (plain ws), or a rustls
+//! session (wss). Both are driven with non-blocking `recv`/`send` on the raw fd after an
+//! io_uring readiness op, so a TLS handshake never blocks a core.
+//!
+//! Per-connection security state ([`Security`]) is boxed and exists only on TLS or
+//! token-carrying connections: a plain connection pays one null pointer for it.
+
+use std::io::{self, Read, Write};
+use std::os::fd::RawFd;
+
+use rustls::ServerConnection;
+
+use crate::jwt::Scope;
+use crate::worker::core::recv;
+
+/// TLS session and what the peer proved about itself.
+pub(crate) struct Security {
+    /// The rustls session (None on plain connections that carried a token).
+    pub(crate) tls: Option<ServerConnection>,
+    /// Identities of the verified client certificate (CN and DNS SANs), set when the
+    /// handshake completes; empty without mTLS.
+    pub(crate) peer_ids: Option<Vec<String>>,
+    /// What the upgrade's bearer token allows (None: no token configured).
+    pub(crate) scope: Option<Scope>,
+    /// The token's `rig_id` claim, when it has one.
+    pub(crate) token_rig: Option<String>,
+}
+
+/// The raw socket as `Read`/`Write` for rustls (non-blocking; WouldBlock passes through).
+pub(crate) struct Fd(pub(crate) RawFd);
+
+impl Read for Fd {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        recv(self.0, buf)
+    }
+}
+
+impl Write for Fd {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        // SAFETY: `buf` is a valid slice; the fd is owned by the live connection task.
+        let n = unsafe {
+            libc::send(
+                self.0,
+                buf.as_ptr().cast(),
+                buf.len(),
+                libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
+            )
+        };
+        if n < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(n as usize)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Moves plaintext `out[*pos..]` into the TLS session and its records to the socket.
+/// Ok(true) when everything (plaintext and records) is out.
+pub(crate) fn flush_tls(
+    fd: RawFd,
+    tls: &mut ServerConnection,
+    out: &[u8],
+    pos: &mut usize,
+) -> io::Result<bool> {
+    loop {
+        while *pos < out.len() {
+            let rest = out.get(*pos..).unwrap_or_default();
+            // rustls takes less than offered once its send buffer limit is reached.
+            let n = tls.writer().write(rest)?;
+            if n == 0 {
+                break;
+            }
+            *pos += n;
+        }
+        if !tls.wants_write() {
+            return Ok(*pos >= out.len());
+        }
+        match tls.write_tls(&mut Fd(fd)) {
+            Ok(_) => {}
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(false),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// What a readable TLS socket yielded.
+pub(crate) enum TlsRead {
+    /// `n` plaintext bytes are in the buffer (0: only handshake or control records).
+    Data(usize),
+    /// The peer closed (EOF or close_notify).
+    Closed,
+    /// A TLS error: the alert is queued; the connection must end.
+    Failed(rustls::Error),
+}
+
+/// Reads records from the socket, processes them, and copies out plaintext into `buf`.
+pub(crate) fn read_tls(
+    fd: RawFd,
+    tls: &mut ServerConnection,
+    buf: &mut [u8],
+) -> io::Result<TlsRead> {
+    match tls.read_tls(&mut Fd(fd)) {
+        Ok(0) => return Ok(TlsRead::Closed),
+        Ok(_) => {}
+        Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+        Err(e) => return Err(e),
+    }
+    if let Err(e) = tls.process_new_packets() {
+        return Ok(TlsRead::Failed(e));
+    }
+    match tls.reader().read(buf) {
+        Ok(0) => Ok(TlsRead::Closed),
+        Ok(n) => Ok(TlsRead::Data(n)),
+        Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(TlsRead::Data(0)),
+        Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => Ok(TlsRead::Closed),
+        Err(e) => Err(e),
+    }
+}

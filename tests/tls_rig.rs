@@ -1,0 +1,382 @@
+//! wss and mTLS (CONTRACT.md §1–2): the rig's identity is its certificate, revocation takes
+//! effect on the next handshake without a restart, and bearer tokens gate upgrades and
+//! commands. Certificates come from `fleetlink-fe dev-certs`' generator; the rig side is
+//! tungstenite over rustls, a client we did not write.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use base64::engine::general_purpose::{STANDARD, URL_SAFE_NO_PAD};
+use base64::Engine;
+use common::broker::{boot_id, eventually, read_close, read_json, Broker};
+use fleetlink::dev_certs::{self, Summary};
+use ring::rand::SystemRandom;
+use ring::signature::{Ed25519KeyPair, KeyPair};
+use rustls::pki_types::ServerName;
+use serde_json::json;
+use tungstenite::{Message, WebSocket};
+
+type TlsWs = WebSocket<rustls::StreamOwned<rustls::ClientConnection, TcpStream>>;
+
+struct Dir(PathBuf);
+
+impl Dir {
+    fn new(tag: &str) -> Dir {
+        let p = std::env::temp_dir().join(format!(
+            "fl-tls-{tag}-{}-{}",
+            std::process::id(),
+            fastrand::u64(..)
+        ));
+        std::fs::create_dir_all(&p).unwrap();
+        Dir(p)
+    }
+}
+
+impl Drop for Dir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn certs(path: &Path) -> Vec<rustls::pki_types::CertificateDer<'static>> {
+    rustls_pemfile::certs(&mut std::io::BufReader::new(
+        std::fs::File::open(path).unwrap(),
+    ))
+    .map(Result::unwrap)
+    .collect()
+}
+
+fn client_config(ca: &Path, cert: Option<(&Path, &Path)>) -> Arc<rustls::ClientConfig> {
+    let mut roots = rustls::RootCertStore::empty();
+    for c in certs(ca) {
+        roots.add(c).unwrap();
+    }
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let builder = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots);
+    let config = match cert {
+        Some((cert, key)) => {
+            let key = rustls_pemfile::private_key(&mut std::io::BufReader::new(
+                std::fs::File::open(key).unwrap(),
+            ))
+            .unwrap()
+            .unwrap();
+            builder.with_client_auth_cert(certs(cert), key).unwrap()
+        }
+        None => builder.with_no_client_auth(),
+    };
+    Arc::new(config)
+}
+
+/// A wss connection with the given client certificate; Err when TLS or the upgrade fails.
+fn wss(
+    b: &Broker,
+    ca: &Path,
+    cert: Option<(&Path, &Path)>,
+    headers: &[(&'static str, String)],
+) -> Result<TlsWs, String> {
+    let tcp = TcpStream::connect(b.listen).unwrap();
+    tcp.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let conn = rustls::ClientConnection::new(
+        client_config(ca, cert),
+        ServerName::try_from("localhost").unwrap(),
+    )
+    .unwrap();
+    let stream = rustls::StreamOwned::new(conn, tcp);
+    let mut req = tungstenite::client::IntoClientRequest::into_client_request(format!(
+        "wss://localhost:{}/agent",
+        b.listen.port()
+    ))
+    .unwrap();
+    for (k, v) in headers {
+        req.headers_mut().insert(*k, v.parse().unwrap());
+    }
+    tungstenite::client(req, stream)
+        .map(|(ws, _)| ws)
+        .map_err(|e| e.to_string())
+}
+
+fn hello(ws: &mut TlsWs, rig: &str) -> serde_json::Value {
+    let msg = json!({"type":"hello","rig_id":rig,"boot_id":boot_id(),"version":"tls-test"});
+    ws.send(Message::Text(msg.to_string().into())).unwrap();
+    loop {
+        match ws.read().unwrap() {
+            Message::Text(t) => return serde_json::from_str(t.as_str()).unwrap(),
+            Message::Close(c) => return json!({"close": c.map(|c| u16::from(c.code))}),
+            _ => {}
+        }
+    }
+}
+
+fn tls_broker(pki: &Summary, dir: &Path, extra: &[&str]) -> Broker {
+    let crl = dir.join("crl.pem");
+    dev_certs::write_crl(&pki.ca, &[], &crl).unwrap();
+    let mut args = vec![
+        "--tls-cert".to_string(),
+        pki.broker_cert.display().to_string(),
+        "--tls-key".into(),
+        pki.broker_key.display().to_string(),
+        "--client-ca".into(),
+        pki.ca_cert.display().to_string(),
+        "--crl".into(),
+        crl.display().to_string(),
+    ];
+    args.extend(extra.iter().map(|s| s.to_string()));
+    let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+    Broker::start(&refs)
+}
+
+#[test]
+fn mtls_identity_is_the_certificate() {
+    let dir = Dir::new("id");
+    let pki = dev_certs::generate(&dir.0, 2, &[]).unwrap();
+    let b = tls_broker(&pki, &dir.0, &[]);
+    let (r1, r2) = (&pki.rigs[0], &pki.rigs[1]);
+    let mut ws = wss(&b, &pki.ca_cert, Some((&r1.cert, &r1.key)), &[]).unwrap();
+    let welcome = hello(&mut ws, &r1.rig_id);
+    assert_eq!(welcome["type"], "welcome", "{welcome}");
+    // Commands flow over TLS like over plain ws.
+    let (status, reply) = b.command(&r1.rig_id, "uptime", json!({}));
+    assert_eq!(status, 200, "{reply}");
+    let cmd = loop {
+        if let Message::Text(t) = ws.read().unwrap() {
+            break serde_json::from_str::<serde_json::Value>(t.as_str()).unwrap();
+        }
+    };
+    assert_eq!(cmd["name"], "uptime");
+    // rig-0002's certificate saying hello as rig-0001: 4403.
+    let mut liar = wss(&b, &pki.ca_cert, Some((&r2.cert, &r2.key)), &[]).unwrap();
+    assert_eq!(hello(&mut liar, &r1.rig_id)["close"], 4403);
+    b.wait_metric("fleetlink_identity_mismatch_total 1");
+}
+
+#[test]
+fn wrong_ca_expired_and_certless_clients_are_refused() {
+    let dir = Dir::new("refuse");
+    let pki = dev_certs::generate(&dir.0, 1, &[]).unwrap();
+    let b = tls_broker(&pki, &dir.0, &[]);
+    let now = time::OffsetDateTime::now_utc();
+    let other = dev_certs::Ca::new(
+        "other CA",
+        now - time::Duration::hours(1),
+        now + time::Duration::days(1),
+    )
+    .unwrap();
+    let foreign = dev_certs::generate_rig(
+        &other,
+        "rig-0001",
+        now - time::Duration::hours(1),
+        now + time::Duration::days(1),
+    )
+    .unwrap();
+    let (fc, fk) = foreign.write(&dir.0, "foreign").unwrap();
+    assert!(
+        wss(&b, &pki.ca_cert, Some((&fc, &fk)), &[]).is_err(),
+        "a cert from another CA must be refused"
+    );
+    let expired = dev_certs::generate_rig(
+        &pki.ca,
+        "rig-0001",
+        now - time::Duration::days(3),
+        now - time::Duration::days(1),
+    )
+    .unwrap();
+    let (ec, ek) = expired.write(&dir.0, "expired").unwrap();
+    assert!(
+        wss(&b, &pki.ca_cert, Some((&ec, &ek)), &[]).is_err(),
+        "an expired cert must be refused"
+    );
+    assert!(
+        wss(&b, &pki.ca_cert, None, &[]).is_err(),
+        "no client cert must be refused"
+    );
+    // A plain-text client on the TLS port gets the connection closed, and the broker lives on.
+    let mut plain = TcpStream::connect(b.listen).unwrap();
+    plain
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    plain
+        .write_all(b"GET /agent HTTP/1.1\r\nHost: x\r\n\r\n")
+        .unwrap();
+    let mut buf = Vec::new();
+    let _ = plain.read_to_end(&mut buf);
+    assert!(
+        !String::from_utf8_lossy(&buf).contains("HTTP/1.1"),
+        "no plaintext answer on the TLS port"
+    );
+    let r = &pki.rigs[0];
+    let mut ok = wss(&b, &pki.ca_cert, Some((&r.cert, &r.key)), &[]).unwrap();
+    assert_eq!(hello(&mut ok, &r.rig_id)["type"], "welcome");
+    eventually(Duration::from_secs(5), "tls failures counted", || {
+        let (_, m) = b.http("GET", "/metrics", "");
+        m.lines()
+            .find_map(|l| l.strip_prefix("fleetlink_tls_handshake_failures_total "))
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or(0)
+            >= 3
+    });
+}
+
+#[test]
+fn a_revoked_cert_is_refused_after_the_crl_changes_and_others_stay_up() {
+    let dir = Dir::new("crl");
+    let pki = dev_certs::generate(&dir.0, 2, &[]).unwrap();
+    let b = tls_broker(&pki, &dir.0, &[]);
+    let (keep, revoke) = (&pki.rigs[0], &pki.rigs[1]);
+    let mut kept = wss(&b, &pki.ca_cert, Some((&keep.cert, &keep.key)), &[]).unwrap();
+    assert_eq!(hello(&mut kept, &keep.rig_id)["type"], "welcome");
+    let mut doomed = wss(&b, &pki.ca_cert, Some((&revoke.cert, &revoke.key)), &[]).unwrap();
+    assert_eq!(hello(&mut doomed, &revoke.rig_id)["type"], "welcome");
+    dev_certs::write_crl(
+        &pki.ca,
+        std::slice::from_ref(&revoke.serial),
+        &dir.0.join("crl.pem"),
+    )
+    .unwrap();
+    // The watcher reloads within about a second; poll with a deadline.
+    eventually(Duration::from_secs(10), "revoked cert refused", || {
+        wss(&b, &pki.ca_cert, Some((&revoke.cert, &revoke.key)), &[]).is_err()
+    });
+    // No connection was dropped by the reload, not even the one whose cert is now revoked.
+    for (ws, rig) in [(&mut kept, &keep.rig_id), (&mut doomed, &revoke.rig_id)] {
+        let (status, reply) = b.command(rig, "still-there", json!({}));
+        assert_eq!(status, 200, "{reply}");
+        let got = loop {
+            if let Message::Text(t) = ws.read().unwrap() {
+                break serde_json::from_str::<serde_json::Value>(t.as_str()).unwrap();
+            }
+        };
+        assert_eq!(got["name"], "still-there");
+    }
+}
+
+/// Ed25519 token signer, and its public key as the PEM file the broker loads.
+struct Signer(Ed25519KeyPair);
+
+impl Signer {
+    fn new(dir: &Path) -> (Signer, PathBuf) {
+        let pkcs8 = Ed25519KeyPair::generate_pkcs8(&SystemRandom::new()).unwrap();
+        let key = Ed25519KeyPair::from_pkcs8(pkcs8.as_ref()).unwrap();
+        // SubjectPublicKeyInfo for Ed25519: a fixed 12-byte prefix, then the 32-byte key.
+        let spki = [
+            &[
+                0x30, 0x2a, 0x30, 0x05, 0x06, 0x03, 0x2b, 0x65, 0x70, 0x03, 0x21, 0x00,
+            ][..],
+            key.public_key().as_ref(),
+        ]
+        .concat();
+        let path = dir.join("jwt.pub.pem");
+        std::fs::write(
+            &path,
+            format!(
+                "-----BEGIN PUBLIC KEY-----\n{}\n-----END PUBLIC KEY-----\n",
+                STANDARD.encode(spki)
+            ),
+        )
+        .unwrap();
+        (Signer(key), path)
+    }
+
+    fn token(&self, claims: serde_json::Value) -> String {
+        let input = format!(
+            "{}.{}",
+            URL_SAFE_NO_PAD.encode(r#"{"alg":"EdDSA","typ":"JWT"}"#),
+            URL_SAFE_NO_PAD.encode(claims.to_string())
+        );
+        format!(
+            "{input}.{}",
+            URL_SAFE_NO_PAD.encode(self.0.sign(input.as_bytes()))
+        )
+    }
+}
+
+fn now_s() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_secs()
+}
+
+fn upgrade_with(b: &Broker, auth: Option<&str>) -> String {
+    let mut s = TcpStream::connect(b.listen).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let auth = auth
+        .map(|t| format!("Authorization: Bearer {t}\r\n"))
+        .unwrap_or_default();
+    write!(s, "GET /agent HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n{auth}\r\n").unwrap();
+    let mut head = Vec::new();
+    let mut byte = [0u8; 1];
+    while !head.ends_with(b"\r\n\r\n") && s.read(&mut byte).unwrap_or(0) == 1 {
+        head.push(byte[0]);
+    }
+    String::from_utf8_lossy(&head).into_owned()
+}
+
+#[test]
+fn bearer_tokens_gate_upgrades_and_commands() {
+    let dir = Dir::new("jwt");
+    let (signer, key) = Signer::new(&dir.0);
+    let (other, _) = Signer::new(&Dir::new("jwt-other").0);
+    let b = Broker::start(&["--jwt-key", key.to_str().unwrap()]);
+    let good = |rig: &str, scope: &str| {
+        signer.token(json!({"exp": now_s() + 60, "rig_id": rig, "scope": scope}))
+    };
+    assert!(upgrade_with(&b, None).starts_with("HTTP/1.1 401"));
+    assert!(upgrade_with(&b, Some("not.a.token")).starts_with("HTTP/1.1 401"));
+    assert!(
+        upgrade_with(
+            &b,
+            Some(&signer.token(json!({"exp": now_s() - 3600, "scope": "cmd:*"})))
+        )
+        .starts_with("HTTP/1.1 401"),
+        "expired"
+    );
+    assert!(
+        upgrade_with(
+            &b,
+            Some(&other.token(json!({"exp": now_s() + 60, "scope": "cmd:*"})))
+        )
+        .starts_with("HTTP/1.1 401"),
+        "bad signature"
+    );
+    assert!(upgrade_with(&b, Some(&good("rig-j", "cmd:reboot"))).starts_with("HTTP/1.1 101"));
+    b.wait_metric("fleetlink_upgrades_total{result=\"401\"} 4");
+
+    let connect = |token: String| {
+        let mut req =
+            tungstenite::client::IntoClientRequest::into_client_request(b.url("/agent")).unwrap();
+        req.headers_mut()
+            .insert("Authorization", format!("Bearer {token}").parse().unwrap());
+        let stream = TcpStream::connect(b.listen).unwrap();
+        stream
+            .set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        tungstenite::client(req, tungstenite::stream::MaybeTlsStream::Plain(stream))
+            .unwrap()
+            .0
+    };
+    let mut ws = connect(good("rig-j", "cmd:reboot"));
+    common::broker::hello(&mut ws, "rig-j", &boot_id(), json!({}));
+    let (status, reply) = b.command("rig-j", "reboot", json!({}));
+    assert_eq!((status, &reply["ok"]), (200, &json!(true)), "{reply}");
+    assert_eq!(read_json(&mut ws)["name"], "reboot");
+    let (status, reply) = b.command("rig-j", "dmesg", json!({}));
+    assert_eq!(status, 403, "{reply}");
+    assert_eq!(reply["error"], "forbidden");
+    // A token issued to another rig cannot say hello as this one.
+    let mut liar = connect(good("rig-other", "cmd:*"));
+    liar.send(Message::Text(
+        json!({"type":"hello","rig_id":"rig-j2","boot_id":boot_id(),"version":"t"})
+            .to_string()
+            .into(),
+    ))
+    .unwrap();
+    assert_eq!(read_close(&mut liar), 4403);
+}
