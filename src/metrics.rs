@@ -10,7 +10,7 @@ use std::fmt::Write as _;
 
 use serde::Serialize;
 
-/// A counter's index. Keep [`COUNTERS`] in the same order.
+/// A counter's index. Keep `COUNTERS` in the same order.
 #[derive(Clone, Copy, Debug)]
 #[allow(missing_docs)]
 pub enum C {

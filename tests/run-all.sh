@@ -19,6 +19,8 @@ echo "== cargo fmt --check"
 cargo fmt --all -- --check
 echo "== cargo clippy"
 cargo clippy --workspace --all-targets -- -D warnings
+echo "== cargo doc (warnings are errors)"
+RUSTDOCFLAGS="-D warnings" cargo doc --no-deps --document-private-items -p fleetlink >/dev/null
 echo "== cargo test"
 cargo test --workspace 2>&1 | tee /tmp/fleetlink-cargo-test.log
 grep -q "test result: FAILED" /tmp/fleetlink-cargo-test.log && exit 1

@@ -1,7 +1,7 @@
 //! Per-core state (`Core`) and per-connection state (`Conn`). Neither is `Send`: a core's
 //! connections live and die on its thread, so plain `Cell`/`RefCell` suffice.
 //!
-//! Writes to a socket happen only on its core thread and only through [`Conn::send`] (ordered,
+//! Writes to a socket happen only on its core thread and only through [`Conn::send_frame`] / [`Conn::send_raw`] (ordered,
 //! one writer): bytes go straight to the kernel when nothing is queued ahead of them, and the
 //! remainder waits in `out` for the connection task to flush on writability.
 

@@ -1,0 +1,354 @@
+#!/usr/bin/env bash
+# latency.sh — command latency (publisher stamp `args.sent_at_us` -> receipt at the rig), side by
+# side in one run, for:
+#
+#   fleetlink-fe-redis       fleetlink-fe in fleet mode; commands PUBLISHed on fleetlink:broker:fe-a
+#   fleetlink-fe-admin       fleetlink-fe standalone; commands POSTed to /v1/rigs/{id}/commands
+#   tokio-baseline-default   the tokio baseline, tungstenite's default buffers; admin POSTs
+#   tokio-baseline-rb4096    the baseline with --read-buffer 4096 --write-buffer 0; admin POSTs
+#
+# and two shapes each:
+#
+#   single   one rig connected; K commands to it one at a time, INTERVAL apart (idle latency)
+#   fanout   N rigs connected; one command to every rig at once (Redis: all N PUBLISHes in one
+#            pipeline; admin: N POSTs over 8 keep-alive connections), F times per session
+#
+#   bench/latency.sh [--name SUFFIX] [--rigs N] [--rounds R] [--single K] [--interval 10ms]
+#                    [--fanouts F] [--fanout-gap 2s] [--brokers "fleetlink-fe-redis ..."]
+#                    [--time-limit SECONDS] [--no-build]
+#
+# Defaults: N=10000, R=3, K=500, INTERVAL=10ms, F=2, all four brokers, time limit 1800 s.
+# A round runs one session per broker (the order rotates each round, so no broker always goes
+# first); a session starts the broker, runs the single shape with a 1-rig loadgen, then the
+# fan-out shape with an N-rig loadgen (`--until-commands` ends each loadgen once every command
+# has arrived), and stops the broker. Each session's loadgen report gives p50/p99/p999/max;
+# the summary quotes, per broker and shape, the MEDIAN over the R sessions of p50, p99 and
+# p999, and the largest max. Loadgen, Redis and the broker share the machine's cores.
+#
+# Output: bench/results/latency-<broker>[-SUFFIX].json (every session's reports) and
+# bench/results/latency-summary[-SUFFIX].md. Its own redis-server (port LATENCY_REDIS_PORT,
+# default 26379, --save "" --appendonly no) and every broker/loadgen it starts are stopped on
+# exit, failure or signal. Ports: LATENCY_LISTEN_PORT (28080), LATENCY_ADMIN_PORT (29090).
+set -euo pipefail
+
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+root="$(cd "$here/.." && pwd)"
+target="${CARGO_TARGET_DIR:-$root/target}/release"
+loadgen="${LOADGEN:-$target/fleetlink-loadgen}"
+fe="${FLEETLINK_FE:-$target/fleetlink-fe}"
+baseline="${TOKIO_BASELINE:-$target/fleetlink-tokio-baseline}"
+lport="${LATENCY_LISTEN_PORT:-28080}"
+aport="${LATENCY_ADMIN_PORT:-29090}"
+rport="${LATENCY_REDIS_PORT:-26379}"
+suffix=""
+rigs=10000
+rounds=3
+single=500
+interval=10ms
+fanouts=2
+fanout_gap=2s
+brokers="fleetlink-fe-redis fleetlink-fe-admin tokio-baseline-default tokio-baseline-rb4096"
+time_limit=1800
+build=1
+
+usage() { sed -n '2,34p' "$0" | sed 's/^# \{0,1\}//'; exit 64; }
+die() { echo "latency: $*" >&2; exit 1; }
+
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --name) suffix="$2"; shift 2 ;;
+    --rigs) rigs="$2"; shift 2 ;;
+    --rounds) rounds="$2"; shift 2 ;;
+    --single) single="$2"; shift 2 ;;
+    --interval) interval="$2"; shift 2 ;;
+    --fanouts) fanouts="$2"; shift 2 ;;
+    --fanout-gap) fanout_gap="$2"; shift 2 ;;
+    --brokers) brokers="$2"; shift 2 ;;
+    --time-limit) time_limit="$2"; shift 2 ;;
+    --no-build) build=0; shift ;;
+    -h|--help) usage ;;
+    *) usage ;;
+  esac
+done
+for v in rigs rounds single fanouts time_limit; do
+  [[ "${!v}" =~ ^[1-9][0-9]*$ ]] || die "--${v//_/-} must be a positive integer"
+done
+(( rigs <= 19000 )) || die "--rigs $rigs exceeds 19000 (20,000 fds per broker process)"
+for b in $brokers; do
+  case "$b" in
+    fleetlink-fe-redis|fleetlink-fe-admin|tokio-baseline-default|tokio-baseline-rb4096) ;;
+    *) die "unknown broker $b" ;;
+  esac
+done
+# Durations as milliseconds, for the bounds below.
+ms() {
+  [[ "$1" =~ ^([0-9]+)(ms|s)$ ]] || die "duration $1: use NNms or NNs"
+  if [[ "${BASH_REMATCH[2]}" == ms ]]; then echo "${BASH_REMATCH[1]}"; else echo $((BASH_REMATCH[1] * 1000)); fi
+}
+interval_ms=$(ms "$interval")
+gap_ms=$(ms "$fanout_gap")
+command -v redis-server >/dev/null || die "redis-server not found"
+command -v jq >/dev/null || die "jq not found"
+command -v python3 >/dev/null || die "python3 not found"
+
+if (( build )); then
+  echo "latency: building (release)" >&2
+  (cd "$root" && cargo build --release -p fleetlink -p fleetlink-loadgen -p fleetlink-tokio-baseline \
+    --bin fleetlink-fe --bin fleetlink-loadgen --bin fleetlink-tokio-baseline >/dev/null 2>&1) \
+    || die "cargo build failed (run it by hand to see why)"
+fi
+for x in "$loadgen" "$fe" "$baseline"; do [[ -x "$x" ]] || die "$x not found (build first)"; done
+
+port_free() { ! (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
+for p in "$lport" "$aport" "$rport"; do port_free "$p" || die "port $p is in use (set LATENCY_*_PORT)"; done
+
+work="$(mktemp -d /tmp/latency.XXXXXX)"
+redis_pid=""
+broker_pid=""
+lg_pid=""
+pub_pid=""
+start_s=$SECONDS
+redis_url="redis://127.0.0.1:$rport/"
+
+# Stops one process we started: TERM, up to $2 tenths of a second, then KILL.
+stop_pid() {
+  local pid="$1" tenths="${2:-50}"
+  [[ -n "$pid" ]] || return 0
+  if kill -0 "$pid" 2>/dev/null; then
+    kill -TERM "$pid" 2>/dev/null || true
+    for _ in $(seq "$tenths"); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+    kill -KILL "$pid" 2>/dev/null || true
+  fi
+  wait "$pid" 2>/dev/null || true
+}
+
+cleanup() {
+  local rc=$?
+  trap - EXIT INT TERM
+  stop_pid "$pub_pid" 20
+  stop_pid "$lg_pid" 200   # the loadgen closes its rigs and writes its report first
+  stop_pid "$broker_pid" 50
+  stop_pid "$redis_pid" 50
+  if (( rc != 0 )); then echo "latency: failed (rc=$rc); logs kept in $work" >&2; else rm -rf "$work"; fi
+  exit "$rc"
+}
+trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+
+over_time() { (( SECONDS - start_s >= time_limit )); }
+
+# --- Redis -------------------------------------------------------------------------------
+redis-server --port "$rport" --bind 127.0.0.1 --save "" --appendonly no \
+  --logfile "$work/redis.log" --daemonize no >/dev/null 2>&1 &
+redis_pid=$!
+for _ in $(seq 100); do
+  [[ "$(redis-cli -p "$rport" ping 2>/dev/null)" == PONG ]] && break
+  kill -0 "$redis_pid" 2>/dev/null || die "redis-server exited (log: $work/redis.log)"
+  sleep 0.1
+done
+[[ "$(redis-cli -p "$rport" ping 2>/dev/null)" == PONG ]] || die "redis-server not answering on $rport"
+
+# --- Brokers -----------------------------------------------------------------------------
+broker_cmd() {
+  local common_fe=(--listen "127.0.0.1:$lport" --admin "127.0.0.1:$aport" --broker-id fe-a
+                   --accept-rate 100000 --accept-burst 100000 --drain 1s)
+  local common_tb=(--listen "127.0.0.1:$lport" --admin "127.0.0.1:$aport" --broker-id tb-a)
+  case "$1" in
+    fleetlink-fe-redis) echo "$fe" --redis "$redis_url" "${common_fe[@]}" ;;
+    fleetlink-fe-admin) echo "$fe" "${common_fe[@]}" ;;
+    tokio-baseline-default) echo "$baseline" "${common_tb[@]}" ;;
+    tokio-baseline-rb4096) echo "$baseline" "${common_tb[@]}" --read-buffer 4096 --write-buffer 0 ;;
+  esac
+}
+
+start_broker() {
+  local b="$1" log="$2"
+  if [[ "$b" == fleetlink-fe-redis ]]; then redis-cli -p "$rport" flushall >/dev/null; fi
+  # shellcheck disable=SC2046  # the command line is plain words (paths without spaces)
+  $(broker_cmd "$b") >"$log" 2>&1 &
+  broker_pid=$!
+  local deadline=$((SECONDS + 30))
+  until curl -sf -o /dev/null "http://127.0.0.1:$aport/readyz"; do
+    kill -0 "$broker_pid" 2>/dev/null || { tail -20 "$log" >&2; die "$b exited before ready"; }
+    (( SECONDS < deadline )) || die "$b not ready after 30 s (log: $log)"
+    sleep 0.1
+  done
+}
+
+# --- One loadgen + publisher pass ----------------------------------------------------------
+# run_shape BROKER SHAPE ROUND: writes $work/<broker>-r<round>-<shape>.{rigs,pub}.json
+run_shape() {
+  local b="$1" shape="$2" round="$3"
+  local base="$work/$b-r$round-$shape" n prefix expect pub_bound hold
+  if [[ "$shape" == single ]]; then
+    n=1; prefix=single; expect=$single
+    pub_bound=$((single * (interval_ms + 50) / 1000 + 30))
+  else
+    n=$rigs; prefix=rig; expect=$((rigs * fanouts))
+    pub_bound=$((fanouts * (gap_ms / 1000 + 30) + 30))
+  fi
+  hold=$((pub_bound + 30))
+  "$loadgen" rigs --url "ws://127.0.0.1:$lport/agent" --rigs "$n" --prefix "$prefix" \
+    --hold "${hold}s" --max-time "$((hold + 120))s" --until-commands "$expect" \
+    --report "$base.rigs.json" >"$base.rigs.out" 2>"$base.rigs.err" &
+  lg_pid=$!
+  local deadline=$((SECONDS + 60 + n / 100))
+  until grep -q '^ALL_WELCOMED' "$base.rigs.out"; do
+    grep -q '^RAMP_INCOMPLETE' "$base.rigs.out" && die "$b $shape: $(cat "$base.rigs.out"); see $base.rigs.err"
+    kill -0 "$lg_pid" 2>/dev/null || die "$b $shape: loadgen exited during ramp; see $base.rigs.err"
+    kill -0 "$broker_pid" 2>/dev/null || die "$b exited during ramp"
+    (( SECONDS < deadline )) || die "$b $shape: ramp not done in time; see $base.rigs.err"
+    sleep 0.1
+  done
+  sleep 1 # let the ramp's tail (registry writes, allocator) settle before measuring
+
+  local pub=()
+  if [[ "$b" == fleetlink-fe-redis ]]; then
+    pub=("$loadgen" redis-publish --redis "$redis_url" --broker-id fe-a --prefix "$prefix"
+         --max-time "${pub_bound}s")
+    if [[ "$shape" == single ]]; then
+      pub+=(--mode single --count "$single" --interval "$interval")
+    else
+      pub+=(--mode fanout --rigs "$rigs" --count "$fanouts" --interval "$fanout_gap")
+    fi
+  else
+    pub=("$loadgen" admin-fanout --admin "http://127.0.0.1:$aport" --prefix "$prefix"
+         --max-time "${pub_bound}s")
+    if [[ "$shape" == single ]]; then
+      pub+=(--rigs 1 --count "$single" --interval "$interval")
+    else
+      pub+=(--rigs "$rigs" --count "$fanouts" --interval "$fanout_gap")
+    fi
+  fi
+  "${pub[@]}" --report "$base.pub.json" >"$base.pub.out" 2>"$base.pub.err" &
+  pub_pid=$!
+  local rc=0
+  wait "$pub_pid" || rc=$?
+  pub_pid=""
+  (( rc == 0 )) || die "$b $shape: publisher failed (rc=$rc): $(cat "$base.pub.out" "$base.pub.err")"
+
+  # The loadgen ends by itself once every command arrived; lost commands end it at --hold.
+  deadline=$((SECONDS + hold + 30))
+  while kill -0 "$lg_pid" 2>/dev/null; do
+    (( SECONDS < deadline )) || { stop_pid "$lg_pid" 200; break; }
+    sleep 0.1
+  done
+  wait "$lg_pid" 2>/dev/null || true
+  lg_pid=""
+  [[ -s "$base.rigs.json" ]] || die "$b $shape: no loadgen report; see $base.rigs.err"
+  jq -c --arg broker "$b" --arg shape "$shape" --argjson round "$round" --argjson expected "$expect" \
+    --slurpfile pub "$base.pub.json" \
+    '{broker: $broker, round: $round, shape: $shape, expected: $expected,
+      received: .commands_received, exit_reason, latency_us, ramp_ms, handshake_us,
+      publisher: $pub[0]}' "$base.rigs.json" >>"$work/sessions.jsonl"
+  jq -r --arg b "$b" --arg s "$shape" --argjson r "$round" \
+    '"latency: round \($r) \($b) \($s): n=\(.latency_us.count) p50=\(.latency_us.p50)us p99=\(.latency_us.p99)us max=\(.latency_us.max)us"' \
+    "$base.rigs.json" >&2
+}
+
+# --- Rounds --------------------------------------------------------------------------------
+read -r -a blist <<<"$brokers"
+nb=${#blist[@]}
+for ((r = 1; r <= rounds; r++)); do
+  for ((j = 0; j < nb; j++)); do
+    b="${blist[$(((j + r - 1) % nb))]}"
+    over_time && die "time limit ${time_limit}s reached before round $r $b"
+    echo "latency: round $r/$rounds: $b" >&2
+    start_broker "$b" "$work/$b-r$r.broker.log"
+    run_shape "$b" single "$r"
+    run_shape "$b" fanout "$r"
+    stop_pid "$broker_pid" 100
+    broker_pid=""
+  done
+done
+
+# --- Results -------------------------------------------------------------------------------
+mkdir -p "$here/results"
+cmds_json=$(for b in "${blist[@]}"; do jq -n --arg b "$b" --arg c "$(broker_cmd "$b" | sed "s|$root/||g")" '{($b): $c}'; done | jq -s -c add)
+python3 - "$work/sessions.jsonl" "$here/results" "$suffix" "$cmds_json" <<PY
+import json, statistics, sys, datetime, platform, os, subprocess
+path, outdir, suffix, cmds = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
+rows = [json.loads(l) for l in open(path) if l.strip()]
+sfx = f"-{suffix}" if suffix else ""
+date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+def ver(cmd):
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=10).stdout.strip().splitlines()[0]
+    except Exception:
+        return None
+host = {"nproc": os.cpu_count(), "kernel": platform.release(), "rustc": ver(["rustc", "--version"]),
+        "redis": ver(["redis-server", "--version"])}
+params = {"rigs": $rigs, "rounds": $rounds, "single_count": $single, "single_interval": "$interval",
+          "fanouts_per_session": $fanouts, "fanout_gap": "$fanout_gap",
+          "admin_http_connections": 8, "loadgen": "1 process, tokio current-thread"}
+order = [b for b in "$brokers".split()]
+path_of = {"fleetlink-fe-redis": "Redis PUBLISH", "fleetlink-fe-admin": "admin POST",
+           "tokio-baseline-default": "admin POST", "tokio-baseline-rb4096": "admin POST"}
+summary = {}
+for b in order:
+    summary[b] = {}
+    for shape in ("single", "fanout"):
+        rs = [r for r in rows if r["broker"] == b and r["shape"] == shape]
+        if not rs:
+            continue
+        def med(k):
+            v = [r["latency_us"][k] for r in rs if r["latency_us"][k] is not None]
+            return statistics.median(v) if v else None
+        summary[b][shape] = {
+            "sessions": len(rs),
+            "samples": sum(r["latency_us"]["count"] for r in rs),
+            "expected": sum(r["expected"] for r in rs),
+            "lost": sum(r["expected"] - r["received"] for r in rs),
+            "p50_us": med("p50"), "p99_us": med("p99"), "p999_us": med("p999"),
+            "max_us": max((r["latency_us"]["max"] for r in rs if r["latency_us"]["max"] is not None), default=None),
+            "p50_us_by_session": [r["latency_us"]["p50"] for r in sorted(rs, key=lambda r: r["round"])],
+            "p99_us_by_session": [r["latency_us"]["p99"] for r in sorted(rs, key=lambda r: r["round"])],
+        }
+    doc = {"broker": b, "path": path_of[b], "command": cmds.get(b), "date": date, "host": host,
+           "params": params,
+           "method": "publisher stamps args.sent_at_us (unix us) just before each PUBLISH/POST (fan-out via Redis: as each PUBLISH is appended to the round's pipeline); the rig loadgen records now - sent_at_us on receipt; per-session p50/p99/p999/max from a log-linear histogram (<0.8% error); summary = median over sessions of each percentile, max over sessions",
+           "summary": summary[b],
+           "sessions": [r for r in rows if r["broker"] == b]}
+    with open(os.path.join(outdir, f"latency-{b}{sfx}.json"), "w") as f:
+        json.dump(doc, f, indent=1)
+        f.write("\n")
+
+ms = lambda us: "-" if us is None else f"{us / 1000:.2f}"
+out = []
+out.append(f"Measured {date}, {host['nproc']} cores, kernel {host['kernel']}, {host['rustc']}, {host['redis']}.")
+out.append(f"single: 1 rig, {$single} commands {params['single_interval']} apart; fanout: {$rigs} rigs, one command each, "
+           f"{$fanouts} fan-outs {params['fanout_gap']} apart per session. {$rounds} sessions per broker, alternating. "
+           "Latency = publisher stamp to receipt at the rig, in ms; p50/p99/p999 = median over sessions, max = over all.\n")
+out.append("| broker | path | shape | samples | p50 | p99 | p999 | max | lost |")
+out.append("|---|---|---|---|---|---|---|---|---|")
+for shape in ("single", "fanout"):
+    for b in order:
+        s = summary[b].get(shape)
+        if not s:
+            continue
+        out.append(f"| {b} | {path_of[b]} | {shape} | {s['samples']:,} | {ms(s['p50_us'])} | {ms(s['p99_us'])} | "
+                   f"{ms(s['p999_us'])} | {ms(s['max_us'])} | {s['lost']} |")
+ref = "fleetlink-fe-admin"
+if ref in summary:
+    out.append("")
+    for shape in ("single", "fanout"):
+        for b in order:
+            if b in (ref, "fleetlink-fe-redis") or shape not in summary[b] or shape not in summary[ref]:
+                continue
+            a, c = summary[ref][shape], summary[b][shape]
+            if None in (a["p50_us"], a["p99_us"], c["p50_us"], c["p99_us"]):
+                continue
+            out.append(f"- {shape}: {b} / {ref}: p50 {c['p50_us'] / a['p50_us']:.2f}x, p99 {c['p99_us'] / a['p99_us']:.2f}x")
+out.append("")
+out.append("p50 per session (ms), in round order:\n")
+for shape in ("single", "fanout"):
+    for b in order:
+        s = summary[b].get(shape)
+        if s:
+            out.append(f"- {b} {shape}: " + ", ".join(ms(v) for v in s["p50_us_by_session"]))
+text = "\n".join(out) + "\n"
+open(os.path.join(outdir, f"latency-summary{sfx}.md"), "w").write(text)
+print(text)
+PY
+echo "latency: wrote $here/results/latency-*${suffix:+-$suffix}.json and latency-summary${suffix:+-$suffix}.md (in $((SECONDS - start_s)) s)" >&2
