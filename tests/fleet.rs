@@ -324,3 +324,35 @@ fn a_stuck_rig_gets_rig_unresponsive_and_memory_stays_bounded() {
     // Bounded by outbox (8) + unacked memory (8 × 8) commands of 60 KB, plus allocator slack.
     assert!(grown < 32 << 20, "RSS grew by {grown} bytes");
 }
+
+#[test]
+fn the_seed_race_two_brokers_converge_on_the_newer_owner() {
+    // t=0: the rig is on fe_03. t≈10: it reconnects (same boot) through the load balancer to
+    // fe_07. fe_03 keeps refreshing every 100 ms; none of its refreshes may win back the key.
+    let redis = RedisServer::start();
+    let fast = ["--registry-refresh", "100ms", "--registry-ttl", "2s"];
+    let fe03 = fleet_broker(&redis, "fe_03", &fast);
+    let fe07 = fleet_broker(&redis, "fe_07", &fast);
+    let boot = boot_id();
+    let mut old = fe03.connect("/agent");
+    hello(&mut old, "rig-seed", &boot, json!({}));
+    let mut new = fe07.connect("/agent");
+    hello(&mut new, "rig-seed", &boot, json!({}));
+    assert_eq!(read_close(&mut old), 4410);
+    // Several of fe_03's refresh ticks later the key is still fe_07's, and fe_07 still serves it.
+    let deadline = Instant::now() + Duration::from_millis(800);
+    while Instant::now() < deadline {
+        assert_eq!(owner(&redis, "rig-seed"), Some(format!("{boot}|fe_07")));
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let mut ctl = Control::new(&redis);
+    assert_eq!(
+        ctl.command("fe_07", "rig-seed", "after-race", json!({}))["ok"],
+        true
+    );
+    assert_eq!(read_json(&mut new)["name"], "after-race");
+    assert_eq!(
+        ctl.command("fe_03", "rig-seed", "stale", json!({}))["error"],
+        "rig_not_connected"
+    );
+}

@@ -2,6 +2,7 @@
 //! feature, plus the buffer knobs the density benches compare.
 
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::Parser;
@@ -49,6 +50,15 @@ pub struct Config {
     /// Larger inbound messages close the connection with 1009.
     #[arg(long, env = "FLEETLINK_MAX_MESSAGE", default_value_t = 65536)]
     pub max_message: usize,
+    /// Server certificate chain (PEM); with --tls-key the rig endpoint serves wss.
+    #[arg(long, env = "FLEETLINK_TLS_CERT", requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+    /// Server private key (PEM).
+    #[arg(long, env = "FLEETLINK_TLS_KEY", requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
+    /// CA bundle (PEM): client certificates chaining to it are required.
+    #[arg(long, env = "FLEETLINK_CLIENT_CA", requires = "tls_cert")]
+    pub client_ca: Option<PathBuf>,
     /// Redis URL. Not implemented in the baseline yet: see `redis_mode.rs`.
     #[arg(long, env = "FLEETLINK_REDIS")]
     pub redis: Option<String>,
@@ -100,5 +110,24 @@ mod tests {
             .unwrap();
         assert_eq!(c.read_buffer, Some(4096));
         assert_eq!(c.ping_interval, Duration::from_millis(250));
+        assert_eq!(c.tls_cert, None);
+    }
+
+    #[test]
+    fn tls_flags_go_together() {
+        assert!(Config::try_parse_from(["x", "--tls-cert", "a.pem"]).is_err());
+        assert!(Config::try_parse_from(["x", "--tls-key", "a.key"]).is_err());
+        assert!(Config::try_parse_from(["x", "--client-ca", "ca.pem"]).is_err());
+        let c = Config::try_parse_from([
+            "x",
+            "--tls-cert",
+            "a.pem",
+            "--tls-key",
+            "a.key",
+            "--client-ca",
+            "ca.pem",
+        ])
+        .unwrap();
+        assert_eq!(c.client_ca, Some(PathBuf::from("ca.pem")));
     }
 }

@@ -1,7 +1,8 @@
 //! The rig endpoint: accept loop and one task per connection. The task owns the websocket and
 //! is its only writer; it `select!`s over inbound frames, its outbox, registry close requests and
 //! the ping timer. This is the straightforward tokio design the thread-per-core broker is
-//! compared against.
+//! compared against. With `--tls-cert` the TLS handshake (tokio-rustls) comes first, then the
+//! same websocket code runs over the TLS stream; the plain path is the same code on `TcpStream`.
 
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering::Relaxed;
@@ -10,6 +11,7 @@ use std::time::Duration;
 
 use futures_util::{SinkExt, StreamExt};
 use serde_json::{json, Value};
+use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::{TcpListener, TcpSocket, TcpStream};
 use tokio::time::{sleep_until, timeout, Instant};
 use tokio_tungstenite::tungstenite::handshake::server::{
@@ -25,7 +27,7 @@ use crate::hello::{parse_hello, Hello};
 use crate::registry::{unix_ms, RegisterError, RigConn};
 use crate::App;
 
-type Ws = WebSocketStream<TcpStream>;
+type Ws<S> = WebSocketStream<S>;
 
 pub const CLOSE_PING_TIMEOUT: u16 = 4002;
 pub const CLOSE_BAD_HELLO: u16 = 4400;
@@ -51,9 +53,15 @@ pub fn bind(addr: SocketAddr, backlog: u32) -> std::io::Result<TcpListener> {
 pub async fn accept_loop(listener: TcpListener, app: Arc<App>) {
     loop {
         match listener.accept().await {
-            Ok((stream, _)) => {
-                tokio::spawn(handle(stream, app.clone()));
-            }
+            // Separate tasks, so the plain path's task is exactly what it was before TLS.
+            Ok((stream, _)) => match app.tls.clone() {
+                None => {
+                    tokio::spawn(handle(stream, app.clone()));
+                }
+                Some(acceptor) => {
+                    tokio::spawn(handle_tls(stream, acceptor, app.clone()));
+                }
+            },
             Err(e) => {
                 // EMFILE and friends: back off instead of spinning on a full fd table.
                 eprintln!("accept: {e}");
@@ -77,7 +85,10 @@ impl Callback for AgentPath {
     }
 }
 
-async fn close(app: &App, ws: &mut Ws, code: u16, reason: &str) {
+async fn close<S>(app: &App, ws: &mut Ws<S>, code: u16, reason: &str)
+where
+    S: AsyncRead + AsyncWrite + Unpin,
+{
     app.metrics.closed(code);
     let frame = CloseFrame {
         code: CloseCode::from(code),
@@ -91,8 +102,30 @@ async fn close(app: &App, ws: &mut Ws, code: u16, reason: &str) {
     .await;
 }
 
+/// wss: the TLS handshake (bounded by the hello timeout), then the websocket as on plain TCP.
+async fn handle_tls(stream: TcpStream, acceptor: tokio_rustls::TlsAcceptor, app: Arc<App>) {
+    let _ = stream.set_nodelay(true);
+    match timeout(app.cfg.hello_timeout, acceptor.accept(stream)).await {
+        Ok(Ok(tls)) => serve(tls, app).await,
+        Ok(Err(_)) => {
+            app.metrics.accepts_tls_error.fetch_add(1, Relaxed);
+        }
+        Err(_) => {
+            app.metrics.accepts_handshake_timeout.fetch_add(1, Relaxed);
+        }
+    }
+}
+
 async fn handle(stream: TcpStream, app: Arc<App>) {
     let _ = stream.set_nodelay(true);
+    serve(stream, app).await
+}
+
+/// Upgrade, hello, session: over a TCP stream or a TLS stream.
+async fn serve<S>(stream: S, app: Arc<App>)
+where
+    S: AsyncRead + AsyncWrite + Unpin,
+{
     let hello_timeout = app.cfg.hello_timeout;
     let mut ws = match timeout(
         hello_timeout,
@@ -168,13 +201,15 @@ struct Liveness {
     missed: u32,
 }
 
-async fn session(
+async fn session<S>(
     app: &App,
-    ws: &mut Ws,
+    ws: &mut Ws<S>,
     conn: &RigConn,
     mut outbox: tokio::sync::mpsc::Receiver<crate::registry::Outgoing>,
     v: u64,
-) {
+) where
+    S: AsyncRead + AsyncWrite + Unpin,
+{
     let mut welcome = json!({
         "type": "welcome",
         "broker_id": app.broker_id,

@@ -10,6 +10,7 @@ mod hello;
 mod metrics;
 mod redis_mode;
 mod registry;
+mod tls;
 
 use std::process::ExitCode;
 use std::sync::atomic::AtomicU64;
@@ -35,12 +36,14 @@ pub struct App {
     pub registry: Registry,
     pub metrics: Metrics,
     pub ws_config: WebSocketConfig,
+    /// wss: TLS is accepted before the upgrade. None = plain ws.
+    pub tls: Option<tokio_rustls::TlsAcceptor>,
     pub next_conn_id: AtomicU64,
     pub next_command_id: AtomicU64,
 }
 
 impl App {
-    fn new(cfg: Config) -> Self {
+    fn new(cfg: Config, tls: Option<tokio_rustls::TlsAcceptor>) -> Self {
         let mut ws = WebSocketConfig::default()
             .max_message_size(Some(cfg.max_message))
             .max_frame_size(Some(cfg.max_message));
@@ -55,6 +58,7 @@ impl App {
             registry: Registry::new(cfg.outbox),
             metrics: Metrics::default(),
             ws_config: ws,
+            tls,
             next_conn_id: AtomicU64::new(1),
             next_command_id: AtomicU64::new(1),
             cfg,
@@ -86,14 +90,25 @@ async fn run(cfg: Config) -> Result<()> {
     if let Some(url) = &cfg.redis {
         redis_mode::start(url)?;
     }
+    let tls = match (&cfg.tls_cert, &cfg.tls_key) {
+        (Some(cert), Some(key)) => Some(tokio_rustls::TlsAcceptor::from(Arc::new(
+            tls::server_config(cert, key, cfg.client_ca.as_deref())?,
+        ))),
+        _ => None,
+    };
     let rigs =
         conn::bind(cfg.listen, cfg.backlog).with_context(|| format!("binding {}", cfg.listen))?;
     let admin = tokio::net::TcpListener::bind(cfg.admin)
         .await
         .with_context(|| format!("binding admin {}", cfg.admin))?;
-    let app = Arc::new(App::new(cfg));
+    let app = Arc::new(App::new(cfg, tls));
+    let tls_mode = match (&app.tls, &app.cfg.client_ca) {
+        (None, _) => "off",
+        (Some(_), None) => "server-auth",
+        (Some(_), Some(_)) => "mtls",
+    };
     eprintln!(
-        "fleetlink-tokio-baseline: broker_id={} rigs on {} admin on {} read_buffer={} write_buffer={}",
+        "fleetlink-tokio-baseline: broker_id={} rigs on {} admin on {} read_buffer={} write_buffer={} tls={tls_mode}",
         app.broker_id,
         rigs.local_addr()?,
         admin.local_addr()?,

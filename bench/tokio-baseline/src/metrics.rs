@@ -12,6 +12,7 @@ pub struct Metrics {
     pub accepts_ok: AtomicU64,
     pub accepts_handshake_error: AtomicU64,
     pub accepts_handshake_timeout: AtomicU64,
+    pub accepts_tls_error: AtomicU64,
     pub hellos_rejected: AtomicU64,
     pub acks: AtomicU64,
     pub results: AtomicU64,
@@ -50,6 +51,7 @@ impl Metrics {
             ("ok", &self.accepts_ok),
             ("handshake_error", &self.accepts_handshake_error),
             ("handshake_timeout", &self.accepts_handshake_timeout),
+            ("tls_error", &self.accepts_tls_error),
             ("hello_rejected", &self.hellos_rejected),
         ] {
             let _ = writeln!(

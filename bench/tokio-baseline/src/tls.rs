@@ -44,9 +44,13 @@ pub fn server_config(cert: &Path, key: &Path, client_ca: Option<&Path>) -> Resul
         Some(ca) => {
             let mut roots = RootCertStore::empty();
             for (i, c) in read_certs(ca)?.into_iter().enumerate() {
-                roots
-                    .add(c)
-                    .with_context(|| format!("{}: certificate #{} is not a usable CA", ca.display(), i + 1))?;
+                roots.add(c).with_context(|| {
+                    format!(
+                        "{}: certificate #{} is not a usable CA",
+                        ca.display(),
+                        i + 1
+                    )
+                })?;
             }
             let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider)
                 .build()
