@@ -17,7 +17,7 @@ use crate::http_upgrade;
 use crate::metrics::C;
 use crate::worker::bucket::TokenBucket;
 use crate::worker::conn;
-use crate::worker::core::{recv, Conn, Core};
+use crate::worker::core::{Conn, Core};
 
 /// 503 answers in flight per core; beyond it a storm's connections are closed unanswered
 /// (counted as `shed`) so rejecting costs bounded memory.
@@ -135,19 +135,12 @@ fn reject(core: &Rc<Core>, stream: TcpStream, why: C) {
             libc::shutdown(fd, libc::SHUT_WR);
         }
         // Read the request (and the peer's FIN) so closing does not reset our answer away.
-        let deadline = monoio::time::Instant::now() + Duration::from_secs(1);
-        loop {
-            let ready = monoio::time::timeout_at(deadline, stream.readable(false)).await;
-            if !matches!(ready, Ok(Ok(()))) {
-                break;
-            }
-            let mut scratch = core.scratch.borrow_mut();
-            match recv(fd, &mut scratch) {
-                Ok(0) => break,
-                Err(e) if e.kind() != io::ErrorKind::WouldBlock => break,
-                _ => {}
-            }
-        }
+        conn::await_fin(
+            &core,
+            &stream,
+            monoio::time::Instant::now() + Duration::from_secs(1),
+        )
+        .await;
         core.rejecting.set(core.rejecting.get() - 1);
     });
 }

@@ -9,6 +9,8 @@ use std::rc::Rc;
 use std::task::Poll;
 use std::time::Duration;
 
+use std::os::fd::AsRawFd;
+
 use monoio::net::TcpStream;
 
 use crate::metrics::C;
@@ -221,6 +223,26 @@ fn keep_rest(slot: &mut Vec<u8>, mut buf: Vec<u8>, used: usize) {
     *slot = buf;
 }
 
+/// Reads and drops input until the peer's FIN (or `deadline`), after our half-close: closing a
+/// socket with unread input makes the kernel send RST, which can destroy our last bytes in
+/// flight.
+pub(crate) async fn await_fin(core: &Core, stream: &TcpStream, deadline: monoio::time::Instant) {
+    let fd = stream.as_raw_fd();
+    loop {
+        let ready = monoio::time::timeout_at(deadline, stream.readable(false)).await;
+        if !matches!(ready, Ok(Ok(()))) {
+            return;
+        }
+        let mut scratch = core.scratch.borrow_mut();
+        match recv(fd, &mut scratch) {
+            Ok(0) => return,
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            Err(_) => return,
+        }
+    }
+}
+
 /// Closes the TCP connection (after a half-close so the peer reads our last bytes), removes the
 /// connection from the core and tells the registry.
 async fn finish(
@@ -236,19 +258,7 @@ async fn finish(
     let peer_closed = conn.st.borrow().close_reason == PEER_CLOSED;
     if !peer_closed {
         // Read and drop until the peer's FIN so our close frame or HTTP answer is not reset.
-        loop {
-            let ready = monoio::time::timeout_at(deadline, stream.readable(false)).await;
-            if !matches!(ready, Ok(Ok(()))) {
-                break;
-            }
-            let mut scratch = core.scratch.borrow_mut();
-            match recv(fd, &mut scratch) {
-                Ok(0) => break,
-                Ok(_) => {}
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
-                Err(_) => break,
-            }
-        }
+        await_fin(core, stream, deadline).await;
     }
     core.conns.borrow_mut().remove(&conn.id);
     core.metrics
