@@ -314,7 +314,7 @@ fn command(admin: &Admin, rig: &str, body: &[u8]) -> Answer {
         args: body.args.unwrap_or_else(|| json!({})),
         reply: ReplyTo::Admin(tx),
     };
-    if admin.bridge.send(ToBridge::Command(req)).is_err() {
+    if admin.bridge.send(ToBridge::Command(Box::new(req))).is_err() {
         return json_answer(
             503,
             &reply::error(&id, Some(rig), "overloaded", "bridge queue full"),

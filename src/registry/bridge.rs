@@ -470,7 +470,7 @@ impl Bridge {
                 }
             }
             Ok(Control::Command(req)) => {
-                let actions = self.registry.command(req);
+                let actions = self.registry.command(Box::new(req));
                 self.carry_out(actions);
             }
             Ok(Control::Kick { id, rig, reply_to }) => {
@@ -535,7 +535,7 @@ impl Bridge {
                 args: args.clone(),
                 reply: ReplyTo::Aggregate(agg),
             };
-            let actions = self.registry.command(req);
+            let actions = self.registry.command(Box::new(req));
             self.carry_out(actions);
         }
         self.finish_broadcast(agg, false);

@@ -37,7 +37,7 @@ enum Owner {
 struct Handover {
     old: ConnId,
     new: ConnId,
-    pending: Vec<CommandReq>,
+    pending: Vec<Box<CommandReq>>,
 }
 
 #[derive(Debug)]
@@ -261,7 +261,7 @@ impl Embedded {
     }
 
     /// Routes a command to the connection that holds the rig.
-    pub fn command(&mut self, req: CommandReq) -> Vec<Action> {
+    pub fn command(&mut self, req: Box<CommandReq>) -> Vec<Action> {
         let max_pending = self.max_pending;
         match self.rigs.get_mut(&req.rig).map(|e| &mut e.owner) {
             Some(Owner::Live(conn)) => {
@@ -363,7 +363,7 @@ fn accept(conn: ConnId, next_seq: Seq, resumed: bool, carried: Vec<SeqCommand>) 
     )
 }
 
-fn not_connected(req: CommandReq) -> Action {
+fn not_connected(req: Box<CommandReq>) -> Action {
     let body = reply::error(
         &req.id,
         Some(req.rig.as_str()),
@@ -447,13 +447,13 @@ mod tests {
             "waits for the old connection's seq"
         );
         let (tx, _rx) = crossbeam_channel::bounded(1);
-        let req = CommandReq {
+        let req = Box::new(CommandReq {
             id: "c".into(),
             rig: rig(),
             name: "x".into(),
             args: Value::Null,
             reply: ReplyTo::Admin(tx),
-        };
+        });
         assert!(r.command(req).is_empty(), "held during the hand-over");
         let (done, released) = r.closed(conn(1), rig(), b, Seq(8), vec![], now);
         assert!(!released, "the session moved, the lease stays");
@@ -520,13 +520,13 @@ mod tests {
     fn unknown_rig_gets_not_connected() {
         let mut r = Embedded::new(Duration::from_secs(60), 4);
         let (tx, _rx) = crossbeam_channel::bounded(1);
-        let req = CommandReq {
+        let req = Box::new(CommandReq {
             id: "c".into(),
             rig: rig(),
             name: "x".into(),
             args: Value::Null,
             reply: ReplyTo::Admin(tx),
-        };
+        });
         let a = r.command(req);
         assert!(matches!(&a[..], [Action::Reply(_, v)] if v["error"] == "rig_not_connected"));
     }

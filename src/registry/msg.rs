@@ -87,8 +87,8 @@ pub enum ToCore {
     Command {
         /// The connection believed to hold the rig.
         conn: ConnId,
-        /// The request.
-        req: CommandReq,
+        /// The request (boxed: queue slots are preallocated, so every variant stays small).
+        req: Box<CommandReq>,
     },
     /// Close a rig's connection with 1012 (force reconnect).
     Kick {
@@ -166,7 +166,7 @@ pub enum ToBridge {
         body: Value,
     },
     /// Route a command to whichever connection holds the rig.
-    Command(CommandReq),
+    Command(Box<CommandReq>),
     /// Close a rig's connection with 1012.
     Kick {
         /// Control's request id.
@@ -178,4 +178,25 @@ pub enum ToBridge {
     },
     /// The broker is stopping: release what it holds and exit.
     Shutdown,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn queue_slots_stay_small() {
+        // Bounded crossbeam channels preallocate every slot, so message size × capacity is
+        // resident from the start (65,536 slots per queue): big payloads go in a Box.
+        assert!(
+            std::mem::size_of::<ToCore>() <= 72,
+            "{}",
+            std::mem::size_of::<ToCore>()
+        );
+        assert!(
+            std::mem::size_of::<ToBridge>() <= 96,
+            "{}",
+            std::mem::size_of::<ToBridge>()
+        );
+    }
 }

@@ -56,7 +56,7 @@ fn handle(core: &Rc<Core>, msg: ToCore) {
             }
         }
         ToCore::Command { conn, req } => match conn_of(conn) {
-            Some(c) => session::on_command(core, &c, &mut c.st.borrow_mut(), req),
+            Some(c) => session::on_command(core, &c, &mut c.st.borrow_mut(), *req),
             None => {
                 core.metrics.inc(C::CmdNotConnected);
                 let body = reply::error(
