@@ -4,7 +4,7 @@
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -20,8 +20,14 @@ use crate::registry::bridge::BridgeShared;
 use crate::registry::msg::{CommandReq, ReplyTo, ToBridge, ToCore};
 use crate::reply;
 
-/// Concurrent admin requests; more get 503 at once.
-const MAX_ACTIVE: usize = 32;
+/// Admin requests waiting for a request thread; more get 503 at once.
+const MAX_ACTIVE: usize = 64;
+/// How long an idle keep-alive connection may hold a request thread.
+const KEEP_ALIVE: Duration = Duration::from_secs(2);
+/// Requests served on one connection before it is closed (so no client holds a thread forever).
+const MAX_PER_CONNECTION: usize = 10_000;
+/// Request threads. Requests that wait on a core or the bridge hold one for up to `IO_TIMEOUT`.
+const WORKERS: usize = 8;
 /// Largest request (head + body) accepted.
 const MAX_REQUEST: usize = 1 << 20;
 /// How long a request may take to arrive, and a core or the bridge to answer.
@@ -39,7 +45,6 @@ pub struct Admin {
     pub draining: Arc<AtomicBool>,
     /// Asks the main thread to drain.
     pub drain: Sender<()>,
-    active: AtomicUsize,
 }
 
 impl Admin {
@@ -57,35 +62,34 @@ impl Admin {
             bridge_stats,
             draining,
             drain,
-            active: AtomicUsize::new(0),
         }
     }
 }
 
-/// Serves `listener` on a new thread.
+/// Serves `listener`: one accepting thread hands connections to a fixed pool of request
+/// threads through a bounded queue (a full queue answers 503 at once). A pool, not a thread
+/// per request: spawning costs more than most admin requests take.
 pub fn spawn(listener: TcpListener, admin: Arc<Admin>) -> std::io::Result<JoinHandle<()>> {
+    let (tx, rx) = crossbeam_channel::bounded::<TcpStream>(MAX_ACTIVE);
+    for i in 0..WORKERS {
+        let rx = rx.clone();
+        let admin = admin.clone();
+        std::thread::Builder::new()
+            .name(format!("fleetlink-admin-{i}"))
+            .spawn(move || {
+                for stream in rx {
+                    let _ = serve(&admin, stream);
+                }
+            })?;
+    }
     std::thread::Builder::new()
         .name("fleetlink-admin".into())
         .spawn(move || {
             for stream in listener.incoming() {
-                let Ok(mut stream) = stream else { continue };
-                if admin.active.fetch_add(1, Ordering::SeqCst) >= MAX_ACTIVE {
-                    admin.active.fetch_sub(1, Ordering::SeqCst);
-                    let _ = respond(&mut stream, 503, "text/plain", b"busy\n");
-                    continue;
-                }
-                let admin = admin.clone();
-                let spawned = std::thread::Builder::new()
-                    .name("fleetlink-admin-req".into())
-                    .spawn({
-                        let admin = admin.clone();
-                        move || {
-                            let _ = serve(&admin, stream);
-                            admin.active.fetch_sub(1, Ordering::SeqCst);
-                        }
-                    });
-                if spawned.is_err() {
-                    admin.active.fetch_sub(1, Ordering::SeqCst);
+                let Ok(stream) = stream else { continue };
+                if let Err(crossbeam_channel::TrySendError::Full(mut stream)) = tx.try_send(stream)
+                {
+                    let _ = respond(&mut stream, 503, "text/plain", b"busy\n", true);
                 }
             }
         })
@@ -95,46 +99,78 @@ struct Request {
     method: String,
     path: String,
     body: Vec<u8>,
+    /// The client asked to close after this request (or spoke HTTP/1.0).
+    close: bool,
 }
 
+/// Serves requests on one connection (HTTP/1.1 keep-alive) until the client closes, asks to
+/// close, sends something malformed, or stays idle for `KEEP_ALIVE`.
 fn serve(admin: &Admin, mut stream: TcpStream) -> std::io::Result<()> {
-    stream.set_read_timeout(Some(IO_TIMEOUT))?;
     stream.set_write_timeout(Some(IO_TIMEOUT))?;
-    let Some(req) = read_request(&mut stream)? else {
-        return respond(&mut stream, 400, "text/plain", b"bad request\n");
-    };
-    let (status, ctype, body) = route(admin, &req);
-    respond(&mut stream, status, ctype, &body)
+    let _ = stream.set_nodelay(true);
+    let mut buf = Vec::new();
+    for served in 0.. {
+        stream.set_read_timeout(Some(if served == 0 { IO_TIMEOUT } else { KEEP_ALIVE }))?;
+        let req = match read_request(&mut stream, &mut buf) {
+            Ok(Some(req)) => req,
+            Ok(None) if buf.is_empty() => return Ok(()),
+            Ok(None) => return respond(&mut stream, 400, "text/plain", b"bad request\n", true),
+            Err(e) => return Err(e),
+        };
+        let (status, ctype, body) = route(admin, &req);
+        let close = req.close || served + 1 >= MAX_PER_CONNECTION;
+        respond(&mut stream, status, ctype, &body, close)?;
+        if close {
+            break;
+        }
+    }
+    Ok(())
 }
 
-fn read_request(stream: &mut TcpStream) -> std::io::Result<Option<Request>> {
-    let mut buf = Vec::new();
+/// Reads one request from `buf` + the stream; leaves any bytes after it in `buf`.
+/// Ok(None): the connection ended (buf empty) or the request is malformed/too large.
+fn read_request(stream: &mut TcpStream, buf: &mut Vec<u8>) -> std::io::Result<Option<Request>> {
     let mut chunk = [0u8; 4096];
     loop {
-        let n = stream.read(&mut chunk)?;
-        if n == 0 {
-            return Ok(None);
-        }
-        buf.extend_from_slice(chunk.get(..n).unwrap_or_default());
         let mut headers = [httparse::EMPTY_HEADER; 32];
         let mut req = httparse::Request::new(&mut headers);
-        let head_len = match req.parse(&buf) {
+        let head_len = match req.parse(buf) {
             Ok(httparse::Status::Complete(len)) => len,
-            Ok(httparse::Status::Partial) if buf.len() < MAX_REQUEST => continue,
+            Ok(httparse::Status::Partial) if buf.len() < MAX_REQUEST => {
+                let n = match stream.read(&mut chunk) {
+                    Ok(n) => n,
+                    // An idle keep-alive connection timing out is a normal end.
+                    Err(e)
+                        if buf.is_empty()
+                            && matches!(
+                                e.kind(),
+                                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                            ) =>
+                    {
+                        0
+                    }
+                    Err(e) => return Err(e),
+                };
+                if n == 0 {
+                    return Ok(None);
+                }
+                buf.extend_from_slice(chunk.get(..n).unwrap_or_default());
+                continue;
+            }
             _ => return Ok(None),
         };
-        let content_length = req
-            .headers
-            .iter()
-            .find(|h| h.name.eq_ignore_ascii_case("content-length"))
-            .and_then(|h| {
-                std::str::from_utf8(h.value)
-                    .ok()?
-                    .trim()
-                    .parse::<usize>()
-                    .ok()
-            })
+        let header = |name: &str| {
+            req.headers
+                .iter()
+                .find(|h| h.name.eq_ignore_ascii_case(name))
+                .and_then(|h| std::str::from_utf8(h.value).ok())
+                .map(str::trim)
+        };
+        let content_length = header("content-length")
+            .and_then(|v| v.parse::<usize>().ok())
             .unwrap_or(0);
+        let close = req.version == Some(0)
+            || header("connection").is_some_and(|v| v.eq_ignore_ascii_case("close"));
         if head_len + content_length > MAX_REQUEST {
             return Ok(None);
         }
@@ -157,11 +193,23 @@ fn read_request(stream: &mut TcpStream) -> std::io::Result<Option<Request>> {
             .get(head_len..head_len + content_length)
             .unwrap_or_default()
             .to_vec();
-        return Ok(Some(Request { method, path, body }));
+        buf.drain(..head_len + content_length);
+        return Ok(Some(Request {
+            method,
+            path,
+            body,
+            close,
+        }));
     }
 }
 
-fn respond(stream: &mut TcpStream, status: u16, ctype: &str, body: &[u8]) -> std::io::Result<()> {
+fn respond(
+    stream: &mut TcpStream,
+    status: u16,
+    ctype: &str,
+    body: &[u8],
+    close: bool,
+) -> std::io::Result<()> {
     let reason = match status {
         200 => "OK",
         202 => "Accepted",
@@ -173,12 +221,14 @@ fn respond(stream: &mut TcpStream, status: u16, ctype: &str, body: &[u8]) -> std
         504 => "Gateway Timeout",
         _ => "Error",
     };
+    let connection = if close { "close" } else { "keep-alive" };
     let head = format!(
-        "HTTP/1.1 {status} {reason}\r\nContent-Type: {ctype}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        "HTTP/1.1 {status} {reason}\r\nContent-Type: {ctype}\r\nContent-Length: {}\r\nConnection: {connection}\r\n\r\n",
         body.len()
     );
-    stream.write_all(head.as_bytes())?;
-    stream.write_all(body)?;
+    let mut out = head.into_bytes();
+    out.extend_from_slice(body);
+    stream.write_all(&out)?;
     stream.flush()
 }
 

@@ -264,3 +264,26 @@ fn kick_closes_1012() {
     assert_eq!(status, 200, "{body}");
     assert_eq!(read_close(&mut ws), 1012);
 }
+
+#[test]
+fn admin_serves_several_requests_per_connection() {
+    use std::io::{Read, Write};
+    let b = Broker::start(&[]);
+    let mut s = std::net::TcpStream::connect(b.admin).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut got = String::new();
+    for _ in 0..3 {
+        s.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+            .unwrap();
+        let mut buf = [0u8; 512];
+        let n = s.read(&mut buf).unwrap();
+        got.push_str(&String::from_utf8_lossy(&buf[..n]));
+    }
+    assert_eq!(got.matches("HTTP/1.1 200 OK").count(), 3, "{got}");
+    assert!(got.contains("Connection: keep-alive"));
+    s.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        .unwrap();
+    let mut rest = String::new();
+    s.read_to_string(&mut rest).unwrap();
+    assert!(rest.contains("Connection: close"), "{rest}");
+}
