@@ -2,7 +2,10 @@
 # density.sh — user-space memory per idle websocket connection of a broker.
 #
 #   bench/density.sh [--name NAME] [--steps "1000 5000 10000"] [--url ws://127.0.0.1:18080/agent]
-#                    [--out FILE] [--loadgen PATH] -- BROKER_CMD [ARGS...]
+#                    [--out FILE] [--loadgen PATH] [--loadgen-arg ARG]... -- BROKER_CMD [ARGS...]
+#
+# --url may be wss://HOST:PORT/PATH for a TLS broker; pass the loadgen's TLS flags with
+# --loadgen-arg (once per word), e.g. --loadgen-arg --ca --loadgen-arg ca.pem.
 #
 # Starts BROKER_CMD (it must listen on --url's port; pass the binary itself, not a wrapper such
 # as `cargo run`, since the RSS of that PID is what is measured), waits until it accepts TCP,
@@ -28,11 +31,12 @@ steps="${DENSITY_STEPS:-1000 5000 10000}"
 url="${DENSITY_URL:-ws://127.0.0.1:18080/agent}"
 out=""
 loadgen="${LOADGEN:-${CARGO_TARGET_DIR:-$here/../target}/release/fleetlink-loadgen}"
+lg_extra=()
 ready_timeout="${DENSITY_READY_TIMEOUT:-20}"    # s, broker start to accepting
 stable_timeout="${DENSITY_STABLE_TIMEOUT:-60}"  # s, per step, for RSS to settle
 concurrency="${DENSITY_CONCURRENCY:-256}"
 
-usage() { sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//'; exit 64; }
+usage() { sed -n '2,28p' "$0" | sed 's/^# \{0,1\}//'; exit 64; }
 die() { echo "density: $*" >&2; exit 1; }
 
 while [[ $# -gt 0 ]]; do
@@ -42,6 +46,7 @@ while [[ $# -gt 0 ]]; do
     --url) url="$2"; shift 2 ;;
     --out) out="$2"; shift 2 ;;
     --loadgen) loadgen="$2"; shift 2 ;;
+    --loadgen-arg) lg_extra+=("$2"); shift 2 ;;
     -h|--help) usage ;;
     --) shift; break ;;
     *) break ;;
@@ -49,7 +54,7 @@ while [[ $# -gt 0 ]]; do
 done
 [[ $# -gt 0 ]] || usage
 [[ -x "$loadgen" ]] || die "loadgen not found at $loadgen (build it: cargo build --release in bench/loadgen, or pass --loadgen)"
-[[ "$url" =~ ^ws://([^:/]+):([0-9]+)(/.*)?$ ]] || die "--url must be ws://HOST:PORT/PATH"
+[[ "$url" =~ ^wss?://([^:/]+):([0-9]+)(/.*)?$ ]] || die "--url must be ws://HOST:PORT/PATH or wss://…"
 host="${BASH_REMATCH[1]}"; port="${BASH_REMATCH[2]}"
 name="${name:-$(basename "$1")}"
 out="${out:-$here/results/density-$name.json}"
@@ -137,7 +142,7 @@ for n in $steps; do
   log="$work/lg-$n"
   "$loadgen" rigs --url "$url" --rigs "$add" --start-index "$prev" --prefix density \
     --concurrency "$concurrency" --hold 3600s --max-time 3600s --report "$log.json" \
-    >"$log.out" 2>"$log.err" &
+    ${lg_extra[@]+"${lg_extra[@]}"} >"$log.out" 2>"$log.err" &
   lg_pids+=($!)
   lg=$!
   deadline=$((SECONDS + 120 + add / 100))
@@ -183,8 +188,9 @@ echo "$summary" | grep '^STEP' | jq -R -s \
   --arg broker "$name" --arg url "$url" --arg date "$(date -u +%FT%TZ)" \
   --arg kernel "$(uname -r)" --arg nproc "$(nproc)" \
   --argjson slope_rss "$slope_rss" --argjson slope_pd "$slope_pd" --argjson slope_anon "$slope_anon" \
-  --argjson command "$(printf '%s\n' "$@" | jq -R . | jq -s -c .)" '{
-    broker: $broker, command: $command, url: $url, date: $date,
+  --argjson command "$(printf '%s\n' "$@" | jq -R . | jq -s -c .)" \
+  --argjson loadgen_args "$(printf '%s\n' ${lg_extra[@]+"${lg_extra[@]}"} | jq -R . | jq -s -c 'map(select(length > 0))')" '{
+    broker: $broker, command: $command, url: $url, loadgen_args: $loadgen_args, date: $date,
     host: {kernel: $kernel, nproc: ($nproc | tonumber)},
     method: "incremental: connections stay open between steps; each step adds rigs with a new loadgen (distinct rig ids); RSS read after ALL_WELCOMED once two reads 1 s apart agree within 1%",
     slope_bytes_per_conn: {rss: $slope_rss, private_dirty: $slope_pd, anonymous: $slope_anon},

@@ -189,6 +189,7 @@ run_shape() {
     pub_bound=$((fanouts * (gap_ms / 1000 + 30) + 30))
   fi
   hold=$((pub_bound + 30))
+  : >"$base.rigs.out"
   "$loadgen" rigs --url "ws://127.0.0.1:$lport/agent" --rigs "$n" --prefix "$prefix" \
     --hold "${hold}s" --max-time "$((hold + 120))s" --until-commands "$expect" \
     --report "$base.rigs.json" >"$base.rigs.out" 2>"$base.rigs.err" &

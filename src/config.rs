@@ -122,6 +122,9 @@ pub struct BrokerArgs {
     /// Registry lease refresh interval.
     #[arg(long, env = "FLEETLINK_REGISTRY_REFRESH", default_value = "10s", value_parser = parse_duration)]
     pub registry_refresh: Duration,
+    /// Fleet mode: how long Redis keeps a session's unacked commands after its last activity.
+    #[arg(long, env = "FLEETLINK_SESSION_TTL", default_value = "10m", value_parser = parse_duration)]
+    pub session_ttl: Duration,
     /// Graceful shutdown window: goaway delays spread over it, 1001 at its end.
     #[arg(long, env = "FLEETLINK_DRAIN", default_value = "10s", value_parser = parse_duration)]
     pub drain: Duration,
@@ -189,6 +192,8 @@ pub struct Config {
     pub registry_ttl: Duration,
     /// Registry refresh period.
     pub registry_refresh: Duration,
+    /// Session retention in Redis.
+    pub session_ttl: Duration,
     /// Drain window.
     pub drain: Duration,
     /// Per-rig inbound messages per second.
@@ -342,6 +347,7 @@ impl BrokerArgs {
             max_message: self.max_message,
             registry_ttl: self.registry_ttl,
             registry_refresh: self.registry_refresh,
+            session_ttl: self.session_ttl,
             drain: self.drain,
             rig_rate: self.rig_rate,
             rig_burst: self.rig_burst,

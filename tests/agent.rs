@@ -791,3 +791,119 @@ fn wss_with_mtls_over_tls13_and_tls12() {
     let _ = std::fs::remove_dir_all(dir);
     let _ = std::fs::remove_dir_all(other.0);
 }
+
+/// The agent against the real broker's own TLS listener (no terminator): mTLS with `--client-ca`,
+/// TLS 1.3 by default. The rig's certificate is its identity: rig-0001 connects, is listed and
+/// runs an allowed command; an agent presenting rig-0002's certificate but claiming rig-0001 is
+/// closed with 4403, gives up for good (exit 5), and does not disturb the real rig-0001.
+#[test]
+fn wss_mtls_against_the_real_tls_broker_and_4403_for_a_borrowed_identity() {
+    let (dir, pki) = {
+        static N: AtomicUsize = AtomicUsize::new(0);
+        let dir = std::env::temp_dir().join(format!(
+            "fleetlink-agent-realtls-{}-{}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::SeqCst)
+        ));
+        let pki = fleetlink::dev_certs::generate(&dir, 2, &[]).unwrap();
+        (dir, pki)
+    };
+    let path = |p: &PathBuf| p.to_str().unwrap().to_string();
+    let (ca, broker_cert, broker_key) = (
+        path(&pki.ca_cert),
+        path(&pki.broker_cert),
+        path(&pki.broker_key),
+    );
+    let b = Broker::start(&[
+        "--tls-cert",
+        &broker_cert,
+        "--tls-key",
+        &broker_key,
+        "--client-ca",
+        &ca,
+    ]);
+    // The broker listens on 127.0.0.1; its certificate names `localhost` (and 127.0.0.1).
+    let url = format!("wss://localhost:{}/agent", b.listen.port());
+    let (rig1, rig2) = (&pki.rigs[0], &pki.rigs[1]);
+    assert_eq!(
+        (rig1.rig_id.as_str(), rig2.rig_id.as_str()),
+        ("rig-0001", "rig-0002")
+    );
+
+    let agent = Agent::start(
+        &url,
+        "rig-0001",
+        &[
+            "--tls-cert",
+            &path(&rig1.cert),
+            "--tls-key",
+            &path(&rig1.key),
+            "--ca",
+            &ca,
+            "--allow",
+            "echo",
+        ],
+    );
+    let boot = agent.boot_id();
+    wait_rig(&b, "rig-0001", "rig-0001 listed over wss", |r| {
+        r["boot_id"] == boot.as_str()
+    });
+    let seq = send(
+        &b,
+        "rig-0001",
+        "echo",
+        json!({"argv": ["over", "real", "tls"]}),
+    );
+    assert_eq!(seq, 1);
+    wait_rig(&b, "rig-0001", "ack of seq 1 over wss", |r| {
+        r["last_ack_seq"] == seq
+    });
+    eventually(Duration::from_secs(10), "exec-log line for seq 1", || {
+        agent.exec_lines().len() == 1
+    });
+    let line = &agent.exec_lines()[0];
+    assert!(
+        line.starts_with("seq=1 id=") && line.ends_with(" name=echo ok=true"),
+        "{line}"
+    );
+    agent.wait_line("finished seq=1 name=echo ok=true", Duration::from_secs(5));
+
+    // rig-0002's certificate is valid, but it does not grant rig-0001: 4403, exit 5, no retry.
+    let mut impostor = Agent::start(
+        &url,
+        "rig-0001",
+        &[
+            "--tls-cert",
+            &path(&rig2.cert),
+            "--tls-key",
+            &path(&rig2.key),
+            "--ca",
+            &ca,
+        ],
+    );
+    assert_eq!(
+        impostor.wait_exit(Duration::from_secs(15)).code(),
+        Some(5),
+        "{}",
+        impostor.log()
+    );
+    assert!(
+        impostor.has_line("close 4403"),
+        "no 4403 in the impostor's log:\n{}",
+        impostor.log()
+    );
+    assert!(
+        !impostor.has_line("attempt 2"),
+        "retried after 4403:\n{}",
+        impostor.log()
+    );
+    // The real rig-0001 keeps its session and still takes commands.
+    let r = rig(&b, "rig-0001").expect("rig-0001 still listed");
+    assert_eq!(r["boot_id"], boot.as_str(), "{r}");
+    assert_eq!(send(&b, "rig-0001", "echo", json!({"argv": ["still"]})), 2);
+    wait_rig(&b, "rig-0001", "ack of seq 2", |r| r["last_ack_seq"] == 2);
+    assert!(!agent.has_line("closed by broker"), "{}", agent.log());
+    drop(agent);
+    drop(impostor);
+    let _ = std::fs::remove_dir_all(dir);
+}

@@ -23,8 +23,11 @@ use crate::metrics::BridgeStats;
 use crate::registry::control::{self, Control};
 use crate::registry::embedded::{Action, Embedded};
 use crate::registry::fleet::{self, Fleet};
-use crate::registry::msg::{CommandReq, ReplyTo, ToBridge, ToCore, Verdict};
+use crate::registry::msg::{
+    CommandReq, PersistReq, ReplyTo, SeqCommand, ToBridge, ToCore, Verdict,
+};
 use crate::registry::scripts::{HelloOutcome, RefreshStatus};
+use crate::registry::sessions::Persist;
 use crate::reply;
 
 /// Inbox messages handled per wake before the bridge looks at Redis and its timers again.
@@ -40,7 +43,10 @@ const HEARTBEAT_TTL: Duration = Duration::from_secs(30);
 const BROADCAST_WAIT: Duration = Duration::from_secs(5);
 
 /// Registry operations counted by (op, result), in this order.
-pub const REGISTRY_OPS: [(&str, &str); 12] = [
+pub const REGISTRY_OPS: [(&str, &str); 15] = [
+    ("persist", "ok"),
+    ("persist", "fenced"),
+    ("persist", "unavailable"),
     ("hello", "ok"),
     ("hello", "older"),
     ("hello", "unavailable"),
@@ -173,6 +179,7 @@ pub fn spawn(
                 shared,
                 fleet,
                 broadcasts: HashMap::new(),
+                persists: Vec::new(),
                 next_agg: 0,
                 next_refresh: now + cfg.registry_refresh,
                 next_heartbeat: now,
@@ -203,6 +210,8 @@ struct Bridge {
     shared: Arc<BridgeShared>,
     fleet: Option<Fleet>,
     broadcasts: HashMap<u64, Broadcast>,
+    /// Commands waiting to be kept in Redis before they are written (fleet mode).
+    persists: Vec<PersistReq>,
     next_agg: u64,
     next_refresh: Instant,
     next_heartbeat: Instant,
@@ -312,9 +321,133 @@ impl Bridge {
             }
             ToBridge::Command(req) => self.registry.command(req),
             ToBridge::Kick { id, rig, reply } => self.registry.kick(id, rig, reply),
+            ToBridge::Persist(p) => {
+                self.persists.push(*p);
+                Vec::new()
+            }
+            ToBridge::Forget { rig, boot, seq } => {
+                if let Some(f) = self.fleet.as_mut() {
+                    f.forget(rig, boot, seq);
+                }
+                Vec::new()
+            }
             ToBridge::Shutdown => Vec::new(),
         };
         self.carry_out(actions);
+    }
+
+    /// Keeps the held commands in Redis (one batched, lease-fenced script call), then releases
+    /// each to its core and answers control: `ok` only for what Redis kept. With Redis down,
+    /// commands are released unkept (delivery goes on; only a cross-broker resume loses them).
+    fn persist_held(&mut self) {
+        if self.persists.is_empty() {
+            return;
+        }
+        let held = std::mem::take(&mut self.persists);
+        let ttl = self.cfg.session_ttl;
+        let kept = self.fleet.as_mut().and_then(|f| {
+            let batch: Vec<Persist<'_>> = held
+                .iter()
+                .map(|p| Persist {
+                    rig: &p.rig,
+                    boot: &p.boot,
+                    seq: p.seq,
+                    json: &p.json,
+                })
+                .collect();
+            f.persist(&batch, ttl)
+        });
+        if kept.is_none() {
+            self.shared.count("persist", "unavailable");
+        }
+        for (i, p) in held.into_iter().enumerate() {
+            let ok = kept
+                .as_ref()
+                .is_none_or(|k| k.get(i).copied().unwrap_or(false));
+            let body = if ok {
+                self.shared.count("persist", "ok");
+                reply::enqueued(&p.id, &p.rig, p.seq)
+            } else {
+                self.shared.count("persist", "fenced");
+                reply::error(
+                    &p.id,
+                    Some(p.rig.as_str()),
+                    "rig_not_connected",
+                    "another broker owns this rig now",
+                )
+            };
+            self.send_to_core(
+                p.conn,
+                ToCore::Persisted {
+                    conn: p.conn,
+                    seq: p.seq,
+                    kept: ok,
+                },
+            );
+            self.reply(p.reply, body);
+        }
+    }
+
+    /// Fleet mode: what Redis holds of this session, merged into the local verdict; the
+    /// previous boot's unacked commands are reported `rig_rebooted` (CONTRACT.md §5).
+    fn resume(
+        &mut self,
+        conn: ConnId,
+        rig: &RigId,
+        boot: &BootId,
+        mut actions: Vec<Action>,
+    ) -> Vec<Action> {
+        let ttl = self.cfg.session_ttl;
+        let Some(found) = self.fleet.as_mut().and_then(|f| f.resume(rig, boot, ttl)) else {
+            return actions;
+        };
+        if let Some(previous) = &found.previous_boot {
+            for json in &found.rebooted {
+                let cmd: Value = serde_json::from_slice(json).unwrap_or(Value::Null);
+                let ev = json!({"type": "rig_rebooted", "rig_id": rig.as_str(), "boot_id": previous,
+                    "new_boot_id": boot.as_str(), "seq": cmd["seq"], "id": cmd["id"],
+                    "broker_id": self.cfg.broker_id, "at": reply::rfc3339(SystemTime::now())});
+                self.publish(fleet::EVENTS.to_string(), &ev);
+            }
+        }
+        let Some(next) = found.next else {
+            return actions;
+        };
+        for action in &mut actions {
+            if let Action::Core(
+                c,
+                ToCore::Verdict {
+                    verdict:
+                        Verdict::Accept {
+                            next_seq,
+                            resumed,
+                            carried,
+                        },
+                    ..
+                },
+            ) = action
+            {
+                if *c != conn {
+                    continue;
+                }
+                *next_seq = (*next_seq).max(next);
+                *resumed = true;
+                for (seq, json) in &found.commands {
+                    if carried.iter().all(|c| c.seq != *seq) {
+                        carried.push(SeqCommand {
+                            seq: *seq,
+                            id: command_id(json),
+                            json: json.clone().into_boxed_slice(),
+                            queued_at: Instant::now(),
+                            written_at: None,
+                            held: false,
+                        });
+                    }
+                }
+                carried.sort_by_key(|c| c.seq);
+            }
+        }
+        actions
     }
 
     fn hello(
@@ -352,7 +485,12 @@ impl Bridge {
                 }
             }
         }
-        self.registry.hello(conn, rig, boot, labels)
+        let fleet_owned = self.fleet.is_some();
+        let actions = self.registry.hello(conn, rig.clone(), boot, labels);
+        if fleet_owned {
+            return self.resume(conn, &rig, &boot, actions);
+        }
+        actions
     }
 
     fn release(&mut self, rig: RigId, boot: BootId) {
@@ -433,6 +571,7 @@ impl Bridge {
         let Some(f) = self.fleet.as_mut() else { return };
         let was_up = f.is_up();
         if !f.ensure(now) {
+            self.persist_held();
             if was_up || self.shared.redis_up.load(Ordering::Relaxed) == 1 {
                 self.shared.redis_up.store(0, Ordering::Relaxed);
                 self.shared.subscribed.store(false, Ordering::Relaxed);
@@ -440,6 +579,8 @@ impl Bridge {
             return;
         }
         self.shared.redis_up.store(1, Ordering::Relaxed);
+        self.persist_held();
+        let Some(f) = self.fleet.as_mut() else { return };
         let published = f.published;
         f.flush();
         let pushes = f.read();
@@ -645,4 +786,12 @@ impl Bridge {
             f.flush();
         }
     }
+}
+
+/// The `id` inside an encoded command (for replayed commands' bookkeeping).
+fn command_id(json: &[u8]) -> Box<str> {
+    serde_json::from_slice::<Value>(json)
+        .ok()
+        .and_then(|v| v["id"].as_str().map(Into::into))
+        .unwrap_or_default()
 }

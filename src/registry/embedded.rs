@@ -37,7 +37,7 @@ enum Owner {
 struct Handover {
     old: ConnId,
     new: ConnId,
-    pending: Vec<Box<CommandReq>>,
+    pending: Vec<CommandReq>,
 }
 
 #[derive(Debug)]
@@ -142,10 +142,15 @@ impl Embedded {
                 Owner::Live(_) => Vec::new(),
             };
             out.push(accept(conn, Seq(1), false, Vec::new()));
-            out.extend(
-                held.into_iter()
-                    .map(|req| Action::Core(conn, ToCore::Command { conn, req })),
-            );
+            out.extend(held.into_iter().map(|req| {
+                Action::Core(
+                    conn,
+                    ToCore::Command {
+                        conn,
+                        req: Box::new(req),
+                    },
+                )
+            }));
             return out;
         }
         let (next_seq, resumed, carried) = match self.parked.remove(&rig) {
@@ -191,7 +196,13 @@ impl Embedded {
                 entry.owner = Owner::Live(new);
                 out.push(accept(new, next_seq, true, carried));
                 for req in pending {
-                    out.push(Action::Core(new, ToCore::Command { conn: new, req }));
+                    out.push(Action::Core(
+                        new,
+                        ToCore::Command {
+                            conn: new,
+                            req: Box::new(req),
+                        },
+                    ));
                 }
             }
             _ => {}
@@ -268,7 +279,7 @@ impl Embedded {
                 vec![Action::Core(*conn, ToCore::Command { conn: *conn, req })]
             }
             Some(Owner::Handover(h)) if h.pending.len() < max_pending => {
-                h.pending.push(req);
+                h.pending.push(*req);
                 Vec::new()
             }
             Some(Owner::Handover(_)) => {
@@ -280,7 +291,7 @@ impl Embedded {
                 );
                 vec![Action::Reply(req.reply, body)]
             }
-            None => vec![not_connected(req)],
+            None => vec![not_connected(*req)],
         }
     }
 
@@ -363,7 +374,7 @@ fn accept(conn: ConnId, next_seq: Seq, resumed: bool, carried: Vec<SeqCommand>) 
     )
 }
 
-fn not_connected(req: Box<CommandReq>) -> Action {
+fn not_connected(req: CommandReq) -> Action {
     let body = reply::error(
         &req.id,
         Some(req.rig.as_str()),

@@ -8,9 +8,11 @@ use std::time::{Duration, Instant};
 
 use redis::{ConnectionInfo, IntoConnectionInfo};
 
+use crate::ids::Seq;
 use crate::ids::{BootId, RigId};
 use crate::registry::pubsub::{Push, Subscriber};
 use crate::registry::scripts::{HelloOutcome, RefreshStatus, Scripts};
+use crate::registry::sessions::{self, Persist, Resumed, SessionScripts};
 
 /// Socket timeout for every Redis call: a hung Redis stalls the bridge at most this long.
 const IO_TIMEOUT: Duration = Duration::from_secs(2);
@@ -34,6 +36,8 @@ pub(crate) struct Fleet {
     info: ConnectionInfo,
     broker_id: String,
     scripts: Scripts,
+    sessions: SessionScripts,
+    forgets: Vec<(RigId, BootId, Seq)>,
     con: Option<redis::Connection>,
     sub: Option<Subscriber>,
     outgoing: Vec<(String, Vec<u8>)>,
@@ -55,6 +59,8 @@ impl Fleet {
             info,
             broker_id: broker_id.to_string(),
             scripts: Scripts::new(),
+            sessions: SessionScripts::new(),
+            forgets: Vec::new(),
             con: None,
             sub: None,
             outgoing: Vec::new(),
@@ -105,6 +111,14 @@ impl Fleet {
         con.set_read_timeout(Some(IO_TIMEOUT))?;
         con.set_write_timeout(Some(IO_TIMEOUT))?;
         self.scripts.load(&mut con)?;
+        redis::cmd("SCRIPT")
+            .arg("LOAD")
+            .arg(include_str!("../../lua/persist.lua"))
+            .query::<String>(&mut con)?;
+        redis::cmd("SCRIPT")
+            .arg("LOAD")
+            .arg(include_str!("../../lua/resume.lua"))
+            .query::<String>(&mut con)?;
         let channels = [broker_channel(&self.broker_id), BROADCAST.to_string()];
         let sub = Subscriber::connect(&self.info, &channels, IO_TIMEOUT)?;
         self.con = Some(con);
@@ -160,6 +174,37 @@ impl Fleet {
         }
     }
 
+    /// Keeps commands in their sessions (fenced by our leases). None when Redis is unavailable.
+    pub(crate) fn persist(&mut self, cmds: &[Persist<'_>], ttl: Duration) -> Option<Vec<bool>> {
+        let con = self.con.as_mut()?;
+        match self.sessions.persist(con, cmds, &self.broker_id, ttl) {
+            Ok(kept) => Some(kept),
+            Err(e) => {
+                self.fail(Instant::now(), &e);
+                None
+            }
+        }
+    }
+
+    /// What Redis holds of `boot`'s session (and the previous boot's). None when unavailable.
+    pub(crate) fn resume(&mut self, rig: &RigId, boot: &BootId, ttl: Duration) -> Option<Resumed> {
+        let con = self.con.as_mut()?;
+        match self.sessions.resume(con, rig, boot, ttl) {
+            Ok(r) => Some(r),
+            Err(e) => {
+                self.fail(Instant::now(), &e);
+                None
+            }
+        }
+    }
+
+    /// Queues the removal of an acked command from its session (sent with the next flush).
+    pub(crate) fn forget(&mut self, rig: RigId, boot: BootId, seq: Seq) {
+        if self.forgets.len() < MAX_OUTGOING {
+            self.forgets.push((rig, boot, seq));
+        }
+    }
+
     /// Writes the `broker:<id>` liveness key.
     pub(crate) fn heartbeat(&mut self, json: &str, ttl: Duration) {
         let Some(con) = self.con.as_mut() else { return };
@@ -196,6 +241,18 @@ impl Fleet {
                 self.fail(Instant::now(), &e);
                 return;
             }
+        }
+        if !self.forgets.is_empty() {
+            let mut pipe = redis::pipe();
+            for (rig, boot, seq) in &self.forgets {
+                pipe.hdel(sessions::session_key(rig, boot), format!("c:{}", seq.0))
+                    .ignore();
+            }
+            if let Err(e) = pipe.query::<()>(con) {
+                self.fail(Instant::now(), &e);
+                return;
+            }
+            self.forgets.clear();
         }
         if self.outgoing.is_empty() {
             return;

@@ -13,3 +13,4 @@ pub mod fleet;
 pub mod msg;
 pub mod pubsub;
 pub mod scripts;
+pub mod sessions;

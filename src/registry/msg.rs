@@ -22,6 +22,28 @@ pub struct SeqCommand {
     pub queued_at: Instant,
     /// When it was last written to a socket (for ack latency); None while queued.
     pub written_at: Option<Instant>,
+    /// Fleet mode: not written until Redis keeps it (so no command control was told about can
+    /// be lost with its broker).
+    pub held: bool,
+}
+
+/// A command to keep in Redis before it is written and control hears `ok` (fleet mode).
+#[derive(Debug)]
+pub struct PersistReq {
+    /// The connection that holds the command.
+    pub conn: ConnId,
+    /// The rig.
+    pub rig: RigId,
+    /// Its session's boot.
+    pub boot: BootId,
+    /// The command's seq.
+    pub seq: Seq,
+    /// Control's command id.
+    pub id: Box<str>,
+    /// The command as it will be sent.
+    pub json: Box<[u8]>,
+    /// Where control waits for the reply.
+    pub reply: ReplyTo,
 }
 
 /// Where a reply to a control request goes.
@@ -101,6 +123,15 @@ pub enum ToCore {
         /// Where the reply goes.
         reply: ReplyTo,
     },
+    /// Redis kept (or, fenced, refused) a held command.
+    Persisted {
+        /// The connection.
+        conn: ConnId,
+        /// The command.
+        seq: Seq,
+        /// False when another broker owns the rig now: drop the command.
+        kept: bool,
+    },
     /// Send a snapshot of this core's metrics (and rigs when `rigs`).
     Snapshot {
         /// Include the rig list.
@@ -157,6 +188,17 @@ pub enum ToBridge {
         channel: String,
         /// The reply object.
         body: Value,
+    },
+    /// Keep a command in the rig's session before it is written (fleet mode).
+    Persist(Box<PersistReq>),
+    /// The rig acked (or the broker stopped remembering) a command: forget it in Redis.
+    Forget {
+        /// The rig.
+        rig: RigId,
+        /// Its session's boot.
+        boot: BootId,
+        /// The command.
+        seq: Seq,
     },
     /// One rig's answer to a broadcast command.
     Part {

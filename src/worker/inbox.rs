@@ -68,6 +68,11 @@ fn handle(core: &Rc<Core>, msg: ToCore) {
                 session::deliver(core, req.reply, body);
             }
         },
+        ToCore::Persisted { conn, seq, kept } => {
+            if let Some(c) = conn_of(conn) {
+                session::on_persisted(core, &c, &mut c.st.borrow_mut(), seq, kept);
+            }
+        }
         ToCore::Kick {
             conn,
             id,

@@ -4,11 +4,12 @@
 
 use std::time::{Instant, SystemTime};
 
+use crate::doorbell::Full;
 use crate::http_upgrade::{self, Reject};
 use crate::ids::Seq;
 use crate::metrics::C;
 use crate::protocol::{self, ClientMsg, Hello};
-use crate::registry::msg::{CommandReq, ReplyTo, SeqCommand, ToBridge, Verdict};
+use crate::registry::msg::{CommandReq, PersistReq, ReplyTo, SeqCommand, ToBridge, Verdict};
 use crate::reply::{self, Unresponsive};
 use crate::worker::core::{Conn, ConnState, Core, Phase, Session};
 use crate::worker::transport::Security;
@@ -360,6 +361,14 @@ fn on_ack(core: &Core, s: &mut Session, seq: Seq) -> Option<Box<str>> {
         let Some(cmd) = q.unacked.pop_front() else {
             break;
         };
+        if core.fleet {
+            // Acked (or, behind it, received in order): no longer kept for a resume.
+            core.to_bridge(ToBridge::Forget {
+                rig: s.rig.clone(),
+                boot: s.boot,
+                seq: cmd.seq,
+            });
+        }
         if cmd.seq == seq {
             if let Some(at) = cmd.written_at {
                 core.metrics.ack_latency(at.elapsed().as_millis() as u64);
@@ -381,14 +390,26 @@ pub(crate) fn pump(core: &Core, conn: &Conn, st: &mut ConnState) {
         let Some(q) = session.queues.as_mut() else {
             return;
         };
+        // A held command (fleet mode, not yet kept by Redis) blocks the ones behind it: order.
+        if q.outbox.front().is_none_or(|c| c.held) {
+            return;
+        }
         let Some(mut cmd) = q.outbox.pop_front() else {
             return;
         };
         cmd.written_at = Some(Instant::now());
         let json = cmd.json.clone();
         if q.unacked.len() >= core.cfg.outbox * UNACKED_PER_OUTBOX {
-            q.unacked.pop_front();
-            core.metrics.inc(C::CmdResumeDropped);
+            if let Some(old) = q.unacked.pop_front() {
+                core.metrics.inc(C::CmdResumeDropped);
+                if core.fleet {
+                    core.to_bridge(ToBridge::Forget {
+                        rig: session.rig.clone(),
+                        boot: session.boot,
+                        seq: old.seq,
+                    });
+                }
+            }
         }
         q.unacked.push_back(cmd);
         core.metrics.inc(C::CmdWritten);
@@ -477,6 +498,12 @@ pub(crate) fn on_command(core: &Core, conn: &Conn, st: &mut ConnState, req: Comm
     let Some(session) = st.session.as_mut() else {
         return;
     };
+    if session.held_len() >= core.cfg.outbox * UNACKED_PER_OUTBOX {
+        // Redis is slower than control right now: a broker-side condition, not the rig's.
+        core.metrics.inc(C::BridgeQueueFull);
+        let body = reply::error(&req.id, Some(req.rig.as_str()), "overloaded", "too many commands waiting for the session store");
+        return deliver(core, req.reply, body);
+    }
     if session.outbox_len() >= core.cfg.outbox {
         core.metrics.inc(C::CmdOutboxFull);
         let oldest = session
@@ -499,18 +526,64 @@ pub(crate) fn on_command(core: &Core, conn: &Conn, st: &mut ConnState, req: Comm
         return deliver(core, req.reply, body);
     }
     let seq = session.next_seq;
+    let json =
+        protocol::encode_command(session.v, seq, &req.id, &req.name, &req.args).into_boxed_slice();
+    if core.fleet {
+        // Kept in Redis first; the bridge answers control and releases it for writing.
+        let persist = PersistReq {
+            conn: conn.id,
+            rig: session.rig.clone(),
+            boot: session.boot,
+            seq,
+            id: req.id.as_str().into(),
+            json: json.clone(),
+            reply: req.reply,
+        };
+        if let Err(Full(ToBridge::Persist(p))) =
+            core.bridge.send(ToBridge::Persist(Box::new(persist)))
+        {
+            core.metrics.inc(C::BridgeQueueFull);
+            let body = reply::error(
+                &req.id,
+                Some(req.rig.as_str()),
+                "overloaded",
+                "bridge queue full",
+            );
+            return deliver(core, p.reply, body);
+        }
+    } else {
+        let body = reply::enqueued(&req.id, &session.rig, seq);
+        deliver(core, req.reply, body);
+    }
     session.next_seq = Seq(seq.0 + 1);
-    let json = protocol::encode_command(session.v, seq, &req.id, &req.name, &req.args);
     session.queues().outbox.push_back(SeqCommand {
         seq,
         id: req.id.as_str().into(),
-        json: json.into_boxed_slice(),
+        json,
         queued_at: Instant::now(),
         written_at: None,
+        held: core.fleet,
     });
     core.metrics.inc(C::CmdEnqueued);
-    let body = reply::enqueued(&req.id, &session.rig, seq);
-    deliver(core, req.reply, body);
+    pump(core, conn, st);
+}
+
+/// Redis kept (or refused) a held command of this connection.
+pub(crate) fn on_persisted(core: &Core, conn: &Conn, st: &mut ConnState, seq: Seq, kept: bool) {
+    let Some(q) = st.session.as_mut().and_then(|s| s.queues.as_mut()) else {
+        return;
+    };
+    let Some(pos) = q.outbox.iter().position(|c| c.seq == seq) else {
+        return;
+    };
+    if kept {
+        if let Some(cmd) = q.outbox.get_mut(pos) {
+            cmd.held = false;
+        }
+    } else {
+        // Another broker owns the rig now; this connection is being superseded.
+        q.outbox.remove(pos);
+    }
     pump(core, conn, st);
 }
 
@@ -557,9 +630,17 @@ pub(crate) fn on_closed(core: &Core, conn: &Conn, st: &mut ConnState) {
         let ev = events::disconnected(&core.cfg.broker_id, &s.rig, &s.boot, code, &st.close_reason);
         core.to_bridge(ToBridge::Event(ev));
     }
+    // A command still held for Redis goes along released: the session moves only within this
+    // broker (another broker resumes from Redis), where our lease kept it.
     let carried: Vec<SeqCommand> = s
         .queues
-        .map(|q| q.unacked.into_iter().chain(q.outbox).collect())
+        .map(|q| {
+            q.unacked
+                .into_iter()
+                .chain(q.outbox)
+                .map(|c| SeqCommand { held: false, ..c })
+                .collect()
+        })
         .unwrap_or_default();
     core.to_bridge(ToBridge::Closed {
         conn: conn.id,

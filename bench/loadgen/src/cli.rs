@@ -1,8 +1,9 @@
 //! Command-line interface and the small value parsers it needs (durations, source ranges,
-//! labels, ws URLs). Parsers are plain functions so they are unit-testable without clap.
+//! labels, ws/wss URLs). Parsers are plain functions so they are unit-testable without clap.
 
 use std::collections::BTreeMap;
 use std::net::Ipv4Addr;
+use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
@@ -35,9 +36,24 @@ pub enum Command {
 
 #[derive(Debug, Clone, Args)]
 pub struct RigsArgs {
-    /// Rig endpoint, e.g. ws://127.0.0.1:8080/agent
+    /// Rig endpoint, e.g. ws://127.0.0.1:8080/agent, or wss://127.0.0.1:8443/agent with --ca.
     #[arg(long)]
     pub url: String,
+    /// wss: PEM CA bundle the broker's certificate must chain to.
+    #[arg(long)]
+    pub ca: Option<PathBuf>,
+    /// wss: client certificate (PEM) presented by every rig (needs --tls-key). Against a broker
+    /// with --client-ca its identity must be the rig id: use --rigs 1 and --id-width/--start-index
+    /// to match it (dev-certs' rig-0001 is `--prefix rig --id-width 4 --start-index 1`).
+    #[arg(long, requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+    /// wss: the client certificate's private key (PEM).
+    #[arg(long, requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
+    /// wss: SNI and the name the broker's certificate is verified against (the URL's host is
+    /// only where to connect).
+    #[arg(long, default_value = "localhost")]
+    pub server_name: String,
     /// Number of rigs to open.
     #[arg(long)]
     pub rigs: usize,
@@ -54,6 +70,9 @@ pub struct RigsArgs {
     /// First rig index (lets several runs add disjoint rigs to one broker).
     #[arg(long, default_value_t = 0)]
     pub start_index: usize,
+    /// Digits of the zero-padded index in rig ids.
+    #[arg(long, default_value_t = 6)]
+    pub id_width: usize,
     /// Labels sent in every hello: `k=v,k2=v2`.
     #[arg(long, default_value = "")]
     pub labels: String,
@@ -255,8 +274,8 @@ pub struct PlainUrl {
     pub path: String,
 }
 
-/// Parses a plain-text URL; TLS is out of scope for these tools (the broker's TLS cost is measured
-/// separately), so `wss://`/`https://` are refused rather than silently sent in clear.
+/// Parses a `SCHEME://host[:port][/path]` URL for exactly `scheme`: a `wss://` URL given where
+/// `ws` is expected is refused rather than silently sent in clear (see [`parse_ws_url`]).
 pub fn parse_plain_url(url: &str, scheme: &str, default_port: u16) -> Result<PlainUrl> {
     let rest = url
         .strip_prefix(scheme)
@@ -286,7 +305,33 @@ pub fn parse_plain_url(url: &str, scheme: &str, default_port: u16) -> Result<Pla
     })
 }
 
+/// A rig endpoint: `ws://…` (plain, default port 80) or `wss://…` (TLS, default port 443).
+/// Returns the parts and whether it is TLS.
+pub fn parse_ws_url(url: &str) -> Result<(PlainUrl, bool)> {
+    if url.starts_with("wss://") {
+        Ok((parse_plain_url(url, "wss", 443)?, true))
+    } else {
+        Ok((parse_plain_url(url, "ws", 80)?, false))
+    }
+}
+
 impl RigsArgs {
+    /// Checks the TLS flags against the URL's scheme: wss needs --ca; the TLS flags need wss.
+    pub fn check_tls_flags(&self, tls: bool) -> Result<()> {
+        if tls && self.ca.is_none() {
+            bail!("{} is wss: --ca is required", self.url);
+        }
+        if !tls && (self.ca.is_some() || self.tls_cert.is_some()) {
+            bail!("--ca/--tls-cert/--tls-key need a wss:// URL");
+        }
+        Ok(())
+    }
+
+    /// The id of rig `index`: `<prefix>-<index>` zero-padded to `--id-width`.
+    pub fn rig_id(prefix: &str, width: usize, index: usize) -> String {
+        format!("{prefix}-{index:0width$}")
+    }
+
     /// Child processes to use: the flag, or the fewest that keep each under the socket cap.
     pub fn effective_procs(&self) -> Result<usize> {
         let min = self.rigs.div_ceil(MAX_SOCKETS_PER_PROC).max(1);
@@ -381,6 +426,50 @@ mod tests {
         let u = parse_plain_url("ws://[::1]:9/x", "ws", 80).unwrap();
         assert_eq!((u.host.as_str(), u.port), ("::1", 9));
         assert!(parse_plain_url("wss://h/agent", "ws", 80).is_err());
+        let (u, tls) = parse_ws_url("wss://127.0.0.1:8443/agent").unwrap();
+        assert!(tls);
+        assert_eq!((u.host.as_str(), u.port), ("127.0.0.1", 8443));
+        let (u, tls) = parse_ws_url("wss://localhost/agent").unwrap();
+        assert!(tls);
+        assert_eq!(u.port, 443);
+        assert!(!parse_ws_url("ws://h:1/agent").unwrap().1);
+        assert!(parse_ws_url("https://h/agent").is_err());
+    }
+
+    #[test]
+    fn tls_flags() {
+        let parse = |args: &[&str]| {
+            let mut full = vec!["fleetlink-loadgen", "rigs", "--rigs", "1"];
+            full.extend_from_slice(args);
+            Cli::try_parse_from(full).map(|c| match c.cmd {
+                Command::Rigs(r) => r,
+                _ => unreachable!(),
+            })
+        };
+        let r = parse(&["--url", "wss://127.0.0.1:1/agent", "--ca", "ca.pem"]).unwrap();
+        assert_eq!(r.server_name, "localhost");
+        assert!(r.check_tls_flags(true).is_ok());
+        let r = parse(&["--url", "wss://127.0.0.1:1/agent"]).unwrap();
+        assert!(r.check_tls_flags(true).is_err());
+        let r = parse(&["--url", "ws://127.0.0.1:1/agent", "--ca", "ca.pem"]).unwrap();
+        assert!(r.check_tls_flags(false).is_err());
+        assert!(parse(&["--url", "wss://h/a", "--ca", "c", "--tls-cert", "x.pem"]).is_err());
+        let r = parse(&[
+            "--url",
+            "wss://h/a",
+            "--ca",
+            "c",
+            "--tls-cert",
+            "x.pem",
+            "--tls-key",
+            "x.key",
+            "--server-name",
+            "broker.fleet",
+        ])
+        .unwrap();
+        assert_eq!(r.server_name, "broker.fleet");
+        assert_eq!(RigsArgs::rig_id("rig", r.id_width, 7), "rig-000007");
+        assert_eq!(RigsArgs::rig_id("rig", 4, 1), "rig-0001");
     }
 
     #[test]

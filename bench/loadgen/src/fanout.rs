@@ -142,14 +142,14 @@ pub async fn run_fanout(args: FanoutArgs) -> Result<i32> {
         if conns.is_empty() {
             break; // every task panicked; the tally says what was done
         }
-        if round + 1 < rounds && !args.interval.is_zero() {
-            if tokio::time::timeout_at(deadline, tokio::time::sleep(args.interval))
+        if round + 1 < rounds
+            && !args.interval.is_zero()
+            && tokio::time::timeout_at(deadline, tokio::time::sleep(args.interval))
                 .await
                 .is_err()
-            {
-                timed_out = true;
-                break;
-            }
+        {
+            timed_out = true;
+            break;
         }
     }
 

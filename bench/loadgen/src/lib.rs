@@ -9,5 +9,6 @@ pub mod orchestrator;
 pub mod redis_pub;
 pub mod report;
 pub mod rig;
+pub mod tls;
 pub mod uuid7;
 pub mod worker;

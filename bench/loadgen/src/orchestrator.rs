@@ -14,9 +14,10 @@ use tokio::process::{Child, ChildStdin};
 use tokio::signal::unix::{signal, SignalKind};
 use tokio::sync::{mpsc, watch, Notify, Semaphore};
 
-use crate::cli::{parse_labels, parse_plain_url, split_slices, RigsArgs};
+use crate::cli::{parse_labels, parse_ws_url, split_slices, RigsArgs};
 use crate::report::{Counters, FinalReport, Progress, WorkerReport};
 use crate::rig::RigEnv;
+use crate::tls::TlsClient;
 use crate::worker::{emit_stdout, run_worker, WorkerMsg};
 
 /// Exit codes: 0 every rig welcomed; 2 some were not; 1 (from main) setup errors.
@@ -62,7 +63,16 @@ impl Handle {
 
 /// Builds the shared rig environment for one worker.
 async fn rig_env(args: &RigsArgs, count: usize, deadline: tokio::time::Instant) -> Result<RigEnv> {
-    let url = parse_plain_url(&args.url, "ws", 80)?;
+    let (url, tls) = parse_ws_url(&args.url)?;
+    args.check_tls_flags(tls)?;
+    let tls = match &args.ca {
+        Some(ca) if tls => Some(TlsClient::new(
+            ca,
+            args.tls_cert.as_deref().zip(args.tls_key.as_deref()),
+            &args.server_name,
+        )?),
+        _ => None,
+    };
     let addr: SocketAddr = tokio::net::lookup_host((url.host.as_str(), url.port))
         .await
         .with_context(|| format!("resolving {}", url.host))?
@@ -84,6 +94,8 @@ async fn rig_env(args: &RigsArgs, count: usize, deadline: tokio::time::Instant) 
         addr,
         url: args.url.clone(),
         prefix: args.prefix.clone(),
+        id_width: args.id_width,
+        tls,
         labels_json: serde_json::to_string(&labels)?,
         sources,
         handshake_timeout: args.handshake_timeout,
@@ -127,6 +139,8 @@ fn spawn_child(args: &RigsArgs, start: usize, count: usize) -> Result<(Child, Ch
         .args(["--url", &args.url])
         .args(["--rigs", &args.rigs.to_string()])
         .args(["--prefix", &args.prefix])
+        .args(["--id-width", &args.id_width.to_string()])
+        .args(["--server-name", &args.server_name])
         .args(["--labels", &args.labels])
         .args(["--concurrency", &args.concurrency.to_string()])
         .args(["--hold", &ms(args.hold)])
@@ -135,6 +149,15 @@ fn spawn_child(args: &RigsArgs, start: usize, count: usize) -> Result<(Child, Ch
         .args(["--child-slice", &format!("{start}:{count}")]);
     if let Some(s) = &args.sources {
         cmd.args(["--sources", s]);
+    }
+    for (flag, path) in [
+        ("--ca", &args.ca),
+        ("--tls-cert", &args.tls_cert),
+        ("--tls-key", &args.tls_key),
+    ] {
+        if let Some(p) = path {
+            cmd.arg(flag).arg(p);
+        }
     }
     cmd.stdin(Stdio::piped())
         .stdout(Stdio::piped())

@@ -20,9 +20,10 @@ use tokio_tungstenite::tungstenite::{Error as WsError, Message};
 use tokio_tungstenite::WebSocketStream;
 
 use crate::report::Counters;
+use crate::tls::{handshake_reason, RigStream, TlsClient};
 use crate::uuid7;
 
-type Ws = WebSocketStream<TcpStream>;
+type Ws = WebSocketStream<RigStream>;
 
 /// What every rig of a worker shares.
 #[derive(Debug)]
@@ -30,6 +31,10 @@ pub struct RigEnv {
     pub addr: SocketAddr,
     pub url: String,
     pub prefix: String,
+    /// Digits of the zero-padded index in rig ids.
+    pub id_width: usize,
+    /// wss: the TLS client; None = plain ws.
+    pub tls: Option<TlsClient>,
     /// The hello's `labels` object, serialised once.
     pub labels_json: String,
     pub sources: Vec<Ipv4Addr>,
@@ -103,7 +108,7 @@ async fn stopped(stop: &mut watch::Receiver<bool>) {
 
 /// Runs rig `index` until stopped. Counts its outcome in `env.counters`.
 pub async fn run_rig(env: Arc<RigEnv>, index: usize, mut stop: watch::Receiver<bool>) {
-    let rig_id = format!("{}-{:06}", env.prefix, index);
+    let rig_id = crate::cli::RigsArgs::rig_id(&env.prefix, env.id_width, index);
     let boot_id = uuid7::new_v7();
     let source = (!env.sources.is_empty()).then(|| env.sources[index % env.sources.len()]);
     let hello = format!(
@@ -198,6 +203,10 @@ fn set_bind_address_no_port(sock: &socket2::Socket) {
 
 fn io_reason(e: &std::io::Error) -> String {
     use std::io::ErrorKind::*;
+    if let Some(tls) = handshake_reason(e) {
+        // TLS 1.3: a refused client certificate shows up as an alert on the first read.
+        return tls;
+    }
     match e.kind() {
         ConnectionRefused => "connect_refused".into(),
         ConnectionReset => "connection_reset".into(),
@@ -234,12 +243,23 @@ async fn attempt(
     let tcp = connect(env.addr, source)
         .await
         .map_err(|e| AttemptError::Fail(io_reason(&e)))?;
+    let stream = match &env.tls {
+        None => RigStream::Plain(tcp),
+        Some(tls) => {
+            let s = tls
+                .connector
+                .connect(tls.server_name.clone(), tcp)
+                .await
+                .map_err(|e| AttemptError::Fail(io_reason(&e)))?;
+            RigStream::Tls(Box::new(s))
+        }
+    };
     let req = env
         .url
         .as_str()
         .into_client_request()
         .map_err(|_| AttemptError::Fail("bad_url".into()))?;
-    let (mut ws, _) = tokio_tungstenite::client_async_with_config(req, tcp, Some(env.ws_config))
+    let (mut ws, _) = tokio_tungstenite::client_async_with_config(req, stream, Some(env.ws_config))
         .await
         .map_err(|e| match e {
             WsError::Http(resp) if resp.status().as_u16() == 503 => AttemptError::Retry {

@@ -56,7 +56,8 @@ pub async fn accept_loop(listener: TcpListener, app: Arc<App>) {
             // Separate tasks, so the plain path's task is exactly what it was before TLS.
             Ok((stream, _)) => match app.tls.clone() {
                 None => {
-                    tokio::spawn(handle(stream, app.clone()));
+                    let _ = stream.set_nodelay(true);
+                    tokio::spawn(serve(stream, app.clone()));
                 }
                 Some(acceptor) => {
                     tokio::spawn(handle_tls(stream, acceptor, app.clone()));
@@ -114,11 +115,6 @@ async fn handle_tls(stream: TcpStream, acceptor: tokio_rustls::TlsAcceptor, app:
             app.metrics.accepts_handshake_timeout.fetch_add(1, Relaxed);
         }
     }
-}
-
-async fn handle(stream: TcpStream, app: Arc<App>) {
-    let _ = stream.set_nodelay(true);
-    serve(stream, app).await
 }
 
 /// Upgrade, hello, session: over a TCP stream or a TLS stream.

@@ -1,0 +1,166 @@
+//! The brokers under test: a named command line ([`Spec`]) and a running instance
+//! ([`Broker`]) that is ready (`GET /readyz` = 200) before a scenario uses it and is stopped
+//! (SIGTERM, 15 s grace, SIGKILL) when dropped.
+
+use std::net::TcpListener;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+
+use crate::ctx::{display_path, Ctx};
+use crate::http;
+use crate::proc::{self, Proc};
+
+/// Which binary a spec runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Kind {
+    /// fleetlink-fe (monoio, thread per core).
+    Fe,
+    /// fleetlink-tokio-baseline (tokio multi-thread + tokio-tungstenite).
+    Baseline,
+}
+
+/// One broker configuration, as it appears in results.
+#[derive(Clone, Debug)]
+pub(crate) struct Spec {
+    /// Row label in tables and plots.
+    pub(crate) name: &'static str,
+    /// Binary.
+    pub(crate) kind: Kind,
+    /// Flags beyond the listen/admin addresses and broker id.
+    pub(crate) extra: &'static [&'static str],
+}
+
+impl Spec {
+    /// A fleetlink-fe configuration.
+    pub(crate) const fn fe(name: &'static str, extra: &'static [&'static str]) -> Self {
+        Self {
+            name,
+            kind: Kind::Fe,
+            extra,
+        }
+    }
+
+    /// A tokio baseline configuration.
+    pub(crate) const fn baseline(name: &'static str, extra: &'static [&'static str]) -> Self {
+        Self {
+            name,
+            kind: Kind::Baseline,
+            extra,
+        }
+    }
+
+    /// The full command line (binary first) for `ctx`'s addresses.
+    pub(crate) fn argv(&self, ctx: &Ctx) -> Vec<String> {
+        let (bin, id) = match self.kind {
+            Kind::Fe => (&ctx.bins.fe, "fe-bench"),
+            Kind::Baseline => (&ctx.bins.baseline, "tb-bench"),
+        };
+        let mut v = vec![
+            display_path(bin),
+            "--listen".into(),
+            ctx.listen.to_string(),
+            "--admin".into(),
+            ctx.admin.to_string(),
+            "--broker-id".into(),
+            id.into(),
+        ];
+        if self.kind == Kind::Fe {
+            // A short drain so stopping between runs is quick; it does not affect a measurement.
+            v.extend(["--drain".into(), "1s".into()]);
+        }
+        v.extend(self.extra.iter().map(|s| s.to_string()));
+        v
+    }
+}
+
+/// A running, ready broker.
+pub(crate) struct Broker {
+    proc: Proc,
+}
+
+impl Broker {
+    /// Starts `spec` on the context's ports (which must be free) and waits up to 30 s for
+    /// `/readyz`.
+    pub(crate) fn start(ctx: &Ctx, spec: &Spec) -> Result<Self> {
+        for addr in [ctx.listen, ctx.admin] {
+            TcpListener::bind(addr).with_context(|| {
+                format!("port {addr} is in use (pass --listen-port/--admin-port)")
+            })?;
+        }
+        let argv = spec.argv(ctx);
+        let bin = match spec.kind {
+            Kind::Fe => &ctx.bins.fe,
+            Kind::Baseline => &ctx.bins.baseline,
+        };
+        let mut cmd = Command::new(bin);
+        cmd.args(&argv[1..]);
+        let log = ctx.work_file(spec.name, "log");
+        let proc = Proc::spawn(
+            &format!("broker {}", spec.name),
+            &mut cmd,
+            &log,
+            Duration::from_secs(15),
+        )?;
+        let mut b = Self { proc };
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            b.ensure_running()?;
+            let ready = http::get(ctx.admin, "/readyz", Duration::from_secs(2));
+            if ready.is_ok_and(|r| r.status == 200) {
+                return Ok(b);
+            }
+            if Instant::now() >= deadline {
+                bail!(
+                    "{} not ready after 30 s (log: {})",
+                    spec.name,
+                    log.display()
+                );
+            }
+            proc::sleep(Duration::from_millis(50))?;
+        }
+    }
+
+    /// Fails if the broker process has ended.
+    pub(crate) fn ensure_running(&mut self) -> Result<()> {
+        if let Some(st) = self.proc.exited()? {
+            bail!("{} exited ({st})", self.proc.name());
+        }
+        Ok(())
+    }
+
+    /// CPU time (user + system, all threads) the broker has used since it started.
+    pub(crate) fn cpu(&self) -> Result<Duration> {
+        self.proc.cpu()
+    }
+
+    /// Resident set size in KiB.
+    pub(crate) fn rss_kb(&self) -> Result<u64> {
+        self.proc.rss_kb()
+    }
+
+    /// Polls `GET /v1/rigs` every 100 ms until it lists `n` rigs or `deadline` passes; returns
+    /// the last count seen and when it was read.
+    pub(crate) fn wait_registered(
+        &mut self,
+        ctx: &Ctx,
+        n: usize,
+        deadline: Instant,
+    ) -> Result<(usize, Instant)> {
+        loop {
+            self.ensure_running()?;
+            let count = http::rig_count(ctx.admin)?;
+            let at = Instant::now();
+            if count >= n || at >= deadline {
+                return Ok((count, at));
+            }
+            proc::sleep(Duration::from_millis(100))?;
+        }
+    }
+
+    /// Stops the broker now (dropping it does the same).
+    pub(crate) fn stop(mut self) {
+        self.proc.stop();
+    }
+}

@@ -1,0 +1,180 @@
+//! What every scenario shares: where the binaries are, the ports brokers listen on, the work
+//! directory for child logs and loadgen reports, and where results go.
+
+use std::cell::Cell;
+use std::net::{Ipv4Addr, SocketAddr};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+
+/// Flags common to the measuring scenarios.
+#[derive(Args, Debug, Clone)]
+pub(crate) struct Common {
+    /// Rounds; each round runs every broker once, in an order that rotates per round.
+    #[arg(long, default_value_t = 3)]
+    pub(crate) rounds: usize,
+    /// Results directory (`<scenario>.json`, `<scenario>.md`).
+    #[arg(long, default_value = concat!(env!("CARGO_MANIFEST_DIR"), "/../results"))]
+    pub(crate) out: PathBuf,
+    /// Directory holding fleetlink-fe, fleetlink-tokio-baseline and fleetlink-loadgen
+    /// (default: this binary's own directory, i.e. the workspace's target/release).
+    #[arg(long)]
+    pub(crate) bin_dir: Option<PathBuf>,
+    /// Rig websocket port of the broker under test (127.0.0.1).
+    #[arg(long, default_value_t = 38080)]
+    pub(crate) listen_port: u16,
+    /// Admin HTTP port of the broker under test (127.0.0.1).
+    #[arg(long, default_value_t = 39090)]
+    pub(crate) admin_port: u16,
+}
+
+/// Paths of the three binaries a scenario runs.
+pub(crate) struct Bins {
+    /// The broker under test.
+    pub(crate) fe: PathBuf,
+    /// The tokio + tokio-tungstenite comparison broker.
+    pub(crate) baseline: PathBuf,
+    /// Rigs and the admin sender.
+    pub(crate) loadgen: PathBuf,
+}
+
+/// Shared state of one harness invocation.
+pub(crate) struct Ctx {
+    /// Binaries under test.
+    pub(crate) bins: Bins,
+    /// Child logs and loadgen reports; kept when a scenario fails.
+    pub(crate) work: PathBuf,
+    /// Results directory.
+    pub(crate) out: PathBuf,
+    /// Rig endpoint address brokers bind.
+    pub(crate) listen: SocketAddr,
+    /// Admin endpoint address brokers bind.
+    pub(crate) admin: SocketAddr,
+    /// Rounds per scenario.
+    pub(crate) rounds: usize,
+    /// Numbers log files so no run overwrites another's.
+    seq: Cell<u32>,
+}
+
+impl Ctx {
+    /// Resolves binaries (failing with the build command if one is missing) and makes the
+    /// work directory.
+    pub(crate) fn new(c: &Common) -> Result<Self> {
+        let dir = match &c.bin_dir {
+            Some(d) => d.clone(),
+            None => std::env::current_exe()?
+                .parent()
+                .context("binary without a directory")?
+                .to_path_buf(),
+        };
+        let bin = |name: &str| -> Result<PathBuf> {
+            let p = dir.join(name);
+            if !p.is_file() {
+                bail!(
+                    "{} not found; build it: cargo build --release -p fleetlink -p fleetlink-bench \
+                     -p fleetlink-loadgen -p fleetlink-tokio-baseline --bin fleetlink-fe",
+                    p.display()
+                );
+            }
+            Ok(p)
+        };
+        let bins = Bins {
+            fe: bin("fleetlink-fe")?,
+            baseline: bin("fleetlink-tokio-baseline")?,
+            loadgen: bin("fleetlink-loadgen")?,
+        };
+        if c.rounds == 0 {
+            bail!("--rounds must be at least 1");
+        }
+        let work = std::env::temp_dir().join(format!("fleetlink-bench.{}", std::process::id()));
+        std::fs::create_dir_all(&work)?;
+        std::fs::create_dir_all(&c.out)?;
+        let out = c.out.canonicalize()?;
+        let local = |port| SocketAddr::from((Ipv4Addr::LOCALHOST, port));
+        Ok(Self {
+            bins,
+            work,
+            out,
+            listen: local(c.listen_port),
+            admin: local(c.admin_port),
+            rounds: c.rounds,
+            seq: Cell::new(0),
+        })
+    }
+
+    /// A fresh path in the work directory: `<nn>-<tag>.<ext>`.
+    pub(crate) fn work_file(&self, tag: &str, ext: &str) -> PathBuf {
+        let n = self.seq.get() + 1;
+        self.seq.set(n);
+        self.work.join(format!("{n:03}-{tag}.{ext}"))
+    }
+
+    /// The broker order for round `r` (0-based): the list rotated by `r`, so no broker always
+    /// runs first (right after a build, or after the slowest one).
+    pub(crate) fn rotation<T: Clone>(items: &[T], r: usize) -> Vec<T> {
+        let mut v = items.to_vec();
+        if !v.is_empty() {
+            let k = r % v.len();
+            v.rotate_left(k);
+        }
+        v
+    }
+
+    /// Removes the work directory (after a successful scenario).
+    pub(crate) fn clean(&self) {
+        let _ = std::fs::remove_dir_all(&self.work);
+    }
+}
+
+/// `250ms`, `30s`, `2m` or a bare number of seconds.
+pub(crate) fn parse_duration(s: &str) -> Result<Duration, String> {
+    let split = s
+        .find(|c: char| !c.is_ascii_digit() && c != '.')
+        .unwrap_or(s.len());
+    let (num, unit) = s.split_at(split);
+    let n: f64 = num.parse().map_err(|_| format!("bad duration {s:?}"))?;
+    let secs = match unit {
+        "" | "s" => n,
+        "ms" => n / 1000.0,
+        "m" => n * 60.0,
+        _ => return Err(format!("bad duration unit in {s:?} (use ms, s, m)")),
+    };
+    Duration::try_from_secs_f64(secs).map_err(|_| format!("bad duration {s:?}"))
+}
+
+/// A duration as the loadgen's flags take it (whole milliseconds).
+pub(crate) fn arg_duration(d: Duration) -> String {
+    format!("{}ms", d.as_millis())
+}
+
+/// A path relative to the workspace root when it is inside it (for records).
+pub(crate) fn display_path(p: &Path) -> String {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let root = root.canonicalize().unwrap_or(root);
+    p.strip_prefix(&root).unwrap_or(p).display().to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("250ms"), Ok(Duration::from_millis(250)));
+        assert_eq!(parse_duration("30s"), Ok(Duration::from_secs(30)));
+        assert_eq!(parse_duration("2m"), Ok(Duration::from_secs(120)));
+        assert_eq!(parse_duration("5"), Ok(Duration::from_secs(5)));
+        assert!(parse_duration("5h").is_err());
+        assert_eq!(arg_duration(Duration::from_secs(2)), "2000ms");
+    }
+
+    #[test]
+    fn rotation_moves_the_first_broker() {
+        let b = ["a", "b", "c"];
+        assert_eq!(Ctx::rotation(&b, 0), ["a", "b", "c"]);
+        assert_eq!(Ctx::rotation(&b, 1), ["b", "c", "a"]);
+        assert_eq!(Ctx::rotation(&b, 4), ["b", "c", "a"]);
+    }
+}

@@ -1,0 +1,57 @@
+//! `fleetlink-bench`: end-to-end scenarios comparing fleetlink-fe with the tokio baseline, each
+//! broker run alternately in one invocation, plus SVG plots of the results.
+//!
+//! ```text
+//! fleetlink-bench accept-storm [--rigs 10000] [--rounds 3] [--out bench/results]
+//! fleetlink-bench idle-cost    [--rigs 10000] [--window 60s]
+//! fleetlink-bench throughput   [--rigs 1000] [--duration 30s] [--conns 8]
+//! fleetlink-bench plots        [--out bench/results]
+//! ```
+//!
+//! Module map: `ctx` (binaries, ports, work dir), `proc` (children stopped on drop, /proc CPU),
+//! `broker` (configurations, start until ready), `loadgen` (the existing load generator as a
+//! child), `http` (admin GETs), `record` (JSON + markdown output, medians), `scenario::*`,
+//! `plots`. Everything started is stopped on return, error, panic or SIGINT/SIGTERM.
+
+#![warn(missing_docs, unreachable_pub)]
+
+mod broker;
+mod ctx;
+mod http;
+mod loadgen;
+mod plots;
+mod proc;
+mod record;
+mod scenario;
+
+use anyhow::Result;
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(about = "fleetlink end-to-end benchmarks against the tokio baseline")]
+struct Cli {
+    #[command(subcommand)]
+    scenario: Scenario,
+}
+
+#[derive(Subcommand)]
+enum Scenario {
+    /// N rigs connect at once: time until all are welcomed and listed, broker CPU-seconds.
+    AcceptStorm(scenario::accept_storm::Opts),
+    /// Broker CPU-seconds per minute with N idle rigs at the default ping interval.
+    IdleCost(scenario::idle_cost::Opts),
+    /// Commands/s acked through the admin API, per wall second and per broker CPU-second.
+    Throughput(scenario::throughput::Opts),
+    /// SVGs from density-*.json and latency-*.json.
+    Plots(plots::Opts),
+}
+
+fn main() -> Result<()> {
+    proc::install_signal_flag()?;
+    match Cli::parse().scenario {
+        Scenario::AcceptStorm(o) => scenario::accept_storm::run(&o),
+        Scenario::IdleCost(o) => scenario::idle_cost::run(&o),
+        Scenario::Throughput(o) => scenario::throughput::run(&o),
+        Scenario::Plots(o) => plots::run(&o),
+    }
+}

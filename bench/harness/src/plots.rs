@@ -1,0 +1,268 @@
+//! `plots`: SVG figures from the result files other scenarios and scripts wrote.
+//!
+//! - `density.svg`: RSS (MiB, log scale) vs open connections, one line per
+//!   `density-<name>.json` (`points[].conns`, `points[].rss_kb`, written by `density.sh`).
+//! - `latency-single.svg`, `latency-fanout.svg`: latency CDF per `latency-<name>.json`
+//!   (written by `latency.sh`). Those files keep, per session, the loadgen's quantiles (min,
+//!   p50, p90, p99, p99.9, max), not the histogram, so each curve joins the median over
+//!   sessions of each quantile: exact at the marked points, straight lines between them.
+
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use plotters::coord::ranged1d::{AsRangedCoord, ValueFormatter};
+use plotters::prelude::*;
+use serde_json::Value;
+
+use crate::record::median;
+
+/// Flags of `plots`.
+#[derive(Args, Debug)]
+pub(crate) struct Opts {
+    /// Directory holding the result files; the SVGs are written there too.
+    #[arg(long, default_value = concat!(env!("CARGO_MANIFEST_DIR"), "/../results"))]
+    out: PathBuf,
+}
+
+/// One line of a plot: legend label and (x, y) points in x order.
+struct Line {
+    label: String,
+    points: Vec<(f64, f64)>,
+}
+
+/// The loadgen's quantiles and the cumulative fraction each stands for.
+const QUANTILES: [(&str, f64); 6] = [
+    ("min", 0.0),
+    ("p50", 0.5),
+    ("p90", 0.9),
+    ("p99", 0.99),
+    ("p999", 0.999),
+    ("max", 1.0),
+];
+
+/// Writes every plot whose inputs exist; fails only if none do.
+pub(crate) fn run(o: &Opts) -> Result<()> {
+    let out = o
+        .out
+        .canonicalize()
+        .with_context(|| format!("{}", o.out.display()))?;
+    let o = &Opts { out };
+    let mut wrote = 0;
+    let density = lines_from(&o.out, "density-", density_line)?;
+    if !density.is_empty() {
+        let (x, y) = bounds(&density);
+        let path = o.out.join("density.svg");
+        draw(
+            &path,
+            "RSS vs open connections (incremental, idle rigs)",
+            "connections",
+            "RSS (MiB, log scale)",
+            0.0..x.end,
+            (y.start * 0.8..y.end * 1.25).log_scale(),
+            &density,
+        )?;
+        wrote += 1;
+    }
+    for shape in ["single", "fanout"] {
+        let lines = lines_from(&o.out, "latency-", |v| latency_line(v, shape))?;
+        if lines.is_empty() {
+            continue;
+        }
+        let (x, _) = bounds(&lines);
+        let path = o.out.join(format!("latency-{shape}.svg"));
+        let title = format!(
+            "Command latency CDF, {shape} (median over sessions of min/p50/p90/p99/p99.9/max)"
+        );
+        draw(
+            &path,
+            &title,
+            "publish to receipt (ms, log scale)",
+            "fraction of commands",
+            (x.start * 0.8..x.end * 1.25).log_scale(),
+            0.0..1.0,
+            &lines,
+        )?;
+        wrote += 1;
+    }
+    if wrote == 0 {
+        bail!("no density-*.json or latency-*.json in {}", o.out.display());
+    }
+    Ok(())
+}
+
+/// One line per `<prefix>*.json` in `dir` (sorted by name) that `line` accepts.
+fn lines_from(
+    dir: &Path,
+    prefix: &str,
+    line: impl Fn(&Value) -> Option<Vec<(f64, f64)>>,
+) -> Result<Vec<Line>> {
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+        .with_context(|| format!("{}", dir.display()))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|e| e == "json"))
+        .filter(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with(prefix))
+        })
+        .collect();
+    files.sort();
+    let mut out = Vec::new();
+    for f in files {
+        let v: Value = serde_json::from_str(&std::fs::read_to_string(&f)?)
+            .with_context(|| format!("{} is not JSON", f.display()))?;
+        let stem = f.file_stem().and_then(|s| s.to_str()).unwrap_or_default();
+        if let Some(points) = line(&v).filter(|p| p.len() >= 2) {
+            let label = stem.trim_start_matches(prefix).to_string();
+            out.push(Line { label, points });
+        }
+    }
+    Ok(out)
+}
+
+/// (connections, RSS MiB) per density point.
+fn density_line(v: &Value) -> Option<Vec<(f64, f64)>> {
+    let mut pts: Vec<(f64, f64)> = v["points"]
+        .as_array()?
+        .iter()
+        .filter_map(|p| Some((p["conns"].as_f64()?, p["rss_kb"].as_f64()? / 1024.0)))
+        .collect();
+    pts.sort_by(|a, b| a.0.total_cmp(&b.0));
+    Some(pts)
+}
+
+/// (latency ms, cumulative fraction) at each quantile: the median over `shape`'s sessions.
+fn latency_line(v: &Value, shape: &str) -> Option<Vec<(f64, f64)>> {
+    let sessions: Vec<&Value> = v["sessions"]
+        .as_array()?
+        .iter()
+        .filter(|s| s["shape"] == shape)
+        .collect();
+    let pts = QUANTILES.iter().filter_map(|&(q, frac)| {
+        let vals: Vec<f64> = sessions
+            .iter()
+            .filter_map(|s| s["latency_us"][q].as_f64())
+            .collect();
+        median(&vals).map(|us| ((us / 1e3).max(0.001), frac))
+    });
+    Some(pts.collect())
+}
+
+/// Line colours, chosen to stay apart on white (the first is fleetlink-fe where files sort so).
+const COLORS: [RGBColor; 6] = [
+    RGBColor(0xd6, 0x27, 0x28),
+    RGBColor(0x1f, 0x77, 0xb4),
+    RGBColor(0x2c, 0xa0, 0x2c),
+    RGBColor(0xff, 0x7f, 0x0e),
+    RGBColor(0x94, 0x67, 0xbd),
+    RGBColor(0x44, 0x44, 0x44),
+];
+
+/// An axis label without float noise: `2000`, `0.5`, `0.01`.
+fn tick(v: f64) -> String {
+    let s = format!("{v:.3}");
+    s.trim_end_matches('0').trim_end_matches('.').to_string()
+}
+
+/// The x and y ranges covering every point.
+fn bounds(lines: &[Line]) -> (Range<f64>, Range<f64>) {
+    let pts = || lines.iter().flat_map(|l| l.points.iter());
+    let lo = |f: fn(&(f64, f64)) -> f64| pts().map(f).fold(f64::INFINITY, f64::min);
+    let hi = |f: fn(&(f64, f64)) -> f64| pts().map(f).fold(f64::NEG_INFINITY, f64::max);
+    (lo(|p| p.0)..hi(|p| p.0), lo(|p| p.1)..hi(|p| p.1))
+}
+
+/// Draws `lines` (with a marker at each point) and a legend into an SVG at `path`.
+fn draw<X, Y>(
+    path: &Path,
+    title: &str,
+    x_desc: &str,
+    y_desc: &str,
+    x: X,
+    y: Y,
+    lines: &[Line],
+) -> Result<()>
+where
+    X: AsRangedCoord<Value = f64>,
+    Y: AsRangedCoord<Value = f64>,
+    X::CoordDescType: ValueFormatter<f64>,
+    Y::CoordDescType: ValueFormatter<f64>,
+{
+    let root = SVGBackend::new(path, (960, 600)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(title, ("sans-serif", 18))
+        .margin(16)
+        .x_label_area_size(44)
+        .y_label_area_size(64)
+        .build_cartesian_2d(x, y)?;
+    chart
+        .configure_mesh()
+        .x_desc(x_desc)
+        .y_desc(y_desc)
+        .x_label_formatter(&|v| tick(*v))
+        .y_label_formatter(&|v| tick(*v))
+        .draw()?;
+    for (i, line) in lines.iter().enumerate() {
+        let color = COLORS[i % COLORS.len()];
+        chart
+            .draw_series(LineSeries::new(
+                line.points.iter().copied(),
+                color.stroke_width(2),
+            ))?
+            .label(&line.label)
+            .legend(move |(x, y)| {
+                PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2))
+            });
+        chart.draw_series(
+            line.points
+                .iter()
+                .map(|&p| Circle::new(p, 3, color.filled())),
+        )?;
+    }
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperLeft)
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .draw()?;
+    root.present()?;
+    eprintln!("bench: wrote {}", path.display());
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn latency_quantiles_take_the_median_session() {
+        let q = |p50| json!({"min": 100, "p50": p50, "p90": 900, "p99": 2000, "p999": 3000, "max": 4000});
+        let v = json!({"sessions": [
+            {"shape": "single", "latency_us": q(400)},
+            {"shape": "single", "latency_us": q(600)},
+            {"shape": "single", "latency_us": q(500)},
+            {"shape": "fanout", "latency_us": q(9000)},
+        ]});
+        let pts = latency_line(&v, "single").unwrap();
+        assert_eq!(pts.len(), 6);
+        assert_eq!(pts[1], (0.5, 0.5));
+        assert_eq!(pts[5], (4.0, 1.0));
+    }
+
+    #[test]
+    fn ticks_drop_float_noise() {
+        assert_eq!(tick(2000.0), "2000");
+        assert_eq!(tick(0.30000000000000004), "0.3");
+        assert_eq!(tick(0.01), "0.01");
+    }
+
+    #[test]
+    fn density_points_in_mib_sorted() {
+        let v = json!({"points": [{"conns": 1000, "rss_kb": 2048}, {"conns": 0, "rss_kb": 1024}]});
+        assert_eq!(density_line(&v).unwrap(), vec![(0.0, 1.0), (1000.0, 2.0)]);
+    }
+}

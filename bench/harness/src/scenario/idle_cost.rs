@@ -1,0 +1,164 @@
+//! `idle-cost`: what N connected, silent rigs cost the broker. Per broker and round: ramp N rigs,
+//! let the ramp's tail settle, then read the broker's CPU time (utime + stime from /proc) across
+//! a window (default 60 s = three default 20 s ping intervals, so every rig is pinged exactly
+//! three times whatever the phase) and report CPU-seconds per minute. The rigs answer pings
+//! (tungstenite does) and send nothing else.
+
+use std::time::{Duration, Instant};
+
+use anyhow::Result;
+use clap::Args;
+use serde_json::{json, Value};
+
+use crate::broker::{Broker, Spec};
+use crate::ctx::{parse_duration, Common, Ctx};
+use crate::loadgen::{u, RampEnd, Rigs, RigsOpts};
+use crate::proc;
+use crate::record::{self, fmt, list, median, ratio, series};
+
+/// Flags of `idle-cost`.
+#[derive(Args, Debug)]
+pub(crate) struct Opts {
+    #[command(flatten)]
+    common: Common,
+    /// Idle rigs held.
+    #[arg(long, default_value_t = 10_000)]
+    rigs: usize,
+    /// Measurement window (keep it a multiple of the 20 s ping interval).
+    #[arg(long, default_value = "60s", value_parser = parse_duration)]
+    window: Duration,
+    /// Wait after ALL_WELCOMED before the window opens.
+    #[arg(long, default_value = "5s", value_parser = parse_duration)]
+    settle: Duration,
+}
+
+/// The configurations compared; the first is the reference for ratios. The fe bucket is opened
+/// only so the ramp is quick; it plays no part once the rigs are connected.
+const BROKERS: [Spec; 3] = [
+    Spec::fe(
+        "fleetlink-fe",
+        &["--accept-rate", "1000000", "--accept-burst", "1000000"],
+    ),
+    Spec::baseline("tokio-baseline-default", &[]),
+    Spec::baseline(
+        "tokio-baseline-rb4096",
+        &["--read-buffer", "4096", "--write-buffer", "0"],
+    ),
+];
+
+/// Runs every round and writes `idle-cost.{json,md}`.
+pub(crate) fn run(o: &Opts) -> Result<()> {
+    let ctx = Ctx::new(&o.common)?;
+    let mut runs = Vec::new();
+    for r in 0..ctx.rounds {
+        for spec in Ctx::rotation(&BROKERS, r) {
+            eprintln!(
+                "bench: idle-cost round {}/{}: {}",
+                r + 1,
+                ctx.rounds,
+                spec.name
+            );
+            let run = idle(&ctx, o, &spec, r + 1)?;
+            eprintln!("bench:   {run}");
+            runs.push(run);
+        }
+    }
+    let (doc, md) = summarize(&ctx, o, runs);
+    record::write(&ctx.out, "idle-cost", &doc, &md)?;
+    println!("{md}");
+    ctx.clean();
+    Ok(())
+}
+
+/// One window against a fresh broker holding N rigs.
+fn idle(ctx: &Ctx, o: &Opts, spec: &Spec, round: usize) -> Result<Value> {
+    let mut broker = Broker::start(ctx, spec)?;
+    let opts = RigsOpts {
+        rigs: o.rigs,
+        concurrency: 256,
+        procs: None,
+        hold: o.settle + o.window + Duration::from_secs(60),
+    };
+    let mut rigs = Rigs::start(ctx, &opts, "idle")?;
+    let ramp = rigs.wait_ramp(&mut broker, Instant::now() + Duration::from_secs(120))?;
+    proc::sleep(o.settle)?;
+    let (cpu0, t0) = (broker.cpu()?, Instant::now());
+    proc::sleep(o.window)?;
+    let (cpu1, t1) = (broker.cpu()?, Instant::now());
+    broker.ensure_running()?;
+    let rss_kb = broker.rss_kb()?;
+    let report = rigs.finish()?;
+    broker.stop();
+    let (cpu, wall) = ((cpu1 - cpu0).as_secs_f64(), (t1 - t0).as_secs_f64());
+    let per_min = cpu * 60.0 / wall;
+    Ok(json!({
+        "broker": spec.name,
+        "round": round,
+        "complete": ramp.end == RampEnd::AllWelcomed && u(&report, "dropped_after_welcome") == 0,
+        "ramp_line": ramp.line,
+        "window_s": wall,
+        "cpu_s": cpu,
+        "cpu_s_per_min": per_min,
+        "core_pct": cpu / wall * 100.0,
+        "us_per_rig_per_min": per_min * 1e6 / o.rigs as f64,
+        "rss_mib": rss_kb as f64 / 1024.0,
+        "welcomed": u(&report, "welcomed"),
+        "dropped_after_welcome": u(&report, "dropped_after_welcome"),
+        "close_codes": report["close_codes"],
+    }))
+}
+
+fn summarize(ctx: &Ctx, o: &Opts, runs: Vec<Value>) -> (Value, String) {
+    let date = record::now_utc();
+    let reference = BROKERS[0].name;
+    let med = |b: &str, k: &str| median(&series(&runs, b, k));
+    let mut summary = serde_json::Map::new();
+    let mut md = format!(
+        "### idle-cost, {date}\n\n{} idle rigs, default ping interval (20 s), {:.0} s window \
+         after a {:.0} s settle, {} rounds, brokers alternating. Broker utime+stime over the \
+         window, as CPU-seconds per minute (medians).\n\n\
+         | broker | complete | CPU-s/min | per round | % of one core | µs per rig per min | RSS (MiB) | vs {reference} |\n\
+         |---|---|---|---|---|---|---|---|\n",
+        o.rigs,
+        o.window.as_secs_f64(),
+        o.settle.as_secs_f64(),
+        ctx.rounds
+    );
+    for spec in &BROKERS {
+        let b = spec.name;
+        let n = runs.iter().filter(|r| r["broker"] == b).count();
+        let complete = runs
+            .iter()
+            .filter(|r| r["broker"] == b && r["complete"] == true)
+            .count();
+        let per_min = med(b, "cpu_s_per_min");
+        md += &format!(
+            "| {b} | {complete}/{n} | {} | {} | {} | {} | {} | {} |\n",
+            fmt(per_min, 3),
+            list(&series(&runs, b, "cpu_s_per_min"), 3),
+            fmt(med(b, "core_pct"), 2),
+            fmt(med(b, "us_per_rig_per_min"), 1),
+            fmt(med(b, "rss_mib"), 1),
+            ratio(per_min, med(reference, "cpu_s_per_min")),
+        );
+        summary.insert(
+            b.into(),
+            json!({"runs": n, "complete": complete, "cpu_s_per_min_median": per_min,
+                   "core_pct_median": med(b, "core_pct"),
+                   "us_per_rig_per_min_median": med(b, "us_per_rig_per_min"),
+                   "rss_mib_median": med(b, "rss_mib"), "command": spec.argv(ctx).join(" ")}),
+        );
+    }
+    let doc = json!({
+        "scenario": "idle-cost", "date": date, "host": record::host(),
+        "params": {"rigs": o.rigs, "rounds": ctx.rounds, "window_s": o.window.as_secs_f64(),
+                   "settle_s": o.settle.as_secs_f64(), "ping_interval": "20s (both brokers' default)"},
+        "method": "per broker and round: fresh broker, loadgen ramps N rigs (256 handshakes in \
+                   flight per process), settle, then broker utime+stime (/proc/PID/stat, all \
+                   threads) read at both ends of the window; cpu_s_per_min = cpu_s * 60 / window. \
+                   complete = all welcomed and none dropped. Summary = medians over rounds.",
+        "summary": summary,
+        "runs": runs,
+    });
+    (doc, md)
+}

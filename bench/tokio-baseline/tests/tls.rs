@@ -1,0 +1,250 @@
+//! wss on the baseline, driven by the load generator's TLS client: server-auth TLS (the density
+//! and handshake benches' setup), the verification name, and mTLS with `--client-ca`.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+
+use clap::Parser;
+use fleetlink_loadgen::cli::{Cli, Command as LgCommand};
+use rcgen::{BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, KeyPair};
+use serde_json::Value;
+
+/// The baseline on ephemeral ports; killed on drop.
+struct Broker {
+    child: Child,
+    rigs: String,
+    admin: String,
+    banner: String,
+}
+
+impl Drop for Broker {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn start_broker(extra: &[&str]) -> Broker {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_fleetlink-tokio-baseline"))
+        .args(["--listen", "127.0.0.1:0", "--admin", "127.0.0.1:0"])
+        .args([
+            "--workers",
+            "2",
+            "--read-buffer",
+            "4096",
+            "--write-buffer",
+            "0",
+        ])
+        .args(extra)
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start baseline");
+    let mut line = String::new();
+    BufReader::new(child.stderr.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let words: Vec<&str> = line.split_whitespace().collect();
+    let after = |w: &str| words[words.iter().position(|x| *x == w).unwrap() + 2].to_string();
+    Broker {
+        rigs: after("rigs"),
+        admin: after("admin"),
+        banner: line.clone(),
+        child,
+    }
+}
+
+/// CA, a server cert for `localhost` and a client cert, as PEM files in `dir`.
+struct Pki {
+    ca: PathBuf,
+    server: (PathBuf, PathBuf),
+    client: (PathBuf, PathBuf),
+}
+
+fn pki(dir: &Path) -> Pki {
+    let ca_key = KeyPair::generate().unwrap();
+    let mut p = CertificateParams::new(Vec::<String>::new()).unwrap();
+    p.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    p.distinguished_name
+        .push(DnType::CommonName, "baseline test CA");
+    let ca = p.self_signed(&ca_key).unwrap();
+    let issue = |name: &str, eku: ExtendedKeyUsagePurpose, file: &str| {
+        let key = KeyPair::generate().unwrap();
+        let mut p = CertificateParams::new(vec![name.to_string()]).unwrap();
+        p.distinguished_name.push(DnType::CommonName, name);
+        p.extended_key_usages = vec![eku];
+        let cert = p.signed_by(&key, &ca, &ca_key).unwrap();
+        let (c, k) = (
+            dir.join(format!("{file}.pem")),
+            dir.join(format!("{file}.key")),
+        );
+        std::fs::write(&c, cert.pem()).unwrap();
+        std::fs::write(&k, key.serialize_pem()).unwrap();
+        (c, k)
+    };
+    let server = issue("localhost", ExtendedKeyUsagePurpose::ServerAuth, "server");
+    let client = issue("rig-000000", ExtendedKeyUsagePurpose::ClientAuth, "client");
+    let ca_path = dir.join("ca.pem");
+    std::fs::write(&ca_path, ca.pem()).unwrap();
+    Pki {
+        ca: ca_path,
+        server,
+        client,
+    }
+}
+
+async fn http_get(addr: &str, path: &str) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let req = format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+    s.write_all(req.as_bytes()).await.unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).await.unwrap();
+    out
+}
+
+/// Runs `fleetlink-loadgen rigs` in-process; returns its exit code and JSON report.
+async fn rigs(args: &[&str], report: &Path) -> (i32, Value) {
+    let mut full = vec![
+        "fleetlink-loadgen",
+        "rigs",
+        "--procs",
+        "1",
+        "--hold",
+        "500ms",
+    ];
+    full.extend_from_slice(args);
+    full.extend_from_slice(&["--max-time", "30s", "--report", report.to_str().unwrap()]);
+    let LgCommand::Rigs(a) = Cli::parse_from(full).cmd else {
+        unreachable!()
+    };
+    let code = fleetlink_loadgen::orchestrator::run_parent(a)
+        .await
+        .unwrap();
+    let r = serde_json::from_str(&std::fs::read_to_string(report).unwrap()).unwrap();
+    (code, r)
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn twenty_rigs_over_wss_verified_as_localhost() {
+    let dir = tempfile::tempdir().unwrap();
+    let pki = pki(dir.path());
+    let b = start_broker(&[
+        "--tls-cert",
+        s(&pki.server.0),
+        "--tls-key",
+        s(&pki.server.1),
+    ]);
+    assert!(b.banner.contains("tls=server-auth"), "{}", b.banner);
+    let port = b.rigs.rsplit(':').next().unwrap();
+    let url = format!("wss://127.0.0.1:{port}/agent");
+    let report = dir.path().join("r.json");
+
+    let (code, r) = rigs(
+        &["--url", &url, "--rigs", "20", "--ca", s(&pki.ca)],
+        &report,
+    )
+    .await;
+    assert_eq!(code, 0, "{r:#}");
+    assert_eq!(r["welcomed"], 20, "{r:#}");
+    assert_eq!(r["handshake_us"]["count"], 20, "{r:#}");
+    assert_eq!(r["dropped_after_welcome"], 0, "{r:#}");
+    let metrics = http_get(&b.admin, "/metrics").await;
+    assert!(
+        metrics.contains("fleetlink_accepts_total{result=\"ok\"} 20\n"),
+        "{metrics}"
+    );
+
+    // The certificate names localhost, not this name: the rig refuses the broker.
+    let (code, r) = rigs(
+        &[
+            "--url",
+            &url,
+            "--rigs",
+            "1",
+            "--ca",
+            s(&pki.ca),
+            "--server-name",
+            "elsewhere.example",
+        ],
+        &report,
+    )
+    .await;
+    assert_eq!(code, 2, "{r:#}");
+    assert_eq!(
+        r["failed_by_reason"]["tls_bad_server_cert_notvalidfornamecontext"], 1,
+        "{r:#}"
+    );
+    // Plain ws against the TLS port gets no upgrade.
+    let (code, r) = rigs(
+        &[
+            "--url",
+            &format!("ws://127.0.0.1:{port}/agent"),
+            "--rigs",
+            "1",
+            "--handshake-timeout",
+            "5s",
+        ],
+        &report,
+    )
+    .await;
+    assert_eq!(code, 2, "{r:#}");
+    assert_eq!(r["welcomed"], 0, "{r:#}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_ca_requires_a_client_certificate() {
+    let dir = tempfile::tempdir().unwrap();
+    let pki = pki(dir.path());
+    let b = start_broker(&[
+        "--tls-cert",
+        s(&pki.server.0),
+        "--tls-key",
+        s(&pki.server.1),
+        "--client-ca",
+        s(&pki.ca),
+    ]);
+    assert!(b.banner.contains("tls=mtls"), "{}", b.banner);
+    let port = b.rigs.rsplit(':').next().unwrap();
+    let url = format!("wss://127.0.0.1:{port}/agent");
+    let report = dir.path().join("r.json");
+
+    let (code, r) = rigs(&["--url", &url, "--rigs", "1", "--ca", s(&pki.ca)], &report).await;
+    assert_eq!(code, 2, "{r:#}");
+    assert_eq!(
+        r["failed_by_reason"]["tls_alert_certificaterequired"], 1,
+        "{r:#}"
+    );
+
+    let (code, r) = rigs(
+        &[
+            "--url",
+            &url,
+            "--rigs",
+            "1",
+            "--ca",
+            s(&pki.ca),
+            "--tls-cert",
+            s(&pki.client.0),
+            "--tls-key",
+            s(&pki.client.1),
+        ],
+        &report,
+    )
+    .await;
+    assert_eq!(code, 0, "{r:#}");
+    assert_eq!(r["welcomed"], 1, "{r:#}");
+    let metrics = http_get(&b.admin, "/metrics").await;
+    assert!(
+        metrics.contains("fleetlink_accepts_total{result=\"tls_error\"} 1\n"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("fleetlink_accepts_total{result=\"ok\"} 1\n"),
+        "{metrics}"
+    );
+}

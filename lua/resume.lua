@@ -1,0 +1,79 @@
+-- resume.lua: what a rig's hello finds of its sessions (CONTRACT.md section 5). Run right after
+-- hello.lua said this boot owns the rig, by EVALSHA from src/registry/sessions.rs.
+--
+-- KEYS[1]  sess:<rig_id>:<boot_id>   this boot's session (hash: "next", "c:<seq>" -> JSON)
+-- KEYS[2]  sessof:<rig_id>           the boot_id of the rig's latest session
+-- ARGV[1]  boot_id: canonical lowercase UUID text
+-- ARGV[2]  ttl_ms of session keys: decimal integer, 1 to 15 digits
+-- ARGV[3]  "sess:<rig_id>:", the prefix of the rig's session keys
+--
+-- Returns { next, cmds, rebooted, previous_boot }:
+--   next           this session's next seq as text, "0" when the session is new
+--   cmds           { seq1, json1, seq2, json2, ... }: its unacked commands (any order)
+--   rebooted       { json, ... }: unacked commands of the previous, older boot's session,
+--                  which is deleted (its commands are reported rig_rebooted, never replayed)
+--   previous_boot  that older boot_id, or ""
+-- Sets KEYS[2] to this boot (unless a newer boot is recorded there) and refreshes TTLs.
+-- The previous session's key is derived from ARGV[3] (single-instance Redis; not cluster-safe).
+
+local H = '[0-9a-f]'
+local BOOT = '^' .. H:rep(8) .. '%-' .. H:rep(4) .. '%-' .. H:rep(4) .. '%-' .. H:rep(4)
+    .. '%-' .. H:rep(12) .. '$'
+
+-- a > b for canonical boot ids, byte by byte (Lua's '<' follows the locale; see hello.lua).
+local function newer(a, b)
+  for i = 1, #a do
+    local x, y = a:byte(i), b:byte(i)
+    if x ~= y then
+      return x > y
+    end
+  end
+  return false
+end
+
+local sess, ptr = KEYS[1], KEYS[2]
+local boot, ttl, prefix = ARGV[1], ARGV[2], ARGV[3]
+if #KEYS ~= 2 or #ARGV ~= 3 or type(boot) ~= 'string' or not boot:match(BOOT)
+    or type(ttl) ~= 'string' or #ttl > 15 or not ttl:match('^[1-9]%d*$') then
+  return redis.error_reply('ERR fleetlink resume: expected KEYS session, pointer; ARGV boot_id, ttl_ms, prefix')
+end
+
+local function unacked(key, with_seq)
+  local out = {}
+  local all = redis.pcall('HGETALL', key)
+  if type(all) ~= 'table' or all.err then
+    return out
+  end
+  for i = 1, #all, 2 do
+    local field = all[i]
+    if field:sub(1, 2) == 'c:' then
+      if with_seq then
+        out[#out + 1] = field:sub(3)
+      end
+      out[#out + 1] = all[i + 1]
+    end
+  end
+  return out
+end
+
+local nxt = redis.pcall('HGET', sess, 'next')
+if type(nxt) ~= 'string' then
+  nxt = '0'
+end
+local cmds = unacked(sess, true)
+local rebooted, previous = {}, ''
+local prev = redis.pcall('GET', ptr)
+if type(prev) == 'string' and prev:match(BOOT) and prev ~= boot then
+  if newer(boot, prev) then
+    previous = prev
+    rebooted = unacked(prefix .. prev, false)
+    redis.call('DEL', prefix .. prev)
+    redis.call('SET', ptr, boot, 'PX', ttl)
+  end
+else
+  redis.call('SET', ptr, boot, 'PX', ttl)
+end
+if nxt ~= '0' then
+  redis.call('PEXPIRE', sess, ttl)
+end
+return { nxt, cmds, rebooted, previous }

@@ -1,0 +1,182 @@
+//! Durable rig sessions in Redis (fleet mode, CONTRACT.md §5): every command enqueued for a
+//! session is kept under `sess:<rig_id>:<boot_id>` until the rig acks it, so the session can
+//! resume on any broker, including after its old broker died.
+//!
+//! - `persist.lua` adds commands, fenced by the lease: a broker that lost the rig cannot add.
+//! - `resume.lua` tells a hello what its session holds, and hands back the unacked commands
+//!   of the rig's previous boot (reported `rig_rebooted`, never replayed).
+//! - Acks delete with a plain `HDEL` (no check needed: deleting an acked command is always
+//!   right).
+
+use std::time::Duration;
+
+use redis::{ConnectionLike, Script, Value};
+
+use crate::ids::{BootId, RigId, Seq};
+use crate::registry::scripts::{rig_key, tuple, RegistryError};
+
+/// Commands sent in one persist call.
+pub const PERSIST_CHUNK: usize = 500;
+
+/// A session's key.
+pub fn session_key(rig: &RigId, boot: &BootId) -> String {
+    format!("sess:{rig}:{boot}")
+}
+
+/// The pointer to a rig's latest session.
+pub fn pointer_key(rig: &RigId) -> String {
+    format!("sessof:{rig}")
+}
+
+/// One command to keep.
+#[derive(Debug, Clone)]
+pub struct Persist<'a> {
+    /// The rig.
+    pub rig: &'a RigId,
+    /// Its session's boot.
+    pub boot: &'a BootId,
+    /// The command's seq.
+    pub seq: Seq,
+    /// The command as sent to the rig.
+    pub json: &'a [u8],
+}
+
+/// What a hello found in Redis.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Resumed {
+    /// The session's next seq, None when the session is new.
+    pub next: Option<Seq>,
+    /// Its unacked commands, by seq.
+    pub commands: Vec<(Seq, Vec<u8>)>,
+    /// Unacked commands of the previous boot's session (now deleted).
+    pub rebooted: Vec<Vec<u8>>,
+    /// That previous boot.
+    pub previous_boot: Option<String>,
+}
+
+/// The two session scripts.
+#[derive(Debug, Clone)]
+pub struct SessionScripts {
+    persist: Script,
+    resume: Script,
+}
+
+impl Default for SessionScripts {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl SessionScripts {
+    /// Hashes the embedded scripts.
+    pub fn new() -> Self {
+        Self {
+            persist: Script::new(include_str!("../../lua/persist.lua")),
+            resume: Script::new(include_str!("../../lua/resume.lua")),
+        }
+    }
+
+    /// Keeps `cmds` (each fenced by `broker_id`'s lease); one status per command, true = kept.
+    pub fn persist(
+        &self,
+        con: &mut impl ConnectionLike,
+        cmds: &[Persist<'_>],
+        broker_id: &str,
+        ttl: Duration,
+    ) -> Result<Vec<bool>, RegistryError> {
+        let mut out = Vec::with_capacity(cmds.len());
+        for chunk in cmds.chunks(PERSIST_CHUNK) {
+            let mut call = self.persist.prepare_invoke();
+            call.arg(ttl_ms(ttl));
+            for c in chunk {
+                call.key(rig_key(c.rig)).key(session_key(c.rig, c.boot));
+                call.arg(tuple(c.boot, broker_id)).arg(c.seq.0).arg(c.json);
+            }
+            let reply: Value = call.invoke(con)?;
+            let parsed = match &reply {
+                Value::Array(items) if items.len() == chunk.len() => items
+                    .iter()
+                    .map(|v| match text(v) {
+                        Some("ok") => Some(true),
+                        Some("fenced") => Some(false),
+                        _ => None,
+                    })
+                    .collect::<Option<Vec<_>>>(),
+                _ => None,
+            };
+            out.extend(
+                parsed
+                    .ok_or_else(|| RegistryError::UnexpectedReply(format!("persist: {reply:?}")))?,
+            );
+        }
+        Ok(out)
+    }
+
+    /// Reads (and claims) the session of `boot` at its hello.
+    pub fn resume(
+        &self,
+        con: &mut impl ConnectionLike,
+        rig: &RigId,
+        boot: &BootId,
+        ttl: Duration,
+    ) -> Result<Resumed, RegistryError> {
+        let reply: Value = self
+            .resume
+            .key(session_key(rig, boot))
+            .key(pointer_key(rig))
+            .arg(boot.as_str())
+            .arg(ttl_ms(ttl))
+            .arg(format!("sess:{rig}:"))
+            .invoke(con)?;
+        parse_resumed(&reply)
+            .ok_or_else(|| RegistryError::UnexpectedReply(format!("resume: {reply:?}")))
+    }
+}
+
+fn parse_resumed(reply: &Value) -> Option<Resumed> {
+    let Value::Array(items) = reply else {
+        return None;
+    };
+    let [next, cmds, rebooted, previous] = items.as_slice() else {
+        return None;
+    };
+    let next: u64 = text(next)?.parse().ok()?;
+    let Value::Array(cmds) = cmds else {
+        return None;
+    };
+    let Value::Array(rebooted) = rebooted else {
+        return None;
+    };
+    let mut commands = Vec::with_capacity(cmds.len() / 2);
+    for pair in cmds.chunks(2) {
+        let [seq, json] = pair else { return None };
+        commands.push((Seq(text(seq)?.parse().ok()?), bytes(json)?));
+    }
+    commands.sort_by_key(|(seq, _)| *seq);
+    let previous = text(previous)?;
+    Some(Resumed {
+        next: (next > 0).then_some(Seq(next)),
+        commands,
+        rebooted: rebooted.iter().map(bytes).collect::<Option<_>>()?,
+        previous_boot: (!previous.is_empty()).then(|| previous.to_string()),
+    })
+}
+
+fn text(v: &Value) -> Option<&str> {
+    match v {
+        Value::BulkString(b) => std::str::from_utf8(b).ok(),
+        Value::SimpleString(s) => Some(s),
+        _ => None,
+    }
+}
+
+fn bytes(v: &Value) -> Option<Vec<u8>> {
+    match v {
+        Value::BulkString(b) => Some(b.clone()),
+        _ => None,
+    }
+}
+
+fn ttl_ms(ttl: Duration) -> u128 {
+    ttl.as_millis().clamp(1, 999_999_999_999_999)
+}

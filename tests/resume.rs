@@ -1,0 +1,243 @@
+//! Resume, don't restart (CONTRACT.md §5): a session's unacked commands live in Redis until
+//! acked, so a rig resumes on any broker, also after its old broker was killed, and a new boot
+//! reports the old session's commands as `rig_rebooted` instead of replaying them.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::broker::{boot_id, eventually, read_close, read_json, Broker, Ws};
+use common::redis::RedisServer;
+use fleetlink::ids::{BootId, RigId, Seq};
+use fleetlink::registry::pubsub::Subscriber;
+use fleetlink::registry::sessions::{Persist, SessionScripts};
+use redis::{Commands, IntoConnectionInfo};
+use serde_json::{json, Value};
+use tungstenite::Message;
+
+fn fleet_broker(redis: &RedisServer, id: &str) -> Broker {
+    let url = redis.url();
+    let b = Broker::start(&["--redis", url.as_str(), "--broker-id", id]);
+    eventually(Duration::from_secs(10), "broker ready", || {
+        b.http("GET", "/readyz", "").0 == 200
+    });
+    b
+}
+
+fn hello(ws: &mut Ws, rig: &str, boot: &str, last_seq: Option<u64>) -> Value {
+    let mut msg = json!({"type":"hello","rig_id":rig,"boot_id":boot,"version":"t"});
+    if let Some(k) = last_seq {
+        msg["last_seq"] = json!(k);
+    }
+    ws.send(Message::Text(msg.to_string().into())).unwrap();
+    let welcome = read_json(ws);
+    assert_eq!(welcome["type"], "welcome", "{welcome}");
+    welcome
+}
+
+/// Publishes commands to a broker's channel and collects the replies.
+struct Control {
+    con: redis::Connection,
+    sub: Subscriber,
+    reply_to: String,
+    /// Messages read but not asked for yet.
+    backlog: Vec<(String, Value)>,
+}
+
+impl Control {
+    fn new(redis: &RedisServer, extra: &[&str]) -> Control {
+        let reply_to = format!("fleetlink:reply:{}", boot_id());
+        let mut channels = vec![reply_to.clone()];
+        channels.extend(extra.iter().map(|s| s.to_string()));
+        let info = redis.url().into_connection_info().unwrap();
+        let mut sub = Subscriber::connect(&info, &channels, Duration::from_secs(5)).unwrap();
+        eventually(Duration::from_secs(5), "subscribed", || {
+            sub.read().unwrap();
+            sub.confirmed == channels.len()
+        });
+        Control {
+            con: redis.client().get_connection().unwrap(),
+            sub,
+            reply_to,
+            backlog: Vec::new(),
+        }
+    }
+
+    /// Sends one command and returns its reply (other messages are kept aside).
+    fn command(&mut self, broker: &str, rig: &str, id: &str) -> Value {
+        let msg = json!({"type":"command","id":id,"rig_id":rig,"name":"n","args":{},"reply_to":self.reply_to});
+        let _: i64 = self
+            .con
+            .publish(format!("fleetlink:broker:{broker}"), msg.to_string())
+            .unwrap();
+        let reply_to = self.reply_to.clone();
+        self.next(|ch, _| ch == reply_to)
+    }
+
+    fn next(&mut self, mut want: impl FnMut(&str, &Value) -> bool) -> Value {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            for push in self.sub.read().unwrap() {
+                let v: Value = serde_json::from_slice(&push.payload).unwrap();
+                self.backlog.push((push.channel, v));
+            }
+            if let Some(i) = self.backlog.iter().position(|(ch, v)| want(ch, v)) {
+                return self.backlog.remove(i).1;
+            }
+            assert!(Instant::now() < deadline, "no matching message in time");
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+}
+
+fn ack(ws: &mut Ws, seq: u64) {
+    ws.send(Message::Text(
+        json!({"type":"ack","seq":seq}).to_string().into(),
+    ))
+    .unwrap();
+}
+
+#[test]
+fn a_session_resumes_on_another_broker_with_unacked_commands_in_order() {
+    let redis = RedisServer::start();
+    let a = fleet_broker(&redis, "fe-a");
+    let b = fleet_broker(&redis, "fe-b");
+    let boot = boot_id();
+    let mut on_a = a.connect("/agent");
+    assert_eq!(hello(&mut on_a, "rig-r", &boot, None)["resumed"], false);
+    let mut ctl = Control::new(&redis, &[]);
+    for i in 1..=5u64 {
+        let r = ctl.command("fe-a", "rig-r", &format!("c{i}"));
+        assert_eq!(
+            (r["ok"].clone(), r["seq"].clone()),
+            (json!(true), json!(i)),
+            "{r}"
+        );
+    }
+    for i in 1..=5u64 {
+        assert_eq!(read_json(&mut on_a)["seq"], i);
+    }
+    ack(&mut on_a, 1);
+    ack(&mut on_a, 2);
+    // Let A forget the acked ones in Redis before the rig moves.
+    eventually(Duration::from_secs(5), "acks forgotten", || {
+        let n: usize = redis
+            .connection()
+            .hlen(format!("sess:rig-r:{boot}"))
+            .unwrap();
+        n == 4 // "next" + c:3, c:4, c:5
+    });
+    // The rig saw up to 3 and moves to B (same boot): B replays 4 and 5, then continues at 6.
+    let mut on_b = b.connect("/agent");
+    assert_eq!(hello(&mut on_b, "rig-r", &boot, Some(3))["resumed"], true);
+    assert_eq!(read_close(&mut on_a), 4410);
+    let replayed: Vec<Value> = (0..2).map(|_| read_json(&mut on_b)).collect();
+    assert_eq!(replayed[0]["seq"], 4);
+    assert_eq!(replayed[0]["id"], "c4");
+    assert_eq!(replayed[1]["seq"], 5);
+    let r = ctl.command("fe-b", "rig-r", "c6");
+    assert_eq!(r["seq"], 6, "{r}");
+    assert_eq!(read_json(&mut on_b)["seq"], 6);
+}
+
+#[test]
+fn a_killed_brokers_unacked_commands_reach_the_rig_on_the_survivor() {
+    let redis = RedisServer::start();
+    let mut a = fleet_broker(&redis, "fe-a");
+    let b = fleet_broker(&redis, "fe-b");
+    let boot = boot_id();
+    let mut on_a = a.connect("/agent");
+    hello(&mut on_a, "rig-k", &boot, None);
+    let mut ctl = Control::new(&redis, &[]);
+    for i in 1..=3 {
+        assert_eq!(ctl.command("fe-a", "rig-k", &format!("k{i}"))["ok"], true);
+    }
+    unsafe { libc::kill(a.pid() as i32, libc::SIGKILL) };
+    a.wait_exit(Duration::from_secs(5)).expect("killed");
+    drop(on_a);
+    let mut on_b = b.connect("/agent");
+    assert_eq!(hello(&mut on_b, "rig-k", &boot, None)["resumed"], true);
+    for i in 1..=3u64 {
+        let cmd = read_json(&mut on_b);
+        assert_eq!(
+            (cmd["seq"].clone(), cmd["id"].clone()),
+            (json!(i), json!(format!("k{i}")))
+        );
+    }
+    assert_eq!(ctl.command("fe-b", "rig-k", "k4")["seq"], 4);
+}
+
+#[test]
+fn a_new_boot_reports_the_old_sessions_commands_as_rig_rebooted() {
+    let redis = RedisServer::start();
+    let a = fleet_broker(&redis, "fe-a");
+    let old_boot = boot_id();
+    let mut ws = a.connect("/agent");
+    hello(&mut ws, "rig-b", &old_boot, None);
+    let mut ctl = Control::new(&redis, &["fleetlink:events"]);
+    assert_eq!(ctl.command("fe-a", "rig-b", "lost-1")["ok"], true);
+    assert_eq!(ctl.command("fe-a", "rig-b", "lost-2")["ok"], true);
+    drop(ws);
+    std::thread::sleep(Duration::from_millis(2)); // UUIDv7 orders by millisecond
+    let mut again = a.connect("/agent");
+    assert_eq!(
+        hello(&mut again, "rig-b", &boot_id(), None)["resumed"],
+        false
+    );
+    let mut ids = Vec::new();
+    while ids.len() < 2 {
+        let ev = ctl.next(|ch, v| ch == "fleetlink:events" && v["type"] == "rig_rebooted");
+        assert_eq!(ev["boot_id"], old_boot.as_str());
+        ids.push(ev["id"].as_str().unwrap().to_string());
+    }
+    ids.sort();
+    assert_eq!(ids, ["lost-1", "lost-2"]);
+    // The new session starts at seq 1 and nothing of the old one is replayed.
+    assert_eq!(ctl.command("fe-a", "rig-b", "fresh")["seq"], 1);
+    assert_eq!(read_json(&mut again)["id"], "fresh");
+}
+
+#[test]
+fn persisting_is_fenced_by_the_lease() {
+    let redis = RedisServer::start();
+    let mut con = redis.connection();
+    let scripts = SessionScripts::new();
+    let rig = RigId::parse("rig-f").unwrap();
+    let boot = BootId::parse(&boot_id()).unwrap();
+    let json = br#"{"type":"command","seq":1,"id":"x"}"#;
+    let cmd = [Persist {
+        rig: &rig,
+        boot: &boot,
+        seq: Seq(1),
+        json,
+    }];
+    // No lease: fenced. Another broker's lease: fenced. Ours: kept.
+    assert_eq!(
+        scripts
+            .persist(&mut con, &cmd, "fe-a", Duration::from_secs(60))
+            .unwrap(),
+        [false]
+    );
+    let _: () = con.set("rig:rig-f", format!("{boot}|fe-b")).unwrap();
+    assert_eq!(
+        scripts
+            .persist(&mut con, &cmd, "fe-a", Duration::from_secs(60))
+            .unwrap(),
+        [false]
+    );
+    let _: () = con.set("rig:rig-f", format!("{boot}|fe-a")).unwrap();
+    assert_eq!(
+        scripts
+            .persist(&mut con, &cmd, "fe-a", Duration::from_secs(60))
+            .unwrap(),
+        [true]
+    );
+    let found = scripts
+        .resume(&mut con, &rig, &boot, Duration::from_secs(60))
+        .unwrap();
+    assert_eq!(found.next, Some(Seq(2)));
+    assert_eq!(found.commands, vec![(Seq(1), json.to_vec())]);
+    assert!(found.rebooted.is_empty());
+    let ttl: i64 = con.pttl(format!("sess:rig-f:{boot}")).unwrap();
+    assert!(ttl > 0 && ttl <= 60_000);
+}
