@@ -27,8 +27,9 @@
 #
 # Output: bench/results/latency-<broker>[-SUFFIX].json (every session's reports) and
 # bench/results/latency-summary[-SUFFIX].md. Its own redis-server (port LATENCY_REDIS_PORT,
-# default 26379, --save "" --appendonly no) and every broker/loadgen it starts are stopped on
-# exit, failure or signal. Ports: LATENCY_LISTEN_PORT (28080), LATENCY_ADMIN_PORT (29090).
+# default 24379, --save "" --appendonly no) and every broker/loadgen it starts are stopped on
+# exit, failure or signal. Ports: LATENCY_LISTEN_PORT (24080), LATENCY_ADMIN_PORT (24090); a
+# broker that cannot start (say, a port taken meanwhile) is retried twice, 2 s apart.
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -37,9 +38,9 @@ target="${CARGO_TARGET_DIR:-$root/target}/release"
 loadgen="${LOADGEN:-$target/fleetlink-loadgen}"
 fe="${FLEETLINK_FE:-$target/fleetlink-fe}"
 baseline="${TOKIO_BASELINE:-$target/fleetlink-tokio-baseline}"
-lport="${LATENCY_LISTEN_PORT:-28080}"
-aport="${LATENCY_ADMIN_PORT:-29090}"
-rport="${LATENCY_REDIS_PORT:-26379}"
+lport="${LATENCY_LISTEN_PORT:-24080}"
+aport="${LATENCY_ADMIN_PORT:-24090}"
+rport="${LATENCY_REDIS_PORT:-24379}"
 suffix=""
 rigs=10000
 rounds=3
@@ -51,7 +52,7 @@ brokers="fleetlink-fe-redis fleetlink-fe-admin tokio-baseline-default tokio-base
 time_limit=1800
 build=1
 
-usage() { sed -n '2,34p' "$0" | sed 's/^# \{0,1\}//'; exit 64; }
+usage() { awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0"; exit 64; }
 die() { echo "latency: $*" >&2; exit 1; }
 
 while [[ $# -gt 0 ]]; do
@@ -163,17 +164,28 @@ broker_cmd() {
 }
 
 start_broker() {
-  local b="$1" log="$2"
-  if [[ "$b" == fleetlink-fe-redis ]]; then redis-cli -p "$rport" flushall >/dev/null; fi
-  # shellcheck disable=SC2046  # the command line is plain words (paths without spaces)
-  $(broker_cmd "$b") >"$log" 2>&1 &
-  broker_pid=$!
-  local deadline=$((SECONDS + 30))
-  until curl -sf -o /dev/null "http://127.0.0.1:$aport/readyz"; do
-    kill -0 "$broker_pid" 2>/dev/null || { tail -20 "$log" >&2; die "$b exited before ready"; }
-    (( SECONDS < deadline )) || die "$b not ready after 30 s (log: $log)"
-    sleep 0.1
+  local b="$1" log="$2" attempt
+  for attempt in 1 2 3; do
+    if [[ "$b" == fleetlink-fe-redis ]]; then redis-cli -p "$rport" flushall >/dev/null; fi
+    # shellcheck disable=SC2046  # the command line is plain words (paths without spaces)
+    $(broker_cmd "$b") >"$log" 2>&1 &
+    broker_pid=$!
+    local deadline=$((SECONDS + 30))
+    while :; do
+      # Ready = our process answers /readyz (not someone else's on the same port).
+      if kill -0 "$broker_pid" 2>/dev/null && curl -sf -o /dev/null "http://127.0.0.1:$aport/readyz"; then
+        return 0
+      fi
+      kill -0 "$broker_pid" 2>/dev/null || break
+      (( SECONDS < deadline )) || die "$b not ready after 30 s (log: $log)"
+      sleep 0.1
+    done
+    wait "$broker_pid" 2>/dev/null || true
+    broker_pid=""
+    echo "latency: $b exited before ready (attempt $attempt): $(tail -1 "$log")" >&2
+    sleep 2
   done
+  die "$b did not start (log: $log)"
 }
 
 # --- One loadgen + publisher pass ----------------------------------------------------------

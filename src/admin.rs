@@ -315,6 +315,10 @@ struct CommandBody {
     args: Option<Value>,
     #[serde(default)]
     id: Option<String>,
+    #[serde(default)]
+    queue_if_offline: bool,
+    #[serde(default)]
+    ttl_ms: Option<u64>,
 }
 
 fn command(admin: &Admin, rig: &str, body: &[u8]) -> Answer {
@@ -363,6 +367,9 @@ fn command(admin: &Admin, rig: &str, body: &[u8]) -> Answer {
         name: body.name,
         args: body.args.unwrap_or_else(|| json!({})),
         reply: ReplyTo::Admin(tx),
+        offline_ttl: body
+            .queue_if_offline
+            .then(|| crate::registry::control::offline_ttl(body.ttl_ms)),
     };
     if admin.bridge.send(ToBridge::Command(Box::new(req))).is_err() {
         return json_answer(

@@ -37,3 +37,17 @@ pub fn event(broker: &str, rig: &RigId, name: &str, data: Option<Value>) -> Valu
     json!({"type": "event", "rig_id": rig.as_str(), "broker_id": broker, "name": name,
            "data": data, "at": rfc3339(SystemTime::now())})
 }
+
+/// A command held for an offline rig was delivered (`body` is its enqueue reply).
+pub fn offline_delivered(broker: &str, mut body: Value) -> Value {
+    body["type"] = json!("offline_delivered");
+    body["broker_id"] = json!(broker);
+    body["at"] = json!(rfc3339(SystemTime::now()));
+    body
+}
+
+/// A command held for an offline rig expired before the rig came back.
+pub fn expired(broker: &str, rig: &RigId, id: &str) -> Value {
+    json!({"type": "expired", "rig_id": rig.as_str(), "id": id, "broker_id": broker,
+           "at": rfc3339(SystemTime::now())})
+}

@@ -99,7 +99,11 @@ fn owner(redis: &RedisServer, rig: &str) -> Option<String> {
 fn commands_through_redis_arrive_in_order_and_acks_become_events() {
     let redis = RedisServer::start();
     // 1,000 acks in a burst: lift the per-rig inbound rate so fairness does not pace them.
-    let a = fleet_broker(&redis, "fe-a", &["--rig-rate", "100000", "--rig-burst", "100000"]);
+    let a = fleet_broker(
+        &redis,
+        "fe-a",
+        &["--rig-rate", "100000", "--rig-burst", "100000"],
+    );
     let (mut ws, boot, _) = a.rig("rig-0414");
     assert_eq!(owner(&redis, "rig-0414"), Some(format!("{boot}|fe-a")));
     let mut events = Listener::new(&redis, "fleetlink:events");

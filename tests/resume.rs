@@ -241,3 +241,69 @@ fn persisting_is_fenced_by_the_lease() {
     let ttl: i64 = con.pttl(format!("sess:rig-f:{boot}")).unwrap();
     assert!(ttl > 0 && ttl <= 60_000);
 }
+
+#[test]
+fn commands_for_an_offline_rig_are_held_then_delivered_or_expired() {
+    let redis = RedisServer::start();
+    let a = fleet_broker(&redis, "fe-a");
+    let b = fleet_broker(&redis, "fe-b");
+    let mut ctl = Control::new(&redis, &["fleetlink:events"]);
+    let reply_to = ctl.reply_to.clone();
+    let publish = |ctl: &mut Control, id: &str, ttl_ms: u64| {
+        let msg = json!({"type":"command","id":id,"rig_id":"rig-off","name":"fw","args":{},
+                         "reply_to":reply_to,"queue_if_offline":true,"ttl_ms":ttl_ms});
+        let _: i64 = ctl
+            .con
+            .publish("fleetlink:broker:fe-a", msg.to_string())
+            .unwrap();
+        ctl.next(|ch, v| ch == reply_to && v["id"] == id)
+    };
+    let held = publish(&mut ctl, "keep", 60_000);
+    assert_eq!(
+        (held["ok"].clone(), held["queued"].clone()),
+        (json!(true), json!(true)),
+        "{held}"
+    );
+    assert_eq!(publish(&mut ctl, "short", 200)["queued"], true);
+    // The short one expires on time, reported by the broker that held it.
+    let ev = ctl.next(|ch, v| ch == "fleetlink:events" && v["type"] == "expired");
+    assert_eq!(ev["id"], "short");
+    // The rig comes back on the other broker and gets what is still held, as seq 1.
+    let mut ws = b.connect("/agent");
+    hello(&mut ws, "rig-off", &boot_id(), None);
+    let cmd = read_json(&mut ws);
+    assert_eq!(
+        (cmd["id"].clone(), cmd["seq"].clone()),
+        (json!("keep"), json!(1))
+    );
+    let ev = ctl.next(|ch, v| ch == "fleetlink:events" && v["type"] == "offline_delivered");
+    assert_eq!(
+        (ev["id"].clone(), ev["seq"].clone()),
+        (json!("keep"), json!(1))
+    );
+    drop(a);
+}
+
+#[test]
+fn standalone_holds_commands_for_offline_rigs_too() {
+    let b = Broker::start(&[]);
+    let body = json!({"name":"fw","args":{},"queue_if_offline":true,"ttl_ms":60000}).to_string();
+    let (status, text) = b.http("POST", "/v1/rigs/rig-later/commands", &body);
+    assert_eq!(status, 200, "{text}");
+    assert!(text.contains("\"queued\":true"), "{text}");
+    let (status, _) = b.http(
+        "POST",
+        "/v1/rigs/rig-never/commands",
+        &json!({"name":"fw"}).to_string(),
+    );
+    assert_eq!(
+        status, 404,
+        "without queue_if_offline an offline rig is rig_not_connected"
+    );
+    let (mut ws, _, _) = b.rig("rig-later");
+    let cmd = read_json(&mut ws);
+    assert_eq!(
+        (cmd["name"].clone(), cmd["seq"].clone()),
+        (json!("fw"), json!(1))
+    );
+}

@@ -26,6 +26,7 @@ use crate::registry::fleet::{self, Fleet};
 use crate::registry::msg::{
     CommandReq, PersistReq, ReplyTo, SeqCommand, ToBridge, ToCore, Verdict,
 };
+use crate::registry::offline::{Deadlines, Held, LocalHeld};
 use crate::registry::scripts::{HelloOutcome, RefreshStatus};
 use crate::registry::sessions::Persist;
 use crate::reply;
@@ -43,7 +44,11 @@ const HEARTBEAT_TTL: Duration = Duration::from_secs(30);
 const BROADCAST_WAIT: Duration = Duration::from_secs(5);
 
 /// Registry operations counted by (op, result), in this order.
-pub const REGISTRY_OPS: [(&str, &str); 15] = [
+pub const REGISTRY_OPS: [(&str, &str); 19] = [
+    ("offline", "held"),
+    ("offline", "full"),
+    ("offline", "delivered"),
+    ("offline", "expired"),
     ("persist", "ok"),
     ("persist", "fenced"),
     ("persist", "unavailable"),
@@ -179,6 +184,8 @@ pub fn spawn(
                 shared,
                 fleet,
                 broadcasts: HashMap::new(),
+                held: LocalHeld::default(),
+                deadlines: Deadlines::default(),
                 persists: Vec::new(),
                 next_agg: 0,
                 next_refresh: now + cfg.registry_refresh,
@@ -210,6 +217,10 @@ struct Bridge {
     shared: Arc<BridgeShared>,
     fleet: Option<Fleet>,
     broadcasts: HashMap<u64, Broadcast>,
+    /// Commands held for offline rigs here (standalone, or while Redis is away).
+    held: LocalHeld,
+    /// Deadlines of the commands this broker held.
+    deadlines: Deadlines,
     /// Commands waiting to be kept in Redis before they are written (fleet mode).
     persists: Vec<PersistReq>,
     next_agg: u64,
@@ -254,6 +265,9 @@ impl Bridge {
         }
         if let Some(b) = self.broadcasts.values().map(|b| b.deadline).min() {
             next = next.min(b);
+        }
+        if let Some(d) = self.deadlines.next_due() {
+            next = next.min(d);
         }
         let timeout = next.saturating_duration_since(now).as_millis().min(1000) as i32;
         let mut fds = vec![libc::pollfd {
@@ -485,11 +499,11 @@ impl Bridge {
                 }
             }
         }
-        let fleet_owned = self.fleet.is_some();
-        let actions = self.registry.hello(conn, rig.clone(), boot, labels);
-        if fleet_owned {
-            return self.resume(conn, &rig, &boot, actions);
+        let mut actions = self.registry.hello(conn, rig.clone(), boot, labels);
+        if self.fleet.is_some() {
+            actions = self.resume(conn, &rig, &boot, actions);
         }
+        self.deliver_held(conn, &rig, &mut actions);
         actions
     }
 
@@ -512,6 +526,7 @@ impl Bridge {
     fn carry_out(&mut self, actions: Vec<Action>) {
         for action in actions {
             match action {
+                Action::Offline(req, ttl) => self.hold(*req, ttl),
                 Action::Core(conn, msg) => self.send_to_core(conn, msg),
                 Action::Reply(to, body) => self.reply(to, body),
                 Action::Event(ev) => self.publish(fleet::EVENTS.to_string(), &ev),
@@ -563,6 +578,110 @@ impl Bridge {
             }
             ReplyTo::Channel(channel) => self.publish(channel, &body),
             ReplyTo::Aggregate(agg) => self.broadcast_part(agg, &body),
+            ReplyTo::Event => {
+                let ev = crate::events::offline_delivered(&self.cfg.broker_id, body);
+                self.publish(fleet::EVENTS.to_string(), &ev);
+            }
+        }
+    }
+
+    /// Holds a command for a rig that is not connected (Redis in fleet mode, else here).
+    fn hold(&mut self, req: CommandReq, ttl: Duration) {
+        let entry = Held {
+            id: req.id.clone(),
+            name: req.name,
+            args: req.args,
+            deadline_ms: unix_ms() + ttl.as_millis() as u64,
+            reply_to: match &req.reply {
+                ReplyTo::Channel(c) => Some(c.clone()),
+                _ => None,
+            },
+        };
+        let stored = match self
+            .fleet
+            .as_mut()
+            .and_then(|f| f.offline_push(&req.rig, &entry, ttl))
+        {
+            Some(stored) => stored,
+            // Standalone, or Redis away: held here (delivered only by this broker).
+            None => self.held.push(&req.rig, entry.clone()),
+        };
+        let body = if stored {
+            self.shared.count("offline", "held");
+            self.deadlines
+                .add(Instant::now() + ttl, req.rig.clone(), entry);
+            json!({"id": req.id, "ok": true, "rig_id": req.rig.as_str(), "queued": true})
+        } else {
+            self.shared.count("offline", "full");
+            reply::error(
+                &req.id,
+                Some(req.rig.as_str()),
+                "offline_queue_full",
+                "too many commands held for this rig",
+            )
+        };
+        self.reply(req.reply, body);
+    }
+
+    /// At a rig's welcome: the commands held for it, in order, behind the verdict; expired
+    /// ones are reported instead.
+    fn deliver_held(&mut self, conn: ConnId, rig: &RigId, actions: &mut Vec<Action>) {
+        let accepted = actions.iter().any(|a| {
+            matches!(a, Action::Core(c, ToCore::Verdict { verdict: Verdict::Accept { .. }, .. }) if *c == conn)
+        });
+        if !accepted {
+            return;
+        }
+        let mut held = self
+            .fleet
+            .as_mut()
+            .and_then(|f| f.offline_take(rig))
+            .unwrap_or_default();
+        held.extend(self.held.take(rig));
+        let now = unix_ms();
+        for h in held {
+            if h.expired(now) {
+                self.report_expired(rig, &h.id);
+                continue;
+            }
+            self.shared.count("offline", "delivered");
+            let req = CommandReq {
+                id: h.id,
+                rig: rig.clone(),
+                name: h.name,
+                args: h.args,
+                reply: ReplyTo::Event,
+                offline_ttl: None,
+            };
+            actions.push(Action::Core(
+                conn,
+                ToCore::Command {
+                    conn,
+                    req: Box::new(req),
+                },
+            ));
+        }
+    }
+
+    fn report_expired(&mut self, rig: &RigId, id: &str) {
+        self.shared.count("offline", "expired");
+        let ev = crate::events::expired(&self.cfg.broker_id, rig, id);
+        self.publish(fleet::EVENTS.to_string(), &ev);
+    }
+
+    /// Commands this broker held whose deadline passed: reported `expired` if still held.
+    fn expire_held(&mut self, now: Instant) {
+        for (rig, entry) in self.deadlines.due(now) {
+            let removed = match self.fleet.as_mut() {
+                Some(f) => {
+                    f.offline_remove(&rig, &entry).unwrap_or(false)
+                        || self.held.remove(&rig, &entry.id)
+                }
+                None => self.held.remove(&rig, &entry.id),
+            };
+            if removed {
+                self.report_expired(&rig, &entry.id);
+            }
         }
     }
 
@@ -675,6 +794,7 @@ impl Bridge {
                 name: name.clone(),
                 args: args.clone(),
                 reply: ReplyTo::Aggregate(agg),
+                offline_ttl: None,
             };
             let actions = self.registry.command(Box::new(req));
             self.carry_out(actions);
@@ -716,6 +836,7 @@ impl Bridge {
     }
 
     fn timers(&mut self, now: Instant) {
+        self.expire_held(now);
         if now >= self.next_expire {
             self.registry.expire(now);
             self.next_expire = now + Duration::from_secs(1);

@@ -80,6 +80,10 @@ struct Raw {
     selector: Option<Map<String, Value>>,
     #[serde(default)]
     broker_id: Option<String>,
+    #[serde(default)]
+    queue_if_offline: bool,
+    #[serde(default)]
+    ttl_ms: Option<u64>,
 }
 
 /// Parses one pub/sub payload; `broadcast` says it came on `fleetlink:broadcast`.
@@ -161,16 +165,24 @@ pub fn parse(payload: &[u8], broadcast: bool) -> Result<Control, Bad> {
                 .as_deref()
                 .and_then(RigId::parse)
                 .ok_or_else(|| bad("command needs a valid rig_id"))?;
+            let offline_ttl = raw.queue_if_offline.then(|| offline_ttl(raw.ttl_ms));
             Ok(Control::Command(CommandReq {
                 id,
                 rig,
                 name,
                 args,
                 reply: ReplyTo::Channel(reply_to),
+                offline_ttl,
             }))
         }
         _ => Err(bad("unknown control message type")),
     }
+}
+
+/// The hold time of a `queue_if_offline` command: its `ttl_ms` (default one hour), at most a day.
+pub fn offline_ttl(ttl_ms: Option<u64>) -> std::time::Duration {
+    let ttl = std::time::Duration::from_millis(ttl_ms.unwrap_or(3_600_000).max(1));
+    ttl.min(crate::registry::offline::MAX_TTL)
 }
 
 #[cfg(test)]

@@ -22,6 +22,8 @@ pub enum Action {
     Reply(ReplyTo, Value),
     /// Publish a lifecycle event.
     Event(Value),
+    /// Hold a command for a rig that is not connected, for this long.
+    Offline(Box<CommandReq>, std::time::Duration),
 }
 
 #[derive(Debug)]
@@ -291,7 +293,10 @@ impl Embedded {
                 );
                 vec![Action::Reply(req.reply, body)]
             }
-            None => vec![not_connected(*req)],
+            None => match req.offline_ttl {
+                Some(ttl) => vec![Action::Offline(req, ttl)],
+                None => vec![not_connected(*req)],
+            },
         }
     }
 
@@ -464,6 +469,7 @@ mod tests {
             name: "x".into(),
             args: Value::Null,
             reply: ReplyTo::Admin(tx),
+            offline_ttl: None,
         });
         assert!(r.command(req).is_empty(), "held during the hand-over");
         let (done, released) = r.closed(conn(1), rig(), b, Seq(8), vec![], now);
@@ -537,6 +543,7 @@ mod tests {
             name: "x".into(),
             args: Value::Null,
             reply: ReplyTo::Admin(tx),
+            offline_ttl: None,
         });
         let a = r.command(req);
         assert!(matches!(&a[..], [Action::Reply(_, v)] if v["error"] == "rig_not_connected"));

@@ -10,6 +10,7 @@ use redis::{ConnectionInfo, IntoConnectionInfo};
 
 use crate::ids::Seq;
 use crate::ids::{BootId, RigId};
+use crate::registry::offline::{Held, OfflineScripts};
 use crate::registry::pubsub::{Push, Subscriber};
 use crate::registry::scripts::{HelloOutcome, RefreshStatus, Scripts};
 use crate::registry::sessions::{self, Persist, Resumed, SessionScripts};
@@ -37,6 +38,7 @@ pub(crate) struct Fleet {
     broker_id: String,
     scripts: Scripts,
     sessions: SessionScripts,
+    offline: OfflineScripts,
     forgets: Vec<(RigId, BootId, Seq)>,
     con: Option<redis::Connection>,
     sub: Option<Subscriber>,
@@ -60,6 +62,7 @@ impl Fleet {
             broker_id: broker_id.to_string(),
             scripts: Scripts::new(),
             sessions: SessionScripts::new(),
+            offline: OfflineScripts::default(),
             forgets: Vec::new(),
             con: None,
             sub: None,
@@ -191,6 +194,47 @@ impl Fleet {
         let con = self.con.as_mut()?;
         match self.sessions.resume(con, rig, boot, ttl) {
             Ok(r) => Some(r),
+            Err(e) => {
+                self.fail(Instant::now(), &e);
+                None
+            }
+        }
+    }
+
+    /// Holds a command for an offline rig. None when Redis is unavailable.
+    pub(crate) fn offline_push(
+        &mut self,
+        rig: &RigId,
+        entry: &Held,
+        ttl: Duration,
+    ) -> Option<bool> {
+        let con = self.con.as_mut()?;
+        match self.offline.push(con, rig, entry, ttl) {
+            Ok(stored) => Some(stored),
+            Err(e) => {
+                self.fail(Instant::now(), &e);
+                None
+            }
+        }
+    }
+
+    /// Takes the commands held for `rig`. None when Redis is unavailable.
+    pub(crate) fn offline_take(&mut self, rig: &RigId) -> Option<Vec<Held>> {
+        let con = self.con.as_mut()?;
+        match self.offline.take(con, rig) {
+            Ok(held) => Some(held),
+            Err(e) => {
+                self.fail(Instant::now(), &e);
+                None
+            }
+        }
+    }
+
+    /// Removes one held command if still there. None when Redis is unavailable.
+    pub(crate) fn offline_remove(&mut self, rig: &RigId, entry: &Held) -> Option<bool> {
+        let con = self.con.as_mut()?;
+        match self.offline.remove(con, rig, entry) {
+            Ok(removed) => Some(removed),
             Err(e) => {
                 self.fail(Instant::now(), &e);
                 None

@@ -11,6 +11,7 @@ pub mod control;
 pub mod embedded;
 pub mod fleet;
 pub mod msg;
+pub mod offline;
 pub mod pubsub;
 pub mod scripts;
 pub mod sessions;

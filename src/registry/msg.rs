@@ -55,6 +55,9 @@ pub enum ReplyTo {
     Channel(String),
     /// One rig's part of a broadcast; the bridge sums the parts into one reply.
     Aggregate(u64),
+    /// A held command delivered at the rig's hello: its outcome is an `offline_delivered`
+    /// event (control already had its one reply, `queued`).
+    Event,
 }
 
 /// A request to enqueue one command for one rig.
@@ -70,6 +73,8 @@ pub struct CommandReq {
     pub args: Value,
     /// Where the single reply goes.
     pub reply: ReplyTo,
+    /// `queue_if_offline` with its `ttl_ms`: hold it if the rig is not connected.
+    pub offline_ttl: Option<Duration>,
 }
 
 /// The registry's answer to a hello.

@@ -266,12 +266,16 @@ impl Session {
 
     /// Commands queued and not yet written.
     pub(crate) fn outbox_len(&self) -> usize {
-        self.queues.as_ref().map_or(0, |q| q.outbox.iter().filter(|c| !c.held).count())
+        self.queues
+            .as_ref()
+            .map_or(0, |q| q.outbox.iter().filter(|c| !c.held).count())
     }
 
     /// Commands still waiting for Redis to keep them (fleet mode).
     pub(crate) fn held_len(&self) -> usize {
-        self.queues.as_ref().map_or(0, |q| q.outbox.iter().filter(|c| c.held).count())
+        self.queues
+            .as_ref()
+            .map_or(0, |q| q.outbox.iter().filter(|c| c.held).count())
     }
 
     /// Frees the queues once nothing is in flight.

@@ -501,7 +501,12 @@ pub(crate) fn on_command(core: &Core, conn: &Conn, st: &mut ConnState, req: Comm
     if session.held_len() >= core.cfg.outbox * UNACKED_PER_OUTBOX {
         // Redis is slower than control right now: a broker-side condition, not the rig's.
         core.metrics.inc(C::BridgeQueueFull);
-        let body = reply::error(&req.id, Some(req.rig.as_str()), "overloaded", "too many commands waiting for the session store");
+        let body = reply::error(
+            &req.id,
+            Some(req.rig.as_str()),
+            "overloaded",
+            "too many commands waiting for the session store",
+        );
         return deliver(core, req.reply, body);
     }
     if session.outbox_len() >= core.cfg.outbox {
@@ -604,6 +609,14 @@ pub(crate) fn deliver(core: &Core, to: ReplyTo, body: serde_json::Value) {
         }
         ReplyTo::Aggregate(agg) => {
             core.to_bridge(ToBridge::Part { agg, body });
+        }
+        ReplyTo::Event => {
+            if core.fleet {
+                core.to_bridge(ToBridge::Event(crate::events::offline_delivered(
+                    &core.cfg.broker_id,
+                    body,
+                )));
+            }
         }
     }
 }

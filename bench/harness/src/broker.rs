@@ -135,6 +135,11 @@ impl Broker {
         self.proc.cpu()
     }
 
+    /// Nanosecond CPU time over live threads, and their count (see [`Proc::cpu_threads`]).
+    pub(crate) fn cpu_threads(&self) -> Result<(Duration, usize)> {
+        self.proc.cpu_threads()
+    }
+
     /// Resident set size in KiB.
     pub(crate) fn rss_kb(&self) -> Result<u64> {
         self.proc.rss_kb()

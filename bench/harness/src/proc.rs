@@ -130,6 +130,28 @@ impl Proc {
             .with_context(|| format!("parsing /proc/{}/stat", self.pid()))
     }
 
+    /// CPU time summed over the live threads' `/proc/PID/task/TID/schedstat` (nanoseconds,
+    /// unlike the 10 ms ticks of [`Proc::cpu`]) and the thread count. Threads that ended are
+    /// missing from the sum, so compare counts before using a difference of two readings.
+    pub(crate) fn cpu_threads(&self) -> Result<(Duration, usize)> {
+        let dir = format!("/proc/{}/task", self.pid());
+        let (mut ns, mut threads) = (0u64, 0);
+        for task in std::fs::read_dir(&dir).with_context(|| dir.clone())? {
+            let path = task?.path().join("schedstat");
+            // A thread may end between the listing and the read: skip it.
+            let Ok(text) = std::fs::read_to_string(&path) else {
+                continue;
+            };
+            ns += text
+                .split_whitespace()
+                .next()
+                .and_then(|v| v.parse::<u64>().ok())
+                .unwrap_or(0);
+            threads += 1;
+        }
+        Ok((Duration::from_nanos(ns), threads))
+    }
+
     /// Resident set size in KiB (VmRSS).
     pub(crate) fn rss_kb(&self) -> Result<u64> {
         let status = std::fs::read_to_string(format!("/proc/{}/status", self.pid()))?;

@@ -82,14 +82,22 @@ fn idle(ctx: &Ctx, o: &Opts, spec: &Spec, round: usize) -> Result<Value> {
     let mut rigs = Rigs::start(ctx, &opts, "idle")?;
     let ramp = rigs.wait_ramp(&mut broker, Instant::now() + Duration::from_secs(120))?;
     proc::sleep(o.settle)?;
-    let (cpu0, t0) = (broker.cpu()?, Instant::now());
+    let (cpu0, (sched0, threads0), t0) = (broker.cpu()?, broker.cpu_threads()?, Instant::now());
     proc::sleep(o.window)?;
-    let (cpu1, t1) = (broker.cpu()?, Instant::now());
+    let (cpu1, (sched1, threads1), t1) = (broker.cpu()?, broker.cpu_threads()?, Instant::now());
     broker.ensure_running()?;
     let rss_kb = broker.rss_kb()?;
     let report = rigs.finish()?;
     broker.stop();
-    let (cpu, wall) = ((cpu1 - cpu0).as_secs_f64(), (t1 - t0).as_secs_f64());
+    let wall = (t1 - t0).as_secs_f64();
+    let ticks = (cpu1 - cpu0).as_secs_f64();
+    // Nanosecond figure when no thread came or went; otherwise the 10 ms-tick one.
+    let same_threads = threads0 == threads1;
+    let cpu = if same_threads {
+        sched1.saturating_sub(sched0).as_secs_f64()
+    } else {
+        ticks
+    };
     let per_min = cpu * 60.0 / wall;
     Ok(json!({
         "broker": spec.name,
@@ -98,6 +106,9 @@ fn idle(ctx: &Ctx, o: &Opts, spec: &Spec, round: usize) -> Result<Value> {
         "ramp_line": ramp.line,
         "window_s": wall,
         "cpu_s": cpu,
+        "cpu_source": if same_threads { "schedstat" } else { "stat_ticks" },
+        "cpu_ticks_s": ticks,
+        "threads": [threads0, threads1],
         "cpu_s_per_min": per_min,
         "core_pct": cpu / wall * 100.0,
         "us_per_rig_per_min": per_min * 1e6 / o.rigs as f64,
@@ -115,8 +126,8 @@ fn summarize(ctx: &Ctx, o: &Opts, runs: Vec<Value>) -> (Value, String) {
     let mut summary = serde_json::Map::new();
     let mut md = format!(
         "### idle-cost, {date}\n\n{} idle rigs, default ping interval (20 s), {:.0} s window \
-         after a {:.0} s settle, {} rounds, brokers alternating. Broker utime+stime over the \
-         window, as CPU-seconds per minute (medians).\n\n\
+         after a {:.0} s settle, {} rounds, brokers alternating. Broker CPU time over the \
+         window (thread schedstat, ns), as CPU-seconds per minute (medians).\n\n\
          | broker | complete | CPU-s/min | per round | % of one core | µs per rig per min | RSS (MiB) | vs {reference} |\n\
          |---|---|---|---|---|---|---|---|\n",
         o.rigs,
@@ -155,7 +166,9 @@ fn summarize(ctx: &Ctx, o: &Opts, runs: Vec<Value>) -> (Value, String) {
                    "settle_s": o.settle.as_secs_f64(), "ping_interval": "20s (both brokers' default)"},
         "method": "per broker and round: fresh broker, loadgen ramps N rigs (256 handshakes in \
                    flight per process), settle, then broker utime+stime (/proc/PID/stat, all \
-                   threads) read at both ends of the window; cpu_s_per_min = cpu_s * 60 / window. \
+                   threads) read at both ends of the window; cpu_s from the threads' schedstat \
+                   (ns) when the thread set did not change, else from utime+stime ticks (10 ms); \
+                   cpu_s_per_min = cpu_s * 60 / window. \
                    complete = all welcomed and none dropped. Summary = medians over rounds.",
         "summary": summary,
         "runs": runs,

@@ -1,0 +1,249 @@
+//! Commands held for rigs that are not connected (`queue_if_offline` + `ttl_ms`, CONTRACT.md
+//! §5). Fleet mode keeps them in Redis (`offline:<rig_id>`, a bounded list) so any broker can
+//! deliver them at the rig's next hello; standalone keeps them in the bridge. Either way each
+//! ends as delivered (then acked/result like any command) or `expired`.
+
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap, VecDeque};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use redis::{ConnectionLike, Script};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::ids::RigId;
+use crate::registry::scripts::RegistryError;
+
+/// Most commands held per rig.
+pub const MAX_PER_RIG: usize = 1000;
+/// Longest `ttl_ms` accepted (a day).
+pub const MAX_TTL: Duration = Duration::from_secs(24 * 3600);
+
+/// One held command, as stored.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct Held {
+    /// Control's command id.
+    pub id: String,
+    /// Command name.
+    pub name: String,
+    /// Command args.
+    pub args: Value,
+    /// Unix ms after which it expires.
+    pub deadline_ms: u64,
+    /// Control's reply channel, if any (events carry the outcome; this is for the record).
+    #[serde(default)]
+    pub reply_to: Option<String>,
+}
+
+impl Held {
+    /// Whether it expired at `now_ms`.
+    pub fn expired(&self, now_ms: u64) -> bool {
+        self.deadline_ms <= now_ms
+    }
+}
+
+/// Unix time in ms.
+pub fn unix_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// The Redis key of a rig's held commands.
+pub fn offline_key(rig: &RigId) -> String {
+    format!("offline:{rig}")
+}
+
+/// Redis side (fleet mode).
+#[derive(Debug, Clone)]
+pub struct OfflineScripts {
+    push: Script,
+}
+
+impl Default for OfflineScripts {
+    fn default() -> Self {
+        Self {
+            push: Script::new(include_str!("../../lua/offline_push.lua")),
+        }
+    }
+}
+
+impl OfflineScripts {
+    /// Holds `entry`; false when the rig's list is full.
+    pub fn push(
+        &self,
+        con: &mut impl ConnectionLike,
+        rig: &RigId,
+        entry: &Held,
+        ttl: Duration,
+    ) -> Result<bool, RegistryError> {
+        let json = serde_json::to_string(entry).unwrap_or_default();
+        let len: i64 = self
+            .push
+            .key(offline_key(rig))
+            .arg(json)
+            .arg(MAX_PER_RIG)
+            .arg(ttl.as_millis().clamp(1, 999_999_999_999_999))
+            .invoke(con)?;
+        Ok(len > 0)
+    }
+
+    /// Takes every held command of `rig` (atomically: LRANGE + DEL).
+    pub fn take(
+        &self,
+        con: &mut impl ConnectionLike,
+        rig: &RigId,
+    ) -> Result<Vec<Held>, RegistryError> {
+        let key = offline_key(rig);
+        let (items, _): (Vec<String>, i64) = redis::pipe()
+            .atomic()
+            .lrange(&key, 0, -1)
+            .del(&key)
+            .query(con)?;
+        Ok(items
+            .iter()
+            .filter_map(|s| serde_json::from_str(s).ok())
+            .collect())
+    }
+
+    /// Removes one held command if it is still there (expiry); true when it was.
+    pub fn remove(
+        &self,
+        con: &mut impl ConnectionLike,
+        rig: &RigId,
+        entry: &Held,
+    ) -> Result<bool, RegistryError> {
+        let json = serde_json::to_string(entry).unwrap_or_default();
+        let n: i64 = redis::cmd("LREM")
+            .arg(offline_key(rig))
+            .arg(1)
+            .arg(json)
+            .query(con)?;
+        Ok(n > 0)
+    }
+}
+
+/// Standalone side: per-rig bounded queues in the bridge.
+#[derive(Debug, Default)]
+pub struct LocalHeld {
+    rigs: HashMap<RigId, VecDeque<Held>>,
+}
+
+impl LocalHeld {
+    /// Holds `entry`; false when the rig's queue is full.
+    pub fn push(&mut self, rig: &RigId, entry: Held) -> bool {
+        let q = self.rigs.entry(rig.clone()).or_default();
+        if q.len() >= MAX_PER_RIG {
+            return false;
+        }
+        q.push_back(entry);
+        true
+    }
+
+    /// Takes every held command of `rig`.
+    pub fn take(&mut self, rig: &RigId) -> Vec<Held> {
+        self.rigs.remove(rig).map(Vec::from).unwrap_or_default()
+    }
+
+    /// Removes one held command by id; true when it was there.
+    pub fn remove(&mut self, rig: &RigId, id: &str) -> bool {
+        let Some(q) = self.rigs.get_mut(rig) else {
+            return false;
+        };
+        let before = q.len();
+        q.retain(|h| h.id != id);
+        let removed = q.len() < before;
+        if q.is_empty() {
+            self.rigs.remove(rig);
+        }
+        removed
+    }
+}
+
+/// Deadlines of the commands this broker put on hold, so it can report them `expired` on time.
+#[derive(Debug, Default)]
+pub struct Deadlines {
+    heap: BinaryHeap<Reverse<(Instant, u64)>>,
+    entries: HashMap<u64, (RigId, Held)>,
+    next: u64,
+}
+
+impl Deadlines {
+    /// Remembers `entry` until `at`.
+    pub fn add(&mut self, at: Instant, rig: RigId, entry: Held) {
+        self.next += 1;
+        self.heap.push(Reverse((at, self.next)));
+        self.entries.insert(self.next, (rig, entry));
+    }
+
+    /// The next deadline, if any.
+    pub fn next_due(&self) -> Option<Instant> {
+        self.heap.peek().map(|Reverse((at, _))| *at)
+    }
+
+    /// Entries due at `now`.
+    pub fn due(&mut self, now: Instant) -> Vec<(RigId, Held)> {
+        let mut out = Vec::new();
+        while let Some(Reverse((at, k))) = self.heap.peek().copied() {
+            if at > now {
+                break;
+            }
+            self.heap.pop();
+            if let Some(e) = self.entries.remove(&k) {
+                out.push(e);
+            }
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn local_queue_is_bounded_and_takes_in_order() {
+        let rig = RigId::parse("r").unwrap();
+        let mut q = LocalHeld::default();
+        let held = |id: &str| Held {
+            id: id.into(),
+            name: "n".into(),
+            args: Value::Null,
+            deadline_ms: 1,
+            reply_to: None,
+        };
+        for i in 0..MAX_PER_RIG {
+            assert!(q.push(&rig, held(&i.to_string())));
+        }
+        assert!(!q.push(&rig, held("over")));
+        assert!(q.remove(&rig, "0"));
+        assert!(!q.remove(&rig, "0"));
+        let taken = q.take(&rig);
+        assert_eq!(taken.len(), MAX_PER_RIG - 1);
+        assert_eq!(taken[0].id, "1");
+        assert!(q.take(&rig).is_empty());
+    }
+
+    #[test]
+    fn deadlines_come_due_in_order() {
+        let mut d = Deadlines::default();
+        let t0 = Instant::now();
+        let rig = RigId::parse("r").unwrap();
+        let held = |id: &str| Held {
+            id: id.into(),
+            name: "n".into(),
+            args: Value::Null,
+            deadline_ms: 1,
+            reply_to: None,
+        };
+        d.add(t0 + Duration::from_secs(2), rig.clone(), held("b"));
+        d.add(t0 + Duration::from_secs(1), rig.clone(), held("a"));
+        assert_eq!(d.next_due(), Some(t0 + Duration::from_secs(1)));
+        assert!(d.due(t0).is_empty());
+        let due = d.due(t0 + Duration::from_secs(3));
+        assert_eq!(
+            due.iter().map(|(_, h)| h.id.as_str()).collect::<Vec<_>>(),
+            ["a", "b"]
+        );
+    }
+}
