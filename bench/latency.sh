@@ -15,7 +15,7 @@
 #
 #   bench/latency.sh [--name SUFFIX] [--rigs N] [--rounds R] [--single K] [--interval 10ms]
 #                    [--fanouts F] [--fanout-gap 2s] [--brokers "fleetlink-fe-redis ..."]
-#                    [--time-limit SECONDS] [--no-build]
+#                    [--time-limit SECONDS] [--results DIR] [--no-build]
 #
 # Defaults: N=10000, R=3, K=500, INTERVAL=10ms, F=2, all four brokers, time limit 1800 s.
 # A round runs one session per broker (the order rotates each round, so no broker always goes
@@ -25,10 +25,11 @@
 # the summary quotes, per broker and shape, the MEDIAN over the R sessions of p50, p99 and
 # p999, and the largest max. Loadgen, Redis and the broker share the machine's cores.
 #
-# Output: bench/results/latency-<broker>[-SUFFIX].json (every session's reports) and
-# bench/results/latency-summary[-SUFFIX].md. Its own redis-server (port LATENCY_REDIS_PORT,
+# Output (--results, default bench/results): latency-<broker>[-SUFFIX].json (every session's
+# reports) and latency-summary[-SUFFIX].md. Its own redis-server (port LATENCY_REDIS_PORT,
 # default 24379, --save "" --appendonly no) and every broker/loadgen it starts are stopped on
-# exit, failure or signal. Ports: LATENCY_LISTEN_PORT (24080), LATENCY_ADMIN_PORT (24090); a
+# exit, failure or signal; --time-limit is checked before every session, and every step inside
+# a session has its own bound. Ports: LATENCY_LISTEN_PORT (24080), LATENCY_ADMIN_PORT (24090); a
 # broker that cannot start (say, a port taken meanwhile) is retried twice, 2 s apart.
 set -euo pipefail
 
@@ -51,6 +52,7 @@ fanout_gap=2s
 brokers="fleetlink-fe-redis fleetlink-fe-admin tokio-baseline-default tokio-baseline-rb4096"
 time_limit=1800
 build=1
+results="$here/results"
 
 usage() { awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0"; exit 64; }
 die() { echo "latency: $*" >&2; exit 1; }
@@ -66,6 +68,7 @@ while [[ $# -gt 0 ]]; do
     --fanout-gap) fanout_gap="$2"; shift 2 ;;
     --brokers) brokers="$2"; shift 2 ;;
     --time-limit) time_limit="$2"; shift 2 ;;
+    --results) results="$2"; shift 2 ;;
     --no-build) build=0; shift ;;
     -h|--help) usage ;;
     *) usage ;;
@@ -277,9 +280,9 @@ for ((r = 1; r <= rounds; r++)); do
 done
 
 # --- Results -------------------------------------------------------------------------------
-mkdir -p "$here/results"
+mkdir -p "$results"
 cmds_json=$(for b in "${blist[@]}"; do jq -n --arg b "$b" --arg c "$(broker_cmd "$b" | sed "s|$root/||g")" '{($b): $c}'; done | jq -s -c add)
-python3 - "$work/sessions.jsonl" "$here/results" "$suffix" "$cmds_json" <<PY
+python3 - "$work/sessions.jsonl" "$results" "$suffix" "$cmds_json" <<PY
 import json, statistics, sys, datetime, platform, os, subprocess
 path, outdir, suffix, cmds = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
 rows = [json.loads(l) for l in open(path) if l.strip()]
@@ -364,4 +367,4 @@ text = "\n".join(out) + "\n"
 open(os.path.join(outdir, f"latency-summary{sfx}.md"), "w").write(text)
 print(text)
 PY
-echo "latency: wrote $here/results/latency-*${suffix:+-$suffix}.json and latency-summary${suffix:+-$suffix}.md (in $((SECONDS - start_s)) s)" >&2
+echo "latency: wrote $results/latency-*${suffix:+-$suffix}.json and latency-summary${suffix:+-$suffix}.md (in $((SECONDS - start_s)) s)" >&2

@@ -120,13 +120,13 @@ if hs["median"]:
           "handshakes in flight) pinned to CPU 1. Broker CPU = utime+stime of all its threads "
           "(/proc/PID/stat) from just before the loadgen starts to its ALL_WELCOMED line; a handshake "
           "is the whole connection setup (TCP accept, TLS, upgrade, hello/welcome).\n")
-    print(f"| broker | **handshakes per CPU-second** | CPU us per handshake | broker CPU s per {n:,} | wall rate (rigs/s) | broker core busy | loadgen CPU s | handshake p50 | p99 | per round (handshakes/CPU-s) |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print(f"| broker | **handshakes per CPU-second** | CPU us per handshake | broker CPU s per {n:,} (user + sys) | minor faults per conn | wall rate (rigs/s) | broker core busy | loadgen CPU s | handshake p50 | p99 | per round (handshakes/CPU-s) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for k in names:
         m = res[k]["handshakes"]["median"]
         per = ", ".join(f"{r['handshakes_per_cpu_s']:,}" for r in res[k]["handshakes"]["rounds"])
         print(f"| {k} | **{m['handshakes_per_cpu_s']:,.0f}** | {1e6 / m['handshakes_per_cpu_s']:.0f} | "
-              f"{m['broker_cpu_s']:.2f} | {m['wall_rate_per_s']:,.0f} | {m['broker_core_utilisation']:.0%} | "
+              f"{m['broker_cpu_s']:.2f} ({m['broker_user_s']:.2f} + {m['broker_sys_s']:.2f}) | {m['broker_minor_faults_per_conn']:.0f} | {m['wall_rate_per_s']:,.0f} | {m['broker_core_utilisation']:.0%} | "
               f"{m['loadgen_cpu_s']:.2f} | {m['handshake_p50_us']/1000:.1f} ms | {m['handshake_p99_us']/1000:.1f} ms | {per} |")
     base = hs["median"]["handshakes_per_cpu_s"]
     print()
@@ -229,13 +229,14 @@ fi
 
 # --- (b) handshakes per CPU-second ---------------------------------------------------------
 hz=$(getconf CLK_TCK)
-cpu_ticks() { # utime+stime of PID, all threads (fields 14 and 15, after the "(comm)" field)
+proc_stat() { # "utime stime minflt" of PID, all threads (fields 14, 15, 10 of /proc/PID/stat)
   local s
   s=$(<"/proc/$1/stat")
-  s=${s##*) }
+  s=${s##*) } # after the "(comm)" field: field 3 is f[0]
   read -r -a f <<<"$s"
-  echo $(( f[11] + f[12] ))
+  echo "${f[11]} ${f[12]} ${f[7]}"
 }
+cpu_ticks() { local u s _m; read -r u s _m <<<"$(proc_stat "$1")"; echo $((u + s)); }
 
 hs_round() { # NAME ROUND: prints one JSON object
   local name="$1" round="$2" log="$work/hs-$1-$2"
@@ -253,7 +254,8 @@ hs_round() { # NAME ROUND: prints one JSON object
   sleep 1 # let start-up work finish: only the ramp's CPU should be counted
   local c0 t0 c1 t1 lc
   : >"$log.out"
-  c0=$(cpu_ticks "$bpid"); t0=$(date +%s%N)
+  local u0 s0 f0 u1 s1 f1
+  read -r u0 s0 f0 <<<"$(proc_stat "$bpid")"; t0=$(date +%s%N)
   taskset -c 1 "$loadgen" rigs --url "wss://127.0.0.1:$port/agent" "${lg_tls[@]}" \
     --rigs "$handshakes" --procs 1 --prefix "hs$round" --concurrency 256 \
     --hold 120s --max-time 180s --report "$log.json" >"$log.out" 2>"$log.err" &
@@ -265,7 +267,8 @@ hs_round() { # NAME ROUND: prints one JSON object
     (( SECONDS < deadline )) || die "$name: no ramp outcome in 150 s; see $log.err"
     sleep 0.02
   done
-  c1=$(cpu_ticks "$bpid"); t1=$(date +%s%N); lc=$(cpu_ticks "$lpid")
+  read -r u1 s1 f1 <<<"$(proc_stat "$bpid")"; t1=$(date +%s%N); lc=$(cpu_ticks "$lpid")
+  c0=$((u0 + s0)); c1=$((u1 + s1))
   grep -q '^ALL_WELCOMED' "$log.out" || die "$name round $round: $(cat "$log.out"); see $log.err"
   stop_pid "$lpid" TERM 300 # writes its report (after closing every rig with 1000)
   stop_pid "$bpid" TERM 50 # no rigs left: fleetlink-fe's drain ends at once
@@ -274,9 +277,11 @@ hs_round() { # NAME ROUND: prints one JSON object
   ramp_ms=$(sed -n 's/^ALL_WELCOMED .*elapsed_ms=\([0-9]*\).*/\1/p' "$log.out")
   jq -c --argjson round "$round" --argjson n "$handshakes" --argjson hz "$hz" \
     --argjson ticks $((c1 - c0)) --argjson lticks "$lc" --argjson wall_ns $((t1 - t0)) \
+    --argjson uticks $((u1 - u0)) --argjson sticks $((s1 - s0)) --argjson minflt $((f1 - f0)) \
     --argjson ramp_ms "$ramp_ms" '{
       round: $round, rigs: $n, welcomed: .welcomed,
-      broker_cpu_s: ($ticks / $hz), loadgen_cpu_s: ($lticks / $hz),
+      broker_cpu_s: ($ticks / $hz), broker_user_s: ($uticks / $hz), broker_sys_s: ($sticks / $hz),
+      broker_minor_faults_per_conn: ($minflt / $n * 10 | round / 10), loadgen_cpu_s: ($lticks / $hz),
       wall_ms: ($wall_ns / 1e6 | round), loadgen_ramp_ms: $ramp_ms,
       handshakes_per_cpu_s: (if $ticks > 0 then $n / ($ticks / $hz) | round else null end),
       wall_rate_per_s: ($n / ($ramp_ms / 1000) | round),
@@ -324,6 +329,9 @@ for n in "${names[@]}"; do
         median: (if ($rounds | length) == 0 then null else {
           handshakes_per_cpu_s: ([$rounds[].handshakes_per_cpu_s] | median),
           broker_cpu_s: ([$rounds[].broker_cpu_s] | median),
+          broker_user_s: ([$rounds[].broker_user_s] | median),
+          broker_sys_s: ([$rounds[].broker_sys_s] | median),
+          broker_minor_faults_per_conn: ([$rounds[].broker_minor_faults_per_conn] | median),
           wall_rate_per_s: ([$rounds[].wall_rate_per_s] | median),
           loadgen_ramp_ms: ([$rounds[].loadgen_ramp_ms] | median),
           broker_core_utilisation: ([$rounds[].broker_core_utilisation] | median),

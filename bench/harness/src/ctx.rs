@@ -88,7 +88,7 @@ impl Ctx {
         if c.rounds == 0 {
             bail!("--rounds must be at least 1");
         }
-        let work = std::env::temp_dir().join(format!("fleetlink-bench.{}", std::process::id()));
+        let work = work_dir();
         std::fs::create_dir_all(&work)?;
         std::fs::create_dir_all(&c.out)?;
         let out = c.out.canonicalize()?;
@@ -126,6 +126,11 @@ impl Ctx {
     pub(crate) fn clean(&self) {
         let _ = std::fs::remove_dir_all(&self.work);
     }
+}
+
+/// This invocation's directory for child logs and loadgen reports.
+pub(crate) fn work_dir() -> PathBuf {
+    std::env::temp_dir().join(format!("fleetlink-bench.{}", std::process::id()))
 }
 
 /// `250ms`, `30s`, `2m` or a bare number of seconds.

@@ -48,10 +48,17 @@ enum Scenario {
 
 fn main() -> Result<()> {
     proc::install_signal_flag()?;
-    match Cli::parse().scenario {
+    let result = match Cli::parse().scenario {
         Scenario::AcceptStorm(o) => scenario::accept_storm::run(&o),
         Scenario::IdleCost(o) => scenario::idle_cost::run(&o),
         Scenario::Throughput(o) => scenario::throughput::run(&o),
         Scenario::Plots(o) => plots::run(&o),
+    };
+    if result.is_err() {
+        let work = ctx::work_dir();
+        if work.exists() {
+            eprintln!("bench: child logs kept in {}", work.display());
+        }
     }
+    result
 }

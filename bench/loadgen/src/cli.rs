@@ -95,6 +95,26 @@ pub struct RigsArgs {
     /// latency run stops as soon as its last command has arrived.
     #[arg(long)]
     pub until_commands: Option<u64>,
+    /// Reconnect whenever a welcomed connection ends, as the agent does: after a `goaway` at
+    /// the instant it asked for (closing with 1000 then), after a close or a drop after a
+    /// jittered backoff (`--reconnect-backoff`); always with the same boot_id and `last_seq`, so
+    /// the broker resumes the session. Any failed reconnect attempt is retried (counted by
+    /// reason). Without it a rig is done when its connection ends.
+    #[arg(long)]
+    pub reconnect: bool,
+    /// --reconnect: the wait after a lost connection is uniform(0.5, 1.5) × this × 2^failures
+    /// (consecutive failed attempts), capped at 30 s.
+    #[arg(long, default_value = "1s", value_parser = parse_duration)]
+    pub reconnect_backoff: Duration,
+    /// Write `rig=R seq=N id=ID name=NAME` per command run, like the agent's --exec-log: a
+    /// command runs on the first receipt of its seq in the rig's session; replays (seq already
+    /// seen) are acked again and counted as duplicates, not run. One file per worker process:
+    /// `PATH.<first rig index of the worker>`.
+    #[arg(long)]
+    pub exec_log: Option<PathBuf>,
+    /// Bucket width of `reconnect_timeline` (re-welcomes by unix time, e.g. across a drain).
+    #[arg(long, default_value = "100ms", value_parser = parse_duration)]
+    pub timeline_bucket: Duration,
     /// Internal: run as a child over rigs [START, START+COUNT) and talk JSON lines on stdio.
     #[arg(long, hide = true, value_parser = parse_slice)]
     pub child_slice: Option<(usize, usize)>,

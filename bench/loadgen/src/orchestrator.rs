@@ -16,7 +16,7 @@ use tokio::sync::{mpsc, watch, Notify, Semaphore};
 
 use crate::cli::{parse_labels, parse_ws_url, split_slices, RigsArgs};
 use crate::report::{Counters, FinalReport, Progress, WorkerReport};
-use crate::rig::RigEnv;
+use crate::rig::{ExecLog, RigEnv};
 use crate::tls::TlsClient;
 use crate::worker::{emit_stdout, run_worker, WorkerMsg};
 
@@ -61,8 +61,13 @@ impl Handle {
     }
 }
 
-/// Builds the shared rig environment for one worker.
-async fn rig_env(args: &RigsArgs, count: usize, deadline: tokio::time::Instant) -> Result<RigEnv> {
+/// Builds the shared rig environment for the worker of rigs `[start, start + count)`.
+async fn rig_env(
+    args: &RigsArgs,
+    start: usize,
+    count: usize,
+    deadline: tokio::time::Instant,
+) -> Result<RigEnv> {
     let (url, tls) = parse_ws_url(&args.url)?;
     args.check_tls_flags(tls)?;
     let tls = match &args.ca {
@@ -90,6 +95,15 @@ async fn rig_env(args: &RigsArgs, count: usize, deadline: tokio::time::Instant) 
         bail!("--sources are IPv4 but the target {addr} is not");
     }
     let labels = parse_labels(&args.labels)?;
+    let exec_log = match &args.exec_log {
+        Some(path) if count > 0 => {
+            let mut file = path.clone().into_os_string();
+            file.push(format!(".{start}"));
+            let file = std::path::PathBuf::from(file);
+            Some(ExecLog::create(&file).with_context(|| format!("creating {}", file.display()))?)
+        }
+        _ => None,
+    };
     Ok(RigEnv {
         addr,
         url: args.url.clone(),
@@ -104,6 +118,9 @@ async fn rig_env(args: &RigsArgs, count: usize, deadline: tokio::time::Instant) 
         counters: Arc::new(Counters::new(count)),
         permits: Semaphore::new(args.concurrency.max(1)),
         settled: Notify::new(),
+        reconnect: args.reconnect.then_some(args.reconnect_backoff),
+        exec_log,
+        timeline_bucket_ms: (args.timeline_bucket.as_millis() as u64).max(1),
     })
 }
 
@@ -112,7 +129,7 @@ pub async fn run_child(args: RigsArgs, start: usize, count: usize) -> Result<i32
     crate::worker::raise_nofile_limit();
     // Retries stop at the run's bound; the parent normally stops us well before our own safety.
     let deadline = tokio::time::Instant::now() + args.max_time;
-    let env = Arc::new(rig_env(&args, count, deadline).await?);
+    let env = Arc::new(rig_env(&args, start, count, deadline).await?);
     let (stop_tx, stop_rx) = watch::channel(false);
     let safety = args.max_time + Duration::from_secs(20);
     tokio::spawn(async move {
@@ -146,7 +163,15 @@ fn spawn_child(args: &RigsArgs, start: usize, count: usize) -> Result<(Child, Ch
         .args(["--hold", &ms(args.hold)])
         .args(["--max-time", &ms(args.max_time)])
         .args(["--handshake-timeout", &ms(args.handshake_timeout)])
+        .args(["--reconnect-backoff", &ms(args.reconnect_backoff)])
+        .args(["--timeline-bucket", &ms(args.timeline_bucket)])
         .args(["--child-slice", &format!("{start}:{count}")]);
+    if args.reconnect {
+        cmd.arg("--reconnect");
+    }
+    if let Some(p) = &args.exec_log {
+        cmd.arg("--exec-log").arg(p);
+    }
     if let Some(s) = &args.sources {
         cmd.args(["--sources", s]);
     }
@@ -209,7 +234,7 @@ pub async fn run_parent(args: RigsArgs) -> Result<i32> {
     if slices.len() <= 1 {
         crate::worker::raise_nofile_limit();
         let (start, count) = slices.first().copied().unwrap_or((args.start_index, 0));
-        let env = Arc::new(rig_env(&args, count, deadline).await?);
+        let env = Arc::new(rig_env(&args, start, count, deadline).await?);
         sources_n = env.sources.len();
         let (stop_tx, stop_rx) = watch::channel(false);
         let tx2 = tx.clone();
@@ -223,7 +248,7 @@ pub async fn run_parent(args: RigsArgs) -> Result<i32> {
         handles.push(Handle::InProc(stop_tx));
     } else {
         // Validate once here so a bad flag fails fast rather than in every child.
-        sources_n = rig_env(&args, 0, deadline).await?.sources.len();
+        sources_n = rig_env(&args, 0, 0, deadline).await?.sources.len();
         for (i, &(start, count)) in slices.iter().enumerate() {
             let (mut child, stdin) = spawn_child(&args, start, count)?;
             let stdout = child.stdout.take().context("child stdout")?;
@@ -383,6 +408,18 @@ pub async fn run_parent(args: RigsArgs) -> Result<i32> {
         handshake_us: merged.handshake_us.summary(),
         first_command_unix_us: merged.first_command_unix_us,
         last_command_unix_us: merged.last_command_unix_us,
+        reconnects: merged.reconnects,
+        resumed: merged.resumed,
+        sessions_restarted: merged.sessions_restarted,
+        reconnect_failures_by_reason: merged.reconnect_failures_by_reason.clone(),
+        executed: merged.executed,
+        duplicates: merged.duplicates,
+        seq_gaps: merged.seq_gaps,
+        seqs_missing: merged.seqs_missing,
+        goaway_delay_ms: merged.goaway_delay_ms.summary(),
+        reconnect_gap_us: merged.reconnect_gap_us.summary(),
+        timeline_bucket_ms: args.timeline_bucket.as_millis() as u64,
+        reconnect_timeline: merged.reconnect_timeline.clone(),
     };
     let json = serde_json::to_string_pretty(&report)?;
     match args.report.as_deref() {

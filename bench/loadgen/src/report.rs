@@ -27,6 +27,20 @@ pub struct Counters {
     pub commands: AtomicU64,
     pub acks: AtomicU64,
     pub goaways: AtomicU64,
+    /// Welcomes after the first one (`--reconnect`).
+    pub reconnects: AtomicU64,
+    /// Of those, welcomes with `resumed: true`.
+    pub resumed: AtomicU64,
+    /// Reconnects answered `resumed: false` although the rig had seen commands: the broker lost
+    /// the session, seqs restart at 1.
+    pub sessions_restarted: AtomicU64,
+    /// Commands run: the first receipt of a seq in the rig's session.
+    pub executed: AtomicU64,
+    /// Commands whose seq had already been seen (replays after a resume): acked, not run.
+    pub duplicates: AtomicU64,
+    /// Commands whose seq skipped over seqs never received, and how many were skipped.
+    pub seq_gaps: AtomicU64,
+    pub seqs_missing: AtomicU64,
     pub detail: Mutex<Detail>,
 }
 
@@ -39,6 +53,14 @@ pub struct Detail {
     pub handshake_us: Histogram,
     pub first_command_unix_us: Option<u64>,
     pub last_command_unix_us: Option<u64>,
+    /// Failed reconnect attempts by reason (`--reconnect`; they are retried).
+    pub reconnect_failures_by_reason: BTreeMap<String, u64>,
+    /// `reconnect_after_ms` of every goaway received.
+    pub goaway_delay_ms: Histogram,
+    /// From the end of a connection to the welcome of the next one (`--reconnect`).
+    pub reconnect_gap_us: Histogram,
+    /// Re-welcomes by unix time in ms, floored to the timeline bucket.
+    pub reconnect_timeline: BTreeMap<u64, u64>,
 }
 
 impl Counters {
@@ -78,6 +100,28 @@ impl Counters {
         }
     }
 
+    /// Notes a failed reconnect attempt (it will be retried).
+    pub fn reconnect_fail(&self, reason: &str) {
+        *self
+            .lock()
+            .reconnect_failures_by_reason
+            .entry(reason.to_string())
+            .or_insert(0) += 1;
+    }
+
+    /// Notes a re-welcome: when (unix ms, floored to `bucket_ms`) and how long after the end of
+    /// the previous connection.
+    pub fn rewelcome(&self, resumed: bool, now_unix_ms: u64, bucket_ms: u64, gap_us: u64) {
+        self.reconnects.fetch_add(1, Relaxed);
+        if resumed {
+            self.resumed.fetch_add(1, Relaxed);
+        }
+        let bucket = now_unix_ms - now_unix_ms % bucket_ms.max(1);
+        let mut d = self.lock();
+        *d.reconnect_timeline.entry(bucket).or_insert(0) += 1;
+        d.reconnect_gap_us.record(gap_us);
+    }
+
     pub fn lock(&self) -> std::sync::MutexGuard<'_, Detail> {
         // A poisoned lock only means a rig task panicked mid-update; the counts are still usable.
         self.detail.lock().unwrap_or_else(|e| e.into_inner())
@@ -112,6 +156,17 @@ impl Counters {
             handshake_us: d.handshake_us.clone(),
             first_command_unix_us: d.first_command_unix_us,
             last_command_unix_us: d.last_command_unix_us,
+            reconnects: self.reconnects.load(Relaxed),
+            resumed: self.resumed.load(Relaxed),
+            sessions_restarted: self.sessions_restarted.load(Relaxed),
+            executed: self.executed.load(Relaxed),
+            duplicates: self.duplicates.load(Relaxed),
+            seq_gaps: self.seq_gaps.load(Relaxed),
+            seqs_missing: self.seqs_missing.load(Relaxed),
+            reconnect_failures_by_reason: d.reconnect_failures_by_reason.clone(),
+            goaway_delay_ms: d.goaway_delay_ms.clone(),
+            reconnect_gap_us: d.reconnect_gap_us.clone(),
+            reconnect_timeline: d.reconnect_timeline.iter().map(|(&k, &v)| (k, v)).collect(),
         }
     }
 }
@@ -162,6 +217,39 @@ pub struct WorkerReport {
     pub handshake_us: Histogram,
     pub first_command_unix_us: Option<u64>,
     pub last_command_unix_us: Option<u64>,
+    #[serde(default)]
+    pub reconnects: u64,
+    #[serde(default)]
+    pub resumed: u64,
+    #[serde(default)]
+    pub sessions_restarted: u64,
+    #[serde(default)]
+    pub executed: u64,
+    #[serde(default)]
+    pub duplicates: u64,
+    #[serde(default)]
+    pub seq_gaps: u64,
+    #[serde(default)]
+    pub seqs_missing: u64,
+    #[serde(default)]
+    pub reconnect_failures_by_reason: BTreeMap<String, u64>,
+    #[serde(default)]
+    pub goaway_delay_ms: Histogram,
+    #[serde(default)]
+    pub reconnect_gap_us: Histogram,
+    /// (unix ms bucket, re-welcomes), sorted. Pairs, not a map: integer map keys do not survive
+    /// serde's buffering of the internally tagged worker messages.
+    #[serde(default)]
+    pub reconnect_timeline: Vec<(u64, u64)>,
+}
+
+/// Adds sorted `(key, count)` pairs into `into`, keeping it sorted.
+pub fn add_timeline(into: &mut Vec<(u64, u64)>, from: &[(u64, u64)]) {
+    let mut m: BTreeMap<u64, u64> = into.iter().copied().collect();
+    for &(k, v) in from {
+        *m.entry(k).or_insert(0) += v;
+    }
+    *into = m.into_iter().collect();
 }
 
 fn add_maps(into: &mut BTreeMap<String, u64>, from: &BTreeMap<String, u64>) {
@@ -190,6 +278,20 @@ impl WorkerReport {
             (a, b) => a.or(b),
         };
         self.last_command_unix_us = self.last_command_unix_us.max(o.last_command_unix_us);
+        self.reconnects += o.reconnects;
+        self.resumed += o.resumed;
+        self.sessions_restarted += o.sessions_restarted;
+        self.executed += o.executed;
+        self.duplicates += o.duplicates;
+        self.seq_gaps += o.seq_gaps;
+        self.seqs_missing += o.seqs_missing;
+        add_maps(
+            &mut self.reconnect_failures_by_reason,
+            &o.reconnect_failures_by_reason,
+        );
+        self.goaway_delay_ms.merge(&o.goaway_delay_ms);
+        self.reconnect_gap_us.merge(&o.reconnect_gap_us);
+        add_timeline(&mut self.reconnect_timeline, &o.reconnect_timeline);
     }
 }
 
@@ -226,6 +328,25 @@ pub struct FinalReport {
     pub handshake_us: Summary,
     pub first_command_unix_us: Option<u64>,
     pub last_command_unix_us: Option<u64>,
+    /// `--reconnect`: welcomes after the first, of which `resumed: true`.
+    pub reconnects: u64,
+    pub resumed: u64,
+    /// Reconnects answered `resumed: false` after commands had been seen (session lost).
+    pub sessions_restarted: u64,
+    /// Failed reconnect attempts (retried), by reason.
+    pub reconnect_failures_by_reason: BTreeMap<String, u64>,
+    /// Commands run (first receipt of each seq), replays dropped, seq gaps and seqs skipped.
+    pub executed: u64,
+    pub duplicates: u64,
+    pub seq_gaps: u64,
+    pub seqs_missing: u64,
+    /// `reconnect_after_ms` of the goaways received.
+    pub goaway_delay_ms: Summary,
+    /// End of a connection to the welcome of the next (µs).
+    pub reconnect_gap_us: Summary,
+    /// Re-welcomes per `timeline_bucket_ms`, as `[unix_ms, count]` pairs.
+    pub timeline_bucket_ms: u64,
+    pub reconnect_timeline: Vec<(u64, u64)>,
 }
 
 #[cfg(test)]

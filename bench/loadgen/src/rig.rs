@@ -3,10 +3,12 @@
 //! Retry-After, close 4503 `retry_after=<s>`); everything else is a counted failure, because the
 //! load generator measures the broker and must not hide its refusals behind reconnect loops.
 
+use std::fs::File;
+use std::io::{BufWriter, Write};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::os::fd::AsRawFd;
 use std::sync::atomic::Ordering::Relaxed;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use futures_util::{SinkExt, StreamExt};
@@ -47,6 +49,98 @@ pub struct RigEnv {
     pub permits: Semaphore,
     /// Signalled when the last rig of this worker reaches its ramp outcome.
     pub settled: Notify,
+    /// `--reconnect`: the backoff base after a lost connection; None = a rig ends with its
+    /// connection.
+    pub reconnect: Option<Duration>,
+    /// `--exec-log`: this worker's file.
+    pub exec_log: Option<ExecLog>,
+    /// `--timeline-bucket` in ms.
+    pub timeline_bucket_ms: u64,
+}
+
+/// `--exec-log`: one line per command run, buffered (flushed by the worker's ticks and at the
+/// end of the run).
+#[derive(Debug)]
+pub struct ExecLog(Mutex<BufWriter<File>>);
+
+impl ExecLog {
+    /// Creates (truncates) `path`.
+    pub fn create(path: &std::path::Path) -> std::io::Result<ExecLog> {
+        Ok(ExecLog(Mutex::new(BufWriter::new(File::create(path)?))))
+    }
+
+    fn record(&self, rig: &str, seq: u64, id: &str, name: &str) {
+        let mut w = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let _ = writeln!(
+            w,
+            "rig={rig} seq={seq} id={} name={}",
+            token(id),
+            token(name)
+        );
+    }
+
+    pub fn flush(&self) {
+        let _ = self.0.lock().unwrap_or_else(|e| e.into_inner()).flush();
+    }
+}
+
+/// One whitespace-free token per log field (as the agent writes them); empty is `-`.
+fn token(s: &str) -> String {
+    if s.is_empty() {
+        return "-".into();
+    }
+    s.chars()
+        .map(|c| {
+            if c.is_whitespace() || c.is_control() {
+                '_'
+            } else {
+                c
+            }
+        })
+        .collect()
+}
+
+/// The agent's half of "at-least-once on the wire, once in effect": the highest seq run in
+/// this session; anything at or below it is a replay.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct SeqState {
+    pub last_seen: u64,
+}
+
+/// What to do with a command's seq.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SeqVerdict {
+    /// Run it (`missing` seqs were skipped before it: the broker lost them).
+    Run { missing: u64 },
+    /// Already run: ack again, do not run.
+    Duplicate,
+}
+
+impl SeqState {
+    pub fn judge(&mut self, seq: u64) -> SeqVerdict {
+        if seq <= self.last_seen {
+            return SeqVerdict::Duplicate;
+        }
+        let missing = seq - self.last_seen - 1;
+        self.last_seen = seq;
+        SeqVerdict::Run { missing }
+    }
+
+    /// The hello's `last_seq`: none before the first command.
+    pub fn last_seq(&self) -> Option<u64> {
+        (self.last_seen > 0).then_some(self.last_seen)
+    }
+}
+
+/// How a welcomed connection ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum End {
+    /// We were told to stop.
+    Stopped,
+    /// A goaway asked us back at this instant (`--reconnect`).
+    Goaway(tokio::time::Instant),
+    /// Closed by the broker, or broken.
+    Lost,
 }
 
 impl RigEnv {
@@ -106,30 +200,136 @@ async fn stopped(stop: &mut watch::Receiver<bool>) {
     }
 }
 
+/// Why `welcome` gave up.
+enum NoWelcome {
+    Stopped,
+    Fail(String),
+}
+
 /// Runs rig `index` until stopped. Counts its outcome in `env.counters`.
 pub async fn run_rig(env: Arc<RigEnv>, index: usize, mut stop: watch::Receiver<bool>) {
     let rig_id = crate::cli::RigsArgs::rig_id(&env.prefix, env.id_width, index);
     let boot_id = uuid7::new_v7();
     let source = (!env.sources.is_empty()).then(|| env.sources[index % env.sources.len()]);
-    let hello = format!(
-        r#"{{"type":"hello","rig_id":"{rig_id}","boot_id":"{boot_id}","version":"loadgen","labels":{}}}"#,
-        env.labels_json
-    );
+    let c = &env.counters;
+    let mut seqs = SeqState::default();
+    let mut first = true;
+    // Consecutive failed reconnect attempts, and when the last connection ended.
+    let mut failures = 0u32;
+    let mut ended_at = Instant::now();
+    loop {
+        let hello = hello_json(&rig_id, &boot_id, &env.labels_json, seqs.last_seq());
+        match welcome(&env, &hello, source, &mut stop).await {
+            Ok((ws, guard, resumed)) => {
+                failures = 0;
+                if first {
+                    first = false;
+                    c.welcomed.fetch_add(1, Relaxed);
+                    env.mark_settled_if_done();
+                } else {
+                    c.rewelcome(
+                        resumed,
+                        unix_us() / 1000,
+                        env.timeline_bucket_ms,
+                        ended_at.elapsed().as_micros() as u64,
+                    );
+                }
+                if !resumed && seqs.last_seen > 0 {
+                    c.sessions_restarted.fetch_add(1, Relaxed);
+                    seqs = SeqState::default();
+                }
+                let end = session(&env, &rig_id, &mut seqs, ws, &mut stop).await;
+                drop(guard);
+                ended_at = Instant::now();
+                let Some(backoff) = env.reconnect else {
+                    return;
+                };
+                let wake = match end {
+                    End::Stopped => return,
+                    End::Goaway(at) => at,
+                    End::Lost => tokio::time::Instant::now() + jitter(backoff, 0),
+                };
+                if !pause_until(&env, wake, &mut stop).await {
+                    return;
+                }
+            }
+            Err(NoWelcome::Stopped) => {
+                if first {
+                    fail_settle(&env, "stopped_before_welcome");
+                }
+                return;
+            }
+            Err(NoWelcome::Fail(reason)) => {
+                let Some(backoff) = env.reconnect.filter(|_| !first) else {
+                    if first {
+                        fail_settle(&env, &reason);
+                    }
+                    return;
+                };
+                c.reconnect_fail(&reason);
+                failures = failures.saturating_add(1);
+                let wake = tokio::time::Instant::now() + jitter(backoff, failures);
+                if !pause_until(&env, wake, &mut stop).await {
+                    return;
+                }
+            }
+        }
+    }
+}
 
-    let (ws, guard) = loop {
+/// The hello, with `last_seq` once the session has seen a command.
+fn hello_json(rig_id: &str, boot_id: &str, labels_json: &str, last_seq: Option<u64>) -> String {
+    let last = last_seq.map_or(String::new(), |k| format!(r#","last_seq":{k}"#));
+    format!(
+        r#"{{"type":"hello","rig_id":"{rig_id}","boot_id":"{boot_id}","version":"loadgen","labels":{labels_json}{last}}}"#
+    )
+}
+
+/// uniform(0.5, 1.5) × base × 2^failures, capped at 30 s.
+fn jitter(base: Duration, failures: u32) -> Duration {
+    let nominal = base
+        .saturating_mul(1 << failures.min(10))
+        .min(Duration::from_secs(30));
+    nominal.mul_f64(0.5 + fastrand::f64())
+}
+
+/// Sleeps until `wake`; false if stopped first or `wake` is past the run's bound.
+async fn pause_until(
+    env: &RigEnv,
+    wake: tokio::time::Instant,
+    stop: &mut watch::Receiver<bool>,
+) -> bool {
+    if wake >= env.deadline {
+        return false;
+    }
+    tokio::select! {
+        _ = tokio::time::sleep_until(wake) => true,
+        _ = stopped(stop) => false,
+    }
+}
+
+/// Connects until welcomed, retrying what the contract says is retryable (503 Retry-After,
+/// close 4503): the welcomed socket, its open-socket guard and `resumed`.
+async fn welcome(
+    env: &Arc<RigEnv>,
+    hello: &str,
+    source: Option<Ipv4Addr>,
+    stop: &mut watch::Receiver<bool>,
+) -> Result<(Ws, OpenGuard, bool), NoWelcome> {
+    loop {
         let permit = tokio::select! {
             p = env.permits.acquire() => match p {
                 Ok(p) => p,
-                Err(_) => return env.counters.fail("internal"),
+                Err(_) => return Err(NoWelcome::Fail("internal".into())),
             },
-            _ = stopped(&mut stop) => return fail_settle(&env, "stopped_before_welcome"),
+            _ = stopped(stop) => return Err(NoWelcome::Stopped),
         };
         let started = Instant::now();
         let outcome = tokio::select! {
-            r = tokio::time::timeout(env.handshake_timeout, attempt(&env, &hello, source)) => {
+            r = tokio::time::timeout(env.handshake_timeout, attempt(env, hello, source)) => {
                 r.unwrap_or_else(|_| Err(AttemptError::Fail("handshake_timeout".into())))
             }
-            _ = stopped(&mut stop) => return fail_settle(&env, "stopped_before_welcome"),
+            _ = stopped(stop) => return Err(NoWelcome::Stopped),
         };
         drop(permit);
         match outcome {
@@ -138,9 +338,9 @@ pub async fn run_rig(env: Arc<RigEnv>, index: usize, mut stop: watch::Receiver<b
                     .lock()
                     .handshake_us
                     .record(started.elapsed().as_micros() as u64);
-                break done;
+                return Ok(done);
             }
-            Err(AttemptError::Fail(reason)) => return fail_settle(&env, &reason),
+            Err(AttemptError::Fail(reason)) => return Err(NoWelcome::Fail(reason)),
             Err(AttemptError::Retry { after, close_4503 }) => {
                 let c = &env.counters;
                 if close_4503 {
@@ -151,19 +351,15 @@ pub async fn run_rig(env: Arc<RigEnv>, index: usize, mut stop: watch::Receiver<b
                 .fetch_add(1, Relaxed);
                 let wake = tokio::time::Instant::now() + after;
                 if wake >= env.deadline {
-                    return fail_settle(&env, "retry_after_past_max_time");
+                    return Err(NoWelcome::Fail("retry_after_past_max_time".into()));
                 }
                 tokio::select! {
                     _ = tokio::time::sleep_until(wake) => {}
-                    _ = stopped(&mut stop) => return fail_settle(&env, "stopped_before_welcome"),
+                    _ = stopped(stop) => return Err(NoWelcome::Stopped),
                 }
             }
         }
-    };
-    env.counters.welcomed.fetch_add(1, Relaxed);
-    env.mark_settled_if_done();
-    session(&env, ws, &mut stop).await;
-    drop(guard);
+    }
 }
 
 fn fail_settle(env: &RigEnv, reason: &str) {
@@ -239,7 +435,7 @@ async fn attempt(
     env: &Arc<RigEnv>,
     hello: &str,
     source: Option<Ipv4Addr>,
-) -> Result<(Ws, OpenGuard), AttemptError> {
+) -> Result<(Ws, OpenGuard, bool), AttemptError> {
     let tcp = connect(env.addr, source)
         .await
         .map_err(|e| AttemptError::Fail(io_reason(&e)))?;
@@ -280,7 +476,8 @@ async fn attempt(
                 let v: Value = serde_json::from_str(&t)
                     .map_err(|_| AttemptError::Fail("bad_json_before_welcome".into()))?;
                 if v.get("type").and_then(Value::as_str) == Some("welcome") {
-                    return Ok((ws, guard));
+                    let resumed = v.get("resumed").and_then(Value::as_bool) == Some(true);
+                    return Ok((ws, guard, resumed));
                 }
             }
             Some(Ok(Message::Close(frame))) => {
@@ -309,51 +506,86 @@ async fn attempt(
     }
 }
 
-/// After the welcome: ack commands, note their latency, until the broker closes or we stop.
-async fn session(env: &RigEnv, mut ws: Ws, stop: &mut watch::Receiver<bool>) {
+/// After the welcome: ack commands (running each seq once), note their latency, until the
+/// broker closes, we stop, or (with `--reconnect`) a goaway's instant comes.
+async fn session(
+    env: &RigEnv,
+    rig_id: &str,
+    seqs: &mut SeqState,
+    mut ws: Ws,
+    stop: &mut watch::Receiver<bool>,
+) -> End {
     let c = &env.counters;
+    let mut goaway_at: Option<tokio::time::Instant> = None;
+    let lost = |goaway_at: Option<tokio::time::Instant>| goaway_at.map_or(End::Lost, End::Goaway);
     loop {
         tokio::select! {
             msg = ws.next() => match msg {
-                Some(Ok(Message::Text(t))) => {
-                    if let Err(reason) = on_text(c, &mut ws, &t).await {
+                Some(Ok(Message::Text(t))) => match on_text(env, rig_id, seqs, &mut ws, &t).await {
+                    Ok(Some(after_ms)) if env.reconnect.is_some() => {
+                        goaway_at.get_or_insert(
+                            tokio::time::Instant::now() + Duration::from_millis(after_ms),
+                        );
+                    }
+                    Ok(_) => {}
+                    Err(reason) => {
                         c.dropped.fetch_add(1, Relaxed);
                         c.close_code(reason);
-                        return;
+                        return lost(goaway_at);
                     }
-                }
+                },
                 Some(Ok(Message::Close(frame))) => {
                     c.dropped.fetch_add(1, Relaxed);
                     c.close_code(&close_code_text(&frame));
                     // Let tungstenite write its close reply, briefly.
                     let _ = tokio::time::timeout(Duration::from_secs(2), ws.next()).await;
-                    return;
+                    return lost(goaway_at);
                 }
                 Some(Ok(_)) => {} // pings are answered by tungstenite on the next read/write
                 Some(Err(_)) | None => {
                     c.dropped.fetch_add(1, Relaxed);
                     c.close_code("abnormal");
-                    return;
+                    return lost(goaway_at);
                 }
             },
+            _ = async { tokio::time::sleep_until(goaway_at.unwrap_or_else(tokio::time::Instant::now)).await }, if goaway_at.is_some() => {
+                close(&mut ws, "goaway").await;
+                return lost(goaway_at);
+            }
             _ = stopped(stop) => {
-                let frame = CloseFrame { code: CloseCode::Normal, reason: "loadgen done".into() };
-                let _ = tokio::time::timeout(Duration::from_secs(2), async {
-                    ws.close(Some(frame)).await?;
-                    while ws.next().await.is_some() {}
-                    Ok::<_, WsError>(())
-                })
-                .await;
-                return;
+                close(&mut ws, "loadgen done").await;
+                return End::Stopped;
             }
         }
     }
 }
 
-/// Handles one text message of a live session; `Err` = the connection is unusable.
-async fn on_text(c: &Counters, ws: &mut Ws, text: &str) -> Result<(), &'static str> {
+/// Closes with 1000 and waits (briefly) for the broker's close.
+async fn close(ws: &mut Ws, reason: &str) {
+    let frame = CloseFrame {
+        code: CloseCode::Normal,
+        reason: reason.to_string().into(),
+    };
+    let _ = tokio::time::timeout(Duration::from_secs(2), async {
+        ws.close(Some(frame)).await?;
+        while ws.next().await.is_some() {}
+        Ok::<_, WsError>(())
+    })
+    .await;
+}
+
+/// Handles one text message of a live session; `Ok(Some(ms))` = a goaway asking to come back
+/// in `ms`; `Err` = the connection is unusable.
+async fn on_text(
+    env: &RigEnv,
+    rig_id: &str,
+    seqs: &mut SeqState,
+    ws: &mut Ws,
+    text: &str,
+) -> Result<Option<u64>, &'static str> {
+    let c = &env.counters;
     let Ok(v) = serde_json::from_str::<Value>(text) else {
-        return Ok(()); // not ours to judge; the broker's conformance is tested elsewhere
+        return Ok(None); // not ours to judge; the broker's conformance is tested elsewhere
     };
     match v.get("type").and_then(Value::as_str) {
         Some("command") => {
@@ -364,6 +596,22 @@ async fn on_text(c: &Counters, ws: &mut Ws, text: &str) -> Result<(), &'static s
                 .and_then(Value::as_u64);
             c.command(now, sent);
             if let Some(seq) = v.get("seq").and_then(Value::as_u64) {
+                match seqs.judge(seq) {
+                    SeqVerdict::Duplicate => {
+                        c.duplicates.fetch_add(1, Relaxed);
+                    }
+                    SeqVerdict::Run { missing } => {
+                        if missing > 0 {
+                            c.seq_gaps.fetch_add(1, Relaxed);
+                            c.seqs_missing.fetch_add(missing, Relaxed);
+                        }
+                        c.executed.fetch_add(1, Relaxed);
+                        if let Some(log) = &env.exec_log {
+                            let s = |k: &str| v.get(k).and_then(Value::as_str).unwrap_or_default();
+                            log.record(rig_id, seq, s("id"), s("name"));
+                        }
+                    }
+                }
                 ws.send(Message::text(format!(r#"{{"type":"ack","seq":{seq}}}"#)))
                     .await
                     .map_err(|_| "ack_write_error")?;
@@ -372,15 +620,57 @@ async fn on_text(c: &Counters, ws: &mut Ws, text: &str) -> Result<(), &'static s
         }
         Some("goaway") => {
             c.goaways.fetch_add(1, Relaxed);
+            let after = v
+                .get("reconnect_after_ms")
+                .and_then(Value::as_u64)
+                .unwrap_or(0);
+            c.lock().goaway_delay_ms.record(after);
+            return Ok(Some(after));
         }
         _ => {}
     }
-    Ok(())
+    Ok(None)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn seqs_run_once_and_gaps_are_counted() {
+        let mut s = SeqState::default();
+        assert_eq!(s.last_seq(), None);
+        assert_eq!(s.judge(1), SeqVerdict::Run { missing: 0 });
+        assert_eq!(s.judge(2), SeqVerdict::Run { missing: 0 });
+        assert_eq!(s.judge(2), SeqVerdict::Duplicate);
+        assert_eq!(s.judge(1), SeqVerdict::Duplicate);
+        assert_eq!(s.judge(5), SeqVerdict::Run { missing: 2 });
+        assert_eq!(s.last_seq(), Some(5));
+        assert_eq!(SeqState::default().judge(0), SeqVerdict::Duplicate);
+    }
+
+    #[test]
+    fn hello_carries_last_seq_once_known() {
+        let h: Value = serde_json::from_str(&hello_json("r-1", "b", "{}", None)).unwrap();
+        assert!(h.get("last_seq").is_none());
+        assert_eq!(h["rig_id"], "r-1");
+        let h: Value =
+            serde_json::from_str(&hello_json("r-1", "b", r#"{"g":"x"}"#, Some(7))).unwrap();
+        assert_eq!(h["last_seq"], 7);
+        assert_eq!(h["labels"]["g"], "x");
+    }
+
+    #[test]
+    fn reconnect_backoff_is_jittered_and_capped() {
+        for _ in 0..100 {
+            let d = jitter(Duration::from_secs(1), 0);
+            assert!(d >= Duration::from_millis(500) && d <= Duration::from_millis(1500));
+            let d = jitter(Duration::from_secs(1), 20);
+            assert!(d >= Duration::from_secs(15) && d <= Duration::from_secs(45));
+        }
+        assert_eq!(token("a b"), "a_b");
+        assert_eq!(token(""), "-");
+    }
 
     #[test]
     fn retry_after_parsing() {

@@ -58,6 +58,9 @@ pub async fn run_worker(
                 if r.is_err() || *stop.borrow() { break; }
             }
         }
+        if let Some(log) = &env.exec_log {
+            log.flush();
+        }
         let p = env.counters.progress();
         if last_sent != Some(p) {
             emit(WorkerMsg::Progress(p));
@@ -69,6 +72,9 @@ pub async fn run_worker(
     })
     .await;
     tasks.abort_all();
+    if let Some(log) = &env.exec_log {
+        log.flush();
+    }
     let report = env.counters.report();
     emit(WorkerMsg::Progress(env.counters.progress()));
     emit(WorkerMsg::Report(Box::new(report.clone())));
