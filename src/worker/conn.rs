@@ -47,9 +47,9 @@ pub(crate) async fn serve(core: Rc<Core>, stream: TcpStream, conn: Rc<Conn>) {
                 }
             }
             if st.rbuf_ready && st.can_consume(core.now_ms()) {
-                let buf = std::mem::take(&mut st.rbuf);
+                let buf = st.take_rbuf();
                 let used = session::consume(&core, &conn, &mut st, &buf);
-                keep_rest(&mut st.rbuf, buf, used);
+                keep_rest(&mut st, buf, used);
                 continue;
             }
             let pending_out = st.has_output();
@@ -149,22 +149,21 @@ fn on_readable(core: &Core, conn: &Conn) {
                 st.close_reason = reason.into();
             }
             st.phase = Phase::Done;
-            st.out = Vec::new();
-            st.out_pos = 0;
+            st.drop_output();
             return;
         }
     };
     let data = scratch.get(..n).unwrap_or_default();
-    if st.rbuf.is_empty() {
+    if st.rbuf_is_empty() {
         let used = session::consume(core, conn, &mut st, data);
-        if let Some(rest) = data.get(used..) {
-            st.rbuf.extend_from_slice(rest);
+        if let Some(rest) = data.get(used..).filter(|r| !r.is_empty()) {
+            st.put_rbuf(rest.to_vec());
         }
     } else {
-        let mut buf = std::mem::take(&mut st.rbuf);
+        let mut buf = st.take_rbuf();
         buf.extend_from_slice(data);
         let used = session::consume(core, conn, &mut st, &buf);
-        keep_rest(&mut st.rbuf, buf, used);
+        keep_rest(&mut st, buf, used);
     }
 }
 
@@ -212,15 +211,14 @@ fn read_some(
     result
 }
 
-/// Keeps `buf[used..]` as the connection's pending input; frees the buffer when nothing is
-/// left so idle connections hold none.
-fn keep_rest(slot: &mut Vec<u8>, mut buf: Vec<u8>, used: usize) {
+/// Keeps `buf[used..]` as the connection's pending input; frees it when nothing is left so
+/// idle connections hold none.
+fn keep_rest(st: &mut ConnState, mut buf: Vec<u8>, used: usize) {
     if used >= buf.len() {
-        *slot = Vec::new();
-        return;
+        return st.put_rbuf(Vec::new());
     }
     buf.drain(..used);
-    *slot = buf;
+    st.put_rbuf(buf);
 }
 
 /// Reads and drops input until the peer's FIN (or `deadline`), after our half-close: closing a

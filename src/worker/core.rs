@@ -228,22 +228,24 @@ pub(crate) enum Phase {
     Done,
 }
 
-/// A rig's session on this connection (allocated at hello).
+/// A rig's session on this connection (allocated at hello). Every idle rig holds one, so it is
+/// kept to 128 bytes: times as unix ms, "none" as 0, the group derived from the labels.
 pub(crate) struct Session {
     pub(crate) rig: RigId,
     pub(crate) boot: BootId,
     /// Protocol version the rig spoke.
     pub(crate) v: u32,
-    pub(crate) labels: Box<[(String, String)]>,
-    pub(crate) group: Option<Box<str>>,
-    pub(crate) next_seq: Seq,
-    pub(crate) last_ack: Seq,
-    pub(crate) last_ack_at: Option<SystemTime>,
-    pub(crate) connected_at: SystemTime,
-    /// The hello's `last_seq`: carried commands up to it are already on the rig.
-    pub(crate) resume_from: Option<Seq>,
     /// The registry accepted the hello and `welcome` went out.
     pub(crate) welcomed: bool,
+    pub(crate) labels: Box<[(String, String)]>,
+    pub(crate) next_seq: Seq,
+    pub(crate) last_ack: Seq,
+    /// Unix ms of the last ack (0: none yet).
+    pub(crate) last_ack_ms: u64,
+    /// Unix ms of the hello.
+    pub(crate) connected_ms: u64,
+    /// The hello's `last_seq` (0: none): carried commands up to it are already on the rig.
+    pub(crate) resume_from: Seq,
     /// Command queues, allocated only while a command is in flight (idle rigs hold none).
     pub(crate) queues: Option<Box<Queues>>,
 }
@@ -258,7 +260,27 @@ pub(crate) struct Queues {
     pub(crate) unacked: VecDeque<SeqCommand>,
 }
 
+/// Unix ms now.
+pub(crate) fn unix_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// A unix-ms stamp as a time (None for 0, "never").
+pub(crate) fn stamp(ms: u64) -> Option<SystemTime> {
+    (ms > 0).then(|| std::time::UNIX_EPOCH + std::time::Duration::from_millis(ms))
+}
+
 impl Session {
+    /// The value of the metrics grouping label, if the rig declared it.
+    pub(crate) fn group(&self, label: &str) -> Option<&str> {
+        self.labels
+            .iter()
+            .find(|(k, _)| k == label)
+            .map(|(_, v)| v.as_str())
+    }
+
     /// The queues, allocated on first use.
     pub(crate) fn queues(&mut self) -> &mut Queues {
         self.queues.get_or_insert_with(Box::default)
@@ -302,11 +324,8 @@ pub(crate) struct Liveness {
 pub(crate) struct ConnState {
     pub(crate) phase: Phase,
     pub(crate) decoder: Decoder,
-    /// Unparsed input (a partial head or frame). Empty, and unallocated, while idle.
-    pub(crate) rbuf: Vec<u8>,
-    /// Unsent output. Empty, and unallocated, while idle.
-    pub(crate) out: Vec<u8>,
-    pub(crate) out_pos: usize,
+    /// Partial input and unsent output; None (no allocation at all) while idle.
+    pub(crate) bufs: Option<Box<Bufs>>,
     pub(crate) session: Option<Box<Session>>,
     pub(crate) live: Liveness,
     /// Tick by which the head / hello / verdict must have arrived.
@@ -344,9 +363,7 @@ impl Conn {
             st: RefCell::new(ConnState {
                 phase: Phase::Handshake,
                 decoder: Decoder::new(limits),
-                rbuf: Vec::new(),
-                out: Vec::new(),
-                out_pos: 0,
+                bufs: None,
                 session: None,
                 live: Liveness::default(),
                 deadline: core.now_tick() + core.ticks(core.cfg.hello_timeout),
@@ -385,13 +402,13 @@ impl Conn {
 
     /// Queues one server frame behind anything already queued and tries to write now.
     pub(crate) fn send_frame(&self, st: &mut ConnState, op: OpCode, payload: &[u8]) {
-        ws::encode_frame(&mut st.out, op, payload);
+        ws::encode_frame(st.out(), op, payload);
         self.flush_or_wake(st);
     }
 
     /// Queues raw bytes (HTTP responses) and tries to write now.
     pub(crate) fn send_raw(&self, st: &mut ConnState, bytes: &[u8]) {
-        st.out.extend_from_slice(bytes);
+        st.out().extend_from_slice(bytes);
         self.flush_or_wake(st);
     }
 
@@ -422,7 +439,7 @@ impl Conn {
         let reason = reason.into();
         let mut frame = Vec::new();
         ws::encode_close(&mut frame, code, &reason);
-        st.out.extend_from_slice(&frame);
+        st.out().extend_from_slice(&frame);
         st.close_code = Some(code);
         st.close_reason = reason;
         st.phase = Phase::Closing;
@@ -434,14 +451,22 @@ impl Conn {
 /// Writes as much of `st.out` as the kernel takes (through TLS when the connection has it).
 /// Ok(true) when all of it went out.
 pub(crate) fn flush(fd: RawFd, st: &mut ConnState) -> io::Result<bool> {
-    let done = match st.sec.as_mut().and_then(|s| s.tls.as_mut()) {
-        Some(tls) => transport::flush_tls(fd, tls, &st.out, &mut st.out_pos)?,
-        None => flush_plain(fd, &st.out, &mut st.out_pos)?,
+    let tls = st.sec.as_mut().and_then(|s| s.tls.as_mut());
+    let Some(b) = st.bufs.as_mut() else {
+        // No plaintext waiting; TLS may still hold records (a handshake, an alert).
+        return match tls {
+            Some(tls) => transport::flush_tls(fd, tls, &[], &mut 0),
+            None => Ok(true),
+        };
     };
-    if st.out_pos >= st.out.len() {
-        // Idle connections hold no output buffer at all.
-        st.out = Vec::new();
-        st.out_pos = 0;
+    let done = match tls {
+        Some(tls) => transport::flush_tls(fd, tls, &b.out, &mut b.out_pos)?,
+        None => flush_plain(fd, &b.out, &mut b.out_pos)?,
+    };
+    if b.out_pos >= b.out.len() {
+        b.out = Vec::new();
+        b.out_pos = 0;
+        st.tidy();
     }
     Ok(done)
 }
@@ -487,10 +512,77 @@ pub(crate) fn recv(fd: RawFd, buf: &mut [u8]) -> io::Result<usize> {
     }
 }
 
+/// A connection's buffers, boxed together so an idle connection pays one null pointer.
+#[derive(Default)]
+pub(crate) struct Bufs {
+    /// Unparsed input (a partial head or frame).
+    pub(crate) rbuf: Vec<u8>,
+    /// Unsent output, from `out_pos` on.
+    pub(crate) out: Vec<u8>,
+    pub(crate) out_pos: usize,
+}
+
 impl ConnState {
+    /// The output buffer (allocated on first use).
+    pub(crate) fn out(&mut self) -> &mut Vec<u8> {
+        &mut self.bufs.get_or_insert_with(Box::default).out
+    }
+
+    /// Output bytes not yet sent.
+    pub(crate) fn unsent(&self) -> usize {
+        self.bufs
+            .as_ref()
+            .map_or(0, |b| b.out.len().saturating_sub(b.out_pos))
+    }
+
+    /// Forgets unsent output (the connection is over).
+    pub(crate) fn drop_output(&mut self) {
+        if let Some(b) = self.bufs.as_mut() {
+            b.out = Vec::new();
+            b.out_pos = 0;
+        }
+        self.tidy();
+    }
+
+    /// Takes the pending input out (to parse it alongside new bytes).
+    pub(crate) fn take_rbuf(&mut self) -> Vec<u8> {
+        self.bufs
+            .as_mut()
+            .map(|b| std::mem::take(&mut b.rbuf))
+            .unwrap_or_default()
+    }
+
+    /// Puts pending input back (empty: nothing pending).
+    pub(crate) fn put_rbuf(&mut self, rbuf: Vec<u8>) {
+        if rbuf.is_empty() {
+            if let Some(b) = self.bufs.as_mut() {
+                b.rbuf = Vec::new();
+            }
+            self.tidy();
+        } else {
+            self.bufs.get_or_insert_with(Box::default).rbuf = rbuf;
+        }
+    }
+
+    /// Whether input is pending.
+    pub(crate) fn rbuf_is_empty(&self) -> bool {
+        self.bufs.as_ref().is_none_or(|b| b.rbuf.is_empty())
+    }
+
+    /// Frees the buffers once both are empty.
+    fn tidy(&mut self) {
+        if self
+            .bufs
+            .as_ref()
+            .is_some_and(|b| b.rbuf.is_empty() && b.out.is_empty())
+        {
+            self.bufs = None;
+        }
+    }
+
     /// Bytes (or TLS records) still waiting to go out.
     pub(crate) fn has_output(&self) -> bool {
-        self.out_pos < self.out.len()
+        self.unsent() > 0
             || self
                 .sec
                 .as_ref()
@@ -506,6 +598,22 @@ impl ConnState {
             .is_some_and(|t| (t.wrapping_sub(now_ms) as i32) > 0);
         !paused
             && !matches!(self.phase, Phase::AwaitVerdict | Phase::Done)
-            && self.out.len() - self.out_pos < OUT_HIGH_WATER
+            && self.unsent() < OUT_HIGH_WATER
+    }
+}
+
+#[cfg(test)]
+mod size_probe {
+    #[test]
+    fn print_sizes() {
+        eprintln!(
+            "SIZES Conn {} ConnState {} Session {} Decoder {} Liveness {} TcpStream {}",
+            std::mem::size_of::<super::Conn>(),
+            std::mem::size_of::<super::ConnState>(),
+            std::mem::size_of::<super::Session>(),
+            std::mem::size_of::<crate::ws::Decoder>(),
+            std::mem::size_of::<super::Liveness>(),
+            std::mem::size_of::<monoio::net::TcpStream>(),
+        );
     }
 }

@@ -122,9 +122,11 @@ fn rig_list(core: &Core) -> Vec<RigInfo> {
             rig_id: s.rig.to_string(),
             boot_id: s.boot.to_string(),
             labels: s.labels.iter().cloned().collect(),
-            connected_at: reply::rfc3339(s.connected_at),
+            connected_at: crate::worker::core::stamp(s.connected_ms)
+                .map(reply::rfc3339)
+                .unwrap_or_default(),
             last_ack_seq: s.last_ack.0,
-            last_ack_at: s.last_ack_at.map(reply::rfc3339),
+            last_ack_at: crate::worker::core::stamp(s.last_ack_ms).map(reply::rfc3339),
             outbox_depth: s.outbox_len(),
             next_seq: s.next_seq.0,
             core: core.id.0 as usize,

@@ -11,7 +11,7 @@ use crate::metrics::C;
 use crate::protocol::{self, ClientMsg, Hello};
 use crate::registry::msg::{CommandReq, PersistReq, ReplyTo, SeqCommand, ToBridge, Verdict};
 use crate::reply::{self, Unresponsive};
-use crate::worker::core::{Conn, ConnState, Core, Phase, Session};
+use crate::worker::core::{stamp, unix_ms, Conn, ConnState, Core, Phase, Session};
 use crate::worker::transport::Security;
 use crate::ws::{Decoder, Limits, Message, OpCode};
 use crate::{events, protocol::encode_welcome};
@@ -180,8 +180,8 @@ fn on_message(core: &Core, conn: &Conn, st: &mut ConnState, msg: Message) {
             // Echo the peer's code (RFC 6455 §5.5.1), then close the TCP connection first.
             let code = frame.as_ref().map(|f| f.code);
             match code {
-                Some(code) => crate::ws::encode_close(&mut st.out, code, ""),
-                None => crate::ws::encode_frame(&mut st.out, OpCode::Close, &[]),
+                Some(code) => crate::ws::encode_close(st.out(), code, ""),
+                None => crate::ws::encode_frame(st.out(), OpCode::Close, &[]),
             }
             st.close_code = Some(code.unwrap_or(1005));
             st.phase = Phase::Done;
@@ -247,10 +247,6 @@ fn on_hello(core: &Core, conn: &Conn, st: &mut ConnState, hello: Hello) {
         last_seq,
         ..
     } = hello;
-    let group = labels
-        .iter()
-        .find(|(k, _)| *k == core.cfg.group_label)
-        .map(|(_, v)| v.as_str().into());
     let msg = ToBridge::Hello {
         conn: conn.id,
         rig: rig_id.clone(),
@@ -262,12 +258,11 @@ fn on_hello(core: &Core, conn: &Conn, st: &mut ConnState, hello: Hello) {
         boot: boot_id,
         v,
         labels: labels.into_boxed_slice(),
-        group,
         next_seq: Seq(1),
         last_ack: Seq(0),
-        last_ack_at: None,
-        connected_at: SystemTime::now(),
-        resume_from: last_seq,
+        last_ack_ms: 0,
+        connected_ms: unix_ms(),
+        resume_from: last_seq.unwrap_or(Seq(0)),
         welcomed: false,
         queues: None,
     }));
@@ -354,7 +349,7 @@ fn on_ack(core: &Core, s: &mut Session, seq: Seq) -> Option<Box<str>> {
     if seq > s.last_ack && seq < s.next_seq {
         core.metrics.inc(C::CmdAcked);
         s.last_ack = seq;
-        s.last_ack_at = Some(SystemTime::now());
+        s.last_ack_ms = unix_ms();
     }
     let q = s.queues.as_mut()?;
     while q.unacked.front().is_some_and(|c| c.seq <= seq) {
@@ -383,7 +378,7 @@ fn on_ack(core: &Core, s: &mut Session, seq: Seq) -> Option<Box<str>> {
 /// Moves queued commands to the socket while it keeps up. Called after enqueue and after the
 /// task flushed a backlog.
 pub(crate) fn pump(core: &Core, conn: &Conn, st: &mut ConnState) {
-    while st.out.is_empty() {
+    while st.unsent() == 0 {
         let Some(session) = st.session.as_mut() else {
             return;
         };
@@ -443,12 +438,12 @@ pub(crate) fn on_verdict(core: &Core, conn: &Conn, st: &mut ConnState, verdict: 
         core.cfg.ping_interval.as_millis() as u64,
         resumed,
     );
-    let already = session.resume_from.unwrap_or(Seq(0));
+    let already = session.resume_from;
     for cmd in carried.into_iter().filter(|c| c.seq > already) {
         core.metrics.inc(C::CmdResumeSent);
         session.queues().outbox.push_back(cmd);
     }
-    if let Some(g) = &session.group {
+    if let Some(g) = session.group(&core.cfg.group_label) {
         core.metrics.group(g, true);
     }
     if core.fleet {
@@ -525,7 +520,7 @@ pub(crate) fn on_command(core: &Core, conn: &Conn, st: &mut ConnState, req: Comm
                 capacity: core.cfg.outbox,
                 oldest_age: oldest,
                 last_ack_seq: session.last_ack,
-                last_ack_at: session.last_ack_at,
+                last_ack_at: stamp(session.last_ack_ms),
             },
         );
         return deliver(core, req.reply, body);
@@ -635,7 +630,7 @@ pub(crate) fn on_closed(core: &Core, conn: &Conn, st: &mut ConnState) {
         });
         return;
     }
-    if let Some(g) = &s.group {
+    if let Some(g) = s.group(&core.cfg.group_label) {
         core.metrics.group(g, false);
     }
     if core.fleet {
