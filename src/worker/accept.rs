@@ -100,10 +100,11 @@ fn admit(core: &Rc<Core>, bucket: &mut TokenBucket, stream: TcpStream) {
     let deadline = conn.st.borrow().deadline;
     core.conns.borrow_mut().insert(id, conn.clone());
     core.wheel.borrow_mut().insert(deadline, id);
+    let rsz = std::mem::size_of_val(&stream.readable(false));
     let task = conn::serve(core.clone(), stream, conn);
     if id.0 & 0xffff_ffff_ffff == 1 {
         log::debug!(
-            "core {}: connection task {} B, state {} B",
+            "core {}: connection task {} B (readiness op {rsz} B), state {} B",
             core.id.0,
             std::mem::size_of_val(&task),
             std::mem::size_of::<crate::worker::core::ConnState>()

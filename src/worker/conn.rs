@@ -33,9 +33,11 @@ enum Woke {
 }
 
 /// Serves one accepted connection until it closes, then tells the registry.
+///
+/// This future is what every idle connection holds, so its state is kept small: the rare
+/// timers and the write-readiness op are boxed, the close deadline lives in the connection
+/// state, and the wait is inlined rather than a separate async fn.
 pub(crate) async fn serve(core: Rc<Core>, stream: TcpStream, conn: Rc<Conn>) {
-    let mut linger: Option<monoio::time::Instant> = None;
-    let mut released = false;
     loop {
         let (read, write, until) = {
             let mut st = conn.st.borrow_mut();
@@ -53,89 +55,79 @@ pub(crate) async fn serve(core: Rc<Core>, stream: TcpStream, conn: Rc<Conn>) {
                 continue;
             }
             let pending_out = st.has_output();
-            if matches!(st.phase, Phase::Closing | Phase::Done) && linger.is_none() {
-                linger = Some(monoio::time::Instant::now() + CLOSE_LINGER);
+            if matches!(st.phase, Phase::Closing | Phase::Done) && st.linger_until.is_none() {
+                st.linger_until = Some(core.now_ms().wrapping_add(CLOSE_LINGER.as_millis() as u32));
                 // The rig is gone as far as the registry is concerned: release now, so a
                 // reconnect is not kept waiting on this socket's close handshake.
                 session::on_closed(&core, &conn, &mut st);
-                released = true;
             }
             if st.phase == Phase::Done && !pending_out {
                 break;
             }
             let read = st.phase != Phase::Done && st.can_consume(core.now_ms());
-            let paused = st.paused_until.map(|t| {
-                let ms = t.wrapping_sub(core.now_ms()) as i32;
-                monoio::time::Instant::now() + Duration::from_millis(ms.max(0) as u64)
-            });
-            let until = match (linger, paused) {
-                (Some(a), Some(b)) => Some(a.min(b)),
+            let until = match (st.linger_until, st.paused_until) {
+                (Some(a), Some(b)) => Some(if (a.wrapping_sub(b) as i32) < 0 { a } else { b }),
                 (a, b) => a.or(b),
             };
             (read, pending_out, until)
         };
-        match wait(&stream, &conn, read, write, until).await {
+        let mut readable = pin!(read.then(|| stream.readable(false)));
+        // Boxed: a full socket buffer is rare, so its op must not widen every idle task.
+        let mut writable = write.then(|| Box::pin(stream.writable(false)));
+        // Boxed: timers are rare (rate pause, close linger) and must not either.
+        let mut timer = until.map(|t| {
+            let ms = t.wrapping_sub(core.now_ms()) as i32;
+            Box::pin(monoio::time::sleep(Duration::from_millis(ms.max(0) as u64)))
+        });
+        let woke = poll_fn(|cx| {
+            if conn.poll_notified(cx) {
+                return Poll::Ready(Woke::Notified);
+            }
+            if let Some(f) = readable.as_mut().as_pin_mut() {
+                if let Poll::Ready(r) = f.poll(cx) {
+                    return Poll::Ready(if r.is_ok() {
+                        Woke::Readable
+                    } else {
+                        Woke::Failed
+                    });
+                }
+            }
+            if let Some(f) = writable.as_mut() {
+                if let Poll::Ready(r) = f.as_mut().poll(cx) {
+                    return Poll::Ready(if r.is_ok() {
+                        Woke::Writable
+                    } else {
+                        Woke::Failed
+                    });
+                }
+            }
+            if let Some(t) = timer.as_mut() {
+                if t.as_mut().poll(cx).is_ready() {
+                    return Poll::Ready(Woke::Timer);
+                }
+            }
+            Poll::Pending
+        })
+        .await;
+        match woke {
             Woke::Readable => on_readable(&core, &conn),
             Woke::Writable | Woke::Notified => {}
             Woke::Timer => {
                 let mut st = conn.st.borrow_mut();
                 st.paused_until = None;
-                if linger.is_some_and(|l| l <= monoio::time::Instant::now()) {
+                let now = core.now_ms();
+                if st
+                    .linger_until
+                    .is_some_and(|l| (now.wrapping_sub(l) as i32) >= 0)
+                {
                     break;
                 }
             }
             Woke::Failed => break,
         }
     }
-    let deadline = linger.unwrap_or_else(|| monoio::time::Instant::now() + CLOSE_LINGER);
     // Boxed: the close path's timer state must not widen every idle connection's task.
-    Box::pin(finish(&core, &conn, &stream, deadline, released)).await;
-}
-
-/// Waits for whichever comes first: readability (if `read`), writability (if `write`), a
-/// notification from the core, or `until`.
-async fn wait(
-    stream: &TcpStream,
-    conn: &Conn,
-    read: bool,
-    write: bool,
-    until: Option<monoio::time::Instant>,
-) -> Woke {
-    let mut readable = pin!(read.then(|| stream.readable(false)));
-    // Boxed: a full socket buffer is rare, so its op must not widen every idle task either.
-    let mut writable = write.then(|| Box::pin(stream.writable(false)));
-    // Boxed: timers are rare (rate pause, close linger) and must not grow every idle task.
-    let mut timer = until.map(|t| Box::pin(monoio::time::sleep_until(t)));
-    poll_fn(|cx| {
-        if conn.poll_notified(cx) {
-            return Poll::Ready(Woke::Notified);
-        }
-        if let Some(f) = readable.as_mut().as_pin_mut() {
-            if let Poll::Ready(r) = f.poll(cx) {
-                return Poll::Ready(if r.is_ok() {
-                    Woke::Readable
-                } else {
-                    Woke::Failed
-                });
-            }
-        }
-        if let Some(f) = writable.as_mut() {
-            if let Poll::Ready(r) = f.as_mut().poll(cx) {
-                return Poll::Ready(if r.is_ok() {
-                    Woke::Writable
-                } else {
-                    Woke::Failed
-                });
-            }
-        }
-        if let Some(t) = timer.as_mut() {
-            if t.as_mut().poll(cx).is_ready() {
-                return Poll::Ready(Woke::Timer);
-            }
-        }
-        Poll::Pending
-    })
-    .await
+    Box::pin(finish(&core, &conn, &stream)).await;
 }
 
 fn on_readable(core: &Core, conn: &Conn) {
@@ -243,13 +235,17 @@ pub(crate) async fn await_fin(core: &Core, stream: &TcpStream, deadline: monoio:
 
 /// Closes the TCP connection (after a half-close so the peer reads our last bytes), removes the
 /// connection from the core and tells the registry.
-async fn finish(
-    core: &Core,
-    conn: &Conn,
-    stream: &TcpStream,
-    deadline: monoio::time::Instant,
-    released: bool,
-) {
+async fn finish(core: &Core, conn: &Conn, stream: &TcpStream) {
+    let (released, left_ms) = {
+        let st = conn.st.borrow();
+        let left = st
+            .linger_until
+            .map_or(CLOSE_LINGER.as_millis() as i32, |l| {
+                l.wrapping_sub(core.now_ms()) as i32
+            });
+        (st.linger_until.is_some(), left.max(0) as u64)
+    };
+    let deadline = monoio::time::Instant::now() + Duration::from_millis(left_ms);
     let fd = conn.fd;
     // SAFETY: fd is this task's open socket.
     unsafe { libc::shutdown(fd, libc::SHUT_WR) };

@@ -333,6 +333,9 @@ pub(crate) struct ConnState {
     pub(crate) bucket: RigBucket,
     /// Core clock (ms) until which reading is paused because the rig is over its rate.
     pub(crate) paused_until: Option<u32>,
+    /// Core clock (ms) by which a closing connection is dropped, set when closing starts (and
+    /// then the registry has been told).
+    pub(crate) linger_until: Option<u32>,
     /// `rbuf` holds input that was left unprocessed on purpose (paused), not a partial frame.
     pub(crate) rbuf_ready: bool,
     /// TLS session and token scope; None on plain, token-less connections.
@@ -369,6 +372,7 @@ impl Conn {
                 deadline: core.now_tick() + core.ticks(core.cfg.hello_timeout),
                 bucket: RigBucket::full(core.cfg.rig_burst, core.now_ms()),
                 paused_until: None,
+                linger_until: None,
                 rbuf_ready: false,
                 sec: None,
                 close_code: None,
