@@ -1141,14 +1141,18 @@ fn a_rig_that_stops_answering_pings_is_closed_4002_in_time() {
     assert_eq!(healthy.close, None);
 }
 
-/// Network namespaces and a veth pair between them, deleted on drop.
-struct NetnsPair {
+/// Three network namespaces, deleted on drop: the broker's, the rig's, and a router between
+/// them (a veth pair to each side). The drop happens on the router, so for both ends it is a
+/// loss in the network, as a vanished peer's would be: their TCP retransmits with backoff. (A
+/// drop on an end's own device is a local congestion drop instead: that TCP gives up after 15
+/// window probes, ~10 s, and the broker would see a socket error rather than silence.)
+struct Netns {
     broker_ns: String,
+    router_ns: String,
     rig_ns: String,
 }
 
 const NS_BROKER_IP: &str = "10.254.7.1";
-const NS_RIG_IP: &str = "10.254.7.2";
 
 fn ip(args: &[&str]) -> Result<(), String> {
     let out = Command::new("ip")
@@ -1166,49 +1170,76 @@ fn ip(args: &[&str]) -> Result<(), String> {
     }
 }
 
-impl NetnsPair {
-    fn create() -> Result<NetnsPair, String> {
+impl Netns {
+    fn create() -> Result<Netns, String> {
         let tag = format!("{}-{:04x}", std::process::id(), fastrand::u16(..));
-        let pair = NetnsPair {
+        let ns = Netns {
             broker_ns: format!("flq-b-{tag}"),
+            router_ns: format!("flq-x-{tag}"),
             rig_ns: format!("flq-r-{tag}"),
         };
-        ip(&["netns", "add", &pair.broker_ns])?;
-        ip(&["netns", "add", &pair.rig_ns])?;
-        let (b, r) = (pair.broker_ns.as_str(), pair.rig_ns.as_str());
-        ip(&[
-            "link", "add", "vb", "netns", b, "type", "veth", "peer", "name", "vr", "netns", r,
-        ])?;
-        ip(&[
-            "-n",
-            b,
-            "addr",
-            "add",
-            &format!("{NS_BROKER_IP}/30"),
-            "dev",
-            "vb",
-        ])?;
-        ip(&[
-            "-n",
-            r,
-            "addr",
-            "add",
-            &format!("{NS_RIG_IP}/30"),
-            "dev",
-            "vr",
-        ])?;
-        for (ns, dev) in [(b, "vb"), (r, "vr"), (b, "lo"), (r, "lo")] {
-            ip(&["-n", ns, "link", "set", dev, "up"])?;
+        let (b, x, r) = (
+            ns.broker_ns.as_str(),
+            ns.router_ns.as_str(),
+            ns.rig_ns.as_str(),
+        );
+        for name in [b, x, r] {
+            ip(&["netns", "add", name])?;
         }
-        Ok(pair)
+        ip(&[
+            "link", "add", "vb", "netns", b, "type", "veth", "peer", "name", "xb", "netns", x,
+        ])?;
+        ip(&[
+            "link", "add", "vr", "netns", r, "type", "veth", "peer", "name", "xr", "netns", x,
+        ])?;
+        for (name, addr, dev) in [
+            (b, "10.254.7.1/30", "vb"),
+            (x, "10.254.7.2/30", "xb"),
+            (r, "10.254.8.2/30", "vr"),
+            (x, "10.254.8.1/30", "xr"),
+        ] {
+            ip(&["-n", name, "addr", "add", addr, "dev", dev])?;
+        }
+        for (name, dev) in [
+            (b, "vb"),
+            (x, "xb"),
+            (x, "xr"),
+            (r, "vr"),
+            (b, "lo"),
+            (x, "lo"),
+            (r, "lo"),
+        ] {
+            ip(&["-n", name, "link", "set", dev, "up"])?;
+        }
+        ip(&["-n", b, "route", "add", "default", "via", "10.254.7.2"])?;
+        ip(&["-n", r, "route", "add", "default", "via", "10.254.8.1"])?;
+        ip(&[
+            "netns",
+            "exec",
+            x,
+            "sh",
+            "-c",
+            "echo 1 > /proc/sys/net/ipv4/ip_forward",
+        ])?;
+        Ok(ns)
     }
 
-    /// Every packet either way is dropped from now on: a pfifo of length 0 on both veth ends
-    /// (netem is not in this kernel). No FIN, no RST, nothing.
+    /// Every packet either way is dropped in the router from now on: a pfifo of length 0 on
+    /// both of its devices (netem is not in this kernel). No FIN, no RST, nothing.
     fn drop_all(&self) -> Result<(), String> {
-        for (ns, dev) in [(&self.rig_ns, "vr"), (&self.broker_ns, "vb")] {
+        for dev in ["xb", "xr"] {
             ip(&[
-                "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "pfifo", "limit",
+                "netns",
+                "exec",
+                &self.router_ns,
+                "tc",
+                "qdisc",
+                "add",
+                "dev",
+                dev,
+                "root",
+                "pfifo",
+                "limit",
                 "0",
             ])?;
         }
@@ -1216,10 +1247,11 @@ impl NetnsPair {
     }
 }
 
-impl Drop for NetnsPair {
+impl Drop for Netns {
     fn drop(&mut self) {
-        let _ = ip(&["netns", "del", &self.broker_ns]);
-        let _ = ip(&["netns", "del", &self.rig_ns]);
+        for name in [&self.broker_ns, &self.router_ns, &self.rig_ns] {
+            let _ = ip(&["netns", "del", name]);
+        }
     }
 }
 
@@ -1284,13 +1316,13 @@ impl Drop for NsBroker {
     }
 }
 
-/// A rig in its own network namespace loses every packet (both directions dropped on the
-/// veth; no FIN ever arrives): the broker in the other namespace closes it with 4002 within
+/// A rig in its own network namespace loses every packet (both directions dropped in a router
+/// namespace between it and the broker; no FIN ever arrives): the broker in the other namespace closes it with 4002 within
 /// interval × misses + timeout of the drop. Needs root and `ip netns`; otherwise it says SKIP.
 #[test]
 fn a_rig_that_vanishes_without_fin_in_a_netns_is_closed_4002_in_time() {
     let _serial = serial();
-    let pair = match NetnsPair::create() {
+    let netns = match Netns::create() {
         Ok(p) => p,
         Err(e) => {
             println!("FAULT vanished_peer_netns SKIP: cannot create network namespaces: {e}");
@@ -1300,10 +1332,10 @@ fn a_rig_that_vanishes_without_fin_in_a_netns_is_closed_4002_in_time() {
     let mut args = liveness_args();
     args.extend(["--listen".to_string(), format!("{NS_BROKER_IP}:0")]);
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let b = NsBroker::start(&pair.broker_ns, &args);
+    let b = NsBroker::start(&netns.broker_ns, &args);
     let addr = b.listen;
     let admin = b.admin;
-    let mut victim = in_netns(&pair.rig_ns, move || PeerRig::connect(addr, "fq-vanish"));
+    let mut victim = in_netns(&netns.rig_ns, move || PeerRig::connect(addr, "fq-vanish"));
     let stop = Arc::new(AtomicBool::new(false));
     let halt = stop.clone();
     let pumping = std::thread::spawn(move || {
@@ -1312,16 +1344,16 @@ fn a_rig_that_vanishes_without_fin_in_a_netns_is_closed_4002_in_time() {
         }
         victim
     });
-    let ns = pair.broker_ns.clone();
+    let ns = netns.broker_ns.clone();
     eventually(Duration::from_secs(5), "pings answered", move || {
         let ns = ns.clone();
         in_netns(&ns, move || {
             Metrics::of(admin).get("fleetlink_pongs_received_total") >= 2.0
         })
     });
-    pair.drop_all().expect("tc qdisc");
+    netns.drop_all().expect("tc qdisc");
     let dropped = Instant::now();
-    let detected = in_netns(&pair.broker_ns, move || loop {
+    let detected = in_netns(&netns.broker_ns, move || loop {
         if Metrics::of(admin).get("fleetlink_closes_total{code=\"4002\"}") >= 1.0 {
             return Some(Instant::now());
         }
@@ -1333,7 +1365,7 @@ fn a_rig_that_vanishes_without_fin_in_a_netns_is_closed_4002_in_time() {
     stop.store(true, Ordering::SeqCst);
     let victim = pumping.join().unwrap();
     let took = detected.expect("vanished rig never closed") - dropped;
-    let listed = in_netns(&pair.broker_ns, move || rigs_listed(admin));
+    let listed = in_netns(&netns.broker_ns, move || rigs_listed(admin));
     let (lower, upper) = detection_bounds();
     report(
         "vanished_peer_netns",

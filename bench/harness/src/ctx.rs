@@ -22,11 +22,12 @@ pub(crate) struct Common {
     /// (default: this binary's own directory, i.e. the workspace's target/release).
     #[arg(long)]
     pub(crate) bin_dir: Option<PathBuf>,
-    /// Rig websocket port of the broker under test (127.0.0.1).
-    #[arg(long, default_value_t = 38080)]
+    /// Rig websocket port of the broker under test (127.0.0.1). Keep ports below the
+    /// ephemeral range (32768+), where the loadgen's client sockets may hold them.
+    #[arg(long, default_value_t = 25080)]
     pub(crate) listen_port: u16,
     /// Admin HTTP port of the broker under test (127.0.0.1).
-    #[arg(long, default_value_t = 39090)]
+    #[arg(long, default_value_t = 25090)]
     pub(crate) admin_port: u16,
 }
 

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# bench/faults.sh — full-size fault injection (5,000 rigs by default), on demand:
+#
+#   bench/faults.sh [--rigs 5000] [--only redis,kill,vanish,drain,storm] [--out FILE]
+#                   [--wait-busy SECONDS]
+#
+# Builds the release binaries (workspace target dir), then runs tests/faults/faults.py, which
+# prints `FAULT <scenario> <figure>=<value>` lines, `CHECK PASS|FAIL` lines and one `FAULT_JSON`
+# line per scenario, and writes all figures to bench/results/faults-full.json. The quick
+# versions of the same faults run in the test suite: `cargo test --test faults_quick`.
+# Needs redis-server, python3, curl; the `vanish` scenario needs root for `ip netns` (it is
+# skipped otherwise). Env knobs: FAULTS_REDIS_OUTAGE_S (30), FAULTS_AGENTS (20), FAULTS_RATE
+# (400 commands/s), FAULTS_FLOW_S (8), FAULTS_DRAIN_S (10), FAULTS_STORM_RATE (50),
+# FAULTS_STORM_BURST (100). Set FAULTS_NO_BUILD=1 to skip the build.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+if [[ -z "${FAULTS_NO_BUILD:-}" ]]; then
+  (cd "$root" && cargo build --release -q -p fleetlink -p fleetlink-loadgen \
+    --bin fleetlink-fe --bin fleetlink-agent --bin fleetlink-loadgen)
+fi
+exec python3 "$root/tests/faults/faults.py" "$@"
