@@ -6,9 +6,9 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::broker::{boot_id, eventually, hello, read_close, read_json, Broker};
+use common::control::Control;
 use common::redis::RedisServer;
-use fleetlink::registry::pubsub::Subscriber;
-use redis::{Commands, IntoConnectionInfo};
+use redis::Commands;
 use serde_json::{json, Value};
 use tungstenite::Message;
 
@@ -21,74 +21,6 @@ fn fleet_broker(redis: &RedisServer, id: &str, extra: &[&str]) -> Broker {
         b.http("GET", "/readyz", "").0 == 200
     });
     b
-}
-
-/// A subscription that stays subscribed (redis-rs's `PubSub` unsubscribes when dropped).
-struct Listener(Subscriber, std::collections::VecDeque<Value>);
-
-impl Listener {
-    fn new(redis: &RedisServer, channel: &str) -> Listener {
-        let info = redis.url().into_connection_info().unwrap();
-        let mut sub =
-            Subscriber::connect(&info, &[channel.to_string()], Duration::from_secs(5)).unwrap();
-        eventually(Duration::from_secs(5), "subscribed", || {
-            sub.read().unwrap();
-            sub.confirmed == 1
-        });
-        Listener(sub, Default::default())
-    }
-
-    /// The next `n` messages, polling with a deadline.
-    fn next(&mut self, n: usize, limit: Duration) -> Vec<Value> {
-        let deadline = Instant::now() + limit;
-        while self.1.len() < n {
-            for push in self.0.read().unwrap() {
-                self.1
-                    .push_back(serde_json::from_slice(&push.payload).unwrap());
-            }
-            assert!(
-                Instant::now() < deadline,
-                "only {} of {n} messages in time",
-                self.1.len()
-            );
-            std::thread::sleep(Duration::from_millis(2));
-        }
-        self.1.drain(..n).collect()
-    }
-}
-
-/// A control client: subscribes to a fresh reply channel first, then publishes requests.
-struct Control {
-    con: redis::Connection,
-    sub: Listener,
-    reply_to: String,
-}
-
-impl Control {
-    fn new(redis: &RedisServer) -> Control {
-        let reply_to = format!("fleetlink:reply:{}", boot_id());
-        let sub = Listener::new(redis, &reply_to);
-        Control {
-            con: redis.client().get_connection().unwrap(),
-            sub,
-            reply_to,
-        }
-    }
-
-    fn publish(&mut self, channel: &str, msg: Value) {
-        let _: i64 = self.con.publish(channel, msg.to_string()).unwrap();
-    }
-
-    fn replies(&mut self, n: usize, limit: Duration) -> Vec<Value> {
-        self.sub.next(n, limit)
-    }
-
-    fn command(&mut self, broker: &str, rig: &str, name: &str, args: Value) -> Value {
-        let reply_to = self.reply_to.clone();
-        let msg = json!({"type":"command","id":boot_id(),"rig_id":rig,"name":name,"args":args,"reply_to":reply_to});
-        self.publish(&format!("fleetlink:broker:{broker}"), msg);
-        self.replies(1, Duration::from_secs(5)).remove(0)
-    }
 }
 
 fn owner(redis: &RedisServer, rig: &str) -> Option<String> {
@@ -106,8 +38,7 @@ fn commands_through_redis_arrive_in_order_and_acks_become_events() {
     );
     let (mut ws, boot, _) = a.rig("rig-0414");
     assert_eq!(owner(&redis, "rig-0414"), Some(format!("{boot}|fe-a")));
-    let mut events = Listener::new(&redis, "fleetlink:events");
-    let mut ctl = Control::new(&redis);
+    let mut ctl = Control::new(&redis, &["fleetlink:events"]);
     let reply_to = ctl.reply_to.clone();
     for i in 0..1000 {
         let msg = json!({"type":"command","id":format!("c{i}"),"rig_id":"rig-0414","name":"n","args":{"i":i},"reply_to":reply_to});
@@ -128,14 +59,10 @@ fn commands_through_redis_arrive_in_order_and_acks_become_events() {
         ))
         .unwrap();
     }
-    let mut acks = 0;
-    while acks < 1000 {
-        let ev = events.next(1, Duration::from_secs(10)).remove(0);
-        if ev["type"] == "ack" {
-            acks += 1;
-            assert_eq!(ev["seq"], acks);
-            assert_eq!(ev["rig_id"], "rig-0414");
-        }
+    for seq in 1..=1000u64 {
+        let ev = ctl.next(|ch, v| ch == "fleetlink:events" && v["type"] == "ack");
+        assert_eq!(ev["seq"], seq);
+        assert_eq!(ev["rig_id"], "rig-0414");
     }
     // Unknown rig on this broker, and a bad request, get the contract's errors.
     assert_eq!(
@@ -164,7 +91,7 @@ fn broadcast_reaches_exactly_the_matching_rigs_on_both_brokers() {
         hello(&mut ws, rig, &boot_id(), json!({"lab": lab}));
         rigs.push((rig, lab, ws));
     }
-    let mut ctl = Control::new(&redis);
+    let mut ctl = Control::new(&redis, &[]);
     let msg = json!({"type":"command","id":"b1","selector":{"lab":"x"},"name":"fw","args":{},"reply_to":ctl.reply_to});
     ctl.publish("fleetlink:broadcast", msg);
     let mut replies = ctl.replies(2, Duration::from_secs(10));
@@ -290,7 +217,7 @@ fn readiness_follows_redis_and_rigs_survive_an_outage() {
     eventually(Duration::from_secs(5), "lease restored", || {
         owner(&redis, "rig-steady") == Some(format!("{boot}|fe-a"))
     });
-    let mut ctl = Control::new(&redis);
+    let mut ctl = Control::new(&redis, &[]);
     assert_eq!(
         ctl.command("fe-a", "rig-steady", "after", json!({}))["ok"],
         true
@@ -303,7 +230,7 @@ fn a_stuck_rig_gets_rig_unresponsive_and_memory_stays_bounded() {
     let a = fleet_broker(&redis, "fe-a", &["--outbox", "8"]);
     let (_ws, _, _) = a.rig("rig-stuck");
     let rss_before = a.rss();
-    let mut ctl = Control::new(&redis);
+    let mut ctl = Control::new(&redis, &[]);
     let blob = "x".repeat(60_000);
     let mut last = Value::Null;
     for _ in 0..3000 {
@@ -350,7 +277,7 @@ fn the_seed_race_two_brokers_converge_on_the_newer_owner() {
         assert_eq!(owner(&redis, "rig-seed"), Some(format!("{boot}|fe_07")));
         std::thread::sleep(Duration::from_millis(50));
     }
-    let mut ctl = Control::new(&redis);
+    let mut ctl = Control::new(&redis, &[]);
     assert_eq!(
         ctl.command("fe_07", "rig-seed", "after-race", json!({}))["ok"],
         true

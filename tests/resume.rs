@@ -4,14 +4,14 @@
 
 mod common;
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::broker::{boot_id, eventually, read_close, read_json, Broker, Ws};
+use common::control::Control;
 use common::redis::RedisServer;
 use fleetlink::ids::{BootId, RigId, Seq};
-use fleetlink::registry::pubsub::Subscriber;
 use fleetlink::registry::sessions::{Persist, SessionScripts};
-use redis::{Commands, IntoConnectionInfo};
+use redis::Commands;
 use serde_json::{json, Value};
 use tungstenite::Message;
 
@@ -35,61 +35,6 @@ fn hello(ws: &mut Ws, rig: &str, boot: &str, last_seq: Option<u64>) -> Value {
     welcome
 }
 
-/// Publishes commands to a broker's channel and collects the replies.
-struct Control {
-    con: redis::Connection,
-    sub: Subscriber,
-    reply_to: String,
-    /// Messages read but not asked for yet.
-    backlog: Vec<(String, Value)>,
-}
-
-impl Control {
-    fn new(redis: &RedisServer, extra: &[&str]) -> Control {
-        let reply_to = format!("fleetlink:reply:{}", boot_id());
-        let mut channels = vec![reply_to.clone()];
-        channels.extend(extra.iter().map(|s| s.to_string()));
-        let info = redis.url().into_connection_info().unwrap();
-        let mut sub = Subscriber::connect(&info, &channels, Duration::from_secs(5)).unwrap();
-        eventually(Duration::from_secs(5), "subscribed", || {
-            sub.read().unwrap();
-            sub.confirmed == channels.len()
-        });
-        Control {
-            con: redis.client().get_connection().unwrap(),
-            sub,
-            reply_to,
-            backlog: Vec::new(),
-        }
-    }
-
-    /// Sends one command and returns its reply (other messages are kept aside).
-    fn command(&mut self, broker: &str, rig: &str, id: &str) -> Value {
-        let msg = json!({"type":"command","id":id,"rig_id":rig,"name":"n","args":{},"reply_to":self.reply_to});
-        let _: i64 = self
-            .con
-            .publish(format!("fleetlink:broker:{broker}"), msg.to_string())
-            .unwrap();
-        let reply_to = self.reply_to.clone();
-        self.next(|ch, _| ch == reply_to)
-    }
-
-    fn next(&mut self, mut want: impl FnMut(&str, &Value) -> bool) -> Value {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            for push in self.sub.read().unwrap() {
-                let v: Value = serde_json::from_slice(&push.payload).unwrap();
-                self.backlog.push((push.channel, v));
-            }
-            if let Some(i) = self.backlog.iter().position(|(ch, v)| want(ch, v)) {
-                return self.backlog.remove(i).1;
-            }
-            assert!(Instant::now() < deadline, "no matching message in time");
-            std::thread::sleep(Duration::from_millis(2));
-        }
-    }
-}
-
 fn ack(ws: &mut Ws, seq: u64) {
     ws.send(Message::Text(
         json!({"type":"ack","seq":seq}).to_string().into(),
@@ -107,7 +52,7 @@ fn a_session_resumes_on_another_broker_with_unacked_commands_in_order() {
     assert_eq!(hello(&mut on_a, "rig-r", &boot, None)["resumed"], false);
     let mut ctl = Control::new(&redis, &[]);
     for i in 1..=5u64 {
-        let r = ctl.command("fe-a", "rig-r", &format!("c{i}"));
+        let r = ctl.command_id("fe-a", "rig-r", &format!("c{i}"), "n", json!({}));
         assert_eq!(
             (r["ok"].clone(), r["seq"].clone()),
             (json!(true), json!(i)),
@@ -135,7 +80,7 @@ fn a_session_resumes_on_another_broker_with_unacked_commands_in_order() {
     assert_eq!(replayed[0]["seq"], 4);
     assert_eq!(replayed[0]["id"], "c4");
     assert_eq!(replayed[1]["seq"], 5);
-    let r = ctl.command("fe-b", "rig-r", "c6");
+    let r = ctl.command_id("fe-b", "rig-r", "c6", "n", json!({}));
     assert_eq!(r["seq"], 6, "{r}");
     assert_eq!(read_json(&mut on_b)["seq"], 6);
 }
@@ -150,7 +95,10 @@ fn a_killed_brokers_unacked_commands_reach_the_rig_on_the_survivor() {
     hello(&mut on_a, "rig-k", &boot, None);
     let mut ctl = Control::new(&redis, &[]);
     for i in 1..=3 {
-        assert_eq!(ctl.command("fe-a", "rig-k", &format!("k{i}"))["ok"], true);
+        assert_eq!(
+            ctl.command_id("fe-a", "rig-k", &format!("k{i}"), "n", json!({}))["ok"],
+            true
+        );
     }
     unsafe { libc::kill(a.pid() as i32, libc::SIGKILL) };
     a.wait_exit(Duration::from_secs(5)).expect("killed");
@@ -164,7 +112,10 @@ fn a_killed_brokers_unacked_commands_reach_the_rig_on_the_survivor() {
             (json!(i), json!(format!("k{i}")))
         );
     }
-    assert_eq!(ctl.command("fe-b", "rig-k", "k4")["seq"], 4);
+    assert_eq!(
+        ctl.command_id("fe-b", "rig-k", "k4", "n", json!({}))["seq"],
+        4
+    );
 }
 
 #[test]
@@ -175,8 +126,14 @@ fn a_new_boot_reports_the_old_sessions_commands_as_rig_rebooted() {
     let mut ws = a.connect("/agent");
     hello(&mut ws, "rig-b", &old_boot, None);
     let mut ctl = Control::new(&redis, &["fleetlink:events"]);
-    assert_eq!(ctl.command("fe-a", "rig-b", "lost-1")["ok"], true);
-    assert_eq!(ctl.command("fe-a", "rig-b", "lost-2")["ok"], true);
+    assert_eq!(
+        ctl.command_id("fe-a", "rig-b", "lost-1", "n", json!({}))["ok"],
+        true
+    );
+    assert_eq!(
+        ctl.command_id("fe-a", "rig-b", "lost-2", "n", json!({}))["ok"],
+        true
+    );
     drop(ws);
     std::thread::sleep(Duration::from_millis(2)); // UUIDv7 orders by millisecond
     let mut again = a.connect("/agent");
@@ -193,7 +150,10 @@ fn a_new_boot_reports_the_old_sessions_commands_as_rig_rebooted() {
     ids.sort();
     assert_eq!(ids, ["lost-1", "lost-2"]);
     // The new session starts at seq 1 and nothing of the old one is replayed.
-    assert_eq!(ctl.command("fe-a", "rig-b", "fresh")["seq"], 1);
+    assert_eq!(
+        ctl.command_id("fe-a", "rig-b", "fresh", "n", json!({}))["seq"],
+        1
+    );
     assert_eq!(read_json(&mut again)["id"], "fresh");
 }
 
@@ -252,10 +212,7 @@ fn commands_for_an_offline_rig_are_held_then_delivered_or_expired() {
     let publish = |ctl: &mut Control, id: &str, ttl_ms: u64| {
         let msg = json!({"type":"command","id":id,"rig_id":"rig-off","name":"fw","args":{},
                          "reply_to":reply_to,"queue_if_offline":true,"ttl_ms":ttl_ms});
-        let _: i64 = ctl
-            .con
-            .publish("fleetlink:broker:fe-a", msg.to_string())
-            .unwrap();
+        ctl.publish("fleetlink:broker:fe-a", msg);
         ctl.next(|ch, v| ch == reply_to && v["id"] == id)
     };
     let held = publish(&mut ctl, "keep", 60_000);

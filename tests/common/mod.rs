@@ -2,4 +2,5 @@
 #![allow(dead_code)]
 
 pub mod broker;
+pub mod control;
 pub mod redis;

@@ -1,0 +1,96 @@
+//! A control client over Redis, as `redis-cli`/redis-py would be: publishes requests on broker
+//! channels and reads replies and events from its own subscription. Messages read but not yet
+//! asked for are kept, so no test loses one to another's read.
+
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+use fleetlink::registry::pubsub::Subscriber;
+use redis::{Commands, IntoConnectionInfo};
+use serde_json::{json, Value};
+
+use super::broker::{boot_id, eventually};
+use super::redis::RedisServer;
+
+/// Publishes control messages and collects what comes back.
+pub struct Control {
+    con: redis::Connection,
+    sub: Subscriber,
+    /// This client's reply channel (subscribed before anything is published).
+    pub reply_to: String,
+    backlog: VecDeque<(String, Value)>,
+}
+
+impl Control {
+    /// Subscribes to a fresh reply channel and `extra` channels (e.g. `fleetlink:events`).
+    pub fn new(redis: &RedisServer, extra: &[&str]) -> Control {
+        let reply_to = format!("fleetlink:reply:{}", boot_id());
+        let mut channels = vec![reply_to.clone()];
+        channels.extend(extra.iter().map(|s| s.to_string()));
+        let info = redis.url().into_connection_info().unwrap();
+        let mut sub = Subscriber::connect(&info, &channels, Duration::from_secs(5)).unwrap();
+        eventually(Duration::from_secs(5), "subscribed", || {
+            sub.read().unwrap();
+            sub.confirmed == channels.len()
+        });
+        Control {
+            con: redis.client().get_connection().unwrap(),
+            sub,
+            reply_to,
+            backlog: VecDeque::new(),
+        }
+    }
+
+    /// PUBLISHes `msg` on `channel`.
+    pub fn publish(&mut self, channel: &str, msg: Value) {
+        let _: i64 = self.con.publish(channel, msg.to_string()).unwrap();
+    }
+
+    /// The first message (oldest first) that `want` accepts, waiting up to 10 s.
+    pub fn next(&mut self, mut want: impl FnMut(&str, &Value) -> bool) -> Value {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            for push in self.sub.read().unwrap() {
+                self.backlog
+                    .push_back((push.channel, serde_json::from_slice(&push.payload).unwrap()));
+            }
+            if let Some(i) = self.backlog.iter().position(|(ch, v)| want(ch, v)) {
+                return self.backlog.remove(i).map(|(_, v)| v).unwrap();
+            }
+            assert!(Instant::now() < deadline, "no matching message in time");
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+
+    /// The next `n` replies on this client's reply channel, in arrival order.
+    pub fn replies(&mut self, n: usize, limit: Duration) -> Vec<Value> {
+        let deadline = Instant::now() + limit;
+        let reply_to = self.reply_to.clone();
+        (0..n)
+            .map(|_| {
+                assert!(Instant::now() < deadline, "replies too slow");
+                self.next(|ch, _| ch == reply_to)
+            })
+            .collect()
+    }
+
+    /// Sends a command for `rig` to `broker` with command id `id`; returns its reply.
+    pub fn command_id(
+        &mut self,
+        broker: &str,
+        rig: &str,
+        id: &str,
+        name: &str,
+        args: Value,
+    ) -> Value {
+        let msg = json!({"type":"command","id":id,"rig_id":rig,"name":name,"args":args,"reply_to":self.reply_to});
+        self.publish(&format!("fleetlink:broker:{broker}"), msg);
+        let reply_to = self.reply_to.clone();
+        self.next(|ch, v| ch == reply_to && v["id"] == id)
+    }
+
+    /// Sends a command with a fresh id; returns its reply.
+    pub fn command(&mut self, broker: &str, rig: &str, name: &str, args: Value) -> Value {
+        self.command_id(broker, rig, &boot_id(), name, args)
+    }
+}
