@@ -8,12 +8,13 @@
 -- ARGV[3]  "sess:<rig_id>:", the prefix of the rig's session keys
 --
 -- Returns { next, cmds, rebooted, previous_boot }:
---   next           this session's next seq as text, "0" when the session is new
+--   next           this session's next seq as text, "0" when the session is new (it is
+--                  then recorded with next = 1, so a later hello of the same boot resumes it)
 --   cmds           { seq1, json1, seq2, json2, ... }: its unacked commands (any order)
 --   rebooted       { json, ... }: unacked commands of the previous, older boot's session,
 --                  which is deleted (its commands are reported rig_rebooted, never replayed)
 --   previous_boot  that older boot_id, or ""
--- Sets KEYS[2] to this boot (unless a newer boot is recorded there) and refreshes TTLs.
+-- Sets KEYS[2] to this boot (unless a newer boot is recorded there) and refreshes KEYS[1]'s TTL.
 -- The previous session's key is derived from ARGV[3] (single-instance Redis; not cluster-safe).
 
 local H = '[0-9a-f]'
@@ -73,7 +74,9 @@ if type(prev) == 'string' and prev:match(BOOT) and prev ~= boot then
 else
   redis.call('SET', ptr, boot, 'PX', ttl)
 end
-if nxt ~= '0' then
-  redis.call('PEXPIRE', sess, ttl)
+if nxt == '0' then
+  -- A new session: record it, so the same boot saying hello anywhere later resumes it.
+  redis.call('HSET', sess, 'next', '1')
 end
+redis.call('PEXPIRE', sess, ttl)
 return { nxt, cmds, rebooted, previous }

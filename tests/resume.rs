@@ -264,3 +264,23 @@ fn standalone_holds_commands_for_offline_rigs_too() {
         (json!("fw"), json!(1))
     );
 }
+
+#[test]
+fn the_same_boot_resumes_on_another_broker_even_without_commands() {
+    let redis = RedisServer::start();
+    let a = fleet_broker(&redis, "fe-a");
+    let b = fleet_broker(&redis, "fe-b");
+    let boot = boot_id();
+    let mut on_a = a.connect("/agent");
+    assert_eq!(hello(&mut on_a, "rig-quiet", &boot, None)["resumed"], false);
+    let mut on_b = b.connect("/agent");
+    assert_eq!(
+        hello(&mut on_b, "rig-quiet", &boot, Some(0))["resumed"],
+        true
+    );
+    let mut ctl = Control::new(&redis, &[]);
+    assert_eq!(
+        ctl.command_id("fe-b", "rig-quiet", "q1", "n", json!({}))["seq"],
+        1
+    );
+}
