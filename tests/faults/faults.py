@@ -538,19 +538,29 @@ class Control:
         return sum(1 for (_, _, b) in self.oks.values() if b == broker)
 
 
+def parse_exec_line(line):
+    """`k=v` fields of one exec-log line; None for a line still being written."""
+    f = dict(w.split("=", 1) for w in line.split() if "=" in w)
+    if "id" not in f or not f.get("seq", "").isdigit():
+        return None
+    return f
+
+
 def read_exec_logs(lg_prefix, agent_logs):
     """id -> [(rig, seq)] over the loadgen's and the agents' exec logs."""
     runs = {}
     for path in Path(lg_prefix).parent.glob(Path(lg_prefix).name + ".*"):
         for line in path.read_text().splitlines():
-            f = dict(w.split("=", 1) for w in line.split())
-            runs.setdefault(f["id"], []).append((f["rig"], int(f["seq"])))
+            f = parse_exec_line(line)
+            if f and "rig" in f:
+                runs.setdefault(f["id"], []).append((f["rig"], int(f["seq"])))
     for rig, path in agent_logs.items():
         if not path.exists():
             continue
         for line in path.read_text().splitlines():
-            f = dict(w.split("=", 1) for w in line.split())
-            runs.setdefault(f["id"], []).append((rig, int(f["seq"])))
+            f = parse_exec_line(line)
+            if f:
+                runs.setdefault(f["id"], []).append((rig, int(f["seq"])))
     return runs
 
 
@@ -966,6 +976,8 @@ def main():
         try:
             figures = SCENARIOS[name](work, args.rigs, checks)
         except Exception as e:  # noqa: BLE001 - report and go on with the next scenario
+            import traceback
+            traceback.print_exc()
             figures = {"error": f"{type(e).__name__}: {e}"}
             checks.append((f"{name}: ran to the end", False))
         stop_all()
