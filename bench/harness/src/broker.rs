@@ -2,13 +2,14 @@
 //! ([`Broker`]) that is ready (`GET /readyz` = 200) before a scenario uses it and is stopped
 //! (SIGTERM, 15 s grace, SIGKILL) when dropped.
 
+use std::collections::BTreeMap;
 use std::net::TcpListener;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 
-use crate::ctx::{display_path, Ctx};
+use crate::ctx::Ctx;
 use crate::http;
 use crate::proc::{self, Proc};
 
@@ -51,14 +52,15 @@ impl Spec {
         }
     }
 
-    /// The full command line (binary first) for `ctx`'s addresses.
+    /// The full command line (binary name first) for `ctx`'s addresses.
     pub(crate) fn argv(&self, ctx: &Ctx) -> Vec<String> {
         let (bin, id) = match self.kind {
             Kind::Fe => (&ctx.bins.fe, "fe-bench"),
             Kind::Baseline => (&ctx.bins.baseline, "tb-bench"),
         };
+        let name = bin.file_name().unwrap_or_default().to_string_lossy();
         let mut v = vec![
-            display_path(bin),
+            name.into_owned(),
             "--listen".into(),
             ctx.listen.to_string(),
             "--admin".into(),
@@ -138,6 +140,29 @@ impl Broker {
     /// Nanosecond CPU time over live threads, and their count (see [`Proc::cpu_threads`]).
     pub(crate) fn cpu_threads(&self) -> Result<(Duration, usize)> {
         self.proc.cpu_threads()
+    }
+
+    /// CPU time per thread group (see [`Proc::cpu_by_thread`]).
+    pub(crate) fn cpu_by_thread(&self) -> Result<BTreeMap<String, Duration>> {
+        self.proc.cpu_by_thread()
+    }
+
+    /// CPU-seconds per thread group between two [`Broker::cpu_by_thread`] readings.
+    pub(crate) fn thread_delta(
+        before: &BTreeMap<String, Duration>,
+        after: &BTreeMap<String, Duration>,
+    ) -> serde_json::Value {
+        let m: serde_json::Map<String, serde_json::Value> = after
+            .iter()
+            .map(|(k, v)| {
+                let d = v.saturating_sub(before.get(k).copied().unwrap_or_default());
+                (
+                    k.clone(),
+                    ((d.as_secs_f64() * 100.0).round() / 100.0).into(),
+                )
+            })
+            .collect();
+        m.into()
     }
 
     /// Resident set size in KiB.

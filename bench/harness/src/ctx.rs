@@ -3,11 +3,13 @@
 
 use std::cell::Cell;
 use std::net::{Ipv4Addr, SocketAddr};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
+
+use crate::broker::Spec;
 
 /// Flags common to the measuring scenarios.
 #[derive(Args, Debug, Clone)]
@@ -29,6 +31,13 @@ pub(crate) struct Common {
     /// Admin HTTP port of the broker under test (127.0.0.1).
     #[arg(long, default_value_t = 25090)]
     pub(crate) admin_port: u16,
+    /// Only these broker configurations (comma-separated names; the first is the reference
+    /// for ratios). Default: all of the scenario's.
+    #[arg(long, value_delimiter = ',')]
+    pub(crate) brokers: Option<Vec<String>>,
+    /// Suffix for the result files: `<scenario>-<name>.json` / `.md`.
+    #[arg(long)]
+    pub(crate) name: Option<String>,
 }
 
 /// Paths of the three binaries a scenario runs.
@@ -55,6 +64,12 @@ pub(crate) struct Ctx {
     pub(crate) admin: SocketAddr,
     /// Rounds per scenario.
     pub(crate) rounds: usize,
+    /// Build time (mtime, UTC) of each binary, for the record.
+    pub(crate) built: serde_json::Value,
+    /// `--brokers`, if given.
+    only: Option<Vec<String>>,
+    /// `--name`, if given.
+    name: Option<String>,
     /// Numbers log files so no run overwrites another's.
     seq: Cell<u32>,
 }
@@ -70,7 +85,17 @@ impl Ctx {
                 .context("binary without a directory")?
                 .to_path_buf(),
         };
-        let bin = |name: &str| -> Result<PathBuf> {
+        if c.rounds == 0 {
+            bail!("--rounds must be at least 1");
+        }
+        let work = work_dir();
+        std::fs::create_dir_all(work.join("bin"))?;
+        std::fs::create_dir_all(&c.out)?;
+        let out = c.out.canonicalize()?;
+        // Every round runs private copies: other people rebuilding target/release mid-run
+        // cannot mix two builds into one comparison.
+        let mut built = serde_json::Map::new();
+        let mut bin = |name: &str| -> Result<PathBuf> {
             let p = dir.join(name);
             if !p.is_file() {
                 bail!(
@@ -79,20 +104,17 @@ impl Ctx {
                     p.display()
                 );
             }
-            Ok(p)
+            let mtime = std::fs::metadata(&p)?.modified()?;
+            built.insert(name.into(), crate::record::utc(mtime).into());
+            let copy = work.join("bin").join(name);
+            std::fs::copy(&p, &copy).with_context(|| format!("copying {}", p.display()))?;
+            Ok(copy)
         };
         let bins = Bins {
             fe: bin("fleetlink-fe")?,
             baseline: bin("fleetlink-tokio-baseline")?,
             loadgen: bin("fleetlink-loadgen")?,
         };
-        if c.rounds == 0 {
-            bail!("--rounds must be at least 1");
-        }
-        let work = work_dir();
-        std::fs::create_dir_all(&work)?;
-        std::fs::create_dir_all(&c.out)?;
-        let out = c.out.canonicalize()?;
         let local = |port| SocketAddr::from((Ipv4Addr::LOCALHOST, port));
         Ok(Self {
             bins,
@@ -101,8 +123,37 @@ impl Ctx {
             listen: local(c.listen_port),
             admin: local(c.admin_port),
             rounds: c.rounds,
+            built: built.into(),
+            only: c.brokers.clone(),
+            name: c.name.clone(),
             seq: Cell::new(0),
         })
+    }
+
+    /// The scenario's configurations, narrowed and ordered by `--brokers`.
+    pub(crate) fn select(&self, all: &[Spec]) -> Result<Vec<Spec>> {
+        let Some(only) = &self.only else {
+            return Ok(all.to_vec());
+        };
+        only.iter()
+            .map(|n| {
+                all.iter().find(|s| s.name == n).cloned().with_context(|| {
+                    let names: Vec<_> = all.iter().map(|s| s.name).collect();
+                    format!(
+                        "unknown broker {n:?}; this scenario has {}",
+                        names.join(", ")
+                    )
+                })
+            })
+            .collect()
+    }
+
+    /// Result file stem: the scenario, plus `-<name>` with `--name`.
+    pub(crate) fn result_name(&self, scenario: &str) -> String {
+        match &self.name {
+            Some(n) => format!("{scenario}-{n}"),
+            None => scenario.to_string(),
+        }
     }
 
     /// A fresh path in the work directory: `<nn>-<tag>.<ext>`.
@@ -153,13 +204,6 @@ pub(crate) fn parse_duration(s: &str) -> Result<Duration, String> {
 /// A duration as the loadgen's flags take it (whole milliseconds).
 pub(crate) fn arg_duration(d: Duration) -> String {
     format!("{}ms", d.as_millis())
-}
-
-/// A path relative to the workspace root when it is inside it (for records).
-pub(crate) fn display_path(p: &Path) -> String {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
-    let root = root.canonicalize().unwrap_or(root);
-    p.strip_prefix(&root).unwrap_or(p).display().to_string()
 }
 
 #[cfg(test)]

@@ -3,6 +3,7 @@
 //! panicking scenario leaves nothing running. Children also get `PR_SET_PDEATHSIG`, so they die
 //! with the harness even if it is killed outright. CPU time and RSS are read from `/proc`.
 
+use std::collections::BTreeMap;
 use std::fs::File;
 use std::os::unix::process::CommandExt;
 use std::path::Path;
@@ -150,6 +151,27 @@ impl Proc {
             threads += 1;
         }
         Ok((Duration::from_nanos(ns), threads))
+    }
+
+    /// CPU time of the live threads grouped by name with trailing digits dropped
+    /// (`fleetlink-admin-3` → `fleetlink-admin`), from `/proc/PID/task/TID/stat` ticks.
+    pub(crate) fn cpu_by_thread(&self) -> Result<BTreeMap<String, Duration>> {
+        let dir = format!("/proc/{}/task", self.pid());
+        let mut out = BTreeMap::new();
+        for task in std::fs::read_dir(&dir).with_context(|| dir.clone())? {
+            let Ok(stat) = std::fs::read_to_string(task?.path().join("stat")) else {
+                continue;
+            };
+            let name = stat
+                .split_once('(')
+                .and_then(|(_, r)| r.rsplit_once(')'))
+                .map_or("?", |(n, _)| n)
+                .trim_end_matches(|c: char| c.is_ascii_digit() || c == '-' || c == '_');
+            let ticks = parse_cpu_ticks(&stat).unwrap_or(0);
+            *out.entry(name.to_string()).or_default() +=
+                Duration::from_secs_f64(ticks as f64 / clock_ticks_per_s());
+        }
+        Ok(out)
     }
 
     /// Resident set size in KiB (VmRSS).

@@ -43,10 +43,13 @@ pub(crate) fn list(v: &[f64], d: usize) -> String {
 
 /// UTC now, RFC 3339, seconds precision.
 pub(crate) fn now_utc() -> String {
+    utc(std::time::SystemTime::now())
+}
+
+/// `t` in UTC, RFC 3339, seconds precision.
+pub(crate) fn utc(t: std::time::SystemTime) -> String {
     let f = time::macros::format_description!("[year]-[month]-[day]T[hour]:[minute]:[second]Z");
-    time::OffsetDateTime::now_utc()
-        .format(&f)
-        .unwrap_or_default()
+    time::OffsetDateTime::from(t).format(&f).unwrap_or_default()
 }
 
 /// Where and on what the figures were measured.

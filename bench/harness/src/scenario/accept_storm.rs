@@ -55,9 +55,10 @@ const BROKERS: [Spec; 4] = [
 /// Runs every round and writes `accept-storm.{json,md}`.
 pub(crate) fn run(o: &Opts) -> Result<()> {
     let ctx = Ctx::new(&o.common)?;
+    let brokers = ctx.select(&BROKERS)?;
     let mut runs = Vec::new();
     for r in 0..ctx.rounds {
-        for spec in Ctx::rotation(&BROKERS, r) {
+        for spec in Ctx::rotation(&brokers, r) {
             eprintln!(
                 "bench: accept-storm round {}/{}: {}",
                 r + 1,
@@ -69,8 +70,8 @@ pub(crate) fn run(o: &Opts) -> Result<()> {
             runs.push(run);
         }
     }
-    let (doc, md) = summarize(&ctx, o, runs);
-    record::write(&ctx.out, "accept-storm", &doc, &md)?;
+    let (doc, md) = summarize(&ctx, o, &brokers, runs);
+    record::write(&ctx.out, &ctx.result_name("accept-storm"), &doc, &md)?;
     println!("{md}");
     ctx.clean();
     Ok(())
@@ -124,9 +125,9 @@ fn storm(ctx: &Ctx, o: &Opts, spec: &Spec, round: usize) -> Result<Value> {
     }))
 }
 
-fn summarize(ctx: &Ctx, o: &Opts, runs: Vec<Value>) -> (Value, String) {
+fn summarize(ctx: &Ctx, o: &Opts, brokers: &[Spec], runs: Vec<Value>) -> (Value, String) {
     let date = record::now_utc();
-    let reference = BROKERS[0].name;
+    let reference = brokers[0].name;
     let med = |b: &str, k: &str| median(&series(&runs, b, k));
     let mut summary = serde_json::Map::new();
     let mut md = format!(
@@ -139,7 +140,7 @@ fn summarize(ctx: &Ctx, o: &Opts, runs: Vec<Value>) -> (Value, String) {
          |---|---|---|---|---|---|---|---|---|---|\n",
         o.rigs, o.procs, o.concurrency, ctx.rounds
     );
-    for spec in &BROKERS {
+    for spec in brokers {
         let b = spec.name;
         let n = runs.iter().filter(|r| r["broker"] == b).count();
         let complete = runs
@@ -179,7 +180,7 @@ fn summarize(ctx: &Ctx, o: &Opts, runs: Vec<Value>) -> (Value, String) {
         );
     }
     let doc = json!({
-        "scenario": "accept-storm", "date": date, "host": record::host(),
+        "binaries_built": ctx.built, "scenario": "accept-storm", "date": date, "host": record::host(),
         "params": {"rigs": o.rigs, "rounds": ctx.rounds, "loadgen_procs": o.procs,
                    "concurrency_per_proc": o.concurrency, "sources": "127.0.0.1-127.0.0.16",
                    "deadline_s": o.deadline.as_secs_f64()},

@@ -49,9 +49,10 @@ const BROKERS: [Spec; 3] = [
 /// Runs every round and writes `idle-cost.{json,md}`.
 pub(crate) fn run(o: &Opts) -> Result<()> {
     let ctx = Ctx::new(&o.common)?;
+    let brokers = ctx.select(&BROKERS)?;
     let mut runs = Vec::new();
     for r in 0..ctx.rounds {
-        for spec in Ctx::rotation(&BROKERS, r) {
+        for spec in Ctx::rotation(&brokers, r) {
             eprintln!(
                 "bench: idle-cost round {}/{}: {}",
                 r + 1,
@@ -63,8 +64,8 @@ pub(crate) fn run(o: &Opts) -> Result<()> {
             runs.push(run);
         }
     }
-    let (doc, md) = summarize(&ctx, o, runs);
-    record::write(&ctx.out, "idle-cost", &doc, &md)?;
+    let (doc, md) = summarize(&ctx, o, &brokers, runs);
+    record::write(&ctx.out, &ctx.result_name("idle-cost"), &doc, &md)?;
     println!("{md}");
     ctx.clean();
     Ok(())
@@ -82,10 +83,12 @@ fn idle(ctx: &Ctx, o: &Opts, spec: &Spec, round: usize) -> Result<Value> {
     let mut rigs = Rigs::start(ctx, &opts, "idle")?;
     let ramp = rigs.wait_ramp(&mut broker, Instant::now() + Duration::from_secs(120))?;
     proc::sleep(o.settle)?;
+    let by_thread0 = broker.cpu_by_thread()?;
     let (cpu0, (sched0, threads0), t0) = (broker.cpu()?, broker.cpu_threads()?, Instant::now());
     proc::sleep(o.window)?;
     let (cpu1, (sched1, threads1), t1) = (broker.cpu()?, broker.cpu_threads()?, Instant::now());
     broker.ensure_running()?;
+    let by_thread1 = broker.cpu_by_thread()?;
     let rss_kb = broker.rss_kb()?;
     let report = rigs.finish()?;
     broker.stop();
@@ -109,6 +112,7 @@ fn idle(ctx: &Ctx, o: &Opts, spec: &Spec, round: usize) -> Result<Value> {
         "cpu_source": if same_threads { "schedstat" } else { "stat_ticks" },
         "cpu_ticks_s": ticks,
         "threads": [threads0, threads1],
+        "cpu_s_by_thread": Broker::thread_delta(&by_thread0, &by_thread1),
         "cpu_s_per_min": per_min,
         "core_pct": cpu / wall * 100.0,
         "us_per_rig_per_min": per_min * 1e6 / o.rigs as f64,
@@ -119,9 +123,9 @@ fn idle(ctx: &Ctx, o: &Opts, spec: &Spec, round: usize) -> Result<Value> {
     }))
 }
 
-fn summarize(ctx: &Ctx, o: &Opts, runs: Vec<Value>) -> (Value, String) {
+fn summarize(ctx: &Ctx, o: &Opts, brokers: &[Spec], runs: Vec<Value>) -> (Value, String) {
     let date = record::now_utc();
-    let reference = BROKERS[0].name;
+    let reference = brokers[0].name;
     let med = |b: &str, k: &str| median(&series(&runs, b, k));
     let mut summary = serde_json::Map::new();
     let mut md = format!(
@@ -135,7 +139,7 @@ fn summarize(ctx: &Ctx, o: &Opts, runs: Vec<Value>) -> (Value, String) {
         o.settle.as_secs_f64(),
         ctx.rounds
     );
-    for spec in &BROKERS {
+    for spec in brokers {
         let b = spec.name;
         let n = runs.iter().filter(|r| r["broker"] == b).count();
         let complete = runs
@@ -161,7 +165,7 @@ fn summarize(ctx: &Ctx, o: &Opts, runs: Vec<Value>) -> (Value, String) {
         );
     }
     let doc = json!({
-        "scenario": "idle-cost", "date": date, "host": record::host(),
+        "binaries_built": ctx.built, "scenario": "idle-cost", "date": date, "host": record::host(),
         "params": {"rigs": o.rigs, "rounds": ctx.rounds, "window_s": o.window.as_secs_f64(),
                    "settle_s": o.settle.as_secs_f64(), "ping_interval": "20s (both brokers' default)"},
         "method": "per broker and round: fresh broker, loadgen ramps N rigs (256 handshakes in \

@@ -67,9 +67,10 @@ const BROKERS: [Spec; 4] = [
 /// Runs every round and writes `throughput.{json,md}`.
 pub(crate) fn run(o: &Opts) -> Result<()> {
     let ctx = Ctx::new(&o.common)?;
+    let brokers = ctx.select(&BROKERS)?;
     let mut runs = Vec::new();
     for r in 0..ctx.rounds {
-        for spec in Ctx::rotation(&BROKERS, r) {
+        for spec in Ctx::rotation(&brokers, r) {
             eprintln!(
                 "bench: throughput round {}/{}: {}",
                 r + 1,
@@ -81,8 +82,8 @@ pub(crate) fn run(o: &Opts) -> Result<()> {
             runs.push(run);
         }
     }
-    let (doc, md) = summarize(&ctx, o, runs);
-    record::write(&ctx.out, "throughput", &doc, &md)?;
+    let (doc, md) = summarize(&ctx, o, &brokers, runs);
+    record::write(&ctx.out, &ctx.result_name("throughput"), &doc, &md)?;
     println!("{md}");
     ctx.clean();
     Ok(())
@@ -100,7 +101,7 @@ fn sustain(ctx: &Ctx, o: &Opts, spec: &Spec, round: usize) -> Result<Value> {
     let mut rigs = Rigs::start(ctx, &opts, "throughput")?;
     let ramp = rigs.wait_ramp(&mut broker, Instant::now() + Duration::from_secs(60))?;
     proc::sleep(Duration::from_secs(1))?;
-    let (cpu0, t0) = (broker.cpu()?, Instant::now());
+    let (cpu0, threads0, t0) = (broker.cpu()?, broker.cpu_by_thread()?, Instant::now());
     // Enough rounds that the duration, not the count, ends the sender.
     let sender = admin_fanout(
         ctx,
@@ -110,7 +111,7 @@ fn sustain(ctx: &Ctx, o: &Opts, spec: &Spec, round: usize) -> Result<Value> {
         o.duration,
     )?;
     proc::sleep(Duration::from_secs(1))?; // the last commands' acks
-    let (cpu1, t1) = (broker.cpu()?, Instant::now());
+    let (cpu1, threads1, t1) = (broker.cpu()?, broker.cpu_by_thread()?, Instant::now());
     broker.ensure_running()?;
     let report = rigs.finish()?;
     broker.stop();
@@ -131,6 +132,7 @@ fn sustain(ctx: &Ctx, o: &Opts, spec: &Spec, round: usize) -> Result<Value> {
         "acked_per_s": acks / send_s,
         "acked_per_cpu_s": acks / cpu,
         "broker_cores_busy": cpu / (t1 - t0).as_secs_f64(),
+        "cpu_s_by_thread": Broker::thread_delta(&threads0, &threads1),
         "http_p50_us": u2(&sender, "http_us", "p50"),
         "http_p99_us": u2(&sender, "http_us", "p99"),
         "latency_p50_us": u2(&report, "latency_us", "p50"),
@@ -138,9 +140,9 @@ fn sustain(ctx: &Ctx, o: &Opts, spec: &Spec, round: usize) -> Result<Value> {
     }))
 }
 
-fn summarize(ctx: &Ctx, o: &Opts, runs: Vec<Value>) -> (Value, String) {
+fn summarize(ctx: &Ctx, o: &Opts, brokers: &[Spec], runs: Vec<Value>) -> (Value, String) {
     let date = record::now_utc();
-    let reference = BROKERS[0].name;
+    let reference = brokers[0].name;
     let med = |b: &str, k: &str| median(&series(&runs, b, k));
     let mut summary = serde_json::Map::new();
     let mut md = format!(
@@ -155,7 +157,7 @@ fn summarize(ctx: &Ctx, o: &Opts, runs: Vec<Value>) -> (Value, String) {
         o.duration.as_secs_f64(),
         ctx.rounds
     );
-    for spec in &BROKERS {
+    for spec in brokers {
         let b = spec.name;
         let n = runs.iter().filter(|r| r["broker"] == b).count();
         let complete = runs
@@ -185,7 +187,7 @@ fn summarize(ctx: &Ctx, o: &Opts, runs: Vec<Value>) -> (Value, String) {
         );
     }
     let doc = json!({
-        "scenario": "throughput", "date": date, "host": record::host(),
+        "binaries_built": ctx.built, "scenario": "throughput", "date": date, "host": record::host(),
         "params": {"rigs": o.rigs, "rounds": ctx.rounds, "duration_s": o.duration.as_secs_f64(),
                    "sender": format!("fleetlink-loadgen admin-fanout, {} keep-alive connections, 1 process", o.conns)},
         "method": "per broker and round: fresh broker, N rigs ramped, 1 s settle; broker CPU read; \
