@@ -14,11 +14,17 @@
 //! - [`config`]: flags, env, TOML → [`config::Config`].
 //! - [`http_upgrade`], [`ws`]: the sans-IO HTTP upgrade and RFC 6455 frame layer.
 //! - [`protocol`]: the JSON messages of the rig protocol; [`ids`]: validated identifiers.
-//! - [`worker`]: one event loop per core: accept, connections, sweep, drain.
-//! - [`registry`]: the bridge thread, the embedded registry, the Redis scripts.
+//! - [`worker`]: one event loop per core: accept, connections (plain or TLS), sweep, drain.
+//! - [`registry`]: the bridge thread, the embedded registry, fleet mode's Redis I/O (Lua
+//!   registry and session scripts, pub/sub control, offline commands).
+//! - [`tls`], [`jwt`]: TLS configuration with reload and client identities; bearer tokens.
 //! - [`admin`]: health, readiness, metrics, rigs, standalone control plane.
-//! - [`metrics`], [`reply`], [`events`]: what the broker reports, in the contract's shapes.
+//! - [`metrics`], [`reply`], [`events`]: what the broker reports, in the contract's shapes;
+//!   [`heap_stats`]: optional allocation accounting.
 //! - [`doctor`], [`dev_certs`]: operator tools bundled in the binary.
+//!
+//! The binaries: `fleetlink-fe` (`src/main.rs`), `fleetctl` (`src/bin/fleetctl/`) and
+//! `fleetlink-agent` (`src/bin/fleetlink-agent/`).
 #![warn(missing_docs, unreachable_pub)]
 
 pub mod admin;
