@@ -7,7 +7,6 @@ use std::net::SocketAddr;
 use std::os::fd::AsRawFd;
 use std::pin::pin;
 use std::rc::Rc;
-use std::task::Poll;
 use std::time::{Duration, Instant};
 
 use monoio::net::{TcpListener, TcpStream};
@@ -51,21 +50,33 @@ pub(crate) async fn run(core: Rc<Core>, listener: TcpListener) {
     let cores = core.cfg.cores as f64;
     let burst = (core.cfg.accept_burst as f64 / cores).max(1.0);
     let mut bucket = TokenBucket::new(core.cfg.accept_rate / cores, burst, Instant::now());
+    let fd = listener.as_raw_fd();
+    let mut stopping = false;
     loop {
         let accepted = {
             let mut accept = pin!(listener.accept());
             poll_fn(|cx| {
-                if core.accept_stop.poll(cx) {
-                    return Poll::Ready(None);
+                if !stopping && core.accept_stop.poll(cx) {
+                    stopping = true;
+                    // Stop listening by failing the pending accept rather than dropping it: a
+                    // dropped io_uring accept that completed meanwhile would leave its socket
+                    // accepted but never served (the drain's reset-after-the-window bug).
+                    // SAFETY: fd is the listener this task owns.
+                    unsafe { libc::shutdown(fd, libc::SHUT_RDWR) };
                 }
-                accept.as_mut().poll(cx).map(Some)
+                accept.as_mut().poll(cx)
             })
             .await
         };
         match accepted {
-            None => return,
-            Some(Ok((stream, _peer))) => admit(&core, &mut bucket, stream),
-            Some(Err(e)) => {
+            Ok((stream, _peer)) if stopping => {
+                // Accepted in the instant the drain began: closed now, not left hanging.
+                core.metrics.inc(C::AcceptShed);
+                drop(stream);
+            }
+            Ok((stream, _peer)) => admit(&core, &mut bucket, stream),
+            Err(_) if stopping => return,
+            Err(e) => {
                 core.metrics.inc(C::AcceptError);
                 // Out of descriptors or memory: back off instead of spinning on the error.
                 if matches!(

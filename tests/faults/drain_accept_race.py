@@ -1,0 +1,144 @@
+#!/usr/bin/env python3
+"""Reproducer: connections accepted at the instant a drain starts are never served nor closed.
+
+    python3 tests/faults/drain_accept_race.py [--runs 10] [--drain 2] [--driver io_uring|epoll|both]
+
+Each run starts a standalone `fleetlink-fe` (release build, loopback, free ports), lets 8 client
+threads open connections and send a websocket upgrade as fast as they can, sends SIGTERM, and
+1 s later lists the established sockets the broker process still holds on its rig port. A
+healthy drain holds none (the listeners are closed, connections in the handshake are closed with
+1001). What happens instead, now and then:
+
+- io_uring: the broker holds sockets whose upgrade request sits unread (Recv-Q 145); the client
+  hangs until the process exits at the end of the drain window, then gets a TCP reset.
+- epoll (`--force-epoll`): the same, and a core thread then spins at 100 % CPU and the process
+  never exits; the run kills it (-9) after drain + 5 s.
+
+Prints one line per run and a summary; exit code 1 if any run showed the problem. Bounded: every
+broker is killed at drain + 5 s at the latest, client threads stop with it.
+"""
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+FE = str(Path(os.environ.get("CARGO_TARGET_DIR", ROOT / "target")) / "release" / "fleetlink-fe")
+REQ = (b"GET /agent HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+       b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n")
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def core_threads(pid):
+    out = []
+    for t in os.listdir(f"/proc/{pid}/task"):
+        try:
+            comm = Path(f"/proc/{pid}/task/{t}/comm").read_text().strip()
+            st = Path(f"/proc/{pid}/task/{t}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if comm.startswith("fleetlink-core"):
+            out.append((comm, st[0], int(st[11]) + int(st[12])))
+    return out
+
+
+def one_run(drain, epoll):
+    port, admin = free_port(), free_port()
+    argv = [FE, "--listen", f"127.0.0.1:{port}", "--admin", f"127.0.0.1:{admin}",
+            "--drain", f"{drain}s", "--accept-rate", "100000", "--accept-burst", "100000"]
+    if epoll:
+        argv.append("--force-epoll")
+    broker = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    broker.stdout.readline()  # the ready line
+    stop = threading.Event()
+    slow = []
+    t_term = [None]
+
+    def client():
+        while not stop.is_set():
+            started = time.monotonic()
+            what = "answered"
+            s = None
+            try:
+                s = socket.create_connection(("127.0.0.1", port), timeout=drain + 10)
+                s.sendall(REQ)
+                if not s.recv(64):
+                    what = "eof"
+            except ConnectionRefusedError:
+                what = "refused"
+            except ConnectionResetError:
+                what = "reset"
+            except OSError as e:
+                what = f"error {e.errno}"
+            finally:
+                if s:
+                    s.close()
+            took = time.monotonic() - started
+            if took > 0.5 and t_term[0] is not None:
+                slow.append((round(started - t_term[0], 3), round(took, 2), what))
+            time.sleep(0.0005)
+
+    threads = [threading.Thread(target=client, daemon=True) for _ in range(8)]
+    for th in threads:
+        th.start()
+    time.sleep(1.0)
+    t_term[0] = time.monotonic()
+    broker.send_signal(signal.SIGTERM)
+    time.sleep(1.0)
+    ss = subprocess.run(["ss", "-tnpH", "state", "established", f"sport = :{port}"],
+                        capture_output=True, text=True).stdout
+    held = [" ".join(l.split()) for l in ss.splitlines() if f"pid={broker.pid}," in l]
+    hang = None
+    try:
+        broker.wait(timeout=drain + 5)
+    except subprocess.TimeoutExpired:
+        first = core_threads(broker.pid)
+        time.sleep(1.0)
+        hang = (first, core_threads(broker.pid))
+        broker.kill()
+        broker.wait()
+    exited_after = time.monotonic() - t_term[0]
+    stop.set()
+    for th in threads:
+        th.join(timeout=drain + 15)
+    return held, slow, hang, exited_after
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--runs", type=int, default=10)
+    ap.add_argument("--drain", type=float, default=2.0)
+    ap.add_argument("--driver", choices=["io_uring", "epoll", "both"], default="both")
+    args = ap.parse_args()
+    drivers = ["io_uring", "epoll"] if args.driver == "both" else [args.driver]
+    bad = Counter()
+    for driver in drivers:
+        for i in range(args.runs):
+            held, slow, hang, exited = one_run(args.drain, driver == "epoll")
+            problem = bool(held) or bool(hang)
+            bad[driver] += problem
+            print(f"{driver} run {i + 1}: held 1 s after SIGTERM={len(held)} "
+                  f"slow clients={slow[:3]} exited after {exited:.1f}s"
+                  + (f" HANG core threads (comm, state, cpu ticks) {hang[0]} then {hang[1]}"
+                     if hang else ""))
+            for line in held[:2]:
+                print(f"    {line}")
+    for driver in drivers:
+        print(f"SUMMARY {driver}: {bad[driver]} of {args.runs} runs held or hung")
+    sys.exit(1 if sum(bad.values()) else 0)
+
+
+if __name__ == "__main__":
+    main()
