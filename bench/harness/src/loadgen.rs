@@ -18,6 +18,8 @@ use crate::proc::{self, Proc};
 pub(crate) struct RigsOpts {
     /// Rigs to open.
     pub(crate) rigs: usize,
+    /// Index of the first rig (`rig-<index:06>`), so several loadgens hold disjoint rigs.
+    pub(crate) start_index: usize,
     /// Handshakes in flight per loadgen process.
     pub(crate) concurrency: usize,
     /// Loadgen processes (`None`: the loadgen's default, ≤ 18,000 sockets each).
@@ -63,6 +65,7 @@ impl Rigs {
         cmd.arg("rigs")
             .args(["--url", &format!("ws://{}/agent", ctx.listen)])
             .args(["--rigs", &o.rigs.to_string()])
+            .args(["--start-index", &o.start_index.to_string()])
             .args(["--concurrency", &o.concurrency.to_string()])
             .args(["--sources", "127.0.0.1-127.0.0.16"])
             .args(["--hold", &arg_duration(o.hold)])

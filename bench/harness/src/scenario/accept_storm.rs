@@ -84,6 +84,7 @@ fn storm(ctx: &Ctx, o: &Opts, spec: &Spec, round: usize) -> Result<Value> {
     let cpu0 = broker.cpu()?;
     let opts = RigsOpts {
         rigs: o.rigs,
+        start_index: 0,
         concurrency: o.concurrency,
         procs: Some(o.procs),
         hold: o.deadline + Duration::from_secs(60),

@@ -2,7 +2,9 @@
 //! let the ramp's tail settle, then read the broker's CPU time (utime + stime from /proc) across
 //! a window (default 60 s = three default 20 s ping intervals, so every rig is pinged exactly
 //! three times whatever the phase) and report CPU-seconds per minute. The rigs answer pings
-//! (tungstenite does) and send nothing else.
+//! (tungstenite does) and send nothing else. Rigs connected in one storm have their ping
+//! timers bunched (a broker pinging per connection then wakes for many at once); `--waves`
+//! spreads the connections over the ping interval, as a fleet that connected over time.
 
 use std::time::{Duration, Instant};
 
@@ -30,6 +32,14 @@ pub(crate) struct Opts {
     /// Wait after ALL_WELCOMED before the window opens.
     #[arg(long, default_value = "5s", value_parser = parse_duration)]
     settle: Duration,
+    /// Connect the rigs in this many equal waves (one loadgen each), `--spread / waves` apart,
+    /// so the brokers' per-connection ping timers are spread over the interval as in a fleet
+    /// that connected over time. 1 = all at once (timers bunched within the ramp).
+    #[arg(long, default_value_t = 1)]
+    waves: usize,
+    /// Time from the first wave to the last (default: one ping interval).
+    #[arg(long, default_value = "20s", value_parser = parse_duration)]
+    spread: Duration,
 }
 
 /// The configurations compared; the first is the reference for ratios. The fe bucket is opened
@@ -74,14 +84,30 @@ pub(crate) fn run(o: &Opts) -> Result<()> {
 /// One window against a fresh broker holding N rigs.
 fn idle(ctx: &Ctx, o: &Opts, spec: &Spec, round: usize) -> Result<Value> {
     let mut broker = Broker::start(ctx, spec)?;
-    let opts = RigsOpts {
-        rigs: o.rigs,
-        concurrency: 256,
-        procs: None,
-        hold: o.settle + o.window + Duration::from_secs(60),
-    };
-    let mut rigs = Rigs::start(ctx, &opts, "idle")?;
-    let ramp = rigs.wait_ramp(&mut broker, Instant::now() + Duration::from_secs(120))?;
+    let waves = o.waves.clamp(1, o.rigs.max(1));
+    let gap = o.spread / waves as u32;
+    let mut gens = Vec::with_capacity(waves);
+    for w in 0..waves {
+        if w > 0 {
+            proc::sleep(gap)?;
+        }
+        let (start, end) = (o.rigs * w / waves, o.rigs * (w + 1) / waves);
+        let opts = RigsOpts {
+            rigs: end - start,
+            start_index: start,
+            concurrency: 256,
+            procs: None,
+            hold: o.spread + o.settle + o.window + Duration::from_secs(60),
+        };
+        gens.push(Rigs::start(ctx, &opts, "idle")?);
+    }
+    let mut lines = Vec::new();
+    let mut all_welcomed = true;
+    for g in &mut gens {
+        let ramp = g.wait_ramp(&mut broker, Instant::now() + Duration::from_secs(120))?;
+        all_welcomed &= ramp.end == RampEnd::AllWelcomed;
+        lines.push(ramp.line);
+    }
     proc::sleep(o.settle)?;
     let by_thread0 = broker.cpu_by_thread()?;
     let (cpu0, (sched0, threads0), t0) = (broker.cpu()?, broker.cpu_threads()?, Instant::now());
@@ -90,7 +116,14 @@ fn idle(ctx: &Ctx, o: &Opts, spec: &Spec, round: usize) -> Result<Value> {
     broker.ensure_running()?;
     let by_thread1 = broker.cpu_by_thread()?;
     let rss_kb = broker.rss_kb()?;
-    let report = rigs.finish()?;
+    let (mut welcomed, mut dropped) = (0, 0);
+    let mut close_codes = Vec::new();
+    for g in gens {
+        let report = g.finish()?;
+        welcomed += u(&report, "welcomed");
+        dropped += u(&report, "dropped_after_welcome");
+        close_codes.push(report["close_codes"].clone());
+    }
     broker.stop();
     let wall = (t1 - t0).as_secs_f64();
     let ticks = (cpu1 - cpu0).as_secs_f64();
@@ -105,8 +138,9 @@ fn idle(ctx: &Ctx, o: &Opts, spec: &Spec, round: usize) -> Result<Value> {
     Ok(json!({
         "broker": spec.name,
         "round": round,
-        "complete": ramp.end == RampEnd::AllWelcomed && u(&report, "dropped_after_welcome") == 0,
-        "ramp_line": ramp.line,
+        "complete": all_welcomed && dropped == 0,
+        "waves": waves,
+        "ramp_lines": lines,
         "window_s": wall,
         "cpu_s": cpu,
         "cpu_source": if same_threads { "schedstat" } else { "stat_ticks" },
@@ -117,9 +151,9 @@ fn idle(ctx: &Ctx, o: &Opts, spec: &Spec, round: usize) -> Result<Value> {
         "core_pct": cpu / wall * 100.0,
         "us_per_rig_per_min": per_min * 1e6 / o.rigs as f64,
         "rss_mib": rss_kb as f64 / 1024.0,
-        "welcomed": u(&report, "welcomed"),
-        "dropped_after_welcome": u(&report, "dropped_after_welcome"),
-        "close_codes": report["close_codes"],
+        "welcomed": welcomed,
+        "dropped_after_welcome": dropped,
+        "close_codes": close_codes,
     }))
 }
 
@@ -129,12 +163,17 @@ fn summarize(ctx: &Ctx, o: &Opts, brokers: &[Spec], runs: Vec<Value>) -> (Value,
     let med = |b: &str, k: &str| median(&series(&runs, b, k));
     let mut summary = serde_json::Map::new();
     let mut md = format!(
-        "### idle-cost, {date}\n\n{} idle rigs, default ping interval (20 s), {:.0} s window \
-         after a {:.0} s settle, {} rounds, brokers alternating. Broker CPU time over the \
+        "### idle-cost, {date}\n\n{} idle rigs, default ping interval (20 s), {}, {:.0} s \
+         window after a {:.0} s settle, {} rounds, brokers alternating. Broker CPU time over the \
          window (thread schedstat, ns), as CPU-seconds per minute (medians).\n\n\
          | broker | complete | CPU-s/min | per round | % of one core | µs per rig per min | RSS (MiB) | vs {reference} |\n\
          |---|---|---|---|---|---|---|---|\n",
         o.rigs,
+        if o.waves > 1 {
+            format!("connected in {} waves over {:.0} s", o.waves, o.spread.as_secs_f64())
+        } else {
+            "connected at once".to_string()
+        },
         o.window.as_secs_f64(),
         o.settle.as_secs_f64(),
         ctx.rounds
@@ -167,9 +206,11 @@ fn summarize(ctx: &Ctx, o: &Opts, brokers: &[Spec], runs: Vec<Value>) -> (Value,
     let doc = json!({
         "binaries_built": ctx.built, "scenario": "idle-cost", "date": date, "host": record::host(),
         "params": {"rigs": o.rigs, "rounds": ctx.rounds, "window_s": o.window.as_secs_f64(),
-                   "settle_s": o.settle.as_secs_f64(), "ping_interval": "20s (both brokers' default)"},
+                   "settle_s": o.settle.as_secs_f64(), "ping_interval": "20s (both brokers' default)",
+                   "waves": o.waves, "spread_s": o.spread.as_secs_f64()},
         "method": "per broker and round: fresh broker, loadgen ramps N rigs (256 handshakes in \
-                   flight per process), settle, then broker utime+stime (/proc/PID/stat, all \
+                   flight per process; with waves > 1, one loadgen per wave of N/waves rigs, \
+                   started spread/waves apart), settle after the last wave, then broker utime+stime (/proc/PID/stat, all \
                    threads) read at both ends of the window; cpu_s from the threads' schedstat \
                    (ns) when the thread set did not change, else from utime+stime ticks (10 ms); \
                    cpu_s_per_min = cpu_s * 60 / window. \

@@ -94,6 +94,7 @@ fn sustain(ctx: &Ctx, o: &Opts, spec: &Spec, round: usize) -> Result<Value> {
     let mut broker = Broker::start(ctx, spec)?;
     let opts = RigsOpts {
         rigs: o.rigs,
+        start_index: 0,
         concurrency: 256,
         procs: None,
         hold: o.duration + Duration::from_secs(120),
