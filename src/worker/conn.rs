@@ -45,7 +45,13 @@ pub(crate) async fn serve(core: Rc<Core>, stream: TcpStream, conn: Rc<Conn>) {
                 match flush(conn.fd, &mut st) {
                     Ok(true) => session::pump(&core, &conn, &mut st),
                     Ok(false) => {}
-                    Err(_) => st.phase = Phase::Done,
+                    // The peer is gone: nothing more can be written, so drop what is queued
+                    // (else the task would wait forever to write to a socket that is always
+                    // "writable" with EPIPE).
+                    Err(_) => {
+                        st.phase = Phase::Done;
+                        st.drop_output();
+                    }
                 }
             }
             if st.rbuf_ready && st.can_consume(core.now_ms()) {
