@@ -77,7 +77,11 @@ pub(crate) fn run(o: &Opts) -> Result<()> {
                 ctx.rounds,
                 spec.name
             );
-            let run = sustain(&ctx, o, &spec, r + 1)?;
+            let started = record::now_utc();
+            let mut run = sustain(&ctx, o, &spec, r + 1)?;
+            // Wall-clock bounds, to match a run against other load on the machine.
+            run["started"] = started.into();
+            run["ended"] = record::now_utc().into();
             eprintln!("bench:   {run}");
             runs.push(run);
         }
