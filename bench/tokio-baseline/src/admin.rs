@@ -178,8 +178,12 @@ pub fn route(app: &App, method: &str, path: &str, body: &[u8]) -> Reply {
     let segs: Vec<&str> = path.trim_matches('/').split('/').collect();
     match (method, segs.as_slice()) {
         ("GET", ["healthz"]) => Reply::text(200, "ok\n"),
-        // Standalone mode has nothing to warm up; there is no drain in the baseline.
-        ("GET", ["readyz"]) => Reply::text(200, "ready\n"),
+        // Standalone mode has nothing to warm up; there is no drain in the baseline. Redis mode
+        // is ready while its own canary keeps coming back through the subscription.
+        ("GET", ["readyz"]) => match app.fleet.as_ref().and_then(|f| f.not_ready()) {
+            Some(why) => Reply::text(503, why + "\n"),
+            None => Reply::text(200, "ready\n"),
+        },
         ("GET", ["metrics"]) => Reply {
             status: 200,
             content_type: "text/plain; version=0.0.4",

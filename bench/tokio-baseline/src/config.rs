@@ -59,9 +59,16 @@ pub struct Config {
     /// CA bundle (PEM): client certificates chaining to it are required.
     #[arg(long, env = "FLEETLINK_CLIENT_CA", requires = "tls_cert")]
     pub client_ca: Option<PathBuf>,
-    /// Redis URL. Not implemented in the baseline yet: see `redis_mode.rs`.
+    /// Redis URL (`redis://...`): registry leases and the pub/sub control plane. None =
+    /// standalone, the admin API is the control plane.
     #[arg(long, env = "FLEETLINK_REDIS")]
     pub redis: Option<String>,
+    /// TTL of a rig's registry entry (Redis mode).
+    #[arg(long, env = "FLEETLINK_REGISTRY_TTL", default_value = "60s", value_parser = parse_duration)]
+    pub registry_ttl: Duration,
+    /// How often the broker extends the leases of the rigs it holds (Redis mode).
+    #[arg(long, env = "FLEETLINK_REGISTRY_REFRESH", default_value = "10s", value_parser = parse_duration)]
+    pub registry_refresh: Duration,
 }
 
 impl Config {
@@ -106,6 +113,9 @@ mod tests {
         assert_eq!(c.max_missed_pongs, 3);
         assert_eq!(c.read_buffer, None);
         assert_eq!(c.broker_id(), "tokio-baseline-8080");
+        assert_eq!(c.registry_ttl, Duration::from_secs(60));
+        assert_eq!(c.registry_refresh, Duration::from_secs(10));
+        assert_eq!(c.redis, None);
         let c = Config::try_parse_from(["x", "--read-buffer", "4096", "--ping-interval", "250ms"])
             .unwrap();
         assert_eq!(c.read_buffer, Some(4096));

@@ -4,6 +4,7 @@
 //! compared against. With `--tls-cert` the TLS handshake (tokio-rustls) comes first, then the
 //! same websocket code runs over the TLS stream; the plain path is the same code on `TcpStream`.
 
+use std::collections::VecDeque;
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
@@ -24,6 +25,7 @@ use tokio_tungstenite::tungstenite::{Bytes, Error as WsError, Message};
 use tokio_tungstenite::WebSocketStream;
 
 use crate::hello::{parse_hello, Hello};
+use crate::redis_mode::{broker_channel, Fleet, HelloOutcome};
 use crate::registry::{unix_ms, RegisterError, RigConn};
 use crate::App;
 
@@ -33,6 +35,11 @@ pub const CLOSE_PING_TIMEOUT: u16 = 4002;
 pub const CLOSE_BAD_HELLO: u16 = 4400;
 pub const CLOSE_HELLO_TIMEOUT: u16 = 4408;
 pub const CLOSE_OLDER_BOOT: u16 = 4409;
+/// Redis mode: the registry could not take the hello now.
+pub const CLOSE_OVER_CAPACITY: u16 = 4503;
+/// Ids of written commands kept for `ack` events; older ones are forgotten (the event then
+/// carries `"id": null`, as fe's does for a command it no longer knows).
+const WRITTEN_IDS: usize = 1024;
 /// Recorded when the peer vanished without a close frame.
 const CLOSE_ABNORMAL: u16 = 1006;
 /// How long we wait for the peer's close reply before dropping the socket.
@@ -86,7 +93,16 @@ impl Callback for AgentPath {
     }
 }
 
-async fn close<S>(app: &App, ws: &mut Ws<S>, code: u16, reason: &str)
+/// How a welcomed connection ended, for the `disconnected` event.
+type Ended = (u16, String);
+
+/// The peer vanished without a close frame (or a write failed).
+fn abnormal(app: &App) -> Ended {
+    app.metrics.closed(CLOSE_ABNORMAL);
+    (CLOSE_ABNORMAL, "connection lost".into())
+}
+
+async fn close<S>(app: &App, ws: &mut Ws<S>, code: u16, reason: &str) -> Ended
 where
     S: AsyncRead + AsyncWrite + Unpin,
 {
@@ -101,6 +117,7 @@ where
         Ok::<_, WsError>(())
     })
     .await;
+    (code, reason.to_string())
 }
 
 /// wss: the TLS handshake (bounded by the hello timeout), then the websocket as on plain TCP.
@@ -142,24 +159,29 @@ where
     app.metrics.accepts_ok.fetch_add(1, Relaxed);
 
     let hello = match timeout(hello_timeout, ws.next()).await {
-        Err(_) => return close(&app, &mut ws, CLOSE_HELLO_TIMEOUT, "no hello").await,
+        Err(_) => {
+            close(&app, &mut ws, CLOSE_HELLO_TIMEOUT, "no hello").await;
+            return;
+        }
         Ok(Some(Ok(Message::Text(t)))) => match parse_hello(&t) {
             Ok(h) => h,
             Err(reason) => {
                 app.metrics.hellos_rejected.fetch_add(1, Relaxed);
-                return close(&app, &mut ws, CLOSE_BAD_HELLO, reason).await;
+                close(&app, &mut ws, CLOSE_BAD_HELLO, reason).await;
+                return;
             }
         },
         Ok(Some(Ok(Message::Close(_)))) | Ok(None) | Ok(Some(Err(_))) => return,
         Ok(Some(Ok(_))) => {
             app.metrics.hellos_rejected.fetch_add(1, Relaxed);
-            return close(
+            close(
                 &app,
                 &mut ws,
                 CLOSE_BAD_HELLO,
                 "first message must be a hello",
             )
             .await;
+            return;
         }
     };
 
@@ -172,22 +194,74 @@ where
         ..
     } = hello;
     let conn = Arc::new(RigConn::new(conn_id, rig_id, boot_id, labels));
+    if let Some(fleet) = &app.fleet {
+        if let Err((code, reason)) = claim(&app, fleet, &conn).await {
+            close(&app, &mut ws, code, reason).await;
+            return;
+        }
+    }
     let outbox = match app.registry.register(conn.clone()) {
         Ok(rx) => rx,
         Err(RegisterError::OlderBootId) => {
-            return close(
+            if let Some(fleet) = &app.fleet {
+                // hello.lua let this boot in while a newer one is live here (the key had
+                // expired or Redis restarted empty): hand the key back, so the next refresh
+                // restores the live session's tuple instead of superseding it.
+                let _ = fleet.release(&conn.rig_id, &conn.boot_id).await;
+            }
+            close(
                 &app,
                 &mut ws,
                 CLOSE_OLDER_BOOT,
                 "a newer boot_id owns this rig",
             )
             .await;
+            return;
         }
     };
     app.metrics.connections.fetch_add(1, Relaxed);
-    session(&app, &mut ws, &conn, outbox, v).await;
-    app.registry.unregister(&conn);
+    let (code, reason) = session(&app, &mut ws, &conn, outbox, v).await;
+    let owned = app.registry.unregister(&conn);
     app.metrics.connections.fetch_sub(1, Relaxed);
+    if let Some(fleet) = &app.fleet {
+        // Only the owner releases: a superseded connection's tuple is no longer in Redis, and
+        // a same-boot reconnect here has the very same tuple, which must stay.
+        if owned {
+            let m = &app.metrics.redis;
+            match fleet.release(&conn.rig_id, &conn.boot_id).await {
+                Ok(()) => m.release_ok.fetch_add(1, Relaxed),
+                Err(_) => m.release_error.fetch_add(1, Relaxed),
+            };
+        }
+        let ev = json!({"type": "disconnected", "rig_id": conn.rig_id, "boot_id": conn.boot_id,
+                        "code": code, "reason": reason});
+        fleet.event(&app.metrics.redis, ev);
+    }
+}
+
+/// Redis mode: hello.lua claims the rig for this boot here, and the broker that held it (if
+/// another) is told to evict its stale socket. Err = close with this code and reason.
+async fn claim(app: &App, fleet: &Fleet, conn: &RigConn) -> Result<(), (u16, &'static str)> {
+    let m = &app.metrics.redis;
+    match fleet.hello(&conn.rig_id, &conn.boot_id).await {
+        Ok(HelloOutcome::Older) => {
+            m.hello_older.fetch_add(1, Relaxed);
+            Err((CLOSE_OLDER_BOOT, "a newer boot_id owns this rig"))
+        }
+        Ok(HelloOutcome::Owned { evict }) => {
+            m.hello_ok.fetch_add(1, Relaxed);
+            if let Some(broker) = evict {
+                m.evict_sent.fetch_add(1, Relaxed);
+                let ev = json!({"type": "evict", "rig_id": conn.rig_id, "boot_id": conn.boot_id});
+                fleet.publish(broker_channel(&broker), &ev).await;
+            }
+            Ok(())
+        }
+        Err(_) => {
+            m.hello_unavailable.fetch_add(1, Relaxed);
+            Err((CLOSE_OVER_CAPACITY, "retry_after=5"))
+        }
+    }
 }
 
 /// Liveness state: a ping every interval; a pong must follow within the timeout.
@@ -203,7 +277,8 @@ async fn session<S>(
     conn: &RigConn,
     mut outbox: tokio::sync::mpsc::Receiver<crate::registry::Outgoing>,
     v: u64,
-) where
+) -> Ended
+where
     S: AsyncRead + AsyncWrite + Unpin,
 {
     let mut welcome = json!({
@@ -217,8 +292,15 @@ async fn session<S>(
         welcome["v"] = v.into();
     }
     if ws.send(Message::text(welcome.to_string())).await.is_err() {
-        return app.metrics.closed(CLOSE_ABNORMAL);
+        return abnormal(app);
     }
+    // Redis mode: the ids of written commands, so `ack` events can name them.
+    let mut written = app.fleet.as_ref().map(|f| {
+        let ev = json!({"type": "connected", "rig_id": conn.rig_id, "boot_id": conn.boot_id,
+                        "resumed": false});
+        f.event(&app.metrics.redis, ev);
+        VecDeque::new()
+    });
     let cfg = &app.cfg;
     let mut live = Liveness {
         next_ping: Instant::now() + cfg.ping_interval,
@@ -232,30 +314,37 @@ async fn session<S>(
             .map_or(live.next_ping, |d| d.min(live.next_ping));
         tokio::select! {
             msg = ws.next() => match msg {
-                Some(Ok(Message::Text(t))) => on_text(app, conn, &t),
+                Some(Ok(Message::Text(t))) => on_text(app, conn, &t, written.as_mut()),
                 Some(Ok(Message::Pong(_))) => {
                     live.pong_deadline = None;
                     live.missed = 0;
                 }
                 Some(Ok(Message::Close(frame))) => {
-                    app.metrics.closed(frame.map_or(1005, |f| u16::from(f.code)));
+                    let (code, reason) = frame.map_or((1005, String::new()), |f| (u16::from(f.code), f.reason.to_string()));
+                    app.metrics.closed(code);
                     let _ = timeout(CLOSE_LINGER, ws.flush()).await; // our close reply
-                    return;
+                    return (code, reason);
                 }
                 Some(Ok(_)) => {} // binary: ignored; pings are answered by tungstenite
                 Some(Err(WsError::Capacity(_))) => return close(app, ws, 1009, "message too big").await,
                 Some(Err(WsError::Utf8(_))) => return close(app, ws, 1007, "invalid utf-8").await,
                 Some(Err(WsError::Protocol(_))) => return close(app, ws, 1002, "protocol error").await,
-                Some(Err(_)) | None => return app.metrics.closed(CLOSE_ABNORMAL),
+                Some(Err(_)) | None => return abnormal(app),
             },
             out = outbox.recv() => {
-                // The sender lives in the registry until we unregister, so None cannot happen
-                // while we own the rig; treat it as superseded if it does.
+                // The sender lives in the registry until we unregister or another owner
+                // supersedes us (Redis mode), which also asks us to close with 4410.
                 let Some(out) = out else { return close(app, ws, crate::registry::CLOSE_SUPERSEDED, "superseded").await };
                 if ws.send(Message::text(out.text)).await.is_err() {
-                    return app.metrics.closed(CLOSE_ABNORMAL);
+                    return abnormal(app);
                 }
                 conn.written_seq.store(out.seq, Relaxed);
+                if let Some(w) = written.as_mut() {
+                    if w.len() == WRITTEN_IDS {
+                        w.pop_front();
+                    }
+                    w.push_back((out.seq, out.id));
+                }
             }
             _ = conn.close.notified() => {
                 let code = conn.close_code.load(Relaxed);
@@ -273,7 +362,7 @@ async fn session<S>(
                 }
                 if now >= live.next_ping {
                     if ws.send(Message::Ping(Bytes::new())).await.is_err() {
-                        return app.metrics.closed(CLOSE_ABNORMAL);
+                        return abnormal(app);
                     }
                     live.next_ping = now + cfg.ping_interval;
                     if live.pong_deadline.is_none() {
@@ -285,26 +374,49 @@ async fn session<S>(
     }
 }
 
-/// A rig message after the hello: acks are recorded; results/events counted; the rest ignored.
-fn on_text(app: &App, conn: &RigConn, text: &str) {
+/// A rig message after the hello: acks are recorded; results/events counted (and in Redis
+/// mode published on `fleetlink:events`); the rest ignored.
+fn on_text(app: &App, conn: &RigConn, text: &str, written: Option<&mut VecDeque<(u64, String)>>) {
     let m = &app.metrics;
     let Ok(v) = serde_json::from_str::<Value>(text) else {
         m.unknown_messages.fetch_add(1, Relaxed);
         return;
     };
+    let fleet = app.fleet.as_ref();
     match v.get("type").and_then(Value::as_str) {
         Some("ack") => {
             if let Some(seq) = v.get("seq").and_then(Value::as_u64) {
                 conn.last_ack_seq.fetch_max(seq, Relaxed);
                 conn.last_ack_at_ms.store(unix_ms(), Relaxed);
                 m.acks.fetch_add(1, Relaxed);
+                if let (Some(f), Some(w)) = (fleet, written) {
+                    while w.front().is_some_and(|&(s, _)| s < seq) {
+                        w.pop_front();
+                    }
+                    let id = w
+                        .front()
+                        .filter(|(s, _)| *s == seq)
+                        .map(|(_, id)| id.as_str());
+                    let ev = json!({"type": "ack", "rig_id": conn.rig_id, "seq": seq, "id": id});
+                    f.event(&m.redis, ev);
+                }
             }
         }
         Some("result") => {
             m.results.fetch_add(1, Relaxed);
+            if let Some(f) = fleet {
+                let ev = json!({"type": "result", "rig_id": conn.rig_id, "seq": v.get("seq"),
+                                "ok": v.get("ok"), "output": v.get("output")});
+                f.event(&m.redis, ev);
+            }
         }
         Some("event") => {
             m.events.fetch_add(1, Relaxed);
+            if let Some(f) = fleet {
+                let ev = json!({"type": "event", "rig_id": conn.rig_id, "name": v.get("name"),
+                                "data": v.get("data")});
+                f.event(&m.redis, ev);
+            }
         }
         _ => {
             m.unknown_messages.fetch_add(1, Relaxed);

@@ -1,7 +1,8 @@
 //! fleetlink-tokio-baseline: the broker "as a competent team would write it" on tokio
 //! multi-thread + tokio-tungstenite, to measure the thread-per-core broker against. Speaks the
 //! contract subset the benches use: `/agent` hello/welcome/command/ack, registry takeover rules,
-//! pings, and the standalone admin API.
+//! pings, the standalone admin API, and with `--redis` the Redis registry and pub/sub control
+//! plane (without session persistence, resume or the offline queue).
 
 mod admin;
 mod config;
@@ -38,12 +39,18 @@ pub struct App {
     pub ws_config: WebSocketConfig,
     /// wss: TLS is accepted before the upgrade. None = plain ws.
     pub tls: Option<tokio_rustls::TlsAcceptor>,
+    /// Redis mode: registry leases and the pub/sub control plane. None = standalone.
+    pub fleet: Option<redis_mode::Fleet>,
     pub next_conn_id: AtomicU64,
     pub next_command_id: AtomicU64,
 }
 
 impl App {
-    fn new(cfg: Config, tls: Option<tokio_rustls::TlsAcceptor>) -> Self {
+    fn new(
+        cfg: Config,
+        tls: Option<tokio_rustls::TlsAcceptor>,
+        fleet: Option<redis_mode::Fleet>,
+    ) -> Self {
         let mut ws = WebSocketConfig::default()
             .max_message_size(Some(cfg.max_message))
             .max_frame_size(Some(cfg.max_message));
@@ -59,6 +66,7 @@ impl App {
             metrics: Metrics::default(),
             ws_config: ws,
             tls,
+            fleet,
             next_conn_id: AtomicU64::new(1),
             next_command_id: AtomicU64::new(1),
             cfg,
@@ -87,9 +95,6 @@ fn main() -> ExitCode {
 }
 
 async fn run(cfg: Config) -> Result<()> {
-    if let Some(url) = &cfg.redis {
-        redis_mode::start(url)?;
-    }
     let tls = match (&cfg.tls_cert, &cfg.tls_key) {
         (Some(cert), Some(key)) => Some(tokio_rustls::TlsAcceptor::from(Arc::new(
             tls::server_config(cert, key, cfg.client_ca.as_deref())?,
@@ -101,20 +106,28 @@ async fn run(cfg: Config) -> Result<()> {
     let admin = tokio::net::TcpListener::bind(cfg.admin)
         .await
         .with_context(|| format!("binding admin {}", cfg.admin))?;
-    let app = Arc::new(App::new(cfg, tls));
+    let fleet = match &cfg.redis {
+        Some(url) => {
+            Some(redis_mode::Fleet::connect(url, &cfg.broker_id(), cfg.registry_ttl).await?)
+        }
+        None => None,
+    };
+    let app = Arc::new(App::new(cfg, tls, fleet));
     let tls_mode = match (&app.tls, &app.cfg.client_ca) {
         (None, _) => "off",
         (Some(_), None) => "server-auth",
         (Some(_), Some(_)) => "mtls",
     };
     eprintln!(
-        "fleetlink-tokio-baseline: broker_id={} rigs on {} admin on {} read_buffer={} write_buffer={} tls={tls_mode}",
+        "fleetlink-tokio-baseline: broker_id={} rigs on {} admin on {} read_buffer={} write_buffer={} tls={tls_mode} redis={}",
         app.broker_id,
         rigs.local_addr()?,
         admin.local_addr()?,
         app.ws_config.read_buffer_size,
-        app.ws_config.write_buffer_size
+        app.ws_config.write_buffer_size,
+        if app.fleet.is_some() { "on" } else { "off" }
     );
+    redis_mode::spawn(&app);
     tokio::spawn(admin::serve(admin, app.clone()));
     tokio::spawn(conn::accept_loop(rigs, app.clone()));
 

@@ -6,6 +6,30 @@ use std::fmt::Write;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering::Relaxed};
 use std::sync::Mutex;
 
+/// Registry operations by result, and the pub/sub traffic of Redis mode.
+#[derive(Debug, Default)]
+pub struct RedisMetrics {
+    pub up: AtomicI64,
+    pub hello_ok: AtomicU64,
+    pub hello_older: AtomicU64,
+    pub hello_unavailable: AtomicU64,
+    pub refresh_ok: AtomicU64,
+    pub refresh_restored: AtomicU64,
+    pub refresh_superseded: AtomicU64,
+    pub refresh_error: AtomicU64,
+    pub release_ok: AtomicU64,
+    pub release_error: AtomicU64,
+    pub evict_sent: AtomicU64,
+    pub evict_received: AtomicU64,
+    pub control_in: AtomicU64,
+    pub control_bad_request: AtomicU64,
+    pub published: AtomicU64,
+    /// Events dropped because the publish queue was full.
+    pub publish_dropped: AtomicU64,
+    /// Publishes lost because Redis failed the pipeline that carried them.
+    pub publish_failed: AtomicU64,
+}
+
 #[derive(Debug, Default)]
 pub struct Metrics {
     pub connections: AtomicI64,
@@ -22,6 +46,9 @@ pub struct Metrics {
     pub commands_not_connected: AtomicU64,
     pub commands_unresponsive: AtomicU64,
     pub commands_bad_request: AtomicU64,
+    /// Redis mode only (rendered when `redis_mode` is set).
+    pub redis: RedisMetrics,
+    pub redis_mode: std::sync::atomic::AtomicBool,
     closes: Mutex<BTreeMap<u16, u64>>,
 }
 
@@ -92,6 +119,44 @@ impl Metrics {
             "fleetlink_outbox_full_total {}",
             self.commands_unresponsive.load(Relaxed)
         );
+        if self.redis_mode.load(Relaxed) {
+            let r = &self.redis;
+            g(&mut s, "fleetlink_redis_up", "gauge", r.up.load(Relaxed));
+            let _ = writeln!(s, "# TYPE fleetlink_registry_ops_total counter");
+            for (op, result, c) in [
+                ("hello", "ok", &r.hello_ok),
+                ("hello", "older", &r.hello_older),
+                ("hello", "unavailable", &r.hello_unavailable),
+                ("refresh", "ok", &r.refresh_ok),
+                ("refresh", "restored", &r.refresh_restored),
+                ("refresh", "superseded", &r.refresh_superseded),
+                ("refresh", "error", &r.refresh_error),
+                ("release", "ok", &r.release_ok),
+                ("release", "error", &r.release_error),
+                ("evict", "sent", &r.evict_sent),
+                ("evict", "received", &r.evict_received),
+                ("control", "received", &r.control_in),
+                ("control", "bad_request", &r.control_bad_request),
+            ] {
+                let _ = writeln!(
+                    s,
+                    "fleetlink_registry_ops_total{{op=\"{op}\",result=\"{result}\"}} {}",
+                    c.load(Relaxed)
+                );
+            }
+            let _ = writeln!(s, "# TYPE fleetlink_publishes_total counter");
+            for (result, c) in [
+                ("ok", &r.published),
+                ("dropped", &r.publish_dropped),
+                ("failed", &r.publish_failed),
+            ] {
+                let _ = writeln!(
+                    s,
+                    "fleetlink_publishes_total{{result=\"{result}\"}} {}",
+                    c.load(Relaxed)
+                );
+            }
+        }
         let _ = writeln!(s, "# TYPE fleetlink_closes_total counter");
         for (code, n) in self.closes.lock().unwrap_or_else(|e| e.into_inner()).iter() {
             let _ = writeln!(s, "fleetlink_closes_total{{code=\"{code}\"}} {n}");

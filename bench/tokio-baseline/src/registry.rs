@@ -25,6 +25,8 @@ pub fn unix_ms() -> u64 {
 #[derive(Debug)]
 pub struct Outgoing {
     pub seq: u64,
+    /// Control's command id, for the `ack` event.
+    pub id: String,
     pub text: String,
 }
 
@@ -90,6 +92,15 @@ impl Entry {
             self.queued.pop_front();
         }
     }
+}
+
+/// Which local session a takeover elsewhere supersedes.
+#[derive(Debug, Clone, Copy)]
+pub enum BootCheck<'a> {
+    /// Exactly this boot (a refresh answered `superseded` for it).
+    Exact(&'a str),
+    /// Any boot not newer than this one (an `evict` naming the new owner's boot).
+    AtMost(&'a str),
 }
 
 #[derive(Debug, PartialEq, Eq)]
@@ -161,15 +172,59 @@ impl Registry {
         Ok(rx)
     }
 
-    /// Removes the entry if it still belongs to this connection.
-    pub fn unregister(&self, conn: &RigConn) {
+    /// Removes the entry if it still belongs to this connection; true when it did (the
+    /// connection was still the rig's owner, so its registry lease is its to release).
+    pub fn unregister(&self, conn: &RigConn) -> bool {
         let mut rigs = self.lock();
         if rigs
             .get(&conn.rig_id)
             .is_some_and(|e| e.conn.conn_id == conn.conn_id)
         {
             rigs.remove(&conn.rig_id);
+            return true;
         }
+        false
+    }
+
+    /// Another owner took `rig_id` (Redis mode): forgets the entry and closes its connection
+    /// with 4410, when the local boot passes `check`. True when a connection was superseded.
+    pub fn supersede(&self, rig_id: &str, check: BootCheck<'_>) -> bool {
+        let mut rigs = self.lock();
+        let hit = rigs.get(rig_id).is_some_and(|e| match check {
+            BootCheck::Exact(b) => e.conn.boot_id == b,
+            BootCheck::AtMost(b) => e.conn.boot_id.as_str() <= b,
+        });
+        if !hit {
+            return false;
+        }
+        match rigs.remove(rig_id) {
+            Some(e) => {
+                e.conn.request_close(CLOSE_SUPERSEDED);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// `(rig_id, boot_id)` of every rig held here: the leases to refresh.
+    pub fn leases(&self) -> Vec<(String, String)> {
+        self.lock()
+            .values()
+            .map(|e| (e.conn.rig_id.clone(), e.conn.boot_id.clone()))
+            .collect()
+    }
+
+    /// Rigs whose hello labels include every `selector` pair (a broadcast's targets).
+    pub fn matching(&self, selector: &[(String, String)]) -> Vec<String> {
+        self.lock()
+            .values()
+            .filter(|e| {
+                selector
+                    .iter()
+                    .all(|(k, v)| e.conn.labels.get(k).is_some_and(|x| x == v))
+            })
+            .map(|e| e.conn.rig_id.clone())
+            .collect()
     }
 
     /// Assigns the next seq and queues the command; seq advances only when it was queued.
@@ -186,7 +241,11 @@ impl Registry {
         let seq = e.next_seq;
         let text = json!({"type": "command", "seq": seq, "id": id, "name": name, "args": args})
             .to_string();
-        match e.outbox.try_send(Outgoing { seq, text }) {
+        match e.outbox.try_send(Outgoing {
+            seq,
+            id: id.to_string(),
+            text,
+        }) {
             Ok(()) => {
                 e.next_seq += 1;
                 e.queued.push_back((seq, Instant::now()));
@@ -309,5 +368,31 @@ mod tests {
         assert_eq!(reg.list()[0]["outbox_depth"], 2);
         assert!(reg.kick("r1"));
         assert_eq!(c.close_code.load(Relaxed), CLOSE_KICKED);
+    }
+
+    #[test]
+    fn supersede_checks_the_boot() {
+        let reg = Registry::new(2);
+        let mut labels = BTreeMap::new();
+        labels.insert("group".to_string(), "a".to_string());
+        let c = Arc::new(RigConn::new(1, "r1".into(), NEW.into(), labels));
+        let _rx = reg.register(c.clone()).unwrap();
+        let sel = |k: &str, v: &str| vec![(k.to_string(), v.to_string())];
+        assert_eq!(reg.matching(&sel("group", "a")), vec!["r1".to_string()]);
+        assert!(reg.matching(&sel("group", "b")).is_empty());
+        assert_eq!(reg.leases(), vec![("r1".to_string(), NEW.to_string())]);
+        assert!(
+            !reg.supersede("r1", BootCheck::AtMost(OLD)),
+            "an older evict"
+        );
+        assert!(
+            !reg.supersede("r1", BootCheck::Exact(OLD)),
+            "a stale refresh answer"
+        );
+        assert_eq!(c.close_code.load(Relaxed), 0);
+        assert!(reg.supersede("r1", BootCheck::AtMost(NEW)));
+        assert_eq!(c.close_code.load(Relaxed), CLOSE_SUPERSEDED);
+        assert_eq!(reg.len(), 0);
+        assert!(!reg.unregister(&c), "nothing left to release");
     }
 }
