@@ -1,0 +1,378 @@
+//! Redis mode end to end: the baseline binary against its own redis-server (a free port, no
+//! persistence), driven by tokio-tungstenite rigs and a redis client playing control.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use futures_util::{SinkExt, StreamExt};
+use redis::AsyncCommands;
+use serde_json::{json, Value};
+use tokio_tungstenite::tungstenite::Message;
+
+const OLD: &str = "017f22e2-79b0-7cc3-98c4-dc0c0c07398f";
+const NEW: &str = "019f22e2-79b0-7cc3-98c4-dc0c0c07398f";
+const NEWER: &str = "01af22e2-79b0-7cc3-98c4-dc0c0c07398f";
+const WAIT: Duration = Duration::from_secs(10);
+
+/// A redis-server of our own on a free port; stopped on drop.
+struct Redis {
+    child: Child,
+    url: String,
+}
+
+impl Drop for Redis {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+async fn start_redis() -> Redis {
+    for _ in 0..5 {
+        // A port the kernel just handed out (and we released): free unless someone races us.
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let mut child = Command::new("redis-server")
+            .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+            .args(["--save", "", "--appendonly", "no"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("redis-server");
+        let url = format!("redis://127.0.0.1:{port}/");
+        let deadline = Instant::now() + WAIT;
+        while Instant::now() < deadline {
+            if child.try_wait().unwrap().is_some() {
+                break; // lost the port race: try another
+            }
+            if let Ok(c) = redis::Client::open(url.as_str()) {
+                if let Ok(mut con) = c.get_multiplexed_async_connection().await {
+                    if redis::cmd("PING")
+                        .query_async::<String>(&mut con)
+                        .await
+                        .is_ok()
+                    {
+                        return Redis { child, url };
+                    }
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+    panic!("could not start redis-server");
+}
+
+/// The baseline in Redis mode on ephemeral ports; killed on drop.
+struct Broker {
+    child: Child,
+    rigs: String,
+    admin: String,
+}
+
+impl Drop for Broker {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+async fn start_broker(redis: &Redis, id: &str, extra: &[&str]) -> Broker {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_fleetlink-tokio-baseline"))
+        .args(["--listen", "127.0.0.1:0", "--admin", "127.0.0.1:0"])
+        .args(["--workers", "2", "--redis", &redis.url, "--broker-id", id])
+        .args(extra)
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start baseline");
+    let mut line = String::new();
+    BufReader::new(child.stderr.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let words: Vec<&str> = line.split_whitespace().collect();
+    let Some(at) = words.iter().position(|x| *x == "rigs") else {
+        panic!("unexpected start-up line: {line}");
+    };
+    let b = Broker {
+        rigs: words[at + 2].to_string(),
+        admin: words[at + 5].to_string(),
+        child,
+    };
+    // Ready = our own canary came back through the subscription.
+    let deadline = Instant::now() + WAIT;
+    while !http_get(&b.admin, "/readyz")
+        .await
+        .starts_with("HTTP/1.1 200")
+    {
+        assert!(Instant::now() < deadline, "{id} not ready");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    b
+}
+
+async fn http_get(addr: &str, path: &str) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let req = format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+    s.write_all(req.as_bytes()).await.unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).await.unwrap();
+    out
+}
+
+type Client =
+    tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>>;
+
+async fn hello(b: &Broker, rig: &str, boot: &str, labels: Value) -> Client {
+    let (mut ws, _) = tokio_tungstenite::connect_async(format!("ws://{}/agent", b.rigs))
+        .await
+        .unwrap();
+    let h = json!({"type": "hello", "rig_id": rig, "boot_id": boot, "version": "t",
+                   "labels": labels});
+    ws.send(Message::text(h.to_string())).await.unwrap();
+    ws
+}
+
+/// The next JSON message, or `{"close": code}` (pings and pongs skipped).
+async fn next_msg(ws: &mut Client) -> Value {
+    loop {
+        match tokio::time::timeout(WAIT, ws.next())
+            .await
+            .expect("timeout")
+        {
+            Some(Ok(Message::Text(t))) => return serde_json::from_str(&t).unwrap(),
+            Some(Ok(Message::Close(f))) => {
+                return json!({"close": f.map_or(0, |f| u16::from(f.code))})
+            }
+            Some(Ok(_)) => {}
+            other => return json!({"end": format!("{other:?}")}),
+        }
+    }
+}
+
+/// A control client: a command connection plus a subscription to replies and events.
+struct Control {
+    con: redis::aio::MultiplexedConnection,
+    msgs: redis::aio::PubSubStream,
+}
+
+impl Control {
+    async fn new(redis: &Redis, channels: &[&str]) -> Control {
+        let client = redis::Client::open(redis.url.as_str()).unwrap();
+        let con = client.get_multiplexed_async_connection().await.unwrap();
+        let mut ps = client.get_async_pubsub().await.unwrap();
+        ps.subscribe(channels).await.unwrap();
+        Control {
+            con,
+            msgs: ps.into_on_message(),
+        }
+    }
+
+    async fn publish(&mut self, channel: &str, v: Value) {
+        let _: i64 = self.con.publish(channel, v.to_string()).await.unwrap();
+    }
+
+    async fn get(&mut self, key: &str) -> Option<String> {
+        self.con.get(key).await.unwrap()
+    }
+
+    /// The next message on `channel` for which `pick` holds (others skipped).
+    async fn wait_for(&mut self, channel: &str, pick: impl Fn(&Value) -> bool) -> Value {
+        let deadline = tokio::time::Instant::now() + WAIT;
+        loop {
+            let msg = tokio::time::timeout_at(deadline, self.msgs.next())
+                .await
+                .unwrap_or_else(|_| panic!("nothing matching on {channel}"))
+                .expect("subscription ended");
+            if msg.get_channel_name() != channel {
+                continue;
+            }
+            let v: Value = serde_json::from_slice(msg.get_payload_bytes()).unwrap();
+            if pick(&v) {
+                return v;
+            }
+        }
+    }
+
+    /// Polls `key` until it holds `want` (None = gone).
+    async fn wait_key(&mut self, key: &str, want: Option<&str>) {
+        let deadline = Instant::now() + WAIT;
+        loop {
+            let got = self.get(key).await;
+            if got.as_deref() == want {
+                return;
+            }
+            assert!(Instant::now() < deadline, "{key} = {got:?}, want {want:?}");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn registry_commands_and_events() {
+    let redis = start_redis().await;
+    let mut ctl = Control::new(&redis, &["replies", "fleetlink:events"]).await;
+    let b = start_broker(&redis, "tb-a", &[]).await;
+
+    // The liveness key.
+    let blob: Value = serde_json::from_str(&ctl.get("broker:tb-a").await.unwrap()).unwrap();
+    assert_eq!(blob["broker_id"], "tb-a");
+
+    // hello writes the lease, and `connected` is published.
+    let mut rig = hello(&b, "r1", OLD, json!({"group": "g1"})).await;
+    assert_eq!(next_msg(&mut rig).await["type"], "welcome");
+    assert_eq!(
+        ctl.get("rig:r1").await.as_deref(),
+        Some(&*format!("{OLD}|tb-a"))
+    );
+    let ev = ctl
+        .wait_for("fleetlink:events", |v| v["type"] == "connected")
+        .await;
+    assert_eq!(
+        (&ev["rig_id"], &ev["broker_id"]),
+        (&json!("r1"), &json!("tb-a"))
+    );
+
+    // A command on the broker's channel reaches the rig; the reply carries its seq.
+    let cmd = json!({"type": "command", "id": "c1", "rig_id": "r1", "name": "reboot",
+                     "args": {"x": 1}, "reply_to": "replies"});
+    ctl.publish("fleetlink:broker:tb-a", cmd).await;
+    let got = next_msg(&mut rig).await;
+    assert_eq!(
+        got,
+        json!({"type": "command", "seq": 1, "id": "c1", "name": "reboot", "args": {"x": 1}})
+    );
+    let reply = ctl.wait_for("replies", |v| v["id"] == "c1").await;
+    assert_eq!(
+        reply,
+        json!({"id": "c1", "ok": true, "rig_id": "r1", "seq": 1})
+    );
+
+    // The ack is published with the command's id.
+    rig.send(Message::text(r#"{"type":"ack","seq":1}"#))
+        .await
+        .unwrap();
+    let ev = ctl
+        .wait_for("fleetlink:events", |v| v["type"] == "ack")
+        .await;
+    assert_eq!((&ev["seq"], &ev["id"]), (&json!(1), &json!("c1")));
+
+    // Errors: an unknown rig, a malformed command.
+    let cmd = json!({"type": "command", "id": "c2", "rig_id": "ghost", "name": "x",
+                     "reply_to": "replies"});
+    ctl.publish("fleetlink:broker:tb-a", cmd).await;
+    let reply = ctl.wait_for("replies", |v| v["id"] == "c2").await;
+    assert_eq!(
+        (&reply["ok"], &reply["error"], &reply["rig_id"]),
+        (&json!(false), &json!("rig_not_connected"), &json!("ghost"))
+    );
+    let cmd = json!({"type": "command", "id": "c3", "rig_id": "r1", "name": "x", "args": [1],
+                     "reply_to": "replies"});
+    ctl.publish("fleetlink:broker:tb-a", cmd).await;
+    let reply = ctl.wait_for("replies", |v| v["id"] == "c3").await;
+    assert_eq!(reply["error"], "bad_request");
+
+    // A broadcast: one reply from this broker, with what matched.
+    let cmd = json!({"type": "command", "id": "b1", "selector": {"group": "g1"}, "name": "x",
+                     "reply_to": "replies"});
+    ctl.publish("fleetlink:broadcast", cmd).await;
+    let reply = ctl.wait_for("replies", |v| v["id"] == "b1").await;
+    assert_eq!(
+        (&reply["broker_id"], &reply["matched"], &reply["enqueued"]),
+        (&json!("tb-a"), &json!(1), &json!(1))
+    );
+    assert_eq!(next_msg(&mut rig).await["seq"], 2);
+
+    // An older boot is refused with 4409 and writes nothing.
+    let mut older = hello(&b, "r1", "0170f2e2-79b0-7cc3-98c4-dc0c0c07398f", json!({})).await;
+    assert_eq!(next_msg(&mut older).await, json!({"close": 4409}));
+    assert_eq!(
+        ctl.get("rig:r1").await.as_deref(),
+        Some(&*format!("{OLD}|tb-a"))
+    );
+
+    // Kick: 1012, and the clean disconnect releases the lease.
+    let cmd = json!({"type": "kick", "id": "k1", "rig_id": "r1", "reply_to": "replies"});
+    ctl.publish("fleetlink:broker:tb-a", cmd).await;
+    let reply = ctl.wait_for("replies", |v| v["id"] == "k1").await;
+    assert_eq!(reply, json!({"id": "k1", "ok": true, "rig_id": "r1"}));
+    assert_eq!(next_msg(&mut rig).await, json!({"close": 1012}));
+    ctl.wait_key("rig:r1", None).await;
+    let ev = ctl
+        .wait_for("fleetlink:events", |v| v["type"] == "disconnected")
+        .await;
+    assert_eq!((&ev["rig_id"], &ev["code"]), (&json!("r1"), &json!(1012)));
+
+    let metrics = http_get(&b.admin, "/metrics").await;
+    assert!(
+        metrics.contains("fleetlink_registry_ops_total{op=\"hello\",result=\"older\"} 1\n"),
+        "{metrics}"
+    );
+    assert!(metrics.contains("fleetlink_redis_up 1\n"), "{metrics}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn takeover_across_brokers_and_refresh() {
+    let redis = start_redis().await;
+    let mut ctl = Control::new(&redis, &["unused"]).await;
+    // A long refresh on A: its socket must go by the evict, not by a refresh.
+    let a = start_broker(&redis, "tb-a", &["--registry-refresh", "60s"]).await;
+    let b = start_broker(&redis, "tb-b", &["--registry-refresh", "200ms"]).await;
+
+    let mut on_a = hello(&a, "r2", OLD, json!({})).await;
+    assert_eq!(next_msg(&mut on_a).await["type"], "welcome");
+    let started = Instant::now();
+    let mut on_b = hello(&b, "r2", NEW, json!({})).await;
+    assert_eq!(next_msg(&mut on_b).await["type"], "welcome");
+    assert_eq!(next_msg(&mut on_a).await, json!({"close": 4410}));
+    assert!(started.elapsed() < Duration::from_secs(5));
+    ctl.wait_key("rig:r2", Some(&format!("{NEW}|tb-b"))).await;
+    // A's cleanup did not delete B's entry.
+    assert_eq!(
+        ctl.get("rig:r2").await.as_deref(),
+        Some(&*format!("{NEW}|tb-b"))
+    );
+    // An older boot on A is refused by the registry, though A no longer holds the rig.
+    let mut stale = hello(&a, "r2", OLD, json!({})).await;
+    assert_eq!(next_msg(&mut stale).await, json!({"close": 4409}));
+
+    // Refresh: the lease is kept; when someone else's entry replaces it, B closes with 4410.
+    let _: () = redis::cmd("PEXPIRE")
+        .arg("rig:r2")
+        .arg(1500)
+        .query_async(&mut ctl.con)
+        .await
+        .unwrap();
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let ttl: i64 = redis::cmd("PTTL")
+            .arg("rig:r2")
+            .query_async(&mut ctl.con)
+            .await
+            .unwrap();
+        if ttl > 10_000 {
+            break; // extended to --registry-ttl (60 s) by a refresh
+        }
+        assert!(
+            Instant::now() < deadline,
+            "lease not refreshed (pttl {ttl})"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let _: () = ctl
+        .con
+        .set("rig:r2", format!("{NEWER}|tb-elsewhere"))
+        .await
+        .unwrap();
+    assert_eq!(next_msg(&mut on_b).await, json!({"close": 4410}));
+    assert_eq!(
+        ctl.get("rig:r2").await.as_deref(),
+        Some(&*format!("{NEWER}|tb-elsewhere")),
+        "a superseded broker releases nothing"
+    );
+}
