@@ -6,6 +6,9 @@
 #   fleetlink-fe-admin       fleetlink-fe standalone; commands POSTed to /v1/rigs/{id}/commands
 #   tokio-baseline-default   the tokio baseline, tungstenite's default buffers; admin POSTs
 #   tokio-baseline-rb4096    the baseline with --read-buffer 4096 --write-buffer 0; admin POSTs
+#   tokio-baseline-redis-default  the baseline with --redis (broker id tb-a), default buffers;
+#                                 commands PUBLISHed on fleetlink:broker:tb-a as for fleetlink-fe-redis
+#   tokio-baseline-redis-rb4096   the same with --read-buffer 4096 --write-buffer 0
 #
 # and two shapes each:
 #
@@ -17,13 +20,15 @@
 #                    [--fanouts F] [--fanout-gap 2s] [--brokers "fleetlink-fe-redis ..."]
 #                    [--time-limit SECONDS] [--results DIR] [--no-build]
 #
-# Defaults: N=10000, R=3, K=500, INTERVAL=10ms, F=2, all four brokers, time limit 1800 s.
+# Defaults: N=10000, R=3, K=500, INTERVAL=10ms, F=2, all six brokers, time limit 1800 s.
 # A round runs one session per broker (the order rotates each round, so no broker always goes
 # first); a session starts the broker, runs the single shape with a 1-rig loadgen, then the
 # fan-out shape with an N-rig loadgen (`--until-commands` ends each loadgen once every command
 # has arrived), and stops the broker. Each session's loadgen report gives p50/p99/p999/max;
 # the summary quotes, per broker and shape, the MEDIAN over the R sessions of p50, p99 and
-# p999, and the largest max. Loadgen, Redis and the broker share the machine's cores.
+# p999, and the largest max; ratios compare each baseline with fleetlink-fe on the same path
+# (admin POST: fleetlink-fe-admin; Redis: fleetlink-fe-redis). Loadgen, Redis and the broker
+# share the machine's cores.
 #
 # Output (--results, default bench/results): latency-<broker>[-SUFFIX].json (every session's
 # reports) and latency-summary[-SUFFIX].md. Its own redis-server (port LATENCY_REDIS_PORT,
@@ -49,7 +54,7 @@ single=500
 interval=10ms
 fanouts=2
 fanout_gap=2s
-brokers="fleetlink-fe-redis fleetlink-fe-admin tokio-baseline-default tokio-baseline-rb4096"
+brokers="fleetlink-fe-redis fleetlink-fe-admin tokio-baseline-default tokio-baseline-rb4096 tokio-baseline-redis-default tokio-baseline-redis-rb4096"
 time_limit=1800
 build=1
 results="$here/results"
@@ -81,6 +86,7 @@ done
 for b in $brokers; do
   case "$b" in
     fleetlink-fe-redis|fleetlink-fe-admin|tokio-baseline-default|tokio-baseline-rb4096) ;;
+    tokio-baseline-redis-default|tokio-baseline-redis-rb4096) ;;
     *) die "unknown broker $b" ;;
   esac
 done
@@ -163,13 +169,25 @@ broker_cmd() {
     fleetlink-fe-admin) echo "$fe" "${common_fe[@]}" ;;
     tokio-baseline-default) echo "$baseline" "${common_tb[@]}" ;;
     tokio-baseline-rb4096) echo "$baseline" "${common_tb[@]}" --read-buffer 4096 --write-buffer 0 ;;
+    tokio-baseline-redis-default) echo "$baseline" --redis "$redis_url" "${common_tb[@]}" ;;
+    tokio-baseline-redis-rb4096)
+      echo "$baseline" --redis "$redis_url" "${common_tb[@]}" --read-buffer 4096 --write-buffer 0 ;;
+  esac
+}
+
+# The broker id a Redis-mode broker subscribes under; empty for the admin-POST brokers.
+redis_broker_id() {
+  case "$1" in
+    fleetlink-fe-redis) echo fe-a ;;
+    tokio-baseline-redis-*) echo tb-a ;;
+    *) echo "" ;;
   esac
 }
 
 start_broker() {
   local b="$1" log="$2" attempt
   for attempt in 1 2 3; do
-    if [[ "$b" == fleetlink-fe-redis ]]; then redis-cli -p "$rport" flushall >/dev/null; fi
+    if [[ -n "$(redis_broker_id "$b")" ]]; then redis-cli -p "$rport" flushall >/dev/null; fi
     # shellcheck disable=SC2046  # the command line is plain words (paths without spaces)
     $(broker_cmd "$b") >"$log" 2>&1 &
     broker_pid=$!
@@ -219,9 +237,10 @@ run_shape() {
   done
   sleep 1 # let the ramp's tail (registry writes, allocator) settle before measuring
 
-  local pub=()
-  if [[ "$b" == fleetlink-fe-redis ]]; then
-    pub=("$loadgen" redis-publish --redis "$redis_url" --broker-id fe-a --prefix "$prefix"
+  local pub=() bid
+  bid="$(redis_broker_id "$b")"
+  if [[ -n "$bid" ]]; then
+    pub=("$loadgen" redis-publish --redis "$redis_url" --broker-id "$bid" --prefix "$prefix"
          --max-time "${pub_bound}s")
     if [[ "$shape" == single ]]; then
       pub+=(--mode single --count "$single" --interval "$interval")
@@ -300,7 +319,8 @@ params = {"rigs": $rigs, "rounds": $rounds, "single_count": $single, "single_int
           "admin_http_connections": 8, "loadgen": "1 process, tokio current-thread"}
 order = [b for b in "$brokers".split()]
 path_of = {"fleetlink-fe-redis": "Redis PUBLISH", "fleetlink-fe-admin": "admin POST",
-           "tokio-baseline-default": "admin POST", "tokio-baseline-rb4096": "admin POST"}
+           "tokio-baseline-default": "admin POST", "tokio-baseline-rb4096": "admin POST",
+           "tokio-baseline-redis-default": "Redis PUBLISH", "tokio-baseline-redis-rb4096": "Redis PUBLISH"}
 summary = {}
 for b in order:
     summary[b] = {}
@@ -345,17 +365,21 @@ for shape in ("single", "fanout"):
             continue
         out.append(f"| {b} | {path_of[b]} | {shape} | {s['samples']:,} | {ms(s['p50_us'])} | {ms(s['p99_us'])} | "
                    f"{ms(s['p999_us'])} | {ms(s['max_us'])} | {s['lost']} |")
-ref = "fleetlink-fe-admin"
-if ref in summary:
+# Each baseline against fleetlink-fe on the same control path.
+ref_of = lambda b: "fleetlink-fe-redis" if path_of[b] == "Redis PUBLISH" else "fleetlink-fe-admin"
+ratios = []
+for shape in ("single", "fanout"):
+    for b in order:
+        ref = ref_of(b)
+        if b.startswith("fleetlink-fe") or ref not in summary or shape not in summary[b] or shape not in summary[ref]:
+            continue
+        a, c = summary[ref][shape], summary[b][shape]
+        if None in (a["p50_us"], a["p99_us"], c["p50_us"], c["p99_us"]):
+            continue
+        ratios.append(f"- {shape}: {b} / {ref}: p50 {c['p50_us'] / a['p50_us']:.2f}x, p99 {c['p99_us'] / a['p99_us']:.2f}x")
+if ratios:
     out.append("")
-    for shape in ("single", "fanout"):
-        for b in order:
-            if b in (ref, "fleetlink-fe-redis") or shape not in summary[b] or shape not in summary[ref]:
-                continue
-            a, c = summary[ref][shape], summary[b][shape]
-            if None in (a["p50_us"], a["p99_us"], c["p50_us"], c["p99_us"]):
-                continue
-            out.append(f"- {shape}: {b} / {ref}: p50 {c['p50_us'] / a['p50_us']:.2f}x, p99 {c['p99_us'] / a['p99_us']:.2f}x")
+    out.extend(ratios)
 out.append("")
 out.append("p50 per session (ms), in round order:\n")
 for shape in ("single", "fanout"):
