@@ -55,6 +55,19 @@ const HEARTBEAT_EVERY: Duration = Duration::from_secs(10);
 const HEARTBEAT_TTL_MS: u64 = 30_000;
 const MAX_BACKOFF: Duration = Duration::from_secs(5);
 
+/// Logs to stderr without panicking when stderr is gone (`eprintln!` would, and take the Redis
+/// tasks down with it).
+macro_rules! log {
+    ($($t:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(
+            std::io::stderr(),
+            "fleetlink-tokio-baseline: {}",
+            format_args!($($t)*)
+        );
+    }};
+}
+
 /// A broker's own control channel.
 pub fn broker_channel(id: &str) -> String {
     format!("fleetlink:broker:{id}")
@@ -348,17 +361,17 @@ async fn subscriber(app: Arc<App>) {
                 m.up.store(1, Relaxed);
                 backoff = Duration::from_millis(100);
                 if !std::mem::take(&mut first) {
-                    eprintln!("fleetlink-tokio-baseline: redis subscription back");
+                    log!("redis subscription back");
                     fleet.reconnected.notify_one();
                 }
                 while let Some(msg) = stream.next().await {
                     m.control_in.fetch_add(1, Relaxed);
                     control(&app, fleet, msg.get_channel_name(), msg.get_payload_bytes()).await;
                 }
-                eprintln!("fleetlink-tokio-baseline: redis subscription lost");
+                log!("redis subscription lost");
             }
-            Ok(Err(e)) => eprintln!("fleetlink-tokio-baseline: redis subscribe: {e}"),
-            Err(_) => eprintln!("fleetlink-tokio-baseline: redis subscribe: timed out"),
+            Ok(Err(e)) => log!("redis subscribe: {e}"),
+            Err(_) => log!("redis subscribe: timed out"),
         }
         m.up.store(0, Relaxed);
         // The command connection most likely shares the outage.
@@ -387,21 +400,27 @@ async fn upkeep(app: Arc<App>) {
             _ = refresh.tick() => refresh_leases(&app, fleet).await,
             _ = beat.tick() => heartbeat(&app, fleet).await,
             _ = fleet.reconnected.notified() => {
+                repair(fleet).await;
                 refresh_leases(&app, fleet).await;
                 heartbeat(&app, fleet).await;
             }
             _ = canary.tick() => {
-                if fleet.broken.swap(false, Relaxed) {
-                    match open_con(&fleet.client).await {
-                        Ok(c) => *fleet.con.lock().unwrap_or_else(|e| e.into_inner()) = c,
-                        Err(e) => {
-                            fleet.broken.store(true, Relaxed);
-                            eprintln!("fleetlink-tokio-baseline: redis reconnect: {e}");
-                        }
-                    }
-                }
+                repair(fleet).await;
                 let v = json!({"type": "canary", "broker_id": fleet.broker_id, "at": unix_ms()});
                 fleet.publish_lossy(&app.metrics.redis, &broker_channel(&fleet.broker_id), &v);
+            }
+        }
+    }
+}
+
+/// Reopens the command connection after a connection-level failure.
+async fn repair(fleet: &Fleet) {
+    if fleet.broken.swap(false, Relaxed) {
+        match open_con(&fleet.client).await {
+            Ok(c) => *fleet.con.lock().unwrap_or_else(|e| e.into_inner()) = c,
+            Err(e) => {
+                fleet.broken.store(true, Relaxed);
+                log!("redis reconnect: {e}");
             }
         }
     }
@@ -417,7 +436,7 @@ async fn refresh_leases(app: &App, fleet: &Fleet) {
         Ok(s) => s,
         Err(e) => {
             m.refresh_error.fetch_add(1, Relaxed);
-            eprintln!("fleetlink-tokio-baseline: refresh: {e}");
+            log!("refresh: {e}");
             return;
         }
     };
@@ -457,7 +476,7 @@ async fn heartbeat(app: &App, fleet: &Fleet) {
         .invoke_async::<String>(&mut fleet.con())
         .await;
     if let Err(e) = fleet.check(r) {
-        eprintln!("fleetlink-tokio-baseline: broker heartbeat: {e}");
+        log!("broker heartbeat: {e}");
     }
 }
 

@@ -36,6 +36,16 @@ async fn start_redis() -> Redis {
             .local_addr()
             .unwrap()
             .port();
+        if let Some(r) = redis_on(port).await {
+            return r;
+        }
+    }
+    panic!("could not start redis-server");
+}
+
+/// A redis-server on `port`, once it answers PING; None if it exited (port taken).
+async fn redis_on(port: u16) -> Option<Redis> {
+    {
         let mut child = Command::new("redis-server")
             .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
             .args(["--save", "", "--appendonly", "no"])
@@ -56,7 +66,7 @@ async fn start_redis() -> Redis {
                         .await
                         .is_ok()
                     {
-                        return Redis { child, url };
+                        return Some(Redis { child, url });
                     }
                 }
             }
@@ -65,7 +75,7 @@ async fn start_redis() -> Redis {
         let _ = child.kill();
         let _ = child.wait();
     }
-    panic!("could not start redis-server");
+    None
 }
 
 /// The baseline in Redis mode on ephemeral ports; killed on drop.
@@ -91,9 +101,15 @@ async fn start_broker(redis: &Redis, id: &str, extra: &[&str]) -> Broker {
         .spawn()
         .expect("start baseline");
     let mut line = String::new();
-    BufReader::new(child.stderr.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
+    let mut stderr = BufReader::new(child.stderr.take().unwrap());
+    stderr.read_line(&mut line).unwrap();
+    // The rest of the broker's log goes to the test's output (shown when a test fails).
+    let tag = id.to_string();
+    std::thread::spawn(move || {
+        for l in stderr.lines().map_while(Result::ok) {
+            eprintln!("[{tag}] {l}");
+        }
+    });
     let words: Vec<&str> = line.split_whitespace().collect();
     let Some(at) = words.iter().position(|x| *x == "rigs") else {
         panic!("unexpected start-up line: {line}");
@@ -375,4 +391,46 @@ async fn takeover_across_brokers_and_refresh() {
         Some(&*format!("{NEWER}|tb-elsewhere")),
         "a superseded broker releases nothing"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_restart_restores_leases() {
+    let redis = start_redis().await;
+    let port: u16 = redis
+        .url
+        .trim_end_matches('/')
+        .rsplit(':')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    let b = start_broker(&redis, "tb-r", &["--registry-refresh", "60s"]).await;
+    let mut rig = hello(&b, "r3", OLD, json!({})).await;
+    assert_eq!(next_msg(&mut rig).await["type"], "welcome");
+
+    // Redis comes back empty on the same port: the broker resubscribes, writes its lease again
+    // at once (not at the next 60 s refresh) and is ready again.
+    drop(redis);
+    let deadline = Instant::now() + WAIT;
+    let redis = loop {
+        if let Some(r) = redis_on(port).await {
+            break r;
+        }
+        assert!(Instant::now() < deadline, "port {port} not reusable");
+    };
+    let mut ctl = Control::new(&redis, &["unused"]).await;
+    ctl.wait_key("rig:r3", Some(&format!("{OLD}|tb-r"))).await;
+    let deadline = Instant::now() + WAIT;
+    while !http_get(&b.admin, "/readyz")
+        .await
+        .starts_with("HTTP/1.1 200")
+    {
+        assert!(Instant::now() < deadline, "not ready after the restart");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // The rig stayed connected and commands flow again.
+    let cmd = json!({"type": "command", "id": "c9", "rig_id": "r3", "name": "x",
+                     "reply_to": "unused"});
+    ctl.publish("fleetlink:broker:tb-r", cmd).await;
+    assert_eq!(next_msg(&mut rig).await["id"], "c9");
 }
