@@ -167,6 +167,14 @@ impl Drop for FakeBroker {
     }
 }
 
+/// A fleet of one: fake broker `fe-t` (answering, or silent) with `rig-1` registered on it.
+fn one_rig_fleet(answer: bool) -> (RedisServer, FakeBroker) {
+    let redis = RedisServer::start();
+    let fe = FakeBroker::start(&redis, "fe-t", answer, 0);
+    register(&redis, "rig-1", "fe-t");
+    (redis, fe)
+}
+
 /// Registers `rig` on `broker` the way the hello script would.
 fn register(redis: &RedisServer, rig: &str, broker: &str) -> String {
     let boot = boot_id();
@@ -183,9 +191,7 @@ fn register(redis: &RedisServer, rig: &str, broker: &str) -> String {
 
 #[test]
 fn redis_send_prints_the_reply() {
-    let redis = RedisServer::start();
-    let fe = FakeBroker::start(&redis, "fe-t", true, 0);
-    register(&redis, "rig-1", "fe-t");
+    let (redis, fe) = one_rig_fleet(true);
     let run = fleetctl(&[
         "--redis",
         &redis.url(),
@@ -252,9 +258,7 @@ fn redis_send_to_a_gone_broker_is_rig_not_connected() {
 
 #[test]
 fn redis_send_to_a_silent_broker_times_out() {
-    let redis = RedisServer::start();
-    let fe = FakeBroker::start(&redis, "fe-t", false, 0);
-    register(&redis, "rig-1", "fe-t");
+    let (redis, fe) = one_rig_fleet(false);
     let started = Instant::now();
     let run = fleetctl(&[
         "--redis",
@@ -283,9 +287,7 @@ fn redis_send_to_a_silent_broker_times_out() {
 
 #[test]
 fn redis_kick_publishes_a_kick() {
-    let redis = RedisServer::start();
-    let fe = FakeBroker::start(&redis, "fe-t", true, 0);
-    register(&redis, "rig-1", "fe-t");
+    let (redis, fe) = one_rig_fleet(true);
     let run = fleetctl(&["--redis", &redis.url(), "--json", "kick", "rig-1"]);
     run.assert_code(0);
     let kick = fe.next();
@@ -472,6 +474,18 @@ fn redis_brokers_lists_live_broker_keys() {
     assert!(rows[0]["ttl_ms"].as_i64().unwrap() > 20_000);
 }
 
+/// Returns once fleetctl listens on `fleetlink:events`: an event published earlier is lost.
+fn wait_for_events_subscriber(con: &mut redis::Connection) {
+    common::broker::eventually(Duration::from_secs(10), "fleetctl subscribed", || {
+        let subs: (String, i64) = redis::cmd("PUBSUB")
+            .arg("NUMSUB")
+            .arg("fleetlink:events")
+            .query(con)
+            .unwrap();
+        subs.1 == 1
+    });
+}
+
 #[test]
 fn redis_events_tail_stops_after_count() {
     let redis = RedisServer::start();
@@ -490,14 +504,7 @@ fn redis_events_tail_stops_after_count() {
     .stderr(Stdio::piped())
     .spawn()
     .unwrap();
-    common::broker::eventually(Duration::from_secs(10), "fleetctl subscribed", || {
-        let subs: (String, i64) = redis::cmd("PUBSUB")
-            .arg("NUMSUB")
-            .arg("fleetlink:events")
-            .query(&mut con)
-            .unwrap();
-        subs.1 == 1
-    });
+    wait_for_events_subscriber(&mut con);
     let events = [
         json!({"type": "connected", "rig_id": "rig-1", "boot_id": boot_id(), "broker_id": "fe-t", "at": "2026-01-01T00:00:00.000Z"}),
         json!({"type": "disconnected", "rig_id": "rig-1", "code": 1012, "reason": "kick", "at": "2026-01-01T00:00:01.000Z"}),
@@ -527,14 +534,7 @@ fn redis_events_tail_stops_after_count() {
     .stdout(Stdio::piped())
     .spawn()
     .unwrap();
-    common::broker::eventually(Duration::from_secs(10), "fleetctl subscribed", || {
-        let subs: (String, i64) = redis::cmd("PUBSUB")
-            .arg("NUMSUB")
-            .arg("fleetlink:events")
-            .query(&mut con)
-            .unwrap();
-        subs.1 == 1
-    });
+    wait_for_events_subscriber(&mut con);
     let _: i64 = redis::cmd("PUBLISH")
         .arg("fleetlink:events")
         .arg(events[1].to_string())

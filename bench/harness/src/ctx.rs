@@ -8,8 +8,10 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
+use serde_json::Value;
 
 use crate::broker::Spec;
+use crate::record;
 
 /// Flags common to the measuring scenarios.
 #[derive(Args, Debug, Clone)]
@@ -174,6 +176,41 @@ impl Ctx {
         v
     }
 
+    /// A whole scenario: `one(spec, round)` (round 1-based) for every broker in every round, in
+    /// the rotated order, then `summarize` over all runs, written as `<scenario>.{json,md}` and
+    /// printed. The work directory is removed only on success, so a failed run's logs stay.
+    pub(crate) fn rounds(
+        &self,
+        scenario: &str,
+        brokers: &[Spec],
+        mut one: impl FnMut(&Spec, usize) -> Result<Value>,
+        summarize: impl FnOnce(Vec<Value>) -> (Value, String),
+    ) -> Result<()> {
+        let mut runs = Vec::new();
+        for r in 0..self.rounds {
+            for spec in Self::rotation(brokers, r) {
+                eprintln!(
+                    "bench: {scenario} round {}/{}: {}",
+                    r + 1,
+                    self.rounds,
+                    spec.name
+                );
+                let started = record::now_utc();
+                let mut run = one(&spec, r + 1)?;
+                // Wall-clock bounds, to match a run against other load on the machine.
+                run["started"] = started.into();
+                run["ended"] = record::now_utc().into();
+                eprintln!("bench:   {run}");
+                runs.push(run);
+            }
+        }
+        let (doc, md) = summarize(runs);
+        record::write(&self.out, &self.result_name(scenario), &doc, &md)?;
+        println!("{md}");
+        self.clean();
+        Ok(())
+    }
+
     /// Removes the work directory (after a successful scenario).
     pub(crate) fn clean(&self) {
         let _ = std::fs::remove_dir_all(&self.work);
@@ -218,6 +255,53 @@ mod tests {
         assert_eq!(parse_duration("5"), Ok(Duration::from_secs(5)));
         assert!(parse_duration("5h").is_err());
         assert_eq!(arg_duration(Duration::from_secs(2)), "2000ms");
+    }
+
+    #[test]
+    fn rounds_rotate_stamp_and_write() {
+        let dir = std::env::temp_dir().join(format!("fleetlink-bench-test.{}", std::process::id()));
+        let (work, out) = (dir.join("work"), dir.join("out"));
+        std::fs::create_dir_all(&work).unwrap();
+        std::fs::create_dir_all(&out).unwrap();
+        let local = |port| SocketAddr::from((Ipv4Addr::LOCALHOST, port));
+        let ctx = Ctx {
+            bins: Bins {
+                fe: "fe".into(),
+                baseline: "baseline".into(),
+                loadgen: "loadgen".into(),
+            },
+            work: work.clone(),
+            out: out.clone(),
+            listen: local(1),
+            admin: local(2),
+            rounds: 2,
+            built: Value::Null,
+            only: None,
+            name: Some("t".into()),
+            seq: Cell::new(0),
+        };
+        let brokers = [Spec::fe("a", &[]), Spec::baseline("b", &[])];
+        let mut order = Vec::new();
+        ctx.rounds(
+            "scn",
+            &brokers,
+            |spec, round| {
+                order.push((spec.name, round));
+                Ok(serde_json::json!({"broker": spec.name}))
+            },
+            |runs| {
+                assert!(runs
+                    .iter()
+                    .all(|r| r["started"].is_string() && r["ended"].is_string()));
+                (serde_json::json!({"runs": runs.len()}), "| md |".into())
+            },
+        )
+        .unwrap();
+        assert_eq!(order, [("a", 1), ("b", 1), ("b", 2), ("a", 2)]);
+        let doc = std::fs::read_to_string(out.join("scn-t.json")).unwrap();
+        assert_eq!(doc, "{\n  \"runs\": 4\n}\n");
+        assert!(!work.exists(), "work directory kept after success");
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

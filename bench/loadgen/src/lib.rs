@@ -6,6 +6,7 @@ pub mod fanout;
 pub mod hist;
 pub mod http;
 pub mod orchestrator;
+pub mod pem;
 pub mod redis_pub;
 pub mod report;
 pub mod rig;

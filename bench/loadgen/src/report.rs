@@ -246,13 +246,15 @@ pub struct WorkerReport {
 /// Adds sorted `(key, count)` pairs into `into`, keeping it sorted.
 pub fn add_timeline(into: &mut Vec<(u64, u64)>, from: &[(u64, u64)]) {
     let mut m: BTreeMap<u64, u64> = into.iter().copied().collect();
-    for &(k, v) in from {
-        *m.entry(k).or_insert(0) += v;
-    }
+    add_counts(&mut m, from.iter().map(|(k, v)| (k, v)));
     *into = m.into_iter().collect();
 }
 
-fn add_maps(into: &mut BTreeMap<String, u64>, from: &BTreeMap<String, u64>) {
+/// Adds every `(key, count)` of `from` into `into`.
+fn add_counts<'a, K: Ord + Clone + 'a>(
+    into: &mut BTreeMap<K, u64>,
+    from: impl IntoIterator<Item = (&'a K, &'a u64)>,
+) {
     for (k, v) in from {
         *into.entry(k.clone()).or_insert(0) += v;
     }
@@ -263,14 +265,14 @@ impl WorkerReport {
         self.rigs += o.rigs;
         self.welcomed += o.welcomed;
         self.failed += o.failed;
-        add_maps(&mut self.failed_by_reason, &o.failed_by_reason);
+        add_counts(&mut self.failed_by_reason, &o.failed_by_reason);
         self.retries_503 += o.retries_503;
         self.retries_4503 += o.retries_4503;
         self.dropped_after_welcome += o.dropped_after_welcome;
         self.commands_received += o.commands_received;
         self.acks_sent += o.acks_sent;
         self.goaways += o.goaways;
-        add_maps(&mut self.close_codes, &o.close_codes);
+        add_counts(&mut self.close_codes, &o.close_codes);
         self.latency_us.merge(&o.latency_us);
         self.handshake_us.merge(&o.handshake_us);
         self.first_command_unix_us = match (self.first_command_unix_us, o.first_command_unix_us) {
@@ -285,7 +287,7 @@ impl WorkerReport {
         self.duplicates += o.duplicates;
         self.seq_gaps += o.seq_gaps;
         self.seqs_missing += o.seqs_missing;
-        add_maps(
+        add_counts(
             &mut self.reconnect_failures_by_reason,
             &o.reconnect_failures_by_reason,
         );
@@ -352,6 +354,13 @@ pub struct FinalReport {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn timelines_add_per_bucket() {
+        let mut t = vec![(0, 1), (20, 2)];
+        add_timeline(&mut t, &[(10, 1), (20, 3)]);
+        assert_eq!(t, [(0, 1), (10, 1), (20, 5)]);
+    }
 
     #[test]
     fn merge_adds_and_keeps_extremes() {

@@ -8,21 +8,22 @@
 //! a certificate issued for `localhost`.
 
 use std::fmt;
-use std::fs::File;
-use std::io::{self, BufReader};
+use std::io;
 use std::path::Path;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context as TaskContext, Poll};
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use rustls::client::Resumption;
-use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
-use rustls::{ClientConfig, RootCertStore};
+use rustls::pki_types::ServerName;
+use rustls::ClientConfig;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 use tokio_rustls::client::TlsStream;
 use tokio_rustls::TlsConnector;
+
+use crate::pem::{read_certs, read_key, read_roots};
 
 /// What every wss rig of a worker shares: the connector and the name to verify.
 #[derive(Clone)]
@@ -43,16 +44,7 @@ impl TlsClient {
     /// Trusts the certificates in `ca`; presents `cert`/`key` when given (one identity for all
     /// rigs). No resumption, ALPN `http/1.1`.
     pub fn new(ca: &Path, client: Option<(&Path, &Path)>, server_name: &str) -> Result<TlsClient> {
-        let mut roots = RootCertStore::empty();
-        for (i, c) in read_certs(ca)?.into_iter().enumerate() {
-            roots.add(c).with_context(|| {
-                format!(
-                    "{}: certificate #{} is not a usable CA",
-                    ca.display(),
-                    i + 1
-                )
-            })?;
-        }
+        let roots = read_roots(ca)?;
         let provider = Arc::new(rustls::crypto::ring::default_provider());
         let builder = ClientConfig::builder_with_provider(provider)
             .with_protocol_versions(&[&rustls::version::TLS13, &rustls::version::TLS12])
@@ -73,24 +65,6 @@ impl TlsClient {
             server_name,
         })
     }
-}
-
-fn read_certs(path: &Path) -> Result<Vec<CertificateDer<'static>>> {
-    let f = File::open(path).with_context(|| format!("reading {}", path.display()))?;
-    let certs = rustls_pemfile::certs(&mut BufReader::new(f))
-        .collect::<Result<Vec<_>, _>>()
-        .with_context(|| format!("{}: not valid PEM", path.display()))?;
-    if certs.is_empty() {
-        bail!("{}: no CERTIFICATE block found", path.display());
-    }
-    Ok(certs)
-}
-
-fn read_key(path: &Path) -> Result<PrivateKeyDer<'static>> {
-    let f = File::open(path).with_context(|| format!("reading {}", path.display()))?;
-    rustls_pemfile::private_key(&mut BufReader::new(f))
-        .with_context(|| format!("{}: not valid PEM", path.display()))?
-        .with_context(|| format!("{}: no private key found", path.display()))
 }
 
 /// A failure reason for the report from a TLS handshake error: rustls errors come wrapped in an

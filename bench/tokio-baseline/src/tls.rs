@@ -6,33 +6,15 @@
 //! certificate chaining to the bundle is required; the baseline does not map it to a rig id
 //! (no 4403 identity check: that is fleetlink-fe's contract, not this comparison's).
 
-use std::fs::File;
-use std::io::BufReader;
 use std::path::Path;
 use std::sync::Arc;
 
-use anyhow::{bail, Context, Result};
-use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+use anyhow::{Context, Result};
+// The load generator's PEM loader: the same file handling and error messages on both ends
+// of the wss benches, and no second copy to drift.
+use fleetlink_loadgen::pem::{read_certs, read_key, read_roots};
 use rustls::server::{NoServerSessionStorage, WebPkiClientVerifier};
-use rustls::{RootCertStore, ServerConfig};
-
-fn read_certs(path: &Path) -> Result<Vec<CertificateDer<'static>>> {
-    let f = File::open(path).with_context(|| format!("reading {}", path.display()))?;
-    let certs = rustls_pemfile::certs(&mut BufReader::new(f))
-        .collect::<Result<Vec<_>, _>>()
-        .with_context(|| format!("{}: not valid PEM", path.display()))?;
-    if certs.is_empty() {
-        bail!("{}: no CERTIFICATE block found", path.display());
-    }
-    Ok(certs)
-}
-
-fn read_key(path: &Path) -> Result<PrivateKeyDer<'static>> {
-    let f = File::open(path).with_context(|| format!("reading {}", path.display()))?;
-    rustls_pemfile::private_key(&mut BufReader::new(f))
-        .with_context(|| format!("{}: not valid PEM", path.display()))?
-        .with_context(|| format!("{}: no private key found", path.display()))
-}
+use rustls::ServerConfig;
 
 /// The server config for `--tls-cert`/`--tls-key` and, if given, `--client-ca`.
 pub fn server_config(cert: &Path, key: &Path, client_ca: Option<&Path>) -> Result<ServerConfig> {
@@ -42,17 +24,8 @@ pub fn server_config(cert: &Path, key: &Path, client_ca: Option<&Path>) -> Resul
         .context("TLS protocol versions")?;
     let builder = match client_ca {
         Some(ca) => {
-            let mut roots = RootCertStore::empty();
-            for (i, c) in read_certs(ca)?.into_iter().enumerate() {
-                roots.add(c).with_context(|| {
-                    format!(
-                        "{}: certificate #{} is not a usable CA",
-                        ca.display(),
-                        i + 1
-                    )
-                })?;
-            }
-            let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider)
+            let roots = Arc::new(read_roots(ca)?);
+            let verifier = WebPkiClientVerifier::builder_with_provider(roots, provider)
                 .build()
                 .with_context(|| format!("{}: client verifier", ca.display()))?;
             builder.with_client_cert_verifier(verifier)

@@ -59,6 +59,8 @@ impl RedisPlane {
     ) -> anyhow::Result<Value> {
         let deadline = Instant::now() + timeout;
         let id = new_id();
+        let fail =
+            |error: &str, detail: &str| error_reply(Some(&id), Some(rig.as_str()), error, detail);
         let key = rig_key(rig);
         let entry: Option<String> = redis::cmd("GET")
             .arg(&key)
@@ -66,58 +68,65 @@ impl RedisPlane {
             .map_err(failed("GET"))?;
         let Some(entry) = entry else {
             let detail = format!("no registry entry {key}: the rig is not connected to any broker");
-            return Ok(error_reply(
-                Some(&id),
-                Some(rig.as_str()),
-                "rig_not_connected",
-                &detail,
-            ));
+            return Ok(fail("rig_not_connected", &detail));
         };
         let owner = Owner::parse(&entry);
         if owner.broker_id.is_empty() {
             let detail = format!("registry entry {key} is malformed: {entry:?}");
-            return Ok(error_reply(
-                Some(&id),
-                Some(rig.as_str()),
-                "rig_not_connected",
-                &detail,
-            ));
+            return Ok(fail("rig_not_connected", &detail));
         }
+        let channel = format!("fleetlink:broker:{}", owner.broker_id);
+        let build = |reply_to: &str| build(&id, reply_to);
+        self.round_trip(&id, &channel, build, |sub, receivers| {
+            if receivers == 0 {
+                let detail = format!(
+                    "{key} names broker {} but nothing listens on {channel}: the broker is gone \
+                     (the stale entry expires with its TTL)",
+                    owner.broker_id
+                );
+                return Ok(fail("rig_not_connected", &detail));
+            }
+            while let Some(reply) = next_json(sub, Some(deadline))? {
+                if reply["id"].as_str().is_none_or(|r| r == id) {
+                    return Ok(reply);
+                }
+            }
+            let detail = format!(
+                "no reply from broker {} within {}",
+                owner.broker_id,
+                secs(timeout)
+            );
+            Ok(fail("timeout", &detail))
+        })
+    }
+
+    /// Subscribes to a fresh `fleetlink:reply:<id>` on its own connection, publishes
+    /// `build(reply_to)` on `channel`, then hands the subscription and the number of receivers
+    /// to `collect`.
+    fn round_trip<T>(
+        &mut self,
+        id: &str,
+        channel: &str,
+        build: impl FnOnce(&str) -> Value,
+        collect: impl FnOnce(&mut PubSub<'_>, i64) -> anyhow::Result<T>,
+    ) -> anyhow::Result<T> {
         let reply_to = format!("fleetlink:reply:{id}");
         let mut sub_con = self.open()?;
         let mut sub = sub_con.as_pubsub();
         sub.subscribe(&reply_to).map_err(failed("SUBSCRIBE"))?;
-        let channel = format!("fleetlink:broker:{}", owner.broker_id);
-        let receivers = self.publish(&channel, &build(&id, &reply_to))?;
-        if receivers == 0 {
-            let detail = format!(
-                "{key} names broker {} but nothing listens on {channel}: the broker is gone \
-                 (the stale entry expires with its TTL)",
-                owner.broker_id
-            );
-            return Ok(error_reply(
-                Some(&id),
-                Some(rig.as_str()),
-                "rig_not_connected",
-                &detail,
-            ));
-        }
-        while let Some(reply) = next_json(&mut sub, Some(deadline))? {
-            if reply["id"].as_str().is_none_or(|r| r == id) {
-                return Ok(reply);
-            }
-        }
-        let detail = format!(
-            "no reply from broker {} within {}",
-            owner.broker_id,
-            secs(timeout)
-        );
-        Ok(error_reply(
-            Some(&id),
-            Some(rig.as_str()),
-            "timeout",
-            &detail,
-        ))
+        let receivers = self.publish(channel, &build(&reply_to))?;
+        collect(&mut sub, receivers)
+    }
+
+    /// `key`'s value, if any, and its PTTL, in one round trip.
+    fn get_with_ttl(&mut self, key: &str) -> anyhow::Result<(Option<String>, i64)> {
+        redis::pipe()
+            .cmd("GET")
+            .arg(key)
+            .cmd("PTTL")
+            .arg(key)
+            .query(self.con()?)
+            .map_err(failed("GET"))
     }
 
     /// Every key matching `pattern` (a full SCAN walk).
@@ -219,44 +228,37 @@ impl ControlPlane for RedisPlane {
                 self.shown
             );
         }
-        let reply_to = format!("fleetlink:reply:{id}");
-        let mut sub_con = self.open()?;
-        let mut sub = sub_con.as_pubsub();
-        sub.subscribe(&reply_to).map_err(failed("SUBSCRIBE"))?;
-        let msg = json!({"type": "command", "id": id, "selector": selector, "name": name, "args": args,
-                         "reply_to": reply_to});
-        self.publish(BROADCAST_CHANNEL, &msg)?;
-        let mut waiting: BTreeSet<String> = out.expected.iter().cloned().collect();
-        let mut replied = BTreeSet::new();
-        while !waiting.is_empty() {
-            let Some(reply) = next_json(&mut sub, Some(deadline))? else {
-                break;
-            };
-            if reply["id"].as_str() != Some(id.as_str()) {
-                continue;
+        let build = |reply_to: &str| {
+            json!({"type": "command", "id": id, "selector": selector, "name": name, "args": args,
+                   "reply_to": reply_to})
+        };
+        self.round_trip(&id, BROADCAST_CHANNEL, build, |sub, _| {
+            let mut waiting: BTreeSet<String> = out.expected.iter().cloned().collect();
+            let mut replied = BTreeSet::new();
+            while !waiting.is_empty() {
+                let Some(reply) = next_json(sub, Some(deadline))? else {
+                    break;
+                };
+                if reply["id"].as_str() != Some(id.as_str()) {
+                    continue;
+                }
+                // Brokers reply once; a repeat must not count its rigs twice.
+                let broker = reply["broker_id"].as_str().unwrap_or_default().to_owned();
+                if !replied.insert(broker.clone()) {
+                    eprintln!("fleetctl: warning: ignoring a second reply from broker {broker:?}");
+                    continue;
+                }
+                waiting.remove(&broker);
+                out.replies.push(reply);
             }
-            // Brokers reply once; a repeat must not count its rigs twice.
-            let broker = reply["broker_id"].as_str().unwrap_or_default().to_owned();
-            if !replied.insert(broker.clone()) {
-                eprintln!("fleetctl: warning: ignoring a second reply from broker {broker:?}");
-                continue;
-            }
-            waiting.remove(&broker);
-            out.replies.push(reply);
-        }
-        Ok(out)
+            Ok(out)
+        })
     }
 
     /// `status RIG`: the registry entry, its lease, and whether its broker is alive.
     fn status(&mut self, rig: &RigId) -> anyhow::Result<Value> {
         let key = rig_key(rig);
-        let (entry, pttl): (Option<String>, i64) = redis::pipe()
-            .cmd("GET")
-            .arg(&key)
-            .cmd("PTTL")
-            .arg(&key)
-            .query(self.con()?)
-            .map_err(failed("GET"))?;
+        let (entry, pttl) = self.get_with_ttl(&key)?;
         let Some(entry) = entry else {
             let detail = format!("no registry entry {key}: the rig is not connected to any broker");
             return Ok(error_reply(
@@ -268,13 +270,7 @@ impl ControlPlane for RedisPlane {
         };
         let owner = Owner::parse(&entry);
         let bkey = broker_key(&owner.broker_id);
-        let (blob, broker_pttl): (Option<String>, i64) = redis::pipe()
-            .cmd("GET")
-            .arg(&bkey)
-            .cmd("PTTL")
-            .arg(&bkey)
-            .query(self.con()?)
-            .map_err(failed("GET"))?;
+        let (blob, broker_pttl) = self.get_with_ttl(&bkey)?;
         Ok(json!({
             "ok": true,
             "rig_id": rig.as_str(),
@@ -337,13 +333,7 @@ impl ControlPlane for RedisPlane {
         keys.sort();
         let mut rows = Vec::with_capacity(keys.len());
         for key in keys {
-            let (blob, pttl): (Option<String>, i64) = redis::pipe()
-                .cmd("GET")
-                .arg(&key)
-                .cmd("PTTL")
-                .arg(&key)
-                .query(self.con()?)
-                .map_err(failed("GET"))?;
+            let (blob, pttl) = self.get_with_ttl(&key)?;
             let Some(blob) = blob else { continue };
             let mut row = match parse_blob(&blob) {
                 Value::Object(map) => map,

@@ -60,29 +60,12 @@ const BROKERS: [Spec; 3] = [
 pub(crate) fn run(o: &Opts) -> Result<()> {
     let ctx = Ctx::new(&o.common)?;
     let brokers = ctx.select(&BROKERS)?;
-    let mut runs = Vec::new();
-    for r in 0..ctx.rounds {
-        for spec in Ctx::rotation(&brokers, r) {
-            eprintln!(
-                "bench: idle-cost round {}/{}: {}",
-                r + 1,
-                ctx.rounds,
-                spec.name
-            );
-            let started = record::now_utc();
-            let mut run = idle(&ctx, o, &spec, r + 1)?;
-            // Wall-clock bounds, to match a run against other load on the machine.
-            run["started"] = started.into();
-            run["ended"] = record::now_utc().into();
-            eprintln!("bench:   {run}");
-            runs.push(run);
-        }
-    }
-    let (doc, md) = summarize(&ctx, o, &brokers, runs);
-    record::write(&ctx.out, &ctx.result_name("idle-cost"), &doc, &md)?;
-    println!("{md}");
-    ctx.clean();
-    Ok(())
+    ctx.rounds(
+        "idle-cost",
+        &brokers,
+        |spec, round| idle(&ctx, o, spec, round),
+        |runs| summarize(&ctx, o, &brokers, runs),
+    )
 }
 
 /// One window against a fresh broker holding N rigs.

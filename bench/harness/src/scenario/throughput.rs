@@ -68,29 +68,12 @@ const BROKERS: [Spec; 4] = [
 pub(crate) fn run(o: &Opts) -> Result<()> {
     let ctx = Ctx::new(&o.common)?;
     let brokers = ctx.select(&BROKERS)?;
-    let mut runs = Vec::new();
-    for r in 0..ctx.rounds {
-        for spec in Ctx::rotation(&brokers, r) {
-            eprintln!(
-                "bench: throughput round {}/{}: {}",
-                r + 1,
-                ctx.rounds,
-                spec.name
-            );
-            let started = record::now_utc();
-            let mut run = sustain(&ctx, o, &spec, r + 1)?;
-            // Wall-clock bounds, to match a run against other load on the machine.
-            run["started"] = started.into();
-            run["ended"] = record::now_utc().into();
-            eprintln!("bench:   {run}");
-            runs.push(run);
-        }
-    }
-    let (doc, md) = summarize(&ctx, o, &brokers, runs);
-    record::write(&ctx.out, &ctx.result_name("throughput"), &doc, &md)?;
-    println!("{md}");
-    ctx.clean();
-    Ok(())
+    ctx.rounds(
+        "throughput",
+        &brokers,
+        |spec, round| sustain(&ctx, o, spec, round),
+        |runs| summarize(&ctx, o, &brokers, runs),
+    )
 }
 
 /// One send window against a fresh broker holding N rigs.
