@@ -284,3 +284,30 @@ fn the_same_boot_resumes_on_another_broker_even_without_commands() {
         1
     );
 }
+
+/// `--session-ttl 0`: nothing is kept in Redis, commands still flow in order with one `ok`
+/// each, and a resume on another broker starts a fresh session.
+#[test]
+fn session_ttl_zero_keeps_no_session_in_redis() {
+    let redis = RedisServer::start();
+    let url = redis.url();
+    let a = Broker::start(&["--redis", &url, "--broker-id", "fe-a", "--session-ttl", "0"]);
+    eventually(Duration::from_secs(10), "broker ready", || {
+        a.http("GET", "/readyz", "").0 == 200
+    });
+    let (mut ws, boot, _) = a.rig("rig-z");
+    let mut ctl = Control::new(&redis, &[]);
+    for i in 1..=3u64 {
+        let r = ctl.command("fe-a", "rig-z", "n", json!({"i": i}));
+        assert_eq!(r["ok"], true, "{r}");
+        assert_eq!(r["seq"], i);
+        assert_eq!(read_json(&mut ws)["seq"], i);
+    }
+    let mut con = redis.connection();
+    let keys: Vec<String> = con.keys("sess*").unwrap();
+    assert!(keys.is_empty(), "no session keys expected, found {keys:?}");
+    assert_eq!(
+        con.get::<_, Option<String>>("rig:rig-z").unwrap(),
+        Some(format!("{boot}|fe-a"))
+    );
+}

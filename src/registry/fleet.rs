@@ -260,6 +260,11 @@ impl Fleet {
         }
     }
 
+    /// Writes waiting for the next [`Self::flush`].
+    pub(crate) fn queued(&self) -> usize {
+        self.outgoing.len() + self.forgets.len() + self.releases.len()
+    }
+
     /// Queues a compare-and-delete of a released lease (sent with the next flush).
     pub(crate) fn release(&mut self, rig: RigId, boot: BootId) {
         if self.releases.len() < MAX_OUTGOING {

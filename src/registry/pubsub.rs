@@ -14,6 +14,11 @@ use redis::{ConnectionAddr, ConnectionInfo};
 /// Largest unparsed input kept; a longer message than this from Redis is a protocol failure.
 const MAX_BUFFER: usize = 64 << 20;
 
+/// Bytes taken from the socket per [`Subscriber::read`]: a burst of thousands of commands is
+/// handed to the cores a few hundred at a time, so the first rigs get theirs while the rest are
+/// still being parsed. The socket stays readable, so the caller comes back for more.
+const READ_PER_CALL: usize = 64 * 1024;
+
 /// One pushed message on a subscribed channel.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Push {
@@ -82,11 +87,13 @@ impl Subscriber {
         })
     }
 
-    /// Reads whatever arrived and returns the complete messages. An error means the connection
-    /// is gone (EOF, reset, or a reply this reader does not understand).
+    /// Reads what arrived, up to [`READ_PER_CALL`] bytes, and returns the complete messages. An
+    /// error means the connection is gone (EOF, reset, or a reply this reader does not
+    /// understand).
     pub fn read(&mut self) -> io::Result<Vec<Push>> {
         let mut chunk = [0u8; 16 * 1024];
-        loop {
+        let mut taken = 0;
+        while taken < READ_PER_CALL {
             match self.stream.read(&mut chunk) {
                 Ok(0) => {
                     return Err(io::Error::new(
@@ -94,9 +101,11 @@ impl Subscriber {
                         "redis closed the subscription",
                     ))
                 }
-                Ok(n) => self
-                    .buf
-                    .extend_from_slice(chunk.get(..n).unwrap_or_default()),
+                Ok(n) => {
+                    taken += n;
+                    self.buf
+                        .extend_from_slice(chunk.get(..n).unwrap_or_default())
+                }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) => return Err(e),

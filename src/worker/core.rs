@@ -62,6 +62,9 @@ pub(crate) struct Core {
     pub(crate) rejecting: Cell<u32>,
     /// Fleet mode: publish lifecycle events.
     pub(crate) fleet: bool,
+    /// Fleet mode with `--session-ttl` above 0: commands are kept in Redis before they are
+    /// written, and forgotten there when acked.
+    pub(crate) persist: bool,
     /// This core's view of the TLS config (None: plain ws).
     pub(crate) tls: RefCell<Option<ConfigCache>>,
     /// Bearer-token verifier (None: no tokens).
@@ -105,6 +108,7 @@ impl Core {
             max_conns: cfg.max_connections.map(share),
             rejecting: Cell::new(0),
             fleet: cfg.redis.is_some(),
+            persist: cfg.redis.is_some() && !cfg.session_ttl.is_zero(),
             tls: RefCell::new(guard.tls.map(ConfigCache::new)),
             jwt: guard.jwt,
         }

@@ -356,7 +356,7 @@ fn on_ack(core: &Core, s: &mut Session, seq: Seq) -> Option<Box<str>> {
         let Some(cmd) = q.unacked.pop_front() else {
             break;
         };
-        if core.fleet {
+        if core.persist {
             // Acked (or, behind it, received in order): no longer kept for a resume.
             core.to_bridge(ToBridge::Forget {
                 rig: s.rig.clone(),
@@ -397,7 +397,7 @@ pub(crate) fn pump(core: &Core, conn: &Conn, st: &mut ConnState) {
         if q.unacked.len() >= core.cfg.outbox * UNACKED_PER_OUTBOX {
             if let Some(old) = q.unacked.pop_front() {
                 core.metrics.inc(C::CmdResumeDropped);
-                if core.fleet {
+                if core.persist {
                     core.to_bridge(ToBridge::Forget {
                         rig: session.rig.clone(),
                         boot: session.boot,
@@ -528,7 +528,7 @@ pub(crate) fn on_command(core: &Core, conn: &Conn, st: &mut ConnState, req: Comm
     let seq = session.next_seq;
     let json =
         protocol::encode_command(session.v, seq, &req.id, &req.name, &req.args).into_boxed_slice();
-    if core.fleet {
+    if core.persist {
         // Kept in Redis first; the bridge answers control and releases it for writing.
         let persist = PersistReq {
             conn: conn.id,
@@ -562,7 +562,7 @@ pub(crate) fn on_command(core: &Core, conn: &Conn, st: &mut ConnState, req: Comm
         json,
         queued_at: Instant::now(),
         written_at: None,
-        held: core.fleet,
+        held: core.persist,
     });
     core.metrics.inc(C::CmdEnqueued);
     pump(core, conn, st);
