@@ -372,8 +372,7 @@ impl Bridge {
         }
         let held = std::mem::take(&mut self.persists);
         let ttl = self.cfg.session_ttl;
-        let skip = std::env::var_os("FX_NOPERSIST").is_some();
-        let kept = self.fleet.as_mut().filter(|_| !skip).and_then(|f| {
+        let kept = self.fleet.as_mut().and_then(|f| {
             let batch: Vec<Persist<'_>> = held
                 .iter()
                 .map(|p| Persist {
