@@ -35,6 +35,13 @@ for n in names:
     r = res[n]
     cells = " | ".join(f"{p['rss_kb']/1024:.1f} MiB" for p in r["points"])
     print(f"| {n} | {r['slope_bytes_per_conn']['rss']:,} | {r['slope_bytes_per_conn']['anonymous']:,} | {cells} |")
+print("\nKernel floor (machine-wide slab growth per connection: " + ", ".join(res["fleetlink-fe"]["kernel"]["slab_caches"]) + "; both loopback ends, so about half is the broker's socket):\n")
+print("| broker | slab per connection, both ends (B) | per socket (B) | TCP mem pages at the last step |")
+print("|---|---|---|---|")
+for n in names:
+    k = res[n]["kernel"]
+    b = k["slab_bytes_per_conn_both_ends"]
+    print(f"| {n} | {b:,.0f} | {k['slab_bytes_per_socket']:,} | {res[n]['points'][-1]['tcp_mem_pages']} |" if b is not None else f"| {n} | unreadable | | |")
 fe = res["fleetlink-fe"]["slope_bytes_per_conn"]["rss"]
 for n in names[1:]:
     print(f"\n{n} / fleetlink-fe = {res[n]['slope_bytes_per_conn']['rss'] / max(fe, 1):.1f}x")

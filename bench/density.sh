@@ -103,6 +103,20 @@ mem_kb() {
   echo "$rss ${pd:-0} ${anon:-0}"
 }
 
+# The kernel's side of the same connections, machine-wide: bytes in the slab caches a socket
+# uses (active objects x object size, /proc/slabinfo, root only; -1 when unreadable) and TCP
+# buffer pages (/proc/net/sockstat "mem", which stays near 0 while sockets are idle). On
+# loopback both ends are on this host: per broker connection the slab holds two sockets.
+SLABS="TCP sock_inode_cache filp dentry eventpoll_epi io_kiocb"
+kernel_mem() {
+  local slab=-1 pages
+  if [[ -r /proc/slabinfo ]]; then
+    slab=$(awk -v want=" $SLABS " 'index(want, " " $1 " ") {s += $2 * $4} END {print s + 0}' /proc/slabinfo)
+  fi
+  pages=$(awk '/^TCP:/ {for (i = 1; i < NF; i++) if ($i == "mem") print $(i + 1)}' /proc/net/sockstat)
+  echo "$slab ${pages:-0}"
+}
+
 # Waits for RSS to settle: two reads 1 s apart within 1 %. Prints "rss pd anon stable".
 settle() {
   local deadline=$((SECONDS + stable_timeout)) a b
@@ -133,6 +147,7 @@ until (exec 3<>"/dev/tcp/$host/$port") 2>/dev/null; do
 done
 
 read -r idle_rss idle_pd idle_anon idle_stable < <(settle)
+read -r idle_slab idle_pages < <(kernel_mem)
 echo "density: broker pid $broker_pid idle RSS ${idle_rss} kB" >&2
 
 rows=()
@@ -155,49 +170,58 @@ for n in $steps; do
   done
   ramp_ms=$(sed -n 's/^ALL_WELCOMED .*elapsed_ms=\([0-9]*\).*/\1/p' "$log.out")
   read -r rss pd anon stable < <(settle)
-  echo "density: N=$n RSS ${rss} kB (ramp of +$add in ${ramp_ms} ms, stable=$stable)" >&2
-  rows+=("$n $rss $pd $anon $ramp_ms $stable")
+  read -r slab pages < <(kernel_mem)
+  echo "density: N=$n RSS ${rss} kB (ramp of +$add in ${ramp_ms} ms, stable=$stable), kernel slab ${slab} B, TCP mem ${pages} pages" >&2
+  rows+=("$n $rss $pd $anon $ramp_ms $stable $slab $pages")
   prev=$n
 done
 
 # Table and least-squares slopes (bytes/connection) over (0, idle) and every step.
-summary=$(printf '%s\n' "0 $idle_rss $idle_pd $idle_anon 0 $idle_stable" "${rows[@]}" | awk '
-  function slope(col,   i, mx, my, sxx, sxy) {
+summary=$(printf '%s\n' "0 $idle_rss $idle_pd $idle_anon 0 $idle_stable $idle_slab $idle_pages" "${rows[@]}" | awk '
+  # Columns 1-3 are kB; 4 (slab) is bytes, hence the unit factor.
+  function slope(col, unit,   i, mx, my, sxx, sxy) {
     mx = 0; my = 0
     for (i = 1; i <= k; i++) { mx += n[i]; my += v[col, i] }
     mx /= k; my /= k; sxx = 0; sxy = 0
     for (i = 1; i <= k; i++) { sxx += (n[i] - mx)^2; sxy += (n[i] - mx) * (v[col, i] - my) }
-    return sxx ? sxy / sxx * 1024 : 0
+    return sxx ? sxy / sxx * unit : 0
   }
-  { k++; n[k] = $1; v[1, k] = $2; v[2, k] = $3; v[3, k] = $4; ramp[k] = $5; st[k] = $6 }
+  { k++; n[k] = $1; v[1, k] = $2; v[2, k] = $3; v[3, k] = $4; ramp[k] = $5; st[k] = $6; v[4, k] = $7; pg[k] = $8 }
   END {
     printf "%8s %12s %12s %12s %14s %14s %9s\n", "conns", "rss_kB", "privdirty_kB", "anon_kB", "B/conn(vs 0)", "B/conn(step)", "ramp_ms" > "/dev/stderr"
     for (i = 1; i <= k; i++) {
       tot = i > 1 ? (v[1, i] - v[1, 1]) * 1024 / n[i] : 0
       step = i > 1 ? (v[1, i] - v[1, i - 1]) * 1024 / (n[i] - n[i - 1]) : 0
       printf "%8d %12d %12d %12d %14.0f %14.0f %9d\n", n[i], v[1, i], v[2, i], v[3, i], tot, step, ramp[i] > "/dev/stderr"
-      printf "STEP %d %d %d %d %d %s %.0f %.0f\n", n[i], v[1, i], v[2, i], v[3, i], ramp[i], st[i], tot, step
+      printf "STEP %d %d %d %d %d %s %.0f %.0f %d %d\n", n[i], v[1, i], v[2, i], v[3, i], ramp[i], st[i], tot, step, v[4, i], pg[i]
     }
-    printf "SLOPE %.0f %.0f %.0f\n", slope(1), slope(2), slope(3)
-    printf "least-squares slope: RSS %.0f B/conn, Private_Dirty %.0f B/conn, Anonymous %.0f B/conn\n", slope(1), slope(2), slope(3) > "/dev/stderr"
+    slab = v[4, 1] < 0 ? -1 : slope(4, 1)
+    printf "SLOPE %.0f %.0f %.0f %.0f\n", slope(1, 1024), slope(2, 1024), slope(3, 1024), slab
+    printf "least-squares slope: RSS %.0f B/conn, Private_Dirty %.0f B/conn, Anonymous %.0f B/conn; kernel slab %.0f B per connection (both loopback ends)\n", slope(1, 1024), slope(2, 1024), slope(3, 1024), slab > "/dev/stderr"
   }')
-read -r _ slope_rss slope_pd slope_anon < <(echo "$summary" | grep '^SLOPE')
+read -r _ slope_rss slope_pd slope_anon slope_slab < <(echo "$summary" | grep '^SLOPE')
 
 mkdir -p "$(dirname "$out")"
 echo "$summary" | grep '^STEP' | jq -R -s \
   --arg broker "$name" --arg url "$url" --arg date "$(date -u +%FT%TZ)" \
   --arg kernel "$(uname -r)" --arg nproc "$(nproc)" \
   --argjson slope_rss "$slope_rss" --argjson slope_pd "$slope_pd" --argjson slope_anon "$slope_anon" \
+  --argjson slope_slab "$slope_slab" --arg slabs "$SLABS" \
   --argjson command "$(printf '%s\n' "$@" | jq -R . | jq -s -c .)" \
   --argjson loadgen_args "$(printf '%s\n' ${lg_extra[@]+"${lg_extra[@]}"} | jq -R . | jq -s -c 'map(select(length > 0))')" '{
     broker: $broker, command: $command, url: $url, loadgen_args: $loadgen_args, date: $date,
     host: {kernel: $kernel, nproc: ($nproc | tonumber)},
     method: "incremental: connections stay open between steps; each step adds rigs with a new loadgen (distinct rig ids); RSS read after ALL_WELCOMED once two reads 1 s apart agree within 1%",
     slope_bytes_per_conn: {rss: $slope_rss, private_dirty: $slope_pd, anonymous: $slope_anon},
+    kernel: {slab_caches: ($slabs | split(" ")),
+             slab_bytes_per_conn_both_ends: (if $slope_slab < 0 then null else $slope_slab end),
+             slab_bytes_per_socket: (if $slope_slab < 0 then null else ($slope_slab / 2 | round) end),
+             note: "machine-wide slab growth (other processes add noise); on loopback each broker connection has both of its sockets on this host"},
     points: [split("\n")[] | select(length > 0) | split(" ") | {
       conns: (.[1] | tonumber), rss_kb: (.[2] | tonumber), private_dirty_kb: (.[3] | tonumber),
       anonymous_kb: (.[4] | tonumber), ramp_ms: (.[5] | tonumber), stable: (.[6] == "true"),
-      bytes_per_conn_vs_idle: (.[7] | tonumber), bytes_per_conn_marginal: (.[8] | tonumber)}]
+      bytes_per_conn_vs_idle: (.[7] | tonumber), bytes_per_conn_marginal: (.[8] | tonumber),
+      kernel_slab_bytes: (.[9] | tonumber), tcp_mem_pages: (.[10] | tonumber)}]
   }' >"$out"
 echo "density: wrote $out" >&2
-echo "SLOPE_BYTES_PER_CONN rss=$slope_rss private_dirty=$slope_pd anonymous=$slope_anon"
+echo "SLOPE_BYTES_PER_CONN rss=$slope_rss private_dirty=$slope_pd anonymous=$slope_anon kernel_slab_both_ends=$slope_slab"

@@ -3,6 +3,8 @@
 # side in one run, for:
 #
 #   fleetlink-fe-redis       fleetlink-fe in fleet mode; commands PUBLISHed on fleetlink:broker:fe-a
+#   fleetlink-fe-redis-nopersist  the same with --session-ttl 0: no session kept in Redis, so
+#                            the same guarantee as the baseline (commands are written at once)
 #   fleetlink-fe-admin       fleetlink-fe standalone; commands POSTed to /v1/rigs/{id}/commands
 #   tokio-baseline-default   the tokio baseline, tungstenite's default buffers; admin POSTs
 #   tokio-baseline-rb4096    the baseline with --read-buffer 4096 --write-buffer 0; admin POSTs
@@ -20,7 +22,7 @@
 #                    [--fanouts F] [--fanout-gap 2s] [--brokers "fleetlink-fe-redis ..."]
 #                    [--time-limit SECONDS] [--results DIR] [--no-build]
 #
-# Defaults: N=10000, R=3, K=500, INTERVAL=10ms, F=2, all six brokers, time limit 1800 s.
+# Defaults: N=10000, R=3, K=500, INTERVAL=10ms, F=2, all seven brokers, time limit 1800 s.
 # A round runs one session per broker (the order rotates each round, so no broker always goes
 # first); a session starts the broker, runs the single shape with a 1-rig loadgen, then the
 # fan-out shape with an N-rig loadgen (`--until-commands` ends each loadgen once every command
@@ -54,7 +56,7 @@ single=500
 interval=10ms
 fanouts=2
 fanout_gap=2s
-brokers="fleetlink-fe-redis fleetlink-fe-admin tokio-baseline-default tokio-baseline-rb4096 tokio-baseline-redis-default tokio-baseline-redis-rb4096"
+brokers="fleetlink-fe-redis fleetlink-fe-redis-nopersist fleetlink-fe-admin tokio-baseline-default tokio-baseline-rb4096 tokio-baseline-redis-default tokio-baseline-redis-rb4096"
 time_limit=1800
 build=1
 results="$here/results"
@@ -85,7 +87,8 @@ done
 (( rigs <= 19000 )) || die "--rigs $rigs exceeds 19000 (20,000 fds per broker process)"
 for b in $brokers; do
   case "$b" in
-    fleetlink-fe-redis|fleetlink-fe-admin|tokio-baseline-default|tokio-baseline-rb4096) ;;
+    fleetlink-fe-redis|fleetlink-fe-redis-nopersist|fleetlink-fe-admin) ;;
+    tokio-baseline-default|tokio-baseline-rb4096) ;;
     tokio-baseline-redis-default|tokio-baseline-redis-rb4096) ;;
     *) die "unknown broker $b" ;;
   esac
@@ -166,6 +169,7 @@ broker_cmd() {
   local common_tb=(--listen "127.0.0.1:$lport" --admin "127.0.0.1:$aport" --broker-id tb-a)
   case "$1" in
     fleetlink-fe-redis) echo "$fe" --redis "$redis_url" "${common_fe[@]}" ;;
+    fleetlink-fe-redis-nopersist) echo "$fe" --redis "$redis_url" "${common_fe[@]}" --session-ttl 0 ;;
     fleetlink-fe-admin) echo "$fe" "${common_fe[@]}" ;;
     tokio-baseline-default) echo "$baseline" "${common_tb[@]}" ;;
     tokio-baseline-rb4096) echo "$baseline" "${common_tb[@]}" --read-buffer 4096 --write-buffer 0 ;;
@@ -178,7 +182,7 @@ broker_cmd() {
 # The broker id a Redis-mode broker subscribes under; empty for the admin-POST brokers.
 redis_broker_id() {
   case "$1" in
-    fleetlink-fe-redis) echo fe-a ;;
+    fleetlink-fe-redis|fleetlink-fe-redis-nopersist) echo fe-a ;;
     tokio-baseline-redis-*) echo tb-a ;;
     *) echo "" ;;
   esac
@@ -318,7 +322,7 @@ params = {"rigs": $rigs, "rounds": $rounds, "single_count": $single, "single_int
           "fanouts_per_session": $fanouts, "fanout_gap": "$fanout_gap",
           "admin_http_connections": 8, "loadgen": "1 process, tokio current-thread"}
 order = [b for b in "$brokers".split()]
-path_of = {"fleetlink-fe-redis": "Redis PUBLISH", "fleetlink-fe-admin": "admin POST",
+path_of = {"fleetlink-fe-redis": "Redis PUBLISH", "fleetlink-fe-redis-nopersist": "Redis PUBLISH", "fleetlink-fe-admin": "admin POST",
            "tokio-baseline-default": "admin POST", "tokio-baseline-rb4096": "admin POST",
            "tokio-baseline-redis-default": "Redis PUBLISH", "tokio-baseline-redis-rb4096": "Redis PUBLISH"}
 summary = {}
@@ -377,6 +381,12 @@ for shape in ("single", "fanout"):
         if None in (a["p50_us"], a["p99_us"], c["p50_us"], c["p99_us"]):
             continue
         ratios.append(f"- {shape}: {b} / {ref}: p50 {c['p50_us'] / a['p50_us']:.2f}x, p99 {c['p99_us'] / a['p99_us']:.2f}x")
+        # Same guarantee on both sides: the baseline keeps no session in Redis either.
+        np = "fleetlink-fe-redis-nopersist"
+        if ref == "fleetlink-fe-redis" and np in summary and shape in summary[np]:
+            a = summary[np][shape]
+            if None not in (a["p50_us"], a["p99_us"]):
+                ratios.append(f"- {shape}: {b} / {np}: p50 {c['p50_us'] / a['p50_us']:.2f}x, p99 {c['p99_us'] / a['p99_us']:.2f}x")
 if ratios:
     out.append("")
     out.extend(ratios)
