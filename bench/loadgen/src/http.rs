@@ -10,6 +10,18 @@ use tokio::net::TcpStream;
 /// Largest reply body accepted (admin replies are small JSON objects).
 const MAX_BODY: usize = 1 << 20;
 
+/// The server closed the connection before reading the request (see [`HttpConn::request`]).
+#[derive(Debug)]
+struct StaleConnection;
+
+impl std::fmt::Display for StaleConnection {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("connection closed before the request was read")
+    }
+}
+
+impl std::error::Error for StaleConnection {}
+
 pub struct HttpConn {
     addr: SocketAddr,
     host: String,
@@ -33,9 +45,17 @@ impl HttpConn {
     }
 
     /// Sends one request on the kept-alive connection (opening one if needed). A failed request
-    /// is not retried: a POST may already have been applied.
+    /// is not retried, since a POST may already have been applied, with one exception: a reused
+    /// connection that the server had already closed as idle (the write fails, or EOF comes
+    /// before any byte of a reply). The server never read that request, so it is sent once more
+    /// on a new connection.
     pub async fn request(&mut self, method: &str, path: &str, body: &[u8]) -> Result<Reply> {
-        let result = self.request_inner(method, path, body).await;
+        let reused = self.stream.is_some();
+        let mut result = self.request_inner(method, path, body).await;
+        if reused && result.as_ref().is_err_and(|e| e.is::<StaleConnection>()) {
+            self.stream = None;
+            result = self.request_inner(method, path, body).await;
+        }
         if result.is_err() {
             self.stream = None;
         }
@@ -57,11 +77,18 @@ impl HttpConn {
         let mut req = Vec::with_capacity(head.len() + body.len());
         req.extend_from_slice(head.as_bytes());
         req.extend_from_slice(body);
-        stream.get_mut().write_all(&req).await.context("write")?;
+        if stream.get_mut().write_all(&req).await.is_err() {
+            return Err(StaleConnection.into());
+        }
 
         let mut line = String::new();
-        if stream.read_line(&mut line).await.context("read status")? == 0 {
-            bail!("connection closed before reply");
+        match stream.read_line(&mut line).await {
+            Ok(0) => return Err(StaleConnection.into()),
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset && line.is_empty() => {
+                return Err(StaleConnection.into())
+            }
+            Err(e) => return Err(e).context("read status"),
         }
         let status: u16 = line
             .split_whitespace()
@@ -154,5 +181,66 @@ mod tests {
         assert_eq!((r.status, r.body.as_slice()), (200, &b"{\"n\":0}"[..]));
         let r = c.request("POST", "/b", b"{}").await.unwrap();
         assert_eq!(r.body, b"{\"n\":1}");
+    }
+
+    /// Reads one request head and body and answers it with `n`.
+    async fn answer(s: &mut BufReader<TcpStream>, n: usize) {
+        let mut len = 0;
+        loop {
+            let mut line = String::new();
+            s.read_line(&mut line).await.unwrap();
+            if line == "\r\n" {
+                break;
+            }
+            if let Some(v) = line.to_ascii_lowercase().strip_prefix("content-length:") {
+                len = v.trim().parse().unwrap();
+            }
+        }
+        let mut body = vec![0; len];
+        s.read_exact(&mut body).await.unwrap();
+        let reply = format!("{{\"n\":{n}}}");
+        let msg = format!(
+            "HTTP/1.1 200 OK\r\nContent-Length: {}\r\n\r\n{reply}",
+            reply.len()
+        );
+        s.get_mut().write_all(msg.as_bytes()).await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_connection_the_server_closed_as_idle_is_replaced_once() {
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        let (closed_tx, closed_rx) = tokio::sync::oneshot::channel();
+        let server = tokio::spawn(async move {
+            // First connection: one answer, then closed as an idle keep-alive would be.
+            let (s, _) = l.accept().await.unwrap();
+            let mut s = BufReader::new(s);
+            answer(&mut s, 0).await;
+            drop(s);
+            closed_tx.send(()).unwrap();
+            // The retry arrives on a second connection.
+            let (s, _) = l.accept().await.unwrap();
+            answer(&mut BufReader::new(s), 1).await;
+            // A fresh connection that fails is not retried: accept and close at once.
+            let (s, _) = l.accept().await.unwrap();
+            drop(s);
+            let third = tokio::time::timeout(std::time::Duration::from_millis(300), l.accept());
+            assert!(
+                third.await.is_err(),
+                "a fresh connection's failure was retried"
+            );
+        });
+        let mut c = HttpConn::new(addr, "x".into());
+        assert_eq!(
+            c.request("POST", "/a", b"{}").await.unwrap().body,
+            b"{\"n\":0}"
+        );
+        closed_rx.await.unwrap();
+        let r = c.request("POST", "/b", b"{}").await.unwrap();
+        assert_eq!(r.body, b"{\"n\":1}");
+        // The connection is kept alive after that answer; the server drops it, so this
+        // request retries once (the stale case) and then fails on the fresh connection.
+        assert!(c.request("POST", "/c", b"{}").await.is_err());
+        server.await.unwrap();
     }
 }
