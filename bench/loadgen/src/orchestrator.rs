@@ -335,6 +335,8 @@ pub async fn run_parent(args: RigsArgs) -> Result<i32> {
         while exit_reason.is_none() {
             if enough(&views) {
                 exit_reason = Some("until_commands");
+                // Before the rigs close: scripts measuring the broker stop their clocks here.
+                print_line(&format!("COMMANDS_DONE commands={}", total_progress(&views).commands));
                 break;
             }
             tokio::select! {

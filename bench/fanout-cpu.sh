@@ -1,0 +1,111 @@
+#!/usr/bin/env bash
+# fanout-cpu.sh — where the CPU of a Redis fan-out goes: for each broker, N rigs, then F
+# fan-outs of one command per rig (each one pipeline of N PUBLISHes), and the CPU every broker
+# thread, the rigs' loadgen and Redis spent from just before the first PUBLISH until the last
+# command arrived. Brokers alternate, R rounds.
+#
+#   bench/fanout-cpu.sh [--rigs 10000] [--fanouts 3] [--rounds 2]
+#                       [--brokers "fleetlink-fe-redis fleetlink-fe-redis-nopersist tokio-baseline-redis-rb4096"]
+#
+# Prints one line per session and a summary (median over rounds of CPU ms per 1,000 commands,
+# by thread group), and writes bench/results/fanout-cpu.json. Its own redis-server on
+# FANOUT_REDIS_PORT (default 26379), brokers on 26080/26090; everything it starts is stopped on
+# exit. Needs release builds (`bench/run` builds them) and jq.
+set -euo pipefail
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+target="${CARGO_TARGET_DIR:-$here/../target}/release"
+rigs=10000 fanouts=3 rounds=2
+brokers="fleetlink-fe-redis fleetlink-fe-redis-nopersist tokio-baseline-redis-rb4096"
+rport="${FANOUT_REDIS_PORT:-26379}" lport=26080 aport=26090
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --rigs) rigs="$2"; shift 2 ;;
+    --fanouts) fanouts="$2"; shift 2 ;;
+    --rounds) rounds="$2"; shift 2 ;;
+    --brokers) brokers="$2"; shift 2 ;;
+    *) sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; exit 64 ;;
+  esac
+done
+(( rigs <= 19000 )) || { echo "fanout-cpu: --rigs at most 19000" >&2; exit 64; }
+work="$(mktemp -d /tmp/fanout-cpu.XXXXXX)"
+pids=()
+cleanup() {
+  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+  wait 2>/dev/null || true
+  rm -rf "$work"
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+redis-server --port "$rport" --bind 127.0.0.1 --save "" --appendonly no --daemonize no \
+  >"$work/redis.log" 2>&1 &
+rpid=$!; pids+=("$rpid")
+for _ in $(seq 100); do redis-cli -p "$rport" ping >/dev/null 2>&1 && break; sleep 0.1; done
+url="redis://127.0.0.1:$rport/"
+
+broker_cmd() {
+  local fe=("$target/fleetlink-fe" --redis "$url" --listen "127.0.0.1:$lport" --admin "127.0.0.1:$aport"
+            --broker-id fx --accept-rate 100000 --accept-burst 100000 --drain 1s)
+  local tb=("$target/fleetlink-tokio-baseline" --redis "$url" --listen "127.0.0.1:$lport"
+            --admin "127.0.0.1:$aport" --broker-id fx)
+  case "$1" in
+    fleetlink-fe-redis) echo "${fe[@]}" ;;
+    fleetlink-fe-redis-nopersist) echo "${fe[@]}" --session-ttl 0 ;;
+    tokio-baseline-redis-default) echo "${tb[@]}" ;;
+    tokio-baseline-redis-rb4096) echo "${tb[@]}" --read-buffer 4096 --write-buffer 0 ;;
+    *) echo "fanout-cpu: unknown broker $1" >&2; exit 64 ;;
+  esac
+}
+ticks() { awk '{print $14 + $15}' "$1" 2>/dev/null || echo 0; }
+# "group ticks" per thread, summed by thread name (digits stripped: core-0, core-1 -> core-).
+threads() {
+  for t in /proc/"$1"/task/*; do echo "$(tr -d '0-9' <"$t/comm") $(ticks "$t/stat")"; done \
+    | awk '{s[$1] += $2} END {for (k in s) print k, s[k]}'
+}
+hz=$(getconf CLK_TCK)
+: >"$work/sessions.jsonl"
+for ((r = 1; r <= rounds; r++)); do
+  for b in $brokers; do
+    redis-cli -p "$rport" flushall >/dev/null
+    # shellcheck disable=SC2046  # plain words
+    $(broker_cmd "$b") >"$work/broker.log" 2>&1 &
+    bpid=$!; pids+=("$bpid")
+    for _ in $(seq 300); do curl -sf -o /dev/null "http://127.0.0.1:$aport/readyz" && break; sleep 0.1; done
+    "$target/fleetlink-loadgen" rigs --url "ws://127.0.0.1:$lport/agent" --rigs "$rigs" --prefix rig \
+      --hold 120s --max-time 200s --until-commands $((rigs * fanouts)) --report "$work/rigs.json" \
+      >"$work/rigs.out" 2>"$work/rigs.err" &
+    lpid=$!; pids+=("$lpid")
+    for _ in $(seq 600); do grep -q '^ALL_WELCOMED' "$work/rigs.out" && break; sleep 0.1; done
+    grep -q '^ALL_WELCOMED' "$work/rigs.out" || { echo "fanout-cpu: $b ramp failed" >&2; exit 1; }
+    sleep 1
+    before=$(threads "$bpid"); lg0=$(ticks "/proc/$lpid/stat"); rd0=$(ticks "/proc/$rpid/stat")
+    "$target/fleetlink-loadgen" redis-publish --redis "$url" --broker-id fx --prefix rig --max-time 60s \
+      --mode fanout --rigs "$rigs" --count "$fanouts" --interval 2s --report "$work/pub.json" >/dev/null
+    # The loadgen prints COMMANDS_DONE once every command arrived, then closes its rigs: the
+    # clocks are read when that line shows (polled every 20 ms), so the closing is not counted.
+    for _ in $(seq 3000); do
+      grep -q '^COMMANDS_DONE' "$work/rigs.out" && break
+      kill -0 "$lpid" 2>/dev/null || { echo "fanout-cpu: $b: loadgen ended early" >&2; exit 1; }
+      sleep 0.02
+    done
+    after=$(threads "$bpid"); lg1=$(ticks "/proc/$lpid/stat"); rd1=$(ticks "/proc/$rpid/stat")
+    wait "$lpid" 2>/dev/null || true
+    jq -c --arg b "$b" --argjson r "$r" --argjson hz "$hz" --argjson n $((rigs * fanouts)) \
+      --arg before "$before" --arg after "$after" --argjson lg $((lg1 - lg0)) --argjson rd $((rd1 - rd0)) '
+      def tab(s): s | split("\n") | map(select(length > 0) | split(" ") | {(.[0]): (.[1] | tonumber)}) | add;
+      (tab($after)) as $a | (tab($before)) as $z |
+      {broker: $b, round: $r, commands: $n, received: .commands_received,
+       latency_ms: {p50: (.latency_us.p50 / 1000), p99: (.latency_us.p99 / 1000)},
+       cpu_ms: ({broker_total: ([$a | to_entries[] | .value - ($z[.key] // 0)] | add * 1000 / $hz),
+                 loadgen: ($lg * 1000 / $hz), redis: ($rd * 1000 / $hz)}
+                + ($a | with_entries(.value = ((.value - ($z[.key] // 0)) * 1000 / $hz))))}' \
+      "$work/rigs.json" | tee -a "$work/sessions.jsonl"
+    kill "$bpid" 2>/dev/null || true; wait "$bpid" 2>/dev/null || true
+  done
+done
+mkdir -p "$here/results"
+jq -s '{method: "per-thread utime+stime (/proc/PID/task/*/stat, 10 ms ticks) from just before the first PUBLISH until every command arrived; Redis and the rigs loadgen likewise",
+        sessions: .,
+        median_cpu_ms_per_1000_commands: (group_by(.broker) | map({(.[0].broker): (
+          [.[] | .cpu_ms.broker_total * 1000 / .commands] | sort | .[length / 2 | floor])}) | add)}' \
+  "$work/sessions.jsonl" | tee "$here/results/fanout-cpu.json" | jq '.median_cpu_ms_per_1000_commands'
