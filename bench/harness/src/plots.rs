@@ -151,13 +151,15 @@ fn latency_line(v: &Value, shape: &str) -> Option<Vec<(f64, f64)>> {
 }
 
 /// Line colours, chosen to stay apart on white (the first is fleetlink-fe where files sort so).
-const COLORS: [RGBColor; 6] = [
+const COLORS: [RGBColor; 8] = [
     RGBColor(0xd6, 0x27, 0x28),
     RGBColor(0x1f, 0x77, 0xb4),
     RGBColor(0x2c, 0xa0, 0x2c),
     RGBColor(0xff, 0x7f, 0x0e),
     RGBColor(0x94, 0x67, 0xbd),
     RGBColor(0x44, 0x44, 0x44),
+    RGBColor(0x8c, 0x56, 0x4b),
+    RGBColor(0x17, 0xbe, 0xcf),
 ];
 
 /// An axis label without float noise: `2000`, `0.5`, `0.01`.

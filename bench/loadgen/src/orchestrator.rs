@@ -336,7 +336,10 @@ pub async fn run_parent(args: RigsArgs) -> Result<i32> {
             if enough(&views) {
                 exit_reason = Some("until_commands");
                 // Before the rigs close: scripts measuring the broker stop their clocks here.
-                print_line(&format!("COMMANDS_DONE commands={}", total_progress(&views).commands));
+                print_line(&format!(
+                    "COMMANDS_DONE commands={}",
+                    total_progress(&views).commands
+                ));
                 break;
             }
             tokio::select! {
