@@ -87,7 +87,7 @@ impl Subscriber {
         })
     }
 
-    /// Reads what arrived, up to [`READ_PER_CALL`] bytes, and returns the complete messages. An
+    /// Reads what arrived, up to 64 KiB per call, and returns the complete messages. An
     /// error means the connection is gone (EOF, reset, or a reply this reader does not
     /// understand).
     pub fn read(&mut self) -> io::Result<Vec<Push>> {
