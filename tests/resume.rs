@@ -311,3 +311,68 @@ fn session_ttl_zero_keeps_no_session_in_redis() {
         Some(format!("{boot}|fe-a"))
     );
 }
+
+/// `persist.lua` on a batch: each command is checked against its own rig's lease, a kept one
+/// sets its session's `next` and TTL, and a malformed seq anywhere fails the call before any
+/// write.
+#[test]
+fn a_persist_batch_is_fenced_per_rig_and_checked_before_any_write() {
+    let redis = RedisServer::start();
+    let mut con = redis.connection();
+    let scripts = SessionScripts::new();
+    let (a, b) = (
+        RigId::parse("rig-a").unwrap(),
+        RigId::parse("rig-b").unwrap(),
+    );
+    let boot = BootId::parse(&boot_id()).unwrap();
+    let _: () = con.set("rig:rig-a", format!("{boot}|fe-a")).unwrap();
+    let _: () = con.set("rig:rig-b", format!("{boot}|fe-b")).unwrap();
+    let cmd = |rig, seq| Persist {
+        rig,
+        boot: &boot,
+        seq: Seq(seq),
+        json: b"{}",
+    };
+    let kept = scripts
+        .persist(
+            &mut con,
+            &[cmd(&a, 7), cmd(&b, 1), cmd(&a, 8)],
+            "fe-a",
+            Duration::from_secs(60),
+        )
+        .unwrap();
+    assert_eq!(kept, [true, false, true]);
+    let sess_a = format!("sess:rig-a:{boot}");
+    let next: String = con.hget(&sess_a, "next").unwrap();
+    assert_eq!(next, "9");
+    let fields: Vec<String> = con.hkeys(&sess_a).unwrap();
+    assert_eq!(fields.len(), 3, "{fields:?}"); // next, c:7, c:8
+    let ttl: i64 = con.pttl(&sess_a).unwrap();
+    assert!(ttl > 50_000 && ttl <= 60_000, "{ttl}");
+    let exists: bool = con.exists(format!("sess:rig-b:{boot}")).unwrap();
+    assert!(!exists, "a fenced command wrote its session");
+
+    // A malformed seq (the script's own check, bypassing the typed wrapper) writes nothing.
+    let err = redis::cmd("EVAL")
+        .arg(include_str!("../lua/persist.lua"))
+        .arg(4)
+        .arg("rig:rig-a")
+        .arg(&sess_a)
+        .arg("rig:rig-a")
+        .arg(&sess_a)
+        .arg(60_000)
+        .arg(format!("{boot}|fe-a"))
+        .arg(9)
+        .arg("{}")
+        .arg(format!("{boot}|fe-a"))
+        .arg("x1")
+        .arg("{}")
+        .query::<redis::Value>(&mut con);
+    assert!(err.is_err(), "{err:?}");
+    let fields: Vec<String> = con.hkeys(&sess_a).unwrap();
+    assert_eq!(
+        fields.len(),
+        3,
+        "the valid first command was written: {fields:?}"
+    );
+}
