@@ -43,6 +43,15 @@ impl Spec {
         }
     }
 
+    /// The tokio baseline as tokio-tungstenite ships it (128 KiB buffers).
+    pub(crate) const BASELINE_DEFAULT: Self = Self::baseline("tokio-baseline-default", &[]);
+
+    /// The tokio baseline tuned for many idle connections: every scenario runs both.
+    pub(crate) const BASELINE_RB4096: Self = Self::baseline(
+        "tokio-baseline-rb4096",
+        &["--read-buffer", "4096", "--write-buffer", "0"],
+    );
+
     /// A tokio baseline configuration.
     pub(crate) const fn baseline(name: &'static str, extra: &'static [&'static str]) -> Self {
         Self {

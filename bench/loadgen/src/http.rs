@@ -155,25 +155,7 @@ mod tests {
             let (s, _) = l.accept().await.unwrap();
             let mut s = BufReader::new(s);
             for i in 0..2 {
-                let mut len = 0;
-                loop {
-                    let mut line = String::new();
-                    s.read_line(&mut line).await.unwrap();
-                    if line == "\r\n" {
-                        break;
-                    }
-                    if let Some(v) = line.to_ascii_lowercase().strip_prefix("content-length:") {
-                        len = v.trim().parse().unwrap();
-                    }
-                }
-                let mut body = vec![0; len];
-                s.read_exact(&mut body).await.unwrap();
-                let reply = format!("{{\"n\":{i}}}");
-                let msg = format!(
-                    "HTTP/1.1 200 OK\r\nContent-Length: {}\r\n\r\n{reply}",
-                    reply.len()
-                );
-                s.get_mut().write_all(msg.as_bytes()).await.unwrap();
+                answer(&mut s, i).await;
             }
         });
         let mut c = HttpConn::new(addr, "x".into());

@@ -45,11 +45,8 @@ const BROKERS: [Spec; 4] = [
         "fleetlink-fe-bucket-on",
         &["--accept-rate", "2000", "--accept-burst", "500"],
     ),
-    Spec::baseline("tokio-baseline-default", &[]),
-    Spec::baseline(
-        "tokio-baseline-rb4096",
-        &["--read-buffer", "4096", "--write-buffer", "0"],
-    ),
+    Spec::BASELINE_DEFAULT,
+    Spec::BASELINE_RB4096,
 ];
 
 /// Runs every round and writes `accept-storm.{json,md}`.

@@ -49,11 +49,8 @@ const BROKERS: [Spec; 3] = [
         "fleetlink-fe",
         &["--accept-rate", "1000000", "--accept-burst", "1000000"],
     ),
-    Spec::baseline("tokio-baseline-default", &[]),
-    Spec::baseline(
-        "tokio-baseline-rb4096",
-        &["--read-buffer", "4096", "--write-buffer", "0"],
-    ),
+    Spec::BASELINE_DEFAULT,
+    Spec::BASELINE_RB4096,
 ];
 
 /// Runs every round and writes `idle-cost.{json,md}`.
