@@ -5,17 +5,22 @@
 # command arrived. Brokers alternate, R rounds.
 #
 #   bench/fanout-cpu.sh [--rigs 10000] [--fanouts 3] [--rounds 2]
-#                       [--brokers "fleetlink-fe-redis fleetlink-fe-redis-nopersist tokio-baseline-redis-rb4096"]
+#                       [--brokers "fleetlink-fe-redis fleetlink-fe-redis-allcores
+#                                   fleetlink-fe-redis-nopersist tokio-baseline-redis-rb4096"]
 #
-# Prints one line per session and a summary (median over rounds of CPU ms per 1,000 commands,
-# by thread group), and writes bench/results/fanout-cpu.json. Its own redis-server on
+# fleetlink-fe runs in fleet mode with --cores = CPUs - 1 (docs/tuning.md: the bridge gets a
+# CPU); fleetlink-fe-redis-allcores is the same with a core on every CPU, for comparison.
+#
+# Prints one line per session and a summary (medians over rounds: CPU ms per 1,000 commands of
+# the broker, Redis, the loadgen and all three, context switches per 1,000 commands, p99), and
+# writes bench/results/fanout-cpu.json. Its own redis-server on
 # FANOUT_REDIS_PORT (default 26379), brokers on 26080/26090; everything it starts is stopped on
 # exit. Needs release builds (`bench/run` builds them) and jq.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 target="${CARGO_TARGET_DIR:-$here/../target}/release"
 rigs=10000 fanouts=3 rounds=2
-brokers="fleetlink-fe-redis fleetlink-fe-redis-nopersist tokio-baseline-redis-rb4096"
+brokers="fleetlink-fe-redis fleetlink-fe-redis-allcores fleetlink-fe-redis-nopersist tokio-baseline-redis-rb4096"
 rport="${FANOUT_REDIS_PORT:-26379}" lport=26080 aport=26090
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -23,7 +28,7 @@ while [[ $# -gt 0 ]]; do
     --fanouts) fanouts="$2"; shift 2 ;;
     --rounds) rounds="$2"; shift 2 ;;
     --brokers) brokers="$2"; shift 2 ;;
-    *) sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; exit 64 ;;
+    *) sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 64 ;;
   esac
 done
 (( rigs <= 19000 )) || { echo "fanout-cpu: --rigs at most 19000" >&2; exit 64; }
@@ -43,20 +48,24 @@ rpid=$!; pids+=("$rpid")
 for _ in $(seq 100); do redis-cli -p "$rport" ping >/dev/null 2>&1 && break; sleep 0.1; done
 url="redis://127.0.0.1:$rport/"
 
+fleet_cores=$(( $(nproc) > 1 ? $(nproc) - 1 : 1 ))
 broker_cmd() {
   local fe=("$target/fleetlink-fe" --redis "$url" --listen "127.0.0.1:$lport" --admin "127.0.0.1:$aport"
             --broker-id fx --accept-rate 100000 --accept-burst 100000 --drain 1s)
   local tb=("$target/fleetlink-tokio-baseline" --redis "$url" --listen "127.0.0.1:$lport"
             --admin "127.0.0.1:$aport" --broker-id fx)
   case "$1" in
-    fleetlink-fe-redis) echo "${fe[@]}" ;;
-    fleetlink-fe-redis-nopersist) echo "${fe[@]}" --session-ttl 0 ;;
+    fleetlink-fe-redis) echo "${fe[@]}" --cores "$fleet_cores" ;;
+    fleetlink-fe-redis-allcores) echo "${fe[@]}" ;;
+    fleetlink-fe-redis-nopersist) echo "${fe[@]}" --cores "$fleet_cores" --session-ttl 0 ;;
     tokio-baseline-redis-default) echo "${tb[@]}" ;;
     tokio-baseline-redis-rb4096) echo "${tb[@]}" --read-buffer 4096 --write-buffer 0 ;;
     *) echo "fanout-cpu: unknown broker $1" >&2; exit 64 ;;
   esac
 }
 ticks() { awk '{print $14 + $15}' "$1" 2>/dev/null || echo 0; }
+# Context switches of every thread of a process (voluntary + preempted).
+switches() { cat /proc/"$1"/task/*/status 2>/dev/null | awk '/ctxt_switches/ {s += $2} END {print s + 0}'; }
 # "group ticks" per thread, summed by thread name (digits stripped: core-0, core-1 -> core-).
 threads() {
   for t in /proc/"$1"/task/*; do echo "$(tr -d '0-9' <"$t/comm") $(ticks "$t/stat")"; done \
@@ -79,6 +88,7 @@ for ((r = 1; r <= rounds; r++)); do
     grep -q '^ALL_WELCOMED' "$work/rigs.out" || { echo "fanout-cpu: $b ramp failed" >&2; exit 1; }
     sleep 1
     before=$(threads "$bpid"); lg0=$(ticks "/proc/$lpid/stat"); rd0=$(ticks "/proc/$rpid/stat")
+    bs0=$(switches "$bpid"); ls0=$(switches "$lpid")
     "$target/fleetlink-loadgen" redis-publish --redis "$url" --broker-id fx --prefix rig --max-time 60s \
       --mode fanout --rigs "$rigs" --count "$fanouts" --interval 2s --report "$work/pub.json" >/dev/null
     # The loadgen prints COMMANDS_DONE once every command arrived, then closes its rigs: the
@@ -89,13 +99,16 @@ for ((r = 1; r <= rounds; r++)); do
       sleep 0.02
     done
     after=$(threads "$bpid"); lg1=$(ticks "/proc/$lpid/stat"); rd1=$(ticks "/proc/$rpid/stat")
+    bs1=$(switches "$bpid"); ls1=$(switches "$lpid")
     wait "$lpid" 2>/dev/null || true
     jq -c --arg b "$b" --argjson r "$r" --argjson hz "$hz" --argjson n $((rigs * fanouts)) \
-      --arg before "$before" --arg after "$after" --argjson lg $((lg1 - lg0)) --argjson rd $((rd1 - rd0)) '
+      --arg before "$before" --arg after "$after" --argjson lg $((lg1 - lg0)) --argjson rd $((rd1 - rd0)) \
+      --argjson bsw $((bs1 - bs0)) --argjson lsw $((ls1 - ls0)) '
       def tab(s): s | split("\n") | map(select(length > 0) | split(" ") | {(.[0]): (.[1] | tonumber)}) | add;
       (tab($after)) as $a | (tab($before)) as $z |
       {broker: $b, round: $r, commands: $n, received: .commands_received,
        latency_ms: {p50: (.latency_us.p50 / 1000), p99: (.latency_us.p99 / 1000)},
+       context_switches: {broker: $bsw, loadgen: $lsw},
        cpu_ms: ({broker_total: ([$a | to_entries[] | .value - ($z[.key] // 0)] | add * 1000 / $hz),
                  loadgen: ($lg * 1000 / $hz), redis: ($rd * 1000 / $hz)}
                 + ($a | with_entries(.value = ((.value - ($z[.key] // 0)) * 1000 / $hz))))}' \
@@ -107,5 +120,14 @@ mkdir -p "$here/results"
 jq -s '{method: "per-thread utime+stime (/proc/PID/task/*/stat, 10 ms ticks) from just before the first PUBLISH until every command arrived; Redis and the rigs loadgen likewise",
         sessions: .,
         median_cpu_ms_per_1000_commands: (group_by(.broker) | map({(.[0].broker): (
-          [.[] | .cpu_ms.broker_total * 1000 / .commands] | sort | .[length / 2 | floor])}) | add)}' \
-  "$work/sessions.jsonl" | tee "$here/results/fanout-cpu.json" | jq '.median_cpu_ms_per_1000_commands'
+          [.[] | .cpu_ms.broker_total * 1000 / .commands] | sort | .[length / 2 | floor])}) | add),
+        medians: (group_by(.broker) | map(def med(f): [.[] | f] | sort | .[length / 2 | floor];
+          {(.[0].broker): {
+            broker_cpu_ms_per_1000: med(.cpu_ms.broker_total * 1000 / .commands),
+            redis_cpu_ms_per_1000: med(.cpu_ms.redis * 1000 / .commands),
+            loadgen_cpu_ms_per_1000: med(.cpu_ms.loadgen * 1000 / .commands),
+            all_cpu_ms_per_1000: med((.cpu_ms.broker_total + .cpu_ms.redis + .cpu_ms.loadgen) * 1000 / .commands),
+            broker_switches_per_1000: med(.context_switches.broker * 1000 / .commands),
+            loadgen_switches_per_1000: med(.context_switches.loadgen * 1000 / .commands),
+            p99_ms: med(.latency_ms.p99)}}) | add)}' \
+  "$work/sessions.jsonl" | tee "$here/results/fanout-cpu.json" | jq '.medians'

@@ -2,7 +2,9 @@
 # latency.sh — command latency (publisher stamp `args.sent_at_us` -> receipt at the rig), side by
 # side in one run, for:
 #
-#   fleetlink-fe-redis       fleetlink-fe in fleet mode; commands PUBLISHed on fleetlink:broker:fe-a
+#   fleetlink-fe-redis       fleetlink-fe in fleet mode; commands PUBLISHed on fleetlink:broker:fe-a;
+#                            --cores = CPUs - 1, the playbook's fleet-mode setting (docs/tuning.md:
+#                            the bridge thread gets a CPU of its own)
 #   fleetlink-fe-redis-nopersist  the same with --session-ttl 0: no session kept in Redis, so
 #                            the same guarantee as the baseline (commands are written at once)
 #   fleetlink-fe-admin       fleetlink-fe standalone; commands POSTed to /v1/rigs/{id}/commands
@@ -163,13 +165,16 @@ done
 [[ "$(redis-cli -p "$rport" ping 2>/dev/null)" == PONG ]] || die "redis-server not answering on $rport"
 
 # --- Brokers -----------------------------------------------------------------------------
+# Fleet mode leaves the bridge thread a CPU (docs/tuning.md, "Fleet mode: a CPU for the bridge").
+fleet_cores=$(( $(nproc) > 1 ? $(nproc) - 1 : 1 ))
 broker_cmd() {
   local common_fe=(--listen "127.0.0.1:$lport" --admin "127.0.0.1:$aport" --broker-id fe-a
                    --accept-rate 100000 --accept-burst 100000 --drain 1s)
   local common_tb=(--listen "127.0.0.1:$lport" --admin "127.0.0.1:$aport" --broker-id tb-a)
   case "$1" in
-    fleetlink-fe-redis) echo "$fe" --redis "$redis_url" "${common_fe[@]}" ;;
-    fleetlink-fe-redis-nopersist) echo "$fe" --redis "$redis_url" "${common_fe[@]}" --session-ttl 0 ;;
+    fleetlink-fe-redis) echo "$fe" --redis "$redis_url" "${common_fe[@]}" --cores "$fleet_cores" ;;
+    fleetlink-fe-redis-nopersist)
+      echo "$fe" --redis "$redis_url" "${common_fe[@]}" --cores "$fleet_cores" --session-ttl 0 ;;
     fleetlink-fe-admin) echo "$fe" "${common_fe[@]}" ;;
     tokio-baseline-default) echo "$baseline" "${common_tb[@]}" ;;
     tokio-baseline-rb4096) echo "$baseline" "${common_tb[@]}" --read-buffer 4096 --write-buffer 0 ;;

@@ -64,7 +64,9 @@ pub struct BrokerArgs {
     /// Broker id for registry entries and channel names. Default: hostname-port.
     #[arg(long, env = "FLEETLINK_BROKER_ID")]
     pub broker_id: Option<String>,
-    /// Event-loop threads, one per core, each pinned. Default: all online cores.
+    /// Event-loop threads, one per core, each pinned. Default: all online cores. In fleet mode
+    /// (--redis) the bridge thread is busy too: leaving it a CPU (cores = CPUs - 1) cut a
+    /// fan-out's broker CPU by 15-25% on a 2-CPU host (docs/tuning.md).
     #[arg(long, env = "FLEETLINK_CORES")]
     pub cores: Option<NonZeroUsize>,
     /// Redis URL (redis://host:port/db). Without it the broker runs standalone.

@@ -187,7 +187,9 @@ pub fn spawn(
             let mut bridge = Bridge {
                 cfg,
                 registry: Embedded::new(cfg.registry_ttl, cfg.outbox),
+                owed: vec![false; cores.len()],
                 cores,
+                batching: false,
                 shared,
                 fleet,
                 broadcasts: HashMap::new(),
@@ -222,6 +224,10 @@ struct Bridge {
     cfg: &'static Config,
     registry: Embedded,
     cores: Vec<Mailbox<ToCore>>,
+    /// While set, messages to cores are queued without ringing (see [`Self::batched`]).
+    batching: bool,
+    /// Cores with messages queued but not rung for.
+    owed: Vec<bool>,
     shared: Arc<BridgeShared>,
     fleet: Option<Fleet>,
     broadcasts: HashMap<u64, Broadcast>,
@@ -550,11 +556,40 @@ impl Bridge {
         }
     }
 
+    /// Runs `f` with the cores' doorbells held, then rings each core it queued for once: a
+    /// burst of commands (a subscription read, a persist batch) wakes a core once, not once per
+    /// command. Only for work that does not wait on Redis in between.
+    fn batched(&mut self, f: impl FnOnce(&mut Self)) {
+        self.batching = true;
+        f(self);
+        self.batching = false;
+        self.ring_owed();
+    }
+
+    /// Rings every core that has messages queued without a ring; due before anything that
+    /// waits on Redis, so a core never waits on a round trip that is not its own.
+    fn ring_owed(&mut self) {
+        for (core, owed) in self.cores.iter().zip(self.owed.iter_mut()) {
+            if std::mem::take(owed) {
+                core.ring();
+            }
+        }
+    }
+
     fn send_to_core(&mut self, conn: ConnId, msg: ToCore) {
-        let Some(core) = self.cores.get(conn.core().0 as usize) else {
+        let i = conn.core().0 as usize;
+        let Some(core) = self.cores.get(i) else {
             return;
         };
-        let Err(Full(msg)) = core.send(msg) else {
+        let queued = if self.batching {
+            core.push(msg)
+        } else {
+            core.send(msg)
+        };
+        let Err(Full(msg)) = queued else {
+            if let Some(owed) = self.owed.get_mut(i) {
+                *owed |= self.batching;
+            }
             return;
         };
         self.shared.core_queue_full.fetch_add(1, Ordering::Relaxed);
@@ -613,6 +648,7 @@ impl Bridge {
                 _ => None,
             },
         };
+        self.ring_owed();
         let stored = match self
             .fleet
             .as_mut()
@@ -725,15 +761,17 @@ impl Bridge {
             self.next_heartbeat = now;
             self.next_canary = now;
         }
-        for push in pushes {
-            self.shared.pubsub_in.fetch_add(1, Ordering::Relaxed);
-            self.control(&push.channel, &push.payload, now);
-        }
+        self.batched(|b| {
+            for push in pushes {
+                b.shared.pubsub_in.fetch_add(1, Ordering::Relaxed);
+                b.control(&push.channel, &push.payload, now);
+            }
+        });
         if self.write_due().is_none_or(|due| due > now) {
             return;
         }
         self.last_write = now;
-        self.persist_held();
+        self.batched(Self::persist_held);
         let Some(f) = self.fleet.as_mut() else { return };
         let published = f.published;
         f.flush();

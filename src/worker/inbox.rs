@@ -13,12 +13,21 @@ use crate::reply;
 use crate::worker::core::{Core, Phase};
 use crate::worker::{drain, session};
 
+/// Messages handled between rings of the bridge's doorbell inside one burst.
+const RING_EVERY: u32 = 256;
+
 /// Handles messages until the core has finished draining.
 pub(crate) async fn run(core: Rc<Core>, inbox: Inbox<ToCore>) -> std::io::Result<()> {
     let bell = monoio::net::UnixStream::from_std(inbox.listen.try_clone()?)?;
     loop {
+        let mut handled = 0u32;
         while let Some(msg) = inbox.try_recv() {
             handle(&core, msg);
+            handled += 1;
+            if handled % RING_EVERY == 0 {
+                // A long burst keeps this loop from yielding: the bridge hears of it meanwhile.
+                core.bridge.ring();
+            }
         }
         if core.finished.get() {
             return Ok(());

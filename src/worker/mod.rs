@@ -130,5 +130,9 @@ async fn core_main(
     let listener = monoio::net::TcpListener::from_std(listener)?;
     monoio::spawn(accept::run(core.clone(), listener));
     monoio::spawn(sweep::run(core.clone()));
-    inbox::run(core, inbox).await
+    monoio::spawn(core::ring_bridge(core.clone()));
+    let finished = inbox::run(core.clone(), inbox).await;
+    // The ringer task ends with the runtime: the last messages (a drain's closes) ring here.
+    core.bridge.ring();
+    finished
 }

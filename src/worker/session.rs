@@ -540,7 +540,7 @@ pub(crate) fn on_command(core: &Core, conn: &Conn, st: &mut ConnState, req: Comm
             reply: req.reply,
         };
         if let Err(Full(ToBridge::Persist(p))) =
-            core.bridge.send(ToBridge::Persist(Box::new(persist)))
+            core.push_to_bridge(ToBridge::Persist(Box::new(persist)))
         {
             core.metrics.inc(C::BridgeQueueFull);
             let body = reply::error(
