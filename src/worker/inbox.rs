@@ -24,7 +24,7 @@ pub(crate) async fn run(core: Rc<Core>, inbox: Inbox<ToCore>) -> std::io::Result
         while let Some(msg) = inbox.try_recv() {
             handle(&core, msg);
             handled += 1;
-            if handled % RING_EVERY == 0 {
+            if handled.is_multiple_of(RING_EVERY) {
                 // A long burst keeps this loop from yielding: the bridge hears of it meanwhile.
                 core.bridge.ring();
             }
