@@ -251,13 +251,23 @@ impl Bridge {
     fn run(&mut self, inbox: &Inbox<ToBridge>) {
         loop {
             let mut handled = 0;
-            while handled < BATCH {
-                match inbox.try_recv() {
-                    Some(ToBridge::Shutdown) => return self.shutdown(),
-                    Some(msg) => self.handle(msg),
-                    None => break,
+            let mut shutdown = false;
+            // Verdicts of an accept storm's hellos, say, reach each core with one ring.
+            self.batched(|b| {
+                while handled < BATCH {
+                    match inbox.try_recv() {
+                        Some(ToBridge::Shutdown) => {
+                            shutdown = true;
+                            break;
+                        }
+                        Some(msg) => b.handle(msg),
+                        None => break,
+                    }
+                    handled += 1;
                 }
-                handled += 1;
+            });
+            if shutdown {
+                return self.shutdown();
             }
             let now = Instant::now();
             self.redis_io(now);
@@ -494,6 +504,10 @@ impl Bridge {
         labels: Vec<(String, String)>,
     ) -> Vec<Action> {
         let ttl = self.cfg.registry_ttl;
+        if self.fleet.is_some() {
+            // The verdicts already decided must not wait on this hello's round trip.
+            self.ring_owed();
+        }
         let outcome = self.fleet.as_mut().map(|f| f.hello(&rig, &boot, ttl));
         match outcome {
             None => self.shared.count("hello", "ok"),
