@@ -85,6 +85,43 @@ fn a_session_resumes_on_another_broker_with_unacked_commands_in_order() {
     assert_eq!(read_json(&mut on_b)["seq"], 6);
 }
 
+/// Acked commands leave Redis in paced batches (up to a second later), so a resume can find
+/// them still there: the rig's last_seq keeps them from being replayed.
+#[test]
+fn acked_commands_still_in_redis_are_not_replayed_past_last_seq() {
+    let redis = RedisServer::start();
+    let a = fleet_broker(&redis, "fe-a");
+    let b = fleet_broker(&redis, "fe-b");
+    let boot = boot_id();
+    let mut on_a = a.connect("/agent");
+    hello(&mut on_a, "rig-f", &boot, None);
+    let mut ctl = Control::new(&redis, &[]);
+    for i in 1..=3u64 {
+        let r = ctl.command_id("fe-a", "rig-f", &format!("f{i}"), "n", json!({}));
+        assert_eq!(r["seq"], i, "{r}");
+    }
+    for i in 1..=3u64 {
+        assert_eq!(read_json(&mut on_a)["seq"], i);
+    }
+    ack(&mut on_a, 2);
+    // Moves at once, whether or not A has removed 1 and 2 from Redis yet.
+    let mut on_b = b.connect("/agent");
+    assert_eq!(hello(&mut on_b, "rig-f", &boot, Some(2))["resumed"], true);
+    assert_eq!(read_close(&mut on_a), 4410);
+    let first = read_json(&mut on_b);
+    assert_eq!(
+        (first["seq"].clone(), first["id"].clone()),
+        (json!(3), json!("f3"))
+    );
+    let r = ctl.command_id("fe-b", "rig-f", "f4", "n", json!({}));
+    assert_eq!(r["seq"], 4, "{r}");
+    assert_eq!(
+        read_json(&mut on_b)["seq"],
+        4,
+        "nothing replayed between 3 and 4"
+    );
+}
+
 #[test]
 fn a_killed_brokers_unacked_commands_reach_the_rig_on_the_survivor() {
     let redis = RedisServer::start();

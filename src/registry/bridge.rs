@@ -788,7 +788,7 @@ impl Bridge {
         self.batched(Self::persist_held);
         let Some(f) = self.fleet.as_mut() else { return };
         let published = f.published;
-        f.flush();
+        f.flush(Some(now));
         self.shared
             .pubsub_out
             .fetch_add(f.published - published, Ordering::Relaxed);
@@ -801,11 +801,13 @@ impl Bridge {
             return None;
         }
         let queued = self.persists.len() + self.fleet.as_ref().map_or(0, Fleet::queued);
-        match queued {
+        let writes = match queued {
             0 => None,
             n if n >= WRITE_BATCH => Some(self.last_write),
             _ => Some(self.last_write + WRITE_PACE),
-        }
+        };
+        let forgets = self.fleet.as_ref().and_then(Fleet::forget_due);
+        writes.into_iter().chain(forgets).min()
     }
 
     fn control(&mut self, channel: &str, payload: &[u8], now: Instant) {
@@ -991,7 +993,7 @@ impl Bridge {
             self.release(rig, boot);
         }
         if let Some(f) = self.fleet.as_mut() {
-            f.flush();
+            f.flush(None);
         }
     }
 }

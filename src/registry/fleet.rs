@@ -21,6 +21,12 @@ const IO_TIMEOUT: Duration = Duration::from_secs(2);
 const MAX_OUTGOING: usize = 100_000;
 /// Backoff cap between reconnect attempts.
 const MAX_BACKOFF: Duration = Duration::from_secs(5);
+/// Removals of acked commands wait up to this long, or for [`FORGET_BATCH`] of them, so that
+/// cleanup stays out of a burst's way (Redis shares the CPUs with the deliveries). Until then a
+/// resume elsewhere still finds them, and drops them by the rig's `last_seq`: a rig acks only
+/// what it has.
+const FORGET_PACE: Duration = Duration::from_secs(1);
+const FORGET_BATCH: usize = 16_384;
 
 /// Channel every broker subscribes to for broadcasts (CONTRACT.md §4).
 pub const BROADCAST: &str = "fleetlink:broadcast";
@@ -40,6 +46,8 @@ pub(crate) struct Fleet {
     sessions: SessionScripts,
     offline: OfflineScripts,
     forgets: Vec<(RigId, BootId, Seq)>,
+    /// When the oldest queued forget was queued.
+    forgets_since: Option<Instant>,
     con: Option<redis::Connection>,
     sub: Option<Subscriber>,
     outgoing: Vec<(String, Vec<u8>)>,
@@ -64,6 +72,7 @@ impl Fleet {
             sessions: SessionScripts::new(),
             offline: OfflineScripts::default(),
             forgets: Vec::new(),
+            forgets_since: None,
             con: None,
             sub: None,
             outgoing: Vec::new(),
@@ -242,11 +251,22 @@ impl Fleet {
         }
     }
 
-    /// Queues the removal of an acked command from its session (sent with the next flush).
+    /// Queues the removal of an acked command from its session (sent when
+    /// [`Self::forget_due`]).
     pub(crate) fn forget(&mut self, rig: RigId, boot: BootId, seq: Seq) {
         if self.forgets.len() < MAX_OUTGOING {
             self.forgets.push((rig, boot, seq));
+            self.forgets_since.get_or_insert_with(Instant::now);
         }
+    }
+
+    /// When the queued forgets are to go out: None when there are none.
+    pub(crate) fn forget_due(&self) -> Option<Instant> {
+        let since = self.forgets_since?;
+        if self.forgets.len() >= FORGET_BATCH {
+            return Some(since);
+        }
+        Some(since + FORGET_PACE)
     }
 
     /// Writes the `broker:<id>` liveness key.
@@ -260,9 +280,9 @@ impl Fleet {
         }
     }
 
-    /// Writes waiting for the next [`Self::flush`].
+    /// Writes waiting for the next [`Self::flush`], forgets aside (see [`Self::forget_due`]).
     pub(crate) fn queued(&self) -> usize {
-        self.outgoing.len() + self.forgets.len() + self.releases.len()
+        self.outgoing.len() + self.releases.len()
     }
 
     /// Queues a compare-and-delete of a released lease (sent with the next flush).
@@ -281,8 +301,13 @@ impl Fleet {
         self.outgoing.push((channel, payload));
     }
 
-    /// Sends queued releases and publishes, each batch in one round trip.
-    pub(crate) fn flush(&mut self) {
+    /// Sends queued releases and publishes, and the forgets once due (all of them when `now`
+    /// is None), each batch in one round trip.
+    pub(crate) fn flush(&mut self, now: Option<Instant>) {
+        let forgets_due = match now {
+            Some(now) => self.forget_due().is_some_and(|due| due <= now),
+            None => true,
+        };
         let Some(con) = self.con.as_mut() else { return };
         if !self.releases.is_empty() {
             let releases = std::mem::take(&mut self.releases);
@@ -291,7 +316,7 @@ impl Fleet {
                 return;
             }
         }
-        if !self.forgets.is_empty() {
+        if forgets_due && !self.forgets.is_empty() {
             let mut pipe = redis::pipe();
             for (rig, boot, seq) in &self.forgets {
                 pipe.hdel(sessions::session_key(rig, boot), format!("c:{}", seq.0))
@@ -302,6 +327,7 @@ impl Fleet {
                 return;
             }
             self.forgets.clear();
+            self.forgets_since = None;
         }
         if self.outgoing.is_empty() {
             return;
@@ -337,5 +363,51 @@ impl Fleet {
     /// The subscription socket, for poll(2).
     pub(crate) fn fd(&self) -> Option<RawFd> {
         self.sub.as_ref().map(AsRawFd::as_raw_fd)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fleet() -> Fleet {
+        Fleet::new("redis://127.0.0.1:1/", "fx").expect("url")
+    }
+
+    fn rig() -> (RigId, BootId) {
+        let rig = RigId::parse("rig-1").expect("rig");
+        let boot = BootId::parse("0190f5c2-0000-7000-8000-000000000001").expect("boot");
+        (rig, boot)
+    }
+
+    #[test]
+    fn forgets_wait_for_the_pace_and_are_not_counted_as_writes() {
+        let mut f = fleet();
+        assert_eq!(f.forget_due(), None);
+        let before = Instant::now();
+        let (rig, boot) = rig();
+        f.forget(rig.clone(), boot, Seq(1));
+        f.forget(rig, boot, Seq(2));
+        let due = f.forget_due().expect("due");
+        assert!(due >= before + FORGET_PACE, "not before the pace");
+        assert!(
+            due <= Instant::now() + FORGET_PACE,
+            "paced from the first forget"
+        );
+        assert_eq!(f.queued(), 0, "forgets do not make a write due");
+    }
+
+    #[test]
+    fn a_full_batch_of_forgets_is_due_at_once() {
+        let mut f = fleet();
+        let (rig, boot) = rig();
+        for seq in 1..=FORGET_BATCH as u64 {
+            f.forget(rig.clone(), boot, Seq(seq));
+        }
+        let due = f.forget_due().expect("due");
+        assert!(
+            due <= Instant::now(),
+            "a full batch goes out with the next flush"
+        );
     }
 }

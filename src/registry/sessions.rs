@@ -6,7 +6,7 @@
 //! - `resume.lua` tells a hello what its session holds, and hands back the unacked commands
 //!   of the rig's previous boot (reported `rig_rebooted`, never replayed).
 //! - Acks delete with a plain `HDEL` (no check needed: deleting an acked command is always
-//!   right).
+//!   right), sent in paced batches by the bridge's Redis I/O (`fleet.rs`).
 
 use std::time::Duration;
 
