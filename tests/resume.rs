@@ -42,26 +42,38 @@ fn ack(ws: &mut Ws, seq: u64) {
     .unwrap();
 }
 
-#[test]
-fn a_session_resumes_on_another_broker_with_unacked_commands_in_order() {
-    let redis = RedisServer::start();
-    let a = fleet_broker(&redis, "fe-a");
-    let b = fleet_broker(&redis, "fe-b");
+/// Brokers fe-a and fe-b; `rig` (a new boot) welcomed on fe-a, sent `n` commands with ids
+/// `<prefix>1..n`, each answered ok with seq 1..n and read by the rig in order.
+fn rig_with_commands_on_a(
+    redis: &RedisServer,
+    rig: &str,
+    prefix: &str,
+    n: u64,
+) -> (Broker, Broker, String, Ws, Control) {
+    let a = fleet_broker(redis, "fe-a");
+    let b = fleet_broker(redis, "fe-b");
     let boot = boot_id();
     let mut on_a = a.connect("/agent");
-    assert_eq!(hello(&mut on_a, "rig-r", &boot, None)["resumed"], false);
-    let mut ctl = Control::new(&redis, &[]);
-    for i in 1..=5u64 {
-        let r = ctl.command_id("fe-a", "rig-r", &format!("c{i}"), "n", json!({}));
+    assert_eq!(hello(&mut on_a, rig, &boot, None)["resumed"], false);
+    let mut ctl = Control::new(redis, &[]);
+    for i in 1..=n {
+        let r = ctl.command_id("fe-a", rig, &format!("{prefix}{i}"), "n", json!({}));
         assert_eq!(
             (r["ok"].clone(), r["seq"].clone()),
             (json!(true), json!(i)),
             "{r}"
         );
     }
-    for i in 1..=5u64 {
+    for i in 1..=n {
         assert_eq!(read_json(&mut on_a)["seq"], i);
     }
+    (a, b, boot, on_a, ctl)
+}
+
+#[test]
+fn a_session_resumes_on_another_broker_with_unacked_commands_in_order() {
+    let redis = RedisServer::start();
+    let (_a, b, boot, mut on_a, mut ctl) = rig_with_commands_on_a(&redis, "rig-r", "c", 5);
     ack(&mut on_a, 1);
     ack(&mut on_a, 2);
     // Let A forget the acked ones in Redis before the rig moves.
@@ -90,19 +102,7 @@ fn a_session_resumes_on_another_broker_with_unacked_commands_in_order() {
 #[test]
 fn acked_commands_still_in_redis_are_not_replayed_past_last_seq() {
     let redis = RedisServer::start();
-    let a = fleet_broker(&redis, "fe-a");
-    let b = fleet_broker(&redis, "fe-b");
-    let boot = boot_id();
-    let mut on_a = a.connect("/agent");
-    hello(&mut on_a, "rig-f", &boot, None);
-    let mut ctl = Control::new(&redis, &[]);
-    for i in 1..=3u64 {
-        let r = ctl.command_id("fe-a", "rig-f", &format!("f{i}"), "n", json!({}));
-        assert_eq!(r["seq"], i, "{r}");
-    }
-    for i in 1..=3u64 {
-        assert_eq!(read_json(&mut on_a)["seq"], i);
-    }
+    let (_a, b, boot, mut on_a, mut ctl) = rig_with_commands_on_a(&redis, "rig-f", "f", 3);
     ack(&mut on_a, 2);
     // Moves at once, whether or not A has removed 1 and 2 from Redis yet.
     let mut on_b = b.connect("/agent");
