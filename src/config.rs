@@ -66,7 +66,7 @@ pub struct BrokerArgs {
     pub broker_id: Option<String>,
     /// Event-loop threads, one per core, each pinned. Default: all online cores. In fleet mode
     /// (--redis) the bridge thread is busy too: leaving it a CPU (cores = CPUs - 1) cut a
-    /// fan-out's broker CPU by 15-25% on a 2-CPU host (docs/tuning.md).
+    /// fan-out's context switches 5-10x on a 2-CPU host (docs/tuning.md).
     #[arg(long, env = "FLEETLINK_CORES")]
     pub cores: Option<NonZeroUsize>,
     /// Redis URL (redis://host:port/db). Without it the broker runs standalone.
