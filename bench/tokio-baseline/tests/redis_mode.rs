@@ -1,7 +1,6 @@
 //! Redis mode end to end: the baseline binary against its own redis-server (a free port, no
 //! persistence), driven by tokio-tungstenite rigs and a redis client playing control.
 
-use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -9,6 +8,9 @@ use futures_util::{SinkExt, StreamExt};
 use redis::AsyncCommands;
 use serde_json::{json, Value};
 use tokio_tungstenite::tungstenite::Message;
+
+mod common;
+use common::{http_get, Broker};
 
 const OLD: &str = "017f22e2-79b0-7cc3-98c4-dc0c0c07398f";
 const NEW: &str = "019f22e2-79b0-7cc3-98c4-dc0c0c07398f";
@@ -78,47 +80,10 @@ async fn redis_on(port: u16) -> Option<Redis> {
     None
 }
 
-/// The baseline in Redis mode on ephemeral ports; killed on drop.
-struct Broker {
-    child: Child,
-    rigs: String,
-    admin: String,
-}
-
-impl Drop for Broker {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
 async fn start_broker(redis: &Redis, id: &str, extra: &[&str]) -> Broker {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_fleetlink-tokio-baseline"))
-        .args(["--listen", "127.0.0.1:0", "--admin", "127.0.0.1:0"])
-        .args(["--workers", "2", "--redis", &redis.url, "--broker-id", id])
-        .args(extra)
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("start baseline");
-    let mut line = String::new();
-    let mut stderr = BufReader::new(child.stderr.take().unwrap());
-    stderr.read_line(&mut line).unwrap();
-    // The rest of the broker's log goes to the test's output (shown when a test fails).
-    let tag = id.to_string();
-    std::thread::spawn(move || {
-        for l in stderr.lines().map_while(Result::ok) {
-            eprintln!("[{tag}] {l}");
-        }
-    });
-    let words: Vec<&str> = line.split_whitespace().collect();
-    let Some(at) = words.iter().position(|x| *x == "rigs") else {
-        panic!("unexpected start-up line: {line}");
-    };
-    let b = Broker {
-        rigs: words[at + 2].to_string(),
-        admin: words[at + 5].to_string(),
-        child,
-    };
+    let mut args = vec!["--workers", "2", "--redis", &redis.url, "--broker-id", id];
+    args.extend_from_slice(extra);
+    let b = common::start(id, &args);
     // Ready = our own canary came back through the subscription.
     let deadline = Instant::now() + WAIT;
     while !http_get(&b.admin, "/readyz")
@@ -129,16 +94,6 @@ async fn start_broker(redis: &Redis, id: &str, extra: &[&str]) -> Broker {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     b
-}
-
-async fn http_get(addr: &str, path: &str) -> String {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
-    let req = format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
-    s.write_all(req.as_bytes()).await.unwrap();
-    let mut out = String::new();
-    s.read_to_string(&mut out).await.unwrap();
-    out
 }
 
 type Client =

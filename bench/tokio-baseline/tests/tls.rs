@@ -1,57 +1,27 @@
 //! wss on the baseline, driven by the load generator's TLS client: server-auth TLS (the density
 //! and handshake benches' setup), the verification name, and mTLS with `--client-ca`.
 
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 
 use clap::Parser;
 use fleetlink_loadgen::cli::{Cli, Command as LgCommand};
 use rcgen::{BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, KeyPair};
 use serde_json::Value;
 
-/// The baseline on ephemeral ports; killed on drop.
-struct Broker {
-    child: Child,
-    rigs: String,
-    admin: String,
-    banner: String,
-}
-
-impl Drop for Broker {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
+mod common;
+use common::{http_get, Broker};
 
 fn start_broker(extra: &[&str]) -> Broker {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_fleetlink-tokio-baseline"))
-        .args(["--listen", "127.0.0.1:0", "--admin", "127.0.0.1:0"])
-        .args([
-            "--workers",
-            "2",
-            "--read-buffer",
-            "4096",
-            "--write-buffer",
-            "0",
-        ])
-        .args(extra)
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("start baseline");
-    let mut line = String::new();
-    BufReader::new(child.stderr.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    let words: Vec<&str> = line.split_whitespace().collect();
-    let after = |w: &str| words[words.iter().position(|x| *x == w).unwrap() + 2].to_string();
-    Broker {
-        rigs: after("rigs"),
-        admin: after("admin"),
-        banner: line.clone(),
-        child,
-    }
+    let mut args = vec![
+        "--workers",
+        "2",
+        "--read-buffer",
+        "4096",
+        "--write-buffer",
+        "0",
+    ];
+    args.extend_from_slice(extra);
+    common::start("baseline", &args)
 }
 
 /// CA, a server cert for `localhost` and a client cert, as PEM files in `dir`.
@@ -91,16 +61,6 @@ fn pki(dir: &Path) -> Pki {
         server,
         client,
     }
-}
-
-async fn http_get(addr: &str, path: &str) -> String {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
-    let req = format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
-    s.write_all(req.as_bytes()).await.unwrap();
-    let mut out = String::new();
-    s.read_to_string(&mut out).await.unwrap();
-    out
 }
 
 /// Runs `fleetlink-loadgen rigs` in-process; returns its exit code and JSON report.

@@ -1,8 +1,6 @@
 //! End-to-end: the baseline binary against the load generator (20 rigs + admin fan-out) and
 //! against hand-driven clients for the registry's close codes.
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use clap::Parser;
@@ -11,56 +9,13 @@ use futures_util::{SinkExt, StreamExt};
 use serde_json::Value;
 use tokio_tungstenite::tungstenite::Message;
 
-/// The baseline on ephemeral ports; killed on drop.
-struct Broker {
-    child: Child,
-    rigs: String,
-    admin: String,
-}
-
-impl Drop for Broker {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
+mod common;
+use common::{http_get, Broker};
 
 fn start_broker(extra: &[&str]) -> Broker {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_fleetlink-tokio-baseline"))
-        .args([
-            "--listen",
-            "127.0.0.1:0",
-            "--admin",
-            "127.0.0.1:0",
-            "--workers",
-            "2",
-        ])
-        .args(extra)
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("start baseline");
-    // The start-up line names the bound ports: "... rigs on A admin on B ...".
-    let mut line = String::new();
-    BufReader::new(child.stderr.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    let words: Vec<&str> = line.split_whitespace().collect();
-    let after = |w: &str| words[words.iter().position(|x| *x == w).unwrap() + 2].to_string();
-    Broker {
-        rigs: after("rigs"),
-        admin: after("admin"),
-        child,
-    }
-}
-
-async fn http_get(addr: &str, path: &str) -> String {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
-    let req = format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
-    s.write_all(req.as_bytes()).await.unwrap();
-    let mut out = String::new();
-    s.read_to_string(&mut out).await.unwrap();
-    out
+    let mut args = vec!["--workers", "2"];
+    args.extend_from_slice(extra);
+    common::start("baseline", &args)
 }
 
 fn loadgen(args: &[&str]) -> LgCommand {
