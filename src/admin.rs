@@ -1,6 +1,6 @@
 //! Admin HTTP (CONTRACT.md §6): health, readiness, metrics, the rig list, and the standalone
-//! control plane (commands, kicks, drain). Plain HTTP/1.1, one request per connection, on its
-//! own thread so nothing here ever runs on a core.
+//! control plane (commands, kicks, drain). Plain HTTP/1.1 with keep-alive, served by a small
+//! pool of its own threads so nothing here ever runs on a core.
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};

@@ -124,10 +124,11 @@ pub struct BrokerArgs {
     /// Registry lease refresh interval.
     #[arg(long, env = "FLEETLINK_REGISTRY_REFRESH", default_value = "10s", value_parser = parse_duration)]
     pub registry_refresh: Duration,
-    /// Fleet mode: how long Redis keeps a session's unacked commands after its last activity.
-    /// 0 keeps nothing in Redis: commands are written at once (one Redis round trip less per
-    /// command), but a rig that resumes on another broker starts a fresh session and whatever
-    /// the old broker had not seen acked is gone with it.
+    /// Fleet mode: how long Redis keeps a session's unacked commands after its last activity
+    /// (a rig that stays connected is activity: its broker keeps the session alive). 0 keeps
+    /// nothing in Redis: commands are written at once (one Redis round trip less per command),
+    /// but a rig that resumes on another broker starts a fresh session and whatever the old
+    /// broker had not seen acked is gone with it.
     #[arg(long, env = "FLEETLINK_SESSION_TTL", default_value = "10m", value_parser = parse_duration)]
     pub session_ttl: Duration,
     /// Graceful shutdown window: goaway delays spread over it, 1001 at its end.

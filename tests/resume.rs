@@ -122,6 +122,75 @@ fn acked_commands_still_in_redis_are_not_replayed_past_last_seq() {
     );
 }
 
+/// Redis lost the session (restarted empty, say, or the key expired): the rig's `last_seq`
+/// still keeps seqs from being reused, so its next command is `last_seq` + 1 and not a seq the
+/// rig already has (which it would drop).
+#[test]
+fn a_session_lost_in_redis_continues_after_the_rigs_last_seq() {
+    let redis = RedisServer::start();
+    let (_a, b, boot, mut on_a, mut ctl) = rig_with_commands_on_a(&redis, "rig-l", "l", 3);
+    for seq in 1..=3 {
+        ack(&mut on_a, seq);
+    }
+    let _: () = redis
+        .connection()
+        .del(format!("sess:rig-l:{boot}"))
+        .unwrap();
+    let mut on_b = b.connect("/agent");
+    hello(&mut on_b, "rig-l", &boot, Some(3));
+    assert_eq!(read_close(&mut on_a), 4410);
+    let r = ctl.command_id("fe-b", "rig-l", "l4", "n", json!({}));
+    assert_eq!(r["seq"], 4, "{r}");
+    assert_eq!(read_json(&mut on_b)["seq"], 4);
+}
+
+/// `--session-ttl` counts from a session's last activity, and a connected rig is activity: a
+/// rig that stays connected without new commands keeps its unacked commands (and `next`) in
+/// Redis past the TTL, so a resume after its broker dies still finds them.
+#[test]
+fn a_connected_rigs_session_outlives_the_session_ttl() {
+    let redis = RedisServer::start();
+    let url = redis.url();
+    let a = Broker::start(&[
+        "--redis",
+        &url,
+        "--broker-id",
+        "fe-a",
+        "--session-ttl",
+        "2s",
+    ]);
+    eventually(Duration::from_secs(10), "broker ready", || {
+        a.http("GET", "/readyz", "").0 == 200
+    });
+    let (mut ws, boot, _) = a.rig("rig-t");
+    let mut ctl = Control::new(&redis, &[]);
+    assert_eq!(ctl.command("fe-a", "rig-t", "n", json!({}))["seq"], 1);
+    assert_eq!(read_json(&mut ws)["seq"], 1);
+    let key = format!("sess:rig-t:{boot}");
+    let mut con = redis.connection();
+    // Left alone the TTL only falls, and the key is gone 2 s after the command: it must rise
+    // again before that.
+    let mut lowest = i64::MAX;
+    eventually(
+        Duration::from_secs(10),
+        "the session's TTL extended",
+        || {
+            let pttl: i64 = redis::cmd("PTTL").arg(&key).query(&mut con).unwrap();
+            assert!(pttl > 0, "the session expired while its rig is connected");
+            let extended = pttl > lowest;
+            lowest = lowest.min(pttl);
+            extended
+        },
+    );
+    let unacked: Option<String> = con.hget(&key, "c:1").unwrap();
+    assert!(unacked.is_some(), "the unacked command is still kept");
+    let pointer: i64 = redis::cmd("PTTL")
+        .arg("sessof:rig-t")
+        .query(&mut con)
+        .unwrap();
+    assert!(pointer > 0, "the latest-boot pointer is kept too");
+}
+
 #[test]
 fn a_killed_brokers_unacked_commands_reach_the_rig_on_the_survivor() {
     let redis = RedisServer::start();

@@ -199,6 +199,7 @@ pub fn spawn(
                 last_write: now.checked_sub(WRITE_PACE).unwrap_or(now),
                 next_agg: 0,
                 next_refresh: now + cfg.registry_refresh,
+                next_touch: now + touch_every(cfg.session_ttl),
                 next_heartbeat: now,
                 next_canary: now,
                 next_expire: now,
@@ -241,6 +242,8 @@ struct Bridge {
     last_write: Instant,
     next_agg: u64,
     next_refresh: Instant,
+    /// When the connected rigs' session keys next get their TTL extended.
+    next_touch: Instant,
     next_heartbeat: Instant,
     next_canary: Instant,
     next_expire: Instant,
@@ -286,6 +289,7 @@ impl Bridge {
         if self.fleet.is_some() {
             next = next
                 .min(self.next_refresh)
+                .min(self.next_touch)
                 .min(self.next_heartbeat)
                 .min(self.next_canary);
         }
@@ -962,6 +966,28 @@ impl Bridge {
             self.next_refresh = now + self.cfg.registry_refresh;
             self.refresh();
         }
+        if now >= self.next_touch {
+            self.next_touch = now + touch_every(self.cfg.session_ttl);
+            self.touch_sessions();
+        }
+    }
+
+    /// `--session-ttl` counts from a session's last activity, and a rig that stays connected is
+    /// active even when no command comes: without this, an idle rig's session (its `next` and
+    /// unacked commands) would expire while it is connected, and a resume after this broker
+    /// died would find nothing.
+    fn touch_sessions(&mut self) {
+        let ttl = self.cfg.session_ttl;
+        if ttl.is_zero() {
+            return;
+        }
+        let sessions = self.registry.live_sessions();
+        if sessions.is_empty() {
+            return;
+        }
+        if let Some(f) = self.fleet.as_mut() {
+            f.touch_sessions(&sessions, ttl);
+        }
     }
 
     /// One batched lease refresh for every rig this broker holds (CONTRACT.md §3).
@@ -996,6 +1022,12 @@ impl Bridge {
             f.flush(None);
         }
     }
+}
+
+/// How often connected rigs' sessions get their TTL extended: a few times per TTL, so one
+/// late or failed round never lets a session lapse (and at least hourly).
+fn touch_every(session_ttl: Duration) -> Duration {
+    (session_ttl / 3).clamp(Duration::from_millis(100), Duration::from_secs(3600))
 }
 
 /// The `id` inside an encoded command (for replayed commands' bookkeeping).

@@ -27,6 +27,8 @@ const MAX_BACKOFF: Duration = Duration::from_secs(5);
 /// what it has.
 const FORGET_PACE: Duration = Duration::from_secs(1);
 const FORGET_BATCH: usize = 16_384;
+/// Session keys whose TTL one pipeline extends.
+const TOUCH_BATCH: usize = 1000;
 
 /// Channel every broker subscribes to for broadcasts (CONTRACT.md §4).
 pub const BROADCAST: &str = "fleetlink:broadcast";
@@ -182,6 +184,27 @@ impl Fleet {
             Err(e) => {
                 self.fail(Instant::now(), &e);
                 None
+            }
+        }
+    }
+
+    /// Extends the TTL of these sessions' keys and of their rigs' `sessof:` pointers (a missing
+    /// key stays missing), in pipelines of
+    /// [`TOUCH_BATCH`] so one call never holds Redis for long.
+    pub(crate) fn touch_sessions(&mut self, sessions: &[(RigId, BootId)], ttl: Duration) {
+        let Some(con) = self.con.as_mut() else { return };
+        let ttl_ms = ttl.as_millis().clamp(1, i64::MAX as u128) as i64;
+        for chunk in sessions.chunks(TOUCH_BATCH) {
+            let mut pipe = redis::pipe();
+            for (rig, boot) in chunk {
+                pipe.pexpire(sessions::session_key(rig, boot), ttl_ms)
+                    .ignore();
+                // The pointer to the latest boot, so a reboot still reports what was unacked.
+                pipe.pexpire(sessions::pointer_key(rig), ttl_ms).ignore();
+            }
+            if let Err(e) = pipe.query::<()>(con) {
+                self.fail(Instant::now(), &e);
+                return;
             }
         }
     }

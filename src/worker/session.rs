@@ -429,7 +429,9 @@ pub(crate) fn on_verdict(core: &Core, conn: &Conn, st: &mut ConnState, verdict: 
     let Some(session) = st.session.as_mut() else {
         return;
     };
-    session.next_seq = next_seq;
+    // Seqs are never reused: if Redis lost the session (restarted empty, or the key expired),
+    // the rig's own last_seq is the floor, or its next command would be one it drops.
+    session.next_seq = next_seq.max(Seq(session.resume_from.0.saturating_add(1)));
     session.welcomed = true;
     let welcome = encode_welcome(
         session.v,

@@ -25,12 +25,16 @@ pub(crate) enum SeqVerdict {
 #[derive(Debug, Default)]
 pub(crate) struct SeqTracker {
     last_seen: u64,
+    /// Welcomed with `resumed: false` and no command since: the next seq may start a new count.
+    fresh: bool,
 }
 
 impl SeqTracker {
     /// Judges `seq` against what this session already ran.
     pub(crate) fn judge(&self, seq: u64) -> SeqVerdict {
-        if seq <= self.last_seen {
+        if self.fresh && seq == 1 {
+            SeqVerdict::Run
+        } else if seq <= self.last_seen {
             SeqVerdict::Duplicate
         } else if seq == self.last_seen + 1 {
             SeqVerdict::Run
@@ -43,6 +47,10 @@ impl SeqTracker {
 
     /// Records that `seq` (judged `Run`) was handed to the worker.
     pub(crate) fn record(&mut self, seq: u64) {
+        if std::mem::take(&mut self.fresh) && seq == 1 {
+            self.last_seen = 1;
+            return;
+        }
         self.last_seen = self.last_seen.max(seq);
     }
 
@@ -51,10 +59,12 @@ impl SeqTracker {
         (self.last_seen > 0).then_some(self.last_seen)
     }
 
-    /// The broker answered `resumed: false`: it has no session for this boot any more (it
-    /// restarted, or the parked session expired) and numbers from 1 again.
-    pub(crate) fn restart(&mut self) {
-        self.last_seen = 0;
+    /// A welcome arrived. With `resumed: false` the broker has no session for this boot any
+    /// more (it restarted, or the session expired): fleetlink-fe never reuses a seq, so it
+    /// numbers on from the hello's `last_seq` + 1, while a broker that counts from 1 again
+    /// starts a new count. The first command after the welcome tells which, and either runs.
+    pub(crate) fn welcomed(&mut self, resumed: bool) {
+        self.fresh = !resumed;
     }
 }
 
@@ -97,12 +107,44 @@ mod tests {
     }
 
     #[test]
-    fn restart_numbers_from_one() {
+    fn after_a_restart_the_count_goes_on_or_starts_again_at_one() {
         let mut t = SeqTracker::default();
         t.record(1);
         t.record(2);
-        t.restart();
-        assert_eq!(t.last_seq(), None);
+        t.welcomed(false);
+        assert_eq!(
+            t.last_seq(),
+            Some(2),
+            "the next hello still says what it has"
+        );
+        assert_eq!(t.judge(3), SeqVerdict::Run);
         assert_eq!(t.judge(1), SeqVerdict::Run);
+        assert_eq!(t.judge(2), SeqVerdict::Duplicate);
+        assert_eq!(t.judge(4), SeqVerdict::Gap { missing: 3..=3 });
+
+        let mut on = SeqTracker::default();
+        on.record(2);
+        on.welcomed(false);
+        on.record(3);
+        assert_eq!(on.judge(1), SeqVerdict::Duplicate, "the count went on");
+        assert_eq!(on.judge(4), SeqVerdict::Run);
+
+        let mut again = SeqTracker::default();
+        again.record(2);
+        again.welcomed(false);
+        again.record(1);
+        assert_eq!(again.last_seq(), Some(1), "a new count from 1");
+        assert_eq!(again.judge(2), SeqVerdict::Run);
+    }
+
+    #[test]
+    fn a_resumed_welcome_after_a_restart_replays_nothing_twice() {
+        let mut t = SeqTracker::default();
+        t.record(1);
+        t.record(2);
+        t.welcomed(false);
+        t.welcomed(true);
+        assert_eq!(t.judge(1), SeqVerdict::Duplicate);
+        assert_eq!(t.judge(3), SeqVerdict::Run);
     }
 }

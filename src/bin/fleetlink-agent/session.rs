@@ -269,13 +269,14 @@ impl Agent {
             if let Some(last) = self.seqs.last_seq() {
                 log::warn!(
                     "!!! broker {broker_id} has no session for boot {} (restarted, or the session expired): \
-                     seqs restart at 1; unsent results of the old session (up to seq {last}) are dropped",
+                     its seqs go on above {last} (or start again at 1); unsent results of the old session \
+                     are dropped",
                     self.boot
                 );
             }
-            self.seqs.restart();
             self.epoch += 1;
         }
+        self.seqs.welcomed(resumed);
         conn.welcomed = Some(Instant::now());
         log::info!(
             "connected to {}: broker_id={broker_id} resumed={resumed} boot_id={} last_seq={:?}",
