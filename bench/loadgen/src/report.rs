@@ -32,7 +32,7 @@ pub struct Counters {
     /// Of those, welcomes with `resumed: true`.
     pub resumed: AtomicU64,
     /// Reconnects answered `resumed: false` although the rig had seen commands: the broker lost
-    /// the session, seqs restart at 1.
+    /// the session (its unacked commands are gone; fleetlink-fe numbers on above `last_seq`).
     pub sessions_restarted: AtomicU64,
     /// Commands run: the first receipt of a seq in the rig's session.
     pub executed: AtomicU64,

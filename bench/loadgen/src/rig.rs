@@ -105,6 +105,10 @@ fn token(s: &str) -> String {
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct SeqState {
     pub last_seen: u64,
+    /// Welcomed with `resumed: false` after having seen commands, and no command since: the
+    /// broker lost the session, so the next seq goes on from `last_seen` (fleetlink-fe never
+    /// reuses one) or starts a new count at 1 (a broker that numbers afresh). Neither is a gap.
+    pub fresh: bool,
 }
 
 /// What to do with a command's seq.
@@ -118,6 +122,10 @@ pub enum SeqVerdict {
 
 impl SeqState {
     pub fn judge(&mut self, seq: u64) -> SeqVerdict {
+        if std::mem::take(&mut self.fresh) && seq == 1 {
+            self.last_seen = 1;
+            return SeqVerdict::Run { missing: 0 };
+        }
         if seq <= self.last_seen {
             return SeqVerdict::Duplicate;
         }
@@ -236,8 +244,8 @@ pub async fn run_rig(env: Arc<RigEnv>, index: usize, mut stop: watch::Receiver<b
                 }
                 if !resumed && seqs.last_seen > 0 {
                     c.sessions_restarted.fetch_add(1, Relaxed);
-                    seqs = SeqState::default();
                 }
+                seqs.fresh = !resumed && seqs.last_seen > 0;
                 let end = session(&env, &rig_id, &mut seqs, ws, &mut stop).await;
                 drop(guard);
                 ended_at = Instant::now();
@@ -647,6 +655,29 @@ mod tests {
         assert_eq!(s.judge(5), SeqVerdict::Run { missing: 2 });
         assert_eq!(s.last_seq(), Some(5));
         assert_eq!(SeqState::default().judge(0), SeqVerdict::Duplicate);
+    }
+
+    #[test]
+    fn a_lost_session_may_go_on_or_count_from_one_without_a_gap() {
+        let on = |first| {
+            let mut s = SeqState {
+                last_seen: 4,
+                fresh: true,
+            };
+            (s.judge(first), s.judge(first + 1))
+        };
+        let run = SeqVerdict::Run { missing: 0 };
+        assert_eq!(on(5), (run, run), "numbering goes on above last_seq");
+        assert_eq!(on(1), (run, run), "a new count from 1");
+        let mut s = SeqState {
+            last_seen: 4,
+            fresh: true,
+        };
+        assert_eq!(
+            s.judge(7),
+            SeqVerdict::Run { missing: 2 },
+            "a real gap still counts"
+        );
     }
 
     #[test]
