@@ -109,8 +109,13 @@ fn serve(admin: &Admin, mut stream: TcpStream) -> std::io::Result<()> {
     stream.set_write_timeout(Some(IO_TIMEOUT))?;
     let _ = stream.set_nodelay(true);
     let mut buf = Vec::new();
+    stream.set_read_timeout(Some(IO_TIMEOUT))?;
     for served in 0.. {
-        stream.set_read_timeout(Some(if served == 0 { IO_TIMEOUT } else { KEEP_ALIVE }))?;
+        if served == 1 {
+            // From the second request on, waiting is keep-alive idling (one syscall, not one
+            // per request).
+            stream.set_read_timeout(Some(KEEP_ALIVE))?;
+        }
         let req = match read_request(&mut stream, &mut buf) {
             Ok(Some(req)) => req,
             Ok(None) if buf.is_empty() => return Ok(()),

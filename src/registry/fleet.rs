@@ -189,8 +189,7 @@ impl Fleet {
     }
 
     /// Extends the TTL of these sessions' keys and of their rigs' `sessof:` pointers (a missing
-    /// key stays missing), in pipelines of
-    /// [`TOUCH_BATCH`] so one call never holds Redis for long.
+    /// key stays missing), in pipelines of [`TOUCH_BATCH`] so one call never holds Redis long.
     pub(crate) fn touch_sessions(&mut self, sessions: &[(RigId, BootId)], ttl: Duration) {
         let Some(con) = self.con.as_mut() else { return };
         let ttl_ms = ttl.as_millis().clamp(1, i64::MAX as u128) as i64;
