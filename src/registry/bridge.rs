@@ -1025,9 +1025,14 @@ impl Bridge {
 }
 
 /// How often connected rigs' sessions get their TTL extended: a few times per TTL, so one
-/// late or failed round never lets a session lapse (and at least hourly).
+/// late or failed round never lets a session lapse (and at least hourly). With no sessions
+/// kept (`--session-ttl 0`) the timer only idles, hourly, rather than waking the bridge.
 fn touch_every(session_ttl: Duration) -> Duration {
-    (session_ttl / 3).clamp(Duration::from_millis(100), Duration::from_secs(3600))
+    const HOURLY: Duration = Duration::from_secs(3600);
+    if session_ttl.is_zero() {
+        return HOURLY;
+    }
+    (session_ttl / 3).clamp(Duration::from_millis(100), HOURLY)
 }
 
 /// The `id` inside an encoded command (for replayed commands' bookkeeping).
@@ -1036,4 +1041,26 @@ fn command_id(json: &[u8]) -> Box<str> {
         .ok()
         .and_then(|v| v["id"].as_str().map(Into::into))
         .unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sessions_are_touched_a_few_times_per_ttl_and_never_busily() {
+        let s = Duration::from_secs;
+        assert_eq!(touch_every(s(600)), s(200), "the default 10 min TTL");
+        assert_eq!(touch_every(s(2)), s(2) / 3);
+        assert_eq!(
+            touch_every(Duration::from_millis(30)),
+            Duration::from_millis(100)
+        );
+        assert_eq!(touch_every(s(365 * 86_400)), s(3600));
+        assert_eq!(
+            touch_every(Duration::ZERO),
+            s(3600),
+            "--session-ttl 0 keeps no session"
+        );
+    }
 }
