@@ -70,6 +70,15 @@ fn rig_with_commands_on_a(
     (a, b, boot, on_a, ctl)
 }
 
+/// The rig, still connected to A, says hello on B with the same boot and `last_seq`: B welcomes
+/// it (the welcome is returned) and A closes the old connection with 4410.
+fn move_to_b(b: &Broker, on_a: &mut Ws, rig: &str, boot: &str, last_seq: u64) -> (Ws, Value) {
+    let mut on_b = b.connect("/agent");
+    let welcome = hello(&mut on_b, rig, boot, Some(last_seq));
+    assert_eq!(read_close(on_a), 4410);
+    (on_b, welcome)
+}
+
 #[test]
 fn a_session_resumes_on_another_broker_with_unacked_commands_in_order() {
     let redis = RedisServer::start();
@@ -85,9 +94,8 @@ fn a_session_resumes_on_another_broker_with_unacked_commands_in_order() {
         n == 4 // "next" + c:3, c:4, c:5
     });
     // The rig saw up to 3 and moves to B (same boot): B replays 4 and 5, then continues at 6.
-    let mut on_b = b.connect("/agent");
-    assert_eq!(hello(&mut on_b, "rig-r", &boot, Some(3))["resumed"], true);
-    assert_eq!(read_close(&mut on_a), 4410);
+    let (mut on_b, welcome) = move_to_b(&b, &mut on_a, "rig-r", &boot, 3);
+    assert_eq!(welcome["resumed"], true);
     let replayed: Vec<Value> = (0..2).map(|_| read_json(&mut on_b)).collect();
     assert_eq!(replayed[0]["seq"], 4);
     assert_eq!(replayed[0]["id"], "c4");
@@ -105,9 +113,8 @@ fn acked_commands_still_in_redis_are_not_replayed_past_last_seq() {
     let (_a, b, boot, mut on_a, mut ctl) = rig_with_commands_on_a(&redis, "rig-f", "f", 3);
     ack(&mut on_a, 2);
     // Moves at once, whether or not A has removed 1 and 2 from Redis yet.
-    let mut on_b = b.connect("/agent");
-    assert_eq!(hello(&mut on_b, "rig-f", &boot, Some(2))["resumed"], true);
-    assert_eq!(read_close(&mut on_a), 4410);
+    let (mut on_b, welcome) = move_to_b(&b, &mut on_a, "rig-f", &boot, 2);
+    assert_eq!(welcome["resumed"], true);
     let first = read_json(&mut on_b);
     assert_eq!(
         (first["seq"].clone(), first["id"].clone()),
@@ -136,9 +143,7 @@ fn a_session_lost_in_redis_continues_after_the_rigs_last_seq() {
         .connection()
         .del(format!("sess:rig-l:{boot}"))
         .unwrap();
-    let mut on_b = b.connect("/agent");
-    hello(&mut on_b, "rig-l", &boot, Some(3));
-    assert_eq!(read_close(&mut on_a), 4410);
+    let (mut on_b, _) = move_to_b(&b, &mut on_a, "rig-l", &boot, 3);
     let r = ctl.command_id("fe-b", "rig-l", "l4", "n", json!({}));
     assert_eq!(r["seq"], 4, "{r}");
     assert_eq!(read_json(&mut on_b)["seq"], 4);
