@@ -10,7 +10,7 @@ use common::broker::{boot_id, eventually, read_close, read_json, Broker, Ws};
 use common::control::Control;
 use common::redis::RedisServer;
 use fleetlink::ids::{BootId, RigId, Seq};
-use fleetlink::registry::sessions::{Persist, SessionScripts};
+use fleetlink::registry::sessions::{Persist, Rekeep, SessionScripts};
 use redis::Commands;
 use serde_json::{json, Value};
 use tungstenite::Message;
@@ -194,6 +194,88 @@ fn a_connected_rigs_session_outlives_the_session_ttl() {
         .query(&mut con)
         .unwrap();
     assert!(pointer > 0, "the latest-boot pointer is kept too");
+}
+
+/// Redis went away and came back empty while a rig with unacked commands stayed connected to
+/// A, and a command was delivered (not kept) during the outage: A restores the lease and puts
+/// the whole session back, so when A then dies the rig still resumes on B with its unacked
+/// commands and its numbering.
+#[test]
+fn a_session_redis_lost_is_kept_again_and_survives_its_broker() {
+    let mut redis = RedisServer::start();
+    let (mut a, b, boot, mut on_a, _) = rig_with_commands_on_a(&redis, "rig-e", "e", 2);
+    redis.kill9();
+    let (status, body) = a.http(
+        "POST",
+        "/v1/rigs/rig-e/commands",
+        r#"{"id":"e3","name":"n","args":{}}"#,
+    );
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(read_json(&mut on_a)["seq"], 3);
+    redis.restart();
+    let key = format!("sess:rig-e:{boot}");
+    let mut con = redis.connection();
+    eventually(Duration::from_secs(20), "the session kept again", || {
+        let (c1, c3, next): (Option<String>, Option<String>, Option<String>) = redis::pipe()
+            .hget(&key, "c:1")
+            .hget(&key, "c:3")
+            .hget(&key, "next")
+            .query(&mut con)
+            .unwrap_or((None, None, None));
+        c1.is_some() && c3.is_some() && next.as_deref() == Some("4")
+    });
+    let pttl: i64 = con.pttl(&key).unwrap();
+    assert!(pttl > 0, "kept with a TTL ({pttl})");
+    let pointer: Option<String> = con.get("sessof:rig-e").unwrap();
+    assert_eq!(pointer.as_deref(), Some(boot.as_str()));
+
+    // SAFETY: kill(2) on our own child's pid.
+    unsafe { libc::kill(a.pid() as i32, libc::SIGKILL) };
+    a.wait_exit(Duration::from_secs(5)).expect("killed");
+    // Control's new Redis connection: the old one went with the restart.
+    let mut ctl = Control::new(&redis, &[]);
+    let mut on_b = b.connect("/agent");
+    assert_eq!(hello(&mut on_b, "rig-e", &boot, Some(1))["resumed"], true);
+    let replayed: Vec<Value> = (0..2).map(|_| read_json(&mut on_b)).collect();
+    assert_eq!(
+        (replayed[0]["id"].clone(), replayed[1]["id"].clone()),
+        (json!("e2"), json!("e3"))
+    );
+    let r = ctl.command_id("fe-b", "rig-e", "e4", "n", json!({}));
+    assert_eq!(r["seq"], 4, "{r}");
+    assert_eq!(read_json(&mut on_b)["seq"], 4);
+}
+
+/// A command delivered while Redis was unreachable is not kept then; once Redis is back (with
+/// everything else it had), the reconnect puts every connected session back, so it is kept.
+#[test]
+fn a_command_delivered_while_redis_was_away_is_kept_when_it_returns() {
+    let redis = RedisServer::start();
+    let (a, _b, boot, mut on_a, _) = rig_with_commands_on_a(&redis, "rig-w", "w", 1);
+    redis.freeze(true);
+    eventually(Duration::from_secs(15), "readyz 503", || {
+        a.http("GET", "/readyz", "").0 == 503
+    });
+    let (status, body) = a.http(
+        "POST",
+        "/v1/rigs/rig-w/commands",
+        r#"{"id":"w2","name":"n","args":{}}"#,
+    );
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(read_json(&mut on_a)["seq"], 2);
+    redis.freeze(false);
+    let key = format!("sess:rig-w:{boot}");
+    let mut con = redis.connection();
+    eventually(Duration::from_secs(20), "the outage's command kept", || {
+        let (c2, next): (Option<String>, Option<String>) = redis::pipe()
+            .hget(&key, "c:2")
+            .hget(&key, "next")
+            .query(&mut con)
+            .unwrap_or((None, None));
+        c2.is_some() && next.as_deref() == Some("3")
+    });
+    let c1: Option<String> = con.hget(&key, "c:1").unwrap();
+    assert!(c1.is_some(), "what Redis had is still there");
 }
 
 #[test]
@@ -486,4 +568,83 @@ fn a_persist_batch_is_fenced_per_rig_and_checked_before_any_write() {
         3,
         "the valid first command was written: {fields:?}"
     );
+}
+
+/// `rekeep.lua`: fenced by the lease like `persist.lua`; it raises `next` but never lowers it
+/// (commands kept since Redis came back may be above the ones put back); a malformed seq fails
+/// the call before any write.
+#[test]
+fn rekeep_is_fenced_and_never_lowers_next() {
+    let redis = RedisServer::start();
+    let mut con = redis.connection();
+    let scripts = SessionScripts::new();
+    let (a, b) = (
+        RigId::parse("rig-a").unwrap(),
+        RigId::parse("rig-b").unwrap(),
+    );
+    let boot = BootId::parse(&boot_id()).unwrap();
+    let _: () = con.set("rig:rig-a", format!("{boot}|fe-a")).unwrap();
+    let _: () = con.set("rig:rig-b", format!("{boot}|fe-b")).unwrap();
+    let sess_a = format!("sess:rig-a:{boot}");
+    // A command kept after the restart already moved "next" to 9.
+    let _: () = con
+        .hset_multiple(&sess_a, &[("next", "9"), ("c:8", "{}")])
+        .unwrap();
+    let cmds: Vec<(Seq, Box<[u8]>)> = vec![(Seq(5), b"{\"seq\":5}".to_vec().into_boxed_slice())];
+    let session = |rig, next| Rekeep {
+        rig,
+        boot: &boot,
+        next: Seq(next),
+        cmds: &cmds,
+    };
+    let kept = scripts
+        .rekeep(
+            &mut con,
+            &[session(&a, 6), session(&b, 6)],
+            "fe-a",
+            Duration::from_secs(60),
+        )
+        .unwrap();
+    assert_eq!(kept, [true, false]);
+    let next: String = con.hget(&sess_a, "next").unwrap();
+    assert_eq!(next, "9", "not lowered");
+    let c5: Option<String> = con.hget(&sess_a, "c:5").unwrap();
+    assert_eq!(c5.as_deref(), Some("{\"seq\":5}"));
+    let ttl: i64 = con.pttl(&sess_a).unwrap();
+    assert!(ttl > 50_000 && ttl <= 60_000, "{ttl}");
+    let pointer: Option<String> = con.get("sessof:rig-a").unwrap();
+    assert_eq!(pointer.as_deref(), Some(boot.as_str()));
+    let exists: bool = con.exists(format!("sess:rig-b:{boot}")).unwrap();
+    assert!(!exists, "a fenced session was written");
+
+    let kept = scripts
+        .rekeep(
+            &mut con,
+            &[session(&a, 12)],
+            "fe-a",
+            Duration::from_secs(60),
+        )
+        .unwrap();
+    assert_eq!(kept, [true]);
+    let next: String = con.hget(&sess_a, "next").unwrap();
+    assert_eq!(next, "12", "raised");
+
+    let err = redis::cmd("EVAL")
+        .arg(include_str!("../lua/rekeep.lua"))
+        .arg(3)
+        .arg("rig:rig-a")
+        .arg(&sess_a)
+        .arg("sessof:rig-a")
+        .arg(60_000)
+        .arg(format!("{boot}|fe-a"))
+        .arg(13)
+        .arg("x1")
+        .arg("{}")
+        .query::<redis::Value>(&mut con)
+        .unwrap_err();
+    assert!(err.to_string().contains("fleetlink rekeep"), "{err}");
+    let c_x: Option<String> = con.hget(&sess_a, "c:x1").unwrap();
+    assert!(c_x.is_none());
+    let next: String = con.hget(&sess_a, "next").unwrap();
+    assert_eq!(next, "12", "nothing written by a malformed call");
 }

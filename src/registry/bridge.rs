@@ -24,11 +24,11 @@ use crate::registry::control::{self, Control};
 use crate::registry::embedded::{Action, Embedded};
 use crate::registry::fleet::{self, Fleet};
 use crate::registry::msg::{
-    CommandReq, PersistReq, ReplyTo, SeqCommand, ToBridge, ToCore, Verdict,
+    CommandReq, PersistReq, RekeepReq, ReplyTo, SeqCommand, ToBridge, ToCore, Verdict,
 };
 use crate::registry::offline::{Deadlines, Held, LocalHeld};
 use crate::registry::scripts::{HelloOutcome, RefreshStatus};
-use crate::registry::sessions::Persist;
+use crate::registry::sessions::{Persist, Rekeep};
 use crate::reply;
 
 /// Inbox messages handled per wake before the bridge looks at Redis and its timers again.
@@ -51,7 +51,7 @@ const HEARTBEAT_TTL: Duration = Duration::from_secs(30);
 const BROADCAST_WAIT: Duration = Duration::from_secs(5);
 
 /// Registry operations counted by (op, result), in this order.
-pub const REGISTRY_OPS: [(&str, &str); 19] = [
+pub const REGISTRY_OPS: [(&str, &str); 22] = [
     ("offline", "held"),
     ("offline", "full"),
     ("offline", "delivered"),
@@ -59,6 +59,9 @@ pub const REGISTRY_OPS: [(&str, &str); 19] = [
     ("persist", "ok"),
     ("persist", "fenced"),
     ("persist", "unavailable"),
+    ("rekeep", "ok"),
+    ("rekeep", "fenced"),
+    ("rekeep", "unavailable"),
     ("hello", "ok"),
     ("hello", "older"),
     ("hello", "unavailable"),
@@ -196,6 +199,8 @@ pub fn spawn(
                 held: LocalHeld::default(),
                 deadlines: Deadlines::default(),
                 persists: Vec::new(),
+                rekeeps: Vec::new(),
+                rekeep_all: false,
                 last_write: now.checked_sub(WRITE_PACE).unwrap_or(now),
                 next_agg: 0,
                 next_refresh: now + cfg.registry_refresh,
@@ -238,6 +243,10 @@ struct Bridge {
     deadlines: Deadlines,
     /// Commands waiting to be kept in Redis before they are written (fleet mode).
     persists: Vec<PersistReq>,
+    /// Sessions to put back into Redis after it lost them (see [`Self::refresh`]).
+    rekeeps: Vec<RekeepReq>,
+    /// Redis just came back: the next refresh asks for every session, not only restored ones.
+    rekeep_all: bool,
     /// When queued Redis writes last went out (see [`WRITE_PACE`]).
     last_write: Instant,
     next_agg: u64,
@@ -372,6 +381,10 @@ impl Bridge {
                 self.persists.push(*p);
                 Vec::new()
             }
+            ToBridge::Rekeep(r) => {
+                self.rekeeps.push(*r);
+                Vec::new()
+            }
             ToBridge::Forget { rig, boot, seq } => {
                 if let Some(f) = self.fleet.as_mut() {
                     f.forget(rig, boot, seq);
@@ -432,6 +445,37 @@ impl Bridge {
                 },
             );
             self.reply(p.reply, body);
+        }
+    }
+
+    /// Puts back the sessions the cores sent after a lease had to be restored.
+    fn rekeep_sessions(&mut self) {
+        if self.rekeeps.is_empty() {
+            return;
+        }
+        let sent = std::mem::take(&mut self.rekeeps);
+        let sessions: Vec<Rekeep<'_>> = sent
+            .iter()
+            .map(|r| Rekeep {
+                rig: &r.rig,
+                boot: &r.boot,
+                next: r.next,
+                cmds: &r.cmds,
+            })
+            .collect();
+        let ttl = self.cfg.session_ttl;
+        match self.fleet.as_mut().and_then(|f| f.rekeep(&sessions, ttl)) {
+            Some(kept) => {
+                for ok in kept {
+                    self.shared
+                        .count("rekeep", if ok { "ok" } else { "fenced" });
+                }
+            }
+            None => {
+                for _ in &sessions {
+                    self.shared.count("rekeep", "unavailable");
+                }
+            }
         }
     }
 
@@ -774,7 +818,9 @@ impl Bridge {
             .subscribed
             .store(f.is_subscribed(), Ordering::Relaxed);
         if std::mem::take(&mut f.just_connected) {
-            // Re-assert every lease we hold: Redis may have restarted empty.
+            // Re-assert every lease we hold: Redis may have restarted empty. And put every
+            // session back: commands delivered while Redis was away were not kept.
+            self.rekeep_all = true;
             self.next_refresh = now;
             self.next_heartbeat = now;
             self.next_canary = now;
@@ -790,6 +836,7 @@ impl Bridge {
         }
         self.last_write = now;
         self.batched(Self::persist_held);
+        self.rekeep_sessions();
         let Some(f) = self.fleet.as_mut() else { return };
         let published = f.published;
         f.flush(Some(now));
@@ -804,7 +851,8 @@ impl Bridge {
         if !self.fleet.as_ref().is_some_and(Fleet::is_up) {
             return None;
         }
-        let queued = self.persists.len() + self.fleet.as_ref().map_or(0, Fleet::queued);
+        let queued =
+            self.persists.len() + self.rekeeps.len() + self.fleet.as_ref().map_or(0, Fleet::queued);
         let writes = match queued {
             0 => None,
             n if n >= WRITE_BATCH => Some(self.last_write),
@@ -992,6 +1040,8 @@ impl Bridge {
 
     /// One batched lease refresh for every rig this broker holds (CONTRACT.md §3).
     fn refresh(&mut self) {
+        // Taken here: a failed refresh means Redis is away again, and its return sets it anew.
+        let everyone = std::mem::take(&mut self.rekeep_all);
         let entries = self.registry.live_sessions();
         if entries.is_empty() {
             return;
@@ -1001,6 +1051,16 @@ impl Bridge {
             return;
         };
         for ((rig, _), status) in entries.iter().zip(statuses) {
+            // A restored lease means Redis may have lost the session too (it restarted empty);
+            // after any reconnect, commands delivered while Redis was away were never kept.
+            // Either way the core holding the rig sends its session back to be kept again.
+            let rekeep =
+                status == RefreshStatus::Restored || (everyone && status == RefreshStatus::Ok);
+            if rekeep && !self.cfg.session_ttl.is_zero() {
+                if let Some(conn) = self.registry.conn_of(rig) {
+                    self.send_to_core(conn, ToCore::Rekeep { conn });
+                }
+            }
             match status {
                 RefreshStatus::Ok => self.shared.count("refresh", "ok"),
                 RefreshStatus::Restored => self.shared.count("refresh", "restored"),

@@ -235,6 +235,14 @@ impl Embedded {
         (out, None)
     }
 
+    /// The connection holding `rig`; None while it moves between connections.
+    pub fn conn_of(&self, rig: &RigId) -> Option<ConnId> {
+        match self.rigs.get(rig)?.owner {
+            Owner::Live(conn) => Some(conn),
+            Owner::Handover(_) => None,
+        }
+    }
+
     /// Every rig this broker holds, with its boot (for lease refreshes).
     pub fn live_sessions(&self) -> Vec<(RigId, BootId)> {
         self.rigs.iter().map(|(r, e)| (r.clone(), e.boot)).collect()

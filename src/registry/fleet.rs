@@ -13,10 +13,12 @@ use crate::ids::{BootId, RigId};
 use crate::registry::offline::{Held, OfflineScripts};
 use crate::registry::pubsub::{Push, Subscriber};
 use crate::registry::scripts::{HelloOutcome, RefreshStatus, Scripts};
-use crate::registry::sessions::{self, Persist, Resumed, SessionScripts};
+use crate::registry::sessions::{self, Persist, Rekeep, Resumed, SessionScripts};
 
 /// Socket timeout for every Redis call: a hung Redis stalls the bridge at most this long.
 const IO_TIMEOUT: Duration = Duration::from_secs(2);
+/// How long a reconnect attempt waits for Redis to answer a PING before giving up.
+const PROBE_TIMEOUT: Duration = Duration::from_millis(250);
 /// Publishes held while Redis is slow or down; beyond it they are dropped and counted.
 const MAX_OUTGOING: usize = 100_000;
 /// Backoff cap between reconnect attempts.
@@ -121,7 +123,13 @@ impl Fleet {
 
     fn open(&mut self) -> anyhow::Result<()> {
         let client = redis::Client::open(self.info.clone())?;
-        let mut con = client.get_connection_with_timeout(IO_TIMEOUT)?;
+        // A hung Redis (frozen, or a black-holed path) still accepts TCP connections; a short
+        // probe keeps each reconnect attempt from stalling the bridge, and with it hellos and
+        // admin commands, for a whole IO_TIMEOUT.
+        let mut con = client.get_connection_with_timeout(PROBE_TIMEOUT)?;
+        con.set_read_timeout(Some(PROBE_TIMEOUT))?;
+        con.set_write_timeout(Some(PROBE_TIMEOUT))?;
+        redis::cmd("PING").query::<()>(&mut con)?;
         con.set_read_timeout(Some(IO_TIMEOUT))?;
         con.set_write_timeout(Some(IO_TIMEOUT))?;
         self.scripts.load(&mut con)?;
@@ -204,6 +212,18 @@ impl Fleet {
             if let Err(e) = pipe.query::<()>(con) {
                 self.fail(Instant::now(), &e);
                 return;
+            }
+        }
+    }
+
+    /// Puts connected rigs' sessions back (fenced by our leases). None when Redis is unavailable.
+    pub(crate) fn rekeep(&mut self, sessions: &[Rekeep<'_>], ttl: Duration) -> Option<Vec<bool>> {
+        let con = self.con.as_mut()?;
+        match self.sessions.rekeep(con, sessions, &self.broker_id, ttl) {
+            Ok(kept) => Some(kept),
+            Err(e) => {
+                self.fail(Instant::now(), &e);
+                None
             }
         }
     }

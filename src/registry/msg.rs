@@ -46,6 +46,19 @@ pub struct PersistReq {
     pub reply: ReplyTo,
 }
 
+/// A connected rig's session as its core holds it, to be kept in Redis again.
+#[derive(Debug)]
+pub struct RekeepReq {
+    /// The rig.
+    pub rig: RigId,
+    /// Its session's boot.
+    pub boot: BootId,
+    /// The session's next seq.
+    pub next: Seq,
+    /// Its commands not yet acked (written or queued, none held), by seq.
+    pub cmds: Vec<(Seq, Box<[u8]>)>,
+}
+
 /// Where a reply to a control request goes.
 #[derive(Debug, Clone)]
 pub enum ReplyTo {
@@ -137,6 +150,12 @@ pub enum ToCore {
         /// False when another broker owns the rig now: drop the command.
         kept: bool,
     },
+    /// Redis lost this rig's session (the bridge had to restore its lease): send back what the
+    /// session holds so it is kept again.
+    Rekeep {
+        /// The connection holding the rig.
+        conn: ConnId,
+    },
     /// Send a snapshot of this core's metrics (and rigs when `rigs`).
     Snapshot {
         /// Include the rig list.
@@ -196,6 +215,8 @@ pub enum ToBridge {
     },
     /// Keep a command in the rig's session before it is written (fleet mode).
     Persist(Box<PersistReq>),
+    /// Put a connected rig's session back into Redis (the answer to [`ToCore::Rekeep`]).
+    Rekeep(Box<RekeepReq>),
     /// The rig acked (or the broker stopped remembering) a command: forget it in Redis.
     Forget {
         /// The rig.

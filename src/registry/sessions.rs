@@ -5,6 +5,8 @@
 //! - `persist.lua` adds commands, fenced by the lease: a broker that lost the rig cannot add.
 //! - `resume.lua` tells a hello what its session holds, and hands back the unacked commands
 //!   of the rig's previous boot (reported `rig_rebooted`, never replayed).
+//! - `rekeep.lua` puts a connected rig's unacked commands back after Redis lost them (it
+//!   restarted empty), fenced like `persist.lua`.
 //! - Acks delete with a plain `HDEL` (no check needed: deleting an acked command is always
 //!   right), sent in paced batches by the bridge's Redis I/O (`fleet.rs`).
 
@@ -17,6 +19,8 @@ use crate::registry::scripts::{rig_key, tuple, RegistryError};
 
 /// Commands sent in one persist call.
 pub const PERSIST_CHUNK: usize = 500;
+/// Sessions put back per round trip after Redis lost them.
+pub const REKEEP_CHUNK: usize = 100;
 
 /// A session's key.
 pub fn session_key(rig: &RigId, boot: &BootId) -> String {
@@ -54,11 +58,25 @@ pub struct Resumed {
     pub previous_boot: Option<String>,
 }
 
-/// The two session scripts.
+/// A connected rig's session as its broker holds it, to put back into Redis.
+#[derive(Debug, Clone)]
+pub struct Rekeep<'a> {
+    /// The rig.
+    pub rig: &'a RigId,
+    /// Its session's boot.
+    pub boot: &'a BootId,
+    /// The session's next seq.
+    pub next: Seq,
+    /// Its commands not yet acked, as sent to the rig.
+    pub cmds: &'a [(Seq, Box<[u8]>)],
+}
+
+/// The session scripts.
 #[derive(Debug, Clone)]
 pub struct SessionScripts {
     persist: Script,
     resume: Script,
+    rekeep: Script,
 }
 
 impl Default for SessionScripts {
@@ -73,7 +91,50 @@ impl SessionScripts {
         Self {
             persist: Script::new(include_str!("../../lua/persist.lua")),
             resume: Script::new(include_str!("../../lua/resume.lua")),
+            rekeep: Script::new(include_str!("../../lua/rekeep.lua")),
         }
+    }
+
+    /// Puts `sessions` back into Redis, each fenced by `broker_id`'s lease, [`REKEEP_CHUNK`]
+    /// script calls per round trip; one status per session, true = kept.
+    pub fn rekeep(
+        &self,
+        con: &mut impl ConnectionLike,
+        sessions: &[Rekeep<'_>],
+        broker_id: &str,
+        ttl: Duration,
+    ) -> Result<Vec<bool>, RegistryError> {
+        // A pipeline of EVALSHAs does not load a missing script by itself (Script::invoke
+        // does); this rare path loads it first instead.
+        self.rekeep.prepare_invoke().load(con)?;
+        let mut out = Vec::with_capacity(sessions.len());
+        for chunk in sessions.chunks(REKEEP_CHUNK) {
+            let mut pipe = redis::pipe();
+            for s in chunk {
+                let call = pipe
+                    .cmd("EVALSHA")
+                    .arg(self.rekeep.get_hash())
+                    .arg(3)
+                    .arg(rig_key(s.rig))
+                    .arg(session_key(s.rig, s.boot))
+                    .arg(pointer_key(s.rig))
+                    .arg(ttl_ms(ttl))
+                    .arg(tuple(s.boot, broker_id))
+                    .arg(s.next.0);
+                for (seq, json) in s.cmds {
+                    call.arg(seq.0).arg(&json[..]);
+                }
+            }
+            let replies: Vec<Value> = pipe.query(con)?;
+            for reply in &replies {
+                out.push(match text(reply) {
+                    Some("ok") => true,
+                    Some("fenced") => false,
+                    _ => return Err(RegistryError::UnexpectedReply(format!("rekeep: {reply:?}"))),
+                });
+            }
+        }
+        Ok(out)
     }
 
     /// Keeps `cmds` (each fenced by `broker_id`'s lease); one status per command, true = kept.

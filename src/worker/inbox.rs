@@ -77,6 +77,11 @@ fn handle(core: &Rc<Core>, msg: ToCore) {
                 session::deliver(core, req.reply, body);
             }
         },
+        ToCore::Rekeep { conn } => {
+            if let Some(c) = conn_of(conn) {
+                session::on_rekeep(core, &c.st.borrow());
+            }
+        }
         ToCore::Persisted { conn, seq, kept } => {
             if let Some(c) = conn_of(conn) {
                 session::on_persisted(core, &c, &mut c.st.borrow_mut(), seq, kept);

@@ -9,7 +9,9 @@ use crate::http_upgrade::{self, Reject};
 use crate::ids::Seq;
 use crate::metrics::C;
 use crate::protocol::{self, ClientMsg, Hello};
-use crate::registry::msg::{CommandReq, PersistReq, ReplyTo, SeqCommand, ToBridge, Verdict};
+use crate::registry::msg::{
+    CommandReq, PersistReq, RekeepReq, ReplyTo, SeqCommand, ToBridge, Verdict,
+};
 use crate::reply::{self, Unresponsive};
 use crate::worker::core::{stamp, unix_ms, Conn, ConnState, Core, Phase, Session};
 use crate::worker::transport::Security;
@@ -587,6 +589,34 @@ pub(crate) fn on_persisted(core: &Core, conn: &Conn, st: &mut ConnState, seq: Se
         q.outbox.remove(pos);
     }
     pump(core, conn, st);
+}
+
+/// Redis lost this connection's session (it restarted empty): hands the bridge what the
+/// session holds, so a resume after this broker dies still finds its unacked commands. Held
+/// commands are left out: their own persist is on its way.
+pub(crate) fn on_rekeep(core: &Core, st: &ConnState) {
+    let Some(s) = st.session.as_ref().filter(|s| s.welcomed) else {
+        return;
+    };
+    let mut cmds: Vec<(Seq, Box<[u8]>)> = s
+        .queues
+        .as_ref()
+        .map(|q| {
+            q.unacked
+                .iter()
+                .chain(q.outbox.iter())
+                .filter(|c| !c.held)
+                .map(|c| (c.seq, c.json.clone()))
+                .collect()
+        })
+        .unwrap_or_default();
+    cmds.sort_by_key(|c| c.0);
+    core.to_bridge(ToBridge::Rekeep(Box::new(RekeepReq {
+        rig: s.rig.clone(),
+        boot: s.boot,
+        next: s.next_seq,
+        cmds,
+    })));
 }
 
 /// Whether the connection's token scope (if any) allows something.

@@ -86,6 +86,17 @@ impl RedisServer {
         }
     }
 
+    /// Freezes (`true`, SIGSTOP) or thaws (`false`, SIGCONT) the server: unreachable to its
+    /// clients, as on a network partition, but with every key kept.
+    #[allow(dead_code)] // not every test binary freezes Redis
+    pub fn freeze(&self, frozen: bool) {
+        if let Some(child) = &self.child {
+            let sig = if frozen { libc::SIGSTOP } else { libc::SIGCONT };
+            // SAFETY: kill(2) on our own child's pid.
+            unsafe { libc::kill(child.id() as i32, sig) };
+        }
+    }
+
     /// Kills the server if running and starts a new, empty one on the same port.
     pub fn restart(&mut self) {
         self.kill9();
