@@ -40,6 +40,8 @@ const BATCH: usize = 4096;
 /// nothing.
 const WRITE_PACE: Duration = Duration::from_millis(1);
 const WRITE_BATCH: usize = 1024;
+/// Sessions put back into Redis per pass of the bridge loop (see `Bridge::rekeep_sessions`).
+const REKEEP_PER_PASS: usize = 2000;
 /// How often the broker publishes a canary on its own channel.
 const CANARY_EVERY: Duration = Duration::from_secs(1);
 /// Readiness fails when no canary came back for this long.
@@ -453,7 +455,10 @@ impl Bridge {
         if self.rekeeps.is_empty() {
             return;
         }
-        let sent = std::mem::take(&mut self.rekeeps);
+        // A pass at a time, so that after a reconnect with a big fleet hellos and commands
+        // get their turn between passes.
+        let n = self.rekeeps.len().min(REKEEP_PER_PASS);
+        let sent: Vec<RekeepReq> = self.rekeeps.drain(..n).collect();
         let sessions: Vec<Rekeep<'_>> = sent
             .iter()
             .map(|r| Rekeep {
