@@ -505,14 +505,17 @@ fn session_ttl_zero_keeps_no_session_in_redis() {
     );
 }
 
-/// `persist.lua` on a batch: each command is checked against its own rig's lease, a kept one
-/// sets its session's `next` and TTL, and a malformed seq anywhere fails the call before any
-/// write.
-#[test]
-fn a_persist_batch_is_fenced_per_rig_and_checked_before_any_write() {
+/// For the session scripts' own tests: rig-a leased to fe-a and rig-b to fe-b, same boot.
+fn rigs_leased_to_fe_a_and_fe_b() -> (
+    RedisServer,
+    redis::Connection,
+    SessionScripts,
+    RigId,
+    RigId,
+    BootId,
+) {
     let redis = RedisServer::start();
     let mut con = redis.connection();
-    let scripts = SessionScripts::new();
     let (a, b) = (
         RigId::parse("rig-a").unwrap(),
         RigId::parse("rig-b").unwrap(),
@@ -520,6 +523,16 @@ fn a_persist_batch_is_fenced_per_rig_and_checked_before_any_write() {
     let boot = BootId::parse(&boot_id()).unwrap();
     let _: () = con.set("rig:rig-a", format!("{boot}|fe-a")).unwrap();
     let _: () = con.set("rig:rig-b", format!("{boot}|fe-b")).unwrap();
+    (redis, con, SessionScripts::new(), a, b, boot)
+}
+
+/// `persist.lua` on a batch: each command is checked against its own rig's lease, a kept one
+/// sets its session's `next` and TTL, and a malformed seq anywhere fails the call before any
+/// write.
+#[test]
+fn a_persist_batch_is_fenced_per_rig_and_checked_before_any_write() {
+    // `_redis` (not `_`): the server lives as long as the test.
+    let (_redis, mut con, scripts, a, b, boot) = rigs_leased_to_fe_a_and_fe_b();
     let cmd = |rig, seq| Persist {
         rig,
         boot: &boot,
@@ -575,16 +588,8 @@ fn a_persist_batch_is_fenced_per_rig_and_checked_before_any_write() {
 /// the call before any write.
 #[test]
 fn rekeep_is_fenced_and_never_lowers_next() {
-    let redis = RedisServer::start();
-    let mut con = redis.connection();
-    let scripts = SessionScripts::new();
-    let (a, b) = (
-        RigId::parse("rig-a").unwrap(),
-        RigId::parse("rig-b").unwrap(),
-    );
-    let boot = BootId::parse(&boot_id()).unwrap();
-    let _: () = con.set("rig:rig-a", format!("{boot}|fe-a")).unwrap();
-    let _: () = con.set("rig:rig-b", format!("{boot}|fe-b")).unwrap();
+    // `_redis` (not `_`): the server lives as long as the test.
+    let (_redis, mut con, scripts, a, b, boot) = rigs_leased_to_fe_a_and_fe_b();
     let sess_a = format!("sess:rig-a:{boot}");
     // A command kept after the restart already moved "next" to 9.
     let _: () = con
