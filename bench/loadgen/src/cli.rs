@@ -112,6 +112,10 @@ pub struct RigsArgs {
     /// `PATH.<first rig index of the worker>`.
     #[arg(long)]
     pub exec_log: Option<PathBuf>,
+    /// Never ack a command: rigs that receive but leave every command unacked, so the
+    /// broker keeps them (for resume and Redis-restart scenarios, `bench/redis-restart.sh`).
+    #[arg(long)]
+    pub no_ack: bool,
     /// Bucket width of `reconnect_timeline` (re-welcomes by unix time, e.g. across a drain).
     #[arg(long, default_value = "100ms", value_parser = parse_duration)]
     pub timeline_bucket: Duration,

@@ -121,6 +121,7 @@ async fn rig_env(
         reconnect: args.reconnect.then_some(args.reconnect_backoff),
         exec_log,
         timeline_bucket_ms: (args.timeline_bucket.as_millis() as u64).max(1),
+        no_ack: args.no_ack,
     })
 }
 
@@ -168,6 +169,9 @@ fn spawn_child(args: &RigsArgs, start: usize, count: usize) -> Result<(Child, Ch
         .args(["--child-slice", &format!("{start}:{count}")]);
     if args.reconnect {
         cmd.arg("--reconnect");
+    }
+    if args.no_ack {
+        cmd.arg("--no-ack");
     }
     if let Some(p) = &args.exec_log {
         cmd.arg("--exec-log").arg(p);

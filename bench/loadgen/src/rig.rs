@@ -56,6 +56,8 @@ pub struct RigEnv {
     pub exec_log: Option<ExecLog>,
     /// `--timeline-bucket` in ms.
     pub timeline_bucket_ms: u64,
+    /// `--no-ack`: commands are received and counted, never acked.
+    pub no_ack: bool,
 }
 
 /// `--exec-log`: one line per command run, buffered (flushed by the worker's ticks and at the
@@ -620,10 +622,12 @@ async fn on_text(
                         }
                     }
                 }
-                ws.send(Message::text(format!(r#"{{"type":"ack","seq":{seq}}}"#)))
-                    .await
-                    .map_err(|_| "ack_write_error")?;
-                c.acks.fetch_add(1, Relaxed);
+                if !env.no_ack {
+                    ws.send(Message::text(format!(r#"{{"type":"ack","seq":{seq}}}"#)))
+                        .await
+                        .map_err(|_| "ack_write_error")?;
+                    c.acks.fetch_add(1, Relaxed);
+                }
             }
         }
         Some("goaway") => {

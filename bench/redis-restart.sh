@@ -1,0 +1,96 @@
+#!/usr/bin/env bash
+# redis-restart.sh — Redis restarted empty under a connected fleet: N rigs on fleetlink-fe in
+# fleet mode, each with K unacked commands, then Redis is SIGKILLed and started again, empty,
+# on the same port. Measures how long until every lease is back and every session is kept
+# again (`rekeep/ok` = N), and checks that every lease and session is back and that a sample
+# session holds its K commands and its `next`. R rounds, each with a fresh broker and Redis.
+#
+#   bench/redis-restart.sh [--rigs 10000] [--unacked 1] [--rounds 3]
+#
+# The rigs' loadgen runs with --no-ack so their commands stay unacked. Prints one line per
+# round and the median. Its own redis-server on REDIS_RESTART_PORT (default 26479), the broker
+# on 26180/26190; everything it starts is stopped on exit. Needs release builds
+# (`cargo build --release --workspace`). The fast version of this is tests/resume.rs
+# (a_session_redis_lost_is_kept_again_and_survives_its_broker).
+set -euo pipefail
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+target="${CARGO_TARGET_DIR:-$here/../target}/release"
+rigs=10000 unacked=1 rounds=3
+rport="${REDIS_RESTART_PORT:-26479}" lport=26180 aport=26190
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --rigs) rigs="$2"; shift 2 ;;
+    --unacked) unacked="$2"; shift 2 ;;
+    --rounds) rounds="$2"; shift 2 ;;
+    *) sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; exit 64 ;;
+  esac
+done
+(( rigs <= 19000 )) || { echo "redis-restart: --rigs at most 19000" >&2; exit 64; }
+work="$(mktemp -d /tmp/redis-restart.XXXXXX)"
+pids=()
+cleanup() {
+  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+  wait 2>/dev/null || true
+  rm -rf "$work"
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+start_redis() {
+  redis-server --port "$rport" --bind 127.0.0.1 --save "" --appendonly no --daemonize no \
+    >"$work/redis.log" 2>&1 &
+  rpid=$!; pids+=("$rpid")
+  for _ in $(seq 100); do redis-cli -p "$rport" ping >/dev/null 2>&1 && return; sleep 0.05; done
+  echo "redis-restart: redis-server did not start" >&2; exit 1
+}
+metric() {
+  curl -s "http://127.0.0.1:$aport/metrics" | awk -v k="$1" 'index($0, k) == 1 { print int($2) }'
+}
+url="redis://127.0.0.1:$rport/"
+times=()
+for ((r = 1; r <= rounds; r++)); do
+  start_redis
+  "$target/fleetlink-fe" --cores "$(( $(nproc) > 1 ? $(nproc) - 1 : 1 ))" --redis "$url" \
+    --listen "127.0.0.1:$lport" --admin "127.0.0.1:$aport" --broker-id rr \
+    --accept-rate 100000 --accept-burst 100000 >"$work/broker.log" 2>&1 &
+  bpid=$!; pids+=("$bpid")
+  for _ in $(seq 300); do curl -sf -o /dev/null "http://127.0.0.1:$aport/readyz" && break; sleep 0.1; done
+  "$target/fleetlink-loadgen" rigs --url "ws://127.0.0.1:$lport/agent" --rigs "$rigs" --prefix rig \
+    --no-ack --hold 300s --max-time 330s >"$work/rigs.out" 2>"$work/rigs.err" &
+  lpid=$!; pids+=("$lpid")
+  for _ in $(seq 1200); do grep -q '^ALL_WELCOMED' "$work/rigs.out" && break; sleep 0.1; done
+  grep -q '^ALL_WELCOMED' "$work/rigs.out" || { echo "redis-restart: rigs not welcomed" >&2; exit 1; }
+  "$target/fleetlink-loadgen" redis-publish --redis "$url" --broker-id rr --prefix rig \
+    --mode fanout --rigs "$rigs" --count "$unacked" --interval 1s --max-time 120s \
+    --report "$work/pub.json" >/dev/null
+  for _ in $(seq 600); do
+    [[ "$(metric 'fleetlink_registry_ops_total{op="persist",result="ok"}')" -ge $((rigs * unacked)) ]] && break
+    sleep 0.1
+  done
+  kill -9 "$rpid"; wait "$rpid" 2>/dev/null || true
+  t0=$(date +%s%N)
+  start_redis
+  done_ok=0
+  for _ in $(seq 1200); do
+    if [[ "$(metric 'fleetlink_registry_ops_total{op="rekeep",result="ok"}')" -ge "$rigs" ]]; then
+      done_ok=1; break
+    fi
+    sleep 0.02
+  done
+  ms=$(( ($(date +%s%N) - t0) / 1000000 ))
+  sessions=$(redis-cli -p "$rport" --scan --pattern 'sess:*' | wc -l)
+  leases=$(redis-cli -p "$rport" --scan --pattern 'rig:*' | wc -l)
+  sample="sess:$(redis-cli -p "$rport" --scan --pattern 'sess:rig-000042:*' | head -1 | cut -d: -f2-)"
+  fields=$(redis-cli -p "$rport" hlen "$sample")
+  next=$(redis-cli -p "$rport" hget "$sample" next)
+  ok=$([[ $done_ok == 1 && $sessions == "$rigs" && $leases == "$rigs" && $fields == $((unacked + 1)) \
+          && $next == $((unacked + 1)) ]] && echo yes || echo NO)
+  echo "round $r: all $rigs sessions kept again ${ms} ms after the restart (sessions $sessions," \
+       "leases $leases, rig-000042: $fields fields, next $next; complete: $ok)"
+  [[ $ok == yes ]] && times+=("$ms")
+  kill "$lpid" "$bpid" "$rpid" 2>/dev/null || true
+  wait "$lpid" "$bpid" "$rpid" 2>/dev/null || true
+done
+(( ${#times[@]} == rounds )) || { echo "redis-restart: ${#times[@]} of $rounds rounds complete" >&2; exit 1; }
+median=$(printf '%s\n' "${times[@]}" | sort -n | awk '{a[NR]=$1} END {print a[int((NR + 1) / 2)]}')
+echo "median: ${median} ms from the restart until all $rigs sessions were kept again"
