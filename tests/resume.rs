@@ -196,6 +196,40 @@ fn a_connected_rigs_session_outlives_the_session_ttl() {
     assert!(pointer > 0, "the latest-boot pointer is kept too");
 }
 
+/// A session's TTL counts from its rig's disconnect: the broker sets it afresh then, rather
+/// than leaving whatever the last periodic touch or command left.
+#[test]
+fn a_sessions_ttl_starts_again_when_its_rig_disconnects() {
+    let redis = RedisServer::start();
+    let url = redis.url();
+    let a = Broker::start(&[
+        "--redis",
+        &url,
+        "--broker-id",
+        "fe-a",
+        "--session-ttl",
+        "60s",
+    ]);
+    eventually(Duration::from_secs(10), "broker ready", || {
+        a.http("GET", "/readyz", "").0 == 200
+    });
+    let (mut ws, boot, _) = a.rig("rig-d");
+    let mut ctl = Control::new(&redis, &[]);
+    assert_eq!(ctl.command("fe-a", "rig-d", "n", json!({}))["seq"], 1);
+    assert_eq!(read_json(&mut ws)["seq"], 1);
+    let key = format!("sess:rig-d:{boot}");
+    let mut con = redis.connection();
+    let mut pttl = || -> i64 { con.pttl(&key).unwrap() };
+    // The next periodic touch is 20 s away: the TTL only runs down until the disconnect.
+    eventually(Duration::from_secs(10), "the TTL below 59 s", || {
+        pttl() < 59_000
+    });
+    drop(ws);
+    eventually(Duration::from_secs(5), "the TTL set afresh", || {
+        pttl() > 59_000
+    });
+}
+
 /// Redis went away and came back empty while a rig with unacked commands stayed connected to
 /// A, and a command was delivered (not kept) during the outage: A restores the lease and puts
 /// the whole session back, so when A then dies the rig still resumes on B with its unacked

@@ -599,7 +599,7 @@ impl Bridge {
     fn release(&mut self, rig: RigId, boot: BootId) {
         if let Some(f) = self.fleet.as_mut() {
             self.shared.count("release", "sent");
-            f.release(rig, boot);
+            f.release(rig, boot, self.cfg.session_ttl);
         }
     }
 

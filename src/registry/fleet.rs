@@ -56,6 +56,8 @@ pub(crate) struct Fleet {
     sub: Option<Subscriber>,
     outgoing: Vec<(String, Vec<u8>)>,
     releases: Vec<(RigId, BootId)>,
+    /// `--session-ttl`, given with each release (see [`Self::release`]).
+    release_session_ttl: Duration,
     failures: u32,
     next_attempt: Instant,
     /// Publishes dropped because the queue was full while Redis was away.
@@ -81,6 +83,7 @@ impl Fleet {
             sub: None,
             outgoing: Vec::new(),
             releases: Vec::new(),
+            release_session_ttl: Duration::ZERO,
             failures: 0,
             next_attempt: Instant::now(),
             dropped: 0,
@@ -327,8 +330,10 @@ impl Fleet {
         self.outgoing.len() + self.releases.len()
     }
 
-    /// Queues a compare-and-delete of a released lease (sent with the next flush).
-    pub(crate) fn release(&mut self, rig: RigId, boot: BootId) {
+    /// Queues a compare-and-delete of a released lease, and a fresh `session_ttl` for its
+    /// session (sent with the next flush; 0 = no session kept).
+    pub(crate) fn release(&mut self, rig: RigId, boot: BootId, session_ttl: Duration) {
+        self.release_session_ttl = session_ttl;
         if self.releases.len() < MAX_OUTGOING {
             self.releases.push((rig, boot));
         }
@@ -357,7 +362,12 @@ impl Fleet {
                 self.fail(Instant::now(), &e);
                 return;
             }
+            // A released session's TTL counts from its disconnect, not from its last touch.
+            if !self.release_session_ttl.is_zero() {
+                self.touch_sessions(&releases, self.release_session_ttl);
+            }
         }
+        let Some(con) = self.con.as_mut() else { return };
         if forgets_due && !self.forgets.is_empty() {
             let mut pipe = redis::pipe();
             for (rig, boot, seq) in &self.forgets {
