@@ -16,8 +16,14 @@ use serde_json::{json, Value};
 use tungstenite::Message;
 
 fn fleet_broker(redis: &RedisServer, id: &str) -> Broker {
+    fleet_broker_with(redis, id, &[])
+}
+
+fn fleet_broker_with(redis: &RedisServer, id: &str, extra: &[&str]) -> Broker {
     let url = redis.url();
-    let b = Broker::start(&["--redis", url.as_str(), "--broker-id", id]);
+    let mut args = vec!["--redis", url.as_str(), "--broker-id", id];
+    args.extend_from_slice(extra);
+    let b = Broker::start(&args);
     eventually(Duration::from_secs(10), "broker ready", || {
         b.http("GET", "/readyz", "").0 == 200
     });
@@ -149,28 +155,23 @@ fn a_session_lost_in_redis_continues_after_the_rigs_last_seq() {
     assert_eq!(read_json(&mut on_b)["seq"], 4);
 }
 
+/// Broker fe-a with `--session-ttl ttl`; `rig` welcomed, sent one command (seq 1) and read it.
+fn rig_with_one_command(redis: &RedisServer, rig: &str, ttl: &str) -> (Broker, Ws, String) {
+    let a = fleet_broker_with(redis, "fe-a", &["--session-ttl", ttl]);
+    let (mut ws, boot, _) = a.rig(rig);
+    let mut ctl = Control::new(redis, &[]);
+    assert_eq!(ctl.command("fe-a", rig, "n", json!({}))["seq"], 1);
+    assert_eq!(read_json(&mut ws)["seq"], 1);
+    (a, ws, boot)
+}
+
 /// `--session-ttl` counts from a session's last activity, and a connected rig is activity: a
 /// rig that stays connected without new commands keeps its unacked commands (and `next`) in
 /// Redis past the TTL, so a resume after its broker dies still finds them.
 #[test]
 fn a_connected_rigs_session_outlives_the_session_ttl() {
     let redis = RedisServer::start();
-    let url = redis.url();
-    let a = Broker::start(&[
-        "--redis",
-        &url,
-        "--broker-id",
-        "fe-a",
-        "--session-ttl",
-        "3s",
-    ]);
-    eventually(Duration::from_secs(10), "broker ready", || {
-        a.http("GET", "/readyz", "").0 == 200
-    });
-    let (mut ws, boot, _) = a.rig("rig-t");
-    let mut ctl = Control::new(&redis, &[]);
-    assert_eq!(ctl.command("fe-a", "rig-t", "n", json!({}))["seq"], 1);
-    assert_eq!(read_json(&mut ws)["seq"], 1);
+    let (_a, _ws, boot) = rig_with_one_command(&redis, "rig-t", "3s");
     let key = format!("sess:rig-t:{boot}");
     let mut con = redis.connection();
     // Left alone the TTL only falls, and the key is gone 3 s after the command: it must rise
@@ -201,22 +202,7 @@ fn a_connected_rigs_session_outlives_the_session_ttl() {
 #[test]
 fn a_sessions_ttl_starts_again_when_its_rig_disconnects() {
     let redis = RedisServer::start();
-    let url = redis.url();
-    let a = Broker::start(&[
-        "--redis",
-        &url,
-        "--broker-id",
-        "fe-a",
-        "--session-ttl",
-        "60s",
-    ]);
-    eventually(Duration::from_secs(10), "broker ready", || {
-        a.http("GET", "/readyz", "").0 == 200
-    });
-    let (mut ws, boot, _) = a.rig("rig-d");
-    let mut ctl = Control::new(&redis, &[]);
-    assert_eq!(ctl.command("fe-a", "rig-d", "n", json!({}))["seq"], 1);
-    assert_eq!(read_json(&mut ws)["seq"], 1);
+    let (_a, ws, boot) = rig_with_one_command(&redis, "rig-d", "60s");
     let key = format!("sess:rig-d:{boot}");
     let mut con = redis.connection();
     let mut pttl = || -> i64 { con.pttl(&key).unwrap() };
@@ -521,11 +507,7 @@ fn the_same_boot_resumes_on_another_broker_even_without_commands() {
 #[test]
 fn session_ttl_zero_keeps_no_session_in_redis() {
     let redis = RedisServer::start();
-    let url = redis.url();
-    let a = Broker::start(&["--redis", &url, "--broker-id", "fe-a", "--session-ttl", "0"]);
-    eventually(Duration::from_secs(10), "broker ready", || {
-        a.http("GET", "/readyz", "").0 == 200
-    });
+    let a = fleet_broker_with(&redis, "fe-a", &["--session-ttl", "0"]);
     let (mut ws, boot, _) = a.rig("rig-z");
     let mut ctl = Control::new(&redis, &[]);
     for i in 1..=3u64 {
