@@ -183,7 +183,7 @@ pub fn spawn(
     let fleet = cfg
         .redis
         .as_deref()
-        .map(|url| Fleet::new(url, &cfg.broker_id))
+        .map(|url| Fleet::new(url, &cfg.broker_id, cfg.session_ttl))
         .transpose()?;
     let handle = std::thread::Builder::new()
         .name("fleetlink-bridge".into())
@@ -450,7 +450,8 @@ impl Bridge {
         }
     }
 
-    /// Puts back the sessions the cores sent after a lease had to be restored.
+    /// Puts back the sessions the cores sent after a reconnect or a restored lease (see
+    /// [`Self::refresh`]).
     fn rekeep_sessions(&mut self) {
         if self.rekeeps.is_empty() {
             return;
@@ -599,7 +600,7 @@ impl Bridge {
     fn release(&mut self, rig: RigId, boot: BootId) {
         if let Some(f) = self.fleet.as_mut() {
             self.shared.count("release", "sent");
-            f.release(rig, boot, self.cfg.session_ttl);
+            f.release(rig, boot);
         }
     }
 
@@ -1030,16 +1031,12 @@ impl Bridge {
     /// unacked commands) would expire while it is connected, and a resume after this broker
     /// died would find nothing.
     fn touch_sessions(&mut self) {
-        let ttl = self.cfg.session_ttl;
-        if ttl.is_zero() {
+        if self.cfg.session_ttl.is_zero() {
             return;
         }
         let sessions = self.registry.live_sessions();
-        if sessions.is_empty() {
-            return;
-        }
         if let Some(f) = self.fleet.as_mut() {
-            f.touch_sessions(&sessions, ttl);
+            f.touch_sessions(&sessions);
         }
     }
 

@@ -29,8 +29,6 @@ const MAX_BACKOFF: Duration = Duration::from_secs(5);
 /// what it has.
 const FORGET_PACE: Duration = Duration::from_secs(1);
 const FORGET_BATCH: usize = 16_384;
-/// Session keys whose TTL one pipeline extends.
-const TOUCH_BATCH: usize = 1000;
 
 /// Channel every broker subscribes to for broadcasts (CONTRACT.md §4).
 pub const BROADCAST: &str = "fleetlink:broadcast";
@@ -56,8 +54,8 @@ pub(crate) struct Fleet {
     sub: Option<Subscriber>,
     outgoing: Vec<(String, Vec<u8>)>,
     releases: Vec<(RigId, BootId)>,
-    /// `--session-ttl`, given with each release (see [`Self::release`]).
-    release_session_ttl: Duration,
+    /// `--session-ttl`: touched and released sessions get it afresh (0 = no session kept).
+    session_ttl: Duration,
     failures: u32,
     next_attempt: Instant,
     /// Publishes dropped because the queue was full while Redis was away.
@@ -69,7 +67,7 @@ pub(crate) struct Fleet {
 }
 
 impl Fleet {
-    pub(crate) fn new(url: &str, broker_id: &str) -> anyhow::Result<Self> {
+    pub(crate) fn new(url: &str, broker_id: &str, session_ttl: Duration) -> anyhow::Result<Self> {
         let info = url.into_connection_info()?;
         Ok(Self {
             info,
@@ -83,7 +81,7 @@ impl Fleet {
             sub: None,
             outgoing: Vec::new(),
             releases: Vec::new(),
-            release_session_ttl: Duration::ZERO,
+            session_ttl,
             failures: 0,
             next_attempt: Instant::now(),
             dropped: 0,
@@ -199,23 +197,14 @@ impl Fleet {
         }
     }
 
-    /// Extends the TTL of these sessions' keys and of their rigs' `sessof:` pointers (a missing
-    /// key stays missing), in pipelines of [`TOUCH_BATCH`] so one call never holds Redis long.
-    pub(crate) fn touch_sessions(&mut self, sessions: &[(RigId, BootId)], ttl: Duration) {
+    /// Extends these sessions' TTLs to `--session-ttl` (see [`sessions::touch`]).
+    pub(crate) fn touch_sessions(&mut self, sessions: &[(RigId, BootId)]) {
+        if self.session_ttl.is_zero() {
+            return;
+        }
         let Some(con) = self.con.as_mut() else { return };
-        let ttl_ms = ttl.as_millis().clamp(1, i64::MAX as u128) as i64;
-        for chunk in sessions.chunks(TOUCH_BATCH) {
-            let mut pipe = redis::pipe();
-            for (rig, boot) in chunk {
-                pipe.pexpire(sessions::session_key(rig, boot), ttl_ms)
-                    .ignore();
-                // The pointer to the latest boot, so a reboot still reports what was unacked.
-                pipe.pexpire(sessions::pointer_key(rig), ttl_ms).ignore();
-            }
-            if let Err(e) = pipe.query::<()>(con) {
-                self.fail(Instant::now(), &e);
-                return;
-            }
+        if let Err(e) = sessions::touch(con, sessions, self.session_ttl) {
+            self.fail(Instant::now(), &e);
         }
     }
 
@@ -330,10 +319,9 @@ impl Fleet {
         self.outgoing.len() + self.releases.len()
     }
 
-    /// Queues a compare-and-delete of a released lease, and a fresh `session_ttl` for its
-    /// session (sent with the next flush; 0 = no session kept).
-    pub(crate) fn release(&mut self, rig: RigId, boot: BootId, session_ttl: Duration) {
-        self.release_session_ttl = session_ttl;
+    /// Queues a compare-and-delete of a released lease, and a fresh `--session-ttl` for its
+    /// session (sent with the next flush).
+    pub(crate) fn release(&mut self, rig: RigId, boot: BootId) {
         if self.releases.len() < MAX_OUTGOING {
             self.releases.push((rig, boot));
         }
@@ -363,9 +351,7 @@ impl Fleet {
                 return;
             }
             // A released session's TTL counts from its disconnect, not from its last touch.
-            if !self.release_session_ttl.is_zero() {
-                self.touch_sessions(&releases, self.release_session_ttl);
-            }
+            self.touch_sessions(&releases);
         }
         let Some(con) = self.con.as_mut() else { return };
         if forgets_due && !self.forgets.is_empty() {
@@ -423,7 +409,7 @@ mod tests {
     use super::*;
 
     fn fleet() -> Fleet {
-        Fleet::new("redis://127.0.0.1:1/", "fx").expect("url")
+        Fleet::new("redis://127.0.0.1:1/", "fx", Duration::from_secs(600)).expect("url")
     }
 
     fn rig() -> (RigId, BootId) {

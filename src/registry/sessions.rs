@@ -21,6 +21,8 @@ use crate::registry::scripts::{rig_key, tuple, RegistryError};
 pub const PERSIST_CHUNK: usize = 500;
 /// Sessions put back per round trip after Redis lost them.
 pub const REKEEP_CHUNK: usize = 100;
+/// Sessions whose TTL one round trip extends.
+pub const TOUCH_CHUNK: usize = 1000;
 
 /// A session's key.
 pub fn session_key(rig: &RigId, boot: &BootId) -> String {
@@ -127,11 +129,11 @@ impl SessionScripts {
             }
             let replies: Vec<Value> = pipe.query(con)?;
             for reply in &replies {
-                out.push(match text(reply) {
-                    Some("ok") => true,
-                    Some("fenced") => false,
-                    _ => return Err(RegistryError::UnexpectedReply(format!("rekeep: {reply:?}"))),
-                });
+                out.push(
+                    kept(reply).ok_or_else(|| {
+                        RegistryError::UnexpectedReply(format!("rekeep: {reply:?}"))
+                    })?,
+                );
             }
         }
         Ok(out)
@@ -155,14 +157,9 @@ impl SessionScripts {
             }
             let reply: Value = call.invoke(con)?;
             let parsed = match &reply {
-                Value::Array(items) if items.len() == chunk.len() => items
-                    .iter()
-                    .map(|v| match text(v) {
-                        Some("ok") => Some(true),
-                        Some("fenced") => Some(false),
-                        _ => None,
-                    })
-                    .collect::<Option<Vec<_>>>(),
+                Value::Array(items) if items.len() == chunk.len() => {
+                    items.iter().map(kept).collect::<Option<Vec<_>>>()
+                }
                 _ => None,
             };
             out.extend(
@@ -221,6 +218,36 @@ fn parse_resumed(reply: &Value) -> Option<Resumed> {
         rebooted: rebooted.iter().map(bytes).collect::<Option<_>>()?,
         previous_boot: (!previous.is_empty()).then(|| previous.to_string()),
     })
+}
+
+/// A fenced write's status (`persist.lua`, `rekeep.lua`): true = kept, false = fenced.
+fn kept(v: &Value) -> Option<bool> {
+    match text(v)? {
+        "ok" => Some(true),
+        "fenced" => Some(false),
+        _ => None,
+    }
+}
+
+/// Extends the TTL of these sessions' keys and of their rigs' `sessof:` pointers (a missing
+/// key stays missing), [`TOUCH_CHUNK`] sessions per round trip.
+pub fn touch(
+    con: &mut impl ConnectionLike,
+    sessions: &[(RigId, BootId)],
+    ttl: Duration,
+) -> Result<(), RegistryError> {
+    for chunk in sessions.chunks(TOUCH_CHUNK) {
+        let mut pipe = redis::pipe();
+        for (rig, boot) in chunk {
+            pipe.pexpire(session_key(rig, boot), ttl_ms(ttl) as i64)
+                .ignore()
+                // The pointer to the latest boot, so a reboot still reports what was unacked.
+                .pexpire(pointer_key(rig), ttl_ms(ttl) as i64)
+                .ignore();
+        }
+        pipe.query::<()>(con)?;
+    }
+    Ok(())
 }
 
 fn text(v: &Value) -> Option<&str> {
