@@ -10,15 +10,19 @@
 -- ARGV[3i+1]  the command's JSON, exactly as sent to the rig
 --
 -- Returns an array of statuses, one per command in order:
---   "ok"      the lease is still ours: HSET c:<seq> and "next" = seq+1, PEXPIRE
+--   "ok"      the lease is still ours: HSET c:<seq> and "next" = seq+1; PEXPIRE only when
+--             that HSET created the key (a session Redis had lost, before its re-keep)
 --   "fenced"  the lease is someone else's (or gone): nothing written; the broker drops the
 --             command and tells control, which never got an ok for it
 -- Errors "ERR fleetlink persist: ..." on malformed ARGV, before any write.
 --
 -- "next" is set, not raised: one broker's commands for a session arrive here in seq order
 -- (its core numbers them, its bridge sends them in order), and a broker that lost the rig is
--- fenced out, so seq+1 is always the highest. Three calls per command keep a 10,000-command
--- burst cheap for Redis.
+-- fenced out, so seq+1 is always the highest. Two calls per command keep a 10,000-command
+-- burst cheap for Redis. A command does not restart the session's TTL: the broker holding the
+-- rig extends it a few times per TTL and sets it afresh at the disconnect (sessions.rs,
+-- `touch`), which is what keeps a session alive; a PEXPIRE per command cost Redis a third of
+-- this script's calls for nothing more.
 
 local ttl = ARGV[1]
 if #KEYS % 2 ~= 0 or #ARGV ~= 1 + 3 * (#KEYS / 2) or type(ttl) ~= 'string' or #ttl > 15
@@ -41,8 +45,12 @@ for i = 1, n do
   if redis.pcall('GET', KEYS[2 * i - 1]) ~= ARGV[3 * i - 1] then
     out[i] = 'fenced'
   else
-    redis.call('HSET', sess, 'c:' .. ARGV[3 * i], ARGV[3 * i + 1], 'next', string.format('%.0f', seqs[i] + 1))
-    redis.call('PEXPIRE', sess, ttl)
+    -- 2 new fields = "next" was new too: the key did not exist, and a key with no TTL would
+    -- outlive its rig forever.
+    if redis.call('HSET', sess, 'c:' .. ARGV[3 * i], ARGV[3 * i + 1], 'next',
+        string.format('%.0f', seqs[i] + 1)) == 2 then
+      redis.call('PEXPIRE', sess, ttl)
+    end
     out[i] = 'ok'
   end
 end

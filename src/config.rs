@@ -124,8 +124,9 @@ pub struct BrokerArgs {
     /// Registry lease refresh interval.
     #[arg(long, env = "FLEETLINK_REGISTRY_REFRESH", default_value = "10s", value_parser = parse_duration)]
     pub registry_refresh: Duration,
-    /// Fleet mode: how long Redis keeps a session's unacked commands after its last activity
-    /// (a rig that stays connected is activity: its broker keeps the session alive). 0 keeps
+    /// Fleet mode: how long Redis keeps a session's unacked commands after its rig was last
+    /// seen (while it stays connected its broker keeps the session alive; if that broker dies,
+    /// at least two thirds of this are left for the resume elsewhere). 0 keeps
     /// nothing in Redis: commands are written at once (one Redis round trip less per command),
     /// but a rig that resumes on another broker starts a fresh session and whatever the old
     /// broker had not seen acked is gone with it.

@@ -415,8 +415,26 @@ fn persisting_is_fenced_by_the_lease() {
     assert_eq!(found.next, Some(Seq(2)));
     assert_eq!(found.commands, vec![(Seq(1), json.to_vec())]);
     assert!(found.rebooted.is_empty());
-    let ttl: i64 = con.pttl(format!("sess:rig-f:{boot}")).unwrap();
+    // The first command created the key, so it set the TTL: no session outlives its rig.
+    let key = format!("sess:rig-f:{boot}");
+    let ttl: i64 = con.pttl(&key).unwrap();
     assert!(ttl > 0 && ttl <= 60_000);
+    // Later commands leave the TTL alone (the broker's touch extends it), and still keep.
+    let _: () = con.pexpire(&key, 5_000).unwrap();
+    let second = [Persist {
+        seq: Seq(2),
+        ..cmd[0]
+    }];
+    assert_eq!(
+        scripts
+            .persist(&mut con, &second, "fe-a", Duration::from_secs(60))
+            .unwrap(),
+        [true]
+    );
+    let ttl: i64 = con.pttl(&key).unwrap();
+    assert!(ttl > 0 && ttl <= 5_000, "{ttl}");
+    let next: String = con.hget(&key, "next").unwrap();
+    assert_eq!(next, "3");
 }
 
 #[test]

@@ -1026,9 +1026,9 @@ impl Bridge {
         }
     }
 
-    /// `--session-ttl` counts from a session's last activity, and a rig that stays connected is
-    /// active even when no command comes: without this, an idle rig's session (its `next` and
-    /// unacked commands) would expire while it is connected, and a resume after this broker
+    /// `--session-ttl` counts from when the rig was last seen, and a connected rig is seen
+    /// all along; commands do not extend it (`persist.lua`). Without this, a connected rig's
+    /// session (its `next` and unacked commands) would expire, and a resume after this broker
     /// died would find nothing.
     fn touch_sessions(&mut self) {
         if self.cfg.session_ttl.is_zero() {
