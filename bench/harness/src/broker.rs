@@ -180,7 +180,7 @@ impl Broker {
     }
 
     /// Polls `GET /v1/rigs` every 100 ms until it lists `n` rigs or `deadline` passes; returns
-    /// the last count seen and when it was read.
+    /// the last count seen and when that reply arrived.
     pub(crate) fn wait_registered(
         &mut self,
         ctx: &Ctx,
@@ -189,8 +189,7 @@ impl Broker {
     ) -> Result<(usize, Instant)> {
         loop {
             self.ensure_running()?;
-            let count = http::rig_count(ctx.admin)?;
-            let at = Instant::now();
+            let (count, at) = http::rig_count(ctx.admin)?;
             if count >= n || at >= deadline {
                 return Ok((count, at));
             }
