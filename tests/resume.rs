@@ -415,7 +415,7 @@ fn persisting_is_fenced_by_the_lease() {
     assert_eq!(found.next, Some(Seq(2)));
     assert_eq!(found.commands, vec![(Seq(1), json.to_vec())]);
     assert!(found.rebooted.is_empty());
-    // The first command created the key, so it set the TTL: no session outlives its rig.
+    // The key has a TTL (set by the command that created it, then by the resume).
     let key = format!("sess:rig-f:{boot}");
     let ttl: i64 = con.pttl(&key).unwrap();
     assert!(ttl > 0 && ttl <= 60_000);
