@@ -2,6 +2,8 @@
 //! control plane (commands, kicks, drain). Plain HTTP/1.1 with keep-alive, served by a small
 //! pool of its own threads so nothing here ever runs on a core.
 
+use std::cell::RefCell;
+use std::collections::HashMap;
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -13,11 +15,11 @@ use crossbeam_channel::Sender;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use crate::doorbell::Mailbox;
-use crate::ids::{BootId, RigId};
+use crate::doorbell::{Full, Mailbox};
+use crate::ids::{BootId, ConnId, RigId};
 use crate::metrics::{self, CoreSnapshot};
 use crate::registry::bridge::BridgeShared;
-use crate::registry::msg::{CommandReq, ReplyTo, ToBridge, ToCore};
+use crate::registry::msg::{AdminAnswer, CommandReq, ReplyTo, ToBridge, ToCore};
 use crate::reply;
 
 /// Admin requests waiting for a request thread; more get 503 at once.
@@ -32,6 +34,16 @@ const WORKERS: usize = 8;
 const MAX_REQUEST: usize = 1 << 20;
 /// How long a request may take to arrive, and a core or the bridge to answer.
 const IO_TIMEOUT: Duration = Duration::from_secs(5);
+/// Rigs a request thread remembers a route to; past it the memory starts afresh.
+const MAX_ROUTES: usize = 4096;
+
+thread_local! {
+    /// The connection that took this request thread's last command for each rig. The rig's
+    /// next command goes straight to that connection's core, one thread woken instead of two
+    /// (bridge, then core); a route gone stale costs the extra hop once, through the bridge,
+    /// whose answer brings the new route. Per thread, so nothing is shared or locked.
+    static ROUTES: RefCell<HashMap<RigId, ConnId>> = RefCell::new(HashMap::new());
+}
 
 /// What the admin thread needs from the rest of the broker.
 pub struct Admin {
@@ -369,7 +381,7 @@ fn command(admin: &Admin, rig: &str, body: &[u8]) -> Answer {
     let (tx, rx) = crossbeam_channel::bounded(1);
     let req = CommandReq {
         id: id.clone(),
-        rig: rig_id,
+        rig: rig_id.clone(),
         name: body.name,
         args: body.args.unwrap_or_else(|| json!({})),
         reply: ReplyTo::Admin(tx),
@@ -377,13 +389,51 @@ fn command(admin: &Admin, rig: &str, body: &[u8]) -> Answer {
             .queue_if_offline
             .then(|| crate::registry::control::offline_ttl(body.ttl_ms)),
     };
-    if admin.bridge.send(ToBridge::Command(Box::new(req))).is_err() {
+    if send_command(admin, Box::new(req)).is_err() {
         return json_answer(
             503,
             &reply::error(&id, Some(rig), "overloaded", "bridge queue full"),
         );
     }
-    await_reply(&id, rig, &rx)
+    await_reply(&id, rig, &rx, Some(&rig_id))
+}
+
+/// Sends a command straight to the core of the rig's remembered connection; without a route,
+/// or when that core's inbox is full, through the bridge. Err: the bridge's inbox is full too.
+fn send_command(admin: &Admin, req: Box<CommandReq>) -> Result<(), ()> {
+    let route = ROUTES.with(|r| r.borrow().get(&req.rig).copied());
+    let core = route.and_then(|conn| Some((conn, admin.cores.get(conn.core().0 as usize)?)));
+    let req = match core {
+        Some((conn, core)) => match core.send(ToCore::Command {
+            conn,
+            req,
+            direct: true,
+        }) {
+            Ok(()) => return Ok(()),
+            Err(Full(ToCore::Command { req, .. })) => req,
+            Err(Full(_)) => return Err(()),
+        },
+        None => req,
+    };
+    admin.bridge.send(ToBridge::Command(req)).map_err(|_| ())
+}
+
+/// Keeps (or forgets, when the answer names no connection) this thread's route to `rig`.
+fn remember(rig: &RigId, route: Option<ConnId>) {
+    ROUTES.with(|r| {
+        let mut routes = r.borrow_mut();
+        match route {
+            Some(conn) => {
+                if routes.len() >= MAX_ROUTES && !routes.contains_key(rig) {
+                    routes.clear();
+                }
+                routes.insert(rig.clone(), conn);
+            }
+            None => {
+                routes.remove(rig);
+            }
+        }
+    });
 }
 
 fn kick(admin: &Admin, rig: &str) -> Answer {
@@ -406,12 +456,22 @@ fn kick(admin: &Admin, rig: &str) -> Answer {
             &reply::error(&id, Some(rig), "overloaded", "bridge queue full"),
         );
     }
-    await_reply(&id, rig, &rx)
+    await_reply(&id, rig, &rx, None)
 }
 
-fn await_reply(id: &str, rig: &str, rx: &crossbeam_channel::Receiver<Value>) -> Answer {
-    match rx.recv_timeout(IO_TIMEOUT) {
-        Ok(v) => {
+/// Waits for a core's or the bridge's answer; `learn`: the rig whose route the answer updates.
+fn await_reply(
+    id: &str,
+    rig: &str,
+    rx: &crossbeam_channel::Receiver<AdminAnswer>,
+    learn: Option<&RigId>,
+) -> Answer {
+    let answer = rx.recv_timeout(IO_TIMEOUT);
+    if let Some(r) = learn {
+        remember(r, answer.as_ref().ok().and_then(|a| a.route));
+    }
+    match answer {
+        Ok(AdminAnswer { body: v, .. }) => {
             let status = match v["error"].as_str() {
                 None => 200,
                 Some("rig_not_connected") => 404,
@@ -445,4 +505,37 @@ pub fn new_id() -> String {
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as u64);
     BootId::generate(ms).to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ids::CoreId;
+
+    fn routes() -> usize {
+        ROUTES.with(|r| r.borrow().len())
+    }
+
+    fn route(rig: &RigId) -> Option<ConnId> {
+        ROUTES.with(|r| r.borrow().get(rig).copied())
+    }
+
+    #[test]
+    fn route_memory_is_bounded_and_an_answer_without_a_route_forgets() {
+        let rig = |i: usize| RigId::parse(&format!("rig-{i}")).unwrap();
+        let conn = |n: u64| ConnId::new(CoreId(1), n);
+        for i in 0..MAX_ROUTES {
+            remember(&rig(i), Some(conn(i as u64)));
+        }
+        assert_eq!(routes(), MAX_ROUTES);
+        // A known rig's new connection replaces its route without starting afresh.
+        remember(&rig(7), Some(conn(99_999)));
+        assert_eq!((routes(), route(&rig(7))), (MAX_ROUTES, Some(conn(99_999))));
+        // One rig more than the bound: the memory starts again from it.
+        remember(&rig(MAX_ROUTES), Some(conn(1)));
+        assert_eq!((routes(), route(&rig(MAX_ROUTES))), (1, Some(conn(1))));
+        // An error, a held command or a timeout names no connection: the route goes.
+        remember(&rig(MAX_ROUTES), None);
+        assert_eq!(routes(), 0);
+    }
 }

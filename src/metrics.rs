@@ -49,10 +49,12 @@ pub enum C {
     TlsFailed,
     IdentityMismatch,
     Forbidden,
+    AdminDirect,
+    AdminRerouted,
 }
 
 /// (metric name, label pair) for each counter, in [`C`] order.
-const COUNTERS: [(&str, &str); 35] = [
+const COUNTERS: [(&str, &str); 37] = [
     ("fleetlink_accepts_total", "result=\"ok\""),
     ("fleetlink_accepts_total", "result=\"rate_limited\""),
     ("fleetlink_accepts_total", "result=\"over_capacity\""),
@@ -88,6 +90,8 @@ const COUNTERS: [(&str, &str); 35] = [
     ("fleetlink_tls_handshake_failures_total", ""),
     ("fleetlink_identity_mismatch_total", ""),
     ("fleetlink_forbidden_total", ""),
+    ("fleetlink_admin_routes_total", "result=\"direct\""),
+    ("fleetlink_admin_routes_total", "result=\"rerouted\""),
 ];
 
 /// Close codes counted one by one; anything else is `other`. 1006 = closed without a close

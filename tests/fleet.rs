@@ -5,7 +5,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::broker::{boot_id, eventually, hello, read_close, read_json, Broker};
+use common::broker::{boot_id, eventually, hello, read_close, read_json, Broker, KeepAlive};
 use common::control::Control;
 use common::redis::RedisServer;
 use redis::Commands;
@@ -73,6 +73,30 @@ fn commands_through_redis_arrive_in_order_and_acks_become_events() {
         ctl.command("fe-a", "rig-0414", "", json!({}))["error"],
         "bad_request"
     );
+}
+
+#[test]
+fn admin_commands_straight_to_the_core_are_kept_in_redis_too() {
+    let redis = RedisServer::start();
+    let a = fleet_broker(&redis, "fe-a", &[]);
+    let (mut ws, boot, _) = a.rig("rig-kept");
+    let mut admin = KeepAlive::open(a.admin);
+    for seq in 1..=3u64 {
+        let (status, reply) = admin.post("/v1/rigs/rig-kept/commands", r#"{"name":"n","args":{}}"#);
+        assert_eq!((status, &reply["seq"]), (200, &json!(seq)), "{reply}");
+        assert_eq!(read_json(&mut ws)["seq"], seq);
+    }
+    a.wait_metric("fleetlink_admin_routes_total{result=\"direct\"} 2");
+    // Unacked, so all three are in the session: the two that skipped the bridge on the way in
+    // were kept before they were written, like the first.
+    let session: std::collections::HashMap<String, String> = redis
+        .connection()
+        .hgetall(format!("sess:rig-kept:{boot}"))
+        .unwrap();
+    for seq in 1..=3 {
+        assert!(session.contains_key(&format!("c:{seq}")), "{session:?}");
+    }
+    assert_eq!(session.get("next").map(String::as_str), Some("4"));
 }
 
 #[test]

@@ -5,7 +5,9 @@ mod common;
 
 use std::time::Duration;
 
-use common::broker::{boot_id, eventually, hello, read_close, read_json, Broker, RawRig};
+use common::broker::{
+    boot_id, eventually, hello, read_close, read_json, Broker, KeepAlive, RawRig,
+};
 use serde_json::json;
 use tungstenite::protocol::frame::coding::{Data, OpCode};
 use tungstenite::protocol::frame::Frame;
@@ -254,6 +256,46 @@ fn same_boot_reconnect_continues_the_session() {
     assert_eq!(r["seq"], 2);
     assert_eq!(read_json(&mut c)["seq"], 2);
     assert_eq!(read_close(&mut a), 4410);
+}
+
+#[test]
+fn admin_commands_go_straight_to_the_rigs_core_and_follow_it_to_a_new_connection() {
+    let b = Broker::start(&[]);
+    let boot = boot_id();
+    let mut a = b.connect("/agent");
+    hello(&mut a, "rig-route", &boot, json!({}));
+    // One keep-alive connection: one request thread, whose route memory the test exercises.
+    let mut admin = KeepAlive::open(b.admin);
+    let path = "/v1/rigs/rig-route/commands";
+    let body = r#"{"name":"n","args":{}}"#;
+    for seq in 1..=3u64 {
+        let (status, reply) = admin.post(path, body);
+        assert_eq!((status, &reply["seq"]), (200, &json!(seq)), "{reply}");
+        assert_eq!(read_json(&mut a)["seq"], seq);
+        a.send(Message::Text(
+            json!({"type":"ack","seq":seq}).to_string().into(),
+        ))
+        .unwrap();
+    }
+    // The first went through the bridge; its answer named the connection for the next two.
+    b.wait_metric("fleetlink_admin_routes_total{result=\"direct\"} 2");
+    b.wait_metric("fleetlink_commands_total{result=\"acked\"} 3");
+    // The rig comes back on a new connection: the remembered one is stale.
+    let mut c = b.connect("/agent");
+    assert_eq!(
+        hello(&mut c, "rig-route", &boot, json!({}))["resumed"],
+        true
+    );
+    assert_eq!(read_close(&mut a), 4410);
+    for seq in 4..=5u64 {
+        let (status, reply) = admin.post(path, body);
+        assert_eq!((status, &reply["seq"]), (200, &json!(seq)), "{reply}");
+        assert_eq!(read_json(&mut c)["seq"], seq);
+    }
+    // Seq 4 found the old connection gone and went on through the bridge; seq 5 went straight
+    // to the new one.
+    b.wait_metric("fleetlink_admin_routes_total{result=\"rerouted\"} 1");
+    b.wait_metric("fleetlink_admin_routes_total{result=\"direct\"} 3");
 }
 
 #[test]

@@ -24,7 +24,7 @@ use crate::registry::control::{self, Control};
 use crate::registry::embedded::{Action, Embedded};
 use crate::registry::fleet::{self, Fleet};
 use crate::registry::msg::{
-    CommandReq, PersistReq, RekeepReq, ReplyTo, SeqCommand, ToBridge, ToCore, Verdict,
+    AdminAnswer, CommandReq, PersistReq, RekeepReq, ReplyTo, SeqCommand, ToBridge, ToCore, Verdict,
 };
 use crate::registry::offline::{Deadlines, Held, LocalHeld};
 use crate::registry::scripts::{HelloOutcome, RefreshStatus};
@@ -426,17 +426,18 @@ impl Bridge {
             let ok = kept
                 .as_ref()
                 .is_none_or(|k| k.get(i).copied().unwrap_or(false));
-            let body = if ok {
+            let (body, route) = if ok {
                 self.shared.count("persist", "ok");
-                reply::enqueued(&p.id, &p.rig, p.seq)
+                (reply::enqueued(&p.id, &p.rig, p.seq), Some(p.conn))
             } else {
                 self.shared.count("persist", "fenced");
-                reply::error(
+                let body = reply::error(
                     &p.id,
                     Some(p.rig.as_str()),
                     "rig_not_connected",
                     "another broker owns this rig now",
-                )
+                );
+                (body, None)
             };
             self.send_to_core(
                 p.conn,
@@ -446,7 +447,7 @@ impl Bridge {
                     kept: ok,
                 },
             );
-            self.reply(p.reply, body);
+            self.reply_routed(p.reply, body, route);
         }
     }
 
@@ -689,9 +690,14 @@ impl Bridge {
     }
 
     fn reply(&mut self, to: ReplyTo, body: Value) {
+        self.reply_routed(to, body, None);
+    }
+
+    /// Replies; `route` is the connection that took the command, for an admin thread to use.
+    fn reply_routed(&mut self, to: ReplyTo, body: Value, route: Option<ConnId>) {
         match to {
             ReplyTo::Admin(tx) => {
-                if tx.try_send(body).is_err() {
+                if tx.try_send(AdminAnswer { body, route }).is_err() {
                     self.shared.count("reply", "orphaned");
                 }
             }
@@ -778,6 +784,7 @@ impl Bridge {
                 ToCore::Command {
                     conn,
                     req: Box::new(req),
+                    direct: false,
                 },
             ));
         }

@@ -150,6 +150,7 @@ impl Embedded {
                     ToCore::Command {
                         conn,
                         req: Box::new(req),
+                        direct: false,
                     },
                 )
             }));
@@ -203,6 +204,7 @@ impl Embedded {
                         ToCore::Command {
                             conn: new,
                             req: Box::new(req),
+                            direct: false,
                         },
                     ));
                 }
@@ -286,7 +288,14 @@ impl Embedded {
         let max_pending = self.max_pending;
         match self.rigs.get_mut(&req.rig).map(|e| &mut e.owner) {
             Some(Owner::Live(conn)) => {
-                vec![Action::Core(*conn, ToCore::Command { conn: *conn, req })]
+                vec![Action::Core(
+                    *conn,
+                    ToCore::Command {
+                        conn: *conn,
+                        req,
+                        direct: false,
+                    },
+                )]
             }
             Some(Owner::Handover(h)) if h.pending.len() < max_pending => {
                 h.pending.push(*req);

@@ -59,11 +59,21 @@ pub struct RekeepReq {
     pub cmds: Vec<(Seq, Box<[u8]>)>,
 }
 
+/// What an admin request thread gets back.
+#[derive(Debug)]
+pub struct AdminAnswer {
+    /// The reply, as control would get it on `reply_to`.
+    pub body: Value,
+    /// For a command a connection took, that connection: where the thread sends the rig's
+    /// next command itself, without the bridge.
+    pub route: Option<ConnId>,
+}
+
 /// Where a reply to a control request goes.
 #[derive(Debug, Clone)]
 pub enum ReplyTo {
     /// The admin HTTP thread waiting on a one-shot channel.
-    Admin(Sender<Value>),
+    Admin(Sender<AdminAnswer>),
     /// A Redis channel (`reply_to`), published by the bridge.
     Channel(String),
     /// One rig's part of a broadcast; the bridge sums the parts into one reply.
@@ -129,6 +139,10 @@ pub enum ToCore {
         conn: ConnId,
         /// The request (boxed: queue slots are preallocated, so every variant stays small).
         req: Box<CommandReq>,
+        /// Sent by an admin request thread from its own route memory, not by the bridge: if
+        /// `conn` no longer holds the rig, the core passes the request on to the bridge, which
+        /// knows where the rig is now.
+        direct: bool,
     },
     /// Close a rig's connection with 1012 (force reconnect).
     Kick {

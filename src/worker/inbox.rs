@@ -6,9 +6,10 @@ use std::pin::pin;
 use std::rc::Rc;
 use std::task::Poll;
 
+use crate::doorbell::Full;
 use crate::doorbell::Inbox;
 use crate::metrics::{RigInfo, C};
-use crate::registry::msg::ToCore;
+use crate::registry::msg::{ToBridge, ToCore};
 use crate::reply;
 use crate::worker::core::{Core, Phase};
 use crate::worker::{drain, session};
@@ -64,19 +65,43 @@ fn handle(core: &Rc<Core>, msg: ToCore) {
                 );
             }
         }
-        ToCore::Command { conn, req } => match conn_of(conn) {
-            Some(c) => session::on_command(core, &c, &mut c.st.borrow_mut(), *req),
-            None => {
-                core.metrics.inc(C::CmdNotConnected);
-                let body = reply::error(
-                    &req.id,
-                    Some(req.rig.as_str()),
-                    "rig_not_connected",
-                    "the rig's connection closed",
-                );
-                session::deliver(core, req.reply, body);
+        ToCore::Command { conn, req, direct } => {
+            match conn_of(conn).filter(|c| !direct || session::holds(&c.st.borrow(), &req.rig)) {
+                Some(c) => {
+                    if direct {
+                        core.metrics.inc(C::AdminDirect);
+                    }
+                    session::on_command(core, &c, &mut c.st.borrow_mut(), *req)
+                }
+                // An admin thread's route is stale (the rig reconnected, or is leaving): the
+                // bridge knows where the rig is now, or holds the command through a hand-over.
+                None if direct => {
+                    core.metrics.inc(C::AdminRerouted);
+                    if let Err(Full(ToBridge::Command(req))) =
+                        core.push_to_bridge(ToBridge::Command(req))
+                    {
+                        core.metrics.inc(C::BridgeQueueFull);
+                        let body = reply::error(
+                            &req.id,
+                            Some(req.rig.as_str()),
+                            "overloaded",
+                            "bridge queue full",
+                        );
+                        session::deliver(core, req.reply, body);
+                    }
+                }
+                None => {
+                    core.metrics.inc(C::CmdNotConnected);
+                    let body = reply::error(
+                        &req.id,
+                        Some(req.rig.as_str()),
+                        "rig_not_connected",
+                        "the rig's connection closed",
+                    );
+                    session::deliver(core, req.reply, body);
+                }
             }
-        },
+        }
         ToCore::Rekeep { conn } => {
             if let Some(c) = conn_of(conn) {
                 session::on_rekeep(core, &c.st.borrow());

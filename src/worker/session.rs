@@ -6,11 +6,11 @@ use std::time::{Instant, SystemTime};
 
 use crate::doorbell::Full;
 use crate::http_upgrade::{self, Reject};
-use crate::ids::Seq;
+use crate::ids::{ConnId, RigId, Seq};
 use crate::metrics::C;
 use crate::protocol::{self, ClientMsg, Hello};
 use crate::registry::msg::{
-    CommandReq, PersistReq, RekeepReq, ReplyTo, SeqCommand, ToBridge, Verdict,
+    AdminAnswer, CommandReq, PersistReq, RekeepReq, ReplyTo, SeqCommand, ToBridge, Verdict,
 };
 use crate::reply::{self, Unresponsive};
 use crate::worker::core::{stamp, unix_ms, Conn, ConnState, Core, Phase, Session};
@@ -557,7 +557,7 @@ pub(crate) fn on_command(core: &Core, conn: &Conn, st: &mut ConnState, req: Comm
         }
     } else {
         let body = reply::enqueued(&req.id, &session.rig, seq);
-        deliver(core, req.reply, body);
+        deliver_routed(core, req.reply, body, Some(conn.id));
     }
     session.next_seq = Seq(seq.0 + 1);
     session.queues().outbox.push_back(SeqCommand {
@@ -570,6 +570,11 @@ pub(crate) fn on_command(core: &Core, conn: &Conn, st: &mut ConnState, req: Comm
     });
     core.metrics.inc(C::CmdEnqueued);
     pump(core, conn, st);
+}
+
+/// Whether this connection holds `rig` and takes commands for it now.
+pub(crate) fn holds(st: &ConnState, rig: &RigId) -> bool {
+    st.phase == Phase::Live && st.session.as_ref().is_some_and(|s| &s.rig == rig)
 }
 
 /// Redis kept (or refused) a held command of this connection.
@@ -628,9 +633,15 @@ fn scope_allows(sec: &Option<Box<Security>>, check: impl Fn(&crate::jwt::Scope) 
 
 /// Sends a reply to wherever control waits for it.
 pub(crate) fn deliver(core: &Core, to: ReplyTo, body: serde_json::Value) {
+    deliver_routed(core, to, body, None);
+}
+
+/// Sends a reply; `route` is the connection that took the command, for an admin thread to
+/// send the rig's next one to directly.
+fn deliver_routed(core: &Core, to: ReplyTo, body: serde_json::Value, route: Option<ConnId>) {
     match to {
         // A gone waiter (timed out) is not an error here.
-        ReplyTo::Admin(tx) => drop(tx.try_send(body)),
+        ReplyTo::Admin(tx) => drop(tx.try_send(AdminAnswer { body, route })),
         ReplyTo::Channel(channel) => {
             core.to_bridge(ToBridge::Reply { channel, body });
         }

@@ -224,6 +224,56 @@ pub fn http(addr: SocketAddr, method: &str, path: &str, body: &str) -> (u16, Str
     (status, body)
 }
 
+/// One keep-alive admin connection: every request on it is served by the same request thread.
+pub struct KeepAlive {
+    stream: BufReader<TcpStream>,
+}
+
+impl KeepAlive {
+    /// Opens the connection.
+    pub fn open(addr: SocketAddr) -> KeepAlive {
+        let s = TcpStream::connect(addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(15))).unwrap();
+        KeepAlive {
+            stream: BufReader::new(s),
+        }
+    }
+
+    /// POSTs `body` and returns the status and the body parsed as JSON.
+    pub fn post(&mut self, path: &str, body: &str) -> (u16, Value) {
+        write!(
+            self.stream.get_mut(),
+            "POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .unwrap();
+        let mut status_line = String::new();
+        self.stream.read_line(&mut status_line).unwrap();
+        let status = status_line
+            .split_whitespace()
+            .nth(1)
+            .and_then(|c| c.parse().ok())
+            .unwrap_or(0);
+        let mut length = 0;
+        loop {
+            let mut line = String::new();
+            self.stream.read_line(&mut line).unwrap();
+            let line = line.trim_end();
+            if line.is_empty() {
+                break;
+            }
+            if let Some((name, value)) = line.split_once(':') {
+                if name.eq_ignore_ascii_case("content-length") {
+                    length = value.trim().parse().unwrap();
+                }
+            }
+        }
+        let mut body = vec![0; length];
+        self.stream.read_exact(&mut body).unwrap();
+        (status, serde_json::from_slice(&body).unwrap_or(Value::Null))
+    }
+}
+
 /// Sends raw bytes on a fresh TCP connection and returns everything until the server closes.
 pub fn raw_exchange(addr: SocketAddr, bytes: &[u8]) -> String {
     let mut s = TcpStream::connect(addr).unwrap();
