@@ -80,14 +80,7 @@ fn handle(core: &Rc<Core>, msg: ToCore) {
                     if let Err(Full(ToBridge::Command(req))) =
                         core.push_to_bridge(ToBridge::Command(req))
                     {
-                        core.metrics.inc(C::BridgeQueueFull);
-                        let body = reply::error(
-                            &req.id,
-                            Some(req.rig.as_str()),
-                            "overloaded",
-                            "bridge queue full",
-                        );
-                        session::deliver(core, req.reply, body);
+                        session::bridge_full(core, &req.id, &req.rig, req.reply);
                     }
                 }
                 None => {

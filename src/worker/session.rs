@@ -468,13 +468,7 @@ pub(crate) fn on_verdict(core: &Core, conn: &Conn, st: &mut ConnState, verdict: 
 
 /// Control's command for this connection's rig.
 pub(crate) fn on_command(core: &Core, conn: &Conn, st: &mut ConnState, req: CommandReq) {
-    let live = st.phase == Phase::Live;
-    if st
-        .session
-        .as_ref()
-        .filter(|s| live && s.rig == req.rig)
-        .is_none()
-    {
+    if !holds(st, &req.rig) {
         core.metrics.inc(C::CmdNotConnected);
         let body = reply::error(
             &req.id,
@@ -546,14 +540,7 @@ pub(crate) fn on_command(core: &Core, conn: &Conn, st: &mut ConnState, req: Comm
         if let Err(Full(ToBridge::Persist(p))) =
             core.push_to_bridge(ToBridge::Persist(Box::new(persist)))
         {
-            core.metrics.inc(C::BridgeQueueFull);
-            let body = reply::error(
-                &req.id,
-                Some(req.rig.as_str()),
-                "overloaded",
-                "bridge queue full",
-            );
-            return deliver(core, p.reply, body);
+            return bridge_full(core, &req.id, &req.rig, p.reply);
         }
     } else {
         let body = reply::enqueued(&req.id, &session.rig, seq);
@@ -570,6 +557,13 @@ pub(crate) fn on_command(core: &Core, conn: &Conn, st: &mut ConnState, req: Comm
     });
     core.metrics.inc(C::CmdEnqueued);
     pump(core, conn, st);
+}
+
+/// Answers a command the bridge's full inbox could not take, and counts it.
+pub(crate) fn bridge_full(core: &Core, id: &str, rig: &RigId, to: ReplyTo) {
+    core.metrics.inc(C::BridgeQueueFull);
+    let body = reply::error(id, Some(rig.as_str()), "overloaded", "bridge queue full");
+    deliver(core, to, body);
 }
 
 /// Whether this connection holds `rig` and takes commands for it now.
