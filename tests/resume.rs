@@ -352,7 +352,6 @@ fn a_new_boot_reports_the_old_sessions_commands_as_rig_rebooted() {
         true
     );
     drop(ws);
-    std::thread::sleep(Duration::from_millis(2)); // UUIDv7 orders by millisecond
     let mut again = a.connect("/agent");
     assert_eq!(
         hello(&mut again, "rig-b", &boot_id(), None)["resumed"],

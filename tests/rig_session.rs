@@ -222,7 +222,6 @@ fn full_outbox_answers_rig_unresponsive() {
 fn older_boot_is_refused_4409_and_takeover_closes_4410() {
     let b = Broker::start(&[]);
     let older = boot_id();
-    std::thread::sleep(Duration::from_millis(2)); // UUIDv7 orders by millisecond
     let (mut first, _, _) = b.rig("rig-dup");
     let mut stale = b.connect("/agent");
     stale
@@ -296,6 +295,73 @@ fn admin_commands_go_straight_to_the_rigs_core_and_follow_it_to_a_new_connection
     // to the new one.
     b.wait_metric("fleetlink_admin_routes_total{result=\"rerouted\"} 1");
     b.wait_metric("fleetlink_admin_routes_total{result=\"direct\"} 3");
+}
+
+#[test]
+fn admin_commands_from_two_clients_all_arrive_in_order_while_the_rig_keeps_moving() {
+    let b = Broker::start(&[]);
+    let boot = boot_id();
+    let mut ws = b.connect("/agent");
+    hello(&mut ws, "rig-moving", &boot, json!({}));
+    // Two keep-alive clients, so two request threads with their own routes, racing the moves.
+    let senders: Vec<_> = (0..2)
+        .map(|_| {
+            let admin = b.admin;
+            std::thread::spawn(move || {
+                let mut admin = KeepAlive::open(admin);
+                (0..150)
+                    .map(|_| {
+                        let (status, reply) =
+                            admin.post("/v1/rigs/rig-moving/commands", r#"{"name":"n","args":{}}"#);
+                        assert_eq!(status, 200, "{reply}");
+                        reply["seq"].as_u64().unwrap()
+                    })
+                    .collect::<Vec<u64>>()
+            })
+        })
+        .collect();
+    // The rig takes a new connection (same boot, `last_seq` = what it has) every 25 commands,
+    // leaving whatever is still in flight on the old one to be resent on the new.
+    let mut have = 0u64;
+    while have < 300 {
+        let cmd = read_json(&mut ws);
+        let seq = cmd["seq"].as_u64().unwrap();
+        if seq <= have {
+            continue; // resent: a rig drops a seq it already has
+        }
+        assert_eq!(seq, have + 1, "no gap, no reordering: {cmd}");
+        have = seq;
+        ws.send(Message::Text(
+            json!({"type":"ack","seq":seq}).to_string().into(),
+        ))
+        .unwrap();
+        if have.is_multiple_of(25) && have < 300 {
+            let mut next = b.connect("/agent");
+            let msg = json!({"type":"hello","rig_id":"rig-moving","boot_id":boot,"version":"t","last_seq":have});
+            next.send(Message::Text(msg.to_string().into())).unwrap();
+            let welcome = read_json(&mut next);
+            assert_eq!(welcome["resumed"], true, "{welcome}");
+            ws = next;
+        }
+    }
+    let mut seqs: Vec<u64> = senders
+        .into_iter()
+        .flat_map(|s| s.join().unwrap())
+        .collect();
+    seqs.sort_unstable();
+    assert_eq!(
+        seqs,
+        (1..=300).collect::<Vec<u64>>(),
+        "one seq per answered command"
+    );
+    // The moves left routes stale, and those commands went on through the bridge.
+    let metrics = b.http("GET", "/metrics", "").1;
+    let rerouted: u64 = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("fleetlink_admin_routes_total{result=\"rerouted\"} "))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
+    assert!(rerouted > 0, "{metrics}");
 }
 
 #[test]

@@ -4,6 +4,7 @@
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -159,12 +160,20 @@ impl Drop for Broker {
     }
 }
 
-/// A fresh UUIDv7 boot id.
+/// A fresh UUIDv7 boot id, newer than every one made before it in this test process: two
+/// boots of the same millisecond compare by their random bits, so a "newer" boot made in the
+/// same millisecond would be older half the time.
 pub fn boot_id() -> String {
-    let ms = SystemTime::now()
+    static LAST_MS: AtomicU64 = AtomicU64::new(0);
+    let now = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .unwrap()
         .as_millis() as u64;
+    let ms = LAST_MS
+        .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |last| {
+            Some(now.max(last + 1))
+        })
+        .map_or(now, |last| now.max(last + 1));
     fleetlink::ids::BootId::generate(ms).to_string()
 }
 
@@ -234,6 +243,7 @@ impl KeepAlive {
     pub fn open(addr: SocketAddr) -> KeepAlive {
         let s = TcpStream::connect(addr).unwrap();
         s.set_read_timeout(Some(Duration::from_secs(15))).unwrap();
+        s.set_nodelay(true).unwrap();
         KeepAlive {
             stream: BufReader::new(s),
         }
@@ -241,12 +251,12 @@ impl KeepAlive {
 
     /// POSTs `body` and returns the status and the body parsed as JSON.
     pub fn post(&mut self, path: &str, body: &str) -> (u16, Value) {
-        write!(
-            self.stream.get_mut(),
+        // One write: a request in pieces would wait on Nagle and the server's delayed ACK.
+        let request = format!(
             "POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
             body.len()
-        )
-        .unwrap();
+        );
+        self.stream.get_mut().write_all(request.as_bytes()).unwrap();
         let mut status_line = String::new();
         self.stream.read_line(&mut status_line).unwrap();
         let status = status_line
