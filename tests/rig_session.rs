@@ -98,6 +98,29 @@ fn no_hello_closes_4408() {
 }
 
 #[test]
+fn the_last_missed_pong_closes_at_its_deadline_not_at_the_next_ping() {
+    // Earlier misses are counted at the next PING; the fatal one must still be caught at its
+    // PONG deadline. The first PING goes out one interval after welcome: 3 × 200 ms + 50 ms =
+    // 650 ms, where the next PING would be at 800 ms.
+    let b = Broker::start(&[
+        "--ping-interval",
+        "200ms",
+        "--pong-timeout",
+        "50ms",
+        "--max-missed-pongs",
+        "3",
+    ]);
+    let mut silent = RawRig::hello(&b, "rig-silent");
+    let started = std::time::Instant::now();
+    assert_eq!(silent.read_close(), 4002);
+    let took = started.elapsed();
+    assert!(
+        took >= Duration::from_millis(640) && took < Duration::from_millis(790),
+        "{took:?}"
+    );
+}
+
+#[test]
 fn binary_message_closes_1003_and_oversize_closes_1009() {
     let b = Broker::start(&["--max-message", "1024"]);
     let (mut ws, _, _) = b.rig("rig-big");
@@ -139,10 +162,11 @@ fn broker_pings_and_a_silent_rig_is_closed_4002() {
     let mut silent = RawRig::hello(&b, "rig-silent");
     let started = std::time::Instant::now();
     assert_eq!(silent.read_close(), 4002);
-    // interval × (misses − 1) + timeout = 150 ms, plus sweep granularity.
+    // The first PING one interval after welcome, then interval × (misses − 1) + timeout:
+    // 250 ms, plus sweep granularity.
     let took = started.elapsed();
     assert!(
-        took >= Duration::from_millis(140) && took < Duration::from_secs(2),
+        took >= Duration::from_millis(240) && took < Duration::from_secs(2),
         "{took:?}"
     );
     b.wait_metric("fleetlink_closes_total{code=\"4002\"} 1");

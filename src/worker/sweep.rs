@@ -71,8 +71,12 @@ fn visit(core: &Core, id: ConnId) {
                 core.metrics.inc(C::PingsSent);
                 conn.send_frame(&mut st, OpCode::Ping, &[]);
             }
+            // Only a miss that would close the connection is checked at its PONG deadline;
+            // an earlier one is counted at the next PING's visit. The close comes at the same
+            // moment, and a healthy rig is visited once per interval instead of twice.
             let live = &st.live;
-            Some(if live.awaiting_pong {
+            let fatal = live.missed.saturating_add(1) >= core.cfg.max_missed_pongs;
+            Some(if live.awaiting_pong && fatal {
                 live.last_ping + pong
             } else {
                 live.last_ping + ping
