@@ -83,16 +83,7 @@ fn handle(core: &Rc<Core>, msg: ToCore) {
                         session::bridge_full(core, &req.id, &req.rig, req.reply);
                     }
                 }
-                None => {
-                    core.metrics.inc(C::CmdNotConnected);
-                    let body = reply::error(
-                        &req.id,
-                        Some(req.rig.as_str()),
-                        "rig_not_connected",
-                        "the rig's connection closed",
-                    );
-                    session::deliver(core, req.reply, body);
-                }
+                None => session::not_connected(core, *req, "the rig's connection closed"),
             }
         }
         ToCore::Rekeep { conn } => {

@@ -469,14 +469,7 @@ pub(crate) fn on_verdict(core: &Core, conn: &Conn, st: &mut ConnState, verdict: 
 /// Control's command for this connection's rig.
 pub(crate) fn on_command(core: &Core, conn: &Conn, st: &mut ConnState, req: CommandReq) {
     if !holds(st, &req.rig) {
-        core.metrics.inc(C::CmdNotConnected);
-        let body = reply::error(
-            &req.id,
-            Some(req.rig.as_str()),
-            "rig_not_connected",
-            "the rig's connection is closing",
-        );
-        return deliver(core, req.reply, body);
+        return not_connected(core, req, "the rig's connection is closing");
     };
     if !scope_allows(&st.sec, |s| s.allows_command(&req.name)) {
         core.metrics.inc(C::Forbidden);
@@ -557,6 +550,13 @@ pub(crate) fn on_command(core: &Core, conn: &Conn, st: &mut ConnState, req: Comm
     });
     core.metrics.inc(C::CmdEnqueued);
     pump(core, conn, st);
+}
+
+/// Answers a command whose connection no longer holds its rig, and counts it.
+pub(crate) fn not_connected(core: &Core, req: CommandReq, detail: &str) {
+    core.metrics.inc(C::CmdNotConnected);
+    let body = reply::error(&req.id, Some(req.rig.as_str()), "rig_not_connected", detail);
+    deliver(core, req.reply, body);
 }
 
 /// Answers a command the bridge's full inbox could not take, and counts it.
