@@ -236,13 +236,14 @@ pub fn touch(
     sessions: &[(RigId, BootId)],
     ttl: Duration,
 ) -> Result<(), RegistryError> {
+    let ms = ttl_ms(ttl) as i64;
     for chunk in sessions.chunks(TOUCH_CHUNK) {
         let mut pipe = redis::pipe();
         for (rig, boot) in chunk {
-            pipe.pexpire(session_key(rig, boot), ttl_ms(ttl) as i64)
+            pipe.pexpire(session_key(rig, boot), ms)
                 .ignore()
                 // The pointer to the latest boot, so a reboot still reports what was unacked.
-                .pexpire(pointer_key(rig), ttl_ms(ttl) as i64)
+                .pexpire(pointer_key(rig), ms)
                 .ignore();
         }
         pipe.query::<()>(con)?;
