@@ -97,6 +97,14 @@ fn no_hello_closes_4408() {
     assert_eq!(read_close(&mut ws), 4408);
 }
 
+/// Welcomes a rig that never answers PINGs; returns how long after welcome its 4002 came.
+fn time_to_4002(b: &Broker, rig: &str) -> Duration {
+    let mut silent = RawRig::hello(b, rig);
+    let started = std::time::Instant::now();
+    assert_eq!(silent.read_close(), 4002);
+    started.elapsed()
+}
+
 #[test]
 fn the_last_missed_pong_closes_at_its_deadline_not_at_the_next_ping() {
     // Earlier misses are counted at the next PING; the fatal one must still be caught at its
@@ -110,10 +118,7 @@ fn the_last_missed_pong_closes_at_its_deadline_not_at_the_next_ping() {
         "--max-missed-pongs",
         "3",
     ]);
-    let mut silent = RawRig::hello(&b, "rig-silent");
-    let started = std::time::Instant::now();
-    assert_eq!(silent.read_close(), 4002);
-    let took = started.elapsed();
+    let took = time_to_4002(&b, "rig-silent");
     assert!(
         took >= Duration::from_millis(640) && took < Duration::from_millis(790),
         "{took:?}"
@@ -159,12 +164,9 @@ fn broker_pings_and_a_silent_rig_is_closed_4002() {
     assert!(pings >= 3, "saw {pings} pings");
     drop(ws);
     // A rig that never answers pings: after 2 missed pongs it gets 4002.
-    let mut silent = RawRig::hello(&b, "rig-silent");
-    let started = std::time::Instant::now();
-    assert_eq!(silent.read_close(), 4002);
     // The first PING one interval after welcome, then interval × (misses − 1) + timeout:
     // 250 ms, plus sweep granularity.
-    let took = started.elapsed();
+    let took = time_to_4002(&b, "rig-silent");
     assert!(
         took >= Duration::from_millis(240) && took < Duration::from_secs(2),
         "{took:?}"
