@@ -13,6 +13,7 @@ use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
+use fleetlink_loadgen::progress::{Bar, Unit, REDRAW_EVERY};
 
 /// Set by SIGINT/SIGTERM; every wait loop checks it so Drop guards run on the way out.
 static INTERRUPTED: OnceLock<Arc<AtomicBool>> = OnceLock::new();
@@ -44,6 +45,24 @@ pub(crate) fn sleep(d: Duration) -> Result<()> {
             return Ok(());
         }
         std::thread::sleep(left.min(Duration::from_millis(50)));
+    }
+}
+
+/// [`sleep`] with a progress bar on stderr: for the long measurement windows, so a run by hand
+/// shows how far it has to go.
+pub(crate) fn sleep_shown(label: &str, d: Duration) -> Result<()> {
+    let mut bar = Bar::new(label, d.as_millis() as u64, Unit::Millis);
+    let start = Instant::now();
+    let end = start + d;
+    loop {
+        check_interrupted()?;
+        let left = end.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            bar.finish(d.as_millis() as u64, "");
+            return Ok(());
+        }
+        bar.update(start.elapsed().as_millis() as u64, "");
+        std::thread::sleep(left.min(REDRAW_EVERY));
     }
 }
 

@@ -7,6 +7,7 @@ pub mod hist;
 pub mod http;
 pub mod orchestrator;
 pub mod pem;
+pub mod progress;
 pub mod redis_pub;
 pub mod report;
 pub mod rig;

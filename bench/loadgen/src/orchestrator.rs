@@ -15,6 +15,7 @@ use tokio::signal::unix::{signal, SignalKind};
 use tokio::sync::{mpsc, watch, Notify, Semaphore};
 
 use crate::cli::{parse_labels, parse_ws_url, split_slices, RigsArgs};
+use crate::progress::{self, Unit};
 use crate::report::{Counters, FinalReport, Progress, WorkerReport};
 use crate::rig::{ExecLog, RigEnv};
 use crate::tls::TlsClient;
@@ -284,7 +285,7 @@ pub async fn run_parent(args: RigsArgs) -> Result<i32> {
         Event::Exited(i) => views[i].exited = true,
     };
     let mut term = signal(SignalKind::terminate()).context("SIGTERM handler")?;
-    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    let mut tick = tokio::time::interval(progress::REDRAW_EVERY);
     tick.tick().await;
     let mut exit_reason = None;
     let mut ramp_ms = None;
@@ -292,6 +293,13 @@ pub async fn run_parent(args: RigsArgs) -> Result<i32> {
 
     // Ramp: until every worker has settled (each rig welcomed or failed for good).
     let all_settled = |views: &[WorkerView]| views.iter().all(WorkerView::settled);
+    let ramp_detail = |p: &Progress| {
+        format!(
+            "connected={} welcomed={} failed={} retries_503={}",
+            p.open, p.welcomed, p.failed, p.retries_503
+        )
+    };
+    let mut bar = progress::Bar::new("loadgen ramp", args.rigs as u64, Unit::Count("rigs"));
     while exit_reason.is_none() && !all_settled(&views) {
         tokio::select! {
             ev = rx.recv() => match ev {
@@ -300,20 +308,18 @@ pub async fn run_parent(args: RigsArgs) -> Result<i32> {
             },
             _ = tick.tick() => {
                 let p = total_progress(&views);
-                eprintln!(
-                    "loadgen: t={:.1}s connected={} welcomed={}/{} failed={} retries_503={}",
-                    started.elapsed().as_secs_f64(), p.open, p.welcomed, args.rigs, p.failed, p.retries_503
-                );
+                bar.update(p.welcomed + p.failed, &ramp_detail(&p));
             }
             _ = tokio::time::sleep_until(deadline) => exit_reason = Some("max_time"),
             _ = term.recv() => exit_reason = Some("signal"),
             _ = tokio::signal::ctrl_c() => exit_reason = Some("signal"),
         }
     }
+    let p = total_progress(&views);
+    bar.finish(p.welcomed + p.failed, &ramp_detail(&p));
     if exit_reason.is_none() {
         let elapsed = started.elapsed().as_millis() as u64;
         ramp_ms = Some(elapsed);
-        let p = total_progress(&views);
         all_welcomed = p.welcomed as usize == args.rigs;
         let line = if all_welcomed {
             format!("ALL_WELCOMED rigs={} elapsed_ms={elapsed}", args.rigs)
@@ -336,6 +342,25 @@ pub async fn run_parent(args: RigsArgs) -> Result<i32> {
             args.until_commands
                 .is_some_and(|n| total_progress(views).commands >= n)
         };
+        // The hold's bar counts toward what ends it: the commands awaited, else the time.
+        let hold_total = args
+            .hold
+            .min(deadline.saturating_duration_since(tokio::time::Instant::now()));
+        let mut bar = match args.until_commands {
+            Some(n) => progress::Bar::new("loadgen commands", n, Unit::Count("commands")),
+            None => progress::Bar::new("loadgen hold", hold_total.as_millis() as u64, Unit::Millis),
+        };
+        let hold_started = tokio::time::Instant::now();
+        let hold_done = |views: &[WorkerView]| match args.until_commands {
+            Some(_) => total_progress(views).commands,
+            None => hold_started.elapsed().as_millis() as u64,
+        };
+        let hold_detail = |p: &Progress| {
+            format!(
+                "commands={} welcomed={} failed={}",
+                p.commands, p.welcomed, p.failed
+            )
+        };
         while exit_reason.is_none() {
             if enough(&views) {
                 exit_reason = Some("until_commands");
@@ -354,10 +379,12 @@ pub async fn run_parent(args: RigsArgs) -> Result<i32> {
                 _ = tokio::time::sleep_until(hold_end) => {
                     exit_reason = Some(if hold_end < deadline { "hold_elapsed" } else { "max_time" });
                 }
+                _ = tick.tick() => bar.update(hold_done(&views), &hold_detail(&total_progress(&views))),
                 _ = term.recv() => exit_reason = Some("signal"),
                 _ = tokio::signal::ctrl_c() => exit_reason = Some("signal"),
             }
         }
+        bar.finish(hold_done(&views), &hold_detail(&total_progress(&views)));
     }
 
     // Stop and collect reports.

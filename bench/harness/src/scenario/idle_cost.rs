@@ -95,7 +95,7 @@ fn idle(ctx: &Ctx, o: &Opts, spec: &Spec, round: usize) -> Result<Value> {
     proc::sleep(o.settle)?;
     let by_thread0 = broker.cpu_by_thread()?;
     let (cpu0, (sched0, threads0), t0) = (broker.cpu()?, broker.cpu_threads()?, Instant::now());
-    proc::sleep(o.window)?;
+    proc::sleep_shown("idle-cost window", o.window)?;
     let (cpu1, (sched1, threads1), t1) = (broker.cpu()?, broker.cpu_threads()?, Instant::now());
     broker.ensure_running()?;
     let by_thread1 = broker.cpu_by_thread()?;
