@@ -3,9 +3,10 @@
 //! - `density.svg`: RSS (MiB, log scale) vs open connections, one line per
 //!   `density-<name>.json` (`points[].conns`, `points[].rss_kb`, written by `density.sh`).
 //! - `latency-single.svg`, `latency-fanout.svg`: latency CDF per `latency-<name>.json`
-//!   (written by `latency.sh`). Those files keep, per session, the loadgen's quantiles (min,
-//!   p50, p90, p99, p99.9, max), not the histogram, so each curve joins the median over
-//!   sessions of each quantile: exact at the marked points, straight lines between them.
+//!   (written by `latency.sh`). Each session there keeps the loadgen's distribution at every
+//!   percentile 1–99, 99.5, 99.9 and the max (`latency_us.cdf`); a curve is the median over a
+//!   broker's sessions at each of those. Files from before the loadgen wrote `cdf` have only
+//!   min, p50, p90, p99, p99.9 and max, and their curves join those six points.
 
 use std::ops::Range;
 use std::path::{Path, PathBuf};
@@ -140,6 +141,9 @@ fn latency_line(v: &Value, shape: &str) -> Option<Vec<(f64, f64)>> {
         .iter()
         .filter(|s| s["shape"] == shape)
         .collect();
+    if let Some(pts) = cdf_line(&sessions) {
+        return Some(pts);
+    }
     let pts = QUANTILES.iter().filter_map(|&(q, frac)| {
         let vals: Vec<f64> = sessions
             .iter()
@@ -149,6 +153,36 @@ fn latency_line(v: &Value, shape: &str) -> Option<Vec<(f64, f64)>> {
     });
     Some(pts.collect())
 }
+
+/// The median over sessions at each fraction of their `latency_us.cdf`, when every session
+/// has one on the same fractions.
+fn cdf_line(sessions: &[&Value]) -> Option<Vec<(f64, f64)>> {
+    let cdfs: Vec<Vec<(f64, f64)>> = sessions
+        .iter()
+        .map(|s| {
+            s["latency_us"]["cdf"]
+                .as_array()?
+                .iter()
+                .map(|p| Some((p[0].as_f64()?, p[1].as_f64()?)))
+                .collect::<Option<Vec<_>>>()
+        })
+        .collect::<Option<_>>()?;
+    let first = cdfs.first().filter(|c| !c.is_empty())?;
+    let same_grid = cdfs
+        .iter()
+        .all(|c| c.len() == first.len() && c.iter().zip(first).all(|(a, b)| a.0 == b.0));
+    if !same_grid {
+        return None;
+    }
+    let pts = first.iter().enumerate().filter_map(|(i, &(frac, _))| {
+        let vals: Vec<f64> = cdfs.iter().map(|c| c[i].1).collect();
+        median(&vals).map(|us| ((us / 1e3).max(0.001), frac))
+    });
+    Some(pts.collect())
+}
+
+/// Lines with at most this many points get a marker at each.
+const MARKED_POINTS: usize = 12;
 
 /// Line colours, chosen to stay apart on white (the first is fleetlink-fe where files sort so).
 const COLORS: [RGBColor; 8] = [
@@ -218,11 +252,14 @@ where
             .legend(move |(x, y)| {
                 PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2))
             });
-        chart.draw_series(
-            line.points
-                .iter()
-                .map(|&p| Circle::new(p, 3, color.filled())),
-        )?;
+        // Marks only where a line joins a few measured points; a full CDF is its own curve.
+        if line.points.len() <= MARKED_POINTS {
+            chart.draw_series(
+                line.points
+                    .iter()
+                    .map(|&p| Circle::new(p, 3, color.filled())),
+            )?;
+        }
     }
     chart
         .configure_series_labels()
@@ -253,6 +290,23 @@ mod tests {
         assert_eq!(pts.len(), 6);
         assert_eq!(pts[1], (0.5, 0.5));
         assert_eq!(pts[5], (4.0, 1.0));
+    }
+
+    #[test]
+    fn a_cdf_takes_the_median_session_at_each_fraction_and_wins_over_the_quantiles() {
+        let s = |p50, max| {
+            json!({"shape": "single", "latency_us": {"p50": 1, "max": 1,
+                "cdf": [[0.5, p50], [0.99, 2000], [1.0, max]]}})
+        };
+        let v = json!({"sessions": [s(400, 3000), s(600, 5000), s(500, 4000)]});
+        assert_eq!(
+            latency_line(&v, "single").unwrap(),
+            vec![(0.5, 0.5), (2.0, 0.99), (4.0, 1.0)]
+        );
+        // A session without a cdf, or on other fractions: back to the six quantiles.
+        let v = json!({"sessions": [s(400, 3000),
+            {"shape": "single", "latency_us": {"min": 1, "p50": 2, "p90": 3, "p99": 4, "p999": 5, "max": 6}}]});
+        assert_eq!(latency_line(&v, "single").unwrap().len(), 6);
     }
 
     #[test]

@@ -32,6 +32,17 @@ pub struct Summary {
     pub p99: Option<u64>,
     pub p999: Option<u64>,
     pub max: Option<u64>,
+    /// The distribution for plots: `[fraction, value]` at every percentile 1–99, then 99.5,
+    /// 99.9 and 1.0 (the max); empty when no value was recorded.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub cdf: Vec<(f64, u64)>,
+}
+
+/// The cumulative fractions a summary's `cdf` is given at.
+pub fn cdf_fractions() -> impl Iterator<Item = f64> {
+    (1..100)
+        .map(|p| f64::from(p) / 100.0)
+        .chain([0.995, 0.999, 1.0])
 }
 
 mod pairs {
@@ -129,6 +140,9 @@ impl Histogram {
             p99: self.quantile(0.99),
             p999: self.quantile(0.999),
             max: some.then_some(self.max),
+            cdf: cdf_fractions()
+                .filter_map(|q| Some((q, self.quantile(q)?)))
+                .collect(),
         }
     }
 }
@@ -147,6 +161,24 @@ mod tests {
         assert_eq!(h.quantile(0.99), Some(99));
         assert_eq!(h.quantile(1.0), Some(100));
         assert_eq!(h.summary().min, Some(1));
+    }
+
+    #[test]
+    fn the_cdf_rises_through_every_percentile_to_the_max() {
+        let mut h = Histogram::default();
+        assert!(h.summary().cdf.is_empty());
+        for v in 1..=1000 {
+            h.record(v);
+        }
+        let cdf = h.summary().cdf;
+        assert_eq!(cdf.len(), 102);
+        assert_eq!(cdf.first().map(|p| p.0), Some(0.01));
+        assert_eq!(cdf.last(), Some(&(1.0, 1000)));
+        assert!(cdf.windows(2).all(|w| w[0].0 < w[1].0 && w[0].1 <= w[1].1));
+        let at = |q: f64| cdf.iter().find(|p| p.0 == q).map(|p| p.1);
+        // Within the histogram's 0.8 % of the exact value.
+        assert!(at(0.5).is_some_and(|v| v.abs_diff(500) <= 4));
+        assert!(at(0.99).is_some_and(|v| v.abs_diff(990) <= 8));
     }
 
     #[test]
