@@ -1,48 +1,114 @@
 #!/usr/bin/env bash
-# Density side by side, in one run: fleetlink-fe, then the tokio baseline with tungstenite's
-# default buffers, then the baseline with a 4 KiB read buffer (and no write buffer).
+# compare-density.sh — memory per idle connection of fleetlink-fe and the tokio baseline, side
+# by side in one invocation, the brokers alternating.
 #
-#   bench/compare-density.sh [STEPS]      # default "1000 5000 10000 19000"
+#   bench/compare-density.sh [--rounds 3] [--steps "1000 5000 10000 19000"]
+#                            [--brokers "fleetlink-fe tokio-baseline-default tokio-baseline-rb4096"]
+#                            [--out DIR] [STEPS]
 #
-# Each broker is measured by bench/density.sh (incremental steps, least-squares slope) and the
-# summary goes to bench/results/density-summary.md.
+# Brokers: fleetlink-fe (standalone), tokio-baseline-default (tungstenite's default buffers) and
+# tokio-baseline-rb4096 (a 4 KiB read buffer, no write buffer). Each round measures every broker
+# once with bench/density.sh (incremental steps, least-squares slope); the order rotates by one
+# broker each round, so none always runs first on a fresh machine. A broker's figure is the
+# median of its rounds' slopes; its density-<broker>.json (what `bench/run plots` draws) is the
+# round closest to that median, and density-rounds.json keeps every round.
+#
+# Output: bench/results/density-summary.md (also on stdout), density-<broker>.json and
+# density-rounds.json under --out. BENCH_NO_BUILD=1 skips the cargo build. A round of the three
+# brokers at the default steps takes about half a minute.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 root="$(cd "$here/.." && pwd)"
-steps="${1:-1000 5000 10000 19000}"
+rounds=3
+steps="1000 5000 10000 19000"
+brokers="fleetlink-fe tokio-baseline-default tokio-baseline-rb4096"
+out="$here/results"
+usage() { sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-64}"; }
+die() { echo "compare-density: $*" >&2; exit 1; }
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --rounds) rounds="$2"; shift 2 ;;
+    --steps) steps="$2"; shift 2 ;;
+    --brokers) brokers="$2"; shift 2 ;;
+    --out) out="$2"; shift 2 ;;
+    -h|--help) usage 0 ;;
+    -*) echo "compare-density: unknown flag $1" >&2; usage ;;
+    *) steps="$1"; shift ;;
+  esac
+done
+[[ "$rounds" =~ ^[1-9][0-9]*$ ]] || die "--rounds must be a positive integer"
+read -r -a names <<<"$brokers"
+(( ${#names[@]} > 0 )) || die "--brokers is empty"
 target="${CARGO_TARGET_DIR:-$root/target}/release"
-(cd "$root" && cargo build --release --bin fleetlink-fe -p fleetlink -p fleetlink-loadgen -p fleetlink-tokio-baseline >/dev/null)
+if [[ -z "${BENCH_NO_BUILD:-}" ]]; then
+  (cd "$root" && cargo build --release -q --bin fleetlink-fe -p fleetlink -p fleetlink-loadgen \
+    -p fleetlink-tokio-baseline)
+fi
 port=18080
 admin=19090
-run() {
-  local name="$1"; shift
-  "$here/density.sh" --name "$name" --steps "$steps" --url "ws://127.0.0.1:$port/agent" --loadgen "$target/fleetlink-loadgen" -- "$@"
+broker_cmd() {
+  case "$1" in
+    fleetlink-fe) echo "$target/fleetlink-fe" --listen "127.0.0.1:$port" --admin "127.0.0.1:$admin" \
+      --accept-rate 100000 --accept-burst 100000 ;;
+    tokio-baseline-default) echo "$target/fleetlink-tokio-baseline" --listen "127.0.0.1:$port" \
+      --admin "127.0.0.1:$admin" ;;
+    tokio-baseline-rb4096) echo "$target/fleetlink-tokio-baseline" --listen "127.0.0.1:$port" \
+      --admin "127.0.0.1:$admin" --read-buffer 4096 --write-buffer 0 ;;
+    *) return 1 ;;
+  esac
 }
-run fleetlink-fe "$target/fleetlink-fe" --listen "127.0.0.1:$port" --admin "127.0.0.1:$admin" \
-  --accept-rate 100000 --accept-burst 100000
-run tokio-baseline-default "$target/fleetlink-tokio-baseline" --listen "127.0.0.1:$port" --admin "127.0.0.1:$admin"
-run tokio-baseline-rb4096 "$target/fleetlink-tokio-baseline" --listen "127.0.0.1:$port" --admin "127.0.0.1:$admin" \
-  --read-buffer 4096 --write-buffer 0
-python3 - "$here/results" "$steps" <<'PY' | tee "$here/results/density-summary.md"
-import json, sys, os
-d, steps = sys.argv[1], sys.argv[2]
-names = ["fleetlink-fe", "tokio-baseline-default", "tokio-baseline-rb4096"]
-res = {n: json.load(open(os.path.join(d, f"density-{n}.json"))) for n in names}
-print(f"Measured {res['fleetlink-fe']['date']}, kernel {res['fleetlink-fe']['host']['kernel']}, steps {steps} (incremental)\n")
-print("| broker | RSS slope (B/conn) | anon slope (B/conn) | " + " | ".join(f"RSS @{p['conns']}" for p in res['fleetlink-fe']['points']) + " |")
-print("|---|---|---|" + "---|" * len(res['fleetlink-fe']['points']))
+for n in "${names[@]}"; do broker_cmd "$n" >/dev/null || die "unknown broker $n"; done
+mkdir -p "$out"
+work="$(mktemp -d /tmp/compare-density.XXXXXX)"
+trap 'rm -rf "$work"' EXIT
+
+count=${#names[@]}
+for ((r = 1; r <= rounds; r++)); do
+  for ((i = 0; i < count; i++)); do
+    name="${names[$(((i + r - 1) % count))]}"
+    echo "compare-density: round $r/$rounds: $name" >&2
+    # shellcheck disable=SC2046  # broker_cmd's words are the command line
+    "$here/density.sh" --name "$name" --steps "$steps" --url "ws://127.0.0.1:$port/agent" \
+      --loadgen "$target/fleetlink-loadgen" --out "$work/$name-r$r.json" -- $(broker_cmd "$name") \
+      >/dev/null
+  done
+done
+
+python3 - "$work" "$out" "$rounds" "$steps" "${names[@]}" <<'PY' | tee "$out/density-summary.md"
+import json, os, shutil, statistics, sys
+work, out, rounds, steps, names = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5:]
+runs = {n: [json.load(open(os.path.join(work, f"{n}-r{r}.json"))) for r in range(1, rounds + 1)] for n in names}
+slope = lambda j: j["slope_bytes_per_conn"]["rss"]
+med = {n: statistics.median(slope(j) for j in runs[n]) for n in names}
+# The round a broker's plot and kernel figures come from: the one closest to its median.
+pick = {n: min(range(rounds), key=lambda r: abs(slope(runs[n][r]) - med[n])) for n in names}
 for n in names:
-    r = res[n]
-    cells = " | ".join(f"{p['rss_kb']/1024:.1f} MiB" for p in r["points"])
-    print(f"| {n} | {r['slope_bytes_per_conn']['rss']:,} | {r['slope_bytes_per_conn']['anonymous']:,} | {cells} |")
-print("\nKernel floor (machine-wide slab growth per connection: " + ", ".join(res["fleetlink-fe"]["kernel"]["slab_caches"]) + "; both loopback ends, so about half is the broker's socket):\n")
+    shutil.copy(os.path.join(work, f"{n}-r{pick[n] + 1}.json"), os.path.join(out, f"density-{n}.json"))
+json.dump({"rounds": rounds, "steps": [int(s) for s in steps.split()], "order": "rotating by one broker per round",
+           "median_rss_slope": med, "runs": runs}, open(os.path.join(out, "density-rounds.json"), "w"), indent=1)
+first = runs[names[0]][0]
+print(f"Measured {first['date']}, kernel {first['host']['kernel']}, steps {steps} (incremental), "
+      f"{rounds} round(s), brokers alternating (order rotated each round); figures are medians over rounds.\n")
+pts = runs[names[0]][pick[names[0]]]["points"]
+print("| broker | RSS slope (B/conn), median | per round | anon slope (B/conn) | "
+      + " | ".join(f"RSS @{p['conns']}" for p in pts) + " |")
+print("|---|---|---|---|" + "---|" * len(pts))
+for n in names:
+    j = runs[n][pick[n]]
+    per = ", ".join(f"{slope(x):,}" for x in runs[n])
+    cells = " | ".join(f"{p['rss_kb'] / 1024:.1f} MiB" for p in j["points"])
+    print(f"| {n} | {med[n]:,.0f} | {per} | {j['slope_bytes_per_conn']['anonymous']:,} | {cells} |")
+print("\nKernel floor (machine-wide slab growth per connection: " + ", ".join(first["kernel"]["slab_caches"])
+      + "; both loopback ends, so about half is the broker's socket; from each broker's median round):\n")
 print("| broker | slab per connection, both ends (B) | per socket (B) | TCP mem pages at the last step |")
 print("|---|---|---|---|")
 for n in names:
-    k = res[n]["kernel"]
+    j = runs[n][pick[n]]
+    k = j["kernel"]
     b = k["slab_bytes_per_conn_both_ends"]
-    print(f"| {n} | {b:,.0f} | {k['slab_bytes_per_socket']:,} | {res[n]['points'][-1]['tcp_mem_pages']} |" if b is not None else f"| {n} | unreadable | | |")
-fe = res["fleetlink-fe"]["slope_bytes_per_conn"]["rss"]
+    print(f"| {n} | {b:,.0f} | {k['slab_bytes_per_socket']:,} | {j['points'][-1]['tcp_mem_pages']} |"
+          if b is not None else f"| {n} | unreadable | | |")
+ref = names[0]
 for n in names[1:]:
-    print(f"\n{n} / fleetlink-fe = {res[n]['slope_bytes_per_conn']['rss'] / max(fe, 1):.1f}x")
+    print(f"\n{n} / {ref} = {med[n] / max(med[ref], 1):.1f}x")
 PY

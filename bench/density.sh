@@ -53,7 +53,7 @@ while [[ $# -gt 0 ]]; do
   esac
 done
 [[ $# -gt 0 ]] || usage
-[[ -x "$loadgen" ]] || die "loadgen not found at $loadgen (build it: cargo build --release in bench/loadgen, or pass --loadgen)"
+[[ -x "$loadgen" ]] || die "loadgen not found at $loadgen (build it: cargo build --release -p fleetlink-loadgen, or pass --loadgen)"
 [[ "$url" =~ ^wss?://([^:/]+):([0-9]+)(/.*)?$ ]] || die "--url must be ws://HOST:PORT/PATH or wss://…"
 host="${BASH_REMATCH[1]}"; port="${BASH_REMATCH[2]}"
 name="${name:-$(basename "$1")}"
