@@ -31,9 +31,10 @@ const LISTEN_BACKLOG: u64 = 4096;
 /// pending poll (`io_kiocb` 256 under io_uring, `eventpoll_epi` 128 under epoll).
 const KERNEL_BYTES_PER_CONN: u64 = 3_900;
 
-/// Broker heap per idle connection, bytes: the monoio readiness-then-read prototype measured in
-/// FACTS.md (~1,260). A floor, not a promise: TLS sessions and labels add to it; re-measure.
-const BROKER_BYTES_PER_CONN: u64 = 1_260;
+/// Broker memory per idle plain-ws connection, bytes: the RSS slope `bench/run density`
+/// measures (1,128 B, docs/benchmarks.md). A floor, not a promise: a TLS session adds about
+/// 7.8 KB (docs/benchmarks.md, TLS), labels and queued commands add more.
+const BROKER_BYTES_PER_CONN: u64 = 1_130;
 
 /// TCP memory (`tcp_mem`, pages) a connection holds while busy. An idle socket has empty queues
 /// and holds ~0 pages. During a command to every rig at once each socket holds one skb in its
