@@ -73,9 +73,8 @@ pub(crate) fn run(o: &Opts) -> Result<()> {
         }
         let (x, _) = bounds(&lines);
         let path = o.out.join(format!("latency-{shape}.svg"));
-        let title = format!(
-            "Command latency CDF, {shape} (median over sessions of min/p50/p90/p99/p99.9/max)"
-        );
+        let title =
+            format!("Command latency CDF, {shape} (median over sessions at each percentile)");
         draw(
             &path,
             &title,
