@@ -312,3 +312,100 @@ fn the_seed_race_two_brokers_converge_on_the_newer_owner() {
         "rig_not_connected"
     );
 }
+
+#[test]
+fn a_storm_of_hellos_is_answered_together_each_with_its_own_lease_session_and_held_commands() {
+    let redis = RedisServer::start();
+    // The default accept bucket (100 at once) would turn most of the storm away with 503.
+    let a = fleet_broker(
+        &redis,
+        "fe-a",
+        &["--accept-rate", "100000", "--accept-burst", "100000"],
+    );
+    let mut ctl = Control::new(&redis, &[]);
+    let reply_to = ctl.reply_to.clone();
+    // Before the storm: a command held for an offline rig, ...
+    let held = json!({"type":"command","id":"held-1","rig_id":"storm-held","name":"fw","args":{},
+                      "reply_to":reply_to,"queue_if_offline":true,"ttl_ms":60_000});
+    ctl.publish("fleetlink:broker:fe-a", held);
+    assert_eq!(
+        ctl.next(|ch, v| ch == reply_to && v["id"] == "held-1")["queued"],
+        true
+    );
+    // ... a session left with an unacked command, ...
+    let (mut ws, resumed_boot, _) = a.rig("storm-resumed");
+    assert_eq!(
+        ctl.command("fe-a", "storm-resumed", "dmesg", json!({}))["seq"],
+        1
+    );
+    assert_eq!(read_json(&mut ws)["seq"], 1);
+    drop(ws);
+    let listed = || -> usize {
+        let body: Value = serde_json::from_str(&a.http("GET", "/v1/rigs", "").1).unwrap();
+        body.as_array().map_or(usize::MAX, Vec::len)
+    };
+    eventually(Duration::from_secs(10), "the rig's close is seen", || {
+        listed() == 0
+    });
+    // ... and a rig whose newer boot is connected.
+    let (_newer, _, _) = a.rig("storm-older");
+    let older = "00000000-0000-7000-8000-000000000000";
+
+    // The storm: every socket upgraded first, then every hello sent at once, so that the
+    // bridge reads most of them in one inbox batch.
+    let plain: Vec<String> = (0..200).map(|i| format!("storm-{i:03}")).collect();
+    let mut rigs: Vec<(String, String)> = plain.iter().map(|r| (r.clone(), boot_id())).collect();
+    rigs.push(("storm-held".into(), boot_id()));
+    rigs.push(("storm-resumed".into(), resumed_boot.clone()));
+    rigs.push(("storm-older".into(), older.into()));
+    let mut socks: Vec<_> = rigs.iter().map(|_| a.connect("/agent")).collect();
+    for (ws, (rig, boot)) in socks.iter_mut().zip(&rigs) {
+        let msg = json!({"type":"hello","rig_id":rig,"boot_id":boot,"version":"t","last_seq":0});
+        ws.send(Message::Text(msg.to_string().into())).unwrap();
+    }
+    for ((rig, boot), ws) in rigs.iter().zip(socks.iter_mut()).take(plain.len()) {
+        let welcome = read_json(ws);
+        assert_eq!(
+            (welcome["type"].as_str(), welcome["resumed"].as_bool()),
+            (Some("welcome"), Some(false)),
+            "{rig}: {welcome}"
+        );
+        assert_eq!(owner(&redis, rig), Some(format!("{boot}|fe-a")));
+    }
+    let [held_ws, resumed_ws, older_ws] = &mut socks[plain.len()..] else {
+        panic!("three special rigs");
+    };
+    assert_eq!(read_json(held_ws)["type"], "welcome");
+    let cmd = read_json(held_ws);
+    assert_eq!(
+        (cmd["id"].as_str(), cmd["seq"].as_u64()),
+        (Some("held-1"), Some(1))
+    );
+    let welcome = read_json(resumed_ws);
+    assert_eq!(welcome["resumed"], true, "{welcome}");
+    let cmd = read_json(resumed_ws);
+    assert_eq!(
+        (cmd["name"].as_str(), cmd["seq"].as_u64()),
+        (Some("dmesg"), Some(1))
+    );
+    assert_eq!(read_close(older_ws), 4409);
+    assert!(owner(&redis, "storm-older").is_some_and(|o| !o.starts_with(older)));
+    // The 200, the held and the resumed rig, and the newer boot of the older one.
+    assert_eq!(listed(), 203);
+    // Answered in batches: far fewer pipelined hello.lua round trips than hellos.
+    let (_, metrics) = a.http("GET", "/metrics", "");
+    let count = |series: &str| -> u64 {
+        metrics
+            .lines()
+            .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
+            .unwrap_or(0)
+    };
+    let hellos = count("fleetlink_registry_ops_total{op=\"hello\",result=\"ok\"}")
+        + count("fleetlink_registry_ops_total{op=\"hello\",result=\"older\"}");
+    let batches = count("fleetlink_registry_ops_total{op=\"hello_batch\",result=\"sent\"}");
+    assert_eq!(hellos, 2 + 203, "{metrics}");
+    assert!(
+        batches >= 3 && batches * 4 <= hellos,
+        "{batches} batches for {hellos} hellos"
+    );
+}

@@ -28,7 +28,7 @@ use crate::registry::msg::{
 };
 use crate::registry::offline::{Deadlines, Held, LocalHeld};
 use crate::registry::scripts::{HelloOutcome, RefreshStatus};
-use crate::registry::sessions::{Persist, Rekeep};
+use crate::registry::sessions::{Persist, Rekeep, Resumed};
 use crate::reply;
 
 /// Inbox messages handled per wake before the bridge looks at Redis and its timers again.
@@ -53,7 +53,7 @@ const HEARTBEAT_TTL: Duration = Duration::from_secs(30);
 const BROADCAST_WAIT: Duration = Duration::from_secs(5);
 
 /// Registry operations counted by (op, result), in this order.
-pub const REGISTRY_OPS: [(&str, &str); 22] = [
+pub const REGISTRY_OPS: [(&str, &str); 23] = [
     ("offline", "held"),
     ("offline", "full"),
     ("offline", "delivered"),
@@ -67,6 +67,7 @@ pub const REGISTRY_OPS: [(&str, &str); 22] = [
     ("hello", "ok"),
     ("hello", "older"),
     ("hello", "unavailable"),
+    ("hello_batch", "sent"),
     ("refresh", "ok"),
     ("refresh", "restored"),
     ("refresh", "superseded"),
@@ -200,6 +201,7 @@ pub fn spawn(
                 broadcasts: HashMap::new(),
                 held: LocalHeld::default(),
                 deadlines: Deadlines::default(),
+                hellos: Vec::new(),
                 persists: Vec::new(),
                 rekeeps: Vec::new(),
                 rekeep_all: false,
@@ -228,6 +230,14 @@ struct Broadcast {
     deadline: Instant,
 }
 
+/// A hello waiting for its batch's round trip.
+struct PendingHello {
+    conn: ConnId,
+    rig: RigId,
+    boot: BootId,
+    labels: Vec<(String, String)>,
+}
+
 struct Bridge {
     cfg: &'static Config,
     registry: Embedded,
@@ -243,6 +253,8 @@ struct Bridge {
     held: LocalHeld,
     /// Deadlines of the commands this broker held.
     deadlines: Deadlines,
+    /// Hellos read from the inbox and not yet answered (see [`Self::flush_hellos`]).
+    hellos: Vec<PendingHello>,
     /// Commands waiting to be kept in Redis before they are written (fleet mode).
     persists: Vec<PersistReq>,
     /// Sessions to put back into Redis after it lost them (see [`Self::refresh`]).
@@ -279,8 +291,10 @@ impl Bridge {
                     }
                     handled += 1;
                 }
+                b.flush_hellos();
             });
             if shutdown {
+                self.flush_hellos();
                 return self.shutdown();
             }
             let now = Instant::now();
@@ -331,13 +345,25 @@ impl Bridge {
     }
 
     fn handle(&mut self, msg: ToBridge) {
-        let actions = match msg {
-            ToBridge::Hello {
+        if let ToBridge::Hello {
+            conn,
+            rig,
+            boot,
+            labels,
+        } = msg
+        {
+            self.hellos.push(PendingHello {
                 conn,
                 rig,
                 boot,
                 labels,
-            } => self.hello(conn, rig, boot, labels),
+            });
+            return;
+        }
+        // Whatever follows a hello in the inbox sees the registry as that hello left it.
+        self.flush_hellos();
+        let actions = match msg {
+            ToBridge::Hello { .. } => Vec::new(),
             ToBridge::Closed {
                 conn,
                 rig,
@@ -493,15 +519,9 @@ impl Bridge {
         conn: ConnId,
         rig: &RigId,
         boot: &BootId,
+        found: Resumed,
         mut actions: Vec<Action>,
     ) -> Vec<Action> {
-        let ttl = self.cfg.session_ttl;
-        if ttl.is_zero() {
-            return actions;
-        }
-        let Some(found) = self.fleet.as_mut().and_then(|f| f.resume(rig, boot, ttl)) else {
-            return actions;
-        };
         if let Some(previous) = &found.previous_boot {
             for json in &found.rebooted {
                 let cmd: Value = serde_json::from_slice(json).unwrap_or(Value::Null);
@@ -551,19 +571,78 @@ impl Bridge {
         actions
     }
 
-    fn hello(
+    /// Answers the hellos read from the inbox, all at once: in fleet mode one round trip
+    /// claims every rig's lease (`hello.lua`, pipelined) and, for those accepted, one more
+    /// reads their sessions and takes what was held for them offline. A storm of 10,000
+    /// hellos costs a few round trips per inbox batch instead of three per rig.
+    fn flush_hellos(&mut self) {
+        if self.hellos.is_empty() {
+            return;
+        }
+        let hellos = std::mem::take(&mut self.hellos);
+        let ttl = self.cfg.registry_ttl;
+        if self.fleet.is_some() {
+            // The verdicts already decided must not wait on these hellos' round trips.
+            self.ring_owed();
+        }
+        let outcomes = self.fleet.as_mut().map(|f| {
+            let entries: Vec<(&RigId, &BootId)> =
+                hellos.iter().map(|h| (&h.rig, &h.boot)).collect();
+            f.hello_many(&entries, ttl)
+        });
+        if outcomes.is_some() {
+            self.shared.count("hello_batch", "sent");
+        }
+        let mut outcomes = outcomes.map(|o| o.map(Vec::into_iter));
+        let mut decided = Vec::with_capacity(hellos.len());
+        for h in hellos {
+            let outcome = match outcomes.as_mut() {
+                None => None,
+                Some(None) => Some(None),
+                Some(Some(each)) => Some(each.next()),
+            };
+            let actions = self.decide_hello(h.conn, h.rig.clone(), h.boot, h.labels, outcome);
+            let accepted = actions.iter().any(|a| {
+                matches!(a, Action::Core(c, ToCore::Verdict { verdict: Verdict::Accept { .. }, .. }) if *c == h.conn)
+            });
+            decided.push((h.conn, h.rig, h.boot, actions, accepted));
+        }
+        let accepted: Vec<(&RigId, &BootId)> = decided
+            .iter()
+            .filter(|d| d.4)
+            .map(|d| (&d.1, &d.2))
+            .collect();
+        let session_ttl = self.cfg.session_ttl;
+        let found = match self.fleet.as_mut() {
+            Some(f) if !accepted.is_empty() => f.resume_many(&accepted, session_ttl),
+            _ => None,
+        };
+        let (mut sessions, mut held) = match found {
+            Some((s, h)) => (s.into_iter(), h.into_iter()),
+            None => (Vec::new().into_iter(), Vec::new().into_iter()),
+        };
+        for (conn, rig, boot, mut actions, accepted) in decided {
+            if accepted {
+                if let Some(found) = sessions.next().flatten() {
+                    actions = self.resume(conn, &rig, &boot, found, actions);
+                }
+                let from_redis = held.next().unwrap_or_default();
+                self.deliver_held(conn, &rig, from_redis, &mut actions);
+            }
+            self.carry_out(actions);
+        }
+    }
+
+    /// One hello's verdict, given what `hello.lua` said (None: standalone; Some(None): Redis
+    /// unavailable, so the local registry decides alone until the next refresh).
+    fn decide_hello(
         &mut self,
         conn: ConnId,
         rig: RigId,
         boot: BootId,
         labels: Vec<(String, String)>,
+        outcome: Option<Option<Result<HelloOutcome, String>>>,
     ) -> Vec<Action> {
-        let ttl = self.cfg.registry_ttl;
-        if self.fleet.is_some() {
-            // The verdicts already decided must not wait on this hello's round trip.
-            self.ring_owed();
-        }
-        let outcome = self.fleet.as_mut().map(|f| f.hello(&rig, &boot, ttl));
         match outcome {
             None => self.shared.count("hello", "ok"),
             Some(None) | Some(Some(Err(_))) => self.shared.count("hello", "unavailable"),
@@ -590,12 +669,7 @@ impl Bridge {
                 }
             }
         }
-        let mut actions = self.registry.hello(conn, rig.clone(), boot, labels);
-        if self.fleet.is_some() {
-            actions = self.resume(conn, &rig, &boot, actions);
-        }
-        self.deliver_held(conn, &rig, &mut actions);
-        actions
+        self.registry.hello(conn, rig, boot, labels)
     }
 
     fn release(&mut self, rig: RigId, boot: BootId) {
@@ -751,18 +825,13 @@ impl Bridge {
 
     /// At a rig's welcome: the commands held for it, in order, behind the verdict; expired
     /// ones are reported instead.
-    fn deliver_held(&mut self, conn: ConnId, rig: &RigId, actions: &mut Vec<Action>) {
-        let accepted = actions.iter().any(|a| {
-            matches!(a, Action::Core(c, ToCore::Verdict { verdict: Verdict::Accept { .. }, .. }) if *c == conn)
-        });
-        if !accepted {
-            return;
-        }
-        let mut held = self
-            .fleet
-            .as_mut()
-            .and_then(|f| f.offline_take(rig))
-            .unwrap_or_default();
+    fn deliver_held(
+        &mut self,
+        conn: ConnId,
+        rig: &RigId,
+        mut held: Vec<Held>,
+        actions: &mut Vec<Action>,
+    ) {
         held.extend(self.held.take(rig));
         let now = unix_ms();
         for h in held {

@@ -163,19 +163,50 @@ impl Fleet {
         self.next_attempt = now + base.mul_f64(0.5 + fastrand::f64());
     }
 
-    /// Runs the hello script. None when Redis is unavailable.
-    pub(crate) fn hello(
+    /// Runs `hello.lua` for many rigs in one round trip. None when Redis is unavailable.
+    pub(crate) fn hello_many(
         &mut self,
-        rig: &RigId,
-        boot: &BootId,
+        entries: &[(&RigId, &BootId)],
         ttl: Duration,
-    ) -> Option<Result<HelloOutcome, String>> {
+    ) -> Option<Vec<Result<HelloOutcome, String>>> {
         let con = self.con.as_mut()?;
-        match self.scripts.hello(con, rig, boot, &self.broker_id, ttl) {
-            Ok(outcome) => Some(Ok(outcome)),
+        match self.scripts.hello_many(con, entries, &self.broker_id, ttl) {
+            Ok(outcomes) => Some(
+                outcomes
+                    .into_iter()
+                    .map(|o| o.map_err(|e| e.to_string()))
+                    .collect(),
+            ),
             Err(e) => {
-                let msg = e.to_string();
-                self.fail(Instant::now(), &msg);
+                self.fail(Instant::now(), &e);
+                None
+            }
+        }
+    }
+
+    /// What Redis holds of many rigs' sessions, and the commands held for them while they
+    /// were offline (taken), in one round trip each. None when Redis is unavailable; an
+    /// entry's own error is a `None` in its place.
+    #[allow(clippy::type_complexity)]
+    pub(crate) fn resume_many(
+        &mut self,
+        entries: &[(&RigId, &BootId)],
+        ttl: Duration,
+    ) -> Option<(Vec<Option<Resumed>>, Vec<Vec<Held>>)> {
+        let con = self.con.as_mut()?;
+        let resumed = if ttl.is_zero() {
+            Ok(vec![None; entries.len()])
+        } else {
+            self.sessions
+                .resume_many(con, entries, ttl)
+                .map(|r| r.into_iter().map(Result::ok).collect())
+        };
+        let rigs: Vec<&RigId> = entries.iter().map(|(r, _)| *r).collect();
+        let outcome = resumed.and_then(|r| Ok((r, self.offline.take_many(con, &rigs)?)));
+        match outcome {
+            Ok(found) => Some(found),
+            Err(e) => {
+                self.fail(Instant::now(), &e);
                 None
             }
         }
@@ -232,18 +263,6 @@ impl Fleet {
         }
     }
 
-    /// What Redis holds of `boot`'s session (and the previous boot's). None when unavailable.
-    pub(crate) fn resume(&mut self, rig: &RigId, boot: &BootId, ttl: Duration) -> Option<Resumed> {
-        let con = self.con.as_mut()?;
-        match self.sessions.resume(con, rig, boot, ttl) {
-            Ok(r) => Some(r),
-            Err(e) => {
-                self.fail(Instant::now(), &e);
-                None
-            }
-        }
-    }
-
     /// Holds a command for an offline rig. None when Redis is unavailable.
     pub(crate) fn offline_push(
         &mut self,
@@ -254,18 +273,6 @@ impl Fleet {
         let con = self.con.as_mut()?;
         match self.offline.push(con, rig, entry, ttl) {
             Ok(stored) => Some(stored),
-            Err(e) => {
-                self.fail(Instant::now(), &e);
-                None
-            }
-        }
-    }
-
-    /// Takes the commands held for `rig`. None when Redis is unavailable.
-    pub(crate) fn offline_take(&mut self, rig: &RigId) -> Option<Vec<Held>> {
-        let con = self.con.as_mut()?;
-        match self.offline.take(con, rig) {
-            Ok(held) => Some(held),
             Err(e) => {
                 self.fail(Instant::now(), &e);
                 None

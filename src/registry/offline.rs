@@ -106,6 +106,34 @@ impl OfflineScripts {
             .collect())
     }
 
+    /// [`Self::take`] for many rigs in one round trip: one transaction of LRANGE + DEL per
+    /// rig, so nothing pushed meanwhile is lost. One list per rig, in order.
+    pub fn take_many(
+        &self,
+        con: &mut impl ConnectionLike,
+        rigs: &[&RigId],
+    ) -> Result<Vec<Vec<Held>>, RegistryError> {
+        if rigs.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut pipe = redis::pipe();
+        pipe.atomic();
+        for rig in rigs {
+            let key = offline_key(rig);
+            pipe.lrange(&key, 0, -1).del(&key).ignore();
+        }
+        let lists: Vec<Vec<String>> = pipe.query(con)?;
+        Ok(lists
+            .iter()
+            .map(|items| {
+                items
+                    .iter()
+                    .filter_map(|s| serde_json::from_str(s).ok())
+                    .collect()
+            })
+            .collect())
+    }
+
     /// Removes one held command if it is still there (expiry); true when it was.
     pub fn remove(
         &self,

@@ -126,20 +126,33 @@ impl Scripts {
             .arg(broker_id)
             .arg(ttl_ms(ttl))
             .invoke(con)?;
-        let (status, value) = match &reply {
-            Value::Array(items) if items.len() == 2 => (text(&items[0]), lossy(&items[1])),
-            _ => (None, None),
-        };
-        match (status, value) {
-            (Some("ok"), Some(v)) if v.is_empty() => Ok(HelloOutcome::Owned { previous: None }),
-            (Some("ok"), Some(v)) => Ok(HelloOutcome::Owned {
-                previous: Some(Owner::parse(&v)),
-            }),
-            (Some("older"), Some(v)) => Ok(HelloOutcome::Older {
-                current: Owner::parse(&v),
-            }),
-            _ => Err(unexpected("hello", &reply)),
-        }
+        parse_hello(&reply)
+    }
+
+    /// [`Self::hello`] for many rigs in one round trip (a pipeline of EVALSHAs, which Redis
+    /// runs in order): one outcome per entry, in order. A storm's hellos then cost the bridge a
+    /// round trip per batch, not per rig. An entry's own error fails only that entry; `Err`
+    /// means Redis itself failed.
+    pub fn hello_many(
+        &self,
+        con: &mut impl ConnectionLike,
+        entries: &[(&RigId, &BootId)],
+        broker_id: &str,
+        ttl: Duration,
+    ) -> Result<Vec<Result<HelloOutcome, RegistryError>>, RegistryError> {
+        let ttl = ttl_ms(ttl);
+        let replies = evalsha_many(con, &self.hello, entries.len(), |pipe| {
+            for (rig, boot) in entries {
+                pipe.cmd("EVALSHA")
+                    .arg(self.hello.get_hash())
+                    .arg(1)
+                    .arg(rig_key(rig))
+                    .arg(boot.as_str())
+                    .arg(broker_id)
+                    .arg(ttl);
+            }
+        })?;
+        Ok(replies.iter().map(parse_hello).collect())
     }
 
     /// Extends the lease of every `(rig, boot)` this broker holds, in calls of at most
@@ -255,6 +268,57 @@ pub fn tuple(boot: &BootId, broker: &str) -> String {
 fn ttl_ms(ttl: Duration) -> u64 {
     // Cannot truncate: the clamp bound is below u64::MAX.
     ttl.as_millis().clamp(1, MAX_TTL_MS) as u64
+}
+
+/// hello.lua's reply: `{ "ok" | "older", <the entry it found> }`; a script error as itself.
+fn parse_hello(reply: &Value) -> Result<HelloOutcome, RegistryError> {
+    let (status, value) = match reply {
+        Value::Array(items) if items.len() == 2 => (text(&items[0]), lossy(&items[1])),
+        Value::ServerError(e) => return Err(RegistryError::Redis(e.clone().into())),
+        _ => (None, None),
+    };
+    match (status, value) {
+        (Some("ok"), Some(v)) if v.is_empty() => Ok(HelloOutcome::Owned { previous: None }),
+        (Some("ok"), Some(v)) => Ok(HelloOutcome::Owned {
+            previous: Some(Owner::parse(&v)),
+        }),
+        (Some("older"), Some(v)) => Ok(HelloOutcome::Older {
+            current: Owner::parse(&v),
+        }),
+        _ => Err(unexpected("hello", reply)),
+    }
+}
+
+/// Runs the `n` EVALSHAs of `script` that `build` adds to a pipeline, in one round trip, and
+/// returns their replies in order, a script's error reply in its entry's place. Scripts are
+/// loaded at connect; should Redis have lost them since (a restart, `SCRIPT FLUSH`), every
+/// entry answers NOSCRIPT without having run, so the script is loaded and the whole pipeline
+/// sent once more.
+pub fn evalsha_many(
+    con: &mut impl ConnectionLike,
+    script: &Script,
+    n: usize,
+    build: impl Fn(&mut redis::Pipeline),
+) -> Result<Vec<Value>, RegistryError> {
+    if n == 0 {
+        return Ok(Vec::new());
+    }
+    let mut pipe = redis::pipe();
+    build(&mut pipe);
+    let packed = pipe.get_packed_pipeline();
+    let noscript = |v: &Value| matches!(v, Value::ServerError(e) if e.code() == "NOSCRIPT");
+    let mut replies = con.req_packed_commands(&packed, 0, n)?;
+    if replies.iter().any(noscript) {
+        script.load(con)?;
+        replies = con.req_packed_commands(&packed, 0, n)?;
+    }
+    if replies.len() != n {
+        return Err(RegistryError::UnexpectedReply(format!(
+            "{} replies to a pipeline of {n} script calls",
+            replies.len()
+        )));
+    }
+    Ok(replies)
 }
 
 /// One refresh status as the script spells it.

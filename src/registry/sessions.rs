@@ -15,7 +15,7 @@ use std::time::Duration;
 use redis::{ConnectionLike, Script, Value};
 
 use crate::ids::{BootId, RigId, Seq};
-use crate::registry::scripts::{rig_key, tuple, RegistryError};
+use crate::registry::scripts::{evalsha_many, rig_key, tuple, RegistryError};
 
 /// Commands sent in one persist call.
 pub const PERSIST_CHUNK: usize = 500;
@@ -188,6 +188,37 @@ impl SessionScripts {
             .invoke(con)?;
         parse_resumed(&reply)
             .ok_or_else(|| RegistryError::UnexpectedReply(format!("resume: {reply:?}")))
+    }
+
+    /// [`Self::resume`] for many sessions in one round trip (a pipeline, run in order): one
+    /// result per entry, in order; an entry's own error fails only that entry.
+    pub fn resume_many(
+        &self,
+        con: &mut impl ConnectionLike,
+        entries: &[(&RigId, &BootId)],
+        ttl: Duration,
+    ) -> Result<Vec<Result<Resumed, RegistryError>>, RegistryError> {
+        let ttl = ttl_ms(ttl);
+        let replies = evalsha_many(con, &self.resume, entries.len(), |pipe| {
+            for (rig, boot) in entries {
+                pipe.cmd("EVALSHA")
+                    .arg(self.resume.get_hash())
+                    .arg(2)
+                    .arg(session_key(rig, boot))
+                    .arg(pointer_key(rig))
+                    .arg(boot.as_str())
+                    .arg(ttl)
+                    .arg(format!("sess:{rig}:"));
+            }
+        })?;
+        Ok(replies
+            .iter()
+            .map(|reply| match reply {
+                Value::ServerError(e) => Err(RegistryError::Redis(e.clone().into())),
+                _ => parse_resumed(reply)
+                    .ok_or_else(|| RegistryError::UnexpectedReply(format!("resume: {reply:?}"))),
+            })
+            .collect())
     }
 }
 
