@@ -31,6 +31,9 @@ pub(crate) struct Spec {
     pub(crate) kind: Kind,
     /// Flags beyond the listen/admin addresses and broker id.
     pub(crate) extra: &'static [&'static str],
+    /// Fleet mode: `--redis` on the scenario's own redis-server, emptied before each session;
+    /// fleetlink-fe also gets `--cores` = CPUs - 1, the playbook's fleet setting.
+    pub(crate) redis: bool,
 }
 
 impl Spec {
@@ -40,6 +43,15 @@ impl Spec {
             name,
             kind: Kind::Fe,
             extra,
+            redis: false,
+        }
+    }
+
+    /// The same configuration in fleet mode (see [`Spec::redis`]).
+    pub(crate) const fn fleet(self) -> Self {
+        Self {
+            redis: true,
+            ..self
         }
     }
 
@@ -58,6 +70,7 @@ impl Spec {
             name,
             kind: Kind::Baseline,
             extra,
+            redis: false,
         }
     }
 
@@ -81,6 +94,16 @@ impl Spec {
             // A short drain so stopping between runs is quick; it does not affect a measurement.
             v.extend(["--drain".into(), "1s".into()]);
         }
+        if self.redis {
+            let url = ctx
+                .redis_url()
+                .unwrap_or_else(|| "redis://(not started)".into());
+            v.extend(["--redis".into(), url]);
+            if self.kind == Kind::Fe {
+                let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+                v.extend(["--cores".into(), cpus.saturating_sub(1).max(1).to_string()]);
+            }
+        }
         v.extend(self.extra.iter().map(|s| s.to_string()));
         v
     }
@@ -99,6 +122,9 @@ impl Broker {
             TcpListener::bind(addr).with_context(|| {
                 format!("port {addr} is in use (pass --listen-port/--admin-port)")
             })?;
+        }
+        if spec.redis {
+            ctx.redis()?.flush()?;
         }
         let argv = spec.argv(ctx);
         let bin = match spec.kind {

@@ -1,7 +1,7 @@
 //! What every scenario shares: where the binaries are, the ports brokers listen on, the work
 //! directory for child logs and loadgen reports, and where results go.
 
-use std::cell::Cell;
+use std::cell::{Cell, OnceCell};
 use std::net::{Ipv4Addr, SocketAddr};
 use std::path::PathBuf;
 use std::time::Duration;
@@ -12,6 +12,7 @@ use serde_json::Value;
 
 use crate::broker::Spec;
 use crate::record;
+use crate::redis;
 
 /// Flags common to the measuring scenarios.
 #[derive(Args, Debug, Clone)]
@@ -74,6 +75,8 @@ pub(crate) struct Ctx {
     name: Option<String>,
     /// Numbers log files so no run overwrites another's.
     seq: Cell<u32>,
+    /// The fleet-mode brokers' redis-server, started when the first one needs it.
+    redis: OnceCell<redis::Server>,
 }
 
 impl Ctx {
@@ -129,7 +132,23 @@ impl Ctx {
             only: c.brokers.clone(),
             name: c.name.clone(),
             seq: Cell::new(0),
+            redis: OnceCell::new(),
         })
+    }
+
+    /// The scenario's redis-server, started on first use.
+    pub(crate) fn redis(&self) -> Result<&redis::Server> {
+        if self.redis.get().is_none() {
+            let server = redis::Server::start(&self.work_file("redis-server", "log"))?;
+            // Set once: a scenario runs on one thread.
+            let _ = self.redis.set(server);
+        }
+        self.redis.get().context("redis-server")
+    }
+
+    /// Its URL once started.
+    pub(crate) fn redis_url(&self) -> Option<String> {
+        self.redis.get().map(redis::Server::url)
     }
 
     /// The scenario's configurations, narrowed and ordered by `--brokers`.
@@ -279,6 +298,7 @@ mod tests {
             only: None,
             name: Some("t".into()),
             seq: Cell::new(0),
+            redis: OnceCell::new(),
         };
         let brokers = [Spec::fe("a", &[]), Spec::baseline("b", &[])];
         let mut order = Vec::new();

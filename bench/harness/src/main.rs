@@ -22,6 +22,7 @@ mod loadgen;
 mod plots;
 mod proc;
 mod record;
+mod redis;
 mod scenario;
 
 use anyhow::Result;

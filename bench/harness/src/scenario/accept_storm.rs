@@ -4,6 +4,9 @@
 //! (utime + stime from /proc) over the storm. fleetlink-fe runs with its accept bucket
 //! effectively off and on; with it on, refused rigs get 503 + `Retry-After: 5..=15` and the
 //! loadgen honours it (it has no cap), so that time includes the Retry-After waits.
+//! The `-redis` configurations run in fleet mode against the scenario's own redis-server:
+//! there a rig counts as registered once its lease `rig:<id>` is in Redis too, and Redis's CPU
+//! over the storm is reported beside the broker's.
 
 use std::time::{Duration, Instant};
 
@@ -36,7 +39,7 @@ pub(crate) struct Opts {
 }
 
 /// The configurations compared; the first is the reference for ratios.
-const BROKERS: [Spec; 4] = [
+const BROKERS: [Spec; 7] = [
     Spec::fe(
         "fleetlink-fe-bucket-off",
         &["--accept-rate", "1000000", "--accept-burst", "1000000"],
@@ -47,6 +50,17 @@ const BROKERS: [Spec; 4] = [
     ),
     Spec::BASELINE_DEFAULT,
     Spec::BASELINE_RB4096,
+    Spec::fe(
+        "fleetlink-fe-redis",
+        &["--accept-rate", "1000000", "--accept-burst", "1000000"],
+    )
+    .fleet(),
+    Spec::baseline("tokio-baseline-redis-default", &[]).fleet(),
+    Spec::baseline(
+        "tokio-baseline-redis-rb4096",
+        &["--read-buffer", "4096", "--write-buffer", "0"],
+    )
+    .fleet(),
 ];
 
 /// Runs every round and writes `accept-storm.{json,md}`.
@@ -65,6 +79,8 @@ pub(crate) fn run(o: &Opts) -> Result<()> {
 fn storm(ctx: &Ctx, o: &Opts, spec: &Spec, round: usize) -> Result<Value> {
     let mut broker = Broker::start(ctx, spec)?;
     crate::proc::sleep(Duration::from_millis(500))?; // past start-up work
+    let redis = if spec.redis { Some(ctx.redis()?) } else { None };
+    let redis_cpu0 = redis.map(|r| r.cpu()).transpose()?;
     let cpu0 = broker.cpu()?;
     let opts = RigsOpts {
         rigs: o.rigs,
@@ -76,18 +92,37 @@ fn storm(ctx: &Ctx, o: &Opts, spec: &Spec, round: usize) -> Result<Value> {
     let mut rigs = Rigs::start(ctx, &opts, "storm")?;
     let ramp = rigs.wait_ramp(&mut broker, rigs.started + o.deadline)?;
     let cpu_welcomed = broker.cpu()? - cpu0;
+    let redis_cpu = match (redis, redis_cpu0) {
+        (Some(r), Some(c0)) => Some((r.cpu()? - c0).as_secs_f64()),
+        _ => None,
+    };
     // An incomplete ramp can never list all N: read the count once.
     let wait = match ramp.end {
         RampEnd::AllWelcomed => Duration::from_secs(30),
         RampEnd::Incomplete => Duration::ZERO,
     };
-    let (listed, listed_at) = broker.wait_registered(ctx, o.rigs, Instant::now() + wait)?;
+    let until = Instant::now() + wait;
+    let (listed, mut listed_at) = broker.wait_registered(ctx, o.rigs, until)?;
+    // Fleet mode: registered means the leases are in Redis as well.
+    let mut leases = None;
+    if let Some(r) = redis {
+        loop {
+            let n = r.count("rig:*")?;
+            listed_at = listed_at.max(Instant::now());
+            leases = Some(n);
+            if n >= o.rigs || Instant::now() >= until {
+                break;
+            }
+            crate::proc::sleep(Duration::from_millis(100))?;
+        }
+    }
     let cpu_listed = broker.cpu()? - cpu0;
     let started = rigs.started;
     let report = rigs.finish()?;
     broker.stop();
     let ms = |t: Instant| t.duration_since(started).as_secs_f64() * 1e3;
-    let complete = ramp.end == RampEnd::AllWelcomed && listed == o.rigs;
+    let complete =
+        ramp.end == RampEnd::AllWelcomed && listed == o.rigs && leases.is_none_or(|n| n == o.rigs);
     Ok(json!({
         "broker": spec.name,
         "round": round,
@@ -96,7 +131,9 @@ fn storm(ctx: &Ctx, o: &Opts, spec: &Spec, round: usize) -> Result<Value> {
         "welcomed_ms": ms(ramp.at),
         "registered_ms": complete.then(|| ms(listed_at)),
         "listed": listed,
+        "leases_in_redis": leases,
         "cpu_s": cpu_welcomed.as_secs_f64(),
+        "redis_cpu_s": redis_cpu,
         "cpu_to_listed_s": cpu_listed.as_secs_f64(),
         "loadgen_ramp_ms": report["ramp_ms"],
         "welcomed": u(&report, "welcomed"),
@@ -118,11 +155,13 @@ fn summarize(ctx: &Ctx, o: &Opts, brokers: &[Spec], runs: Vec<Value>) -> (Value,
     let mut md = format!(
         "### accept-storm, {date}\n\n{} rigs at once ({} loadgen processes × {} handshakes in \
          flight, 16 source addresses), {} rounds, brokers alternating. Time = loadgen start to \
-         `GET /v1/rigs` listing all rigs (medians, s); CPU = broker utime+stime from start to \
-         ALL_WELCOMED (median CPU-s). Bucket on = `--accept-rate 2000 --accept-burst 500`: its \
-         time includes the 5–15 s Retry-After waits the loadgen honours.\n\n\
-         | broker | complete | time (s) | per round | CPU-s | per round | handshake p50 / p99 (ms) | 503 retries | failed | time, CPU vs {reference} |\n\
-         |---|---|---|---|---|---|---|---|---|---|\n",
+         `GET /v1/rigs` listing all rigs, and for the `-redis` (fleet-mode) brokers every \
+         `rig:<id>` lease in Redis too (medians, s); CPU = broker utime+stime from start to \
+         ALL_WELCOMED (median CPU-s), Redis's own beside it in fleet mode. Bucket on = \
+         `--accept-rate 2000 --accept-burst 500`: its time includes the 5–15 s Retry-After \
+         waits the loadgen honours.\n\n\
+         | broker | complete | time (s) | per round | CPU-s | per round | Redis CPU-s | handshake p50 / p99 (ms) | 503 retries | failed | time, CPU vs {reference} |\n\
+         |---|---|---|---|---|---|---|---|---|---|---|\n",
         o.rigs, o.procs, o.concurrency, ctx.rounds
     );
     for spec in brokers {
@@ -143,11 +182,16 @@ fn summarize(ctx: &Ctx, o: &Opts, brokers: &[Spec], runs: Vec<Value>) -> (Value,
             med(reference, "cpu_s"),
         );
         md += &format!(
-            "| {b} | {complete}/{n} | {} | {} | {} | {} | {} / {} | {} | {} | {}, {} |\n",
+            "| {b} | {complete}/{n} | {} | {} | {} | {} | {} | {} / {} | {} | {} | {}, {} |\n",
             fmt(t, 2),
             list(&secs, 2),
             fmt(cpu, 2),
             list(&series(&runs, b, "cpu_s"), 2),
+            if spec.redis {
+                fmt(med(b, "redis_cpu_s"), 2)
+            } else {
+                "—".to_string()
+            },
             fmt(hs50.map(|u| u / 1e3), 1),
             fmt(hs99.map(|u| u / 1e3), 1),
             fmt(med(b, "retries_503"), 0),
@@ -158,6 +202,7 @@ fn summarize(ctx: &Ctx, o: &Opts, brokers: &[Spec], runs: Vec<Value>) -> (Value,
         summary.insert(
             b.into(),
             json!({"runs": n, "complete": complete, "registered_s_median": t, "cpu_s_median": cpu,
+                   "redis_cpu_s_median": med(b, "redis_cpu_s"),
                    "welcomed_ms_median": med(b, "welcomed_ms"),
                    "loadgen_ramp_ms_median": med(b, "loadgen_ramp_ms"),
                    "handshake_p50_us_median": hs50, "handshake_p99_us_median": hs99,
@@ -172,7 +217,10 @@ fn summarize(ctx: &Ctx, o: &Opts, brokers: &[Spec], runs: Vec<Value>) -> (Value,
         "method": "per broker and round: fresh broker, 0.5 s idle, CPU read; loadgen rigs started; \
                    welcomed_ms = loadgen start to its ALL_WELCOMED line (polled every 10 ms); cpu_s \
                    = broker utime+stime over that span; then GET /v1/rigs polled every 100 ms until \
-                   it lists all N: registered_ms (cpu_to_listed_s includes those GETs). Summary = \
+                   it lists all N, and in fleet mode until Redis holds all N rig:<id> leases \
+                   (a SCAN inside Redis every 100 ms): registered_ms (cpu_to_listed_s includes those \
+                   GETs). redis_cpu_s = redis-server utime+stime over the same span as cpu_s, \
+                   fleet mode only; Redis is emptied before each session. Summary = \
                    medians over rounds; ratios vs fleetlink-fe-bucket-off.",
         "summary": summary,
         "runs": runs,
