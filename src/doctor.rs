@@ -26,7 +26,7 @@ const FD_SLACK: u64 = 1024;
 /// The kernel uses `min(backlog, net.core.somaxconn)`, silently.
 const LISTEN_BACKLOG: u64 = 4096;
 
-/// Kernel memory of one established idle socket, bytes (FACTS.md, matching /proc/slabinfo on
+/// Kernel memory of one established idle socket, bytes (the shared platform measurements, FACTS.md, matching /proc/slabinfo on
 /// the dev machine): `TCP` 2,368 + `sock_inode_cache` 832 + `filp` 192 + `dentry` 192 + the
 /// pending poll (`io_kiocb` 256 under io_uring, `eventpoll_epi` 128 under epoll).
 const KERNEL_BYTES_PER_CONN: u64 = 3_900;
@@ -392,7 +392,7 @@ fn check_fds(host: &HostSettings, n: u64) -> Vec<Finding> {
 }
 
 /// Each per-core listener asks LISTEN_BACKLOG; the kernel silently uses min(backlog,
-/// somaxconn). On overflow a client waits for its 1 s SYN retransmit (FACTS.md: p99 handshake
+/// somaxconn). On overflow a client waits for its 1 s SYN retransmit (the shared FACTS.md: p99 handshake
 /// 1.23 s in a 10k storm), so a short queue slows storms; it does not block.
 fn check_accept(host: &HostSettings, cores: u64) -> Vec<Finding> {
     let somaxconn = at_least(
