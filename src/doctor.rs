@@ -26,8 +26,8 @@ const FD_SLACK: u64 = 1024;
 /// The kernel uses `min(backlog, net.core.somaxconn)`, silently.
 const LISTEN_BACKLOG: u64 = 4096;
 
-/// Kernel memory of one established idle socket, bytes (the shared platform measurements, FACTS.md, matching /proc/slabinfo on
-/// the dev machine): `TCP` 2,368 + `sock_inode_cache` 832 + `filp` 192 + `dentry` 192 + the
+/// Kernel memory of one established idle socket, bytes (the shared platform measurements,
+/// FACTS.md, matching /proc/slabinfo on the dev machine): `TCP` 2,368 + `sock_inode_cache` 832 + `filp` 192 + `dentry` 192 + the
 /// pending poll (`io_kiocb` 256 under io_uring, `eventpoll_epi` 128 under epoll).
 const KERNEL_BYTES_PER_CONN: u64 = 3_900;
 
