@@ -392,8 +392,8 @@ fn check_fds(host: &HostSettings, n: u64) -> Vec<Finding> {
 }
 
 /// Each per-core listener asks LISTEN_BACKLOG; the kernel silently uses min(backlog,
-/// somaxconn). On overflow a client waits for its 1 s SYN retransmit (the shared FACTS.md: p99 handshake
-/// 1.23 s in a 10k storm), so a short queue slows storms; it does not block.
+/// somaxconn). On overflow a client waits for its 1 s SYN retransmit (the shared FACTS.md:
+/// p99 handshake 1.23 s in a 10k storm), so a short queue slows storms; it does not block.
 fn check_accept(host: &HostSettings, cores: u64) -> Vec<Finding> {
     let somaxconn = at_least(
         "net.core.somaxconn",
