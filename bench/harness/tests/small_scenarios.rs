@@ -1,0 +1,202 @@
+//! Every `fleetlink-bench` scenario, small and fast: each against fleetlink-fe and the
+//! baseline(s) in one invocation, as on demand, to prove that the harness runs them end to end
+//! and writes complete result files. These do not measure anything; `bench/run` does.
+//!
+//! They run the workspace's binaries from the directory `fleetlink-bench` was built into
+//! (`cargo test --workspace` builds fleetlink-fe, the baseline and the loadgen there too).
+//! The accept storm's fleet-mode brokers need `redis-server` (`tests/run-all.sh` installs it).
+
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::atomic::{AtomicU16, Ordering};
+
+use serde_json::Value;
+
+/// Where fleetlink-bench and its sibling binaries are.
+fn bin_dir() -> PathBuf {
+    let dir = Path::new(env!("CARGO_BIN_EXE_fleetlink-bench"))
+        .parent()
+        .expect("a directory")
+        .to_path_buf();
+    for bin in [
+        "fleetlink-fe",
+        "fleetlink-tokio-baseline",
+        "fleetlink-loadgen",
+    ] {
+        assert!(
+            dir.join(bin).is_file(),
+            "{bin} is not in {}: run `cargo test --workspace`, which builds it",
+            dir.display()
+        );
+    }
+    dir
+}
+
+/// Two free ports below the ephemeral range, where no loadgen socket can take them between
+/// the scenario's broker restarts.
+/// Tests run in parallel, so each takes its own stretch of ports.
+fn free_ports() -> (u16, u16) {
+    static NEXT: AtomicU16 = AtomicU16::new(0);
+    let base = 20_000 + (std::process::id() % 1_000) as u16 * 10;
+    let mut found = Vec::new();
+    while found.len() < 2 {
+        let port = base + NEXT.fetch_add(1, Ordering::Relaxed) % 2_000;
+        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            found.push(port);
+        }
+    }
+    (found[0], found[1])
+}
+
+/// Runs one scenario into a fresh results directory and returns its JSON.
+fn scenario(name: &str, args: &[&str]) -> Value {
+    let out = tempfile::tempdir().expect("tempdir");
+    let (listen, admin) = free_ports();
+    let dir = bin_dir();
+    let status = Command::new(dir.join("fleetlink-bench"))
+        .arg(name)
+        .args(["--rounds", "1", "--bin-dir"])
+        .arg(&dir)
+        .arg("--out")
+        .arg(out.path())
+        .args(["--listen-port", &listen.to_string()])
+        .args(["--admin-port", &admin.to_string()])
+        .args(args)
+        .status()
+        .expect("fleetlink-bench runs");
+    assert!(
+        status.success(),
+        "fleetlink-bench {name} {args:?}: {status}"
+    );
+    let md = std::fs::read_to_string(out.path().join(format!("{name}.md"))).expect("markdown");
+    assert!(md.contains("| broker |"), "{md}");
+    let json = std::fs::read_to_string(out.path().join(format!("{name}.json"))).expect("json");
+    serde_json::from_str(&json).expect("valid JSON")
+}
+
+/// Every broker in the summary ran once and completed.
+fn all_complete(doc: &Value, brokers: &[&str]) {
+    for b in brokers {
+        let s = &doc["summary"][b];
+        assert_eq!(
+            (s["runs"].as_u64(), s["complete"].as_u64()),
+            (Some(1), Some(1)),
+            "{b}: {s}"
+        );
+    }
+}
+
+#[test]
+fn accept_storm_standalone_and_in_fleet_mode() {
+    let brokers = [
+        "fleetlink-fe-bucket-off",
+        "tokio-baseline-rb4096",
+        "fleetlink-fe-redis",
+        "tokio-baseline-redis-rb4096",
+    ];
+    let doc = scenario(
+        "accept-storm",
+        &[
+            "--rigs",
+            "300",
+            "--procs",
+            "1",
+            "--concurrency",
+            "64",
+            "--brokers",
+            &brokers.join(","),
+        ],
+    );
+    all_complete(&doc, &brokers);
+    for run in doc["runs"].as_array().expect("runs") {
+        assert_eq!(run["welcomed"], 300, "{run}");
+        let fleet = run["broker"].as_str().is_some_and(|b| b.contains("redis"));
+        // In fleet mode every lease is in Redis, and Redis's CPU is counted.
+        assert_eq!(
+            run["leases_in_redis"].as_u64(),
+            fleet.then_some(300),
+            "{run}"
+        );
+        assert_eq!(run["redis_cpu_s"].is_number(), fleet, "{run}");
+    }
+}
+
+#[test]
+fn idle_cost_small() {
+    let brokers = [
+        "fleetlink-fe",
+        "tokio-baseline-default",
+        "tokio-baseline-rb4096",
+    ];
+    let doc = scenario(
+        "idle-cost",
+        &[
+            "--rigs", "200", "--window", "2s", "--settle", "0s", "--spread", "0s",
+        ],
+    );
+    all_complete(&doc, &brokers);
+    // Over 2 s with pings every 20 s a broker may well read 0: the figure is there, not big.
+    for b in brokers {
+        let s = &doc["summary"][b];
+        assert!(
+            s["cpu_s_per_min_median"].as_f64().is_some_and(|c| c >= 0.0),
+            "{b}: {s}"
+        );
+        assert!(
+            s["rss_mib_median"].as_f64().is_some_and(|m| m > 1.0),
+            "{b}: {s}"
+        );
+    }
+}
+
+#[test]
+fn throughput_small() {
+    let brokers = ["fleetlink-fe-cores1", "tokio-baseline-rb4096"];
+    let doc = scenario(
+        "throughput",
+        &[
+            "--rigs",
+            "50",
+            "--duration",
+            "2s",
+            "--conns",
+            "2",
+            "--brokers",
+            &brokers.join(","),
+        ],
+    );
+    all_complete(&doc, &brokers);
+    for b in brokers {
+        let acked = doc["summary"][b]["acked_per_s_median"].as_f64();
+        assert!(acked.is_some_and(|a| a > 0.0), "{b}: {acked:?}");
+    }
+}
+
+#[test]
+fn plots_draw_the_committed_results() {
+    let out = tempfile::tempdir().expect("tempdir");
+    let results = Path::new(env!("CARGO_MANIFEST_DIR")).join("../results");
+    for entry in std::fs::read_dir(&results).expect("bench/results") {
+        let path = entry.expect("entry").path();
+        let name = path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .unwrap_or_default();
+        let wanted = name.ends_with(".json")
+            && (name.starts_with("density-fleetlink") || name.starts_with("latency-fleetlink"));
+        if wanted {
+            std::fs::copy(&path, out.path().join(name)).expect("copy");
+        }
+    }
+    let status = Command::new(bin_dir().join("fleetlink-bench"))
+        .args(["plots", "--out"])
+        .arg(out.path())
+        .status()
+        .expect("fleetlink-bench plots");
+    assert!(status.success());
+    for svg in ["density.svg", "latency-single.svg", "latency-fanout.svg"] {
+        let text = std::fs::read_to_string(out.path().join(svg)).expect(svg);
+        assert!(text.contains("fleetlink-fe"), "{svg} names its broker");
+    }
+}
