@@ -238,6 +238,15 @@ struct PendingHello {
     labels: Vec<(String, String)>,
 }
 
+/// A hello the registry has answered, waiting for its session and held commands if accepted.
+struct Decided {
+    conn: ConnId,
+    rig: RigId,
+    boot: BootId,
+    actions: Vec<Action>,
+    accepted: bool,
+}
+
 struct Bridge {
     cfg: &'static Config,
     registry: Embedded,
@@ -363,6 +372,7 @@ impl Bridge {
         // Whatever follows a hello in the inbox sees the registry as that hello left it.
         self.flush_hellos();
         let actions = match msg {
+            // Queued above, answered by `flush_hellos`.
             ToBridge::Hello { .. } => Vec::new(),
             ToBridge::Closed {
                 conn,
@@ -590,7 +600,7 @@ impl Bridge {
                 hellos.iter().map(|h| (&h.rig, &h.boot)).collect();
             f.hello_many(&entries, ttl)
         });
-        if outcomes.is_some() {
+        if matches!(outcomes, Some(Some(_))) {
             self.shared.count("hello_batch", "sent");
         }
         let mut outcomes = outcomes.map(|o| o.map(Vec::into_iter));
@@ -605,12 +615,18 @@ impl Bridge {
             let accepted = actions.iter().any(|a| {
                 matches!(a, Action::Core(c, ToCore::Verdict { verdict: Verdict::Accept { .. }, .. }) if *c == h.conn)
             });
-            decided.push((h.conn, h.rig, h.boot, actions, accepted));
+            decided.push(Decided {
+                conn: h.conn,
+                rig: h.rig,
+                boot: h.boot,
+                actions,
+                accepted,
+            });
         }
         let accepted: Vec<(&RigId, &BootId)> = decided
             .iter()
-            .filter(|d| d.4)
-            .map(|d| (&d.1, &d.2))
+            .filter(|d| d.accepted)
+            .map(|d| (&d.rig, &d.boot))
             .collect();
         let session_ttl = self.cfg.session_ttl;
         let found = match self.fleet.as_mut() {
@@ -621,13 +637,14 @@ impl Bridge {
             Some((s, h)) => (s.into_iter(), h.into_iter()),
             None => (Vec::new().into_iter(), Vec::new().into_iter()),
         };
-        for (conn, rig, boot, mut actions, accepted) in decided {
-            if accepted {
+        for d in decided {
+            let mut actions = d.actions;
+            if d.accepted {
                 if let Some(found) = sessions.next().flatten() {
-                    actions = self.resume(conn, &rig, &boot, found, actions);
+                    actions = self.resume(d.conn, &d.rig, &d.boot, found, actions);
                 }
                 let from_redis = held.next().unwrap_or_default();
-                self.deliver_held(conn, &rig, from_redis, &mut actions);
+                self.deliver_held(d.conn, &d.rig, from_redis, &mut actions);
             }
             self.carry_out(actions);
         }
