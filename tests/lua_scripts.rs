@@ -577,3 +577,75 @@ fn report(n: u64, label: &str, wall: Duration, stats: &HashMap<String, Stat>) {
     );
     println!("  client wall time (debug build, loopback): {wall:.1?}");
 }
+
+#[test]
+fn hello_many_answers_each_in_order_and_reloads_a_flushed_script() {
+    let (_server, mut con, scripts) = setup();
+    let (r1, r2) = (rig("rig-1"), rig("rig-2"));
+    let (old, new) = (boot(0), boot(1));
+    // In one pipeline: rig-1 claimed by its newer boot, rig-2 claimed, then rig-1's older boot.
+    let entries = [(&r1, &new), (&r2, &old), (&r1, &old)];
+    let outcomes = scripts.hello_many(&mut con, &entries, "fe-a", TTL).unwrap();
+    let outcomes: Vec<HelloOutcome> = outcomes.into_iter().map(Result::unwrap).collect();
+    assert_eq!(
+        outcomes,
+        vec![
+            HelloOutcome::Owned { previous: None },
+            HelloOutcome::Owned { previous: None },
+            HelloOutcome::Older {
+                current: Owner {
+                    boot_id: new.to_string(),
+                    broker_id: "fe-a".into(),
+                }
+            },
+        ]
+    );
+    assert_eq!(get(&mut con, "rig:rig-1"), Some(tuple(&new, "fe-a")));
+    // Redis lost its scripts (a restart, SCRIPT FLUSH): the pipeline loads it and runs again.
+    run(&mut con, &["SCRIPT", "FLUSH"]);
+    let again = scripts
+        .hello_many(&mut con, &[(&r2, &new)], "fe-b", TTL)
+        .unwrap();
+    let previous = Owner {
+        boot_id: old.to_string(),
+        broker_id: "fe-a".into(),
+    };
+    assert_eq!(
+        again.into_iter().map(Result::unwrap).collect::<Vec<_>>(),
+        vec![HelloOutcome::Owned {
+            previous: Some(previous)
+        }]
+    );
+    assert_eq!(get(&mut con, "rig:rig-2"), Some(tuple(&new, "fe-b")));
+    assert!(scripts
+        .hello_many(&mut con, &[], "fe-a", TTL)
+        .unwrap()
+        .is_empty());
+}
+
+#[test]
+fn take_many_empties_each_rigs_offline_queue_and_returns_it_in_order() {
+    use fleetlink::registry::offline::{Held, OfflineScripts};
+    let (_server, mut con, _) = setup();
+    let offline = OfflineScripts::default();
+    let (r1, r2, r3) = (rig("rig-1"), rig("rig-2"), rig("rig-3"));
+    let held = |id: &str| Held {
+        id: id.into(),
+        name: "fw".into(),
+        args: serde_json::json!({}),
+        deadline_ms: u64::MAX / 2,
+        reply_to: None,
+    };
+    for (r, id) in [(&r1, "a"), (&r1, "b"), (&r3, "c")] {
+        assert!(offline.push(&mut con, r, &held(id), TTL).unwrap());
+    }
+    let taken = offline.take_many(&mut con, &[&r1, &r2, &r3]).unwrap();
+    let ids: Vec<Vec<String>> = taken
+        .iter()
+        .map(|list| list.iter().map(|h| h.id.clone()).collect())
+        .collect();
+    assert_eq!(ids, vec![vec!["a", "b"], vec![], vec!["c"]]);
+    // Taken means gone.
+    let again = offline.take_many(&mut con, &[&r1, &r3]).unwrap();
+    assert!(again.iter().all(Vec::is_empty));
+}

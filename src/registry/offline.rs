@@ -88,26 +88,8 @@ impl OfflineScripts {
         Ok(len > 0)
     }
 
-    /// Takes every held command of `rig` (atomically: LRANGE + DEL).
-    pub fn take(
-        &self,
-        con: &mut impl ConnectionLike,
-        rig: &RigId,
-    ) -> Result<Vec<Held>, RegistryError> {
-        let key = offline_key(rig);
-        let (items, _): (Vec<String>, i64) = redis::pipe()
-            .atomic()
-            .lrange(&key, 0, -1)
-            .del(&key)
-            .query(con)?;
-        Ok(items
-            .iter()
-            .filter_map(|s| serde_json::from_str(s).ok())
-            .collect())
-    }
-
-    /// [`Self::take`] for many rigs in one round trip: one transaction of LRANGE + DEL per
-    /// rig, so nothing pushed meanwhile is lost. One list per rig, in order.
+    /// Takes every held command of each of `rigs` in one round trip: one transaction of LRANGE
+    /// + DEL per rig, so nothing pushed meanwhile is lost. One list per rig, in order.
     pub fn take_many(
         &self,
         con: &mut impl ConnectionLike,
