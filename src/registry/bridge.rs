@@ -840,8 +840,9 @@ impl Bridge {
         self.reply(req.reply, body);
     }
 
-    /// At a rig's welcome: the commands held for it, in order, behind the verdict; expired
-    /// ones are reported instead.
+    /// At a rig's welcome: the commands held for it (`held`, taken from Redis, then any held
+    /// here while Redis was away), in order, behind the verdict; expired ones are reported
+    /// instead.
     fn deliver_held(
         &mut self,
         conn: ConnId,
