@@ -476,6 +476,64 @@ fn commands_for_an_offline_rig_are_held_then_delivered_or_expired() {
 }
 
 #[test]
+fn a_fan_out_to_offline_rigs_is_held_in_batches_and_each_rig_gets_its_own() {
+    let redis = RedisServer::start();
+    let a = fleet_broker(&redis, "fe-a");
+    let mut ctl = Control::new(&redis, &[]);
+    let reply_to = ctl.reply_to.clone();
+    // 300 commands for 300 rigs that are all away, in one pipeline of PUBLISHes.
+    let mut pipe = redis::pipe();
+    for i in 0..300 {
+        let msg = json!({"type":"command","id":format!("h{i}"),"rig_id":format!("away-{i:03}"),
+                         "name":"fw","args":{"i":i},"reply_to":reply_to,
+                         "queue_if_offline":true,"ttl_ms":60_000});
+        pipe.cmd("PUBLISH")
+            .arg("fleetlink:broker:fe-a")
+            .arg(msg.to_string())
+            .ignore();
+    }
+    let () = pipe.query(&mut redis.connection()).unwrap();
+    let replies = ctl.replies(300, Duration::from_secs(10));
+    assert!(
+        replies
+            .iter()
+            .all(|r| r["ok"] == true && r["queued"] == true),
+        "{replies:?}"
+    );
+    // Each rig that comes back gets exactly its own command, as seq 1.
+    for i in [0, 150, 299] {
+        let rig = format!("away-{i:03}");
+        let mut ws = a.connect("/agent");
+        hello(&mut ws, &rig, &boot_id(), None);
+        let cmd = read_json(&mut ws);
+        assert_eq!(
+            (
+                cmd["id"].clone(),
+                cmd["seq"].clone(),
+                cmd["args"]["i"].clone()
+            ),
+            (json!(format!("h{i}")), json!(1), json!(i))
+        );
+    }
+    let (_, metrics) = a.http("GET", "/metrics", "");
+    let count = |series: &str| -> u64 {
+        metrics
+            .lines()
+            .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
+            .unwrap_or(0)
+    };
+    assert_eq!(
+        count("fleetlink_registry_ops_total{op=\"offline\",result=\"held\"}"),
+        300
+    );
+    let batches = count("fleetlink_registry_ops_total{op=\"offline_batch\",result=\"sent\"}");
+    assert!(
+        (1..=75).contains(&batches),
+        "{batches} round trips held 300 commands"
+    );
+}
+
+#[test]
 fn standalone_holds_commands_for_offline_rigs_too() {
     let b = Broker::start(&[]);
     let body = json!({"name":"fw","args":{},"queue_if_offline":true,"ttl_ms":60000}).to_string();

@@ -53,11 +53,12 @@ const HEARTBEAT_TTL: Duration = Duration::from_secs(30);
 const BROADCAST_WAIT: Duration = Duration::from_secs(5);
 
 /// Registry operations counted by (op, result), in this order.
-pub const REGISTRY_OPS: [(&str, &str); 23] = [
+pub const REGISTRY_OPS: [(&str, &str); 24] = [
     ("offline", "held"),
     ("offline", "full"),
     ("offline", "delivered"),
     ("offline", "expired"),
+    ("offline_batch", "sent"),
     ("persist", "ok"),
     ("persist", "fenced"),
     ("persist", "unavailable"),
@@ -202,6 +203,7 @@ pub fn spawn(
                 held: LocalHeld::default(),
                 deadlines: Deadlines::default(),
                 hellos: Vec::new(),
+                holds: Vec::new(),
                 persists: Vec::new(),
                 rekeeps: Vec::new(),
                 rekeep_all: false,
@@ -264,6 +266,8 @@ struct Bridge {
     deadlines: Deadlines,
     /// Hellos read from the inbox and not yet answered (see [`Self::flush_hellos`]).
     hellos: Vec<PendingHello>,
+    /// Commands for offline rigs not yet held (see [`Self::flush_holds`]).
+    holds: Vec<(CommandReq, Duration)>,
     /// Commands waiting to be kept in Redis before they are written (fleet mode).
     persists: Vec<PersistReq>,
     /// Sessions to put back into Redis after it lost them (see [`Self::refresh`]).
@@ -301,9 +305,11 @@ impl Bridge {
                     handled += 1;
                 }
                 b.flush_hellos();
+                b.flush_holds();
             });
             if shutdown {
                 self.flush_hellos();
+                self.flush_holds();
                 return self.shutdown();
             }
             let now = Instant::now();
@@ -589,6 +595,8 @@ impl Bridge {
         if self.hellos.is_empty() {
             return;
         }
+        // A hello must find in Redis what was held for its rig before it.
+        self.flush_holds();
         let hellos = std::mem::take(&mut self.hellos);
         let ttl = self.cfg.registry_ttl;
         if self.fleet.is_some() {
@@ -803,41 +811,81 @@ impl Bridge {
 
     /// Holds a command for a rig that is not connected (Redis in fleet mode, else here).
     fn hold(&mut self, req: CommandReq, ttl: Duration) {
-        let entry = Held {
-            id: req.id.clone(),
-            name: req.name,
-            args: req.args,
-            deadline_ms: unix_ms() + ttl.as_millis() as u64,
-            reply_to: match &req.reply {
-                ReplyTo::Channel(c) => Some(c.clone()),
-                _ => None,
-            },
-        };
-        self.ring_owed();
-        let stored = match self
-            .fleet
-            .as_mut()
-            .and_then(|f| f.offline_push(&req.rig, &entry, ttl))
-        {
-            Some(stored) => stored,
-            // Standalone, or Redis away: held here (delivered only by this broker).
-            None => self.held.push(&req.rig, entry.clone()),
-        };
+        self.holds.push((req, ttl));
+    }
+
+    /// Holds the commands queued by [`Self::hold`]: in fleet mode in one round trip to Redis
+    /// (`offline_push.lua`, pipelined), so a fan-out to rigs that are all away costs one round
+    /// trip per batch, not one per rig; standalone, or with Redis away, here.
+    fn flush_holds(&mut self) {
+        if self.holds.is_empty() {
+            return;
+        }
+        let holds = std::mem::take(&mut self.holds);
+        let entries: Vec<(RigId, Held, Duration, ReplyTo)> = holds
+            .into_iter()
+            .map(|(req, ttl)| {
+                let entry = Held {
+                    id: req.id,
+                    name: req.name,
+                    args: req.args,
+                    deadline_ms: unix_ms() + ttl.as_millis() as u64,
+                    reply_to: match &req.reply {
+                        ReplyTo::Channel(c) => Some(c.clone()),
+                        _ => None,
+                    },
+                };
+                (req.rig, entry, ttl, req.reply)
+            })
+            .collect();
+        if self.fleet.is_some() {
+            // The verdicts and commands already decided must not wait on this round trip.
+            self.ring_owed();
+        }
+        let stored = self.fleet.as_mut().and_then(|f| {
+            let batch: Vec<(&RigId, &Held, Duration)> =
+                entries.iter().map(|(r, e, t, _)| (r, e, *t)).collect();
+            f.offline_push_many(&batch)
+        });
+        if stored.is_some() {
+            self.shared.count("offline_batch", "sent");
+        }
+        let mut stored = stored.map(Vec::into_iter);
+        for (rig, entry, ttl, reply_to) in entries {
+            let stored = match stored.as_mut().map(|s| s.next().flatten()) {
+                Some(Some(stored)) => stored,
+                // Standalone, Redis away, or this entry's call failed: held here (delivered
+                // only by this broker).
+                _ => self.held.push(&rig, entry.clone()),
+            };
+            self.held_reply(rig, entry, ttl, reply_to, stored);
+        }
+    }
+
+    /// Answers control for one held (or refused) command and arms its deadline.
+    fn held_reply(
+        &mut self,
+        rig: RigId,
+        entry: Held,
+        ttl: Duration,
+        reply_to: ReplyTo,
+        stored: bool,
+    ) {
         let body = if stored {
             self.shared.count("offline", "held");
-            self.deadlines
-                .add(Instant::now() + ttl, req.rig.clone(), entry);
-            json!({"id": req.id, "ok": true, "rig_id": req.rig.as_str(), "queued": true})
+            let body = json!({"id": entry.id, "ok": true, "rig_id": rig.as_str(), "queued": true});
+            self.deadlines.add(Instant::now() + ttl, rig, entry);
+            body
         } else {
             self.shared.count("offline", "full");
             reply::error(
-                &req.id,
-                Some(req.rig.as_str()),
+                &entry.id,
+                Some(rig.as_str()),
                 "offline_queue_full",
                 "too many commands held for this rig",
             )
         };
-        self.reply(req.reply, body);
+        self.reply(reply_to, body);
     }
 
     /// At a rig's welcome: the commands held for it (`held`, taken from Redis, then any held
@@ -930,6 +978,7 @@ impl Bridge {
                 b.shared.pubsub_in.fetch_add(1, Ordering::Relaxed);
                 b.control(&push.channel, &push.payload, now);
             }
+            b.flush_holds();
         });
         if self.write_due().is_none_or(|due| due > now) {
             return;

@@ -263,16 +263,15 @@ impl Fleet {
         }
     }
 
-    /// Holds a command for an offline rig. None when Redis is unavailable.
-    pub(crate) fn offline_push(
+    /// Holds commands for offline rigs, in one round trip: per entry, whether it was stored
+    /// (`None` for an entry whose own call failed). None when Redis is unavailable.
+    pub(crate) fn offline_push_many(
         &mut self,
-        rig: &RigId,
-        entry: &Held,
-        ttl: Duration,
-    ) -> Option<bool> {
+        entries: &[(&RigId, &Held, Duration)],
+    ) -> Option<Vec<Option<bool>>> {
         let con = self.con.as_mut()?;
-        match self.offline.push(con, rig, entry, ttl) {
-            Ok(stored) => Some(stored),
+        match self.offline.push_many(con, entries) {
+            Ok(stored) => Some(stored.into_iter().map(Result::ok).collect()),
             Err(e) => {
                 self.fail(Instant::now(), &e);
                 None

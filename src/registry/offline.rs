@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::ids::RigId;
-use crate::registry::scripts::RegistryError;
+use crate::registry::scripts::{evalsha_many, RegistryError};
 
 /// Most commands held per rig.
 pub const MAX_PER_RIG: usize = 1000;
@@ -77,15 +77,38 @@ impl OfflineScripts {
         entry: &Held,
         ttl: Duration,
     ) -> Result<bool, RegistryError> {
-        let json = serde_json::to_string(entry).unwrap_or_default();
-        let len: i64 = self
-            .push
-            .key(offline_key(rig))
-            .arg(json)
-            .arg(MAX_PER_RIG)
-            .arg(ttl.as_millis().clamp(1, 999_999_999_999_999))
-            .invoke(con)?;
-        Ok(len > 0)
+        let mut stored = self.push_many(con, &[(rig, entry, ttl)])?;
+        stored.pop().unwrap_or(Ok(false))
+    }
+
+    /// Holds many entries in one round trip (a pipeline, run in order): per entry, whether it
+    /// was stored (false: the rig's list is full) or its own error.
+    pub fn push_many(
+        &self,
+        con: &mut impl ConnectionLike,
+        entries: &[(&RigId, &Held, Duration)],
+    ) -> Result<Vec<Result<bool, RegistryError>>, RegistryError> {
+        let replies = evalsha_many(con, &self.push, entries.len(), |pipe| {
+            for (rig, entry, ttl) in entries {
+                pipe.cmd("EVALSHA")
+                    .arg(self.push.get_hash())
+                    .arg(1)
+                    .arg(offline_key(rig))
+                    .arg(serde_json::to_string(entry).unwrap_or_default())
+                    .arg(MAX_PER_RIG)
+                    .arg(ttl.as_millis().clamp(1, 999_999_999_999_999) as u64);
+            }
+        })?;
+        Ok(replies
+            .iter()
+            .map(|reply| match reply {
+                redis::Value::Int(len) => Ok(*len > 0),
+                redis::Value::ServerError(e) => Err(RegistryError::Redis(e.clone().into())),
+                other => Err(RegistryError::UnexpectedReply(format!(
+                    "offline_push: {other:?}"
+                ))),
+            })
+            .collect())
     }
 
     /// Takes every held command of each of `rigs` in one round trip: one transaction of LRANGE
