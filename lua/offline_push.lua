@@ -4,7 +4,8 @@
 -- KEYS[1]  offline:<rig_id>   (list of command entries, oldest first)
 -- ARGV[1]  the entry: JSON {"id","name","args","deadline_ms","reply_to"}
 -- ARGV[2]  max entries per rig: decimal integer
--- ARGV[3]  ttl_ms for the list: decimal integer, 1 to 15 digits (the latest deadline)
+-- ARGV[3]  ttl_ms for the list: decimal integer, 1 to 15 digits (the latest deadline, plus a
+--          margin so the holding broker still finds the entry to report it expired)
 --
 -- Returns the list length after the push, or 0 when the list was full (nothing written).
 

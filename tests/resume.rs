@@ -534,6 +534,40 @@ fn a_fan_out_to_offline_rigs_is_held_in_batches_and_each_rig_gets_its_own() {
 }
 
 #[test]
+fn a_fan_out_held_for_offline_rigs_expires_together_each_reported_once() {
+    // Each rig's list holds only this one short-lived command: the broker must still find it
+    // at its deadline to report it (Redis keeps the list a margin longer).
+    let redis = RedisServer::start();
+    let _a = fleet_broker(&redis, "fe-a");
+    let mut ctl = Control::new(&redis, &["fleetlink:events"]);
+    let reply_to = ctl.reply_to.clone();
+    let mut pipe = redis::pipe();
+    for i in 0..200 {
+        let msg = json!({"type":"command","id":format!("x{i}"),"rig_id":format!("gone-{i:03}"),
+                         "name":"fw","args":{},"reply_to":reply_to,
+                         "queue_if_offline":true,"ttl_ms":300});
+        pipe.cmd("PUBLISH")
+            .arg("fleetlink:broker:fe-a")
+            .arg(msg.to_string())
+            .ignore();
+    }
+    let () = pipe.query(&mut redis.connection()).unwrap();
+    assert_eq!(ctl.replies(200, Duration::from_secs(10)).len(), 200);
+    let mut expired = std::collections::BTreeSet::new();
+    while expired.len() < 200 {
+        let ev = ctl.next(|ch, v| ch == "fleetlink:events" && v["type"] == "expired");
+        assert!(
+            expired.insert(ev["id"].as_str().unwrap().to_string()),
+            "twice: {ev}"
+        );
+    }
+    // Nothing is left in Redis to deliver later.
+    let mut con = redis.connection();
+    let left: Vec<String> = redis::cmd("KEYS").arg("offline:*").query(&mut con).unwrap();
+    assert!(left.is_empty(), "{left:?}");
+}
+
+#[test]
 fn standalone_holds_commands_for_offline_rigs_too() {
     let b = Broker::start(&[]);
     let body = json!({"name":"fw","args":{},"queue_if_offline":true,"ttl_ms":60000}).to_string();

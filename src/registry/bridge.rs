@@ -933,15 +933,19 @@ impl Bridge {
 
     /// Commands this broker held whose deadline passed: reported `expired` if still held.
     fn expire_held(&mut self, now: Instant) {
-        for (rig, entry) in self.deadlines.due(now) {
-            let removed = match self.fleet.as_mut() {
-                Some(f) => {
-                    f.offline_remove(&rig, &entry).unwrap_or(false)
-                        || self.held.remove(&rig, &entry.id)
-                }
-                None => self.held.remove(&rig, &entry.id),
-            };
-            if removed {
+        let due = self.deadlines.due(now);
+        if due.is_empty() {
+            return;
+        }
+        // A fan-out held for many rigs expires at once: one round trip removes it all.
+        let in_redis = self.fleet.as_mut().and_then(|f| {
+            let entries: Vec<(&RigId, &Held)> = due.iter().map(|(r, e)| (r, e)).collect();
+            f.offline_remove_many(&entries)
+        });
+        let mut in_redis = in_redis.map(Vec::into_iter);
+        for (rig, entry) in due {
+            let from_redis = in_redis.as_mut().and_then(Iterator::next).unwrap_or(false);
+            if from_redis || self.held.remove(&rig, &entry.id) {
                 self.report_expired(&rig, &entry.id);
             }
         }

@@ -279,10 +279,11 @@ impl Fleet {
         }
     }
 
-    /// Removes one held command if still there. None when Redis is unavailable.
-    pub(crate) fn offline_remove(&mut self, rig: &RigId, entry: &Held) -> Option<bool> {
+    /// Removes held commands that are still there, in one round trip. None when Redis is
+    /// unavailable.
+    pub(crate) fn offline_remove_many(&mut self, entries: &[(&RigId, &Held)]) -> Option<Vec<bool>> {
         let con = self.con.as_mut()?;
-        match self.offline.remove(con, rig, entry) {
+        match self.offline.remove_many(con, entries) {
             Ok(removed) => Some(removed),
             Err(e) => {
                 self.fail(Instant::now(), &e);

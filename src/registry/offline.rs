@@ -18,6 +18,11 @@ use crate::registry::scripts::{evalsha_many, RegistryError};
 pub const MAX_PER_RIG: usize = 1000;
 /// Longest `ttl_ms` accepted (a day).
 pub const MAX_TTL: Duration = Duration::from_secs(24 * 3600);
+/// How long a rig's list outlives its latest deadline in Redis. The broker that held a command
+/// removes it at its deadline and reports it `expired`; had Redis dropped the list at that very
+/// moment, there would be nothing to remove and no report. A rig that connects within the
+/// margin finds the command expired at delivery and it is reported then.
+pub const LIST_GRACE: Duration = Duration::from_secs(60);
 
 /// One held command, as stored.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -96,7 +101,11 @@ impl OfflineScripts {
                     .arg(offline_key(rig))
                     .arg(serde_json::to_string(entry).unwrap_or_default())
                     .arg(MAX_PER_RIG)
-                    .arg(ttl.as_millis().clamp(1, 999_999_999_999_999) as u64);
+                    .arg(
+                        (*ttl + LIST_GRACE)
+                            .as_millis()
+                            .clamp(1, 999_999_999_999_999) as u64,
+                    );
             }
         })?;
         Ok(replies
@@ -139,20 +148,25 @@ impl OfflineScripts {
             .collect())
     }
 
-    /// Removes one held command if it is still there (expiry); true when it was.
-    pub fn remove(
+    /// Removes held commands if they are still there (expiry), in one round trip: per entry,
+    /// true when it was there.
+    pub fn remove_many(
         &self,
         con: &mut impl ConnectionLike,
-        rig: &RigId,
-        entry: &Held,
-    ) -> Result<bool, RegistryError> {
-        let json = serde_json::to_string(entry).unwrap_or_default();
-        let n: i64 = redis::cmd("LREM")
-            .arg(offline_key(rig))
-            .arg(1)
-            .arg(json)
-            .query(con)?;
-        Ok(n > 0)
+        entries: &[(&RigId, &Held)],
+    ) -> Result<Vec<bool>, RegistryError> {
+        if entries.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut pipe = redis::pipe();
+        for (rig, entry) in entries {
+            pipe.cmd("LREM")
+                .arg(offline_key(rig))
+                .arg(1)
+                .arg(serde_json::to_string(entry).unwrap_or_default());
+        }
+        let removed: Vec<i64> = pipe.query(con)?;
+        Ok(removed.into_iter().map(|n| n > 0).collect())
     }
 }
 
