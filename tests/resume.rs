@@ -515,13 +515,7 @@ fn a_fan_out_to_offline_rigs_is_held_in_batches_and_each_rig_gets_its_own() {
             (json!(format!("h{i}")), json!(1), json!(i))
         );
     }
-    let (_, metrics) = a.http("GET", "/metrics", "");
-    let count = |series: &str| -> u64 {
-        metrics
-            .lines()
-            .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
-            .unwrap_or(0)
-    };
+    let count = |series: &str| a.metric(series);
     assert_eq!(
         count("fleetlink_registry_ops_total{op=\"offline\",result=\"held\"}"),
         300

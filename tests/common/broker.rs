@@ -117,6 +117,15 @@ impl Broker {
         }
     }
 
+    /// The value of one series in `/metrics` now (0 when absent), e.g.
+    /// `fleetlink_registry_ops_total{op="hello",result="ok"}`.
+    pub fn metric(&self, series: &str) -> u64 {
+        let (_, text) = self.http("GET", "/metrics", "");
+        text.lines()
+            .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
+            .unwrap_or(0)
+    }
+
     /// Sends SIGTERM.
     pub fn sigterm(&self) {
         unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
