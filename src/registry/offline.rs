@@ -93,26 +93,20 @@ impl OfflineScripts {
         con: &mut impl ConnectionLike,
         entries: &[(&RigId, &Held, Duration)],
     ) -> Result<Vec<Result<bool, RegistryError>>, RegistryError> {
-        let replies = evalsha_many(con, &self.push, entries.len(), |pipe| {
-            for (rig, entry, ttl) in entries {
-                pipe.cmd("EVALSHA")
-                    .arg(self.push.get_hash())
-                    .arg(1)
-                    .arg(offline_key(rig))
-                    .arg(serde_json::to_string(entry).unwrap_or_default())
-                    .arg(MAX_PER_RIG)
-                    .arg(
-                        (*ttl + LIST_GRACE)
-                            .as_millis()
-                            .clamp(1, 999_999_999_999_999) as u64,
-                    );
-            }
+        let replies = evalsha_many(con, &self.push, entries, 1, |call, (rig, entry, ttl)| {
+            call.arg(offline_key(rig))
+                .arg(serde_json::to_string(entry).unwrap_or_default())
+                .arg(MAX_PER_RIG)
+                .arg(
+                    (*ttl + LIST_GRACE)
+                        .as_millis()
+                        .clamp(1, 999_999_999_999_999) as u64,
+                );
         })?;
         Ok(replies
-            .iter()
-            .map(|reply| match reply {
-                redis::Value::Int(len) => Ok(*len > 0),
-                redis::Value::ServerError(e) => Err(RegistryError::Redis(e.clone().into())),
+            .into_iter()
+            .map(|reply| match reply? {
+                redis::Value::Int(len) => Ok(len > 0),
                 other => Err(RegistryError::UnexpectedReply(format!(
                     "offline_push: {other:?}"
                 ))),

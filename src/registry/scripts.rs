@@ -119,14 +119,10 @@ impl Scripts {
         broker_id: &str,
         ttl: Duration,
     ) -> Result<HelloOutcome, RegistryError> {
-        let reply: Value = self
-            .hello
-            .key(rig_key(rig))
-            .arg(boot.as_str())
-            .arg(broker_id)
-            .arg(ttl_ms(ttl))
-            .invoke(con)?;
-        parse_hello(&reply)
+        let mut outcomes = self.hello_many(con, &[(rig, boot)], broker_id, ttl)?;
+        outcomes
+            .pop()
+            .unwrap_or_else(|| Err(RegistryError::UnexpectedReply("hello: no reply".into())))
     }
 
     /// [`Self::hello`] for many rigs in one round trip (a pipeline of EVALSHAs, which Redis
@@ -141,18 +137,16 @@ impl Scripts {
         ttl: Duration,
     ) -> Result<Vec<Result<HelloOutcome, RegistryError>>, RegistryError> {
         let ttl = ttl_ms(ttl);
-        let replies = evalsha_many(con, &self.hello, entries.len(), |pipe| {
-            for (rig, boot) in entries {
-                pipe.cmd("EVALSHA")
-                    .arg(self.hello.get_hash())
-                    .arg(1)
-                    .arg(rig_key(rig))
-                    .arg(boot.as_str())
-                    .arg(broker_id)
-                    .arg(ttl);
-            }
+        let replies = evalsha_many(con, &self.hello, entries, 1, |call, (rig, boot)| {
+            call.arg(rig_key(rig))
+                .arg(boot.as_str())
+                .arg(broker_id)
+                .arg(ttl);
         })?;
-        Ok(replies.iter().map(parse_hello).collect())
+        Ok(replies
+            .into_iter()
+            .map(|reply| parse_hello(&reply?))
+            .collect())
     }
 
     /// Extends the lease of every `(rig, boot)` this broker holds, in calls of at most
@@ -270,11 +264,10 @@ fn ttl_ms(ttl: Duration) -> u64 {
     ttl.as_millis().clamp(1, MAX_TTL_MS) as u64
 }
 
-/// hello.lua's reply: `{ "ok" | "older", <the entry it found> }`; a script error as itself.
+/// hello.lua's reply: `{ "ok" | "older", <the entry it found> }`.
 fn parse_hello(reply: &Value) -> Result<HelloOutcome, RegistryError> {
     let (status, value) = match reply {
         Value::Array(items) if items.len() == 2 => (text(&items[0]), lossy(&items[1])),
-        Value::ServerError(e) => return Err(RegistryError::Redis(e.clone().into())),
         _ => (None, None),
     };
     match (status, value) {
@@ -289,22 +282,29 @@ fn parse_hello(reply: &Value) -> Result<HelloOutcome, RegistryError> {
     }
 }
 
-/// Runs the `n` EVALSHAs of `script` that `build` adds to a pipeline, in one round trip, and
-/// returns their replies in order, a script's error reply in its entry's place. Scripts are
-/// loaded at connect; should Redis have lost them since (a restart, `SCRIPT FLUSH`), every
-/// entry answers NOSCRIPT without having run, so the script is loaded and the whole pipeline
-/// sent once more.
-pub fn evalsha_many(
+/// Runs `script` once per item, all in one pipeline (one round trip, run by Redis in order):
+/// `args` adds an item's `numkeys` keys, then its ARGV, to its EVALSHA. Returns each call's
+/// reply in order, a script's error reply as that entry's `Err`. Scripts are loaded at
+/// connect; should Redis have lost them since (a restart, `SCRIPT FLUSH`), every entry answers
+/// NOSCRIPT without having run, so the script is loaded and the whole pipeline sent once more.
+pub fn evalsha_many<T>(
     con: &mut impl ConnectionLike,
     script: &Script,
-    n: usize,
-    build: impl Fn(&mut redis::Pipeline),
-) -> Result<Vec<Value>, RegistryError> {
+    items: &[T],
+    numkeys: usize,
+    args: impl Fn(&mut redis::Cmd, &T),
+) -> Result<Vec<Result<Value, RegistryError>>, RegistryError> {
+    let n = items.len();
     if n == 0 {
         return Ok(Vec::new());
     }
     let mut pipe = redis::pipe();
-    build(&mut pipe);
+    for item in items {
+        let mut call = redis::cmd("EVALSHA");
+        call.arg(script.get_hash()).arg(numkeys);
+        args(&mut call, item);
+        pipe.add_command(call);
+    }
     let packed = pipe.get_packed_pipeline();
     let noscript = |v: &Value| matches!(v, Value::ServerError(e) if e.code() == "NOSCRIPT");
     let mut replies = con.req_packed_commands(&packed, 0, n)?;
@@ -318,7 +318,13 @@ pub fn evalsha_many(
             replies.len()
         )));
     }
-    Ok(replies)
+    Ok(replies
+        .into_iter()
+        .map(|reply| match reply {
+            Value::ServerError(e) => Err(RegistryError::Redis(e.into())),
+            other => Ok(other),
+        })
+        .collect())
 }
 
 /// One refresh status as the script spells it.

@@ -178,16 +178,10 @@ impl SessionScripts {
         boot: &BootId,
         ttl: Duration,
     ) -> Result<Resumed, RegistryError> {
-        let reply: Value = self
-            .resume
-            .key(session_key(rig, boot))
-            .key(pointer_key(rig))
-            .arg(boot.as_str())
-            .arg(ttl_ms(ttl))
-            .arg(format!("sess:{rig}:"))
-            .invoke(con)?;
-        parse_resumed(&reply)
-            .ok_or_else(|| RegistryError::UnexpectedReply(format!("resume: {reply:?}")))
+        let mut found = self.resume_many(con, &[(rig, boot)], ttl)?;
+        found
+            .pop()
+            .unwrap_or_else(|| Err(RegistryError::UnexpectedReply("resume: no reply".into())))
     }
 
     /// [`Self::resume`] for many sessions in one round trip (a pipeline, run in order): one
@@ -199,24 +193,19 @@ impl SessionScripts {
         ttl: Duration,
     ) -> Result<Vec<Result<Resumed, RegistryError>>, RegistryError> {
         let ttl = ttl_ms(ttl);
-        let replies = evalsha_many(con, &self.resume, entries.len(), |pipe| {
-            for (rig, boot) in entries {
-                pipe.cmd("EVALSHA")
-                    .arg(self.resume.get_hash())
-                    .arg(2)
-                    .arg(session_key(rig, boot))
-                    .arg(pointer_key(rig))
-                    .arg(boot.as_str())
-                    .arg(ttl)
-                    .arg(format!("sess:{rig}:"));
-            }
+        let replies = evalsha_many(con, &self.resume, entries, 2, |call, (rig, boot)| {
+            call.arg(session_key(rig, boot))
+                .arg(pointer_key(rig))
+                .arg(boot.as_str())
+                .arg(ttl)
+                .arg(format!("sess:{rig}:"));
         })?;
         Ok(replies
-            .iter()
-            .map(|reply| match reply {
-                Value::ServerError(e) => Err(RegistryError::Redis(e.clone().into())),
-                _ => parse_resumed(reply)
-                    .ok_or_else(|| RegistryError::UnexpectedReply(format!("resume: {reply:?}"))),
+            .into_iter()
+            .map(|reply| {
+                let reply = reply?;
+                parse_resumed(&reply)
+                    .ok_or_else(|| RegistryError::UnexpectedReply(format!("resume: {reply:?}")))
             })
             .collect())
     }
