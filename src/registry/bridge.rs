@@ -240,6 +240,14 @@ struct PendingHello {
     labels: Vec<(String, String)>,
 }
 
+/// A command for an offline rig, its deadline running, waiting for its batch's round trip.
+struct PendingHold {
+    rig: RigId,
+    entry: Held,
+    ttl: Duration,
+    reply_to: ReplyTo,
+}
+
 /// A hello the registry has answered, waiting for its session and held commands if accepted.
 struct Decided {
     conn: ConnId,
@@ -267,7 +275,7 @@ struct Bridge {
     /// Hellos read from the inbox and not yet answered (see [`Self::flush_hellos`]).
     hellos: Vec<PendingHello>,
     /// Commands for offline rigs not yet held (see [`Self::flush_holds`]).
-    holds: Vec<(CommandReq, Duration)>,
+    holds: Vec<PendingHold>,
     /// Commands waiting to be kept in Redis before they are written (fleet mode).
     persists: Vec<PersistReq>,
     /// Sessions to put back into Redis after it lost them (see [`Self::refresh`]).
@@ -811,7 +819,22 @@ impl Bridge {
 
     /// Holds a command for a rig that is not connected (Redis in fleet mode, else here).
     fn hold(&mut self, req: CommandReq, ttl: Duration) {
-        self.holds.push((req, ttl));
+        let entry = Held {
+            id: req.id,
+            name: req.name,
+            args: req.args,
+            deadline_ms: unix_ms() + ttl.as_millis() as u64,
+            reply_to: match &req.reply {
+                ReplyTo::Channel(c) => Some(c.clone()),
+                _ => None,
+            },
+        };
+        self.holds.push(PendingHold {
+            rig: req.rig,
+            entry,
+            ttl,
+            reply_to: req.reply,
+        });
     }
 
     /// Holds the commands queued by [`Self::hold`]: in fleet mode in one round trip to Redis
@@ -822,55 +845,38 @@ impl Bridge {
             return;
         }
         let holds = std::mem::take(&mut self.holds);
-        let entries: Vec<(RigId, Held, Duration, ReplyTo)> = holds
-            .into_iter()
-            .map(|(req, ttl)| {
-                let entry = Held {
-                    id: req.id,
-                    name: req.name,
-                    args: req.args,
-                    deadline_ms: unix_ms() + ttl.as_millis() as u64,
-                    reply_to: match &req.reply {
-                        ReplyTo::Channel(c) => Some(c.clone()),
-                        _ => None,
-                    },
-                };
-                (req.rig, entry, ttl, req.reply)
-            })
-            .collect();
         if self.fleet.is_some() {
             // The verdicts and commands already decided must not wait on this round trip.
             self.ring_owed();
         }
         let stored = self.fleet.as_mut().and_then(|f| {
             let batch: Vec<(&RigId, &Held, Duration)> =
-                entries.iter().map(|(r, e, t, _)| (r, e, *t)).collect();
+                holds.iter().map(|h| (&h.rig, &h.entry, h.ttl)).collect();
             f.offline_push_many(&batch)
         });
         if stored.is_some() {
             self.shared.count("offline_batch", "sent");
         }
         let mut stored = stored.map(Vec::into_iter);
-        for (rig, entry, ttl, reply_to) in entries {
+        for h in holds {
             let stored = match stored.as_mut().map(|s| s.next().flatten()) {
                 Some(Some(stored)) => stored,
                 // Standalone, Redis away, or this entry's call failed: held here (delivered
                 // only by this broker).
-                _ => self.held.push(&rig, entry.clone()),
+                _ => self.held.push(&h.rig, h.entry.clone()),
             };
-            self.held_reply(rig, entry, ttl, reply_to, stored);
+            self.held_reply(h, stored);
         }
     }
 
     /// Answers control for one held (or refused) command and arms its deadline.
-    fn held_reply(
-        &mut self,
-        rig: RigId,
-        entry: Held,
-        ttl: Duration,
-        reply_to: ReplyTo,
-        stored: bool,
-    ) {
+    fn held_reply(&mut self, hold: PendingHold, stored: bool) {
+        let PendingHold {
+            rig,
+            entry,
+            ttl,
+            reply_to,
+        } = hold;
         let body = if stored {
             self.shared.count("offline", "held");
             let body = json!({"id": entry.id, "ok": true, "rig_id": rig.as_str(), "queued": true});
