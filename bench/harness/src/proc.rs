@@ -53,17 +53,12 @@ pub(crate) fn sleep(d: Duration) -> Result<()> {
 pub(crate) fn sleep_shown(label: &str, d: Duration) -> Result<()> {
     let mut bar = Bar::new(label, d.as_millis() as u64, Unit::Millis);
     let start = Instant::now();
-    let end = start + d;
-    loop {
-        check_interrupted()?;
-        let left = end.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            bar.finish(d.as_millis() as u64, "");
-            return Ok(());
-        }
+    while let Some(left) = d.checked_sub(start.elapsed()).filter(|l| !l.is_zero()) {
         bar.update(start.elapsed().as_millis() as u64, "");
-        std::thread::sleep(left.min(REDRAW_EVERY));
+        sleep(left.min(REDRAW_EVERY))?;
     }
+    bar.finish(d.as_millis() as u64, "");
+    Ok(())
 }
 
 /// A running child that is stopped on drop.
