@@ -1,39 +1,48 @@
 //! Admin HTTP (CONTRACT.md §6): health, readiness, metrics, the rig list, and the standalone
-//! control plane (commands, kicks, drain). Plain HTTP/1.1 with keep-alive, served by a small
-//! pool of its own threads so nothing here ever runs on a core.
+//! control plane (commands, kicks, drain). Plain HTTP/1.1 with keep-alive.
+//!
+//! Connections are served on the cores, in turn (`crate::worker::admin_conn`): a command POST
+//! is the one request a core answers itself, since it only enqueues on a connection, which a
+//! core does anyway. Everything else may wait (a snapshot of every core, the bridge's answer
+//! to a kick), so a small pool of threads of its own works it out and hands the answer back,
+//! and no core ever blocks. The pool also serves whole connections when the cores cannot take
+//! them: while the broker drains (a core that has drained stops) or when many are open.
 
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use crossbeam_channel::Sender;
+use crossbeam_channel::{Receiver, Sender};
 use serde::Deserialize;
 use serde_json::{json, Value};
 
 use crate::doorbell::{Full, Mailbox};
-use crate::ids::{BootId, ConnId, RigId};
+use crate::ids::{BootId, ConnId, CoreId, RigId};
 use crate::metrics::{self, CoreSnapshot};
 use crate::registry::bridge::BridgeShared;
-use crate::registry::msg::{AdminAnswer, CommandReq, ReplyTo, ToBridge, ToCore};
+use crate::registry::msg::{AdminAnswer, AdminReply, CommandReq, ReplyTo, ToBridge, ToCore};
 use crate::reply;
 
 /// Admin requests waiting for a request thread; more get 503 at once.
 const MAX_ACTIVE: usize = 64;
-/// How long an idle keep-alive connection may hold a request thread.
-const KEEP_ALIVE: Duration = Duration::from_secs(2);
+/// Admin connections the cores serve at once; past it the pool serves them (each may hold a
+/// request of up to [`MAX_REQUEST`] while it arrives).
+const MAX_ON_CORES: usize = 64;
+/// How long an idle keep-alive connection may stay open.
+pub(crate) const KEEP_ALIVE: Duration = Duration::from_secs(2);
 /// Requests served on one connection before it is closed (so no client holds a thread forever).
-const MAX_PER_CONNECTION: usize = 10_000;
+pub(crate) const MAX_PER_CONNECTION: usize = 10_000;
 /// Request threads. Requests that wait on a core or the bridge hold one for up to `IO_TIMEOUT`.
 const WORKERS: usize = 8;
 /// Largest request (head + body) accepted.
 const MAX_REQUEST: usize = 1 << 20;
 /// How long a request may take to arrive, and a core or the bridge to answer.
-const IO_TIMEOUT: Duration = Duration::from_secs(5);
+pub(crate) const IO_TIMEOUT: Duration = Duration::from_secs(5);
 /// Rigs a request thread remembers a route to; past it the memory starts afresh.
 const MAX_ROUTES: usize = 4096;
 
@@ -78,28 +87,102 @@ impl Admin {
     }
 }
 
-/// Serves `listener`: one accepting thread hands connections to a fixed pool of request
-/// threads through a bounded queue (a full queue answers 503 at once). A pool, not a thread
-/// per request: spawning costs more than most admin requests take.
-pub fn spawn(listener: TcpListener, admin: Arc<Admin>) -> std::io::Result<JoinHandle<()>> {
-    let (tx, rx) = crossbeam_channel::bounded::<TcpStream>(MAX_ACTIVE);
+/// An admin connection handed to a core. It counts against the cores' limit until its ticket
+/// drops.
+pub struct OnCore {
+    stream: TcpStream,
+    ticket: Ticket,
+}
+
+impl OnCore {
+    /// The connection, and the ticket to hold while serving it.
+    pub fn into_parts(self) -> (TcpStream, Ticket) {
+        (self.stream, self.ticket)
+    }
+}
+
+impl std::fmt::Debug for OnCore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OnCore")
+            .field("stream", &self.stream)
+            .finish()
+    }
+}
+
+/// Counts one connection the cores serve.
+pub struct Ticket(Arc<AtomicUsize>);
+
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// What the pool's threads do.
+pub enum Work {
+    /// Serve a whole connection.
+    Conn(TcpStream),
+    /// Answer a request a core read, into that core's waiting slot.
+    Request {
+        /// The request.
+        req: Request,
+        /// The core serving its connection.
+        core: CoreId,
+        /// Where it waits there.
+        slot: u64,
+    },
+}
+
+/// The pool's queue: cores need its sending half before the pool exists.
+pub fn pool_queue() -> (Sender<Work>, Receiver<Work>) {
+    crossbeam_channel::bounded(MAX_ACTIVE)
+}
+
+/// Serves `listener`: one accepting thread hands each connection to the next core, or to the
+/// pool when the cores cannot take it. The pool is a fixed set of request threads behind a
+/// bounded queue (a full queue answers 503 at once), not a thread per request: spawning costs
+/// more than most admin requests take.
+pub fn spawn(
+    listener: TcpListener,
+    admin: Arc<Admin>,
+    pool: (Sender<Work>, Receiver<Work>),
+) -> std::io::Result<JoinHandle<()>> {
+    let (tx, rx) = pool;
     for i in 0..WORKERS {
         let rx = rx.clone();
         let admin = admin.clone();
         std::thread::Builder::new()
             .name(format!("fleetlink-admin-{i}"))
             .spawn(move || {
-                for stream in rx {
-                    let _ = serve(&admin, stream);
+                for work in rx {
+                    match work {
+                        Work::Conn(stream) => drop(serve(&admin, stream)),
+                        Work::Request { req, core, slot } => {
+                            let answer = route(&admin, &req);
+                            if let Some(core) = admin.cores.get(core.0 as usize) {
+                                // A full core inbox: the core answers 504 when its wait ends.
+                                let _ = core.send(ToCore::AdminReply {
+                                    slot,
+                                    reply: Box::new(AdminReply::Http(answer)),
+                                });
+                            }
+                        }
+                    }
                 }
             })?;
     }
     std::thread::Builder::new()
         .name("fleetlink-admin".into())
         .spawn(move || {
+            let on_cores = Arc::new(AtomicUsize::new(0));
+            let mut next = 0usize;
             for stream in listener.incoming() {
                 let Ok(stream) = stream else { continue };
-                if let Err(crossbeam_channel::TrySendError::Full(mut stream)) = tx.try_send(stream)
+                let Err(stream) = to_core(&admin, &on_cores, &mut next, stream) else {
+                    continue;
+                };
+                if let Err(crossbeam_channel::TrySendError::Full(Work::Conn(mut stream))) =
+                    tx.try_send(Work::Conn(stream))
                 {
                     let _ = respond(&mut stream, 503, "text/plain", b"busy\n", true);
                 }
@@ -107,12 +190,99 @@ pub fn spawn(listener: TcpListener, admin: Arc<Admin>) -> std::io::Result<JoinHa
         })
 }
 
-struct Request {
-    method: String,
-    path: String,
-    body: Vec<u8>,
+/// Hands a connection to the next core; gives it back when the broker drains, the cores
+/// serve [`MAX_ON_CORES`] already, or the core's inbox is full.
+fn to_core(
+    admin: &Admin,
+    on_cores: &Arc<AtomicUsize>,
+    next: &mut usize,
+    stream: TcpStream,
+) -> Result<(), TcpStream> {
+    if admin.cores.is_empty()
+        || admin.draining.load(Ordering::SeqCst)
+        || on_cores.load(Ordering::Relaxed) >= MAX_ON_CORES
+    {
+        return Err(stream);
+    }
+    on_cores.fetch_add(1, Ordering::Relaxed);
+    let conn = OnCore {
+        stream,
+        ticket: Ticket(on_cores.clone()),
+    };
+    *next = (*next + 1) % admin.cores.len();
+    let Some(core) = admin.cores.get(*next) else {
+        return Err(conn.stream);
+    };
+    match core.send(ToCore::AdminConn(conn)) {
+        Err(Full(ToCore::AdminConn(conn))) => Err(conn.stream),
+        // A full queue hands back the message it was given, so nothing else comes back.
+        Ok(()) | Err(Full(_)) => Ok(()),
+    }
+}
+
+/// One admin request.
+pub struct Request {
+    /// The method.
+    pub method: String,
+    /// The path without its query.
+    pub path: String,
+    /// The body.
+    pub body: Vec<u8>,
     /// The client asked to close after this request (or spoke HTTP/1.0).
-    close: bool,
+    pub close: bool,
+}
+
+/// What the bytes read so far hold.
+pub(crate) enum Parsed {
+    /// A whole request, and how many bytes it took.
+    Complete(Request, usize),
+    /// Not all of it yet.
+    Partial,
+    /// Malformed, or larger than [`MAX_REQUEST`].
+    Bad,
+}
+
+/// Parses one request from the front of `buf` (sans-IO: both the pool's blocking reader and a
+/// core's reader use it).
+pub(crate) fn parse_request(buf: &[u8]) -> Parsed {
+    let mut headers = [httparse::EMPTY_HEADER; 32];
+    let mut req = httparse::Request::new(&mut headers);
+    let head_len = match req.parse(buf) {
+        Ok(httparse::Status::Complete(len)) => len,
+        Ok(httparse::Status::Partial) if buf.len() < MAX_REQUEST => return Parsed::Partial,
+        _ => return Parsed::Bad,
+    };
+    let header = |name: &str| {
+        req.headers
+            .iter()
+            .find(|h| h.name.eq_ignore_ascii_case(name))
+            .and_then(|h| std::str::from_utf8(h.value).ok())
+            .map(str::trim)
+    };
+    let content_length = header("content-length")
+        .and_then(|v| v.parse::<usize>().ok())
+        .unwrap_or(0);
+    let close = req.version == Some(0)
+        || header("connection").is_some_and(|v| v.eq_ignore_ascii_case("close"));
+    let Some(len) = head_len
+        .checked_add(content_length)
+        .filter(|&n| n <= MAX_REQUEST)
+    else {
+        return Parsed::Bad;
+    };
+    let Some(body) = buf.get(head_len..len) else {
+        return Parsed::Partial;
+    };
+    let path = req.path.unwrap_or("").split('?').next().unwrap_or("");
+    Parsed::Complete(
+        Request {
+            method: req.method.unwrap_or("").to_string(),
+            path: path.to_string(),
+            body: body.to_vec(),
+            close,
+        },
+        len,
+    )
 }
 
 /// Serves requests on one connection (HTTP/1.1 keep-alive) until the client closes, asks to
@@ -149,84 +319,37 @@ fn serve(admin: &Admin, mut stream: TcpStream) -> std::io::Result<()> {
 fn read_request(stream: &mut TcpStream, buf: &mut Vec<u8>) -> std::io::Result<Option<Request>> {
     let mut chunk = [0u8; 4096];
     loop {
-        let mut headers = [httparse::EMPTY_HEADER; 32];
-        let mut req = httparse::Request::new(&mut headers);
-        let head_len = match req.parse(buf) {
-            Ok(httparse::Status::Complete(len)) => len,
-            Ok(httparse::Status::Partial) if buf.len() < MAX_REQUEST => {
-                let n = match stream.read(&mut chunk) {
-                    Ok(n) => n,
-                    // An idle keep-alive connection timing out is a normal end.
-                    Err(e)
-                        if buf.is_empty()
-                            && matches!(
-                                e.kind(),
-                                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
-                            ) =>
-                    {
-                        0
-                    }
-                    Err(e) => return Err(e),
-                };
-                if n == 0 {
-                    return Ok(None);
-                }
-                buf.extend_from_slice(chunk.get(..n).unwrap_or_default());
-                continue;
+        match parse_request(buf) {
+            Parsed::Complete(req, len) => {
+                buf.drain(..len);
+                return Ok(Some(req));
             }
-            _ => return Ok(None),
+            Parsed::Bad => return Ok(None),
+            Parsed::Partial => {}
+        }
+        let n = match stream.read(&mut chunk) {
+            Ok(n) => n,
+            // An idle keep-alive connection timing out is a normal end.
+            Err(e)
+                if buf.is_empty()
+                    && matches!(
+                        e.kind(),
+                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                    ) =>
+            {
+                0
+            }
+            Err(e) => return Err(e),
         };
-        let header = |name: &str| {
-            req.headers
-                .iter()
-                .find(|h| h.name.eq_ignore_ascii_case(name))
-                .and_then(|h| std::str::from_utf8(h.value).ok())
-                .map(str::trim)
-        };
-        let content_length = header("content-length")
-            .and_then(|v| v.parse::<usize>().ok())
-            .unwrap_or(0);
-        let close = req.version == Some(0)
-            || header("connection").is_some_and(|v| v.eq_ignore_ascii_case("close"));
-        if head_len + content_length > MAX_REQUEST {
+        if n == 0 {
             return Ok(None);
         }
-        let method = req.method.unwrap_or("").to_string();
-        let path = req
-            .path
-            .unwrap_or("")
-            .split('?')
-            .next()
-            .unwrap_or("")
-            .to_string();
-        while buf.len() < head_len + content_length {
-            let n = stream.read(&mut chunk)?;
-            if n == 0 {
-                return Ok(None);
-            }
-            buf.extend_from_slice(chunk.get(..n).unwrap_or_default());
-        }
-        let body = buf
-            .get(head_len..head_len + content_length)
-            .unwrap_or_default()
-            .to_vec();
-        buf.drain(..head_len + content_length);
-        return Ok(Some(Request {
-            method,
-            path,
-            body,
-            close,
-        }));
+        buf.extend_from_slice(chunk.get(..n).unwrap_or_default());
     }
 }
 
-fn respond(
-    stream: &mut TcpStream,
-    status: u16,
-    ctype: &str,
-    body: &[u8],
-    close: bool,
-) -> std::io::Result<()> {
+/// The bytes of an answer.
+pub(crate) fn response(status: u16, ctype: &str, body: &[u8], close: bool) -> Vec<u8> {
     let reason = match status {
         200 => "OK",
         202 => "Accepted",
@@ -245,11 +368,22 @@ fn respond(
     );
     let mut out = head.into_bytes();
     out.extend_from_slice(body);
-    stream.write_all(&out)?;
+    out
+}
+
+fn respond(
+    stream: &mut TcpStream,
+    status: u16,
+    ctype: &str,
+    body: &[u8],
+    close: bool,
+) -> std::io::Result<()> {
+    stream.write_all(&response(status, ctype, body, close))?;
     stream.flush()
 }
 
-type Answer = (u16, &'static str, Vec<u8>);
+/// An HTTP answer: status, content type, body.
+pub type Answer = (u16, &'static str, Vec<u8>);
 
 fn route(admin: &Admin, req: &Request) -> Answer {
     let parts: Vec<&str> = req.path.trim_matches('/').split('/').collect();
@@ -339,18 +473,40 @@ struct CommandBody {
     ttl_ms: Option<u64>,
 }
 
-fn command(admin: &Admin, rig: &str, body: &[u8]) -> Answer {
+/// The rig of a command POST (`POST /v1/rigs/{id}/commands`), the one request a core answers
+/// itself.
+pub(crate) fn command_rig(req: &Request) -> Option<&str> {
+    if req.method != "POST" {
+        return None;
+    }
+    let mut parts = req.path.trim_matches('/').split('/');
+    match (
+        parts.next(),
+        parts.next(),
+        parts.next(),
+        parts.next(),
+        parts.next(),
+    ) {
+        (Some("v1"), Some("rigs"), Some(rig), Some("commands"), None) => Some(rig),
+        _ => None,
+    }
+}
+
+/// The command a POST body asks for, its answer going to `reply`; or the 400 refusing it.
+pub(crate) fn command_req(
+    rig: &str,
+    body: &[u8],
+    reply: ReplyTo,
+) -> Result<Box<CommandReq>, Answer> {
     let parsed: Result<CommandBody, _> = serde_json::from_slice(body);
     let id = parsed
         .as_ref()
         .ok()
         .and_then(|b| b.id.clone())
         .unwrap_or_else(new_id);
+    let bad = |detail: &str| json_answer(400, &reply::error(&id, Some(rig), "bad_request", detail));
     let Some(rig_id) = RigId::parse(rig) else {
-        return json_answer(
-            400,
-            &reply::error(&id, Some(rig), "bad_request", "invalid rig id"),
-        );
+        return Err(bad("invalid rig id"));
     };
     let body = match parsed {
         Ok(b)
@@ -360,48 +516,47 @@ fn command(admin: &Admin, rig: &str, body: &[u8]) -> Answer {
         {
             b
         }
-        Ok(_) => {
-            return json_answer(
-                400,
-                &reply::error(
-                    &id,
-                    Some(rig),
-                    "bad_request",
-                    "name must be 1-128 bytes and args an object",
-                ),
-            )
-        }
-        Err(e) => {
-            return json_answer(
-                400,
-                &reply::error(&id, Some(rig), "bad_request", &e.to_string()),
-            )
-        }
+        Ok(_) => return Err(bad("name must be 1-128 bytes and args an object")),
+        Err(e) => return Err(bad(&e.to_string())),
     };
-    let (tx, rx) = crossbeam_channel::bounded(1);
-    let req = CommandReq {
-        id: id.clone(),
-        rig: rig_id.clone(),
+    Ok(Box::new(CommandReq {
+        id,
+        rig: rig_id,
         name: body.name,
         args: body.args.unwrap_or_else(|| json!({})),
-        reply: ReplyTo::Admin(tx),
+        reply,
         offline_ttl: body
             .queue_if_offline
             .then(|| crate::registry::control::offline_ttl(body.ttl_ms)),
+    }))
+}
+
+/// The 503 for a command the bridge's full inbox would not take.
+pub(crate) fn overloaded(id: &str, rig: &RigId) -> Answer {
+    json_answer(
+        503,
+        &reply::error(id, Some(rig.as_str()), "overloaded", "bridge queue full"),
+    )
+}
+
+fn command(admin: &Admin, rig: &str, body: &[u8]) -> Answer {
+    let (tx, rx) = crossbeam_channel::bounded(1);
+    let req = match command_req(rig, body, ReplyTo::Admin(tx)) {
+        Ok(req) => req,
+        Err(answer) => return answer,
     };
-    if send_command(admin, Box::new(req)).is_err() {
-        return json_answer(
-            503,
-            &reply::error(&id, Some(rig), "overloaded", "bridge queue full"),
-        );
+    let (id, rig) = (req.id.clone(), req.rig.clone());
+    if send_command(admin, req).is_err() {
+        return overloaded(&id, &rig);
     }
-    await_reply(&id, rig, &rx, Some(&rig_id))
+    let answer = rx.recv_timeout(IO_TIMEOUT).ok();
+    command_answer(&id, &rig, answer)
 }
 
 /// Sends a command straight to the core of the rig's remembered connection; without a route,
 /// or when that core's inbox is full, through the bridge. Err: the bridge's inbox is full too.
 fn send_command(admin: &Admin, req: Box<CommandReq>) -> Result<(), ()> {
-    let route = ROUTES.with(|r| r.borrow().get(&req.rig).copied());
+    let route = route_of(&req.rig);
     let core = route.and_then(|conn| Some((conn, admin.cores.get(conn.core().0 as usize)?)));
     let req = match core {
         Some((conn, core)) => match core.send(ToCore::Command {
@@ -416,6 +571,11 @@ fn send_command(admin: &Admin, req: Box<CommandReq>) -> Result<(), ()> {
         None => req,
     };
     admin.bridge.send(ToBridge::Command(req)).map_err(|_| ())
+}
+
+/// The connection this thread's last command for `rig` went to.
+pub(crate) fn route_of(rig: &RigId) -> Option<ConnId> {
+    ROUTES.with(|r| r.borrow().get(rig).copied())
 }
 
 /// Keeps (or forgets, when the answer names no connection) this thread's route to `rig`.
@@ -436,6 +596,13 @@ fn remember(rig: &RigId, route: Option<ConnId>) {
     });
 }
 
+/// The HTTP answer to a command, from its answer (None: none came in time); remembers the
+/// route the answer brings.
+pub(crate) fn command_answer(id: &str, rig: &RigId, answer: Option<AdminAnswer>) -> Answer {
+    remember(rig, answer.as_ref().and_then(|a| a.route));
+    reply_answer(id, rig.as_str(), answer)
+}
+
 fn kick(admin: &Admin, rig: &str) -> Answer {
     let id = new_id();
     let Some(rig_id) = RigId::parse(rig) else {
@@ -447,31 +614,19 @@ fn kick(admin: &Admin, rig: &str) -> Answer {
     let (tx, rx) = crossbeam_channel::bounded(1);
     let msg = ToBridge::Kick {
         id: id.clone(),
-        rig: rig_id,
+        rig: rig_id.clone(),
         reply: ReplyTo::Admin(tx),
     };
     if admin.bridge.send(msg).is_err() {
-        return json_answer(
-            503,
-            &reply::error(&id, Some(rig), "overloaded", "bridge queue full"),
-        );
+        return overloaded(&id, &rig_id);
     }
-    await_reply(&id, rig, &rx, None)
+    reply_answer(&id, rig, rx.recv_timeout(IO_TIMEOUT).ok())
 }
 
-/// Waits for a core's or the bridge's answer; `learn`: the rig whose route the answer updates.
-fn await_reply(
-    id: &str,
-    rig: &str,
-    rx: &crossbeam_channel::Receiver<AdminAnswer>,
-    learn: Option<&RigId>,
-) -> Answer {
-    let answer = rx.recv_timeout(IO_TIMEOUT);
-    if let Some(r) = learn {
-        remember(r, answer.as_ref().ok().and_then(|a| a.route));
-    }
+/// The HTTP answer for a core's or the bridge's reply (None: none came in time).
+fn reply_answer(id: &str, rig: &str, answer: Option<AdminAnswer>) -> Answer {
     match answer {
-        Ok(AdminAnswer { body: v, .. }) => {
+        Some(AdminAnswer { body: v, .. }) => {
             let status = match v["error"].as_str() {
                 None => 200,
                 Some("rig_not_connected") => 404,
@@ -481,7 +636,7 @@ fn await_reply(
             };
             json_answer(status, &v)
         }
-        Err(_) => json_answer(
+        None => json_answer(
             504,
             &reply::error(
                 id,
@@ -516,8 +671,89 @@ mod tests {
         ROUTES.with(|r| r.borrow().len())
     }
 
-    fn route(rig: &RigId) -> Option<ConnId> {
-        ROUTES.with(|r| r.borrow().get(rig).copied())
+    fn complete(bytes: &[u8]) -> (Request, usize) {
+        match parse_request(bytes) {
+            Parsed::Complete(req, len) => (req, len),
+            Parsed::Partial => panic!("partial: {:?}", String::from_utf8_lossy(bytes)),
+            Parsed::Bad => panic!("bad: {:?}", String::from_utf8_lossy(bytes)),
+        }
+    }
+
+    #[test]
+    fn a_request_is_whole_only_with_its_body_and_leaves_the_next_one_alone() {
+        let post =
+            b"POST /v1/rigs/r1/commands?x=1 HTTP/1.1\r\nContent-Length: 12\r\n\r\n{\"name\":\"a\"}";
+        // Every prefix, cut inside the head or the body, asks for more.
+        for cut in 0..post.len() {
+            assert!(
+                matches!(parse_request(&post[..cut]), Parsed::Partial),
+                "cut at {cut}"
+            );
+        }
+        let mut two = post.to_vec();
+        two.extend_from_slice(b"GET /healthz HTTP/1.1\r\nConnection: close\r\n\r\n");
+        let (req, len) = complete(&two);
+        assert_eq!(len, post.len());
+        assert_eq!(
+            (
+                req.method.as_str(),
+                req.path.as_str(),
+                req.body.as_slice(),
+                req.close
+            ),
+            (
+                "POST",
+                "/v1/rigs/r1/commands",
+                &b"{\"name\":\"a\"}"[..],
+                false
+            )
+        );
+        assert_eq!(command_rig(&req), Some("r1"));
+        let (next, _) = complete(&two[len..]);
+        assert_eq!((next.path.as_str(), next.close), ("/healthz", true));
+        assert_eq!(command_rig(&next), None);
+        let (old, _) = complete(b"GET /metrics HTTP/1.0\r\n\r\n");
+        assert!(old.close, "HTTP/1.0 closes after one answer");
+    }
+
+    #[test]
+    fn malformed_or_oversized_requests_are_refused() {
+        for bad in [
+            &b"NOT HTTP\r\n\r\n"[..],
+            b"GET / HTTP/1.1\r\nContent-Length: 2000000\r\n\r\n",
+            b"GET / HTTP/1.1\r\nContent-Length: 18446744073709551615\r\n\r\n",
+        ] {
+            assert!(
+                matches!(parse_request(bad), Parsed::Bad),
+                "{:?}",
+                String::from_utf8_lossy(bad)
+            );
+        }
+        // A head that never ends is refused once it reaches the size limit.
+        let mut endless = b"GET / HTTP/1.1\r\nX: ".to_vec();
+        endless.resize(MAX_REQUEST, b'a');
+        assert!(matches!(parse_request(&endless), Parsed::Bad));
+    }
+
+    #[test]
+    fn only_a_post_to_a_rigs_commands_is_a_command() {
+        let req = |method: &str, path: &str| Request {
+            method: method.into(),
+            path: path.into(),
+            body: Vec::new(),
+            close: false,
+        };
+        assert_eq!(command_rig(&req("POST", "/v1/rigs/a/commands")), Some("a"));
+        assert_eq!(command_rig(&req("POST", "/v1/rigs/a/commands/")), Some("a"));
+        for (m, p) in [
+            ("GET", "/v1/rigs/a/commands"),
+            ("POST", "/v1/rigs/a/kick"),
+            ("POST", "/v1/rigs/a/commands/b"),
+            ("POST", "/v2/rigs/a/commands"),
+            ("POST", "/v1/rigs"),
+        ] {
+            assert_eq!(command_rig(&req(m, p)), None, "{m} {p}");
+        }
     }
 
     #[test]
@@ -530,10 +766,13 @@ mod tests {
         assert_eq!(routes(), MAX_ROUTES);
         // A known rig's new connection replaces its route without starting afresh.
         remember(&rig(7), Some(conn(99_999)));
-        assert_eq!((routes(), route(&rig(7))), (MAX_ROUTES, Some(conn(99_999))));
+        assert_eq!(
+            (routes(), route_of(&rig(7))),
+            (MAX_ROUTES, Some(conn(99_999)))
+        );
         // One rig more than the bound: the memory starts again from it.
         remember(&rig(MAX_ROUTES), Some(conn(1)));
-        assert_eq!((routes(), route(&rig(MAX_ROUTES))), (1, Some(conn(1))));
+        assert_eq!((routes(), route_of(&rig(MAX_ROUTES))), (1, Some(conn(1))));
         // An error, a held command or a timeout names no connection: the route goes.
         remember(&rig(MAX_ROUTES), None);
         assert_eq!(routes(), 0);

@@ -89,15 +89,21 @@ fn run(cfg: Config) -> anyhow::Result<()> {
     }
     let shared = Arc::new(BridgeShared::new(cfg.redis.is_some()));
     let bridge = bridge::spawn(cfg, bridge_rx, core_txs.clone(), shared.clone())?;
+    let pool = admin::pool_queue();
     let mut cores = Vec::with_capacity(cfg.cores);
     for (i, (listener, inbox)) in listeners.into_iter().zip(core_rxs).enumerate() {
+        let links = worker::Links {
+            bridge: bridge_tx.clone(),
+            peers: core_txs.clone(),
+            pool: pool.0.clone(),
+        };
         cores.push(worker::spawn(
             i,
             cfg,
             listener,
             inbox,
-            bridge_tx.clone(),
             guard.clone(),
+            links,
         )?);
     }
     let draining = Arc::new(AtomicBool::new(false));
@@ -109,7 +115,7 @@ fn run(cfg: Config) -> anyhow::Result<()> {
         draining.clone(),
         drain_tx.clone(),
     ));
-    admin::spawn(admin_listener, admin)?;
+    admin::spawn(admin_listener, admin, pool)?;
     spawn_signal_thread(drain_tx)?;
 
     // Machine-readable: tests and scripts wait for this line to learn the bound ports.

@@ -51,10 +51,11 @@ pub enum C {
     Forbidden,
     AdminDirect,
     AdminRerouted,
+    AdminAnswerDropped,
 }
 
 /// (metric name, label pair) for each counter, in [`C`] order.
-const COUNTERS: [(&str, &str); 37] = [
+const COUNTERS: [(&str, &str); 38] = [
     ("fleetlink_accepts_total", "result=\"ok\""),
     ("fleetlink_accepts_total", "result=\"rate_limited\""),
     ("fleetlink_accepts_total", "result=\"over_capacity\""),
@@ -92,6 +93,7 @@ const COUNTERS: [(&str, &str); 37] = [
     ("fleetlink_forbidden_total", ""),
     ("fleetlink_admin_routes_total", "result=\"direct\""),
     ("fleetlink_admin_routes_total", "result=\"rerouted\""),
+    ("fleetlink_admin_routes_total", "result=\"answer_dropped\""),
 ];
 
 /// Close codes counted one by one; anything else is `other`. 1006 = closed without a close

@@ -3,12 +3,13 @@
 
 mod common;
 
+use std::io::Write;
 use std::time::Duration;
 
 use common::broker::{
     boot_id, eventually, hello, read_close, read_json, Broker, KeepAlive, RawRig,
 };
-use serde_json::json;
+use serde_json::{json, Value};
 use tungstenite::protocol::frame::coding::{Data, OpCode};
 use tungstenite::protocol::frame::Frame;
 use tungstenite::Message;
@@ -289,7 +290,8 @@ fn admin_commands_go_straight_to_the_rigs_core_and_follow_it_to_a_new_connection
     let boot = boot_id();
     let mut a = b.connect("/agent");
     hello(&mut a, "rig-route", &boot, json!({}));
-    // One keep-alive connection: one request thread, whose route memory the test exercises.
+    // One keep-alive connection: one core serves it, and its route memory is what the test
+    // exercises.
     let mut admin = KeepAlive::open(b.admin);
     let path = "/v1/rigs/rig-route/commands";
     let body = r#"{"name":"n","args":{}}"#;
@@ -329,7 +331,7 @@ fn admin_commands_from_two_clients_all_arrive_in_order_while_the_rig_keeps_movin
     let boot = boot_id();
     let mut ws = b.connect("/agent");
     hello(&mut ws, "rig-moving", &boot, json!({}));
-    // Two keep-alive clients, so two request threads with their own routes, racing the moves.
+    // Two keep-alive clients, so two route memories (one per core), racing the moves.
     let senders: Vec<_> = (0..2)
         .map(|_| {
             let admin = b.admin;
@@ -388,6 +390,99 @@ fn admin_commands_from_two_clients_all_arrive_in_order_while_the_rig_keeps_movin
         .and_then(|v| v.parse().ok())
         .unwrap_or(0);
     assert!(rerouted > 0, "{metrics}");
+}
+
+#[test]
+fn one_admin_connection_mixes_commands_with_other_requests_in_pieces_and_pipelined() {
+    let b = Broker::start(&[]);
+    let (mut ws, _, _) = b.rig("rig-mix");
+    let mut admin = KeepAlive::open(b.admin);
+    let path = "/v1/rigs/rig-mix/commands";
+    let body = r#"{"name":"n","args":{}}"#;
+    let (status, reply) = admin.post(path, body);
+    assert_eq!((status, &reply["seq"]), (200, &json!(1)), "{reply}");
+    assert_eq!(read_json(&mut ws)["seq"], 1);
+    // The requests a core passes to the admin pool come back on the same connection, in turn.
+    let (status, rigs) = admin.request("GET", "/v1/rigs", "");
+    assert_eq!(status, 200);
+    assert!(rigs.contains("\"rig-mix\""), "{rigs}");
+    let (status, metrics) = admin.request("GET", "/metrics", "");
+    assert_eq!(status, 200);
+    assert!(
+        metrics.contains("fleetlink_commands_total{result=\"enqueued\"} 1"),
+        "{metrics}"
+    );
+    assert_eq!(admin.request("GET", "/nowhere", "").0, 404);
+    assert_eq!(admin.request("DELETE", "/v1/rigs", "").0, 405);
+    // A request that arrives a byte at a time.
+    let request = format!(
+        "POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    for byte in request.as_bytes() {
+        admin.raw().write_all(&[*byte]).unwrap();
+    }
+    let (status, reply) = admin.answer();
+    assert_eq!(status, 200, "{reply}");
+    assert_eq!(read_json(&mut ws)["seq"], 2);
+    // Two requests in one write: answered in order.
+    let two = format!("{request}GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n");
+    admin.raw().write_all(two.as_bytes()).unwrap();
+    let (status, reply) = admin.answer();
+    assert_eq!(status, 200, "{reply}");
+    assert!(reply.contains("\"seq\":3"), "{reply}");
+    assert_eq!(admin.answer(), (200, "ok\n".to_string()));
+    assert_eq!(read_json(&mut ws)["seq"], 3);
+    // Garbage gets a 400 and the connection ends.
+    admin.raw().write_all(b"NOT HTTP AT ALL\r\n\r\n").unwrap();
+    assert_eq!(admin.answer().0, 400);
+}
+
+#[test]
+fn admin_connections_on_both_cores_command_rigs_on_both_cores_in_order() {
+    let b = Broker::start(&["--cores", "2"]);
+    let mut rigs: Vec<_> = (0..16)
+        .map(|i| {
+            let name = format!("rig-core{i}");
+            let (ws, _, _) = b.rig(&name);
+            (name, ws)
+        })
+        .collect();
+    let (_, list) = b.http("GET", "/v1/rigs", "");
+    let list: Value = serde_json::from_str(&list).unwrap();
+    let cores: std::collections::BTreeSet<u64> = list
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|r| r["core"].as_u64())
+        .collect();
+    assert_eq!(cores.len(), 2, "rigs on both cores: {list}");
+    // The acceptor hands connections to the cores in turn: these two land on different cores,
+    // so each sends to rigs of its own core and of the other.
+    let mut admins = [KeepAlive::open(b.admin), KeepAlive::open(b.admin)];
+    let body = r#"{"name":"n","args":{}}"#;
+    let mut seq = 0u64;
+    for _round in 0..2 {
+        for admin in &mut admins {
+            seq += 1;
+            for (name, ws) in &mut rigs {
+                let (status, reply) = admin.post(&format!("/v1/rigs/{name}/commands"), body);
+                assert_eq!(
+                    (status, &reply["seq"]),
+                    (200, &json!(seq)),
+                    "{name}: {reply}"
+                );
+                assert_eq!(read_json(ws)["seq"], seq, "{name}");
+            }
+        }
+    }
+    // Each connection's first command to a rig asked the bridge where the rig is; its answer
+    // named the connection, so the other 32 went straight there.
+    b.wait_metric("fleetlink_admin_routes_total{result=\"direct\"} 32");
+    assert_eq!(
+        b.metric("fleetlink_admin_routes_total{result=\"answer_dropped\"}"),
+        0
+    );
 }
 
 #[test]

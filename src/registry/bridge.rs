@@ -18,13 +18,14 @@ use serde_json::{json, Value};
 
 use crate::config::Config;
 use crate::doorbell::{Full, Inbox, Mailbox};
-use crate::ids::{BootId, ConnId, RigId};
+use crate::ids::{BootId, ConnId, CoreId, RigId};
 use crate::metrics::BridgeStats;
 use crate::registry::control::{self, Control};
 use crate::registry::embedded::{Action, Embedded};
 use crate::registry::fleet::{self, Fleet};
 use crate::registry::msg::{
-    AdminAnswer, CommandReq, PersistReq, RekeepReq, ReplyTo, SeqCommand, ToBridge, ToCore, Verdict,
+    AdminAnswer, AdminReply, CommandReq, PersistReq, RekeepReq, ReplyTo, SeqCommand, ToBridge,
+    ToCore, Verdict,
 };
 use crate::registry::offline::{Deadlines, Held, LocalHeld};
 use crate::registry::scripts::{HelloOutcome, RefreshStatus};
@@ -753,7 +754,11 @@ impl Bridge {
     }
 
     fn send_to_core(&mut self, conn: ConnId, msg: ToCore) {
-        let i = conn.core().0 as usize;
+        self.send_to(conn.core(), msg);
+    }
+
+    fn send_to(&mut self, core: CoreId, msg: ToCore) {
+        let i = core.0 as usize;
         let Some(core) = self.cores.get(i) else {
             return;
         };
@@ -770,7 +775,8 @@ impl Bridge {
         };
         self.shared.core_queue_full.fetch_add(1, Ordering::Relaxed);
         // The core cannot take it: answer for what we hold. A lost verdict is covered by the
-        // core's own hello deadline; a lost supersede by the next refresh or ping timeout.
+        // core's own hello deadline; a lost supersede by the next refresh or ping timeout; a
+        // lost admin answer by its request's own timeout (504).
         match msg {
             ToCore::Command { req, .. } => {
                 let body = reply::error(
@@ -807,6 +813,10 @@ impl Bridge {
                 if tx.try_send(AdminAnswer { body, route }).is_err() {
                     self.shared.count("reply", "orphaned");
                 }
+            }
+            ReplyTo::Core { core, slot } => {
+                let reply = Box::new(AdminReply::Command(AdminAnswer { body, route }));
+                self.send_to(core, ToCore::AdminReply { slot, reply });
             }
             ReplyTo::Channel(channel) => self.publish(channel, &body),
             ReplyTo::Aggregate(agg) => self.broadcast_part(agg, &body),

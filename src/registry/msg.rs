@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::Sender;
 use serde_json::Value;
 
-use crate::ids::{BootId, ConnId, RigId, Seq};
+use crate::ids::{BootId, ConnId, CoreId, RigId, Seq};
 
 /// A command that has its seq: queued on a connection, or carried to the next connection of the
 /// same session.
@@ -69,11 +69,27 @@ pub struct AdminAnswer {
     pub route: Option<ConnId>,
 }
 
+/// What a core serving an admin connection gets back for a request it passed on.
+#[derive(Debug)]
+pub enum AdminReply {
+    /// The answer to a command (from a core or the bridge).
+    Command(AdminAnswer),
+    /// A whole HTTP answer, worked out by an admin pool thread.
+    Http(crate::admin::Answer),
+}
+
 /// Where a reply to a control request goes.
 #[derive(Debug, Clone)]
 pub enum ReplyTo {
     /// The admin HTTP thread waiting on a one-shot channel.
     Admin(Sender<AdminAnswer>),
+    /// An admin connection served on a core, waiting in that core's slot `slot`.
+    Core {
+        /// The core serving the admin connection.
+        core: CoreId,
+        /// Its waiting request.
+        slot: u64,
+    },
     /// A Redis channel (`reply_to`), published by the bridge.
     Channel(String),
     /// One rig's part of a broadcast; the bridge sums the parts into one reply.
@@ -181,6 +197,15 @@ pub enum ToCore {
     Drain {
         /// The drain window.
         window: Duration,
+    },
+    /// Serve this admin HTTP connection on the core.
+    AdminConn(crate::admin::OnCore),
+    /// The answer for an admin request this core waits for in `slot`.
+    AdminReply {
+        /// The waiting request.
+        slot: u64,
+        /// Its answer.
+        reply: Box<AdminReply>,
     },
 }
 

@@ -15,13 +15,15 @@ use std::sync::Arc;
 use std::task::Waker;
 use std::time::{Instant, SystemTime};
 
+use crate::admin::Work;
 use crate::config::Config;
 use crate::doorbell::{Full, Mailbox};
 use crate::ids::{BootId, ConnId, CoreId, RigId, Seq};
 use crate::jwt::JwtVerifier;
 use crate::metrics::CoreMetrics;
-use crate::registry::msg::{SeqCommand, ToBridge};
+use crate::registry::msg::{AdminReply, SeqCommand, ToBridge, ToCore};
 use crate::tls::ConfigCache;
+use crate::worker::admin_conn::Waits;
 use crate::worker::bucket::RigBucket;
 use crate::worker::transport::{self, Security};
 use crate::worker::wheel::{Tick, Wheel};
@@ -71,6 +73,22 @@ pub(crate) struct Core {
     pub(crate) tls: RefCell<Option<ConfigCache>>,
     /// Bearer-token verifier (None: no tokens).
     pub(crate) jwt: Option<Arc<JwtVerifier>>,
+    /// Every core's inbox, this one's included (admin commands and their answers).
+    pub(crate) peers: Vec<Mailbox<ToCore>>,
+    /// The admin pool's queue, for admin requests a core must not block on.
+    pub(crate) admin_pool: crossbeam_channel::Sender<Work>,
+    /// Admin requests of this core's admin connections waiting for an answer.
+    pub(crate) admin_waits: Waits,
+}
+
+/// The queues a core sends on.
+pub struct Links {
+    /// The bridge's inbox.
+    pub bridge: Mailbox<ToBridge>,
+    /// Every core's inbox, by index (admin commands and their answers).
+    pub peers: Vec<Mailbox<ToCore>>,
+    /// The admin pool's queue.
+    pub pool: crossbeam_channel::Sender<Work>,
 }
 
 impl Core {
@@ -78,8 +96,8 @@ impl Core {
         index: usize,
         cfg: &'static Config,
         driver: &'static str,
-        bridge: Mailbox<ToBridge>,
         guard: Guard,
+        links: Links,
     ) -> Self {
         let tick_ms = tick_ms(cfg);
         let horizon = [cfg.hello_timeout, cfg.ping_interval, cfg.pong_timeout]
@@ -101,7 +119,7 @@ impl Core {
             tick_ms,
             started: Instant::now(),
             scratch: RefCell::new(vec![0u8; 64 * 1024].into_boxed_slice()),
-            bridge,
+            bridge: links.bridge,
             draining: Cell::new(false),
             accept_stop: LocalNotify::default(),
             done: LocalNotify::default(),
@@ -114,6 +132,34 @@ impl Core {
             persist: cfg.redis.is_some() && !cfg.session_ttl.is_zero(),
             tls: RefCell::new(guard.tls.map(ConfigCache::new)),
             jwt: guard.jwt,
+            peers: links.peers,
+            admin_pool: links.pool,
+            admin_waits: Waits::default(),
+        }
+    }
+
+    /// Core `id`'s inbox.
+    pub(crate) fn peer(&self, id: CoreId) -> Option<&Mailbox<ToCore>> {
+        self.peers.get(id.0 as usize)
+    }
+
+    /// Hands an admin answer to the request waiting for it in `core`'s slot `slot`.
+    pub(crate) fn admin_reply(&self, core: CoreId, slot: u64, reply: AdminReply) {
+        if core == self.id {
+            return self.admin_waits.answer(slot, reply);
+        }
+        let full = self
+            .peer(core)
+            .map(|peer| {
+                peer.send(ToCore::AdminReply {
+                    slot,
+                    reply: Box::new(reply),
+                })
+            })
+            .is_some_and(|sent| sent.is_err());
+        if full {
+            // The request answers 504 when its wait ends.
+            self.metrics.inc(crate::metrics::C::AdminAnswerDropped);
         }
     }
 
@@ -670,7 +716,12 @@ mod tests {
             tls: None,
             jwt: None,
         };
-        let core = Rc::new(Core::new(0, config(), "test", tx, guard));
+        let links = Links {
+            bridge: tx,
+            peers: Vec::new(),
+            pool: crate::admin::pool_queue().0,
+        };
+        let core = Rc::new(Core::new(0, config(), "test", guard, links));
         assert!(rx.arm(), "the bridge sleeps");
         let mut rt = monoio::RuntimeBuilder::<monoio::LegacyDriver>::new()
             .build()

@@ -1,4 +1,4 @@
-//! A core's inbox: messages from the bridge and the admin thread, drained whenever the
+//! A core's inbox: messages from the bridge, the admin threads and the other cores, drained whenever the
 //! doorbell rings. The loop sleeps on one readiness op while nothing arrives.
 
 use std::future::{poll_fn, Future};
@@ -12,7 +12,7 @@ use crate::metrics::{RigInfo, C};
 use crate::registry::msg::{ToBridge, ToCore};
 use crate::reply;
 use crate::worker::core::{Core, Phase};
-use crate::worker::{drain, session};
+use crate::worker::{admin_conn, drain, session};
 
 /// Messages handled between rings of the bridge's doorbell inside one burst.
 const RING_EVERY: u32 = 256;
@@ -48,7 +48,7 @@ pub(crate) async fn run(core: Rc<Core>, inbox: Inbox<ToCore>) -> std::io::Result
     }
 }
 
-fn handle(core: &Rc<Core>, msg: ToCore) {
+pub(crate) fn handle(core: &Rc<Core>, msg: ToCore) {
     let conn_of = |id| core.conns.borrow().get(&id).cloned();
     match msg {
         ToCore::Verdict { conn, verdict } => {
@@ -126,6 +126,10 @@ fn handle(core: &Rc<Core>, msg: ToCore) {
             let _ = reply.try_send(snap);
         }
         ToCore::Drain { window } => drain::start(core, window),
+        ToCore::AdminConn(conn) => {
+            monoio::spawn(admin_conn::serve(core.clone(), conn));
+        }
+        ToCore::AdminReply { slot, reply } => core.admin_waits.answer(slot, *reply),
     }
 }
 

@@ -10,8 +10,10 @@
 //! - `sweep` + `wheel`: deadlines and liveness without per-connection timers.
 //! - `inbox`: messages from the bridge and admin.
 //! - `drain`: graceful shutdown.
+//! - `admin_conn`: admin HTTP connections the admin acceptor hands to this core.
 
 mod accept;
+mod admin_conn;
 mod bucket;
 mod conn;
 pub(crate) mod core;
@@ -24,6 +26,7 @@ mod wheel;
 
 pub use accept::bind_listeners;
 pub use bucket::{RigBucket, TokenBucket};
+pub use core::Links;
 
 use std::rc::Rc;
 use std::sync::Arc;
@@ -32,9 +35,9 @@ use std::thread::JoinHandle;
 use monoio::{IoUringDriver, LegacyDriver, RuntimeBuilder};
 
 use crate::config::Config;
-use crate::doorbell::{Inbox, Mailbox};
+use crate::doorbell::Inbox;
 use crate::jwt::JwtVerifier;
-use crate::registry::msg::{ToBridge, ToCore};
+use crate::registry::msg::ToCore;
 use crate::tls::TlsReloader;
 use crate::worker::core::Core;
 
@@ -79,8 +82,8 @@ pub fn spawn(
     cfg: &'static Config,
     listener: std::net::TcpListener,
     inbox: Inbox<ToCore>,
-    bridge: Mailbox<ToBridge>,
     guard: Guard,
+    links: Links,
 ) -> std::io::Result<JoinHandle<()>> {
     std::thread::Builder::new()
         .name(format!("fleetlink-core-{index}"))
@@ -89,7 +92,7 @@ pub fn spawn(
                 core_affinity::set_for_current(ids[index % ids.len()]);
             }
             let driver = driver_name(cfg);
-            let main = core_main(index, cfg, driver, listener, inbox, bridge, guard);
+            let main = core_main(index, cfg, driver, listener, inbox, guard, links);
             let result = if driver == "io_uring" {
                 let build = |urb| {
                     RuntimeBuilder::<IoUringDriver>::new()
@@ -123,10 +126,10 @@ async fn core_main(
     driver: &'static str,
     listener: std::net::TcpListener,
     inbox: Inbox<ToCore>,
-    bridge: Mailbox<ToBridge>,
     guard: Guard,
+    links: Links,
 ) -> std::io::Result<()> {
-    let core = Rc::new(Core::new(index, cfg, driver, bridge, guard));
+    let core = Rc::new(Core::new(index, cfg, driver, guard, links));
     let listener = monoio::net::TcpListener::from_std(listener)?;
     monoio::spawn(accept::run(core.clone(), listener));
     monoio::spawn(sweep::run(core.clone()));

@@ -10,7 +10,8 @@ use crate::ids::{ConnId, RigId, Seq};
 use crate::metrics::C;
 use crate::protocol::{self, ClientMsg, Hello};
 use crate::registry::msg::{
-    AdminAnswer, CommandReq, PersistReq, RekeepReq, ReplyTo, SeqCommand, ToBridge, Verdict,
+    AdminAnswer, AdminReply, CommandReq, PersistReq, RekeepReq, ReplyTo, SeqCommand, ToBridge,
+    Verdict,
 };
 use crate::reply::{self, Unresponsive};
 use crate::worker::core::{stamp, unix_ms, Conn, ConnState, Core, Phase, Session};
@@ -636,6 +637,9 @@ fn deliver_routed(core: &Core, to: ReplyTo, body: serde_json::Value, route: Opti
     match to {
         // A gone waiter (timed out) is not an error here.
         ReplyTo::Admin(tx) => drop(tx.try_send(AdminAnswer { body, route })),
+        ReplyTo::Core { core: at, slot } => {
+            core.admin_reply(at, slot, AdminReply::Command(AdminAnswer { body, route }))
+        }
         ReplyTo::Channel(channel) => {
             core.to_bridge(ToBridge::Reply { channel, body });
         }

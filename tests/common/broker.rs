@@ -242,7 +242,7 @@ pub fn http(addr: SocketAddr, method: &str, path: &str, body: &str) -> (u16, Str
     (status, body)
 }
 
-/// One keep-alive admin connection: every request on it is served by the same request thread.
+/// One keep-alive admin connection: every request on it is served by the same core.
 pub struct KeepAlive {
     stream: BufReader<TcpStream>,
 }
@@ -260,12 +260,23 @@ impl KeepAlive {
 
     /// POSTs `body` and returns the status and the body parsed as JSON.
     pub fn post(&mut self, path: &str, body: &str) -> (u16, Value) {
+        let (status, body) = self.request("POST", path, body);
+        (status, serde_json::from_str(&body).unwrap_or(Value::Null))
+    }
+
+    /// Sends one request and returns the status and the body.
+    pub fn request(&mut self, method: &str, path: &str, body: &str) -> (u16, String) {
         // One write: a request in pieces would wait on Nagle and the server's delayed ACK.
         let request = format!(
-            "POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+            "{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
             body.len()
         );
         self.stream.get_mut().write_all(request.as_bytes()).unwrap();
+        self.answer()
+    }
+
+    /// Reads one answer: the status and the body.
+    pub fn answer(&mut self) -> (u16, String) {
         let mut status_line = String::new();
         self.stream.read_line(&mut status_line).unwrap();
         let status = status_line
@@ -289,7 +300,12 @@ impl KeepAlive {
         }
         let mut body = vec![0; length];
         self.stream.read_exact(&mut body).unwrap();
-        (status, serde_json::from_slice(&body).unwrap_or(Value::Null))
+        (status, String::from_utf8_lossy(&body).into_owned())
+    }
+
+    /// The connection, for writing raw bytes.
+    pub fn raw(&mut self) -> &mut TcpStream {
+        self.stream.get_mut()
     }
 }
 

@@ -1,0 +1,320 @@
+//! Admin HTTP connections served on a core (see `crate::admin`).
+//!
+//! A command POST is answered here: the core enqueues on the rig's connection itself when that
+//! connection is one of its own, and otherwise hands the command to the connection's core or to
+//! the bridge, all without blocking. The answer comes back into a slot of [`Waits`]. Any other
+//! request goes to the admin pool, whose answer comes back the same way.
+
+use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
+use std::future::poll_fn;
+use std::rc::Rc;
+use std::task::{Poll, Waker};
+
+use monoio::buf::IoBufMut;
+use monoio::io::{AsyncReadRent, AsyncWriteRentExt};
+
+use crate::admin::{self, Answer, OnCore, Parsed, Request, Work};
+use crate::doorbell::Full;
+use crate::registry::msg::{AdminReply, ReplyTo, ToBridge, ToCore};
+use crate::worker::core::Core;
+use crate::worker::inbox;
+
+/// Bytes asked of the socket per read.
+const READ_CHUNK: usize = 4096;
+/// Buffer a connection keeps between requests.
+const KEEP_BUFFER: usize = 64 * 1024;
+
+/// Admin requests this core waits on, by slot.
+#[derive(Default)]
+pub(crate) struct Waits {
+    next: Cell<u64>,
+    slots: RefCell<HashMap<u64, Slot>>,
+}
+
+enum Slot {
+    Waiting(Option<Waker>),
+    Done(AdminReply),
+}
+
+impl Waits {
+    /// Opens a slot; it closes when the returned guard drops.
+    fn open(&self) -> SlotGuard<'_> {
+        let slot = self.next.get() + 1;
+        self.next.set(slot);
+        self.slots.borrow_mut().insert(slot, Slot::Waiting(None));
+        SlotGuard { waits: self, slot }
+    }
+
+    /// Fills a slot and wakes its request. An answer for a closed slot (its request gave up)
+    /// is dropped.
+    pub(crate) fn answer(&self, slot: u64, reply: AdminReply) {
+        let mut slots = self.slots.borrow_mut();
+        let Some(entry) = slots.get_mut(&slot) else {
+            return;
+        };
+        if let Slot::Waiting(Some(waker)) = std::mem::replace(entry, Slot::Done(reply)) {
+            waker.wake();
+        }
+    }
+}
+
+struct SlotGuard<'a> {
+    waits: &'a Waits,
+    slot: u64,
+}
+
+impl SlotGuard<'_> {
+    /// Waits for the slot's answer; None when none came within the admin timeout.
+    async fn answer(&self) -> Option<AdminReply> {
+        let wait = poll_fn(|cx| {
+            let mut slots = self.waits.slots.borrow_mut();
+            match slots.get_mut(&self.slot) {
+                Some(Slot::Waiting(waker)) => {
+                    *waker = Some(cx.waker().clone());
+                    Poll::Pending
+                }
+                Some(Slot::Done(_)) => match slots.remove(&self.slot) {
+                    Some(Slot::Done(reply)) => Poll::Ready(Some(reply)),
+                    _ => Poll::Ready(None),
+                },
+                None => Poll::Ready(None),
+            }
+        });
+        monoio::time::timeout(admin::IO_TIMEOUT, wait)
+            .await
+            .ok()
+            .flatten()
+    }
+}
+
+impl Drop for SlotGuard<'_> {
+    fn drop(&mut self) {
+        self.waits.slots.borrow_mut().remove(&self.slot);
+    }
+}
+
+/// Serves one admin connection until the client closes, asks to close, sends something
+/// malformed, or stays idle for the keep-alive time.
+pub(crate) async fn serve(core: Rc<Core>, conn: OnCore) {
+    // The ticket counts this connection until it ends.
+    let (stream, _ticket) = conn.into_parts();
+    let _ = stream.set_nodelay(true);
+    let Ok(stream) = stream
+        .set_nonblocking(true)
+        .and_then(|()| monoio::net::TcpStream::from_std(stream))
+    else {
+        return;
+    };
+    let _ = serve_stream(&core, stream).await;
+}
+
+async fn serve_stream(core: &Rc<Core>, mut stream: monoio::net::TcpStream) -> std::io::Result<()> {
+    let mut buf: Vec<u8> = Vec::new();
+    for served in 0..admin::MAX_PER_CONNECTION {
+        let req = loop {
+            match admin::parse_request(&buf) {
+                Parsed::Complete(req, len) => {
+                    buf.drain(..len);
+                    break Some(req);
+                }
+                Parsed::Bad => break None,
+                Parsed::Partial => {}
+            }
+            let idle = buf.is_empty();
+            let wait = if idle && served > 0 {
+                admin::KEEP_ALIVE
+            } else {
+                admin::IO_TIMEOUT
+            };
+            buf.reserve(READ_CHUNK);
+            // A read fills a Vec from its start: read into the part after what it holds.
+            let (len, cap) = (buf.len(), buf.capacity());
+            let read = monoio::time::timeout(wait, stream.read(buf.slice_mut(len..cap))).await;
+            let Ok((res, back)) = read else {
+                // Timed out: the read was cancelled with the buffer, so nothing more comes.
+                return Ok(());
+            };
+            buf = back.into_inner();
+            match res {
+                Ok(0) if buf.is_empty() => return Ok(()),
+                Ok(0) => break None,
+                Ok(_) => {}
+                Err(e) => return Err(e),
+            }
+        };
+        let Some(req) = req else {
+            write(
+                &mut stream,
+                (400, "text/plain", b"bad request\n".to_vec()),
+                true,
+            )
+            .await?;
+            return Ok(());
+        };
+        if buf.is_empty() && buf.capacity() > KEEP_BUFFER {
+            // A big request's buffer does not stay with a connection that waits for the next.
+            buf = Vec::new();
+        }
+        let close = req.close || served + 1 >= admin::MAX_PER_CONNECTION;
+        let answer = answer(core, req).await;
+        write(&mut stream, answer, close).await?;
+        if close {
+            break;
+        }
+    }
+    Ok(())
+}
+
+async fn write(
+    stream: &mut monoio::net::TcpStream,
+    (status, ctype, body): Answer,
+    close: bool,
+) -> std::io::Result<()> {
+    let bytes = admin::response(status, ctype, &body, close);
+    let (res, _) = monoio::time::timeout(admin::IO_TIMEOUT, stream.write_all(bytes))
+        .await
+        .map_err(|_| std::io::Error::from(std::io::ErrorKind::TimedOut))?;
+    res.map(|_| ())
+}
+
+async fn answer(core: &Rc<Core>, req: Request) -> Answer {
+    if let Some(rig) = admin::command_rig(&req) {
+        return command(core, rig, &req.body).await;
+    }
+    // Anything else may block (snapshots of every core, this one included): a pool thread
+    // works it out.
+    let slot = core.admin_waits.open();
+    let work = Work::Request {
+        req,
+        core: core.id,
+        slot: slot.slot,
+    };
+    if core.admin_pool.try_send(work).is_err() {
+        return (503, "text/plain", b"busy\n".to_vec());
+    }
+    match slot.answer().await {
+        Some(AdminReply::Http(answer)) => answer,
+        _ => (504, "text/plain", b"no answer in time\n".to_vec()),
+    }
+}
+
+async fn command(core: &Rc<Core>, rig: &str, body: &[u8]) -> Answer {
+    let slot = core.admin_waits.open();
+    let reply = ReplyTo::Core {
+        core: core.id,
+        slot: slot.slot,
+    };
+    let req = match admin::command_req(rig, body, reply) {
+        Ok(req) => req,
+        Err(answer) => return answer,
+    };
+    let (id, rig) = (req.id.clone(), req.rig.clone());
+    let route = admin::route_of(&rig);
+    let req = match route {
+        // Its connection is ours: enqueue now, as the inbox would.
+        Some(conn) if conn.core() == core.id => {
+            inbox::handle(
+                core,
+                ToCore::Command {
+                    conn,
+                    req,
+                    direct: true,
+                },
+            );
+            None
+        }
+        Some(conn) => match core.peer(conn.core()) {
+            Some(peer) => match peer.send(ToCore::Command {
+                conn,
+                req,
+                direct: true,
+            }) {
+                Ok(()) => None,
+                // That core is swamped: the bridge takes it.
+                Err(Full(ToCore::Command { req, .. })) => Some(req),
+                // A full queue hands back the message it was given, so nothing else comes back.
+                Err(Full(_)) => return admin::overloaded(&id, &rig),
+            },
+            None => Some(req),
+        },
+        None => Some(req),
+    };
+    if let Some(req) = req {
+        if core.push_to_bridge(ToBridge::Command(req)).is_err() {
+            return admin::overloaded(&id, &rig);
+        }
+    }
+    let answer = match slot.answer().await {
+        Some(AdminReply::Command(a)) => Some(a),
+        _ => None,
+    };
+    admin::command_answer(&id, &rig, answer)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::registry::msg::AdminAnswer;
+
+    fn reply(n: u64) -> AdminReply {
+        AdminReply::Command(AdminAnswer {
+            body: serde_json::json!({ "seq": n }),
+            route: None,
+        })
+    }
+
+    fn seq(r: Option<AdminReply>) -> Option<u64> {
+        match r {
+            Some(AdminReply::Command(a)) => a.body["seq"].as_u64(),
+            _ => None,
+        }
+    }
+
+    #[test]
+    fn each_request_gets_its_own_answer_and_a_late_one_is_dropped() {
+        let mut rt = monoio::RuntimeBuilder::<monoio::LegacyDriver>::new()
+            .enable_timer()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let waits = Waits::default();
+            let (a, b) = (waits.open(), waits.open());
+            // An answer before its request waits is kept for it; each goes to its own slot.
+            waits.answer(b.slot, reply(2));
+            assert_eq!(seq(b.answer().await), Some(2));
+            waits.answer(a.slot, reply(1));
+            assert_eq!(seq(a.answer().await), Some(1));
+            // A request that gave up closes its slot: a late answer finds nothing.
+            let c = waits.open();
+            let slot = c.slot;
+            drop(c);
+            waits.answer(slot, reply(3));
+            assert!(waits.slots.borrow().is_empty());
+            drop((a, b));
+            assert!(waits.slots.borrow().is_empty());
+        });
+    }
+
+    #[test]
+    fn a_waiting_request_wakes_when_its_answer_arrives() {
+        let mut rt = monoio::RuntimeBuilder::<monoio::LegacyDriver>::new()
+            .enable_timer()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let waits = Rc::new(Waits::default());
+            let w = waits.clone();
+            // Slots are numbered in turn: the waiter's is the next one.
+            let next = waits.open().slot + 1;
+            let waiter = monoio::spawn(async move {
+                let guard = w.open();
+                (guard.slot, seq(guard.answer().await))
+            });
+            // Let the waiter start waiting, then answer it (without a wake it would time out).
+            monoio::spawn(async {}).await;
+            waits.answer(next, reply(7));
+            assert_eq!(waiter.await, (next, Some(7)));
+        });
+    }
+}
