@@ -40,7 +40,7 @@ pub(crate) const MAX_PER_CONNECTION: usize = 10_000;
 /// Request threads. Requests that wait on a core or the bridge hold one for up to `IO_TIMEOUT`.
 const WORKERS: usize = 8;
 /// Largest request (head + body) accepted.
-const MAX_REQUEST: usize = 1 << 20;
+pub const MAX_REQUEST: usize = 1 << 20;
 /// How long a request may take to arrive, and a core or the bridge to answer.
 pub(crate) const IO_TIMEOUT: Duration = Duration::from_secs(5);
 /// Rigs a request thread remembers a route to; past it the memory starts afresh.
@@ -95,6 +95,11 @@ pub struct OnCore {
 }
 
 impl OnCore {
+    /// A connection moving from one core to another, with its ticket.
+    pub fn from_parts(stream: TcpStream, ticket: Ticket) -> Self {
+        Self { stream, ticket }
+    }
+
     /// The connection, and the ticket to hold while serving it.
     pub fn into_parts(self) -> (TcpStream, Ticket) {
         (self.stream, self.ticket)
@@ -233,7 +238,7 @@ pub struct Request {
 }
 
 /// What the bytes read so far hold.
-pub(crate) enum Parsed {
+pub enum Parsed {
     /// A whole request, and how many bytes it took.
     Complete(Request, usize),
     /// Not all of it yet.
@@ -244,7 +249,7 @@ pub(crate) enum Parsed {
 
 /// Parses one request from the front of `buf` (sans-IO: both the pool's blocking reader and a
 /// core's reader use it).
-pub(crate) fn parse_request(buf: &[u8]) -> Parsed {
+pub fn parse_request(buf: &[u8]) -> Parsed {
     let mut headers = [httparse::EMPTY_HEADER; 32];
     let mut req = httparse::Request::new(&mut headers);
     let head_len = match req.parse(buf) {
@@ -475,7 +480,7 @@ struct CommandBody {
 
 /// The rig of a command POST (`POST /v1/rigs/{id}/commands`), the one request a core answers
 /// itself.
-pub(crate) fn command_rig(req: &Request) -> Option<&str> {
+pub fn command_rig(req: &Request) -> Option<&str> {
     if req.method != "POST" {
         return None;
     }

@@ -52,10 +52,11 @@ pub enum C {
     AdminDirect,
     AdminRerouted,
     AdminAnswerDropped,
+    AdminConnMoved,
 }
 
 /// (metric name, label pair) for each counter, in [`C`] order.
-const COUNTERS: [(&str, &str); 38] = [
+const COUNTERS: [(&str, &str); 39] = [
     ("fleetlink_accepts_total", "result=\"ok\""),
     ("fleetlink_accepts_total", "result=\"rate_limited\""),
     ("fleetlink_accepts_total", "result=\"over_capacity\""),
@@ -94,6 +95,7 @@ const COUNTERS: [(&str, &str); 38] = [
     ("fleetlink_admin_routes_total", "result=\"direct\""),
     ("fleetlink_admin_routes_total", "result=\"rerouted\""),
     ("fleetlink_admin_routes_total", "result=\"answer_dropped\""),
+    ("fleetlink_admin_connections_moved_total", ""),
 ];
 
 /// Close codes counted one by one; anything else is `other`. 1006 = closed without a close

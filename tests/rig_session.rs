@@ -486,6 +486,38 @@ fn admin_connections_on_both_cores_command_rigs_on_both_cores_in_order() {
 }
 
 #[test]
+fn an_admin_connection_commanding_a_rig_of_the_other_core_moves_there_and_goes_on() {
+    let b = Broker::start(&["--cores", "2"]);
+    let (mut ws, _, _) = b.rig("rig-mover");
+    // Two connections in a row land on different cores: one shares the rig's core, the other
+    // does not and moves after its run of commands answered from there.
+    let mut admins = [KeepAlive::open(b.admin), KeepAlive::open(b.admin)];
+    let body = r#"{"name":"n","args":{}}"#;
+    let mut seq = 0u64;
+    for _ in 0..20 {
+        for admin in &mut admins {
+            seq += 1;
+            let (status, reply) = admin.post("/v1/rigs/rig-mover/commands", body);
+            assert_eq!((status, &reply["seq"]), (200, &json!(seq)), "{reply}");
+            assert_eq!(read_json(&mut ws)["seq"], seq);
+        }
+    }
+    b.wait_metric("fleetlink_admin_connections_moved_total 1");
+    // The moved connection goes on serving every kind of request.
+    for admin in &mut admins {
+        seq += 1;
+        let (status, reply) = admin.post("/v1/rigs/rig-mover/commands", body);
+        assert_eq!((status, &reply["seq"]), (200, &json!(seq)), "{reply}");
+        assert_eq!(read_json(&mut ws)["seq"], seq);
+        assert_eq!(
+            admin.request("GET", "/healthz", ""),
+            (200, "ok\n".to_string())
+        );
+    }
+    assert_eq!(b.metric("fleetlink_admin_connections_moved_total"), 1);
+}
+
+#[test]
 fn kick_closes_1012() {
     let b = Broker::start(&[]);
     let (mut ws, _, _) = b.rig("rig-kick");

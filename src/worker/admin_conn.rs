@@ -3,11 +3,13 @@
 //! A command POST is answered here: the core enqueues on the rig's connection itself when that
 //! connection is one of its own, and otherwise hands the command to the connection's core or to
 //! the bridge, all without blocking. The answer comes back into a slot of [`Waits`]. Any other
-//! request goes to the admin pool, whose answer comes back the same way.
+//! request goes to the admin pool, whose answer comes back the same way. A connection that
+//! keeps commanding rigs of another core moves to that core.
 
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::future::poll_fn;
+use std::os::fd::AsRawFd;
 use std::rc::Rc;
 use std::task::{Poll, Waker};
 
@@ -16,6 +18,8 @@ use monoio::io::{AsyncReadRent, AsyncWriteRentExt};
 
 use crate::admin::{self, Answer, OnCore, Parsed, Request, Work};
 use crate::doorbell::Full;
+use crate::ids::CoreId;
+use crate::metrics::C;
 use crate::registry::msg::{AdminReply, ReplyTo, ToBridge, ToCore};
 use crate::worker::core::Core;
 use crate::worker::inbox;
@@ -24,6 +28,8 @@ use crate::worker::inbox;
 const READ_CHUNK: usize = 4096;
 /// Buffer a connection keeps between requests.
 const KEEP_BUFFER: usize = 64 * 1024;
+/// Commands in a row taken on one other core before a connection moves there (see [`Streak`]).
+const MOVE_AFTER: u32 = 16;
 
 /// Admin requests this core waits on, by slot.
 #[derive(Default)]
@@ -95,21 +101,93 @@ impl Drop for SlotGuard<'_> {
 }
 
 /// Serves one admin connection until the client closes, asks to close, sends something
-/// malformed, or stays idle for the keep-alive time.
+/// malformed, or stays idle for the keep-alive time; or until it moves to another core.
 pub(crate) async fn serve(core: Rc<Core>, conn: OnCore) {
-    // The ticket counts this connection until it ends.
-    let (stream, _ticket) = conn.into_parts();
+    // The ticket counts this connection until it ends, wherever it moves.
+    let (stream, mut ticket) = conn.into_parts();
     let _ = stream.set_nodelay(true);
-    let Ok(stream) = stream
+    let Ok(mut stream) = stream
         .set_nonblocking(true)
         .and_then(|()| monoio::net::TcpStream::from_std(stream))
     else {
         return;
     };
-    let _ = serve_stream(&core, stream).await;
+    let mut streak = Streak::default();
+    loop {
+        let Ok(Some(to)) = serve_requests(&core, &mut stream, &mut streak).await else {
+            return;
+        };
+        // The other core gets its own descriptor of the socket; ours closes with `stream`.
+        // SAFETY: `stream` owns this descriptor and keeps it open for the whole call.
+        let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(stream.as_raw_fd()) };
+        let Ok(owned) = fd.try_clone_to_owned() else {
+            streak = Streak::stay();
+            continue;
+        };
+        let moving = OnCore::from_parts(std::net::TcpStream::from(owned), ticket);
+        match core
+            .peer(to)
+            .map(|peer| peer.send(ToCore::AdminConn(moving)))
+        {
+            Some(Ok(())) => {
+                core.metrics.inc(C::AdminConnMoved);
+                return;
+            }
+            // That core is swamped: this one keeps the connection, for good.
+            Some(Err(Full(ToCore::AdminConn(back)))) => {
+                ticket = back.into_parts().1;
+                streak = Streak::stay();
+            }
+            Some(Err(Full(_))) | None => return,
+        }
+    }
 }
 
-async fn serve_stream(core: &Rc<Core>, mut stream: monoio::net::TcpStream) -> std::io::Result<()> {
+/// Consecutive commands answered from one other core: a connection that keeps commanding
+/// rigs of that core moves there, where each command is enqueued without waking a core.
+/// The run must be long, so that a client commanding rigs all over (a fan-out) stays put:
+/// for rigs spread over two cores at random, 16 in a row from the other core is a 1-in-65,536
+/// run.
+#[derive(Default)]
+struct Streak {
+    core: Option<CoreId>,
+    run: u32,
+    never: bool,
+}
+
+impl Streak {
+    /// Never moves.
+    fn stay() -> Self {
+        Self {
+            never: true,
+            ..Self::default()
+        }
+    }
+
+    /// Counts a command taken by a connection of core `at`; Some: move to that core now.
+    fn count(&mut self, here: CoreId, at: CoreId) -> Option<CoreId> {
+        if at == here {
+            self.core = None;
+            self.run = 0;
+        } else if self.core == Some(at) {
+            self.run += 1;
+        } else {
+            self.core = Some(at);
+            self.run = 1;
+        }
+        (!self.never && self.run >= MOVE_AFTER)
+            .then_some(self.core)
+            .flatten()
+    }
+}
+
+/// Serves requests; Ok(Some(core)): the connection should move to `core` (nothing of the
+/// client's is buffered here).
+async fn serve_requests(
+    core: &Rc<Core>,
+    stream: &mut monoio::net::TcpStream,
+    streak: &mut Streak,
+) -> std::io::Result<Option<CoreId>> {
     let mut buf: Vec<u8> = Vec::new();
     for served in 0..admin::MAX_PER_CONNECTION {
         let req = loop {
@@ -133,37 +211,37 @@ async fn serve_stream(core: &Rc<Core>, mut stream: monoio::net::TcpStream) -> st
             let read = monoio::time::timeout(wait, stream.read(buf.slice_mut(len..cap))).await;
             let Ok((res, back)) = read else {
                 // Timed out: the read was cancelled with the buffer, so nothing more comes.
-                return Ok(());
+                return Ok(None);
             };
             buf = back.into_inner();
             match res {
-                Ok(0) if buf.is_empty() => return Ok(()),
+                Ok(0) if buf.is_empty() => return Ok(None),
                 Ok(0) => break None,
                 Ok(_) => {}
                 Err(e) => return Err(e),
             }
         };
         let Some(req) = req else {
-            write(
-                &mut stream,
-                (400, "text/plain", b"bad request\n".to_vec()),
-                true,
-            )
-            .await?;
-            return Ok(());
+            write(stream, (400, "text/plain", b"bad request\n".to_vec()), true).await?;
+            return Ok(None);
         };
         if buf.is_empty() && buf.capacity() > KEEP_BUFFER {
             // A big request's buffer does not stay with a connection that waits for the next.
             buf = Vec::new();
         }
         let close = req.close || served + 1 >= admin::MAX_PER_CONNECTION;
-        let answer = answer(core, req).await;
-        write(&mut stream, answer, close).await?;
+        let (answer, taken_at) = answer(core, req).await;
+        write(stream, answer, close).await?;
         if close {
-            break;
+            return Ok(None);
+        }
+        // Only commands a connection took count; other requests leave the run as it is.
+        let to = taken_at.and_then(|at| streak.count(core.id, at));
+        if to.is_some() && buf.is_empty() {
+            return Ok(to);
         }
     }
-    Ok(())
+    Ok(None)
 }
 
 async fn write(
@@ -178,7 +256,8 @@ async fn write(
     res.map(|_| ())
 }
 
-async fn answer(core: &Rc<Core>, req: Request) -> Answer {
+/// The answer, and for a command a connection took, that connection's core.
+async fn answer(core: &Rc<Core>, req: Request) -> (Answer, Option<CoreId>) {
     if let Some(rig) = admin::command_rig(&req) {
         return command(core, rig, &req.body).await;
     }
@@ -191,15 +270,16 @@ async fn answer(core: &Rc<Core>, req: Request) -> Answer {
         slot: slot.slot,
     };
     if core.admin_pool.try_send(work).is_err() {
-        return (503, "text/plain", b"busy\n".to_vec());
+        return ((503, "text/plain", b"busy\n".to_vec()), None);
     }
-    match slot.answer().await {
+    let answer = match slot.answer().await {
         Some(AdminReply::Http(answer)) => answer,
         _ => (504, "text/plain", b"no answer in time\n".to_vec()),
-    }
+    };
+    (answer, None)
 }
 
-async fn command(core: &Rc<Core>, rig: &str, body: &[u8]) -> Answer {
+async fn command(core: &Rc<Core>, rig: &str, body: &[u8]) -> (Answer, Option<CoreId>) {
     let slot = core.admin_waits.open();
     let reply = ReplyTo::Core {
         core: core.id,
@@ -207,7 +287,7 @@ async fn command(core: &Rc<Core>, rig: &str, body: &[u8]) -> Answer {
     };
     let req = match admin::command_req(rig, body, reply) {
         Ok(req) => req,
-        Err(answer) => return answer,
+        Err(answer) => return (answer, None),
     };
     let (id, rig) = (req.id.clone(), req.rig.clone());
     let route = admin::route_of(&rig);
@@ -234,7 +314,7 @@ async fn command(core: &Rc<Core>, rig: &str, body: &[u8]) -> Answer {
                 // That core is swamped: the bridge takes it.
                 Err(Full(ToCore::Command { req, .. })) => Some(req),
                 // A full queue hands back the message it was given, so nothing else comes back.
-                Err(Full(_)) => return admin::overloaded(&id, &rig),
+                Err(Full(_)) => return (admin::overloaded(&id, &rig), None),
             },
             None => Some(req),
         },
@@ -242,14 +322,18 @@ async fn command(core: &Rc<Core>, rig: &str, body: &[u8]) -> Answer {
     };
     if let Some(req) = req {
         if core.push_to_bridge(ToBridge::Command(req)).is_err() {
-            return admin::overloaded(&id, &rig);
+            return (admin::overloaded(&id, &rig), None);
         }
     }
     let answer = match slot.answer().await {
         Some(AdminReply::Command(a)) => Some(a),
         _ => None,
     };
-    admin::command_answer(&id, &rig, answer)
+    let taken_at = answer
+        .as_ref()
+        .and_then(|a| a.route)
+        .map(|conn| conn.core());
+    (admin::command_answer(&id, &rig, answer), taken_at)
 }
 
 #[cfg(test)]
@@ -268,6 +352,31 @@ mod tests {
         match r {
             Some(AdminReply::Command(a)) => a.body["seq"].as_u64(),
             _ => None,
+        }
+    }
+
+    #[test]
+    fn a_connection_moves_after_a_long_run_on_one_other_core_only() {
+        let (here, other, third) = (CoreId(0), CoreId(1), CoreId(2));
+        let mut s = Streak::default();
+        for _ in 1..MOVE_AFTER {
+            assert_eq!(s.count(here, other), None);
+        }
+        assert_eq!(s.count(here, other), Some(other));
+        // A command for a rig of this core, or of a third core, starts the run again.
+        let mut s = Streak::default();
+        for i in 0..10 * MOVE_AFTER {
+            let at = match i % 7 {
+                0 => here,
+                3 => third,
+                _ => other,
+            };
+            assert_eq!(s.count(here, at), None, "command {i}");
+        }
+        // A connection that could not move stays, however long the run.
+        let mut s = Streak::stay();
+        for _ in 0..2 * MOVE_AFTER {
+            assert_eq!(s.count(here, other), None);
         }
     }
 
