@@ -35,7 +35,8 @@ const MAX_ACTIVE: usize = 64;
 const MAX_ON_CORES: usize = 64;
 /// How long an idle keep-alive connection may stay open.
 pub(crate) const KEEP_ALIVE: Duration = Duration::from_secs(2);
-/// Requests served on one connection before it is closed (so no client holds a thread forever).
+/// Requests served on one connection before it is closed (so no client holds a pool thread or a
+/// core's slot forever).
 pub(crate) const MAX_PER_CONNECTION: usize = 10_000;
 /// Request threads. Requests that wait on a core or the bridge hold one for up to `IO_TIMEOUT`.
 const WORKERS: usize = 8;
@@ -43,14 +44,16 @@ const WORKERS: usize = 8;
 pub const MAX_REQUEST: usize = 1 << 20;
 /// How long a request may take to arrive, and a core or the bridge to answer.
 pub(crate) const IO_TIMEOUT: Duration = Duration::from_secs(5);
-/// Rigs a request thread remembers a route to; past it the memory starts afresh.
+/// Rigs a request thread or core remembers a route to; past it the memory starts afresh.
 const MAX_ROUTES: usize = 4096;
 
 thread_local! {
-    /// The connection that took this request thread's last command for each rig. The rig's
-    /// next command goes straight to that connection's core, one thread woken instead of two
-    /// (bridge, then core); a route gone stale costs the extra hop once, through the bridge,
-    /// whose answer brings the new route. Per thread, so nothing is shared or locked.
+    /// The connection that took this thread's last command for each rig (a core's, for the
+    /// admin connections it serves; a pool thread's, for those it serves). The rig's next
+    /// command goes straight to that connection (on this core, or to its core's inbox)
+    /// instead of asking the bridge first; a route gone stale costs the extra hop once,
+    /// through the bridge, whose answer brings the new route. Per thread, so nothing is shared
+    /// or locked.
     static ROUTES: RefCell<HashMap<RigId, ConnId>> = RefCell::new(HashMap::new());
 }
 

@@ -518,6 +518,34 @@ fn an_admin_connection_commanding_a_rig_of_the_other_core_moves_there_and_goes_o
 }
 
 #[test]
+fn admin_connections_past_what_the_cores_serve_are_served_by_the_pool() {
+    let b = Broker::start(&[]);
+    let (mut ws, _, _) = b.rig("rig-many");
+    let body = r#"{"name":"n","args":{}}"#;
+    // The cores serve up to 64 admin connections; these hold them all (keep-alive, idle).
+    let mut held: Vec<KeepAlive> = (0..64).map(|_| KeepAlive::open(b.admin)).collect();
+    assert_eq!(
+        held[0].request("GET", "/healthz", ""),
+        (200, "ok\n".to_string())
+    );
+    // One more: the pool serves it, commands included.
+    let mut extra = KeepAlive::open(b.admin);
+    for seq in 1..=3u64 {
+        let (status, reply) = extra.post("/v1/rigs/rig-many/commands", body);
+        assert_eq!((status, &reply["seq"]), (200, &json!(seq)), "{reply}");
+        assert_eq!(read_json(&mut ws)["seq"], seq);
+    }
+    assert_eq!(
+        extra.request("GET", "/healthz", ""),
+        (200, "ok\n".to_string())
+    );
+    // The ones on the cores go on too.
+    let (status, reply) = held[63].post("/v1/rigs/rig-many/commands", body);
+    assert_eq!((status, &reply["seq"]), (200, &json!(4)), "{reply}");
+    assert_eq!(read_json(&mut ws)["seq"], 4);
+}
+
+#[test]
 fn kick_closes_1012() {
     let b = Broker::start(&[]);
     let (mut ws, _, _) = b.rig("rig-kick");

@@ -120,25 +120,23 @@ pub(crate) async fn serve(core: Rc<Core>, conn: OnCore) {
         // The other core gets its own descriptor of the socket; ours closes with `stream`.
         // SAFETY: `stream` owns this descriptor and keeps it open for the whole call.
         let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(stream.as_raw_fd()) };
-        let Ok(owned) = fd.try_clone_to_owned() else {
+        let (Some(peer), Ok(owned)) = (core.peer(to), fd.try_clone_to_owned()) else {
             streak = Streak::stay();
             continue;
         };
         let moving = OnCore::from_parts(std::net::TcpStream::from(owned), ticket);
-        match core
-            .peer(to)
-            .map(|peer| peer.send(ToCore::AdminConn(moving)))
-        {
-            Some(Ok(())) => {
+        match peer.send(ToCore::AdminConn(moving)) {
+            Ok(()) => {
                 core.metrics.inc(C::AdminConnMoved);
                 return;
             }
             // That core is swamped: this one keeps the connection, for good.
-            Some(Err(Full(ToCore::AdminConn(back)))) => {
+            Err(Full(ToCore::AdminConn(back))) => {
                 ticket = back.into_parts().1;
                 streak = Streak::stay();
             }
-            Some(Err(Full(_))) | None => return,
+            // A full queue hands back the message it was given, so nothing else comes back.
+            Err(Full(_)) => return,
         }
     }
 }
