@@ -546,6 +546,41 @@ fn admin_connections_past_what_the_cores_serve_are_served_by_the_pool() {
 }
 
 #[test]
+fn an_admin_request_trickling_in_is_cut_off_at_its_deadline() {
+    use std::io::Read;
+    use std::time::Instant;
+    let b = Broker::start(&[]);
+    let mut s = std::net::TcpStream::connect(b.admin).unwrap();
+    s.set_nodelay(true).unwrap();
+    let mut reader = s.try_clone().unwrap();
+    reader
+        .set_read_timeout(Some(Duration::from_secs(15)))
+        .unwrap();
+    let start = Instant::now();
+    let closed = std::thread::spawn(move || {
+        let mut buf = [0u8; 256];
+        // EOF or a reset: the broker gave up on the request.
+        let _ = reader.read(&mut buf);
+        start.elapsed()
+    });
+    s.write_all(b"POST /v1/rigs/rig-slow/commands HTTP/1.1\r\nX-Slow: ")
+        .unwrap();
+    // One more byte every 100 ms: each read alone is quick, the request never ends.
+    while !closed.is_finished() && start.elapsed() < Duration::from_secs(12) {
+        if s.write_all(b"a").is_err() {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let after = closed.join().unwrap();
+    // The whole request had 5 s from its first byte.
+    assert!(
+        after >= Duration::from_millis(4900) && after < Duration::from_secs(8),
+        "closed after {after:?}"
+    );
+}
+
+#[test]
 fn kick_closes_1012() {
     let b = Broker::start(&[]);
     let (mut ws, _, _) = b.rig("rig-kick");
