@@ -73,7 +73,7 @@ struct SlotGuard<'a> {
 
 impl SlotGuard<'_> {
     /// Waits for the slot's answer; None when none came within the admin timeout.
-    async fn answer(&self) -> Option<AdminReply> {
+    async fn wait(&self) -> Option<AdminReply> {
         let wait = poll_fn(|cx| {
             let mut slots = self.waits.slots.borrow_mut();
             match slots.get_mut(&self.slot) {
@@ -275,7 +275,7 @@ async fn answer(core: &Rc<Core>, req: Request) -> (Answer, Option<CoreId>) {
     if core.admin_pool.try_send(work).is_err() {
         return ((503, "text/plain", b"busy\n".to_vec()), None);
     }
-    let answer = match slot.answer().await {
+    let answer = match slot.wait().await {
         Some(AdminReply::Http(answer)) => answer,
         _ => (504, "text/plain", b"no answer in time\n".to_vec()),
     };
@@ -328,7 +328,7 @@ async fn command(core: &Rc<Core>, rig: &str, body: &[u8]) -> (Answer, Option<Cor
             return (admin::overloaded(&id, &rig), None);
         }
     }
-    let answer = match slot.answer().await {
+    let answer = match slot.wait().await {
         Some(AdminReply::Command(a)) => Some(a),
         _ => None,
     };
@@ -394,9 +394,9 @@ mod tests {
             let (a, b) = (waits.open(), waits.open());
             // An answer before its request waits is kept for it; each goes to its own slot.
             waits.answer(b.slot, reply(2));
-            assert_eq!(seq(b.answer().await), Some(2));
+            assert_eq!(seq(b.wait().await), Some(2));
             waits.answer(a.slot, reply(1));
-            assert_eq!(seq(a.answer().await), Some(1));
+            assert_eq!(seq(a.wait().await), Some(1));
             // A request that gave up closes its slot: a late answer finds nothing.
             let c = waits.open();
             let slot = c.slot;
@@ -421,7 +421,7 @@ mod tests {
             let next = waits.open().slot + 1;
             let waiter = monoio::spawn(async move {
                 let guard = w.open();
-                (guard.slot, seq(guard.answer().await))
+                (guard.slot, seq(guard.wait().await))
             });
             // Let the waiter start waiting, then answer it (without a wake it would time out).
             monoio::spawn(async {}).await;
