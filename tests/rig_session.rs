@@ -7,12 +7,25 @@ use std::io::Write;
 use std::time::Duration;
 
 use common::broker::{
-    boot_id, eventually, hello, read_close, read_json, Broker, KeepAlive, RawRig,
+    boot_id, eventually, hello, read_close, read_json, Broker, KeepAlive, RawRig, Ws,
 };
 use serde_json::{json, Value};
 use tungstenite::protocol::frame::coding::{Data, OpCode};
 use tungstenite::protocol::frame::Frame;
 use tungstenite::Message;
+
+/// POSTs a command for `rig` on `admin`; checks that it is answered with `seq` and reaches the
+/// rig as `seq`.
+fn command_arrives(admin: &mut KeepAlive, rig: &str, ws: &mut Ws, seq: u64) {
+    let path = format!("/v1/rigs/{rig}/commands");
+    let (status, reply) = admin.post(&path, r#"{"name":"n","args":{}}"#);
+    assert_eq!(
+        (status, &reply["seq"]),
+        (200, &json!(seq)),
+        "{rig}: {reply}"
+    );
+    assert_eq!(read_json(ws)["seq"], seq, "{rig}");
+}
 
 #[test]
 fn hello_gets_welcome_with_contract_fields() {
@@ -293,12 +306,8 @@ fn admin_commands_go_straight_to_the_rigs_core_and_follow_it_to_a_new_connection
     // One keep-alive connection: one core serves it, and its route memory is what the test
     // exercises.
     let mut admin = KeepAlive::open(b.admin);
-    let path = "/v1/rigs/rig-route/commands";
-    let body = r#"{"name":"n","args":{}}"#;
     for seq in 1..=3u64 {
-        let (status, reply) = admin.post(path, body);
-        assert_eq!((status, &reply["seq"]), (200, &json!(seq)), "{reply}");
-        assert_eq!(read_json(&mut a)["seq"], seq);
+        command_arrives(&mut admin, "rig-route", &mut a, seq);
         a.send(Message::Text(
             json!({"type":"ack","seq":seq}).to_string().into(),
         ))
@@ -315,9 +324,7 @@ fn admin_commands_go_straight_to_the_rigs_core_and_follow_it_to_a_new_connection
     );
     assert_eq!(read_close(&mut a), 4410);
     for seq in 4..=5u64 {
-        let (status, reply) = admin.post(path, body);
-        assert_eq!((status, &reply["seq"]), (200, &json!(seq)), "{reply}");
-        assert_eq!(read_json(&mut c)["seq"], seq);
+        command_arrives(&mut admin, "rig-route", &mut c, seq);
     }
     // Seq 4 found the old connection gone and went on through the bridge; seq 5 went straight
     // to the new one.
@@ -399,9 +406,7 @@ fn one_admin_connection_mixes_commands_with_other_requests_in_pieces_and_pipelin
     let mut admin = KeepAlive::open(b.admin);
     let path = "/v1/rigs/rig-mix/commands";
     let body = r#"{"name":"n","args":{}}"#;
-    let (status, reply) = admin.post(path, body);
-    assert_eq!((status, &reply["seq"]), (200, &json!(1)), "{reply}");
-    assert_eq!(read_json(&mut ws)["seq"], 1);
+    command_arrives(&mut admin, "rig-mix", &mut ws, 1);
     // The requests a core passes to the admin pool come back on the same connection, in turn.
     let (status, rigs) = admin.request("GET", "/v1/rigs", "");
     assert_eq!(status, 200);
@@ -460,19 +465,12 @@ fn admin_connections_on_both_cores_command_rigs_on_both_cores_in_order() {
     // The acceptor hands connections to the cores in turn: these two land on different cores,
     // so each sends to rigs of its own core and of the other.
     let mut admins = [KeepAlive::open(b.admin), KeepAlive::open(b.admin)];
-    let body = r#"{"name":"n","args":{}}"#;
     let mut seq = 0u64;
     for _round in 0..2 {
         for admin in &mut admins {
             seq += 1;
             for (name, ws) in &mut rigs {
-                let (status, reply) = admin.post(&format!("/v1/rigs/{name}/commands"), body);
-                assert_eq!(
-                    (status, &reply["seq"]),
-                    (200, &json!(seq)),
-                    "{name}: {reply}"
-                );
-                assert_eq!(read_json(ws)["seq"], seq, "{name}");
+                command_arrives(admin, name, ws, seq);
             }
         }
     }
@@ -492,23 +490,18 @@ fn an_admin_connection_commanding_a_rig_of_the_other_core_moves_there_and_goes_o
     // Two connections in a row land on different cores: one shares the rig's core, the other
     // does not and moves after its run of commands answered from there.
     let mut admins = [KeepAlive::open(b.admin), KeepAlive::open(b.admin)];
-    let body = r#"{"name":"n","args":{}}"#;
     let mut seq = 0u64;
     for _ in 0..20 {
         for admin in &mut admins {
             seq += 1;
-            let (status, reply) = admin.post("/v1/rigs/rig-mover/commands", body);
-            assert_eq!((status, &reply["seq"]), (200, &json!(seq)), "{reply}");
-            assert_eq!(read_json(&mut ws)["seq"], seq);
+            command_arrives(admin, "rig-mover", &mut ws, seq);
         }
     }
     b.wait_metric("fleetlink_admin_connections_moved_total 1");
     // The moved connection goes on serving every kind of request.
     for admin in &mut admins {
         seq += 1;
-        let (status, reply) = admin.post("/v1/rigs/rig-mover/commands", body);
-        assert_eq!((status, &reply["seq"]), (200, &json!(seq)), "{reply}");
-        assert_eq!(read_json(&mut ws)["seq"], seq);
+        command_arrives(admin, "rig-mover", &mut ws, seq);
         assert_eq!(
             admin.request("GET", "/healthz", ""),
             (200, "ok\n".to_string())
@@ -521,7 +514,6 @@ fn an_admin_connection_commanding_a_rig_of_the_other_core_moves_there_and_goes_o
 fn admin_connections_past_what_the_cores_serve_are_served_by_the_pool() {
     let b = Broker::start(&[]);
     let (mut ws, _, _) = b.rig("rig-many");
-    let body = r#"{"name":"n","args":{}}"#;
     // The cores serve up to 64 admin connections; these hold them all (keep-alive, idle).
     let mut held: Vec<KeepAlive> = (0..64).map(|_| KeepAlive::open(b.admin)).collect();
     assert_eq!(
@@ -531,18 +523,14 @@ fn admin_connections_past_what_the_cores_serve_are_served_by_the_pool() {
     // One more: the pool serves it, commands included.
     let mut extra = KeepAlive::open(b.admin);
     for seq in 1..=3u64 {
-        let (status, reply) = extra.post("/v1/rigs/rig-many/commands", body);
-        assert_eq!((status, &reply["seq"]), (200, &json!(seq)), "{reply}");
-        assert_eq!(read_json(&mut ws)["seq"], seq);
+        command_arrives(&mut extra, "rig-many", &mut ws, seq);
     }
     assert_eq!(
         extra.request("GET", "/healthz", ""),
         (200, "ok\n".to_string())
     );
     // The ones on the cores go on too.
-    let (status, reply) = held[63].post("/v1/rigs/rig-many/commands", body);
-    assert_eq!((status, &reply["seq"]), (200, &json!(4)), "{reply}");
-    assert_eq!(read_json(&mut ws)["seq"], 4);
+    command_arrives(&mut held[63], "rig-many", &mut ws, 4);
 }
 
 #[test]
