@@ -1,5 +1,5 @@
-//! A core's inbox: messages from the bridge, the admin threads and the other cores, drained whenever the
-//! doorbell rings. The loop sleeps on one readiness op while nothing arrives.
+//! A core's inbox: messages from the bridge, the admin threads and the other cores, drained
+//! whenever the doorbell rings. The loop sleeps on one readiness op while nothing arrives.
 
 use std::future::{poll_fn, Future};
 use std::pin::pin;
