@@ -394,6 +394,10 @@ fn respond(
 pub type Answer = (u16, &'static str, Vec<u8>);
 
 fn route(admin: &Admin, req: &Request) -> Answer {
+    // The same test that sends a command POST on a core to that core's own handler.
+    if let Some(rig) = command_rig(req) {
+        return command(admin, rig, &req.body);
+    }
     let parts: Vec<&str> = req.path.trim_matches('/').split('/').collect();
     match (req.method.as_str(), parts.as_slice()) {
         ("GET", ["healthz"]) => (200, "text/plain", b"ok\n".to_vec()),
@@ -413,7 +417,6 @@ fn route(admin: &Admin, req: &Request) -> Answer {
             // Straight to bytes: through a `Value` tree, 9,000 rigs took 18.8 ms against 10.0.
             json_answer(200, &rigs)
         }
-        ("POST", ["v1", "rigs", rig, "commands"]) => command(admin, rig, &req.body),
         ("POST", ["v1", "rigs", rig, "kick"]) => kick(admin, rig),
         ("POST", ["v1", "drain"]) => {
             admin.draining.store(true, Ordering::SeqCst);
