@@ -119,10 +119,10 @@ impl Scripts {
         broker_id: &str,
         ttl: Duration,
     ) -> Result<HelloOutcome, RegistryError> {
-        let mut outcomes = self.hello_many(con, &[(rig, boot)], broker_id, ttl)?;
-        outcomes
-            .pop()
-            .unwrap_or_else(|| Err(RegistryError::UnexpectedReply("hello: no reply".into())))
+        only(
+            self.hello_many(con, &[(rig, boot)], broker_id, ttl)?,
+            "hello",
+        )
     }
 
     /// [`Self::hello`] for many rigs in one round trip (a pipeline of EVALSHAs, which Redis
@@ -286,6 +286,16 @@ fn parse_hello(reply: &Value) -> Result<HelloOutcome, RegistryError> {
 /// `args` adds an item's `numkeys` keys, then its ARGV, to its EVALSHA. Returns each call's
 /// reply in order, a script's error reply as that entry's `Err`. Scripts are loaded at
 /// connect; should Redis have lost them since (a restart, `SCRIPT FLUSH`), every entry answers
+/// The one result of a one-entry `*_many` call.
+pub(crate) fn only<T>(
+    mut results: Vec<Result<T, RegistryError>>,
+    what: &str,
+) -> Result<T, RegistryError> {
+    results
+        .pop()
+        .unwrap_or_else(|| Err(RegistryError::UnexpectedReply(format!("{what}: no reply"))))
+}
+
 /// NOSCRIPT without having run, so the script is loaded and the whole pipeline sent once more.
 pub fn evalsha_many<T>(
     con: &mut impl ConnectionLike,

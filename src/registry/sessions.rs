@@ -15,7 +15,7 @@ use std::time::Duration;
 use redis::{ConnectionLike, Script, Value};
 
 use crate::ids::{BootId, RigId, Seq};
-use crate::registry::scripts::{evalsha_many, rig_key, tuple, RegistryError};
+use crate::registry::scripts::{evalsha_many, only, rig_key, tuple, RegistryError};
 
 /// Commands sent in one persist call.
 pub const PERSIST_CHUNK: usize = 500;
@@ -178,10 +178,7 @@ impl SessionScripts {
         boot: &BootId,
         ttl: Duration,
     ) -> Result<Resumed, RegistryError> {
-        let mut found = self.resume_many(con, &[(rig, boot)], ttl)?;
-        found
-            .pop()
-            .unwrap_or_else(|| Err(RegistryError::UnexpectedReply("resume: no reply".into())))
+        only(self.resume_many(con, &[(rig, boot)], ttl)?, "resume")
     }
 
     /// [`Self::resume`] for many sessions in one round trip (a pipeline, run in order): one
