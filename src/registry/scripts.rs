@@ -282,10 +282,6 @@ fn parse_hello(reply: &Value) -> Result<HelloOutcome, RegistryError> {
     }
 }
 
-/// Runs `script` once per item, all in one pipeline (one round trip, run by Redis in order):
-/// `args` adds an item's `numkeys` keys, then its ARGV, to its EVALSHA. Returns each call's
-/// reply in order, a script's error reply as that entry's `Err`. Scripts are loaded at
-/// connect; should Redis have lost them since (a restart, `SCRIPT FLUSH`), every entry answers
 /// The one result of a one-entry `*_many` call.
 pub(crate) fn only<T>(
     mut results: Vec<Result<T, RegistryError>>,
@@ -296,6 +292,10 @@ pub(crate) fn only<T>(
         .unwrap_or_else(|| Err(RegistryError::UnexpectedReply(format!("{what}: no reply"))))
 }
 
+/// Runs `script` once per item, all in one pipeline (one round trip, run by Redis in order):
+/// `args` adds an item's `numkeys` keys, then its ARGV, to its EVALSHA. Returns each call's
+/// reply in order, a script's error reply as that entry's `Err`. Scripts are loaded at
+/// connect; should Redis have lost them since (a restart, `SCRIPT FLUSH`), every entry answers
 /// NOSCRIPT without having run, so the script is loaded and the whole pipeline sent once more.
 pub fn evalsha_many<T>(
     con: &mut impl ConnectionLike,
