@@ -4,7 +4,7 @@
 //!
 //! Standalone, the embedded registry is the whole truth. In fleet mode (`--redis`) it stays the
 //! local index of which connection holds which rig, while Redis arbitrates between brokers
-//! (Lua scripts), carries control messages (pub/sub) and events. The thread sleeps in `poll(2)`
+//! (Lua scripts), carries control messages (pub/sub) and events. The thread sleeps in `ppoll(2)`
 //! on its inbox doorbell and its subscription socket, waking for the next timer at the latest.
 
 use std::collections::HashMap;
@@ -28,21 +28,19 @@ use crate::registry::msg::{
     ToCore, Verdict,
 };
 use crate::registry::offline::{Deadlines, Held, LocalHeld};
+use crate::registry::pace::{Queued, WritePace};
 use crate::registry::scripts::{HelloOutcome, RefreshStatus};
 use crate::registry::sessions::{Persist, Rekeep, Resumed};
 use crate::reply;
 
 /// Inbox messages handled per wake before the bridge looks at Redis and its timers again.
 const BATCH: usize = 4096;
-/// Redis writes (persists, publishes, acks' forgets) go out at once when the last batch went
-/// out more than [`WRITE_PACE`] ago; under load they wait for the next pace tick or
-/// [`WRITE_BATCH`] queued writes. A 10,000-rig fan-out then costs a few dozen round trips
-/// instead of thousands (Redis shares the cores with us), while an idle command waits for
-/// nothing.
-const WRITE_PACE: Duration = Duration::from_millis(1);
-const WRITE_BATCH: usize = 1024;
 /// Sessions put back into Redis per pass of the bridge loop (see `Bridge::rekeep_sessions`).
 const REKEEP_PER_PASS: usize = 2000;
+/// The shortest sleep for a due timer, so that one never handled cannot spin the thread.
+const TIMER_FLOOR: Duration = Duration::from_millis(1);
+/// The shortest sleep for a paced write: the kernel's default timer slack.
+const PACED_FLOOR: Duration = Duration::from_micros(50);
 /// How often the broker publishes a canary on its own channel.
 const CANARY_EVERY: Duration = Duration::from_secs(1);
 /// Readiness fails when no canary came back for this long.
@@ -208,7 +206,7 @@ pub fn spawn(
                 persists: Vec::new(),
                 rekeeps: Vec::new(),
                 rekeep_all: false,
-                last_write: now.checked_sub(WRITE_PACE).unwrap_or(now),
+                pace: WritePace::new(now),
                 next_agg: 0,
                 next_refresh: now + cfg.registry_refresh,
                 next_touch: now + touch_every(cfg.session_ttl),
@@ -283,8 +281,8 @@ struct Bridge {
     rekeeps: Vec<RekeepReq>,
     /// Redis just came back: the next refresh asks for every session, not only restored ones.
     rekeep_all: bool,
-    /// When queued Redis writes last went out (see [`WRITE_PACE`]).
-    last_write: Instant,
+    /// When queued Redis writes may go out (see [`crate::registry::pace`]).
+    pace: WritePace,
     next_agg: u64,
     next_refresh: Instant,
     /// When the connected rigs' session keys next get their TTL extended.
@@ -348,10 +346,16 @@ impl Bridge {
         if let Some(d) = self.deadlines.next_due() {
             next = next.min(d);
         }
-        if let Some(d) = self.write_due() {
-            next = next.min(d);
+        // Timers may fire a little late; a paced write may not: it holds a command back.
+        let mut wait = next.saturating_duration_since(now).max(TIMER_FLOOR);
+        if let Some(d) = self.write_due(now) {
+            wait = wait.min(d.saturating_duration_since(now).max(PACED_FLOOR));
         }
-        let timeout = next.saturating_duration_since(now).as_millis().min(1000) as i32;
+        let wait = wait.min(Duration::from_secs(1));
+        let timeout = libc::timespec {
+            tv_sec: wait.as_secs() as libc::time_t,
+            tv_nsec: wait.subsec_nanos() as libc::c_long,
+        };
         let mut fds = vec![libc::pollfd {
             fd: inbox.listen.as_raw_fd(),
             events: libc::POLLIN,
@@ -364,8 +368,16 @@ impl Bridge {
                 revents: 0,
             });
         }
-        // SAFETY: `fds` is a valid array of initialized pollfd for its length.
-        unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, timeout.max(1)) };
+        // SAFETY: `fds` is a valid array of initialized pollfd for its length, `timeout` a
+        // valid timespec, and a null sigmask leaves the thread's mask as it is.
+        unsafe {
+            libc::ppoll(
+                fds.as_mut_ptr(),
+                fds.len() as libc::nfds_t,
+                &timeout,
+                std::ptr::null(),
+            )
+        };
     }
 
     fn handle(&mut self, msg: ToBridge) {
@@ -1000,10 +1012,10 @@ impl Bridge {
             }
             b.flush_holds();
         });
-        if self.write_due().is_none_or(|due| due > now) {
+        if self.write_due(now).is_none_or(|due| due > now) {
             return;
         }
-        self.last_write = now;
+        self.pace.wrote(now);
         self.batched(Self::persist_held);
         self.rekeep_sessions();
         let Some(f) = self.fleet.as_mut() else { return };
@@ -1015,18 +1027,16 @@ impl Bridge {
     }
 
     /// When the queued Redis writes should go out: None when nothing is queued.
-    fn write_due(&self) -> Option<Instant> {
+    fn write_due(&self, now: Instant) -> Option<Instant> {
         // While Redis is away the reconnect backoff paces the bridge, not this.
         if !self.fleet.as_ref().is_some_and(Fleet::is_up) {
             return None;
         }
-        let queued =
-            self.persists.len() + self.rekeeps.len() + self.fleet.as_ref().map_or(0, Fleet::queued);
-        let writes = match queued {
-            0 => None,
-            n if n >= WRITE_BATCH => Some(self.last_write),
-            _ => Some(self.last_write + WRITE_PACE),
+        let queued = Queued {
+            persists: self.persists.len(),
+            others: self.rekeeps.len() + self.fleet.as_ref().map_or(0, Fleet::queued),
         };
+        let writes = self.pace.due(queued, now);
         let forgets = self.fleet.as_ref().and_then(Fleet::forget_due);
         writes.into_iter().chain(forgets).min()
     }

@@ -5,6 +5,7 @@
 //! - [`bridge`]: the thread that owns the registry and talks to cores.
 //! - `fleet`, [`pubsub`], [`control`]: fleet mode's Redis I/O and control messages.
 //! - [`scripts`]: the Redis Lua scripts of fleet mode.
+//! - `pace`: when the bridge's queued Redis writes go out.
 
 pub mod bridge;
 pub mod control;
@@ -12,6 +13,7 @@ pub mod embedded;
 pub mod fleet;
 pub mod msg;
 pub mod offline;
+pub(crate) mod pace;
 pub mod pubsub;
 pub mod scripts;
 pub mod sessions;
