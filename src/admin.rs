@@ -299,14 +299,8 @@ fn serve(admin: &Admin, mut stream: TcpStream) -> std::io::Result<()> {
     stream.set_write_timeout(Some(IO_TIMEOUT))?;
     let _ = stream.set_nodelay(true);
     let mut buf = Vec::new();
-    stream.set_read_timeout(Some(IO_TIMEOUT))?;
     for served in 0.. {
-        if served == 1 {
-            // From the second request on, waiting is keep-alive idling (one syscall, not one
-            // per request).
-            stream.set_read_timeout(Some(KEEP_ALIVE))?;
-        }
-        let req = match read_request(&mut stream, &mut buf) {
+        let req = match read_request(&mut stream, &mut buf, served > 0) {
             Ok(Some(req)) => req,
             Ok(None) if buf.is_empty() => return Ok(()),
             Ok(None) => return respond(&mut stream, 400, "text/plain", b"bad request\n", true),
@@ -324,8 +318,17 @@ fn serve(admin: &Admin, mut stream: TcpStream) -> std::io::Result<()> {
 
 /// Reads one request from `buf` + the stream; leaves any bytes after it in `buf`.
 /// Ok(None): the connection ended (buf empty) or the request is malformed/too large.
-fn read_request(stream: &mut TcpStream, buf: &mut Vec<u8>) -> std::io::Result<Option<Request>> {
+///
+/// Waiting for a request's first byte is keep-alive idling (`KEEP_ALIVE`) once one has been
+/// served; from its first byte (or the connection's start) the request has `IO_TIMEOUT` to
+/// arrive whole, however it trickles, as on the cores (`worker::admin_conn`).
+fn read_request(
+    stream: &mut TcpStream,
+    buf: &mut Vec<u8>,
+    kept_alive: bool,
+) -> std::io::Result<Option<Request>> {
     let mut chunk = [0u8; 4096];
+    let mut deadline = None;
     loop {
         match parse_request(buf) {
             Parsed::Complete(req, len) => {
@@ -335,6 +338,17 @@ fn read_request(stream: &mut TcpStream, buf: &mut Vec<u8>) -> std::io::Result<Op
             Parsed::Bad => return Ok(None),
             Parsed::Partial => {}
         }
+        let now = Instant::now();
+        let until = match deadline {
+            Some(d) => d,
+            None if buf.is_empty() && kept_alive => now + KEEP_ALIVE,
+            None => *deadline.insert(now + IO_TIMEOUT),
+        };
+        let wait = until.saturating_duration_since(now);
+        if wait.is_zero() {
+            return Err(std::io::ErrorKind::TimedOut.into());
+        }
+        stream.set_read_timeout(Some(wait))?;
         let n = match stream.read(&mut chunk) {
             Ok(n) => n,
             // An idle keep-alive connection timing out is a normal end.
@@ -351,6 +365,9 @@ fn read_request(stream: &mut TcpStream, buf: &mut Vec<u8>) -> std::io::Result<Op
         };
         if n == 0 {
             return Ok(None);
+        }
+        if deadline.is_none() {
+            deadline = Some(Instant::now() + IO_TIMEOUT);
         }
         buf.extend_from_slice(chunk.get(..n).unwrap_or_default());
     }

@@ -535,10 +535,38 @@ fn admin_connections_past_what_the_cores_serve_are_served_by_the_pool() {
 
 #[test]
 fn an_admin_request_trickling_in_is_cut_off_at_its_deadline() {
+    let b = Broker::start(&[]);
+    let s = std::net::TcpStream::connect(b.admin).unwrap();
+    let after = trickle_until_closed(s);
+    // The whole request had 5 s from its first byte.
+    assert!(
+        after >= Duration::from_millis(4900) && after < Duration::from_secs(8),
+        "closed after {after:?}"
+    );
+}
+
+#[test]
+fn a_trickling_request_is_cut_off_by_the_pool_too() {
+    let b = Broker::start(&[]);
+    // The cores serve up to 64 admin connections; these take them all.
+    let mut held: Vec<KeepAlive> = (0..64).map(|_| KeepAlive::open(b.admin)).collect();
+    assert_eq!(
+        held[0].request("GET", "/healthz", ""),
+        (200, "ok\n".to_string())
+    );
+    let s = std::net::TcpStream::connect(b.admin).unwrap();
+    let after = trickle_until_closed(s);
+    assert!(
+        after >= Duration::from_millis(4900) && after < Duration::from_secs(8),
+        "closed after {after:?}"
+    );
+}
+
+/// Sends a request head one byte every 100 ms, never ending it; returns how long the broker
+/// took to close the connection (at most about 12 s).
+fn trickle_until_closed(mut s: std::net::TcpStream) -> Duration {
     use std::io::Read;
     use std::time::Instant;
-    let b = Broker::start(&[]);
-    let mut s = std::net::TcpStream::connect(b.admin).unwrap();
     s.set_nodelay(true).unwrap();
     let mut reader = s.try_clone().unwrap();
     reader
@@ -553,19 +581,14 @@ fn an_admin_request_trickling_in_is_cut_off_at_its_deadline() {
     });
     s.write_all(b"POST /v1/rigs/rig-slow/commands HTTP/1.1\r\nX-Slow: ")
         .unwrap();
-    // One more byte every 100 ms: each read alone is quick, the request never ends.
+    // Each read alone is quick; the request never ends.
     while !closed.is_finished() && start.elapsed() < Duration::from_secs(12) {
         if s.write_all(b"a").is_err() {
             break;
         }
         std::thread::sleep(Duration::from_millis(100));
     }
-    let after = closed.join().unwrap();
-    // The whole request had 5 s from its first byte.
-    assert!(
-        after >= Duration::from_millis(4900) && after < Duration::from_secs(8),
-        "closed after {after:?}"
-    );
+    closed.join().unwrap()
 }
 
 #[test]
