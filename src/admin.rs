@@ -293,6 +293,42 @@ pub fn parse_request(buf: &[u8]) -> Parsed {
     )
 }
 
+/// How long a connection may wait for the rest of its current request, the same rule on the
+/// cores and in the pool: from the request's first byte (or the connection's start) it has
+/// [`IO_TIMEOUT`] to arrive whole, however it trickles; before its first byte, a connection
+/// that has been served may idle [`KEEP_ALIVE`].
+#[derive(Debug)]
+pub(crate) struct RequestClock {
+    kept_alive: bool,
+    deadline: Option<Instant>,
+}
+
+impl RequestClock {
+    /// For the next request; `kept_alive` once the connection has served one.
+    pub(crate) fn new(kept_alive: bool) -> Self {
+        RequestClock {
+            kept_alive,
+            deadline: None,
+        }
+    }
+
+    /// How long the next read may wait, `holding` saying whether part of the request is in.
+    /// Zero: the request is out of time.
+    pub(crate) fn wait(&mut self, holding: bool, now: Instant) -> Duration {
+        let until = match self.deadline {
+            Some(d) => d,
+            None if !holding && self.kept_alive => now + KEEP_ALIVE,
+            None => *self.deadline.insert(now + IO_TIMEOUT),
+        };
+        until.saturating_duration_since(now)
+    }
+
+    /// Bytes arrived: the request's own clock runs from the first.
+    pub(crate) fn got_bytes(&mut self, now: Instant) {
+        self.deadline.get_or_insert(now + IO_TIMEOUT);
+    }
+}
+
 /// Serves requests on one connection (HTTP/1.1 keep-alive) until the client closes, asks to
 /// close, sends something malformed, or stays idle for `KEEP_ALIVE`.
 fn serve(admin: &Admin, mut stream: TcpStream) -> std::io::Result<()> {
@@ -319,16 +355,14 @@ fn serve(admin: &Admin, mut stream: TcpStream) -> std::io::Result<()> {
 /// Reads one request from `buf` + the stream; leaves any bytes after it in `buf`.
 /// Ok(None): the connection ended (buf empty) or the request is malformed/too large.
 ///
-/// Waiting for a request's first byte is keep-alive idling (`KEEP_ALIVE`) once one has been
-/// served; from its first byte (or the connection's start) the request has `IO_TIMEOUT` to
-/// arrive whole, however it trickles, as on the cores (`worker::admin_conn`).
+/// Waits as [`RequestClock`] allows.
 fn read_request(
     stream: &mut TcpStream,
     buf: &mut Vec<u8>,
     kept_alive: bool,
 ) -> std::io::Result<Option<Request>> {
     let mut chunk = [0u8; 4096];
-    let mut deadline = None;
+    let mut clock = RequestClock::new(kept_alive);
     loop {
         match parse_request(buf) {
             Parsed::Complete(req, len) => {
@@ -338,13 +372,7 @@ fn read_request(
             Parsed::Bad => return Ok(None),
             Parsed::Partial => {}
         }
-        let now = Instant::now();
-        let until = match deadline {
-            Some(d) => d,
-            None if buf.is_empty() && kept_alive => now + KEEP_ALIVE,
-            None => *deadline.insert(now + IO_TIMEOUT),
-        };
-        let wait = until.saturating_duration_since(now);
+        let wait = clock.wait(!buf.is_empty(), Instant::now());
         if wait.is_zero() {
             return Err(std::io::ErrorKind::TimedOut.into());
         }
@@ -366,9 +394,7 @@ fn read_request(
         if n == 0 {
             return Ok(None);
         }
-        if deadline.is_none() {
-            deadline = Some(Instant::now() + IO_TIMEOUT);
-        }
+        clock.got_bytes(Instant::now());
         buf.extend_from_slice(chunk.get(..n).unwrap_or_default());
     }
 }
@@ -694,6 +720,30 @@ pub fn new_id() -> String {
 mod tests {
     use super::*;
     use crate::ids::CoreId;
+
+    #[test]
+    fn a_request_has_io_timeout_from_its_first_byte_however_it_trickles() {
+        let t0 = Instant::now();
+        let mut clock = RequestClock::new(true);
+        // Idle between requests: keep-alive, and the request's clock has not started.
+        assert_eq!(clock.wait(false, t0), KEEP_ALIVE);
+        let first = t0 + Duration::from_secs(1);
+        clock.got_bytes(first);
+        let later = first + Duration::from_secs(3);
+        clock.got_bytes(later);
+        assert_eq!(clock.wait(true, later), IO_TIMEOUT - Duration::from_secs(3));
+        assert_eq!(clock.wait(true, first + IO_TIMEOUT), Duration::ZERO);
+    }
+
+    #[test]
+    fn a_first_request_has_io_timeout_from_the_connections_start() {
+        let t0 = Instant::now();
+        let mut clock = RequestClock::new(false);
+        assert_eq!(clock.wait(false, t0), IO_TIMEOUT);
+        let later = t0 + Duration::from_secs(2);
+        clock.got_bytes(later);
+        assert_eq!(clock.wait(true, later), IO_TIMEOUT - Duration::from_secs(2));
+    }
 
     fn routes() -> usize {
         ROUTES.with(|r| r.borrow().len())

@@ -189,8 +189,7 @@ async fn serve_requests(
 ) -> std::io::Result<Option<CoreId>> {
     let mut buf: Vec<u8> = Vec::new();
     for served in 0..admin::MAX_PER_CONNECTION {
-        // A request must arrive whole within IO_TIMEOUT of its first byte, however it trickles.
-        let mut deadline = None;
+        let mut clock = admin::RequestClock::new(served > 0);
         let req = loop {
             match admin::parse_request(&buf) {
                 Parsed::Complete(req, len) => {
@@ -200,13 +199,7 @@ async fn serve_requests(
                 Parsed::Bad => break None,
                 Parsed::Partial => {}
             }
-            let now = Instant::now();
-            let until = match deadline {
-                Some(d) => d,
-                None if buf.is_empty() && served > 0 => now + admin::KEEP_ALIVE,
-                None => *deadline.insert(now + admin::IO_TIMEOUT),
-            };
-            let wait = until.saturating_duration_since(now);
+            let wait = clock.wait(!buf.is_empty(), Instant::now());
             buf.reserve(READ_CHUNK);
             // A read fills a Vec from its start: read into the part after what it holds.
             let (len, cap) = (buf.len(), buf.capacity());
@@ -219,8 +212,7 @@ async fn serve_requests(
             match res {
                 Ok(0) if buf.is_empty() => return Ok(None),
                 Ok(0) => break None,
-                Ok(_) if deadline.is_none() => deadline = Some(Instant::now() + admin::IO_TIMEOUT),
-                Ok(_) => {}
+                Ok(_) => clock.got_bytes(Instant::now()),
                 Err(e) => return Err(e),
             }
         };
