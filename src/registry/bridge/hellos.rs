@@ -1,0 +1,227 @@
+//! Hellos, answered in batches: one pipelined lease claim for every hello read from the
+//! inbox, one more round trip for the accepted rigs' sessions and held commands.
+
+use std::time::{Instant, SystemTime};
+
+use serde_json::{json, Value};
+
+use super::Bridge;
+use crate::ids::{BootId, ConnId, RigId};
+use crate::registry::embedded::Action;
+use crate::registry::fleet;
+use crate::registry::msg::{SeqCommand, ToCore, Verdict};
+use crate::registry::scripts::HelloOutcome;
+use crate::registry::sessions::Resumed;
+use crate::reply;
+
+/// A hello waiting for its batch's round trip.
+pub(super) struct PendingHello {
+    conn: ConnId,
+    rig: RigId,
+    boot: BootId,
+    labels: Vec<(String, String)>,
+}
+
+/// A hello the registry has answered, waiting for its session and held commands if accepted.
+pub(super) struct Decided {
+    conn: ConnId,
+    rig: RigId,
+    boot: BootId,
+    actions: Vec<Action>,
+    accepted: bool,
+}
+
+impl Bridge {
+    /// Queues a hello for the next [`Self::flush_hellos`].
+    pub(super) fn queue_hello(
+        &mut self,
+        conn: ConnId,
+        rig: RigId,
+        boot: BootId,
+        labels: Vec<(String, String)>,
+    ) {
+        self.hellos.push(PendingHello {
+            conn,
+            rig,
+            boot,
+            labels,
+        });
+    }
+
+    /// Answers the hellos read from the inbox, all at once: in fleet mode one round trip
+    /// claims every rig's lease (`hello.lua`, pipelined) and, for those accepted, one more
+    /// reads their sessions and takes what was held for them offline. A storm of 10,000
+    /// hellos costs a few round trips per inbox batch instead of three per rig.
+    pub(super) fn flush_hellos(&mut self) {
+        if self.hellos.is_empty() {
+            return;
+        }
+        // A hello must find in Redis what was held for its rig before it.
+        self.flush_holds();
+        let hellos = std::mem::take(&mut self.hellos);
+        let ttl = self.cfg.registry_ttl;
+        if self.fleet.is_some() {
+            // The verdicts already decided must not wait on these hellos' round trips.
+            self.ring_owed();
+        }
+        let outcomes = self.fleet.as_mut().map(|f| {
+            let entries: Vec<(&RigId, &BootId)> =
+                hellos.iter().map(|h| (&h.rig, &h.boot)).collect();
+            f.hello_many(&entries, ttl)
+        });
+        if matches!(outcomes, Some(Some(_))) {
+            self.shared.count("hello_batch", "sent");
+        }
+        let mut outcomes = outcomes.map(|o| o.map(Vec::into_iter));
+        let mut decided = Vec::with_capacity(hellos.len());
+        for h in hellos {
+            let outcome = match outcomes.as_mut() {
+                None => None,
+                Some(None) => Some(None),
+                Some(Some(each)) => Some(each.next()),
+            };
+            let actions = self.decide_hello(h.conn, h.rig.clone(), h.boot, h.labels, outcome);
+            let accepted = actions.iter().any(|a| {
+                matches!(a, Action::Core(c, ToCore::Verdict { verdict: Verdict::Accept { .. }, .. }) if *c == h.conn)
+            });
+            decided.push(Decided {
+                conn: h.conn,
+                rig: h.rig,
+                boot: h.boot,
+                actions,
+                accepted,
+            });
+        }
+        let accepted: Vec<(&RigId, &BootId)> = decided
+            .iter()
+            .filter(|d| d.accepted)
+            .map(|d| (&d.rig, &d.boot))
+            .collect();
+        let session_ttl = self.cfg.session_ttl;
+        let found = match self.fleet.as_mut() {
+            Some(f) if !accepted.is_empty() => f.resume_many(&accepted, session_ttl),
+            _ => None,
+        };
+        let (mut sessions, mut held) = match found {
+            Some((s, h)) => (s.into_iter(), h.into_iter()),
+            None => (Vec::new().into_iter(), Vec::new().into_iter()),
+        };
+        for d in decided {
+            let mut actions = d.actions;
+            if d.accepted {
+                if let Some(found) = sessions.next().flatten() {
+                    actions = self.resume(d.conn, &d.rig, &d.boot, found, actions);
+                }
+                let from_redis = held.next().unwrap_or_default();
+                self.deliver_held(d.conn, &d.rig, from_redis, &mut actions);
+            }
+            self.carry_out(actions);
+        }
+    }
+
+    /// One hello's verdict, given what `hello.lua` said (None: standalone; Some(None): Redis
+    /// unavailable, so the local registry decides alone until the next refresh).
+    fn decide_hello(
+        &mut self,
+        conn: ConnId,
+        rig: RigId,
+        boot: BootId,
+        labels: Vec<(String, String)>,
+        outcome: Option<Option<Result<HelloOutcome, String>>>,
+    ) -> Vec<Action> {
+        match outcome {
+            None => self.shared.count("hello", "ok"),
+            Some(None) | Some(Some(Err(_))) => self.shared.count("hello", "unavailable"),
+            Some(Some(Ok(HelloOutcome::Older { .. }))) => {
+                self.shared.count("hello", "older");
+                return vec![Action::Core(
+                    conn,
+                    ToCore::Verdict {
+                        conn,
+                        verdict: Verdict::Older,
+                    },
+                )];
+            }
+            Some(Some(Ok(HelloOutcome::Owned { previous }))) => {
+                self.shared.count("hello", "ok");
+                // Takeover from another broker: tell it now, not at its next refresh.
+                if let Some(prev) = previous
+                    .filter(|p| !p.broker_id.is_empty() && p.broker_id != self.cfg.broker_id)
+                {
+                    self.shared.count("evict", "sent");
+                    let evict =
+                        json!({"type": "evict", "rig_id": rig.as_str(), "boot_id": boot.as_str()});
+                    self.publish(fleet::broker_channel(&prev.broker_id), &evict);
+                }
+            }
+        }
+        self.registry.hello(conn, rig, boot, labels)
+    }
+
+    /// Fleet mode: what Redis holds of this session, merged into the local verdict; the
+    /// previous boot's unacked commands are reported `rig_rebooted` (CONTRACT.md §5).
+    fn resume(
+        &mut self,
+        conn: ConnId,
+        rig: &RigId,
+        boot: &BootId,
+        found: Resumed,
+        mut actions: Vec<Action>,
+    ) -> Vec<Action> {
+        if let Some(previous) = &found.previous_boot {
+            for json in &found.rebooted {
+                let cmd: Value = serde_json::from_slice(json).unwrap_or(Value::Null);
+                let ev = json!({"type": "rig_rebooted", "rig_id": rig.as_str(), "boot_id": previous,
+                    "new_boot_id": boot.as_str(), "seq": cmd["seq"], "id": cmd["id"],
+                    "broker_id": self.cfg.broker_id, "at": reply::rfc3339(SystemTime::now())});
+                self.publish(fleet::EVENTS.to_string(), &ev);
+            }
+        }
+        let Some(next) = found.next else {
+            return actions;
+        };
+        for action in &mut actions {
+            if let Action::Core(
+                c,
+                ToCore::Verdict {
+                    verdict:
+                        Verdict::Accept {
+                            next_seq,
+                            resumed,
+                            carried,
+                        },
+                    ..
+                },
+            ) = action
+            {
+                if *c != conn {
+                    continue;
+                }
+                *next_seq = (*next_seq).max(next);
+                *resumed = true;
+                for (seq, json) in &found.commands {
+                    if carried.iter().all(|c| c.seq != *seq) {
+                        carried.push(SeqCommand {
+                            seq: *seq,
+                            id: command_id(json),
+                            json: json.clone().into_boxed_slice(),
+                            queued_at: Instant::now(),
+                            written_at: None,
+                            held: false,
+                        });
+                    }
+                }
+                carried.sort_by_key(|c| c.seq);
+            }
+        }
+        actions
+    }
+}
+
+/// The `id` inside an encoded command (for replayed commands' bookkeeping).
+fn command_id(json: &[u8]) -> Box<str> {
+    serde_json::from_slice::<Value>(json)
+        .ok()
+        .and_then(|v| v["id"].as_str().map(Into::into))
+        .unwrap_or_default()
+}

@@ -1,0 +1,433 @@
+//! The bridge thread: the one place that owns the registry and the control plane. Cores and
+//! the admin thread reach it only through its bounded inbox; it reaches cores only through
+//! theirs.
+//!
+//! Standalone, the embedded registry is the whole truth. In fleet mode (`--redis`) it stays the
+//! local index of which connection holds which rig, while Redis arbitrates between brokers
+//! (Lua scripts), carries control messages (pub/sub) and events. The thread sleeps in `ppoll(2)`
+//! on its inbox doorbell and its subscription socket, waking for the next timer at the latest.
+//!
+//! This module holds the thread's loop, its inbox dispatch and its hand-offs to cores; the
+//! rest of its work is split by job: `hellos`, `holds` (offline rigs), `broadcast`,
+//! `redis_io` (the subscription and paced writes), `upkeep` (timers) and `shared` (what the
+//! admin thread reads).
+
+mod broadcast;
+mod hellos;
+mod holds;
+mod redis_io;
+mod shared;
+mod upkeep;
+
+pub use shared::{BridgeShared, REGISTRY_OPS};
+
+use std::collections::HashMap;
+use std::os::fd::AsRawFd;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant, SystemTime};
+
+use serde_json::Value;
+
+use broadcast::Broadcast;
+use hellos::PendingHello;
+use holds::PendingHold;
+use upkeep::touch_every;
+
+use crate::config::Config;
+use crate::doorbell::{Full, Inbox, Mailbox};
+use crate::ids::{BootId, ConnId, CoreId, RigId};
+use crate::registry::embedded::{Action, Embedded};
+use crate::registry::fleet::{self, Fleet};
+use crate::registry::msg::{
+    AdminAnswer, AdminReply, PersistReq, RekeepReq, ReplyTo, ToBridge, ToCore,
+};
+use crate::registry::offline::{Deadlines, LocalHeld};
+use crate::registry::pace::WritePace;
+use crate::reply;
+
+/// Inbox messages handled per wake before the bridge looks at Redis and its timers again.
+const BATCH: usize = 4096;
+/// The shortest sleep for a due timer, so that one never handled cannot spin the thread.
+const TIMER_FLOOR: Duration = Duration::from_millis(1);
+/// The shortest sleep for a paced write: the kernel's default timer slack.
+const PACED_FLOOR: Duration = Duration::from_micros(50);
+
+/// Starts the bridge thread.
+pub fn spawn(
+    cfg: &'static Config,
+    inbox: Inbox<ToBridge>,
+    cores: Vec<Mailbox<ToCore>>,
+    shared: Arc<BridgeShared>,
+) -> anyhow::Result<JoinHandle<()>> {
+    let fleet = cfg
+        .redis
+        .as_deref()
+        .map(|url| Fleet::new(url, &cfg.broker_id, cfg.session_ttl))
+        .transpose()?;
+    let handle = std::thread::Builder::new()
+        .name("fleetlink-bridge".into())
+        .spawn(move || {
+            let now = Instant::now();
+            let mut bridge = Bridge {
+                cfg,
+                registry: Embedded::new(cfg.registry_ttl, cfg.outbox),
+                owed: vec![false; cores.len()],
+                cores,
+                batching: false,
+                shared,
+                fleet,
+                broadcasts: HashMap::new(),
+                held: LocalHeld::default(),
+                deadlines: Deadlines::default(),
+                hellos: Vec::new(),
+                holds: Vec::new(),
+                persists: Vec::new(),
+                rekeeps: Vec::new(),
+                rekeep_all: false,
+                pace: WritePace::new(now),
+                next_agg: 0,
+                next_refresh: now + cfg.registry_refresh,
+                next_touch: now + touch_every(cfg.session_ttl),
+                next_heartbeat: now,
+                next_canary: now,
+                next_expire: now,
+                started_at: reply::rfc3339(SystemTime::now()),
+            };
+            bridge.run(&inbox);
+        })?;
+    Ok(handle)
+}
+
+struct Bridge {
+    cfg: &'static Config,
+    registry: Embedded,
+    cores: Vec<Mailbox<ToCore>>,
+    /// While set, messages to cores are queued without ringing (see [`Self::batched`]).
+    batching: bool,
+    /// Cores with messages queued but not rung for.
+    owed: Vec<bool>,
+    shared: Arc<BridgeShared>,
+    fleet: Option<Fleet>,
+    broadcasts: HashMap<u64, Broadcast>,
+    /// Commands held for offline rigs here (standalone, or while Redis is away).
+    held: LocalHeld,
+    /// Deadlines of the commands this broker held.
+    deadlines: Deadlines,
+    /// Hellos read from the inbox and not yet answered (see [`Self::flush_hellos`]).
+    hellos: Vec<PendingHello>,
+    /// Commands for offline rigs not yet held (see [`Self::flush_holds`]).
+    holds: Vec<PendingHold>,
+    /// Commands waiting to be kept in Redis before they are written (fleet mode).
+    persists: Vec<PersistReq>,
+    /// Sessions to put back into Redis after it lost them (see [`Self::refresh`]).
+    rekeeps: Vec<RekeepReq>,
+    /// Redis just came back: the next refresh asks for every session, not only restored ones.
+    rekeep_all: bool,
+    /// When queued Redis writes may go out (see [`crate::registry::pace`]).
+    pace: WritePace,
+    next_agg: u64,
+    next_refresh: Instant,
+    /// When the connected rigs' session keys next get their TTL extended.
+    next_touch: Instant,
+    next_heartbeat: Instant,
+    next_canary: Instant,
+    next_expire: Instant,
+    started_at: String,
+}
+
+impl Bridge {
+    fn run(&mut self, inbox: &Inbox<ToBridge>) {
+        loop {
+            let mut handled = 0;
+            let mut shutdown = false;
+            // Verdicts of an accept storm's hellos, say, reach each core with one ring.
+            self.batched(|b| {
+                while handled < BATCH {
+                    match inbox.try_recv() {
+                        Some(ToBridge::Shutdown) => {
+                            shutdown = true;
+                            break;
+                        }
+                        Some(msg) => b.handle(msg),
+                        None => break,
+                    }
+                    handled += 1;
+                }
+                b.flush_hellos();
+                b.flush_holds();
+            });
+            if shutdown {
+                self.flush_hellos();
+                self.flush_holds();
+                return self.shutdown();
+            }
+            let now = Instant::now();
+            self.redis_io(now);
+            self.timers(now);
+            if handled == BATCH || !inbox.arm() {
+                continue;
+            }
+            self.sleep(inbox, now);
+            inbox.clear();
+        }
+    }
+
+    /// Sleeps until the doorbell rings, the subscription has data, or the next timer is due.
+    fn sleep(&self, inbox: &Inbox<ToBridge>, now: Instant) {
+        let mut next = self.next_expire;
+        if self.fleet.is_some() {
+            next = next
+                .min(self.next_refresh)
+                .min(self.next_touch)
+                .min(self.next_heartbeat)
+                .min(self.next_canary);
+        }
+        if let Some(b) = self.broadcasts.values().map(|b| b.deadline).min() {
+            next = next.min(b);
+        }
+        if let Some(d) = self.deadlines.next_due() {
+            next = next.min(d);
+        }
+        // Timers may fire a little late; a paced write may not: it holds a command back.
+        let mut wait = next.saturating_duration_since(now).max(TIMER_FLOOR);
+        if let Some(d) = self.write_due(now) {
+            wait = wait.min(d.saturating_duration_since(now).max(PACED_FLOOR));
+        }
+        let wait = wait.min(Duration::from_secs(1));
+        let timeout = libc::timespec {
+            tv_sec: wait.as_secs() as libc::time_t,
+            tv_nsec: wait.subsec_nanos() as libc::c_long,
+        };
+        let mut fds = vec![libc::pollfd {
+            fd: inbox.listen.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        }];
+        if let Some(fd) = self.fleet.as_ref().and_then(Fleet::fd) {
+            fds.push(libc::pollfd {
+                fd,
+                events: libc::POLLIN,
+                revents: 0,
+            });
+        }
+        // SAFETY: `fds` is a valid array of initialized pollfd for its length, `timeout` a
+        // valid timespec, and a null sigmask leaves the thread's mask as it is.
+        unsafe {
+            libc::ppoll(
+                fds.as_mut_ptr(),
+                fds.len() as libc::nfds_t,
+                &timeout,
+                std::ptr::null(),
+            )
+        };
+    }
+
+    fn handle(&mut self, msg: ToBridge) {
+        if let ToBridge::Hello {
+            conn,
+            rig,
+            boot,
+            labels,
+        } = msg
+        {
+            self.queue_hello(conn, rig, boot, labels);
+            return;
+        }
+        // Whatever follows a hello in the inbox sees the registry as that hello left it.
+        self.flush_hellos();
+        let actions = match msg {
+            // Queued above, answered by `flush_hellos`.
+            ToBridge::Hello { .. } => Vec::new(),
+            ToBridge::Closed {
+                conn,
+                rig,
+                boot,
+                next_seq,
+                carried,
+            } => {
+                let (actions, released) = self.registry.closed(
+                    conn,
+                    rig.clone(),
+                    boot,
+                    next_seq,
+                    carried,
+                    Instant::now(),
+                );
+                if released {
+                    self.release(rig, boot);
+                }
+                actions
+            }
+            ToBridge::Abandoned { conn, rig } => {
+                let (actions, released) = self.registry.abandoned(conn, &rig);
+                if let Some(boot) = released {
+                    self.release(rig, boot);
+                }
+                actions
+            }
+            ToBridge::Event(ev) => {
+                self.publish(fleet::EVENTS.to_string(), &ev);
+                Vec::new()
+            }
+            ToBridge::Reply { channel, body } => {
+                self.publish(channel, &body);
+                Vec::new()
+            }
+            ToBridge::Part { agg, body } => {
+                self.broadcast_part(agg, &body);
+                Vec::new()
+            }
+            ToBridge::Command(req) => self.registry.command(req),
+            ToBridge::Kick { id, rig, reply } => self.registry.kick(id, rig, reply),
+            ToBridge::Persist(p) => {
+                self.persists.push(*p);
+                Vec::new()
+            }
+            ToBridge::Rekeep(r) => {
+                self.rekeeps.push(*r);
+                Vec::new()
+            }
+            ToBridge::Forget { rig, boot, seq } => {
+                if let Some(f) = self.fleet.as_mut() {
+                    f.forget(rig, boot, seq);
+                }
+                Vec::new()
+            }
+            ToBridge::Shutdown => Vec::new(),
+        };
+        self.carry_out(actions);
+    }
+
+    fn carry_out(&mut self, actions: Vec<Action>) {
+        for action in actions {
+            match action {
+                Action::Offline(req, ttl) => self.hold(*req, ttl),
+                Action::Core(conn, msg) => self.send_to_core(conn, msg),
+                Action::Reply(to, body) => self.reply(to, body),
+                Action::Event(ev) => self.publish(fleet::EVENTS.to_string(), &ev),
+            }
+        }
+    }
+
+    /// Runs `f` with the cores' doorbells held, then rings each core it queued for once: a
+    /// burst of commands (a subscription read, a persist batch) wakes a core once, not once per
+    /// command. Only for work that does not wait on Redis in between.
+    fn batched(&mut self, f: impl FnOnce(&mut Self)) {
+        self.batching = true;
+        f(self);
+        self.batching = false;
+        self.ring_owed();
+    }
+
+    /// Rings every core that has messages queued without a ring; due before anything that
+    /// waits on Redis, so a core never waits on a round trip that is not its own.
+    fn ring_owed(&mut self) {
+        for (core, owed) in self.cores.iter().zip(self.owed.iter_mut()) {
+            if std::mem::take(owed) {
+                core.ring();
+            }
+        }
+    }
+
+    fn send_to_core(&mut self, conn: ConnId, msg: ToCore) {
+        self.send_to(conn.core(), msg);
+    }
+
+    fn send_to(&mut self, core: CoreId, msg: ToCore) {
+        let i = core.0 as usize;
+        let Some(core) = self.cores.get(i) else {
+            return;
+        };
+        let queued = if self.batching {
+            core.push(msg)
+        } else {
+            core.send(msg)
+        };
+        let Err(Full(msg)) = queued else {
+            if let Some(owed) = self.owed.get_mut(i) {
+                *owed |= self.batching;
+            }
+            return;
+        };
+        self.shared.core_queue_full.fetch_add(1, Ordering::Relaxed);
+        // The core cannot take it: answer for what we hold. A lost verdict is covered by the
+        // core's own hello deadline; a lost supersede by the next refresh or ping timeout; a
+        // lost admin answer by its request's own timeout (504).
+        match msg {
+            ToCore::Command { req, .. } => {
+                let body = reply::error(
+                    &req.id,
+                    Some(req.rig.as_str()),
+                    "overloaded",
+                    "broker core queue full",
+                );
+                self.reply(req.reply, body);
+            }
+            ToCore::Kick {
+                id, rig, reply: to, ..
+            } => {
+                let body = reply::error(
+                    &id,
+                    Some(rig.as_str()),
+                    "overloaded",
+                    "broker core queue full",
+                );
+                self.reply(to, body);
+            }
+            _ => {}
+        }
+    }
+
+    fn reply(&mut self, to: ReplyTo, body: Value) {
+        self.reply_routed(to, body, None);
+    }
+
+    /// Replies; `route` is the connection that took the command, for an admin thread to use.
+    fn reply_routed(&mut self, to: ReplyTo, body: Value, route: Option<ConnId>) {
+        match to {
+            ReplyTo::Admin(tx) => {
+                if tx.try_send(AdminAnswer { body, route }).is_err() {
+                    self.shared.count("reply", "orphaned");
+                }
+            }
+            ReplyTo::Core { core, slot } => {
+                let reply = Box::new(AdminReply::Command(AdminAnswer { body, route }));
+                self.send_to(core, ToCore::AdminReply { slot, reply });
+            }
+            ReplyTo::Channel(channel) => self.publish(channel, &body),
+            ReplyTo::Aggregate(agg) => self.broadcast_part(agg, &body),
+            ReplyTo::Event => {
+                let ev = crate::events::offline_delivered(&self.cfg.broker_id, body);
+                self.publish(fleet::EVENTS.to_string(), &ev);
+            }
+        }
+    }
+
+    fn release(&mut self, rig: RigId, boot: BootId) {
+        if let Some(f) = self.fleet.as_mut() {
+            self.shared.count("release", "sent");
+            f.release(rig, boot);
+        }
+    }
+
+    fn publish(&mut self, channel: String, body: &Value) {
+        let Some(f) = self.fleet.as_mut() else { return };
+        let before = f.dropped;
+        f.publish(channel, serde_json::to_vec(body).unwrap_or_default());
+        if f.dropped > before {
+            self.shared.count("publish", "dropped");
+        }
+    }
+
+    /// Releases every lease this broker holds, then returns (the end of a drain).
+    fn shutdown(&mut self) {
+        for (rig, boot) in self.registry.live_sessions() {
+            self.release(rig, boot);
+        }
+        if let Some(f) = self.fleet.as_mut() {
+            f.flush(None);
+        }
+    }
+}

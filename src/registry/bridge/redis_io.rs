@@ -1,0 +1,211 @@
+//! The bridge's turn at Redis in each pass: read the subscription and act on what came, then
+//! send the queued writes (persists, rekeeps, publishes, releases) when their pace allows.
+
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+use super::shared::unix_ms;
+use super::Bridge;
+use crate::registry::control::{self, Control};
+use crate::registry::fleet::{self, Fleet};
+use crate::registry::msg::{RekeepReq, ReplyTo, ToCore};
+use crate::registry::pace::Queued;
+use crate::registry::sessions::{Persist, Rekeep};
+use crate::reply;
+
+/// Sessions put back into Redis per pass of the bridge loop (see `Bridge::rekeep_sessions`).
+const REKEEP_PER_PASS: usize = 2000;
+
+impl Bridge {
+    /// Reads the subscription, then sends queued persists, publishes and releases unless
+    /// [`Self::write_due`] says to wait; reconnects when down.
+    pub(super) fn redis_io(&mut self, now: Instant) {
+        let Some(f) = self.fleet.as_mut() else { return };
+        let was_up = f.is_up();
+        if !f.ensure(now) {
+            self.persist_held();
+            if was_up || self.shared.redis_up.load(Ordering::Relaxed) == 1 {
+                self.shared.redis_up.store(0, Ordering::Relaxed);
+                self.shared.subscribed.store(false, Ordering::Relaxed);
+            }
+            return;
+        }
+        self.shared.redis_up.store(1, Ordering::Relaxed);
+        let pushes = f.read();
+        self.shared
+            .subscribed
+            .store(f.is_subscribed(), Ordering::Relaxed);
+        if std::mem::take(&mut f.just_connected) {
+            // Re-assert every lease we hold: Redis may have restarted empty. And put every
+            // session back: commands delivered while Redis was away were not kept.
+            self.rekeep_all = true;
+            self.next_refresh = now;
+            self.next_heartbeat = now;
+            self.next_canary = now;
+        }
+        self.batched(|b| {
+            for push in pushes {
+                b.shared.pubsub_in.fetch_add(1, Ordering::Relaxed);
+                b.control(&push.channel, &push.payload, now);
+            }
+            b.flush_holds();
+        });
+        if self.write_due(now).is_none_or(|due| due > now) {
+            return;
+        }
+        self.pace.wrote(now);
+        self.batched(Self::persist_held);
+        self.rekeep_sessions();
+        let Some(f) = self.fleet.as_mut() else { return };
+        let published = f.published;
+        f.flush(Some(now));
+        self.shared
+            .pubsub_out
+            .fetch_add(f.published - published, Ordering::Relaxed);
+    }
+
+    /// When the queued Redis writes should go out: None when nothing is queued.
+    pub(super) fn write_due(&self, now: Instant) -> Option<Instant> {
+        // While Redis is away the reconnect backoff paces the bridge, not this.
+        if !self.fleet.as_ref().is_some_and(Fleet::is_up) {
+            return None;
+        }
+        let queued = Queued {
+            persists: self.persists.len(),
+            others: self.rekeeps.len() + self.fleet.as_ref().map_or(0, Fleet::queued),
+        };
+        let writes = self.pace.due(queued, now);
+        let forgets = self.fleet.as_ref().and_then(Fleet::forget_due);
+        writes.into_iter().chain(forgets).min()
+    }
+
+    fn control(&mut self, channel: &str, payload: &[u8], now: Instant) {
+        let broadcast = channel == fleet::BROADCAST;
+        match control::parse(payload, broadcast) {
+            Ok(Control::Canary { broker_id }) => {
+                if broker_id == self.cfg.broker_id {
+                    self.shared.canary_at_ms.store(unix_ms(), Ordering::Relaxed);
+                }
+            }
+            Ok(Control::Command(req)) => {
+                let actions = self.registry.command(Box::new(req));
+                self.carry_out(actions);
+            }
+            Ok(Control::Kick { id, rig, reply_to }) => {
+                let actions = self.registry.kick(id, rig, ReplyTo::Channel(reply_to));
+                self.carry_out(actions);
+            }
+            Ok(Control::Evict { rig, boot }) => {
+                self.shared.count("evict", "received");
+                let actions = self.registry.supersede(&rig, Some(boot));
+                self.carry_out(actions);
+            }
+            Ok(Control::Broadcast {
+                id,
+                selector,
+                name,
+                args,
+                reply_to,
+            }) => {
+                self.broadcast(id, &selector, name, args, reply_to, now);
+            }
+            Err(bad) => {
+                self.shared.count("control", "bad_request");
+                if let Some((id, reply_to)) = bad.reply_to {
+                    self.publish(
+                        reply_to,
+                        &reply::error(&id, bad.rig.as_deref(), "bad_request", &bad.why),
+                    );
+                }
+            }
+        }
+    }
+
+    /// Keeps the held commands in Redis (one batched, lease-fenced script call), then releases
+    /// each to its core and answers control: `ok` only for what Redis kept. With Redis down,
+    /// commands are released unkept (delivery goes on; only a cross-broker resume loses them).
+    fn persist_held(&mut self) {
+        if self.persists.is_empty() {
+            return;
+        }
+        let held = std::mem::take(&mut self.persists);
+        let ttl = self.cfg.session_ttl;
+        let kept = self.fleet.as_mut().and_then(|f| {
+            let batch: Vec<Persist<'_>> = held
+                .iter()
+                .map(|p| Persist {
+                    rig: &p.rig,
+                    boot: &p.boot,
+                    seq: p.seq,
+                    json: &p.json,
+                })
+                .collect();
+            f.persist(&batch, ttl)
+        });
+        if kept.is_none() {
+            self.shared.count("persist", "unavailable");
+        }
+        for (i, p) in held.into_iter().enumerate() {
+            let ok = kept
+                .as_ref()
+                .is_none_or(|k| k.get(i).copied().unwrap_or(false));
+            let (body, route) = if ok {
+                self.shared.count("persist", "ok");
+                (reply::enqueued(&p.id, &p.rig, p.seq), Some(p.conn))
+            } else {
+                self.shared.count("persist", "fenced");
+                let body = reply::error(
+                    &p.id,
+                    Some(p.rig.as_str()),
+                    "rig_not_connected",
+                    "another broker owns this rig now",
+                );
+                (body, None)
+            };
+            self.send_to_core(
+                p.conn,
+                ToCore::Persisted {
+                    conn: p.conn,
+                    seq: p.seq,
+                    kept: ok,
+                },
+            );
+            self.reply_routed(p.reply, body, route);
+        }
+    }
+
+    /// Puts back the sessions the cores sent after a reconnect or a restored lease (see
+    /// [`Self::refresh`]).
+    fn rekeep_sessions(&mut self) {
+        if self.rekeeps.is_empty() {
+            return;
+        }
+        // A pass at a time, so that after a reconnect with a big fleet hellos and commands
+        // get their turn between passes.
+        let n = self.rekeeps.len().min(REKEEP_PER_PASS);
+        let sent: Vec<RekeepReq> = self.rekeeps.drain(..n).collect();
+        let sessions: Vec<Rekeep<'_>> = sent
+            .iter()
+            .map(|r| Rekeep {
+                rig: &r.rig,
+                boot: &r.boot,
+                next: r.next,
+                cmds: &r.cmds,
+            })
+            .collect();
+        let ttl = self.cfg.session_ttl;
+        match self.fleet.as_mut().and_then(|f| f.rekeep(&sessions, ttl)) {
+            Some(kept) => {
+                for ok in kept {
+                    self.shared
+                        .count("rekeep", if ok { "ok" } else { "fenced" });
+                }
+            }
+            None => {
+                for _ in &sessions {
+                    self.shared.count("rekeep", "unavailable");
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,133 @@
+//! What the bridge counts and reports, shared with the admin thread: operation counters,
+//! Redis and subscription state, readiness.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use crate::metrics::BridgeStats;
+
+/// Readiness fails when no canary came back for this long.
+const CANARY_STALE: Duration = Duration::from_secs(5);
+
+/// Registry operations counted by (op, result), in this order.
+pub const REGISTRY_OPS: [(&str, &str); 24] = [
+    ("offline", "held"),
+    ("offline", "full"),
+    ("offline", "delivered"),
+    ("offline", "expired"),
+    ("offline_batch", "sent"),
+    ("persist", "ok"),
+    ("persist", "fenced"),
+    ("persist", "unavailable"),
+    ("rekeep", "ok"),
+    ("rekeep", "fenced"),
+    ("rekeep", "unavailable"),
+    ("hello", "ok"),
+    ("hello", "older"),
+    ("hello", "unavailable"),
+    ("hello_batch", "sent"),
+    ("refresh", "ok"),
+    ("refresh", "restored"),
+    ("refresh", "superseded"),
+    ("release", "sent"),
+    ("evict", "sent"),
+    ("evict", "received"),
+    ("control", "bad_request"),
+    ("reply", "orphaned"),
+    ("publish", "dropped"),
+];
+
+/// Bridge figures the admin thread reads (written only by the bridge thread).
+#[derive(Debug)]
+pub struct BridgeShared {
+    /// True in fleet mode.
+    pub fleet: bool,
+    /// 1 while Redis answers.
+    pub redis_up: AtomicU64,
+    /// True once the scripts are loaded and both channels are subscribed.
+    pub subscribed: AtomicBool,
+    /// Unix ms when our own canary last came back.
+    pub canary_at_ms: AtomicU64,
+    /// Messages the bridge could not hand to a full core inbox.
+    pub core_queue_full: AtomicU64,
+    /// Counters in [`REGISTRY_OPS`] order.
+    pub ops: [AtomicU64; REGISTRY_OPS.len()],
+    /// Pub/sub messages received.
+    pub pubsub_in: AtomicU64,
+    /// Pub/sub messages published.
+    pub pubsub_out: AtomicU64,
+}
+
+impl BridgeShared {
+    /// Fresh figures; `fleet` says whether Redis is configured.
+    pub fn new(fleet: bool) -> Self {
+        Self {
+            fleet,
+            redis_up: AtomicU64::new(0),
+            subscribed: AtomicBool::new(false),
+            canary_at_ms: AtomicU64::new(0),
+            core_queue_full: AtomicU64::new(0),
+            ops: Default::default(),
+            pubsub_in: AtomicU64::new(0),
+            pubsub_out: AtomicU64::new(0),
+        }
+    }
+
+    pub(super) fn count(&self, op: &str, result: &str) {
+        if let Some(i) = REGISTRY_OPS
+            .iter()
+            .position(|&(o, r)| o == op && r == result)
+        {
+            self.ops[i].fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Why the broker is not ready, if it is not (fleet mode: Redis, scripts, subscription and
+    /// a recent canary; CONTRACT.md §4).
+    pub fn not_ready(&self) -> Option<String> {
+        if !self.fleet {
+            return None;
+        }
+        if self.redis_up.load(Ordering::Relaxed) == 0 {
+            return Some("redis unreachable".into());
+        }
+        if !self.subscribed.load(Ordering::Relaxed) {
+            return Some("subscription not live".into());
+        }
+        let age = unix_ms().saturating_sub(self.canary_at_ms.load(Ordering::Relaxed));
+        if age > CANARY_STALE.as_millis() as u64 {
+            return Some(format!("no canary for {age} ms"));
+        }
+        None
+    }
+
+    /// Copies the figures for `/metrics`.
+    pub fn stats(&self, queue_depth: usize) -> BridgeStats {
+        BridgeStats {
+            redis_up: self.redis_up.load(Ordering::Relaxed),
+            registry_ops: REGISTRY_OPS
+                .iter()
+                .zip(&self.ops)
+                .map(|(&(op, result), n)| {
+                    (
+                        op.to_string(),
+                        result.to_string(),
+                        n.load(Ordering::Relaxed),
+                    )
+                })
+                .collect(),
+            queue_depth: queue_depth as u64,
+            core_queue_full: self.core_queue_full.load(Ordering::Relaxed),
+            pubsub: vec![
+                ("in".into(), self.pubsub_in.load(Ordering::Relaxed)),
+                ("out".into(), self.pubsub_out.load(Ordering::Relaxed)),
+            ],
+        }
+    }
+}
+
+pub(super) fn unix_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}

@@ -1,0 +1,147 @@
+//! The bridge's timers: expiring held commands and stale registry entries, closing late
+//! broadcasts, and in fleet mode the canary, the heartbeat, lease refreshes and session
+//! touches.
+
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+
+use super::shared::unix_ms;
+use super::Bridge;
+use crate::registry::fleet;
+use crate::registry::msg::ToCore;
+use crate::registry::scripts::RefreshStatus;
+
+/// How often the broker publishes a canary on its own channel.
+const CANARY_EVERY: Duration = Duration::from_secs(1);
+/// The `broker:<id>` key: refreshed every 10 s with a 30 s TTL (CONTRACT.md §3).
+const HEARTBEAT_EVERY: Duration = Duration::from_secs(10);
+const HEARTBEAT_TTL: Duration = Duration::from_secs(30);
+
+impl Bridge {
+    pub(super) fn timers(&mut self, now: Instant) {
+        self.expire_held(now);
+        if now >= self.next_expire {
+            self.registry.expire(now);
+            self.next_expire = now + Duration::from_secs(1);
+        }
+        let late: Vec<u64> = self
+            .broadcasts
+            .iter()
+            .filter(|(_, b)| b.deadline <= now)
+            .map(|(k, _)| *k)
+            .collect();
+        for agg in late {
+            self.finish_broadcast(agg, true);
+        }
+        if self.fleet.as_ref().is_none_or(|f| !f.is_up()) {
+            return;
+        }
+        if now >= self.next_canary {
+            self.next_canary = now + CANARY_EVERY;
+            let canary =
+                json!({"type": "canary", "broker_id": self.cfg.broker_id, "at": unix_ms()});
+            self.publish(fleet::broker_channel(&self.cfg.broker_id), &canary);
+        }
+        if now >= self.next_heartbeat {
+            self.next_heartbeat = now + HEARTBEAT_EVERY;
+            let blob = json!({
+                "broker_id": self.cfg.broker_id, "address": self.cfg.listen.to_string(),
+                "cores": self.cfg.cores, "started_at": self.started_at, "connections": self.registry.len(),
+            });
+            if let Some(f) = self.fleet.as_mut() {
+                f.heartbeat(&blob.to_string(), HEARTBEAT_TTL);
+            }
+        }
+        if now >= self.next_refresh {
+            self.next_refresh = now + self.cfg.registry_refresh;
+            self.refresh();
+        }
+        if now >= self.next_touch {
+            self.next_touch = now + touch_every(self.cfg.session_ttl);
+            self.touch_sessions();
+        }
+    }
+
+    /// `--session-ttl` counts from when the rig was last seen, and a connected rig is seen
+    /// all along; commands do not extend it (`persist.lua`). Without this, a connected rig's
+    /// session (its `next` and unacked commands) would expire, and a resume after this broker
+    /// died would find nothing.
+    fn touch_sessions(&mut self) {
+        if self.cfg.session_ttl.is_zero() {
+            return;
+        }
+        let sessions = self.registry.live_sessions();
+        if let Some(f) = self.fleet.as_mut() {
+            f.touch_sessions(&sessions);
+        }
+    }
+
+    /// One batched lease refresh for every rig this broker holds (CONTRACT.md §3).
+    fn refresh(&mut self) {
+        // Taken here: a failed refresh means Redis is away again, and its return sets it anew.
+        let everyone = std::mem::take(&mut self.rekeep_all);
+        let entries = self.registry.live_sessions();
+        if entries.is_empty() {
+            return;
+        }
+        let ttl = self.cfg.registry_ttl;
+        let Some(statuses) = self.fleet.as_mut().and_then(|f| f.refresh(&entries, ttl)) else {
+            return;
+        };
+        for ((rig, _), status) in entries.iter().zip(statuses) {
+            // A restored lease means Redis may have lost the session too (it restarted empty);
+            // after any reconnect, commands delivered while Redis was away were never kept.
+            // Either way the core holding the rig sends its session back to be kept again.
+            let rekeep =
+                status == RefreshStatus::Restored || (everyone && status == RefreshStatus::Ok);
+            if rekeep && !self.cfg.session_ttl.is_zero() {
+                if let Some(conn) = self.registry.conn_of(rig) {
+                    self.send_to_core(conn, ToCore::Rekeep { conn });
+                }
+            }
+            match status {
+                RefreshStatus::Ok => self.shared.count("refresh", "ok"),
+                RefreshStatus::Restored => self.shared.count("refresh", "restored"),
+                RefreshStatus::Superseded => {
+                    self.shared.count("refresh", "superseded");
+                    let actions = self.registry.supersede(rig, None);
+                    self.carry_out(actions);
+                }
+            }
+        }
+    }
+}
+
+/// How often connected rigs' sessions get their TTL extended: a few times per TTL, so one
+/// late or failed round never lets a session lapse (and at least hourly). With no sessions
+/// kept (`--session-ttl 0`) the timer only idles, hourly, rather than waking the bridge.
+pub(super) fn touch_every(session_ttl: Duration) -> Duration {
+    const HOURLY: Duration = Duration::from_secs(3600);
+    if session_ttl.is_zero() {
+        return HOURLY;
+    }
+    (session_ttl / 3).clamp(Duration::from_millis(100), HOURLY)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sessions_are_touched_a_few_times_per_ttl_and_never_busily() {
+        let s = Duration::from_secs;
+        assert_eq!(touch_every(s(600)), s(200), "the default 10 min TTL");
+        assert_eq!(touch_every(s(2)), s(2) / 3);
+        assert_eq!(
+            touch_every(Duration::from_millis(30)),
+            Duration::from_millis(100)
+        );
+        assert_eq!(touch_every(s(365 * 86_400)), s(3600));
+        assert_eq!(
+            touch_every(Duration::ZERO),
+            s(3600),
+            "--session-ttl 0 keeps no session"
+        );
+    }
+}
