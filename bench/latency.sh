@@ -13,6 +13,9 @@
 #   tokio-baseline-redis-default  the baseline with --redis (broker id tb-a), default buffers;
 #                                 commands PUBLISHed on fleetlink:broker:tb-a as for fleetlink-fe-redis
 #   tokio-baseline-redis-rb4096   the same with --read-buffer 4096 --write-buffer 0
+#   tokio-baseline-redis-store-rb4096  the same with --session-ttl 10m: every command is kept in
+#                                 Redis (lua/persist.lua) before it is written, as with
+#                                 fleetlink-fe-redis; the same guarantee's cost on tokio
 #
 # and two shapes each:
 #
@@ -24,7 +27,7 @@
 #                    [--fanouts F] [--fanout-gap 2s] [--brokers "fleetlink-fe-redis ..."]
 #                    [--time-limit SECONDS] [--results DIR] [--no-build]
 #
-# Defaults: N=10000, R=3, K=500, INTERVAL=10ms, F=2, all seven brokers, time limit 1800 s.
+# Defaults: N=10000, R=3, K=500, INTERVAL=10ms, F=2, all eight brokers, time limit 1800 s.
 # A round runs one session per broker (the order rotates each round, so no broker always goes
 # first); a session starts the broker, runs the single shape with a 1-rig loadgen, then the
 # fan-out shape with an N-rig loadgen (`--until-commands` ends each loadgen once every command
@@ -58,7 +61,7 @@ single=500
 interval=10ms
 fanouts=2
 fanout_gap=2s
-brokers="fleetlink-fe-redis fleetlink-fe-redis-nopersist fleetlink-fe-admin tokio-baseline-default tokio-baseline-rb4096 tokio-baseline-redis-default tokio-baseline-redis-rb4096"
+brokers="fleetlink-fe-redis fleetlink-fe-redis-nopersist fleetlink-fe-admin tokio-baseline-default tokio-baseline-rb4096 tokio-baseline-redis-default tokio-baseline-redis-rb4096 tokio-baseline-redis-store-rb4096"
 time_limit=1800
 build=1
 results="$here/results"
@@ -91,7 +94,7 @@ for b in $brokers; do
   case "$b" in
     fleetlink-fe-redis|fleetlink-fe-redis-nopersist|fleetlink-fe-admin) ;;
     tokio-baseline-default|tokio-baseline-rb4096) ;;
-    tokio-baseline-redis-default|tokio-baseline-redis-rb4096) ;;
+    tokio-baseline-redis-default|tokio-baseline-redis-rb4096|tokio-baseline-redis-store-rb4096) ;;
     *) die "unknown broker $b" ;;
   esac
 done
@@ -181,6 +184,9 @@ broker_cmd() {
     tokio-baseline-redis-default) echo "$baseline" --redis "$redis_url" "${common_tb[@]}" ;;
     tokio-baseline-redis-rb4096)
       echo "$baseline" --redis "$redis_url" "${common_tb[@]}" --read-buffer 4096 --write-buffer 0 ;;
+    tokio-baseline-redis-store-rb4096)
+      echo "$baseline" --redis "$redis_url" "${common_tb[@]}" --read-buffer 4096 --write-buffer 0 \
+        --session-ttl 10m ;;
   esac
 }
 
@@ -329,7 +335,8 @@ params = {"rigs": $rigs, "rounds": $rounds, "single_count": $single, "single_int
 order = [b for b in "$brokers".split()]
 path_of = {"fleetlink-fe-redis": "Redis PUBLISH", "fleetlink-fe-redis-nopersist": "Redis PUBLISH", "fleetlink-fe-admin": "admin POST",
            "tokio-baseline-default": "admin POST", "tokio-baseline-rb4096": "admin POST",
-           "tokio-baseline-redis-default": "Redis PUBLISH", "tokio-baseline-redis-rb4096": "Redis PUBLISH"}
+           "tokio-baseline-redis-default": "Redis PUBLISH", "tokio-baseline-redis-rb4096": "Redis PUBLISH",
+           "tokio-baseline-redis-store-rb4096": "Redis PUBLISH"}
 summary = {}
 for b in order:
     summary[b] = {}
@@ -386,9 +393,10 @@ for shape in ("single", "fanout"):
         if None in (a["p50_us"], a["p99_us"], c["p50_us"], c["p99_us"]):
             continue
         ratios.append(f"- {shape}: {b} / {ref}: p50 {c['p50_us'] / a['p50_us']:.2f}x, p99 {c['p99_us'] / a['p99_us']:.2f}x")
-        # Same guarantee on both sides: the baseline keeps no session in Redis either.
+        # Same guarantee on both sides: the baseline keeps no session in Redis either (the
+        # store arm does, so fleetlink-fe-redis above is already its like-for-like).
         np = "fleetlink-fe-redis-nopersist"
-        if ref == "fleetlink-fe-redis" and np in summary and shape in summary[np]:
+        if ref == "fleetlink-fe-redis" and "-store-" not in b and np in summary and shape in summary[np]:
             a = summary[np][shape]
             if None not in (a["p50_us"], a["p99_us"]):
                 ratios.append(f"- {shape}: {b} / {np}: p50 {c['p50_us'] / a['p50_us']:.2f}x, p99 {c['p99_us'] / a['p99_us']:.2f}x")

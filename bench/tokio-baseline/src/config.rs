@@ -69,6 +69,13 @@ pub struct Config {
     /// How often the broker extends the leases of the rigs it holds (Redis mode).
     #[arg(long, env = "FLEETLINK_REGISTRY_REFRESH", default_value = "10s", value_parser = parse_duration)]
     pub registry_refresh: Duration,
+    /// Redis mode: keep every command from control in Redis (lua/persist.lua, fenced by the
+    /// rig's lease, as fleetlink-fe's session store does) before writing it, forget it at the
+    /// ack, and let an untouched session expire after this long. 0 = off, the default: the
+    /// baseline's subset has no session store. A bench knob for what the store costs on the
+    /// write path: nothing is ever resumed from it.
+    #[arg(long, env = "FLEETLINK_SESSION_TTL", default_value = "0s", value_parser = parse_duration)]
+    pub session_ttl: Duration,
 }
 
 impl Config {
@@ -116,6 +123,7 @@ mod tests {
         assert_eq!(c.registry_ttl, Duration::from_secs(60));
         assert_eq!(c.registry_refresh, Duration::from_secs(10));
         assert_eq!(c.redis, None);
+        assert_eq!(c.session_ttl, Duration::ZERO);
         let c = Config::try_parse_from(["x", "--read-buffer", "4096", "--ping-interval", "250ms"])
             .unwrap();
         assert_eq!(c.read_buffer, Some(4096));

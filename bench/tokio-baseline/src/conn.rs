@@ -335,6 +335,13 @@ where
                 // The sender lives in the registry until we unregister or another owner
                 // supersedes us (Redis mode), which also asks us to close with 4410.
                 let Some(out) = out else { return close(app, ws, crate::registry::CLOSE_SUPERSEDED, "superseded").await };
+                // --session-ttl: wait until Redis has it; a fenced command is not written. A
+                // keeper that went away without answering leaves it to be written unkept.
+                if let Some(kept) = out.kept {
+                    if !kept.await.unwrap_or(true) {
+                        continue;
+                    }
+                }
                 if ws.send(Message::text(out.text)).await.is_err() {
                     return abnormal(app);
                 }
@@ -399,6 +406,7 @@ fn on_text(app: &App, conn: &RigConn, text: &str, written: Option<&mut VecDeque<
                         .map(|(_, id)| id.as_str());
                     let ev = json!({"type": "ack", "rig_id": conn.rig_id, "seq": seq, "id": id});
                     f.event(&m.redis, ev);
+                    f.forget(&m.redis, &conn.rig_id, &conn.boot_id, seq);
                 }
             }
         }

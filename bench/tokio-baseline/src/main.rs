@@ -8,6 +8,7 @@ mod admin;
 mod config;
 mod conn;
 mod hello;
+mod keep;
 mod metrics;
 mod redis_mode;
 mod registry;
@@ -107,9 +108,10 @@ async fn run(cfg: Config) -> Result<()> {
         .await
         .with_context(|| format!("binding admin {}", cfg.admin))?;
     let fleet = match &cfg.redis {
-        Some(url) => {
-            Some(redis_mode::Fleet::connect(url, &cfg.broker_id(), cfg.registry_ttl).await?)
-        }
+        Some(url) => Some(
+            redis_mode::Fleet::connect(url, &cfg.broker_id(), cfg.registry_ttl, cfg.session_ttl)
+                .await?,
+        ),
         None => None,
     };
     let app = Arc::new(App::new(cfg, tls, fleet));

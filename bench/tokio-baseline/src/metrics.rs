@@ -28,6 +28,16 @@ pub struct RedisMetrics {
     pub publish_dropped: AtomicU64,
     /// Publishes lost because Redis failed the pipeline that carried them.
     pub publish_failed: AtomicU64,
+    /// `--session-ttl`: commands Redis kept, fenced (not written), or could not be asked
+    /// about (written unkept).
+    pub persist_ok: AtomicU64,
+    pub persist_fenced: AtomicU64,
+    pub persist_unavailable: AtomicU64,
+    /// Acked commands deleted from their session, lost with a failed pipeline, or dropped
+    /// with the keeper's queue full.
+    pub forget_ok: AtomicU64,
+    pub forget_failed: AtomicU64,
+    pub forget_dropped: AtomicU64,
 }
 
 #[derive(Debug, Default)]
@@ -137,6 +147,12 @@ impl Metrics {
                 ("evict", "received", &r.evict_received),
                 ("control", "received", &r.control_in),
                 ("control", "bad_request", &r.control_bad_request),
+                ("persist", "ok", &r.persist_ok),
+                ("persist", "fenced", &r.persist_fenced),
+                ("persist", "unavailable", &r.persist_unavailable),
+                ("forget", "ok", &r.forget_ok),
+                ("forget", "failed", &r.forget_failed),
+                ("forget", "dropped", &r.forget_dropped),
             ] {
                 let _ = writeln!(
                     s,

@@ -17,6 +17,7 @@
 //!
 //! Out of the baseline's subset: session persistence, resume and the offline queue. While Redis
 //! is unreachable, hellos are refused with 4503 (fe keeps serving from its embedded registry).
+//! `--session-ttl` adds only the store's cost on the write path (`keep.rs`), for the benches.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
@@ -31,6 +32,7 @@ use tokio::sync::{mpsc, Notify};
 use tokio::time::{interval, sleep, timeout, MissedTickBehavior};
 
 use crate::hello::valid_boot_id;
+use crate::keep::{self, Job, Reply, KEEP_QUEUE};
 use crate::metrics::RedisMetrics;
 use crate::registry::{unix_ms, BootCheck, EnqueueError};
 use crate::App;
@@ -131,6 +133,8 @@ pub struct Fleet {
     refresh: Script,
     release: Script,
     broker: Script,
+    /// `--session-ttl`: persist.lua, the session TTL in ms, and the keeper's queue.
+    keeping: Option<Keeping>,
     broker_id: String,
     ttl_ms: u64,
     publish_tx: mpsc::Sender<Publish>,
@@ -159,10 +163,23 @@ fn unexpected(what: &str) -> RedisError {
     ))
 }
 
+struct Keeping {
+    persist: Script,
+    session_ttl_ms: u64,
+    tx: mpsc::Sender<Job>,
+    rx: Mutex<Option<mpsc::Receiver<Job>>>,
+}
+
 impl Fleet {
     /// Connects the command connection and loads the scripts; the subscription comes up in
-    /// [`spawn`]. Fails when Redis is unreachable at start-up.
-    pub async fn connect(url: &str, broker_id: &str, ttl: Duration) -> Result<Fleet> {
+    /// [`spawn`]. Fails when Redis is unreachable at start-up. A `session_ttl` above zero keeps
+    /// every command in Redis before it is written (`keep.rs`).
+    pub async fn connect(
+        url: &str,
+        broker_id: &str,
+        ttl: Duration,
+        session_ttl: Duration,
+    ) -> Result<Fleet> {
         let client = redis::Client::open(url).with_context(|| format!("--redis {url}"))?;
         let mut con = open_con(&client)
             .await
@@ -175,6 +192,19 @@ impl Fleet {
         for s in [&hello, &refresh, &release, &broker] {
             s.load_async(&mut con).await.context("SCRIPT LOAD")?;
         }
+        let keeping = if session_ttl.is_zero() {
+            None
+        } else {
+            let persist = Script::new(include_str!("../../../lua/persist.lua"));
+            persist.load_async(&mut con).await.context("SCRIPT LOAD")?;
+            let (tx, rx) = mpsc::channel(KEEP_QUEUE);
+            Some(Keeping {
+                persist,
+                session_ttl_ms: (session_ttl.as_millis() as u64).clamp(1, 999_999_999_999_999),
+                tx,
+                rx: Mutex::new(Some(rx)),
+            })
+        };
         let (publish_tx, publish_rx) = mpsc::channel(PUBLISH_QUEUE);
         Ok(Fleet {
             client,
@@ -184,6 +214,7 @@ impl Fleet {
             refresh,
             release,
             broker,
+            keeping,
             broker_id: broker_id.to_string(),
             ttl_ms: (ttl.as_millis() as u64).clamp(1, 999_999_999_999_999),
             publish_tx,
@@ -244,6 +275,67 @@ impl Fleet {
     }
 
     /// refresh.lua over `leases`, at most [`REFRESH_CHUNK`] keys per call.
+    /// True with `--session-ttl`: commands wait for the keeper before they are written.
+    pub fn keeps_commands(&self) -> bool {
+        self.keeping.is_some()
+    }
+
+    /// Hands a job to the keeper, waiting for room (a command's reply depends on it).
+    async fn keep(&self, job: Job) {
+        if let Some(k) = &self.keeping {
+            // Fails only if the keeper task is gone; the dropped ticket then lets the
+            // connection write the command unkept.
+            let _ = k.tx.send(job).await;
+        }
+    }
+
+    /// The rig acked `seq`. Dropped (and counted) when the keeper's queue is full: the
+    /// session's TTL removes it later.
+    pub fn forget(&self, m: &RedisMetrics, rig_id: &str, boot_id: &str, seq: u64) {
+        if let Some(k) = &self.keeping {
+            let job = Job::Forget {
+                rig_id: rig_id.to_string(),
+                boot_id: boot_id.to_string(),
+                seq,
+            };
+            if k.tx.try_send(job).is_err() {
+                m.forget_dropped.fetch_add(1, Relaxed);
+            }
+        }
+    }
+
+    /// persist.lua over `(rig_id, boot_id, seq, json)` commands: "ok" or "fenced" for each.
+    pub async fn persist(&self, batch: &[(&str, &str, u64, &str)]) -> RedisResult<Vec<String>> {
+        let Some(k) = &self.keeping else {
+            return Err(unexpected("persist without --session-ttl"));
+        };
+        let mut call = k.persist.prepare_invoke();
+        call.arg(k.session_ttl_ms);
+        for &(rig_id, boot_id, seq, json) in batch {
+            call.key(rig_key(rig_id))
+                .key(keep::session_key(rig_id, boot_id))
+                .arg(self.tuple(boot_id))
+                .arg(seq)
+                .arg(json);
+        }
+        let r = call.invoke_async::<Vec<String>>(&mut self.con()).await;
+        let kept = self.check(r)?;
+        if kept.len() != batch.len() {
+            return Err(unexpected("persist"));
+        }
+        Ok(kept)
+    }
+
+    /// `HDEL <session> c:<seq>` for each acked command, as one pipeline.
+    pub async fn forget_acked(&self, acked: &[(String, u64)]) -> RedisResult<()> {
+        let mut pipe = redis::pipe();
+        for (key, seq) in acked {
+            pipe.cmd("HDEL").arg(key).arg(format!("c:{seq}")).ignore();
+        }
+        let r = pipe.query_async::<()>(&mut self.con()).await;
+        self.check(r)
+    }
+
     async fn refresh(&self, leases: &[(String, String)]) -> RedisResult<Vec<String>> {
         let mut out = Vec::with_capacity(leases.len());
         for chunk in leases.chunks(REFRESH_CHUNK) {
@@ -315,6 +407,13 @@ pub fn spawn(app: &Arc<App>) {
         .take()
     {
         tokio::spawn(publisher(app.clone(), rx));
+    }
+    if let Some(rx) = fleet
+        .keeping
+        .as_ref()
+        .and_then(|k| k.rx.lock().unwrap_or_else(|e| e.into_inner()).take())
+    {
+        tokio::spawn(keep::keeper(app.clone(), rx));
     }
     tokio::spawn(subscriber(app.clone()));
     tokio::spawn(upkeep(app.clone()));
@@ -490,15 +589,57 @@ fn error_reply(id: &str, rig: Option<&str>, error: &str, detail: &str) -> Value 
     json!({"id": id, "ok": false, "error": error, "rig_id": rig, "detail": detail})
 }
 
-/// Enqueues through the same `Registry::enqueue` as the admin route; the reply of §4.
-fn command_reply(app: &App, id: &str, rig_id: &str, name: &str, args: &Value) -> Value {
+/// How a command from control was queued.
+enum Queued {
+    /// In the outbox as `seq`; control's reply is due now.
+    Now(u64),
+    /// Behind its keep (`--session-ttl`): the keeper answers control once Redis has it.
+    Keeping,
+}
+
+/// Enqueues through the same `Registry::enqueue` as the admin route (or its keeping variant);
+/// an error is control's §4 reply.
+async fn queue_command(
+    app: &App,
+    fleet: &Fleet,
+    id: &str,
+    rig_id: &str,
+    name: &str,
+    args: &Value,
+    reply_to: Option<&str>,
+) -> Result<Queued, Value> {
     let m = &app.metrics;
-    match app.registry.enqueue(rig_id, id, name, args) {
-        Ok(seq) => {
-            m.commands_ok.fetch_add(1, Relaxed);
-            json!({"id": id, "ok": true, "rig_id": rig_id, "seq": seq})
+    let refused = if fleet.keeps_commands() {
+        match app.registry.enqueue_kept(rig_id, id, name, args) {
+            Ok(ticket) => {
+                m.commands_ok.fetch_add(1, Relaxed);
+                let reply = reply_to.map(|r| Reply {
+                    reply_to: r.to_string(),
+                    id: id.to_string(),
+                });
+                let rig_id = rig_id.to_string();
+                fleet
+                    .keep(Job::Keep {
+                        rig_id,
+                        ticket,
+                        reply,
+                    })
+                    .await;
+                return Ok(Queued::Keeping);
+            }
+            Err(e) => e,
         }
-        Err(EnqueueError::NotConnected) => {
+    } else {
+        match app.registry.enqueue(rig_id, id, name, args) {
+            Ok(seq) => {
+                m.commands_ok.fetch_add(1, Relaxed);
+                return Ok(Queued::Now(seq));
+            }
+            Err(e) => e,
+        }
+    };
+    Err(match refused {
+        EnqueueError::NotConnected => {
             m.commands_not_connected.fetch_add(1, Relaxed);
             error_reply(
                 id,
@@ -507,13 +648,13 @@ fn command_reply(app: &App, id: &str, rig_id: &str, name: &str, args: &Value) ->
                 "this broker does not hold the rig",
             )
         }
-        Err(EnqueueError::Full {
+        EnqueueError::Full {
             depth,
             cap,
             oldest_age,
             last_ack_seq,
             last_ack_at_ms,
-        }) => {
+        } => {
             m.commands_unresponsive.fetch_add(1, Relaxed);
             json!({
                 "id": id, "ok": false, "error": "rig_unresponsive", "rig_id": rig_id,
@@ -523,7 +664,7 @@ fn command_reply(app: &App, id: &str, rig_id: &str, name: &str, args: &Value) ->
                 "suggested_action": "force_reconnect",
             })
         }
-    }
+    })
 }
 
 /// One control message from our channel or the broadcast channel.
@@ -582,8 +723,17 @@ async fn control(app: &App, fleet: &Fleet, channel: &str, payload: &[u8]) {
                     return;
                 };
                 let v = match (selector, rig) {
-                    (Some(sel), _) => broadcast_reply(app, fleet, &id, &sel, name, &args),
-                    (None, Some(rig)) => command_reply(app, &id, rig, name, &args),
+                    (Some(sel), _) => broadcast_reply(app, fleet, &id, &sel, name, &args).await,
+                    (None, Some(rig)) => {
+                        match queue_command(app, fleet, &id, rig, name, &args, Some(reply_to)).await
+                        {
+                            Ok(Queued::Now(seq)) => {
+                                json!({"id": id, "ok": true, "rig_id": rig, "seq": seq})
+                            }
+                            Ok(Queued::Keeping) => return,
+                            Err(v) => v,
+                        }
+                    }
                     (None, None) => {
                         app.metrics.commands_bad_request.fetch_add(1, Relaxed);
                         error_reply(
@@ -638,7 +788,7 @@ fn command_fields(msg: &Map<String, Value>, broadcast: bool) -> Result<CommandFi
 }
 
 /// Enqueues to every matching rig; this broker's one reply.
-fn broadcast_reply(
+async fn broadcast_reply(
     app: &App,
     fleet: &Fleet,
     id: &str,
@@ -650,11 +800,11 @@ fn broadcast_reply(
     let mut enqueued = 0;
     let mut failed = Vec::new();
     for rig in &rigs {
-        let r = command_reply(app, id, rig, name, args);
-        if r["ok"] == true {
-            enqueued += 1;
-        } else {
-            failed.push(json!({"rig_id": rig, "error": r["error"]}));
+        // Kept commands count as enqueued at once: a broadcast has one reply per broker, and
+        // a fenced one is for a rig another broker now holds.
+        match queue_command(app, fleet, id, rig, name, args, None).await {
+            Ok(_) => enqueued += 1,
+            Err(r) => failed.push(json!({"rig_id": rig, "error": r["error"]})),
         }
     }
     json!({

@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde_json::{json, Value};
-use tokio::sync::{mpsc, Notify};
+use tokio::sync::{mpsc, oneshot, Notify};
 
 pub const CLOSE_SUPERSEDED: u16 = 4410;
 pub const CLOSE_KICKED: u16 = 1012;
@@ -28,6 +28,21 @@ pub struct Outgoing {
     /// Control's command id, for the `ack` event.
     pub id: String,
     pub text: String,
+    /// With `--session-ttl`: resolves once Redis has the command (true) or refused it because
+    /// another broker owns the rig (false: not written). The outbox keeps seq order, so a
+    /// command waits for its own keep and for every earlier one.
+    pub kept: Option<oneshot::Receiver<bool>>,
+}
+
+/// A command queued behind its keep (`--session-ttl`): what the keeper needs to store it.
+#[derive(Debug)]
+pub struct KeepTicket {
+    pub seq: u64,
+    pub boot_id: String,
+    /// The command's JSON exactly as it will be written.
+    pub text: String,
+    /// Tells the connection whether to write it.
+    pub done: oneshot::Sender<bool>,
 }
 
 /// State of one connection shared by its task and the registry.
@@ -235,21 +250,61 @@ impl Registry {
         name: &str,
         args: &Value,
     ) -> Result<u64, EnqueueError> {
+        self.enqueue_gated(rig_id, id, name, args, false)
+            .map(|(seq, _)| seq)
+    }
+
+    /// As [`Registry::enqueue`], but the connection writes the command only once the
+    /// returned ticket's `done` says Redis kept it (`--session-ttl`).
+    pub fn enqueue_kept(
+        &self,
+        rig_id: &str,
+        id: &str,
+        name: &str,
+        args: &Value,
+    ) -> Result<KeepTicket, EnqueueError> {
+        match self.enqueue_gated(rig_id, id, name, args, true)? {
+            (_, Some(ticket)) => Ok(ticket),
+            (_, None) => Err(EnqueueError::NotConnected), // not reached: keep was asked for
+        }
+    }
+
+    fn enqueue_gated(
+        &self,
+        rig_id: &str,
+        id: &str,
+        name: &str,
+        args: &Value,
+        keep: bool,
+    ) -> Result<(u64, Option<KeepTicket>), EnqueueError> {
         let mut rigs = self.lock();
         let e = rigs.get_mut(rig_id).ok_or(EnqueueError::NotConnected)?;
         e.prune();
         let seq = e.next_seq;
         let text = json!({"type": "command", "seq": seq, "id": id, "name": name, "args": args})
             .to_string();
+        let (gate, ticket) = if keep {
+            let (done, kept) = oneshot::channel();
+            let ticket = KeepTicket {
+                seq,
+                boot_id: e.conn.boot_id.clone(),
+                text: text.clone(),
+                done,
+            };
+            (Some(kept), Some(ticket))
+        } else {
+            (None, None)
+        };
         match e.outbox.try_send(Outgoing {
             seq,
             id: id.to_string(),
             text,
+            kept: gate,
         }) {
             Ok(()) => {
                 e.next_seq += 1;
                 e.queued.push_back((seq, Instant::now()));
-                Ok(seq)
+                Ok((seq, ticket))
             }
             Err(mpsc::error::TrySendError::Full(_)) => Err(EnqueueError::Full {
                 depth: e.queued.len(),
@@ -368,6 +423,30 @@ mod tests {
         assert_eq!(reg.list()[0]["outbox_depth"], 2);
         assert!(reg.kick("r1"));
         assert_eq!(c.close_code.load(Relaxed), CLOSE_KICKED);
+    }
+
+    #[test]
+    fn a_kept_command_waits_for_its_gate() {
+        let reg = Registry::new(2);
+        let c = conn(1, OLD);
+        let mut rx = reg.register(c).unwrap();
+        assert_eq!(reg.enqueue("r1", "a", "x", &json!({})), Ok(1));
+        let ticket = reg.enqueue_kept("r1", "b", "y", &json!({"n": 1})).unwrap();
+        assert_eq!((ticket.seq, ticket.boot_id.as_str()), (2, OLD));
+        assert!(rx.try_recv().unwrap().kept.is_none(), "seq 1 was not kept");
+        let mut out = rx.try_recv().unwrap();
+        assert_eq!(out.text, ticket.text, "Redis keeps exactly what is written");
+        let gate = out.kept.as_mut().unwrap();
+        assert!(
+            gate.try_recv().is_err(),
+            "not open before the keeper answers"
+        );
+        ticket.done.send(false).unwrap();
+        assert_eq!(gate.try_recv(), Ok(false));
+        assert_eq!(
+            reg.enqueue_kept("r2", "c", "x", &json!({})).err(),
+            Some(EnqueueError::NotConnected)
+        );
     }
 
     #[test]

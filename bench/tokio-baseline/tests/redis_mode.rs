@@ -389,3 +389,75 @@ async fn redis_restart_restores_leases() {
     ctl.publish("fleetlink:broker:tb-r", cmd).await;
     assert_eq!(next_msg(&mut rig).await["id"], "c9");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn session_ttl_keeps_each_command_before_writing_it() {
+    let redis = start_redis().await;
+    let mut ctl = Control::new(&redis, &["replies"]).await;
+    let b = start_broker(&redis, "tb-k", &["--session-ttl", "60s"]).await;
+    let sess = format!("sess:r3:{OLD}");
+    let mut rig = hello(&b, "r3", OLD, json!({})).await;
+    assert_eq!(next_msg(&mut rig).await["type"], "welcome");
+
+    // Written only once kept: Redis holds exactly the text the rig got, and "next" moved on.
+    let cmd = json!({"type": "command", "id": "c1", "rig_id": "r3", "name": "dmesg",
+                     "args": {"lines": 500}, "reply_to": "replies"});
+    ctl.publish("fleetlink:broker:tb-k", cmd).await;
+    let got = next_msg(&mut rig).await;
+    assert_eq!(got["seq"], 1);
+    let kept: Option<String> = ctl.con.hget(&sess, "c:1").await.unwrap();
+    let kept: Value = serde_json::from_str(&kept.expect("c:1 kept before it was written")).unwrap();
+    assert_eq!(kept, got);
+    let next: Option<String> = ctl.con.hget(&sess, "next").await.unwrap();
+    assert_eq!(next.as_deref(), Some("2"));
+    let ttl: i64 = ctl.con.pttl(&sess).await.unwrap();
+    assert!(ttl > 50_000 && ttl <= 60_000, "session ttl {ttl}");
+    let reply = ctl.wait_for("replies", |v| v["id"] == "c1").await;
+    assert_eq!(
+        reply,
+        json!({"id": "c1", "ok": true, "rig_id": "r3", "seq": 1})
+    );
+
+    // The ack forgets it.
+    rig.send(Message::text(r#"{"type":"ack","seq":1}"#))
+        .await
+        .unwrap();
+    let deadline = Instant::now() + WAIT;
+    while ctl.con.hexists::<_, _, bool>(&sess, "c:1").await.unwrap() {
+        assert!(Instant::now() < deadline, "acked c:1 still kept");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    // Another broker's lease fences the keep: control hears rig_not_connected and the
+    // command is never written (the next one the rig sees is seq 3).
+    let _: () = ctl
+        .con
+        .set("rig:r3", format!("{NEW}|tb-elsewhere"))
+        .await
+        .unwrap();
+    let cmd = json!({"type": "command", "id": "c2", "rig_id": "r3", "name": "x",
+                     "reply_to": "replies"});
+    ctl.publish("fleetlink:broker:tb-k", cmd).await;
+    let reply = ctl.wait_for("replies", |v| v["id"] == "c2").await;
+    assert_eq!(
+        (&reply["ok"], &reply["error"]),
+        (&json!(false), &json!("rig_not_connected"))
+    );
+    let _: () = ctl.con.set("rig:r3", format!("{OLD}|tb-k")).await.unwrap();
+    let cmd = json!({"type": "command", "id": "c3", "rig_id": "r3", "name": "x",
+                     "reply_to": "replies"});
+    ctl.publish("fleetlink:broker:tb-k", cmd).await;
+    let got = next_msg(&mut rig).await;
+    assert_eq!((&got["seq"], &got["id"]), (&json!(3), &json!("c3")));
+    let fenced: Option<String> = ctl.con.hget(&sess, "c:2").await.unwrap();
+    assert_eq!(fenced, None);
+
+    let metrics = http_get(&b.admin, "/metrics").await;
+    for line in [
+        "fleetlink_registry_ops_total{op=\"persist\",result=\"ok\"} 2\n",
+        "fleetlink_registry_ops_total{op=\"persist\",result=\"fenced\"} 1\n",
+        "fleetlink_registry_ops_total{op=\"forget\",result=\"ok\"} 1\n",
+    ] {
+        assert!(metrics.contains(line), "{line}: {metrics}");
+    }
+}
