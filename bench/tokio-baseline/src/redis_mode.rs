@@ -163,6 +163,11 @@ fn unexpected(what: &str) -> RedisError {
     ))
 }
 
+/// A TTL as the scripts take it: whole ms, 1 to 15 digits.
+fn script_ms(d: Duration) -> u64 {
+    (d.as_millis() as u64).clamp(1, 999_999_999_999_999)
+}
+
 struct Keeping {
     persist: Script,
     session_ttl_ms: u64,
@@ -200,7 +205,7 @@ impl Fleet {
             let (tx, rx) = mpsc::channel(KEEP_QUEUE);
             Some(Keeping {
                 persist,
-                session_ttl_ms: (session_ttl.as_millis() as u64).clamp(1, 999_999_999_999_999),
+                session_ttl_ms: script_ms(session_ttl),
                 tx,
                 rx: Mutex::new(Some(rx)),
             })
@@ -216,7 +221,7 @@ impl Fleet {
             broker,
             keeping,
             broker_id: broker_id.to_string(),
-            ttl_ms: (ttl.as_millis() as u64).clamp(1, 999_999_999_999_999),
+            ttl_ms: script_ms(ttl),
             publish_tx,
             publish_rx: Mutex::new(Some(publish_rx)),
             canary_at_ms: AtomicU64::new(0),
@@ -274,7 +279,6 @@ impl Fleet {
         self.check(r).map(drop)
     }
 
-    /// refresh.lua over `leases`, at most [`REFRESH_CHUNK`] keys per call.
     /// True with `--session-ttl`: commands wait for the keeper before they are written.
     pub fn keeps_commands(&self) -> bool {
         self.keeping.is_some()
@@ -336,6 +340,7 @@ impl Fleet {
         self.check(r)
     }
 
+    /// refresh.lua over `leases`, at most [`REFRESH_CHUNK`] keys per call.
     async fn refresh(&self, leases: &[(String, String)]) -> RedisResult<Vec<String>> {
         let mut out = Vec::with_capacity(leases.len());
         for chunk in leases.chunks(REFRESH_CHUNK) {
