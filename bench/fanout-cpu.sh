@@ -10,6 +10,8 @@
 #
 # fleetlink-fe runs in fleet mode with --cores = CPUs - 1 (docs/tuning.md: the bridge gets a
 # CPU); fleetlink-fe-redis-allcores is the same with a core on every CPU, for comparison.
+# Also known: tokio-baseline-redis-default, and tokio-baseline-redis-store-rb4096 (the tuned
+# baseline with --session-ttl 10m: every command kept in Redis before it is written).
 #
 # Prints one line per session and a summary (medians over rounds: CPU ms per 1,000 commands of
 # the broker, Redis, the loadgen and all three, context switches per 1,000 commands, p99), and
@@ -28,7 +30,7 @@ while [[ $# -gt 0 ]]; do
     --fanouts) fanouts="$2"; shift 2 ;;
     --rounds) rounds="$2"; shift 2 ;;
     --brokers) brokers="$2"; shift 2 ;;
-    *) sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 64 ;;
+    *) sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit 64 ;;
   esac
 done
 (( rigs <= 19000 )) || { echo "fanout-cpu: --rigs at most 19000" >&2; exit 64; }
@@ -60,6 +62,9 @@ broker_cmd() {
     fleetlink-fe-redis-nopersist) echo "${fe[@]}" --cores "$fleet_cores" --session-ttl 0 ;;
     tokio-baseline-redis-default) echo "${tb[@]}" ;;
     tokio-baseline-redis-rb4096) echo "${tb[@]}" --read-buffer 4096 --write-buffer 0 ;;
+    # The same keeping every command in Redis first, as fleetlink-fe-redis does.
+    tokio-baseline-redis-store-rb4096)
+      echo "${tb[@]}" --read-buffer 4096 --write-buffer 0 --session-ttl 10m ;;
     *) echo "fanout-cpu: unknown broker $1" >&2; exit 64 ;;
   esac
 }
