@@ -5,7 +5,13 @@
 # just before the first PUBLISH until the rig has them all. A thread that sleeps and is woken
 # again costs one switch; on an idle host each of those is a sleeping CPU woken up.
 #
-#   bench/idle-wakes.sh [--count 500] [--interval 10ms] [--brokers "fleetlink-fe-redis ..."]
+#   bench/idle-wakes.sh [--count 500] [--interval 10ms] [--brokers "fleetlink-fe-redis ..."] [--trace]
+#
+# --trace (root, perf): also records sched_wakeup/sched_switch system-wide over the commands
+# and counts, per command, the broker's wake-ups between the publisher waking Redis (the
+# PUBLISH) and the rig being woken (the command written), with that span's p50/p90. A command
+# whose rig wake-up is not found within 8 ms (lost events, or the rig already awake) is left
+# out, and the number followed is printed.
 #
 # Brokers (fleet mode, each against a fresh redis-server):
 #   fleetlink-fe-redis                 --cores = CPUs - 1 (docs/tuning.md), session store on
@@ -21,7 +27,7 @@
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 target="${CARGO_TARGET_DIR:-$here/../target}/release"
-count=500 interval=10ms
+count=500 interval=10ms trace=0
 brokers="fleetlink-fe-redis fleetlink-fe-redis-nopersist tokio-baseline-redis-rb4096 tokio-baseline-redis-store-rb4096"
 rport="${IDLE_WAKES_REDIS_PORT:-27379}"
 lport="${IDLE_WAKES_LISTEN_PORT:-27080}"
@@ -31,7 +37,8 @@ while [[ $# -gt 0 ]]; do
     --count) count="$2"; shift 2 ;;
     --interval) interval="$2"; shift 2 ;;
     --brokers) brokers="$2"; shift 2 ;;
-    *) sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit 64 ;;
+    --trace) trace=1; shift ;;
+    *) sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//'; exit 64 ;;
   esac
 done
 [[ "$count" =~ ^[1-9][0-9]*$ ]] || { echo "idle-wakes: --count must be a positive integer" >&2; exit 64; }
@@ -39,6 +46,10 @@ for x in fleetlink-fe fleetlink-tokio-baseline fleetlink-loadgen; do
   [[ -x "$target/$x" ]] || { echo "idle-wakes: $target/$x not found (cargo build --release --workspace)" >&2; exit 1; }
 done
 command -v jq >/dev/null || { echo "idle-wakes: jq not found" >&2; exit 1; }
+if (( trace )); then
+  command -v perf >/dev/null || { echo "idle-wakes: --trace needs perf" >&2; exit 1; }
+  command -v python3 >/dev/null || { echo "idle-wakes: --trace needs python3" >&2; exit 1; }
+fi
 
 work="$(mktemp -d /tmp/idle-wakes.XXXXXX)"
 pids=()
@@ -63,6 +74,11 @@ broker_cmd() {
     tokio-baseline-redis-store-rb4096) echo "${tb[@]}" --session-ttl 10m ;;
     *) echo "idle-wakes: unknown broker $1" >&2; exit 64 ;;
   esac
+}
+# A duration (NNms or NNs) in ms.
+ms() {
+  [[ "$1" =~ ^([0-9]+)(ms|s)$ ]] || { echo "idle-wakes: duration $1: use NNms or NNs" >&2; exit 64; }
+  if [[ "${BASH_REMATCH[2]}" == ms ]]; then echo "${BASH_REMATCH[1]}"; else echo $((BASH_REMATCH[1] * 1000)); fi
 }
 # Polls "$@" every 0.1 s for up to $1 seconds.
 wait_for() {
@@ -97,10 +113,20 @@ for b in $brokers; do
     >"$work/$b.rigs.out" 2>/dev/null &
   lg=$!; pids+=("$lg")
   wait_for 30 grep -q '^ALL_WELCOMED' "$work/$b.rigs.out" || { echo "idle-wakes: $b: no welcome" >&2; exit 1; }
+  perf_pid=""
+  if (( trace )); then
+    span_ms=$(( count * $(ms "$interval") + 3000 ))
+    perf record -q -e sched:sched_wakeup,sched:sched_switch -a -o "$work/$b.perf" \
+      -- sleep "$(awk -v m="$span_ms" 'BEGIN {printf "%.1f", m / 1000}')" >/dev/null 2>&1 &
+    perf_pid=$!; pids+=("$perf_pid")
+    sleep 0.5 # perf's own start-up, so the first commands are in the recording
+  fi
   before="$(by_thread "$bpid")"; b0=$(total "$bpid"); r0=$(total "$rpid")
   "$target/fleetlink-loadgen" redis-publish --redis "$url" --broker-id iw --prefix one \
     --max-time 300s --mode single --count "$count" --interval "$interval" \
-    --report "$work/$b.pub.json" >/dev/null 2>&1
+    --report "$work/$b.pub.json" >/dev/null 2>&1 &
+  pub_pid=$!
+  wait "$pub_pid" || true
   wait "$lg" || true
   after="$(by_thread "$bpid")"; b1=$(total "$bpid"); r1=$(total "$rpid")
   threads=$(join <(echo "$before") <(echo "$after") \
@@ -109,6 +135,52 @@ for b in $brokers; do
     --arg rw "$(awk -v d=$((r1 - r0)) -v n="$count" 'BEGIN {printf "%.2f", d / n}')" --arg th "${threads%, }" \
     '"\($b): broker \($bw) wake-ups per command (\($th)), redis \($rw); received \(.commands_received), p50 \(.latency_us.p50) us, p99 \(.latency_us.p99) us"' \
     "$work/$b.rigs.json"
+  if [[ -n "$perf_pid" ]]; then
+    wait "$perf_pid" || true
+    perf script -i "$work/$b.perf" -F comm,pid,tid,cpu,time,event,trace 2>/dev/null >"$work/$b.sched"
+    python3 - "$work/$b.sched" "$bpid" "$rpid" "$lg" "$pub_pid" <<'PY'
+import collections, re, statistics, sys
+path, broker, redis, rig, pub = sys.argv[1], *map(int, sys.argv[2:])
+line = re.compile(r'^\s*(.+?)\s+(\d+)/(\d+)\s+\[(\d+)\]\s+([\d.]+):\s+sched:(\w+):\s+(.*)$')
+target = re.compile(r'comm=(.+?) pid=(\d+)')
+proc, wakes = {}, []
+for l in open(path):
+    m = line.match(l)
+    if not m:
+        continue
+    comm, pid, tid, _cpu, t, ev, rest = m.groups()
+    proc[int(tid)] = int(pid)
+    if ev == 'sched_wakeup':
+        w = target.search(rest)
+        wakes.append((float(t), int(pid), int(w.group(2)), w.group(1)))
+wakes.sort()
+rows = []
+for i, (t, waker, tgt, tcomm) in enumerate(wakes):
+    if waker != pub or proc.get(tgt, -1) != redis:
+        continue
+    n, names = 0, collections.Counter()
+    for t2, _w2, tgt2, tcomm2 in wakes[i + 1:]:
+        if t2 - t > 0.008:
+            break
+        if proc.get(tgt2) == rig:
+            rows.append((n, (t2 - t) * 1e6, names))
+            break
+        if proc.get(tgt2) == broker:
+            n += 1
+            names[re.sub(r'\d+$', '', tcomm2)] += 1
+if not rows:
+    print('  trace: no command followed from the PUBLISH to the rig')
+    sys.exit(0)
+per = collections.Counter()
+for r in rows:
+    per.update(r[2])
+spans = sorted(r[1] for r in rows)
+print('  trace: %d commands followed; broker wake-ups between the PUBLISH and the rig: median %s, mean %.2f (%s); span p50 %.0f us, p90 %.0f us' % (
+    len(rows), statistics.median(r[0] for r in rows), statistics.mean(r[0] for r in rows),
+    ', '.join('%s %.2f' % (k, v / len(rows)) for k, v in sorted(per.items())),
+    statistics.median(spans), spans[int(len(spans) * 0.9)]))
+PY
+  fi
   kill "$bpid" "$rpid" 2>/dev/null || true
   wait "$bpid" "$rpid" 2>/dev/null || true
   pids=()
