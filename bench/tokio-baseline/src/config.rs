@@ -69,9 +69,10 @@ pub struct Config {
     /// How often the broker extends the leases of the rigs it holds (Redis mode).
     #[arg(long, env = "FLEETLINK_REGISTRY_REFRESH", default_value = "10s", value_parser = parse_duration)]
     pub registry_refresh: Duration,
-    /// Redis mode: keep every command from control in Redis (lua/persist.lua, fenced by the
-    /// rig's lease, as fleetlink-fe's session store does) before writing it, forget it at the
-    /// ack, and let an untouched session expire after this long. 0 = off, the default: the
+    /// Redis mode: keep every command control PUBLISHes in Redis (lua/persist.lua, fenced by
+    /// the rig's lease, as fleetlink-fe's session store does) before writing it, forget it at
+    /// the ack, and let an untouched session expire after this long. Admin POSTs are written
+    /// unkept. 0 = off, the default: the
     /// baseline's subset has no session store. A bench knob for what the store costs on the
     /// write path: nothing is ever resumed from it.
     #[arg(long, env = "FLEETLINK_SESSION_TTL", default_value = "0s", value_parser = parse_duration)]

@@ -1,6 +1,7 @@
-//! `--session-ttl`: the baseline keeps every command in Redis before writing it, the way
-//! fleetlink-fe's session store does, so the benches can tell what the guarantee costs from
-//! what the broker's design costs.
+//! `--session-ttl`: the baseline keeps every command control PUBLISHes in Redis before writing
+//! it, the way fleetlink-fe's session store does, so the benches can tell what the guarantee
+//! costs from what the broker's design costs. Commands POSTed to the admin API are written
+//! unkept: the benches send theirs through Redis.
 //!
 //! A cost model of the write path, not the feature: commands are stored through the very
 //! `lua/persist.lua` fe runs (fenced by the rig's lease, batched), forgotten with `HDEL` at the
