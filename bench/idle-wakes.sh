@@ -11,7 +11,12 @@
 # and counts, per command, the broker's wake-ups between the publisher waking Redis (the
 # PUBLISH) and the rig being woken (the command written), with that span's p50/p90. A command
 # whose rig wake-up is not found within 8 ms (lost events, or the rig already awake) is left
-# out, and the number followed is printed.
+# out, and the number followed is printed. It then splits the commands into latency bands
+# (fastest half, p50-p90, p90-p98, slowest 2%) and prints, per command in each band, how many
+# broker and Redis threads were woken from sleep on its way, how many of those onto another,
+# idle CPU (a vCPU to wake) and how long those wake-ups took; how long the others waited for a
+# busy CPU and who held it; and how long threads of the broker, Redis or the rig were taken
+# off a CPU while they still had work, and by whom.
 #
 # Brokers (fleet mode, each against a fresh redis-server):
 #   fleetlink-fe-redis                 --cores = CPUs - 1 (docs/tuning.md), session store on
@@ -38,7 +43,7 @@ while [[ $# -gt 0 ]]; do
     --interval) interval="$2"; shift 2 ;;
     --brokers) brokers="$2"; shift 2 ;;
     --trace) trace=1; shift ;;
-    *) sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//'; exit 64 ;;
+    *) awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0"; exit 64 ;;
   esac
 done
 [[ "$count" =~ ^[1-9][0-9]*$ ]] || { echo "idle-wakes: --count must be a positive integer" >&2; exit 64; }
@@ -116,7 +121,7 @@ for b in $brokers; do
   perf_pid=""
   if (( trace )); then
     span_ms=$(( count * $(ms "$interval") + 3000 ))
-    perf record -q -e sched:sched_wakeup,sched:sched_switch -a -o "$work/$b.perf" \
+    perf record -q -e sched:sched_waking,sched:sched_wakeup,sched:sched_switch -a -o "$work/$b.perf" \
       -- sleep "$(awk -v m="$span_ms" 'BEGIN {printf "%.1f", m / 1000}')" >/dev/null 2>&1 &
     perf_pid=$!; pids+=("$perf_pid")
     sleep 0.5 # perf's own start-up, so the first commands are in the recording
@@ -179,6 +184,111 @@ print('  trace: %d commands followed; broker wake-ups between the PUBLISH and th
     len(rows), statistics.median(r[0] for r in rows), statistics.mean(r[0] for r in rows),
     ', '.join('%s %.2f' % (k, v / len(rows)) for k, v in sorted(per.items())),
     statistics.median(spans), spans[int(len(spans) * 0.9)]))
+PY
+    python3 - "$work/$b.sched" "$bpid" "$rpid" "$lg" "$pub_pid" <<'PY'
+import collections, re, statistics, sys
+path, broker, redis, rig, pub = sys.argv[1], *map(int, sys.argv[2:])
+line = re.compile(r'^\s*(.+?)\s+(\d+)/(\d+)\s+\[(\d+)\]\s+([\d.]+):\s+sched:(\w+):\s+(.*)$')
+woke = re.compile(r'comm=(.+?) pid=(\d+) prio=\d+ target_cpu=(\d+)')
+switch = re.compile(r'prev_pid=(\d+) .*prev_state=(\S+) ==> next_comm=(.+?) next_pid=(\d+)')
+proc, ev = {}, []
+for l in open(path):
+    m = line.match(l)
+    if not m:
+        continue
+    comm, pid, tid, cpu, t, kind, rest = m.groups()
+    proc[int(tid)] = int(pid)
+    if kind in ('sched_waking', 'sched_wakeup'):
+        w = woke.search(rest)
+        ev.append((float(t), kind[-2:], int(pid), int(cpu), int(w.group(2)), int(w.group(3))))
+    elif kind == 'sched_switch':
+        s = switch.search(rest)
+        ev.append((float(t), 'sw', int(pid), int(cpu), int(s.group(4)), re.sub(r'[/\d]+$', '', s.group(3)),
+                   int(s.group(1)), s.group(2)))
+ev.sort(key=lambda e: e[0])
+ours = (broker, redis)
+# A command: the publisher waking Redis (the PUBLISH) until the broker wakes the rig (the write).
+cmds = []
+for i, e in enumerate(ev):
+    if e[1] != 'ng' or e[2] != pub or proc.get(e[4]) != redis:
+        continue
+    for j in range(i + 1, len(ev)):
+        f = ev[j]
+        if f[0] - e[0] > 0.008:
+            break
+        if f[1] == 'ng' and f[2] == broker and proc.get(f[4]) == rig:
+            cmds.append((f[0] - e[0], i, j))
+            break
+if not cmds:
+    print('  trace: no command followed from the PUBLISH to the rig')
+    sys.exit(0)
+# Along each command: every broker or Redis thread woken from sleep, whether it was woken onto
+# another CPU that was idle (a vCPU to wake), the time until the wake-up took effect there, and
+# the time it then waited for the CPU, with whoever held that CPU meanwhile.
+window = {}
+for c, (_, i, j) in enumerate(cmds):
+    for k in range(i, j + 1):
+        window[k] = c
+stats = [collections.Counter() for _ in cmds]
+pend = [{} for _ in cmds]
+pre = [{} for _ in cmds]
+running, idle_since = {}, {}
+for k, e in enumerate(ev):
+    t, kind, waker, cpu = e[:4]
+    c = window.get(k)
+    if kind == 'sw':
+        if c is not None:
+            # A thread of ours, or the rig, taken off its CPU while it still had work.
+            if e[7].startswith('R') and proc.get(e[6]) in ours + (rig,):
+                pre[c][e[6]] = (t, e[5])
+            q = pre[c].pop(e[4], None)
+            if q:
+                stats[c]['preempted_us'] += (t - q[0]) * 1e6
+                stats[c]['by:' + q[1]] += (t - q[0]) * 1e6
+            p = pend[c].pop(e[4], None)
+            if p and p[2] is not None:
+                r, took = stats[c], (t - p[0]) * 1e6
+                r['hops'] += 1
+                if p[2] == 'idle':
+                    r['to_idle'] += 1
+                    r['idle_us'] += took
+                else:
+                    r['busy_us'] += took
+                    if took > 50:
+                        r['held:' + p[2]] += took
+        running[cpu] = e[5]
+        if e[5] == 'swapper':
+            idle_since[cpu] = t
+        else:
+            idle_since.pop(cpu, None)
+    elif c is None:
+        continue
+    elif kind == 'ng' and proc.get(e[4]) in ours:
+        # Who holds each CPU as the wake-up is asked for; the target is known at sched_wakeup.
+        pend[c][e[4]] = [t, cpu, None, dict(running), set(idle_since)]
+    elif kind == 'up' and e[4] in pend[c] and pend[c][e[4]][2] is None:
+        p, target = pend[c][e[4]], e[5]
+        idle = target in p[4] and target != p[1]
+        p[2] = 'idle' if idle else ('itself' if target == p[1] else p[3].get(target, '?'))
+rows = [(span, stats[c]) for c, (span, _, _) in enumerate(cmds)]
+rows.sort(key=lambda r: r[0])
+n = len(rows)
+print('  trace: %d commands followed from the PUBLISH to the rig; per command, by latency band:' % n)
+for name, lo, hi in (('fastest half', 0, n // 2), ('p50-p90', n // 2, int(n * .9)),
+                     ('p90-p98', int(n * .9), int(n * .98)), ('slowest 2%', int(n * .98), n)):
+    g = rows[lo:hi]
+    if not g:
+        continue
+    t = collections.Counter()
+    for _, r in g:
+        t.update(r)
+    k = len(g)
+    held = ', '.join('%s %.0f' % (c[5:], v / k) for c, v in t.most_common() if c.startswith('held:') and v / k >= 10)
+    by = ', '.join('%s %.0f' % (c[3:], v / k) for c, v in t.most_common() if c.startswith('by:') and v / k >= 10)
+    print('    %-12s span %5.0f us | threads woken %.1f: onto an idle CPU %.1f taking %3.0f us in all, '
+          'onto a busy one %.1f taking %3.0f us%s | preempted %3.0f us%s' % (name, statistics.mean(s for s, _ in g) * 1e6,
+          t['hops'] / k, t['to_idle'] / k, t['idle_us'] / k, (t['hops'] - t['to_idle']) / k, t['busy_us'] / k,
+          (' (held by: %s)' % held) if held else '', t['preempted_us'] / k, (' (by: %s)' % by) if by else ''))
 PY
   fi
   kill "$bpid" "$rpid" 2>/dev/null || true

@@ -25,7 +25,12 @@
 #
 #   bench/latency.sh [--name SUFFIX] [--rigs N] [--rounds R] [--single K] [--interval 10ms]
 #                    [--fanouts F] [--fanout-gap 2s] [--brokers "fleetlink-fe-redis ..."]
-#                    [--time-limit SECONDS] [--results DIR] [--no-build]
+#                    [--time-limit SECONDS] [--results DIR] [--nice N] [--no-build]
+#
+# Any broker name may end in "+nice" ("fleetlink-fe-redis+nice"): the same broker started under
+# `nice -n N` (--nice, default -10: the priority of this VM's own control agent), compared only
+# with the other "+nice" brokers. It asks whether a broker's tail is other processes holding
+# its CPU.
 #
 # Defaults: N=10000, R=3, K=500, INTERVAL=10ms, F=2, all eight brokers, time limit 1800 s.
 # A round runs one session per broker (the order rotates each round, so no broker always goes
@@ -63,6 +68,7 @@ fanouts=2
 fanout_gap=2s
 brokers="fleetlink-fe-redis fleetlink-fe-redis-nopersist fleetlink-fe-admin tokio-baseline-default tokio-baseline-rb4096 tokio-baseline-redis-default tokio-baseline-redis-rb4096 tokio-baseline-redis-store-rb4096"
 time_limit=1800
+nice=-10
 build=1
 results="$here/results"
 
@@ -81,17 +87,19 @@ while [[ $# -gt 0 ]]; do
     --brokers) brokers="$2"; shift 2 ;;
     --time-limit) time_limit="$2"; shift 2 ;;
     --results) results="$2"; shift 2 ;;
+    --nice) nice="$2"; shift 2 ;;
     --no-build) build=0; shift ;;
     -h|--help) usage ;;
     *) usage ;;
   esac
 done
+[[ "$nice" =~ ^-?[0-9]+$ ]] || die "--nice must be an integer (-20..19)"
 for v in rigs rounds single fanouts time_limit; do
   [[ "${!v}" =~ ^[1-9][0-9]*$ ]] || die "--${v//_/-} must be a positive integer"
 done
 (( rigs <= 19000 )) || die "--rigs $rigs exceeds 19000 (20,000 fds per broker process)"
 for b in $brokers; do
-  case "$b" in
+  case "${b%+nice}" in
     fleetlink-fe-redis|fleetlink-fe-redis-nopersist|fleetlink-fe-admin) ;;
     tokio-baseline-default|tokio-baseline-rb4096) ;;
     tokio-baseline-redis-default|tokio-baseline-redis-rb4096|tokio-baseline-redis-store-rb4096) ;;
@@ -171,6 +179,10 @@ done
 # Fleet mode leaves the bridge thread a CPU (docs/tuning.md, "Fleet mode: a CPU for the bridge").
 fleet_cores=$(( $(nproc) > 1 ? $(nproc) - 1 : 1 ))
 broker_cmd() {
+  if [[ "$1" == *+nice ]]; then
+    echo nice -n "$nice" "$(broker_cmd "${1%+nice}")"
+    return
+  fi
   local common_fe=(--listen "127.0.0.1:$lport" --admin "127.0.0.1:$aport" --broker-id fe-a
                    --accept-rate 100000 --accept-burst 100000 --drain 1s)
   local common_tb=(--listen "127.0.0.1:$lport" --admin "127.0.0.1:$aport" --broker-id tb-a)
@@ -192,7 +204,7 @@ broker_cmd() {
 
 # The broker id a Redis-mode broker subscribes under; empty for the admin-POST brokers.
 redis_broker_id() {
-  case "$1" in
+  case "${1%+nice}" in
     fleetlink-fe-redis|fleetlink-fe-redis-nopersist) echo fe-a ;;
     tokio-baseline-redis-*) echo tb-a ;;
     *) echo "" ;;
@@ -337,6 +349,9 @@ path_of = {"fleetlink-fe-redis": "Redis PUBLISH", "fleetlink-fe-redis-nopersist"
            "tokio-baseline-default": "admin POST", "tokio-baseline-rb4096": "admin POST",
            "tokio-baseline-redis-default": "Redis PUBLISH", "tokio-baseline-redis-rb4096": "Redis PUBLISH",
            "tokio-baseline-redis-store-rb4096": "Redis PUBLISH"}
+# "+nice": the same broker started under nice(1); compared only with its like at that priority.
+nice_sfx = lambda b: "+nice" if b.endswith("+nice") else ""
+path_of.update({b: path_of[b.removesuffix("+nice")] for b in order})
 summary = {}
 for b in order:
     summary[b] = {}
@@ -382,7 +397,7 @@ for shape in ("single", "fanout"):
         out.append(f"| {b} | {path_of[b]} | {shape} | {s['samples']:,} | {ms(s['p50_us'])} | {ms(s['p99_us'])} | "
                    f"{ms(s['p999_us'])} | {ms(s['max_us'])} | {s['lost']} |")
 # Each baseline against fleetlink-fe on the same control path.
-ref_of = lambda b: "fleetlink-fe-redis" if path_of[b] == "Redis PUBLISH" else "fleetlink-fe-admin"
+ref_of = lambda b: ("fleetlink-fe-redis" if path_of[b] == "Redis PUBLISH" else "fleetlink-fe-admin") + nice_sfx(b)
 ratios = []
 for shape in ("single", "fanout"):
     for b in order:
@@ -395,8 +410,8 @@ for shape in ("single", "fanout"):
         ratios.append(f"- {shape}: {b} / {ref}: p50 {c['p50_us'] / a['p50_us']:.2f}x, p99 {c['p99_us'] / a['p99_us']:.2f}x")
         # Same guarantee on both sides: the baseline keeps no session in Redis either (the
         # store arm does, so fleetlink-fe-redis above is already its like-for-like).
-        np = "fleetlink-fe-redis-nopersist"
-        if ref == "fleetlink-fe-redis" and "-store-" not in b and np in summary and shape in summary[np]:
+        np = "fleetlink-fe-redis-nopersist" + nice_sfx(b)
+        if ref == "fleetlink-fe-redis" + nice_sfx(b) and "-store-" not in b and np in summary and shape in summary[np]:
             a = summary[np][shape]
             if None not in (a["p50_us"], a["p99_us"]):
                 ratios.append(f"- {shape}: {b} / {np}: p50 {c['p50_us'] / a['p50_us']:.2f}x, p99 {c['p99_us'] / a['p99_us']:.2f}x")
