@@ -147,18 +147,26 @@ for b in $brokers; do
 import collections, re, statistics, sys
 path, broker, redis, rig, pub = sys.argv[1], *map(int, sys.argv[2:])
 line = re.compile(r'^\s*(.+?)\s+(\d+)/(\d+)\s+\[(\d+)\]\s+([\d.]+):\s+sched:(\w+):\s+(.*)$')
-target = re.compile(r'comm=(.+?) pid=(\d+)')
-proc, wakes = {}, []
+woke = re.compile(r'comm=(.+?) pid=(\d+) prio=\d+ target_cpu=(\d+)')
+switch = re.compile(r'prev_pid=(\d+) .*prev_state=(\S+) ==> next_comm=(.+?) next_pid=(\d+)')
+proc, ev = {}, []
 for l in open(path):
     m = line.match(l)
     if not m:
         continue
-    comm, pid, tid, _cpu, t, ev, rest = m.groups()
+    comm, pid, tid, cpu, t, kind, rest = m.groups()
     proc[int(tid)] = int(pid)
-    if ev == 'sched_wakeup':
-        w = target.search(rest)
-        wakes.append((float(t), int(pid), int(w.group(2)), w.group(1)))
-wakes.sort()
+    if kind in ('sched_waking', 'sched_wakeup'):
+        w = woke.search(rest)
+        ev.append((float(t), kind[-2:], int(pid), int(cpu), int(w.group(2)), int(w.group(3)), w.group(1)))
+    elif kind == 'sched_switch':
+        s = switch.search(rest)
+        ev.append((float(t), 'sw', int(pid), int(cpu), int(s.group(4)), re.sub(r'[/\d]+$', '', s.group(3)),
+                   int(s.group(1)), s.group(2)))
+ev.sort(key=lambda e: e[0])
+# The first count (kept so that earlier figures reproduce): sched_wakeup only, the broker's
+# wake-ups between the PUBLISH and the rig's.
+wakes = [(e[0], e[2], e[4], e[6]) for e in ev if e[1] == 'up']
 rows = []
 for i, (t, waker, tgt, tcomm) in enumerate(wakes):
     if waker != pub or proc.get(tgt, -1) != redis:
@@ -173,39 +181,15 @@ for i, (t, waker, tgt, tcomm) in enumerate(wakes):
         if proc.get(tgt2) == broker:
             n += 1
             names[re.sub(r'\d+$', '', tcomm2)] += 1
-if not rows:
-    print('  trace: no command followed from the PUBLISH to the rig')
-    sys.exit(0)
-per = collections.Counter()
-for r in rows:
-    per.update(r[2])
-spans = sorted(r[1] for r in rows)
-print('  trace: %d commands followed; broker wake-ups between the PUBLISH and the rig: median %s, mean %.2f (%s); span p50 %.0f us, p90 %.0f us' % (
-    len(rows), statistics.median(r[0] for r in rows), statistics.mean(r[0] for r in rows),
-    ', '.join('%s %.2f' % (k, v / len(rows)) for k, v in sorted(per.items())),
-    statistics.median(spans), spans[int(len(spans) * 0.9)]))
-PY
-    python3 - "$work/$b.sched" "$bpid" "$rpid" "$lg" "$pub_pid" <<'PY'
-import collections, re, statistics, sys
-path, broker, redis, rig, pub = sys.argv[1], *map(int, sys.argv[2:])
-line = re.compile(r'^\s*(.+?)\s+(\d+)/(\d+)\s+\[(\d+)\]\s+([\d.]+):\s+sched:(\w+):\s+(.*)$')
-woke = re.compile(r'comm=(.+?) pid=(\d+) prio=\d+ target_cpu=(\d+)')
-switch = re.compile(r'prev_pid=(\d+) .*prev_state=(\S+) ==> next_comm=(.+?) next_pid=(\d+)')
-proc, ev = {}, []
-for l in open(path):
-    m = line.match(l)
-    if not m:
-        continue
-    comm, pid, tid, cpu, t, kind, rest = m.groups()
-    proc[int(tid)] = int(pid)
-    if kind in ('sched_waking', 'sched_wakeup'):
-        w = woke.search(rest)
-        ev.append((float(t), kind[-2:], int(pid), int(cpu), int(w.group(2)), int(w.group(3))))
-    elif kind == 'sched_switch':
-        s = switch.search(rest)
-        ev.append((float(t), 'sw', int(pid), int(cpu), int(s.group(4)), re.sub(r'[/\d]+$', '', s.group(3)),
-                   int(s.group(1)), s.group(2)))
-ev.sort(key=lambda e: e[0])
+if rows:
+    per = collections.Counter()
+    for r in rows:
+        per.update(r[2])
+    spans = sorted(r[1] for r in rows)
+    print('  trace: %d commands followed; broker wake-ups between the PUBLISH and the rig: median %s, mean %.2f (%s); span p50 %.0f us, p90 %.0f us' % (
+        len(rows), statistics.median(r[0] for r in rows), statistics.mean(r[0] for r in rows),
+        ', '.join('%s %.2f' % (k, v / len(rows)) for k, v in sorted(per.items())),
+        statistics.median(spans), spans[int(len(spans) * 0.9)]))
 ours = (broker, redis)
 # A command: the publisher waking Redis (the PUBLISH) until the broker wakes the rig (the write).
 cmds = []
