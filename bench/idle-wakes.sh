@@ -144,7 +144,7 @@ for b in $brokers; do
     wait "$perf_pid" || true
     perf script -i "$work/$b.perf" -F comm,pid,tid,cpu,time,event,trace 2>/dev/null >"$work/$b.sched"
     python3 - "$work/$b.sched" "$bpid" "$rpid" "$lg" "$pub_pid" <<'PY'
-import collections, re, statistics, sys
+import collections, os, re, statistics, sys
 path, broker, redis, rig, pub = sys.argv[1], *map(int, sys.argv[2:])
 line = re.compile(r'^\s*(.+?)\s+(\d+)/(\d+)\s+\[(\d+)\]\s+([\d.]+):\s+sched:(\w+):\s+(.*)$')
 woke = re.compile(r'comm=(.+?) pid=(\d+) prio=\d+ target_cpu=(\d+)')
@@ -191,6 +191,11 @@ if rows:
         ', '.join('%s %.2f' % (k, v / len(rows)) for k, v in sorted(per.items())),
         statistics.median(spans), spans[int(len(spans) * 0.9)]))
 ours = (broker, redis)
+# The thread a switch puts on the CPU. PID 1's threads (on the dev VM, its agent) are told
+# apart from the baseline's tokio workers, which share their thread name; perf records no event
+# with them current, so they are listed from /proc.
+pid1 = {int(t) for t in os.listdir('/proc/1/task')} if os.path.isdir('/proc/1/task') else set()
+name = lambda e: ('pid1:' if e[4] in pid1 else '') + e[5]
 # A command: the publisher waking Redis (the PUBLISH) until the broker wakes the rig (the write).
 cmds = []
 for i, e in enumerate(ev):
@@ -224,7 +229,7 @@ for k, e in enumerate(ev):
         if c is not None:
             # A thread of ours, or the rig, taken off its CPU while it still had work.
             if e[7].startswith('R') and proc.get(e[6]) in ours + (rig,):
-                pre[c][e[6]] = (t, e[5])
+                pre[c][e[6]] = (t, name(e))
             q = pre[c].pop(e[4], None)
             if q:
                 stats[c]['preempted_us'] += (t - q[0]) * 1e6
@@ -240,7 +245,7 @@ for k, e in enumerate(ev):
                     r['busy_us'] += took
                     if took > 50:
                         r['held:' + p[2]] += took
-        running[cpu] = e[5]
+        running[cpu] = name(e)
         if e[5] == 'swapper':
             idle_since[cpu] = t
         else:
