@@ -211,9 +211,9 @@ for i, e in enumerate(ev):
 if not cmds:
     print('  trace: no command followed from the PUBLISH to the rig')
     sys.exit(0)
-# Along each command: every broker or Redis thread woken from sleep, whether it was woken onto
-# another CPU that was idle (a vCPU to wake), the time until the wake-up took effect there, and
-# the time it then waited for the CPU, with whoever held that CPU meanwhile.
+# Along each command: every broker or Redis thread woken from sleep, and the time from the
+# wake-up call until it ran, split by where it was put: onto another CPU that was idle (a vCPU
+# to wake), or onto a busy one, with whoever held that CPU when the call was made.
 window = {}
 for c, (_, i, j) in enumerate(cmds):
     for k in range(i, j + 1):
@@ -263,7 +263,7 @@ rows = [(span, stats[c]) for c, (span, _, _) in enumerate(cmds)]
 rows.sort(key=lambda r: r[0])
 n = len(rows)
 print('  trace: %d commands followed from the PUBLISH to the rig; per command, by latency band:' % n)
-for name, lo, hi in (('fastest half', 0, n // 2), ('p50-p90', n // 2, int(n * .9)),
+for band, lo, hi in (('fastest half', 0, n // 2), ('p50-p90', n // 2, int(n * .9)),
                      ('p90-p98', int(n * .9), int(n * .98)), ('slowest 2%', int(n * .98), n)):
     g = rows[lo:hi]
     if not g:
@@ -275,7 +275,7 @@ for name, lo, hi in (('fastest half', 0, n // 2), ('p50-p90', n // 2, int(n * .9
     held = ', '.join('%s %.0f' % (c[5:], v / k) for c, v in t.most_common() if c.startswith('held:') and v / k >= 10)
     by = ', '.join('%s %.0f' % (c[3:], v / k) for c, v in t.most_common() if c.startswith('by:') and v / k >= 10)
     print('    %-12s span %5.0f us | threads woken %.1f: onto an idle CPU %.1f taking %3.0f us in all, '
-          'onto a busy one %.1f taking %3.0f us%s | preempted %3.0f us%s' % (name, statistics.mean(s for s, _ in g) * 1e6,
+          'onto a busy one %.1f taking %3.0f us%s | preempted %3.0f us%s' % (band, statistics.mean(sp for sp, _ in g) * 1e6,
           t['hops'] / k, t['to_idle'] / k, t['idle_us'] / k, (t['hops'] - t['to_idle']) / k, t['busy_us'] / k,
           (' (held by: %s)' % held) if held else '', t['preempted_us'] / k, (' (by: %s)' % by) if by else ''))
 PY
