@@ -7,11 +7,12 @@
 #
 #   bench/idle-wakes.sh [--count 500] [--interval 10ms] [--brokers "fleetlink-fe-redis ..."] [--trace]
 #
-# --trace (root, perf): also records sched_wakeup/sched_switch system-wide over the commands
-# and counts, per command, the broker's wake-ups between the publisher waking Redis (the
-# PUBLISH) and the rig being woken (the command written), with that span's p50/p90. A command
-# whose rig wake-up is not found within 8 ms (lost events, or the rig already awake) is left
-# out, and the number followed is printed. It then splits the commands into latency bands
+# --trace (root, perf): also records sched_waking/sched_wakeup/sched_switch system-wide over
+# the commands. From sched_wakeup alone (the count earlier figures were made with) it counts,
+# per command, the broker's wake-ups between the publisher waking Redis (the PUBLISH) and the
+# rig being woken (the command written), with that span's p50/p90. A command whose rig wake-up
+# is not found within 8 ms (lost events, or the rig already awake) is left out, and the number
+# followed is printed. From sched_waking it then splits the commands into latency bands
 # (fastest half, p50-p90, p90-p98, slowest 2%) and prints, per command in each band, how many
 # broker and Redis threads were woken from sleep on its way, how many of those onto another,
 # idle CPU (a vCPU to wake) and how long those wake-ups took; how long the others waited for a
@@ -64,6 +65,8 @@ cleanup() {
   rm -rf "$work"
 }
 trap cleanup EXIT
+# Without it a SIGTERM ends bash without the EXIT trap and leaves broker, Redis and perf running.
+trap 'exit 130' INT TERM
 
 fleet_cores=$(( $(nproc) > 1 ? $(nproc) - 1 : 1 ))
 url="redis://127.0.0.1:$rport/"
