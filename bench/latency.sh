@@ -93,7 +93,7 @@ while [[ $# -gt 0 ]]; do
     *) usage ;;
   esac
 done
-[[ "$nice" =~ ^-?[0-9]+$ ]] || die "--nice must be an integer (-20..19)"
+[[ "$nice" =~ ^-?[0-9]+$ ]] && (( nice >= -20 && nice <= 19 )) || die "--nice must be an integer (-20..19)"
 for v in rigs rounds single fanouts time_limit; do
   [[ "${!v}" =~ ^[1-9][0-9]*$ ]] || die "--${v//_/-} must be a positive integer"
 done
