@@ -407,6 +407,7 @@ pub(crate) fn response(status: u16, ctype: &str, body: &[u8], close: bool) -> Ve
         400 => "Bad Request",
         403 => "Forbidden",
         404 => "Not Found",
+        409 => "Conflict",
         405 => "Method Not Allowed",
         503 => "Service Unavailable",
         504 => "Gateway Timeout",
@@ -686,6 +687,7 @@ fn reply_answer(id: &str, rig: &str, answer: Option<AdminAnswer>) -> Answer {
                 Some("rig_not_connected") => 404,
                 Some("bad_request") => 400,
                 Some("forbidden") => 403,
+                Some("seq_exhausted") => 409,
                 Some(_) => 503,
             };
             json_answer(status, &v)

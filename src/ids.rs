@@ -112,6 +112,13 @@ impl fmt::Display for BootId {
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug, Default)]
 pub struct Seq(pub u64);
 
+impl Seq {
+    /// The highest seq a session may use. The Lua scripts keep a seq, and the session's next
+    /// one, as a decimal of at most 15 digits, which a Lua number (a double) holds exactly; a
+    /// hello's `last_seq` above this, or a command past it, is refused rather than wrapped.
+    pub const LAST: Seq = Seq(999_999_999_999_998);
+}
+
 /// Index of a worker core (0-based, dense).
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
 pub struct CoreId(pub u16);

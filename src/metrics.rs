@@ -41,6 +41,7 @@ pub enum C {
     CmdNotConnected,
     CmdResumeSent,
     CmdResumeDropped,
+    CmdSeqExhausted,
     PingsSent,
     PongsReceived,
     RigRatePaused,
@@ -56,7 +57,7 @@ pub enum C {
 }
 
 /// (metric name, label pair) for each counter, in [`C`] order.
-const COUNTERS: [(&str, &str); 39] = [
+const COUNTERS: [(&str, &str); 40] = [
     ("fleetlink_accepts_total", "result=\"ok\""),
     ("fleetlink_accepts_total", "result=\"rate_limited\""),
     ("fleetlink_accepts_total", "result=\"over_capacity\""),
@@ -84,6 +85,7 @@ const COUNTERS: [(&str, &str); 39] = [
     ("fleetlink_commands_total", "result=\"not_connected\""),
     ("fleetlink_commands_total", "result=\"resent\""),
     ("fleetlink_commands_total", "result=\"resume_dropped\""),
+    ("fleetlink_commands_total", "result=\"seq_exhausted\""),
     ("fleetlink_pings_sent_total", ""),
     ("fleetlink_pongs_received_total", ""),
     ("fleetlink_rig_rate_paused_total", ""),

@@ -186,6 +186,9 @@ fn parse_hello(v: u32, raw: RawMsg) -> Result<Hello, ProtocolError> {
         }
         labels.sort();
     }
+    if raw.last_seq.is_some_and(|s| s > Seq::LAST.0) {
+        return Err(invalid("last_seq beyond the highest seq a session can use"));
+    }
     Ok(Hello {
         v,
         rig_id,
@@ -299,6 +302,8 @@ mod tests {
             r#"{"rig_id":"r"}"#,
             r#"[1,2]"#,
             "not json",
+            r#"{"type":"hello","rig_id":"r","boot_id":"01890a5d-ac96-774b-bcce-b302099a8057","version":"1","last_seq":999999999999999}"#,
+            r#"{"type":"hello","rig_id":"r","boot_id":"01890a5d-ac96-774b-bcce-b302099a8057","version":"1","last_seq":18446744073709551615}"#,
         ] {
             assert!(parse_client_msg(bad.as_bytes()).is_err(), "{bad}");
         }

@@ -706,6 +706,29 @@ fn a_persist_batch_is_fenced_per_rig_and_checked_before_any_write() {
     );
 }
 
+/// The highest seq a session may use is kept, and its `next` written, exactly: both fit the
+/// script's 15 digits and a Lua number.
+#[test]
+fn the_last_usable_seq_is_kept_exactly() {
+    // `_redis` (not `_`): the server lives as long as the test.
+    let (_redis, mut con, scripts, a, _b, boot) = rigs_leased_to_fe_a_and_fe_b();
+    let last = Persist {
+        rig: &a,
+        boot: &boot,
+        seq: Seq::LAST,
+        json: b"{}",
+    };
+    let kept = scripts
+        .persist(&mut con, &[last], "fe-a", Duration::from_secs(60))
+        .unwrap();
+    assert_eq!(kept, [true]);
+    let sess_a = format!("sess:rig-a:{boot}");
+    let next: String = con.hget(&sess_a, "next").unwrap();
+    assert_eq!(next, (Seq::LAST.0 + 1).to_string());
+    let exists: bool = con.hexists(&sess_a, format!("c:{}", Seq::LAST.0)).unwrap();
+    assert!(exists);
+}
+
 /// `rekeep.lua`: fenced by the lease like `persist.lua`; it raises `next` but never lowers it
 /// (commands kept since Redis came back may be above the ones put back); a malformed seq fails
 /// the call before any write.

@@ -258,6 +258,34 @@ fn full_outbox_answers_rig_unresponsive() {
     drop(ws);
 }
 
+/// A hello's `last_seq` moves the session's next seq past it; near the top of the seq space
+/// that must refuse commands, not wrap to seqs the rig would drop as seen.
+#[test]
+fn last_seq_beyond_the_seq_space_is_refused_and_the_last_seq_is_not_wrapped() {
+    const LAST: u64 = 999_999_999_999_998;
+    let b = Broker::start(&[]);
+    for too_far in [LAST + 1, u64::MAX] {
+        let mut ws = b.connect("/agent");
+        let msg = json!({"type":"hello","rig_id":"rig-far","boot_id":boot_id(),"version":"t","last_seq":too_far});
+        ws.send(Message::Text(msg.to_string().into())).unwrap();
+        assert_eq!(read_close(&mut ws), 4400, "last_seq {too_far}");
+    }
+    let mut ws = b.connect("/agent");
+    let msg = json!({"type":"hello","rig_id":"rig-old","boot_id":boot_id(),"version":"t","last_seq":LAST - 1});
+    ws.send(Message::Text(msg.to_string().into())).unwrap();
+    assert_eq!(read_json(&mut ws)["type"], "welcome");
+    let (status, reply) = b.command("rig-old", "one", json!({}));
+    assert_eq!((status, &reply["seq"]), (200, &json!(LAST)), "{reply}");
+    assert_eq!(read_json(&mut ws)["seq"], LAST);
+    let (status, reply) = b.command("rig-old", "two", json!({}));
+    assert_eq!(status, 409, "{reply}");
+    assert_eq!(reply["error"], "seq_exhausted", "{reply}");
+    assert_eq!(
+        b.metric("fleetlink_commands_total{result=\"seq_exhausted\"}"),
+        1
+    );
+}
+
 #[test]
 fn older_boot_is_refused_4409_and_takeover_closes_4410() {
     let b = Broker::start(&[]);

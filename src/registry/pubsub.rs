@@ -176,8 +176,16 @@ enum Value {
     Array(Vec<Value>),
 }
 
+/// How deep arrays may nest. A subscription's pushes are flat arrays; the cap keeps a
+/// malformed stream of `*1\r\n*1\r\n…` from recursing until the bridge's stack overflows.
+const MAX_DEPTH: usize = 4;
+
 /// Parses one RESP2 value. Ok(None) = incomplete.
 fn parse(buf: &[u8]) -> io::Result<Option<(usize, Value)>> {
+    parse_nested(buf, 0)
+}
+
+fn parse_nested(buf: &[u8], depth: usize) -> io::Result<Option<(usize, Value)>> {
     let bad = || io::Error::new(io::ErrorKind::InvalidData, "malformed redis reply");
     let Some(line_end) = buf.windows(2).position(|w| w == b"\r\n") else {
         return Ok(None);
@@ -211,10 +219,14 @@ fn parse(buf: &[u8]) -> io::Result<Option<(usize, Value)>> {
             if n < 0 {
                 return Ok(Some((after, Value::Nil)));
             }
+            if depth >= MAX_DEPTH {
+                return Err(bad());
+            }
             let mut items = Vec::new();
             let mut pos = after;
             for _ in 0..n {
-                let Some((used, v)) = parse(buf.get(pos..).unwrap_or_default())? else {
+                let Some((used, v)) = parse_nested(buf.get(pos..).unwrap_or_default(), depth + 1)?
+                else {
                     return Ok(None);
                 };
                 pos += used;
@@ -240,6 +252,11 @@ mod tests {
             assert!(parse(&msg[..cut]).unwrap().is_none(), "cut at {cut}");
         }
         assert!(parse(b"?x\r\n").is_err());
+        // Nested past the cap: refused, not recursed into.
+        let deep = b"*1\r\n".repeat(100_000);
+        assert!(parse(&deep).is_err());
+        let ok = b"*1\r\n*1\r\n*1\r\n*1\r\n:5\r\n";
+        assert!(parse(ok).unwrap().is_some());
         assert_eq!(
             command(&["SUBSCRIBE", "a"]),
             b"*2\r\n$9\r\nSUBSCRIBE\r\n$1\r\na\r\n".to_vec()

@@ -518,6 +518,17 @@ pub(crate) fn on_command(core: &Core, conn: &Conn, st: &mut ConnState, req: Comm
         return deliver(core, req.reply, body);
     }
     let seq = session.next_seq;
+    if seq > Seq::LAST {
+        // Only a hello claiming a last_seq near the limit gets here: wrapping would reuse seqs.
+        core.metrics.inc(C::CmdSeqExhausted);
+        let body = reply::error(
+            &req.id,
+            Some(req.rig.as_str()),
+            "seq_exhausted",
+            "this boot of the rig has used every seq; it takes commands again under a new boot_id",
+        );
+        return deliver(core, req.reply, body);
+    }
     let json =
         protocol::encode_command(session.v, seq, &req.id, &req.name, &req.args).into_boxed_slice();
     if core.persist {
@@ -540,7 +551,7 @@ pub(crate) fn on_command(core: &Core, conn: &Conn, st: &mut ConnState, req: Comm
         let body = reply::enqueued(&req.id, &session.rig, seq);
         deliver_routed(core, req.reply, body, Some(conn.id));
     }
-    session.next_seq = Seq(seq.0 + 1);
+    session.next_seq = Seq(seq.0.saturating_add(1));
     session.queues().outbox.push_back(SeqCommand {
         seq,
         id: req.id.as_str().into(),
