@@ -98,6 +98,15 @@ impl<T> Mailbox<T> {
         self.tx.send(msg).map_err(|e| Full(e.into_inner()))
     }
 
+    /// Queues `msg` past the bound, without ringing. Only for a message that settles something
+    /// the owner already counted against its own bounds: the answer to a request it made, or
+    /// the end of a connection it registered. There is at most one per such request or
+    /// connection, so those bounds bound the overrun; dropping it instead would leave the
+    /// owner waiting for it forever. Fails only when the owner is gone.
+    pub fn push_owed(&self, msg: T) -> Result<(), Full<T>> {
+        self.tx.send(msg).map_err(|e| Full(e.into_inner()))
+    }
+
     /// Rings the doorbell if the owner sleeps (or is about to).
     pub fn ring(&self) {
         if self.bell.armed.swap(false, Ordering::SeqCst) {
@@ -202,5 +211,19 @@ mod tests {
         let (tx, _rx) = channel::<u32>(1).unwrap();
         tx.send(1).unwrap();
         assert!(matches!(tx.send(2), Err(Full(2))));
+    }
+
+    #[test]
+    fn an_owed_message_goes_past_the_bound_and_is_received_in_order() {
+        let (tx, rx) = channel::<u32>(1).unwrap();
+        tx.send(1).unwrap();
+        assert!(matches!(tx.push(2), Err(Full(2))));
+        tx.push_owed(3).unwrap();
+        assert_eq!(
+            (rx.try_recv(), rx.try_recv(), rx.try_recv()),
+            (Some(1), Some(3), None)
+        );
+        drop(rx);
+        assert!(matches!(tx.push_owed(4), Err(Full(4))), "the owner is gone");
     }
 }

@@ -225,6 +225,15 @@ impl Core {
         true
     }
 
+    /// Queues a connection's end for the bridge past its inbox bound (see
+    /// [`crate::doorbell::Mailbox::push_owed`]): lost, it would leave the rig registered to a
+    /// dead connection, its lease renewed and its session never parked.
+    pub(crate) fn to_bridge_owed(&self, msg: ToBridge) {
+        if self.bridge.push_owed(msg).is_ok() {
+            self.bridge_owed.notify();
+        }
+    }
+
     /// Queues for the bridge; the doorbell rings once the tasks that are ready now have run
     /// (see [`ring_bridge`]), so a burst of acks wakes the bridge once, not once per ack.
     pub(crate) fn push_to_bridge(&self, msg: ToBridge) -> Result<(), Full<ToBridge>> {

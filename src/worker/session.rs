@@ -676,7 +676,7 @@ pub(crate) fn on_closed(core: &Core, conn: &Conn, st: &mut ConnState) {
     };
     let s = *session;
     if !s.welcomed {
-        core.to_bridge(ToBridge::Abandoned {
+        core.to_bridge_owed(ToBridge::Abandoned {
             conn: conn.id,
             rig: s.rig,
         });
@@ -702,7 +702,7 @@ pub(crate) fn on_closed(core: &Core, conn: &Conn, st: &mut ConnState) {
                 .collect()
         })
         .unwrap_or_default();
-    core.to_bridge(ToBridge::Closed {
+    core.to_bridge_owed(ToBridge::Closed {
         conn: conn.id,
         rig: s.rig,
         boot: s.boot,

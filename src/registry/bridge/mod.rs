@@ -345,6 +345,18 @@ impl Bridge {
         } else {
             core.send(msg)
         };
+        // A persist's answer goes through regardless: the core holds that command, and every
+        // one behind it, until it hears whether Redis kept it.
+        let queued = match queued {
+            Err(Full(msg @ ToCore::Persisted { .. })) => {
+                let owed = core.push_owed(msg);
+                if owed.is_ok() && !self.batching {
+                    core.ring();
+                }
+                owed
+            }
+            other => other,
+        };
         let Err(Full(msg)) = queued else {
             if let Some(owed) = self.owed.get_mut(i) {
                 *owed |= self.batching;

@@ -35,7 +35,8 @@ impl Bridge {
         self.shared
             .subscribed
             .store(f.is_subscribed(), Ordering::Relaxed);
-        if std::mem::take(&mut f.just_connected) {
+        let reconnected = std::mem::take(&mut f.just_connected);
+        if reconnected {
             // Re-assert every lease we hold: Redis may have restarted empty. And put every
             // session back: commands delivered while Redis was away were not kept.
             self.rekeep_all = true;
@@ -50,6 +51,12 @@ impl Bridge {
             }
             b.flush_holds();
         });
+        // Leases first: a Redis that restarted empty or let a lease expire would fence the
+        // queued persists of rigs still connected here, and a fenced seq is a gap for the rig.
+        // This pass's timers put the leases back (`refresh`); the persists go in the next.
+        if reconnected {
+            return;
+        }
         if self.write_due(now).is_none_or(|due| due > now) {
             return;
         }
