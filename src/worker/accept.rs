@@ -107,10 +107,13 @@ fn admit(core: &Rc<Core>, bucket: &mut TokenBucket, stream: TcpStream) {
     let _ = stream.set_nodelay(true);
     let id = core.next_conn_id();
     let conn = Rc::new(Conn::new(core, id, stream.as_raw_fd()));
-    conn.st.borrow_mut().sec = core.new_security();
-    let deadline = conn.st.borrow().deadline;
+    {
+        let mut st = conn.st.borrow_mut();
+        st.sec = core.new_security();
+        let deadline = st.deadline;
+        core.schedule(&mut st, deadline, id);
+    }
     core.conns.borrow_mut().insert(id, conn.clone());
-    core.wheel.borrow_mut().insert(deadline, id);
     let rsz = std::mem::size_of_val(&stream.readable(false));
     let task = conn::serve(core.clone(), stream, conn);
     if id.0 & 0xffff_ffff_ffff == 1 {

@@ -168,6 +168,11 @@ impl Core {
         self.started.elapsed().as_millis() as u32
     }
 
+    /// Schedules the connection's next visit by the sweep, replacing any earlier entry.
+    pub(crate) fn schedule(&self, st: &mut ConnState, at: Tick, id: ConnId) {
+        st.live.wheel_at = self.wheel.borrow_mut().insert(at, id) as u32;
+    }
+
     /// The current tick.
     pub(crate) fn now_tick(&self) -> Tick {
         self.started.elapsed().as_millis() as u64 / self.tick_ms
@@ -398,12 +403,18 @@ impl Session {
     }
 }
 
-/// Liveness bookkeeping, in ticks.
+/// Liveness and the sweep's bookkeeping, in ticks.
 #[derive(Debug, Clone, Copy, Default)]
 pub(crate) struct Liveness {
     pub(crate) last_ping: Tick,
     pub(crate) awaiting_pong: bool,
     pub(crate) missed: u8,
+    /// The tick of this connection's current wheel entry. Each phase schedules its own
+    /// deadline; an entry visited at any other tick was overtaken by a later one and is dropped,
+    /// so a connection keeps one entry and one visit per deadline, not one per phase it passed.
+    /// Its low 32 bits suffice (kept small: every idle connection holds this): entries lie
+    /// within the wheel's horizon, far fewer than 2^32 ticks apart.
+    pub(crate) wheel_at: u32,
 }
 
 /// The mutable state of one connection.
@@ -716,6 +727,48 @@ mod tests {
         assert!(std::mem::size_of::<Session>() <= 128, "Session grew");
         assert!(std::mem::size_of::<ConnState>() <= 136, "ConnState grew");
         assert!(std::mem::size_of::<Conn>() <= 176, "Conn grew");
+    }
+
+    /// Accept, upgrade and verdict each schedule a visit; the overtaken ones must not live on
+    /// as extra entries, each visited and re-scheduled forever.
+    #[test]
+    fn a_connection_keeps_one_wheel_entry_whatever_it_scheduled_before() {
+        let (tx, _rx) = doorbell::channel::<ToBridge>(16).expect("channel");
+        let links = Links {
+            bridge: tx,
+            peers: Vec::new(),
+            pool: crate::admin::pool_queue().0,
+        };
+        let guard = Guard {
+            tls: None,
+            jwt: None,
+        };
+        let core = Rc::new(Core::new(0, config(), "test", guard, links));
+        let id = core.next_conn_id();
+        let conn = Rc::new(Conn::new(&core, id, -1));
+        core.conns.borrow_mut().insert(id, conn.clone());
+        {
+            let mut st = conn.st.borrow_mut();
+            st.deadline = 40;
+            for at in [5, 9, 12] {
+                core.schedule(&mut st, at, id);
+            }
+        }
+        assert_eq!(core.wheel.borrow().len(), 3);
+        let mut visits = 0;
+        for _ in 0..30 {
+            let due = core.wheel.borrow_mut().advance();
+            for id in &due {
+                visits += 1;
+                crate::worker::sweep::visit(&core, *id);
+            }
+            core.wheel.borrow_mut().recycle(due);
+            assert!(core.wheel.borrow().len() <= 3);
+        }
+        // Ticks 5 and 9 were overtaken and dropped; tick 12 re-scheduled the deadline.
+        assert_eq!(visits, 3);
+        assert_eq!(core.wheel.borrow().len(), 1);
+        assert_eq!(conn.st.borrow().live.wheel_at, 40);
     }
 
     #[test]

@@ -159,7 +159,8 @@ fn upgrade(core: &Core, conn: &Conn, st: &mut ConnState, path: &str, key: &str) 
         // The hello deadline runs from the upgrade (CONTRACT.md §1 `--hello-timeout`).
         st.phase = Phase::AwaitHello;
         st.deadline = core.now_tick() + core.ticks(core.cfg.hello_timeout);
-        core.wheel.borrow_mut().insert(st.deadline, conn.id);
+        let deadline = st.deadline;
+        core.schedule(st, deadline, conn.id);
     }
 }
 
@@ -457,10 +458,8 @@ pub(crate) fn on_verdict(core: &Core, conn: &Conn, st: &mut ConnState, verdict: 
     }
     st.phase = Phase::Live;
     st.live.last_ping = core.now_tick();
-    core.wheel.borrow_mut().insert(
-        st.live.last_ping + core.ticks(core.cfg.ping_interval),
-        conn.id,
-    );
+    let first_ping = st.live.last_ping + core.ticks(core.cfg.ping_interval);
+    core.schedule(st, first_ping, conn.id);
     conn.send_frame(st, OpCode::Text, &welcome);
     pump(core, conn, st);
     // Input that arrived behind the hello is parsed now.

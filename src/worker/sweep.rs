@@ -24,12 +24,15 @@ pub(crate) async fn run(core: Rc<Core>) {
     }
 }
 
-fn visit(core: &Core, id: ConnId) {
+pub(super) fn visit(core: &Core, id: ConnId) {
     let Some(conn) = core.conns.borrow().get(&id).cloned() else {
         return;
     };
     let now = core.wheel.borrow().now();
     let mut st = conn.st.borrow_mut();
+    if st.live.wheel_at != now as u32 {
+        return;
+    }
     let next = match st.phase {
         Phase::Handshake | Phase::AwaitHello | Phase::AwaitVerdict if now < st.deadline => {
             Some(st.deadline)
@@ -85,6 +88,6 @@ fn visit(core: &Core, id: ConnId) {
         Phase::Echo | Phase::Closing | Phase::Done => None,
     };
     if let Some(at) = next {
-        core.wheel.borrow_mut().insert(at, id);
+        core.schedule(&mut st, at, id);
     }
 }

@@ -29,14 +29,16 @@ impl Wheel {
         self.now
     }
 
-    /// Schedules `id` for tick `at` (at least the next tick).
-    pub(crate) fn insert(&mut self, at: Tick, id: ConnId) {
+    /// Schedules `id` for tick `at` (at least the next tick); returns the tick it will be
+    /// visited at, which is earlier than `at` when `at` is past the horizon.
+    pub(crate) fn insert(&mut self, at: Tick, id: ConnId) -> Tick {
         let horizon = self.now + self.slots.len() as Tick - 1;
         let at = at.clamp(self.now + 1, horizon);
         let n = self.slots.len();
         if let Some(slot) = self.slots.get_mut((at % n as Tick) as usize) {
             slot.push(id);
         }
+        at
     }
 
     /// Advances one tick and takes what is due then. The caller hands back the (emptied) Vec
@@ -48,6 +50,12 @@ impl Wheel {
             .get_mut((self.now % n) as usize)
             .map(std::mem::take)
             .unwrap_or_default()
+    }
+
+    /// Entries waiting, due or not.
+    #[cfg(test)]
+    pub(crate) fn len(&self) -> usize {
+        self.slots.iter().map(Vec::len).sum()
     }
 
     /// Returns a drained Vec to the slot it came from, unless the slot got new entries.
