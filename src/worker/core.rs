@@ -230,9 +230,9 @@ impl Core {
         true
     }
 
-    /// Queues a connection's end for the bridge past its inbox bound (see
-    /// [`crate::doorbell::Mailbox::push_owed`]): lost, it would leave the rig registered to a
-    /// dead connection, its lease renewed and its session never parked.
+    /// Queues for the bridge past its inbox bound (see [`crate::doorbell::Mailbox::push_owed`]):
+    /// a connection's end (lost, it would leave the rig registered to a dead connection, its
+    /// lease renewed and its session never parked) or control's answer to a request.
     pub(crate) fn to_bridge_owed(&self, msg: ToBridge) {
         if self.bridge.push_owed(msg).is_ok() {
             self.bridge_owed.notify();

@@ -650,12 +650,11 @@ fn deliver_routed(core: &Core, to: ReplyTo, body: serde_json::Value, route: Opti
         ReplyTo::Core { core: at, slot } => {
             core.admin_reply(at, slot, AdminReply::Command(AdminAnswer { body, route }))
         }
-        ReplyTo::Channel(channel) => {
-            core.to_bridge(ToBridge::Reply { channel, body });
-        }
-        ReplyTo::Aggregate(agg) => {
-            core.to_bridge(ToBridge::Part { agg, body });
-        }
+        // Control's answer to a request that reached this core through its bounded inbox, so
+        // that bound bounds these; dropped, control would never hear (CONTRACT.md §4: exactly
+        // once), and a broadcast would be short one broker's part.
+        ReplyTo::Channel(channel) => core.to_bridge_owed(ToBridge::Reply { channel, body }),
+        ReplyTo::Aggregate(agg) => core.to_bridge_owed(ToBridge::Part { agg, body }),
         ReplyTo::Event => {
             if core.fleet {
                 core.to_bridge(ToBridge::Event(crate::events::offline_delivered(
