@@ -472,28 +472,16 @@ pub(crate) fn on_command(core: &Core, conn: &Conn, st: &mut ConnState, req: Comm
         return not_connected(core, req, "the rig's connection is closing");
     };
     if !scope_allows(&st.sec, |s| s.allows_command(&req.name)) {
-        core.metrics.inc(C::Forbidden);
-        let body = reply::error(
-            &req.id,
-            Some(req.rig.as_str()),
-            "forbidden",
-            "the rig's token does not allow this command",
-        );
-        return deliver(core, req.reply, body);
+        let why = "the rig's token does not allow this command";
+        return refuse_command(core, req, C::Forbidden, "forbidden", why);
     }
     let Some(session) = st.session.as_mut() else {
         return;
     };
     if session.held_len() >= core.cfg.outbox * UNACKED_PER_OUTBOX {
         // Redis is slower than control right now: a broker-side condition, not the rig's.
-        core.metrics.inc(C::BridgeQueueFull);
-        let body = reply::error(
-            &req.id,
-            Some(req.rig.as_str()),
-            "overloaded",
-            "too many commands waiting for the session store",
-        );
-        return deliver(core, req.reply, body);
+        let why = "too many commands waiting for the session store";
+        return refuse_command(core, req, C::BridgeQueueFull, "overloaded", why);
     }
     if session.outbox_len() >= core.cfg.outbox {
         core.metrics.inc(C::CmdOutboxFull);
@@ -519,14 +507,9 @@ pub(crate) fn on_command(core: &Core, conn: &Conn, st: &mut ConnState, req: Comm
     let seq = session.next_seq;
     if seq > Seq::LAST {
         // Only a hello claiming a last_seq near the limit gets here: wrapping would reuse seqs.
-        core.metrics.inc(C::CmdSeqExhausted);
-        let body = reply::error(
-            &req.id,
-            Some(req.rig.as_str()),
-            "seq_exhausted",
-            "this boot of the rig has used every seq; it takes commands again under a new boot_id",
-        );
-        return deliver(core, req.reply, body);
+        let why =
+            "this boot of the rig has used every seq; it takes commands again under a new boot_id";
+        return refuse_command(core, req, C::CmdSeqExhausted, "seq_exhausted", why);
     }
     let json =
         protocol::encode_command(session.v, seq, &req.id, &req.name, &req.args).into_boxed_slice();
@@ -563,11 +546,16 @@ pub(crate) fn on_command(core: &Core, conn: &Conn, st: &mut ConnState, req: Comm
     pump(core, conn, st);
 }
 
+/// Answers a command refused before it took a seq with `error`, and counts it.
+fn refuse_command(core: &Core, req: CommandReq, counter: C, error: &str, why: &str) {
+    core.metrics.inc(counter);
+    let body = reply::error(&req.id, Some(req.rig.as_str()), error, why);
+    deliver(core, req.reply, body);
+}
+
 /// Answers a command whose connection no longer holds its rig, and counts it.
 pub(crate) fn not_connected(core: &Core, req: CommandReq, detail: &str) {
-    core.metrics.inc(C::CmdNotConnected);
-    let body = reply::error(&req.id, Some(req.rig.as_str()), "rig_not_connected", detail);
-    deliver(core, req.reply, body);
+    refuse_command(core, req, C::CmdNotConnected, "rig_not_connected", detail);
 }
 
 /// Answers a command the bridge's full inbox could not take, and counts it.
