@@ -94,8 +94,7 @@ impl<T> Mailbox<T> {
         if self.tx.len() >= self.bell.capacity {
             return Err(Full(msg));
         }
-        // Disconnected: the owner is gone (shutdown); the caller answers as for a full queue.
-        self.tx.send(msg).map_err(|e| Full(e.into_inner()))
+        self.push_owed(msg)
     }
 
     /// Queues `msg` past the bound, without ringing. Only for a message that settles something
@@ -104,6 +103,7 @@ impl<T> Mailbox<T> {
     /// connection, so those bounds bound the overrun; dropping it instead would leave the
     /// owner waiting for it forever. Fails only when the owner is gone.
     pub fn push_owed(&self, msg: T) -> Result<(), Full<T>> {
+        // Disconnected: the owner is gone (shutdown); the caller answers as for a full queue.
         self.tx.send(msg).map_err(|e| Full(e.into_inner()))
     }
 

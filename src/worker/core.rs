@@ -721,6 +721,20 @@ mod tests {
         Box::leak(Box::new(cfg))
     }
 
+    /// A core of one, without TLS or tokens, whose bridge is `bridge`.
+    fn test_core(bridge: Mailbox<ToBridge>) -> Rc<Core> {
+        let guard = Guard {
+            tls: None,
+            jwt: None,
+        };
+        let links = Links {
+            bridge,
+            peers: Vec::new(),
+            pool: crate::admin::pool_queue().0,
+        };
+        Rc::new(Core::new(0, config(), "test", guard, links))
+    }
+
     /// Every idle connection holds these: growing them shows up in the density figure.
     #[test]
     fn per_connection_state_stays_small() {
@@ -734,16 +748,7 @@ mod tests {
     #[test]
     fn a_connection_keeps_one_wheel_entry_whatever_it_scheduled_before() {
         let (tx, _rx) = doorbell::channel::<ToBridge>(16).expect("channel");
-        let links = Links {
-            bridge: tx,
-            peers: Vec::new(),
-            pool: crate::admin::pool_queue().0,
-        };
-        let guard = Guard {
-            tls: None,
-            jwt: None,
-        };
-        let core = Rc::new(Core::new(0, config(), "test", guard, links));
+        let core = test_core(tx);
         let id = core.next_conn_id();
         let conn = Rc::new(Conn::new(&core, id, -1));
         core.conns.borrow_mut().insert(id, conn.clone());
@@ -774,16 +779,7 @@ mod tests {
     #[test]
     fn a_burst_for_the_bridge_rings_once_after_the_ready_tasks() {
         let (tx, rx) = doorbell::channel::<ToBridge>(16).expect("channel");
-        let guard = Guard {
-            tls: None,
-            jwt: None,
-        };
-        let links = Links {
-            bridge: tx,
-            peers: Vec::new(),
-            pool: crate::admin::pool_queue().0,
-        };
-        let core = Rc::new(Core::new(0, config(), "test", guard, links));
+        let core = test_core(tx);
         assert!(rx.arm(), "the bridge sleeps");
         let mut rt = monoio::RuntimeBuilder::<monoio::LegacyDriver>::new()
             .build()

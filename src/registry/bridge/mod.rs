@@ -340,23 +340,16 @@ impl Bridge {
         let Some(core) = self.cores.get(i) else {
             return;
         };
-        let queued = if self.batching {
-            core.push(msg)
-        } else {
-            core.send(msg)
-        };
-        // A persist's answer goes through regardless: the core holds that command, and every
+        // A persist's answer goes in past the bound: the core holds that command, and every
         // one behind it, until it hears whether Redis kept it.
-        let queued = match queued {
-            Err(Full(msg @ ToCore::Persisted { .. })) => {
-                let owed = core.push_owed(msg);
-                if owed.is_ok() && !self.batching {
-                    core.ring();
-                }
-                owed
-            }
-            other => other,
+        let queued = if matches!(msg, ToCore::Persisted { .. }) {
+            core.push_owed(msg)
+        } else {
+            core.push(msg)
         };
+        if queued.is_ok() && !self.batching {
+            core.ring();
+        }
         let Err(Full(msg)) = queued else {
             if let Some(owed) = self.owed.get_mut(i) {
                 *owed |= self.batching;
