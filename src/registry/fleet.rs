@@ -293,12 +293,15 @@ impl Fleet {
     }
 
     /// Queues the removal of an acked command from its session (sent when
-    /// [`Self::forget_due`]).
-    pub(crate) fn forget(&mut self, rig: RigId, boot: BootId, seq: Seq) {
-        if self.forgets.len() < MAX_OUTGOING {
-            self.forgets.push((rig, boot, seq));
-            self.forgets_since.get_or_insert_with(Instant::now);
+    /// [`Self::forget_due`]). False when the queue is full: the command then stays in the
+    /// session until the session expires, where a resume drops it by the rig's `last_seq`.
+    pub(crate) fn forget(&mut self, rig: RigId, boot: BootId, seq: Seq) -> bool {
+        if self.forgets.len() >= MAX_OUTGOING {
+            return false;
         }
+        self.forgets.push((rig, boot, seq));
+        self.forgets_since.get_or_insert_with(Instant::now);
+        true
     }
 
     /// When the queued forgets are to go out: None when there are none.
@@ -327,11 +330,14 @@ impl Fleet {
     }
 
     /// Queues a compare-and-delete of a released lease, and a fresh `--session-ttl` for its
-    /// session (sent with the next flush).
-    pub(crate) fn release(&mut self, rig: RigId, boot: BootId) {
-        if self.releases.len() < MAX_OUTGOING {
-            self.releases.push((rig, boot));
+    /// session (sent with the next flush). False when the queue is full: the lease then lapses
+    /// by its own TTL, and the rig's next hello anywhere takes it over before that.
+    pub(crate) fn release(&mut self, rig: RigId, boot: BootId) -> bool {
+        if self.releases.len() >= MAX_OUTGOING {
+            return false;
         }
+        self.releases.push((rig, boot));
+        true
     }
 
     /// Queues a PUBLISH (sent with the next flush, in order).
@@ -341,6 +347,12 @@ impl Fleet {
             return;
         }
         self.outgoing.push((channel, payload));
+    }
+
+    /// Publishes queued and not yet sent, oldest first.
+    #[cfg(test)]
+    pub(crate) fn queued_publishes(&self) -> &[(String, Vec<u8>)] {
+        &self.outgoing
     }
 
     /// Sends queued releases and publishes, and the forgets once due (all of them when `now`
@@ -431,8 +443,8 @@ mod tests {
         assert_eq!(f.forget_due(), None);
         let before = Instant::now();
         let (rig, boot) = rig();
-        f.forget(rig.clone(), boot, Seq(1));
-        f.forget(rig, boot, Seq(2));
+        assert!(f.forget(rig.clone(), boot, Seq(1)));
+        assert!(f.forget(rig, boot, Seq(2)));
         let due = f.forget_due().expect("due");
         assert!(due >= before + FORGET_PACE, "not before the pace");
         assert!(
@@ -454,5 +466,19 @@ mod tests {
             due <= Instant::now(),
             "a full batch goes out with the next flush"
         );
+    }
+
+    #[test]
+    fn forgets_and_releases_past_the_bound_are_refused_not_queued() {
+        let mut f = fleet();
+        let (rig, boot) = rig();
+        for seq in 0..MAX_OUTGOING as u64 {
+            assert!(f.forget(rig.clone(), boot, Seq(seq)));
+            assert!(f.release(rig.clone(), boot));
+        }
+        assert!(!f.forget(rig.clone(), boot, Seq(u64::MAX)), "full: refused");
+        assert!(!f.release(rig, boot), "full: refused");
+        assert_eq!(f.forgets.len(), MAX_OUTGOING);
+        assert_eq!(f.releases.len(), MAX_OUTGOING);
     }
 }

@@ -10,6 +10,10 @@ use crate::registry::msg::{CommandReq, ReplyTo};
 
 /// A broadcast reply goes out after this even if some rigs' cores never answered.
 const BROADCAST_WAIT: Duration = Duration::from_secs(5);
+/// Broadcasts waiting for their rigs' answers at once. Each waits at most [`BROADCAST_WAIT`],
+/// so only a controller outrunning stuck cores reaches this; past it a broadcast is answered
+/// at once, every matched rig failed `overloaded`, and nothing of it is held.
+pub(super) const MAX_BROADCASTS: usize = 4096;
 /// A broadcast waiting for its rigs' answers.
 pub(super) struct Broadcast {
     id: String,
@@ -32,6 +36,19 @@ impl Bridge {
         now: Instant,
     ) {
         let rigs = self.registry.matching(selector);
+        if self.broadcasts.len() >= MAX_BROADCASTS {
+            self.shared.count("broadcast", "overloaded");
+            let failed: Vec<Value> = rigs
+                .iter()
+                .map(|rig| json!({"rig_id": rig.as_str(), "error": "overloaded"}))
+                .collect();
+            let body = json!({
+                "id": id, "ok": true, "broker_id": self.cfg.broker_id, "matched": rigs.len(),
+                "enqueued": 0, "failed": failed, "unanswered": 0,
+            });
+            self.publish(reply_to, &body);
+            return;
+        }
         let agg = self.next_agg;
         self.next_agg += 1;
         self.broadcasts.insert(
@@ -92,5 +109,123 @@ impl Bridge {
             "enqueued": b.enqueued, "failed": b.failed, "unanswered": b.outstanding,
         });
         self.publish(b.reply_to, &body);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::ffi::OsString;
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::config::Config;
+    use crate::doorbell::{self, Inbox};
+    use crate::ids::{BootId, ConnId, CoreId, RigId};
+    use crate::registry::bridge::{BridgeShared, REGISTRY_OPS};
+    use crate::registry::fleet::Fleet;
+    use crate::registry::msg::ToCore;
+
+    fn config() -> &'static Config {
+        let argv = ["fleetlink-fe", "--cores", "1"]
+            .map(OsString::from)
+            .to_vec();
+        let cfg = crate::config::Cli::load(argv)
+            .and_then(|c| c.broker.validate())
+            .expect("default config");
+        Box::leak(Box::new(cfg))
+    }
+
+    /// A bridge of one core whose Redis is never reached: its publishes stay queued for the
+    /// test to read, and so do its messages to the core.
+    fn bridge() -> (Bridge, Inbox<ToCore>) {
+        let fleet = Fleet::new("redis://127.0.0.1:1/", "b1", Duration::from_secs(600));
+        let shared = Arc::new(BridgeShared::new(true));
+        let (core, inbox) = doorbell::channel::<ToCore>(16).expect("channel");
+        let b = Bridge::new(config(), vec![core], shared, fleet.ok(), Instant::now());
+        (b, inbox)
+    }
+
+    #[test]
+    fn past_the_bound_a_broadcast_is_answered_at_once_and_not_held() {
+        let (mut b, _core) = bridge();
+        let rig = RigId::parse("rig-7").expect("rig");
+        let boot = BootId::generate(1);
+        let labels = vec![("pool".to_string(), "a".to_string())];
+        b.registry
+            .hello(ConnId::new(CoreId(0), 1), rig, boot, labels.clone());
+        let now = Instant::now();
+        for agg in 0..MAX_BROADCASTS as u64 {
+            let held = Broadcast {
+                id: format!("old-{agg}"),
+                reply_to: "r".into(),
+                matched: 1,
+                enqueued: 0,
+                failed: Vec::new(),
+                outstanding: 1,
+                deadline: now + BROADCAST_WAIT,
+            };
+            b.broadcasts.insert(agg, held);
+        }
+        b.next_agg = MAX_BROADCASTS as u64;
+        b.broadcast(
+            "new".into(),
+            &labels,
+            "noop".into(),
+            json!({}),
+            "back".into(),
+            now,
+        );
+        assert_eq!(b.broadcasts.len(), MAX_BROADCASTS, "nothing more held");
+        let sent = b.fleet.as_ref().expect("fleet").queued_publishes();
+        let (channel, body) = sent.last().expect("answered at once");
+        assert_eq!(channel, "back");
+        let body: Value = serde_json::from_slice(body).expect("json");
+        assert_eq!(body["id"], "new");
+        assert_eq!(body["matched"], 1);
+        assert_eq!(body["enqueued"], 0);
+        assert_eq!(body["failed"][0]["rig_id"], "rig-7");
+        assert_eq!(body["failed"][0]["error"], "overloaded");
+        let overloaded = REGISTRY_OPS
+            .iter()
+            .position(|&op| op == ("broadcast", "overloaded"))
+            .expect("counted op");
+        assert_eq!(
+            b.shared.ops[overloaded].load(std::sync::atomic::Ordering::Relaxed),
+            1
+        );
+    }
+
+    #[test]
+    fn under_the_bound_a_broadcast_waits_for_its_rigs() {
+        let (mut b, core) = bridge();
+        let rig = RigId::parse("rig-7").expect("rig");
+        let labels = vec![("pool".to_string(), "a".to_string())];
+        b.registry.hello(
+            ConnId::new(CoreId(0), 1),
+            rig,
+            BootId::generate(1),
+            labels.clone(),
+        );
+        b.broadcast(
+            "new".into(),
+            &labels,
+            "noop".into(),
+            json!({}),
+            "back".into(),
+            Instant::now(),
+        );
+        assert_eq!(b.broadcasts.len(), 1, "held until its rig's core answers");
+        assert!(
+            std::iter::from_fn(|| core.try_recv()).any(|m| matches!(m, ToCore::Command { .. })),
+            "the command went to the rig's core"
+        );
+        assert!(
+            b.fleet
+                .as_ref()
+                .expect("fleet")
+                .queued_publishes()
+                .is_empty(),
+            "no answer before the rig's core answers"
+        );
     }
 }

@@ -69,32 +69,7 @@ pub fn spawn(
     let handle = std::thread::Builder::new()
         .name("fleetlink-bridge".into())
         .spawn(move || {
-            let now = Instant::now();
-            let mut bridge = Bridge {
-                cfg,
-                registry: Embedded::new(cfg.registry_ttl, cfg.outbox),
-                owed: vec![false; cores.len()],
-                cores,
-                batching: false,
-                shared,
-                fleet,
-                broadcasts: HashMap::new(),
-                held: LocalHeld::default(),
-                deadlines: Deadlines::default(),
-                hellos: Vec::new(),
-                holds: Vec::new(),
-                persists: Vec::new(),
-                rekeeps: Vec::new(),
-                rekeep_all: false,
-                pace: WritePace::new(now),
-                next_agg: 0,
-                next_refresh: now + cfg.registry_refresh,
-                next_touch: now + touch_every(cfg.session_ttl),
-                next_heartbeat: now,
-                next_canary: now,
-                next_expire: now,
-                started_at: reply::rfc3339(SystemTime::now()),
-            };
+            let mut bridge = Bridge::new(cfg, cores, shared, fleet, Instant::now());
             bridge.run(&inbox);
         })?;
     Ok(handle)
@@ -138,6 +113,40 @@ struct Bridge {
 }
 
 impl Bridge {
+    fn new(
+        cfg: &'static Config,
+        cores: Vec<Mailbox<ToCore>>,
+        shared: Arc<BridgeShared>,
+        fleet: Option<Fleet>,
+        now: Instant,
+    ) -> Self {
+        Bridge {
+            cfg,
+            registry: Embedded::new(cfg.registry_ttl, cfg.outbox),
+            owed: vec![false; cores.len()],
+            cores,
+            batching: false,
+            shared,
+            fleet,
+            broadcasts: HashMap::new(),
+            held: LocalHeld::default(),
+            deadlines: Deadlines::default(),
+            hellos: Vec::new(),
+            holds: Vec::new(),
+            persists: Vec::new(),
+            rekeeps: Vec::new(),
+            rekeep_all: false,
+            pace: WritePace::new(now),
+            next_agg: 0,
+            next_refresh: now + cfg.registry_refresh,
+            next_touch: now + touch_every(cfg.session_ttl),
+            next_heartbeat: now,
+            next_canary: now,
+            next_expire: now,
+            started_at: reply::rfc3339(SystemTime::now()),
+        }
+    }
+
     fn run(&mut self, inbox: &Inbox<ToBridge>) {
         loop {
             let mut handled = 0;
@@ -291,7 +300,9 @@ impl Bridge {
             }
             ToBridge::Forget { rig, boot, seq } => {
                 if let Some(f) = self.fleet.as_mut() {
-                    f.forget(rig, boot, seq);
+                    if !f.forget(rig, boot, seq) {
+                        self.shared.count("forget", "dropped");
+                    }
                 }
                 Vec::new()
             }
@@ -412,8 +423,9 @@ impl Bridge {
 
     fn release(&mut self, rig: RigId, boot: BootId) {
         if let Some(f) = self.fleet.as_mut() {
-            self.shared.count("release", "sent");
-            f.release(rig, boot);
+            let queued = f.release(rig, boot);
+            self.shared
+                .count("release", if queued { "sent" } else { "dropped" });
         }
     }
 

@@ -10,7 +10,7 @@ use crate::metrics::BridgeStats;
 const CANARY_STALE: Duration = Duration::from_secs(5);
 
 /// Registry operations counted by (op, result), in this order.
-pub const REGISTRY_OPS: [(&str, &str); 24] = [
+pub const REGISTRY_OPS: [(&str, &str); 27] = [
     ("offline", "held"),
     ("offline", "full"),
     ("offline", "delivered"),
@@ -30,11 +30,14 @@ pub const REGISTRY_OPS: [(&str, &str); 24] = [
     ("refresh", "restored"),
     ("refresh", "superseded"),
     ("release", "sent"),
+    ("release", "dropped"),
+    ("forget", "dropped"),
     ("evict", "sent"),
     ("evict", "received"),
     ("control", "bad_request"),
     ("reply", "orphaned"),
     ("publish", "dropped"),
+    ("broadcast", "overloaded"),
 ];
 
 /// Bridge figures the admin thread reads (written only by the bridge thread).
