@@ -114,36 +114,11 @@ impl Bridge {
 
 #[cfg(test)]
 mod tests {
-    use std::ffi::OsString;
-    use std::sync::Arc;
-
     use super::*;
-    use crate::config::Config;
-    use crate::doorbell::{self, Inbox};
     use crate::ids::{BootId, ConnId, CoreId, RigId};
-    use crate::registry::bridge::{BridgeShared, REGISTRY_OPS};
-    use crate::registry::fleet::Fleet;
+    use crate::registry::bridge::testing::bridge;
+    use crate::registry::bridge::REGISTRY_OPS;
     use crate::registry::msg::ToCore;
-
-    fn config() -> &'static Config {
-        let argv = ["fleetlink-fe", "--cores", "1"]
-            .map(OsString::from)
-            .to_vec();
-        let cfg = crate::config::Cli::load(argv)
-            .and_then(|c| c.broker.validate())
-            .expect("default config");
-        Box::leak(Box::new(cfg))
-    }
-
-    /// A bridge of one core whose Redis is never reached: its publishes stay queued for the
-    /// test to read, and so do its messages to the core.
-    fn bridge() -> (Bridge, Inbox<ToCore>) {
-        let fleet = Fleet::new("redis://127.0.0.1:1/", "b1", Duration::from_secs(600));
-        let shared = Arc::new(BridgeShared::new(true));
-        let (core, inbox) = doorbell::channel::<ToCore>(16).expect("channel");
-        let b = Bridge::new(config(), vec![core], shared, fleet.ok(), Instant::now());
-        (b, inbox)
-    }
 
     #[test]
     fn past_the_bound_a_broadcast_is_answered_at_once_and_not_held() {

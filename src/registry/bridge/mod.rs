@@ -438,13 +438,98 @@ impl Bridge {
         }
     }
 
-    /// Releases every lease this broker holds, then returns (the end of a drain).
+    /// Answers the commands still waiting to be kept, releases every lease this broker holds,
+    /// then returns (the end of a drain, after the cores have stopped).
     fn shutdown(&mut self) {
+        // Kept before the leases go (a released lease fences the persist), a command reaches
+        // its rig by resume wherever it reconnects, so control is told `ok`. With Redis away it
+        // was neither written nor kept: control hears that instead of nothing.
+        if self.fleet.as_ref().is_some_and(Fleet::is_up) {
+            self.persist_held();
+        } else {
+            for p in std::mem::take(&mut self.persists) {
+                self.shared.count("persist", "unavailable");
+                let body = reply::error(
+                    &p.id,
+                    Some(p.rig.as_str()),
+                    "rig_not_connected",
+                    "the broker shut down before the command was kept or written",
+                );
+                self.reply_routed(p.reply, body, None);
+            }
+        }
         for (rig, boot) in self.registry.live_sessions() {
             self.release(rig, boot);
         }
         if let Some(f) = self.fleet.as_mut() {
             f.flush(None);
+        }
+    }
+}
+
+#[cfg(test)]
+pub(super) mod testing {
+    use std::ffi::OsString;
+
+    use super::*;
+    use crate::doorbell;
+
+    pub(super) fn config() -> &'static Config {
+        let argv = ["fleetlink-fe", "--cores", "1"]
+            .map(OsString::from)
+            .to_vec();
+        let cfg = crate::config::Cli::load(argv)
+            .and_then(|c| c.broker.validate())
+            .expect("default config");
+        Box::leak(Box::new(cfg))
+    }
+
+    /// A bridge of one core whose Redis is never reached: its publishes stay queued for the
+    /// test to read, and so do its messages to the core.
+    pub(super) fn bridge() -> (Bridge, Inbox<ToCore>) {
+        let fleet = Fleet::new("redis://127.0.0.1:1/", "b1", Duration::from_secs(600));
+        let shared = Arc::new(BridgeShared::new(true));
+        let (core, inbox) = doorbell::channel::<ToCore>(16).expect("channel");
+        let b = Bridge::new(config(), vec![core], shared, fleet.ok(), Instant::now());
+        (b, inbox)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::Value;
+
+    use super::testing::bridge;
+    use super::*;
+    use crate::ids::Seq;
+
+    #[test]
+    fn commands_waiting_to_be_kept_are_answered_at_shutdown_with_redis_away() {
+        let (mut b, _core) = bridge();
+        for seq in 1..=2 {
+            b.persists.push(PersistReq {
+                conn: ConnId::new(CoreId(0), 1),
+                rig: RigId::parse("rig-7").expect("rig"),
+                boot: BootId::generate(1),
+                seq: Seq(seq),
+                id: format!("c{seq}").into(),
+                json: Box::new(*b"{}"),
+                reply: ReplyTo::Channel("back".into()),
+            });
+        }
+        b.shutdown();
+        assert!(b.persists.is_empty());
+        let sent = b.fleet.as_ref().expect("fleet").queued_publishes();
+        let bodies: Vec<Value> = sent
+            .iter()
+            .filter(|(channel, _)| channel == "back")
+            .map(|(_, body)| serde_json::from_slice(body).expect("json"))
+            .collect();
+        assert_eq!(bodies.len(), 2, "one answer per command: {bodies:?}");
+        for (body, id) in bodies.iter().zip(["c1", "c2"]) {
+            assert_eq!(body["id"], id);
+            assert_eq!(body["ok"], false);
+            assert_eq!(body["error"], "rig_not_connected");
         }
     }
 }

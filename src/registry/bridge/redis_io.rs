@@ -131,7 +131,7 @@ impl Bridge {
     /// Keeps the held commands in Redis (one batched, lease-fenced script call), then releases
     /// each to its core and answers control: `ok` only for what Redis kept. With Redis down,
     /// commands are released unkept (delivery goes on; only a cross-broker resume loses them).
-    fn persist_held(&mut self) {
+    pub(super) fn persist_held(&mut self) {
         if self.persists.is_empty() {
             return;
         }
