@@ -25,6 +25,7 @@ use crate::registry::msg::{AdminReply, SeqCommand, ToBridge, ToCore};
 use crate::tls::ConfigCache;
 use crate::worker::admin_conn::Waits;
 use crate::worker::bucket::RigBucket;
+use crate::worker::closing;
 use crate::worker::transport::{self, Security};
 use crate::worker::wheel::{Tick, Wheel};
 use crate::worker::Guard;
@@ -79,6 +80,8 @@ pub(crate) struct Core {
     pub(crate) admin_pool: crossbeam_channel::Sender<Work>,
     /// Admin requests of this core's admin connections waiting for an answer.
     pub(crate) admin_waits: Waits,
+    /// Closed sessions waiting for Redis's answer to commands they held.
+    pub(crate) closing: RefCell<closing::Waiting>,
 }
 
 /// The queues a core sends on.
@@ -135,6 +138,7 @@ impl Core {
             peers: links.peers,
             admin_pool: links.pool,
             admin_waits: Waits::default(),
+            closing: RefCell::new(closing::Waiting::new()),
         }
     }
 
@@ -704,7 +708,7 @@ impl ConnState {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use std::ffi::OsString;
     use std::io::Read;
 
@@ -722,7 +726,7 @@ mod tests {
     }
 
     /// A core of one, without TLS or tokens, whose bridge is `bridge`.
-    fn test_core(bridge: Mailbox<ToBridge>) -> Rc<Core> {
+    pub(crate) fn test_core(bridge: Mailbox<ToBridge>) -> Rc<Core> {
         let guard = Guard {
             tls: None,
             jwt: None,

@@ -12,7 +12,7 @@ use crate::metrics::{RigInfo, C};
 use crate::registry::msg::{ToBridge, ToCore};
 use crate::reply;
 use crate::worker::core::{Core, Phase};
-use crate::worker::{admin_conn, drain, session};
+use crate::worker::{admin_conn, closing, drain, session};
 
 /// Messages handled between rings of the bridge's doorbell inside one burst.
 const RING_EVERY: u32 = 256;
@@ -92,8 +92,11 @@ pub(crate) fn handle(core: &Rc<Core>, msg: ToCore) {
             }
         }
         ToCore::Persisted { conn, seq, kept } => {
-            if let Some(c) = conn_of(conn) {
-                session::on_persisted(core, &c, &mut c.st.borrow_mut(), seq, kept);
+            // A closing connection's session may have left it while its socket lingers.
+            if !closing::persisted(core, conn, seq, kept) {
+                if let Some(c) = conn_of(conn) {
+                    session::on_persisted(core, &c, &mut c.st.borrow_mut(), seq, kept);
+                }
             }
         }
         ToCore::Kick {

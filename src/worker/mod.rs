@@ -7,6 +7,7 @@
 //! - `accept`: listener, token bucket, 503s.
 //! - `conn`: the per-connection IO loop.
 //! - `session`: what a connection does with messages, verdicts and commands.
+//! - `closing`: a closed session waits for Redis's answer to its held commands.
 //! - `sweep` + `wheel`: deadlines and liveness without per-connection timers.
 //! - `inbox`: messages from the bridge and admin.
 //! - `drain`: graceful shutdown.
@@ -15,6 +16,7 @@
 mod accept;
 mod admin_conn;
 mod bucket;
+mod closing;
 mod conn;
 pub(crate) mod core;
 mod drain;

@@ -14,6 +14,7 @@ use crate::registry::msg::{
     Verdict,
 };
 use crate::reply::{self, Unresponsive};
+use crate::worker::closing;
 use crate::worker::core::{stamp, unix_ms, Conn, ConnState, Core, Phase, Session};
 use crate::worker::transport::Security;
 use crate::ws::{Decoder, Limits, Message, OpCode};
@@ -676,23 +677,10 @@ pub(crate) fn on_closed(core: &Core, conn: &Conn, st: &mut ConnState) {
         let ev = events::disconnected(&core.cfg.broker_id, &s.rig, &s.boot, code, &st.close_reason);
         core.to_bridge(ToBridge::Event(ev));
     }
-    // A command still held for Redis goes along released: the session moves only within this
-    // broker (another broker resumes from Redis), where our lease kept it.
+    // A command still held for Redis goes along only once Redis has answered for it.
     let carried: Vec<SeqCommand> = s
         .queues
-        .map(|q| {
-            q.unacked
-                .into_iter()
-                .chain(q.outbox)
-                .map(|c| SeqCommand { held: false, ..c })
-                .collect()
-        })
+        .map(|q| q.unacked.into_iter().chain(q.outbox).collect())
         .unwrap_or_default();
-    core.to_bridge_owed(ToBridge::Closed {
-        conn: conn.id,
-        rig: s.rig,
-        boot: s.boot,
-        next_seq: s.next_seq,
-        carried,
-    });
+    closing::closed(core, conn.id, s.rig, s.boot, s.next_seq, carried);
 }

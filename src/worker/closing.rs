@@ -1,0 +1,189 @@
+//! A welcomed connection's end, handed to the registry only once Redis has answered for every
+//! command it still held.
+//!
+//! The registry passes a closed connection's unacked commands to the rig's next connection
+//! here. A command still waiting for its persist must not go along as written-ready: if Redis
+//! then fences it (another broker took the rig meanwhile), control is told it failed while the
+//! next connection may already have written it. So the session waits here, with its socket
+//! already gone, until each of those persists is answered (always, within the bridge's next
+//! Redis pass; see `Bridge::persist_held`): a kept command goes along, a fenced one is dropped
+//! as control was told.
+
+use std::collections::HashMap;
+
+use crate::ids::{BootId, ConnId, RigId, Seq};
+use crate::registry::msg::{SeqCommand, ToBridge};
+use crate::worker::core::Core;
+
+/// A closed connection's session whose held commands wait for Redis.
+pub(crate) struct Closing {
+    rig: RigId,
+    boot: BootId,
+    next_seq: Seq,
+    carried: Vec<SeqCommand>,
+}
+
+/// Closed sessions of this core waiting for their persists' answers, by connection. At most
+/// one per connection that closed with a persist in flight, each for one bridge pass.
+pub(crate) type Waiting = HashMap<ConnId, Closing>;
+
+/// Tells the bridge `conn` closed, or waits for the answers to its held commands first.
+pub(crate) fn closed(
+    core: &Core,
+    conn: ConnId,
+    rig: RigId,
+    boot: BootId,
+    next_seq: Seq,
+    carried: Vec<SeqCommand>,
+) {
+    let waiting = Closing {
+        rig,
+        boot,
+        next_seq,
+        carried,
+    };
+    if waiting.carried.iter().any(|c| c.held) {
+        core.closing.borrow_mut().insert(conn, waiting);
+    } else {
+        hand_over(core, conn, waiting);
+    }
+}
+
+/// Redis's answer to a held command of a connection that has closed. False when no closed
+/// session of this core waits for it.
+pub(crate) fn persisted(core: &Core, conn: ConnId, seq: Seq, kept: bool) -> bool {
+    let mut closing = core.closing.borrow_mut();
+    let Some(waiting) = closing.get_mut(&conn) else {
+        return false;
+    };
+    if let Some(pos) = waiting.carried.iter().position(|c| c.seq == seq) {
+        if kept {
+            if let Some(cmd) = waiting.carried.get_mut(pos) {
+                cmd.held = false;
+            }
+        } else {
+            waiting.carried.remove(pos);
+        }
+    }
+    if waiting.carried.iter().any(|c| c.held) {
+        return true;
+    }
+    if let Some(done) = closing.remove(&conn) {
+        drop(closing);
+        hand_over(core, conn, done);
+    }
+    true
+}
+
+fn hand_over(core: &Core, conn: ConnId, s: Closing) {
+    core.to_bridge_owed(ToBridge::Closed {
+        conn,
+        rig: s.rig,
+        boot: s.boot,
+        next_seq: s.next_seq,
+        carried: s.carried,
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use std::rc::Rc;
+    use std::time::Instant;
+
+    use super::*;
+    use crate::doorbell::{self, Inbox};
+    use crate::registry::msg::ToCore;
+    use crate::worker::core::tests::test_core;
+    use crate::worker::core::{Conn, Queues, Session};
+    use crate::worker::{inbox, session};
+
+    fn cmd(seq: u64, held: bool) -> SeqCommand {
+        SeqCommand {
+            seq: Seq(seq),
+            id: format!("c{seq}").into(),
+            json: Box::new(*b"{}"),
+            queued_at: Instant::now(),
+            written_at: None,
+            held,
+        }
+    }
+
+    /// A welcomed connection of rig-1 holding `outbox`, still in the core's table (a closing
+    /// socket lingers there after its session has left it).
+    fn live_conn(core: &Rc<Core>, outbox: Vec<SeqCommand>) -> Rc<Conn> {
+        let id = core.next_conn_id();
+        let conn = Rc::new(Conn::new(core, id, -1));
+        core.conns.borrow_mut().insert(id, conn.clone());
+        conn.st.borrow_mut().session = Some(Box::new(Session {
+            rig: RigId::parse("rig-1").expect("rig"),
+            boot: BootId::generate(1),
+            v: 1,
+            labels: Box::new([]),
+            next_seq: Seq(4),
+            last_ack: Seq(0),
+            last_ack_ms: 0,
+            connected_ms: 0,
+            resume_from: Seq(0),
+            welcomed: true,
+            queues: Some(Box::new(Queues {
+                outbox: outbox.into(),
+                unacked: vec![cmd(1, false)].into(),
+            })),
+        }));
+        conn
+    }
+
+    fn closed_carried(rx: &Inbox<ToBridge>) -> Option<Vec<(u64, bool)>> {
+        std::iter::from_fn(|| rx.try_recv()).find_map(|m| match m {
+            ToBridge::Closed { carried, .. } => {
+                Some(carried.iter().map(|c| (c.seq.0, c.held)).collect())
+            }
+            _ => None,
+        })
+    }
+
+    #[test]
+    fn a_closed_session_waits_for_its_held_commands_and_carries_only_the_kept() {
+        let (tx, rx) = doorbell::channel::<ToBridge>(16).expect("channel");
+        let core = test_core(tx);
+        let conn = live_conn(&core, vec![cmd(2, true), cmd(3, true)]);
+        session::on_closed(&core, &conn, &mut conn.st.borrow_mut());
+        assert_eq!(closed_carried(&rx), None, "not before Redis answers");
+
+        inbox::handle(
+            &core,
+            ToCore::Persisted {
+                conn: conn.id,
+                seq: Seq(2),
+                kept: true,
+            },
+        );
+        assert_eq!(closed_carried(&rx), None, "seq 3 is still held");
+
+        inbox::handle(
+            &core,
+            ToCore::Persisted {
+                conn: conn.id,
+                seq: Seq(3),
+                kept: false,
+            },
+        );
+        assert_eq!(
+            closed_carried(&rx),
+            Some(vec![(1, false), (2, false)]),
+            "the kept command goes along released, the fenced one not at all"
+        );
+        assert!(core.closing.borrow().is_empty());
+    }
+
+    #[test]
+    fn a_closed_session_without_held_commands_is_handed_over_at_once() {
+        let (tx, rx) = doorbell::channel::<ToBridge>(16).expect("channel");
+        let core = test_core(tx);
+        let conn = live_conn(&core, vec![cmd(2, false)]);
+        session::on_closed(&core, &conn, &mut conn.st.borrow_mut());
+        assert_eq!(closed_carried(&rx), Some(vec![(1, false), (2, false)]));
+        assert!(core.closing.borrow().is_empty());
+        assert!(!persisted(&core, conn.id, Seq(2), true), "nothing waits");
+    }
+}
