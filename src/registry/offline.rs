@@ -164,25 +164,31 @@ impl OfflineScripts {
     }
 }
 
-/// Standalone side: per-rig bounded queues in the bridge.
+/// Standalone side: per-rig bounded queues in the bridge, each entry with its key in
+/// [`Deadlines`] so that a delivered command's deadline is forgotten with it.
 #[derive(Debug, Default)]
 pub struct LocalHeld {
-    rigs: HashMap<RigId, VecDeque<Held>>,
+    rigs: HashMap<RigId, VecDeque<(u64, Held)>>,
 }
 
 impl LocalHeld {
-    /// Holds `entry`; false when the rig's queue is full.
-    pub fn push(&mut self, rig: &RigId, entry: Held) -> bool {
+    /// Whether `rig`'s queue has room for one more.
+    pub fn has_room(&self, rig: &RigId) -> bool {
+        self.rigs.get(rig).is_none_or(|q| q.len() < MAX_PER_RIG)
+    }
+
+    /// Holds `entry` (its deadline's key `key`); false when the rig's queue is full.
+    pub fn push(&mut self, rig: &RigId, key: u64, entry: Held) -> bool {
         let q = self.rigs.entry(rig.clone()).or_default();
         if q.len() >= MAX_PER_RIG {
             return false;
         }
-        q.push_back(entry);
+        q.push_back((key, entry));
         true
     }
 
-    /// Takes every held command of `rig`.
-    pub fn take(&mut self, rig: &RigId) -> Vec<Held> {
+    /// Takes every held command of `rig`, with its deadline's key.
+    pub fn take(&mut self, rig: &RigId) -> Vec<(u64, Held)> {
         self.rigs.remove(rig).map(Vec::from).unwrap_or_default()
     }
 
@@ -192,7 +198,7 @@ impl LocalHeld {
             return false;
         };
         let before = q.len();
-        q.retain(|h| h.id != id);
+        q.retain(|(_, h)| h.id != id);
         let removed = q.len() < before;
         if q.is_empty() {
             self.rigs.remove(rig);
@@ -202,6 +208,7 @@ impl LocalHeld {
 }
 
 /// Deadlines of the commands this broker put on hold, so it can report them `expired` on time.
+/// Bounded by [`Deadlines::MAX`]: past it, a command for an offline rig is refused.
 #[derive(Debug, Default)]
 pub struct Deadlines {
     heap: BinaryHeap<Reverse<(Instant, u64)>>,
@@ -210,11 +217,27 @@ pub struct Deadlines {
 }
 
 impl Deadlines {
-    /// Remembers `entry` until `at`.
-    pub fn add(&mut self, at: Instant, rig: RigId, entry: Held) {
+    /// Most deadlines one broker keeps, a heap slot each until due (a copy of the command too
+    /// while it may still be held). In fleet mode another broker may deliver a command held
+    /// here, so its deadline stays until due (at most [`MAX_TTL`]) and counts until then.
+    pub const MAX: usize = 1_000_000;
+
+    /// Whether `n` more deadlines would pass [`Self::MAX`].
+    pub fn would_overflow(&self, n: usize) -> bool {
+        self.heap.len().saturating_add(n) > Self::MAX
+    }
+
+    /// Remembers `entry` until `at`; returns its key.
+    pub fn add(&mut self, at: Instant, rig: RigId, entry: Held) -> u64 {
         self.next += 1;
         self.heap.push(Reverse((at, self.next)));
         self.entries.insert(self.next, (rig, entry));
+        self.next
+    }
+
+    /// Drops the copy of a command delivered before its deadline (its heap slot stays until due).
+    pub fn forget(&mut self, key: u64) {
+        self.entries.remove(&key);
     }
 
     /// The next deadline, if any.
@@ -254,14 +277,16 @@ mod tests {
             reply_to: None,
         };
         for i in 0..MAX_PER_RIG {
-            assert!(q.push(&rig, held(&i.to_string())));
+            assert!(q.has_room(&rig));
+            assert!(q.push(&rig, i as u64, held(&i.to_string())));
         }
-        assert!(!q.push(&rig, held("over")));
+        assert!(!q.has_room(&rig));
+        assert!(!q.push(&rig, 0, held("over")));
         assert!(q.remove(&rig, "0"));
         assert!(!q.remove(&rig, "0"));
         let taken = q.take(&rig);
         assert_eq!(taken.len(), MAX_PER_RIG - 1);
-        assert_eq!(taken[0].id, "1");
+        assert_eq!(taken[0], (1, held("1")));
         assert!(q.take(&rig).is_empty());
     }
 
@@ -286,5 +311,29 @@ mod tests {
             due.iter().map(|(_, h)| h.id.as_str()).collect::<Vec<_>>(),
             ["a", "b"]
         );
+    }
+
+    #[test]
+    fn a_forgotten_deadline_reports_nothing_and_the_bound_counts_every_slot() {
+        let mut d = Deadlines::default();
+        let t0 = Instant::now();
+        let rig = RigId::parse("r").unwrap();
+        let held = |id: &str| Held {
+            id: id.into(),
+            name: "n".into(),
+            args: Value::Null,
+            deadline_ms: 1,
+            reply_to: None,
+        };
+        let a = d.add(t0, rig.clone(), held("a"));
+        d.add(t0, rig.clone(), held("b"));
+        d.forget(a);
+        let due = d.due(t0);
+        assert_eq!(due.len(), 1);
+        assert_eq!(due[0].1.id, "b");
+        assert!(!d.would_overflow(Deadlines::MAX));
+        d.add(t0 + Duration::from_secs(60), rig, held("c"));
+        assert!(d.would_overflow(Deadlines::MAX));
+        assert!(!d.would_overflow(Deadlines::MAX - 1));
     }
 }

@@ -25,6 +25,12 @@ pub(super) struct PendingHold {
 impl Bridge {
     /// Holds a command for a rig that is not connected (Redis in fleet mode, else here).
     pub(super) fn hold(&mut self, req: CommandReq, ttl: Duration) {
+        if self.deadlines.would_overflow(self.holds.len() + 1) {
+            self.shared.count("offline", "full");
+            let why = "too many commands held on this broker";
+            let body = reply::error(&req.id, Some(req.rig.as_str()), "offline_queue_full", why);
+            return self.reply(req.reply, body);
+        }
         let entry = Held {
             id: req.id,
             name: req.name,
@@ -65,18 +71,21 @@ impl Bridge {
         }
         let mut stored = stored.map(Vec::into_iter);
         for h in holds {
-            let stored = match stored.as_mut().map(|s| s.next().flatten()) {
-                Some(Some(stored)) => stored,
+            match stored.as_mut().map(|s| s.next().flatten()) {
+                Some(Some(stored)) => self.held_reply(h, stored, false),
                 // Standalone, Redis away, or this entry's call failed: held here (delivered
                 // only by this broker).
-                _ => self.held.push(&h.rig, h.entry.clone()),
-            };
-            self.held_reply(h, stored);
+                _ => {
+                    let room = self.held.has_room(&h.rig);
+                    self.held_reply(h, room, true);
+                }
+            }
         }
     }
 
-    /// Answers control for one held (or refused) command and arms its deadline.
-    fn held_reply(&mut self, hold: PendingHold, stored: bool) {
+    /// Answers control for one held (or refused) command and arms its deadline; `here` holds
+    /// it in this broker's own queue too.
+    fn held_reply(&mut self, hold: PendingHold, stored: bool, here: bool) {
         let PendingHold {
             rig,
             entry,
@@ -86,7 +95,11 @@ impl Bridge {
         let body = if stored {
             self.shared.count("offline", "held");
             let body = json!({"id": entry.id, "ok": true, "rig_id": rig.as_str(), "queued": true});
-            self.deadlines.add(Instant::now() + ttl, rig, entry);
+            let copy = here.then(|| entry.clone());
+            let key = self.deadlines.add(Instant::now() + ttl, rig.clone(), entry);
+            if let Some(entry) = copy {
+                self.held.push(&rig, key, entry);
+            }
             body
         } else {
             self.shared.count("offline", "full");
@@ -110,7 +123,11 @@ impl Bridge {
         mut held: Vec<Held>,
         actions: &mut Vec<Action>,
     ) {
-        held.extend(self.held.take(rig));
+        for (key, h) in self.held.take(rig) {
+            // Delivered: nothing left to expire, and the copy need not wait for the deadline.
+            self.deadlines.forget(key);
+            held.push(h);
+        }
         let now = unix_ms();
         for h in held {
             if h.expired(now) {
