@@ -12,8 +12,11 @@
 -- Returns an array of statuses, one per command in order:
 --   "ok"      the lease is still ours: HSET c:<seq> and "next" = seq+1; PEXPIRE only when
 --             that HSET created the key (a session Redis had lost, before its re-keep)
---   "fenced"  the lease is someone else's (or gone): nothing written; the broker drops the
---             command and tells control, which never got an ok for it
+--   "fenced"  the lease is someone else's: nothing written; the broker drops the command and
+--             tells control, which never got an ok for it
+--   "missing" there is no lease (Redis lost it: evicted, flushed, restarted empty): nothing
+--             written; a broker that still holds the rig puts its lease back (refresh.lua)
+--             and sends the command again, one that does not drops it as fenced
 -- Errors "ERR fleetlink persist: ..." on malformed ARGV, before any write.
 --
 -- "next" is set, not raised: one broker's commands for a session arrive here in seq order
@@ -42,7 +45,10 @@ end
 local out = {}
 for i = 1, n do
   local sess = KEYS[2 * i]
-  if redis.pcall('GET', KEYS[2 * i - 1]) ~= ARGV[3 * i - 1] then
+  local lease = redis.pcall('GET', KEYS[2 * i - 1])
+  if lease == false then
+    out[i] = 'missing'
+  elseif lease ~= ARGV[3 * i - 1] then
     out[i] = 'fenced'
   else
     -- 2 new fields = "next" was new too: the key did not exist, and a key with no TTL would

@@ -10,7 +10,7 @@ use common::broker::{boot_id, eventually, read_close, read_json, Broker, Ws};
 use common::control::Control;
 use common::redis::RedisServer;
 use fleetlink::ids::{BootId, RigId, Seq};
-use fleetlink::registry::sessions::{Persist, Rekeep, SessionScripts};
+use fleetlink::registry::sessions::{Kept, Persist, Rekeep, SessionScripts};
 use redis::Commands;
 use serde_json::{json, Value};
 use tungstenite::Message;
@@ -270,6 +270,44 @@ fn a_session_redis_lost_is_kept_again_and_survives_its_broker() {
     assert_eq!(read_json(&mut on_b)["seq"], 4);
 }
 
+/// Redis loses a connected rig's lease and session without restarting (evicted, flushed): the
+/// next command is not fenced, which would leave the rig a gap in its seqs. The broker puts the
+/// lease back, keeps the command, and puts the rest of the session back.
+#[test]
+fn a_lease_redis_lost_under_a_connected_rig_is_put_back_before_its_next_command() {
+    let redis = RedisServer::start();
+    let (_a, _b, boot, mut on_a, mut ctl) = rig_with_commands_on_a(&redis, "rig-l", "l", 1);
+    let mut con = redis.connection();
+    let _: () = redis::cmd("FLUSHALL").query(&mut con).unwrap();
+    let r = ctl.command_id("fe-a", "rig-l", "l2", "n", json!({}));
+    assert_eq!(
+        (r["ok"].clone(), r["seq"].clone()),
+        (json!(true), json!(2)),
+        "{r}"
+    );
+    let cmd = read_json(&mut on_a);
+    assert_eq!(
+        (cmd["seq"].clone(), cmd["id"].clone()),
+        (json!(2), json!("l2"))
+    );
+    let lease: Option<String> = con.get("rig:rig-l").unwrap();
+    assert_eq!(lease.as_deref(), Some(format!("{boot}|fe-a").as_str()));
+    let key = format!("sess:rig-l:{boot}");
+    eventually(
+        Duration::from_secs(10),
+        "the whole session kept again",
+        || {
+            let (c1, c2, next): (Option<String>, Option<String>, Option<String>) = redis::pipe()
+                .hget(&key, "c:1")
+                .hget(&key, "c:2")
+                .hget(&key, "next")
+                .query(&mut con)
+                .unwrap_or((None, None, None));
+            c1.is_some() && c2.is_some() && next.as_deref() == Some("3")
+        },
+    );
+}
+
 /// A command delivered while Redis was unreachable is not kept then; once Redis is back (with
 /// everything else it had), the reconnect puts every connected session back, so it is kept.
 #[test]
@@ -387,26 +425,28 @@ fn persisting_is_fenced_by_the_lease() {
         seq: Seq(1),
         json,
     }];
-    // No lease: fenced. Another broker's lease: fenced. Ours: kept.
+    // No lease: not kept, said apart. Another broker's lease: fenced. Ours: kept.
     assert_eq!(
         scripts
             .persist(&mut con, &cmd, "fe-a", Duration::from_secs(60))
             .unwrap(),
-        [false]
+        [Kept::LeaseMissing]
     );
+    let exists: bool = con.exists(format!("sess:rig-f:{boot}")).unwrap();
+    assert!(!exists, "nothing written without a lease");
     let _: () = con.set("rig:rig-f", format!("{boot}|fe-b")).unwrap();
     assert_eq!(
         scripts
             .persist(&mut con, &cmd, "fe-a", Duration::from_secs(60))
             .unwrap(),
-        [false]
+        [Kept::Fenced]
     );
     let _: () = con.set("rig:rig-f", format!("{boot}|fe-a")).unwrap();
     assert_eq!(
         scripts
             .persist(&mut con, &cmd, "fe-a", Duration::from_secs(60))
             .unwrap(),
-        [true]
+        [Kept::Yes]
     );
     let found = scripts
         .resume(&mut con, &rig, &boot, Duration::from_secs(60))
@@ -428,7 +468,7 @@ fn persisting_is_fenced_by_the_lease() {
         scripts
             .persist(&mut con, &second, "fe-a", Duration::from_secs(60))
             .unwrap(),
-        [true]
+        [Kept::Yes]
     );
     let ttl: i64 = con.pttl(&key).unwrap();
     assert!(ttl > 0 && ttl <= 5_000, "{ttl}");
@@ -670,7 +710,7 @@ fn a_persist_batch_is_fenced_per_rig_and_checked_before_any_write() {
             Duration::from_secs(60),
         )
         .unwrap();
-    assert_eq!(kept, [true, false, true]);
+    assert_eq!(kept, [Kept::Yes, Kept::Fenced, Kept::Yes]);
     let sess_a = format!("sess:rig-a:{boot}");
     let next: String = con.hget(&sess_a, "next").unwrap();
     assert_eq!(next, "9");
@@ -721,7 +761,7 @@ fn the_last_usable_seq_is_kept_exactly() {
     let kept = scripts
         .persist(&mut con, &[last], "fe-a", Duration::from_secs(60))
         .unwrap();
-    assert_eq!(kept, [true]);
+    assert_eq!(kept, [Kept::Yes]);
     let sess_a = format!("sess:rig-a:{boot}");
     let next: String = con.hget(&sess_a, "next").unwrap();
     assert_eq!(next, (Seq::LAST.0 + 1).to_string());

@@ -13,7 +13,7 @@ use crate::ids::{BootId, RigId};
 use crate::registry::offline::{Held, OfflineScripts};
 use crate::registry::pubsub::{Push, Subscriber};
 use crate::registry::scripts::{HelloOutcome, RefreshStatus, Scripts};
-use crate::registry::sessions::{self, Persist, Rekeep, Resumed, SessionScripts};
+use crate::registry::sessions::{self, Kept, Persist, Rekeep, Resumed, SessionScripts};
 
 /// Socket timeout for every Redis call: a hung Redis stalls the bridge at most this long.
 const IO_TIMEOUT: Duration = Duration::from_secs(2);
@@ -252,7 +252,7 @@ impl Fleet {
     }
 
     /// Keeps commands in their sessions (fenced by our leases). None when Redis is unavailable.
-    pub(crate) fn persist(&mut self, cmds: &[Persist<'_>], ttl: Duration) -> Option<Vec<bool>> {
+    pub(crate) fn persist(&mut self, cmds: &[Persist<'_>], ttl: Duration) -> Option<Vec<Kept>> {
         let con = self.con.as_mut()?;
         match self.sessions.persist(con, cmds, &self.broker_id, ttl) {
             Ok(kept) => Some(kept),

@@ -139,14 +139,14 @@ impl SessionScripts {
         Ok(out)
     }
 
-    /// Keeps `cmds` (each fenced by `broker_id`'s lease); one status per command, true = kept.
+    /// Keeps `cmds` (each fenced by `broker_id`'s lease); one status per command.
     pub fn persist(
         &self,
         con: &mut impl ConnectionLike,
         cmds: &[Persist<'_>],
         broker_id: &str,
         ttl: Duration,
-    ) -> Result<Vec<bool>, RegistryError> {
+    ) -> Result<Vec<Kept>, RegistryError> {
         let mut out = Vec::with_capacity(cmds.len());
         for chunk in cmds.chunks(PERSIST_CHUNK) {
             let mut call = self.persist.prepare_invoke();
@@ -158,7 +158,7 @@ impl SessionScripts {
             let reply: Value = call.invoke(con)?;
             let parsed = match &reply {
                 Value::Array(items) if items.len() == chunk.len() => {
-                    items.iter().map(kept).collect::<Option<Vec<_>>>()
+                    items.iter().map(persisted).collect::<Option<Vec<_>>>()
                 }
                 _ => None,
             };
@@ -237,7 +237,27 @@ fn parse_resumed(reply: &Value) -> Option<Resumed> {
     })
 }
 
-/// A fenced write's status (`persist.lua`, `rekeep.lua`): true = kept, false = fenced.
+/// What `persist.lua` did with one command.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kept {
+    /// Kept in its session under our lease.
+    Yes,
+    /// Not kept: another broker's lease.
+    Fenced,
+    /// Not kept: no lease at all (Redis lost it); the holder may put it back and retry.
+    LeaseMissing,
+}
+
+fn persisted(v: &Value) -> Option<Kept> {
+    match text(v)? {
+        "ok" => Some(Kept::Yes),
+        "fenced" => Some(Kept::Fenced),
+        "missing" => Some(Kept::LeaseMissing),
+        _ => None,
+    }
+}
+
+/// A fenced write's status (`rekeep.lua`): true = kept, false = fenced.
 fn kept(v: &Value) -> Option<bool> {
     match text(v)? {
         "ok" => Some(true),

@@ -1,16 +1,19 @@
 //! The bridge's turn at Redis in each pass: read the subscription and act on what came, then
 //! send the queued writes (persists, rekeeps, publishes, releases) when their pace allows.
 
+use std::collections::HashSet;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use super::shared::unix_ms;
 use super::Bridge;
+use crate::ids::{BootId, ConnId, RigId};
 use crate::registry::control::{self, Control};
 use crate::registry::fleet::{self, Fleet};
-use crate::registry::msg::{RekeepReq, ReplyTo, ToCore};
+use crate::registry::msg::{PersistReq, RekeepReq, ReplyTo, ToCore};
 use crate::registry::pace::Queued;
-use crate::registry::sessions::{Persist, Rekeep};
+use crate::registry::scripts::RefreshStatus;
+use crate::registry::sessions::{Kept, Persist, Rekeep};
 use crate::reply;
 
 /// Sessions put back into Redis per pass of the bridge loop (see `Bridge::rekeep_sessions`).
@@ -136,26 +139,16 @@ impl Bridge {
             return;
         }
         let held = std::mem::take(&mut self.persists);
-        let ttl = self.cfg.session_ttl;
-        let kept = self.fleet.as_mut().and_then(|f| {
-            let batch: Vec<Persist<'_>> = held
-                .iter()
-                .map(|p| Persist {
-                    rig: &p.rig,
-                    boot: &p.boot,
-                    seq: p.seq,
-                    json: &p.json,
-                })
-                .collect();
-            f.persist(&batch, ttl)
-        });
+        let mut kept = self.keep(held.iter());
         if kept.is_none() {
             self.shared.count("persist", "unavailable");
         }
+        let rekeep = match kept.as_mut() {
+            Some(kept) => self.keep_again_under_restored_leases(&held, kept),
+            None => Vec::new(),
+        };
         for (i, p) in held.into_iter().enumerate() {
-            let ok = kept
-                .as_ref()
-                .is_none_or(|k| k.get(i).copied().unwrap_or(false));
+            let ok = kept.as_ref().is_none_or(|k| k.get(i) == Some(&Kept::Yes));
             let (body, route) = if ok {
                 self.shared.count("persist", "ok");
                 (reply::enqueued(&p.id, &p.rig, p.seq), Some(p.conn))
@@ -179,6 +172,83 @@ impl Bridge {
             );
             self.reply_routed(p.reply, body, route);
         }
+        // After the answers above, so that the cores have released those commands by then.
+        for conn in rekeep {
+            self.send_to_core(conn, ToCore::Rekeep { conn });
+        }
+    }
+
+    /// One lease-fenced script call for `held`. None when Redis is unavailable.
+    fn keep<'a>(&mut self, held: impl Iterator<Item = &'a PersistReq>) -> Option<Vec<Kept>> {
+        let ttl = self.cfg.session_ttl;
+        let f = self.fleet.as_mut()?;
+        let batch: Vec<Persist<'_>> = held
+            .map(|p| Persist {
+                rig: &p.rig,
+                boot: &p.boot,
+                seq: p.seq,
+                json: &p.json,
+            })
+            .collect();
+        f.persist(&batch, ttl)
+    }
+
+    /// Redis lost the lease of a rig still connected here (evicted, flushed, restarted
+    /// empty): fenced, its command would leave a gap in the rig's seqs, which a rig treats as
+    /// fatal. So the lease is put back at once, as the next refresh would, and the command
+    /// kept again. Returns the connections whose whole session Redis may have lost too.
+    fn keep_again_under_restored_leases(
+        &mut self,
+        held: &[PersistReq],
+        kept: &mut [Kept],
+    ) -> Vec<ConnId> {
+        let missing: Vec<usize> = (0..held.len())
+            .filter(|&i| kept.get(i) == Some(&Kept::LeaseMissing))
+            .filter(|&i| {
+                held.get(i)
+                    .is_some_and(|p| self.registry.conn_of(&p.rig) == Some(p.conn))
+            })
+            .collect();
+        if missing.is_empty() {
+            return Vec::new();
+        }
+        let leases: Vec<(RigId, BootId)> = missing
+            .iter()
+            .filter_map(|&i| held.get(i).map(|p| (p.rig.clone(), p.boot)))
+            .collect::<HashSet<_>>()
+            .into_iter()
+            .collect();
+        let ttl = self.cfg.registry_ttl;
+        let Some(statuses) = self.fleet.as_mut().and_then(|f| f.refresh(&leases, ttl)) else {
+            return Vec::new();
+        };
+        // Superseded meanwhile: another broker's now, and the next refresh says so.
+        let restored: HashSet<&RigId> = leases
+            .iter()
+            .zip(statuses)
+            .filter(|(_, status)| *status != RefreshStatus::Superseded)
+            .map(|((rig, _), _)| rig)
+            .collect();
+        let retry: Vec<usize> = missing
+            .into_iter()
+            .filter(|&i| held.get(i).is_some_and(|p| restored.contains(&p.rig)))
+            .collect();
+        let Some(results) = self.keep(retry.iter().filter_map(|&i| held.get(i))) else {
+            return Vec::new();
+        };
+        for (&i, result) in retry.iter().zip(results) {
+            if let Some(k) = kept.get_mut(i) {
+                *k = result;
+            }
+        }
+        for _ in &restored {
+            self.shared.count("persist", "lease_restored");
+        }
+        let conns: HashSet<ConnId> = retry
+            .iter()
+            .filter_map(|&i| held.get(i).map(|p| p.conn))
+            .collect();
+        conns.into_iter().collect()
     }
 
     /// Puts back the sessions the cores sent after a reconnect or a restored lease (see

@@ -10,7 +10,7 @@ use crate::metrics::BridgeStats;
 const CANARY_STALE: Duration = Duration::from_secs(5);
 
 /// Registry operations counted by (op, result), in this order.
-pub const REGISTRY_OPS: [(&str, &str); 27] = [
+pub const REGISTRY_OPS: [(&str, &str); 28] = [
     ("offline", "held"),
     ("offline", "full"),
     ("offline", "delivered"),
@@ -19,6 +19,7 @@ pub const REGISTRY_OPS: [(&str, &str); 27] = [
     ("persist", "ok"),
     ("persist", "fenced"),
     ("persist", "unavailable"),
+    ("persist", "lease_restored"),
     ("rekeep", "ok"),
     ("rekeep", "fenced"),
     ("rekeep", "unavailable"),
