@@ -232,6 +232,22 @@ pub struct TlsFiles {
     pub crl: Vec<PathBuf>,
 }
 
+/// Written-but-unacked commands kept per rig, as a multiple of `--outbox`: enough for a rig
+/// that acks in batches, bounded for one that never acks.
+const UNACKED_PER_OUTBOX: usize = 8;
+
+impl Config {
+    /// Most written-but-unacked commands a rig's session remembers for a resume.
+    pub fn unacked_limit(&self) -> usize {
+        self.outbox * UNACKED_PER_OUTBOX
+    }
+
+    /// Most commands one session holds, queued and unacked together: what a resume can carry.
+    pub fn session_limit(&self) -> usize {
+        self.outbox + self.unacked_limit()
+    }
+}
+
 impl Cli {
     /// Parses argv + env, then fills flags still at their defaults from `--config`.
     pub fn load(argv: Vec<OsString>) -> anyhow::Result<Cli> {

@@ -135,6 +135,27 @@ fn acked_commands_still_in_redis_are_not_replayed_past_last_seq() {
     );
 }
 
+/// A rig that reconnects with commands it received but never acked (its `last_seq` covers
+/// them) may ack them on the new connection: then they leave Redis too, and do not sit in the
+/// session for as long as the rig keeps coming back.
+#[test]
+fn commands_a_rig_had_but_acks_only_after_its_resume_leave_redis() {
+    let redis = RedisServer::start();
+    let (_a, b, boot, mut on_a, mut ctl) = rig_with_commands_on_a(&redis, "rig-u", "u", 3);
+    let (mut on_b, welcome) = move_to_b(&b, &mut on_a, "rig-u", &boot, 3);
+    assert_eq!(welcome["resumed"], true);
+    let r = ctl.command_id("fe-b", "rig-u", "u4", "n", json!({}));
+    assert_eq!(r["seq"], 4, "{r}");
+    assert_eq!(read_json(&mut on_b)["seq"], 4, "1-3 are not sent again");
+    ack(&mut on_b, 4);
+    let key = format!("sess:rig-u:{boot}");
+    let mut con = redis.connection();
+    eventually(Duration::from_secs(10), "every acked command gone", || {
+        let fields: Vec<String> = con.hkeys(&key).unwrap_or_default();
+        fields == ["next"]
+    });
+}
+
 /// Redis lost the session (restarted empty, say, or the key expired): the rig's `last_seq`
 /// still keeps seqs from being reused, so its next command is `last_seq` + 1 and not a seq the
 /// rig already has (which it would drop).

@@ -20,10 +20,6 @@ use crate::worker::transport::Security;
 use crate::ws::{Decoder, Limits, Message, OpCode};
 use crate::{events, protocol::encode_welcome};
 
-/// Written-but-unacked commands kept per rig, as a multiple of `--outbox`: enough for a rig
-/// that acks in batches, bounded for one that never acks.
-const UNACKED_PER_OUTBOX: usize = 8;
-
 /// Longest request head accepted (CONTRACT.md §2: larger is 431).
 pub(crate) const MAX_HEAD: usize = 8 * 1024;
 
@@ -380,6 +376,29 @@ fn on_ack(core: &Core, s: &mut Session, seq: Seq) -> Option<Box<str>> {
     id
 }
 
+/// Remembers a command the rig has (written, or received before it reconnected) until its ack,
+/// within the bound: past it the oldest is dropped from resume memory, counted, and removed
+/// from the session store too, or Redis would keep it for the session's whole life.
+fn keep_unacked(core: &Core, s: &mut Session, cmd: SeqCommand) {
+    let limit = core.cfg.unacked_limit();
+    let (rig, boot) = (&s.rig, s.boot);
+    let q = s.queues.get_or_insert_with(Default::default);
+    while q.unacked.len() >= limit {
+        let Some(old) = q.unacked.pop_front() else {
+            break;
+        };
+        core.metrics.inc(C::CmdResumeDropped);
+        if core.persist {
+            core.to_bridge(ToBridge::Forget {
+                rig: rig.clone(),
+                boot,
+                seq: old.seq,
+            });
+        }
+    }
+    q.unacked.push_back(cmd);
+}
+
 /// Moves queued commands to the socket while it keeps up. Called after enqueue and after the
 /// task flushed a backlog.
 pub(crate) fn pump(core: &Core, conn: &Conn, st: &mut ConnState) {
@@ -399,19 +418,7 @@ pub(crate) fn pump(core: &Core, conn: &Conn, st: &mut ConnState) {
         };
         cmd.written_at = Some(Instant::now());
         let json = cmd.json.clone();
-        if q.unacked.len() >= core.cfg.outbox * UNACKED_PER_OUTBOX {
-            if let Some(old) = q.unacked.pop_front() {
-                core.metrics.inc(C::CmdResumeDropped);
-                if core.persist {
-                    core.to_bridge(ToBridge::Forget {
-                        rig: session.rig.clone(),
-                        boot: session.boot,
-                        seq: old.seq,
-                    });
-                }
-            }
-        }
-        q.unacked.push_back(cmd);
+        keep_unacked(core, session, cmd);
         core.metrics.inc(C::CmdWritten);
         conn.send_frame(st, OpCode::Text, &json);
     }
@@ -446,9 +453,14 @@ pub(crate) fn on_verdict(core: &Core, conn: &Conn, st: &mut ConnState, verdict: 
         resumed,
     );
     let already = session.resume_from;
-    for cmd in carried.into_iter().filter(|c| c.seq > already) {
-        core.metrics.inc(C::CmdResumeSent);
-        session.queues().outbox.push_back(cmd);
+    for cmd in carried {
+        if cmd.seq > already {
+            core.metrics.inc(C::CmdResumeSent);
+            session.queues().outbox.push_back(cmd);
+        } else {
+            // The rig has it but has not acked it: its ack, which may still come, forgets it.
+            keep_unacked(core, session, cmd);
+        }
     }
     if let Some(g) = session.group(&core.cfg.group_label) {
         core.metrics.group(g, true);
@@ -479,7 +491,7 @@ pub(crate) fn on_command(core: &Core, conn: &Conn, st: &mut ConnState, req: Comm
     let Some(session) = st.session.as_mut() else {
         return;
     };
-    if session.held_len() >= core.cfg.outbox * UNACKED_PER_OUTBOX {
+    if session.held_len() >= core.cfg.unacked_limit() {
         // Redis is slower than control right now: a broker-side condition, not the rig's.
         let why = "too many commands waiting for the session store";
         return refuse_command(core, req, C::BridgeQueueFull, "overloaded", why);

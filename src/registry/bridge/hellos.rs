@@ -1,12 +1,13 @@
 //! Hellos, answered in batches: one pipelined lease claim for every hello read from the
 //! inbox, one more round trip for the accepted rigs' sessions and held commands.
 
+use std::collections::HashSet;
 use std::time::{Instant, SystemTime};
 
 use serde_json::{json, Value};
 
 use super::Bridge;
-use crate::ids::{BootId, ConnId, RigId};
+use crate::ids::{BootId, ConnId, RigId, Seq};
 use crate::registry::embedded::Action;
 use crate::registry::fleet;
 use crate::registry::msg::{SeqCommand, ToCore, Verdict};
@@ -180,6 +181,7 @@ impl Bridge {
         let Some(next) = found.next else {
             return actions;
         };
+        let mut stale = Vec::new();
         for action in &mut actions {
             if let Action::Core(
                 c,
@@ -199,8 +201,9 @@ impl Bridge {
                 }
                 *next_seq = (*next_seq).max(next);
                 *resumed = true;
+                let local: HashSet<Seq> = carried.iter().map(|c| c.seq).collect();
                 for (seq, json) in &found.commands {
-                    if carried.iter().all(|c| c.seq != *seq) {
+                    if !local.contains(seq) {
                         carried.push(SeqCommand {
                             seq: *seq,
                             id: command_id(json),
@@ -212,6 +215,18 @@ impl Bridge {
                     }
                 }
                 carried.sort_by_key(|c| c.seq);
+                // A session never holds more than this; older entries in Redis are ones whose
+                // removal was lost (acked, or already dropped from resume memory and counted).
+                let excess = carried.len().saturating_sub(self.cfg.session_limit());
+                stale.extend(carried.drain(..excess).map(|c| c.seq));
+            }
+        }
+        for seq in stale {
+            self.shared.count("resume", "stale_dropped");
+            if let Some(f) = self.fleet.as_mut() {
+                if !f.forget(rig.clone(), *boot, seq) {
+                    self.shared.count("forget", "dropped");
+                }
             }
         }
         actions
@@ -224,4 +239,63 @@ fn command_id(json: &[u8]) -> Box<str> {
         .ok()
         .and_then(|v| v["id"].as_str().map(Into::into))
         .unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::Ordering;
+
+    use super::*;
+    use crate::ids::CoreId;
+    use crate::registry::bridge::testing::bridge;
+    use crate::registry::bridge::REGISTRY_OPS;
+
+    /// Redis may hold more of a session than any connection did (removals of acked commands
+    /// that were lost): a resume carries no more than one session can hold, the newest.
+    #[test]
+    fn a_resume_carries_at_most_one_sessions_worth_the_newest() {
+        let (mut b, _core) = bridge();
+        let conn = ConnId::new(CoreId(0), 1);
+        let rig = RigId::parse("rig-1").expect("rig");
+        let boot = BootId::generate(1);
+        let limit = b.cfg.session_limit() as u64;
+        let found = Resumed {
+            next: Some(Seq(limit + 11)),
+            commands: (1..=limit + 10).map(|s| (Seq(s), b"{}".to_vec())).collect(),
+            rebooted: Vec::new(),
+            previous_boot: None,
+        };
+        let verdict = Verdict::Accept {
+            next_seq: Seq(1),
+            resumed: false,
+            carried: vec![],
+        };
+        let actions = vec![Action::Core(conn, ToCore::Verdict { conn, verdict })];
+        let out = b.resume(conn, &rig, &boot, found, actions);
+        let Some(Action::Core(
+            _,
+            ToCore::Verdict {
+                verdict:
+                    Verdict::Accept {
+                        next_seq, carried, ..
+                    },
+                ..
+            },
+        )) = out.first()
+        else {
+            panic!("no accept");
+        };
+        assert_eq!(*next_seq, Seq(limit + 11));
+        assert_eq!(carried.len() as u64, limit);
+        assert_eq!(
+            carried.first().map(|c| c.seq),
+            Some(Seq(11)),
+            "the oldest went"
+        );
+        let stale = REGISTRY_OPS
+            .iter()
+            .position(|&op| op == ("resume", "stale_dropped"))
+            .expect("counted op");
+        assert_eq!(b.shared.ops[stale].load(Ordering::Relaxed), 10);
+    }
 }

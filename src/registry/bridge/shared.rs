@@ -10,7 +10,7 @@ use crate::metrics::BridgeStats;
 const CANARY_STALE: Duration = Duration::from_secs(5);
 
 /// Registry operations counted by (op, result), in this order.
-pub const REGISTRY_OPS: [(&str, &str); 28] = [
+pub const REGISTRY_OPS: [(&str, &str); 29] = [
     ("offline", "held"),
     ("offline", "full"),
     ("offline", "delivered"),
@@ -27,6 +27,7 @@ pub const REGISTRY_OPS: [(&str, &str); 28] = [
     ("hello", "older"),
     ("hello", "unavailable"),
     ("hello_batch", "sent"),
+    ("resume", "stale_dropped"),
     ("refresh", "ok"),
     ("refresh", "restored"),
     ("refresh", "superseded"),
