@@ -16,6 +16,7 @@ mod broadcast;
 mod hellos;
 mod holds;
 mod redis_io;
+mod rekeeps;
 mod shared;
 mod upkeep;
 
@@ -40,9 +41,7 @@ use crate::doorbell::{Full, Inbox, Mailbox};
 use crate::ids::{BootId, ConnId, CoreId, RigId};
 use crate::registry::embedded::{Action, Embedded};
 use crate::registry::fleet::{self, Fleet};
-use crate::registry::msg::{
-    AdminAnswer, AdminReply, PersistReq, RekeepReq, ReplyTo, ToBridge, ToCore,
-};
+use crate::registry::msg::{AdminAnswer, AdminReply, PersistReq, ReplyTo, ToBridge, ToCore};
 use crate::registry::offline::{Deadlines, LocalHeld};
 use crate::registry::pace::WritePace;
 use crate::reply;
@@ -97,7 +96,7 @@ struct Bridge {
     /// Commands waiting to be kept in Redis before they are written (fleet mode).
     persists: Vec<PersistReq>,
     /// Sessions to put back into Redis after it lost them (see [`Self::refresh`]).
-    rekeeps: Vec<RekeepReq>,
+    rekeeps: rekeeps::Rekeeps,
     /// Redis just came back: the next refresh asks for every session, not only restored ones.
     rekeep_all: bool,
     /// When queued Redis writes may go out (see [`crate::registry::pace`]).
@@ -134,7 +133,7 @@ impl Bridge {
             hellos: Vec::new(),
             holds: Vec::new(),
             persists: Vec::new(),
-            rekeeps: Vec::new(),
+            rekeeps: rekeeps::Rekeeps::default(),
             rekeep_all: false,
             pace: WritePace::new(now),
             next_agg: 0,

@@ -10,7 +10,7 @@ use super::Bridge;
 use crate::ids::{BootId, ConnId, RigId};
 use crate::registry::control::{self, Control};
 use crate::registry::fleet::{self, Fleet};
-use crate::registry::msg::{PersistReq, RekeepReq, ReplyTo, ToCore};
+use crate::registry::msg::{PersistReq, ReplyTo, ToCore};
 use crate::registry::pace::Queued;
 use crate::registry::scripts::RefreshStatus;
 use crate::registry::sessions::{Kept, Persist, Rekeep};
@@ -259,8 +259,7 @@ impl Bridge {
         }
         // A pass at a time, so that after a reconnect with a big fleet hellos and commands
         // get their turn between passes.
-        let n = self.rekeeps.len().min(REKEEP_PER_PASS);
-        let sent: Vec<RekeepReq> = self.rekeeps.drain(..n).collect();
+        let sent = self.rekeeps.take(REKEEP_PER_PASS);
         let sessions: Vec<Rekeep<'_>> = sent
             .iter()
             .map(|r| Rekeep {
