@@ -96,6 +96,7 @@ fn run(cfg: Config) -> anyhow::Result<()> {
             bridge: bridge_tx.clone(),
             peers: core_txs.clone(),
             pool: pool.0.clone(),
+            bridge_shared: shared.clone(),
         };
         cores.push(worker::spawn(
             i,

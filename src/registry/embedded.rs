@@ -245,6 +245,15 @@ impl Embedded {
         }
     }
 
+    /// Whether `conn` holds `rig`: its live connection, or the one closing while the rig moves
+    /// to a new connection of the same boot.
+    pub fn held_by(&self, rig: &RigId, conn: ConnId) -> bool {
+        self.rigs.get(rig).is_some_and(|e| match &e.owner {
+            Owner::Live(c) => *c == conn,
+            Owner::Handover(h) => h.old == conn,
+        })
+    }
+
     /// Every rig this broker holds, with its boot (for lease refreshes).
     pub fn live_sessions(&self) -> Vec<(RigId, BootId)> {
         self.rigs.iter().map(|(r, e)| (r.clone(), e.boot)).collect()

@@ -21,6 +21,13 @@ const IO_TIMEOUT: Duration = Duration::from_secs(2);
 const PROBE_TIMEOUT: Duration = Duration::from_millis(250);
 /// Publishes held while Redis is slow or down; beyond it they are dropped and counted.
 const MAX_OUTGOING: usize = 100_000;
+/// The bytes those publishes may hold. Rig events (up to `--max-message` each) stop at
+/// [`EVENT_SHARE_BYTES`], so that control's replies, small and owed, still find room.
+const MAX_OUTGOING_BYTES: usize = 256 << 20;
+const EVENT_SHARE_BYTES: usize = 192 << 20;
+/// Bytes of publishes sent in one pipeline: a Redis back from an outage gets the queue in
+/// pieces, not as one write of everything held.
+const FLUSH_BYTES: usize = 8 << 20;
 /// Backoff cap between reconnect attempts.
 const MAX_BACKOFF: Duration = Duration::from_secs(5);
 /// Removals of acked commands wait up to this long, or for [`FORGET_BATCH`] of them, so that
@@ -52,7 +59,9 @@ pub(crate) struct Fleet {
     forgets_since: Option<Instant>,
     con: Option<redis::Connection>,
     sub: Option<Subscriber>,
-    outgoing: Vec<(String, Vec<u8>)>,
+    outgoing: Vec<(String, Box<[u8]>)>,
+    /// Payload bytes in `outgoing`.
+    outgoing_bytes: usize,
     releases: Vec<(RigId, BootId)>,
     /// `--session-ttl`: touched and released sessions get it afresh (0 = no session kept).
     session_ttl: Duration,
@@ -80,6 +89,7 @@ impl Fleet {
             con: None,
             sub: None,
             outgoing: Vec::new(),
+            outgoing_bytes: 0,
             releases: Vec::new(),
             session_ttl,
             failures: 0,
@@ -340,23 +350,30 @@ impl Fleet {
         true
     }
 
-    /// Queues a PUBLISH (sent with the next flush, in order).
+    /// Queues a PUBLISH (sent with the next flush, in order). Past the bounds it is dropped
+    /// and counted in `dropped`.
     pub(crate) fn publish(&mut self, channel: String, payload: Vec<u8>) {
-        if self.outgoing.len() >= MAX_OUTGOING {
+        let cap = if channel == EVENTS {
+            EVENT_SHARE_BYTES
+        } else {
+            MAX_OUTGOING_BYTES
+        };
+        if self.outgoing.len() >= MAX_OUTGOING || self.outgoing_bytes + payload.len() > cap {
             self.dropped += 1;
             return;
         }
-        self.outgoing.push((channel, payload));
+        self.outgoing_bytes += payload.len();
+        self.outgoing.push((channel, payload.into_boxed_slice()));
     }
 
     /// Publishes queued and not yet sent, oldest first.
     #[cfg(test)]
-    pub(crate) fn queued_publishes(&self) -> &[(String, Vec<u8>)] {
+    pub(crate) fn queued_publishes(&self) -> &[(String, Box<[u8]>)] {
         &self.outgoing
     }
 
     /// Sends queued releases and publishes, and the forgets once due (all of them when `now`
-    /// is None), each batch in one round trip.
+    /// is None), each batch in one round trip, publishes in pipelines of [`FLUSH_BYTES`].
     pub(crate) fn flush(&mut self, now: Option<Instant>) {
         let forgets_due = match now {
             Some(now) => self.forget_due().is_some_and(|due| due <= now),
@@ -386,20 +403,28 @@ impl Fleet {
             self.forgets.clear();
             self.forgets_since = None;
         }
-        if self.outgoing.is_empty() {
-            return;
-        }
-        let mut pipe = redis::pipe();
-        for (channel, payload) in &self.outgoing {
-            pipe.publish(channel, payload.as_slice()).ignore();
-        }
-        match pipe.query::<()>(con) {
-            Ok(()) => {
-                self.published += self.outgoing.len() as u64;
-                self.outgoing.clear();
+        while !self.outgoing.is_empty() {
+            let Some(con) = self.con.as_mut() else { return };
+            let mut pipe = redis::pipe();
+            let (mut n, mut bytes) = (0, 0);
+            for (channel, payload) in &self.outgoing {
+                if n > 0 && bytes + payload.len() > FLUSH_BYTES {
+                    break;
+                }
+                pipe.publish(channel, &payload[..]).ignore();
+                n += 1;
+                bytes += payload.len();
             }
-            // Kept for the next connection: publishes are events and replies control waits for.
-            Err(e) => self.fail(Instant::now(), &e),
+            match pipe.query::<()>(con) {
+                Ok(()) => {
+                    self.published += n as u64;
+                    self.outgoing_bytes -= bytes;
+                    self.outgoing.drain(..n);
+                }
+                // Kept for the next connection: publishes are events and replies control
+                // waits for.
+                Err(e) => return self.fail(Instant::now(), &e),
+            }
         }
     }
 
@@ -480,5 +505,22 @@ mod tests {
         assert!(!f.release(rig, boot), "full: refused");
         assert_eq!(f.forgets.len(), MAX_OUTGOING);
         assert_eq!(f.releases.len(), MAX_OUTGOING);
+    }
+
+    #[test]
+    fn publishes_are_bounded_by_bytes_and_events_leave_room_for_replies() {
+        let mut f = fleet();
+        let mib = vec![0u8; 1 << 20];
+        while f.dropped == 0 {
+            f.publish(EVENTS.to_string(), mib.clone());
+        }
+        assert_eq!(f.outgoing_bytes, EVENT_SHARE_BYTES);
+        f.publish("reply".into(), b"{}".to_vec());
+        assert_eq!(f.dropped, 1, "a reply still has room");
+        while f.dropped == 1 {
+            f.publish("reply".into(), mib.clone());
+        }
+        assert!(f.outgoing_bytes <= MAX_OUTGOING_BYTES);
+        assert!(f.outgoing_bytes + mib.len() > MAX_OUTGOING_BYTES);
     }
 }

@@ -243,8 +243,9 @@ pub enum ToBridge {
         /// The rig it claimed.
         rig: RigId,
     },
-    /// A lifecycle event for `fleetlink:events` (CONTRACT.md §4).
-    Event(Value),
+    /// A lifecycle event for `fleetlink:events` (CONTRACT.md §4), serialized by the core: its
+    /// bytes are what [`crate::registry::bridge::BridgeShared::event_bytes`] counts.
+    Event(Box<[u8]>),
     /// A reply for a Redis `reply_to` channel.
     Reply {
         /// The channel.

@@ -217,14 +217,14 @@ pub struct Deadlines {
 }
 
 impl Deadlines {
-    /// Most deadlines one broker keeps, a heap slot each until due (a copy of the command too
-    /// while it may still be held). In fleet mode another broker may deliver a command held
-    /// here, so its deadline stays until due (at most [`MAX_TTL`]) and counts until then.
+    /// Most deadlines one broker keeps, each with a copy of its command. In fleet mode another
+    /// broker may deliver a command held here, so its deadline stays until due (at most
+    /// [`MAX_TTL`]) and counts until then; standalone, delivery forgets it.
     pub const MAX: usize = 1_000_000;
 
     /// Whether `n` more deadlines would pass [`Self::MAX`].
     pub fn would_overflow(&self, n: usize) -> bool {
-        self.heap.len().saturating_add(n) > Self::MAX
+        self.entries.len().saturating_add(n) > Self::MAX
     }
 
     /// Remembers `entry` until `at`; returns its key.
@@ -235,9 +235,15 @@ impl Deadlines {
         self.next
     }
 
-    /// Drops the copy of a command delivered before its deadline (its heap slot stays until due).
+    /// Drops a command delivered before its deadline. Its heap slot is skipped when due, and
+    /// the heap is rebuilt once such slots outnumber the live ones, so that it stays within
+    /// twice [`Self::MAX`].
     pub fn forget(&mut self, key: u64) {
         self.entries.remove(&key);
+        if self.heap.len() > 2 * self.entries.len() + 1024 {
+            let entries = &self.entries;
+            self.heap.retain(|Reverse((_, k))| entries.contains_key(k));
+        }
     }
 
     /// The next deadline, if any.
@@ -332,8 +338,26 @@ mod tests {
         assert_eq!(due.len(), 1);
         assert_eq!(due[0].1.id, "b");
         assert!(!d.would_overflow(Deadlines::MAX));
-        d.add(t0 + Duration::from_secs(60), rig, held("c"));
+        d.add(t0 + Duration::from_secs(60), rig.clone(), held("c"));
         assert!(d.would_overflow(Deadlines::MAX));
         assert!(!d.would_overflow(Deadlines::MAX - 1));
+        // Delivered ones neither count nor pile up in the heap.
+        let keys: Vec<u64> = (0..5000)
+            .map(|i| {
+                d.add(
+                    t0 + Duration::from_secs(60),
+                    rig.clone(),
+                    held(&i.to_string()),
+                )
+            })
+            .collect();
+        for k in keys {
+            d.forget(k);
+        }
+        assert!(!d.would_overflow(Deadlines::MAX - 1));
+        assert!(d.heap.len() <= 2 + 1024, "{}", d.heap.len());
+        let due = d.due(t0 + Duration::from_secs(61));
+        assert_eq!(due.len(), 1);
+        assert_eq!(due[0].1.id, "c");
     }
 }

@@ -12,7 +12,7 @@
 use std::collections::HashMap;
 
 use crate::ids::{BootId, ConnId, RigId, Seq};
-use crate::registry::msg::{SeqCommand, ToBridge};
+use crate::registry::msg::{RekeepReq, SeqCommand, ToBridge};
 use crate::worker::core::Core;
 
 /// A closed connection's session whose held commands wait for Redis.
@@ -71,7 +71,31 @@ pub(crate) fn persisted(core: &Core, conn: ConnId, seq: Seq, kept: bool) -> bool
     if let Some(done) = closing.remove(&conn) {
         drop(closing);
         hand_over(core, conn, done);
+        core.check_drained();
     }
+    true
+}
+
+/// Redis lost the session of a connection that has closed while its held commands wait: the
+/// session goes back as this closed one holds it (the held commands are being kept on their
+/// own). False when no closed session of this core waits under `conn`.
+pub(crate) fn rekeep(core: &Core, conn: ConnId) -> bool {
+    let closing = core.closing.borrow();
+    let Some(waiting) = closing.get(&conn) else {
+        return false;
+    };
+    let cmds = waiting
+        .carried
+        .iter()
+        .filter(|c| !c.held)
+        .map(|c| (c.seq, c.json.clone()))
+        .collect();
+    core.to_bridge(ToBridge::Rekeep(Box::new(RekeepReq {
+        rig: waiting.rig.clone(),
+        boot: waiting.boot,
+        next: waiting.next_seq,
+        cmds,
+    })));
     true
 }
 
@@ -185,5 +209,46 @@ mod tests {
         assert_eq!(closed_carried(&rx), Some(vec![(1, false), (2, false)]));
         assert!(core.closing.borrow().is_empty());
         assert!(!persisted(&core, conn.id, Seq(2), true), "nothing waits");
+    }
+
+    /// Redis lost the session while the closed connection waits: what it holds goes back,
+    /// since its socket is gone and its session left it.
+    #[test]
+    fn a_waiting_closed_session_answers_a_rekeep() {
+        let (tx, rx) = doorbell::channel::<ToBridge>(16).expect("channel");
+        let core = test_core(tx);
+        let conn = live_conn(&core, vec![cmd(2, false), cmd(3, true)]);
+        session::on_closed(&core, &conn, &mut conn.st.borrow_mut());
+        inbox::handle(&core, ToCore::Rekeep { conn: conn.id });
+        let rekept = std::iter::from_fn(|| rx.try_recv()).find_map(|m| match m {
+            ToBridge::Rekeep(r) => {
+                Some((r.next, r.cmds.iter().map(|c| c.0 .0).collect::<Vec<_>>()))
+            }
+            _ => None,
+        });
+        assert_eq!(rekept, Some((Seq(4), vec![1, 2])), "all but the held one");
+    }
+
+    /// A draining core finishes only once its closed sessions have gone to the registry.
+    #[test]
+    fn a_drain_waits_for_closed_sessions_still_waiting_on_redis() {
+        let (tx, rx) = doorbell::channel::<ToBridge>(16).expect("channel");
+        let core = test_core(tx);
+        let conn = live_conn(&core, vec![cmd(2, true)]);
+        session::on_closed(&core, &conn, &mut conn.st.borrow_mut());
+        core.conns.borrow_mut().remove(&conn.id);
+        core.draining.set(true);
+        core.check_drained();
+        assert!(!core.finished.get(), "its Closed is still owed");
+        inbox::handle(
+            &core,
+            ToCore::Persisted {
+                conn: conn.id,
+                seq: Seq(2),
+                kept: true,
+            },
+        );
+        assert!(core.finished.get());
+        assert_eq!(closed_carried(&rx), Some(vec![(1, false), (2, false)]));
     }
 }

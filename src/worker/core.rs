@@ -11,6 +11,7 @@ use std::collections::{HashMap, VecDeque};
 use std::io;
 use std::os::fd::RawFd;
 use std::rc::Rc;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::task::Waker;
 use std::time::{Instant, SystemTime};
@@ -21,6 +22,7 @@ use crate::doorbell::{Full, Mailbox};
 use crate::ids::{BootId, ConnId, CoreId, RigId, Seq};
 use crate::jwt::JwtVerifier;
 use crate::metrics::CoreMetrics;
+use crate::registry::bridge::{BridgeShared, MAX_EVENT_BYTES};
 use crate::registry::msg::{AdminReply, SeqCommand, ToBridge, ToCore};
 use crate::tls::ConfigCache;
 use crate::worker::admin_conn::Waits;
@@ -82,6 +84,8 @@ pub(crate) struct Core {
     pub(crate) admin_waits: Waits,
     /// Closed sessions waiting for Redis's answer to commands they held.
     pub(crate) closing: RefCell<closing::Waiting>,
+    /// Where the bytes of events queued for the bridge are counted.
+    pub(crate) bridge_shared: Arc<BridgeShared>,
 }
 
 /// The queues a core sends on.
@@ -92,6 +96,8 @@ pub struct Links {
     pub peers: Vec<Mailbox<ToCore>>,
     /// The admin pool's queue.
     pub pool: crossbeam_channel::Sender<Work>,
+    /// The bridge's figures; the cores count the bytes of the events they queue there.
+    pub bridge_shared: Arc<BridgeShared>,
 }
 
 impl Core {
@@ -139,6 +145,7 @@ impl Core {
             admin_pool: links.pool,
             admin_waits: Waits::default(),
             closing: RefCell::new(closing::Waiting::new()),
+            bridge_shared: links.bridge_shared,
         }
     }
 
@@ -195,7 +202,12 @@ impl Core {
 
     /// Marks the core finished once a drain has emptied it.
     pub(crate) fn check_drained(&self) {
-        if self.draining.get() && self.conns.borrow().is_empty() && !self.finished.get() {
+        // A closed session waiting for Redis still has its Closed to send.
+        if self.draining.get()
+            && self.conns.borrow().is_empty()
+            && self.closing.borrow().is_empty()
+            && !self.finished.get()
+        {
             self.finished.set(true);
             self.done.notify();
         }
@@ -229,6 +241,27 @@ impl Core {
     pub(crate) fn to_bridge(&self, msg: ToBridge) -> bool {
         if self.push_to_bridge(msg).is_err() {
             self.metrics.inc(crate::metrics::C::BridgeQueueFull);
+            return false;
+        }
+        true
+    }
+
+    /// Queues a lifecycle event for `fleetlink:events`, serialized here so that what waits in
+    /// the bridge's inbox is its exact size, within [`MAX_EVENT_BYTES`]; past that, or a full
+    /// inbox, it is dropped and counted like any event the bridge cannot take.
+    pub(crate) fn event(&self, ev: serde_json::Value) -> bool {
+        let bytes = serde_json::to_vec(&ev)
+            .unwrap_or_default()
+            .into_boxed_slice();
+        let len = bytes.len();
+        let queued = &self.bridge_shared.event_bytes;
+        if queued.fetch_add(len, Ordering::Relaxed) + len > MAX_EVENT_BYTES {
+            queued.fetch_sub(len, Ordering::Relaxed);
+            self.metrics.inc(crate::metrics::C::BridgeQueueFull);
+            return false;
+        }
+        if !self.to_bridge(ToBridge::Event(bytes)) {
+            queued.fetch_sub(len, Ordering::Relaxed);
             return false;
         }
         true
@@ -735,6 +768,7 @@ pub(crate) mod tests {
             bridge,
             peers: Vec::new(),
             pool: crate::admin::pool_queue().0,
+            bridge_shared: Arc::new(BridgeShared::new(true)),
         };
         Rc::new(Core::new(0, config(), "test", guard, links))
     }
@@ -778,6 +812,27 @@ pub(crate) mod tests {
         assert_eq!(visits, 3);
         assert_eq!(core.wheel.borrow().len(), 1);
         assert_eq!(conn.st.borrow().live.wheel_at, 40);
+    }
+
+    #[test]
+    fn events_queued_for_the_bridge_are_bounded_by_their_bytes() {
+        let (tx, rx) = doorbell::channel::<ToBridge>(16).expect("channel");
+        let core = test_core(tx);
+        let ev = serde_json::json!({"type": "event", "data": "x".repeat(100)});
+        let len = serde_json::to_vec(&ev).expect("json").len();
+        assert!(core.event(ev.clone()));
+        let queued = &core.bridge_shared.event_bytes;
+        assert_eq!(queued.load(Ordering::Relaxed), len);
+        queued.store(MAX_EVENT_BYTES - len + 1, Ordering::Relaxed);
+        assert!(!core.event(ev), "past the byte bound: dropped");
+        assert_eq!(queued.load(Ordering::Relaxed), MAX_EVENT_BYTES - len + 1);
+        let got: Vec<usize> = std::iter::from_fn(|| rx.try_recv())
+            .map(|m| match m {
+                ToBridge::Event(bytes) => bytes.len(),
+                _ => 0,
+            })
+            .collect();
+        assert_eq!(got, [len], "only the first went, exactly its size");
     }
 
     #[test]

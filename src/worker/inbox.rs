@@ -87,8 +87,10 @@ pub(crate) fn handle(core: &Rc<Core>, msg: ToCore) {
             }
         }
         ToCore::Rekeep { conn } => {
-            if let Some(c) = conn_of(conn) {
-                session::on_rekeep(core, &c.st.borrow());
+            if !closing::rekeep(core, conn) {
+                if let Some(c) = conn_of(conn) {
+                    session::on_rekeep(core, &c.st.borrow());
+                }
             }
         }
         ToCore::Persisted { conn, seq, kept } => {

@@ -296,12 +296,7 @@ fn on_rig_message(core: &Core, conn: &Conn, st: &mut ConnState, text: &[u8]) {
             core.metrics.inc(C::MsgAck);
             let id = on_ack(core, session, seq);
             if core.fleet {
-                core.to_bridge(ToBridge::Event(events::ack(
-                    broker,
-                    &session.rig,
-                    seq,
-                    id.as_deref(),
-                )));
+                core.event(events::ack(broker, &session.rig, seq, id.as_deref()));
             }
         }
         Ok(ClientMsg::Result {
@@ -309,24 +304,13 @@ fn on_rig_message(core: &Core, conn: &Conn, st: &mut ConnState, text: &[u8]) {
         }) => {
             core.metrics.inc(C::MsgResult);
             if core.fleet {
-                core.to_bridge(ToBridge::Event(events::result(
-                    broker,
-                    &session.rig,
-                    seq,
-                    ok,
-                    output,
-                )));
+                core.event(events::result(broker, &session.rig, seq, ok, output));
             }
         }
         Ok(ClientMsg::Event { name, data, .. }) => {
             core.metrics.inc(C::MsgEvent);
             if core.fleet {
-                core.to_bridge(ToBridge::Event(events::event(
-                    broker,
-                    &session.rig,
-                    &name,
-                    data,
-                )));
+                core.event(events::event(broker, &session.rig, &name, data));
             }
         }
         Ok(ClientMsg::Unknown { .. }) | Ok(ClientMsg::Hello(_)) => {
@@ -467,7 +451,7 @@ pub(crate) fn on_verdict(core: &Core, conn: &Conn, st: &mut ConnState, verdict: 
     }
     if core.fleet {
         let ev = events::connected(&core.cfg.broker_id, &session.rig, &session.boot, resumed);
-        core.to_bridge(ToBridge::Event(ev));
+        core.event(ev);
     }
     st.phase = Phase::Live;
     st.live.last_ping = core.now_tick();
@@ -658,10 +642,7 @@ fn deliver_routed(core: &Core, to: ReplyTo, body: serde_json::Value, route: Opti
         ReplyTo::Aggregate(agg) => core.to_bridge_owed(ToBridge::Part { agg, body }),
         ReplyTo::Event => {
             if core.fleet {
-                core.to_bridge(ToBridge::Event(crate::events::offline_delivered(
-                    &core.cfg.broker_id,
-                    body,
-                )));
+                core.event(crate::events::offline_delivered(&core.cfg.broker_id, body));
             }
         }
     }
@@ -687,7 +668,7 @@ pub(crate) fn on_closed(core: &Core, conn: &Conn, st: &mut ConnState) {
     if core.fleet {
         let code = st.close_code.unwrap_or(1006);
         let ev = events::disconnected(&core.cfg.broker_id, &s.rig, &s.boot, code, &st.close_reason);
-        core.to_bridge(ToBridge::Event(ev));
+        core.event(ev);
     }
     // A command still held for Redis goes along only once Redis has answered for it.
     let carried: Vec<SeqCommand> = s

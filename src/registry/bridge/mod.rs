@@ -20,7 +20,7 @@ mod rekeeps;
 mod shared;
 mod upkeep;
 
-pub use shared::{BridgeShared, REGISTRY_OPS};
+pub use shared::{BridgeShared, MAX_EVENT_BYTES, REGISTRY_OPS};
 
 use std::collections::HashMap;
 use std::os::fd::AsRawFd;
@@ -276,7 +276,10 @@ impl Bridge {
                 actions
             }
             ToBridge::Event(ev) => {
-                self.publish(fleet::EVENTS.to_string(), &ev);
+                self.shared
+                    .event_bytes
+                    .fetch_sub(ev.len(), Ordering::Relaxed);
+                self.publish_bytes(fleet::EVENTS.to_string(), ev.into_vec());
                 Vec::new()
             }
             ToBridge::Reply { channel, body } => {
@@ -429,9 +432,13 @@ impl Bridge {
     }
 
     fn publish(&mut self, channel: String, body: &Value) {
+        self.publish_bytes(channel, serde_json::to_vec(body).unwrap_or_default());
+    }
+
+    fn publish_bytes(&mut self, channel: String, payload: Vec<u8>) {
         let Some(f) = self.fleet.as_mut() else { return };
         let before = f.dropped;
-        f.publish(channel, serde_json::to_vec(body).unwrap_or_default());
+        f.publish(channel, payload);
         if f.dropped > before {
             self.shared.count("publish", "dropped");
         }
@@ -443,20 +450,12 @@ impl Bridge {
         // Kept before the leases go (a released lease fences the persist), a command reaches
         // its rig by resume wherever it reconnects, so control is told `ok`. With Redis away it
         // was neither written nor kept: control hears that instead of nothing.
-        if self.fleet.as_ref().is_some_and(Fleet::is_up) {
-            self.persist_held();
-        } else {
-            for p in std::mem::take(&mut self.persists) {
-                self.shared.count("persist", "unavailable");
-                let body = reply::error(
-                    &p.id,
-                    Some(p.rig.as_str()),
-                    "rig_not_connected",
-                    "the broker shut down before the command was kept or written",
-                );
-                self.reply_routed(p.reply, body, None);
-            }
-        }
+        let held = std::mem::take(&mut self.persists);
+        let kept = match self.fleet.as_ref().is_some_and(Fleet::is_up) {
+            true => self.keep(held.iter()),
+            false => None,
+        };
+        self.answer_persists(held, kept, false);
         for (rig, boot) in self.registry.live_sessions() {
             self.release(rig, boot);
         }
@@ -501,6 +500,17 @@ mod tests {
     use super::testing::bridge;
     use super::*;
     use crate::ids::Seq;
+
+    #[test]
+    fn an_event_taken_from_the_inbox_leaves_the_byte_count_and_is_published_as_is() {
+        let (mut b, _core) = bridge();
+        let ev: Box<[u8]> = Box::new(*br#"{"type":"ack"}"#);
+        b.shared.event_bytes.store(ev.len() + 7, Ordering::Relaxed);
+        b.handle(ToBridge::Event(ev.clone()));
+        assert_eq!(b.shared.event_bytes.load(Ordering::Relaxed), 7);
+        let sent = b.fleet.as_ref().expect("fleet").queued_publishes();
+        assert_eq!(sent.last(), Some(&(fleet::EVENTS.to_string(), ev)));
+    }
 
     #[test]
     fn commands_waiting_to_be_kept_are_answered_at_shutdown_with_redis_away() {

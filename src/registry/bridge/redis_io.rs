@@ -140,26 +140,52 @@ impl Bridge {
         }
         let held = std::mem::take(&mut self.persists);
         let mut kept = self.keep(held.iter());
-        if kept.is_none() {
-            self.shared.count("persist", "unavailable");
-        }
         let rekeep = match kept.as_mut() {
             Some(kept) => self.keep_again_under_restored_leases(&held, kept),
             None => Vec::new(),
         };
+        // Before the answers: a closed connection's session hands over at its last answer,
+        // and its core puts back what it then holds.
+        for conn in rekeep {
+            self.send_to_core(conn, ToCore::Rekeep { conn });
+        }
+        self.answer_persists(held, kept, true);
+    }
+
+    /// Releases each command to its core (or drops it) and answers control: `ok` only for
+    /// what Redis kept. `kept` None means Redis was unavailable: then, with `unkept_written`,
+    /// the command is released unkept (delivery goes on, only a cross-broker resume loses
+    /// it); without it (shutdown: no core is left to write it) control hears it was not.
+    pub(super) fn answer_persists(
+        &mut self,
+        held: Vec<PersistReq>,
+        kept: Option<Vec<Kept>>,
+        unkept_written: bool,
+    ) {
+        if kept.is_none() {
+            for _ in &held {
+                self.shared.count("persist", "unavailable");
+            }
+        }
         for (i, p) in held.into_iter().enumerate() {
-            let ok = kept.as_ref().is_none_or(|k| k.get(i) == Some(&Kept::Yes));
+            let ok = match &kept {
+                Some(k) => k.get(i) == Some(&Kept::Yes),
+                None => unkept_written,
+            };
             let (body, route) = if ok {
-                self.shared.count("persist", "ok");
+                if kept.is_some() {
+                    self.shared.count("persist", "ok");
+                }
                 (reply::enqueued(&p.id, &p.rig, p.seq), Some(p.conn))
             } else {
-                self.shared.count("persist", "fenced");
-                let body = reply::error(
-                    &p.id,
-                    Some(p.rig.as_str()),
-                    "rig_not_connected",
-                    "another broker owns this rig now",
-                );
+                let why = match kept {
+                    Some(_) => "another broker owns this rig now",
+                    None => "the broker shut down before the command was kept or written",
+                };
+                if kept.is_some() {
+                    self.shared.count("persist", "fenced");
+                }
+                let body = reply::error(&p.id, Some(p.rig.as_str()), "rig_not_connected", why);
                 (body, None)
             };
             self.send_to_core(
@@ -172,14 +198,13 @@ impl Bridge {
             );
             self.reply_routed(p.reply, body, route);
         }
-        // After the answers above, so that the cores have released those commands by then.
-        for conn in rekeep {
-            self.send_to_core(conn, ToCore::Rekeep { conn });
-        }
     }
 
     /// One lease-fenced script call for `held`. None when Redis is unavailable.
-    fn keep<'a>(&mut self, held: impl Iterator<Item = &'a PersistReq>) -> Option<Vec<Kept>> {
+    pub(super) fn keep<'a>(
+        &mut self,
+        held: impl Iterator<Item = &'a PersistReq>,
+    ) -> Option<Vec<Kept>> {
         let ttl = self.cfg.session_ttl;
         let f = self.fleet.as_mut()?;
         let batch: Vec<Persist<'_>> = held
@@ -206,7 +231,7 @@ impl Bridge {
             .filter(|&i| kept.get(i) == Some(&Kept::LeaseMissing))
             .filter(|&i| {
                 held.get(i)
-                    .is_some_and(|p| self.registry.conn_of(&p.rig) == Some(p.conn))
+                    .is_some_and(|p| self.registry.held_by(&p.rig, p.conn))
             })
             .collect();
         if missing.is_empty() {
@@ -220,6 +245,7 @@ impl Bridge {
             .collect();
         let ttl = self.cfg.registry_ttl;
         let Some(statuses) = self.fleet.as_mut().and_then(|f| f.refresh(&leases, ttl)) else {
+            self.release_unkept(&missing, kept);
             return Vec::new();
         };
         // Superseded meanwhile: another broker's now, and the next refresh says so.
@@ -234,6 +260,7 @@ impl Bridge {
             .filter(|&i| held.get(i).is_some_and(|p| restored.contains(&p.rig)))
             .collect();
         let Some(results) = self.keep(retry.iter().filter_map(|&i| held.get(i))) else {
+            self.release_unkept(&retry, kept);
             return Vec::new();
         };
         for (&i, result) in retry.iter().zip(results) {
@@ -249,6 +276,17 @@ impl Bridge {
             .filter_map(|&i| held.get(i).map(|p| p.conn))
             .collect();
         conns.into_iter().collect()
+    }
+
+    /// Redis went away while a lease was being put back: those commands go out unkept, as
+    /// every command does while Redis is away (fenced, they would leave the rig a seq gap).
+    fn release_unkept(&mut self, which: &[usize], kept: &mut [Kept]) {
+        for &i in which {
+            if let Some(k) = kept.get_mut(i) {
+                self.shared.count("persist", "unavailable");
+                *k = Kept::Yes;
+            }
+        }
     }
 
     /// Puts back the sessions the cores sent after a reconnect or a restored lease (see

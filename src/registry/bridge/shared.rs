@@ -1,7 +1,7 @@
 //! What the bridge counts and reports, shared with the admin thread: operation counters,
 //! Redis and subscription state, readiness.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use crate::metrics::BridgeStats;
@@ -61,7 +61,15 @@ pub struct BridgeShared {
     pub pubsub_in: AtomicU64,
     /// Pub/sub messages published.
     pub pubsub_out: AtomicU64,
+    /// Bytes of rig events the cores have queued for the bridge and it has not taken yet: the
+    /// inbox bounds messages, this bounds what they hold (see [`MAX_EVENT_BYTES`]).
+    pub event_bytes: AtomicUsize,
 }
+
+/// Bytes of rig events that may wait in the bridge's inbox. A rig's `result` or `event` may be
+/// `--max-message` long, so the inbox's bound on messages alone would allow gigabytes while
+/// the bridge waits on a slow Redis; past this, events are dropped and counted.
+pub const MAX_EVENT_BYTES: usize = 64 << 20;
 
 impl BridgeShared {
     /// Fresh figures; `fleet` says whether Redis is configured.
@@ -75,6 +83,7 @@ impl BridgeShared {
             ops: Default::default(),
             pubsub_in: AtomicU64::new(0),
             pubsub_out: AtomicU64::new(0),
+            event_bytes: AtomicUsize::new(0),
         }
     }
 
