@@ -86,6 +86,9 @@ struct Raw {
     ttl_ms: Option<u64>,
 }
 
+/// Largest control message taken, as for an admin request.
+pub const MAX_CONTROL: usize = crate::admin::MAX_REQUEST;
+
 /// Parses one pub/sub payload; `broadcast` says it came on `fleetlink:broadcast`.
 pub fn parse(payload: &[u8], broadcast: bool) -> Result<Control, Bad> {
     let raw: Raw = serde_json::from_slice(payload).map_err(|e| Bad {
@@ -100,6 +103,11 @@ pub fn parse(payload: &[u8], broadcast: bool) -> Result<Control, Bad> {
         rig: raw.rig_id.clone(),
         reply_to: reply_to.clone().map(|r| (id.clone(), r)),
     };
+    if payload.len() > MAX_CONTROL {
+        // The admin API's bound: a command goes to the rig as one frame, and a broadcast is
+        // copied once per matched rig.
+        return Err(bad("control message larger than 1 MiB"));
+    }
     match (raw.ty.as_str(), broadcast) {
         ("canary", _) => Ok(Control::Canary {
             broker_id: raw.broker_id.unwrap_or_default(),
@@ -229,5 +237,12 @@ mod tests {
         assert!(bad.why.contains("args"));
         assert!(parse(b"garbage", false).unwrap_err().reply_to.is_none());
         assert!(parse(br#"{"type":"evict","rig_id":"r"}"#, true).is_err());
+        let big = format!(
+            r#"{{"type":"command","id":"c2","rig_id":"r","name":"x","args":{{"b":"{}"}},"reply_to":"chan"}}"#,
+            "x".repeat(MAX_CONTROL)
+        );
+        let bad = parse(big.as_bytes(), false).unwrap_err();
+        assert!(bad.why.contains("1 MiB"), "{}", bad.why);
+        assert_eq!(bad.reply_to, Some(("c2".into(), "chan".into())));
     }
 }

@@ -146,6 +146,10 @@ impl Subscriber {
             }
         }
         self.buf.drain(..pos);
+        // One large message grew it: do not keep that much for the subscription's life.
+        if self.buf.capacity() > 4 * READ_PER_CALL && self.buf.len() <= READ_PER_CALL {
+            self.buf.shrink_to(READ_PER_CALL);
+        }
         Ok(out)
     }
 }
