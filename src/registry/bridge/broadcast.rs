@@ -171,6 +171,38 @@ mod tests {
     }
 
     #[test]
+    fn a_broadcast_still_waiting_at_shutdown_is_answered() {
+        let (mut b, _core) = bridge();
+        let rig = RigId::parse("rig-7").expect("rig");
+        let labels = vec![("pool".to_string(), "a".to_string())];
+        b.registry.hello(
+            ConnId::new(CoreId(0), 1),
+            rig,
+            BootId::generate(1),
+            labels.clone(),
+        );
+        let now = Instant::now();
+        b.broadcast(
+            "w".into(),
+            &labels,
+            "noop".into(),
+            json!({}),
+            "back".into(),
+            now,
+        );
+        b.shutdown();
+        assert!(b.broadcasts.is_empty());
+        let sent = b.fleet.as_ref().expect("fleet").queued_publishes();
+        let (channel, body) = sent.last().expect("answered");
+        assert_eq!(channel, "back");
+        let body: Value = serde_json::from_slice(body).expect("json");
+        assert_eq!(
+            (body["id"].clone(), body["unanswered"].clone()),
+            (json!("w"), json!(1))
+        );
+    }
+
+    #[test]
     fn under_the_bound_a_broadcast_waits_for_its_rigs() {
         let (mut b, core) = bridge();
         let rig = RigId::parse("rig-7").expect("rig");

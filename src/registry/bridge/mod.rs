@@ -456,6 +456,11 @@ impl Bridge {
             false => None,
         };
         self.answer_persists(held, kept, false);
+        // Every broker answers a broadcast once: those still waiting say who never answered.
+        let waiting: Vec<u64> = self.broadcasts.keys().copied().collect();
+        for agg in waiting {
+            self.finish_broadcast(agg, true);
+        }
         for (rig, boot) in self.registry.live_sessions() {
             self.release(rig, boot);
         }
