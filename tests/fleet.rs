@@ -403,3 +403,38 @@ fn a_storm_of_hellos_is_answered_together_each_with_its_own_lease_session_and_he
         "{batches} batches for {hellos} hellos"
     );
 }
+
+/// A reply Redis refuses to publish (the broker's ACL user may not use that `reply_to`) is
+/// dropped alone: the broker stays connected and the replies after it still go out.
+#[test]
+fn a_publish_redis_refuses_does_not_hold_back_the_ones_after_it() {
+    let redis = RedisServer::start();
+    let mut con = redis.connection();
+    let _: () = redis::cmd("ACL")
+        .arg(&[
+            "SETUSER",
+            "fe",
+            "on",
+            ">pw",
+            "~*",
+            "resetchannels",
+            "&fleetlink:*",
+            "+@all",
+        ])
+        .query(&mut con)
+        .unwrap();
+    let url = format!("redis://fe:pw@127.0.0.1:{}/", redis.port());
+    let b = Broker::start(&["--redis", url.as_str(), "--broker-id", "fe-acl"]);
+    eventually(Duration::from_secs(10), "broker ready", || {
+        b.http("GET", "/readyz", "").0 == 200
+    });
+    let mut ctl = Control::new(&redis, &[]);
+    let refused = json!({"type":"command","id":"lost","rig_id":"rig-x","name":"n","args":{},
+                         "reply_to":"elsewhere:x"});
+    ctl.publish("fleetlink:broker:fe-acl", refused);
+    for i in 0..3 {
+        let r = ctl.command_id("fe-acl", "rig-x", &format!("after{i}"), "n", json!({}));
+        assert_eq!(r["error"], "rig_not_connected", "{r}");
+    }
+    assert_eq!(b.http("GET", "/readyz", "").0, 200, "still on Redis");
+}

@@ -40,6 +40,8 @@ struct Handover {
     old: ConnId,
     new: ConnId,
     pending: Vec<CommandReq>,
+    /// Redis lost the session meanwhile: the new connection puts it back once it holds it.
+    rekeep: bool,
 }
 
 #[derive(Debug)]
@@ -130,6 +132,7 @@ impl Embedded {
                             old,
                             new: conn,
                             pending: Vec::new(),
+                            rekeep: false,
                         }))
                     }
                     Owner::Handover(_) => {
@@ -196,6 +199,7 @@ impl Embedded {
             Owner::Handover(h) if h.old == conn => {
                 let new = h.new;
                 let pending = std::mem::take(&mut h.pending);
+                let rekeep = h.rekeep;
                 entry.owner = Owner::Live(new);
                 out.push(accept(new, next_seq, true, carried));
                 for req in pending {
@@ -207,6 +211,9 @@ impl Embedded {
                             direct: false,
                         },
                     ));
+                }
+                if rekeep {
+                    out.push(Action::Core(new, ToCore::Rekeep { conn: new }));
                 }
             }
             _ => {}
@@ -242,6 +249,18 @@ impl Embedded {
         match self.rigs.get(rig)?.owner {
             Owner::Live(conn) => Some(conn),
             Owner::Handover(_) => None,
+        }
+    }
+
+    /// Redis lost `rig`'s session: the connection that holds it now, to send it back; during a
+    /// hand-over None, and the new connection is asked once the session has moved to it.
+    pub fn rekeep_from(&mut self, rig: &RigId) -> Option<ConnId> {
+        match &mut self.rigs.get_mut(rig)?.owner {
+            Owner::Live(conn) => Some(*conn),
+            Owner::Handover(h) => {
+                h.rekeep = true;
+                None
+            }
         }
     }
 
@@ -511,6 +530,26 @@ mod tests {
         assert!(done
             .iter()
             .any(|a| matches!(a, Action::Core(c, ToCore::Command { .. }) if *c == conn(2))));
+    }
+
+    /// Redis lost the session while it moved between connections: the new connection is
+    /// asked to put it back once it holds it, after its welcome.
+    #[test]
+    fn a_session_lost_in_redis_during_a_hand_over_is_put_back_by_the_new_connection() {
+        let mut r = Embedded::new(Duration::from_secs(60), 4);
+        let b = boot(100);
+        r.hello(conn(1), rig(), b, vec![]);
+        assert_eq!(r.rekeep_from(&rig()), Some(conn(1)));
+        r.hello(conn(2), rig(), b, vec![]);
+        assert_eq!(r.rekeep_from(&rig()), None, "asked later");
+        let (done, _) = r.closed(conn(1), rig(), b, Seq(3), vec![], Instant::now());
+        let accept = done
+            .iter()
+            .position(|a| matches!(a, Action::Core(c, ToCore::Verdict { .. }) if *c == conn(2)));
+        let rekeep = done.iter().position(|a| {
+            matches!(a, Action::Core(c, ToCore::Rekeep { conn: to }) if *c == conn(2) && *to == conn(2))
+        });
+        assert!(accept.is_some() && rekeep > accept, "{done:?}");
     }
 
     #[test]

@@ -28,6 +28,19 @@ const EVENT_SHARE_BYTES: usize = 192 << 20;
 /// Bytes of publishes sent in one pipeline: a Redis back from an outage gets the queue in
 /// pieces, not as one write of everything held.
 const FLUSH_BYTES: usize = 8 << 20;
+/// Pipelines of publishes sent per pass of the bridge.
+const FLUSH_PIPELINES: usize = 4;
+
+/// Whether Redis answered a command with a refusal that sending it again would repeat, as
+/// opposed to a broken connection or a passing state (loading, a failover, a busy script).
+fn refused(e: &redis::RedisError) -> bool {
+    e.code().is_some_and(|code| {
+        !matches!(
+            code,
+            "LOADING" | "READONLY" | "MASTERDOWN" | "TRYAGAIN" | "CLUSTERDOWN" | "BUSY"
+        )
+    })
+}
 /// Backoff cap between reconnect attempts.
 const MAX_BACKOFF: Duration = Duration::from_secs(5);
 /// Removals of acked commands wait up to this long, or for [`FORGET_BATCH`] of them, so that
@@ -403,7 +416,15 @@ impl Fleet {
             self.forgets.clear();
             self.forgets_since = None;
         }
-        while !self.outgoing.is_empty() {
+        // A queue held through an outage goes out over a few passes, not in one long stall of
+        // the bridge; all of it at the end of a drain.
+        let mut pipelines = if now.is_some() {
+            FLUSH_PIPELINES
+        } else {
+            usize::MAX
+        };
+        while !self.outgoing.is_empty() && pipelines > 0 {
+            pipelines -= 1;
             let Some(con) = self.con.as_mut() else { return };
             let mut pipe = redis::pipe();
             let (mut n, mut bytes) = (0, 0);
@@ -416,15 +437,20 @@ impl Fleet {
                 bytes += payload.len();
             }
             match pipe.query::<()>(con) {
-                Ok(()) => {
-                    self.published += n as u64;
-                    self.outgoing_bytes -= bytes;
-                    self.outgoing.drain(..n);
+                Ok(()) => self.published += n as u64,
+                // Redis ran the pipeline and refused some of it (say, a `reply_to` this
+                // broker's ACL may not publish to): the rest went out, and sending it all
+                // again would refuse it again, forever.
+                Err(e) if refused(&e) => {
+                    log::warn!("redis: a publish was refused ({e}); dropped");
+                    self.dropped += 1;
                 }
                 // Kept for the next connection: publishes are events and replies control
                 // waits for.
                 Err(e) => return self.fail(Instant::now(), &e),
             }
+            self.outgoing_bytes -= bytes;
+            self.outgoing.drain(..n);
         }
     }
 

@@ -90,7 +90,7 @@ pub(crate) fn rekeep(core: &Core, conn: ConnId) -> bool {
         .filter(|c| !c.held)
         .map(|c| (c.seq, c.json.clone()))
         .collect();
-    core.to_bridge(ToBridge::Rekeep(Box::new(RekeepReq {
+    core.to_bridge_owed(ToBridge::Rekeep(Box::new(RekeepReq {
         rig: waiting.rig.clone(),
         boot: waiting.boot,
         next: waiting.next_seq,

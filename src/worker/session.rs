@@ -606,7 +606,7 @@ pub(crate) fn on_rekeep(core: &Core, st: &ConnState) {
         })
         .unwrap_or_default();
     cmds.sort_by_key(|c| c.0);
-    core.to_bridge(ToBridge::Rekeep(Box::new(RekeepReq {
+    core.to_bridge_owed(ToBridge::Rekeep(Box::new(RekeepReq {
         rig: s.rig.clone(),
         boot: s.boot,
         next: s.next_seq,

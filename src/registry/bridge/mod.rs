@@ -354,8 +354,9 @@ impl Bridge {
             return;
         };
         // A persist's answer goes in past the bound: the core holds that command, and every
-        // one behind it, until it hears whether Redis kept it.
-        let queued = if matches!(msg, ToCore::Persisted { .. }) {
+        // one behind it, until it hears whether Redis kept it. So does a request to put a
+        // session back (one per connection): lost, Redis would lack that session for good.
+        let queued = if matches!(msg, ToCore::Persisted { .. } | ToCore::Rekeep { .. }) {
             core.push_owed(msg)
         } else {
             core.push(msg)
@@ -424,6 +425,8 @@ impl Bridge {
     }
 
     fn release(&mut self, rig: RigId, boot: BootId) {
+        // A session waiting to be put back goes before the release, which would fence it.
+        self.rekeeps.hurry(&rig, boot);
         if let Some(f) = self.fleet.as_mut() {
             let queued = f.release(rig, boot);
             self.shared
@@ -456,6 +459,11 @@ impl Bridge {
             false => None,
         };
         self.answer_persists(held, kept, false);
+        // Sessions Redis lost go back before the leases are released, or the resume elsewhere
+        // would miss their commands.
+        while !self.rekeeps.is_empty() && self.fleet.as_ref().is_some_and(Fleet::is_up) {
+            self.rekeep_sessions();
+        }
         // Every broker answers a broadcast once: those still waiting say who never answered.
         let waiting: Vec<u64> = self.broadcasts.keys().copied().collect();
         for agg in waiting {

@@ -291,7 +291,7 @@ impl Bridge {
 
     /// Puts back the sessions the cores sent after a reconnect or a restored lease (see
     /// [`Self::refresh`]).
-    fn rekeep_sessions(&mut self) {
+    pub(super) fn rekeep_sessions(&mut self) {
         if self.rekeeps.is_empty() {
             return;
         }

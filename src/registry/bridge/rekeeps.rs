@@ -22,6 +22,15 @@ impl Rekeeps {
         }
     }
 
+    /// Puts a queued session first: its lease is about to be released, after which Redis
+    /// would refuse it. (Its old place in the order is skipped when reached.)
+    pub(super) fn hurry(&mut self, rig: &RigId, boot: BootId) {
+        let key = (rig.clone(), boot);
+        if self.latest.contains_key(&key) {
+            self.order.push_front(key);
+        }
+    }
+
     pub(super) fn len(&self) -> usize {
         self.latest.len()
     }
@@ -71,5 +80,20 @@ mod tests {
         assert_eq!(rest.len(), 1);
         assert_eq!(rest[0].rig.as_str(), "rig-b");
         assert!(q.is_empty());
+    }
+
+    #[test]
+    fn a_hurried_session_goes_first_and_only_once() {
+        let mut q = Rekeeps::default();
+        for rig in ["rig-a", "rig-b", "rig-c"] {
+            q.push(req(rig, 1));
+        }
+        let c = req("rig-c", 1);
+        q.hurry(&c.rig, c.boot);
+        q.hurry(&RigId::parse("rig-z").expect("rig"), c.boot);
+        let rigs: Vec<String> = q.take(10).iter().map(|r| r.rig.to_string()).collect();
+        assert_eq!(rigs, ["rig-c", "rig-a", "rig-b"]);
+        assert!(q.is_empty());
+        assert!(q.take(10).is_empty());
     }
 }

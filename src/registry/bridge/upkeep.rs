@@ -96,7 +96,7 @@ impl Bridge {
             let rekeep =
                 status == RefreshStatus::Restored || (everyone && status == RefreshStatus::Ok);
             if rekeep && !self.cfg.session_ttl.is_zero() {
-                if let Some(conn) = self.registry.conn_of(rig) {
+                if let Some(conn) = self.registry.rekeep_from(rig) {
                     self.send_to_core(conn, ToCore::Rekeep { conn });
                 }
             }
