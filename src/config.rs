@@ -417,6 +417,18 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
     Ok(Duration::from_secs_f64(secs))
 }
 
+/// The defaults on one core, for unit tests that build a core or a bridge.
+#[cfg(test)]
+pub(crate) fn test_config() -> &'static Config {
+    let argv = ["fleetlink-fe", "--cores", "1"]
+        .map(OsString::from)
+        .to_vec();
+    let cfg = Cli::load(argv)
+        .and_then(|c| c.broker.validate())
+        .expect("default config");
+    Box::leak(Box::new(cfg))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

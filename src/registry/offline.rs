@@ -271,17 +271,20 @@ impl Deadlines {
 mod tests {
     use super::*;
 
-    #[test]
-    fn local_queue_is_bounded_and_takes_in_order() {
-        let rig = RigId::parse("r").unwrap();
-        let mut q = LocalHeld::default();
-        let held = |id: &str| Held {
+    fn held(id: &str) -> Held {
+        Held {
             id: id.into(),
             name: "n".into(),
             args: Value::Null,
             deadline_ms: 1,
             reply_to: None,
-        };
+        }
+    }
+
+    #[test]
+    fn local_queue_is_bounded_and_takes_in_order() {
+        let rig = RigId::parse("r").unwrap();
+        let mut q = LocalHeld::default();
         for i in 0..MAX_PER_RIG {
             assert!(q.has_room(&rig));
             assert!(q.push(&rig, i as u64, held(&i.to_string())));
@@ -301,13 +304,6 @@ mod tests {
         let mut d = Deadlines::default();
         let t0 = Instant::now();
         let rig = RigId::parse("r").unwrap();
-        let held = |id: &str| Held {
-            id: id.into(),
-            name: "n".into(),
-            args: Value::Null,
-            deadline_ms: 1,
-            reply_to: None,
-        };
         d.add(t0 + Duration::from_secs(2), rig.clone(), held("b"));
         d.add(t0 + Duration::from_secs(1), rig.clone(), held("a"));
         assert_eq!(d.next_due(), Some(t0 + Duration::from_secs(1)));
@@ -320,17 +316,10 @@ mod tests {
     }
 
     #[test]
-    fn a_forgotten_deadline_reports_nothing_and_the_bound_counts_every_slot() {
+    fn a_forgotten_deadline_reports_nothing_and_counts_no_more() {
         let mut d = Deadlines::default();
         let t0 = Instant::now();
         let rig = RigId::parse("r").unwrap();
-        let held = |id: &str| Held {
-            id: id.into(),
-            name: "n".into(),
-            args: Value::Null,
-            deadline_ms: 1,
-            reply_to: None,
-        };
         let a = d.add(t0, rig.clone(), held("a"));
         d.add(t0, rig.clone(), held("b"));
         d.forget(a);

@@ -157,6 +157,26 @@ mod tests {
         conn
     }
 
+    /// A core whose connection of rig-1, holding `outbox`, has just closed; and the bridge's
+    /// end of the core's queue.
+    fn closed_with(outbox: Vec<SeqCommand>) -> (Rc<Core>, Rc<Conn>, Inbox<ToBridge>) {
+        let (tx, rx) = doorbell::channel::<ToBridge>(16).expect("channel");
+        let core = test_core(tx);
+        let conn = live_conn(&core, outbox);
+        session::on_closed(&core, &conn, &mut conn.st.borrow_mut());
+        (core, conn, rx)
+    }
+
+    /// The bridge's answer to the persist of `seq`.
+    fn answer(core: &Rc<Core>, conn: &Conn, seq: u64, kept: bool) {
+        let msg = ToCore::Persisted {
+            conn: conn.id,
+            seq: Seq(seq),
+            kept,
+        };
+        inbox::handle(core, msg);
+    }
+
     fn closed_carried(rx: &Inbox<ToBridge>) -> Option<Vec<(u64, bool)>> {
         std::iter::from_fn(|| rx.try_recv()).find_map(|m| match m {
             ToBridge::Closed { carried, .. } => {
@@ -168,30 +188,13 @@ mod tests {
 
     #[test]
     fn a_closed_session_waits_for_its_held_commands_and_carries_only_the_kept() {
-        let (tx, rx) = doorbell::channel::<ToBridge>(16).expect("channel");
-        let core = test_core(tx);
-        let conn = live_conn(&core, vec![cmd(2, true), cmd(3, true)]);
-        session::on_closed(&core, &conn, &mut conn.st.borrow_mut());
+        let (core, conn, rx) = closed_with(vec![cmd(2, true), cmd(3, true)]);
         assert_eq!(closed_carried(&rx), None, "not before Redis answers");
 
-        inbox::handle(
-            &core,
-            ToCore::Persisted {
-                conn: conn.id,
-                seq: Seq(2),
-                kept: true,
-            },
-        );
+        answer(&core, &conn, 2, true);
         assert_eq!(closed_carried(&rx), None, "seq 3 is still held");
 
-        inbox::handle(
-            &core,
-            ToCore::Persisted {
-                conn: conn.id,
-                seq: Seq(3),
-                kept: false,
-            },
-        );
+        answer(&core, &conn, 3, false);
         assert_eq!(
             closed_carried(&rx),
             Some(vec![(1, false), (2, false)]),
@@ -202,10 +205,7 @@ mod tests {
 
     #[test]
     fn a_closed_session_without_held_commands_is_handed_over_at_once() {
-        let (tx, rx) = doorbell::channel::<ToBridge>(16).expect("channel");
-        let core = test_core(tx);
-        let conn = live_conn(&core, vec![cmd(2, false)]);
-        session::on_closed(&core, &conn, &mut conn.st.borrow_mut());
+        let (core, conn, rx) = closed_with(vec![cmd(2, false)]);
         assert_eq!(closed_carried(&rx), Some(vec![(1, false), (2, false)]));
         assert!(core.closing.borrow().is_empty());
         assert!(!persisted(&core, conn.id, Seq(2), true), "nothing waits");
@@ -215,10 +215,7 @@ mod tests {
     /// since its socket is gone and its session left it.
     #[test]
     fn a_waiting_closed_session_answers_a_rekeep() {
-        let (tx, rx) = doorbell::channel::<ToBridge>(16).expect("channel");
-        let core = test_core(tx);
-        let conn = live_conn(&core, vec![cmd(2, false), cmd(3, true)]);
-        session::on_closed(&core, &conn, &mut conn.st.borrow_mut());
+        let (core, conn, rx) = closed_with(vec![cmd(2, false), cmd(3, true)]);
         inbox::handle(&core, ToCore::Rekeep { conn: conn.id });
         let rekept = std::iter::from_fn(|| rx.try_recv()).find_map(|m| match m {
             ToBridge::Rekeep(r) => {
@@ -232,22 +229,12 @@ mod tests {
     /// A draining core finishes only once its closed sessions have gone to the registry.
     #[test]
     fn a_drain_waits_for_closed_sessions_still_waiting_on_redis() {
-        let (tx, rx) = doorbell::channel::<ToBridge>(16).expect("channel");
-        let core = test_core(tx);
-        let conn = live_conn(&core, vec![cmd(2, true)]);
-        session::on_closed(&core, &conn, &mut conn.st.borrow_mut());
+        let (core, conn, rx) = closed_with(vec![cmd(2, true)]);
         core.conns.borrow_mut().remove(&conn.id);
         core.draining.set(true);
         core.check_drained();
         assert!(!core.finished.get(), "its Closed is still owed");
-        inbox::handle(
-            &core,
-            ToCore::Persisted {
-                conn: conn.id,
-                seq: Seq(2),
-                kept: true,
-            },
-        );
+        answer(&core, &conn, 2, true);
         assert!(core.finished.get());
         assert_eq!(closed_carried(&rx), Some(vec![(1, false), (2, false)]));
     }

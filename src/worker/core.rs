@@ -742,21 +742,10 @@ impl ConnState {
 
 #[cfg(test)]
 pub(crate) mod tests {
-    use std::ffi::OsString;
     use std::io::Read;
 
     use super::*;
     use crate::doorbell;
-
-    fn config() -> &'static Config {
-        let argv = ["fleetlink-fe", "--cores", "1"]
-            .map(OsString::from)
-            .to_vec();
-        let cfg = crate::config::Cli::load(argv)
-            .and_then(|c| c.broker.validate())
-            .expect("default config");
-        Box::leak(Box::new(cfg))
-    }
 
     /// A core of one, without TLS or tokens, whose bridge is `bridge`.
     pub(crate) fn test_core(bridge: Mailbox<ToBridge>) -> Rc<Core> {
@@ -770,7 +759,13 @@ pub(crate) mod tests {
             pool: crate::admin::pool_queue().0,
             bridge_shared: Arc::new(BridgeShared::new(true)),
         };
-        Rc::new(Core::new(0, config(), "test", guard, links))
+        Rc::new(Core::new(
+            0,
+            crate::config::test_config(),
+            "test",
+            guard,
+            links,
+        ))
     }
 
     /// Every idle connection holds these: growing them shows up in the density figure.

@@ -114,20 +114,56 @@ impl Bridge {
 
 #[cfg(test)]
 mod tests {
+    use std::sync::atomic::Ordering;
+
     use super::*;
+    use crate::doorbell::Inbox;
     use crate::ids::{BootId, ConnId, CoreId, RigId};
     use crate::registry::bridge::testing::bridge;
     use crate::registry::bridge::REGISTRY_OPS;
     use crate::registry::msg::ToCore;
 
+    /// A bridge holding rig-7 (label pool=a) on core 0.
+    fn bridge_with_rig() -> (Bridge, Inbox<ToCore>) {
+        let (mut b, core) = bridge();
+        let rig = RigId::parse("rig-7").expect("rig");
+        b.registry.hello(
+            ConnId::new(CoreId(0), 1),
+            rig,
+            BootId::generate(1),
+            pool_a(),
+        );
+        (b, core)
+    }
+
+    fn pool_a() -> Vec<(String, String)> {
+        vec![("pool".to_string(), "a".to_string())]
+    }
+
+    /// Broadcasts `id` to pool=a, answers to `back`.
+    fn send(b: &mut Bridge, id: &str) {
+        let now = Instant::now();
+        b.broadcast(
+            id.into(),
+            &pool_a(),
+            "noop".into(),
+            json!({}),
+            "back".into(),
+            now,
+        );
+    }
+
+    /// The last publish queued for Redis, which must be on `back`.
+    fn answer(b: &Bridge) -> Value {
+        let sent = b.fleet.as_ref().expect("fleet").queued_publishes();
+        let (channel, body) = sent.last().expect("answered");
+        assert_eq!(channel, "back");
+        serde_json::from_slice(body).expect("json")
+    }
+
     #[test]
     fn past_the_bound_a_broadcast_is_answered_at_once_and_not_held() {
-        let (mut b, _core) = bridge();
-        let rig = RigId::parse("rig-7").expect("rig");
-        let boot = BootId::generate(1);
-        let labels = vec![("pool".to_string(), "a".to_string())];
-        b.registry
-            .hello(ConnId::new(CoreId(0), 1), rig, boot, labels.clone());
+        let (mut b, _core) = bridge_with_rig();
         let now = Instant::now();
         for agg in 0..MAX_BROADCASTS as u64 {
             let held = Broadcast {
@@ -142,19 +178,9 @@ mod tests {
             b.broadcasts.insert(agg, held);
         }
         b.next_agg = MAX_BROADCASTS as u64;
-        b.broadcast(
-            "new".into(),
-            &labels,
-            "noop".into(),
-            json!({}),
-            "back".into(),
-            now,
-        );
+        send(&mut b, "new");
         assert_eq!(b.broadcasts.len(), MAX_BROADCASTS, "nothing more held");
-        let sent = b.fleet.as_ref().expect("fleet").queued_publishes();
-        let (channel, body) = sent.last().expect("answered at once");
-        assert_eq!(channel, "back");
-        let body: Value = serde_json::from_slice(body).expect("json");
+        let body = answer(&b);
         assert_eq!(body["id"], "new");
         assert_eq!(body["matched"], 1);
         assert_eq!(body["enqueued"], 0);
@@ -164,38 +190,16 @@ mod tests {
             .iter()
             .position(|&op| op == ("broadcast", "overloaded"))
             .expect("counted op");
-        assert_eq!(
-            b.shared.ops[overloaded].load(std::sync::atomic::Ordering::Relaxed),
-            1
-        );
+        assert_eq!(b.shared.ops[overloaded].load(Ordering::Relaxed), 1);
     }
 
     #[test]
     fn a_broadcast_still_waiting_at_shutdown_is_answered() {
-        let (mut b, _core) = bridge();
-        let rig = RigId::parse("rig-7").expect("rig");
-        let labels = vec![("pool".to_string(), "a".to_string())];
-        b.registry.hello(
-            ConnId::new(CoreId(0), 1),
-            rig,
-            BootId::generate(1),
-            labels.clone(),
-        );
-        let now = Instant::now();
-        b.broadcast(
-            "w".into(),
-            &labels,
-            "noop".into(),
-            json!({}),
-            "back".into(),
-            now,
-        );
+        let (mut b, _core) = bridge_with_rig();
+        send(&mut b, "w");
         b.shutdown();
         assert!(b.broadcasts.is_empty());
-        let sent = b.fleet.as_ref().expect("fleet").queued_publishes();
-        let (channel, body) = sent.last().expect("answered");
-        assert_eq!(channel, "back");
-        let body: Value = serde_json::from_slice(body).expect("json");
+        let body = answer(&b);
         assert_eq!(
             (body["id"].clone(), body["unanswered"].clone()),
             (json!("w"), json!(1))
@@ -204,23 +208,8 @@ mod tests {
 
     #[test]
     fn under_the_bound_a_broadcast_waits_for_its_rigs() {
-        let (mut b, core) = bridge();
-        let rig = RigId::parse("rig-7").expect("rig");
-        let labels = vec![("pool".to_string(), "a".to_string())];
-        b.registry.hello(
-            ConnId::new(CoreId(0), 1),
-            rig,
-            BootId::generate(1),
-            labels.clone(),
-        );
-        b.broadcast(
-            "new".into(),
-            &labels,
-            "noop".into(),
-            json!({}),
-            "back".into(),
-            Instant::now(),
-        );
+        let (mut b, core) = bridge_with_rig();
+        send(&mut b, "new");
         assert_eq!(b.broadcasts.len(), 1, "held until its rig's core answers");
         assert!(
             std::iter::from_fn(|| core.try_recv()).any(|m| matches!(m, ToCore::Command { .. })),

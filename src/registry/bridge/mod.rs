@@ -480,20 +480,9 @@ impl Bridge {
 
 #[cfg(test)]
 pub(super) mod testing {
-    use std::ffi::OsString;
 
     use super::*;
     use crate::doorbell;
-
-    pub(super) fn config() -> &'static Config {
-        let argv = ["fleetlink-fe", "--cores", "1"]
-            .map(OsString::from)
-            .to_vec();
-        let cfg = crate::config::Cli::load(argv)
-            .and_then(|c| c.broker.validate())
-            .expect("default config");
-        Box::leak(Box::new(cfg))
-    }
 
     /// A bridge of one core whose Redis is never reached: its publishes stay queued for the
     /// test to read, and so do its messages to the core.
@@ -501,7 +490,13 @@ pub(super) mod testing {
         let fleet = Fleet::new("redis://127.0.0.1:1/", "b1", Duration::from_secs(600));
         let shared = Arc::new(BridgeShared::new(true));
         let (core, inbox) = doorbell::channel::<ToCore>(16).expect("channel");
-        let b = Bridge::new(config(), vec![core], shared, fleet.ok(), Instant::now());
+        let b = Bridge::new(
+            crate::config::test_config(),
+            vec![core],
+            shared,
+            fleet.ok(),
+            Instant::now(),
+        );
         (b, inbox)
     }
 }
