@@ -115,7 +115,7 @@ pub struct BrokerArgs {
     /// Per-rig bound on commands queued but not yet written; beyond it, rig_unresponsive.
     #[arg(long, env = "FLEETLINK_OUTBOX", default_value_t = 128)]
     pub outbox: u32,
-    /// Largest inbound message in bytes; larger closes with 1009.
+    /// Largest inbound message in bytes (125 B to 16 MiB); larger closes with 1009.
     #[arg(long, env = "FLEETLINK_MAX_MESSAGE", default_value_t = 65536)]
     pub max_message: usize,
     /// Registry lease lifetime.
@@ -232,6 +232,10 @@ pub struct TlsFiles {
     pub crl: Vec<PathBuf>,
 }
 
+/// Largest `--max-message`: a rig's event is held whole on its way to Redis, and the bridge's
+/// byte bound for events (64 MiB) must take several.
+const MAX_MESSAGE_CAP: usize = 16 << 20;
+
 /// Written-but-unacked commands kept per rig, as a multiple of `--outbox`: enough for a rig
 /// that acks in batches, bounded for one that never acks.
 const UNACKED_PER_OUTBOX: usize = 8;
@@ -331,8 +335,8 @@ impl BrokerArgs {
         );
         anyhow::ensure!(self.outbox > 0, "--outbox must be > 0");
         anyhow::ensure!(
-            self.max_message >= 125,
-            "--max-message must be at least 125 bytes"
+            (125..=MAX_MESSAGE_CAP).contains(&self.max_message),
+            "--max-message must be 125 bytes to 16 MiB (a larger result belongs in a file transfer)"
         );
         anyhow::ensure!(self.max_missed_pongs > 0, "--max-missed-pongs must be > 0");
         for (name, d) in [
@@ -460,6 +464,9 @@ mod tests {
         assert_eq!(c.max_missed_pongs, 3);
         assert_eq!(c.outbox, 128);
         assert_eq!(c.max_message, 65536);
+        assert!(load(&["--max-message", "16777216"]).is_ok());
+        assert!(load(&["--max-message", "16777217"]).is_err());
+        assert!(load(&["--max-message", "124"]).is_err());
         assert_eq!(c.registry_ttl, Duration::from_secs(60));
         assert!(c.broker_id.ends_with("-8080"));
     }
