@@ -246,6 +246,9 @@ pub enum Kept {
     Fenced,
     /// Not kept: no lease at all (Redis lost it); the holder may put it back and retry.
     LeaseMissing,
+    /// Not the script's answer: Redis went away while the bridge was putting the lease back,
+    /// so the command goes out unkept, as every command does while Redis is away.
+    Unavailable,
 }
 
 fn persisted(v: &Value) -> Option<Kept> {

@@ -162,29 +162,31 @@ impl Bridge {
         kept: Option<Vec<Kept>>,
         unkept_written: bool,
     ) {
-        if kept.is_none() {
-            for _ in &held {
-                self.shared.count("persist", "unavailable");
-            }
-        }
         for (i, p) in held.into_iter().enumerate() {
-            let ok = match &kept {
-                Some(k) => k.get(i) == Some(&Kept::Yes),
-                None => unkept_written,
+            let status = match &kept {
+                Some(k) => k.get(i).copied().unwrap_or(Kept::Fenced),
+                None => Kept::Unavailable,
+            };
+            let result = match status {
+                Kept::Yes => "ok",
+                Kept::Unavailable => "unavailable",
+                Kept::Fenced | Kept::LeaseMissing => "fenced",
+            };
+            self.shared.count("persist", result);
+            let ok = match status {
+                Kept::Yes => true,
+                Kept::Unavailable => unkept_written,
+                Kept::Fenced | Kept::LeaseMissing => false,
             };
             let (body, route) = if ok {
-                if kept.is_some() {
-                    self.shared.count("persist", "ok");
-                }
                 (reply::enqueued(&p.id, &p.rig, p.seq), Some(p.conn))
             } else {
-                let why = match kept {
-                    Some(_) => "another broker owns this rig now",
-                    None => "the broker shut down before the command was kept or written",
+                let why = match status {
+                    Kept::Unavailable => {
+                        "the broker shut down before the command was kept or written"
+                    }
+                    _ => "another broker owns this rig now",
                 };
-                if kept.is_some() {
-                    self.shared.count("persist", "fenced");
-                }
                 let body = reply::error(&p.id, Some(p.rig.as_str()), "rig_not_connected", why);
                 (body, None)
             };
@@ -283,8 +285,7 @@ impl Bridge {
     fn release_unkept(&mut self, which: &[usize], kept: &mut [Kept]) {
         for &i in which {
             if let Some(k) = kept.get_mut(i) {
-                self.shared.count("persist", "unavailable");
-                *k = Kept::Yes;
+                *k = Kept::Unavailable;
             }
         }
     }
