@@ -283,6 +283,18 @@ pub fn generate_rig(
     issue(ca, params, not_before, not_after)
 }
 
+/// A client certificate signed by `ca` with whatever names `params` gives it: for testing what
+/// the broker makes of unusual certificates (say, one with only a URI SAN).
+pub fn issue_client(
+    ca: &Ca,
+    mut params: CertificateParams,
+    not_before: OffsetDateTime,
+    not_after: OffsetDateTime,
+) -> anyhow::Result<Issued> {
+    params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
+    issue(ca, params, not_before, not_after)
+}
+
 /// Writes a PEM CRL signed by `ca` revoking `revoked_serials` to `path`, atomically (a temp file
 /// renamed over it), because the broker reloads `--crl` when the file changes. `this_update` is
 /// now, `next_update` now + 30 d, the CRL number the current Unix time in nanoseconds, so a

@@ -157,6 +157,32 @@ fn mtls_identity_is_the_certificate() {
     b.wait_metric("fleetlink_identity_mismatch_total 1");
 }
 
+/// A certificate from the right CA that names no rig (no CN, only a URI SAN) proves no
+/// identity: every rig_id is refused, not every rig_id allowed.
+#[test]
+fn a_certificate_that_names_nothing_grants_no_rig() {
+    let dir = Dir::new("noname");
+    let pki = dev_certs::generate(&dir.0, 1, &[]).unwrap();
+    let b = tls_broker(&pki, &dir.0, &[]);
+    let now = time::OffsetDateTime::now_utc();
+    let mut params = rcgen::CertificateParams::default();
+    params.distinguished_name = rcgen::DistinguishedName::new();
+    params.subject_alt_names = vec![rcgen::SanType::URI(
+        "spiffe://fleet/rig-0001".try_into().unwrap(),
+    )];
+    let nameless = dev_certs::issue_client(
+        &pki.ca,
+        params,
+        now - time::Duration::hours(1),
+        now + time::Duration::days(1),
+    )
+    .unwrap();
+    let (nc, nk) = nameless.write(&dir.0, "nameless").unwrap();
+    let mut ws = wss(&b, &pki.ca_cert, Some((&nc, &nk)), &[]).unwrap();
+    assert_eq!(hello(&mut ws, &pki.rigs[0].rig_id)["close"], 4403);
+    b.wait_metric("fleetlink_identity_mismatch_total 1");
+}
+
 #[test]
 fn wrong_ca_expired_and_certless_clients_are_refused() {
     let dir = Dir::new("refuse");

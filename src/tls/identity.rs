@@ -9,8 +9,9 @@ use rustls::ServerConnection;
 use x509_parser::extensions::GeneralName;
 
 /// The identities the peer's verified client certificate grants: its subject CN(s), then every
-/// DNS SAN, without duplicates. Empty when there is no client certificate (no `--client-ca`,
-/// or the handshake is not finished): the caller then skips the 4403 check only if mTLS is off.
+/// DNS SAN, without duplicates. Empty when there is no client certificate, and also for one
+/// that names nothing this reads (only a URI or IP SAN, a CN not in UTF-8): the caller tells
+/// the two apart with `peer_certificates()`, and refuses every rig_id (4403) in the second.
 pub fn peer_identities(conn: &ServerConnection) -> Vec<String> {
     conn.peer_certificates()
         .and_then(|chain| chain.first())

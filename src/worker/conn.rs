@@ -184,9 +184,13 @@ fn read_some(
     let was_handshaking = tls.is_handshaking();
     let read = transport::read_tls(fd, tls, buf);
     if was_handshaking && !tls.is_handshaking() {
-        let ids = crate::tls::peer_identities(tls);
+        // None only without a client certificate (no `--client-ca`): a certificate that
+        // grants no name must not pass as one that was never asked for.
+        let ids = tls
+            .peer_certificates()
+            .map(|_| crate::tls::peer_identities(tls));
         if let Some(sec) = st.sec.as_mut() {
-            sec.peer_ids = Some(ids);
+            sec.peer_ids = ids;
         }
     }
     let result = match read {

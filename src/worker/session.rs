@@ -139,10 +139,12 @@ fn identity_ok(st: &ConnState, rig: &str) -> bool {
     let Some(sec) = st.sec.as_ref() else {
         return true;
     };
-    let cert_ok = match &sec.peer_ids {
-        Some(ids) if !ids.is_empty() => crate::tls::identity_matches(ids, rig),
-        _ => true,
-    };
+    // A client certificate that names nothing (no CN or DNS SAN this broker reads) grants
+    // no rig at all.
+    let cert_ok = sec
+        .peer_ids
+        .as_ref()
+        .is_none_or(|ids| crate::tls::identity_matches(ids, rig));
     cert_ok && sec.token_rig.as_deref().is_none_or(|r| r == rig)
 }
 
