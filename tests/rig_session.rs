@@ -148,6 +148,10 @@ fn binary_message_closes_1003_and_oversize_closes_1009() {
     let (mut ws, _, _) = b.rig("rig-bin");
     ws.send(Message::Binary(vec![1, 2, 3].into())).unwrap();
     assert_eq!(read_close(&mut ws), 1003);
+    // Before the hello, a binary message is a first message that is not a valid hello.
+    let mut ws = b.connect("/agent");
+    ws.send(Message::Binary(vec![1, 2, 3].into())).unwrap();
+    assert_eq!(read_close(&mut ws), 4400);
 }
 
 #[test]

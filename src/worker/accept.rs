@@ -100,6 +100,10 @@ fn admit(core: &Rc<Core>, bucket: &mut TokenBucket, stream: TcpStream) {
     if !bucket.try_take(Instant::now()) {
         return reject(core, stream, C::AcceptRateLimited);
     }
+    let Ok(sec) = core.new_security() else {
+        core.metrics.inc(C::AcceptError);
+        return;
+    };
     core.metrics.inc(C::AcceptOk);
     core.metrics
         .connections
@@ -109,7 +113,7 @@ fn admit(core: &Rc<Core>, bucket: &mut TokenBucket, stream: TcpStream) {
     let conn = Rc::new(Conn::new(core, id, stream.as_raw_fd()));
     {
         let mut st = conn.st.borrow_mut();
-        st.sec = core.new_security();
+        st.sec = sec;
         let deadline = st.deadline;
         core.schedule(&mut st, deadline, id);
     }

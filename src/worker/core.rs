@@ -213,28 +213,29 @@ impl Core {
         }
     }
 
-    /// A TLS session for a new connection, when TLS is on.
-    pub(crate) fn new_security(&self) -> Option<Box<Security>> {
+    /// A TLS session for a new connection, when TLS is on. Err when TLS is on and no session
+    /// can be started: the connection must then be closed, never served in plain text.
+    pub(crate) fn new_security(&self) -> Result<Option<Box<Security>>, ()> {
         let mut cache = self.tls.borrow_mut();
         let tls = match cache.as_mut() {
             Some(cache) => match crate::tls::new_connection(cache.config().clone()) {
                 Ok(conn) => Some(conn),
                 Err(e) => {
                     log::warn!("tls: cannot start a session: {e}");
-                    return None;
+                    return Err(());
                 }
             },
             None => None,
         };
         if tls.is_none() && self.jwt.is_none() {
-            return None;
+            return Ok(None);
         }
-        Some(Box::new(Security {
+        Ok(Some(Box::new(Security {
             tls,
             peer_ids: None,
             scope: None,
             token_rig: None,
-        }))
+        })))
     }
 
     /// Sends to the bridge; a full bridge queue is counted and the message is dropped.

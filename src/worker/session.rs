@@ -196,6 +196,11 @@ fn on_message(core: &Core, conn: &Conn, st: &mut ConnState, msg: Message) {
         Message::Binary(data) if st.phase == Phase::Echo => {
             conn.send_frame(st, OpCode::Binary, &data)
         }
+        // CONTRACT.md §2: a first message that is not a valid hello is 4400, binary or not.
+        Message::Binary(_) if st.phase == Phase::AwaitHello => {
+            core.metrics.inc(C::MsgInvalid);
+            conn.close(st, 4400, "the first message must be a hello");
+        }
         Message::Binary(_) => {
             core.metrics.inc(C::MsgBinary);
             if st.phase != Phase::Closing {
