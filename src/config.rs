@@ -88,7 +88,8 @@ pub struct BrokerArgs {
     /// upgrade needs `Authorization: Bearer <JWT>`; bad or expired tokens get 401.
     #[arg(long, env = "FLEETLINK_JWT_KEY", value_delimiter = ',')]
     pub jwt_key: Vec<PathBuf>,
-    /// Required `aud` claim of rig tokens (tokens that carry `aud` need it set).
+    /// Required `aud` claim of rig tokens: when set, a token must name it; when unset, a token
+    /// that names any audience is refused.
     #[arg(long, env = "FLEETLINK_JWT_AUDIENCE")]
     pub jwt_audience: Option<String>,
     /// Interval between PINGs sent to each rig.

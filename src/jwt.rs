@@ -281,14 +281,16 @@ impl JwtVerifier {
                 return Err(JwtError::NotYetValid { nbf, now });
             }
         }
-        if let Some(aud) = payload.aud {
-            let accepted = match &self.audience {
-                Some(ours) => aud.iter().any(|a| a == ours),
-                None => false,
-            };
-            if !accepted {
-                return Err(JwtError::WrongAudience);
-            }
+        // With an audience configured a token must name it; a token for nobody in particular
+        // is no token for this broker. Without one, a token that names any audience is
+        // someone else's.
+        let accepted = match (&payload.aud, &self.audience) {
+            (Some(aud), Some(ours)) => aud.iter().any(|a| a == ours),
+            (None, Some(_)) | (Some(_), None) => false,
+            (None, None) => true,
+        };
+        if !accepted {
+            return Err(JwtError::WrongAudience);
         }
         let scope = match payload.scope {
             Some(entries) => Scope::parse(entries.iter().flat_map(|e| e.split(' ')))?,
@@ -812,7 +814,11 @@ mod tests {
         let v = v.with_audience("fleetlink");
         v.verify(&one, now()).expect("aud string");
         v.verify(&many, now()).expect("aud array");
-        v.verify(&none, now()).expect("no aud claim");
+        assert_eq!(
+            v.verify(&none, now()),
+            Err(JwtError::WrongAudience),
+            "an audience is configured: a token must name it"
+        );
         assert_eq!(v.verify(&wrong, now()), Err(JwtError::WrongAudience));
     }
 
