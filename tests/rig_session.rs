@@ -192,6 +192,41 @@ fn broker_pings_and_a_silent_rig_is_closed_4002() {
     b.wait_metric("fleetlink_closes_total{code=\"4002\"} 1");
 }
 
+/// A rig that starts a fragmented message and never finishes it is not alive, however well
+/// it answers pings: its half message would otherwise stay in memory for good.
+#[test]
+fn a_message_left_unfinished_ends_in_4002_despite_pongs() {
+    let b = Broker::start(&[
+        "--ping-interval",
+        "100ms",
+        "--pong-timeout",
+        "50ms",
+        "--max-missed-pongs",
+        "2",
+    ]);
+    let (mut ws, _, _) = b.rig("rig-half");
+    let first = tungstenite::protocol::frame::Frame::message(
+        b"{\"type\":\"ev".to_vec(),
+        tungstenite::protocol::frame::coding::OpCode::Data(
+            tungstenite::protocol::frame::coding::Data::Text,
+        ),
+        false,
+    );
+    ws.send(Message::Frame(first)).unwrap();
+    // tungstenite answers each PING while reading, until the close comes.
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    let code = loop {
+        assert!(std::time::Instant::now() < deadline, "never closed");
+        match ws.read() {
+            Ok(Message::Ping(_)) => {}
+            Ok(Message::Close(Some(f))) => break u16::from(f.code),
+            Ok(other) => panic!("{other:?}"),
+            Err(e) => panic!("{e}"),
+        }
+    };
+    assert_eq!(code, 4002);
+}
+
 #[test]
 fn commands_arrive_in_seq_order_and_acks_are_recorded() {
     let b = Broker::start(&[]);

@@ -172,8 +172,12 @@ fn on_message(core: &Core, conn: &Conn, st: &mut ConnState, msg: Message) {
         }
         Message::Pong(_) => {
             core.metrics.inc(C::PongsReceived);
-            st.live.awaiting_pong = false;
-            st.live.missed = 0;
+            // A rig that started a fragmented message and never ends it would hold its buffer
+            // for good while its pongs kept it alive: liveness includes finishing messages.
+            if st.decoder.is_idle() {
+                st.live.awaiting_pong = false;
+                st.live.missed = 0;
+            }
         }
         Message::Close(frame) => {
             if st.phase == Phase::Closing {
