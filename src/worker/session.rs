@@ -167,7 +167,9 @@ fn on_message(core: &Core, conn: &Conn, st: &mut ConnState, msg: Message) {
     match msg {
         Message::Ping(payload) => {
             if st.phase != Phase::Closing {
-                conn.send_frame(st, OpCode::Pong, &payload);
+                // Queued, not written: the connection's loop writes what this read produced
+                // in one go, so a flood of PINGs costs one write per read, not one each.
+                crate::ws::encode_frame(st.out(), OpCode::Pong, &payload);
             }
         }
         Message::Pong(_) => {
