@@ -42,6 +42,8 @@ pub(crate) const MAX_PER_CONNECTION: usize = 10_000;
 const WORKERS: usize = 8;
 /// Largest request (head + body) accepted.
 pub const MAX_REQUEST: usize = 1 << 20;
+/// The admin acceptor's pause after a failed accept.
+const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
 /// How long a request may take to arrive, and a core or the bridge to answer.
 pub(crate) const IO_TIMEOUT: Duration = Duration::from_secs(5);
 /// Rigs a request thread or core remembers a route to; past it the memory starts afresh.
@@ -185,7 +187,12 @@ pub fn spawn(
             let on_cores = Arc::new(AtomicUsize::new(0));
             let mut next = 0usize;
             for stream in listener.incoming() {
-                let Ok(stream) = stream else { continue };
+                let Ok(stream) = stream else {
+                    // Out of file descriptors, say: the error repeats until some close, and
+                    // retrying at once would spin this thread on a CPU the cores need.
+                    std::thread::sleep(ACCEPT_BACKOFF);
+                    continue;
+                };
                 let Err(stream) = to_core(&admin, &on_cores, &mut next, stream) else {
                     continue;
                 };
@@ -267,9 +274,30 @@ pub fn parse_request(buf: &[u8]) -> Parsed {
             .and_then(|h| std::str::from_utf8(h.value).ok())
             .map(str::trim)
     };
-    let content_length = header("content-length")
-        .and_then(|v| v.parse::<usize>().ok())
-        .unwrap_or(0);
+    // A body's end must be certain, or its bytes would be read as the next request: no
+    // chunked bodies, and one Content-Length of digits only (repeats must agree).
+    if header("transfer-encoding").is_some() {
+        return Parsed::Bad;
+    }
+    let mut lengths = req
+        .headers
+        .iter()
+        .filter(|h| h.name.eq_ignore_ascii_case("content-length"))
+        .map(|h| std::str::from_utf8(h.value).map(str::trim));
+    let content_length = match lengths.next() {
+        None => 0,
+        Some(Ok(v)) if !v.is_empty() && v.bytes().all(|b| b.is_ascii_digit()) => {
+            match v.parse::<usize>() {
+                Ok(n) => n,
+                Err(_) => return Parsed::Bad,
+            }
+        }
+        Some(_) => return Parsed::Bad,
+    };
+    if lengths.any(|other| other.ok().and_then(|v| v.parse::<usize>().ok()) != Some(content_length))
+    {
+        return Parsed::Bad;
+    }
     let close = req.version == Some(0)
         || header("connection").is_some_and(|v| v.eq_ignore_ascii_case("close"));
     let Some(len) = head_len
@@ -437,14 +465,33 @@ fn respond(
 /// An HTTP answer: status, content type, body.
 pub type Answer = (u16, &'static str, Vec<u8>);
 
+/// Answers that need nothing but the request itself: `/healthz`, and the 404s and 405s. A core
+/// gives them at once, so liveness never waits on the admin pool (CONTRACT.md §6: 200 while
+/// the process runs). None for a request that needs the broker's state (and for commands,
+/// which [`command_rig`] picks out first).
+pub fn immediate(req: &Request) -> Option<Answer> {
+    let parts: Vec<&str> = req.path.trim_matches('/').split('/').collect();
+    match (req.method.as_str(), parts.as_slice()) {
+        ("GET", ["healthz"]) => Some((200, "text/plain", b"ok\n".to_vec())),
+        ("GET", ["readyz" | "metrics"] | ["v1", "rigs"])
+        | ("POST", ["v1", "rigs", _, "kick"] | ["v1", "drain"]) => None,
+        (_, ["healthz" | "readyz" | "metrics"] | ["v1", "rigs", ..] | ["v1", "drain"]) => {
+            Some((405, "text/plain", b"method not allowed\n".to_vec()))
+        }
+        _ => Some((404, "text/plain", b"not found\n".to_vec())),
+    }
+}
+
 fn route(admin: &Admin, req: &Request) -> Answer {
     // The same test that sends a command POST on a core to that core's own handler.
     if let Some(rig) = command_rig(req) {
         return command(admin, rig, &req.body);
     }
+    if let Some(answer) = immediate(req) {
+        return answer;
+    }
     let parts: Vec<&str> = req.path.trim_matches('/').split('/').collect();
     match (req.method.as_str(), parts.as_slice()) {
-        ("GET", ["healthz"]) => (200, "text/plain", b"ok\n".to_vec()),
         ("GET", ["readyz"]) => readyz(admin),
         ("GET", ["metrics"]) => {
             let snaps = snapshots(admin, false);
@@ -466,9 +513,6 @@ fn route(admin: &Admin, req: &Request) -> Answer {
             admin.draining.store(true, Ordering::SeqCst);
             let _ = admin.drain.try_send(());
             json_answer(202, &json!({"ok": true, "draining": true}))
-        }
-        (_, ["healthz" | "readyz" | "metrics"] | ["v1", "rigs", ..] | ["v1", "drain"]) => {
-            (405, "text/plain", b"method not allowed\n".to_vec())
         }
         _ => (404, "text/plain", b"not found\n".to_vec()),
     }
@@ -757,6 +801,43 @@ mod tests {
             Parsed::Partial => panic!("partial: {:?}", String::from_utf8_lossy(bytes)),
             Parsed::Bad => panic!("bad: {:?}", String::from_utf8_lossy(bytes)),
         }
+    }
+
+    #[test]
+    fn liveness_and_the_fixed_answers_need_no_broker_state() {
+        let status = |head: &str| {
+            let (req, _) = complete(format!("{head} HTTP/1.1\r\n\r\n").as_bytes());
+            immediate(&req).map(|(status, _, _)| status)
+        };
+        assert_eq!(status("GET /healthz"), Some(200));
+        assert_eq!(status("DELETE /healthz"), Some(405));
+        assert_eq!(status("GET /v1/rigs/x"), Some(405));
+        assert_eq!(status("GET /nope"), Some(404));
+        for stateful in [
+            "GET /readyz",
+            "GET /metrics",
+            "GET /v1/rigs",
+            "POST /v1/drain",
+        ] {
+            assert_eq!(status(stateful), None, "{stateful}");
+        }
+        assert_eq!(status("POST /v1/rigs/r1/kick"), None);
+    }
+
+    #[test]
+    fn a_body_whose_length_is_unclear_is_refused() {
+        for head in [
+            "POST /v1/drain HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n",
+            "POST /v1/drain HTTP/1.1\r\nContent-Length: 2x\r\n\r\n",
+            "POST /v1/drain HTTP/1.1\r\nContent-Length: 0\r\nContent-Length: 27\r\n\r\n",
+        ] {
+            assert!(
+                matches!(parse_request(head.as_bytes()), Parsed::Bad),
+                "{head}"
+            );
+        }
+        let same = b"POST /v1/drain HTTP/1.1\r\nContent-Length: 2\r\nContent-Length: 2\r\n\r\n{}";
+        assert!(matches!(parse_request(same), Parsed::Complete(..)));
     }
 
     #[test]

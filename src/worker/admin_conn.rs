@@ -256,6 +256,9 @@ async fn answer(core: &Rc<Core>, req: Request) -> (Answer, Option<CoreId>) {
     if let Some(rig) = admin::command_rig(&req) {
         return command(core, rig, &req.body).await;
     }
+    if let Some(answer) = admin::immediate(&req) {
+        return (answer, None);
+    }
     // Anything else may block (snapshots of every core, this one included): a pool thread
     // works it out.
     let slot = core.admin_waits.open();
