@@ -41,6 +41,24 @@ pub struct Held {
 }
 
 impl Held {
+    /// About the bytes it holds: what [`Deadlines::MAX_BYTES`] counts.
+    pub fn size(&self) -> usize {
+        let args = serde_json::to_vec(&self.args).map_or(0, |a| a.len());
+        self.id.len() + self.name.len() + args + self.reply_to.as_ref().map_or(0, String::len)
+    }
+
+    /// The same command without its payload: all a deadline needs of a command this broker
+    /// holds itself (the id to remove and report), so the payload is not kept twice.
+    pub fn stub(&self) -> Held {
+        Held {
+            id: self.id.clone(),
+            name: String::new(),
+            args: Value::Null,
+            deadline_ms: self.deadline_ms,
+            reply_to: None,
+        }
+    }
+
     /// Whether it expired at `now_ms`.
     pub fn expired(&self, now_ms: u64) -> bool {
         self.deadline_ms <= now_ms
@@ -212,7 +230,9 @@ impl LocalHeld {
 #[derive(Debug, Default)]
 pub struct Deadlines {
     heap: BinaryHeap<Reverse<(Instant, u64)>>,
-    entries: HashMap<u64, (RigId, Held)>,
+    entries: HashMap<u64, (RigId, Held, usize)>,
+    /// The sizes of the commands behind `entries` ([`Held::size`]).
+    bytes: usize,
     next: u64,
 }
 
@@ -221,17 +241,22 @@ impl Deadlines {
     /// broker may deliver a command held here, so its deadline stays until due (at most
     /// [`MAX_TTL`]) and counts until then; standalone, delivery forgets it.
     pub const MAX: usize = 1_000_000;
+    /// Most bytes of commands held by one broker: a command may be as large as an admin
+    /// request (1 MiB), so the count alone would allow a terabyte.
+    pub const MAX_BYTES: usize = 256 << 20;
 
-    /// Whether `n` more deadlines would pass [`Self::MAX`].
-    pub fn would_overflow(&self, n: usize) -> bool {
+    /// Whether `n` more deadlines, for commands of `bytes` in all, would pass the bounds.
+    pub fn would_overflow(&self, n: usize, bytes: usize) -> bool {
         self.entries.len().saturating_add(n) > Self::MAX
+            || self.bytes.saturating_add(bytes) > Self::MAX_BYTES
     }
 
-    /// Remembers `entry` until `at`; returns its key.
-    pub fn add(&mut self, at: Instant, rig: RigId, entry: Held) -> u64 {
+    /// Remembers `entry` until `at`, counting `size` bytes for it; returns its key.
+    pub fn add(&mut self, at: Instant, rig: RigId, entry: Held, size: usize) -> u64 {
         self.next += 1;
         self.heap.push(Reverse((at, self.next)));
-        self.entries.insert(self.next, (rig, entry));
+        self.entries.insert(self.next, (rig, entry, size));
+        self.bytes += size;
         self.next
     }
 
@@ -239,7 +264,9 @@ impl Deadlines {
     /// the heap is rebuilt once such slots outnumber the live ones, so that it stays within
     /// twice [`Self::MAX`].
     pub fn forget(&mut self, key: u64) {
-        self.entries.remove(&key);
+        if let Some((_, _, size)) = self.entries.remove(&key) {
+            self.bytes -= size;
+        }
         if self.heap.len() > 2 * self.entries.len() + 1024 {
             let entries = &self.entries;
             self.heap.retain(|Reverse((_, k))| entries.contains_key(k));
@@ -259,8 +286,9 @@ impl Deadlines {
                 break;
             }
             self.heap.pop();
-            if let Some(e) = self.entries.remove(&k) {
-                out.push(e);
+            if let Some((rig, entry, size)) = self.entries.remove(&k) {
+                self.bytes -= size;
+                out.push((rig, entry));
             }
         }
         out
@@ -304,8 +332,8 @@ mod tests {
         let mut d = Deadlines::default();
         let t0 = Instant::now();
         let rig = RigId::parse("r").unwrap();
-        d.add(t0 + Duration::from_secs(2), rig.clone(), held("b"));
-        d.add(t0 + Duration::from_secs(1), rig.clone(), held("a"));
+        d.add(t0 + Duration::from_secs(2), rig.clone(), held("b"), 1);
+        d.add(t0 + Duration::from_secs(1), rig.clone(), held("a"), 1);
         assert_eq!(d.next_due(), Some(t0 + Duration::from_secs(1)));
         assert!(d.due(t0).is_empty());
         let due = d.due(t0 + Duration::from_secs(3));
@@ -320,16 +348,16 @@ mod tests {
         let mut d = Deadlines::default();
         let t0 = Instant::now();
         let rig = RigId::parse("r").unwrap();
-        let a = d.add(t0, rig.clone(), held("a"));
-        d.add(t0, rig.clone(), held("b"));
+        let a = d.add(t0, rig.clone(), held("a"), 1);
+        d.add(t0, rig.clone(), held("b"), 1);
         d.forget(a);
         let due = d.due(t0);
         assert_eq!(due.len(), 1);
         assert_eq!(due[0].1.id, "b");
-        assert!(!d.would_overflow(Deadlines::MAX));
-        d.add(t0 + Duration::from_secs(60), rig.clone(), held("c"));
-        assert!(d.would_overflow(Deadlines::MAX));
-        assert!(!d.would_overflow(Deadlines::MAX - 1));
+        assert!(!d.would_overflow(Deadlines::MAX, 0));
+        d.add(t0 + Duration::from_secs(60), rig.clone(), held("c"), 1);
+        assert!(d.would_overflow(Deadlines::MAX, 0));
+        assert!(!d.would_overflow(Deadlines::MAX - 1, 0));
         // Delivered ones neither count nor pile up in the heap.
         let keys: Vec<u64> = (0..5000)
             .map(|i| {
@@ -337,16 +365,42 @@ mod tests {
                     t0 + Duration::from_secs(60),
                     rig.clone(),
                     held(&i.to_string()),
+                    1,
                 )
             })
             .collect();
         for k in keys {
             d.forget(k);
         }
-        assert!(!d.would_overflow(Deadlines::MAX - 1));
+        assert!(!d.would_overflow(Deadlines::MAX - 1, 0));
         assert!(d.heap.len() <= 2 + 1024, "{}", d.heap.len());
         let due = d.due(t0 + Duration::from_secs(61));
         assert_eq!(due.len(), 1);
         assert_eq!(due[0].1.id, "c");
+    }
+
+    #[test]
+    fn held_bytes_are_bounded_and_given_back() {
+        let mut d = Deadlines::default();
+        let t0 = Instant::now();
+        let rig = RigId::parse("r").unwrap();
+        let k = d.add(t0, rig.clone(), held("a"), Deadlines::MAX_BYTES - 10);
+        assert!(!d.would_overflow(1, 10));
+        assert!(d.would_overflow(1, 11), "past the bytes");
+        d.forget(k);
+        assert!(!d.would_overflow(1, Deadlines::MAX_BYTES));
+        d.add(t0, rig, held("b"), 5);
+        assert_eq!(d.due(t0).len(), 1);
+        assert!(
+            !d.would_overflow(1, Deadlines::MAX_BYTES),
+            "a due one gives its bytes back"
+        );
+        let big = Held {
+            args: serde_json::json!({"p": "x".repeat(1000)}),
+            ..held("c")
+        };
+        assert!(big.size() > 1000);
+        assert_eq!(big.stub().args, Value::Null);
+        assert_eq!(big.stub().id, "c");
     }
 }

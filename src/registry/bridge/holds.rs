@@ -18,6 +18,8 @@ use crate::reply;
 pub(super) struct PendingHold {
     rig: RigId,
     entry: Held,
+    /// [`Held::size`], counted against the broker's bound.
+    size: usize,
     ttl: Duration,
     reply_to: ReplyTo,
 }
@@ -25,12 +27,6 @@ pub(super) struct PendingHold {
 impl Bridge {
     /// Holds a command for a rig that is not connected (Redis in fleet mode, else here).
     pub(super) fn hold(&mut self, req: CommandReq, ttl: Duration) {
-        if self.deadlines.would_overflow(self.holds.len() + 1) {
-            self.shared.count("offline", "full");
-            let why = "too many commands held on this broker";
-            let body = reply::error(&req.id, Some(req.rig.as_str()), "offline_queue_full", why);
-            return self.reply(req.reply, body);
-        }
         let entry = Held {
             id: req.id,
             name: req.name,
@@ -41,9 +37,21 @@ impl Bridge {
                 _ => None,
             },
         };
+        let size = entry.size();
+        if self
+            .deadlines
+            .would_overflow(self.holds.len() + 1, self.holds_bytes + size)
+        {
+            self.shared.count("offline", "full");
+            let why = "too many commands held on this broker";
+            let body = reply::error(&entry.id, Some(req.rig.as_str()), "offline_queue_full", why);
+            return self.reply(req.reply, body);
+        }
+        self.holds_bytes += size;
         self.holds.push(PendingHold {
             rig: req.rig,
             entry,
+            size,
             ttl,
             reply_to: req.reply,
         });
@@ -57,6 +65,7 @@ impl Bridge {
             return;
         }
         let holds = std::mem::take(&mut self.holds);
+        self.holds_bytes = 0;
         if self.fleet.is_some() {
             // The verdicts and commands already decided must not wait on this round trip.
             self.ring_owed();
@@ -89,16 +98,20 @@ impl Bridge {
         let PendingHold {
             rig,
             entry,
+            size,
             ttl,
             reply_to,
         } = hold;
         let body = if stored {
             self.shared.count("offline", "held");
             let body = json!({"id": entry.id, "ok": true, "rig_id": rig.as_str(), "queued": true});
-            let copy = here.then(|| entry.clone());
-            let key = self.deadlines.add(Instant::now() + ttl, rig.clone(), entry);
-            if let Some(entry) = copy {
+            let at = Instant::now() + ttl;
+            if here {
+                let key = self.deadlines.add(at, rig.clone(), entry.stub(), size);
                 self.held.push(&rig, key, entry);
+            } else {
+                // Kept whole: its removal from Redis at the deadline names it exactly.
+                self.deadlines.add(at, rig.clone(), entry, size);
             }
             body
         } else {

@@ -93,6 +93,8 @@ struct Bridge {
     hellos: Vec<PendingHello>,
     /// Commands for offline rigs not yet held (see [`Self::flush_holds`]).
     holds: Vec<PendingHold>,
+    /// The sizes of `holds`' commands.
+    holds_bytes: usize,
     /// Commands waiting to be kept in Redis before they are written (fleet mode).
     persists: Vec<PersistReq>,
     /// Sessions to put back into Redis after it lost them (see [`Self::refresh`]).
@@ -132,6 +134,7 @@ impl Bridge {
             deadlines: Deadlines::default(),
             hellos: Vec::new(),
             holds: Vec::new(),
+            holds_bytes: 0,
             persists: Vec::new(),
             rekeeps: rekeeps::Rekeeps::default(),
             rekeep_all: false,
