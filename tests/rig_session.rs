@@ -154,16 +154,21 @@ fn binary_message_closes_1003_and_oversize_closes_1009() {
     assert_eq!(read_close(&mut ws), 4400);
 }
 
-#[test]
-fn broker_pings_and_a_silent_rig_is_closed_4002() {
-    let b = Broker::start(&[
+/// A broker that pings every 100 ms and gives up after 2 missed pongs of 50 ms.
+fn fast_pings() -> Broker {
+    Broker::start(&[
         "--ping-interval",
         "100ms",
         "--pong-timeout",
         "50ms",
         "--max-missed-pongs",
         "2",
-    ]);
+    ])
+}
+
+#[test]
+fn broker_pings_and_a_silent_rig_is_closed_4002() {
+    let b = fast_pings();
     // tungstenite answers pings on read; this rig reads, so it stays up across many pings.
     let (mut ws, _, _) = b.rig("rig-alive");
     if let tungstenite::stream::MaybeTlsStream::Plain(s) = ws.get_mut() {
@@ -196,14 +201,7 @@ fn broker_pings_and_a_silent_rig_is_closed_4002() {
 /// it answers pings: its half message would otherwise stay in memory for good.
 #[test]
 fn a_message_left_unfinished_ends_in_4002_despite_pongs() {
-    let b = Broker::start(&[
-        "--ping-interval",
-        "100ms",
-        "--pong-timeout",
-        "50ms",
-        "--max-missed-pongs",
-        "2",
-    ]);
+    let b = fast_pings();
     let (mut ws, _, _) = b.rig("rig-half");
     let first = tungstenite::protocol::frame::Frame::message(
         b"{\"type\":\"ev".to_vec(),
