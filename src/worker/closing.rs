@@ -12,8 +12,9 @@
 use std::collections::HashMap;
 
 use crate::ids::{BootId, ConnId, RigId, Seq};
-use crate::registry::msg::{RekeepReq, SeqCommand, ToBridge};
+use crate::registry::msg::{SeqCommand, ToBridge};
 use crate::worker::core::Core;
+use crate::worker::session;
 
 /// A closed connection's session whose held commands wait for Redis.
 pub(crate) struct Closing {
@@ -84,18 +85,8 @@ pub(crate) fn rekeep(core: &Core, conn: ConnId) -> bool {
     let Some(waiting) = closing.get(&conn) else {
         return false;
     };
-    let cmds = waiting
-        .carried
-        .iter()
-        .filter(|c| !c.held)
-        .map(|c| (c.seq, c.json.clone()))
-        .collect();
-    core.to_bridge_owed(ToBridge::Rekeep(Box::new(RekeepReq {
-        rig: waiting.rig.clone(),
-        boot: waiting.boot,
-        next: waiting.next_seq,
-        cmds,
-    })));
+    let carried = waiting.carried.iter();
+    session::send_rekeep(core, &waiting.rig, waiting.boot, waiting.next_seq, carried);
     true
 }
 

@@ -6,7 +6,7 @@ use std::time::{Instant, SystemTime};
 
 use crate::doorbell::Full;
 use crate::http_upgrade::{self, Reject};
-use crate::ids::{ConnId, RigId, Seq};
+use crate::ids::{BootId, ConnId, RigId, Seq};
 use crate::metrics::C;
 use crate::protocol::{self, ClientMsg, Hello};
 use crate::registry::msg::{
@@ -606,23 +606,31 @@ pub(crate) fn on_rekeep(core: &Core, st: &ConnState) {
     let Some(s) = st.session.as_ref().filter(|s| s.welcomed) else {
         return;
     };
-    let mut cmds: Vec<(Seq, Box<[u8]>)> = s
+    let cmds = s
         .queues
-        .as_ref()
-        .map(|q| {
-            q.unacked
-                .iter()
-                .chain(q.outbox.iter())
-                .filter(|c| !c.held)
-                .map(|c| (c.seq, c.json.clone()))
-                .collect()
-        })
-        .unwrap_or_default();
+        .iter()
+        .flat_map(|q| q.unacked.iter().chain(q.outbox.iter()));
+    send_rekeep(core, &s.rig, s.boot, s.next_seq, cmds);
+}
+
+/// Sends a session's state to be kept in Redis again: its commands but those held (their own
+/// persist is on its way), by seq.
+pub(crate) fn send_rekeep<'a>(
+    core: &Core,
+    rig: &RigId,
+    boot: BootId,
+    next: Seq,
+    cmds: impl Iterator<Item = &'a SeqCommand>,
+) {
+    let mut cmds: Vec<(Seq, Box<[u8]>)> = cmds
+        .filter(|c| !c.held)
+        .map(|c| (c.seq, c.json.clone()))
+        .collect();
     cmds.sort_by_key(|c| c.0);
     core.to_bridge_owed(ToBridge::Rekeep(Box::new(RekeepReq {
-        rig: s.rig.clone(),
-        boot: s.boot,
-        next: s.next_seq,
+        rig: rig.clone(),
+        boot,
+        next,
         cmds,
     })));
 }

@@ -38,16 +38,19 @@ impl Bridge {
         let rigs = self.registry.matching(selector);
         if self.broadcasts.len() >= MAX_BROADCASTS {
             self.shared.count("broadcast", "overloaded");
-            let failed: Vec<Value> = rigs
-                .iter()
-                .map(|rig| json!({"rig_id": rig.as_str(), "error": "overloaded"}))
-                .collect();
-            let body = json!({
-                "id": id, "ok": true, "broker_id": self.cfg.broker_id, "matched": rigs.len(),
-                "enqueued": 0, "failed": failed, "unanswered": 0,
-            });
-            self.publish(reply_to, &body);
-            return;
+            let refused = Broadcast {
+                id,
+                reply_to,
+                matched: rigs.len(),
+                enqueued: 0,
+                failed: rigs
+                    .iter()
+                    .map(|rig| json!({"rig_id": rig.as_str(), "error": "overloaded"}))
+                    .collect(),
+                outstanding: 0,
+                deadline: now,
+            };
+            return self.answer(refused);
         }
         let agg = self.next_agg;
         self.next_agg += 1;
@@ -101,9 +104,13 @@ impl Bridge {
         if !done {
             return;
         }
-        let Some(b) = self.broadcasts.remove(&agg) else {
-            return;
-        };
+        if let Some(b) = self.broadcasts.remove(&agg) {
+            self.answer(b);
+        }
+    }
+
+    /// Publishes a broadcast's one reply (CONTRACT.md §4).
+    fn answer(&mut self, b: Broadcast) {
         let body = json!({
             "id": b.id, "ok": true, "broker_id": self.cfg.broker_id, "matched": b.matched,
             "enqueued": b.enqueued, "failed": b.failed, "unanswered": b.outstanding,
