@@ -247,12 +247,34 @@ pub struct Request {
     pub close: bool,
 }
 
+impl Request {
+    /// A HEAD request: its answer has headers only (RFC 9110 §9.3.2), or the client would
+    /// read the body as the start of the next answer.
+    pub fn head_only(&self) -> bool {
+        self.method == "HEAD"
+    }
+
+    /// The method to route by: HEAD is answered as GET would be (a load balancer's health
+    /// check may use it), its body left out.
+    fn get_method(&self) -> &str {
+        if self.head_only() {
+            "GET"
+        } else {
+            &self.method
+        }
+    }
+}
+
 /// What the bytes read so far hold.
 pub enum Parsed {
     /// A whole request, and how many bytes it took.
     Complete(Request, usize),
-    /// Not all of it yet.
-    Partial,
+    /// Not all of it yet. `send_continue`: the head is in and asks for `100 Continue`
+    /// before its body (curl does for bodies over 1 KiB and otherwise waits a second).
+    Partial {
+        /// The client waits for `100 Continue` before sending the body.
+        send_continue: bool,
+    },
     /// Malformed, or larger than [`MAX_REQUEST`].
     Bad,
 }
@@ -264,7 +286,11 @@ pub fn parse_request(buf: &[u8]) -> Parsed {
     let mut req = httparse::Request::new(&mut headers);
     let head_len = match req.parse(buf) {
         Ok(httparse::Status::Complete(len)) => len,
-        Ok(httparse::Status::Partial) if buf.len() < MAX_REQUEST => return Parsed::Partial,
+        Ok(httparse::Status::Partial) if buf.len() < MAX_REQUEST => {
+            return Parsed::Partial {
+                send_continue: false,
+            }
+        }
         _ => return Parsed::Bad,
     };
     let header = |name: &str| {
@@ -307,7 +333,9 @@ pub fn parse_request(buf: &[u8]) -> Parsed {
         return Parsed::Bad;
     };
     let Some(body) = buf.get(head_len..len) else {
-        return Parsed::Partial;
+        let send_continue = req.version == Some(1)
+            && header("expect").is_some_and(|v| v.eq_ignore_ascii_case("100-continue"));
+        return Parsed::Partial { send_continue };
     };
     let path = req.path.unwrap_or("").split('?').next().unwrap_or("");
     Parsed::Complete(
@@ -372,7 +400,8 @@ fn serve(admin: &Admin, mut stream: TcpStream) -> std::io::Result<()> {
         };
         let (status, ctype, body) = route(admin, &req);
         let close = req.close || served + 1 >= MAX_PER_CONNECTION;
-        respond(&mut stream, status, ctype, &body, close)?;
+        stream.write_all(&response(status, ctype, &body, close, req.head_only()))?;
+        stream.flush()?;
         if close {
             break;
         }
@@ -391,6 +420,7 @@ fn read_request(
 ) -> std::io::Result<Option<Request>> {
     let mut chunk = [0u8; 4096];
     let mut clock = RequestClock::new(kept_alive);
+    let mut continued = false;
     loop {
         match parse_request(buf) {
             Parsed::Complete(req, len) => {
@@ -398,7 +428,11 @@ fn read_request(
                 return Ok(Some(req));
             }
             Parsed::Bad => return Ok(None),
-            Parsed::Partial => {}
+            Parsed::Partial { send_continue } => {
+                if send_continue && !std::mem::replace(&mut continued, true) {
+                    stream.write_all(CONTINUE)?;
+                }
+            }
         }
         let wait = clock.wait(!buf.is_empty(), Instant::now());
         if wait.is_zero() {
@@ -427,8 +461,17 @@ fn read_request(
     }
 }
 
-/// The bytes of an answer.
-pub(crate) fn response(status: u16, ctype: &str, body: &[u8], close: bool) -> Vec<u8> {
+/// The interim answer to `Expect: 100-continue`.
+pub(crate) const CONTINUE: &[u8] = b"HTTP/1.1 100 Continue\r\n\r\n";
+
+/// The bytes of an answer; `head_only` leaves the body out (its length still said).
+pub(crate) fn response(
+    status: u16,
+    ctype: &str,
+    body: &[u8],
+    close: bool,
+    head_only: bool,
+) -> Vec<u8> {
     let reason = match status {
         200 => "OK",
         202 => "Accepted",
@@ -447,7 +490,9 @@ pub(crate) fn response(status: u16, ctype: &str, body: &[u8], close: bool) -> Ve
         body.len()
     );
     let mut out = head.into_bytes();
-    out.extend_from_slice(body);
+    if !head_only {
+        out.extend_from_slice(body);
+    }
     out
 }
 
@@ -458,7 +503,7 @@ fn respond(
     body: &[u8],
     close: bool,
 ) -> std::io::Result<()> {
-    stream.write_all(&response(status, ctype, body, close))?;
+    stream.write_all(&response(status, ctype, body, close, false))?;
     stream.flush()
 }
 
@@ -471,7 +516,7 @@ pub type Answer = (u16, &'static str, Vec<u8>);
 /// which [`command_rig`] picks out first).
 pub fn immediate(req: &Request) -> Option<Answer> {
     let parts: Vec<&str> = req.path.trim_matches('/').split('/').collect();
-    match (req.method.as_str(), parts.as_slice()) {
+    match (req.get_method(), parts.as_slice()) {
         ("GET", ["healthz"]) => Some((200, "text/plain", b"ok\n".to_vec())),
         ("GET", ["readyz" | "metrics"] | ["v1", "rigs"])
         | ("POST", ["v1", "rigs", _, "kick"] | ["v1", "drain"]) => None,
@@ -491,19 +536,27 @@ fn route(admin: &Admin, req: &Request) -> Answer {
         return answer;
     }
     let parts: Vec<&str> = req.path.trim_matches('/').split('/').collect();
-    match (req.method.as_str(), parts.as_slice()) {
+    match (req.get_method(), parts.as_slice()) {
         ("GET", ["readyz"]) => readyz(admin),
         ("GET", ["metrics"]) => {
-            let snaps = snapshots(admin, false);
+            let (snaps, asked) = snapshots(admin, false);
+            // Without a core's counters a scrape would read as a counter reset, then as a
+            // burst when the core answers again: no figures beat wrong ones. (A core that
+            // has drained and stopped is not asked.)
+            if let Some(answer) = cores_missing(snaps.len(), asked) {
+                return answer;
+            }
             let stats = admin.bridge_stats.stats(admin.bridge.len());
             let text = metrics::render(&snaps, &stats, admin.draining.load(Ordering::SeqCst));
             (200, "text/plain; version=0.0.4", text.into_bytes())
         }
         ("GET", ["v1", "rigs"]) => {
-            let mut rigs: Vec<_> = snapshots(admin, true)
-                .into_iter()
-                .flat_map(|s| s.rigs)
-                .collect();
+            let (snaps, asked) = snapshots(admin, true);
+            // A list without a core's rigs would say they are not here.
+            if let Some(answer) = cores_missing(snaps.len(), asked) {
+                return answer;
+            }
+            let mut rigs: Vec<_> = snaps.into_iter().flat_map(|s| s.rigs).collect();
             rigs.sort_by(|a, b| a.rig_id.cmp(&b.rig_id));
             // Straight to bytes: through a `Value` tree, 9,000 rigs took 18.8 ms against 10.0.
             json_answer(200, &rigs)
@@ -526,29 +579,37 @@ fn readyz(admin: &Admin) -> Answer {
         return (503, "text/plain", format!("{why}\n").into_bytes());
     }
     // Every core must answer: a wedged core is not ready.
-    let answered = snapshots(admin, false).len();
-    if answered < admin.cores.len() {
-        return (
-            503,
-            "text/plain",
-            format!("{answered}/{} cores answered\n", admin.cores.len()).into_bytes(),
-        );
+    let (snaps, _) = snapshots(admin, false);
+    if let Some(answer) = cores_missing(snaps.len(), admin.cores.len()) {
+        return answer;
     }
     (200, "text/plain", b"ready\n".to_vec())
 }
 
-/// Asks every core for a snapshot; cores that do not answer in time are left out.
-fn snapshots(admin: &Admin, rigs: bool) -> Vec<CoreSnapshot> {
+/// The 503 for an answer that needs all `cores` when some did not answer in time.
+fn cores_missing(answered: usize, cores: usize) -> Option<Answer> {
+    (answered < cores).then(|| {
+        let why = format!("{answered}/{cores} cores answered\n");
+        (503, "text/plain", why.into_bytes())
+    })
+}
+
+/// Asks every core for a snapshot; cores that do not answer in time are left out. Also says
+/// how many cores were asked: those still running.
+fn snapshots(admin: &Admin, rigs: bool) -> (Vec<CoreSnapshot>, usize) {
     let (tx, rx) = crossbeam_channel::bounded(admin.cores.len());
+    // Past a full inbox too, so that a swamped core counts as not answering rather than as
+    // gone: at most one request per pool thread waits in it.
     let asked = admin
         .cores
         .iter()
         .filter(|core| {
-            core.send(ToCore::Snapshot {
+            let asked = core.push_owed(ToCore::Snapshot {
                 rigs,
                 reply: tx.clone(),
-            })
-            .is_ok()
+            });
+            core.ring();
+            asked.is_ok()
         })
         .count();
     let deadline = Instant::now() + Duration::from_secs(2);
@@ -556,7 +617,7 @@ fn snapshots(admin: &Admin, rigs: bool) -> Vec<CoreSnapshot> {
         .map_while(|_| rx.recv_deadline(deadline).ok())
         .collect();
     out.sort_by_key(|s| s.core);
-    out
+    (out, asked)
 }
 
 #[derive(Deserialize)]
@@ -798,7 +859,7 @@ mod tests {
     fn complete(bytes: &[u8]) -> (Request, usize) {
         match parse_request(bytes) {
             Parsed::Complete(req, len) => (req, len),
-            Parsed::Partial => panic!("partial: {:?}", String::from_utf8_lossy(bytes)),
+            Parsed::Partial { .. } => panic!("partial: {:?}", String::from_utf8_lossy(bytes)),
             Parsed::Bad => panic!("bad: {:?}", String::from_utf8_lossy(bytes)),
         }
     }
@@ -825,6 +886,34 @@ mod tests {
     }
 
     #[test]
+    fn a_client_expecting_100_continue_is_told_to_go_on_once_its_head_is_in() {
+        let head = b"POST /v1/rigs/r1/commands HTTP/1.1\r\nExpect: 100-continue\r\nContent-Length: 12\r\n\r\n";
+        let partial = |bytes: &[u8]| match parse_request(bytes) {
+            Parsed::Partial { send_continue } => Some(send_continue),
+            _ => None,
+        };
+        // Not before the head is whole, then until the body is.
+        assert_eq!(partial(&head[..head.len() - 1]), Some(false));
+        assert_eq!(partial(head), Some(true));
+        let mut whole = head.to_vec();
+        whole.extend_from_slice(b"{\"name\":\"a\"}");
+        assert_eq!(partial(&whole[..whole.len() - 1]), Some(true));
+        assert!(matches!(parse_request(&whole), Parsed::Complete(..)));
+    }
+
+    #[test]
+    fn a_head_request_is_answered_without_a_body() {
+        let (req, _) = complete(b"HEAD /healthz HTTP/1.1\r\n\r\n");
+        assert!(req.head_only());
+        let (status, ctype, body) = immediate(&req).unwrap_or((0, "", Vec::new()));
+        assert_eq!(status, 200);
+        let bytes = response(status, ctype, &body, false, req.head_only());
+        let text = String::from_utf8_lossy(&bytes);
+        assert!(text.ends_with("\r\n\r\n"), "{text}");
+        assert!(text.contains(&format!("Content-Length: {}\r\n", body.len())));
+    }
+
+    #[test]
     fn a_body_whose_length_is_unclear_is_refused() {
         for head in [
             "POST /v1/drain HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n",
@@ -847,7 +936,12 @@ mod tests {
         // Every prefix, cut inside the head or the body, asks for more.
         for cut in 0..post.len() {
             assert!(
-                matches!(parse_request(&post[..cut]), Parsed::Partial),
+                matches!(
+                    parse_request(&post[..cut]),
+                    Parsed::Partial {
+                        send_continue: false
+                    }
+                ),
                 "cut at {cut}"
             );
         }

@@ -110,6 +110,11 @@ pub const CLOSE_CODES: [u16; 17] = [
 /// Upper bounds (ms) of the ack latency histogram buckets.
 pub const ACK_BUCKETS_MS: [u64; 12] = [1, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000];
 
+/// Distinct `--group-label` values one core counts apart; more share [`OTHER_GROUP`].
+pub const MAX_GROUPS: usize = 1000;
+/// The series rigs beyond [`MAX_GROUPS`] values are counted in.
+pub const OTHER_GROUP: &str = "(other)";
+
 /// One core's counters. Not `Send`: only its core touches it.
 pub struct CoreMetrics {
     counters: [Cell<u64>; COUNTERS.len()],
@@ -167,9 +172,17 @@ impl CoreMetrics {
         self.ack_sum_ms.set(self.ack_sum_ms.get() + ms);
     }
 
-    /// A welcomed rig joined (`+1`) or left (`-1`) group `g`.
+    /// A welcomed rig joined (`+1`) or left (`-1`) group `g`. Past [`MAX_GROUPS`] values on
+    /// this core, a new value is counted as [`OTHER_GROUP`]: label values come from the rigs,
+    /// and one series per rig is what grouping exists to avoid. A rig that leaves under a value
+    /// this core no longer lists is taken from the overflow, where it was counted.
     pub fn group(&self, g: &str, joined: bool) {
         let mut groups = self.groups.borrow_mut();
+        let g = if groups.contains_key(g) || (joined && groups.len() < MAX_GROUPS) {
+            g
+        } else {
+            OTHER_GROUP
+        };
         if joined {
             *groups.entry(g.into()).or_default() += 1;
         } else if let Some(n) = groups.get_mut(g) {
@@ -415,5 +428,32 @@ mod tests {
         assert!(text.contains("fleetlink_ack_latency_seconds_bucket{le=\"0.005\"} 1"));
         assert!(text.contains("fleetlink_rigs{group=\"lab-a\"} 1"));
         assert!(text.contains("fleetlink_driver{core=\"0\",driver=\"io_uring\"} 1"));
+    }
+
+    #[test]
+    fn group_values_beyond_the_cap_share_one_series_and_leave_it_again() {
+        let m = CoreMetrics::default();
+        for i in 0..MAX_GROUPS {
+            m.group(&format!("g{i}"), true);
+        }
+        m.group("late-1", true);
+        m.group("late-2", true);
+        m.group("g0", true);
+        let count = |g: &str| m.groups.borrow().get(g).copied();
+        assert_eq!(m.groups.borrow().len(), MAX_GROUPS + 1);
+        assert_eq!(count(OTHER_GROUP), Some(2));
+        assert_eq!(count("g0"), Some(2));
+        // Leaving: from the overflow, until it is empty; a listed value from its own.
+        m.group("late-1", false);
+        m.group("late-2", false);
+        assert_eq!(count(OTHER_GROUP), None);
+        m.group("g0", false);
+        assert_eq!(count("g0"), Some(1));
+        // Room again: a new value gets its own series.
+        m.group("g1", false);
+        m.group("late-3", true);
+        assert_eq!(count("late-3"), Some(1));
+        let total: u64 = m.groups.borrow().values().sum();
+        assert_eq!(total, MAX_GROUPS as u64);
     }
 }

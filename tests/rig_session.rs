@@ -7,7 +7,7 @@ use std::io::Write;
 use std::time::Duration;
 
 use common::broker::{
-    boot_id, eventually, hello, read_close, read_json, Broker, KeepAlive, RawRig, Ws,
+    boot_id, eventually, hello, raw_exchange, read_close, read_json, Broker, KeepAlive, RawRig, Ws,
 };
 use serde_json::{json, Value};
 use tungstenite::protocol::frame::coding::{Data, OpCode};
@@ -686,4 +686,48 @@ fn admin_serves_several_requests_per_connection() {
     let mut rest = String::new();
     s.read_to_string(&mut rest).unwrap();
     assert!(rest.contains("Connection: close"), "{rest}");
+}
+
+/// HEAD is answered as GET without the body: a body there would be read as the start of the
+/// next answer on a kept-alive connection.
+#[test]
+fn a_head_request_leaves_the_next_answer_on_its_connection_intact() {
+    let b = Broker::start(&[]);
+    let two = "HEAD /healthz HTTP/1.1\r\nHost: x\r\n\r\nGET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n";
+    let resp = raw_exchange(b.admin, two.as_bytes());
+    let (head, rest) = resp.split_once("\r\n\r\n").unwrap_or((&resp, ""));
+    assert!(head.starts_with("HTTP/1.1 200"), "{resp}");
+    assert!(head.contains("Content-Length: 3"), "{resp}");
+    assert!(rest.starts_with("HTTP/1.1 200"), "{resp}");
+    assert!(rest.ends_with("\r\n\r\nok\n"), "{resp}");
+}
+
+/// curl asks for `100 Continue` before a body over 1 KiB; unanswered, it waits (here for up
+/// to 30 s, past the 10 s it may take in all) before sending the body anyway.
+#[test]
+fn a_client_expecting_100_continue_is_not_kept_waiting() {
+    let b = Broker::start(&[]);
+    let (mut ws, _, _) = b.rig("rig-expect");
+    let body = json!({"name":"n","args":{"pad":"x".repeat(4096)}}).to_string();
+    let out = std::process::Command::new("curl")
+        .args(["-sS", "--max-time", "10", "--expect100-timeout", "30"])
+        .args([
+            "-H",
+            "Expect: 100-continue",
+            "-H",
+            "Content-Type: application/json",
+        ])
+        .args(["--data-binary", &body])
+        .arg(format!("http://{}/v1/rigs/rig-expect/commands", b.admin))
+        .output()
+        .expect("curl runs");
+    let reply = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{reply} {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let reply: Value = serde_json::from_str(&reply).unwrap();
+    assert_eq!(reply["seq"], 1, "{reply}");
+    assert_eq!(read_json(&mut ws)["seq"], 1);
 }

@@ -183,6 +183,29 @@ fn a_certificate_that_names_nothing_grants_no_rig() {
     b.wait_metric("fleetlink_identity_mismatch_total 1");
 }
 
+/// Over `--max-connections` a TLS client gets the close alone: a plain-text 503 would reach
+/// it as a TLS record error, and a handshake just to refuse is what a storm cannot afford.
+#[test]
+fn a_tls_connection_over_capacity_is_closed_without_plain_text() {
+    let dir = Dir::new("full");
+    let pki = dev_certs::generate(&dir.0, 1, &[]).unwrap();
+    let b = tls_broker(&pki, &dir.0, &["--max-connections", "1", "--cores", "1"]);
+    let r1 = &pki.rigs[0];
+    let mut ws = wss(&b, &pki.ca_cert, Some((&r1.cert, &r1.key)), &[]).unwrap();
+    assert_eq!(hello(&mut ws, &r1.rig_id)["type"], "welcome");
+    let mut over = TcpStream::connect(b.listen).unwrap();
+    over.set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let mut got = Vec::new();
+    // The close comes whatever the client sends; its bytes may reset the socket instead.
+    let _ = over.read_to_end(&mut got);
+    assert!(got.is_empty(), "{:?}", String::from_utf8_lossy(&got));
+    b.wait_metric("fleetlink_accepts_total{result=\"over_capacity\"} 1");
+    // The rig inside the limit is served on.
+    let (status, reply) = b.command(&r1.rig_id, "uptime", json!({}));
+    assert_eq!(status, 200, "{reply}");
+}
+
 #[test]
 fn wrong_ca_expired_and_certless_clients_are_refused() {
     let dir = Dir::new("refuse");

@@ -131,7 +131,8 @@ fn admit(core: &Rc<Core>, bucket: &mut TokenBucket, stream: TcpStream) {
     monoio::spawn(task);
 }
 
-/// `503 Service Unavailable` with `Retry-After: 5..=15` (CONTRACT.md §2), then close.
+/// `503 Service Unavailable` with `Retry-After: 5..=15` (CONTRACT.md §2), then close; on a
+/// TLS listener, the close alone.
 fn reject(core: &Rc<Core>, stream: TcpStream, why: C) {
     core.metrics.inc(why);
     if core.rejecting.get() >= MAX_REJECTING {
@@ -139,18 +140,24 @@ fn reject(core: &Rc<Core>, stream: TcpStream, why: C) {
         return;
     }
     core.rejecting.set(core.rejecting.get() + 1);
+    // A TLS client could read the 503 only after a handshake, which is what a storm cannot
+    // afford; plain text would reach it as a record error. It gets the close alone, and
+    // retries as it would after any failed connect.
+    let plain = core.tls.borrow().is_none();
     let core = core.clone();
     monoio::spawn(async move {
         let fd = stream.as_raw_fd();
         let answer = http_upgrade::service_unavailable(fastrand::u32(5..=15));
         // SAFETY: fd is the open socket owned by `stream`; the answer fits an empty send buffer.
         unsafe {
-            libc::send(
-                fd,
-                answer.as_ptr().cast(),
-                answer.len(),
-                libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
-            );
+            if plain {
+                libc::send(
+                    fd,
+                    answer.as_ptr().cast(),
+                    answer.len(),
+                    libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
+                );
+            }
             libc::shutdown(fd, libc::SHUT_WR);
         }
         // Read the request (and the peer's FIN) so closing does not reset our answer away.

@@ -190,6 +190,7 @@ async fn serve_requests(
     let mut buf: Vec<u8> = Vec::new();
     for served in 0..admin::MAX_PER_CONNECTION {
         let mut clock = admin::RequestClock::new(served > 0);
+        let mut continued = false;
         let req = loop {
             match admin::parse_request(&buf) {
                 Parsed::Complete(req, len) => {
@@ -197,7 +198,11 @@ async fn serve_requests(
                     break Some(req);
                 }
                 Parsed::Bad => break None,
-                Parsed::Partial => {}
+                Parsed::Partial { send_continue } => {
+                    if send_continue && !std::mem::replace(&mut continued, true) {
+                        write_bytes(stream, admin::CONTINUE.to_vec()).await?;
+                    }
+                }
             }
             let wait = clock.wait(!buf.is_empty(), Instant::now());
             buf.reserve(READ_CHUNK);
@@ -217,7 +222,8 @@ async fn serve_requests(
             }
         };
         let Some(req) = req else {
-            write(stream, (400, "text/plain", b"bad request\n".to_vec()), true).await?;
+            let bad = (400, "text/plain", b"bad request\n".to_vec());
+            write(stream, bad, true, false).await?;
             return Ok(None);
         };
         if buf.is_empty() && buf.capacity() > KEEP_BUFFER {
@@ -225,8 +231,9 @@ async fn serve_requests(
             buf = Vec::new();
         }
         let close = req.close || served + 1 >= admin::MAX_PER_CONNECTION;
+        let head_only = req.head_only();
         let (answer, taken_at) = answer(core, req).await;
-        write(stream, answer, close).await?;
+        write(stream, answer, close, head_only).await?;
         if close {
             return Ok(None);
         }
@@ -243,8 +250,13 @@ async fn write(
     stream: &mut monoio::net::TcpStream,
     (status, ctype, body): Answer,
     close: bool,
+    head_only: bool,
 ) -> std::io::Result<()> {
-    let bytes = admin::response(status, ctype, &body, close);
+    let bytes = admin::response(status, ctype, &body, close, head_only);
+    write_bytes(stream, bytes).await
+}
+
+async fn write_bytes(stream: &mut monoio::net::TcpStream, bytes: Vec<u8>) -> std::io::Result<()> {
     let (res, _) = monoio::time::timeout(admin::IO_TIMEOUT, stream.write_all(bytes))
         .await
         .map_err(|_| std::io::Error::from(std::io::ErrorKind::TimedOut))?;
