@@ -42,6 +42,7 @@ pub enum C {
     CmdResumeSent,
     CmdResumeDropped,
     CmdSeqExhausted,
+    CmdMemoryFull,
     PingsSent,
     PongsReceived,
     RigRatePaused,
@@ -57,7 +58,7 @@ pub enum C {
 }
 
 /// (metric name, label pair) for each counter, in [`C`] order.
-const COUNTERS: [(&str, &str); 40] = [
+const COUNTERS: [(&str, &str); 41] = [
     ("fleetlink_accepts_total", "result=\"ok\""),
     ("fleetlink_accepts_total", "result=\"rate_limited\""),
     ("fleetlink_accepts_total", "result=\"over_capacity\""),
@@ -86,6 +87,7 @@ const COUNTERS: [(&str, &str); 40] = [
     ("fleetlink_commands_total", "result=\"resent\""),
     ("fleetlink_commands_total", "result=\"resume_dropped\""),
     ("fleetlink_commands_total", "result=\"seq_exhausted\""),
+    ("fleetlink_commands_total", "result=\"memory_full\""),
     ("fleetlink_pings_sent_total", ""),
     ("fleetlink_pongs_received_total", ""),
     ("fleetlink_rig_rate_paused_total", ""),

@@ -29,6 +29,8 @@ pub struct Unresponsive {
     pub queued: usize,
     /// The outbox bound.
     pub capacity: usize,
+    /// Bytes queued and their bound, when bytes filled the outbox rather than the count.
+    pub bytes: Option<(usize, usize)>,
     /// Age of the oldest queued command.
     pub oldest_age: Duration,
     /// Last seq the rig acked, 0 if none.
@@ -45,10 +47,16 @@ pub fn unresponsive(id: &str, rig: &RigId, u: Unresponsive) -> Value {
         "ok": false,
         "error": "rig_unresponsive",
         "rig_id": rig.as_str(),
-        "detail": format!(
-            "outbox full ({}/{}), oldest queued cmd age {}s",
-            u.queued, u.capacity, u.oldest_age.as_secs()
-        ),
+        "detail": match u.bytes {
+            None => format!(
+                "outbox full ({}/{}), oldest queued cmd age {}s",
+                u.queued, u.capacity, u.oldest_age.as_secs()
+            ),
+            Some((bytes, cap)) => format!(
+                "outbox full ({bytes}/{cap} bytes in {} commands), oldest queued cmd age {}s",
+                u.queued, u.oldest_age.as_secs()
+            ),
+        },
         "last_ack_seq": u.last_ack_seq.0,
         "last_ack_at": u.last_ack_at.map(rfc3339),
         "suggested_action": "force_reconnect",
@@ -80,6 +88,7 @@ mod tests {
             Unresponsive {
                 queued: 128,
                 capacity: 128,
+                bytes: None,
                 oldest_age: Duration::from_secs(47),
                 last_ack_seq: Seq(9),
                 last_ack_at: Some(UNIX_EPOCH + Duration::from_millis(1_500)),

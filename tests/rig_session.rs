@@ -731,3 +731,52 @@ fn a_client_expecting_100_continue_is_not_kept_waiting() {
     assert_eq!(reply["seq"], 1, "{reply}");
     assert_eq!(read_json(&mut ws)["seq"], 1);
 }
+
+/// Large commands fill a rig's outbox by bytes long before `--outbox` counts 128: a rig that
+/// stops reading is refused `rig_unresponsive`, and what was taken still arrives, in order.
+#[test]
+fn a_rig_that_stops_reading_is_refused_large_commands_by_the_bytes_queued() {
+    let b = Broker::start(&["--cores", "1"]);
+    let mut rig = RawRig::hello(&b, "rig-bytes");
+    let mut admin = KeepAlive::open(b.admin);
+    let body = json!({"name":"n","args":{"pad":"x".repeat(900_000)}}).to_string();
+    let mut taken = 0u64;
+    let refusal = loop {
+        let (_, reply) = admin.post("/v1/rigs/rig-bytes/commands", &body);
+        if reply["ok"] != true {
+            break reply;
+        }
+        taken += 1;
+        assert_eq!(reply["seq"], taken, "{reply}");
+        assert!(taken < 128, "never refused");
+    };
+    assert_eq!(refusal["error"], "rig_unresponsive", "{refusal}");
+    let detail = refusal["detail"].as_str().unwrap_or_default();
+    assert!(detail.contains("/8388608 bytes"), "{detail}");
+    // 8 MiB queued, plus what the kernel's socket buffers took: far fewer than 128.
+    assert!(taken < 64, "{taken} taken");
+    b.wait_metric("fleetlink_commands_total{result=\"outbox_full\"} 1");
+    for seq in 1..=taken {
+        let (op, payload) = rig.read_frame();
+        assert_eq!(op, 0x1);
+        let cmd: Value = serde_json::from_slice(&payload).unwrap();
+        assert_eq!(cmd["seq"], seq);
+    }
+}
+
+/// A rig that reads large commands but never acks them keeps at most 16 MiB of them for a
+/// resume: past it the oldest are dropped and counted, as past the count.
+#[test]
+fn written_unacked_commands_are_kept_for_a_resume_up_to_a_byte_bound() {
+    let b = Broker::start(&["--cores", "1"]);
+    let (mut ws, _, _) = b.rig("rig-noack");
+    let mut admin = KeepAlive::open(b.admin);
+    let body = json!({"name":"n","args":{"pad":"x".repeat(1_000_000)}}).to_string();
+    for seq in 1..=25u64 {
+        let (status, reply) = admin.post("/v1/rigs/rig-noack/commands", &body);
+        assert_eq!((status, &reply["seq"]), (200, &json!(seq)), "{reply}");
+        assert_eq!(read_json(&mut ws)["seq"], seq);
+    }
+    // Sixteen commands of just over 1,000,000 bytes fit 16 MiB; seventeen do not.
+    b.wait_metric("fleetlink_commands_total{result=\"resume_dropped\"} 9");
+}

@@ -109,7 +109,8 @@ mod tests {
     use crate::doorbell::{self, Inbox};
     use crate::registry::msg::ToCore;
     use crate::worker::core::tests::test_core;
-    use crate::worker::core::{Conn, Queues, Session};
+    use crate::worker::core::{Conn, Session};
+    use crate::worker::queues::Queues;
     use crate::worker::{inbox, session};
 
     fn cmd(seq: u64, held: bool) -> SeqCommand {
@@ -140,9 +141,11 @@ mod tests {
             connected_ms: 0,
             resume_from: Seq(0),
             welcomed: true,
-            queues: Some(Box::new(Queues {
-                outbox: outbox.into(),
-                unacked: vec![cmd(1, false)].into(),
+            queues: Some(Box::new({
+                let mut q = Queues::default();
+                q.push_unacked(cmd(1, false));
+                outbox.into_iter().for_each(|c| q.push_outbox(c));
+                q
             })),
         }));
         conn

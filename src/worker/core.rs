@@ -7,7 +7,7 @@
 
 use std::borrow::Cow;
 use std::cell::{Cell, RefCell};
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::io;
 use std::os::fd::RawFd;
 use std::rc::Rc;
@@ -23,11 +23,12 @@ use crate::ids::{BootId, ConnId, CoreId, RigId, Seq};
 use crate::jwt::JwtVerifier;
 use crate::metrics::CoreMetrics;
 use crate::registry::bridge::{BridgeShared, MAX_EVENT_BYTES};
-use crate::registry::msg::{AdminReply, SeqCommand, ToBridge, ToCore};
+use crate::registry::msg::{AdminReply, ToBridge, ToCore};
 use crate::tls::ConfigCache;
 use crate::worker::admin_conn::Waits;
 use crate::worker::bucket::RigBucket;
 use crate::worker::closing;
+use crate::worker::queues::Queues;
 use crate::worker::transport::{self, Security};
 use crate::worker::wheel::{Tick, Wheel};
 use crate::worker::Guard;
@@ -379,16 +380,6 @@ pub(crate) struct Session {
     pub(crate) queues: Option<Box<Queues>>,
 }
 
-/// A rig's commands between control and its ack.
-#[derive(Default)]
-pub(crate) struct Queues {
-    /// Commands queued, not yet written (bounded by `--outbox`).
-    pub(crate) outbox: VecDeque<SeqCommand>,
-    /// Commands written, not yet acked: kept for ack latency and for the session's next
-    /// connection (bounded; the oldest is dropped and counted beyond it).
-    pub(crate) unacked: VecDeque<SeqCommand>,
-}
-
 /// Unix ms now.
 pub(crate) fn unix_ms() -> u64 {
     SystemTime::now()
@@ -419,23 +410,19 @@ impl Session {
     pub(crate) fn outbox_len(&self) -> usize {
         self.queues
             .as_ref()
-            .map_or(0, |q| q.outbox.iter().filter(|c| !c.held).count())
+            .map_or(0, |q| q.outbox().iter().filter(|c| !c.held).count())
     }
 
     /// Commands still waiting for Redis to keep them (fleet mode).
     pub(crate) fn held_len(&self) -> usize {
         self.queues
             .as_ref()
-            .map_or(0, |q| q.outbox.iter().filter(|c| c.held).count())
+            .map_or(0, |q| q.outbox().iter().filter(|c| c.held).count())
     }
 
     /// Frees the queues once nothing is in flight.
     pub(crate) fn shrink_queues(&mut self) {
-        if self
-            .queues
-            .as_ref()
-            .is_some_and(|q| q.outbox.is_empty() && q.unacked.is_empty())
-        {
+        if self.queues.as_ref().is_some_and(|q| q.is_empty()) {
             self.queues = None;
         }
     }

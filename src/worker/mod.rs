@@ -7,6 +7,7 @@
 //! - `accept`: listener, token bucket, 503s.
 //! - `conn`: the per-connection IO loop.
 //! - `session`: what a connection does with messages, verdicts and commands.
+//! - `queues`: a rig's queued and unacked commands, bounded by bytes per rig and per core.
 //! - `closing`: a closed session waits for Redis's answer to its held commands.
 //! - `sweep` + `wheel`: deadlines and liveness without per-connection timers.
 //! - `inbox`: messages from the bridge and admin.
@@ -21,6 +22,7 @@ mod conn;
 pub(crate) mod core;
 mod drain;
 mod inbox;
+pub(crate) mod queues;
 mod session;
 mod sweep;
 mod transport;

@@ -16,6 +16,7 @@ use crate::registry::msg::{
 use crate::reply::{self, Unresponsive};
 use crate::worker::closing;
 use crate::worker::core::{stamp, unix_ms, Conn, ConnState, Core, Phase, Session};
+use crate::worker::queues::{self, CORE_COMMAND_BYTES, RIG_OUTBOX_BYTES, RIG_UNACKED_BYTES};
 use crate::worker::transport::Security;
 use crate::ws::{Decoder, Limits, Message, OpCode};
 use crate::{events, protocol::encode_welcome};
@@ -350,8 +351,8 @@ fn on_ack(core: &Core, s: &mut Session, seq: Seq) -> Option<Box<str>> {
         s.last_ack_ms = unix_ms();
     }
     let q = s.queues.as_mut()?;
-    while q.unacked.front().is_some_and(|c| c.seq <= seq) {
-        let Some(cmd) = q.unacked.pop_front() else {
+    while q.unacked().front().is_some_and(|c| c.seq <= seq) {
+        let Some(cmd) = q.pop_unacked() else {
             break;
         };
         if core.persist {
@@ -374,14 +375,17 @@ fn on_ack(core: &Core, s: &mut Session, seq: Seq) -> Option<Box<str>> {
 }
 
 /// Remembers a command the rig has (written, or received before it reconnected) until its ack,
-/// within the bound: past it the oldest is dropped from resume memory, counted, and removed
-/// from the session store too, or Redis would keep it for the session's whole life.
+/// within the bounds (a count, and [`RIG_UNACKED_BYTES`]): past them the oldest is dropped from
+/// resume memory, counted, and removed from the session store too, or Redis would keep it for
+/// the session's whole life.
 fn keep_unacked(core: &Core, s: &mut Session, cmd: SeqCommand) {
     let limit = core.cfg.unacked_limit();
     let (rig, boot) = (&s.rig, s.boot);
     let q = s.queues.get_or_insert_with(Default::default);
-    while q.unacked.len() >= limit {
-        let Some(old) = q.unacked.pop_front() else {
+    while q.unacked().len() >= limit
+        || (!q.unacked().is_empty() && q.unacked_bytes() + cmd.json.len() > RIG_UNACKED_BYTES)
+    {
+        let Some(old) = q.pop_unacked() else {
             break;
         };
         core.metrics.inc(C::CmdResumeDropped);
@@ -393,7 +397,7 @@ fn keep_unacked(core: &Core, s: &mut Session, cmd: SeqCommand) {
             });
         }
     }
-    q.unacked.push_back(cmd);
+    q.push_unacked(cmd);
 }
 
 /// Moves queued commands to the socket while it keeps up. Called after enqueue and after the
@@ -407,10 +411,10 @@ pub(crate) fn pump(core: &Core, conn: &Conn, st: &mut ConnState) {
             return;
         };
         // A held command (fleet mode, not yet kept by Redis) blocks the ones behind it: order.
-        if q.outbox.front().is_none_or(|c| c.held) {
+        if q.outbox().front().is_none_or(|c| c.held) {
             return;
         }
-        let Some(mut cmd) = q.outbox.pop_front() else {
+        let Some(mut cmd) = q.pop_outbox() else {
             return;
         };
         cmd.written_at = Some(Instant::now());
@@ -453,7 +457,7 @@ pub(crate) fn on_verdict(core: &Core, conn: &Conn, st: &mut ConnState, verdict: 
     for cmd in carried {
         if cmd.seq > already {
             core.metrics.inc(C::CmdResumeSent);
-            session.queues().outbox.push_back(cmd);
+            session.queues().push_outbox(cmd);
         } else {
             // The rig has it but has not acked it: its ack, which may still come, forgets it.
             keep_unacked(core, session, cmd);
@@ -494,25 +498,7 @@ pub(crate) fn on_command(core: &Core, conn: &Conn, st: &mut ConnState, req: Comm
         return refuse_command(core, req, C::BridgeQueueFull, "overloaded", why);
     }
     if session.outbox_len() >= core.cfg.outbox {
-        core.metrics.inc(C::CmdOutboxFull);
-        let oldest = session
-            .queues()
-            .outbox
-            .front()
-            .map(|c| c.queued_at.elapsed())
-            .unwrap_or_default();
-        let body = reply::unresponsive(
-            &req.id,
-            &session.rig,
-            Unresponsive {
-                queued: session.outbox_len(),
-                capacity: core.cfg.outbox,
-                oldest_age: oldest,
-                last_ack_seq: session.last_ack,
-                last_ack_at: stamp(session.last_ack_ms),
-            },
-        );
-        return deliver(core, req.reply, body);
+        return outbox_full(core, session, req, None);
     }
     let seq = session.next_seq;
     if seq > Seq::LAST {
@@ -523,6 +509,14 @@ pub(crate) fn on_command(core: &Core, conn: &Conn, st: &mut ConnState, req: Comm
     }
     let json =
         protocol::encode_command(session.v, seq, &req.id, &req.name, &req.args).into_boxed_slice();
+    let queued = session.queues.as_ref().map_or(0, |q| q.outbox_bytes());
+    if queued > 0 && queued + json.len() > RIG_OUTBOX_BYTES {
+        return outbox_full(core, session, req, Some(queued));
+    }
+    if queues::core_bytes() + json.len() > CORE_COMMAND_BYTES {
+        let why = "this core holds as many command bytes as it may";
+        return refuse_command(core, req, C::CmdMemoryFull, "overloaded", why);
+    }
     if core.persist {
         // Kept in Redis first; the bridge answers control and releases it for writing.
         let persist = PersistReq {
@@ -544,7 +538,7 @@ pub(crate) fn on_command(core: &Core, conn: &Conn, st: &mut ConnState, req: Comm
         deliver_routed(core, req.reply, body, Some(conn.id));
     }
     session.next_seq = Seq(seq.0.saturating_add(1));
-    session.queues().outbox.push_back(SeqCommand {
+    session.queues().push_outbox(SeqCommand {
         seq,
         id: req.id.as_str().into(),
         json,
@@ -554,6 +548,31 @@ pub(crate) fn on_command(core: &Core, conn: &Conn, st: &mut ConnState, req: Comm
     });
     core.metrics.inc(C::CmdEnqueued);
     pump(core, conn, st);
+}
+
+/// Answers a command refused for a full outbox (by count, or by `bytes` queued) with
+/// `rig_unresponsive`, and counts it.
+fn outbox_full(core: &Core, session: &mut Session, req: CommandReq, bytes: Option<usize>) {
+    core.metrics.inc(C::CmdOutboxFull);
+    let oldest = session
+        .queues()
+        .outbox()
+        .front()
+        .map(|c| c.queued_at.elapsed())
+        .unwrap_or_default();
+    let body = reply::unresponsive(
+        &req.id,
+        &session.rig,
+        Unresponsive {
+            queued: session.outbox_len(),
+            capacity: core.cfg.outbox,
+            bytes: bytes.map(|b| (b, RIG_OUTBOX_BYTES)),
+            oldest_age: oldest,
+            last_ack_seq: session.last_ack,
+            last_ack_at: stamp(session.last_ack_ms),
+        },
+    );
+    deliver(core, req.reply, body);
 }
 
 /// Answers a command refused before it took a seq with `error`, and counts it.
@@ -585,16 +604,14 @@ pub(crate) fn on_persisted(core: &Core, conn: &Conn, st: &mut ConnState, seq: Se
     let Some(q) = st.session.as_mut().and_then(|s| s.queues.as_mut()) else {
         return;
     };
-    let Some(pos) = q.outbox.iter().position(|c| c.seq == seq) else {
+    let Some(pos) = q.outbox().iter().position(|c| c.seq == seq) else {
         return;
     };
     if kept {
-        if let Some(cmd) = q.outbox.get_mut(pos) {
-            cmd.held = false;
-        }
+        q.release(pos);
     } else {
         // Another broker owns the rig now; this connection is being superseded.
-        q.outbox.remove(pos);
+        q.remove_outbox(pos);
     }
     pump(core, conn, st);
 }
@@ -609,7 +626,7 @@ pub(crate) fn on_rekeep(core: &Core, st: &ConnState) {
     let cmds = s
         .queues
         .iter()
-        .flat_map(|q| q.unacked.iter().chain(q.outbox.iter()));
+        .flat_map(|q| q.unacked().iter().chain(q.outbox().iter()));
     send_rekeep(core, &s.rig, s.boot, s.next_seq, cmds);
 }
 
@@ -692,9 +709,6 @@ pub(crate) fn on_closed(core: &Core, conn: &Conn, st: &mut ConnState) {
         core.event(ev);
     }
     // A command still held for Redis goes along only once Redis has answered for it.
-    let carried: Vec<SeqCommand> = s
-        .queues
-        .map(|q| q.unacked.into_iter().chain(q.outbox).collect())
-        .unwrap_or_default();
+    let carried: Vec<SeqCommand> = s.queues.map(|q| q.into_commands()).unwrap_or_default();
     closing::closed(core, conn.id, s.rig, s.boot, s.next_seq, carried);
 }

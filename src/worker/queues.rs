@@ -1,0 +1,181 @@
+//! A rig's commands between control and its ack, and what they weigh.
+//!
+//! `--outbox` bounds how many commands a rig may have queued, but a command may be up to 1 MiB
+//! (a control message's bound), so counts alone would let one slow rig hold 128 MiB queued and
+//! a thousand more written and unacked, and a core's rigs together anything. Bytes are bounded
+//! too: per rig, queued ([`RIG_OUTBOX_BYTES`]) and written but unacked
+//! ([`RIG_UNACKED_BYTES`]), and per core, all of them together ([`CORE_COMMAND_BYTES`]). The
+//! core's total is a thread-local: a core is one thread, and its queues never leave it.
+
+use std::cell::Cell;
+use std::collections::VecDeque;
+
+use crate::registry::msg::SeqCommand;
+
+/// Queued (not yet written) command bytes one rig may hold; a command past it is refused
+/// `rig_unresponsive`, as past `--outbox`.
+pub(crate) const RIG_OUTBOX_BYTES: usize = 8 << 20;
+/// Written, unacked command bytes kept for one rig's resume; past it the oldest are dropped
+/// from resume memory, as past the count.
+pub(crate) const RIG_UNACKED_BYTES: usize = 16 << 20;
+/// Command bytes one core holds for all its rigs; a command past it is refused `overloaded`.
+pub(crate) const CORE_COMMAND_BYTES: usize = 1 << 30;
+
+thread_local! {
+    static CORE_BYTES: Cell<usize> = const { Cell::new(0) };
+}
+
+/// Command bytes this core's queues hold.
+pub(crate) fn core_bytes() -> usize {
+    CORE_BYTES.with(Cell::get)
+}
+
+fn charge(add: usize, sub: usize) {
+    CORE_BYTES.with(|c| c.set((c.get() + add).saturating_sub(sub)));
+}
+
+/// A rig's queued and unacked commands, with their bytes counted here and in the core's total.
+#[derive(Default)]
+pub(crate) struct Queues {
+    /// Commands queued, not yet written (bounded by `--outbox`).
+    outbox: VecDeque<SeqCommand>,
+    /// Commands written, not yet acked: kept for ack latency and for the session's next
+    /// connection (bounded; the oldest is dropped and counted beyond it).
+    unacked: VecDeque<SeqCommand>,
+    outbox_bytes: usize,
+    unacked_bytes: usize,
+}
+
+impl Queues {
+    /// The queued commands, oldest first.
+    pub(crate) fn outbox(&self) -> &VecDeque<SeqCommand> {
+        &self.outbox
+    }
+
+    /// The written, unacked commands, oldest first.
+    pub(crate) fn unacked(&self) -> &VecDeque<SeqCommand> {
+        &self.unacked
+    }
+
+    /// Bytes of the queued commands.
+    pub(crate) fn outbox_bytes(&self) -> usize {
+        self.outbox_bytes
+    }
+
+    /// Bytes of the unacked commands.
+    pub(crate) fn unacked_bytes(&self) -> usize {
+        self.unacked_bytes
+    }
+
+    /// Queues `cmd` last.
+    pub(crate) fn push_outbox(&mut self, cmd: SeqCommand) {
+        self.outbox_bytes += cmd.json.len();
+        charge(cmd.json.len(), 0);
+        self.outbox.push_back(cmd);
+    }
+
+    /// Takes the oldest queued command.
+    pub(crate) fn pop_outbox(&mut self) -> Option<SeqCommand> {
+        let cmd = self.outbox.pop_front()?;
+        self.outbox_bytes -= cmd.json.len();
+        charge(0, cmd.json.len());
+        Some(cmd)
+    }
+
+    /// Removes the queued command at `pos`.
+    pub(crate) fn remove_outbox(&mut self, pos: usize) -> Option<SeqCommand> {
+        let cmd = self.outbox.remove(pos)?;
+        self.outbox_bytes -= cmd.json.len();
+        charge(0, cmd.json.len());
+        Some(cmd)
+    }
+
+    /// Releases the held command at `pos` for writing (Redis kept it).
+    pub(crate) fn release(&mut self, pos: usize) {
+        if let Some(cmd) = self.outbox.get_mut(pos) {
+            cmd.held = false;
+        }
+    }
+
+    /// Keeps `cmd` last among the unacked.
+    pub(crate) fn push_unacked(&mut self, cmd: SeqCommand) {
+        self.unacked_bytes += cmd.json.len();
+        charge(cmd.json.len(), 0);
+        self.unacked.push_back(cmd);
+    }
+
+    /// Takes the oldest unacked command.
+    pub(crate) fn pop_unacked(&mut self) -> Option<SeqCommand> {
+        let cmd = self.unacked.pop_front()?;
+        self.unacked_bytes -= cmd.json.len();
+        charge(0, cmd.json.len());
+        Some(cmd)
+    }
+
+    /// Whether nothing is queued or unacked.
+    pub(crate) fn is_empty(&self) -> bool {
+        self.outbox.is_empty() && self.unacked.is_empty()
+    }
+
+    /// Every command, unacked then queued (seq order), leaving the core's count.
+    pub(crate) fn into_commands(mut self) -> Vec<SeqCommand> {
+        let (unacked, outbox) = (
+            std::mem::take(&mut self.unacked),
+            std::mem::take(&mut self.outbox),
+        );
+        charge(0, self.outbox_bytes + self.unacked_bytes);
+        (self.outbox_bytes, self.unacked_bytes) = (0, 0);
+        unacked.into_iter().chain(outbox).collect()
+    }
+}
+
+impl Drop for Queues {
+    fn drop(&mut self) {
+        charge(0, self.outbox_bytes + self.unacked_bytes);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ids::Seq;
+    use std::time::Instant;
+
+    fn cmd(seq: u64, len: usize) -> SeqCommand {
+        SeqCommand {
+            seq: Seq(seq),
+            id: format!("c{seq}").into(),
+            json: vec![b'x'; len].into(),
+            queued_at: Instant::now(),
+            written_at: None,
+            held: false,
+        }
+    }
+
+    #[test]
+    fn bytes_follow_commands_in_and_out_and_leave_the_core_with_the_queues() {
+        // Tests share no thread-locals across threads: this one starts at zero.
+        let before = core_bytes();
+        let mut q = Queues::default();
+        q.push_outbox(cmd(1, 100));
+        q.push_outbox(cmd(2, 30));
+        q.push_outbox(cmd(3, 5));
+        assert_eq!((q.outbox_bytes(), core_bytes() - before), (135, 135));
+        let first = q.pop_outbox().map(|c| c.seq);
+        assert_eq!(first, Some(Seq(1)));
+        q.push_unacked(cmd(1, 100));
+        assert_eq!((q.outbox_bytes(), q.unacked_bytes()), (35, 100));
+        assert_eq!(q.remove_outbox(1).map(|c| c.seq), Some(Seq(3)));
+        assert_eq!(core_bytes() - before, 130);
+        let mut other = Queues::default();
+        other.push_unacked(cmd(9, 1000));
+        assert_eq!(core_bytes() - before, 1130);
+        let all: Vec<Seq> = q.into_commands().into_iter().map(|c| c.seq).collect();
+        assert_eq!(all, vec![Seq(1), Seq(2)]);
+        assert_eq!(core_bytes() - before, 1000);
+        assert_eq!(other.pop_unacked().map(|c| c.seq), Some(Seq(9)));
+        other.push_outbox(cmd(10, 7));
+        drop(other);
+        assert_eq!(core_bytes(), before);
+    }
+}
