@@ -12,7 +12,7 @@ use std::future::poll_fn;
 use std::os::fd::AsRawFd;
 use std::rc::Rc;
 use std::task::{Poll, Waker};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use monoio::buf::IoBufMut;
 use monoio::io::{AsyncReadRent, AsyncWriteRentExt};
@@ -29,6 +29,9 @@ use crate::worker::inbox;
 const READ_CHUNK: usize = 4096;
 /// Buffer a connection keeps between requests.
 const KEEP_BUFFER: usize = 64 * 1024;
+/// How long a request handed to the admin pool may take: the pool's own longest wait, and
+/// time to hand its answer back.
+const POOL_WAIT: Duration = Duration::from_secs(admin::IO_TIMEOUT.as_secs() + 1);
 /// Commands in a row taken on one other core before a connection moves there (see [`Streak`]).
 const MOVE_AFTER: u32 = 16;
 
@@ -72,8 +75,8 @@ struct SlotGuard<'a> {
 }
 
 impl SlotGuard<'_> {
-    /// Waits for the slot's answer; None when none came within the admin timeout.
-    async fn wait(&self) -> Option<AdminReply> {
+    /// Waits for the slot's answer; None when none came within `limit`.
+    async fn wait(&self, limit: Duration) -> Option<AdminReply> {
         let wait = poll_fn(|cx| {
             let mut slots = self.waits.slots.borrow_mut();
             match slots.get_mut(&self.slot) {
@@ -88,10 +91,7 @@ impl SlotGuard<'_> {
                 None => Poll::Ready(None),
             }
         });
-        monoio::time::timeout(admin::IO_TIMEOUT, wait)
-            .await
-            .ok()
-            .flatten()
+        monoio::time::timeout(limit, wait).await.ok().flatten()
     }
 }
 
@@ -282,7 +282,9 @@ async fn answer(core: &Rc<Core>, req: Request) -> (Answer, Option<CoreId>) {
     if core.admin_pool.try_send(work).is_err() {
         return ((503, "text/plain", b"busy\n".to_vec()), None);
     }
-    let answer = match slot.wait().await {
+    // Longer than the pool thread's own waits (a kick's answer, the cores' snapshots), so that
+    // its answer to them, a JSON 504 for a kick, is the one the client gets.
+    let answer = match slot.wait(POOL_WAIT).await {
         Some(AdminReply::Http(answer)) => answer,
         _ => (504, "text/plain", b"no answer in time\n".to_vec()),
     };
@@ -335,7 +337,7 @@ async fn command(core: &Rc<Core>, rig: &str, body: &[u8]) -> (Answer, Option<Cor
             return (admin::overloaded(&id, &rig), None);
         }
     }
-    let answer = match slot.wait().await {
+    let answer = match slot.wait(admin::IO_TIMEOUT).await {
         Some(AdminReply::Command(a)) => Some(a),
         _ => None,
     };
@@ -401,9 +403,9 @@ mod tests {
             let (a, b) = (waits.open(), waits.open());
             // An answer before its request waits is kept for it; each goes to its own slot.
             waits.answer(b.slot, reply(2));
-            assert_eq!(seq(b.wait().await), Some(2));
+            assert_eq!(seq(b.wait(admin::IO_TIMEOUT).await), Some(2));
             waits.answer(a.slot, reply(1));
-            assert_eq!(seq(a.wait().await), Some(1));
+            assert_eq!(seq(a.wait(admin::IO_TIMEOUT).await), Some(1));
             // A request that gave up closes its slot: a late answer finds nothing.
             let c = waits.open();
             let slot = c.slot;
@@ -428,7 +430,7 @@ mod tests {
             let next = waits.open().slot + 1;
             let waiter = monoio::spawn(async move {
                 let guard = w.open();
-                (guard.slot, seq(guard.wait().await))
+                (guard.slot, seq(guard.wait(admin::IO_TIMEOUT).await))
             });
             // Let the waiter start waiting, then answer it (without a wake it would time out).
             monoio::spawn(async {}).await;
