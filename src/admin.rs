@@ -19,8 +19,10 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use crossbeam_channel::{Receiver, Sender};
 use serde::Deserialize;
-use serde_json::{json, Value};
+use serde_json::json;
+use serde_json::value::RawValue;
 
+use crate::args::Args;
 use crate::doorbell::{Full, Mailbox};
 use crate::ids::{BootId, ConnId, CoreId, RigId};
 use crate::metrics::{self, CoreSnapshot};
@@ -624,7 +626,7 @@ fn snapshots(admin: &Admin, rigs: bool) -> (Vec<CoreSnapshot>, usize) {
 struct CommandBody {
     name: String,
     #[serde(default)]
-    args: Option<Value>,
+    args: Option<Box<RawValue>>,
     #[serde(default)]
     id: Option<String>,
     #[serde(default)]
@@ -668,13 +670,16 @@ pub(crate) fn command_req(
     let Some(rig_id) = RigId::parse(rig) else {
         return Err(bad("invalid rig id"));
     };
-    let body = match parsed {
-        Ok(b)
-            if !b.name.is_empty()
-                && b.name.len() <= 128
-                && matches!(b.args, None | Some(Value::Object(_))) =>
-        {
-            b
+    let (body, args) = match parsed {
+        Ok(mut b) if !b.name.is_empty() && b.name.len() <= 128 => {
+            let args = match b.args.take() {
+                None => Some(Args::empty()),
+                Some(raw) => Args::object(raw),
+            };
+            match args {
+                Some(args) => (b, args),
+                None => return Err(bad("name must be 1-128 bytes and args an object")),
+            }
         }
         Ok(_) => return Err(bad("name must be 1-128 bytes and args an object")),
         Err(e) => return Err(bad(&e.to_string())),
@@ -683,7 +688,7 @@ pub(crate) fn command_req(
         id,
         rig: rig_id,
         name: body.name,
-        args: body.args.unwrap_or_else(|| json!({})),
+        args,
         reply,
         offline_ttl: body
             .queue_if_offline

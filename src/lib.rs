@@ -13,7 +13,8 @@
 //! # Module map
 //! - [`config`]: flags, env, TOML → [`config::Config`].
 //! - [`http_upgrade`], [`ws`]: the sans-IO HTTP upgrade and RFC 6455 frame layer.
-//! - [`protocol`]: the JSON messages of the rig protocol; [`ids`]: validated identifiers.
+//! - [`protocol`]: the JSON messages of the rig protocol; [`ids`]: validated identifiers;
+//!   [`args`]: a command's args, kept as the text control sent.
 //! - [`worker`]: one event loop per core: accept, connections (plain or TLS), sweep, drain.
 //! - [`registry`]: the bridge thread, the embedded registry, fleet mode's Redis I/O (Lua
 //!   registry and session scripts, pub/sub control, offline commands).
@@ -28,6 +29,7 @@
 #![warn(missing_docs, unreachable_pub)]
 
 pub mod admin;
+pub mod args;
 pub mod config;
 pub mod dev_certs;
 pub mod doctor;

@@ -4,6 +4,7 @@
 //! complete text message and writes whatever the `encode_*` functions return.
 
 use serde::{Deserialize, Serialize};
+use serde_json::value::RawValue;
 use serde_json::Value;
 
 use crate::ids::{BootId, RigId, Seq};
@@ -227,8 +228,8 @@ pub fn encode_welcome(
     })
 }
 
-/// `command` (CONTRACT.md §2). `args` is already-encoded JSON (an object).
-pub fn encode_command(v: u32, seq: Seq, id: &str, name: &str, args: &Value) -> Vec<u8> {
+/// `command` (CONTRACT.md §2). `args` is already-encoded JSON (an object), written as it is.
+pub fn encode_command(v: u32, seq: Seq, id: &str, name: &str, args: &RawValue) -> Vec<u8> {
     #[derive(Serialize)]
     struct Command<'a> {
         #[serde(rename = "type")]
@@ -237,7 +238,7 @@ pub fn encode_command(v: u32, seq: Seq, id: &str, name: &str, args: &Value) -> V
         seq: u64,
         id: &'a str,
         name: &'a str,
-        args: &'a Value,
+        args: &'a RawValue,
     }
     to_vec(&Command {
         ty: "command",
@@ -338,7 +339,7 @@ mod tests {
             Seq(5),
             "c1",
             "reboot",
-            &serde_json::json!({}),
+            crate::args::Args::empty().raw(),
         ))
         .unwrap();
         assert_eq!(c["seq"], 5);

@@ -632,7 +632,7 @@ fn take_many_empties_each_rigs_offline_queue_and_returns_it_in_order() {
     let held = |id: &str| Held {
         id: id.into(),
         name: "fw".into(),
-        args: serde_json::json!({}),
+        args: fleetlink::args::Args::empty(),
         deadline_ms: u64::MAX / 2,
         reply_to: None,
     };

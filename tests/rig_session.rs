@@ -780,3 +780,30 @@ fn written_unacked_commands_are_kept_for_a_resume_up_to_a_byte_bound() {
     // Sixteen commands of just over 1,000,000 bytes fit 16 MiB; seventeen do not.
     b.wait_metric("fleetlink_commands_total{result=\"resume_dropped\"} 9");
 }
+
+/// A command's args reach the rig as the text control sent, not re-encoded.
+#[test]
+fn args_reach_the_rig_as_the_text_control_sent() {
+    let b = Broker::start(&[]);
+    let mut rig = RawRig::hello(&b, "rig-text");
+    let args = r#"{"z": 1,  "a": [1, 2.50], "s": "\u00e9"}"#;
+    let post = |body: &str| {
+        let (status, text) = b.http("POST", "/v1/rigs/rig-text/commands", body);
+        (
+            status,
+            serde_json::from_str::<Value>(&text).unwrap_or(Value::Null),
+        )
+    };
+    let (status, reply) = post(&format!(r#"{{"name":"n","args":{args}}}"#));
+    assert_eq!(status, 200, "{reply}");
+    let (op, payload) = rig.read_frame();
+    assert_eq!(op, 0x1);
+    let text = String::from_utf8_lossy(&payload);
+    assert!(text.contains(&format!(r#""args":{args}"#)), "{text}");
+    // Args that are not an object are refused.
+    let (status, reply) = post(r#"{"name":"n","args":[1]}"#);
+    assert_eq!(
+        (status, reply["error"].as_str()),
+        (400, Some("bad_request"))
+    );
+}

@@ -3,8 +3,10 @@
 //! when it names a `reply_to`, and counted either way.
 
 use serde::Deserialize;
+use serde_json::value::RawValue;
 use serde_json::{Map, Value};
 
+use crate::args::Args;
 use crate::ids::{BootId, RigId};
 use crate::registry::msg::{CommandReq, ReplyTo};
 
@@ -38,7 +40,7 @@ pub enum Control {
         /// Command name.
         name: String,
         /// Command args.
-        args: Value,
+        args: Args,
         /// Reply channel.
         reply_to: String,
     },
@@ -73,7 +75,7 @@ struct Raw {
     #[serde(default)]
     name: Option<String>,
     #[serde(default)]
-    args: Option<Value>,
+    args: Option<Box<RawValue>>,
     #[serde(default)]
     reply_to: Option<String>,
     #[serde(default)]
@@ -89,8 +91,35 @@ struct Raw {
 /// Largest control message taken, as for an admin request.
 pub const MAX_CONTROL: usize = crate::admin::MAX_REQUEST;
 
+/// Where to answer a message too large to take: read from it without building its args.
+#[derive(Deserialize)]
+struct Envelope {
+    #[serde(default)]
+    id: Option<String>,
+    #[serde(default)]
+    rig_id: Option<String>,
+    #[serde(default)]
+    reply_to: Option<String>,
+}
+
 /// Parses one pub/sub payload; `broadcast` says it came on `fleetlink:broadcast`.
 pub fn parse(payload: &[u8], broadcast: bool) -> Result<Control, Bad> {
+    if payload.len() > MAX_CONTROL {
+        // The admin API's bound: a command goes to the rig as one frame. Checked before the
+        // message is parsed, which for one of the subscription's 64 MiB could take gigabytes.
+        let env: Option<Envelope> = serde_json::from_slice(payload).ok();
+        let env = env.unwrap_or(Envelope {
+            id: None,
+            rig_id: None,
+            reply_to: None,
+        });
+        let id = env.id.unwrap_or_else(crate::admin::new_id);
+        return Err(Bad {
+            why: "control message larger than 1 MiB".to_string(),
+            rig: env.rig_id,
+            reply_to: env.reply_to.filter(|r| !r.is_empty()).map(|r| (id, r)),
+        });
+    }
     let raw: Raw = serde_json::from_slice(payload).map_err(|e| Bad {
         why: format!("not a control message: {e}"),
         rig: None,
@@ -103,11 +132,6 @@ pub fn parse(payload: &[u8], broadcast: bool) -> Result<Control, Bad> {
         rig: raw.rig_id.clone(),
         reply_to: reply_to.clone().map(|r| (id.clone(), r)),
     };
-    if payload.len() > MAX_CONTROL {
-        // The admin API's bound: a command goes to the rig as one frame, and a broadcast is
-        // copied once per matched rig.
-        return Err(bad("control message larger than 1 MiB"));
-    }
     match (raw.ty.as_str(), broadcast) {
         ("canary", _) => Ok(Control::Canary {
             broker_id: raw.broker_id.unwrap_or_default(),
@@ -144,9 +168,8 @@ pub fn parse(payload: &[u8], broadcast: bool) -> Result<Control, Bad> {
                 .filter(|n| !n.is_empty() && n.len() <= 128)
                 .ok_or_else(|| bad("command needs a name of 1-128 bytes"))?;
             let args = match raw.args.clone() {
-                None => Value::Object(Map::new()),
-                Some(a @ Value::Object(_)) => a,
-                Some(_) => return Err(bad("args must be an object")),
+                None => Args::empty(),
+                Some(a) => Args::object(a).ok_or_else(|| bad("args must be an object"))?,
             };
             if broadcast {
                 let selector = raw

@@ -59,12 +59,28 @@ struct Parked {
     at: Instant,
 }
 
+impl Parked {
+    fn bytes(&self) -> usize {
+        self.carried.iter().map(|c| c.json.len()).sum()
+    }
+}
+
+/// Bytes of commands parked sessions may keep for their rigs' return. A rig's session may hold
+/// 24 MiB (`crate::worker::queues`), so a few hundred slow rigs dropping at once could
+/// otherwise park gigabytes for the park window.
+pub const MAX_PARKED_BYTES: usize = 1 << 30;
+
 /// The in-process registry.
 #[derive(Debug)]
 pub struct Embedded {
     rigs: HashMap<RigId, Entry>,
     parked: HashMap<RigId, Parked>,
     parked_order: VecDeque<(Instant, RigId)>,
+    /// Bytes of the commands parked sessions keep.
+    parked_bytes: usize,
+    max_parked_bytes: usize,
+    /// Parked commands dropped for the bound since the bridge last asked.
+    parked_dropped: u64,
     park_for: Duration,
     max_pending: usize,
 }
@@ -77,9 +93,17 @@ impl Embedded {
             rigs: HashMap::new(),
             parked: HashMap::new(),
             parked_order: VecDeque::new(),
+            parked_bytes: 0,
+            max_parked_bytes: MAX_PARKED_BYTES,
+            parked_dropped: 0,
             park_for,
             max_pending,
         }
+    }
+
+    /// Commands parked sessions dropped for [`MAX_PARKED_BYTES`] since the last call.
+    pub fn take_parked_dropped(&mut self) -> u64 {
+        std::mem::take(&mut self.parked_dropped)
     }
 
     /// Rigs currently owned by a connection.
@@ -159,7 +183,8 @@ impl Embedded {
             }));
             return out;
         }
-        let (next_seq, resumed, carried) = match self.parked.remove(&rig) {
+        let parked = self.unpark(&rig);
+        let (next_seq, resumed, carried) = match parked {
             Some(p) if p.boot == boot => (p.next_seq, true, p.carried),
             _ => (Seq(1), false, Vec::new()),
         };
@@ -383,10 +408,16 @@ impl Embedded {
             }
             if let Some((at, rig)) = self.parked_order.pop_front() {
                 if self.parked.get(&rig).is_some_and(|p| p.at == at) {
-                    self.parked.remove(&rig);
+                    self.unpark(&rig);
                 }
             }
         }
+    }
+
+    fn unpark(&mut self, rig: &RigId) -> Option<Parked> {
+        let p = self.parked.remove(rig)?;
+        self.parked_bytes = self.parked_bytes.saturating_sub(p.bytes());
+        Some(p)
     }
 
     fn park(
@@ -397,16 +428,43 @@ impl Embedded {
         carried: Vec<SeqCommand>,
         now: Instant,
     ) {
-        self.parked_order.push_back((now, rig.clone()));
-        self.parked.insert(
-            rig,
-            Parked {
-                boot,
-                next_seq,
-                carried,
-                at: now,
-            },
-        );
+        let p = Parked {
+            boot,
+            next_seq,
+            carried,
+            at: now,
+        };
+        self.parked_bytes += p.bytes();
+        if let Some(old) = self.parked.insert(rig.clone(), p) {
+            self.parked_bytes = self.parked_bytes.saturating_sub(old.bytes());
+        }
+        self.parked_order.push_back((now, rig));
+        self.drop_oldest_parked_commands();
+    }
+
+    /// Past [`MAX_PARKED_BYTES`], the oldest parked sessions lose their commands (counted), and
+    /// keep their seq, so that a resume never numbers a command with a seq the rig has seen.
+    fn drop_oldest_parked_commands(&mut self) {
+        let mut order = self.parked_order.iter();
+        while self.parked_bytes > self.max_parked_bytes {
+            let Some((at, rig)) = order.next() else {
+                break;
+            };
+            let Some(p) = self.parked.get_mut(rig).filter(|p| p.at == *at) else {
+                continue;
+            };
+            let dropped = std::mem::take(&mut p.carried);
+            let bytes: usize = dropped.iter().map(|c| c.json.len()).sum();
+            self.parked_bytes = self.parked_bytes.saturating_sub(bytes);
+            self.parked_dropped += dropped.len() as u64;
+            if !dropped.is_empty() {
+                log::warn!(
+                    "rig {rig}: {} commands kept for its return dropped: parked sessions hold {} bytes",
+                    dropped.len(),
+                    self.max_parked_bytes
+                );
+            }
+        }
     }
 }
 
@@ -512,7 +570,7 @@ mod tests {
             id: "c".into(),
             rig: rig(),
             name: "x".into(),
-            args: Value::Null,
+            args: crate::args::Args::null(),
             reply: ReplyTo::Admin(tx),
             offline_ttl: None,
         });
@@ -550,6 +608,50 @@ mod tests {
             matches!(a, Action::Core(c, ToCore::Rekeep { conn: to }) if *c == conn(2) && *to == conn(2))
         });
         assert!(accept.is_some() && rekeep > accept, "{done:?}");
+    }
+
+    #[test]
+    fn parked_commands_past_the_byte_bound_go_oldest_first_and_seqs_stay() {
+        let mut r = Embedded::new(Duration::from_secs(60), 4);
+        r.max_parked_bytes = 250;
+        let now = Instant::now();
+        let cmds = |n: u64| -> Vec<SeqCommand> {
+            (1..=n)
+                .map(|seq| SeqCommand {
+                    seq: Seq(seq),
+                    id: "c".into(),
+                    json: vec![b'x'; 50].into(),
+                    queued_at: now,
+                    written_at: None,
+                    held: false,
+                })
+                .collect()
+        };
+        let (a, b, up) = (
+            RigId::parse("a").unwrap(),
+            RigId::parse("b").unwrap(),
+            boot(1),
+        );
+        r.hello(conn(1), a.clone(), up, vec![]);
+        r.hello(conn(2), b.clone(), up, vec![]);
+        r.closed(conn(1), a.clone(), up, Seq(4), cmds(3), now);
+        assert_eq!((r.parked_bytes, r.take_parked_dropped()), (150, 0));
+        // 150 + 200 > 250: the older session, a's, gives up its commands.
+        r.closed(conn(2), b.clone(), up, Seq(5), cmds(4), now);
+        assert_eq!((r.parked_bytes, r.take_parked_dropped()), (200, 3));
+        let back = r.hello(conn(3), a, up, vec![]);
+        match verdict_of(&back, conn(3)) {
+            Some(Verdict::Accept {
+                next_seq, carried, ..
+            }) => assert_eq!((*next_seq, carried.len()), (Seq(4), 0)),
+            other => panic!("{other:?}"),
+        }
+        let back = r.hello(conn(4), b, up, vec![]);
+        match verdict_of(&back, conn(4)) {
+            Some(Verdict::Accept { carried, .. }) => assert_eq!(carried.len(), 4),
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(r.parked_bytes, 0);
     }
 
     #[test]
@@ -606,7 +708,7 @@ mod tests {
             id: "c".into(),
             rig: rig(),
             name: "x".into(),
-            args: Value::Null,
+            args: crate::args::Args::null(),
             reply: ReplyTo::Admin(tx),
             offline_ttl: None,
         });

@@ -6,6 +6,7 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::Sender;
 use serde_json::Value;
 
+use crate::args::Args;
 use crate::ids::{BootId, ConnId, CoreId, RigId, Seq};
 
 /// A command that has its seq: queued on a connection, or carried to the next connection of the
@@ -108,8 +109,8 @@ pub struct CommandReq {
     pub rig: RigId,
     /// Command name.
     pub name: String,
-    /// Command arguments (a JSON object).
-    pub args: Value,
+    /// Command arguments (a JSON object's text, shared by a broadcast's copies).
+    pub args: Args,
     /// Where the single reply goes.
     pub reply: ReplyTo,
     /// `queue_if_offline` with its `ttl_ms`: hold it if the rig is not connected.

@@ -9,8 +9,8 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use redis::{ConnectionLike, Script};
 use serde::{Deserialize, Serialize};
-use serde_json::Value;
 
+use crate::args::Args;
 use crate::ids::RigId;
 use crate::registry::scripts::{evalsha_many, RegistryError};
 
@@ -32,7 +32,7 @@ pub struct Held {
     /// Command name.
     pub name: String,
     /// Command args.
-    pub args: Value,
+    pub args: Args,
     /// Unix ms after which it expires.
     pub deadline_ms: u64,
     /// Control's reply channel, if any (events carry the outcome; this is for the record).
@@ -43,7 +43,7 @@ pub struct Held {
 impl Held {
     /// About the bytes it holds: what [`Deadlines::MAX_BYTES`] counts.
     pub fn size(&self) -> usize {
-        let args = serde_json::to_vec(&self.args).map_or(0, |a| a.len());
+        let args = self.args.len();
         self.id.len() + self.name.len() + args + self.reply_to.as_ref().map_or(0, String::len)
     }
 
@@ -53,7 +53,7 @@ impl Held {
         Held {
             id: self.id.clone(),
             name: String::new(),
-            args: Value::Null,
+            args: Args::null(),
             deadline_ms: self.deadline_ms,
             reply_to: None,
         }
@@ -303,7 +303,7 @@ mod tests {
         Held {
             id: id.into(),
             name: "n".into(),
-            args: Value::Null,
+            args: Args::null(),
             deadline_ms: 1,
             reply_to: None,
         }
@@ -396,11 +396,11 @@ mod tests {
             "a due one gives its bytes back"
         );
         let big = Held {
-            args: serde_json::json!({"p": "x".repeat(1000)}),
+            args: Args::from_value(&serde_json::json!({"p": "x".repeat(1000)})),
             ..held("c")
         };
         assert!(big.size() > 1000);
-        assert_eq!(big.stub().args, Value::Null);
+        assert_eq!(big.stub().args, Args::null());
         assert_eq!(big.stub().id, "c");
     }
 }

@@ -507,8 +507,8 @@ pub(crate) fn on_command(core: &Core, conn: &Conn, st: &mut ConnState, req: Comm
             "this boot of the rig has used every seq; it takes commands again under a new boot_id";
         return refuse_command(core, req, C::CmdSeqExhausted, "seq_exhausted", why);
     }
-    let json =
-        protocol::encode_command(session.v, seq, &req.id, &req.name, &req.args).into_boxed_slice();
+    let json = protocol::encode_command(session.v, seq, &req.id, &req.name, req.args.raw())
+        .into_boxed_slice();
     let queued = session.queues.as_ref().map_or(0, |q| q.outbox_bytes());
     if queued > 0 && queued + json.len() > RIG_OUTBOX_BYTES {
         return outbox_full(core, session, req, Some(queued));

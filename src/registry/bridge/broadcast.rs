@@ -6,6 +6,7 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 
 use super::Bridge;
+use crate::args::Args;
 use crate::registry::msg::{CommandReq, ReplyTo};
 
 /// A broadcast reply goes out after this even if some rigs' cores never answered.
@@ -31,7 +32,7 @@ impl Bridge {
         id: String,
         selector: &[(String, String)],
         name: String,
-        args: Value,
+        args: Args,
         reply_to: String,
         now: Instant,
     ) {
@@ -154,7 +155,7 @@ mod tests {
             id.into(),
             &pool_a(),
             "noop".into(),
-            json!({}),
+            Args::empty(),
             "back".into(),
             now,
         );

@@ -266,6 +266,8 @@ impl Bridge {
                     carried,
                     Instant::now(),
                 );
+                let dropped = self.registry.take_parked_dropped();
+                self.shared.count_n("parked", "dropped", dropped);
                 if released {
                     self.release(rig, boot);
                 }

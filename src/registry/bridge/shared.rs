@@ -10,7 +10,7 @@ use crate::metrics::BridgeStats;
 const CANARY_STALE: Duration = Duration::from_secs(5);
 
 /// Registry operations counted by (op, result), in this order.
-pub const REGISTRY_OPS: [(&str, &str); 29] = [
+pub const REGISTRY_OPS: [(&str, &str); 30] = [
     ("offline", "held"),
     ("offline", "full"),
     ("offline", "delivered"),
@@ -40,6 +40,7 @@ pub const REGISTRY_OPS: [(&str, &str); 29] = [
     ("reply", "orphaned"),
     ("publish", "dropped"),
     ("broadcast", "overloaded"),
+    ("parked", "dropped"),
 ];
 
 /// Bridge figures the admin thread reads (written only by the bridge thread).
@@ -88,11 +89,16 @@ impl BridgeShared {
     }
 
     pub(super) fn count(&self, op: &str, result: &str) {
+        self.count_n(op, result, 1);
+    }
+
+    /// Adds `n` to the counter of `op` with `result`.
+    pub(super) fn count_n(&self, op: &str, result: &str, n: u64) {
         if let Some(i) = REGISTRY_OPS
             .iter()
             .position(|&(o, r)| o == op && r == result)
         {
-            self.ops[i].fetch_add(1, Ordering::Relaxed);
+            self.ops[i].fetch_add(n, Ordering::Relaxed);
         }
     }
 

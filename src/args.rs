@@ -1,0 +1,118 @@
+//! A command's `args`: the JSON text control sent, kept as text and shared.
+//!
+//! A broadcast hands the same args to every matched rig, and a held command waits with its
+//! args for hours; as a parsed `serde_json::Value` each copy would cost up to 16 times its text
+//! (32 bytes per array element of 2), and the byte bounds, which count text, would be off by
+//! as much. As shared text, a copy costs a pointer, a bound counts what is held, and a rig's
+//! frame is written from it without serializing again.
+
+use std::fmt;
+use std::sync::Arc;
+
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+use serde_json::value::RawValue;
+use serde_json::Value;
+
+/// A command's args: a JSON object's text (or `null` in a stub that needs none).
+#[derive(Clone)]
+pub struct Args(Arc<RawValue>);
+
+impl Args {
+    /// `{}`, for a command sent without args.
+    pub fn empty() -> Args {
+        Args::from_value(&Value::Object(serde_json::Map::new()))
+    }
+
+    /// `null`: the args of a record that keeps none.
+    pub fn null() -> Args {
+        Args::from_value(&Value::Null)
+    }
+
+    /// The args as text, from a parsed value.
+    pub fn from_value(v: &Value) -> Args {
+        match serde_json::value::to_raw_value(v) {
+            Ok(raw) => Args(Arc::from(raw)),
+            // Only a map with non-string keys fails, which a `Value` cannot hold.
+            Err(_) => Args(Arc::from(RawValue::NULL.to_owned())),
+        }
+    }
+
+    /// The args of a control message or request, which must be an object.
+    pub fn object(raw: Box<RawValue>) -> Option<Args> {
+        // The parser hands over the value's own text, which starts at its first byte.
+        raw.get().starts_with('{').then(|| Args(Arc::from(raw)))
+    }
+
+    /// The JSON text.
+    pub fn get(&self) -> &str {
+        self.0.get()
+    }
+
+    /// Bytes of the text.
+    pub fn len(&self) -> usize {
+        self.0.get().len()
+    }
+
+    /// Never: a JSON value's text has at least one byte.
+    pub fn is_empty(&self) -> bool {
+        self.0.get().is_empty()
+    }
+
+    /// For writing into a message as it is.
+    pub fn raw(&self) -> &RawValue {
+        &self.0
+    }
+}
+
+impl Serialize for Args {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        self.0.serialize(s)
+    }
+}
+
+impl<'de> Deserialize<'de> for Args {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Args, D::Error> {
+        Box::<RawValue>::deserialize(d).map(|raw| Args(Arc::from(raw)))
+    }
+}
+
+impl PartialEq for Args {
+    fn eq(&self, other: &Args) -> bool {
+        self.get() == other.get()
+    }
+}
+
+impl fmt::Debug for Args {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.get())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn args_keep_their_text_and_only_objects_are_args() {
+        let raw = |s: &str| RawValue::from_string(s.to_string()).unwrap_or_else(|_| panic!("{s}"));
+        let a = Args::object(raw(r#"{"b": [1, 2],"a":"x"}"#)).map(|a| a.get().to_string());
+        assert_eq!(a.as_deref(), Some(r#"{"b": [1, 2],"a":"x"}"#));
+        assert!(Args::object(raw("[1]")).is_none());
+        assert!(Args::object(raw("\"{\"")).is_none());
+        assert_eq!(Args::empty().get(), "{}");
+        // Inside a message, written as they came; read back, the same text.
+        #[derive(Serialize, Deserialize)]
+        struct Msg {
+            args: Args,
+        }
+        let parsed: Msg = serde_json::from_str(r#"{"args": {"z":1, "a" : 2}}"#).unwrap();
+        assert_eq!(parsed.args.get(), r#"{"z":1, "a" : 2}"#);
+        let text = serde_json::to_string(&parsed).unwrap();
+        assert_eq!(text, r#"{"args":{"z":1, "a" : 2}}"#);
+        let back: Msg = serde_json::from_str(&text).unwrap();
+        assert_eq!(back.args, parsed.args);
+        // A copy shares the text.
+        let copy = parsed.args.clone();
+        assert!(std::ptr::eq(copy.get(), parsed.args.get()));
+    }
+}
