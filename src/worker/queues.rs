@@ -18,6 +18,9 @@ pub(crate) const RIG_OUTBOX_BYTES: usize = 8 << 20;
 /// Written, unacked command bytes kept for one rig's resume; past it the oldest are dropped
 /// from resume memory, as past the count.
 pub(crate) const RIG_UNACKED_BYTES: usize = 16 << 20;
+/// The most command bytes one rig's session holds, queued and unacked: what a resume carries at
+/// most (more in Redis are entries whose removal was lost).
+pub(crate) const RIG_SESSION_BYTES: usize = RIG_OUTBOX_BYTES + RIG_UNACKED_BYTES;
 /// Command bytes one core holds for all its rigs; a command past it is refused `overloaded`.
 pub(crate) const CORE_COMMAND_BYTES: usize = 1 << 30;
 

@@ -14,6 +14,7 @@ use crate::registry::msg::{SeqCommand, ToCore, Verdict};
 use crate::registry::scripts::HelloOutcome;
 use crate::registry::sessions::Resumed;
 use crate::reply;
+use crate::worker::queues::RIG_SESSION_BYTES;
 
 /// A hello waiting for its batch's round trip.
 pub(super) struct PendingHello {
@@ -215,9 +216,18 @@ impl Bridge {
                     }
                 }
                 carried.sort_by_key(|c| c.seq);
-                // A session never holds more than this; older entries in Redis are ones whose
-                // removal was lost (acked, or already dropped from resume memory and counted).
-                let excess = carried.len().saturating_sub(self.cfg.session_limit());
+                // A session never holds more than this, in count or bytes; older entries in
+                // Redis are ones whose removal was lost (acked, or already dropped from resume
+                // memory and counted).
+                let mut excess = carried.len().saturating_sub(self.cfg.session_limit());
+                let mut bytes: usize = carried.iter().skip(excess).map(|c| c.json.len()).sum();
+                for c in carried.iter().skip(excess) {
+                    if bytes <= RIG_SESSION_BYTES {
+                        break;
+                    }
+                    bytes -= c.json.len();
+                    excess += 1;
+                }
                 stale.extend(carried.drain(..excess).map(|c| c.seq));
             }
         }
@@ -252,16 +262,17 @@ mod tests {
 
     /// Redis may hold more of a session than any connection did (removals of acked commands
     /// that were lost): a resume carries no more than one session can hold, the newest.
-    #[test]
-    fn a_resume_carries_at_most_one_sessions_worth_the_newest() {
+    /// Resumes a session Redis found with `commands` (seq, bytes); the seqs carried, and how
+    /// many were counted stale.
+    fn resume_found(commands: Vec<(Seq, Vec<u8>)>) -> (Vec<Seq>, u64) {
         let (mut b, _core) = bridge();
         let conn = ConnId::new(CoreId(0), 1);
         let rig = RigId::parse("rig-1").expect("rig");
         let boot = BootId::generate(1);
-        let limit = b.cfg.session_limit() as u64;
+        let next = commands.last().map_or(Seq(1), |(s, _)| Seq(s.0 + 1));
         let found = Resumed {
-            next: Some(Seq(limit + 11)),
-            commands: (1..=limit + 10).map(|s| (Seq(s), b"{}".to_vec())).collect(),
+            next: Some(next),
+            commands,
             rebooted: Vec::new(),
             previous_boot: None,
         };
@@ -285,17 +296,33 @@ mod tests {
         else {
             panic!("no accept");
         };
-        assert_eq!(*next_seq, Seq(limit + 11));
-        assert_eq!(carried.len() as u64, limit);
-        assert_eq!(
-            carried.first().map(|c| c.seq),
-            Some(Seq(11)),
-            "the oldest went"
-        );
+        assert_eq!(*next_seq, next);
         let stale = REGISTRY_OPS
             .iter()
             .position(|&op| op == ("resume", "stale_dropped"))
             .expect("counted op");
-        assert_eq!(b.shared.ops[stale].load(Ordering::Relaxed), 10);
+        let seqs = carried.iter().map(|c| c.seq).collect();
+        (seqs, b.shared.ops[stale].load(Ordering::Relaxed))
+    }
+
+    #[test]
+    fn a_resume_carries_at_most_one_sessions_worth_the_newest() {
+        let limit = crate::config::test_config().session_limit() as u64;
+        let commands = (1..=limit + 10).map(|s| (Seq(s), b"{}".to_vec())).collect();
+        let (carried, stale) = resume_found(commands);
+        assert_eq!(carried.len() as u64, limit);
+        assert_eq!(carried.first(), Some(&Seq(11)), "the oldest went");
+        assert_eq!(stale, 10);
+    }
+
+    #[test]
+    fn a_resume_carries_at_most_one_sessions_worth_of_bytes_the_newest() {
+        let mib = vec![b' '; 1 << 20];
+        let commands = (1..=30).map(|s| (Seq(s), mib.clone())).collect();
+        let (carried, stale) = resume_found(commands);
+        let most = (RIG_SESSION_BYTES >> 20) as u64;
+        assert_eq!(carried.len() as u64, most);
+        assert_eq!(carried.first(), Some(&Seq(31 - most)), "the oldest went");
+        assert_eq!(stale, 30 - most);
     }
 }
