@@ -617,14 +617,7 @@ mod tests {
         let now = Instant::now();
         let cmds = |n: u64| -> Vec<SeqCommand> {
             (1..=n)
-                .map(|seq| SeqCommand {
-                    seq: Seq(seq),
-                    id: "c".into(),
-                    json: vec![b'x'; 50].into(),
-                    queued_at: now,
-                    written_at: None,
-                    held: false,
-                })
+                .map(|seq| SeqCommand::for_test(seq, 50, false))
                 .collect()
         };
         let (a, b, up) = (

@@ -28,6 +28,21 @@ pub struct SeqCommand {
     pub held: bool,
 }
 
+#[cfg(test)]
+impl SeqCommand {
+    /// A command `c<seq>` of `len` bytes, just queued.
+    pub(crate) fn for_test(seq: u64, len: usize, held: bool) -> SeqCommand {
+        SeqCommand {
+            seq: Seq(seq),
+            id: format!("c{seq}").into(),
+            json: vec![b' '; len].into(),
+            queued_at: Instant::now(),
+            written_at: None,
+            held,
+        }
+    }
+}
+
 /// A command to keep in Redis before it is written and control hears `ok` (fleet mode).
 #[derive(Debug)]
 pub struct PersistReq {

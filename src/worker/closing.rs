@@ -103,7 +103,6 @@ fn hand_over(core: &Core, conn: ConnId, s: Closing) {
 #[cfg(test)]
 mod tests {
     use std::rc::Rc;
-    use std::time::Instant;
 
     use super::*;
     use crate::doorbell::{self, Inbox};
@@ -114,14 +113,7 @@ mod tests {
     use crate::worker::{inbox, session};
 
     fn cmd(seq: u64, held: bool) -> SeqCommand {
-        SeqCommand {
-            seq: Seq(seq),
-            id: format!("c{seq}").into(),
-            json: Box::new(*b"{}"),
-            queued_at: Instant::now(),
-            written_at: None,
-            held,
-        }
+        SeqCommand::for_test(seq, 2, held)
     }
 
     /// A welcomed connection of rig-1 holding `outbox`, still in the core's table (a closing

@@ -37,104 +37,112 @@ fn charge(add: usize, sub: usize) {
     CORE_BYTES.with(|c| c.set((c.get() + add).saturating_sub(sub)));
 }
 
-/// A rig's queued and unacked commands, with their bytes counted here and in the core's total.
+/// Commands in seq order, with their bytes counted here and in the core's total.
+#[derive(Default)]
+struct Line {
+    cmds: VecDeque<SeqCommand>,
+    bytes: usize,
+}
+
+impl Line {
+    fn push(&mut self, cmd: SeqCommand) {
+        self.bytes += cmd.json.len();
+        charge(cmd.json.len(), 0);
+        self.cmds.push_back(cmd);
+    }
+
+    fn remove(&mut self, pos: usize) -> Option<SeqCommand> {
+        let cmd = self.cmds.remove(pos)?;
+        self.bytes -= cmd.json.len();
+        charge(0, cmd.json.len());
+        Some(cmd)
+    }
+
+    /// The commands, leaving the core's count.
+    fn take(&mut self) -> VecDeque<SeqCommand> {
+        charge(0, std::mem::take(&mut self.bytes));
+        std::mem::take(&mut self.cmds)
+    }
+}
+
+impl Drop for Line {
+    fn drop(&mut self) {
+        charge(0, self.bytes);
+    }
+}
+
+/// A rig's queued and unacked commands.
 #[derive(Default)]
 pub(crate) struct Queues {
-    /// Commands queued, not yet written (bounded by `--outbox`).
-    outbox: VecDeque<SeqCommand>,
+    /// Commands queued, not yet written (bounded by `--outbox` and [`RIG_OUTBOX_BYTES`]).
+    outbox: Line,
     /// Commands written, not yet acked: kept for ack latency and for the session's next
     /// connection (bounded; the oldest is dropped and counted beyond it).
-    unacked: VecDeque<SeqCommand>,
-    outbox_bytes: usize,
-    unacked_bytes: usize,
+    unacked: Line,
 }
 
 impl Queues {
     /// The queued commands, oldest first.
     pub(crate) fn outbox(&self) -> &VecDeque<SeqCommand> {
-        &self.outbox
+        &self.outbox.cmds
     }
 
     /// The written, unacked commands, oldest first.
     pub(crate) fn unacked(&self) -> &VecDeque<SeqCommand> {
-        &self.unacked
+        &self.unacked.cmds
     }
 
     /// Bytes of the queued commands.
     pub(crate) fn outbox_bytes(&self) -> usize {
-        self.outbox_bytes
+        self.outbox.bytes
     }
 
     /// Bytes of the unacked commands.
     pub(crate) fn unacked_bytes(&self) -> usize {
-        self.unacked_bytes
+        self.unacked.bytes
     }
 
     /// Queues `cmd` last.
     pub(crate) fn push_outbox(&mut self, cmd: SeqCommand) {
-        self.outbox_bytes += cmd.json.len();
-        charge(cmd.json.len(), 0);
-        self.outbox.push_back(cmd);
+        self.outbox.push(cmd);
     }
 
     /// Takes the oldest queued command.
     pub(crate) fn pop_outbox(&mut self) -> Option<SeqCommand> {
-        let cmd = self.outbox.pop_front()?;
-        self.outbox_bytes -= cmd.json.len();
-        charge(0, cmd.json.len());
-        Some(cmd)
+        self.outbox.remove(0)
     }
 
     /// Removes the queued command at `pos`.
     pub(crate) fn remove_outbox(&mut self, pos: usize) -> Option<SeqCommand> {
-        let cmd = self.outbox.remove(pos)?;
-        self.outbox_bytes -= cmd.json.len();
-        charge(0, cmd.json.len());
-        Some(cmd)
+        self.outbox.remove(pos)
     }
 
     /// Releases the held command at `pos` for writing (Redis kept it).
     pub(crate) fn release(&mut self, pos: usize) {
-        if let Some(cmd) = self.outbox.get_mut(pos) {
+        if let Some(cmd) = self.outbox.cmds.get_mut(pos) {
             cmd.held = false;
         }
     }
 
     /// Keeps `cmd` last among the unacked.
     pub(crate) fn push_unacked(&mut self, cmd: SeqCommand) {
-        self.unacked_bytes += cmd.json.len();
-        charge(cmd.json.len(), 0);
-        self.unacked.push_back(cmd);
+        self.unacked.push(cmd);
     }
 
     /// Takes the oldest unacked command.
     pub(crate) fn pop_unacked(&mut self) -> Option<SeqCommand> {
-        let cmd = self.unacked.pop_front()?;
-        self.unacked_bytes -= cmd.json.len();
-        charge(0, cmd.json.len());
-        Some(cmd)
+        self.unacked.remove(0)
     }
 
     /// Whether nothing is queued or unacked.
     pub(crate) fn is_empty(&self) -> bool {
-        self.outbox.is_empty() && self.unacked.is_empty()
+        self.outbox.cmds.is_empty() && self.unacked.cmds.is_empty()
     }
 
     /// Every command, unacked then queued (seq order), leaving the core's count.
     pub(crate) fn into_commands(mut self) -> Vec<SeqCommand> {
-        let (unacked, outbox) = (
-            std::mem::take(&mut self.unacked),
-            std::mem::take(&mut self.outbox),
-        );
-        charge(0, self.outbox_bytes + self.unacked_bytes);
-        (self.outbox_bytes, self.unacked_bytes) = (0, 0);
-        unacked.into_iter().chain(outbox).collect()
-    }
-}
-
-impl Drop for Queues {
-    fn drop(&mut self) {
-        charge(0, self.outbox_bytes + self.unacked_bytes);
+        let unacked = self.unacked.take();
+        unacked.into_iter().chain(self.outbox.take()).collect()
     }
 }
 
@@ -142,17 +150,9 @@ impl Drop for Queues {
 mod tests {
     use super::*;
     use crate::ids::Seq;
-    use std::time::Instant;
 
     fn cmd(seq: u64, len: usize) -> SeqCommand {
-        SeqCommand {
-            seq: Seq(seq),
-            id: format!("c{seq}").into(),
-            json: vec![b'x'; len].into(),
-            queued_at: Instant::now(),
-            written_at: None,
-            held: false,
-        }
+        SeqCommand::for_test(seq, len, false)
     }
 
     #[test]
