@@ -201,7 +201,7 @@ pub fn spawn(
                 if let Err(crossbeam_channel::TrySendError::Full(Work::Conn(mut stream))) =
                     tx.try_send(Work::Conn(stream))
                 {
-                    let _ = respond(&mut stream, 503, "text/plain", b"busy\n", true);
+                    let _ = respond(&mut stream, (503, "text/plain", b"busy\n"), true, false);
                 }
             }
         })
@@ -397,13 +397,19 @@ fn serve(admin: &Admin, mut stream: TcpStream) -> std::io::Result<()> {
         let req = match read_request(&mut stream, &mut buf, served > 0) {
             Ok(Some(req)) => req,
             Ok(None) if buf.is_empty() => return Ok(()),
-            Ok(None) => return respond(&mut stream, 400, "text/plain", b"bad request\n", true),
+            Ok(None) => {
+                return respond(
+                    &mut stream,
+                    (400, "text/plain", b"bad request\n"),
+                    true,
+                    false,
+                )
+            }
             Err(e) => return Err(e),
         };
         let (status, ctype, body) = route(admin, &req);
         let close = req.close || served + 1 >= MAX_PER_CONNECTION;
-        stream.write_all(&response(status, ctype, &body, close, req.head_only()))?;
-        stream.flush()?;
+        respond(&mut stream, (status, ctype, &body), close, req.head_only())?;
         if close {
             break;
         }
@@ -500,12 +506,11 @@ pub(crate) fn response(
 
 fn respond(
     stream: &mut TcpStream,
-    status: u16,
-    ctype: &str,
-    body: &[u8],
+    (status, ctype, body): (u16, &str, &[u8]),
     close: bool,
+    head_only: bool,
 ) -> std::io::Result<()> {
-    stream.write_all(&response(status, ctype, body, close, false))?;
+    stream.write_all(&response(status, ctype, body, close, head_only))?;
     stream.flush()
 }
 
@@ -543,9 +548,8 @@ fn route(admin: &Admin, req: &Request) -> Answer {
         ("GET", ["metrics"]) => {
             let (snaps, asked) = snapshots(admin, false);
             // Without a core's counters a scrape would read as a counter reset, then as a
-            // burst when the core answers again: no figures beat wrong ones. (A core that
-            // has drained and stopped is not asked.)
-            if let Some(answer) = cores_missing(snaps.len(), asked) {
+            // burst when the core answers again: no figures beat wrong ones.
+            if let Some(answer) = cores_missing(admin, snaps.len(), asked) {
                 return answer;
             }
             let stats = admin.bridge_stats.stats(admin.bridge.len());
@@ -555,7 +559,7 @@ fn route(admin: &Admin, req: &Request) -> Answer {
         ("GET", ["v1", "rigs"]) => {
             let (snaps, asked) = snapshots(admin, true);
             // A list without a core's rigs would say they are not here.
-            if let Some(answer) = cores_missing(snaps.len(), asked) {
+            if let Some(answer) = cores_missing(admin, snaps.len(), asked) {
                 return answer;
             }
             let mut rigs: Vec<_> = snaps.into_iter().flat_map(|s| s.rigs).collect();
@@ -581,15 +585,22 @@ fn readyz(admin: &Admin) -> Answer {
         return (503, "text/plain", format!("{why}\n").into_bytes());
     }
     // Every core must answer: a wedged core is not ready.
-    let (snaps, _) = snapshots(admin, false);
-    if let Some(answer) = cores_missing(snaps.len(), admin.cores.len()) {
+    let (snaps, asked) = snapshots(admin, false);
+    if let Some(answer) = cores_missing(admin, snaps.len(), asked) {
         return answer;
     }
     (200, "text/plain", b"ready\n".to_vec())
 }
 
-/// The 503 for an answer that needs all `cores` when some did not answer in time.
-fn cores_missing(answered: usize, cores: usize) -> Option<Answer> {
+/// The 503 for an answer that needs every core when some did not answer in time. A core whose
+/// inbox is full counts as not answering; while the broker drains, only the cores `asked`
+/// count, since a core that has drained has stopped.
+fn cores_missing(admin: &Admin, answered: usize, asked: usize) -> Option<Answer> {
+    let cores = if admin.draining.load(Ordering::SeqCst) {
+        asked
+    } else {
+        admin.cores.len()
+    };
     (answered < cores).then(|| {
         let why = format!("{answered}/{cores} cores answered\n");
         (503, "text/plain", why.into_bytes())
@@ -597,21 +608,18 @@ fn cores_missing(answered: usize, cores: usize) -> Option<Answer> {
 }
 
 /// Asks every core for a snapshot; cores that do not answer in time are left out. Also says
-/// how many cores were asked: those still running.
+/// how many cores were asked (not those whose inbox is full or gone).
 fn snapshots(admin: &Admin, rigs: bool) -> (Vec<CoreSnapshot>, usize) {
     let (tx, rx) = crossbeam_channel::bounded(admin.cores.len());
-    // Past a full inbox too, so that a swamped core counts as not answering rather than as
-    // gone: at most one request per pool thread waits in it.
     let asked = admin
         .cores
         .iter()
         .filter(|core| {
-            let asked = core.push_owed(ToCore::Snapshot {
+            core.send(ToCore::Snapshot {
                 rigs,
                 reply: tx.clone(),
-            });
-            core.ring();
-            asked.is_ok()
+            })
+            .is_ok()
         })
         .count();
     let deadline = Instant::now() + Duration::from_secs(2);
