@@ -92,7 +92,7 @@ struct Raw {
 pub const MAX_CONTROL: usize = crate::admin::MAX_REQUEST;
 
 /// Where to answer a message too large to take: read from it without building its args.
-#[derive(Deserialize)]
+#[derive(Deserialize, Default)]
 struct Envelope {
     #[serde(default)]
     id: Option<String>,
@@ -107,12 +107,7 @@ pub fn parse(payload: &[u8], broadcast: bool) -> Result<Control, Bad> {
     if payload.len() > MAX_CONTROL {
         // The admin API's bound: a command goes to the rig as one frame. Checked before the
         // message is parsed, which for one of the subscription's 64 MiB could take gigabytes.
-        let env: Option<Envelope> = serde_json::from_slice(payload).ok();
-        let env = env.unwrap_or(Envelope {
-            id: None,
-            rig_id: None,
-            reply_to: None,
-        });
+        let env: Envelope = serde_json::from_slice(payload).unwrap_or_default();
         let id = env.id.unwrap_or_else(crate::admin::new_id);
         return Err(Bad {
             why: "control message larger than 1 MiB".to_string(),
