@@ -37,10 +37,14 @@ impl Args {
         }
     }
 
-    /// The args of a control message or request, which must be an object.
+    /// The args of a control message or request, which must be an object that parses.
     pub fn object(raw: Box<RawValue>) -> Option<Args> {
-        // The parser hands over the value's own text, which starts at its first byte.
-        raw.get().starts_with('{').then(|| Args(Arc::from(raw)))
+        // The parser hands over the value's own text, which starts at its first byte. It only
+        // skims that text, though: lone surrogates, numbers out of range and nesting past
+        // serde_json's limit pass, and a rig parsing them would fail on the frame. So they
+        // are parsed once here, the tree dropped at once (as short-lived as the old parse).
+        let whole = serde_json::from_str::<Value>(raw.get()).is_ok();
+        (whole && raw.get().starts_with('{')).then(|| Args(Arc::from(raw)))
     }
 
     /// The JSON text.
@@ -99,6 +103,11 @@ mod tests {
         assert_eq!(a.as_deref(), Some(r#"{"b": [1, 2],"a":"x"}"#));
         assert!(Args::object(raw("[1]")).is_none());
         assert!(Args::object(raw("\"{\"")).is_none());
+        // What the skimming parser lets through and a rig's parser would not.
+        let deep = format!("{{\"a\":{}1{}}}", "[".repeat(200), "]".repeat(200));
+        for bad in [r#"{"a":"\ud800"}"#, r#"{"a":1e400}"#, deep.as_str()] {
+            assert!(Args::object(raw(bad)).is_none(), "{bad}");
+        }
         assert_eq!(Args::empty().get(), "{}");
         // Inside a message, written as they came; read back, the same text.
         #[derive(Serialize, Deserialize)]

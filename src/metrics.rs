@@ -174,20 +174,23 @@ impl CoreMetrics {
         self.ack_sum_ms.set(self.ack_sum_ms.get() + ms);
     }
 
-    /// A welcomed rig joined (`+1`) or left (`-1`) group `g`. Past [`MAX_GROUPS`] values on
-    /// this core, a new value is counted as [`OTHER_GROUP`]: label values come from the rigs,
-    /// and one series per rig is what grouping exists to avoid. A rig that leaves under a value
-    /// this core no longer lists is taken from the overflow, where it was counted.
-    pub fn group(&self, g: &str, joined: bool) {
+    /// A welcomed rig joined group `g`. Past [`MAX_GROUPS`] values on this core, a new value
+    /// is counted as [`OTHER_GROUP`]: label values come from the rigs, and one series per rig
+    /// is what grouping exists to avoid. True when it was: the rig leaves from there.
+    pub fn join_group(&self, g: &str) -> bool {
         let mut groups = self.groups.borrow_mut();
-        let g = if groups.contains_key(g) || (joined && groups.len() < MAX_GROUPS) {
-            g
-        } else {
-            OTHER_GROUP
-        };
-        if joined {
-            *groups.entry(g.into()).or_default() += 1;
-        } else if let Some(n) = groups.get_mut(g) {
+        let listed = groups.len() - usize::from(groups.contains_key(OTHER_GROUP));
+        let other = !groups.contains_key(g) && listed >= MAX_GROUPS;
+        let g = if other { OTHER_GROUP } else { g };
+        *groups.entry(g.into()).or_default() += 1;
+        other
+    }
+
+    /// A welcomed rig left group `g`, or the overflow when it was counted there.
+    pub fn leave_group(&self, g: &str, other: bool) {
+        let g = if other { OTHER_GROUP } else { g };
+        let mut groups = self.groups.borrow_mut();
+        if let Some(n) = groups.get_mut(g) {
             *n = n.saturating_sub(1);
             if *n == 0 {
                 groups.remove(g);
@@ -420,9 +423,9 @@ mod tests {
         m.close(4002);
         m.close(4999);
         m.ack_latency(3);
-        m.group("lab-a", true);
-        m.group("lab-a", true);
-        m.group("lab-a", false);
+        m.join_group("lab-a");
+        m.join_group("lab-a");
+        m.leave_group("lab-a", false);
         let text = render(&[m.snapshot(0, "io_uring")], &BridgeStats::default(), false);
         assert!(text.contains("fleetlink_accepts_total{result=\"ok\"} 1"));
         assert!(text.contains("fleetlink_closes_total{code=\"4002\"} 1"));
@@ -436,26 +439,22 @@ mod tests {
     fn group_values_beyond_the_cap_share_one_series_and_leave_it_again() {
         let m = CoreMetrics::default();
         for i in 0..MAX_GROUPS {
-            m.group(&format!("g{i}"), true);
+            assert!(!m.join_group(&format!("g{i}")));
         }
-        m.group("late-1", true);
-        m.group("late-2", true);
-        m.group("g0", true);
+        let late_1 = m.join_group("late");
+        assert!(late_1 && m.join_group("late-2"));
+        assert!(!m.join_group("g0"), "a listed value keeps its series");
         let count = |g: &str| m.groups.borrow().get(g).copied();
         assert_eq!(m.groups.borrow().len(), MAX_GROUPS + 1);
-        assert_eq!(count(OTHER_GROUP), Some(2));
-        assert_eq!(count("g0"), Some(2));
-        // Leaving: from the overflow, until it is empty; a listed value from its own.
-        m.group("late-1", false);
-        m.group("late-2", false);
-        assert_eq!(count(OTHER_GROUP), None);
-        m.group("g0", false);
-        assert_eq!(count("g0"), Some(1));
-        // Room again: a new value gets its own series.
-        m.group("g1", false);
-        m.group("late-3", true);
-        assert_eq!(count("late-3"), Some(1));
+        assert_eq!((count(OTHER_GROUP), count("g0")), (Some(2), Some(2)));
+        // Room again: the same value gets its own series for the next rig...
+        m.leave_group("g1", false);
+        m.leave_group("late-2", true);
+        assert!(!m.join_group("late"));
+        // ...and the first rig still leaves from the overflow, where it was counted.
+        m.leave_group("late", late_1);
+        assert_eq!((count(OTHER_GROUP), count("late")), (None, Some(1)));
         let total: u64 = m.groups.borrow().values().sum();
-        assert_eq!(total, MAX_GROUPS as u64);
+        assert_eq!(total, MAX_GROUPS as u64 + 1);
     }
 }

@@ -133,6 +133,7 @@ mod tests {
             connected_ms: 0,
             resume_from: Seq(0),
             welcomed: true,
+            group_overflow: false,
             queues: Some(Box::new({
                 let mut q = Queues::default();
                 q.push_unacked(cmd(1, false));

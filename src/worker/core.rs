@@ -367,6 +367,8 @@ pub(crate) struct Session {
     pub(crate) v: u32,
     /// The registry accepted the hello and `welcome` went out.
     pub(crate) welcomed: bool,
+    /// Counted in the metrics' overflow group rather than its own label value.
+    pub(crate) group_overflow: bool,
     pub(crate) labels: Box<[(String, String)]>,
     pub(crate) next_seq: Seq,
     pub(crate) last_ack: Seq,

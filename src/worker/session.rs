@@ -279,6 +279,7 @@ fn on_hello(core: &Core, conn: &Conn, st: &mut ConnState, hello: Hello) {
         connected_ms: unix_ms(),
         resume_from: last_seq.unwrap_or(Seq(0)),
         welcomed: false,
+        group_overflow: false,
         queues: None,
     }));
     if core.to_bridge(msg) {
@@ -464,7 +465,7 @@ pub(crate) fn on_verdict(core: &Core, conn: &Conn, st: &mut ConnState, verdict: 
         }
     }
     if let Some(g) = session.group(&core.cfg.group_label) {
-        core.metrics.group(g, true);
+        session.group_overflow = core.metrics.join_group(g);
     }
     if core.fleet {
         let ev = events::connected(&core.cfg.broker_id, &session.rig, &session.boot, resumed);
@@ -701,7 +702,7 @@ pub(crate) fn on_closed(core: &Core, conn: &Conn, st: &mut ConnState) {
         return;
     }
     if let Some(g) = s.group(&core.cfg.group_label) {
-        core.metrics.group(g, false);
+        core.metrics.leave_group(g, s.group_overflow);
     }
     if core.fleet {
         let code = st.close_code.unwrap_or(1006);
