@@ -334,21 +334,27 @@ pub fn parse_request(buf: &[u8]) -> Parsed {
     else {
         return Parsed::Bad;
     };
+    let path = req.path.unwrap_or("").split('?').next().unwrap_or("");
+    let request = |body: &[u8], close: bool| Request {
+        method: req.method.unwrap_or("").to_string(),
+        path: path.to_string(),
+        body: body.to_vec(),
+        close,
+    };
     let Some(body) = buf.get(head_len..len) else {
         let send_continue = req.version == Some(1)
             && header("expect").is_some_and(|v| v.eq_ignore_ascii_case("100-continue"));
+        if send_continue {
+            // Told to go on, the client would send its body only to hear 404 or 405: it hears
+            // that now, and the connection closes, since the body may come all the same.
+            let early = request(&[], true);
+            if command_rig(&early).is_none() && immediate(&early).is_some() {
+                return Parsed::Complete(early, head_len);
+            }
+        }
         return Parsed::Partial { send_continue };
     };
-    let path = req.path.unwrap_or("").split('?').next().unwrap_or("");
-    Parsed::Complete(
-        Request {
-            method: req.method.unwrap_or("").to_string(),
-            path: path.to_string(),
-            body: body.to_vec(),
-            close,
-        },
-        len,
-    )
+    Parsed::Complete(request(body, close), len)
 }
 
 /// How long a connection may wait for the rest of its current request, the same rule on the
@@ -912,6 +918,12 @@ mod tests {
         whole.extend_from_slice(b"{\"name\":\"a\"}");
         assert_eq!(partial(&whole[..whole.len() - 1]), Some(true));
         assert!(matches!(parse_request(&whole), Parsed::Complete(..)));
+        // A request its body cannot save is answered on its head, and closes the connection.
+        let nowhere =
+            b"POST /v1/nowhere HTTP/1.1\r\nExpect: 100-continue\r\nContent-Length: 9\r\n\r\n";
+        let (req, len) = complete(nowhere);
+        assert_eq!((len, req.close), (nowhere.len(), true));
+        assert_eq!(immediate(&req).map(|a| a.0), Some(404));
     }
 
     #[test]

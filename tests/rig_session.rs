@@ -730,6 +730,17 @@ fn a_client_expecting_100_continue_is_not_kept_waiting() {
     let reply: Value = serde_json::from_str(&reply).unwrap();
     assert_eq!(reply["seq"], 1, "{reply}");
     assert_eq!(read_json(&mut ws)["seq"], 1);
+    // A path no body can save is answered on the head alone: no 100 Continue, no body sent.
+    let out = std::process::Command::new("curl")
+        .args(["-sSv", "--max-time", "10", "--expect100-timeout", "30"])
+        .args(["-o", "/dev/null", "-w", "%{http_code}"])
+        .args(["-H", "Expect: 100-continue", "--data-binary", &body])
+        .arg(format!("http://{}/v1/nowhere", b.admin))
+        .output()
+        .expect("curl runs");
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "404");
+    let trace = String::from_utf8_lossy(&out.stderr);
+    assert!(!trace.contains("100 Continue"), "{trace}");
 }
 
 /// Large commands fill a rig's outbox by bytes long before `--outbox` counts 128: a rig that
