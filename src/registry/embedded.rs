@@ -453,9 +453,8 @@ impl Embedded {
             let Some(p) = self.parked.get_mut(rig).filter(|p| p.at == *at) else {
                 continue;
             };
+            self.parked_bytes = self.parked_bytes.saturating_sub(p.bytes());
             let dropped = std::mem::take(&mut p.carried);
-            let bytes: usize = dropped.iter().map(|c| c.json.len()).sum();
-            self.parked_bytes = self.parked_bytes.saturating_sub(bytes);
             self.parked_dropped += dropped.len() as u64;
             if !dropped.is_empty() {
                 log::warn!(
