@@ -12,7 +12,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::parser::ValueSource;
-use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand};
+use clap::{ArgAction, Args, CommandFactory, FromArgMatches, Parser, Subcommand};
 
 /// `fleetlink-fe`: the thread-per-core websocket broker for rig fleets.
 #[derive(Parser, Debug)]
@@ -34,6 +34,10 @@ pub enum Tool {
         /// Connections the host should hold.
         #[arg(long, default_value_t = 1_000_000)]
         connections: u64,
+        /// Rigs connect over wss: size memory with the TLS figure (~9,000 B of broker memory
+        /// per idle connection instead of ~1,130 B). Implied by --tls-cert/FLEETLINK_TLS_CERT.
+        #[arg(long)]
+        tls: bool,
     },
     /// Write a development CA, a broker certificate and N rig client certificates.
     DevCerts {
@@ -52,7 +56,8 @@ pub enum Tool {
 /// Every broker option (CONTRACT.md §1). Durations accept `250ms`, `20s`, `5m`, `1h`.
 #[derive(Args, Debug, Clone)]
 pub struct BrokerArgs {
-    /// TOML file with the same keys as these flags (e.g. `ping-interval = "20s"`).
+    /// TOML file with the same keys as these flags (e.g. `ping-interval = "20s"`,
+    /// `strict = true`).
     #[arg(long, env = "FLEETLINK_CONFIG")]
     pub config: Option<PathBuf>,
     /// Rig websocket endpoint. Default 0.0.0.0:8080, or 0.0.0.0:8443 with TLS.
@@ -66,7 +71,7 @@ pub struct BrokerArgs {
     pub broker_id: Option<String>,
     /// Event-loop threads, one per core, each pinned. Default: all online cores. In fleet mode
     /// (--redis) the bridge thread is busy too: leaving it a CPU (cores = CPUs - 1) cut a
-    /// fan-out's context switches 5-10x on a 2-CPU host (docs/tuning.md).
+    /// fan-out's context switches 11x (median; 4.8-12.7x by round) on a 2-CPU host (docs/tuning.md).
     #[arg(long, env = "FLEETLINK_CORES")]
     pub cores: Option<NonZeroUsize>,
     /// Redis URL (redis://host:port/db). Without it the broker runs standalone.
@@ -110,7 +115,9 @@ pub struct BrokerArgs {
     /// Accept bucket size for the whole broker (split evenly across cores).
     #[arg(long, env = "FLEETLINK_ACCEPT_BURST", default_value_t = 100)]
     pub accept_burst: u32,
-    /// Connection cap for the whole broker (split across cores); beyond it, 503. Default: none.
+    /// Connection cap for the whole broker; beyond it, 503. Each core holds an equal share and
+    /// refuses past it, so with an uneven spread the broker may refuse a little before the
+    /// total (the rig's retry usually lands on another core). 0 or at least --cores. Default: none.
     #[arg(long, env = "FLEETLINK_MAX_CONNECTIONS")]
     pub max_connections: Option<u64>,
     /// Per-rig bound on commands queued but not yet written; beyond it, rig_unresponsive.
@@ -266,15 +273,25 @@ impl Cli {
         let table: toml::Table = text
             .parse()
             .map_err(|e| anyhow::anyhow!("parsing config {}: {e}", path.display()))?;
-        let mut merged = argv;
+        // File values go right after the program name, ahead of the command line: after a
+        // subcommand they would be taken for its arguments. Their place never decides a value:
+        // keys also given on the command line or in the environment are skipped below.
+        let cmd = Cli::command();
+        let mut from_file: Vec<OsString> = Vec::new();
         for (key, value) in table {
             let id = key.replace('-', "_");
-            if Cli::command()
-                .get_arguments()
-                .all(|a| a.get_id() != id.as_str())
-            {
+            let Some(arg) = cmd.get_arguments().find(|a| {
+                a.get_id() == id.as_str()
+                    && !matches!(
+                        a.get_action(),
+                        ArgAction::Help
+                            | ArgAction::HelpShort
+                            | ArgAction::HelpLong
+                            | ArgAction::Version
+                    )
+            }) else {
                 anyhow::bail!("config {}: unknown key {key:?}", path.display());
-            }
+            };
             let explicit = matches!(
                 matches.value_source(&id),
                 Some(ValueSource::CommandLine | ValueSource::EnvVariable)
@@ -282,12 +299,32 @@ impl Cli {
             if id == "config" || explicit {
                 continue;
             }
+            let flag = format!("--{}", arg.get_long().unwrap_or(id.as_str()));
+            if !arg.get_action().takes_values() {
+                // A switch (`--strict`) takes no value: present when true, absent when false.
+                match value {
+                    toml::Value::Boolean(true) => from_file.push(flag.into()),
+                    toml::Value::Boolean(false) => {}
+                    other => anyhow::bail!(
+                        "config {}: {key} must be true or false, not {other}",
+                        path.display()
+                    ),
+                }
+                continue;
+            }
+            // `--key=value`, so a value that starts with '-' is not taken for a flag.
             for v in toml_values(&value) {
-                merged.push(format!("--{}", key.replace('_', "-")).into());
-                merged.push(v.into());
+                from_file.push(format!("{flag}={v}").into());
             }
         }
-        Ok(Cli::try_parse_from(merged)?)
+        let mut merged = argv.into_iter();
+        let argv: Vec<OsString> = merged
+            .next()
+            .into_iter()
+            .chain(from_file)
+            .chain(merged)
+            .collect();
+        Ok(Cli::try_parse_from(argv)?)
     }
 }
 
@@ -295,7 +332,6 @@ fn toml_values(v: &toml::Value) -> Vec<String> {
     match v {
         toml::Value::String(s) => vec![s.clone()],
         toml::Value::Array(a) => a.iter().flat_map(toml_values).collect(),
-        toml::Value::Boolean(b) => vec![b.to_string()],
         other => vec![other.to_string()],
     }
 }
@@ -335,6 +371,14 @@ impl BrokerArgs {
             "--rig-rate and --rig-burst must be > 0"
         );
         anyhow::ensure!(self.outbox > 0, "--outbox must be > 0");
+        if let Some(max) = self.max_connections {
+            anyhow::ensure!(
+                max == 0 || max >= cores as u64,
+                "--max-connections ({max}) must be 0 (refuse every rig) or at least --cores \
+                 ({cores}): each core holds an equal share, and a core with none would refuse \
+                 every rig that lands on it while the others take theirs"
+            );
+        }
         anyhow::ensure!(
             (125..=MAX_MESSAGE_CAP).contains(&self.max_message),
             "--max-message must be 125 bytes to 16 MiB (a larger result belongs in a file transfer)"
@@ -350,6 +394,19 @@ impl BrokerArgs {
                 d >= Duration::from_millis(10),
                 "{name} must be at least 10ms"
             );
+        }
+        // Beyond this a deadline computed from the flag could overflow the clock.
+        const LONGEST: Duration = Duration::from_secs(365 * 24 * 3600);
+        for (name, d) in [
+            ("--ping-interval", self.ping_interval),
+            ("--pong-timeout", self.pong_timeout),
+            ("--hello-timeout", self.hello_timeout),
+            ("--registry-ttl", self.registry_ttl),
+            ("--registry-refresh", self.registry_refresh),
+            ("--session-ttl", self.session_ttl),
+            ("--drain", self.drain),
+        ] {
+            anyhow::ensure!(d <= LONGEST, "{name} must be at most 365 days");
         }
         anyhow::ensure!(
             self.registry_ttl > self.registry_refresh,
@@ -416,10 +473,9 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
         "h" => n * 3600.0,
         _ => return Err(format!("bad duration unit in {s:?} (ms, s, m, h)")),
     };
-    if !secs.is_finite() || secs < 0.0 {
-        return Err(format!("bad duration {s:?}"));
-    }
-    Ok(Duration::from_secs_f64(secs))
+    // Only digits and dots got here, so `secs` is never negative, but it can be beyond what a
+    // Duration holds, or infinite (hundreds of digits): an error, not `from_secs_f64`'s panic.
+    Duration::try_from_secs_f64(secs).map_err(|_| format!("duration {s:?} is too long"))
 }
 
 /// The defaults on one core, for unit tests that build a core or a bridge.
@@ -456,6 +512,43 @@ mod tests {
     }
 
     #[test]
+    fn a_connection_cap_smaller_than_the_cores_is_refused() {
+        let e = load(&["--cores", "4", "--max-connections", "2"]).unwrap_err();
+        assert!(e.to_string().contains("at least --cores"), "{e}");
+        for ok in ["0", "4", "1000"] {
+            let cfg = load(&["--cores", "4", "--max-connections", ok]).unwrap();
+            assert_eq!(cfg.max_connections, ok.parse().ok());
+        }
+    }
+
+    #[test]
+    fn huge_durations_are_errors_not_panics() {
+        for huge in [
+            "99999999999999999999",
+            "99999999999999999999s",
+            "99999999999999999999999ms",
+            "9999999999999999999m",
+            "99999999999999999999h",
+            "1".repeat(400).as_str(),
+        ] {
+            let e = parse_duration(huge).unwrap_err();
+            assert!(e.contains("too long"), "{huge}: {e}");
+        }
+        // The largest values that fit still parse.
+        assert!(parse_duration("18446744073709549568").is_ok());
+        assert_eq!(
+            parse_duration("99999999999999999999ms"),
+            Ok(Duration::from_secs(100_000_000_000_000_000))
+        );
+        let e = load(&["--drain", "18446744073709549568"]).unwrap_err();
+        assert!(e.to_string().contains("at most 365 days"), "{e}");
+        let e = load(&["--drain", "99999999999999999999"]).unwrap_err();
+        let e = e.downcast::<clap::Error>().expect("a clap error");
+        assert_eq!(e.kind(), clap::error::ErrorKind::ValueValidation);
+        assert!(e.to_string().contains("too long"), "{e}");
+    }
+
+    #[test]
     fn defaults_match_contract() {
         let c = load(&[]).unwrap();
         assert_eq!(c.listen.port(), 8080);
@@ -488,6 +581,80 @@ mod tests {
         assert_eq!(c.broker_id, "fe-x");
         std::fs::write(&path, "no-such-key = 1\n").unwrap();
         assert!(load(&["--config", path.to_str().unwrap()]).is_err());
+    }
+
+    /// A config file of its own for one test (tests run in parallel in one process).
+    fn config_file(name: &str, text: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("fl-cfg-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join(name);
+        std::fs::write(&path, text).unwrap();
+        path
+    }
+
+    #[test]
+    fn config_file_sets_switches() {
+        let on = config_file(
+            "switches-on.toml",
+            "strict = true\necho-endpoint = true\nforce_epoll = true\n",
+        );
+        let on = on.to_str().unwrap();
+        let c = load(&["--config", on]).unwrap();
+        assert!(c.strict && c.echo_endpoint && c.force_epoll);
+        // A switch on the command line and the same switch in the file: still on.
+        let c = load(&["--config", on, "--strict"]).unwrap();
+        assert!(c.strict && c.echo_endpoint);
+
+        let off = config_file(
+            "switches-off.toml",
+            "strict = false\necho_endpoint = false\nforce-epoll = false\noutbox = 5\n",
+        );
+        let off = off.to_str().unwrap();
+        let c = load(&["--config", off]).unwrap();
+        assert!(!c.strict && !c.echo_endpoint && !c.force_epoll);
+        assert_eq!(c.outbox, 5);
+        // The command line beats the file: `--strict` wins over `strict = false`.
+        let c = load(&["--config", off, "--strict"]).unwrap();
+        assert!(c.strict && !c.echo_endpoint);
+
+        let bad = config_file("switches-bad.toml", "strict = \"yes\"\n");
+        let e = load(&["--config", bad.to_str().unwrap()]).unwrap_err();
+        assert!(e.to_string().contains("true or false"), "{e}");
+    }
+
+    #[test]
+    fn config_file_values_go_before_a_subcommand_and_may_start_with_a_dash() {
+        let path = config_file(
+            "dash.toml",
+            "strict = true\nbacklog = -1\ngroup-label = \"-g\"\ncrl = [\"a.pem\", \"b.pem\"]\n",
+        );
+        let path = path.to_str().unwrap();
+        let c = load(&["--config", path]).unwrap();
+        assert_eq!((c.backlog, c.group_label.as_str()), (-1, "-g"));
+        let cli = Cli::load(
+            [
+                "fleetlink-fe",
+                "--config",
+                path,
+                "doctor",
+                "--connections",
+                "5",
+            ]
+            .map(OsString::from)
+            .to_vec(),
+        )
+        .unwrap();
+        assert!(cli.broker.strict);
+        assert!(matches!(
+            cli.tool,
+            Some(Tool::Doctor {
+                connections: 5,
+                tls: false
+            })
+        ));
+        let c = load(&["--config", path, "--tls-cert", "c", "--tls-key", "k"]).unwrap();
+        let crl = c.tls.unwrap().crl;
+        assert_eq!(crl, [PathBuf::from("a.pem"), PathBuf::from("b.pem")]);
     }
 
     #[test]

@@ -8,12 +8,15 @@
 //!
 //! A finding is *blocking* only when the broker cannot hold N connections (it would fail
 //! accept with EMFILE/ENFILE, or run out of memory, or the firewall would drop rigs). Anything
-//! that degrades behaviour under load (storms, broadcasts, drain) is a warning. Each rule's
-//! model is written next to it and, at length, in `docs/tuning.md`.
+//! that degrades behaviour under load (storms, broadcasts, drain) or moves cores from io_uring
+//! to the epoll driver is a warning. Each rule's model is written next to it and, at length,
+//! in `docs/tuning.md`.
 //!
 //! Limits (`RLIMIT_*`) are those of the process running `doctor`. A systemd unit sets its own
-//! (`LimitNOFILE=`), so run `doctor` the way the broker runs, e.g.
-//! `systemd-run --pty -p LimitNOFILE=1100000 fleetlink-fe doctor --connections N`.
+//! (`LimitNOFILE=`, `LimitMEMLOCK=`), so run `doctor` the way the broker runs, e.g.
+//! `systemd-run --pty -p LimitNOFILE=1100000 fleetlink-fe doctor --connections N`. The broker
+//! never raises its own limits: the soft `RLIMIT_NOFILE` it starts with is the one `accept`
+//! is held to.
 
 use std::io::Write;
 
@@ -32,9 +35,15 @@ const LISTEN_BACKLOG: u64 = 4096;
 const KERNEL_BYTES_PER_CONN: u64 = 3_900;
 
 /// Broker memory per idle plain-ws connection, bytes: the RSS slope `bench/run density`
-/// measures (1,128 B, docs/benchmarks.md). A floor, not a promise: a TLS session adds about
-/// 7.8 KB (docs/benchmarks.md, TLS), labels and queued commands add more.
+/// measures (1,128 B, docs/benchmarks.md). A floor, not a promise: labels and queued commands
+/// add more.
 const BROKER_BYTES_PER_CONN: u64 = 1_130;
+
+/// Broker memory per idle wss connection, bytes: the RSS slope `bench/tls.sh` measured
+/// (9,018 B, `density.wss` in bench/results/tls-fleetlink-fe.json: TLS 1.3, no client
+/// certificates). The rustls session state is most of it. Also a floor: with `--client-ca`
+/// each session keeps the rig's certificate chain as well, which was not measured.
+const BROKER_BYTES_PER_TLS_CONN: u64 = 9_018;
 
 /// TCP memory (`tcp_mem`, pages) a connection holds while busy. An idle socket has empty queues
 /// and holds ~0 pages. During a command to every rig at once each socket holds one skb in its
@@ -42,8 +51,37 @@ const BROKER_BYTES_PER_CONN: u64 = 1_130;
 /// broker reads it. The kernel charges socket memory in whole pages, so 2 pages per connection.
 const PAGES_PER_BUSY_CONN: u64 = 2;
 
-/// io_uring submission queue entries per core: `URING_ENTRIES` in `worker/mod.rs`.
+/// io_uring submission queue entries per core: `URING_ENTRIES` in `worker/mod.rs`. The
+/// startup probe builds one ring of the same size.
 const RING_ENTRIES: u64 = 4096;
+
+/// How the rigs connect, which decides the broker's memory per idle connection.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Transport {
+    /// Plain `ws://`: the broker runs without `--tls-cert`.
+    #[default]
+    Plain,
+    /// `wss://`: the broker runs with `--tls-cert`/`--tls-key`, as tuning/fleetlink-fe.service
+    /// does.
+    Tls,
+}
+
+impl Transport {
+    /// Broker memory per idle connection, bytes.
+    fn broker_bytes(self) -> u64 {
+        match self {
+            Transport::Plain => BROKER_BYTES_PER_CONN,
+            Transport::Tls => BROKER_BYTES_PER_TLS_CONN,
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Transport::Plain => "plain ws",
+            Transport::Tls => "TLS",
+        }
+    }
+}
 
 /// What `doctor` knows about the host. Every field is `None` when it could not be read (a
 /// missing `/proc` file, a kernel without the knob), except the `RLIMIT_*` fields, where `None`
@@ -212,14 +250,20 @@ impl Finding {
     }
 }
 
-/// Checks `host` against `connections` rigs served by `cores` worker threads. Returns one
-/// finding per setting, in report order; pure, so tests feed it synthetic hosts.
-pub fn check(host: &HostSettings, connections: u64, cores: usize) -> Vec<Finding> {
+/// Checks `host` against `connections` rigs over `transport`, served by `cores` worker
+/// threads. Returns one finding per setting, in report order; pure, so tests feed it
+/// synthetic hosts.
+pub fn check(
+    host: &HostSettings,
+    connections: u64,
+    cores: usize,
+    transport: Transport,
+) -> Vec<Finding> {
     let n = connections;
     let cores = cores.max(1) as u64;
     let mut out = check_fds(host, n);
     out.extend(check_accept(host, cores));
-    out.push(check_memory(host, n));
+    out.push(check_memory(host, n, transport));
     out.push(check_tcp_mem(host, n));
     out.push(check_buffer_min(
         host,
@@ -248,22 +292,29 @@ pub fn check(host: &HostSettings, connections: u64, cores: usize) -> Vec<Finding
     out
 }
 
-/// Entry point of `fleetlink-fe doctor --connections N`: checks for the cores the broker uses by
-/// default (`available_parallelism`, which honours the CPU affinity a unit sets) and prints the
-/// report to stdout. Exit code as [`run`].
-pub fn main(connections: u64) -> std::process::ExitCode {
-    let cores = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
-    let code = run(connections, cores, &mut std::io::stdout().lock());
+/// Entry point of `fleetlink-fe doctor --connections N [--tls]`: checks for `cores` (the
+/// broker's `--cores`), else for the cores the broker uses by default (`available_parallelism`,
+/// which honours the CPU affinity a unit sets), and prints the report to stdout. Exit code as
+/// [`run`].
+pub fn main_with(
+    connections: u64,
+    cores: Option<std::num::NonZeroUsize>,
+    transport: Transport,
+) -> std::process::ExitCode {
+    let cores = cores
+        .or_else(|| std::thread::available_parallelism().ok())
+        .map_or(1, std::num::NonZeroUsize::get);
+    let code = run(connections, cores, transport, &mut std::io::stdout().lock());
     std::process::ExitCode::from(u8::try_from(code).unwrap_or(1))
 }
 
 /// Prints a report of every setting to `out` and returns the exit code: 1 when a finding blocks
 /// (or the report could not be written), else 0.
-pub fn run(connections: u64, cores: usize, out: &mut dyn Write) -> i32 {
+pub fn run(connections: u64, cores: usize, transport: Transport, out: &mut dyn Write) -> i32 {
     let host = HostSettings::read();
-    let findings = check(&host, connections, cores);
+    let findings = check(&host, connections, cores, transport);
     let blocking = findings.iter().filter(|f| f.blocking).count();
-    match report(&host, &findings, connections, cores, out) {
+    match report(&host, &findings, connections, cores, transport, out) {
         Ok(()) if blocking == 0 => 0,
         _ => 1,
     }
@@ -274,11 +325,13 @@ fn report(
     findings: &[Finding],
     n: u64,
     cores: usize,
+    transport: Transport,
     out: &mut dyn Write,
 ) -> std::io::Result<()> {
     writeln!(
         out,
-        "fleetlink doctor: can this host hold {n} rig connections on {cores} cores?"
+        "fleetlink doctor: can this host hold {n} rig connections ({}) on {cores} cores?",
+        transport.name()
     )?;
     writeln!(
         out,
@@ -341,38 +394,62 @@ fn at_least(
 }
 
 /// One fd per rig socket plus FD_SLACK. `accept` fails with EMFILE past the soft limit and
-/// ENFILE past `fs.file-max`; the soft limit cannot exceed the hard one, nor hard `fs.nr_open`.
+/// ENFILE past `fs.file-max`. The broker never raises its own soft limit, so the soft limit is
+/// the one that blocks. The hard limit only says whether the soft one can be raised in place
+/// (`ulimit -Sn`); a new, higher limit (`LimitNOFILE=`, `ulimit -n` as root) needs `fs.nr_open`
+/// at least as high. So `fs.nr_open` blocks only when the soft limit is short of N + slack and
+/// neither the hard limit nor `fs.nr_open` lets it reach that; below the recommended
+/// `LimitNOFILE` (N + 10 %) it warns.
 fn check_fds(host: &HostSettings, n: u64) -> Vec<Finding> {
+    const SOFT: &str = "RLIMIT_NOFILE (soft)";
+    const HARD: &str = "RLIMIT_NOFILE (hard)";
+    const NR_OPEN: &str = "fs.nr_open";
     let fds = n.saturating_add(FD_SLACK);
     let nofile = recommended_nofile(n);
     let needed =
         format!("≥ {fds} (N + {FD_SLACK}: listeners, rings, eventfds, redis, admin, logs)");
     let unit_fix = format!("LimitNOFILE={nofile} in the systemd unit (tuning/fleetlink-fe.service), or `ulimit -n {nofile}` in the starting shell (needs fs.nr_open ≥ {nofile})");
+    let soft_holds = host.nofile_soft.is_none_or(|v| v >= fds);
+    let hard_holds = host.nofile_hard.is_none_or(|v| v >= fds);
     let soft = match host.nofile_soft {
         Some(v) if v < fds => {
-            let fix = if host.nofile_hard.is_none_or(|h| h >= fds) {
+            let fix = if hard_holds {
                 format!("`ulimit -Sn {fds}` (within the hard limit), or {unit_fix}")
             } else {
                 unit_fix.clone()
             };
-            Finding::block("RLIMIT_NOFILE (soft)", v.to_string(), needed.clone(), fix)
+            Finding::block(SOFT, v.to_string(), needed.clone(), fix)
         }
-        v => Finding::ok("RLIMIT_NOFILE (soft)", limit_text(v), needed.clone()),
+        v => Finding::ok(SOFT, limit_text(v), needed.clone()),
     };
     let hard = match host.nofile_hard {
-        Some(v) if v < fds => {
-            Finding::block("RLIMIT_NOFILE (hard)", v.to_string(), needed, unit_fix)
-        }
-        v => Finding::ok("RLIMIT_NOFILE (hard)", limit_text(v), needed),
+        Some(v) if v < fds => Finding::warn(
+            HARD,
+            v.to_string(),
+            format!("{needed} to raise the soft limit in place; below it only a new limit helps (the soft limit is what blocks)"),
+            unit_fix,
+        ),
+        v => Finding::ok(HARD, limit_text(v), needed),
     };
-    let nr_open = at_least(
-        "fs.nr_open",
-        host.nr_open,
-        nofile,
-        format!("≥ {nofile}, the LimitNOFILE to set (setrlimit above nr_open fails with EPERM)"),
-        sysctl_fix("fs.nr_open", nofile.max(host.nr_open.unwrap_or(0))),
-        true,
-    );
+    let nr_needed = format!("≥ {nofile}, the LimitNOFILE to set (setrlimit above nr_open fails with EPERM); blocks only if the soft limit is below {fds} and neither the hard limit nor nr_open can raise it to {fds}");
+    let nr_fix = sysctl_fix(NR_OPEN, nofile);
+    let nr_open = match host.nr_open {
+        None => Finding::unreadable(NR_OPEN, nr_needed),
+        Some(v) if v >= nofile => Finding::ok(NR_OPEN, v.to_string(), nr_needed),
+        Some(v) if v < fds && !soft_holds && !hard_holds => {
+            Finding::block(NR_OPEN, v.to_string(), nr_needed, nr_fix)
+        }
+        Some(v) => {
+            // Holds N now, or can through the hard limit: a warning. Between N + slack and
+            // N + 10 % a smaller LimitNOFILE also works.
+            let fix = if v >= fds {
+                format!("{nr_fix}; or set LimitNOFILE between {fds} and {v}, which holds N with less headroom")
+            } else {
+                nr_fix
+            };
+            Finding::warn(NR_OPEN, v.to_string(), nr_needed, fix)
+        }
+    };
     let in_use = host.files_allocated.unwrap_or(0);
     let system = fds.saturating_add(in_use);
     let file_max = at_least(
@@ -493,16 +570,19 @@ fn check_syn_backlog(host: &HostSettings) -> Finding {
     }
 }
 
-/// Kernel slab (KERNEL_BYTES_PER_CONN) + broker heap (BROKER_BYTES_PER_CONN) per idle
+/// Kernel slab (KERNEL_BYTES_PER_CONN) + broker heap (per [`Transport`]) per idle
 /// connection. More than MemTotal cannot work; more than half leaves too little for socket
-/// buffers under load (tcp_mem), TLS state and the page cache: warn.
-fn check_memory(host: &HostSettings, n: u64) -> Finding {
+/// buffers under load (tcp_mem, up to a quarter of RAM by [`check_tcp_mem`]'s rule) and the
+/// page cache: warn.
+fn check_memory(host: &HostSettings, n: u64, transport: Transport) -> Finding {
     const SETTING: &str = "MemTotal";
-    let per_conn = KERNEL_BYTES_PER_CONN + BROKER_BYTES_PER_CONN;
+    let broker = transport.broker_bytes();
+    let per_conn = KERNEL_BYTES_PER_CONN + broker;
     let need = n.saturating_mul(per_conn);
     let needed = format!(
-        "≥ {} = N × ({KERNEL_BYTES_PER_CONN} B kernel slab + {BROKER_BYTES_PER_CONN} B broker heap) for idle rigs; warn above half of MemTotal",
-        bytes_text(need)
+        "≥ {} = N × ({KERNEL_BYTES_PER_CONN} B kernel slab + {broker} B broker heap over {}) for idle rigs; warn above half of MemTotal",
+        bytes_text(need),
+        transport.name()
     );
     let fewer = |total: u64| {
         format!(
@@ -521,40 +601,67 @@ fn check_memory(host: &HostSettings, n: u64) -> Finding {
 /// Idle sockets hold ~0 tcp_mem pages; a command to every rig holds PAGES_PER_BUSY_CONN each.
 /// Past `tcp_mem[1]` TCP enters memory pressure (buffers clamped to tcp_rmem/tcp_wmem min);
 /// past `tcp_mem[2]` socket allocations fail ("TCP: out of memory"). Holding N is unaffected,
-/// so this warns.
+/// so this warns. The rule (docs/tuning.md): `high` at most a quarter of MemTotal, so socket
+/// buffers and the connections themselves (at most half, [`check_memory`]) leave a quarter of
+/// RAM for everything else. A `high` above that warns too, and the suggested values respect it.
 fn check_tcp_mem(host: &HostSettings, n: u64) -> Finding {
     const SETTING: &str = "net.ipv4.tcp_mem";
     let page = host.page_size.unwrap_or(4096);
     let busy = n.saturating_mul(PAGES_PER_BUSY_CONN);
+    let cap = host.mem_total_bytes.map(|t| t / 4 / page);
+    let cap_text = cap.map_or(String::new(), |c| {
+        format!(
+            "; high ≤ {c} pages ({}), a quarter of MemTotal",
+            bytes_text(c.saturating_mul(page))
+        )
+    });
     let needed = format!(
-        "pressure and high ≥ {busy} pages ({}) = N × {PAGES_PER_BUSY_CONN} pages (one skb each way) for a command to every rig at once; idle rigs hold ~0",
+        "pressure and high ≥ {busy} pages ({}) = N × {PAGES_PER_BUSY_CONN} pages (one skb each way) for a command to every rig at once; idle rigs hold ~0{cap_text}",
         bytes_text(busy.saturating_mul(page))
     );
-    let Some([_, pressure, high]) = host.tcp_mem else {
+    let Some([low, pressure, high]) = host.tcp_mem else {
         return Finding::unreadable(SETTING, needed);
     };
     let current = format!(
         "{:?} pages (high {})",
-        [host.tcp_mem.unwrap_or_default()[0], pressure, high],
+        [low, pressure, high],
         bytes_text(high.saturating_mul(page))
     );
-    if pressure >= busy && high >= busy {
+    let over_cap = cap.is_some_and(|c| high > c);
+    if pressure >= busy && high >= busy && !over_cap {
         return Finding::ok(SETTING, current, needed);
     }
-    let fix = format!(
-        "sysctl -w net.ipv4.tcp_mem=\"{} {} {}\" (N, 2N, 3N pages) and persist it in /etc/sysctl.d/99-fleetlink.conf",
-        n,
-        n.saturating_mul(2),
-        n.saturating_mul(3)
+    let [low, pressure, high] = suggested_tcp_mem(n, cap);
+    let mut fix = format!(
+        "sysctl -w net.ipv4.tcp_mem=\"{low} {pressure} {high}\" and persist it in /etc/sysctl.d/99-fleetlink.conf"
     );
+    if pressure < busy {
+        fix.push_str(&format!(" (N, 2N, 3N pages scaled down to a quarter of RAM: a command to every rig will put TCP under memory pressure; hold ≤ {} rigs per host to avoid it)", pressure / PAGES_PER_BUSY_CONN));
+    } else {
+        fix.push_str(" (N, 2N, 3N pages)");
+    }
     Finding::warn(SETTING, current, needed, fix)
+}
+
+/// `tcp_mem` to suggest, in pages: N, 2N, 3N; all three scaled down together (1 : 2 : 3) when
+/// 3N pages would be more than `cap`, a quarter of RAM.
+fn suggested_tcp_mem(n: u64, cap: Option<u64>) -> [u64; 3] {
+    match cap {
+        Some(c) if n.saturating_mul(3) > c => {
+            let third = c / 3;
+            [third, third * 2, c]
+        }
+        _ => [n, n.saturating_mul(2), n.saturating_mul(3)],
+    }
 }
 
 /// Below `tcp_mem[2]` each socket is granted `min` bytes even under pressure, so a minimum above
 /// one page makes N × min compete with `tcp_mem` (a one-page minimum is already covered by the
-/// `tcp_mem` rule). Also reports the worst case when every queue fills up to `default`: rigs the
-/// broker stopped reading (over `--rig-rate`) and slow rigs behind their commands; `tcp_mem`
-/// caps that by putting TCP under pressure.
+/// `tcp_mem` rule). Also says what `default` bounds. Receive: a rig the broker stopped reading
+/// (over `--rig-rate`) queues up to its receive buffer, which starts at `default` and grows
+/// only while the broker reads. Send: the buffer starts at `default` and the kernel grows it
+/// with the congestion window up to `max` (while TCP memory is below `tcp_mem[0]`), so
+/// N × default bounds nothing. Only `tcp_mem` caps either total.
 fn check_buffer_min(
     host: &HostSettings,
     n: u64,
@@ -567,10 +674,14 @@ fn check_buffer_min(
     };
     let floor = n.saturating_mul(min);
     let worst = n.saturating_mul(default);
+    let queues = if setting == "net.ipv4.tcp_wmem" {
+        format!("send buffers start at default and grow with the congestion window up to max ({}), so N × default bounds nothing; only tcp_mem caps the total", bytes_text(max))
+    } else {
+        format!("a rig the broker stops reading queues up to its receive buffer, default unless autotuning grew it: N × default = {} if none grew; tcp_mem caps the total", bytes_text(worst))
+    };
     let needed = format!(
-        "min ≤ one page, or N × min = {} within tcp_mem high; worst case N × default = {} if every queue fills (tcp_mem caps it)",
-        bytes_text(floor),
-        bytes_text(worst)
+        "min ≤ one page, or N × min = {} within tcp_mem high; {queues}",
+        bytes_text(floor)
     );
     let current = format!("{min} {default} {max}");
     match host.tcp_mem {
@@ -617,27 +728,61 @@ fn check_io_uring(host: &HostSettings, cores: u64) -> Vec<Finding> {
             fix_disabled,
         ),
     };
-    // monoio's rings: SQEs (64 B), CQEs (2 per SQE, 16 B), the SQ index array (4 B), plus the
-    // ring headers. Before 5.12 these pages count against RLIMIT_MEMLOCK (io_uring_setup ENOMEM).
-    let ring_bytes = RING_ENTRIES * (64 + 2 * 16 + 4) + 2 * host.page_size.unwrap_or(4096);
-    let need = ring_bytes * cores;
+    vec![kernel, disabled, check_memlock(host, version, cores)]
+}
+
+/// Before 5.12 the kernel charges each ring to the user's `RLIMIT_MEMLOCK` (per user: rings of
+/// the user's other processes count too) and `io_uring_setup` fails with ENOMEM past it; from
+/// 5.12 rings are charged to the memory cgroup. A core whose ring cannot be built runs on the
+/// epoll driver (logged as an error, `fleetlink_driver{core=..,driver="epoll"}`), and a failed
+/// startup probe puts every core on epoll. The broker still holds N connections (epoll needs
+/// less kernel memory per idle socket than io_uring's pending poll), so this warns.
+fn check_memlock(host: &HostSettings, version: Option<(u32, u32)>, cores: u64) -> Finding {
     const MEMLOCK: &str = "RLIMIT_MEMLOCK (soft)";
-    let current = match host.memlock_soft {
-        None => "unlimited".into(),
-        Some(v) => bytes_text(v),
+    let ring = ring_memlock_bytes(RING_ENTRIES, host.page_size.unwrap_or(4096));
+    // The startup probe's ring too: a closed ring is freed, and uncharged, by a kernel worker
+    // after close, so it may still count when the cores build theirs.
+    let rings = cores + 1;
+    let need = ring.saturating_mul(rings);
+    let needed = format!("before 5.12: ≥ {} = {rings} rings ({cores} cores + the startup probe) × {} ({RING_ENTRIES} entries); 5.12+ charges rings to the memory cgroup", bytes_text(need), bytes_text(ring));
+    let soft = match (version, host.memlock_soft) {
+        (Some(v), _) if v >= (5, 12) => None,
+        (Some(v), _) if v < (5, 6) => None, // no io_uring at all: kernel.osrelease warns
+        (_, Some(soft)) if soft < need => Some(soft),
+        _ => None,
     };
-    let needed = format!("before 5.12: ≥ {} ({cores} rings × {} for {RING_ENTRIES} entries); 5.12+ charges rings to memcg", bytes_text(need), bytes_text(ring_bytes));
-    let memlock = match (version, host.memlock_soft) {
-        (Some(v), _) if v >= (5, 12) => Finding::ok(MEMLOCK, current, needed),
-        (_, Some(soft)) if soft < need => Finding::warn(
-            MEMLOCK,
-            current,
-            needed,
-            "LimitMEMLOCK=infinity in the systemd unit, or `ulimit -l unlimited`".into(),
-        ),
-        _ => Finding::ok(MEMLOCK, current, needed),
+    let Some(soft) = soft else {
+        return Finding::ok(MEMLOCK, limit_text_bytes(host.memlock_soft), needed);
     };
-    vec![kernel, disabled, memlock]
+    let fits = soft / ring;
+    let current = if fits == 0 {
+        format!(
+            "{}: no ring fits, so all {cores} cores would run on epoll, not io_uring",
+            bytes_text(soft)
+        )
+    } else {
+        format!(
+            "{}: room for {fits} of {rings} rings, so up to {} of {cores} cores would run on epoll, not io_uring",
+            bytes_text(soft),
+            (rings - fits).min(cores)
+        )
+    };
+    let fix = format!("LimitMEMLOCK=infinity in the systemd unit (or at least LimitMEMLOCK={need}), or `ulimit -l unlimited` in the starting shell; each core that falls back logs an error and shows as fleetlink_driver{{driver=\"epoll\"}} on the admin /metrics");
+    Finding::warn(MEMLOCK, current, needed, fix)
+}
+
+/// Memlock charged for one ring of `entries` SQEs before 5.12 (the kernel's `ring_pages()`, as
+/// liburing's `io_uring_mlock_size` computes it). Two allocations, each rounded up to a power
+/// of two pages: the rings (a header of at most 320 B, 2 × entries CQEs of 16 B, the SQ index
+/// array of 4 B per entry) and the SQEs (64 B each). 512 KiB for 4,096 entries.
+fn ring_memlock_bytes(entries: u64, page: u64) -> u64 {
+    let pow2_pages = |bytes: u64| {
+        bytes
+            .div_ceil(page)
+            .next_power_of_two()
+            .saturating_mul(page)
+    };
+    pow2_pages(320 + entries * 2 * 16 + entries * 4) + pow2_pages(entries * 64)
 }
 
 /// One client address reaches one broker address:port through at most the ephemeral range; a
@@ -664,6 +809,10 @@ fn sysctl_fix(name: &str, value: u64) -> String {
 
 fn limit_text(v: Option<u64>) -> String {
     v.map_or("unlimited".into(), |v| v.to_string())
+}
+
+fn limit_text_bytes(v: Option<u64>) -> String {
+    v.map_or("unlimited".into(), bytes_text)
 }
 
 fn opt_text(v: Option<u64>) -> String {
@@ -792,13 +941,15 @@ mod tests {
 
     #[test]
     fn tuned_host_holds_a_million() {
-        let fs = check(&tuned(), MILLION, 16);
+        let fs = check(&tuned(), MILLION, 16, Transport::Plain);
         assert!(blocking(&fs).is_empty(), "{fs:#?}");
         assert!(warnings(&fs).is_empty(), "{fs:#?}");
         // The client-side note: 1M connections exceed one address's ephemeral ports.
         assert!(!finding(&fs, "net.ipv4.ip_local_port_range").ok);
         assert!(fs.iter().filter(|f| f.ok).all(|f| f.fix.is_empty()));
-        assert!(check(&tuned(), 50_000, 16).iter().all(|f| f.ok));
+        assert!(check(&tuned(), 50_000, 16, Transport::Plain)
+            .iter()
+            .all(|f| f.ok));
     }
 
     #[test]
@@ -807,7 +958,7 @@ mod tests {
             nofile_soft: Some(1024),
             ..tuned()
         };
-        let fs = check(&host, MILLION, 16);
+        let fs = check(&host, MILLION, 16, Transport::Plain);
         assert_eq!(blocking(&fs), ["RLIMIT_NOFILE (soft)"]);
         let f = finding(&fs, "RLIMIT_NOFILE (soft)");
         assert_eq!(f.current, "1024");
@@ -815,41 +966,115 @@ mod tests {
     }
 
     #[test]
-    fn nofile_hard_blocks_like_this_machine() {
-        // This machine's fact: soft = hard = 20,000, nr_open = 1,048,576.
+    fn nofile_soft_blocks_like_this_machine() {
+        // This machine's fact: soft = hard = 20,000, nr_open = 1,048,576. The soft limit is
+        // what the broker gets; the hard limit and nr_open only decide which fix works.
         let host = HostSettings {
             nofile_soft: Some(20_000),
             nofile_hard: Some(20_000),
             nr_open: Some(1_048_576),
             ..tuned()
         };
-        let fs = check(&host, MILLION, 2);
+        let fs = check(&host, MILLION, 2, Transport::Plain);
+        assert_eq!(blocking(&fs), ["RLIMIT_NOFILE (soft)"]);
         assert_eq!(
-            blocking(&fs),
-            ["RLIMIT_NOFILE (soft)", "RLIMIT_NOFILE (hard)", "fs.nr_open"]
+            warnings(&fs),
+            ["RLIMIT_NOFILE (hard)", "fs.nr_open"],
+            "{fs:#?}"
         );
-        let f = finding(&fs, "RLIMIT_NOFILE (hard)");
-        assert!(f.fix.contains("LimitNOFILE=1100000"), "{}", f.fix);
-        assert!(check(&host, 18_000, 2).iter().all(|f| !f.blocking));
+        for setting in ["RLIMIT_NOFILE (soft)", "RLIMIT_NOFILE (hard)"] {
+            let f = finding(&fs, setting);
+            assert!(f.fix.contains("LimitNOFILE=1100000"), "{}", f.fix);
+            assert!(!f.fix.contains("ulimit -Sn"), "{}", f.fix);
+        }
+        assert!(check(&host, 18_000, 2, Transport::Plain)
+            .iter()
+            .all(|f| !f.blocking));
         assert_eq!(
-            blocking(&check(&host, 19_000, 2)),
-            ["RLIMIT_NOFILE (soft)", "RLIMIT_NOFILE (hard)"]
+            blocking(&check(&host, 19_000, 2, Transport::Plain)),
+            ["RLIMIT_NOFILE (soft)"]
         );
     }
 
     #[test]
-    fn nr_open_blocks_below_the_limit_to_set() {
+    fn nr_open_below_n_blocks_when_no_limit_reaches_n() {
+        // Soft and hard short of N + 1,024, and nr_open too low to set a limit that is not.
         let host = HostSettings {
+            nofile_soft: Some(20_000),
+            nofile_hard: Some(20_000),
+            nr_open: Some(1_000_000),
+            ..tuned()
+        };
+        let fs = check(&host, MILLION, 16, Transport::Plain);
+        assert_eq!(blocking(&fs), ["RLIMIT_NOFILE (soft)", "fs.nr_open"]);
+        let f = finding(&fs, "fs.nr_open");
+        assert!(f.fix.contains("fs.nr_open=1100000"), "{}", f.fix);
+        assert!(!f.fix.contains("between"), "{}", f.fix);
+        // Enough for a smaller fleet: nr_open ≥ N + 10 %, only the soft limit blocks.
+        assert_eq!(
+            blocking(&check(&host, 900_000, 16, Transport::Plain)),
+            ["RLIMIT_NOFILE (soft)"]
+        );
+        assert!(finding(&check(&host, 900_000, 16, Transport::Plain), "fs.nr_open").ok);
+    }
+
+    #[test]
+    fn nr_open_below_the_limit_to_set_only_warns_when_the_limit_holds_n() {
+        // systemd's maximum for every limit on a host it boots: 1,048,576 holds N + 1,024 but
+        // not the recommended N + 10 %.
+        let host = HostSettings {
+            nofile_soft: Some(1_048_576),
+            nofile_hard: Some(1_048_576),
             nr_open: Some(1_048_576),
             ..tuned()
         };
-        let fs = check(&host, MILLION, 16);
-        assert_eq!(blocking(&fs), ["fs.nr_open"]);
-        assert!(finding(&fs, "fs.nr_open")
-            .fix
-            .contains("fs.nr_open=1100000"));
+        let fs = check(&host, MILLION, 16, Transport::Plain);
+        assert!(blocking(&fs).is_empty(), "{fs:#?}");
+        assert_eq!(warnings(&fs), ["fs.nr_open"]);
+        let f = finding(&fs, "fs.nr_open");
+        assert!(f.fix.contains("fs.nr_open=1100000"), "{}", f.fix);
+        assert!(
+            f.fix.contains("LimitNOFILE between 1001024 and 1048576"),
+            "{}",
+            f.fix
+        );
+        // The old rule blocked here; a limit lowered after the fact (nr_open below the
+        // process's own limit) warns as well.
+        let lowered = HostSettings {
+            nofile_soft: Some(1_100_000),
+            nofile_hard: Some(1_100_000),
+            ..host.clone()
+        };
+        assert!(blocking(&check(&lowered, MILLION, 16, Transport::Plain)).is_empty());
+        let lowered = HostSettings {
+            nr_open: Some(1_000_000),
+            ..lowered
+        };
+        let fs = check(&lowered, MILLION, 16, Transport::Plain);
+        assert!(blocking(&fs).is_empty(), "{fs:#?}");
+        assert_eq!(warnings(&fs), ["fs.nr_open"]);
         // Enough for a smaller fleet.
-        assert!(blocking(&check(&host, 900_000, 16)).is_empty());
+        assert!(check(&host, 900_000, 16, Transport::Plain)
+            .iter()
+            .all(|f| f.ok || f.setting == "net.ipv4.ip_local_port_range"));
+    }
+
+    #[test]
+    fn nr_open_never_blocks_while_the_hard_limit_lets_the_soft_one_rise() {
+        // `ulimit -Sn` within the hard limit needs no new limit, so nr_open is no obstacle.
+        let host = HostSettings {
+            nofile_soft: Some(1024),
+            nofile_hard: Some(1_100_000),
+            nr_open: Some(1_000_000),
+            ..tuned()
+        };
+        let fs = check(&host, MILLION, 16, Transport::Plain);
+        assert_eq!(blocking(&fs), ["RLIMIT_NOFILE (soft)"]);
+        assert_eq!(warnings(&fs), ["fs.nr_open"]);
+        assert!(finding(&fs, "RLIMIT_NOFILE (soft)")
+            .fix
+            .contains("ulimit -Sn 1001024"));
+        assert!(finding(&fs, "RLIMIT_NOFILE (hard)").ok);
     }
 
     #[test]
@@ -859,7 +1084,7 @@ mod tests {
             files_allocated: Some(5_000),
             ..tuned()
         };
-        let fs = check(&host, MILLION, 16);
+        let fs = check(&host, MILLION, 16, Transport::Plain);
         assert_eq!(blocking(&fs), ["fs.file-max"]);
         assert!(finding(&fs, "fs.file-max").needed.starts_with("≥ 1006024"));
     }
@@ -871,7 +1096,7 @@ mod tests {
             tcp_max_syn_backlog: Some(128),
             ..tuned()
         };
-        let fs = check(&host, MILLION, 16);
+        let fs = check(&host, MILLION, 16, Transport::Plain);
         assert!(blocking(&fs).is_empty());
         assert_eq!(warnings(&fs), ["net.core.somaxconn"]);
         // The SYN backlog matters only without syncookies.
@@ -880,23 +1105,71 @@ mod tests {
             ..host
         };
         assert_eq!(
-            warnings(&check(&host, MILLION, 16)),
+            warnings(&check(&host, MILLION, 16, Transport::Plain)),
             ["net.core.somaxconn", "net.ipv4.tcp_max_syn_backlog"]
         );
     }
 
     #[test]
     fn memory_blocks_past_mem_total_and_warns_past_half() {
+        // tcp_mem at a quarter of this RAM: it still warns (a broadcast to 1M rigs needs more),
+        // but never blocks.
         let small = HostSettings {
             mem_total_bytes: Some(4 << 30),
+            tcp_mem: Some([87_381, 174_762, 262_144]),
             ..tuned()
         };
-        assert_eq!(blocking(&check(&small, MILLION, 16)), ["MemTotal"]);
+        assert_eq!(
+            blocking(&check(&small, MILLION, 16, Transport::Plain)),
+            ["MemTotal"]
+        );
+        let eight = HostSettings {
+            mem_total_bytes: Some(8 << 30),
+            tcp_mem: Some([174_762, 349_524, 524_288]),
+            ..tuned()
+        };
+        let fs = check(&eight, MILLION, 16, Transport::Plain);
+        assert!(blocking(&fs).is_empty());
+        assert_eq!(warnings(&fs), ["MemTotal", "net.ipv4.tcp_mem"]);
+        assert!(finding(&fs, "MemTotal")
+            .needed
+            .contains("1130 B broker heap over plain ws"));
+    }
+
+    #[test]
+    fn tls_memory_uses_the_tls_figure() {
+        // 1M rigs: 4.7 GiB over plain ws, 12.0 GiB over TLS (3,900 + 9,018 B each).
         let eight = HostSettings {
             mem_total_bytes: Some(8 << 30),
             ..tuned()
         };
-        assert_eq!(warnings(&check(&eight, MILLION, 16)), ["MemTotal"]);
+        let plain = check(&eight, MILLION, 16, Transport::Plain);
+        assert!(!finding(&plain, "MemTotal").ok && !finding(&plain, "MemTotal").blocking);
+        let fs = check(&eight, MILLION, 16, Transport::Tls);
+        assert_eq!(blocking(&fs), ["MemTotal"]);
+        let f = finding(&fs, "MemTotal");
+        assert!(f.needed.starts_with("≥ 12.0 GiB"), "{}", f.needed);
+        assert!(
+            f.needed.contains("9018 B broker heap over TLS"),
+            "{}",
+            f.needed
+        );
+        // ≤ 332,479 TLS rigs fit in half of 8 GiB.
+        assert!(f.fix.contains("≤ 332479"), "{}", f.fix);
+        // This machine's 23.5 GiB: plain fits in half of RAM, TLS does not.
+        let here = HostSettings {
+            mem_total_bytes: Some(24_684_084 * 1024),
+            ..tuned()
+        };
+        assert!(finding(&check(&here, MILLION, 2, Transport::Plain), "MemTotal").ok);
+        let f = check(&here, MILLION, 2, Transport::Tls);
+        assert!(!finding(&f, "MemTotal").ok && !finding(&f, "MemTotal").blocking);
+        // The tuned 64 GiB host holds a million TLS rigs.
+        let fs = check(&tuned(), MILLION, 16, Transport::Tls);
+        assert!(
+            blocking(&fs).is_empty() && warnings(&fs).is_empty(),
+            "{fs:#?}"
+        );
     }
 
     #[test]
@@ -906,13 +1179,13 @@ mod tests {
             tcp_mem: Some([287_898, 383_867, 575_796]),
             ..tuned()
         };
-        let fs = check(&host, MILLION, 16);
+        let fs = check(&host, MILLION, 16, Transport::Plain);
         assert!(blocking(&fs).is_empty());
         assert_eq!(warnings(&fs), ["net.ipv4.tcp_mem"]);
         assert!(finding(&fs, "net.ipv4.tcp_mem")
             .fix
             .contains("\"1000000 2000000 3000000\""));
-        assert!(warnings(&check(&host, 100_000, 16)).is_empty());
+        assert!(warnings(&check(&host, 100_000, 16, Transport::Plain)).is_empty());
     }
 
     #[test]
@@ -921,7 +1194,10 @@ mod tests {
             tcp_rmem: Some([65536, 131072, 6_291_456]),
             ..tuned()
         };
-        assert_eq!(warnings(&check(&host, MILLION, 16)), ["net.ipv4.tcp_rmem"]);
+        assert_eq!(
+            warnings(&check(&host, MILLION, 16, Transport::Plain)),
+            ["net.ipv4.tcp_rmem"]
+        );
     }
 
     #[test]
@@ -931,7 +1207,7 @@ mod tests {
                 io_uring_disabled: Some(v),
                 ..tuned()
             };
-            let fs = check(&host, MILLION, 16);
+            let fs = check(&host, MILLION, 16, Transport::Plain);
             assert!(blocking(&fs).is_empty());
             assert_eq!(warnings(&fs), ["kernel.io_uring_disabled"]);
         }
@@ -939,7 +1215,7 @@ mod tests {
             io_uring_disabled: None,
             ..tuned()
         };
-        assert!(warnings(&check(&old, MILLION, 16)).is_empty());
+        assert!(warnings(&check(&old, MILLION, 16, Transport::Plain)).is_empty());
     }
 
     #[test]
@@ -950,19 +1226,167 @@ mod tests {
             ..tuned()
         };
         assert_eq!(
-            warnings(&check(&host, MILLION, 16)),
+            warnings(&check(&host, MILLION, 16, Transport::Plain)),
             ["RLIMIT_MEMLOCK (soft)"]
         );
         let new = HostSettings {
             kernel_release: Some("5.15.0".into()),
             ..host.clone()
         };
-        assert!(warnings(&check(&new, MILLION, 16)).is_empty());
+        assert!(warnings(&check(&new, MILLION, 16, Transport::Plain)).is_empty());
         let unlimited = HostSettings {
             memlock_soft: None,
+            ..host.clone()
+        };
+        assert!(warnings(&check(&unlimited, MILLION, 16, Transport::Plain)).is_empty());
+        // Before 5.6 there is no io_uring to lose: kernel.osrelease warns, memlock does not.
+        let ancient = HostSettings {
+            kernel_release: Some("5.4.0-150-generic".into()),
             ..host
         };
-        assert!(warnings(&check(&unlimited, MILLION, 16)).is_empty());
+        assert_eq!(
+            warnings(&check(&ancient, MILLION, 16, Transport::Plain)),
+            ["kernel.osrelease"]
+        );
+    }
+
+    #[test]
+    fn memlock_short_of_the_rings_puts_cores_on_epoll_without_blocking() {
+        // The kernel default before 5.16: 64 KiB, less than one 512 KiB ring.
+        let host = HostSettings {
+            kernel_release: Some("5.10.0-28-amd64".into()),
+            memlock_soft: Some(64 << 10),
+            memlock_hard: Some(64 << 10),
+            ..tuned()
+        };
+        let fs = check(&host, MILLION, 16, Transport::Plain);
+        assert!(blocking(&fs).is_empty(), "{fs:#?}");
+        let f = finding(&fs, "RLIMIT_MEMLOCK (soft)");
+        assert!(
+            f.current
+                .contains("no ring fits, so all 16 cores would run on epoll, not io_uring"),
+            "{}",
+            f.current
+        );
+        // 17 rings (16 cores + the startup probe) × 512 KiB.
+        assert!(
+            f.needed.starts_with("before 5.12: ≥ 8.5 MiB = 17 rings"),
+            "{}",
+            f.needed
+        );
+        assert!(f.fix.contains("LimitMEMLOCK=infinity"), "{}", f.fix);
+        assert!(f.fix.contains("LimitMEMLOCK=8912896"), "{}", f.fix);
+        assert!(f.fix.contains("fleetlink_driver"), "{}", f.fix);
+        // 8 MiB (the default from 5.16, and systemd's): 16 of 17 rings fit.
+        let eight = HostSettings {
+            memlock_soft: Some(8 << 20),
+            ..host.clone()
+        };
+        let f = check(&eight, MILLION, 16, Transport::Plain);
+        let f = finding(&f, "RLIMIT_MEMLOCK (soft)");
+        assert!(!f.ok && !f.blocking);
+        assert!(
+            f.current
+                .contains("room for 16 of 17 rings, so up to 1 of 16 cores would run on epoll"),
+            "{}",
+            f.current
+        );
+        // ... and is plenty for 2 cores, as on this machine.
+        assert!(
+            finding(
+                &check(&eight, MILLION, 2, Transport::Plain),
+                "RLIMIT_MEMLOCK (soft)"
+            )
+            .ok
+        );
+        // Unknown kernel: assume it may be old.
+        let unknown = HostSettings {
+            kernel_release: None,
+            ..host
+        };
+        let f = check(&unknown, MILLION, 16, Transport::Plain);
+        assert!(!finding(&f, "RLIMIT_MEMLOCK (soft)").ok);
+    }
+
+    #[test]
+    fn ring_memlock_rounds_each_allocation_to_a_power_of_two_pages() {
+        // Rings: 320 + 8,192 × 16 + 4,096 × 4 = 147,776 B → 64 pages; SQEs: 256 KiB → 64 pages.
+        assert_eq!(ring_memlock_bytes(4096, 4096), 512 << 10);
+        // 64 KiB pages (arm64): 3 pages → 4, and 4 pages.
+        assert_eq!(ring_memlock_bytes(4096, 65536), 512 << 10);
+        // liburing's io_uring_mlock_size for 128 entries: 2 + 2 pages.
+        assert_eq!(ring_memlock_bytes(128, 4096), 16 << 10);
+    }
+
+    #[test]
+    fn tcp_mem_fix_keeps_high_within_a_quarter_of_ram() {
+        // This machine: 23.5 GiB, kernel default tcp_mem. A quarter of RAM is 1,542,755 pages,
+        // less than 3N: the fix scales N, 2N, 3N down and says broadcasts will hit pressure.
+        let here = HostSettings {
+            mem_total_bytes: Some(24_684_084 * 1024),
+            tcp_mem: Some([287_898, 383_867, 575_796]),
+            ..tuned()
+        };
+        let fs = check(&here, MILLION, 2, Transport::Plain);
+        let f = finding(&fs, "net.ipv4.tcp_mem");
+        assert!(!f.ok && !f.blocking);
+        assert!(f.needed.contains("high ≤ 1542755 pages"), "{}", f.needed);
+        assert!(f.fix.contains("\"514251 1028502 1542755\""), "{}", f.fix);
+        assert!(f.fix.contains("hold ≤ 514251 rigs per host"), "{}", f.fix);
+        assert_eq!(
+            suggested_tcp_mem(MILLION, Some(1_542_755)),
+            [514_251, 1_028_502, 1_542_755]
+        );
+        assert_eq!(
+            suggested_tcp_mem(MILLION, None),
+            [1_000_000, 2_000_000, 3_000_000]
+        );
+        // The conf's values (high 12 GiB) on this RAM: over a quarter, so they warn even for a
+        // fleet they would carry.
+        let conf = HostSettings {
+            tcp_mem: Some([1_048_576, 2_097_152, 3_145_728]),
+            ..here.clone()
+        };
+        assert_eq!(
+            warnings(&check(&conf, 100_000, 2, Transport::Plain)),
+            ["net.ipv4.tcp_mem"]
+        );
+        // 48 GiB is the least RAM for which they are within the rule (docs/tuning.md).
+        let fits = HostSettings {
+            mem_total_bytes: Some(48 << 30),
+            ..conf
+        };
+        assert!(
+            finding(
+                &check(&fits, MILLION, 2, Transport::Plain),
+                "net.ipv4.tcp_mem"
+            )
+            .ok
+        );
+        let short = HostSettings {
+            mem_total_bytes: Some((48 << 30) - (1 << 20)),
+            ..fits
+        };
+        assert!(
+            !finding(
+                &check(&short, MILLION, 2, Transport::Plain),
+                "net.ipv4.tcp_mem"
+            )
+            .ok
+        );
+    }
+
+    #[test]
+    fn send_buffer_text_does_not_bound_sends_by_the_default() {
+        let fs = check(&tuned(), MILLION, 16, Transport::Plain);
+        let w = &finding(&fs, "net.ipv4.tcp_wmem").needed;
+        assert!(
+            w.contains("grow with the congestion window up to max"),
+            "{w}"
+        );
+        assert!(w.contains("only tcp_mem caps the total"), "{w}");
+        let r = &finding(&fs, "net.ipv4.tcp_rmem").needed;
+        assert!(r.contains("N × default = 15.3 GiB if none grew"), "{r}");
     }
 
     #[test]
@@ -973,7 +1397,7 @@ mod tests {
             ..tuned()
         };
         assert_eq!(
-            warnings(&check(&host, MILLION, 16)),
+            warnings(&check(&host, MILLION, 16, Transport::Plain)),
             ["net.netfilter.nf_conntrack_max"]
         );
         let tracking = HostSettings {
@@ -981,7 +1405,7 @@ mod tests {
             ..host
         };
         assert_eq!(
-            blocking(&check(&tracking, MILLION, 16)),
+            blocking(&check(&tracking, MILLION, 16, Transport::Plain)),
             ["net.netfilter.nf_conntrack_max"]
         );
     }
@@ -992,17 +1416,19 @@ mod tests {
             ip_local_port_range: Some((32768, 60999)),
             ..tuned()
         };
-        let fs = check(&host, MILLION, 16);
+        let fs = check(&host, MILLION, 16, Transport::Plain);
         assert!(blocking(&fs).is_empty());
         assert!(finding(&fs, "net.ipv4.ip_local_port_range")
             .needed
             .contains("36 source address"));
-        assert!(check(&host, 20_000, 16).iter().all(|f| f.ok));
+        assert!(check(&host, 20_000, 16, Transport::Plain)
+            .iter()
+            .all(|f| f.ok));
     }
 
     #[test]
     fn unreadable_host_warns_and_never_blocks() {
-        let fs = check(&HostSettings::default(), MILLION, 16);
+        let fs = check(&HostSettings::default(), MILLION, 16, Transport::Plain);
         assert!(blocking(&fs).is_empty(), "{fs:#?}");
         assert!(warnings(&fs).contains(&"fs.nr_open"));
     }
@@ -1043,10 +1469,10 @@ mod tests {
     #[test]
     fn run_prints_every_setting() {
         let mut out = Vec::new();
-        let code = run(1_000, 2, &mut out);
+        let code = run(1_000, 2, Transport::Plain, &mut out);
         let text = String::from_utf8(out).unwrap_or_default();
         assert_eq!(code, i32::from(text.contains("BLOCKS")), "{text}");
-        for f in check(&HostSettings::read(), 1_000, 2) {
+        for f in check(&HostSettings::read(), 1_000, 2, Transport::Plain) {
             assert!(
                 text.contains(f.setting),
                 "{} missing from\n{text}",

@@ -40,7 +40,14 @@ fn main() -> ExitCode {
         },
     };
     let result = match cli.tool {
-        Some(Tool::Doctor { connections }) => return fleetlink::doctor::main(connections),
+        Some(Tool::Doctor { connections, tls }) => {
+            let transport = if tls || cli.broker.tls_cert.is_some() {
+                fleetlink::doctor::Transport::Tls
+            } else {
+                fleetlink::doctor::Transport::Plain
+            };
+            return fleetlink::doctor::main_with(connections, cli.broker.cores, transport);
+        }
         Some(Tool::DevCerts {
             out,
             rigs,
@@ -133,13 +140,17 @@ fn run(cfg: Config) -> anyhow::Result<()> {
     let _ = drain_rx.recv();
     draining.store(true, Ordering::SeqCst);
     log::info!("draining over {:?}", cfg.drain);
+    // Past the inboxes' bounds: a drain or shutdown that a full inbox refused would leave
+    // the process waiting for that thread forever.
     for core in &core_txs {
-        let _ = core.send(ToCore::Drain { window: cfg.drain });
+        let _ = core.push_owed(ToCore::Drain { window: cfg.drain });
+        core.ring();
     }
     for core in cores {
         let _ = core.join();
     }
-    let _ = bridge_tx.send(ToBridge::Shutdown);
+    let _ = bridge_tx.push_owed(ToBridge::Shutdown);
+    bridge_tx.ring();
     let _ = bridge.join();
     log::info!("drained; exiting");
     Ok(())

@@ -312,6 +312,10 @@ pub fn render(cores: &[CoreSnapshot], bridge: &BridgeStats, draining: bool) -> S
         } else {
             let _ = writeln!(out, "{name}{{{labels}}} {v}");
         }
+        // The bridge's side of the family: a family's samples must be contiguous.
+        if i == C::BridgeQueueFull as usize {
+            let _ = writeln!(out, "{name}{{from=\"bridge\"}} {}", bridge.core_queue_full);
+        }
     }
     let _ = writeln!(out, "# TYPE fleetlink_closes_total counter");
     for i in 0..=CLOSE_CODES.len() {
@@ -387,11 +391,6 @@ pub fn render(cores: &[CoreSnapshot], bridge: &BridgeStats, draining: bool) -> S
     );
     let _ = writeln!(
         out,
-        "fleetlink_bridge_queue_full_total{{from=\"bridge\"}} {}",
-        bridge.core_queue_full
-    );
-    let _ = writeln!(
-        out,
         "# TYPE fleetlink_draining gauge\nfleetlink_draining {}",
         u8::from(draining)
     );
@@ -433,6 +432,179 @@ mod tests {
         assert!(text.contains("fleetlink_ack_latency_seconds_bucket{le=\"0.005\"} 1"));
         assert!(text.contains("fleetlink_rigs{group=\"lab-a\"} 1"));
         assert!(text.contains("fleetlink_driver{core=\"0\",driver=\"io_uring\"} 1"));
+    }
+
+    /// The family a sample named `sample` belongs to, given the family types declared so far.
+    fn family_of<'a>(sample: &'a str, types: &HashMap<&str, &str>) -> &'a str {
+        for suffix in ["_bucket", "_sum", "_count"] {
+            if let Some(base) = sample.strip_suffix(suffix) {
+                if matches!(types.get(base), Some(&"histogram" | &"summary")) {
+                    return base;
+                }
+            }
+        }
+        sample
+    }
+
+    /// Splits a sample line into (metric name, label text without braces, value text).
+    fn split_sample(line: &str) -> Result<(&str, &str, &str), String> {
+        let name_end = line.find(['{', ' ']).ok_or(format!("no value: {line:?}"))?;
+        let name = &line[..name_end];
+        let valid = |c: char| c.is_ascii_alphanumeric() || c == '_' || c == ':';
+        if name.is_empty()
+            || name.starts_with(|c: char| c.is_ascii_digit())
+            || !name.chars().all(valid)
+        {
+            return Err(format!("bad metric name {name:?}"));
+        }
+        let mut rest = &line[name_end..];
+        let mut labels = "";
+        if let Some(body) = rest.strip_prefix('{') {
+            // The closing brace is the first one outside a quoted, escaped label value.
+            let (mut quoted, mut escaped, mut end) = (false, false, None);
+            for (i, c) in body.char_indices() {
+                match c {
+                    _ if escaped => escaped = false,
+                    '\\' if quoted => escaped = true,
+                    '"' => quoted = !quoted,
+                    '}' if !quoted => {
+                        end = Some(i);
+                        break;
+                    }
+                    _ => {}
+                }
+            }
+            let end = end.ok_or(format!("unclosed labels: {line:?}"))?;
+            labels = &body[..end];
+            rest = &body[end + 1..];
+        }
+        let value = rest
+            .strip_prefix(' ')
+            .ok_or(format!("no value: {line:?}"))?;
+        let number = value.split(' ').next().unwrap_or_default();
+        if number.parse::<f64>().is_err() && !["+Inf", "-Inf", "NaN"].contains(&number) {
+            return Err(format!("bad value in {line:?}"));
+        }
+        Ok((name, labels, value))
+    }
+
+    /// Checks Prometheus text exposition (format 0.0.4) the way a scraper reads it: each
+    /// family has one `# TYPE` line, and all of its samples come right after it, together.
+    /// Returns the families in order.
+    fn check_exposition(text: &str) -> Result<Vec<String>, String> {
+        let mut types: HashMap<&str, &str> = HashMap::new();
+        let mut order: Vec<String> = Vec::new();
+        let mut current: Option<&str> = None;
+        let mut series = std::collections::HashSet::new();
+        for line in text.lines() {
+            if line.is_empty() {
+                continue;
+            }
+            if let Some(comment) = line.strip_prefix('#') {
+                let words: Vec<&str> = comment.split_whitespace().collect();
+                if let ["TYPE", name, kind] = words.as_slice() {
+                    let known = ["counter", "gauge", "histogram", "summary", "untyped"];
+                    if !known.contains(kind) {
+                        return Err(format!("{name}: unknown type {kind}"));
+                    }
+                    if types.insert(name, kind).is_some() {
+                        return Err(format!("{name}: a second # TYPE line"));
+                    }
+                    order.push(name.to_string());
+                    current = Some(name);
+                }
+                continue;
+            }
+            let (name, labels, _) = split_sample(line)?;
+            let family = family_of(name, &types);
+            if !types.contains_key(family) {
+                return Err(format!("{line:?}: sample of {family} before its # TYPE"));
+            }
+            if current != Some(family) {
+                return Err(format!(
+                    "{line:?}: sample of {family} after # TYPE {} (samples of a family must be \
+                     contiguous)",
+                    current.unwrap_or_default()
+                ));
+            }
+            if !series.insert((name, labels)) {
+                return Err(format!("{line:?}: the same series twice"));
+            }
+        }
+        Ok(order)
+    }
+
+    #[test]
+    fn exposition_checker_catches_a_split_family() {
+        let good = "# TYPE a_total counter\na_total{x=\"1\"} 1\na_total{x=\"}\\\"\"} 2\n\
+                    # TYPE h histogram\nh_bucket{le=\"+Inf\"} 1\nh_sum 0.5\nh_count 1\n";
+        assert_eq!(check_exposition(good).unwrap(), ["a_total", "h"]);
+        for bad in [
+            "# TYPE a counter\na{x=\"1\"} 1\n# TYPE b gauge\nb 1\na{x=\"2\"} 1\n",
+            "a 1\n# TYPE a counter\n",
+            "# TYPE a counter\na 1\n# TYPE a counter\n",
+            "# TYPE a counter\na 1\na 2\n",
+            "# TYPE a counter\na{x=\"1\" 1\n",
+        ] {
+            assert!(check_exposition(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn every_family_is_contiguous_after_its_type() {
+        let cores: Vec<CoreSnapshot> = (0..3)
+            .map(|core| {
+                let m = CoreMetrics::default();
+                for i in 0..COUNTERS.len() {
+                    m.counters[i].set((core * 100 + i) as u64 + 1);
+                }
+                for code in CLOSE_CODES.iter().copied().chain([4999]) {
+                    m.close(code);
+                }
+                for ms in [0, 3, 20, 400, 20_000] {
+                    m.ack_latency(ms);
+                }
+                m.connections.set(core as u64 + 5);
+                m.join_group("lab-a");
+                m.join_group(&format!("odd \"{core}\"\n\\ {{}}"));
+                m.snapshot(core, if core == 0 { "io_uring" } else { "epoll" })
+            })
+            .collect();
+        let bridge = BridgeStats {
+            redis_up: 1,
+            registry_ops: vec![
+                ("hello".into(), "ok".into(), 3),
+                ("refresh".into(), "error".into(), 1),
+            ],
+            queue_depth: 4,
+            core_queue_full: 7,
+            pubsub: vec![("in".into(), 9), ("out".into(), 2)],
+        };
+        for draining in [false, true] {
+            let text = render(&cores, &bridge, draining);
+            let families = check_exposition(&text).unwrap_or_else(|e| panic!("{e}\n{text}"));
+            assert!(families
+                .iter()
+                .any(|f| f == "fleetlink_bridge_queue_full_total"));
+            let from_cores: u64 = cores
+                .iter()
+                .map(|c| c.counters[C::BridgeQueueFull as usize])
+                .sum();
+            let full: Vec<&str> = text
+                .lines()
+                .filter(|l| l.starts_with("fleetlink_bridge_queue_full_total{"))
+                .collect();
+            assert_eq!(
+                full,
+                [
+                    format!("fleetlink_bridge_queue_full_total{{from=\"core\"}} {from_cores}"),
+                    "fleetlink_bridge_queue_full_total{from=\"bridge\"} 7".to_string(),
+                ]
+            );
+        }
+        // An idle standalone broker (no bridge figures, a core with no counters yet) too.
+        let idle = render(&[CoreSnapshot::default()], &BridgeStats::default(), false);
+        check_exposition(&idle).unwrap_or_else(|e| panic!("{e}\n{idle}"));
     }
 
     #[test]

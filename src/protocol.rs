@@ -3,6 +3,10 @@
 //! Pure functions over byte slices; the connection loop calls `parse_client_msg` on every
 //! complete text message and writes whatever the `encode_*` functions return.
 
+use std::borrow::Cow;
+use std::fmt;
+
+use serde::de::{self, DeserializeSeed, Deserializer, IgnoredAny, MapAccess, Visitor};
 use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
 use serde_json::Value;
@@ -86,76 +90,328 @@ pub enum ProtocolError {
     },
 }
 
-#[derive(Deserialize)]
-struct RawMsg {
-    #[serde(rename = "type")]
-    ty: String,
-    #[serde(default)]
-    v: Option<u32>,
-    #[serde(default)]
+/// The top-level keys of rig messages: the fields of every type, then `type` and `v`, which
+/// every message may carry. Any other key is `Other`.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Key {
+    RigId,
+    BootId,
+    Version,
+    Labels,
+    LastSeq,
+    Seq,
+    Ok,
+    Output,
+    Name,
+    Data,
+    Type,
+    V,
+    Other,
+}
+
+impl Key {
+    /// The keys that are fields of some message type, in order: `key as usize` indexes them.
+    const FIELDS: [Key; 10] = [
+        Key::RigId,
+        Key::BootId,
+        Key::Version,
+        Key::Labels,
+        Key::LastSeq,
+        Key::Seq,
+        Key::Ok,
+        Key::Output,
+        Key::Name,
+        Key::Data,
+    ];
+
+    fn name(self) -> &'static str {
+        match self {
+            Key::RigId => "rig_id",
+            Key::BootId => "boot_id",
+            Key::Version => "version",
+            Key::Labels => "labels",
+            Key::LastSeq => "last_seq",
+            Key::Seq => "seq",
+            Key::Ok => "ok",
+            Key::Output => "output",
+            Key::Name => "name",
+            Key::Data => "data",
+            Key::Type => "type",
+            Key::V => "v",
+            Key::Other => "",
+        }
+    }
+
+    fn bit(self) -> u16 {
+        1 << self as u16
+    }
+}
+
+impl<'de> Deserialize<'de> for Key {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Key, D::Error> {
+        struct KeyVisitor;
+        impl Visitor<'_> for KeyVisitor {
+            type Value = Key;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a field name")
+            }
+            fn visit_str<E: de::Error>(self, s: &str) -> Result<Key, E> {
+                Ok(match s {
+                    "rig_id" => Key::RigId,
+                    "boot_id" => Key::BootId,
+                    "version" => Key::Version,
+                    "labels" => Key::Labels,
+                    "last_seq" => Key::LastSeq,
+                    "seq" => Key::Seq,
+                    "ok" => Key::Ok,
+                    "output" => Key::Output,
+                    "name" => Key::Name,
+                    "data" => Key::Data,
+                    "type" => Key::Type,
+                    "v" => Key::V,
+                    _ => Key::Other,
+                })
+            }
+        }
+        d.deserialize_identifier(KeyVisitor)
+    }
+}
+
+/// The message types this broker reads.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Kind {
+    Hello,
+    Ack,
+    Result,
+    Event,
+    Unknown,
+}
+
+impl Kind {
+    fn of(ty: &str) -> Kind {
+        match ty {
+            "hello" => Kind::Hello,
+            "ack" => Kind::Ack,
+            "result" => Kind::Result,
+            "event" => Kind::Event,
+            _ => Kind::Unknown,
+        }
+    }
+
+    /// Whether `key` is a field of this type (CONTRACT.md §2). Only these are read and
+    /// checked; a field of another type, whatever its value, is ignored like an unknown key.
+    fn owns(self, key: Key) -> bool {
+        matches!(
+            (self, key),
+            (
+                Kind::Hello,
+                Key::RigId | Key::BootId | Key::Version | Key::Labels | Key::LastSeq
+            ) | (Kind::Ack, Key::Seq)
+                | (Kind::Result, Key::Seq | Key::Ok | Key::Output)
+                | (Kind::Event, Key::Name | Key::Data)
+        )
+    }
+}
+
+/// The fields of the message's own type (see [`Kind::owns`]); the others stay `None`.
+#[derive(Default)]
+struct Fields {
     rig_id: Option<String>,
-    #[serde(default)]
     boot_id: Option<String>,
-    #[serde(default)]
     version: Option<String>,
-    #[serde(default)]
     labels: Option<serde_json::Map<String, Value>>,
-    #[serde(default)]
     last_seq: Option<u64>,
-    #[serde(default)]
     seq: Option<u64>,
-    #[serde(default)]
     ok: Option<bool>,
-    #[serde(default)]
     output: Option<Value>,
-    #[serde(default)]
     name: Option<String>,
-    #[serde(default)]
     data: Option<Value>,
 }
 
-/// Parses one text message from a rig. Unknown fields are ignored; unknown types are
-/// `ClientMsg::Unknown`, not errors.
+impl Fields {
+    /// Reads field `key` from `d`: a value of the message, or one kept raw until the type was
+    /// known.
+    fn read<'de, D: Deserializer<'de>>(&mut self, key: Key, d: D) -> Result<(), D::Error> {
+        match key {
+            Key::RigId => self.rig_id = Deserialize::deserialize(d)?,
+            Key::BootId => self.boot_id = Deserialize::deserialize(d)?,
+            Key::Version => self.version = Deserialize::deserialize(d)?,
+            Key::Labels => self.labels = Deserialize::deserialize(d)?,
+            Key::LastSeq => self.last_seq = Deserialize::deserialize(d)?,
+            Key::Seq => self.seq = Deserialize::deserialize(d)?,
+            Key::Ok => self.ok = Deserialize::deserialize(d)?,
+            Key::Output => self.output = Deserialize::deserialize(d)?,
+            Key::Name => self.name = Deserialize::deserialize(d)?,
+            Key::Data => self.data = Deserialize::deserialize(d)?,
+            Key::Type | Key::V | Key::Other => {
+                IgnoredAny::deserialize(d)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Reads one map value into its field.
+struct Slot<'f> {
+    fields: &'f mut Fields,
+    key: Key,
+}
+
+impl<'de> DeserializeSeed<'de> for Slot<'_> {
+    type Value = ();
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+        self.fields.read(self.key, d)
+    }
+}
+
+/// `type`, borrowed from the message unless it has escapes.
+#[derive(Deserialize)]
+struct Ty<'a>(#[serde(borrow)] Cow<'a, str>);
+
+/// A rig message read in one pass, per its type: `type`, `v`, and the fields of that type;
+/// keys of other types and unknown keys are skipped without building anything. Fields that
+/// come before `type` are kept as borrowed raw JSON and read once the type is known. A field
+/// of the message's own type with the wrong JSON type, or given twice, is an error, as is a
+/// message that is not a JSON object with a string `type`.
+struct RawMsg<'a> {
+    ty: Cow<'a, str>,
+    kind: Kind,
+    v: Option<u32>,
+    fields: Fields,
+}
+
+impl<'de> Deserialize<'de> for RawMsg<'de> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<RawMsg<'de>, D::Error> {
+        d.deserialize_map(RawMsgVisitor)
+    }
+}
+
+struct RawMsgVisitor;
+
+impl<'de> Visitor<'de> for RawMsgVisitor {
+    type Value = RawMsg<'de>;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a rig message object")
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<RawMsg<'de>, A::Error> {
+        let mut ty: Option<Cow<'de, str>> = None;
+        let mut kind = Kind::Unknown;
+        let (mut v, mut v_seen) = (None, false);
+        let mut fields = Fields::default();
+        // Own fields read so far (bit per `Key`), to refuse one given twice.
+        let mut seen = 0u16;
+        // Fields met before `type`: raw text, not parsed yet.
+        let mut early: [Option<&'de RawValue>; Key::FIELDS.len()] = Default::default();
+        let mut early_twice = 0u16;
+        while let Some(key) = map.next_key::<Key>()? {
+            match key {
+                Key::Type => {
+                    if ty.is_some() {
+                        return Err(de::Error::duplicate_field("type"));
+                    }
+                    let Ty(t) = map.next_value()?;
+                    kind = Kind::of(&t);
+                    ty = Some(t);
+                }
+                Key::V => {
+                    if std::mem::replace(&mut v_seen, true) {
+                        return Err(de::Error::duplicate_field("v"));
+                    }
+                    v = map.next_value()?;
+                }
+                Key::Other => {
+                    map.next_value::<IgnoredAny>()?;
+                }
+                field if ty.is_none() => {
+                    let raw = map.next_value()?;
+                    if let Some(slot) = early.get_mut(field as usize) {
+                        if slot.is_some() {
+                            early_twice |= field.bit();
+                        }
+                        *slot = Some(raw);
+                    }
+                }
+                field if kind.owns(field) => {
+                    if seen & field.bit() != 0 {
+                        return Err(de::Error::duplicate_field(field.name()));
+                    }
+                    seen |= field.bit();
+                    map.next_value_seed(Slot {
+                        fields: &mut fields,
+                        key: field,
+                    })?;
+                }
+                _ => {
+                    map.next_value::<IgnoredAny>()?;
+                }
+            }
+        }
+        let ty = ty.ok_or_else(|| de::Error::missing_field("type"))?;
+        for (key, raw) in Key::FIELDS.into_iter().zip(early) {
+            let Some(raw) = raw.filter(|_| kind.owns(key)) else {
+                continue;
+            };
+            if (early_twice | seen) & key.bit() != 0 {
+                return Err(de::Error::duplicate_field(key.name()));
+            }
+            fields.read(key, raw).map_err(de::Error::custom)?;
+        }
+        Ok(RawMsg {
+            ty,
+            kind,
+            v,
+            fields,
+        })
+    }
+}
+
+/// Parses one text message from a rig. Unknown fields, and fields of other message types, are
+/// ignored; unknown types are `ClientMsg::Unknown`, not errors.
 pub fn parse_client_msg(bytes: &[u8]) -> Result<ClientMsg, ProtocolError> {
-    let raw: RawMsg =
+    let raw: RawMsg<'_> =
         serde_json::from_slice(bytes).map_err(|e| ProtocolError::Malformed(e.to_string()))?;
     let v = raw.v.unwrap_or(1);
-    match raw.ty.as_str() {
-        "hello" => parse_hello(v, raw).map(ClientMsg::Hello),
-        "ack" => {
-            let seq = raw.seq.ok_or(ProtocolError::Invalid {
+    let f = raw.fields;
+    match raw.kind {
+        Kind::Hello => parse_hello(v, f).map(ClientMsg::Hello),
+        Kind::Ack => {
+            let seq = f.seq.ok_or(ProtocolError::Invalid {
                 ty: "ack",
                 why: "missing seq",
             })?;
             Ok(ClientMsg::Ack { v, seq: Seq(seq) })
         }
-        "result" => {
+        Kind::Result => {
             let invalid = |why| ProtocolError::Invalid { ty: "result", why };
-            let seq = raw.seq.ok_or(invalid("missing seq"))?;
-            let ok = raw.ok.ok_or(invalid("missing ok"))?;
+            let seq = f.seq.ok_or(invalid("missing seq"))?;
+            let ok = f.ok.ok_or(invalid("missing ok"))?;
             Ok(ClientMsg::Result {
                 v,
                 seq: Seq(seq),
                 ok,
-                output: raw.output,
+                output: f.output,
             })
         }
-        "event" => {
-            let name = raw.name.ok_or(ProtocolError::Invalid {
+        Kind::Event => {
+            let name = f.name.ok_or(ProtocolError::Invalid {
                 ty: "event",
                 why: "missing name",
             })?;
             Ok(ClientMsg::Event {
                 v,
                 name,
-                data: raw.data,
+                data: f.data,
             })
         }
-        _ => Ok(ClientMsg::Unknown { ty: raw.ty }),
+        Kind::Unknown => Ok(ClientMsg::Unknown {
+            ty: raw.ty.into_owned(),
+        }),
     }
 }
 
-fn parse_hello(v: u32, raw: RawMsg) -> Result<Hello, ProtocolError> {
+fn parse_hello(v: u32, raw: Fields) -> Result<Hello, ProtocolError> {
     let invalid = |why| ProtocolError::Invalid { ty: "hello", why };
     let rig_id = raw
         .rig_id
@@ -324,6 +580,167 @@ mod tests {
         assert!(matches!(
             parse_client_msg(br#"{"type":"nope"}"#).unwrap(),
             ClientMsg::Unknown { .. }
+        ));
+    }
+
+    /// Each message type with the fields of every other type, with values of the wrong JSON
+    /// type for them: still that message, the foreign fields ignored.
+    #[test]
+    fn foreign_fields_are_ignored() {
+        let hello = format!(
+            r#"{{"type":"hello","rig_id":"rig-1","boot_id":"{BOOT}","version":"1.2","seq":"x","ok":"y","output":1,"name":5,"data":[1],"v":2}}"#
+        );
+        let ClientMsg::Hello(h) = parse_client_msg(hello.as_bytes()).unwrap() else {
+            panic!("{hello}")
+        };
+        assert_eq!((h.v, h.version.as_str()), (2, "1.2"));
+
+        for ack in [
+            r#"{"type":"ack","seq":3,"ok":"y"}"#,
+            r#"{"type":"ack","seq":3,"ok":"y","output":{"x":1},"name":7,"data":"d"}"#,
+            r#"{"type":"ack","seq":3,"rig_id":1,"boot_id":[],"version":2,"labels":"l","last_seq":-1}"#,
+        ] {
+            assert_eq!(
+                parse_client_msg(ack.as_bytes()),
+                Ok(ClientMsg::Ack { v: 1, seq: Seq(3) }),
+                "{ack}"
+            );
+        }
+
+        for result in [
+            r#"{"type":"result","seq":4,"ok":true,"output":"done","name":1,"data":2}"#,
+            r#"{"type":"result","seq":4,"ok":true,"output":"done","version":2,"labels":[],"last_seq":"z","rig_id":{}}"#,
+        ] {
+            assert_eq!(
+                parse_client_msg(result.as_bytes()),
+                Ok(ClientMsg::Result {
+                    v: 1,
+                    seq: Seq(4),
+                    ok: true,
+                    output: Some(Value::from("done")),
+                }),
+                "{result}"
+            );
+        }
+
+        for event in [
+            r#"{"type":"event","name":"temp","data":{"c":21},"version":2}"#,
+            r#"{"type":"event","name":"temp","data":{"c":21},"seq":"s","ok":"y","output":[],"boot_id":1,"labels":null,"last_seq":1.5}"#,
+        ] {
+            assert_eq!(
+                parse_client_msg(event.as_bytes()),
+                Ok(ClientMsg::Event {
+                    v: 1,
+                    name: "temp".into(),
+                    data: Some(serde_json::json!({"c": 21})),
+                }),
+                "{event}"
+            );
+        }
+
+        // An unknown type has no fields of its own: anything goes but `type` and `v`.
+        assert_eq!(
+            parse_client_msg(br#"{"type":"pong","seq":"x","ok":1,"name":[],"v":3}"#),
+            Ok(ClientMsg::Unknown { ty: "pong".into() })
+        );
+        // `type` with an escape is still read.
+        assert_eq!(
+            parse_client_msg(br#"{"type":"\u0061ck","seq":1}"#),
+            Ok(ClientMsg::Ack { v: 1, seq: Seq(1) })
+        );
+    }
+
+    /// `type` need not come first: fields before it are read once it is known.
+    #[test]
+    fn fields_before_the_type() {
+        let hello = format!(
+            r#"{{"labels":{{"g":"a"}},"seq":"x","rig_id":"rig-1","last_seq":2,"boot_id":"{BOOT}","version":"1","type":"hello","v":2}}"#
+        );
+        let ClientMsg::Hello(h) = parse_client_msg(hello.as_bytes()).unwrap() else {
+            panic!("{hello}")
+        };
+        assert_eq!((h.v, h.last_seq), (2, Some(Seq(2))));
+        assert_eq!(h.labels, [("g".into(), "a".into())]);
+        for (text, want) in [
+            (
+                r#"{"seq":3,"ok":"y","ok":{},"type":"ack"}"#,
+                Ok(ClientMsg::Ack { v: 1, seq: Seq(3) }),
+            ),
+            (
+                r#"{"data":[1],"seq":"s","name":"n","version":2,"type":"event"}"#,
+                Ok(ClientMsg::Event {
+                    v: 1,
+                    name: "n".into(),
+                    data: Some(serde_json::json!([1])),
+                }),
+            ),
+            (
+                r#"{"output":null,"seq":9,"type":"result","ok":false}"#,
+                Ok(ClientMsg::Result {
+                    v: 1,
+                    seq: Seq(9),
+                    ok: false,
+                    output: None,
+                }),
+            ),
+        ] {
+            assert_eq!(parse_client_msg(text.as_bytes()), want, "{text}");
+        }
+        for bad in [
+            r#"{"seq":"x","type":"ack"}"#,
+            r#"{"seq":1,"seq":2,"type":"ack"}"#,
+            r#"{"seq":1,"type":"ack","seq":2}"#,
+            r#"{"ok":"y","type":"result","seq":1}"#,
+            r#"{"name":"n","type":"event","name":"m"}"#,
+            r#"{"seq":1}"#,
+        ] {
+            assert!(parse_client_msg(bad.as_bytes()).is_err(), "{bad}");
+        }
+    }
+
+    /// The fields of the message's own type, and the envelope, are still checked.
+    #[test]
+    fn own_fields_are_still_checked() {
+        let hello = |extra: &str| {
+            format!(
+                r#"{{"type":"hello","rig_id":"rig-1","boot_id":"{BOOT}","version":"1"{extra}}}"#
+            )
+        };
+        for bad in [
+            hello(r#","version":2"#),
+            hello(r#","labels":[]"#),
+            hello(r#","last_seq":"7""#),
+            hello(r#","v":"2""#),
+            r#"{"type":"ack","seq":"3"}"#.into(),
+            r#"{"type":"ack","seq":-3}"#.into(),
+            r#"{"type":"ack","seq":3,"seq":4}"#.into(),
+            r#"{"type":"result","seq":1,"ok":"y"}"#.into(),
+            r#"{"type":"result","seq":1}"#.into(),
+            r#"{"type":"result","ok":true}"#.into(),
+            r#"{"type":"event","name":5}"#.into(),
+            r#"{"type":"event","data":{}}"#.into(),
+            r#"{"type":"event","name":"x","v":-1}"#.into(),
+            r#"{"type":"nope","v":"2"}"#.into(),
+            r#"{"type":5,"seq":1}"#.into(),
+            r#"{"type":"ack","type":"ack","seq":1}"#.into(),
+            r#"{"type":"ack","seq":1} x"#.into(),
+            r#"{"type":"event","name":"x","data":{"a":}}"#.into(),
+            r#"{"type":"nope","data":[1,}"#.into(),
+            r#""ack""#.into(),
+            "null".into(),
+        ] {
+            assert!(parse_client_msg(bad.as_bytes()).is_err(), "{bad}");
+        }
+        assert_eq!(
+            parse_client_msg(br#"{"type":"result","seq":1}"#),
+            Err(ProtocolError::Invalid {
+                ty: "result",
+                why: "missing ok"
+            })
+        );
+        assert!(matches!(
+            parse_client_msg(br#"{"type":"ack","seq":"3"}"#),
+            Err(ProtocolError::Malformed(_))
         ));
     }
 

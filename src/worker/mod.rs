@@ -62,9 +62,16 @@ fn coop_taskrun() -> io_uring::Builder {
     b
 }
 
-/// Which event driver a core runs.
+/// Which event driver the cores will run. The probe is a ring of the cores' own size: the
+/// kernel may allow a small one and refuse this one (before 5.12 ring memory counts against
+/// RLIMIT_MEMLOCK, 64 KiB by default before 5.16).
 pub fn driver_name(cfg: &Config) -> &'static str {
-    if !cfg.force_epoll && monoio::utils::detect_uring() {
+    if !cfg.force_epoll
+        && monoio::utils::detect_uring()
+        && io_uring::IoUring::<io_uring::squeue::Entry>::builder()
+            .build(URING_ENTRIES)
+            .is_ok()
+    {
         "io_uring"
     } else {
         "epoll"
@@ -95,27 +102,43 @@ pub fn spawn(
             if let Some(ids) = core_affinity::get_core_ids().filter(|ids| !ids.is_empty()) {
                 core_affinity::set_for_current(ids[index % ids.len()]);
             }
-            let driver = driver_name(cfg);
-            let main = core_main(index, cfg, driver, listener, inbox, guard, links);
-            let result = if driver == "io_uring" {
-                let build = |urb| {
-                    RuntimeBuilder::<IoUringDriver>::new()
-                        .enable_timer()
-                        .with_entries(URING_ENTRIES)
-                        .uring_builder(urb)
-                        .build()
-                };
-                build(coop_taskrun())
+            let build = |urb| {
+                RuntimeBuilder::<IoUringDriver>::new()
+                    .enable_timer()
+                    .with_entries(URING_ENTRIES)
+                    .uring_builder(urb)
+                    .build()
+            };
+            let uring = match driver_name(cfg) {
+                "io_uring" => build(coop_taskrun())
                     .or_else(|e| {
                         log::warn!("core {index}: io_uring without COOP_TASKRUN ({e})");
                         build(io_uring::IoUring::builder())
                     })
-                    .map(|mut rt| rt.block_on(main))
-            } else {
-                RuntimeBuilder::<LegacyDriver>::new()
+                    .map_err(|e| {
+                        // The probe's ring fitted, this core's did not (each ring counts
+                        // against the same limit): a core on epoll beats a core that is gone.
+                        log::error!(
+                            "!!! core {index}: no io_uring ring of {URING_ENTRIES} entries ({e}); \
+                             this core runs on epoll (fleetlink_driver says so). Raise the \
+                             memlock limit (LimitMEMLOCK=infinity) to get io_uring back"
+                        );
+                    })
+                    .ok(),
+                _ => None,
+            };
+            let result = match uring {
+                Some(mut rt) => Ok(rt.block_on(core_main(
+                    index, cfg, "io_uring", listener, inbox, guard, links,
+                ))),
+                None => RuntimeBuilder::<LegacyDriver>::new()
                     .enable_timer()
                     .build()
-                    .map(|mut rt| rt.block_on(main))
+                    .map(|mut rt| {
+                        rt.block_on(core_main(
+                            index, cfg, "epoll", listener, inbox, guard, links,
+                        ))
+                    }),
             };
             match result {
                 Ok(Ok(())) => {}
