@@ -20,22 +20,34 @@ pub fn disconnected(broker: &str, rig: &RigId, boot: &BootId, code: u16, reason:
            "broker_id": broker, "code": code, "reason": reason, "at": rfc3339(SystemTime::now())})
 }
 
-/// The rig acked command `seq` (`id` when the broker still knew it).
-pub fn ack(broker: &str, rig: &RigId, seq: Seq, id: Option<&str>) -> Value {
-    json!({"type": "ack", "rig_id": rig.as_str(), "broker_id": broker, "seq": seq.0, "id": id,
+/// The rig acked command `seq` (`id` when the broker still knew it). A seq is unique only
+/// within a session, so `boot_id` comes along: control joins a later `result` to this event by
+/// (`rig_id`, `boot_id`, `seq`).
+pub fn ack(broker: &str, rig: &RigId, boot: &BootId, seq: Seq, id: Option<&str>) -> Value {
+    json!({"type": "ack", "rig_id": rig.as_str(), "boot_id": boot.as_str(), "broker_id": broker,
+           "seq": seq.0, "id": id, "at": rfc3339(SystemTime::now())})
+}
+
+/// The rig reported the result of command `seq`; `id` when the command was not yet acked (an
+/// acked command is forgotten at its ack, whose event carried the id).
+pub fn result(
+    broker: &str,
+    rig: &RigId,
+    boot: &BootId,
+    seq: Seq,
+    id: Option<&str>,
+    ok: bool,
+    output: Option<Value>,
+) -> Value {
+    json!({"type": "result", "rig_id": rig.as_str(), "boot_id": boot.as_str(),
+           "broker_id": broker, "seq": seq.0, "id": id, "ok": ok, "output": output,
            "at": rfc3339(SystemTime::now())})
 }
 
-/// The rig reported the result of command `seq`.
-pub fn result(broker: &str, rig: &RigId, seq: Seq, ok: bool, output: Option<Value>) -> Value {
-    json!({"type": "result", "rig_id": rig.as_str(), "broker_id": broker, "seq": seq.0, "ok": ok,
-           "output": output, "at": rfc3339(SystemTime::now())})
-}
-
 /// The rig reported an event of its own.
-pub fn event(broker: &str, rig: &RigId, name: &str, data: Option<Value>) -> Value {
-    json!({"type": "event", "rig_id": rig.as_str(), "broker_id": broker, "name": name,
-           "data": data, "at": rfc3339(SystemTime::now())})
+pub fn event(broker: &str, rig: &RigId, boot: &BootId, name: &str, data: Option<Value>) -> Value {
+    json!({"type": "event", "rig_id": rig.as_str(), "boot_id": boot.as_str(),
+           "broker_id": broker, "name": name, "data": data, "at": rfc3339(SystemTime::now())})
 }
 
 /// A command held for an offline rig was delivered (`body` is its enqueue reply).

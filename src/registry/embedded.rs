@@ -39,6 +39,9 @@ enum Owner {
 struct Handover {
     old: ConnId,
     new: ConnId,
+    /// `new` closed before its verdict: the old connection's `Closed` then parks the session
+    /// rather than handing it to a connection that is gone.
+    new_gone: bool,
     pending: Vec<CommandReq>,
     /// Redis lost the session meanwhile: the new connection puts it back once it holds it.
     rekeep: bool,
@@ -70,6 +73,10 @@ impl Parked {
 /// otherwise park gigabytes for the park window.
 pub const MAX_PARKED_BYTES: usize = 1 << 30;
 
+/// Connections whose accepted session is on its way back from a core (see
+/// [`Embedded::returned`]); only a lost message could leave one here, so this only guards.
+const MAX_AWAITING_RETURN: usize = 65_536;
+
 /// The in-process registry.
 #[derive(Debug)]
 pub struct Embedded {
@@ -81,6 +88,9 @@ pub struct Embedded {
     max_parked_bytes: usize,
     /// Parked commands dropped for the bound since the bridge last asked.
     parked_dropped: u64,
+    /// Connections that went after their hello was accepted, before the verdict reached them:
+    /// the verdict's session comes back ([`Self::returned`]) and is parked for this rig.
+    awaiting_return: HashMap<ConnId, (RigId, BootId)>,
     park_for: Duration,
     max_pending: usize,
 }
@@ -96,6 +106,7 @@ impl Embedded {
             parked_bytes: 0,
             max_parked_bytes: MAX_PARKED_BYTES,
             parked_dropped: 0,
+            awaiting_return: HashMap::new(),
             park_for,
             max_pending,
         }
@@ -119,6 +130,12 @@ impl Embedded {
     /// Labels of every connected rig (for selectors).
     pub fn iter_labels(&self) -> impl Iterator<Item = (&RigId, &[(String, String)])> {
         self.rigs.iter().map(|(r, e)| (r, &e.labels[..]))
+    }
+
+    /// Whether a live session of `rig` here has a boot newer than `boot` (a hello with `boot`
+    /// is then refused 4409).
+    pub fn holds_newer(&self, rig: &RigId, boot: BootId) -> bool {
+        self.rigs.get(rig).is_some_and(|e| e.boot > boot)
     }
 
     /// A valid hello on `conn`. Newer-or-equal boot wins; equal boot continues the session.
@@ -155,12 +172,14 @@ impl Embedded {
                         entry.owner = Owner::Handover(Box::new(Handover {
                             old,
                             new: conn,
+                            new_gone: false,
                             pending: Vec::new(),
                             rekeep: false,
                         }))
                     }
-                    Owner::Handover(_) => {
+                    Owner::Handover(h) => {
                         // The superseded `new` never got a verdict; it is closing with 4410.
+                        h.new_gone = false;
                     }
                 }
                 return out;
@@ -221,6 +240,15 @@ impl Embedded {
                 self.park(rig, boot, next_seq, carried, now);
                 return (out, true);
             }
+            Owner::Handover(h) if h.old == conn && h.new_gone => {
+                // Nobody waits for the session any more: it is parked for the rig's return, as
+                // if the old connection had closed alone.
+                let pending = std::mem::take(&mut h.pending);
+                out.extend(pending.into_iter().map(not_connected));
+                self.rigs.remove(&rig);
+                self.park(rig, boot, next_seq, carried, now);
+                return (out, true);
+            }
             Owner::Handover(h) if h.old == conn => {
                 let new = h.new;
                 let pending = std::mem::take(&mut h.pending);
@@ -255,11 +283,18 @@ impl Embedded {
         };
         match &mut entry.owner {
             Owner::Live(c) if *c == conn => {
+                // Its verdict is on the way to a connection that is gone; the core sends the
+                // session back. One per connection, and each comes back: the bound is a guard.
                 let boot = entry.boot;
                 self.rigs.remove(rig);
+                if self.awaiting_return.len() >= MAX_AWAITING_RETURN {
+                    self.awaiting_return.clear();
+                }
+                self.awaiting_return.insert(conn, (rig.clone(), boot));
                 return (out, Some(boot));
             }
             Owner::Handover(h) if h.new == conn => {
+                h.new_gone = true;
                 for req in h.pending.drain(..) {
                     out.push(not_connected(req));
                 }
@@ -267,6 +302,42 @@ impl Embedded {
             _ => {}
         }
         (out, None)
+    }
+
+    /// An accepted session its connection could not take. `rig` is set when the connection
+    /// was still there (closing): it still owns the entry, which goes, and the returned pair's
+    /// lease is to be released. Otherwise the connection's `Abandoned` came first and said
+    /// which rig. Either way the session is parked, unless the rig is already back.
+    pub fn returned(
+        &mut self,
+        conn: ConnId,
+        rig: Option<RigId>,
+        next_seq: Seq,
+        carried: Vec<SeqCommand>,
+        now: Instant,
+    ) -> Option<(RigId, BootId)> {
+        let (rig, boot, release) = match rig {
+            Some(rig) => {
+                let entry = self.rigs.get(&rig)?;
+                if !matches!(entry.owner, Owner::Live(c) if c == conn) {
+                    return None;
+                }
+                let boot = entry.boot;
+                self.rigs.remove(&rig);
+                (rig, boot, true)
+            }
+            None => {
+                let (rig, boot) = self.awaiting_return.remove(&conn)?;
+                if self.rigs.contains_key(&rig) || self.parked.contains_key(&rig) {
+                    return None;
+                }
+                (rig, boot, false)
+            }
+        };
+        if next_seq > Seq(1) || !carried.is_empty() {
+            self.park(rig.clone(), boot, next_seq, carried, now);
+        }
+        release.then_some((rig, boot))
     }
 
     /// The connection holding `rig`; None while it moves between connections.
@@ -398,6 +469,18 @@ impl Embedded {
                 vec![Action::Reply(reply_to, body)]
             }
         }
+    }
+
+    /// At shutdown: the commands held for hand-overs, answered `rig_not_connected` (the rig
+    /// will find its session on its next broker, but these were never numbered).
+    pub fn end_hand_overs(&mut self) -> Vec<Action> {
+        let mut out = Vec::new();
+        for entry in self.rigs.values_mut() {
+            if let Owner::Handover(h) = &mut entry.owner {
+                out.extend(h.pending.drain(..).map(not_connected));
+            }
+        }
+        out
     }
 
     /// Forgets parked sessions older than the park window.
@@ -587,6 +670,133 @@ mod tests {
         assert!(done
             .iter()
             .any(|a| matches!(a, Action::Core(c, ToCore::Command { .. }) if *c == conn(2))));
+    }
+
+    /// The new connection of a hand-over went (kicked, or timed out) before the old one's
+    /// session reached it: the session is parked, and the rig's next connection resumes it
+    /// instead of waiting forever for a connection that is gone.
+    #[test]
+    fn a_hand_over_whose_new_connection_went_parks_the_session_for_the_next_one() {
+        let mut r = Embedded::new(Duration::from_secs(60), 4);
+        let now = Instant::now();
+        let b = boot(100);
+        r.hello(conn(1), rig(), b, vec![]);
+        r.hello(conn(2), rig(), b, vec![]);
+        let (gone, released) = r.abandoned(conn(2), &rig());
+        assert!(gone.is_empty() && released.is_none());
+        let (done, released) = r.closed(conn(1), rig(), b, Seq(8), vec![], now);
+        assert!(released, "nobody holds the rig now: its lease goes");
+        assert!(verdict_of(&done, conn(2)).is_none(), "{done:?}");
+        assert!(r.is_empty() && r.conn_of(&rig()).is_none());
+        let back = r.hello(conn(3), rig(), b, vec![]);
+        assert!(
+            matches!(
+                verdict_of(&back, conn(3)),
+                Some(Verdict::Accept {
+                    next_seq: Seq(8),
+                    resumed: true,
+                    ..
+                })
+            ),
+            "{back:?}"
+        );
+        assert_eq!(r.conn_of(&rig()), Some(conn(3)));
+    }
+
+    /// A resumed session whose connection went before its verdict arrived comes back from the
+    /// core and is parked: the rig's next connection resumes it, seq and commands.
+    #[test]
+    fn a_session_its_connection_could_not_take_is_parked_for_the_next_one() {
+        let now = Instant::now();
+        let b = boot(100);
+        let cmd = || vec![SeqCommand::for_test(7, 10, false)];
+        // The connection went first (Abandoned), then the verdict came back.
+        let mut r = Embedded::new(Duration::from_secs(60), 4);
+        r.hello(conn(1), rig(), b, vec![]);
+        let (_, released) = r.abandoned(conn(1), &rig());
+        assert_eq!(released, Some(b));
+        assert_eq!(r.returned(conn(1), None, Seq(8), cmd(), now), None);
+        // The connection was closing when the verdict came: it goes back with the rig named.
+        let mut r2 = Embedded::new(Duration::from_secs(60), 4);
+        r2.hello(conn(1), rig(), b, vec![]);
+        let back = r2.returned(conn(1), Some(rig()), Seq(8), cmd(), now);
+        assert_eq!(back, Some((rig(), b)), "its lease is released");
+        assert_eq!(
+            r2.abandoned(conn(1), &rig()).1,
+            None,
+            "nothing left to abandon"
+        );
+        for r in [&mut r, &mut r2] {
+            let again = r.hello(conn(2), rig(), b, vec![]);
+            match verdict_of(&again, conn(2)) {
+                Some(Verdict::Accept {
+                    next_seq,
+                    resumed,
+                    carried,
+                }) => {
+                    assert_eq!((*next_seq, *resumed), (Seq(8), true));
+                    assert_eq!(carried.iter().map(|c| c.seq).collect::<Vec<_>>(), [Seq(7)]);
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+        // A session that comes back after the rig is already back is not parked over it.
+        let mut r3 = Embedded::new(Duration::from_secs(60), 4);
+        r3.hello(conn(1), rig(), b, vec![]);
+        r3.abandoned(conn(1), &rig());
+        r3.hello(conn(2), rig(), b, vec![]);
+        assert_eq!(r3.returned(conn(1), None, Seq(8), cmd(), now), None);
+        assert_eq!(r3.conn_of(&rig()), Some(conn(2)));
+    }
+
+    /// Shutdown answers what waited for a hand-over, once.
+    #[test]
+    fn commands_held_for_a_hand_over_are_answered_at_shutdown() {
+        let mut r = Embedded::new(Duration::from_secs(60), 4);
+        let b = boot(100);
+        r.hello(conn(1), rig(), b, vec![]);
+        r.hello(conn(2), rig(), b, vec![]);
+        let (tx, rx) = crossbeam_channel::bounded(4);
+        let req = Box::new(CommandReq {
+            id: "held".into(),
+            rig: rig(),
+            name: "x".into(),
+            args: crate::args::Args::null(),
+            reply: ReplyTo::Admin(tx),
+            offline_ttl: None,
+        });
+        assert!(r.command(req).is_empty());
+        let out = r.end_hand_overs();
+        assert_eq!(out.len(), 1);
+        let Some(Action::Reply(_, body)) = out.first() else {
+            panic!("{out:?}")
+        };
+        assert_eq!(body["error"], "rig_not_connected");
+        assert_eq!(body["id"], "held");
+        assert!(r.end_hand_overs().is_empty(), "answered once");
+        drop(rx);
+    }
+
+    /// A third connection during a hand-over whose second went is the one the session waits
+    /// for.
+    #[test]
+    fn a_newer_connection_after_the_new_one_went_still_gets_the_session() {
+        let mut r = Embedded::new(Duration::from_secs(60), 4);
+        let b = boot(100);
+        r.hello(conn(1), rig(), b, vec![]);
+        r.hello(conn(2), rig(), b, vec![]);
+        r.abandoned(conn(2), &rig());
+        r.hello(conn(3), rig(), b, vec![]);
+        let (done, released) = r.closed(conn(1), rig(), b, Seq(4), vec![], Instant::now());
+        assert!(!released);
+        assert!(matches!(
+            verdict_of(&done, conn(3)),
+            Some(Verdict::Accept {
+                next_seq: Seq(4),
+                resumed: true,
+                ..
+            })
+        ));
     }
 
     /// Redis lost the session while it moved between connections: the new connection is

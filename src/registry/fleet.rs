@@ -3,6 +3,7 @@
 //! socket timeout; any failure drops both connections and schedules a reconnect with capped,
 //! jittered backoff, while the broker keeps serving its rigs from the embedded registry.
 
+use std::collections::HashSet;
 use std::os::fd::{AsRawFd, RawFd};
 use std::time::{Duration, Instant};
 
@@ -327,6 +328,47 @@ impl Fleet {
         true
     }
 
+    /// Sends the queued forgets now, in one round trip. False when Redis failed.
+    fn send_forgets(&mut self) -> bool {
+        if self.forgets.is_empty() {
+            return true;
+        }
+        let Some(con) = self.con.as_mut() else {
+            return false;
+        };
+        let mut pipe = redis::pipe();
+        for (rig, boot, seq) in &self.forgets {
+            pipe.hdel(sessions::session_key(rig, boot), format!("c:{}", seq.0))
+                .ignore();
+        }
+        if let Err(e) = pipe.query::<()>(con) {
+            self.fail(Instant::now(), &e);
+            return false;
+        }
+        self.forgets.clear();
+        self.forgets_since = None;
+        true
+    }
+
+    /// Before these rigs' sessions are read: their acked commands leave Redis first (a new
+    /// boot would otherwise report an acked command `rig_rebooted`), and a release queued for
+    /// the very lease a hello is about to claim again is dropped (sent after the claim, its
+    /// compare-and-delete would find the same tuple and delete the new claim).
+    pub(crate) fn settle_before_hellos(&mut self, hellos: &[(&RigId, &BootId)]) {
+        if !self.releases.is_empty() {
+            let claimed: HashSet<(&RigId, &BootId)> = hellos.iter().copied().collect();
+            self.releases
+                .retain(|(rig, boot)| !claimed.contains(&(rig, boot)));
+        }
+        if self.forgets.is_empty() {
+            return;
+        }
+        let rigs: HashSet<&RigId> = hellos.iter().map(|(rig, _)| *rig).collect();
+        if self.forgets.iter().any(|(rig, _, _)| rigs.contains(rig)) {
+            self.send_forgets();
+        }
+    }
+
     /// When the queued forgets are to go out: None when there are none.
     pub(crate) fn forget_due(&self) -> Option<Instant> {
         let since = self.forgets_since?;
@@ -334,6 +376,16 @@ impl Fleet {
             return Some(since);
         }
         Some(since + FORGET_PACE)
+    }
+
+    /// Removes the `broker:<id>` liveness key on a clean exit, so that control stops counting
+    /// this broker among those that answer a broadcast at once, not 30 s later.
+    pub(crate) fn retire(&mut self) {
+        let Some(con) = self.con.as_mut() else { return };
+        let key = crate::registry::scripts::broker_key(&self.broker_id);
+        if let Err(e) = redis::cmd("DEL").arg(key).query::<()>(con) {
+            log::warn!("redis: broker key not removed at exit ({e}); it lapses by its TTL");
+        }
     }
 
     /// Writes the `broker:<id>` liveness key.
@@ -403,19 +455,8 @@ impl Fleet {
             // A released session's TTL counts from its disconnect, not from its last touch.
             self.touch_sessions(&releases);
         }
-        let Some(con) = self.con.as_mut() else { return };
-        if forgets_due && !self.forgets.is_empty() {
-            let mut pipe = redis::pipe();
-            for (rig, boot, seq) in &self.forgets {
-                pipe.hdel(sessions::session_key(rig, boot), format!("c:{}", seq.0))
-                    .ignore();
-            }
-            if let Err(e) = pipe.query::<()>(con) {
-                self.fail(Instant::now(), &e);
-                return;
-            }
-            self.forgets.clear();
-            self.forgets_since = None;
+        if forgets_due && !self.send_forgets() {
+            return;
         }
         // A queue held through an outage goes out over a few passes, not in one long stall of
         // the bridge; all of it at the end of a drain.

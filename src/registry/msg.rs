@@ -259,6 +259,19 @@ pub enum ToBridge {
         /// The rig it claimed.
         rig: RigId,
     },
+    /// An accepted hello's session that its connection could not take (the connection was
+    /// closing or gone when the verdict came): the registry parks it for the rig's return.
+    Returned {
+        /// The connection the verdict was for.
+        conn: ConnId,
+        /// Its rig, when the core still knew the connection; None when the connection had
+        /// already gone (its `Abandoned` came first, and the registry remembers the rig).
+        rig: Option<RigId>,
+        /// The session's next seq.
+        next_seq: Seq,
+        /// The session's unacked commands.
+        carried: Vec<SeqCommand>,
+    },
     /// A lifecycle event for `fleetlink:events` (CONTRACT.md §4), serialized by the core: its
     /// bytes are what [`crate::registry::bridge::BridgeShared::event_bytes`] counts.
     Event(Box<[u8]>),

@@ -51,11 +51,10 @@ pub(crate) async fn run(core: Rc<Core>, inbox: Inbox<ToCore>) -> std::io::Result
 pub(crate) fn handle(core: &Rc<Core>, msg: ToCore) {
     let conn_of = |id| core.conns.borrow().get(&id).cloned();
     match msg {
-        ToCore::Verdict { conn, verdict } => {
-            if let Some(c) = conn_of(conn) {
-                session::on_verdict(core, &c, &mut c.st.borrow_mut(), verdict);
-            }
-        }
+        ToCore::Verdict { conn, verdict } => match conn_of(conn) {
+            Some(c) => session::on_verdict(core, &c, &mut c.st.borrow_mut(), verdict),
+            None => session::return_verdict(core, conn, None, verdict),
+        },
         ToCore::Supersede { conn } => {
             if let Some(c) = conn_of(conn) {
                 c.close(

@@ -10,6 +10,7 @@
 use std::cell::Cell;
 use std::collections::VecDeque;
 
+use crate::ids::Seq;
 use crate::registry::msg::SeqCommand;
 
 /// Queued (not yet written) command bytes one rig may hold; a command past it is refused
@@ -134,6 +135,13 @@ impl Queues {
         self.unacked.remove(0)
     }
 
+    /// Control's id of the written, unacked command `seq`.
+    pub(crate) fn id_of(&self, seq: Seq) -> Option<&str> {
+        let cmds = &self.unacked.cmds;
+        let pos = cmds.binary_search_by_key(&seq, |c| c.seq).ok()?;
+        cmds.get(pos).map(|c| &*c.id)
+    }
+
     /// Whether nothing is queued or unacked.
     pub(crate) fn is_empty(&self) -> bool {
         self.outbox.cmds.is_empty() && self.unacked.cmds.is_empty()
@@ -149,7 +157,6 @@ impl Queues {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ids::Seq;
 
     fn cmd(seq: u64, len: usize) -> SeqCommand {
         SeqCommand::for_test(seq, len, false)
@@ -180,5 +187,20 @@ mod tests {
         other.push_outbox(cmd(10, 7));
         drop(other);
         assert_eq!(core_bytes(), before);
+    }
+
+    #[test]
+    fn an_unacked_commands_id_is_found_by_its_seq() {
+        let mut q = Queues::default();
+        for seq in [3, 4, 7] {
+            q.push_unacked(cmd(seq, 1));
+        }
+        q.push_outbox(cmd(8, 1));
+        let id7 = q.unacked().back().map(|c| c.id.to_string());
+        assert_eq!(q.id_of(Seq(7)).map(str::to_string), id7);
+        assert!(q.id_of(Seq(7)).is_some());
+        // Not written (queued) or not there: no id.
+        assert_eq!(q.id_of(Seq(8)), None);
+        assert_eq!(q.id_of(Seq(5)), None);
     }
 }

@@ -2,6 +2,7 @@
 //! verdicts and control's commands. No awaits and no socket calls other than through
 //! [`Conn`]'s ordered writer, so every rule here runs to completion on the core thread.
 
+use std::borrow::Cow;
 use std::time::{Instant, SystemTime};
 
 use crate::doorbell::Full;
@@ -194,6 +195,8 @@ fn on_message(core: &Core, conn: &Conn, st: &mut ConnState, msg: Message) {
                 None => crate::ws::encode_frame(st.out(), OpCode::Close, &[]),
             }
             st.close_code = Some(code.unwrap_or(1005));
+            // The rig's own words for `disconnected` (at most 123 bytes, RFC 6455 §5.5).
+            st.close_reason = frame.map_or(Cow::Borrowed(""), |f| Cow::Owned(f.reason));
             st.phase = Phase::Done;
             let _ = crate::worker::core::flush(conn.fd, st);
         }
@@ -311,7 +314,13 @@ fn on_rig_message(core: &Core, conn: &Conn, st: &mut ConnState, text: &[u8]) {
             core.metrics.inc(C::MsgAck);
             let id = on_ack(core, session, seq);
             if core.fleet {
-                core.event(events::ack(broker, &session.rig, seq, id.as_deref()));
+                core.event(events::ack(
+                    broker,
+                    &session.rig,
+                    &session.boot,
+                    seq,
+                    id.as_deref(),
+                ));
             }
         }
         Ok(ClientMsg::Result {
@@ -319,13 +328,28 @@ fn on_rig_message(core: &Core, conn: &Conn, st: &mut ConnState, text: &[u8]) {
         }) => {
             core.metrics.inc(C::MsgResult);
             if core.fleet {
-                core.event(events::result(broker, &session.rig, seq, ok, output));
+                let id = session.queues.as_ref().and_then(|q| q.id_of(seq));
+                core.event(events::result(
+                    broker,
+                    &session.rig,
+                    &session.boot,
+                    seq,
+                    id,
+                    ok,
+                    output,
+                ));
             }
         }
         Ok(ClientMsg::Event { name, data, .. }) => {
             core.metrics.inc(C::MsgEvent);
             if core.fleet {
-                core.event(events::event(broker, &session.rig, &name, data));
+                core.event(events::event(
+                    broker,
+                    &session.rig,
+                    &session.boot,
+                    &name,
+                    data,
+                ));
             }
         }
         Ok(ClientMsg::Unknown { .. }) | Ok(ClientMsg::Hello(_)) => {
@@ -429,6 +453,11 @@ pub(crate) fn pump(core: &Core, conn: &Conn, st: &mut ConnState) {
 /// The registry's answer to this connection's hello.
 pub(crate) fn on_verdict(core: &Core, conn: &Conn, st: &mut ConnState, verdict: Verdict) {
     if st.phase != Phase::AwaitVerdict {
+        // Closing before its welcome: the session goes back. (A welcomed session has had its
+        // verdict; nothing else is owed one.)
+        if let Some(s) = st.session.as_ref().filter(|s| !s.welcomed) {
+            return_verdict(core, conn.id, Some(s.rig.clone()), verdict);
+        }
         return;
     }
     let (next_seq, resumed, carried) = match verdict {
@@ -479,6 +508,22 @@ pub(crate) fn on_verdict(core: &Core, conn: &Conn, st: &mut ConnState, verdict: 
     pump(core, conn, st);
     // Input that arrived behind the hello is parsed now.
     conn.notify();
+}
+
+/// A verdict its connection cannot take (closing, or gone): an accepted session goes back to
+/// the registry, which parks it, or a resume that raced a drop would lose its commands.
+pub(crate) fn return_verdict(core: &Core, conn: ConnId, rig: Option<RigId>, verdict: Verdict) {
+    if let Verdict::Accept {
+        next_seq, carried, ..
+    } = verdict
+    {
+        core.to_bridge_owed(ToBridge::Returned {
+            conn,
+            rig,
+            next_seq,
+            carried,
+        });
+    }
 }
 
 /// Control's command for this connection's rig.

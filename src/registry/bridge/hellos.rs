@@ -66,23 +66,43 @@ impl Bridge {
             // The verdicts already decided must not wait on these hellos' round trips.
             self.ring_owed();
         }
+        // A hello this broker already knows to be older than the rig's live session is
+        // refused here, writing nothing (CONTRACT.md §3), even if the lease itself is gone.
+        let older: Vec<bool> = hellos
+            .iter()
+            .map(|h| self.registry.holds_newer(&h.rig, h.boot))
+            .collect();
         let outcomes = self.fleet.as_mut().map(|f| {
-            let entries: Vec<(&RigId, &BootId)> =
-                hellos.iter().map(|h| (&h.rig, &h.boot)).collect();
+            let entries: Vec<(&RigId, &BootId)> = hellos
+                .iter()
+                .zip(&older)
+                .filter(|(_, older)| !**older)
+                .map(|(h, _)| (&h.rig, &h.boot))
+                .collect();
+            f.settle_before_hellos(&entries);
+            if entries.is_empty() {
+                return Some(Vec::new());
+            }
             f.hello_many(&entries, ttl)
         });
-        if matches!(outcomes, Some(Some(_))) {
+        let claimed = matches!(&outcomes, Some(Some(o)) if !o.is_empty());
+        if claimed {
             self.shared.count("hello_batch", "sent");
         }
         let mut outcomes = outcomes.map(|o| o.map(Vec::into_iter));
         let mut decided = Vec::with_capacity(hellos.len());
-        for h in hellos {
-            let outcome = match outcomes.as_mut() {
-                None => None,
-                Some(None) => Some(None),
-                Some(Some(each)) => Some(each.next()),
+        for (h, older) in hellos.into_iter().zip(older) {
+            let actions = if older {
+                self.shared.count("hello", "older");
+                self.registry.hello(h.conn, h.rig.clone(), h.boot, h.labels)
+            } else {
+                let outcome = match outcomes.as_mut() {
+                    None => None,
+                    Some(None) => Some(None),
+                    Some(Some(each)) => Some(each.next()),
+                };
+                self.decide_hello(h.conn, h.rig.clone(), h.boot, h.labels, outcome)
             };
-            let actions = self.decide_hello(h.conn, h.rig.clone(), h.boot, h.labels, outcome);
             let accepted = actions.iter().any(|a| {
                 matches!(a, Action::Core(c, ToCore::Verdict { verdict: Verdict::Accept { .. }, .. }) if *c == h.conn)
             });
@@ -104,12 +124,21 @@ impl Bridge {
             Some(f) if !accepted.is_empty() => f.resume_many(&accepted, session_ttl),
             _ => None,
         };
+        // Redis took the leases but then failed to say what their sessions hold: accepted
+        // with local state only, a resumed rig could be given seqs Redis already keeps
+        // commands under, and overwrite them. They are turned away (4503) to come back.
+        let unread = found.is_none() && !accepted.is_empty() && claimed;
         let (mut sessions, mut held) = match found {
             Some((s, h)) => (s.into_iter(), h.into_iter()),
             None => (Vec::new().into_iter(), Vec::new().into_iter()),
         };
         for d in decided {
             let mut actions = d.actions;
+            if d.accepted && unread {
+                self.turn_away(d.conn, &d.rig, &mut actions);
+                self.carry_out(actions);
+                continue;
+            }
             if d.accepted {
                 if let Some(found) = sessions.next().flatten() {
                     actions = self.resume(d.conn, &d.rig, &d.boot, found, actions);
@@ -118,6 +147,32 @@ impl Bridge {
                 self.deliver_held(d.conn, &d.rig, from_redis, &mut actions);
             }
             self.carry_out(actions);
+        }
+    }
+
+    /// Replaces `conn`'s acceptance with 4503: the session it carried goes back to the
+    /// registry (parked for the rig's next hello), and the lease just claimed is released.
+    fn turn_away(&mut self, conn: ConnId, rig: &RigId, actions: &mut [Action]) {
+        self.shared.count("hello", "unavailable");
+        for action in actions.iter_mut() {
+            let Action::Core(c, ToCore::Verdict { verdict, .. }) = action else {
+                continue;
+            };
+            if *c != conn {
+                continue;
+            }
+            if let Verdict::Accept {
+                next_seq, carried, ..
+            } = std::mem::replace(verdict, Verdict::Busy)
+            {
+                let now = Instant::now();
+                if let Some((rig, boot)) =
+                    self.registry
+                        .returned(conn, Some(rig.clone()), next_seq, carried, now)
+                {
+                    self.release(rig, boot);
+                }
+            }
         }
     }
 

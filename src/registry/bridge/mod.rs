@@ -273,6 +273,20 @@ impl Bridge {
                 }
                 actions
             }
+            ToBridge::Returned {
+                conn,
+                rig,
+                next_seq,
+                carried,
+            } => {
+                let released = self
+                    .registry
+                    .returned(conn, rig, next_seq, carried, Instant::now());
+                if let Some((rig, boot)) = released {
+                    self.release(rig, boot);
+                }
+                Vec::new()
+            }
             ToBridge::Abandoned { conn, rig } => {
                 let (actions, released) = self.registry.abandoned(conn, &rig);
                 if let Some(boot) = released {
@@ -361,7 +375,17 @@ impl Bridge {
         // A persist's answer goes in past the bound: the core holds that command, and every
         // one behind it, until it hears whether Redis kept it. So does a request to put a
         // session back (one per connection): lost, Redis would lack that session for good.
-        let queued = if matches!(msg, ToCore::Persisted { .. } | ToCore::Rekeep { .. }) {
+        // And a hello's verdict and a supersede (at most one each per connection): a lost
+        // verdict loses the session it carries, and a lost supersede leaves a stale socket
+        // the registry has already forgotten, which no refresh would close.
+        let owed = matches!(
+            msg,
+            ToCore::Persisted { .. }
+                | ToCore::Rekeep { .. }
+                | ToCore::Verdict { .. }
+                | ToCore::Supersede { .. }
+        );
+        let queued = if owed {
             core.push_owed(msg)
         } else {
             core.push(msg)
@@ -376,9 +400,8 @@ impl Bridge {
             return;
         };
         self.shared.core_queue_full.fetch_add(1, Ordering::Relaxed);
-        // The core cannot take it: answer for what we hold. A lost verdict is covered by the
-        // core's own hello deadline; a lost supersede by the next refresh or ping timeout; a
-        // lost admin answer by its request's own timeout (504).
+        // The core cannot take it: answer for what we hold. A lost admin answer is covered by
+        // its request's own timeout (504).
         match msg {
             ToCore::Command { req, .. } => {
                 let body = reply::error(
@@ -410,6 +433,16 @@ impl Bridge {
 
     /// Replies; `route` is the connection that took the command, for an admin thread to use.
     fn reply_routed(&mut self, to: ReplyTo, body: Value, route: Option<ConnId>) {
+        // The cores count the refusals they answer; these are the bridge's own (the rig is
+        // not here, its hand-over queue is full, its core's inbox is full, Redis fenced it).
+        if body["ok"] == false {
+            match body["error"].as_str() {
+                Some(e @ ("rig_not_connected" | "rig_unresponsive" | "overloaded")) => {
+                    self.shared.count("refused", e)
+                }
+                _ => self.shared.count("refused", "other"),
+            }
+        }
         match to {
             ReplyTo::Admin(tx) => {
                 if tx.try_send(AdminAnswer { body, route }).is_err() {
@@ -474,11 +507,15 @@ impl Bridge {
         for agg in waiting {
             self.finish_broadcast(agg, true);
         }
+        // Commands waiting for a hand-over that will not happen now.
+        let stranded = self.registry.end_hand_overs();
+        self.carry_out(stranded);
         for (rig, boot) in self.registry.live_sessions() {
             self.release(rig, boot);
         }
         if let Some(f) = self.fleet.as_mut() {
             f.flush(None);
+            f.retire();
         }
     }
 }

@@ -10,7 +10,7 @@ use crate::metrics::BridgeStats;
 const CANARY_STALE: Duration = Duration::from_secs(5);
 
 /// Registry operations counted by (op, result), in this order.
-pub const REGISTRY_OPS: [(&str, &str); 30] = [
+pub const REGISTRY_OPS: [(&str, &str); 34] = [
     ("offline", "held"),
     ("offline", "full"),
     ("offline", "delivered"),
@@ -41,6 +41,10 @@ pub const REGISTRY_OPS: [(&str, &str); 30] = [
     ("publish", "dropped"),
     ("broadcast", "overloaded"),
     ("parked", "dropped"),
+    ("refused", "rig_not_connected"),
+    ("refused", "rig_unresponsive"),
+    ("refused", "overloaded"),
+    ("refused", "other"),
 ];
 
 /// Bridge figures the admin thread reads (written only by the bridge thread).
@@ -81,7 +85,7 @@ impl BridgeShared {
             subscribed: AtomicBool::new(false),
             canary_at_ms: AtomicU64::new(0),
             core_queue_full: AtomicU64::new(0),
-            ops: Default::default(),
+            ops: std::array::from_fn(|_| AtomicU64::new(0)),
             pubsub_in: AtomicU64::new(0),
             pubsub_out: AtomicU64::new(0),
             event_bytes: AtomicUsize::new(0),
