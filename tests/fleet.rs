@@ -438,3 +438,87 @@ fn a_publish_redis_refuses_does_not_hold_back_the_ones_after_it() {
     }
     assert_eq!(b.http("GET", "/readyz", "").0, 200, "still on Redis");
 }
+
+/// What control reads on `fleetlink:events` names the session, and what it sends wrong is
+/// answered where it can be: a field of the wrong type, a malformed broadcast (each broker says
+/// who it is). A clean exit removes the broker's liveness key.
+#[test]
+fn events_name_the_session_and_malformed_control_messages_are_answered() {
+    let redis = RedisServer::start();
+    let mut a = fleet_broker(&redis, "fe-a", &["--drain", "1s"]);
+    let (mut ws, boot, _) = a.rig("rig-ev");
+    let mut ctl = Control::new(&redis, &["fleetlink:events"]);
+    for seq in 1..=2u64 {
+        let r = ctl.command_id("fe-a", "rig-ev", &format!("c{seq}"), "n", json!({}));
+        assert_eq!(r["seq"], seq, "{r}");
+        assert_eq!(read_json(&mut ws)["seq"], seq);
+    }
+    // A result before its ack still names the command; after the ack the id went with it.
+    ws.send(Message::Text(
+        json!({"type":"result","seq":1,"ok":true,"extra":{"ignored":true}})
+            .to_string()
+            .into(),
+    ))
+    .unwrap();
+    ws.send(Message::Text(
+        json!({"type":"ack","seq":2}).to_string().into(),
+    ))
+    .unwrap();
+    ws.send(Message::Text(
+        json!({"type":"result","seq":2,"ok":false})
+            .to_string()
+            .into(),
+    ))
+    .unwrap();
+    let first = ctl.next(|ch, v| ch == "fleetlink:events" && v["type"] == "result");
+    assert_eq!(
+        (&first["seq"], &first["id"]),
+        (&json!(1), &json!("c1")),
+        "{first}"
+    );
+    assert_eq!(first["boot_id"], boot.as_str());
+    let ack = ctl.next(|ch, v| ch == "fleetlink:events" && v["type"] == "ack");
+    assert_eq!((&ack["id"], &ack["boot_id"]), (&json!("c2"), &json!(boot)));
+    let second = ctl.next(|ch, v| ch == "fleetlink:events" && v["type"] == "result");
+    assert_eq!((&second["seq"], &second["id"]), (&json!(2), &Value::Null));
+    assert_eq!(second["boot_id"], boot.as_str());
+
+    // A numeric id and an ill-typed field: answered bad_request, the id as sent.
+    let reply_to = ctl.reply_to.clone();
+    let msg = json!({"type":"command","id":7,"rig_id":"rig-ev","name":"n","reply_to":reply_to});
+    ctl.publish("fleetlink:broker:fe-a", msg);
+    let r = ctl.next(|ch, v| ch == reply_to && v["id"] == "7");
+    assert_eq!(r["error"], "bad_request", "{r}");
+    let msg = json!({"type":"command","id":"t1","rig_id":"rig-ev","name":"n","ttl_ms":-1,
+        "queue_if_offline":true,"reply_to":reply_to});
+    ctl.publish("fleetlink:broker:fe-a", msg);
+    let r = ctl.next(|ch, v| ch == reply_to && v["id"] == "t1");
+    assert_eq!(r["error"], "bad_request", "{r}");
+    let msg = json!({"type":"command","id":"b1","selector":["x"],"name":"n","reply_to":reply_to});
+    ctl.publish("fleetlink:broadcast", msg);
+    let r = ctl.next(|ch, v| ch == reply_to && v["id"] == "b1");
+    assert_eq!(
+        (&r["error"], &r["broker_id"]),
+        (&json!("bad_request"), &json!("fe-a"))
+    );
+
+    // The rig's own close reason reaches `disconnected`.
+    ws.close(Some(tungstenite::protocol::CloseFrame {
+        code: tungstenite::protocol::frame::coding::CloseCode::Normal,
+        reason: "firmware update".into(),
+    }))
+    .unwrap();
+    let gone = ctl.next(|ch, v| ch == "fleetlink:events" && v["type"] == "disconnected");
+    assert_eq!(
+        (&gone["code"], &gone["reason"]),
+        (&json!(1000), &json!("firmware update"))
+    );
+
+    let key = || -> Option<String> { redis.connection().get("broker:fe-a").unwrap() };
+    assert!(key().is_some());
+    a.sigterm();
+    assert!(a
+        .wait_exit(Duration::from_secs(20))
+        .is_some_and(|s| s.success()));
+    assert_eq!(key(), None, "a clean exit removes broker:fe-a");
+}

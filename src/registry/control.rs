@@ -91,15 +91,41 @@ struct Raw {
 /// Largest control message taken, as for an admin request.
 pub const MAX_CONTROL: usize = crate::admin::MAX_REQUEST;
 
-/// Where to answer a message too large to take: read from it without building its args.
+/// Where to answer a message that cannot be taken (too large, or a field of the wrong type):
+/// only these three are read, whatever their type, and every other field is skipped unbuilt.
 #[derive(Deserialize, Default)]
 struct Envelope {
     #[serde(default)]
-    id: Option<String>,
+    id: Option<Value>,
     #[serde(default)]
-    rig_id: Option<String>,
+    rig_id: Option<Value>,
     #[serde(default)]
-    reply_to: Option<String>,
+    reply_to: Option<Value>,
+}
+
+impl Envelope {
+    fn read(payload: &[u8]) -> Self {
+        serde_json::from_slice(payload).unwrap_or_default()
+    }
+
+    /// The refusal of this message: answered when it names a reply channel. An id that is
+    /// not a string (say, a number) is echoed as its JSON text, so control can still match it.
+    fn bad(self, why: String) -> Bad {
+        let text = |v: Value| match v {
+            Value::String(s) => s,
+            other => other.to_string(),
+        };
+        let id = self.id.map_or_else(crate::admin::new_id, text);
+        let reply_to = match self.reply_to {
+            Some(Value::String(r)) if !r.is_empty() => Some((id, r)),
+            _ => None,
+        };
+        let rig = match self.rig_id {
+            Some(Value::String(r)) => Some(r),
+            _ => None,
+        };
+        Bad { why, rig, reply_to }
+    }
 }
 
 /// Parses one pub/sub payload; `broadcast` says it came on `fleetlink:broadcast`.
@@ -107,19 +133,10 @@ pub fn parse(payload: &[u8], broadcast: bool) -> Result<Control, Bad> {
     if payload.len() > MAX_CONTROL {
         // The admin API's bound: a command goes to the rig as one frame. Checked before the
         // message is parsed, which for one of the subscription's 64 MiB could take gigabytes.
-        let env: Envelope = serde_json::from_slice(payload).unwrap_or_default();
-        let id = env.id.unwrap_or_else(crate::admin::new_id);
-        return Err(Bad {
-            why: "control message larger than 1 MiB".to_string(),
-            rig: env.rig_id,
-            reply_to: env.reply_to.filter(|r| !r.is_empty()).map(|r| (id, r)),
-        });
+        return Err(Envelope::read(payload).bad("control message larger than 1 MiB".to_string()));
     }
-    let raw: Raw = serde_json::from_slice(payload).map_err(|e| Bad {
-        why: format!("not a control message: {e}"),
-        rig: None,
-        reply_to: None,
-    })?;
+    let raw: Raw = serde_json::from_slice(payload)
+        .map_err(|e| Envelope::read(payload).bad(format!("not a valid control message: {e}")))?;
     let id = raw.id.clone().unwrap_or_else(crate::admin::new_id);
     let reply_to = raw.reply_to.clone().filter(|r| !r.is_empty());
     let bad = |why: &str| Bad {
@@ -254,6 +271,28 @@ mod tests {
         .unwrap_err();
         assert!(bad.why.contains("args"));
         assert!(parse(b"garbage", false).unwrap_err().reply_to.is_none());
+        // A field of the wrong type still gets its answer, with the id as control sent it.
+        let bad = parse(
+            br#"{"type":"command","id":7,"rig_id":"r1","name":"x","reply_to":"chan"}"#,
+            false,
+        )
+        .unwrap_err();
+        assert_eq!(bad.reply_to, Some(("7".into(), "chan".into())));
+        assert_eq!(bad.rig.as_deref(), Some("r1"));
+        for wrong in [
+            r#""selector":["a"]"#,
+            r#""ttl_ms":-1"#,
+            r#""queue_if_offline":"yes""#,
+        ] {
+            let msg = format!(
+                r#"{{"type":"command","id":"c9","rig_id":"r1","name":"x","reply_to":"chan",{wrong}}}"#
+            );
+            let bad = parse(msg.as_bytes(), true).unwrap_err();
+            assert_eq!(bad.reply_to, Some(("c9".into(), "chan".into())), "{wrong}");
+        }
+        // No usable reply channel: counted only.
+        let bad = parse(br#"{"type":"command","id":"c","reply_to":5}"#, false).unwrap_err();
+        assert!(bad.reply_to.is_none());
         assert!(parse(br#"{"type":"evict","rig_id":"r"}"#, true).is_err());
         let big = format!(
             r#"{{"type":"command","id":"c2","rig_id":"r","name":"x","args":{{"b":"{}"}},"reply_to":"chan"}}"#,

@@ -122,10 +122,13 @@ impl Bridge {
             Err(bad) => {
                 self.shared.count("control", "bad_request");
                 if let Some((id, reply_to)) = bad.reply_to {
-                    self.publish(
-                        reply_to,
-                        &reply::error(&id, bad.rig.as_deref(), "bad_request", &bad.why),
-                    );
+                    let mut body = reply::error(&id, bad.rig.as_deref(), "bad_request", &bad.why);
+                    if broadcast {
+                        // Every broker answers a broadcast, this one too: control counts the
+                        // answers by broker.
+                        body["broker_id"] = self.cfg.broker_id.clone().into();
+                    }
+                    self.publish(reply_to, &body);
                 }
             }
         }
