@@ -4,7 +4,7 @@
 # thread, the rigs' loadgen and Redis spent from just before the first PUBLISH until the last
 # command arrived. Brokers alternate, R rounds.
 #
-#   bench/fanout-cpu.sh [--rigs 10000] [--fanouts 3] [--rounds 2]
+#   bench/fanout-cpu.sh [--rigs 10000] [--fanouts 3] [--rounds 2] [--name SUFFIX]
 #                       [--brokers "fleetlink-fe-redis fleetlink-fe-redis-allcores
 #                                   fleetlink-fe-redis-nopersist tokio-baseline-redis-rb4096"]
 #
@@ -15,7 +15,8 @@
 #
 # Prints one line per session and a summary (medians over rounds: CPU ms per 1,000 commands of
 # the broker, Redis, the loadgen and all three, context switches per 1,000 commands, p99), and
-# writes bench/results/fanout-cpu.json. Its own redis-server on
+# writes bench/results/fanout-cpu.json, or fanout-cpu-SUFFIX.json with --name (without it, the
+# previous run's fanout-cpu.json is overwritten). Its own redis-server on
 # FANOUT_REDIS_PORT (default 26379), brokers on 26080/26090; everything it starts is stopped on
 # exit. Needs release builds (`bench/run` builds them) and jq.
 set -euo pipefail
@@ -23,6 +24,7 @@ here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 target="${CARGO_TARGET_DIR:-$here/../target}/release"
 rigs=10000 fanouts=3 rounds=2
 brokers="fleetlink-fe-redis fleetlink-fe-redis-allcores fleetlink-fe-redis-nopersist tokio-baseline-redis-rb4096"
+suffix=""
 rport="${FANOUT_REDIS_PORT:-26379}" lport=26080 aport=26090
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -30,10 +32,13 @@ while [[ $# -gt 0 ]]; do
     --fanouts) fanouts="$2"; shift 2 ;;
     --rounds) rounds="$2"; shift 2 ;;
     --brokers) brokers="$2"; shift 2 ;;
-    *) sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit 64 ;;
+    --name) suffix="$2"; shift 2 ;;
+    *) sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'; exit 64 ;;
   esac
 done
 (( rigs <= 19000 )) || { echo "fanout-cpu: --rigs at most 19000" >&2; exit 64; }
+[[ "$suffix" =~ ^[A-Za-z0-9._-]*$ ]] || { echo "fanout-cpu: --name: letters, digits, . _ - only" >&2; exit 64; }
+result="$here/results/fanout-cpu${suffix:+-$suffix}.json"
 work="$(mktemp -d /tmp/fanout-cpu.XXXXXX)"
 pids=()
 cleanup() {
@@ -135,4 +140,5 @@ jq -s '{method: "per-thread utime+stime (/proc/PID/task/*/stat, 10 ms ticks) fro
             broker_switches_per_1000: med(.context_switches.broker * 1000 / .commands),
             loadgen_switches_per_1000: med(.context_switches.loadgen * 1000 / .commands),
             p99_ms: med(.latency_ms.p99)}}) | add)}' \
-  "$work/sessions.jsonl" | tee "$here/results/fanout-cpu.json" | jq '.medians'
+  "$work/sessions.jsonl" | tee "$result" | jq '.medians'
+echo "fanout-cpu: wrote $result" >&2

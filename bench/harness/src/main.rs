@@ -5,7 +5,7 @@
 //! fleetlink-bench accept-storm [--rigs 10000] [--rounds 3] [--out bench/results]
 //! fleetlink-bench idle-cost    [--rigs 10000] [--window 60s]
 //! fleetlink-bench throughput   [--rigs 1000] [--duration 30s] [--conns 8]
-//! fleetlink-bench plots        [--out bench/results]
+//! fleetlink-bench plots        [--out bench/results] [--name SFX]
 //! ```
 //!
 //! Module map: `ctx` (binaries, ports, work dir), `proc` (children stopped on drop, /proc CPU),
@@ -43,7 +43,7 @@ enum Scenario {
     IdleCost(scenario::idle_cost::Opts),
     /// Commands/s acked through the admin API, per wall second and per broker CPU-second.
     Throughput(scenario::throughput::Opts),
-    /// SVGs from density-*.json and latency-*.json.
+    /// SVGs from one run's density-*.json and latency-*.json (`--name`: which run).
     Plots(plots::Opts),
 }
 

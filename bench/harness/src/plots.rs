@@ -1,12 +1,19 @@
 //! `plots`: SVG figures from the result files other scenarios and scripts wrote.
 //!
 //! - `density.svg`: RSS (MiB, log scale) vs open connections, one line per
-//!   `density-<name>.json` (`points[].conns`, `points[].rss_kb`, written by `density.sh`).
-//! - `latency-single.svg`, `latency-fanout.svg`: latency CDF per `latency-<name>.json`
+//!   `density-<broker>.json` (`points[].conns`, `points[].rss_kb`, written by `density.sh`).
+//! - `latency-single.svg`, `latency-fanout.svg`: latency CDF per `latency-<broker>.json`
 //!   (written by `latency.sh`). Each session there keeps the loadgen's distribution at every
 //!   percentile 1–99, 99.5, 99.9 and the max (`latency_us.cdf`); a curve is the median over a
 //!   broker's sessions at each of those. Files from before the loadgen wrote `cdf` have only
 //!   min, p50, p90, p99, p99.9 and max, and their curves join those six points.
+//!
+//! A plot draws one run: the scripts name a file `<prefix><broker>.json`, or
+//! `<prefix><broker>-<SFX>.json` when run with `--name SFX`, and every file records its
+//! `broker`. By default only the files written without `--name` are drawn, into `density.svg`
+//! and `latency-*.svg`; `plots --name SFX` draws the files of that run into
+//! `density-SFX.svg` and `latency-*-SFX.svg`. Files of other runs in the same directory are
+//! left out, so a plot never mixes runs.
 
 use std::ops::Range;
 use std::path::{Path, PathBuf};
@@ -25,6 +32,10 @@ pub(crate) struct Opts {
     /// Directory holding the result files; the SVGs are written there too.
     #[arg(long, default_value = concat!(env!("CARGO_MANIFEST_DIR"), "/../results"))]
     out: PathBuf,
+    /// Draw the run written with `--name SFX` (files `<prefix><broker>-SFX.json`) into SVGs
+    /// named with `-SFX`. Default: the run written without `--name`.
+    #[arg(long)]
+    name: Option<String>,
 }
 
 /// One line of a plot: legend label and (x, y) points in x order.
@@ -49,12 +60,16 @@ pub(crate) fn run(o: &Opts) -> Result<()> {
         .out
         .canonicalize()
         .with_context(|| format!("{}", o.out.display()))?;
-    let o = &Opts { out };
+    let run = o.name.as_deref().unwrap_or("");
+    let svg = |stem: &str| match run {
+        "" => format!("{stem}.svg"),
+        sfx => format!("{stem}-{sfx}.svg"),
+    };
     let mut wrote = 0;
-    let density = lines_from(&o.out, "density-", density_line)?;
+    let density = lines_from(&out, "density-", run, density_line)?;
     if !density.is_empty() {
         let (x, y) = bounds(&density);
-        let path = o.out.join("density.svg");
+        let path = out.join(svg("density"));
         draw(
             &path,
             "RSS vs open connections (incremental, idle rigs)",
@@ -67,12 +82,12 @@ pub(crate) fn run(o: &Opts) -> Result<()> {
         wrote += 1;
     }
     for shape in ["single", "fanout"] {
-        let lines = lines_from(&o.out, "latency-", |v| latency_line(v, shape))?;
+        let lines = lines_from(&out, "latency-", run, |v| latency_line(v, shape))?;
         if lines.is_empty() {
             continue;
         }
         let (x, _) = bounds(&lines);
-        let path = o.out.join(format!("latency-{shape}.svg"));
+        let path = out.join(svg(&format!("latency-{shape}")));
         let title =
             format!("Command latency CDF, {shape} (median over sessions at each percentile)");
         draw(
@@ -87,15 +102,36 @@ pub(crate) fn run(o: &Opts) -> Result<()> {
         wrote += 1;
     }
     if wrote == 0 {
-        bail!("no density-*.json or latency-*.json in {}", o.out.display());
+        match run {
+            "" => bail!(
+                "no density-<broker>.json or latency-<broker>.json (written without --name) in {}",
+                out.display()
+            ),
+            sfx => bail!(
+                "no density-<broker>-{sfx}.json or latency-<broker>-{sfx}.json in {}",
+                out.display()
+            ),
+        }
     }
     Ok(())
 }
 
-/// One line per `<prefix>*.json` in `dir` (sorted by name) that `line` accepts.
+/// The run a result file belongs to: `""` for `<prefix><broker>.json`, `SFX` for
+/// `<prefix><broker>-SFX.json`, `None` when the file name does not start with its broker.
+fn run_of<'a>(stem: &'a str, prefix: &str, broker: &str) -> Option<&'a str> {
+    let rest = stem.strip_prefix(prefix)?.strip_prefix(broker)?;
+    match rest {
+        "" => Some(""),
+        _ => rest.strip_prefix('-').filter(|sfx| !sfx.is_empty()),
+    }
+}
+
+/// One line per `<prefix><broker>[-<run>].json` in `dir` (sorted by name) of run `run` (see
+/// [`run_of`]) that `line` accepts, labelled with its broker.
 fn lines_from(
     dir: &Path,
     prefix: &str,
+    run: &str,
     line: impl Fn(&Value) -> Option<Vec<(f64, f64)>>,
 ) -> Result<Vec<Line>> {
     let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
@@ -114,8 +150,15 @@ fn lines_from(
         let v: Value = serde_json::from_str(&std::fs::read_to_string(&f)?)
             .with_context(|| format!("{} is not JSON", f.display()))?;
         let stem = f.file_stem().and_then(|s| s.to_str()).unwrap_or_default();
+        let Some(broker) = v["broker"].as_str() else {
+            continue;
+        };
+        if run_of(stem, prefix, broker) != Some(run) {
+            continue;
+        }
         if let Some(points) = line(&v).filter(|p| p.len() >= 2) {
-            let label = stem.trim_start_matches(prefix).to_string();
+            eprintln!("bench: plotting {}", f.display());
+            let label = broker.to_string();
             out.push(Line { label, points });
         }
     }
@@ -306,6 +349,82 @@ mod tests {
         let v = json!({"sessions": [s(400, 3000),
             {"shape": "single", "latency_us": {"min": 1, "p50": 2, "p90": 3, "p99": 4, "p999": 5, "max": 6}}]});
         assert_eq!(latency_line(&v, "single").unwrap().len(), 6);
+    }
+
+    #[test]
+    fn a_file_belongs_to_the_run_its_name_adds_to_its_broker() {
+        let run = |stem, broker| run_of(stem, "latency-", broker);
+        assert_eq!(
+            run("latency-fleetlink-fe-redis", "fleetlink-fe-redis"),
+            Some("")
+        );
+        assert_eq!(
+            run("latency-fleetlink-fe-redis-r12", "fleetlink-fe-redis"),
+            Some("r12")
+        );
+        // A broker whose name extends another's is not that broker's run.
+        assert_eq!(
+            run(
+                "latency-fleetlink-fe-redis-nopersist",
+                "fleetlink-fe-redis-nopersist"
+            ),
+            Some("")
+        );
+        assert_eq!(
+            run("latency-fleetlink-fe-admin-admin-r3", "fleetlink-fe-admin"),
+            Some("admin-r3")
+        );
+        assert_eq!(
+            run(
+                "latency-fleetlink-fe-redis+nice-nice1",
+                "fleetlink-fe-redis+nice"
+            ),
+            Some("nice1")
+        );
+        assert_eq!(
+            run("latency-tokio-baseline-default", "fleetlink-fe-redis"),
+            None
+        );
+        assert_eq!(
+            run("latency-fleetlink-fe-redis-", "fleetlink-fe-redis"),
+            None
+        );
+        assert_eq!(run_of("density-rounds", "density-", ""), None);
+    }
+
+    #[test]
+    fn only_the_chosen_run_is_drawn() {
+        let dir = tempfile::tempdir().unwrap();
+        let q = json!({"min": 100, "p50": 500, "p90": 900, "p99": 2000, "p999": 3000, "max": 4000});
+        let file = |name: &str, broker: &str| {
+            let v = json!({"broker": broker, "sessions": [{"shape": "single", "latency_us": q}]});
+            std::fs::write(dir.path().join(name), v.to_string()).unwrap();
+        };
+        file("latency-fleetlink-fe-redis.json", "fleetlink-fe-redis");
+        file(
+            "latency-fleetlink-fe-redis-nopersist.json",
+            "fleetlink-fe-redis-nopersist",
+        );
+        file("latency-fleetlink-fe-redis-r12.json", "fleetlink-fe-redis");
+        file(
+            "latency-fleetlink-fe-admin-admin-r3.json",
+            "fleetlink-fe-admin",
+        );
+        let labels = |run| {
+            lines_from(dir.path(), "latency-", run, |v| latency_line(v, "single"))
+                .unwrap()
+                .into_iter()
+                .map(|l| l.label)
+                .collect::<Vec<_>>()
+        };
+        // In file-name order: '-' sorts before '.'.
+        assert_eq!(
+            labels(""),
+            ["fleetlink-fe-redis-nopersist", "fleetlink-fe-redis"]
+        );
+        assert_eq!(labels("r12"), ["fleetlink-fe-redis"]);
+        assert_eq!(labels("admin-r3"), ["fleetlink-fe-admin"]);
+        assert!(labels("r99").is_empty());
     }
 
     #[test]

@@ -199,4 +199,12 @@ fn plots_draw_the_committed_results() {
         let text = std::fs::read_to_string(out.path().join(svg)).expect(svg);
         assert!(text.contains("fleetlink-fe"), "{svg} names its broker");
     }
+    // A run that wrote no files draws nothing and says so.
+    let status = Command::new(bin_dir().join("fleetlink-bench"))
+        .args(["plots", "--name", "no-such-run", "--out"])
+        .arg(out.path())
+        .status()
+        .expect("fleetlink-bench plots --name");
+    assert!(!status.success());
+    assert!(!out.path().join("latency-single-no-such-run.svg").exists());
 }
