@@ -861,7 +861,8 @@ mod tests {
         for _ in 0..3000 {
             let len = (next() % 200) as usize;
             let raw: Vec<u8> = (0..len).map(|_| next() as u8).collect();
-            let _ = v.verify(&String::from_utf8_lossy(&raw), now());
+            let raw = String::from_utf8_lossy(&raw);
+            assert!(v.verify(&raw, now()).is_err(), "{raw:?}");
             let text: String = (0..len)
                 .map(|_| alphabet[(next() % alphabet.len() as u64) as usize] as char)
                 .collect();

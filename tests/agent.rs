@@ -212,12 +212,19 @@ fn runs_allowed_commands_once_and_acks_refused_ones() {
     assert_eq!(seq, 2);
     wait_rig(&b, "rig-run", "ack of seq 2", |r| r["last_ack_seq"] == 2);
     agent.wait_line("finished seq=2 name=rm ok=false", Duration::from_secs(5));
-    std::thread::sleep(Duration::from_millis(200));
-    assert_eq!(
-        agent.exec_lines().len(),
-        1,
-        "a refused command was executed"
-    );
+    // The ack goes out on receipt, before the worker runs the command, so it proves nothing
+    // about the exec log. One worker runs commands in seq order and writes a command's line
+    // before taking the next, so once seq 3's line is there, seq 2's would be too.
+    assert_eq!(send(&b, "rig-run", "echo", json!({"argv": ["fence"]})), 3);
+    eventually(Duration::from_secs(10), "exec-log line for seq 3", || {
+        agent.exec_lines().len() >= 2
+    });
+    let seqs: Vec<String> = agent
+        .exec_lines()
+        .iter()
+        .map(|l| l.split_whitespace().next().unwrap().to_string())
+        .collect();
+    assert_eq!(seqs, ["seq=1", "seq=3"], "a refused command was executed");
 }
 
 #[test]
@@ -240,19 +247,21 @@ fn kick_reconnects_and_resumes_the_same_session() {
     let r = wait_rig(&b, "rig-kick", "rig-kick back", |_| true);
     assert_eq!(r["boot_id"], boot.as_str());
 
-    // The session went on: the next command is seq 2, and nothing ran twice.
+    // The session went on: the next command is seq 2, and nothing ran twice. Acks go out on
+    // receipt, not after the run; seq 3 is the fence: one worker runs in seq order, so when
+    // its line is written, any rerun of 1 or 2 received before it has been written too.
     assert_eq!(send(&b, "rig-kick", "echo", json!({"argv": ["two"]})), 2);
-    wait_rig(&b, "rig-kick", "ack of seq 2", |r| r["last_ack_seq"] == 2);
-    eventually(Duration::from_secs(10), "two exec-log lines", || {
-        agent.exec_lines().len() >= 2
+    assert_eq!(send(&b, "rig-kick", "echo", json!({"argv": ["three"]})), 3);
+    wait_rig(&b, "rig-kick", "ack of seq 3", |r| r["last_ack_seq"] == 3);
+    eventually(Duration::from_secs(10), "three exec-log lines", || {
+        agent.exec_lines().len() >= 3
     });
-    std::thread::sleep(Duration::from_millis(200));
     let seqs: Vec<String> = agent
         .exec_lines()
         .iter()
         .map(|l| l.split_whitespace().next().unwrap().to_string())
         .collect();
-    assert_eq!(seqs, ["seq=1", "seq=2"]);
+    assert_eq!(seqs, ["seq=1", "seq=2", "seq=3"]);
 }
 
 #[test]
@@ -278,11 +287,15 @@ fn over_capacity_503_waits_for_retry_after() {
         .unwrap();
     assert!((5.0..=15.0).contains(&hint), "{line}");
     assert!(secs >= hint * 0.9 && secs <= hint * 1.1, "{line}");
-    // It really waits: no second attempt in the next two seconds (the delay is at least 4.5 s).
-    std::thread::sleep(Duration::from_secs(2).saturating_sub(seen.elapsed()));
+    // It really waits: the second attempt comes no sooner than the delay it announced, itself
+    // at least 0.9 × Retry-After (4.5 s). Both times are when the test read the lines from the
+    // agent's stderr; SLACK covers that pipe's delivery jitter.
+    const SLACK: f64 = 0.25;
+    let (retried, _) = agent.wait_line("attempt 2", Duration::from_secs(20));
+    let waited = (retried - seen).as_secs_f64();
     assert!(
-        !agent.has_line("attempt 2"),
-        "reconnected before Retry-After:\n{}",
+        waited + SLACK >= secs && waited + SLACK >= hint * 0.9,
+        "reconnected {waited:.2}s after {line:?}:\n{}",
         agent.log()
     );
 }
@@ -426,6 +439,17 @@ fn close_with(ws: &mut ServerWs, code: u16, reason: &str) {
     while ws.read().is_ok() {}
 }
 
+/// Reads to the connection's end; the code of the close frame the agent sent, if any.
+fn close_code_read(ws: &mut ServerWs) -> Option<u16> {
+    let mut code = None;
+    while let Ok(msg) = ws.read() {
+        if let Message::Close(Some(f)) = msg {
+            code = Some(u16::from(f.code));
+        }
+    }
+    code
+}
+
 #[test]
 fn hello_fields_duplicates_resume_and_seq_gap() {
     let fake = FakeBroker::new();
@@ -494,6 +518,14 @@ fn retry_after_close_and_refusal() {
     close_with(&mut ws, 4503, "retry_after=7");
     let (_, line) = agent.wait_line("close 4503: retry in ", Duration::from_secs(5));
     assert!(line.ends_with("(Retry-After: 7)"), "{line}");
+    // The delay it chose is the hint ± 10 %, not its ordinary backoff.
+    let secs: f64 = line
+        .split("retry in ")
+        .nth(1)
+        .and_then(|s| s.split('s').next())
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("no delay in {line:?}"));
+    assert!((6.3..=7.7).contains(&secs), "{line}");
     drop(ws);
 
     // A newer boot owns this rig id: the agent gives up for good (exit 5), it does not fight.
@@ -538,21 +570,16 @@ fn run_for_and_sigterm_stop_with_exit_zero_and_max_attempts_gives_up() {
     welcome(&mut ws, false);
     assert_eq!(agent.wait_exit(Duration::from_secs(10)).code(), Some(0));
     // The agent closed politely (1001) rather than dropping the socket.
-    let mut code = None;
-    while let Ok(msg) = ws.read() {
-        if let Message::Close(Some(f)) = msg {
-            code = Some(u16::from(f.code));
-        }
-    }
-    assert_eq!(code, Some(1001));
+    assert_eq!(close_code_read(&mut ws), Some(1001));
 
-    // SIGTERM: the same polite stop.
+    // SIGTERM: the same polite stop, exit 0 after a close 1001.
     let mut agent = Agent::start(&fake.url(), "rig-brief", &[]);
     let (mut ws, _) = fake.accept();
     welcome(&mut ws, false);
     agent.wait_line("connected to", Duration::from_secs(5));
     unsafe { libc::kill(agent.child.id() as i32, libc::SIGTERM) };
     assert_eq!(agent.wait_exit(Duration::from_secs(10)).code(), Some(0));
+    assert_eq!(close_code_read(&mut ws), Some(1001));
 
     let port = TcpListener::bind("127.0.0.1:0")
         .unwrap()

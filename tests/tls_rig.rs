@@ -5,11 +5,11 @@
 
 mod common;
 
-use std::io::{Read, Write};
+use std::io::{ErrorKind, Read, Write};
 use std::net::TcpStream;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use base64::engine::general_purpose::{STANDARD, URL_SAFE_NO_PAD};
 use base64::Engine;
@@ -133,6 +133,32 @@ fn tls_broker(pki: &Summary, dir: &Path, extra: &[&str]) -> Broker {
     Broker::start(&refs)
 }
 
+/// Asserts `attempt` failed with the TLS alert `alert` from the broker (rustls'
+/// `received fatal alert: <alert>`), not with a refused connection or a timeout.
+fn refused_with(attempt: Result<TlsWs, String>, alert: &str) {
+    match attempt {
+        Ok(_) => panic!("the handshake succeeded; expected alert {alert}"),
+        Err(e) => assert!(
+            e.contains(&format!("received fatal alert: {alert}")),
+            "expected alert {alert}, got: {e}"
+        ),
+    }
+}
+
+/// Reads `s` to its end into `buf`: the peer must close it (EOF, or a reset when our unread
+/// bytes were in its buffer) within the socket's read timeout, not leave it open.
+fn closed_by_peer(s: &mut TcpStream, buf: &mut Vec<u8>) {
+    let started = Instant::now();
+    match s.read_to_end(buf) {
+        Ok(_) => {}
+        Err(e) if e.kind() == ErrorKind::ConnectionReset => {}
+        Err(e) => panic!(
+            "the broker did not close the connection ({e} after {:?})",
+            started.elapsed()
+        ),
+    }
+}
+
 #[test]
 fn mtls_identity_is_the_certificate() {
     let dir = Dir::new("id");
@@ -198,7 +224,7 @@ fn a_tls_connection_over_capacity_is_closed_without_plain_text() {
         .unwrap();
     let mut got = Vec::new();
     // The close comes whatever the client sends; its bytes may reset the socket instead.
-    let _ = over.read_to_end(&mut got);
+    closed_by_peer(&mut over, &mut got);
     assert!(got.is_empty(), "{:?}", String::from_utf8_lossy(&got));
     b.wait_metric("fleetlink_accepts_total{result=\"over_capacity\"} 1");
     // The rig inside the limit is served on.
@@ -226,10 +252,12 @@ fn wrong_ca_expired_and_certless_clients_are_refused() {
     )
     .unwrap();
     let (fc, fk) = foreign.write(&dir.0, "foreign").unwrap();
-    assert!(
-        wss(&b, &pki.ca_cert, Some((&fc, &fk)), &[]).is_err(),
-        "a cert from another CA must be refused"
-    );
+    // Each refusal is the broker's handshake failure (one more on its counter) and the alert
+    // naming the reason, not a refused connection or a timeout.
+    let failures = "fleetlink_tls_handshake_failures_total";
+    assert_eq!(b.metric(failures), 0);
+    refused_with(wss(&b, &pki.ca_cert, Some((&fc, &fk)), &[]), "UnknownCA");
+    b.wait_metric(&format!("{failures} 1"));
     let expired = dev_certs::generate_rig(
         &pki.ca,
         "rig-0001",
@@ -238,14 +266,13 @@ fn wrong_ca_expired_and_certless_clients_are_refused() {
     )
     .unwrap();
     let (ec, ek) = expired.write(&dir.0, "expired").unwrap();
-    assert!(
-        wss(&b, &pki.ca_cert, Some((&ec, &ek)), &[]).is_err(),
-        "an expired cert must be refused"
+    refused_with(
+        wss(&b, &pki.ca_cert, Some((&ec, &ek)), &[]),
+        "CertificateExpired",
     );
-    assert!(
-        wss(&b, &pki.ca_cert, None, &[]).is_err(),
-        "no client cert must be refused"
-    );
+    b.wait_metric(&format!("{failures} 2"));
+    refused_with(wss(&b, &pki.ca_cert, None, &[]), "CertificateRequired");
+    b.wait_metric(&format!("{failures} 3"));
     // A plain-text client on the TLS port gets the connection closed, and the broker lives on.
     let mut plain = TcpStream::connect(b.listen).unwrap();
     plain
@@ -255,22 +282,17 @@ fn wrong_ca_expired_and_certless_clients_are_refused() {
         .write_all(b"GET /agent HTTP/1.1\r\nHost: x\r\n\r\n")
         .unwrap();
     let mut buf = Vec::new();
-    let _ = plain.read_to_end(&mut buf);
+    closed_by_peer(&mut plain, &mut buf);
     assert!(
         !String::from_utf8_lossy(&buf).contains("HTTP/1.1"),
         "no plaintext answer on the TLS port"
     );
+    // Plain text is not a TLS record: the fourth handshake failure.
+    b.wait_metric(&format!("{failures} 4"));
     let r = &pki.rigs[0];
     let mut ok = wss(&b, &pki.ca_cert, Some((&r.cert, &r.key)), &[]).unwrap();
     assert_eq!(hello(&mut ok, &r.rig_id)["type"], "welcome");
-    eventually(Duration::from_secs(5), "tls failures counted", || {
-        let (_, m) = b.http("GET", "/metrics", "");
-        m.lines()
-            .find_map(|l| l.strip_prefix("fleetlink_tls_handshake_failures_total "))
-            .and_then(|v| v.parse::<u64>().ok())
-            .unwrap_or(0)
-            >= 3
-    });
+    assert_eq!(b.metric(failures), 4, "a good handshake counted as failed");
 }
 
 #[test]
@@ -289,10 +311,17 @@ fn a_revoked_cert_is_refused_after_the_crl_changes_and_others_stay_up() {
         &dir.0.join("crl.pem"),
     )
     .unwrap();
-    // The watcher reloads within about a second; poll with a deadline.
+    // The watcher reloads within about a second; poll with a deadline. Until then the
+    // handshake succeeds; after, the broker refuses it as revoked, and nothing else fails.
+    let failures = "fleetlink_tls_handshake_failures_total";
+    assert_eq!(b.metric(failures), 0);
+    let mut refusal = None;
     eventually(Duration::from_secs(10), "revoked cert refused", || {
-        wss(&b, &pki.ca_cert, Some((&revoke.cert, &revoke.key)), &[]).is_err()
+        refusal = wss(&b, &pki.ca_cert, Some((&revoke.cert, &revoke.key)), &[]).err();
+        refusal.is_some()
     });
+    refused_with(Err(refusal.unwrap()), "CertificateRevoked");
+    b.wait_metric(&format!("{failures} 1"));
     // No connection was dropped by the reload, not even the one whose cert is now revoked.
     for (ws, rig) in [(&mut kept, &keep.rig_id), (&mut doomed, &revoke.rig_id)] {
         let (status, reply) = b.command(rig, "still-there", json!({}));

@@ -333,12 +333,35 @@ mod tests {
         assert_eq!(out.output["stdout_truncated"], true);
     }
 
+    /// Whether `pid` is gone: no such process, or a zombie (killed, not yet reaped by whoever
+    /// inherited it).
+    fn gone(pid: i32) -> bool {
+        // SAFETY: signal 0 only checks that the process exists.
+        if unsafe { libc::kill(pid, 0) } == -1 {
+            return std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH);
+        }
+        std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .ok()
+            .and_then(|stat| Some(stat.rsplit_once(')')?.1.trim_start().starts_with('Z')))
+            .unwrap_or(true)
+    }
+
     #[test]
     fn timeout_kills_the_process_group() {
+        let dir = std::env::temp_dir().join(format!("agent-handler-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let pid_file = dir.join("grandchild.pid");
+        let _ = std::fs::remove_file(&pid_file);
+        // The grandchild does not hold the output pipes, so only the timeout's kill can end it
+        // (not the kill that frees pipes held open after the child exits).
+        let script = format!(
+            "sleep 30 >/dev/null 2>&1 & echo $! > '{}'; wait",
+            pid_file.display()
+        );
         let started = Instant::now();
         let out = allow(&["sh"], 100).handle(&cmd(
             "sh",
-            json!({"argv": ["-c", "sleep 30 & sleep 30"], "timeout_ms": 200}),
+            json!({"argv": ["-c", script], "timeout_ms": 1000}),
         ));
         assert!(!out.ok && out.executed);
         assert_eq!(out.output["timed_out"], true);
@@ -348,6 +371,21 @@ mod tests {
             "{:?}",
             started.elapsed()
         );
+        let pid: i32 = std::fs::read_to_string(&pid_file)
+            .expect("the grandchild's pid file")
+            .trim()
+            .parse()
+            .unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while !gone(pid) {
+            if Instant::now() >= deadline {
+                // SAFETY: plain syscall; do not leave the survivor behind.
+                unsafe { libc::kill(pid, libc::SIGKILL) };
+                panic!("grandchild {pid} outlived the timeout");
+            }
+            thread::sleep(POLL);
+        }
     }
 
     #[test]
