@@ -464,33 +464,50 @@ impl Drop for Swarm {
 // Real agents
 // ---------------------------------------------------------------------------------------------
 
-/// A `fleetlink-agent` process (killed on drop) with its exec log and stderr log.
+/// A `fleetlink-agent` process (killed on drop) with its exec log and stderr log. Its stderr
+/// comes through a pipe, so every line is also kept with the instant the test read it.
 struct Agent {
     child: Child,
     rig: String,
     exec_log: PathBuf,
-    stderr: PathBuf,
+    /// Its stderr lines (also written to `<rig>.err`), each with when it was read.
+    lines: Arc<Mutex<Vec<(Instant, String)>>>,
+    /// Set once its stderr reached end of file.
+    stderr_done: Arc<AtomicBool>,
 }
 
 impl Agent {
     fn spawn(url: &str, rig: &str, dir: &Path) -> Agent {
         let exec_log = dir.join(format!("{rig}.exec"));
-        let stderr = dir.join(format!("{rig}.err"));
-        let child = Command::new(env!("CARGO_BIN_EXE_fleetlink-agent"))
+        let mut file = File::create(dir.join(format!("{rig}.err"))).unwrap();
+        let mut child = Command::new(env!("CARGO_BIN_EXE_fleetlink-agent"))
             .args(["--url", url, "--rig-id", rig, "--allow", "true"])
             .arg("--exec-log")
             .arg(&exec_log)
             .env("RUST_LOG", "info")
             .stdin(Stdio::null())
             .stdout(Stdio::null())
-            .stderr(File::create(&stderr).unwrap())
+            .stderr(Stdio::piped())
             .spawn()
             .expect("spawn fleetlink-agent");
+        let stderr = child.stderr.take().expect("stderr");
+        let lines = Arc::new(Mutex::new(Vec::new()));
+        let stderr_done = Arc::new(AtomicBool::new(false));
+        let (kept, done) = (lines.clone(), stderr_done.clone());
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                let at = Instant::now();
+                let _ = writeln!(file, "{line}");
+                kept.lock().unwrap().push((at, line));
+            }
+            done.store(true, Ordering::SeqCst);
+        });
         Agent {
             child,
             rig: rig.to_string(),
             exec_log,
-            stderr,
+            lines,
+            stderr_done,
         }
     }
 
@@ -508,18 +525,32 @@ impl Agent {
             .collect()
     }
 
+    /// Its stderr so far.
     fn log(&self) -> String {
-        std::fs::read_to_string(&self.stderr).unwrap_or_default()
+        self.timed_lines()
+            .into_iter()
+            .map(|(_, l)| l + "\n")
+            .collect()
+    }
+
+    /// Its stderr lines so far, each with the instant the test read it.
+    fn timed_lines(&self) -> Vec<(Instant, String)> {
+        self.lines.lock().unwrap().clone()
     }
 
     fn sigterm(&self) {
         unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
     }
 
+    /// Waits for the process to exit, then (briefly) for the last of its stderr.
     fn wait_exit(&mut self, limit: Duration) -> Option<std::process::ExitStatus> {
         let deadline = Instant::now() + limit;
         loop {
             if let Ok(Some(s)) = self.child.try_wait() {
+                let drained = Instant::now() + Duration::from_secs(5);
+                while !self.stderr_done.load(Ordering::SeqCst) && Instant::now() < drained {
+                    std::thread::sleep(Duration::from_millis(5));
+                }
                 return Some(s);
             }
             if Instant::now() > deadline {
@@ -619,6 +650,8 @@ fn redis_kill9_under_rigs_closes_nothing_and_leases_return_within_one_refresh() 
         "liveness stalled in the outage: {pongs_during} pongs"
     );
 
+    let restored_series = "fleetlink_registry_ops_total{op=\"refresh\",result=\"restored\"}";
+    let restored_before = Metrics::of(a.admin).get(restored_series);
     redis.restart();
     let back = Instant::now();
     let mut con = redis.connection();
@@ -653,6 +686,14 @@ fn redis_kill9_under_rigs_closes_nothing_and_leases_return_within_one_refresh() 
         assert_eq!(v, format!("{boot}|fe-a"));
     }
     assert_eq!(now_owned.len(), N);
+    // It was a refresh that put them back: the first pass after the reconnect restores every
+    // lease it finds missing, so any other writer first would make this fewer, and a lease
+    // lost again more.
+    eventually(Duration::from_secs(5), "the restores counted", || {
+        Metrics::of(a.admin).get(restored_series) - restored_before >= N as f64
+    });
+    let restored = Metrics::of(a.admin).get(restored_series) - restored_before;
+    assert_eq!(restored, N as f64, "leases restored by refresh");
     eventually(Duration::from_secs(10), "readyz 200 again", || {
         a.http("GET", "/readyz", "").0 == 200
     });
@@ -690,10 +731,13 @@ fn redis_kill9_under_rigs_closes_nothing_and_leases_return_within_one_refresh() 
             ("resubscribed_to_registry_whole_ms", ms(restore)),
             ("redis_back_to_registry_whole_ms", ms(total)),
             ("registry_refresh_ms", ms(REFRESH)),
+            ("leases_restored_by_refresh", json!(restored)),
         ],
     );
+    // The count above shows one refresh pass did it; the clock bounds it only loosely, as the
+    // test thread's polling on two busy cores adds its own delays.
     assert!(
-        restore <= REFRESH,
+        restore <= REFRESH + Duration::from_secs(1),
         "registry whole {restore:?} after the broker got Redis back (refresh {REFRESH:?})"
     );
     assert!(
@@ -964,6 +1008,8 @@ struct PeerRig {
     stream: TcpStream,
     buf: Vec<u8>,
     pongs: u64,
+    /// Pings read while told not to answer.
+    unanswered: u64,
     close: Option<u16>,
 }
 
@@ -978,6 +1024,7 @@ impl PeerRig {
             stream,
             buf: Vec::new(),
             pongs: 0,
+            unanswered: 0,
             close: None,
         };
         let end = loop {
@@ -1045,6 +1092,7 @@ impl PeerRig {
                     self.send(fleetlink::ws::OpCode::Pong, &payload);
                     self.pongs += 1;
                 }
+                0x9 => self.unanswered += 1,
                 0x8 if payload.len() >= 2 => {
                     self.close = Some(u16::from_be_bytes([payload[0], payload[1]]));
                 }
@@ -1075,10 +1123,11 @@ fn liveness_args() -> Vec<String> {
 }
 
 /// Detection bounds: no earlier than the last allowed miss after the first unanswered ping,
-/// no later than the issue's interval × misses + timeout (plus the sweep tick and our polling).
+/// no later than the issue's interval × misses + timeout (plus the sweep tick, and 500 ms for
+/// our polling and scheduling on two busy cores).
 fn detection_bounds() -> (Duration, Duration) {
     let lower = PING_MS * (MISSES - 1) + PONG_MS;
-    let upper = PING_MS * MISSES + PONG_MS + TICK_MS + 150;
+    let upper = PING_MS * MISSES + PONG_MS + TICK_MS + 500;
     (
         Duration::from_millis(lower.saturating_sub(TICK_MS + 50)),
         Duration::from_millis(upper),
@@ -1129,10 +1178,16 @@ fn a_rig_that_stops_answering_pings_is_closed_4002_in_time() {
             ("max_missed_pongs", json!(MISSES)),
             ("detected_after_ms", ms(took)),
             ("bound_ms", ms(upper)),
+            ("unanswered_pings", json!(mute.unanswered)),
             ("close_code", json!(mute.close)),
         ],
     );
     assert_eq!(mute.close, Some(4002));
+    // The clock's slack is more than an interval: the count says it was the last allowed miss.
+    assert_eq!(
+        mute.unanswered, MISSES,
+        "pings left unanswered before the close"
+    );
     assert!(
         took >= lower && took <= upper,
         "detected after {took:?}, expected {lower:?}..={upper:?}"
@@ -1318,16 +1373,22 @@ impl Drop for NsBroker {
 
 /// A rig in its own network namespace loses every packet (both directions dropped in a router
 /// namespace between it and the broker; no FIN ever arrives): the broker in the other namespace closes it with 4002 within
-/// interval × misses + timeout of the drop. Needs root and `ip netns`; otherwise it says SKIP.
+/// interval × misses + timeout of the drop. Needs root and `ip netns`: without them it fails,
+/// unless `FLEETLINK_SKIP_NETNS=1` is set, where it says SKIP and passes (for machines that
+/// cannot make namespaces; CI runs as root and must not skip it silently).
 #[test]
 fn a_rig_that_vanishes_without_fin_in_a_netns_is_closed_4002_in_time() {
     let _serial = serial();
     let netns = match Netns::create() {
         Ok(p) => p,
-        Err(e) => {
-            println!("FAULT vanished_peer_netns SKIP: cannot create network namespaces: {e}");
+        Err(e) if std::env::var("FLEETLINK_SKIP_NETNS").as_deref() == Ok("1") => {
+            println!("FAULT vanished_peer_netns SKIP (FLEETLINK_SKIP_NETNS=1): {e}");
             return;
         }
+        Err(e) => panic!(
+            "cannot create network namespaces (needs root and `ip netns`; set \
+             FLEETLINK_SKIP_NETNS=1 to skip this test where that is impossible): {e}"
+        ),
     };
     let mut args = liveness_args();
     args.extend(["--listen".to_string(), format!("{NS_BROKER_IP}:0")]);
@@ -1469,8 +1530,11 @@ fn sigterm_drain_spreads_reconnects_over_the_window() {
             "reconnect bucket {i}: {n} {reconnect_hist:?}"
         );
     }
+    // The delays the broker handed out are checked exactly above (each inside the window);
+    // this only catches a reconnect held up far past its instant (e.g. by B's accept path).
+    // One pump thread serves all the rigs on two busy cores, hence the loose slack.
     assert!(
-        last < WINDOW + Duration::from_millis(500),
+        last < WINDOW + Duration::from_millis(1500),
         "last reconnect {last:?}"
     );
     assert_eq!(listed, N);
@@ -1555,19 +1619,24 @@ fn reconnect_storm_of_agents_against_the_accept_bucket() {
     let over = m.get("fleetlink_accepts_total{result=\"over_capacity\"}");
     let c4503 = m.get("fleetlink_closes_total{code=\"4503\"}");
     let queue_full = m.sum("fleetlink_bridge_queue_full_total");
-    // Every 503 an agent saw, and how long it waited: Retry-After ± 10 %.
-    let mut retry_afters = Vec::new();
     for agent in &mut agents {
         assert!(
             agent.child.try_wait().unwrap().is_none(),
             "{} exited",
             agent.rig
         );
-        for line in agent.log().lines() {
+    }
+    // Every 503 an agent saw: the Retry-After, the wait the agent announced, and the time from
+    // that log line to its next attempt's (`connecting to ... (attempt n`), as the test read
+    // them. Every agent is back, so each 503 has its next attempt (read soon, if not yet).
+    let refusals = |agent: &Agent| -> Option<Vec<(f64, f64, Duration)>> {
+        let lines = agent.timed_lines();
+        let mut out = Vec::new();
+        for (i, (at, line)) in lines.iter().enumerate() {
             let Some(rest) = line.split("HTTP 503: retry in ").nth(1) else {
                 continue;
             };
-            let waited: f64 = rest.split('s').next().unwrap().parse().unwrap();
+            let announced: f64 = rest.split('s').next().unwrap().parse().unwrap();
             let hint: f64 = rest
                 .split("Retry-After: ")
                 .nth(1)
@@ -1575,8 +1644,28 @@ fn reconnect_storm_of_agents_against_the_accept_bucket() {
                 .trim_end_matches(')')
                 .parse()
                 .unwrap();
-            retry_afters.push((waited, hint));
+            let (next, _) = lines[i + 1..]
+                .iter()
+                .find(|(_, l)| l.contains("connecting to ") && l.contains("(attempt "))?;
+            out.push((announced, hint, next.saturating_duration_since(*at)));
         }
+        Some(out)
+    };
+    let mut retry_afters = Vec::new();
+    for agent in &agents {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let found = loop {
+            if let Some(found) = refusals(agent) {
+                break found;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{}: a 503 without a next attempt",
+                agent.rig
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        retry_afters.extend(found);
     }
     let owners_b = owners(&mut con)
         .values()
@@ -1600,6 +1689,13 @@ fn reconnect_storm_of_agents_against_the_accept_bucket() {
             ("readyz_polls", json!(polls)),
             ("redis_ping_max_ms", json!(redis_max.as_secs_f64() * 1000.0)),
             ("agent_503s", json!(retry_afters.len())),
+            (
+                "min_waited_over_announced",
+                json!(retry_afters
+                    .iter()
+                    .map(|(a, _, g)| g.as_secs_f64() / a)
+                    .fold(f64::INFINITY, f64::min)),
+            ),
             ("registry_on_b", json!(owners_b)),
         ],
     );
@@ -1609,16 +1705,25 @@ fn reconnect_storm_of_agents_against_the_accept_bucket() {
     assert_eq!(c4503, 0.0);
     assert_eq!(queue_full, 0.0);
     assert_eq!(not_ready, 0, "B's readiness failed during the storm");
+    // A PING measured from the test thread, which shares two cores with 50 agents, two brokers
+    // and Redis: scheduling alone can take a few hundred ms. A Redis blocked by the storm (a
+    // long script, a pile of hellos in one go) takes longer than this.
     assert!(
-        redis_max < Duration::from_millis(250),
+        redis_max < Duration::from_secs(1),
         "Redis slow: {redis_max:?}"
     );
     assert!(!retry_afters.is_empty());
-    for (waited, hint) in &retry_afters {
+    for (announced, hint, gap) in &retry_afters {
         assert!((5.0..=15.0).contains(hint), "Retry-After {hint}");
+        // What the agent meant to wait: Retry-After ± 10 % ...
         assert!(
-            *waited >= 0.9 * hint - 0.01 && *waited <= 1.1 * hint + 0.01,
-            "waited {waited}s for Retry-After {hint}"
+            *announced >= 0.9 * hint - 0.01 && *announced <= 1.1 * hint + 0.01,
+            "announced {announced}s for Retry-After {hint}"
+        );
+        // ... and what it did wait before its next attempt.
+        assert!(
+            gap.as_secs_f64() >= 0.9 * announced,
+            "tried again {gap:?} after announcing {announced}s (Retry-After {hint})"
         );
     }
     assert_eq!(owners_b, N);

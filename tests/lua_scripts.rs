@@ -649,3 +649,70 @@ fn take_many_empties_each_rigs_offline_queue_and_returns_it_in_order() {
     let again = offline.take_many(&mut con, &[&r1, &r3]).unwrap();
     assert!(again.iter().all(Vec::is_empty));
 }
+
+/// A newer boot's resume reports the older session's unacked commands itself, in the same
+/// atomic call that deletes that session: a reply lost on its way back cannot lose the reports
+/// with the session. The seq is the stored field's own text (no float rounding), the id comes
+/// from the command as sent (null when it cannot be read), and `at` is Redis's clock.
+#[test]
+fn resume_of_a_newer_boot_publishes_the_old_sessions_commands_as_rig_rebooted() {
+    use fleetlink::registry::sessions::SessionScripts;
+    let (server, mut con, _) = setup();
+    let sessions = SessionScripts::new();
+    let r = rig("rig-rb");
+    let (old, new) = (boot(1), boot(2));
+    let first = sessions.resume(&mut con, &r, &old, TTL, "fe-a").unwrap();
+    assert_eq!((first.rebooted, first.previous_boot), (0, None));
+    let old_key = format!("sess:rig-rb:{old}");
+    let big = "9007199254740993";
+    let _: () = redis::cmd("HSET")
+        .arg(&old_key)
+        .arg(format!("c:{big}"))
+        .arg(format!(
+            r#"{{"type":"command","seq":{big},"id":"big","name":"n","args":{{}}}}"#
+        ))
+        .arg("c:2")
+        .arg("not json")
+        .query(&mut con)
+        .unwrap();
+    let mut sub = server.client().get_connection().unwrap();
+    let mut ps = sub.as_pubsub();
+    ps.subscribe("fleetlink:events").unwrap();
+    ps.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let before = fleetlink::reply::rfc3339(std::time::SystemTime::now() - Duration::from_secs(2));
+    let found = sessions.resume(&mut con, &r, &new, TTL, "fe-b").unwrap();
+    let after = fleetlink::reply::rfc3339(std::time::SystemTime::now() + Duration::from_secs(2));
+    assert_eq!(found.rebooted, 2);
+    assert_eq!(found.previous_boot.as_deref(), Some(old.as_str()));
+    let exists: bool = redis::cmd("EXISTS").arg(&old_key).query(&mut con).unwrap();
+    assert!(!exists, "the old session is gone");
+    let mut events: Vec<serde_json::Value> = (0..2)
+        .map(|_| {
+            let msg = ps.get_message().expect("a rig_rebooted event");
+            serde_json::from_slice(msg.get_payload_bytes()).expect("JSON")
+        })
+        .collect();
+    events.sort_by_key(|e| e["seq"].as_u64());
+    for e in &events {
+        assert_eq!(e["type"], "rig_rebooted");
+        assert_eq!(e["rig_id"], "rig-rb");
+        assert_eq!(e["boot_id"], old.as_str());
+        assert_eq!(e["new_boot_id"], new.as_str());
+        assert_eq!(e["broker_id"], "fe-b");
+        let at = e["at"].as_str().unwrap_or_default();
+        assert!(
+            before.as_str() <= at && at <= after.as_str(),
+            "{at} not in [{before}, {after}]"
+        );
+        assert_eq!(at.len(), "2026-12-01T11:00:00.000Z".len(), "{at}");
+    }
+    assert_eq!(
+        (&events[0]["seq"], &events[0]["id"]),
+        (&serde_json::json!(2), &serde_json::Value::Null)
+    );
+    assert_eq!(events[1]["seq"].as_u64(), Some(9_007_199_254_740_993));
+    assert_eq!(events[1]["id"], "big");
+    // The same boot again finds no older session: nothing more is reported.
+    let again = sessions.resume(&mut con, &r, &new, TTL, "fe-b").unwrap();
+    assert_eq!((again.rebooted, again.previous_boot), (0, None));
+}

@@ -412,14 +412,21 @@ fn a_new_boot_reports_the_old_sessions_commands_as_rig_rebooted() {
     );
     drop(ws);
     let mut again = a.connect("/agent");
+    let new_boot = boot_id();
     assert_eq!(
-        hello(&mut again, "rig-b", &boot_id(), None)["resumed"],
+        hello(&mut again, "rig-b", &new_boot, None)["resumed"],
         false
     );
     let mut ids = Vec::new();
     while ids.len() < 2 {
         let ev = ctl.next(|ch, v| ch == "fleetlink:events" && v["type"] == "rig_rebooted");
         assert_eq!(ev["boot_id"], old_boot.as_str());
+        assert_eq!(ev["new_boot_id"], new_boot.as_str());
+        assert_eq!(
+            (&ev["rig_id"], &ev["broker_id"]),
+            (&json!("rig-b"), &json!("fe-a"))
+        );
+        assert!(matches!(ev["seq"].as_u64(), Some(1 | 2)), "{ev}");
         ids.push(ev["id"].as_str().unwrap().to_string());
     }
     ids.sort();
@@ -430,6 +437,49 @@ fn a_new_boot_reports_the_old_sessions_commands_as_rig_rebooted() {
         1
     );
     assert_eq!(read_json(&mut again)["id"], "fresh");
+}
+
+/// A rig that acks a command and comes back with a new boot at once (within the second acked
+/// removals may wait to leave Redis): only what it had not acked is reported `rig_rebooted`.
+#[test]
+fn a_command_acked_just_before_a_reboot_is_not_reported_rig_rebooted() {
+    let redis = RedisServer::start();
+    let a = fleet_broker(&redis, "fe-a");
+    let mut ws = a.connect("/agent");
+    hello(&mut ws, "rig-ack", &boot_id(), None);
+    let mut ctl = Control::new(&redis, &["fleetlink:events"]);
+    for id in ["acked", "unacked"] {
+        assert_eq!(
+            ctl.command_id("fe-a", "rig-ack", id, "n", json!({}))["ok"],
+            true
+        );
+        assert_eq!(read_json(&mut ws)["id"], id);
+    }
+    ws.send(Message::Text(
+        json!({"type":"ack","seq":1}).to_string().into(),
+    ))
+    .unwrap();
+    // The broker has taken the ack: its event follows the removal on the bridge's way out.
+    let ack = ctl.next(|ch, v| ch == "fleetlink:events" && v["type"] == "ack");
+    assert_eq!(ack["id"], "acked");
+    drop(ws);
+    let new_boot = boot_id();
+    let mut again = a.connect("/agent");
+    hello(&mut again, "rig-ack", &new_boot, None);
+    // The reports are published by the session script before the new boot's `connected`.
+    let mut reported = Vec::new();
+    loop {
+        let ev = ctl.next(|ch, v| {
+            ch == "fleetlink:events"
+                && (v["type"] == "rig_rebooted"
+                    || (v["type"] == "connected" && v["boot_id"] == new_boot.as_str()))
+        });
+        if ev["type"] == "connected" {
+            break;
+        }
+        reported.push(ev["id"].as_str().unwrap_or_default().to_string());
+    }
+    assert_eq!(reported, ["unacked"]);
 }
 
 #[test]
@@ -470,11 +520,11 @@ fn persisting_is_fenced_by_the_lease() {
         [Kept::Yes]
     );
     let found = scripts
-        .resume(&mut con, &rig, &boot, Duration::from_secs(60))
+        .resume(&mut con, &rig, &boot, Duration::from_secs(60), "fe-a")
         .unwrap();
     assert_eq!(found.next, Some(Seq(2)));
     assert_eq!(found.commands, vec![(Seq(1), json.to_vec())]);
-    assert!(found.rebooted.is_empty());
+    assert_eq!(found.rebooted, 0);
     // The key has a TTL (set by the command that created it, then by the resume).
     let key = format!("sess:rig-f:{boot}");
     let ttl: i64 = con.pttl(&key).unwrap();
@@ -532,6 +582,16 @@ fn commands_for_an_offline_rig_are_held_then_delivered_or_expired() {
     assert_eq!(
         (ev["id"].clone(), ev["seq"].clone()),
         (json!("keep"), json!(1))
+    );
+    // Held commands come before any new one: had the expired one been delivered too, it
+    // would be next, not this marker.
+    let marker = ctl.command_id("fe-b", "rig-off", "marker", "n", json!({}));
+    assert_eq!(marker["seq"], 2, "{marker}");
+    let next = read_json(&mut ws);
+    assert_eq!(
+        (next["id"].as_str(), next["seq"].as_u64()),
+        (Some("marker"), Some(2)),
+        "{next}"
     );
     drop(a);
 }

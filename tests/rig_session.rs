@@ -4,6 +4,7 @@
 mod common;
 
 use std::io::Write;
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
 use common::broker::{
@@ -122,20 +123,34 @@ fn time_to_4002(b: &Broker, rig: &str) -> Duration {
 #[test]
 fn the_last_missed_pong_closes_at_its_deadline_not_at_the_next_ping() {
     // Earlier misses are counted at the next PING; the fatal one must still be caught at its
-    // PONG deadline. The first PING goes out one interval after welcome: 3 × 200 ms + 50 ms =
-    // 650 ms, where the next PING would be at 800 ms.
+    // PONG deadline: 50 ms after the third PING, where the next PING would come 1 s after it.
+    // A close at the next PING would also come after exactly three PINGs, so besides counting
+    // them this times the close from the third one, with half an interval of slack each way.
     let b = Broker::start(&[
         "--ping-interval",
-        "200ms",
+        "1s",
         "--pong-timeout",
         "50ms",
         "--max-missed-pongs",
         "3",
     ]);
-    let took = time_to_4002(&b, "rig-silent");
+    let mut silent = RawRig::hello(&b, "rig-silent");
+    let mut pings = Vec::new();
+    let (code, closed) = loop {
+        let (op, payload) = silent.read_frame();
+        let at = std::time::Instant::now();
+        match op {
+            0x9 => pings.push(at),
+            0x8 => break (u16::from_be_bytes([payload[0], payload[1]]), at),
+            _ => panic!("unexpected frame {op:#x}"),
+        }
+    };
+    assert_eq!(code, 4002);
+    assert_eq!(pings.len(), 3, "PINGs before the close");
+    let after_last = closed - pings[2];
     assert!(
-        took >= Duration::from_millis(640) && took < Duration::from_millis(790),
-        "{took:?}"
+        after_last < Duration::from_millis(500),
+        "closed {after_last:?} after the third PING"
     );
 }
 
@@ -403,20 +418,36 @@ fn admin_commands_from_two_clients_all_arrive_in_order_while_the_rig_keeps_movin
     let boot = boot_id();
     let mut ws = b.connect("/agent");
     hello(&mut ws, "rig-moving", &boot, json!({}));
-    // Two keep-alive clients, so two route memories (one per core), racing the moves.
+    // How many times the rig has moved so far, for the senders to wait on.
+    let moves = Arc::new((Mutex::new(0u64), Condvar::new()));
+    // Two keep-alive clients, so two route memories (one per core), racing the moves. Each
+    // sends in rounds of 25; a round starts once the rig has moved after the previous two
+    // rounds (50 commands) arrived, so that every round but the first starts with a route the
+    // last move left stale. Within a round the rig moves again halfway, racing the sends.
     let senders: Vec<_> = (0..2)
         .map(|_| {
             let admin = b.admin;
+            let moves = moves.clone();
             std::thread::spawn(move || {
                 let mut admin = KeepAlive::open(admin);
-                (0..150)
-                    .map(|_| {
+                let mut seqs = Vec::new();
+                for round in 0..6u64 {
+                    let (count, moved) = &*moves;
+                    let (moved_so_far, waited) = moved
+                        .wait_timeout_while(count.lock().unwrap(), Duration::from_secs(10), |n| {
+                            *n < 2 * round
+                        })
+                        .unwrap();
+                    drop(moved_so_far);
+                    assert!(!waited.timed_out(), "round {round}: the rig never moved");
+                    for _ in 0..25 {
                         let (status, reply) =
                             admin.post("/v1/rigs/rig-moving/commands", r#"{"name":"n","args":{}}"#);
                         assert_eq!(status, 200, "{reply}");
-                        reply["seq"].as_u64().unwrap()
-                    })
-                    .collect::<Vec<u64>>()
+                        seqs.push(reply["seq"].as_u64().unwrap());
+                    }
+                }
+                seqs
             })
         })
         .collect();
@@ -441,7 +472,13 @@ fn admin_commands_from_two_clients_all_arrive_in_order_while_the_rig_keeps_movin
             next.send(Message::Text(msg.to_string().into())).unwrap();
             let welcome = read_json(&mut next);
             assert_eq!(welcome["resumed"], true, "{welcome}");
-            ws = next;
+            // Once the old connection has its close, its core no longer takes commands for
+            // the rig: a route to it is stale.
+            let mut old = std::mem::replace(&mut ws, next);
+            assert_eq!(read_close(&mut old), 4410);
+            let (count, moved) = &*moves;
+            *count.lock().unwrap() += 1;
+            moved.notify_all();
         }
     }
     let mut seqs: Vec<u64> = senders
@@ -454,14 +491,10 @@ fn admin_commands_from_two_clients_all_arrive_in_order_while_the_rig_keeps_movin
         (1..=300).collect::<Vec<u64>>(),
         "one seq per answered command"
     );
-    // The moves left routes stale, and those commands went on through the bridge.
-    let metrics = b.http("GET", "/metrics", "").1;
-    let rerouted: u64 = metrics
-        .lines()
-        .find_map(|l| l.strip_prefix("fleetlink_admin_routes_total{result=\"rerouted\"} "))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0);
-    assert!(rerouted > 0, "{metrics}");
+    // The moves left routes stale, and those commands went on through the bridge: at least
+    // the first of each round after the first.
+    let rerouted = b.metric("fleetlink_admin_routes_total{result=\"rerouted\"}");
+    assert!(rerouted >= 5, "{rerouted} commands rerouted");
 }
 
 #[test]

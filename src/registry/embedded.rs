@@ -132,6 +132,11 @@ impl Embedded {
         self.rigs.iter().map(|(r, e)| (r, &e.labels[..]))
     }
 
+    /// The boot of `rig`'s live session here.
+    pub fn boot_of(&self, rig: &RigId) -> Option<BootId> {
+        self.rigs.get(rig).map(|e| e.boot)
+    }
+
     /// Whether a live session of `rig` here has a boot newer than `boot` (a hello with `boot`
     /// is then refused 4409).
     pub fn holds_newer(&self, rig: &RigId, boot: BootId) -> bool {

@@ -222,7 +222,7 @@ impl Fleet {
             Ok(vec![None; entries.len()])
         } else {
             self.sessions
-                .resume_many(con, entries, ttl)
+                .resume_many(con, entries, ttl, &self.broker_id)
                 .map(|r| r.into_iter().map(Result::ok).collect())
         };
         let rigs: Vec<&RigId> = entries.iter().map(|(r, _)| *r).collect();
@@ -245,6 +245,19 @@ impl Fleet {
         let con = self.con.as_mut()?;
         match self.scripts.refresh(con, entries, &self.broker_id, ttl) {
             Ok(statuses) => Some(statuses),
+            Err(e) => {
+                self.fail(Instant::now(), &e);
+                None
+            }
+        }
+    }
+
+    /// Whether `rig:<rig>` names this very boot on this broker. None when Redis is unavailable.
+    pub(crate) fn owns(&mut self, rig: &RigId, boot: &BootId) -> Option<bool> {
+        let con = self.con.as_mut()?;
+        let key = crate::registry::scripts::rig_key(rig);
+        match redis::cmd("GET").arg(key).query::<Option<String>>(con) {
+            Ok(owner) => Some(owner.is_some_and(|o| o == format!("{boot}|{}", self.broker_id))),
             Err(e) => {
                 self.fail(Instant::now(), &e);
                 None

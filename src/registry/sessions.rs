@@ -54,8 +54,9 @@ pub struct Resumed {
     pub next: Option<Seq>,
     /// Its unacked commands, by seq.
     pub commands: Vec<(Seq, Vec<u8>)>,
-    /// Unacked commands of the previous boot's session (now deleted).
-    pub rebooted: Vec<Vec<u8>>,
+    /// Unacked commands of the previous boot's session, which the script reported
+    /// `rig_rebooted` on `fleetlink:events` as it deleted the session.
+    pub rebooted: u64,
     /// That previous boot.
     pub previous_boot: Option<String>,
 }
@@ -170,15 +171,20 @@ impl SessionScripts {
         Ok(out)
     }
 
-    /// Reads (and claims) the session of `boot` at its hello.
+    /// Reads (and claims) the session of `boot` at its hello; `broker_id` (the caller) is
+    /// named in the `rig_rebooted` events the script publishes for an older boot's session.
     pub fn resume(
         &self,
         con: &mut impl ConnectionLike,
         rig: &RigId,
         boot: &BootId,
         ttl: Duration,
+        broker_id: &str,
     ) -> Result<Resumed, RegistryError> {
-        only(self.resume_many(con, &[(rig, boot)], ttl)?, "resume")
+        only(
+            self.resume_many(con, &[(rig, boot)], ttl, broker_id)?,
+            "resume",
+        )
     }
 
     /// [`Self::resume`] for many sessions in one round trip (a pipeline, run in order): one
@@ -188,6 +194,7 @@ impl SessionScripts {
         con: &mut impl ConnectionLike,
         entries: &[(&RigId, &BootId)],
         ttl: Duration,
+        broker_id: &str,
     ) -> Result<Vec<Result<Resumed, RegistryError>>, RegistryError> {
         let ttl = ttl_ms(ttl);
         let replies = evalsha_many(con, &self.resume, entries, 2, |call, (rig, boot)| {
@@ -195,7 +202,9 @@ impl SessionScripts {
                 .arg(pointer_key(rig))
                 .arg(boot.as_str())
                 .arg(ttl)
-                .arg(format!("sess:{rig}:"));
+                .arg(format!("sess:{rig}:"))
+                .arg(broker_id)
+                .arg(rig.as_str());
         })?;
         Ok(replies
             .into_iter()
@@ -219,8 +228,9 @@ fn parse_resumed(reply: &Value) -> Option<Resumed> {
     let Value::Array(cmds) = cmds else {
         return None;
     };
-    let Value::Array(rebooted) = rebooted else {
-        return None;
+    let rebooted = match rebooted {
+        Value::Int(n) => u64::try_from(*n).ok()?,
+        _ => return None,
     };
     let mut commands = Vec::with_capacity(cmds.len() / 2);
     for pair in cmds.chunks(2) {
@@ -232,7 +242,7 @@ fn parse_resumed(reply: &Value) -> Option<Resumed> {
     Some(Resumed {
         next: (next > 0).then_some(Seq(next)),
         commands,
-        rebooted: rebooted.iter().map(bytes).collect::<Option<_>>()?,
+        rebooted,
         previous_boot: (!previous.is_empty()).then(|| previous.to_string()),
     })
 }

@@ -2,7 +2,7 @@
 //! inbox, one more round trip for the accepted rigs' sessions and held commands.
 
 use std::collections::HashSet;
-use std::time::{Instant, SystemTime};
+use std::time::Instant;
 
 use serde_json::{json, Value};
 
@@ -13,7 +13,6 @@ use crate::registry::fleet;
 use crate::registry::msg::{SeqCommand, ToCore, Verdict};
 use crate::registry::scripts::HelloOutcome;
 use crate::registry::sessions::Resumed;
-use crate::reply;
 use crate::worker::queues::RIG_SESSION_BYTES;
 
 /// A hello waiting for its batch's round trip.
@@ -215,8 +214,8 @@ impl Bridge {
         self.registry.hello(conn, rig, boot, labels)
     }
 
-    /// Fleet mode: what Redis holds of this session, merged into the local verdict; the
-    /// previous boot's unacked commands are reported `rig_rebooted` (CONTRACT.md §5).
+    /// Fleet mode: what Redis holds of this session, merged into the local verdict (the
+    /// previous boot's unacked commands were reported `rig_rebooted` by the script).
     fn resume(
         &mut self,
         conn: ConnId,
@@ -225,15 +224,8 @@ impl Bridge {
         found: Resumed,
         mut actions: Vec<Action>,
     ) -> Vec<Action> {
-        if let Some(previous) = &found.previous_boot {
-            for json in &found.rebooted {
-                let cmd: Value = serde_json::from_slice(json).unwrap_or(Value::Null);
-                let ev = json!({"type": "rig_rebooted", "rig_id": rig.as_str(), "boot_id": previous,
-                    "new_boot_id": boot.as_str(), "seq": cmd["seq"], "id": cmd["id"],
-                    "broker_id": self.cfg.broker_id, "at": reply::rfc3339(SystemTime::now())});
-                self.publish(fleet::EVENTS.to_string(), &ev);
-            }
-        }
+        // `resume.lua` itself published the previous boot's rig_rebooted reports.
+        self.shared.count_n("resume", "rebooted", found.rebooted);
         let Some(next) = found.next else {
             return actions;
         };
@@ -328,7 +320,7 @@ mod tests {
         let found = Resumed {
             next: Some(next),
             commands,
-            rebooted: Vec::new(),
+            rebooted: 0,
             previous_boot: None,
         };
         let verdict = Verdict::Accept {

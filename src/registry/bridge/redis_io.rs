@@ -107,8 +107,23 @@ impl Bridge {
             }
             Ok(Control::Evict { rig, boot }) => {
                 self.shared.count("evict", "received");
-                let actions = self.registry.supersede(&rig, Some(boot));
-                self.carry_out(actions);
+                // The same boot here again: the rig may have come back after the evict was
+                // sent (A to B and back to A within pub/sub's latency). If the lease names this
+                // broker, the evict is stale and closing the rig's live connection would only
+                // bounce it once more.
+                let same_boot = self.registry.boot_of(&rig) == Some(boot);
+                let ours = same_boot
+                    && self
+                        .fleet
+                        .as_mut()
+                        .and_then(|f| f.owns(&rig, &boot))
+                        .unwrap_or(false);
+                if ours {
+                    self.shared.count("evict", "stale");
+                } else {
+                    let actions = self.registry.supersede(&rig, Some(boot));
+                    self.carry_out(actions);
+                }
             }
             Ok(Control::Broadcast {
                 id,

@@ -10,7 +10,7 @@ use crate::metrics::BridgeStats;
 const CANARY_STALE: Duration = Duration::from_secs(5);
 
 /// Registry operations counted by (op, result), in this order.
-pub const REGISTRY_OPS: [(&str, &str); 34] = [
+pub const REGISTRY_OPS: [(&str, &str); 36] = [
     ("offline", "held"),
     ("offline", "full"),
     ("offline", "delivered"),
@@ -28,6 +28,7 @@ pub const REGISTRY_OPS: [(&str, &str); 34] = [
     ("hello", "unavailable"),
     ("hello_batch", "sent"),
     ("resume", "stale_dropped"),
+    ("resume", "rebooted"),
     ("refresh", "ok"),
     ("refresh", "restored"),
     ("refresh", "superseded"),
@@ -36,6 +37,7 @@ pub const REGISTRY_OPS: [(&str, &str); 34] = [
     ("forget", "dropped"),
     ("evict", "sent"),
     ("evict", "received"),
+    ("evict", "stale"),
     ("control", "bad_request"),
     ("reply", "orphaned"),
     ("publish", "dropped"),
