@@ -4,9 +4,7 @@
 //! complete text message and writes whatever the `encode_*` functions return.
 
 use std::borrow::Cow;
-use std::fmt;
 
-use serde::de::{self, DeserializeSeed, Deserializer, IgnoredAny, MapAccess, Visitor};
 use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
 use serde_json::Value;
@@ -90,281 +88,44 @@ pub enum ProtocolError {
     },
 }
 
-/// The top-level keys of rig messages: the fields of every type, then `type` and `v`, which
-/// every message may carry. Any other key is `Other`.
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-enum Key {
-    RigId,
-    BootId,
-    Version,
-    Labels,
-    LastSeq,
-    Seq,
-    Ok,
-    Output,
-    Name,
-    Data,
-    Type,
-    V,
-    Other,
-}
-
-impl Key {
-    /// The keys that are fields of some message type, in order: `key as usize` indexes them.
-    const FIELDS: [Key; 10] = [
-        Key::RigId,
-        Key::BootId,
-        Key::Version,
-        Key::Labels,
-        Key::LastSeq,
-        Key::Seq,
-        Key::Ok,
-        Key::Output,
-        Key::Name,
-        Key::Data,
-    ];
-
-    fn name(self) -> &'static str {
-        match self {
-            Key::RigId => "rig_id",
-            Key::BootId => "boot_id",
-            Key::Version => "version",
-            Key::Labels => "labels",
-            Key::LastSeq => "last_seq",
-            Key::Seq => "seq",
-            Key::Ok => "ok",
-            Key::Output => "output",
-            Key::Name => "name",
-            Key::Data => "data",
-            Key::Type => "type",
-            Key::V => "v",
-            Key::Other => "",
-        }
-    }
-
-    fn bit(self) -> u16 {
-        1 << self as u16
-    }
-}
-
-impl<'de> Deserialize<'de> for Key {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Key, D::Error> {
-        struct KeyVisitor;
-        impl Visitor<'_> for KeyVisitor {
-            type Value = Key;
-            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str("a field name")
-            }
-            fn visit_str<E: de::Error>(self, s: &str) -> Result<Key, E> {
-                Ok(match s {
-                    "rig_id" => Key::RigId,
-                    "boot_id" => Key::BootId,
-                    "version" => Key::Version,
-                    "labels" => Key::Labels,
-                    "last_seq" => Key::LastSeq,
-                    "seq" => Key::Seq,
-                    "ok" => Key::Ok,
-                    "output" => Key::Output,
-                    "name" => Key::Name,
-                    "data" => Key::Data,
-                    "type" => Key::Type,
-                    "v" => Key::V,
-                    _ => Key::Other,
-                })
-            }
-        }
-        d.deserialize_identifier(KeyVisitor)
-    }
-}
-
-/// The message types this broker reads.
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-enum Kind {
-    Hello,
-    Ack,
-    Result,
-    Event,
-    Unknown,
-}
-
-impl Kind {
-    fn of(ty: &str) -> Kind {
-        match ty {
-            "hello" => Kind::Hello,
-            "ack" => Kind::Ack,
-            "result" => Kind::Result,
-            "event" => Kind::Event,
-            _ => Kind::Unknown,
-        }
-    }
-
-    /// Whether `key` is a field of this type (CONTRACT.md §2). Only these are read and
-    /// checked; a field of another type, whatever its value, is ignored like an unknown key.
-    fn owns(self, key: Key) -> bool {
-        matches!(
-            (self, key),
-            (
-                Kind::Hello,
-                Key::RigId | Key::BootId | Key::Version | Key::Labels | Key::LastSeq
-            ) | (Kind::Ack, Key::Seq)
-                | (Kind::Result, Key::Seq | Key::Ok | Key::Output)
-                | (Kind::Event, Key::Name | Key::Data)
-        )
-    }
-}
-
-/// The fields of the message's own type (see [`Kind::owns`]); the others stay `None`.
-#[derive(Default)]
-struct Fields {
-    rig_id: Option<String>,
-    boot_id: Option<String>,
-    version: Option<String>,
-    labels: Option<serde_json::Map<String, Value>>,
-    last_seq: Option<u64>,
-    seq: Option<u64>,
-    ok: Option<bool>,
-    output: Option<Value>,
-    name: Option<String>,
-    data: Option<Value>,
-}
-
-impl Fields {
-    /// Reads field `key` from `d`: a value of the message, or one kept raw until the type was
-    /// known.
-    fn read<'de, D: Deserializer<'de>>(&mut self, key: Key, d: D) -> Result<(), D::Error> {
-        match key {
-            Key::RigId => self.rig_id = Deserialize::deserialize(d)?,
-            Key::BootId => self.boot_id = Deserialize::deserialize(d)?,
-            Key::Version => self.version = Deserialize::deserialize(d)?,
-            Key::Labels => self.labels = Deserialize::deserialize(d)?,
-            Key::LastSeq => self.last_seq = Deserialize::deserialize(d)?,
-            Key::Seq => self.seq = Deserialize::deserialize(d)?,
-            Key::Ok => self.ok = Deserialize::deserialize(d)?,
-            Key::Output => self.output = Deserialize::deserialize(d)?,
-            Key::Name => self.name = Deserialize::deserialize(d)?,
-            Key::Data => self.data = Deserialize::deserialize(d)?,
-            Key::Type | Key::V | Key::Other => {
-                IgnoredAny::deserialize(d)?;
-            }
-        }
-        Ok(())
-    }
-}
-
-/// Reads one map value into its field.
-struct Slot<'f> {
-    fields: &'f mut Fields,
-    key: Key,
-}
-
-impl<'de> DeserializeSeed<'de> for Slot<'_> {
-    type Value = ();
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
-        self.fields.read(self.key, d)
-    }
-}
-
-/// `type`, borrowed from the message unless it has escapes.
+/// A rig message as read: its `type`, its `v`, and every field some message type has, each
+/// kept as raw JSON text. Only the fields of the message's own type are then parsed, so a
+/// field of another type, whatever it holds, is ignored like an unknown key (and unknown keys
+/// are skipped unbuilt). A key given twice is an error, as is a message that is not an object
+/// with a string `type`.
 #[derive(Deserialize)]
-struct Ty<'a>(#[serde(borrow)] Cow<'a, str>);
-
-/// A rig message read in one pass, per its type: `type`, `v`, and the fields of that type;
-/// keys of other types and unknown keys are skipped without building anything. Fields that
-/// come before `type` are kept as borrowed raw JSON and read once the type is known. A field
-/// of the message's own type with the wrong JSON type, or given twice, is an error, as is a
-/// message that is not a JSON object with a string `type`.
 struct RawMsg<'a> {
+    #[serde(rename = "type", borrow)]
     ty: Cow<'a, str>,
-    kind: Kind,
+    #[serde(default)]
     v: Option<u32>,
-    fields: Fields,
+    #[serde(default, borrow)]
+    rig_id: Option<&'a RawValue>,
+    #[serde(default, borrow)]
+    boot_id: Option<&'a RawValue>,
+    #[serde(default, borrow)]
+    version: Option<&'a RawValue>,
+    #[serde(default, borrow)]
+    labels: Option<&'a RawValue>,
+    #[serde(default, borrow)]
+    last_seq: Option<&'a RawValue>,
+    #[serde(default, borrow)]
+    seq: Option<&'a RawValue>,
+    #[serde(default, borrow)]
+    ok: Option<&'a RawValue>,
+    #[serde(default, borrow)]
+    output: Option<&'a RawValue>,
+    #[serde(default, borrow)]
+    name: Option<&'a RawValue>,
+    #[serde(default, borrow)]
+    data: Option<&'a RawValue>,
 }
 
-impl<'de> Deserialize<'de> for RawMsg<'de> {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<RawMsg<'de>, D::Error> {
-        d.deserialize_map(RawMsgVisitor)
-    }
-}
-
-struct RawMsgVisitor;
-
-impl<'de> Visitor<'de> for RawMsgVisitor {
-    type Value = RawMsg<'de>;
-
-    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("a rig message object")
-    }
-
-    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<RawMsg<'de>, A::Error> {
-        let mut ty: Option<Cow<'de, str>> = None;
-        let mut kind = Kind::Unknown;
-        let (mut v, mut v_seen) = (None, false);
-        let mut fields = Fields::default();
-        // Own fields read so far (bit per `Key`), to refuse one given twice.
-        let mut seen = 0u16;
-        // Fields met before `type`: raw text, not parsed yet.
-        let mut early: [Option<&'de RawValue>; Key::FIELDS.len()] = Default::default();
-        let mut early_twice = 0u16;
-        while let Some(key) = map.next_key::<Key>()? {
-            match key {
-                Key::Type => {
-                    if ty.is_some() {
-                        return Err(de::Error::duplicate_field("type"));
-                    }
-                    let Ty(t) = map.next_value()?;
-                    kind = Kind::of(&t);
-                    ty = Some(t);
-                }
-                Key::V => {
-                    if std::mem::replace(&mut v_seen, true) {
-                        return Err(de::Error::duplicate_field("v"));
-                    }
-                    v = map.next_value()?;
-                }
-                Key::Other => {
-                    map.next_value::<IgnoredAny>()?;
-                }
-                field if ty.is_none() => {
-                    let raw = map.next_value()?;
-                    if let Some(slot) = early.get_mut(field as usize) {
-                        if slot.is_some() {
-                            early_twice |= field.bit();
-                        }
-                        *slot = Some(raw);
-                    }
-                }
-                field if kind.owns(field) => {
-                    if seen & field.bit() != 0 {
-                        return Err(de::Error::duplicate_field(field.name()));
-                    }
-                    seen |= field.bit();
-                    map.next_value_seed(Slot {
-                        fields: &mut fields,
-                        key: field,
-                    })?;
-                }
-                _ => {
-                    map.next_value::<IgnoredAny>()?;
-                }
-            }
-        }
-        let ty = ty.ok_or_else(|| de::Error::missing_field("type"))?;
-        for (key, raw) in Key::FIELDS.into_iter().zip(early) {
-            let Some(raw) = raw.filter(|_| kind.owns(key)) else {
-                continue;
-            };
-            if (early_twice | seen) & key.bit() != 0 {
-                return Err(de::Error::duplicate_field(key.name()));
-            }
-            fields.read(key, raw).map_err(de::Error::custom)?;
-        }
-        Ok(RawMsg {
-            ty,
-            kind,
-            v,
-            fields,
-        })
-    }
+/// One field of the message's own type, parsed from its raw text (`null` reads as absent).
+fn own<'a, T: Deserialize<'a>>(raw: Option<&'a RawValue>) -> Result<Option<T>, ProtocolError> {
+    raw.map_or(Ok(None), |r| {
+        serde_json::from_str(r.get()).map_err(|e| ProtocolError::Malformed(e.to_string()))
+    })
 }
 
 /// Parses one text message from a rig. Unknown fields, and fields of other message types, are
@@ -373,62 +134,62 @@ pub fn parse_client_msg(bytes: &[u8]) -> Result<ClientMsg, ProtocolError> {
     let raw: RawMsg<'_> =
         serde_json::from_slice(bytes).map_err(|e| ProtocolError::Malformed(e.to_string()))?;
     let v = raw.v.unwrap_or(1);
-    let f = raw.fields;
-    match raw.kind {
-        Kind::Hello => parse_hello(v, f).map(ClientMsg::Hello),
-        Kind::Ack => {
-            let seq = f.seq.ok_or(ProtocolError::Invalid {
+    match &*raw.ty {
+        "hello" => parse_hello(v, &raw).map(ClientMsg::Hello),
+        "ack" => {
+            let seq = own(raw.seq)?.ok_or(ProtocolError::Invalid {
                 ty: "ack",
                 why: "missing seq",
             })?;
             Ok(ClientMsg::Ack { v, seq: Seq(seq) })
         }
-        Kind::Result => {
+        "result" => {
             let invalid = |why| ProtocolError::Invalid { ty: "result", why };
-            let seq = f.seq.ok_or(invalid("missing seq"))?;
-            let ok = f.ok.ok_or(invalid("missing ok"))?;
+            let seq = own(raw.seq)?.ok_or(invalid("missing seq"))?;
+            let ok = own(raw.ok)?.ok_or(invalid("missing ok"))?;
             Ok(ClientMsg::Result {
                 v,
                 seq: Seq(seq),
                 ok,
-                output: f.output,
+                output: own(raw.output)?,
             })
         }
-        Kind::Event => {
-            let name = f.name.ok_or(ProtocolError::Invalid {
+        "event" => {
+            let name = own(raw.name)?.ok_or(ProtocolError::Invalid {
                 ty: "event",
                 why: "missing name",
             })?;
             Ok(ClientMsg::Event {
                 v,
                 name,
-                data: f.data,
+                data: own(raw.data)?,
             })
         }
-        Kind::Unknown => Ok(ClientMsg::Unknown {
+        _ => Ok(ClientMsg::Unknown {
             ty: raw.ty.into_owned(),
         }),
     }
 }
 
-fn parse_hello(v: u32, raw: Fields) -> Result<Hello, ProtocolError> {
+fn parse_hello(v: u32, raw: &RawMsg<'_>) -> Result<Hello, ProtocolError> {
     let invalid = |why| ProtocolError::Invalid { ty: "hello", why };
-    let rig_id = raw
-        .rig_id
+    let rig_id: Option<String> = own(raw.rig_id)?;
+    let rig_id = rig_id
         .as_deref()
         .and_then(RigId::parse)
         .ok_or(invalid("rig_id"))?;
-    let boot_id = raw
-        .boot_id
+    let boot_id: Option<String> = own(raw.boot_id)?;
+    let boot_id = boot_id
         .as_deref()
         .and_then(BootId::parse)
         .ok_or(invalid("boot_id"))?;
-    let version = raw.version.ok_or(invalid("missing version"))?;
+    let version: String = own(raw.version)?.ok_or(invalid("missing version"))?;
     if version.len() > MAX_LABEL_LEN {
         return Err(invalid("version too long"));
     }
     let mut labels = Vec::new();
-    if let Some(map) = raw.labels {
+    let map: Option<serde_json::Map<String, Value>> = own(raw.labels)?;
+    if let Some(map) = map {
         if map.len() > MAX_LABELS {
             return Err(invalid("too many labels"));
         }
@@ -443,7 +204,8 @@ fn parse_hello(v: u32, raw: Fields) -> Result<Hello, ProtocolError> {
         }
         labels.sort();
     }
-    if raw.last_seq.is_some_and(|s| s > Seq::LAST.0) {
+    let last_seq: Option<u64> = own(raw.last_seq)?;
+    if last_seq.is_some_and(|s| s > Seq::LAST.0) {
         return Err(invalid("last_seq beyond the highest seq a session can use"));
     }
     Ok(Hello {
@@ -452,7 +214,7 @@ fn parse_hello(v: u32, raw: Fields) -> Result<Hello, ProtocolError> {
         boot_id,
         version,
         labels,
-        last_seq: raw.last_seq.map(Seq),
+        last_seq: last_seq.map(Seq),
     })
 }
 
@@ -663,7 +425,7 @@ mod tests {
         assert_eq!(h.labels, [("g".into(), "a".into())]);
         for (text, want) in [
             (
-                r#"{"seq":3,"ok":"y","ok":{},"type":"ack"}"#,
+                r#"{"seq":3,"ok":"y","type":"ack"}"#,
                 Ok(ClientMsg::Ack { v: 1, seq: Seq(3) }),
             ),
             (
@@ -687,6 +449,8 @@ mod tests {
             assert_eq!(parse_client_msg(text.as_bytes()), want, "{text}");
         }
         for bad in [
+            // A key given twice is malformed whoever's field it is.
+            r#"{"seq":3,"ok":"y","ok":{},"type":"ack"}"#,
             r#"{"seq":"x","type":"ack"}"#,
             r#"{"seq":1,"seq":2,"type":"ack"}"#,
             r#"{"seq":1,"type":"ack","seq":2}"#,
