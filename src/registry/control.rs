@@ -92,15 +92,60 @@ struct Raw {
 pub const MAX_CONTROL: usize = crate::admin::MAX_REQUEST;
 
 /// Where to answer a message that cannot be taken (too large, or a field of the wrong type):
-/// only these three are read, whatever their type, and every other field is skipped unbuilt.
+/// only these three are read, and every other field is skipped unbuilt.
 #[derive(Deserialize, Default)]
 struct Envelope {
     #[serde(default)]
-    id: Option<Value>,
+    id: Scalar,
     #[serde(default)]
-    rig_id: Option<Value>,
+    rig_id: Scalar,
     #[serde(default)]
-    reply_to: Option<Value>,
+    reply_to: Scalar,
+}
+
+/// A string, or a number as its JSON text; anything else (an array, an object) is skipped
+/// without being built, since the message may be the subscription's 64 MiB.
+#[derive(Default)]
+struct Scalar(Option<String>);
+
+impl<'de> Deserialize<'de> for Scalar {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Scalar, D::Error> {
+        use serde::de::{IgnoredAny, MapAccess, SeqAccess, Visitor};
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = Scalar;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("any JSON value")
+            }
+            fn visit_str<E>(self, s: &str) -> Result<Scalar, E> {
+                Ok(Scalar(Some(s.to_string())))
+            }
+            fn visit_u64<E>(self, n: u64) -> Result<Scalar, E> {
+                Ok(Scalar(Some(n.to_string())))
+            }
+            fn visit_i64<E>(self, n: i64) -> Result<Scalar, E> {
+                Ok(Scalar(Some(n.to_string())))
+            }
+            fn visit_f64<E>(self, n: f64) -> Result<Scalar, E> {
+                Ok(Scalar(Some(n.to_string())))
+            }
+            fn visit_bool<E>(self, _: bool) -> Result<Scalar, E> {
+                Ok(Scalar(None))
+            }
+            fn visit_unit<E>(self) -> Result<Scalar, E> {
+                Ok(Scalar(None))
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Scalar, A::Error> {
+                while seq.next_element::<IgnoredAny>()?.is_some() {}
+                Ok(Scalar(None))
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Scalar, A::Error> {
+                while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
+                Ok(Scalar(None))
+            }
+        }
+        d.deserialize_any(V)
+    }
 }
 
 impl Envelope {
@@ -108,23 +153,16 @@ impl Envelope {
         serde_json::from_slice(payload).unwrap_or_default()
     }
 
-    /// The refusal of this message: answered when it names a reply channel. An id that is
-    /// not a string (say, a number) is echoed as its JSON text, so control can still match it.
+    /// The refusal of this message: answered when it names a reply channel. An id that is a
+    /// number is echoed as its JSON text, so control can still match it.
     fn bad(self, why: String) -> Bad {
-        let text = |v: Value| match v {
-            Value::String(s) => s,
-            other => other.to_string(),
-        };
-        let id = self.id.map_or_else(crate::admin::new_id, text);
-        let reply_to = match self.reply_to {
-            Some(Value::String(r)) if !r.is_empty() => Some((id, r)),
-            _ => None,
-        };
-        let rig = match self.rig_id {
-            Some(Value::String(r)) => Some(r),
-            _ => None,
-        };
-        Bad { why, rig, reply_to }
+        let id = self.id.0.unwrap_or_else(crate::admin::new_id);
+        let reply_to = self.reply_to.0.filter(|r| !r.is_empty()).map(|r| (id, r));
+        Bad {
+            why,
+            rig: self.rig_id.0,
+            reply_to,
+        }
     }
 }
 
@@ -291,8 +329,16 @@ mod tests {
             assert_eq!(bad.reply_to, Some(("c9".into(), "chan".into())), "{wrong}");
         }
         // No usable reply channel: counted only.
-        let bad = parse(br#"{"type":"command","id":"c","reply_to":5}"#, false).unwrap_err();
+        let bad = parse(br#"{"type":"command","id":"c","reply_to":[5]}"#, false).unwrap_err();
         assert!(bad.reply_to.is_none());
+        // An oversized message whose id is a huge array: skipped, not built or echoed.
+        let big = format!(
+            r#"{{"type":"command","id":[{}0],"reply_to":"chan"}}"#,
+            "0,".repeat(MAX_CONTROL)
+        );
+        let bad = parse(big.as_bytes(), false).unwrap_err();
+        let (id, to) = bad.reply_to.expect("answered");
+        assert!(id.len() < 64 && to == "chan", "{id}");
         assert!(parse(br#"{"type":"evict","rig_id":"r"}"#, true).is_err());
         let big = format!(
             r#"{{"type":"command","id":"c2","rig_id":"r","name":"x","args":{{"b":"{}"}},"reply_to":"chan"}}"#,
