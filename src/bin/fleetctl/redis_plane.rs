@@ -14,7 +14,7 @@ use fleetlink::registry::scripts::{broker_key, rig_key, Owner};
 use redis::{Client, Connection, PubSub};
 use serde_json::{json, Map, Value};
 
-use crate::cli::{deadline_after, redact, Selector};
+use crate::cli::{redact, Selector};
 use crate::render::secs;
 use crate::{error_reply, Broadcast, ControlPlane, Page};
 
@@ -57,7 +57,7 @@ impl RedisPlane {
         timeout: Duration,
         build: impl FnOnce(&str, &str) -> Value,
     ) -> anyhow::Result<Value> {
-        let deadline = deadline_after(timeout)?;
+        let deadline = Instant::now() + timeout;
         let id = new_id();
         let fail =
             |error: &str, detail: &str| error_reply(Some(&id), Some(rig.as_str()), error, detail);
@@ -209,7 +209,7 @@ impl ControlPlane for RedisPlane {
         args: &Map<String, Value>,
         timeout: Duration,
     ) -> anyhow::Result<Broadcast> {
-        let deadline = deadline_after(timeout)?;
+        let deadline = Instant::now() + timeout;
         let id = new_id();
         let expected: Vec<String> = self
             .scan_all("broker:*", BROKER_SCAN_COUNT)?
@@ -355,7 +355,7 @@ impl ControlPlane for RedisPlane {
         count: Option<u64>,
         each: &mut dyn FnMut(&Value),
     ) -> anyhow::Result<u64> {
-        let deadline = limit.map(deadline_after).transpose()?;
+        let deadline = limit.map(|d| Instant::now() + d);
         let mut sub_con = self.open()?;
         let mut sub = sub_con.as_pubsub();
         sub.subscribe(EVENTS_CHANNEL).map_err(failed("SUBSCRIBE"))?;
