@@ -108,6 +108,7 @@ fn run(cfg: Config) -> anyhow::Result<()> {
         cores.push(worker::spawn(
             i,
             cfg,
+            driver,
             listener,
             inbox,
             guard.clone(),

@@ -87,10 +87,12 @@ pub struct Guard {
     pub jwt: Option<Arc<JwtVerifier>>,
 }
 
-/// Starts core `index` on its own pinned thread.
+/// Starts core `index` on its own pinned thread, on `driver` (from [`driver_name`], probed
+/// once for all cores).
 pub fn spawn(
     index: usize,
     cfg: &'static Config,
+    driver: &'static str,
     listener: std::net::TcpListener,
     inbox: Inbox<ToCore>,
     guard: Guard,
@@ -109,15 +111,16 @@ pub fn spawn(
                     .uring_builder(urb)
                     .build()
             };
-            let uring = match driver_name(cfg) {
+            let uring = match driver {
                 "io_uring" => build(coop_taskrun())
                     .or_else(|e| {
                         log::warn!("core {index}: io_uring without COOP_TASKRUN ({e})");
                         build(io_uring::IoUring::builder())
                     })
                     .map_err(|e| {
-                        // The probe's ring fitted, this core's did not (each ring counts
-                        // against the same limit): a core on epoll beats a core that is gone.
+                        // The probe's ring fitted, this core's did not (each core's ring
+                        // counts against the same limit): a core on epoll beats a core that
+                        // is gone.
                         log::error!(
                             "!!! core {index}: no io_uring ring of {URING_ENTRIES} entries ({e}); \
                              this core runs on epoll (fleetlink_driver says so). Raise the \
