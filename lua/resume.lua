@@ -8,6 +8,7 @@
 -- ARGV[3]  "sess:<rig_id>:", the prefix of the rig's session keys
 -- ARGV[4]  broker_id of the broker running the hello (named in the rig_rebooted events)
 -- ARGV[5]  rig_id
+-- ARGV[6]  the events' "at": the broker's clock, RFC 3339
 --
 -- Returns { next, cmds, rebooted, previous_boot }:
 --   next           this session's next seq as text, "0" when the session is new (it is
@@ -39,55 +40,10 @@ end
 
 local sess, ptr = KEYS[1], KEYS[2]
 local boot, ttl, prefix = ARGV[1], ARGV[2], ARGV[3]
-local broker, rig = ARGV[4], ARGV[5]
-if #KEYS ~= 2 or #ARGV ~= 5 or type(boot) ~= 'string' or not boot:match(BOOT)
-    or type(ttl) ~= 'string' or #ttl > 15 or not ttl:match('^[1-9]%d*$')
-    or type(broker) ~= 'string' or type(rig) ~= 'string' then
-  return redis.error_reply('ERR fleetlink resume: expected KEYS session, pointer; ARGV boot_id, ttl_ms, prefix, broker_id, rig_id')
-end
-
--- RFC 3339 UTC with milliseconds from Redis's clock (days to civil date: H. Hinnant's method).
-local function now_text()
-  local t = redis.call('TIME')
-  local secs, usec = tonumber(t[1]), tonumber(t[2])
-  local days = math.floor(secs / 86400)
-  local rem = secs - days * 86400
-  local z = days + 719468
-  local era = math.floor(z / 146097)
-  local doe = z - era * 146097
-  local yoe = math.floor((doe - math.floor(doe / 1460) + math.floor(doe / 36524)
-      - math.floor(doe / 146096)) / 365)
-  local doy = doe - (365 * yoe + math.floor(yoe / 4) - math.floor(yoe / 100))
-  local mp = math.floor((5 * doy + 2) / 153)
-  local d = doy - math.floor((153 * mp + 2) / 5) + 1
-  local m = mp < 10 and mp + 3 or mp - 9
-  local y = yoe + era * 400 + (m <= 2 and 1 or 0)
-  return string.format('%04d-%02d-%02dT%02d:%02d:%02d.%03dZ', y, m, d,
-      math.floor(rem / 3600), math.floor(rem % 3600 / 60), rem % 60, math.floor(usec / 1000))
-end
-
--- Publishes one rig_rebooted event per unacked command of the deleted session. The seq is the
--- field's own text (cjson would round a large one); the id comes from the command as sent.
-local function report(prev, key)
-  local all = redis.pcall('HGETALL', key)
-  if type(all) ~= 'table' or all.err then
-    return 0
-  end
-  local at, n = now_text(), 0
-  for i = 1, #all, 2 do
-    local field = all[i]
-    if field:sub(1, 2) == 'c:' and field:sub(3):match('^%d+$') then
-      local ok, cmd = pcall(cjson.decode, all[i + 1])
-      local id = (ok and type(cmd) == 'table' and type(cmd.id) == 'string') and cmd.id or nil
-      local ev = '{"type":"rig_rebooted","rig_id":' .. cjson.encode(rig)
-          .. ',"boot_id":' .. cjson.encode(prev) .. ',"new_boot_id":' .. cjson.encode(boot)
-          .. ',"seq":' .. field:sub(3) .. ',"id":' .. (id and cjson.encode(id) or 'null')
-          .. ',"broker_id":' .. cjson.encode(broker) .. ',"at":"' .. at .. '"}'
-      redis.call('PUBLISH', 'fleetlink:events', ev)
-      n = n + 1
-    end
-  end
-  return n
+local broker, rig, at = ARGV[4], ARGV[5], ARGV[6]
+if #KEYS ~= 2 or #ARGV ~= 6 or type(boot) ~= 'string' or not boot:match(BOOT)
+    or type(ttl) ~= 'string' or #ttl > 15 or not ttl:match('^[1-9]%d*$') then
+  return redis.error_reply('ERR fleetlink resume: expected KEYS session, pointer; ARGV boot_id, ttl_ms, prefix, broker_id, rig_id, at')
 end
 
 -- { seq1, json1, seq2, json2, ... } of a session's unacked commands.
@@ -105,6 +61,27 @@ local function unacked(key)
     end
   end
   return out
+end
+
+-- Publishes one rig_rebooted event per unacked command of the older session `key`; returns
+-- how many. The seq is the field's own text (cjson would round a large one); the id comes from
+-- the command as sent.
+local function report(prev, key)
+  local cmds, n = unacked(key), 0
+  for i = 1, #cmds, 2 do
+    local seq = cmds[i]
+    if seq:match('^%d+$') then
+      n = n + 1
+      local ok, cmd = pcall(cjson.decode, cmds[i + 1])
+      local id = (ok and type(cmd) == 'table' and type(cmd.id) == 'string') and cmd.id or nil
+      redis.call('PUBLISH', 'fleetlink:events', '{"type":"rig_rebooted","rig_id":'
+          .. cjson.encode(rig) .. ',"boot_id":' .. cjson.encode(prev) .. ',"new_boot_id":'
+          .. cjson.encode(boot) .. ',"seq":' .. seq .. ',"id":'
+          .. (id and cjson.encode(id) or 'null') .. ',"broker_id":' .. cjson.encode(broker)
+          .. ',"at":' .. cjson.encode(at) .. '}')
+    end
+  end
+  return n
 end
 
 local nxt = redis.pcall('HGET', sess, 'next')

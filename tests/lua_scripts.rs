@@ -653,7 +653,7 @@ fn take_many_empties_each_rigs_offline_queue_and_returns_it_in_order() {
 /// A newer boot's resume reports the older session's unacked commands itself, in the same
 /// atomic call that deletes that session: a reply lost on its way back cannot lose the reports
 /// with the session. The seq is the stored field's own text (no float rounding), the id comes
-/// from the command as sent (null when it cannot be read), and `at` is Redis's clock.
+/// from the command as sent (null when it cannot be read), and `at` is the broker's clock.
 #[test]
 fn resume_of_a_newer_boot_publishes_the_old_sessions_commands_as_rig_rebooted() {
     use fleetlink::registry::sessions::SessionScripts;

@@ -312,7 +312,9 @@ impl Embedded {
     /// An accepted session its connection could not take. `rig` is set when the connection
     /// was still there (closing): it still owns the entry, which goes, and the returned pair's
     /// lease is to be released. Otherwise the connection's `Abandoned` came first and said
-    /// which rig. Either way the session is parked, unless the rig is already back.
+    /// which rig. Either way the session is parked, unless the rig is already back: a hello
+    /// that came in between has started without it (`resumed: false`), and this one is
+    /// dropped rather than parked over a live rig.
     pub fn returned(
         &mut self,
         conn: ConnId,

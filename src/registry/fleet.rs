@@ -257,7 +257,10 @@ impl Fleet {
         let con = self.con.as_mut()?;
         let key = crate::registry::scripts::rig_key(rig);
         match redis::cmd("GET").arg(key).query::<Option<String>>(con) {
-            Ok(owner) => Some(owner.is_some_and(|o| o == format!("{boot}|{}", self.broker_id))),
+            Ok(owner) => {
+                let ours = crate::registry::scripts::tuple(boot, &self.broker_id);
+                Some(owner.is_some_and(|o| o == ours))
+            }
             Err(e) => {
                 self.fail(Instant::now(), &e);
                 None

@@ -197,6 +197,7 @@ impl SessionScripts {
         broker_id: &str,
     ) -> Result<Vec<Result<Resumed, RegistryError>>, RegistryError> {
         let ttl = ttl_ms(ttl);
+        let at = crate::reply::rfc3339(std::time::SystemTime::now());
         let replies = evalsha_many(con, &self.resume, entries, 2, |call, (rig, boot)| {
             call.arg(session_key(rig, boot))
                 .arg(pointer_key(rig))
@@ -204,7 +205,8 @@ impl SessionScripts {
                 .arg(ttl)
                 .arg(format!("sess:{rig}:"))
                 .arg(broker_id)
-                .arg(rig.as_str());
+                .arg(rig.as_str())
+                .arg(&at);
         })?;
         Ok(replies
             .into_iter()
