@@ -38,10 +38,9 @@ enum Owner {
 #[derive(Debug)]
 struct Handover {
     old: ConnId,
-    new: ConnId,
-    /// `new` closed before its verdict: the old connection's `Closed` then parks the session
-    /// rather than handing it to a connection that is gone.
-    new_gone: bool,
+    /// The connection waiting for the session; None once it went before getting it, and the
+    /// old connection's `Closed` then parks the session rather than hand it to nobody.
+    new: Option<ConnId>,
     pending: Vec<CommandReq>,
     /// Redis lost the session meanwhile: the new connection puts it back once it holds it.
     rekeep: bool,
@@ -164,28 +163,25 @@ impl Embedded {
                 return out;
             }
             let same = entry.boot == boot;
-            let old = match &mut entry.owner {
-                Owner::Live(old) => *old,
-                Owner::Handover(h) => std::mem::replace(&mut h.new, conn),
+            // During a hand-over the connection superseded is the one that was waiting (it never
+            // got a verdict); the old one is closing already.
+            let superseded = match &mut entry.owner {
+                Owner::Live(old) => Some(*old),
+                Owner::Handover(h) => h.new.replace(conn),
             };
-            out.push(Action::Core(old, ToCore::Supersede { conn: old }));
+            if let Some(c) = superseded {
+                out.push(Action::Core(c, ToCore::Supersede { conn: c }));
+            }
             entry.labels = labels.into_boxed_slice();
             if same {
                 // Wait for the old connection's Closed: it carries the session's seq.
-                match &mut entry.owner {
-                    Owner::Live(_) => {
-                        entry.owner = Owner::Handover(Box::new(Handover {
-                            old,
-                            new: conn,
-                            new_gone: false,
-                            pending: Vec::new(),
-                            rekeep: false,
-                        }))
-                    }
-                    Owner::Handover(h) => {
-                        // The superseded `new` never got a verdict; it is closing with 4410.
-                        h.new_gone = false;
-                    }
+                if let Owner::Live(old) = entry.owner {
+                    entry.owner = Owner::Handover(Box::new(Handover {
+                        old,
+                        new: Some(conn),
+                        pending: Vec::new(),
+                        rekeep: false,
+                    }));
                 }
                 return out;
             }
@@ -245,7 +241,7 @@ impl Embedded {
                 self.park(rig, boot, next_seq, carried, now);
                 return (out, true);
             }
-            Owner::Handover(h) if h.old == conn && h.new_gone => {
+            Owner::Handover(h) if h.old == conn && h.new.is_none() => {
                 // Nobody waits for the session any more: it is parked for the rig's return, as
                 // if the old connection had closed alone.
                 let pending = std::mem::take(&mut h.pending);
@@ -255,7 +251,9 @@ impl Embedded {
                 return (out, true);
             }
             Owner::Handover(h) if h.old == conn => {
-                let new = h.new;
+                let Some(new) = h.new else {
+                    return (out, false);
+                };
                 let pending = std::mem::take(&mut h.pending);
                 let rekeep = h.rekeep;
                 entry.owner = Owner::Live(new);
@@ -298,8 +296,8 @@ impl Embedded {
                 self.awaiting_return.insert(conn, (rig.clone(), boot));
                 return (out, Some(boot));
             }
-            Owner::Handover(h) if h.new == conn => {
-                h.new_gone = true;
+            Owner::Handover(h) if h.new == Some(conn) => {
+                h.new = None;
                 for req in h.pending.drain(..) {
                     out.push(not_connected(req));
                 }
@@ -398,7 +396,9 @@ impl Embedded {
             Owner::Live(c) => out.push(Action::Core(c, ToCore::Supersede { conn: c })),
             Owner::Handover(h) => {
                 out.push(Action::Core(h.old, ToCore::Supersede { conn: h.old }));
-                out.push(Action::Core(h.new, ToCore::Supersede { conn: h.new }));
+                if let Some(new) = h.new {
+                    out.push(Action::Core(new, ToCore::Supersede { conn: new }));
+                }
                 out.extend(h.pending.into_iter().map(not_connected));
             }
         }
@@ -450,12 +450,14 @@ impl Embedded {
 
     /// Routes a kick.
     pub fn kick(&mut self, id: String, rig: RigId, reply_to: ReplyTo) -> Vec<Action> {
-        match self.rigs.get(&rig).map(|e| &e.owner) {
-            Some(owner) => {
-                let conn = match owner {
-                    Owner::Live(c) => *c,
-                    Owner::Handover(h) => h.new,
-                };
+        // During a hand-over the kick goes to the connection waiting for the session; with none
+        // waiting, no connection holds the rig.
+        let holder = self.rigs.get(&rig).and_then(|e| match &e.owner {
+            Owner::Live(c) => Some(*c),
+            Owner::Handover(h) => h.new,
+        });
+        match holder {
+            Some(conn) => {
                 vec![Action::Core(
                     conn,
                     ToCore::Kick {
@@ -691,6 +693,13 @@ mod tests {
         r.hello(conn(2), rig(), b, vec![]);
         let (gone, released) = r.abandoned(conn(2), &rig());
         assert!(gone.is_empty() && released.is_none());
+        // Meanwhile no connection holds the rig: a kick is answered, not sent to the one gone.
+        let (tx, _rx) = crossbeam_channel::bounded(1);
+        let kicked = r.kick("k".into(), rig(), ReplyTo::Admin(tx));
+        assert!(
+            matches!(&kicked[..], [Action::Reply(_, body)] if body["error"] == "rig_not_connected"),
+            "{kicked:?}"
+        );
         let (done, released) = r.closed(conn(1), rig(), b, Seq(8), vec![], now);
         assert!(released, "nobody holds the rig now: its lease goes");
         assert!(verdict_of(&done, conn(2)).is_none(), "{done:?}");
