@@ -259,7 +259,12 @@ async fn finish(core: &Core, conn: &Conn, stream: &TcpStream) {
     let fd = conn.fd;
     // SAFETY: fd is this task's open socket.
     unsafe { libc::shutdown(fd, libc::SHUT_WR) };
-    let peer_closed = conn.st.borrow().close_reason == PEER_CLOSED;
+    // Only our own marker counts (borrowed): a rig's close reason is owned text and may say
+    // anything, these very words included.
+    let peer_closed = matches!(
+        &conn.st.borrow().close_reason,
+        std::borrow::Cow::Borrowed(r) if *r == PEER_CLOSED
+    );
     if !peer_closed {
         // Read and drop until the peer's FIN so our close frame or HTTP answer is not reset.
         await_fin(core, stream, deadline).await;
