@@ -564,6 +564,22 @@ mod tests {
         assert_eq!(f.queued(), 0, "forgets do not make a write due");
     }
 
+    /// A release queued for the very lease a hello batch is about to claim again is dropped:
+    /// sent after the claim, its compare-and-delete would find the same tuple and delete it.
+    /// Releases of other rigs, or of another boot of the same rig, stay.
+    #[test]
+    fn a_release_of_a_lease_being_claimed_again_is_dropped() {
+        let mut f = fleet();
+        let (rig, boot) = rig();
+        let other = RigId::parse("rig-2").expect("rig");
+        let older = BootId::parse("0190f5c2-0000-7000-8000-000000000000").expect("boot");
+        assert!(f.release(rig.clone(), boot));
+        assert!(f.release(rig.clone(), older));
+        assert!(f.release(other.clone(), boot));
+        f.settle_before_hellos(&[(&rig, &boot)]);
+        assert_eq!(f.releases, vec![(rig, older), (other, boot)]);
+    }
+
     #[test]
     fn a_full_batch_of_forgets_is_due_at_once() {
         let mut f = fleet();
