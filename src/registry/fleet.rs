@@ -252,15 +252,24 @@ impl Fleet {
         }
     }
 
-    /// Whether `rig:<rig>` names this very boot on this broker. None when Redis is unavailable.
-    pub(crate) fn owns(&mut self, rig: &RigId, boot: &BootId) -> Option<bool> {
+    /// For each entry, whether `rig:<rig>` names that very boot on this broker, in one round
+    /// trip. None when Redis is unavailable.
+    pub(crate) fn owns_many(&mut self, entries: &[(RigId, BootId)]) -> Option<Vec<bool>> {
         let con = self.con.as_mut()?;
-        let key = crate::registry::scripts::rig_key(rig);
-        match redis::cmd("GET").arg(key).query::<Option<String>>(con) {
-            Ok(owner) => {
-                let ours = crate::registry::scripts::tuple(boot, &self.broker_id);
-                Some(owner.is_some_and(|o| o == ours))
-            }
+        let mut mget = redis::cmd("MGET");
+        for (rig, _) in entries {
+            mget.arg(crate::registry::scripts::rig_key(rig));
+        }
+        match mget.query::<Vec<Option<String>>>(con) {
+            Ok(owners) => Some(
+                entries
+                    .iter()
+                    .zip(owners)
+                    .map(|((_, boot), owner)| {
+                        owner == Some(crate::registry::scripts::tuple(boot, &self.broker_id))
+                    })
+                    .collect(),
+            ),
             Err(e) => {
                 self.fail(Instant::now(), &e);
                 None

@@ -91,6 +91,9 @@ struct Bridge {
     deadlines: Deadlines,
     /// Hellos read from the inbox and not yet answered (see [`Self::flush_hellos`]).
     hellos: Vec<PendingHello>,
+    /// Evicts of the very boot held here, read this pass: checked against the leases in one
+    /// round trip after the read (see `Self::settle_evicts`).
+    same_boot_evicts: Vec<(RigId, BootId)>,
     /// Commands for offline rigs not yet held (see [`Self::flush_holds`]).
     holds: Vec<PendingHold>,
     /// The sizes of `holds`' commands.
@@ -133,6 +136,7 @@ impl Bridge {
             held: LocalHeld::default(),
             deadlines: Deadlines::default(),
             hellos: Vec::new(),
+            same_boot_evicts: Vec::new(),
             holds: Vec::new(),
             holds_bytes: 0,
             persists: Vec::new(),

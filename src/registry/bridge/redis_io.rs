@@ -52,6 +52,7 @@ impl Bridge {
                 b.shared.pubsub_in.fetch_add(1, Ordering::Relaxed);
                 b.control(&push.channel, &push.payload, now);
             }
+            b.settle_evicts();
             b.flush_holds();
         });
         // Leases first: a Redis that restarted empty or let a lease expire would fence the
@@ -89,6 +90,32 @@ impl Bridge {
         writes.into_iter().chain(forgets).min()
     }
 
+    /// The evicts of a boot this broker holds. The rig may have come back after the evict
+    /// was sent (A to B and back to A within pub/sub's latency): if the lease names this broker
+    /// again, the evict is stale, and closing the rig's live connection would only bounce it
+    /// once more. One round trip for all of a read's, since a whole fleet moving between two
+    /// live brokers sends one per rig.
+    fn settle_evicts(&mut self) {
+        if self.same_boot_evicts.is_empty() {
+            return;
+        }
+        let evicts = std::mem::take(&mut self.same_boot_evicts);
+        let ours = self.fleet.as_mut().and_then(|f| f.owns_many(&evicts));
+        for (i, (rig, boot)) in evicts.into_iter().enumerate() {
+            if ours
+                .as_ref()
+                .and_then(|o| o.get(i))
+                .copied()
+                .unwrap_or(false)
+            {
+                self.shared.count("evict", "stale");
+            } else {
+                let actions = self.registry.supersede(&rig, Some(boot));
+                self.carry_out(actions);
+            }
+        }
+    }
+
     fn control(&mut self, channel: &str, payload: &[u8], now: Instant) {
         let broadcast = channel == fleet::BROADCAST;
         match control::parse(payload, broadcast) {
@@ -107,19 +134,8 @@ impl Bridge {
             }
             Ok(Control::Evict { rig, boot }) => {
                 self.shared.count("evict", "received");
-                // The same boot here again: the rig may have come back after the evict was
-                // sent (A to B and back to A within pub/sub's latency). If the lease names this
-                // broker, the evict is stale and closing the rig's live connection would only
-                // bounce it once more.
-                let same_boot = self.registry.boot_of(&rig) == Some(boot);
-                let ours = same_boot
-                    && self
-                        .fleet
-                        .as_mut()
-                        .and_then(|f| f.owns(&rig, &boot))
-                        .unwrap_or(false);
-                if ours {
-                    self.shared.count("evict", "stale");
+                if self.registry.boot_of(&rig) == Some(boot) {
+                    self.same_boot_evicts.push((rig, boot));
                 } else {
                     let actions = self.registry.supersede(&rig, Some(boot));
                     self.carry_out(actions);
