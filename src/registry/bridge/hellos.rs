@@ -164,13 +164,7 @@ impl Bridge {
                 next_seq, carried, ..
             } = std::mem::replace(verdict, Verdict::Busy)
             {
-                let now = Instant::now();
-                if let Some((rig, boot)) =
-                    self.registry
-                        .returned(conn, Some(rig.clone()), next_seq, carried, now)
-                {
-                    self.release(rig, boot);
-                }
+                self.take_back(conn, Some(rig.clone()), next_seq, carried);
             }
         }
     }

@@ -283,12 +283,7 @@ impl Bridge {
                 next_seq,
                 carried,
             } => {
-                let released = self
-                    .registry
-                    .returned(conn, rig, next_seq, carried, Instant::now());
-                if let Some((rig, boot)) = released {
-                    self.release(rig, boot);
-                }
+                self.take_back(conn, rig, next_seq, carried);
                 Vec::new()
             }
             ToBridge::Abandoned { conn, rig } => {
@@ -463,6 +458,23 @@ impl Bridge {
                 let ev = crate::events::offline_delivered(&self.cfg.broker_id, body);
                 self.publish(fleet::EVENTS.to_string(), &ev);
             }
+        }
+    }
+
+    /// An accepted session that never reached its connection goes back to the registry
+    /// (see `Embedded::returned`); the lease it held, if any, is released.
+    fn take_back(
+        &mut self,
+        conn: ConnId,
+        rig: Option<RigId>,
+        next_seq: crate::ids::Seq,
+        carried: Vec<crate::registry::msg::SeqCommand>,
+    ) {
+        let released = self
+            .registry
+            .returned(conn, rig, next_seq, carried, Instant::now());
+        if let Some((rig, boot)) = released {
+            self.release(rig, boot);
         }
     }
 
