@@ -9,6 +9,7 @@ use std::time::Duration;
 use common::broker::{boot_id, eventually, read_close, read_json, Broker, Ws};
 use common::control::Control;
 use common::redis::RedisServer;
+use common::relay::Relay;
 use fleetlink::ids::{BootId, RigId, Seq};
 use fleetlink::registry::sessions::{Kept, Persist, Rekeep, SessionScripts};
 use redis::Commands;
@@ -392,6 +393,71 @@ fn a_killed_brokers_unacked_commands_reach_the_rig_on_the_survivor() {
         ctl.command_id("fe-b", "rig-k", "k4", "n", json!({}))["seq"],
         4
     );
+}
+
+/// Redis takes B's lease claim, then fails the session read of the same hello: the rig is
+/// turned away (4503) instead of welcomed with no knowledge of its session, the claim is
+/// released once Redis is back, and the next hello resumes with the unacked commands and
+/// the seqs after them.
+#[test]
+fn a_hello_whose_session_read_fails_is_turned_away_and_resumes_on_the_next() {
+    let redis = RedisServer::start();
+    let a = fleet_broker(&redis, "fe-a");
+    let relay = Relay::start(redis.port());
+    let relay_url = relay.url();
+    let b = Broker::start(&["--redis", relay_url.as_str(), "--broker-id", "fe-b"]);
+    eventually(Duration::from_secs(10), "fe-b ready", || {
+        b.http("GET", "/readyz", "").0 == 200
+    });
+    let boot = boot_id();
+    let mut on_a = a.connect("/agent");
+    hello(&mut on_a, "rig-u", &boot, None);
+    let mut ctl = Control::new(&redis, &[]);
+    for i in 1..=3u64 {
+        let r = ctl.command_id("fe-a", "rig-u", &format!("u{i}"), "n", json!({}));
+        assert_eq!(r["seq"], i, "{r}");
+        assert_eq!(read_json(&mut on_a)["seq"], i);
+    }
+    // The rig leaves A (A releases its lease) and has seen 1..3 but acked none.
+    drop(on_a);
+    let mut con = redis.connection();
+    eventually(Duration::from_secs(5), "fe-a's lease released", || {
+        !con.exists::<_, bool>("rig:rig-u").unwrap()
+    });
+
+    let resume_sha = redis::Script::new(include_str!("../lua/resume.lua"))
+        .get_hash()
+        .to_string();
+    relay.cut_on(resume_sha.as_bytes());
+    let mut on_b = b.connect("/agent");
+    let msg = json!({"type":"hello","rig_id":"rig-u","boot_id":boot,"version":"t","last_seq":1});
+    on_b.send(Message::Text(msg.to_string().into())).unwrap();
+    assert_eq!(read_close(&mut on_b), 4503);
+    assert_eq!(relay.cuts(), 1, "the session read was the call cut");
+    assert_eq!(
+        b.metric("fleetlink_registry_ops_total{op=\"hello\",result=\"unavailable\"}"),
+        1
+    );
+    // Back on Redis, B lets go of the lease that hello claimed.
+    eventually(Duration::from_secs(10), "fe-b back on Redis", || {
+        b.http("GET", "/readyz", "").0 == 200
+    });
+    eventually(Duration::from_secs(5), "fe-b's claim released", || {
+        !con.exists::<_, bool>("rig:rig-u").unwrap()
+    });
+
+    let mut on_b = b.connect("/agent");
+    assert_eq!(hello(&mut on_b, "rig-u", &boot, Some(1))["resumed"], true);
+    for i in 2..=3u64 {
+        let cmd = read_json(&mut on_b);
+        assert_eq!(
+            (cmd["seq"].clone(), cmd["id"].clone()),
+            (json!(i), json!(format!("u{i}")))
+        );
+    }
+    let r = ctl.command_id("fe-b", "rig-u", "u4", "n", json!({}));
+    assert_eq!(r["seq"], 4, "{r}");
+    assert_eq!(read_json(&mut on_b)["seq"], 4);
 }
 
 #[test]

@@ -4,3 +4,4 @@
 pub mod broker;
 pub mod control;
 pub mod redis;
+pub mod relay;

@@ -1,0 +1,115 @@
+//! A TCP relay in front of a test's redis-server that, once armed, cuts the connection whose
+//! client sends a given byte string, without passing that call on: a Redis that fails between
+//! two calls of one operation, which killing or freezing the server cannot aim at.
+
+use std::io::{Read, Write};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread;
+
+/// Relays 127.0.0.1:<port> to the upstream port; stops accepting on drop.
+pub struct Relay {
+    addr: SocketAddr,
+    armed: Arc<Mutex<Option<Vec<u8>>>>,
+    cuts: Arc<AtomicUsize>,
+    stop: Arc<AtomicBool>,
+}
+
+impl Relay {
+    /// Starts relaying to `127.0.0.1:<upstream>`.
+    pub fn start(upstream: u16) -> Relay {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind relay");
+        let addr = listener.local_addr().expect("relay address");
+        let relay = Relay {
+            addr,
+            armed: Arc::new(Mutex::new(None)),
+            cuts: Arc::new(AtomicUsize::new(0)),
+            stop: Arc::new(AtomicBool::new(false)),
+        };
+        let (armed, cuts, stop) = (relay.armed.clone(), relay.cuts.clone(), relay.stop.clone());
+        thread::spawn(move || {
+            for client in listener.incoming() {
+                if stop.load(Ordering::Relaxed) {
+                    return;
+                }
+                let Ok(client) = client else { continue };
+                let Ok(server) = TcpStream::connect(("127.0.0.1", upstream)) else {
+                    continue;
+                };
+                let (armed, cuts) = (armed.clone(), cuts.clone());
+                thread::spawn(move || pump(client, server, &armed, &cuts));
+            }
+        });
+        relay
+    }
+
+    /// `redis://` URL of the relay.
+    pub fn url(&self) -> String {
+        format!("redis://{}/", self.addr)
+    }
+
+    /// The next connection to send `pattern` is cut there, once.
+    pub fn cut_on(&self, pattern: &[u8]) {
+        *self.armed.lock().unwrap() = Some(pattern.to_vec());
+    }
+
+    /// How many connections were cut so far.
+    pub fn cuts(&self) -> usize {
+        self.cuts.load(Ordering::SeqCst)
+    }
+}
+
+impl Drop for Relay {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        // Wakes the accept loop so it sees `stop`.
+        let _ = TcpStream::connect(self.addr);
+    }
+}
+
+/// Copies client→server, watching for the armed pattern (also across reads), while another
+/// thread copies server→client.
+fn pump(
+    mut client: TcpStream,
+    mut server: TcpStream,
+    armed: &Mutex<Option<Vec<u8>>>,
+    cuts: &AtomicUsize,
+) {
+    let (Ok(mut back_from), Ok(mut back_to)) = (server.try_clone(), client.try_clone()) else {
+        return;
+    };
+    thread::spawn(move || {
+        let _ = std::io::copy(&mut back_from, &mut back_to);
+        let _ = back_to.shutdown(Shutdown::Both);
+    });
+    let mut tail: Vec<u8> = Vec::new();
+    let mut buf = [0u8; 16 * 1024];
+    loop {
+        let n = match client.read(&mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => n,
+        };
+        let mut window = std::mem::take(&mut tail);
+        window.extend_from_slice(&buf[..n]);
+        let mut guard = armed.lock().unwrap();
+        if let Some(pattern) = guard.as_ref() {
+            if window
+                .windows(pattern.len())
+                .any(|w| w == pattern.as_slice())
+            {
+                *guard = None;
+                cuts.fetch_add(1, Ordering::SeqCst);
+                break;
+            }
+            let keep = pattern.len().saturating_sub(1).min(window.len());
+            tail = window[window.len() - keep..].to_vec();
+        }
+        drop(guard);
+        if server.write_all(&buf[..n]).is_err() {
+            break;
+        }
+    }
+    let _ = client.shutdown(Shutdown::Both);
+    let _ = server.shutdown(Shutdown::Both);
+}
