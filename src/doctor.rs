@@ -35,8 +35,8 @@ const LISTEN_BACKLOG: u64 = 4096;
 const KERNEL_BYTES_PER_CONN: u64 = 3_900;
 
 /// Broker memory per idle plain-ws connection, bytes: the RSS slope `bench/run density`
-/// measures (1,128 B, docs/benchmarks.md). A floor, not a promise: labels and queued commands
-/// add more.
+/// measures (1,128–1,144 B, docs/benchmarks.md and its history). A floor, not a promise:
+/// labels and queued commands add more.
 const BROKER_BYTES_PER_CONN: u64 = 1_130;
 
 /// Broker memory per idle wss connection, bytes: the RSS slope `bench/tls.sh` measured

@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# bench/idle-perf.sh — where an idle fleet's CPU goes: 10,000 idle rigs on fleetlink-fe
+# (standalone), then on the tuned tokio baseline, and for each, 20 s of `perf stat` (task
+# clock, context switches, the syscalls a PING and a PONG cost, io_uring waits and
+# completions, epoll waits), then 20 s of `perf record -g` on fleetlink-fe.
+#
+#   bench/idle-perf.sh [--out DIR] [--rigs 10000]
+#
+# Writes DIR/<broker>.stat and DIR/fleetlink-fe-profile-top.txt (default DIR:
+# bench/results/idle-perf). Needs perf with tracepoint access (root), release builds
+# (`bench/run` builds them), loopback ports 27080/27090. Everything it starts stops by itself
+# (the loadgen holds for 60 s, at most 90 s).
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+out="$root/bench/results/idle-perf"
+rigs=10000
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --out) out="$2"; shift 2 ;;
+    --rigs) rigs="$2"; shift 2 ;;
+    -h|--help) sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "idle-perf.sh: unknown argument $1 (see --help)" >&2; exit 64 ;;
+  esac
+done
+bin="${CARGO_TARGET_DIR:-$root/target}/release"
+mkdir -p "$out"
+work="$(mktemp -d)"
+broker_pid=""
+lg=""
+cleanup() {
+  for pid in $lg $broker_pid; do kill "$pid" 2>/dev/null || true; done
+  rm -rf "$work"
+}
+trap cleanup EXIT
+events="task-clock,context-switches,syscalls:sys_enter_sendto,syscalls:sys_enter_recvfrom"
+events+=",syscalls:sys_enter_io_uring_enter,io_uring:io_uring_complete,io_uring:io_uring_cqring_wait"
+events+=",syscalls:sys_enter_epoll_wait"
+
+for broker in fleetlink-fe tokio-baseline-rb4096; do
+  case "$broker" in
+    fleetlink-fe) "$bin/fleetlink-fe" --listen 127.0.0.1:27080 --admin 127.0.0.1:27090 \
+        --accept-rate 100000 --accept-burst 100000 > "$work/broker.log" 2>&1 & ;;
+    *) "$bin/fleetlink-tokio-baseline" --listen 127.0.0.1:27080 --admin 127.0.0.1:27090 \
+        --read-buffer 4096 --write-buffer 0 > "$work/broker.log" 2>&1 & ;;
+  esac
+  broker_pid=$!
+  for _ in $(seq 100); do
+    curl -fs -o /dev/null http://127.0.0.1:27090/healthz && break
+    sleep 0.1
+  done
+  "$bin/fleetlink-loadgen" rigs --url ws://127.0.0.1:27080/agent --rigs "$rigs" --hold 60s \
+    --max-time 90s --report "$work/lg.json" > "$work/lg.out" 2>/dev/null &
+  lg=$!
+  for _ in $(seq 600); do
+    grep -q ALL_WELCOMED "$work/lg.out" 2>/dev/null && break
+    sleep 0.1
+  done
+  grep -q ALL_WELCOMED "$work/lg.out" || { echo "idle-perf: $broker: rigs not welcomed" >&2; exit 1; }
+  sleep 5 # the ramp's own work settles; the window below is what idle costs
+  perf stat -e "$events" -p "$broker_pid" -- sleep 20 2> "$out/$broker.stat"
+  if [[ $broker == fleetlink-fe ]]; then
+    perf record -F 1999 -g -p "$broker_pid" -o "$work/perf.data" -- sleep 20 2>/dev/null
+    perf report -i "$work/perf.data" --no-children --sort sym --stdio -g none 2>/dev/null \
+      | grep -v '^$' | head -40 > "$out/fleetlink-fe-profile-top.txt" || true
+  fi
+  wait "$lg" || true
+  lg=""
+  kill "$broker_pid"; wait "$broker_pid" 2>/dev/null || true
+  broker_pid=""
+  echo "idle-perf: $broker"; grep -E 'task-clock|context-switches|sendto|recvfrom|cqring_wait|epoll_wait' "$out/$broker.stat"
+done

@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# bench/pass.sh — every scenario once, back to back, at one commit: the run the summary of
+# docs/benchmarks.md is read from. Each scenario alternates fleetlink-fe and the baselines
+# itself; this only runs them in a row so that every figure comes from the same build and
+# the same hour.
+#
+#   bench/pass.sh [--name NAME] [--rounds 3] [--no-build]
+#
+# Writes bench/results/pass-NAME/, its files suffixed passNAME: latency, accept-storm,
+# idle-cost, throughput and fanout-cpu JSON and markdown, density/ and tls/, the plots, and
+# pass.log (commit, kernel, when each scenario started). About 50 minutes on the 2-CPU
+# machine of docs/benchmarks.md. Needs what the scenarios need: jq, redis-server, loopback
+# 127.0.0.1-16. Run it on a quiet machine; it does not check for other load.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+name="$(date -u +%m%d)"
+rounds=3
+build=1
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --name) name="$2"; shift 2 ;;
+    --rounds) rounds="$2"; shift 2 ;;
+    --no-build) build=0; shift ;;
+    -h|--help) sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "pass.sh: unknown argument $1 (see --help)" >&2; exit 64 ;;
+  esac
+done
+cd "$root"
+if [[ $build == 1 ]]; then
+  cargo build --release -q -p fleetlink -p fleetlink-bench -p fleetlink-loadgen \
+    -p fleetlink-tokio-baseline
+fi
+export BENCH_NO_BUILD=1
+out="bench/results/pass-$name"
+sfx="pass$name"
+mkdir -p "$out"
+log="$out/pass.log"
+stamp() { echo "$1 $(date -u +%FT%TZ)" | tee -a "$log"; }
+echo "commit $(git rev-parse --short HEAD)$(git diff --quiet HEAD -- src lua bench || echo ' (dirty)') kernel $(uname -r)" | tee "$log"
+redis_brokers="fleetlink-fe-redis fleetlink-fe-redis-nopersist tokio-baseline-redis-rb4096 tokio-baseline-redis-store-rb4096"
+
+stamp "latency start"
+bench/latency.sh --no-build --rounds "$rounds" --name "$sfx" --results "$out"
+stamp "density start"
+bench/compare-density.sh --rounds "$rounds" --out "$out/density"
+stamp "accept-storm start"
+bench/run accept-storm --rounds "$rounds" --out "$out" --name "$sfx"
+stamp "idle-cost start"
+bench/run idle-cost --rounds "$rounds" --out "$out" --name "$sfx"
+stamp "throughput start"
+bench/run throughput --rounds "$rounds" --out "$out" --name "$sfx"
+stamp "fanout-cpu start"
+bench/fanout-cpu.sh --rounds "$rounds" --name "$sfx" --brokers "$redis_brokers"
+mv "bench/results/fanout-cpu-$sfx.json" "$out/"
+stamp "tls start"
+bench/tls.sh --rounds "$rounds" --results "$out/tls"
+stamp "plots start"
+for f in "$out"/density/density-*.json; do
+  b="$(basename "$f" .json)"
+  [[ $b == density-rounds ]] || cp "$f" "$out/$b-$sfx.json"
+done
+"${CARGO_TARGET_DIR:-target}/release/fleetlink-bench" plots --out "$out" --name "$sfx"
+stamp "end"
