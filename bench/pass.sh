@@ -8,7 +8,7 @@
 #
 # Writes bench/results/pass-NAME/, its files suffixed passNAME: latency, accept-storm,
 # idle-cost, throughput and fanout-cpu JSON and markdown, density/ and tls/, the plots, and
-# pass.log (commit, kernel, when each scenario started). About 50 minutes on the 2-CPU
+# pass-log.txt (commit, kernel, when each scenario started). About 30 minutes on the 2-CPU
 # machine of docs/benchmarks.md. Needs what the scenarios need: jq, redis-server, loopback
 # 127.0.0.1-16. Run it on a quiet machine; it does not check for other load.
 set -euo pipefail
@@ -34,7 +34,7 @@ export BENCH_NO_BUILD=1
 out="bench/results/pass-$name"
 sfx="pass$name"
 mkdir -p "$out"
-log="$out/pass.log"
+log="$out/pass-log.txt"
 stamp() { echo "$1 $(date -u +%FT%TZ)" | tee -a "$log"; }
 echo "commit $(git rev-parse --short HEAD)$(git diff --quiet HEAD -- src lua bench || echo ' (dirty)') kernel $(uname -r)" | tee "$log"
 redis_brokers="fleetlink-fe-redis fleetlink-fe-redis-nopersist tokio-baseline-redis-rb4096 tokio-baseline-redis-store-rb4096"
