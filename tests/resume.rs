@@ -21,8 +21,12 @@ fn fleet_broker(redis: &RedisServer, id: &str) -> Broker {
 }
 
 fn fleet_broker_with(redis: &RedisServer, id: &str, extra: &[&str]) -> Broker {
-    let url = redis.url();
-    let mut args = vec!["--redis", url.as_str(), "--broker-id", id];
+    fleet_broker_at(&redis.url(), id, extra)
+}
+
+/// A fleet-mode broker on the Redis at `url` (a relay in front of one, say), once ready.
+fn fleet_broker_at(url: &str, id: &str, extra: &[&str]) -> Broker {
+    let mut args = vec!["--redis", url, "--broker-id", id];
     args.extend_from_slice(extra);
     let b = Broker::start(&args);
     eventually(Duration::from_secs(10), "broker ready", || {
@@ -32,14 +36,18 @@ fn fleet_broker_with(redis: &RedisServer, id: &str, extra: &[&str]) -> Broker {
 }
 
 fn hello(ws: &mut Ws, rig: &str, boot: &str, last_seq: Option<u64>) -> Value {
+    send_hello(ws, rig, boot, last_seq);
+    let welcome = read_json(ws);
+    assert_eq!(welcome["type"], "welcome", "{welcome}");
+    welcome
+}
+
+fn send_hello(ws: &mut Ws, rig: &str, boot: &str, last_seq: Option<u64>) {
     let mut msg = json!({"type":"hello","rig_id":rig,"boot_id":boot,"version":"t"});
     if let Some(k) = last_seq {
         msg["last_seq"] = json!(k);
     }
     ws.send(Message::Text(msg.to_string().into())).unwrap();
-    let welcome = read_json(ws);
-    assert_eq!(welcome["type"], "welcome", "{welcome}");
-    welcome
 }
 
 fn ack(ws: &mut Ws, seq: u64) {
@@ -404,11 +412,7 @@ fn a_hello_whose_session_read_fails_is_turned_away_and_resumes_on_the_next() {
     let redis = RedisServer::start();
     let a = fleet_broker(&redis, "fe-a");
     let relay = Relay::start(redis.port());
-    let relay_url = relay.url();
-    let b = Broker::start(&["--redis", relay_url.as_str(), "--broker-id", "fe-b"]);
-    eventually(Duration::from_secs(10), "fe-b ready", || {
-        b.http("GET", "/readyz", "").0 == 200
-    });
+    let b = fleet_broker_at(&relay.url(), "fe-b", &[]);
     let boot = boot_id();
     let mut on_a = a.connect("/agent");
     hello(&mut on_a, "rig-u", &boot, None);
@@ -430,8 +434,7 @@ fn a_hello_whose_session_read_fails_is_turned_away_and_resumes_on_the_next() {
         .to_string();
     relay.cut_on(resume_sha.as_bytes());
     let mut on_b = b.connect("/agent");
-    let msg = json!({"type":"hello","rig_id":"rig-u","boot_id":boot,"version":"t","last_seq":1});
-    on_b.send(Message::Text(msg.to_string().into())).unwrap();
+    send_hello(&mut on_b, "rig-u", &boot, Some(1));
     assert_eq!(read_close(&mut on_b), 4503);
     assert_eq!(relay.cuts(), 1, "the session read was the call cut");
     assert_eq!(
