@@ -154,6 +154,91 @@ fn the_last_missed_pong_closes_at_its_deadline_not_at_the_next_ping() {
     );
 }
 
+/// An idle rig's PONG is left in the kernel until its deadline, where the sweep reads it
+/// (src/worker/quiet_pong.rs): it still counts, the rig stays up, and anything behind it is
+/// read at once.
+#[test]
+fn a_bare_pong_is_read_at_its_deadline_and_anything_more_at_once() {
+    use fleetlink::ws::OpCode as Op;
+    let b = Broker::start(&["--ping-interval", "1s", "--pong-timeout", "600ms"]);
+    let mut rig = RawRig::hello(&b, "rig-quiet");
+    let pongs = "fleetlink_pongs_received_total ";
+    // Interval 1: a bare PONG. It is counted at the deadline, not when it lands.
+    let (op, _) = rig.read_frame();
+    assert_eq!(op, 0x9);
+    let pinged = std::time::Instant::now();
+    rig.send_frame(Op::Pong, &[]);
+    eventually(Duration::from_secs(5), "the first PONG counted", || {
+        b.metric(pongs) == 1
+    });
+    let waited = pinged.elapsed();
+    assert!(
+        waited >= Duration::from_millis(400) && waited < Duration::from_millis(1000),
+        "a bare PONG counted {waited:?} after the PING (its deadline: 600 ms)"
+    );
+    // Interval 2: a PONG with a PING of the rig's own behind it. Both are read at once: the
+    // broker's answer and the count come long before the deadline.
+    let (op, _) = rig.read_frame();
+    assert_eq!(op, 0x9);
+    let pinged = std::time::Instant::now();
+    rig.send_frame(Op::Pong, &[]);
+    rig.send_frame(Op::Ping, b"x");
+    let (op, payload) = rig.read_frame();
+    assert_eq!((op, payload.as_slice()), (0xA, &b"x"[..]));
+    assert_eq!(b.metric(pongs), 2);
+    assert!(pinged.elapsed() < Duration::from_millis(400));
+    // Interval 3 and on: the rig is alive; a bare PONG each time keeps it so.
+    for _ in 0..2 {
+        let (op, _) = rig.read_frame();
+        assert_eq!(op, 0x9);
+        rig.send_frame(Op::Pong, &[]);
+    }
+    eventually(Duration::from_secs(5), "four PONGs counted", || {
+        b.metric(pongs) == 4
+    });
+    assert_eq!(b.metric("fleetlink_closes_total{code=\"4002\"} "), 0);
+}
+
+/// A close frame without a code is as small as a PONG; once the PONG deadline has passed the
+/// broker must hear it at once, and while a PING is out, at that deadline at the latest.
+#[test]
+fn a_bare_close_is_heard_while_a_pong_is_awaited() {
+    use fleetlink::ws::OpCode as Op;
+    let b = Broker::start(&["--ping-interval", "1s", "--pong-timeout", "300ms"]);
+    // After the deadline (PONG read, mark back down): at once.
+    let mut rig = RawRig::hello(&b, "rig-bare-close");
+    let (op, _) = rig.read_frame();
+    assert_eq!(op, 0x9);
+    rig.send_frame(Op::Pong, &[]);
+    eventually(Duration::from_secs(5), "the PONG counted", || {
+        b.metric("fleetlink_pongs_received_total ") == 1
+    });
+    let sent = std::time::Instant::now();
+    rig.send_frame(Op::Close, &[]);
+    let (op, _) = rig.read_frame();
+    assert_eq!(op, 0x8);
+    assert!(
+        sent.elapsed() < Duration::from_millis(250),
+        "{:?}",
+        sent.elapsed()
+    );
+    // While a PING is out and unanswered: by its deadline.
+    let mut rig = RawRig::hello(&b, "rig-bare-close-2");
+    let (op, _) = rig.read_frame();
+    assert_eq!(op, 0x9);
+    let pinged = std::time::Instant::now();
+    rig.send_frame(Op::Close, &[]);
+    let (op, _) = rig.read_frame();
+    assert_eq!(op, 0x8);
+    assert!(
+        pinged.elapsed() < Duration::from_millis(800),
+        "{:?}",
+        pinged.elapsed()
+    );
+    // 1005 (no code) is counted under "other".
+    b.wait_metric("fleetlink_closes_total{code=\"other\"} 2");
+}
+
 #[test]
 fn binary_message_closes_1003_and_oversize_closes_1009() {
     let b = Broker::start(&["--max-message", "1024"]);

@@ -15,8 +15,8 @@ use monoio::net::TcpStream;
 
 use crate::metrics::C;
 use crate::worker::core::{flush, recv, Conn, ConnState, Core, Phase};
-use crate::worker::session;
 use crate::worker::transport::{self, TlsRead};
+use crate::worker::{quiet_pong, session};
 
 /// The close reason recorded when the peer ended the TCP connection first.
 const PEER_CLOSED: &str = "peer closed the connection";
@@ -116,7 +116,9 @@ pub(crate) async fn serve(core: Rc<Core>, stream: TcpStream, conn: Rc<Conn>) {
         })
         .await;
         match woke {
-            Woke::Readable => on_readable(&core, &conn),
+            Woke::Readable => {
+                on_readable(&core, &conn);
+            }
             Woke::Writable | Woke::Notified => {}
             Woke::Timer => {
                 let mut st = conn.st.borrow_mut();
@@ -136,19 +138,38 @@ pub(crate) async fn serve(core: Rc<Core>, stream: TcpStream, conn: Rc<Conn>) {
     Box::pin(finish(&core, &conn, &stream)).await;
 }
 
-fn on_readable(core: &Core, conn: &Conn) {
+/// Reads what the socket holds while the task sleeps on its readiness op: the sweep's read of
+/// a PONG kept below the low-water mark ([`crate::worker::quiet_pong`]). The task is woken
+/// only when what was read left it something to do; a bare PONG does not.
+pub(crate) fn read_while_parked(core: &Core, conn: &Conn) {
+    let n = on_readable(core, conn);
+    let st = conn.st.borrow();
+    if (n != 0 && n != quiet_pong::PONG_LEN)
+        || st.phase != Phase::Live
+        || st.has_output()
+        || st.rbuf_ready
+        || !st.rbuf_is_empty()
+    {
+        drop(st);
+        conn.notify();
+    }
+}
+
+/// Reads and consumes what is ready; returns how many bytes came off the socket (0 for none,
+/// and for EOF or an error, which end the connection).
+fn on_readable(core: &Core, conn: &Conn) -> usize {
     let mut scratch = core.scratch.borrow_mut();
     let mut st = conn.st.borrow_mut();
     let n = match read_some(core, conn.fd, &mut st, &mut scratch) {
         Ok(Some(n)) => n,
-        Ok(None) => return,
+        Ok(None) => return 0,
         Err(reason) => {
             if st.phase != Phase::Closing && st.close_code.is_none() {
                 st.close_reason = reason.into();
             }
             st.phase = Phase::Done;
             st.drop_output();
-            return;
+            return 0;
         }
     };
     let data = scratch.get(..n).unwrap_or_default();
@@ -163,6 +184,7 @@ fn on_readable(core: &Core, conn: &Conn) {
         let used = session::consume(core, conn, &mut st, &buf);
         keep_rest(&mut st, buf, used);
     }
+    n
 }
 
 /// Reads plaintext into `buf`: Ok(Some(n)) with n > 0, Ok(None) when nothing is there yet, or

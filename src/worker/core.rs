@@ -436,6 +436,9 @@ pub(crate) struct Liveness {
     pub(crate) last_ping: Tick,
     pub(crate) awaiting_pong: bool,
     pub(crate) missed: u8,
+    /// The socket's low-water mark is raised so a bare PONG waits for the sweep
+    /// ([`crate::worker::quiet_pong`]); the sweep then visits at the PONG deadline.
+    pub(crate) pong_hidden: bool,
     /// The tick of this connection's current wheel entry. Each phase schedules its own
     /// deadline; an entry visited at any other tick was overtaken by a later one and is dropped,
     /// so a connection keeps one entry and one visit per deadline, not one per phase it passed.
@@ -564,6 +567,11 @@ impl Conn {
             }
             _ => {}
         }
+        if st.live.pong_hidden {
+            // The peer's close reply may be a bare 6-byte frame: it must wake us.
+            crate::worker::quiet_pong::reveal(self.fd);
+            st.live.pong_hidden = false;
+        }
         let reason = reason.into();
         let mut frame = Vec::new();
         ws::encode_close(&mut frame, code, &reason);
@@ -654,6 +662,11 @@ impl ConnState {
     /// The output buffer (allocated on first use).
     pub(crate) fn out(&mut self) -> &mut Vec<u8> {
         &mut self.bufs.get_or_insert_with(Box::default).out
+    }
+
+    /// Whether the connection runs over TLS.
+    pub(crate) fn has_tls(&self) -> bool {
+        self.sec.as_ref().is_some_and(|s| s.tls.is_some())
     }
 
     /// Output bytes not yet sent.

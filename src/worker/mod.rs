@@ -10,6 +10,7 @@
 //! - `queues`: a rig's queued and unacked commands, bounded by bytes per rig and per core.
 //! - `closing`: a closed session waits for Redis's answer to its held commands.
 //! - `sweep` + `wheel`: deadlines and liveness without per-connection timers.
+//! - `quiet_pong`: a rig's PONG waits in the kernel for the sweep instead of waking the core.
 //! - `inbox`: messages from the bridge and admin.
 //! - `drain`: graceful shutdown.
 //! - `admin_conn`: admin HTTP connections the admin acceptor hands to this core.
@@ -23,6 +24,7 @@ pub(crate) mod core;
 mod drain;
 mod inbox;
 pub(crate) mod queues;
+mod quiet_pong;
 mod session;
 mod sweep;
 mod transport;

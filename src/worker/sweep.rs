@@ -7,6 +7,7 @@ use std::time::Duration;
 use crate::ids::ConnId;
 use crate::metrics::C;
 use crate::worker::core::{Core, Phase};
+use crate::worker::{conn, quiet_pong};
 use crate::ws::OpCode;
 
 /// Runs until the core finishes.
@@ -33,6 +34,15 @@ pub(super) fn visit(core: &Core, id: ConnId) {
     if st.live.wheel_at != now as u32 {
         return;
     }
+    let pong_due = st.live.last_ping + pong_ticks(core);
+    if st.phase == Phase::Live && st.live.pong_hidden && now >= pong_due {
+        // The PONG is most likely waiting below the low-water mark: read it before judging.
+        drop(st);
+        if conn.st.borrow().can_consume(core.now_ms()) {
+            conn::read_while_parked(core, &conn);
+        }
+        st = conn.st.borrow_mut();
+    }
     let next = match st.phase {
         Phase::Handshake | Phase::AwaitHello | Phase::AwaitVerdict if now < st.deadline => {
             Some(st.deadline)
@@ -56,8 +66,7 @@ pub(super) fn visit(core: &Core, id: ConnId) {
         }
         Phase::Live => {
             let ping = core.ticks(core.cfg.ping_interval);
-            // A PONG later than the next PING counts as missed too.
-            let pong = core.ticks(core.cfg.pong_timeout).min(ping);
+            let pong = pong_ticks(core);
             let live = &mut st.live;
             if live.awaiting_pong && now >= live.last_ping + pong {
                 live.awaiting_pong = false;
@@ -72,14 +81,22 @@ pub(super) fn visit(core: &Core, id: ConnId) {
                 live.last_ping = now;
                 live.awaiting_pong = true;
                 core.metrics.inc(C::PingsSent);
+                // Before the PING: a quick PONG must find the mark already up.
+                if !st.live.pong_hidden && !st.has_tls() {
+                    st.live.pong_hidden = quiet_pong::hide(conn.fd);
+                }
                 conn.send_frame(&mut st, OpCode::Ping, &[]);
+            } else if st.live.pong_hidden {
+                // Past the PONG deadline (the only other visit while a PONG is hidden), after
+                // the read above: the mark goes back before anything else can hide behind it.
+                quiet_pong::reveal(conn.fd);
+                st.live.pong_hidden = false;
             }
-            // Only a miss that would close the connection is checked at its PONG deadline;
-            // an earlier one is counted at the next PING's visit. The close comes at the same
-            // moment, and a healthy rig is visited once per interval instead of twice.
+            // A miss that would close the connection, or a PONG that waits to be read, is
+            // checked at its PONG deadline; any other miss is counted at the next PING's visit.
             let live = &st.live;
             let fatal = live.missed.saturating_add(1) >= core.cfg.max_missed_pongs;
-            Some(if live.awaiting_pong && fatal {
+            Some(if live.awaiting_pong && (fatal || live.pong_hidden) {
                 live.last_ping + pong
             } else {
                 live.last_ping + ping
@@ -90,4 +107,10 @@ pub(super) fn visit(core: &Core, id: ConnId) {
     if let Some(at) = next {
         core.schedule(&mut st, at, id);
     }
+}
+
+/// A PONG later than the next PING counts as missed too.
+fn pong_ticks(core: &Core) -> crate::worker::wheel::Tick {
+    core.ticks(core.cfg.pong_timeout)
+        .min(core.ticks(core.cfg.ping_interval))
 }

@@ -369,14 +369,13 @@ impl RawRig {
 
     /// Sends one masked text frame.
     pub fn send_text(&mut self, text: &str) {
+        self.send_frame(fleetlink::ws::OpCode::Text, text.as_bytes());
+    }
+
+    /// Sends one masked, final frame.
+    pub fn send_frame(&mut self, op: fleetlink::ws::OpCode, payload: &[u8]) {
         let mut frame = Vec::new();
-        fleetlink::ws::encode_client_frame(
-            &mut frame,
-            true,
-            fleetlink::ws::OpCode::Text,
-            [1, 2, 3, 4],
-            text.as_bytes(),
-        );
+        fleetlink::ws::encode_client_frame(&mut frame, true, op, [1, 2, 3, 4], payload);
         self.stream.write_all(&frame).unwrap();
     }
 
