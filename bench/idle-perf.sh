@@ -56,7 +56,10 @@ for broker in fleetlink-fe tokio-baseline-rb4096; do
     sleep 0.1
   done
   grep -q ALL_WELCOMED "$work/lg.out" || { echo "idle-perf: $broker: rigs not welcomed" >&2; exit 1; }
-  sleep 5 # the ramp's own work settles; the window below is what idle costs
+  # The window opens 5 s before the first PINGs (one interval after the welcomes) and closes
+  # 5 s after their PONG deadline: one PING and one PONG per rig, for either broker
+  # (fleetlink-fe reads a PONG at its deadline, the baseline when it lands).
+  sleep 15
   perf stat -e "$events" -p "$broker_pid" -- sleep 20 2> "$out/$broker.stat"
   if [[ $broker == fleetlink-fe ]]; then
     perf record -F 1999 -g -p "$broker_pid" -o "$work/perf.data" -- sleep 20 2>/dev/null

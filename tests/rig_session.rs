@@ -156,12 +156,19 @@ fn the_last_missed_pong_closes_at_its_deadline_not_at_the_next_ping() {
 
 /// An idle rig's PONG is left in the kernel until its deadline, where the sweep reads it
 /// (src/worker/quiet_pong.rs): it still counts, the rig stays up, and anything behind it is
-/// read at once.
+/// read at once. On both event drivers.
 #[test]
 fn a_bare_pong_is_read_at_its_deadline_and_anything_more_at_once() {
+    for driver in [&[][..], &["--force-epoll"][..]] {
+        let mut args = vec!["--ping-interval", "1s", "--pong-timeout", "600ms"];
+        args.extend_from_slice(driver);
+        bare_pong_then_more(&Broker::start(&args));
+    }
+}
+
+fn bare_pong_then_more(b: &Broker) {
     use fleetlink::ws::OpCode as Op;
-    let b = Broker::start(&["--ping-interval", "1s", "--pong-timeout", "600ms"]);
-    let mut rig = RawRig::hello(&b, "rig-quiet");
+    let mut rig = RawRig::hello(b, "rig-quiet");
     let pongs = "fleetlink_pongs_received_total ";
     // Interval 1: a bare PONG. It is counted at the deadline, not when it lands.
     let (op, _) = rig.read_frame();
@@ -197,6 +204,37 @@ fn a_bare_pong_is_read_at_its_deadline_and_anything_more_at_once() {
         b.metric(pongs) == 4
     });
     assert_eq!(b.metric("fleetlink_closes_total{code=\"4002\"} "), 0);
+}
+
+/// The last bytes of a message can be as few as a PONG's: once the rig is talking they must
+/// not wait for the PONG deadline.
+#[test]
+fn a_message_tail_as_short_as_a_pong_is_read_at_once() {
+    use fleetlink::ws::OpCode as Op;
+    let b = Broker::start(&["--ping-interval", "1s", "--pong-timeout", "900ms"]);
+    let mut rig = RawRig::hello(&b, "rig-tail");
+    let (op, _) = rig.read_frame();
+    assert_eq!(op, 0x9);
+    let pinged = std::time::Instant::now();
+    // One write: a whole PING "a" and all but the last 3 bytes of a PING "abcdefgh". The
+    // answer to the first proves the broker has read the partial second one.
+    let mut first = Vec::new();
+    fleetlink::ws::encode_client_frame(&mut first, true, Op::Ping, [1, 2, 3, 4], b"a");
+    let mut second = Vec::new();
+    fleetlink::ws::encode_client_frame(&mut second, true, Op::Ping, [5, 6, 7, 8], b"abcdefgh");
+    let (head, tail) = second.split_at(second.len() - 3);
+    first.extend_from_slice(head);
+    rig.write_raw(&first);
+    assert_eq!(rig.read_frame(), (0xA, b"a".to_vec()));
+    let sent = std::time::Instant::now();
+    rig.write_raw(tail);
+    assert_eq!(rig.read_frame(), (0xA, b"abcdefgh".to_vec()));
+    assert!(
+        sent.elapsed() < Duration::from_millis(400),
+        "a 3-byte tail answered {:?} after it was sent ({:?} after the PING; deadline 900 ms)",
+        sent.elapsed(),
+        pinged.elapsed()
+    );
 }
 
 /// A close frame without a code is as small as a PONG; once the PONG deadline has passed the

@@ -1,7 +1,8 @@
 //! The only per-connection IO loop. An idle connection is this task parked on one readiness
 //! op (io_uring PollAdd / epoll interest): no read buffer, no write buffer, no timer. When the
 //! socket is readable it reads into the core's scratch buffer and keeps only the bytes of an
-//! incomplete frame.
+//! incomplete frame. A bare PONG does not make it readable: the sweep reads that one
+//! ([`crate::worker::quiet_pong`]).
 
 use std::future::{poll_fn, Future};
 use std::pin::pin;
@@ -172,6 +173,12 @@ fn on_readable(core: &Core, conn: &Conn) -> usize {
             return 0;
         }
     };
+    if st.live.pong_hidden {
+        // The rig is talking: the last bytes of a message may come as small as a PONG and
+        // must not wait below the mark.
+        quiet_pong::reveal(conn.fd);
+        st.live.pong_hidden = false;
+    }
     let data = scratch.get(..n).unwrap_or_default();
     if st.rbuf_is_empty() {
         let used = session::consume(core, conn, &mut st, data);

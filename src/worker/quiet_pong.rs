@@ -7,7 +7,9 @@
 //! low-water mark (`SO_RCVLOWAT`) is one byte above the PONG's size: a lone PONG stays in the
 //! kernel, and the sweep reads it at the PONG deadline it visits anyway, then sets the mark back
 //! to 1. Anything bigger than a bare PONG (every rig message, or a PONG with other bytes behind
-//! it) is over the mark and wakes the connection as before; EOF always does.
+//! it) is over the mark and wakes the connection as before; EOF always does. The first read of
+//! real input puts the mark back at once, so the tail of a message, which can be as short as
+//! a PONG, never waits behind it: the mark stays up only while the rig is silent.
 //!
 //! Our PINGs carry no payload, so a conforming PONG is a masked empty frame of exactly
 //! [`PONG_LEN`] bytes. The only other frames that small are empty ones (a PING, a close

@@ -372,6 +372,11 @@ impl RawRig {
         self.send_frame(fleetlink::ws::OpCode::Text, text.as_bytes());
     }
 
+    /// Writes bytes as they are (frames cut anywhere, several in one write).
+    pub fn write_raw(&mut self, bytes: &[u8]) {
+        self.stream.write_all(bytes).unwrap();
+    }
+
     /// Sends one masked, final frame.
     pub fn send_frame(&mut self, op: fleetlink::ws::OpCode, payload: &[u8]) {
         let mut frame = Vec::new();
