@@ -46,7 +46,9 @@ bench/compare-density.sh --rounds "$rounds" --out "$out/density"
 stamp "accept-storm start"
 bench/run accept-storm --rounds "$rounds" --out "$out" --name "$sfx"
 stamp "idle-cost start"
-bench/run idle-cost --rounds "$rounds" --out "$out" --name "$sfx"
+# Spread timers: fleetlink-fe reads each PONG at its deadline, so with every rig's PING at the
+# same moment its last round of PONG reads would fall after the window (bench/SCENARIOS.md).
+bench/run idle-cost --rounds "$rounds" --waves 10 --out "$out" --name "$sfx"
 stamp "throughput start"
 bench/run throughput --rounds "$rounds" --out "$out" --name "$sfx"
 stamp "fanout-cpu start"
