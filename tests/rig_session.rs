@@ -166,13 +166,19 @@ fn a_bare_pong_is_read_at_its_deadline_and_anything_more_at_once() {
     }
 }
 
+/// A raw rig, welcomed, that has just read the broker's first PING (unanswered).
+fn pinged_rig(b: &Broker, name: &str) -> RawRig {
+    let mut rig = RawRig::hello(b, name);
+    let (op, _) = rig.read_frame();
+    assert_eq!(op, 0x9, "{name}: expected the first PING");
+    rig
+}
+
 fn bare_pong_then_more(b: &Broker) {
     use fleetlink::ws::OpCode as Op;
-    let mut rig = RawRig::hello(b, "rig-quiet");
+    let mut rig = pinged_rig(b, "rig-quiet");
     let pongs = "fleetlink_pongs_received_total ";
     // Interval 1: a bare PONG. It is counted at the deadline, not when it lands.
-    let (op, _) = rig.read_frame();
-    assert_eq!(op, 0x9);
     let pinged = std::time::Instant::now();
     rig.send_frame(Op::Pong, &[]);
     eventually(Duration::from_secs(5), "the first PONG counted", || {
@@ -212,9 +218,7 @@ fn bare_pong_then_more(b: &Broker) {
 fn a_message_tail_as_short_as_a_pong_is_read_at_once() {
     use fleetlink::ws::OpCode as Op;
     let b = Broker::start(&["--ping-interval", "1s", "--pong-timeout", "900ms"]);
-    let mut rig = RawRig::hello(&b, "rig-tail");
-    let (op, _) = rig.read_frame();
-    assert_eq!(op, 0x9);
+    let mut rig = pinged_rig(&b, "rig-tail");
     let pinged = std::time::Instant::now();
     // One write: a whole PING "a" and all but the last 3 bytes of a PING "abcdefgh". The
     // answer to the first proves the broker has read the partial second one.
@@ -244,37 +248,30 @@ fn a_bare_close_is_heard_while_a_pong_is_awaited() {
     use fleetlink::ws::OpCode as Op;
     let b = Broker::start(&["--ping-interval", "1s", "--pong-timeout", "300ms"]);
     // After the deadline (PONG read, mark back down): at once.
-    let mut rig = RawRig::hello(&b, "rig-bare-close");
-    let (op, _) = rig.read_frame();
-    assert_eq!(op, 0x9);
+    let mut rig = pinged_rig(&b, "rig-bare-close");
     rig.send_frame(Op::Pong, &[]);
     eventually(Duration::from_secs(5), "the PONG counted", || {
         b.metric("fleetlink_pongs_received_total ") == 1
     });
-    let sent = std::time::Instant::now();
-    rig.send_frame(Op::Close, &[]);
-    let (op, _) = rig.read_frame();
-    assert_eq!(op, 0x8);
-    assert!(
-        sent.elapsed() < Duration::from_millis(250),
-        "{:?}",
-        sent.elapsed()
-    );
+    bare_close_answered(&mut rig, Duration::from_millis(250));
     // While a PING is out and unanswered: by its deadline.
-    let mut rig = RawRig::hello(&b, "rig-bare-close-2");
-    let (op, _) = rig.read_frame();
-    assert_eq!(op, 0x9);
-    let pinged = std::time::Instant::now();
-    rig.send_frame(Op::Close, &[]);
-    let (op, _) = rig.read_frame();
-    assert_eq!(op, 0x8);
-    assert!(
-        pinged.elapsed() < Duration::from_millis(800),
-        "{:?}",
-        pinged.elapsed()
-    );
+    let mut rig = pinged_rig(&b, "rig-bare-close-2");
+    bare_close_answered(&mut rig, Duration::from_millis(800));
     // 1005 (no code) is counted under "other".
     b.wait_metric("fleetlink_closes_total{code=\"other\"} 2");
+}
+
+/// Sends a close frame without a code; the broker's close must come back within `bound`.
+fn bare_close_answered(rig: &mut RawRig, bound: Duration) {
+    let sent = std::time::Instant::now();
+    rig.send_frame(fleetlink::ws::OpCode::Close, &[]);
+    let (op, _) = rig.read_frame();
+    assert_eq!(op, 0x8);
+    assert!(
+        sent.elapsed() < bound,
+        "answered after {:?}",
+        sent.elapsed()
+    );
 }
 
 #[test]
