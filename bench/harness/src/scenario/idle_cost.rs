@@ -29,8 +29,11 @@ pub(crate) struct Opts {
     /// Measurement window (keep it a multiple of the 20 s ping interval).
     #[arg(long, default_value = "60s", value_parser = parse_duration)]
     window: Duration,
-    /// Wait after ALL_WELCOMED before the window opens.
-    #[arg(long, default_value = "5s", value_parser = parse_duration)]
+    /// Wait after ALL_WELCOMED before the window opens. Keep it above the PONG timeout (10 s):
+    /// fleetlink-fe reads a PONG at its deadline, so a rig's first PONG read comes an interval
+    /// and a timeout after its welcome; a shorter settle leaves the last rigs' third read after
+    /// the window, while the baseline's PONGs (read as they land) are all in it.
+    #[arg(long, default_value = "15s", value_parser = parse_duration)]
     settle: Duration,
     /// Connect the rigs in this many equal waves (one loadgen each), `--spread / waves` apart,
     /// so the brokers' per-connection ping timers are spread over the interval as in a fleet
