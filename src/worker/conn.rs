@@ -173,12 +173,9 @@ fn on_readable(core: &Core, conn: &Conn) -> usize {
             return 0;
         }
     };
-    if st.live.pong_hidden {
-        // The rig is talking: the last bytes of a message may come as small as a PONG and
-        // must not wait below the mark.
-        quiet_pong::reveal(conn.fd);
-        st.live.pong_hidden = false;
-    }
+    // The rig is talking: the last bytes of a message may come as small as a PONG and must not
+    // wait below the mark.
+    quiet_pong::lower(conn.fd, &mut st.live);
     let data = scratch.get(..n).unwrap_or_default();
     if st.rbuf_is_empty() {
         let used = session::consume(core, conn, &mut st, data);

@@ -567,11 +567,8 @@ impl Conn {
             }
             _ => {}
         }
-        if st.live.pong_hidden {
-            // The peer's close reply may be a bare 6-byte frame: it must wake us.
-            crate::worker::quiet_pong::reveal(self.fd);
-            st.live.pong_hidden = false;
-        }
+        // The peer's close reply may be a bare 6-byte frame: it must wake us.
+        crate::worker::quiet_pong::lower(self.fd, &mut st.live);
         let reason = reason.into();
         let mut frame = Vec::new();
         ws::encode_close(&mut frame, code, &reason);

@@ -12,11 +12,13 @@
 //! a PONG, never waits behind it: the mark stays up only while the rig is silent.
 //!
 //! Our PINGs carry no payload, so a conforming PONG is a masked empty frame of exactly
-//! [`PONG_LEN`] bytes. The only other frames that small are empty ones (a PING, a close
-//! without a code); sent alone while a PING of ours is out, they wait for the PONG deadline at
-//! most. TLS connections are left alone: a record's size does not tell a PONG from a message.
+//! [`PONG_LEN`] bytes. The only other frames that small have an empty payload (a PING, a
+//! close without a code, an empty text, binary or continuation frame); sent alone by a silent
+//! rig while a PING of ours is out, they wait for the PONG deadline at most. TLS connections are left alone: a record's size does not tell a PONG from a message.
 
 use std::os::fd::RawFd;
+
+use crate::worker::core::Liveness;
 
 /// A client's PONG to an empty PING: 2 header bytes and the 4-byte mask.
 pub(crate) const PONG_LEN: usize = 6;
@@ -31,6 +33,14 @@ pub(crate) fn hide(fd: RawFd) -> bool {
 /// lowering the mark would complete the readiness op at once.
 pub(crate) fn reveal(fd: RawFd) {
     set_rcvlowat(fd, 1);
+}
+
+/// Puts the mark back if it is up, keeping `live.pong_hidden` and the socket in step.
+pub(crate) fn lower(fd: RawFd, live: &mut Liveness) {
+    if live.pong_hidden {
+        reveal(fd);
+        live.pong_hidden = false;
+    }
 }
 
 fn set_rcvlowat(fd: RawFd, bytes: libc::c_int) -> bool {

@@ -34,8 +34,8 @@ pub(super) fn visit(core: &Core, id: ConnId) {
     if st.live.wheel_at != now as u32 {
         return;
     }
-    let pong_due = st.live.last_ping + pong_ticks(core);
-    if st.phase == Phase::Live && st.live.pong_hidden && now >= pong_due {
+    let pong = pong_ticks(core);
+    if st.phase == Phase::Live && st.live.pong_hidden && now >= st.live.last_ping + pong {
         // The PONG is most likely waiting below the low-water mark: read it before judging.
         drop(st);
         if conn.st.borrow().can_consume(core.now_ms()) {
@@ -66,7 +66,6 @@ pub(super) fn visit(core: &Core, id: ConnId) {
         }
         Phase::Live => {
             let ping = core.ticks(core.cfg.ping_interval);
-            let pong = pong_ticks(core);
             let live = &mut st.live;
             if live.awaiting_pong && now >= live.last_ping + pong {
                 live.awaiting_pong = false;
@@ -86,11 +85,10 @@ pub(super) fn visit(core: &Core, id: ConnId) {
                     st.live.pong_hidden = quiet_pong::hide(conn.fd);
                 }
                 conn.send_frame(&mut st, OpCode::Ping, &[]);
-            } else if st.live.pong_hidden {
+            } else {
                 // Past the PONG deadline (the only other visit while a PONG is hidden), after
                 // the read above: the mark goes back before anything else can hide behind it.
-                quiet_pong::reveal(conn.fd);
-                st.live.pong_hidden = false;
+                quiet_pong::lower(conn.fd, &mut st.live);
             }
             // A miss that would close the connection, or a PONG that waits to be read, is
             // checked at its PONG deadline; any other miss is counted at the next PING's visit.
