@@ -36,6 +36,8 @@ pub fn bind_listeners(
         sock.set_reuse_address(true)?;
         sock.set_reuse_port(true)?;
         sock.set_nonblocking(true)?;
+        // Linux copies it to every accepted socket: one setsockopt per listener, not per rig.
+        sock.set_nodelay(true)?;
         sock.bind(&addr.into())?;
         sock.listen(backlog)?;
         let listener: std::net::TcpListener = sock.into();
@@ -108,7 +110,6 @@ fn admit(core: &Rc<Core>, bucket: &mut TokenBucket, stream: TcpStream) {
     core.metrics
         .connections
         .set(core.metrics.connections.get() + 1);
-    let _ = stream.set_nodelay(true);
     let id = core.next_conn_id();
     let conn = Rc::new(Conn::new(core, id, stream.as_raw_fd()));
     {
@@ -169,4 +170,22 @@ fn reject(core: &Rc<Core>, stream: TcpStream, why: C) {
         .await;
         core.rejecting.set(core.rejecting.get() - 1);
     });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Accepted sockets must not wait on Nagle for the welcome or a command, though the core
+    /// no longer sets it on each of them.
+    #[test]
+    fn accepted_sockets_inherit_nodelay_from_the_listener() {
+        let listeners = bind_listeners("127.0.0.1:0".parse().expect("addr"), 1, 8).expect("bind");
+        let listener = &listeners[0];
+        listener.set_nonblocking(false).expect("blocking");
+        let _client = std::net::TcpStream::connect(listener.local_addr().expect("addr"))
+            .expect("connect");
+        let (accepted, _) = listener.accept().expect("accept");
+        assert!(accepted.nodelay().expect("getsockopt"));
+    }
 }
