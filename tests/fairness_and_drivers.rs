@@ -5,7 +5,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::broker::{read_json, Broker};
+use common::broker::{read_json, Broker, RawRig};
 use serde_json::json;
 use tungstenite::Message;
 
@@ -30,6 +30,73 @@ fn a_chatty_rig_is_slowed_not_dropped() {
     let (status, reply) = b.command("rig-chatty", "noop", json!({}));
     assert_eq!(status, 200, "{reply}");
     assert_eq!(read_json(&mut ws)["type"], "command");
+}
+
+/// While the broker holds a chatty rig back, that rig's PONGs wait in TCP behind messages the
+/// broker has not read yet. Those are the broker's delay, not the rig's: it is not closed 4002,
+/// and every message is read.
+#[test]
+fn a_rig_held_back_by_its_rate_is_not_closed_for_pongs_behind_its_messages() {
+    let b = Broker::start(&[
+        "--rig-rate",
+        "10",
+        "--rig-burst",
+        "5",
+        "--ping-interval",
+        "300ms",
+        "--pong-timeout",
+        "100ms",
+        "--max-missed-pongs",
+        "2",
+    ]);
+    let mut rig = RawRig::hello(&b, "rig-chatty");
+    let mut burst = Vec::new();
+    for i in 0..30 {
+        let ev = json!({"type":"event","name":"tick","data":{"i":i}}).to_string();
+        fleetlink::ws::encode_client_frame(
+            &mut burst,
+            true,
+            fleetlink::ws::OpCode::Text,
+            [1, 2, 3, 4],
+            ev.as_bytes(),
+        );
+    }
+    rig.write_raw(&burst);
+    // 25 messages past the burst at 10/s: about 2.5 s, some eight PING intervals, each PONG
+    // queued behind what is left of the burst.
+    let all_read = "fleetlink_messages_in_total{type=\"event\"} 30";
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let mut pings = 0;
+    while metric(&b, "fleetlink_messages_in_total{type=\"event\"} ") < 30 {
+        assert!(Instant::now() < deadline, "never read the whole burst");
+        match rig.read_frame_within(Duration::from_millis(50)) {
+            Some((0x9, _)) => {
+                pings += 1;
+                rig.send_frame(fleetlink::ws::OpCode::Pong, &[]);
+            }
+            Some((op, payload)) => panic!(
+                "opcode {op} while held back: {:?}",
+                String::from_utf8_lossy(&payload)
+            ),
+            None => {}
+        }
+    }
+    b.wait_metric(all_read);
+    assert!(pings >= 4, "only {pings} PINGs while held back");
+    assert_eq!(metric(&b, "fleetlink_closes_total{code=\"4002\"} "), 0);
+    // Still up, and served once the burst is read.
+    let (status, reply) = b.command("rig-chatty", "noop", json!({}));
+    assert_eq!(status, 200, "{reply}");
+    loop {
+        match rig.read_frame_within(Duration::from_secs(5)) {
+            Some((0x9, _)) => rig.send_frame(fleetlink::ws::OpCode::Pong, &[]),
+            Some((0x1, payload)) => {
+                assert!(String::from_utf8_lossy(&payload).contains("\"command\""));
+                break;
+            }
+            other => panic!("{other:?}"),
+        }
+    }
 }
 
 #[test]

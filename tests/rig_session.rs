@@ -332,6 +332,62 @@ fn broker_pings_and_a_silent_rig_is_closed_4002() {
     b.wait_metric("fleetlink_closes_total{code=\"4002\"} 1");
 }
 
+/// A PONG must come within `--pong-timeout` (CONTRACT.md §2): one that comes after it is a
+/// miss, and must not wipe out the misses counted before it. A rig answering every PING late
+/// is closed 4002 after `--max-missed-pongs` PINGs; one answering at once, beside it, is not.
+#[test]
+fn a_rig_answering_every_ping_late_is_closed_4002() {
+    let b = Broker::start(&[
+        "--ping-interval",
+        "600ms",
+        "--pong-timeout",
+        "200ms",
+        "--max-missed-pongs",
+        "3",
+    ]);
+    let mut prompt = RawRig::hello(&b, "rig-prompt");
+    let prompt_rig = std::thread::spawn(move || {
+        // Four PINGs answered at once: past the late rig's third PING deadline.
+        for _ in 0..4 {
+            let (op, _) = prompt.read_frame();
+            assert_eq!(op, 0x9, "the prompt rig got a frame other than a PING");
+            prompt.send_frame(fleetlink::ws::OpCode::Pong, &[]);
+        }
+        prompt
+    });
+    let mut late = RawRig::hello(&b, "rig-late");
+    let mut pings = 0;
+    let code = loop {
+        let (op, payload) = late.read_frame();
+        match op {
+            0x9 => {
+                pings += 1;
+                // The rig's own delay, the behaviour under test: 350 ms after a PING whose
+                // PONG is due within 200 ms, and before the next PING.
+                std::thread::sleep(Duration::from_millis(350));
+                late.send_frame(fleetlink::ws::OpCode::Pong, &[]);
+            }
+            0x8 => break u16::from_be_bytes([payload[0], payload[1]]),
+            other => panic!("unexpected opcode {other}"),
+        }
+        assert!(pings <= 6, "still up after {pings} late PONGs");
+    };
+    assert_eq!((code, pings), (4002, 3));
+    let mut prompt = prompt_rig.join().expect("the prompt rig");
+    let (status, reply) = b.command("rig-prompt", "noop", json!({}));
+    assert_eq!(status, 200, "{reply}");
+    loop {
+        let (op, payload) = prompt.read_frame();
+        if op == 0x1 {
+            assert!(String::from_utf8_lossy(&payload).contains("\"command\""));
+            break;
+        }
+        assert_eq!(op, 0x9, "the prompt rig was closed");
+        prompt.send_frame(fleetlink::ws::OpCode::Pong, &[]);
+    }
+    b.wait_metric("fleetlink_closes_total{code=\"4002\"} 1");
+}
+
 /// A rig that starts a fragmented message and never finishes it is not alive, however well
 /// it answers pings: its half message would otherwise stay in memory for good.
 #[test]

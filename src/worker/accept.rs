@@ -183,8 +183,8 @@ mod tests {
         let listeners = bind_listeners("127.0.0.1:0".parse().expect("addr"), 1, 8).expect("bind");
         let listener = &listeners[0];
         listener.set_nonblocking(false).expect("blocking");
-        let _client = std::net::TcpStream::connect(listener.local_addr().expect("addr"))
-            .expect("connect");
+        let _client =
+            std::net::TcpStream::connect(listener.local_addr().expect("addr")).expect("connect");
         let (accepted, _) = listener.accept().expect("accept");
         assert!(accepted.nodelay().expect("getsockopt"));
     }

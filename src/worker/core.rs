@@ -439,6 +439,10 @@ pub(crate) struct Liveness {
     /// The socket's low-water mark is raised so a bare PONG waits for the sweep
     /// ([`crate::worker::quiet_pong`]); the sweep then visits at the PONG deadline.
     pub(crate) pong_hidden: bool,
+    /// The rate bucket held back this rig's input since the PING: its PONG may be waiting
+    /// behind messages the broker declined to read, so a PONG missing at the deadline is the
+    /// broker's doing, not a miss (CONTRACT.md §2: a rig over its rate is never dropped).
+    pub(crate) throttled: bool,
     /// The tick of this connection's current wheel entry. Each phase schedules its own
     /// deadline; an entry visited at any other tick was overtaken by a later one and is dropped,
     /// so a connection keeps one entry and one visit per deadline, not one per phase it passed.

@@ -15,10 +15,10 @@ use crate::registry::msg::{
     Verdict,
 };
 use crate::reply::{self, Unresponsive};
-use crate::worker::closing;
 use crate::worker::core::{stamp, unix_ms, Conn, ConnState, Core, Phase, Session};
 use crate::worker::queues::{self, CORE_COMMAND_BYTES, RIG_OUTBOX_BYTES, RIG_UNACKED_BYTES};
 use crate::worker::transport::Security;
+use crate::worker::{closing, sweep};
 use crate::ws::{Decoder, Limits, Message, OpCode};
 use crate::{events, protocol::encode_welcome};
 
@@ -70,6 +70,7 @@ pub(crate) fn consume(core: &Core, conn: &Conn, st: &mut ConnState, input: &[u8]
                 // on this rig alone; nothing is dropped (CONTRACT.md §2 fairness).
                 core.metrics.inc(C::RigRatePaused);
                 st.paused_until = Some(now.wrapping_add(wait_ms));
+                st.live.throttled = true;
                 st.rbuf_ready = true;
                 break;
             }
@@ -176,9 +177,14 @@ fn on_message(core: &Core, conn: &Conn, st: &mut ConnState, msg: Message) {
         }
         Message::Pong(_) => {
             core.metrics.inc(C::PongsReceived);
+            // Only the answer to our PING, in time, counts (CONTRACT.md §2): a late one is a
+            // miss, which the sweep counts and which must not wipe out the misses before it.
             // A rig that started a fragmented message and never ends it would hold its buffer
             // for good while its pongs kept it alive: liveness includes finishing messages.
-            if st.decoder.is_idle() {
+            if st.live.awaiting_pong
+                && !sweep::past_pong_deadline(core, &st.live)
+                && st.decoder.is_idle()
+            {
                 st.live.awaiting_pong = false;
                 st.live.missed = 0;
             }

@@ -1,7 +1,7 @@
 //! Runs the real `fleetlink-fe` binary on free ports (port 0) and talks to it like a user:
 //! tungstenite for rigs, plain HTTP for the admin API.
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{BufRead, BufReader, ErrorKind, Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -394,6 +394,35 @@ impl RawRig {
     /// Reads one (unmasked, server) frame: opcode and payload.
     pub fn read_frame(&mut self) -> (u8, Vec<u8>) {
         loop {
+            if let Some(frame) = self.take_frame() {
+                return frame;
+            }
+            self.fill();
+        }
+    }
+
+    /// One frame if one arrives within `wait`, else None.
+    pub fn read_frame_within(&mut self, wait: Duration) -> Option<(u8, Vec<u8>)> {
+        if let Some(frame) = self.take_frame() {
+            return Some(frame);
+        }
+        self.stream.set_read_timeout(Some(wait)).unwrap();
+        let mut chunk = [0u8; 4096];
+        let read = self.stream.read(&mut chunk);
+        self.stream
+            .set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        match read {
+            Ok(0) => panic!("connection closed"),
+            Ok(n) => self.buf.extend_from_slice(&chunk[..n]),
+            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {}
+            Err(e) => panic!("read: {e}"),
+        }
+        self.take_frame()
+    }
+
+    fn take_frame(&mut self) -> Option<(u8, Vec<u8>)> {
+        {
             if self.buf.len() >= 2 {
                 let op = self.buf[0] & 0x0f;
                 let (len, off) = match self.buf[1] & 0x7f {
@@ -410,10 +439,10 @@ impl RawRig {
                 if len != usize::MAX && self.buf.len() >= off + len {
                     let payload = self.buf[off..off + len].to_vec();
                     self.buf.drain(..off + len);
-                    return (op, payload);
+                    return Some((op, payload));
                 }
             }
-            self.fill();
+            None
         }
     }
 
