@@ -106,6 +106,8 @@ struct Bridge {
     rekeep_all: bool,
     /// When queued Redis writes may go out (see [`crate::registry::pace`]).
     pace: WritePace,
+    /// Refused control messages that named no `reply_to`, logged at most once a second.
+    unanswered: redis_io::UnansweredLog,
     next_agg: u64,
     next_refresh: Instant,
     /// When the connected rigs' session keys next get their TTL extended.
@@ -143,6 +145,7 @@ impl Bridge {
             rekeeps: rekeeps::Rekeeps::default(),
             rekeep_all: false,
             pace: WritePace::new(now),
+            unanswered: redis_io::UnansweredLog::default(),
             next_agg: 0,
             next_refresh: now + cfg.registry_refresh,
             next_touch: now + touch_every(cfg.session_ttl),

@@ -3,7 +3,7 @@
 
 use std::collections::HashSet;
 use std::sync::atomic::Ordering;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use super::shared::unix_ms;
 use super::Bridge;
@@ -152,6 +152,9 @@ impl Bridge {
             }
             Err(bad) => {
                 self.shared.count("control", "bad_request");
+                if bad.reply_to.is_none() {
+                    self.unanswered.note(now, &bad);
+                }
                 if let Some((id, reply_to)) = bad.reply_to {
                     let mut body = reply::error(&id, bad.rig.as_deref(), "bad_request", &bad.why);
                     if broadcast {
@@ -356,5 +359,53 @@ impl Bridge {
                 }
             }
         }
+    }
+}
+
+/// The log of refused control messages that named no `reply_to`: nobody can be told, so an
+/// operator trying `PUBLISH` by hand learns why nothing happened only from this line. At most
+/// one a second, since whoever may publish on the channel can send them as fast as it likes.
+#[derive(Default)]
+pub(super) struct UnansweredLog {
+    last: Option<Instant>,
+    skipped: u64,
+}
+
+impl UnansweredLog {
+    pub(super) fn note(&mut self, now: Instant, bad: &control::Bad) {
+        if self
+            .last
+            .is_some_and(|t| now.saturating_duration_since(t) < Duration::from_secs(1))
+        {
+            self.skipped += 1;
+            return;
+        }
+        let rig = bad.rig.as_deref().unwrap_or("-");
+        let skipped = std::mem::take(&mut self.skipped);
+        log::warn!(
+            "control message refused, no reply_to to answer: {} (rig {rig}; {skipped} more since the last such line)",
+            bad.why
+        );
+        self.last = Some(now);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unanswered_refusals_are_logged_once_a_second_and_the_rest_counted_into_the_next_line() {
+        let bad = || control::parse(br#"{"type":"kick","rig_id":"r1"}"#, false).unwrap_err();
+        assert_eq!(bad().why, "kick needs reply_to");
+        let mut log = UnansweredLog::default();
+        let t0 = Instant::now();
+        log.note(t0, &bad());
+        log.note(t0 + Duration::from_millis(500), &bad());
+        log.note(t0 + Duration::from_millis(900), &bad());
+        assert_eq!((log.last, log.skipped), (Some(t0), 2));
+        let t1 = t0 + Duration::from_millis(1000);
+        log.note(t1, &bad());
+        assert_eq!((log.last, log.skipped), (Some(t1), 0));
     }
 }
