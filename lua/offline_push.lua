@@ -2,16 +2,30 @@
 -- bounded per rig. Run by EVALSHA from src/registry/offline.rs.
 --
 -- KEYS[1]  offline:<rig_id>   (list of command entries, oldest first)
+-- KEYS[2]  rig:<rig_id>       (the rig's lease)
 -- ARGV[1]  the entry: JSON {"id","name","args","deadline_ms","reply_to"}
 -- ARGV[2]  max entries per rig: decimal integer
 -- ARGV[3]  ttl_ms for the list: decimal integer, 1 to 15 digits (the latest deadline, plus a
 --          margin so the holding broker still finds the entry to report it expired)
+-- ARGV[4]  the calling broker's id
 --
--- Returns the list length after the push, or 0 when the list was full (nothing written).
+-- Returns the list length after the push, or 0 when the list was full (nothing written), or
+-- the id of another, live broker whose lease holds the rig (nothing written): the rig is
+-- connected there, not offline, and a command held now would wait for its next hello. Checked
+-- here, in the call that would write, so a hello landing between control's look-up of the
+-- lease and this push cannot strand the command. A lease naming a broker whose broker:<id>
+-- key has lapsed is a dead broker's: its rig is offline, and the command is held.
 
 local max, ttl = tonumber(ARGV[2]), ARGV[3]
-if #KEYS ~= 1 or #ARGV ~= 3 or not max or type(ttl) ~= 'string' or not ttl:match('^[1-9]%d*$') then
-  return redis.error_reply('ERR fleetlink offline_push: expected KEYS list; ARGV entry, max, ttl_ms')
+if #KEYS ~= 2 or #ARGV ~= 4 or not max or type(ttl) ~= 'string' or not ttl:match('^[1-9]%d*$') then
+  return redis.error_reply('ERR fleetlink offline_push: expected KEYS list, lease; ARGV entry, max, ttl_ms, broker_id')
+end
+local lease = redis.call('GET', KEYS[2])
+if lease then
+  local holder = string.match(lease, '^[^|]*|(.+)$')
+  if holder and holder ~= ARGV[4] and redis.call('EXISTS', 'broker:' .. holder) == 1 then
+    return holder
+  end
 end
 local len = redis.call('LLEN', KEYS[1])
 if len >= max then

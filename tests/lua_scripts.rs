@@ -637,7 +637,10 @@ fn take_many_empties_each_rigs_offline_queue_and_returns_it_in_order() {
         reply_to: None,
     };
     for (r, id) in [(&r1, "a"), (&r1, "b"), (&r3, "c")] {
-        assert!(offline.push(&mut con, r, &held(id), TTL).unwrap());
+        assert_eq!(
+            offline.push(&mut con, r, &held(id), TTL, "b1").unwrap(),
+            fleetlink::registry::offline::Pushed::Held
+        );
     }
     let taken = offline.take_many(&mut con, &[&r1, &r2, &r3]).unwrap();
     let ids: Vec<Vec<String>> = taken
@@ -648,6 +651,62 @@ fn take_many_empties_each_rigs_offline_queue_and_returns_it_in_order() {
     // Taken means gone.
     let again = offline.take_many(&mut con, &[&r1, &r3]).unwrap();
     assert!(again.iter().all(Vec::is_empty));
+}
+
+/// A command to hold for a rig whose lease names another live broker is not held: the rig is
+/// connected there (control looked before its hello). A lease of this broker's own, or of a
+/// broker whose liveness key has lapsed (it died), leaves the rig offline: held.
+#[test]
+fn offline_push_refuses_a_rig_connected_to_another_live_broker() {
+    use fleetlink::registry::offline::{offline_key, Held, OfflineScripts, Pushed};
+    let (_server, mut con, _) = setup();
+    let offline = OfflineScripts::default();
+    let r = rig("rig-1");
+    let held = Held {
+        id: "h1".into(),
+        name: "fw".into(),
+        args: fleetlink::args::Args::empty(),
+        deadline_ms: u64::MAX / 2,
+        reply_to: None,
+    };
+    let boot = BootId::generate(1);
+    let set = |con: &mut redis::Connection, k: &str, v: &str| {
+        redis::cmd("SET").arg(k).arg(v).query::<()>(con).unwrap();
+    };
+    set(&mut con, "rig:rig-1", &tuple(&boot, "fe-b"));
+    set(&mut con, "broker:fe-b", "{}");
+    assert_eq!(
+        offline.push(&mut con, &r, &held, TTL, "fe-a").unwrap(),
+        Pushed::ConnectedAt("fe-b".into())
+    );
+    let len: usize = redis::cmd("LLEN")
+        .arg(offline_key(&r))
+        .query(&mut con)
+        .unwrap();
+    assert_eq!(len, 0, "nothing held");
+    // Its own lease: the rig just left this broker (the release is on its way).
+    assert_eq!(
+        offline.push(&mut con, &r, &held, TTL, "fe-b").unwrap(),
+        Pushed::Held
+    );
+    // fe-b died: its liveness key lapsed before the rig's lease did.
+    redis::cmd("DEL")
+        .arg("broker:fe-b")
+        .query::<()>(&mut con)
+        .unwrap();
+    assert_eq!(
+        offline.push(&mut con, &r, &held, TTL, "fe-a").unwrap(),
+        Pushed::Held
+    );
+    // No lease at all: offline.
+    redis::cmd("DEL")
+        .arg("rig:rig-1")
+        .query::<()>(&mut con)
+        .unwrap();
+    assert_eq!(
+        offline.push(&mut con, &r, &held, TTL, "fe-a").unwrap(),
+        Pushed::Held
+    );
 }
 
 /// A newer boot's resume reports the older session's unacked commands itself, in the same

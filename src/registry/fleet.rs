@@ -11,7 +11,7 @@ use redis::{ConnectionInfo, IntoConnectionInfo};
 
 use crate::ids::Seq;
 use crate::ids::{BootId, RigId};
-use crate::registry::offline::{Held, OfflineScripts};
+use crate::registry::offline::{Held, OfflineScripts, Pushed};
 use crate::registry::pubsub::{Push, Subscriber};
 use crate::registry::scripts::{HelloOutcome, RefreshStatus, Scripts};
 use crate::registry::sessions::{self, Kept, Persist, Rekeep, Resumed, SessionScripts};
@@ -312,14 +312,14 @@ impl Fleet {
         }
     }
 
-    /// Holds commands for offline rigs, in one round trip: per entry, whether it was stored
-    /// (`None` for an entry whose own call failed). None when Redis is unavailable.
+    /// Holds commands for offline rigs, in one round trip: per entry, what came of it (`None`
+    /// for an entry whose own call failed). None when Redis is unavailable.
     pub(crate) fn offline_push_many(
         &mut self,
         entries: &[(&RigId, &Held, Duration)],
-    ) -> Option<Vec<Option<bool>>> {
+    ) -> Option<Vec<Option<Pushed>>> {
         let con = self.con.as_mut()?;
-        match self.offline.push_many(con, entries) {
+        match self.offline.push_many(con, entries, &self.broker_id) {
             Ok(stored) => Some(stored.into_iter().map(Result::ok).collect()),
             Err(e) => {
                 self.fail(Instant::now(), &e);

@@ -91,40 +91,59 @@ impl Default for OfflineScripts {
     }
 }
 
+/// What asking Redis to hold a command came to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Pushed {
+    /// Held for the rig's next hello.
+    Held,
+    /// Not held: the rig's list is full.
+    Full,
+    /// Not held: the rig is connected to this other, live broker (its lease says so).
+    ConnectedAt(String),
+}
+
 impl OfflineScripts {
-    /// Holds `entry`; false when the rig's list is full.
+    /// Holds `entry` for `rig`, asked by broker `broker_id`.
     pub fn push(
         &self,
         con: &mut impl ConnectionLike,
         rig: &RigId,
         entry: &Held,
         ttl: Duration,
-    ) -> Result<bool, RegistryError> {
-        let mut stored = self.push_many(con, &[(rig, entry, ttl)])?;
-        stored.pop().unwrap_or(Ok(false))
+        broker_id: &str,
+    ) -> Result<Pushed, RegistryError> {
+        let mut stored = self.push_many(con, &[(rig, entry, ttl)], broker_id)?;
+        stored.pop().unwrap_or(Ok(Pushed::Full))
     }
 
-    /// Holds many entries in one round trip (a pipeline, run in order): per entry, whether it
-    /// was stored (false: the rig's list is full) or its own error.
+    /// Holds many entries in one round trip (a pipeline, run in order): per entry, what came
+    /// of it, or its own error.
     pub fn push_many(
         &self,
         con: &mut impl ConnectionLike,
         entries: &[(&RigId, &Held, Duration)],
-    ) -> Result<Vec<Result<bool, RegistryError>>, RegistryError> {
-        let replies = evalsha_many(con, &self.push, entries, 1, |call, (rig, entry, ttl)| {
+        broker_id: &str,
+    ) -> Result<Vec<Result<Pushed, RegistryError>>, RegistryError> {
+        let replies = evalsha_many(con, &self.push, entries, 2, |call, (rig, entry, ttl)| {
             call.arg(offline_key(rig))
+                .arg(crate::registry::scripts::rig_key(rig))
                 .arg(serde_json::to_string(entry).unwrap_or_default())
                 .arg(MAX_PER_RIG)
                 .arg(
                     (*ttl + LIST_GRACE)
                         .as_millis()
                         .clamp(1, 999_999_999_999_999) as u64,
-                );
+                )
+                .arg(broker_id);
         })?;
         Ok(replies
             .into_iter()
             .map(|reply| match reply? {
-                redis::Value::Int(len) => Ok(len > 0),
+                redis::Value::Int(len) if len > 0 => Ok(Pushed::Held),
+                redis::Value::Int(_) => Ok(Pushed::Full),
+                redis::Value::BulkString(holder) => Ok(Pushed::ConnectedAt(
+                    String::from_utf8_lossy(&holder).into_owned(),
+                )),
                 other => Err(RegistryError::UnexpectedReply(format!(
                     "offline_push: {other:?}"
                 ))),

@@ -11,7 +11,7 @@ use crate::ids::{ConnId, RigId};
 use crate::registry::embedded::Action;
 use crate::registry::fleet;
 use crate::registry::msg::{CommandReq, ReplyTo, ToCore};
-use crate::registry::offline::Held;
+use crate::registry::offline::{Held, Pushed};
 use crate::reply;
 
 /// A command for an offline rig, its deadline running, waiting for its batch's round trip.
@@ -81,7 +81,9 @@ impl Bridge {
         let mut stored = stored.map(Vec::into_iter);
         for h in holds {
             match stored.as_mut().map(|s| s.next().flatten()) {
-                Some(Some(stored)) => self.held_reply(h, stored, false),
+                Some(Some(Pushed::Held)) => self.held_reply(h, true, false),
+                Some(Some(Pushed::Full)) => self.held_reply(h, false, false),
+                Some(Some(Pushed::ConnectedAt(holder))) => self.connected_elsewhere(h, &holder),
                 // Standalone, Redis away, or this entry's call failed: held here (delivered
                 // only by this broker).
                 _ => {
@@ -124,6 +126,21 @@ impl Bridge {
             )
         };
         self.reply(reply_to, body);
+    }
+
+    /// A command to hold for a rig that is connected to another broker after all (control
+    /// looked before its hello there): `rig_not_connected`, as for any command sent to a broker
+    /// that does not hold the rig, naming the one that does.
+    fn connected_elsewhere(&mut self, hold: PendingHold, holder: &str) {
+        self.shared.count("offline", "connected_elsewhere");
+        let why = format!("the rig is connected to broker {holder}; send it there");
+        let body = reply::error(
+            &hold.entry.id,
+            Some(hold.rig.as_str()),
+            "rig_not_connected",
+            &why,
+        );
+        self.reply(hold.reply_to, body);
     }
 
     /// At a rig's welcome: the commands held for it (`held`, taken from Redis, then any held

@@ -10,9 +10,10 @@ use crate::metrics::BridgeStats;
 const CANARY_STALE: Duration = Duration::from_secs(5);
 
 /// Registry operations counted by (op, result), in this order.
-pub const REGISTRY_OPS: [(&str, &str); 36] = [
+pub const REGISTRY_OPS: [(&str, &str); 37] = [
     ("offline", "held"),
     ("offline", "full"),
+    ("offline", "connected_elsewhere"),
     ("offline", "delivered"),
     ("offline", "expired"),
     ("offline_batch", "sent"),
