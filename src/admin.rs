@@ -33,8 +33,12 @@ use crate::reply;
 /// Admin requests waiting for a request thread; more get 503 at once.
 const MAX_ACTIVE: usize = 64;
 /// Admin connections the cores serve at once; past it the pool serves them (each may hold a
-/// request of up to [`MAX_REQUEST`] while it arrives).
-const MAX_ON_CORES: usize = 64;
+/// request of up to [`MAX_REQUEST`] while it arrives). Generous, because the pool's threads
+/// block on their connections: a monitoring client leaving a few dozen connections open and
+/// silent would otherwise tie up every pool thread, and `/healthz` on the next connection
+/// would wait for them. On a core a silent connection costs a pending read (a 4 KiB buffer)
+/// until its 5 s to send a request run out.
+pub const MAX_ON_CORES: usize = 1024;
 /// How long an idle keep-alive connection may stay open.
 pub(crate) const KEEP_ALIVE: Duration = Duration::from_secs(2);
 /// Requests served on one connection before it is closed (so no client holds a pool thread or a
@@ -143,6 +147,18 @@ pub enum Work {
         /// Where it waits there.
         slot: u64,
     },
+}
+
+/// Binds the admin listener with a backlog as deep as the connections the cores take: the
+/// one accepting thread hands each on, and a burst of probes or clients must not meet SYN
+/// drops and a retry a second later.
+pub fn bind(addr: std::net::SocketAddr) -> std::io::Result<TcpListener> {
+    use socket2::{Domain, Protocol, Socket, Type};
+    let sock = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))?;
+    sock.set_reuse_address(true)?;
+    sock.bind(&addr.into())?;
+    sock.listen(MAX_ON_CORES as i32)?;
+    Ok(sock.into())
 }
 
 /// The pool's queue: cores need its sending half before the pool exists.

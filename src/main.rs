@@ -1,7 +1,6 @@
 //! `fleetlink-fe`: parse the configuration, start the bridge, the cores and the admin thread,
 //! then wait for SIGTERM/SIGINT or `POST /v1/drain` and drain (CONTRACT.md §7).
 
-use std::net::TcpListener;
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -82,7 +81,7 @@ fn run(cfg: Config) -> anyhow::Result<()> {
         .transpose()?
         .context("no listener")?;
     let admin_listener =
-        TcpListener::bind(cfg.admin).with_context(|| format!("binding admin {}", cfg.admin))?;
+        admin::bind(cfg.admin).with_context(|| format!("binding admin {}", cfg.admin))?;
     let admin_addr = admin_listener.local_addr()?;
 
     let guard = security(cfg)?;

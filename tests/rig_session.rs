@@ -10,6 +10,7 @@ use std::time::Duration;
 use common::broker::{
     boot_id, eventually, hello, raw_exchange, read_close, read_json, Broker, KeepAlive, RawRig, Ws,
 };
+use fleetlink::admin::MAX_ON_CORES;
 use serde_json::{json, Value};
 use tungstenite::protocol::frame::coding::{Data, OpCode};
 use tungstenite::protocol::frame::Frame;
@@ -788,8 +789,11 @@ fn an_admin_connection_commanding_a_rig_of_the_other_core_moves_there_and_goes_o
 fn admin_connections_past_what_the_cores_serve_are_served_by_the_pool() {
     let b = Broker::start(&[]);
     let (mut ws, _, _) = b.rig("rig-many");
-    // The cores serve up to 64 admin connections; these hold them all (keep-alive, idle).
-    let mut held: Vec<KeepAlive> = (0..64).map(|_| KeepAlive::open(b.admin)).collect();
+    // The cores serve up to MAX_ON_CORES admin connections; these hold them all (keep-alive,
+    // idle).
+    let mut held: Vec<KeepAlive> = (0..MAX_ON_CORES)
+        .map(|_| KeepAlive::open(b.admin))
+        .collect();
     assert_eq!(
         held[0].request("GET", "/healthz", ""),
         (200, "ok\n".to_string())
@@ -804,7 +808,29 @@ fn admin_connections_past_what_the_cores_serve_are_served_by_the_pool() {
         (200, "ok\n".to_string())
     );
     // The ones on the cores go on too.
-    command_arrives(&mut held[63], "rig-many", &mut ws, 4);
+    command_arrives(&mut held[MAX_ON_CORES - 1], "rig-many", &mut ws, 4);
+}
+
+/// `/healthz` answers 200 while the process runs (CONTRACT.md §6), also while a monitoring
+/// client leaves a hundred admin connections open and silent.
+#[test]
+fn healthz_answers_at_once_beside_many_silent_admin_connections() {
+    let b = Broker::start(&[]);
+    let silent: Vec<std::net::TcpStream> = (0..128)
+        .map(|_| std::net::TcpStream::connect(b.admin).unwrap())
+        .collect();
+    let mut probe = KeepAlive::open(b.admin);
+    let asked = std::time::Instant::now();
+    assert_eq!(
+        probe.request("GET", "/healthz", ""),
+        (200, "ok\n".to_string())
+    );
+    assert!(
+        asked.elapsed() < Duration::from_secs(1),
+        "answered after {:?}",
+        asked.elapsed()
+    );
+    drop(silent);
 }
 
 #[test]
@@ -822,8 +848,10 @@ fn an_admin_request_trickling_in_is_cut_off_at_its_deadline() {
 #[test]
 fn a_trickling_request_is_cut_off_by_the_pool_too() {
     let b = Broker::start(&[]);
-    // The cores serve up to 64 admin connections; these take them all.
-    let mut held: Vec<KeepAlive> = (0..64).map(|_| KeepAlive::open(b.admin)).collect();
+    // The cores serve up to MAX_ON_CORES admin connections; these take them all.
+    let mut held: Vec<KeepAlive> = (0..MAX_ON_CORES)
+        .map(|_| KeepAlive::open(b.admin))
+        .collect();
     assert_eq!(
         held[0].request("GET", "/healthz", ""),
         (200, "ok\n".to_string())
