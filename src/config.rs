@@ -115,9 +115,8 @@ pub struct BrokerArgs {
     /// Accept bucket size for the whole broker (split evenly across cores).
     #[arg(long, env = "FLEETLINK_ACCEPT_BURST", default_value_t = 100)]
     pub accept_burst: u32,
-    /// Connection cap for the whole broker; beyond it, 503. Each core holds an equal share and
-    /// refuses past it, so with an uneven spread the broker may refuse a little before the
-    /// total (the rig's retry usually lands on another core). 0 or at least --cores. Default: none.
+    /// Connection cap for the whole broker, all cores together; beyond it, 503 (0 refuses
+    /// every rig). Default: none.
     #[arg(long, env = "FLEETLINK_MAX_CONNECTIONS")]
     pub max_connections: Option<u64>,
     /// Per-rig bound on commands queued but not yet written; beyond it, rig_unresponsive.
@@ -371,14 +370,6 @@ impl BrokerArgs {
             "--rig-rate and --rig-burst must be > 0"
         );
         anyhow::ensure!(self.outbox > 0, "--outbox must be > 0");
-        if let Some(max) = self.max_connections {
-            anyhow::ensure!(
-                max == 0 || max >= cores as u64,
-                "--max-connections ({max}) must be 0 (refuse every rig) or at least --cores \
-                 ({cores}): each core holds an equal share, and a core with none would refuse \
-                 every rig that lands on it while the others take theirs"
-            );
-        }
         anyhow::ensure!(
             (125..=MAX_MESSAGE_CAP).contains(&self.max_message),
             "--max-message must be 125 bytes to 16 MiB (a larger result belongs in a file transfer)"
@@ -505,10 +496,8 @@ mod tests {
     }
 
     #[test]
-    fn a_connection_cap_smaller_than_the_cores_is_refused() {
-        let e = load(&["--cores", "4", "--max-connections", "2"]).unwrap_err();
-        assert!(e.to_string().contains("at least --cores"), "{e}");
-        for ok in ["0", "4", "1000"] {
+    fn a_connection_cap_is_for_the_broker_whatever_its_cores() {
+        for ok in ["0", "1", "2", "4", "1000"] {
             let cfg = load(&["--cores", "4", "--max-connections", ok]).unwrap();
             assert_eq!(cfg.max_connections, ok.parse().ok());
         }

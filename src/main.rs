@@ -96,6 +96,9 @@ fn run(cfg: Config) -> anyhow::Result<()> {
     let shared = Arc::new(BridgeShared::new(cfg.redis.is_some()));
     let bridge = bridge::spawn(cfg, bridge_rx, core_txs.clone(), shared.clone())?;
     let pool = admin::pool_queue();
+    let conn_cap = cfg
+        .max_connections
+        .map(|max| Arc::new(worker::ConnCap::new(max)));
     let mut cores = Vec::with_capacity(cfg.cores);
     for (i, (listener, inbox)) in listeners.into_iter().zip(core_rxs).enumerate() {
         let links = worker::Links {
@@ -103,6 +106,7 @@ fn run(cfg: Config) -> anyhow::Result<()> {
             peers: core_txs.clone(),
             pool: pool.0.clone(),
             bridge_shared: shared.clone(),
+            conn_cap: conn_cap.clone(),
         };
         cores.push(worker::spawn(
             i,

@@ -119,3 +119,26 @@ fn max_connections_gets_503() {
     let resp = raw_exchange(b.listen, upgrade_head("/agent").as_bytes());
     assert!(resp.starts_with("HTTP/1.1 503"), "{resp}");
 }
+
+/// The cap is the broker's (CONTRACT.md §1), not a share per core: however the kernel spreads
+/// connections over the cores' listeners, exactly the cap is taken, and a place that frees is
+/// taken again, whichever core the next rig lands on.
+#[test]
+fn max_connections_counts_the_whole_broker_across_cores() {
+    let b = Broker::start(&["--max-connections", "9", "--cores", "2"]);
+    let mut rigs: Vec<_> = (0..9).map(|i| b.rig(&format!("rig-{i}")).0).collect();
+    for _ in 0..4 {
+        let resp = raw_exchange(b.listen, upgrade_head("/agent").as_bytes());
+        assert!(resp.starts_with("HTTP/1.1 503"), "{resp}");
+    }
+    // One leaves: its place is free once the broker has seen it go.
+    rigs.pop().expect("a rig").close(None).expect("close");
+    common::broker::eventually(Duration::from_secs(5), "a place freed", || {
+        b.metric("fleetlink_connections{core=\"0\"}")
+            + b.metric("fleetlink_connections{core=\"1\"}")
+            == 8
+    });
+    let _again = b.rig("rig-again");
+    let resp = raw_exchange(b.listen, upgrade_head("/agent").as_bytes());
+    assert!(resp.starts_with("HTTP/1.1 503"), "{resp}");
+}

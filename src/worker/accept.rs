@@ -93,16 +93,19 @@ pub(crate) async fn run(core: Rc<Core>, listener: TcpListener) {
 }
 
 fn admit(core: &Rc<Core>, bucket: &mut TokenBucket, stream: TcpStream) {
-    if core
-        .max_conns
-        .is_some_and(|max| core.metrics.connections.get() >= max)
-    {
+    let cap = core.conn_cap.as_ref();
+    if cap.is_some_and(|cap| !cap.try_take()) {
         return reject(core, stream, C::AcceptOverCapacity);
     }
+    // The connection holds a place under the cap from here; an end before its task starts
+    // gives it back (the task's end does otherwise).
+    let give_back = || cap.inspect(|cap| cap.give_back());
     if !bucket.try_take(Instant::now()) {
+        give_back();
         return reject(core, stream, C::AcceptRateLimited);
     }
     let Ok(sec) = core.new_security() else {
+        give_back();
         core.metrics.inc(C::AcceptError);
         return;
     };

@@ -299,6 +299,9 @@ async fn finish(core: &Core, conn: &Conn, stream: &TcpStream) {
     core.metrics
         .connections
         .set(core.metrics.connections.get().saturating_sub(1));
+    if let Some(cap) = &core.conn_cap {
+        cap.give_back();
+    }
     {
         let mut st = conn.st.borrow_mut();
         st.phase = Phase::Done;

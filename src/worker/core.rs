@@ -31,6 +31,7 @@ use crate::worker::closing;
 use crate::worker::queues::Queues;
 use crate::worker::transport::{self, Security};
 use crate::worker::wheel::{Tick, Wheel};
+use crate::worker::ConnCap;
 use crate::worker::Guard;
 use crate::ws::{self, Decoder, Limits, OpCode};
 
@@ -64,8 +65,8 @@ pub(crate) struct Core {
     /// Set when the drain is over and every connection is gone.
     pub(crate) finished: Cell<bool>,
     next_conn: Cell<u64>,
-    /// This core's share of `--max-connections`.
-    pub(crate) max_conns: Option<u64>,
+    /// `--max-connections`, shared by every core of the broker.
+    pub(crate) conn_cap: Option<Arc<ConnCap>>,
     /// Rejections (503) in progress, bounded so a storm cannot pile up tasks.
     pub(crate) rejecting: Cell<u32>,
     /// Fleet mode: publish lifecycle events.
@@ -99,6 +100,8 @@ pub struct Links {
     pub pool: crossbeam_channel::Sender<Work>,
     /// The bridge's figures; the cores count the bytes of the events they queue there.
     pub bridge_shared: Arc<BridgeShared>,
+    /// `--max-connections`, one for the whole broker (None: no cap).
+    pub conn_cap: Option<Arc<ConnCap>>,
 }
 
 impl Core {
@@ -115,10 +118,6 @@ impl Core {
             .map(|d| d.as_millis() as u64)
             .max()
             .unwrap_or(1000);
-        let share = |total: u64| {
-            let n = cfg.cores as u64;
-            total / n + u64::from((index as u64) < total % n)
-        };
         Self {
             id: CoreId(index as u16),
             cfg,
@@ -136,7 +135,7 @@ impl Core {
             bridge_owed: LocalNotify::default(),
             finished: Cell::new(false),
             next_conn: Cell::new(0),
-            max_conns: cfg.max_connections.map(share),
+            conn_cap: links.conn_cap,
             rejecting: Cell::new(0),
             fleet: cfg.redis.is_some(),
             persist: cfg.redis.is_some() && !cfg.session_ttl.is_zero(),
@@ -762,6 +761,7 @@ pub(crate) mod tests {
             peers: Vec::new(),
             pool: crate::admin::pool_queue().0,
             bridge_shared: Arc::new(BridgeShared::new(true)),
+            conn_cap: None,
         };
         Rc::new(Core::new(
             0,

@@ -5,6 +5,7 @@
 //! between cores.
 //!
 //! - `accept`: listener, token bucket, 503s.
+//! - `conn_cap`: `--max-connections`, the one count the cores share.
 //! - `conn`: the per-connection IO loop.
 //! - `session`: what a connection does with messages, verdicts and commands.
 //! - `queues`: a rig's queued and unacked commands, bounded by bytes per rig and per core.
@@ -20,6 +21,7 @@ mod admin_conn;
 mod bucket;
 mod closing;
 mod conn;
+mod conn_cap;
 pub(crate) mod core;
 mod drain;
 mod inbox;
@@ -32,6 +34,7 @@ mod wheel;
 
 pub use accept::bind_listeners;
 pub use bucket::{RigBucket, TokenBucket};
+pub use conn_cap::ConnCap;
 pub use core::Links;
 
 use std::rc::Rc;
