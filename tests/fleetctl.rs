@@ -627,6 +627,40 @@ fn admin_send_to_unknown_rig_exits_2() {
     );
 }
 
+/// An admin API that takes the connection and never answers: every request is a timeout,
+/// exit 3 (CONTRACT.md §1), and a selector send waits its own `--timeout`, not a fixed one.
+#[test]
+fn admin_requests_that_get_no_answer_exit_3() {
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let admin = format!("http://{}", silent.local_addr().unwrap());
+    // The kernel completes the handshakes (the backlog); nobody ever reads or answers.
+    let status = fleetctl_cmd(&["--admin", &admin, "status", "rig-1"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run fleetctl");
+    let started = Instant::now();
+    let run = fleetctl(&[
+        "--admin",
+        &admin,
+        "send",
+        "--selector",
+        "group=a",
+        "uptime",
+        "--timeout",
+        "1s",
+    ]);
+    run.assert_code(3);
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "the selector send took {:?} with --timeout 1s",
+        started.elapsed()
+    );
+    assert!(run.stderr.contains("no answer"), "{}", run.stderr);
+    Run::from(status.wait_with_output().expect("status")).assert_code(3);
+    drop(silent);
+}
+
 #[test]
 fn admin_kick_closes_the_rig_with_1012() {
     let b = Broker::start(&["--cores", "1"]);

@@ -15,7 +15,7 @@ use serde_json::{json, Map, Value};
 
 use crate::cli::{usage, AdminUrl, Selector};
 use crate::render::secs;
-use crate::{error_reply, Broadcast, ControlPlane, Page};
+use crate::{error_reply, Broadcast, ControlPlane, Page, TimedOut};
 
 /// Longest wait for the TCP connection.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
@@ -88,10 +88,10 @@ impl AdminPlane {
     }
 
     /// The rows of `GET /v1/rigs`.
-    fn rigs(&self) -> anyhow::Result<Vec<Value>> {
+    fn rigs(&self, timeout: Duration) -> anyhow::Result<Vec<Value>> {
         let resp = self
-            .call("GET", "/v1/rigs", None, IO_TIMEOUT)?
-            .context("GET /v1/rigs timed out")?;
+            .call("GET", "/v1/rigs", None, timeout)?
+            .ok_or_else(|| no_answer("GET /v1/rigs", timeout))?;
         match serde_json::from_slice(&resp.body) {
             Ok(Value::Array(rows)) if resp.status == 200 => Ok(rows),
             _ => bail!(
@@ -211,7 +211,7 @@ impl ControlPlane for AdminPlane {
     ) -> anyhow::Result<Broadcast> {
         let id = new_id();
         let matching: Vec<RigId> = self
-            .rigs()?
+            .rigs(timeout)?
             .iter()
             .filter(|row| {
                 selector
@@ -249,7 +249,7 @@ impl ControlPlane for AdminPlane {
     /// `status RIG`: the rig's row of `GET /v1/rigs`.
     fn status(&mut self, rig: &RigId) -> anyhow::Result<Value> {
         let found = self
-            .rigs()?
+            .rigs(IO_TIMEOUT)?
             .into_iter()
             .find(|row| row["rig_id"].as_str() == Some(rig.as_str()));
         Ok(match found {
@@ -266,7 +266,7 @@ impl ControlPlane for AdminPlane {
 
     /// `list`: `GET /v1/rigs`, paged locally; the cursor is an offset into the sorted list.
     fn list(&mut self, page_size: u64, cursor: u64) -> anyhow::Result<Page> {
-        let rigs = self.rigs()?;
+        let rigs = self.rigs(IO_TIMEOUT)?;
         let start = usize::try_from(cursor)
             .unwrap_or(usize::MAX)
             .min(rigs.len());
@@ -282,10 +282,10 @@ impl ControlPlane for AdminPlane {
     fn brokers(&mut self) -> anyhow::Result<Vec<Value>> {
         let health = self
             .call("GET", "/healthz", None, IO_TIMEOUT)?
-            .context("GET /healthz timed out")?;
+            .ok_or_else(|| no_answer("GET /healthz", IO_TIMEOUT))?;
         let ready = self
             .call("GET", "/readyz", None, IO_TIMEOUT)?
-            .context("GET /readyz timed out")?;
+            .ok_or_else(|| no_answer("GET /readyz", IO_TIMEOUT))?;
         Ok(vec![json!({
             "broker_id": self.url.authority,
             "admin": format!("http://{}{}", self.url.authority, self.url.prefix),
@@ -341,6 +341,14 @@ fn parse_response(buf: &[u8], eof: bool) -> anyhow::Result<Option<Response>> {
         })),
         _ => Ok(None),
     }
+}
+
+/// The error of a request the admin API did not answer in time (exit 3).
+fn no_answer(request: &str, timeout: Duration) -> TimedOut {
+    TimedOut(format!(
+        "{request}: no answer from the admin API within {}",
+        secs(timeout)
+    ))
 }
 
 /// The start of a body as one line of text, for error messages.

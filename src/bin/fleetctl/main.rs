@@ -150,12 +150,45 @@ fn main() -> ExitCode {
             Ok(usage) => print_usage(&usage),
             Err(e) => {
                 eprintln!("fleetctl: error: {e:#}");
-                Exit::Error
+                if timed_out(&e) {
+                    Exit::Timeout
+                } else {
+                    Exit::Error
+                }
             }
         }),
         Err(e) => print_usage(&e),
     };
     ExitCode::from(code as u8)
+}
+
+/// A wait for the control plane that ran out: exit 3, whichever request it was.
+#[derive(Debug)]
+pub(crate) struct TimedOut(pub(crate) String);
+
+impl std::fmt::Display for TimedOut {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for TimedOut {}
+
+/// Whether an error is a wait that ran out (exit 3) rather than a refusal or an unreachable
+/// plane (exit 2), wherever in its chain the wait ran out.
+fn timed_out(e: &anyhow::Error) -> bool {
+    e.chain().any(|cause| {
+        cause.is::<TimedOut>()
+            || cause.downcast_ref::<std::io::Error>().is_some_and(|io| {
+                matches!(
+                    io.kind(),
+                    std::io::ErrorKind::TimedOut | std::io::ErrorKind::WouldBlock
+                )
+            })
+            || cause
+                .downcast_ref::<redis::RedisError>()
+                .is_some_and(redis::RedisError::is_timeout)
+    })
 }
 
 /// Prints a clap error (or help/version) and picks its exit code: 0 for help, else 64.
