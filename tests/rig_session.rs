@@ -333,6 +333,32 @@ fn broker_pings_and_a_silent_rig_is_closed_4002() {
     b.wait_metric("fleetlink_closes_total{code=\"4002\"} 1");
 }
 
+/// `fleetlink_rigs` aggregates by the `--group-label` value and adds up to every rig: those
+/// without the label count under the empty value, never one series per rig.
+#[test]
+fn rigs_are_counted_by_group_label_and_the_unlabelled_too() {
+    let b = Broker::start(&["--group-label", "site"]);
+    let mut rigs = Vec::new();
+    for (i, labels) in [
+        json!({"site": "a"}),
+        json!({"site": "a", "group": "x"}),
+        json!({"group": "x"}),
+        json!({}),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let mut ws = b.connect("/agent");
+        let welcome = hello(&mut ws, &format!("rig-{i}"), &boot_id(), labels);
+        assert_eq!(welcome["type"], "welcome");
+        rigs.push(ws);
+    }
+    b.wait_metric("fleetlink_rigs{group=\"a\"} 2");
+    b.wait_metric("fleetlink_rigs{group=\"\"} 2");
+    drop(rigs.pop());
+    b.wait_metric("fleetlink_rigs{group=\"\"} 1");
+}
+
 /// A PONG must come within `--pong-timeout` (CONTRACT.md §2): one that comes after it is a
 /// miss, and must not wipe out the misses counted before it. A rig answering every PING late
 /// is closed 4002 after `--max-missed-pongs` PINGs; one answering at once, beside it, is not.

@@ -499,9 +499,9 @@ pub(crate) fn on_verdict(core: &Core, conn: &Conn, st: &mut ConnState, verdict: 
             keep_unacked(core, session, cmd);
         }
     }
-    if let Some(g) = session.group(&core.cfg.group_label) {
-        session.group_overflow = core.metrics.join_group(g);
-    }
+    // A rig without the label counts under the empty value, so the series add up to every rig.
+    let g = session.group(&core.cfg.group_label).unwrap_or("");
+    session.group_overflow = core.metrics.join_group(g);
     if core.fleet {
         let ev = events::connected(&core.cfg.broker_id, &session.rig, &session.boot, resumed);
         core.event(ev);
@@ -752,9 +752,10 @@ pub(crate) fn on_closed(core: &Core, conn: &Conn, st: &mut ConnState) {
         });
         return;
     }
-    if let Some(g) = s.group(&core.cfg.group_label) {
-        core.metrics.leave_group(g, s.group_overflow);
-    }
+    core.metrics.leave_group(
+        s.group(&core.cfg.group_label).unwrap_or(""),
+        s.group_overflow,
+    );
     if core.fleet {
         let code = st.close_code.unwrap_or(1006);
         let ev = events::disconnected(&core.cfg.broker_id, &s.rig, &s.boot, code, &st.close_reason);
