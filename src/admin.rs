@@ -293,8 +293,46 @@ pub enum Parsed {
         /// The client waits for `100 Continue` before sending the body.
         send_continue: bool,
     },
-    /// Malformed, or larger than [`MAX_REQUEST`].
-    Bad,
+    /// Malformed, or larger than [`MAX_REQUEST`]: answered so, and the connection closes.
+    Bad(Refusal),
+}
+
+/// Why a request is refused before it can be routed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Refusal {
+    status: u16,
+    detail: &'static str,
+}
+
+impl Refusal {
+    const MALFORMED: Refusal = Refusal {
+        status: 400,
+        detail: "malformed HTTP request",
+    };
+    const TOO_LARGE: Refusal = Refusal {
+        status: 413,
+        detail: "request larger than 1 MiB, head and body",
+    };
+    const NO_LENGTH: Refusal = Refusal {
+        status: 411,
+        detail: "send the body with one Content-Length; Transfer-Encoding is not taken",
+    };
+    /// The connection ended inside a request.
+    pub const CUT_SHORT: Refusal = Refusal {
+        status: 400,
+        detail: "the connection ended inside a request",
+    };
+
+    /// The answer: a JSON error as the routes give (`bad_request`), since a client of the
+    /// commands route reads its answers as JSON.
+    pub fn answer(self) -> Answer {
+        let body = json!({"ok": false, "error": "bad_request", "detail": self.detail});
+        (
+            self.status,
+            "application/json",
+            body.to_string().into_bytes(),
+        )
+    }
 }
 
 /// Parses one request from the front of `buf` (sans-IO: both the pool's blocking reader and a
@@ -309,7 +347,8 @@ pub fn parse_request(buf: &[u8]) -> Parsed {
                 send_continue: false,
             }
         }
-        _ => return Parsed::Bad,
+        Ok(httparse::Status::Partial) => return Parsed::Bad(Refusal::TOO_LARGE),
+        Err(_) => return Parsed::Bad(Refusal::MALFORMED),
     };
     let header = |name: &str| {
         req.headers
@@ -321,7 +360,7 @@ pub fn parse_request(buf: &[u8]) -> Parsed {
     // A body's end must be certain, or its bytes would be read as the next request: no
     // chunked bodies, and one Content-Length of digits only (repeats must agree).
     if header("transfer-encoding").is_some() {
-        return Parsed::Bad;
+        return Parsed::Bad(Refusal::NO_LENGTH);
     }
     let mut lengths = req
         .headers
@@ -333,14 +372,14 @@ pub fn parse_request(buf: &[u8]) -> Parsed {
         Some(Ok(v)) if !v.is_empty() && v.bytes().all(|b| b.is_ascii_digit()) => {
             match v.parse::<usize>() {
                 Ok(n) => n,
-                Err(_) => return Parsed::Bad,
+                Err(_) => return Parsed::Bad(Refusal::TOO_LARGE),
             }
         }
-        Some(_) => return Parsed::Bad,
+        Some(_) => return Parsed::Bad(Refusal::MALFORMED),
     };
     if lengths.any(|other| other.ok().and_then(|v| v.parse::<usize>().ok()) != Some(content_length))
     {
-        return Parsed::Bad;
+        return Parsed::Bad(Refusal::MALFORMED);
     }
     let close = req.version == Some(0)
         || header("connection").is_some_and(|v| v.eq_ignore_ascii_case("close"));
@@ -348,7 +387,7 @@ pub fn parse_request(buf: &[u8]) -> Parsed {
         .checked_add(content_length)
         .filter(|&n| n <= MAX_REQUEST)
     else {
-        return Parsed::Bad;
+        return Parsed::Bad(Refusal::TOO_LARGE);
     };
     let path = req.path.unwrap_or("").split('?').next().unwrap_or("");
     let request = |body: &[u8], close: bool| Request {
@@ -417,15 +456,11 @@ fn serve(admin: &Admin, mut stream: TcpStream) -> std::io::Result<()> {
     let mut buf = Vec::new();
     for served in 0.. {
         let req = match read_request(&mut stream, &mut buf, served > 0) {
-            Ok(Some(req)) => req,
-            Ok(None) if buf.is_empty() => return Ok(()),
-            Ok(None) => {
-                return respond(
-                    &mut stream,
-                    (400, "text/plain", b"bad request\n"),
-                    true,
-                    false,
-                )
+            Ok(Some(Ok(req))) => req,
+            Ok(None) => return Ok(()),
+            Ok(Some(Err(refusal))) => {
+                let (status, ctype, body) = refusal.answer();
+                return respond(&mut stream, (status, ctype, &body), true, false);
             }
             Err(e) => return Err(e),
         };
@@ -440,14 +475,14 @@ fn serve(admin: &Admin, mut stream: TcpStream) -> std::io::Result<()> {
 }
 
 /// Reads one request from `buf` + the stream; leaves any bytes after it in `buf`.
-/// Ok(None): the connection ended (buf empty) or the request is malformed/too large.
+/// Ok(None): the connection ended between requests; Ok(Some(Err(_))): the request is refused.
 ///
 /// Waits as [`RequestClock`] allows.
 fn read_request(
     stream: &mut TcpStream,
     buf: &mut Vec<u8>,
     kept_alive: bool,
-) -> std::io::Result<Option<Request>> {
+) -> std::io::Result<Option<Result<Request, Refusal>>> {
     let mut chunk = [0u8; 4096];
     let mut clock = RequestClock::new(kept_alive);
     let mut continued = false;
@@ -455,9 +490,9 @@ fn read_request(
         match parse_request(buf) {
             Parsed::Complete(req, len) => {
                 buf.drain(..len);
-                return Ok(Some(req));
+                return Ok(Some(Ok(req)));
             }
-            Parsed::Bad => return Ok(None),
+            Parsed::Bad(refusal) => return Ok(Some(Err(refusal))),
             Parsed::Partial { send_continue } => {
                 if send_continue && !std::mem::replace(&mut continued, true) {
                     stream.write_all(CONTINUE)?;
@@ -484,7 +519,7 @@ fn read_request(
             Err(e) => return Err(e),
         };
         if n == 0 {
-            return Ok(None);
+            return Ok((!buf.is_empty()).then_some(Err(Refusal::CUT_SHORT)));
         }
         clock.got_bytes(Instant::now());
         buf.extend_from_slice(chunk.get(..n).unwrap_or_default());
@@ -895,7 +930,7 @@ mod tests {
         match parse_request(bytes) {
             Parsed::Complete(req, len) => (req, len),
             Parsed::Partial { .. } => panic!("partial: {:?}", String::from_utf8_lossy(bytes)),
-            Parsed::Bad => panic!("bad: {:?}", String::from_utf8_lossy(bytes)),
+            Parsed::Bad(r) => panic!("bad ({r:?}): {:?}", String::from_utf8_lossy(bytes)),
         }
     }
 
@@ -956,15 +991,21 @@ mod tests {
 
     #[test]
     fn a_body_whose_length_is_unclear_is_refused() {
-        for head in [
-            "POST /v1/drain HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n",
-            "POST /v1/drain HTTP/1.1\r\nContent-Length: 2x\r\n\r\n",
-            "POST /v1/drain HTTP/1.1\r\nContent-Length: 0\r\nContent-Length: 27\r\n\r\n",
+        for (head, status) in [
+            (
+                "POST /v1/drain HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n",
+                411,
+            ),
+            ("POST /v1/drain HTTP/1.1\r\nContent-Length: 2x\r\n\r\n", 400),
+            (
+                "POST /v1/drain HTTP/1.1\r\nContent-Length: 0\r\nContent-Length: 27\r\n\r\n",
+                400,
+            ),
         ] {
-            assert!(
-                matches!(parse_request(head.as_bytes()), Parsed::Bad),
-                "{head}"
-            );
+            match parse_request(head.as_bytes()) {
+                Parsed::Bad(r) => assert_eq!(r.answer().0, status, "{head}"),
+                _ => panic!("not refused: {head}"),
+            }
         }
         let same = b"POST /v1/drain HTTP/1.1\r\nContent-Length: 2\r\nContent-Length: 2\r\n\r\n{}";
         assert!(matches!(parse_request(same), Parsed::Complete(..)));
@@ -1014,21 +1055,31 @@ mod tests {
 
     #[test]
     fn malformed_or_oversized_requests_are_refused() {
-        for bad in [
-            &b"NOT HTTP\r\n\r\n"[..],
-            b"GET / HTTP/1.1\r\nContent-Length: 2000000\r\n\r\n",
-            b"GET / HTTP/1.1\r\nContent-Length: 18446744073709551615\r\n\r\n",
+        for (bad, status) in [
+            (&b"NOT HTTP\r\n\r\n"[..], 400),
+            (b"GET / HTTP/1.1\r\nContent-Length: 2000000\r\n\r\n", 413),
+            (
+                b"GET / HTTP/1.1\r\nContent-Length: 18446744073709551615\r\n\r\n",
+                413,
+            ),
         ] {
-            assert!(
-                matches!(parse_request(bad), Parsed::Bad),
-                "{:?}",
-                String::from_utf8_lossy(bad)
-            );
+            match parse_request(bad) {
+                Parsed::Bad(r) => {
+                    let (code, ctype, body) = r.answer();
+                    assert_eq!((code, ctype), (status, "application/json"));
+                    let body: serde_json::Value = serde_json::from_slice(&body).expect("JSON");
+                    assert_eq!(body["error"], "bad_request");
+                }
+                _ => panic!("not refused: {:?}", String::from_utf8_lossy(bad)),
+            }
         }
         // A head that never ends is refused once it reaches the size limit.
         let mut endless = b"GET / HTTP/1.1\r\nX: ".to_vec();
         endless.resize(MAX_REQUEST, b'a');
-        assert!(matches!(parse_request(&endless), Parsed::Bad));
+        assert!(matches!(
+            parse_request(&endless),
+            Parsed::Bad(Refusal::TOO_LARGE)
+        ));
     }
 
     #[test]

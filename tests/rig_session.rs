@@ -837,6 +837,37 @@ fn admin_connections_past_what_the_cores_serve_are_served_by_the_pool() {
     command_arrives(&mut held[MAX_ON_CORES - 1], "rig-many", &mut ws, 4);
 }
 
+/// A request refused before routing gets a JSON error like the routes' own, with the status
+/// that says why: 413 past 1 MiB, 411 for a body without one Content-Length, 400 malformed.
+#[test]
+fn admin_requests_refused_before_routing_get_json_errors() {
+    let b = Broker::start(&[]);
+    for (head, status) in [
+        (
+            "POST /v1/rigs/r1/commands HTTP/1.1\r\nHost: x\r\nContent-Length: 1100000\r\n\r\n",
+            "413",
+        ),
+        (
+            "POST /v1/rigs/r1/commands HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n",
+            "411",
+        ),
+        ("NOT HTTP AT ALL\r\n\r\n", "400"),
+    ] {
+        let answer = raw_exchange(b.admin, head.as_bytes());
+        assert!(
+            answer.starts_with(&format!("HTTP/1.1 {status} ")),
+            "{head:?}: {answer}"
+        );
+        assert!(answer.contains("application/json"), "{answer}");
+        let body = answer.split("\r\n\r\n").nth(1).unwrap_or_default();
+        let body: Value = serde_json::from_str(body).expect("a JSON body");
+        assert_eq!(
+            (&body["ok"], &body["error"]),
+            (&json!(false), &json!("bad_request"))
+        );
+    }
+}
+
 /// `/healthz` answers 200 while the process runs (CONTRACT.md §6), also while a monitoring
 /// client leaves a hundred admin connections open and silent.
 #[test]

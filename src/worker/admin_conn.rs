@@ -195,9 +195,9 @@ async fn serve_requests(
             match admin::parse_request(&buf) {
                 Parsed::Complete(req, len) => {
                     buf.drain(..len);
-                    break Some(req);
+                    break Ok(req);
                 }
-                Parsed::Bad => break None,
+                Parsed::Bad(refusal) => break Err(refusal),
                 Parsed::Partial { send_continue } => {
                     if send_continue && !std::mem::replace(&mut continued, true) {
                         write_bytes(stream, admin::CONTINUE.to_vec()).await?;
@@ -216,15 +216,17 @@ async fn serve_requests(
             buf = back.into_inner();
             match res {
                 Ok(0) if buf.is_empty() => return Ok(None),
-                Ok(0) => break None,
+                Ok(0) => break Err(admin::Refusal::CUT_SHORT),
                 Ok(_) => clock.got_bytes(Instant::now()),
                 Err(e) => return Err(e),
             }
         };
-        let Some(req) = req else {
-            let bad = (400, "text/plain", b"bad request\n".to_vec());
-            write(stream, bad, true, false).await?;
-            return Ok(None);
+        let req = match req {
+            Ok(req) => req,
+            Err(refusal) => {
+                write(stream, refusal.answer(), true, false).await?;
+                return Ok(None);
+            }
         };
         if buf.is_empty() && buf.capacity() > KEEP_BUFFER {
             // A big request's buffer does not stay with a connection that waits for the next.
