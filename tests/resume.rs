@@ -551,6 +551,48 @@ fn a_command_acked_just_before_a_reboot_is_not_reported_rig_rebooted() {
     assert_eq!(reported, ["unacked"]);
 }
 
+/// The same when the broker that took the ack is killed at once: the ack's removal left in
+/// the round trip that published its `ack` event, ahead of it, so control never sees a command
+/// acked and then `rig_rebooted` (it did when removals waited a second for their own batch).
+#[test]
+fn a_command_acked_just_before_its_broker_dies_is_not_reported_rig_rebooted() {
+    let redis = RedisServer::start();
+    let mut a = fleet_broker(&redis, "fe-a");
+    let b = fleet_broker(&redis, "fe-b");
+    let mut ws = a.connect("/agent");
+    hello(&mut ws, "rig-ackd", &boot_id(), None);
+    let mut ctl = Control::new(&redis, &["fleetlink:events"]);
+    for id in ["acked", "unacked"] {
+        assert_eq!(
+            ctl.command_id("fe-a", "rig-ackd", id, "n", json!({}))["ok"],
+            true
+        );
+        assert_eq!(read_json(&mut ws)["id"], id);
+    }
+    ack(&mut ws, 1);
+    let ack = ctl.next(|ch, v| ch == "fleetlink:events" && v["type"] == "ack");
+    assert_eq!(ack["id"], "acked");
+    unsafe { libc::kill(a.pid() as i32, libc::SIGKILL) };
+    a.wait_exit(Duration::from_secs(5)).expect("killed");
+    drop(ws);
+    let new_boot = boot_id();
+    let mut on_b = b.connect("/agent");
+    hello(&mut on_b, "rig-ackd", &new_boot, None);
+    let mut reported = Vec::new();
+    loop {
+        let ev = ctl.next(|ch, v| {
+            ch == "fleetlink:events"
+                && (v["type"] == "rig_rebooted"
+                    || (v["type"] == "connected" && v["boot_id"] == new_boot.as_str()))
+        });
+        if ev["type"] == "connected" {
+            break;
+        }
+        reported.push(ev["id"].as_str().unwrap_or_default().to_string());
+    }
+    assert_eq!(reported, ["unacked"]);
+}
+
 #[test]
 fn persisting_is_fenced_by_the_lease() {
     let redis = RedisServer::start();

@@ -44,10 +44,9 @@ fn refused(e: &redis::RedisError) -> bool {
 }
 /// Backoff cap between reconnect attempts.
 const MAX_BACKOFF: Duration = Duration::from_secs(5);
-/// Removals of acked commands wait up to this long, or for [`FORGET_BATCH`] of them, so that
-/// cleanup stays out of a burst's way (Redis shares the CPUs with the deliveries). Until then a
-/// resume elsewhere still finds them, and drops them by the rig's `last_seq`: a rig acks only
-/// what it has.
+/// Removals of acked commands that find no publish to ride with (see [`Fleet::flush`]) wait up
+/// to this long, or for [`FORGET_BATCH`] of them. Until then a resume elsewhere still finds
+/// them, and drops them by the rig's `last_seq`: a rig acks only what it has.
 const FORGET_PACE: Duration = Duration::from_secs(1);
 const FORGET_BATCH: usize = 16_384;
 
@@ -463,13 +462,19 @@ impl Fleet {
         &self.outgoing
     }
 
-    /// Sends queued releases and publishes, and the forgets once due (all of them when `now`
-    /// is None), each batch in one round trip, publishes in pipelines of [`FLUSH_BYTES`].
+    /// Sends queued releases and publishes, and the forgets (all of them when `now` is None),
+    /// each batch in one round trip, publishes in pipelines of [`FLUSH_BYTES`].
+    ///
+    /// Queued forgets lead the first pipeline of publishes: an ack's removal reaches Redis in
+    /// the round trip that publishes its `ack` event, ahead of it (the core queues the removal
+    /// first). Held back for their own pace, a broker killed within that second left the acked
+    /// command in its session, and the rig's next boot reported it `rig_rebooted` after
+    /// control had seen it acked. Forgets without publishes to ride with go at their pace.
     pub(crate) fn flush(&mut self, now: Option<Instant>) {
         let forgets_due = match now {
             Some(now) => self.forget_due().is_some_and(|due| due <= now),
             None => true,
-        };
+        } && self.outgoing.is_empty();
         let Some(con) = self.con.as_mut() else { return };
         if !self.releases.is_empty() {
             let releases = std::mem::take(&mut self.releases);
@@ -494,6 +499,11 @@ impl Fleet {
             pipelines -= 1;
             let Some(con) = self.con.as_mut() else { return };
             let mut pipe = redis::pipe();
+            for (rig, boot, seq) in &self.forgets {
+                pipe.hdel(sessions::session_key(rig, boot), format!("c:{}", seq.0))
+                    .ignore();
+            }
+            let forgets = self.forgets.len();
             let (mut n, mut bytes) = (0, 0);
             for (channel, payload) in &self.outgoing {
                 let size = channel.len() + payload.len();
@@ -519,6 +529,10 @@ impl Fleet {
             }
             self.outgoing_bytes -= bytes;
             self.outgoing.drain(..n);
+            self.forgets.drain(..forgets);
+            if self.forgets.is_empty() {
+                self.forgets_since = None;
+            }
         }
     }
 
