@@ -12,6 +12,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::parser::ValueSource;
+use clap::builder::BoolishValueParser;
 use clap::{ArgAction, Args, CommandFactory, FromArgMatches, Parser, Subcommand};
 
 /// `fleetlink-fe`: the thread-per-core websocket broker for rig fleets.
@@ -155,13 +156,13 @@ pub struct BrokerArgs {
     #[arg(long, env = "FLEETLINK_BACKLOG", default_value_t = 4096)]
     pub backlog: i32,
     /// Close rigs that send unknown message types with 4400 instead of ignoring them.
-    #[arg(long, env = "FLEETLINK_STRICT")]
+    #[arg(long, env = "FLEETLINK_STRICT", value_parser = BoolishValueParser::new())]
     pub strict: bool,
     /// Test only: also serve /echo, a plain websocket echo with limits lifted (conformance).
-    #[arg(long, env = "FLEETLINK_ECHO_ENDPOINT")]
+    #[arg(long, env = "FLEETLINK_ECHO_ENDPOINT", value_parser = BoolishValueParser::new())]
     pub echo_endpoint: bool,
     /// Use the epoll driver even where io_uring works (diagnostics, comparisons).
-    #[arg(long, env = "FLEETLINK_FORCE_EPOLL")]
+    #[arg(long, env = "FLEETLINK_FORCE_EPOLL", value_parser = BoolishValueParser::new())]
     pub force_epoll: bool,
 }
 
