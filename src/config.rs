@@ -353,10 +353,16 @@ impl BrokerArgs {
         let listen = self
             .listen
             .unwrap_or_else(|| SocketAddr::from(([0, 0, 0, 0], default_port)));
-        let cores = self
-            .cores
-            .map(NonZeroUsize::get)
-            .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, NonZeroUsize::get));
+        let cpus = std::thread::available_parallelism().map_or(1, NonZeroUsize::get);
+        let cores = self.cores.map_or(cpus, NonZeroUsize::get);
+        if cores > cpus {
+            // Allowed (a test may want more loops than CPUs), but never what a host wants: the
+            // loops then share CPUs, and the pinning puts several on each.
+            log::warn!(
+                "--cores {cores} is more than the {cpus} CPUs this process may use: \
+                 event loops will share CPUs"
+            );
+        }
         let broker_id = self
             .broker_id
             .unwrap_or_else(|| format!("{}-{}", hostname(), listen.port()));
