@@ -545,6 +545,8 @@ pub(crate) fn response(
         404 => "Not Found",
         409 => "Conflict",
         405 => "Method Not Allowed",
+        411 => "Length Required",
+        413 => "Content Too Large",
         503 => "Service Unavailable",
         504 => "Gateway Timeout",
         _ => "Error",

@@ -845,17 +845,17 @@ fn admin_requests_refused_before_routing_get_json_errors() {
     for (head, status) in [
         (
             "POST /v1/rigs/r1/commands HTTP/1.1\r\nHost: x\r\nContent-Length: 1100000\r\n\r\n",
-            "413",
+            "413 Content Too Large",
         ),
         (
             "POST /v1/rigs/r1/commands HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n",
-            "411",
+            "411 Length Required",
         ),
-        ("NOT HTTP AT ALL\r\n\r\n", "400"),
+        ("NOT HTTP AT ALL\r\n\r\n", "400 Bad Request"),
     ] {
         let answer = raw_exchange(b.admin, head.as_bytes());
         assert!(
-            answer.starts_with(&format!("HTTP/1.1 {status} ")),
+            answer.starts_with(&format!("HTTP/1.1 {status}\r\n")),
             "{head:?}: {answer}"
         );
         assert!(answer.contains("application/json"), "{answer}");
