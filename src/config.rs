@@ -11,8 +11,8 @@ use std::num::NonZeroUsize;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use clap::parser::ValueSource;
 use clap::builder::BoolishValueParser;
+use clap::parser::ValueSource;
 use clap::{ArgAction, Args, CommandFactory, FromArgMatches, Parser, Subcommand};
 
 /// `fleetlink-fe`: the thread-per-core websocket broker for rig fleets.

@@ -49,6 +49,11 @@ const MAX_BACKOFF: Duration = Duration::from_secs(5);
 /// them, and drops them by the rig's `last_seq`: a rig acks only what it has.
 const FORGET_PACE: Duration = Duration::from_secs(1);
 const FORGET_BATCH: usize = 16_384;
+/// Queued forgets that ride with the next publishes rather than wait for their pace. Acks
+/// from a few rigs at a time fit; a fan-out's acks come by the dozen per paced write, and
+/// their removals' work inside the burst costs its last deliveries more than it is worth
+/// (an A/B in docs/benchmarks-history.md).
+const FORGET_RIDE_MAX: usize = 8;
 
 /// Channel every broker subscribes to for broadcasts (CONTRACT.md §4).
 pub const BROADCAST: &str = "fleetlink:broadcast";
@@ -465,16 +470,20 @@ impl Fleet {
     /// Sends queued releases and publishes, and the forgets (all of them when `now` is None),
     /// each batch in one round trip, publishes in pipelines of [`FLUSH_BYTES`].
     ///
-    /// Queued forgets lead the first pipeline of publishes: an ack's removal reaches Redis in
-    /// the round trip that publishes its `ack` event, ahead of it (the core queues the removal
-    /// first). Held back for their own pace, a broker killed within that second left the acked
-    /// command in its session, and the rig's next boot reported it `rig_rebooted` after
-    /// control had seen it acked. Forgets without publishes to ride with go at their pace.
+    /// Up to [`FORGET_RIDE_MAX`] queued forgets lead the first pipeline of publishes: an ack's
+    /// removal reaches Redis in the round trip that publishes its `ack` event, ahead of it (the
+    /// core queues the removal first). Held back for their own pace, a broker killed within
+    /// that second left the acked command in its session, and the rig's next boot reported it
+    /// `rig_rebooted` after control had seen it acked. More forgets than that (a burst's
+    /// acks), or forgets with no publishes to ride with, go at their own pace: there that
+    /// window remains.
     pub(crate) fn flush(&mut self, now: Option<Instant>) {
-        let forgets_due = match now {
-            Some(now) => self.forget_due().is_some_and(|due| due <= now),
-            None => true,
-        } && self.outgoing.is_empty();
+        let ride = !self.outgoing.is_empty() && self.forgets.len() <= FORGET_RIDE_MAX;
+        let forgets_due = !ride
+            && match now {
+                Some(now) => self.forget_due().is_some_and(|due| due <= now),
+                None => true,
+            };
         let Some(con) = self.con.as_mut() else { return };
         if !self.releases.is_empty() {
             let releases = std::mem::take(&mut self.releases);
@@ -499,11 +508,11 @@ impl Fleet {
             pipelines -= 1;
             let Some(con) = self.con.as_mut() else { return };
             let mut pipe = redis::pipe();
-            for (rig, boot, seq) in &self.forgets {
+            let forgets = if ride { self.forgets.len() } else { 0 };
+            for (rig, boot, seq) in self.forgets.iter().take(forgets) {
                 pipe.hdel(sessions::session_key(rig, boot), format!("c:{}", seq.0))
                     .ignore();
             }
-            let forgets = self.forgets.len();
             let (mut n, mut bytes) = (0, 0);
             for (channel, payload) in &self.outgoing {
                 let size = channel.len() + payload.len();
