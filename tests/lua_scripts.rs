@@ -669,44 +669,33 @@ fn offline_push_refuses_a_rig_connected_to_another_live_broker() {
         deadline_ms: u64::MAX / 2,
         reply_to: None,
     };
-    let boot = BootId::generate(1);
-    let set = |con: &mut redis::Connection, k: &str, v: &str| {
-        redis::cmd("SET").arg(k).arg(v).query::<()>(con).unwrap();
+    let mut push =
+        |con: &mut Connection, broker: &str| offline.push(con, &r, &held, TTL, broker).unwrap();
+    let cmd = |con: &mut Connection, args: &[&str]| {
+        redis::cmd(args[0])
+            .arg(&args[1..])
+            .query::<()>(con)
+            .unwrap();
     };
-    set(&mut con, "rig:rig-1", &tuple(&boot, "fe-b"));
-    set(&mut con, "broker:fe-b", "{}");
-    assert_eq!(
-        offline.push(&mut con, &r, &held, TTL, "fe-a").unwrap(),
-        Pushed::ConnectedAt("fe-b".into())
+    cmd(
+        &mut con,
+        &["SET", "rig:rig-1", &tuple(&BootId::generate(1), "fe-b")],
     );
+    cmd(&mut con, &["SET", "broker:fe-b", "{}"]);
+    assert_eq!(push(&mut con, "fe-a"), Pushed::ConnectedAt("fe-b".into()));
     let len: usize = redis::cmd("LLEN")
         .arg(offline_key(&r))
         .query(&mut con)
         .unwrap();
     assert_eq!(len, 0, "nothing held");
     // Its own lease: the rig just left this broker (the release is on its way).
-    assert_eq!(
-        offline.push(&mut con, &r, &held, TTL, "fe-b").unwrap(),
-        Pushed::Held
-    );
+    assert_eq!(push(&mut con, "fe-b"), Pushed::Held);
     // fe-b died: its liveness key lapsed before the rig's lease did.
-    redis::cmd("DEL")
-        .arg("broker:fe-b")
-        .query::<()>(&mut con)
-        .unwrap();
-    assert_eq!(
-        offline.push(&mut con, &r, &held, TTL, "fe-a").unwrap(),
-        Pushed::Held
-    );
+    cmd(&mut con, &["DEL", "broker:fe-b"]);
+    assert_eq!(push(&mut con, "fe-a"), Pushed::Held);
     // No lease at all: offline.
-    redis::cmd("DEL")
-        .arg("rig:rig-1")
-        .query::<()>(&mut con)
-        .unwrap();
-    assert_eq!(
-        offline.push(&mut con, &r, &held, TTL, "fe-a").unwrap(),
-        Pushed::Held
-    );
+    cmd(&mut con, &["DEL", "rig:rig-1"]);
+    assert_eq!(push(&mut con, "fe-a"), Pushed::Held);
 }
 
 /// A newer boot's resume reports the older session's unacked commands itself, in the same

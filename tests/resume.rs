@@ -535,20 +535,7 @@ fn a_command_acked_just_before_a_reboot_is_not_reported_rig_rebooted() {
     let new_boot = boot_id();
     let mut again = a.connect("/agent");
     hello(&mut again, "rig-ack", &new_boot, None);
-    // The reports are published by the session script before the new boot's `connected`.
-    let mut reported = Vec::new();
-    loop {
-        let ev = ctl.next(|ch, v| {
-            ch == "fleetlink:events"
-                && (v["type"] == "rig_rebooted"
-                    || (v["type"] == "connected" && v["boot_id"] == new_boot.as_str()))
-        });
-        if ev["type"] == "connected" {
-            break;
-        }
-        reported.push(ev["id"].as_str().unwrap_or_default().to_string());
-    }
-    assert_eq!(reported, ["unacked"]);
+    assert_eq!(rebooted_before_connected(&mut ctl, &new_boot), ["unacked"]);
 }
 
 /// The same when the broker that took the ack is killed at once: the ack's removal left in
@@ -578,19 +565,24 @@ fn a_command_acked_just_before_its_broker_dies_is_not_reported_rig_rebooted() {
     let new_boot = boot_id();
     let mut on_b = b.connect("/agent");
     hello(&mut on_b, "rig-ackd", &new_boot, None);
+    assert_eq!(rebooted_before_connected(&mut ctl, &new_boot), ["unacked"]);
+}
+
+/// The ids reported `rig_rebooted` before `new_boot`'s `connected`: the session script
+/// publishes the reports before the new boot is welcomed.
+fn rebooted_before_connected(ctl: &mut Control, new_boot: &str) -> Vec<String> {
     let mut reported = Vec::new();
     loop {
         let ev = ctl.next(|ch, v| {
             ch == "fleetlink:events"
                 && (v["type"] == "rig_rebooted"
-                    || (v["type"] == "connected" && v["boot_id"] == new_boot.as_str()))
+                    || (v["type"] == "connected" && v["boot_id"] == new_boot))
         });
         if ev["type"] == "connected" {
-            break;
+            return reported;
         }
         reported.push(ev["id"].as_str().unwrap_or_default().to_string());
     }
-    assert_eq!(reported, ["unacked"]);
 }
 
 #[test]
