@@ -669,7 +669,7 @@ fn offline_push_refuses_a_rig_connected_to_another_live_broker() {
         deadline_ms: u64::MAX / 2,
         reply_to: None,
     };
-    let mut push =
+    let push =
         |con: &mut Connection, broker: &str| offline.push(con, &r, &held, TTL, broker).unwrap();
     let cmd = |con: &mut Connection, args: &[&str]| {
         redis::cmd(args[0])
