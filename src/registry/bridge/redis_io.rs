@@ -380,10 +380,11 @@ impl UnansweredLog {
             self.skipped += 1;
             return;
         }
+        // Quoted: the rig id and the reason may carry whatever the publisher sent.
         let rig = bad.rig.as_deref().unwrap_or("-");
         let skipped = std::mem::take(&mut self.skipped);
         log::warn!(
-            "control message refused, no reply_to to answer: {} (rig {rig}; {skipped} more since the last such line)",
+            "control message refused, no reply_to to answer: {:?} (rig {rig:?}; {skipped} more since the last such line)",
             bad.why
         );
         self.last = Some(now);
