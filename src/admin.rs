@@ -6,7 +6,8 @@
 //! core does anyway. Everything else may wait (a snapshot of every core, the bridge's answer
 //! to a kick), so a small pool of threads of its own works it out and hands the answer back,
 //! and no core ever blocks. The pool also serves whole connections when the cores cannot take
-//! them: while the broker drains (a core that has drained stops) or when many are open.
+//! them: while the broker drains (a core that has drained stops) or when many are open. Such a
+//! connection reaches a pool thread only once it has sent something (`crate::admin_lobby`).
 
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -22,6 +23,7 @@ use serde::Deserialize;
 use serde_json::json;
 use serde_json::value::RawValue;
 
+use crate::admin_lobby::Lobby;
 use crate::args::Args;
 use crate::doorbell::{Full, Mailbox};
 use crate::ids::{BootId, ConnId, CoreId, RigId};
@@ -199,25 +201,45 @@ pub fn spawn(
                 }
             })?;
     }
+    listener.set_nonblocking(true)?;
     std::thread::Builder::new()
         .name("fleetlink-admin".into())
         .spawn(move || {
             let on_cores = Arc::new(AtomicUsize::new(0));
             let mut next = 0usize;
-            for stream in listener.incoming() {
-                let Ok(stream) = stream else {
-                    // Out of file descriptors, say: the error repeats until some close, and
-                    // retrying at once would spin this thread on a CPU the cores need.
-                    std::thread::sleep(ACCEPT_BACKOFF);
-                    continue;
-                };
-                let Err(stream) = to_core(&admin, &on_cores, &mut next, stream) else {
-                    continue;
-                };
-                if let Err(crossbeam_channel::TrySendError::Full(Work::Conn(mut stream))) =
-                    tx.try_send(Work::Conn(stream))
-                {
-                    let _ = respond(&mut stream, (503, "text/plain", b"busy\n"), true, false);
+            let mut lobby = Lobby::default();
+            let busy = |mut stream: TcpStream| {
+                let _ = stream.set_nonblocking(false);
+                let _ = respond(&mut stream, (503, "text/plain", b"busy\n"), true, false);
+            };
+            loop {
+                let woken = lobby.wait(&listener, IO_TIMEOUT);
+                // Speaking now: a pool thread reads it without waiting on it.
+                for stream in woken.ready {
+                    if let Err(crossbeam_channel::TrySendError::Full(Work::Conn(stream))) =
+                        tx.try_send(Work::Conn(stream))
+                    {
+                        busy(stream);
+                    }
+                }
+                while woken.accept {
+                    let stream = match listener.accept() {
+                        Ok((stream, _)) => stream,
+                        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                        Err(_) => {
+                            // Out of file descriptors, say: the error repeats until some
+                            // close, and retrying at once would spin this thread on a CPU the
+                            // cores need.
+                            std::thread::sleep(ACCEPT_BACKOFF);
+                            break;
+                        }
+                    };
+                    let Err(stream) = to_core(&admin, &on_cores, &mut next, stream) else {
+                        continue;
+                    };
+                    if let Err(stream) = lobby.admit(stream, Instant::now()) {
+                        busy(stream);
+                    }
                 }
             }
         })

@@ -29,6 +29,7 @@
 #![warn(missing_docs, unreachable_pub)]
 
 pub mod admin;
+mod admin_lobby;
 pub mod args;
 pub mod config;
 pub mod dev_certs;
