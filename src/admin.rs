@@ -222,7 +222,10 @@ pub fn spawn(
                         busy(stream);
                     }
                 }
-                while woken.accept {
+                if !woken.accept {
+                    continue;
+                }
+                loop {
                     let stream = match listener.accept() {
                         Ok((stream, _)) => stream,
                         Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
