@@ -521,7 +521,8 @@ fn events_name_the_session_and_malformed_control_messages_are_answered() {
         assert_eq!(r["seq"], seq, "{r}");
         assert_eq!(read_json(&mut ws)["seq"], seq);
     }
-    // A result before its ack still names the command; after the ack the id went with it.
+    // A result names its command whether it comes before its ack or after it (CONTRACT.md §4:
+    // the id where it applies).
     ws.send(Message::Text(
         json!({"type":"result","seq":1,"ok":true,"extra":{"ignored":true}})
             .to_string()
@@ -548,7 +549,7 @@ fn events_name_the_session_and_malformed_control_messages_are_answered() {
     let ack = ctl.next(|ch, v| ch == "fleetlink:events" && v["type"] == "ack");
     assert_eq!((&ack["id"], &ack["boot_id"]), (&json!("c2"), &json!(boot)));
     let second = ctl.next(|ch, v| ch == "fleetlink:events" && v["type"] == "result");
-    assert_eq!((&second["seq"], &second["id"]), (&json!(2), &Value::Null));
+    assert_eq!((&second["seq"], &second["id"]), (&json!(2), &json!("c2")));
     assert_eq!(second["boot_id"], boot.as_str());
 
     // A numeric id and an ill-typed field: answered bad_request, the id as sent.

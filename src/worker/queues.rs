@@ -24,6 +24,15 @@ pub(crate) const RIG_UNACKED_BYTES: usize = 16 << 20;
 pub(crate) const RIG_SESSION_BYTES: usize = RIG_OUTBOX_BYTES + RIG_UNACKED_BYTES;
 /// Command bytes one core holds for all its rigs; a command past it is refused `overloaded`.
 pub(crate) const CORE_COMMAND_BYTES: usize = 1 << 30;
+/// Acked commands whose id a rig's queues remember for their `result` event (CONTRACT.md §4:
+/// events carry the `id` where it applies). The newest are kept: a rig with more commands
+/// acked and running than this has its oldest results reported without their id, joined to
+/// their ack by seq instead. Few, since a rig that acks but never reports results keeps them.
+pub(crate) const RESULT_IDS: usize = 16;
+/// Longest id remembered for a result: an id is whatever control sent (up to a control
+/// message's 1 MiB), and these bytes are no longer in the core's count once the command is
+/// acked. Ids as control makes them (UUIDs and the like) are far shorter.
+pub(crate) const RESULT_ID_MAX: usize = 256;
 
 thread_local! {
     static CORE_BYTES: Cell<usize> = const { Cell::new(0) };
@@ -80,6 +89,8 @@ pub(crate) struct Queues {
     /// Commands written, not yet acked: kept for ack latency and for the session's next
     /// connection (bounded; the oldest is dropped and counted beyond it).
     unacked: Line,
+    /// Acked commands' ids, for their results (at most [`RESULT_IDS`], oldest first).
+    results: VecDeque<(Seq, Box<str>)>,
 }
 
 impl Queues {
@@ -142,9 +153,31 @@ impl Queues {
         cmds.get(pos).map(|c| &*c.id)
     }
 
-    /// Whether nothing is queued or unacked.
+    /// Remembers the id of acked command `seq` for its result (not one longer than
+    /// [`RESULT_ID_MAX`]).
+    pub(crate) fn await_result(&mut self, seq: Seq, id: Box<str>) {
+        if id.len() > RESULT_ID_MAX {
+            return;
+        }
+        if self.results.len() >= RESULT_IDS {
+            self.results.pop_front();
+        }
+        self.results.push_back((seq, id));
+    }
+
+    /// The id for the result of command `seq`: still unacked, or acked and awaiting its
+    /// result, which this ends.
+    pub(crate) fn result_id(&mut self, seq: Seq) -> Option<Box<str>> {
+        if let Some(id) = self.id_of(seq) {
+            return Some(id.into());
+        }
+        let pos = self.results.iter().position(|(s, _)| *s == seq)?;
+        self.results.remove(pos).map(|(_, id)| id)
+    }
+
+    /// Whether nothing is queued, unacked or awaiting its result.
     pub(crate) fn is_empty(&self) -> bool {
-        self.outbox.cmds.is_empty() && self.unacked.cmds.is_empty()
+        self.outbox.cmds.is_empty() && self.unacked.cmds.is_empty() && self.results.is_empty()
     }
 
     /// Every command, unacked then queued (seq order), leaving the core's count.
@@ -202,5 +235,30 @@ mod tests {
         // Not written (queued) or not there: no id.
         assert_eq!(q.id_of(Seq(8)), None);
         assert_eq!(q.id_of(Seq(5)), None);
+    }
+
+    #[test]
+    fn an_acked_commands_id_waits_for_its_result_and_only_the_newest_wait() {
+        let mut q = Queues::default();
+        q.push_unacked(cmd(1, 1));
+        let id1 = q.unacked().front().map(|c| c.id.clone()).expect("id");
+        assert_eq!(
+            q.result_id(Seq(1)),
+            Some(id1.clone()),
+            "unacked: its own id"
+        );
+        let acked = q.pop_unacked().expect("acked");
+        q.await_result(acked.seq, acked.id);
+        assert!(!q.is_empty(), "held for its result");
+        assert_eq!(q.result_id(Seq(1)), Some(id1));
+        assert!(q.is_empty(), "the result ends it");
+        assert_eq!(q.result_id(Seq(1)), None, "once");
+        for seq in 2..2 + RESULT_IDS as u64 + 3 {
+            q.await_result(Seq(seq), format!("c{seq}").into());
+        }
+        assert_eq!(q.result_id(Seq(4)), None, "the oldest went");
+        assert_eq!(q.result_id(Seq(5)).as_deref(), Some("c5"));
+        q.await_result(Seq(99), "x".repeat(RESULT_ID_MAX + 1).into());
+        assert_eq!(q.result_id(Seq(99)), None, "too long to keep");
     }
 }

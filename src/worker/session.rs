@@ -334,13 +334,14 @@ fn on_rig_message(core: &Core, conn: &Conn, st: &mut ConnState, text: &[u8]) {
         }) => {
             core.metrics.inc(C::MsgResult);
             if core.fleet {
-                let id = session.queues.as_ref().and_then(|q| q.id_of(seq));
+                let id = session.queues.as_mut().and_then(|q| q.result_id(seq));
+                session.shrink_queues();
                 core.event(events::result(
                     broker,
                     &session.rig,
                     &session.boot,
                     seq,
-                    id,
+                    id.as_deref(),
                     ok,
                     output,
                 ));
@@ -398,7 +399,11 @@ fn on_ack(core: &Core, s: &mut Session, seq: Seq) -> Option<Box<str>> {
             if let Some(at) = cmd.written_at {
                 core.metrics.ack_latency(at.elapsed().as_millis() as u64);
             }
-            id = Some(cmd.id);
+            id = Some(cmd.id.clone());
+        }
+        if core.fleet {
+            // Its result, which may come hours later, still names it (CONTRACT.md §4).
+            q.await_result(cmd.seq, cmd.id);
         }
     }
     s.shrink_queues();
