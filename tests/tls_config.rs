@@ -236,6 +236,32 @@ fn reload_revokes_for_new_handshakes_only() {
     assert_eq!(peer_identities(&live_server), ["rig-0001"]);
 }
 
+/// A CRL that only another CA issued would leave every rig certificate without a CRL of its
+/// issuer, refused by every handshake: refused at load instead, and a reload to it keeps the
+/// configuration in force.
+#[test]
+fn a_crl_of_a_ca_that_is_not_a_client_ca_is_refused() {
+    let pki = Pki::new("foreign-crl");
+    let other = Ca::new("someone else's CA", pki.not_before, pki.not_after).expect("ca");
+    let foreign = pki.dir.join("foreign.crl");
+    write_crl(&other, &[], &foreign).expect("crl");
+    let err = build_server_config(&pki.paths(true, vec![foreign.clone()])).expect_err("foreign");
+    assert!(
+        err.to_string()
+            .contains("no CRL is issued by a --client-ca"),
+        "{err}"
+    );
+    // Beside a CRL of ours it is fine (it may be an intermediate CA's).
+    let ours = pki.crl("ours", &[]);
+    build_server_config(&pki.paths(true, vec![ours.clone(), foreign.clone()])).expect("both");
+    let reloader = TlsReloader::new(pki.paths(true, vec![ours.clone()])).expect("reloader");
+    fs::copy(&foreign, &ours).expect("replace");
+    assert!(reloader.reload().is_err());
+    assert_eq!(reloader.generation(), 0, "the configuration in force stays");
+    let (mut client, mut server) = pki.pair(&reloader.current(), Some("rig-0001"), Versions::Both);
+    handshake(&mut client, &mut server).expect("still admitted");
+}
+
 #[test]
 fn failed_reload_keeps_the_config() {
     let pki = Pki::new("failed-reload");

@@ -138,6 +138,18 @@ pub enum TlsError {
         /// What the verifier builder said.
         source: VerifierBuilderError,
     },
+    /// No CRL is issued by a client CA: rustls would take them, find no CRL for the CA that
+    /// issued the rigs' (or their intermediates') certificates, and refuse every one of them
+    /// (unknown revocation status). Refused here instead, so a reload keeps the configuration
+    /// in force. (A CRL of an intermediate CA names an issuer outside the bundle, so only
+    /// "none at all" is certain to be a mistake.)
+    #[error("{}: no CRL is issued by a --client-ca certificate (issuers: {issuers})", path.display())]
+    CrlIssuer {
+        /// The first CRL file.
+        path: PathBuf,
+        /// The CRLs' issuers, as text.
+        issuers: String,
+    },
     /// `--crl` without `--client-ca`: with no client certificates there is nothing to revoke,
     /// and silently checking nothing would mislead the operator.
     #[error("{}: --crl needs --client-ca", path.display())]
@@ -209,7 +221,13 @@ fn client_verifier(
     provider: Arc<CryptoProvider>,
 ) -> Result<Arc<dyn rustls::server::danger::ClientCertVerifier>, TlsError> {
     let mut roots = RootCertStore::empty();
-    for (i, cert) in read_certs(ca)?.into_iter().enumerate() {
+    let ca_certs = read_certs(ca)?;
+    let subjects: Vec<Vec<u8>> = ca_certs
+        .iter()
+        .filter_map(|der| x509_parser::parse_x509_certificate(der).ok())
+        .map(|(_, cert)| cert.subject().as_raw().to_vec())
+        .collect();
+    for (i, cert) in ca_certs.into_iter().enumerate() {
         roots.add(cert).map_err(|source| TlsError::ClientCa {
             path: ca.to_owned(),
             index: i + 1,
@@ -228,6 +246,25 @@ fn client_verifier(
                 source,
             })?;
         crls.extend(these);
+    }
+    // (raw DER, text) of each CRL's issuer.
+    let issuers: Vec<(Vec<u8>, String)> = crls
+        .iter()
+        .filter_map(|crl| x509_parser::parse_x509_crl(crl).ok())
+        .map(|(_, parsed)| {
+            let issuer = parsed.issuer();
+            (issuer.as_raw().to_vec(), issuer.to_string())
+        })
+        .collect();
+    if let Some(first) = crl_files.first() {
+        let covered = issuers.iter().any(|(raw, _)| subjects.contains(raw));
+        if !covered && !issuers.is_empty() {
+            let names: Vec<&str> = issuers.iter().map(|(_, text)| text.as_str()).collect();
+            return Err(TlsError::CrlIssuer {
+                path: first.clone(),
+                issuers: names.join("; "),
+            });
+        }
     }
     WebPkiClientVerifier::builder_with_provider(roots, provider)
         .with_crls(crls)
