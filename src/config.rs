@@ -90,8 +90,9 @@ pub struct BrokerArgs {
     /// PEM CRL file(s), reloaded when they change. Repeat the flag for several.
     #[arg(long, env = "FLEETLINK_CRL", value_delimiter = ',')]
     pub crl: Vec<PathBuf>,
-    /// Public key(s) (PEM, Ed25519 or P-256) that sign rig bearer tokens. With it, every
-    /// upgrade needs `Authorization: Bearer <JWT>`; bad or expired tokens get 401.
+    /// Public key (PEM, Ed25519 or P-256) that signs rig bearer tokens, one per file; repeat
+    /// the flag (or separate with commas) for several. With it, every upgrade needs
+    /// `Authorization: Bearer <JWT>`; bad or expired tokens get 401.
     #[arg(long, env = "FLEETLINK_JWT_KEY", value_delimiter = ',')]
     pub jwt_key: Vec<PathBuf>,
     /// Required `aud` claim of rig tokens: when set, a token must name it; when unset, a token
