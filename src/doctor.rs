@@ -408,7 +408,7 @@ fn check_fds(host: &HostSettings, n: u64) -> Vec<Finding> {
     let nofile = recommended_nofile(n);
     let needed =
         format!("≥ {fds} (N + {FD_SLACK}: listeners, rings, eventfds, redis, admin, logs)");
-    let unit_fix = format!("LimitNOFILE={nofile} in the systemd unit (tuning/fleetlink-fe.service), or `ulimit -n {nofile}` in the starting shell (needs fs.nr_open ≥ {nofile})");
+    let unit_fix = format!("LimitNOFILE={nofile} in the systemd unit (tuning/fleetlink-fe.service), or `ulimit -n {nofile}` in the starting shell (needs fs.nr_open ≥ {nofile}, and root or CAP_SYS_RESOURCE to raise the hard limit)");
     let soft_holds = host.nofile_soft.is_none_or(|v| v >= fds);
     let hard_holds = host.nofile_hard.is_none_or(|v| v >= fds);
     let soft = match host.nofile_soft {
