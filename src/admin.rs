@@ -210,7 +210,7 @@ pub fn spawn(
             let mut lobby = Lobby::default();
             let busy = |mut stream: TcpStream| {
                 let _ = stream.set_nonblocking(false);
-                let _ = respond(&mut stream, (503, "text/plain", b"busy\n"), true, false);
+                let _ = respond(&mut stream, (503, "text/plain", b"busy\n"), true, false, "");
             };
             loop {
                 let woken = lobby.wait(&listener, IO_TIMEOUT);
@@ -485,13 +485,20 @@ fn serve(admin: &Admin, mut stream: TcpStream) -> std::io::Result<()> {
             Ok(None) => return Ok(()),
             Ok(Some(Err(refusal))) => {
                 let (status, ctype, body) = refusal.answer();
-                return respond(&mut stream, (status, ctype, &body), true, false);
+                return respond(&mut stream, (status, ctype, &body), true, false, "");
             }
             Err(e) => return Err(e),
         };
         let (status, ctype, body) = route(admin, &req);
         let close = req.close || served + 1 >= MAX_PER_CONNECTION;
-        respond(&mut stream, (status, ctype, &body), close, req.head_only())?;
+        let allow = allowed_methods(&req.path);
+        respond(
+            &mut stream,
+            (status, ctype, &body),
+            close,
+            req.head_only(),
+            allow,
+        )?;
         if close {
             break;
         }
@@ -554,13 +561,31 @@ fn read_request(
 /// The interim answer to `Expect: 100-continue`.
 pub(crate) const CONTINUE: &[u8] = b"HTTP/1.1 100 Continue\r\n\r\n";
 
-/// The bytes of an answer; `head_only` leaves the body out (its length still said).
+/// The methods a path takes, for a 405's `Allow` header (RFC 9110 §15.5.6).
+pub fn allowed_methods(path: &str) -> &'static str {
+    let mut parts = path.trim_matches('/').split('/');
+    match (
+        parts.next(),
+        parts.next(),
+        parts.next(),
+        parts.next(),
+        parts.next(),
+    ) {
+        (Some("v1"), Some("drain"), None, ..)
+        | (Some("v1"), Some("rigs"), Some(_), Some("commands" | "kick"), None) => "POST",
+        _ => "GET, HEAD",
+    }
+}
+
+/// The bytes of an answer; `head_only` leaves the body out (its length still said). A 405
+/// names the methods `allow` (see [`allowed_methods`]).
 pub(crate) fn response(
     status: u16,
     ctype: &str,
     body: &[u8],
     close: bool,
     head_only: bool,
+    allow: &str,
 ) -> Vec<u8> {
     let reason = match status {
         200 => "OK",
@@ -577,8 +602,13 @@ pub(crate) fn response(
         _ => "Error",
     };
     let connection = if close { "close" } else { "keep-alive" };
+    let allow = if status == 405 {
+        format!("Allow: {allow}\r\n")
+    } else {
+        String::new()
+    };
     let head = format!(
-        "HTTP/1.1 {status} {reason}\r\nContent-Type: {ctype}\r\nContent-Length: {}\r\nConnection: {connection}\r\n\r\n",
+        "HTTP/1.1 {status} {reason}\r\nContent-Type: {ctype}\r\nContent-Length: {}\r\n{allow}Connection: {connection}\r\n\r\n",
         body.len()
     );
     let mut out = head.into_bytes();
@@ -593,8 +623,9 @@ fn respond(
     (status, ctype, body): (u16, &str, &[u8]),
     close: bool,
     head_only: bool,
+    allow: &str,
 ) -> std::io::Result<()> {
-    stream.write_all(&response(status, ctype, body, close, head_only))?;
+    stream.write_all(&response(status, ctype, body, close, head_only, allow))?;
     stream.flush()
 }
 
@@ -1010,10 +1041,38 @@ mod tests {
         assert!(req.head_only());
         let (status, ctype, body) = immediate(&req).unwrap_or((0, "", Vec::new()));
         assert_eq!(status, 200);
-        let bytes = response(status, ctype, &body, false, req.head_only());
+        let bytes = response(status, ctype, &body, false, req.head_only(), "");
         let text = String::from_utf8_lossy(&bytes);
         assert!(text.ends_with("\r\n\r\n"), "{text}");
         assert!(text.contains(&format!("Content-Length: {}\r\n", body.len())));
+    }
+
+    #[test]
+    fn a_405_says_which_methods_the_path_takes() {
+        for (path, allow) in [
+            ("/v1/drain", "POST"),
+            ("/v1/rigs/r1/commands", "POST"),
+            ("/v1/rigs/r1/kick/", "POST"),
+            ("/v1/rigs", "GET, HEAD"),
+            ("/metrics", "GET, HEAD"),
+        ] {
+            let text = String::from_utf8(response(
+                405,
+                "text/plain",
+                b"",
+                true,
+                false,
+                allowed_methods(path),
+            ))
+            .expect("text");
+            assert!(
+                text.contains(&format!("\r\nAllow: {allow}\r\n")),
+                "{path}: {text}"
+            );
+        }
+        let ok =
+            String::from_utf8(response(200, "text/plain", b"", true, false, "POST")).expect("text");
+        assert!(!ok.contains("Allow:"), "only a 405 says it");
     }
 
     #[test]

@@ -868,6 +868,29 @@ fn admin_requests_refused_before_routing_get_json_errors() {
     }
 }
 
+/// A method a route does not take is answered 405 with the methods it does (RFC 9110).
+#[test]
+fn admin_405s_name_the_methods_the_route_takes() {
+    let b = Broker::start(&[]);
+    for (request, allow) in [
+        (
+            "PUT /v1/rigs HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+            "GET, HEAD",
+        ),
+        (
+            "GET /v1/drain HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+            "POST",
+        ),
+    ] {
+        let answer = raw_exchange(b.admin, request.as_bytes());
+        assert!(answer.starts_with("HTTP/1.1 405 "), "{answer}");
+        assert!(
+            answer.contains(&format!("\r\nAllow: {allow}\r\n")),
+            "{answer}"
+        );
+    }
+}
+
 /// `/healthz` answers 200 while the process runs (CONTRACT.md §6), also while a monitoring
 /// client leaves admin connections open and silent: more than the cores take, so that some
 /// wait for the pool, which must not let them hold its threads.

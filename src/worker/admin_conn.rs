@@ -224,7 +224,7 @@ async fn serve_requests(
         let req = match req {
             Ok(req) => req,
             Err(refusal) => {
-                write(stream, refusal.answer(), true, false).await?;
+                write(stream, refusal.answer(), true, false, "").await?;
                 return Ok(None);
             }
         };
@@ -234,8 +234,9 @@ async fn serve_requests(
         }
         let close = req.close || served + 1 >= admin::MAX_PER_CONNECTION;
         let head_only = req.head_only();
+        let allow = admin::allowed_methods(&req.path);
         let (answer, taken_at) = answer(core, req).await;
-        write(stream, answer, close, head_only).await?;
+        write(stream, answer, close, head_only, allow).await?;
         if close {
             return Ok(None);
         }
@@ -253,8 +254,9 @@ async fn write(
     (status, ctype, body): Answer,
     close: bool,
     head_only: bool,
+    allow: &str,
 ) -> std::io::Result<()> {
-    let bytes = admin::response(status, ctype, &body, close, head_only);
+    let bytes = admin::response(status, ctype, &body, close, head_only, allow);
     write_bytes(stream, bytes).await
 }
 
