@@ -561,16 +561,30 @@ fn read_request(
 /// The interim answer to `Expect: 100-continue`.
 pub(crate) const CONTINUE: &[u8] = b"HTTP/1.1 100 Continue\r\n\r\n";
 
+/// The first four segments of a path and whether a fifth follows (Some), for matching routes
+/// without allocating.
+type PathParts<'a> = (
+    Option<&'a str>,
+    Option<&'a str>,
+    Option<&'a str>,
+    Option<&'a str>,
+    Option<&'a str>,
+);
+
+fn path_parts(path: &str) -> PathParts<'_> {
+    let mut parts = path.trim_matches('/').split('/');
+    (
+        parts.next(),
+        parts.next(),
+        parts.next(),
+        parts.next(),
+        parts.next(),
+    )
+}
+
 /// The methods a path takes, for a 405's `Allow` header (RFC 9110 §15.5.6).
 pub fn allowed_methods(path: &str) -> &'static str {
-    let mut parts = path.trim_matches('/').split('/');
-    match (
-        parts.next(),
-        parts.next(),
-        parts.next(),
-        parts.next(),
-        parts.next(),
-    ) {
+    match path_parts(path) {
         (Some("v1"), Some("drain"), None, ..)
         | (Some("v1"), Some("rigs"), Some(_), Some("commands" | "kick"), None) => "POST",
         _ => "GET, HEAD",
@@ -764,14 +778,7 @@ pub fn command_rig(req: &Request) -> Option<&str> {
     if req.method != "POST" {
         return None;
     }
-    let mut parts = req.path.trim_matches('/').split('/');
-    match (
-        parts.next(),
-        parts.next(),
-        parts.next(),
-        parts.next(),
-        parts.next(),
-    ) {
+    match path_parts(&req.path) {
         (Some("v1"), Some("rigs"), Some(rig), Some("commands"), None) => Some(rig),
         _ => None,
     }
