@@ -374,7 +374,8 @@ fn on_rig_message(core: &Core, conn: &Conn, st: &mut ConnState, text: &[u8]) {
     }
 }
 
-/// Records an ack; returns the command id when the broker still held the command.
+/// Records an ack; returns the command id for the ack event (fleet mode) when the broker still
+/// held the command.
 fn on_ack(core: &Core, s: &mut Session, seq: Seq) -> Option<Box<str>> {
     let mut id = None;
     if seq > s.last_ack && seq < s.next_seq {
@@ -399,10 +400,13 @@ fn on_ack(core: &Core, s: &mut Session, seq: Seq) -> Option<Box<str>> {
             if let Some(at) = cmd.written_at {
                 core.metrics.ack_latency(at.elapsed().as_millis() as u64);
             }
-            id = Some(cmd.id.clone());
         }
+        // Events name commands only in fleet mode: the ack's and, hours later maybe, the
+        // result's (CONTRACT.md §4).
         if core.fleet {
-            // Its result, which may come hours later, still names it (CONTRACT.md §4).
+            if cmd.seq == seq {
+                id = Some(cmd.id.clone());
+            }
             q.await_result(cmd.seq, cmd.id);
         }
     }
