@@ -453,6 +453,9 @@ pub(crate) struct Liveness {
 /// The mutable state of one connection.
 pub(crate) struct ConnState {
     pub(crate) phase: Phase,
+    /// The upgrade was answered 101: how the connection ends is a websocket close (for
+    /// `fleetlink_closes_total`), not a refused or abandoned HTTP request.
+    pub(crate) upgraded: bool,
     pub(crate) decoder: Decoder,
     /// Partial input and unsent output; None (no allocation at all) while idle.
     pub(crate) bufs: Option<Box<Bufs>>,
@@ -495,6 +498,7 @@ impl Conn {
             fd,
             st: RefCell::new(ConnState {
                 phase: Phase::Handshake,
+                upgraded: false,
                 decoder: Decoder::new(limits),
                 bufs: None,
                 session: None,

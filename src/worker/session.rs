@@ -153,6 +153,7 @@ fn identity_ok(st: &ConnState, rig: &str) -> bool {
 
 fn upgrade(core: &Core, conn: &Conn, st: &mut ConnState, path: &str, key: &str) {
     core.metrics.inc(C::Upgraded);
+    st.upgraded = true;
     conn.send_raw(st, &http_upgrade::switching_protocols(key));
     if path == "/echo" {
         st.decoder = Decoder::new(ECHO_LIMITS);
@@ -749,7 +750,10 @@ fn deliver_routed(core: &Core, to: ReplyTo, body: serde_json::Value, route: Opti
 
 /// Called once when the connection task ends: tell the registry, fix metrics.
 pub(crate) fn on_closed(core: &Core, conn: &Conn, st: &mut ConnState) {
-    core.metrics.close(st.close_code.unwrap_or(1006));
+    // A request refused or left unfinished is counted by `upgrades_total`, not as a close.
+    if st.upgraded {
+        core.metrics.close(st.close_code.unwrap_or(1006));
+    }
     let Some(session) = st.session.take() else {
         return;
     };
