@@ -11,7 +11,7 @@ use base64::engine::general_purpose::STANDARD as BASE64;
 use base64::Engine as _;
 
 /// Most header lines in a request head; more is answered with 431 (the array is on the stack).
-pub const MAX_HEADERS: usize = 32;
+pub const MAX_HEADERS: usize = 64;
 
 /// RFC 6455 §1.3: appended to the client's key before hashing.
 const WEBSOCKET_GUID: &str = "258EAFA5-E914-47DA-95CA-C5AB0DC85B11";
