@@ -7,12 +7,15 @@
 //! to a kick), so a small pool of threads of its own works it out and hands the answer back,
 //! and no core ever blocks. The pool also serves whole connections when the cores cannot take
 //! them: while the broker drains (a core that has drained stops) or when many are open. Such a
-//! connection reaches a pool thread only once it has sent something (`crate::admin_lobby`).
+//! connection waits in the acceptor's lobby (`crate::admin_lobby`) while each request arrives,
+//! and a pool thread gets it only to answer a whole one.
 
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
+use std::os::fd::AsRawFd;
+use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -23,7 +26,7 @@ use serde::Deserialize;
 use serde_json::json;
 use serde_json::value::RawValue;
 
-use crate::admin_lobby::Lobby;
+use crate::admin_lobby::{Held, Lobby, MAX_WAITING};
 use crate::args::Args;
 use crate::doorbell::{Full, Mailbox};
 use crate::ids::{BootId, ConnId, CoreId, RigId};
@@ -34,12 +37,10 @@ use crate::reply;
 
 /// Admin requests waiting for a request thread; more get 503 at once.
 const MAX_ACTIVE: usize = 64;
-/// Admin connections the cores serve at once; past it the pool serves them (each may hold a
-/// request of up to [`MAX_REQUEST`] while it arrives). Generous, because the pool's threads
-/// block on their connections: a monitoring client leaving a few dozen connections open and
-/// silent would otherwise tie up every pool thread, and `/healthz` on the next connection
-/// would wait for them. On a core a silent connection costs a pending read (a 4 KiB buffer)
-/// until its 5 s to send a request run out.
+/// Admin connections the cores serve at once; past it the lobby and the pool serve them.
+/// Generous, since the cores serve a connection without handing it between threads. On a core
+/// a silent connection costs a pending read (a 4 KiB buffer) until its 5 s to send a request
+/// run out.
 pub const MAX_ON_CORES: usize = 1024;
 /// How long an idle keep-alive connection may stay open.
 pub(crate) const KEEP_ALIVE: Duration = Duration::from_secs(2);
@@ -138,8 +139,8 @@ impl Drop for Ticket {
 
 /// What the pool's threads do.
 pub enum Work {
-    /// Serve a whole connection.
-    Conn(TcpStream),
+    /// Answer a request the lobby read whole (or refused), then give the connection back.
+    Lobbied(Box<Lobbied>),
     /// Answer a request a core read, into that core's waiting slot.
     Request {
         /// The request.
@@ -149,6 +150,30 @@ pub enum Work {
         /// Where it waits there.
         slot: u64,
     },
+}
+
+/// A connection from the lobby with the request it read.
+pub struct Lobbied {
+    conn: Held,
+    req: Result<Request, Refusal>,
+}
+
+/// How a pool thread gives the lobby back a connection it answered: the queue, and the bell
+/// that wakes the acceptor's `poll(2)` to take it.
+struct GiveBack {
+    queue: Sender<Held>,
+    bell: UnixStream,
+}
+
+impl GiveBack {
+    fn give(&self, conn: Held) {
+        // A full queue means the lobby is full too: the connection closes, as a new one would
+        // be refused.
+        if self.queue.try_send(conn).is_ok() {
+            // Non-blocking: a full bell has rung already.
+            let _ = (&self.bell).write(&[1]);
+        }
+    }
 }
 
 /// Binds the admin listener with a backlog as deep as the connections the cores take: the
@@ -178,15 +203,28 @@ pub fn spawn(
     pool: (Sender<Work>, Receiver<Work>),
 ) -> std::io::Result<JoinHandle<()>> {
     let (tx, rx) = pool;
+    let (back_tx, back_rx) = crossbeam_channel::bounded::<Held>(MAX_WAITING);
+    let (bell, ringer) = UnixStream::pair()?;
+    bell.set_nonblocking(true)?;
+    ringer.set_nonblocking(true)?;
+    let give_back = Arc::new(GiveBack {
+        queue: back_tx,
+        bell: ringer,
+    });
     for i in 0..WORKERS {
         let rx = rx.clone();
         let admin = admin.clone();
+        let give_back = give_back.clone();
         std::thread::Builder::new()
             .name(format!("fleetlink-admin-{i}"))
             .spawn(move || {
                 for work in rx {
                     match work {
-                        Work::Conn(stream) => drop(serve(&admin, stream)),
+                        Work::Lobbied(l) => {
+                            if let Some(conn) = answer_lobbied(&admin, *l) {
+                                give_back.give(conn);
+                            }
+                        }
                         Work::Request { req, core, slot } => {
                             let answer = route(&admin, &req);
                             if let Some(core) = admin.cores.get(core.0 as usize) {
@@ -208,18 +246,34 @@ pub fn spawn(
             let on_cores = Arc::new(AtomicUsize::new(0));
             let mut next = 0usize;
             let mut lobby = Lobby::default();
-            let busy = |mut stream: TcpStream| {
-                let _ = stream.set_nonblocking(false);
-                let _ = respond(&mut stream, (503, "text/plain", b"busy\n"), true, false, "");
-            };
             loop {
-                let woken = lobby.wait(&listener, IO_TIMEOUT);
-                // Speaking now: a pool thread reads it without waiting on it.
-                for stream in woken.ready {
-                    if let Err(crossbeam_channel::TrySendError::Full(Work::Conn(stream))) =
-                        tx.try_send(Work::Conn(stream))
+                let woken = lobby.wait(&listener, bell.as_raw_fd());
+                for stream in woken.over {
+                    busy(stream);
+                }
+                for (conn, req) in woken.ready {
+                    let conn = match answer_here(conn, &req) {
+                        Here::Pool(conn) => conn,
+                        Here::Answered(conn) => {
+                            // A full lobby closes it.
+                            let _ = lobby.admit(conn, Instant::now());
+                            continue;
+                        }
+                        Here::Closed => continue,
+                    };
+                    let work = Work::Lobbied(Box::new(Lobbied { conn, req }));
+                    if let Err(crossbeam_channel::TrySendError::Full(Work::Lobbied(l))) =
+                        tx.try_send(work)
                     {
-                        busy(stream);
+                        busy(l.conn.stream);
+                    }
+                }
+                if woken.rung {
+                    let mut drain = [0u8; 64];
+                    while matches!((&bell).read(&mut drain), Ok(n) if n > 0) {}
+                    for conn in back_rx.try_iter() {
+                        // A full lobby closes it.
+                        let _ = lobby.admit(conn, Instant::now());
                     }
                 }
                 if !woken.accept {
@@ -240,12 +294,102 @@ pub fn spawn(
                     let Err(stream) = to_core(&admin, &on_cores, &mut next, stream) else {
                         continue;
                     };
-                    if let Err(stream) = lobby.admit(stream, Instant::now()) {
-                        busy(stream);
+                    if let Err(conn) = lobby.admit(Held::new(stream), Instant::now()) {
+                        busy(conn.stream);
                     }
                 }
             }
         })
+}
+
+/// Answers 503 on a connection nothing can serve now, and closes it.
+fn busy(mut stream: TcpStream) {
+    let _ = stream.set_nonblocking(false);
+    let _ = stream.set_write_timeout(Some(IO_TIMEOUT));
+    let _ = respond(&mut stream, (503, "text/plain", b"busy\n"), true, false, "");
+}
+
+/// What the acceptor did with a request the lobby read.
+enum Here {
+    /// It needs the pool.
+    Pool(Held),
+    /// Answered here; the connection waits for its next request.
+    Answered(Held),
+    /// Answered here and closed, or dropped.
+    Closed,
+}
+
+/// Gives the answers that need nothing but the request (`/healthz`, 404s, 405s) on the
+/// acceptor itself, so that neither a busy pool nor a slow route ever holds liveness back.
+fn answer_here(mut conn: Held, req: &Result<Request, Refusal>) -> Here {
+    let Ok(req) = req else {
+        return Here::Pool(conn);
+    };
+    if command_rig(req).is_some() {
+        return Here::Pool(conn);
+    }
+    let Some((status, ctype, body)) = immediate(req) else {
+        return Here::Pool(conn);
+    };
+    conn.served += 1;
+    let close = req.close || conn.served >= MAX_PER_CONNECTION;
+    let bytes = response(
+        status,
+        ctype,
+        &body,
+        close,
+        req.head_only(),
+        allowed_methods(&req.path),
+    );
+    // The lobby's sockets are non-blocking: a client that does not take a few hundred bytes
+    // is not reading at all, and is closed rather than waited on.
+    if !matches!(conn.stream.write(&bytes), Ok(n) if n == bytes.len()) || close {
+        return Here::Closed;
+    }
+    Here::Answered(conn)
+}
+
+/// Answers a request the lobby read whole, and any whole requests pipelined behind it.
+/// Returns the connection to give back to the lobby for its next request; None once closed.
+fn answer_lobbied(admin: &Admin, l: Lobbied) -> Option<Held> {
+    let Lobbied { mut conn, req } = l;
+    conn.stream.set_nonblocking(false).ok()?;
+    conn.stream.set_write_timeout(Some(IO_TIMEOUT)).ok()?;
+    let _ = conn.stream.set_nodelay(true);
+    let mut next = Some(req);
+    while let Some(req) = next.take() {
+        let req = match req {
+            Ok(req) => req,
+            Err(refusal) => {
+                let (status, ctype, body) = refusal.answer();
+                let _ = respond(&mut conn.stream, (status, ctype, &body), true, false, "");
+                return None;
+            }
+        };
+        let (status, ctype, body) = route(admin, &req);
+        conn.served += 1;
+        let close = req.close || conn.served >= MAX_PER_CONNECTION;
+        let allow = allowed_methods(&req.path);
+        let sent = respond(
+            &mut conn.stream,
+            (status, ctype, &body),
+            close,
+            req.head_only(),
+            allow,
+        );
+        if sent.is_err() || close {
+            return None;
+        }
+        next = match parse_request(&conn.buf) {
+            Parsed::Complete(req, len) => {
+                conn.buf.drain(..len);
+                Some(Ok(req))
+            }
+            Parsed::Bad(refusal) => Some(Err(refusal)),
+            Parsed::Partial { .. } => None,
+        };
+    }
+    Some(conn)
 }
 
 /// Hands a connection to the next core; gives it back when the broker drains, the cores
@@ -473,91 +617,6 @@ impl RequestClock {
     }
 }
 
-/// Serves requests on one connection (HTTP/1.1 keep-alive) until the client closes, asks to
-/// close, sends something malformed, or stays idle for `KEEP_ALIVE`.
-fn serve(admin: &Admin, mut stream: TcpStream) -> std::io::Result<()> {
-    stream.set_write_timeout(Some(IO_TIMEOUT))?;
-    let _ = stream.set_nodelay(true);
-    let mut buf = Vec::new();
-    for served in 0.. {
-        let req = match read_request(&mut stream, &mut buf, served > 0) {
-            Ok(Some(Ok(req))) => req,
-            Ok(None) => return Ok(()),
-            Ok(Some(Err(refusal))) => {
-                let (status, ctype, body) = refusal.answer();
-                return respond(&mut stream, (status, ctype, &body), true, false, "");
-            }
-            Err(e) => return Err(e),
-        };
-        let (status, ctype, body) = route(admin, &req);
-        let close = req.close || served + 1 >= MAX_PER_CONNECTION;
-        let allow = allowed_methods(&req.path);
-        respond(
-            &mut stream,
-            (status, ctype, &body),
-            close,
-            req.head_only(),
-            allow,
-        )?;
-        if close {
-            break;
-        }
-    }
-    Ok(())
-}
-
-/// Reads one request from `buf` + the stream; leaves any bytes after it in `buf`.
-/// Ok(None): the connection ended between requests; Ok(Some(Err(_))): the request is refused.
-///
-/// Waits as [`RequestClock`] allows.
-fn read_request(
-    stream: &mut TcpStream,
-    buf: &mut Vec<u8>,
-    kept_alive: bool,
-) -> std::io::Result<Option<Result<Request, Refusal>>> {
-    let mut chunk = [0u8; 4096];
-    let mut clock = RequestClock::new(kept_alive);
-    let mut continued = false;
-    loop {
-        match parse_request(buf) {
-            Parsed::Complete(req, len) => {
-                buf.drain(..len);
-                return Ok(Some(Ok(req)));
-            }
-            Parsed::Bad(refusal) => return Ok(Some(Err(refusal))),
-            Parsed::Partial { send_continue } => {
-                if send_continue && !std::mem::replace(&mut continued, true) {
-                    stream.write_all(CONTINUE)?;
-                }
-            }
-        }
-        let wait = clock.wait(!buf.is_empty(), Instant::now());
-        if wait.is_zero() {
-            return Err(std::io::ErrorKind::TimedOut.into());
-        }
-        stream.set_read_timeout(Some(wait))?;
-        let n = match stream.read(&mut chunk) {
-            Ok(n) => n,
-            // An idle keep-alive connection timing out is a normal end.
-            Err(e)
-                if buf.is_empty()
-                    && matches!(
-                        e.kind(),
-                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
-                    ) =>
-            {
-                0
-            }
-            Err(e) => return Err(e),
-        };
-        if n == 0 {
-            return Ok((!buf.is_empty()).then_some(Err(Refusal::CUT_SHORT)));
-        }
-        clock.got_bytes(Instant::now());
-        buf.extend_from_slice(chunk.get(..n).unwrap_or_default());
-    }
-}
-
 /// The interim answer to `Expect: 100-continue`.
 pub(crate) const CONTINUE: &[u8] = b"HTTP/1.1 100 Continue\r\n\r\n";
 
@@ -657,9 +716,9 @@ pub fn immediate(req: &Request) -> Option<Answer> {
         ("GET", ["readyz" | "metrics"] | ["v1", "rigs"])
         | ("POST", ["v1", "rigs", _, "kick"] | ["v1", "drain"]) => None,
         (_, ["healthz" | "readyz" | "metrics"] | ["v1", "rigs", ..] | ["v1", "drain"]) => {
-            Some((405, "text/plain", b"method not allowed\n".to_vec()))
+            Some(error_answer(405, "method_not_allowed"))
         }
-        _ => Some((404, "text/plain", b"not found\n".to_vec())),
+        _ => Some(error_answer(404, "not_found")),
     }
 }
 
@@ -702,8 +761,14 @@ fn route(admin: &Admin, req: &Request) -> Answer {
             let _ = admin.drain.try_send(());
             json_answer(202, &json!({"ok": true, "draining": true}))
         }
-        _ => (404, "text/plain", b"not found\n".to_vec()),
+        _ => error_answer(404, "not_found"),
     }
+}
+
+/// A refusal in the JSON every other admin error uses, so a client reads all of them alike.
+fn error_answer(status: u16, error: &str) -> Answer {
+    let body = json!({"ok": false, "error": error});
+    (status, "application/json", body.to_string().into_bytes())
 }
 
 fn readyz(admin: &Admin) -> Answer {

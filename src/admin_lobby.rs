@@ -1,55 +1,131 @@
-//! Admin connections the cores cannot take wait here, in the admin acceptor's poll set, until
-//! their first bytes arrive; only then does a pool thread get one.
+//! Admin connections the cores cannot take wait here, in the admin acceptor's poll set, while
+//! their requests arrive. A pool thread gets a connection only with a whole request to answer,
+//! and gives it back here once it has answered.
 //!
-//! A pool thread blocks on the connection it serves. Handed over silent, a connection would
-//! hold its thread for the whole time a request may take to arrive (5 s), and a few dozen
-//! silent connections past the cores' share kept `/healthz` on the next one waiting 20 s.
-//! Waiting here costs a descriptor and a slot in one `poll(2)` call.
+//! A pool thread blocks on what it reads. Handed a connection before its request was in, it
+//! waited on the client: past the cores' share, a few dozen silent, trickling or idle
+//! keep-alive connections tied up every pool thread, and `/healthz` on the next connection
+//! waited seconds or got 503. Waiting here costs a descriptor, a slot in one `poll(2)` call and
+//! the bytes of the request so far.
 
-use std::collections::VecDeque;
+use std::io::{ErrorKind, Read, Write};
 use std::net::{TcpListener, TcpStream};
-use std::os::fd::AsRawFd;
-use std::time::{Duration, Instant};
+use std::os::fd::{AsRawFd, RawFd};
+use std::time::Instant;
+
+use crate::admin::{parse_request, Parsed, Refusal, Request, RequestClock, CONTINUE};
 
 /// Connections that may wait at once; past it a new one is answered 503 at once.
 pub(crate) const MAX_WAITING: usize = 1024;
+/// Bytes of unfinished requests held in all. One request may be 1 MiB; a thousand of them
+/// trickling in would otherwise hold a gigabyte. A read past it is answered 503.
+pub(crate) const MAX_HELD_BYTES: usize = 32 << 20;
+/// Bytes read from one connection per wake-up, so that one fast sender does not hold up the
+/// rest of the poll set.
+const READ_PER_WAKE: usize = 64 << 10;
 
-/// Connections waiting for their first bytes, oldest first.
-#[derive(Default)]
-pub(crate) struct Lobby {
-    waiting: VecDeque<(TcpStream, Instant)>,
+/// An admin connection between requests, as it passes between the lobby and the pool.
+#[derive(Debug)]
+pub(crate) struct Held {
+    pub(crate) stream: TcpStream,
+    /// Bytes read past the last whole request (pipelined, or the start of the next).
+    pub(crate) buf: Vec<u8>,
+    /// Requests answered on it so far.
+    pub(crate) served: usize,
+}
+
+impl Held {
+    pub(crate) fn new(stream: TcpStream) -> Self {
+        Held {
+            stream,
+            buf: Vec::new(),
+            served: 0,
+        }
+    }
+}
+
+struct Waiting {
+    conn: Held,
+    clock: RequestClock,
+    deadline: Instant,
+    /// `100 Continue` was sent for the request in `buf`.
+    continued: bool,
+    /// Admitted with bytes in `buf`: they may already hold a whole request, which no poll
+    /// would announce.
+    unparsed: bool,
 }
 
 /// What one wait found.
+#[derive(Default)]
 pub(crate) struct Woken {
     /// The listener has connections to accept.
     pub(crate) accept: bool,
-    /// Connections with bytes (or their end) to read: a pool thread's now.
-    pub(crate) ready: Vec<TcpStream>,
+    /// The pool rang: connections it answered are waiting to come back.
+    pub(crate) rung: bool,
+    /// Connections with a whole request to answer, or one refused before routing.
+    pub(crate) ready: Vec<(Held, Result<Request, Refusal>)>,
+    /// Connections whose bytes would pass [`MAX_HELD_BYTES`]: answered 503.
+    pub(crate) over: Vec<TcpStream>,
+}
+
+/// Connections waiting for a whole request.
+#[derive(Default)]
+pub(crate) struct Lobby {
+    waiting: Vec<Waiting>,
+    held_bytes: usize,
 }
 
 impl Lobby {
-    /// Lets `stream` wait; gives it back when [`MAX_WAITING`] wait already.
-    pub(crate) fn admit(&mut self, stream: TcpStream, now: Instant) -> Result<(), TcpStream> {
+    /// Lets `conn` wait for its next request; gives it back when [`MAX_WAITING`] wait already.
+    pub(crate) fn admit(&mut self, conn: Held, now: Instant) -> Result<(), Held> {
         if self.waiting.len() >= MAX_WAITING {
-            return Err(stream);
+            return Err(conn);
         }
-        self.waiting.push_back((stream, now));
+        if conn.stream.set_nonblocking(true).is_err() {
+            return Err(conn);
+        }
+        let mut clock = RequestClock::new(conn.served > 0);
+        let deadline = now + clock.wait(!conn.buf.is_empty(), now);
+        self.held_bytes += conn.buf.len();
+        self.waiting.push(Waiting {
+            unparsed: !conn.buf.is_empty(),
+            conn,
+            clock,
+            deadline,
+            continued: false,
+        });
         Ok(())
     }
 
-    /// Waits until the listener or a waiting connection is readable; connections that stayed
-    /// silent for `limit` are closed.
-    pub(crate) fn wait(&mut self, listener: &TcpListener, limit: Duration) -> Woken {
-        self.expire(limit);
+    /// Connections waiting now.
+    #[cfg(test)]
+    fn len(&self) -> usize {
+        self.waiting.len()
+    }
+
+    /// Waits until the listener, `bell` or a waiting connection is readable, and reads what
+    /// arrived. Connections out of time (a request has 5 s from its first byte, an idle
+    /// keep-alive connection 2 s) are closed.
+    pub(crate) fn wait(&mut self, listener: &TcpListener, bell: RawFd) -> Woken {
+        let mut woken = Woken::default();
         let now = Instant::now();
-        let timeout = self.waiting.front().map_or(-1, |(_, since)| {
-            let left = (*since + limit).saturating_duration_since(now);
-            // Rounded up: a wake-up a little early would only find nothing expired.
-            left.as_millis().saturating_add(1).min(i32::MAX as u128) as i32
-        });
-        let mut fds: Vec<libc::pollfd> = std::iter::once(listener.as_raw_fd())
-            .chain(self.waiting.iter().map(|(s, _)| s.as_raw_fd()))
+        self.expire(now);
+        let mut timeout = self
+            .waiting
+            .iter()
+            .map(|w| w.deadline)
+            .min()
+            .map_or(-1, |d| {
+                // Rounded up: a wake-up a little early would only find nothing expired.
+                let left = d.saturating_duration_since(now);
+                left.as_millis().saturating_add(1).min(i32::MAX as u128) as i32
+            });
+        if self.waiting.iter().any(|w| w.unparsed) {
+            timeout = 0;
+        }
+        let mut fds: Vec<libc::pollfd> = [listener.as_raw_fd(), bell]
+            .into_iter()
+            .chain(self.waiting.iter().map(|w| w.conn.stream.as_raw_fd()))
             .map(|fd| libc::pollfd {
                 fd,
                 events: libc::POLLIN,
@@ -58,81 +134,273 @@ impl Lobby {
             .collect();
         // SAFETY: `fds` is a valid array of initialized pollfd for its length.
         let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, timeout) };
-        if n <= 0 {
-            self.expire(limit);
-            return Woken {
-                accept: false,
-                ready: Vec::new(),
-            };
-        }
-        let accept = fds.first().is_some_and(|p| p.revents != 0);
-        let mut ready = Vec::new();
-        let mut still = VecDeque::with_capacity(self.waiting.len());
-        for ((stream, since), p) in self.waiting.drain(..).zip(fds.iter().skip(1)) {
-            if p.revents != 0 {
-                ready.push(stream);
+        let readable = |i: usize| n > 0 && fds.get(i).is_some_and(|p| p.revents != 0);
+        woken.accept = readable(0);
+        woken.rung = readable(1);
+        let now = Instant::now();
+        let mut still = Vec::with_capacity(self.waiting.len());
+        for (i, mut w) in std::mem::take(&mut self.waiting).into_iter().enumerate() {
+            // The lobby counts a connection's bytes only while it holds them.
+            self.held_bytes -= w.conn.buf.len();
+            let step = if readable(i + 2) {
+                self.read(&mut w, now)
+            } else if std::mem::take(&mut w.unparsed) {
+                Step::Parse
             } else {
-                still.push_back((stream, since));
+                Step::Wait
+            };
+            match step {
+                Step::Wait => {}
+                Step::Parse => match parse_request(&w.conn.buf) {
+                    Parsed::Complete(req, len) => {
+                        w.conn.buf.drain(..len);
+                        woken.ready.push((w.conn, Ok(req)));
+                        continue;
+                    }
+                    Parsed::Bad(refusal) => {
+                        woken.ready.push((w.conn, Err(refusal)));
+                        continue;
+                    }
+                    Parsed::Partial { send_continue } => {
+                        if send_continue && !std::mem::replace(&mut w.continued, true) {
+                            // 25 bytes to a socket whose client waits for them: they fit.
+                            let _ = w.conn.stream.write(CONTINUE);
+                        }
+                    }
+                },
+                Step::CutShort => {
+                    woken.ready.push((w.conn, Err(Refusal::CUT_SHORT)));
+                    continue;
+                }
+                Step::Over => {
+                    woken.over.push(w.conn.stream);
+                    continue;
+                }
+                Step::Gone => continue,
             }
+            self.held_bytes += w.conn.buf.len();
+            still.push(w);
         }
         self.waiting = still;
-        self.expire(limit);
-        Woken { accept, ready }
+        self.expire(now);
+        woken
     }
 
-    /// Closes the connections that stayed silent for `limit` (the oldest are first).
-    fn expire(&mut self, limit: Duration) {
-        let now = Instant::now();
-        while self
-            .waiting
-            .front()
-            .is_some_and(|(_, since)| now.saturating_duration_since(*since) >= limit)
-        {
-            self.waiting.pop_front();
+    /// Reads what one connection has, up to [`READ_PER_WAKE`].
+    fn read(&self, w: &mut Waiting, now: Instant) -> Step {
+        let mut chunk = [0u8; 16 << 10];
+        let mut got = 0;
+        while got < READ_PER_WAKE {
+            match w.conn.stream.read(&mut chunk) {
+                Ok(0) if w.conn.buf.is_empty() => return Step::Gone,
+                Ok(0) => return Step::CutShort,
+                Ok(n) => {
+                    if self.held_bytes + w.conn.buf.len() + n > MAX_HELD_BYTES {
+                        return Step::Over;
+                    }
+                    w.conn
+                        .buf
+                        .extend_from_slice(chunk.get(..n).unwrap_or_default());
+                    got += n;
+                }
+                Err(e) if e.kind() == ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(_) => return Step::Gone,
+            }
         }
+        if got == 0 {
+            return Step::Wait;
+        }
+        w.clock.got_bytes(now);
+        w.deadline = now + w.clock.wait(true, now);
+        Step::Parse
     }
+
+    /// Closes the connections out of time: a request that has not come whole gets no answer,
+    /// as on the cores.
+    fn expire(&mut self, now: Instant) {
+        let held = &mut self.held_bytes;
+        self.waiting.retain(|w| {
+            let keep = w.deadline > now;
+            if !keep {
+                *held -= w.conn.buf.len();
+            }
+            keep
+        });
+    }
+}
+
+/// What reading a connection left to do.
+enum Step {
+    /// Nothing new.
+    Wait,
+    /// New bytes: see whether a request is whole.
+    Parse,
+    /// The client closed inside a request.
+    CutShort,
+    /// Its bytes would pass the lobby's bound.
+    Over,
+    /// Closed between requests, or broken.
+    Gone,
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::io::Write;
+    use std::os::unix::net::UnixStream;
+    use std::time::Duration;
 
-    #[test]
-    fn a_connection_leaves_the_lobby_when_it_speaks_and_a_silent_one_at_its_limit() {
+    struct Setup {
+        listener: TcpListener,
+        bell: UnixStream,
+        _ringer: UnixStream,
+    }
+
+    fn setup() -> Setup {
         let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
-        let addr = listener.local_addr().expect("addr");
-        let mut lobby = Lobby::default();
-        let mut talker = TcpStream::connect(addr).expect("connect");
-        let _silent = TcpStream::connect(addr).expect("connect");
-        let woken = lobby.wait(&listener, Duration::from_secs(5));
-        assert!(woken.accept && woken.ready.is_empty());
-        for _ in 0..2 {
-            let (s, _) = listener.accept().expect("accept");
-            assert!(lobby.admit(s, Instant::now()).is_ok());
+        let (bell, ringer) = UnixStream::pair().expect("pair");
+        Setup {
+            listener,
+            bell,
+            _ringer: ringer,
         }
-        talker
-            .write_all(b"GET /healthz HTTP/1.1\r\n\r\n")
-            .expect("write");
-        let woken = lobby.wait(&listener, Duration::from_secs(5));
-        assert_eq!((woken.accept, woken.ready.len()), (false, 1));
-        // The silent one is dropped once its time is up, and nothing else wakes the wait.
-        let woken = lobby.wait(&listener, Duration::from_millis(50));
-        assert!(!woken.accept && woken.ready.is_empty());
-        assert!(lobby.waiting.is_empty());
+    }
+
+    fn connect(s: &Setup) -> (TcpStream, TcpStream) {
+        let client = TcpStream::connect(s.listener.local_addr().expect("addr")).expect("connect");
+        let (server, _) = s.listener.accept().expect("accept");
+        (client, server)
+    }
+
+    /// Waits until the lobby hands something over, or `limit` passes.
+    fn wait_for_ready(lobby: &mut Lobby, s: &Setup, limit: Duration) -> Woken {
+        let end = Instant::now() + limit;
+        loop {
+            let woken = lobby.wait(&s.listener, s.bell.as_raw_fd());
+            if !woken.ready.is_empty() || !woken.over.is_empty() || Instant::now() >= end {
+                return woken;
+            }
+        }
     }
 
     #[test]
-    fn the_lobby_is_bounded() {
-        let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
-        let addr = listener.local_addr().expect("addr");
+    fn a_request_trickling_in_is_handed_over_only_once_whole() {
+        let s = setup();
         let mut lobby = Lobby::default();
-        let _client = TcpStream::connect(addr).expect("connect");
-        let (s, _) = listener.accept().expect("accept");
-        let now = Instant::now();
-        for _ in 0..MAX_WAITING {
-            assert!(lobby.admit(s.try_clone().expect("dup"), now).is_ok());
+        let (mut client, server) = connect(&s);
+        lobby
+            .admit(Held::new(server), Instant::now())
+            .expect("room");
+        for part in [&b"GET /hea"[..], b"lthz HTTP/1.1\r\n", b"Host: x\r\n"] {
+            client.write_all(part).expect("write");
+            let woken = lobby.wait(&s.listener, s.bell.as_raw_fd());
+            assert!(woken.ready.is_empty(), "handed over half a request");
         }
-        assert!(lobby.admit(s, now).is_err());
+        client.write_all(b"\r\nGET /x").expect("write");
+        let mut woken = wait_for_ready(&mut lobby, &s, Duration::from_secs(5));
+        let (conn, req) = woken.ready.pop().expect("a whole request");
+        let req = req.expect("well formed");
+        assert_eq!(
+            (req.method.as_str(), req.path.as_str()),
+            ("GET", "/healthz")
+        );
+        assert_eq!(
+            conn.buf, b"GET /x",
+            "the next request's start stays with it"
+        );
+        assert_eq!(lobby.len(), 0);
+        assert_eq!(lobby.held_bytes, 0);
+    }
+
+    #[test]
+    fn a_connection_given_back_with_a_whole_request_in_hand_is_handed_over_at_once() {
+        let s = setup();
+        let mut lobby = Lobby::default();
+        let (_client, server) = connect(&s);
+        let conn = Held {
+            stream: server,
+            buf: b"GET /healthz HTTP/1.1\r\n\r\n".to_vec(),
+            served: 1,
+        };
+        lobby.admit(conn, Instant::now()).expect("room");
+        let woken = lobby.wait(&s.listener, s.bell.as_raw_fd());
+        assert_eq!(woken.ready.len(), 1, "no poll would have announced it");
+    }
+
+    #[test]
+    fn silent_and_idle_connections_are_closed_at_their_limits() {
+        let s = setup();
+        let mut lobby = Lobby::default();
+        let (_c1, fresh) = connect(&s);
+        let (_c2, idle) = connect(&s);
+        let t0 = Instant::now();
+        lobby.admit(Held::new(fresh), t0).expect("room");
+        let mut kept_alive = Held::new(idle);
+        kept_alive.served = 1;
+        lobby.admit(kept_alive, t0).expect("room");
+        // An idle keep-alive connection has 2 s, a new one 5 s for its request.
+        while lobby.len() == 2 {
+            lobby.wait(&s.listener, s.bell.as_raw_fd());
+        }
+        let idle_for = t0.elapsed();
+        while lobby.len() == 1 {
+            lobby.wait(&s.listener, s.bell.as_raw_fd());
+        }
+        let fresh_for = t0.elapsed();
+        assert!(
+            idle_for >= Duration::from_secs(2) && idle_for < Duration::from_secs(4),
+            "{idle_for:?}"
+        );
+        assert!(
+            fresh_for >= Duration::from_secs(5) && fresh_for < Duration::from_secs(7),
+            "{fresh_for:?}"
+        );
+    }
+
+    #[test]
+    fn a_client_closing_inside_a_request_is_refused_and_one_closing_between_is_let_go() {
+        let s = setup();
+        let mut lobby = Lobby::default();
+        let (mut half, server) = connect(&s);
+        lobby
+            .admit(Held::new(server), Instant::now())
+            .expect("room");
+        let (quiet, server) = connect(&s);
+        lobby
+            .admit(Held::new(server), Instant::now())
+            .expect("room");
+        half.write_all(b"GET /heal").expect("write");
+        half.shutdown(std::net::Shutdown::Write).expect("shutdown");
+        drop(quiet);
+        let mut woken = wait_for_ready(&mut lobby, &s, Duration::from_secs(5));
+        let (_, req) = woken.ready.pop().expect("the cut-short one");
+        assert_eq!(req.err(), Some(Refusal::CUT_SHORT));
+        while lobby.len() > 0 {
+            lobby.wait(&s.listener, s.bell.as_raw_fd());
+        }
+        assert_eq!(lobby.held_bytes, 0);
+    }
+
+    #[test]
+    fn the_lobby_is_bounded_in_connections_and_bytes() {
+        let s = setup();
+        let mut lobby = Lobby::default();
+        let (mut client, server) = connect(&s);
+        let now = Instant::now();
+        for _ in 0..MAX_WAITING - 1 {
+            let dup = server.try_clone().expect("dup");
+            lobby.admit(Held::new(dup), now).expect("room");
+        }
+        lobby.admit(Held::new(server), now).expect("room");
+        let (_other, extra) = connect(&s);
+        assert!(lobby.admit(Held::new(extra), now).is_err());
+
+        // Past the byte bound the reading connection is refused, not buffered.
+        lobby.held_bytes = MAX_HELD_BYTES - 10;
+        client
+            .write_all(b"POST /v1/drain HTTP/1.1\r\nContent-Length: 100\r\n\r\n")
+            .expect("write");
+        let woken = wait_for_ready(&mut lobby, &s, Duration::from_secs(5));
+        assert!(!woken.over.is_empty());
     }
 }

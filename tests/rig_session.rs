@@ -888,7 +888,17 @@ fn admin_405s_name_the_methods_the_route_takes() {
             answer.contains(&format!("\r\nAllow: {allow}\r\n")),
             "{answer}"
         );
+        assert!(
+            answer.contains("\"error\":\"method_not_allowed\""),
+            "{answer}"
+        );
     }
+    let answer = raw_exchange(
+        b.admin,
+        b"GET /v2/nothing HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+    );
+    assert!(answer.starts_with("HTTP/1.1 404 "), "{answer}");
+    assert!(answer.contains("\"error\":\"not_found\""), "{answer}");
 }
 
 /// `/healthz` answers 200 while the process runs (CONTRACT.md §6), also while a monitoring
@@ -912,6 +922,77 @@ fn healthz_answers_at_once_beside_many_silent_admin_connections() {
         asked.elapsed()
     );
     drop(silent);
+}
+
+/// `fleetlink_closes_total` counts websocket closes: a refused upgrade is counted by its
+/// status alone, while an upgraded connection that vanishes is a 1006.
+#[test]
+fn refused_upgrades_are_not_counted_as_closes() {
+    let b = Broker::start(&["--cores", "1"]);
+    let answer = raw_exchange(
+        b.listen,
+        b"GET /nowhere HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\
+          Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n",
+    );
+    assert!(answer.starts_with("HTTP/1.1 404 "), "{answer}");
+    b.wait_metric("fleetlink_upgrades_total{result=\"404\"} 1");
+    // Dropped without a close frame: the broker sees the TCP connection end.
+    drop(b.connect("/agent"));
+    b.wait_metric("fleetlink_closes_total{code=\"1006\"} 1");
+    b.wait_metric("fleetlink_connections{core=\"0\"} 0");
+    assert_eq!(b.metric("fleetlink_closes_total{code=\"1006\"} "), 1);
+}
+
+/// Connections past the cores' share that send half a request and stop (a slowloris) wait in
+/// the lobby, not on the pool's threads: `/healthz` and a request the pool answers still come
+/// at once.
+#[test]
+fn admin_requests_are_answered_at_once_beside_many_half_sent_ones() {
+    let b = Broker::start(&[]);
+    let stalled: Vec<std::net::TcpStream> = (0..MAX_ON_CORES + 100)
+        .map(|_| {
+            let mut s = std::net::TcpStream::connect(b.admin).unwrap();
+            s.write_all(b"GET /v1/rigs HTTP/1.1\r\nHo").unwrap();
+            s
+        })
+        .collect();
+    for path in ["/healthz", "/v1/rigs"] {
+        let mut probe = KeepAlive::open(b.admin);
+        let asked = std::time::Instant::now();
+        let (status, body) = probe.request("GET", path, "");
+        assert_eq!(status, 200, "{path}: {body}");
+        assert!(
+            asked.elapsed() < Duration::from_secs(1),
+            "{path} answered after {:?}",
+            asked.elapsed()
+        );
+    }
+    drop(stalled);
+}
+
+/// Keep-alive clients past the cores' share that made a request and went idle (a scraper's
+/// habit) hold no pool thread while idle.
+#[test]
+fn idle_keep_alive_admin_clients_hold_no_pool_thread() {
+    let b = Broker::start(&[]);
+    let mut on_cores: Vec<KeepAlive> = (0..MAX_ON_CORES)
+        .map(|_| KeepAlive::open(b.admin))
+        .collect();
+    assert_eq!(on_cores[0].request("GET", "/healthz", "").0, 200);
+    let mut idle: Vec<KeepAlive> = (0..100).map(|_| KeepAlive::open(b.admin)).collect();
+    for client in &mut idle {
+        assert_eq!(client.request("GET", "/v1/rigs", "").0, 200);
+    }
+    let mut probe = KeepAlive::open(b.admin);
+    let asked = std::time::Instant::now();
+    assert_eq!(probe.request("GET", "/v1/rigs", "").0, 200);
+    assert!(
+        asked.elapsed() < Duration::from_secs(1),
+        "answered after {:?}",
+        asked.elapsed()
+    );
+    // And each idle one is still served on its kept-alive connection.
+    assert_eq!(idle[99].request("GET", "/healthz", "").0, 200);
 }
 
 #[test]
