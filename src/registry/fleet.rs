@@ -15,6 +15,7 @@ use crate::registry::offline::{Held, OfflineScripts, Pushed};
 use crate::registry::pubsub::{Push, Subscriber};
 use crate::registry::scripts::{HelloOutcome, RefreshStatus, Scripts};
 use crate::registry::sessions::{self, Kept, Persist, Rekeep, Resumed, SessionScripts};
+use crate::registry::throttle::Throttle;
 
 /// Socket timeout for every Redis call: a hung Redis stalls the bridge at most this long.
 const IO_TIMEOUT: Duration = Duration::from_secs(2);
@@ -87,6 +88,8 @@ pub(crate) struct Fleet {
     next_attempt: Instant,
     /// Publishes dropped because the queue was full while Redis was away.
     pub(crate) dropped: u64,
+    /// Those drops, logged at most once a second.
+    drop_log: Throttle,
     /// Publishes sent.
     pub(crate) published: u64,
     /// Set after every successful (re)connect; the bridge re-asserts its rigs then.
@@ -113,6 +116,7 @@ impl Fleet {
             failures: 0,
             next_attempt: Instant::now(),
             dropped: 0,
+            drop_log: Throttle::default(),
             published: 0,
             just_connected: false,
         })
@@ -455,10 +459,31 @@ impl Fleet {
         let size = channel.len() + payload.len();
         if self.outgoing.len() >= MAX_OUTGOING || self.outgoing_bytes + size > cap {
             self.dropped += 1;
+            if let Some(n) = self.drop_log.note(Instant::now()) {
+                self.log_drops(n);
+            }
             return;
         }
         self.outgoing_bytes += size;
         self.outgoing.push((channel, payload.into_boxed_slice()));
+    }
+
+    /// Logs the drops held back by the once-a-second bound, once it allows: a burst that
+    /// stopped is logged too, not only when the next drop comes.
+    pub(crate) fn log_pending_drops(&mut self, now: Instant) {
+        if let Some(n) = self.drop_log.due(now) {
+            self.log_drops(n);
+        }
+    }
+
+    fn log_drops(&self, n: u64) {
+        log::warn!(
+            "redis: {n} publishes (events or replies) dropped since the last such line: {} \
+             messages, {} bytes are waiting to be sent (bounds {MAX_OUTGOING}, \
+             {MAX_OUTGOING_BYTES}; events {EVENT_SHARE_BYTES})",
+            self.outgoing.len(),
+            self.outgoing_bytes
+        );
     }
 
     /// Publishes queued and not yet sent, oldest first.
