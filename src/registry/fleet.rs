@@ -19,8 +19,11 @@ use crate::registry::throttle::Throttle;
 
 /// Socket timeout for every Redis call: a hung Redis stalls the bridge at most this long.
 const IO_TIMEOUT: Duration = Duration::from_secs(2);
-/// How long a reconnect attempt waits for Redis to answer a PING before giving up.
+/// How long a reconnect attempt waits for Redis to take its probe write before giving up.
 const PROBE_TIMEOUT: Duration = Duration::from_millis(250);
+/// The `broker:<id>` key's TTL (CONTRACT.md §3); the heartbeat sets it, and so does the
+/// reconnect probe.
+pub(crate) const HEARTBEAT_TTL: Duration = Duration::from_secs(30);
 /// Publishes held while Redis is slow or down; beyond it they are dropped and counted.
 const MAX_OUTGOING: usize = 100_000;
 /// The bytes those publishes may hold. Rig events (up to `--max-message` each) stop at
@@ -158,11 +161,19 @@ impl Fleet {
         let client = redis::Client::open(self.info.clone())?;
         // A hung Redis (frozen, or a black-holed path) still accepts TCP connections; a short
         // probe keeps each reconnect attempt from stalling the bridge, and with it hellos and
-        // admin commands, for a whole IO_TIMEOUT.
+        // admin commands, for a whole IO_TIMEOUT. The probe is a write, since a Redis paused
+        // for writes (`CLIENT PAUSE … WRITE`, as in a failover) answers PING but holds every
+        // write: a PING probe let each reconnect "work" and the next write stall IO_TIMEOUT.
+        // It sets our own liveness key's TTL to what the heartbeat gives it (a key this
+        // broker alone writes, which now says what is true: the broker is alive), and
+        // creates nothing when the key is gone; the heartbeat after the reconnect writes it.
         let mut con = client.get_connection_with_timeout(PROBE_TIMEOUT)?;
         con.set_read_timeout(Some(PROBE_TIMEOUT))?;
         con.set_write_timeout(Some(PROBE_TIMEOUT))?;
-        redis::cmd("PING").query::<()>(&mut con)?;
+        redis::cmd("PEXPIRE")
+            .arg(crate::registry::scripts::broker_key(&self.broker_id))
+            .arg(HEARTBEAT_TTL.as_millis() as u64)
+            .query::<()>(&mut con)?;
         con.set_read_timeout(Some(IO_TIMEOUT))?;
         con.set_write_timeout(Some(IO_TIMEOUT))?;
         self.scripts.load(&mut con)?;
