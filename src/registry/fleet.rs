@@ -26,10 +26,22 @@ const PROBE_TIMEOUT: Duration = Duration::from_millis(250);
 pub(crate) const HEARTBEAT_TTL: Duration = Duration::from_secs(30);
 /// Publishes held while Redis is slow or down; beyond it they are dropped and counted.
 const MAX_OUTGOING: usize = 100_000;
-/// The bytes those publishes may hold. Rig events (up to `--max-message` each) stop at
-/// [`EVENT_SHARE_BYTES`], so that control's replies, small and owed, still find room.
-const MAX_OUTGOING_BYTES: usize = 256 << 20;
-const EVENT_SHARE_BYTES: usize = 192 << 20;
+/// The bytes those publishes may hold (channel names and payloads). Rig events (up to
+/// `--max-message` each) stop at [`EVENT_SHARE_BYTES`]; the 8 MiB above it stay for control's
+/// replies and the brokers' own messages, small, owed, and each on a channel of its own.
+const MAX_OUTGOING_BYTES: usize = 32 << 20;
+/// Why 24 MiB: the backlog goes out in about a second once Redis is back, much faster than a
+/// subscriber of `fleetlink:events` reads it, so nearly all of it sits in that subscriber's
+/// Redis output buffer, and Redis's default `client-output-buffer-limit pubsub 32mb 8mb 60`
+/// disconnects the subscriber once it passes 32 MiB: control would lose its stream exactly
+/// when it matters. Each message costs the subscriber its payload plus about 50 bytes
+/// (`*3 $7 message $16 fleetlink:events $N` and the CRLFs), of which the 16 of the channel
+/// name are counted here, so at most [`MAX_OUTGOING`] × 36 B ≈ 3.6 MB uncounted: the whole
+/// backlog stays under about 29 MB, 4.7 MB short of the limit. Events held beyond what a
+/// subscriber can be sent would only cost it the ones it could have had. (The soft limit,
+/// 8 MiB for 60 s, leaves a subscriber a minute to catch up.) The bound is per broker: when
+/// several brokers flush at once, their backlogs add up in the subscriber's buffer.
+const EVENT_SHARE_BYTES: usize = 24 << 20;
 /// Bytes of publishes sent in one pipeline: a Redis back from an outage gets the queue in
 /// pieces, not as one write of everything held.
 const FLUSH_BYTES: usize = 8 << 20;
