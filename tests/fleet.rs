@@ -686,3 +686,42 @@ impl RawSubscriber {
         }
     }
 }
+
+/// A Redis paused for writes (`CLIENT PAUSE … WRITE`, as a failover does) answers PING but
+/// holds every write. The reconnect probe is a write, so after the one call timeout (2 s) that
+/// noticed the pause, admin commands wait at most a probe each, not another 2 s per reconnect.
+#[test]
+fn a_write_paused_redis_stalls_admin_commands_once() {
+    let redis = RedisServer::start();
+    let a = fleet_broker(&redis, "fe-wp", &[]);
+    let (mut ws, _, _) = a.rig("rig-wp");
+    let _: () = redis::cmd("CLIENT")
+        .arg("PAUSE")
+        .arg(6000)
+        .arg("WRITE")
+        .query(&mut redis.connection())
+        .unwrap();
+    let paused = Instant::now();
+    let mut took = Vec::new();
+    while paused.elapsed() < Duration::from_millis(5500) {
+        let sent = Instant::now();
+        let (status, reply) = a.command("rig-wp", "n", json!({}));
+        took.push(sent.elapsed());
+        assert_eq!(
+            (status, &reply["ok"]),
+            (200, &json!(true)),
+            "{reply} {took:?}"
+        );
+        read_json(&mut ws);
+    }
+    let slow: Vec<_> = took
+        .iter()
+        .filter(|d| **d > Duration::from_millis(600))
+        .collect();
+    assert!(
+        slow.len() <= 1,
+        "of {} commands these stalled: {slow:?}",
+        took.len()
+    );
+    assert!(took.len() >= 5, "{took:?}");
+}
