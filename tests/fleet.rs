@@ -207,7 +207,18 @@ fn a_stale_refresh_closes_4410() {
         .connection()
         .set("rig:rig-race", format!("{newer}|fe-07"))
         .unwrap();
-    assert_eq!(read_close(&mut ws), 4410);
+    // The reason names no age: after a Redis outage an older boot's lease can win too.
+    let frame = loop {
+        match ws.read() {
+            Ok(Message::Close(Some(frame))) => break frame,
+            Ok(_) => continue,
+            Err(e) => panic!("connection ended without a close frame: {e}"),
+        }
+    };
+    assert_eq!(
+        (u16::from(frame.code), frame.reason.as_str()),
+        (4410, "superseded by another connection of this rig")
+    );
     assert_eq!(
         owner(&redis, "rig-race"),
         Some(format!("{newer}|fe-07")),
@@ -590,4 +601,127 @@ fn events_name_the_session_and_malformed_control_messages_are_answered() {
         .wait_exit(Duration::from_secs(20))
         .is_some_and(|s| s.success()));
     assert_eq!(key(), None, "a clean exit removes broker:fe-a");
+}
+
+/// Events held through an outage are bounded so that their whole backlog fits in a
+/// subscriber's Redis output buffer (the default `client-output-buffer-limit pubsub 32mb`):
+/// a subscriber of `fleetlink:events` that is not reading while the broker flushes stays
+/// connected and gets the events that follow.
+#[test]
+fn an_outage_backlog_of_events_does_not_disconnect_a_subscriber() {
+    const EVENTS: u64 = 1000;
+    let redis = RedisServer::start();
+    let a = fleet_broker(
+        &redis,
+        "fe-bl",
+        &["--rig-rate", "100000", "--rig-burst", "100000"],
+    );
+    let (mut ws, _, _) = a.rig("rig-bl");
+    let mut sub = RawSubscriber::subscribe(&redis, "fleetlink:events");
+    redis.freeze(true);
+    // Only once the broker holds its publishes: any it had written into the frozen Redis's
+    // socket would reach the subscriber on top of the held ones.
+    a.wait_metric("fleetlink_redis_up 0");
+    let out = || a.metric("fleetlink_pubsub_messages_total{direction=\"out\"}");
+    let dropped = || a.metric("fleetlink_registry_ops_total{op=\"publish\",result=\"dropped\"}");
+    let (out0, dropped0) = (out(), dropped());
+    // 60 MB of events, well past the 32 MiB limit.
+    let data = "x".repeat(60_000);
+    for i in 0..EVENTS {
+        let ev = json!({"type":"event","name":"bulk","data":{"i":i,"pad":data}});
+        ws.send(Message::Text(ev.to_string().into())).unwrap();
+    }
+    redis.freeze(false);
+    eventually(Duration::from_secs(15), "the backlog flushed", || {
+        out() - out0 + dropped() - dropped0 >= EVENTS
+    });
+    let marker = json!({"type":"event","name":"after-the-backlog"});
+    ws.send(Message::Text(marker.to_string().into())).unwrap();
+    let read = sub.read_until(b"after-the-backlog", Duration::from_secs(15));
+    assert!(read > 20 << 20, "the held events came first ({read} bytes)");
+    assert!(dropped() > dropped0, "events past the bound are dropped");
+}
+
+/// A pub/sub subscriber on a raw socket, so that it can leave what Redis sends unread.
+struct RawSubscriber(std::net::TcpStream);
+
+impl RawSubscriber {
+    fn subscribe(redis: &RedisServer, channel: &str) -> RawSubscriber {
+        use std::io::Write;
+        let mut s = std::net::TcpStream::connect(("127.0.0.1", redis.port())).unwrap();
+        let cmd = format!(
+            "*2\r\n$9\r\nSUBSCRIBE\r\n${}\r\n{channel}\r\n",
+            channel.len()
+        );
+        s.write_all(cmd.as_bytes()).unwrap();
+        let mut sub = RawSubscriber(s);
+        sub.read_until(b":1\r\n", Duration::from_secs(5));
+        sub
+    }
+
+    /// Reads until `needle` arrives; returns the bytes read. Panics when Redis closes the
+    /// connection (as it does past the output buffer limit) or the time is up.
+    fn read_until(&mut self, needle: &[u8], limit: Duration) -> usize {
+        use std::io::Read;
+        let deadline = Instant::now() + limit;
+        let mut window: Vec<u8> = Vec::new();
+        let mut chunk = vec![0u8; 256 << 10];
+        let mut total = 0;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            assert!(!left.is_zero(), "{needle:?} not seen after {total} bytes");
+            self.0.set_read_timeout(Some(left)).unwrap();
+            let n = match self.0.read(&mut chunk) {
+                Ok(0) => panic!("Redis closed the subscription after {total} bytes"),
+                Ok(n) => n,
+                Err(e) => panic!("subscription lost after {total} bytes: {e}"),
+            };
+            total += n;
+            window.extend_from_slice(&chunk[..n]);
+            if window.windows(needle.len()).any(|w| w == needle) {
+                return total;
+            }
+            let keep = window.len().saturating_sub(needle.len());
+            window.drain(..keep);
+        }
+    }
+}
+
+/// A Redis paused for writes (`CLIENT PAUSE … WRITE`, as a failover does) answers PING but
+/// holds every write. The reconnect probe is a write, so after the one call timeout (2 s) that
+/// noticed the pause, admin commands wait at most a probe each, not another 2 s per reconnect.
+#[test]
+fn a_write_paused_redis_stalls_admin_commands_once() {
+    let redis = RedisServer::start();
+    let a = fleet_broker(&redis, "fe-wp", &[]);
+    let (mut ws, _, _) = a.rig("rig-wp");
+    let _: () = redis::cmd("CLIENT")
+        .arg("PAUSE")
+        .arg(6000)
+        .arg("WRITE")
+        .query(&mut redis.connection())
+        .unwrap();
+    let paused = Instant::now();
+    let mut took = Vec::new();
+    while paused.elapsed() < Duration::from_millis(5500) {
+        let sent = Instant::now();
+        let (status, reply) = a.command("rig-wp", "n", json!({}));
+        took.push(sent.elapsed());
+        assert_eq!(
+            (status, &reply["ok"]),
+            (200, &json!(true)),
+            "{reply} {took:?}"
+        );
+        read_json(&mut ws);
+    }
+    let slow: Vec<_> = took
+        .iter()
+        .filter(|d| **d > Duration::from_millis(600))
+        .collect();
+    assert!(
+        slow.len() <= 1,
+        "of {} commands these stalled: {slow:?}",
+        took.len()
+    );
+    assert!(took.len() >= 5, "{took:?}");
 }

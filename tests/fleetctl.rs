@@ -782,3 +782,45 @@ fn usage_errors_exit_64() {
     both.assert_code(64);
     fleetctl(&["--help"]).assert_code(0);
 }
+
+/// A Redis that takes connections but never answers (SIGSTOP: hung, or a black-holed path)
+/// costs `send` its `--timeout` and the commands without one their stated 5 s, then exit 3
+/// saying so, not a fixed 10 s and an exit 2 "cannot connect".
+#[test]
+fn a_hung_redis_is_a_timeout_within_the_commands_wait() {
+    let (redis, _fe) = one_rig_fleet(true);
+    redis.freeze(true);
+    let url = redis.url();
+    let started = Instant::now();
+    let spawn = |args: &[&str]| {
+        let mut all = vec!["--redis", url.as_str()];
+        all.extend_from_slice(args);
+        fleetctl_cmd(&all)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn fleetctl")
+    };
+    // All at once, so the test waits 5 s, not 12; the shortest first.
+    let runs = [
+        (spawn(&["send", "rig-1", "reboot", "--timeout", "2s"]), 2),
+        (spawn(&["status", "rig-1"]), 5),
+        (spawn(&["brokers"]), 5),
+    ];
+    for (child, wait) in runs {
+        let run = Run::from(child.wait_with_output().expect("wait fleetctl"));
+        let took = started.elapsed();
+        run.assert_code(3);
+        assert!(
+            run.stderr
+                .contains(&format!("Redis at {url} did not answer within {wait}s")),
+            "{}",
+            run.stderr
+        );
+        assert!(
+            took < Duration::from_millis(wait * 1000 + 1500),
+            "{wait}s wait took {took:?}"
+        );
+    }
+    redis.freeze(false);
+}

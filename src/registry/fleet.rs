@@ -15,17 +15,33 @@ use crate::registry::offline::{Held, OfflineScripts, Pushed};
 use crate::registry::pubsub::{Push, Subscriber};
 use crate::registry::scripts::{HelloOutcome, RefreshStatus, Scripts};
 use crate::registry::sessions::{self, Kept, Persist, Rekeep, Resumed, SessionScripts};
+use crate::registry::throttle::Throttle;
 
 /// Socket timeout for every Redis call: a hung Redis stalls the bridge at most this long.
 const IO_TIMEOUT: Duration = Duration::from_secs(2);
-/// How long a reconnect attempt waits for Redis to answer a PING before giving up.
+/// How long a reconnect attempt waits for Redis to take its probe write before giving up.
 const PROBE_TIMEOUT: Duration = Duration::from_millis(250);
+/// The `broker:<id>` key's TTL (CONTRACT.md §3); the heartbeat sets it, and so does the
+/// reconnect probe.
+pub(crate) const HEARTBEAT_TTL: Duration = Duration::from_secs(30);
 /// Publishes held while Redis is slow or down; beyond it they are dropped and counted.
 const MAX_OUTGOING: usize = 100_000;
-/// The bytes those publishes may hold. Rig events (up to `--max-message` each) stop at
-/// [`EVENT_SHARE_BYTES`], so that control's replies, small and owed, still find room.
-const MAX_OUTGOING_BYTES: usize = 256 << 20;
-const EVENT_SHARE_BYTES: usize = 192 << 20;
+/// The bytes those publishes may hold (channel names and payloads). Rig events (up to
+/// `--max-message` each) stop at [`EVENT_SHARE_BYTES`]; the 8 MiB above it stay for control's
+/// replies and the brokers' own messages, small, owed, and each on a channel of its own.
+const MAX_OUTGOING_BYTES: usize = 32 << 20;
+/// Why 24 MiB: the backlog goes out in about a second once Redis is back, much faster than a
+/// subscriber of `fleetlink:events` reads it, so nearly all of it sits in that subscriber's
+/// Redis output buffer, and Redis's default `client-output-buffer-limit pubsub 32mb 8mb 60`
+/// disconnects the subscriber once it passes 32 MiB: control would lose its stream exactly
+/// when it matters. Each message costs the subscriber its payload plus about 50 bytes
+/// (`*3 $7 message $16 fleetlink:events $N` and the CRLFs), of which the 16 of the channel
+/// name are counted here, so at most [`MAX_OUTGOING`] × 36 B ≈ 3.6 MB uncounted: the whole
+/// backlog stays under about 29 MB, 4.7 MB short of the limit. Events held beyond what a
+/// subscriber can be sent would only cost it the ones it could have had. (The soft limit,
+/// 8 MiB for 60 s, leaves a subscriber a minute to catch up.) The bound is per broker: when
+/// several brokers flush at once, their backlogs add up in the subscriber's buffer.
+const EVENT_SHARE_BYTES: usize = 24 << 20;
 /// Bytes of publishes sent in one pipeline: a Redis back from an outage gets the queue in
 /// pieces, not as one write of everything held.
 const FLUSH_BYTES: usize = 8 << 20;
@@ -87,6 +103,8 @@ pub(crate) struct Fleet {
     next_attempt: Instant,
     /// Publishes dropped because the queue was full while Redis was away.
     pub(crate) dropped: u64,
+    /// Those drops, logged at most once a second.
+    drop_log: Throttle,
     /// Publishes sent.
     pub(crate) published: u64,
     /// Set after every successful (re)connect; the bridge re-asserts its rigs then.
@@ -113,6 +131,7 @@ impl Fleet {
             failures: 0,
             next_attempt: Instant::now(),
             dropped: 0,
+            drop_log: Throttle::default(),
             published: 0,
             just_connected: false,
         })
@@ -154,11 +173,19 @@ impl Fleet {
         let client = redis::Client::open(self.info.clone())?;
         // A hung Redis (frozen, or a black-holed path) still accepts TCP connections; a short
         // probe keeps each reconnect attempt from stalling the bridge, and with it hellos and
-        // admin commands, for a whole IO_TIMEOUT.
+        // admin commands, for a whole IO_TIMEOUT. The probe is a write, since a Redis paused
+        // for writes (`CLIENT PAUSE … WRITE`, as in a failover) answers PING but holds every
+        // write: a PING probe let each reconnect "work" and the next write stall IO_TIMEOUT.
+        // It sets our own liveness key's TTL to what the heartbeat gives it (a key this
+        // broker alone writes, which now says what is true: the broker is alive), and
+        // creates nothing when the key is gone; the heartbeat after the reconnect writes it.
         let mut con = client.get_connection_with_timeout(PROBE_TIMEOUT)?;
         con.set_read_timeout(Some(PROBE_TIMEOUT))?;
         con.set_write_timeout(Some(PROBE_TIMEOUT))?;
-        redis::cmd("PING").query::<()>(&mut con)?;
+        redis::cmd("PEXPIRE")
+            .arg(crate::registry::scripts::broker_key(&self.broker_id))
+            .arg(HEARTBEAT_TTL.as_millis() as u64)
+            .query::<()>(&mut con)?;
         con.set_read_timeout(Some(IO_TIMEOUT))?;
         con.set_write_timeout(Some(IO_TIMEOUT))?;
         self.scripts.load(&mut con)?;
@@ -455,10 +482,31 @@ impl Fleet {
         let size = channel.len() + payload.len();
         if self.outgoing.len() >= MAX_OUTGOING || self.outgoing_bytes + size > cap {
             self.dropped += 1;
+            if let Some(n) = self.drop_log.note(Instant::now()) {
+                self.log_drops(n);
+            }
             return;
         }
         self.outgoing_bytes += size;
         self.outgoing.push((channel, payload.into_boxed_slice()));
+    }
+
+    /// Logs the drops held back by the once-a-second bound, once it allows: a burst that
+    /// stopped is logged too, not only when the next drop comes.
+    pub(crate) fn log_pending_drops(&mut self, now: Instant) {
+        if let Some(n) = self.drop_log.due(now) {
+            self.log_drops(n);
+        }
+    }
+
+    fn log_drops(&self, n: u64) {
+        log::warn!(
+            "redis: {n} publishes (events or replies) dropped since the last such line: {} \
+             messages, {} bytes are waiting to be sent (bounds {MAX_OUTGOING}, \
+             {MAX_OUTGOING_BYTES}; events {EVENT_SHARE_BYTES})",
+            self.outgoing.len(),
+            self.outgoing_bytes
+        );
     }
 
     /// Publishes queued and not yet sent, oldest first.

@@ -6,6 +6,7 @@
 //! - `fleet`, [`pubsub`], [`control`]: fleet mode's Redis I/O and control messages.
 //! - [`scripts`]: the Redis Lua scripts of fleet mode.
 //! - `pace`: when the bridge's queued Redis writes go out.
+//! - `throttle`: one log line a second for things that can happen thousands of times a second.
 
 pub mod bridge;
 pub mod control;
@@ -17,3 +18,4 @@ pub(crate) mod pace;
 pub mod pubsub;
 pub mod scripts;
 pub mod sessions;
+pub(crate) mod throttle;

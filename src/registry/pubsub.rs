@@ -138,7 +138,7 @@ impl Subscriber {
                 },
                 Value::Error(e) => {
                     return Err(io::Error::other(format!(
-                        "redis: {}",
+                        "an error reply on the subscription: {}",
                         String::from_utf8_lossy(&e)
                     )))
                 }

@@ -81,8 +81,9 @@ pub enum RefreshStatus {
 #[derive(Debug, thiserror::Error)]
 pub enum RegistryError {
     /// Redis was unreachable or refused the command (including a script's own error reply);
-    /// the bridge reconnects and calls [`Scripts::load`] again.
-    #[error("redis: {0}")]
+    /// the bridge reconnects and calls [`Scripts::load`] again. Shown as Redis's own error:
+    /// the lines that report it say `redis:` already.
+    #[error(transparent)]
     Redis(#[from] redis::RedisError),
     /// A script answered with a shape its `lua/` header does not promise: the scripts on the
     /// server and this binary disagree. Never retried blindly.

@@ -57,10 +57,12 @@ pub(crate) fn handle(core: &Rc<Core>, msg: ToCore) {
         },
         ToCore::Supersede { conn } => {
             if let Some(c) = conn_of(conn) {
+                // Not "newer": after a Redis outage an older boot's lease can win
+                // (CONTRACT.md §2 says only that another connection took ownership).
                 c.close(
                     &mut c.st.borrow_mut(),
                     4410,
-                    "superseded by a newer connection of this rig",
+                    "superseded by another connection of this rig",
                 );
             }
         }

@@ -54,17 +54,21 @@ pub(crate) enum Command {
         /// The rig id.
         #[arg(value_parser = parse_rig)]
         rig: RigId,
-        /// How long to wait for the broker's reply.
+        /// How long to wait for the broker's reply, Redis's answers on the way included.
         #[arg(long, value_name = "DURATION", default_value = "5s", value_parser = parse_timeout)]
         timeout: Duration,
     },
     /// Show where a rig is connected (registry entry and its broker's liveness).
+    ///
+    /// With --redis, gives up after 5s when Redis does not answer (exit 3).
     Status {
         /// The rig id.
         #[arg(value_parser = parse_rig)]
         rig: RigId,
     },
     /// List connected rigs, one page at a time.
+    ///
+    /// With --redis, gives up after 5s when Redis does not answer (exit 3).
     List {
         /// Rigs per page (Redis: SCAN COUNT; a page may hold a few more).
         #[arg(long, default_value_t = 500, value_parser = clap::value_parser!(u64).range(1..=100_000))]
@@ -74,8 +78,13 @@ pub(crate) enum Command {
         cursor: u64,
     },
     /// List live brokers (Redis), or the health of the admin broker.
+    ///
+    /// With --redis, gives up after 5s when Redis does not answer (exit 3).
     Brokers,
     /// Tail `fleetlink:events` (Redis only) until Ctrl-C, --count or --for.
+    ///
+    /// Gives up when Redis does not answer the subscription within --for, or 5s without it
+    /// (exit 3).
     Events {
         /// Stop after this many events (exit 3 if --for ends first).
         #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
@@ -101,7 +110,7 @@ pub(crate) struct SendArgs {
     /// Command arguments: a JSON object.
     #[arg(long, value_name = "JSON", default_value = "{}", value_parser = parse_args)]
     pub(crate) args: Map<String, Value>,
-    /// How long to wait for replies.
+    /// How long to wait for replies, Redis's answers on the way included.
     #[arg(long, value_name = "DURATION", default_value = "5s", value_parser = parse_timeout)]
     pub(crate) timeout: Duration,
 }

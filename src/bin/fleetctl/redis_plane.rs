@@ -16,12 +16,11 @@ use serde_json::{json, Map, Value};
 
 use crate::cli::{redact, Selector};
 use crate::render::secs;
-use crate::{error_reply, Broadcast, ControlPlane, Page};
+use crate::{error_reply, Broadcast, ControlPlane, Page, TimedOut};
 
-/// Longest wait for a TCP connection to Redis.
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
-/// Longest wait for Redis to answer an ordinary command.
-const IO_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long `status`, `list`, `brokers` (which have no `--timeout`) and the start of an
+/// `events` tail without `--for` wait for Redis; their `--help` says so.
+const DEFAULT_WAIT: Duration = Duration::from_secs(5);
 /// SCAN COUNT used when walking `broker:*` (brokers are few).
 const BROKER_SCAN_COUNT: u64 = 1000;
 /// Where every broker listens for selector commands.
@@ -36,6 +35,12 @@ pub(crate) struct RedisPlane {
     con: Option<Connection>,
     /// The URL without its password, for messages.
     shown: String,
+    /// The running command's wait (its `--timeout`, or [`DEFAULT_WAIT`]), for messages.
+    wait: Duration,
+    /// When that wait runs out: every connect, command and read of the command's Redis
+    /// traffic gets only what is left of it, so a hung Redis (one that accepts connections
+    /// and never answers) costs `--timeout`, not a fixed time of its own.
+    deadline: Instant,
 }
 
 impl RedisPlane {
@@ -47,7 +52,44 @@ impl RedisPlane {
             client,
             con: None,
             shown,
+            wait: DEFAULT_WAIT,
+            deadline: Instant::now() + DEFAULT_WAIT,
         })
+    }
+
+    /// Starts a command's wait of `wait`; returns its deadline.
+    fn begin(&mut self, wait: Duration) -> Instant {
+        self.wait = wait;
+        self.deadline = Instant::now() + wait;
+        self.deadline
+    }
+
+    /// What is left of the command's wait, or the timeout error (exit 3) when nothing is.
+    fn left(&self) -> Result<Duration, TimedOut> {
+        match self.deadline.checked_duration_since(Instant::now()) {
+            Some(left) if !left.is_zero() => Ok(left),
+            _ => Err(self.no_answer()),
+        }
+    }
+
+    fn no_answer(&self) -> TimedOut {
+        TimedOut(format!(
+            "Redis at {} did not answer within {}",
+            self.shown,
+            secs(self.wait)
+        ))
+    }
+
+    /// Maps a failed Redis command to one readable line (the redis error already names its
+    /// cause), and a read or write that ran out of time to the timeout error.
+    fn failed(&self, what: &'static str) -> impl FnOnce(redis::RedisError) -> anyhow::Error + '_ {
+        move |e| {
+            if e.is_timeout() {
+                anyhow!(self.no_answer())
+            } else {
+                anyhow!("Redis {what} failed: {e}")
+            }
+        }
     }
 
     /// Looks up the owner, subscribes, publishes `build(id, reply_to)`, waits for one reply.
@@ -57,7 +99,7 @@ impl RedisPlane {
         timeout: Duration,
         build: impl FnOnce(&str, &str) -> Value,
     ) -> anyhow::Result<Value> {
-        let deadline = Instant::now() + timeout;
+        let deadline = self.begin(timeout);
         let id = new_id();
         let fail =
             |error: &str, detail: &str| error_reply(Some(&id), Some(rig.as_str()), error, detail);
@@ -65,7 +107,7 @@ impl RedisPlane {
         let entry: Option<String> = redis::cmd("GET")
             .arg(&key)
             .query(self.con()?)
-            .map_err(failed("GET"))?;
+            .map_err(self.failed("GET"))?;
         let Some(entry) = entry else {
             let detail = format!("no registry entry {key}: the rig is not connected to any broker");
             return Ok(fail("rig_not_connected", &detail));
@@ -113,20 +155,24 @@ impl RedisPlane {
         let reply_to = format!("fleetlink:reply:{id}");
         let mut sub_con = self.open()?;
         let mut sub = sub_con.as_pubsub();
-        sub.subscribe(&reply_to).map_err(failed("SUBSCRIBE"))?;
+        sub.subscribe(&reply_to).map_err(self.failed("SUBSCRIBE"))?;
         let receivers = self.publish(channel, &build(&reply_to))?;
         collect(&mut sub, receivers)
     }
 
-    /// `key`'s value, if any, and its PTTL, in one round trip.
+    /// `key`'s value, if any, and its PTTL. Two commands, not a pipeline: against a hung
+    /// Redis, redis-rs waits out the read timeout once per reply a pipeline expects, which
+    /// would make the command's wait twice what it says.
     fn get_with_ttl(&mut self, key: &str) -> anyhow::Result<(Option<String>, i64)> {
-        redis::pipe()
-            .cmd("GET")
-            .arg(key)
-            .cmd("PTTL")
+        let value = redis::cmd("GET")
             .arg(key)
             .query(self.con()?)
-            .map_err(failed("GET"))
+            .map_err(self.failed("GET"))?;
+        let pttl = redis::cmd("PTTL")
+            .arg(key)
+            .query(self.con()?)
+            .map_err(self.failed("PTTL"))?;
+        Ok((value, pttl))
     }
 
     /// Every key matching `pattern` (a full SCAN walk).
@@ -141,7 +187,7 @@ impl RedisPlane {
                 .arg("COUNT")
                 .arg(count)
                 .query(self.con()?)
-                .map_err(failed("SCAN"))?;
+                .map_err(self.failed("SCAN"))?;
             keys.extend(batch);
             cursor = next;
             if cursor == 0 {
@@ -155,26 +201,39 @@ impl RedisPlane {
             .arg(channel)
             .arg(msg.to_string())
             .query(self.con()?)
-            .map_err(failed("PUBLISH"))
+            .map_err(self.failed("PUBLISH"))
     }
 
-    /// The command connection, opened on first use.
+    /// The command connection, opened on first use, its reads and writes bounded by what is
+    /// left of the command's wait.
     fn con(&mut self) -> anyhow::Result<&mut Connection> {
         let con = match self.con.take() {
             Some(con) => con,
             None => self.open()?,
         };
+        let left = self.left()?;
+        con.set_read_timeout(Some(left))?;
+        con.set_write_timeout(Some(left))?;
         Ok(self.con.insert(con))
     }
 
-    /// A new connection with bounded connect, read and write times.
+    /// A new connection, its connect (with the client's hello to Redis), reads and writes
+    /// bounded by what is left of the command's wait. A Redis that accepts the connection
+    /// but does not answer in time is a timeout (exit 3); one that refuses it, an error.
     fn open(&self) -> anyhow::Result<Connection> {
         let con = self
             .client
-            .get_connection_with_timeout(CONNECT_TIMEOUT)
-            .map_err(|e| anyhow!("cannot connect to Redis at {}: {e}", self.shown))?;
-        con.set_read_timeout(Some(IO_TIMEOUT))?;
-        con.set_write_timeout(Some(IO_TIMEOUT))?;
+            .get_connection_with_timeout(self.left()?)
+            .map_err(|e| {
+                if e.is_timeout() {
+                    anyhow!(self.no_answer())
+                } else {
+                    anyhow!("cannot connect to Redis at {}: {e}", self.shown)
+                }
+            })?;
+        let left = self.left()?;
+        con.set_read_timeout(Some(left))?;
+        con.set_write_timeout(Some(left))?;
         Ok(con)
     }
 }
@@ -209,7 +268,7 @@ impl ControlPlane for RedisPlane {
         args: &Map<String, Value>,
         timeout: Duration,
     ) -> anyhow::Result<Broadcast> {
-        let deadline = Instant::now() + timeout;
+        let deadline = self.begin(timeout);
         let id = new_id();
         let expected: Vec<String> = self
             .scan_all("broker:*", BROKER_SCAN_COUNT)?
@@ -257,6 +316,7 @@ impl ControlPlane for RedisPlane {
 
     /// `status RIG`: the registry entry, its lease, and whether its broker is alive.
     fn status(&mut self, rig: &RigId) -> anyhow::Result<Value> {
+        self.begin(DEFAULT_WAIT);
         let key = rig_key(rig);
         let (entry, pttl) = self.get_with_ttl(&key)?;
         let Some(entry) = entry else {
@@ -285,6 +345,7 @@ impl ControlPlane for RedisPlane {
 
     /// `list`: SCAN `rig:*` from `cursor` until at least `page_size` rigs or the end.
     fn list(&mut self, page_size: u64, cursor: u64) -> anyhow::Result<Page> {
+        self.begin(DEFAULT_WAIT);
         let mut keys = Vec::new();
         let mut cursor = cursor;
         loop {
@@ -295,7 +356,7 @@ impl ControlPlane for RedisPlane {
                 .arg("COUNT")
                 .arg(page_size)
                 .query(self.con()?)
-                .map_err(failed("SCAN"))?;
+                .map_err(self.failed("SCAN"))?;
             keys.extend(batch);
             cursor = next;
             if cursor == 0 || keys.len() as u64 >= page_size {
@@ -308,7 +369,7 @@ impl ControlPlane for RedisPlane {
             redis::cmd("MGET")
                 .arg(&keys)
                 .query(self.con()?)
-                .map_err(failed("MGET"))?
+                .map_err(self.failed("MGET"))?
         };
         // A key that expired between SCAN and MGET is simply gone from the page.
         let mut rows: Vec<Value> = keys
@@ -329,6 +390,7 @@ impl ControlPlane for RedisPlane {
 
     /// `brokers`: every live `broker:*` key with its blob and remaining TTL.
     fn brokers(&mut self) -> anyhow::Result<Vec<Value>> {
+        self.begin(DEFAULT_WAIT);
         let mut keys = self.scan_all("broker:*", BROKER_SCAN_COUNT)?;
         keys.sort();
         let mut rows = Vec::with_capacity(keys.len());
@@ -355,10 +417,14 @@ impl ControlPlane for RedisPlane {
         count: Option<u64>,
         each: &mut dyn FnMut(&Value),
     ) -> anyhow::Result<u64> {
-        let deadline = limit.map(|d| Instant::now() + d);
+        // Without --for the tail runs until stopped, but its start (connect, subscribe) is
+        // bounded all the same.
+        let start = self.begin(limit.unwrap_or(DEFAULT_WAIT));
+        let deadline = limit.map(|_| start);
         let mut sub_con = self.open()?;
         let mut sub = sub_con.as_pubsub();
-        sub.subscribe(EVENTS_CHANNEL).map_err(failed("SUBSCRIBE"))?;
+        sub.subscribe(EVENTS_CHANNEL)
+            .map_err(self.failed("SUBSCRIBE"))?;
         let mut seen = 0;
         while count.is_none_or(|n| seen < n) {
             let Some(event) = next_json(&mut sub, deadline)? else {
@@ -407,11 +473,6 @@ fn next_json(sub: &mut PubSub<'_>, deadline: Option<Instant>) -> anyhow::Result<
             ),
         }
     }
-}
-
-/// Maps a failed Redis command to one readable line (the redis error already names its cause).
-fn failed(what: &'static str) -> impl FnOnce(redis::RedisError) -> anyhow::Error {
-    move |e| anyhow!("Redis {what} failed: {e}")
 }
 
 /// A `broker:*` blob as JSON, or the raw text when it is not JSON.

@@ -3,7 +3,7 @@
 
 use std::collections::HashSet;
 use std::sync::atomic::Ordering;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use super::shared::unix_ms;
 use super::Bridge;
@@ -14,6 +14,7 @@ use crate::registry::msg::{PersistReq, ReplyTo, ToCore};
 use crate::registry::pace::Queued;
 use crate::registry::scripts::RefreshStatus;
 use crate::registry::sessions::{Kept, Persist, Rekeep};
+use crate::registry::throttle::Throttle;
 use crate::reply;
 
 /// Sessions put back into Redis per pass of the bridge loop (see `Bridge::rekeep_sessions`).
@@ -24,6 +25,7 @@ impl Bridge {
     /// [`Self::write_due`] says to wait; reconnects when down.
     pub(super) fn redis_io(&mut self, now: Instant) {
         let Some(f) = self.fleet.as_mut() else { return };
+        f.log_pending_drops(now);
         let was_up = f.is_up();
         if !f.ensure(now) {
             self.persist_held();
@@ -366,33 +368,29 @@ impl Bridge {
 /// operator trying `PUBLISH` by hand learns why nothing happened only from this line. At most
 /// one a second, since whoever may publish on the channel can send them as fast as it likes.
 #[derive(Default)]
-pub(super) struct UnansweredLog {
-    last: Option<Instant>,
-    skipped: u64,
-}
+pub(super) struct UnansweredLog(Throttle);
 
 impl UnansweredLog {
-    pub(super) fn note(&mut self, now: Instant, bad: &control::Bad) {
-        if self
-            .last
-            .is_some_and(|t| now.saturating_duration_since(t) < Duration::from_secs(1))
-        {
-            self.skipped += 1;
-            return;
-        }
+    /// Logs `bad` unless a line went out less than a second ago; true when it did.
+    pub(super) fn note(&mut self, now: Instant, bad: &control::Bad) -> bool {
+        let Some(n) = self.0.note(now) else {
+            return false;
+        };
         // Quoted: the rig id and the reason may carry whatever the publisher sent.
         let rig = bad.rig.as_deref().unwrap_or("-");
-        let skipped = std::mem::take(&mut self.skipped);
         log::warn!(
-            "control message refused, no reply_to to answer: {:?} (rig {rig:?}; {skipped} more since the last such line)",
-            bad.why
+            "control message refused, no reply_to to answer: {:?} (rig {rig:?}; {} more since the last such line)",
+            bad.why,
+            n - 1
         );
-        self.last = Some(now);
+        true
     }
 }
 
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
     use super::*;
 
     #[test]
@@ -401,12 +399,9 @@ mod tests {
         assert_eq!(bad().why, "kick needs reply_to");
         let mut log = UnansweredLog::default();
         let t0 = Instant::now();
-        log.note(t0, &bad());
-        log.note(t0 + Duration::from_millis(500), &bad());
-        log.note(t0 + Duration::from_millis(900), &bad());
-        assert_eq!((log.last, log.skipped), (Some(t0), 2));
-        let t1 = t0 + Duration::from_millis(1000);
-        log.note(t1, &bad());
-        assert_eq!((log.last, log.skipped), (Some(t1), 0));
+        assert!(log.note(t0, &bad()));
+        assert!(!log.note(t0 + Duration::from_millis(500), &bad()));
+        assert!(!log.note(t0 + Duration::from_millis(900), &bad()));
+        assert!(log.note(t0 + Duration::from_millis(1000), &bad()));
     }
 }

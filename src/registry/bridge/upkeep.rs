@@ -14,9 +14,9 @@ use crate::registry::scripts::RefreshStatus;
 
 /// How often the broker publishes a canary on its own channel.
 const CANARY_EVERY: Duration = Duration::from_secs(1);
-/// The `broker:<id>` key: refreshed every 10 s with a 30 s TTL (CONTRACT.md §3).
+/// The `broker:<id>` key: refreshed every 10 s with a 30 s TTL (CONTRACT.md §3,
+/// [`fleet::HEARTBEAT_TTL`]).
 const HEARTBEAT_EVERY: Duration = Duration::from_secs(10);
-const HEARTBEAT_TTL: Duration = Duration::from_secs(30);
 
 impl Bridge {
     pub(super) fn timers(&mut self, now: Instant) {
@@ -50,7 +50,7 @@ impl Bridge {
                 "cores": self.cfg.cores, "started_at": self.started_at, "connections": self.registry.len(),
             });
             if let Some(f) = self.fleet.as_mut() {
-                f.heartbeat(&blob.to_string(), HEARTBEAT_TTL);
+                f.heartbeat(&blob.to_string(), fleet::HEARTBEAT_TTL);
             }
         }
         if now >= self.next_refresh {
