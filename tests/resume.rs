@@ -4,6 +4,7 @@
 
 mod common;
 
+use std::collections::HashMap;
 use std::time::Duration;
 
 use common::broker::{boot_id, eventually, read_close, read_json, Broker, Ws};
@@ -965,12 +966,12 @@ fn rekeep_is_fenced_and_never_lowers_next() {
     let _: () = con
         .hset_multiple(&sess_a, &[("next", "9"), ("c:8", "{}")])
         .unwrap();
-    let cmds: Vec<(Seq, Box<[u8]>)> = vec![(Seq(5), b"{\"seq\":5}".to_vec().into_boxed_slice())];
     let session = |rig, next| Rekeep {
         rig,
         boot: &boot,
         next: Seq(next),
-        cmds: &cmds,
+        cmds: vec![(Seq(5), b"{\"seq\":5}".as_slice())],
+        parked: false,
     };
     let kept = scripts
         .rekeep(
@@ -1013,6 +1014,7 @@ fn rekeep_is_fenced_and_never_lowers_next() {
         .arg(60_000)
         .arg(format!("{boot}|fe-a"))
         .arg(13)
+        .arg("live")
         .arg("x1")
         .arg("{}")
         .query::<redis::Value>(&mut con)
@@ -1022,4 +1024,99 @@ fn rekeep_is_fenced_and_never_lowers_next() {
     assert!(c_x.is_none());
     let next: String = con.hget(&sess_a, "next").unwrap();
     assert_eq!(next, "12", "nothing written by a malformed call");
+}
+
+/// `rekeep.lua` for a session parked on a broker for a disconnected rig: its lease was
+/// released or lost, so it is written only where no one else holds the rig: the lease absent
+/// and the session not in Redis, or the lease still ours (merged, as for a connected rig).
+/// A session Redis already holds under no lease is someone's newer truth, left alone; so is
+/// a rig leased to another broker. A mode other than live or parked writes nothing.
+#[test]
+fn rekeep_of_a_parked_session_is_written_only_where_no_one_else_holds_the_rig() {
+    // `_redis` (not `_`): the server lives as long as the test.
+    let (_redis, mut con, scripts, a, b, boot) = rigs_leased_to_fe_a_and_fe_b();
+    let (c, d) = (
+        RigId::parse("rig-c").unwrap(),
+        RigId::parse("rig-d").unwrap(),
+    );
+    // rig-c: no lease, no session (Redis restarted empty). rig-d: no lease, a session a
+    // resume elsewhere wrote. rig-a: our lease, a session with c:8 kept since. rig-b: fe-b's.
+    let sess = |rig: &RigId| format!("sess:{rig}:{boot}");
+    let _: () = con.hset(sess(&d), "next", "1").unwrap();
+    let _: () = con
+        .hset_multiple(sess(&a), &[("next", "9"), ("c:8", "{}")])
+        .unwrap();
+    let parked = |rig| Rekeep {
+        rig,
+        boot: &boot,
+        next: Seq(3),
+        cmds: vec![(Seq(1), b"c1".as_slice()), (Seq(2), b"c2".as_slice())],
+        parked: true,
+    };
+    let kept = scripts
+        .rekeep(
+            &mut con,
+            &[parked(&c), parked(&d), parked(&a), parked(&b)],
+            "fe-a",
+            Duration::from_secs(60),
+        )
+        .unwrap();
+    assert_eq!(kept, [true, false, true, false]);
+
+    let written: HashMap<String, String> = con.hgetall(sess(&c)).unwrap();
+    let want: HashMap<String, String> = [("next", "3"), ("c:1", "c1"), ("c:2", "c2")]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    assert_eq!(written, want);
+    let ttl: i64 = con.pttl(sess(&c)).unwrap();
+    assert!(ttl > 50_000 && ttl <= 60_000, "{ttl}");
+    let pointer: Option<String> = con.get("sessof:rig-c").unwrap();
+    assert_eq!(pointer.as_deref(), Some(boot.as_str()));
+    let lease: Option<String> = con.get("rig:rig-c").unwrap();
+    assert_eq!(lease, None, "a parked session claims no lease");
+
+    let left: HashMap<String, String> = con.hgetall(sess(&d)).unwrap();
+    assert_eq!(left.len(), 1, "the newer truth left alone: {left:?}");
+    let pointer: Option<String> = con.get("sessof:rig-d").unwrap();
+    assert_eq!(pointer, None);
+
+    let merged: HashMap<String, String> = con.hgetall(sess(&a)).unwrap();
+    assert_eq!(
+        merged.get("next").map(String::as_str),
+        Some("9"),
+        "not lowered"
+    );
+    assert_eq!(merged.get("c:1").map(String::as_str), Some("c1"));
+    assert!(merged.contains_key("c:8"));
+
+    let exists: bool = con.exists(sess(&b)).unwrap();
+    assert!(!exists, "written under another broker's lease");
+
+    // A connected rig's session is not written without its lease, even where none exists.
+    let live = Rekeep {
+        parked: false,
+        ..parked(&c)
+    };
+    let _: () = con.del(sess(&c)).unwrap();
+    let kept = scripts
+        .rekeep(&mut con, &[live], "fe-a", Duration::from_secs(60))
+        .unwrap();
+    assert_eq!(kept, [false]);
+
+    let err = redis::cmd("EVAL")
+        .arg(include_str!("../lua/rekeep.lua"))
+        .arg(3)
+        .arg("rig:rig-c")
+        .arg(sess(&c))
+        .arg("sessof:rig-c")
+        .arg(60_000)
+        .arg(format!("{boot}|fe-a"))
+        .arg(3)
+        .arg("stale")
+        .query::<redis::Value>(&mut con)
+        .unwrap_err();
+    assert!(err.to_string().contains("mode must be"), "{err}");
+    let exists: bool = con.exists(sess(&c)).unwrap();
+    assert!(!exists, "nothing written by a malformed call");
 }

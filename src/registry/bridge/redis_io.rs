@@ -342,7 +342,8 @@ impl Bridge {
                 rig: &r.rig,
                 boot: &r.boot,
                 next: r.next,
-                cmds: &r.cmds,
+                cmds: r.cmds.iter().map(|(seq, json)| (*seq, &json[..])).collect(),
+                parked: false,
             })
             .collect();
         let ttl = self.cfg.session_ttl;
