@@ -371,6 +371,142 @@ fn a_command_delivered_while_redis_was_away_is_kept_when_it_returns() {
     assert!(c1.is_some(), "what Redis had is still there");
 }
 
+/// Rig R on A has command 1 kept in Redis; Redis is then unreachable (`freeze`) or killed
+/// (`!freeze`), command 2 is delivered through A's admin API (not kept), and R disconnects,
+/// seen by A. Returns the brokers and R's boot; Redis is still down.
+fn rig_left_during_an_outage(
+    redis: &mut RedisServer,
+    rig: &str,
+    freeze: bool,
+) -> (Broker, Broker, String) {
+    let (a, b, boot, mut on_a, _) = rig_with_commands_on_a(redis, rig, "p", 1);
+    if freeze {
+        redis.freeze(true);
+        eventually(Duration::from_secs(15), "readyz 503", || {
+            a.http("GET", "/readyz", "").0 == 503
+        });
+    } else {
+        redis.kill9();
+    }
+    let (status, body) = a.http(
+        "POST",
+        &format!("/v1/rigs/{rig}/commands"),
+        r#"{"id":"p2","name":"n","args":{}}"#,
+    );
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(read_json(&mut on_a)["seq"], 2);
+    drop(on_a);
+    eventually(Duration::from_secs(10), "A sees the rig leave", || {
+        let body: Value = serde_json::from_str(&a.http("GET", "/v1/rigs", "").1).unwrap();
+        body.as_array().is_some_and(Vec::is_empty)
+    });
+    (a, b, boot)
+}
+
+/// Reads commands 1 and 2 of `rig_left_during_an_outage` in order, then control's next
+/// command through `broker` gets seq 3.
+fn replayed_then_continued(ws: &mut Ws, redis: &RedisServer, broker: &str, rig: &str) {
+    for i in 1..=2u64 {
+        let cmd = read_json(ws);
+        assert_eq!(
+            (cmd["seq"].clone(), cmd["id"].clone()),
+            (json!(i), json!(format!("p{i}"))),
+            "{cmd}"
+        );
+    }
+    let mut ctl = Control::new(redis, &[]);
+    let r = ctl.command_id(broker, rig, "p3", "n", json!({}));
+    assert_eq!(r["seq"], 3, "{r}");
+    assert_eq!(read_json(ws)["seq"], 3);
+}
+
+/// A rig that disconnected while Redis was away, which then came back empty, resumes on
+/// another broker with every command its old broker held for it: A puts the session it keeps
+/// parked back into Redis once it reconnects, since no one else holds the rig.
+#[test]
+fn a_rig_that_left_during_an_outage_resumes_elsewhere_with_what_its_broker_held() {
+    let mut redis = RedisServer::start();
+    let (_a, b, boot) = rig_left_during_an_outage(&mut redis, "rig-p", false);
+    redis.restart();
+    let key = format!("sess:rig-p:{boot}");
+    let mut con = redis.connection();
+    eventually(
+        Duration::from_secs(10),
+        "A puts the parked session back",
+        || {
+            let (c1, c2, next): (Option<String>, Option<String>, Option<String>) = redis::pipe()
+                .hget(&key, "c:1")
+                .hget(&key, "c:2")
+                .hget(&key, "next")
+                .query(&mut con)
+                .unwrap_or((None, None, None));
+            c1.is_some() && c2.is_some() && next.as_deref() == Some("3")
+        },
+    );
+    let lease: Option<String> = con.get("rig:rig-p").unwrap();
+    assert_eq!(lease, None, "A claims no lease for a rig it does not hold");
+    eventually(Duration::from_secs(10), "B back on Redis", || {
+        b.http("GET", "/readyz", "").0 == 200
+    });
+    let mut on_b = b.connect("/agent");
+    assert_eq!(hello(&mut on_b, "rig-p", &boot, Some(0))["resumed"], true);
+    replayed_then_continued(&mut on_b, &redis, "fe-b", "rig-p");
+}
+
+/// Redis unreachable but keeping everything (the lease too): the session goes back before the
+/// lease's release queued during the outage, which would otherwise leave the session Redis
+/// kept from before looking like someone's newer truth, without command 2.
+#[test]
+fn a_parked_session_goes_back_before_its_lease_is_released() {
+    let mut redis = RedisServer::start();
+    let (_a, b, boot) = rig_left_during_an_outage(&mut redis, "rig-q", true);
+    redis.freeze(false);
+    let key = format!("sess:rig-q:{boot}");
+    let mut con = redis.connection();
+    eventually(
+        Duration::from_secs(15),
+        "the session whole, the lease gone",
+        || {
+            let (c2, next, lease): (Option<String>, Option<String>, Option<String>) = redis::pipe()
+                .hget(&key, "c:2")
+                .hget(&key, "next")
+                .get("rig:rig-q")
+                .query(&mut con)
+                .unwrap_or((None, None, Some(String::new())));
+            c2.is_some() && next.as_deref() == Some("3") && lease.is_none()
+        },
+    );
+    eventually(Duration::from_secs(10), "B back on Redis", || {
+        b.http("GET", "/readyz", "").0 == 200
+    });
+    let mut on_b = b.connect("/agent");
+    assert_eq!(hello(&mut on_b, "rig-q", &boot, Some(0))["resumed"], true);
+    replayed_then_continued(&mut on_b, &redis, "fe-b", "rig-q");
+}
+
+/// The same rig coming back to A itself resumes from A's parked state, and the session in
+/// Redis agrees with it (so a later resume elsewhere would too).
+#[test]
+fn a_rig_that_left_during_an_outage_resumes_on_its_own_broker() {
+    let mut redis = RedisServer::start();
+    let (a, _b, boot) = rig_left_during_an_outage(&mut redis, "rig-s", false);
+    redis.restart();
+    eventually(Duration::from_secs(10), "A back on Redis", || {
+        a.http("GET", "/readyz", "").0 == 200
+    });
+    let mut on_a = a.connect("/agent");
+    assert_eq!(hello(&mut on_a, "rig-s", &boot, Some(0))["resumed"], true);
+    replayed_then_continued(&mut on_a, &redis, "fe-a", "rig-s");
+    let mut con = redis.connection();
+    let key = format!("sess:rig-s:{boot}");
+    let (c1, c2): (Option<String>, Option<String>) = redis::pipe()
+        .hget(&key, "c:1")
+        .hget(&key, "c:2")
+        .query(&mut con)
+        .unwrap();
+    assert!(c1.is_some() && c2.is_some(), "the unacked commands kept");
+}
+
 #[test]
 fn a_killed_brokers_unacked_commands_reach_the_rig_on_the_survivor() {
     let redis = RedisServer::start();
