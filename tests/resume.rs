@@ -4,6 +4,7 @@
 
 mod common;
 
+use std::collections::HashMap;
 use std::time::Duration;
 
 use common::broker::{boot_id, eventually, read_close, read_json, Broker, Ws};
@@ -368,6 +369,142 @@ fn a_command_delivered_while_redis_was_away_is_kept_when_it_returns() {
     });
     let c1: Option<String> = con.hget(&key, "c:1").unwrap();
     assert!(c1.is_some(), "what Redis had is still there");
+}
+
+/// Rig R on A has command 1 kept in Redis; Redis is then unreachable (`freeze`) or killed
+/// (`!freeze`), command 2 is delivered through A's admin API (not kept), and R disconnects,
+/// seen by A. Returns the brokers and R's boot; Redis is still down.
+fn rig_left_during_an_outage(
+    redis: &mut RedisServer,
+    rig: &str,
+    freeze: bool,
+) -> (Broker, Broker, String) {
+    let (a, b, boot, mut on_a, _) = rig_with_commands_on_a(redis, rig, "p", 1);
+    if freeze {
+        redis.freeze(true);
+        eventually(Duration::from_secs(15), "readyz 503", || {
+            a.http("GET", "/readyz", "").0 == 503
+        });
+    } else {
+        redis.kill9();
+    }
+    let (status, body) = a.http(
+        "POST",
+        &format!("/v1/rigs/{rig}/commands"),
+        r#"{"id":"p2","name":"n","args":{}}"#,
+    );
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(read_json(&mut on_a)["seq"], 2);
+    drop(on_a);
+    eventually(Duration::from_secs(10), "A sees the rig leave", || {
+        let body: Value = serde_json::from_str(&a.http("GET", "/v1/rigs", "").1).unwrap();
+        body.as_array().is_some_and(Vec::is_empty)
+    });
+    (a, b, boot)
+}
+
+/// Reads commands 1 and 2 of `rig_left_during_an_outage` in order, then control's next
+/// command through `broker` gets seq 3.
+fn replayed_then_continued(ws: &mut Ws, redis: &RedisServer, broker: &str, rig: &str) {
+    for i in 1..=2u64 {
+        let cmd = read_json(ws);
+        assert_eq!(
+            (cmd["seq"].clone(), cmd["id"].clone()),
+            (json!(i), json!(format!("p{i}"))),
+            "{cmd}"
+        );
+    }
+    let mut ctl = Control::new(redis, &[]);
+    let r = ctl.command_id(broker, rig, "p3", "n", json!({}));
+    assert_eq!(r["seq"], 3, "{r}");
+    assert_eq!(read_json(ws)["seq"], 3);
+}
+
+/// A rig that disconnected while Redis was away, which then came back empty, resumes on
+/// another broker with every command its old broker held for it: A puts the session it keeps
+/// parked back into Redis once it reconnects, since no one else holds the rig.
+#[test]
+fn a_rig_that_left_during_an_outage_resumes_elsewhere_with_what_its_broker_held() {
+    let mut redis = RedisServer::start();
+    let (_a, b, boot) = rig_left_during_an_outage(&mut redis, "rig-p", false);
+    redis.restart();
+    let key = format!("sess:rig-p:{boot}");
+    let mut con = redis.connection();
+    eventually(
+        Duration::from_secs(10),
+        "A puts the parked session back",
+        || {
+            let (c1, c2, next): (Option<String>, Option<String>, Option<String>) = redis::pipe()
+                .hget(&key, "c:1")
+                .hget(&key, "c:2")
+                .hget(&key, "next")
+                .query(&mut con)
+                .unwrap_or((None, None, None));
+            c1.is_some() && c2.is_some() && next.as_deref() == Some("3")
+        },
+    );
+    let lease: Option<String> = con.get("rig:rig-p").unwrap();
+    assert_eq!(lease, None, "A claims no lease for a rig it does not hold");
+    eventually(Duration::from_secs(10), "B back on Redis", || {
+        b.http("GET", "/readyz", "").0 == 200
+    });
+    let mut on_b = b.connect("/agent");
+    assert_eq!(hello(&mut on_b, "rig-p", &boot, Some(0))["resumed"], true);
+    replayed_then_continued(&mut on_b, &redis, "fe-b", "rig-p");
+}
+
+/// Redis unreachable but keeping everything (the lease too): the session goes back before the
+/// lease's release queued during the outage, which would otherwise leave the session Redis
+/// kept from before looking like someone's newer truth, without command 2.
+#[test]
+fn a_parked_session_goes_back_before_its_lease_is_released() {
+    let mut redis = RedisServer::start();
+    let (_a, b, boot) = rig_left_during_an_outage(&mut redis, "rig-q", true);
+    redis.freeze(false);
+    let key = format!("sess:rig-q:{boot}");
+    let mut con = redis.connection();
+    eventually(
+        Duration::from_secs(15),
+        "the session whole, the lease gone",
+        || {
+            let (c2, next, lease): (Option<String>, Option<String>, Option<String>) = redis::pipe()
+                .hget(&key, "c:2")
+                .hget(&key, "next")
+                .get("rig:rig-q")
+                .query(&mut con)
+                .unwrap_or((None, None, Some(String::new())));
+            c2.is_some() && next.as_deref() == Some("3") && lease.is_none()
+        },
+    );
+    eventually(Duration::from_secs(10), "B back on Redis", || {
+        b.http("GET", "/readyz", "").0 == 200
+    });
+    let mut on_b = b.connect("/agent");
+    assert_eq!(hello(&mut on_b, "rig-q", &boot, Some(0))["resumed"], true);
+    replayed_then_continued(&mut on_b, &redis, "fe-b", "rig-q");
+}
+
+/// The same rig coming back to A itself resumes from A's parked state, and the session in
+/// Redis agrees with it (so a later resume elsewhere would too).
+#[test]
+fn a_rig_that_left_during_an_outage_resumes_on_its_own_broker() {
+    let mut redis = RedisServer::start();
+    let (a, _b, boot) = rig_left_during_an_outage(&mut redis, "rig-s", false);
+    redis.restart();
+    eventually(Duration::from_secs(10), "A back on Redis", || {
+        a.http("GET", "/readyz", "").0 == 200
+    });
+    let mut on_a = a.connect("/agent");
+    assert_eq!(hello(&mut on_a, "rig-s", &boot, Some(0))["resumed"], true);
+    replayed_then_continued(&mut on_a, &redis, "fe-a", "rig-s");
+    let mut con = redis.connection();
+    let key = format!("sess:rig-s:{boot}");
+    let (c1, c2): (Option<String>, Option<String>) = redis::pipe()
+        .hget(&key, "c:1")
+        .hget(&key, "c:2")
+        .query(&mut con)
+        .unwrap();
+    assert!(c1.is_some() && c2.is_some(), "the unacked commands kept");
 }
 
 #[test]
@@ -965,12 +1102,12 @@ fn rekeep_is_fenced_and_never_lowers_next() {
     let _: () = con
         .hset_multiple(&sess_a, &[("next", "9"), ("c:8", "{}")])
         .unwrap();
-    let cmds: Vec<(Seq, Box<[u8]>)> = vec![(Seq(5), b"{\"seq\":5}".to_vec().into_boxed_slice())];
     let session = |rig, next| Rekeep {
         rig,
         boot: &boot,
         next: Seq(next),
-        cmds: &cmds,
+        cmds: vec![(Seq(5), b"{\"seq\":5}".as_slice())],
+        parked: false,
     };
     let kept = scripts
         .rekeep(
@@ -1013,6 +1150,7 @@ fn rekeep_is_fenced_and_never_lowers_next() {
         .arg(60_000)
         .arg(format!("{boot}|fe-a"))
         .arg(13)
+        .arg("live")
         .arg("x1")
         .arg("{}")
         .query::<redis::Value>(&mut con)
@@ -1022,4 +1160,99 @@ fn rekeep_is_fenced_and_never_lowers_next() {
     assert!(c_x.is_none());
     let next: String = con.hget(&sess_a, "next").unwrap();
     assert_eq!(next, "12", "nothing written by a malformed call");
+}
+
+/// `rekeep.lua` for a session parked on a broker for a disconnected rig: its lease was
+/// released or lost, so it is written only where no one else holds the rig: the lease absent
+/// and the session not in Redis, or the lease still ours (merged, as for a connected rig).
+/// A session Redis already holds under no lease is someone's newer truth, left alone; so is
+/// a rig leased to another broker. A mode other than live or parked writes nothing.
+#[test]
+fn rekeep_of_a_parked_session_is_written_only_where_no_one_else_holds_the_rig() {
+    // `_redis` (not `_`): the server lives as long as the test.
+    let (_redis, mut con, scripts, a, b, boot) = rigs_leased_to_fe_a_and_fe_b();
+    let (c, d) = (
+        RigId::parse("rig-c").unwrap(),
+        RigId::parse("rig-d").unwrap(),
+    );
+    // rig-c: no lease, no session (Redis restarted empty). rig-d: no lease, a session a
+    // resume elsewhere wrote. rig-a: our lease, a session with c:8 kept since. rig-b: fe-b's.
+    let sess = |rig: &RigId| format!("sess:{rig}:{boot}");
+    let _: () = con.hset(sess(&d), "next", "1").unwrap();
+    let _: () = con
+        .hset_multiple(sess(&a), &[("next", "9"), ("c:8", "{}")])
+        .unwrap();
+    let parked = |rig| Rekeep {
+        rig,
+        boot: &boot,
+        next: Seq(3),
+        cmds: vec![(Seq(1), b"c1".as_slice()), (Seq(2), b"c2".as_slice())],
+        parked: true,
+    };
+    let kept = scripts
+        .rekeep(
+            &mut con,
+            &[parked(&c), parked(&d), parked(&a), parked(&b)],
+            "fe-a",
+            Duration::from_secs(60),
+        )
+        .unwrap();
+    assert_eq!(kept, [true, false, true, false]);
+
+    let written: HashMap<String, String> = con.hgetall(sess(&c)).unwrap();
+    let want: HashMap<String, String> = [("next", "3"), ("c:1", "c1"), ("c:2", "c2")]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    assert_eq!(written, want);
+    let ttl: i64 = con.pttl(sess(&c)).unwrap();
+    assert!(ttl > 50_000 && ttl <= 60_000, "{ttl}");
+    let pointer: Option<String> = con.get("sessof:rig-c").unwrap();
+    assert_eq!(pointer.as_deref(), Some(boot.as_str()));
+    let lease: Option<String> = con.get("rig:rig-c").unwrap();
+    assert_eq!(lease, None, "a parked session claims no lease");
+
+    let left: HashMap<String, String> = con.hgetall(sess(&d)).unwrap();
+    assert_eq!(left.len(), 1, "the newer truth left alone: {left:?}");
+    let pointer: Option<String> = con.get("sessof:rig-d").unwrap();
+    assert_eq!(pointer, None);
+
+    let merged: HashMap<String, String> = con.hgetall(sess(&a)).unwrap();
+    assert_eq!(
+        merged.get("next").map(String::as_str),
+        Some("9"),
+        "not lowered"
+    );
+    assert_eq!(merged.get("c:1").map(String::as_str), Some("c1"));
+    assert!(merged.contains_key("c:8"));
+
+    let exists: bool = con.exists(sess(&b)).unwrap();
+    assert!(!exists, "written under another broker's lease");
+
+    // A connected rig's session is not written without its lease, even where none exists.
+    let live = Rekeep {
+        parked: false,
+        ..parked(&c)
+    };
+    let _: () = con.del(sess(&c)).unwrap();
+    let kept = scripts
+        .rekeep(&mut con, &[live], "fe-a", Duration::from_secs(60))
+        .unwrap();
+    assert_eq!(kept, [false]);
+
+    let err = redis::cmd("EVAL")
+        .arg(include_str!("../lua/rekeep.lua"))
+        .arg(3)
+        .arg("rig:rig-c")
+        .arg(sess(&c))
+        .arg("sessof:rig-c")
+        .arg(60_000)
+        .arg(format!("{boot}|fe-a"))
+        .arg(3)
+        .arg("stale")
+        .query::<redis::Value>(&mut con)
+        .unwrap_err();
+    assert!(err.to_string().contains("mode must be"), "{err}");
+    let exists: bool = con.exists(sess(&c)).unwrap();
+    assert!(!exists, "nothing written by a malformed call");
 }

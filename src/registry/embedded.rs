@@ -379,6 +379,22 @@ impl Embedded {
         self.rigs.iter().map(|(r, e)| (r.clone(), e.boot)).collect()
     }
 
+    /// Every session parked here for a disconnected rig, with its boot (to be put back into
+    /// Redis after Redis lost them or missed commands delivered while it was away).
+    pub fn parked_sessions(&self) -> Vec<(RigId, BootId)> {
+        self.parked
+            .iter()
+            .map(|(r, p)| (r.clone(), p.boot))
+            .collect()
+    }
+
+    /// `rig`'s parked session: its boot, next seq and the unacked commands it carries.
+    pub fn parked(&self, rig: &RigId) -> Option<(BootId, Seq, &[SeqCommand])> {
+        self.parked
+            .get(rig)
+            .map(|p| (p.boot, p.next_seq, &p.carried[..]))
+    }
+
     /// Another broker owns `rig` now (a refresh said superseded, or an evict arrived with a boot
     /// at least as new as ours): close the local connection with 4410 and forget the entry.
     pub fn supersede(&mut self, rig: &RigId, at_least: Option<BootId>) -> Vec<Action> {

@@ -319,7 +319,7 @@ impl Fleet {
         }
     }
 
-    /// Puts connected rigs' sessions back (fenced by our leases). None when Redis is unavailable.
+    /// Puts sessions back (see [`SessionScripts::rekeep`]). None when Redis is unavailable.
     pub(crate) fn rekeep(&mut self, sessions: &[Rekeep<'_>], ttl: Duration) -> Option<Vec<bool>> {
         let con = self.con.as_mut()?;
         match self.sessions.rekeep(con, sessions, &self.broker_id, ttl) {
@@ -469,6 +469,29 @@ impl Fleet {
         }
         self.releases.push((rig, boot));
         true
+    }
+
+    /// Takes back the queued releases of these leases, and returns the ones it found, for the
+    /// caller to queue again later: a session parked for a rig must be put back before its
+    /// lease goes. If Redis kept the lease through the outage, `rekeep.lua` merges under it;
+    /// released first, the script would find only the session Redis kept from before the
+    /// outage, leave it as someone's newer truth, and the commands delivered since were lost.
+    pub(crate) fn hold_releases(
+        &mut self,
+        which: &HashSet<(RigId, BootId)>,
+    ) -> HashSet<(RigId, BootId)> {
+        let mut held = HashSet::new();
+        if which.is_empty() {
+            return held;
+        }
+        self.releases.retain(|r| {
+            if which.contains(r) {
+                held.insert(r.clone());
+                return false;
+            }
+            true
+        });
+        held
     }
 
     /// Queues a PUBLISH (sent with the next flush, in order). Past the bounds it is dropped

@@ -5,8 +5,9 @@
 //! - `persist.lua` adds commands, fenced by the lease: a broker that lost the rig cannot add.
 //! - `resume.lua` tells a hello what its session holds, and hands back the unacked commands
 //!   of the rig's previous boot (reported `rig_rebooted`, never replayed).
-//! - `rekeep.lua` puts a connected rig's unacked commands back after Redis lost them (it
-//!   restarted empty), fenced like `persist.lua`.
+//! - `rekeep.lua` puts a session back after Redis lost it (it restarted empty) or missed
+//!   commands (delivered while it was away): a connected rig's fenced like `persist.lua`, a
+//!   session parked here for a disconnected rig only where no one else holds the rig.
 //! - Acks delete with a plain `HDEL` (no check needed: deleting an acked command is always
 //!   right), sent in paced batches by the bridge's Redis I/O (`fleet.rs`).
 
@@ -61,7 +62,7 @@ pub struct Resumed {
     pub previous_boot: Option<String>,
 }
 
-/// A connected rig's session as its broker holds it, to put back into Redis.
+/// A rig's session as its broker holds it, to put back into Redis.
 #[derive(Debug, Clone)]
 pub struct Rekeep<'a> {
     /// The rig.
@@ -71,7 +72,11 @@ pub struct Rekeep<'a> {
     /// The session's next seq.
     pub next: Seq,
     /// Its commands not yet acked, as sent to the rig.
-    pub cmds: &'a [(Seq, Box<[u8]>)],
+    pub cmds: Vec<(Seq, &'a [u8])>,
+    /// The rig is not connected here: the broker holds the session parked for its return, and
+    /// its lease was released (or lost). Then no lease is ours to fence by, and the session
+    /// is written only where no one else holds the rig (`rekeep.lua`, mode `parked`).
+    pub parked: bool,
 }
 
 /// The session scripts.
@@ -98,8 +103,9 @@ impl SessionScripts {
         }
     }
 
-    /// Puts `sessions` back into Redis, each fenced by `broker_id`'s lease, [`REKEEP_CHUNK`]
-    /// script calls per round trip; one status per session, true = kept.
+    /// Puts `sessions` back into Redis, each fenced by `broker_id`'s lease (a parked one as
+    /// `rekeep.lua` says), [`REKEEP_CHUNK`] script calls per round trip; one status per
+    /// session, true = kept.
     pub fn rekeep(
         &self,
         con: &mut impl ConnectionLike,
@@ -123,9 +129,10 @@ impl SessionScripts {
                     .arg(pointer_key(s.rig))
                     .arg(ttl_ms(ttl))
                     .arg(tuple(s.boot, broker_id))
-                    .arg(s.next.0);
-                for (seq, json) in s.cmds {
-                    call.arg(seq.0).arg(&json[..]);
+                    .arg(s.next.0)
+                    .arg(if s.parked { "parked" } else { "live" });
+                for (seq, json) in &s.cmds {
+                    call.arg(seq.0).arg(*json);
                 }
             }
             let replies: Vec<Value> = pipe.query(con)?;

@@ -60,6 +60,7 @@ impl Bridge {
         // A hello must find in Redis what was held for its rig before it.
         self.flush_holds();
         let hellos = std::mem::take(&mut self.hellos);
+        self.rekeep_parked_of(hellos.iter().map(|h| &h.rig));
         let ttl = self.cfg.registry_ttl;
         if self.fleet.is_some() {
             // The verdicts already decided must not wait on these hellos' round trips.

@@ -9,8 +9,8 @@
 //!
 //! This module holds the thread's loop, its inbox dispatch and its hand-offs to cores; the
 //! rest of its work is split by job: `hellos`, `holds` (offline rigs), `broadcast`,
-//! `redis_io` (the subscription and paced writes), `upkeep` (timers) and `shared` (what the
-//! admin thread reads).
+//! `redis_io` (the subscription and paced writes), `rekeeps` (sessions put back after Redis
+//! lost them), `upkeep` (timers) and `shared` (what the admin thread reads).
 
 mod broadcast;
 mod hellos;

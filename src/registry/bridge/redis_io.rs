@@ -13,12 +13,9 @@ use crate::registry::fleet::{self, Fleet};
 use crate::registry::msg::{PersistReq, ReplyTo, ToCore};
 use crate::registry::pace::Queued;
 use crate::registry::scripts::RefreshStatus;
-use crate::registry::sessions::{Kept, Persist, Rekeep};
+use crate::registry::sessions::{Kept, Persist};
 use crate::registry::throttle::Throttle;
 use crate::reply;
-
-/// Sessions put back into Redis per pass of the bridge loop (see `Bridge::rekeep_sessions`).
-const REKEEP_PER_PASS: usize = 2000;
 
 impl Bridge {
     /// Reads the subscription, then sends queued persists, publishes and releases unless
@@ -325,40 +322,6 @@ impl Bridge {
         for &i in which {
             if let Some(k) = kept.get_mut(i) {
                 *k = Kept::Unavailable;
-            }
-        }
-    }
-
-    /// Puts back the sessions the cores sent after a reconnect or a restored lease (see
-    /// [`Self::refresh`]).
-    pub(super) fn rekeep_sessions(&mut self) {
-        if self.rekeeps.is_empty() {
-            return;
-        }
-        // A pass at a time, so that after a reconnect with a big fleet hellos and commands
-        // get their turn between passes.
-        let sent = self.rekeeps.take(REKEEP_PER_PASS);
-        let sessions: Vec<Rekeep<'_>> = sent
-            .iter()
-            .map(|r| Rekeep {
-                rig: &r.rig,
-                boot: &r.boot,
-                next: r.next,
-                cmds: &r.cmds,
-            })
-            .collect();
-        let ttl = self.cfg.session_ttl;
-        match self.fleet.as_mut().and_then(|f| f.rekeep(&sessions, ttl)) {
-            Some(kept) => {
-                for ok in kept {
-                    self.shared
-                        .count("rekeep", if ok { "ok" } else { "fenced" });
-                }
-            }
-            None => {
-                for _ in &sessions {
-                    self.shared.count("rekeep", "unavailable");
-                }
             }
         }
     }

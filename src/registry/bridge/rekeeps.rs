@@ -1,33 +1,89 @@
-//! Sessions waiting to be put back into Redis, one entry per session. A Redis that flaps
-//! makes every core send every connected session again at each reconnect; keeping only the
-//! latest copy bounds the queue by the sessions this broker holds.
+//! Sessions waiting to be put back into Redis, one entry per session, and the bridge's work of
+//! putting them back. A Redis that flaps makes every core send every connected session again
+//! at each reconnect; keeping only the latest copy bounds the queue by the sessions this
+//! broker holds.
+//!
+//! Two kinds go back. A connected rig's session comes from its core (see `Bridge::refresh`),
+//! fenced by the rig's lease. A session parked here for a rig that disconnected (while Redis
+//! was away, say, with commands delivered unkept) is queued by the bridge at the same
+//! reconnect, and read from the registry when it is sent, so it goes as it then is: its lease
+//! was released or lost with Redis, so `rekeep.lua` writes it only where no one else holds the
+//! rig. Without it, a rig that disconnected during an outage and resumed on another broker
+//! lost the commands its old broker still held.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 
+use super::Bridge;
 use crate::ids::{BootId, RigId};
 use crate::registry::msg::RekeepReq;
+use crate::registry::sessions::Rekeep;
+
+/// Sessions put back into Redis per pass of the bridge loop (see `Bridge::rekeep_sessions`).
+const REKEEP_PER_PASS: usize = 2000;
+
+/// A session queued to be put back.
+#[derive(Debug)]
+pub(super) enum Pending {
+    /// A connected rig's session, as its core sent it.
+    Live(RekeepReq),
+    /// A session parked in the registry for a disconnected rig, read when sent. `release`:
+    /// its lease's release was taken back from the queue (see `Fleet::hold_releases`) and is
+    /// queued again once this is written.
+    Parked { release: bool },
+}
 
 /// Sessions to put back, oldest first; a newer copy of a queued session replaces it in place.
 #[derive(Default)]
 pub(super) struct Rekeeps {
     order: VecDeque<(RigId, BootId)>,
-    latest: HashMap<(RigId, BootId), RekeepReq>,
+    latest: HashMap<(RigId, BootId), Pending>,
 }
 
 impl Rekeeps {
     pub(super) fn push(&mut self, r: RekeepReq) {
-        let key = (r.rig.clone(), r.boot);
-        if self.latest.insert(key.clone(), r).is_none() {
+        // A connected rig's state replaces a parked copy of the same session: the rig came
+        // back, and a release taken back for it would now delete the rig's current lease.
+        self.insert((r.rig.clone(), r.boot), Pending::Live(r));
+    }
+
+    /// Queues the session parked for `rig`; `release` as in [`Pending::Parked`] (kept when it
+    /// was queued already: that release is still held back).
+    pub(super) fn push_parked(&mut self, rig: RigId, boot: BootId, release: bool) {
+        let key = (rig, boot);
+        let release = release
+            || matches!(
+                self.latest.get(&key),
+                Some(Pending::Parked { release: true })
+            );
+        self.insert(key, Pending::Parked { release });
+    }
+
+    fn insert(&mut self, key: (RigId, BootId), p: Pending) {
+        if self.latest.insert(key.clone(), p).is_none() {
             self.order.push_back(key);
         }
     }
 
-    /// Puts a queued session first: its lease is about to be released, after which Redis
-    /// would refuse it. (Its old place in the order is skipped when reached.)
+    /// Puts a queued connected session first: its lease is about to be released, after which
+    /// Redis would refuse it. (Its old place in the order is skipped when reached.) A parked
+    /// one holds its own release back.
     pub(super) fn hurry(&mut self, rig: &RigId, boot: BootId) {
         let key = (rig.clone(), boot);
-        if self.latest.contains_key(&key) {
+        if matches!(self.latest.get(&key), Some(Pending::Live(_))) {
             self.order.push_front(key);
+        }
+    }
+
+    /// Takes the parked session queued for `rig` and `boot`, if any: its `release` flag.
+    pub(super) fn take_parked(&mut self, rig: &RigId, boot: BootId) -> Option<bool> {
+        let key = (rig.clone(), boot);
+        match self.latest.get(&key)? {
+            Pending::Parked { release } => {
+                let release = *release;
+                self.latest.remove(&key);
+                Some(release)
+            }
+            Pending::Live(_) => None,
         }
     }
 
@@ -40,30 +96,172 @@ impl Rekeeps {
     }
 
     /// Takes up to `n`, oldest first.
-    pub(super) fn take(&mut self, n: usize) -> Vec<RekeepReq> {
+    pub(super) fn take(&mut self, n: usize) -> Vec<(RigId, BootId, Pending)> {
         let mut out = Vec::with_capacity(n.min(self.len()));
         while out.len() < n {
             let Some(key) = self.order.pop_front() else {
                 break;
             };
-            out.extend(self.latest.remove(&key));
+            if let Some(p) = self.latest.remove(&key) {
+                out.push((key.0, key.1, p));
+            }
         }
         out
     }
 }
 
+impl Bridge {
+    /// At a reconnect (see `Bridge::refresh`): queues every session parked here to go back,
+    /// holding back the queued releases of their leases until each is written.
+    pub(super) fn queue_parked_rekeeps(&mut self) {
+        let parked = self.registry.parked_sessions();
+        if parked.is_empty() {
+            return;
+        }
+        let which: HashSet<(RigId, BootId)> = parked.iter().cloned().collect();
+        let held = self
+            .fleet
+            .as_mut()
+            .map(|f| f.hold_releases(&which))
+            .unwrap_or_default();
+        for (rig, boot) in parked {
+            let release = held.contains(&(rig.clone(), boot));
+            self.rekeeps.push_parked(rig, boot, release);
+        }
+    }
+
+    /// Puts back the sessions queued after a reconnect or a restored lease, a pass's worth.
+    pub(super) fn rekeep_sessions(&mut self) {
+        if self.rekeeps.is_empty() {
+            return;
+        }
+        // A pass at a time, so that after a reconnect with a big fleet hellos and commands
+        // get their turn between passes.
+        let taken = self.rekeeps.take(REKEEP_PER_PASS);
+        self.rekeep_now(taken);
+    }
+
+    /// Before hellos of these rigs are answered: the sessions parked for them and still
+    /// queued go back first, so the hello's session read finds them (a rig back on this
+    /// broker merges them with its parked state; a new boot has them reported
+    /// `rig_rebooted`), and the release held back for a lease the hello claims again is
+    /// queued before the hello drops it.
+    pub(super) fn rekeep_parked_of<'a>(&mut self, rigs: impl Iterator<Item = &'a RigId>) {
+        if self.rekeeps.is_empty() {
+            return;
+        }
+        let mut taken = Vec::new();
+        for rig in rigs {
+            let Some((boot, _, _)) = self.registry.parked(rig) else {
+                continue;
+            };
+            if let Some(release) = self.rekeeps.take_parked(rig, boot) {
+                taken.push((rig.clone(), boot, Pending::Parked { release }));
+            }
+        }
+        if !taken.is_empty() {
+            self.rekeep_now(taken);
+        }
+    }
+
+    /// One batch of `rekeep.lua` calls, counted by kind and outcome; then the releases held
+    /// back for the parked sessions among them are queued again.
+    fn rekeep_now(&mut self, taken: Vec<(RigId, BootId, Pending)>) {
+        let mut releases = Vec::new();
+        let mut sessions = Vec::with_capacity(taken.len());
+        for (rig, boot, pending) in &taken {
+            match pending {
+                Pending::Live(r) => sessions.push(Rekeep {
+                    rig,
+                    boot,
+                    next: r.next,
+                    cmds: r.cmds.iter().map(|(seq, json)| (*seq, &json[..])).collect(),
+                    parked: false,
+                }),
+                Pending::Parked { release } => {
+                    if *release {
+                        releases.push((rig.clone(), *boot));
+                    }
+                    // Gone since it was queued (expired, or its rig is back and holds it).
+                    let Some((_, next, carried)) =
+                        self.registry.parked(rig).filter(|(b, _, _)| b == boot)
+                    else {
+                        continue;
+                    };
+                    sessions.push(Rekeep {
+                        rig,
+                        boot,
+                        next,
+                        // Held commands never reach a parked session (the connection waits
+                        // for their persists before it hands its session over); filtered in
+                        // case.
+                        cmds: carried
+                            .iter()
+                            .filter(|c| !c.held)
+                            .map(|c| (c.seq, &c.json[..]))
+                            .collect(),
+                        parked: true,
+                    });
+                }
+            }
+        }
+        let parked: Vec<bool> = sessions.iter().map(|s| s.parked).collect();
+        let ttl = self.cfg.session_ttl;
+        let kept = match sessions.is_empty() {
+            true => Some(Vec::new()),
+            false => self.fleet.as_mut().and_then(|f| f.rekeep(&sessions, ttl)),
+        };
+        drop(sessions);
+        for (i, parked) in parked.into_iter().enumerate() {
+            let op = if parked { "rekeep_parked" } else { "rekeep" };
+            let result = match kept.as_ref().map(|k| k.get(i).copied()) {
+                Some(Some(true)) => "ok",
+                Some(_) => "fenced",
+                None => "unavailable",
+            };
+            self.shared.count(op, result);
+        }
+        // Redis away again: the release waits in the queue as any other, and the next
+        // reconnect takes it back again with its session.
+        for (rig, boot) in releases {
+            if let Some(f) = self.fleet.as_mut() {
+                let queued = f.release(rig, boot);
+                self.shared
+                    .count("release", if queued { "sent" } else { "dropped" });
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
-    use super::*;
-    use crate::ids::Seq;
+    use std::sync::atomic::Ordering;
 
-    fn req(rig: &str, next: u64) -> RekeepReq {
+    use super::*;
+    use crate::ids::{ConnId, CoreId, Seq};
+    use crate::registry::bridge::testing::bridge;
+    use crate::registry::bridge::REGISTRY_OPS;
+    use crate::registry::msg::{SeqCommand, ToBridge};
+
+    fn boot() -> BootId {
+        BootId::parse("0190f5c2-0000-7000-8000-000000000001").expect("boot")
+    }
+
+    fn rig(name: &str) -> RigId {
+        RigId::parse(name).expect("rig")
+    }
+
+    fn req(name: &str, next: u64) -> RekeepReq {
         RekeepReq {
-            rig: RigId::parse(rig).expect("rig"),
-            boot: BootId::parse("0190f5c2-0000-7000-8000-000000000001").expect("boot"),
+            rig: rig(name),
+            boot: boot(),
             next: Seq(next),
             cmds: Vec::new(),
         }
+    }
+
+    fn rigs(taken: &[(RigId, BootId, Pending)]) -> Vec<String> {
+        taken.iter().map(|(r, _, _)| r.to_string()).collect()
     }
 
     #[test]
@@ -75,25 +273,124 @@ mod tests {
         assert_eq!(q.len(), 2);
         let first = q.take(1);
         assert_eq!(first.len(), 1);
-        assert_eq!((first[0].rig.as_str(), first[0].next), ("rig-a", Seq(5)));
+        match &first[..] {
+            [(r, _, Pending::Live(req))] => assert_eq!((r.as_str(), req.next), ("rig-a", Seq(5))),
+            other => panic!("{other:?}"),
+        }
         let rest = q.take(10);
-        assert_eq!(rest.len(), 1);
-        assert_eq!(rest[0].rig.as_str(), "rig-b");
+        assert_eq!(rigs(&rest), ["rig-b"]);
         assert!(q.is_empty());
     }
 
     #[test]
     fn a_hurried_session_goes_first_and_only_once() {
         let mut q = Rekeeps::default();
-        for rig in ["rig-a", "rig-b", "rig-c"] {
-            q.push(req(rig, 1));
+        for name in ["rig-a", "rig-b", "rig-c"] {
+            q.push(req(name, 1));
         }
-        let c = req("rig-c", 1);
-        q.hurry(&c.rig, c.boot);
-        q.hurry(&RigId::parse("rig-z").expect("rig"), c.boot);
-        let rigs: Vec<String> = q.take(10).iter().map(|r| r.rig.to_string()).collect();
-        assert_eq!(rigs, ["rig-c", "rig-a", "rig-b"]);
+        q.hurry(&rig("rig-c"), boot());
+        q.hurry(&rig("rig-z"), boot());
+        assert_eq!(rigs(&q.take(10)), ["rig-c", "rig-a", "rig-b"]);
         assert!(q.is_empty());
         assert!(q.take(10).is_empty());
+    }
+
+    /// A parked session keeps the release held back for it however often it is queued, and
+    /// is taken out by itself (a hello of its rig) but not as a connected one.
+    #[test]
+    fn a_parked_session_keeps_its_held_release_and_is_taken_alone() {
+        let mut q = Rekeeps::default();
+        q.push_parked(rig("rig-p"), boot(), true);
+        q.push(req("rig-l", 1));
+        q.push_parked(rig("rig-p"), boot(), false);
+        q.hurry(&rig("rig-p"), boot());
+        assert_eq!(q.take_parked(&rig("rig-l"), boot()), None, "a live one");
+        assert_eq!(q.take_parked(&rig("rig-p"), boot()), Some(true));
+        assert_eq!(q.take_parked(&rig("rig-p"), boot()), None, "taken once");
+        assert_eq!(rigs(&q.take(10)), ["rig-l"]);
+        // The rig came back: its connection's state replaces the parked copy.
+        q.push_parked(rig("rig-p"), boot(), true);
+        q.push(req("rig-p", 3));
+        match &q.take(10)[..] {
+            [(_, _, Pending::Live(r))] => assert_eq!(r.next, Seq(3)),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    fn counted(b: &Bridge, op: (&str, &str)) -> u64 {
+        let i = REGISTRY_OPS.iter().position(|&o| o == op).expect("op");
+        b.shared.ops[i].load(Ordering::Relaxed)
+    }
+
+    /// A rig parked on a bridge whose Redis is away: its lease's release is queued.
+    fn parked_rig(b: &mut Bridge) -> (RigId, ConnId) {
+        let (rig, conn) = (rig("rig-p"), ConnId::new(CoreId(0), 1));
+        b.registry.hello(conn, rig.clone(), boot(), vec![]);
+        b.handle(ToBridge::Closed {
+            conn,
+            rig: rig.clone(),
+            boot: boot(),
+            next_seq: Seq(3),
+            carried: vec![SeqCommand::for_test(2, 4, false)],
+        });
+        (rig, conn)
+    }
+
+    fn releases(b: &Bridge) -> usize {
+        b.fleet.as_ref().map_or(0, |f| f.queued())
+    }
+
+    /// The release of a parked session's lease waits for the session to be put back: sent
+    /// first, it would fence the session where Redis kept the lease through the outage.
+    #[test]
+    fn a_parked_sessions_release_waits_for_its_rekeep() {
+        let (mut b, _core) = bridge();
+        parked_rig(&mut b);
+        let queued = releases(&b);
+        assert!(queued >= 1, "the release queued");
+        b.queue_parked_rekeeps();
+        assert_eq!(releases(&b), queued - 1, "held back");
+        assert_eq!(b.rekeeps.len(), 1);
+        // Redis is away here: counted, and the release goes back to its queue.
+        b.rekeep_sessions();
+        assert!(b.rekeeps.is_empty());
+        assert_eq!(releases(&b), queued);
+        assert_eq!(counted(&b, ("rekeep_parked", "unavailable")), 1);
+        assert_eq!(counted(&b, ("rekeep", "unavailable")), 0);
+    }
+
+    /// The rig says hello on this broker again while its parked session waits to go back: it
+    /// goes before the hello (with Redis away, it is counted and dropped: the rig's
+    /// connection holds the session now), the release held back is queued again and then
+    /// dropped, since the hello claims that very lease, and the rig resumes from what was
+    /// parked.
+    #[test]
+    fn a_hello_of_a_parked_rig_puts_its_session_back_first() {
+        let (mut b, core) = bridge();
+        let (rig, _) = parked_rig(&mut b);
+        let queued = releases(&b);
+        b.queue_parked_rekeeps();
+        let conn = ConnId::new(CoreId(0), 2);
+        b.handle(ToBridge::Hello {
+            conn,
+            rig,
+            boot: boot(),
+            labels: vec![],
+        });
+        b.flush_hellos();
+        assert!(b.rekeeps.is_empty());
+        assert_eq!(counted(&b, ("rekeep_parked", "unavailable")), 1);
+        assert_eq!(
+            releases(&b),
+            queued - 1,
+            "the claimed lease is not released"
+        );
+        let resumed = std::iter::from_fn(|| core.try_recv()).any(|m| {
+            matches!(m, crate::registry::msg::ToCore::Verdict {
+                conn: c,
+                verdict: crate::registry::msg::Verdict::Accept { next_seq: Seq(3), resumed: true, .. },
+            } if c == conn)
+        });
+        assert!(resumed, "resumed from the parked session");
     }
 }

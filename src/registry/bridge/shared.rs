@@ -10,7 +10,7 @@ use crate::metrics::BridgeStats;
 const CANARY_STALE: Duration = Duration::from_secs(5);
 
 /// Registry operations counted by (op, result), in this order.
-pub const REGISTRY_OPS: [(&str, &str); 37] = [
+pub const REGISTRY_OPS: [(&str, &str); 40] = [
     ("offline", "held"),
     ("offline", "full"),
     ("offline", "connected_elsewhere"),
@@ -24,6 +24,9 @@ pub const REGISTRY_OPS: [(&str, &str); 37] = [
     ("rekeep", "ok"),
     ("rekeep", "fenced"),
     ("rekeep", "unavailable"),
+    ("rekeep_parked", "ok"),
+    ("rekeep_parked", "fenced"),
+    ("rekeep_parked", "unavailable"),
     ("hello", "ok"),
     ("hello", "older"),
     ("hello", "unavailable"),

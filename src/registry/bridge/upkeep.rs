@@ -81,6 +81,13 @@ impl Bridge {
     fn refresh(&mut self) {
         // Taken here: a failed refresh means Redis is away again, and its return sets it anew.
         let everyone = std::mem::take(&mut self.rekeep_all);
+        // Sessions parked here for rigs that disconnected go back too: one that left while
+        // Redis was away carries commands Redis never kept, and one that left before an empty
+        // restart lived only in Redis and here. Queued even if this refresh fails: the queue
+        // waits for Redis, and the next reconnect queues them again in place.
+        if everyone && !self.cfg.session_ttl.is_zero() {
+            self.queue_parked_rekeeps();
+        }
         let entries = self.registry.live_sessions();
         if entries.is_empty() {
             return;
