@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use fleetlink::config::{Cli, Config, Tool};
+use fleetlink::config::{error_line, Cli, Config, Tool};
 use fleetlink::jwt::JwtVerifier;
 use fleetlink::registry::bridge::{self, BridgeShared};
 use fleetlink::registry::msg::{ToBridge, ToCore};
@@ -33,7 +33,7 @@ fn main() -> ExitCode {
         Err(e) => match e.downcast::<clap::Error>() {
             Ok(clap_err) => clap_err.exit(),
             Err(e) => {
-                eprintln!("fleetlink-fe: {e:#}");
+                eprintln!("fleetlink-fe: {}", error_line(&e));
                 return ExitCode::from(64);
             }
         },
@@ -57,7 +57,7 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("fleetlink-fe: {e:#}");
+            eprintln!("fleetlink-fe: {}", error_line(&e));
             ExitCode::FAILURE
         }
     }
