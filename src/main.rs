@@ -128,7 +128,8 @@ fn run(cfg: Config) -> anyhow::Result<()> {
         drain_tx.clone(),
     ));
     admin::spawn(admin_listener, admin, pool)?;
-    spawn_signal_thread(drain_tx)?;
+    let (signal_tx, signal_rx) = crossbeam_channel::bounded::<&'static str>(4);
+    spawn_signal_thread(signal_tx, cfg.tls.is_some())?;
 
     // Machine-readable: tests and scripts wait for this line to learn the bound ports.
     println!(
@@ -141,15 +142,24 @@ fn run(cfg: Config) -> anyhow::Result<()> {
         cfg.cores
     );
 
-    let _ = drain_rx.recv();
+    let cause = crossbeam_channel::select! {
+        recv(signal_rx) -> name => name.map_or(DrainCause::AdminApi, DrainCause::Signal),
+        recv(drain_rx) -> _ => DrainCause::AdminApi,
+    };
     draining.store(true, Ordering::SeqCst);
-    log::info!("draining over {:?}", cfg.drain);
-    // Past the inboxes' bounds: a drain or shutdown that a full inbox refused would leave
-    // the process waiting for that thread forever.
-    for core in &core_txs {
-        let _ = core.push_owed(ToCore::Drain { window: cfg.drain });
-        core.ring();
-    }
+    log::info!("draining over {:?} ({cause})", cfg.drain);
+    drain_cores(&core_txs, cfg.drain);
+    // Only a signal cuts the drain short: an operator pressing Ctrl-C again means "now",
+    // while a retried POST /v1/drain is just a retry.
+    let cut_txs = core_txs.clone();
+    std::thread::Builder::new()
+        .name("fleetlink-drain-cut".into())
+        .spawn(move || {
+            if let Ok(name) = signal_rx.recv() {
+                log::warn!("{name} during the drain: closing every rig now (1001)");
+                drain_cores(&cut_txs, Duration::ZERO);
+            }
+        })?;
     for core in cores {
         let _ = core.join();
     }
@@ -158,6 +168,17 @@ fn run(cfg: Config) -> anyhow::Result<()> {
     let _ = bridge.join();
     log::info!("drained; exiting");
     Ok(())
+}
+
+/// Asks every core to drain over `window`; a core already draining closes its rigs at once
+/// when `window` is zero.
+fn drain_cores(cores: &[doorbell::Mailbox<ToCore>], window: Duration) {
+    // Past the inboxes' bounds: a drain or shutdown that a full inbox refused would leave
+    // the process waiting for that thread forever.
+    for core in cores {
+        let _ = core.push_owed(ToCore::Drain { window });
+        core.ring();
+    }
 }
 
 /// Loads TLS material (and starts its file/SIGHUP watcher) and the token verifier.
@@ -188,14 +209,46 @@ fn security(cfg: &Config) -> anyhow::Result<worker::Guard> {
     Ok(worker::Guard { tls, jwt })
 }
 
-fn spawn_signal_thread(drain: crossbeam_channel::Sender<()>) -> anyhow::Result<()> {
-    use signal_hook::consts::{SIGINT, SIGTERM};
-    let mut signals = signal_hook::iterator::Signals::new([SIGTERM, SIGINT])?;
+/// What started the drain, for the log.
+#[derive(Clone, Copy, Debug)]
+enum DrainCause {
+    Signal(&'static str),
+    AdminApi,
+}
+
+impl std::fmt::Display for DrainCause {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            DrainCause::Signal(name) => f.write_str(name),
+            DrainCause::AdminApi => f.write_str("POST /v1/drain"),
+        }
+    }
+}
+
+/// Handles SIGTERM/SIGINT (drain; the second one during a drain ends it at once) and SIGHUP,
+/// which must never keep its default action: that kills the broker without a drain, leaving
+/// its leases in Redis until they time out.
+fn spawn_signal_thread(
+    drain: crossbeam_channel::Sender<&'static str>,
+    tls: bool,
+) -> anyhow::Result<()> {
+    use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
+    let mut signals = signal_hook::iterator::Signals::new([SIGTERM, SIGINT, SIGHUP])?;
     std::thread::Builder::new()
         .name("fleetlink-signals".into())
         .spawn(move || {
-            for _ in signals.forever() {
-                let _ = drain.try_send(());
+            for signal in signals.forever() {
+                let name = match signal {
+                    SIGTERM => "SIGTERM",
+                    SIGINT => "SIGINT",
+                    // With TLS, the reloader's own SIGHUP thread reloads and logs it.
+                    _ if tls => continue,
+                    _ => {
+                        log::info!("SIGHUP: nothing to reload (no TLS files configured)");
+                        continue;
+                    }
+                };
+                let _ = drain.try_send(name);
             }
         })?;
     Ok(())
