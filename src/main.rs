@@ -12,7 +12,7 @@ use fleetlink::jwt::JwtVerifier;
 use fleetlink::registry::bridge::{self, BridgeShared};
 use fleetlink::registry::msg::{ToBridge, ToCore};
 use fleetlink::tls::{TlsPaths, TlsReloader};
-use fleetlink::{admin, doorbell, worker};
+use fleetlink::{admin, doorbell, metrics, worker};
 
 #[cfg(not(feature = "heap-stats"))]
 #[global_allocator]
@@ -120,6 +120,10 @@ fn run(cfg: Config) -> anyhow::Result<()> {
     }
     let draining = Arc::new(AtomicBool::new(false));
     let (drain_tx, drain_rx) = crossbeam_channel::bounded::<()>(4);
+    metrics::set_identity(metrics::Identity {
+        broker_id: cfg.broker_id.clone(),
+        fleet: cfg.redis.is_some(),
+    });
     let admin = Arc::new(admin::Admin::new(
         bridge_tx.clone(),
         core_txs.clone(),
