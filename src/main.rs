@@ -45,7 +45,12 @@ fn main() -> ExitCode {
             } else {
                 fleetlink::doctor::Transport::Plain
             };
-            return fleetlink::doctor::main_with(connections, cli.broker.cores, transport);
+            return fleetlink::doctor::main_with(
+                connections,
+                cli.broker.cores,
+                transport,
+                cli.broker.listen,
+            );
         }
         Some(Tool::DevCerts {
             out,
