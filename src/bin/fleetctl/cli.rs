@@ -64,7 +64,8 @@ pub(crate) enum Command {
         #[arg(value_parser = parse_rig)]
         rig: RigId,
     },
-    /// List connected rigs, one page at a time.
+    /// List connected rigs, one page at a time. With --json: every rig from --cursor to the
+    /// end, one rig object per line (pages are followed, and no cursor line is printed).
     List {
         /// Rigs per page (Redis: SCAN COUNT; a page may hold a few more).
         #[arg(long, default_value_t = 500, value_parser = clap::value_parser!(u64).range(1..=100_000))]
