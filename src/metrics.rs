@@ -371,7 +371,7 @@ const HELP: &[(&str, &str)] = &[
     ),
     (
         "fleetlink_admin_connections_moved_total",
-        "Admin connections handed from a core to the admin pool.",
+        "Admin connections moved to the core holding the rigs they command.",
     ),
     (
         "fleetlink_closes_total",
