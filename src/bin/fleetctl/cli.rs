@@ -347,7 +347,7 @@ mod tests {
                 "g=a",
                 "reboot",
                 "--timeout",
-                "99999999999999999999",
+                "99999999999999999999ms",
             ],
             &["kick", "rig-1", "--timeout", "9999999999999999999m"],
             &["events", "--for", "10000000000000000000s"],
@@ -359,6 +359,13 @@ mod tests {
             assert!(e.use_stderr());
         }
         assert!(load(&["send", "rig-1", "reboot", "--timeout", "8760h"]).is_ok());
+    }
+
+    #[test]
+    fn a_timeout_without_a_unit_is_a_usage_error() {
+        let e = load(&["send", "rig-1", "reboot", "--timeout", "5"]).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::ValueValidation);
+        assert!(e.to_string().contains("no unit"), "{e}");
     }
 
     #[test]
