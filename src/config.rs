@@ -17,7 +17,7 @@ use clap::{ArgAction, Args, CommandFactory, FromArgMatches, Parser, Subcommand};
 
 /// `fleetlink-fe`: the thread-per-core websocket broker for rig fleets.
 #[derive(Parser, Debug)]
-#[command(name = "fleetlink-fe", version, about, long_about = None)]
+#[command(name = "fleetlink-fe", version, about, long_about = None, after_help = AFTER_HELP)]
 pub struct Cli {
     /// Broker flags (used when no subcommand is given).
     #[command(flatten)]
@@ -26,6 +26,21 @@ pub struct Cli {
     #[command(subcommand)]
     pub tool: Option<Tool>,
 }
+
+/// What `--help` ends with: what a flag cannot say (docs/operations.md says it at length).
+const AFTER_HELP: &str = "\
+Durations take a unit: 250ms, 20s, 5m, 1h (a bare number is refused, except 0).
+
+Logging: RUST_LOG sets the level and filters (default info), e.g. RUST_LOG=debug or
+RUST_LOG=info,fleetlink::registry=debug. Logs go to stderr.
+
+Signals: SIGTERM/SIGINT (or POST /v1/drain) drain over --drain, then exit 0; a second
+SIGTERM/SIGINT during a drain ends it at once. SIGHUP reloads the TLS files when TLS is on.
+
+Exit codes: 0 drained and stopped (or --help/--version); 1 invalid configuration or a
+failure at start (a file that does not load, a port that does not bind); 2 a flag or
+environment value that does not parse; 64 the --config file cannot be read or parsed, or
+holds an unknown key or a bad value. doctor: 0 the host can hold N connections, 1 it cannot.";
 
 /// Tools bundled into the broker binary.
 #[derive(Subcommand, Debug)]
@@ -54,7 +69,7 @@ pub enum Tool {
     },
 }
 
-/// Every broker option (CONTRACT.md §1). Durations accept `250ms`, `20s`, `5m`, `1h`.
+/// Every broker option (CONTRACT.md §1). Durations take a unit: `250ms`, `20s`, `5m`, `1h`.
 #[derive(Args, Debug, Clone)]
 pub struct BrokerArgs {
     /// TOML file with the same keys as these flags (e.g. `ping-interval = "20s"`,
@@ -73,9 +88,10 @@ pub struct BrokerArgs {
     /// Event-loop threads, one per core, each pinned. Default: all online cores. In fleet mode
     /// (--redis) the bridge thread is busy too: leaving it a CPU (cores = CPUs - 1) cut a
     /// fan-out's context switches 11x (median; 4.8-12.7x by round) on a 2-CPU host (docs/tuning.md).
+    /// At most 1024.
     #[arg(long, env = "FLEETLINK_CORES")]
     pub cores: Option<NonZeroUsize>,
-    /// Redis URL (redis://host:port/db). Without it the broker runs standalone.
+    /// Redis URL (redis://host:port/db, or unix:///path). Without it the broker runs standalone.
     #[arg(long, env = "FLEETLINK_REDIS")]
     pub redis: Option<String>,
     /// Server certificate chain (PEM); with --tls-key enables TLS.
@@ -84,10 +100,11 @@ pub struct BrokerArgs {
     /// Server private key (PEM).
     #[arg(long, env = "FLEETLINK_TLS_KEY")]
     pub tls_key: Option<PathBuf>,
-    /// CA bundle (PEM) for client certificates; makes them required (mTLS).
+    /// CA bundle (PEM) for client certificates; makes them required (mTLS). Needs --tls-cert.
     #[arg(long, env = "FLEETLINK_CLIENT_CA")]
     pub client_ca: Option<PathBuf>,
-    /// PEM CRL file(s), reloaded when they change. Repeat the flag for several.
+    /// PEM CRL file(s) for --client-ca's certificates, reloaded when they change. Repeat the
+    /// flag for several.
     #[arg(long, env = "FLEETLINK_CRL", value_delimiter = ',')]
     pub crl: Vec<PathBuf>,
     /// Public key (PEM, Ed25519 or P-256) that signs rig bearer tokens, one per file; repeat
@@ -95,8 +112,8 @@ pub struct BrokerArgs {
     /// `Authorization: Bearer <JWT>`; bad or expired tokens get 401.
     #[arg(long, env = "FLEETLINK_JWT_KEY", value_delimiter = ',')]
     pub jwt_key: Vec<PathBuf>,
-    /// Required `aud` claim of rig tokens: when set, a token must name it; when unset, a token
-    /// that names any audience is refused.
+    /// Required `aud` claim of rig tokens (needs --jwt-key): when set, a token must name it;
+    /// when unset, a token that names any audience is refused.
     #[arg(long, env = "FLEETLINK_JWT_AUDIENCE")]
     pub jwt_audience: Option<String>,
     /// Interval between PINGs sent to each rig.
@@ -153,8 +170,10 @@ pub struct BrokerArgs {
     /// Hello label whose value metrics aggregate rigs by.
     #[arg(long, env = "FLEETLINK_GROUP_LABEL", default_value = "group")]
     pub group_label: String,
-    /// Listen backlog of each core's listener (raise net.core.somaxconn to match).
-    #[arg(long, env = "FLEETLINK_BACKLOG", default_value_t = 4096)]
+    /// Listen backlog of each core's listener, at least 1; the kernel silently caps it at
+    /// net.core.somaxconn (raise that to match).
+    #[arg(long, env = "FLEETLINK_BACKLOG", default_value_t = 4096,
+          value_parser = clap::value_parser!(i32).range(1..))]
     pub backlog: i32,
     /// Close rigs that send unknown message types with 4400 instead of ignoring them.
     #[arg(long, env = "FLEETLINK_STRICT", value_parser = BoolishValueParser::new())]
@@ -245,6 +264,10 @@ pub struct TlsFiles {
 /// byte bound for events (64 MiB) must take several.
 const MAX_MESSAGE_CAP: usize = 16 << 20;
 
+/// Most `--cores`: far past any host's CPUs, and well inside the file descriptors and threads
+/// a process may have (a few descriptors per core).
+pub const MAX_CORES: usize = 1024;
+
 /// Written-but-unacked commands kept per rig, as a multiple of `--outbox`: enough for a rig
 /// that acks in batches, bounded for one that never acks.
 const UNACKED_PER_OUTBOX: usize = 8;
@@ -325,7 +348,17 @@ impl Cli {
             .chain(from_file)
             .chain(merged)
             .collect();
-        Ok(Cli::try_parse_from(argv)?)
+        // The command line and environment parsed alone above, so what fails now is a value
+        // from the file: say so, once, as a config-file error rather than clap's usage text.
+        Cli::try_parse_from(argv).map_err(|e| {
+            let text = e.to_string();
+            let first = text.lines().next().unwrap_or_default();
+            anyhow::anyhow!(
+                "config {}: {}",
+                path.display(),
+                first.trim_start_matches("error: ")
+            )
+        })
     }
 }
 
@@ -340,6 +373,23 @@ fn toml_values(v: &toml::Value) -> Vec<String> {
 impl BrokerArgs {
     /// Checks cross-field rules and fills computed defaults.
     pub fn validate(self) -> anyhow::Result<Config> {
+        // Each of these does nothing without the flag it refines; taking it silently would let
+        // an operator believe rigs are checked when they are not.
+        anyhow::ensure!(
+            self.crl.is_empty() || self.client_ca.is_some(),
+            "--crl needs --client-ca (a CRL revokes client certificates, which only mTLS asks for)"
+        );
+        anyhow::ensure!(
+            self.client_ca.is_none() || (self.tls_cert.is_some() && self.tls_key.is_some()),
+            "--client-ca and --crl need TLS: give --tls-cert and --tls-key too"
+        );
+        anyhow::ensure!(
+            self.jwt_audience.is_none() || !self.jwt_key.is_empty(),
+            "--jwt-audience needs --jwt-key (without a key no token is asked for)"
+        );
+        if let Some(url) = &self.redis {
+            check_redis_url(url)?;
+        }
         let tls = match (self.tls_cert, self.tls_key) {
             (Some(cert), Some(key)) => Some(TlsFiles {
                 cert,
@@ -356,6 +406,11 @@ impl BrokerArgs {
             .unwrap_or_else(|| SocketAddr::from(([0, 0, 0, 0], default_port)));
         let cpus = std::thread::available_parallelism().map_or(1, NonZeroUsize::get);
         let cores = self.cores.map_or(cpus, NonZeroUsize::get);
+        anyhow::ensure!(
+            cores <= MAX_CORES,
+            "--cores {cores} is more than {MAX_CORES}: each core is a pinned thread with its own \
+             listener, ring and inbox, and no host has that many CPUs"
+        );
         if cores > cpus {
             // Allowed (a test may want more loops than CPUs), but never what a host wants: the
             // loops then share CPUs, and the pinning puts several on each.
@@ -431,6 +486,25 @@ impl BrokerArgs {
     }
 }
 
+/// Refuses a `--redis` value the Redis client would not take, in words: the client's own error
+/// reads "Redis URL did not parse- InvalidClientConfig".
+fn check_redis_url(url: &str) -> anyhow::Result<()> {
+    use redis::IntoConnectionInfo;
+    if url.into_connection_info().is_ok() {
+        return Ok(());
+    }
+    let scheme = url.split_once("://").map(|(s, _)| s);
+    let why = match scheme {
+        Some("rediss") => "this build has no TLS to Redis (rediss://)".to_string(),
+        Some("redis" | "unix" | "redis+unix") => "it does not parse".to_string(),
+        Some(other) => format!("{other}:// is not a Redis scheme"),
+        None => "no scheme".to_string(),
+    };
+    anyhow::bail!(
+        "--redis {url:?}: not a usable Redis URL ({why}); expected redis://[USER:PASSWORD@]HOST[:PORT][/DB] or unix:///PATH"
+    )
+}
+
 fn hostname() -> String {
     let mut buf = [0u8; 256];
     // SAFETY: buf is valid for its length; gethostname NUL-terminates within it on success.
@@ -442,12 +516,38 @@ fn hostname() -> String {
     String::from_utf8_lossy(&buf[..len]).into_owned()
 }
 
+/// An error and its causes on one line, each said once: many errors (ours, io's, redis')
+/// already end with their cause's text, which `{:#}` would then print a second time.
+pub fn error_line(e: &anyhow::Error) -> String {
+    let mut line = String::new();
+    for cause in e.chain() {
+        let text = cause.to_string();
+        if line.is_empty() {
+            line = text;
+        } else if !line.ends_with(&text) {
+            line.push_str(": ");
+            line.push_str(&text);
+        }
+    }
+    line
+}
+
 /// The longest duration any flag takes: a deadline that far ahead always fits the clock.
 pub const MAX_DURATION: Duration = Duration::from_secs(365 * 24 * 3600);
 
-/// Parses `250ms`, `20s`, `5m`, `1h` (a bare number is seconds), at most [`MAX_DURATION`].
+/// Parses `250ms`, `20s`, `5m`, `1h`, at most [`MAX_DURATION`]. A number without a unit is
+/// refused (`--drain 120000` meant as ms would be 33 hours), except `0`, which is the same in
+/// every unit.
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
     let s = s.trim();
+    if s.chars().all(|c| c.is_ascii_digit() || c == '.') && !s.is_empty() {
+        if s.parse::<f64>() == Ok(0.0) {
+            return Ok(Duration::ZERO);
+        }
+        return Err(format!(
+            "{s:?} has no unit: write it as 250ms, 20s, 5m or 1h (in a --config file, a string: \"20s\")"
+        ));
+    }
     let split = s
         .find(|c: char| !c.is_ascii_digit() && c != '.')
         .unwrap_or(s.len());
@@ -457,7 +557,7 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
         .map_err(|_| format!("bad duration {s:?} (use e.g. 250ms, 20s, 5m)"))?;
     let secs = match unit {
         "ms" => n / 1000.0,
-        "" | "s" => n,
+        "s" => n,
         "m" => n * 60.0,
         "h" => n * 3600.0,
         _ => return Err(format!("bad duration unit in {s:?} (ms, s, m, h)")),
@@ -498,9 +598,40 @@ mod tests {
         assert_eq!(parse_duration("250ms"), Ok(Duration::from_millis(250)));
         assert_eq!(parse_duration("20s"), Ok(Duration::from_secs(20)));
         assert_eq!(parse_duration("5m"), Ok(Duration::from_secs(300)));
-        assert_eq!(parse_duration("3"), Ok(Duration::from_secs(3)));
+        assert_eq!(parse_duration("1.5s"), Ok(Duration::from_millis(1500)));
         assert!(parse_duration("5x").is_err());
         assert!(parse_duration("").is_err());
+    }
+
+    #[test]
+    fn a_duration_without_a_unit_is_refused_except_zero() {
+        for bare in ["3", "120000", "0.5", "5."] {
+            let e = parse_duration(bare).unwrap_err();
+            assert!(
+                e.contains("no unit") && e.contains("250ms, 20s, 5m"),
+                "{bare}: {e}"
+            );
+        }
+        assert_eq!(parse_duration("0"), Ok(Duration::ZERO));
+        assert_eq!(parse_duration("0.0"), Ok(Duration::ZERO));
+        // Flags, environment and config file alike.
+        let e = load(&["--ping-interval", "5"]).unwrap_err().to_string();
+        assert!(e.contains("no unit"), "{e}");
+        let file = config_file("bare-duration.toml", "drain = 120000\n");
+        let e = load(&["--config", file.to_str().unwrap()]).unwrap_err();
+        assert!(
+            e.downcast_ref::<clap::Error>().is_none(),
+            "a config-file error"
+        );
+        let e = e.to_string();
+        assert!(
+            e.starts_with("config ") && e.contains("--drain") && e.contains("no unit"),
+            "{e}"
+        );
+        assert!(!e.contains("Usage"), "one line: {e}");
+        let file = config_file("unit-duration.toml", "drain = \"2m\"\n");
+        let c = load(&["--config", file.to_str().unwrap()]).unwrap();
+        assert_eq!(c.drain, Duration::from_secs(120));
     }
 
     #[test]
@@ -514,20 +645,19 @@ mod tests {
     #[test]
     fn huge_durations_are_errors_not_panics() {
         for huge in [
-            "99999999999999999999",
             "99999999999999999999s",
             "99999999999999999999999ms",
             "9999999999999999999m",
             "99999999999999999999h",
-            "1".repeat(400).as_str(),
+            format!("{}s", "1".repeat(400)).as_str(),
         ] {
             let e = parse_duration(huge).unwrap_err();
             assert!(e.contains("too long"), "{huge}: {e}");
         }
         // Up to a year parses; a second more does not.
         assert_eq!(parse_duration("8760h"), Ok(MAX_DURATION));
-        assert!(parse_duration("31536001").is_err());
-        let e = load(&["--drain", "99999999999999999999"]).unwrap_err();
+        assert!(parse_duration("31536001s").is_err());
+        let e = load(&["--drain", "99999999999999999999s"]).unwrap_err();
         let e = e.downcast::<clap::Error>().expect("a clap error");
         assert_eq!(e.kind(), clap::error::ErrorKind::ValueValidation);
         assert!(e.to_string().contains("too long"), "{e}");
@@ -611,11 +741,12 @@ mod tests {
     fn config_file_values_go_before_a_subcommand_and_may_start_with_a_dash() {
         let path = config_file(
             "dash.toml",
-            "strict = true\nbacklog = -1\ngroup-label = \"-g\"\ncrl = [\"a.pem\", \"b.pem\"]\n",
+            "strict = true\ngroup-label = \"-g\"\ncrl = [\"a.pem\", \"b.pem\"]\n\
+             client-ca = \"ca\"\ntls-cert = \"c\"\ntls-key = \"k\"\n",
         );
         let path = path.to_str().unwrap();
         let c = load(&["--config", path]).unwrap();
-        assert_eq!((c.backlog, c.group_label.as_str()), (-1, "-g"));
+        assert_eq!(c.group_label, "-g");
         let cli = Cli::load(
             [
                 "fleetlink-fe",
@@ -637,9 +768,64 @@ mod tests {
                 tls: false
             })
         ));
-        let c = load(&["--config", path, "--tls-cert", "c", "--tls-key", "k"]).unwrap();
+        let c = load(&["--config", path]).unwrap();
         let crl = c.tls.unwrap().crl;
         assert_eq!(crl, [PathBuf::from("a.pem"), PathBuf::from("b.pem")]);
+    }
+
+    #[test]
+    fn refining_flags_need_what_they_refine() {
+        let err = |args: &[&str]| load(args).unwrap_err().to_string();
+        let tls = ["--tls-cert", "c.pem", "--tls-key", "k.pem"];
+        // --crl without --client-ca, with TLS or without (it used to be ignored there).
+        assert!(err(&["--crl", "r.pem"]).contains("--crl needs --client-ca"));
+        assert!(err(&[&tls[..], &["--crl", "r.pem"]].concat()).contains("--crl needs --client-ca"));
+        // --client-ca (alone or with --crl) without TLS.
+        for args in [
+            &["--client-ca", "ca.pem"][..],
+            &["--client-ca", "ca.pem", "--crl", "r.pem"],
+            &["--client-ca", "ca.pem", "--tls-cert", "c.pem"],
+        ] {
+            assert!(err(args).contains("need TLS"), "{args:?}");
+        }
+        let c = load(&[&tls[..], &["--client-ca", "ca.pem", "--crl", "r.pem"]].concat()).unwrap();
+        assert_eq!(c.tls.map(|t| t.crl.len()), Some(1));
+        assert!(err(&["--jwt-audience", "fleet"]).contains("--jwt-audience needs --jwt-key"));
+        let c = load(&["--jwt-audience", "fleet", "--jwt-key", "k.pem"]).unwrap();
+        assert_eq!(c.jwt_audience.as_deref(), Some("fleet"));
+    }
+
+    #[test]
+    fn cores_backlog_and_redis_url_are_checked_up_front() {
+        let err = |args: &[&str]| load(args).unwrap_err().to_string();
+        assert!(err(&["--cores", "99999"]).contains("more than 1024"));
+        assert_eq!(load(&["--cores", "1024"]).map(|c| c.cores).ok(), Some(1024));
+        assert!(load(&["--backlog", "0"]).is_err());
+        assert!(load(&["--backlog", "-1"]).is_err());
+        assert_eq!(load(&["--backlog", "1"]).map(|c| c.backlog).ok(), Some(1));
+        let e = err(&["--redis", "http://x"]);
+        assert!(e.contains("http:// is not a Redis scheme"), "{e}");
+        assert!(!e.contains("InvalidClientConfig"), "{e}");
+        assert!(err(&["--redis", "localhost:6379"]).contains("not a usable Redis URL"));
+        assert!(load(&["--redis", "redis://127.0.0.1:6379/0"]).is_ok());
+    }
+
+    #[test]
+    fn an_error_chain_says_each_cause_once() {
+        let io = std::io::Error::from_raw_os_error(2);
+        let text = format!("reading /nonexistent: {io}");
+        let e = anyhow::Error::new(io).context(text.clone());
+        assert_eq!(error_line(&e), text);
+        let e = anyhow::anyhow!("inner").context("outer");
+        assert_eq!(error_line(&e), "outer: inner");
+    }
+
+    #[test]
+    fn help_lists_exit_codes_and_rust_log() {
+        let help = Cli::command().render_long_help().to_string();
+        for want in ["Exit codes", "64", "RUST_LOG", "SIGHUP", "250ms"] {
+            assert!(help.contains(want), "{want}: {help}");
+        }
     }
 
     #[test]

@@ -25,6 +25,11 @@ use std::io::Write;
 /// TLS/CRL files being reloaded, stdio. 1024 covers 128 cores at 8 fds each.
 const FD_SLACK: u64 = 1024;
 
+/// Most connections `doctor` checks for. Far past what one host's memory holds (~5 KB each with
+/// the kernel's share), and it keeps every sum below in range: a larger N is checked as this
+/// many, and the report says so.
+pub const MAX_CONNECTIONS: u64 = 100_000_000;
+
 /// Listen backlog each per-core `SO_REUSEPORT` listener asks for: the default of `--backlog`.
 /// The kernel uses `min(backlog, net.core.somaxconn)`, silently.
 const LISTEN_BACKLOG: u64 = 4096;
@@ -79,6 +84,14 @@ impl Transport {
         match self {
             Transport::Plain => "plain ws",
             Transport::Tls => "TLS",
+        }
+    }
+
+    /// The broker's `--listen` port when none is given (CONTRACT.md §1).
+    pub fn default_port(self) -> u16 {
+        match self {
+            Transport::Plain => 8080,
+            Transport::Tls => 8443,
         }
     }
 }
@@ -258,10 +271,11 @@ pub fn check(
     connections: u64,
     cores: usize,
     transport: Transport,
+    port: u16,
 ) -> Vec<Finding> {
-    let n = connections;
+    let n = connections.min(MAX_CONNECTIONS);
     let cores = cores.max(1) as u64;
-    let mut out = check_fds(host, n);
+    let mut out = check_fds(host, n, port);
     out.extend(check_accept(host, cores));
     out.push(check_memory(host, n, transport));
     out.push(check_tcp_mem(host, n));
@@ -294,27 +308,48 @@ pub fn check(
 
 /// Entry point of `fleetlink-fe doctor --connections N [--tls]`: checks for `cores` (the
 /// broker's `--cores`), else for the cores the broker uses by default (`available_parallelism`,
-/// which honours the CPU affinity a unit sets), and prints the report to stdout. Exit code as
-/// [`run`].
+/// which honours the CPU affinity a unit sets), and for the rig port of `listen` (the broker's
+/// `--listen`), else the broker's default for the transport, and prints the report to stdout.
+/// Exit code as [`run`].
 pub fn main_with(
     connections: u64,
     cores: Option<std::num::NonZeroUsize>,
     transport: Transport,
+    listen: Option<std::net::SocketAddr>,
 ) -> std::process::ExitCode {
     let cores = cores
         .or_else(|| std::thread::available_parallelism().ok())
         .map_or(1, std::num::NonZeroUsize::get);
-    let code = run(connections, cores, transport, &mut std::io::stdout().lock());
+    let port = listen.map_or(transport.default_port(), |a| a.port());
+    let code = run(
+        connections,
+        cores,
+        transport,
+        port,
+        &mut std::io::stdout().lock(),
+    );
     std::process::ExitCode::from(u8::try_from(code).unwrap_or(1))
 }
 
 /// Prints a report of every setting to `out` and returns the exit code: 1 when a finding blocks
 /// (or the report could not be written), else 0.
-pub fn run(connections: u64, cores: usize, transport: Transport, out: &mut dyn Write) -> i32 {
+pub fn run(
+    connections: u64,
+    cores: usize,
+    transport: Transport,
+    port: u16,
+    out: &mut dyn Write,
+) -> i32 {
     let host = HostSettings::read();
-    let findings = check(&host, connections, cores, transport);
+    let findings = check(&host, connections, cores, transport, port);
     let blocking = findings.iter().filter(|f| f.blocking).count();
-    match report(&host, &findings, connections, cores, transport, out) {
+    if connections > MAX_CONNECTIONS
+        && writeln!(out, "--connections {connections} is more than one host can hold; checking for {MAX_CONNECTIONS}").is_err()
+    {
+        return 1;
+    }
+    let n = connections.min(MAX_CONNECTIONS);
+    match report(&host, &findings, n, cores, transport, out) {
         Ok(()) if blocking == 0 => 0,
         _ => 1,
     }
@@ -400,7 +435,7 @@ fn at_least(
 /// at least as high. So `fs.nr_open` blocks only when the soft limit is short of N + slack and
 /// neither the hard limit nor `fs.nr_open` lets it reach that; below the recommended
 /// `LimitNOFILE` (N + 10 %) it warns.
-fn check_fds(host: &HostSettings, n: u64) -> Vec<Finding> {
+fn check_fds(host: &HostSettings, n: u64, port: u16) -> Vec<Finding> {
     const SOFT: &str = "RLIMIT_NOFILE (soft)";
     const HARD: &str = "RLIMIT_NOFILE (hard)";
     const NR_OPEN: &str = "fs.nr_open";
@@ -465,7 +500,13 @@ fn check_fds(host: &HostSettings, n: u64) -> Vec<Finding> {
         ),
         true,
     );
-    vec![soft, hard, nr_open, file_max, check_conntrack(host, fds)]
+    vec![
+        soft,
+        hard,
+        nr_open,
+        file_max,
+        check_conntrack(host, fds, port),
+    ]
 }
 
 /// Each per-core listener asks LISTEN_BACKLOG; the kernel silently uses min(backlog,
@@ -476,7 +517,7 @@ fn check_accept(host: &HostSettings, cores: u64) -> Vec<Finding> {
         "net.core.somaxconn",
         host.somaxconn,
         LISTEN_BACKLOG,
-        format!("≥ {LISTEN_BACKLOG}, the listen backlog per core ({} queued handshakes on {cores} cores); reconnect storms overflow a shorter queue and clients wait 1 s for SYN retransmit", LISTEN_BACKLOG * cores),
+        format!("≥ {LISTEN_BACKLOG}, the listen backlog per core ({} queued handshakes on {cores} cores); reconnect storms overflow a shorter queue and clients wait 1 s for SYN retransmit", LISTEN_BACKLOG.saturating_mul(cores)),
         sysctl_fix("net.core.somaxconn", LISTEN_BACKLOG.max(16384)),
         false,
     );
@@ -525,7 +566,7 @@ fn check_clients(host: &HostSettings, n: u64) -> Vec<Finding> {
 
 /// A loaded conntrack tracks every connection once any rule uses it (`-m state`, `ct state`,
 /// NAT); past `nf_conntrack_max` new connections are dropped ("nf_conntrack: table full").
-fn check_conntrack(host: &HostSettings, fds: u64) -> Finding {
+fn check_conntrack(host: &HostSettings, fds: u64, port: u16) -> Finding {
     const SETTING: &str = "net.netfilter.nf_conntrack_max";
     let Some(max) = host.nf_conntrack_max else {
         return Finding::ok(
@@ -536,7 +577,8 @@ fn check_conntrack(host: &HostSettings, fds: u64) -> Finding {
     };
     let count = host.nf_conntrack_count.unwrap_or(0);
     let needed = format!("≥ {fds} if conntrack tracks rig connections (tracking {count} now)");
-    let fix = format!("{}, or exempt the rig port (--listen, 8443 here) from tracking: `iptables -t raw -A PREROUTING -p tcp --dport 8443 -j NOTRACK` and `iptables -t raw -A OUTPUT -p tcp --sport 8443 -j NOTRACK`", sysctl_fix(SETTING, fds.next_power_of_two()));
+    let max_fix = fds.checked_next_power_of_two().unwrap_or(fds);
+    let fix = format!("{}, or exempt the rig port (--listen, {port} here) from tracking: `iptables -t raw -A PREROUTING -p tcp --dport {port} -j NOTRACK` and `iptables -t raw -A OUTPUT -p tcp --sport {port} -j NOTRACK`", sysctl_fix(SETTING, max_fix));
     match (max >= fds, count > 0) {
         (true, _) => Finding::ok(SETTING, max.to_string(), needed),
         (false, true) => Finding::block(SETTING, max.to_string(), needed, fix),
@@ -941,13 +983,13 @@ mod tests {
 
     #[test]
     fn tuned_host_holds_a_million() {
-        let fs = check(&tuned(), MILLION, 16, Transport::Plain);
+        let fs = check(&tuned(), MILLION, 16, Transport::Plain, 8080);
         assert!(blocking(&fs).is_empty(), "{fs:#?}");
         assert!(warnings(&fs).is_empty(), "{fs:#?}");
         // The client-side note: 1M connections exceed one address's ephemeral ports.
         assert!(!finding(&fs, "net.ipv4.ip_local_port_range").ok);
         assert!(fs.iter().filter(|f| f.ok).all(|f| f.fix.is_empty()));
-        assert!(check(&tuned(), 50_000, 16, Transport::Plain)
+        assert!(check(&tuned(), 50_000, 16, Transport::Plain, 8080)
             .iter()
             .all(|f| f.ok));
     }
@@ -958,7 +1000,7 @@ mod tests {
             nofile_soft: Some(1024),
             ..tuned()
         };
-        let fs = check(&host, MILLION, 16, Transport::Plain);
+        let fs = check(&host, MILLION, 16, Transport::Plain, 8080);
         assert_eq!(blocking(&fs), ["RLIMIT_NOFILE (soft)"]);
         let f = finding(&fs, "RLIMIT_NOFILE (soft)");
         assert_eq!(f.current, "1024");
@@ -975,7 +1017,7 @@ mod tests {
             nr_open: Some(1_048_576),
             ..tuned()
         };
-        let fs = check(&host, MILLION, 2, Transport::Plain);
+        let fs = check(&host, MILLION, 2, Transport::Plain, 8080);
         assert_eq!(blocking(&fs), ["RLIMIT_NOFILE (soft)"]);
         assert_eq!(
             warnings(&fs),
@@ -987,11 +1029,11 @@ mod tests {
             assert!(f.fix.contains("LimitNOFILE=1100000"), "{}", f.fix);
             assert!(!f.fix.contains("ulimit -Sn"), "{}", f.fix);
         }
-        assert!(check(&host, 18_000, 2, Transport::Plain)
+        assert!(check(&host, 18_000, 2, Transport::Plain, 8080)
             .iter()
             .all(|f| !f.blocking));
         assert_eq!(
-            blocking(&check(&host, 19_000, 2, Transport::Plain)),
+            blocking(&check(&host, 19_000, 2, Transport::Plain, 8080)),
             ["RLIMIT_NOFILE (soft)"]
         );
     }
@@ -1005,17 +1047,23 @@ mod tests {
             nr_open: Some(1_000_000),
             ..tuned()
         };
-        let fs = check(&host, MILLION, 16, Transport::Plain);
+        let fs = check(&host, MILLION, 16, Transport::Plain, 8080);
         assert_eq!(blocking(&fs), ["RLIMIT_NOFILE (soft)", "fs.nr_open"]);
         let f = finding(&fs, "fs.nr_open");
         assert!(f.fix.contains("fs.nr_open=1100000"), "{}", f.fix);
         assert!(!f.fix.contains("between"), "{}", f.fix);
         // Enough for a smaller fleet: nr_open ≥ N + 10 %, only the soft limit blocks.
         assert_eq!(
-            blocking(&check(&host, 900_000, 16, Transport::Plain)),
+            blocking(&check(&host, 900_000, 16, Transport::Plain, 8080)),
             ["RLIMIT_NOFILE (soft)"]
         );
-        assert!(finding(&check(&host, 900_000, 16, Transport::Plain), "fs.nr_open").ok);
+        assert!(
+            finding(
+                &check(&host, 900_000, 16, Transport::Plain, 8080),
+                "fs.nr_open"
+            )
+            .ok
+        );
     }
 
     #[test]
@@ -1028,7 +1076,7 @@ mod tests {
             nr_open: Some(1_048_576),
             ..tuned()
         };
-        let fs = check(&host, MILLION, 16, Transport::Plain);
+        let fs = check(&host, MILLION, 16, Transport::Plain, 8080);
         assert!(blocking(&fs).is_empty(), "{fs:#?}");
         assert_eq!(warnings(&fs), ["fs.nr_open"]);
         let f = finding(&fs, "fs.nr_open");
@@ -1045,16 +1093,16 @@ mod tests {
             nofile_hard: Some(1_100_000),
             ..host.clone()
         };
-        assert!(blocking(&check(&lowered, MILLION, 16, Transport::Plain)).is_empty());
+        assert!(blocking(&check(&lowered, MILLION, 16, Transport::Plain, 8080)).is_empty());
         let lowered = HostSettings {
             nr_open: Some(1_000_000),
             ..lowered
         };
-        let fs = check(&lowered, MILLION, 16, Transport::Plain);
+        let fs = check(&lowered, MILLION, 16, Transport::Plain, 8080);
         assert!(blocking(&fs).is_empty(), "{fs:#?}");
         assert_eq!(warnings(&fs), ["fs.nr_open"]);
         // Enough for a smaller fleet.
-        assert!(check(&host, 900_000, 16, Transport::Plain)
+        assert!(check(&host, 900_000, 16, Transport::Plain, 8080)
             .iter()
             .all(|f| f.ok || f.setting == "net.ipv4.ip_local_port_range"));
     }
@@ -1068,7 +1116,7 @@ mod tests {
             nr_open: Some(1_000_000),
             ..tuned()
         };
-        let fs = check(&host, MILLION, 16, Transport::Plain);
+        let fs = check(&host, MILLION, 16, Transport::Plain, 8080);
         assert_eq!(blocking(&fs), ["RLIMIT_NOFILE (soft)"]);
         assert_eq!(warnings(&fs), ["fs.nr_open"]);
         assert!(finding(&fs, "RLIMIT_NOFILE (soft)")
@@ -1084,7 +1132,7 @@ mod tests {
             files_allocated: Some(5_000),
             ..tuned()
         };
-        let fs = check(&host, MILLION, 16, Transport::Plain);
+        let fs = check(&host, MILLION, 16, Transport::Plain, 8080);
         assert_eq!(blocking(&fs), ["fs.file-max"]);
         assert!(finding(&fs, "fs.file-max").needed.starts_with("≥ 1006024"));
     }
@@ -1096,7 +1144,7 @@ mod tests {
             tcp_max_syn_backlog: Some(128),
             ..tuned()
         };
-        let fs = check(&host, MILLION, 16, Transport::Plain);
+        let fs = check(&host, MILLION, 16, Transport::Plain, 8080);
         assert!(blocking(&fs).is_empty());
         assert_eq!(warnings(&fs), ["net.core.somaxconn"]);
         // The SYN backlog matters only without syncookies.
@@ -1105,7 +1153,7 @@ mod tests {
             ..host
         };
         assert_eq!(
-            warnings(&check(&host, MILLION, 16, Transport::Plain)),
+            warnings(&check(&host, MILLION, 16, Transport::Plain, 8080)),
             ["net.core.somaxconn", "net.ipv4.tcp_max_syn_backlog"]
         );
     }
@@ -1120,7 +1168,7 @@ mod tests {
             ..tuned()
         };
         assert_eq!(
-            blocking(&check(&small, MILLION, 16, Transport::Plain)),
+            blocking(&check(&small, MILLION, 16, Transport::Plain, 8080)),
             ["MemTotal"]
         );
         let eight = HostSettings {
@@ -1128,7 +1176,7 @@ mod tests {
             tcp_mem: Some([174_762, 349_524, 524_288]),
             ..tuned()
         };
-        let fs = check(&eight, MILLION, 16, Transport::Plain);
+        let fs = check(&eight, MILLION, 16, Transport::Plain, 8080);
         assert!(blocking(&fs).is_empty());
         assert_eq!(warnings(&fs), ["MemTotal", "net.ipv4.tcp_mem"]);
         assert!(finding(&fs, "MemTotal")
@@ -1143,9 +1191,9 @@ mod tests {
             mem_total_bytes: Some(8 << 30),
             ..tuned()
         };
-        let plain = check(&eight, MILLION, 16, Transport::Plain);
+        let plain = check(&eight, MILLION, 16, Transport::Plain, 8080);
         assert!(!finding(&plain, "MemTotal").ok && !finding(&plain, "MemTotal").blocking);
-        let fs = check(&eight, MILLION, 16, Transport::Tls);
+        let fs = check(&eight, MILLION, 16, Transport::Tls, 8443);
         assert_eq!(blocking(&fs), ["MemTotal"]);
         let f = finding(&fs, "MemTotal");
         assert!(f.needed.starts_with("≥ 12.0 GiB"), "{}", f.needed);
@@ -1161,11 +1209,17 @@ mod tests {
             mem_total_bytes: Some(24_684_084 * 1024),
             ..tuned()
         };
-        assert!(finding(&check(&here, MILLION, 2, Transport::Plain), "MemTotal").ok);
-        let f = check(&here, MILLION, 2, Transport::Tls);
+        assert!(
+            finding(
+                &check(&here, MILLION, 2, Transport::Plain, 8080),
+                "MemTotal"
+            )
+            .ok
+        );
+        let f = check(&here, MILLION, 2, Transport::Tls, 8443);
         assert!(!finding(&f, "MemTotal").ok && !finding(&f, "MemTotal").blocking);
         // The tuned 64 GiB host holds a million TLS rigs.
-        let fs = check(&tuned(), MILLION, 16, Transport::Tls);
+        let fs = check(&tuned(), MILLION, 16, Transport::Tls, 8443);
         assert!(
             blocking(&fs).is_empty() && warnings(&fs).is_empty(),
             "{fs:#?}"
@@ -1179,13 +1233,13 @@ mod tests {
             tcp_mem: Some([287_898, 383_867, 575_796]),
             ..tuned()
         };
-        let fs = check(&host, MILLION, 16, Transport::Plain);
+        let fs = check(&host, MILLION, 16, Transport::Plain, 8080);
         assert!(blocking(&fs).is_empty());
         assert_eq!(warnings(&fs), ["net.ipv4.tcp_mem"]);
         assert!(finding(&fs, "net.ipv4.tcp_mem")
             .fix
             .contains("\"1000000 2000000 3000000\""));
-        assert!(warnings(&check(&host, 100_000, 16, Transport::Plain)).is_empty());
+        assert!(warnings(&check(&host, 100_000, 16, Transport::Plain, 8080)).is_empty());
     }
 
     #[test]
@@ -1195,7 +1249,7 @@ mod tests {
             ..tuned()
         };
         assert_eq!(
-            warnings(&check(&host, MILLION, 16, Transport::Plain)),
+            warnings(&check(&host, MILLION, 16, Transport::Plain, 8080)),
             ["net.ipv4.tcp_rmem"]
         );
     }
@@ -1207,7 +1261,7 @@ mod tests {
                 io_uring_disabled: Some(v),
                 ..tuned()
             };
-            let fs = check(&host, MILLION, 16, Transport::Plain);
+            let fs = check(&host, MILLION, 16, Transport::Plain, 8080);
             assert!(blocking(&fs).is_empty());
             assert_eq!(warnings(&fs), ["kernel.io_uring_disabled"]);
         }
@@ -1215,7 +1269,7 @@ mod tests {
             io_uring_disabled: None,
             ..tuned()
         };
-        assert!(warnings(&check(&old, MILLION, 16, Transport::Plain)).is_empty());
+        assert!(warnings(&check(&old, MILLION, 16, Transport::Plain, 8080)).is_empty());
     }
 
     #[test]
@@ -1226,26 +1280,26 @@ mod tests {
             ..tuned()
         };
         assert_eq!(
-            warnings(&check(&host, MILLION, 16, Transport::Plain)),
+            warnings(&check(&host, MILLION, 16, Transport::Plain, 8080)),
             ["RLIMIT_MEMLOCK (soft)"]
         );
         let new = HostSettings {
             kernel_release: Some("5.15.0".into()),
             ..host.clone()
         };
-        assert!(warnings(&check(&new, MILLION, 16, Transport::Plain)).is_empty());
+        assert!(warnings(&check(&new, MILLION, 16, Transport::Plain, 8080)).is_empty());
         let unlimited = HostSettings {
             memlock_soft: None,
             ..host.clone()
         };
-        assert!(warnings(&check(&unlimited, MILLION, 16, Transport::Plain)).is_empty());
+        assert!(warnings(&check(&unlimited, MILLION, 16, Transport::Plain, 8080)).is_empty());
         // Before 5.6 there is no io_uring to lose: kernel.osrelease warns, memlock does not.
         let ancient = HostSettings {
             kernel_release: Some("5.4.0-150-generic".into()),
             ..host
         };
         assert_eq!(
-            warnings(&check(&ancient, MILLION, 16, Transport::Plain)),
+            warnings(&check(&ancient, MILLION, 16, Transport::Plain, 8080)),
             ["kernel.osrelease"]
         );
     }
@@ -1259,7 +1313,7 @@ mod tests {
             memlock_hard: Some(64 << 10),
             ..tuned()
         };
-        let fs = check(&host, MILLION, 16, Transport::Plain);
+        let fs = check(&host, MILLION, 16, Transport::Plain, 8080);
         assert!(blocking(&fs).is_empty(), "{fs:#?}");
         let f = finding(&fs, "RLIMIT_MEMLOCK (soft)");
         assert!(
@@ -1282,7 +1336,7 @@ mod tests {
             memlock_soft: Some(8 << 20),
             ..host.clone()
         };
-        let f = check(&eight, MILLION, 16, Transport::Plain);
+        let f = check(&eight, MILLION, 16, Transport::Plain, 8080);
         let f = finding(&f, "RLIMIT_MEMLOCK (soft)");
         assert!(!f.ok && !f.blocking);
         assert!(
@@ -1294,7 +1348,7 @@ mod tests {
         // ... and is plenty for 2 cores, as on this machine.
         assert!(
             finding(
-                &check(&eight, MILLION, 2, Transport::Plain),
+                &check(&eight, MILLION, 2, Transport::Plain, 8080),
                 "RLIMIT_MEMLOCK (soft)"
             )
             .ok
@@ -1304,7 +1358,7 @@ mod tests {
             kernel_release: None,
             ..host
         };
-        let f = check(&unknown, MILLION, 16, Transport::Plain);
+        let f = check(&unknown, MILLION, 16, Transport::Plain, 8080);
         assert!(!finding(&f, "RLIMIT_MEMLOCK (soft)").ok);
     }
 
@@ -1327,7 +1381,7 @@ mod tests {
             tcp_mem: Some([287_898, 383_867, 575_796]),
             ..tuned()
         };
-        let fs = check(&here, MILLION, 2, Transport::Plain);
+        let fs = check(&here, MILLION, 2, Transport::Plain, 8080);
         let f = finding(&fs, "net.ipv4.tcp_mem");
         assert!(!f.ok && !f.blocking);
         assert!(f.needed.contains("high ≤ 1542755 pages"), "{}", f.needed);
@@ -1348,7 +1402,7 @@ mod tests {
             ..here.clone()
         };
         assert_eq!(
-            warnings(&check(&conf, 100_000, 2, Transport::Plain)),
+            warnings(&check(&conf, 100_000, 2, Transport::Plain, 8080)),
             ["net.ipv4.tcp_mem"]
         );
         // 48 GiB is the least RAM for which they are within the rule (docs/tuning.md).
@@ -1358,7 +1412,7 @@ mod tests {
         };
         assert!(
             finding(
-                &check(&fits, MILLION, 2, Transport::Plain),
+                &check(&fits, MILLION, 2, Transport::Plain, 8080),
                 "net.ipv4.tcp_mem"
             )
             .ok
@@ -1369,7 +1423,7 @@ mod tests {
         };
         assert!(
             !finding(
-                &check(&short, MILLION, 2, Transport::Plain),
+                &check(&short, MILLION, 2, Transport::Plain, 8080),
                 "net.ipv4.tcp_mem"
             )
             .ok
@@ -1378,7 +1432,7 @@ mod tests {
 
     #[test]
     fn send_buffer_text_does_not_bound_sends_by_the_default() {
-        let fs = check(&tuned(), MILLION, 16, Transport::Plain);
+        let fs = check(&tuned(), MILLION, 16, Transport::Plain, 8080);
         let w = &finding(&fs, "net.ipv4.tcp_wmem").needed;
         assert!(
             w.contains("grow with the congestion window up to max"),
@@ -1397,7 +1451,7 @@ mod tests {
             ..tuned()
         };
         assert_eq!(
-            warnings(&check(&host, MILLION, 16, Transport::Plain)),
+            warnings(&check(&host, MILLION, 16, Transport::Plain, 8080)),
             ["net.netfilter.nf_conntrack_max"]
         );
         let tracking = HostSettings {
@@ -1405,9 +1459,64 @@ mod tests {
             ..host
         };
         assert_eq!(
-            blocking(&check(&tracking, MILLION, 16, Transport::Plain)),
+            blocking(&check(&tracking, MILLION, 16, Transport::Plain, 8080)),
             ["net.netfilter.nf_conntrack_max"]
         );
+    }
+
+    #[test]
+    fn conntrack_fix_names_the_broker_port() {
+        let host = HostSettings {
+            nf_conntrack_max: Some(262_144),
+            nf_conntrack_count: Some(12),
+            ..tuned()
+        };
+        for (transport, port) in [
+            (Transport::Plain, 8080),
+            (Transport::Tls, 8443),
+            (Transport::Plain, 9000),
+        ] {
+            let fs = check(&host, MILLION, 16, transport, port);
+            let fix = &finding(&fs, "net.netfilter.nf_conntrack_max").fix;
+            assert!(fix.contains(&format!("--listen, {port} here")), "{fix}");
+            assert!(fix.contains(&format!("--dport {port} -j NOTRACK")), "{fix}");
+            assert!(fix.contains(&format!("--sport {port} -j NOTRACK")), "{fix}");
+            let other = if port == 8443 { "8080" } else { "8443" };
+            assert!(!fix.contains(other), "{fix}");
+        }
+        assert_eq!(Transport::Plain.default_port(), 8080);
+        assert_eq!(Transport::Tls.default_port(), 8443);
+    }
+
+    #[test]
+    fn a_huge_connection_count_is_capped_not_overflowed() {
+        let host = HostSettings {
+            nf_conntrack_max: Some(262_144),
+            nf_conntrack_count: Some(12),
+            nr_open: Some(1_048_576),
+            ..tuned()
+        };
+        let capped = check(&host, MAX_CONNECTIONS, 16, Transport::Plain, 8080);
+        let fs = check(&host, u64::MAX, 16, Transport::Plain, 8080);
+        assert_eq!(fs, capped, "u64::MAX is checked as MAX_CONNECTIONS");
+        let conntrack = &finding(&fs, "net.netfilter.nf_conntrack_max").fix;
+        assert!(
+            conntrack.contains("nf_conntrack_max=134217728"),
+            "{conntrack}"
+        );
+        let nr_open = &finding(&fs, "fs.nr_open").fix;
+        assert!(nr_open.contains("fs.nr_open=110000000"), "{nr_open}");
+        let mut out = Vec::new();
+        run(u64::MAX, 2, Transport::Plain, 8080, &mut out);
+        let out = String::from_utf8_lossy(&out);
+        assert!(
+            out.starts_with(&format!(
+                "--connections {} is more than one host can hold; checking for {MAX_CONNECTIONS}",
+                u64::MAX
+            )),
+            "{out}"
+        );
+        assert!(!out.contains("=0 "), "{out}");
     }
 
     #[test]
@@ -1416,19 +1525,25 @@ mod tests {
             ip_local_port_range: Some((32768, 60999)),
             ..tuned()
         };
-        let fs = check(&host, MILLION, 16, Transport::Plain);
+        let fs = check(&host, MILLION, 16, Transport::Plain, 8080);
         assert!(blocking(&fs).is_empty());
         assert!(finding(&fs, "net.ipv4.ip_local_port_range")
             .needed
             .contains("36 source address"));
-        assert!(check(&host, 20_000, 16, Transport::Plain)
+        assert!(check(&host, 20_000, 16, Transport::Plain, 8080)
             .iter()
             .all(|f| f.ok));
     }
 
     #[test]
     fn unreadable_host_warns_and_never_blocks() {
-        let fs = check(&HostSettings::default(), MILLION, 16, Transport::Plain);
+        let fs = check(
+            &HostSettings::default(),
+            MILLION,
+            16,
+            Transport::Plain,
+            8080,
+        );
         assert!(blocking(&fs).is_empty(), "{fs:#?}");
         assert!(warnings(&fs).contains(&"fs.nr_open"));
     }
@@ -1469,10 +1584,10 @@ mod tests {
     #[test]
     fn run_prints_every_setting() {
         let mut out = Vec::new();
-        let code = run(1_000, 2, Transport::Plain, &mut out);
+        let code = run(1_000, 2, Transport::Plain, 8080, &mut out);
         let text = String::from_utf8(out).unwrap_or_default();
         assert_eq!(code, i32::from(text.contains("BLOCKS")), "{text}");
-        for f in check(&HostSettings::read(), 1_000, 2, Transport::Plain) {
+        for f in check(&HostSettings::read(), 1_000, 2, Transport::Plain, 8080) {
             assert!(
                 text.contains(f.setting),
                 "{} missing from\n{text}",

@@ -7,12 +7,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use fleetlink::config::{Cli, Config, Tool};
+use fleetlink::config::{error_line, Cli, Config, Tool};
 use fleetlink::jwt::JwtVerifier;
 use fleetlink::registry::bridge::{self, BridgeShared};
 use fleetlink::registry::msg::{ToBridge, ToCore};
 use fleetlink::tls::{TlsPaths, TlsReloader};
-use fleetlink::{admin, doorbell, worker};
+use fleetlink::{admin, doorbell, metrics, worker};
 
 #[cfg(not(feature = "heap-stats"))]
 #[global_allocator]
@@ -33,7 +33,7 @@ fn main() -> ExitCode {
         Err(e) => match e.downcast::<clap::Error>() {
             Ok(clap_err) => clap_err.exit(),
             Err(e) => {
-                eprintln!("fleetlink-fe: {e:#}");
+                eprintln!("fleetlink-fe: {}", error_line(&e));
                 return ExitCode::from(64);
             }
         },
@@ -45,7 +45,12 @@ fn main() -> ExitCode {
             } else {
                 fleetlink::doctor::Transport::Plain
             };
-            return fleetlink::doctor::main_with(connections, cli.broker.cores, transport);
+            return fleetlink::doctor::main_with(
+                connections,
+                cli.broker.cores,
+                transport,
+                cli.broker.listen,
+            );
         }
         Some(Tool::DevCerts {
             out,
@@ -57,7 +62,7 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("fleetlink-fe: {e:#}");
+            eprintln!("fleetlink-fe: {}", error_line(&e));
             ExitCode::FAILURE
         }
     }
@@ -120,6 +125,10 @@ fn run(cfg: Config) -> anyhow::Result<()> {
     }
     let draining = Arc::new(AtomicBool::new(false));
     let (drain_tx, drain_rx) = crossbeam_channel::bounded::<()>(4);
+    metrics::set_identity(metrics::Identity {
+        broker_id: cfg.broker_id.clone(),
+        fleet: cfg.redis.is_some(),
+    });
     let admin = Arc::new(admin::Admin::new(
         bridge_tx.clone(),
         core_txs.clone(),
@@ -128,7 +137,8 @@ fn run(cfg: Config) -> anyhow::Result<()> {
         drain_tx.clone(),
     ));
     admin::spawn(admin_listener, admin, pool)?;
-    spawn_signal_thread(drain_tx)?;
+    let (signal_tx, signal_rx) = crossbeam_channel::bounded::<&'static str>(4);
+    spawn_signal_thread(signal_tx, cfg.tls.is_some())?;
 
     // Machine-readable: tests and scripts wait for this line to learn the bound ports.
     println!(
@@ -141,15 +151,24 @@ fn run(cfg: Config) -> anyhow::Result<()> {
         cfg.cores
     );
 
-    let _ = drain_rx.recv();
+    let cause = crossbeam_channel::select! {
+        recv(signal_rx) -> name => name.map_or(DrainCause::AdminApi, DrainCause::Signal),
+        recv(drain_rx) -> _ => DrainCause::AdminApi,
+    };
     draining.store(true, Ordering::SeqCst);
-    log::info!("draining over {:?}", cfg.drain);
-    // Past the inboxes' bounds: a drain or shutdown that a full inbox refused would leave
-    // the process waiting for that thread forever.
-    for core in &core_txs {
-        let _ = core.push_owed(ToCore::Drain { window: cfg.drain });
-        core.ring();
-    }
+    log::info!("draining over {:?} ({cause})", cfg.drain);
+    drain_cores(&core_txs, cfg.drain);
+    // Only a signal cuts the drain short: an operator pressing Ctrl-C again means "now",
+    // while a retried POST /v1/drain is just a retry.
+    let cut_txs = core_txs.clone();
+    std::thread::Builder::new()
+        .name("fleetlink-drain-cut".into())
+        .spawn(move || {
+            if let Ok(name) = signal_rx.recv() {
+                log::warn!("{name} during the drain: closing every rig now (1001)");
+                drain_cores(&cut_txs, Duration::ZERO);
+            }
+        })?;
     for core in cores {
         let _ = core.join();
     }
@@ -158,6 +177,17 @@ fn run(cfg: Config) -> anyhow::Result<()> {
     let _ = bridge.join();
     log::info!("drained; exiting");
     Ok(())
+}
+
+/// Asks every core to drain over `window`; a core already draining closes its rigs at once
+/// when `window` is zero.
+fn drain_cores(cores: &[doorbell::Mailbox<ToCore>], window: Duration) {
+    // Past the inboxes' bounds: a drain or shutdown that a full inbox refused would leave
+    // the process waiting for that thread forever.
+    for core in cores {
+        let _ = core.push_owed(ToCore::Drain { window });
+        core.ring();
+    }
 }
 
 /// Loads TLS material (and starts its file/SIGHUP watcher) and the token verifier.
@@ -188,14 +218,46 @@ fn security(cfg: &Config) -> anyhow::Result<worker::Guard> {
     Ok(worker::Guard { tls, jwt })
 }
 
-fn spawn_signal_thread(drain: crossbeam_channel::Sender<()>) -> anyhow::Result<()> {
-    use signal_hook::consts::{SIGINT, SIGTERM};
-    let mut signals = signal_hook::iterator::Signals::new([SIGTERM, SIGINT])?;
+/// What started the drain, for the log.
+#[derive(Clone, Copy, Debug)]
+enum DrainCause {
+    Signal(&'static str),
+    AdminApi,
+}
+
+impl std::fmt::Display for DrainCause {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            DrainCause::Signal(name) => f.write_str(name),
+            DrainCause::AdminApi => f.write_str("POST /v1/drain"),
+        }
+    }
+}
+
+/// Handles SIGTERM/SIGINT (drain; the second one during a drain ends it at once) and SIGHUP,
+/// which must never keep its default action: that kills the broker without a drain, leaving
+/// its leases in Redis until they time out.
+fn spawn_signal_thread(
+    drain: crossbeam_channel::Sender<&'static str>,
+    tls: bool,
+) -> anyhow::Result<()> {
+    use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
+    let mut signals = signal_hook::iterator::Signals::new([SIGTERM, SIGINT, SIGHUP])?;
     std::thread::Builder::new()
         .name("fleetlink-signals".into())
         .spawn(move || {
-            for _ in signals.forever() {
-                let _ = drain.try_send(());
+            for signal in signals.forever() {
+                let name = match signal {
+                    SIGTERM => "SIGTERM",
+                    SIGINT => "SIGINT",
+                    // With TLS, the reloader's own SIGHUP thread reloads and logs it.
+                    _ if tls => continue,
+                    _ => {
+                        log::info!("SIGHUP: nothing to reload (no TLS files configured)");
+                        continue;
+                    }
+                };
+                let _ = drain.try_send(name);
             }
         })?;
     Ok(())

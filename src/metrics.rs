@@ -7,6 +7,8 @@
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::fmt::Write as _;
+use std::sync::OnceLock;
+use std::time::Duration;
 
 use serde::Serialize;
 
@@ -122,7 +124,7 @@ pub struct CoreMetrics {
     counters: [Cell<u64>; COUNTERS.len()],
     closes: [Cell<u64>; CLOSE_CODES.len() + 1],
     ack_buckets: [Cell<u64>; ACK_BUCKETS_MS.len() + 1],
-    ack_sum_ms: Cell<u64>,
+    ack_sum_us: Cell<u64>,
     /// Open TCP connections (any phase).
     pub connections: Cell<u64>,
     groups: RefCell<HashMap<Box<str>, u64>>,
@@ -134,7 +136,7 @@ impl Default for CoreMetrics {
             counters: std::array::from_fn(|_| Cell::new(0)),
             closes: Default::default(),
             ack_buckets: Default::default(),
-            ack_sum_ms: Cell::new(0),
+            ack_sum_us: Cell::new(0),
             connections: Cell::new(0),
             groups: RefCell::default(),
         }
@@ -163,15 +165,18 @@ impl CoreMetrics {
         cell.set(cell.get() + 1);
     }
 
-    /// Records one ack latency.
-    pub fn ack_latency(&self, ms: u64) {
+    /// Records one ack latency. Summed in microseconds: acks on a LAN take well under a
+    /// millisecond, and whole milliseconds summed them as 0.
+    pub fn ack_latency(&self, latency: Duration) {
+        let us = u64::try_from(latency.as_micros()).unwrap_or(u64::MAX);
         let i = ACK_BUCKETS_MS
             .iter()
-            .position(|&b| ms <= b)
+            .position(|&b| us <= b * 1000)
             .unwrap_or(ACK_BUCKETS_MS.len());
         let cell = &self.ack_buckets[i];
         cell.set(cell.get() + 1);
-        self.ack_sum_ms.set(self.ack_sum_ms.get() + ms);
+        self.ack_sum_us
+            .set(self.ack_sum_us.get().saturating_add(us));
     }
 
     /// A welcomed rig joined group `g`. Past [`MAX_GROUPS`] values on this core, a new value
@@ -206,7 +211,7 @@ impl CoreMetrics {
             counters: self.counters.iter().map(Cell::get).collect(),
             closes: self.closes.iter().map(Cell::get).collect(),
             ack_buckets: self.ack_buckets.iter().map(Cell::get).collect(),
-            ack_sum_ms: self.ack_sum_ms.get(),
+            ack_sum_us: self.ack_sum_us.get(),
             connections: self.connections.get(),
             groups: self
                 .groups
@@ -255,8 +260,8 @@ pub struct CoreSnapshot {
     pub closes: Vec<u64>,
     /// Ack latency buckets, then +Inf.
     pub ack_buckets: Vec<u64>,
-    /// Sum of ack latencies in ms.
-    pub ack_sum_ms: u64,
+    /// Sum of ack latencies in µs.
+    pub ack_sum_us: u64,
     /// Open connections.
     pub connections: u64,
     /// Welcomed rigs per group label value.
@@ -280,11 +285,171 @@ pub struct BridgeStats {
     pub pubsub: Vec<(String, u64)>,
 }
 
-/// Renders all snapshots as Prometheus text exposition.
+/// Who this broker is: `fleetlink_info`'s labels, and whether the fleet-only families apply.
+#[derive(Debug, Clone, Default)]
+pub struct Identity {
+    /// `--broker-id`.
+    pub broker_id: String,
+    /// Fleet mode (`--redis`); standalone otherwise.
+    pub fleet: bool,
+}
+
+/// Set once by `main` before the admin thread starts. A process-wide value rather than an
+/// argument of [`render`], whose caller (the admin thread) has no config to give it.
+static IDENTITY: OnceLock<Identity> = OnceLock::new();
+
+/// Records who this broker is, for every later [`render`]. The first call wins.
+pub fn set_identity(identity: Identity) {
+    let _ = IDENTITY.set(identity);
+}
+
+/// `# HELP` text of each family, in the order they are rendered.
+const HELP: &[(&str, &str)] = &[
+    (
+        "fleetlink_info",
+        "Always 1; labels say the mode (standalone or fleet), broker id and version.",
+    ),
+    (
+        "fleetlink_connections",
+        "Open TCP connections per core, in any phase.",
+    ),
+    (
+        "fleetlink_driver",
+        "Always 1; the driver label says the core's event loop: io_uring or epoll.",
+    ),
+    (
+        "fleetlink_accepts_total",
+        "Accepted TCP connections by result (503s and sheds included).",
+    ),
+    (
+        "fleetlink_upgrades_total",
+        "Websocket upgrade requests by result (ok or the HTTP status refused with).",
+    ),
+    (
+        "fleetlink_messages_in_total",
+        "Inbound rig messages by type.",
+    ),
+    (
+        "fleetlink_commands_total",
+        "Commands by what happened to them.",
+    ),
+    (
+        "fleetlink_pings_sent_total",
+        "Websocket PINGs sent to rigs.",
+    ),
+    (
+        "fleetlink_pongs_received_total",
+        "Websocket PONGs received from rigs.",
+    ),
+    (
+        "fleetlink_rig_rate_paused_total",
+        "Times a rig's reads were paused for exceeding --rig-rate.",
+    ),
+    (
+        "fleetlink_bridge_queue_full_total",
+        "Messages refused by a full cross-thread queue, by sender.",
+    ),
+    (
+        "fleetlink_kicks_total",
+        "Rigs kicked (closed with 1012) by control.",
+    ),
+    (
+        "fleetlink_tls_handshake_failures_total",
+        "TLS handshakes that failed.",
+    ),
+    (
+        "fleetlink_identity_mismatch_total",
+        "Hellos whose rig_id is not the TLS client identity (4403).",
+    ),
+    (
+        "fleetlink_forbidden_total",
+        "Commands or events a rig's token did not allow.",
+    ),
+    (
+        "fleetlink_admin_routes_total",
+        "Admin commands by the route they took to the rig's core.",
+    ),
+    (
+        "fleetlink_admin_connections_moved_total",
+        "Admin connections moved to the core holding the rigs they command.",
+    ),
+    (
+        "fleetlink_closes_total",
+        "Rig connections closed, by close code (1006: without a close frame).",
+    ),
+    (
+        "fleetlink_outbox_full_total",
+        "Commands answered rig_unresponsive because the rig's outbox was full.",
+    ),
+    (
+        "fleetlink_ack_latency_seconds",
+        "Time from writing a command to the rig's ack.",
+    ),
+    (
+        "fleetlink_rigs",
+        "Welcomed rigs by the value of their --group-label hello label.",
+    ),
+    (
+        "fleetlink_redis_up",
+        "1 while Redis answers (fleet mode only).",
+    ),
+    (
+        "fleetlink_registry_ops_total",
+        "Registry operations by op and result (standalone: only op=refused).",
+    ),
+    (
+        "fleetlink_pubsub_messages_total",
+        "Redis pub/sub messages by direction (fleet mode only).",
+    ),
+    (
+        "fleetlink_bridge_queue_depth",
+        "Messages waiting in the bridge's inbox.",
+    ),
+    ("fleetlink_draining", "1 from the start of a drain."),
+    (
+        "fleetlink_heap_live_bytes",
+        "Live heap bytes (heap-stats builds only).",
+    ),
+    (
+        "fleetlink_heap_live_allocations",
+        "Live heap allocations (heap-stats builds only).",
+    ),
+];
+
+/// Writes a family's `# HELP` and `# TYPE` lines.
+fn family(out: &mut String, name: &str, kind: &str) {
+    let help = HELP.iter().find(|(n, _)| *n == name).map_or("", |(_, h)| h);
+    let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+}
+
+/// Renders all snapshots as Prometheus text exposition, for the identity `main` set.
 pub fn render(cores: &[CoreSnapshot], bridge: &BridgeStats, draining: bool) -> String {
+    let unknown = Identity::default();
+    render_as(IDENTITY.get().unwrap_or(&unknown), cores, bridge, draining)
+}
+
+/// [`render`] for a given identity.
+pub fn render_as(
+    identity: &Identity,
+    cores: &[CoreSnapshot],
+    bridge: &BridgeStats,
+    draining: bool,
+) -> String {
     let mut out = String::with_capacity(8192);
+    family(&mut out, "fleetlink_info", "gauge");
+    let _ = writeln!(
+        out,
+        "fleetlink_info{{mode=\"{}\",broker_id=\"{}\",version=\"{}\"}} 1",
+        if identity.fleet {
+            "fleet"
+        } else {
+            "standalone"
+        },
+        escape(&identity.broker_id),
+        env!("CARGO_PKG_VERSION")
+    );
     let sum = |f: &dyn Fn(&CoreSnapshot) -> u64| cores.iter().map(f).sum::<u64>();
-    let _ = writeln!(out, "# TYPE fleetlink_connections gauge");
+    family(&mut out, "fleetlink_connections", "gauge");
     for c in cores {
         let _ = writeln!(
             out,
@@ -292,7 +457,7 @@ pub fn render(cores: &[CoreSnapshot], bridge: &BridgeStats, draining: bool) -> S
             c.core, c.connections
         );
     }
-    let _ = writeln!(out, "# TYPE fleetlink_driver gauge");
+    family(&mut out, "fleetlink_driver", "gauge");
     for c in cores {
         let _ = writeln!(
             out,
@@ -303,7 +468,7 @@ pub fn render(cores: &[CoreSnapshot], bridge: &BridgeStats, draining: bool) -> S
     let mut last = "";
     for (i, (name, labels)) in COUNTERS.iter().enumerate() {
         if *name != last {
-            let _ = writeln!(out, "# TYPE {name} counter");
+            family(&mut out, name, "counter");
             last = name;
         }
         let v = sum(&|c: &CoreSnapshot| c.counters.get(i).copied().unwrap_or(0));
@@ -317,7 +482,7 @@ pub fn render(cores: &[CoreSnapshot], bridge: &BridgeStats, draining: bool) -> S
             let _ = writeln!(out, "{name}{{from=\"bridge\"}} {}", bridge.core_queue_full);
         }
     }
-    let _ = writeln!(out, "# TYPE fleetlink_closes_total counter");
+    family(&mut out, "fleetlink_closes_total", "counter");
     for i in 0..=CLOSE_CODES.len() {
         let code = CLOSE_CODES
             .get(i)
@@ -325,7 +490,7 @@ pub fn render(cores: &[CoreSnapshot], bridge: &BridgeStats, draining: bool) -> S
         let v = sum(&|c: &CoreSnapshot| c.closes.get(i).copied().unwrap_or(0));
         let _ = writeln!(out, "fleetlink_closes_total{{code=\"{code}\"}} {v}");
     }
-    let _ = writeln!(out, "# TYPE fleetlink_outbox_full_total counter");
+    family(&mut out, "fleetlink_outbox_full_total", "counter");
     let _ = writeln!(
         out,
         "fleetlink_outbox_full_total {}",
@@ -335,7 +500,7 @@ pub fn render(cores: &[CoreSnapshot], bridge: &BridgeStats, draining: bool) -> S
             .copied()
             .unwrap_or(0))
     );
-    let _ = writeln!(out, "# TYPE fleetlink_ack_latency_seconds histogram");
+    family(&mut out, "fleetlink_ack_latency_seconds", "histogram");
     let mut cumulative = 0;
     for i in 0..=ACK_BUCKETS_MS.len() {
         cumulative += sum(&|c: &CoreSnapshot| c.ack_buckets.get(i).copied().unwrap_or(0));
@@ -350,7 +515,7 @@ pub fn render(cores: &[CoreSnapshot], bridge: &BridgeStats, draining: bool) -> S
     let _ = writeln!(
         out,
         "fleetlink_ack_latency_seconds_sum {}",
-        sum(&|c: &CoreSnapshot| c.ack_sum_ms) as f64 / 1000.0
+        sum(&|c: &CoreSnapshot| c.ack_sum_us) as f64 / 1e6
     );
     let _ = writeln!(out, "fleetlink_ack_latency_seconds_count {cumulative}");
     let mut groups: HashMap<&str, u64> = HashMap::new();
@@ -359,48 +524,46 @@ pub fn render(cores: &[CoreSnapshot], bridge: &BridgeStats, draining: bool) -> S
             *groups.entry(g).or_default() += n;
         }
     }
-    let _ = writeln!(out, "# TYPE fleetlink_rigs gauge");
+    family(&mut out, "fleetlink_rigs", "gauge");
     let mut groups: Vec<_> = groups.into_iter().collect();
     groups.sort();
     for (g, n) in groups {
         let _ = writeln!(out, "fleetlink_rigs{{group=\"{}\"}} {n}", escape(g));
     }
-    let _ = writeln!(
-        out,
-        "# TYPE fleetlink_redis_up gauge\nfleetlink_redis_up {}",
-        bridge.redis_up
-    );
-    let _ = writeln!(out, "# TYPE fleetlink_registry_ops_total counter");
+    // Standalone, a redis_up of 0 would fire every "Redis down" alert; only the bridge's own
+    // refusals (op="refused") are counted in both modes.
+    if identity.fleet {
+        family(&mut out, "fleetlink_redis_up", "gauge");
+        let _ = writeln!(out, "fleetlink_redis_up {}", bridge.redis_up);
+    }
+    family(&mut out, "fleetlink_registry_ops_total", "counter");
     for (op, result, n) in &bridge.registry_ops {
-        let _ = writeln!(
-            out,
-            "fleetlink_registry_ops_total{{op=\"{op}\",result=\"{result}\"}} {n}"
-        );
+        if identity.fleet || op == "refused" {
+            let _ = writeln!(
+                out,
+                "fleetlink_registry_ops_total{{op=\"{op}\",result=\"{result}\"}} {n}"
+            );
+        }
     }
-    let _ = writeln!(out, "# TYPE fleetlink_pubsub_messages_total counter");
-    for (dir, n) in &bridge.pubsub {
-        let _ = writeln!(
-            out,
-            "fleetlink_pubsub_messages_total{{direction=\"{dir}\"}} {n}"
-        );
+    if identity.fleet {
+        family(&mut out, "fleetlink_pubsub_messages_total", "counter");
+        for (dir, n) in &bridge.pubsub {
+            let _ = writeln!(
+                out,
+                "fleetlink_pubsub_messages_total{{direction=\"{dir}\"}} {n}"
+            );
+        }
     }
-    let _ = writeln!(
-        out,
-        "# TYPE fleetlink_bridge_queue_depth gauge\nfleetlink_bridge_queue_depth {}",
-        bridge.queue_depth
-    );
-    let _ = writeln!(
-        out,
-        "# TYPE fleetlink_draining gauge\nfleetlink_draining {}",
-        u8::from(draining)
-    );
+    family(&mut out, "fleetlink_bridge_queue_depth", "gauge");
+    let _ = writeln!(out, "fleetlink_bridge_queue_depth {}", bridge.queue_depth);
+    family(&mut out, "fleetlink_draining", "gauge");
+    let _ = writeln!(out, "fleetlink_draining {}", u8::from(draining));
     let (bytes, allocs) = crate::heap_stats::live();
     if allocs != 0 {
-        let _ = writeln!(
-            out,
-            "# TYPE fleetlink_heap_live_bytes gauge\nfleetlink_heap_live_bytes {bytes}"
-        );
-        let _ = writeln!(out, "# TYPE fleetlink_heap_live_allocations gauge\nfleetlink_heap_live_allocations {allocs}");
+        family(&mut out, "fleetlink_heap_live_bytes", "gauge");
+        let _ = writeln!(out, "fleetlink_heap_live_bytes {bytes}");
+        family(&mut out, "fleetlink_heap_live_allocations", "gauge");
+        let _ = writeln!(out, "fleetlink_heap_live_allocations {allocs}");
     }
     out
 }
@@ -414,6 +577,7 @@ fn escape(s: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::registry::bridge::BridgeShared;
 
     #[test]
     fn renders_counters_closes_groups() {
@@ -421,7 +585,7 @@ mod tests {
         m.inc(C::AcceptOk);
         m.close(4002);
         m.close(4999);
-        m.ack_latency(3);
+        m.ack_latency(Duration::from_millis(3));
         m.join_group("lab-a");
         m.join_group("lab-a");
         m.leave_group("lab-a", false);
@@ -562,7 +726,7 @@ mod tests {
                     m.close(code);
                 }
                 for ms in [0, 3, 20, 400, 20_000] {
-                    m.ack_latency(ms);
+                    m.ack_latency(Duration::from_millis(ms));
                 }
                 m.connections.set(core as u64 + 5);
                 m.join_group("lab-a");
@@ -580,8 +744,12 @@ mod tests {
             core_queue_full: 7,
             pubsub: vec![("in".into(), 9), ("out".into(), 2)],
         };
-        for draining in [false, true] {
-            let text = render(&cores, &bridge, draining);
+        let fleet = Identity {
+            broker_id: "fe-\"1\"".into(),
+            fleet: true,
+        };
+        for (draining, identity) in [(false, &fleet), (true, &Identity::default())] {
+            let text = render_as(identity, &cores, &bridge, draining);
             let families = check_exposition(&text).unwrap_or_else(|e| panic!("{e}\n{text}"));
             assert!(families
                 .iter()
@@ -605,6 +773,97 @@ mod tests {
         // An idle standalone broker (no bridge figures, a core with no counters yet) too.
         let idle = render(&[CoreSnapshot::default()], &BridgeStats::default(), false);
         check_exposition(&idle).unwrap_or_else(|e| panic!("{e}\n{idle}"));
+    }
+
+    /// Every family has a `# HELP` with text, right before its `# TYPE`.
+    fn check_help(text: &str) -> Result<usize, String> {
+        let lines: Vec<&str> = text.lines().collect();
+        let mut families = 0;
+        for (i, line) in lines.iter().enumerate() {
+            let Some(rest) = line.strip_prefix("# TYPE ") else {
+                continue;
+            };
+            let name = rest.split(' ').next().unwrap_or_default();
+            let help = i
+                .checked_sub(1)
+                .and_then(|j| lines[j].strip_prefix(&format!("# HELP {name} ")));
+            if help.is_none_or(|h| h.trim().is_empty()) {
+                return Err(format!("{name}: no # HELP right before its # TYPE"));
+            }
+            families += 1;
+        }
+        Ok(families)
+    }
+
+    #[test]
+    fn every_family_has_help_and_type_and_fleet_families_only_in_fleet_mode() {
+        let m = CoreMetrics::default();
+        let bridge = BridgeShared::new(true).stats(0);
+        let snaps = [m.snapshot(0, "epoll")];
+        let standalone = Identity {
+            broker_id: "fe-s".into(),
+            fleet: false,
+        };
+        let text = render_as(&standalone, &snaps, &bridge, false);
+        check_exposition(&text).unwrap_or_else(|e| panic!("{e}\n{text}"));
+        let families = check_help(&text).unwrap_or_else(|e| panic!("{e}\n{text}"));
+        assert!(families >= 20, "{families}");
+        for absent in ["fleetlink_redis_up", "fleetlink_pubsub_messages_total"] {
+            assert!(!text.contains(absent), "{absent} in standalone:\n{text}");
+        }
+        let ops: Vec<&str> = text
+            .lines()
+            .filter(|l| l.starts_with("fleetlink_registry_ops_total{"))
+            .collect();
+        assert!(
+            !ops.is_empty() && ops.iter().all(|l| l.contains("op=\"refused\"")),
+            "{ops:?}"
+        );
+        let version = env!("CARGO_PKG_VERSION");
+        let info = format!(
+            "fleetlink_info{{mode=\"standalone\",broker_id=\"fe-s\",version=\"{version}\"}} 1"
+        );
+        assert!(text.lines().any(|l| l == info), "{text}");
+
+        let fleet = Identity {
+            broker_id: "fe-f".into(),
+            fleet: true,
+        };
+        let text = render_as(&fleet, &snaps, &bridge, true);
+        check_exposition(&text).unwrap_or_else(|e| panic!("{e}\n{text}"));
+        check_help(&text).unwrap_or_else(|e| panic!("{e}\n{text}"));
+        assert!(text.lines().any(|l| l == "fleetlink_redis_up 0"));
+        assert!(text.contains("fleetlink_pubsub_messages_total{direction=\"in\"} 0"));
+        assert!(text.contains("fleetlink_registry_ops_total{op=\"hello\",result=\"ok\"} 0"));
+        assert!(text.contains("fleetlink_info{mode=\"fleet\",broker_id=\"fe-f\""));
+        // Every family rendered has its own help text in the table.
+        for line in text.lines().filter(|l| l.starts_with("# TYPE ")) {
+            let name = line.split(' ').nth(2).unwrap_or_default();
+            assert!(HELP.iter().any(|(n, _)| *n == name), "{name} not in HELP");
+        }
+    }
+
+    #[test]
+    fn ack_latency_sums_real_time_below_a_millisecond() {
+        let m = CoreMetrics::default();
+        for _ in 0..3 {
+            m.ack_latency(Duration::from_micros(300));
+        }
+        let text = render(&[m.snapshot(0, "epoll")], &BridgeStats::default(), false);
+        assert!(text.contains("fleetlink_ack_latency_seconds_bucket{le=\"0.001\"} 3"));
+        assert!(text.contains("fleetlink_ack_latency_seconds_count 3"));
+        let sum: f64 = text
+            .lines()
+            .find_map(|l| l.strip_prefix("fleetlink_ack_latency_seconds_sum "))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0.0);
+        assert!((sum - 0.0009).abs() < 1e-9, "{sum}");
+        // Bucket edges are inclusive, as Prometheus' `le` says.
+        let m = CoreMetrics::default();
+        m.ack_latency(Duration::from_millis(5));
+        m.ack_latency(Duration::from_micros(5001));
+        let snap = m.snapshot(0, "epoll");
+        assert_eq!(&snap.ack_buckets[..3], &[0, 1, 1]);
     }
 
     #[test]

@@ -6,6 +6,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::broker::{read_close, read_json, Broker};
+use serde_json::json;
 
 fn drain_with(trigger: impl FnOnce(&Broker)) {
     let mut b = Broker::start(&["--drain", "600ms"]);
@@ -43,4 +44,40 @@ fn sigterm_drains_and_exits_zero() {
 #[test]
 fn admin_drain_route_drains_and_exits_zero() {
     drain_with(|b| assert_eq!(b.http("POST", "/v1/drain", "").0, 202));
+}
+
+#[test]
+fn a_second_sigterm_ends_the_drain_at_once() {
+    let mut b = Broker::start(&["--drain", "60s"]);
+    let (mut ws, _, _) = b.rig("rig-cut");
+    let started = Instant::now();
+    b.sigterm();
+    assert_eq!(read_json(&mut ws)["type"], "goaway");
+    b.sigterm();
+    assert_eq!(read_close(&mut ws), 1001);
+    let status = b
+        .wait_exit(Duration::from_secs(20))
+        .expect("the second SIGTERM did not end the drain");
+    assert!(status.success(), "{status:?}");
+    assert!(started.elapsed() < Duration::from_secs(30));
+}
+
+#[test]
+fn sighup_on_a_plain_broker_reloads_nothing_and_keeps_serving() {
+    let mut b = Broker::start(&["--drain", "200ms"]);
+    let (mut ws, _, _) = b.rig("rig-hup");
+    b.signal(libc::SIGHUP);
+    // Still serving after the signal: a command still reaches the connected rig.
+    let (_, reply) = b.command("rig-hup", "ping", json!({}));
+    assert_eq!(reply["ok"], true, "{reply}");
+    assert_eq!(read_json(&mut ws)["type"], "command");
+    assert_eq!(b.http("GET", "/healthz", "").0, 200);
+    // And it still stops the graceful way: SIGHUP's default action used to kill it (129).
+    b.sigterm();
+    assert_eq!(read_json(&mut ws)["type"], "goaway");
+    assert_eq!(read_close(&mut ws), 1001);
+    let status = b
+        .wait_exit(Duration::from_secs(10))
+        .expect("broker did not exit");
+    assert!(status.success(), "{status:?}");
 }

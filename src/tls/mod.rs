@@ -111,14 +111,15 @@ pub enum TlsError {
     },
     /// rustls refused the certificate chain with this key: the key does not match the
     /// end-entity certificate, or its type is unsupported.
-    #[error("{} with key {}: {source}", cert.display(), key.display())]
+    #[error("{} with key {}: {}", cert.display(), key.display(), cert_key_words(cause))]
     CertKey {
         /// The certificate file.
         cert: PathBuf,
         /// The key file.
         key: PathBuf,
-        /// What rustls said.
-        source: rustls::Error,
+        /// What rustls said. Not a `source`: the message already says it, in words, and an
+        /// error chain printed whole would say it again as rustls' `KeyMismatch`.
+        cause: rustls::Error,
     },
     /// A certificate of the client CA bundle is not usable as a trust anchor.
     #[error("{}: certificate #{index} is not a usable CA: {source}", path.display())]
@@ -170,6 +171,22 @@ pub enum TlsError {
     Config(rustls::Error),
 }
 
+/// rustls' words for a refused certificate/key pair are its enum's names; an operator needs to
+/// hear which file is wrong.
+fn cert_key_words(e: &rustls::Error) -> String {
+    use rustls::InconsistentKeys;
+    match e {
+        rustls::Error::InconsistentKeys(InconsistentKeys::KeyMismatch) => {
+            "the private key does not belong to the certificate (the chain's first certificate)"
+                .into()
+        }
+        rustls::Error::InconsistentKeys(InconsistentKeys::Unknown) => {
+            "cannot check that the private key belongs to the certificate (unsupported key)".into()
+        }
+        other => other.to_string(),
+    }
+}
+
 /// Builds the rig listener's config from `paths`: TLS 1.3 and 1.2 (for old agents), the ring
 /// provider's default suites and groups, ALPN `http/1.1`, no session resumption (no tickets,
 /// no session cache: see the module doc), no early data, 16 KiB records. With `client_ca`, a
@@ -191,10 +208,10 @@ pub fn build_server_config(paths: &TlsPaths) -> Result<Arc<ServerConfig>, TlsErr
     };
     let mut config = builder
         .with_single_cert(chain, key)
-        .map_err(|source| TlsError::CertKey {
+        .map_err(|cause| TlsError::CertKey {
             cert: paths.cert.clone(),
             key: paths.key.clone(),
-            source,
+            cause,
         })?;
     config.alpn_protocols = vec![b"http/1.1".to_vec()];
     config.session_storage = Arc::new(NoServerSessionStorage {});

@@ -11,8 +11,14 @@ use crate::ws::OpCode;
 /// Extra time after the window for close handshakes before the core gives up on stragglers.
 const GRACE: Duration = Duration::from_secs(3);
 
+/// Starts the drain; once started, only a zero `window` (a second signal: "now") changes it,
+/// closing every connection at once.
 pub(crate) fn start(core: &Rc<Core>, window: Duration) {
     if core.draining.replace(true) {
+        if window.is_zero() {
+            close_all(core);
+            monoio::spawn(give_up_after_grace(core.clone()));
+        }
         return;
     }
     core.accept_stop.notify();
@@ -40,16 +46,25 @@ pub(crate) fn start(core: &Rc<Core>, window: Duration) {
     let core = core.clone();
     monoio::spawn(async move {
         monoio::time::sleep(window).await;
-        let conns: Vec<_> = core.conns.borrow().values().cloned().collect();
-        for conn in conns {
-            conn.close(&mut conn.st.borrow_mut(), 1001, "broker shutting down");
-        }
-        core.check_drained();
-        monoio::time::sleep(GRACE).await;
-        // Stragglers that never finished their close handshake are dropped with the runtime.
-        if !core.finished.get() {
-            core.finished.set(true);
-            core.done.notify();
-        }
+        close_all(&core);
+        give_up_after_grace(core).await;
     });
+}
+
+/// The end of the window: 1001 to whoever is left.
+fn close_all(core: &Rc<Core>) {
+    let conns: Vec<_> = core.conns.borrow().values().cloned().collect();
+    for conn in conns {
+        conn.close(&mut conn.st.borrow_mut(), 1001, "broker shutting down");
+    }
+    core.check_drained();
+}
+
+async fn give_up_after_grace(core: Rc<Core>) {
+    monoio::time::sleep(GRACE).await;
+    // Stragglers that never finished their close handshake are dropped with the runtime.
+    if !core.finished.get() {
+        core.finished.set(true);
+        core.done.notify();
+    }
 }

@@ -399,7 +399,7 @@ fn on_ack(core: &Core, s: &mut Session, seq: Seq) -> Option<Box<str>> {
         }
         if cmd.seq == seq {
             if let Some(at) = cmd.written_at {
-                core.metrics.ack_latency(at.elapsed().as_millis() as u64);
+                core.metrics.ack_latency(at.elapsed());
             }
         }
         // Events name commands only in fleet mode: the ack's and, hours later maybe, the

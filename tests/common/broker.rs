@@ -131,6 +131,12 @@ impl Broker {
         unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
     }
 
+    /// Sends `signal` (e.g. `libc::SIGHUP`).
+    pub fn signal(&self, signal: i32) {
+        // SAFETY: kill(2) has no memory preconditions; the pid is our own child's.
+        unsafe { libc::kill(self.child.id() as i32, signal) };
+    }
+
     /// Waits for the process to exit, up to `limit`.
     pub fn wait_exit(&mut self, limit: Duration) -> Option<ExitStatus> {
         let deadline = Instant::now() + limit;

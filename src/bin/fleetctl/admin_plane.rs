@@ -278,8 +278,19 @@ impl ControlPlane for AdminPlane {
         Ok(Page { rows, next_cursor })
     }
 
-    /// `brokers`: liveness and readiness of this one broker.
+    /// `brokers`: liveness and readiness of this one broker, under the id it announces in
+    /// `fleetlink_info` on `/metrics` (the admin API has no other route that says it).
     fn brokers(&mut self) -> anyhow::Result<Vec<Value>> {
+        let metrics = self
+            .call("GET", "/metrics", None, IO_TIMEOUT)?
+            .ok_or_else(|| no_answer("GET /metrics", IO_TIMEOUT))?;
+        let text = String::from_utf8_lossy(&metrics.body);
+        let broker_id = match info_label(&text, "broker_id") {
+            Some(id) if metrics.status == 200 => Value::String(id),
+            // An older broker without fleetlink_info, or /metrics refused (a core not
+            // answering): the id is unknown, which is not the admin address.
+            _ => Value::Null,
+        };
         let health = self
             .call("GET", "/healthz", None, IO_TIMEOUT)?
             .ok_or_else(|| no_answer("GET /healthz", IO_TIMEOUT))?;
@@ -287,7 +298,7 @@ impl ControlPlane for AdminPlane {
             .call("GET", "/readyz", None, IO_TIMEOUT)?
             .ok_or_else(|| no_answer("GET /readyz", IO_TIMEOUT))?;
         Ok(vec![json!({
-            "broker_id": self.url.authority,
+            "broker_id": broker_id,
             "admin": format!("http://{}{}", self.url.authority, self.url.prefix),
             "healthz": health.status,
             "readyz": ready.status,
@@ -310,6 +321,27 @@ impl ControlPlane for AdminPlane {
 
 /// A complete response in `buf`, `None` when more bytes are needed. Without Content-Length the
 /// body runs to EOF (`eof`).
+/// The value of `label` on the `fleetlink_info` line of a Prometheus text, unescaped.
+fn info_label(metrics: &str, label: &str) -> Option<String> {
+    let line = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("fleetlink_info{"))?;
+    let start = line.find(&format!("{label}=\""))? + label.len() + 2;
+    let mut value = String::new();
+    let mut chars = line[start..].chars();
+    while let Some(c) = chars.next() {
+        match c {
+            '"' => return Some(value),
+            '\\' => match chars.next()? {
+                'n' => value.push('\n'),
+                other => value.push(other),
+            },
+            c => value.push(c),
+        }
+    }
+    None
+}
+
 fn parse_response(buf: &[u8], eof: bool) -> anyhow::Result<Option<Response>> {
     let mut headers = [httparse::EMPTY_HEADER; 32];
     let mut resp = httparse::Response::new(&mut headers);

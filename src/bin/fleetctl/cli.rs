@@ -66,7 +66,8 @@ pub(crate) enum Command {
         #[arg(value_parser = parse_rig)]
         rig: RigId,
     },
-    /// List connected rigs, one page at a time.
+    /// List connected rigs, one page at a time. With --json: every rig from --cursor to the
+    /// end, one rig object per line (pages are followed, and no cursor line is printed).
     ///
     /// With --redis, gives up after 5s when Redis does not answer (exit 3).
     List {
@@ -355,7 +356,7 @@ mod tests {
                 "g=a",
                 "reboot",
                 "--timeout",
-                "99999999999999999999",
+                "99999999999999999999ms",
             ],
             &["kick", "rig-1", "--timeout", "9999999999999999999m"],
             &["events", "--for", "10000000000000000000s"],
@@ -367,6 +368,13 @@ mod tests {
             assert!(e.use_stderr());
         }
         assert!(load(&["send", "rig-1", "reboot", "--timeout", "8760h"]).is_ok());
+    }
+
+    #[test]
+    fn a_timeout_without_a_unit_is_a_usage_error() {
+        let e = load(&["send", "rig-1", "reboot", "--timeout", "5"]).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::ValueValidation);
+        assert!(e.to_string().contains("no unit"), "{e}");
     }
 
     #[test]

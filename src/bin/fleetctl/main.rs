@@ -221,6 +221,24 @@ fn run(cli: Cli, plane: Plane) -> anyhow::Result<Exit> {
             "kicked (its socket closes with 1012)",
         ),
         Command::Status { rig } => out.status(&plane.status(&rig)?),
+        Command::List { page_size, cursor } if cli.json => {
+            // Lines of `--json` are rig objects, so a cursor has no line of its own: follow the
+            // pages instead. SCAN may return a key twice; a rig is printed once.
+            let mut seen = std::collections::HashSet::new();
+            let mut cursor = cursor;
+            loop {
+                let page = plane.list(page_size, cursor)?;
+                for row in &page.rows {
+                    if seen.insert(row["rig_id"].as_str().unwrap_or_default().to_owned()) {
+                        println!("{row}");
+                    }
+                }
+                match page.next_cursor {
+                    0 => break Exit::Ok,
+                    next => cursor = next,
+                }
+            }
+        }
         Command::List { page_size, cursor } => out.page(&plane.list(page_size, cursor)?),
         Command::Brokers => out.brokers(&plane.brokers()?),
         Command::Events { count, for_ } => {

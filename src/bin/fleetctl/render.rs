@@ -168,15 +168,9 @@ impl Render {
         exit
     }
 
-    /// One page of `list`, then where the next one starts.
+    /// One page of `list` as a table, then where the next one starts (`--json` follows the
+    /// pages in `main` instead).
     pub(crate) fn page(&self, p: &Page) -> Exit {
-        if self.json {
-            for row in &p.rows {
-                println!("{row}");
-            }
-            println!("{}", json!({"next_cursor": p.next_cursor}));
-            return Exit::Ok;
-        }
         let admin = p.rows.iter().any(|r| r.get("connected_at").is_some());
         if admin {
             let rows: Vec<Vec<String>> = p

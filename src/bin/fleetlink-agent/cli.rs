@@ -13,9 +13,22 @@ use fleetlink::config::parse_duration;
 use fleetlink::ids::RigId;
 use fleetlink::protocol::{MAX_LABELS, MAX_LABEL_LEN};
 
+/// What `--help` ends with: the exit codes, which scripts and supervisors act on.
+const AFTER_HELP: &str = "\
+Durations take a unit: 250ms, 20s, 5m, 1h. Logging: RUST_LOG (default info).
+
+Exit codes:
+  0   stopped: SIGTERM/SIGINT, or --run-for elapsed
+  1   startup error (TLS files, --exec-log) or the command worker died
+  3   gave up after --max-attempts consecutive failed connection attempts
+  4   a seq gap: commands were lost, so going on would hide it
+  5   refused by the broker for good: 4400 (bad hello), 4403 (TLS identity is not
+      --rig-id), 4409 (a newer boot of this rig is connected); reconnecting would not help
+  64  usage: a flag that does not parse or does not validate";
+
 /// The reference rig agent: hello, ack, run allowed commands, reconnect with jitter.
 #[derive(Parser, Debug)]
-#[command(name = "fleetlink-agent", version)]
+#[command(name = "fleetlink-agent", version, after_help = AFTER_HELP)]
 pub(crate) struct Cli {
     /// Broker rig endpoint: `ws://HOST:PORT/agent` or `wss://HOST:PORT/agent`.
     #[arg(long, env = "FLEETLINK_AGENT_URL")]
@@ -233,6 +246,29 @@ mod tests {
         assert!(parse_labels("a=1,a=2").is_err());
         let many: Vec<String> = (0..=MAX_LABELS).map(|i| format!("k{i}=v")).collect();
         assert!(parse_labels(&many.join(",")).is_err());
+    }
+
+    #[test]
+    fn help_lists_every_exit_code() {
+        use clap::CommandFactory;
+
+        use crate::reconnect::Exit;
+        let help = Cli::command().render_long_help().to_string();
+        assert!(help.contains("\n  64  usage"), "{help}");
+        for exit in [
+            Exit::Stopped,
+            Exit::Fatal,
+            Exit::GaveUp,
+            Exit::SeqGap,
+            Exit::Refused,
+        ] {
+            let line = format!("\n  {:<3} ", exit.code());
+            assert!(
+                help.contains(&line),
+                "exit {} not in --help:\n{help}",
+                exit.code()
+            );
+        }
     }
 
     #[test]
