@@ -391,7 +391,7 @@ const HELP: &[(&str, &str)] = &[
     ),
     (
         "fleetlink_redis_up",
-        "1 while Redis answers (fleet mode only).",
+        "1 while Redis answers; always 0 standalone, which has no Redis (see fleetlink_info's mode).",
     ),
     (
         "fleetlink_registry_ops_total",
@@ -530,12 +530,11 @@ pub fn render_as(
     for (g, n) in groups {
         let _ = writeln!(out, "fleetlink_rigs{{group=\"{}\"}} {n}", escape(g));
     }
-    // Standalone, a redis_up of 0 would fire every "Redis down" alert; only the bridge's own
-    // refusals (op="refused") are counted in both modes.
-    if identity.fleet {
-        family(&mut out, "fleetlink_redis_up", "gauge");
-        let _ = writeln!(out, "fleetlink_redis_up {}", bridge.redis_up);
-    }
+    // In both modes, since CONTRACT.md §6 lists it among /metrics; standalone it reads 0, and
+    // an alert on it should also ask `fleetlink_info{mode="fleet"}`. Only the bridge's own
+    // refusals (op="refused") are registry ops in both modes.
+    family(&mut out, "fleetlink_redis_up", "gauge");
+    let _ = writeln!(out, "fleetlink_redis_up {}", bridge.redis_up);
     family(&mut out, "fleetlink_registry_ops_total", "counter");
     for (op, result, n) in &bridge.registry_ops {
         if identity.fleet || op == "refused" {
@@ -808,9 +807,11 @@ mod tests {
         check_exposition(&text).unwrap_or_else(|e| panic!("{e}\n{text}"));
         let families = check_help(&text).unwrap_or_else(|e| panic!("{e}\n{text}"));
         assert!(families >= 20, "{families}");
-        for absent in ["fleetlink_redis_up", "fleetlink_pubsub_messages_total"] {
-            assert!(!text.contains(absent), "{absent} in standalone:\n{text}");
-        }
+        assert!(
+            !text.contains("fleetlink_pubsub_messages_total"),
+            "pubsub in standalone:\n{text}"
+        );
+        assert!(text.lines().any(|l| l == "fleetlink_redis_up 0"), "{text}");
         let ops: Vec<&str> = text
             .lines()
             .filter(|l| l.starts_with("fleetlink_registry_ops_total{"))

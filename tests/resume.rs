@@ -445,12 +445,7 @@ fn a_rig_that_left_during_an_outage_resumes_elsewhere_with_what_its_broker_held(
     );
     let lease: Option<String> = con.get("rig:rig-p").unwrap();
     assert_eq!(lease, None, "A claims no lease for a rig it does not hold");
-    eventually(Duration::from_secs(10), "B back on Redis", || {
-        b.http("GET", "/readyz", "").0 == 200
-    });
-    let mut on_b = b.connect("/agent");
-    assert_eq!(hello(&mut on_b, "rig-p", &boot, Some(0))["resumed"], true);
-    replayed_then_continued(&mut on_b, &redis, "fe-b", "rig-p");
+    resumes_on_b(&b, &redis, "rig-p", &boot);
 }
 
 /// Redis unreachable but keeping everything (the lease too): the session goes back before the
@@ -476,12 +471,18 @@ fn a_parked_session_goes_back_before_its_lease_is_released() {
             c2.is_some() && next.as_deref() == Some("3") && lease.is_none()
         },
     );
+    resumes_on_b(&b, &redis, "rig-q", &boot);
+}
+
+/// Once B is back on Redis, `rig` resuming there finds its whole session: resumed, commands 1
+/// and 2 replayed, the next one numbered 3.
+fn resumes_on_b(b: &Broker, redis: &RedisServer, rig: &str, boot: &str) {
     eventually(Duration::from_secs(10), "B back on Redis", || {
         b.http("GET", "/readyz", "").0 == 200
     });
     let mut on_b = b.connect("/agent");
-    assert_eq!(hello(&mut on_b, "rig-q", &boot, Some(0))["resumed"], true);
-    replayed_then_continued(&mut on_b, &redis, "fe-b", "rig-q");
+    assert_eq!(hello(&mut on_b, rig, boot, Some(0))["resumed"], true);
+    replayed_then_continued(&mut on_b, redis, "fe-b", rig);
 }
 
 /// The same rig coming back to A itself resumes from A's parked state, and the session in
