@@ -327,15 +327,7 @@ fn a_lease_redis_lost_under_a_connected_rig_is_put_back_before_its_next_command(
     eventually(
         Duration::from_secs(10),
         "the whole session kept again",
-        || {
-            let (c1, c2, next): (Option<String>, Option<String>, Option<String>) = redis::pipe()
-                .hget(&key, "c:1")
-                .hget(&key, "c:2")
-                .hget(&key, "next")
-                .query(&mut con)
-                .unwrap_or((None, None, None));
-            c1.is_some() && c2.is_some() && next.as_deref() == Some("3")
-        },
+        || holds_commands_1_and_2(&mut con, &key),
     );
 }
 
@@ -433,15 +425,7 @@ fn a_rig_that_left_during_an_outage_resumes_elsewhere_with_what_its_broker_held(
     eventually(
         Duration::from_secs(10),
         "A puts the parked session back",
-        || {
-            let (c1, c2, next): (Option<String>, Option<String>, Option<String>) = redis::pipe()
-                .hget(&key, "c:1")
-                .hget(&key, "c:2")
-                .hget(&key, "next")
-                .query(&mut con)
-                .unwrap_or((None, None, None));
-            c1.is_some() && c2.is_some() && next.as_deref() == Some("3")
-        },
+        || holds_commands_1_and_2(&mut con, &key),
     );
     let lease: Option<String> = con.get("rig:rig-p").unwrap();
     assert_eq!(lease, None, "A claims no lease for a rig it does not hold");
@@ -1256,4 +1240,15 @@ fn rekeep_of_a_parked_session_is_written_only_where_no_one_else_holds_the_rig() 
     assert!(err.to_string().contains("mode must be"), "{err}");
     let exists: bool = con.exists(sess(&c)).unwrap();
     assert!(!exists, "nothing written by a malformed call");
+}
+
+/// The session under `key` holds commands 1 and 2 and numbers the next one 3.
+fn holds_commands_1_and_2(con: &mut redis::Connection, key: &str) -> bool {
+    let (c1, c2, next): (Option<String>, Option<String>, Option<String>) = redis::pipe()
+        .hget(key, "c:1")
+        .hget(key, "c:2")
+        .hget(key, "next")
+        .query(con)
+        .unwrap_or((None, None, None));
+    c1.is_some() && c2.is_some() && next.as_deref() == Some("3")
 }
