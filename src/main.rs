@@ -158,12 +158,24 @@ fn run(cfg: Config) -> anyhow::Result<()> {
     draining.store(true, Ordering::SeqCst);
     log::info!("draining over {:?} ({cause})", cfg.drain);
     drain_cores(&core_txs, cfg.drain);
-    // Only a signal cuts the drain short: an operator pressing Ctrl-C again means "now",
-    // while a retried POST /v1/drain is just a retry.
+    // Only a second signal cuts the drain short: an operator pressing Ctrl-C again means
+    // "now", while a retried POST /v1/drain is just a retry. After a drain started by the API,
+    // the first signal is the usual `systemctl stop` that follows it, not a "now": cut at
+    // once, every rig would reconnect in the same instant instead of over the window.
+    let signals_before_cut = match cause {
+        DrainCause::Signal(_) => 1,
+        DrainCause::AdminApi => 2,
+    };
     let cut_txs = core_txs.clone();
     std::thread::Builder::new()
         .name("fleetlink-drain-cut".into())
         .spawn(move || {
+            for _ in 1..signals_before_cut {
+                match signal_rx.recv() {
+                    Ok(name) => log::info!("{name}: already draining; another one ends it now"),
+                    Err(_) => return,
+                }
+            }
             if let Ok(name) = signal_rx.recv() {
                 log::warn!("{name} during the drain: closing every rig now (1001)");
                 drain_cores(&cut_txs, Duration::ZERO);

@@ -62,6 +62,28 @@ fn a_second_sigterm_ends_the_drain_at_once() {
     assert!(started.elapsed() < Duration::from_secs(30));
 }
 
+/// The usual stop after a drain through the API (`POST /v1/drain`, then `systemctl stop`'s
+/// SIGTERM) keeps the window: only a second signal means "now".
+#[test]
+fn a_sigterm_after_an_api_drain_keeps_the_window() {
+    let mut b = Broker::start(&["--drain", "3s"]);
+    let (mut ws, _, _) = b.rig("rig-api");
+    let started = Instant::now();
+    assert_eq!(b.http("POST", "/v1/drain", "").0, 202);
+    assert_eq!(read_json(&mut ws)["type"], "goaway");
+    b.sigterm();
+    assert_eq!(read_close(&mut ws), 1001);
+    assert!(
+        started.elapsed() >= Duration::from_millis(2900),
+        "closed {:?} into a 3 s window",
+        started.elapsed()
+    );
+    let status = b
+        .wait_exit(Duration::from_secs(20))
+        .expect("broker did not exit");
+    assert!(status.success(), "{status:?}");
+}
+
 #[test]
 fn sighup_on_a_plain_broker_reloads_nothing_and_keeps_serving() {
     let mut b = Broker::start(&["--drain", "200ms"]);
