@@ -732,6 +732,7 @@ fn admin_status_list_and_selector() {
         (summary["matched"].as_u64(), summary["enqueued"].as_u64()),
         (Some(1), Some(1))
     );
+    assert_eq!(summary["broker_id"], b.broker_id.as_str(), "{summary}");
     assert_eq!(read_json(&mut lab)["name"], "ping");
 
     let health = fleetctl(&["--admin", &admin, "--json", "brokers"]);

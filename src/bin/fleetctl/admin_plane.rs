@@ -175,6 +175,17 @@ impl AdminPlane {
             std::io::Error::new(ErrorKind::NotFound, "host resolved to no address")
         }))
     }
+
+    /// The id the broker announces in `fleetlink_info` on `/metrics` (the admin API has no
+    /// other route that says it); None from an older broker without it, or when `/metrics` is
+    /// refused (a core not answering).
+    fn broker_id(&mut self, timeout: Duration) -> anyhow::Result<Option<String>> {
+        let metrics = self
+            .call("GET", "/metrics", None, timeout)?
+            .ok_or_else(|| no_answer("GET /metrics", timeout))?;
+        let text = String::from_utf8_lossy(&metrics.body);
+        Ok(info_label(&text, "broker_id").filter(|_| metrics.status == 200))
+    }
 }
 
 impl ControlPlane for AdminPlane {
@@ -201,7 +212,7 @@ impl ControlPlane for AdminPlane {
     }
 
     /// `send --selector`: every rig of `GET /v1/rigs` whose labels match, one POST each, summed
-    /// up as one broadcast reply whose `broker_id` is the admin address.
+    /// up as one broadcast reply from the broker, under the id it announces.
     fn broadcast(
         &mut self,
         selector: &Selector,
@@ -235,7 +246,11 @@ impl ControlPlane for AdminPlane {
                 failed.push(json!({"rig_id": rig.as_str(), "error": reply["error"], "detail": reply["detail"]}));
             }
         }
-        let broker = self.url.authority.clone();
+        // Named as its replies over Redis would name it; by its admin address only when it
+        // does not say its id.
+        let broker = self
+            .broker_id(timeout)?
+            .unwrap_or_else(|| self.url.authority.clone());
         let reply = json!({"id": id, "ok": true, "broker_id": broker, "matched": matching.len(),
                            "enqueued": matching.len() - failed.len(), "failed": failed});
         Ok(Broadcast {
@@ -281,16 +296,10 @@ impl ControlPlane for AdminPlane {
     /// `brokers`: liveness and readiness of this one broker, under the id it announces in
     /// `fleetlink_info` on `/metrics` (the admin API has no other route that says it).
     fn brokers(&mut self) -> anyhow::Result<Vec<Value>> {
-        let metrics = self
-            .call("GET", "/metrics", None, IO_TIMEOUT)?
-            .ok_or_else(|| no_answer("GET /metrics", IO_TIMEOUT))?;
-        let text = String::from_utf8_lossy(&metrics.body);
-        let broker_id = match info_label(&text, "broker_id") {
-            Some(id) if metrics.status == 200 => Value::String(id),
-            // An older broker without fleetlink_info, or /metrics refused (a core not
-            // answering): the id is unknown, which is not the admin address.
-            _ => Value::Null,
-        };
+        // Unknown (an older broker, or /metrics refused): null, which is not the admin address.
+        let broker_id = self
+            .broker_id(IO_TIMEOUT)?
+            .map_or(Value::Null, Value::String);
         let health = self
             .call("GET", "/healthz", None, IO_TIMEOUT)?
             .ok_or_else(|| no_answer("GET /healthz", IO_TIMEOUT))?;
