@@ -22,7 +22,7 @@ mod upkeep;
 
 pub use shared::{BridgeShared, MAX_EVENT_BYTES, REGISTRY_OPS};
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::os::fd::AsRawFd;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -104,6 +104,10 @@ struct Bridge {
     rekeeps: rekeeps::Rekeeps,
     /// Redis just came back: the next refresh asks for every session, not only restored ones.
     rekeep_all: bool,
+    /// Connected rigs asked for their sessions since Redis came back, until their cores answer.
+    /// One that disconnects first has its session parked only after the reconnect queued the
+    /// parked ones; it is queued when its close arrives (see `ToBridge::Closed`).
+    rekeep_asked: HashSet<(RigId, BootId)>,
     /// When queued Redis writes may go out (see [`crate::registry::pace`]).
     pace: WritePace,
     /// Refused control messages that named no `reply_to`, logged at most once a second.
@@ -144,6 +148,7 @@ impl Bridge {
             persists: Vec::new(),
             rekeeps: rekeeps::Rekeeps::default(),
             rekeep_all: false,
+            rekeep_asked: HashSet::new(),
             pace: WritePace::new(now),
             unanswered: redis_io::UnansweredLog::default(),
             next_agg: 0,
@@ -275,7 +280,11 @@ impl Bridge {
                 );
                 let dropped = self.registry.take_parked_dropped();
                 self.shared.count_n("parked", "dropped", dropped);
-                if released {
+                if self.rekeep_asked.remove(&(rig.clone(), boot)) {
+                    // Gone before its core could send the session back: it goes back from
+                    // here, and its lease is released only once it has.
+                    self.rekeeps.push_parked(rig, boot, released);
+                } else if released {
                     self.release(rig, boot);
                 }
                 actions
@@ -318,6 +327,7 @@ impl Bridge {
                 Vec::new()
             }
             ToBridge::Rekeep(r) => {
+                self.rekeep_asked.remove(&(r.rig.clone(), r.boot));
                 self.rekeeps.push(*r);
                 Vec::new()
             }

@@ -359,6 +359,33 @@ mod tests {
         assert_eq!(counted(&b, ("rekeep", "unavailable")), 0);
     }
 
+    /// A connected rig asked for its session after a reconnect that disconnects before its
+    /// core answers is parked after the parked sessions were queued: its close queues it, and
+    /// its lease's release waits for it like theirs. A rig that answers is not queued twice.
+    #[test]
+    fn a_rig_gone_before_answering_the_reconnects_rekeep_is_put_back_from_its_parked_session() {
+        let (mut b, _core) = bridge();
+        let (gone, answered) = (rig("rig-g"), rig("rig-a"));
+        b.rekeep_asked.insert((gone.clone(), boot()));
+        b.rekeep_asked.insert((answered.clone(), boot()));
+        b.handle(ToBridge::Rekeep(Box::new(req("rig-a", 2))));
+        let conn = ConnId::new(CoreId(0), 1);
+        b.registry.hello(conn, gone.clone(), boot(), vec![]);
+        let queued = releases(&b);
+        b.handle(ToBridge::Closed {
+            conn,
+            rig: gone.clone(),
+            boot: boot(),
+            next_seq: Seq(3),
+            carried: vec![SeqCommand::for_test(2, 4, false)],
+        });
+        assert!(b.rekeep_asked.is_empty());
+        assert_eq!(releases(&b), queued, "the release waits for the session");
+        let taken = b.rekeeps.take(10);
+        assert_eq!(rigs(&taken), ["rig-a", "rig-g"]);
+        assert!(matches!(taken[1].2, Pending::Parked { release: true }));
+    }
+
     /// The rig says hello on this broker again while its parked session waits to go back: it
     /// goes before the hello (with Redis away, it is counted and dropped: the rig's
     /// connection holds the session now), the release held back is queued again and then

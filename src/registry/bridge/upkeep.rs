@@ -86,6 +86,7 @@ impl Bridge {
         // restart lived only in Redis and here. Queued even if this refresh fails: the queue
         // waits for Redis, and the next reconnect queues them again in place.
         if everyone && !self.cfg.session_ttl.is_zero() {
+            self.rekeep_asked.clear();
             self.queue_parked_rekeeps();
         }
         let entries = self.registry.live_sessions();
@@ -96,7 +97,7 @@ impl Bridge {
         let Some(statuses) = self.fleet.as_mut().and_then(|f| f.refresh(&entries, ttl)) else {
             return;
         };
-        for ((rig, _), status) in entries.iter().zip(statuses) {
+        for ((rig, boot), status) in entries.iter().zip(statuses) {
             // A restored lease means Redis may have lost the session too (it restarted empty);
             // after any reconnect, commands delivered while Redis was away were never kept.
             // Either way the core holding the rig sends its session back to be kept again.
@@ -104,6 +105,9 @@ impl Bridge {
                 status == RefreshStatus::Restored || (everyone && status == RefreshStatus::Ok);
             if rekeep && !self.cfg.session_ttl.is_zero() {
                 if let Some(conn) = self.registry.rekeep_from(rig) {
+                    if everyone {
+                        self.rekeep_asked.insert((rig.clone(), *boot));
+                    }
                     self.send_to_core(conn, ToCore::Rekeep { conn });
                 }
             }
