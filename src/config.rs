@@ -32,7 +32,7 @@ const AFTER_HELP: &str = "\
 Durations take a unit: 250ms, 20s, 5m, 1h (a bare number is refused, except 0).
 
 Logging: RUST_LOG sets the level and filters (default info), e.g. RUST_LOG=debug or
-RUST_LOG=info,fleetlink::registry=debug. Logs go to stderr.
+RUST_LOG=info,fleetlink::worker=debug. Logs go to stderr.
 
 Signals: SIGTERM/SIGINT (or POST /v1/drain) drain over --drain, then exit 0; a second
 SIGTERM/SIGINT during a drain ends it at once. SIGHUP reloads the TLS files when TLS is on.
@@ -117,16 +117,16 @@ pub struct BrokerArgs {
     #[arg(long, env = "FLEETLINK_JWT_AUDIENCE")]
     pub jwt_audience: Option<String>,
     /// Interval between PINGs sent to each rig.
-    #[arg(long, env = "FLEETLINK_PING_INTERVAL", default_value = "20s", value_parser = parse_duration)]
+    #[arg(long, env = "FLEETLINK_PING_INTERVAL", default_value = "20s", value_parser = parse_broker_duration)]
     pub ping_interval: Duration,
     /// Time a rig has to answer a PING with a PONG.
-    #[arg(long, env = "FLEETLINK_PONG_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
+    #[arg(long, env = "FLEETLINK_PONG_TIMEOUT", default_value = "10s", value_parser = parse_broker_duration)]
     pub pong_timeout: Duration,
     /// Missed PONGs in a row before the broker closes the socket with 4002.
     #[arg(long, env = "FLEETLINK_MAX_MISSED_PONGS", default_value_t = 3)]
     pub max_missed_pongs: u8,
     /// Time from TCP accept to a complete request head, and from upgrade to a valid hello.
-    #[arg(long, env = "FLEETLINK_HELLO_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
+    #[arg(long, env = "FLEETLINK_HELLO_TIMEOUT", default_value = "10s", value_parser = parse_broker_duration)]
     pub hello_timeout: Duration,
     /// New connections per second for the whole broker (split evenly across cores).
     #[arg(long, env = "FLEETLINK_ACCEPT_RATE", default_value_t = 50.0)]
@@ -145,10 +145,10 @@ pub struct BrokerArgs {
     #[arg(long, env = "FLEETLINK_MAX_MESSAGE", default_value_t = 65536)]
     pub max_message: usize,
     /// Registry lease lifetime.
-    #[arg(long, env = "FLEETLINK_REGISTRY_TTL", default_value = "60s", value_parser = parse_duration)]
+    #[arg(long, env = "FLEETLINK_REGISTRY_TTL", default_value = "60s", value_parser = parse_broker_duration)]
     pub registry_ttl: Duration,
     /// Registry lease refresh interval.
-    #[arg(long, env = "FLEETLINK_REGISTRY_REFRESH", default_value = "10s", value_parser = parse_duration)]
+    #[arg(long, env = "FLEETLINK_REGISTRY_REFRESH", default_value = "10s", value_parser = parse_broker_duration)]
     pub registry_refresh: Duration,
     /// Fleet mode: how long Redis keeps a session's unacked commands after its rig was last
     /// seen (while it stays connected its broker keeps the session alive; if that broker dies,
@@ -156,10 +156,10 @@ pub struct BrokerArgs {
     /// nothing in Redis: commands are written at once (one Redis round trip less per command),
     /// but a rig that resumes on another broker starts a fresh session and whatever the old
     /// broker had not seen acked is gone with it.
-    #[arg(long, env = "FLEETLINK_SESSION_TTL", default_value = "10m", value_parser = parse_duration)]
+    #[arg(long, env = "FLEETLINK_SESSION_TTL", default_value = "10m", value_parser = parse_broker_duration)]
     pub session_ttl: Duration,
     /// Graceful shutdown window: goaway delays spread over it, 1001 at its end.
-    #[arg(long, env = "FLEETLINK_DRAIN", default_value = "10s", value_parser = parse_duration)]
+    #[arg(long, env = "FLEETLINK_DRAIN", default_value = "10s", value_parser = parse_broker_duration)]
     pub drain: Duration,
     /// Inbound messages per second per rig; over it the broker stops reading that socket.
     #[arg(long, env = "FLEETLINK_RIG_RATE", default_value_t = 100.0)]
@@ -535,6 +535,12 @@ pub fn error_line(e: &anyhow::Error) -> String {
 /// The longest duration any flag takes: a deadline that far ahead always fits the clock.
 pub const MAX_DURATION: Duration = Duration::from_secs(365 * 24 * 3600);
 
+/// [`parse_duration`] for the broker's flags, whose values may also come from its `--config`
+/// file, where a duration is a string.
+fn parse_broker_duration(s: &str) -> Result<Duration, String> {
+    parse_duration(s).map_err(|e| format!("{e} (in a --config file, a string: \"20s\")"))
+}
+
 /// Parses `250ms`, `20s`, `5m`, `1h`, at most [`MAX_DURATION`]. A number without a unit is
 /// refused (`--drain 120000` meant as ms would be 33 hours), except `0`, which is the same in
 /// every unit.
@@ -545,7 +551,7 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
             return Ok(Duration::ZERO);
         }
         return Err(format!(
-            "{s:?} has no unit: write it as 250ms, 20s, 5m or 1h (in a --config file, a string: \"20s\")"
+            "{s:?} has no unit: write it as 250ms, 20s, 5m or 1h"
         ));
     }
     let split = s

@@ -156,7 +156,8 @@ fn run(cfg: Config) -> anyhow::Result<()> {
         recv(drain_rx) -> _ => DrainCause::AdminApi,
     };
     draining.store(true, Ordering::SeqCst);
-    log::info!("draining over {:?} ({cause})", cfg.drain);
+    // In seconds: `{:?}` of a zero window reads "0ns".
+    log::info!("draining over {}s ({cause})", cfg.drain.as_secs_f64());
     drain_cores(&core_txs, cfg.drain);
     // Only a second signal cuts the drain short: an operator pressing Ctrl-C again means
     // "now", while a retried POST /v1/drain is just a retry. After a drain started by the API,
