@@ -302,11 +302,12 @@ pub fn spawn(
         })
 }
 
-/// Answers 503 on a connection nothing can serve now, and closes it.
+/// Answers 503 on a connection nothing can serve now, and closes it. On the acceptor, so never
+/// waiting: a client that does not take a few dozen bytes at once is not reading.
 fn busy(mut stream: TcpStream) {
-    let _ = stream.set_nonblocking(false);
-    let _ = stream.set_write_timeout(Some(IO_TIMEOUT));
-    let _ = respond(&mut stream, (503, "text/plain", b"busy\n"), true, false, "");
+    let _ = stream.set_nonblocking(true);
+    let bytes = response(503, "text/plain", b"busy\n", true, false, "");
+    let _ = crate::admin_lobby::write_some(&mut stream, &bytes);
 }
 
 /// What the acceptor did with a request the lobby read.
@@ -341,43 +342,43 @@ fn answer_here(mut conn: Held, req: &Result<Request, Refusal>) -> Here {
         req.head_only(),
         allowed_methods(&req.path),
     );
-    // The lobby's sockets are non-blocking: a client that does not take a few hundred bytes
-    // is not reading at all, and is closed rather than waited on.
-    if !matches!(conn.stream.write(&bytes), Ok(n) if n == bytes.len()) || close {
+    // What the socket does not take at once, the lobby sends as the client reads.
+    if !conn.send(&bytes, close) || (close && conn.unsent.is_empty()) {
         return Here::Closed;
     }
     Here::Answered(conn)
 }
 
-/// Answers a request the lobby read whole, and any whole requests pipelined behind it.
-/// Returns the connection to give back to the lobby for its next request; None once closed.
+/// Answers a request the lobby read whole, and any whole requests pipelined behind it, writing
+/// only what the socket takes at once. Returns the connection to give back to the lobby, which
+/// sends the rest of an answer as the client reads and then waits for the next request; None
+/// once closed.
 fn answer_lobbied(admin: &Admin, l: Lobbied) -> Option<Held> {
     let Lobbied { mut conn, req } = l;
-    conn.stream.set_nonblocking(false).ok()?;
-    conn.stream.set_write_timeout(Some(IO_TIMEOUT)).ok()?;
     let _ = conn.stream.set_nodelay(true);
     let mut next = Some(req);
     while let Some(req) = next.take() {
-        let req = match req {
-            Ok(req) => req,
+        let (bytes, close) = match req {
+            Ok(req) => {
+                let (status, ctype, body) = route(admin, &req);
+                conn.served += 1;
+                let close = req.close || conn.served >= MAX_PER_CONNECTION;
+                let allow = allowed_methods(&req.path);
+                let bytes = response(status, ctype, &body, close, req.head_only(), allow);
+                (bytes, close)
+            }
             Err(refusal) => {
                 let (status, ctype, body) = refusal.answer();
-                let _ = respond(&mut conn.stream, (status, ctype, &body), true, false, "");
-                return None;
+                (response(status, ctype, &body, true, false, ""), true)
             }
         };
-        let (status, ctype, body) = route(admin, &req);
-        conn.served += 1;
-        let close = req.close || conn.served >= MAX_PER_CONNECTION;
-        let allow = allowed_methods(&req.path);
-        let sent = respond(
-            &mut conn.stream,
-            (status, ctype, &body),
-            close,
-            req.head_only(),
-            allow,
-        );
-        if sent.is_err() || close {
+        if !conn.send(&bytes, close) {
+            return None;
+        }
+        if !conn.unsent.is_empty() {
+            return Some(conn);
+        }
+        if close {
             return None;
         }
         next = match parse_request(&conn.buf) {
@@ -689,17 +690,6 @@ pub(crate) fn response(
         out.extend_from_slice(body);
     }
     out
-}
-
-fn respond(
-    stream: &mut TcpStream,
-    (status, ctype, body): (u16, &str, &[u8]),
-    close: bool,
-    head_only: bool,
-    allow: &str,
-) -> std::io::Result<()> {
-    stream.write_all(&response(status, ctype, body, close, head_only, allow))?;
-    stream.flush()
 }
 
 /// An HTTP answer: status, content type, body.

@@ -1,12 +1,13 @@
 //! Admin connections the cores cannot take wait here, in the admin acceptor's poll set, while
-//! their requests arrive. A pool thread gets a connection only with a whole request to answer,
-//! and gives it back here once it has answered.
+//! their requests arrive and while their answers leave. A pool thread gets a connection only
+//! with a whole request to answer, writes what the socket takes at once, and gives it back
+//! here with the rest.
 //!
-//! A pool thread blocks on what it reads. Handed a connection before its request was in, it
-//! waited on the client: past the cores' share, a few dozen silent, trickling or idle
-//! keep-alive connections tied up every pool thread, and `/healthz` on the next connection
-//! waited seconds or got 503. Waiting here costs a descriptor, a slot in one `poll(2)` call and
-//! the bytes of the request so far.
+//! A pool thread that waited on a client, to read or to write, could be held by it: past the
+//! cores' share, a few dozen silent, trickling or idle keep-alive connections tied up every
+//! pool thread, and so did eight that pipelined big requests and never read the answers.
+//! Waiting here costs a descriptor, a slot in one `poll(2)` call, and the bytes of the request
+//! so far or of the answer not yet taken.
 
 use std::io::{ErrorKind, Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -20,6 +21,9 @@ pub(crate) const MAX_WAITING: usize = 1024;
 /// Bytes of unfinished requests held in all. One request may be 1 MiB; a thousand of them
 /// trickling in would otherwise hold a gigabyte. A read past it is answered 503.
 pub(crate) const MAX_HELD_BYTES: usize = 32 << 20;
+/// Bytes of answers waiting for their clients to read them, in all. Past it a connection
+/// whose answer would wait is closed instead: its client was not reading.
+pub(crate) const MAX_UNSENT_BYTES: usize = 64 << 20;
 /// Bytes read from one connection per wake-up, so that one fast sender does not hold up the
 /// rest of the poll set.
 const READ_PER_WAKE: usize = 64 << 10;
@@ -32,6 +36,11 @@ pub(crate) struct Held {
     pub(crate) buf: Vec<u8>,
     /// Requests answered on it so far.
     pub(crate) served: usize,
+    /// The end of an answer the socket did not take yet; the next request is read only once
+    /// it has gone, so a connection holds one answer at a time.
+    pub(crate) unsent: Vec<u8>,
+    /// Close once `unsent` has gone.
+    pub(crate) close_after: bool,
 }
 
 impl Held {
@@ -40,8 +49,38 @@ impl Held {
             stream,
             buf: Vec::new(),
             served: 0,
+            unsent: Vec::new(),
+            close_after: false,
         }
     }
+
+    /// Writes `bytes` as far as the non-blocking socket takes them; what it does not take is
+    /// kept in `unsent` for the lobby. False when the connection broke.
+    pub(crate) fn send(&mut self, bytes: &[u8], close_after: bool) -> bool {
+        self.close_after = close_after;
+        match write_some(&mut self.stream, bytes) {
+            Some(n) => {
+                self.unsent = bytes.get(n..).unwrap_or_default().to_vec();
+                true
+            }
+            None => false,
+        }
+    }
+}
+
+/// Writes what a non-blocking socket takes now: the count, or None when it broke.
+pub(crate) fn write_some(stream: &mut TcpStream, bytes: &[u8]) -> Option<usize> {
+    let mut done = 0;
+    while let Some(rest) = bytes.get(done..).filter(|r| !r.is_empty()) {
+        match stream.write(rest) {
+            Ok(0) => return None,
+            Ok(n) => done += n,
+            Err(e) if e.kind() == ErrorKind::WouldBlock => break,
+            Err(e) if e.kind() == ErrorKind::Interrupted => {}
+            Err(_) => return None,
+        }
+    }
+    Some(done)
 }
 
 struct Waiting {
@@ -73,6 +112,7 @@ pub(crate) struct Woken {
 pub(crate) struct Lobby {
     waiting: Vec<Waiting>,
     held_bytes: usize,
+    unsent_bytes: usize,
 }
 
 impl Lobby {
@@ -81,14 +121,21 @@ impl Lobby {
         if self.waiting.len() >= MAX_WAITING {
             return Err(conn);
         }
-        if conn.stream.set_nonblocking(true).is_err() {
+        if conn.stream.set_nonblocking(true).is_err()
+            || self.unsent_bytes + conn.unsent.len() > MAX_UNSENT_BYTES
+        {
             return Err(conn);
         }
         let mut clock = RequestClock::new(conn.served > 0);
-        let deadline = now + clock.wait(!conn.buf.is_empty(), now);
+        let deadline = match conn.unsent.is_empty() {
+            true => now + clock.wait(!conn.buf.is_empty(), now),
+            // An answer has as long to leave as a request to come, from its last progress.
+            false => now + crate::admin::IO_TIMEOUT,
+        };
         self.held_bytes += conn.buf.len();
+        self.unsent_bytes += conn.unsent.len();
         self.waiting.push(Waiting {
-            unparsed: !conn.buf.is_empty(),
+            unparsed: !conn.buf.is_empty() && conn.unsent.is_empty(),
             conn,
             clock,
             deadline,
@@ -123,12 +170,17 @@ impl Lobby {
         if self.waiting.iter().any(|w| w.unparsed) {
             timeout = 0;
         }
-        let mut fds: Vec<libc::pollfd> = [listener.as_raw_fd(), bell]
+        let listen = |fd| (fd, libc::POLLIN);
+        let mut fds: Vec<libc::pollfd> = [listen(listener.as_raw_fd()), listen(bell)]
             .into_iter()
-            .chain(self.waiting.iter().map(|w| w.conn.stream.as_raw_fd()))
-            .map(|fd| libc::pollfd {
+            .chain(self.waiting.iter().map(|w| {
+                let writing = !w.conn.unsent.is_empty();
+                let events = if writing { libc::POLLOUT } else { libc::POLLIN };
+                (w.conn.stream.as_raw_fd(), events)
+            }))
+            .map(|(fd, events)| libc::pollfd {
                 fd,
-                events: libc::POLLIN,
+                events,
                 revents: 0,
             })
             .collect();
@@ -142,7 +194,14 @@ impl Lobby {
         for (i, mut w) in std::mem::take(&mut self.waiting).into_iter().enumerate() {
             // The lobby counts a connection's bytes only while it holds them.
             self.held_bytes -= w.conn.buf.len();
-            let step = if readable(i + 2) {
+            self.unsent_bytes -= w.conn.unsent.len();
+            let step = if !w.conn.unsent.is_empty() {
+                if readable(i + 2) {
+                    Self::write(&mut w, now)
+                } else {
+                    Step::Wait
+                }
+            } else if readable(i + 2) {
                 self.read(&mut w, now)
             } else if std::mem::take(&mut w.unparsed) {
                 Step::Parse
@@ -179,11 +238,35 @@ impl Lobby {
                 Step::Gone => continue,
             }
             self.held_bytes += w.conn.buf.len();
+            self.unsent_bytes += w.conn.unsent.len();
             still.push(w);
         }
         self.waiting = still;
         self.expire(now);
         woken
+    }
+
+    /// Sends what the socket takes of a connection's answer. Once all of it has gone the
+    /// connection closes if its answer said so, or waits for its next request (already in
+    /// `buf`, perhaps, pipelined).
+    fn write(w: &mut Waiting, now: Instant) -> Step {
+        let Some(n) = write_some(&mut w.conn.stream, &w.conn.unsent) else {
+            return Step::Gone;
+        };
+        w.conn.unsent.drain(..n);
+        if !w.conn.unsent.is_empty() {
+            if n > 0 {
+                w.deadline = now + crate::admin::IO_TIMEOUT;
+            }
+            return Step::Wait;
+        }
+        if w.conn.close_after {
+            return Step::Gone;
+        }
+        w.clock = RequestClock::new(true);
+        w.deadline = now + w.clock.wait(!w.conn.buf.is_empty(), now);
+        w.continued = false;
+        Step::Parse
     }
 
     /// Reads what one connection has, up to [`READ_PER_WAKE`].
@@ -219,11 +302,12 @@ impl Lobby {
     /// Closes the connections out of time: a request that has not come whole gets no answer,
     /// as on the cores.
     fn expire(&mut self, now: Instant) {
-        let held = &mut self.held_bytes;
+        let (held, unsent) = (&mut self.held_bytes, &mut self.unsent_bytes);
         self.waiting.retain(|w| {
             let keep = w.deadline > now;
             if !keep {
                 *held -= w.conn.buf.len();
+                *unsent -= w.conn.unsent.len();
             }
             keep
         });
@@ -318,13 +402,67 @@ mod tests {
         let mut lobby = Lobby::default();
         let (_client, server) = connect(&s);
         let conn = Held {
-            stream: server,
             buf: b"GET /healthz HTTP/1.1\r\n\r\n".to_vec(),
             served: 1,
+            ..Held::new(server)
         };
         lobby.admit(conn, Instant::now()).expect("room");
         let woken = lobby.wait(&s.listener, s.bell.as_raw_fd());
         assert_eq!(woken.ready.len(), 1, "no poll would have announced it");
+    }
+
+    #[test]
+    fn an_answer_the_socket_did_not_take_is_sent_as_the_client_reads_then_the_next_request_is_read()
+    {
+        let s = setup();
+        let mut lobby = Lobby::default();
+        let (mut client, server) = connect(&s);
+        let answer: Vec<u8> = (0..8 << 20).map(|i| (i % 251) as u8).collect();
+        let mut conn = Held::new(server);
+        conn.stream.set_nonblocking(true).expect("nonblocking");
+        assert!(conn.send(&answer, false));
+        assert!(!conn.unsent.is_empty(), "8 MiB fit the socket at once");
+        conn.buf = b"GET /healthz HTTP/1.1\r\n\r\n".to_vec();
+        lobby.admit(conn, Instant::now()).expect("room");
+        client.set_nonblocking(true).expect("nonblocking");
+        let mut got = Vec::new();
+        let mut chunk = vec![0u8; 1 << 16];
+        let mut ready = Vec::new();
+        // The client takes what has arrived, then the lobby sends more into the room made.
+        while got.len() < answer.len() {
+            while got.len() < answer.len() {
+                match client.read(&mut chunk) {
+                    Ok(0) => panic!("closed after {} bytes", got.len()),
+                    Ok(n) => got.extend_from_slice(&chunk[..n]),
+                    Err(e) if e.kind() == ErrorKind::WouldBlock => break,
+                    Err(e) => panic!("{e}"),
+                }
+            }
+            // Handed over once all of it has left: the rest is in the kernel for the client.
+            if ready.is_empty() {
+                assert_eq!(lobby.len(), 1, "dropped after {} bytes", got.len());
+                ready.extend(lobby.wait(&s.listener, s.bell.as_raw_fd()).ready);
+            }
+        }
+        assert!(got == answer, "the answer arrived whole and in order");
+        if ready.is_empty() {
+            ready = wait_for_ready(&mut lobby, &s, Duration::from_secs(5)).ready;
+        }
+        let (_, req) = ready
+            .pop()
+            .expect("the pipelined request, once the answer left");
+        assert_eq!(req.expect("well formed").path, "/healthz");
+        assert_eq!((lobby.unsent_bytes, lobby.held_bytes), (0, 0));
+    }
+
+    #[test]
+    fn answers_waiting_for_their_clients_are_bounded() {
+        let s = setup();
+        let mut lobby = Lobby::default();
+        let (_client, server) = connect(&s);
+        let mut conn = Held::new(server);
+        conn.unsent = vec![0; MAX_UNSENT_BYTES + 1];
+        assert!(lobby.admit(conn, Instant::now()).is_err());
     }
 
     #[test]

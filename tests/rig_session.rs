@@ -995,6 +995,38 @@ fn idle_keep_alive_admin_clients_hold_no_pool_thread() {
     assert_eq!(idle[99].request("GET", "/healthz", "").0, 200);
 }
 
+/// Clients past the cores' share that pipeline requests and never read the answers hold no
+/// pool thread: what their sockets do not take waits in the lobby, and the next client's
+/// request is answered at once.
+#[test]
+fn admin_clients_that_never_read_their_answers_hold_no_pool_thread() {
+    let b = Broker::start(&[]);
+    let mut on_cores: Vec<KeepAlive> = (0..MAX_ON_CORES)
+        .map(|_| KeepAlive::open(b.admin))
+        .collect();
+    assert_eq!(on_cores[0].request("GET", "/healthz", "").0, 200);
+    // More answers than the kernel buffers hold, for more clients than the pool has threads.
+    let requests = "GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n".repeat(2000);
+    let hogs: Vec<std::net::TcpStream> = (0..16)
+        .map(|_| {
+            let mut s = std::net::TcpStream::connect(b.admin).unwrap();
+            s.write_all(requests.as_bytes()).unwrap();
+            s
+        })
+        .collect();
+    // The pool answers the hogs until their sockets are full, then the probe. A pool thread
+    // waiting on a hog's socket would hold the probe back 5 s per round of hogs.
+    let mut probe = KeepAlive::open(b.admin);
+    let asked = std::time::Instant::now();
+    assert_eq!(probe.request("GET", "/v1/rigs", "").0, 200);
+    assert!(
+        asked.elapsed() < Duration::from_secs(3),
+        "answered after {:?}",
+        asked.elapsed()
+    );
+    drop(hogs);
+}
+
 #[test]
 fn an_admin_request_trickling_in_is_cut_off_at_its_deadline() {
     let b = Broker::start(&[]);
