@@ -50,6 +50,22 @@ pub fn event(broker: &str, rig: &RigId, boot: &BootId, name: &str, data: Option<
            "broker_id": broker, "name": name, "data": data, "at": rfc3339(SystemTime::now())})
 }
 
+/// Command `seq` of the rig's older session `old` was never acked and will not be replayed: a
+/// new boot started (CONTRACT.md §5). `resume.lua` publishes these when Redis decides the
+/// hello; the broker does, in the same shape, when it decided the hello alone.
+pub fn rig_rebooted(
+    broker: &str,
+    rig: &RigId,
+    old: &BootId,
+    new: &BootId,
+    seq: Seq,
+    id: &str,
+) -> Value {
+    json!({"type": "rig_rebooted", "rig_id": rig.as_str(), "boot_id": old.as_str(),
+           "new_boot_id": new.as_str(), "seq": seq.0, "id": id, "broker_id": broker,
+           "at": rfc3339(SystemTime::now())})
+}
+
 /// A command held for an offline rig was delivered (`body` is its enqueue reply).
 pub fn offline_delivered(broker: &str, mut body: Value) -> Value {
     body["type"] = json!("offline_delivered");

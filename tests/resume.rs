@@ -1252,3 +1252,32 @@ fn holds_commands_1_and_2(con: &mut redis::Connection, key: &str) -> bool {
         .unwrap_or((None, None, None));
     c1.is_some() && c2.is_some() && next.as_deref() == Some("3")
 }
+
+/// A new boot that says hello to the broker holding its old session parked while Redis is
+/// away is decided there alone: the old session's unacked commands (one kept before the
+/// outage, one delivered during it) are still reported `rig_rebooted`, once Redis is back.
+#[test]
+fn a_new_boot_during_an_outage_on_the_same_broker_reports_the_old_sessions_commands() {
+    let mut redis = RedisServer::start();
+    let mut ctl = Control::new(&redis, &["fleetlink:events"]);
+    let (a, _b, old_boot) = rig_left_during_an_outage(&mut redis, "rig-n", true);
+    let mut again = a.connect("/agent");
+    let new_boot = boot_id();
+    assert_eq!(
+        hello(&mut again, "rig-n", &new_boot, None)["resumed"],
+        false
+    );
+    redis.freeze(false);
+    let mut seqs = Vec::new();
+    while seqs.len() < 2 {
+        let ev = ctl.next(|ch, v| ch == "fleetlink:events" && v["type"] == "rig_rebooted");
+        assert_eq!(
+            (&ev["boot_id"], &ev["new_boot_id"], &ev["rig_id"]),
+            (&json!(old_boot), &json!(new_boot), &json!("rig-n")),
+            "{ev}"
+        );
+        seqs.push(ev["seq"].as_u64().unwrap());
+    }
+    seqs.sort();
+    assert_eq!(seqs, [1, 2]);
+}

@@ -532,6 +532,12 @@ impl Fleet {
         );
     }
 
+    /// Forgets queued and not yet sent.
+    #[cfg(test)]
+    pub(crate) fn queued_forgets(&self) -> usize {
+        self.forgets.len()
+    }
+
     /// Publishes queued and not yet sent, oldest first.
     #[cfg(test)]
     pub(crate) fn queued_publishes(&self) -> &[(String, Box<[u8]>)] {

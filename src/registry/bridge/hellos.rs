@@ -182,7 +182,10 @@ impl Bridge {
     ) -> Vec<Action> {
         match outcome {
             None => self.shared.count("hello", "ok"),
-            Some(None) | Some(Some(Err(_))) => self.shared.count("hello", "unavailable"),
+            Some(None) | Some(Some(Err(_))) => {
+                self.shared.count("hello", "unavailable");
+                self.report_parked_reboot(&rig, boot);
+            }
             Some(Some(Ok(HelloOutcome::Older { .. }))) => {
                 self.shared.count("hello", "older");
                 return vec![Action::Core(
@@ -207,6 +210,30 @@ impl Bridge {
             }
         }
         self.registry.hello(conn, rig, boot, labels)
+    }
+
+    /// Redis is away, so this broker decides a new boot's hello alone, and the session it keeps
+    /// parked for the rig's older boot ends with it: that session's unacked commands are
+    /// reported `rig_rebooted` from here (CONTRACT.md §5), as `resume.lua` would have done, and
+    /// their copies in Redis are forgotten, so that a later hello does not report them again.
+    /// Before, they went unreported: dropped with the parked session.
+    fn report_parked_reboot(&mut self, rig: &RigId, boot: BootId) {
+        let Some((old, _, carried)) = self.registry.parked(rig) else {
+            return;
+        };
+        if old >= boot {
+            return;
+        }
+        let lost: Vec<(Seq, Box<str>)> = carried.iter().map(|c| (c.seq, c.id.clone())).collect();
+        self.shared.count_n("resume", "rebooted", lost.len() as u64);
+        for (seq, id) in lost {
+            let ev = crate::events::rig_rebooted(&self.cfg.broker_id, rig, &old, &boot, seq, &id);
+            self.publish(fleet::EVENTS.to_string(), &ev);
+            if let Some(f) = self.fleet.as_mut() {
+                // Full: the copy stays, and a later hello may report it a second time.
+                let _ = f.forget(rig.clone(), old, seq);
+            }
+        }
     }
 
     /// Fleet mode: what Redis holds of this session, merged into the local verdict (the
@@ -366,5 +393,55 @@ mod tests {
         assert_eq!(carried.len() as u64, most);
         assert_eq!(carried.first(), Some(&Seq(31 - most)), "the oldest went");
         assert_eq!(stale, 30 - most);
+    }
+
+    /// Redis away, a new boot's hello decided here ends the session parked for the older boot:
+    /// its unacked commands are reported `rig_rebooted`, and their Redis copies forgotten.
+    #[test]
+    fn a_new_boot_decided_without_redis_reports_the_parked_sessions_commands() {
+        let (mut b, _core) = bridge();
+        let rig = RigId::parse("rig-1").expect("rig");
+        let (old, new) = (BootId::generate(1), BootId::generate(2));
+        assert!(old < new);
+        let first = ConnId::new(CoreId(0), 1);
+        b.registry.hello(first, rig.clone(), old, vec![]);
+        b.handle(crate::registry::msg::ToBridge::Closed {
+            conn: first,
+            rig: rig.clone(),
+            boot: old,
+            next_seq: Seq(3),
+            carried: vec![
+                SeqCommand::for_test(1, 4, false),
+                SeqCommand::for_test(2, 4, false),
+            ],
+        });
+        b.queue_hello(ConnId::new(CoreId(0), 2), rig.clone(), new, vec![]);
+        b.flush_hellos();
+        let f = b.fleet.as_ref().expect("fleet");
+        let reports: Vec<Value> = f
+            .queued_publishes()
+            .iter()
+            .filter(|(channel, _)| channel == fleet::EVENTS)
+            .filter_map(|(_, payload)| serde_json::from_slice::<Value>(payload).ok())
+            .filter(|ev| ev["type"] == "rig_rebooted")
+            .collect();
+        assert_eq!(reports.len(), 2, "{reports:?}");
+        for (ev, seq) in reports.iter().zip([1, 2]) {
+            assert_eq!(
+                (
+                    &ev["seq"],
+                    &ev["boot_id"],
+                    &ev["new_boot_id"],
+                    &ev["rig_id"]
+                ),
+                (
+                    &json!(seq),
+                    &json!(old.as_str()),
+                    &json!(new.as_str()),
+                    &json!("rig-1")
+                )
+            );
+        }
+        assert_eq!(f.queued_forgets(), 2);
     }
 }
