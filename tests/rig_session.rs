@@ -815,15 +815,7 @@ fn an_admin_connection_commanding_a_rig_of_the_other_core_moves_there_and_goes_o
 fn admin_connections_past_what_the_cores_serve_are_served_by_the_pool() {
     let b = Broker::start(&[]);
     let (mut ws, _, _) = b.rig("rig-many");
-    // The cores serve up to MAX_ON_CORES admin connections; these hold them all (keep-alive,
-    // idle).
-    let mut held: Vec<KeepAlive> = (0..MAX_ON_CORES)
-        .map(|_| KeepAlive::open(b.admin))
-        .collect();
-    assert_eq!(
-        held[0].request("GET", "/healthz", ""),
-        (200, "ok\n".to_string())
-    );
+    let mut held = hold_the_cores_admin_connections(b.admin);
     // One more: the pool serves it, commands included.
     let mut extra = KeepAlive::open(b.admin);
     for seq in 1..=3u64 {
@@ -910,16 +902,9 @@ fn healthz_answers_at_once_beside_many_silent_admin_connections() {
     let silent: Vec<std::net::TcpStream> = (0..MAX_ON_CORES + 100)
         .map(|_| std::net::TcpStream::connect(b.admin).unwrap())
         .collect();
-    let mut probe = KeepAlive::open(b.admin);
-    let asked = std::time::Instant::now();
     assert_eq!(
-        probe.request("GET", "/healthz", ""),
+        answered_within(b.admin, "/healthz", Duration::from_secs(1)),
         (200, "ok\n".to_string())
-    );
-    assert!(
-        asked.elapsed() < Duration::from_secs(1),
-        "answered after {:?}",
-        asked.elapsed()
     );
     drop(silent);
 }
@@ -957,15 +942,8 @@ fn admin_requests_are_answered_at_once_beside_many_half_sent_ones() {
         })
         .collect();
     for path in ["/healthz", "/v1/rigs"] {
-        let mut probe = KeepAlive::open(b.admin);
-        let asked = std::time::Instant::now();
-        let (status, body) = probe.request("GET", path, "");
+        let (status, body) = answered_within(b.admin, path, Duration::from_secs(1));
         assert_eq!(status, 200, "{path}: {body}");
-        assert!(
-            asked.elapsed() < Duration::from_secs(1),
-            "{path} answered after {:?}",
-            asked.elapsed()
-        );
     }
     drop(stalled);
 }
@@ -975,21 +953,14 @@ fn admin_requests_are_answered_at_once_beside_many_half_sent_ones() {
 #[test]
 fn idle_keep_alive_admin_clients_hold_no_pool_thread() {
     let b = Broker::start(&[]);
-    let mut on_cores: Vec<KeepAlive> = (0..MAX_ON_CORES)
-        .map(|_| KeepAlive::open(b.admin))
-        .collect();
-    assert_eq!(on_cores[0].request("GET", "/healthz", "").0, 200);
+    let _on_cores = hold_the_cores_admin_connections(b.admin);
     let mut idle: Vec<KeepAlive> = (0..100).map(|_| KeepAlive::open(b.admin)).collect();
     for client in &mut idle {
         assert_eq!(client.request("GET", "/v1/rigs", "").0, 200);
     }
-    let mut probe = KeepAlive::open(b.admin);
-    let asked = std::time::Instant::now();
-    assert_eq!(probe.request("GET", "/v1/rigs", "").0, 200);
-    assert!(
-        asked.elapsed() < Duration::from_secs(1),
-        "answered after {:?}",
-        asked.elapsed()
+    assert_eq!(
+        answered_within(b.admin, "/v1/rigs", Duration::from_secs(1)).0,
+        200
     );
     // And each idle one is still served on its kept-alive connection.
     assert_eq!(idle[99].request("GET", "/healthz", "").0, 200);
@@ -1001,10 +972,7 @@ fn idle_keep_alive_admin_clients_hold_no_pool_thread() {
 #[test]
 fn admin_clients_that_never_read_their_answers_hold_no_pool_thread() {
     let b = Broker::start(&[]);
-    let mut on_cores: Vec<KeepAlive> = (0..MAX_ON_CORES)
-        .map(|_| KeepAlive::open(b.admin))
-        .collect();
-    assert_eq!(on_cores[0].request("GET", "/healthz", "").0, 200);
+    let _on_cores = hold_the_cores_admin_connections(b.admin);
     // More answers than the kernel buffers hold, for more clients than the pool has threads.
     let requests = "GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n".repeat(2000);
     let hogs: Vec<std::net::TcpStream> = (0..16)
@@ -1016,13 +984,9 @@ fn admin_clients_that_never_read_their_answers_hold_no_pool_thread() {
         .collect();
     // The pool answers the hogs until their sockets are full, then the probe. A pool thread
     // waiting on a hog's socket would hold the probe back 5 s per round of hogs.
-    let mut probe = KeepAlive::open(b.admin);
-    let asked = std::time::Instant::now();
-    assert_eq!(probe.request("GET", "/v1/rigs", "").0, 200);
-    assert!(
-        asked.elapsed() < Duration::from_secs(3),
-        "answered after {:?}",
-        asked.elapsed()
+    assert_eq!(
+        answered_within(b.admin, "/v1/rigs", Duration::from_secs(3)).0,
+        200
     );
     drop(hogs);
 }
@@ -1042,20 +1006,37 @@ fn an_admin_request_trickling_in_is_cut_off_at_its_deadline() {
 #[test]
 fn a_trickling_request_is_cut_off_by_the_pool_too() {
     let b = Broker::start(&[]);
-    // The cores serve up to MAX_ON_CORES admin connections; these take them all.
-    let mut held: Vec<KeepAlive> = (0..MAX_ON_CORES)
-        .map(|_| KeepAlive::open(b.admin))
-        .collect();
-    assert_eq!(
-        held[0].request("GET", "/healthz", ""),
-        (200, "ok\n".to_string())
-    );
+    let _held = hold_the_cores_admin_connections(b.admin);
     let s = std::net::TcpStream::connect(b.admin).unwrap();
     let after = trickle_until_closed(s);
     assert!(
         after >= Duration::from_millis(4900) && after < Duration::from_secs(8),
         "closed after {after:?}"
     );
+}
+
+/// Takes every admin connection the cores serve (`MAX_ON_CORES`, keep-alive, idle once
+/// answered), so that the next ones go to the acceptor's lobby and the pool.
+fn hold_the_cores_admin_connections(admin: std::net::SocketAddr) -> Vec<KeepAlive> {
+    let mut held: Vec<KeepAlive> = (0..MAX_ON_CORES).map(|_| KeepAlive::open(admin)).collect();
+    assert_eq!(
+        held[0].request("GET", "/healthz", ""),
+        (200, "ok\n".to_string())
+    );
+    held
+}
+
+/// `GET path` on a new connection, answered within `limit`.
+fn answered_within(admin: std::net::SocketAddr, path: &str, limit: Duration) -> (u16, String) {
+    let mut probe = KeepAlive::open(admin);
+    let asked = std::time::Instant::now();
+    let answer = probe.request("GET", path, "");
+    assert!(
+        asked.elapsed() < limit,
+        "{path} answered after {:?}",
+        asked.elapsed()
+    );
+    answer
 }
 
 /// Sends a request head one byte every 100 ms, never ending it; returns how long the broker
