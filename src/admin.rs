@@ -329,24 +329,29 @@ fn answer_here(mut conn: Held, req: &Result<Request, Refusal>) -> Here {
     if command_rig(req).is_some() {
         return Here::Pool(conn);
     }
-    let Some((status, ctype, body)) = immediate(req) else {
+    let Some(answer) = immediate(req) else {
         return Here::Pool(conn);
     };
-    conn.served += 1;
-    let close = req.close || conn.served >= MAX_PER_CONNECTION;
-    let bytes = response(
-        status,
-        ctype,
-        &body,
-        close,
-        req.head_only(),
-        allowed_methods(&req.path),
-    );
+    let (bytes, close) = lobby_response(&mut conn, req, answer);
     // What the socket does not take at once, the lobby sends as the client reads.
     if !conn.send(&bytes, close) || (close && conn.unsent.is_empty()) {
         return Here::Closed;
     }
     Here::Answered(conn)
+}
+
+/// The bytes of `answer` to `req` on a lobby connection, counted as served, and whether the
+/// connection closes after them (asked to, or served its [`MAX_PER_CONNECTION`]).
+fn lobby_response(
+    conn: &mut Held,
+    req: &Request,
+    (status, ctype, body): Answer,
+) -> (Vec<u8>, bool) {
+    conn.served += 1;
+    let close = req.close || conn.served >= MAX_PER_CONNECTION;
+    let allow = allowed_methods(&req.path);
+    let bytes = response(status, ctype, &body, close, req.head_only(), allow);
+    (bytes, close)
 }
 
 /// Answers a request the lobby read whole, and any whole requests pipelined behind it, writing
@@ -360,12 +365,8 @@ fn answer_lobbied(admin: &Admin, l: Lobbied) -> Option<Held> {
     while let Some(req) = next.take() {
         let (bytes, close) = match req {
             Ok(req) => {
-                let (status, ctype, body) = route(admin, &req);
-                conn.served += 1;
-                let close = req.close || conn.served >= MAX_PER_CONNECTION;
-                let allow = allowed_methods(&req.path);
-                let bytes = response(status, ctype, &body, close, req.head_only(), allow);
-                (bytes, close)
+                let answer = route(admin, &req);
+                lobby_response(&mut conn, &req, answer)
             }
             Err(refusal) => {
                 let (status, ctype, body) = refusal.answer();
