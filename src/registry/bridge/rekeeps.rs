@@ -224,11 +224,7 @@ impl Bridge {
         // Redis away again: the release waits in the queue as any other, and the next
         // reconnect takes it back again with its session.
         for (rig, boot) in releases {
-            if let Some(f) = self.fleet.as_mut() {
-                let queued = f.release(rig, boot);
-                self.shared
-                    .count("release", if queued { "sent" } else { "dropped" });
-            }
+            self.release(rig, boot);
         }
     }
 }
