@@ -14,8 +14,8 @@ use std::rc::Rc;
 use std::task::{Poll, Waker};
 use std::time::{Duration, Instant};
 
-use monoio::buf::IoBufMut;
-use monoio::io::{AsyncReadRent, AsyncWriteRentExt};
+use monoio::buf::{IoBuf, IoBufMut};
+use monoio::io::{AsyncReadRent, AsyncWriteRent};
 
 use crate::admin::{self, Answer, OnCore, Parsed, Request, Work};
 use crate::doorbell::Full;
@@ -261,10 +261,30 @@ async fn write(
 }
 
 async fn write_bytes(stream: &mut monoio::net::TcpStream, bytes: Vec<u8>) -> std::io::Result<()> {
-    let (res, _) = monoio::time::timeout(admin::IO_TIMEOUT, stream.write_all(bytes))
-        .await
-        .map_err(|_| std::io::Error::from(std::io::ErrorKind::TimedOut))?;
-    res.map(|_| ())
+    write_with_progress(stream, bytes, admin::IO_TIMEOUT).await
+}
+
+/// Writes all of `bytes`, giving up only when the peer takes nothing for `stall`. A deadline
+/// for the whole answer, as this once had, cut a big answer (a long rig list) to a client that
+/// reads steadily but slowly; the lobby keeps the same rule.
+async fn write_with_progress<S: AsyncWriteRent>(
+    stream: &mut S,
+    bytes: Vec<u8>,
+    stall: Duration,
+) -> std::io::Result<()> {
+    let mut buf = bytes;
+    let mut sent = 0;
+    while sent < buf.len() {
+        let (res, rest) = monoio::time::timeout(stall, stream.write(buf.slice(sent..)))
+            .await
+            .map_err(|_| std::io::Error::from(std::io::ErrorKind::TimedOut))?;
+        buf = rest.into_inner();
+        match res? {
+            0 => return Err(std::io::ErrorKind::WriteZero.into()),
+            n => sent += n,
+        }
+    }
+    Ok(())
 }
 
 /// The answer, and for a command a connection took, that connection's core.
@@ -440,6 +460,66 @@ mod tests {
             monoio::spawn(async {}).await;
             waits.answer(next, reply(7));
             assert_eq!(waiter.await, (next, Some(7)));
+        });
+    }
+
+    /// A client that reads a big answer slowly but steadily gets all of it, however long that
+    /// takes; one that stops reading is given up after the stall time.
+    #[test]
+    fn an_answer_is_cut_only_when_the_client_stops_taking_it() {
+        use std::io::Read;
+        let mut rt = monoio::RuntimeBuilder::<monoio::LegacyDriver>::new()
+            .enable_timer()
+            .build()
+            .unwrap();
+        // More than loopback's socket buffers hold, so the write must wait on the reader.
+        const ANSWER: usize = 24 << 20;
+        let stall = Duration::from_millis(300);
+        rt.block_on(async {
+            let listener = monoio::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            let addr = listener.local_addr().unwrap();
+            // 256 KiB every 20 ms: the whole answer takes well over `stall`, no gap reaches it.
+            let slow = std::thread::spawn(move || {
+                let mut c = std::net::TcpStream::connect(addr).unwrap();
+                let (mut buf, mut got) = (vec![0u8; 256 << 10], 0);
+                let t0 = Instant::now();
+                while got < ANSWER {
+                    let n = c.read(&mut buf).unwrap();
+                    assert!(n > 0, "closed after {got} bytes");
+                    got += n;
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                t0.elapsed()
+            });
+            let (mut s, _) = listener.accept().await.unwrap();
+            write_with_progress(&mut s, vec![7u8; ANSWER], stall)
+                .await
+                .unwrap();
+            drop(s);
+            let took = slow.join().unwrap();
+            assert!(
+                took > 2 * stall,
+                "the reader was not slow enough to test: {took:?}"
+            );
+
+            // A client that reads nothing: the write ends when the buffers are full and the
+            // stall time has passed, not later.
+            let idle = std::thread::spawn(move || {
+                let c = std::net::TcpStream::connect(addr).unwrap();
+                let mut b = [0u8; 1];
+                // Hold the socket open, unread, until the server gives up and closes it.
+                let _ = c.peek(&mut b);
+                c
+            });
+            let (mut s, _) = listener.accept().await.unwrap();
+            let t0 = Instant::now();
+            let err = write_with_progress(&mut s, vec![7u8; ANSWER], stall)
+                .await
+                .unwrap_err();
+            assert_eq!(err.kind(), std::io::ErrorKind::TimedOut);
+            assert!(t0.elapsed() < 10 * stall, "{:?}", t0.elapsed());
+            drop(s);
+            drop(idle.join().unwrap());
         });
     }
 }
