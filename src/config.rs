@@ -138,7 +138,9 @@ pub struct BrokerArgs {
     /// every rig). Default: none.
     #[arg(long, env = "FLEETLINK_MAX_CONNECTIONS")]
     pub max_connections: Option<u64>,
-    /// Per-rig bound on commands queued but not yet written; beyond it, rig_unresponsive.
+    /// Per-rig bound on commands queued but not yet written; beyond it, rig_unresponsive. A rig
+    /// may have 8x this written and unacked; past that the next waits here for an ack, so a
+    /// resume can give back every one.
     #[arg(long, env = "FLEETLINK_OUTBOX", default_value_t = 128)]
     pub outbox: u32,
     /// Largest inbound message in bytes (125 B to 16 MiB); larger closes with 1009.

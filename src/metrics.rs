@@ -57,10 +57,11 @@ pub enum C {
     AdminRerouted,
     AdminAnswerDropped,
     AdminConnMoved,
+    AdminRequestMemoryFull,
 }
 
 /// (metric name, label pair) for each counter, in [`C`] order.
-const COUNTERS: [(&str, &str); 41] = [
+const COUNTERS: [(&str, &str); 42] = [
     ("fleetlink_accepts_total", "result=\"ok\""),
     ("fleetlink_accepts_total", "result=\"rate_limited\""),
     ("fleetlink_accepts_total", "result=\"over_capacity\""),
@@ -102,6 +103,7 @@ const COUNTERS: [(&str, &str); 41] = [
     ("fleetlink_admin_routes_total", "result=\"rerouted\""),
     ("fleetlink_admin_routes_total", "result=\"answer_dropped\""),
     ("fleetlink_admin_connections_moved_total", ""),
+    ("fleetlink_admin_refused_total", "reason=\"request_memory\""),
 ];
 
 /// Close codes counted one by one; anything else is `other`. 1006 = closed without a close
@@ -372,6 +374,10 @@ const HELP: &[(&str, &str)] = &[
     (
         "fleetlink_admin_connections_moved_total",
         "Admin connections moved to the core holding the rigs they command.",
+    ),
+    (
+        "fleetlink_admin_refused_total",
+        "Admin requests refused 503 while they arrived: request_memory, a core's connections held all the unfinished request bytes they may.",
     ),
     (
         "fleetlink_closes_total",

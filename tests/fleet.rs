@@ -347,6 +347,76 @@ fn a_stuck_rig_gets_rig_unresponsive_and_refused_commands_do_not_grow_memory() {
     );
 }
 
+/// Commands held for offline rigs reach them when each rig says hello to two brokers at once
+/// (make-before-break): the broker whose hello took them from the hold but lost the rig to the
+/// other hands them on, to be delivered there under seqs of its own. Before, they were dropped,
+/// and reported `offline_delivered` without a seq.
+#[test]
+fn held_commands_survive_a_rig_saying_hello_to_two_brokers_at_once() {
+    let redis = RedisServer::start();
+    let a = fleet_broker(&redis, "fe-a", &[]);
+    let b = fleet_broker(&redis, "fe-b", &[]);
+    let mut ctl = Control::new(&redis, &["fleetlink:events"]);
+    const RIGS: usize = 6;
+    const HELD: usize = 10;
+    for r in 0..RIGS {
+        for i in 0..HELD {
+            let msg = json!({"type":"command","id":format!("o{r}-{i}"),"rig_id":format!("rig-o{r}"),
+                "name":"n","args":{"i":i},"reply_to":ctl.reply_to,"queue_if_offline":true,"ttl_ms":60_000});
+            ctl.publish("fleetlink:broker:fe-a", msg);
+        }
+    }
+    for r in ctl.replies(RIGS * HELD, Duration::from_secs(10)) {
+        assert_eq!(r["queued"], true, "{r}");
+    }
+    // Each rig's two hellos go out back to back, before either welcome is read.
+    let boots: Vec<String> = (0..RIGS).map(|_| boot_id()).collect();
+    let mut conns = Vec::new();
+    for (r, boot) in boots.iter().enumerate() {
+        let hello =
+            json!({"type":"hello","rig_id":format!("rig-o{r}"),"boot_id":boot,"version":"t"})
+                .to_string();
+        let (mut on_a, mut on_b) = (a.connect("/agent"), b.connect("/agent"));
+        on_a.send(Message::Text(hello.clone().into())).unwrap();
+        on_b.send(Message::Text(hello.into())).unwrap();
+        conns.push((on_a, on_b));
+    }
+    // Every held command is reported delivered once, with a seq; none with an error.
+    let mut seqs: std::collections::HashMap<String, Vec<u64>> = Default::default();
+    for _ in 0..RIGS * HELD {
+        let ev = ctl.next(|ch, v| ch == "fleetlink:events" && v["type"] == "offline_delivered");
+        assert_eq!(ev["ok"], true, "{ev}");
+        let seq = ev["seq"].as_u64().unwrap_or_else(|| panic!("no seq: {ev}"));
+        seqs.entry(ev["rig_id"].as_str().unwrap().to_string())
+            .or_default()
+            .push(seq);
+    }
+    // And each rig's connection that kept it has them all, in order.
+    for (r, (on_a, on_b)) in conns.iter_mut().enumerate() {
+        let rig = format!("rig-o{r}");
+        let mut got = seqs.remove(&rig).unwrap_or_default();
+        got.sort_unstable();
+        assert_eq!(got, (1..=HELD as u64).collect::<Vec<_>>(), "{rig}");
+        let holder = owner(&redis, &rig).unwrap();
+        let ws = if holder.ends_with("|fe-a") {
+            on_a
+        } else {
+            on_b
+        };
+        assert_eq!(read_json(ws)["type"], "welcome");
+        let mut ids = Vec::new();
+        for seq in 1..=HELD as u64 {
+            let cmd = read_json(ws);
+            assert_eq!(cmd["seq"], seq, "{rig}: {cmd}");
+            ids.push(cmd["id"].as_str().unwrap().to_string());
+        }
+        ids.sort();
+        let mut want: Vec<String> = (0..HELD).map(|i| format!("o{r}-{i}")).collect();
+        want.sort();
+        assert_eq!(ids, want, "{rig}");
+    }
+}
+
 #[test]
 fn the_seed_race_two_brokers_converge_on_the_newer_owner() {
     // t=0: the rig is on fe_03. t≈10: it reconnects (same boot) through the load balancer to
@@ -712,7 +782,12 @@ fn a_write_paused_redis_stalls_admin_commands_once() {
             (200, &json!(true)),
             "{reply} {took:?}"
         );
-        read_json(&mut ws);
+        let seq = read_json(&mut ws)["seq"].clone();
+        // Acked, as a rig does: past 8 x --outbox unacked the broker writes no more.
+        ws.send(Message::Text(
+            json!({"type":"ack","seq":seq}).to_string().into(),
+        ))
+        .unwrap();
     }
     let slow: Vec<_> = took
         .iter()

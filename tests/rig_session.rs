@@ -580,6 +580,39 @@ fn same_boot_reconnect_continues_the_session() {
     assert_eq!(read_close(&mut a), 4410);
 }
 
+/// An ack names one command (CONTRACT.md §2): acking seq 2 of 1–3 leaves 1 and 3 unacked, and
+/// a resume from `last_seq` 0 gives back exactly those two (before, an ack also forgot every
+/// lower seq, so seq 1 vanished without a trace).
+#[test]
+fn an_ack_covers_its_own_seq_only() {
+    let b = Broker::start(&[]);
+    let boot = boot_id();
+    let mut first = b.connect("/agent");
+    hello(&mut first, "rig-selack", &boot, json!({}));
+    for seq in 1..=3u64 {
+        let (_, r) = b.command("rig-selack", "n", json!({}));
+        assert_eq!(r["seq"], seq);
+        assert_eq!(read_json(&mut first)["seq"], seq);
+    }
+    first
+        .send(Message::Text(
+            json!({"type":"ack","seq":2}).to_string().into(),
+        ))
+        .unwrap();
+    b.wait_metric("fleetlink_commands_total{result=\"acked\"} 1");
+    let mut again = b.connect("/agent");
+    assert_eq!(
+        hello(&mut again, "rig-selack", &boot, json!({}))["resumed"],
+        true
+    );
+    assert_eq!(read_json(&mut again)["seq"], 1);
+    assert_eq!(read_json(&mut again)["seq"], 3);
+    // Nothing else was owed: the next command is 4, and it is the next frame.
+    let (_, r) = b.command("rig-selack", "n", json!({}));
+    assert_eq!(r["seq"], 4);
+    assert_eq!(read_json(&mut again)["seq"], 4);
+}
+
 #[test]
 fn admin_commands_go_straight_to_the_rigs_core_and_follow_it_to_a_new_connection() {
     let b = Broker::start(&[]);
@@ -991,6 +1024,50 @@ fn admin_clients_that_never_read_their_answers_hold_no_pool_thread() {
     drop(hogs);
 }
 
+/// Admin connections on a core that each hold most of a 1 MiB body hold at most 16 MiB of
+/// them together: the ones past it are answered 503 at once, and counted, while the others
+/// wait for the rest of their bodies (before, 1,000 such connections held a gigabyte).
+#[test]
+fn unfinished_admin_bodies_on_a_core_are_bounded_in_all() {
+    let b = Broker::start(&["--cores", "1"]);
+    const CONNS: usize = 40;
+    let head =
+        "POST /v1/rigs/rig-x/commands HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000\r\n\r\n";
+    let part = vec![b' '; 900_000];
+    let mut conns: Vec<std::net::TcpStream> = (0..CONNS)
+        .map(|_| {
+            let mut s = std::net::TcpStream::connect(b.admin).unwrap();
+            s.write_all(head.as_bytes()).unwrap();
+            s.write_all(&part).unwrap();
+            s
+        })
+        .collect();
+    // Each holds a 1 MiB buffer, 960 KiB of it charged: 17 fit in 16 MiB.
+    let series = "fleetlink_admin_refused_total{reason=\"request_memory\"}";
+    eventually(Duration::from_secs(3), "refusals", || {
+        b.metric(series) >= (CONNS - 18) as u64
+    });
+    let mut refused = 0;
+    for s in &mut conns {
+        s.set_read_timeout(Some(Duration::from_millis(50))).unwrap();
+        let mut answer = [0u8; 512];
+        if let Ok(n) = std::io::Read::read(s, &mut answer) {
+            let text = String::from_utf8_lossy(&answer[..n]);
+            assert!(text.starts_with("HTTP/1.1 503"), "{text}");
+            assert!(text.contains("overloaded"), "{text}");
+            refused += 1;
+        }
+    }
+    assert!(
+        (CONNS - 18..=CONNS - 16).contains(&refused),
+        "{refused} refused"
+    );
+    assert_eq!(b.metric(series), refused as u64);
+    // Small requests take no part of the bound.
+    assert_eq!(b.http("GET", "/healthz", "").0, 200);
+    drop(conns);
+}
+
 #[test]
 fn an_admin_request_trickling_in_is_cut_off_at_its_deadline() {
     let b = Broker::start(&[]);
@@ -1187,21 +1264,113 @@ fn a_rig_that_stops_reading_is_refused_large_commands_by_the_bytes_queued() {
     }
 }
 
-/// A rig that reads large commands but never acks them keeps at most 16 MiB of them for a
-/// resume: past it the oldest are dropped and counted, as past the count.
+/// A rig that reads large commands but never acks them is written no more than 16 MiB of
+/// them, what a resume may carry: the next wait in its outbox, which fills by bytes, and
+/// control hears `rig_unresponsive`. Nothing it was told was taken is dropped from resume
+/// memory, and an ack lets the waiting ones go.
 #[test]
-fn written_unacked_commands_are_kept_for_a_resume_up_to_a_byte_bound() {
+fn written_unacked_commands_stop_at_what_a_resume_can_carry() {
     let b = Broker::start(&["--cores", "1"]);
     let (mut ws, _, _) = b.rig("rig-noack");
+    // The rig reads all the while (16 MiB is more than the socket buffers hold), acks nothing
+    // until told to, then acks the first eight and reads on up to the last seq it is told.
+    let (to_rig, orders) = std::sync::mpsc::channel::<u64>();
+    let reader = std::thread::spawn(move || {
+        let mut seen = Vec::new();
+        let read_up_to = |ws: &mut Ws, last: u64, seen: &mut Vec<u64>| {
+            while seen.last().copied().unwrap_or(0) < last {
+                seen.push(read_json(ws)["seq"].as_u64().unwrap_or(0));
+            }
+        };
+        read_up_to(&mut ws, 16, &mut seen);
+        let last = orders.recv().unwrap();
+        for seq in 1..=8u64 {
+            ws.send(Message::Text(
+                json!({"type":"ack","seq":seq}).to_string().into(),
+            ))
+            .unwrap();
+        }
+        read_up_to(&mut ws, last, &mut seen);
+        seen
+    });
     let mut admin = KeepAlive::open(b.admin);
     let body = json!({"name":"n","args":{"pad":"x".repeat(1_000_000)}}).to_string();
-    for seq in 1..=25u64 {
+    let mut taken = 0u64;
+    let refusal = loop {
         let (status, reply) = admin.post("/v1/rigs/rig-noack/commands", &body);
-        assert_eq!((status, &reply["seq"]), (200, &json!(seq)), "{reply}");
-        assert_eq!(read_json(&mut ws)["seq"], seq);
+        if status != 200 {
+            break reply;
+        }
+        taken += 1;
+        assert_eq!(reply["seq"], taken, "{reply}");
+        assert!(taken < 64, "never refused");
+    };
+    assert_eq!(refusal["error"], "rig_unresponsive", "{refusal}");
+    // Sixteen commands of just over 1,000,000 bytes fit 16 MiB written; up to eight more fit
+    // the outbox's 8 MiB behind them (fewer when the socket had not yet taken all sixteen).
+    assert!((17..=16 + 8).contains(&taken), "{taken} taken: {refusal}");
+    b.wait_metric("fleetlink_commands_total{result=\"written\"} 16");
+    // Acks of the first eight let the waiting ones go, in order.
+    to_rig.send(taken).unwrap();
+    let seen = reader.join().unwrap();
+    assert_eq!(seen, (1..=taken).collect::<Vec<_>>());
+    assert_eq!(
+        b.metric("fleetlink_commands_total{result=\"resume_dropped\"}"),
+        0
+    );
+}
+
+/// Past `--outbox` × 8 written and unacked, commands wait in the outbox, then are refused; a
+/// resume from `last_seq` 0 gives back every command that was taken, none dropped (before, the
+/// socket's buffers took thousands and a resume gave back only the last 8 × `--outbox`).
+#[test]
+fn a_rig_that_never_acks_gets_back_every_command_it_was_given_on_resume() {
+    let b = Broker::start(&["--cores", "1", "--outbox", "4"]);
+    let boot = boot_id();
+    let mut first = b.connect("/agent");
+    hello(&mut first, "rig-window", &boot, json!({}));
+    let mut admin = KeepAlive::open(b.admin);
+    let body = json!({"name":"n","args":{}}).to_string();
+    let mut taken = 0u64;
+    let refusal = loop {
+        let (status, reply) = admin.post("/v1/rigs/rig-window/commands", &body);
+        if status != 200 {
+            break reply;
+        }
+        taken += 1;
+        assert!(taken < 1000, "never refused");
+    };
+    // 32 written (8 x 4), 4 queued behind them.
+    assert_eq!(taken, 36, "{refusal}");
+    assert_eq!(refusal["error"], "rig_unresponsive", "{refusal}");
+    let detail = refusal["detail"].as_str().unwrap_or_default();
+    assert!(detail.starts_with("outbox full (4/4)"), "{detail}");
+    b.wait_metric("fleetlink_commands_total{result=\"written\"} 32");
+    for seq in 1..=32u64 {
+        assert_eq!(read_json(&mut first)["seq"], seq);
     }
-    // Sixteen commands of just over 1,000,000 bytes fit 16 MiB; seventeen do not.
-    b.wait_metric("fleetlink_commands_total{result=\"resume_dropped\"} 9");
+    // The same boot again, with nothing acked: every command, 1 to 36, comes back in order.
+    let mut again = b.connect("/agent");
+    let welcome = hello(&mut again, "rig-window", &boot, json!({}));
+    assert_eq!(welcome["resumed"], true);
+    for seq in 1..=32u64 {
+        assert_eq!(read_json(&mut again)["seq"], seq);
+    }
+    // Four acks make room for the four waiting behind them.
+    for seq in 1..=4u64 {
+        again
+            .send(Message::Text(
+                json!({"type":"ack","seq":seq}).to_string().into(),
+            ))
+            .unwrap();
+    }
+    for seq in 33..=36u64 {
+        assert_eq!(read_json(&mut again)["seq"], seq);
+    }
+    assert_eq!(
+        b.metric("fleetlink_commands_total{result=\"resume_dropped\"}"),
+        0
+    );
 }
 
 /// A command's args reach the rig as the text control sent, not re-encoded.

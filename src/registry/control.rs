@@ -86,6 +86,11 @@ struct Raw {
     queue_if_offline: bool,
     #[serde(default)]
     ttl_ms: Option<u64>,
+    /// Broker to broker: a command held for the rig while it was offline, taken from the
+    /// hold by a broker whose connection lost the rig to this one; its outcome is reported as
+    /// an `offline_delivered` event, since control was answered when it was held.
+    #[serde(default)]
+    offline_delivery: bool,
 }
 
 /// Largest control message taken, as for an admin request.
@@ -209,9 +214,12 @@ pub fn parse(payload: &[u8], broadcast: bool) -> Result<Control, Bad> {
             Ok(Control::Kick { id, rig, reply_to })
         }
         ("command", _) => {
-            let reply_to = reply_to
-                .clone()
-                .ok_or_else(|| bad("command needs reply_to"))?;
+            let offline = raw.offline_delivery && !broadcast;
+            let reply_to = match reply_to.clone() {
+                Some(r) => r,
+                None if offline => String::new(),
+                None => return Err(bad("command needs reply_to")),
+            };
             let name = raw
                 .name
                 .clone()
@@ -246,13 +254,21 @@ pub fn parse(payload: &[u8], broadcast: bool) -> Result<Control, Bad> {
                 .as_deref()
                 .and_then(RigId::parse)
                 .ok_or_else(|| bad("command needs a valid rig_id"))?;
-            let offline_ttl = raw.queue_if_offline.then(|| offline_ttl(raw.ttl_ms));
+            // A held command another broker took from the hold for this rig (its `reply_to`
+            // was answered then): delivered or held again here, its outcome an event.
+            let (reply, offline_ttl) = match offline {
+                true => (ReplyTo::Event, Some(offline_ttl(raw.ttl_ms))),
+                false => (
+                    ReplyTo::Channel(reply_to),
+                    raw.queue_if_offline.then(|| offline_ttl(raw.ttl_ms)),
+                ),
+            };
             Ok(Control::Command(CommandReq {
                 id,
                 rig,
                 name,
                 args,
-                reply: ReplyTo::Channel(reply_to),
+                reply,
                 offline_ttl,
             }))
         }

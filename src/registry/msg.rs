@@ -60,6 +60,9 @@ pub struct PersistReq {
     pub json: Box<[u8]>,
     /// Where control waits for the reply.
     pub reply: ReplyTo,
+    /// A command delivered from the offline hold: what is left of its hold, should Redis
+    /// fence it (the rig moved on) and it need holding again.
+    pub hold_left: Option<std::time::Duration>,
 }
 
 /// A connected rig's session as its core holds it, to be kept in Redis again.
@@ -304,6 +307,16 @@ pub enum ToBridge {
     },
     /// Route a command to whichever connection holds the rig.
     Command(Box<CommandReq>),
+    /// A command held for the rig while it was offline, which connection `conn` could not
+    /// take (it closed, or another connection took the rig over, between the hello that took
+    /// the command from the hold and the command reaching it): routed again, to the rig's
+    /// connection now, or held again, never dropped.
+    Undelivered {
+        /// The connection that could not take it.
+        conn: ConnId,
+        /// The command, its `offline_ttl` what is left of its hold.
+        req: Box<CommandReq>,
+    },
     /// Close a rig's connection with 1012.
     Kick {
         /// Control's request id.

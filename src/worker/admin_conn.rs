@@ -32,6 +32,9 @@ const KEEP_BUFFER: usize = 64 * 1024;
 /// How long a request handed to the admin pool may take: the pool's own longest wait, and
 /// time to hand its answer back.
 const POOL_WAIT: Duration = Duration::from_secs(admin::IO_TIMEOUT.as_secs() + 1);
+/// Bytes of unfinished requests past [`KEEP_BUFFER`] each that one core's admin connections
+/// may hold together: without it, 1,024 connections trickling 1 MiB bodies held a gigabyte.
+const CORE_REQUEST_BYTES: usize = 16 << 20;
 /// Commands in a row taken on one other core before a connection moves there (see [`Streak`]).
 const MOVE_AFTER: u32 = 16;
 
@@ -188,6 +191,10 @@ async fn serve_requests(
     streak: &mut Streak,
 ) -> std::io::Result<Option<CoreId>> {
     let mut buf: Vec<u8> = Vec::new();
+    let mut charge = Charge {
+        total: &core.admin_request_bytes,
+        held: 0,
+    };
     for served in 0..admin::MAX_PER_CONNECTION {
         let mut clock = admin::RequestClock::new(served > 0);
         let mut continued = false;
@@ -206,6 +213,11 @@ async fn serve_requests(
             }
             let wait = clock.wait(!buf.is_empty(), Instant::now());
             buf.reserve(READ_CHUNK);
+            if !charge.hold(buf.capacity()) {
+                core.metrics.inc(C::AdminRequestMemoryFull);
+                write(stream, request_memory_full(), true, false, "").await?;
+                return Ok(None);
+            }
             // A read fills a Vec from its start: read into the part after what it holds.
             let (len, cap) = (buf.len(), buf.capacity());
             let read = monoio::time::timeout(wait, stream.read(buf.slice_mut(len..cap))).await;
@@ -231,6 +243,7 @@ async fn serve_requests(
         if buf.is_empty() && buf.capacity() > KEEP_BUFFER {
             // A big request's buffer does not stay with a connection that waits for the next.
             buf = Vec::new();
+            charge.hold(0);
         }
         let close = req.close || served + 1 >= admin::MAX_PER_CONNECTION;
         let head_only = req.head_only();
@@ -247,6 +260,45 @@ async fn serve_requests(
         }
     }
     Ok(None)
+}
+
+/// One connection's part of its core's [`CORE_REQUEST_BYTES`]: what its buffer holds past
+/// [`KEEP_BUFFER`], given back when the connection ends.
+struct Charge<'a> {
+    total: &'a Cell<usize>,
+    held: usize,
+}
+
+impl Charge<'_> {
+    /// Charges a buffer of `capacity` bytes; false (nothing charged) when that would take the
+    /// core past its bound. Shrinking always succeeds.
+    fn hold(&mut self, capacity: usize) -> bool {
+        let want = capacity.saturating_sub(KEEP_BUFFER);
+        let others = self.total.get() - self.held;
+        if want > self.held && others + want > CORE_REQUEST_BYTES {
+            return false;
+        }
+        self.total.set(others + want);
+        self.held = want;
+        true
+    }
+}
+
+impl Drop for Charge<'_> {
+    fn drop(&mut self) {
+        self.total.set(self.total.get() - self.held);
+    }
+}
+
+/// The answer to a request refused because this core's admin connections hold as many
+/// unfinished request bytes as they may.
+fn request_memory_full() -> Answer {
+    let body = serde_json::json!({
+        "ok": false,
+        "error": "overloaded",
+        "detail": "admin requests in progress hold as much memory as this core allows; retry",
+    });
+    (503, "application/json", body.to_string().into_bytes())
 }
 
 async fn write(

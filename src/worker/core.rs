@@ -84,6 +84,8 @@ pub(crate) struct Core {
     pub(crate) admin_pool: crossbeam_channel::Sender<Work>,
     /// Admin requests of this core's admin connections waiting for an answer.
     pub(crate) admin_waits: Waits,
+    /// Bytes of unfinished admin requests this core's connections hold (see `admin_conn`).
+    pub(crate) admin_request_bytes: Cell<usize>,
     /// Closed sessions waiting for Redis's answer to commands they held.
     pub(crate) closing: RefCell<closing::Waiting>,
     /// Where the bytes of events queued for the bridge are counted.
@@ -144,6 +146,7 @@ impl Core {
             peers: links.peers,
             admin_pool: links.pool,
             admin_waits: Waits::default(),
+            admin_request_bytes: Cell::new(0),
             closing: RefCell::new(closing::Waiting::new()),
             bridge_shared: links.bridge_shared,
         }

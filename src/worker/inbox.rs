@@ -84,7 +84,7 @@ pub(crate) fn handle(core: &Rc<Core>, msg: ToCore) {
                         session::bridge_full(core, &req.id, &req.rig, req.reply);
                     }
                 }
-                None => session::not_connected(core, *req, "the rig's connection closed"),
+                None => session::not_taken(core, conn, *req, "the rig's connection closed"),
             }
         }
         ToCore::Rekeep { conn } => {

@@ -146,6 +146,17 @@ impl Queues {
         self.unacked.remove(0)
     }
 
+    /// Takes unacked command `seq`, wherever it is among them: an ack names one command, and
+    /// a rig may ack out of order (the ones it skips stay unacked, for a resume to give back).
+    pub(crate) fn take_unacked(&mut self, seq: Seq) -> Option<SeqCommand> {
+        let pos = self
+            .unacked
+            .cmds
+            .binary_search_by_key(&seq, |c| c.seq)
+            .ok()?;
+        self.unacked.remove(pos)
+    }
+
     /// Control's id of the written, unacked command `seq`.
     pub(crate) fn id_of(&self, seq: Seq) -> Option<&str> {
         let cmds = &self.unacked.cmds;

@@ -329,6 +329,8 @@ fn on_rig_message(core: &Core, conn: &Conn, st: &mut ConnState, text: &[u8]) {
                     id.as_deref(),
                 ));
             }
+            // The ack may have opened the window for commands waiting behind it.
+            pump(core, conn, st);
         }
         Ok(ClientMsg::Result {
             seq, ok, output, ..
@@ -375,44 +377,51 @@ fn on_rig_message(core: &Core, conn: &Conn, st: &mut ConnState, text: &[u8]) {
     }
 }
 
-/// Records an ack; returns the command id for the ack event (fleet mode) when the broker still
-/// held the command.
+/// Records an ack of command `seq`, and only of it (CONTRACT.md §2: "the rig accepted command
+/// `seq`"): a command below it the rig has not acked stays unacked, given back by a resume and
+/// reported `rig_rebooted` by a new boot. Returns the command id for the ack event (fleet mode)
+/// when the broker still held the command.
 fn on_ack(core: &Core, s: &mut Session, seq: Seq) -> Option<Box<str>> {
-    let mut id = None;
-    if seq > s.last_ack && seq < s.next_seq {
+    let cmd = s.queues.as_mut().and_then(|q| q.take_unacked(seq));
+    if cmd.is_some() || (seq > s.last_ack && seq < s.next_seq) {
         core.metrics.inc(C::CmdAcked);
+    }
+    if seq > s.last_ack && seq < s.next_seq {
         s.last_ack = seq;
         s.last_ack_ms = unix_ms();
     }
-    let q = s.queues.as_mut()?;
-    while q.unacked().front().is_some_and(|c| c.seq <= seq) {
-        let Some(cmd) = q.pop_unacked() else {
-            break;
-        };
-        if core.persist {
-            // Acked (or, behind it, received in order): no longer kept for a resume.
-            core.to_bridge(ToBridge::Forget {
-                rig: s.rig.clone(),
-                boot: s.boot,
-                seq: cmd.seq,
-            });
-        }
-        if cmd.seq == seq {
-            if let Some(at) = cmd.written_at {
-                core.metrics.ack_latency(at.elapsed());
-            }
-        }
-        // Events name commands only in fleet mode: the ack's and, hours later maybe, the
-        // result's (CONTRACT.md §4).
-        if core.fleet {
-            if cmd.seq == seq {
-                id = Some(cmd.id.clone());
-            }
+    let cmd = cmd?;
+    if core.persist {
+        // No longer kept for a resume.
+        core.to_bridge(ToBridge::Forget {
+            rig: s.rig.clone(),
+            boot: s.boot,
+            seq: cmd.seq,
+        });
+    }
+    if let Some(at) = cmd.written_at {
+        core.metrics.ack_latency(at.elapsed());
+    }
+    // Events name commands only in fleet mode: the ack's and, hours later maybe, the
+    // result's (CONTRACT.md §4).
+    let mut id = None;
+    if core.fleet {
+        id = Some(cmd.id.clone());
+        if let Some(q) = s.queues.as_mut() {
             q.await_result(cmd.seq, cmd.id);
         }
     }
     s.shrink_queues();
     id
+}
+
+/// Whether the commands written and not yet acked fill what a resume may carry (a count, and
+/// [`RIG_UNACKED_BYTES`]), so that one more of `len` bytes must wait for an ack. Past it the
+/// rig's outbox fills, and control hears `rig_unresponsive` rather than a resume losing what
+/// the socket buffers took.
+fn window_full(core: &Core, q: &queues::Queues, len: usize) -> bool {
+    q.unacked().len() >= core.cfg.unacked_limit()
+        || (!q.unacked().is_empty() && q.unacked_bytes() + len > RIG_UNACKED_BYTES)
 }
 
 /// Remembers a command the rig has (written, or received before it reconnected) until its ack,
@@ -452,7 +461,12 @@ pub(crate) fn pump(core: &Core, conn: &Conn, st: &mut ConnState) {
             return;
         };
         // A held command (fleet mode, not yet kept by Redis) blocks the ones behind it: order.
-        if q.outbox().front().is_none_or(|c| c.held) {
+        let Some(front) = q.outbox().front().filter(|c| !c.held) else {
+            return;
+        };
+        // The rig has as many commands unacked as a resume may carry: the next waits for its
+        // acks, so that a resume can still give back every command written.
+        if window_full(core, q, front.json.len()) {
             return;
         }
         let Some(mut cmd) = q.pop_outbox() else {
@@ -545,7 +559,7 @@ pub(crate) fn return_verdict(core: &Core, conn: ConnId, rig: Option<RigId>, verd
 /// Control's command for this connection's rig.
 pub(crate) fn on_command(core: &Core, conn: &Conn, st: &mut ConnState, req: CommandReq) {
     if !holds(st, &req.rig) {
-        return not_connected(core, req, "the rig's connection is closing");
+        return not_taken(core, conn.id, req, "the rig's connection is closing");
     };
     if !scope_allows(&st.sec, |s| s.allows_command(&req.name)) {
         let why = "the rig's token does not allow this command";
@@ -588,6 +602,9 @@ pub(crate) fn on_command(core: &Core, conn: &Conn, st: &mut ConnState, req: Comm
             seq,
             id: req.id.as_str().into(),
             json: json.clone(),
+            hold_left: req
+                .offline_ttl
+                .filter(|_| matches!(req.reply, ReplyTo::Event)),
             reply: req.reply,
         };
         if let Err(Full(ToBridge::Persist(p))) =
@@ -642,6 +659,23 @@ fn refuse_command(core: &Core, req: CommandReq, counter: C, error: &str, why: &s
     core.metrics.inc(counter);
     let body = reply::error(&req.id, Some(req.rig.as_str()), error, why);
     deliver(core, req.reply, body);
+}
+
+/// A command connection `conn` cannot take, since it no longer holds the rig: one delivered
+/// from the offline hold goes back to the bridge, to reach the rig's connection now or be held
+/// again (control was told it is held, and must hear one outcome); any other is answered
+/// `rig_not_connected`.
+pub(crate) fn not_taken(core: &Core, conn: ConnId, req: CommandReq, detail: &str) {
+    if !matches!(req.reply, ReplyTo::Event) {
+        return not_connected(core, req, detail);
+    }
+    let back = ToBridge::Undelivered {
+        conn,
+        req: Box::new(req),
+    };
+    if let Err(Full(ToBridge::Undelivered { req, .. })) = core.push_to_bridge(back) {
+        not_connected(core, *req, detail);
+    }
 }
 
 /// Answers a command whose connection no longer holds its rig, and counts it.

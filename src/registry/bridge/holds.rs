@@ -104,8 +104,12 @@ impl Bridge {
             ttl,
             reply_to,
         } = hold;
+        // Held again after a connection could not take it: control was answered when it was
+        // first held, and hears its outcome from the events.
+        let again = matches!(reply_to, ReplyTo::Event);
         let body = if stored {
-            self.shared.count("offline", "held");
+            self.shared
+                .count("offline", if again { "held_again" } else { "held" });
             let body = json!({"id": entry.id, "ok": true, "rig_id": rig.as_str(), "queued": true});
             let at = Instant::now() + ttl;
             if here {
@@ -114,6 +118,9 @@ impl Bridge {
             } else {
                 // Kept whole: its removal from Redis at the deadline names it exactly.
                 self.deadlines.add(at, rig.clone(), entry, size);
+            }
+            if again {
+                return;
             }
             body
         } else {
@@ -132,6 +139,24 @@ impl Bridge {
     /// looked before its hello there): `rig_not_connected`, as for any command sent to a broker
     /// that does not hold the rig, naming the one that does.
     fn connected_elsewhere(&mut self, hold: PendingHold, holder: &str) {
+        if matches!(hold.reply_to, ReplyTo::Event) {
+            // A held command whose rig moved to that broker as it was being delivered here:
+            // that broker delivers it, or holds it again, and reports it as delivered from
+            // the hold (`offline_delivery`), since control was answered when it was held.
+            self.shared.count("offline", "forwarded");
+            let left = hold.entry.deadline_ms.saturating_sub(unix_ms()).max(1);
+            let msg = json!({
+                "type": "command",
+                "id": hold.entry.id,
+                "rig_id": hold.rig.as_str(),
+                "name": hold.entry.name,
+                "args": hold.entry.args,
+                "offline_delivery": true,
+                "queue_if_offline": true,
+                "ttl_ms": left,
+            });
+            return self.publish(fleet::broker_channel(holder), &msg);
+        }
         self.shared.count("offline", "connected_elsewhere");
         let why = format!("the rig is connected to broker {holder}; send it there");
         let body = reply::error(
@@ -165,13 +190,16 @@ impl Bridge {
                 continue;
             }
             self.shared.count("offline", "delivered");
+            // What is left of its hold goes along: held again, should the connection not take
+            // it (see `undelivered`).
+            let left = Duration::from_millis(h.deadline_ms.saturating_sub(now).max(1));
             let req = CommandReq {
                 id: h.id,
                 rig: rig.clone(),
                 name: h.name,
                 args: h.args,
                 reply: ReplyTo::Event,
-                offline_ttl: None,
+                offline_ttl: Some(left),
             };
             actions.push(Action::Core(
                 conn,
@@ -182,6 +210,26 @@ impl Bridge {
                 },
             ));
         }
+    }
+
+    /// A held command that connection `conn` could not take: to the rig's connection now if
+    /// it has another one here, else held again (in Redis, or forwarded to the broker the rig
+    /// is connected to now), so that its one outcome is still to come.
+    pub(super) fn undelivered(&mut self, conn: ConnId, req: Box<CommandReq>) -> Vec<Action> {
+        self.shared.count("offline", "undelivered");
+        let ttl = req.offline_ttl.unwrap_or(Duration::from_millis(1));
+        self.registry
+            .command(req)
+            .into_iter()
+            .map(|action| match action {
+                // The registry has not yet heard that this connection let the rig go: held
+                // again, not sent back to it.
+                Action::Core(c, ToCore::Command { req, .. }) if c == conn => {
+                    Action::Offline(req, ttl)
+                }
+                other => other,
+            })
+            .collect()
     }
 
     fn report_expired(&mut self, rig: &RigId, id: &str) {

@@ -321,6 +321,7 @@ impl Bridge {
                 Vec::new()
             }
             ToBridge::Command(req) => self.registry.command(req),
+            ToBridge::Undelivered { conn, req } => self.undelivered(conn, req),
             ToBridge::Kick { id, rig, reply } => self.registry.kick(id, rig, reply),
             ToBridge::Persist(p) => {
                 self.persists.push(*p);
@@ -603,6 +604,7 @@ mod tests {
                 id: format!("c{seq}").into(),
                 json: Box::new(*b"{}"),
                 reply: ReplyTo::Channel("back".into()),
+                hold_left: None,
             });
         }
         b.shutdown();

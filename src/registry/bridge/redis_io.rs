@@ -234,6 +234,15 @@ impl Bridge {
                     kept: ok,
                 },
             );
+            if let (false, Some(left)) = (ok, p.hold_left) {
+                // From the offline hold, fenced because the rig moved to another connection
+                // as it was being delivered: it goes there, or is held again.
+                if let Some(req) = unheld(&p, left) {
+                    let actions = self.undelivered(p.conn, Box::new(req));
+                    self.carry_out(actions);
+                    continue;
+                }
+            }
             self.reply_routed(p.reply, body, route);
         }
     }
@@ -348,6 +357,25 @@ impl UnansweredLog {
         );
         true
     }
+}
+
+/// The command of a fenced persist, as control sent it (its name and args read back from the
+/// frame it was to be written as), to be routed again with `left` of its hold.
+fn unheld(p: &PersistReq, left: std::time::Duration) -> Option<crate::registry::msg::CommandReq> {
+    #[derive(serde::Deserialize)]
+    struct Frame {
+        name: String,
+        args: Box<serde_json::value::RawValue>,
+    }
+    let frame: Frame = serde_json::from_slice(&p.json).ok()?;
+    Some(crate::registry::msg::CommandReq {
+        id: p.id.to_string(),
+        rig: p.rig.clone(),
+        name: frame.name,
+        args: crate::args::Args::object(frame.args)?,
+        reply: ReplyTo::Event,
+        offline_ttl: Some(left),
+    })
 }
 
 #[cfg(test)]

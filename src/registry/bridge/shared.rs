@@ -10,12 +10,15 @@ use crate::metrics::BridgeStats;
 const CANARY_STALE: Duration = Duration::from_secs(5);
 
 /// Registry operations counted by (op, result), in this order.
-pub const REGISTRY_OPS: [(&str, &str); 40] = [
+pub const REGISTRY_OPS: [(&str, &str); 43] = [
     ("offline", "held"),
     ("offline", "full"),
     ("offline", "connected_elsewhere"),
     ("offline", "delivered"),
     ("offline", "expired"),
+    ("offline", "undelivered"),
+    ("offline", "forwarded"),
+    ("offline", "held_again"),
     ("offline_batch", "sent"),
     ("persist", "ok"),
     ("persist", "fenced"),
