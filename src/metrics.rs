@@ -401,7 +401,7 @@ const HELP: &[(&str, &str)] = &[
     ),
     (
         "fleetlink_registry_ops_total",
-        "Registry operations by op and result (standalone: only op=refused).",
+        "Registry operations by op and result (standalone: only op=refused, and resume/rebooted: commands a new boot dropped).",
     ),
     (
         "fleetlink_pubsub_messages_total",
@@ -538,12 +538,13 @@ pub fn render_as(
     }
     // In both modes, since CONTRACT.md §6 lists it among /metrics; standalone it reads 0, and
     // an alert on it should also ask `fleetlink_info{mode="fleet"}`. Only the bridge's own
-    // refusals (op="refused") are registry ops in both modes.
+    // refusals (op="refused") and a new boot's dropped commands (resume/rebooted, standalone's
+    // only report of them besides its log) are registry ops in both modes.
     family(&mut out, "fleetlink_redis_up", "gauge");
     let _ = writeln!(out, "fleetlink_redis_up {}", bridge.redis_up);
     family(&mut out, "fleetlink_registry_ops_total", "counter");
     for (op, result, n) in &bridge.registry_ops {
-        if identity.fleet || op == "refused" {
+        if identity.fleet || op == "refused" || (op == "resume" && result == "rebooted") {
             let _ = writeln!(
                 out,
                 "fleetlink_registry_ops_total{{op=\"{op}\",result=\"{result}\"}} {n}"

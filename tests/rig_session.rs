@@ -613,6 +613,27 @@ fn an_ack_covers_its_own_seq_only() {
     assert_eq!(read_json(&mut again)["seq"], 4);
 }
 
+/// Standalone, a new boot's hello drops its old session's unacked commands (CONTRACT.md §5:
+/// never replayed) and reports them where standalone can: counted as `rig_rebooted`, and
+/// logged with their ids.
+#[test]
+fn a_new_boot_standalone_counts_its_old_sessions_commands_rebooted() {
+    let b = Broker::start(&[]);
+    let (mut old, _, _) = b.rig("rig-reboot");
+    for seq in 1..=2u64 {
+        let (_, r) = b.command("rig-reboot", "n", json!({}));
+        assert_eq!(r["seq"], seq);
+        assert_eq!(read_json(&mut old)["seq"], seq);
+    }
+    drop(old);
+    let (mut new, _, welcome) = b.rig("rig-reboot");
+    assert_eq!(welcome["resumed"], false);
+    b.wait_metric("fleetlink_registry_ops_total{op=\"resume\",result=\"rebooted\"} 2");
+    let (_, r) = b.command("rig-reboot", "n", json!({}));
+    assert_eq!(r["seq"], 1, "a new session");
+    assert_eq!(read_json(&mut new)["seq"], 1);
+}
+
 #[test]
 fn admin_commands_go_straight_to_the_rigs_core_and_follow_it_to_a_new_connection() {
     let b = Broker::start(&[]);

@@ -181,7 +181,10 @@ impl Bridge {
         outcome: Option<Option<Result<HelloOutcome, String>>>,
     ) -> Vec<Action> {
         match outcome {
-            None => self.shared.count("hello", "ok"),
+            None => {
+                self.shared.count("hello", "ok");
+                self.report_parked_reboot(&rig, boot);
+            }
             Some(None) | Some(Some(Err(_))) => {
                 self.shared.count("hello", "unavailable");
                 self.report_parked_reboot(&rig, boot);
@@ -226,6 +229,16 @@ impl Bridge {
         }
         let lost: Vec<(Seq, Box<str>)> = carried.iter().map(|c| (c.seq, c.id.clone())).collect();
         self.shared.count_n("resume", "rebooted", lost.len() as u64);
+        if self.fleet.is_none() && !lost.is_empty() {
+            // Standalone has no events channel: the log is where control can find them.
+            let ids: Vec<&str> = lost.iter().take(20).map(|(_, id)| &**id).collect();
+            log::warn!(
+                "rig {rig} rebooted (boot {boot}, was {old}): {} unacked commands of its old session are dropped, never run here (rig_rebooted); ids: {}{}",
+                lost.len(),
+                ids.join(", "),
+                if lost.len() > ids.len() { ", ..." } else { "" }
+            );
+        }
         for (seq, id) in lost {
             let ev = crate::events::rig_rebooted(&self.cfg.broker_id, rig, &old, &boot, seq, &id);
             self.publish(fleet::EVENTS.to_string(), &ev);
