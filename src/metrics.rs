@@ -824,7 +824,9 @@ mod tests {
             .filter(|l| l.starts_with("fleetlink_registry_ops_total{"))
             .collect();
         assert!(
-            !ops.is_empty() && ops.iter().all(|l| l.contains("op=\"refused\"")),
+            !ops.is_empty()
+                && ops.iter().all(|l| l.contains("op=\"refused\"")
+                    || l.contains("op=\"resume\",result=\"rebooted\"")),
             "{ops:?}"
         );
         let version = env!("CARGO_PKG_VERSION");
