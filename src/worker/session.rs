@@ -386,22 +386,16 @@ fn on_ack(core: &Core, s: &mut Session, seq: Seq) -> Option<Box<str>> {
         forget_had_before(core, s);
     }
     let cmd = s.queues.as_mut().and_then(|q| q.take_unacked(seq));
-    if cmd.is_some() || (seq > s.last_ack && seq < s.next_seq) {
+    let latest = seq > s.last_ack && seq < s.next_seq;
+    if cmd.is_some() || latest {
         core.metrics.inc(C::CmdAcked);
     }
-    if seq > s.last_ack && seq < s.next_seq {
+    if latest {
         s.last_ack = seq;
         s.last_ack_ms = unix_ms();
     }
     let cmd = cmd?;
-    if core.persist {
-        // No longer kept for a resume.
-        core.to_bridge(ToBridge::Forget {
-            rig: s.rig.clone(),
-            boot: s.boot,
-            seq: cmd.seq,
-        });
-    }
+    forget_kept(core, &s.rig, s.boot, cmd.seq);
     if let Some(at) = cmd.written_at {
         core.metrics.ack_latency(at.elapsed());
     }
@@ -432,13 +426,18 @@ fn forget_had_before(core: &Core, s: &mut Session) {
         let Some(cmd) = q.pop_unacked() else {
             break;
         };
-        if core.persist {
-            core.to_bridge(ToBridge::Forget {
-                rig: rig.clone(),
-                boot,
-                seq: cmd.seq,
-            });
-        }
+        forget_kept(core, rig, boot, cmd.seq);
+    }
+}
+
+/// Fleet mode: has the session store forget command `seq`, no longer kept for a resume.
+fn forget_kept(core: &Core, rig: &RigId, boot: BootId, seq: Seq) {
+    if core.persist {
+        core.to_bridge(ToBridge::Forget {
+            rig: rig.clone(),
+            boot,
+            seq,
+        });
     }
 }
 
@@ -456,23 +455,14 @@ fn window_full(core: &Core, q: &queues::Queues, len: usize) -> bool {
 /// resume memory, counted, and removed from the session store too, or Redis would keep it for
 /// the session's whole life.
 fn keep_unacked(core: &Core, s: &mut Session, cmd: SeqCommand) {
-    let limit = core.cfg.unacked_limit();
     let (rig, boot) = (&s.rig, s.boot);
     let q = s.queues.get_or_insert_with(Default::default);
-    while q.unacked().len() >= limit
-        || (!q.unacked().is_empty() && q.unacked_bytes() + cmd.json.len() > RIG_UNACKED_BYTES)
-    {
+    while window_full(core, q, cmd.json.len()) {
         let Some(old) = q.pop_unacked() else {
             break;
         };
         core.metrics.inc(C::CmdResumeDropped);
-        if core.persist {
-            core.to_bridge(ToBridge::Forget {
-                rig: rig.clone(),
-                boot,
-                seq: old.seq,
-            });
-        }
+        forget_kept(core, rig, boot, old.seq);
     }
     q.push_unacked(cmd);
 }
