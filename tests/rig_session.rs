@@ -113,6 +113,61 @@ fn no_hello_closes_4408() {
     assert_eq!(read_close(&mut ws), 4408);
 }
 
+#[test]
+fn a_rig_reading_slowly_behind_big_commands_is_not_closed_for_late_pongs() {
+    // 3 commands of 300 KB to a rig that reads 4 KiB per 10 ms: about 2.3 s of reading, while
+    // PINGs every 300 ms wait behind the data and cannot be answered within 100 ms. The rig is
+    // reading, so it stays; once it stops reading altogether, it is closed 4002 all the same.
+    // (Its receive buffer stays above loopback's 64 KiB segment: below it, the receiver's
+    // silly-window avoidance leaves the sender to the persist timer's backoff, 8 KB a probe.)
+    let b = Broker::start(&[
+        "--ping-interval",
+        "300ms",
+        "--pong-timeout",
+        "100ms",
+        "--max-missed-pongs",
+        "4",
+    ]);
+    let mut rig = RawRig::hello(&b, "rig-slow-link");
+    rig.set_rcvbuf(100_000);
+    let blob = "x".repeat(300_000);
+    for i in 0..3 {
+        let (status, reply) = b.command("rig-slow-link", "flash", json!({"part": i, "blob": blob}));
+        assert_eq!(status, 200, "{reply}");
+    }
+    let mut seqs = Vec::new();
+    let mut pings = 0;
+    while seqs.len() < 3 {
+        let (op, payload) = rig.read_frame_paced(Duration::from_millis(10));
+        match op {
+            0x9 => {
+                pings += 1;
+                rig.send_frame(fleetlink::ws::OpCode::Pong, &payload);
+            }
+            0x1 => {
+                let v: Value = serde_json::from_slice(&payload).unwrap();
+                assert_eq!(v["type"], "command", "{}", v["type"]);
+                let seq = v["seq"].as_u64().unwrap();
+                rig.send_text(&json!({"type":"ack","seq":seq}).to_string());
+                seqs.push(seq);
+            }
+            0x8 => panic!(
+                "closed {} while reading, after {pings} PINGs",
+                u16::from_be_bytes([payload[0], payload[1]])
+            ),
+            other => panic!("unexpected frame {other:#x}"),
+        }
+    }
+    assert_eq!(seqs, [1, 2, 3]);
+    assert_eq!(b.metric("fleetlink_closes_total{code=\"4002\"} "), 0);
+    // The same rig hangs behind one more big command: it is a dead rig now, and closed.
+    let (status, _) = b.command("rig-slow-link", "flash", json!({"blob": blob}));
+    assert_eq!(status, 200);
+    eventually(Duration::from_secs(10), "the hung rig closed 4002", || {
+        b.metric("fleetlink_closes_total{code=\"4002\"} ") == 1
+    });
+}
+
 /// Welcomes a rig that never answers PINGs; returns how long after welcome its 4002 came.
 fn time_to_4002(b: &Broker, rig: &str) -> Duration {
     let mut silent = RawRig::hello(b, rig);

@@ -12,6 +12,7 @@
 //! - `closing`: a closed session waits for Redis's answer to its held commands.
 //! - `sweep` + `wheel`: deadlines and liveness without per-connection timers.
 //! - `quiet_pong`: a rig's PONG waits in the kernel for the sweep instead of waking the core.
+//! - `slow_reader`: a rig still reading through a backlog is not missing its PONGs.
 //! - `inbox`: messages from the bridge and admin.
 //! - `drain`: graceful shutdown.
 //! - `admin_conn`: admin HTTP connections the admin acceptor hands to this core.
@@ -28,6 +29,7 @@ mod inbox;
 pub(crate) mod queues;
 mod quiet_pong;
 mod session;
+mod slow_reader;
 mod sweep;
 mod transport;
 mod wheel;

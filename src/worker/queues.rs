@@ -91,6 +91,9 @@ pub(crate) struct Queues {
     unacked: Line,
     /// Acked commands' ids, for their results (at most [`RESULT_IDS`], oldest first).
     results: VecDeque<(Seq, Box<str>)>,
+    /// The rig's acknowledged bytes when last looked at, while PINGs wait behind other bytes
+    /// ([`crate::worker::slow_reader`]).
+    pub(crate) taken_seen: Option<u64>,
 }
 
 impl Queues {

@@ -7,7 +7,7 @@ use std::time::Duration;
 use crate::ids::ConnId;
 use crate::metrics::C;
 use crate::worker::core::{Core, Liveness, Phase};
-use crate::worker::{conn, quiet_pong};
+use crate::worker::{conn, quiet_pong, slow_reader};
 use crate::ws::OpCode;
 
 /// Runs until the core finishes.
@@ -66,12 +66,15 @@ pub(super) fn visit(core: &Core, id: ConnId) {
         }
         Phase::Live => {
             let ping = core.ticks(core.cfg.ping_interval);
-            let live = &mut st.live;
-            if live.awaiting_pong && now >= live.last_ping + pong {
-                live.awaiting_pong = false;
-                if !live.throttled {
-                    live.missed += 1;
-                    if live.missed >= core.cfg.max_missed_pongs {
+            if st.live.awaiting_pong && now >= st.live.last_ping + pong {
+                st.live.awaiting_pong = false;
+                if slow_reader::still_reading(conn.fd, &mut st) {
+                    // The PONG is behind a backlog the rig is still reading: late, not missing,
+                    // and the rig has shown itself alive, which ends a run of misses.
+                    st.live.missed = 0;
+                } else if !st.live.throttled {
+                    st.live.missed += 1;
+                    if st.live.missed >= core.cfg.max_missed_pongs {
                         conn.close(&mut st, 4002, "ping timeout");
                         return;
                     }
@@ -89,6 +92,7 @@ pub(super) fn visit(core: &Core, id: ConnId) {
                 if !st.live.pong_hidden && !st.has_tls() {
                     st.live.pong_hidden = quiet_pong::hide(conn.fd);
                 }
+                slow_reader::mark(conn.fd, &mut st);
                 conn.send_frame(&mut st, OpCode::Ping, &[]);
             } else {
                 // Past the PONG deadline (the only other visit while a PONG is hidden), after

@@ -373,6 +373,22 @@ impl RawRig {
         rig_conn
     }
 
+    /// Shrinks the socket's receive buffer, making this rig a slow link when it reads slowly.
+    pub fn set_rcvbuf(&self, bytes: i32) {
+        use std::os::fd::AsRawFd;
+        // SAFETY: setsockopt with a pointer to a c_int and its size, on our own socket.
+        let rc = unsafe {
+            libc::setsockopt(
+                self.stream.as_raw_fd(),
+                libc::SOL_SOCKET,
+                libc::SO_RCVBUF,
+                std::ptr::from_ref(&bytes).cast(),
+                std::mem::size_of::<i32>() as libc::socklen_t,
+            )
+        };
+        assert_eq!(rc, 0, "SO_RCVBUF");
+    }
+
     /// Sends one masked text frame.
     pub fn send_text(&mut self, text: &str) {
         self.send_frame(fleetlink::ws::OpCode::Text, text.as_bytes());
@@ -403,6 +419,17 @@ impl RawRig {
             if let Some(frame) = self.take_frame() {
                 return frame;
             }
+            self.fill();
+        }
+    }
+
+    /// Reads one frame as a slow link would: at most 4 KiB per `pause`.
+    pub fn read_frame_paced(&mut self, pause: Duration) -> (u8, Vec<u8>) {
+        loop {
+            if let Some(frame) = self.take_frame() {
+                return frame;
+            }
+            std::thread::sleep(pause);
             self.fill();
         }
     }
