@@ -405,6 +405,39 @@ fn redis_status_tells_live_from_dead_brokers() {
     let human = fleetctl(&["--redis", &redis.url(), "status", "rig-stale"]);
     assert!(human.stdout.contains("fe-dead (dead"), "{}", human.stdout);
 
+    // A SIGKILLed broker: its key lives on for its TTL, but its channel has no subscriber.
+    let mut con = redis.connection();
+    let _: () = redis::cmd("SET")
+        .arg("broker:fe-killed")
+        .arg("{}")
+        .arg("PX")
+        .arg(30_000)
+        .query(&mut con)
+        .unwrap();
+    register(&redis, "rig-orphan", "fe-killed");
+    let killed = fleetctl(&["--redis", &redis.url(), "--json", "status", "rig-orphan"]);
+    killed.assert_code(0);
+    assert_eq!(killed.lines()[0]["broker_live"], false);
+    assert_eq!(killed.lines()[0]["broker_key"], true);
+    let human = fleetctl(&["--redis", &redis.url(), "status", "rig-orphan"]);
+    assert!(
+        human.stdout.contains("fe-killed (dead: nothing listens"),
+        "{}",
+        human.stdout
+    );
+    let list = fleetctl(&["--redis", &redis.url(), "--json", "list"]);
+    let live: std::collections::BTreeMap<String, bool> = list
+        .lines()
+        .iter()
+        .map(|r| {
+            let rig = r["rig_id"].as_str().unwrap().to_owned();
+            (rig, r["broker_live"].as_bool().unwrap())
+        })
+        .collect();
+    assert!(live["rig-live"]);
+    assert!(!live["rig-orphan"]);
+    assert!(!live["rig-stale"]);
+
     fleetctl(&["--redis", &redis.url(), "status", "rig-none"]).assert_code(2);
 }
 
@@ -463,6 +496,27 @@ fn redis_brokers_lists_live_broker_keys() {
     assert_eq!(rows[0]["broker_id"], "fe-a");
     assert_eq!(rows[0]["connections"], 7);
     assert!(rows[0]["ttl_ms"].as_i64().unwrap() > 20_000);
+    assert_eq!(rows[0]["listening"], true);
+
+    // A SIGKILLed broker's key outlives it; nothing listens on its channel.
+    let _: () = redis::cmd("SET")
+        .arg("broker:fe-killed")
+        .arg("{}")
+        .arg("PX")
+        .arg(30_000)
+        .query(&mut redis.connection())
+        .unwrap();
+    let run = fleetctl(&["--redis", &redis.url(), "--json", "brokers"]);
+    let rows = run.lines();
+    assert_eq!(rows.len(), 2);
+    assert_eq!(rows[1]["broker_id"], "fe-killed");
+    assert_eq!(rows[1]["listening"], false);
+    let human = fleetctl(&["--redis", &redis.url(), "brokers"]);
+    assert!(
+        human.stdout.contains("(1 live brokers; 1 dead"),
+        "{}",
+        human.stdout
+    );
 }
 
 /// Returns once fleetctl listens on `fleetlink:events`: an event published earlier is lost.

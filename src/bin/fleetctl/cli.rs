@@ -60,6 +60,10 @@ pub(crate) enum Command {
     },
     /// Show where a rig is connected (registry entry and its broker's liveness).
     ///
+    /// With --redis, a broker is live when its `broker:<id>` key exists and something
+    /// subscribes to its `fleetlink:broker:<id>` channel: a killed broker's key lingers for up
+    /// to its TTL, but its subscription ends with it.
+    ///
     /// With --redis, gives up after 5s when Redis does not answer (exit 3).
     Status {
         /// The rig id.
@@ -78,7 +82,11 @@ pub(crate) enum Command {
         #[arg(long, default_value_t = 0)]
         cursor: u64,
     },
-    /// List live brokers (Redis), or the health of the admin broker.
+    /// List broker keys (Redis), or the health of the admin broker.
+    ///
+    /// With --redis, LISTENING says whether the broker still subscribes to its channel: a
+    /// killed broker's key stays until its TTL ends, marked `no`. `list` marks rigs of such a
+    /// broker `(dead)`.
     ///
     /// With --redis, gives up after 5s when Redis does not answer (exit 3).
     Brokers,

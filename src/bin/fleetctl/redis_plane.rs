@@ -175,6 +175,26 @@ impl RedisPlane {
         Ok((value, pttl))
     }
 
+    /// Which of `brokers` have a subscriber on their `fleetlink:broker:<id>` channel. A
+    /// broker's key outlives a SIGKILL by up to its TTL; its subscription ends with its
+    /// connection, so this is what tells a running broker from a dead one at once.
+    fn listening(&mut self, brokers: &BTreeSet<String>) -> anyhow::Result<BTreeSet<String>> {
+        if brokers.is_empty() {
+            return Ok(BTreeSet::new());
+        }
+        let mut cmd = redis::cmd("PUBSUB");
+        cmd.arg("NUMSUB");
+        for b in brokers {
+            cmd.arg(format!("fleetlink:broker:{b}"));
+        }
+        let counts: Vec<(String, i64)> = cmd.query(self.con()?).map_err(self.failed("PUBSUB"))?;
+        Ok(counts
+            .into_iter()
+            .filter(|(_, n)| *n > 0)
+            .filter_map(|(ch, _)| ch.strip_prefix("fleetlink:broker:").map(str::to_owned))
+            .collect())
+    }
+
     /// Every key matching `pattern` (a full SCAN walk).
     fn scan_all(&mut self, pattern: &str, count: u64) -> anyhow::Result<Vec<String>> {
         let mut keys = BTreeSet::new();
@@ -331,13 +351,18 @@ impl ControlPlane for RedisPlane {
         let owner = Owner::parse(&entry);
         let bkey = broker_key(&owner.broker_id);
         let (blob, broker_pttl) = self.get_with_ttl(&bkey)?;
+        let listening = blob.is_some()
+            && !self
+                .listening(&BTreeSet::from([owner.broker_id.clone()]))?
+                .is_empty();
         Ok(json!({
             "ok": true,
             "rig_id": rig.as_str(),
             "boot_id": owner.boot_id,
             "broker_id": owner.broker_id,
             "ttl_ms": pttl,
-            "broker_live": blob.is_some(),
+            "broker_live": listening,
+            "broker_key": blob.is_some(),
             "broker_ttl_ms": blob.as_ref().map(|_| broker_pttl),
             "broker": blob.as_deref().map(parse_blob),
         }))
@@ -381,6 +406,15 @@ impl ControlPlane for RedisPlane {
                 Some(json!({"rig_id": rig, "boot_id": owner.boot_id, "broker_id": owner.broker_id}))
             })
             .collect();
+        let brokers = rows
+            .iter()
+            .filter_map(|r| r["broker_id"].as_str().map(str::to_owned))
+            .collect();
+        let live = self.listening(&brokers)?;
+        for row in &mut rows {
+            let up = row["broker_id"].as_str().is_some_and(|b| live.contains(b));
+            row["broker_live"] = json!(up);
+        }
         rows.sort_by(|a, b| a["rig_id"].as_str().cmp(&b["rig_id"].as_str()));
         Ok(Page {
             rows,
@@ -393,6 +427,11 @@ impl ControlPlane for RedisPlane {
         self.begin(DEFAULT_WAIT);
         let mut keys = self.scan_all("broker:*", BROKER_SCAN_COUNT)?;
         keys.sort();
+        let ids = keys
+            .iter()
+            .filter_map(|k| k.strip_prefix("broker:").map(str::to_owned))
+            .collect();
+        let live = self.listening(&ids)?;
         let mut rows = Vec::with_capacity(keys.len());
         for key in keys {
             let (blob, pttl) = self.get_with_ttl(&key)?;
@@ -404,6 +443,7 @@ impl ControlPlane for RedisPlane {
             let id = key.strip_prefix("broker:").unwrap_or(&key);
             row.insert("broker_id".into(), json!(id));
             row.insert("ttl_ms".into(), json!(pttl));
+            row.insert("listening".into(), json!(live.contains(id)));
             rows.push(Value::Object(row));
         }
         Ok(rows)

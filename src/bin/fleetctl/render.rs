@@ -145,6 +145,12 @@ impl Render {
                     cell(&b["started_at"]),
                     ttl(&s["broker_ttl_ms"])
                 )
+            } else if s["broker_key"].as_bool() == Some(true) {
+                format!(
+                    "{broker} (dead: nothing listens on fleetlink:broker:{broker}, though its key \
+                     has {} left; this entry is stale until its lease ends)",
+                    ttl(&s["broker_ttl_ms"])
+                )
             } else {
                 format!("{broker} (dead: no broker:{broker} key; this entry is stale until its lease ends)")
             };
@@ -204,11 +210,11 @@ impl Render {
                 .rows
                 .iter()
                 .map(|r| {
-                    vec![
-                        cell(&r["rig_id"]),
-                        cell(&r["boot_id"]),
-                        cell(&r["broker_id"]),
-                    ]
+                    let broker = match r["broker_live"].as_bool() {
+                        Some(false) => format!("{} (dead)", cell(&r["broker_id"])),
+                        _ => cell(&r["broker_id"]),
+                    };
+                    vec![cell(&r["rig_id"]), cell(&r["boot_id"]), broker]
                 })
                 .collect();
             table(&["RIG", "BOOT_ID", "BROKER"], &rows);
@@ -252,6 +258,7 @@ impl Render {
                         .map(|k| cell(&r[*k]))
                         .collect();
                 row.push(ttl(&r["ttl_ms"]));
+                row.push(yes_no(&r["listening"]));
                 row
             })
             .collect();
@@ -263,10 +270,21 @@ impl Render {
                 "CONNECTIONS",
                 "STARTED_AT",
                 "TTL",
+                "LISTENING",
             ],
             &table_rows,
         );
-        println!("({} live brokers)", rows.len());
+        let dead = rows
+            .iter()
+            .filter(|r| r["listening"].as_bool() == Some(false))
+            .count();
+        match dead {
+            0 => println!("({} live brokers)", rows.len()),
+            n => println!(
+                "({} live brokers; {n} dead: key not yet expired, nothing listening on its channel)",
+                rows.len() - n
+            ),
+        }
         Exit::Ok
     }
 
@@ -347,6 +365,15 @@ fn ttl(v: &Value) -> String {
         Some(-1) => "no ttl".into(),
         Some(ms) if ms < 0 => "expired".into(),
         Some(ms) => format!("{:.1}s", ms as f64 / 1000.0),
+        None => "-".into(),
+    }
+}
+
+/// `yes`/`no` for a bool, `-` for anything else.
+fn yes_no(v: &Value) -> String {
+    match v.as_bool() {
+        Some(true) => "yes".into(),
+        Some(false) => "no".into(),
         None => "-".into(),
     }
 }
