@@ -859,15 +859,15 @@ pub(crate) fn command_req(
     let (body, args) = match parsed {
         Ok(mut b) if !b.name.is_empty() && b.name.len() <= 128 => {
             let args = match b.args.take() {
-                None => Some(Args::empty()),
-                Some(raw) => Args::object(raw),
+                None => Ok(Args::empty()),
+                Some(raw) => Args::checked(raw),
             };
             match args {
-                Some(args) => (b, args),
-                None => return Err(bad("name must be 1-128 bytes and args an object")),
+                Ok(args) => (b, args),
+                Err(why) => return Err(bad(&why)),
             }
         }
-        Ok(_) => return Err(bad("name must be 1-128 bytes and args an object")),
+        Ok(_) => return Err(bad("name must be 1-128 bytes")),
         Err(e) => return Err(bad(&e.to_string())),
     };
     Ok(Box::new(CommandReq {

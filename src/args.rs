@@ -39,12 +39,25 @@ impl Args {
 
     /// The args of a control message or request, which must be an object that parses.
     pub fn object(raw: Box<RawValue>) -> Option<Args> {
+        Args::checked(raw).ok()
+    }
+
+    /// As [`Args::object`], with why they were refused, for control's reply.
+    pub fn checked(raw: Box<RawValue>) -> Result<Args, String> {
         // The parser hands over the value's own text, which starts at its first byte. It only
         // skims that text, though: lone surrogates, numbers out of range and nesting past
         // serde_json's limit pass, and a rig parsing them would fail on the frame. So they
         // are parsed once here, the tree dropped at once (as short-lived as the old parse).
-        let whole = serde_json::from_str::<Value>(raw.get()).is_ok();
-        (whole && raw.get().starts_with('{')).then(|| Args(Arc::from(raw)))
+        if !raw.get().starts_with('{') {
+            return Err("args must be an object".into());
+        }
+        match serde_json::from_str::<Value>(raw.get()) {
+            Ok(_) => Ok(Args(Arc::from(raw))),
+            Err(e) if e.to_string().starts_with("recursion limit") => {
+                Err("args nest deeper than 128 levels".into())
+            }
+            Err(e) => Err(format!("args are not JSON a rig can parse: {e}")),
+        }
     }
 
     /// The JSON text.
@@ -108,6 +121,11 @@ mod tests {
         for bad in [r#"{"a":"\ud800"}"#, r#"{"a":1e400}"#, deep.as_str()] {
             assert!(Args::object(raw(bad)).is_none(), "{bad}");
         }
+        let why = |s: &str| Args::checked(raw(s)).err().unwrap_or_default();
+        assert_eq!(why(&deep), "args nest deeper than 128 levels");
+        assert_eq!(why("[1]"), "args must be an object");
+        assert!(why(r#"{"a":1e400}"#)
+            .starts_with("args are not JSON a rig can parse: number out of range"));
         assert_eq!(Args::empty().get(), "{}");
         // Inside a message, written as they came; read back, the same text.
         #[derive(Serialize, Deserialize)]

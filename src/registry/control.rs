@@ -227,7 +227,7 @@ pub fn parse(payload: &[u8], broadcast: bool) -> Result<Control, Bad> {
                 .ok_or_else(|| bad("command needs a name of 1-128 bytes"))?;
             let args = match raw.args.clone() {
                 None => Args::empty(),
-                Some(a) => Args::object(a).ok_or_else(|| bad("args must be an object"))?,
+                Some(a) => Args::checked(a).map_err(|why| bad(&why))?,
             };
             if broadcast {
                 let selector = raw
