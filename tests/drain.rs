@@ -62,6 +62,32 @@ fn a_second_sigterm_ends_the_drain_at_once() {
     assert!(started.elapsed() < Duration::from_secs(30));
 }
 
+#[test]
+fn a_drain_ends_when_no_rig_is_left_not_at_the_end_of_its_window() {
+    // No rigs at all: nothing to wait for.
+    let mut empty = Broker::start(&["--drain", "60s"]);
+    let started = Instant::now();
+    empty.sigterm();
+    let status = empty
+        .wait_exit(Duration::from_secs(20))
+        .expect("an empty broker waited out its drain window");
+    assert!(status.success(), "{status:?}");
+    assert!(started.elapsed() < Duration::from_secs(20));
+    // A rig that leaves when told to: the broker goes once it has.
+    let mut b = Broker::start(&["--drain", "60s"]);
+    let (mut ws, _, _) = b.rig("rig-leaves");
+    let started = Instant::now();
+    b.sigterm();
+    assert_eq!(read_json(&mut ws)["type"], "goaway");
+    ws.close(None).unwrap();
+    while ws.read().is_ok() {}
+    let status = b
+        .wait_exit(Duration::from_secs(20))
+        .expect("the broker waited out its window after its last rig left");
+    assert!(status.success(), "{status:?}");
+    assert!(started.elapsed() < Duration::from_secs(20));
+}
+
 /// The usual stop after a drain through the API (`POST /v1/drain`, then `systemctl stop`'s
 /// SIGTERM) keeps the window: only a second signal means "now".
 #[test]

@@ -43,6 +43,8 @@ pub(crate) fn start(core: &Rc<Core>, window: Duration) {
             Phase::Closing | Phase::Done => {}
         }
     }
+    // A core with no rigs has nothing to wait for; one whose rigs all leave early ends then.
+    core.check_drained();
     let core = core.clone();
     monoio::spawn(async move {
         monoio::time::sleep(window).await;
