@@ -219,6 +219,7 @@ mod tests {
         let (core, conn, rx) = closed_with(vec![cmd(2, true)]);
         core.conns.borrow_mut().remove(&conn.id);
         core.draining.set(true);
+        core.drain_may_end.set(true);
         core.check_drained();
         assert!(!core.finished.get(), "its Closed is still owed");
         answer(&core, &conn, 2, true);

@@ -56,6 +56,9 @@ pub(crate) struct Core {
     pub(crate) bridge: Mailbox<ToBridge>,
     /// Set when a drain starts: the accept loop stops, no new hello is taken.
     pub(crate) draining: Cell<bool>,
+    /// The drain may end once no connection is left: set a moment into it
+    /// ([`crate::worker::drain`]), and at its end.
+    pub(crate) drain_may_end: Cell<bool>,
     /// Wakes the accept loop when a drain starts.
     pub(crate) accept_stop: LocalNotify,
     /// Wakes the inbox loop when the drain is over.
@@ -132,6 +135,7 @@ impl Core {
             scratch: RefCell::new(vec![0u8; 64 * 1024].into_boxed_slice()),
             bridge: links.bridge,
             draining: Cell::new(false),
+            drain_may_end: Cell::new(false),
             accept_stop: LocalNotify::default(),
             done: LocalNotify::default(),
             bridge_owed: LocalNotify::default(),
@@ -207,6 +211,7 @@ impl Core {
     pub(crate) fn check_drained(&self) {
         // A closed session waiting for Redis still has its Closed to send.
         if self.draining.get()
+            && self.drain_may_end.get()
             && self.conns.borrow().is_empty()
             && self.closing.borrow().is_empty()
             && !self.finished.get()

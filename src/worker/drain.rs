@@ -10,12 +10,16 @@ use crate::ws::OpCode;
 
 /// Extra time after the window for close handshakes before the core gives up on stragglers.
 const GRACE: Duration = Duration::from_secs(3);
+/// How long a drain lasts at least (or its whole window, if shorter), even with no rig left:
+/// the answer to `POST /v1/drain` and handshakes already under way get out before the exit.
+const FLOOR: Duration = Duration::from_secs(1);
 
 /// Starts the drain; once started, only a zero `window` (a second signal: "now") changes it,
 /// closing every connection at once.
 pub(crate) fn start(core: &Rc<Core>, window: Duration) {
     if core.draining.replace(true) {
         if window.is_zero() {
+            core.drain_may_end.set(true);
             close_all(core);
             monoio::spawn(give_up_after_grace(core.clone()));
         }
@@ -43,11 +47,19 @@ pub(crate) fn start(core: &Rc<Core>, window: Duration) {
             Phase::Closing | Phase::Done => {}
         }
     }
-    // A core with no rigs has nothing to wait for; one whose rigs all leave early ends then.
-    core.check_drained();
+    // A core with no rigs left has nothing to wait for: it ends after the floor, or when its
+    // last rig leaves after that.
+    let floor = window.min(FLOOR);
+    let early = core.clone();
+    monoio::spawn(async move {
+        monoio::time::sleep(floor).await;
+        early.drain_may_end.set(true);
+        early.check_drained();
+    });
     let core = core.clone();
     monoio::spawn(async move {
         monoio::time::sleep(window).await;
+        core.drain_may_end.set(true);
         close_all(&core);
         give_up_after_grace(core).await;
     });
