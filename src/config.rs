@@ -40,7 +40,8 @@ SIGTERM/SIGINT during a drain ends it at once. SIGHUP reloads the TLS files when
 Exit codes: 0 drained and stopped (or --help/--version); 1 invalid configuration or a
 failure at start (a file that does not load, a port that does not bind); 2 a flag or
 environment value that does not parse; 64 the --config file cannot be read or parsed, or
-holds an unknown key or a bad value. doctor: 0 the host can hold N connections, 1 it cannot.";
+holds an unknown key or a bad value. doctor: 0 the host can hold N connections, 1 it cannot
+(and 2 or 64 as above: doctor reads the broker's flags, environment and --config too).";
 
 /// Tools bundled into the broker binary.
 #[derive(Subcommand, Debug)]
@@ -85,11 +86,12 @@ pub struct BrokerArgs {
     /// Broker id for registry entries and channel names. Default: hostname-port.
     #[arg(long, env = "FLEETLINK_BROKER_ID")]
     pub broker_id: Option<String>,
-    /// Event-loop threads, one per core, each pinned. Default: all online cores. In fleet mode
+    /// Event-loop threads, one per core, each pinned. Default: every CPU this process may run
+    /// on (its affinity mask: all online CPUs unless taskset or CPUAffinity= narrows it), at least 1. In fleet mode
     /// (--redis) the bridge thread is busy too: leaving it a CPU (cores = CPUs - 1) cut a
     /// fan-out's context switches 11x (median; 4.8-12.7x by round) on a 2-CPU host (docs/tuning.md).
     /// At most 1024.
-    #[arg(long, env = "FLEETLINK_CORES")]
+    #[arg(long, env = "FLEETLINK_CORES", value_parser = parse_cores)]
     pub cores: Option<NonZeroUsize>,
     /// Redis URL (redis://host:port/db, or unix:///path). Without it the broker runs standalone.
     #[arg(long, env = "FLEETLINK_REDIS")]
@@ -104,7 +106,8 @@ pub struct BrokerArgs {
     #[arg(long, env = "FLEETLINK_CLIENT_CA")]
     pub client_ca: Option<PathBuf>,
     /// PEM CRL file(s) for --client-ca's certificates, reloaded when they change. Repeat the
-    /// flag for several.
+    /// flag for several, or separate them with commas (FLEETLINK_CRL=a.pem,b.pem; in TOML,
+    /// crl = ["a.pem", "b.pem"]).
     #[arg(long, env = "FLEETLINK_CRL", value_delimiter = ',')]
     pub crl: Vec<PathBuf>,
     /// Public key (PEM, Ed25519 or P-256) that signs rig bearer tokens, one per file; repeat
@@ -539,6 +542,14 @@ pub const MAX_DURATION: Duration = Duration::from_secs(365 * 24 * 3600);
 
 /// [`parse_duration`] for the broker's flags, whose values may also come from its `--config`
 /// file, where a duration is a string.
+fn parse_cores(s: &str) -> Result<NonZeroUsize, String> {
+    let n: usize = s
+        .trim()
+        .parse()
+        .map_err(|_| format!("{s:?} is not a number of cores"))?;
+    NonZeroUsize::new(n).ok_or_else(|| "at least 1 core (leave it out for every CPU)".to_string())
+}
+
 fn parse_broker_duration(s: &str) -> Result<Duration, String> {
     parse_duration(s).map_err(|e| format!("{e} (in a --config file, a string: \"20s\")"))
 }

@@ -30,9 +30,9 @@ const FD_SLACK: u64 = 1024;
 /// many, and the report says so.
 pub const MAX_CONNECTIONS: u64 = 100_000_000;
 
-/// Listen backlog each per-core `SO_REUSEPORT` listener asks for: the default of `--backlog`.
+/// Listen backlog each per-core `SO_REUSEPORT` listener asks for by default (`--backlog`).
 /// The kernel uses `min(backlog, net.core.somaxconn)`, silently.
-const LISTEN_BACKLOG: u64 = 4096;
+pub const LISTEN_BACKLOG: u64 = 4096;
 
 /// Kernel memory of one established idle socket, bytes (the shared platform measurements,
 /// FACTS.md, matching /proc/slabinfo on the dev machine): `TCP` 2,368 + `sock_inode_cache` 832 + `filp` 192 + `dentry` 192 + the
@@ -273,10 +273,22 @@ pub fn check(
     transport: Transport,
     port: u16,
 ) -> Vec<Finding> {
+    check_with_backlog(host, connections, cores, transport, port, LISTEN_BACKLOG)
+}
+
+/// As [`check`], for listeners that ask for `backlog` (the broker's `--backlog`).
+pub fn check_with_backlog(
+    host: &HostSettings,
+    connections: u64,
+    cores: usize,
+    transport: Transport,
+    port: u16,
+    backlog: u64,
+) -> Vec<Finding> {
     let n = connections.min(MAX_CONNECTIONS);
     let cores = cores.max(1) as u64;
     let mut out = check_fds(host, n, port);
-    out.extend(check_accept(host, cores));
+    out.extend(check_accept(host, cores, backlog.max(1)));
     out.push(check_memory(host, n, transport));
     out.push(check_tcp_mem(host, n));
     out.push(check_buffer_min(
@@ -316,6 +328,7 @@ pub fn main_with(
     cores: Option<std::num::NonZeroUsize>,
     transport: Transport,
     listen: Option<std::net::SocketAddr>,
+    backlog: u64,
 ) -> std::process::ExitCode {
     let cores = cores
         .or_else(|| std::thread::available_parallelism().ok())
@@ -325,7 +338,7 @@ pub fn main_with(
         connections,
         cores,
         transport,
-        port,
+        (port, backlog),
         &mut std::io::stdout().lock(),
     );
     std::process::ExitCode::from(u8::try_from(code).unwrap_or(1))
@@ -337,11 +350,11 @@ pub fn run(
     connections: u64,
     cores: usize,
     transport: Transport,
-    port: u16,
+    (port, backlog): (u16, u64),
     out: &mut dyn Write,
 ) -> i32 {
     let host = HostSettings::read();
-    let findings = check(&host, connections, cores, transport, port);
+    let findings = check_with_backlog(&host, connections, cores, transport, port, backlog);
     let blocking = findings.iter().filter(|f| f.blocking).count();
     if connections > MAX_CONNECTIONS
         && writeln!(out, "--connections {connections} is more than one host can hold; checking for {MAX_CONNECTIONS}").is_err()
@@ -443,7 +456,7 @@ fn check_fds(host: &HostSettings, n: u64, port: u16) -> Vec<Finding> {
     let nofile = recommended_nofile(n);
     let needed =
         format!("≥ {fds} (N + {FD_SLACK}: listeners, rings, eventfds, redis, admin, logs)");
-    let unit_fix = format!("LimitNOFILE={nofile} in the systemd unit (tuning/fleetlink-fe.service), or `ulimit -n {nofile}` in the starting shell (needs fs.nr_open ≥ {nofile}, and root or CAP_SYS_RESOURCE to raise the hard limit)");
+    let unit_fix = format!("LimitNOFILE={nofile} in the systemd unit (tuning/fleetlink-fe.service), or `ulimit -n {nofile}` in the starting shell (needs fs.nr_open ≥ {nofile}; raising the hard limit needs CAP_SYS_RESOURCE, which root in a container may lack)");
     let soft_holds = host.nofile_soft.is_none_or(|v| v >= fds);
     let hard_holds = host.nofile_hard.is_none_or(|v| v >= fds);
     let soft = match host.nofile_soft {
@@ -509,19 +522,19 @@ fn check_fds(host: &HostSettings, n: u64, port: u16) -> Vec<Finding> {
     ]
 }
 
-/// Each per-core listener asks LISTEN_BACKLOG; the kernel silently uses min(backlog,
-/// somaxconn). On overflow a client waits for its 1 s SYN retransmit (the shared FACTS.md:
-/// p99 handshake 1.23 s in a 10k storm), so a short queue slows storms; it does not block.
-fn check_accept(host: &HostSettings, cores: u64) -> Vec<Finding> {
+/// Each per-core listener asks `backlog`; the kernel silently uses min(backlog, somaxconn). On
+/// overflow a client waits for its 1 s SYN retransmit (p99 handshake 1.23 s measured in a 10k
+/// storm here), so a short queue slows storms; it does not block.
+fn check_accept(host: &HostSettings, cores: u64, backlog: u64) -> Vec<Finding> {
     let somaxconn = at_least(
         "net.core.somaxconn",
         host.somaxconn,
-        LISTEN_BACKLOG,
-        format!("≥ {LISTEN_BACKLOG}, the listen backlog per core ({} queued handshakes on {cores} cores); reconnect storms overflow a shorter queue and clients wait 1 s for SYN retransmit", LISTEN_BACKLOG.saturating_mul(cores)),
-        sysctl_fix("net.core.somaxconn", LISTEN_BACKLOG.max(16384)),
+        backlog,
+        format!("≥ {backlog}, the listen backlog per core (--backlog; {} queued handshakes on {cores} cores); the kernel silently cuts a longer backlog to it, and reconnect storms overflow a shorter queue, clients waiting 1 s for SYN retransmit", backlog.saturating_mul(cores)),
+        sysctl_fix("net.core.somaxconn", backlog.max(16384)),
         false,
     );
-    vec![somaxconn, check_syn_backlog(host)]
+    vec![somaxconn, check_syn_backlog(host, backlog)]
 }
 
 /// At the end of the drain window the broker closes every socket at once.
@@ -531,7 +544,11 @@ fn check_drain(host: &HostSettings, n: u64) -> Vec<Finding> {
         host.tcp_max_orphans,
         n,
         format!("≥ {n}: at the end of a drain all N sockets are closed at once and sit orphaned (FIN_WAIT1) until the rig ACKs; beyond the limit the kernel resets them and rigs see RST, not the 1001 close"),
-        sysctl_fix("net.ipv4.tcp_max_orphans", n.max(65536)),
+        // A power of two, as tuning/sysctl.d sizes it (1,048,576 for a million).
+        sysctl_fix(
+            "net.ipv4.tcp_max_orphans",
+            n.checked_next_power_of_two().unwrap_or(n).max(65536),
+        ),
         false,
     );
     let tw = Finding::ok(
@@ -577,7 +594,13 @@ fn check_conntrack(host: &HostSettings, fds: u64, port: u16) -> Finding {
     };
     let count = host.nf_conntrack_count.unwrap_or(0);
     let needed = format!("≥ {fds} if conntrack tracks rig connections (tracking {count} now)");
-    let max_fix = fds.checked_next_power_of_two().unwrap_or(fds);
+    // Twice the fds, to a power of two, as tuning/sysctl.d sizes it (2^21 for a million):
+    // conntrack also tracks Redis, admin and outbound connections, and entries of closed ones
+    // linger in TIME_WAIT.
+    let max_fix = fds
+        .saturating_mul(2)
+        .checked_next_power_of_two()
+        .unwrap_or(fds);
     let fix = format!("{}, or exempt the rig port (--listen, {port} here) from tracking: `iptables -t raw -A PREROUTING -p tcp --dport {port} -j NOTRACK` and `iptables -t raw -A OUTPUT -p tcp --sport {port} -j NOTRACK`", sysctl_fix(SETTING, max_fix));
     match (max >= fds, count > 0) {
         (true, _) => Finding::ok(SETTING, max.to_string(), needed),
@@ -594,17 +617,17 @@ fn check_conntrack(host: &HostSettings, fds: u64, port: u16) -> Finding {
 /// With syncookies on (the default), SYN queue overflow answers with cookies and
 /// `tcp_max_syn_backlog` is not consulted; with them off, the kernel drops SYNs once a listener's
 /// SYN queue passes 3/4 of `tcp_max_syn_backlog`.
-fn check_syn_backlog(host: &HostSettings) -> Finding {
+fn check_syn_backlog(host: &HostSettings, backlog: u64) -> Finding {
     const SETTING: &str = "net.ipv4.tcp_max_syn_backlog";
-    let need = LISTEN_BACKLOG * 4 / 3;
+    let need = backlog.saturating_mul(4) / 3;
     let cookies = host.tcp_syncookies;
     let needed = format!(
-        "≥ {need} (4/3 of the {LISTEN_BACKLOG} backlog) when tcp_syncookies=0; tcp_syncookies = {}",
+        "≥ {need} (4/3 of the {backlog} backlog) when tcp_syncookies=0; tcp_syncookies = {}",
         opt_text(cookies)
     );
     let fix = format!(
         "{} (or keep net.ipv4.tcp_syncookies=1)",
-        sysctl_fix(SETTING, 16384)
+        sysctl_fix(SETTING, need.max(16384))
     );
     match (host.tcp_max_syn_backlog, cookies) {
         (Some(v), Some(0)) if v < need => Finding::warn(SETTING, v.to_string(), needed, fix),
@@ -613,16 +636,16 @@ fn check_syn_backlog(host: &HostSettings) -> Finding {
 }
 
 /// Kernel slab (KERNEL_BYTES_PER_CONN) + broker heap (per [`Transport`]) per idle
-/// connection. More than MemTotal cannot work; more than half leaves too little for socket
-/// buffers under load (tcp_mem, up to a quarter of RAM by [`check_tcp_mem`]'s rule) and the
-/// page cache: warn.
+/// connection. Past three quarters of MemTotal the idle fleet and the quarter socket buffers
+/// may take under load (tcp_mem, by [`check_tcp_mem`]'s rule) no longer fit: block. Past half
+/// there is little left for the page cache, Redis or anything else: warn.
 fn check_memory(host: &HostSettings, n: u64, transport: Transport) -> Finding {
     const SETTING: &str = "MemTotal";
     let broker = transport.broker_bytes();
     let per_conn = KERNEL_BYTES_PER_CONN + broker;
     let need = n.saturating_mul(per_conn);
     let needed = format!(
-        "≥ {} = N × ({KERNEL_BYTES_PER_CONN} B kernel slab + {broker} B broker heap over {}) for idle rigs; warn above half of MemTotal",
+        "≥ {} = N × ({KERNEL_BYTES_PER_CONN} B kernel slab + {broker} B broker heap over {}) for idle rigs; warn above half of MemTotal, block above three quarters (the last quarter is for socket buffers under load)",
         bytes_text(need),
         transport.name()
     );
@@ -634,7 +657,7 @@ fn check_memory(host: &HostSettings, n: u64, transport: Transport) -> Finding {
     };
     match host.mem_total_bytes {
         None => Finding::unreadable(SETTING, needed),
-        Some(t) if need > t => Finding::block(SETTING, bytes_text(t), needed, fewer(t)),
+        Some(t) if need > t / 4 * 3 => Finding::block(SETTING, bytes_text(t), needed, fewer(t)),
         Some(t) if need > t / 2 => Finding::warn(SETTING, bytes_text(t), needed, fewer(t)),
         Some(t) => Finding::ok(SETTING, bytes_text(t), needed),
     }
@@ -995,6 +1018,22 @@ mod tests {
     }
 
     #[test]
+    fn somaxconn_is_checked_against_the_brokers_backlog() {
+        // tuned(): somaxconn 16384, enough for the default 4096 but not for --backlog 32768.
+        let fs = check_with_backlog(&tuned(), 1_000, 2, Transport::Plain, 8080, 32_768);
+        let f = finding(&fs, "net.core.somaxconn");
+        assert!(!f.ok && !f.blocking, "{f:?}");
+        assert!(f.fix.contains("somaxconn=32768"), "{}", f.fix);
+        assert!(
+            finding(
+                &check(&tuned(), 1_000, 2, Transport::Plain, 8080),
+                "net.core.somaxconn"
+            )
+            .ok
+        );
+    }
+
+    #[test]
     fn nofile_soft_blocks_and_fix_stays_within_hard() {
         let host = HostSettings {
             nofile_soft: Some(1024),
@@ -1159,7 +1198,7 @@ mod tests {
     }
 
     #[test]
-    fn memory_blocks_past_mem_total_and_warns_past_half() {
+    fn memory_blocks_past_three_quarters_of_mem_total_and_warns_past_half() {
         // tcp_mem at a quarter of this RAM: it still warns (a broadcast to 1M rigs needs more),
         // but never blocks.
         let small = HostSettings {
@@ -1179,6 +1218,12 @@ mod tests {
         let fs = check(&eight, MILLION, 16, Transport::Plain, 8080);
         assert!(blocking(&fs).is_empty());
         assert_eq!(warnings(&fs), ["MemTotal", "net.ipv4.tcp_mem"]);
+        // 1.4M plain rigs need 6.6 GiB: over three quarters of 8 GiB, which leaves no room for
+        // buffers under load.
+        let fs = check(&eight, 1_400_000, 16, Transport::Plain, 8080);
+        assert!(finding(&fs, "MemTotal").blocking, "{fs:#?}");
+        let fs = check(&eight, 1_200_000, 16, Transport::Plain, 8080);
+        assert!(!finding(&fs, "MemTotal").blocking, "5.6 GiB is under 6");
         assert!(finding(&fs, "MemTotal")
             .needed
             .contains("1130 B broker heap over plain ws"));
@@ -1501,13 +1546,19 @@ mod tests {
         assert_eq!(fs, capped, "u64::MAX is checked as MAX_CONNECTIONS");
         let conntrack = &finding(&fs, "net.netfilter.nf_conntrack_max").fix;
         assert!(
-            conntrack.contains("nf_conntrack_max=134217728"),
+            conntrack.contains("nf_conntrack_max=268435456"),
             "{conntrack}"
         );
         let nr_open = &finding(&fs, "fs.nr_open").fix;
         assert!(nr_open.contains("fs.nr_open=110000000"), "{nr_open}");
         let mut out = Vec::new();
-        run(u64::MAX, 2, Transport::Plain, 8080, &mut out);
+        run(
+            u64::MAX,
+            2,
+            Transport::Plain,
+            (8080, LISTEN_BACKLOG),
+            &mut out,
+        );
         let out = String::from_utf8_lossy(&out);
         assert!(
             out.starts_with(&format!(
@@ -1584,7 +1635,7 @@ mod tests {
     #[test]
     fn run_prints_every_setting() {
         let mut out = Vec::new();
-        let code = run(1_000, 2, Transport::Plain, 8080, &mut out);
+        let code = run(1_000, 2, Transport::Plain, (8080, LISTEN_BACKLOG), &mut out);
         let text = String::from_utf8(out).unwrap_or_default();
         assert_eq!(code, i32::from(text.contains("BLOCKS")), "{text}");
         for f in check(&HostSettings::read(), 1_000, 2, Transport::Plain, 8080) {

@@ -50,6 +50,7 @@ fn main() -> ExitCode {
                 cli.broker.cores,
                 transport,
                 cli.broker.listen,
+                u64::try_from(cli.broker.backlog).unwrap_or(fleetlink::doctor::LISTEN_BACKLOG),
             );
         }
         Some(Tool::DevCerts {
@@ -75,7 +76,9 @@ fn run(cfg: Config) -> anyhow::Result<()> {
         log::warn!("!!! plain ws on non-loopback {}: rig traffic and identities travel unencrypted; use --tls-cert/--tls-key", cfg.listen);
     }
     let driver = worker::driver_name(cfg);
-    if driver != "io_uring" {
+    if driver != "io_uring" && cfg.force_epoll {
+        log::info!("running on the epoll driver, as --force-epoll asks");
+    } else if driver != "io_uring" {
         log::warn!("!!! io_uring unavailable or disabled: running on the epoll driver (metric fleetlink_driver{{driver=\"epoll\"}})");
     }
     let listeners = worker::bind_listeners(cfg.listen, cfg.cores, cfg.backlog)

@@ -20,22 +20,24 @@ pub(crate) struct Common {
     /// Rounds; each round runs every broker once, in an order that rotates per round.
     #[arg(long, default_value_t = 3)]
     pub(crate) rounds: usize,
-    /// Results directory (`<scenario>.json`, `<scenario>.md`).
-    #[arg(long, default_value = concat!(env!("CARGO_MANIFEST_DIR"), "/../results"))]
+    /// Results directory (`<scenario>.json`, `<scenario>.md`). Default: bench/results of the
+    /// source tree this binary was built from.
+    #[arg(long, default_value = concat!(env!("CARGO_MANIFEST_DIR"), "/../results"), hide_default_value = true)]
     pub(crate) out: PathBuf,
     /// Directory holding fleetlink-fe, fleetlink-tokio-baseline and fleetlink-loadgen
     /// (default: this binary's own directory, i.e. the workspace's target/release).
     #[arg(long)]
     pub(crate) bin_dir: Option<PathBuf>,
-    /// Rig websocket port of the broker under test (127.0.0.1). Keep ports below the
-    /// ephemeral range (32768+), where the loadgen's client sockets may hold them.
+    /// Rig websocket port of the broker under test (127.0.0.1). Keep ports out of the
+    /// ephemeral range (net.ipv4.ip_local_port_range: 32768-60999 by default, 10000-65535 with
+    /// tuning/sysctl.d), where the loadgen's client sockets may hold them.
     #[arg(long, default_value_t = 25080)]
     pub(crate) listen_port: u16,
     /// Admin HTTP port of the broker under test (127.0.0.1).
     #[arg(long, default_value_t = 25090)]
     pub(crate) admin_port: u16,
     /// Only these broker configurations (comma-separated names; the first is the reference
-    /// for ratios). Default: all of the scenario's.
+    /// for ratios). Default: all of the scenario's; an unknown name is refused with the list.
     #[arg(long, value_delimiter = ',')]
     pub(crate) brokers: Option<Vec<String>>,
     /// Suffix for the result files: `<scenario>-<name>.json` / `.md`.

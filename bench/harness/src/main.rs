@@ -29,7 +29,10 @@ use anyhow::Result;
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
-#[command(about = "fleetlink end-to-end benchmarks against the tokio baseline")]
+#[command(
+    version,
+    about = "fleetlink end-to-end benchmarks against the tokio baseline"
+)]
 struct Cli {
     #[command(subcommand)]
     scenario: Scenario,

@@ -11,7 +11,8 @@ use clap::Parser;
 #[command(
     name = "fleetlink-tokio-baseline",
     version,
-    about = "tokio + tokio-tungstenite baseline broker"
+    about = "tokio + tokio-tungstenite baseline broker",
+    long_about = "tokio + tokio-tungstenite baseline broker, for benchmarks against fleetlink-fe.\n\nIt reads the same FLEETLINK_* environment variables as fleetlink-fe, with some defaults of its own (--session-ttl 0s): do not share an environment file between the two."
 )]
 pub struct Config {
     /// Rig endpoint.
@@ -38,10 +39,13 @@ pub struct Config {
     /// Per-rig bound of commands not yet written.
     #[arg(long, env = "FLEETLINK_OUTBOX", default_value_t = 128)]
     pub outbox: usize,
+    /// A PING to every rig this often (liveness, as the broker's).
     #[arg(long, env = "FLEETLINK_PING_INTERVAL", default_value = "20s", value_parser = parse_duration)]
     pub ping_interval: Duration,
+    /// A PONG must come within this after the PING, or it is a miss.
     #[arg(long, env = "FLEETLINK_PONG_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
     pub pong_timeout: Duration,
+    /// This many misses in a row close the rig with 4002.
     #[arg(long, env = "FLEETLINK_MAX_MISSED_PONGS", default_value_t = 3)]
     pub max_missed_pongs: u32,
     /// Upgrade to valid hello must finish within this.

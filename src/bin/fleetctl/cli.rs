@@ -64,7 +64,7 @@ pub(crate) enum Command {
     /// subscribes to its `fleetlink:broker:<id>` channel: a killed broker's key lingers for up
     /// to its TTL, but its subscription ends with it.
     ///
-    /// With --redis, gives up after 5s when Redis does not answer (exit 3).
+    /// Gives up when the plane does not answer (exit 3): after 5s with --redis, 10s with --admin.
     Status {
         /// The rig id.
         #[arg(value_parser = parse_rig)]
@@ -73,7 +73,7 @@ pub(crate) enum Command {
     /// List connected rigs, one page at a time. With --json: every rig from --cursor to the
     /// end, one rig object per line (pages are followed, and no cursor line is printed).
     ///
-    /// With --redis, gives up after 5s when Redis does not answer (exit 3).
+    /// Gives up when the plane does not answer (exit 3): after 5s with --redis, 10s with --admin.
     List {
         /// Rigs per page (Redis: SCAN COUNT; a page may hold a few more).
         #[arg(long, default_value_t = 500, value_parser = clap::value_parser!(u64).range(1..=100_000))]
@@ -88,7 +88,7 @@ pub(crate) enum Command {
     /// killed broker's key stays until its TTL ends, marked `no`. `list` marks rigs of such a
     /// broker `(dead)`.
     ///
-    /// With --redis, gives up after 5s when Redis does not answer (exit 3).
+    /// Gives up when the plane does not answer (exit 3): after 5s with --redis, 10s with --admin.
     Brokers,
     /// Tail `fleetlink:events` (Redis only) until Ctrl-C, --count or --for.
     ///
