@@ -36,7 +36,7 @@ ready_timeout="${DENSITY_READY_TIMEOUT:-20}"    # s, broker start to accepting
 stable_timeout="${DENSITY_STABLE_TIMEOUT:-60}"  # s, per step, for RSS to settle
 concurrency="${DENSITY_CONCURRENCY:-256}"
 
-usage() { sed -n '2,28p' "$0" | sed 's/^# \{0,1\}//'; exit 64; }
+usage() { sed -n '2,28p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-64}"; }
 die() { echo "density: $*" >&2; exit 1; }
 
 while [[ $# -gt 0 ]]; do
@@ -47,7 +47,7 @@ while [[ $# -gt 0 ]]; do
     --out) out="$2"; shift 2 ;;
     --loadgen) loadgen="$2"; shift 2 ;;
     --loadgen-arg) lg_extra+=("$2"); shift 2 ;;
-    -h|--help) usage ;;
+    -h|--help) usage 0 ;;
     --) shift; break ;;
     *) break ;;
   esac

@@ -33,7 +33,8 @@ while [[ $# -gt 0 ]]; do
     --rounds) rounds="$2"; shift 2 ;;
     --brokers) brokers="$2"; shift 2 ;;
     --name) suffix="$2"; shift 2 ;;
-    *) sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'; exit 64 ;;
+    -h|--help) sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "fanout-cpu: unknown argument $1" >&2; sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'; exit 64 ;;
   esac
 done
 (( rigs <= 19000 )) || { echo "fanout-cpu: --rigs at most 19000" >&2; exit 64; }

@@ -22,7 +22,8 @@ while [[ $# -gt 0 ]]; do
     --rigs) rigs="$2"; shift 2 ;;
     --unacked) unacked="$2"; shift 2 ;;
     --rounds) rounds="$2"; shift 2 ;;
-    *) sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; exit 64 ;;
+    -h|--help) sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "redis-restart: unknown argument $1" >&2; sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; exit 64 ;;
   esac
 done
 (( rigs <= 19000 )) || { echo "redis-restart: --rigs at most 19000" >&2; exit 64; }

@@ -45,7 +45,7 @@ port=18443
 admin=19443
 results="$here/results"
 
-usage() { sed -n '2,31p' "$0" | sed 's/^# \{0,1\}//'; exit 64; }
+usage() { sed -n '2,31p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-64}"; }
 die() { echo "tls: $*" >&2; exit 1; }
 
 while [[ $# -gt 0 ]]; do
@@ -59,8 +59,8 @@ while [[ $# -gt 0 ]]; do
     --max-time) max_time="$2"; shift 2 ;;
     --results) results="$2"; shift 2 ;;
     --summary-only) summary_only=1; shift ;;
-    -h|--help) usage ;;
-    *) usage ;;
+    -h|--help) usage 0 ;;
+    *) echo "tls: unknown argument $1" >&2; usage ;;
   esac
 done
 summary() {
