@@ -6,7 +6,8 @@
 #                            [--brokers "fleetlink-fe tokio-baseline-default tokio-baseline-rb4096"]
 #                            [--out DIR] [STEPS]
 #
-# Brokers: fleetlink-fe (standalone), tokio-baseline-default (tungstenite's default buffers) and
+# --brokers takes the names space-separated, in one argument. Brokers: fleetlink-fe
+# (standalone), tokio-baseline-default (tungstenite's default buffers) and
 # tokio-baseline-rb4096 (a 4 KiB read buffer, no write buffer). Each round measures every broker
 # once with bench/density.sh (incremental steps, least-squares slope); the order rotates by one
 # broker each round, so none always runs first on a fresh machine. A broker's figure is the
@@ -14,8 +15,15 @@
 # round closest to that median, and density-rounds.json keeps every round.
 #
 # Output: bench/results/density-summary.md (also on stdout), density-<broker>.json and
-# density-rounds.json under --out. BENCH_NO_BUILD=1 skips the cargo build. A round of the three
-# brokers at the default steps takes about half a minute.
+# density-rounds.json under --out. BENCH_NO_BUILD=1 skips the cargo build; the binaries are
+# then taken from ${CARGO_TARGET_DIR:-target}/release. A round of the three brokers at the
+# default steps takes about half a minute.
+#
+# Ports: DENSITY_LISTEN_PORT (default 18080) and DENSITY_ADMIN_PORT (19090), on 127.0.0.1. On a
+# host whose ip_local_port_range starts below them (docs/tuning.md recommends 10000-65535 for
+# load generators), the loadgen's own sockets may hold them: set both below the range.
+# fleetlink-fe runs with --drain 0s, so that density.sh's SIGTERM ends it at once rather than
+# SIGKILLing it five seconds into the default 10 s drain.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 root="$(cd "$here/.." && pwd)"
@@ -23,7 +31,7 @@ rounds=3
 steps="1000 5000 10000 19000"
 brokers="fleetlink-fe tokio-baseline-default tokio-baseline-rb4096"
 out="$here/results"
-usage() { sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-64}"; }
+usage() { awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0"; exit "${1:-64}"; }
 die() { echo "compare-density: $*" >&2; exit 1; }
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -44,12 +52,13 @@ if [[ -z "${BENCH_NO_BUILD:-}" ]]; then
   (cd "$root" && cargo build --release -q --bin fleetlink-fe -p fleetlink -p fleetlink-loadgen \
     -p fleetlink-tokio-baseline)
 fi
-port=18080
-admin=19090
+port="${DENSITY_LISTEN_PORT:-18080}"
+admin="${DENSITY_ADMIN_PORT:-19090}"
+[[ "$port" =~ ^[1-9][0-9]*$ && "$admin" =~ ^[1-9][0-9]*$ ]] || die "DENSITY_LISTEN_PORT and DENSITY_ADMIN_PORT must be port numbers"
 broker_cmd() {
   case "$1" in
     fleetlink-fe) echo "$target/fleetlink-fe" --listen "127.0.0.1:$port" --admin "127.0.0.1:$admin" \
-      --accept-rate 100000 --accept-burst 100000 ;;
+      --accept-rate 100000 --accept-burst 100000 --drain 0s ;;
     tokio-baseline-default) echo "$target/fleetlink-tokio-baseline" --listen "127.0.0.1:$port" \
       --admin "127.0.0.1:$admin" ;;
     tokio-baseline-rb4096) echo "$target/fleetlink-tokio-baseline" --listen "127.0.0.1:$port" \

@@ -8,7 +8,9 @@
 # --loadgen-arg (once per word), e.g. --loadgen-arg --ca --loadgen-arg ca.pem.
 #
 # Starts BROKER_CMD (it must listen on --url's port; pass the binary itself, not a wrapper such
-# as `cargo run`, since the RSS of that PID is what is measured), waits until it accepts TCP,
+# as `cargo run`, since the RSS of that PID is what is measured). Give fleetlink-fe `--drain 0s`:
+# on exit this script sends SIGTERM and SIGKILLs what still runs 5 s later, which would be
+# mid-way through the default 10 s drain. It waits until the broker accepts TCP,
 # records its idle RSS, then for each N in --steps adds rigs with `fleetlink-loadgen rigs` until
 # N are connected, waits for ALL_WELCOMED and for RSS to settle (two reads 1 s apart within 1 %),
 # and records VmRSS plus smaps_rollup Private_Dirty and Anonymous.
@@ -21,6 +23,11 @@
 # Limits: the broker holds one fd per rig and the platform caps a process at 20,000 fds, so the
 # largest step may be at most 19,000.
 #
+# Ports: --url's, by default DENSITY_URL, else ws://127.0.0.1:DENSITY_LISTEN_PORT/agent with
+# DENSITY_LISTEN_PORT 18080. On a host whose ip_local_port_range starts below it
+# (docs/tuning.md recommends 10000-65535 for load generators), the loadgen's own sockets may
+# hold that port: use one below the range, for the broker's --admin too.
+#
 # Output: a table on stdout and bench/results/density-<NAME>.json (or --out). Everything this
 # script starts is stopped on exit, failure or signal.
 set -euo pipefail
@@ -28,7 +35,7 @@ set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 name=""
 steps="${DENSITY_STEPS:-1000 5000 10000}"
-url="${DENSITY_URL:-ws://127.0.0.1:18080/agent}"
+url="${DENSITY_URL:-ws://127.0.0.1:${DENSITY_LISTEN_PORT:-18080}/agent}"
 out=""
 loadgen="${LOADGEN:-${CARGO_TARGET_DIR:-$here/../target}/release/fleetlink-loadgen}"
 lg_extra=()
@@ -36,7 +43,7 @@ ready_timeout="${DENSITY_READY_TIMEOUT:-20}"    # s, broker start to accepting
 stable_timeout="${DENSITY_STABLE_TIMEOUT:-60}"  # s, per step, for RSS to settle
 concurrency="${DENSITY_CONCURRENCY:-256}"
 
-usage() { sed -n '2,28p' "$0" | sed 's/^# \{0,1\}//'; exit 64; }
+usage() { awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0"; exit "${1:-64}"; }
 die() { echo "density: $*" >&2; exit 1; }
 
 while [[ $# -gt 0 ]]; do
@@ -47,7 +54,7 @@ while [[ $# -gt 0 ]]; do
     --out) out="$2"; shift 2 ;;
     --loadgen) loadgen="$2"; shift 2 ;;
     --loadgen-arg) lg_extra+=("$2"); shift 2 ;;
-    -h|--help) usage ;;
+    -h|--help) usage 0 ;;
     --) shift; break ;;
     *) break ;;
   esac

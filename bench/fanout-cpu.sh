@@ -17,7 +17,8 @@
 # the broker, Redis, the loadgen and all three, context switches per 1,000 commands, p99), and
 # writes bench/results/fanout-cpu.json, or fanout-cpu-SUFFIX.json with --name (without it, the
 # previous run's fanout-cpu.json is overwritten). Its own redis-server on
-# FANOUT_REDIS_PORT (default 26379), brokers on 26080/26090; everything it starts is stopped on
+# FANOUT_REDIS_PORT (default 26379), brokers on FANOUT_LISTEN_PORT/FANOUT_ADMIN_PORT (26080/26090;
+# keep all three below the host's ip_local_port_range); everything it starts is stopped on
 # exit. Needs release builds (`bench/run` builds them) and jq.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -25,7 +26,8 @@ target="${CARGO_TARGET_DIR:-$here/../target}/release"
 rigs=10000 fanouts=3 rounds=2
 brokers="fleetlink-fe-redis fleetlink-fe-redis-allcores fleetlink-fe-redis-nopersist tokio-baseline-redis-rb4096"
 suffix=""
-rport="${FANOUT_REDIS_PORT:-26379}" lport=26080 aport=26090
+rport="${FANOUT_REDIS_PORT:-26379}" lport="${FANOUT_LISTEN_PORT:-26080}" aport="${FANOUT_ADMIN_PORT:-26090}"
+usage() { awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0"; }
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --rigs) rigs="$2"; shift 2 ;;
@@ -33,7 +35,8 @@ while [[ $# -gt 0 ]]; do
     --rounds) rounds="$2"; shift 2 ;;
     --brokers) brokers="$2"; shift 2 ;;
     --name) suffix="$2"; shift 2 ;;
-    *) sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'; exit 64 ;;
+    -h|--help) usage; exit 0 ;;
+    *) echo "fanout-cpu: unknown argument $1" >&2; usage; exit 64 ;;
   esac
 done
 (( rigs <= 19000 )) || { echo "fanout-cpu: --rigs at most 19000" >&2; exit 64; }

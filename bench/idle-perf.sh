@@ -8,17 +8,20 @@
 #
 # Writes DIR/<broker>.stat and DIR/fleetlink-fe-profile-top.txt (default DIR:
 # bench/results/idle-perf). Needs perf with tracepoint access (root), release builds
-# (`bench/run` builds them), loopback ports 27080/27090. Everything it starts stops by itself
-# (the loadgen holds for 60 s, at most 90 s).
+# (`bench/run` builds them), loopback ports IDLE_PERF_LISTEN_PORT and IDLE_PERF_ADMIN_PORT
+# (27080/27090; keep them below the host's ip_local_port_range). Everything it starts stops by
+# itself (the loadgen holds for 60 s, at most 90 s).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 out="$root/bench/results/idle-perf"
 rigs=10000
+lport="${IDLE_PERF_LISTEN_PORT:-27080}"
+aport="${IDLE_PERF_ADMIN_PORT:-27090}"
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --out) out="$2"; shift 2 ;;
     --rigs) rigs="$2"; shift 2 ;;
-    -h|--help) sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "idle-perf.sh: unknown argument $1 (see --help)" >&2; exit 64 ;;
   esac
 done
@@ -38,17 +41,17 @@ events+=",syscalls:sys_enter_epoll_wait"
 
 for broker in fleetlink-fe tokio-baseline-rb4096; do
   case "$broker" in
-    fleetlink-fe) "$bin/fleetlink-fe" --listen 127.0.0.1:27080 --admin 127.0.0.1:27090 \
+    fleetlink-fe) "$bin/fleetlink-fe" --listen "127.0.0.1:$lport" --admin "127.0.0.1:$aport" \
         --accept-rate 100000 --accept-burst 100000 > "$work/broker.log" 2>&1 & ;;
-    *) "$bin/fleetlink-tokio-baseline" --listen 127.0.0.1:27080 --admin 127.0.0.1:27090 \
+    *) "$bin/fleetlink-tokio-baseline" --listen "127.0.0.1:$lport" --admin "127.0.0.1:$aport" \
         --read-buffer 4096 --write-buffer 0 > "$work/broker.log" 2>&1 & ;;
   esac
   broker_pid=$!
   for _ in $(seq 100); do
-    curl -fs -o /dev/null http://127.0.0.1:27090/healthz && break
+    curl -fs -o /dev/null "http://127.0.0.1:$aport/healthz" && break
     sleep 0.1
   done
-  "$bin/fleetlink-loadgen" rigs --url ws://127.0.0.1:27080/agent --rigs "$rigs" --hold 60s \
+  "$bin/fleetlink-loadgen" rigs --url "ws://127.0.0.1:$lport/agent" --rigs "$rigs" --hold 60s \
     --max-time 90s --report "$work/lg.json" > "$work/lg.out" 2>/dev/null &
   lg=$!
   for _ in $(seq 600); do

@@ -44,7 +44,9 @@ while [[ $# -gt 0 ]]; do
     --interval) interval="$2"; shift 2 ;;
     --brokers) brokers="$2"; shift 2 ;;
     --trace) trace=1; shift ;;
-    *) awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0"; exit 64 ;;
+    -h|--help) awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0"; exit 0 ;;
+    *) echo "idle-wakes: unknown argument $1" >&2
+       awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0"; exit 64 ;;
   esac
 done
 [[ "$count" =~ ^[1-9][0-9]*$ ]] || { echo "idle-wakes: --count must be a positive integer" >&2; exit 64; }

@@ -72,7 +72,7 @@ nice=-10
 build=1
 results="$here/results"
 
-usage() { awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0"; exit 64; }
+usage() { awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0"; exit "${1:-64}"; }
 die() { echo "latency: $*" >&2; exit 1; }
 
 while [[ $# -gt 0 ]]; do
@@ -89,8 +89,8 @@ while [[ $# -gt 0 ]]; do
     --results) results="$2"; shift 2 ;;
     --nice) nice="$2"; shift 2 ;;
     --no-build) build=0; shift ;;
-    -h|--help) usage ;;
-    *) usage ;;
+    -h|--help) usage 0 ;;
+    *) echo "latency: unknown argument $1" >&2; usage ;;
   esac
 done
 [[ "$nice" =~ ^-?[0-9]+$ ]] && (( nice >= -20 && nice <= 19 )) || die "--nice must be an integer (-20..19)"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # offline-hold.sh — how long a broker takes to hold a fan-out for rigs that are all away
-# (`queue_if_offline`, CONTRACT.md §4): N commands for N distinct offline rigs, written as one
+# (`queue_if_offline`, docs/protocol.md): N commands for N distinct offline rigs, written as one
 # pipeline of PUBLISHes on one socket, timed until `fleetlink_registry_ops_total{op="offline",
 # result="held"}` reads N (polled every 20 ms).
 #

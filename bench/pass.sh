@@ -11,6 +11,11 @@
 # pass-log.txt (commit, kernel, when each scenario started). About 30 minutes on the 2-CPU
 # machine of docs/benchmarks.md. Needs what the scenarios need: jq, redis-server, loopback
 # 127.0.0.1-16. Run it on a quiet machine; it does not check for other load.
+#
+# Ports: the shell scenarios read their own variables (LATENCY_*_PORT, DENSITY_*_PORT,
+# FANOUT_*_PORT, TLS_*_PORT; bench/README.md lists them), and the fleetlink-bench ones get
+# BENCH_LISTEN_PORT/BENCH_ADMIN_PORT (25080/25090) as --listen-port/--admin-port. On a host
+# whose ip_local_port_range starts below them, set them all below it.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 name="$(date -u +%m%d)"
@@ -21,7 +26,7 @@ while [[ $# -gt 0 ]]; do
     --name) name="$2"; shift 2 ;;
     --rounds) rounds="$2"; shift 2 ;;
     --no-build) build=0; shift ;;
-    -h|--help) sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0"; exit 0 ;;
     *) echo "pass.sh: unknown argument $1 (see --help)" >&2; exit 64 ;;
   esac
 done
@@ -31,6 +36,7 @@ if [[ $build == 1 ]]; then
     -p fleetlink-tokio-baseline
 fi
 export BENCH_NO_BUILD=1
+bench_ports=(--listen-port "${BENCH_LISTEN_PORT:-25080}" --admin-port "${BENCH_ADMIN_PORT:-25090}")
 out="bench/results/pass-$name"
 sfx="pass$name"
 mkdir -p "$out"
@@ -44,13 +50,13 @@ bench/latency.sh --no-build --rounds "$rounds" --name "$sfx" --results "$out"
 stamp "density start"
 bench/compare-density.sh --rounds "$rounds" --out "$out/density"
 stamp "accept-storm start"
-bench/run accept-storm --rounds "$rounds" --out "$out" --name "$sfx"
+bench/run accept-storm --rounds "$rounds" --out "$out" --name "$sfx" "${bench_ports[@]}"
 stamp "idle-cost start"
 # Spread timers: fleetlink-fe reads each PONG at its deadline, so with every rig's PING at the
 # same moment its last round of PONG reads would fall after the window (bench/SCENARIOS.md).
-bench/run idle-cost --rounds "$rounds" --waves 10 --out "$out" --name "$sfx"
+bench/run idle-cost --rounds "$rounds" --waves 10 --out "$out" --name "$sfx" "${bench_ports[@]}"
 stamp "throughput start"
-bench/run throughput --rounds "$rounds" --out "$out" --name "$sfx"
+bench/run throughput --rounds "$rounds" --out "$out" --name "$sfx" "${bench_ports[@]}"
 stamp "fanout-cpu start"
 bench/fanout-cpu.sh --rounds "$rounds" --name "$sfx" --brokers "$redis_brokers"
 mv "bench/results/fanout-cpu-$sfx.json" "$out/"

@@ -9,20 +9,23 @@
 #
 # The rigs' loadgen runs with --no-ack so their commands stay unacked. Prints one line per
 # round and the median. Its own redis-server on REDIS_RESTART_PORT (default 26479), the broker
-# on 26180/26190; everything it starts is stopped on exit. Needs release builds
+# on REDIS_RESTART_LISTEN_PORT/REDIS_RESTART_ADMIN_PORT (26180/26190; keep all three below the
+# host's ip_local_port_range); everything it starts is stopped on exit. Needs release builds
 # (`cargo build --release --workspace`). The fast version of this is tests/resume.rs
 # (a_session_redis_lost_is_kept_again_and_survives_its_broker).
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 target="${CARGO_TARGET_DIR:-$here/../target}/release"
 rigs=10000 unacked=1 rounds=3
-rport="${REDIS_RESTART_PORT:-26479}" lport=26180 aport=26190
+rport="${REDIS_RESTART_PORT:-26479}" lport="${REDIS_RESTART_LISTEN_PORT:-26180}" aport="${REDIS_RESTART_ADMIN_PORT:-26190}"
+usage() { awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0"; }
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --rigs) rigs="$2"; shift 2 ;;
     --unacked) unacked="$2"; shift 2 ;;
     --rounds) rounds="$2"; shift 2 ;;
-    *) sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; exit 64 ;;
+    -h|--help) usage; exit 0 ;;
+    *) echo "redis-restart: unknown argument $1" >&2; usage; exit 64 ;;
   esac
 done
 (( rigs <= 19000 )) || { echo "redis-restart: --rigs at most 19000" >&2; exit 64; }

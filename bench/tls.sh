@@ -24,7 +24,9 @@
 #
 # Output (--results, default bench/results): tls-<broker>.json (density, plain density, every handshake round, the
 # medians) and tls-summary.md. Everything started here is stopped on exit,
-# failure or signal; --max-time (seconds, default 1800) bounds the whole run.
+# failure or signal; --max-time (seconds, default 1800) bounds the whole run. Ports:
+# TLS_LISTEN_PORT (18443) and TLS_ADMIN_PORT (19443); keep them below the host's
+# ip_local_port_range, where the loadgen's own sockets may hold them.
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -41,11 +43,11 @@ do_density=1
 do_handshakes=1
 summary_only=0
 max_time=1800
-port=18443
-admin=19443
+port="${TLS_LISTEN_PORT:-18443}"
+admin="${TLS_ADMIN_PORT:-19443}"
 results="$here/results"
 
-usage() { sed -n '2,31p' "$0" | sed 's/^# \{0,1\}//'; exit 64; }
+usage() { awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0"; exit "${1:-64}"; }
 die() { echo "tls: $*" >&2; exit 1; }
 
 while [[ $# -gt 0 ]]; do
@@ -59,8 +61,8 @@ while [[ $# -gt 0 ]]; do
     --max-time) max_time="$2"; shift 2 ;;
     --results) results="$2"; shift 2 ;;
     --summary-only) summary_only=1; shift ;;
-    -h|--help) usage ;;
-    *) usage ;;
+    -h|--help) usage 0 ;;
+    *) echo "tls: unknown argument $1" >&2; usage ;;
   esac
 done
 summary() {
@@ -192,7 +194,8 @@ names=(fleetlink-fe tokio-baseline-default tokio-baseline-rb4096)
 # Broker command lines (without TLS flags; the listen/admin ports are added by the callers).
 broker_cmd() { # NAME MODE(density|handshake)
   case "$1:$2" in
-    fleetlink-fe:density) echo "$fe --accept-rate 100000 --accept-burst 100000" ;;
+    # --drain 0s: density.sh stops its broker with SIGTERM and SIGKILLs it 5 s later.
+    fleetlink-fe:density) echo "$fe --accept-rate 100000 --accept-burst 100000 --drain 0s" ;;
     fleetlink-fe:handshake) echo "$fe --accept-rate 100000 --accept-burst 100000 --cores 1" ;;
     tokio-baseline-default:density) echo "$tb" ;;
     tokio-baseline-default:handshake) echo "$tb --workers 1" ;;
