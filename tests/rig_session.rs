@@ -1118,27 +1118,32 @@ fn unfinished_admin_bodies_on_a_core_are_bounded_in_all() {
             s
         })
         .collect();
-    // Each holds a 1 MiB buffer, 960 KiB of it charged: 17 fit in 16 MiB.
+    // Each ends up holding a 1 MiB buffer, 960 KiB of it charged: at most 17 fit in 16 MiB.
+    // Fewer may: buffers grow by doubling, and which connection is refused depends on how the
+    // reads interleave, so a connection can be refused while others hold half-grown buffers.
     let series = "fleetlink_admin_refused_total{reason=\"request_memory\"}";
-    eventually(Duration::from_secs(3), "refusals", || {
-        b.metric(series) >= (CONNS - 18) as u64
-    });
-    let mut refused = 0;
-    for s in &mut conns {
-        s.set_read_timeout(Some(Duration::from_millis(50))).unwrap();
-        let mut answer = [0u8; 512];
-        if let Ok(n) = std::io::Read::read(s, &mut answer) {
-            let text = String::from_utf8_lossy(&answer[..n]);
-            assert!(text.starts_with("HTTP/1.1 503"), "{text}");
-            assert!(text.contains("overloaded"), "{text}");
-            refused += 1;
-        }
+    let mut answered = [false; CONNS];
+    for s in &conns {
+        s.set_nonblocking(true).unwrap();
     }
+    eventually(Duration::from_secs(10), "every refusal answered", || {
+        for (s, seen) in conns.iter_mut().zip(answered.iter_mut()) {
+            let mut answer = [0u8; 512];
+            if let (false, Ok(n)) = (*seen, std::io::Read::read(s, &mut answer)) {
+                let text = String::from_utf8_lossy(&answer[..n]);
+                assert!(text.starts_with("HTTP/1.1 503"), "{text}");
+                assert!(text.contains("overloaded"), "{text}");
+                *seen = true;
+            }
+        }
+        let refused = answered.iter().filter(|a| **a).count();
+        refused >= CONNS - 17 && b.metric(series) == refused as u64
+    });
+    let refused = answered.iter().filter(|a| **a).count();
     assert!(
-        (CONNS - 18..=CONNS - 16).contains(&refused),
-        "{refused} refused"
+        refused < CONNS,
+        "some connections must be held, not all refused"
     );
-    assert_eq!(b.metric(series), refused as u64);
     // Small requests take no part of the bound.
     assert_eq!(b.http("GET", "/healthz", "").0, 200);
     drop(conns);
