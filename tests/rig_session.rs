@@ -297,6 +297,23 @@ fn a_message_tail_as_short_as_a_pong_is_read_at_once() {
     );
 }
 
+/// `fleetlink_pongs_received_total` counts answers to PINGs only: a rig's unsolicited PONGs
+/// (allowed by RFC 6455) must not hide the gap between PINGs sent and answered.
+#[test]
+fn unsolicited_pongs_are_not_counted_as_answers() {
+    use fleetlink::ws::OpCode as Op;
+    let b = Broker::start(&[]);
+    let mut rig = RawRig::hello(&b, "rig-chatty");
+    for _ in 0..5 {
+        rig.send_frame(Op::Pong, b"beat");
+    }
+    // The broker answers a PING of ours after reading what came before it.
+    rig.send_frame(Op::Ping, b"sync");
+    let (op, payload) = rig.read_frame();
+    assert_eq!((op, payload.as_slice()), (0xA, &b"sync"[..]));
+    assert_eq!(b.metric("fleetlink_pongs_received_total "), 0);
+}
+
 /// A close frame without a code is as small as a PONG; once the PONG deadline has passed the
 /// broker must hear it at once, and while a PING is out, at that deadline at the latest.
 #[test]
@@ -666,6 +683,40 @@ fn an_ack_covers_its_own_seq_only() {
     let (_, r) = b.command("rig-selack", "n", json!({}));
     assert_eq!(r["seq"], 4);
     assert_eq!(read_json(&mut again)["seq"], 4);
+}
+
+/// An ack names a command the rig accepted (CONTRACT.md §2): one still queued behind the
+/// rig's window, never written, cannot be acked, and such an ack changes nothing.
+#[test]
+fn an_ack_of_a_command_not_yet_written_is_ignored() {
+    let b = Broker::start(&["--outbox", "1"]);
+    let (mut ws, _, _) = b.rig("rig-early-ack");
+    // --outbox 1: 8 commands written ahead of acks, the 9th queued.
+    for seq in 1..=9u64 {
+        let (status, r) = b.command("rig-early-ack", "n", json!({}));
+        assert_eq!((status, r["seq"].as_u64()), (200, Some(seq)), "{r}");
+    }
+    for seq in 1..=8u64 {
+        assert_eq!(read_json(&mut ws)["seq"], seq);
+    }
+    let ack = |ws: &mut Ws, seq: u64| {
+        ws.send(Message::Text(
+            json!({"type":"ack","seq":seq}).to_string().into(),
+        ))
+        .unwrap();
+    };
+    ack(&mut ws, 9);
+    ack(&mut ws, 1);
+    b.wait_metric("fleetlink_commands_total{result=\"acked\"} 1");
+    let rigs: Value = serde_json::from_str(&b.http("GET", "/v1/rigs", "").1).unwrap();
+    assert_eq!(rigs[0]["last_ack_seq"], 1, "{rigs}");
+    for seq in 2..=8 {
+        ack(&mut ws, seq);
+    }
+    // The window opened: seq 9 is written now, and its ack counts.
+    assert_eq!(read_json(&mut ws)["seq"], 9);
+    ack(&mut ws, 9);
+    b.wait_metric("fleetlink_commands_total{result=\"acked\"} 9");
 }
 
 /// Standalone, a new boot's hello drops its old session's unacked commands (CONTRACT.md §5:

@@ -177,7 +177,11 @@ fn on_message(core: &Core, conn: &Conn, st: &mut ConnState, msg: Message) {
             }
         }
         Message::Pong(_) => {
-            core.metrics.inc(C::PongsReceived);
+            // Only answers count: unsolicited PONGs (RFC 6455 allows them) would hide a gap
+            // between PINGs sent and answered, which is what the series is watched for.
+            if st.live.awaiting_pong {
+                core.metrics.inc(C::PongsReceived);
+            }
             // Only the answer to our PING, in time, counts (CONTRACT.md §2): a late one is a
             // miss, which the sweep counts and which must not wipe out the misses before it.
             // A rig that started a fragmented message and never ends it would hold its buffer
@@ -382,6 +386,17 @@ fn on_rig_message(core: &Core, conn: &Conn, st: &mut ConnState, text: &[u8]) {
 /// reported `rig_rebooted` by a new boot. Returns the command id for the ack event (fleet mode)
 /// when the broker still held the command.
 fn on_ack(core: &Core, s: &mut Session, seq: Seq) -> Option<Box<str>> {
+    // The outbox holds the unwritten commands, lowest seq first: an ack of one of them cannot
+    // be the rig's (CONTRACT.md §2: it accepted the command), and is ignored like an ack of a
+    // seq never assigned.
+    let unwritten = s
+        .queues
+        .as_ref()
+        .and_then(|q| q.outbox().front())
+        .is_some_and(|first| seq >= first.seq);
+    if unwritten {
+        return None;
+    }
     if seq > s.resume_from {
         forget_had_before(core, s);
     }
