@@ -231,7 +231,16 @@ impl Bridge {
         self.shared.count_n("resume", "rebooted", lost.len() as u64);
         if self.fleet.is_none() && !lost.is_empty() {
             // Standalone has no events channel: the log is where control can find them.
-            let ids: Vec<&str> = lost.iter().take(20).map(|(_, id)| &**id).collect();
+            // At most 20 ids of at most 64 characters each: control's ids are whatever it
+            // sent, and one log line must stay a line.
+            let ids: Vec<String> = lost
+                .iter()
+                .take(20)
+                .map(|(_, id)| match id.char_indices().nth(64) {
+                    Some((cut, _)) => format!("{}…", id.get(..cut).unwrap_or_default()),
+                    None => id.to_string(),
+                })
+                .collect();
             log::warn!(
                 "rig {rig} rebooted (boot {boot}, was {old}): {} unacked commands of its old session are dropped, never run here (rig_rebooted); ids: {}{}",
                 lost.len(),
