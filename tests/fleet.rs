@@ -800,3 +800,100 @@ fn a_write_paused_redis_stalls_admin_commands_once() {
     );
     assert!(took.len() >= 5, "{took:?}");
 }
+
+fn numsub(redis: &RedisServer, channel: &str) -> i64 {
+    let (_, n): (String, i64) = redis::cmd("PUBSUB")
+        .arg("NUMSUB")
+        .arg(channel)
+        .query(&mut redis.connection())
+        .unwrap();
+    n
+}
+
+/// A Redis at `maxmemory` with `noeviction` refuses every write but still carries pub/sub.
+/// The broker keeps both connections: commands arrive, are delivered unkept and answered at
+/// once (before, each refused write dropped the subscription, control's PUBLISHes reached no
+/// one, and a delivered command's reply waited for the memory to be freed). Once writes go
+/// through again, what was delivered unkept is kept.
+#[test]
+fn a_redis_out_of_memory_keeps_the_subscription_and_commands_flow() {
+    let redis = RedisServer::start();
+    let b = fleet_broker(&redis, "fe-oom", &[]);
+    let (mut ws, boot, _) = b.rig("rig-oom");
+    let mut ctl = Control::new(&redis, &[]);
+    let mut con = redis.connection();
+    let config = |con: &mut redis::Connection, k: &str, v: &str| {
+        let _: () = redis::cmd("CONFIG")
+            .arg("SET")
+            .arg(k)
+            .arg(v)
+            .query(con)
+            .unwrap();
+    };
+    config(&mut con, "maxmemory-policy", "noeviction");
+    config(&mut con, "maxmemory", "1");
+    for seq in 1..=3u64 {
+        let started = Instant::now();
+        let r = ctl.command("fe-oom", "rig-oom", "n", json!({}));
+        assert_eq!(
+            (r["ok"].as_bool(), r["seq"].as_u64()),
+            (Some(true), Some(seq)),
+            "{r}"
+        );
+        assert!(
+            started.elapsed() < Duration::from_secs(2),
+            "{:?}",
+            started.elapsed()
+        );
+        assert_eq!(read_json(&mut ws)["seq"], seq);
+    }
+    assert_eq!(numsub(&redis, "fleetlink:broker:fe-oom"), 1);
+    assert!(b.metric("fleetlink_registry_ops_total{op=\"redis\",result=\"refused\"} ") > 0);
+    assert_eq!(b.metric("fleetlink_redis_up "), 1);
+    config(&mut con, "maxmemory", "0");
+    // The next heartbeat goes through, and the session is put back with the three commands
+    // the rig has not acked.
+    let key = format!("sess:rig-oom:{boot}");
+    eventually(Duration::from_secs(20), "the unkept commands kept", || {
+        let fields: Vec<String> = con.hkeys(&key).unwrap();
+        ["c:1", "c:2", "c:3"]
+            .iter()
+            .all(|f| fields.iter().any(|x| x == f))
+    });
+}
+
+/// Killing the broker's command connection leaves its subscription alone: a command Redis
+/// pushed meanwhile is delivered and answered, not dropped with a subscription torn down for
+/// a failure that was not its own.
+#[test]
+fn a_killed_command_connection_leaves_the_subscription_and_loses_no_command() {
+    let redis = RedisServer::start();
+    let b = fleet_broker(&redis, "fe-kill", &[]);
+    let (mut ws, _, _) = b.rig("rig-kill");
+    let mut ctl = Control::new(&redis, &[]);
+    let mut con = redis.connection();
+    for seq in 1..=5u64 {
+        let _: i64 = redis::cmd("CLIENT")
+            .arg("KILL")
+            .arg("TYPE")
+            .arg("normal")
+            .arg("SKIPME")
+            .arg("yes")
+            .query(&mut con)
+            .unwrap();
+        // Control's own connections were killed too; a fresh one publishes.
+        let mut ctl_pub = redis.connection();
+        let id = format!("k{seq}");
+        let msg = json!({"type":"command","id":id,"rig_id":"rig-kill","name":"n","args":{},
+                         "reply_to":ctl.reply_to});
+        let receivers: i64 = ctl_pub
+            .publish("fleetlink:broker:fe-kill", msg.to_string())
+            .unwrap();
+        assert_eq!(receivers, 1, "the subscription outlived the kill");
+        let reply_to = ctl.reply_to.clone();
+        let r = ctl.next(|ch, v| ch == reply_to && v["id"] == id.as_str());
+        assert_eq!(r["ok"], true, "{r}");
+        assert_eq!(read_json(&mut ws)["id"], id);
+    }
+    assert_eq!(numsub(&redis, "fleetlink:broker:fe-kill"), 1);
+}

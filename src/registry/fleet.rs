@@ -58,6 +58,36 @@ fn refused(e: &redis::RedisError) -> bool {
         )
     })
 }
+/// Whether a failed call leaves its connection sound: Redis refused it (OOM under `maxmemory`
+/// with `noeviction`, an ACL's NOPERM, a script's own error) and redis-rs read every reply of
+/// the call, so the connection is still in step. Dropping it would take the subscription,
+/// which works through all of these, down with it, and reconnecting would change nothing.
+/// NOSCRIPT is the exception: a reconnect loads the scripts again.
+fn leaves_connection_sound(e: &redis::RedisError) -> bool {
+    refused(e) && e.code() != Some("NOSCRIPT")
+}
+
+/// An error of a call on the command connection, and the Redis error inside it, if any.
+trait CallError: std::fmt::Display {
+    fn redis(&self) -> Option<&redis::RedisError>;
+}
+
+impl CallError for redis::RedisError {
+    fn redis(&self) -> Option<&redis::RedisError> {
+        Some(self)
+    }
+}
+
+impl CallError for crate::registry::scripts::RegistryError {
+    fn redis(&self) -> Option<&redis::RedisError> {
+        match self {
+            Self::Redis(e) => Some(e),
+            // The scripts on the server and this binary disagree: reconnecting loads ours.
+            Self::UnexpectedReply(_) => None,
+        }
+    }
+}
+
 /// Backoff cap between reconnect attempts.
 const MAX_BACKOFF: Duration = Duration::from_secs(5);
 /// Removals of acked commands that find no publish to ride with (see [`Fleet::flush`]) wait up
@@ -109,6 +139,13 @@ pub(crate) struct Fleet {
     pub(crate) published: u64,
     /// Set after every successful (re)connect; the bridge re-asserts its rigs then.
     pub(crate) just_connected: bool,
+    /// Calls Redis refused on a sound connection (see [`leaves_connection_sound`]).
+    pub(crate) refusals: u64,
+    /// Those refusals, logged at most once a second.
+    refusal_log: Throttle,
+    /// A write was refused since the last heartbeat that went through: when one does, the
+    /// bridge re-asserts its rigs as after a reconnect, since what was refused was not kept.
+    refusing: bool,
 }
 
 impl Fleet {
@@ -134,6 +171,9 @@ impl Fleet {
             drop_log: Throttle::default(),
             published: 0,
             just_connected: false,
+            refusals: 0,
+            refusal_log: Throttle::default(),
+            refusing: false,
         })
     }
 
@@ -147,7 +187,8 @@ impl Fleet {
         self.sub.as_ref().is_some_and(|s| s.confirmed >= 2)
     }
 
-    /// Connects if down and the backoff allows. Returns true when up.
+    /// Connects what is down (the command connection, the subscription, or both) if the
+    /// backoff allows. Returns true when both are up.
     pub(crate) fn ensure(&mut self, now: Instant) -> bool {
         if self.is_up() {
             return true;
@@ -155,21 +196,36 @@ impl Fleet {
         if now < self.next_attempt {
             return false;
         }
-        match self.open() {
+        match self.open_missing() {
             Ok(()) => {
                 log::info!("redis: connected, scripts loaded, subscribed");
                 self.failures = 0;
-                self.just_connected = true;
                 true
             }
             Err(e) => {
-                self.fail(now, &e);
+                self.back_off(now, &e);
                 false
             }
         }
     }
 
-    fn open(&mut self) -> anyhow::Result<()> {
+    /// Opens whichever connection is down. The other is left as it is: a subscription that
+    /// outlived its command connection (a `CLIENT KILL`, a refused write) has kept every
+    /// message Redis pushed meanwhile, and each of those is a command control was told
+    /// someone received.
+    fn open_missing(&mut self) -> anyhow::Result<()> {
+        if self.con.is_none() {
+            self.con = Some(self.open_con()?);
+            self.just_connected = true;
+        }
+        if self.sub.is_none() {
+            let channels = [broker_channel(&self.broker_id), BROADCAST.to_string()];
+            self.sub = Some(Subscriber::connect(&self.info, &channels, IO_TIMEOUT)?);
+        }
+        Ok(())
+    }
+
+    fn open_con(&mut self) -> anyhow::Result<redis::Connection> {
         let client = redis::Client::open(self.info.clone())?;
         // A hung Redis (frozen, or a black-holed path) still accepts TCP connections; a short
         // probe keeps each reconnect attempt from stalling the bridge, and with it hellos and
@@ -197,20 +253,36 @@ impl Fleet {
             .arg("LOAD")
             .arg(include_str!("../../lua/resume.lua"))
             .query::<String>(&mut con)?;
-        let channels = [broker_channel(&self.broker_id), BROADCAST.to_string()];
-        let sub = Subscriber::connect(&self.info, &channels, IO_TIMEOUT)?;
-        self.con = Some(con);
-        self.sub = Some(sub);
-        Ok(())
+        Ok(con)
     }
 
-    /// Drops both connections and schedules the next attempt.
-    pub(crate) fn fail(&mut self, now: Instant, why: &dyn std::fmt::Display) {
-        if self.is_up() || self.failures == 0 {
-            log::warn!("redis: {why}; serving from the local registry until it returns");
+    /// A call on the command connection failed. A refusal on a sound connection is counted
+    /// and logged (at most once a second), and both connections stay; anything else drops
+    /// the command connection alone, and the subscription goes on delivering commands (kept
+    /// or not as Redis allows, their replies queued until it is back).
+    fn call_failed(&mut self, e: &dyn CallError) {
+        let now = Instant::now();
+        if e.redis().is_some_and(leaves_connection_sound) {
+            self.refusals += 1;
+            self.refusing = true;
+            if let Some(n) = self.refusal_log.note(now) {
+                log::warn!(
+                    "redis: {n} calls refused since the last such line (the last: {e}); the \
+                     connections stay, and what was refused goes on without Redis: commands \
+                     are delivered unkept, hellos decided here"
+                );
+            }
+            return;
         }
         self.con = None;
-        self.sub = None;
+        self.back_off(now, e);
+    }
+
+    /// Schedules the next reconnect attempt after a failure.
+    fn back_off(&mut self, now: Instant, why: &dyn std::fmt::Display) {
+        if self.failures == 0 {
+            log::warn!("redis: {why}; serving from the local registry until it returns");
+        }
         self.failures = self.failures.saturating_add(1);
         let base = Duration::from_millis(100)
             .saturating_mul(1 << self.failures.min(10))
@@ -233,7 +305,7 @@ impl Fleet {
                     .collect(),
             ),
             Err(e) => {
-                self.fail(Instant::now(), &e);
+                self.call_failed(&e);
                 None
             }
         }
@@ -261,7 +333,7 @@ impl Fleet {
         match outcome {
             Ok(found) => Some(found),
             Err(e) => {
-                self.fail(Instant::now(), &e);
+                self.call_failed(&e);
                 None
             }
         }
@@ -277,7 +349,7 @@ impl Fleet {
         match self.scripts.refresh(con, entries, &self.broker_id, ttl) {
             Ok(statuses) => Some(statuses),
             Err(e) => {
-                self.fail(Instant::now(), &e);
+                self.call_failed(&e);
                 None
             }
         }
@@ -302,7 +374,7 @@ impl Fleet {
                     .collect(),
             ),
             Err(e) => {
-                self.fail(Instant::now(), &e);
+                self.call_failed(&e);
                 None
             }
         }
@@ -315,7 +387,7 @@ impl Fleet {
         }
         let Some(con) = self.con.as_mut() else { return };
         if let Err(e) = sessions::touch(con, sessions, self.session_ttl) {
-            self.fail(Instant::now(), &e);
+            self.call_failed(&e);
         }
     }
 
@@ -325,7 +397,7 @@ impl Fleet {
         match self.sessions.rekeep(con, sessions, &self.broker_id, ttl) {
             Ok(kept) => Some(kept),
             Err(e) => {
-                self.fail(Instant::now(), &e);
+                self.call_failed(&e);
                 None
             }
         }
@@ -337,7 +409,7 @@ impl Fleet {
         match self.sessions.persist(con, cmds, &self.broker_id, ttl) {
             Ok(kept) => Some(kept),
             Err(e) => {
-                self.fail(Instant::now(), &e);
+                self.call_failed(&e);
                 None
             }
         }
@@ -353,7 +425,7 @@ impl Fleet {
         match self.offline.push_many(con, entries, &self.broker_id) {
             Ok(stored) => Some(stored.into_iter().map(Result::ok).collect()),
             Err(e) => {
-                self.fail(Instant::now(), &e);
+                self.call_failed(&e);
                 None
             }
         }
@@ -366,7 +438,7 @@ impl Fleet {
         match self.offline.remove_many(con, entries) {
             Ok(removed) => Some(removed),
             Err(e) => {
-                self.fail(Instant::now(), &e);
+                self.call_failed(&e);
                 None
             }
         }
@@ -398,7 +470,7 @@ impl Fleet {
                 .ignore();
         }
         if let Err(e) = pipe.query::<()>(con) {
-            self.fail(Instant::now(), &e);
+            self.call_failed(&e);
             return false;
         }
         self.forgets.clear();
@@ -447,11 +519,16 @@ impl Fleet {
     /// Writes the `broker:<id>` liveness key.
     pub(crate) fn heartbeat(&mut self, json: &str, ttl: Duration) {
         let Some(con) = self.con.as_mut() else { return };
-        if let Err(e) = self
+        match self
             .scripts
             .broker_heartbeat(con, &self.broker_id, json, ttl)
         {
-            self.fail(Instant::now(), &e);
+            Ok(_) if std::mem::take(&mut self.refusing) => {
+                log::info!("redis: writes go through again; leases and sessions are put back");
+                self.just_connected = true;
+            }
+            Ok(_) => {}
+            Err(e) => self.call_failed(&e),
         }
     }
 
@@ -565,7 +642,7 @@ impl Fleet {
         if !self.releases.is_empty() {
             let releases = std::mem::take(&mut self.releases);
             if let Err(e) = self.scripts.release(con, &releases, &self.broker_id) {
-                self.fail(Instant::now(), &e);
+                self.call_failed(&e);
                 return;
             }
             // A released session's TTL counts from its disconnect, not from its last touch.
@@ -606,12 +683,16 @@ impl Fleet {
                 // broker's ACL may not publish to): the rest went out, and sending it all
                 // again would refuse it again, forever.
                 Err(e) if refused(&e) => {
-                    log::warn!("redis: a publish was refused ({e}); dropped");
+                    log::warn!(
+                        "redis: part of a pipeline of {n} publishes (and the removals of acked \
+                         commands riding with them) was refused ({e}); the refused ones are \
+                         dropped, counted as one"
+                    );
                     self.dropped += 1;
                 }
                 // Kept for the next connection: publishes are events and replies control
                 // waits for.
-                Err(e) => return self.fail(Instant::now(), &e),
+                Err(e) => return self.call_failed(&e),
             }
             self.outgoing_bytes -= bytes;
             self.outgoing.drain(..n);
@@ -630,7 +711,10 @@ impl Fleet {
         match sub.read() {
             Ok(pushes) => pushes,
             Err(e) => {
-                self.fail(Instant::now(), &e);
+                // The subscription alone: the command connection is sound, and what it holds
+                // (queued publishes, the scripts) stays.
+                self.sub = None;
+                self.back_off(Instant::now(), &e);
                 Vec::new()
             }
         }

@@ -104,6 +104,9 @@ struct Bridge {
     rekeeps: rekeeps::Rekeeps,
     /// Redis just came back: the next refresh asks for every session, not only restored ones.
     rekeep_all: bool,
+    /// `Fleet::refusals` and `Fleet::dropped` already counted in the shared figures.
+    refusals_counted: u64,
+    drops_counted: u64,
     /// Connected rigs asked for their sessions since Redis came back, until their cores answer.
     /// One that disconnects first has its session parked only after the reconnect queued the
     /// parked ones; it is queued when its close arrives (see `ToBridge::Closed`).
@@ -148,6 +151,8 @@ impl Bridge {
             persists: Vec::new(),
             rekeeps: rekeeps::Rekeeps::default(),
             rekeep_all: false,
+            refusals_counted: 0,
+            drops_counted: 0,
             rekeep_asked: HashSet::new(),
             pace: WritePace::new(now),
             unanswered: redis_io::UnansweredLog::default(),
@@ -508,11 +513,17 @@ impl Bridge {
 
     fn publish_bytes(&mut self, channel: String, payload: Vec<u8>) {
         let Some(f) = self.fleet.as_mut() else { return };
-        let before = f.dropped;
         f.publish(channel, payload);
-        if f.dropped > before {
-            self.shared.count("publish", "dropped");
-        }
+        self.count_publish_drops();
+    }
+
+    /// Counts the publishes dropped since the last count: refused by a full queue, or by
+    /// Redis when the queue was sent (see [`Fleet::flush`]).
+    fn count_publish_drops(&mut self) {
+        let Some(f) = self.fleet.as_ref() else { return };
+        let dropped = f.dropped - self.drops_counted;
+        self.drops_counted = f.dropped;
+        self.shared.count_n("publish", "dropped", dropped);
     }
 
     /// Answers the commands still waiting to be kept, releases every lease this broker holds,

@@ -21,23 +21,38 @@ impl Bridge {
     /// Reads the subscription, then sends queued persists, publishes and releases unless
     /// [`Self::write_due`] says to wait; reconnects when down.
     pub(super) fn redis_io(&mut self, now: Instant) {
+        self.redis_pass(now);
+        // What the pass ended with, not what it began with: a call that failed in it dropped
+        // its connection, and `/metrics` and `/readyz` must say so until the reconnect.
+        let Some(f) = self.fleet.as_mut() else { return };
+        let refused = f.refusals - self.refusals_counted;
+        self.refusals_counted = f.refusals;
+        let (up, subscribed) = (f.is_up(), f.is_subscribed());
+        self.shared.count_n("redis", "refused", refused);
+        self.shared.redis_up.store(u64::from(up), Ordering::Relaxed);
+        self.shared.subscribed.store(subscribed, Ordering::Relaxed);
+        self.count_publish_drops();
+    }
+
+    fn redis_pass(&mut self, now: Instant) {
         let Some(f) = self.fleet.as_mut() else { return };
         f.log_pending_drops(now);
-        let was_up = f.is_up();
-        if !f.ensure(now) {
+        let up = f.ensure(now);
+        // The subscription is read even when the command connection is down: what Redis
+        // pushed on it is control's, and it was told someone received it.
+        let pushes = f.read();
+        let reconnected = up && std::mem::take(&mut f.just_connected);
+        if !up {
+            self.batched(|b| {
+                for push in pushes {
+                    b.shared.pubsub_in.fetch_add(1, Ordering::Relaxed);
+                    b.control(&push.channel, &push.payload, now);
+                }
+                b.flush_holds();
+            });
             self.persist_held();
-            if was_up || self.shared.redis_up.load(Ordering::Relaxed) == 1 {
-                self.shared.redis_up.store(0, Ordering::Relaxed);
-                self.shared.subscribed.store(false, Ordering::Relaxed);
-            }
             return;
         }
-        self.shared.redis_up.store(1, Ordering::Relaxed);
-        let pushes = f.read();
-        self.shared
-            .subscribed
-            .store(f.is_subscribed(), Ordering::Relaxed);
-        let reconnected = std::mem::take(&mut f.just_connected);
         if reconnected {
             // Re-assert every lease we hold: Redis may have restarted empty. And put every
             // session back: commands delivered while Redis was away were not kept.

@@ -10,7 +10,7 @@ use crate::metrics::BridgeStats;
 const CANARY_STALE: Duration = Duration::from_secs(5);
 
 /// Registry operations counted by (op, result), in this order.
-pub const REGISTRY_OPS: [(&str, &str); 43] = [
+pub const REGISTRY_OPS: [(&str, &str); 44] = [
     ("offline", "held"),
     ("offline", "full"),
     ("offline", "connected_elsewhere"),
@@ -48,6 +48,7 @@ pub const REGISTRY_OPS: [(&str, &str); 43] = [
     ("control", "bad_request"),
     ("reply", "orphaned"),
     ("publish", "dropped"),
+    ("redis", "refused"),
     ("broadcast", "overloaded"),
     ("parked", "dropped"),
     ("refused", "rig_not_connected"),
@@ -127,7 +128,13 @@ impl BridgeShared {
         if !self.subscribed.load(Ordering::Relaxed) {
             return Some("subscription not live".into());
         }
-        let age = unix_ms().saturating_sub(self.canary_at_ms.load(Ordering::Relaxed));
+        let last = self.canary_at_ms.load(Ordering::Relaxed);
+        if last == 0 {
+            // Subscribed, yet none of our own publishes came back: Redis refuses them (an ACL
+            // without PUBLISH on our channel), or the first is still on its way.
+            return Some("no canary back yet (can this broker PUBLISH on its own channel?)".into());
+        }
+        let age = unix_ms().saturating_sub(last);
         if age > CANARY_STALE.as_millis() as u64 {
             return Some(format!("no canary for {age} ms"));
         }

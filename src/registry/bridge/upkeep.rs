@@ -97,6 +97,15 @@ impl Bridge {
         let Some(statuses) = self.fleet.as_mut().and_then(|f| f.refresh(&entries, ttl)) else {
             return;
         };
+        // A restored lease without a reconnect: Redis lost keys while it stayed up (FLUSHALL,
+        // eviction). The parked sessions and the liveness key went with them, as after an
+        // empty restart: put them back now, as a reconnect would.
+        if !everyone && statuses.contains(&RefreshStatus::Restored) {
+            if !self.cfg.session_ttl.is_zero() {
+                self.queue_parked_rekeeps();
+            }
+            self.next_heartbeat = Instant::now();
+        }
         for ((rig, boot), status) in entries.iter().zip(statuses) {
             // A restored lease means Redis may have lost the session too (it restarted empty);
             // after any reconnect, commands delivered while Redis was away were never kept.
