@@ -96,16 +96,73 @@ struct Raw {
 /// Largest control message taken, as for an admin request.
 pub const MAX_CONTROL: usize = crate::admin::MAX_REQUEST;
 
-/// Where to answer a message that cannot be taken (too large, or a field of the wrong type):
-/// only these three are read, and every other field is skipped unbuilt.
-#[derive(Deserialize, Default)]
+/// Where to answer a message that cannot be taken (too large, a field of the wrong type, a
+/// duplicated key, bad UTF-8 or nesting past the parser's bound further on): only these three
+/// are read, every other field is skipped unbuilt, and each is kept as soon as it is read, so
+/// that what breaks the message after it does not take the answer's address with it.
+#[derive(Default)]
 struct Envelope {
-    #[serde(default)]
     id: Scalar,
-    #[serde(default)]
     rig_id: Scalar,
-    #[serde(default)]
     reply_to: Scalar,
+}
+
+/// Reads a message's top-level fields into an [`Envelope`] as they come (the first of a
+/// duplicated key wins).
+struct Fill<'a>(&'a mut Envelope);
+
+/// A top-level key of a control message, as far as its [`Envelope`] cares.
+enum Key {
+    Id,
+    RigId,
+    ReplyTo,
+    Other,
+}
+
+impl<'de> Deserialize<'de> for Key {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Key, D::Error> {
+        struct V;
+        impl serde::de::Visitor<'_> for V {
+            type Value = Key;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a key")
+            }
+            fn visit_str<E>(self, s: &str) -> Result<Key, E> {
+                Ok(match s {
+                    "id" => Key::Id,
+                    "rig_id" => Key::RigId,
+                    "reply_to" => Key::ReplyTo,
+                    _ => Key::Other,
+                })
+            }
+        }
+        d.deserialize_str(V)
+    }
+}
+
+impl<'de> serde::de::Visitor<'de> for Fill<'_> {
+    type Value = ();
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("a JSON object")
+    }
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
+        while let Some(key) = map.next_key::<Key>()? {
+            let slot = match key {
+                Key::Id => &mut self.0.id,
+                Key::RigId => &mut self.0.rig_id,
+                Key::ReplyTo => &mut self.0.reply_to,
+                Key::Other => {
+                    map.next_value::<serde::de::IgnoredAny>()?;
+                    continue;
+                }
+            };
+            let value = map.next_value::<Scalar>()?;
+            if slot.0.is_none() {
+                *slot = value;
+            }
+        }
+        Ok(())
+    }
 }
 
 /// A string, or a number as its JSON text; anything else (an array, an object) is skipped
@@ -155,7 +212,11 @@ impl<'de> Deserialize<'de> for Scalar {
 
 impl Envelope {
     fn read(payload: &[u8]) -> Self {
-        serde_json::from_slice(payload).unwrap_or_default()
+        let mut envelope = Envelope::default();
+        let mut de = serde_json::Deserializer::from_slice(payload);
+        // An error leaves what was read before it: that is the point.
+        let _ = serde::Deserializer::deserialize_map(&mut de, Fill(&mut envelope));
+        envelope
     }
 
     /// The refusal of this message: answered when it names a reply channel. An id that is a
@@ -343,6 +404,19 @@ mod tests {
             );
             let bad = parse(msg.as_bytes(), true).unwrap_err();
             assert_eq!(bad.reply_to, Some(("c9".into(), "chan".into())), "{wrong}");
+        }
+        // What breaks the message after its reply channel does not lose the answer: bad
+        // UTF-8, a duplicated key, nesting past the parser's bound.
+        let deep = format!(r#"{{"a":{}1{}}}"#, "[".repeat(5000), "]".repeat(5000));
+        let broken: [Vec<u8>; 3] = [
+            b"{\"type\":\"command\",\"id\":\"c3\",\"reply_to\":\"chan\",\"name\":\"x\xff\"}".to_vec(),
+            br#"{"type":"command","id":"c3","reply_to":"chan","rig_id":"r1","rig_id":"r2","name":"x"}"#.to_vec(),
+            format!(r#"{{"type":"command","id":"c3","reply_to":"chan","rig_id":"r1","name":"x","args":{deep}}}"#).into_bytes(),
+        ];
+        for msg in broken {
+            let bad = parse(&msg, false).unwrap_err();
+            let shown = String::from_utf8_lossy(&msg[..msg.len().min(90)]).into_owned();
+            assert_eq!(bad.reply_to, Some(("c3".into(), "chan".into())), "{shown}");
         }
         // No usable reply channel: counted only.
         let bad = parse(br#"{"type":"command","id":"c","reply_to":[5]}"#, false).unwrap_err();
