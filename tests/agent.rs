@@ -562,6 +562,69 @@ fn unknown_messages_and_garbage_do_not_stop_the_agent() {
     );
 }
 
+/// A stopping agent ends every command it acked in a result: the one running is killed, the
+/// ones not started are reported not run (and are not run), all before its close. The broker
+/// holds none of them any more, so without these results control would hear nothing.
+#[test]
+fn a_sigterm_reports_every_acked_command_before_the_close() {
+    let fake = FakeBroker::new();
+    let mut agent = Agent::start(
+        &fake.url(),
+        "rig-stop",
+        &["--allow", "sleep", "--allow", "touch"],
+    );
+    let (mut ws, _) = fake.accept();
+    welcome(&mut ws, false);
+    let marks: Vec<PathBuf> = (2..=3)
+        .map(|i| agent.dir.join(format!("ran-{i}")))
+        .collect();
+    push(
+        &mut ws,
+        json!({"type":"command","seq":1,"id":"cmd-1","name":"sleep","args":{"argv":["30"]}}),
+    );
+    for (seq, mark) in (2u64..).zip(&marks) {
+        let args = json!({"argv": [mark.to_str().unwrap()]});
+        push(
+            &mut ws,
+            json!({"type":"command","seq":seq,"id":format!("cmd-{seq}"),"name":"touch","args":args}),
+        );
+    }
+    let mut results = Vec::new();
+    for seq in 1..=3 {
+        assert_eq!(recv_ack(&mut ws, &mut results), seq);
+    }
+    agent.wait_line("command seq=3", Duration::from_secs(5));
+    unsafe { libc::kill(agent.child.id() as i32, libc::SIGTERM) };
+    let mut close = None;
+    while let Ok(msg) = ws.read() {
+        match msg {
+            Message::Text(t) => results.push(serde_json::from_str::<Value>(t.as_str()).unwrap()),
+            Message::Close(f) => close = f.map(|f| u16::from(f.code)),
+            _ => {}
+        }
+    }
+    assert_eq!(close, Some(1001), "{}", agent.log());
+    let by_seq: std::collections::BTreeMap<u64, &Value> = results
+        .iter()
+        .map(|r| (r["seq"].as_u64().unwrap(), r))
+        .collect();
+    assert_eq!(
+        by_seq.keys().copied().collect::<Vec<_>>(),
+        [1, 2, 3],
+        "{results:?}"
+    );
+    assert!(by_seq.values().all(|r| r["ok"] == false), "{results:?}");
+    assert_eq!(by_seq[&1]["output"]["signal"], 9, "{}", by_seq[&1]);
+    for seq in [2, 3] {
+        assert_eq!(
+            by_seq[&seq]["output"]["error"],
+            "not run: the agent stopped first"
+        );
+    }
+    assert_eq!(agent.wait_exit(Duration::from_secs(10)).code(), Some(0));
+    assert!(marks.iter().all(|m| !m.exists()), "a command not run ran");
+}
+
 #[test]
 fn run_for_and_sigterm_stop_with_exit_zero_and_max_attempts_gives_up() {
     let fake = FakeBroker::new();

@@ -17,6 +17,12 @@ use fleetlink::protocol::{MAX_LABELS, MAX_LABEL_LEN};
 const AFTER_HELP: &str = "\
 Durations take a unit: 250ms, 20s, 5m, 1h. Logging: RUST_LOG (default info).
 
+Stopping (SIGTERM/SIGINT, --run-for, a seq gap): every command already acked ends in a result
+before the close: the running one is killed, the ones not started are reported ok:false
+(\"not run: the agent stopped first\") and never run; up to 5 s for those to go out. The
+broker will not send an acked command again, so a result that cannot go out (stopped while
+disconnected) is logged as an error with its seq.
+
 Exit codes:
   0   stopped: SIGTERM/SIGINT, or --run-for elapsed
   1   startup error (TLS files, --exec-log) or the command worker died

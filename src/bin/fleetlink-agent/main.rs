@@ -94,13 +94,24 @@ fn run(cfg: Config) -> anyhow::Result<Exit> {
         cfg.command_timeout,
         running.clone(),
     );
-    let (jobs, done) = worker::spawn(Box::new(handler), exec_log, cfg.max_pending)?;
+    let abandon = Arc::new(AtomicBool::new(false));
+    let (jobs, done) = worker::spawn(
+        Box::new(handler),
+        exec_log,
+        cfg.max_pending,
+        abandon.clone(),
+    )?;
     let stop = Arc::new(AtomicBool::new(false));
     for signal in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT] {
         signal_hook::flag::register(signal, stop.clone())?;
     }
-    let exit = Agent::new(cfg, tls, jobs, done, stop).run();
-    // A command still running would outlive us; it was acked, so the broker will not replay it.
+    let stopping = session::Stopping {
+        abandon,
+        running: running.clone(),
+    };
+    let exit = Agent::new(cfg, tls, jobs, done, stop, stopping).run();
+    // Nothing started after the agent's own wind-down; a command still running would
+    // outlive us.
     running.kill();
     log::info!("exiting with code {} ({exit:?})", exit.code());
     Ok(exit)

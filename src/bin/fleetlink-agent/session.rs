@@ -24,6 +24,7 @@ use tungstenite::{Message, WebSocket};
 use crate::backoff::MAX_RETRY_AFTER_S;
 use crate::cli::Config;
 use crate::dial::{self, DialError};
+use crate::handler::Running;
 use crate::proto::{self, Command, ServerMsg};
 use crate::reconnect::{End, Exit, Policy};
 use crate::seq::{SeqTracker, SeqVerdict};
@@ -38,6 +39,16 @@ const WELCOME_TIMEOUT: Duration = Duration::from_secs(30);
 const CLOSE_TIMEOUT: Duration = Duration::from_secs(2);
 /// Added to three ping intervals: a broker silent for that long is presumed gone.
 const SILENCE_SLACK: Duration = Duration::from_secs(10);
+/// Longest a stopping agent waits for the results of what it accepted (each either the
+/// killed command's or "not run") to go out before it closes.
+const WIND_DOWN: Duration = Duration::from_secs(5);
+
+/// How a stopping agent ends what it accepted: commands not started are reported not run
+/// (`abandon`, read by the worker), and the one running is killed.
+pub(crate) struct Stopping {
+    pub(crate) abandon: Arc<AtomicBool>,
+    pub(crate) running: Running,
+}
 
 /// The process-wide state: survives connections.
 pub(crate) struct Agent {
@@ -57,6 +68,9 @@ pub(crate) struct Agent {
     stop: Arc<AtomicBool>,
     /// `--run-for` deadline.
     deadline: Option<Instant>,
+    /// Commands handed to the worker whose result has not come back from it yet.
+    pending: usize,
+    stopping: Stopping,
 }
 
 /// One live websocket and what the session loop tracks about it.
@@ -99,6 +113,7 @@ impl Agent {
         jobs: SyncSender<Job>,
         done: Receiver<Done>,
         stop: Arc<AtomicBool>,
+        stopping: Stopping,
     ) -> Agent {
         let unix_ms = SystemTime::now()
             .duration_since(UNIX_EPOCH)
@@ -118,11 +133,19 @@ impl Agent {
             policy,
             stop,
             deadline,
+            pending: 0,
+            stopping,
         }
     }
 
-    /// Connects until told to stop, or a reason to give up.
+    /// Connects until told to stop, or a reason to give up; then ends what it accepted.
     pub(crate) fn run(mut self) -> Exit {
+        let exit = self.connect_until_done();
+        self.abandon_pending();
+        exit
+    }
+
+    fn connect_until_done(&mut self) -> Exit {
         log::info!(
             "rig {} boot_id {} (version {})",
             self.cfg.rig_id,
@@ -187,6 +210,7 @@ impl Agent {
         let mut last_rx = Instant::now();
         loop {
             if self.stopping() {
+                self.wind_down(&mut conn.ws);
                 close(&mut conn.ws, 1001, "agent stopping");
                 return End::Exit(Exit::Stopped);
             }
@@ -333,6 +357,7 @@ impl Agent {
                     missing.end(),
                     Exit::SeqGap.code()
                 );
+                self.wind_down(&mut conn.ws);
                 close(&mut conn.ws, 1000, "seq gap");
                 return Some(End::Exit(Exit::SeqGap));
             }
@@ -342,7 +367,10 @@ impl Agent {
                     epoch: self.epoch,
                     cmd,
                 }) {
-                    Ok(()) => self.seqs.record(seq),
+                    Ok(()) => {
+                        self.seqs.record(seq);
+                        self.pending += 1;
+                    }
                     Err(TrySendError::Full(_)) => {
                         // Not recorded, not acked: the next hello's last_seq makes the broker
                         // replay it and everything after.
@@ -372,7 +400,10 @@ impl Agent {
             let done = match self.unsent.pop_front() {
                 Some(done) => done,
                 None => match self.done.try_recv() {
-                    Ok(done) => done,
+                    Ok(done) => {
+                        self.pending = self.pending.saturating_sub(1);
+                        done
+                    }
                     Err(_) => return Ok(()),
                 },
             };
@@ -389,6 +420,57 @@ impl Agent {
                 self.unsent.push_front(done);
                 return Err(why);
             }
+        }
+    }
+
+    /// Stopping while connected: what the worker has not started is reported not run, the
+    /// running command is killed, and their results go out before the close, for up to
+    /// [`WIND_DOWN`]. Commands that arrive meanwhile are not acked: the broker keeps them.
+    fn wind_down(&mut self, ws: &mut WebSocket<Stream>) {
+        self.stopping.abandon.store(true, Ordering::SeqCst);
+        self.stopping.running.kill();
+        let deadline = Instant::now() + WIND_DOWN;
+        while self.pending > 0 && Instant::now() < deadline {
+            if self.send_results(ws).is_err() {
+                return;
+            }
+            if self.pending == 0 {
+                return;
+            }
+            // Keeps answering pings while the worker catches up.
+            if let Read::Closed(..) | Read::Failed(_) = read(ws) {
+                return;
+            }
+        }
+    }
+
+    /// At the end: whatever the worker still holds cannot be reported (no connection, or the
+    /// wind-down ran out of time), and the log is the only place left to say so.
+    fn abandon_pending(&mut self) {
+        self.stopping.abandon.store(true, Ordering::SeqCst);
+        self.stopping.running.kill();
+        let deadline = Instant::now() + WIND_DOWN;
+        let mut lost: Vec<u64> = self.unsent.drain(..).map(|d| d.seq).collect();
+        while self.pending > 0 && Instant::now() < deadline {
+            match self.done.recv_timeout(POLL) {
+                Ok(done) => {
+                    self.pending -= 1;
+                    lost.push(done.seq);
+                }
+                Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
+                Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => break,
+            }
+        }
+        if !lost.is_empty() || self.pending > 0 {
+            log::error!(
+                "!!! stopped with the results of acked commands unsent (seqs {lost:?}{}): the \
+                 broker will not send them again, and control hears nothing of them",
+                if self.pending > 0 {
+                    format!(", and {} more the worker still held", self.pending)
+                } else {
+                    String::new()
+                }
+            );
         }
     }
 

@@ -8,7 +8,9 @@
 use std::fs::{File, OpenOptions};
 use std::io::Write;
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, Receiver, SyncSender};
+use std::sync::Arc;
 use std::thread;
 
 use anyhow::Context;
@@ -82,6 +84,7 @@ pub(crate) fn spawn(
     mut handler: Box<dyn Handler>,
     mut exec_log: Option<ExecLog>,
     max_pending: usize,
+    abandon: Arc<AtomicBool>,
 ) -> anyhow::Result<(SyncSender<Job>, Receiver<Done>)> {
     let (job_tx, job_rx) = mpsc::sync_channel::<Job>(max_pending);
     let (done_tx, done_rx) = mpsc::sync_channel::<Done>(max_pending);
@@ -89,6 +92,26 @@ pub(crate) fn spawn(
         .name("agent-worker".into())
         .spawn(move || {
             for Job { epoch, cmd } in job_rx {
+                // The agent is stopping: what it accepted and has not started ends now, as a
+                // result saying so. It was acked, so the broker will not send it again, and
+                // control must hear it did not run rather than nothing at all.
+                if abandon.load(Ordering::SeqCst) {
+                    log::warn!(
+                        "seq={} name={} not run: the agent is stopping (reported ok:false)",
+                        cmd.seq,
+                        cmd.name
+                    );
+                    let done = Done {
+                        epoch,
+                        seq: cmd.seq,
+                        ok: false,
+                        output: serde_json::json!({"error": "not run: the agent stopped first"}),
+                    };
+                    if done_tx.send(done).is_err() {
+                        return;
+                    }
+                    continue;
+                }
                 let outcome = handler.handle(&cmd);
                 log::info!(
                     "finished seq={} name={} ok={}",
@@ -143,7 +166,14 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("exec.log");
         let _ = std::fs::remove_file(&path);
-        let (jobs, done) = spawn(Box::new(Echo), Some(ExecLog::open(&path).unwrap()), 4).unwrap();
+        let abandon = Arc::new(AtomicBool::new(false));
+        let (jobs, done) = spawn(
+            Box::new(Echo),
+            Some(ExecLog::open(&path).unwrap()),
+            4,
+            abandon.clone(),
+        )
+        .unwrap();
         for (seq, name) in [(1, "a"), (2, "refuse"), (3, "fail"), (4, "with space")] {
             let cmd = Command {
                 seq,
