@@ -54,8 +54,8 @@ pub struct RigsArgs {
     /// only where to connect).
     #[arg(long, default_value = "localhost")]
     pub server_name: String,
-    /// Number of rigs to open.
-    #[arg(long)]
+    /// Number of rigs to open (at least 1).
+    #[arg(long, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     pub rigs: usize,
     /// Child processes to split the rigs over (default: enough for 18,000 sockets each).
     #[arg(long)]
@@ -103,7 +103,7 @@ pub struct RigsArgs {
     #[arg(long)]
     pub reconnect: bool,
     /// --reconnect: the wait after a lost connection is uniform(0.5, 1.5) × this × 2^failures
-    /// (consecutive failed attempts), capped at 30 s.
+    /// (consecutive failed attempts), the base capped at 30 s (so at most 45 s a wait).
     #[arg(long, default_value = "1s", value_parser = parse_duration)]
     pub reconnect_backoff: Duration,
     /// Write `rig=R seq=N id=ID name=NAME` per command run, like the agent's --exec-log: a
@@ -213,7 +213,8 @@ impl RedisPublishArgs {
     }
 }
 
-/// `250ms`, `20s`, `5m`, `1h`; a bare number is seconds.
+/// `250ms`, `20s`, `5m`, `1h`. A bare number is refused, as by the broker and the agent: a
+/// `--max-time 120000` meant as milliseconds would otherwise run for 33 hours.
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
     let s = s.trim();
     let split = s
@@ -222,7 +223,8 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
     let (num, unit) = s.split_at(split);
     let n: f64 = num.parse().map_err(|_| format!("bad duration {s:?}"))?;
     let secs = match unit {
-        "" | "s" => n,
+        "" => return Err(format!("{s:?} has no unit (use ms, s, m, h: e.g. {s}s)")),
+        "s" => n,
         "ms" => n / 1000.0,
         "us" => n / 1_000_000.0,
         "m" => n * 60.0,
@@ -404,7 +406,7 @@ mod tests {
         assert_eq!(parse_duration("250ms").unwrap(), Duration::from_millis(250));
         assert_eq!(parse_duration("20s").unwrap(), Duration::from_secs(20));
         assert_eq!(parse_duration("5m").unwrap(), Duration::from_secs(300));
-        assert_eq!(parse_duration("7").unwrap(), Duration::from_secs(7));
+        assert!(parse_duration("7").is_err(), "a bare number has no unit");
         assert_eq!(parse_duration("1.5s").unwrap(), Duration::from_millis(1500));
         assert!(parse_duration("5 parsecs").is_err());
         assert!(parse_duration("").is_err());

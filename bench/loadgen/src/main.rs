@@ -5,7 +5,16 @@ use fleetlink_loadgen::{fanout, orchestrator, redis_pub};
 /// One event-loop thread: the client should be cheap next to the broker it measures; more
 /// parallelism comes from `--procs` child processes.
 fn main() {
-    let cli = Cli::parse();
+    // A usage error is 64 (EX_USAGE), as for the agent and fleetctl: 2 is this tool's "not
+    // all welcomed", and a script must tell a typo from an incomplete ramp.
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) if !e.use_stderr() => e.exit(),
+        Err(e) => {
+            let _ = e.print();
+            std::process::exit(64);
+        }
+    };
     // The Redis publisher is synchronous: it needs no runtime.
     let cli = match cli.cmd {
         Command::RedisPublish(args) => exit_with(redis_pub::run_publish(args)),

@@ -130,6 +130,10 @@ impl Cli {
             "--tls-cert/--tls-key/--ca need a wss:// URL"
         );
         ensure!(self.max_pending > 0, "--max-pending must be > 0");
+        ensure!(
+            !self.command_timeout.is_zero(),
+            "--command-timeout must be > 0 (0 would kill every command as it starts)"
+        );
         ensure!(self.max_attempts != Some(0), "--max-attempts must be > 0");
         ensure!(
             self.max_message >= 1024,
@@ -300,5 +304,6 @@ mod tests {
         .is_ok());
         assert!(parse(&["--url", "ws://h/agent", "--max-attempts", "0"]).is_err());
         assert!(parse(&["--url", "ws://h/agent", "--run-for", "250ms"]).is_ok());
+        assert!(parse(&["--url", "ws://h/agent", "--command-timeout", "0s"]).is_err());
     }
 }
