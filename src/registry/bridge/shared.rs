@@ -108,6 +108,10 @@ impl BridgeShared {
 
     /// Adds `n` to the counter of `op` with `result`.
     pub(super) fn count_n(&self, op: &str, result: &str, n: u64) {
+        // Called with 0 on hot paths (every publish, every pass): no search for nothing.
+        if n == 0 {
+            return;
+        }
         if let Some(i) = REGISTRY_OPS
             .iter()
             .position(|&(o, r)| o == op && r == result)
