@@ -143,8 +143,9 @@ pub(crate) struct Fleet {
     pub(crate) refusals: u64,
     /// Those refusals, logged at most once a second.
     refusal_log: Throttle,
-    /// A write was refused since the last heartbeat that went through: when one does, the
-    /// bridge re-asserts its rigs as after a reconnect, since what was refused was not kept.
+    /// Redis refused a write for want of memory since the last heartbeat that went through:
+    /// when one does, the bridge re-asserts its rigs as after a reconnect, since what was
+    /// refused was not kept.
     refusing: bool,
 }
 
@@ -262,9 +263,12 @@ impl Fleet {
     /// or not as Redis allows, their replies queued until it is back).
     fn call_failed(&mut self, e: &dyn CallError) {
         let now = Instant::now();
-        if e.redis().is_some_and(leaves_connection_sound) {
+        if let Some(redis) = e.redis().filter(|r| leaves_connection_sound(r)) {
             self.refusals += 1;
-            self.refusing = true;
+            // Only a full Redis refuses the writes that keep leases and sessions; a refusal of
+            // one command (an ACL without HDEL, say) would otherwise have every heartbeat
+            // re-assert every session.
+            self.refusing |= redis.code() == Some("OOM");
             if let Some(n) = self.refusal_log.note(now) {
                 log::warn!(
                     "redis: {n} calls refused since the last such line (the last: {e}); the \
