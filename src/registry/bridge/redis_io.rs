@@ -42,17 +42,6 @@ impl Bridge {
         // pushed on it is control's, and it was told someone received it.
         let pushes = f.read();
         let reconnected = up && std::mem::take(&mut f.just_connected);
-        if !up {
-            self.batched(|b| {
-                for push in pushes {
-                    b.shared.pubsub_in.fetch_add(1, Ordering::Relaxed);
-                    b.control(&push.channel, &push.payload, now);
-                }
-                b.flush_holds();
-            });
-            self.persist_held();
-            return;
-        }
         if reconnected {
             // Re-assert every lease we hold: Redis may have restarted empty. And put every
             // session back: commands delivered while Redis was away were not kept.
@@ -66,9 +55,16 @@ impl Bridge {
                 b.shared.pubsub_in.fetch_add(1, Ordering::Relaxed);
                 b.control(&push.channel, &push.payload, now);
             }
-            b.settle_evicts();
+            // Settling an evict asks Redis who holds the lease: it waits for the connection.
+            if up {
+                b.settle_evicts();
+            }
             b.flush_holds();
         });
+        if !up {
+            self.persist_held();
+            return;
+        }
         // Leases first: a Redis that restarted empty or let a lease expire would fence the
         // queued persists of rigs still connected here, and a fenced seq is a gap for the rig.
         // This pass's timers put the leases back (`refresh`); the persists go in the next.
