@@ -539,6 +539,19 @@ fn retry_after_close_and_refusal() {
 }
 
 #[test]
+fn a_wrong_url_path_stops_the_agent_instead_of_knocking_forever() {
+    // The broker answers any path but /agent with 404: no retry can change that, so the agent
+    // exits 5 at once rather than backing off for ever (it used to).
+    let b = Broker::start(&[]);
+    let mut agent = Agent::start(&b.url("/agnet"), "rig-lost", &[]);
+    let status = agent.wait_exit(Duration::from_secs(10));
+    assert_eq!(status.code(), Some(5), "{}", agent.log());
+    let (_, line) = agent.wait_line("upgrade refused with HTTP 404", Duration::from_secs(5));
+    assert!(line.ends_with("not retrying"), "{line}");
+    assert!(!agent.has_line("retry in"), "{}", agent.log());
+}
+
+#[test]
 fn unknown_messages_and_garbage_do_not_stop_the_agent() {
     let fake = FakeBroker::new();
     let agent = Agent::start(&fake.url(), "rig-odd", &["--allow", "echo"]);
@@ -655,6 +668,28 @@ fn run_for_and_sigterm_stop_with_exit_zero_and_max_attempts_gives_up() {
         &["--max-attempts", "1"],
     );
     assert_eq!(agent.wait_exit(Duration::from_secs(10)).code(), Some(3));
+}
+
+#[test]
+fn a_stop_does_not_wait_for_a_stalled_connection_attempt() {
+    // A listener that never answers the upgrade: the handshake would wait out its 10 s
+    // timeout. SIGTERM, and --run-for, must end the agent well before that.
+    let silent = TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("ws://{}/agent", silent.local_addr().unwrap());
+    let mut agent = Agent::start(&url, "rig-stalled", &[]);
+    agent.wait_line("connecting to", Duration::from_secs(5));
+    let signalled = Instant::now();
+    unsafe { libc::kill(agent.child.id() as i32, libc::SIGTERM) };
+    assert_eq!(agent.wait_exit(Duration::from_secs(10)).code(), Some(0));
+    let took = signalled.elapsed();
+    assert!(took < Duration::from_secs(3), "SIGTERM took {took:?}");
+
+    let started = Instant::now();
+    let mut agent = Agent::start(&url, "rig-stalled", &["--run-for", "1s"]);
+    assert_eq!(agent.wait_exit(Duration::from_secs(10)).code(), Some(0));
+    let took = started.elapsed();
+    assert!(took < Duration::from_secs(4), "--run-for 1s took {took:?}");
+    drop(silent);
 }
 
 #[test]

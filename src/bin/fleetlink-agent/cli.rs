@@ -29,7 +29,9 @@ Exit codes:
   3   gave up after --max-attempts consecutive failed connection attempts
   4   a seq gap: commands were lost, so going on would hide it
   5   refused by the broker for good: 4400 (bad hello), 4403 (TLS identity is not
-      --rig-id), 4409 (a newer boot of this rig is connected); reconnecting would not help
+      --rig-id), 4409 (a newer boot of this rig is connected), or the upgrade answered
+      with a 4xx other than 408/429 (404: --url's path is not /agent); reconnecting would
+      not help
   64  usage: a flag that does not parse or does not validate";
 
 /// The reference rig agent: hello, ack, run allowed commands, reconnect with jitter.

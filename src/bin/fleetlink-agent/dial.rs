@@ -1,8 +1,11 @@
 //! One connection attempt: resolve the host name again (a moved broker, DNS load balancing),
 //! connect to the first address that answers, TLS if `wss://`, then the websocket upgrade.
-//! A `503` answer is reported with its `Retry-After` so the caller can honour it.
+//! A `503` answer is reported with its `Retry-After` so the caller can honour it; a `4xx`
+//! that no retry can change (a wrong path, a plain GET, a head too large, credentials the
+//! broker refuses) as a refusal, so the agent stops instead of knocking forever.
 
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
+use std::sync::mpsc::{self, RecvTimeoutError};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -27,15 +30,56 @@ const MAX_INBOUND_MESSAGE: usize = 16 << 20;
 pub(crate) enum DialError {
     /// `503 Service Unavailable`; the header's seconds when it had a usable `Retry-After`.
     Unavailable { retry_after: Option<u64> },
-    /// Anything else: resolution, connect, TLS, another status.
+    /// A `4xx` other than 408 and 429: the same request would get the same answer.
+    Refused(String),
+    /// Anything else: resolution, connect, TLS, a 5xx, a timeout.
     Failed(String),
 }
 
-/// Connects to `endpoint`, returning the websocket and the address it reached.
-pub(crate) fn dial(
+/// Whether an upgrade answered with `status` would be answered the same way next time.
+/// 408 (the request was too slow) and 429 (too many requests) are about this moment, not
+/// this request; everything else in 4xx is about the request itself.
+pub(crate) fn refusal_is_final(status: u16) -> bool {
+    (400..500).contains(&status) && status != 408 && status != 429
+}
+
+/// What `dial` gives back.
+pub(crate) type Dialed = Result<(WebSocket<Stream>, SocketAddr), DialError>;
+
+/// `dial` on a thread of its own, checking `stopping` every `poll`: a stop must not wait out
+/// a stalled connect or handshake (10 s each). `None`: told to stop first; the abandoned
+/// attempt ends with the process, which is stopping.
+pub(crate) fn dial_unless(
     endpoint: &Endpoint,
     tls: Option<&Arc<ClientConfig>>,
-) -> Result<(WebSocket<Stream>, SocketAddr), DialError> {
+    stopping: impl Fn() -> bool,
+    poll: Duration,
+) -> Option<Dialed> {
+    let (tx, rx) = mpsc::sync_channel(1);
+    let (endpoint_, tls_) = (endpoint.clone(), tls.cloned());
+    let spawned = std::thread::Builder::new()
+        .name("dial".into())
+        .spawn(move || {
+            let _ = tx.send(dial(&endpoint_, tls_.as_ref()));
+        });
+    if spawned.is_err() {
+        // No thread to spare: dial here, as stoppable as its timeouts.
+        return Some(dial(endpoint, tls));
+    }
+    loop {
+        match rx.recv_timeout(poll) {
+            Ok(dialed) => return Some(dialed),
+            Err(RecvTimeoutError::Timeout) if stopping() => return None,
+            Err(RecvTimeoutError::Timeout) => {}
+            Err(RecvTimeoutError::Disconnected) => {
+                return Some(Err(DialError::Failed("the dial thread died".into())))
+            }
+        }
+    }
+}
+
+/// Connects to `endpoint`, returning the websocket and the address it reached.
+pub(crate) fn dial(endpoint: &Endpoint, tls: Option<&Arc<ClientConfig>>) -> Dialed {
     let addrs = (endpoint.host.as_str(), endpoint.port)
         .to_socket_addrs()
         .map_err(|e| DialError::Failed(format!("resolving {}: {e}", endpoint.host)))?;
@@ -78,9 +122,32 @@ pub(crate) fn dial(
                 .and_then(parse_retry_after);
             Err(DialError::Unavailable { retry_after })
         }
+        Err(HandshakeError::Failure(tungstenite::Error::Http(resp)))
+            if refusal_is_final(resp.status().as_u16()) =>
+        {
+            Err(DialError::Refused(format!(
+                "{addr}: upgrade refused with HTTP {} (is --url's path /agent?)",
+                resp.status()
+            )))
+        }
         Err(HandshakeError::Failure(tungstenite::Error::Http(resp))) => Err(DialError::Failed(
             format!("{addr}: upgrade refused with HTTP {}", resp.status()),
         )),
         Err(HandshakeError::Failure(e)) => Err(DialError::Failed(format!("{addr}: {e}"))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::refusal_is_final;
+
+    #[test]
+    fn only_request_errors_are_final() {
+        for status in [400, 401, 403, 404, 426, 431] {
+            assert!(refusal_is_final(status), "{status}");
+        }
+        for status in [101, 302, 408, 429, 500, 502, 503] {
+            assert!(!refusal_is_final(status), "{status}");
+        }
     }
 }

@@ -5,7 +5,8 @@
 //! Rules, in order:
 //! - a goaway: reconnect at the instant it asked for, exactly (no jitter: the broker already
 //!   spread its rigs over the drain window), and the failure count starts over;
-//! - close 4400 / 4403 / 4409: the broker will refuse this rig every time; stop;
+//! - close 4400 / 4403 / 4409, or an upgrade answered with a final 4xx (404 for a wrong
+//!   path, 426, 431, 401/403): the broker will refuse this rig every time; stop;
 //! - HTTP 503 `Retry-After: N`, close 4503 `retry_after=N`: N s ± 10 %;
 //! - anything else: `backoff::next_delay(n)`, n = consecutive failures, reset by a connection
 //!   that got `welcome` and stayed up `HEALTHY_AFTER`.
@@ -29,7 +30,8 @@ pub(crate) enum Exit {
     GaveUp,
     /// A seq gap: commands were lost, so going on would hide it: 4.
     SeqGap,
-    /// The broker refused this rig for good (4400 bad hello, 4403 identity, 4409 newer boot): 5.
+    /// The broker refused this rig for good (4400 bad hello, 4403 identity, 4409 newer boot,
+    /// or a final 4xx answer to the upgrade): 5.
     Refused,
 }
 
@@ -58,6 +60,8 @@ pub(crate) enum End {
     },
     /// HTTP 503, with the Retry-After seconds if usable.
     Unavailable(Option<u64>),
+    /// An upgrade answer no retry would change (`dial::refusal_is_final`).
+    Refused(String),
     /// The broker sent goaway: reconnect at this instant.
     Goaway(Instant),
     /// Stop the agent.
@@ -96,6 +100,10 @@ impl Policy {
                 Ok(delay)
             }
             End::Unavailable(secs) => self.hinted(secs, "HTTP 503"),
+            End::Refused(why) => {
+                log::error!("!!! {why}; not retrying");
+                Err(Exit::Refused)
+            }
             End::Lost {
                 why,
                 welcomed_for,
@@ -235,6 +243,10 @@ mod tests {
             );
         }
         let mut p = Policy::new(None, Rng::with_seed(3));
+        assert_eq!(
+            p.plan(End::Refused("HTTP 404".into()), Instant::now()),
+            Err(Exit::Refused)
+        );
         assert!(p
             .plan(lost(Some(1), Some((4410, "superseded"))), Instant::now())
             .is_ok());

@@ -163,7 +163,16 @@ impl Agent {
                 self.cfg.endpoint.url,
                 self.seqs.last_seq()
             );
-            let end = match dial::dial(&self.cfg.endpoint, self.tls.as_ref()) {
+            let dialed = dial::dial_unless(
+                &self.cfg.endpoint,
+                self.tls.as_ref(),
+                || self.stopping(),
+                POLL,
+            );
+            let Some(dialed) = dialed else {
+                return Exit::Stopped;
+            };
+            let end = match dialed {
                 Ok((ws, addr)) => self.connection(Conn {
                     ws,
                     addr,
@@ -171,6 +180,7 @@ impl Agent {
                     goaway: None,
                 }),
                 Err(DialError::Unavailable { retry_after }) => End::Unavailable(retry_after),
+                Err(DialError::Refused(why)) => End::Refused(why),
                 Err(DialError::Failed(why)) => End::Lost {
                     why,
                     welcomed_for: None,
