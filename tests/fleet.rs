@@ -276,6 +276,40 @@ fn a_crashed_brokers_keys_expire_by_ttl() {
 }
 
 #[test]
+fn readyz_says_when_redis_refuses_the_brokers_password() {
+    let redis = RedisServer::start();
+    let mut admin = redis.connection();
+    // Our own connection stays authenticated; the broker's new ones must give the password.
+    let _: () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("requirepass")
+        .arg("right-one")
+        .query(&mut admin)
+        .unwrap();
+    let url = format!("redis://:wrong-one@127.0.0.1:{}/", redis.port());
+    let b = Broker::start(&["--redis", url.as_str(), "--broker-id", "fe-pw"]);
+    let mut last = String::new();
+    eventually(Duration::from_secs(10), "readyz naming the refusal", || {
+        let (status, body) = b.http("GET", "/readyz", "");
+        last = body.clone();
+        status == 503 && body.contains("credentials refused")
+    });
+    assert!(last.starts_with("redis unreachable: "), "{last}");
+    // Fixed on Redis's side: the broker gets in at its next attempt, and readiness says so.
+    let _: () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("requirepass")
+        .arg("wrong-one")
+        .query(&mut admin)
+        .unwrap();
+    eventually(
+        Duration::from_secs(15),
+        "readyz 200 once the password is right",
+        || b.http("GET", "/readyz", "") == (200, "ready\n".to_string()),
+    );
+}
+
+#[test]
 fn readiness_follows_redis_and_rigs_survive_an_outage() {
     let mut redis = RedisServer::start();
     let a = fleet_broker(&redis, "fe-a", &["--registry-refresh", "200ms"]);

@@ -48,6 +48,20 @@ const FLUSH_BYTES: usize = 8 << 20;
 /// Pipelines of publishes sent per pass of the bridge.
 const FLUSH_PIPELINES: usize = 4;
 
+/// Whether a failed connection attempt's error is Redis refusing who we are (a wrong
+/// password, a user without the rights the broker needs) rather than Redis being away.
+fn refuses_credentials(why: &str) -> bool {
+    [
+        "WRONGPASS",
+        "NOAUTH",
+        "NOPERM",
+        "AuthenticationFailed",
+        "invalid username-password",
+    ]
+    .iter()
+    .any(|code| why.contains(code))
+}
+
 /// Whether Redis answered a command with a refusal that sending it again would repeat, as
 /// opposed to a broken connection or a passing state (loading, a failover, a busy script).
 fn refused(e: &redis::RedisError) -> bool {
@@ -58,6 +72,7 @@ fn refused(e: &redis::RedisError) -> bool {
         )
     })
 }
+
 /// Whether a failed call leaves its connection sound: Redis refused it (OOM under `maxmemory`
 /// with `noeviction`, an ACL's NOPERM, a script's own error) and redis-rs read every reply of
 /// the call, so the connection is still in step. Dropping it would take the subscription,
@@ -131,6 +146,10 @@ pub(crate) struct Fleet {
     session_ttl: Duration,
     failures: u32,
     next_attempt: Instant,
+    /// Why the last connection attempt failed, while Redis is down: `/readyz` says it.
+    down_why: Option<String>,
+    /// `down_why` changed since the bridge last took it.
+    down_why_changed: bool,
     /// Publishes dropped because the queue was full while Redis was away.
     pub(crate) dropped: u64,
     /// Those drops, logged at most once a second.
@@ -168,6 +187,8 @@ impl Fleet {
             session_ttl,
             failures: 0,
             next_attempt: Instant::now(),
+            down_why: None,
+            down_why_changed: false,
             dropped: 0,
             drop_log: Throttle::default(),
             published: 0,
@@ -176,6 +197,11 @@ impl Fleet {
             refusal_log: Throttle::default(),
             refusing: false,
         })
+    }
+
+    /// Why Redis is down, when that changed since the last call: `Some(None)` once it is back.
+    pub(crate) fn take_down_why(&mut self) -> Option<Option<String>> {
+        std::mem::take(&mut self.down_why_changed).then(|| self.down_why.clone())
     }
 
     /// True while both connections are up.
@@ -201,6 +227,7 @@ impl Fleet {
             Ok(()) => {
                 log::info!("redis: connected, scripts loaded, subscribed");
                 self.failures = 0;
+                self.down_why_changed |= self.down_why.take().is_some();
                 true
             }
             Err(e) => {
@@ -284,8 +311,28 @@ impl Fleet {
 
     /// Schedules the next reconnect attempt after a failure.
     fn back_off(&mut self, now: Instant, why: &dyn std::fmt::Display) {
-        if self.failures == 0 {
+        let mut why = why.to_string();
+        if refuses_credentials(&why) {
+            why = format!("credentials refused ({why})");
+            // Not an outage that ends by itself: the log must say what to fix. Every attempt
+            // up to the fourth, then at doubling counts, so a fix is seen to take.
+            if self.failures < 4 || self.failures.is_power_of_two() {
+                log::error!(
+                    "redis: {why}: check the user and password in --redis and Redis's ACL; \
+                     retrying, and serving from the local registry meanwhile"
+                );
+            }
+        } else if self.failures == 0 {
             log::warn!("redis: {why}; serving from the local registry until it returns");
+        } else if self.failures >= 4 && self.failures.is_power_of_two() {
+            log::warn!(
+                "redis: still unreachable after {} attempts (the last: {why})",
+                self.failures
+            );
+        }
+        if self.down_why.as_deref() != Some(why.as_str()) {
+            self.down_why = Some(why);
+            self.down_why_changed = true;
         }
         self.failures = self.failures.saturating_add(1);
         let base = Duration::from_millis(100)
@@ -736,6 +783,42 @@ mod tests {
 
     fn fleet() -> Fleet {
         Fleet::new("redis://127.0.0.1:1/", "fx", Duration::from_secs(600)).expect("url")
+    }
+
+    #[test]
+    fn credential_refusals_are_told_from_outages() {
+        for why in [
+            "NOAUTH: Authentication required.",
+            "WRONGPASS: invalid username-password pair or user is disabled.",
+            "Password authentication failed- AuthenticationFailed",
+            "NOPERM: this user has no permissions to run the 'pexpire' command",
+        ] {
+            assert!(refuses_credentials(why), "{why}");
+        }
+        for why in [
+            "Connection refused (os error 111)",
+            "LOADING: Redis is loading the dataset in memory",
+            "timed out",
+        ] {
+            assert!(!refuses_credentials(why), "{why}");
+        }
+    }
+
+    #[test]
+    fn the_reason_redis_is_down_is_handed_over_once_and_cleared_on_reconnect() {
+        let mut f = fleet();
+        assert_eq!(f.take_down_why(), None);
+        let now = Instant::now();
+        f.back_off(now, &"Connection refused (os error 111)");
+        assert_eq!(
+            f.take_down_why(),
+            Some(Some("Connection refused (os error 111)".into()))
+        );
+        f.back_off(now, &"Connection refused (os error 111)");
+        assert_eq!(f.take_down_why(), None, "unchanged: nothing to hand over");
+        f.back_off(now, &"WRONGPASS: invalid username-password pair");
+        let why = f.take_down_why().flatten().unwrap_or_default();
+        assert!(why.starts_with("credentials refused ("), "{why}");
     }
 
     fn rig() -> (RigId, BootId) {

@@ -29,6 +29,11 @@ impl Bridge {
         self.refusals_counted = f.refusals;
         let (up, subscribed) = (f.is_up(), f.is_subscribed());
         self.shared.count_n("redis", "refused", refused);
+        if let Some(why) = f.take_down_why() {
+            if let Ok(mut slot) = self.shared.redis_down_why.lock() {
+                *slot = why;
+            }
+        }
         self.shared.redis_up.store(u64::from(up), Ordering::Relaxed);
         self.shared.subscribed.store(subscribed, Ordering::Relaxed);
         self.count_publish_drops();

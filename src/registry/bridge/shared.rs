@@ -2,6 +2,7 @@
 //! Redis and subscription state, readiness.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::Mutex;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use crate::metrics::BridgeStats;
@@ -68,6 +69,9 @@ pub struct BridgeShared {
     pub subscribed: AtomicBool,
     /// Unix ms when our own canary last came back.
     pub canary_at_ms: AtomicU64,
+    /// Why the last attempt to reach Redis failed, while it is down. Written when that
+    /// changes, read by `/readyz`: never on a hot path.
+    pub redis_down_why: Mutex<Option<String>>,
     /// Messages the bridge could not hand to a full core inbox.
     pub core_queue_full: AtomicU64,
     /// Counters in [`REGISTRY_OPS`] order.
@@ -94,6 +98,7 @@ impl BridgeShared {
             redis_up: AtomicU64::new(0),
             subscribed: AtomicBool::new(false),
             canary_at_ms: AtomicU64::new(0),
+            redis_down_why: Mutex::new(None),
             core_queue_full: AtomicU64::new(0),
             ops: std::array::from_fn(|_| AtomicU64::new(0)),
             pubsub_in: AtomicU64::new(0),
@@ -127,7 +132,11 @@ impl BridgeShared {
             return None;
         }
         if self.redis_up.load(Ordering::Relaxed) == 0 {
-            return Some("redis unreachable".into());
+            let why = self.redis_down_why.lock().ok().and_then(|w| w.clone());
+            return Some(match why {
+                Some(why) => format!("redis unreachable: {why}"),
+                None => "redis unreachable".into(),
+            });
         }
         if !self.subscribed.load(Ordering::Relaxed) {
             return Some("subscription not live".into());
