@@ -120,6 +120,33 @@ fn max_connections_gets_503() {
     assert!(resp.starts_with("HTTP/1.1 503"), "{resp}");
 }
 
+/// Past the 503s a core may have in flight, connections are closed unanswered and counted as
+/// `shed` only: each connection has one result, so the results add up to the connections.
+#[test]
+fn a_shed_connection_is_counted_once() {
+    let b = Broker::start(&["--max-connections", "0", "--cores", "1"]);
+    // Silent clients: each 503 stays in flight for its second waiting for the client's FIN.
+    const N: u64 = 1100;
+    let clients: Vec<_> = (0..N)
+        .map(|_| std::net::TcpStream::connect(b.listen).expect("connect"))
+        .collect();
+    let total = |b: &Broker| {
+        ["ok", "rate_limited", "over_capacity", "shed", "error"]
+            .iter()
+            .map(|r| b.metric(&format!("fleetlink_accepts_total{{result=\"{r}\"}}")))
+            .sum::<u64>()
+    };
+    common::broker::eventually(Duration::from_secs(10), "every connection counted", || {
+        total(&b) >= N
+    });
+    let shed = b.metric("fleetlink_accepts_total{result=\"shed\"}");
+    let over = b.metric("fleetlink_accepts_total{result=\"over_capacity\"}");
+    assert!(shed > 0, "none shed: the test did not reach the bound");
+    assert_eq!(over + shed, N, "over_capacity {over} + shed {shed}");
+    assert_eq!(total(&b), N);
+    drop(clients);
+}
+
 /// The cap is the broker's (CONTRACT.md §1), not a share per core: however the kernel spreads
 /// connections over the cores' listeners, exactly the cap is taken, and a place that frees is
 /// taken again, whichever core the next rig lands on.

@@ -138,11 +138,13 @@ fn admit(core: &Rc<Core>, bucket: &mut TokenBucket, stream: TcpStream) {
 /// `503 Service Unavailable` with `Retry-After: 5..=15` (CONTRACT.md §2), then close; on a
 /// TLS listener, the close alone.
 fn reject(core: &Rc<Core>, stream: TcpStream, why: C) {
-    core.metrics.inc(why);
+    // One result per connection: a shed one is counted as shed alone, so the results add up
+    // to the connections accepted.
     if core.rejecting.get() >= MAX_REJECTING {
         core.metrics.inc(C::AcceptShed);
         return;
     }
+    core.metrics.inc(why);
     core.rejecting.set(core.rejecting.get() + 1);
     // A TLS client could read the 503 only after a handshake, which is what a storm cannot
     // afford; plain text would reach it as a record error. It gets the close alone, and
