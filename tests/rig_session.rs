@@ -685,6 +685,52 @@ fn an_ack_covers_its_own_seq_only() {
     assert_eq!(read_json(&mut again)["seq"], 4);
 }
 
+/// A rig that acked its commands, then resumes from an earlier `last_seq` (0 here, as a rig
+/// that lost its own record might) and acks them again: `last_ack_seq` stays where it was, and
+/// the repeated acks are not counted as acks a second time.
+#[test]
+fn acks_repeated_after_a_resume_are_not_counted_again() {
+    let b = Broker::start(&[]);
+    let boot = boot_id();
+    let ack = |ws: &mut Ws, seq: u64| {
+        ws.send(Message::Text(
+            json!({"type":"ack","seq":seq}).to_string().into(),
+        ))
+        .unwrap();
+    };
+    let last_ack_seq = || {
+        let rigs: Value = serde_json::from_str(&b.http("GET", "/v1/rigs", "").1).unwrap();
+        rigs[0]["last_ack_seq"].as_u64()
+    };
+    let mut first = b.connect("/agent");
+    hello(&mut first, "rig-reack", &boot, json!({}));
+    for seq in 1..=3u64 {
+        let (_, r) = b.command("rig-reack", "n", json!({}));
+        assert_eq!(r["seq"], seq);
+        assert_eq!(read_json(&mut first)["seq"], seq);
+        ack(&mut first, seq);
+    }
+    b.wait_metric("fleetlink_commands_total{result=\"acked\"} 3");
+    drop(first);
+    let mut again = b.connect("/agent");
+    assert_eq!(
+        hello(&mut again, "rig-reack", &boot, json!({}))["resumed"],
+        true
+    );
+    assert_eq!(last_ack_seq(), Some(3));
+    for seq in 1..=3u64 {
+        ack(&mut again, seq);
+    }
+    let (_, r) = b.command("rig-reack", "n", json!({}));
+    assert_eq!(r["seq"], 4);
+    assert_eq!(read_json(&mut again)["seq"], 4);
+    ack(&mut again, 4);
+    eventually(Duration::from_secs(10), "the ack of 4", || {
+        last_ack_seq() == Some(4)
+    });
+    assert_eq!(b.metric("fleetlink_commands_total{result=\"acked\"}"), 4);
+}
+
 /// An ack names a command the rig accepted (CONTRACT.md §2): one still queued behind the
 /// rig's window, never written, cannot be acked, and such an ack changes nothing.
 #[test]

@@ -534,6 +534,7 @@ pub(crate) fn on_verdict(core: &Core, conn: &Conn, st: &mut ConnState, verdict: 
     let Some(session) = st.session.as_mut() else {
         return;
     };
+    session.last_ack = acked_before(next_seq, &carried);
     // Seqs are never reused: if Redis lost the session (restarted empty, or the key expired),
     // the rig's own last_seq is the floor, or its next command would be one it drops.
     session.next_seq = next_seq.max(Seq(session.resume_from.0.saturating_add(1)));
@@ -570,6 +571,23 @@ pub(crate) fn on_verdict(core: &Core, conn: &Conn, st: &mut ConnState, verdict: 
     pump(core, conn, st);
     // Input that arrived behind the hello is parsed now.
     conn.notify();
+}
+
+/// The last seq a resumed session's rig acked on its earlier connections, as far as the
+/// session tells: the highest below `next_seq` not given back unacked (`carried`, in seq
+/// order). Without it a rig that acked commands before it reconnected moved `last_ack_seq`
+/// back to 0, and its repeated acks of them counted again as acks.
+fn acked_before(next_seq: Seq, carried: &[SeqCommand]) -> Seq {
+    let mut last = next_seq.0.saturating_sub(1);
+    for cmd in carried.iter().rev() {
+        if cmd.seq.0 < last {
+            break;
+        }
+        if cmd.seq.0 == last {
+            last = last.saturating_sub(1);
+        }
+    }
+    Seq(last)
 }
 
 /// A verdict its connection cannot take (closing, or gone): an accepted session goes back to
@@ -843,4 +861,34 @@ pub(crate) fn on_closed(core: &Core, conn: &Conn, st: &mut ConnState) {
     // A command still held for Redis goes along only once Redis has answered for it.
     let carried: Vec<SeqCommand> = s.queues.map(|q| q.into_commands()).unwrap_or_default();
     closing::closed(core, conn.id, s.rig, s.boot, s.next_seq, carried);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn carried(seqs: &[u64]) -> Vec<SeqCommand> {
+        seqs.iter()
+            .map(|&s| SeqCommand::for_test(s, 8, false))
+            .collect()
+    }
+
+    #[test]
+    fn a_resumed_sessions_last_ack_is_the_highest_seq_not_given_back() {
+        assert_eq!(acked_before(Seq(1), &carried(&[])), Seq(0), "a new session");
+        assert_eq!(acked_before(Seq(4), &carried(&[])), Seq(3), "all acked");
+        assert_eq!(acked_before(Seq(7), &carried(&[5, 6])), Seq(4));
+        assert_eq!(acked_before(Seq(7), &carried(&[2])), Seq(6), "acked past 2");
+        assert_eq!(acked_before(Seq(7), &carried(&[2, 5, 6])), Seq(4));
+        assert_eq!(
+            acked_before(Seq(4), &carried(&[1, 2, 3])),
+            Seq(0),
+            "none acked"
+        );
+        assert_eq!(
+            acked_before(Seq(2), &carried(&[0, 1])),
+            Seq(0),
+            "no underflow"
+        );
+    }
 }
