@@ -30,7 +30,7 @@ use crate::admin_lobby::{Held, Lobby, MAX_WAITING};
 use crate::args::Args;
 use crate::doorbell::{Full, Mailbox};
 use crate::ids::{BootId, ConnId, CoreId, RigId};
-use crate::metrics::{self, CoreSnapshot};
+use crate::metrics::{self, CoreSnapshot, Retired};
 use crate::registry::bridge::BridgeShared;
 use crate::registry::msg::{AdminAnswer, AdminReply, CommandReq, ReplyTo, ToBridge, ToCore};
 use crate::reply;
@@ -80,6 +80,8 @@ pub struct Admin {
     pub draining: Arc<AtomicBool>,
     /// Asks the main thread to drain.
     pub drain: Sender<()>,
+    /// The last figures of cores that stopped at the end of a drain.
+    pub retired: Arc<Retired>,
 }
 
 impl Admin {
@@ -90,6 +92,7 @@ impl Admin {
         bridge_stats: Arc<BridgeShared>,
         draining: Arc<AtomicBool>,
         drain: Sender<()>,
+        retired: Arc<Retired>,
     ) -> Self {
         Self {
             bridge,
@@ -97,6 +100,7 @@ impl Admin {
             bridge_stats,
             draining,
             drain,
+            retired,
         }
     }
 }
@@ -811,6 +815,12 @@ fn snapshots(admin: &Admin, rigs: bool) -> (Vec<CoreSnapshot>, usize) {
     let mut out: Vec<CoreSnapshot> = (0..asked)
         .map_while(|_| rx.recv_deadline(deadline).ok())
         .collect();
+    // A core that stopped at the end of a drain answers with the figures it stopped with.
+    for core in 0..admin.cores.len() {
+        if !out.iter().any(|s| s.core == core) {
+            out.extend(admin.retired.get(core));
+        }
+    }
     out.sort_by_key(|s| s.core);
     (out, asked)
 }

@@ -107,6 +107,7 @@ fn run(cfg: Config) -> anyhow::Result<()> {
     let conn_cap = cfg
         .max_connections
         .map(|max| Arc::new(worker::ConnCap::new(max)));
+    let retired = Arc::new(metrics::Retired::default());
     let mut cores = Vec::with_capacity(cfg.cores);
     for (i, (listener, inbox)) in listeners.into_iter().zip(core_rxs).enumerate() {
         let links = worker::Links {
@@ -115,6 +116,7 @@ fn run(cfg: Config) -> anyhow::Result<()> {
             pool: pool.0.clone(),
             bridge_shared: shared.clone(),
             conn_cap: conn_cap.clone(),
+            retired: retired.clone(),
         };
         cores.push(worker::spawn(
             i,
@@ -138,6 +140,7 @@ fn run(cfg: Config) -> anyhow::Result<()> {
         shared,
         draining.clone(),
         drain_tx.clone(),
+        retired,
     ));
     admin::spawn(admin_listener, admin, pool)?;
     let (signal_tx, signal_rx) = crossbeam_channel::bounded::<&'static str>(4);

@@ -7,7 +7,7 @@
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::fmt::Write as _;
-use std::sync::OnceLock;
+use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
 
 use serde::Serialize;
@@ -247,6 +247,30 @@ pub struct RigInfo {
     pub next_seq: u64,
     /// Core holding the connection.
     pub core: usize,
+}
+
+/// The last figures of each core that has stopped (at the end of a drain), by core: `/metrics`
+/// goes on reporting them, or every counter a stopped core held would fall back and read as a
+/// counter reset in the middle of every deploy. Written once per core, read per scrape.
+#[derive(Debug, Default)]
+pub struct Retired(Mutex<Vec<Option<CoreSnapshot>>>);
+
+impl Retired {
+    /// Keeps `snap` as its core's last figures.
+    pub fn keep(&self, snap: CoreSnapshot) {
+        if let Ok(mut slots) = self.0.lock() {
+            if slots.len() <= snap.core {
+                slots.resize(snap.core + 1, None);
+            }
+            let core = snap.core;
+            slots[core] = Some(snap);
+        }
+    }
+
+    /// Core `core`'s last figures, if it has stopped.
+    pub fn get(&self, core: usize) -> Option<CoreSnapshot> {
+        self.0.lock().ok()?.get(core).cloned().flatten()
+    }
 }
 
 /// What a core ships to the admin thread.

@@ -131,3 +131,74 @@ fn sighup_on_a_plain_broker_reloads_nothing_and_keeps_serving() {
         .expect("broker did not exit");
     assert!(status.success(), "{status:?}");
 }
+
+/// A core that has no rig left stops at its first second into the drain, while the other core
+/// still has one. `/metrics` must go on reporting the stopped core's figures: a counter that
+/// falls back reads as a reset to Prometheus, at every deploy.
+#[test]
+fn a_stopped_cores_counters_stay_in_metrics_through_the_drain() {
+    let mut b = Broker::start(&["--drain", "4s", "--cores", "2"]);
+    // A rig on each core (the kernel spreads connections over the cores' listeners).
+    let mut by_core: [Option<common::broker::Ws>; 2] = [None, None];
+    for i in 0..64 {
+        if by_core.iter().all(Option::is_some) {
+            break;
+        }
+        let rig = format!("rig-{i:02}");
+        let (mut ws, _, _) = b.rig(&rig);
+        let (_, r) = b.command(&rig, "n", json!({}));
+        assert_eq!(r["seq"], 1, "{r}");
+        assert_eq!(read_json(&mut ws)["seq"], 1);
+        let ack = json!({"type": "ack", "seq": 1}).to_string();
+        ws.send(tungstenite::Message::Text(ack.into())).unwrap();
+        let rigs: serde_json::Value =
+            serde_json::from_str(&b.http("GET", "/v1/rigs", "").1).unwrap();
+        let core = rigs
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|r| r["rig_id"] == rig.as_str())
+            .and_then(|r| r["core"].as_u64())
+            .expect("rig listed with its core") as usize;
+        if by_core[core].is_none() {
+            by_core[core] = Some(ws);
+        }
+    }
+    let [Some(mut on0), Some(mut on1)] = by_core else {
+        panic!("64 rigs all landed on one core");
+    };
+    let acked = |text: &str| -> Option<u64> {
+        text.lines()
+            .find_map(|l| l.strip_prefix("fleetlink_commands_total{result=\"acked\"} "))
+            .and_then(|v| v.trim().parse().ok())
+    };
+    common::broker::eventually(Duration::from_secs(5), "every ack counted", || {
+        let n = acked(&b.http("GET", "/metrics", "").1).unwrap_or(0) as usize;
+        n >= 2 && b.metric("fleetlink_connections{core=\"0\"}") >= 1
+    });
+    let before = acked(&b.http("GET", "/metrics", "").1).unwrap();
+    assert_eq!(b.http("POST", "/v1/drain", "").0, 202);
+    // Core 0's rig leaves at its goaway; core 1's stays, holding its core (and the broker) up.
+    assert_eq!(read_json(&mut on0)["type"], "goaway");
+    on0.close(None).unwrap();
+    while on0.read().is_ok() {}
+    assert_eq!(read_json(&mut on1)["type"], "goaway");
+    // The drain's first 3 s: core 0 stops at its 1 s floor, core 1 runs on.
+    let started = Instant::now();
+    let mut samples = 0;
+    while started.elapsed() < Duration::from_secs(3) {
+        let (status, text) = b.http("GET", "/metrics", "");
+        assert_eq!(status, 200, "{text}");
+        assert_eq!(acked(&text), Some(before), "{text}");
+        assert!(
+            text.contains("fleetlink_connections{core=\"0\"}"),
+            "core 0 left /metrics:\n{text}"
+        );
+        samples += 1;
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(samples > 10, "{samples} scrapes");
+    drop(on1);
+    let status = b.wait_exit(Duration::from_secs(10)).expect("no exit");
+    assert!(status.success(), "{status:?}");
+}

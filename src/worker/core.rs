@@ -93,6 +93,8 @@ pub(crate) struct Core {
     pub(crate) closing: RefCell<closing::Waiting>,
     /// Where the bytes of events queued for the bridge are counted.
     pub(crate) bridge_shared: Arc<BridgeShared>,
+    /// Where this core leaves its last figures when it stops.
+    pub(crate) retired: Arc<crate::metrics::Retired>,
 }
 
 /// The queues a core sends on.
@@ -107,6 +109,8 @@ pub struct Links {
     pub bridge_shared: Arc<BridgeShared>,
     /// `--max-connections`, one for the whole broker (None: no cap).
     pub conn_cap: Option<Arc<ConnCap>>,
+    /// Where this core leaves its last figures when it stops.
+    pub retired: Arc<crate::metrics::Retired>,
 }
 
 impl Core {
@@ -153,6 +157,7 @@ impl Core {
             admin_request_bytes: Cell::new(0),
             closing: RefCell::new(closing::Waiting::new()),
             bridge_shared: links.bridge_shared,
+            retired: links.retired,
         }
     }
 
@@ -774,6 +779,7 @@ pub(crate) mod tests {
             pool: crate::admin::pool_queue().0,
             bridge_shared: Arc::new(BridgeShared::new(true)),
             conn_cap: None,
+            retired: Arc::default(),
         };
         Rc::new(Core::new(
             0,

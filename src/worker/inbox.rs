@@ -31,6 +31,8 @@ pub(crate) async fn run(core: Rc<Core>, inbox: Inbox<ToCore>) -> std::io::Result
             }
         }
         if core.finished.get() {
+            let snap = core.metrics.snapshot(core.id.0 as usize, core.driver);
+            core.retired.keep(snap);
             return Ok(());
         }
         if !inbox.arm() {
