@@ -29,6 +29,7 @@ pub enum C {
     Reject426,
     Reject431,
     HeadTimeout,
+    HeadAbandoned,
     MsgHello,
     MsgAck,
     MsgResult,
@@ -61,7 +62,7 @@ pub enum C {
 }
 
 /// (metric name, label pair) for each counter, in [`C`] order.
-const COUNTERS: [(&str, &str); 42] = [
+const COUNTERS: [(&str, &str); 43] = [
     ("fleetlink_accepts_total", "result=\"ok\""),
     ("fleetlink_accepts_total", "result=\"rate_limited\""),
     ("fleetlink_accepts_total", "result=\"over_capacity\""),
@@ -75,6 +76,7 @@ const COUNTERS: [(&str, &str); 42] = [
     ("fleetlink_upgrades_total", "result=\"426\""),
     ("fleetlink_upgrades_total", "result=\"431\""),
     ("fleetlink_upgrades_total", "result=\"head_timeout\""),
+    ("fleetlink_upgrades_total", "result=\"abandoned\""),
     ("fleetlink_messages_in_total", "type=\"hello\""),
     ("fleetlink_messages_in_total", "type=\"ack\""),
     ("fleetlink_messages_in_total", "type=\"result\""),
@@ -108,9 +110,9 @@ const COUNTERS: [(&str, &str); 42] = [
 
 /// Close codes counted one by one; anything else is `other`. 1006 = closed without a close
 /// frame (peer vanished, I/O error).
-pub const CLOSE_CODES: [u16; 17] = [
-    1000, 1001, 1002, 1003, 1006, 1007, 1008, 1009, 1011, 1012, 4002, 4400, 4403, 4408, 4409, 4410,
-    4503,
+pub const CLOSE_CODES: [u16; 18] = [
+    1000, 1001, 1002, 1003, 1005, 1006, 1007, 1008, 1009, 1011, 1012, 4002, 4400, 4403, 4408, 4409,
+    4410, 4503,
 ];
 
 /// Upper bounds (ms) of the ack latency histogram buckets.

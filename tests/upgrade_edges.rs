@@ -120,6 +120,32 @@ fn max_connections_gets_503() {
     assert!(resp.starts_with("HTTP/1.1 503"), "{resp}");
 }
 
+/// A client gone before its request head was complete has a result too: every accepted
+/// connection ends in one `fleetlink_upgrades_total` result.
+#[test]
+fn a_connection_gone_before_its_head_is_counted_abandoned() {
+    let b = Broker::start(&["--cores", "1"]);
+    // One leaves half way through its head, one without a byte, one resets.
+    let mut half = std::net::TcpStream::connect(b.listen).expect("connect");
+    half.write_all(b"GET /agent HTTP/1.1\r\nHost: x\r\n")
+        .expect("write");
+    drop(half);
+    drop(std::net::TcpStream::connect(b.listen).expect("connect"));
+    let reset = socket2::Socket::from(std::net::TcpStream::connect(b.listen).expect("connect"));
+    reset.set_linger(Some(Duration::ZERO)).expect("linger 0");
+    drop(reset);
+    b.wait_metric("fleetlink_upgrades_total{result=\"abandoned\"} 3");
+    assert_eq!(b.metric("fleetlink_accepts_total{result=\"ok\"}"), 3);
+    // A head that completes is not also counted abandoned when its client leaves.
+    let resp = raw_exchange(b.listen, upgrade_head("/nowhere").as_bytes());
+    assert!(resp.starts_with("HTTP/1.1 404"), "{resp}");
+    b.wait_metric("fleetlink_upgrades_total{result=\"404\"} 1");
+    assert_eq!(
+        b.metric("fleetlink_upgrades_total{result=\"abandoned\"}"),
+        3
+    );
+}
+
 /// Past the 503s a core may have in flight, connections are closed unanswered and counted as
 /// `shed` only: each connection has one result, so the results add up to the connections.
 #[test]

@@ -165,6 +165,10 @@ fn on_readable(core: &Core, conn: &Conn) -> usize {
         Ok(Some(n)) => n,
         Ok(None) => return 0,
         Err(reason) => {
+            if st.phase == Phase::Handshake && st.close_code.is_none() {
+                // Gone before its request head was complete: the upgrade request's result.
+                core.metrics.inc(C::HeadAbandoned);
+            }
             if st.phase != Phase::Closing && st.close_code.is_none() {
                 st.close_reason = reason.into();
             }
