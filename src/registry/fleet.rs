@@ -62,6 +62,22 @@ fn refuses_credentials(why: &str) -> bool {
     .any(|code| why.contains(code))
 }
 
+/// A socket timeout reads as the OS's EAGAIN text ("Resource temporarily unavailable (os
+/// error 11)"), which says nothing to an operator about a Redis that accepts connections but
+/// does not answer (hung, or paused for writes during a failover): say that instead.
+fn plain_timeout(why: String) -> String {
+    let timed_out = ["(os error 11)", "(os error 110)", "timed out", "WouldBlock"]
+        .iter()
+        .any(|t| why.contains(t));
+    if !timed_out {
+        return why;
+    }
+    format!(
+        "no answer within {} ms (a hung Redis, or one paused for writes): {why}",
+        IO_TIMEOUT.as_millis()
+    )
+}
+
 /// Whether Redis answered a command with a refusal that sending it again would repeat, as
 /// opposed to a broken connection or a passing state (loading, a failover, a busy script).
 fn refused(e: &redis::RedisError) -> bool {
@@ -311,7 +327,7 @@ impl Fleet {
 
     /// Schedules the next reconnect attempt after a failure.
     fn back_off(&mut self, now: Instant, why: &dyn std::fmt::Display) {
-        let mut why = why.to_string();
+        let mut why = plain_timeout(why.to_string());
         if refuses_credentials(&why) {
             why = format!("credentials refused ({why})");
             // Not an outage that ends by itself: the log must say what to fix. Every attempt
@@ -802,6 +818,14 @@ mod tests {
         ] {
             assert!(!refuses_credentials(why), "{why}");
         }
+    }
+
+    #[test]
+    fn a_timeout_says_redis_did_not_answer() {
+        let why = plain_timeout("Resource temporarily unavailable (os error 11)".into());
+        assert!(why.starts_with("no answer within 2000 ms"), "{why}");
+        let refused = "Connection refused (os error 111)".to_string();
+        assert_eq!(plain_timeout(refused.clone()), refused);
     }
 
     #[test]
