@@ -1004,7 +1004,9 @@ fn reply_answer(id: &str, rig: &str, answer: Option<AdminAnswer>) -> Answer {
                 id,
                 Some(rig),
                 "timeout",
-                "no answer from the broker core in time",
+                "no answer in time; the command may still reach the rig (it may be waiting for \
+                 Redis to keep it), so look for its id in the rig's ack and result events \
+                 before sending it again",
             ),
         ),
     }
