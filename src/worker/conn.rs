@@ -21,6 +21,8 @@ use crate::worker::{quiet_pong, session};
 
 /// The close reason recorded when the peer ended the TCP connection first.
 const PEER_CLOSED: &str = "peer closed the connection";
+/// Why a connection ended when its TLS handshake or a TLS record failed.
+const TLS_FAILED: &str = "tls error";
 
 /// How long a closing connection waits for the peer's close frame / FIN.
 const CLOSE_LINGER: Duration = Duration::from_secs(2);
@@ -165,8 +167,9 @@ fn on_readable(core: &Core, conn: &Conn) -> usize {
         Ok(Some(n)) => n,
         Ok(None) => return 0,
         Err(reason) => {
-            if st.phase == Phase::Handshake && st.close_code.is_none() {
-                // Gone before its request head was complete: the upgrade request's result.
+            // Gone before its request head was complete: the upgrade request's result. (A
+            // failed TLS handshake has its own counter.)
+            if st.phase == Phase::Handshake && st.close_code.is_none() && reason != TLS_FAILED {
                 core.metrics.inc(C::HeadAbandoned);
             }
             if st.phase != Phase::Closing && st.close_code.is_none() {
@@ -232,7 +235,7 @@ fn read_some(
             log::debug!("tls: {e}");
             // Send the alert rustls queued, then end.
             let _ = flush(fd, st);
-            Err("tls error")
+            Err(TLS_FAILED)
         }
         Err(_) => Err("socket error"),
     };
