@@ -1004,9 +1004,9 @@ fn reply_answer(id: &str, rig: &str, answer: Option<AdminAnswer>) -> Answer {
                 id,
                 Some(rig),
                 "timeout",
-                "no answer in time; the command may still reach the rig (it may be waiting for \
-                 Redis to keep it), so look for its id in the rig's ack and result events \
-                 before sending it again",
+                "no answer in time; the command may still reach the rig (it may be waiting on \
+                 Redis, to be kept or forwarded to the broker that holds the rig), so look for \
+                 its id in the rig's ack and result events before sending it again",
             ),
         ),
     }
