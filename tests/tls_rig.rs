@@ -183,6 +183,62 @@ fn mtls_identity_is_the_certificate() {
     b.wait_metric("fleetlink_identity_mismatch_total 1");
 }
 
+/// A rig's last message and its TLS close_notify in one read: the broker must see the close
+/// (no further readiness will come while TCP stays open), not keep the rig listed and
+/// pinged until its PONGs run out.
+#[test]
+fn a_close_notify_that_comes_with_data_ends_the_connection() {
+    let dir = Dir::new("notify");
+    let pki = dev_certs::generate(&dir.0, 1, &[]).unwrap();
+    let b = tls_broker(&pki, &dir.0, &[]);
+    let r = &pki.rigs[0];
+    let mut ws = wss(&b, &pki.ca_cert, Some((&r.cert, &r.key)), &[]).unwrap();
+    assert_eq!(hello(&mut ws, &r.rig_id)["type"], "welcome");
+    assert_eq!(
+        b.metric("fleetlink_connections{core=\"0\"}")
+            + b.metric("fleetlink_connections{core=\"1\"}"),
+        1
+    );
+    // One masked text frame (a zero mask leaves the payload as it is), then close_notify,
+    // all in one TCP write; the TCP connection stays open.
+    let payload = br#"{"type":"ack","seq":99}"#;
+    let mut frame = vec![0x81, 0x80 | payload.len() as u8, 0, 0, 0, 0];
+    frame.extend_from_slice(payload);
+    let s = ws.get_mut();
+    s.conn.writer().write_all(&frame).unwrap();
+    s.conn.send_close_notify();
+    let mut out = Vec::new();
+    while s.conn.wants_write() {
+        s.conn.write_tls(&mut out).unwrap();
+    }
+    s.sock.write_all(&out).unwrap();
+    let sent = Instant::now();
+    // The broker closes its side: the socket reads to its end (alerts, then EOF).
+    s.sock
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let mut buf = [0u8; 4096];
+    loop {
+        match s.sock.read(&mut buf) {
+            Ok(0) => break,
+            Ok(_) => {}
+            Err(e) if e.kind() == ErrorKind::ConnectionReset => break,
+            Err(e) => panic!(
+                "the broker kept the connection open: {e} after {:?}",
+                sent.elapsed()
+            ),
+        }
+    }
+    assert!(
+        sent.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        sent.elapsed()
+    );
+    eventually(Duration::from_secs(5), "the rig unlisted", || {
+        b.http("GET", "/v1/rigs", "").1.trim() == "[]"
+    });
+}
+
 /// A certificate from the right CA that names no rig (no CN, only a URI SAN) proves no
 /// identity: every rig_id is refused, not every rig_id allowed.
 #[test]

@@ -163,8 +163,8 @@ pub(crate) fn read_while_parked(core: &Core, conn: &Conn) {
 fn on_readable(core: &Core, conn: &Conn) -> usize {
     let mut scratch = core.scratch.borrow_mut();
     let mut st = conn.st.borrow_mut();
-    let n = match read_some(core, conn.fd, &mut st, &mut scratch) {
-        Ok(Some(n)) => n,
+    let (n, last) = match read_some(core, conn.fd, &mut st, &mut scratch) {
+        Ok(Some(read)) => read,
         Ok(None) => return 0,
         Err(reason) => {
             // Gone before its request head was complete: the upgrade request's result. (A
@@ -195,21 +195,34 @@ fn on_readable(core: &Core, conn: &Conn) -> usize {
         let used = session::consume(core, conn, &mut st, &buf);
         keep_rest(&mut st, buf, used);
     }
+    if last {
+        // The peer's TLS close_notify came with these bytes: it sends nothing more, and no
+        // readiness will tell us, so the connection ends as at EOF.
+        if st.phase == Phase::Handshake && st.close_code.is_none() {
+            core.metrics.inc(C::HeadAbandoned);
+        }
+        if st.phase != Phase::Closing && st.close_code.is_none() {
+            st.close_reason = PEER_CLOSED.into();
+        }
+        st.phase = Phase::Done;
+        st.drop_output();
+    }
     n
 }
 
-/// Reads plaintext into `buf`: Ok(Some(n)) with n > 0, Ok(None) when nothing is there yet, or
-/// Err(reason) when the connection is over (EOF, reset, TLS failure).
+/// Reads plaintext into `buf`: Ok(Some((n, last))) with n > 0 (`last`: the peer sends nothing
+/// after these), Ok(None) when nothing is there yet, or Err(reason) when the connection is over
+/// (EOF, reset, TLS failure).
 fn read_some(
     core: &Core,
     fd: std::os::fd::RawFd,
     st: &mut ConnState,
     buf: &mut [u8],
-) -> Result<Option<usize>, &'static str> {
+) -> Result<Option<(usize, bool)>, &'static str> {
     let Some(tls) = st.sec.as_mut().and_then(|s| s.tls.as_mut()) else {
         return match recv(fd, buf) {
             Ok(0) => Err(PEER_CLOSED),
-            Ok(n) => Ok(Some(n)),
+            Ok(n) => Ok(Some((n, false))),
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => Ok(None),
             Err(_) => Err("socket error"),
         };
@@ -228,7 +241,8 @@ fn read_some(
     }
     let result = match read {
         Ok(TlsRead::Data(0)) => Ok(None),
-        Ok(TlsRead::Data(n)) => Ok(Some(n)),
+        Ok(TlsRead::Data(n)) => Ok(Some((n, false))),
+        Ok(TlsRead::Last(n)) => Ok(Some((n, true))),
         Ok(TlsRead::Closed) => Err(PEER_CLOSED),
         Ok(TlsRead::Failed(e)) => {
             core.metrics.inc(C::TlsFailed);

@@ -91,6 +91,10 @@ pub(crate) fn flush_tls(
 pub(crate) enum TlsRead {
     /// `n` plaintext bytes are in the buffer (0: only handshake or control records).
     Data(usize),
+    /// The last `n` plaintext bytes the peer will send: its close_notify came with them. No
+    /// further readiness will say so (the TCP connection may stay open), so the caller ends
+    /// the connection once it has used them.
+    Last(usize),
     /// The peer closed (EOF or close_notify).
     Closed,
     /// A TLS error: the alert is queued; the connection must end.
@@ -109,11 +113,13 @@ pub(crate) fn read_tls(
         Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
         Err(e) => return Err(e),
     }
-    if let Err(e) = tls.process_new_packets() {
-        return Ok(TlsRead::Failed(e));
-    }
+    let io = match tls.process_new_packets() {
+        Ok(io) => io,
+        Err(e) => return Ok(TlsRead::Failed(e)),
+    };
     match tls.reader().read(buf) {
         Ok(0) => Ok(TlsRead::Closed),
+        Ok(n) if io.peer_has_closed() && n >= io.plaintext_bytes_to_read() => Ok(TlsRead::Last(n)),
         Ok(n) => Ok(TlsRead::Data(n)),
         Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(TlsRead::Data(0)),
         Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => Ok(TlsRead::Closed),
