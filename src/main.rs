@@ -26,8 +26,13 @@ static GLOBAL: fleetlink::heap_stats::Counting<mimalloc::MiMalloc> =
 /// Messages a core or the bridge may have waiting before senders get "full".
 const QUEUE: usize = 65_536;
 
+/// The log filter without `RUST_LOG`. rustls' own lines stay below error: a peer can make it
+/// warn at will (one line per TLS 1.2 renegotiation attempt), and the cores log each TLS
+/// failure themselves, at most once a second.
+const DEFAULT_LOG: &str = "info,rustls=error";
+
 fn main() -> ExitCode {
-    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info")).init();
+    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or(DEFAULT_LOG)).init();
     let cli = match Cli::load(std::env::args_os().collect()) {
         Ok(cli) => cli,
         Err(e) => match e.downcast::<clap::Error>() {

@@ -239,10 +239,11 @@ fn client_verifier(
 ) -> Result<Arc<dyn rustls::server::danger::ClientCertVerifier>, TlsError> {
     let mut roots = RootCertStore::empty();
     let ca_certs = read_certs(ca)?;
-    let subjects: Vec<Vec<u8>> = ca_certs
+    // (raw DER, text) of each client CA's subject.
+    let subjects: Vec<(Vec<u8>, String)> = ca_certs
         .iter()
         .filter_map(|der| x509_parser::parse_x509_certificate(der).ok())
-        .map(|(_, cert)| cert.subject().as_raw().to_vec())
+        .map(|(_, cert)| (cert.subject().as_raw().to_vec(), cert.subject().to_string()))
         .collect();
     for (i, cert) in ca_certs.into_iter().enumerate() {
         roots.add(cert).map_err(|source| TlsError::ClientCa {
@@ -274,13 +275,25 @@ fn client_verifier(
         })
         .collect();
     if let Some(first) = crl_files.first() {
-        let covered = issuers.iter().any(|(raw, _)| subjects.contains(raw));
-        if !covered && !issuers.is_empty() {
+        let uncovered = without_crl(&subjects, &issuers);
+        if uncovered.len() == subjects.len() && !issuers.is_empty() {
             let names: Vec<&str> = issuers.iter().map(|(_, text)| text.as_str()).collect();
             return Err(TlsError::CrlIssuer {
                 path: first.clone(),
                 issuers: names.join("; "),
             });
+        }
+        if !uncovered.is_empty() {
+            // Taken, since a CA on its way in or out of the bundle may have no CRL yet; but
+            // every rig certificate chained through it will be refused, and a rig is told
+            // only `unknown_ca`.
+            log::warn!(
+                "{}: no CRL among --crl is issued by {} of --client-ca; every rig \
+                 certificate chained through it will be refused (unknown revocation status) \
+                 until its CRL is added",
+                first.display(),
+                uncovered.join("; ")
+            );
         }
     }
     WebPkiClientVerifier::builder_with_provider(roots, provider)
@@ -290,6 +303,14 @@ fn client_verifier(
             path: ca.to_owned(),
             source,
         })
+}
+
+/// The client CAs (raw subject, text) that issued none of the CRLs (raw issuer, text).
+fn without_crl<'a>(cas: &'a [(Vec<u8>, String)], crls: &[(Vec<u8>, String)]) -> Vec<&'a str> {
+    cas.iter()
+        .filter(|(subject, _)| !crls.iter().any(|(issuer, _)| issuer == subject))
+        .map(|(_, text)| text.as_str())
+        .collect()
 }
 
 fn read_certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError> {
@@ -361,4 +382,25 @@ fn read_pem(path: &Path) -> Result<Vec<Item>, TlsError> {
             path: path.to_owned(),
             source,
         })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::without_crl;
+
+    fn named(pairs: &[(&[u8], &str)]) -> Vec<(Vec<u8>, String)> {
+        pairs
+            .iter()
+            .map(|(raw, text)| (raw.to_vec(), text.to_string()))
+            .collect()
+    }
+
+    #[test]
+    fn client_cas_without_a_crl_are_named() {
+        let cas = named(&[(b"a", "CN=A"), (b"b", "CN=B"), (b"c", "CN=C")]);
+        let crls = named(&[(b"b", "CN=B"), (b"x", "CN=X")]);
+        assert_eq!(without_crl(&cas, &crls), ["CN=A", "CN=C"]);
+        assert!(without_crl(&cas, &cas).is_empty());
+        assert_eq!(without_crl(&cas, &[]).len(), 3);
+    }
 }

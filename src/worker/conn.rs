@@ -246,7 +246,12 @@ fn read_some(
         Ok(TlsRead::Closed) => Err(PEER_CLOSED),
         Ok(TlsRead::Failed(e)) => {
             core.metrics.inc(C::TlsFailed);
-            log::debug!("tls: {e}");
+            let now = std::time::Instant::now();
+            if let Some(n) = core.tls_fail_log.borrow_mut().note(now) {
+                log::warn!(
+                    "tls: {n} connections failed TLS since the last such line (the last: {e})"
+                );
+            }
             // Send the alert rustls queued, then end.
             let _ = flush(fd, st);
             Err(TLS_FAILED)

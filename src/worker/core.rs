@@ -95,6 +95,9 @@ pub(crate) struct Core {
     pub(crate) bridge_shared: Arc<BridgeShared>,
     /// Where this core leaves its last figures when it stops.
     pub(crate) retired: Arc<crate::metrics::Retired>,
+    /// Failed TLS handshakes, logged at most once a second with the last one's reason: a rig
+    /// refused for its certificate is told only the alert, so the log must say why.
+    pub(crate) tls_fail_log: RefCell<crate::registry::throttle::Throttle>,
 }
 
 /// The queues a core sends on.
@@ -158,6 +161,7 @@ impl Core {
             closing: RefCell::new(closing::Waiting::new()),
             bridge_shared: links.bridge_shared,
             retired: links.retired,
+            tls_fail_log: RefCell::default(),
         }
     }
 
