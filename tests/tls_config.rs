@@ -172,6 +172,43 @@ fn expired_cert_is_refused() {
     assert!(expired, "{err:?}");
 }
 
+/// The broker's own certificate out of its validity period: every rig would refuse it, so
+/// it is refused at start-up, and a reload with it keeps the certificate in force.
+#[test]
+fn an_expired_or_future_broker_certificate_is_refused() {
+    let pki = Pki::new("broker-expired");
+    let now = OffsetDateTime::now_utc();
+    for (tag, from, until, words) in [
+        (
+            "past",
+            now - time::Duration::days(30),
+            now - time::Duration::days(1),
+            "expired since",
+        ),
+        (
+            "future",
+            now + time::Duration::days(1),
+            now + time::Duration::days(30),
+            "not valid before",
+        ),
+    ] {
+        let broker = generate_broker(&pki.ca, &["localhost".into()], from, until).expect("broker");
+        let (cert, key) = broker.write(&pki.dir, tag).expect("write");
+        let mut paths = pki.paths(false, vec![]);
+        paths.cert = cert.clone();
+        paths.key = key;
+        let err = build_server_config(&paths).expect_err("refused");
+        assert!(matches!(err, TlsError::NotValidNow { .. }), "{err:?}");
+        let text = err.to_string();
+        assert!(
+            text.contains(words) && text.contains(&*cert.to_string_lossy()),
+            "{text}"
+        );
+    }
+    // A valid one still builds.
+    build_server_config(&pki.paths(false, vec![])).expect("valid certificate");
+}
+
 #[test]
 fn revoked_cert_is_refused_others_pass() {
     let pki = Pki::new("revoked");

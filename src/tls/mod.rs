@@ -32,6 +32,7 @@ use std::fs;
 use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use rustls::crypto::CryptoProvider;
 use rustls::pki_types::{CertificateDer, CertificateRevocationListDer, PrivateKeyDer};
@@ -169,6 +170,58 @@ pub enum TlsError {
     /// rustls refused the protocol versions (not expected with the ring provider).
     #[error("TLS configuration: {0}")]
     Config(rustls::Error),
+    /// The broker's own certificate is outside its validity period: every rig would refuse
+    /// it, while the rigs already connected stay, so an outage would show only as failed
+    /// reconnects. Refused, so a reload keeps the certificate in force.
+    #[error("{}: the certificate is {why}", path.display())]
+    NotValidNow {
+        /// The certificate file.
+        path: PathBuf,
+        /// "expired since …" or "not valid before …".
+        why: String,
+    },
+}
+
+/// Warn when the broker's certificate has less than this left.
+const EXPIRY_WARNING: Duration = Duration::from_secs(14 * 24 * 3600);
+
+/// Refuses a leaf certificate outside its validity period, and warns when it ends soon.
+fn check_validity(path: &Path, leaf: &CertificateDer<'_>) -> Result<(), TlsError> {
+    let Ok((_, cert)) = x509_parser::parse_x509_certificate(leaf) else {
+        // rustls judges what it can parse; a certificate it takes is not ours to refuse.
+        return Ok(());
+    };
+    let now = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs() as i64);
+    let validity = cert.validity();
+    let (from, until) = (
+        validity.not_before.timestamp(),
+        validity.not_after.timestamp(),
+    );
+    let why = if now > until {
+        Some(format!("expired since {}", validity.not_after))
+    } else if now < from {
+        Some(format!("not valid before {}", validity.not_before))
+    } else {
+        None
+    };
+    if let Some(why) = why {
+        return Err(TlsError::NotValidNow {
+            path: path.to_owned(),
+            why,
+        });
+    }
+    if until - now < EXPIRY_WARNING.as_secs() as i64 {
+        log::warn!(
+            "{}: the certificate expires on {} (in {} h): renew it; the broker reloads it \
+             when the file changes",
+            path.display(),
+            validity.not_after,
+            (until - now) / 3600
+        );
+    }
+    Ok(())
 }
 
 /// rustls' words for a refused certificate/key pair are its enum's names; an operator needs to
@@ -195,6 +248,9 @@ fn cert_key_words(e: &rustls::Error) -> String {
 pub fn build_server_config(paths: &TlsPaths) -> Result<Arc<ServerConfig>, TlsError> {
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let chain = read_certs(&paths.cert)?;
+    if let Some(leaf) = chain.first() {
+        check_validity(&paths.cert, leaf)?;
+    }
     let key = read_key(&paths.key)?;
     let builder = ServerConfig::builder_with_provider(provider.clone())
         .with_protocol_versions(&[&rustls::version::TLS13, &rustls::version::TLS12])
