@@ -52,10 +52,22 @@ cleanup() {
 trap cleanup EXIT
 trap 'exit 130' INT TERM
 
+for bin in fleetlink-fe fleetlink-loadgen fleetlink-tokio-baseline; do
+  [[ -x "$target/$bin" ]] || { echo "fanout-cpu: $target/$bin is missing (cargo build --release)" >&2; exit 1; }
+done
+# Each session FLUSHALLs its Redis: never one this script did not start.
+if redis-cli -p "$rport" ping >/dev/null 2>&1; then
+  echo "fanout-cpu: something already answers on port $rport; set FANOUT_REDIS_PORT to a free one" >&2
+  exit 1
+fi
 redis-server --port "$rport" --bind 127.0.0.1 --save "" --appendonly no --daemonize no \
   >"$work/redis.log" 2>&1 &
 rpid=$!; pids+=("$rpid")
-for _ in $(seq 100); do redis-cli -p "$rport" ping >/dev/null 2>&1 && break; sleep 0.1; done
+for _ in $(seq 100); do
+  redis-cli -p "$rport" ping >/dev/null 2>&1 && break
+  kill -0 "$rpid" 2>/dev/null || { echo "fanout-cpu: redis-server did not start: $(tail -1 "$work/redis.log")" >&2; exit 1; }
+  sleep 0.1
+done
 url="redis://127.0.0.1:$rport/"
 
 fleet_cores=$(( $(nproc) > 1 ? $(nproc) - 1 : 1 ))
@@ -78,7 +90,7 @@ broker_cmd() {
 }
 ticks() { awk '{print $14 + $15}' "$1" 2>/dev/null || echo 0; }
 # Context switches of every thread of a process (voluntary + preempted).
-switches() { cat /proc/"$1"/task/*/status 2>/dev/null | awk '/ctxt_switches/ {s += $2} END {print s + 0}'; }
+switches() { { cat /proc/"$1"/task/*/status 2>/dev/null || true; } | awk '/ctxt_switches/ {s += $2} END {print s + 0}'; }
 # "group ticks" per thread, summed by thread name (digits stripped: core-0, core-1 -> core-).
 threads() {
   for t in /proc/"$1"/task/*; do echo "$(tr -d '0-9' <"$t/comm") $(ticks "$t/stat")"; done \
@@ -111,8 +123,14 @@ for ((r = 1; r <= rounds; r++)); do
       kill -0 "$lpid" 2>/dev/null || { echo "fanout-cpu: $b: loadgen ended early" >&2; exit 1; }
       sleep 0.02
     done
-    after=$(threads "$bpid"); lg1=$(ticks "/proc/$lpid/stat"); rd1=$(ticks "/proc/$rpid/stat")
-    bs1=$(switches "$bpid"); ls1=$(switches "$lpid")
+    after=$(threads "$bpid"); rd1=$(ticks "/proc/$rpid/stat"); bs1=$(switches "$bpid")
+    if kill -0 "$lpid" 2>/dev/null; then
+      lg1=$(ticks "/proc/$lpid/stat"); ls1=$(switches "$lpid")
+    else
+      # A small fan-out: the loadgen was done and gone before its clocks were read.
+      echo "fanout-cpu: $b: the loadgen ended before its CPU could be read; its figures read 0 (more --rigs avoids it)" >&2
+      lg1=$lg0; ls1=$ls0
+    fi
     wait "$lpid" 2>/dev/null || true
     jq -c --arg b "$b" --argjson r "$r" --argjson hz "$hz" --argjson n $((rigs * fanouts)) \
       --arg before "$before" --arg after "$after" --argjson lg $((lg1 - lg0)) --argjson rd $((rd1 - rd0)) \

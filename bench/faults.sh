@@ -14,6 +14,13 @@
 # FAULTS_STORM_BURST (100). Set FAULTS_NO_BUILD=1 to skip the build.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# Help first: it must not build, nor start the run.
+for arg in "$@"; do
+  if [[ $arg == -h || $arg == --help ]]; then
+    awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0"
+    exit 0
+  fi
+done
 if [[ -z "${FAULTS_NO_BUILD:-}" ]]; then
   (cd "$root" && cargo build --release -q -p fleetlink -p fleetlink-loadgen \
     --bin fleetlink-fe --bin fleetlink-agent --bin fleetlink-loadgen)

@@ -29,6 +29,9 @@ while [[ $# -gt 0 ]]; do
   esac
 done
 (( rigs <= 19000 )) || { echo "redis-restart: --rigs at most 19000" >&2; exit 64; }
+for bin in fleetlink-fe fleetlink-loadgen; do
+  [[ -x "$target/$bin" ]] || { echo "redis-restart: $target/$bin is missing (cargo build --release)" >&2; exit 1; }
+done
 work="$(mktemp -d /tmp/redis-restart.XXXXXX)"
 pids=()
 cleanup() {
@@ -40,11 +43,20 @@ trap cleanup EXIT
 trap 'exit 130' INT TERM
 
 start_redis() {
+  # It kills and restarts this Redis: never one it did not start.
+  if redis-cli -p "$rport" ping >/dev/null 2>&1; then
+    echo "redis-restart: something already answers on port $rport; set REDIS_RESTART_PORT to a free one" >&2
+    exit 1
+  fi
   redis-server --port "$rport" --bind 127.0.0.1 --save "" --appendonly no --daemonize no \
     >"$work/redis.log" 2>&1 &
   rpid=$!; pids+=("$rpid")
-  for _ in $(seq 100); do redis-cli -p "$rport" ping >/dev/null 2>&1 && return; sleep 0.05; done
-  echo "redis-restart: redis-server did not start" >&2; exit 1
+  for _ in $(seq 100); do
+    redis-cli -p "$rport" ping >/dev/null 2>&1 && return
+    kill -0 "$rpid" 2>/dev/null || break
+    sleep 0.05
+  done
+  echo "redis-restart: redis-server did not start: $(tail -1 "$work/redis.log")" >&2; exit 1
 }
 metric() {
   curl -s "http://127.0.0.1:$aport/metrics" | awk -v k="$1" 'index($0, k) == 1 { print int($2) }'
