@@ -309,6 +309,31 @@ fn readyz_says_when_redis_refuses_the_brokers_password() {
     );
 }
 
+/// Redis restarts empty: the broker learns it from its subscription at once, and must put its
+/// leases back then, not when its command connection next makes a call (a heartbeat or a
+/// lease refresh, seconds later at the defaults) and only then starts its own reconnect.
+#[test]
+fn after_a_redis_restart_the_leases_come_back_without_waiting_for_a_heartbeat() {
+    let mut redis = RedisServer::start();
+    // Default refresh and heartbeat: nothing else calls Redis for seconds.
+    let a = fleet_broker(&redis, "fe-a", &[]);
+    let (_ws, boot, _) = a.rig("rig-back");
+    assert_eq!(owner(&redis, "rig-back"), Some(format!("{boot}|fe-a")));
+    redis.restart();
+    let back = Instant::now();
+    let mut probe = redis.connection();
+    let mut lease = || -> Option<String> { probe.get("rig:rig-back").unwrap() };
+    while lease().is_none() {
+        assert!(
+            back.elapsed() < Duration::from_millis(1500),
+            "no lease {:?} after Redis came back",
+            back.elapsed()
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(lease(), Some(format!("{boot}|fe-a")));
+}
+
 #[test]
 fn readiness_follows_redis_and_rigs_survive_an_outage() {
     let mut redis = RedisServer::start();

@@ -76,6 +76,14 @@ fn plain_timeout(why: String) -> String {
     format!("no answer in time (a hung Redis, or one paused for writes): {why}")
 }
 
+/// Whether `con` still answers, asked with a PING under [`PROBE_TIMEOUT`] (PING is not a write,
+/// so a Redis paused for writes answers it).
+fn answers_ping(con: &mut redis::Connection) -> bool {
+    let probe = con.set_read_timeout(Some(PROBE_TIMEOUT)).is_ok()
+        && redis::cmd("PING").query::<String>(con).is_ok();
+    probe && con.set_read_timeout(Some(IO_TIMEOUT)).is_ok()
+}
+
 /// Whether Redis answered a command with a refusal that sending it again would repeat, as
 /// opposed to a broken connection or a passing state (loading, a failover, a busy script).
 fn refused(e: &redis::RedisError) -> bool {
@@ -776,9 +784,16 @@ impl Fleet {
         match sub.read() {
             Ok(pushes) => pushes,
             Err(e) => {
-                // The subscription alone: the command connection is sound, and what it holds
-                // (queued publishes, the scripts) stays.
+                // The subscription alone, unless the command connection is gone too: a
+                // subscription usually ends because Redis did (a restart), and the command
+                // connection would only find out at its next call, a heartbeat later, and
+                // start its own reconnect then, putting the leases and sessions back a second
+                // or two late. Asked now, both reconnect together. A sound one stays, with
+                // what it holds (queued publishes, the scripts).
                 self.sub = None;
+                if self.con.as_mut().is_some_and(|con| !answers_ping(con)) {
+                    self.con = None;
+                }
                 self.back_off(Instant::now(), &e);
                 Vec::new()
             }
