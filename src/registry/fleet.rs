@@ -226,6 +226,11 @@ impl Fleet {
         std::mem::take(&mut self.down_why_changed).then(|| self.down_why.clone())
     }
 
+    /// When the next reconnect attempt is due, while a connection is down.
+    pub(crate) fn reconnect_due(&self) -> Option<Instant> {
+        (!self.is_up()).then_some(self.next_attempt)
+    }
+
     /// True while both connections are up.
     pub(crate) fn is_up(&self) -> bool {
         self.con.is_some() && self.sub.is_some()

@@ -205,12 +205,17 @@ impl Bridge {
     /// Sleeps until the doorbell rings, the subscription has data, or the next timer is due.
     fn sleep(&self, inbox: &Inbox<ToBridge>, now: Instant) {
         let mut next = self.next_expire;
-        if self.fleet.is_some() {
+        if let Some(f) = self.fleet.as_ref() {
             next = next
                 .min(self.next_refresh)
                 .min(self.next_touch)
                 .min(self.next_heartbeat)
                 .min(self.next_canary);
+            // A reconnect is due at its backoff, not at whatever timer comes next (up to a
+            // second later: the sessions after a Redis restart went back that late).
+            if let Some(at) = f.reconnect_due() {
+                next = next.min(at);
+            }
         }
         if let Some(b) = self.broadcasts.values().map(|b| b.deadline).min() {
             next = next.min(b);
