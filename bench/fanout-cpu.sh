@@ -104,7 +104,11 @@ for ((r = 1; r <= rounds; r++)); do
     # shellcheck disable=SC2046  # plain words
     $(broker_cmd "$b") >"$work/broker.log" 2>&1 &
     bpid=$!; pids+=("$bpid")
-    for _ in $(seq 300); do curl -sf -o /dev/null "http://127.0.0.1:$aport/readyz" && break; sleep 0.1; done
+    for _ in $(seq 300); do
+      curl -sf -o /dev/null "http://127.0.0.1:$aport/readyz" && break
+      kill -0 "$bpid" 2>/dev/null || { echo "fanout-cpu: $b exited at start: $(tail -2 "$work/broker.log")" >&2; exit 1; }
+      sleep 0.1
+    done
     "$target/fleetlink-loadgen" rigs --url "ws://127.0.0.1:$lport/agent" --rigs "$rigs" --prefix rig \
       --hold 120s --max-time 200s --until-commands $((rigs * fanouts)) --report "$work/rigs.json" \
       >"$work/rigs.out" 2>"$work/rigs.err" &
