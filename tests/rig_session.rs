@@ -653,6 +653,14 @@ fn same_boot_reconnect_continues_the_session() {
     assert_eq!(read_close(&mut a), 4410);
 }
 
+/// Sends the rig's ack of `seq`.
+fn ack(ws: &mut Ws, seq: u64) {
+    ws.send(Message::Text(
+        json!({"type":"ack","seq":seq}).to_string().into(),
+    ))
+    .unwrap();
+}
+
 /// An ack names one command (CONTRACT.md §2): acking seq 2 of 1–3 leaves 1 and 3 unacked, and
 /// a resume from `last_seq` 0 gives back exactly those two (before, an ack also forgot every
 /// lower seq, so seq 1 vanished without a trace).
@@ -667,11 +675,7 @@ fn an_ack_covers_its_own_seq_only() {
         assert_eq!(r["seq"], seq);
         assert_eq!(read_json(&mut first)["seq"], seq);
     }
-    first
-        .send(Message::Text(
-            json!({"type":"ack","seq":2}).to_string().into(),
-        ))
-        .unwrap();
+    ack(&mut first, 2);
     b.wait_metric("fleetlink_commands_total{result=\"acked\"} 1");
     let mut again = b.connect("/agent");
     assert_eq!(
@@ -693,12 +697,6 @@ fn an_ack_covers_its_own_seq_only() {
 fn acks_repeated_after_a_resume_are_not_counted_again() {
     let b = Broker::start(&[]);
     let boot = boot_id();
-    let ack = |ws: &mut Ws, seq: u64| {
-        ws.send(Message::Text(
-            json!({"type":"ack","seq":seq}).to_string().into(),
-        ))
-        .unwrap();
-    };
     let last_ack_seq = || {
         let rigs: Value = serde_json::from_str(&b.http("GET", "/v1/rigs", "").1).unwrap();
         rigs[0]["last_ack_seq"].as_u64()
@@ -746,12 +744,6 @@ fn an_ack_of_a_command_not_yet_written_is_ignored() {
     for seq in 1..=8u64 {
         assert_eq!(read_json(&mut ws)["seq"], seq);
     }
-    let ack = |ws: &mut Ws, seq: u64| {
-        ws.send(Message::Text(
-            json!({"type":"ack","seq":seq}).to_string().into(),
-        ))
-        .unwrap();
-    };
     ack(&mut ws, 9);
     ack(&mut ws, 1);
     b.wait_metric("fleetlink_commands_total{result=\"acked\"} 1");
