@@ -295,6 +295,15 @@ fn client_verifier(
 ) -> Result<Arc<dyn rustls::server::danger::ClientCertVerifier>, TlsError> {
     let mut roots = RootCertStore::empty();
     let ca_certs = read_certs(ca)?;
+    for (index, subject) in not_cas(&ca_certs) {
+        // Taken (rustls trusts any certificate as an anchor), but most likely the wrong file:
+        // a rig's own certificate, say, instead of the CA that issued it.
+        log::warn!(
+            "{}: certificate #{index} ({subject}) is not a CA certificate (no basicConstraints \
+             CA:TRUE); no rig certificate is likely to chain to it",
+            ca.display()
+        );
+    }
     // (raw DER, text) of each client CA's subject.
     let subjects: Vec<(Vec<u8>, String)> = ca_certs
         .iter()
@@ -359,6 +368,18 @@ fn client_verifier(
             path: ca.to_owned(),
             source,
         })
+}
+
+/// The certificates of a CA bundle (position from 1, subject) that are not CA certificates.
+fn not_cas(certs: &[CertificateDer<'_>]) -> Vec<(usize, String)> {
+    certs
+        .iter()
+        .enumerate()
+        .filter_map(|(i, der)| {
+            let (_, cert) = x509_parser::parse_x509_certificate(der).ok()?;
+            (!cert.is_ca()).then(|| (i + 1, cert.subject().to_string()))
+        })
+        .collect()
 }
 
 /// The client CAs (raw subject, text) that issued none of the CRLs (raw issuer, text).
@@ -442,13 +463,34 @@ fn read_pem(path: &Path) -> Result<Vec<Item>, TlsError> {
 
 #[cfg(test)]
 mod tests {
-    use super::without_crl;
+    use super::{not_cas, without_crl};
+    use rustls::pki_types::CertificateDer;
 
     fn named(pairs: &[(&[u8], &str)]) -> Vec<(Vec<u8>, String)> {
         pairs
             .iter()
             .map(|(raw, text)| (raw.to_vec(), text.to_string()))
             .collect()
+    }
+
+    #[test]
+    fn a_leaf_in_a_ca_bundle_is_named() {
+        use crate::dev_certs::{generate_rig, Ca};
+        let now = time::OffsetDateTime::now_utc();
+        let (from, until) = (
+            now - time::Duration::hours(1),
+            now + time::Duration::days(1),
+        );
+        let ca = Ca::new("bundle CA", from, until).expect("ca");
+        let rig = generate_rig(&ca, "rig-0001", from, until).expect("rig");
+        let pem = format!("{}{}", ca.cert_pem(), rig.cert_pem);
+        let certs: Vec<CertificateDer<'static>> = rustls_pemfile::certs(&mut pem.as_bytes())
+            .collect::<Result<_, _>>()
+            .expect("pem");
+        let named = not_cas(&certs);
+        assert_eq!(named.len(), 1, "{named:?}");
+        assert_eq!(named[0].0, 2);
+        assert!(named[0].1.contains("rig-0001"), "{named:?}");
     }
 
     #[test]
