@@ -167,16 +167,7 @@ fn on_readable(core: &Core, conn: &Conn) -> usize {
         Ok(Some(read)) => read,
         Ok(None) => return 0,
         Err(reason) => {
-            // Gone before its request head was complete: the upgrade request's result. (A
-            // failed TLS handshake has its own counter.)
-            if st.phase == Phase::Handshake && st.close_code.is_none() && reason != TLS_FAILED {
-                core.metrics.inc(C::HeadAbandoned);
-            }
-            if st.phase != Phase::Closing && st.close_code.is_none() {
-                st.close_reason = reason.into();
-            }
-            st.phase = Phase::Done;
-            st.drop_output();
+            input_ended(core, &mut st, reason);
             return 0;
         }
     };
@@ -198,16 +189,24 @@ fn on_readable(core: &Core, conn: &Conn) -> usize {
     if last {
         // The peer's TLS close_notify came with these bytes: it sends nothing more, and no
         // readiness will tell us, so the connection ends as at EOF.
-        if st.phase == Phase::Handshake && st.close_code.is_none() {
-            core.metrics.inc(C::HeadAbandoned);
-        }
-        if st.phase != Phase::Closing && st.close_code.is_none() {
-            st.close_reason = PEER_CLOSED.into();
-        }
-        st.phase = Phase::Done;
-        st.drop_output();
+        input_ended(core, &mut st, PEER_CLOSED);
     }
     n
+}
+
+/// The connection's input is over (EOF, reset, a TLS failure or close_notify): it ends, with
+/// `reason` unless a close already gave one.
+fn input_ended(core: &Core, st: &mut ConnState, reason: &'static str) {
+    // Gone before its request head was complete: the upgrade request's result. (A failed TLS
+    // handshake has its own counter.)
+    if st.phase == Phase::Handshake && st.close_code.is_none() && reason != TLS_FAILED {
+        core.metrics.inc(C::HeadAbandoned);
+    }
+    if st.phase != Phase::Closing && st.close_code.is_none() {
+        st.close_reason = reason.into();
+    }
+    st.phase = Phase::Done;
+    st.drop_output();
 }
 
 /// Reads plaintext into `buf`: Ok(Some((n, last))) with n > 0 (`last`: the peer sends nothing
