@@ -265,27 +265,98 @@ fn a_certificate_that_names_nothing_grants_no_rig() {
     b.wait_metric("fleetlink_identity_mismatch_total 1");
 }
 
-/// Over `--max-connections` a TLS client gets the close alone: a plain-text 503 would reach
-/// it as a TLS record error, and a handshake just to refuse is what a storm cannot afford.
+/// The status and `Retry-After` of an upgrade the broker refused over TLS; panics if it was
+/// taken or failed some other way.
+fn refused_status(b: &Broker, ca: &Path, cert: (&Path, &Path)) -> (u16, Option<String>) {
+    let tcp = TcpStream::connect(b.listen).unwrap();
+    tcp.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let conn = rustls::ClientConnection::new(
+        client_config(ca, Some(cert)),
+        ServerName::try_from("localhost").unwrap(),
+    )
+    .unwrap();
+    let stream = rustls::StreamOwned::new(conn, tcp);
+    let url = format!("wss://localhost:{}/agent", b.listen.port());
+    match tungstenite::client(url, stream) {
+        Ok(_) => panic!("the upgrade was taken"),
+        Err(tungstenite::HandshakeError::Failure(tungstenite::Error::Http(resp))) => (
+            resp.status().as_u16(),
+            resp.headers()
+                .get("retry-after")
+                .map(|v| v.to_str().unwrap().to_string()),
+        ),
+        Err(e) => panic!("expected an HTTP answer, got: {e}"),
+    }
+}
+
+/// Over `--max-connections` a TLS client reads the contract's 503 and `Retry-After` through
+/// TLS (CONTRACT.md §2), as a plain client does; sent in plain text it would reach the client
+/// as a TLS record error.
 #[test]
-fn a_tls_connection_over_capacity_is_closed_without_plain_text() {
+fn a_tls_connection_over_capacity_reads_its_503_through_tls() {
     let dir = Dir::new("full");
-    let pki = dev_certs::generate(&dir.0, 1, &[]).unwrap();
+    let pki = dev_certs::generate(&dir.0, 2, &[]).unwrap();
     let b = tls_broker(&pki, &dir.0, &["--max-connections", "1", "--cores", "1"]);
-    let r1 = &pki.rigs[0];
+    let (r1, r2) = (&pki.rigs[0], &pki.rigs[1]);
     let mut ws = wss(&b, &pki.ca_cert, Some((&r1.cert, &r1.key)), &[]).unwrap();
     assert_eq!(hello(&mut ws, &r1.rig_id)["type"], "welcome");
-    let mut over = TcpStream::connect(b.listen).unwrap();
-    over.set_read_timeout(Some(Duration::from_secs(10)))
-        .unwrap();
-    let mut got = Vec::new();
-    // The close comes whatever the client sends; its bytes may reset the socket instead.
-    closed_by_peer(&mut over, &mut got);
-    assert!(got.is_empty(), "{:?}", String::from_utf8_lossy(&got));
-    b.wait_metric("fleetlink_accepts_total{result=\"over_capacity\"} 1");
-    // The rig inside the limit is served on.
+    for _ in 0..2 {
+        let (status, retry) = refused_status(&b, &pki.ca_cert, (&r2.cert, &r2.key));
+        assert_eq!(status, 503);
+        let retry: u32 = retry.expect("Retry-After").parse().unwrap();
+        assert!((5..=15).contains(&retry), "Retry-After {retry}");
+    }
+    b.wait_metric("fleetlink_accepts_total{result=\"over_capacity\"} 2");
+    // A refusal is one result: no abandoned request, no connection counted, the cap's one
+    // place still the rig's.
+    assert_eq!(
+        b.metric("fleetlink_upgrades_total{result=\"abandoned\"}"),
+        0
+    );
+    assert_eq!(b.metric("fleetlink_connections{core=\"0\"}"), 1);
     let (status, reply) = b.command(&r1.rig_id, "uptime", json!({}));
     assert_eq!(status, 200, "{reply}");
+    drop(ws);
+    b.wait_metric("fleetlink_connections{core=\"0\"} 0");
+    let mut ws = wss(&b, &pki.ca_cert, Some((&r2.cert, &r2.key)), &[]).unwrap();
+    assert_eq!(hello(&mut ws, &r2.rig_id)["type"], "welcome");
+}
+
+/// A refusal over TLS costs the broker a handshake, so refusals have a budget of their own
+/// (the accept bucket's rate and burst): past it a connection is closed unanswered and
+/// counted as shed.
+#[test]
+fn tls_refusals_past_their_budget_are_closed_unanswered() {
+    let dir = Dir::new("shed");
+    let pki = dev_certs::generate(&dir.0, 1, &[]).unwrap();
+    let args = [
+        "--max-connections",
+        "0",
+        "--cores",
+        "1",
+        "--accept-burst",
+        "2",
+        "--accept-rate",
+        "0.001",
+    ];
+    let b = tls_broker(&pki, &dir.0, &args);
+    let r1 = &pki.rigs[0];
+    for _ in 0..2 {
+        assert_eq!(refused_status(&b, &pki.ca_cert, (&r1.cert, &r1.key)).0, 503);
+    }
+    for _ in 0..2 {
+        let mut over = TcpStream::connect(b.listen).unwrap();
+        over.set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        let mut got = Vec::new();
+        closed_by_peer(&mut over, &mut got);
+        assert!(got.is_empty(), "{:?}", String::from_utf8_lossy(&got));
+    }
+    b.wait_metric("fleetlink_accepts_total{result=\"shed\"} 2");
+    assert_eq!(
+        b.metric("fleetlink_accepts_total{result=\"over_capacity\"}"),
+        2
+    );
 }
 
 #[test]

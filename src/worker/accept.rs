@@ -17,10 +17,20 @@ use crate::metrics::C;
 use crate::worker::bucket::TokenBucket;
 use crate::worker::conn;
 use crate::worker::core::{Conn, Core};
+use crate::worker::transport::Security;
 
 /// 503 answers in flight per core; beyond it a storm's connections are closed unanswered
 /// (counted as `shed`) so rejecting costs bounded memory.
 const MAX_REJECTING: u32 = 1024;
+/// The same for TLS, where each refusal holds a TLS session (tens of KB) through its
+/// handshake.
+const MAX_TLS_REJECTING: u32 = 256;
+
+/// The core's share of the accept bucket, and of the budget for TLS refusals (`reject_tls`).
+struct Buckets {
+    accepts: TokenBucket,
+    tls_refusals: TokenBucket,
+}
 
 /// Binds one listener per core on `addr`, all on the same port (SO_REUSEPORT lets the kernel
 /// spread connections across them). Port 0 is resolved by the first bind.
@@ -51,7 +61,11 @@ pub fn bind_listeners(
 pub(crate) async fn run(core: Rc<Core>, listener: TcpListener) {
     let cores = core.cfg.cores as f64;
     let burst = (core.cfg.accept_burst as f64 / cores).max(1.0);
-    let mut bucket = TokenBucket::new(core.cfg.accept_rate / cores, burst, Instant::now());
+    let rate = core.cfg.accept_rate / cores;
+    let mut buckets = Buckets {
+        accepts: TokenBucket::new(rate, burst, Instant::now()),
+        tls_refusals: TokenBucket::new(rate, burst, Instant::now()),
+    };
     let fd = listener.as_raw_fd();
     let mut stopping = false;
     loop {
@@ -76,7 +90,7 @@ pub(crate) async fn run(core: Rc<Core>, listener: TcpListener) {
                 core.metrics.inc(C::AcceptShed);
                 drop(stream);
             }
-            Ok((stream, _peer)) => admit(&core, &mut bucket, stream),
+            Ok((stream, _peer)) => admit(&core, &mut buckets, stream),
             Err(_) if stopping => return,
             Err(e) => {
                 core.metrics.inc(C::AcceptError);
@@ -92,17 +106,17 @@ pub(crate) async fn run(core: Rc<Core>, listener: TcpListener) {
     }
 }
 
-fn admit(core: &Rc<Core>, bucket: &mut TokenBucket, stream: TcpStream) {
+fn admit(core: &Rc<Core>, buckets: &mut Buckets, stream: TcpStream) {
     let cap = core.conn_cap.as_ref();
     if cap.is_some_and(|cap| !cap.try_take()) {
-        return reject(core, stream, C::AcceptOverCapacity);
+        return reject(core, buckets, stream, C::AcceptOverCapacity);
     }
     // The connection holds a place under the cap from here; an end before its task starts
     // gives it back (the task's end does otherwise).
     let give_back = || cap.inspect(|cap| cap.give_back());
-    if !bucket.try_take(Instant::now()) {
+    if !buckets.accepts.try_take(Instant::now()) {
         give_back();
-        return reject(core, stream, C::AcceptRateLimited);
+        return reject(core, buckets, stream, C::AcceptRateLimited);
     }
     let Ok(sec) = core.new_security() else {
         give_back();
@@ -113,6 +127,11 @@ fn admit(core: &Rc<Core>, bucket: &mut TokenBucket, stream: TcpStream) {
     core.metrics
         .connections
         .set(core.metrics.connections.get() + 1);
+    serve(core, stream, sec);
+}
+
+/// Starts the task of an accepted connection.
+fn serve(core: &Rc<Core>, stream: TcpStream, sec: Option<Box<Security>>) {
     let id = core.next_conn_id();
     let conn = Rc::new(Conn::new(core, id, stream.as_raw_fd()));
     {
@@ -135,35 +154,31 @@ fn admit(core: &Rc<Core>, bucket: &mut TokenBucket, stream: TcpStream) {
     monoio::spawn(task);
 }
 
-/// `503 Service Unavailable` with `Retry-After: 5..=15` (CONTRACT.md §2), then close; on a
-/// TLS listener, the close alone.
-fn reject(core: &Rc<Core>, stream: TcpStream, why: C) {
+/// `503 Service Unavailable` with `Retry-After: 5..=15` (CONTRACT.md §2), then close.
+fn reject(core: &Rc<Core>, buckets: &mut Buckets, stream: TcpStream, why: C) {
     // One result per connection: a shed one is counted as shed alone, so the results add up
     // to the connections accepted.
     if core.rejecting.get() >= MAX_REJECTING {
         core.metrics.inc(C::AcceptShed);
         return;
     }
+    if core.tls.borrow().is_some() {
+        return reject_tls(core, buckets, stream, why);
+    }
     core.metrics.inc(why);
     core.rejecting.set(core.rejecting.get() + 1);
-    // A TLS client could read the 503 only after a handshake, which is what a storm cannot
-    // afford; plain text would reach it as a record error. It gets the close alone, and
-    // retries as it would after any failed connect.
-    let plain = core.tls.borrow().is_none();
     let core = core.clone();
     monoio::spawn(async move {
         let fd = stream.as_raw_fd();
         let answer = http_upgrade::service_unavailable(fastrand::u32(5..=15));
         // SAFETY: fd is the open socket owned by `stream`; the answer fits an empty send buffer.
         unsafe {
-            if plain {
-                libc::send(
-                    fd,
-                    answer.as_ptr().cast(),
-                    answer.len(),
-                    libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
-                );
-            }
+            libc::send(
+                fd,
+                answer.as_ptr().cast(),
+                answer.len(),
+                libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
+            );
             libc::shutdown(fd, libc::SHUT_WR);
         }
         // Read the request (and the peer's FIN) so closing does not reset our answer away.
@@ -175,6 +190,27 @@ fn reject(core: &Rc<Core>, stream: TcpStream, why: C) {
         .await;
         core.rejecting.set(core.rejecting.get() - 1);
     });
+}
+
+/// A TLS client can read a 503 only after a full handshake, so a refused connection is served
+/// as far as its request (the session answers it; `ConnState::refusing`). Those handshakes
+/// have a budget of their own, the accept bucket's rate and burst, so refusing a storm costs
+/// at most the CPU admitting it would; past the budget a connection is closed unanswered
+/// (`shed`), and its client retries as after any failed connect.
+fn reject_tls(core: &Rc<Core>, buckets: &mut Buckets, stream: TcpStream, why: C) {
+    if core.rejecting.get() >= MAX_TLS_REJECTING || !buckets.tls_refusals.try_take(Instant::now()) {
+        core.metrics.inc(C::AcceptShed);
+        return;
+    }
+    let Ok(Some(mut sec)) = core.new_security() else {
+        core.metrics.inc(C::AcceptError);
+        return;
+    };
+    sec.refusing = true;
+    core.metrics.inc(why);
+    // Counted among the refusals in flight, not the connections: the task's end gives it back.
+    core.rejecting.set(core.rejecting.get() + 1);
+    serve(core, stream, Some(sec));
 }
 
 #[cfg(test)]

@@ -198,8 +198,12 @@ fn on_readable(core: &Core, conn: &Conn) -> usize {
 /// `reason` unless a close already gave one.
 fn input_ended(core: &Core, st: &mut ConnState, reason: &'static str) {
     // Gone before its request head was complete: the upgrade request's result. (A failed TLS
-    // handshake has its own counter.)
-    if st.phase == Phase::Handshake && st.close_code.is_none() && reason != TLS_FAILED {
+    // handshake has its own counter; a refusal was counted at accept.)
+    if st.phase == Phase::Handshake
+        && st.close_code.is_none()
+        && reason != TLS_FAILED
+        && !st.refusing()
+    {
         core.metrics.inc(C::HeadAbandoned);
     }
     if st.phase != Phase::Closing && st.close_code.is_none() {
@@ -321,11 +325,16 @@ async fn finish(core: &Core, conn: &Conn, stream: &TcpStream) {
         await_fin(core, stream, deadline).await;
     }
     core.conns.borrow_mut().remove(&conn.id);
-    core.metrics
-        .connections
-        .set(core.metrics.connections.get().saturating_sub(1));
-    if let Some(cap) = &core.conn_cap {
-        cap.give_back();
+    if conn.st.borrow().refusing() {
+        // A refusal held no place under the cap and was never counted as a connection.
+        core.rejecting.set(core.rejecting.get().saturating_sub(1));
+    } else {
+        core.metrics
+            .connections
+            .set(core.metrics.connections.get().saturating_sub(1));
+        if let Some(cap) = &core.conn_cap {
+            cap.give_back();
+        }
     }
     {
         let mut st = conn.st.borrow_mut();

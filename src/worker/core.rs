@@ -252,6 +252,7 @@ impl Core {
             peer_ids: None,
             scope: None,
             token_rig: None,
+            refusing: false,
         })))
     }
 
@@ -683,6 +684,11 @@ impl ConnState {
     /// The output buffer (allocated on first use).
     pub(crate) fn out(&mut self) -> &mut Vec<u8> {
         &mut self.bufs.get_or_insert_with(Box::default).out
+    }
+
+    /// Refused at accept and served only to hand its 503 through TLS (`accept::reject`).
+    pub(crate) fn refusing(&self) -> bool {
+        self.sec.as_ref().is_some_and(|s| s.refusing)
     }
 
     /// Whether the connection runs over TLS.

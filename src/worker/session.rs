@@ -44,6 +44,16 @@ pub(crate) fn consume(core: &Core, conn: &Conn, st: &mut ConnState, input: &[u8]
         }
         let rest = input.get(pos..).unwrap_or_default();
         if st.phase == Phase::Handshake {
+            if st.refusing() {
+                // Refused at accept; TLS is up now, so the client can read why.
+                conn.send_raw(
+                    st,
+                    &http_upgrade::service_unavailable(fastrand::u32(5..=15)),
+                );
+                st.phase = Phase::Done;
+                pos = input.len();
+                break;
+            }
             match http_upgrade::parse_request(rest, MAX_HEAD, |p| known_path(core, p)) {
                 Ok(None) => break,
                 Ok(Some((len, req))) => {

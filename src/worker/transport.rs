@@ -24,6 +24,9 @@ pub(crate) struct Security {
     pub(crate) scope: Option<Scope>,
     /// The token's `rig_id` claim, when it has one.
     pub(crate) token_rig: Option<String>,
+    /// Refused at accept (over `--max-connections` or the accept bucket): served only as far
+    /// as the handshake, so the client can read its 503 through TLS.
+    pub(crate) refusing: bool,
 }
 
 /// The raw socket as `Read`/`Write` for rustls (non-blocking; WouldBlock passes through).
