@@ -82,6 +82,8 @@ pub struct Admin {
     pub drain: Sender<()>,
     /// The last figures of cores that stopped at the end of a drain.
     pub retired: Arc<Retired>,
+    /// The TLS material in force, for its expiry in `/metrics` (None: plain ws).
+    pub tls: Option<Arc<crate::tls::TlsReloader>>,
 }
 
 impl Admin {
@@ -93,6 +95,7 @@ impl Admin {
         draining: Arc<AtomicBool>,
         drain: Sender<()>,
         retired: Arc<Retired>,
+        tls: Option<Arc<crate::tls::TlsReloader>>,
     ) -> Self {
         Self {
             bridge,
@@ -101,6 +104,7 @@ impl Admin {
             draining,
             drain,
             retired,
+            tls,
         }
     }
 }
@@ -736,7 +740,10 @@ fn route(admin: &Admin, req: &Request) -> Answer {
                 return answer;
             }
             let stats = admin.bridge_stats.stats(admin.bridge.len());
-            let text = metrics::render(&snaps, &stats, admin.draining.load(Ordering::SeqCst));
+            let mut text = metrics::render(&snaps, &stats, admin.draining.load(Ordering::SeqCst));
+            if let Some(tls) = &admin.tls {
+                metrics::render_tls(&mut text, tls.validity());
+            }
             (200, "text/plain; version=0.0.4", text.into_bytes())
         }
         ("GET", ["v1", "rigs"]) => {

@@ -146,6 +146,7 @@ fn run(cfg: Config) -> anyhow::Result<()> {
         draining.clone(),
         drain_tx.clone(),
         retired,
+        guard.tls.clone(),
     ));
     admin::spawn(admin_listener, admin, pool)?;
     let (signal_tx, signal_rx) = crossbeam_channel::bounded::<&'static str>(4);

@@ -439,6 +439,14 @@ const HELP: &[(&str, &str)] = &[
     ),
     ("fleetlink_draining", "1 from the start of a drain."),
     (
+        "fleetlink_tls_cert_expiry_timestamp_seconds",
+        "When the served TLS certificate expires (Unix time).",
+    ),
+    (
+        "fleetlink_tls_crl_next_update_timestamp_seconds",
+        "The earliest nextUpdate of the CRLs in force (Unix time): past it they are stale.",
+    ),
+    (
         "fleetlink_heap_live_bytes",
         "Live heap bytes (heap-stats builds only).",
     ),
@@ -447,6 +455,27 @@ const HELP: &[(&str, &str)] = &[
         "Live heap allocations (heap-stats builds only).",
     ),
 ];
+
+/// Appends when the TLS material in force stops being usable, as far as it is known: an
+/// expired certificate or a stale CRL shows only as rigs failing their next handshake.
+pub fn render_tls(out: &mut String, validity: crate::tls::Validity) {
+    let gauges = [
+        (
+            "fleetlink_tls_cert_expiry_timestamp_seconds",
+            validity.cert_not_after,
+        ),
+        (
+            "fleetlink_tls_crl_next_update_timestamp_seconds",
+            validity.crl_next_update,
+        ),
+    ];
+    for (name, at) in gauges {
+        if let Some(at) = at {
+            family(out, name, "gauge");
+            let _ = writeln!(out, "{name} {at}");
+        }
+    }
+}
 
 /// Writes a family's `# HELP` and `# TYPE` lines.
 fn family(out: &mut String, name: &str, kind: &str) {

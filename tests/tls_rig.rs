@@ -585,3 +585,53 @@ fn bearer_tokens_gate_upgrades_and_commands() {
     .unwrap();
     assert_eq!(read_close(&mut liar), 4403);
 }
+
+/// The end of a certificate file's first certificate (Unix seconds).
+fn not_after(path: &Path) -> i64 {
+    let der = certs(path).remove(0);
+    let (_, cert) = x509_parser::parse_x509_certificate(&der).unwrap();
+    cert.validity().not_after.timestamp()
+}
+
+/// `/metrics` says when the served certificate expires and when the CRLs go stale, and follows
+/// a reload: an expired certificate or a stale CRL would otherwise show only as rigs failing
+/// their next handshake.
+#[test]
+fn metrics_say_when_the_certificate_and_the_crls_expire() {
+    let dir = Dir::new("expiry");
+    let pki = dev_certs::generate(&dir.0, 1, &[]).unwrap();
+    let b = tls_broker(&pki, &dir.0, &[]);
+    let cert_series = "fleetlink_tls_cert_expiry_timestamp_seconds";
+    assert_eq!(b.metric(cert_series) as i64, not_after(&pki.broker_cert));
+    // dev-certs' CRLs are good for 30 days from when they are written.
+    let crl_next = b.metric("fleetlink_tls_crl_next_update_timestamp_seconds") as i64;
+    let now = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_secs() as i64;
+    let in_30_days = now + 30 * 24 * 3600;
+    assert!(
+        (in_30_days - 120..=in_30_days).contains(&crl_next),
+        "{crl_next} against {in_30_days}"
+    );
+
+    // A certificate renewed in place is served, and its end reported, after the reload.
+    let now_t = time::OffsetDateTime::now_utc();
+    let renewed = dev_certs::generate_broker(
+        &pki.ca,
+        &["localhost".into()],
+        now_t - time::Duration::hours(1),
+        now_t + time::Duration::days(20),
+    )
+    .unwrap();
+    let (cert, key) = renewed.write(&dir.0, "renewed").unwrap();
+    let until = not_after(&cert);
+    assert_ne!(until, not_after(&pki.broker_cert));
+    std::fs::rename(&key, &pki.broker_key).unwrap();
+    std::fs::rename(&cert, &pki.broker_cert).unwrap();
+    eventually(
+        Duration::from_secs(10),
+        "the renewed certificate's end",
+        || b.metric(cert_series) as i64 == until,
+    );
+}

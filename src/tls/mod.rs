@@ -185,11 +185,12 @@ pub enum TlsError {
 /// Warn when the broker's certificate has less than this left.
 const EXPIRY_WARNING: Duration = Duration::from_secs(14 * 24 * 3600);
 
-/// Refuses a leaf certificate outside its validity period, and warns when it ends soon.
-fn check_validity(path: &Path, leaf: &CertificateDer<'_>) -> Result<(), TlsError> {
+/// Refuses a leaf certificate outside its validity period, and warns when it ends soon;
+/// returns its end (Unix seconds) when it can be read.
+fn check_validity(path: &Path, leaf: &CertificateDer<'_>) -> Result<Option<i64>, TlsError> {
     let Ok((_, cert)) = x509_parser::parse_x509_certificate(leaf) else {
         // rustls judges what it can parse; a certificate it takes is not ours to refuse.
-        return Ok(());
+        return Ok(None);
     };
     let now = SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -221,7 +222,7 @@ fn check_validity(path: &Path, leaf: &CertificateDer<'_>) -> Result<(), TlsError
             (until - now) / 3600
         );
     }
-    Ok(())
+    Ok(Some(until))
 }
 
 /// rustls' words for a refused certificate/key pair are its enum's names; an operator needs to
@@ -246,17 +247,37 @@ fn cert_key_words(e: &rustls::Error) -> String {
 /// [`WebPkiClientVerifier`] that requires a client certificate chaining to the bundle and
 /// checks it against the CRLs. Reads every file once; does no other IO.
 pub fn build_server_config(paths: &TlsPaths) -> Result<Arc<ServerConfig>, TlsError> {
+    build(paths).map(|(config, _)| config)
+}
+
+/// When the TLS material in force stops being usable, for the metrics operators alert on.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Validity {
+    /// The served certificate's end (Unix seconds), when it could be read.
+    pub cert_not_after: Option<i64>,
+    /// The earliest `nextUpdate` among the CRLs (Unix seconds): past it a CRL still revokes,
+    /// but is stale. None without CRLs, or when none says.
+    pub crl_next_update: Option<i64>,
+}
+
+/// [`build_server_config`], and when what it read stops being usable.
+pub fn build(paths: &TlsPaths) -> Result<(Arc<ServerConfig>, Validity), TlsError> {
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let chain = read_certs(&paths.cert)?;
+    let mut validity = Validity::default();
     if let Some(leaf) = chain.first() {
-        check_validity(&paths.cert, leaf)?;
+        validity.cert_not_after = check_validity(&paths.cert, leaf)?;
     }
     let key = read_key(&paths.key)?;
     let builder = ServerConfig::builder_with_provider(provider.clone())
         .with_protocol_versions(&[&rustls::version::TLS13, &rustls::version::TLS12])
         .map_err(TlsError::Config)?;
     let builder = match &paths.client_ca {
-        Some(ca) => builder.with_client_cert_verifier(client_verifier(ca, &paths.crl, provider)?),
+        Some(ca) => {
+            let (verifier, next_update) = client_verifier(ca, &paths.crl, provider)?;
+            validity.crl_next_update = next_update;
+            builder.with_client_cert_verifier(verifier)
+        }
         None => match paths.crl.first() {
             Some(path) => return Err(TlsError::CrlWithoutClientCa { path: path.clone() }),
             None => builder.with_no_client_auth(),
@@ -276,7 +297,7 @@ pub fn build_server_config(paths: &TlsPaths) -> Result<Arc<ServerConfig>, TlsErr
     // 16 KiB records: smaller ones would not lower per-connection memory (bounded by
     // SEND_BUFFER_LIMIT either way), only add a header and tag per record.
     config.max_fragment_size = None;
-    Ok(Arc::new(config))
+    Ok((Arc::new(config), validity))
 }
 
 /// A server connection for one accepted socket, with [`SEND_BUFFER_LIMIT`] applied.
@@ -287,12 +308,19 @@ pub fn new_connection(config: Arc<ServerConfig>) -> Result<ServerConnection, rus
 }
 
 /// The client verifier: certs required, chained to `ca`, checked against every CRL in `crls`.
-/// Each CRL file is first tried alone so an unusable one is named in the error.
+/// Each CRL file is first tried alone so an unusable one is named in the error. Also returns
+/// the CRLs' earliest `nextUpdate`.
 fn client_verifier(
     ca: &Path,
     crl_files: &[PathBuf],
     provider: Arc<CryptoProvider>,
-) -> Result<Arc<dyn rustls::server::danger::ClientCertVerifier>, TlsError> {
+) -> Result<
+    (
+        Arc<dyn rustls::server::danger::ClientCertVerifier>,
+        Option<i64>,
+    ),
+    TlsError,
+> {
     let mut roots = RootCertStore::empty();
     let ca_certs = read_certs(ca)?;
     for (index, subject) in not_cas(&ca_certs) {
@@ -330,15 +358,25 @@ fn client_verifier(
             })?;
         crls.extend(these);
     }
-    // (raw DER, text) of each CRL's issuer.
-    let issuers: Vec<(Vec<u8>, String)> = crls
+    let parsed: Vec<_> = crls
         .iter()
         .filter_map(|crl| x509_parser::parse_x509_crl(crl).ok())
-        .map(|(_, parsed)| {
-            let issuer = parsed.issuer();
+        .map(|(_, parsed)| parsed)
+        .collect();
+    let next_update = parsed
+        .iter()
+        .filter_map(|crl| crl.next_update())
+        .map(|t| t.timestamp())
+        .min();
+    // (raw DER, text) of each CRL's issuer.
+    let issuers: Vec<(Vec<u8>, String)> = parsed
+        .iter()
+        .map(|crl| {
+            let issuer = crl.issuer();
             (issuer.as_raw().to_vec(), issuer.to_string())
         })
         .collect();
+    drop(parsed);
     if let Some(first) = crl_files.first() {
         let uncovered = without_crl(&subjects, &issuers);
         if uncovered.len() == subjects.len() && !issuers.is_empty() {
@@ -361,13 +399,14 @@ fn client_verifier(
             );
         }
     }
-    WebPkiClientVerifier::builder_with_provider(roots, provider)
+    let verifier = WebPkiClientVerifier::builder_with_provider(roots, provider)
         .with_crls(crls)
         .build()
         .map_err(|source| TlsError::Verifier {
             path: ca.to_owned(),
             source,
-        })
+        })?;
+    Ok((verifier, next_update))
 }
 
 /// The certificates of a CA bundle (position from 1, subject) that are not CA certificates.

@@ -23,7 +23,7 @@ use rustls::ServerConfig;
 use signal_hook::consts::SIGHUP;
 use signal_hook::iterator::Signals;
 
-use super::{build_server_config, TlsError, TlsPaths};
+use super::{build, TlsError, TlsPaths, Validity};
 
 /// The TLS config in force, and how to rebuild it. Shared by `main`, the watcher and the cores.
 pub struct TlsReloader {
@@ -33,6 +33,8 @@ pub struct TlsReloader {
     generation: AtomicU64,
     /// The config in force and its generation, swapped as one.
     current: Mutex<(u64, Arc<ServerConfig>)>,
+    /// When the material in force stops being usable (for `/metrics`).
+    validity: Mutex<Validity>,
     /// Held for a whole reload, so reloads from the watcher and SIGHUP do not interleave;
     /// holds the file stamps of the last attempt, good or bad, so a bad file set is not retried
     /// until it changes again.
@@ -43,11 +45,12 @@ impl TlsReloader {
     /// Builds the first config (generation 0) from `paths`.
     pub fn new(paths: TlsPaths) -> Result<Arc<TlsReloader>, TlsError> {
         let stamps = stamps(&paths);
-        let config = build_server_config(&paths)?;
+        let (config, validity) = build(&paths)?;
         Ok(Arc::new(TlsReloader {
             paths,
             generation: AtomicU64::new(0),
             current: Mutex::new((0, config)),
+            validity: Mutex::new(validity),
             attempted: Mutex::new(stamps),
         }))
     }
@@ -62,6 +65,11 @@ impl TlsReloader {
         self.generation.load(Ordering::Acquire)
     }
 
+    /// When the certificate and the CRLs in force stop being usable.
+    pub fn validity(&self) -> Validity {
+        *lock(&self.validity)
+    }
+
     /// The config in force. Takes a lock: per connection, use a [`ConfigCache`] instead.
     pub fn current(&self) -> Arc<ServerConfig> {
         lock(&self.current).1.clone()
@@ -72,10 +80,11 @@ impl TlsReloader {
     pub fn reload(&self) -> Result<(), TlsError> {
         let mut attempted = lock(&self.attempted);
         *attempted = stamps(&self.paths);
-        let config = build_server_config(&self.paths)?;
+        let (config, validity) = build(&self.paths)?;
         let mut current = lock(&self.current);
         let generation = current.0 + 1;
         *current = (generation, config);
+        *lock(&self.validity) = validity;
         self.generation.store(generation, Ordering::Release);
         Ok(())
     }
