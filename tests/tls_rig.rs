@@ -296,7 +296,15 @@ fn refused_status(b: &Broker, ca: &Path, cert: (&Path, &Path)) -> (u16, Option<S
 fn a_tls_connection_over_capacity_reads_its_503_through_tls() {
     let dir = Dir::new("full");
     let pki = dev_certs::generate(&dir.0, 2, &[]).unwrap();
-    let b = tls_broker(&pki, &dir.0, &["--max-connections", "1", "--cores", "1"]);
+    let args = [
+        "--max-connections",
+        "1",
+        "--cores",
+        "1",
+        "--hello-timeout",
+        "1s",
+    ];
+    let b = tls_broker(&pki, &dir.0, &args);
     let (r1, r2) = (&pki.rigs[0], &pki.rigs[1]);
     let mut ws = wss(&b, &pki.ca_cert, Some((&r1.cert, &r1.key)), &[]).unwrap();
     assert_eq!(hello(&mut ws, &r1.rig_id)["type"], "welcome");
@@ -306,9 +314,19 @@ fn a_tls_connection_over_capacity_reads_its_503_through_tls() {
         let retry: u32 = retry.expect("Retry-After").parse().unwrap();
         assert!((5..=15).contains(&retry), "Retry-After {retry}");
     }
-    b.wait_metric("fleetlink_accepts_total{result=\"over_capacity\"} 2");
-    // A refusal is one result: no abandoned request, no connection counted, the cap's one
-    // place still the rig's.
+    // A client that never starts its TLS handshake is closed at the head timeout.
+    let mut silent = TcpStream::connect(b.listen).unwrap();
+    silent
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    closed_by_peer(&mut silent, &mut Vec::new());
+    b.wait_metric("fleetlink_accepts_total{result=\"over_capacity\"} 3");
+    // A refusal is one result: no abandoned or timed-out request, no connection counted, the
+    // cap's one place still the rig's.
+    assert_eq!(
+        b.metric("fleetlink_upgrades_total{result=\"head_timeout\"}"),
+        0
+    );
     assert_eq!(
         b.metric("fleetlink_upgrades_total{result=\"abandoned\"}"),
         0

@@ -48,7 +48,10 @@ pub(super) fn visit(core: &Core, id: ConnId) {
             Some(st.deadline)
         }
         Phase::Handshake => {
-            core.metrics.inc(C::HeadTimeout);
+            // A refusal was counted at accept: one result per connection.
+            if !st.refusing() {
+                core.metrics.inc(C::HeadTimeout);
+            }
             conn.close(&mut st, 1000, "");
             None
         }
