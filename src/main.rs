@@ -95,6 +95,20 @@ fn run(cfg: Config) -> anyhow::Result<()> {
         .context("no listener")?;
     let admin_listener =
         admin::bind(cfg.admin).with_context(|| format!("binding admin {}", cfg.admin))?;
+    if let Some(url) = &cfg.redis {
+        // Two brokers with one id would share one control channel: each command would reach
+        // both, and the one without the rig would answer `rig_not_connected` for a command
+        // the other ran.
+        if fleetlink::registry::fleet::broker_id_in_use(url, &cfg.broker_id) == Some(true) {
+            anyhow::bail!(
+                "another broker with --broker-id {} is running: something is subscribed to {}; \
+                 give each broker its own --broker-id (the default is the host name and the \
+                 --listen port)",
+                cfg.broker_id,
+                fleetlink::registry::fleet::broker_channel(&cfg.broker_id)
+            );
+        }
+    }
     let admin_addr = admin_listener.local_addr()?;
 
     let guard = security(cfg)?;

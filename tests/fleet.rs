@@ -957,3 +957,43 @@ fn a_killed_command_connection_leaves_the_subscription_and_loses_no_command() {
     }
     assert_eq!(numsub(&redis, "fleetlink:broker:fe-kill"), 1);
 }
+
+/// A second broker with the id of one that is running is refused at start (exit 1, saying
+/// why): both would take every command on the shared channel, and the one without the rig
+/// would answer `rig_not_connected` for a command the other ran. Once the first is gone the
+/// id is free again.
+#[test]
+fn a_second_broker_with_a_running_brokers_id_is_refused_at_start() {
+    let redis = RedisServer::start();
+    let a = fleet_broker(&redis, "fe-twin", &[]);
+    let mut twin = std::process::Command::new(env!("CARGO_BIN_EXE_fleetlink-fe"))
+        .args(["--listen", "127.0.0.1:0", "--admin", "127.0.0.1:0"])
+        .args(["--redis", &redis.url(), "--broker-id", "fe-twin"])
+        .env("RUST_LOG", "warn")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let status = loop {
+        if let Some(status) = twin.try_wait().unwrap() {
+            break status;
+        }
+        if Instant::now() > deadline {
+            let _ = twin.kill();
+            panic!("the second broker with the same id started and ran");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut twin.stderr.take().unwrap(), &mut stderr).unwrap();
+    assert_eq!(status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("another broker with --broker-id fe-twin is running"),
+        "{stderr}"
+    );
+    drop(a);
+    let b = fleet_broker(&redis, "fe-twin", &[]);
+    let (_ws, _, welcome) = b.rig("rig-twin");
+    assert_eq!(welcome["type"], "welcome");
+}

@@ -143,6 +143,36 @@ pub const BROADCAST: &str = "fleetlink:broadcast";
 /// Channel of lifecycle events (CONTRACT.md §4).
 pub const EVENTS: &str = "fleetlink:events";
 
+/// Whether another broker with `broker_id` is running on the Redis at `url`: something is
+/// subscribed to its channel. None when Redis cannot tell in time (the broker then starts, and
+/// runs without Redis until it can reach it).
+///
+/// A predecessor that just died may still be listed for a moment, until Redis reads the close
+/// of its connection; so a listed subscriber counts only when it is still there a second later.
+pub fn broker_id_in_use(url: &str, broker_id: &str) -> Option<bool> {
+    let timeout = Duration::from_millis(1000);
+    let client = redis::Client::open(url).ok()?;
+    let mut con = client.get_connection_with_timeout(timeout).ok()?;
+    con.set_read_timeout(Some(timeout)).ok()?;
+    con.set_write_timeout(Some(timeout)).ok()?;
+    let channel = broker_channel(broker_id);
+    let deadline = Instant::now() + Duration::from_secs(1);
+    loop {
+        let (_, subscribers): (String, u64) = redis::cmd("PUBSUB")
+            .arg("NUMSUB")
+            .arg(&channel)
+            .query(&mut con)
+            .ok()?;
+        if subscribers == 0 {
+            return Some(false);
+        }
+        if Instant::now() >= deadline {
+            return Some(true);
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
 /// A broker's own control channel.
 pub fn broker_channel(id: &str) -> String {
     format!("fleetlink:broker:{id}")

@@ -39,6 +39,9 @@ pub fn bind_listeners(
     cores: usize,
     backlog: i32,
 ) -> io::Result<Vec<std::net::TcpListener>> {
+    if addr.port() != 0 {
+        port_is_free(addr)?;
+    }
     let mut out = Vec::with_capacity(cores);
     let mut addr = addr;
     for _ in 0..cores {
@@ -55,6 +58,26 @@ pub fn bind_listeners(
         out.push(listener);
     }
     Ok(out)
+}
+
+/// Fails when another process listens on `addr`. SO_REUSEPORT would let this broker bind
+/// beside any process of the same user that set it too (a second fleetlink-fe started by
+/// mistake, say): each would take a share of the rigs, and a command sent to one broker would
+/// be refused for rigs the other holds. A bind without SO_REUSEPORT is refused while any
+/// listener holds the port (SO_REUSEADDR only lets it past connections in TIME_WAIT).
+fn port_is_free(addr: SocketAddr) -> io::Result<()> {
+    let probe = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))?;
+    probe.set_reuse_address(true)?;
+    probe.bind(&addr.into()).map_err(|e| {
+        if e.kind() == io::ErrorKind::AddrInUse {
+            io::Error::new(
+                e.kind(),
+                format!("{e}: another process is listening on {addr} (a second broker?)"),
+            )
+        } else {
+            e
+        }
+    })
 }
 
 /// Accepts until the core starts draining, then drops the listener (closing it).
@@ -216,6 +239,20 @@ fn reject_tls(core: &Rc<Core>, buckets: &mut Buckets, stream: TcpStream, why: C)
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A second broker on a port already served is refused, not let in beside the first by
+    /// SO_REUSEPORT.
+    #[test]
+    fn a_port_another_listener_holds_is_refused() {
+        let first = bind_listeners("127.0.0.1:0".parse().expect("addr"), 2, 8).expect("bind");
+        let addr = first[0].local_addr().expect("addr");
+        let err = bind_listeners(addr, 2, 8).expect_err("the port is taken");
+        assert_eq!(err.kind(), io::ErrorKind::AddrInUse, "{err}");
+        assert!(err.to_string().contains("another process"), "{err}");
+        drop(first);
+        // Free again once the first has closed, connections in TIME_WAIT or not.
+        bind_listeners(addr, 2, 8).expect("the port is free again");
+    }
 
     /// Accepted sockets must not wait on Nagle for the welcome or a command, though the core
     /// no longer sets it on each of them.
