@@ -779,6 +779,27 @@ fn a_new_boot_standalone_counts_its_old_sessions_commands_rebooted() {
     assert_eq!(read_json(&mut new)["seq"], 1);
 }
 
+/// The same when the old boot is still connected as the new one says hello: the old
+/// connection is superseded (4410), and its unacked commands are reported as when it had gone
+/// first.
+#[test]
+fn a_new_boot_standalone_reports_the_commands_of_an_old_boot_still_connected() {
+    let b = Broker::start(&[]);
+    let (mut old, _, _) = b.rig("rig-reboot");
+    for seq in 1..=2u64 {
+        let (_, r) = b.command("rig-reboot", "n", json!({}));
+        assert_eq!(r["seq"], seq);
+        assert_eq!(read_json(&mut old)["seq"], seq);
+    }
+    let (mut new, _, welcome) = b.rig("rig-reboot");
+    assert_eq!(welcome["resumed"], false);
+    assert_eq!(read_close(&mut old), 4410);
+    b.wait_metric("fleetlink_registry_ops_total{op=\"resume\",result=\"rebooted\"} 2");
+    let (_, r) = b.command("rig-reboot", "n", json!({}));
+    assert_eq!(r["seq"], 1, "a new session");
+    assert_eq!(read_json(&mut new)["seq"], 1);
+}
+
 #[test]
 fn admin_commands_go_straight_to_the_rigs_core_and_follow_it_to_a_new_connection() {
     let b = Broker::start(&[]);

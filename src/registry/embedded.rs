@@ -76,6 +76,19 @@ pub const MAX_PARKED_BYTES: usize = 1 << 30;
 /// [`Embedded::returned`]); only a lost message could leave one here, so this only guards.
 const MAX_AWAITING_RETURN: usize = 65_536;
 
+/// A session ended by a newer boot of its rig while its connection was still up.
+#[derive(Debug)]
+pub struct Rebooted {
+    /// The rig.
+    pub rig: RigId,
+    /// The session's boot.
+    pub old: BootId,
+    /// The boot that took the rig.
+    pub new: BootId,
+    /// Its unacked commands: never run.
+    pub carried: Vec<SeqCommand>,
+}
+
 /// The in-process registry.
 #[derive(Debug)]
 pub struct Embedded {
@@ -87,6 +100,9 @@ pub struct Embedded {
     max_parked_bytes: usize,
     /// Parked commands dropped for the bound since the bridge last asked.
     parked_dropped: u64,
+    /// The session a newer boot took over while it was live, from the last [`Self::closed`]:
+    /// its unacked commands never run (`rig_rebooted`).
+    rebooted: Option<Rebooted>,
     /// Connections that went after their hello was accepted, before the verdict reached them:
     /// the verdict's session comes back ([`Self::returned`]) and is parked for this rig.
     awaiting_return: HashMap<ConnId, (RigId, BootId)>,
@@ -105,10 +121,16 @@ impl Embedded {
             parked_bytes: 0,
             max_parked_bytes: MAX_PARKED_BYTES,
             parked_dropped: 0,
+            rebooted: None,
             awaiting_return: HashMap::new(),
             park_for,
             max_pending,
         }
+    }
+
+    /// The session the last [`Self::closed`] ended for a newer boot of its rig, if it did.
+    pub fn take_rebooted(&mut self) -> Option<Rebooted> {
+        self.rebooted.take()
     }
 
     /// Commands parked sessions dropped for [`MAX_PARKED_BYTES`] since the last call.
@@ -271,6 +293,15 @@ impl Embedded {
                 if rekeep {
                     out.push(Action::Core(new, ToCore::Rekeep { conn: new }));
                 }
+            }
+            // Superseded by a newer boot while live (`hello`): nothing will ever resume it.
+            _ if entry.boot > boot && !carried.is_empty() => {
+                self.rebooted = Some(Rebooted {
+                    rig,
+                    old: boot,
+                    new: entry.boot,
+                    carried,
+                });
             }
             _ => {}
         }

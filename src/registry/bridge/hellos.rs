@@ -228,6 +228,18 @@ impl Bridge {
             return;
         }
         let lost: Vec<(Seq, Box<str>)> = carried.iter().map(|c| (c.seq, c.id.clone())).collect();
+        self.report_reboot(rig, old, boot, lost);
+    }
+
+    /// Reports the unacked commands of `rig`'s session of boot `old`, which boot `boot` ended:
+    /// counted, published as `rig_rebooted` events, and standalone logged with their ids.
+    pub(super) fn report_reboot(
+        &mut self,
+        rig: &RigId,
+        old: BootId,
+        boot: BootId,
+        lost: Vec<(Seq, Box<str>)>,
+    ) {
         self.shared.count_n("resume", "rebooted", lost.len() as u64);
         if self.fleet.is_none() && !lost.is_empty() {
             // Standalone has no events channel: the log is where control can find them.

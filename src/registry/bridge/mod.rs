@@ -290,6 +290,12 @@ impl Bridge {
                 );
                 let dropped = self.registry.take_parked_dropped();
                 self.shared.count_n("parked", "dropped", dropped);
+                // Standalone only: in fleet mode `resume.lua` reported them at the new boot's
+                // hello, from the session's copy in Redis.
+                if let Some(r) = self.registry.take_rebooted().filter(|_| self.fleet.is_none()) {
+                    let lost = r.carried.into_iter().map(|c| (c.seq, c.id)).collect();
+                    self.report_reboot(&r.rig, r.old, r.new, lost);
+                }
                 if self.rekeep_asked.remove(&(rig.clone(), boot)) {
                     // Gone before its core could send the session back: it goes back from
                     // here, and its lease is released only once it has.
