@@ -1591,3 +1591,45 @@ fn args_reach_the_rig_as_the_text_control_sent() {
         (400, Some("bad_request"))
     );
 }
+
+/// The close code and reason the broker closes with.
+fn close_frame(ws: &mut Ws) -> (u16, String) {
+    loop {
+        match ws.read() {
+            Ok(Message::Close(Some(frame))) => {
+                return (u16::from(frame.code), frame.reason.to_string())
+            }
+            Ok(_) => continue,
+            Err(e) => panic!("connection ended without a close frame: {e}"),
+        }
+    }
+}
+
+/// Unknown message types are counted and ignored (CONTRACT.md §2); under `--strict` they close
+/// the connection with 4400, and so does a second hello, each with its own reason.
+#[test]
+fn strict_closes_unknown_types_and_a_second_hello_with_4400() {
+    let send = |ws: &mut Ws, v: Value| ws.send(Message::Text(v.to_string().into())).unwrap();
+    let lax = Broker::start(&[]);
+    let (mut ws, boot, _) = lax.rig("rig-lax");
+    send(&mut ws, json!({"type": "telemetry", "x": 1}));
+    send(
+        &mut ws,
+        json!({"type": "hello", "rig_id": "rig-lax", "boot_id": boot, "version": "t"}),
+    );
+    lax.wait_metric("fleetlink_messages_in_total{type=\"unknown\"} 2");
+    let (_, r) = lax.command("rig-lax", "n", json!({}));
+    assert_eq!(r["seq"], 1, "{r}");
+    assert_eq!(read_json(&mut ws)["seq"], 1, "the rig is still served");
+
+    let strict = Broker::start(&["--strict"]);
+    let (mut ws, _, _) = strict.rig("rig-strict");
+    send(&mut ws, json!({"type": "telemetry"}));
+    assert_eq!(close_frame(&mut ws), (4400, "unknown message type".into()));
+    let (mut ws, boot, _) = strict.rig("rig-strict-2");
+    send(
+        &mut ws,
+        json!({"type": "hello", "rig_id": "rig-strict-2", "boot_id": boot, "version": "t"}),
+    );
+    assert_eq!(close_frame(&mut ws), (4400, "a second hello".into()));
+}

@@ -376,10 +376,17 @@ fn on_rig_message(core: &Core, conn: &Conn, st: &mut ConnState, text: &[u8]) {
                 ));
             }
         }
-        Ok(ClientMsg::Unknown { .. }) | Ok(ClientMsg::Hello(_)) => {
+        Ok(ClientMsg::Unknown { .. }) => {
             core.metrics.inc(C::MsgUnknown);
             if core.cfg.strict {
                 conn.close(st, 4400, "unknown message type");
+            }
+        }
+        // Counted and ignored as an unknown type is: a session has one hello.
+        Ok(ClientMsg::Hello(_)) => {
+            core.metrics.inc(C::MsgUnknown);
+            if core.cfg.strict {
+                conn.close(st, 4400, "a second hello");
             }
         }
         Err(_) => {

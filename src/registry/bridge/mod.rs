@@ -292,7 +292,11 @@ impl Bridge {
                 self.shared.count_n("parked", "dropped", dropped);
                 // Standalone only: in fleet mode `resume.lua` reported them at the new boot's
                 // hello, from the session's copy in Redis.
-                if let Some(r) = self.registry.take_rebooted().filter(|_| self.fleet.is_none()) {
+                if let Some(r) = self
+                    .registry
+                    .take_rebooted()
+                    .filter(|_| self.fleet.is_none())
+                {
                     let lost = r.carried.into_iter().map(|c| (c.seq, c.id)).collect();
                     self.report_reboot(&r.rig, r.old, r.new, lost);
                 }
