@@ -41,15 +41,18 @@ Exit codes: 0 drained and stopped (or --help/--version); 1 invalid configuration
 failure at start (a file that does not load, a port that does not bind); 2 a flag or
 environment value that does not parse; 64 the --config file cannot be read or parsed, or
 holds an unknown key or a bad value. doctor: 0 the host can hold N connections, 1 it cannot
-(and 2 or 64 as above: doctor reads the broker's flags, environment and --config too).";
+or the broker would not start with this configuration (and 2 or 64 as above: doctor reads
+the broker's flags, environment and --config too).";
 
 /// Tools bundled into the broker binary.
 #[derive(Subcommand, Debug)]
 pub enum Tool {
-    /// Check this host's kernel and limits for N connections; exit 1 if it cannot hold them.
+    /// Check this host's kernel and limits for N connections, and the broker's flags and
+    /// files as a start would; exit 1 if it cannot hold them or would not start. The broker's
+    /// flags go before `doctor`: `fleetlink-fe --cores 8 doctor --connections N`.
     Doctor {
-        /// Connections the host should hold.
-        #[arg(long, default_value_t = 1_000_000)]
+        /// Connections the host should hold (at least 1; above 100,000,000 checked as that).
+        #[arg(long, default_value_t = 1_000_000, value_parser = clap::value_parser!(u64).range(1..))]
         connections: u64,
         /// Rigs connect over wss: size memory with the TLS figure (~9,000 B of broker memory
         /// per idle connection instead of ~1,130 B). Implied by --tls-cert/FLEETLINK_TLS_CERT.

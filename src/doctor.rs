@@ -20,10 +20,20 @@
 
 use std::io::Write;
 
-/// File descriptors beyond one per rig: per core a listener, the io_uring fd, monoio's eventfd
-/// and poller; plus the Redis connection(s), the admin listener and its clients, log files,
-/// TLS/CRL files being reloaded, stdio. 1024 covers 128 cores at 8 fds each.
-const FD_SLACK: u64 = 1024;
+/// File descriptors beyond one per rig and per core: the Redis connections, the admin
+/// listener, log files, TLS/CRL files being reloaded, stdio, the start-up probe.
+const FD_BASE: u64 = 64;
+/// Per core: a listener, the io_uring fd, monoio's eventfd and poller, the inbox doorbell
+/// (an idle broker measured about 5 a core, 17 fds on 1 core and 1,512 on 300).
+const FD_PER_CORE: u64 = 6;
+/// Admin connections the broker lets in at once: those served on the cores and those
+/// waiting in the lobby. A host full to its limit of rigs must still answer `/metrics`.
+const FD_ADMIN: u64 = (crate::admin::MAX_ON_CORES + crate::admin_lobby::MAX_WAITING) as u64;
+
+/// File descriptors beyond one per rig, on `cores` cores.
+fn fd_slack(cores: u64) -> u64 {
+    FD_BASE + FD_PER_CORE * cores + FD_ADMIN
+}
 
 /// Most connections `doctor` checks for. Far past what one host's memory holds (~5 KB each with
 /// the kernel's share), and it keeps every sum below in range: a larger N is checked as this
@@ -287,7 +297,7 @@ pub fn check_with_backlog(
 ) -> Vec<Finding> {
     let n = connections.min(MAX_CONNECTIONS);
     let cores = cores.max(1) as u64;
-    let mut out = check_fds(host, n, port);
+    let mut out = check_fds(host, n, cores, port);
     out.extend(check_accept(host, cores, backlog.max(1)));
     out.push(check_memory(host, n, transport));
     out.push(check_tcp_mem(host, n));
@@ -420,8 +430,10 @@ fn report(
 
 /// `LimitNOFILE` to recommend: N + 10 % headroom, at least N + slack, rounded up to 1,000
 /// (1,100,000 for a million rigs, the value in tuning/fleetlink-fe.service).
-fn recommended_nofile(n: u64) -> u64 {
-    let want = n.saturating_add(n / 10).max(n.saturating_add(FD_SLACK));
+fn recommended_nofile(n: u64, cores: u64) -> u64 {
+    let want = n
+        .saturating_add(n / 10)
+        .max(n.saturating_add(fd_slack(cores)));
     want.div_ceil(1000).saturating_mul(1000)
 }
 
@@ -441,21 +453,24 @@ fn at_least(
     }
 }
 
-/// One fd per rig socket plus FD_SLACK. `accept` fails with EMFILE past the soft limit and
+/// One fd per rig socket plus [`fd_slack`]. `accept` fails with EMFILE past the soft limit and
 /// ENFILE past `fs.file-max`. The broker never raises its own soft limit, so the soft limit is
 /// the one that blocks. The hard limit only says whether the soft one can be raised in place
 /// (`ulimit -Sn`); a new, higher limit (`LimitNOFILE=`, `ulimit -n` as root) needs `fs.nr_open`
 /// at least as high. So `fs.nr_open` blocks only when the soft limit is short of N + slack and
 /// neither the hard limit nor `fs.nr_open` lets it reach that; below the recommended
 /// `LimitNOFILE` (N + 10 %) it warns.
-fn check_fds(host: &HostSettings, n: u64, port: u16) -> Vec<Finding> {
+fn check_fds(host: &HostSettings, n: u64, cores: u64, port: u16) -> Vec<Finding> {
     const SOFT: &str = "RLIMIT_NOFILE (soft)";
     const HARD: &str = "RLIMIT_NOFILE (hard)";
     const NR_OPEN: &str = "fs.nr_open";
-    let fds = n.saturating_add(FD_SLACK);
-    let nofile = recommended_nofile(n);
-    let needed =
-        format!("≥ {fds} (N + {FD_SLACK}: listeners, rings, eventfds, redis, admin, logs)");
+    let slack = fd_slack(cores);
+    let fds = n.saturating_add(slack);
+    let nofile = recommended_nofile(n, cores);
+    let needed = format!(
+        "≥ {fds} (N + {slack}: {FD_PER_CORE} per core for listeners, rings and eventfds, \
+         {FD_ADMIN} admin connections, {FD_BASE} for Redis, logs and files)"
+    );
     let unit_fix = format!("LimitNOFILE={nofile} in the systemd unit (tuning/fleetlink-fe.service), or `ulimit -n {nofile}` in the starting shell (needs fs.nr_open ≥ {nofile}; raising the hard limit needs CAP_SYS_RESOURCE, which root in a container may lack)");
     let soft_holds = host.nofile_soft.is_none_or(|v| v >= fds);
     let hard_holds = host.nofile_hard.is_none_or(|v| v >= fds);
@@ -1043,7 +1058,7 @@ mod tests {
         assert_eq!(blocking(&fs), ["RLIMIT_NOFILE (soft)"]);
         let f = finding(&fs, "RLIMIT_NOFILE (soft)");
         assert_eq!(f.current, "1024");
-        assert!(f.fix.contains("ulimit -Sn 1001024"), "{}", f.fix);
+        assert!(f.fix.contains("ulimit -Sn 1002208"), "{}", f.fix);
     }
 
     #[test]
@@ -1068,18 +1083,19 @@ mod tests {
             assert!(f.fix.contains("LimitNOFILE=1100000"), "{}", f.fix);
             assert!(!f.fix.contains("ulimit -Sn"), "{}", f.fix);
         }
-        assert!(check(&host, 18_000, 2, Transport::Plain, 8080)
+        // 2,124 fds besides the rigs' on 2 cores (2,048 of them for admin connections).
+        assert!(check(&host, 17_876, 2, Transport::Plain, 8080)
             .iter()
             .all(|f| !f.blocking));
         assert_eq!(
-            blocking(&check(&host, 19_000, 2, Transport::Plain, 8080)),
+            blocking(&check(&host, 17_877, 2, Transport::Plain, 8080)),
             ["RLIMIT_NOFILE (soft)"]
         );
     }
 
     #[test]
     fn nr_open_below_n_blocks_when_no_limit_reaches_n() {
-        // Soft and hard short of N + 1,024, and nr_open too low to set a limit that is not.
+        // Soft and hard short of N + the slack, and nr_open too low to set a limit that is not.
         let host = HostSettings {
             nofile_soft: Some(20_000),
             nofile_hard: Some(20_000),
@@ -1107,7 +1123,7 @@ mod tests {
 
     #[test]
     fn nr_open_below_the_limit_to_set_only_warns_when_the_limit_holds_n() {
-        // systemd's maximum for every limit on a host it boots: 1,048,576 holds N + 1,024 but
+        // systemd's maximum for every limit on a host it boots: 1,048,576 holds N + the slack but
         // not the recommended N + 10 %.
         let host = HostSettings {
             nofile_soft: Some(1_048_576),
@@ -1121,7 +1137,7 @@ mod tests {
         let f = finding(&fs, "fs.nr_open");
         assert!(f.fix.contains("fs.nr_open=1100000"), "{}", f.fix);
         assert!(
-            f.fix.contains("LimitNOFILE between 1001024 and 1048576"),
+            f.fix.contains("LimitNOFILE between 1002208 and 1048576"),
             "{}",
             f.fix
         );
@@ -1160,7 +1176,7 @@ mod tests {
         assert_eq!(warnings(&fs), ["fs.nr_open"]);
         assert!(finding(&fs, "RLIMIT_NOFILE (soft)")
             .fix
-            .contains("ulimit -Sn 1001024"));
+            .contains("ulimit -Sn 1002208"));
         assert!(finding(&fs, "RLIMIT_NOFILE (hard)").ok);
     }
 
@@ -1173,7 +1189,7 @@ mod tests {
         };
         let fs = check(&host, MILLION, 16, Transport::Plain, 8080);
         assert_eq!(blocking(&fs), ["fs.file-max"]);
-        assert!(finding(&fs, "fs.file-max").needed.starts_with("≥ 1006024"));
+        assert!(finding(&fs, "fs.file-max").needed.starts_with("≥ 1007208"));
     }
 
     #[test]
@@ -1608,8 +1624,10 @@ mod tests {
             mem_total("MemTotal:       24684084 kB\nMemFree: 1 kB\n"),
             Some(24_684_084 * 1024)
         );
-        assert_eq!(recommended_nofile(MILLION), 1_100_000);
-        assert_eq!(recommended_nofile(10), 2000);
+        assert_eq!(recommended_nofile(MILLION, 2), 1_100_000);
+        assert_eq!(recommended_nofile(10, 2), 3000);
+        // Many cores take their own fds: 300 cores idle at about 1,500.
+        assert_eq!(recommended_nofile(10, 300), 4000);
     }
 
     #[test]

@@ -45,6 +45,16 @@ fn main() -> ExitCode {
     };
     let result = match cli.tool {
         Some(Tool::Doctor { connections, tls }) => {
+            // A deploy gate: a configuration the broker would refuse at start fails here too.
+            if let Err(e) = cli
+                .broker
+                .clone()
+                .validate()
+                .and_then(|cfg| check_files(&cfg))
+            {
+                eprintln!("fleetlink-fe: {}", error_line(&e));
+                return ExitCode::FAILURE;
+            }
             let transport = if tls || cli.broker.tls_cert.is_some() {
                 fleetlink::doctor::Transport::Tls
             } else {
@@ -231,14 +241,8 @@ fn drain_cores(cores: &[doorbell::Mailbox<ToCore>], window: Duration) {
 
 /// Loads TLS material (and starts its file/SIGHUP watcher) and the token verifier.
 fn security(cfg: &Config) -> anyhow::Result<worker::Guard> {
-    let tls = match &cfg.tls {
-        Some(files) => {
-            let paths = TlsPaths {
-                cert: files.cert.clone(),
-                key: files.key.clone(),
-                client_ca: files.client_ca.clone(),
-                crl: files.crl.clone(),
-            };
+    let tls = match tls_paths(cfg) {
+        Some(paths) => {
             let reloader = TlsReloader::new(paths)?;
             reloader.spawn_watcher(Duration::from_secs(1))?;
             Some(reloader)
@@ -255,6 +259,26 @@ fn security(cfg: &Config) -> anyhow::Result<worker::Guard> {
         Some(Arc::new(verifier))
     };
     Ok(worker::Guard { tls, jwt })
+}
+
+fn tls_paths(cfg: &Config) -> Option<TlsPaths> {
+    cfg.tls.as_ref().map(|files| TlsPaths {
+        cert: files.cert.clone(),
+        key: files.key.clone(),
+        client_ca: files.client_ca.clone(),
+        crl: files.crl.clone(),
+    })
+}
+
+/// Loads the TLS and token files as a start would, and drops them: `doctor`'s check.
+fn check_files(cfg: &Config) -> anyhow::Result<()> {
+    if let Some(paths) = tls_paths(cfg) {
+        fleetlink::tls::build(&paths)?;
+    }
+    if !cfg.jwt_keys.is_empty() {
+        JwtVerifier::from_pem_files(&cfg.jwt_keys)?;
+    }
+    Ok(())
 }
 
 /// What started the drain, for the log.

@@ -1,0 +1,43 @@
+//! `fleetlink-fe doctor` as a deploy gate: what the broker would refuse at start, doctor
+//! refuses too (exit 1, the same message), and a host check asks for at least one connection.
+
+use std::process::Command;
+
+fn doctor(args: &[&str]) -> (Option<i32>, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_fleetlink-fe"))
+        .args(args)
+        .env_remove("RUST_LOG")
+        .output()
+        .unwrap();
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn doctor_refuses_what_the_broker_would_refuse_at_start() {
+    let (code, err) = doctor(&["--cores", "2000", "doctor", "--connections", "10"]);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("--cores 2000"), "{err}");
+    let missing = [
+        "--tls-cert",
+        "/nonexistent/c.pem",
+        "--tls-key",
+        "/nonexistent/k.pem",
+    ];
+    let (code, err) = doctor(&[&missing[..], &["doctor", "--connections", "10"]].concat());
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("/nonexistent/c.pem"), "{err}");
+    let (code, err) = doctor(&["--tls-cert", "c.pem", "doctor", "--connections", "10"]);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("--tls-key"), "{err}");
+    let (code, err) = doctor(&["--redis", "http://x", "doctor", "--connections", "10"]);
+    assert_eq!(code, Some(1), "{err}");
+    // A host check for no connections at all is a usage error.
+    let (code, err) = doctor(&["doctor", "--connections", "0"]);
+    assert_eq!(code, Some(2), "{err}");
+    // Ten connections fit this host (its own limit is 20,000 open files).
+    let (code, err) = doctor(&["doctor", "--connections", "10"]);
+    assert_eq!(code, Some(0), "{err}");
+}
