@@ -1,0 +1,45 @@
+# Sourced by tests/run-all.sh and by the README's broker command: on a fresh Debian machine,
+# installs what building fleetlink needs and puts cargo on PATH. Does nothing where it is
+# there already. Needs root, or sudo, for apt-get; rustup installs into ~/.cargo.
+#
+#   . tests/ensure-toolchain.sh && cargo run --release --bin fleetlink-fe -- ...
+#
+# No `set -e` here: it would stay set in the shell that sources this.
+
+fl_min_rust=1.88   # the oldest rustc the locked dependencies build with (Cargo.toml rust-version)
+
+fl_sudo=""
+if [ "$(id -u)" -ne 0 ] && command -v sudo >/dev/null 2>&1; then fl_sudo="sudo"; fi
+fl_apt() {
+  $fl_sudo apt-get install -y "$@" >/dev/null 2>&1 ||
+    { $fl_sudo apt-get update -qq && $fl_sudo apt-get install -y "$@" >/dev/null; }
+}
+
+# ring and mimalloc compile C.
+if ! command -v cc >/dev/null 2>&1; then
+  echo "== installing a C compiler (build-essential)"
+  fl_apt build-essential
+fi
+
+if [ -x "$HOME/.cargo/bin/cargo" ]; then
+  case ":$PATH:" in *":$HOME/.cargo/bin:"*) ;; *) PATH="$HOME/.cargo/bin:$PATH"; export PATH ;; esac
+fi
+if ! command -v cargo >/dev/null 2>&1; then
+  # Debian's packaged Rust is too old for the dependencies: rustup's stable it is.
+  echo "== installing Rust (rustup, stable, with rustfmt and clippy)"
+  command -v curl >/dev/null 2>&1 || fl_apt curl ca-certificates
+  curl --proto '=https' --tlsv1.2 -sSf https://sh.rustup.rs |
+    sh -s -- -y --profile minimal --component rustfmt,clippy >/dev/null
+  PATH="$HOME/.cargo/bin:$PATH"; export PATH
+fi
+
+fl_rustc=$(rustc --version 2>/dev/null | awk '{print $2}')
+if [ -n "$fl_rustc" ] && [ "$(printf '%s\n%s\n' "$fl_min_rust" "$fl_rustc" | sort -V | head -1)" != "$fl_min_rust" ]; then
+  echo "== rustc $fl_rustc is older than $fl_min_rust, which the dependencies need:" \
+    "install Rust with rustup (https://rustup.rs), not apt" >&2
+fi
+if command -v rustup >/dev/null 2>&1 && ! cargo fmt --version >/dev/null 2>&1; then
+  rustup component add rustfmt clippy >/dev/null 2>&1
+fi
+unset fl_min_rust fl_sudo fl_rustc
+unset -f fl_apt
