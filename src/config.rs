@@ -31,7 +31,7 @@ pub struct Cli {
 const AFTER_HELP: &str = "\
 Durations take a unit: 250ms, 20s, 5m, 1h (a bare number is refused, except 0).
 
-Logging: RUST_LOG sets the level and filters (default info), e.g. RUST_LOG=debug or
+Logging: RUST_LOG sets the level and filters (default info,rustls=error), e.g. RUST_LOG=debug or
 RUST_LOG=info,fleetlink::worker=debug. Logs go to stderr.
 
 Signals: SIGTERM/SIGINT (or POST /v1/drain) drain over --drain, then exit 0; a second
@@ -80,13 +80,16 @@ pub struct BrokerArgs {
     /// `strict = true`).
     #[arg(long, env = "FLEETLINK_CONFIG")]
     pub config: Option<PathBuf>,
-    /// Rig websocket endpoint. Default 0.0.0.0:8080, or 0.0.0.0:8443 with TLS.
-    #[arg(long, env = "FLEETLINK_LISTEN")]
+    /// Rig websocket endpoint: ADDRESS:PORT, HOST:PORT or :PORT (every address). Default
+    /// 0.0.0.0:8080, or 0.0.0.0:8443 with TLS.
+    #[arg(long, env = "FLEETLINK_LISTEN", value_parser = parse_addr)]
     pub listen: Option<SocketAddr>,
-    /// Admin HTTP endpoint (health, metrics, rigs, commands, drain). Plain HTTP: keep it private.
-    #[arg(long, env = "FLEETLINK_ADMIN", default_value = "127.0.0.1:9090")]
+    /// Admin HTTP endpoint (health, metrics, rigs, commands, drain), written as --listen is.
+    /// Plain HTTP: keep it private.
+    #[arg(long, env = "FLEETLINK_ADMIN", default_value = "127.0.0.1:9090", value_parser = parse_addr)]
     pub admin: SocketAddr,
-    /// Broker id for registry entries and channel names. Default: hostname-port.
+    /// Broker id for registry entries and channel names: 1-128 of A-Z a-z 0-9 . _ : -.
+    /// Default: hostname-port.
     #[arg(long, env = "FLEETLINK_BROKER_ID")]
     pub broker_id: Option<String>,
     /// Event-loop threads, one per core, each pinned. Default: every CPU this process may run
@@ -430,9 +433,15 @@ impl BrokerArgs {
         let broker_id = self
             .broker_id
             .unwrap_or_else(|| format!("{}-{}", hostname(), listen.port()));
+        // It goes into channel names, the registry's `boot|broker` values and the ready line's
+        // key=value words.
         anyhow::ensure!(
-            !broker_id.is_empty() && !broker_id.contains('|'),
-            "--broker-id must be non-empty and must not contain '|'"
+            (1..=128).contains(&broker_id.len())
+                && broker_id
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b"._:-".contains(&b)),
+            "--broker-id {broker_id:?}: 1-128 characters of A-Z a-z 0-9 . _ : - (the default \
+             is the host name and the --listen port)"
         );
         anyhow::ensure!(self.accept_rate > 0.0, "--accept-rate must be > 0");
         anyhow::ensure!(self.accept_burst > 0, "--accept-burst must be > 0");
@@ -557,6 +566,23 @@ fn parse_broker_duration(s: &str) -> Result<Duration, String> {
     parse_duration(s).map_err(|e| format!("{e} (in a --config file, a string: \"20s\")"))
 }
 
+/// An address to bind: `ADDRESS:PORT`, `HOST:PORT` (the first address it resolves to) or
+/// `:PORT` (every IPv4 address, as the defaults are written).
+pub fn parse_addr(s: &str) -> Result<SocketAddr, String> {
+    use std::net::ToSocketAddrs;
+    if let Some(port) = s.strip_prefix(':') {
+        let port: u16 = port.parse().map_err(|_| format!("{s:?}: not a port"))?;
+        return Ok(SocketAddr::from(([0, 0, 0, 0], port)));
+    }
+    if let Ok(addr) = s.parse() {
+        return Ok(addr);
+    }
+    s.to_socket_addrs()
+        .map_err(|e| format!("{s:?}: {e} (expected ADDRESS:PORT, HOST:PORT or :PORT)"))?
+        .next()
+        .ok_or_else(|| format!("{s:?}: the name resolves to no address"))
+}
+
 /// Parses `250ms`, `20s`, `5m`, `1h`, at most [`MAX_DURATION`]. A number without a unit is
 /// refused (`--drain 120000` meant as ms would be 33 hours), except `0`, which is the same in
 /// every unit.
@@ -613,6 +639,33 @@ mod tests {
             .chain(args.iter().copied())
             .map(OsString::from);
         Cli::load(argv.collect())?.broker.validate()
+    }
+
+    /// The contract writes the TLS default as `:8443`; an operator writes host names.
+    #[test]
+    fn addresses_take_a_bare_port_and_host_names() {
+        let c = load(&["--listen", ":8443", "--admin", "localhost:9191"]).unwrap();
+        assert_eq!(c.listen, "0.0.0.0:8443".parse().unwrap());
+        assert!(c.admin.ip().is_loopback() && c.admin.port() == 9191, "{}", c.admin);
+        assert_eq!(
+            load(&["--listen", "[::1]:80"]).unwrap().listen,
+            "[::1]:80".parse().unwrap()
+        );
+        for bad in [":", ":99999", "8080", "no-such-host.invalid:80"] {
+            assert!(load(&["--listen", bad]).is_err(), "{bad}");
+        }
+    }
+
+    /// A broker id goes into channel names, registry values and the ready line's words.
+    #[test]
+    fn broker_ids_are_checked() {
+        for ok in ["fe-a", "fe_03", "rack4.host-1:8443", &"x".repeat(128)] {
+            assert_eq!(load(&["--broker-id", ok]).unwrap().broker_id, ok);
+        }
+        for bad in ["", "has space", "bad/id", "a|b", &"x".repeat(129)] {
+            let err = load(&["--broker-id", bad]).unwrap_err().to_string();
+            assert!(err.contains("--broker-id"), "{bad}: {err}");
+        }
     }
 
     #[test]
