@@ -64,8 +64,9 @@ pub enum Tool {
         /// Output directory (created if missing).
         #[arg(long)]
         out: PathBuf,
-        /// Number of rig certificates (rig-0001 …).
-        #[arg(long, default_value_t = 3)]
+        /// Number of rig certificates (rig-0001 …), at most 100,000 (each is a key pair and two
+        /// files).
+        #[arg(long, default_value_t = 3, value_parser = parse_rig_count)]
         rigs: usize,
         /// Extra DNS names for the broker certificate (localhost and 127.0.0.1 are always in).
         #[arg(long = "broker-name")]
@@ -564,6 +565,14 @@ fn parse_cores(s: &str) -> Result<NonZeroUsize, String> {
 
 fn parse_broker_duration(s: &str) -> Result<Duration, String> {
     parse_duration(s).map_err(|e| format!("{e} (in a --config file, a string: \"20s\")"))
+}
+
+/// `dev-certs --rigs`: at most 100,000.
+fn parse_rig_count(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(n) if n <= 100_000 => Ok(n),
+        _ => Err(format!("{s:?}: a number of rig certificates from 0 to 100000")),
+    }
 }
 
 /// An address to bind: `ADDRESS:PORT`, `HOST:PORT` (the first address it resolves to) or

@@ -42,9 +42,10 @@ APPLY=0
 CHANGES=0
 FAILURES=0
 
+# usage [CODE]: the header's usage text; exit CODE (64, a usage error, unless asked for help).
 usage() {
     sed -n '4,14p' "$0" | sed 's/^# \{0,1\}//'
-    exit 64
+    exit "${1:-64}"
 }
 
 while [ $# -gt 0 ]; do
@@ -55,7 +56,7 @@ while [ $# -gt 0 ]; do
         --irq-cpus) IRQ_CPUS=${2:?}; shift 2 ;;
         --apply) APPLY=1; shift ;;
         --dry-run) APPLY=0; shift ;;
-        -h|--help) usage ;;
+        -h|--help) usage 0 ;;
         *) echo "unknown argument: $1" >&2; usage ;;
     esac
 done
