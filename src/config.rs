@@ -196,6 +196,11 @@ pub struct BrokerArgs {
     /// Use the epoll driver even where io_uring works (diagnostics, comparisons).
     #[arg(long, env = "FLEETLINK_FORCE_EPOLL", value_parser = BoolishValueParser::new())]
     pub force_epoll: bool,
+    /// Bind --listen beside a process already listening there (SO_REUSEPORT): a new broker
+    /// started next to one about to drain, so its rigs reconnect to the same address. Without
+    /// it a port in use is refused (exit 1), since two brokers on one port split its rigs.
+    #[arg(long, env = "FLEETLINK_SHARE_PORT", value_parser = BoolishValueParser::new())]
+    pub share_port: bool,
 }
 
 /// Validated configuration shared (read-only) by every thread.
@@ -257,6 +262,8 @@ pub struct Config {
     pub echo_endpoint: bool,
     /// Skip io_uring.
     pub force_epoll: bool,
+    /// Bind --listen even while another process listens there.
+    pub share_port: bool,
 }
 
 /// TLS material paths.
@@ -500,6 +507,7 @@ impl BrokerArgs {
             strict: self.strict,
             echo_endpoint: self.echo_endpoint,
             force_epoll: self.force_epoll,
+            share_port: self.share_port,
         })
     }
 }
@@ -571,7 +579,9 @@ fn parse_broker_duration(s: &str) -> Result<Duration, String> {
 fn parse_rig_count(s: &str) -> Result<usize, String> {
     match s.parse::<usize>() {
         Ok(n) if n <= 100_000 => Ok(n),
-        _ => Err(format!("{s:?}: a number of rig certificates from 0 to 100000")),
+        _ => Err(format!(
+            "{s:?}: a number of rig certificates from 0 to 100000"
+        )),
     }
 }
 
@@ -655,7 +665,11 @@ mod tests {
     fn addresses_take_a_bare_port_and_host_names() {
         let c = load(&["--listen", ":8443", "--admin", "localhost:9191"]).unwrap();
         assert_eq!(c.listen, "0.0.0.0:8443".parse().unwrap());
-        assert!(c.admin.ip().is_loopback() && c.admin.port() == 9191, "{}", c.admin);
+        assert!(
+            c.admin.ip().is_loopback() && c.admin.port() == 9191,
+            "{}",
+            c.admin
+        );
         assert_eq!(
             load(&["--listen", "[::1]:80"]).unwrap().listen,
             "[::1]:80".parse().unwrap()

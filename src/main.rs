@@ -96,7 +96,7 @@ fn run(cfg: Config) -> anyhow::Result<()> {
     } else if driver != "io_uring" {
         log::warn!("!!! io_uring unavailable or disabled: running on the epoll driver (metric fleetlink_driver{{driver=\"epoll\"}})");
     }
-    let listeners = worker::bind_listeners(cfg.listen, cfg.cores, cfg.backlog)
+    let listeners = worker::bind_listeners(cfg.listen, cfg.cores, cfg.backlog, cfg.share_port)
         .with_context(|| format!("binding {}", cfg.listen))?;
     let listen = listeners
         .first()

@@ -825,7 +825,7 @@ fn broker_kill9_while_commands_flow_every_ok_command_runs_exactly_once() {
         rigs.iter()
             .all(|r| o.get(r).map(String::as_str) == Some("fe-a"))
     });
-    let mut b_args = vec!["--listen", listen.as_str()];
+    let mut b_args = vec!["--listen", listen.as_str(), "--share-port"];
     b_args.extend(&open);
     let b = fleet_broker(&redis, "fe-b", &b_args);
 
@@ -1466,7 +1466,7 @@ fn sigterm_drain_spreads_reconnects_over_the_window() {
     let listen = format!("127.0.0.1:{}", a.listen.port());
     let swarm = Swarm::start(a.listen, true);
     swarm.connect("fq-drain", N);
-    let mut b_args = vec!["--listen", listen.as_str()];
+    let mut b_args = vec!["--listen", listen.as_str(), "--share-port"];
     b_args.extend(OPEN_BUCKET);
     let b = Broker::start(&b_args);
     a.sigterm();
@@ -1573,6 +1573,7 @@ fn reconnect_storm_of_agents_against_the_accept_bucket() {
         &[
             "--listen",
             &listen,
+            "--share-port",
             "--cores",
             "1",
             "--accept-rate",

@@ -33,13 +33,15 @@ struct Buckets {
 }
 
 /// Binds one listener per core on `addr`, all on the same port (SO_REUSEPORT lets the kernel
-/// spread connections across them). Port 0 is resolved by the first bind.
+/// spread connections across them). Port 0 is resolved by the first bind. Unless `share`, a
+/// port another process listens on is refused ([`port_is_free`]).
 pub fn bind_listeners(
     addr: SocketAddr,
     cores: usize,
     backlog: i32,
+    share: bool,
 ) -> io::Result<Vec<std::net::TcpListener>> {
-    if addr.port() != 0 {
+    if addr.port() != 0 && !share {
         port_is_free(addr)?;
     }
     let mut out = Vec::with_capacity(cores);
@@ -244,21 +246,25 @@ mod tests {
     /// SO_REUSEPORT.
     #[test]
     fn a_port_another_listener_holds_is_refused() {
-        let first = bind_listeners("127.0.0.1:0".parse().expect("addr"), 2, 8).expect("bind");
+        let first =
+            bind_listeners("127.0.0.1:0".parse().expect("addr"), 2, 8, false).expect("bind");
         let addr = first[0].local_addr().expect("addr");
-        let err = bind_listeners(addr, 2, 8).expect_err("the port is taken");
+        let err = bind_listeners(addr, 2, 8, false).expect_err("the port is taken");
         assert_eq!(err.kind(), io::ErrorKind::AddrInUse, "{err}");
         assert!(err.to_string().contains("another process"), "{err}");
-        drop(first);
+        // Asked for: beside the first, as a successor about to take over from it.
+        let beside = bind_listeners(addr, 2, 8, true).expect("shared on purpose");
+        drop((first, beside));
         // Free again once the first has closed, connections in TIME_WAIT or not.
-        bind_listeners(addr, 2, 8).expect("the port is free again");
+        bind_listeners(addr, 2, 8, false).expect("the port is free again");
     }
 
     /// Accepted sockets must not wait on Nagle for the welcome or a command, though the core
     /// no longer sets it on each of them.
     #[test]
     fn accepted_sockets_inherit_nodelay_from_the_listener() {
-        let listeners = bind_listeners("127.0.0.1:0".parse().expect("addr"), 1, 8).expect("bind");
+        let listeners =
+            bind_listeners("127.0.0.1:0".parse().expect("addr"), 1, 8, false).expect("bind");
         let listener = &listeners[0];
         listener.set_nonblocking(false).expect("blocking");
         let _client =

@@ -378,7 +378,9 @@ class Broker:
 
 
 def fleet_args(redis, broker_id, listen, extra=()):
-    return ["--redis", redis.url(), "--broker-id", broker_id, "--listen", listen, *extra]
+    # The scenarios start a second broker on the first one's port, to take its rigs over.
+    return ["--redis", redis.url(), "--broker-id", broker_id, "--listen", listen,
+            "--share-port", *extra]
 
 
 OPEN_BUCKET = ["--accept-rate", "100000", "--accept-burst", "100000"]
