@@ -339,7 +339,13 @@ impl Cli {
                 matches.value_source(&id),
                 Some(ValueSource::CommandLine | ValueSource::EnvVariable)
             );
-            if id == "config" || explicit {
+            // A file naming another file would be followed nowhere: better said than ignored.
+            anyhow::ensure!(
+                id != "config",
+                "config {}: a config file cannot name another (key {key:?})",
+                path.display()
+            );
+            if explicit {
                 continue;
             }
             let flag = format!("--{}", arg.get_long().unwrap_or(id.as_str()));
@@ -803,6 +809,17 @@ mod tests {
         let path = dir.join(name);
         std::fs::write(&path, text).unwrap();
         path
+    }
+
+    /// A file's `config` key, like an unknown one, is refused rather than ignored.
+    #[test]
+    fn a_config_file_naming_another_is_refused() {
+        let path = config_file("nested.toml", "config = \"other.toml\"\n");
+        let err = load(&["--config", path.to_str().unwrap()]).unwrap_err();
+        assert!(err.to_string().contains("cannot name another"), "{err}");
+        let path = config_file("unknown.toml", "no-such-key = 1\n");
+        let err = load(&["--config", path.to_str().unwrap()]).unwrap_err();
+        assert!(err.to_string().contains("unknown key"), "{err}");
     }
 
     #[test]
