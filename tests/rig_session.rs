@@ -760,44 +760,29 @@ fn an_ack_of_a_command_not_yet_written_is_ignored() {
 
 /// Standalone, a new boot's hello drops its old session's unacked commands (CONTRACT.md §5:
 /// never replayed) and reports them where standalone can: counted as `rig_rebooted`, and
-/// logged with their ids.
+/// logged with their ids. The same whether the old boot's connection went first or is still
+/// up when the new one says hello (it is superseded then, 4410).
 #[test]
 fn a_new_boot_standalone_counts_its_old_sessions_commands_rebooted() {
-    let b = Broker::start(&[]);
-    let (mut old, _, _) = b.rig("rig-reboot");
-    for seq in 1..=2u64 {
+    for old_still_up in [false, true] {
+        let b = Broker::start(&[]);
+        let (mut old, _, _) = b.rig("rig-reboot");
+        for seq in 1..=2u64 {
+            let (_, r) = b.command("rig-reboot", "n", json!({}));
+            assert_eq!(r["seq"], seq);
+            assert_eq!(read_json(&mut old)["seq"], seq);
+        }
+        let mut old = old_still_up.then_some(old);
+        let (mut new, _, welcome) = b.rig("rig-reboot");
+        assert_eq!(welcome["resumed"], false);
+        if let Some(old) = old.as_mut() {
+            assert_eq!(read_close(old), 4410);
+        }
+        b.wait_metric("fleetlink_registry_ops_total{op=\"resume\",result=\"rebooted\"} 2");
         let (_, r) = b.command("rig-reboot", "n", json!({}));
-        assert_eq!(r["seq"], seq);
-        assert_eq!(read_json(&mut old)["seq"], seq);
+        assert_eq!(r["seq"], 1, "a new session");
+        assert_eq!(read_json(&mut new)["seq"], 1);
     }
-    drop(old);
-    let (mut new, _, welcome) = b.rig("rig-reboot");
-    assert_eq!(welcome["resumed"], false);
-    b.wait_metric("fleetlink_registry_ops_total{op=\"resume\",result=\"rebooted\"} 2");
-    let (_, r) = b.command("rig-reboot", "n", json!({}));
-    assert_eq!(r["seq"], 1, "a new session");
-    assert_eq!(read_json(&mut new)["seq"], 1);
-}
-
-/// The same when the old boot is still connected as the new one says hello: the old
-/// connection is superseded (4410), and its unacked commands are reported as when it had gone
-/// first.
-#[test]
-fn a_new_boot_standalone_reports_the_commands_of_an_old_boot_still_connected() {
-    let b = Broker::start(&[]);
-    let (mut old, _, _) = b.rig("rig-reboot");
-    for seq in 1..=2u64 {
-        let (_, r) = b.command("rig-reboot", "n", json!({}));
-        assert_eq!(r["seq"], seq);
-        assert_eq!(read_json(&mut old)["seq"], seq);
-    }
-    let (mut new, _, welcome) = b.rig("rig-reboot");
-    assert_eq!(welcome["resumed"], false);
-    assert_eq!(read_close(&mut old), 4410);
-    b.wait_metric("fleetlink_registry_ops_total{op=\"resume\",result=\"rebooted\"} 2");
-    let (_, r) = b.command("rig-reboot", "n", json!({}));
-    assert_eq!(r["seq"], 1, "a new session");
-    assert_eq!(read_json(&mut new)["seq"], 1);
 }
 
 #[test]
