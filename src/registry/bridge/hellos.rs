@@ -242,23 +242,26 @@ impl Bridge {
     ) {
         self.shared.count_n("resume", "rebooted", lost.len() as u64);
         if self.fleet.is_none() && !lost.is_empty() {
-            // Standalone has no events channel: the log is where control can find them.
-            // At most 20 ids of at most 64 characters each: control's ids are whatever it
-            // sent, and one log line must stay a line.
+            // Standalone has no events channel: the log is where control can find them, so
+            // every id is logged, 20 to a line (at most 64 characters each: control's ids are
+            // whatever it sent, and one log line must stay a line). A session holds at most
+            // `Config::session_limit` commands, which bounds the lines.
             let ids: Vec<String> = lost
                 .iter()
-                .take(20)
                 .map(|(_, id)| match id.char_indices().nth(64) {
                     Some((cut, _)) => format!("{}…", id.get(..cut).unwrap_or_default()),
                     None => id.to_string(),
                 })
                 .collect();
-            log::warn!(
-                "rig {rig} rebooted (boot {boot}, was {old}): {} unacked commands of its old session are dropped, never run here (rig_rebooted); ids: {}{}",
-                lost.len(),
-                ids.join(", "),
-                if lost.len() > ids.len() { ", ..." } else { "" }
-            );
+            let lines = ids.len().div_ceil(20);
+            for (i, chunk) in ids.chunks(20).enumerate() {
+                log::warn!(
+                    "rig {rig} rebooted (boot {boot}, was {old}): {} unacked commands of its old session are dropped, never run here (rig_rebooted); ids ({}/{lines}): {}",
+                    lost.len(),
+                    i + 1,
+                    chunk.join(", "),
+                );
+            }
         }
         for (seq, id) in lost {
             let ev = crate::events::rig_rebooted(&self.cfg.broker_id, rig, &old, &boot, seq, &id);
