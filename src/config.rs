@@ -212,6 +212,8 @@ pub struct Config {
     pub admin: SocketAddr,
     /// Broker id.
     pub broker_id: String,
+    /// `--broker-id` was given; else `broker_id` is [`default_broker_id`]'s.
+    pub broker_id_given: bool,
     /// Event-loop threads.
     pub cores: usize,
     /// Redis URL; None = standalone.
@@ -444,9 +446,10 @@ impl BrokerArgs {
                  event loops will share CPUs"
             );
         }
+        let broker_id_given = self.broker_id.is_some();
         let broker_id = self
             .broker_id
-            .unwrap_or_else(|| format!("{}-{}", hostname(), listen.port()));
+            .unwrap_or_else(|| default_broker_id(listen.port()));
         // It goes into channel names, the registry's `boot|broker` values and the ready line's
         // key=value words.
         anyhow::ensure!(
@@ -488,6 +491,7 @@ impl BrokerArgs {
             listen,
             admin: self.admin,
             broker_id,
+            broker_id_given,
             cores,
             redis: self.redis,
             tls,
@@ -535,6 +539,12 @@ fn check_redis_url(url: &str) -> anyhow::Result<()> {
     anyhow::bail!(
         "--redis {url:?}: not a usable Redis URL ({why}); expected redis://[USER:PASSWORD@]HOST[:PORT][/DB] or unix:///PATH"
     )
+}
+
+/// The broker id when `--broker-id` is not given: the host name and the rig port (the port
+/// as bound, when `--listen` asked for port 0).
+pub fn default_broker_id(port: u16) -> String {
+    format!("{}-{port}", hostname())
 }
 
 fn hostname() -> String {

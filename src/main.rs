@@ -84,7 +84,18 @@ fn main() -> ExitCode {
     }
 }
 
-fn run(cfg: Config) -> anyhow::Result<()> {
+fn run(mut cfg: Config) -> anyhow::Result<()> {
+    let listeners = worker::bind_listeners(cfg.listen, cfg.cores, cfg.backlog, cfg.share_port)
+        .with_context(|| format!("binding {}", cfg.listen))?;
+    let listen = listeners
+        .first()
+        .map(|l| l.local_addr())
+        .transpose()?
+        .context("no listener")?;
+    if !cfg.broker_id_given && cfg.listen.port() == 0 {
+        // Named for the port it got: two brokers on port 0 would otherwise share `host-0`.
+        cfg.broker_id = fleetlink::config::default_broker_id(listen.port());
+    }
     // Read-only for the life of the process; every thread borrows it.
     let cfg: &'static Config = Box::leak(Box::new(cfg));
     if !cfg.listen.ip().is_loopback() && cfg.tls.is_none() {
@@ -96,20 +107,22 @@ fn run(cfg: Config) -> anyhow::Result<()> {
     } else if driver != "io_uring" {
         log::warn!("!!! io_uring unavailable or disabled: running on the epoll driver (metric fleetlink_driver{{driver=\"epoll\"}})");
     }
-    let listeners = worker::bind_listeners(cfg.listen, cfg.cores, cfg.backlog, cfg.share_port)
-        .with_context(|| format!("binding {}", cfg.listen))?;
-    let listen = listeners
-        .first()
-        .map(|l| l.local_addr())
-        .transpose()?
-        .context("no listener")?;
     let admin_listener =
         admin::bind(cfg.admin).with_context(|| format!("binding admin {}", cfg.admin))?;
     if let Some(url) = &cfg.redis {
         // Two brokers with one id would share one control channel: each command would reach
         // both, and the one without the rig would answer `rig_not_connected` for a command
         // the other ran.
-        if fleetlink::registry::fleet::broker_id_in_use(url, &cfg.broker_id) == Some(true) {
+        use fleetlink::registry::fleet::{broker_id_in_use, IdCheck};
+        let check = broker_id_in_use(url, &cfg.broker_id);
+        if let IdCheck::Failed(e) = &check {
+            log::warn!(
+                "cannot tell whether another broker runs with --broker-id {}: Redis refused \
+                 PUBSUB NUMSUB ({e}); the canaries will tell once both run",
+                cfg.broker_id
+            );
+        }
+        if check == IdCheck::Taken {
             anyhow::bail!(
                 "another broker with --broker-id {} is running: something is subscribed to {}; \
                  give each broker its own --broker-id (the default is the host name and the \

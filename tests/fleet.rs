@@ -997,3 +997,29 @@ fn a_second_broker_with_a_running_brokers_id_is_refused_at_start() {
     let (_ws, _, welcome) = b.rig("rig-twin");
     assert_eq!(welcome["type"], "welcome");
 }
+
+/// Two brokers with one id that both got past the start check (started at the same instant,
+/// or while Redis could not answer) hear each other's canaries on their shared channel: both
+/// fail readiness, saying why, until one is gone.
+#[test]
+fn twins_with_one_broker_id_fail_readiness_once_both_run() {
+    let redis = RedisServer::start();
+    let a = fleet_broker(&redis, "fe-twin2", &[]);
+    // A frozen Redis cannot say whether the id is taken: the second broker starts anyway.
+    redis.freeze(true);
+    let url = redis.url();
+    let b = Broker::start(&["--redis", url.as_str(), "--broker-id", "fe-twin2"]);
+    redis.freeze(false);
+    let twin = |x: &Broker| {
+        let (status, body) = x.http("GET", "/readyz", "");
+        status == 503 && body.contains("another broker runs with this --broker-id")
+    };
+    eventually(Duration::from_secs(15), "both brokers see the twin", || {
+        twin(&a) && twin(&b)
+    });
+    assert!(a.metric("fleetlink_registry_ops_total{op=\"canary\",result=\"twin\"}") > 0);
+    drop(b);
+    eventually(Duration::from_secs(15), "the survivor ready again", || {
+        a.http("GET", "/readyz", "").0 == 200
+    });
+}

@@ -1618,3 +1618,15 @@ fn strict_closes_unknown_types_and_a_second_hello_with_4400() {
     );
     assert_eq!(close_frame(&mut ws), (4400, "a second hello".into()));
 }
+
+/// The default broker id is the host name and the port: the port as bound when `--listen`
+/// asked for port 0, so two such brokers on one host do not share an id (and a channel).
+#[test]
+fn the_default_broker_id_names_the_port_bound() {
+    let (a, b) = (Broker::start(&[]), Broker::start(&[]));
+    for x in [&a, &b] {
+        let suffix = format!("-{}", x.listen.port());
+        assert!(x.broker_id.ends_with(&suffix), "{} for {}", x.broker_id, x.listen);
+    }
+    assert_ne!(a.broker_id, b.broker_id);
+}

@@ -48,6 +48,8 @@ pub enum Control {
     Canary {
         /// Who sent it.
         broker_id: String,
+        /// Which process sent it: the same id from another process is a twin.
+        instance: Option<String>,
     },
 }
 
@@ -82,6 +84,8 @@ struct Raw {
     selector: Option<Map<String, Value>>,
     #[serde(default)]
     broker_id: Option<String>,
+    #[serde(default)]
+    instance: Option<String>,
     #[serde(default)]
     queue_if_offline: bool,
     #[serde(default)]
@@ -251,6 +255,7 @@ pub fn parse(payload: &[u8], broadcast: bool) -> Result<Control, Bad> {
     match (raw.ty.as_str(), broadcast) {
         ("canary", _) => Ok(Control::Canary {
             broker_id: raw.broker_id.unwrap_or_default(),
+            instance: raw.instance,
         }),
         ("evict", false) => {
             let rig = raw

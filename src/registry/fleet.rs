@@ -143,33 +143,51 @@ pub const BROADCAST: &str = "fleetlink:broadcast";
 /// Channel of lifecycle events (CONTRACT.md §4).
 pub const EVENTS: &str = "fleetlink:events";
 
+/// What Redis says of a broker id at start ([`broker_id_in_use`]).
+#[derive(Debug, PartialEq, Eq)]
+pub enum IdCheck {
+    /// Nothing is subscribed to the id's channel.
+    Free,
+    /// Something is: another broker runs with this id.
+    Taken,
+    /// Redis could not be reached in time; the broker starts and runs without it until it can.
+    Unreachable,
+    /// Redis answered, but not the question (an ACL refusing `PUBSUB`, say).
+    Failed(String),
+}
+
 /// Whether another broker with `broker_id` is running on the Redis at `url`: something is
-/// subscribed to its channel. None when Redis cannot tell in time (the broker then starts, and
-/// runs without Redis until it can reach it).
+/// subscribed to its channel.
 ///
 /// A predecessor that just died may still be listed for a moment, until Redis reads the close
 /// of its connection; so a listed subscriber counts only when it is still there a second later.
-pub fn broker_id_in_use(url: &str, broker_id: &str) -> Option<bool> {
+/// Two brokers started at the same instant can both pass: each one's canaries then tell the
+/// other at run time (`BridgeShared::not_ready`).
+pub fn broker_id_in_use(url: &str, broker_id: &str) -> IdCheck {
     let timeout = Duration::from_millis(1000);
-    let client = redis::Client::open(url).ok()?;
-    let mut con = client.get_connection_with_timeout(timeout).ok()?;
-    con.set_read_timeout(Some(timeout)).ok()?;
-    con.set_write_timeout(Some(timeout)).ok()?;
+    let connect = || -> redis::RedisResult<redis::Connection> {
+        let con = redis::Client::open(url)?.get_connection_with_timeout(timeout)?;
+        con.set_read_timeout(Some(timeout))?;
+        con.set_write_timeout(Some(timeout))?;
+        Ok(con)
+    };
+    let Ok(mut con) = connect() else {
+        return IdCheck::Unreachable;
+    };
     let channel = broker_channel(broker_id);
     let deadline = Instant::now() + Duration::from_secs(1);
     loop {
-        let (_, subscribers): (String, u64) = redis::cmd("PUBSUB")
+        let subscribers = redis::cmd("PUBSUB")
             .arg("NUMSUB")
             .arg(&channel)
-            .query(&mut con)
-            .ok()?;
-        if subscribers == 0 {
-            return Some(false);
+            .query::<(String, u64)>(&mut con);
+        match subscribers {
+            Ok((_, 0)) => return IdCheck::Free,
+            Ok(_) if Instant::now() >= deadline => return IdCheck::Taken,
+            Ok(_) => std::thread::sleep(Duration::from_millis(50)),
+            Err(e) if e.is_timeout() || e.is_io_error() => return IdCheck::Unreachable,
+            Err(e) => return IdCheck::Failed(e.to_string()),
         }
-        if Instant::now() >= deadline {
-            return Some(true);
-        }
-        std::thread::sleep(Duration::from_millis(50));
     }
 }
 

@@ -123,6 +123,11 @@ struct Bridge {
     next_canary: Instant,
     next_expire: Instant,
     started_at: String,
+    /// This process's mark in its canaries: another process's canary with our broker id is
+    /// a twin on our channel.
+    instance: String,
+    /// Canaries of a twin, logged at most once a second.
+    twin_log: crate::registry::throttle::Throttle,
 }
 
 impl Bridge {
@@ -161,6 +166,8 @@ impl Bridge {
             next_touch: now + touch_every(cfg.session_ttl),
             next_heartbeat: now,
             next_canary: now,
+            instance: format!("{}-{:016x}", std::process::id(), fastrand::u64(..)),
+            twin_log: crate::registry::throttle::Throttle::default(),
             next_expire: now,
             started_at: reply::rfc3339(SystemTime::now()),
         }

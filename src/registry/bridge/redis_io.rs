@@ -134,10 +134,31 @@ impl Bridge {
     fn control(&mut self, channel: &str, payload: &[u8], now: Instant) {
         let broadcast = channel == fleet::BROADCAST;
         match control::parse(payload, broadcast) {
-            Ok(Control::Canary { broker_id }) => {
-                if broker_id == self.cfg.broker_id {
-                    self.shared.canary_at_ms.store(unix_ms(), Ordering::Relaxed);
+            Ok(Control::Canary {
+                broker_id,
+                instance,
+            }) => {
+                if broker_id != self.cfg.broker_id {
+                    return;
                 }
+                if instance.as_deref().is_some_and(|i| i != self.instance) {
+                    // Another process with our id is subscribed to our channel: it takes our
+                    // commands too (see `BridgeShared::not_ready`).
+                    self.shared.count("canary", "twin");
+                    self.shared.twin_at_ms.store(unix_ms(), Ordering::Relaxed);
+                    if let Some(n) = self.twin_log.note(now) {
+                        log::error!(
+                            "another broker runs with --broker-id {broker_id} (instance \
+                             {}, {n} of its canaries since the last line): both take every \
+                             command sent to this id, and each answers rig_not_connected for \
+                             the other's rigs; /readyz fails until one is gone. Give each \
+                             broker its own --broker-id",
+                            instance.as_deref().unwrap_or_default()
+                        );
+                    }
+                    return;
+                }
+                self.shared.canary_at_ms.store(unix_ms(), Ordering::Relaxed);
             }
             Ok(Control::Command(req)) => {
                 let actions = self.registry.command(Box::new(req));

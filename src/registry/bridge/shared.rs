@@ -11,7 +11,7 @@ use crate::metrics::BridgeStats;
 const CANARY_STALE: Duration = Duration::from_secs(5);
 
 /// Registry operations counted by (op, result), in this order.
-pub const REGISTRY_OPS: [(&str, &str); 44] = [
+pub const REGISTRY_OPS: [(&str, &str); 45] = [
     ("offline", "held"),
     ("offline", "full"),
     ("offline", "connected_elsewhere"),
@@ -37,6 +37,7 @@ pub const REGISTRY_OPS: [(&str, &str); 44] = [
     ("hello_batch", "sent"),
     ("resume", "stale_dropped"),
     ("resume", "rebooted"),
+    ("canary", "twin"),
     ("refresh", "ok"),
     ("refresh", "restored"),
     ("refresh", "superseded"),
@@ -69,6 +70,8 @@ pub struct BridgeShared {
     pub subscribed: AtomicBool,
     /// Unix ms when our own canary last came back.
     pub canary_at_ms: AtomicU64,
+    /// Unix ms when a canary with our broker id came from another process (0: never).
+    pub twin_at_ms: AtomicU64,
     /// Why the last attempt to reach Redis failed, while it is down. Written when that
     /// changes, read by `/readyz`: never on a hot path.
     pub redis_down_why: Mutex<Option<String>>,
@@ -98,6 +101,7 @@ impl BridgeShared {
             redis_up: AtomicU64::new(0),
             subscribed: AtomicBool::new(false),
             canary_at_ms: AtomicU64::new(0),
+            twin_at_ms: AtomicU64::new(0),
             redis_down_why: Mutex::new(None),
             core_queue_full: AtomicU64::new(0),
             ops: std::array::from_fn(|_| AtomicU64::new(0)),
@@ -140,6 +144,16 @@ impl BridgeShared {
         }
         if !self.subscribed.load(Ordering::Relaxed) {
             return Some("subscription not live".into());
+        }
+        let twin = self.twin_at_ms.load(Ordering::Relaxed);
+        if twin != 0 && unix_ms().saturating_sub(twin) <= CANARY_STALE.as_millis() as u64 {
+            // Both take every command sent to this id, and the one without the rig answers
+            // rig_not_connected for what the other runs: neither should be sent rigs.
+            return Some(
+                "another broker runs with this --broker-id (its canaries reach this broker's \
+                 channel): give each broker its own --broker-id"
+                    .into(),
+            );
         }
         let last = self.canary_at_ms.load(Ordering::Relaxed);
         if last == 0 {

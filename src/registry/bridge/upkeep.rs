@@ -39,8 +39,12 @@ impl Bridge {
         }
         if now >= self.next_canary {
             self.next_canary = now + CANARY_EVERY;
-            let canary =
-                json!({"type": "canary", "broker_id": self.cfg.broker_id, "at": unix_ms()});
+            let canary = json!({
+                "type": "canary",
+                "broker_id": self.cfg.broker_id,
+                "instance": self.instance,
+                "at": unix_ms(),
+            });
             self.publish(fleet::broker_channel(&self.cfg.broker_id), &canary);
         }
         if now >= self.next_heartbeat {
