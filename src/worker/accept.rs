@@ -34,7 +34,7 @@ struct Buckets {
 
 /// Binds one listener per core on `addr`, all on the same port (SO_REUSEPORT lets the kernel
 /// spread connections across them). Port 0 is resolved by the first bind. Unless `share`, a
-/// port another process listens on is refused ([`port_is_free`]).
+/// port another process listens on is refused (see `port_is_free`).
 pub fn bind_listeners(
     addr: SocketAddr,
     cores: usize,
