@@ -1626,7 +1626,12 @@ fn the_default_broker_id_names_the_port_bound() {
     let (a, b) = (Broker::start(&[]), Broker::start(&[]));
     for x in [&a, &b] {
         let suffix = format!("-{}", x.listen.port());
-        assert!(x.broker_id.ends_with(&suffix), "{} for {}", x.broker_id, x.listen);
+        assert!(
+            x.broker_id.ends_with(&suffix),
+            "{} for {}",
+            x.broker_id,
+            x.listen
+        );
     }
     assert_ne!(a.broker_id, b.broker_id);
 }

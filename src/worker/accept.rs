@@ -17,6 +17,7 @@ use crate::metrics::C;
 use crate::worker::bucket::TokenBucket;
 use crate::worker::conn;
 use crate::worker::core::{Conn, Core};
+use crate::worker::listen_check;
 use crate::worker::transport::Security;
 
 /// 503 answers in flight per core; beyond it a storm's connections are closed unanswered
@@ -34,52 +35,36 @@ struct Buckets {
 
 /// Binds one listener per core on `addr`, all on the same port (SO_REUSEPORT lets the kernel
 /// spread connections across them). Port 0 is resolved by the first bind. Unless `share`, a
-/// port another process listens on is refused (see `port_is_free`).
+/// port another process listens on is refused (see `listen_check`).
 pub fn bind_listeners(
     addr: SocketAddr,
     cores: usize,
     backlog: i32,
     share: bool,
 ) -> io::Result<Vec<std::net::TcpListener>> {
-    if addr.port() != 0 && !share {
-        port_is_free(addr)?;
-    }
     let mut out = Vec::with_capacity(cores);
-    let mut addr = addr;
+    let mut bound = addr;
     for _ in 0..cores {
-        let sock = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))?;
+        let sock = Socket::new(
+            Domain::for_address(bound),
+            Type::STREAM,
+            Some(Protocol::TCP),
+        )?;
         sock.set_reuse_address(true)?;
         sock.set_reuse_port(true)?;
         sock.set_nonblocking(true)?;
         // Linux copies it to every accepted socket: one setsockopt per listener, not per rig.
         sock.set_nodelay(true)?;
-        sock.bind(&addr.into())?;
+        sock.bind(&bound.into())?;
         sock.listen(backlog)?;
         let listener: std::net::TcpListener = sock.into();
-        addr = listener.local_addr()?;
+        bound = listener.local_addr()?;
         out.push(listener);
     }
+    if addr.port() != 0 && !share {
+        listen_check::alone_on(bound, &out)?;
+    }
     Ok(out)
-}
-
-/// Fails when another process listens on `addr`. SO_REUSEPORT would let this broker bind
-/// beside any process of the same user that set it too (a second fleetlink-fe started by
-/// mistake, say): each would take a share of the rigs, and a command sent to one broker would
-/// be refused for rigs the other holds. A bind without SO_REUSEPORT is refused while any
-/// listener holds the port (SO_REUSEADDR only lets it past connections in TIME_WAIT).
-fn port_is_free(addr: SocketAddr) -> io::Result<()> {
-    let probe = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))?;
-    probe.set_reuse_address(true)?;
-    probe.bind(&addr.into()).map_err(|e| {
-        if e.kind() == io::ErrorKind::AddrInUse {
-            io::Error::new(
-                e.kind(),
-                format!("{e}: another process is listening on {addr} (a second broker?)"),
-            )
-        } else {
-            e
-        }
-    })
 }
 
 /// Accepts until the core starts draining, then drops the listener (closing it).

@@ -26,6 +26,7 @@ mod conn_cap;
 pub(crate) mod core;
 mod drain;
 mod inbox;
+mod listen_check;
 pub(crate) mod queues;
 mod quiet_pong;
 mod session;
