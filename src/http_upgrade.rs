@@ -187,6 +187,12 @@ pub fn switching_protocols(key: &str) -> Vec<u8> {
     .into_bytes()
 }
 
+/// How long a refused client is told to wait, in seconds: drawn from 5..=15 each time
+/// (CONTRACT.md §2), so that clients refused together do not come back together.
+pub fn retry_after_s() -> u32 {
+    fastrand::u32(5..=15)
+}
+
 /// 503 for a connection over the accept bucket or `--max-connections` (CONTRACT.md §2).
 pub fn service_unavailable(retry_after_s: u32) -> Vec<u8> {
     format!(

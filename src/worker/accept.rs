@@ -137,11 +137,11 @@ fn admit(core: &Rc<Core>, buckets: &mut Buckets, stream: TcpStream) {
     core.metrics
         .connections
         .set(core.metrics.connections.get() + 1);
-    serve(core, stream, sec);
+    spawn_conn(core, stream, sec);
 }
 
 /// Starts the task of an accepted connection.
-fn serve(core: &Rc<Core>, stream: TcpStream, sec: Option<Box<Security>>) {
+fn spawn_conn(core: &Rc<Core>, stream: TcpStream, sec: Option<Box<Security>>) {
     let id = core.next_conn_id();
     let conn = Rc::new(Conn::new(core, id, stream.as_raw_fd()));
     {
@@ -180,7 +180,7 @@ fn reject(core: &Rc<Core>, buckets: &mut Buckets, stream: TcpStream, why: C) {
     let core = core.clone();
     monoio::spawn(async move {
         let fd = stream.as_raw_fd();
-        let answer = http_upgrade::service_unavailable(fastrand::u32(5..=15));
+        let answer = http_upgrade::service_unavailable(http_upgrade::retry_after_s());
         // SAFETY: fd is the open socket owned by `stream`; the answer fits an empty send buffer.
         unsafe {
             libc::send(
@@ -220,7 +220,7 @@ fn reject_tls(core: &Rc<Core>, buckets: &mut Buckets, stream: TcpStream, why: C)
     core.metrics.inc(why);
     // Counted among the refusals in flight, not the connections: the task's end gives it back.
     core.rejecting.set(core.rejecting.get() + 1);
-    serve(core, stream, Some(sec));
+    spawn_conn(core, stream, Some(sec));
 }
 
 #[cfg(test)]

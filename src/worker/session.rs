@@ -48,7 +48,7 @@ pub(crate) fn consume(core: &Core, conn: &Conn, st: &mut ConnState, input: &[u8]
                 // Refused at accept; TLS is up now, so the client can read why.
                 conn.send_raw(
                     st,
-                    &http_upgrade::service_unavailable(fastrand::u32(5..=15)),
+                    &http_upgrade::service_unavailable(http_upgrade::retry_after_s()),
                 );
                 st.phase = Phase::Done;
                 pos = input.len();
@@ -314,8 +314,9 @@ fn on_hello(core: &Core, conn: &Conn, st: &mut ConnState, hello: Hello) {
     }
 }
 
-fn retry_after() -> String {
-    format!("retry_after={}", fastrand::u32(5..=15))
+/// The reason of a 4503 close (CONTRACT.md §2).
+pub(crate) fn retry_after() -> String {
+    format!("retry_after={}", http_upgrade::retry_after_s())
 }
 
 fn on_rig_message(core: &Core, conn: &Conn, st: &mut ConnState, text: &[u8]) {

@@ -7,7 +7,7 @@ use std::time::Duration;
 use crate::ids::ConnId;
 use crate::metrics::C;
 use crate::worker::core::{Core, Liveness, Phase};
-use crate::worker::{conn, quiet_pong, slow_reader};
+use crate::worker::{conn, quiet_pong, session, slow_reader};
 use crate::ws::OpCode;
 
 /// Runs until the core finishes.
@@ -60,11 +60,7 @@ pub(super) fn visit(core: &Core, id: ConnId) {
             None
         }
         Phase::AwaitVerdict => {
-            conn.close(
-                &mut st,
-                4503,
-                format!("retry_after={}", fastrand::u32(5..=15)),
-            );
+            conn.close(&mut st, 4503, session::retry_after());
             None
         }
         Phase::Live => {
