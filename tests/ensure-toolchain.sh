@@ -33,7 +33,7 @@ if ! command -v cargo >/dev/null 2>&1; then
   PATH="$HOME/.cargo/bin:$PATH"; export PATH
 fi
 
-fl_rustc=$(rustc --version 2>/dev/null | awk '{print $2}')
+fl_rustc=$(rustc --version 2>/dev/null | awk '{print $2}') || fl_rustc=""
 if [ -n "$fl_rustc" ] && [ "$(printf '%s\n%s\n' "$fl_min_rust" "$fl_rustc" | sort -V | head -1)" != "$fl_min_rust" ]; then
   echo "== rustc $fl_rustc is older than $fl_min_rust, which the dependencies need:" \
     "install Rust with rustup (https://rustup.rs), not apt" >&2
