@@ -19,7 +19,16 @@ pub(crate) fn alone_on(addr: SocketAddr, ours: &[std::net::TcpListener]) -> io::
     let mine: Vec<u64> = ours.iter().filter_map(|l| inode(l.as_raw_fd())).collect();
     let deadline = Instant::now() + GRACE;
     loop {
-        let foreign = listeners()?
+        let all = match listeners() {
+            Ok(all) => all,
+            // A guard, not a reason to stay down: a /proc the broker may not read (hidepid, a
+            // sandbox) leaves the port unchecked, and says so.
+            Err(e) => {
+                log::warn!("cannot check whether another process listens on {addr}: {e}");
+                return Ok(());
+            }
+        };
+        let foreign = all
             .into_iter()
             .find(|(at, ino)| !mine.contains(ino) && overlaps(*at, addr));
         let Some((at, _)) = foreign else {
