@@ -363,6 +363,20 @@ impl Cli {
                 }
                 continue;
             }
+            // A list only where the flag takes several, and true/false only for switches
+            // (above): `broker-id = ["a"]` or `admin = true` is a mistake to name, not to guess.
+            let several = matches!(arg.get_action(), ArgAction::Append);
+            match &value {
+                toml::Value::Array(_) if !several => anyhow::bail!(
+                    "config {}: {key} takes one value, not a list",
+                    path.display()
+                ),
+                toml::Value::Boolean(_) => anyhow::bail!(
+                    "config {}: {key} takes a value, not true or false",
+                    path.display()
+                ),
+                _ => {}
+            }
             // `--key=value`, so a value that starts with '-' is not taken for a flag.
             for v in toml_values(&value) {
                 from_file.push(format!("{flag}={v}").into());
@@ -819,6 +833,37 @@ mod tests {
         let path = dir.join(name);
         std::fs::write(&path, text).unwrap();
         path
+    }
+
+    /// A list where one value goes, or true/false where a value goes, is refused; a list is
+    /// taken where the flag takes several.
+    #[test]
+    fn config_file_values_have_the_flags_shape() {
+        for (name, text, words) in [
+            (
+                "list.toml",
+                "broker-id = [\"a\"]\n",
+                "one value, not a list",
+            ),
+            ("bool.toml", "admin = true\n", "not true or false"),
+        ] {
+            let path = config_file(name, text);
+            let err = load(&["--config", path.to_str().unwrap()]).unwrap_err();
+            assert!(err.to_string().contains(words), "{text}: {err}");
+        }
+        let path = config_file(
+            "crls.toml",
+            "tls-cert = \"c\"\ntls-key = \"k\"\nclient-ca = \"ca\"\ncrl = [\"a\", \"b\"]\n",
+        );
+        assert_eq!(
+            load(&["--config", path.to_str().unwrap()])
+                .unwrap()
+                .tls
+                .unwrap()
+                .crl
+                .len(),
+            2
+        );
     }
 
     /// A file's `config` key, like an unknown one, is refused rather than ignored.
