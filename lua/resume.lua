@@ -63,23 +63,35 @@ local function unacked(key)
   return out
 end
 
--- Publishes one rig_rebooted event per unacked command of the older session `key`; returns
--- how many. The seq is the field's own text (cjson would round a large one); the id comes from
--- the command as sent.
+-- Publishes one rig_rebooted event per unacked command of the older session `key`, in seq
+-- order (control need not sort them); returns how many. The seq is the field's own text
+-- (cjson would round a large one), so seqs compare as digit strings: shorter first, then by
+-- text. The id comes from the command as sent.
 local function report(prev, key)
   local cmds, n = unacked(key), 0
+  local order = {}
   for i = 1, #cmds, 2 do
-    local seq = cmds[i]
-    if seq:match('^%d+$') then
-      n = n + 1
-      local ok, cmd = pcall(cjson.decode, cmds[i + 1])
-      local id = (ok and type(cmd) == 'table' and type(cmd.id) == 'string') and cmd.id or nil
-      redis.call('PUBLISH', 'fleetlink:events', '{"type":"rig_rebooted","rig_id":'
-          .. cjson.encode(rig) .. ',"boot_id":' .. cjson.encode(prev) .. ',"new_boot_id":'
-          .. cjson.encode(boot) .. ',"seq":' .. seq .. ',"id":'
-          .. (id and cjson.encode(id) or 'null') .. ',"broker_id":' .. cjson.encode(broker)
-          .. ',"at":' .. cjson.encode(at) .. '}')
+    if cmds[i]:match('^%d+$') then
+      order[#order + 1] = i
     end
+  end
+  table.sort(order, function(a, b)
+    local x, y = cmds[a], cmds[b]
+    if #x ~= #y then
+      return #x < #y
+    end
+    return x < y
+  end)
+  for _, i in ipairs(order) do
+    local seq = cmds[i]
+    n = n + 1
+    local ok, cmd = pcall(cjson.decode, cmds[i + 1])
+    local id = (ok and type(cmd) == 'table' and type(cmd.id) == 'string') and cmd.id or nil
+    redis.call('PUBLISH', 'fleetlink:events', '{"type":"rig_rebooted","rig_id":'
+        .. cjson.encode(rig) .. ',"boot_id":' .. cjson.encode(prev) .. ',"new_boot_id":'
+        .. cjson.encode(boot) .. ',"seq":' .. seq .. ',"id":'
+        .. (id and cjson.encode(id) or 'null') .. ',"broker_id":' .. cjson.encode(broker)
+        .. ',"at":' .. cjson.encode(at) .. '}')
   end
   return n
 end

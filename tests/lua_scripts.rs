@@ -764,3 +764,42 @@ fn resume_of_a_newer_boot_publishes_the_old_sessions_commands_as_rig_rebooted() 
     let again = sessions.resume(&mut con, &r, &new, TTL, "fe-b").unwrap();
     assert_eq!((again.rebooted, again.previous_boot), (0, None));
 }
+
+/// The older session's `rig_rebooted` events come in seq order, whatever order Redis keeps the
+/// commands in, so control need not sort them; seqs of different lengths compare as numbers.
+#[test]
+fn rig_rebooted_events_come_in_seq_order() {
+    use fleetlink::registry::sessions::SessionScripts;
+    let (server, mut con, _) = setup();
+    let sessions = SessionScripts::new();
+    let r = rig("rig-order");
+    let (old, new) = (boot(1), boot(2));
+    sessions.resume(&mut con, &r, &old, TTL, "fe-a").unwrap();
+    let old_key = format!("sess:rig-order:{old}");
+    // Kept in this order, which a small hash gives back as it is.
+    let seqs = [12u64, 3, 10, 1, 2, 11, 9];
+    for seq in seqs {
+        let cmd =
+            format!(r#"{{"type":"command","seq":{seq},"id":"c{seq}","name":"n","args":{{}}}}"#);
+        let _: () = redis::cmd("HSET")
+            .arg(&old_key)
+            .arg(format!("c:{seq}"))
+            .arg(cmd)
+            .query(&mut con)
+            .unwrap();
+    }
+    let mut sub = server.client().get_connection().unwrap();
+    let mut ps = sub.as_pubsub();
+    ps.subscribe("fleetlink:events").unwrap();
+    ps.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let found = sessions.resume(&mut con, &r, &new, TTL, "fe-b").unwrap();
+    assert_eq!(found.rebooted, seqs.len() as u64);
+    let got: Vec<u64> = (0..seqs.len())
+        .map(|_| {
+            let msg = ps.get_message().expect("a rig_rebooted event");
+            let e: serde_json::Value = serde_json::from_slice(msg.get_payload_bytes()).unwrap();
+            e["seq"].as_u64().unwrap()
+        })
+        .collect();
+    assert_eq!(got, [1, 2, 3, 9, 10, 11, 12]);
+}
