@@ -723,24 +723,14 @@ fn resume_of_a_newer_boot_publishes_the_old_sessions_commands_as_rig_rebooted() 
         .arg("not json")
         .query(&mut con)
         .unwrap();
-    let mut sub = server.client().get_connection().unwrap();
-    let mut ps = sub.as_pubsub();
-    ps.subscribe("fleetlink:events").unwrap();
-    ps.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
     let before = fleetlink::reply::rfc3339(std::time::SystemTime::now() - Duration::from_secs(2));
-    let found = sessions.resume(&mut con, &r, &new, TTL, "fe-b").unwrap();
+    let (found, events) = resume_newer_boot(&server, &mut con, &sessions, &r, &new);
     let after = fleetlink::reply::rfc3339(std::time::SystemTime::now() + Duration::from_secs(2));
     assert_eq!(found.rebooted, 2);
     assert_eq!(found.previous_boot.as_deref(), Some(old.as_str()));
     let exists: bool = redis::cmd("EXISTS").arg(&old_key).query(&mut con).unwrap();
     assert!(!exists, "the old session is gone");
-    let mut events: Vec<serde_json::Value> = (0..2)
-        .map(|_| {
-            let msg = ps.get_message().expect("a rig_rebooted event");
-            serde_json::from_slice(msg.get_payload_bytes()).expect("JSON")
-        })
-        .collect();
-    events.sort_by_key(|e| e["seq"].as_u64());
+    // In seq order as published (`rig_rebooted_events_come_in_seq_order`).
     for e in &events {
         assert_eq!(e["type"], "rig_rebooted");
         assert_eq!(e["rig_id"], "rig-rb");
@@ -788,18 +778,34 @@ fn rig_rebooted_events_come_in_seq_order() {
             .query(&mut con)
             .unwrap();
     }
+    let (found, events) = resume_newer_boot(&server, &mut con, &sessions, &r, &new);
+    assert_eq!(found.rebooted, seqs.len() as u64);
+    let got: Vec<u64> = events.iter().map(|e| e["seq"].as_u64().unwrap()).collect();
+    assert_eq!(got, [1, 2, 3, 9, 10, 11, 12]);
+}
+
+/// Resumes `new` for `r` as broker fe-b, and returns what `resume.lua` found with the
+/// `rig_rebooted` events it published, in the order they came.
+fn resume_newer_boot(
+    server: &RedisServer,
+    con: &mut redis::Connection,
+    sessions: &fleetlink::registry::sessions::SessionScripts,
+    r: &RigId,
+    new: &BootId,
+) -> (
+    fleetlink::registry::sessions::Resumed,
+    Vec<serde_json::Value>,
+) {
     let mut sub = server.client().get_connection().unwrap();
     let mut ps = sub.as_pubsub();
     ps.subscribe("fleetlink:events").unwrap();
     ps.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    let found = sessions.resume(&mut con, &r, &new, TTL, "fe-b").unwrap();
-    assert_eq!(found.rebooted, seqs.len() as u64);
-    let got: Vec<u64> = (0..seqs.len())
+    let found = sessions.resume(con, r, new, TTL, "fe-b").unwrap();
+    let events = (0..found.rebooted)
         .map(|_| {
             let msg = ps.get_message().expect("a rig_rebooted event");
-            let e: serde_json::Value = serde_json::from_slice(msg.get_payload_bytes()).unwrap();
-            e["seq"].as_u64().unwrap()
+            serde_json::from_slice(msg.get_payload_bytes()).expect("JSON")
         })
         .collect();
-    assert_eq!(got, [1, 2, 3, 9, 10, 11, 12]);
+    (found, events)
 }

@@ -29,6 +29,14 @@ fn command_arrives(admin: &mut KeepAlive, rig: &str, ws: &mut Ws, seq: u64) {
     assert_eq!(read_json(ws)["seq"], seq, "{rig}");
 }
 
+/// Sends `name` to `rig` through the admin API (a connection per request) and checks that it
+/// is numbered `seq` and reaches the rig as `seq`.
+fn command_reaches(b: &Broker, rig: &str, name: &str, ws: &mut Ws, seq: u64) {
+    let (_, r) = b.command(rig, name, json!({}));
+    assert_eq!(r["seq"], seq, "{rig}: {r}");
+    assert_eq!(read_json(ws)["seq"], seq, "{rig}");
+}
+
 #[test]
 fn hello_gets_welcome_with_contract_fields() {
     let b = Broker::start(&["--cores", "2", "--broker-id", "fe-test"]);
@@ -638,18 +646,14 @@ fn same_boot_reconnect_continues_the_session() {
     let boot = boot_id();
     let mut a = b.connect("/agent");
     hello(&mut a, "rig-resume", &boot, json!({}));
-    let (_, r) = b.command("rig-resume", "one", json!({}));
-    assert_eq!(r["seq"], 1);
-    assert_eq!(read_json(&mut a)["seq"], 1);
+    command_reaches(&b, "rig-resume", "one", &mut a, 1);
     // Reconnect with the same boot without closing the first socket (a network blip).
     let mut c = b.connect("/agent");
     let welcome = hello(&mut c, "rig-resume", &boot, json!({}));
     assert_eq!(welcome["resumed"], true);
     // Seq 1 was never acked and the hello carried no last_seq: it is sent again, then 2.
     assert_eq!(read_json(&mut c)["seq"], 1);
-    let (_, r) = b.command("rig-resume", "two", json!({}));
-    assert_eq!(r["seq"], 2);
-    assert_eq!(read_json(&mut c)["seq"], 2);
+    command_reaches(&b, "rig-resume", "two", &mut c, 2);
     assert_eq!(read_close(&mut a), 4410);
 }
 
@@ -671,9 +675,7 @@ fn an_ack_covers_its_own_seq_only() {
     let mut first = b.connect("/agent");
     hello(&mut first, "rig-selack", &boot, json!({}));
     for seq in 1..=3u64 {
-        let (_, r) = b.command("rig-selack", "n", json!({}));
-        assert_eq!(r["seq"], seq);
-        assert_eq!(read_json(&mut first)["seq"], seq);
+        command_reaches(&b, "rig-selack", "n", &mut first, seq);
     }
     ack(&mut first, 2);
     b.wait_metric("fleetlink_commands_total{result=\"acked\"} 1");
@@ -685,9 +687,7 @@ fn an_ack_covers_its_own_seq_only() {
     assert_eq!(read_json(&mut again)["seq"], 1);
     assert_eq!(read_json(&mut again)["seq"], 3);
     // Nothing else was owed: the next command is 4, and it is the next frame.
-    let (_, r) = b.command("rig-selack", "n", json!({}));
-    assert_eq!(r["seq"], 4);
-    assert_eq!(read_json(&mut again)["seq"], 4);
+    command_reaches(&b, "rig-selack", "n", &mut again, 4);
 }
 
 /// A rig that acked its commands, then resumes from an earlier `last_seq` (0 here, as a rig
@@ -704,9 +704,7 @@ fn acks_repeated_after_a_resume_are_not_counted_again() {
     let mut first = b.connect("/agent");
     hello(&mut first, "rig-reack", &boot, json!({}));
     for seq in 1..=3u64 {
-        let (_, r) = b.command("rig-reack", "n", json!({}));
-        assert_eq!(r["seq"], seq);
-        assert_eq!(read_json(&mut first)["seq"], seq);
+        command_reaches(&b, "rig-reack", "n", &mut first, seq);
         ack(&mut first, seq);
     }
     b.wait_metric("fleetlink_commands_total{result=\"acked\"} 3");
@@ -720,9 +718,7 @@ fn acks_repeated_after_a_resume_are_not_counted_again() {
     for seq in 1..=3u64 {
         ack(&mut again, seq);
     }
-    let (_, r) = b.command("rig-reack", "n", json!({}));
-    assert_eq!(r["seq"], 4);
-    assert_eq!(read_json(&mut again)["seq"], 4);
+    command_reaches(&b, "rig-reack", "n", &mut again, 4);
     ack(&mut again, 4);
     eventually(Duration::from_secs(10), "the ack of 4", || {
         last_ack_seq() == Some(4)
@@ -768,9 +764,7 @@ fn a_new_boot_standalone_counts_its_old_sessions_commands_rebooted() {
         let b = Broker::start(&[]);
         let (mut old, _, _) = b.rig("rig-reboot");
         for seq in 1..=2u64 {
-            let (_, r) = b.command("rig-reboot", "n", json!({}));
-            assert_eq!(r["seq"], seq);
-            assert_eq!(read_json(&mut old)["seq"], seq);
+            command_reaches(&b, "rig-reboot", "n", &mut old, seq);
         }
         let mut old = old_still_up.then_some(old);
         let (mut new, _, welcome) = b.rig("rig-reboot");
@@ -779,9 +773,7 @@ fn a_new_boot_standalone_counts_its_old_sessions_commands_rebooted() {
             assert_eq!(read_close(old), 4410);
         }
         b.wait_metric("fleetlink_registry_ops_total{op=\"resume\",result=\"rebooted\"} 2");
-        let (_, r) = b.command("rig-reboot", "n", json!({}));
-        assert_eq!(r["seq"], 1, "a new session");
-        assert_eq!(read_json(&mut new)["seq"], 1);
+        command_reaches(&b, "rig-reboot", "n", &mut new, 1);
     }
 }
 
