@@ -29,7 +29,7 @@ use serde_json::value::RawValue;
 use crate::admin_lobby::{Held, Lobby, MAX_WAITING};
 use crate::args::Args;
 use crate::doorbell::{Full, Mailbox};
-use crate::ids::{BootId, ConnId, CoreId, RigId};
+use crate::ids::{BootId, ConnId, CoreId, RigId, CONTROL_NAME_MAX};
 use crate::metrics::{self, CoreSnapshot, Retired};
 use crate::registry::bridge::BridgeShared;
 use crate::registry::msg::{AdminAnswer, AdminReply, CommandReq, ReplyTo, ToBridge, ToCore};
@@ -873,6 +873,9 @@ pub(crate) fn command_req(
     let Some(rig_id) = RigId::parse(rig) else {
         return Err(bad("invalid rig id"));
     };
+    if id.len() > CONTROL_NAME_MAX {
+        return Err(bad(&format!("id longer than {CONTROL_NAME_MAX} bytes")));
+    }
     let (body, args) = match parsed {
         Ok(mut b) if !b.name.is_empty() && b.name.len() <= 128 => {
             let args = match b.args.take() {

@@ -5,6 +5,11 @@
 
 use std::fmt;
 
+/// Longest command `id` or `reply_to` channel control may send, in bytes. Each is copied into
+/// every reply and event about the command, and a broadcast's id into each matched rig's
+/// request: unbounded, one message of 1 MiB could cost a fleet's worth of copies.
+pub const CONTROL_NAME_MAX: usize = 256;
+
 /// A rig's name: 1–64 bytes of `[A-Za-z0-9._-]`.
 #[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Debug)]
 pub struct RigId(Box<str>);

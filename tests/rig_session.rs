@@ -564,6 +564,13 @@ fn unknown_rig_and_bad_requests_get_contract_errors() {
     assert_eq!(status, 400, "{text}");
     let (status, _) = b.http("POST", "/v1/rigs/bad%20id/commands", "{\"name\":\"x\"}");
     assert_eq!(status, 400);
+    // An id is copied into every reply and event about its command: at most 256 bytes.
+    let with_id = |n: usize| json!({"id": "i".repeat(n), "name": "x"}).to_string();
+    let (status, text) = b.http("POST", "/v1/rigs/rig-x/commands", &with_id(256));
+    assert_eq!(status, 404, "{text}");
+    let (status, text) = b.http("POST", "/v1/rigs/rig-x/commands", &with_id(257));
+    assert_eq!(status, 400, "{text}");
+    assert!(text.contains("id longer than 256 bytes"), "{text}");
 }
 
 #[test]

@@ -7,7 +7,7 @@ use serde_json::value::RawValue;
 use serde_json::{Map, Value};
 
 use crate::args::Args;
-use crate::ids::{BootId, RigId};
+use crate::ids::{BootId, RigId, CONTROL_NAME_MAX};
 use crate::registry::msg::{CommandReq, ReplyTo};
 
 /// A validated control message.
@@ -227,7 +227,11 @@ impl Envelope {
     /// number is echoed as its JSON text, so control can still match it.
     fn bad(self, why: String) -> Bad {
         let id = self.id.0.unwrap_or_else(crate::admin::new_id);
-        let reply_to = self.reply_to.0.filter(|r| !r.is_empty()).map(|r| (id, r));
+        let reply_to = self
+            .reply_to
+            .0
+            .filter(|r| !r.is_empty() && r.len() <= CONTROL_NAME_MAX)
+            .map(|r| (id, r));
         Bad {
             why,
             rig: self.rig_id.0,
@@ -247,11 +251,25 @@ pub fn parse(payload: &[u8], broadcast: bool) -> Result<Control, Bad> {
         .map_err(|e| Envelope::read(payload).bad(format!("not a valid control message: {e}")))?;
     let id = raw.id.clone().unwrap_or_else(crate::admin::new_id);
     let reply_to = raw.reply_to.clone().filter(|r| !r.is_empty());
+    if reply_to
+        .as_ref()
+        .is_some_and(|r| r.len() > CONTROL_NAME_MAX)
+    {
+        // Not answered: the channel named is itself what is refused.
+        return Err(Bad {
+            why: format!("reply_to longer than {CONTROL_NAME_MAX} bytes"),
+            rig: raw.rig_id,
+            reply_to: None,
+        });
+    }
     let bad = |why: &str| Bad {
         why: why.to_string(),
         rig: raw.rig_id.clone(),
         reply_to: reply_to.clone().map(|r| (id.clone(), r)),
     };
+    if id.len() > CONTROL_NAME_MAX {
+        return Err(bad(&format!("id longer than {CONTROL_NAME_MAX} bytes")));
+    }
     match (raw.ty.as_str(), broadcast) {
         ("canary", _) => Ok(Control::Canary {
             broker_id: raw.broker_id.unwrap_or_default(),
@@ -442,5 +460,36 @@ mod tests {
         let bad = parse(big.as_bytes(), false).unwrap_err();
         assert!(bad.why.contains("1 MiB"), "{}", bad.why);
         assert_eq!(bad.reply_to, Some(("c2".into(), "chan".into())));
+    }
+
+    /// A broadcast copies its id into every matched rig's request and each reply: one message
+    /// with a 1 MiB id to 10,000 rigs would be gigabytes.
+    #[test]
+    fn ids_and_reply_channels_past_256_bytes_are_refused() {
+        let msg = |id: &str, to: &str| {
+            format!(
+                r#"{{"type":"command","id":"{id}","selector":{{}},"name":"x","reply_to":"{to}"}}"#
+            )
+        };
+        let at = "i".repeat(CONTROL_NAME_MAX);
+        assert!(parse(msg(&at, &"c".repeat(CONTROL_NAME_MAX)).as_bytes(), true).is_ok());
+        let long = format!("{at}i");
+        let bad = parse(msg(&long, "chan").as_bytes(), true).unwrap_err();
+        assert!(bad.why.contains("id longer than 256"), "{}", bad.why);
+        assert_eq!(bad.reply_to, Some((long, "chan".into())), "answered once");
+        let bad = parse(
+            msg("c1", &"c".repeat(CONTROL_NAME_MAX + 1)).as_bytes(),
+            false,
+        )
+        .unwrap_err();
+        assert!(bad.why.contains("reply_to longer than 256"), "{}", bad.why);
+        assert_eq!(bad.reply_to, None, "no answer to a channel it refuses");
+        // The same for a message refused before it is parsed, for its size.
+        let huge = format!(
+            r#"{{"type":"command","id":"c2","reply_to":"{}","args":{{"b":"{}"}}}}"#,
+            "c".repeat(CONTROL_NAME_MAX + 1),
+            "x".repeat(MAX_CONTROL)
+        );
+        assert_eq!(parse(huge.as_bytes(), false).unwrap_err().reply_to, None);
     }
 }
