@@ -40,6 +40,7 @@ pub mod heap_stats;
 pub mod http_upgrade;
 pub mod ids;
 pub mod jwt;
+pub mod log_text;
 pub mod metrics;
 pub mod protocol;
 pub mod registry;

@@ -248,10 +248,7 @@ impl Bridge {
             // `Config::session_limit` commands, which bounds the lines.
             let ids: Vec<String> = lost
                 .iter()
-                .map(|(_, id)| match id.char_indices().nth(64) {
-                    Some((cut, _)) => format!("{}…", id.get(..cut).unwrap_or_default()),
-                    None => id.to_string(),
-                })
+                .map(|(_, id)| crate::log_text::clip(id, crate::log_text::LOG_CHARS).into_owned())
                 .collect();
             let lines = ids.len().div_ceil(20);
             for (i, chunk) in ids.chunks(20).enumerate() {

@@ -8,6 +8,7 @@ use std::time::Instant;
 use super::shared::unix_ms;
 use super::Bridge;
 use crate::ids::{BootId, ConnId, RigId};
+use crate::log_text::{clip, LOG_CHARS};
 use crate::registry::control::{self, Control};
 use crate::registry::fleet::{self, Fleet};
 use crate::registry::msg::{PersistReq, ReplyTo, ToCore};
@@ -153,7 +154,7 @@ impl Bridge {
                              command sent to this id, and each answers rig_not_connected for \
                              the other's rigs; /readyz fails until one is gone. Give each \
                              broker its own --broker-id",
-                            instance.as_deref().unwrap_or_default()
+                            clip(instance.as_deref().unwrap_or_default(), LOG_CHARS)
                         );
                     }
                     return;
@@ -385,11 +386,11 @@ impl UnansweredLog {
         let Some(n) = self.0.note(now) else {
             return false;
         };
-        // Quoted: the rig id and the reason may carry whatever the publisher sent.
-        let rig = bad.rig.as_deref().unwrap_or("-");
+        // Quoted and cut: the rig id and the reason may carry whatever the publisher sent.
+        let rig = clip(bad.rig.as_deref().unwrap_or("-"), LOG_CHARS);
         log::warn!(
             "control message refused, no reply_to to answer: {:?} (rig {rig:?}; {} more since the last such line)",
-            bad.why,
+            clip(&bad.why, 4 * LOG_CHARS),
             n - 1
         );
         true
