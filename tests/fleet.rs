@@ -670,10 +670,14 @@ fn events_name_the_session_and_malformed_control_messages_are_answered() {
             .into(),
     ))
     .unwrap();
-    ws.send(Message::Text(
-        json!({"type":"ack","seq":2}).to_string().into(),
-    ))
-    .unwrap();
+    // Acks of seqs never assigned (the next one, one far past it) are not the rig's to give:
+    // no event.
+    for seq in [3u64, 99, 2] {
+        ws.send(Message::Text(
+            json!({"type":"ack","seq":seq}).to_string().into(),
+        ))
+        .unwrap();
+    }
     ws.send(Message::Text(
         json!({"type":"result","seq":2,"ok":false})
             .to_string()
@@ -688,6 +692,7 @@ fn events_name_the_session_and_malformed_control_messages_are_answered() {
     );
     assert_eq!(first["boot_id"], boot.as_str());
     let ack = ctl.next(|ch, v| ch == "fleetlink:events" && v["type"] == "ack");
+    assert_eq!(ack["seq"], 2, "{ack}");
     assert_eq!((&ack["id"], &ack["boot_id"]), (&json!("c2"), &json!(boot)));
     let second = ctl.next(|ch, v| ch == "fleetlink:events" && v["type"] == "result");
     assert_eq!((&second["seq"], &second["id"]), (&json!(2), &json!("c2")));

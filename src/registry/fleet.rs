@@ -42,6 +42,10 @@ const MAX_OUTGOING_BYTES: usize = 32 << 20;
 /// 8 MiB for 60 s, leaves a subscriber a minute to catch up.) The bound is per broker: when
 /// several brokers flush at once, their backlogs add up in the subscriber's buffer.
 const EVENT_SHARE_BYTES: usize = 24 << 20;
+/// The publishes rig events may hold, by count: small events (a rig's `ack`s, 200 bytes each)
+/// reach the count bound long before the bytes, and without a share of their own a few chatty
+/// rigs during a Redis stall would leave no room for control's replies, which are owed.
+const EVENT_SHARE_COUNT: usize = MAX_OUTGOING / 4 * 3;
 /// Bytes of publishes sent in one pipeline: a Redis back from an outage gets the queue in
 /// pieces, not as one write of everything held.
 const FLUSH_BYTES: usize = 8 << 20;
@@ -211,6 +215,8 @@ pub(crate) struct Fleet {
     outgoing: Vec<(String, Box<[u8]>)>,
     /// Bytes in `outgoing`, channel names and payloads.
     outgoing_bytes: usize,
+    /// Rig events in `outgoing`.
+    outgoing_events: usize,
     releases: Vec<(RigId, BootId)>,
     /// `--session-ttl`: touched and released sessions get it afresh (0 = no session kept).
     session_ttl: Duration,
@@ -253,6 +259,7 @@ impl Fleet {
             sub: None,
             outgoing: Vec::new(),
             outgoing_bytes: 0,
+            outgoing_events: 0,
             releases: Vec::new(),
             session_ttl,
             failures: 0,
@@ -700,13 +707,14 @@ impl Fleet {
     /// Queues a PUBLISH (sent with the next flush, in order). Past the bounds it is dropped
     /// and counted in `dropped`.
     pub(crate) fn publish(&mut self, channel: String, payload: Vec<u8>) {
-        let cap = if channel == EVENTS {
-            EVENT_SHARE_BYTES
+        let event = channel == EVENTS;
+        let (cap, full) = if event {
+            (EVENT_SHARE_BYTES, self.outgoing_events >= EVENT_SHARE_COUNT)
         } else {
-            MAX_OUTGOING_BYTES
+            (MAX_OUTGOING_BYTES, false)
         };
         let size = channel.len() + payload.len();
-        if self.outgoing.len() >= MAX_OUTGOING || self.outgoing_bytes + size > cap {
+        if full || self.outgoing.len() >= MAX_OUTGOING || self.outgoing_bytes + size > cap {
             self.dropped += 1;
             if let Some(n) = self.drop_log.note(Instant::now()) {
                 self.log_drops(n);
@@ -714,6 +722,7 @@ impl Fleet {
             return;
         }
         self.outgoing_bytes += size;
+        self.outgoing_events += usize::from(event);
         self.outgoing.push((channel, payload.into_boxed_slice()));
     }
 
@@ -793,7 +802,7 @@ impl Fleet {
                 pipe.hdel(sessions::session_key(rig, boot), format!("c:{}", seq.0))
                     .ignore();
             }
-            let (mut n, mut bytes) = (0, 0);
+            let (mut n, mut bytes, mut events) = (0, 0, 0);
             for (channel, payload) in &self.outgoing {
                 let size = channel.len() + payload.len();
                 if n > 0 && bytes + size > FLUSH_BYTES {
@@ -802,6 +811,7 @@ impl Fleet {
                 pipe.publish(channel, &payload[..]).ignore();
                 n += 1;
                 bytes += size;
+                events += usize::from(channel == EVENTS);
             }
             match pipe.query::<()>(con) {
                 Ok(()) => self.published += n as u64,
@@ -821,6 +831,7 @@ impl Fleet {
                 Err(e) => return self.call_failed(&e),
             }
             self.outgoing_bytes -= bytes;
+            self.outgoing_events -= events;
             self.outgoing.drain(..n);
             self.forgets.drain(..forgets);
             if self.forgets.is_empty() {
@@ -995,5 +1006,21 @@ mod tests {
         }
         assert!(f.outgoing_bytes <= MAX_OUTGOING_BYTES);
         assert!(f.outgoing_bytes + mib.len() > MAX_OUTGOING_BYTES);
+    }
+
+    #[test]
+    fn small_events_leave_room_for_replies_by_count_too() {
+        let mut f = fleet();
+        let ack = br#"{"type":"ack","rig_id":"r","seq":1}"#.to_vec();
+        while f.dropped == 0 {
+            f.publish(EVENTS.to_string(), ack.clone());
+        }
+        assert_eq!(f.outgoing.len(), EVENT_SHARE_COUNT);
+        assert!(f.outgoing_bytes < EVENT_SHARE_BYTES, "stopped by count");
+        for _ in 0..MAX_OUTGOING - EVENT_SHARE_COUNT {
+            f.publish("reply".into(), b"{}".to_vec());
+        }
+        assert_eq!(f.dropped, 1, "every reply up to the whole bound has room");
+        assert_eq!(f.outgoing.len(), MAX_OUTGOING);
     }
 }

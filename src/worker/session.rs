@@ -334,6 +334,11 @@ fn on_rig_message(core: &Core, conn: &Conn, st: &mut ConnState, text: &[u8]) {
     match msg {
         Ok(ClientMsg::Ack { seq, .. }) => {
             core.metrics.inc(C::MsgAck);
+            if !ackable(session, seq) {
+                // Not a command this rig could have: no event for control to puzzle over,
+                // and none to crowd control's replies out of the publish queue.
+                return;
+            }
             let id = on_ack(core, session, seq);
             if core.fleet {
                 core.event(events::ack(
@@ -403,18 +408,20 @@ fn on_rig_message(core: &Core, conn: &Conn, st: &mut ConnState, text: &[u8]) {
 /// `seq`"): a command below it the rig has not acked stays unacked, given back by a resume and
 /// reported `rig_rebooted` by a new boot. Returns the command id for the ack event (fleet mode)
 /// when the broker still held the command.
-fn on_ack(core: &Core, s: &mut Session, seq: Seq) -> Option<Box<str>> {
-    // The outbox holds the unwritten commands, lowest seq first: an ack of one of them cannot
-    // be the rig's (CONTRACT.md §2: it accepted the command), and is ignored like an ack of a
-    // seq never assigned.
+/// Whether `seq` names a command written to this rig's session. The outbox holds the
+/// unwritten commands, lowest seq first: an ack of one of them cannot be the rig's
+/// (CONTRACT.md §2: it accepted the command), and is ignored like an ack of a seq never
+/// assigned.
+fn ackable(s: &Session, seq: Seq) -> bool {
     let unwritten = s
         .queues
         .as_ref()
         .and_then(|q| q.outbox().front())
         .is_some_and(|first| seq >= first.seq);
-    if unwritten {
-        return None;
-    }
+    seq.0 > 0 && seq < s.next_seq && !unwritten
+}
+
+fn on_ack(core: &Core, s: &mut Session, seq: Seq) -> Option<Box<str>> {
     if seq > s.resume_from {
         forget_had_before(core, s);
     }
