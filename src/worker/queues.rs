@@ -4,8 +4,10 @@
 //! (a control message's bound), so counts alone would let one slow rig hold 128 MiB queued and
 //! a thousand more written and unacked, and a core's rigs together anything. Bytes are bounded
 //! too: per rig, queued ([`RIG_OUTBOX_BYTES`]) and written but unacked
-//! ([`RIG_UNACKED_BYTES`]), and per core, all of them together ([`CORE_COMMAND_BYTES`]). The
-//! core's total is a thread-local: a core is one thread, and its queues never leave it.
+//! ([`RIG_UNACKED_BYTES`]), and per core, all of them together ([`core_command_bytes`]: the
+//! broker's [`BROKER_COMMAND_BYTES`] split evenly, so that the bound does not grow with the
+//! cores). The core's total is a thread-local: a core is one thread, and its queues never
+//! leave it, so the bound costs no shared counter on a command's path.
 
 use std::cell::Cell;
 use std::collections::VecDeque;
@@ -22,8 +24,15 @@ pub(crate) const RIG_UNACKED_BYTES: usize = 16 << 20;
 /// The most command bytes one rig's session holds, queued and unacked: what a resume carries at
 /// most (more in Redis are entries whose removal was lost).
 pub(crate) const RIG_SESSION_BYTES: usize = RIG_OUTBOX_BYTES + RIG_UNACKED_BYTES;
-/// Command bytes one core holds for all its rigs; a command past it is refused `overloaded`.
-pub(crate) const CORE_COMMAND_BYTES: usize = 1 << 30;
+/// Command bytes the broker's cores hold together for all their rigs; a command past its
+/// core's share is refused `overloaded`. A command being written sits in its connection's
+/// unsent bytes too (at most 256 KiB past the last frame), which this does not count twice.
+pub(crate) const BROKER_COMMAND_BYTES: usize = 2 << 30;
+
+/// One core's share of [`BROKER_COMMAND_BYTES`], and at least one rig's whole session.
+pub(crate) fn core_command_bytes(cores: usize) -> usize {
+    (BROKER_COMMAND_BYTES / cores.max(1)).max(RIG_SESSION_BYTES)
+}
 /// Acked commands whose id a rig's queues remember for their `result` event (CONTRACT.md §4:
 /// events carry the `id` where it applies). The newest are kept: a rig with more commands
 /// acked and running than this has its oldest results reported without their id, joined to
@@ -204,6 +213,19 @@ impl Queues {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_broker_wide_command_bound_is_split_between_cores() {
+        assert_eq!(core_command_bytes(1), BROKER_COMMAND_BYTES);
+        assert_eq!(core_command_bytes(2), 1 << 30);
+        assert_eq!(core_command_bytes(64) * 64, BROKER_COMMAND_BYTES);
+        assert_eq!(
+            core_command_bytes(1024),
+            RIG_SESSION_BYTES,
+            "one rig's session fits"
+        );
+        assert_eq!(core_command_bytes(0), BROKER_COMMAND_BYTES);
+    }
 
     fn cmd(seq: u64, len: usize) -> SeqCommand {
         SeqCommand::for_test(seq, len, false)

@@ -16,7 +16,7 @@ use crate::registry::msg::{
 };
 use crate::reply::{self, Unresponsive};
 use crate::worker::core::{stamp, unix_ms, Conn, ConnState, Core, Phase, Session};
-use crate::worker::queues::{self, CORE_COMMAND_BYTES, RIG_OUTBOX_BYTES, RIG_UNACKED_BYTES};
+use crate::worker::queues::{self, RIG_OUTBOX_BYTES, RIG_UNACKED_BYTES};
 use crate::worker::transport::Security;
 use crate::worker::{closing, sweep};
 use crate::ws::{Decoder, Limits, Message, OpCode};
@@ -664,7 +664,7 @@ pub(crate) fn on_command(core: &Core, conn: &Conn, st: &mut ConnState, req: Comm
     if queued > 0 && queued + json.len() > RIG_OUTBOX_BYTES {
         return outbox_full(core, session, req, Some(queued));
     }
-    if queues::core_bytes() + json.len() > CORE_COMMAND_BYTES {
+    if queues::core_bytes() + json.len() > queues::core_command_bytes(core.cfg.cores) {
         let why = "this core holds as many command bytes as it may";
         return refuse_command(core, req, C::CmdMemoryFull, "overloaded", why);
     }
