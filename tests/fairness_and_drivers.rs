@@ -32,6 +32,40 @@ fn a_chatty_rig_is_slowed_not_dropped() {
     assert_eq!(read_json(&mut ws)["type"], "command");
 }
 
+/// PINGs are not messages, but each costs the broker a decode and a PONG: a rig flooding them
+/// is paused like a chatty one, at an eighth of a token each, and stays connected.
+#[test]
+fn a_rig_flooding_pings_is_slowed_too() {
+    let b = Broker::start(&["--rig-rate", "10", "--rig-burst", "5"]);
+    let mut rig = RawRig::hello(&b, "rig-pinger");
+    let mut flood = Vec::new();
+    for _ in 0..2000 {
+        fleetlink::ws::encode_client_frame(
+            &mut flood,
+            true,
+            fleetlink::ws::OpCode::Ping,
+            [1, 2, 3, 4],
+            b"p",
+        );
+    }
+    rig.write_raw(&flood);
+    // 5 tokens are 40 PINGs; then 80 a second.
+    let started = Instant::now();
+    let mut pongs = 0;
+    while started.elapsed() < Duration::from_millis(500) {
+        match rig.read_frame_within(Duration::from_millis(50)) {
+            Some((0xA, _)) => pongs += 1,
+            Some((op, _)) => panic!("opcode {op:#x} before the flood was read"),
+            None => {}
+        }
+    }
+    assert!((40..400).contains(&pongs), "{pongs} PONGs in 0.5 s");
+    assert!(metric(&b, "fleetlink_rig_rate_paused_total ") > 0);
+    // Held back, not dropped: still served.
+    let (status, reply) = b.command("rig-pinger", "noop", json!({}));
+    assert_eq!(status, 200, "{reply}");
+}
+
 /// While the broker holds a chatty rig back, that rig's PONGs wait in TCP behind messages the
 /// broker has not read yet. Those are the broker's delay, not the rig's: it is not closed 4002,
 /// and every message is read.

@@ -63,9 +63,18 @@ impl RigBucket {
         if self.tokens >= 1.0 {
             Ok(())
         } else {
+            // At most a minute: the core compares pause deadlines on its wrapping u32 clock,
+            // where a wait past 2^31 ms would read as already over (a rate of 1e-7/s).
             let wait = ((1.0 - self.tokens as f64) / rate * 1000.0).ceil();
-            Err((wait as u32).max(1))
+            Err((wait.min(60_000.0) as u32).max(1))
         }
+    }
+
+    /// Spends `cost` of a token (less than one) without asking: for control frames, which
+    /// cost the broker a decode and, for a PING, a PONG, but are not messages of their own.
+    /// Never below empty, so a flood of them waits one token's refill, not its own length.
+    pub fn spend(&mut self, cost: f32) {
+        self.tokens = (self.tokens - cost).max(0.0);
     }
 
     /// Takes one token, or says how many ms until one is there.
@@ -100,5 +109,22 @@ mod tests {
         assert_eq!(b.take(100.0, 2, 0), Err(10));
         assert!(b.take(100.0, 2, 10).is_ok());
         assert_eq!(std::mem::size_of::<RigBucket>(), 8);
+    }
+
+    #[test]
+    fn control_frames_spend_part_of_a_token_and_waits_stay_under_a_minute() {
+        let mut b = RigBucket::full(1, 0);
+        for _ in 0..7 {
+            b.spend(0.125);
+        }
+        assert!(
+            b.ready(100.0, 1, 0).is_err(),
+            "7/8 spent: not a whole token left"
+        );
+        for _ in 0..100 {
+            b.spend(0.125);
+        }
+        assert_eq!(b.ready(100.0, 1, 0), Err(10), "empty, not below");
+        assert_eq!(b.ready(1e-9, 1, 0), Err(60_000));
     }
 }

@@ -177,9 +177,15 @@ fn upgrade(core: &Core, conn: &Conn, st: &mut ConnState, path: &str, key: &str) 
     }
 }
 
+/// What a PING or PONG from a rig takes from its `--rig-rate` bucket: free, a rig could keep
+/// its core busy decoding PINGs and writing PONGs at line rate while taking no token; at a
+/// whole token, a rig's own keepalive would eat into its messages under a low rate.
+const CONTROL_FRAME_COST: f32 = 0.125;
+
 fn on_message(core: &Core, conn: &Conn, st: &mut ConnState, msg: Message) {
     match msg {
         Message::Ping(payload) => {
+            st.bucket.spend(CONTROL_FRAME_COST);
             if st.phase != Phase::Closing {
                 // Queued, not written: the connection's loop writes what this read produced
                 // in one go, so a flood of PINGs costs one write per read, not one each.
@@ -187,6 +193,7 @@ fn on_message(core: &Core, conn: &Conn, st: &mut ConnState, msg: Message) {
             }
         }
         Message::Pong(_) => {
+            st.bucket.spend(CONTROL_FRAME_COST);
             // Only answers count: unsolicited PONGs (RFC 6455 allows them) would hide a gap
             // between PINGs sent and answered, which is what the series is watched for.
             if st.live.awaiting_pong {
