@@ -121,7 +121,12 @@ fn a_rig_held_back_by_its_rate_is_not_closed_for_pongs_behind_its_messages() {
     // Still up, and served once the burst is read.
     let (status, reply) = b.command("rig-chatty", "noop", json!({}));
     assert_eq!(status, 200, "{reply}");
+    let deadline = Instant::now() + Duration::from_secs(10);
     loop {
+        assert!(
+            Instant::now() < deadline,
+            "no command once the burst was read"
+        );
         match rig.read_frame_within(Duration::from_secs(5)) {
             Some((0x9, _)) => rig.send_frame(fleetlink::ws::OpCode::Pong, &[]),
             Some((0x1, payload)) => {
@@ -153,10 +158,6 @@ fn epoll_driver_serves_the_same_protocol() {
     });
 }
 
-fn metric(b: &Broker, prefix: &str) -> u64 {
-    let (_, text) = b.http("GET", "/metrics", "");
-    text.lines()
-        .find_map(|l| l.strip_prefix(prefix))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0)
+fn metric(b: &Broker, series: &str) -> u64 {
+    b.metric(series)
 }

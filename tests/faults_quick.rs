@@ -86,16 +86,10 @@ impl Metrics {
         Metrics(http(admin, "GET", "/metrics", "").1)
     }
 
-    /// The value of one exact series (`name` or `name{labels}`), 0 when absent.
+    /// The value of one exact series (`name` or `name{labels}`): 0 when that series has no
+    /// line, a panic when no series of its name is there (a renamed metric must not read 0).
     fn get(&self, series: &str) -> f64 {
-        self.0
-            .lines()
-            .filter(|l| !l.starts_with('#'))
-            .find_map(|l| {
-                let (k, v) = l.rsplit_once(' ')?;
-                (k == series).then(|| v.parse().ok()).flatten()
-            })
-            .unwrap_or(0.0)
+        common::broker::series_value_f64(&self.0, series)
     }
 
     /// The sum over every series of metric `name`.
@@ -113,15 +107,14 @@ impl Metrics {
 }
 
 fn rigs_listed(admin: SocketAddr) -> Vec<String> {
-    let (_, body) = http(admin, "GET", "/v1/rigs", "");
-    let v: Value = serde_json::from_str(&body).unwrap_or(Value::Null);
+    let (status, body) = http(admin, "GET", "/v1/rigs", "");
+    assert_eq!(status, 200, "GET /v1/rigs: {body}");
+    let v: Value = serde_json::from_str(&body).expect("GET /v1/rigs is JSON");
     v.as_array()
-        .map(|a| {
-            a.iter()
-                .filter_map(|r| r["rig_id"].as_str().map(str::to_string))
-                .collect()
-        })
-        .unwrap_or_default()
+        .expect("GET /v1/rigs is a list")
+        .iter()
+        .map(|r| r["rig_id"].as_str().expect("rig_id").to_string())
+        .collect()
 }
 
 /// `rig:<id>` → broker id, straight from Redis.

@@ -145,7 +145,12 @@ fn a_rig_reading_slowly_behind_big_commands_is_not_closed_for_late_pongs() {
     }
     let mut seqs = Vec::new();
     let mut pings = 0;
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
     while seqs.len() < 3 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "commands {seqs:?} after {pings} PINGs"
+        );
         let (op, payload) = rig.read_frame_paced(Duration::from_millis(10));
         match op {
             0x9 => {
@@ -201,6 +206,7 @@ fn the_last_missed_pong_closes_at_its_deadline_not_at_the_next_ping() {
     let mut silent = RawRig::hello(&b, "rig-silent");
     let mut pings = Vec::new();
     let (code, closed) = loop {
+        assert!(pings.len() <= 3, "a fourth PING, no close");
         let (op, payload) = silent.read_frame();
         let at = std::time::Instant::now();
         match op {
@@ -484,7 +490,12 @@ fn a_rig_answering_every_ping_late_is_closed_4002() {
     let mut prompt = prompt_rig.join().expect("the prompt rig");
     let (status, reply) = b.command("rig-prompt", "noop", json!({}));
     assert_eq!(status, 200, "{reply}");
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
     loop {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no command for the prompt rig"
+        );
         let (op, payload) = prompt.read_frame();
         if op == 0x1 {
             assert!(String::from_utf8_lossy(&payload).contains("\"command\""));
@@ -1305,8 +1316,16 @@ fn trickle_until_closed(mut s: std::net::TcpStream) -> Duration {
     let start = Instant::now();
     let closed = std::thread::spawn(move || {
         let mut buf = [0u8; 256];
-        // EOF or a reset: the broker gave up on the request.
-        let _ = reader.read(&mut buf);
+        // EOF or a reset: the broker gave up on the request. An answer is not a close.
+        match reader.read(&mut buf) {
+            Ok(0) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {}
+            Ok(n) => panic!(
+                "answered, not closed: {:?}",
+                String::from_utf8_lossy(&buf[..n])
+            ),
+            Err(e) => panic!("not closed within 15 s: {e}"),
+        }
         start.elapsed()
     });
     s.write_all(b"POST /v1/rigs/rig-slow/commands HTTP/1.1\r\nX-Slow: ")

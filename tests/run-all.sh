@@ -28,7 +28,8 @@ cargo clippy --workspace --all-targets -- -D warnings
 echo "== cargo doc (warnings are errors)"
 RUSTDOCFLAGS="-D warnings" cargo doc --no-deps --document-private-items -p fleetlink >/dev/null
 echo "== cargo test"
-cargo test --workspace 2>&1 | tee /tmp/fleetlink-cargo-test.log
+# Every wait in the tests is bounded; this bounds the whole run too (it takes about 8 min).
+timeout 3600 cargo test --workspace 2>&1 | tee /tmp/fleetlink-cargo-test.log
 grep -q "test result: FAILED" /tmp/fleetlink-cargo-test.log && exit 1
 
 case "${AUTOBAHN:-full}" in

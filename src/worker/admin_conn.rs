@@ -533,6 +533,7 @@ mod tests {
             // 256 KiB every 20 ms: the whole answer takes well over `stall`, no gap reaches it.
             let slow = std::thread::spawn(move || {
                 let mut c = std::net::TcpStream::connect(addr).unwrap();
+                c.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
                 let (mut buf, mut got) = (vec![0u8; 256 << 10], 0);
                 let t0 = Instant::now();
                 while got < ANSWER {
@@ -558,6 +559,7 @@ mod tests {
             // stall time has passed, not later.
             let idle = std::thread::spawn(move || {
                 let c = std::net::TcpStream::connect(addr).unwrap();
+                c.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
                 let mut b = [0u8; 1];
                 // Hold the socket open, unread, until the server gives up and closes it.
                 let _ = c.peek(&mut b);

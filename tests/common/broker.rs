@@ -117,13 +117,19 @@ impl Broker {
         }
     }
 
-    /// The value of one series in `/metrics` now (0 when absent), e.g.
-    /// `fleetlink_registry_ops_total{op="hello",result="ok"}`.
+    /// The value of one series in `/metrics` now, e.g.
+    /// `fleetlink_registry_ops_total{op="hello",result="ok"}`: 0 when that series has no line
+    /// yet, but a panic when no series of its name is there at all, so that a renamed metric
+    /// fails the tests that expect it to stay 0 instead of passing them.
     pub fn metric(&self, series: &str) -> u64 {
         let (_, text) = self.http("GET", "/metrics", "");
-        text.lines()
-            .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
-            .unwrap_or(0)
+        series_value(&text, series)
+    }
+
+    /// Whether `/metrics` has a series named `name` (some exist only in some builds).
+    pub fn has_metric(&self, name: &str) -> bool {
+        let (_, text) = self.http("GET", "/metrics", "");
+        text.lines().any(|l| l.starts_with(&format!("{name} ")))
     }
 
     /// Sends SIGTERM.
@@ -201,9 +207,18 @@ pub fn hello(ws: &mut Ws, rig: &str, boot: &str, labels: Value) -> Value {
     welcome
 }
 
+/// How long the read helpers wait in all: each read has its own timeout, but a broker that
+/// keeps PINGing a rig would keep a loop that skips them going for ever.
+pub const READ_LIMIT: Duration = Duration::from_secs(30);
+
 /// Reads until a text message arrives (answering pings as tungstenite does) and parses it.
 pub fn read_json(ws: &mut Ws) -> Value {
+    let deadline = Instant::now() + READ_LIMIT;
     loop {
+        assert!(
+            Instant::now() < deadline,
+            "no text message within {READ_LIMIT:?}"
+        );
         match ws.read().expect("read") {
             Message::Text(t) => return serde_json::from_str(t.as_str()).unwrap(),
             Message::Ping(_) | Message::Pong(_) => continue,
@@ -214,7 +229,12 @@ pub fn read_json(ws: &mut Ws) -> Value {
 
 /// Reads until the broker's close frame; returns its code.
 pub fn read_close(ws: &mut Ws) -> u16 {
+    let deadline = Instant::now() + READ_LIMIT;
     loop {
+        assert!(
+            Instant::now() < deadline,
+            "no close frame within {READ_LIMIT:?}"
+        );
         match ws.read() {
             Ok(Message::Close(Some(frame))) => return u16::from(frame.code),
             Ok(Message::Close(None)) => return 1005,
@@ -321,7 +341,16 @@ pub fn raw_exchange(addr: SocketAddr, bytes: &[u8]) -> String {
     s.set_read_timeout(Some(Duration::from_secs(15))).unwrap();
     s.write_all(bytes).unwrap();
     let mut out = Vec::new();
-    let _ = s.read_to_end(&mut out);
+    // The server's close is the end: EOF, or a reset when it closed with our bytes unread. A
+    // timeout is a server that answered and then never closed, which these tests rule out.
+    match s.read_to_end(&mut out) {
+        Ok(_) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {}
+        Err(e) => panic!(
+            "no close from the server ({e}) after {:?}",
+            String::from_utf8_lossy(&out)
+        ),
+    }
     String::from_utf8_lossy(&out).into_owned()
 }
 
@@ -415,20 +444,30 @@ impl RawRig {
 
     /// Reads one (unmasked, server) frame: opcode and payload.
     pub fn read_frame(&mut self) -> (u8, Vec<u8>) {
+        let deadline = Instant::now() + READ_LIMIT;
         loop {
             if let Some(frame) = self.take_frame() {
                 return frame;
             }
+            assert!(
+                Instant::now() < deadline,
+                "no whole frame within {READ_LIMIT:?}"
+            );
             self.fill();
         }
     }
 
     /// Reads one frame as a slow link would: at most 4 KiB per `pause`.
     pub fn read_frame_paced(&mut self, pause: Duration) -> (u8, Vec<u8>) {
+        let deadline = Instant::now() + READ_LIMIT;
         loop {
             if let Some(frame) = self.take_frame() {
                 return frame;
             }
+            assert!(
+                Instant::now() < deadline,
+                "no whole frame within {READ_LIMIT:?}"
+            );
             std::thread::sleep(pause);
             self.fill();
         }
@@ -481,11 +520,43 @@ impl RawRig {
 
     /// Reads frames until a close frame; returns its code.
     pub fn read_close(&mut self) -> u16 {
+        let deadline = Instant::now() + READ_LIMIT;
         loop {
+            assert!(
+                Instant::now() < deadline,
+                "no close frame within {READ_LIMIT:?}"
+            );
             let (op, payload) = self.read_frame();
             if op == 0x8 {
                 return u16::from_be_bytes([payload[0], payload[1]]);
             }
         }
     }
+}
+
+/// The value of `series` (a name, or a name and labels, with or without the space before the
+/// value) in a `/metrics` text: 0 when the series has no line, a panic when its name has none.
+pub fn series_value(text: &str, series: &str) -> u64 {
+    series_value_f64(text, series) as u64
+}
+
+/// [`series_value`] for a series whose value is not a whole number.
+pub fn series_value_f64(text: &str, series: &str) -> f64 {
+    let series = series.trim_end();
+    let name = series.split('{').next().unwrap_or(series);
+    assert!(
+        text.lines().any(|l| {
+            let family = l.strip_prefix("# TYPE ").unwrap_or(l);
+            family
+                .strip_prefix(name)
+                .is_some_and(|rest| rest.starts_with([' ', '{']))
+        }),
+        "no metric named {name} in /metrics:\n{text}"
+    );
+    text.lines()
+        .find_map(|l| {
+            let (k, v) = l.rsplit_once(' ')?;
+            (k == series).then(|| v.parse::<f64>().ok()).flatten()
+        })
+        .unwrap_or(0.0)
 }

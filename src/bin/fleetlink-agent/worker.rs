@@ -144,6 +144,8 @@ pub(crate) fn spawn(
 mod tests {
     use super::*;
 
+    use std::time::Duration;
+
     use serde_json::json;
 
     use crate::handler::Outcome;
@@ -183,7 +185,12 @@ mod tests {
             };
             jobs.send(Job { epoch: 1, cmd }).unwrap();
         }
-        let got: Vec<Done> = (0..4).map(|_| done.recv().unwrap()).collect();
+        let got: Vec<Done> = (0..4)
+            .map(|_| {
+                done.recv_timeout(Duration::from_secs(10))
+                    .expect("a job done")
+            })
+            .collect();
         assert_eq!(got.iter().map(|d| d.seq).collect::<Vec<_>>(), [1, 2, 3, 4]);
         assert!(!got[2].ok);
         assert_eq!(got[3].output["n"], 4);
