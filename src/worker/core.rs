@@ -22,7 +22,7 @@ use crate::doorbell::{Full, Mailbox};
 use crate::ids::{BootId, ConnId, CoreId, RigId, Seq};
 use crate::jwt::JwtVerifier;
 use crate::metrics::CoreMetrics;
-use crate::registry::bridge::{BridgeShared, MAX_EVENT_BYTES};
+use crate::registry::bridge::{event_charge, BridgeShared, MAX_EVENT_BYTES};
 use crate::registry::msg::{AdminReply, ToBridge, ToCore};
 use crate::tls::ConfigCache;
 use crate::worker::admin_conn::Waits;
@@ -272,7 +272,7 @@ impl Core {
         let bytes = serde_json::to_vec(&ev)
             .unwrap_or_default()
             .into_boxed_slice();
-        let len = bytes.len();
+        let len = event_charge(bytes.len());
         let queued = &self.bridge_shared.event_bytes;
         if queued.fetch_add(len, Ordering::Relaxed) + len > MAX_EVENT_BYTES {
             queued.fetch_sub(len, Ordering::Relaxed);
@@ -847,12 +847,16 @@ pub(crate) mod tests {
         let core = test_core(tx);
         let ev = serde_json::json!({"type": "event", "data": "x".repeat(100)});
         let len = serde_json::to_vec(&ev).expect("json").len();
+        let charge = event_charge(len);
+        assert!(charge > len, "a small event counts as more than its bytes");
         assert!(core.event(ev.clone()));
         let queued = &core.bridge_shared.event_bytes;
-        assert_eq!(queued.load(Ordering::Relaxed), len);
-        queued.store(MAX_EVENT_BYTES - len + 1, Ordering::Relaxed);
+        assert_eq!(queued.load(Ordering::Relaxed), charge);
+        queued.store(MAX_EVENT_BYTES - charge + 1, Ordering::Relaxed);
         assert!(!core.event(ev), "past the byte bound: dropped");
-        assert_eq!(queued.load(Ordering::Relaxed), MAX_EVENT_BYTES - len + 1);
+        assert_eq!(queued.load(Ordering::Relaxed), MAX_EVENT_BYTES - charge + 1);
+        // However small, events leave a quarter of the bridge's 65,536 places to the rest.
+        assert!(MAX_EVENT_BYTES / event_charge(0) <= 65_536 / 4 * 3);
         let got: Vec<usize> = std::iter::from_fn(|| rx.try_recv())
             .map(|m| match m {
                 ToBridge::Event(bytes) => bytes.len(),

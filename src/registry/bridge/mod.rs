@@ -20,7 +20,7 @@ mod rekeeps;
 mod shared;
 mod upkeep;
 
-pub use shared::{BridgeShared, MAX_EVENT_BYTES, REGISTRY_OPS};
+pub use shared::{event_charge, BridgeShared, MAX_EVENT_BYTES, REGISTRY_OPS};
 
 use std::collections::{HashMap, HashSet};
 use std::os::fd::AsRawFd;
@@ -335,7 +335,7 @@ impl Bridge {
             ToBridge::Event(ev) => {
                 self.shared
                     .event_bytes
-                    .fetch_sub(ev.len(), Ordering::Relaxed);
+                    .fetch_sub(event_charge(ev.len()), Ordering::Relaxed);
                 self.publish_bytes(fleet::EVENTS.to_string(), ev.into_vec());
                 Vec::new()
             }
@@ -618,7 +618,8 @@ mod tests {
     fn an_event_taken_from_the_inbox_leaves_the_byte_count_and_is_published_as_is() {
         let (mut b, _core) = bridge();
         let ev: Box<[u8]> = Box::new(*br#"{"type":"ack"}"#);
-        b.shared.event_bytes.store(ev.len() + 7, Ordering::Relaxed);
+        let charge = event_charge(ev.len());
+        b.shared.event_bytes.store(charge + 7, Ordering::Relaxed);
         b.handle(ToBridge::Event(ev.clone()));
         assert_eq!(b.shared.event_bytes.load(Ordering::Relaxed), 7);
         let sent = b.fleet.as_ref().expect("fleet").queued_publishes();

@@ -93,6 +93,17 @@ pub struct BridgeShared {
 /// the bridge waits on a slow Redis; past this, events are dropped and counted.
 pub const MAX_EVENT_BYTES: usize = 64 << 20;
 
+/// What one event counts against [`MAX_EVENT_BYTES`] at least: small events (a rig's `ack`,
+/// 200 bytes) would otherwise fill the inbox's 65,536 places first, and the hellos and
+/// commands sharing it would be refused. At this charge, events take at most about three
+/// quarters of the places.
+pub const MIN_EVENT_CHARGE: usize = 1_400;
+
+/// What an event of `len` bytes counts against [`MAX_EVENT_BYTES`].
+pub fn event_charge(len: usize) -> usize {
+    len.max(MIN_EVENT_CHARGE)
+}
+
 impl BridgeShared {
     /// Fresh figures; `fleet` says whether Redis is configured.
     pub fn new(fleet: bool) -> Self {
