@@ -97,7 +97,7 @@ pub const MAX_EVENT_BYTES: usize = 64 << 20;
 /// 200 bytes) would otherwise fill the inbox's 65,536 places first, and the hellos and
 /// commands sharing it would be refused. At this charge, events take at most about three
 /// quarters of the places.
-pub const MIN_EVENT_CHARGE: usize = 1_400;
+pub(super) const MIN_EVENT_CHARGE: usize = 1_400;
 
 /// What an event of `len` bytes counts against [`MAX_EVENT_BYTES`].
 pub fn event_charge(len: usize) -> usize {
