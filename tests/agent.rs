@@ -13,6 +13,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::broker::{eventually, Broker};
+use common::process::{output_within, RefusingPort};
 use serde_json::{json, Value};
 use tungstenite::protocol::frame::coding::CloseCode;
 use tungstenite::protocol::CloseFrame;
@@ -313,6 +314,13 @@ fn drain_goaway_delays_the_reconnect_and_the_boot_survives_a_broker_change() {
     );
     wait_rig(&b1, "rig-drain", "ack of seq 1", |r| r["last_ack_seq"] == 1);
 
+    // A new broker on the same address, bound beside b1 (--share-port) while the agent is on
+    // b1, so that the port is never free for another test to take. b1 closes its listener when
+    // its drain starts, so the reconnect after the goaway reaches b2 (one the kernel handed b1
+    // in the instant the drain began is closed, and the agent retries).
+    let b2 = Broker::start(&["--listen", &listen, "--share-port"]);
+    assert!(rig(&b2, "rig-drain").is_none(), "the agent is on b1");
+
     let drained_at = Instant::now();
     assert_eq!(b1.http("POST", "/v1/drain", "").0, 202);
     let (_, line) = agent.wait_line("goaway (reason", Duration::from_secs(5));
@@ -333,10 +341,8 @@ fn drain_goaway_delays_the_reconnect_and_the_boot_survives_a_broker_change() {
         .wait_exit(Duration::from_secs(10))
         .is_some_and(|s| s.success()));
 
-    // A new broker on the same address: the agent finds it with the same boot; the broker has
-    // no session for it (resumed: false) but never reuses a seq the rig reported having, so
-    // its first command is seq 2, and it runs.
-    let b2 = Broker::start(&["--listen", &listen]);
+    // The agent finds b2 with the same boot; b2 has no session for it (resumed: false) but
+    // never reuses a seq the rig reported having, so its first command is seq 2, and it runs.
     let r = wait_rig(&b2, "rig-drain", "rig-drain on the second broker", |_| true);
     assert_eq!(r["boot_id"], boot.as_str());
     agent.wait_line("has no session for boot", Duration::from_secs(5));
@@ -657,17 +663,15 @@ fn run_for_and_sigterm_stop_with_exit_zero_and_max_attempts_gives_up() {
     assert_eq!(agent.wait_exit(Duration::from_secs(10)).code(), Some(0));
     assert_eq!(close_code_read(&mut ws), Some(1001));
 
-    let port = TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    // Bound, never listening: refused, and no other test's broker can take the port meanwhile.
+    let closed = RefusingPort::new();
     let mut agent = Agent::start(
-        &format!("ws://127.0.0.1:{port}/agent"),
+        &format!("ws://{}/agent", closed.addr),
         "rig-brief",
         &["--max-attempts", "1"],
     );
     assert_eq!(agent.wait_exit(Duration::from_secs(10)).code(), Some(3));
+    drop(closed);
 }
 
 #[test]
@@ -700,11 +704,17 @@ fn bad_command_lines_exit_64() {
         vec!["--url", "ws://x/agent", "--rig-id", "r", "--ca", "ca.pem"],
         vec!["--url", "ws://x/agent"],
     ] {
-        let out = Command::new(env!("CARGO_BIN_EXE_fleetlink-agent"))
-            .args(&args)
-            .output()
-            .unwrap();
-        assert_eq!(out.status.code(), Some(64), "{args:?}");
+        // Bounded: a command line taken for a good one would have the agent retry forever.
+        let out = output_within(
+            Command::new(env!("CARGO_BIN_EXE_fleetlink-agent")).args(&args),
+            Duration::from_secs(30),
+        );
+        assert_eq!(
+            out.status.code(),
+            Some(64),
+            "{args:?}\nstderr:\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
 }
 

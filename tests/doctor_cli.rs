@@ -1,14 +1,21 @@
 //! `fleetlink-fe doctor` as a deploy gate: what the broker would refuse at start, doctor
 //! refuses too (exit 1, the same message), and a host check asks for at least one connection.
 
+mod common;
+
 use std::process::Command;
+use std::time::Duration;
+
+use common::process::output_within;
 
 fn doctor(args: &[&str]) -> (Option<i32>, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_fleetlink-fe"))
-        .args(args)
-        .env_remove("RUST_LOG")
-        .output()
-        .unwrap();
+    // Bounded: doctor taken for the broker itself would serve until killed.
+    let out = output_within(
+        Command::new(env!("CARGO_BIN_EXE_fleetlink-fe"))
+            .args(args)
+            .env_remove("RUST_LOG"),
+        Duration::from_secs(30),
+    );
     (
         out.status.code(),
         String::from_utf8_lossy(&out.stderr).into_owned(),

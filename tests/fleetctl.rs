@@ -10,6 +10,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use common::broker::{boot_id, hello, read_close, read_json, Broker};
+use common::process::{output_within, spawn_piped, RefusingPort};
 use common::redis::RedisServer;
 use serde_json::{json, Value};
 
@@ -62,8 +63,15 @@ fn fleetctl_cmd(args: &[&str]) -> Command {
     cmd
 }
 
+/// The longest any fleetctl run here may take: well above the longest wait of any command
+/// (10 s for an admin request), so that a hang fails the test instead of hanging it.
+const RUN_LIMIT: Duration = Duration::from_secs(30);
+
+/// Slack over a run's own window or timeout before the wait for it gives up.
+const MARGIN: Duration = Duration::from_secs(15);
+
 fn fleetctl(args: &[&str]) -> Run {
-    Run::from(fleetctl_cmd(args).output().expect("run fleetctl"))
+    Run::from(output_within(&mut fleetctl_cmd(args), RUN_LIMIT))
 }
 
 /// A stand-in for a fleet-mode broker: subscribes to its channel and `fleetlink:broadcast`,
@@ -162,7 +170,10 @@ impl Drop for FakeBroker {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::SeqCst);
         if let Some(t) = self.thread.take() {
-            let _ = t.join();
+            // A panic in the fake broker fails the test, unless it is failing already.
+            if t.join().is_err() && !std::thread::panicking() {
+                panic!("the fake broker thread panicked");
+            }
         }
     }
 }
@@ -535,7 +546,7 @@ fn wait_for_events_subscriber(con: &mut redis::Connection) {
 fn redis_events_tail_stops_after_count() {
     let redis = RedisServer::start();
     let mut con = redis.connection();
-    let child = fleetctl_cmd(&[
+    let child = spawn_piped(&mut fleetctl_cmd(&[
         "--redis",
         &redis.url(),
         "--json",
@@ -544,11 +555,7 @@ fn redis_events_tail_stops_after_count() {
         "2",
         "--for",
         "20s",
-    ])
-    .stdout(Stdio::piped())
-    .stderr(Stdio::piped())
-    .spawn()
-    .unwrap();
+    ]));
     wait_for_events_subscriber(&mut con);
     let events = [
         json!({"type": "connected", "rig_id": "rig-1", "boot_id": boot_id(), "broker_id": "fe-t", "at": "2026-01-01T00:00:00.000Z"}),
@@ -562,12 +569,12 @@ fn redis_events_tail_stops_after_count() {
             .query(&mut con)
             .unwrap();
     }
-    let run = Run::from(child.wait_with_output().unwrap());
+    let run = Run::from(child.output_within(Duration::from_secs(20) + MARGIN));
     run.assert_code(0);
     assert_eq!(run.lines(), events[..2].to_vec());
 
     // Human lines, and a window that ends before the count: exit 3.
-    let child = fleetctl_cmd(&[
+    let child = spawn_piped(&mut fleetctl_cmd(&[
         "--redis",
         &redis.url(),
         "events",
@@ -575,17 +582,14 @@ fn redis_events_tail_stops_after_count() {
         "5",
         "--for",
         "1500ms",
-    ])
-    .stdout(Stdio::piped())
-    .spawn()
-    .unwrap();
+    ]));
     wait_for_events_subscriber(&mut con);
     let _: i64 = redis::cmd("PUBLISH")
         .arg("fleetlink:events")
         .arg(events[1].to_string())
         .query(&mut con)
         .unwrap();
-    let run = Run::from(child.wait_with_output().unwrap());
+    let run = Run::from(child.output_within(Duration::from_millis(1500) + MARGIN));
     run.assert_code(3);
     assert_eq!(
         run.stdout.trim(),
@@ -597,18 +601,16 @@ fn redis_events_tail_stops_after_count() {
 
 #[test]
 fn redis_unreachable_is_a_clear_error() {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    // Bound, never listening: refused, and no other test's server can take the port meanwhile.
+    let closed = RefusingPort::new();
     let run = fleetctl(&[
         "--redis",
-        &format!("redis://127.0.0.1:{port}/"),
+        &format!("redis://127.0.0.1:{}/", closed.port()),
         "send",
         "rig-1",
         "reboot",
     ]);
+    drop(closed);
     run.assert_code(2);
     assert!(
         run.stderr.contains("cannot connect to Redis"),
@@ -658,12 +660,10 @@ fn admin_send_to_unknown_rig_exits_2() {
     run.assert_code(2);
     assert_eq!(run.lines()[0]["error"], "rig_not_connected");
     // Env selects the plane too.
-    let run = Run::from(
-        fleetctl_cmd(&["send", "nobody", "reboot"])
-            .env("FLEETCTL_ADMIN", &admin)
-            .output()
-            .unwrap(),
-    );
+    let run = Run::from(output_within(
+        fleetctl_cmd(&["send", "nobody", "reboot"]).env("FLEETCTL_ADMIN", &admin),
+        RUN_LIMIT,
+    ));
     run.assert_code(2);
     assert!(
         run.stdout.starts_with("nobody: rig_not_connected"),
@@ -679,11 +679,7 @@ fn admin_requests_that_get_no_answer_exit_3() {
     let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let admin = format!("http://{}", silent.local_addr().unwrap());
     // The kernel completes the handshakes (the backlog); nobody ever reads or answers.
-    let status = fleetctl_cmd(&["--admin", &admin, "status", "rig-1"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("run fleetctl");
+    let status = spawn_piped(&mut fleetctl_cmd(&["--admin", &admin, "status", "rig-1"]));
     let started = Instant::now();
     let run = fleetctl(&[
         "--admin",
@@ -702,7 +698,8 @@ fn admin_requests_that_get_no_answer_exit_3() {
         started.elapsed()
     );
     assert!(run.stderr.contains("no answer"), "{}", run.stderr);
-    Run::from(status.wait_with_output().expect("status")).assert_code(3);
+    // A read-only request waits 10 s for its answer.
+    Run::from(status.output_within(Duration::from_secs(10) + MARGIN)).assert_code(3);
     drop(silent);
 }
 
@@ -826,13 +823,12 @@ fn usage_errors_exit_64() {
         );
         assert!(!run.stderr.is_empty(), "fleetctl {args:?} gave no message");
     }
-    let both = Run::from(
+    let both = Run::from(output_within(
         fleetctl_cmd(&["list"])
             .env("FLEETCTL_REDIS", "redis://127.0.0.1:1/")
-            .env("FLEETCTL_ADMIN", "http://x:1")
-            .output()
-            .unwrap(),
-    );
+            .env("FLEETCTL_ADMIN", "http://x:1"),
+        RUN_LIMIT,
+    ));
     both.assert_code(64);
     fleetctl(&["--help"]).assert_code(0);
 }
@@ -849,11 +845,7 @@ fn a_hung_redis_is_a_timeout_within_the_commands_wait() {
     let spawn = |args: &[&str]| {
         let mut all = vec!["--redis", url.as_str()];
         all.extend_from_slice(args);
-        fleetctl_cmd(&all)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("spawn fleetctl")
+        spawn_piped(&mut fleetctl_cmd(&all))
     };
     // All at once, so the test waits 5 s, not 12; the shortest first.
     let runs = [
@@ -862,7 +854,7 @@ fn a_hung_redis_is_a_timeout_within_the_commands_wait() {
         (spawn(&["brokers"]), 5),
     ];
     for (child, wait) in runs {
-        let run = Run::from(child.wait_with_output().expect("wait fleetctl"));
+        let run = Run::from(child.output_within(Duration::from_secs(wait) + MARGIN));
         let took = started.elapsed();
         run.assert_code(3);
         assert!(

@@ -3,5 +3,6 @@
 
 pub mod broker;
 pub mod control;
+pub mod process;
 pub mod redis;
 pub mod relay;
