@@ -1283,3 +1283,110 @@ fn a_new_boot_during_an_outage_on_the_same_broker_reports_the_old_sessions_comma
     seqs.sort();
     assert_eq!(seqs, [1, 2]);
 }
+
+/// The rig was on A, moved to B (whose commands Redis keeps) and came back to A before A heard
+/// B's evict, its first connection still open there (half-open after a network flap). A must
+/// take the session from Redis, not hand the stale local one from the old connection to the
+/// new: that would number new commands from A's own count and overwrite B's seqs.
+#[test]
+fn a_rig_back_from_another_broker_resumes_from_redis_not_from_the_stale_local_session() {
+    let redis = RedisServer::start();
+    let (a, _b, boot, mut on_a, mut ctl) = rig_with_commands_on_a(&redis, "rig-h", "h", 2);
+    ack(&mut on_a, 1);
+    ack(&mut on_a, 2);
+    // What B did while the rig was on it, without its evict reaching A: took the lease and
+    // kept two commands of its own, seqs 3 and 4.
+    let mut con = redis.connection();
+    let key = format!("sess:rig-h:{boot}");
+    let cmd = |seq: u64| {
+        json!({"type":"command","seq":seq,"id":format!("b{seq}"),"name":"n","args":{}}).to_string()
+    };
+    let _: () = redis::pipe()
+        .cmd("SET")
+        .arg("rig:rig-h")
+        .arg(format!("{boot}|fe-b"))
+        .arg("PX")
+        .arg(60_000)
+        .hset(&key, "c:3", cmd(3))
+        .hset(&key, "c:4", cmd(4))
+        .hset(&key, "next", "5")
+        .query(&mut con)
+        .unwrap();
+    let mut back = a.connect("/agent");
+    assert_eq!(hello(&mut back, "rig-h", &boot, Some(2))["resumed"], true);
+    assert_eq!(read_close(&mut on_a), 4410);
+    let replayed: Vec<Value> = (0..2).map(|_| read_json(&mut back)).collect();
+    assert_eq!(
+        (&replayed[0]["id"], &replayed[1]["id"]),
+        (&json!("b3"), &json!("b4")),
+        "{replayed:?}"
+    );
+    let r = ctl.command_id("fe-a", "rig-h", "h5", "n", json!({}));
+    assert_eq!(r["seq"], 5, "{r}");
+    assert_eq!(read_json(&mut back)["seq"], 5);
+    let b3: Option<String> = con.hget(&key, "c:3").unwrap();
+    assert_eq!(b3, Some(cmd(3)), "B's command kept as it was");
+}
+
+/// Redis answers the batch of session reads but fails one entry (here its session key holds
+/// the wrong type; BUSY or READONLY would do the same): that hello is turned away like one
+/// whose whole read failed, since accepted on local state it could reuse seqs Redis keeps.
+/// The commands held for the rig, taken from Redis in the same round trip, are held again.
+#[test]
+fn a_hello_whose_own_session_entry_fails_is_turned_away_and_its_held_commands_kept() {
+    let redis = RedisServer::start();
+    let a = fleet_broker(&redis, "fe-a");
+    let boot = boot_id();
+    let mut ws = a.connect("/agent");
+    hello(&mut ws, "rig-w", &boot, None);
+    let mut ctl = Control::new(&redis, &[]);
+    assert_eq!(
+        ctl.command_id("fe-a", "rig-w", "w1", "n", json!({}))["seq"],
+        1
+    );
+    assert_eq!(read_json(&mut ws)["seq"], 1);
+    drop(ws);
+    let mut con = redis.connection();
+    eventually(Duration::from_secs(5), "fe-a's lease released", || {
+        !con.exists::<_, bool>("rig:rig-w").unwrap()
+    });
+    let reply_to = ctl.reply_to.clone();
+    let msg = json!({"type":"command","id":"held-1","rig_id":"rig-w","name":"fw","args":{},
+                     "reply_to":reply_to,"queue_if_offline":true,"ttl_ms":60_000});
+    ctl.publish("fleetlink:broker:fe-a", msg);
+    assert_eq!(
+        ctl.next(|ch, v| ch == reply_to && v["id"] == "held-1")["queued"],
+        true
+    );
+    let key = format!("sess:rig-w:{boot}");
+    let kept: String = con.hget(&key, "c:1").unwrap();
+    let _: () = redis::pipe()
+        .del(&key)
+        .set(&key, "not a hash")
+        .query(&mut con)
+        .unwrap();
+
+    let mut ws = a.connect("/agent");
+    send_hello(&mut ws, "rig-w", &boot, Some(0));
+    assert_eq!(read_close(&mut ws), 4503);
+    assert_eq!(
+        a.metric("fleetlink_registry_ops_total{op=\"hello\",result=\"unavailable\"}"),
+        1
+    );
+    // The session mended, the rig comes back: its unacked command, then the held one.
+    let _: () = redis::pipe()
+        .del(&key)
+        .hset(&key, "c:1", &kept)
+        .hset(&key, "next", "2")
+        .query(&mut con)
+        .unwrap();
+    let mut ws = a.connect("/agent");
+    assert_eq!(hello(&mut ws, "rig-w", &boot, Some(0))["resumed"], true);
+    let first = read_json(&mut ws);
+    assert_eq!((&first["seq"], &first["id"]), (&json!(1), &json!("w1")));
+    let second = read_json(&mut ws);
+    assert_eq!(
+        (&second["seq"], &second["id"]),
+        (&json!(2), &json!("held-1"))
+    );
+}

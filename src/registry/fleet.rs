@@ -446,7 +446,8 @@ impl Fleet {
 
     /// What Redis holds of many rigs' sessions, and the commands held for them while they
     /// were offline (taken), in one round trip each. None when Redis is unavailable; an
-    /// entry's own error is a `None` in its place.
+    /// entry's own error is a `None` in its place (with the session store off, every entry is
+    /// an empty `Resumed`).
     #[allow(clippy::type_complexity)]
     pub(crate) fn resume_many(
         &mut self,
@@ -455,7 +456,7 @@ impl Fleet {
     ) -> Option<(Vec<Option<Resumed>>, Vec<Vec<Held>>)> {
         let con = self.con.as_mut()?;
         let resumed = if ttl.is_zero() {
-            Ok(vec![None; entries.len()])
+            Ok(vec![Some(Resumed::default()); entries.len()])
         } else {
             self.sessions
                 .resume_many(con, entries, ttl, &self.broker_id)

@@ -134,13 +134,20 @@ impl Bridge {
         };
         for d in decided {
             let mut actions = d.actions;
-            if d.accepted && unread {
+            let entry = if d.accepted { sessions.next() } else { None };
+            // `unread` for this one rig: Redis answered the batch but failed its own entry
+            // (BUSY, READONLY, a reply of the wrong shape).
+            let entry_failed = claimed && matches!(entry, Some(None));
+            if d.accepted && (unread || entry_failed) {
                 self.turn_away(d.conn, &d.rig, &mut actions);
                 self.carry_out(actions);
+                // Taken from Redis for this hello: held again for the rig's return.
+                let taken = held.next().unwrap_or_default();
+                self.hold_again(&d.rig, taken);
                 continue;
             }
             if d.accepted {
-                if let Some(found) = sessions.next().flatten() {
+                if let Some(Some(found)) = entry {
                     actions = self.resume(d.conn, &d.rig, &d.boot, found, actions);
                 }
                 let from_redis = held.next().unwrap_or_default();
@@ -205,6 +212,12 @@ impl Bridge {
                 if let Some(prev) = previous
                     .filter(|p| !p.broker_id.is_empty() && p.broker_id != self.cfg.broker_id)
                 {
+                    // The rig was another broker's since this one last held it, so what this
+                    // one still holds for it (a connection it has not yet heard was evicted,
+                    // a parked session) is stale: the new connection takes the session from
+                    // Redis, not from there, or it would reuse the other broker's seqs.
+                    let stale = self.registry.taken_elsewhere(&rig);
+                    self.carry_out(stale);
                     self.shared.count("evict", "sent");
                     let evict =
                         json!({"type": "evict", "rig_id": rig.as_str(), "boot_id": boot.as_str()});

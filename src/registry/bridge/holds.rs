@@ -212,6 +212,29 @@ impl Bridge {
         }
     }
 
+    /// Commands taken from Redis for a hello that was then turned away: held again (or
+    /// reported `expired`), so that each still has its one outcome to come.
+    pub(super) fn hold_again(&mut self, rig: &RigId, taken: Vec<Held>) {
+        let now = unix_ms();
+        for h in taken {
+            if h.expired(now) {
+                self.report_expired(rig, &h.id);
+                continue;
+            }
+            let left = Duration::from_millis(h.deadline_ms.saturating_sub(now).max(1));
+            let req = CommandReq {
+                id: h.id,
+                rig: rig.clone(),
+                name: h.name,
+                args: h.args,
+                // Control heard `queued` when it was first held: its outcome comes as events.
+                reply: ReplyTo::Event,
+                offline_ttl: Some(left),
+            };
+            self.hold(req, left);
+        }
+    }
+
     /// A held command that connection `conn` could not take: to the rig's connection now if
     /// it has another one here, else held again (in Redis, or forwarded to the broker the rig
     /// is connected to now), so that its one outcome is still to come.
