@@ -360,6 +360,7 @@ impl Bridge {
                 Vec::new()
             }
             ToBridge::Forget { rig, boot, seq } => {
+                self.rekeeps.forget(&rig, boot, seq);
                 if let Some(f) = self.fleet.as_mut() {
                     if !f.forget(rig, boot, seq) {
                         self.shared.count("forget", "dropped");

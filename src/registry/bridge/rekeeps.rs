@@ -64,6 +64,15 @@ impl Rekeeps {
         }
     }
 
+    /// The rig acked `seq` after its core sent the queued copy of its session: the copy must
+    /// not put back a command whose removal may already have gone out (the acked command would
+    /// then be reported `rig_rebooted` at the rig's next boot, as never run).
+    pub(super) fn forget(&mut self, rig: &RigId, boot: BootId, seq: crate::ids::Seq) {
+        if let Some(Pending::Live(r)) = self.latest.get_mut(&(rig.clone(), boot)) {
+            r.cmds.retain(|(s, _)| *s != seq);
+        }
+    }
+
     /// Puts a queued connected session first: its lease is about to be released, after which
     /// Redis would refuse it. (Its old place in the order is skipped when reached.) A parked
     /// one holds its own release back.
@@ -309,6 +318,30 @@ mod tests {
         q.push(req("rig-p", 3));
         match &q.take(10)[..] {
             [(_, _, Pending::Live(r))] => assert_eq!(r.next, Seq(3)),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    /// The rig acks a command after its core sent its session and before the bridge writes
+    /// it: the copy written must not bring the command back after its removal.
+    #[test]
+    fn an_ack_after_the_sessions_copy_was_queued_takes_the_command_out_of_it() {
+        let (mut b, _core) = bridge();
+        let mut r = req("rig-k", 4);
+        r.cmds = (1..4)
+            .map(|s| (Seq(s), b"{}".to_vec().into_boxed_slice()))
+            .collect();
+        b.handle(ToBridge::Rekeep(Box::new(r)));
+        b.handle(ToBridge::Forget {
+            rig: rig("rig-k"),
+            boot: boot(),
+            seq: Seq(2),
+        });
+        match &b.rekeeps.take(10)[..] {
+            [(_, _, Pending::Live(r))] => {
+                let seqs: Vec<u64> = r.cmds.iter().map(|(s, _)| s.0).collect();
+                assert_eq!(seqs, [1, 3]);
+            }
             other => panic!("{other:?}"),
         }
     }
