@@ -15,9 +15,14 @@
 -- here, in the call that would write, so a hello landing between control's look-up of the
 -- lease and this push cannot strand the command. A lease naming a broker whose broker:<id>
 -- key has lapsed is a dead broker's: its rig is offline, and the command is held.
+-- The lease's holder is checked through broker:<holder>, a key derived here, not passed in
+-- KEYS (single-instance Redis; not cluster-safe, like resume.lua's).
 
 local max, ttl = tonumber(ARGV[2]), ARGV[3]
-if #KEYS ~= 2 or #ARGV ~= 4 or not max or type(ttl) ~= 'string' or not ttl:match('^[1-9]%d*$') then
+-- ttl at most 15 digits, so that PEXPIRE takes it: refused after the RPUSH, it would leave the
+-- list without a TTL for good.
+if #KEYS ~= 2 or #ARGV ~= 4 or not max or type(ttl) ~= 'string' or #ttl > 15
+    or not ttl:match('^[1-9]%d*$') then
   return redis.error_reply('ERR fleetlink offline_push: expected KEYS list, lease; ARGV entry, max, ttl_ms, broker_id')
 end
 local lease = redis.call('GET', KEYS[2])

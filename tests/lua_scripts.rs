@@ -703,6 +703,27 @@ fn offline_push_refuses_a_rig_connected_to_another_live_broker() {
     // No lease at all: offline.
     cmd(&mut con, &["DEL", "rig:rig-1"]);
     assert_eq!(push(&mut con, "fe-a"), Pushed::Held);
+    // A TTL PEXPIRE would refuse is refused before anything is written: a list pushed and
+    // then left without its TTL would stay for good.
+    let sha = redis::Script::new(include_str!("../lua/offline_push.lua"))
+        .get_hash()
+        .to_string();
+    let long: Result<redis::Value, _> = redis::cmd("EVALSHA")
+        .arg(&sha)
+        .arg(2)
+        .arg("offline:rig-2")
+        .arg("rig:rig-2")
+        .arg("{}")
+        .arg(5)
+        .arg("1".repeat(21))
+        .arg("fe-a")
+        .query(&mut con);
+    assert!(long.is_err(), "{long:?}");
+    let exists: bool = redis::cmd("EXISTS")
+        .arg("offline:rig-2")
+        .query(&mut con)
+        .unwrap();
+    assert!(!exists, "nothing written");
 }
 
 /// A newer boot's resume reports the older session's unacked commands itself, in the same
