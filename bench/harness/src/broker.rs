@@ -1,9 +1,10 @@
 //! The brokers under test: a named command line ([`Spec`]) and a running instance
 //! ([`Broker`]) that is ready (`GET /readyz` = 200) before a scenario uses it and is stopped
-//! (SIGTERM, 15 s grace, SIGKILL) when dropped.
+//! (SIGTERM, 15 s grace, SIGKILL) when dropped. The addresses a broker actually bound come from
+//! its start-up line, so `--listen-port 0 --admin-port 0` works (the tests run it that way).
 
 use std::collections::BTreeMap;
-use std::net::TcpListener;
+use std::net::{SocketAddr, TcpListener};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
@@ -115,14 +116,18 @@ pub(crate) struct Broker {
 }
 
 impl Broker {
-    /// Starts `spec` on the context's ports (which must be free) and waits up to 30 s for
-    /// `/readyz`.
+    /// Starts `spec` on the context's ports (which must be free, unless 0: any), reads the
+    /// addresses it bound from its start-up line into `ctx`, and waits for `/readyz`; 30 s in
+    /// all.
     pub(crate) fn start(ctx: &Ctx, spec: &Spec) -> Result<Self> {
         for addr in [ctx.listen, ctx.admin] {
-            TcpListener::bind(addr).with_context(|| {
-                format!("port {addr} is in use (pass --listen-port/--admin-port)")
-            })?;
+            if addr.port() != 0 {
+                TcpListener::bind(addr).with_context(|| {
+                    format!("port {addr} is in use (pass --listen-port/--admin-port)")
+                })?;
+            }
         }
+        ctx.set_bound(None);
         if spec.redis {
             ctx.redis()?.flush()?;
         }
@@ -142,9 +147,30 @@ impl Broker {
         )?;
         let mut b = Self { proc };
         let deadline = Instant::now() + Duration::from_secs(30);
+        // fleetlink-fe prints its start-up line on stdout, the baseline on stderr.
+        let banner = match spec.kind {
+            Kind::Fe => log.clone(),
+            Kind::Baseline => log.with_extension("err"),
+        };
+        let bound = loop {
+            b.ensure_running()?;
+            let text = std::fs::read_to_string(&banner).unwrap_or_default();
+            if let Some(addrs) = bound_addrs(spec.kind, &text) {
+                break addrs;
+            }
+            if Instant::now() >= deadline {
+                bail!(
+                    "{} printed no start-up line with its addresses in 30 s (log: {})",
+                    spec.name,
+                    banner.display()
+                );
+            }
+            proc::sleep(Duration::from_millis(20))?;
+        };
+        ctx.set_bound(Some(bound));
         loop {
             b.ensure_running()?;
-            let ready = http::get(ctx.admin, "/readyz", Duration::from_secs(2));
+            let ready = http::get(ctx.admin_addr(), "/readyz", Duration::from_secs(2));
             if ready.is_ok_and(|r| r.status == 200) {
                 return Ok(b);
             }
@@ -215,7 +241,7 @@ impl Broker {
     ) -> Result<(usize, Instant)> {
         loop {
             self.ensure_running()?;
-            let (count, at) = http::rig_count(ctx.admin)?;
+            let (count, at) = http::rig_count(ctx.admin_addr())?;
             if count >= n || at >= deadline {
                 return Ok((count, at));
             }
@@ -226,5 +252,58 @@ impl Broker {
     /// Stops the broker now (dropping it does the same).
     pub(crate) fn stop(mut self) {
         self.proc.stop();
+    }
+}
+
+/// The rig and admin addresses from a broker's start-up line in `log` (complete lines only):
+/// fleetlink-fe's `fleetlink-fe ready listen=A admin=B ...`, the baseline's
+/// `fleetlink-tokio-baseline: ... rigs on A admin on B ...`.
+fn bound_addrs(kind: Kind, log: &str) -> Option<(SocketAddr, SocketAddr)> {
+    let complete = &log[..log.rfind('\n')?];
+    complete.lines().find_map(|line| {
+        let words: Vec<&str> = line.split_whitespace().collect();
+        let (rigs, admin) = match kind {
+            Kind::Fe
+                if words.first() == Some(&"fleetlink-fe") && words.get(1) == Some(&"ready") =>
+            {
+                let field = |k: &str| words.iter().find_map(|w| w.strip_prefix(k));
+                (field("listen=")?, field("admin=")?)
+            }
+            Kind::Baseline if words.first() == Some(&"fleetlink-tokio-baseline:") => {
+                let after = |k: &str| {
+                    let at = words.windows(2).position(|w| w == [k, "on"])?;
+                    words.get(at + 2).copied()
+                };
+                (after("rigs")?, after("admin")?)
+            }
+            _ => return None,
+        };
+        Some((rigs.parse().ok()?, admin.parse().ok()?))
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn start_up_lines_give_the_bound_addresses() {
+        let a = |s: &str| s.parse::<SocketAddr>().unwrap();
+        let fe = "fleetlink-fe ready listen=127.0.0.1:41234 admin=127.0.0.1:41235 \
+                  broker_id=fe-bench cores=1 driver=io_uring\n";
+        assert_eq!(
+            bound_addrs(Kind::Fe, fe),
+            Some((a("127.0.0.1:41234"), a("127.0.0.1:41235")))
+        );
+        let tb = "fleetlink-tokio-baseline: broker_id=tb rigs on 127.0.0.1:5 admin on \
+                  127.0.0.1:6 read_buffer=4096 write_buffer=0 tls=off redis=off\n";
+        assert_eq!(
+            bound_addrs(Kind::Baseline, tb),
+            Some((a("127.0.0.1:5"), a("127.0.0.1:6")))
+        );
+        // A line still being written, or another binary's line, is not an answer.
+        assert_eq!(bound_addrs(Kind::Fe, fe.trim_end()), None);
+        assert_eq!(bound_addrs(Kind::Baseline, fe), None);
+        assert_eq!(bound_addrs(Kind::Fe, "warming up\n"), None);
     }
 }

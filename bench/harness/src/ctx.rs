@@ -30,10 +30,12 @@ pub(crate) struct Common {
     pub(crate) bin_dir: Option<PathBuf>,
     /// Rig websocket port of the broker under test (127.0.0.1). Keep ports out of the
     /// ephemeral range (net.ipv4.ip_local_port_range: 32768-60999 by default, 10000-65535 with
-    /// tuning/sysctl.d), where the loadgen's client sockets may hold them.
+    /// tuning/sysctl.d), where the loadgen's client sockets may hold them. 0: each broker
+    /// binds a port of the kernel's choosing, read back from its start-up line (no port to
+    /// collide with, as the tests run it).
     #[arg(long, default_value_t = 25080)]
     pub(crate) listen_port: u16,
-    /// Admin HTTP port of the broker under test (127.0.0.1).
+    /// Admin HTTP port of the broker under test (127.0.0.1); 0 as for `--listen-port`.
     #[arg(long, default_value_t = 25090)]
     pub(crate) admin_port: u16,
     /// Only these broker configurations (comma-separated names; the first is the reference
@@ -63,10 +65,12 @@ pub(crate) struct Ctx {
     pub(crate) work: PathBuf,
     /// Results directory.
     pub(crate) out: PathBuf,
-    /// Rig endpoint address brokers bind.
+    /// Rig endpoint address brokers are told to bind (port 0: any).
     pub(crate) listen: SocketAddr,
-    /// Admin endpoint address brokers bind.
+    /// Admin endpoint address brokers are told to bind (port 0: any).
     pub(crate) admin: SocketAddr,
+    /// Rig and admin addresses the running broker reported binding (its start-up line).
+    bound: Cell<Option<(SocketAddr, SocketAddr)>>,
     /// Rounds per scenario.
     pub(crate) rounds: usize,
     /// Build time (mtime, UTC) of each binary, for the record.
@@ -129,6 +133,7 @@ impl Ctx {
             out,
             listen: local(c.listen_port),
             admin: local(c.admin_port),
+            bound: Cell::new(None),
             rounds: c.rounds,
             built: built.into(),
             only: c.brokers.clone(),
@@ -136,6 +141,21 @@ impl Ctx {
             seq: Cell::new(0),
             redis: OnceCell::new(),
         })
+    }
+
+    /// Where the running broker takes rigs: what it reported binding, else what it was told.
+    pub(crate) fn rig_addr(&self) -> SocketAddr {
+        self.bound.get().map_or(self.listen, |(rigs, _)| rigs)
+    }
+
+    /// Where the running broker's admin API is (as [`Ctx::rig_addr`]).
+    pub(crate) fn admin_addr(&self) -> SocketAddr {
+        self.bound.get().map_or(self.admin, |(_, admin)| admin)
+    }
+
+    /// Records the addresses a starting broker reported (`None` before a new one starts).
+    pub(crate) fn set_bound(&self, addrs: Option<(SocketAddr, SocketAddr)>) {
+        self.bound.set(addrs);
     }
 
     /// The scenario's redis-server, started on first use.
@@ -295,6 +315,7 @@ mod tests {
             out: out.clone(),
             listen: local(1),
             admin: local(2),
+            bound: Cell::new(None),
             rounds: 2,
             built: Value::Null,
             only: None,

@@ -57,13 +57,13 @@ pub(crate) struct Rigs {
 }
 
 impl Rigs {
-    /// Starts the rigs against the context's listen address.
+    /// Starts the rigs against the running broker's rig address.
     pub(crate) fn start(ctx: &Ctx, o: &RigsOpts, tag: &str) -> Result<Self> {
         let out = ctx.work_file(tag, "out");
         let report = out.with_extension("json");
         let mut cmd = Command::new(&ctx.bins.loadgen);
         cmd.arg("rigs")
-            .args(["--url", &format!("ws://{}/agent", ctx.listen)])
+            .args(["--url", &format!("ws://{}/agent", ctx.rig_addr())])
             .args(["--rigs", &o.rigs.to_string()])
             .args(["--start-index", &o.start_index.to_string()])
             .args(["--concurrency", &o.concurrency.to_string()])
@@ -150,7 +150,7 @@ pub(crate) fn admin_fanout(
     let report = out.with_extension("json");
     let mut cmd = Command::new(&ctx.bins.loadgen);
     cmd.arg("admin-fanout")
-        .args(["--admin", &format!("http://{}", ctx.admin)])
+        .args(["--admin", &format!("http://{}", ctx.admin_addr())])
         .args(["--rigs", &rigs.to_string()])
         .args(["--count", &count.to_string()])
         .args(["--concurrency", &conns.to_string()])

@@ -6,12 +6,16 @@
 //! (`cargo test --workspace` builds fleetlink-fe, the baseline and the loadgen there too).
 //! The accept storm's fleet-mode brokers need `redis-server` (`tests/run-all.sh` installs it).
 
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
-use std::process::Command;
-use std::sync::atomic::{AtomicU16, Ordering};
+use std::process::{Command, ExitStatus};
+use std::time::{Duration, Instant};
 
 use serde_json::Value;
+
+/// How long one small scenario may run (they take well under a minute each on 2 CPUs).
+const SCENARIO_LIMIT: Duration = Duration::from_secs(300);
+/// How long drawing the plots may take.
+const PLOTS_LIMIT: Duration = Duration::from_secs(60);
 
 /// Where fleetlink-bench and its sibling binaries are.
 fn bin_dir() -> PathBuf {
@@ -33,38 +37,43 @@ fn bin_dir() -> PathBuf {
     dir
 }
 
-/// Two free ports below the ephemeral range, where no loadgen socket can take them between
-/// the scenario's broker restarts.
-/// Tests run in parallel, so each takes its own stretch of ports.
-fn free_ports() -> (u16, u16) {
-    static NEXT: AtomicU16 = AtomicU16::new(0);
-    let base = 20_000 + (std::process::id() % 1_000) as u16 * 10;
-    let mut found = Vec::new();
-    while found.len() < 2 {
-        let port = base + NEXT.fetch_add(1, Ordering::Relaxed) % 2_000;
-        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
-            found.push(port);
+/// Runs `cmd` to its end, or kills it and panics after `limit` (the harness's own children get
+/// PR_SET_PDEATHSIG, so they go with it).
+fn status_within(cmd: &mut Command, limit: Duration) -> ExitStatus {
+    let mut child = cmd
+        .spawn()
+        .unwrap_or_else(|e| panic!("{cmd:?} does not start: {e}"));
+    let deadline = Instant::now() + limit;
+    loop {
+        if let Some(status) = child.try_wait().expect("wait for fleetlink-bench") {
+            return status;
         }
+        if Instant::now() >= deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("{cmd:?} still running after {limit:?}: killed");
+        }
+        std::thread::sleep(Duration::from_millis(50));
     }
-    (found[0], found[1])
 }
 
-/// Runs one scenario into a fresh results directory and returns its JSON.
+/// Runs one scenario into a fresh results directory and returns its JSON. Every broker binds
+/// port 0 and the harness reads the ports it got from the broker's start-up line: nothing to
+/// pick, nothing another test or a loadgen socket can take between two brokers.
 fn scenario(name: &str, args: &[&str]) -> Value {
     let out = tempfile::tempdir().expect("tempdir");
-    let (listen, admin) = free_ports();
     let dir = bin_dir();
-    let status = Command::new(dir.join("fleetlink-bench"))
-        .arg(name)
-        .args(["--rounds", "1", "--bin-dir"])
-        .arg(&dir)
-        .arg("--out")
-        .arg(out.path())
-        .args(["--listen-port", &listen.to_string()])
-        .args(["--admin-port", &admin.to_string()])
-        .args(args)
-        .status()
-        .expect("fleetlink-bench runs");
+    let status = status_within(
+        Command::new(dir.join("fleetlink-bench"))
+            .arg(name)
+            .args(["--rounds", "1", "--bin-dir"])
+            .arg(&dir)
+            .arg("--out")
+            .arg(out.path())
+            .args(["--listen-port", "0", "--admin-port", "0"])
+            .args(args),
+        SCENARIO_LIMIT,
+    );
     assert!(
         status.success(),
         "fleetlink-bench {name} {args:?}: {status}"
@@ -189,22 +198,24 @@ fn plots_draw_the_committed_results() {
             std::fs::copy(&path, out.path().join(name)).expect("copy");
         }
     }
-    let status = Command::new(bin_dir().join("fleetlink-bench"))
-        .args(["plots", "--out"])
-        .arg(out.path())
-        .status()
-        .expect("fleetlink-bench plots");
+    let status = status_within(
+        Command::new(bin_dir().join("fleetlink-bench"))
+            .args(["plots", "--out"])
+            .arg(out.path()),
+        PLOTS_LIMIT,
+    );
     assert!(status.success());
     for svg in ["density.svg", "latency-single.svg", "latency-fanout.svg"] {
         let text = std::fs::read_to_string(out.path().join(svg)).expect(svg);
         assert!(text.contains("fleetlink-fe"), "{svg} names its broker");
     }
     // A run that wrote no files draws nothing and says so.
-    let status = Command::new(bin_dir().join("fleetlink-bench"))
-        .args(["plots", "--name", "no-such-run", "--out"])
-        .arg(out.path())
-        .status()
-        .expect("fleetlink-bench plots --name");
+    let status = status_within(
+        Command::new(bin_dir().join("fleetlink-bench"))
+            .args(["plots", "--name", "no-such-run", "--out"])
+            .arg(out.path()),
+        PLOTS_LIMIT,
+    );
     assert!(!status.success());
     assert!(!out.path().join("latency-single-no-such-run.svg").exists());
 }

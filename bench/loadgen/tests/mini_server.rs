@@ -22,6 +22,11 @@ struct Seen {
     rejected_503: AtomicU64,
     acks: AtomicU64,
     bad_hellos: AtomicU64,
+    /// Upgrades on another path than /agent (counted here: a panic in the server's task would
+    /// only end that task, and the test would not say why).
+    bad_paths: AtomicU64,
+    /// Text frames after the hello that are not JSON.
+    bad_messages: AtomicU64,
     peers: Mutex<BTreeSet<IpAddr>>,
     rig_ids: Mutex<BTreeSet<String>>,
 }
@@ -58,7 +63,9 @@ async fn handle(tcp: tokio::net::TcpStream, peer: SocketAddr, seen: Arc<Seen>, r
             e.headers_mut().insert("Retry-After", "1".parse().unwrap());
             return Err(e);
         }
-        assert_eq!(req.uri().path(), "/agent");
+        if req.uri().path() != "/agent" {
+            seen.bad_paths.fetch_add(1, SeqCst);
+        }
         Ok(resp)
     };
     let Ok(mut ws) = tokio_tungstenite::accept_hdr_async(tcp, callback).await else {
@@ -69,7 +76,7 @@ async fn handle(tcp: tokio::net::TcpStream, peer: SocketAddr, seen: Arc<Seen>, r
     let Some(Ok(Message::Text(hello))) = ws.next().await else {
         return;
     };
-    let v: Value = serde_json::from_str(&hello).unwrap();
+    let v: Value = serde_json::from_str(&hello).unwrap_or(Value::Null);
     let rig_id = v["rig_id"].as_str().unwrap_or_default().to_string();
     let ok = v["type"] == "hello"
         && v["version"] == "loadgen"
@@ -95,9 +102,14 @@ async fn handle(tcp: tokio::net::TcpStream, peer: SocketAddr, seen: Arc<Seen>, r
     }
     while let Some(Ok(msg)) = ws.next().await {
         if let Message::Text(t) = msg {
-            let v: Value = serde_json::from_str(&t).unwrap();
-            if v["type"] == "ack" && v["seq"] == 1 {
-                seen.acks.fetch_add(1, SeqCst);
+            match serde_json::from_str::<Value>(&t) {
+                Ok(v) if v["type"] == "ack" && v["seq"] == 1 => {
+                    seen.acks.fetch_add(1, SeqCst);
+                }
+                Ok(_) => {}
+                Err(_) => {
+                    seen.bad_messages.fetch_add(1, SeqCst);
+                }
             }
         }
     }
@@ -181,6 +193,8 @@ fn check(procs: &str, reject_first: u64) {
     }
     assert_eq!(seen.acks.load(SeqCst), 20);
     assert_eq!(seen.bad_hellos.load(SeqCst), 0);
+    assert_eq!(seen.bad_paths.load(SeqCst), 0);
+    assert_eq!(seen.bad_messages.load(SeqCst), 0);
     assert_eq!(seen.rejected_503.load(SeqCst), reject_first);
     assert_eq!(seen.rig_ids.lock().unwrap().len(), 20);
     assert!(seen.rig_ids.lock().unwrap().contains("t-000019"));

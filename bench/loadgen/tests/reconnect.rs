@@ -5,15 +5,28 @@
 use std::collections::BTreeMap;
 use std::process::Command;
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use futures_util::{SinkExt, StreamExt};
 use serde_json::Value;
 use tokio::net::TcpListener;
 use tokio_tungstenite::tungstenite::Message;
 
-/// rig_id → (boot_id, hellos seen, acks seen, goaway sent at)
-type Seen = Arc<Mutex<BTreeMap<String, (String, Vec<Value>, Vec<u64>, Option<Instant>)>>>;
+/// What the goaway asks for: come back no earlier than this after it.
+const RECONNECT_AFTER: Duration = Duration::from_millis(200);
+
+/// What the server saw of one rig.
+struct Rig {
+    boot_id: String,
+    /// Each hello, with when it arrived.
+    hellos: Vec<(Value, Instant)>,
+    acks: Vec<u64>,
+    /// Taken just before the goaway is written (so never later than the rig can read it).
+    goaway_at: Option<Instant>,
+}
+
+/// rig_id → what the server saw of it.
+type Seen = Arc<Mutex<BTreeMap<String, Rig>>>;
 
 async fn serve(listener: TcpListener, seen: Seen) {
     while let Ok((tcp, _)) = listener.accept().await {
@@ -25,20 +38,19 @@ async fn serve(listener: TcpListener, seen: Seen) {
             let Some(Ok(Message::Text(hello))) = ws.next().await else {
                 return;
             };
+            let at = Instant::now();
             let hello: Value = serde_json::from_str(&hello).unwrap();
             let rig = hello["rig_id"].as_str().unwrap().to_string();
             let first = {
                 let mut s = seen.lock().unwrap();
-                let e = s.entry(rig.clone()).or_insert_with(|| {
-                    (
-                        hello["boot_id"].as_str().unwrap().to_string(),
-                        vec![],
-                        vec![],
-                        None,
-                    )
+                let e = s.entry(rig.clone()).or_insert_with(|| Rig {
+                    boot_id: hello["boot_id"].as_str().unwrap().to_string(),
+                    hellos: vec![],
+                    acks: vec![],
+                    goaway_at: None,
                 });
-                e.1.push(hello.clone());
-                e.1.len() == 1
+                e.hellos.push((hello.clone(), at));
+                e.hellos.len() == 1
             };
             let welcome = format!(
                 r#"{{"type":"welcome","broker_id":"mini","rig_id":"{rig}","ping_interval_ms":20000,"resumed":{}}}"#,
@@ -51,10 +63,11 @@ async fn serve(listener: TcpListener, seen: Seen) {
             };
             let mut out = vec![Message::text(welcome), cmd(1)];
             if first {
-                out.push(Message::text(
-                    r#"{"type":"goaway","reason":"drain","reconnect_after_ms":200}"#,
-                ));
-                seen.lock().unwrap().get_mut(&rig).unwrap().3 = Some(Instant::now());
+                out.push(Message::text(format!(
+                    r#"{{"type":"goaway","reason":"drain","reconnect_after_ms":{}}}"#,
+                    RECONNECT_AFTER.as_millis()
+                )));
+                seen.lock().unwrap().get_mut(&rig).unwrap().goaway_at = Some(Instant::now());
             } else {
                 out.push(cmd(2));
             }
@@ -68,7 +81,10 @@ async fn serve(listener: TcpListener, seen: Seen) {
                     let v: Value = serde_json::from_str(&t).unwrap();
                     if v["type"] == "ack" {
                         let mut s = seen.lock().unwrap();
-                        s.get_mut(&rig).unwrap().2.push(v["seq"].as_u64().unwrap());
+                        s.get_mut(&rig)
+                            .unwrap()
+                            .acks
+                            .push(v["seq"].as_u64().unwrap());
                     }
                 }
             }
@@ -131,7 +147,10 @@ fn goaway_reconnects_resume_and_replays_run_once() {
     assert_eq!(r["duplicates"], 4);
     assert_eq!(r["seq_gaps"], 0);
     assert_eq!(r["sessions_restarted"], 0);
-    assert_eq!(r["goaway_delay_ms"]["max"], 200);
+    assert_eq!(
+        r["goaway_delay_ms"]["max"],
+        RECONNECT_AFTER.as_millis() as u64
+    );
     assert_eq!(r["reconnect_gap_us"]["count"], 4);
     let timeline: u64 = r["reconnect_timeline"]
         .as_array()
@@ -158,13 +177,25 @@ fn goaway_reconnects_resume_and_replays_run_once() {
         .collect();
     assert_eq!(lines, want);
 
-    // The broker's side: same boot, last_seq 1, no earlier than the goaway asked, all acked.
-    for (rig, (boot, hellos, acks, goaway_at)) in seen.lock().unwrap().iter() {
-        assert_eq!(hellos.len(), 2, "{rig}");
-        assert!(hellos[0].get("last_seq").is_none());
-        assert_eq!(hellos[1]["boot_id"], boot.as_str());
-        assert_eq!(hellos[1]["last_seq"], 1, "{rig}");
-        assert_eq!(acks, &vec![1, 1, 2], "{rig}");
-        assert!(goaway_at.is_some());
+    // The broker's side: every rig, same boot, last_seq 1, no earlier than the goaway asked,
+    // all acked.
+    let seen = seen.lock().unwrap();
+    let rigs: Vec<&String> = seen.keys().collect();
+    assert_eq!(rigs, ["t-00", "t-01", "t-02", "t-03"]);
+    for (rig, s) in seen.iter() {
+        assert_eq!(s.hellos.len(), 2, "{rig}");
+        let ((first, _), (second, back_at)) = (&s.hellos[0], &s.hellos[1]);
+        assert!(first.get("last_seq").is_none(), "{rig}: {first}");
+        assert_eq!(second["boot_id"], s.boot_id.as_str(), "{rig}");
+        assert_eq!(second["last_seq"], 1, "{rig}");
+        assert_eq!(s.acks, vec![1, 1, 2], "{rig}");
+        let goaway_at = s
+            .goaway_at
+            .unwrap_or_else(|| panic!("{rig}: no goaway sent"));
+        let after = back_at.saturating_duration_since(goaway_at);
+        assert!(
+            *back_at >= goaway_at + RECONNECT_AFTER,
+            "{rig} came back {after:?} after the goaway, which asked for {RECONNECT_AFTER:?}"
+        );
     }
 }

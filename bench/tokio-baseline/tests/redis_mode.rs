@@ -45,39 +45,52 @@ async fn start_redis() -> Redis {
     panic!("could not start redis-server");
 }
 
-/// A redis-server on `port`, once it answers PING; None if it exited (port taken).
+/// A redis-server on `port`, once it answers as itself (PING, and `INFO server` naming this
+/// child's pid, so a stranger that took the port is never mistaken for ours); None if it exited
+/// (port taken) or did not answer within [`WAIT`].
 async fn redis_on(port: u16) -> Option<Redis> {
-    {
-        let mut child = Command::new("redis-server")
-            .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
-            .args(["--save", "", "--appendonly", "no"])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("redis-server");
-        let url = format!("redis://127.0.0.1:{port}/");
-        let deadline = Instant::now() + WAIT;
-        while Instant::now() < deadline {
-            if child.try_wait().unwrap().is_some() {
-                break; // lost the port race: try another
-            }
-            if let Ok(c) = redis::Client::open(url.as_str()) {
-                if let Ok(mut con) = c.get_multiplexed_async_connection().await {
-                    if redis::cmd("PING")
-                        .query_async::<String>(&mut con)
-                        .await
-                        .is_ok()
-                    {
-                        return Some(Redis { child, url });
-                    }
-                }
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
+    let mut child = Command::new("redis-server")
+        .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+        .args(["--save", "", "--appendonly", "no"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("redis-server");
+    let url = format!("redis://127.0.0.1:{port}/");
+    let deadline = Instant::now() + WAIT;
+    while Instant::now() < deadline {
+        if child.try_wait().unwrap().is_some() {
+            break; // lost the port race: try another
         }
-        let _ = child.kill();
-        let _ = child.wait();
+        if answers_as(&url, child.id()).await {
+            return Some(Redis { child, url });
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
+    let _ = child.kill();
+    let _ = child.wait();
     None
+}
+
+/// True once the server at `url` answers PING and reports `pid` as its `process_id`; every
+/// step bounded, so a server that accepts but never answers counts as not ready.
+async fn answers_as(url: &str, pid: u32) -> bool {
+    let probe = async {
+        let client = redis::Client::open(url).ok()?;
+        let mut con = client.get_multiplexed_async_connection().await.ok()?;
+        let pong: String = redis::cmd("PING").query_async(&mut con).await.ok()?;
+        let info: String = redis::cmd("INFO")
+            .arg("server")
+            .query_async(&mut con)
+            .await
+            .ok()?;
+        let ours = format!("process_id:{pid}");
+        Some(pong == "PONG" && info.lines().any(|l| l.trim() == ours))
+    };
+    matches!(
+        tokio::time::timeout(Duration::from_secs(1), probe).await,
+        Ok(Some(true))
+    )
 }
 
 async fn start_broker(redis: &Redis, id: &str, extra: &[&str]) -> Broker {

@@ -63,8 +63,15 @@ fn pki(dir: &Path) -> Pki {
     }
 }
 
-/// Runs `fleetlink-loadgen rigs` in-process; returns its exit code and JSON report.
+/// Runs `fleetlink-loadgen rigs` in-process; returns its exit code and JSON report. Each run
+/// gets its own `report` path (one that does not exist yet), so a run that writes no report
+/// fails here instead of reading the previous run's.
 async fn rigs(args: &[&str], report: &Path) -> (i32, Value) {
+    assert!(
+        !report.exists(),
+        "{} is reused: give every run its own report",
+        report.display()
+    );
     let mut full = vec![
         "fleetlink-loadgen",
         "rigs",
@@ -81,7 +88,9 @@ async fn rigs(args: &[&str], report: &Path) -> (i32, Value) {
     let code = fleetlink_loadgen::orchestrator::run_parent(a)
         .await
         .unwrap();
-    let r = serde_json::from_str(&std::fs::read_to_string(report).unwrap()).unwrap();
+    let text = std::fs::read_to_string(report)
+        .unwrap_or_else(|e| panic!("run {args:?} wrote no report {}: {e}", report.display()));
+    let r = serde_json::from_str(&text).unwrap();
     (code, r)
 }
 
@@ -102,11 +111,10 @@ async fn twenty_rigs_over_wss_verified_as_localhost() {
     assert!(b.banner.contains("tls=server-auth"), "{}", b.banner);
     let port = b.rigs.rsplit(':').next().unwrap();
     let url = format!("wss://127.0.0.1:{port}/agent");
-    let report = dir.path().join("r.json");
 
     let (code, r) = rigs(
         &["--url", &url, "--rigs", "20", "--ca", s(&pki.ca)],
-        &report,
+        &dir.path().join("verified.json"),
     )
     .await;
     assert_eq!(code, 0, "{r:#}");
@@ -131,7 +139,7 @@ async fn twenty_rigs_over_wss_verified_as_localhost() {
             "--server-name",
             "elsewhere.example",
         ],
-        &report,
+        &dir.path().join("wrong-name.json"),
     )
     .await;
     assert_eq!(code, 2, "{r:#}");
@@ -149,7 +157,7 @@ async fn twenty_rigs_over_wss_verified_as_localhost() {
             "--handshake-timeout",
             "5s",
         ],
-        &report,
+        &dir.path().join("plain-ws.json"),
     )
     .await;
     assert_eq!(code, 2, "{r:#}");
@@ -171,9 +179,12 @@ async fn client_ca_requires_a_client_certificate() {
     assert!(b.banner.contains("tls=mtls"), "{}", b.banner);
     let port = b.rigs.rsplit(':').next().unwrap();
     let url = format!("wss://127.0.0.1:{port}/agent");
-    let report = dir.path().join("r.json");
 
-    let (code, r) = rigs(&["--url", &url, "--rigs", "1", "--ca", s(&pki.ca)], &report).await;
+    let (code, r) = rigs(
+        &["--url", &url, "--rigs", "1", "--ca", s(&pki.ca)],
+        &dir.path().join("no-client-cert.json"),
+    )
+    .await;
     assert_eq!(code, 2, "{r:#}");
     assert_eq!(
         r["failed_by_reason"]["tls_alert_certificaterequired"], 1,
@@ -193,7 +204,7 @@ async fn client_ca_requires_a_client_certificate() {
             "--tls-key",
             s(&pki.client.1),
         ],
-        &report,
+        &dir.path().join("client-cert.json"),
     )
     .await;
     assert_eq!(code, 0, "{r:#}");

@@ -126,11 +126,13 @@ async fn hello(b: &Broker, rig: &str, boot: &str) -> Client {
 }
 
 /// The next close code the client sees (skipping other messages), or the welcome's rig_id.
+/// Bounded as a whole: pings arriving now and then cannot keep it waiting past the deadline.
 async fn next_event(ws: &mut Client) -> String {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
     loop {
-        match tokio::time::timeout(Duration::from_secs(5), ws.next())
+        match tokio::time::timeout_at(deadline, ws.next())
             .await
-            .expect("timeout")
+            .expect("no welcome or close within 5 s")
         {
             Some(Ok(Message::Text(t))) => {
                 let v: Value = serde_json::from_str(&t).unwrap();
@@ -147,6 +149,14 @@ async fn next_event(ws: &mut Client) -> String {
             other => return format!("end:{other:?}"),
         }
     }
+}
+
+/// The value of one series in the baseline's `/metrics` (0 when absent).
+async fn metric(b: &Broker, series: &str) -> u64 {
+    let text = http_get(&b.admin, "/metrics").await;
+    text.lines()
+        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+        .unwrap_or(0)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -173,22 +183,67 @@ async fn registry_close_codes() {
     let mut bad = hello(&b, "bad id", NEW).await;
     assert_eq!(next_event(&mut bad).await, "close:4400");
 
+    // `same` keeps reading (tungstenite answers pings only while reading) in a task through
+    // the silence below; it hands back everything it saw other than pings.
+    let (stop_tx, mut stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let reader = tokio::spawn(async move {
+        let mut seen = Vec::new();
+        loop {
+            tokio::select! {
+                _ = &mut stop_rx => return (same, seen),
+                m = same.next() => match m {
+                    Some(Ok(Message::Ping(_) | Message::Pong(_))) => {}
+                    Some(Ok(m)) => seen.push(format!("{m:?}")),
+                    other => {
+                        seen.push(format!("end:{other:?}"));
+                        return (same, seen);
+                    }
+                },
+            }
+        }
+    });
+
     // Not reading means not answering pings (tungstenite pongs on read): 4002 after 2 misses.
+    const PING_TIMEOUT_CLOSE: &str = "fleetlink_closes_total{code=\"4002\"}";
     let mut silent = hello(&b, "quiet", NEW).await;
-    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while metric(&b, PING_TIMEOUT_CLOSE).await == 0 {
+        assert!(
+            Instant::now() < deadline,
+            "the silent rig was never closed 4002"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Up to its close (a deadline for the whole read: it answers pings from now on, which
+    // the broker keeps sending if it did not close it).
     let mut saw = Vec::new();
-    while let Ok(Some(Ok(m))) = tokio::time::timeout(Duration::from_secs(2), silent.next()).await {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while let Ok(Some(Ok(m))) = tokio::time::timeout_at(deadline, silent.next()).await {
+        let closed = matches!(m, Message::Close(_));
         saw.push(m);
+        if closed {
+            break;
+        }
     }
     assert!(
         saw.iter()
             .any(|m| matches!(m, Message::Close(Some(f)) if u16::from(f.code) == 4002)),
         "{saw:?}"
     );
-    // The answering rig survived the same pings.
-    assert!(http_get(&b.admin, "/v1/rigs")
+    // The answering rig survived the same pings: through one more detection window (interval
+    // × misses + timeout = 800 ms) after the silent one was closed it saw no close, and the
+    // broker closed nobody else for missed pongs.
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    // (If the reader already ended, `seen` says how.)
+    let _ = stop_tx.send(());
+    let (_same, seen) = tokio::time::timeout(Duration::from_secs(5), reader)
         .await
-        .contains("\"rig_id\":\"r1\""));
+        .expect("reader stops")
+        .unwrap();
+    assert!(seen.is_empty(), "the answering rig got {seen:?}");
+    assert_eq!(metric(&b, PING_TIMEOUT_CLOSE).await, 1);
+    let list = http_get(&b.admin, "/v1/rigs").await;
+    assert!(list.contains("\"rig_id\":\"r1\""), "{list}");
 
     let r = tokio_tungstenite::connect_async(format!("ws://{}/elsewhere", b.rigs)).await;
     match r {

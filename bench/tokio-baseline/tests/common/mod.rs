@@ -2,6 +2,11 @@
 
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::Duration;
+
+/// How long the baseline may take to print its start-up line, and an admin GET to complete.
+const WAIT: Duration = Duration::from_secs(20);
 
 /// The baseline on ephemeral ports; killed on drop.
 pub struct Broker {
@@ -30,15 +35,28 @@ pub fn start(tag: &str, args: &[&str]) -> Broker {
         .stderr(Stdio::piped())
         .spawn()
         .expect("start baseline");
-    let mut stderr = BufReader::new(child.stderr.take().expect("piped stderr"));
-    let mut line = String::new();
-    stderr.read_line(&mut line).expect("start-up line");
+    let stderr = BufReader::new(child.stderr.take().expect("piped stderr"));
+    // A thread reads stderr: the first line comes back over a channel (so the wait for it has
+    // a deadline), the rest goes to the test's output.
+    let (tx, rx) = mpsc::channel();
     let tag = tag.to_string();
     std::thread::spawn(move || {
-        for l in stderr.lines().map_while(Result::ok) {
+        let mut lines = stderr.lines().map_while(Result::ok);
+        if let Some(first) = lines.next() {
+            let _ = tx.send(first);
+        }
+        for l in lines {
             eprintln!("[{tag}] {l}");
         }
     });
+    let line = match rx.recv_timeout(WAIT) {
+        Ok(line) => line,
+        Err(e) => {
+            let _ = child.kill();
+            let status = child.wait();
+            panic!("baseline printed no start-up line within {WAIT:?} ({e}; exit {status:?})")
+        }
+    };
     let words: Vec<&str> = line.split_whitespace().collect();
     let after = |w: &str| {
         words
@@ -56,13 +74,19 @@ pub fn start(tag: &str, args: &[&str]) -> Broker {
     }
 }
 
-/// One GET over a fresh connection; the whole response as text.
+/// One GET over a fresh connection; the whole response as text. Panics if it takes longer
+/// than [`WAIT`], so a hung baseline fails the test instead of stalling it.
 pub async fn http_get(addr: &str, path: &str) -> String {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
-    let req = format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
-    s.write_all(req.as_bytes()).await.unwrap();
-    let mut out = String::new();
-    s.read_to_string(&mut out).await.unwrap();
-    out
+    let get = async {
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let req = format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+        s.write_all(req.as_bytes()).await.unwrap();
+        let mut out = String::new();
+        s.read_to_string(&mut out).await.unwrap();
+        out
+    };
+    tokio::time::timeout(WAIT, get)
+        .await
+        .unwrap_or_else(|_| panic!("GET {path} on {addr}: no complete answer within {WAIT:?}"))
 }
