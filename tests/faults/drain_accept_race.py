@@ -3,13 +3,13 @@
 
     python3 tests/faults/drain_accept_race.py [--runs 10] [--drain 2] [--driver io_uring|epoll|both]
 
-Each run starts a standalone `fleetlink-fe` (release build, loopback, free ports), lets 8 client
-threads open connections and send a websocket upgrade as fast as they can, sends SIGTERM, and
-then lists the established sockets the broker process still holds on its rig port, again and
-again until none is left or the drain window is about to end (the exit at its end would close
-them anyway): what is still held then is the problem. A healthy drain soon holds none (the
-listeners are closed, connections in the handshake are closed with 1001). What happens instead,
-now and then:
+Each run starts a standalone `fleetlink-fe` (release build, loopback, port 0: the ports it bound
+are read from its ready line), lets 8 client threads open connections and send a websocket
+upgrade as fast as they can, sends SIGTERM, and then lists the established sockets the broker
+process still holds on its rig port, again and again until none is left or the drain window is
+about to end (the exit at its end would close them anyway): what is still held then is the
+problem. A healthy drain soon holds none (the listeners are closed, connections in the handshake
+are closed with 1001). What happens instead, now and then:
 
 - io_uring: the broker holds sockets whose upgrade request sits unread (Recv-Q 145); the client
   hangs until the process exits at the end of the drain window, then gets a TCP reset.
@@ -22,6 +22,8 @@ broker is killed at drain + 5 s at the latest, client threads stop with it.
 
 import argparse
 import os
+import queue
+import re
 import signal
 import socket
 import subprocess
@@ -37,12 +39,8 @@ REQ = (b"GET /agent HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upg
        b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n")
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
+# How long the broker may take to print its ready line.
+READY_TIMEOUT = 20.0
 # How long before the drain's end the last look at the held sockets is taken.
 HELD_MARGIN = 0.3
 
@@ -67,14 +65,32 @@ def core_threads(pid):
     return out
 
 
+def ready_line(broker):
+    """The broker's ready line, read with a deadline (a thread reads, we wait on a queue); on
+    timeout or early exit the broker is killed and the run fails."""
+    lines = queue.Queue()
+    threading.Thread(target=lambda: lines.put(broker.stdout.readline()), daemon=True).start()
+    try:
+        line = lines.get(timeout=READY_TIMEOUT)
+    except queue.Empty:
+        line = b""
+    text = line.decode(errors="replace")
+    if "listen=" not in text:
+        broker.kill()
+        broker.wait()
+        raise RuntimeError(f"fleetlink-fe printed no ready line within {READY_TIMEOUT}s "
+                           f"(exit {broker.returncode}): {text!r}")
+    return text
+
+
 def one_run(drain, epoll):
-    port, admin = free_port(), free_port()
-    argv = [FE, "--listen", f"127.0.0.1:{port}", "--admin", f"127.0.0.1:{admin}",
+    argv = [FE, "--listen", "127.0.0.1:0", "--admin", "127.0.0.1:0",
             "--drain", f"{drain}s", "--accept-rate", "100000", "--accept-burst", "100000"]
     if epoll:
         argv.append("--force-epoll")
     broker = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-    broker.stdout.readline()  # the ready line
+    line = ready_line(broker)
+    port = int(re.search(r"\blisten=\S+:(\d+)", line).group(1))
     stop = threading.Event()
     slow = []
     t_term = [None]
