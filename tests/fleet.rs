@@ -1028,3 +1028,38 @@ fn twins_with_one_broker_id_fail_readiness_once_both_run() {
         a.http("GET", "/readyz", "").0 == 200
     });
 }
+
+/// A release cut off on its way to Redis is sent again on the next connection: dropped, the
+/// lease would outlive its rig by the registry TTL (a minute here), and commands held for the
+/// rig meanwhile would be refused as for a rig still connected to this broker.
+#[test]
+fn a_release_lost_with_its_connection_is_sent_again() {
+    let redis = RedisServer::start();
+    let relay = common::relay::Relay::start(redis.port());
+    let url = relay.url();
+    let a = Broker::start(&[
+        "--redis",
+        &url,
+        "--broker-id",
+        "fe-a",
+        "--registry-ttl",
+        "60s",
+    ]);
+    eventually(Duration::from_secs(10), "broker ready", || {
+        a.http("GET", "/readyz", "").0 == 200
+    });
+    let (ws, _, _) = a.rig("rig-rel");
+    let mut con = redis.connection();
+    assert!(con.exists::<_, bool>("rig:rig-rel").unwrap());
+    let release_sha = redis::Script::new(include_str!("../lua/release.lua"))
+        .get_hash()
+        .to_string();
+    relay.cut_on(release_sha.as_bytes());
+    drop(ws);
+    eventually(Duration::from_secs(10), "the release cut", || {
+        relay.cuts() == 1
+    });
+    eventually(Duration::from_secs(15), "the lease released", || {
+        !con.exists::<_, bool>("rig:rig-rel").unwrap()
+    });
+}

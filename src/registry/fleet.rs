@@ -778,6 +778,11 @@ impl Fleet {
         if !self.releases.is_empty() {
             let releases = std::mem::take(&mut self.releases);
             if let Err(e) = self.scripts.release(con, &releases, &self.broker_id) {
+                // Sent again on the next connection (the script deletes only this broker's
+                // exact tuple, so twice is harmless): dropped, the lease would outlive its rig
+                // by a TTL, and commands held for the rig meanwhile would be refused as for a
+                // rig connected here.
+                self.releases = releases;
                 self.call_failed(&e);
                 return;
             }
