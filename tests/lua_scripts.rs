@@ -415,13 +415,24 @@ fn broker_heartbeat_sets_json_with_ttl() {
     let (_server, mut con, scripts) = setup();
     let json = r#"{"address":"10.0.0.1:8080","cores":2,"connections":7}"#;
     let ttl = Duration::from_secs(30);
-    scripts
-        .broker_heartbeat(&mut con, "fe-a", json, ttl)
-        .unwrap();
+    assert!(
+        !scripts
+            .broker_heartbeat(&mut con, "fe-a", json, ttl)
+            .unwrap(),
+        "the key was new"
+    );
     assert_eq!(broker_key("fe-a"), "broker:fe-a");
     assert_eq!(get(&mut con, "broker:fe-a").as_deref(), Some(json));
     let left = pttl(&mut con, "broker:fe-a");
     assert!((29_000..=30_000).contains(&left), "pttl {left}");
+    assert!(scripts
+        .broker_heartbeat(&mut con, "fe-a", json, ttl)
+        .unwrap());
+    // Redis lost its keys: the next heartbeat says so.
+    run(&mut con, &["FLUSHALL"]);
+    assert!(!scripts
+        .broker_heartbeat(&mut con, "fe-a", json, ttl)
+        .unwrap());
 }
 
 // ---- loading and bad input ----

@@ -1390,3 +1390,37 @@ fn a_hello_whose_own_session_entry_fails_is_turned_away_and_its_held_commands_ke
         (&json!(2), &json!("held-1"))
     );
 }
+
+/// Redis loses its keys while it stays up (FLUSHALL) on a broker with no rig connected, only
+/// a session parked for one that left: no lease refresh can notice, so the heartbeat does,
+/// finding the broker's own liveness key gone, and the parked session goes back for the rig to
+/// resume on any broker.
+#[test]
+fn a_parked_session_goes_back_after_a_flushall_on_a_broker_with_no_rigs() {
+    let redis = RedisServer::start();
+    let a = fleet_broker(&redis, "fe-a");
+    let boot = boot_id();
+    let mut ws = a.connect("/agent");
+    hello(&mut ws, "rig-p", &boot, None);
+    let mut ctl = Control::new(&redis, &[]);
+    assert_eq!(
+        ctl.command_id("fe-a", "rig-p", "p1", "n", json!({}))["seq"],
+        1
+    );
+    assert_eq!(read_json(&mut ws)["seq"], 1);
+    drop(ws);
+    let mut con = redis.connection();
+    eventually(Duration::from_secs(5), "fe-a's lease released", || {
+        !con.exists::<_, bool>("rig:rig-p").unwrap()
+    });
+    let _: () = redis::cmd("FLUSHALL").query(&mut con).unwrap();
+    let key = format!("sess:rig-p:{boot}");
+    // One heartbeat (10 s) and the pass after it.
+    eventually(
+        Duration::from_secs(15),
+        "the parked session back in Redis",
+        || con.hexists::<_, _, bool>(&key, "c:1").unwrap(),
+    );
+    let next: Option<String> = con.hget(&key, "next").unwrap();
+    assert_eq!(next.as_deref(), Some("2"));
+}

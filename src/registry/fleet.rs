@@ -234,6 +234,9 @@ pub(crate) struct Fleet {
     pub(crate) published: u64,
     /// Set after every successful (re)connect; the bridge re-asserts its rigs then.
     pub(crate) just_connected: bool,
+    /// Set when the heartbeat found this broker's liveness key gone on a live connection:
+    /// Redis lost keys (FLUSHALL, eviction), and the sessions parked here go back.
+    pub(crate) keys_lost: bool,
     /// Calls Redis refused on a sound connection (see [`leaves_connection_sound`]).
     pub(crate) refusals: u64,
     /// Those refusals, logged at most once a second.
@@ -270,6 +273,7 @@ impl Fleet {
             drop_log: Throttle::default(),
             published: 0,
             just_connected: false,
+            keys_lost: false,
             refusals: 0,
             refusal_log: Throttle::default(),
             refusing: false,
@@ -661,7 +665,7 @@ impl Fleet {
                 log::info!("redis: writes go through again; leases and sessions are put back");
                 self.just_connected = true;
             }
-            Ok(_) => {}
+            Ok(had) => self.keys_lost |= !had,
             Err(e) => self.call_failed(&e),
         }
     }

@@ -205,14 +205,15 @@ impl Scripts {
         Ok(deleted)
     }
 
-    /// Writes `broker:<broker_id>` = `json` with `ttl`, so control can count live brokers.
+    /// Writes `broker:<broker_id>` = `json` with `ttl`, so control can count live brokers;
+    /// false when the key was not there before (see `broker.lua`).
     pub fn broker_heartbeat(
         &self,
         con: &mut impl ConnectionLike,
         broker_id: &str,
         json: &str,
         ttl: Duration,
-    ) -> Result<(), RegistryError> {
+    ) -> Result<bool, RegistryError> {
         let reply: Value = self
             .broker
             .key(broker_key(broker_id))
@@ -220,7 +221,8 @@ impl Scripts {
             .arg(ttl_ms(ttl))
             .invoke(con)?;
         match text(&reply) {
-            Some("ok") => Ok(()),
+            Some("ok") => Ok(true),
+            Some("new") => Ok(false),
             _ => Err(unexpected("broker", &reply)),
         }
     }

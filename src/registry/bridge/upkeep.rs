@@ -53,8 +53,15 @@ impl Bridge {
                 "broker_id": self.cfg.broker_id, "address": self.cfg.listen.to_string(),
                 "cores": self.cfg.cores, "started_at": self.started_at, "connections": self.registry.len(),
             });
+            let mut lost = false;
             if let Some(f) = self.fleet.as_mut() {
                 f.heartbeat(&blob.to_string(), fleet::HEARTBEAT_TTL);
+                lost = std::mem::take(&mut f.keys_lost);
+            }
+            // Redis lost its keys while it stayed up. A broker with rigs connected learns it
+            // from a restored lease at its next refresh too; one with none, only here.
+            if lost && !self.cfg.session_ttl.is_zero() {
+                self.queue_parked_rekeeps();
             }
         }
         if now >= self.next_refresh {
