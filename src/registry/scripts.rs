@@ -298,8 +298,10 @@ pub(crate) fn only<T>(
 /// Runs `script` once per item, all in one pipeline (one round trip, run by Redis in order):
 /// `args` adds an item's `numkeys` keys, then its ARGV, to its EVALSHA. Returns each call's
 /// reply in order, a script's error reply as that entry's `Err`. Scripts are loaded at
-/// connect; should Redis have lost them since (a restart, `SCRIPT FLUSH`), every entry answers
-/// NOSCRIPT without having run, so the script is loaded and the whole pipeline sent once more.
+/// connect; should Redis have lost them since (a restart, `SCRIPT FLUSH`), the entries that
+/// answer NOSCRIPT did not run, so the script is loaded and those entries alone are sent once
+/// more. (A `SCRIPT FLUSH` landing in the middle of the pipeline leaves the entries before it
+/// run: sent again, an `offline_push` would hold its command twice.)
 pub fn evalsha_many<T>(
     con: &mut impl ConnectionLike,
     script: &Script,
@@ -311,25 +313,47 @@ pub fn evalsha_many<T>(
     if n == 0 {
         return Ok(Vec::new());
     }
-    let mut pipe = redis::pipe();
-    for item in items {
-        let mut call = redis::cmd("EVALSHA");
-        call.arg(script.get_hash()).arg(numkeys);
-        args(&mut call, item);
-        pipe.add_command(call);
-    }
-    let packed = pipe.get_packed_pipeline();
+    let calls: Vec<redis::Cmd> = items
+        .iter()
+        .map(|item| {
+            let mut call = redis::cmd("EVALSHA");
+            call.arg(script.get_hash()).arg(numkeys);
+            args(&mut call, item);
+            call
+        })
+        .collect();
+    let send = |con: &mut _, which: &[usize]| -> Result<Vec<Value>, RegistryError> {
+        let mut pipe = redis::pipe();
+        for &i in which {
+            if let Some(call) = calls.get(i) {
+                pipe.add_command(call.clone());
+            }
+        }
+        let replies =
+            ConnectionLike::req_packed_commands(con, &pipe.get_packed_pipeline(), 0, which.len())?;
+        if replies.len() != which.len() {
+            return Err(RegistryError::UnexpectedReply(format!(
+                "{} replies to a pipeline of {} script calls",
+                replies.len(),
+                which.len()
+            )));
+        }
+        Ok(replies)
+    };
     let noscript = |v: &Value| matches!(v, Value::ServerError(e) if e.code() == "NOSCRIPT");
-    let mut replies = con.req_packed_commands(&packed, 0, n)?;
-    if replies.iter().any(noscript) {
+    let all: Vec<usize> = (0..n).collect();
+    let mut replies = send(con, &all)?;
+    let again: Vec<usize> = all
+        .into_iter()
+        .filter(|&i| replies.get(i).is_some_and(noscript))
+        .collect();
+    if !again.is_empty() {
         script.load(con)?;
-        replies = con.req_packed_commands(&packed, 0, n)?;
-    }
-    if replies.len() != n {
-        return Err(RegistryError::UnexpectedReply(format!(
-            "{} replies to a pipeline of {n} script calls",
-            replies.len()
-        )));
+        for (i, reply) in again.iter().zip(send(con, &again)?) {
+            if let Some(slot) = replies.get_mut(*i) {
+                *slot = reply;
+            }
+        }
     }
     Ok(replies
         .into_iter()
@@ -387,6 +411,68 @@ mod tests {
     use super::*;
 
     const BOOT: &str = "01890a5d-ac96-774b-bcce-b302099a8057";
+
+    /// A connection that answers pipelines from a script of replies and counts the commands
+    /// of each pipeline it is sent.
+    struct Canned {
+        replies: Vec<Vec<Value>>,
+        sent: Vec<usize>,
+    }
+
+    impl ConnectionLike for Canned {
+        fn req_packed_command(&mut self, _: &[u8]) -> redis::RedisResult<Value> {
+            // SCRIPT LOAD: its hash.
+            let sha = Script::new("return 1").get_hash().to_string();
+            Ok(Value::BulkString(sha.into_bytes()))
+        }
+        fn req_packed_commands(
+            &mut self,
+            cmd: &[u8],
+            _: usize,
+            count: usize,
+        ) -> redis::RedisResult<Vec<Value>> {
+            assert_eq!(cmd.windows(7).filter(|w| w == b"EVALSHA").count(), count);
+            self.sent.push(count);
+            Ok(self.replies.remove(0))
+        }
+        fn get_db(&self) -> i64 {
+            0
+        }
+        fn check_connection(&mut self) -> bool {
+            true
+        }
+        fn is_open(&self) -> bool {
+            true
+        }
+    }
+
+    /// A `SCRIPT FLUSH` in the middle of a pipeline: the entries before it ran, and only the
+    /// ones that answered NOSCRIPT go again (an `offline_push` sent twice holds twice).
+    #[test]
+    fn only_the_entries_that_answered_noscript_are_sent_again() {
+        let noscript =
+            redis::parse_redis_value(b"-NOSCRIPT No matching script.\r\n").expect("an error reply");
+        assert!(matches!(noscript, Value::ServerError(_)), "{noscript:?}");
+        let ok = |s: &str| Value::SimpleString(s.into());
+        let mut con = Canned {
+            replies: vec![
+                vec![ok("a"), noscript.clone(), noscript],
+                vec![ok("b"), ok("c")],
+            ],
+            sent: Vec::new(),
+        };
+        let script = Script::new("return 1");
+        let out = evalsha_many(&mut con, &script, &[1, 2, 3], 0, |c, i| {
+            c.arg(*i);
+        })
+        .expect("replies");
+        let texts: Vec<String> = out
+            .into_iter()
+            .map(|r| text(&r.expect("ok")).unwrap_or_default().to_string())
+            .collect();
+        assert_eq!(texts, ["a", "b", "c"]);
+        assert_eq!(con.sent, [3, 2]);
+    }
 
     #[test]
     fn keys_and_tuples() {
