@@ -50,18 +50,37 @@ pub(crate) trait Handler: Send {
     fn handle(&mut self, cmd: &Command) -> Outcome;
 }
 
-/// The process group of the command running now (0 = none), so a stopping agent can kill it.
+/// The process group of the command running now (0 = none, [`Running::STOPPED`] once the
+/// agent is stopping), so a stopping agent can kill it.
 #[derive(Clone, Default)]
 pub(crate) struct Running(Arc<AtomicI32>);
 
 impl Running {
-    /// Kills the running command's process group, if any.
+    /// The agent is stopping: a command spawned from now on is killed at once.
+    const STOPPED: i32 = -1;
+
+    /// Kills the running command's process group, if any, and any spawned after. A command
+    /// the worker was just starting (past its check of the stop, not yet spawned) would
+    /// otherwise run its whole course, holding every result behind it past the wind-down.
     pub(crate) fn kill(&self) {
-        let pgid = self.0.load(Ordering::SeqCst);
+        let pgid = self.0.swap(Self::STOPPED, Ordering::SeqCst);
         if pgid > 0 {
-            // SAFETY: plain syscall; a stale pgid at worst gets ESRCH.
-            unsafe { libc::kill(-pgid, libc::SIGKILL) };
+            kill_group(pgid);
         }
+    }
+
+    /// Records `pgid` as running; false when the agent is stopping (the caller kills it).
+    fn start(&self, pgid: i32) -> bool {
+        self.0
+            .compare_exchange(0, pgid, Ordering::SeqCst, Ordering::SeqCst)
+            .is_ok()
+    }
+
+    /// `pgid` has ended (a stop, once set, stays).
+    fn end(&self, pgid: i32) {
+        let _ = self
+            .0
+            .compare_exchange(pgid, 0, Ordering::SeqCst, Ordering::SeqCst);
     }
 }
 
@@ -149,7 +168,9 @@ fn run_program(
         }
     };
     let pgid = child.id() as i32;
-    running.0.store(pgid, Ordering::SeqCst);
+    if !running.start(pgid) {
+        kill_group(pgid);
+    }
     let (tx, rx) = mpsc::channel();
     spawn_reader(child.stdout.take(), cap, 0, tx.clone());
     spawn_reader(child.stderr.take(), cap, 1, tx);
@@ -172,7 +193,7 @@ fn run_program(
             Err(_) => break,
         }
     }
-    running.0.store(0, Ordering::SeqCst);
+    running.end(pgid);
     let [(out, out_total), (err, err_total)] = streams;
     let exit_code = status.and_then(|s| s.code());
     let signal = status.and_then(|s| s.signal());
@@ -257,6 +278,24 @@ fn spawn_reader<R: Read + Send + 'static>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The stop came between the worker's check of it and the spawn: the command is killed as
+    /// it starts, not left to run its course.
+    #[test]
+    fn a_command_spawned_after_the_stop_is_killed_at_once() {
+        let running = Running::default();
+        running.kill();
+        let started = Instant::now();
+        let out = run_program(
+            "sleep",
+            &["10".to_string()],
+            1024,
+            Duration::from_secs(60),
+            &running,
+        );
+        assert!(started.elapsed() < Duration::from_secs(5), "{out:?}");
+        assert_eq!(out.output["signal"], 9, "{}", out.output);
+    }
 
     fn cmd(name: &str, args: Value) -> Command {
         Command {
