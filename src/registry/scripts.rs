@@ -313,24 +313,22 @@ pub fn evalsha_many<T>(
     if n == 0 {
         return Ok(Vec::new());
     }
-    let calls: Vec<redis::Cmd> = items
+    // Each call packed once; a pipeline is their bytes end to end.
+    let calls: Vec<Vec<u8>> = items
         .iter()
         .map(|item| {
             let mut call = redis::cmd("EVALSHA");
             call.arg(script.get_hash()).arg(numkeys);
             args(&mut call, item);
-            call
+            call.get_packed_command()
         })
         .collect();
     let send = |con: &mut _, which: &[usize]| -> Result<Vec<Value>, RegistryError> {
-        let mut pipe = redis::pipe();
-        for &i in which {
-            if let Some(call) = calls.get(i) {
-                pipe.add_command(call.clone());
-            }
+        let mut packed = Vec::new();
+        for call in which.iter().filter_map(|&i| calls.get(i)) {
+            packed.extend_from_slice(call);
         }
-        let replies =
-            ConnectionLike::req_packed_commands(con, &pipe.get_packed_pipeline(), 0, which.len())?;
+        let replies = ConnectionLike::req_packed_commands(con, &packed, 0, which.len())?;
         if replies.len() != which.len() {
             return Err(RegistryError::UnexpectedReply(format!(
                 "{} replies to a pipeline of {} script calls",
