@@ -183,24 +183,8 @@ impl Bridge {
             self.deadlines.forget(key);
             held.push(h);
         }
-        let now = unix_ms();
-        for h in held {
-            if h.expired(now) {
-                self.report_expired(rig, &h.id);
-                continue;
-            }
+        for req in self.unexpired(rig, held) {
             self.shared.count("offline", "delivered");
-            // What is left of its hold goes along: held again, should the connection not take
-            // it (see `undelivered`).
-            let left = Duration::from_millis(h.deadline_ms.saturating_sub(now).max(1));
-            let req = CommandReq {
-                id: h.id,
-                rig: rig.clone(),
-                name: h.name,
-                args: h.args,
-                reply: ReplyTo::Event,
-                offline_ttl: Some(left),
-            };
             actions.push(Action::Core(
                 conn,
                 ToCore::Command {
@@ -215,24 +199,35 @@ impl Bridge {
     /// Commands taken from Redis for a hello that was then turned away: held again (or
     /// reported `expired`), so that each still has its one outcome to come.
     pub(super) fn hold_again(&mut self, rig: &RigId, taken: Vec<Held>) {
+        for req in self.unexpired(rig, taken) {
+            let left = req.offline_ttl.unwrap_or(Duration::from_millis(1));
+            self.hold(req, left);
+        }
+    }
+
+    /// `held` as commands for `rig`, each with what is left of its hold (held again, should
+    /// the connection not take it: see `undelivered`); those past their deadline are reported
+    /// `expired` instead. Control heard `queued` when each was first held: its outcome comes
+    /// as events.
+    fn unexpired(&mut self, rig: &RigId, held: Vec<Held>) -> Vec<CommandReq> {
         let now = unix_ms();
-        for h in taken {
+        let mut out = Vec::with_capacity(held.len());
+        for h in held {
             if h.expired(now) {
                 self.report_expired(rig, &h.id);
                 continue;
             }
             let left = Duration::from_millis(h.deadline_ms.saturating_sub(now).max(1));
-            let req = CommandReq {
+            out.push(CommandReq {
                 id: h.id,
                 rig: rig.clone(),
                 name: h.name,
                 args: h.args,
-                // Control heard `queued` when it was first held: its outcome comes as events.
                 reply: ReplyTo::Event,
                 offline_ttl: Some(left),
-            };
-            self.hold(req, left);
+            });
         }
+        out
     }
 
     /// A held command that connection `conn` could not take: to the rig's connection now if
