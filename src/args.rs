@@ -6,12 +6,21 @@
 //! as much. As shared text, a copy costs a pointer, a bound counts what is held, and a rig's
 //! frame is written from it without serializing again.
 
+use std::borrow::Cow;
 use std::fmt;
 use std::sync::Arc;
 
+use serde::de::{self, MapAccess, SeqAccess, Visitor};
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use serde_json::value::RawValue;
 use serde_json::Value;
+
+/// The object key by which serde_json's `raw_value` feature marks a value as JSON text: a
+/// `Value` parsed with that feature on reads an object whose first key it is as the JSON its
+/// string holds. Args holding it would be checked as one thing, and read as another by a rig
+/// parsing the same way, or by this broker once it has re-serialized the args with their keys
+/// sorted (a held command forwarded to the rig's broker, which then refused it).
+const RAW_VALUE_KEY: &str = "$serde_json::private::RawValue";
 
 /// A command's args: a JSON object's text (or `null` in a stub that needs none).
 #[derive(Clone)]
@@ -51,8 +60,8 @@ impl Args {
         if !raw.get().starts_with('{') {
             return Err("args must be an object".into());
         }
-        match serde_json::from_str::<Value>(raw.get()) {
-            Ok(_) => Ok(Args(Arc::from(raw))),
+        match serde_json::from_str::<Checked>(raw.get()) {
+            Ok(Checked) => Ok(Args(Arc::from(raw))),
             Err(e) if e.to_string().starts_with("recursion limit") => {
                 Err("args nest deeper than 128 levels".into())
             }
@@ -78,6 +87,65 @@ impl Args {
     /// For writing into a message as it is.
     pub fn raw(&self) -> &RawValue {
         &self.0
+    }
+}
+
+/// Any JSON value, parsed as a rig would parse it (strings decoded, numbers in range, nesting
+/// within serde_json's limit) and dropped as it goes, refusing [`RAW_VALUE_KEY`] as a key.
+struct Checked;
+
+impl<'de> Deserialize<'de> for Checked {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Checked, D::Error> {
+        d.deserialize_any(Checked)
+    }
+}
+
+impl<'de> Visitor<'de> for Checked {
+    type Value = Checked;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("any JSON value")
+    }
+
+    fn visit_bool<E>(self, _: bool) -> Result<Checked, E> {
+        Ok(Checked)
+    }
+
+    fn visit_i64<E>(self, _: i64) -> Result<Checked, E> {
+        Ok(Checked)
+    }
+
+    fn visit_u64<E>(self, _: u64) -> Result<Checked, E> {
+        Ok(Checked)
+    }
+
+    fn visit_f64<E>(self, _: f64) -> Result<Checked, E> {
+        Ok(Checked)
+    }
+
+    fn visit_str<E>(self, _: &str) -> Result<Checked, E> {
+        Ok(Checked)
+    }
+
+    fn visit_unit<E>(self) -> Result<Checked, E> {
+        Ok(Checked)
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Checked, A::Error> {
+        while seq.next_element::<Checked>()?.is_some() {}
+        Ok(Checked)
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Checked, A::Error> {
+        while let Some(key) = map.next_key::<Cow<'de, str>>()? {
+            if key == RAW_VALUE_KEY {
+                return Err(de::Error::custom(format!(
+                    "{RAW_VALUE_KEY:?} is not a key args may use"
+                )));
+            }
+            map.next_value::<Checked>()?;
+        }
+        Ok(Checked)
     }
 }
 
@@ -126,6 +194,24 @@ mod tests {
         assert_eq!(why("[1]"), "args must be an object");
         assert!(why(r#"{"a":1e400}"#)
             .starts_with("args are not JSON a rig can parse: number out of range"));
+        // serde_json's raw-value marker, at any depth and however escaped (fuzzing found args
+        // passing as an object that a re-parse read as `[1]`).
+        for marked in [
+            r#"{"a":1,"$serde_json::private::RawValue":"x"}"#,
+            r#"{"$serde_json::private::RawValue":"[1]"}"#,
+            r#"{"a":[{"$serde_json::private::RawValue":"1"}]}"#,
+            r#"{"$serde_json::private::RawValue":"[1]"}"#,
+        ] {
+            assert!(
+                why(marked).contains("is not a key args may use"),
+                "{marked}: {}",
+                why(marked)
+            );
+        }
+        assert!(Args::object(raw(
+            r#"{"$serde_json":1,"k":{"a":null,"b":[true,-1,2.5,"é"]}}"#
+        ))
+        .is_some());
         assert_eq!(Args::empty().get(), "{}");
         // Inside a message, written as they came; read back, the same text.
         #[derive(Serialize, Deserialize)]
