@@ -240,6 +240,36 @@ impl Envelope {
     }
 }
 
+/// A held command as a broker forwards it to the broker its rig is connected to, which
+/// delivers it or holds it again for the `ttl_ms` left (`offline_delivery`: control was
+/// answered when it was first held). The args go as the text control sent: through a
+/// `serde_json::Value` their numbers would be printed again, and a float could come back a
+/// unit in the last place off (found by fuzzing).
+pub fn forwarded_hold(id: &str, rig: &RigId, name: &str, args: &Args, ttl_ms: u64) -> Vec<u8> {
+    #[derive(serde::Serialize)]
+    struct Forwarded<'a> {
+        r#type: &'static str,
+        id: &'a str,
+        rig_id: &'a str,
+        name: &'a str,
+        args: &'a Args,
+        offline_delivery: bool,
+        queue_if_offline: bool,
+        ttl_ms: u64,
+    }
+    let msg = Forwarded {
+        r#type: "command",
+        id,
+        rig_id: rig.as_str(),
+        name,
+        args,
+        offline_delivery: true,
+        queue_if_offline: true,
+        ttl_ms,
+    };
+    serde_json::to_vec(&msg).unwrap_or_default()
+}
+
 /// Parses one pub/sub payload; `broadcast` says it came on `fleetlink:broadcast`.
 pub fn parse(payload: &[u8], broadcast: bool) -> Result<Control, Bad> {
     if payload.len() > MAX_CONTROL {
@@ -460,6 +490,27 @@ mod tests {
         let bad = parse(big.as_bytes(), false).unwrap_err();
         assert!(bad.why.contains("1 MiB"), "{}", bad.why);
         assert_eq!(bad.reply_to, Some(("c2".into(), "chan".into())));
+    }
+
+    /// A forwarded hold parses back to the same command, its args the very text control
+    /// sent (a float printed again could come back a unit in the last place off).
+    #[test]
+    fn a_forwarded_hold_parses_back_with_its_args_as_sent() {
+        let msg = r#"{"type":"command","id":"h","rig_id":"r1","name":"x","reply_to":"c","queue_if_offline":true,"args":{"rpm":6666666000000000000000000000000000000000000000000000000001588782656, "b" : [1.5e-7]}}"#;
+        let Ok(Control::Command(req)) = parse(msg.as_bytes(), false) else {
+            panic!("a command");
+        };
+        let out = forwarded_hold(&req.id, &req.rig, &req.name, &req.args, 5_000);
+        let Ok(Control::Command(again)) = parse(&out, false) else {
+            panic!("{}", String::from_utf8_lossy(&out));
+        };
+        assert_eq!(again.args.get(), req.args.get());
+        assert_eq!(
+            (&again.id, &again.rig, &again.name),
+            (&req.id, &req.rig, &req.name)
+        );
+        assert!(matches!(again.reply, ReplyTo::Event));
+        assert_eq!(again.offline_ttl, Some(offline_ttl(Some(5_000))));
     }
 
     /// A broadcast copies its id into every matched rig's request and each reply: one message

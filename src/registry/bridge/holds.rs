@@ -145,17 +145,14 @@ impl Bridge {
             // the hold (`offline_delivery`), since control was answered when it was held.
             self.shared.count("offline", "forwarded");
             let left = hold.entry.deadline_ms.saturating_sub(unix_ms()).max(1);
-            let msg = json!({
-                "type": "command",
-                "id": hold.entry.id,
-                "rig_id": hold.rig.as_str(),
-                "name": hold.entry.name,
-                "args": hold.entry.args,
-                "offline_delivery": true,
-                "queue_if_offline": true,
-                "ttl_ms": left,
-            });
-            return self.publish(fleet::broker_channel(holder), &msg);
+            let payload = crate::registry::control::forwarded_hold(
+                &hold.entry.id,
+                &hold.rig,
+                &hold.entry.name,
+                &hold.entry.args,
+                left,
+            );
+            return self.publish_bytes(fleet::broker_channel(holder), payload);
         }
         self.shared.count("offline", "connected_elsewhere");
         let why = format!("the rig is connected to broker {holder}; send it there");
