@@ -8,10 +8,11 @@
 # prints `FAULT <scenario> <figure>=<value>` lines, `CHECK PASS|FAIL` lines and one `FAULT_JSON`
 # line per scenario, and writes all figures to bench/results/faults-full.json. The quick
 # versions of the same faults run in the test suite: `cargo test --test faults_quick`.
-# Needs redis-server, python3, curl; the `vanish` scenario needs root for `ip netns` (it is
-# skipped otherwise). Env knobs: FAULTS_REDIS_OUTAGE_S (30), FAULTS_AGENTS (20), FAULTS_RATE
-# (400 commands/s), FAULTS_FLOW_S (8), FAULTS_DRAIN_S (10), FAULTS_STORM_RATE (50),
-# FAULTS_STORM_BURST (100). Set FAULTS_NO_BUILD=1 to skip the build.
+# Needs redis-server, python3, curl; the `vanish` scenario needs root for `ip netns` (it
+# fails otherwise, unless FLEETLINK_SKIP_NETNS=1 skips it). Env knobs: FAULTS_REDIS_OUTAGE_S
+# (30), FAULTS_AGENTS (20), FAULTS_RATE (400 commands/s), FAULTS_FLOW_S (8), FAULTS_DRAIN_S
+# (10), FAULTS_STORM_RATE (50), FAULTS_STORM_BURST (100). Set FAULTS_NO_BUILD=1 to skip the
+# build.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # Help first: it must not build, nor start the run.
