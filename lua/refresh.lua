@@ -9,14 +9,41 @@
 --
 -- Returns an array of n statuses, in KEYS order:
 --   "ok"          value == expected: PEXPIRE ttl_ms
---   "restored"    key missing (expired, or Redis restarted empty): SET expected PX ttl_ms
---   "superseded"  any other value, of any type (a newer owner, or garbage): nothing touched
+--   "restored"    key missing (expired, or Redis restarted empty): SET expected PX ttl_ms,
+--                 unless sessof:<rig_id> names a boot newer than the expected one's
+--   "superseded"  any other value, of any type (a newer owner, or garbage), or a missing key
+--                 whose rig has a newer boot on record (it said hello since; this broker's
+--                 connection is a stale process's): nothing touched
 -- Errors "ERR fleetlink refresh: ..." on malformed ARGV, before any write.
+-- sessof:<rig_id> is derived from KEYS[i] (single-instance Redis; not cluster-safe, as in
+-- resume.lua).
 
 local ttl = ARGV[1]
 if #ARGV ~= #KEYS + 1 or type(ttl) ~= 'string' or #ttl > 15
     or not ttl:match('^[1-9]%d*$') then
   return redis.error_reply('ERR fleetlink refresh: expected ARGV ttl_ms, then one value per key')
+end
+
+-- a > b for two canonical boot ids, byte by byte (Lua's '<' follows the locale; see hello.lua).
+local function newer(a, b)
+  for i = 1, #a do
+    local x, y = a:byte(i), b:byte(i)
+    if x ~= y then
+      return x > y
+    end
+  end
+  return false
+end
+
+-- Whether the rig of `key` has, on record, a boot newer than the one `expected` names.
+local function newer_boot_on_record(key, expected)
+  local rig = key:match('^rig:(.+)$')
+  local boot = expected:match('^([^|]+)|')
+  if not rig or not boot then
+    return false
+  end
+  local latest = redis.pcall('GET', 'sessof:' .. rig)
+  return type(latest) == 'string' and #latest == #boot and newer(latest, boot)
 end
 
 local out = {}
@@ -27,7 +54,7 @@ for i = 1, #KEYS do
   if current == expected then
     redis.call('PEXPIRE', key, ttl)
     out[i] = 'ok'
-  elseif current == false then
+  elseif current == false and not newer_boot_on_record(key, expected) then
     redis.call('SET', key, expected, 'PX', ttl)
     out[i] = 'restored'
   else

@@ -235,6 +235,28 @@ fn refresh_restores_a_deleted_key() {
     assert!(pttl(&mut con, "rig:rig-1") > 50_000);
 }
 
+/// A lease that lapsed while the rig said hello with a newer boot elsewhere (its `sessof:`
+/// names that boot) is not put back for the old boot: its connection is a stale process's.
+#[test]
+fn refresh_does_not_restore_a_lease_for_a_boot_older_than_the_rigs_latest() {
+    let (_server, mut con, scripts) = setup();
+    let (r, old, new) = (rig("rig-1"), boot(1), boot(2));
+    run(&mut con, &["SET", "sessof:rig-1", new.as_str()]);
+    let out = scripts
+        .refresh(&mut con, &[(r.clone(), old)], "fe-a", TTL)
+        .unwrap();
+    assert_eq!(out, [RefreshStatus::Superseded]);
+    assert_eq!(get(&mut con, "rig:rig-1"), None, "nothing written");
+    // The latest boot itself, or one at least as new, is put back.
+    let out = scripts
+        .refresh(&mut con, &[(r.clone(), new)], "fe-a", TTL)
+        .unwrap();
+    assert_eq!(out, [RefreshStatus::Restored]);
+    run(&mut con, &["DEL", "rig:rig-1", "sessof:rig-1"]);
+    let out = scripts.refresh(&mut con, &[(r, old)], "fe-a", TTL).unwrap();
+    assert_eq!(out, [RefreshStatus::Restored], "no boot on record");
+}
+
 #[test]
 fn refresh_restores_everything_after_flushall() {
     let (_server, mut con, scripts) = setup();
