@@ -1287,9 +1287,16 @@ fn a_new_boot_during_an_outage_on_the_same_broker_reports_the_old_sessions_comma
 /// The rig was on A, moved to B (whose commands Redis keeps) and came back to A before A heard
 /// B's evict, its first connection still open there (half-open after a network flap). A must
 /// take the session from Redis, not hand the stale local one from the old connection to the
-/// new: that would number new commands from A's own count and overwrite B's seqs.
+/// new: that would number new commands from A's own count and overwrite B's seqs. With the
+/// lease still B's, A drops what it holds; with the lease gone (B released it when the rig
+/// left it), A cannot tell, so every same-boot hand-over merges in what Redis holds.
 #[test]
 fn a_rig_back_from_another_broker_resumes_from_redis_not_from_the_stale_local_session() {
+    back_from_b(true);
+    back_from_b(false);
+}
+
+fn back_from_b(lease_still_bs: bool) {
     let redis = RedisServer::start();
     let (a, _b, boot, mut on_a, mut ctl) = rig_with_commands_on_a(&redis, "rig-h", "h", 2);
     ack(&mut on_a, 1);
@@ -1301,12 +1308,18 @@ fn a_rig_back_from_another_broker_resumes_from_redis_not_from_the_stale_local_se
     let cmd = |seq: u64| {
         json!({"type":"command","seq":seq,"id":format!("b{seq}"),"name":"n","args":{}}).to_string()
     };
-    let _: () = redis::pipe()
-        .cmd("SET")
+    let mut lease = redis::cmd("SET");
+    lease
         .arg("rig:rig-h")
         .arg(format!("{boot}|fe-b"))
         .arg("PX")
-        .arg(60_000)
+        .arg(60_000);
+    if !lease_still_bs {
+        lease = redis::cmd("DEL");
+        lease.arg("rig:rig-h");
+    }
+    let _: () = redis::pipe()
+        .add_command(lease)
         .hset(&key, "c:3", cmd(3))
         .hset(&key, "c:4", cmd(4))
         .hset(&key, "next", "5")

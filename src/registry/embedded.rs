@@ -405,6 +405,14 @@ impl Embedded {
         })
     }
 
+    /// Whether `conn` waits for `rig`'s session from its connection before it (a same-boot
+    /// hand-over on this broker).
+    pub fn awaits_handover(&self, rig: &RigId, conn: ConnId) -> bool {
+        self.rigs
+            .get(rig)
+            .is_some_and(|e| matches!(&e.owner, Owner::Handover(h) if h.new == Some(conn)))
+    }
+
     /// Every rig this broker holds, with its boot (for lease refreshes).
     pub fn live_sessions(&self) -> Vec<(RigId, BootId)> {
         self.rigs.iter().map(|(r, e)| (r.clone(), e.boot)).collect()

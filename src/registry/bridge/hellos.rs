@@ -30,6 +30,8 @@ pub(super) struct Decided {
     boot: BootId,
     actions: Vec<Action>,
     accepted: bool,
+    /// Waits for a same-boot hand-over from this rig's connection before it.
+    handover: bool,
 }
 
 impl Bridge {
@@ -106,17 +108,22 @@ impl Bridge {
             let accepted = actions.iter().any(|a| {
                 matches!(a, Action::Core(c, ToCore::Verdict { verdict: Verdict::Accept { .. }, .. }) if *c == h.conn)
             });
+            let handover = !accepted && self.registry.awaits_handover(&h.rig, h.conn);
             decided.push(Decided {
                 conn: h.conn,
                 rig: h.rig,
                 boot: h.boot,
                 actions,
                 accepted,
+                handover,
             });
         }
+        // A hand-over's session is read too, and merged when the hand-over completes: the
+        // connection before it may hold a session another broker has added to since (the rig
+        // moved there and back while that connection stayed half-open here).
         let accepted: Vec<(&RigId, &BootId)> = decided
             .iter()
-            .filter(|d| d.accepted)
+            .filter(|d| d.accepted || (d.handover && claimed))
             .map(|d| (&d.rig, &d.boot))
             .collect();
         let session_ttl = self.cfg.session_ttl;
@@ -134,6 +141,20 @@ impl Bridge {
         };
         for d in decided {
             let mut actions = d.actions;
+            if d.handover && claimed {
+                let entry = sessions.next();
+                let taken = held.next().unwrap_or_default();
+                match entry {
+                    Some(Some(found)) => {
+                        self.handover_resumes.insert(d.conn, (found, taken));
+                    }
+                    // Unread: the hand-over goes on with what this broker holds, as when Redis
+                    // is away.
+                    _ => self.hold_again(&d.rig, taken),
+                }
+                self.carry_out(actions);
+                continue;
+            }
             let entry = if d.accepted { sessions.next() } else { None };
             // `unread` for this one rig: Redis answered the batch but failed its own entry
             // (BUSY, READONLY, a reply of the wrong shape).
@@ -155,6 +176,38 @@ impl Bridge {
             }
             self.carry_out(actions);
         }
+    }
+
+    /// Merges what Redis held into the acceptance a completed hand-over produced (`actions`,
+    /// from the old connection's `Closed`), for the connection that waited, as `resume` does
+    /// for an accepted hello: the higher next seq, every unacked command of both, and the
+    /// commands held for the rig while offline.
+    pub(super) fn merge_handover(
+        &mut self,
+        rig: &RigId,
+        boot: BootId,
+        mut actions: Vec<Action>,
+    ) -> Vec<Action> {
+        let waited: Vec<ConnId> = actions
+            .iter()
+            .filter_map(|a| match a {
+                Action::Core(
+                    c,
+                    ToCore::Verdict {
+                        verdict: Verdict::Accept { .. },
+                        ..
+                    },
+                ) => Some(*c),
+                _ => None,
+            })
+            .collect();
+        for conn in waited {
+            if let Some((found, held)) = self.handover_resumes.remove(&conn) {
+                actions = self.resume(conn, rig, &boot, found, actions);
+                self.deliver_held(conn, rig, held, &mut actions);
+            }
+        }
+        actions
     }
 
     /// Replaces `conn`'s acceptance with 4503: the session it carried goes back to the

@@ -91,6 +91,17 @@ struct Bridge {
     deadlines: Deadlines,
     /// Hellos read from the inbox and not yet answered (see [`Self::flush_hellos`]).
     hellos: Vec<PendingHello>,
+    /// What Redis held for a rig whose hello waits for a same-boot hand-over here (its
+    /// session and the commands held for it while offline), merged into the session when the
+    /// connection before it hands it over: another broker may have numbered commands of the
+    /// session since this one last did. At most one per connection waiting.
+    handover_resumes: HashMap<
+        ConnId,
+        (
+            crate::registry::sessions::Resumed,
+            Vec<crate::registry::offline::Held>,
+        ),
+    >,
     /// Evicts of the very boot held here, read this pass: checked against the leases in one
     /// round trip after the read (see `Self::settle_evicts`).
     same_boot_evicts: Vec<(RigId, BootId)>,
@@ -150,6 +161,7 @@ impl Bridge {
             held: LocalHeld::default(),
             deadlines: Deadlines::default(),
             hellos: Vec::new(),
+            handover_resumes: HashMap::new(),
             same_boot_evicts: Vec::new(),
             holds: Vec::new(),
             holds_bytes: 0,
@@ -307,6 +319,12 @@ impl Bridge {
                     let lost = r.carried.into_iter().map(|c| (c.seq, c.id)).collect();
                     self.report_reboot(&r.rig, r.old, r.new, lost);
                 }
+                // A connection that waited for this one's session, and what Redis held for it.
+                let actions = self.merge_handover(&rig, boot, actions);
+                if let Some((_, held)) = self.handover_resumes.remove(&conn) {
+                    // It was itself waiting for a hand-over, and went first.
+                    self.hold_again(&rig, held);
+                }
                 if self.rekeep_asked.remove(&(rig.clone(), boot)) {
                     // Gone before its core could send the session back: it goes back from
                     // here, and its lease is released only once it has.
@@ -326,6 +344,9 @@ impl Bridge {
                 Vec::new()
             }
             ToBridge::Abandoned { conn, rig } => {
+                if let Some((_, held)) = self.handover_resumes.remove(&conn) {
+                    self.hold_again(&rig, held);
+                }
                 let (actions, released) = self.registry.abandoned(conn, &rig);
                 if let Some(boot) = released {
                     self.release(rig, boot);
