@@ -653,3 +653,73 @@ fn metrics_say_when_the_certificate_and_the_crls_expire() {
         || b.metric(cert_series) as i64 == until,
     );
 }
+
+/// A wss client floods PINGs without reading, so the broker's PONGs back up into rustls, then
+/// resets the connection. rustls keeps the records it could not write, and the broker used to
+/// wait for ever to write them to a socket that is always "writable" with an error: the
+/// connection never ended, its place under `--max-connections` and its gauge were never given
+/// back, and its task spun.
+#[test]
+fn a_reset_with_tls_records_unsent_ends_the_connection() {
+    let dir = Dir::new("reset");
+    let pki = dev_certs::generate(&dir.0, 1, &[]).unwrap();
+    let b = tls_broker(&pki, &dir.0, &[]);
+    let r = &pki.rigs[0];
+    let sock = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+    sock.set_recv_buffer_size(4096).unwrap();
+    sock.connect(&b.listen.into()).unwrap();
+    let tcp: TcpStream = sock.into();
+    tcp.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let conn = rustls::ClientConnection::new(
+        client_config(&pki.ca_cert, Some((&r.cert, &r.key))),
+        ServerName::try_from("localhost").unwrap(),
+    )
+    .unwrap();
+    let req = format!("wss://localhost:{}/agent", b.listen.port());
+    let (mut ws, _) = tungstenite::client(req, rustls::StreamOwned::new(conn, tcp)).unwrap();
+    let gauge = || {
+        b.metric("fleetlink_connections{core=\"0\"}")
+            + b.metric("fleetlink_connections{core=\"1\"}")
+    };
+    assert_eq!(gauge(), 1);
+    // Masked PINGs of 125 bytes (a zero mask leaves the payload as it is); their PONGs fill
+    // the small receive buffer, the broker's socket, rustls and the broker's queue.
+    let mut ping = vec![0x89, 0x80 | 125, 0, 0, 0, 0];
+    ping.extend_from_slice(&[b'p'; 125]);
+    let s = ws.get_mut();
+    s.sock
+        .set_write_timeout(Some(Duration::from_millis(500)))
+        .unwrap();
+    let started = Instant::now();
+    let mut sent = 0usize;
+    while started.elapsed() < Duration::from_secs(10) {
+        s.conn.writer().write_all(&ping).unwrap();
+        sent += 1;
+        let mut stalled = false;
+        while s.conn.wants_write() {
+            match s.conn.write_tls(&mut s.sock) {
+                Ok(_) => {}
+                Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
+                    stalled = true;
+                    break;
+                }
+                Err(e) => panic!("after {sent} PINGs: {e}"),
+            }
+        }
+        if stalled {
+            break;
+        }
+    }
+    assert!(
+        sent > 1000,
+        "the broker took only {sent} PINGs before it stopped reading"
+    );
+    // Reset: SO_LINGER 0, then close.
+    socket2::SockRef::from(&s.sock)
+        .set_linger(Some(Duration::ZERO))
+        .unwrap();
+    drop(ws);
+    eventually(Duration::from_secs(10), "the connection ended", || {
+        gauge() == 0
+    });
+}

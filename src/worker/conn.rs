@@ -53,7 +53,7 @@ pub(crate) async fn serve(core: Rc<Core>, stream: TcpStream, conn: Rc<Conn>) {
                     // "writable" with EPIPE).
                     Err(_) => {
                         st.phase = Phase::Done;
-                        st.drop_output();
+                        st.output_failed();
                     }
                 }
             }

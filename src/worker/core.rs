@@ -253,6 +253,7 @@ impl Core {
             scope: None,
             token_rig: None,
             refusing: false,
+            output_dead: false,
         })))
     }
 
@@ -712,6 +713,15 @@ impl ConnState {
         self.tidy();
     }
 
+    /// A write failed: the socket takes nothing more, so what is queued is dropped, and so is
+    /// what rustls holds, which no flush would ever empty.
+    pub(crate) fn output_failed(&mut self) {
+        if let Some(sec) = self.sec.as_mut() {
+            sec.output_dead = true;
+        }
+        self.drop_output();
+    }
+
     /// Takes the pending input out (to parse it alongside new bytes).
     pub(crate) fn take_rbuf(&mut self) -> Vec<u8> {
         self.bufs
@@ -754,8 +764,7 @@ impl ConnState {
             || self
                 .sec
                 .as_ref()
-                .and_then(|s| s.tls.as_ref())
-                .is_some_and(|t| t.wants_write())
+                .is_some_and(|s| !s.output_dead && s.tls.as_ref().is_some_and(|t| t.wants_write()))
     }
 
     /// Whether input may be parsed now (not waiting for a verdict, not over the rate, not

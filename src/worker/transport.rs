@@ -27,6 +27,9 @@ pub(crate) struct Security {
     /// Refused at accept (over `--max-connections` or the accept bucket): served only as far
     /// as the handshake, so the client can read its 503 through TLS.
     pub(crate) refusing: bool,
+    /// The socket failed: what rustls still holds to send never will be, and must not keep
+    /// the connection waiting to write it (a reset socket is always "writable").
+    pub(crate) output_dead: bool,
 }
 
 /// The raw socket as `Read`/`Write` for rustls (non-blocking; WouldBlock passes through).
