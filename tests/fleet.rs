@@ -670,9 +670,9 @@ fn events_name_the_session_and_malformed_control_messages_are_answered() {
             .into(),
     ))
     .unwrap();
-    // Acks of seqs never assigned (the next one, one far past it) are not the rig's to give:
-    // no event.
-    for seq in [3u64, 99, 2] {
+    // Acks of seqs never assigned (the next one, one far past it) are not the rig's to give,
+    // and an ack sent again is the first one's: one event.
+    for seq in [3u64, 99, 2, 2] {
         ws.send(Message::Text(
             json!({"type":"ack","seq":seq}).to_string().into(),
         ))
@@ -697,6 +697,10 @@ fn events_name_the_session_and_malformed_control_messages_are_answered() {
     let second = ctl.next(|ch, v| ch == "fleetlink:events" && v["type"] == "result");
     assert_eq!((&second["seq"], &second["id"]), (&json!(2), &json!("c2")));
     assert_eq!(second["boot_id"], boot.as_str());
+    // The result came after both acks on the wire: had the second made an event, it would be
+    // in the backlog read past by now.
+    let acks = ctl.backlog_count(|ch, v| ch == "fleetlink:events" && v["type"] == "ack");
+    assert_eq!(acks, 0, "a second ack event");
 
     // A numeric id and an ill-typed field: answered bad_request, the id as sent.
     let reply_to = ctl.reply_to.clone();

@@ -346,8 +346,9 @@ fn on_rig_message(core: &Core, conn: &Conn, st: &mut ConnState, text: &[u8]) {
                 // and none to crowd control's replies out of the publish queue.
                 return;
             }
-            let id = on_ack(core, session, seq);
-            if core.fleet {
+            let (counted, id) = on_ack(core, session, seq);
+            // An ack sent again (a rig that acks twice) is the first one's: one event.
+            if core.fleet && counted {
                 core.event(events::ack(
                     broker,
                     &session.rig,
@@ -428,7 +429,9 @@ fn ackable(s: &Session, seq: Seq) -> bool {
     seq.0 > 0 && seq < s.next_seq && !unwritten
 }
 
-fn on_ack(core: &Core, s: &mut Session, seq: Seq) -> Option<Box<str>> {
+/// Settles the ack of `seq`: whether it acked something not acked before (a command still
+/// unacked here, or a seq past the last ack), and the command's id for its event.
+fn on_ack(core: &Core, s: &mut Session, seq: Seq) -> (bool, Option<Box<str>>) {
     if seq > s.resume_from {
         forget_had_before(core, s);
     }
@@ -441,7 +444,9 @@ fn on_ack(core: &Core, s: &mut Session, seq: Seq) -> Option<Box<str>> {
         s.last_ack = seq;
         s.last_ack_ms = unix_ms();
     }
-    let cmd = cmd?;
+    let Some(cmd) = cmd else {
+        return (latest, None);
+    };
     forget_kept(core, &s.rig, s.boot, cmd.seq);
     if let Some(at) = cmd.written_at {
         core.metrics.ack_latency(at.elapsed());
@@ -456,7 +461,7 @@ fn on_ack(core: &Core, s: &mut Session, seq: Seq) -> Option<Box<str>> {
         }
     }
     s.shrink_queues();
-    id
+    (true, id)
 }
 
 /// Forgets the unacked commands this connection's rig said it had at its hello (at or below
@@ -517,6 +522,12 @@ fn keep_unacked(core: &Core, s: &mut Session, cmd: SeqCommand) {
 /// Moves queued commands to the socket while it keeps up. Called after enqueue and after the
 /// task flushed a backlog.
 pub(crate) fn pump(core: &Core, conn: &Conn, st: &mut ConnState) {
+    // Nothing after our close frame (RFC 6455 §5.5.1): a command released by Redis, or a
+    // backlog flushed, after a kick, a supersede or a drain's close stays queued, and is
+    // carried to the rig's next connection with the rest.
+    if st.phase != Phase::Live {
+        return;
+    }
     while st.unsent() == 0 {
         let Some(session) = st.session.as_mut() else {
             return;

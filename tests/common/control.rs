@@ -63,6 +63,11 @@ impl Control {
         }
     }
 
+    /// How many of the messages already read and not yet taken `want` accepts.
+    pub fn backlog_count(&self, mut want: impl FnMut(&str, &Value) -> bool) -> usize {
+        self.backlog.iter().filter(|(ch, v)| want(ch, v)).count()
+    }
+
     /// The next `n` replies on this client's reply channel, in arrival order.
     pub fn replies(&mut self, n: usize, limit: Duration) -> Vec<Value> {
         let deadline = Instant::now() + limit;
