@@ -560,8 +560,12 @@ pub(crate) fn on_verdict(core: &Core, conn: &Conn, st: &mut ConnState, verdict: 
     if st.phase != Phase::AwaitVerdict {
         // Closing before its welcome: the session goes back. (A welcomed session has had its
         // verdict; nothing else is owed one.)
-        if let Some(s) = st.session.as_ref().filter(|s| !s.welcomed) {
-            return_verdict(core, conn.id, Some(s.rig.clone()), verdict);
+        match st.session.as_ref() {
+            Some(s) if !s.welcomed => return_verdict(core, conn.id, Some(s.rig.clone()), verdict),
+            Some(_) => {}
+            // Closed, lingering for the peer's FIN: its end went to the bridge already
+            // (`Abandoned`), which waits for this session back, as from a connection gone.
+            None => return_verdict(core, conn.id, None, verdict),
         }
         return;
     }
@@ -575,7 +579,12 @@ pub(crate) fn on_verdict(core: &Core, conn: &Conn, st: &mut ConnState, verdict: 
         Verdict::Busy => return conn.close(st, 4503, retry_after()),
     };
     let Some(session) = st.session.as_mut() else {
-        return;
+        let verdict = Verdict::Accept {
+            next_seq,
+            resumed,
+            carried,
+        };
+        return return_verdict(core, conn.id, None, verdict);
     };
     session.last_ack = acked_before(next_seq, &carried);
     // Seqs are never reused: if Redis lost the session (restarted empty, or the key expired),
