@@ -311,6 +311,14 @@ async fn finish(core: &Core, conn: &Conn, stream: &TcpStream) {
         (st.linger_until.is_some(), left.max(0) as u64)
     };
     let deadline = monoio::time::Instant::now() + Duration::from_millis(left_ms);
+    if !released {
+        // Ended without a close of ours (a readiness op failed): the rig is gone for the
+        // registry now, not after the wait for a FIN below, during which the connection would
+        // still take commands for a socket that is broken.
+        let mut st = conn.st.borrow_mut();
+        st.phase = Phase::Done;
+        session::on_closed(core, conn, &mut st);
+    }
     let fd = conn.fd;
     // SAFETY: fd is this task's open socket.
     unsafe { libc::shutdown(fd, libc::SHUT_WR) };
@@ -336,12 +344,6 @@ async fn finish(core: &Core, conn: &Conn, stream: &TcpStream) {
             cap.give_back();
         }
     }
-    {
-        let mut st = conn.st.borrow_mut();
-        st.phase = Phase::Done;
-        if !released {
-            session::on_closed(core, conn, &mut st);
-        }
-    }
+    conn.st.borrow_mut().phase = Phase::Done;
     core.check_drained();
 }
