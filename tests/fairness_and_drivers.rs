@@ -161,3 +161,57 @@ fn epoll_driver_serves_the_same_protocol() {
 fn metric(b: &Broker, series: &str) -> u64 {
     b.metric(series)
 }
+
+/// On epoll, a socket that keeps receiving is ready at every poll: a rig that streams without
+/// pause after our close frame must not hold its connection past the close's 2 s linger.
+#[test]
+fn a_rig_streaming_after_our_close_is_cut_at_the_linger_on_epoll() {
+    let b = Broker::start(&["--force-epoll"]);
+    b.wait_metric("fleetlink_driver{core=\"0\",driver=\"epoll\"} 1");
+    let rig = RawRig::hello(&b, "rig-stream");
+    let mut writer = rig.stream_clone();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let stopped = stop.clone();
+    let pump = std::thread::spawn(move || {
+        let mut frame = Vec::new();
+        fleetlink::ws::encode_client_frame(
+            &mut frame,
+            true,
+            fleetlink::ws::OpCode::Ping,
+            [1, 2, 3, 4],
+            b"x",
+        );
+        let chunk = frame.repeat(64);
+        let started = Instant::now();
+        while !stopped.load(std::sync::atomic::Ordering::Relaxed)
+            && started.elapsed() < Duration::from_secs(8)
+        {
+            if std::io::Write::write_all(&mut writer, &chunk).is_err() {
+                break;
+            }
+        }
+    });
+    let (status, body) = b.http("POST", "/v1/rigs/rig-stream/kick", "");
+    assert_eq!(status, 200, "{body}");
+    let kicked = Instant::now();
+    let mut reader = rig.stream_clone();
+    reader
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let mut buf = [0u8; 4096];
+    loop {
+        match std::io::Read::read(&mut reader, &mut buf) {
+            Ok(0) => break,
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => break,
+            Err(e) => panic!("still open {:?} after the kick: {e}", kicked.elapsed()),
+        }
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let _ = pump.join();
+    assert!(
+        kicked.elapsed() < Duration::from_secs(5),
+        "closed {:?} after the kick",
+        kicked.elapsed()
+    );
+}

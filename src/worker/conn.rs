@@ -73,6 +73,14 @@ pub(crate) async fn serve(core: Rc<Core>, stream: TcpStream, conn: Rc<Conn>) {
             if st.phase == Phase::Done && !pending_out {
                 break;
             }
+            // The linger is over whatever is ready (see `await_fin`: on epoll a peer that keeps
+            // sending would hide the timer below).
+            if st
+                .linger_until
+                .is_some_and(|l| (core.now_ms().wrapping_sub(l) as i32) >= 0)
+            {
+                break;
+            }
             let read = st.phase != Phase::Done && st.can_consume(core.now_ms());
             let until = match (st.linger_until, st.paused_until) {
                 (Some(a), Some(b)) => Some(if (a.wrapping_sub(b) as i32) < 0 { a } else { b }),
@@ -284,6 +292,12 @@ fn keep_rest(st: &mut ConnState, mut buf: Vec<u8>, used: usize) {
 pub(crate) async fn await_fin(core: &Core, stream: &TcpStream, deadline: monoio::time::Instant) {
     let fd = stream.as_raw_fd();
     loop {
+        // Checked first: on epoll a socket that keeps receiving is ready at every poll, and
+        // `timeout_at` polls the read before its timer, so a peer streaming without pause
+        // would never let the deadline be seen.
+        if monoio::time::Instant::now() >= deadline {
+            return;
+        }
         let ready = monoio::time::timeout_at(deadline, stream.readable(false)).await;
         if !matches!(ready, Ok(Ok(()))) {
             return;

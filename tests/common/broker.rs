@@ -371,6 +371,11 @@ pub struct RawRig {
 }
 
 impl RawRig {
+    /// Another handle on the connection, for reading or writing from a second thread.
+    pub fn stream_clone(&self) -> TcpStream {
+        self.stream.try_clone().expect("clone the socket")
+    }
+
     /// Upgrades on /agent and sends a hello; returns after the welcome frame.
     pub fn hello(b: &Broker, rig: &str) -> RawRig {
         let mut stream = TcpStream::connect(b.listen).unwrap();
