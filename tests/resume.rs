@@ -1341,6 +1341,28 @@ fn back_from_b(lease_still_bs: bool) {
     assert_eq!(b3, Some(cmd(3)), "B's command kept as it was");
 }
 
+/// Broker fe-a, and `rig` (a new boot, returned) welcomed there, sent command `id` (seq 1),
+/// which it read and did not ack, and gone: fe-a's lease released, its session parked.
+fn rig_left_with_one_command(
+    redis: &RedisServer,
+    rig: &str,
+    id: &str,
+) -> (Broker, String, Control) {
+    let a = fleet_broker(redis, "fe-a");
+    let boot = boot_id();
+    let mut ws = a.connect("/agent");
+    hello(&mut ws, rig, &boot, None);
+    let mut ctl = Control::new(redis, &[]);
+    assert_eq!(ctl.command_id("fe-a", rig, id, "n", json!({}))["seq"], 1);
+    assert_eq!(read_json(&mut ws)["seq"], 1);
+    drop(ws);
+    let mut con = redis.connection();
+    eventually(Duration::from_secs(5), "fe-a's lease released", || {
+        !con.exists::<_, bool>(format!("rig:{rig}")).unwrap()
+    });
+    (a, boot, ctl)
+}
+
 /// Redis answers the batch of session reads but fails one entry (here its session key holds
 /// the wrong type; BUSY or READONLY would do the same): that hello is turned away like one
 /// whose whole read failed, since accepted on local state it could reuse seqs Redis keeps.
@@ -1348,21 +1370,8 @@ fn back_from_b(lease_still_bs: bool) {
 #[test]
 fn a_hello_whose_own_session_entry_fails_is_turned_away_and_its_held_commands_kept() {
     let redis = RedisServer::start();
-    let a = fleet_broker(&redis, "fe-a");
-    let boot = boot_id();
-    let mut ws = a.connect("/agent");
-    hello(&mut ws, "rig-w", &boot, None);
-    let mut ctl = Control::new(&redis, &[]);
-    assert_eq!(
-        ctl.command_id("fe-a", "rig-w", "w1", "n", json!({}))["seq"],
-        1
-    );
-    assert_eq!(read_json(&mut ws)["seq"], 1);
-    drop(ws);
+    let (a, boot, mut ctl) = rig_left_with_one_command(&redis, "rig-w", "w1");
     let mut con = redis.connection();
-    eventually(Duration::from_secs(5), "fe-a's lease released", || {
-        !con.exists::<_, bool>("rig:rig-w").unwrap()
-    });
     let reply_to = ctl.reply_to.clone();
     let msg = json!({"type":"command","id":"held-1","rig_id":"rig-w","name":"fw","args":{},
                      "reply_to":reply_to,"queue_if_offline":true,"ttl_ms":60_000});
@@ -1411,21 +1420,8 @@ fn a_hello_whose_own_session_entry_fails_is_turned_away_and_its_held_commands_ke
 #[test]
 fn a_parked_session_goes_back_after_a_flushall_on_a_broker_with_no_rigs() {
     let redis = RedisServer::start();
-    let a = fleet_broker(&redis, "fe-a");
-    let boot = boot_id();
-    let mut ws = a.connect("/agent");
-    hello(&mut ws, "rig-p", &boot, None);
-    let mut ctl = Control::new(&redis, &[]);
-    assert_eq!(
-        ctl.command_id("fe-a", "rig-p", "p1", "n", json!({}))["seq"],
-        1
-    );
-    assert_eq!(read_json(&mut ws)["seq"], 1);
-    drop(ws);
+    let (_a, boot, _ctl) = rig_left_with_one_command(&redis, "rig-p", "p1");
     let mut con = redis.connection();
-    eventually(Duration::from_secs(5), "fe-a's lease released", || {
-        !con.exists::<_, bool>("rig:rig-p").unwrap()
-    });
     let _: () = redis::cmd("FLUSHALL").query(&mut con).unwrap();
     let key = format!("sess:rig-p:{boot}");
     // One heartbeat (10 s) and the pass after it.
