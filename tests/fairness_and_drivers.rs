@@ -38,16 +38,7 @@ fn a_chatty_rig_is_slowed_not_dropped() {
 fn a_rig_flooding_pings_is_slowed_too() {
     let b = Broker::start(&["--rig-rate", "10", "--rig-burst", "5"]);
     let mut rig = RawRig::hello(&b, "rig-pinger");
-    let mut flood = Vec::new();
-    for _ in 0..2000 {
-        fleetlink::ws::encode_client_frame(
-            &mut flood,
-            true,
-            fleetlink::ws::OpCode::Ping,
-            [1, 2, 3, 4],
-            b"p",
-        );
-    }
+    let flood = client_ping(b"p").repeat(2000);
     rig.write_raw(&flood);
     // 5 tokens are 40 PINGs; then 80 a second.
     let started = Instant::now();
@@ -173,15 +164,7 @@ fn a_rig_streaming_after_our_close_is_cut_at_the_linger_on_epoll() {
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let stopped = stop.clone();
     let pump = std::thread::spawn(move || {
-        let mut frame = Vec::new();
-        fleetlink::ws::encode_client_frame(
-            &mut frame,
-            true,
-            fleetlink::ws::OpCode::Ping,
-            [1, 2, 3, 4],
-            b"x",
-        );
-        let chunk = frame.repeat(64);
+        let chunk = client_ping(b"x").repeat(64);
         let started = Instant::now();
         while !stopped.load(std::sync::atomic::Ordering::Relaxed)
             && started.elapsed() < Duration::from_secs(8)
@@ -214,4 +197,17 @@ fn a_rig_streaming_after_our_close_is_cut_at_the_linger_on_epoll() {
         "closed {:?} after the kick",
         kicked.elapsed()
     );
+}
+
+/// One masked PING frame as a rig sends it.
+fn client_ping(payload: &[u8]) -> Vec<u8> {
+    let mut frame = Vec::new();
+    fleetlink::ws::encode_client_frame(
+        &mut frame,
+        true,
+        fleetlink::ws::OpCode::Ping,
+        [1, 2, 3, 4],
+        payload,
+    );
+    frame
 }
