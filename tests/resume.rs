@@ -1287,9 +1287,9 @@ fn a_new_boot_during_an_outage_on_the_same_broker_reports_the_old_sessions_comma
 /// The rig was on A, moved to B (whose commands Redis keeps) and came back to A before A heard
 /// B's evict, its first connection still open there (half-open after a network flap). A must
 /// take the session from Redis, not hand the stale local one from the old connection to the
-/// new: that would number new commands from A's own count and overwrite B's seqs. With the
-/// lease still B's, A drops what it holds; with the lease gone (B released it when the rig
-/// left it), A cannot tell, so every same-boot hand-over merges in what Redis holds.
+/// new: that would number new commands from A's own count and overwrite B's seqs. The lease
+/// may still be B's, or gone (B released it when the rig left it): either way the hand-over
+/// merges in what Redis holds.
 #[test]
 fn a_rig_back_from_another_broker_resumes_from_redis_not_from_the_stale_local_session() {
     back_from_b(true);

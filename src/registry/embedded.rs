@@ -460,13 +460,6 @@ impl Embedded {
         out
     }
 
-    /// Another broker has held `rig` since this one did: its entry here (closed with 4410)
-    /// and any session parked for it are stale, and a hello must start from Redis.
-    pub fn taken_elsewhere(&mut self, rig: &RigId) -> Vec<Action> {
-        self.unpark(rig);
-        self.supersede(rig, None)
-    }
-
     /// Rigs whose labels include every `selector` pair.
     pub fn matching(&self, selector: &[(String, String)]) -> Vec<RigId> {
         self.rigs

@@ -210,6 +210,14 @@ impl Bridge {
         actions
     }
 
+    /// `conn` went before its hand-over completed: what Redis held for it is not merged
+    /// anywhere, and the commands taken for the rig are held again.
+    pub(super) fn drop_handover_resume(&mut self, conn: ConnId, rig: &RigId) {
+        if let Some((_, held)) = self.handover_resumes.remove(&conn) {
+            self.hold_again(rig, held);
+        }
+    }
+
     /// Replaces `conn`'s acceptance with 4503: the session it carried goes back to the
     /// registry (parked for the rig's next hello), and the lease just claimed is released.
     fn turn_away(&mut self, conn: ConnId, rig: &RigId, actions: &mut [Action]) {
@@ -265,12 +273,6 @@ impl Bridge {
                 if let Some(prev) = previous
                     .filter(|p| !p.broker_id.is_empty() && p.broker_id != self.cfg.broker_id)
                 {
-                    // The rig was another broker's since this one last held it, so what this
-                    // one still holds for it (a connection it has not yet heard was evicted,
-                    // a parked session) is stale: the new connection takes the session from
-                    // Redis, not from there, or it would reuse the other broker's seqs.
-                    let stale = self.registry.taken_elsewhere(&rig);
-                    self.carry_out(stale);
                     self.shared.count("evict", "sent");
                     let evict =
                         json!({"type": "evict", "rig_id": rig.as_str(), "boot_id": boot.as_str()});
