@@ -42,8 +42,9 @@ use crate::ids::{BootId, ConnId, CoreId, RigId};
 use crate::registry::embedded::{Action, Embedded};
 use crate::registry::fleet::{self, Fleet};
 use crate::registry::msg::{AdminAnswer, AdminReply, PersistReq, ReplyTo, ToBridge, ToCore};
-use crate::registry::offline::{Deadlines, LocalHeld};
+use crate::registry::offline::{Deadlines, Held, LocalHeld};
 use crate::registry::pace::WritePace;
+use crate::registry::sessions::Resumed;
 use crate::reply;
 
 /// Inbox messages handled per wake before the bridge looks at Redis and its timers again.
@@ -95,13 +96,7 @@ struct Bridge {
     /// session and the commands held for it while offline), merged into the session when the
     /// connection before it hands it over: another broker may have numbered commands of the
     /// session since this one last did. At most one per connection waiting.
-    handover_resumes: HashMap<
-        ConnId,
-        (
-            crate::registry::sessions::Resumed,
-            Vec<crate::registry::offline::Held>,
-        ),
-    >,
+    handover_resumes: HashMap<ConnId, (Resumed, Vec<Held>)>,
     /// Evicts of the very boot held here, read this pass: checked against the leases in one
     /// round trip after the read (see `Self::settle_evicts`).
     same_boot_evicts: Vec<(RigId, BootId)>,
@@ -321,10 +316,8 @@ impl Bridge {
                 }
                 // A connection that waited for this one's session, and what Redis held for it.
                 let actions = self.merge_handover(&rig, boot, actions);
-                if let Some((_, held)) = self.handover_resumes.remove(&conn) {
-                    // It was itself waiting for a hand-over, and went first.
-                    self.hold_again(&rig, held);
-                }
+                // It was itself waiting for a hand-over, and went first.
+                self.drop_handover_resume(conn, &rig);
                 if self.rekeep_asked.remove(&(rig.clone(), boot)) {
                     // Gone before its core could send the session back: it goes back from
                     // here, and its lease is released only once it has.
@@ -344,9 +337,7 @@ impl Bridge {
                 Vec::new()
             }
             ToBridge::Abandoned { conn, rig } => {
-                if let Some((_, held)) = self.handover_resumes.remove(&conn) {
-                    self.hold_again(&rig, held);
-                }
+                self.drop_handover_resume(conn, &rig);
                 let (actions, released) = self.registry.abandoned(conn, &rig);
                 if let Some(boot) = released {
                     self.release(rig, boot);
