@@ -412,10 +412,6 @@ fn on_rig_message(core: &Core, conn: &Conn, st: &mut ConnState, text: &[u8]) {
     }
 }
 
-/// Records an ack of command `seq`, and only of it (CONTRACT.md §2: "the rig accepted command
-/// `seq`"): a command below it the rig has not acked stays unacked, given back by a resume and
-/// reported `rig_rebooted` by a new boot. Returns the command id for the ack event (fleet mode)
-/// when the broker still held the command.
 /// Whether `seq` names a command written to this rig's session. The outbox holds the
 /// unwritten commands, lowest seq first: an ack of one of them cannot be the rig's
 /// (CONTRACT.md §2: it accepted the command), and is ignored like an ack of a seq never
@@ -429,8 +425,11 @@ fn ackable(s: &Session, seq: Seq) -> bool {
     seq.0 > 0 && seq < s.next_seq && !unwritten
 }
 
-/// Settles the ack of `seq`: whether it acked something not acked before (a command still
-/// unacked here, or a seq past the last ack), and the command's id for its event.
+/// Records an ack of command `seq`, and only of it (CONTRACT.md §2: "the rig accepted command
+/// `seq`"): a command below it the rig has not acked stays unacked, given back by a resume and
+/// reported `rig_rebooted` by a new boot. Returns whether it acked something not acked before
+/// (a command still unacked here, or a seq past the last ack), and the command id for the ack
+/// event (fleet mode) when the broker still held the command.
 fn on_ack(core: &Core, s: &mut Session, seq: Seq) -> (bool, Option<Box<str>>) {
     if seq > s.resume_from {
         forget_had_before(core, s);
@@ -569,6 +568,9 @@ pub(crate) fn on_verdict(core: &Core, conn: &Conn, st: &mut ConnState, verdict: 
         }
         return;
     }
+    if st.session.is_none() && matches!(verdict, Verdict::Accept { .. }) {
+        return return_verdict(core, conn.id, None, verdict);
+    }
     let (next_seq, resumed, carried) = match verdict {
         Verdict::Accept {
             next_seq,
@@ -579,12 +581,7 @@ pub(crate) fn on_verdict(core: &Core, conn: &Conn, st: &mut ConnState, verdict: 
         Verdict::Busy => return conn.close(st, 4503, retry_after()),
     };
     let Some(session) = st.session.as_mut() else {
-        let verdict = Verdict::Accept {
-            next_seq,
-            resumed,
-            carried,
-        };
-        return return_verdict(core, conn.id, None, verdict);
+        return;
     };
     session.last_ack = acked_before(next_seq, &carried);
     // Seqs are never reused: if Redis lost the session (restarted empty, or the key expired),
