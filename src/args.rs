@@ -200,7 +200,7 @@ mod tests {
             r#"{"a":1,"$serde_json::private::RawValue":"x"}"#,
             r#"{"$serde_json::private::RawValue":"[1]"}"#,
             r#"{"a":[{"$serde_json::private::RawValue":"1"}]}"#,
-            r#"{"$serde_json::private::RawValue":"[1]"}"#,
+            r#"{"\u0024serde_json::private::RawValue":"[1]"}"#,
         ] {
             assert!(
                 why(marked).contains("is not a key args may use"),
