@@ -273,15 +273,15 @@ impl Core {
         let bytes = serde_json::to_vec(&ev)
             .unwrap_or_default()
             .into_boxed_slice();
-        let len = event_charge(bytes.len());
+        let charge = event_charge(bytes.len());
         let queued = &self.bridge_shared.event_bytes;
-        if queued.fetch_add(len, Ordering::Relaxed) + len > MAX_EVENT_BYTES {
-            queued.fetch_sub(len, Ordering::Relaxed);
+        if queued.fetch_add(charge, Ordering::Relaxed) + charge > MAX_EVENT_BYTES {
+            queued.fetch_sub(charge, Ordering::Relaxed);
             self.metrics.inc(crate::metrics::C::BridgeQueueFull);
             return false;
         }
         if !self.to_bridge(ToBridge::Event(bytes)) {
-            queued.fetch_sub(len, Ordering::Relaxed);
+            queued.fetch_sub(charge, Ordering::Relaxed);
             return false;
         }
         true

@@ -68,6 +68,10 @@ impl Rekeeps {
     /// not put back a command whose removal may already have gone out (the acked command would
     /// then be reported `rig_rebooted` at the rig's next boot, as never run).
     pub(super) fn forget(&mut self, rig: &RigId, boot: BootId, seq: crate::ids::Seq) {
+        // Called for every ack; the queue is empty but after a Redis reconnect.
+        if self.latest.is_empty() {
+            return;
+        }
         if let Some(Pending::Live(r)) = self.latest.get_mut(&(rig.clone(), boot)) {
             r.cmds.retain(|(s, _)| *s != seq);
         }
