@@ -24,22 +24,33 @@ fi
 if [ -x "$HOME/.cargo/bin/cargo" ]; then
   case ":$PATH:" in *":$HOME/.cargo/bin:"*) ;; *) PATH="$HOME/.cargo/bin:$PATH"; export PATH ;; esac
 fi
-if ! command -v cargo >/dev/null 2>&1; then
-  # Debian's packaged Rust is too old for the dependencies: rustup's stable it is.
-  echo "== installing Rust (rustup, stable, with rustfmt and clippy)"
-  command -v curl >/dev/null 2>&1 || fl_apt curl ca-certificates
-  curl --proto '=https' --tlsv1.2 -sSf https://sh.rustup.rs |
-    sh -s -- -y --profile minimal --component rustfmt,clippy >/dev/null
+# A rustc older than this (Debian's packaged one, say) cannot build the locked dependencies.
+fl_too_old() {
+  fl_rustc=$(rustc --version 2>/dev/null | awk '{print $2}')
+  [ -z "$fl_rustc" ] || [ "$(printf '%s\n%s\n' "$fl_min_rust" "$fl_rustc" | sort -V | head -1)" != "$fl_min_rust" ]
+}
+if ! command -v cargo >/dev/null 2>&1 || fl_too_old; then
+  if command -v rustup >/dev/null 2>&1; then
+    echo "== rustc ${fl_rustc:-missing} is older than $fl_min_rust: installing stable with rustup"
+    rustup toolchain install stable --profile minimal --component rustfmt,clippy >/dev/null &&
+      rustup default stable >/dev/null
+  else
+    # Debian's packaged Rust is too old for the dependencies: rustup's stable it is, ahead of
+    # any packaged one on PATH (the skip lets rustup install beside /usr/bin/rustc).
+    echo "== installing Rust (rustup, stable, with rustfmt and clippy)"
+    command -v curl >/dev/null 2>&1 || fl_apt curl ca-certificates
+    curl --proto '=https' --tlsv1.2 -sSf https://sh.rustup.rs |
+      RUSTUP_INIT_SKIP_PATH_CHECK=yes sh -s -- -y --profile minimal --component rustfmt,clippy >/dev/null
+  fi
   PATH="$HOME/.cargo/bin:$PATH"; export PATH
-fi
-
-fl_rustc=$(rustc --version 2>/dev/null | awk '{print $2}') || fl_rustc=""
-if [ -n "$fl_rustc" ] && [ "$(printf '%s\n%s\n' "$fl_min_rust" "$fl_rustc" | sort -V | head -1)" != "$fl_min_rust" ]; then
-  echo "== rustc $fl_rustc is older than $fl_min_rust, which the dependencies need:" \
-    "install Rust with rustup (https://rustup.rs), not apt" >&2
+  hash -r
+  if fl_too_old; then
+    echo "== rustc ${fl_rustc:-missing} is still older than $fl_min_rust, which the dependencies" \
+      "need: install Rust with rustup (https://rustup.rs), not apt" >&2
+  fi
 fi
 if command -v rustup >/dev/null 2>&1 && ! cargo fmt --version >/dev/null 2>&1; then
   rustup component add rustfmt clippy >/dev/null 2>&1
 fi
 unset fl_min_rust fl_sudo fl_rustc
-unset -f fl_apt
+unset -f fl_apt fl_too_old
