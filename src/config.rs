@@ -37,10 +37,11 @@ RUST_LOG=info,fleetlink::worker=debug. Logs go to stderr.
 Signals: SIGTERM/SIGINT (or POST /v1/drain) drain over --drain, then exit 0; a second
 SIGTERM/SIGINT during a drain ends it at once. SIGHUP reloads the TLS files when TLS is on.
 
-Exit codes: 0 drained and stopped (or --help/--version); 1 invalid configuration or a
-failure at start (a file that does not load, a port that does not bind); 2 a flag or
-environment value that does not parse; 64 the --config file cannot be read or parsed, or
-holds an unknown key or a bad value. doctor: 0 the host can hold N connections, 1 it cannot
+Exit codes: 0 drained and stopped (or --help/--version); 1 invalid configuration (a value
+out of its range, from a flag, the environment or the file alike; flags that do not go
+together) or a failure at start (a file that does not load, a port that does not bind); 2 a
+flag or environment value that does not parse as its kind; 64 the --config file cannot be
+read or parsed, or holds an unknown key or a value that does not parse as its kind. doctor: 0 the host can hold N connections, 1 it cannot
 or the broker would not start with this configuration (and 2 or 64 as above: doctor reads
 the broker's flags, environment and --config too).";
 
@@ -97,9 +98,9 @@ pub struct BrokerArgs {
     /// on (its affinity mask: all online CPUs unless taskset or CPUAffinity= narrows it), at least 1. In fleet mode
     /// (--redis) the bridge thread is busy too: leaving it a CPU (cores = CPUs - 1) cut a
     /// fan-out's context switches 11x (median; 4.8-12.7x by round) on a 2-CPU host (docs/tuning.md).
-    /// At most 1024.
+    /// 1 to 1024.
     #[arg(long, env = "FLEETLINK_CORES", value_parser = parse_cores)]
-    pub cores: Option<NonZeroUsize>,
+    pub cores: Option<usize>,
     /// Redis URL (redis://host:port/db, or unix:///path). Without it the broker runs standalone.
     #[arg(long, env = "FLEETLINK_REDIS")]
     pub redis: Option<String>,
@@ -132,23 +133,25 @@ pub struct BrokerArgs {
     /// Time a rig has to answer a PING with a PONG.
     #[arg(long, env = "FLEETLINK_PONG_TIMEOUT", default_value = "10s", value_parser = parse_broker_duration)]
     pub pong_timeout: Duration,
-    /// Missed PONGs in a row before the broker closes the socket with 4002.
+    /// Missed PONGs in a row before the broker closes the socket with 4002 (1 to 255).
     #[arg(long, env = "FLEETLINK_MAX_MISSED_PONGS", default_value_t = 3)]
-    pub max_missed_pongs: u8,
+    pub max_missed_pongs: u32,
     /// Time from TCP accept to a complete request head, and from upgrade to a valid hello.
     #[arg(long, env = "FLEETLINK_HELLO_TIMEOUT", default_value = "10s", value_parser = parse_broker_duration)]
     pub hello_timeout: Duration,
-    /// New connections per second for the whole broker (split evenly across cores).
+    /// New connections per second for the whole broker (split evenly across cores); more
+    /// than 0.
     #[arg(long, env = "FLEETLINK_ACCEPT_RATE", default_value_t = 50.0)]
     pub accept_rate: f64,
-    /// Accept bucket size for the whole broker (split evenly across cores).
+    /// Accept bucket size for the whole broker (split evenly across cores, each core's at
+    /// least 1, so never below --cores); at least 1.
     #[arg(long, env = "FLEETLINK_ACCEPT_BURST", default_value_t = 100)]
     pub accept_burst: u32,
     /// Connection cap for the whole broker, all cores together; beyond it, 503 (0 refuses
     /// every rig). Default: none.
     #[arg(long, env = "FLEETLINK_MAX_CONNECTIONS")]
     pub max_connections: Option<u64>,
-    /// Per-rig bound on commands queued but not yet written; beyond it, rig_unresponsive. A rig
+    /// Per-rig bound on commands queued but not yet written, at least 1; beyond it, rig_unresponsive. A rig
     /// may have 8x this written and unacked; past that the next waits here for an ack, so a
     /// resume can give back every one.
     #[arg(long, env = "FLEETLINK_OUTBOX", default_value_t = 128)]
@@ -173,11 +176,11 @@ pub struct BrokerArgs {
     /// Graceful shutdown window: goaway delays spread over it, 1001 at its end.
     #[arg(long, env = "FLEETLINK_DRAIN", default_value = "10s", value_parser = parse_broker_duration)]
     pub drain: Duration,
-    /// Inbound messages per second per rig (a PING or PONG counts an eighth); over it the
-    /// broker stops reading that socket.
+    /// Inbound messages per second per rig (a PING or PONG counts an eighth), more than 0;
+    /// over it the broker stops reading that socket.
     #[arg(long, env = "FLEETLINK_RIG_RATE", default_value_t = 100.0)]
     pub rig_rate: f64,
-    /// Inbound message burst per rig.
+    /// Inbound message burst per rig, at least 1.
     #[arg(long, env = "FLEETLINK_RIG_BURST", default_value_t = 200)]
     pub rig_burst: u32,
     /// Hello label whose value metrics aggregate rigs by.
@@ -185,8 +188,7 @@ pub struct BrokerArgs {
     pub group_label: String,
     /// Listen backlog of each core's listener, at least 1; the kernel silently caps it at
     /// net.core.somaxconn (raise that to match).
-    #[arg(long, env = "FLEETLINK_BACKLOG", default_value_t = 4096,
-          value_parser = clap::value_parser!(i32).range(1..))]
+    #[arg(long, env = "FLEETLINK_BACKLOG", default_value_t = 4096)]
     pub backlog: i32,
     /// Close rigs that send unknown message types with 4400 instead of ignoring them.
     #[arg(long, env = "FLEETLINK_STRICT", value_parser = BoolishValueParser::new())]
@@ -447,7 +449,11 @@ impl BrokerArgs {
             .listen
             .unwrap_or_else(|| SocketAddr::from(([0, 0, 0, 0], default_port)));
         let cpus = std::thread::available_parallelism().map_or(1, NonZeroUsize::get);
-        let cores = self.cores.map_or(cpus, NonZeroUsize::get);
+        let cores = self.cores.unwrap_or(cpus);
+        anyhow::ensure!(
+            cores >= 1,
+            "--cores must be at least 1 (leave it out for every CPU)"
+        );
         anyhow::ensure!(
             cores <= MAX_CORES,
             "--cores {cores} is more than {MAX_CORES}: each core is a pinned thread with its own \
@@ -475,18 +481,26 @@ impl BrokerArgs {
             "--broker-id {broker_id:?}: 1-128 characters of A-Z a-z 0-9 . _ : - (the default \
              is the host name and the --listen port)"
         );
-        anyhow::ensure!(self.accept_rate > 0.0, "--accept-rate must be > 0");
+        // Infinity parses as an f64; as a rate it would mean no bucket at all, silently.
+        anyhow::ensure!(
+            self.accept_rate.is_finite() && self.accept_rate > 0.0,
+            "--accept-rate must be a number > 0"
+        );
         anyhow::ensure!(self.accept_burst > 0, "--accept-burst must be > 0");
         anyhow::ensure!(
-            self.rig_rate > 0.0 && self.rig_burst > 0,
-            "--rig-rate and --rig-burst must be > 0"
+            self.rig_rate.is_finite() && self.rig_rate > 0.0 && self.rig_burst > 0,
+            "--rig-rate and --rig-burst must be numbers > 0"
         );
         anyhow::ensure!(self.outbox > 0, "--outbox must be > 0");
         anyhow::ensure!(
             (125..=MAX_MESSAGE_CAP).contains(&self.max_message),
             "--max-message must be 125 bytes to 16 MiB (a larger result belongs in a file transfer)"
         );
-        anyhow::ensure!(self.max_missed_pongs > 0, "--max-missed-pongs must be > 0");
+        let max_missed_pongs = u8::try_from(self.max_missed_pongs)
+            .ok()
+            .filter(|&n| n > 0)
+            .ok_or_else(|| anyhow::anyhow!("--max-missed-pongs must be 1 to 255"))?;
+        anyhow::ensure!(self.backlog >= 1, "--backlog must be at least 1");
         for (name, d) in [
             ("--ping-interval", self.ping_interval),
             ("--pong-timeout", self.pong_timeout),
@@ -514,7 +528,7 @@ impl BrokerArgs {
             jwt_audience: self.jwt_audience,
             ping_interval: self.ping_interval,
             pong_timeout: self.pong_timeout,
-            max_missed_pongs: self.max_missed_pongs,
+            max_missed_pongs,
             hello_timeout: self.hello_timeout,
             accept_rate: self.accept_rate,
             accept_burst: self.accept_burst,
@@ -594,16 +608,22 @@ pub const MAX_DURATION: Duration = Duration::from_secs(365 * 24 * 3600);
 
 /// [`parse_duration`] for the broker's flags, whose values may also come from its `--config`
 /// file, where a duration is a string.
-fn parse_cores(s: &str) -> Result<NonZeroUsize, String> {
-    let n: usize = s
-        .trim()
+fn parse_cores(s: &str) -> Result<usize, String> {
+    // Its range (1 to 1024) is checked with the other values', wherever the value came from.
+    s.trim()
         .parse()
-        .map_err(|_| format!("{s:?} is not a number of cores"))?;
-    NonZeroUsize::new(n).ok_or_else(|| "at least 1 core (leave it out for every CPU)".to_string())
+        .map_err(|_| format!("{s:?} is not a number of cores (1 to {MAX_CORES})"))
 }
 
 fn parse_broker_duration(s: &str) -> Result<Duration, String> {
-    parse_duration(s).map_err(|e| format!("{e} (in a --config file, a string: \"20s\")"))
+    parse_duration(s).map_err(|e| {
+        // A bare number is what a TOML file's `ping-interval = 20` hands over.
+        if s.trim().bytes().all(|b| b.is_ascii_digit() || b == b'.') {
+            format!("{e} (in a --config file, a string: \"20s\")")
+        } else {
+            e
+        }
+    })
 }
 
 /// `dev-certs --rigs`: at most 100,000.
@@ -979,6 +999,102 @@ mod tests {
         assert!(!e.contains("InvalidClientConfig"), "{e}");
         assert!(err(&["--redis", "localhost:6379"]).contains("not a usable Redis URL"));
         assert!(load(&["--redis", "redis://127.0.0.1:6379/0"]).is_ok());
+    }
+
+    /// Exit codes (docs/operations.md): a value that does not parse as its kind fails the load
+    /// (2 from a flag or variable, 64 from the file); a well-formed value out of its range
+    /// loads and is refused by `validate` (1), the same wherever it came from.
+    #[test]
+    fn a_value_out_of_range_is_refused_at_validation_wherever_it_came_from() {
+        let out_of_range = [
+            ("cores", "0", "0", "--cores must be at least 1"),
+            ("cores", "2000", "2000", "more than 1024"),
+            ("backlog", "0", "0", "--backlog must be at least 1"),
+            ("outbox", "0", "0", "--outbox must be > 0"),
+            (
+                "max-missed-pongs",
+                "0",
+                "0",
+                "--max-missed-pongs must be 1 to 255",
+            ),
+            (
+                "max-missed-pongs",
+                "256",
+                "256",
+                "--max-missed-pongs must be 1 to 255",
+            ),
+            ("max-message", "10", "10", "--max-message must be"),
+            (
+                "accept-rate",
+                "inf",
+                "inf",
+                "--accept-rate must be a number > 0",
+            ),
+            (
+                "accept-rate",
+                "0",
+                "0.0",
+                "--accept-rate must be a number > 0",
+            ),
+            (
+                "rig-rate",
+                "NaN",
+                "nan",
+                "--rig-rate and --rig-burst must be numbers > 0",
+            ),
+            ("accept-burst", "0", "0", "--accept-burst must be > 0"),
+        ];
+        for (key, flag_value, toml_value, want) in out_of_range {
+            let flag = format!("--{key}={flag_value}");
+            let cli = Cli::load(vec!["fleetlink-fe".into(), flag.clone().into()])
+                .unwrap_or_else(|e| panic!("{flag} should parse: {e}"));
+            let e = cli.broker.validate().unwrap_err().to_string();
+            assert!(e.contains(want), "{flag}: {e}");
+            let path = config_file(
+                &format!("range-{key}-{flag_value}"),
+                &format!("{key} = {toml_value}\n"),
+            );
+            let argv = vec![
+                "fleetlink-fe".into(),
+                "--config".into(),
+                path.clone().into(),
+            ];
+            let cli = Cli::load(argv).unwrap_or_else(|e| panic!("{key} = {toml_value}: {e}"));
+            let e = cli.broker.validate().unwrap_err().to_string();
+            assert!(e.contains(want), "{key} = {toml_value}: {e}");
+            let _ = std::fs::remove_file(path);
+        }
+        let malformed = [
+            ("cores", "two", "\"two\""),
+            ("outbox", "-1", "-1"),
+            ("max-missed-pongs", "x", "\"x\""),
+            ("ping-interval", "20", "20"),
+        ];
+        for (key, flag_value, toml_value) in malformed {
+            let flag = format!("--{key}={flag_value}");
+            assert!(
+                Cli::load(vec!["fleetlink-fe".into(), flag.clone().into()]).is_err(),
+                "{flag}"
+            );
+            let path = config_file(
+                &format!("malformed-{key}"),
+                &format!("{key} = {toml_value}\n"),
+            );
+            let argv = vec![
+                "fleetlink-fe".into(),
+                "--config".into(),
+                path.clone().into(),
+            ];
+            let e = Cli::load(argv).map(|_| ()).unwrap_err().to_string();
+            assert!(e.starts_with("config "), "{key} = {toml_value}: {e}");
+            let _ = std::fs::remove_file(path);
+        }
+        // The file hint is for a bare number, which is what a TOML number hands over.
+        let e = Cli::load(vec!["fleetlink-fe".into(), "--ping-interval=20x".into()])
+            .map(|_| ())
+            .unwrap_err()
+            .to_string();
+        assert!(!e.contains("--config"), "{e}");
     }
 
     #[test]

@@ -62,7 +62,7 @@ fn main() -> ExitCode {
             };
             return fleetlink::doctor::main_with(
                 connections,
-                cli.broker.cores,
+                cli.broker.cores.and_then(std::num::NonZeroUsize::new),
                 transport,
                 cli.broker.listen,
                 u64::try_from(cli.broker.backlog).unwrap_or(fleetlink::doctor::LISTEN_BACKLOG),
