@@ -130,7 +130,8 @@ pub struct BrokerArgs {
     /// Interval between PINGs sent to each rig.
     #[arg(long, env = "FLEETLINK_PING_INTERVAL", default_value = "20s", value_parser = parse_broker_duration)]
     pub ping_interval: Duration,
-    /// Time a rig has to answer a PING with a PONG.
+    /// Time a rig has to answer a PING with a PONG; a PONG later than the next PING counts as
+    /// missed, so a timeout past --ping-interval acts as --ping-interval.
     #[arg(long, env = "FLEETLINK_PONG_TIMEOUT", default_value = "10s", value_parser = parse_broker_duration)]
     pub pong_timeout: Duration,
     /// Missed PONGs in a row before the broker closes the socket with 4002 (1 to 255).
@@ -1095,6 +1096,53 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(!e.contains("--config"), "{e}");
+    }
+
+    /// docs/operations.md's option table names every broker flag with its variable, and no
+    /// flag the broker does not have.
+    #[test]
+    fn the_operations_guide_lists_every_flag_with_its_variable() {
+        let doc = include_str!("../docs/operations.md");
+        let rows: Vec<&str> = doc
+            .lines()
+            .skip_while(|l| !l.starts_with("| flag (TOML key without `--`)"))
+            .take_while(|l| l.starts_with('|'))
+            .collect();
+        assert!(rows.len() > 2, "no option table in docs/operations.md");
+        let cmd = Cli::command();
+        let flags: Vec<&clap::Arg> = cmd
+            .get_arguments()
+            .filter(|a| a.get_long().is_some_and(|l| l != "help" && l != "version"))
+            .collect();
+        for arg in &flags {
+            let long = arg.get_long().unwrap_or_default();
+            let env = arg
+                .get_env()
+                .and_then(|e| e.to_str())
+                .unwrap_or_else(|| panic!("--{long} has no environment variable"));
+            let flag = format!("`--{long}`");
+            let row = rows
+                .iter()
+                .find(|r| r.split('|').nth(1).is_some_and(|c| c.contains(&flag)))
+                .unwrap_or_else(|| panic!("{flag} is not in docs/operations.md's table"));
+            assert!(
+                row.contains(&format!("`{env}`")),
+                "{flag}: {env} not in {row}"
+            );
+            if let Some(default) = arg.get_default_values().first().and_then(|d| d.to_str()) {
+                assert!(
+                    row.contains(&format!("`{default}`")),
+                    "{flag}: default {default} not in {row}"
+                );
+            }
+        }
+        for row in rows.iter().skip(2) {
+            let first = row.split('|').nth(1).unwrap_or_default();
+            for named in first.split('`').filter(|w| w.starts_with("--")) {
+                let known = flags.iter().any(|a| a.get_long() == Some(&named[2..]));
+                assert!(known, "{named} is in the table but not a flag");
+            }
+        }
     }
 
     #[test]
