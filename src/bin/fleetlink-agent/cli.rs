@@ -47,8 +47,14 @@ pub(crate) struct Cli {
     /// Hello labels, `k=v,k=v` (at most 32, each key and value at most 128 bytes).
     #[arg(long, env = "FLEETLINK_AGENT_LABELS", default_value = "")]
     labels: String,
-    /// A command name the default handler may run (repeat the flag). Others are refused.
-    #[arg(long = "allow", value_name = "CMD")]
+    /// A command name the default handler may run (repeat the flag, or separate names with
+    /// commas). Others are refused.
+    #[arg(
+        long = "allow",
+        value_name = "CMD",
+        env = "FLEETLINK_AGENT_ALLOW",
+        value_delimiter = ','
+    )]
     allow: Vec<String>,
     /// Client certificate chain (PEM) for mTLS; needs --tls-key and a wss:// URL.
     #[arg(long, env = "FLEETLINK_AGENT_TLS_CERT")]
@@ -60,27 +66,27 @@ pub(crate) struct Cli {
     #[arg(long, env = "FLEETLINK_AGENT_CA")]
     ca: Option<PathBuf>,
     /// Append `seq=N id=ID name=NAME ok=BOOL` per executed command, fsync'd (exactly-once checks).
-    #[arg(long)]
+    #[arg(long, env = "FLEETLINK_AGENT_EXEC_LOG")]
     exec_log: Option<PathBuf>,
     /// Bytes of stdout and of stderr kept per command; the rest is counted and dropped.
-    #[arg(long, default_value_t = 64 * 1024)]
+    #[arg(long, env = "FLEETLINK_AGENT_OUTPUT_CAP", default_value_t = 64 * 1024)]
     output_cap: usize,
     /// Timeout of a command whose args carry no `timeout_ms`; the process group is killed.
-    #[arg(long, default_value = "60s", value_parser = parse_duration)]
+    #[arg(long, env = "FLEETLINK_AGENT_COMMAND_TIMEOUT", default_value = "60s", value_parser = parse_duration)]
     command_timeout: Duration,
-    /// Largest message the agent sends, in bytes: the broker's --max-message. Bigger results
-    /// are cut down to fit.
-    #[arg(long, default_value_t = 65_536)]
+    /// Largest message the agent sends, in bytes (at least 1024): the broker's --max-message.
+    /// Bigger results are cut down to fit.
+    #[arg(long, env = "FLEETLINK_AGENT_MAX_MESSAGE", default_value_t = 65_536)]
     max_message: usize,
     /// Accepted commands waiting for the worker. When full, the agent reconnects without
     /// acking, and the broker replays the rest later.
-    #[arg(long, default_value_t = 1024)]
+    #[arg(long, env = "FLEETLINK_AGENT_MAX_PENDING", default_value_t = 1024)]
     max_pending: usize,
     /// Give up (exit 3) after this many consecutive failed connection attempts.
-    #[arg(long)]
+    #[arg(long, env = "FLEETLINK_AGENT_MAX_ATTEMPTS")]
     max_attempts: Option<u32>,
     /// Stop (exit 0) after this long, e.g. `30s`.
-    #[arg(long, value_parser = parse_duration)]
+    #[arg(long, env = "FLEETLINK_AGENT_RUN_FOR", value_parser = parse_duration)]
     run_for: Option<Duration>,
 }
 
@@ -258,6 +264,20 @@ mod tests {
         assert!(parse_labels("a=1,a=2").is_err());
         let many: Vec<String> = (0..=MAX_LABELS).map(|i| format!("k{i}=v")).collect();
         assert!(parse_labels(&many.join(",")).is_err());
+    }
+
+    #[test]
+    fn every_flag_has_its_environment_variable() {
+        use clap::CommandFactory;
+        let cmd = Cli::command();
+        for arg in cmd.get_arguments() {
+            let Some(long) = arg.get_long().filter(|l| !["help", "version"].contains(l)) else {
+                continue;
+            };
+            let want = format!("FLEETLINK_AGENT_{}", long.replace('-', "_").to_uppercase());
+            let env = arg.get_env().and_then(|e| e.to_str());
+            assert_eq!(env, Some(want.as_str()), "--{long}");
+        }
     }
 
     #[test]
