@@ -14,7 +14,19 @@ import subprocess
 import sys
 import time
 
-N = int(sys.argv[1]) if len(sys.argv) > 1 else 9000
+
+def connections_arg(argv):
+    """N from the command line: a positive integer, or the usage and exit 2 (--help: exit 0)."""
+    if len(argv) > 1 and argv[1] in ("-h", "--help"):
+        print(__doc__.strip())
+        sys.exit(0)
+    if len(argv) > 2 or (len(argv) == 2 and not argv[1].isdigit()) or (len(argv) == 2 and int(argv[1]) < 1):
+        print("usage: measure-sockmem.py [N]   (N connections, a positive integer; default 9000)", file=sys.stderr)
+        sys.exit(2)
+    return int(argv[1]) if len(argv) == 2 else 9000
+
+
+N = connections_arg(sys.argv)
 CACHES = ["TCP", "sock_inode_cache", "filp", "dentry", "eventpoll_epi"]
 
 SERVER = r'''
