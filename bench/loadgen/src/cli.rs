@@ -17,7 +17,11 @@ pub const MAX_SOCKETS_PER_PROC: usize = 18_000;
 #[command(
     name = "fleetlink-loadgen",
     version,
-    about = "Load generator for the fleetlink broker"
+    about = "Load generator for the fleetlink broker",
+    after_help = "Exit codes: 0 done; 1 a setup error; 2 not all done (rigs: a rig never \
+                  welcomed or a worker process lost; admin-fanout: a command refused or failed; \
+                  redis-publish: a PUBLISH failed or reached no subscriber); 64 a flag that does \
+                  not parse (bench/README.md has each subcommand's output)."
 )]
 pub struct Cli {
     #[command(subcommand)]
@@ -64,7 +68,7 @@ pub struct RigsArgs {
     /// Default: 127.0.0.1-127.0.0.16 for a loopback target, otherwise the kernel's choice.
     #[arg(long)]
     pub sources: Option<String>,
-    /// Rig ids are `<prefix>-<index:06>`.
+    /// Rig ids are `<prefix>-<index>`, the index zero-padded to --id-width digits.
     #[arg(long, default_value = "rig")]
     pub prefix: String,
     /// First rig index (lets several runs add disjoint rigs to one broker).
@@ -129,12 +133,18 @@ pub struct FanoutArgs {
     /// Admin base URL, e.g. http://127.0.0.1:9090
     #[arg(long, default_value = "http://127.0.0.1:9090")]
     pub admin: String,
+    /// Rig ids are `<prefix>-<index>`, as `rigs` opens them.
     #[arg(long, default_value = "rig")]
     pub prefix: String,
-    #[arg(long)]
+    /// Rigs to send to, one command each per round (at least 1).
+    #[arg(long, value_parser = parse_positive)]
     pub rigs: usize,
+    /// First rig index.
     #[arg(long, default_value_t = 0)]
     pub start_index: usize,
+    /// Digits of the zero-padded index in rig ids, as `rigs --id-width`.
+    #[arg(long, default_value_t = 6)]
+    pub id_width: usize,
     /// Command name to send.
     #[arg(long, default_value = "bench")]
     pub name: String,
@@ -156,6 +166,14 @@ pub struct FanoutArgs {
     pub report: Option<String>,
 }
 
+/// A count of at least 1.
+fn parse_positive(s: &str) -> Result<usize, String> {
+    match s.trim().parse::<usize>() {
+        Ok(n) if n >= 1 => Ok(n),
+        _ => Err(format!("{s:?}: a whole number, at least 1")),
+    }
+}
+
 /// What `redis-publish` sends.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum PublishMode {
@@ -173,13 +191,18 @@ pub struct RedisPublishArgs {
     /// The broker whose channel `fleetlink:broker:<id>` gets the commands.
     #[arg(long)]
     pub broker_id: String,
+    /// Rig ids are `<prefix>-<index>`, as `rigs` opens them.
     #[arg(long, default_value = "rig")]
     pub prefix: String,
-    /// Rigs addressed in fan-out mode (single mode uses the first one).
-    #[arg(long, default_value_t = 1)]
+    /// Rigs addressed in fan-out mode (single mode uses the first one); at least 1.
+    #[arg(long, default_value_t = 1, value_parser = parse_positive)]
     pub rigs: usize,
+    /// First rig index.
     #[arg(long, default_value_t = 0)]
     pub start_index: usize,
+    /// Digits of the zero-padded index in rig ids, as `rigs --id-width`.
+    #[arg(long, default_value_t = 6)]
+    pub id_width: usize,
     #[arg(long, value_enum, default_value_t = PublishMode::Fanout)]
     pub mode: PublishMode,
     /// Fan-out: rounds (default 1). Single: commands (default 500).

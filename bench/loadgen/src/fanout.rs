@@ -13,7 +13,7 @@ use anyhow::{Context, Result};
 use serde::Serialize;
 use serde_json::Value;
 
-use crate::cli::{parse_plain_url, FanoutArgs};
+use crate::cli::{parse_plain_url, FanoutArgs, RigsArgs};
 use crate::hist::{Histogram, Summary};
 use crate::http::HttpConn;
 use crate::rig::unix_us;
@@ -92,14 +92,17 @@ pub async fn run_fanout(args: FanoutArgs) -> Result<i32> {
                 name_json.clone(),
                 args.prefix.clone(),
             );
-            let (rigs, start) = (args.rigs, args.start_index);
+            let (rigs, start, width) = (args.rigs, args.start_index, args.id_width);
             tasks.spawn(async move {
                 loop {
                     let i = next.fetch_add(1, Relaxed);
                     if i >= rigs {
                         break;
                     }
-                    let path = format!("{base}/v1/rigs/{prefix}-{:06}/commands", start + i);
+                    let path = format!(
+                        "{base}/v1/rigs/{}/commands",
+                        RigsArgs::rig_id(&prefix, width, start + i)
+                    );
                     let sent = unix_us();
                     let body = format!(r#"{{"name":{name_json},"args":{{"sent_at_us":{sent}}}}}"#);
                     let t0 = Instant::now();

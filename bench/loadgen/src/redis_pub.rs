@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use serde::Serialize;
 
-use crate::cli::{PublishMode, RedisPublishArgs};
+use crate::cli::{PublishMode, RedisPublishArgs, RigsArgs};
 use crate::hist::{Histogram, Summary};
 use crate::rig::unix_us;
 
@@ -96,7 +96,7 @@ pub fn run_publish(args: RedisPublishArgs) -> Result<i32> {
         PublishMode::Single => 1,
     };
     let rig_ids: Vec<String> = (0..rigs)
-        .map(|i| format!("{}-{:06}", args.prefix, args.start_index + i))
+        .map(|i| RigsArgs::rig_id(&args.prefix, args.id_width, args.start_index + i))
         .collect();
     let pid = std::process::id();
     let mut run = Run {
