@@ -96,6 +96,8 @@ fn run(mut cfg: Config) -> anyhow::Result<()> {
         // Named for the port it got: two brokers on port 0 would otherwise share `host-0`.
         cfg.broker_id = fleetlink::config::default_broker_id(listen.port());
     }
+    // What the registry's `broker:` key and the logs name: the port bound, not 0.
+    cfg.listen = listen;
     // Read-only for the life of the process; every thread borrows it.
     let cfg: &'static Config = Box::leak(Box::new(cfg));
     if !cfg.listen.ip().is_loopback() && cfg.tls.is_none() {

@@ -734,7 +734,9 @@ fn events_name_the_session_and_malformed_control_messages_are_answered() {
     );
 
     let key = || -> Option<String> { redis.connection().get("broker:fe-a").unwrap() };
-    assert!(key().is_some());
+    // Started on port 0: the key names the port the broker got, where rigs can reach it.
+    let blob: Value = serde_json::from_str(&key().expect("broker:fe-a")).unwrap();
+    assert_eq!(blob["address"], json!(a.listen.to_string()), "{blob}");
     a.sigterm();
     assert!(a
         .wait_exit(Duration::from_secs(20))
