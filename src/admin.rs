@@ -29,6 +29,7 @@ use serde_json::value::RawValue;
 use crate::admin_lobby::{Held, Lobby, MAX_WAITING};
 use crate::args::Args;
 use crate::doorbell::{Full, Mailbox};
+use crate::event_log;
 use crate::ids::{BootId, ConnId, CoreId, RigId, CONTROL_NAME_MAX};
 use crate::metrics::{self, CoreSnapshot, Retired};
 use crate::registry::bridge::BridgeShared;
@@ -438,6 +439,8 @@ pub struct Request {
     pub method: String,
     /// The path without its query.
     pub path: String,
+    /// The query, after the `?` (empty without one).
+    pub query: String,
     /// The body.
     pub body: Vec<u8>,
     /// The client asked to close after this request (or spoke HTTP/1.0).
@@ -568,10 +571,15 @@ pub fn parse_request(buf: &[u8]) -> Parsed {
     else {
         return Parsed::Bad(Refusal::TOO_LARGE);
     };
-    let path = req.path.unwrap_or("").split('?').next().unwrap_or("");
+    let (path, query) = req
+        .path
+        .unwrap_or("")
+        .split_once('?')
+        .unwrap_or((req.path.unwrap_or(""), ""));
     let request = |body: &[u8], close: bool| Request {
         method: req.method.unwrap_or("").to_string(),
         path: path.to_string(),
+        query: query.to_string(),
         body: body.to_vec(),
         close,
     };
@@ -712,11 +720,15 @@ pub fn immediate(req: &Request) -> Option<Answer> {
     let parts: Vec<&str> = req.path.trim_matches('/').split('/').collect();
     match (req.get_method(), parts.as_slice()) {
         ("GET", ["healthz"]) => Some((200, "text/plain", b"ok\n".to_vec())),
-        ("GET", ["readyz" | "metrics"] | ["v1", "rigs"])
+        ("GET", ["readyz" | "metrics"] | ["v1", "rigs"] | ["v1", "events"])
         | ("POST", ["v1", "rigs", _, "kick"] | ["v1", "drain"]) => None,
-        (_, ["healthz" | "readyz" | "metrics"] | ["v1", "rigs", ..] | ["v1", "drain"]) => {
-            Some(error_answer(405, "method_not_allowed"))
-        }
+        (
+            _,
+            ["healthz" | "readyz" | "metrics"]
+            | ["v1", "rigs", ..]
+            | ["v1", "drain"]
+            | ["v1", "events"],
+        ) => Some(error_answer(405, "method_not_allowed")),
         _ => Some(error_answer(404, "not_found")),
     }
 }
@@ -757,6 +769,7 @@ fn route(admin: &Admin, req: &Request) -> Answer {
             // Straight to bytes: through a `Value` tree, 9,000 rigs took 18.8 ms against 10.0.
             json_answer(200, &rigs)
         }
+        ("GET", ["v1", "events"]) => events(admin, &req.query),
         ("POST", ["v1", "rigs", rig, "kick"]) => kick(admin, rig),
         ("POST", ["v1", "drain"]) => {
             admin.draining.store(true, Ordering::SeqCst);
@@ -764,6 +777,38 @@ fn route(admin: &Admin, req: &Request) -> Answer {
             json_answer(202, &json!({"ok": true, "draining": true}))
         }
         _ => error_answer(404, "not_found"),
+    }
+}
+
+/// `GET /v1/events?after=N&limit=M`: standalone's lifecycle events after event N (see
+/// [`crate::event_log`]). In fleet mode they are on `fleetlink:events` instead.
+fn events(admin: &Admin, query: &str) -> Answer {
+    if admin.bridge_stats.fleet {
+        let body = json!({"ok": false, "error": "not_found",
+            "detail": "fleet mode: events are published on fleetlink:events"});
+        return (404, "application/json", body.to_string().into_bytes());
+    }
+    let mut after = 0u64;
+    let mut limit = event_log::PAGE_MAX;
+    for pair in query.split('&').filter(|p| !p.is_empty()) {
+        let parsed = match pair.split_once('=') {
+            Some(("after", v)) => v.parse().map(|n| after = n).ok(),
+            Some(("limit", v)) => v
+                .parse()
+                .ok()
+                .filter(|n| (1..=event_log::PAGE_MAX).contains(n))
+                .map(|n| limit = n),
+            _ => None,
+        };
+        if parsed.is_none() {
+            let body = json!({"ok": false, "error": "bad_request",
+                "detail": "query: after=N (an event number, 0 for the oldest kept) and limit=1..1000"});
+            return (400, "application/json", body.to_string().into_bytes());
+        }
+    }
+    match admin.bridge_stats.event_log.lock() {
+        Ok(log) => (200, "application/json", log.page_json(after, limit)),
+        Err(_) => error_answer(503, "unavailable"),
     }
 }
 
@@ -1258,6 +1303,7 @@ mod tests {
         let req = |method: &str, path: &str| Request {
             method: method.into(),
             path: path.into(),
+            query: String::new(),
             body: Vec::new(),
             close: false,
         };

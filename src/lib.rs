@@ -35,6 +35,7 @@ pub mod config;
 pub mod dev_certs;
 pub mod doctor;
 pub mod doorbell;
+pub mod event_log;
 pub mod events;
 pub mod heap_stats;
 pub mod http_upgrade;

@@ -734,6 +734,12 @@ fn events_name_the_session_and_malformed_control_messages_are_answered() {
     );
 
     let key = || -> Option<String> { redis.connection().get("broker:fe-a").unwrap() };
+    // Fleet mode's events are on Redis; the admin API keeps none.
+    let (status, body) = a.http("GET", "/v1/events", "");
+    assert!(
+        status == 404 && body.contains("fleetlink:events"),
+        "{status} {body}"
+    );
     // Started on port 0: the key names the port the broker got, where rigs can reach it.
     let blob: Value = serde_json::from_str(&key().expect("broker:fe-a")).unwrap();
     assert_eq!(blob["address"], json!(a.listen.to_string()), "{blob}");

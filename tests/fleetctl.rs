@@ -811,7 +811,6 @@ fn usage_errors_exit_64() {
             "list",
         ],
         &["--redis", "http://127.0.0.1:1", "list"],
-        &["--admin", "http://127.0.0.1:1", "events"],
         &["list", "--page-size", "0"],
     ];
     for args in cases {
@@ -869,4 +868,61 @@ fn a_hung_redis_is_a_timeout_within_the_commands_wait() {
         );
     }
     redis.freeze(false);
+}
+
+/// With `--admin`, `events` tails a standalone broker's kept events (`GET /v1/events`) from
+/// the newest when it starts.
+#[test]
+fn admin_events_tail_a_standalone_brokers_events() {
+    // No accept bucket to speak of: the rig below reconnects as fast as its handshakes go.
+    let b = Broker::start(&["--accept-rate", "100000", "--accept-burst", "100000"]);
+    let admin = format!("http://{}", b.admin);
+    let child = spawn_piped(&mut fleetctl_cmd(&[
+        "--admin", &admin, "--json", "events", "--count", "3", "--for", "20s",
+    ]));
+    // Events keep coming until the tail has its three: when it first asked is its own affair.
+    let stop = Arc::new(AtomicBool::new(false));
+    let listen = b.listen;
+    let making = {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            while !stop.load(Ordering::SeqCst) {
+                let url = format!("ws://{listen}/agent");
+                let (mut ws, _) = tungstenite::connect(url).expect("connect");
+                hello(&mut ws, "tail-1", &boot_id(), json!({}));
+                ws.close(None).unwrap();
+                while ws.read().is_ok() {}
+            }
+        })
+    };
+    let run = Run::from(child.output_within(Duration::from_secs(20) + MARGIN));
+    stop.store(true, Ordering::SeqCst);
+    making.join().unwrap();
+    run.assert_code(0);
+    let lines = run.lines();
+    assert_eq!(lines.len(), 3, "{lines:?}");
+    for (e, next) in lines.iter().zip(lines.iter().skip(1)) {
+        assert_eq!(e["rig_id"], "tail-1", "{e}");
+        // In the order they happened: each connect is followed by its disconnect.
+        let pair = (e["type"].as_str(), next["type"].as_str());
+        assert!(
+            matches!(
+                pair,
+                (Some("connected"), Some("disconnected"))
+                    | (Some("disconnected"), Some("connected"))
+            ),
+            "{lines:?}"
+        );
+    }
+    // A broker in fleet mode keeps none: a usage error, as before.
+    let redis = RedisServer::start();
+    let fe = Broker::start(&["--redis", &redis.url(), "--broker-id", "fe-tail"]);
+    let run = fleetctl(&[
+        "--admin",
+        &format!("http://{}", fe.admin),
+        "events",
+        "--for",
+        "1s",
+    ]);
+    assert_eq!(run.code, 64, "{}", run.stderr);
 }

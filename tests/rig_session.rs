@@ -1653,3 +1653,99 @@ fn the_default_broker_id_names_the_port_bound() {
     }
     assert_ne!(a.broker_id, b.broker_id);
 }
+
+/// The events of a standalone broker's page after `after`: (next, missed, events).
+fn events_after(b: &Broker, after: u64) -> (u64, u64, Vec<Value>) {
+    let (status, body) = b.http("GET", &format!("/v1/events?after={after}"), "");
+    assert_eq!(status, 200, "{body}");
+    let page: Value = serde_json::from_str(&body).unwrap();
+    let events = page["events"].as_array().cloned().unwrap();
+    (
+        page["next"].as_u64().unwrap(),
+        page["missed"].as_u64().unwrap(),
+        events,
+    )
+}
+
+/// Waits until the events after `after` include one that `want` picks; returns all read.
+fn wait_for_event(b: &Broker, after: u64, what: &str, want: impl Fn(&Value) -> bool) -> Vec<Value> {
+    let mut seen = Vec::new();
+    let mut next = after;
+    eventually(Duration::from_secs(10), what, || {
+        let (n, missed, mut events) = events_after(b, next);
+        assert_eq!(missed, 0);
+        next = n;
+        seen.append(&mut events);
+        seen.iter().any(&want)
+    });
+    seen
+}
+
+/// Standalone, the admin API is the control plane: a command's ack and result, the rig's own
+/// events and, when it reboots, its unacked commands' `rig_rebooted` reach control through
+/// `GET /v1/events`, as fleet mode publishes them on `fleetlink:events`.
+#[test]
+fn a_standalone_broker_keeps_its_events_for_the_admin_api() {
+    let b = Broker::start(&[]);
+    let (start, _, _) = events_after(&b, u64::MAX);
+    let mut ws = b.connect("/agent");
+    let boot = boot_id();
+    hello(&mut ws, "ev-1", &boot, json!({}));
+    let (_, reply) = b.command("ev-1", "dmesg", json!({"lines": 500}));
+    let id = reply["id"].clone();
+    let cmd = read_json(&mut ws);
+    assert_eq!(cmd["seq"], 1);
+    ws.send(Message::Text(
+        json!({"type": "ack", "seq": 1}).to_string().into(),
+    ))
+    .unwrap();
+    let out = json!({"type": "result", "seq": 1, "ok": true, "output": "500 lines"});
+    ws.send(Message::Text(out.to_string().into())).unwrap();
+    let ev = json!({"type": "event", "name": "temp", "data": {"c": 71}});
+    ws.send(Message::Text(ev.to_string().into())).unwrap();
+    let seen = wait_for_event(&b, start, "the rig's own event", |e| e["type"] == "event");
+    let kinds: Vec<&str> = seen.iter().filter_map(|e| e["type"].as_str()).collect();
+    assert_eq!(kinds, ["connected", "ack", "result", "event"], "{seen:?}");
+    for e in &seen {
+        assert_eq!(
+            (&e["rig_id"], &e["boot_id"]),
+            (&json!("ev-1"), &json!(boot)),
+            "{e}"
+        );
+    }
+    assert_eq!((&seen[1]["id"], &seen[1]["seq"]), (&id, &json!(1)));
+    assert_eq!((&seen[2]["id"], &seen[2]["ok"]), (&id, &json!(true)));
+    assert_eq!(seen[2]["output"], "500 lines");
+    assert_eq!(seen[3]["data"], json!({"c": 71}));
+
+    // Unacked when the rig comes back with a new boot: reported, never replayed.
+    let (after, _, _) = events_after(&b, u64::MAX);
+    let (_, lost) = b.command("ev-1", "reboot", json!({}));
+    assert_eq!(read_json(&mut ws)["seq"], 2);
+    drop(ws);
+    let mut again = b.connect("/agent");
+    let new_boot = boot_id();
+    hello(&mut again, "ev-1", &new_boot, json!({}));
+    let seen = wait_for_event(&b, after, "rig_rebooted", |e| e["type"] == "rig_rebooted");
+    let rebooted = seen.iter().find(|e| e["type"] == "rig_rebooted").unwrap();
+    assert_eq!(
+        (
+            &rebooted["id"],
+            &rebooted["seq"],
+            &rebooted["boot_id"],
+            &rebooted["new_boot_id"]
+        ),
+        (&lost["id"], &json!(2), &json!(boot), &json!(new_boot)),
+        "{rebooted}"
+    );
+    assert!(seen.iter().any(|e| e["type"] == "disconnected"), "{seen:?}");
+
+    // A page takes up where the last one ended; bad queries are refused.
+    let (next, _, _) = events_after(&b, 0);
+    assert_eq!(events_after(&b, next).2, Vec::<Value>::new());
+    for bad in ["after=x", "limit=0", "limit=1001", "from=3"] {
+        let (status, body) = b.http("GET", &format!("/v1/events?{bad}"), "");
+        assert_eq!(status, 400, "{bad}: {body}");
+    }
+    assert_eq!(b.http("POST", "/v1/events", "").0, 405);
+}

@@ -72,8 +72,6 @@ pub(crate) struct Core {
     pub(crate) conn_cap: Option<Arc<ConnCap>>,
     /// Rejections (503) in progress, bounded so a storm cannot pile up tasks.
     pub(crate) rejecting: Cell<u32>,
-    /// Fleet mode: publish lifecycle events.
-    pub(crate) fleet: bool,
     /// Fleet mode with `--session-ttl` above 0: commands are kept in Redis before they are
     /// written, and forgotten there when acked.
     pub(crate) persist: bool,
@@ -150,7 +148,6 @@ impl Core {
             next_conn: Cell::new(0),
             conn_cap: links.conn_cap,
             rejecting: Cell::new(0),
-            fleet: cfg.redis.is_some(),
             persist: cfg.redis.is_some() && !cfg.session_ttl.is_zero(),
             tls: RefCell::new(guard.tls.map(ConfigCache::new)),
             jwt: guard.jwt,

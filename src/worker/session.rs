@@ -348,7 +348,7 @@ fn on_rig_message(core: &Core, conn: &Conn, st: &mut ConnState, text: &[u8]) {
             }
             let (counted, id) = on_ack(core, session, seq);
             // An ack sent again (a rig that acks twice) is the first one's: one event.
-            if core.fleet && counted {
+            if counted {
                 core.event(events::ack(
                     broker,
                     &session.rig,
@@ -364,31 +364,27 @@ fn on_rig_message(core: &Core, conn: &Conn, st: &mut ConnState, text: &[u8]) {
             seq, ok, output, ..
         }) => {
             core.metrics.inc(C::MsgResult);
-            if core.fleet {
-                let id = session.queues.as_mut().and_then(|q| q.result_id(seq));
-                session.shrink_queues();
-                core.event(events::result(
-                    broker,
-                    &session.rig,
-                    &session.boot,
-                    seq,
-                    id.as_deref(),
-                    ok,
-                    output,
-                ));
-            }
+            let id = session.queues.as_mut().and_then(|q| q.result_id(seq));
+            session.shrink_queues();
+            core.event(events::result(
+                broker,
+                &session.rig,
+                &session.boot,
+                seq,
+                id.as_deref(),
+                ok,
+                output,
+            ));
         }
         Ok(ClientMsg::Event { name, data, .. }) => {
             core.metrics.inc(C::MsgEvent);
-            if core.fleet {
-                core.event(events::event(
-                    broker,
-                    &session.rig,
-                    &session.boot,
-                    &name,
-                    data,
-                ));
-            }
+            core.event(events::event(
+                broker,
+                &session.rig,
+                &session.boot,
+                &name,
+                data,
+            ));
         }
         Ok(ClientMsg::Unknown { .. }) => {
             core.metrics.inc(C::MsgUnknown);
@@ -450,14 +446,11 @@ fn on_ack(core: &Core, s: &mut Session, seq: Seq) -> (bool, Option<Box<str>>) {
     if let Some(at) = cmd.written_at {
         core.metrics.ack_latency(at.elapsed());
     }
-    // Events name commands only in fleet mode: the ack's and, hours later maybe, the
-    // result's (CONTRACT.md §4).
-    let mut id = None;
-    if core.fleet {
-        id = Some(cmd.id.clone());
-        if let Some(q) = s.queues.as_mut() {
-            q.await_result(cmd.seq, cmd.id);
-        }
+    // Events name the command: the ack's and, hours later maybe, the result's (CONTRACT.md
+    // §4; standalone keeps them for `GET /v1/events`).
+    let id = Some(cmd.id.clone());
+    if let Some(q) = s.queues.as_mut() {
+        q.await_result(cmd.seq, cmd.id);
     }
     s.shrink_queues();
     (true, id)
@@ -608,10 +601,8 @@ pub(crate) fn on_verdict(core: &Core, conn: &Conn, st: &mut ConnState, verdict: 
     // A rig without the label counts under the empty value, so the series add up to every rig.
     let g = session.group(&core.cfg.group_label).unwrap_or("");
     session.group_overflow = core.metrics.join_group(g);
-    if core.fleet {
-        let ev = events::connected(&core.cfg.broker_id, &session.rig, &session.boot, resumed);
-        core.event(ev);
-    }
+    let ev = events::connected(&core.cfg.broker_id, &session.rig, &session.boot, resumed);
+    core.event(ev);
     st.phase = Phase::Live;
     st.live.last_ping = core.now_tick();
     let first_ping = st.live.last_ping + core.ticks(core.cfg.ping_interval);
@@ -874,9 +865,7 @@ fn deliver_routed(core: &Core, to: ReplyTo, body: serde_json::Value, route: Opti
         ReplyTo::Channel(channel) => core.to_bridge_owed(ToBridge::Reply { channel, body }),
         ReplyTo::Aggregate(agg) => core.to_bridge_owed(ToBridge::Part { agg, body }),
         ReplyTo::Event => {
-            if core.fleet {
-                core.event(crate::events::offline_delivered(&core.cfg.broker_id, body));
-            }
+            core.event(crate::events::offline_delivered(&core.cfg.broker_id, body));
         }
     }
 }
@@ -902,11 +891,9 @@ pub(crate) fn on_closed(core: &Core, conn: &Conn, st: &mut ConnState) {
         s.group(&core.cfg.group_label).unwrap_or(""),
         s.group_overflow,
     );
-    if core.fleet {
-        let code = st.close_code.unwrap_or(1006);
-        let ev = events::disconnected(&core.cfg.broker_id, &s.rig, &s.boot, code, &st.close_reason);
-        core.event(ev);
-    }
+    let code = st.close_code.unwrap_or(1006);
+    let ev = events::disconnected(&core.cfg.broker_id, &s.rig, &s.boot, code, &st.close_reason);
+    core.event(ev);
     // A command still held for Redis goes along only once Redis has answered for it.
     let carried: Vec<SeqCommand> = s.queues.map(|q| q.into_commands()).unwrap_or_default();
     closing::closed(core, conn.id, s.rig, s.boot, s.next_seq, carried);

@@ -21,6 +21,8 @@ use crate::{error_reply, Broadcast, ControlPlane, Page, TimedOut};
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// Longest wait for a read-only request (`/v1/rigs` asks every core, up to 2 s).
 const IO_TIMEOUT: Duration = Duration::from_secs(10);
+/// How often `events` asks a standalone broker for what is new.
+const EVENTS_POLL: Duration = Duration::from_millis(200);
 /// Largest response accepted (a `/v1/rigs` of a full broker is a few MiB).
 const MAX_RESPONSE: usize = 256 << 20;
 
@@ -316,15 +318,62 @@ impl ControlPlane for AdminPlane {
         })])
     }
 
-    /// The admin API has no event stream: a usage error.
+    /// `events` on a standalone broker: `GET /v1/events` polled from the events after the
+    /// newest when it starts, as a subscription would have them. A broker in fleet mode
+    /// answers 404 there: its events are on Redis.
     fn events(
         &mut self,
-        _: Option<Duration>,
-        _: Option<u64>,
-        _: &mut dyn FnMut(&Value),
+        limit: Option<Duration>,
+        count: Option<u64>,
+        each: &mut dyn FnMut(&Value),
     ) -> anyhow::Result<u64> {
-        let msg = "events needs fleet mode (--redis URL): the admin API has no event stream";
-        Err(usage(clap::error::ErrorKind::InvalidSubcommand, msg.into()).into())
+        let deadline = limit.map(|l| Instant::now() + l);
+        // Past the newest event: the broker answers with the newest's number, and nothing.
+        let mut after = u64::MAX;
+        let mut seen = 0;
+        loop {
+            let path = format!("/v1/events?after={after}");
+            let resp = self
+                .call("GET", &path, None, IO_TIMEOUT)?
+                .ok_or_else(|| no_answer("GET /v1/events", IO_TIMEOUT))?;
+            let page: Value = match serde_json::from_slice(&resp.body) {
+                Ok(v) if resp.status == 200 => v,
+                _ if resp.status == 404 => {
+                    let msg = "this broker keeps no events (fleet mode: use --redis URL)";
+                    return Err(usage(clap::error::ErrorKind::InvalidSubcommand, msg.into()).into());
+                }
+                _ => bail!(
+                    "admin API answered {} to GET /v1/events: {}",
+                    resp.status,
+                    excerpt(&resp.body)
+                ),
+            };
+            let missed = page["missed"].as_u64().unwrap_or(0);
+            if missed > 0 && after != u64::MAX {
+                eprintln!("fleetctl: warning: {missed} events were dropped before they were read (the broker keeps the latest 10,000)");
+            }
+            let fresh = page["events"].as_array().cloned().unwrap_or_default();
+            let caught_up = fresh.is_empty();
+            for event in &fresh {
+                if count.is_some_and(|n| seen >= n) {
+                    break;
+                }
+                each(event);
+                seen += 1;
+            }
+            if count.is_some_and(|n| seen >= n) {
+                return Ok(seen);
+            }
+            after = page["next"].as_u64().unwrap_or(0);
+            let now = Instant::now();
+            if deadline.is_some_and(|d| now >= d) {
+                return Ok(seen);
+            }
+            if caught_up {
+                let nap = deadline.map_or(EVENTS_POLL, |d| (d - now).min(EVENTS_POLL));
+                std::thread::sleep(nap);
+            }
+        }
     }
 }
 

@@ -90,7 +90,8 @@ pub(crate) enum Command {
     ///
     /// Gives up when the plane does not answer (exit 3): after 5s with --redis, 10s with --admin.
     Brokers,
-    /// Tail `fleetlink:events` (Redis only) until Ctrl-C, --count or --for.
+    /// Tail `fleetlink:events` (with --admin, a standalone broker's kept events) until
+    /// Ctrl-C, --count or --for.
     ///
     /// Gives up when Redis does not answer the subscription within --for, or 5s without it
     /// (exit 3).

@@ -300,7 +300,8 @@ impl Bridge {
     }
 
     /// Reports the unacked commands of `rig`'s session of boot `old`, which boot `boot` ended:
-    /// counted, published as `rig_rebooted` events, and standalone logged with their ids.
+    /// counted, published as `rig_rebooted` events (standalone: kept for `GET /v1/events`, and
+    /// logged with their ids).
     pub(super) fn report_reboot(
         &mut self,
         rig: &RigId,
@@ -310,8 +311,9 @@ impl Bridge {
     ) {
         self.shared.count_n("resume", "rebooted", lost.len() as u64);
         if self.fleet.is_none() && !lost.is_empty() {
-            // Standalone has no events channel: the log is where control can find them, so
-            // every id is logged, 20 to a line (at most 64 characters each: control's ids are
+            // Standalone has no events channel: besides `GET /v1/events`, which keeps only the
+            // latest events, the log is where control can find them, so every id is logged,
+            // 20 to a line (at most 64 characters each: control's ids are
             // whatever it sent, and one log line must stay a line). A session holds at most
             // `Config::session_limit` commands, which bounds the lines.
             let ids: Vec<String> = lost

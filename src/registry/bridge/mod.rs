@@ -547,7 +547,16 @@ impl Bridge {
     }
 
     fn publish_bytes(&mut self, channel: String, payload: Vec<u8>) {
-        let Some(f) = self.fleet.as_mut() else { return };
+        let Some(f) = self.fleet.as_mut() else {
+            // Standalone: what fleet mode would put on the events channel is kept for the
+            // admin API; replies have gone to their HTTP request already.
+            if channel == fleet::EVENTS {
+                if let Ok(mut log) = self.shared.event_log.lock() {
+                    log.push(payload.into_boxed_slice());
+                }
+            }
+            return;
+        };
         f.publish(channel, payload);
         self.count_publish_drops();
     }

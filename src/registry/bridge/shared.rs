@@ -5,6 +5,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use crate::event_log::EventLog;
 use crate::metrics::BridgeStats;
 
 /// Readiness fails when no canary came back for this long.
@@ -86,6 +87,9 @@ pub struct BridgeShared {
     /// Bytes of rig events the cores have queued for the bridge and it has not taken yet: the
     /// inbox bounds messages, this bounds what they hold (see [`MAX_EVENT_BYTES`]).
     pub event_bytes: AtomicUsize,
+    /// Standalone only: the events fleet mode would publish, for `GET /v1/events`. Written by
+    /// the bridge as events come, read by admin requests: never on a command's path.
+    pub event_log: Mutex<EventLog>,
 }
 
 /// Bytes of rig events that may wait in the bridge's inbox. A rig's `result` or `event` may be
@@ -119,6 +123,7 @@ impl BridgeShared {
             pubsub_in: AtomicU64::new(0),
             pubsub_out: AtomicU64::new(0),
             event_bytes: AtomicUsize::new(0),
+            event_log: Mutex::new(EventLog::default()),
         }
     }
 
