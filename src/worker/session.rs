@@ -349,7 +349,7 @@ fn on_rig_message(core: &Core, conn: &Conn, st: &mut ConnState, text: &[u8]) {
             let (counted, id) = on_ack(core, session, seq);
             // An ack sent again (a rig that acks twice) is the first one's: one event.
             if counted {
-                core.event(events::ack(
+                core.event_bytes(events::ack(
                     broker,
                     &session.rig,
                     &session.boot,
