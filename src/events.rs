@@ -8,10 +8,24 @@ use serde_json::{json, Value};
 use crate::ids::{BootId, RigId, Seq};
 use crate::reply::rfc3339;
 
-/// A rig was welcomed.
-pub fn connected(broker: &str, rig: &RigId, boot: &BootId, resumed: bool) -> Value {
-    json!({"type": "connected", "rig_id": rig.as_str(), "boot_id": boot.as_str(),
-           "broker_id": broker, "resumed": resumed, "at": rfc3339(SystemTime::now())})
+/// A rig was welcomed. Written straight to bytes, as [`ack`] is: a storm of hellos makes one
+/// per rig.
+pub fn connected(broker: &str, rig: &RigId, boot: &BootId, resumed: bool) -> Vec<u8> {
+    let mut out = Vec::with_capacity(200);
+    out.extend_from_slice(br#"{"type":"connected","rig_id":"#);
+    json_str(&mut out, rig.as_str());
+    out.extend_from_slice(br#","boot_id":"#);
+    json_str(&mut out, boot.as_str());
+    out.extend_from_slice(br#","broker_id":"#);
+    json_str(&mut out, broker);
+    out.extend_from_slice(if resumed {
+        br#","resumed":true,"at":"#
+    } else {
+        br#","resumed":false,"at":"#
+    });
+    json_str(&mut out, &rfc3339(SystemTime::now()));
+    out.push(b'}');
+    out
 }
 
 /// A welcomed rig's connection closed with `code`.
@@ -106,6 +120,23 @@ pub fn expired(broker: &str, rig: &RigId, id: &str) -> Value {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_connected_event_written_as_bytes_is_the_json_it_says() {
+        let rig = RigId::parse("rig-1").unwrap();
+        let boot = BootId::generate(1_700_000_000_000);
+        for resumed in [true, false] {
+            let v: Value =
+                serde_json::from_slice(&connected("fe-a", &rig, &boot, resumed)).unwrap();
+            let at = v["at"].as_str().unwrap_or_default().to_string();
+            assert_eq!(at.len(), 24, "{v}");
+            assert_eq!(
+                v,
+                json!({"type": "connected", "rig_id": "rig-1", "boot_id": boot.as_str(),
+                       "broker_id": "fe-a", "resumed": resumed, "at": at})
+            );
+        }
+    }
 
     #[test]
     fn an_ack_written_as_bytes_is_the_json_it_says() {

@@ -602,7 +602,7 @@ pub(crate) fn on_verdict(core: &Core, conn: &Conn, st: &mut ConnState, verdict: 
     let g = session.group(&core.cfg.group_label).unwrap_or("");
     session.group_overflow = core.metrics.join_group(g);
     let ev = events::connected(&core.cfg.broker_id, &session.rig, &session.boot, resumed);
-    core.event(ev);
+    core.event_bytes(ev);
     st.phase = Phase::Live;
     st.live.last_ping = core.now_tick();
     let first_ping = st.live.last_ping + core.ticks(core.cfg.ping_interval);
