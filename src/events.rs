@@ -11,21 +11,9 @@ use crate::reply::rfc3339;
 /// A rig was welcomed. Written straight to bytes, as [`ack`] is: a storm of hellos makes one
 /// per rig.
 pub fn connected(broker: &str, rig: &RigId, boot: &BootId, resumed: bool) -> Vec<u8> {
-    let mut out = Vec::with_capacity(200);
-    out.extend_from_slice(br#"{"type":"connected","rig_id":"#);
-    json_str(&mut out, rig.as_str());
-    out.extend_from_slice(br#","boot_id":"#);
-    json_str(&mut out, boot.as_str());
-    out.extend_from_slice(br#","broker_id":"#);
-    json_str(&mut out, broker);
-    out.extend_from_slice(if resumed {
-        br#","resumed":true,"at":"#
-    } else {
-        br#","resumed":false,"at":"#
-    });
-    json_str(&mut out, &rfc3339(SystemTime::now()));
-    out.push(b'}');
-    out
+    let mut out = head("connected", broker, rig, boot, 0);
+    out.extend_from_slice(format!(r#","resumed":{resumed}"#).as_bytes());
+    finish(out)
 }
 
 /// A welcomed rig's connection closed with `code`.
@@ -41,18 +29,31 @@ pub fn disconnected(broker: &str, rig: &RigId, boot: &BootId, code: u16, reason:
 /// Written straight to bytes: one comes with every acked command, and building a `Value` for it
 /// cost more than the rest of the event's way.
 pub fn ack(broker: &str, rig: &RigId, boot: &BootId, seq: Seq, id: Option<&str>) -> Vec<u8> {
-    let mut out = Vec::with_capacity(160 + id.map_or(0, str::len));
-    out.extend_from_slice(br#"{"type":"ack","rig_id":"#);
-    json_str(&mut out, rig.as_str());
-    out.extend_from_slice(br#","boot_id":"#);
-    json_str(&mut out, boot.as_str());
-    out.extend_from_slice(br#","broker_id":"#);
-    json_str(&mut out, broker);
+    let mut out = head("ack", broker, rig, boot, id.map_or(0, str::len));
     out.extend_from_slice(format!(r#","seq":{},"id":"#, seq.0).as_bytes());
     match id {
         Some(id) => json_str(&mut out, id),
         None => out.extend_from_slice(b"null"),
     }
+    finish(out)
+}
+
+/// The start of an event written as bytes: its type and whose it is, with room for `more`.
+fn head(kind: &str, broker: &str, rig: &RigId, boot: &BootId, more: usize) -> Vec<u8> {
+    let mut out = Vec::with_capacity(200 + more);
+    out.extend_from_slice(br#"{"type":"#);
+    json_str(&mut out, kind);
+    out.extend_from_slice(br#","rig_id":"#);
+    json_str(&mut out, rig.as_str());
+    out.extend_from_slice(br#","boot_id":"#);
+    json_str(&mut out, boot.as_str());
+    out.extend_from_slice(br#","broker_id":"#);
+    json_str(&mut out, broker);
+    out
+}
+
+/// The end of an event written as bytes: when it happened.
+fn finish(mut out: Vec<u8>) -> Vec<u8> {
     out.extend_from_slice(br#","at":"#);
     json_str(&mut out, &rfc3339(SystemTime::now()));
     out.push(b'}');
