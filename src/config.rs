@@ -1002,6 +1002,18 @@ mod tests {
         assert!(load(&["--redis", "redis://127.0.0.1:6379/0"]).is_ok());
     }
 
+    /// `Cli::load` of a `--config` file holding `key = value` alone (the file named `name`).
+    fn load_one_key(name: &str, key: &str, value: &str) -> anyhow::Result<Cli> {
+        let path = config_file(name, &format!("{key} = {value}\n"));
+        let loaded = Cli::load(vec![
+            "fleetlink-fe".into(),
+            "--config".into(),
+            path.clone().into(),
+        ]);
+        let _ = std::fs::remove_file(path);
+        loaded
+    }
+
     /// Exit codes (docs/operations.md): a value that does not parse as its kind fails the load
     /// (2 from a flag or variable, 64 from the file); a well-formed value out of its range
     /// loads and is refused by `validate` (1), the same wherever it came from.
@@ -1051,19 +1063,10 @@ mod tests {
                 .unwrap_or_else(|e| panic!("{flag} should parse: {e}"));
             let e = cli.broker.validate().unwrap_err().to_string();
             assert!(e.contains(want), "{flag}: {e}");
-            let path = config_file(
-                &format!("range-{key}-{flag_value}"),
-                &format!("{key} = {toml_value}\n"),
-            );
-            let argv = vec![
-                "fleetlink-fe".into(),
-                "--config".into(),
-                path.clone().into(),
-            ];
-            let cli = Cli::load(argv).unwrap_or_else(|e| panic!("{key} = {toml_value}: {e}"));
+            let cli = load_one_key(&format!("range-{key}-{flag_value}"), key, toml_value)
+                .unwrap_or_else(|e| panic!("{key} = {toml_value}: {e}"));
             let e = cli.broker.validate().unwrap_err().to_string();
             assert!(e.contains(want), "{key} = {toml_value}: {e}");
-            let _ = std::fs::remove_file(path);
         }
         let malformed = [
             ("cores", "two", "\"two\""),
@@ -1077,18 +1080,11 @@ mod tests {
                 Cli::load(vec!["fleetlink-fe".into(), flag.clone().into()]).is_err(),
                 "{flag}"
             );
-            let path = config_file(
-                &format!("malformed-{key}"),
-                &format!("{key} = {toml_value}\n"),
-            );
-            let argv = vec![
-                "fleetlink-fe".into(),
-                "--config".into(),
-                path.clone().into(),
-            ];
-            let e = Cli::load(argv).map(|_| ()).unwrap_err().to_string();
+            let e = load_one_key(&format!("malformed-{key}"), key, toml_value)
+                .map(|_| ())
+                .unwrap_err()
+                .to_string();
             assert!(e.starts_with("config "), "{key} = {toml_value}: {e}");
-            let _ = std::fs::remove_file(path);
         }
         // The file hint is for a bare number, which is what a TOML number hands over.
         let e = Cli::load(vec!["fleetlink-fe".into(), "--ping-interval=20x".into()])
