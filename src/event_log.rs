@@ -25,11 +25,11 @@ pub struct EventLog {
     last: u64,
 }
 
-/// One page of the log.
+/// One page of the log, borrowed from it.
 #[derive(Debug, PartialEq, Eq)]
-pub struct Page {
+pub struct Page<'a> {
     /// The events after the one asked for, oldest first (each a JSON object's bytes).
-    pub events: Vec<Box<[u8]>>,
+    pub events: Vec<&'a [u8]>,
     /// The number of the last event in `events`, or the one asked for when there are none:
     /// what the next request's `after` is.
     pub next: u64,
@@ -52,19 +52,19 @@ impl EventLog {
     }
 
     /// Up to `limit` events after event `after` (0: from the oldest kept).
-    pub fn page(&self, after: u64, limit: usize) -> Page {
+    pub fn page(&self, after: u64, limit: usize) -> Page<'_> {
         // Numbers of the kept events: first..=last.
         let first = self.last + 1 - self.events.len() as u64;
         // An `after` past the newest (a reader from before a restart) starts over from now.
         let after = if after > self.last { self.last } else { after };
         let missed = first.saturating_sub(after + 1);
         let skip = (after + 1).saturating_sub(first) as usize;
-        let events: Vec<Box<[u8]>> = self
+        let events: Vec<&[u8]> = self
             .events
             .iter()
             .skip(skip)
             .take(limit.min(PAGE_MAX))
-            .cloned()
+            .map(|e| &e[..])
             .collect();
         let next = after.max(first.saturating_sub(1)) + events.len() as u64;
         Page {

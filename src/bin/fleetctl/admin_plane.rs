@@ -336,7 +336,7 @@ impl ControlPlane for AdminPlane {
             let resp = self
                 .call("GET", &path, None, IO_TIMEOUT)?
                 .ok_or_else(|| no_answer("GET /v1/events", IO_TIMEOUT))?;
-            let page: Value = match serde_json::from_slice(&resp.body) {
+            let mut page: Value = match serde_json::from_slice(&resp.body) {
                 Ok(v) if resp.status == 200 => v,
                 _ if resp.status == 404 => {
                     let msg = "this broker keeps no events (fleet mode: use --redis URL)";
@@ -352,7 +352,10 @@ impl ControlPlane for AdminPlane {
             if missed > 0 && after != u64::MAX {
                 eprintln!("fleetctl: warning: {missed} events were dropped before they were read (the broker keeps the latest 10,000)");
             }
-            let fresh = page["events"].as_array().cloned().unwrap_or_default();
+            let fresh = match page["events"].take() {
+                Value::Array(events) => events,
+                _ => Vec::new(),
+            };
             let caught_up = fresh.is_empty();
             for event in &fresh {
                 if count.is_some_and(|n| seen >= n) {
