@@ -1,7 +1,8 @@
 -- resume.lua: what a rig's hello finds of its sessions (CONTRACT.md section 5). Run right after
 -- hello.lua said this boot owns the rig, by EVALSHA from src/registry/sessions.rs.
 --
--- KEYS[1]  sess:<rig_id>:<boot_id>   this boot's session (hash: "next", "c:<seq>" -> JSON)
+-- KEYS[1]  sess:<rig_id>:<boot_id>   this boot's session (hash: "next", "c:<seq>" -> JSON,
+--                                    "r" -> what its last broker remembered of it)
 -- KEYS[2]  sessof:<rig_id>           the boot_id of the rig's latest session
 -- ARGV[1]  boot_id: canonical lowercase UUID text
 -- ARGV[2]  ttl_ms of session keys: decimal integer, 1 to 15 digits
@@ -10,7 +11,7 @@
 -- ARGV[5]  rig_id
 -- ARGV[6]  the events' "at": the broker's clock, RFC 3339
 --
--- Returns { next, cmds, rebooted, previous_boot }:
+-- Returns { next, cmds, rebooted, previous_boot, recall }:
 --   next           this session's next seq as text, "0" when the session is new (it is
 --                  then recorded with next = 1, so a later hello of the same boot resumes it)
 --   cmds           { seq1, json1, seq2, json2, ... }: its unacked commands (any order)
@@ -20,6 +21,9 @@
 --                  broker instead, a reply lost after this ran would lose the reports with the
 --                  session.
 --   previous_boot  that older boot_id, or ""
+--   recall         the session's "r" field as its last broker wrote it when the rig
+--                  disconnected (acked commands' ids awaiting results, the last ack's time),
+--                  or "" (a new session, or none written)
 -- Sets KEYS[2] to this boot (unless a newer boot is recorded there) and refreshes KEYS[1]'s TTL.
 -- The previous session's key is derived from ARGV[3] (single-instance Redis; not cluster-safe).
 
@@ -100,6 +104,13 @@ local nxt = redis.pcall('HGET', sess, 'next')
 if type(nxt) ~= 'string' then
   nxt = '0'
 end
+local recall = ''
+if nxt ~= '0' then
+  local r = redis.pcall('HGET', sess, 'r')
+  if type(r) == 'string' then
+    recall = r
+  end
+end
 local cmds = unacked(sess)
 local rebooted, previous = 0, ''
 local prev = redis.pcall('GET', ptr)
@@ -114,8 +125,10 @@ else
   redis.call('SET', ptr, boot, 'PX', ttl)
 end
 if nxt == '0' then
-  -- A new session: record it, so the same boot saying hello anywhere later resumes it.
+  -- A new session: record it, so the same boot saying hello anywhere later resumes it. An "r"
+  -- written after Redis had lost the session describes seqs of the session before: not this.
   redis.call('HSET', sess, 'next', '1')
+  redis.call('HDEL', sess, 'r')
 end
 redis.call('PEXPIRE', sess, ttl)
-return { nxt, cmds, rebooted, previous }
+return { nxt, cmds, rebooted, previous, recall }

@@ -870,3 +870,45 @@ fn resume_newer_boot(
         .collect();
     (found, events)
 }
+
+/// `resume.lua` hands back what a broker wrote of a session when its rig left (`r`), as it was
+/// written; a session Redis did not have starts without one, and an `r` written into a session
+/// Redis had lost is dropped with it, since it described seqs of the session before.
+#[test]
+fn resume_hands_back_what_the_last_broker_remembered() {
+    use fleetlink::ids::Seq;
+    use fleetlink::registry::msg::Recall;
+    use fleetlink::registry::sessions::{self, SessionScripts};
+    let (_server, mut con, _) = setup();
+    let scripts = SessionScripts::new();
+    let (r, b) = (rig("rig-rc"), boot(1));
+    assert_eq!(
+        scripts
+            .resume(&mut con, &r, &b, TTL, "fe-a")
+            .unwrap()
+            .recall,
+        None
+    );
+    let recall = Recall {
+        results: vec![(Seq(3), "cmd-3".into()), (Seq(5), "ids, \"quoted\"".into())],
+        last_ack: Seq(5),
+        last_ack_ms: T0,
+    };
+    let text = sessions::encode_recall(&recall);
+    sessions::remember(&mut con, &[(r.clone(), b, text.clone())], TTL).unwrap();
+    let found = scripts.resume(&mut con, &r, &b, TTL, "fe-b").unwrap();
+    assert_eq!(found.recall, Some(recall));
+
+    // Redis lost the session; a late `r` makes a key of its own that a resume must not trust.
+    let key = format!("sess:rig-rc:{b}");
+    let _: () = redis::cmd("DEL").arg(&key).query(&mut con).unwrap();
+    sessions::remember(&mut con, &[(r.clone(), b, text)], TTL).unwrap();
+    let found = scripts.resume(&mut con, &r, &b, TTL, "fe-b").unwrap();
+    assert_eq!((found.next, found.recall), (None, None));
+    let again = scripts.resume(&mut con, &r, &b, TTL, "fe-b").unwrap();
+    assert_eq!(
+        (again.next, again.recall),
+        (Some(Seq(1)), None),
+        "gone for good"
+    );
+}

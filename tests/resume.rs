@@ -1433,3 +1433,45 @@ fn a_parked_session_goes_back_after_a_flushall_on_a_broker_with_no_rigs() {
     let next: Option<String> = con.hget(&key, "next").unwrap();
     assert_eq!(next.as_deref(), Some("2"));
 }
+
+/// What a broker remembers of a session besides its commands goes into Redis when the rig
+/// leaves, so a resume on another broker has it too: a result sent there names its command's
+/// id (before, null), and `last_ack_at` is the ack's time (before, null).
+#[test]
+fn a_result_sent_after_a_resume_on_another_broker_names_its_command() {
+    let redis = RedisServer::start();
+    let (a, b, boot, mut on_a, _) = rig_with_commands_on_a(&redis, "rig-m", "m", 1);
+    let mut ctl = Control::new(&redis, &["fleetlink:events"]);
+    ack(&mut on_a, 1);
+    let acked_at = |broker: &Broker| {
+        let mut at = Value::Null;
+        eventually(Duration::from_secs(10), "the ack in /v1/rigs", || {
+            let rigs: Value = serde_json::from_str(&broker.http("GET", "/v1/rigs", "").1).unwrap();
+            at = rigs[0]["last_ack_seq"]
+                .as_u64()
+                .filter(|&s| s == 1)
+                .map_or(Value::Null, |_| rigs[0]["last_ack_at"].clone());
+            at.is_string()
+        });
+        at
+    };
+    let on_a_at = acked_at(&a);
+    drop(on_a);
+    let key = format!("sess:rig-m:{boot}");
+    eventually(
+        Duration::from_secs(10),
+        "the session's recall in Redis",
+        || redis.connection().hexists(&key, "r").unwrap(),
+    );
+    let mut on_b = b.connect("/agent");
+    assert_eq!(hello(&mut on_b, "rig-m", &boot, Some(1))["resumed"], true);
+    assert_eq!(acked_at(&b), on_a_at, "the ack's time came along");
+    let out = json!({"type": "result", "seq": 1, "ok": true, "output": "done"});
+    on_b.send(Message::Text(out.to_string().into())).unwrap();
+    let ev = ctl.next(|ch, v| ch == "fleetlink:events" && v["type"] == "result");
+    assert_eq!(
+        (&ev["id"], &ev["seq"], &ev["broker_id"]),
+        (&json!("m1"), &json!(1), &json!("fe-b")),
+        "{ev}"
+    );
+}

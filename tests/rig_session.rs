@@ -1749,3 +1749,76 @@ fn a_standalone_broker_keeps_its_events_for_the_admin_api() {
     }
     assert_eq!(b.http("POST", "/v1/events", "").0, 405);
 }
+
+/// What a session remembers past its unacked commands goes with it to the rig's next
+/// connection: a result sent after a reconnect names its command's id (before, `id` was null),
+/// and `last_ack_at` is the ack's time (before, null while `last_ack_seq` was kept). Both ways
+/// a session moves: parked after its connection closed, and handed over from a connection
+/// still open.
+#[test]
+fn a_result_after_a_reconnect_keeps_its_commands_id_and_the_ack_time() {
+    let b = Broker::start(&[]);
+    let boot = boot_id();
+    let resume = |ws: &mut Ws, last_seq: u64| {
+        let msg = json!({"type": "hello", "rig_id": "rig-rs", "boot_id": boot, "version": "t",
+                         "last_seq": last_seq});
+        ws.send(Message::Text(msg.to_string().into())).unwrap();
+        let welcome = read_json(ws);
+        assert_eq!(
+            (&welcome["type"], &welcome["resumed"]),
+            (&json!("welcome"), &json!(true)),
+            "{welcome}"
+        );
+    };
+    let ack_of = |ws: &mut Ws, seq: u64| {
+        let cmd = read_json(ws);
+        assert_eq!(cmd["seq"], seq, "{cmd}");
+        let ack = json!({"type": "ack", "seq": seq});
+        ws.send(Message::Text(ack.to_string().into())).unwrap();
+    };
+    let acked_at = |seq: u64| {
+        let mut at = Value::Null;
+        eventually(Duration::from_secs(10), "the ack in /v1/rigs", || {
+            let rigs: Value = serde_json::from_str(&b.http("GET", "/v1/rigs", "").1).unwrap();
+            at = rigs[0]["last_ack_at"].clone();
+            rigs[0]["last_ack_seq"] == seq && at.is_string()
+        });
+        at
+    };
+    let result_id = |ws: &mut Ws, seq: u64| {
+        let (after, _, _) = events_after(&b, u64::MAX);
+        let out = json!({"type": "result", "seq": seq, "ok": true, "output": "done"});
+        ws.send(Message::Text(out.to_string().into())).unwrap();
+        let seen = wait_for_event(&b, after, "the result", |e| e["type"] == "result");
+        let result = seen.iter().find(|e| e["type"] == "result").unwrap();
+        assert_eq!(result["seq"], seq, "{result}");
+        result["id"].clone()
+    };
+
+    let mut first = b.connect("/agent");
+    hello(&mut first, "rig-rs", &boot, json!({}));
+    let (_, one) = b.command("rig-rs", "dmesg", json!({"lines": 500}));
+    ack_of(&mut first, 1);
+    let at_one = acked_at(1);
+    drop(first);
+    eventually(Duration::from_secs(10), "the rig gone", || {
+        b.http("GET", "/v1/rigs", "").1.trim() == "[]"
+    });
+    let mut second = b.connect("/agent");
+    resume(&mut second, 1);
+    assert_eq!(
+        acked_at(1),
+        at_one,
+        "the ack's time came back with the session"
+    );
+    assert_eq!(result_id(&mut second, 1), one["id"], "parked");
+
+    let (_, two) = b.command("rig-rs", "regress", json!({"suite": 7}));
+    ack_of(&mut second, 2);
+    let at_two = acked_at(2);
+    let mut third = b.connect("/agent");
+    resume(&mut third, 2);
+    assert_eq!(read_close(&mut second), 4410);
+    assert_eq!(acked_at(2), at_two);
+    assert_eq!(result_id(&mut third, 2), two["id"], "handed over");
+}

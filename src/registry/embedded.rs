@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 
 use crate::ids::{BootId, ConnId, RigId, Seq};
-use crate::registry::msg::{CommandReq, ReplyTo, SeqCommand, ToCore, Verdict};
+use crate::registry::msg::{CommandReq, Recall, ReplyTo, SeqCommand, ToCore, Verdict};
 use crate::reply;
 
 /// Something the bridge must do.
@@ -58,12 +58,15 @@ struct Parked {
     boot: BootId,
     next_seq: Seq,
     carried: Vec<SeqCommand>,
+    /// None when the session remembers nothing past its commands (most do: no allocation).
+    recall: Option<Box<Recall>>,
     at: Instant,
 }
 
 impl Parked {
     fn bytes(&self) -> usize {
-        self.carried.iter().map(|c| c.json.len()).sum()
+        self.carried.iter().map(|c| c.json.len()).sum::<usize>()
+            + self.recall.as_ref().map_or(0, |r| r.bytes())
     }
 }
 
@@ -212,7 +215,7 @@ impl Embedded {
                 Owner::Handover(h) => h.pending,
                 Owner::Live(_) => Vec::new(),
             };
-            out.push(accept(conn, Seq(1), false, Vec::new()));
+            out.push(accept(conn, Seq(1), false, Vec::new(), Box::default()));
             out.extend(held.into_iter().map(|req| {
                 Action::Core(
                     conn,
@@ -226,9 +229,11 @@ impl Embedded {
             return out;
         }
         let parked = self.unpark(&rig);
-        let (next_seq, resumed, carried) = match parked {
-            Some(p) if p.boot == boot => (p.next_seq, true, p.carried),
-            _ => (Seq(1), false, Vec::new()),
+        let (next_seq, resumed, carried, recall) = match parked {
+            Some(p) if p.boot == boot => {
+                (p.next_seq, true, p.carried, p.recall.unwrap_or_default())
+            }
+            _ => (Seq(1), false, Vec::new(), Box::default()),
         };
         self.rigs.insert(
             rig,
@@ -238,12 +243,13 @@ impl Embedded {
                 labels: labels.into_boxed_slice(),
             },
         );
-        out.push(accept(conn, next_seq, resumed, carried));
+        out.push(accept(conn, next_seq, resumed, carried, recall));
         out
     }
 
     /// A welcomed connection closed. Only the exact owner releases the entry; the flag says
     /// whether it did (fleet mode then releases the Redis lease too).
+    #[allow(clippy::too_many_arguments)] // one session's parts, as the core hands them over
     pub fn closed(
         &mut self,
         conn: ConnId,
@@ -251,6 +257,7 @@ impl Embedded {
         boot: BootId,
         next_seq: Seq,
         carried: Vec<SeqCommand>,
+        recall: Box<Recall>,
         now: Instant,
     ) -> (Vec<Action>, bool) {
         let mut out = Vec::new();
@@ -260,7 +267,7 @@ impl Embedded {
         match &mut entry.owner {
             Owner::Live(c) if *c == conn => {
                 self.rigs.remove(&rig);
-                self.park(rig, boot, next_seq, carried, now);
+                self.park(rig, boot, next_seq, carried, recall, now);
                 return (out, true);
             }
             Owner::Handover(h) if h.old == conn && h.new.is_none() => {
@@ -269,7 +276,7 @@ impl Embedded {
                 let pending = std::mem::take(&mut h.pending);
                 out.extend(pending.into_iter().map(not_connected));
                 self.rigs.remove(&rig);
-                self.park(rig, boot, next_seq, carried, now);
+                self.park(rig, boot, next_seq, carried, recall, now);
                 return (out, true);
             }
             Owner::Handover(h) if h.old == conn => {
@@ -279,7 +286,7 @@ impl Embedded {
                 let pending = std::mem::take(&mut h.pending);
                 let rekeep = h.rekeep;
                 entry.owner = Owner::Live(new);
-                out.push(accept(new, next_seq, true, carried));
+                out.push(accept(new, next_seq, true, carried, recall));
                 for req in pending {
                     out.push(Action::Core(
                         new,
@@ -350,6 +357,7 @@ impl Embedded {
         rig: Option<RigId>,
         next_seq: Seq,
         carried: Vec<SeqCommand>,
+        recall: Box<Recall>,
         now: Instant,
     ) -> Option<(RigId, BootId)> {
         let (rig, boot, release) = match rig {
@@ -371,7 +379,7 @@ impl Embedded {
             }
         };
         if next_seq > Seq(1) || !carried.is_empty() {
-            self.park(rig.clone(), boot, next_seq, carried, now);
+            self.park(rig.clone(), boot, next_seq, carried, recall, now);
         }
         release.then_some((rig, boot))
     }
@@ -573,12 +581,14 @@ impl Embedded {
         boot: BootId,
         next_seq: Seq,
         carried: Vec<SeqCommand>,
+        recall: Box<Recall>,
         now: Instant,
     ) {
         let p = Parked {
             boot,
             next_seq,
             carried,
+            recall: (!recall.is_empty()).then_some(recall),
             at: now,
         };
         self.parked_bytes += p.bytes();
@@ -602,6 +612,12 @@ impl Embedded {
             };
             self.parked_bytes = self.parked_bytes.saturating_sub(p.bytes());
             let dropped = std::mem::take(&mut p.carried);
+            // The ids awaiting results go with them: a result reported without its id still
+            // names the rig, boot and seq that its ack event joined to the id.
+            p.recall = p.recall.take().filter(|r| r.last_ack_ms != 0).map(|mut r| {
+                r.results = Vec::new();
+                r
+            });
             self.parked_dropped += dropped.len() as u64;
             if !dropped.is_empty() {
                 log::warn!(
@@ -614,7 +630,13 @@ impl Embedded {
     }
 }
 
-fn accept(conn: ConnId, next_seq: Seq, resumed: bool, carried: Vec<SeqCommand>) -> Action {
+fn accept(
+    conn: ConnId,
+    next_seq: Seq,
+    resumed: bool,
+    carried: Vec<SeqCommand>,
+    recall: Box<Recall>,
+) -> Action {
     Action::Core(
         conn,
         ToCore::Verdict {
@@ -623,6 +645,7 @@ fn accept(conn: ConnId, next_seq: Seq, resumed: bool, carried: Vec<SeqCommand>) 
                 next_seq,
                 resumed,
                 carried,
+                recall,
             },
         },
     )
@@ -690,7 +713,15 @@ mod tests {
             })
         ));
         // The stale connection's close must not release the new owner.
-        let (_, released) = r.closed(conn(1), rig(), boot(200), Seq(5), vec![], now);
+        let (_, released) = r.closed(
+            conn(1),
+            rig(),
+            boot(200),
+            Seq(5),
+            vec![],
+            Box::default(),
+            now,
+        );
         assert!(!released);
         assert_eq!(r.len(), 1);
         // A refresh that finds another owner supersedes the local connection.
@@ -721,7 +752,7 @@ mod tests {
             offline_ttl: None,
         });
         assert!(r.command(req).is_empty(), "held during the hand-over");
-        let (done, released) = r.closed(conn(1), rig(), b, Seq(8), vec![], now);
+        let (done, released) = r.closed(conn(1), rig(), b, Seq(8), vec![], Box::default(), now);
         assert!(!released, "the session moved, the lease stays");
         assert!(matches!(
             verdict_of(&done, conn(2)),
@@ -755,7 +786,7 @@ mod tests {
             matches!(&kicked[..], [Action::Reply(_, body)] if body["error"] == "rig_not_connected"),
             "{kicked:?}"
         );
-        let (done, released) = r.closed(conn(1), rig(), b, Seq(8), vec![], now);
+        let (done, released) = r.closed(conn(1), rig(), b, Seq(8), vec![], Box::default(), now);
         assert!(released, "nobody holds the rig now: its lease goes");
         assert!(verdict_of(&done, conn(2)).is_none(), "{done:?}");
         assert!(r.is_empty() && r.conn_of(&rig()).is_none());
@@ -786,11 +817,14 @@ mod tests {
         r.hello(conn(1), rig(), b, vec![]);
         let (_, released) = r.abandoned(conn(1), &rig());
         assert_eq!(released, Some(b));
-        assert_eq!(r.returned(conn(1), None, Seq(8), cmd(), now), None);
+        assert_eq!(
+            r.returned(conn(1), None, Seq(8), cmd(), Box::default(), now),
+            None
+        );
         // The connection was closing when the verdict came: it goes back with the rig named.
         let mut r2 = Embedded::new(Duration::from_secs(60), 4);
         r2.hello(conn(1), rig(), b, vec![]);
-        let back = r2.returned(conn(1), Some(rig()), Seq(8), cmd(), now);
+        let back = r2.returned(conn(1), Some(rig()), Seq(8), cmd(), Box::default(), now);
         assert_eq!(back, Some((rig(), b)), "its lease is released");
         assert_eq!(
             r2.abandoned(conn(1), &rig()).1,
@@ -804,6 +838,7 @@ mod tests {
                     next_seq,
                     resumed,
                     carried,
+                    ..
                 }) => {
                     assert_eq!((*next_seq, *resumed), (Seq(8), true));
                     assert_eq!(carried.iter().map(|c| c.seq).collect::<Vec<_>>(), [Seq(7)]);
@@ -816,7 +851,10 @@ mod tests {
         r3.hello(conn(1), rig(), b, vec![]);
         r3.abandoned(conn(1), &rig());
         r3.hello(conn(2), rig(), b, vec![]);
-        assert_eq!(r3.returned(conn(1), None, Seq(8), cmd(), now), None);
+        assert_eq!(
+            r3.returned(conn(1), None, Seq(8), cmd(), Box::default(), now),
+            None
+        );
         assert_eq!(r3.conn_of(&rig()), Some(conn(2)));
     }
 
@@ -858,7 +896,15 @@ mod tests {
         r.hello(conn(2), rig(), b, vec![]);
         r.abandoned(conn(2), &rig());
         r.hello(conn(3), rig(), b, vec![]);
-        let (done, released) = r.closed(conn(1), rig(), b, Seq(4), vec![], Instant::now());
+        let (done, released) = r.closed(
+            conn(1),
+            rig(),
+            b,
+            Seq(4),
+            vec![],
+            Box::default(),
+            Instant::now(),
+        );
         assert!(!released);
         assert!(matches!(
             verdict_of(&done, conn(3)),
@@ -880,7 +926,15 @@ mod tests {
         assert_eq!(r.rekeep_from(&rig()), Some(conn(1)));
         r.hello(conn(2), rig(), b, vec![]);
         assert_eq!(r.rekeep_from(&rig()), None, "asked later");
-        let (done, _) = r.closed(conn(1), rig(), b, Seq(3), vec![], Instant::now());
+        let (done, _) = r.closed(
+            conn(1),
+            rig(),
+            b,
+            Seq(3),
+            vec![],
+            Box::default(),
+            Instant::now(),
+        );
         let accept = done
             .iter()
             .position(|a| matches!(a, Action::Core(c, ToCore::Verdict { .. }) if *c == conn(2)));
@@ -888,6 +942,45 @@ mod tests {
             matches!(a, Action::Core(c, ToCore::Rekeep { conn: to }) if *c == conn(2) && *to == conn(2))
         });
         assert!(accept.is_some() && rekeep > accept, "{done:?}");
+    }
+
+    /// A parked session's ids awaiting results count against the parked bytes and go with its
+    /// commands past the bound; the last ack's time stays, as the seq does.
+    #[test]
+    fn a_parked_sessions_recall_comes_back_and_counts_against_the_bound() {
+        let mut r = Embedded::new(Duration::from_secs(60), 4);
+        let now = Instant::now();
+        let recall = Recall {
+            results: vec![(Seq(2), "c2".into())],
+            last_ack: Seq(2),
+            last_ack_ms: 1_700_000_000_000,
+        };
+        let up = boot(1);
+        let recall_of = |r: &mut Embedded, c: u64| match verdict_of(
+            &r.hello(conn(c), rig(), up, vec![]),
+            conn(c),
+        ) {
+            Some(Verdict::Accept { recall, .. }) => (**recall).clone(),
+            other => panic!("{other:?}"),
+        };
+        let park = |r: &mut Embedded, c: u64| {
+            let recall = Box::new(recall.clone());
+            r.closed(conn(c), rig(), up, Seq(3), vec![], recall, now)
+        };
+        r.hello(conn(1), rig(), up, vec![]);
+        park(&mut r, 1);
+        assert_eq!(r.parked_bytes, recall.bytes());
+        assert_eq!(recall_of(&mut r, 2), recall);
+        assert_eq!(r.parked_bytes, 0);
+
+        r.max_parked_bytes = recall.bytes() - 1;
+        park(&mut r, 2);
+        assert_eq!(r.parked_bytes, 0);
+        let kept = Recall {
+            results: vec![],
+            ..recall
+        };
+        assert_eq!(recall_of(&mut r, 3), kept, "the time stays");
     }
 
     #[test]
@@ -907,10 +1000,10 @@ mod tests {
         );
         r.hello(conn(1), a.clone(), up, vec![]);
         r.hello(conn(2), b.clone(), up, vec![]);
-        r.closed(conn(1), a.clone(), up, Seq(4), cmds(3), now);
+        r.closed(conn(1), a.clone(), up, Seq(4), cmds(3), Box::default(), now);
         assert_eq!((r.parked_bytes, r.take_parked_dropped()), (150, 0));
         // 150 + 200 > 250: the older session, a's, gives up its commands.
-        r.closed(conn(2), b.clone(), up, Seq(5), cmds(4), now);
+        r.closed(conn(2), b.clone(), up, Seq(5), cmds(4), Box::default(), now);
         assert_eq!((r.parked_bytes, r.take_parked_dropped()), (200, 3));
         let back = r.hello(conn(3), a, up, vec![]);
         match verdict_of(&back, conn(3)) {
@@ -933,7 +1026,10 @@ mod tests {
         let now = Instant::now();
         let b = boot(100);
         r.hello(conn(1), rig(), b, vec![]);
-        assert!(r.closed(conn(1), rig(), b, Seq(4), vec![], now).1);
+        assert!(
+            r.closed(conn(1), rig(), b, Seq(4), vec![], Box::default(), now)
+                .1
+        );
         assert!(r.is_empty());
         let a = r.hello(conn(2), rig(), b, vec![]);
         assert!(matches!(
@@ -944,7 +1040,7 @@ mod tests {
                 ..
             })
         ));
-        r.closed(conn(2), rig(), b, Seq(6), vec![], now);
+        r.closed(conn(2), rig(), b, Seq(6), vec![], Box::default(), now);
         r.expire(now + Duration::from_secs(61));
         let a = r.hello(conn(3), rig(), b, vec![]);
         assert!(matches!(

@@ -11,6 +11,7 @@ use redis::{ConnectionInfo, IntoConnectionInfo};
 
 use crate::ids::Seq;
 use crate::ids::{BootId, RigId};
+use crate::registry::msg::Recall;
 use crate::registry::offline::{Held, OfflineScripts, Pushed};
 use crate::registry::pubsub::{Push, Subscriber};
 use crate::registry::scripts::{HelloOutcome, RefreshStatus, Scripts};
@@ -218,6 +219,9 @@ pub(crate) struct Fleet {
     /// Rig events in `outgoing`.
     outgoing_events: usize,
     releases: Vec<(RigId, BootId)>,
+    /// What this broker remembers of sessions whose rigs disconnected, to write into them
+    /// (`sessions::remember`).
+    recalls: Vec<(RigId, BootId, String)>,
     /// `--session-ttl`: touched and released sessions get it afresh (0 = no session kept).
     session_ttl: Duration,
     failures: u32,
@@ -264,6 +268,7 @@ impl Fleet {
             outgoing_bytes: 0,
             outgoing_events: 0,
             releases: Vec::new(),
+            recalls: Vec::new(),
             session_ttl,
             failures: 0,
             next_attempt: Instant::now(),
@@ -672,7 +677,19 @@ impl Fleet {
 
     /// Writes waiting for the next [`Self::flush`], forgets aside (see [`Self::forget_due`]).
     pub(crate) fn queued(&self) -> usize {
-        self.outgoing.len() + self.releases.len()
+        self.outgoing.len() + self.releases.len() + self.recalls.len()
+    }
+
+    /// Queues what this broker remembers of a session whose rig disconnected (acked commands'
+    /// ids awaiting results, the last ack's time), for a resume on another broker; sent with
+    /// the next flush. False when not queued: no session is kept, or the queue is full.
+    pub(crate) fn remember(&mut self, rig: RigId, boot: BootId, recall: &Recall) -> bool {
+        if self.session_ttl.is_zero() || self.recalls.len() >= MAX_OUTGOING {
+            return false;
+        }
+        let text = sessions::encode_recall(recall);
+        self.recalls.push((rig, boot, text));
+        true
     }
 
     /// Queues a compare-and-delete of a released lease, and a fresh `--session-ttl` for its
@@ -792,6 +809,16 @@ impl Fleet {
             }
             // A released session's TTL counts from its disconnect, not from its last touch.
             self.touch_sessions(&releases);
+        }
+        if !self.recalls.is_empty() {
+            let Some(con) = self.con.as_mut() else { return };
+            // Not sent again: a resume without it still has every command, only results
+            // without their ids and a null `last_ack_at`.
+            let recalls = std::mem::take(&mut self.recalls);
+            if let Err(e) = sessions::remember(con, &recalls, self.session_ttl) {
+                self.call_failed(&e);
+                return;
+            }
         }
         if forgets_due && !self.send_forgets() {
             return;

@@ -43,6 +43,31 @@ impl SeqCommand {
     }
 }
 
+/// What a session remembers besides its unacked commands, carried with them to the rig's next
+/// connection. Without it, a `result` sent after a reconnect lost its command's `id`, and
+/// `last_ack_at` read null although `last_ack_seq` was known.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Recall {
+    /// Acked commands whose `result` has not come yet: (seq, control's id), oldest first.
+    pub results: Vec<(Seq, Box<str>)>,
+    /// The rig's latest ack (0: none).
+    pub last_ack: Seq,
+    /// When that ack came, Unix ms (0: unknown).
+    pub last_ack_ms: u64,
+}
+
+impl Recall {
+    /// Bytes it holds, for the bounds of what is kept for disconnected rigs.
+    pub fn bytes(&self) -> usize {
+        self.results.iter().map(|(_, id)| id.len() + 24).sum()
+    }
+
+    /// Whether it remembers nothing.
+    pub fn is_empty(&self) -> bool {
+        self.results.is_empty() && self.last_ack_ms == 0
+    }
+}
+
 /// A command to keep in Redis before it is written and control hears `ok` (fleet mode).
 #[derive(Debug)]
 pub struct PersistReq {
@@ -146,6 +171,8 @@ pub enum Verdict {
         resumed: bool,
         /// Commands of the session not yet acked, to send after welcome.
         carried: Vec<SeqCommand>,
+        /// What the session remembers besides them (boxed: queue slots are preallocated).
+        recall: Box<Recall>,
     },
     /// A live session with a newer boot_id owns the rig: close 4409.
     Older,
@@ -252,8 +279,11 @@ pub enum ToBridge {
         boot: BootId,
         /// The next seq the session would have used.
         next_seq: Seq,
-        /// Commands of the session not yet acked, kept for the session's next connection.
-        carried: Vec<SeqCommand>,
+        /// Commands of the session not yet acked, kept for the session's next connection (a
+        /// boxed slice: this is the largest message, and queue slots are preallocated).
+        carried: Box<[SeqCommand]>,
+        /// What the session remembers besides them (boxed: queue slots are preallocated).
+        recall: Box<Recall>,
     },
     /// A hello never got a verdict because its connection went away first.
     Abandoned {
@@ -274,6 +304,8 @@ pub enum ToBridge {
         next_seq: Seq,
         /// The session's unacked commands.
         carried: Vec<SeqCommand>,
+        /// What the session remembers besides them (boxed: queue slots are preallocated).
+        recall: Box<Recall>,
     },
     /// A lifecycle event for `fleetlink:events` (CONTRACT.md §4), serialized by the core: its
     /// bytes are what [`crate::registry::bridge::BridgeShared::event_bytes`] counts.

@@ -16,6 +16,7 @@ use std::time::Duration;
 use redis::{ConnectionLike, Script, Value};
 
 use crate::ids::{BootId, RigId, Seq};
+use crate::registry::msg::Recall;
 use crate::registry::scripts::{evalsha_many, only, rig_key, tuple, RegistryError};
 
 /// Commands sent in one persist call.
@@ -60,6 +61,55 @@ pub struct Resumed {
     pub rebooted: u64,
     /// That previous boot.
     pub previous_boot: Option<String>,
+    /// What the session's last broker wrote of it at the rig's disconnect (its `r` field).
+    pub recall: Option<Recall>,
+}
+
+/// The session's `r` field: what a broker remembers of a session besides its commands,
+/// written when its rig disconnects so that a resume on another broker has it too. A small
+/// JSON object, `{"a":last_ack,"t":last_ack_ms,"r":[[seq,id],…]}` (ids at most 256 bytes,
+/// at most 16 of them).
+pub fn encode_recall(recall: &Recall) -> String {
+    let results: Vec<(u64, &str)> = recall.results.iter().map(|(s, id)| (s.0, &**id)).collect();
+    serde_json::json!({"a": recall.last_ack.0, "t": recall.last_ack_ms, "r": results}).to_string()
+}
+
+/// Reads an `r` field; None when it is not one [`encode_recall`] wrote.
+pub fn decode_recall(text: &[u8]) -> Option<Recall> {
+    #[derive(serde::Deserialize)]
+    struct Field {
+        a: u64,
+        t: u64,
+        r: Vec<(u64, String)>,
+    }
+    let f: Field = serde_json::from_slice(text).ok()?;
+    Some(Recall {
+        results: f.r.into_iter().map(|(s, id)| (Seq(s), id.into())).collect(),
+        last_ack: Seq(f.a),
+        last_ack_ms: f.t,
+    })
+}
+
+/// Writes what a broker remembers of these sessions into them (`r`), and gives each its TTL
+/// afresh as a release does, [`TOUCH_CHUNK`] sessions per round trip.
+pub fn remember(
+    con: &mut impl ConnectionLike,
+    sessions: &[(RigId, BootId, String)],
+    ttl: Duration,
+) -> Result<(), RegistryError> {
+    let ms = ttl_ms(ttl) as i64;
+    for chunk in sessions.chunks(TOUCH_CHUNK) {
+        let mut pipe = redis::pipe();
+        for (rig, boot, recall) in chunk {
+            let key = session_key(rig, boot);
+            pipe.hset(&key, "r", recall)
+                .ignore()
+                .pexpire(&key, ms)
+                .ignore();
+        }
+        pipe.query::<()>(con)?;
+    }
+    Ok(())
 }
 
 /// A rig's session as its broker holds it, to put back into Redis.
@@ -230,7 +280,7 @@ fn parse_resumed(reply: &Value) -> Option<Resumed> {
     let Value::Array(items) = reply else {
         return None;
     };
-    let [next, cmds, rebooted, previous] = items.as_slice() else {
+    let [next, cmds, rebooted, previous, recall] = items.as_slice() else {
         return None;
     };
     let next: u64 = text(next)?.parse().ok()?;
@@ -253,6 +303,8 @@ fn parse_resumed(reply: &Value) -> Option<Resumed> {
         commands,
         rebooted,
         previous_boot: (!previous.is_empty()).then(|| previous.to_string()),
+        // Unreadable, it is as if never written: the resume goes on without it.
+        recall: bytes(recall).and_then(|b| decode_recall(&b)),
     })
 }
 

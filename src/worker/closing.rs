@@ -12,7 +12,7 @@
 use std::collections::HashMap;
 
 use crate::ids::{BootId, ConnId, RigId, Seq};
-use crate::registry::msg::{SeqCommand, ToBridge};
+use crate::registry::msg::{Recall, SeqCommand, ToBridge};
 use crate::worker::core::Core;
 use crate::worker::session;
 
@@ -22,6 +22,7 @@ pub(crate) struct Closing {
     boot: BootId,
     next_seq: Seq,
     carried: Vec<SeqCommand>,
+    recall: Box<Recall>,
 }
 
 /// Closed sessions of this core waiting for their persists' answers, by connection. At most
@@ -36,12 +37,14 @@ pub(crate) fn closed(
     boot: BootId,
     next_seq: Seq,
     carried: Vec<SeqCommand>,
+    recall: Box<Recall>,
 ) {
     let waiting = Closing {
         rig,
         boot,
         next_seq,
         carried,
+        recall,
     };
     if waiting.carried.iter().any(|c| c.held) {
         core.closing.borrow_mut().insert(conn, waiting);
@@ -96,7 +99,8 @@ fn hand_over(core: &Core, conn: ConnId, s: Closing) {
         rig: s.rig,
         boot: s.boot,
         next_seq: s.next_seq,
-        carried: s.carried,
+        carried: s.carried.into_boxed_slice(),
+        recall: s.recall,
     });
 }
 

@@ -203,10 +203,12 @@ impl Queues {
         self.outbox.cmds.is_empty() && self.unacked.cmds.is_empty() && self.results.is_empty()
     }
 
-    /// Every command, unacked then queued (seq order), leaving the core's count.
-    pub(crate) fn into_commands(mut self) -> Vec<SeqCommand> {
+    /// Every command, unacked then queued (seq order), leaving the core's count, and the ids
+    /// awaiting results, oldest first.
+    pub(crate) fn into_parts(mut self) -> (Vec<SeqCommand>, Vec<(Seq, Box<str>)>) {
         let unacked = self.unacked.take();
-        unacked.into_iter().chain(self.outbox.take()).collect()
+        let cmds = unacked.into_iter().chain(self.outbox.take()).collect();
+        (cmds, std::mem::take(&mut self.results).into())
     }
 }
 
@@ -249,7 +251,7 @@ mod tests {
         let mut other = Queues::default();
         other.push_unacked(cmd(9, 1000));
         assert_eq!(core_bytes() - before, 1130);
-        let all: Vec<Seq> = q.into_commands().into_iter().map(|c| c.seq).collect();
+        let all: Vec<Seq> = q.into_parts().0.into_iter().map(|c| c.seq).collect();
         assert_eq!(all, vec![Seq(1), Seq(2)]);
         assert_eq!(core_bytes() - before, 1000);
         assert_eq!(other.pop_unacked().map(|c| c.seq), Some(Seq(9)));

@@ -11,8 +11,8 @@ use crate::ids::{BootId, ConnId, RigId, Seq};
 use crate::metrics::C;
 use crate::protocol::{self, ClientMsg, Hello};
 use crate::registry::msg::{
-    AdminAnswer, AdminReply, CommandReq, PersistReq, RekeepReq, ReplyTo, SeqCommand, ToBridge,
-    Verdict,
+    AdminAnswer, AdminReply, CommandReq, PersistReq, Recall, RekeepReq, ReplyTo, SeqCommand,
+    ToBridge, Verdict,
 };
 use crate::reply::{self, Unresponsive};
 use crate::worker::core::{stamp, unix_ms, Conn, ConnState, Core, Phase, Session};
@@ -564,12 +564,13 @@ pub(crate) fn on_verdict(core: &Core, conn: &Conn, st: &mut ConnState, verdict: 
     if st.session.is_none() && matches!(verdict, Verdict::Accept { .. }) {
         return return_verdict(core, conn.id, None, verdict);
     }
-    let (next_seq, resumed, carried) = match verdict {
+    let (next_seq, resumed, carried, recall) = match verdict {
         Verdict::Accept {
             next_seq,
             resumed,
             carried,
-        } => (next_seq, resumed, carried),
+            recall,
+        } => (next_seq, resumed, carried, recall),
         Verdict::Older => return conn.close(st, 4409, "a newer boot of this rig is connected"),
         Verdict::Busy => return conn.close(st, 4503, retry_after()),
     };
@@ -577,6 +578,17 @@ pub(crate) fn on_verdict(core: &Core, conn: &Conn, st: &mut ConnState, verdict: 
         return;
     };
     session.last_ack = acked_before(next_seq, &carried);
+    // The time of the ack the session remembers, if the last ack is that one (an ack on a
+    // connection this session's memory never saw, at another broker, has no time here).
+    if recall.last_ack == session.last_ack {
+        session.last_ack_ms = recall.last_ack_ms;
+    }
+    if !recall.results.is_empty() {
+        let q = session.queues();
+        for (seq, id) in recall.results {
+            q.await_result(seq, id);
+        }
+    }
     // Seqs are never reused: if Redis lost the session (restarted empty, or the key expired),
     // the rig's own last_seq is the floor, or its next command would be one it drops.
     session.next_seq = next_seq.max(Seq(session.resume_from.0.saturating_add(1)));
@@ -634,7 +646,10 @@ fn acked_before(next_seq: Seq, carried: &[SeqCommand]) -> Seq {
 /// the registry, which parks it, or a resume that raced a drop would lose its commands.
 pub(crate) fn return_verdict(core: &Core, conn: ConnId, rig: Option<RigId>, verdict: Verdict) {
     if let Verdict::Accept {
-        next_seq, carried, ..
+        next_seq,
+        carried,
+        recall,
+        ..
     } = verdict
     {
         core.to_bridge_owed(ToBridge::Returned {
@@ -642,6 +657,7 @@ pub(crate) fn return_verdict(core: &Core, conn: ConnId, rig: Option<RigId>, verd
             rig,
             next_seq,
             carried,
+            recall,
         });
     }
 }
@@ -895,8 +911,13 @@ pub(crate) fn on_closed(core: &Core, conn: &Conn, st: &mut ConnState) {
     let ev = events::disconnected(&core.cfg.broker_id, &s.rig, &s.boot, code, &st.close_reason);
     core.event(ev);
     // A command still held for Redis goes along only once Redis has answered for it.
-    let carried: Vec<SeqCommand> = s.queues.map(|q| q.into_commands()).unwrap_or_default();
-    closing::closed(core, conn.id, s.rig, s.boot, s.next_seq, carried);
+    let (carried, results) = s.queues.map(|q| q.into_parts()).unwrap_or_default();
+    let recall = Box::new(Recall {
+        results,
+        last_ack: s.last_ack,
+        last_ack_ms: s.last_ack_ms,
+    });
+    closing::closed(core, conn.id, s.rig, s.boot, s.next_seq, carried, recall);
 }
 
 #[cfg(test)]

@@ -230,10 +230,13 @@ impl Bridge {
                 continue;
             }
             if let Verdict::Accept {
-                next_seq, carried, ..
+                next_seq,
+                carried,
+                recall,
+                ..
             } = std::mem::replace(verdict, Verdict::Busy)
             {
-                self.take_back(conn, Some(rig.clone()), next_seq, carried);
+                self.take_back(conn, Some(rig.clone()), next_seq, carried, recall);
             }
         }
     }
@@ -365,6 +368,7 @@ impl Bridge {
                             next_seq,
                             resumed,
                             carried,
+                            recall,
                         },
                     ..
                 },
@@ -375,6 +379,12 @@ impl Bridge {
                 }
                 *next_seq = (*next_seq).max(next);
                 *resumed = true;
+                // What this broker holds of the session is the newer, when it holds any.
+                if recall.is_empty() {
+                    if let Some(found) = &found.recall {
+                        **recall = found.clone();
+                    }
+                }
                 let local: HashSet<Seq> = carried.iter().map(|c| c.seq).collect();
                 for (seq, json) in &found.commands {
                     if !local.contains(seq) {
@@ -448,11 +458,13 @@ mod tests {
             commands,
             rebooted: 0,
             previous_boot: None,
+            recall: None,
         };
         let verdict = Verdict::Accept {
             next_seq: Seq(1),
             resumed: false,
             carried: vec![],
+            recall: Default::default(),
         };
         let actions = vec![Action::Core(conn, ToCore::Verdict { conn, verdict })];
         let out = b.resume(conn, &rig, &boot, found, actions);
@@ -514,10 +526,11 @@ mod tests {
             rig: rig.clone(),
             boot: old,
             next_seq: Seq(3),
-            carried: vec![
+            carried: Box::new([
                 SeqCommand::for_test(1, 4, false),
                 SeqCommand::for_test(2, 4, false),
-            ],
+            ]),
+            recall: Default::default(),
         });
         b.queue_hello(ConnId::new(CoreId(0), 2), rig.clone(), new, vec![]);
         b.flush_hellos();

@@ -293,15 +293,24 @@ impl Bridge {
                 boot,
                 next_seq,
                 carried,
+                recall,
             } => {
+                // For a resume on another broker: written into the session once its lease goes.
+                let remember = (!recall.is_empty()).then(|| recall.clone());
                 let (actions, released) = self.registry.closed(
                     conn,
                     rig.clone(),
                     boot,
                     next_seq,
-                    carried,
+                    carried.into_vec(),
+                    recall,
                     Instant::now(),
                 );
+                if let (true, Some(recall), Some(f)) = (released, &remember, self.fleet.as_mut()) {
+                    if !f.remember(rig.clone(), boot, recall) {
+                        self.shared.count("remember", "dropped");
+                    }
+                }
                 let dropped = self.registry.take_parked_dropped();
                 self.shared.count_n("parked", "dropped", dropped);
                 // Standalone only: in fleet mode `resume.lua` reported them at the new boot's
@@ -332,8 +341,9 @@ impl Bridge {
                 rig,
                 next_seq,
                 carried,
+                recall,
             } => {
-                self.take_back(conn, rig, next_seq, carried);
+                self.take_back(conn, rig, next_seq, carried, recall);
                 Vec::new()
             }
             ToBridge::Abandoned { conn, rig } => {
@@ -523,10 +533,11 @@ impl Bridge {
         rig: Option<RigId>,
         next_seq: crate::ids::Seq,
         carried: Vec<crate::registry::msg::SeqCommand>,
+        recall: Box<crate::registry::msg::Recall>,
     ) {
         let released = self
             .registry
-            .returned(conn, rig, next_seq, carried, Instant::now());
+            .returned(conn, rig, next_seq, carried, recall, Instant::now());
         if let Some((rig, boot)) = released {
             self.release(rig, boot);
         }

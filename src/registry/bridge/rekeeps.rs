@@ -364,7 +364,8 @@ mod tests {
             rig: rig.clone(),
             boot: boot(),
             next_seq: Seq(3),
-            carried: vec![SeqCommand::for_test(2, 4, false)],
+            carried: Box::new([SeqCommand::for_test(2, 4, false)]),
+            recall: Default::default(),
         });
         (rig, conn)
     }
@@ -410,7 +411,8 @@ mod tests {
             rig: gone.clone(),
             boot: boot(),
             next_seq: Seq(3),
-            carried: vec![SeqCommand::for_test(2, 4, false)],
+            carried: Box::new([SeqCommand::for_test(2, 4, false)]),
+            recall: Default::default(),
         });
         assert!(b.rekeep_asked.is_empty());
         assert_eq!(releases(&b), queued, "the release waits for the session");

@@ -12,7 +12,7 @@ use crate::metrics::BridgeStats;
 const CANARY_STALE: Duration = Duration::from_secs(5);
 
 /// Registry operations counted by (op, result), in this order.
-pub const REGISTRY_OPS: [(&str, &str); 45] = [
+pub const REGISTRY_OPS: [(&str, &str); 46] = [
     ("offline", "held"),
     ("offline", "full"),
     ("offline", "connected_elsewhere"),
@@ -45,6 +45,7 @@ pub const REGISTRY_OPS: [(&str, &str); 45] = [
     ("release", "sent"),
     ("release", "dropped"),
     ("forget", "dropped"),
+    ("remember", "dropped"),
     ("evict", "sent"),
     ("evict", "received"),
     ("evict", "stale"),
