@@ -23,9 +23,13 @@
 # host whose ip_local_port_range starts below them (docs/tuning.md recommends 10000-65535 for
 # load generators), the loadgen's own sockets may hold them: set both below the range.
 # fleetlink-fe runs with --drain 0s, so that density.sh's SIGTERM ends it at once rather than
-# SIGKILLing it five seconds into the default 10 s drain.
+# SIGKILLing it five seconds into the default 10 s drain. On HUP, INT, TERM or PIPE (or if this
+# script is SIGKILLed) the running density.sh gets a SIGTERM and stops its broker and loadgens
+# before this script exits.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+# shellcheck source-path=SCRIPTDIR source=lib/procs.sh
+. "$here/lib/procs.sh"
 root="$(cd "$here/.." && pwd)"
 rounds=3
 steps="1000 5000 10000 19000"
@@ -69,17 +73,34 @@ broker_cmd() {
 for n in "${names[@]}"; do broker_cmd "$n" >/dev/null || die "unknown broker $n"; done
 mkdir -p "$out"
 work="$(mktemp -d /tmp/compare-density.XXXXXX)"
-trap 'rm -rf "$work"' EXIT
+density_pid=""
+cleanup() {
+  local rc=$?
+  procs_cleanup_begin
+  trap - EXIT
+  # density.sh stops its own broker and loadgens on SIGTERM (5 s + 30 s at most); give it time to.
+  procs_stop 600 "$density_pid"
+  procs_stop_all 50
+  rm -rf "$work"
+  exit "$rc"
+}
+trap cleanup EXIT
+procs_traps
 
 count=${#names[@]}
 for ((r = 1; r <= rounds; r++)); do
   for ((i = 0; i < count; i++)); do
     name="${names[$(((i + r - 1) % count))]}"
     echo "compare-density: round $r/$rounds: $name" >&2
+    # In the background and waited for, so that a signal here is acted on at once (and passed
+    # on by the cleanup), not when density.sh ends.
     # shellcheck disable=SC2046  # broker_cmd's words are the command line
-    "$here/density.sh" --name "$name" --steps "$steps" --url "ws://127.0.0.1:$port/agent" \
-      --loadgen "$target/fleetlink-loadgen" --out "$work/$name-r$r.json" -- $(broker_cmd "$name") \
-      >/dev/null
+    procs_spawn -s TERM -o /dev/null "$here/density.sh" --name "$name" --steps "$steps" \
+      --url "ws://127.0.0.1:$port/agent" --loadgen "$target/fleetlink-loadgen" \
+      --out "$work/$name-r$r.json" -- $(broker_cmd "$name")
+    density_pid=$PROCS_PID
+    wait "$density_pid"
+    density_pid=""
   done
 done
 

@@ -29,10 +29,14 @@
 # hold that port: use one below the range, for the broker's --admin too.
 #
 # Output: a table on stdout and bench/results/density-<NAME>.json (or --out). Everything this
-# script starts is stopped on exit, failure or signal.
+# script starts is stopped on exit, failure or signal (HUP, INT, TERM, PIPE; another one during
+# that cleanup skips to SIGKILL), with its process group, so whatever the broker command forks
+# goes too; if this script is SIGKILLed, they are SIGKILLed too (bench/lib/procs.sh).
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+# shellcheck source-path=SCRIPTDIR source=lib/procs.sh
+. "$here/lib/procs.sh"
 name=""
 steps="${DENSITY_STEPS:-1000 5000 10000}"
 url="${DENSITY_URL:-ws://127.0.0.1:${DENSITY_LISTEN_PORT:-18080}/agent}"
@@ -80,26 +84,17 @@ lg_pids=()
 
 cleanup() {
   local rc=$?
-  trap - EXIT INT TERM
+  procs_cleanup_begin # signals from here on only hurry the stops below to SIGKILL
+  trap - EXIT
   # Broker first: the rigs then see closes and their loadgens exit quickly.
-  if [[ -n "$broker_pid" ]] && kill -0 "$broker_pid" 2>/dev/null; then
-    kill -TERM "$broker_pid" 2>/dev/null || true
-    for _ in $(seq 50); do kill -0 "$broker_pid" 2>/dev/null || break; sleep 0.1; done
-    kill -KILL "$broker_pid" 2>/dev/null || true
-    wait "$broker_pid" 2>/dev/null || true
-  fi
-  for p in "${lg_pids[@]}"; do kill -TERM "$p" 2>/dev/null || true; done
-  for p in "${lg_pids[@]}"; do
-    for _ in $(seq 300); do kill -0 "$p" 2>/dev/null || break; sleep 0.1; done
-    kill -KILL "$p" 2>/dev/null || true
-    wait "$p" 2>/dev/null || true
-  done
+  procs_stop 50 "$broker_pid"
+  procs_stop 300 ${lg_pids[@]+"${lg_pids[@]}"}
+  procs_stop_all 50 # anything a signal caught before its pid was recorded above
   if (( rc != 0 )); then echo "density: failed (rc=$rc); logs kept in $work" >&2; else rm -rf "$work"; fi
   exit "$rc"
 }
 trap cleanup EXIT
-trap 'exit 130' INT
-trap 'exit 143' TERM
+procs_traps
 
 # kB values of the broker: VmRSS, Private_Dirty, Anonymous (smaps_rollup covers all mappings).
 mem_kb() {
@@ -124,7 +119,8 @@ kernel_mem() {
   echo "$slab ${pages:-0}"
 }
 
-# Waits for RSS to settle: two reads 1 s apart within 1 %. Prints "rss pd anon stable".
+# Waits for RSS to settle: two reads 1 s apart within 1 %. Sets settled="rss pd anon stable".
+# It runs in this shell, not in a <(...) subshell, which would outlive an interrupted run.
 settle() {
   local deadline=$((SECONDS + stable_timeout)) a b
   a=$(mem_kb)
@@ -133,18 +129,18 @@ settle() {
     kill -0 "$broker_pid" 2>/dev/null || die "broker exited (log: $work/broker.log)"
     b=$(mem_kb)
     local ra=${a%% *} rb=${b%% *}
-    if (( (ra > rb ? ra - rb : rb - ra) * 100 <= rb )); then echo "$b true"; return; fi
+    if (( (ra > rb ? ra - rb : rb - ra) * 100 <= rb )); then settled="$b true"; return; fi
     if (( SECONDS >= deadline )); then
       echo "density: RSS did not settle within ${stable_timeout}s; using last read" >&2
-      echo "$b false"; return
+      settled="$b false"; return
     fi
     a=$b
   done
 }
 
 echo "density: starting broker: $*" >&2
-"$@" >"$work/broker.log" 2>&1 &
-broker_pid=$!
+procs_spawn -o "$work/broker.log" -e - "$@"
+broker_pid=$PROCS_PID
 
 deadline=$((SECONDS + ready_timeout))
 until (exec 3<>"/dev/tcp/$host/$port") 2>/dev/null; do
@@ -153,8 +149,9 @@ until (exec 3<>"/dev/tcp/$host/$port") 2>/dev/null; do
   sleep 0.1
 done
 
-read -r idle_rss idle_pd idle_anon idle_stable < <(settle)
-read -r idle_slab idle_pages < <(kernel_mem)
+settle
+read -r idle_rss idle_pd idle_anon idle_stable <<<"$settled"
+read -r idle_slab idle_pages <<<"$(kernel_mem)"
 echo "density: broker pid $broker_pid idle RSS ${idle_rss} kB" >&2
 
 rows=()
@@ -162,11 +159,12 @@ prev=0
 for n in $steps; do
   add=$((n - prev))
   log="$work/lg-$n"
-  "$loadgen" rigs --url "$url" --rigs "$add" --start-index "$prev" --prefix density \
-    --concurrency "$concurrency" --hold 3600s --max-time 3600s --report "$log.json" \
-    ${lg_extra[@]+"${lg_extra[@]}"} >"$log.out" 2>"$log.err" &
-  lg_pids+=($!)
-  lg=$!
+  : >"$log.out" # before the loop below greps it
+  procs_spawn -o "$log.out" -e "$log.err" "$loadgen" rigs --url "$url" --rigs "$add" \
+    --start-index "$prev" --prefix density --concurrency "$concurrency" --hold 3600s \
+    --max-time 3600s --report "$log.json" ${lg_extra[@]+"${lg_extra[@]}"}
+  lg=$PROCS_PID
+  lg_pids+=("$lg")
   deadline=$((SECONDS + 120 + add / 100))
   until grep -q '^ALL_WELCOMED' "$log.out"; do
     if grep -q '^RAMP_INCOMPLETE' "$log.out"; then die "step $n: $(cat "$log.out"); see $log.err"; fi
@@ -176,8 +174,9 @@ for n in $steps; do
     sleep 0.1
   done
   ramp_ms=$(sed -n 's/^ALL_WELCOMED .*elapsed_ms=\([0-9]*\).*/\1/p' "$log.out")
-  read -r rss pd anon stable < <(settle)
-  read -r slab pages < <(kernel_mem)
+  settle
+  read -r rss pd anon stable <<<"$settled"
+  read -r slab pages <<<"$(kernel_mem)"
   echo "density: N=$n RSS ${rss} kB (ramp of +$add in ${ramp_ms} ms, stable=$stable), kernel slab ${slab} B, TCP mem ${pages} pages" >&2
   rows+=("$n $rss $pd $anon $ramp_ms $stable $slab $pages")
   prev=$n

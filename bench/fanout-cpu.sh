@@ -19,9 +19,12 @@
 # previous run's fanout-cpu.json is overwritten). Its own redis-server on
 # FANOUT_REDIS_PORT (default 26379), brokers on FANOUT_LISTEN_PORT/FANOUT_ADMIN_PORT (26080/26090;
 # keep all three below the host's ip_local_port_range); everything it starts is stopped on
-# exit. Needs release builds (`bench/run` builds them) and jq.
+# exit, failure or signal (bench/lib/procs.sh). Needs release builds (`bench/run` builds them)
+# and jq.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+# shellcheck source-path=SCRIPTDIR source=lib/procs.sh
+. "$here/lib/procs.sh"
 target="${CARGO_TARGET_DIR:-$here/../target}/release"
 rigs=10000 fanouts=3 rounds=2
 brokers="fleetlink-fe-redis fleetlink-fe-redis-allcores fleetlink-fe-redis-nopersist tokio-baseline-redis-rb4096"
@@ -45,12 +48,14 @@ result="$here/results/fanout-cpu${suffix:+-$suffix}.json"
 work="$(mktemp -d /tmp/fanout-cpu.XXXXXX)"
 pids=()
 cleanup() {
-  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
-  wait 2>/dev/null || true
+  procs_cleanup_begin # signals from here on only hurry the stops below to SIGKILL
+  trap - EXIT
+  procs_stop 150 ${pids[@]+"${pids[@]}"} # SIGTERM (process groups), SIGKILL 15 s later
+  procs_stop_all 50 # anything a signal caught before its pid was recorded above
   rm -rf "$work"
 }
 trap cleanup EXIT
-trap 'exit 130' INT TERM
+procs_traps
 
 for bin in fleetlink-fe fleetlink-loadgen fleetlink-tokio-baseline; do
   [[ -x "$target/$bin" ]] || { echo "fanout-cpu: $target/$bin is missing (cargo build --release)" >&2; exit 1; }
@@ -60,9 +65,9 @@ if redis-cli -p "$rport" ping >/dev/null 2>&1; then
   echo "fanout-cpu: something already answers on port $rport; set FANOUT_REDIS_PORT to a free one" >&2
   exit 1
 fi
-redis-server --port "$rport" --bind 127.0.0.1 --save "" --appendonly no --daemonize no \
-  >"$work/redis.log" 2>&1 &
-rpid=$!; pids+=("$rpid")
+procs_spawn -o "$work/redis.log" -e - redis-server --port "$rport" --bind 127.0.0.1 --save "" \
+  --appendonly no --daemonize no
+rpid=$PROCS_PID; pids+=("$rpid")
 for _ in $(seq 100); do
   redis-cli -p "$rport" ping >/dev/null 2>&1 && break
   kill -0 "$rpid" 2>/dev/null || { echo "fanout-cpu: redis-server did not start: $(tail -1 "$work/redis.log")" >&2; exit 1; }
@@ -102,17 +107,17 @@ for ((r = 1; r <= rounds; r++)); do
   for b in $brokers; do
     redis-cli -p "$rport" flushall >/dev/null
     # shellcheck disable=SC2046  # plain words
-    $(broker_cmd "$b") >"$work/broker.log" 2>&1 &
-    bpid=$!; pids+=("$bpid")
+    procs_spawn -o "$work/broker.log" -e - $(broker_cmd "$b")
+    bpid=$PROCS_PID; pids+=("$bpid")
     for _ in $(seq 300); do
       curl -sf -o /dev/null "http://127.0.0.1:$aport/readyz" && break
       kill -0 "$bpid" 2>/dev/null || { echo "fanout-cpu: $b exited at start: $(tail -2 "$work/broker.log")" >&2; exit 1; }
       sleep 0.1
     done
-    "$target/fleetlink-loadgen" rigs --url "ws://127.0.0.1:$lport/agent" --rigs "$rigs" --prefix rig \
-      --hold 120s --max-time 200s --until-commands $((rigs * fanouts)) --report "$work/rigs.json" \
-      >"$work/rigs.out" 2>"$work/rigs.err" &
-    lpid=$!; pids+=("$lpid")
+    procs_spawn -o "$work/rigs.out" -e "$work/rigs.err" "$target/fleetlink-loadgen" rigs \
+      --url "ws://127.0.0.1:$lport/agent" --rigs "$rigs" --prefix rig --hold 120s --max-time 200s \
+      --until-commands $((rigs * fanouts)) --report "$work/rigs.json"
+    lpid=$PROCS_PID; pids+=("$lpid")
     for _ in $(seq 600); do grep -q '^ALL_WELCOMED' "$work/rigs.out" && break; sleep 0.1; done
     grep -q '^ALL_WELCOMED' "$work/rigs.out" || { echo "fanout-cpu: $b ramp failed" >&2; exit 1; }
     sleep 1

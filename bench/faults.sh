@@ -15,6 +15,8 @@
 # build.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# shellcheck source-path=SCRIPTDIR source=lib/procs.sh
+. "$root/bench/lib/procs.sh"
 # Help first: it must not build, nor start the run.
 for arg in "$@"; do
   if [[ $arg == -h || $arg == --help ]]; then
@@ -26,4 +28,21 @@ if [[ -z "${FAULTS_NO_BUILD:-}" ]]; then
   (cd "$root" && cargo build --release -q -p fleetlink -p fleetlink-loadgen \
     --bin fleetlink-fe --bin fleetlink-agent --bin fleetlink-loadgen)
 fi
-exec python3 "$root/tests/faults/faults.py" "$@"
+# faults.py stops what it started on SIGTERM or SIGINT, but not on SIGHUP nor when it is killed,
+# and fleetlink-fe and redis-server ignore SIGHUP: so it runs in the background, in its own
+# process group, with SIGTERM as its parent-death signal, and this script passes HUP, INT, TERM
+# and PIPE on to it as a SIGTERM (its cleanup) and waits for it.
+py=""
+cleanup() {
+  local rc=$?
+  procs_cleanup_begin
+  trap - EXIT
+  procs_stop 600 "$py"
+  procs_stop_all 50
+  exit "$rc"
+}
+trap cleanup EXIT
+procs_traps
+procs_spawn -s TERM python3 "$root/tests/faults/faults.py" "$@"
+py=$PROCS_PID
+wait "$py"

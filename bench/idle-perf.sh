@@ -13,6 +13,8 @@
 # itself (the loadgen holds for 60 s, at most 90 s).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# shellcheck source-path=SCRIPTDIR source=lib/procs.sh
+. "$root/bench/lib/procs.sh"
 out="$root/bench/results/idle-perf"
 rigs=10000
 lport="${IDLE_PERF_LISTEN_PORT:-27080}"
@@ -31,29 +33,36 @@ work="$(mktemp -d)"
 broker_pid=""
 lg=""
 cleanup() {
-  for pid in $lg $broker_pid; do kill "$pid" 2>/dev/null || true; done
+  procs_cleanup_begin # signals from here on only hurry the stops below to SIGKILL
+  trap - EXIT
+  procs_stop 150 "$lg" "$broker_pid" # SIGTERM (process groups), SIGKILL 15 s later
+  procs_stop_all 50 # anything a signal caught before its pid was recorded above
   rm -rf "$work"
 }
 trap cleanup EXIT
+procs_traps
 events="task-clock,context-switches,syscalls:sys_enter_sendto,syscalls:sys_enter_recvfrom"
 events+=",syscalls:sys_enter_io_uring_enter,io_uring:io_uring_complete,io_uring:io_uring_cqring_wait"
 events+=",syscalls:sys_enter_epoll_wait"
 
 for broker in fleetlink-fe tokio-baseline-rb4096; do
   case "$broker" in
-    fleetlink-fe) "$bin/fleetlink-fe" --listen "127.0.0.1:$lport" --admin "127.0.0.1:$aport" \
-        --accept-rate 100000 --accept-burst 100000 > "$work/broker.log" 2>&1 & ;;
-    *) "$bin/fleetlink-tokio-baseline" --listen "127.0.0.1:$lport" --admin "127.0.0.1:$aport" \
-        --read-buffer 4096 --write-buffer 0 > "$work/broker.log" 2>&1 & ;;
+    fleetlink-fe) procs_spawn -o "$work/broker.log" -e - "$bin/fleetlink-fe" \
+        --listen "127.0.0.1:$lport" --admin "127.0.0.1:$aport" \
+        --accept-rate 100000 --accept-burst 100000 ;;
+    *) procs_spawn -o "$work/broker.log" -e - "$bin/fleetlink-tokio-baseline" \
+        --listen "127.0.0.1:$lport" --admin "127.0.0.1:$aport" \
+        --read-buffer 4096 --write-buffer 0 ;;
   esac
-  broker_pid=$!
+  broker_pid=$PROCS_PID
   for _ in $(seq 100); do
     curl -fs -o /dev/null "http://127.0.0.1:$aport/healthz" && break
     sleep 0.1
   done
-  "$bin/fleetlink-loadgen" rigs --url "ws://127.0.0.1:$lport/agent" --rigs "$rigs" --hold 60s \
-    --max-time 90s --report "$work/lg.json" > "$work/lg.out" 2>/dev/null &
-  lg=$!
+  procs_spawn -o "$work/lg.out" -e /dev/null "$bin/fleetlink-loadgen" rigs \
+    --url "ws://127.0.0.1:$lport/agent" --rigs "$rigs" --hold 60s --max-time 90s \
+    --report "$work/lg.json"
+  lg=$PROCS_PID
   for _ in $(seq 600); do
     grep -q ALL_WELCOMED "$work/lg.out" 2>/dev/null && break
     sleep 0.1

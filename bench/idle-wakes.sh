@@ -32,6 +32,8 @@
 # started on exit.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+# shellcheck source-path=SCRIPTDIR source=lib/procs.sh
+. "$here/lib/procs.sh"
 target="${CARGO_TARGET_DIR:-$here/../target}/release"
 count=500 interval=10ms trace=0
 brokers="fleetlink-fe-redis fleetlink-fe-redis-nopersist tokio-baseline-redis-rb4096 tokio-baseline-redis-store-rb4096"
@@ -62,13 +64,15 @@ fi
 work="$(mktemp -d /tmp/idle-wakes.XXXXXX)"
 pids=()
 cleanup() {
-  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
-  wait 2>/dev/null || true
+  procs_cleanup_begin # signals from here on only hurry the stops below to SIGKILL
+  trap - EXIT
+  procs_stop 150 ${pids[@]+"${pids[@]}"} # SIGTERM (process groups), SIGKILL 15 s later
+  procs_stop_all 50 # anything a signal caught before its pid was recorded above
   rm -rf "$work"
 }
 trap cleanup EXIT
-# Without it a SIGTERM ends bash without the EXIT trap and leaves broker, Redis and perf running.
-trap 'exit 130' INT TERM
+# HUP, INT, TERM and PIPE end the script through that trap (bench/lib/procs.sh).
+procs_traps
 
 fleet_cores=$(( $(nproc) > 1 ? $(nproc) - 1 : 1 ))
 url="redis://127.0.0.1:$rport/"
@@ -109,33 +113,34 @@ total() { by_thread "$1" | awk '{s += $2} END {print s + 0}'; }
 
 for b in $brokers; do
   cmd="$(broker_cmd "$b")"
-  redis-server --port "$rport" --bind 127.0.0.1 --save "" --appendonly no --daemonize no \
-    >"$work/redis.log" 2>&1 &
-  rpid=$!; pids+=("$rpid")
+  procs_spawn -o "$work/redis.log" -e - redis-server --port "$rport" --bind 127.0.0.1 --save "" \
+    --appendonly no --daemonize no
+  rpid=$PROCS_PID; pids+=("$rpid")
   wait_for 10 redis-cli -p "$rport" ping >/dev/null 2>&1 || { echo "idle-wakes: redis-server did not start" >&2; exit 1; }
   # shellcheck disable=SC2086  # plain words
-  $cmd >"$work/$b.log" 2>&1 &
-  bpid=$!; pids+=("$bpid")
+  procs_spawn -o "$work/$b.log" -e - $cmd
+  bpid=$PROCS_PID; pids+=("$bpid")
   wait_for 30 curl -sf -o /dev/null "http://127.0.0.1:$aport/readyz" \
     || { echo "idle-wakes: $b not ready (log: $(tail -1 "$work/$b.log"))" >&2; exit 1; }
-  "$target/fleetlink-loadgen" rigs --url "ws://127.0.0.1:$lport/agent" --rigs 1 --prefix one \
-    --hold 300s --max-time 400s --until-commands "$count" --report "$work/$b.rigs.json" \
-    >"$work/$b.rigs.out" 2>/dev/null &
-  lg=$!; pids+=("$lg")
+  procs_spawn -o "$work/$b.rigs.out" -e /dev/null "$target/fleetlink-loadgen" rigs \
+    --url "ws://127.0.0.1:$lport/agent" --rigs 1 --prefix one --hold 300s --max-time 400s \
+    --until-commands "$count" --report "$work/$b.rigs.json"
+  lg=$PROCS_PID; pids+=("$lg")
   wait_for 30 grep -q '^ALL_WELCOMED' "$work/$b.rigs.out" || { echo "idle-wakes: $b: no welcome" >&2; exit 1; }
   perf_pid=""
   if (( trace )); then
     span_ms=$(( count * $(ms "$interval") + 3000 ))
-    perf record -q -e sched:sched_waking,sched:sched_wakeup,sched:sched_switch -a -o "$work/$b.perf" \
-      -- sleep "$(awk -v m="$span_ms" 'BEGIN {printf "%.1f", m / 1000}')" >/dev/null 2>&1 &
-    perf_pid=$!; pids+=("$perf_pid")
+    procs_spawn -o /dev/null -e - perf record -q \
+      -e sched:sched_waking,sched:sched_wakeup,sched:sched_switch -a -o "$work/$b.perf" \
+      -- sleep "$(awk -v m="$span_ms" 'BEGIN {printf "%.1f", m / 1000}')"
+    perf_pid=$PROCS_PID; pids+=("$perf_pid")
     sleep 0.5 # perf's own start-up, so the first commands are in the recording
   fi
   before="$(by_thread "$bpid")"; b0=$(total "$bpid"); r0=$(total "$rpid")
-  "$target/fleetlink-loadgen" redis-publish --redis "$url" --broker-id iw --prefix one \
-    --max-time 300s --mode single --count "$count" --interval "$interval" \
-    --report "$work/$b.pub.json" >/dev/null 2>&1 &
-  pub_pid=$!
+  procs_spawn -o /dev/null -e - "$target/fleetlink-loadgen" redis-publish --redis "$url" \
+    --broker-id iw --prefix one --max-time 300s --mode single --count "$count" \
+    --interval "$interval" --report "$work/$b.pub.json"
+  pub_pid=$PROCS_PID; pids+=("$pub_pid")
   wait "$pub_pid" || true
   wait "$lg" || true
   after="$(by_thread "$bpid")"; b1=$(total "$bpid"); r1=$(total "$rpid")

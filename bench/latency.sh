@@ -45,13 +45,17 @@
 # Output (--results, default bench/results): latency-<broker>[-SUFFIX].json (every session's
 # reports) and latency-summary[-SUFFIX].md. Its own redis-server (port LATENCY_REDIS_PORT,
 # default 24379, --save "" --appendonly no) and every broker/loadgen it starts are stopped on
-# exit, failure or signal; --time-limit is checked before every session, and every step inside
-# a session has its own bound. Ports: LATENCY_LISTEN_PORT (24080), LATENCY_ADMIN_PORT (24090); a
-# broker that cannot start (say, a port taken meanwhile) is retried twice, 2 s apart.
+# exit, failure or signal (bench/lib/procs.sh: each in its own process group, SIGKILLed if this
+# script dies without its cleanup); --time-limit is checked before every session, and every
+# step inside a session has its own bound. Ports: LATENCY_LISTEN_PORT (24080),
+# LATENCY_ADMIN_PORT (24090); a broker that cannot start (say, a port taken meanwhile) is
+# retried twice, 2 s apart.
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 root="$(cd "$here/.." && pwd)"
+# shellcheck source-path=SCRIPTDIR source=lib/procs.sh
+. "$here/lib/procs.sh"
 target="${CARGO_TARGET_DIR:-$root/target}/release"
 loadgen="${LOADGEN:-$target/fleetlink-loadgen}"
 fe="${FLEETLINK_FE:-$target/fleetlink-fe}"
@@ -136,38 +140,33 @@ pub_pid=""
 start_s=$SECONDS
 redis_url="redis://127.0.0.1:$rport/"
 
-# Stops one process we started: TERM, up to $2 tenths of a second, then KILL.
+# Stops one process we started (and its process group): TERM, up to $2 tenths of a second,
+# then KILL.
 stop_pid() {
-  local pid="$1" tenths="${2:-50}"
-  [[ -n "$pid" ]] || return 0
-  if kill -0 "$pid" 2>/dev/null; then
-    kill -TERM "$pid" 2>/dev/null || true
-    for _ in $(seq "$tenths"); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
-    kill -KILL "$pid" 2>/dev/null || true
-  fi
-  wait "$pid" 2>/dev/null || true
+  procs_stop "${2:-50}" "$1"
 }
 
 cleanup() {
   local rc=$?
-  trap - EXIT INT TERM
+  procs_cleanup_begin # signals from here on only hurry the stops below to SIGKILL
+  trap - EXIT
   stop_pid "$pub_pid" 20
   stop_pid "$lg_pid" 200   # the loadgen closes its rigs and writes its report first
   stop_pid "$broker_pid" 50
   stop_pid "$redis_pid" 50
+  procs_stop_all 50 # anything a signal caught before its pid was recorded above
   if (( rc != 0 )); then echo "latency: failed (rc=$rc); logs kept in $work" >&2; else rm -rf "$work"; fi
   exit "$rc"
 }
 trap cleanup EXIT
-trap 'exit 130' INT
-trap 'exit 143' TERM
+procs_traps
 
 over_time() { (( SECONDS - start_s >= time_limit )); }
 
 # --- Redis -------------------------------------------------------------------------------
-redis-server --port "$rport" --bind 127.0.0.1 --save "" --appendonly no \
-  --logfile "$work/redis.log" --daemonize no >/dev/null 2>&1 &
-redis_pid=$!
+procs_spawn -o /dev/null -e - redis-server --port "$rport" --bind 127.0.0.1 --save "" \
+  --appendonly no --logfile "$work/redis.log" --daemonize no
+redis_pid=$PROCS_PID
 for _ in $(seq 100); do
   [[ "$(redis-cli -p "$rport" ping 2>/dev/null)" == PONG ]] && break
   kill -0 "$redis_pid" 2>/dev/null || die "redis-server exited (log: $work/redis.log)"
@@ -216,8 +215,8 @@ start_broker() {
   for attempt in 1 2 3; do
     if [[ -n "$(redis_broker_id "$b")" ]]; then redis-cli -p "$rport" flushall >/dev/null; fi
     # shellcheck disable=SC2046  # the command line is plain words (paths without spaces)
-    $(broker_cmd "$b") >"$log" 2>&1 &
-    broker_pid=$!
+    procs_spawn -o "$log" -e - $(broker_cmd "$b")
+    broker_pid=$PROCS_PID
     local deadline=$((SECONDS + 30))
     while :; do
       # Ready = our process answers /readyz (not someone else's on the same port).
@@ -250,10 +249,11 @@ run_shape() {
   fi
   hold=$((pub_bound + 30))
   : >"$base.rigs.out"
-  "$loadgen" rigs --url "ws://127.0.0.1:$lport/agent" --rigs "$n" --prefix "$prefix" \
+  procs_spawn -o "$base.rigs.out" -e "$base.rigs.err" "$loadgen" rigs \
+    --url "ws://127.0.0.1:$lport/agent" --rigs "$n" --prefix "$prefix" \
     --hold "${hold}s" --max-time "$((hold + 120))s" --until-commands "$expect" \
-    --report "$base.rigs.json" >"$base.rigs.out" 2>"$base.rigs.err" &
-  lg_pid=$!
+    --report "$base.rigs.json"
+  lg_pid=$PROCS_PID
   local deadline=$((SECONDS + 60 + n / 100))
   until grep -q '^ALL_WELCOMED' "$base.rigs.out"; do
     grep -q '^RAMP_INCOMPLETE' "$base.rigs.out" && die "$b $shape: $(cat "$base.rigs.out"); see $base.rigs.err"
@@ -283,8 +283,8 @@ run_shape() {
       pub+=(--rigs "$rigs" --count "$fanouts" --interval "$fanout_gap")
     fi
   fi
-  "${pub[@]}" --report "$base.pub.json" >"$base.pub.out" 2>"$base.pub.err" &
-  pub_pid=$!
+  procs_spawn -o "$base.pub.out" -e "$base.pub.err" "${pub[@]}" --report "$base.pub.json"
+  pub_pid=$PROCS_PID
   local rc=0
   wait "$pub_pid" || rc=$?
   pub_pid=""

@@ -16,8 +16,13 @@
 # FANOUT_*_PORT, TLS_*_PORT; bench/README.md lists them), and the fleetlink-bench ones get
 # BENCH_LISTEN_PORT/BENCH_ADMIN_PORT (25080/25090) as --listen-port/--admin-port. On a host
 # whose ip_local_port_range starts below them, set them all below it.
+#
+# On HUP, INT, TERM or PIPE (or if this script is SIGKILLed) the running scenario gets a SIGTERM,
+# stops what it started, and only then does this script exit.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# shellcheck source-path=SCRIPTDIR source=lib/procs.sh
+. "$root/bench/lib/procs.sh"
 name="$(date -u +%m%d)"
 rounds=3
 build=1
@@ -36,6 +41,25 @@ if [[ $build == 1 ]]; then
     -p fleetlink-tokio-baseline
 fi
 export BENCH_NO_BUILD=1
+# Each scenario runs in the background, waited for, so that a signal here is acted on at once and
+# passed on to it by the cleanup (its own cleanup takes up to a minute or so: give it two).
+step_pid=""
+cleanup() {
+  local rc=$?
+  procs_cleanup_begin
+  trap - EXIT
+  procs_stop 1200 "$step_pid"
+  procs_stop_all 50
+  exit "$rc"
+}
+trap cleanup EXIT
+procs_traps
+run() {
+  procs_spawn -s TERM "$@"
+  step_pid=$PROCS_PID
+  wait "$step_pid"
+  step_pid=""
+}
 bench_ports=(--listen-port "${BENCH_LISTEN_PORT:-25080}" --admin-port "${BENCH_ADMIN_PORT:-25090}")
 out="bench/results/pass-$name"
 sfx="pass$name"
@@ -46,26 +70,26 @@ echo "commit $(git rev-parse --short HEAD)$(git diff --quiet HEAD -- src lua ben
 redis_brokers="fleetlink-fe-redis fleetlink-fe-redis-nopersist tokio-baseline-redis-rb4096 tokio-baseline-redis-store-rb4096"
 
 stamp "latency start"
-bench/latency.sh --no-build --rounds "$rounds" --name "$sfx" --results "$out"
+run bench/latency.sh --no-build --rounds "$rounds" --name "$sfx" --results "$out"
 stamp "density start"
-bench/compare-density.sh --rounds "$rounds" --out "$out/density"
+run bench/compare-density.sh --rounds "$rounds" --out "$out/density"
 stamp "accept-storm start"
-bench/run accept-storm --rounds "$rounds" --out "$out" --name "$sfx" "${bench_ports[@]}"
+run bench/run accept-storm --rounds "$rounds" --out "$out" --name "$sfx" "${bench_ports[@]}"
 stamp "idle-cost start"
 # Spread timers: fleetlink-fe reads each PONG at its deadline, so with every rig's PING at the
 # same moment its last round of PONG reads would fall after the window (bench/SCENARIOS.md).
-bench/run idle-cost --rounds "$rounds" --waves 10 --out "$out" --name "$sfx" "${bench_ports[@]}"
+run bench/run idle-cost --rounds "$rounds" --waves 10 --out "$out" --name "$sfx" "${bench_ports[@]}"
 stamp "throughput start"
-bench/run throughput --rounds "$rounds" --out "$out" --name "$sfx" "${bench_ports[@]}"
+run bench/run throughput --rounds "$rounds" --out "$out" --name "$sfx" "${bench_ports[@]}"
 stamp "fanout-cpu start"
-bench/fanout-cpu.sh --rounds "$rounds" --name "$sfx" --brokers "$redis_brokers"
+run bench/fanout-cpu.sh --rounds "$rounds" --name "$sfx" --brokers "$redis_brokers"
 mv "bench/results/fanout-cpu-$sfx.json" "$out/"
 stamp "tls start"
-bench/tls.sh --rounds "$rounds" --results "$out/tls"
+run bench/tls.sh --rounds "$rounds" --results "$out/tls"
 stamp "plots start"
 for f in "$out"/density/density-*.json; do
   b="$(basename "$f" .json)"
   [[ $b == density-rounds ]] || cp "$f" "$out/$b-$sfx.json"
 done
-"${CARGO_TARGET_DIR:-target}/release/fleetlink-bench" plots --out "$out" --name "$sfx"
+run "${CARGO_TARGET_DIR:-target}/release/fleetlink-bench" plots --out "$out" --name "$sfx"
 stamp "end"

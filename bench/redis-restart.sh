@@ -10,11 +10,14 @@
 # The rigs' loadgen runs with --no-ack so their commands stay unacked. Prints one line per
 # round and the median. Its own redis-server on REDIS_RESTART_PORT (default 26479), the broker
 # on REDIS_RESTART_LISTEN_PORT/REDIS_RESTART_ADMIN_PORT (26180/26190; keep all three below the
-# host's ip_local_port_range); everything it starts is stopped on exit. Needs release builds
+# host's ip_local_port_range); everything it starts is stopped on exit, failure or signal
+# (bench/lib/procs.sh). Needs release builds
 # (`cargo build --release --workspace`). The fast version of this is tests/resume.rs
 # (a_session_redis_lost_is_kept_again_and_survives_its_broker).
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+# shellcheck source-path=SCRIPTDIR source=lib/procs.sh
+. "$here/lib/procs.sh"
 target="${CARGO_TARGET_DIR:-$here/../target}/release"
 rigs=10000 unacked=1 rounds=3
 rport="${REDIS_RESTART_PORT:-26479}" lport="${REDIS_RESTART_LISTEN_PORT:-26180}" aport="${REDIS_RESTART_ADMIN_PORT:-26190}"
@@ -35,12 +38,14 @@ done
 work="$(mktemp -d /tmp/redis-restart.XXXXXX)"
 pids=()
 cleanup() {
-  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
-  wait 2>/dev/null || true
+  procs_cleanup_begin # signals from here on only hurry the stops below to SIGKILL
+  trap - EXIT
+  procs_stop 150 ${pids[@]+"${pids[@]}"} # SIGTERM (process groups), SIGKILL 15 s later
+  procs_stop_all 50 # anything a signal caught before its pid was recorded above
   rm -rf "$work"
 }
 trap cleanup EXIT
-trap 'exit 130' INT TERM
+procs_traps
 
 start_redis() {
   # It kills and restarts this Redis: never one it did not start.
@@ -48,9 +53,9 @@ start_redis() {
     echo "redis-restart: something already answers on port $rport; set REDIS_RESTART_PORT to a free one" >&2
     exit 1
   fi
-  redis-server --port "$rport" --bind 127.0.0.1 --save "" --appendonly no --daemonize no \
-    >"$work/redis.log" 2>&1 &
-  rpid=$!; pids+=("$rpid")
+  procs_spawn -o "$work/redis.log" -e - redis-server --port "$rport" --bind 127.0.0.1 --save "" \
+    --appendonly no --daemonize no
+  rpid=$PROCS_PID; pids+=("$rpid")
   for _ in $(seq 100); do
     redis-cli -p "$rport" ping >/dev/null 2>&1 && return
     kill -0 "$rpid" 2>/dev/null || break
@@ -65,14 +70,16 @@ url="redis://127.0.0.1:$rport/"
 times=()
 for ((r = 1; r <= rounds; r++)); do
   start_redis
-  "$target/fleetlink-fe" --cores "$(( $(nproc) > 1 ? $(nproc) - 1 : 1 ))" --redis "$url" \
+  procs_spawn -o "$work/broker.log" -e - "$target/fleetlink-fe" \
+    --cores "$(( $(nproc) > 1 ? $(nproc) - 1 : 1 ))" --redis "$url" \
     --listen "127.0.0.1:$lport" --admin "127.0.0.1:$aport" --broker-id rr \
-    --accept-rate 100000 --accept-burst 100000 >"$work/broker.log" 2>&1 &
-  bpid=$!; pids+=("$bpid")
+    --accept-rate 100000 --accept-burst 100000
+  bpid=$PROCS_PID; pids+=("$bpid")
   for _ in $(seq 300); do curl -sf -o /dev/null "http://127.0.0.1:$aport/readyz" && break; sleep 0.1; done
-  "$target/fleetlink-loadgen" rigs --url "ws://127.0.0.1:$lport/agent" --rigs "$rigs" --prefix rig \
-    --no-ack --hold 300s --max-time 330s >"$work/rigs.out" 2>"$work/rigs.err" &
-  lpid=$!; pids+=("$lpid")
+  procs_spawn -o "$work/rigs.out" -e "$work/rigs.err" "$target/fleetlink-loadgen" rigs \
+    --url "ws://127.0.0.1:$lport/agent" --rigs "$rigs" --prefix rig --no-ack --hold 300s \
+    --max-time 330s
+  lpid=$PROCS_PID; pids+=("$lpid")
   for _ in $(seq 1200); do grep -q '^ALL_WELCOMED' "$work/rigs.out" && break; sleep 0.1; done
   grep -q '^ALL_WELCOMED' "$work/rigs.out" || { echo "redis-restart: rigs not welcomed" >&2; exit 1; }
   "$target/fleetlink-loadgen" redis-publish --redis "$url" --broker-id rr --prefix rig \

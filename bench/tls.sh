@@ -24,13 +24,16 @@
 #
 # Output (--results, default bench/results): tls-<broker>.json (density, plain density, every handshake round, the
 # medians) and tls-summary.md. Everything started here is stopped on exit,
-# failure or signal; --max-time (seconds, default 1800) bounds the whole run. Ports:
+# failure or signal (bench/lib/procs.sh: each in its own process group, killed if this script
+# dies without its cleanup); --max-time (seconds, default 1800) bounds the whole run. Ports:
 # TLS_LISTEN_PORT (18443) and TLS_ADMIN_PORT (19443); keep them below the host's
 # ip_local_port_range, where the loadgen's own sockets may hold them.
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 root="$(cd "$here/.." && pwd)"
+# shellcheck source-path=SCRIPTDIR source=lib/procs.sh
+. "$here/lib/procs.sh"
 target="${CARGO_TARGET_DIR:-$root/target}/release"
 fe="$target/fleetlink-fe"
 tb="$target/fleetlink-tokio-baseline"
@@ -157,32 +160,31 @@ pids=()        # brokers and loadgens started by the handshake rounds
 density_pid="" # a running density.sh (it stops its own broker and loadgens)
 watchdog=""
 
-stop_pid() { # PID SIGNAL GRACE_TENTHS: signal, wait up to the grace, then SIGKILL
-  local p="$1" sig="$2" grace="$3"
-  kill -0 "$p" 2>/dev/null || { wait "$p" 2>/dev/null || true; return 0; }
-  kill "-$sig" "$p" 2>/dev/null || true
-  for _ in $(seq "$grace"); do kill -0 "$p" 2>/dev/null || break; sleep 0.1; done
-  kill -KILL "$p" 2>/dev/null || true
-  wait "$p" 2>/dev/null || true
+stop_pid() { # PID GRACE_TENTHS: SIGTERM, wait up to the grace, then SIGKILL (with its group)
+  procs_stop "$2" "$1"
 }
 
 cleanup() {
   local rc=$?
-  trap - EXIT INT TERM
-  [[ -n "$watchdog" ]] && { kill "$watchdog" 2>/dev/null || true; wait "$watchdog" 2>/dev/null || true; }
+  procs_cleanup_begin # signals from here on only hurry the stops below to SIGKILL
+  trap - EXIT
+  stop_pid "$watchdog" 10
   # density.sh's own trap stops its broker and loadgens; give it time to.
-  [[ -n "$density_pid" ]] && stop_pid "$density_pid" TERM 400
-  for p in "${pids[@]}"; do stop_pid "$p" TERM 50; done
+  stop_pid "$density_pid" 400
+  for p in ${pids[@]+"${pids[@]}"}; do stop_pid "$p" 50; done
+  procs_stop_all 50 # anything a signal caught before its pid was recorded above
   if (( rc != 0 )); then echo "tls: failed (rc=$rc); logs kept in $work" >&2; else rm -rf "$work"; fi
   exit "$rc"
 }
 trap cleanup EXIT
-trap 'exit 130' INT
-trap 'exit 143' TERM
-# The watchdog kills its own sleep when it is stopped, so nothing outlives the run.
-( trap 'kill "$s" 2>/dev/null; exit 0' TERM; sleep "$max_time" & s=$!; wait "$s"
-  echo "tls: --max-time ${max_time}s reached; stopping" >&2; kill -TERM $$ ) &
-watchdog=$!
+procs_traps
+# The watchdog is stopped with the rest, and dies with this script however it ends (so its
+# SIGTERM cannot reach a recycled pid), its sleep too.
+# shellcheck disable=SC2016  # expanded by the watchdog's shell
+procs_spawn bash -c '${3:+setpriv --pdeathsig KILL --} sleep "$1" || exit 0
+  echo "tls: --max-time ${1}s reached; stopping" >&2; kill -TERM "$2"' \
+  tls-watchdog "$max_time" "$$" "${PROCS_PDEATHSIG_OK#0}"
+watchdog=$PROCS_PID
 
 echo "tls: certificates in $work/pki" >&2
 "$fe" dev-certs --out "$work/pki" --rigs 1 >/dev/null
@@ -213,11 +215,11 @@ density() { # NAME SCHEME OUT
     for a in "${lg_tls[@]}"; do lg+=(--loadgen-arg "$a"); done
   fi
   echo "tls: density $name over $scheme" >&2
-  "$here/density.sh" --name "$name-$scheme" --steps "$steps" --out "$out" \
+  procs_spawn -s TERM -o "$work/density-$name-$scheme.out" -e "$work/density-$name-$scheme.err" \
+    "$here/density.sh" --name "$name-$scheme" --steps "$steps" --out "$out" \
     --url "$scheme://127.0.0.1:$port/agent" --loadgen "$loadgen" ${lg[@]+"${lg[@]}"} -- \
-    "${cmd[@]}" --listen "127.0.0.1:$port" --admin "127.0.0.1:$admin" ${extra[@]+"${extra[@]}"} \
-    >"$work/density-$name-$scheme.out" 2>"$work/density-$name-$scheme.err" &
-  density_pid=$!
+    "${cmd[@]}" --listen "127.0.0.1:$port" --admin "127.0.0.1:$admin" ${extra[@]+"${extra[@]}"}
+  density_pid=$PROCS_PID
   wait "$density_pid" || { tail -20 "$work/density-$name-$scheme.err" >&2; die "density.sh failed for $name ($scheme)"; }
   density_pid=""
   grep '^SLOPE' "$work/density-$name-$scheme.out" >&2 || true
@@ -244,9 +246,9 @@ cpu_ticks() { local u s _m; read -r u s _m <<<"$(proc_stat "$1")"; echo $((u + s
 hs_round() { # NAME ROUND: prints one JSON object
   local name="$1" round="$2" log="$work/hs-$1-$2"
   read -r -a cmd <<<"$(broker_cmd "$name" handshake)"
-  taskset -c 0 "${cmd[@]}" --listen "127.0.0.1:$port" --admin "127.0.0.1:$admin" "${tls_flags[@]}" \
-    >"$log.broker" 2>&1 &
-  local bpid=$!
+  procs_spawn -o "$log.broker" -e - taskset -c 0 "${cmd[@]}" --listen "127.0.0.1:$port" \
+    --admin "127.0.0.1:$admin" "${tls_flags[@]}"
+  local bpid=$PROCS_PID
   pids+=("$bpid")
   local deadline=$((SECONDS + 20))
   until (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; do
@@ -259,10 +261,11 @@ hs_round() { # NAME ROUND: prints one JSON object
   : >"$log.out"
   local u0 s0 f0 u1 s1 f1
   read -r u0 s0 f0 <<<"$(proc_stat "$bpid")"; t0=$(date +%s%N)
-  taskset -c 1 "$loadgen" rigs --url "wss://127.0.0.1:$port/agent" "${lg_tls[@]}" \
+  procs_spawn -o "$log.out" -e "$log.err" taskset -c 1 "$loadgen" rigs \
+    --url "wss://127.0.0.1:$port/agent" "${lg_tls[@]}" \
     --rigs "$handshakes" --procs 1 --prefix "hs$round" --concurrency 256 \
-    --hold 120s --max-time 180s --report "$log.json" >"$log.out" 2>"$log.err" &
-  local lpid=$!
+    --hold 120s --max-time 180s --report "$log.json"
+  local lpid=$PROCS_PID
   pids+=("$lpid")
   deadline=$((SECONDS + 150))
   until grep -q '^\(ALL_WELCOMED\|RAMP_INCOMPLETE\)' "$log.out"; do
@@ -273,8 +276,8 @@ hs_round() { # NAME ROUND: prints one JSON object
   read -r u1 s1 f1 <<<"$(proc_stat "$bpid")"; t1=$(date +%s%N); lc=$(cpu_ticks "$lpid")
   c0=$((u0 + s0)); c1=$((u1 + s1))
   grep -q '^ALL_WELCOMED' "$log.out" || die "$name round $round: $(cat "$log.out"); see $log.err"
-  stop_pid "$lpid" TERM 300 # writes its report (after closing every rig with 1000)
-  stop_pid "$bpid" TERM 50 # no rigs left: fleetlink-fe's drain ends at once
+  stop_pid "$lpid" 300 # writes its report (after closing every rig with 1000)
+  stop_pid "$bpid" 50 # no rigs left: fleetlink-fe's drain ends at once
   [[ -s "$log.json" ]] || die "$name round $round: no loadgen report"
   local ramp_ms
   ramp_ms=$(sed -n 's/^ALL_WELCOMED .*elapsed_ms=\([0-9]*\).*/\1/p' "$log.out")
