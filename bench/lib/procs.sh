@@ -16,12 +16,19 @@
 #                             PROCS_PID and added to PROCS_ALL before a signal that arrives
 #                             meanwhile takes effect (a trap that ran between `cmd &` and
 #                             `pid=$!` saw no pid and left the process running). CMD runs in a
-#                             new session and process group of its own (setsid: PID = PGID, so
-#                             stopping it reaches whatever it forks) and gets SIG (default KILL;
+#                             process group of its own (PID = PGID, so stopping it reaches
+#                             whatever it forks), in the script's session, and gets SIG (default KILL;
 #                             TERM for a bench script, which then stops what it started) when
 #                             this script dies, however it dies, SIGKILL included (setpriv
-#                             --pdeathsig). PROCS_PDEATHSIG_OK is 1 when setpriv can; without it,
-#                             neither is used and CMD stays in the script's process group. Call
+#                             --pdeathsig). Not a session of its own (setsid): with
+#                             kernel.sched_autogroup_enabled, as on Debian, each session is a
+#                             scheduler group, so a broker, its loadgen and its publisher would
+#                             share the CPUs as three groups rather than as threads, and a
+#                             multi-threaded broker got less of them: run so, fleetlink-fe's admin
+#                             fan-out p99 read 8-75 ms against 1.1-1.7 ms (3 alternating pairs).
+#                             PROCS_PDEATHSIG_OK is 1 when setpriv and perl (for setpgrp) are
+#                             there; without them, neither is used and CMD stays in the script's
+#                             process group. Call
 #                             it in the script's own shell, not in a $(...), ( ) or pipeline
 #                             subshell: that subshell's exit would be the parent's death.
 #   procs_stop TENTHS PID...  SIGTERM to each PID, then to what is left of its process group once
@@ -41,7 +48,7 @@ _procs_spawning=0
 _procs_pending=""
 _procs_cleaning=0
 # setpriv --pdeathsig is util-linux 2.33+ (2018).
-if command -v setsid >/dev/null 2>&1 && setpriv --pdeathsig KILL true >/dev/null 2>&1; then
+if command -v perl >/dev/null 2>&1 && setpriv --pdeathsig KILL true >/dev/null 2>&1; then
   PROCS_PDEATHSIG_OK=1
 else
   PROCS_PDEATHSIG_OK=0
@@ -78,7 +85,10 @@ _procs_exec() { # SIG OUT ERR CMD [ARG]...
   if [[ -n "$out" ]]; then exec >"$out"; fi
   if [[ "$err" == - ]]; then exec 2>&1; elif [[ -n "$err" ]]; then exec 2>"$err"; fi
   if (( PROCS_PDEATHSIG_OK )); then
-    exec setpriv --pdeathsig "$sig" -- setsid -- "$@"
+    # shellcheck disable=SC2016 # perl's own variables
+    exec setpriv --pdeathsig "$sig" -- perl -e \
+      'setpgrp(0, 0) or die "setpgrp: $!\n"; exec { $ARGV[0] } @ARGV or die "exec $ARGV[0]: $!\n"' \
+      -- "$@"
   fi
   exec "$@"
 }
