@@ -295,8 +295,9 @@ impl Bridge {
                 carried,
                 recall,
             } => {
-                // For a resume on another broker: written into the session once its lease goes.
-                let remember = (!recall.is_empty()).then(|| recall.clone());
+                // For a resume on another broker: written into the session once its lease goes
+                // (fleet mode only; standalone, the parked session is the only copy needed).
+                let remember = (self.fleet.is_some() && !recall.is_empty()).then(|| recall.clone());
                 let (actions, released) = self.registry.closed(
                     conn,
                     rig.clone(),
