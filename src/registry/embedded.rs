@@ -215,7 +215,7 @@ impl Embedded {
                 Owner::Handover(h) => h.pending,
                 Owner::Live(_) => Vec::new(),
             };
-            out.push(accept(conn, Seq(1), false, Vec::new(), Box::default()));
+            out.push(accept(conn, Seq(1), false, Vec::new(), None));
             out.extend(held.into_iter().map(|req| {
                 Action::Core(
                     conn,
@@ -230,10 +230,8 @@ impl Embedded {
         }
         let parked = self.unpark(&rig);
         let (next_seq, resumed, carried, recall) = match parked {
-            Some(p) if p.boot == boot => {
-                (p.next_seq, true, p.carried, p.recall.unwrap_or_default())
-            }
-            _ => (Seq(1), false, Vec::new(), Box::default()),
+            Some(p) if p.boot == boot => (p.next_seq, true, p.carried, p.recall),
+            _ => (Seq(1), false, Vec::new(), None),
         };
         self.rigs.insert(
             rig,
@@ -257,7 +255,7 @@ impl Embedded {
         boot: BootId,
         next_seq: Seq,
         carried: Vec<SeqCommand>,
-        recall: Box<Recall>,
+        recall: Option<Box<Recall>>,
         now: Instant,
     ) -> (Vec<Action>, bool) {
         let mut out = Vec::new();
@@ -357,7 +355,7 @@ impl Embedded {
         rig: Option<RigId>,
         next_seq: Seq,
         carried: Vec<SeqCommand>,
-        recall: Box<Recall>,
+        recall: Option<Box<Recall>>,
         now: Instant,
     ) -> Option<(RigId, BootId)> {
         let (rig, boot, release) = match rig {
@@ -581,14 +579,14 @@ impl Embedded {
         boot: BootId,
         next_seq: Seq,
         carried: Vec<SeqCommand>,
-        recall: Box<Recall>,
+        recall: Option<Box<Recall>>,
         now: Instant,
     ) {
         let p = Parked {
             boot,
             next_seq,
             carried,
-            recall: (!recall.is_empty()).then_some(recall),
+            recall,
             at: now,
         };
         self.parked_bytes += p.bytes();
@@ -635,7 +633,7 @@ fn accept(
     next_seq: Seq,
     resumed: bool,
     carried: Vec<SeqCommand>,
-    recall: Box<Recall>,
+    recall: Option<Box<Recall>>,
 ) -> Action {
     Action::Core(
         conn,
@@ -713,15 +711,7 @@ mod tests {
             })
         ));
         // The stale connection's close must not release the new owner.
-        let (_, released) = r.closed(
-            conn(1),
-            rig(),
-            boot(200),
-            Seq(5),
-            vec![],
-            Box::default(),
-            now,
-        );
+        let (_, released) = r.closed(conn(1), rig(), boot(200), Seq(5), vec![], None, now);
         assert!(!released);
         assert_eq!(r.len(), 1);
         // A refresh that finds another owner supersedes the local connection.
@@ -752,7 +742,7 @@ mod tests {
             offline_ttl: None,
         });
         assert!(r.command(req).is_empty(), "held during the hand-over");
-        let (done, released) = r.closed(conn(1), rig(), b, Seq(8), vec![], Box::default(), now);
+        let (done, released) = r.closed(conn(1), rig(), b, Seq(8), vec![], None, now);
         assert!(!released, "the session moved, the lease stays");
         assert!(matches!(
             verdict_of(&done, conn(2)),
@@ -786,7 +776,7 @@ mod tests {
             matches!(&kicked[..], [Action::Reply(_, body)] if body["error"] == "rig_not_connected"),
             "{kicked:?}"
         );
-        let (done, released) = r.closed(conn(1), rig(), b, Seq(8), vec![], Box::default(), now);
+        let (done, released) = r.closed(conn(1), rig(), b, Seq(8), vec![], None, now);
         assert!(released, "nobody holds the rig now: its lease goes");
         assert!(verdict_of(&done, conn(2)).is_none(), "{done:?}");
         assert!(r.is_empty() && r.conn_of(&rig()).is_none());
@@ -817,14 +807,11 @@ mod tests {
         r.hello(conn(1), rig(), b, vec![]);
         let (_, released) = r.abandoned(conn(1), &rig());
         assert_eq!(released, Some(b));
-        assert_eq!(
-            r.returned(conn(1), None, Seq(8), cmd(), Box::default(), now),
-            None
-        );
+        assert_eq!(r.returned(conn(1), None, Seq(8), cmd(), None, now), None);
         // The connection was closing when the verdict came: it goes back with the rig named.
         let mut r2 = Embedded::new(Duration::from_secs(60), 4);
         r2.hello(conn(1), rig(), b, vec![]);
-        let back = r2.returned(conn(1), Some(rig()), Seq(8), cmd(), Box::default(), now);
+        let back = r2.returned(conn(1), Some(rig()), Seq(8), cmd(), None, now);
         assert_eq!(back, Some((rig(), b)), "its lease is released");
         assert_eq!(
             r2.abandoned(conn(1), &rig()).1,
@@ -851,10 +838,7 @@ mod tests {
         r3.hello(conn(1), rig(), b, vec![]);
         r3.abandoned(conn(1), &rig());
         r3.hello(conn(2), rig(), b, vec![]);
-        assert_eq!(
-            r3.returned(conn(1), None, Seq(8), cmd(), Box::default(), now),
-            None
-        );
+        assert_eq!(r3.returned(conn(1), None, Seq(8), cmd(), None, now), None);
         assert_eq!(r3.conn_of(&rig()), Some(conn(2)));
     }
 
@@ -896,15 +880,7 @@ mod tests {
         r.hello(conn(2), rig(), b, vec![]);
         r.abandoned(conn(2), &rig());
         r.hello(conn(3), rig(), b, vec![]);
-        let (done, released) = r.closed(
-            conn(1),
-            rig(),
-            b,
-            Seq(4),
-            vec![],
-            Box::default(),
-            Instant::now(),
-        );
+        let (done, released) = r.closed(conn(1), rig(), b, Seq(4), vec![], None, Instant::now());
         assert!(!released);
         assert!(matches!(
             verdict_of(&done, conn(3)),
@@ -926,15 +902,7 @@ mod tests {
         assert_eq!(r.rekeep_from(&rig()), Some(conn(1)));
         r.hello(conn(2), rig(), b, vec![]);
         assert_eq!(r.rekeep_from(&rig()), None, "asked later");
-        let (done, _) = r.closed(
-            conn(1),
-            rig(),
-            b,
-            Seq(3),
-            vec![],
-            Box::default(),
-            Instant::now(),
-        );
+        let (done, _) = r.closed(conn(1), rig(), b, Seq(3), vec![], None, Instant::now());
         let accept = done
             .iter()
             .position(|a| matches!(a, Action::Core(c, ToCore::Verdict { .. }) if *c == conn(2)));
@@ -960,11 +928,11 @@ mod tests {
             &r.hello(conn(c), rig(), up, vec![]),
             conn(c),
         ) {
-            Some(Verdict::Accept { recall, .. }) => (**recall).clone(),
+            Some(Verdict::Accept { recall, .. }) => recall.as_deref().cloned().unwrap_or_default(),
             other => panic!("{other:?}"),
         };
         let park = |r: &mut Embedded, c: u64| {
-            let recall = Box::new(recall.clone());
+            let recall = Some(Box::new(recall.clone()));
             r.closed(conn(c), rig(), up, Seq(3), vec![], recall, now)
         };
         r.hello(conn(1), rig(), up, vec![]);
@@ -1000,10 +968,10 @@ mod tests {
         );
         r.hello(conn(1), a.clone(), up, vec![]);
         r.hello(conn(2), b.clone(), up, vec![]);
-        r.closed(conn(1), a.clone(), up, Seq(4), cmds(3), Box::default(), now);
+        r.closed(conn(1), a.clone(), up, Seq(4), cmds(3), None, now);
         assert_eq!((r.parked_bytes, r.take_parked_dropped()), (150, 0));
         // 150 + 200 > 250: the older session, a's, gives up its commands.
-        r.closed(conn(2), b.clone(), up, Seq(5), cmds(4), Box::default(), now);
+        r.closed(conn(2), b.clone(), up, Seq(5), cmds(4), None, now);
         assert_eq!((r.parked_bytes, r.take_parked_dropped()), (200, 3));
         let back = r.hello(conn(3), a, up, vec![]);
         match verdict_of(&back, conn(3)) {
@@ -1026,10 +994,7 @@ mod tests {
         let now = Instant::now();
         let b = boot(100);
         r.hello(conn(1), rig(), b, vec![]);
-        assert!(
-            r.closed(conn(1), rig(), b, Seq(4), vec![], Box::default(), now)
-                .1
-        );
+        assert!(r.closed(conn(1), rig(), b, Seq(4), vec![], None, now).1);
         assert!(r.is_empty());
         let a = r.hello(conn(2), rig(), b, vec![]);
         assert!(matches!(
@@ -1040,7 +1005,7 @@ mod tests {
                 ..
             })
         ));
-        r.closed(conn(2), rig(), b, Seq(6), vec![], Box::default(), now);
+        r.closed(conn(2), rig(), b, Seq(6), vec![], None, now);
         r.expire(now + Duration::from_secs(61));
         let a = r.hello(conn(3), rig(), b, vec![]);
         assert!(matches!(

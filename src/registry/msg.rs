@@ -171,8 +171,9 @@ pub enum Verdict {
         resumed: bool,
         /// Commands of the session not yet acked, to send after welcome.
         carried: Vec<SeqCommand>,
-        /// What the session remembers besides them (boxed: queue slots are preallocated).
-        recall: Box<Recall>,
+        /// What the session remembers besides them; None when nothing (no allocation for the
+        /// many sessions that have acked nothing). Boxed: queue slots are preallocated.
+        recall: Option<Box<Recall>>,
     },
     /// A live session with a newer boot_id owns the rig: close 4409.
     Older,
@@ -282,8 +283,9 @@ pub enum ToBridge {
         /// Commands of the session not yet acked, kept for the session's next connection (a
         /// boxed slice: this is the largest message, and queue slots are preallocated).
         carried: Box<[SeqCommand]>,
-        /// What the session remembers besides them (boxed: queue slots are preallocated).
-        recall: Box<Recall>,
+        /// What the session remembers besides them; None when nothing (no allocation for the
+        /// many sessions that have acked nothing). Boxed: queue slots are preallocated.
+        recall: Option<Box<Recall>>,
     },
     /// A hello never got a verdict because its connection went away first.
     Abandoned {
@@ -304,8 +306,9 @@ pub enum ToBridge {
         next_seq: Seq,
         /// The session's unacked commands.
         carried: Vec<SeqCommand>,
-        /// What the session remembers besides them (boxed: queue slots are preallocated).
-        recall: Box<Recall>,
+        /// What the session remembers besides them; None when nothing (no allocation for the
+        /// many sessions that have acked nothing). Boxed: queue slots are preallocated.
+        recall: Option<Box<Recall>>,
     },
     /// A lifecycle event for `fleetlink:events` (CONTRACT.md §4), serialized by the core: its
     /// bytes are what [`crate::registry::bridge::BridgeShared::event_bytes`] counts.

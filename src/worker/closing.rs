@@ -22,7 +22,7 @@ pub(crate) struct Closing {
     boot: BootId,
     next_seq: Seq,
     carried: Vec<SeqCommand>,
-    recall: Box<Recall>,
+    recall: Option<Box<Recall>>,
 }
 
 /// Closed sessions of this core waiting for their persists' answers, by connection. At most
@@ -37,7 +37,7 @@ pub(crate) fn closed(
     boot: BootId,
     next_seq: Seq,
     carried: Vec<SeqCommand>,
-    recall: Box<Recall>,
+    recall: Option<Box<Recall>>,
 ) {
     let waiting = Closing {
         rig,

@@ -580,13 +580,15 @@ pub(crate) fn on_verdict(core: &Core, conn: &Conn, st: &mut ConnState, verdict: 
     session.last_ack = acked_before(next_seq, &carried);
     // The time of the ack the session remembers, if the last ack is that one (an ack on a
     // connection this session's memory never saw, at another broker, has no time here).
-    if recall.last_ack == session.last_ack {
-        session.last_ack_ms = recall.last_ack_ms;
-    }
-    if !recall.results.is_empty() {
-        let q = session.queues();
-        for (seq, id) in recall.results {
-            q.await_result(seq, id);
+    if let Some(recall) = recall {
+        if recall.last_ack == session.last_ack {
+            session.last_ack_ms = recall.last_ack_ms;
+        }
+        if !recall.results.is_empty() {
+            let q = session.queues();
+            for (seq, id) in recall.results {
+                q.await_result(seq, id);
+            }
         }
     }
     // Seqs are never reused: if Redis lost the session (restarted empty, or the key expired),
@@ -912,11 +914,12 @@ pub(crate) fn on_closed(core: &Core, conn: &Conn, st: &mut ConnState) {
     core.event(ev);
     // A command still held for Redis goes along only once Redis has answered for it.
     let (carried, results) = s.queues.map(|q| q.into_parts()).unwrap_or_default();
-    let recall = Box::new(Recall {
+    let recall = Recall {
         results,
         last_ack: s.last_ack,
         last_ack_ms: s.last_ack_ms,
-    });
+    };
+    let recall = (!recall.is_empty()).then(|| Box::new(recall));
     closing::closed(core, conn.id, s.rig, s.boot, s.next_seq, carried, recall);
 }
 

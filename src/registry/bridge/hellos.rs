@@ -380,10 +380,8 @@ impl Bridge {
                 *next_seq = (*next_seq).max(next);
                 *resumed = true;
                 // What this broker holds of the session is the newer, when it holds any.
-                if recall.is_empty() {
-                    if let Some(found) = &found.recall {
-                        **recall = found.clone();
-                    }
+                if recall.is_none() {
+                    *recall = found.recall.clone().map(Box::new);
                 }
                 let local: HashSet<Seq> = carried.iter().map(|c| c.seq).collect();
                 for (seq, json) in &found.commands {

@@ -297,7 +297,7 @@ impl Bridge {
             } => {
                 // For a resume on another broker: written into the session once its lease goes
                 // (fleet mode only; standalone, the parked session is the only copy needed).
-                let remember = (self.fleet.is_some() && !recall.is_empty()).then(|| recall.clone());
+                let remember = recall.as_ref().filter(|_| self.fleet.is_some()).cloned();
                 let (actions, released) = self.registry.closed(
                     conn,
                     rig.clone(),
@@ -534,7 +534,7 @@ impl Bridge {
         rig: Option<RigId>,
         next_seq: crate::ids::Seq,
         carried: Vec<crate::registry::msg::SeqCommand>,
-        recall: Box<crate::registry::msg::Recall>,
+        recall: Option<Box<crate::registry::msg::Recall>>,
     ) {
         let released = self
             .registry
