@@ -1,17 +1,18 @@
--- resume.lua: what a rig's hello finds of its sessions (CONTRACT.md section 5). Run right after
--- hello.lua said this boot owns the rig, by EVALSHA from src/registry/sessions.rs.
+-- resume.lua: what rigs' hellos find of their sessions (CONTRACT.md section 5). Run right after
+-- hello.lua said these boots own their rigs, by EVALSHA from src/registry/sessions.rs, for
+-- every accepted hello of a batch in one call (a call's own setup cost Redis as much as a new
+-- session's writes).
 --
--- KEYS[1]  sess:<rig_id>:<boot_id>   this boot's session (hash: "next", "c:<seq>" -> JSON,
---                                    "r" -> what its last broker remembered of it)
--- KEYS[2]  sessof:<rig_id>           the boot_id of the rig's latest session
--- ARGV[1]  boot_id: canonical lowercase UUID text
--- ARGV[2]  ttl_ms of session keys: decimal integer, 1 to 15 digits
--- ARGV[3]  "sess:<rig_id>:", the prefix of the rig's session keys
--- ARGV[4]  broker_id of the broker running the hello (named in the rig_rebooted events)
--- ARGV[5]  rig_id
--- ARGV[6]  the events' "at": the broker's clock, RFC 3339
+-- KEYS[2i-1]  sess:<rig_id>:<boot_id>   the i-th rig's session (hash: "next", "c:<seq>" -> JSON,
+--                                       "r" -> what its last broker remembered of it)
+-- KEYS[2i]    sessof:<rig_id>           the boot_id of that rig's latest session
+-- ARGV[1]     ttl_ms of session keys: decimal integer, 1 to 15 digits
+-- ARGV[2]     broker_id of the broker running the hellos (named in the rig_rebooted events)
+-- ARGV[3]     the events' "at": the broker's clock, RFC 3339
+-- ARGV[2i+2]  the i-th rig's boot_id: canonical lowercase UUID text
+-- ARGV[2i+3]  the i-th rig_id
 --
--- Returns { next, cmds, rebooted, previous_boot, recall }:
+-- Returns one entry per rig, in order: { next, cmds, rebooted, previous_boot, recall }:
 --   next           this session's next seq as text, "0" when the session is new (it is
 --                  then recorded with next = 1, so a later hello of the same boot resumes it)
 --   cmds           { seq1, json1, seq2, json2, ... }: its unacked commands (any order)
@@ -24,8 +25,10 @@
 --   recall         the session's "r" field as its last broker wrote it when the rig
 --                  disconnected (acked commands' ids awaiting results, the last ack's time),
 --                  or "" (a new session, or none written)
--- Sets KEYS[2] to this boot (unless a newer boot is recorded there) and refreshes KEYS[1]'s TTL.
--- The previous session's key is derived from ARGV[3] (single-instance Redis; not cluster-safe).
+-- Sets each sessof: key to its boot (unless a newer boot is recorded there) and refreshes the
+-- session's TTL. The previous session's key is "sess:<rig_id>:<previous boot>" (single-instance
+-- Redis; not cluster-safe). The rigs run in order, as separate calls would.
+-- Errors "ERR fleetlink resume: ..." on malformed ARGV, before any write.
 
 local H = '[0-9a-f]'
 local BOOT = '^' .. H:rep(8) .. '%-' .. H:rep(4) .. '%-' .. H:rep(4) .. '%-' .. H:rep(4)
@@ -42,26 +45,38 @@ local function newer(a, b)
   return false
 end
 
-local sess, ptr = KEYS[1], KEYS[2]
-local boot, ttl, prefix = ARGV[1], ARGV[2], ARGV[3]
-local broker, rig, at = ARGV[4], ARGV[5], ARGV[6]
-if #KEYS ~= 2 or #ARGV ~= 6 or type(boot) ~= 'string' or not boot:match(BOOT)
-    or type(ttl) ~= 'string' or #ttl > 15 or not ttl:match('^[1-9]%d*$') then
-  return redis.error_reply('ERR fleetlink resume: expected KEYS session, pointer; ARGV boot_id, ttl_ms, prefix, broker_id, rig_id, at')
+local ttl, broker, at = ARGV[1], ARGV[2], ARGV[3]
+local n = #KEYS / 2
+local ok = #KEYS > 0 and #KEYS % 2 == 0 and #ARGV == 3 + 2 * n and type(ttl) == 'string'
+    and #ttl <= 15 and ttl:match('^[1-9]%d*$') ~= nil
+for i = 1, n do
+  local boot = ARGV[2 * i + 2]
+  ok = ok and type(boot) == 'string' and boot:match(BOOT) ~= nil
+end
+if not ok then
+  return redis.error_reply('ERR fleetlink resume: expected KEYS session, pointer per rig; ARGV ttl_ms, broker_id, at, then boot_id, rig_id per rig')
 end
 
--- { seq1, json1, seq2, json2, ... } of a session's unacked commands.
-local function unacked(key)
+-- A session's fields as a table (empty when there is none, or the key is not a hash).
+local function fields(key)
   local out = {}
   local all = redis.pcall('HGETALL', key)
   if type(all) ~= 'table' or all.err then
     return out
   end
   for i = 1, #all, 2 do
-    local field = all[i]
+    out[all[i]] = all[i + 1]
+  end
+  return out
+end
+
+-- { seq1, json1, seq2, json2, ... } of a session's unacked commands.
+local function unacked(f)
+  local out = {}
+  for field, value in pairs(f) do
     if field:sub(1, 2) == 'c:' then
       out[#out + 1] = field:sub(3)
-      out[#out + 1] = all[i + 1]
+      out[#out + 1] = value
     end
   end
   return out
@@ -71,8 +86,8 @@ end
 -- order (control need not sort them); returns how many. The seq is the field's own text
 -- (cjson would round a large one), so seqs compare as digit strings: shorter first, then by
 -- text. The id comes from the command as sent.
-local function report(prev, key)
-  local cmds, n = unacked(key), 0
+local function report(rig, boot, prev, key)
+  local cmds, n = unacked(fields(key)), 0
   local order = {}
   for i = 1, #cmds, 2 do
     if cmds[i]:match('^%d+$') then
@@ -89,8 +104,8 @@ local function report(prev, key)
   for _, i in ipairs(order) do
     local seq = cmds[i]
     n = n + 1
-    local ok, cmd = pcall(cjson.decode, cmds[i + 1])
-    local id = (ok and type(cmd) == 'table' and type(cmd.id) == 'string') and cmd.id or nil
+    local decoded, cmd = pcall(cjson.decode, cmds[i + 1])
+    local id = (decoded and type(cmd) == 'table' and type(cmd.id) == 'string') and cmd.id or nil
     redis.call('PUBLISH', 'fleetlink:events', '{"type":"rig_rebooted","rig_id":'
         .. cjson.encode(rig) .. ',"boot_id":' .. cjson.encode(prev) .. ',"new_boot_id":'
         .. cjson.encode(boot) .. ',"seq":' .. seq .. ',"id":'
@@ -100,35 +115,45 @@ local function report(prev, key)
   return n
 end
 
-local nxt = redis.pcall('HGET', sess, 'next')
-if type(nxt) ~= 'string' then
-  nxt = '0'
-end
-local recall = ''
-if nxt ~= '0' then
-  local r = redis.pcall('HGET', sess, 'r')
-  if type(r) == 'string' then
-    recall = r
+local function resume(sess, ptr, boot, rig)
+  local f = fields(sess)
+  local nxt = f['next']
+  if type(nxt) ~= 'string' then
+    nxt = '0'
   end
-end
-local cmds = unacked(sess)
-local rebooted, previous = 0, ''
-local prev = redis.pcall('GET', ptr)
-if type(prev) == 'string' and prev:match(BOOT) and prev ~= boot then
-  if newer(boot, prev) then
-    previous = prev
-    rebooted = report(prev, prefix .. prev)
-    redis.call('DEL', prefix .. prev)
+  local recall = ''
+  if nxt ~= '0' and type(f['r']) == 'string' then
+    recall = f['r']
+  end
+  local cmds = unacked(f)
+  local rebooted, previous = 0, ''
+  local prev = redis.pcall('GET', ptr)
+  if type(prev) == 'string' and prev:match(BOOT) and prev ~= boot then
+    if newer(boot, prev) then
+      local prefix = 'sess:' .. rig .. ':'
+      previous = prev
+      rebooted = report(rig, boot, prev, prefix .. prev)
+      redis.call('DEL', prefix .. prev)
+      redis.call('SET', ptr, boot, 'PX', ttl)
+    end
+  else
     redis.call('SET', ptr, boot, 'PX', ttl)
   end
-else
-  redis.call('SET', ptr, boot, 'PX', ttl)
+  if nxt == '0' then
+    -- A new session: record it, so the same boot saying hello anywhere later resumes it. An
+    -- "r" written after Redis had lost the session describes seqs of the session before: not
+    -- this one's.
+    if f['r'] ~= nil then
+      redis.call('HDEL', sess, 'r')
+    end
+    redis.call('HSET', sess, 'next', '1')
+  end
+  redis.call('PEXPIRE', sess, ttl)
+  return { nxt, cmds, rebooted, previous, recall }
 end
-if nxt == '0' then
-  -- A new session: record it, so the same boot saying hello anywhere later resumes it. An "r"
-  -- written after Redis had lost the session describes seqs of the session before: not this.
-  redis.call('HSET', sess, 'next', '1')
-  redis.call('HDEL', sess, 'r')
+
+local out = {}
+for i = 1, n do
+  out[i] = resume(KEYS[2 * i - 1], KEYS[2 * i], ARGV[2 * i + 2], ARGV[2 * i + 3])
 end
-redis.call('PEXPIRE', sess, ttl)
-return { nxt, cmds, rebooted, previous, recall }
+return out

@@ -12,7 +12,7 @@ use common::redis::RedisServer;
 use fleetlink::ids::{BootId, RigId};
 use fleetlink::registry::scripts::{
     broker_key, rig_key, tuple, HelloOutcome, Owner, RefreshStatus, RegistryError, Scripts,
-    REFRESH_CHUNK,
+    HELLO_CHUNK, REFRESH_CHUNK,
 };
 
 const TTL: Duration = Duration::from_secs(60);
@@ -525,15 +525,31 @@ fn scripts_reject_bad_arguments_before_writing() {
             .invoke(&mut con),
         hello
             .key("rig:a")
-            .arg(b.to_uppercase())
             .arg("fe")
             .arg("1000")
+            .arg(b.to_uppercase())
             .invoke(&mut con),
         hello
             .key("rig:a")
-            .arg(&b)
             .arg("fe")
             .arg("1e3")
+            .arg(&b)
+            .invoke(&mut con),
+        // One boot short for two keys; then a batch whose second boot alone is malformed.
+        hello
+            .key("rig:a")
+            .key("rig:b")
+            .arg("fe")
+            .arg("1000")
+            .arg(&b)
+            .invoke(&mut con),
+        hello
+            .key("rig:a")
+            .key("rig:b")
+            .arg("fe")
+            .arg("1000")
+            .arg(&b)
+            .arg("not-a-boot")
             .invoke(&mut con),
         broker.key("broker:fe").arg("{}").arg("-5").invoke(&mut con),
         release
@@ -911,4 +927,112 @@ fn resume_hands_back_what_the_last_broker_remembered() {
         (Some(Seq(1)), None),
         "gone for good"
     );
+}
+
+/// A storm's hellos cost Redis one `hello.lua` call per chunk, not one per rig, and the batch
+/// answers each hello as its own call would: in order, so that a rig's older boot later in the
+/// batch (here in the next chunk) meets the newer boot claimed before it.
+#[test]
+fn a_batch_of_hellos_is_one_script_call_per_chunk_answered_in_order() {
+    let (_server, mut con, scripts) = setup();
+    let n = HELLO_CHUNK + 44;
+    let rigs: Vec<RigId> = (0..n).map(|i| rig(&format!("rig-{i:04}"))).collect();
+    let (old, new) = (boot(1), boot(2));
+    let mut entries: Vec<(&RigId, &BootId)> = rigs.iter().map(|r| (r, &new)).collect();
+    // rig-0007 again, with an older boot, past the first chunk; rig-0008 again, same boot.
+    entries.push((&rigs[7], &old));
+    entries.push((&rigs[8], &new));
+    run(&mut con, &["CONFIG", "RESETSTAT"]);
+    let out: Vec<HelloOutcome> = scripts
+        .hello_many(&mut con, &entries, "fe-a", TTL)
+        .unwrap()
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    assert_eq!(out.len(), n + 2);
+    assert!(out[..n]
+        .iter()
+        .all(|o| *o == HelloOutcome::Owned { previous: None }));
+    let mine = Owner {
+        boot_id: new.to_string(),
+        broker_id: "fe-a".into(),
+    };
+    assert_eq!(
+        out[n],
+        HelloOutcome::Older {
+            current: mine.clone()
+        }
+    );
+    assert_eq!(
+        out[n + 1],
+        HelloOutcome::Owned {
+            previous: Some(mine)
+        }
+    );
+    assert_eq!(
+        calls(&mut con, "evalsha"),
+        (n + 2).div_ceil(HELLO_CHUNK) as u64
+    );
+    assert_eq!(
+        calls(&mut con, "set"),
+        n as u64 + 1,
+        "the older boot wrote nothing"
+    );
+    for r in [&rigs[0], &rigs[7], &rigs[n - 1]] {
+        assert_eq!(get(&mut con, &rig_key(r)), Some(tuple(&new, "fe-a")));
+    }
+}
+
+/// A batch of resumes is one `resume.lua` call per chunk, and each rig's entry is its own:
+/// a new session, a session with a command to hand back, and a newer boot whose older session
+/// is reported, each in another chunk of the same batch.
+#[test]
+fn a_batch_of_resumes_is_one_script_call_per_chunk_each_rig_its_own() {
+    use fleetlink::ids::Seq;
+    use fleetlink::registry::sessions::{SessionScripts, RESUME_CHUNK};
+    let (_server, mut con, _) = setup();
+    let sessions = SessionScripts::new();
+    let n = 2 * RESUME_CHUNK + 10;
+    let rigs: Vec<RigId> = (0..n).map(|i| rig(&format!("rig-{i:04}"))).collect();
+    let (old, new) = (boot(1), boot(2));
+    // rig-0000 has a session with a command in it; rig-(last) an older boot's session with one.
+    let with_cmd = &rigs[0];
+    let rebooted = &rigs[n - 1];
+    for (r, b) in [(with_cmd, &new), (rebooted, &old)] {
+        sessions.resume(&mut con, r, b, TTL, "fe-a").unwrap();
+        let _: () = redis::cmd("HSET")
+            .arg(format!("sess:{r}:{b}"))
+            .arg("c:1")
+            .arg(r#"{"type":"command","seq":1,"id":"x","name":"n","args":{}}"#)
+            .arg("next")
+            .arg("2")
+            .query(&mut con)
+            .unwrap();
+    }
+    run(&mut con, &["CONFIG", "RESETSTAT"]);
+    let entries: Vec<(&RigId, &BootId)> = rigs.iter().map(|r| (r, &new)).collect();
+    let found = sessions
+        .resume_many(&mut con, &entries, TTL, "fe-b")
+        .unwrap();
+    assert_eq!(found.len(), n);
+    assert_eq!(calls(&mut con, "evalsha"), n.div_ceil(RESUME_CHUNK) as u64);
+    let first = found[0].as_ref().unwrap();
+    assert_eq!(first.next, Some(Seq(2)));
+    assert_eq!(first.commands.len(), 1);
+    assert_eq!(first.commands[0].0, Seq(1));
+    let last = found[n - 1].as_ref().unwrap();
+    assert_eq!((last.next, last.rebooted), (None, 1));
+    assert_eq!(last.previous_boot.as_deref(), Some(old.as_str()));
+    for f in &found[1..n - 1] {
+        let f = f.as_ref().unwrap();
+        assert_eq!((f.next, f.commands.len(), f.rebooted), (None, 0, 0));
+    }
+    // Every session is recorded for its boot now: a second batch resumes each of them.
+    let again = sessions
+        .resume_many(&mut con, &entries, TTL, "fe-b")
+        .unwrap();
+    assert!(again[1..]
+        .iter()
+        .all(|f| f.as_ref().unwrap().next == Some(Seq(1))));
+    assert_eq!(again[0].as_ref().unwrap().next, Some(Seq(2)));
 }

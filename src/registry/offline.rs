@@ -124,18 +124,24 @@ impl OfflineScripts {
         entries: &[(&RigId, &Held, Duration)],
         broker_id: &str,
     ) -> Result<Vec<Result<Pushed, RegistryError>>, RegistryError> {
-        let replies = evalsha_many(con, &self.push, entries, 2, |call, (rig, entry, ttl)| {
-            call.arg(offline_key(rig))
-                .arg(crate::registry::scripts::rig_key(rig))
-                .arg(serde_json::to_string(entry).unwrap_or_default())
-                .arg(MAX_PER_RIG)
-                .arg(
-                    (*ttl + LIST_GRACE)
-                        .as_millis()
-                        .clamp(1, 999_999_999_999_999) as u64,
-                )
-                .arg(broker_id);
-        })?;
+        let replies = evalsha_many(
+            con,
+            &self.push,
+            entries,
+            |_| 2,
+            |call, (rig, entry, ttl)| {
+                call.arg(offline_key(rig))
+                    .arg(crate::registry::scripts::rig_key(rig))
+                    .arg(serde_json::to_string(entry).unwrap_or_default())
+                    .arg(MAX_PER_RIG)
+                    .arg(
+                        (*ttl + LIST_GRACE)
+                            .as_millis()
+                            .clamp(1, 999_999_999_999_999) as u64,
+                    )
+                    .arg(broker_id);
+            },
+        )?;
         Ok(replies
             .into_iter()
             .map(|reply| match reply? {

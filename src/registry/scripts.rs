@@ -21,6 +21,10 @@ use crate::ids::{BootId, RigId};
 /// tests/lua_scripts.rs), so a broker with 19,000 rigs sends 19 short calls, not one 27 ms one.
 pub const REFRESH_CHUNK: usize = 1000;
 
+/// Most hellos in one `hello.lua` call: about a millisecond of Redis time (3-4 µs each), so a
+/// storm's batch of a thousand hellos is a few short calls in one pipeline.
+pub const HELLO_CHUNK: usize = 256;
+
 /// Longest TTL the scripts accept (they take at most 15 decimal digits of milliseconds).
 const MAX_TTL_MS: u128 = 999_999_999_999_999;
 
@@ -126,10 +130,11 @@ impl Scripts {
         )
     }
 
-    /// [`Self::hello`] for many rigs in one round trip (a pipeline of EVALSHAs, which Redis
-    /// runs in order): one outcome per entry, in order. A storm's hellos then cost the bridge a
-    /// round trip per batch, not per rig. An entry's own error fails only that entry; `Err`
-    /// means Redis itself failed.
+    /// [`Self::hello`] for many rigs in one round trip: one `hello.lua` call per
+    /// [`HELLO_CHUNK`] hellos, pipelined (Redis runs them in order). One outcome per entry, in
+    /// order. A storm's hellos then cost the bridge a round trip per batch, and Redis a
+    /// script call per chunk, not per rig. A call's error fails the entries of its chunk
+    /// alone; `Err` means Redis itself failed.
     pub fn hello_many(
         &self,
         con: &mut impl ConnectionLike,
@@ -138,16 +143,27 @@ impl Scripts {
         ttl: Duration,
     ) -> Result<Vec<Result<HelloOutcome, RegistryError>>, RegistryError> {
         let ttl = ttl_ms(ttl);
-        let replies = evalsha_many(con, &self.hello, entries, 1, |call, (rig, boot)| {
-            call.arg(rig_key(rig))
-                .arg(boot.as_str())
-                .arg(broker_id)
-                .arg(ttl);
-        })?;
-        Ok(replies
-            .into_iter()
-            .map(|reply| parse_hello(&reply?))
-            .collect())
+        let chunks: Vec<&[(&RigId, &BootId)]> = entries.chunks(HELLO_CHUNK).collect();
+        let replies = evalsha_many(
+            con,
+            &self.hello,
+            &chunks,
+            |chunk| chunk.len(),
+            |call, chunk| {
+                for (rig, _) in chunk.iter() {
+                    call.arg(rig_key(rig));
+                }
+                call.arg(broker_id).arg(ttl);
+                for (_, boot) in chunk.iter() {
+                    call.arg(boot.as_str());
+                }
+            },
+        )?;
+        let mut out = Vec::with_capacity(entries.len());
+        for (chunk, reply) in chunks.iter().zip(replies) {
+            out.extend(per_entry("hello", chunk.len(), reply, parse_hello));
+        }
+        Ok(out)
     }
 
     /// Extends the lease of every `(rig, boot)` this broker holds, in calls of at most
@@ -295,6 +311,29 @@ pub(crate) fn only<T>(
         .unwrap_or_else(|| Err(RegistryError::UnexpectedReply(format!("{what}: no reply"))))
 }
 
+/// The entries of one batched script call: its reply is an array of `n` entries, each parsed
+/// by `parse`. A failed call, or a reply of another length, fails every entry of the batch.
+pub(crate) fn per_entry<T>(
+    what: &str,
+    n: usize,
+    reply: Result<Value, RegistryError>,
+    parse: impl Fn(&Value) -> Result<T, RegistryError>,
+) -> Vec<Result<T, RegistryError>> {
+    let failed = |why: String| {
+        (0..n)
+            .map(|_| Err(RegistryError::UnexpectedReply(why.clone())))
+            .collect()
+    };
+    match reply {
+        Ok(Value::Array(items)) if items.len() == n => items.iter().map(parse).collect(),
+        Ok(other) => failed(format!(
+            "{what}.lua answered {} ({n} entries expected)",
+            shown(&other)
+        )),
+        Err(e) => failed(format!("{what}.lua failed: {e}")),
+    }
+}
+
 /// Runs `script` once per item, all in one pipeline (one round trip, run by Redis in order):
 /// `args` adds an item's `numkeys` keys, then its ARGV, to its EVALSHA. Returns each call's
 /// reply in order, a script's error reply as that entry's `Err`. Scripts are loaded at
@@ -306,7 +345,7 @@ pub fn evalsha_many<T>(
     con: &mut impl ConnectionLike,
     script: &Script,
     items: &[T],
-    numkeys: usize,
+    numkeys: impl Fn(&T) -> usize,
     args: impl Fn(&mut redis::Cmd, &T),
 ) -> Result<Vec<Result<Value, RegistryError>>, RegistryError> {
     let n = items.len();
@@ -318,7 +357,7 @@ pub fn evalsha_many<T>(
         .iter()
         .map(|item| {
             let mut call = redis::cmd("EVALSHA");
-            call.arg(script.get_hash()).arg(numkeys);
+            call.arg(script.get_hash()).arg(numkeys(item));
             args(&mut call, item);
             call.get_packed_command()
         })
@@ -392,6 +431,11 @@ fn lossy(v: &Value) -> Option<String> {
 
 /// The error for a reply of the wrong shape, quoting (the start of) what arrived.
 fn unexpected(script: &str, reply: &Value) -> RegistryError {
+    RegistryError::UnexpectedReply(format!("{script}.lua answered {}", shown(reply)))
+}
+
+/// A reply as text for an error, cut at 200 bytes.
+fn shown(reply: &Value) -> String {
     let mut shown = format!("{reply:?}");
     if shown.len() > 200 {
         let cut = (0..=200)
@@ -401,7 +445,7 @@ fn unexpected(script: &str, reply: &Value) -> RegistryError {
         shown.truncate(cut);
         shown.push('…');
     }
-    RegistryError::UnexpectedReply(format!("{script}.lua answered {shown}"))
+    shown
 }
 
 #[cfg(test)]
@@ -460,9 +504,15 @@ mod tests {
             sent: Vec::new(),
         };
         let script = Script::new("return 1");
-        let out = evalsha_many(&mut con, &script, &[1, 2, 3], 0, |c, i| {
-            c.arg(*i);
-        })
+        let out = evalsha_many(
+            &mut con,
+            &script,
+            &[1, 2, 3],
+            |_| 0,
+            |c, i| {
+                c.arg(*i);
+            },
+        )
         .expect("replies");
         let texts: Vec<String> = out
             .into_iter()

@@ -17,10 +17,14 @@ use redis::{ConnectionLike, Script, Value};
 
 use crate::ids::{BootId, RigId, Seq};
 use crate::registry::msg::Recall;
-use crate::registry::scripts::{evalsha_many, only, rig_key, tuple, RegistryError};
+use crate::registry::scripts::{evalsha_many, only, per_entry, rig_key, tuple, RegistryError};
 
 /// Commands sent in one persist call.
 pub const PERSIST_CHUNK: usize = 500;
+/// Most sessions read in one `resume.lua` call. A new session costs the script 5 writes and
+/// reads; one with commands to hand back or a reboot to report, more: 128 keeps a call to about
+/// a millisecond of Redis time.
+pub const RESUME_CHUNK: usize = 128;
 /// Sessions put back per round trip after Redis lost them.
 pub const REKEEP_CHUNK: usize = 100;
 /// Sessions whose TTL one round trip extends.
@@ -244,8 +248,9 @@ impl SessionScripts {
         )
     }
 
-    /// [`Self::resume`] for many sessions in one round trip (a pipeline, run in order): one
-    /// result per entry, in order; an entry's own error fails only that entry.
+    /// [`Self::resume`] for many sessions in one round trip: one `resume.lua` call per
+    /// [`RESUME_CHUNK`] sessions, pipelined (run in order). One result per entry, in order; a
+    /// call's error fails the entries of its chunk alone.
     pub fn resume_many(
         &self,
         con: &mut impl ConnectionLike,
@@ -255,24 +260,30 @@ impl SessionScripts {
     ) -> Result<Vec<Result<Resumed, RegistryError>>, RegistryError> {
         let ttl = ttl_ms(ttl);
         let at = crate::reply::rfc3339(std::time::SystemTime::now());
-        let replies = evalsha_many(con, &self.resume, entries, 2, |call, (rig, boot)| {
-            call.arg(session_key(rig, boot))
-                .arg(pointer_key(rig))
-                .arg(boot.as_str())
-                .arg(ttl)
-                .arg(format!("sess:{rig}:"))
-                .arg(broker_id)
-                .arg(rig.as_str())
-                .arg(&at);
-        })?;
-        Ok(replies
-            .into_iter()
-            .map(|reply| {
-                let reply = reply?;
-                parse_resumed(&reply)
-                    .ok_or_else(|| RegistryError::UnexpectedReply(format!("resume: {reply:?}")))
-            })
-            .collect())
+        let chunks: Vec<&[(&RigId, &BootId)]> = entries.chunks(RESUME_CHUNK).collect();
+        let replies = evalsha_many(
+            con,
+            &self.resume,
+            &chunks,
+            |chunk| 2 * chunk.len(),
+            |call, chunk| {
+                for (rig, boot) in chunk.iter() {
+                    call.arg(session_key(rig, boot)).arg(pointer_key(rig));
+                }
+                call.arg(ttl).arg(broker_id).arg(&at);
+                for (rig, boot) in chunk.iter() {
+                    call.arg(boot.as_str()).arg(rig.as_str());
+                }
+            },
+        )?;
+        let mut out = Vec::with_capacity(entries.len());
+        for (chunk, reply) in chunks.iter().zip(replies) {
+            out.extend(per_entry("resume", chunk.len(), reply, |entry| {
+                parse_resumed(entry)
+                    .ok_or_else(|| RegistryError::UnexpectedReply(format!("resume: {entry:?}")))
+            }));
+        }
+        Ok(out)
     }
 }
 

@@ -248,17 +248,18 @@ impl Fleet {
         format!("{boot_id}|{}", self.broker_id)
     }
 
-    /// hello.lua: claims `rig_id` for `boot_id` here unless a newer boot owns it.
+    /// hello.lua: claims `rig_id` for `boot_id` here unless a newer boot owns it. The script
+    /// takes a batch of hellos; a task per connection sends its own, a batch of one.
     pub async fn hello(&self, rig_id: &str, boot_id: &str) -> RedisResult<HelloOutcome> {
         let r = self
             .hello
             .key(rig_key(rig_id))
-            .arg(boot_id)
             .arg(&self.broker_id)
             .arg(self.ttl_ms)
-            .invoke_async::<(String, Vec<u8>)>(&mut self.con())
+            .arg(boot_id)
+            .invoke_async::<((String, Vec<u8>),)>(&mut self.con())
             .await;
-        let (status, previous) = self.check(r)?;
+        let ((status, previous),) = self.check(r)?;
         match status.as_str() {
             "ok" => Ok(HelloOutcome::Owned {
                 evict: broker_to_evict(&String::from_utf8_lossy(&previous), &self.broker_id),
