@@ -70,6 +70,17 @@ impl Server {
         self.proc.cpu()
     }
 
+    /// Zeroes the counts [`Server::scripts`] reads.
+    pub(crate) fn reset_stats(&self) -> Result<()> {
+        self.cli(&["CONFIG", "RESETSTAT"]).map(drop)
+    }
+
+    /// Script calls since [`Server::reset_stats`] and the time Redis spent in them by its own
+    /// count (`INFO commandstats`, EVALSHA and EVAL: the scripts' own commands included).
+    pub(crate) fn scripts(&self) -> Result<ScriptStats> {
+        Ok(script_stats(&self.cli(&["INFO", "commandstats"])?))
+    }
+
     /// One command through `redis-cli`; its reply, trimmed.
     fn cli(&self, args: &[&str]) -> Result<String> {
         let out = Command::new("redis-cli")
@@ -87,9 +98,52 @@ impl Server {
     }
 }
 
+/// Script calls and the microseconds Redis spent in them.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct ScriptStats {
+    pub(crate) calls: u64,
+    pub(crate) usec: u64,
+}
+
+/// Sums the `cmdstat_evalsha` and `cmdstat_eval` lines of `INFO commandstats`.
+fn script_stats(info: &str) -> ScriptStats {
+    let mut out = ScriptStats::default();
+    for line in info.lines() {
+        let Some((name, fields)) = line.trim().split_once(':') else {
+            continue;
+        };
+        if name != "cmdstat_evalsha" && name != "cmdstat_eval" {
+            continue;
+        }
+        for field in fields.split(',') {
+            match field.split_once('=') {
+                Some(("calls", v)) => out.calls += v.parse::<u64>().unwrap_or(0),
+                Some(("usec", v)) => out.usec += v.parse::<u64>().unwrap_or(0),
+                _ => {}
+            }
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn script_stats_sum_eval_and_evalsha() {
+        let info = "# Commandstats\r\ncmdstat_get:calls=9,usec=9,usec_per_call=1.00\r\n\
+                    cmdstat_evalsha:calls=79,usec=33586,usec_per_call=425.14,rejected_calls=0\r\n\
+                    cmdstat_eval:calls=2,usec=14,usec_per_call=7.00\r\n";
+        assert_eq!(
+            script_stats(info),
+            ScriptStats {
+                calls: 81,
+                usec: 33600
+            }
+        );
+        assert_eq!(script_stats(""), ScriptStats::default());
+    }
 
     #[test]
     fn counts_keys_by_pattern_and_flushes_them() {
@@ -105,6 +159,12 @@ mod tests {
         server.flush().unwrap();
         assert_eq!(server.count("rig:*").unwrap(), 0);
         assert!(server.cpu().is_ok());
+        server.reset_stats().unwrap();
+        server
+            .cli(&["EVAL", "return redis.call('GET', KEYS[1])", "1", "rig:a"])
+            .unwrap();
+        let stats = server.scripts().unwrap();
+        assert_eq!(stats.calls, 1, "{stats:?}");
         drop(server);
         let _ = std::fs::remove_dir_all(&dir);
     }

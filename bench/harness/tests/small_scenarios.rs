@@ -128,6 +128,16 @@ fn accept_storm_standalone_and_in_fleet_mode() {
             "{run}"
         );
         assert_eq!(run["redis_cpu_s"].is_number(), fleet, "{run}");
+        // The baseline runs hello.lua once per rig; fleetlink-fe a call per batch of hellos
+        // (and one more for their sessions).
+        let calls = run["redis_script_calls"].as_u64();
+        match run["broker"].as_str() {
+            Some("tokio-baseline-redis-rb4096") => {
+                assert!(calls.is_some_and(|c| c >= 300), "{run}")
+            }
+            Some("fleetlink-fe-redis") => assert!(calls.is_some_and(|c| c < 300), "{run}"),
+            _ => assert_eq!(calls, None, "{run}"),
+        }
     }
 }
 

@@ -81,6 +81,9 @@ fn storm(ctx: &Ctx, o: &Opts, spec: &Spec, round: usize) -> Result<Value> {
     crate::proc::sleep(Duration::from_millis(500))?; // past start-up work
     let redis = if spec.redis { Some(ctx.redis()?) } else { None };
     let redis_cpu0 = redis.map(|r| r.cpu()).transpose()?;
+    if let Some(r) = redis {
+        r.reset_stats()?;
+    }
     let cpu0 = broker.cpu()?;
     let opts = RigsOpts {
         rigs: o.rigs,
@@ -96,6 +99,7 @@ fn storm(ctx: &Ctx, o: &Opts, spec: &Spec, round: usize) -> Result<Value> {
         (Some(r), Some(c0)) => Some((r.cpu()? - c0).as_secs_f64()),
         _ => None,
     };
+    let scripts = redis.map(|r| r.scripts()).transpose()?;
     // An incomplete ramp can never list all N: read the count once.
     let wait = match ramp.end {
         RampEnd::AllWelcomed => Duration::from_secs(30),
@@ -134,6 +138,8 @@ fn storm(ctx: &Ctx, o: &Opts, spec: &Spec, round: usize) -> Result<Value> {
         "leases_in_redis": leases,
         "cpu_s": cpu_welcomed.as_secs_f64(),
         "redis_cpu_s": redis_cpu,
+        "redis_script_calls": scripts.map(|s| s.calls),
+        "redis_script_ms": scripts.map(|s| s.usec as f64 / 1e3),
         "cpu_to_listed_s": cpu_listed.as_secs_f64(),
         "loadgen_ramp_ms": report["ramp_ms"],
         "welcomed": u(&report, "welcomed"),
@@ -157,11 +163,13 @@ fn summarize(ctx: &Ctx, o: &Opts, brokers: &[Spec], runs: Vec<Value>) -> (Value,
          flight, 16 source addresses), {} rounds, brokers alternating. Time = loadgen start to \
          `GET /v1/rigs` listing all rigs, and for the `-redis` (fleet-mode) brokers every \
          `rig:<id>` lease in Redis too (medians, s); CPU = broker utime+stime from start to \
-         ALL_WELCOMED (median CPU-s), Redis's own beside it in fleet mode. Bucket on = \
+         ALL_WELCOMED (median CPU-s), Redis's own beside it in fleet mode, with the time Redis \
+         spent in the registry's scripts by its own count (`INFO commandstats`) and their calls. \
+         Bucket on = \
          `--accept-rate 2000 --accept-burst 500`: its time includes the 5–15 s Retry-After \
          waits the loadgen honours.\n\n\
-         | broker | complete | time (s) | per round | CPU-s | per round | Redis CPU-s | handshake p50 / p99 (ms) | 503 retries | failed | time, CPU vs {reference} |\n\
-         |---|---|---|---|---|---|---|---|---|---|---|\n",
+         | broker | complete | time (s) | per round | CPU-s | per round | Redis CPU-s | Redis scripts: ms (calls) | handshake p50 / p99 (ms) | 503 retries | failed | time, CPU vs {reference} |\n\
+         |---|---|---|---|---|---|---|---|---|---|---|---|\n",
         o.rigs, o.procs, o.concurrency, ctx.rounds
     );
     for spec in brokers {
@@ -182,13 +190,22 @@ fn summarize(ctx: &Ctx, o: &Opts, brokers: &[Spec], runs: Vec<Value>) -> (Value,
             med(reference, "cpu_s"),
         );
         md += &format!(
-            "| {b} | {complete}/{n} | {} | {} | {} | {} | {} | {} / {} | {} | {} | {}, {} |\n",
+            "| {b} | {complete}/{n} | {} | {} | {} | {} | {} | {} | {} / {} | {} | {} | {}, {} |\n",
             fmt(t, 2),
             list(&secs, 2),
             fmt(cpu, 2),
             list(&series(&runs, b, "cpu_s"), 2),
             if spec.redis {
                 fmt(med(b, "redis_cpu_s"), 2)
+            } else {
+                "—".to_string()
+            },
+            if spec.redis {
+                format!(
+                    "{} ({})",
+                    fmt(med(b, "redis_script_ms"), 1),
+                    fmt(med(b, "redis_script_calls"), 0)
+                )
             } else {
                 "—".to_string()
             },
@@ -203,6 +220,8 @@ fn summarize(ctx: &Ctx, o: &Opts, brokers: &[Spec], runs: Vec<Value>) -> (Value,
             b.into(),
             json!({"runs": n, "complete": complete, "registered_s_median": t, "cpu_s_median": cpu,
                    "redis_cpu_s_median": med(b, "redis_cpu_s"),
+                   "redis_script_ms_median": med(b, "redis_script_ms"),
+                   "redis_script_calls_median": med(b, "redis_script_calls"),
                    "welcomed_ms_median": med(b, "welcomed_ms"),
                    "loadgen_ramp_ms_median": med(b, "loadgen_ramp_ms"),
                    "handshake_p50_us_median": hs50, "handshake_p99_us_median": hs99,
@@ -220,7 +239,8 @@ fn summarize(ctx: &Ctx, o: &Opts, brokers: &[Spec], runs: Vec<Value>) -> (Value,
                    it lists all N, and in fleet mode until Redis holds all N rig:<id> leases \
                    (a SCAN inside Redis every 100 ms): registered_ms (cpu_to_listed_s includes those \
                    GETs). redis_cpu_s = redis-server utime+stime over the same span as cpu_s, \
-                   fleet mode only; Redis is emptied before each session. Summary = \
+                   fleet mode only, with redis_script_ms/_calls from INFO commandstats (EVALSHA and \
+                   EVAL, reset when the span opens); Redis is emptied before each session. Summary = \
                    medians over rounds; ratios vs fleetlink-fe-bucket-off.",
         "summary": summary,
         "runs": runs,
