@@ -523,34 +523,6 @@ fn scripts_reject_bad_arguments_before_writing() {
             .arg("1000")
             .arg(format!("{b}|fe"))
             .invoke(&mut con),
-        hello
-            .key("rig:a")
-            .arg("fe")
-            .arg("1000")
-            .arg(b.to_uppercase())
-            .invoke(&mut con),
-        hello
-            .key("rig:a")
-            .arg("fe")
-            .arg("1e3")
-            .arg(&b)
-            .invoke(&mut con),
-        // One boot short for two keys; then a batch whose second boot alone is malformed.
-        hello
-            .key("rig:a")
-            .key("rig:b")
-            .arg("fe")
-            .arg("1000")
-            .arg(&b)
-            .invoke(&mut con),
-        hello
-            .key("rig:a")
-            .key("rig:b")
-            .arg("fe")
-            .arg("1000")
-            .arg(&b)
-            .arg("not-a-boot")
-            .invoke(&mut con),
         broker.key("broker:fe").arg("{}").arg("-5").invoke(&mut con),
         release
             .key("rig:a")
@@ -558,6 +530,26 @@ fn scripts_reject_bad_arguments_before_writing() {
             .arg(format!("{b}|fe"))
             .invoke(&mut con),
     ];
+    // hello.lua: a boot not in canonical form, a ttl that is not an integer, one boot short
+    // for two keys, then a batch whose second boot alone is malformed.
+    let upper = b.to_uppercase();
+    let hellos: [(&[&str], Vec<&str>); 4] = [
+        (&["rig:a"], vec!["fe", "1000", &upper]),
+        (&["rig:a"], vec!["fe", "1e3", &b]),
+        (&["rig:a", "rig:b"], vec!["fe", "1000", &b]),
+        (&["rig:a", "rig:b"], vec!["fe", "1000", &b, "not-a-boot"]),
+    ];
+    let mut bad = bad;
+    for (keys, argv) in hellos {
+        let mut call = hello.prepare_invoke();
+        for key in keys {
+            call.key(*key);
+        }
+        for arg in argv {
+            call.arg(arg);
+        }
+        bad.push(call.invoke(&mut con));
+    }
     for reply in bad {
         let err = reply.expect_err("bad ARGV must be an error reply");
         assert!(err.to_string().contains("fleetlink"), "{err}");
