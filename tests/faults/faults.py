@@ -20,6 +20,7 @@ while another worker's benchmark runs (`latency.sh|tls.sh|density.sh|fleetlink-b
 
 import argparse
 import atexit
+import ctypes
 import json
 import os
 import queue
@@ -47,6 +48,20 @@ CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 STARTED = []  # every Proc we started; stopped at exit
 
+_LIBC = ctypes.CDLL(None, use_errno=True)
+_SCRIPT_PID = os.getpid()
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent():
+    """In the child, before exec: SIGKILL when this script dies, however it dies. atexit and the
+    SIGTERM handler stop children in order, but a SIGKILL of this script runs neither. Every
+    Proc is started from the main thread, whose exit is the script's (the signal follows the
+    thread that forked, not the process)."""
+    _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != _SCRIPT_PID:
+        os._exit(1)  # the script died before the prctl: nothing would ever stop this child
+
 
 class Proc:
     """A child process with its stdout/stderr in files under the run's work dir."""
@@ -65,6 +80,7 @@ class Proc:
             stderr=self.err,
             stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
             env=full_env,
+            preexec_fn=_die_with_parent,
         )
         STARTED.append(self)
 
