@@ -143,27 +143,24 @@ impl Scripts {
         ttl: Duration,
     ) -> Result<Vec<Result<HelloOutcome, RegistryError>>, RegistryError> {
         let ttl = ttl_ms(ttl);
-        let chunks: Vec<&[(&RigId, &BootId)]> = entries.chunks(HELLO_CHUNK).collect();
-        let replies = evalsha_many(
+        evalsha_chunks(
             con,
             &self.hello,
-            &chunks,
-            |chunk| chunk.len(),
+            "hello",
+            entries,
+            HELLO_CHUNK,
+            1,
             |call, chunk| {
-                for (rig, _) in chunk.iter() {
+                for (rig, _) in chunk {
                     call.arg(rig_key(rig));
                 }
                 call.arg(broker_id).arg(ttl);
-                for (_, boot) in chunk.iter() {
+                for (_, boot) in chunk {
                     call.arg(boot.as_str());
                 }
             },
-        )?;
-        let mut out = Vec::with_capacity(entries.len());
-        for (chunk, reply) in chunks.iter().zip(replies) {
-            out.extend(per_entry("hello", chunk.len(), reply, parse_hello));
-        }
-        Ok(out)
+            parse_hello,
+        )
     }
 
     /// Extends the lease of every `(rig, boot)` this broker holds, in calls of at most
@@ -311,27 +308,48 @@ pub(crate) fn only<T>(
         .unwrap_or_else(|| Err(RegistryError::UnexpectedReply(format!("{what}: no reply"))))
 }
 
-/// The entries of one batched script call: its reply is an array of `n` entries, each parsed
-/// by `parse`. A failed call, or a reply of another length, fails every entry of the batch.
-pub(crate) fn per_entry<T>(
+/// Runs a script that takes a batch of entries (`keys_each` keys per entry), one call per
+/// `chunk` entries, all calls in one pipeline ([`evalsha_many`]): `args` adds a chunk's keys,
+/// then its ARGV. The reply of each call is an array with one entry per entry of its chunk,
+/// each parsed by `parse`; the results come back in `entries` order. A failed call, or a reply
+/// of another length, fails the entries of its chunk alone; `Err` means Redis itself failed.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn evalsha_chunks<E, T>(
+    con: &mut impl ConnectionLike,
+    script: &Script,
     what: &str,
-    n: usize,
-    reply: Result<Value, RegistryError>,
+    entries: &[E],
+    chunk: usize,
+    keys_each: usize,
+    args: impl Fn(&mut redis::Cmd, &[E]),
     parse: impl Fn(&Value) -> Result<T, RegistryError>,
-) -> Vec<Result<T, RegistryError>> {
-    let failed = |why: String| {
-        (0..n)
-            .map(|_| Err(RegistryError::UnexpectedReply(why.clone())))
-            .collect()
-    };
-    match reply {
-        Ok(Value::Array(items)) if items.len() == n => items.iter().map(parse).collect(),
-        Ok(other) => failed(format!(
-            "{what}.lua answered {} ({n} entries expected)",
-            shown(&other)
-        )),
-        Err(e) => failed(format!("{what}.lua failed: {e}")),
+) -> Result<Vec<Result<T, RegistryError>>, RegistryError> {
+    let chunks: Vec<&[E]> = entries.chunks(chunk.max(1)).collect();
+    let replies = evalsha_many(
+        con,
+        script,
+        &chunks,
+        |c| keys_each * c.len(),
+        |call, c| args(call, c),
+    )?;
+    let mut out = Vec::with_capacity(entries.len());
+    for (c, reply) in chunks.iter().zip(replies) {
+        let n = c.len();
+        let failed = |why: String| {
+            (0..n)
+                .map(|_| Err(RegistryError::UnexpectedReply(why.clone())))
+                .collect::<Vec<_>>()
+        };
+        out.extend(match reply {
+            Ok(Value::Array(items)) if items.len() == n => items.iter().map(&parse).collect(),
+            Ok(other) => failed(format!(
+                "{what}.lua answered {} ({n} entries expected)",
+                shown(&other)
+            )),
+            Err(e) => failed(format!("{what}.lua failed: {e}")),
+        });
     }
+    Ok(out)
 }
 
 /// Runs `script` once per item, all in one pipeline (one round trip, run by Redis in order):
@@ -486,6 +504,58 @@ mod tests {
         fn is_open(&self) -> bool {
             true
         }
+    }
+
+    /// A batched call's reply is split among its chunk's entries; a call that failed, or
+    /// answered for another number of entries, fails its own chunk's entries and no others.
+    #[test]
+    fn a_chunk_that_fails_fails_its_own_entries_alone() {
+        let ok = |s: &str| Value::SimpleString(s.into());
+        let busy = redis::parse_redis_value(b"-BUSY Redis is busy running a script.\r\n")
+            .expect("an error reply");
+        let mut con = Canned {
+            replies: vec![vec![
+                Value::Array(vec![ok("a"), ok("b")]),
+                Value::Array(vec![ok("c")]),
+                busy,
+                Value::Array(vec![ok("g"), ok("h")]),
+            ]],
+            sent: Vec::new(),
+        };
+        let script = Script::new("return 1");
+        let entries = [1, 2, 3, 4, 5, 6, 7, 8];
+        let out = evalsha_chunks(
+            &mut con,
+            &script,
+            "test",
+            &entries,
+            2,
+            1,
+            |call, chunk| {
+                for e in chunk {
+                    call.arg(*e);
+                }
+            },
+            |v| {
+                text(v)
+                    .map(str::to_string)
+                    .ok_or_else(|| unexpected("test", v))
+            },
+        )
+        .expect("replies");
+        assert_eq!(con.sent, [4], "one pipeline of four calls");
+        let got: Vec<Option<String>> = out.into_iter().map(Result::ok).collect();
+        let want = [
+            Some("a"),
+            Some("b"),
+            None,
+            None,
+            None,
+            None,
+            Some("g"),
+            Some("h"),
+        ];
+        assert_eq!(got, want.map(|w| w.map(str::to_string)));
     }
 
     /// A `SCRIPT FLUSH` in the middle of a pipeline: the entries before it ran, and only the

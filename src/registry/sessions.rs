@@ -17,7 +17,7 @@ use redis::{ConnectionLike, Script, Value};
 
 use crate::ids::{BootId, RigId, Seq};
 use crate::registry::msg::Recall;
-use crate::registry::scripts::{evalsha_many, only, per_entry, rig_key, tuple, RegistryError};
+use crate::registry::scripts::{evalsha_chunks, only, rig_key, tuple, RegistryError};
 
 /// Commands sent in one persist call.
 pub const PERSIST_CHUNK: usize = 500;
@@ -260,30 +260,27 @@ impl SessionScripts {
     ) -> Result<Vec<Result<Resumed, RegistryError>>, RegistryError> {
         let ttl = ttl_ms(ttl);
         let at = crate::reply::rfc3339(std::time::SystemTime::now());
-        let chunks: Vec<&[(&RigId, &BootId)]> = entries.chunks(RESUME_CHUNK).collect();
-        let replies = evalsha_many(
+        evalsha_chunks(
             con,
             &self.resume,
-            &chunks,
-            |chunk| 2 * chunk.len(),
+            "resume",
+            entries,
+            RESUME_CHUNK,
+            2,
             |call, chunk| {
-                for (rig, boot) in chunk.iter() {
+                for (rig, boot) in chunk {
                     call.arg(session_key(rig, boot)).arg(pointer_key(rig));
                 }
                 call.arg(ttl).arg(broker_id).arg(&at);
-                for (rig, boot) in chunk.iter() {
+                for (rig, boot) in chunk {
                     call.arg(boot.as_str()).arg(rig.as_str());
                 }
             },
-        )?;
-        let mut out = Vec::with_capacity(entries.len());
-        for (chunk, reply) in chunks.iter().zip(replies) {
-            out.extend(per_entry("resume", chunk.len(), reply, |entry| {
+            |entry| {
                 parse_resumed(entry)
                     .ok_or_else(|| RegistryError::UnexpectedReply(format!("resume: {entry:?}")))
-            }));
-        }
-        Ok(out)
+            },
+        )
     }
 }
 
