@@ -7,47 +7,73 @@ pipelined HDELs as acks do. Prints INFO commandstats and Redis's CPU per command
 
     python3 bench/results/persist-cost/persist_cost.py [script.lua]
 """
-import socket, subprocess, time, os, sys, json, random
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '../../../tests/faults'))
-from faults import Resp, free_port
-port = free_port()
-p = subprocess.Popen(['redis-server', '--port', str(port), '--save', '', '--appendonly', 'no'], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-for _ in range(100):
+import json
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "../../../tests/faults"))
+from faults import Resp, free_port  # noqa: E402
+
+RIGS = 30000
+PERSIST_CHUNK = 500
+BOOT = "019a0000-0000-7000-8000-000000000000"
+TUPLE = f"{BOOT}|b1"
+COMMAND = json.dumps({"type": "command", "seq": 1, "id": "c-0000000001", "name": "reboot",
+                      "args": {"delay_s": 5, "reason": "bench"}})
+
+
+def connect(port, deadline_s=5.0):
+    end = time.monotonic() + deadline_s
+    while True:
+        try:
+            return Resp(port)
+        except OSError:
+            if time.monotonic() > end:
+                raise
+            time.sleep(0.05)
+
+
+def cpu_s(pid):
+    fields = open(f"/proc/{pid}/stat").read().split(")")[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def main():
+    script = sys.argv[1] if len(sys.argv) > 1 else os.path.join(HERE, "../../../lua/persist.lua")
+    src = open(script).read()
+    port = free_port()
+    redis = subprocess.Popen(["redis-server", "--port", str(port), "--save", "", "--appendonly", "no"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        r = Resp(port); break
-    except Exception: time.sleep(0.05)
-def cpu():
-    f = open(f'/proc/{p.pid}/stat').read().split(')')[1].split()
-    return (int(f[11]) + int(f[12])) / os.sysconf('SC_CLK_TCK')
-src = open(sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(os.path.abspath(__file__)), '../../../lua/persist.lua')).read()
-try:
-  sha = r.cmd('SCRIPT', 'LOAD', src)
-  N = 30000
-  boot = '019a0000-0000-7000-8000-000000000000'
-  rigs = [f'rig-{i:05d}' for i in range(N)]
-  for i in range(0, N, 1000):
-      args = []
-      for rg in rigs[i:i+1000]: args += [f'rig:{rg}', f'{boot}|b1']
-      r.cmd('MSET', *args)
-      r.pipeline([('HSET', f'sess:{rg}:{boot}', 'next', '1') for rg in rigs[i:i+1000]])
-      r.pipeline([('PEXPIRE', f'sess:{rg}:{boot}', '600000') for rg in rigs[i:i+1000]])
-  cmd = json.dumps({"type":"command","seq":1,"id":"c-0000000001","name":"reboot","args":{"delay_s":5,"reason":"bench"}})
-  r.cmd('CONFIG', 'RESETSTAT')
-  c0 = cpu(); t0 = time.time()
-  for i in range(0, N, 500):
-      keys = []; argv = ['600000']
-      for rg in rigs[i:i+500]:
-          keys += [f'rig:{rg}', f'sess:{rg}:{boot}']
-          argv += [f'{boot}|b1', '1', cmd]
-      r.cmd('EVALSHA', sha, str(len(keys)), *keys, *argv)
-  c1 = cpu()
-  # forgets: HDEL pipelined
-  s = r.sock if hasattr(r, 'sock') else None
-  for i in range(0, N, 1000):
-      r.pipeline([('HDEL', f'sess:{rg}:{boot}', 'c:1') for rg in rigs[i:i+1000]])
-  c2 = cpu()
-  st = r.cmd('INFO', 'commandstats')
-  print(st if isinstance(st, str) else st.decode())
-  print(f'persist: redis cpu {c1-c0:.3f}s = {(c1-c0)/N*1e6:.1f} us/cmd; hdel (pipelined) {c2-c1:.3f}s = {(c2-c1)/N*1e6:.1f} us/cmd')
-finally:
-  p.terminate(); p.wait()
+        r = connect(port)
+        sha = r.cmd("SCRIPT", "LOAD", src)
+        rigs = [f"rig-{i:05d}" for i in range(RIGS)]
+        for i in range(0, RIGS, 1000):
+            batch = rigs[i:i + 1000]
+            r.cmd("MSET", *[x for rg in batch for x in (f"rig:{rg}", TUPLE)])
+            r.pipeline([("HSET", f"sess:{rg}:{BOOT}", "next", "1") for rg in batch])
+            r.pipeline([("PEXPIRE", f"sess:{rg}:{BOOT}", "600000") for rg in batch])
+        r.cmd("CONFIG", "RESETSTAT")
+        c0 = cpu_s(redis.pid)
+        for i in range(0, RIGS, PERSIST_CHUNK):
+            batch = rigs[i:i + PERSIST_CHUNK]
+            keys = [k for rg in batch for k in (f"rig:{rg}", f"sess:{rg}:{BOOT}")]
+            argv = ["600000"] + [a for _ in batch for a in (TUPLE, "1", COMMAND)]
+            r.cmd("EVALSHA", sha, str(len(keys)), *keys, *argv)
+        c1 = cpu_s(redis.pid)
+        for i in range(0, RIGS, 1000):
+            r.pipeline([("HDEL", f"sess:{rg}:{BOOT}", "c:1") for rg in rigs[i:i + 1000]])
+        c2 = cpu_s(redis.pid)
+        print(r.cmd("INFO", "commandstats").decode())
+        print(f"persist: redis cpu {c1 - c0:.3f}s = {(c1 - c0) / RIGS * 1e6:.1f} us/cmd; "
+              f"hdel (pipelined) {c2 - c1:.3f}s = {(c2 - c1) / RIGS * 1e6:.1f} us/cmd")
+    finally:
+        redis.terminate()
+        redis.wait()
+
+
+if __name__ == "__main__":
+    main()
