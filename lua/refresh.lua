@@ -11,9 +11,14 @@
 --   "ok"          value == expected: PEXPIRE ttl_ms
 --   "restored"    key missing (expired, or Redis restarted empty): SET expected PX ttl_ms,
 --                 unless sessof:<rig_id> names a boot newer than the expected one's
---   "superseded"  any other value, of any type (a newer owner, or garbage), or a missing key
---                 whose rig has a newer boot on record (it said hello since; this broker's
---                 connection is a stale process's): nothing touched
+--   "taken|<v>"   the key held v = "<boot>|<broker>" of an older boot than the expected one's,
+--                 and no newer boot is on record: SET expected PX ttl_ms. Only a broker that
+--                 welcomed the newer boot while Redis was away gets here (hello.lua never lets
+--                 an older boot in over a newer one); the rule is hello's, newer boot wins, so
+--                 the older boot's broker must be told (its channel, evict)
+--   "superseded"  any other value, of any type (a newer or equal boot elsewhere, or garbage),
+--                 or a missing key whose rig has a newer boot on record (it said hello since;
+--                 this broker's connection is a stale process's): nothing touched
 -- Errors "ERR fleetlink refresh: ..." on malformed ARGV, before any write.
 -- sessof:<rig_id> is derived from KEYS[i] (single-instance Redis; not cluster-safe, as in
 -- resume.lua).
@@ -46,6 +51,17 @@ local function newer_boot_on_record(key, expected)
   return type(latest) == 'string' and #latest == #boot and newer(latest, boot)
 end
 
+-- Whether `current` names a boot older than the one `expected` names (both "<boot>|<broker>";
+-- anything not of that form is never older).
+local function older_tuple(current, expected)
+  if type(current) ~= 'string' then
+    return false
+  end
+  local theirs = current:match('^([^|]+)|')
+  local ours = expected:match('^([^|]+)|')
+  return theirs ~= nil and ours ~= nil and #theirs == #ours and newer(ours, theirs)
+end
+
 local out = {}
 for i = 1, #KEYS do
   local key, expected = KEYS[i], ARGV[i + 1]
@@ -57,6 +73,9 @@ for i = 1, #KEYS do
   elseif current == false and not newer_boot_on_record(key, expected) then
     redis.call('SET', key, expected, 'PX', ttl)
     out[i] = 'restored'
+  elseif older_tuple(current, expected) and not newer_boot_on_record(key, expected) then
+    redis.call('SET', key, expected, 'PX', ttl)
+    out[i] = 'taken|' .. current
   else
     out[i] = 'superseded'
   end

@@ -309,6 +309,8 @@ pub struct BridgeStats {
     pub queue_depth: u64,
     /// Messages the bridge could not hand to a core (its inbox was full).
     pub core_queue_full: u64,
+    /// Commands the bridge answered `rig_not_connected` (no connection holds the rig).
+    pub commands_not_connected: u64,
     /// Pub/sub messages (direction, count).
     pub pubsub: Vec<(String, u64)>,
 }
@@ -532,7 +534,12 @@ pub fn render_as(
             family(&mut out, name, "counter");
             last = name;
         }
-        let v = sum(&|c: &CoreSnapshot| c.counters.get(i).copied().unwrap_or(0));
+        let mut v = sum(&|c: &CoreSnapshot| c.counters.get(i).copied().unwrap_or(0));
+        if i == C::CmdNotConnected as usize {
+            // A core refuses a command whose rig left it in flight; the bridge, one whose rig
+            // no connection here holds. Either is the same outcome to control.
+            v += bridge.commands_not_connected;
+        }
         if labels.is_empty() {
             let _ = writeln!(out, "{name} {v}");
         } else {
@@ -803,6 +810,7 @@ mod tests {
             ],
             queue_depth: 4,
             core_queue_full: 7,
+            commands_not_connected: 5,
             pubsub: vec![("in".into(), 9), ("out".into(), 2)],
         };
         let fleet = Identity {
@@ -830,6 +838,14 @@ mod tests {
                     "fleetlink_bridge_queue_full_total{from=\"bridge\"} 7".to_string(),
                 ]
             );
+            // A command no connection holds, refused by the bridge, is a command's outcome too.
+            let refused: u64 = cores
+                .iter()
+                .map(|c| c.counters[C::CmdNotConnected as usize])
+                .sum::<u64>()
+                + 5;
+            let line = format!("fleetlink_commands_total{{result=\"not_connected\"}} {refused}");
+            assert!(text.lines().any(|l| l == line), "{line}");
         }
         // An idle standalone broker (no bridge figures, a core with no counters yet) too.
         let idle = render(&[CoreSnapshot::default()], &BridgeStats::default(), false);

@@ -363,6 +363,64 @@ fn readiness_follows_redis_and_rigs_survive_an_outage() {
     );
 }
 
+/// While Redis is away each broker decides hellos alone, so a rig that rebooted onto another
+/// broker is held by both: its old boot on fe-a, its new boot on fe-b. Once Redis is back the
+/// newer boot keeps the rig, as a hello would have decided, and the older is closed, whichever
+/// broker refreshes first. Frozen (SIGSTOP), Redis still holds the old boot's lease, which used
+/// to win: fe-b's refresh found it "superseded" and closed the newer boot 4410.
+#[test]
+fn after_an_outage_the_newer_boot_keeps_the_rig_whichever_broker_refreshes_first() {
+    let redis = RedisServer::start();
+    let quick = ["--registry-refresh", "200ms"];
+    let a = fleet_broker(&redis, "fe-a", &quick);
+    let b = fleet_broker(&redis, "fe-b", &quick);
+    let (mut old_ws, old_boot, _) = a.rig("rig-reboot");
+    assert_eq!(
+        owner(&redis, "rig-reboot"),
+        Some(format!("{old_boot}|fe-a"))
+    );
+    redis.freeze(true);
+    // Both must know Redis is away, so that fe-b decides the new boot's hello alone.
+    eventually(
+        Duration::from_secs(15),
+        "both brokers see the outage",
+        || a.http("GET", "/readyz", "").0 == 503 && b.http("GET", "/readyz", "").0 == 503,
+    );
+    let new_boot = boot_id();
+    let mut new_ws = b.connect("/agent");
+    hello(&mut new_ws, "rig-reboot", &new_boot, json!({}));
+    redis.freeze(false);
+    assert_eq!(read_close(&mut old_ws), 4410, "the older boot goes");
+    eventually(Duration::from_secs(10), "the newer boot's lease", || {
+        owner(&redis, "rig-reboot") == Some(format!("{new_boot}|fe-b"))
+    });
+    eventually(Duration::from_secs(10), "fe-b ready again", || {
+        b.http("GET", "/readyz", "").0 == 200
+    });
+    // Taken by fe-b's refresh, not by a hello sent before the outage was noticed.
+    assert_eq!(
+        b.metric("fleetlink_registry_ops_total{op=\"refresh\",result=\"taken\"}"),
+        1
+    );
+    // The newer boot is still connected and gets control's commands, kept in its session.
+    let mut ctl = Control::new(&redis, &[]);
+    let r = ctl.command_id("fe-b", "rig-reboot", "after-outage", "n", json!({}));
+    assert_eq!(r["ok"], true, "{r}");
+    assert_eq!(read_json(&mut new_ws)["id"], "after-outage");
+    let kept: Option<String> = redis
+        .connection()
+        .hget(
+            format!("sess:rig-reboot:{new_boot}"),
+            format!("c:{}", r["seq"]),
+        )
+        .unwrap();
+    assert!(kept.is_some_and(|c| c.contains("after-outage")));
+    assert_eq!(
+        owner(&redis, "rig-reboot"),
+        Some(format!("{new_boot}|fe-b"))
+    );
+}
+
 #[test]
 fn a_stuck_rig_gets_rig_unresponsive_and_refused_commands_do_not_grow_memory() {
     let redis = RedisServer::start();
@@ -720,6 +778,20 @@ fn events_name_the_session_and_malformed_control_messages_are_answered() {
         (&r["error"], &r["broker_id"]),
         (&json!("bad_request"), &json!("fe-a"))
     );
+
+    // No id: refused with "id": null, and never delivered (the rig's next message below is
+    // the command after it).
+    let msg = json!({"type":"command","rig_id":"rig-ev","name":"no-id","reply_to":reply_to});
+    ctl.publish("fleetlink:broker:fe-a", msg);
+    let r = ctl.next(|ch, v| ch == reply_to && v["id"].is_null());
+    assert_eq!(r["error"], "bad_request", "{r}");
+    assert!(
+        r["detail"].as_str().is_some_and(|d| d.contains("id")),
+        "{r}"
+    );
+    let r = ctl.command_id("fe-a", "rig-ev", "with-id", "n", json!({}));
+    assert_eq!(r["ok"], true, "{r}");
+    assert_eq!(read_json(&mut ws)["id"], "with-id");
 
     // The rig's own close reason reaches `disconnected`.
     ws.close(Some(tungstenite::protocol::CloseFrame {

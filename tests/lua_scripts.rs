@@ -307,6 +307,45 @@ fn refresh_is_superseded_by_a_newer_tuple_and_touches_nothing() {
     );
 }
 
+/// After an outage two brokers may each hold a boot of one rig, each welcomed alone. Whichever
+/// refreshes first, the newer boot ends up with the lease, as hello.lua would have decided.
+#[test]
+fn refresh_takes_the_lease_from_an_older_boot_and_names_it() {
+    let (_server, mut con, scripts) = setup();
+    let r = rig("rig-1");
+    let (old, new, newest) = (boot(0), boot(1), boot(2));
+    scripts.hello(&mut con, &r, &old, "fe-a", TTL).unwrap();
+    let out = scripts
+        .refresh(
+            &mut con,
+            &[(r.clone(), new)],
+            "fe-b",
+            Duration::from_secs(7),
+        )
+        .unwrap();
+    assert_eq!(
+        out,
+        [RefreshStatus::Taken {
+            from: Owner::parse(&tuple(&old, "fe-a"))
+        }]
+    );
+    assert_eq!(get(&mut con, "rig:rig-1"), Some(tuple(&new, "fe-b")));
+    let ttl = pttl(&mut con, "rig:rig-1");
+    assert!(ttl > 5_000 && ttl <= 7_000, "the taker's TTL: {ttl}");
+    // The older boot's broker refreshes second: superseded, nothing touched.
+    let out = scripts
+        .refresh(&mut con, &[(r.clone(), old)], "fe-a", TTL)
+        .unwrap();
+    assert_eq!(out, [RefreshStatus::Superseded]);
+    assert_eq!(get(&mut con, "rig:rig-1"), Some(tuple(&new, "fe-b")));
+    // A boot newer still on record (the rig said hello since): nobody older takes it.
+    run(&mut con, &["SET", "rig:rig-1", &tuple(&old, "fe-a")]);
+    run(&mut con, &["SET", "sessof:rig-1", newest.as_str()]);
+    let out = scripts.refresh(&mut con, &[(r, new)], "fe-b", TTL).unwrap();
+    assert_eq!(out, [RefreshStatus::Superseded]);
+    assert_eq!(get(&mut con, "rig:rig-1"), Some(tuple(&old, "fe-a")));
+}
+
 #[test]
 fn refresh_is_superseded_by_garbage() {
     let (_server, mut con, scripts) = setup();
@@ -353,7 +392,8 @@ fn refresh_batch_crosses_chunks_in_order() {
                 RefreshStatus::Ok,
                 RefreshStatus::Restored,
                 RefreshStatus::Superseded,
-            ][i % 3],
+            ][i % 3]
+                .clone(),
         );
     }
     let _: () = fill.query(&mut con).unwrap();

@@ -60,7 +60,8 @@ pub struct Bad {
     pub why: String,
     /// The rig it named, if any.
     pub rig: Option<String>,
-    /// (id, reply_to) when the message had a reply channel.
+    /// (id, reply_to) when the message had a reply channel; the id is empty when control sent
+    /// none, and the answer then says `"id": null` rather than make one up.
     pub reply_to: Option<(String, String)>,
 }
 
@@ -226,7 +227,7 @@ impl Envelope {
     /// The refusal of this message: answered when it names a reply channel. An id that is a
     /// number is echoed as its JSON text, so control can still match it.
     fn bad(self, why: String) -> Bad {
-        let id = self.id.0.unwrap_or_else(crate::admin::new_id);
+        let id = self.id.0.unwrap_or_default();
         let reply_to = self
             .reply_to
             .0
@@ -279,7 +280,9 @@ pub fn parse(payload: &[u8], broadcast: bool) -> Result<Control, Bad> {
     }
     let raw: Raw = serde_json::from_slice(payload)
         .map_err(|e| Envelope::read(payload).bad(format!("not a valid control message: {e}")))?;
-    let id = raw.id.clone().unwrap_or_else(crate::admin::new_id);
+    // Not made up when missing: control matches replies and events by the id it chose, so a
+    // command without one would run with nobody able to tell its outcome.
+    let id = raw.id.clone().unwrap_or_default();
     let reply_to = raw.reply_to.clone().filter(|r| !r.is_empty());
     if reply_to
         .as_ref()
@@ -319,6 +322,9 @@ pub fn parse(payload: &[u8], broadcast: bool) -> Result<Control, Bad> {
             Ok(Control::Evict { rig, boot })
         }
         ("kick", false) => {
+            if id.is_empty() {
+                return Err(bad("kick needs an id"));
+            }
             let rig = raw
                 .rig_id
                 .as_deref()
@@ -328,6 +334,9 @@ pub fn parse(payload: &[u8], broadcast: bool) -> Result<Control, Bad> {
             Ok(Control::Kick { id, rig, reply_to })
         }
         ("command", _) => {
+            if id.is_empty() {
+                return Err(bad("command needs an id"));
+            }
             let offline = raw.offline_delivery && !broadcast;
             let reply_to = match reply_to.clone() {
                 Some(r) => r,
@@ -433,7 +442,7 @@ mod tests {
         .unwrap_err();
         assert_eq!(bad.reply_to, Some(("c1".into(), "chan".into())));
         let bad = parse(
-            br#"{"type":"command","rig_id":"r","name":"x","args":[1],"reply_to":"chan"}"#,
+            br#"{"type":"command","id":"c","rig_id":"r","name":"x","args":[1],"reply_to":"chan"}"#,
             false,
         )
         .unwrap_err();
@@ -490,6 +499,26 @@ mod tests {
         let bad = parse(big.as_bytes(), false).unwrap_err();
         assert!(bad.why.contains("1 MiB"), "{}", bad.why);
         assert_eq!(bad.reply_to, Some(("c2".into(), "chan".into())));
+    }
+
+    /// Control matches replies and events by the id it chose: a command or kick without one
+    /// is refused, not run under an id the broker made up, and its answer says `"id": null`.
+    #[test]
+    fn commands_and_kicks_without_an_id_are_refused() {
+        for msg in [
+            br#"{"type":"command","rig_id":"r1","name":"x","reply_to":"chan"}"#.as_slice(),
+            br#"{"type":"command","id":"","rig_id":"r1","name":"x","reply_to":"chan"}"#,
+            br#"{"type":"kick","rig_id":"r1","reply_to":"chan"}"#,
+        ] {
+            let bad = parse(msg, false).unwrap_err();
+            assert!(bad.why.contains("needs an id"), "{}", bad.why);
+            assert_eq!(bad.reply_to, Some((String::new(), "chan".into())));
+        }
+        let b = br#"{"type":"command","selector":{"lab":"a"},"name":"x","reply_to":"chan"}"#;
+        assert!(parse(b, true).unwrap_err().why.contains("needs an id"));
+        // Refused for another reason before it was parsed: still no id made up.
+        let bad = parse(br#"{"type":"command","rig_id":7,"reply_to":"chan"}"#, false).unwrap_err();
+        assert_eq!(bad.reply_to, Some((String::new(), "chan".into())));
     }
 
     /// A forwarded hold parses back to the same command, its args the very text control

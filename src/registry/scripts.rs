@@ -71,12 +71,19 @@ pub struct Owner {
 }
 
 /// What a refresh did to one rig's entry.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum RefreshStatus {
     /// Still ours: the TTL was extended.
     Ok,
     /// The key was gone (expired, or Redis restarted empty): it was written again as ours.
     Restored,
+    /// The key named an older boot, `from` (welcomed elsewhere while this broker decided the
+    /// newer one's hello alone, Redis being away): written as ours, as a hello would have.
+    /// The caller evicts the older boot from its broker.
+    Taken {
+        /// The entry replaced.
+        from: Owner,
+    },
     /// Someone else's entry (or garbage): untouched; the caller closes that socket with 4410.
     Superseded,
 }
@@ -425,7 +432,11 @@ fn refresh_status(v: &Value) -> Option<RefreshStatus> {
         "ok" => Some(RefreshStatus::Ok),
         "restored" => Some(RefreshStatus::Restored),
         "superseded" => Some(RefreshStatus::Superseded),
-        _ => None,
+        other => other
+            .strip_prefix("taken|")
+            .map(|from| RefreshStatus::Taken {
+                from: Owner::parse(from),
+            }),
     }
 }
 
@@ -628,6 +639,15 @@ mod tests {
             Some(RefreshStatus::Ok)
         );
         assert_eq!(refresh_status(&Value::BulkString(b"OK".to_vec())), None);
+        assert_eq!(
+            refresh_status(&Value::BulkString(
+                format!("taken|{BOOT}|fe-b").into_bytes()
+            )),
+            Some(RefreshStatus::Taken {
+                from: Owner::parse(&format!("{BOOT}|fe-b"))
+            })
+        );
+        assert_eq!(refresh_status(&Value::BulkString(b"taken".to_vec())), None);
         assert_eq!(refresh_status(&Value::Int(1)), None);
         let long = Value::BulkString(vec![b'x'; 1000]);
         let RegistryError::UnexpectedReply(msg) = unexpected("refresh", &long) else {

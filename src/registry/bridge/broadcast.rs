@@ -76,7 +76,7 @@ impl Bridge {
                 reply: ReplyTo::Aggregate(agg),
                 offline_ttl: None,
             };
-            let actions = self.registry.command(Box::new(req));
+            let actions = self.route_command(Box::new(req));
             self.carry_out(actions);
         }
         self.finish_broadcast(agg, false);

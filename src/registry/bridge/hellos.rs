@@ -4,7 +4,7 @@
 use std::collections::HashSet;
 use std::time::Instant;
 
-use serde_json::{json, Value};
+use serde_json::Value;
 
 use super::Bridge;
 use crate::ids::{BootId, ConnId, RigId, Seq};
@@ -272,14 +272,8 @@ impl Bridge {
             }
             Some(Some(Ok(HelloOutcome::Owned { previous }))) => {
                 self.shared.count("hello", "ok");
-                // Takeover from another broker: tell it now, not at its next refresh.
-                if let Some(prev) = previous
-                    .filter(|p| !p.broker_id.is_empty() && p.broker_id != self.cfg.broker_id)
-                {
-                    self.shared.count("evict", "sent");
-                    let evict =
-                        json!({"type": "evict", "rig_id": rig.as_str(), "boot_id": boot.as_str()});
-                    self.publish(fleet::broker_channel(&prev.broker_id), &evict);
+                if let Some(prev) = previous {
+                    self.evict(&rig, boot, &prev);
                 }
             }
         }
@@ -440,6 +434,7 @@ mod tests {
     use crate::ids::CoreId;
     use crate::registry::bridge::testing::bridge;
     use crate::registry::bridge::REGISTRY_OPS;
+    use serde_json::json;
 
     /// Redis may hold more of a session than any connection did (removals of acked commands
     /// that were lost): a resume carries no more than one session can hold, the newest.

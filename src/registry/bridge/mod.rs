@@ -29,7 +29,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime};
 
-use serde_json::Value;
+use serde_json::{json, Value};
 
 use broadcast::Broadcast;
 use hellos::PendingHello;
@@ -41,9 +41,12 @@ use crate::doorbell::{Full, Inbox, Mailbox};
 use crate::ids::{BootId, ConnId, CoreId, RigId};
 use crate::registry::embedded::{Action, Embedded};
 use crate::registry::fleet::{self, Fleet};
-use crate::registry::msg::{AdminAnswer, AdminReply, PersistReq, ReplyTo, ToBridge, ToCore};
+use crate::registry::msg::{
+    AdminAnswer, AdminReply, CommandReq, PersistReq, ReplyTo, ToBridge, ToCore,
+};
 use crate::registry::offline::{Deadlines, Held, LocalHeld};
 use crate::registry::pace::WritePace;
+use crate::registry::scripts::Owner;
 use crate::registry::sessions::Resumed;
 use crate::reply;
 
@@ -370,7 +373,7 @@ impl Bridge {
                 self.broadcast_part(agg, &body);
                 Vec::new()
             }
-            ToBridge::Command(req) => self.registry.command(req),
+            ToBridge::Command(req) => self.route_command(req),
             ToBridge::Undelivered { conn, req } => self.undelivered(conn, req),
             ToBridge::Kick { id, rig, reply } => self.registry.kick(id, rig, reply),
             ToBridge::Persist(p) => {
@@ -552,6 +555,30 @@ impl Bridge {
             self.shared
                 .count("release", if queued { "sent" } else { "dropped" });
         }
+    }
+
+    /// Routes a command to the connection holding its rig, counting one that none holds.
+    fn route_command(&mut self, req: Box<CommandReq>) -> Vec<Action> {
+        let actions = self.registry.command(req);
+        let refused = actions
+            .iter()
+            .filter(|a| matches!(a, Action::Reply(_, body) if body["error"] == "rig_not_connected"))
+            .count();
+        self.shared
+            .commands_not_connected
+            .fetch_add(refused as u64, Ordering::Relaxed);
+        actions
+    }
+
+    /// This broker took `rig` over for `boot` from `prev`, the entry it replaced: when that
+    /// names another broker, tells it now (CONTRACT.md section 3), not at its next refresh.
+    fn evict(&mut self, rig: &RigId, boot: BootId, prev: &Owner) {
+        if prev.broker_id.is_empty() || prev.broker_id == self.cfg.broker_id {
+            return;
+        }
+        self.shared.count("evict", "sent");
+        let evict = json!({"type": "evict", "rig_id": rig.as_str(), "boot_id": boot.as_str()});
+        self.publish(fleet::broker_channel(&prev.broker_id), &evict);
     }
 
     fn publish(&mut self, channel: String, body: &Value) {

@@ -162,7 +162,7 @@ impl Bridge {
                 self.shared.canary_at_ms.store(unix_ms(), Ordering::Relaxed);
             }
             Ok(Control::Command(req)) => {
-                let actions = self.registry.command(Box::new(req));
+                let actions = self.route_command(Box::new(req));
                 self.carry_out(actions);
             }
             Ok(Control::Kick { id, rig, reply_to }) => {
@@ -194,6 +194,10 @@ impl Bridge {
                 }
                 if let Some((id, reply_to)) = bad.reply_to {
                     let mut body = reply::error(&id, bad.rig.as_deref(), "bad_request", &bad.why);
+                    if id.is_empty() {
+                        // Control sent none; one made up here would match nothing of control's.
+                        body["id"] = serde_json::Value::Null;
+                    }
                     if broadcast {
                         // Every broker answers a broadcast, this one too: control counts the
                         // answers by broker.
@@ -334,12 +338,15 @@ impl Bridge {
             return Vec::new();
         };
         // Superseded meanwhile: another broker's now, and the next refresh says so.
-        let restored: HashSet<&RigId> = leases
-            .iter()
-            .zip(statuses)
-            .filter(|(_, status)| *status != RefreshStatus::Superseded)
-            .map(|((rig, _), _)| rig)
-            .collect();
+        let mut restored: HashSet<&RigId> = HashSet::new();
+        for ((rig, boot), status) in leases.iter().zip(statuses) {
+            match status {
+                RefreshStatus::Superseded => continue,
+                RefreshStatus::Taken { from } => self.evict(rig, *boot, &from),
+                RefreshStatus::Ok | RefreshStatus::Restored => {}
+            }
+            restored.insert(rig);
+        }
         let retry: Vec<usize> = missing
             .into_iter()
             .filter(|&i| held.get(i).is_some_and(|p| restored.contains(&p.rig)))
@@ -424,7 +431,8 @@ mod tests {
 
     #[test]
     fn unanswered_refusals_are_logged_once_a_second_and_the_rest_counted_into_the_next_line() {
-        let bad = || control::parse(br#"{"type":"kick","rig_id":"r1"}"#, false).unwrap_err();
+        let bad =
+            || control::parse(br#"{"type":"kick","id":"k","rig_id":"r1"}"#, false).unwrap_err();
         assert_eq!(bad().why, "kick needs reply_to");
         let mut log = UnansweredLog::default();
         let t0 = Instant::now();

@@ -12,7 +12,7 @@ use crate::metrics::BridgeStats;
 const CANARY_STALE: Duration = Duration::from_secs(5);
 
 /// Registry operations counted by (op, result), in this order.
-pub const REGISTRY_OPS: [(&str, &str); 46] = [
+pub const REGISTRY_OPS: [(&str, &str); 47] = [
     ("offline", "held"),
     ("offline", "full"),
     ("offline", "connected_elsewhere"),
@@ -41,6 +41,7 @@ pub const REGISTRY_OPS: [(&str, &str); 46] = [
     ("canary", "twin"),
     ("refresh", "ok"),
     ("refresh", "restored"),
+    ("refresh", "taken"),
     ("refresh", "superseded"),
     ("release", "sent"),
     ("release", "dropped"),
@@ -79,6 +80,9 @@ pub struct BridgeShared {
     pub redis_down_why: Mutex<Option<String>>,
     /// Messages the bridge could not hand to a full core inbox.
     pub core_queue_full: AtomicU64,
+    /// Commands answered `rig_not_connected` here, for `fleetlink_commands_total`: what
+    /// control sees as a command's outcome, whichever thread refused it.
+    pub commands_not_connected: AtomicU64,
     /// Counters in [`REGISTRY_OPS`] order.
     pub ops: [AtomicU64; REGISTRY_OPS.len()],
     /// Pub/sub messages received.
@@ -120,6 +124,7 @@ impl BridgeShared {
             twin_at_ms: AtomicU64::new(0),
             redis_down_why: Mutex::new(None),
             core_queue_full: AtomicU64::new(0),
+            commands_not_connected: AtomicU64::new(0),
             ops: std::array::from_fn(|_| AtomicU64::new(0)),
             pubsub_in: AtomicU64::new(0),
             pubsub_out: AtomicU64::new(0),
@@ -202,6 +207,7 @@ impl BridgeShared {
                 .collect(),
             queue_depth: queue_depth as u64,
             core_queue_full: self.core_queue_full.load(Ordering::Relaxed),
+            commands_not_connected: self.commands_not_connected.load(Ordering::Relaxed),
             pubsub: vec![
                 ("in".into(), self.pubsub_in.load(Ordering::Relaxed)),
                 ("out".into(), self.pubsub_out.load(Ordering::Relaxed)),

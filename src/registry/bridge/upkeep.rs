@@ -119,10 +119,14 @@ impl Bridge {
         }
         for ((rig, boot), status) in entries.iter().zip(statuses) {
             // A restored lease means Redis may have lost the session too (it restarted empty);
-            // after any reconnect, commands delivered while Redis was away were never kept.
+            // after any reconnect, commands delivered while Redis was away were never kept; a
+            // taken one was decided here while Redis was away, so Redis has no session for it.
             // Either way the core holding the rig sends its session back to be kept again.
-            let rekeep =
-                status == RefreshStatus::Restored || (everyone && status == RefreshStatus::Ok);
+            let rekeep = match status {
+                RefreshStatus::Restored | RefreshStatus::Taken { .. } => true,
+                RefreshStatus::Ok => everyone,
+                RefreshStatus::Superseded => false,
+            };
             if rekeep && !self.cfg.session_ttl.is_zero() {
                 if let Some(conn) = self.registry.rekeep_from(rig) {
                     if everyone {
@@ -134,6 +138,10 @@ impl Bridge {
             match status {
                 RefreshStatus::Ok => self.shared.count("refresh", "ok"),
                 RefreshStatus::Restored => self.shared.count("refresh", "restored"),
+                RefreshStatus::Taken { from } => {
+                    self.shared.count("refresh", "taken");
+                    self.evict(rig, *boot, &from);
+                }
                 RefreshStatus::Superseded => {
                     self.shared.count("refresh", "superseded");
                     let actions = self.registry.supersede(rig, None);
