@@ -394,6 +394,67 @@ fn redis_broadcast_with_a_silent_live_broker_exits_3() {
     assert_eq!(quiet["error"], "timeout");
 }
 
+/// A SIGKILLed broker's key lives on for its TTL, but pub/sub reaches only subscribers: the
+/// broadcast cannot reach it, so it is reported at once (exit 2), not waited for (exit 3).
+#[test]
+fn redis_broadcast_reports_a_broker_with_nothing_on_its_channel_at_once() {
+    let redis = RedisServer::start();
+    let _a = FakeBroker::start(&redis, "fe-a", true, 2);
+    let _: () = redis::cmd("SET")
+        .arg("broker:fe-killed")
+        .arg("{}")
+        .arg("PX")
+        .arg(30_000)
+        .query(&mut redis.connection())
+        .unwrap();
+    let started = Instant::now();
+    let run = fleetctl(&[
+        "--redis",
+        &redis.url(),
+        "--json",
+        "send",
+        "--selector",
+        "group=lab",
+        "x",
+        "--timeout",
+        "20s",
+    ]);
+    run.assert_code(2);
+    assert!(
+        started.elapsed() < Duration::from_secs(15),
+        "waited for the dead broker: {:?}",
+        started.elapsed()
+    );
+    let lines = run.lines();
+    assert_eq!(lines.len(), 2, "{lines:?}");
+    let dead = lines
+        .iter()
+        .find(|l| l["broker_id"] == "fe-killed")
+        .expect("the dead broker reported");
+    assert_eq!(
+        (&dead["ok"], &dead["error"]),
+        (&json!(false), &json!("broker_not_listening"))
+    );
+    let live = lines.iter().find(|l| l["broker_id"] == "fe-a").unwrap();
+    assert_eq!(live["matched"], 2);
+    let human = fleetctl(&[
+        "--redis",
+        &redis.url(),
+        "send",
+        "--selector",
+        "group=lab",
+        "x",
+    ]);
+    human.assert_code(2);
+    assert!(
+        human
+            .stdout
+            .contains("total: 2/2 brokers replied, 2 matched"),
+        "{}",
+        human.stdout
+    );
+}
+
 #[test]
 fn redis_status_tells_live_from_dead_brokers() {
     let redis = RedisServer::start();
@@ -410,9 +471,12 @@ fn redis_status_tells_live_from_dead_brokers() {
     assert_eq!(s["broker"]["connections"], 5);
     assert!(s["ttl_ms"].as_i64().unwrap() > 0);
 
+    // A rig whose broker is gone cannot be reached: what `send` would say, with the entry.
     let dead = fleetctl(&["--redis", &redis.url(), "--json", "status", "rig-stale"]);
-    dead.assert_code(0);
+    dead.assert_code(2);
     assert_eq!(dead.lines()[0]["broker_live"], false);
+    assert_eq!(dead.lines()[0]["error"], "rig_not_connected");
+    assert_eq!(dead.lines()[0]["broker_id"], "fe-dead");
     let human = fleetctl(&["--redis", &redis.url(), "status", "rig-stale"]);
     assert!(human.stdout.contains("fe-dead (dead"), "{}", human.stdout);
 
@@ -427,7 +491,7 @@ fn redis_status_tells_live_from_dead_brokers() {
         .unwrap();
     register(&redis, "rig-orphan", "fe-killed");
     let killed = fleetctl(&["--redis", &redis.url(), "--json", "status", "rig-orphan"]);
-    killed.assert_code(0);
+    killed.assert_code(2);
     assert_eq!(killed.lines()[0]["broker_live"], false);
     assert_eq!(killed.lines()[0]["broker_key"], true);
     let human = fleetctl(&["--redis", &redis.url(), "status", "rig-orphan"]);
@@ -793,6 +857,7 @@ fn admin_status_list_and_selector() {
 
 #[test]
 fn usage_errors_exit_64() {
+    let long_name = "n".repeat(129);
     let cases: &[&[&str]] = &[
         &[],
         &["frobnicate"],
@@ -803,6 +868,9 @@ fn usage_errors_exit_64() {
         &["send", "--selector", "group", "reboot"],
         &["send", "--selector", "group=lab", "rig-1", "reboot"],
         &["send", "bad rig!", "reboot"],
+        &["send", "rig-1", ""],
+        &["send", "rig-1", &long_name],
+        &["send", "--selector", "group=lab", ""],
         &[
             "--redis",
             "redis://127.0.0.1:1/",

@@ -187,6 +187,18 @@ impl Cli {
 impl SendArgs {
     /// The target and the command name, or a usage error for the wrong number of words.
     pub(crate) fn target(&self) -> Result<(Target, &str), clap::Error> {
+        let (target, name) = self.words()?;
+        // The brokers' bound, checked here so that a typo is a usage error like a bad rig id.
+        if name.is_empty() || name.len() > NAME_MAX {
+            return Err(usage(
+                ErrorKind::ValueValidation,
+                format!("invalid command name {name:?}: 1-{NAME_MAX} bytes"),
+            ));
+        }
+        Ok((target, name))
+    }
+
+    fn words(&self) -> Result<(Target, &str), clap::Error> {
         match (&self.selector, &self.second) {
             (Some(sel), None) => Ok((Target::Selector(sel.clone()), &self.first)),
             (Some(_), Some(_)) => Err(usage(
@@ -205,6 +217,9 @@ impl SendArgs {
         }
     }
 }
+
+/// Longest command name a broker takes, in bytes.
+const NAME_MAX: usize = 128;
 
 /// A usage error rendered like clap's own.
 pub(crate) fn usage(kind: ErrorKind, msg: String) -> clap::Error {

@@ -295,24 +295,40 @@ impl ControlPlane for RedisPlane {
             .iter()
             .filter_map(|k| k.strip_prefix("broker:").map(str::to_owned))
             .collect();
-        let mut out = Broadcast {
-            id: id.clone(),
-            expected,
-            replies: Vec::new(),
-            timeout,
-        };
-        if out.expected.is_empty() {
+        if expected.is_empty() {
             bail!(
                 "no live brokers (no broker:* keys in {}); nothing was sent",
                 self.shown
             );
         }
+        // A broker's key outlives a SIGKILL by up to its TTL, but pub/sub reaches only those
+        // subscribed now: one with nothing on its channel will not get this broadcast, so it
+        // is reported at once rather than waited for until the timeout.
+        let listening = self.listening(&expected.iter().cloned().collect())?;
+        let replies = expected
+            .iter()
+            .filter(|b| !listening.contains(*b))
+            .map(|b| {
+                let detail = format!(
+                    "broker:{b} is there but nothing subscribes to fleetlink:broker:{b}: the \
+                     broker is down or cut off from Redis, and did not get this broadcast"
+                );
+                json!({"id": id, "ok": false, "error": "broker_not_listening", "broker_id": b,
+                       "detail": detail})
+            })
+            .collect();
+        let mut out = Broadcast {
+            id: id.clone(),
+            expected,
+            replies,
+            timeout,
+        };
         let build = |reply_to: &str| {
             json!({"type": "command", "id": id, "selector": selector, "name": name, "args": args,
                    "reply_to": reply_to})
         };
         self.round_trip(&id, BROADCAST_CHANNEL, build, |sub, _| {
-            let mut waiting: BTreeSet<String> = out.expected.iter().cloned().collect();
+            let mut waiting = listening;
             let mut replied = BTreeSet::new();
             while !waiting.is_empty() {
                 let Some(reply) = next_json(sub, Some(deadline))? else {
@@ -323,6 +339,11 @@ impl ControlPlane for RedisPlane {
                 }
                 // Brokers reply once; a repeat must not count its rigs twice.
                 let broker = reply["broker_id"].as_str().unwrap_or_default().to_owned();
+                let reported = out.expected.contains(&broker) && !waiting.contains(&broker);
+                if reported && !replied.contains(&broker) {
+                    // Subscribed just after it was found not listening: reported as such.
+                    continue;
+                }
                 if !replied.insert(broker.clone()) {
                     eprintln!("fleetctl: warning: ignoring a second reply from broker {broker:?}");
                     continue;
@@ -355,7 +376,7 @@ impl ControlPlane for RedisPlane {
             && !self
                 .listening(&BTreeSet::from([owner.broker_id.clone()]))?
                 .is_empty();
-        Ok(json!({
+        let mut status = json!({
             "ok": true,
             "rig_id": rig.as_str(),
             "boot_id": owner.boot_id,
@@ -365,7 +386,20 @@ impl ControlPlane for RedisPlane {
             "broker_key": blob.is_some(),
             "broker_ttl_ms": blob.as_ref().map(|_| broker_pttl),
             "broker": blob.as_deref().map(parse_blob),
-        }))
+        });
+        if !listening {
+            // The entry outlives its broker until the lease ends, but nothing can reach the rig
+            // through it: a script testing `status` before `send` must hear what `send` would.
+            let detail = format!(
+                "its registry entry names broker {}, which is not running (nothing subscribes \
+                 to its channel); the entry is stale until its lease ends",
+                owner.broker_id
+            );
+            status["ok"] = json!(false);
+            status["error"] = json!("rig_not_connected");
+            status["detail"] = json!(detail);
+        }
+        Ok(status)
     }
 
     /// `list`: SCAN `rig:*` from `cursor` until at least `page_size` rigs or the end.

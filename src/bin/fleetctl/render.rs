@@ -126,7 +126,7 @@ impl Render {
             println!("{s}");
             return exit;
         }
-        if exit != Exit::Ok {
+        if exit != Exit::Ok && s.get("broker_live").is_none() {
             print_error(s);
             return exit;
         }
@@ -163,6 +163,9 @@ impl Render {
                     vec!["lease".into(), format!("{} left", ttl(&s["ttl_ms"]))],
                 ],
             );
+            if exit != Exit::Ok {
+                print_error(s);
+            }
         } else {
             let rows: Vec<Vec<String>> = fields
                 .iter()
