@@ -204,10 +204,10 @@ fn parse_hello(v: u32, raw: &RawMsg<'_>) -> Result<Hello, ProtocolError> {
         }
         labels.sort();
     }
-    let last_seq: Option<u64> = own(raw.last_seq)?;
-    if last_seq.is_some_and(|s| s > Seq::LAST.0) {
-        return Err(invalid("last_seq beyond the highest seq a session can use"));
-    }
+    // Any u64 is a valid last_seq (CONTRACT.md section 2). One past the last seq a session
+    // can use says the rig has every seq there will be: held at that last one, it means the
+    // same, and the session refuses its commands with `seq_exhausted` rather than the hello.
+    let last_seq: Option<u64> = own::<u64>(raw.last_seq)?.map(|s| s.min(Seq::LAST.0));
     Ok(Hello {
         v,
         rig_id,
@@ -321,10 +321,28 @@ mod tests {
             r#"{"rig_id":"r"}"#,
             r#"[1,2]"#,
             "not json",
-            r#"{"type":"hello","rig_id":"r","boot_id":"01890a5d-ac96-774b-bcce-b302099a8057","version":"1","last_seq":999999999999999}"#,
-            r#"{"type":"hello","rig_id":"r","boot_id":"01890a5d-ac96-774b-bcce-b302099a8057","version":"1","last_seq":18446744073709551615}"#,
+            r#"{"type":"hello","rig_id":"r","boot_id":"01890a5d-ac96-774b-bcce-b302099a8057","version":"1","last_seq":18446744073709551616}"#,
+            r#"{"type":"hello","rig_id":"r","boot_id":"01890a5d-ac96-774b-bcce-b302099a8057","version":"1","last_seq":-1}"#,
         ] {
             assert!(parse_client_msg(bad.as_bytes()).is_err(), "{bad}");
+        }
+    }
+
+    /// Any u64 is a valid last_seq; past the last seq a session can use, it is held there.
+    #[test]
+    fn a_last_seq_past_the_last_usable_seq_is_held_at_it() {
+        for (sent, kept) in [
+            (Seq::LAST.0, Seq::LAST),
+            (Seq::LAST.0 + 1, Seq::LAST),
+            (u64::MAX, Seq::LAST),
+        ] {
+            let msg = format!(
+                r#"{{"type":"hello","rig_id":"r","boot_id":"01890a5d-ac96-774b-bcce-b302099a8057","version":"1","last_seq":{sent}}}"#
+            );
+            let Ok(ClientMsg::Hello(h)) = parse_client_msg(msg.as_bytes()) else {
+                panic!("{msg}");
+            };
+            assert_eq!(h.last_seq, Some(kept), "{sent}");
         }
     }
 

@@ -620,16 +620,21 @@ fn full_outbox_answers_rig_unresponsive() {
 }
 
 /// A hello's `last_seq` moves the session's next seq past it; near the top of the seq space
-/// that must refuse commands, not wrap to seqs the rig would drop as seen.
+/// that must refuse commands, not wrap to seqs the rig would drop as seen. Any u64 is a valid
+/// `last_seq`: one past the seq space is welcomed, and its session takes no command.
 #[test]
-fn last_seq_beyond_the_seq_space_is_refused_and_the_last_seq_is_not_wrapped() {
+fn last_seq_beyond_the_seq_space_takes_no_command_and_the_last_seq_is_not_wrapped() {
     const LAST: u64 = 999_999_999_999_998;
     let b = Broker::start(&[]);
-    for too_far in [LAST + 1, u64::MAX] {
+    for (i, too_far) in [LAST, LAST + 1, u64::MAX].into_iter().enumerate() {
+        let rig = format!("rig-far-{i}");
         let mut ws = b.connect("/agent");
-        let msg = json!({"type":"hello","rig_id":"rig-far","boot_id":boot_id(),"version":"t","last_seq":too_far});
+        let msg = json!({"type":"hello","rig_id":rig,"boot_id":boot_id(),"version":"t","last_seq":too_far});
         ws.send(Message::Text(msg.to_string().into())).unwrap();
-        assert_eq!(read_close(&mut ws), 4400, "last_seq {too_far}");
+        assert_eq!(read_json(&mut ws)["type"], "welcome", "last_seq {too_far}");
+        let (status, reply) = b.command(&rig, "one", json!({}));
+        assert_eq!(status, 409, "last_seq {too_far}: {reply}");
+        assert_eq!(reply["error"], "seq_exhausted", "{reply}");
     }
     let mut ws = b.connect("/agent");
     let msg = json!({"type":"hello","rig_id":"rig-old","boot_id":boot_id(),"version":"t","last_seq":LAST - 1});
@@ -643,7 +648,7 @@ fn last_seq_beyond_the_seq_space_is_refused_and_the_last_seq_is_not_wrapped() {
     assert_eq!(reply["error"], "seq_exhausted", "{reply}");
     assert_eq!(
         b.metric("fleetlink_commands_total{result=\"seq_exhausted\"}"),
-        1
+        4
     );
 }
 
