@@ -70,7 +70,7 @@ fn check(data: &[u8], broadcast: bool) {
             assert_eq!(sent["id"].as_str(), Some(req.id.as_str()));
             assert_eq!(sent["name"].as_str(), Some(req.name.as_str()));
             assert!(
-                req.id.len() <= CONTROL_NAME_MAX,
+                !req.id.is_empty() && req.id.len() <= CONTROL_NAME_MAX,
                 "id of {} bytes",
                 req.id.len()
             );
@@ -110,7 +110,7 @@ fn check(data: &[u8], broadcast: bool) {
         } => {
             assert!(broadcast, "a broadcast from a broker's own channel");
             assert!(!reply_to.is_empty() && reply_to.len() <= CONTROL_NAME_MAX);
-            assert!(id.len() <= CONTROL_NAME_MAX, "id of {} bytes", id.len());
+            assert!(!id.is_empty() && id.len() <= CONTROL_NAME_MAX, "id of {} bytes", id.len());
             check_name_args(&name, &args);
             let sel: serde_json::Map<String, Value> = selector
                 .iter()
@@ -138,7 +138,7 @@ fn check(data: &[u8], broadcast: bool) {
         Control::Kick { id, rig, reply_to } => {
             assert!(!broadcast, "a kick from the broadcast channel");
             assert!(!reply_to.is_empty() && reply_to.len() <= CONTROL_NAME_MAX);
-            assert!(id.len() <= CONTROL_NAME_MAX, "id of {} bytes", id.len());
+            assert!(!id.is_empty() && id.len() <= CONTROL_NAME_MAX, "id of {} bytes", id.len());
             let msg =
                 json!({"type": "kick", "id": id, "rig_id": rig.as_str(), "reply_to": reply_to});
             let Control::Kick {
