@@ -15,7 +15,8 @@
 --                 and no newer boot is on record: SET expected PX ttl_ms. Only a broker that
 --                 welcomed the newer boot while Redis was away gets here (hello.lua never lets
 --                 an older boot in over a newer one); the rule is hello's, newer boot wins, so
---                 the older boot's broker must be told (its channel, evict)
+--                 the older boot's broker must be told (its channel, evict), and the older
+--                 boot's session reported rig_rebooted (the caller runs resume.lua for it)
 --   "superseded"  any other value, of any type (a newer or equal boot elsewhere, or garbage),
 --                 or a missing key whose rig has a newer boot on record (it said hello since;
 --                 this broker's connection is a stale process's): nothing touched

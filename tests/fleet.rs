@@ -379,6 +379,11 @@ fn after_an_outage_the_newer_boot_keeps_the_rig_whichever_broker_refreshes_first
         owner(&redis, "rig-reboot"),
         Some(format!("{old_boot}|fe-a"))
     );
+    // One command the old boot receives and never acks: the reboot must report it.
+    let mut ctl = Control::new(&redis, &["fleetlink:events"]);
+    let r = ctl.command_id("fe-a", "rig-reboot", "before-reboot", "n", json!({}));
+    assert_eq!(r["ok"], true, "{r}");
+    assert_eq!(read_json(&mut old_ws)["id"], "before-reboot");
     redis.freeze(true);
     // Both must know Redis is away, so that fe-b decides the new boot's hello alone.
     eventually(
@@ -402,8 +407,17 @@ fn after_an_outage_the_newer_boot_keeps_the_rig_whichever_broker_refreshes_first
         b.metric("fleetlink_registry_ops_total{op=\"refresh\",result=\"taken\"}"),
         1
     );
+    let rebooted = ctl.next(|ch, v| ch == "fleetlink:events" && v["type"] == "rig_rebooted");
+    assert_eq!(
+        (
+            &rebooted["id"],
+            &rebooted["boot_id"],
+            &rebooted["new_boot_id"]
+        ),
+        (&json!("before-reboot"), &json!(old_boot), &json!(new_boot)),
+        "{rebooted}"
+    );
     // The newer boot is still connected and gets control's commands, kept in its session.
-    let mut ctl = Control::new(&redis, &[]);
     let r = ctl.command_id("fe-b", "rig-reboot", "after-outage", "n", json!({}));
     assert_eq!(r["ok"], true, "{r}");
     assert_eq!(read_json(&mut new_ws)["id"], "after-outage");

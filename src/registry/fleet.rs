@@ -482,6 +482,30 @@ impl Fleet {
         }
     }
 
+    /// Runs the sessions of boots this broker took a rig for without Redis (decided while it
+    /// was away, their leases taken back from an older boot since) through `resume.lua`, as
+    /// their hellos would have: the older boot's session, still recorded as the rig's latest,
+    /// has its unacked commands reported `rig_rebooted` and is deleted. What the script finds
+    /// of these sessions is not used: the cores hold them, and put them back (`rekeep`) after.
+    /// Returns how many commands were reported; None when Redis is unavailable.
+    pub(crate) fn report_reboots(
+        &mut self,
+        entries: &[(&RigId, &BootId)],
+        ttl: Duration,
+    ) -> Option<u64> {
+        let con = self.con.as_mut()?;
+        match self
+            .sessions
+            .resume_many(con, entries, ttl, &self.broker_id)
+        {
+            Ok(found) => Some(found.iter().flatten().map(|r| r.rebooted).sum()),
+            Err(e) => {
+                self.call_failed(&e);
+                None
+            }
+        }
+    }
+
     /// Refreshes the leases of `entries`. None when Redis is unavailable.
     pub(crate) fn refresh(
         &mut self,

@@ -8,6 +8,7 @@ use serde_json::json;
 
 use super::shared::unix_ms;
 use super::Bridge;
+use crate::ids::{BootId, RigId};
 use crate::registry::fleet;
 use crate::registry::msg::ToCore;
 use crate::registry::scripts::RefreshStatus;
@@ -116,6 +117,24 @@ impl Bridge {
                 self.queue_parked_rekeeps();
             }
             self.next_heartbeat = Instant::now();
+        }
+        // Before their sessions go back: `rekeep.lua` leaves the rig's latest-boot record as
+        // it finds it, and that record still names the older boot.
+        let taken: Vec<(&RigId, &BootId)> = entries
+            .iter()
+            .zip(&statuses)
+            .filter(|(_, s)| matches!(s, RefreshStatus::Taken { .. }))
+            .map(|((rig, boot), _)| (rig, boot))
+            .collect();
+        if !taken.is_empty() && !self.cfg.session_ttl.is_zero() {
+            let ttl = self.cfg.session_ttl;
+            if let Some(n) = self
+                .fleet
+                .as_mut()
+                .and_then(|f| f.report_reboots(&taken, ttl))
+            {
+                self.shared.count_n("resume", "rebooted", n);
+            }
         }
         for ((rig, boot), status) in entries.iter().zip(statuses) {
             // A restored lease means Redis may have lost the session too (it restarted empty);
