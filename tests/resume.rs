@@ -933,6 +933,72 @@ fn standalone_holds_commands_for_offline_rigs_too() {
     );
 }
 
+/// A rig comes back to more held commands than its outbox takes (`--outbox 2`: 2 queued, 16
+/// written ahead of acks). The rest wait at the broker and go in as it acks: every one
+/// arrives, in hold order, none refused. Standalone, and in fleet mode where each is kept in
+/// Redis before it is written.
+#[test]
+fn held_commands_past_the_outbox_wait_for_room_and_all_arrive_in_order() {
+    const HELD: usize = 40;
+    let hold_then_drain = |b: &Broker, rig: &str| {
+        for i in 0..HELD {
+            let body = json!({"id": format!("h{i}"), "name": "n", "args": {"i": i},
+                              "queue_if_offline": true, "ttl_ms": 60_000});
+            let (status, text) = b.http(
+                "POST",
+                &format!("/v1/rigs/{rig}/commands"),
+                &body.to_string(),
+            );
+            assert_eq!(status, 200, "{text}");
+        }
+        let (mut ws, _, _) = b.rig(rig);
+        for i in 0..HELD {
+            let cmd = read_json(&mut ws);
+            assert_eq!(
+                (&cmd["id"], &cmd["seq"]),
+                (&json!(format!("h{i}")), &json!(i + 1)),
+                "{cmd}"
+            );
+            let ack = json!({"type": "ack", "seq": cmd["seq"]});
+            ws.send(Message::Text(ack.to_string().into())).unwrap();
+        }
+        b.wait_metric(&format!(
+            "fleetlink_commands_total{{result=\"acked\"}} {HELD}"
+        ));
+        assert_eq!(
+            b.metric("fleetlink_commands_total{result=\"outbox_full\"}"),
+            0
+        );
+        ws
+    };
+    let b = Broker::start(&["--outbox", "2"]);
+    hold_then_drain(&b, "rig-backlog");
+    // Events reach the log through the bridge, a moment after the core sent them.
+    let delivered = || -> Vec<Value> {
+        let (_, events) = b.http("GET", "/v1/events?limit=1000", "");
+        let events: Value = serde_json::from_str(&events).unwrap();
+        let all = events["events"].as_array().cloned().unwrap_or_default();
+        all.into_iter()
+            .filter(|e| e["type"] == "offline_delivered")
+            .collect()
+    };
+    eventually(Duration::from_secs(10), "every offline_delivered", || {
+        delivered().len() >= HELD
+    });
+    let delivered = delivered();
+    assert_eq!(delivered.len(), HELD, "{delivered:?}");
+    assert!(delivered.iter().all(|e| e["seq"].is_u64()), "{delivered:?}");
+
+    let redis = RedisServer::start();
+    let a = fleet_broker_with(&redis, "fe-a", &["--outbox", "2"]);
+    let mut ctl = Control::new(&redis, &["fleetlink:events"]);
+    hold_then_drain(&a, "rig-backlog-fleet");
+    for _ in 0..HELD {
+        let ev = ctl.next(|ch, v| ch == "fleetlink:events" && v["type"] == "offline_delivered");
+        assert!(ev["seq"].is_u64(), "{ev}");
+    }
+}
+
 #[test]
 fn the_same_boot_resumes_on_another_broker_even_without_commands() {
     let redis = RedisServer::start();
@@ -1282,6 +1348,24 @@ fn a_new_boot_during_an_outage_on_the_same_broker_reports_the_old_sessions_comma
     }
     seqs.sort();
     assert_eq!(seqs, [1, 2]);
+    // The new boot keeps the rig: A's refresh finds its old boot's lease and takes it back for
+    // the new one (it used to read that as another owner and close the new boot 4410).
+    let lease = format!("{new_boot}|fe-a");
+    eventually(Duration::from_secs(10), "the new boot's lease", || {
+        redis
+            .connection()
+            .get::<_, Option<String>>("rig:rig-n")
+            .unwrap()
+            == Some(lease.clone())
+    });
+    let (status, body) = a.command("rig-n", "after", json!({}));
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(read_json(&mut again)["name"], "after");
+    assert_eq!(
+        a.metric("fleetlink_registry_ops_total{op=\"resume\",result=\"rebooted\"}"),
+        2,
+        "reported once, by A alone"
+    );
 }
 
 /// The rig was on A, moved to B (whose commands Redis keeps) and came back to A before A heard

@@ -12,8 +12,10 @@
 use std::cell::Cell;
 use std::collections::VecDeque;
 
+use std::time::{Duration, Instant};
+
 use crate::ids::Seq;
-use crate::registry::msg::SeqCommand;
+use crate::registry::msg::{CommandReq, SeqCommand};
 
 /// Queued (not yet written) command bytes one rig may hold; a command past it is refused
 /// `rig_unresponsive`, as past `--outbox`.
@@ -91,6 +93,25 @@ impl Drop for Line {
 }
 
 /// A rig's queued and unacked commands.
+/// Commands from the rig's offline hold that its outbox could not take yet, in hold order, each
+/// with the deadline its hold had. They have no seq until they enter the outbox.
+#[derive(Default)]
+struct Waiting {
+    reqs: VecDeque<(CommandReq, Instant)>,
+    bytes: usize,
+}
+
+/// What a waiting command weighs against the core's bound: its args, name and id.
+fn weight(req: &CommandReq) -> usize {
+    req.args.raw().get().len() + req.name.len() + req.id.len()
+}
+
+impl Drop for Waiting {
+    fn drop(&mut self) {
+        charge(0, self.bytes);
+    }
+}
+
 #[derive(Default)]
 pub(crate) struct Queues {
     /// Commands queued, not yet written (bounded by `--outbox` and [`RIG_OUTBOX_BYTES`]).
@@ -100,6 +121,8 @@ pub(crate) struct Queues {
     unacked: Line,
     /// Acked commands' ids, for their results (at most [`RESULT_IDS`], oldest first).
     results: VecDeque<(Seq, Box<str>)>,
+    /// Commands delivered from the rig's offline hold that wait for room in the outbox.
+    waiting: Waiting,
     /// The rig's acknowledged bytes when last looked at, while PINGs wait behind other bytes
     /// ([`crate::worker::slow_reader`]).
     pub(crate) taken_seen: Option<u64>,
@@ -200,7 +223,47 @@ impl Queues {
 
     /// Whether nothing is queued, unacked or awaiting its result.
     pub(crate) fn is_empty(&self) -> bool {
-        self.outbox.cmds.is_empty() && self.unacked.cmds.is_empty() && self.results.is_empty()
+        self.outbox.cmds.is_empty()
+            && self.unacked.cmds.is_empty()
+            && self.results.is_empty()
+            && self.waiting.reqs.is_empty()
+    }
+
+    /// Commands from the offline hold waiting for room in the outbox.
+    pub(crate) fn waiting_len(&self) -> usize {
+        self.waiting.reqs.len()
+    }
+
+    /// Puts a command from the offline hold behind those waiting (`front`: back at the head,
+    /// where it was taken from). Its hold's time left counts from now.
+    pub(crate) fn wait(&mut self, req: CommandReq, front: bool) {
+        let left = req.offline_ttl.unwrap_or_default();
+        self.wait_until(req, Instant::now() + left, front);
+    }
+
+    fn wait_until(&mut self, req: CommandReq, deadline: Instant, front: bool) {
+        let w = weight(&req);
+        self.waiting.bytes += w;
+        charge(w, 0);
+        match front {
+            true => self.waiting.reqs.push_front((req, deadline)),
+            false => self.waiting.reqs.push_back((req, deadline)),
+        }
+    }
+
+    /// The first waiting command, its time left set to what remains of its hold.
+    pub(crate) fn next_waiting(&mut self) -> Option<CommandReq> {
+        let (mut req, deadline) = self.waiting.reqs.pop_front()?;
+        let w = weight(&req);
+        self.waiting.bytes -= w;
+        charge(0, w);
+        req.offline_ttl = Some(left_of(deadline));
+        Some(req)
+    }
+
+    /// Every waiting command, for the rig's hold again (the connection closed).
+    pub(crate) fn take_waiting(&mut self) -> Vec<CommandReq> {
+        std::iter::from_fn(|| self.next_waiting()).collect()
     }
 
     /// Every command, unacked then queued (seq order), leaving the core's count, and the ids
@@ -210,6 +273,14 @@ impl Queues {
         let cmds = unacked.into_iter().chain(self.outbox.take()).collect();
         (cmds, std::mem::take(&mut self.results).into())
     }
+}
+
+/// What remains until `deadline`; a hold that ran out keeps a millisecond, so that whoever
+/// holds it next reports it expired rather than dropping it.
+fn left_of(deadline: Instant) -> Duration {
+    deadline
+        .saturating_duration_since(Instant::now())
+        .max(Duration::from_millis(1))
 }
 
 #[cfg(test)]
@@ -258,6 +329,47 @@ mod tests {
         other.push_outbox(cmd(10, 7));
         drop(other);
         assert_eq!(core_bytes(), before);
+    }
+
+    fn held(id: &str, ttl_ms: u64) -> CommandReq {
+        CommandReq {
+            id: id.into(),
+            rig: crate::ids::RigId::parse("r").unwrap(),
+            name: "n".into(),
+            args: crate::args::Args::empty(),
+            reply: crate::registry::msg::ReplyTo::Event,
+            offline_ttl: Some(Duration::from_millis(ttl_ms)),
+        }
+    }
+
+    #[test]
+    fn commands_waiting_from_the_hold_keep_their_order_their_time_left_and_their_weight() {
+        let before = core_bytes();
+        let mut q = Queues::default();
+        q.wait(held("a", 60_000), false);
+        q.wait(held("b", 60_000), false);
+        q.wait(held("gone", 0), false);
+        assert_eq!(q.waiting_len(), 3);
+        assert!(!q.is_empty(), "waiting commands keep the queues");
+        let weighs = core_bytes() - before;
+        assert!(weighs >= 3 * 3, "{weighs}");
+        let a = q.next_waiting().unwrap();
+        assert_eq!(a.id, "a");
+        assert!(a.offline_ttl.unwrap() <= Duration::from_millis(60_000));
+        q.wait(a, true);
+        let rest: Vec<CommandReq> = q.take_waiting();
+        let ids: Vec<&str> = rest.iter().map(|r| r.id.as_str()).collect();
+        assert_eq!(ids, ["a", "b", "gone"], "back at the head, in order");
+        assert_eq!(
+            rest.last().and_then(|r| r.offline_ttl),
+            Some(Duration::from_millis(1)),
+            "a hold that ran out keeps a millisecond, to be reported expired"
+        );
+        assert!(q.is_empty());
+        assert_eq!(core_bytes(), before);
+        q.wait(held("dropped", 10), false);
+        drop(q);
+        assert_eq!(core_bytes(), before, "dropped with the queues");
     }
 
     #[test]

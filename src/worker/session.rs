@@ -14,6 +14,7 @@ use crate::registry::msg::{
     AdminAnswer, AdminReply, CommandReq, PersistReq, Recall, RekeepReq, ReplyTo, SeqCommand,
     ToBridge, Verdict,
 };
+use crate::registry::offline::MAX_PER_RIG;
 use crate::reply::{self, Unresponsive};
 use crate::worker::core::{stamp, unix_ms, Conn, ConnState, Core, Phase, Session};
 use crate::worker::queues::{self, RIG_OUTBOX_BYTES, RIG_UNACKED_BYTES};
@@ -511,8 +512,9 @@ fn keep_unacked(core: &Core, s: &mut Session, cmd: SeqCommand) {
     q.push_unacked(cmd);
 }
 
-/// Moves queued commands to the socket while it keeps up. Called after enqueue and after the
-/// task flushed a backlog.
+/// Moves queued commands to the socket while it keeps up, and commands waiting from the
+/// offline hold into the outbox as it makes room. Called after enqueue, after an ack and after
+/// the task flushed a backlog.
 pub(crate) fn pump(core: &Core, conn: &Conn, st: &mut ConnState) {
     // Nothing after our close frame (RFC 6455 §5.5.1): a command released by Redis, or a
     // backlog flushed, after a kick, a supersede or a drain's close stays queued, and is
@@ -520,6 +522,37 @@ pub(crate) fn pump(core: &Core, conn: &Conn, st: &mut ConnState) {
     if st.phase != Phase::Live {
         return;
     }
+    loop {
+        write_out(core, conn, st);
+        if !admit_waiting(core, conn, st) {
+            return;
+        }
+    }
+}
+
+/// Moves commands waiting from the offline hold into the outbox while it has room; whether
+/// any went in.
+fn admit_waiting(core: &Core, conn: &Conn, st: &mut ConnState) -> bool {
+    let mut admitted = false;
+    while let Some(req) = st
+        .session
+        .as_mut()
+        .and_then(|s| s.queues.as_mut())
+        .and_then(|q| q.next_waiting())
+    {
+        if let Err(req) = enqueue(core, conn, st, req) {
+            if let Some(q) = st.session.as_mut().and_then(|s| s.queues.as_mut()) {
+                q.wait(req, true);
+            }
+            break;
+        }
+        admitted = true;
+    }
+    admitted
+}
+
+/// Writes queued commands while the socket keeps up and the unacked window allows.
+fn write_out(core: &Core, conn: &Conn, st: &mut ConnState) {
     while st.unsent() == 0 {
         let Some(session) = st.session.as_mut() else {
             return;
@@ -666,40 +699,113 @@ pub(crate) fn return_verdict(core: &Core, conn: ConnId, rig: Option<RigId>, verd
 
 /// Control's command for this connection's rig.
 pub(crate) fn on_command(core: &Core, conn: &Conn, st: &mut ConnState, req: CommandReq) {
-    if !holds(st, &req.rig) {
+    // One from the offline hold goes behind those of it already waiting: hold order.
+    let req = match waiting(st) > 0 && from_hold(&req) {
+        true => Err(req),
+        false => enqueue(core, conn, st, req),
+    };
+    if let Err(req) = req {
+        wait_for_room(core, conn, st, req);
+    }
+    pump(core, conn, st);
+}
+
+/// Whether a command comes from the rig's offline hold: control was answered when it was held,
+/// and its outcome is an event.
+fn from_hold(req: &CommandReq) -> bool {
+    matches!(req.reply, ReplyTo::Event)
+}
+
+/// Commands from the offline hold waiting for room in this connection's outbox.
+fn waiting(st: &ConnState) -> usize {
+    st.session
+        .as_ref()
+        .and_then(|s| s.queues.as_ref())
+        .map_or(0, |q| q.waiting_len())
+}
+
+/// A command from the offline hold that the outbox cannot take yet waits for room (a rig
+/// comes back to up to [`MAX_PER_RIG`] held commands, more than an outbox holds). Refused as
+/// any command past the outbox only past that many, or past the core's command bytes.
+fn wait_for_room(core: &Core, conn: &Conn, st: &mut ConnState, req: CommandReq) {
+    let Some(session) = st.session.as_mut() else {
         return not_taken(core, conn.id, req, "the rig's connection is closing");
+    };
+    let size = req.args.raw().get().len() + req.name.len() + req.id.len();
+    if session.queues.as_ref().map_or(0, |q| q.waiting_len()) >= MAX_PER_RIG {
+        return outbox_full(core, session, req, None);
+    }
+    if queues::core_bytes() + size > queues::core_command_bytes(core.cfg.cores) {
+        let why = "this core holds as many command bytes as it may";
+        return refuse_command(core, req, C::CmdMemoryFull, "overloaded", why);
+    }
+    session.queues().wait(req, false);
+}
+
+/// Puts control's command in the outbox, numbered, or answers why not. A command from the
+/// offline hold that the outbox has no room for comes back (`Err`) to wait for it.
+fn enqueue(
+    core: &Core,
+    conn: &Conn,
+    st: &mut ConnState,
+    req: CommandReq,
+) -> Result<(), CommandReq> {
+    if !holds(st, &req.rig) {
+        not_taken(core, conn.id, req, "the rig's connection is closing");
+        return Ok(());
     };
     if !scope_allows(&st.sec, |s| s.allows_command(&req.name)) {
         let why = "the rig's token does not allow this command";
-        return refuse_command(core, req, C::Forbidden, "forbidden", why);
+        refuse_command(core, req, C::Forbidden, "forbidden", why);
+        return Ok(());
     }
     let Some(session) = st.session.as_mut() else {
-        return;
+        return Ok(());
     };
+    let held = from_hold(&req);
     if session.held_len() >= core.cfg.unacked_limit() {
+        if held {
+            return Err(req);
+        }
         // Redis is slower than control right now: a broker-side condition, not the rig's.
         let why = "too many commands waiting for the session store";
-        return refuse_command(core, req, C::BridgeQueueFull, "overloaded", why);
+        refuse_command(core, req, C::BridgeQueueFull, "overloaded", why);
+        return Ok(());
     }
-    if session.outbox_len() >= core.cfg.outbox {
-        return outbox_full(core, session, req, None);
+    // Those still waiting for Redis count too for the hold's: it delivers a thousand at once.
+    let queued = match held {
+        true => session.queues.as_ref().map_or(0, |q| q.outbox().len()),
+        false => session.outbox_len(),
+    };
+    if queued >= core.cfg.outbox {
+        if held {
+            return Err(req);
+        }
+        outbox_full(core, session, req, None);
+        return Ok(());
     }
     let seq = session.next_seq;
     if seq > Seq::LAST {
         // Only a hello claiming a last_seq near the limit gets here: wrapping would reuse seqs.
         let why =
             "this boot of the rig has used every seq; it takes commands again under a new boot_id";
-        return refuse_command(core, req, C::CmdSeqExhausted, "seq_exhausted", why);
+        refuse_command(core, req, C::CmdSeqExhausted, "seq_exhausted", why);
+        return Ok(());
     }
     let json = protocol::encode_command(session.v, seq, &req.id, &req.name, req.args.raw())
         .into_boxed_slice();
     let queued = session.queues.as_ref().map_or(0, |q| q.outbox_bytes());
     if queued > 0 && queued + json.len() > RIG_OUTBOX_BYTES {
-        return outbox_full(core, session, req, Some(queued));
+        if held {
+            return Err(req);
+        }
+        outbox_full(core, session, req, Some(queued));
+        return Ok(());
     }
     if queues::core_bytes() + json.len() > queues::core_command_bytes(core.cfg.cores) {
         let why = "this core holds as many command bytes as it may";
-        return refuse_command(core, req, C::CmdMemoryFull, "overloaded", why);
+        refuse_command(core, req, C::CmdMemoryFull, "overloaded", why);
+        return Ok(());
     }
     if core.persist {
         // Kept in Redis first; the bridge answers control and releases it for writing.
@@ -710,15 +816,14 @@ pub(crate) fn on_command(core: &Core, conn: &Conn, st: &mut ConnState, req: Comm
             seq,
             id: req.id.as_str().into(),
             json: json.clone(),
-            hold_left: req
-                .offline_ttl
-                .filter(|_| matches!(req.reply, ReplyTo::Event)),
+            hold_left: req.offline_ttl.filter(|_| held),
             reply: req.reply,
         };
         if let Err(Full(ToBridge::Persist(p))) =
             core.push_to_bridge(ToBridge::Persist(Box::new(persist)))
         {
-            return bridge_full(core, &req.id, &req.rig, p.reply);
+            bridge_full(core, &req.id, &req.rig, p.reply);
+            return Ok(());
         }
     } else {
         let body = reply::enqueued(&req.id, &session.rig, seq);
@@ -734,7 +839,7 @@ pub(crate) fn on_command(core: &Core, conn: &Conn, st: &mut ConnState, req: Comm
         held: core.persist,
     });
     core.metrics.inc(C::CmdEnqueued);
-    pump(core, conn, st);
+    Ok(())
 }
 
 /// Answers a command refused for a full outbox (by count, or by `bytes` queued) with
@@ -751,7 +856,11 @@ fn outbox_full(core: &Core, session: &mut Session, req: CommandReq, bytes: Optio
         &req.id,
         &session.rig,
         Unresponsive {
-            queued: session.outbox_len(),
+            // Bytes count every queued command, those still waiting for Redis too.
+            queued: match bytes {
+                Some(_) => session.queues.as_ref().map_or(0, |q| q.outbox().len()),
+                None => session.outbox_len(),
+            },
             capacity: core.cfg.outbox,
             bytes: bytes.map(|b| (b, RIG_OUTBOX_BYTES)),
             oldest_age: oldest,
@@ -912,8 +1021,18 @@ pub(crate) fn on_closed(core: &Core, conn: &Conn, st: &mut ConnState) {
     let code = st.close_code.unwrap_or(1006);
     let ev = events::disconnected(&core.cfg.broker_id, &s.rig, &s.boot, code, &st.close_reason);
     core.event(ev);
+    // Commands from the offline hold that never got a seq go back to be held (or to the rig's
+    // next connection), as one arriving after the close would.
+    let mut queues = s.queues;
+    for req in queues
+        .as_mut()
+        .map(|q| q.take_waiting())
+        .unwrap_or_default()
+    {
+        not_taken(core, conn.id, req, "the rig's connection closed");
+    }
     // A command still held for Redis goes along only once Redis has answered for it.
-    let (carried, results) = s.queues.map(|q| q.into_parts()).unwrap_or_default();
+    let (carried, results) = queues.map(|q| q.into_parts()).unwrap_or_default();
     let recall = Recall {
         results,
         last_ack: s.last_ack,

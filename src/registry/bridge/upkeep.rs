@@ -119,11 +119,14 @@ impl Bridge {
             self.next_heartbeat = Instant::now();
         }
         // Before their sessions go back: `rekeep.lua` leaves the rig's latest-boot record as
-        // it finds it, and that record still names the older boot.
+        // it finds it, and that record still names the older boot. Not when the older boot
+        // was this broker's own: it decided the new boot's hello with the old session in hand
+        // and reported that session's commands itself (`report_parked_reboot`).
+        let me = self.cfg.broker_id.as_str();
         let taken: Vec<(&RigId, &BootId)> = entries
             .iter()
             .zip(&statuses)
-            .filter(|(_, s)| matches!(s, RefreshStatus::Taken { .. }))
+            .filter(|(_, s)| matches!(s, RefreshStatus::Taken { from } if from.broker_id != me))
             .map(|((rig, boot), _)| (rig, boot))
             .collect();
         if !taken.is_empty() && !self.cfg.session_ttl.is_zero() {
