@@ -373,25 +373,46 @@ fn redis_broadcast_with_a_silent_live_broker_exits_3() {
     let redis = RedisServer::start();
     let _a = FakeBroker::start(&redis, "fe-a", true, 2);
     let _quiet = FakeBroker::start(&redis, "fe-quiet", false, 0);
-    let run = fleetctl(&[
+    let run = broadcast_to_lab(&redis, "500ms");
+    run.assert_code(3);
+    assert_eq!(line_of(&run, "fe-quiet")["error"], "timeout");
+}
+
+/// The one line of `broker` among the two a broadcast to two brokers printed.
+fn line_of(run: &Run, broker: &str) -> Value {
+    let lines = run.lines();
+    assert_eq!(lines.len(), 2, "{lines:?}");
+    lines
+        .into_iter()
+        .find(|l| l["broker_id"] == broker)
+        .unwrap_or_else(|| panic!("no line for {broker}"))
+}
+
+/// `send --selector group=lab x --json` through `redis`, waiting `timeout` for the replies.
+fn broadcast_to_lab(redis: &RedisServer, timeout: &str) -> Run {
+    let url = redis.url();
+    fleetctl(&[
         "--redis",
-        &redis.url(),
+        &url,
         "--json",
         "send",
         "--selector",
         "group=lab",
         "x",
         "--timeout",
-        "500ms",
-    ]);
-    run.assert_code(3);
-    let lines = run.lines();
-    assert_eq!(lines.len(), 2, "{lines:?}");
-    let quiet = lines
-        .iter()
-        .find(|l| l["broker_id"] == "fe-quiet")
-        .expect("missing broker reported");
-    assert_eq!(quiet["error"], "timeout");
+        timeout,
+    ])
+}
+
+/// The `broker:<id>` key a SIGKILLed broker leaves for its TTL, with nothing on its channel.
+fn killed_brokers_key(redis: &RedisServer, id: &str) {
+    let _: () = redis::cmd("SET")
+        .arg(format!("broker:{id}"))
+        .arg("{}")
+        .arg("PX")
+        .arg(30_000)
+        .query(&mut redis.connection())
+        .unwrap();
 }
 
 /// A SIGKILLed broker's key lives on for its TTL, but pub/sub reaches only subscribers: the
@@ -400,51 +421,23 @@ fn redis_broadcast_with_a_silent_live_broker_exits_3() {
 fn redis_broadcast_reports_a_broker_with_nothing_on_its_channel_at_once() {
     let redis = RedisServer::start();
     let _a = FakeBroker::start(&redis, "fe-a", true, 2);
-    let _: () = redis::cmd("SET")
-        .arg("broker:fe-killed")
-        .arg("{}")
-        .arg("PX")
-        .arg(30_000)
-        .query(&mut redis.connection())
-        .unwrap();
+    killed_brokers_key(&redis, "fe-killed");
     let started = Instant::now();
-    let run = fleetctl(&[
-        "--redis",
-        &redis.url(),
-        "--json",
-        "send",
-        "--selector",
-        "group=lab",
-        "x",
-        "--timeout",
-        "20s",
-    ]);
+    let run = broadcast_to_lab(&redis, "20s");
     run.assert_code(2);
     assert!(
         started.elapsed() < Duration::from_secs(15),
         "waited for the dead broker: {:?}",
         started.elapsed()
     );
-    let lines = run.lines();
-    assert_eq!(lines.len(), 2, "{lines:?}");
-    let dead = lines
-        .iter()
-        .find(|l| l["broker_id"] == "fe-killed")
-        .expect("the dead broker reported");
+    let dead = line_of(&run, "fe-killed");
     assert_eq!(
         (&dead["ok"], &dead["error"]),
         (&json!(false), &json!("broker_not_listening"))
     );
-    let live = lines.iter().find(|l| l["broker_id"] == "fe-a").unwrap();
-    assert_eq!(live["matched"], 2);
-    let human = fleetctl(&[
-        "--redis",
-        &redis.url(),
-        "send",
-        "--selector",
-        "group=lab",
-        "x",
-    ]);
+    assert_eq!(line_of(&run, "fe-a")["matched"], 2);
+    let url = redis.url();
+    let human = fleetctl(&["--redis", &url, "send", "--selector", "group=lab", "x"]);
     human.assert_code(2);
     assert!(
         human
@@ -481,14 +474,7 @@ fn redis_status_tells_live_from_dead_brokers() {
     assert!(human.stdout.contains("fe-dead (dead"), "{}", human.stdout);
 
     // A SIGKILLed broker: its key lives on for its TTL, but its channel has no subscriber.
-    let mut con = redis.connection();
-    let _: () = redis::cmd("SET")
-        .arg("broker:fe-killed")
-        .arg("{}")
-        .arg("PX")
-        .arg(30_000)
-        .query(&mut con)
-        .unwrap();
+    killed_brokers_key(&redis, "fe-killed");
     register(&redis, "rig-orphan", "fe-killed");
     let killed = fleetctl(&["--redis", &redis.url(), "--json", "status", "rig-orphan"]);
     killed.assert_code(2);
