@@ -102,7 +102,7 @@ struct Waiting {
 }
 
 /// What a waiting command weighs against the core's bound: its args, name and id.
-fn weight(req: &CommandReq) -> usize {
+pub(crate) fn weight(req: &CommandReq) -> usize {
     req.args.raw().get().len() + req.name.len() + req.id.len()
 }
 

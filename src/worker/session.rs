@@ -731,13 +731,11 @@ fn wait_for_room(core: &Core, conn: &Conn, st: &mut ConnState, req: CommandReq) 
     let Some(session) = st.session.as_mut() else {
         return not_taken(core, conn.id, req, "the rig's connection is closing");
     };
-    let size = req.args.raw().get().len() + req.name.len() + req.id.len();
     if session.queues.as_ref().map_or(0, |q| q.waiting_len()) >= MAX_PER_RIG {
         return outbox_full(core, session, req, None);
     }
-    if queues::core_bytes() + size > queues::core_command_bytes(core.cfg.cores) {
-        let why = "this core holds as many command bytes as it may";
-        return refuse_command(core, req, C::CmdMemoryFull, "overloaded", why);
+    if core_full(core, queues::weight(&req)) {
+        return memory_full(core, req);
     }
     session.queues().wait(req, false);
 }
@@ -802,9 +800,8 @@ fn enqueue(
         outbox_full(core, session, req, Some(queued));
         return Ok(());
     }
-    if queues::core_bytes() + json.len() > queues::core_command_bytes(core.cfg.cores) {
-        let why = "this core holds as many command bytes as it may";
-        refuse_command(core, req, C::CmdMemoryFull, "overloaded", why);
+    if core_full(core, json.len()) {
+        memory_full(core, req);
         return Ok(());
     }
     if core.persist {
@@ -869,6 +866,17 @@ fn outbox_full(core: &Core, session: &mut Session, req: CommandReq, bytes: Optio
         },
     );
     deliver(core, req.reply, body);
+}
+
+/// Whether `bytes` more would take this core past its share of the broker's command bytes.
+fn core_full(core: &Core, bytes: usize) -> bool {
+    queues::core_bytes() + bytes > queues::core_command_bytes(core.cfg.cores)
+}
+
+/// Answers a command the core's command bytes have no room for, and counts it.
+fn memory_full(core: &Core, req: CommandReq) {
+    let why = "this core holds as many command bytes as it may";
+    refuse_command(core, req, C::CmdMemoryFull, "overloaded", why);
 }
 
 /// Answers a command refused before it took a seq with `error`, and counts it.
