@@ -999,6 +999,66 @@ fn held_commands_past_the_outbox_wait_for_room_and_all_arrive_in_order() {
     }
 }
 
+/// The rig leaves while held commands still wait for room at the broker: those go back to the
+/// hold, and its next connection (the same boot, resuming) gets every held command exactly
+/// once, in hold order: first the session's own (numbered before it left), then the rest.
+#[test]
+fn held_commands_still_waiting_when_the_rig_leaves_are_held_again() {
+    const HELD: usize = 30;
+    let b = Broker::start(&["--outbox", "1"]);
+    for i in 0..HELD {
+        let body = json!({"id": format!("w{i}"), "name": "n", "args": {},
+                          "queue_if_offline": true, "ttl_ms": 60_000});
+        let (status, text) = b.http("POST", "/v1/rigs/rig-leaves/commands", &body.to_string());
+        assert_eq!(status, 200, "{text}");
+    }
+    let boot = boot_id();
+    let mut first = b.connect("/agent");
+    hello(&mut first, "rig-leaves", &boot, None);
+    // `--outbox 1`: 8 written ahead of acks and 1 queued; the rest wait. Take 3, ack none.
+    let mut got: Vec<(u64, String)> = Vec::new();
+    for _ in 0..3 {
+        let cmd = read_json(&mut first);
+        got.push((
+            cmd["seq"].as_u64().unwrap(),
+            cmd["id"].as_str().unwrap().to_owned(),
+        ));
+    }
+    drop(first);
+    eventually(
+        Duration::from_secs(10),
+        "the broker sees the rig leave",
+        || {
+            let body: Value = serde_json::from_str(&b.http("GET", "/v1/rigs", "").1).unwrap();
+            body.as_array().is_some_and(Vec::is_empty)
+        },
+    );
+    let mut again = b.connect("/agent");
+    let last = got.last().map(|(seq, _)| *seq);
+    assert_eq!(
+        hello(&mut again, "rig-leaves", &boot, last)["resumed"],
+        true
+    );
+    while got.len() < HELD {
+        let cmd = read_json(&mut again);
+        let ack = json!({"type": "ack", "seq": cmd["seq"]});
+        again.send(Message::Text(ack.to_string().into())).unwrap();
+        got.push((
+            cmd["seq"].as_u64().unwrap(),
+            cmd["id"].as_str().unwrap().to_owned(),
+        ));
+    }
+    let ids: Vec<String> = got.iter().map(|(_, id)| id.clone()).collect();
+    let want: Vec<String> = (0..HELD).map(|i| format!("w{i}")).collect();
+    assert_eq!(ids, want, "each once, in hold order");
+    let seqs: Vec<u64> = got.iter().map(|(seq, _)| *seq).collect();
+    assert!(seqs.windows(2).all(|w| w[0] < w[1]), "{seqs:?}");
+    b.wait_metric(&format!(
+        "fleetlink_commands_total{{result=\"acked\"}} {}",
+        HELD - 3
+    ));
+}
+
 #[test]
 fn the_same_boot_resumes_on_another_broker_even_without_commands() {
     let redis = RedisServer::start();
