@@ -922,7 +922,7 @@ pub(crate) fn command_req(
         return Err(bad(&format!("id longer than {CONTROL_NAME_MAX} bytes")));
     }
     let (body, args) = match parsed {
-        Ok(mut b) if !b.name.is_empty() && b.name.len() <= 128 => {
+        Ok(mut b) if !b.name.is_empty() && b.name.len() <= crate::ids::COMMAND_NAME_MAX => {
             let args = match b.args.take() {
                 None => Ok(Args::empty()),
                 Some(raw) => Args::checked(raw),
@@ -932,7 +932,10 @@ pub(crate) fn command_req(
                 Err(why) => return Err(bad(&why)),
             }
         }
-        Ok(_) => return Err(bad("name must be 1-128 bytes")),
+        Ok(_) => {
+            let max = crate::ids::COMMAND_NAME_MAX;
+            return Err(bad(&format!("name must be 1-{max} bytes")));
+        }
         Err(e) => return Err(bad(&e.to_string())),
     };
     Ok(Box::new(CommandReq {

@@ -10,6 +10,9 @@ use std::fmt;
 /// request: unbounded, one message of 1 MiB could cost a fleet's worth of copies.
 pub const CONTROL_NAME_MAX: usize = 256;
 
+/// Longest command `name`, in bytes: the pub/sub route, the admin API and fleetctl hold it.
+pub const COMMAND_NAME_MAX: usize = 128;
+
 /// A rig's name: 1–64 bytes of `[A-Za-z0-9._-]`.
 #[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Debug)]
 pub struct RigId(Box<str>);

@@ -7,7 +7,7 @@ use serde_json::value::RawValue;
 use serde_json::{Map, Value};
 
 use crate::args::Args;
-use crate::ids::{BootId, RigId, CONTROL_NAME_MAX};
+use crate::ids::{BootId, RigId, COMMAND_NAME_MAX, CONTROL_NAME_MAX};
 use crate::registry::msg::{CommandReq, ReplyTo};
 
 /// A validated control message.
@@ -346,8 +346,12 @@ pub fn parse(payload: &[u8], broadcast: bool) -> Result<Control, Bad> {
             let name = raw
                 .name
                 .clone()
-                .filter(|n| !n.is_empty() && n.len() <= 128)
-                .ok_or_else(|| bad("command needs a name of 1-128 bytes"))?;
+                .filter(|n| !n.is_empty() && n.len() <= COMMAND_NAME_MAX)
+                .ok_or_else(|| {
+                    bad(&format!(
+                        "command needs a name of 1-{COMMAND_NAME_MAX} bytes"
+                    ))
+                })?;
             let args = match raw.args.clone() {
                 None => Args::empty(),
                 Some(a) => Args::checked(a).map_err(|why| bad(&why))?,

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use clap::error::ErrorKind;
 use clap::{CommandFactory, Parser, Subcommand};
-use fleetlink::ids::RigId;
+use fleetlink::ids::{RigId, COMMAND_NAME_MAX};
 use serde_json::{Map, Value};
 
 /// Env var naming the Redis URL of the fleet (same as `--redis`).
@@ -189,10 +189,10 @@ impl SendArgs {
     pub(crate) fn target(&self) -> Result<(Target, &str), clap::Error> {
         let (target, name) = self.words()?;
         // The brokers' bound, checked here so that a typo is a usage error like a bad rig id.
-        if name.is_empty() || name.len() > NAME_MAX {
+        if name.is_empty() || name.len() > COMMAND_NAME_MAX {
             return Err(usage(
                 ErrorKind::ValueValidation,
-                format!("invalid command name {name:?}: 1-{NAME_MAX} bytes"),
+                format!("invalid command name {name:?}: 1-{COMMAND_NAME_MAX} bytes"),
             ));
         }
         Ok((target, name))
@@ -217,9 +217,6 @@ impl SendArgs {
         }
     }
 }
-
-/// Longest command name a broker takes, in bytes.
-const NAME_MAX: usize = 128;
 
 /// A usage error rendered like clap's own.
 pub(crate) fn usage(kind: ErrorKind, msg: String) -> clap::Error {
