@@ -11,6 +11,10 @@
 --   "ok"          value == expected: PEXPIRE ttl_ms
 --   "restored"    key missing (expired, or Redis restarted empty): SET expected PX ttl_ms,
 --                 unless sessof:<rig_id> names a boot newer than the expected one's
+--   "restored|<b>"  the same, where sessof:<rig_id> names b, a boot older than the expected
+--                 one's: that older session outlived its lease (an outage longer than the
+--                 lease, or the older boot's broker released it), and the caller runs
+--                 resume.lua to report it rig_rebooted, as this boot's hello would have
 --   "taken|<v>"   the key held v = "<boot>|<broker>" of an older boot than the expected one's,
 --                 and no newer boot is on record: SET expected PX ttl_ms. Only a broker that
 --                 welcomed the newer boot while Redis was away gets here (hello.lua never lets
@@ -41,15 +45,25 @@ local function newer(a, b)
   return false
 end
 
--- Whether the rig of `key` has, on record, a boot newer than the one `expected` names.
-local function newer_boot_on_record(key, expected)
+-- The boot on record for the rig of `key` (sessof:<rig_id>) and the one `expected` names;
+-- nil when either is missing or they differ in form.
+local function on_record(key, expected)
   local rig = key:match('^rig:(.+)$')
   local boot = expected:match('^([^|]+)|')
   if not rig or not boot then
-    return false
+    return nil
   end
   local latest = redis.pcall('GET', 'sessof:' .. rig)
-  return type(latest) == 'string' and #latest == #boot and newer(latest, boot)
+  if type(latest) ~= 'string' or #latest ~= #boot then
+    return nil
+  end
+  return latest, boot
+end
+
+-- Whether the rig of `key` has, on record, a boot newer than the one `expected` names.
+local function newer_boot_on_record(key, expected)
+  local latest, boot = on_record(key, expected)
+  return latest ~= nil and newer(latest, boot)
 end
 
 -- Whether `current` names a boot older than the one `expected` names (both "<boot>|<broker>";
@@ -73,7 +87,12 @@ for i = 1, #KEYS do
     out[i] = 'ok'
   elseif current == false and not newer_boot_on_record(key, expected) then
     redis.call('SET', key, expected, 'PX', ttl)
-    out[i] = 'restored'
+    local latest, boot = on_record(key, expected)
+    if latest ~= nil and newer(boot, latest) then
+      out[i] = 'restored|' .. latest
+    else
+      out[i] = 'restored'
+    end
   elseif older_tuple(current, expected) and not newer_boot_on_record(key, expected) then
     redis.call('SET', key, expected, 'PX', ttl)
     out[i] = 'taken|' .. current

@@ -15,13 +15,25 @@
 --                      holds: its lease was released or lost, so written when no one else
 --                      holds the rig: the lease is ours, or it is absent and the session key
 --                      does not exist (if it does, another broker or the rig's new connection
---                      wrote a newer truth there)
--- ARGV[5], ARGV[6], ...  seq, command JSON (exactly as sent), for each command not yet acked
+--                      wrote a newer truth there). When a newer boot of the rig is known (the
+--                      lease or sessof names one), the session has ended instead (CONTRACT.md
+--                      section 5): its commands are reported, not replayed (see "reported")
+-- ARGV[5]  the rig_rebooted events' "at": the broker's clock, RFC 3339
+-- ARGV[6], ARGV[7], ...  seq, command JSON (exactly as sent), for each command not yet acked
 --
 -- Returns:
 --   "ok"      written: every command HSET, "next" raised to at least ARGV[3] (never lowered:
 --             commands kept since Redis came back may already be above these), "sessof" set
---             to this boot unless another boot is recorded there, TTLs set
+--             to this boot unless another boot is recorded there, TTLs set. A parked session
+--             whose newer boot has not been reported yet is written this way too: that boot's
+--             broker reports it (refresh.lua's "taken" and "restored|", or the hello's
+--             resume.lua), these commands with it
+--   "reported|<n>"  parked, and a newer boot ended this session: resume.lua already reported
+--             it (its tombstone, "gone" -> that boot) and these commands at or above the
+--             tombstone's "next" were never kept (delivered while Redis was away), or Redis
+--             lost the session altogether and all of them were never reported. Each of those
+--             n is published as a rig_rebooted event, in seq order, and the tombstone's
+--             "next" raised past them, so a second call reports nothing twice
 --   "fenced"  the fence above refused: nothing written
 -- Errors "ERR fleetlink rekeep: ..." on malformed ARGV, before any write.
 
@@ -29,10 +41,10 @@ local function count(s)
   return type(s) == 'string' and #s <= 15 and s:match('^%d+$') ~= nil
 end
 
-local ttl, tuple, nxt, mode = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
-if #KEYS ~= 3 or #ARGV < 4 or (#ARGV - 4) % 2 ~= 0 or not count(ttl) or ttl:match('^0')
+local ttl, tuple, nxt, mode, at = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
+if #KEYS ~= 3 or #ARGV < 5 or (#ARGV - 5) % 2 ~= 0 or not count(ttl) or ttl:match('^0')
     or type(tuple) ~= 'string' or not count(nxt) then
-  return redis.error_reply('ERR fleetlink rekeep: expected KEYS lease, session, pointer; ARGV ttl_ms, tuple, next, mode, then seq/json pairs')
+  return redis.error_reply('ERR fleetlink rekeep: expected KEYS lease, session, pointer; ARGV ttl_ms, tuple, next, mode, at, then seq/json pairs')
 end
 if mode ~= 'live' and mode ~= 'parked' then
   return redis.error_reply('ERR fleetlink rekeep: mode must be live or parked')
@@ -41,21 +53,91 @@ local boot = tuple:match('^([^|]+)|')
 if not boot then
   return redis.error_reply('ERR fleetlink rekeep: the tuple must be boot_id|broker_id')
 end
-for i = 5, #ARGV, 2 do
+for i = 6, #ARGV, 2 do
   if not count(ARGV[i]) then
     return redis.error_reply('ERR fleetlink rekeep: seq must be a decimal integer')
   end
+end
+
+-- a > b for canonical boot ids, byte by byte (Lua's '<' follows the locale; see hello.lua).
+local function newer(a, b)
+  for i = 1, #a do
+    local x, y = a:byte(i), b:byte(i)
+    if x ~= y then
+      return x > y
+    end
+  end
+  return false
+end
+
+-- The boot `v` names ("<boot>|<broker>" or a bare boot) when it is newer than ours, else nil.
+local function newer_boot(v)
+  if type(v) ~= 'string' then
+    return nil
+  end
+  local b = v:match('^([^|]+)') or ''
+  if #b == #boot and newer(b, boot) then
+    return b
+  end
+  return nil
+end
+
+-- Publishes a rig_rebooted event for each command with a seq at or above `from`, in seq
+-- order, as resume.lua does for the ones Redis kept; returns how many and the highest seq.
+local function report(rig, ended_by, from)
+  local order = {}
+  for i = 6, #ARGV, 2 do
+    if tonumber(ARGV[i]) >= from then
+      order[#order + 1] = i
+    end
+  end
+  table.sort(order, function(a, b) return tonumber(ARGV[a]) < tonumber(ARGV[b]) end)
+  local broker = tuple:match('|(.*)$')
+  local top = 0
+  for _, i in ipairs(order) do
+    local decoded, cmd = pcall(cjson.decode, ARGV[i + 1])
+    local id = (decoded and type(cmd) == 'table' and type(cmd.id) == 'string') and cmd.id or nil
+    redis.call('PUBLISH', 'fleetlink:events', '{"type":"rig_rebooted","rig_id":'
+        .. cjson.encode(rig) .. ',"boot_id":' .. cjson.encode(boot) .. ',"new_boot_id":'
+        .. cjson.encode(ended_by) .. ',"seq":' .. ARGV[i] .. ',"id":'
+        .. (id and cjson.encode(id) or 'null') .. ',"broker_id":' .. cjson.encode(broker)
+        .. ',"at":' .. cjson.encode(at) .. '}')
+    top = math.max(top, tonumber(ARGV[i]))
+  end
+  return #order, top
 end
 
 -- pcall: a lease key of another type answers WRONGTYPE as a table: someone else's.
 local lease = redis.pcall('GET', KEYS[1])
 local sess = KEYS[2]
 if lease ~= tuple then
-  if mode == 'live' or lease ~= false or redis.call('EXISTS', sess) == 1 then
+  if mode == 'live' then
+    return 'fenced'
+  end
+  local rig = KEYS[1]:match('^rig:(.+)$') or ''
+  local f = redis.pcall('HMGET', sess, 'gone', 'next')
+  local gone, kept_next = nil, 0
+  if type(f) == 'table' and not f.err then
+    gone, kept_next = f[1], tonumber(f[2] or '0') or 0
+  end
+  local ended_by = (type(gone) == 'string' and gone)
+      or newer_boot(lease) or newer_boot(redis.pcall('GET', KEYS[3]))
+  local exists = redis.call('EXISTS', sess) == 1
+  if ended_by and (gone or not exists) then
+    -- Reported already up to the tombstone's next (gone), or Redis lost the session (none):
+    -- what only this broker holds is reported here, once.
+    local from = gone and kept_next or 0
+    local n, top = report(rig, ended_by, from)
+    redis.call('HSET', sess, 'gone', ended_by, 'next',
+        string.format('%.0f', math.max(kept_next, top + 1, from)))
+    redis.call('PEXPIRE', sess, ttl)
+    return 'reported|' .. n
+  end
+  if not ended_by and (lease ~= false or exists) then
     return 'fenced'
   end
 end
-for i = 5, #ARGV, 2 do
+for i = 6, #ARGV, 2 do
   redis.call('HSET', sess, 'c:' .. ARGV[i], ARGV[i + 1])
 end
 local have = tonumber(redis.call('HGET', sess, 'next') or '0') or 0

@@ -18,7 +18,8 @@
 --   cmds           { seq1, json1, seq2, json2, ... }: its unacked commands (any order)
 --   rebooted       how many unacked commands the previous, older boot's session had: each is
 --                  published here as a rig_rebooted event on fleetlink:events, and the session
---                  is deleted, in this one atomic call (never replayed). Reported by the
+--                  is cut down to a tombstone ("next", and "gone" -> this boot_id), in this one
+--                  atomic call (never replayed). Reported by the
 --                  broker instead, a reply lost after this ran would lose the reports with the
 --                  session.
 --   previous_boot  that older boot_id, or ""
@@ -132,8 +133,18 @@ local function resume(sess, ptr, boot, rig)
     if newer(boot, prev) then
       local prefix = 'sess:' .. rig .. ':'
       previous = prev
-      rebooted = report(rig, boot, prev, prefix .. prev)
-      redis.call('DEL', prefix .. prev)
+      local old = prefix .. prev
+      rebooted = report(rig, boot, prev, old)
+      -- What is left is a tombstone: the old session's next seq and the boot that ended it. A
+      -- broker still holding that session with commands Redis never kept (delivered while
+      -- Redis was away) reports just those when it puts the session back (rekeep.lua), not
+      -- the ones reported here a second time.
+      local old_next = redis.pcall('HGET', old, 'next')
+      redis.call('DEL', old)
+      if type(old_next) == 'string' then
+        redis.call('HSET', old, 'next', old_next, 'gone', boot)
+        redis.call('PEXPIRE', old, ttl)
+      end
       redis.call('SET', ptr, boot, 'PX', ttl)
     end
   else

@@ -435,6 +435,96 @@ fn after_an_outage_the_newer_boot_keeps_the_rig_whichever_broker_refreshes_first
     );
 }
 
+/// A rig reboots onto another broker while Redis is away, after its old broker delivered it a
+/// command Redis never kept. When Redis is back, every unacked command of the old session,
+/// the kept ones and the unkept one alike, is reported `rig_rebooted`, each once (CONTRACT.md
+/// §5). Before, the unkept one was never reported when the newer boot's report ran first (the
+/// old broker's parked session was fenced and dropped silently), and none were until the new
+/// boot's next hello when the old broker's release went first.
+#[test]
+fn a_command_delivered_during_an_outage_is_reported_when_its_rig_reboots_onto_another_broker() {
+    let redis = RedisServer::start();
+    let quick = ["--registry-refresh", "200ms"];
+    let a = fleet_broker(&redis, "fe-a", &quick);
+    let b = fleet_broker(&redis, "fe-b", &quick);
+    let (mut old_ws, old_boot, _) = a.rig("rig-rb");
+    let mut ctl = Control::new(&redis, &["fleetlink:events"]);
+    for i in 1..=4 {
+        let r = ctl.command_id("fe-a", "rig-rb", &format!("k{i}"), "n", json!({}));
+        assert_eq!(r["seq"], i, "{r}");
+        assert_eq!(read_json(&mut old_ws)["seq"], i);
+    }
+    let ack = json!({"type": "ack", "seq": 2}).to_string();
+    old_ws.send(Message::Text(ack.into())).unwrap();
+    let session = format!("sess:rig-rb:{old_boot}");
+    eventually(
+        Duration::from_secs(5),
+        "the acked command forgotten",
+        || !redis.connection().hexists(&session, "c:2").unwrap_or(true),
+    );
+    redis.freeze(true);
+    eventually(
+        Duration::from_secs(15),
+        "both brokers see the outage",
+        || a.http("GET", "/readyz", "").0 == 503 && b.http("GET", "/readyz", "").0 == 503,
+    );
+    // Delivered through the admin API while Redis is away: never kept.
+    let (status, body) = a.http(
+        "POST",
+        "/v1/rigs/rig-rb/commands",
+        r#"{"id":"k5","name":"n","args":{}}"#,
+    );
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(read_json(&mut old_ws)["id"], "k5");
+    drop(old_ws);
+    eventually(Duration::from_secs(5), "fe-a parks the session", || {
+        a.http("GET", "/v1/rigs", "").1.trim() == "[]"
+    });
+    let new_boot = boot_id();
+    let mut new_ws = b.connect("/agent");
+    hello(&mut new_ws, "rig-rb", &new_boot, json!({}));
+    redis.freeze(false);
+    let ops = |broker: &Broker, op: &str, results: &[&str]| -> u64 {
+        results
+            .iter()
+            .map(|r| {
+                broker.metric(&format!(
+                    "fleetlink_registry_ops_total{{op=\"{op}\",result=\"{r}\"}}"
+                ))
+            })
+            .sum()
+    };
+    // Both sides of the race have run: fe-a put its parked session back (or reported from
+    // it), fe-b's refresh took or restored the newer boot's lease.
+    eventually(Duration::from_secs(15), "both brokers settled", || {
+        ops(&a, "rekeep_parked", &["ok", "reported"]) >= 1
+            && ops(&b, "refresh", &["taken", "outlived"]) >= 1
+    });
+    let mut seqs = Vec::new();
+    while seqs.len() < 4 {
+        let ev = ctl.next(|ch, v| ch == "fleetlink:events" && v["type"] == "rig_rebooted");
+        assert_eq!(
+            (&ev["boot_id"], &ev["new_boot_id"]),
+            (&json!(old_boot), &json!(new_boot)),
+            "{ev}"
+        );
+        assert_eq!(ev["id"], format!("k{}", ev["seq"]), "{ev}");
+        seqs.push(ev["seq"].as_u64().unwrap());
+    }
+    // Nothing more: a marker published now arrives after anything either broker published.
+    ctl.publish("fleetlink:events", json!({"type": "marker"}));
+    ctl.next(|ch, v| ch == "fleetlink:events" && v["type"] == "marker");
+    let more = ctl.backlog_count(|ch, v| ch == "fleetlink:events" && v["type"] == "rig_rebooted");
+    seqs.sort_unstable();
+    assert_eq!(
+        (seqs, more),
+        (vec![1, 3, 4, 5], 0),
+        "each unacked command once"
+    );
+    // The newer boot keeps the rig.
+    assert_eq!(owner(&redis, "rig-rb"), Some(format!("{new_boot}|fe-b")));
+}
+
 #[test]
 fn a_stuck_rig_gets_rig_unresponsive_and_refused_commands_do_not_grow_memory() {
     let redis = RedisServer::start();

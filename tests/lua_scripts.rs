@@ -257,6 +257,26 @@ fn refresh_does_not_restore_a_lease_for_a_boot_older_than_the_rigs_latest() {
     assert_eq!(out, [RefreshStatus::Restored], "no boot on record");
 }
 
+/// A lease that lapsed while Redis was away, whose rig meanwhile said hello with a newer boot
+/// (decided by a broker alone): the refresh puts it back for the newer boot and names the
+/// older boot on record, whose session the caller then reports `rig_rebooted`.
+#[test]
+fn refresh_restoring_a_newer_boots_lease_names_the_older_session_it_outlived() {
+    let (_server, mut con, scripts) = setup();
+    let (r, old, new) = (rig("rig-1"), boot(1), boot(2));
+    run(&mut con, &["SET", "sessof:rig-1", old.as_str()]);
+    let out = scripts
+        .refresh(&mut con, &[(r.clone(), new)], "fe-b", TTL)
+        .unwrap();
+    assert_eq!(out, [RefreshStatus::Outlived { older: old }]);
+    assert_eq!(get(&mut con, "rig:rig-1"), Some(tuple(&new, "fe-b")));
+    // Its own boot on record is a plain restore.
+    run(&mut con, &["DEL", "rig:rig-1"]);
+    run(&mut con, &["SET", "sessof:rig-1", new.as_str()]);
+    let out = scripts.refresh(&mut con, &[(r, new)], "fe-b", TTL).unwrap();
+    assert_eq!(out, [RefreshStatus::Restored]);
+}
+
 #[test]
 fn refresh_restores_everything_after_flushall() {
     let (_server, mut con, scripts) = setup();
@@ -808,7 +828,7 @@ fn offline_push_refuses_a_rig_connected_to_another_live_broker() {
 }
 
 /// A newer boot's resume reports the older session's unacked commands itself, in the same
-/// atomic call that deletes that session: a reply lost on its way back cannot lose the reports
+/// atomic call that deletes them (leaving a tombstone of the session): a reply lost on its way back cannot lose the reports
 /// with the session. The seq is the stored field's own text (no float rounding), the id comes
 /// from the command as sent (null when it cannot be read), and `at` is the broker's clock.
 #[test]
@@ -837,8 +857,19 @@ fn resume_of_a_newer_boot_publishes_the_old_sessions_commands_as_rig_rebooted() 
     let after = fleetlink::reply::rfc3339(std::time::SystemTime::now() + Duration::from_secs(2));
     assert_eq!(found.rebooted, 2);
     assert_eq!(found.previous_boot.as_deref(), Some(old.as_str()));
-    let exists: bool = redis::cmd("EXISTS").arg(&old_key).query(&mut con).unwrap();
-    assert!(!exists, "the old session is gone");
+    // What is left is a tombstone: the old session's next seq and the boot that ended it.
+    let left: std::collections::HashMap<String, String> = redis::cmd("HGETALL")
+        .arg(&old_key)
+        .query(&mut con)
+        .unwrap();
+    let tombstone: std::collections::HashMap<String, String> =
+        [("next", "1"), ("gone", new.as_str())]
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+    assert_eq!(left, tombstone, "the old session's commands are gone");
+    let ttl: i64 = redis::cmd("PTTL").arg(&old_key).query(&mut con).unwrap();
+    assert!(ttl > 0, "the tombstone lapses: {ttl}");
     // In seq order as published (`rig_rebooted_events_come_in_seq_order`).
     for e in &events {
         assert_eq!(e["type"], "rig_rebooted");

@@ -12,7 +12,7 @@ use common::control::Control;
 use common::redis::RedisServer;
 use common::relay::Relay;
 use fleetlink::ids::{BootId, RigId, Seq};
-use fleetlink::registry::sessions::{Kept, Persist, Rekeep, SessionScripts};
+use fleetlink::registry::sessions::{Kept, Persist, Rekeep, Rekept, SessionScripts};
 use redis::Commands;
 use serde_json::{json, Value};
 use tungstenite::Message;
@@ -692,6 +692,47 @@ fn a_command_acked_just_before_its_broker_dies_is_not_reported_rig_rebooted() {
     assert_eq!(rebooted_before_connected(&mut ctl, &new_boot), ["unacked"]);
 }
 
+/// The same for a rig that acks a burst of commands at once: once control has seen their
+/// `ack` events, a resume after the broker died does not replay them, even with a `last_seq`
+/// below them. Before, the removals of more than 8 acks waited for their own once-a-second
+/// pace, and a broker killed meanwhile left them in the session to be replayed.
+#[test]
+fn commands_acked_in_a_burst_just_before_their_broker_dies_are_not_replayed() {
+    let redis = RedisServer::start();
+    let mut a = fleet_broker(&redis, "fe-a");
+    let b = fleet_broker(&redis, "fe-b");
+    let boot = boot_id();
+    let mut ws = a.connect("/agent");
+    hello(&mut ws, "rig-burst", &boot, None);
+    let mut ctl = Control::new(&redis, &["fleetlink:events"]);
+    for i in 1..=20 {
+        let r = ctl.command_id("fe-a", "rig-burst", &format!("b{i}"), "n", json!({}));
+        assert_eq!(r["seq"], i, "{r}");
+        assert_eq!(read_json(&mut ws)["seq"], i);
+    }
+    // The odd ones, back to back.
+    for seq in (1..=20).step_by(2) {
+        ack(&mut ws, seq);
+    }
+    for _ in 0..10 {
+        ctl.next(|ch, v| ch == "fleetlink:events" && v["type"] == "ack");
+    }
+    unsafe { libc::kill(a.pid() as i32, libc::SIGKILL) };
+    a.wait_exit(Duration::from_secs(5)).expect("killed");
+    drop(ws);
+    let mut on_b = b.connect("/agent");
+    let welcome = hello(&mut on_b, "rig-burst", &boot, Some(12));
+    assert_eq!(welcome["resumed"], true, "{welcome}");
+    // In seq order: the first replay says whether an acked 13 came back.
+    for seq in [14, 16, 18, 20] {
+        assert_eq!(read_json(&mut on_b)["seq"], seq);
+    }
+    // And nothing after them: the next command is the next seq, and comes next.
+    let r = ctl.command_id("fe-b", "rig-burst", "after", "n", json!({}));
+    assert_eq!(r["seq"], 21, "{r}");
+    assert_eq!(read_json(&mut on_b)["id"], "after");
+}
+
 /// The ids reported `rig_rebooted` before `new_boot`'s `connected`: the session script
 /// publishes the reports before the new boot is welcomed.
 fn rebooted_before_connected(ctl: &mut Control, new_boot: &str) -> Vec<String> {
@@ -1228,9 +1269,10 @@ fn rekeep_is_fenced_and_never_lowers_next() {
             &[session(&a, 6), session(&b, 6)],
             "fe-a",
             Duration::from_secs(60),
+            AT,
         )
         .unwrap();
-    assert_eq!(kept, [true, false]);
+    assert_eq!(kept, [Rekept::Kept, Rekept::Fenced]);
     let next: String = con.hget(&sess_a, "next").unwrap();
     assert_eq!(next, "9", "not lowered");
     let c5: Option<String> = con.hget(&sess_a, "c:5").unwrap();
@@ -1248,9 +1290,10 @@ fn rekeep_is_fenced_and_never_lowers_next() {
             &[session(&a, 12)],
             "fe-a",
             Duration::from_secs(60),
+            AT,
         )
         .unwrap();
-    assert_eq!(kept, [true]);
+    assert_eq!(kept, [Rekept::Kept]);
     let next: String = con.hget(&sess_a, "next").unwrap();
     assert_eq!(next, "12", "raised");
 
@@ -1264,6 +1307,7 @@ fn rekeep_is_fenced_and_never_lowers_next() {
         .arg(format!("{boot}|fe-a"))
         .arg(13)
         .arg("live")
+        .arg(AT)
         .arg("x1")
         .arg("{}")
         .query::<redis::Value>(&mut con)
@@ -1308,9 +1352,11 @@ fn rekeep_of_a_parked_session_is_written_only_where_no_one_else_holds_the_rig() 
             &[parked(&c), parked(&d), parked(&a), parked(&b)],
             "fe-a",
             Duration::from_secs(60),
+            AT,
         )
         .unwrap();
-    assert_eq!(kept, [true, false, true, false]);
+    use Rekept::{Fenced, Kept};
+    assert_eq!(kept, [Kept, Fenced, Kept, Fenced]);
 
     let written: HashMap<String, String> = con.hgetall(sess(&c)).unwrap();
     let want: HashMap<String, String> = [("next", "3"), ("c:1", "c1"), ("c:2", "c2")]
@@ -1349,9 +1395,9 @@ fn rekeep_of_a_parked_session_is_written_only_where_no_one_else_holds_the_rig() 
     };
     let _: () = con.del(sess(&c)).unwrap();
     let kept = scripts
-        .rekeep(&mut con, &[live], "fe-a", Duration::from_secs(60))
+        .rekeep(&mut con, &[live], "fe-a", Duration::from_secs(60), AT)
         .unwrap();
-    assert_eq!(kept, [false]);
+    assert_eq!(kept, [Rekept::Fenced]);
 
     let err = redis::cmd("EVAL")
         .arg(include_str!("../lua/rekeep.lua"))
@@ -1363,11 +1409,162 @@ fn rekeep_of_a_parked_session_is_written_only_where_no_one_else_holds_the_rig() 
         .arg(format!("{boot}|fe-a"))
         .arg(3)
         .arg("stale")
+        .arg(AT)
         .query::<redis::Value>(&mut con)
         .unwrap_err();
     assert!(err.to_string().contains("mode must be"), "{err}");
     let exists: bool = con.exists(sess(&c)).unwrap();
     assert!(!exists, "nothing written by a malformed call");
+}
+
+/// The `at` of the `rig_rebooted` events `rekeep.lua` may publish.
+const AT: &str = "2026-12-03T12:00:00Z";
+
+/// A rig rebooted onto another broker while Redis was away, and its old broker still parks
+/// the old session with a command Redis never kept (seq 4, delivered during the outage). The
+/// old session ends there (CONTRACT.md §5): each unacked command is reported `rig_rebooted`
+/// exactly once, whichever comes first when Redis is back, the newer boot's report
+/// (`resume.lua`, which leaves a tombstone naming the boot that ended the session) or the old
+/// broker putting its session back (`rekeep.lua`, parked). If Redis lost the session
+/// altogether, the old broker reports all it holds.
+#[test]
+fn a_parked_session_a_newer_boot_ended_is_reported_once_whichever_runs_first() {
+    let redis = RedisServer::start();
+    let mut con = redis.connection();
+    let scripts = SessionScripts::new();
+    let mut ctl = Control::new(&redis, &["fleetlink:events"]);
+    let ttl = Duration::from_secs(60);
+    let rig = RigId::parse("rig-r").unwrap();
+    let cmd = |seq: u64| format!("{{\"seq\":{seq},\"id\":\"c{seq}\"}}");
+    let (c1, c3, c4) = (cmd(1), cmd(3), cmd(4));
+    fn parked<'a>(rig: &'a RigId, boot: &'a BootId, cmds: [&'a str; 3]) -> Rekeep<'a> {
+        Rekeep {
+            rig,
+            boot,
+            next: Seq(5),
+            cmds: [1, 3, 4]
+                .into_iter()
+                .map(Seq)
+                .zip(cmds.map(str::as_bytes))
+                .collect(),
+            parked: true,
+        }
+    }
+    let cmds = [c1.as_str(), c3.as_str(), c4.as_str()];
+    let reported = |ctl: &mut Control, n: usize, old: &BootId, new: &BootId| {
+        // A marker published after the scripts ran arrives after everything they published.
+        ctl.publish("fleetlink:events", json!({"type": "marker"}));
+        let mut seqs = Vec::new();
+        loop {
+            let ev = ctl.next(|ch, v| {
+                ch == "fleetlink:events" && (v["type"] == "rig_rebooted" || v["type"] == "marker")
+            });
+            if ev["type"] == "marker" {
+                break;
+            }
+            assert_eq!(
+                (&ev["boot_id"], &ev["new_boot_id"], &ev["rig_id"]),
+                (
+                    &json!(old.to_string()),
+                    &json!(new.to_string()),
+                    &json!("rig-r")
+                ),
+                "{ev}"
+            );
+            assert_eq!(ev["id"], format!("c{}", ev["seq"]), "{ev}");
+            seqs.push(ev["seq"].as_u64().unwrap());
+        }
+        assert_eq!(seqs.len(), n, "{seqs:?}");
+        seqs
+    };
+    // Redis kept 1 and 3 (2 was acked), numbered the next 4; the newer boot holds the lease.
+    let setup = |con: &mut redis::Connection, old: &BootId, new: &BootId| {
+        let _: () = con
+            .hset_multiple(
+                format!("sess:rig-r:{old}"),
+                &[("next", "4"), ("c:1", c1.as_str()), ("c:3", c3.as_str())],
+            )
+            .unwrap();
+        let _: () = con.set("sessof:rig-r", old.to_string()).unwrap();
+        let _: () = con.set("rig:rig-r", format!("{new}|fe-b")).unwrap();
+    };
+
+    // The newer boot's report first: 1 and 3 from Redis, then 4 from the old broker.
+    let (old, new) = (
+        BootId::parse(&boot_id()).unwrap(),
+        BootId::parse(&boot_id()).unwrap(),
+    );
+    setup(&mut con, &old, &new);
+    let found = scripts.resume(&mut con, &rig, &new, ttl, "fe-b").unwrap();
+    assert_eq!(found.rebooted, 2);
+    let tomb: HashMap<String, String> = con.hgetall(format!("sess:rig-r:{old}")).unwrap();
+    assert_eq!(tomb.get("gone"), Some(&new.to_string()), "{tomb:?}");
+    assert_eq!(tomb.get("next").map(String::as_str), Some("4"), "{tomb:?}");
+    assert_eq!(tomb.len(), 2, "{tomb:?}");
+    let kept = scripts
+        .rekeep(&mut con, &[parked(&rig, &old, cmds)], "fe-a", ttl, AT)
+        .unwrap();
+    assert_eq!(kept, [Rekept::Reported(1)]);
+    assert_eq!(reported(&mut ctl, 3, &old, &new), [1, 3, 4]);
+    let kept = scripts
+        .rekeep(&mut con, &[parked(&rig, &old, cmds)], "fe-a", ttl, AT)
+        .unwrap();
+    assert_eq!(kept, [Rekept::Reported(0)], "nothing twice");
+    assert_eq!(reported(&mut ctl, 0, &old, &new), Vec::<u64>::new());
+
+    // The old broker first: its session is merged for the newer boot's report to take.
+    let _: () = redis::cmd("FLUSHALL").query(&mut con).unwrap();
+    let (old, new) = (
+        BootId::parse(&boot_id()).unwrap(),
+        BootId::parse(&boot_id()).unwrap(),
+    );
+    setup(&mut con, &old, &new);
+    let kept = scripts
+        .rekeep(&mut con, &[parked(&rig, &old, cmds)], "fe-a", ttl, AT)
+        .unwrap();
+    assert_eq!(kept, [Rekept::Kept]);
+    let found = scripts.resume(&mut con, &rig, &new, ttl, "fe-b").unwrap();
+    assert_eq!(found.rebooted, 3);
+    assert_eq!(reported(&mut ctl, 3, &old, &new), [1, 3, 4]);
+    let kept = scripts
+        .rekeep(&mut con, &[parked(&rig, &old, cmds)], "fe-a", ttl, AT)
+        .unwrap();
+    assert_eq!(kept, [Rekept::Reported(0)], "nothing twice");
+
+    // Redis lost everything; the newer boot's lease (or only its session pointer) is back.
+    for newer_on_record in ["rig:rig-r", "sessof:rig-r"] {
+        let _: () = redis::cmd("FLUSHALL").query(&mut con).unwrap();
+        let (old, new) = (
+            BootId::parse(&boot_id()).unwrap(),
+            BootId::parse(&boot_id()).unwrap(),
+        );
+        let value = match newer_on_record {
+            "rig:rig-r" => format!("{new}|fe-b"),
+            _ => new.to_string(),
+        };
+        let _: () = con.set(newer_on_record, value).unwrap();
+        let kept = scripts
+            .rekeep(&mut con, &[parked(&rig, &old, cmds)], "fe-a", ttl, AT)
+            .unwrap();
+        assert_eq!(kept, [Rekept::Reported(3)], "{newer_on_record}");
+        assert_eq!(reported(&mut ctl, 3, &old, &new), [1, 3, 4]);
+        let kept = scripts
+            .rekeep(&mut con, &[parked(&rig, &old, cmds)], "fe-a", ttl, AT)
+            .unwrap();
+        assert_eq!(kept, [Rekept::Reported(0)], "nothing twice");
+    }
+
+    // An older boot on record ends nothing: the parked session is written as before.
+    let _: () = redis::cmd("FLUSHALL").query(&mut con).unwrap();
+    let (older, old) = (
+        BootId::parse(&boot_id()).unwrap(),
+        BootId::parse(&boot_id()).unwrap(),
+    );
+    let _: () = con.set("sessof:rig-r", older.to_string()).unwrap();
+    let kept = scripts
+        .rekeep(&mut con, &[parked(&rig, &old, cmds)], "fe-a", ttl, AT)
+        .unwrap();
+    assert_eq!(kept, [Rekept::Kept]);
 }
 
 /// The session under `key` holds commands 1 and 2 and numbers the next one 3.

@@ -15,7 +15,7 @@ use crate::registry::msg::Recall;
 use crate::registry::offline::{Held, OfflineScripts, Pushed};
 use crate::registry::pubsub::{Push, Subscriber};
 use crate::registry::scripts::{HelloOutcome, RefreshStatus, Scripts};
-use crate::registry::sessions::{self, Kept, Persist, Rekeep, Resumed, SessionScripts};
+use crate::registry::sessions::{self, Kept, Persist, Rekeep, Rekept, Resumed, SessionScripts};
 use crate::registry::throttle::Throttle;
 
 /// Socket timeout for every Redis call: a hung Redis stalls the bridge at most this long.
@@ -137,11 +137,14 @@ const MAX_BACKOFF: Duration = Duration::from_secs(5);
 /// them, and drops them by the rig's `last_seq`: a rig acks only what it has.
 const FORGET_PACE: Duration = Duration::from_secs(1);
 const FORGET_BATCH: usize = 16_384;
-/// Queued forgets that ride with the next publishes rather than wait for their pace. Acks
-/// from a few rigs at a time fit; a fan-out's acks come by the dozen per paced write, and
-/// their removals' work inside the burst costs its last deliveries more than it is worth
+/// Sessions whose queued forgets ride with the next publishes rather than wait for their
+/// pace, one HDEL each. Acks from a few rigs at a time fit, however many each sends at once (a
+/// rig acking a burst of commands); a fan-out's acks come from dozens of rigs per paced write,
+/// and their removals' work inside the burst costs its last deliveries more than it is worth
 /// (an A/B in docs/benchmarks-history.md).
 const FORGET_RIDE_MAX: usize = 8;
+/// At most this many acked commands ride, whatever their sessions.
+const FORGET_RIDE_FIELDS: usize = 1024;
 
 /// Channel every broker subscribes to for broadcasts (CONTRACT.md §4).
 pub const BROADCAST: &str = "fleetlink:broadcast";
@@ -559,9 +562,13 @@ impl Fleet {
     }
 
     /// Puts sessions back (see [`SessionScripts::rekeep`]). None when Redis is unavailable.
-    pub(crate) fn rekeep(&mut self, sessions: &[Rekeep<'_>], ttl: Duration) -> Option<Vec<bool>> {
+    pub(crate) fn rekeep(&mut self, sessions: &[Rekeep<'_>], ttl: Duration) -> Option<Vec<Rekept>> {
         let con = self.con.as_mut()?;
-        match self.sessions.rekeep(con, sessions, &self.broker_id, ttl) {
+        let at = crate::reply::rfc3339(std::time::SystemTime::now());
+        match self
+            .sessions
+            .rekeep(con, sessions, &self.broker_id, ttl, &at)
+        {
             Ok(kept) => Some(kept),
             Err(e) => {
                 self.call_failed(&e);
@@ -632,10 +639,7 @@ impl Fleet {
             return false;
         };
         let mut pipe = redis::pipe();
-        for (rig, boot, seq) in &self.forgets {
-            pipe.hdel(sessions::session_key(rig, boot), format!("c:{}", seq.0))
-                .ignore();
-        }
+        hdel_by_session(&mut pipe, &self.forgets);
         if let Err(e) = pipe.query::<()>(con) {
             self.call_failed(&e);
             return false;
@@ -805,15 +809,17 @@ impl Fleet {
     /// Sends queued releases and publishes, and the forgets (all of them when `now` is None),
     /// each batch in one round trip, publishes in pipelines of [`FLUSH_BYTES`].
     ///
-    /// Up to [`FORGET_RIDE_MAX`] queued forgets lead the first pipeline of publishes: an ack's
-    /// removal reaches Redis in the round trip that publishes its `ack` event, ahead of it (the
-    /// core queues the removal first). Held back for their own pace, a broker killed within
-    /// that second left the acked command in its session, and the rig's next boot reported it
-    /// `rig_rebooted` after control had seen it acked. More forgets than that (a burst's
-    /// acks), or forgets with no publishes to ride with, go at their own pace: there that
-    /// window remains.
+    /// The queued forgets of up to [`FORGET_RIDE_MAX`] sessions lead the first pipeline of
+    /// publishes: an ack's removal reaches Redis in the round trip that publishes its `ack`
+    /// event, ahead of it (the core queues the removal first). Held back for their own pace, a
+    /// broker killed within that second left the acked command in its session: the rig's next
+    /// boot reported it `rig_rebooted`, and a resume with a lower `last_seq` replayed it, after
+    /// control had seen it acked. Forgets of more sessions than that (a fan-out's acks), or
+    /// with no publishes to ride with, go at their own pace: there that window remains.
     pub(crate) fn flush(&mut self, now: Option<Instant>) {
-        let ride = !self.outgoing.is_empty() && self.forgets.len() <= FORGET_RIDE_MAX;
+        let ride = !self.outgoing.is_empty()
+            && self.forgets.len() <= FORGET_RIDE_FIELDS
+            && sessions_up_to(&self.forgets, FORGET_RIDE_MAX + 1) <= FORGET_RIDE_MAX;
         let forgets_due = !ride
             && match now {
                 Some(now) => self.forget_due().is_some_and(|due| due <= now),
@@ -859,10 +865,7 @@ impl Fleet {
             let Some(con) = self.con.as_mut() else { return };
             let mut pipe = redis::pipe();
             let forgets = if ride { self.forgets.len() } else { 0 };
-            for (rig, boot, seq) in self.forgets.iter().take(forgets) {
-                pipe.hdel(sessions::session_key(rig, boot), format!("c:{}", seq.0))
-                    .ignore();
-            }
+            hdel_by_session(&mut pipe, &self.forgets[..forgets]);
             let (mut n, mut bytes, mut events) = (0, 0, 0);
             for (channel, payload) in &self.outgoing {
                 let size = channel.len() + payload.len();
@@ -928,6 +931,40 @@ impl Fleet {
     /// The subscription socket, for poll(2).
     pub(crate) fn fd(&self) -> Option<RawFd> {
         self.sub.as_ref().map(AsRawFd::as_raw_fd)
+    }
+}
+
+/// How many distinct sessions `forgets` name, counting no further than `limit`.
+fn sessions_up_to(forgets: &[(RigId, BootId, Seq)], limit: usize) -> usize {
+    let mut seen: Vec<(&RigId, &BootId)> = Vec::new();
+    for (rig, boot, _) in forgets {
+        if !seen.contains(&(rig, boot)) {
+            seen.push((rig, boot));
+            if seen.len() >= limit {
+                break;
+            }
+        }
+    }
+    seen.len()
+}
+
+/// One HDEL per session for `forgets`, naming all its acked commands, in the order the
+/// sessions first appear: a rig's burst of acks costs Redis one command, not one each.
+fn hdel_by_session(pipe: &mut redis::Pipeline, forgets: &[(RigId, BootId, Seq)]) {
+    let mut fields: Vec<((&RigId, &BootId), Vec<String>)> = Vec::new();
+    let mut at: std::collections::HashMap<(&RigId, &BootId), usize> =
+        std::collections::HashMap::new();
+    for (rig, boot, seq) in forgets {
+        let i = *at.entry((rig, boot)).or_insert_with(|| {
+            fields.push(((rig, boot), Vec::new()));
+            fields.len() - 1
+        });
+        if let Some((_, f)) = fields.get_mut(i) {
+            f.push(format!("c:{}", seq.0));
+        }
+    }
+    for ((rig, boot), f) in fields {
+        pipe.hdel(sessions::session_key(rig, boot), f).ignore();
     }
 }
 

@@ -77,6 +77,14 @@ pub enum RefreshStatus {
     Ok,
     /// The key was gone (expired, or Redis restarted empty): it was written again as ours.
     Restored,
+    /// As [`Self::Restored`], but the rig's latest session on record is an older boot's,
+    /// `older`: it outlived its lease (while Redis was away longer than the lease, or after
+    /// its broker released it), and the caller reports it `rig_rebooted` (`resume.lua`), as
+    /// this boot's hello would have.
+    Outlived {
+        /// The older boot on record.
+        older: BootId,
+    },
     /// The key named an older boot, `from` (welcomed elsewhere while this broker decided the
     /// newer one's hello alone, Redis being away): written as ours, as a hello would have.
     /// The caller evicts the older boot from its broker.
@@ -432,11 +440,15 @@ fn refresh_status(v: &Value) -> Option<RefreshStatus> {
         "ok" => Some(RefreshStatus::Ok),
         "restored" => Some(RefreshStatus::Restored),
         "superseded" => Some(RefreshStatus::Superseded),
-        other => other
-            .strip_prefix("taken|")
-            .map(|from| RefreshStatus::Taken {
+        other => match other.split_once('|') {
+            Some(("taken", from)) => Some(RefreshStatus::Taken {
                 from: Owner::parse(from),
             }),
+            Some(("restored", older)) => {
+                BootId::parse(older).map(|older| RefreshStatus::Outlived { older })
+            }
+            _ => None,
+        },
     }
 }
 

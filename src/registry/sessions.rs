@@ -133,6 +133,18 @@ pub struct Rekeep<'a> {
     pub parked: bool,
 }
 
+/// What `rekeep.lua` did with one session.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Rekept {
+    /// Written.
+    Kept,
+    /// Refused by the fence: someone else holds the rig, or wrote its session since.
+    Fenced,
+    /// A parked session that a newer boot of its rig ended: this many of its commands, which
+    /// no report had covered yet, were published `rig_rebooted` (CONTRACT.md §5).
+    Reported(u64),
+}
+
 /// The session scripts.
 #[derive(Debug, Clone)]
 pub struct SessionScripts {
@@ -159,14 +171,15 @@ impl SessionScripts {
 
     /// Puts `sessions` back into Redis, each fenced by `broker_id`'s lease (a parked one as
     /// `rekeep.lua` says), [`REKEEP_CHUNK`] script calls per round trip; one status per
-    /// session, true = kept.
+    /// session. `at` stamps the `rig_rebooted` events of a parked session a newer boot ended.
     pub fn rekeep(
         &self,
         con: &mut impl ConnectionLike,
         sessions: &[Rekeep<'_>],
         broker_id: &str,
         ttl: Duration,
-    ) -> Result<Vec<bool>, RegistryError> {
+        at: &str,
+    ) -> Result<Vec<Rekept>, RegistryError> {
         // A pipeline of EVALSHAs does not load a missing script by itself (Script::invoke
         // does); this rare path loads it first instead.
         self.rekeep.prepare_invoke().load(con)?;
@@ -184,7 +197,8 @@ impl SessionScripts {
                     .arg(ttl_ms(ttl))
                     .arg(tuple(s.boot, broker_id))
                     .arg(s.next.0)
-                    .arg(if s.parked { "parked" } else { "live" });
+                    .arg(if s.parked { "parked" } else { "live" })
+                    .arg(at);
                 for (seq, json) in &s.cmds {
                     call.arg(seq.0).arg(*json);
                 }
@@ -340,11 +354,14 @@ fn persisted(v: &Value) -> Option<Kept> {
 }
 
 /// A fenced write's status (`rekeep.lua`): true = kept, false = fenced.
-fn kept(v: &Value) -> Option<bool> {
+fn kept(v: &Value) -> Option<Rekept> {
     match text(v)? {
-        "ok" => Some(true),
-        "fenced" => Some(false),
-        _ => None,
+        "ok" => Some(Rekept::Kept),
+        "fenced" => Some(Rekept::Fenced),
+        other => other
+            .strip_prefix("reported|")
+            .and_then(|n| n.parse().ok())
+            .map(Rekept::Reported),
     }
 }
 

@@ -339,14 +339,23 @@ impl Bridge {
         };
         // Superseded meanwhile: another broker's now, and the next refresh says so.
         let mut restored: HashSet<&RigId> = HashSet::new();
+        let mut ended = Vec::new();
+        let me = self.cfg.broker_id.clone();
         for ((rig, boot), status) in leases.iter().zip(statuses) {
             match status {
                 RefreshStatus::Superseded => continue,
-                RefreshStatus::Taken { from } => self.evict(rig, *boot, &from),
+                RefreshStatus::Taken { from } => {
+                    if from.broker_id != me {
+                        ended.push((rig, boot));
+                    }
+                    self.evict(rig, *boot, &from)
+                }
+                RefreshStatus::Outlived { .. } => ended.push((rig, boot)),
                 RefreshStatus::Ok | RefreshStatus::Restored => {}
             }
             restored.insert(rig);
         }
+        self.report_ended_sessions(&ended);
         let retry: Vec<usize> = missing
             .into_iter()
             .filter(|&i| held.get(i).is_some_and(|p| restored.contains(&p.rig)))

@@ -16,7 +16,7 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use super::Bridge;
 use crate::ids::{BootId, RigId};
 use crate::registry::msg::RekeepReq;
-use crate::registry::sessions::Rekeep;
+use crate::registry::sessions::{Rekeep, Rekept};
 
 /// Sessions put back into Redis per pass of the bridge loop (see `Bridge::rekeep_sessions`).
 const REKEEP_PER_PASS: usize = 2000;
@@ -228,7 +228,11 @@ impl Bridge {
         for (i, parked) in parked.into_iter().enumerate() {
             let op = if parked { "rekeep_parked" } else { "rekeep" };
             let result = match kept.as_ref().map(|k| k.get(i).copied()) {
-                Some(Some(true)) => "ok",
+                Some(Some(Rekept::Kept)) => "ok",
+                Some(Some(Rekept::Reported(n))) => {
+                    self.shared.count_n("resume", "rebooted", n);
+                    "reported"
+                }
                 Some(_) => "fenced",
                 None => "unavailable",
             };

@@ -12,7 +12,7 @@ use crate::metrics::BridgeStats;
 const CANARY_STALE: Duration = Duration::from_secs(5);
 
 /// Registry operations counted by (op, result), in this order.
-pub const REGISTRY_OPS: [(&str, &str); 47] = [
+pub const REGISTRY_OPS: [(&str, &str); 49] = [
     ("offline", "held"),
     ("offline", "full"),
     ("offline", "connected_elsewhere"),
@@ -31,6 +31,7 @@ pub const REGISTRY_OPS: [(&str, &str); 47] = [
     ("rekeep", "unavailable"),
     ("rekeep_parked", "ok"),
     ("rekeep_parked", "fenced"),
+    ("rekeep_parked", "reported"),
     ("rekeep_parked", "unavailable"),
     ("hello", "ok"),
     ("hello", "older"),
@@ -41,6 +42,7 @@ pub const REGISTRY_OPS: [(&str, &str); 47] = [
     ("canary", "twin"),
     ("refresh", "ok"),
     ("refresh", "restored"),
+    ("refresh", "outlived"),
     ("refresh", "taken"),
     ("refresh", "superseded"),
     ("release", "sent"),

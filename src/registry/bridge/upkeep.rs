@@ -112,7 +112,10 @@ impl Bridge {
         // A restored lease without a reconnect: Redis lost keys while it stayed up (FLUSHALL,
         // eviction). The parked sessions and the liveness key went with them, as after an
         // empty restart: put them back now, as a reconnect would.
-        if !everyone && statuses.contains(&RefreshStatus::Restored) {
+        let restored = |s: &RefreshStatus| {
+            matches!(s, RefreshStatus::Restored | RefreshStatus::Outlived { .. })
+        };
+        if !everyone && statuses.iter().any(restored) {
             if !self.cfg.session_ttl.is_zero() {
                 self.queue_parked_rekeeps();
             }
@@ -123,29 +126,26 @@ impl Bridge {
         // was this broker's own: it decided the new boot's hello with the old session in hand
         // and reported that session's commands itself (`report_parked_reboot`).
         let me = self.cfg.broker_id.as_str();
-        let taken: Vec<(&RigId, &BootId)> = entries
+        let ended: Vec<(&RigId, &BootId)> = entries
             .iter()
             .zip(&statuses)
-            .filter(|(_, s)| matches!(s, RefreshStatus::Taken { from } if from.broker_id != me))
+            .filter(|(_, s)| match s {
+                RefreshStatus::Taken { from } => from.broker_id != me,
+                RefreshStatus::Outlived { .. } => true,
+                _ => false,
+            })
             .map(|((rig, boot), _)| (rig, boot))
             .collect();
-        if !taken.is_empty() && !self.cfg.session_ttl.is_zero() {
-            let ttl = self.cfg.session_ttl;
-            if let Some(n) = self
-                .fleet
-                .as_mut()
-                .and_then(|f| f.report_reboots(&taken, ttl))
-            {
-                self.shared.count_n("resume", "rebooted", n);
-            }
-        }
+        self.report_ended_sessions(&ended);
         for ((rig, boot), status) in entries.iter().zip(statuses) {
             // A restored lease means Redis may have lost the session too (it restarted empty);
             // after any reconnect, commands delivered while Redis was away were never kept; a
             // taken one was decided here while Redis was away, so Redis has no session for it.
             // Either way the core holding the rig sends its session back to be kept again.
             let rekeep = match status {
-                RefreshStatus::Restored | RefreshStatus::Taken { .. } => true,
+                RefreshStatus::Restored
+                | RefreshStatus::Outlived { .. }
+                | RefreshStatus::Taken { .. } => true,
                 RefreshStatus::Ok => everyone,
                 RefreshStatus::Superseded => false,
             };
@@ -160,6 +160,7 @@ impl Bridge {
             match status {
                 RefreshStatus::Ok => self.shared.count("refresh", "ok"),
                 RefreshStatus::Restored => self.shared.count("refresh", "restored"),
+                RefreshStatus::Outlived { .. } => self.shared.count("refresh", "outlived"),
                 RefreshStatus::Taken { from } => {
                     self.shared.count("refresh", "taken");
                     self.evict(rig, *boot, &from);
@@ -170,6 +171,24 @@ impl Bridge {
                     self.carry_out(actions);
                 }
             }
+        }
+    }
+}
+
+impl Bridge {
+    /// Reports the older sessions these rigs' boots ended while Redis could not say so at
+    /// their hellos (a refresh found the lease `Taken` from an older boot, or `Outlived`
+    /// one), through `resume.lua` as the hellos would have (CONTRACT.md §5). Their removals
+    /// of acked commands go first, so that nothing acked is reported.
+    pub(super) fn report_ended_sessions(&mut self, ended: &[(&RigId, &BootId)]) {
+        if ended.is_empty() || self.cfg.session_ttl.is_zero() {
+            return;
+        }
+        let ttl = self.cfg.session_ttl;
+        let Some(f) = self.fleet.as_mut() else { return };
+        f.settle_before_hellos(ended);
+        if let Some(n) = f.report_reboots(ended, ttl) {
+            self.shared.count_n("resume", "rebooted", n);
         }
     }
 }
