@@ -16,7 +16,7 @@ use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -668,6 +668,29 @@ pub fn allowed_methods(path: &str) -> &'static str {
     }
 }
 
+/// Every status an admin answer can carry, each counted in [`ANSWERED`].
+const STATUSES: [u16; 12] = [200, 202, 400, 403, 404, 405, 409, 411, 413, 503, 504, 0];
+
+/// Admin answers given, by status ([`STATUSES`]; the last slot counts any other): a refused
+/// request is counted like any other bad input. Shared by the cores and the admin pool, off
+/// the rigs' hot path.
+static ANSWERED: [AtomicU64; STATUSES.len()] = [const { AtomicU64::new(0) }; STATUSES.len()];
+
+/// Writes `fleetlink_admin_responses_total`, one series per status.
+pub fn render_answered(out: &mut String) {
+    metrics::family(out, "fleetlink_admin_responses_total", "counter");
+    for (status, n) in STATUSES.iter().zip(&ANSWERED) {
+        let code = match status {
+            0 => "other".to_string(),
+            s => s.to_string(),
+        };
+        let n = n.load(Ordering::Relaxed);
+        out.push_str(&format!(
+            "fleetlink_admin_responses_total{{code=\"{code}\"}} {n}\n"
+        ));
+    }
+}
+
 /// The bytes of an answer; `head_only` leaves the body out (its length still said). A 405
 /// names the methods `allow` (see [`allowed_methods`]).
 pub(crate) fn response(
@@ -692,6 +715,13 @@ pub(crate) fn response(
         504 => "Gateway Timeout",
         _ => "Error",
     };
+    let slot = STATUSES
+        .iter()
+        .position(|s| *s == status)
+        .unwrap_or(STATUSES.len() - 1);
+    if let Some(n) = ANSWERED.get(slot) {
+        n.fetch_add(1, Ordering::Relaxed);
+    }
     let connection = if close { "close" } else { "keep-alive" };
     let allow = if status == 405 {
         format!("Allow: {allow}\r\n")
@@ -725,7 +755,8 @@ pub fn immediate(req: &Request) -> Option<Answer> {
         (
             _,
             ["healthz" | "readyz" | "metrics"]
-            | ["v1", "rigs", ..]
+            | ["v1", "rigs"]
+            | ["v1", "rigs", _, "commands" | "kick"]
             | ["v1", "drain"]
             | ["v1", "events"],
         ) => Some(error_answer(405, "method_not_allowed")),
@@ -756,6 +787,7 @@ fn route(admin: &Admin, req: &Request) -> Answer {
             if let Some(tls) = &admin.tls {
                 metrics::render_tls(&mut text, tls.validity());
             }
+            render_answered(&mut text);
             (200, "text/plain; version=0.0.4", text.into_bytes())
         }
         ("GET", ["v1", "rigs"]) => {
@@ -877,6 +909,13 @@ fn snapshots(admin: &Admin, rigs: bool) -> (Vec<CoreSnapshot>, usize) {
     (out, asked)
 }
 
+const NOT_AN_OBJECT: &str = r#"the body must be a JSON object: {"name": "...", "args": {...}}"#;
+
+/// Whether a body's first JSON token opens something other than an object.
+fn body_is_not_an_object(body: &[u8]) -> bool {
+    body.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{')
+}
+
 #[derive(Deserialize)]
 struct CommandBody {
     name: String,
@@ -908,6 +947,7 @@ pub(crate) fn command_req(
     body: &[u8],
     reply: ReplyTo,
 ) -> Result<Box<CommandReq>, Answer> {
+    let raw = body;
     let parsed: Result<CommandBody, _> = serde_json::from_slice(body);
     let id = parsed
         .as_ref()
@@ -936,8 +976,13 @@ pub(crate) fn command_req(
             let max = crate::ids::COMMAND_NAME_MAX;
             return Err(bad(&format!("name must be 1-{max} bytes")));
         }
+        Err(_) if body_is_not_an_object(raw) => return Err(bad(NOT_AN_OBJECT)),
         Err(e) => return Err(bad(&e.to_string())),
     };
+    // serde takes a struct from an array of its fields too; the contract's body is an object.
+    if body_is_not_an_object(raw) {
+        return Err(bad(NOT_AN_OBJECT));
+    }
     Ok(Box::new(CommandReq {
         id,
         rig: rig_id,
@@ -1133,8 +1178,21 @@ mod tests {
         };
         assert_eq!(status("GET /healthz"), Some(200));
         assert_eq!(status("DELETE /healthz"), Some(405));
-        assert_eq!(status("GET /v1/rigs/x"), Some(405));
+        assert_eq!(status("GET /v1/rigs/r1/kick"), Some(405));
+        assert_eq!(status("GET /v1/rigs/r1/commands"), Some(405));
+        assert_eq!(status("DELETE /v1/rigs"), Some(405));
         assert_eq!(status("GET /nope"), Some(404));
+        // Under /v1/rigs only the routes exist: a 405 there would name methods it refuses.
+        for unknown in [
+            "GET /v1/rigs/r1",
+            "HEAD /v1/rigs/r1",
+            "POST /v1/rigs/r1",
+            "GET /v1/rigs/r1/foo",
+            "POST /v1/rigs/a/b/c",
+            "POST /v1/rigs/r1/commands/x",
+        ] {
+            assert_eq!(status(unknown), Some(404), "{unknown}");
+        }
         for stateful in [
             "GET /readyz",
             "GET /metrics",

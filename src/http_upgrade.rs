@@ -175,6 +175,15 @@ fn check(
     if !matches!(single_value(headers, "host"), Ok(Some(_))) {
         return Err(Reject::BadRequest);
     }
+    // The bytes after the head are websocket frames: a body there would be read as frames
+    // and fail as a protocol error, so a request that says it has one is refused plainly.
+    let no_body = matches!(
+        single_value(headers, "content-length"),
+        Ok(None | Some(b"0"))
+    ) && values(headers, "transfer-encoding").next().is_none();
+    if !no_body {
+        return Err(Reject::BadRequest);
+    }
     let authorization = match single_value(headers, "authorization") {
         Ok(Some(value)) => Some(utf8(value)?.to_owned()),
         Ok(None) => None,
@@ -348,6 +357,9 @@ mod tests {
             offered_deflate: false,
         };
         assert_eq!(req, expect);
+        // An empty body said out loud is no body.
+        let empty = with_header("Host", "Host: x\r\nContent-Length: 0");
+        assert!(matches!(parse(&empty), Ok(Some(_))));
     }
 
     #[test]
@@ -459,6 +471,9 @@ mod tests {
                 Reject::BadRequest,
             ),
             (with_header("Host", ""), Reject::BadRequest),
+            (with_header("Host", "Host: x\r\nContent-Length: 5"), Reject::BadRequest),
+            (with_header("Host", "Host: x\r\nContent-Length: 0\r\nContent-Length: 0"), Reject::BadRequest),
+            (with_header("Host", "Host: x\r\nTransfer-Encoding: chunked"), Reject::BadRequest),
         ];
         for (head, reject) in cases {
             assert_eq!(

@@ -336,6 +336,10 @@ pub fn set_identity(identity: Identity) {
 /// `# HELP` text of each family, in the order they are rendered.
 const HELP: &[(&str, &str)] = &[
     (
+        "fleetlink_admin_responses_total",
+        "Admin HTTP answers given, by status code (\"other\" for any status not listed).",
+    ),
+    (
         "fleetlink_info",
         "Always 1; labels say the mode (standalone or fleet), broker id and version.",
     ),
@@ -480,7 +484,7 @@ pub fn render_tls(out: &mut String, validity: crate::tls::Validity) {
 }
 
 /// Writes a family's `# HELP` and `# TYPE` lines.
-fn family(out: &mut String, name: &str, kind: &str) {
+pub(crate) fn family(out: &mut String, name: &str, kind: &str) {
     let help = HELP.iter().find(|(n, _)| *n == name).map_or("", |(_, h)| h);
     let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
 }

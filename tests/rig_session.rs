@@ -575,6 +575,12 @@ fn unknown_rig_and_bad_requests_get_contract_errors() {
     assert_eq!(status, 400, "{text}");
     let (status, _) = b.http("POST", "/v1/rigs/bad%20id/commands", "{\"name\":\"x\"}");
     assert_eq!(status, 400);
+    // Only an object is a body, also one serde could read as the fields in order.
+    for not_an_object in ["[1]", "[\"reboot\", {}]", "\"reboot\"", "7"] {
+        let (status, text) = b.http("POST", "/v1/rigs/rig-x/commands", not_an_object);
+        assert_eq!(status, 400, "{not_an_object}: {text}");
+        assert!(text.contains("must be a JSON object"), "{text}");
+    }
     // An id is copied into every reply and event about its command: at most 256 bytes.
     let with_id = |n: usize| json!({"id": "i".repeat(n), "name": "x"}).to_string();
     let (status, text) = b.http("POST", "/v1/rigs/rig-x/commands", &with_id(256));
@@ -1112,12 +1118,18 @@ fn admin_405s_name_the_methods_the_route_takes() {
             "{answer}"
         );
     }
-    let answer = raw_exchange(
-        b.admin,
-        b"GET /v2/nothing HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
-    );
-    assert!(answer.starts_with("HTTP/1.1 404 "), "{answer}");
-    assert!(answer.contains("\"error\":\"not_found\""), "{answer}");
+    // Not a route at all, under /v1/rigs too: 404, not a 405 naming methods that fail too.
+    for path in ["/v2/nothing", "/v1/rigs/r1", "/v1/rigs/r1/foo"] {
+        let answer = raw_exchange(
+            b.admin,
+            format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes(),
+        );
+        assert!(answer.starts_with("HTTP/1.1 404 "), "{path}: {answer}");
+        assert!(answer.contains("\"error\":\"not_found\""), "{answer}");
+    }
+    // Each refusal is counted by its status.
+    assert_eq!(b.metric("fleetlink_admin_responses_total{code=\"405\"}"), 2);
+    assert_eq!(b.metric("fleetlink_admin_responses_total{code=\"404\"}"), 3);
 }
 
 /// `/healthz` answers 200 while the process runs (CONTRACT.md §6), also while a monitoring
