@@ -189,7 +189,8 @@ pub struct BrokerArgs {
     pub group_label: String,
     /// Listen backlog of each core's listener, at least 1; the kernel silently caps it at
     /// net.core.somaxconn (raise that to match).
-    #[arg(long, env = "FLEETLINK_BACKLOG", default_value_t = 4096)]
+    #[arg(long, env = "FLEETLINK_BACKLOG", default_value_t = 4096,
+          value_parser = clap::value_parser!(i32).range(0..))]
     pub backlog: i32,
     /// Close rigs that send unknown message types with 4400 instead of ignoring them.
     #[arg(long, env = "FLEETLINK_STRICT", value_parser = BoolishValueParser::new())]
@@ -502,6 +503,12 @@ impl BrokerArgs {
             .filter(|&n| n > 0)
             .ok_or_else(|| anyhow::anyhow!("--max-missed-pongs must be 1 to 255"))?;
         anyhow::ensure!(self.backlog >= 1, "--backlog must be at least 1");
+        // A label a hello cannot carry would group every rig under "".
+        let max = crate::protocol::MAX_LABEL_LEN;
+        anyhow::ensure!(
+            (1..=max).contains(&self.group_label.len()),
+            "--group-label must be 1 to {max} bytes, as a hello label's key"
+        );
         for (name, d) in [
             ("--ping-interval", self.ping_interval),
             ("--pong-timeout", self.pong_timeout),
@@ -994,6 +1001,9 @@ mod tests {
         assert_eq!(load(&["--cores", "1024"]).map(|c| c.cores).ok(), Some(1024));
         assert!(load(&["--backlog", "0"]).is_err());
         assert!(load(&["--backlog", "-1"]).is_err());
+        assert!(load(&["--group-label", ""]).is_err());
+        assert!(load(&["--group-label", &"g".repeat(129)]).is_err());
+        assert!(load(&["--group-label", &"g".repeat(128)]).is_ok());
         assert_eq!(load(&["--backlog", "1"]).map(|c| c.backlog).ok(), Some(1));
         let e = err(&["--redis", "http://x"]);
         assert!(e.contains("http:// is not a Redis scheme"), "{e}");
@@ -1071,6 +1081,7 @@ mod tests {
         let malformed = [
             ("cores", "two", "\"two\""),
             ("outbox", "-1", "-1"),
+            ("backlog", "-1", "-1"),
             ("max-missed-pongs", "x", "\"x\""),
             ("ping-interval", "20", "20"),
         ];

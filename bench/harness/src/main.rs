@@ -6,6 +6,7 @@
 //! fleetlink-bench idle-cost    [--rigs 10000] [--window 60s]
 //! fleetlink-bench throughput   [--rigs 1000] [--duration 30s] [--conns 8]
 //! fleetlink-bench plots        [--out bench/results] [--name SFX]
+//! fleetlink-bench density|latency|tls|redis-restart [ARGS…]   # the bench/*.sh scenarios
 //! ```
 //!
 //! Module map: `ctx` (binaries, ports, work dir), `proc` (children stopped on drop, /proc CPU),
@@ -24,6 +25,7 @@ mod proc;
 mod record;
 mod redis;
 mod scenario;
+mod scripts;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
@@ -48,6 +50,16 @@ enum Scenario {
     Throughput(scenario::throughput::Opts),
     /// SVGs from one run's density-*.json and latency-*.json (`--name`: which run).
     Plots(plots::Opts),
+    /// Bytes per idle connection at 1k-19k rigs, each broker (bench/compare-density.sh;
+    /// `density --help` for its flags).
+    Density(scripts::Passed),
+    /// Fan-out and single-command latency through Redis and the admin API
+    /// (bench/latency.sh; `latency --help` for its flags).
+    Latency(scripts::Passed),
+    /// TLS memory per connection and handshake rate (bench/tls.sh).
+    Tls(scripts::Passed),
+    /// Sessions kept again after Redis restarts empty (bench/redis-restart.sh).
+    RedisRestart(scripts::Passed),
 }
 
 fn main() -> Result<()> {
@@ -57,6 +69,10 @@ fn main() -> Result<()> {
         Scenario::IdleCost(o) => scenario::idle_cost::run(&o),
         Scenario::Throughput(o) => scenario::throughput::run(&o),
         Scenario::Plots(o) => plots::run(&o),
+        Scenario::Density(a) => scripts::exec("compare-density.sh", &a),
+        Scenario::Latency(a) => scripts::exec("latency.sh", &a),
+        Scenario::Tls(a) => scripts::exec("tls.sh", &a),
+        Scenario::RedisRestart(a) => scripts::exec("redis-restart.sh", &a),
     };
     if result.is_err() {
         let work = ctx::work_dir();

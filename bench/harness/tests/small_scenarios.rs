@@ -229,3 +229,28 @@ fn plots_draw_the_committed_results() {
     assert!(!status.success());
     assert!(!out.path().join("latency-single-no-such-run.svg").exists());
 }
+
+/// The scenarios written as scripts are reached through `fleetlink-bench` as through
+/// `bench/run`: each subcommand hands its arguments to its own script (here `--help`, which
+/// every script answers with its usage and nothing run).
+#[test]
+fn the_script_scenarios_are_reached_through_the_harness_too() {
+    for (scenario, script) in [
+        ("density", "compare-density.sh"),
+        ("latency", "latency.sh"),
+        ("tls", "tls.sh"),
+        ("redis-restart", "redis-restart.sh"),
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_fleetlink-bench"))
+            .args([scenario, "--help"])
+            .output()
+            .expect("fleetlink-bench runs");
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success() && text.contains(script),
+            "{scenario}: {:?}\n{text}{}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
