@@ -858,10 +858,8 @@ fn resume_of_a_newer_boot_publishes_the_old_sessions_commands_as_rig_rebooted() 
     assert_eq!(found.rebooted, 2);
     assert_eq!(found.previous_boot.as_deref(), Some(old.as_str()));
     // What is left is a tombstone: the old session's next seq and the boot that ended it.
-    let left: std::collections::HashMap<String, String> = redis::cmd("HGETALL")
-        .arg(&old_key)
-        .query(&mut con)
-        .unwrap();
+    let left: std::collections::HashMap<String, String> =
+        redis::cmd("HGETALL").arg(&old_key).query(&mut con).unwrap();
     let tombstone: std::collections::HashMap<String, String> =
         [("next", "1"), ("gone", new.as_str())]
             .into_iter()
