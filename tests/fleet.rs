@@ -525,6 +525,62 @@ fn a_command_delivered_during_an_outage_is_reported_when_its_rig_reboots_onto_an
     assert_eq!(owner(&redis, "rig-rb"), Some(format!("{new_boot}|fe-b")));
 }
 
+/// A Redis that hangs while the bridge has a long pipeline of publishes in flight (a rig
+/// flooding events) is noticed within a call timeout, and the broker goes on serving from its
+/// local registry: an admin command to another rig is delivered while Redis still hangs.
+/// Before, the bridge read every reply of the pipeline, each after a 2 s timeout, and stayed
+/// stuck (admin commands 504) for as long as Redis hung.
+#[test]
+fn a_redis_that_hangs_under_a_flood_of_events_is_noticed_and_commands_still_go_out() {
+    let redis = RedisServer::start();
+    let a = fleet_broker(
+        &redis,
+        "fe-a",
+        &["--rig-rate", "1000000", "--rig-burst", "1000000"],
+    );
+    let (mut healthy, _, _) = a.rig("rig-ok");
+    let (mut chatty, _, _) = a.rig("rig-chatty");
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let flooding = {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            let event =
+                json!({"type": "event", "name": "log", "data": "x".repeat(200)}).to_string();
+            let mut sent = 0u64;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) && sent < 2_000_000 {
+                if chatty.send(Message::Text(event.clone().into())).is_err() {
+                    break;
+                }
+                sent += 1;
+            }
+            sent
+        })
+    };
+    // The flood is under way: events are being published.
+    eventually(Duration::from_secs(10), "events published", || {
+        a.metric("fleetlink_pubsub_messages_total{direction=\"out\"}") > 5_000
+    });
+    redis.freeze(true);
+    let frozen_at = Instant::now();
+    let mut delivered = false;
+    while !delivered && frozen_at.elapsed() < Duration::from_secs(20) {
+        let (status, reply) = a.command("rig-ok", "n", json!({}));
+        if status == 200 {
+            assert_eq!(read_json(&mut healthy)["id"], reply["id"]);
+            delivered = true;
+        }
+    }
+    let noticed = a.metric("fleetlink_redis_up") == 0;
+    let took = frozen_at.elapsed();
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    redis.freeze(false);
+    let _ = flooding.join();
+    assert!(
+        delivered && noticed,
+        "a command delivered: {delivered}, the outage noticed: {noticed}, after {took:?}"
+    );
+}
+
 #[test]
 fn a_stuck_rig_gets_rig_unresponsive_and_refused_commands_do_not_grow_memory() {
     let redis = RedisServer::start();

@@ -11,6 +11,7 @@ use redis::{ConnectionInfo, IntoConnectionInfo};
 
 use crate::ids::Seq;
 use crate::ids::{BootId, RigId};
+use crate::registry::command_con::CommandCon;
 use crate::registry::msg::Recall;
 use crate::registry::offline::{Held, OfflineScripts, Pushed};
 use crate::registry::pubsub::{Push, Subscriber};
@@ -83,7 +84,8 @@ fn plain_timeout(why: String) -> String {
 
 /// Whether `con` still answers, asked with a PING under [`PROBE_TIMEOUT`] (PING is not a write,
 /// so a Redis paused for writes answers it).
-fn answers_ping(con: &mut redis::Connection) -> bool {
+fn answers_ping(con: &mut CommandCon) -> bool {
+    let con = con.inner();
     let probe = con.set_read_timeout(Some(PROBE_TIMEOUT)).is_ok()
         && redis::cmd("PING").query::<String>(con).is_ok();
     probe && con.set_read_timeout(Some(IO_TIMEOUT)).is_ok()
@@ -214,7 +216,7 @@ pub(crate) struct Fleet {
     forgets: Vec<(RigId, BootId, Seq)>,
     /// When the oldest queued forget was queued.
     forgets_since: Option<Instant>,
-    con: Option<redis::Connection>,
+    con: Option<CommandCon>,
     sub: Option<Subscriber>,
     outgoing: Vec<(String, Box<[u8]>)>,
     /// Bytes in `outgoing`, channel names and payloads.
@@ -347,7 +349,7 @@ impl Fleet {
         Ok(())
     }
 
-    fn open_con(&mut self) -> anyhow::Result<redis::Connection> {
+    fn open_con(&mut self) -> anyhow::Result<CommandCon> {
         let client = redis::Client::open(self.info.clone())?;
         // A hung Redis (frozen, or a black-holed path) still accepts TCP connections; a short
         // probe keeps each reconnect attempt from stalling the bridge, and with it hellos and
@@ -375,7 +377,7 @@ impl Fleet {
             .arg("LOAD")
             .arg(include_str!("../../lua/resume.lua"))
             .query::<String>(&mut con)?;
-        Ok(con)
+        Ok(CommandCon::new(con))
     }
 
     /// A call on the command connection failed. A refusal on a sound connection is counted

@@ -3,12 +3,14 @@
 //! - [`msg`]: the only types that cross threads.
 //! - [`embedded`]: the standalone registry (pure state).
 //! - [`bridge`]: the thread that owns the registry and talks to cores.
-//! - `fleet`, [`pubsub`], [`control`]: fleet mode's Redis I/O and control messages.
+//! - `fleet`, [`pubsub`], [`control`]: fleet mode's Redis I/O and control messages;
+//!   `command_con`: its command connection, which gives up on a pipeline Redis stopped answering.
 //! - [`scripts`]: the Redis Lua scripts of fleet mode.
 //! - `pace`: when the bridge's queued Redis writes go out.
 //! - `throttle`: one log line a second for things that can happen thousands of times a second.
 
 pub mod bridge;
+pub(crate) mod command_con;
 pub mod control;
 pub mod embedded;
 pub mod fleet;
