@@ -48,10 +48,11 @@ fn statuses_before_the_upgrade() {
 #[test]
 fn a_stalled_head_is_closed_after_the_hello_timeout() {
     let b = Broker::start(&["--hello-timeout", "300ms"]);
+    // Before the connect: the broker accepts it later, so the head's 300 ms start after this.
+    let started = Instant::now();
     let mut s = TcpStream::connect(b.listen).unwrap();
     s.write_all(b"GET /agent HTTP/1.1\r\nHost: x\r\n").unwrap();
     s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-    let started = Instant::now();
     let mut buf = [0u8; 64];
     let n = match s.read(&mut buf) {
         Ok(n) => n,
@@ -64,7 +65,10 @@ fn a_stalled_head_is_closed_after_the_hello_timeout() {
         "expected EOF, got {:?}",
         String::from_utf8_lossy(&buf[..n])
     );
-    assert!(started.elapsed() < Duration::from_secs(3));
+    let took = started.elapsed();
+    assert!(took < Duration::from_secs(3), "{took:?}");
+    // Never before the timeout (it used to come up to one sweep tick early).
+    assert!(took >= Duration::from_millis(300), "closed after {took:?}");
     b.wait_metric("fleetlink_upgrades_total{result=\"head_timeout\"} 1");
 }
 

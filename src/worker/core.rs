@@ -207,6 +207,13 @@ impl Core {
         (d.as_millis() as u64).div_ceil(self.tick_ms).max(1)
     }
 
+    /// The tick of a deadline `d` from now. The current tick has partly passed already, so
+    /// one more: a deadline is never early (a head given 10 s got 9.5 s), and late by at most
+    /// one tick.
+    pub(crate) fn deadline_in(&self, d: std::time::Duration) -> Tick {
+        self.now_tick() + self.ticks(d) + 1
+    }
+
     pub(crate) fn next_conn_id(&self) -> ConnId {
         let n = self.next_conn.get() + 1;
         self.next_conn.set(n);
@@ -542,7 +549,7 @@ impl Conn {
                 bufs: None,
                 session: None,
                 live: Liveness::default(),
-                deadline: core.now_tick() + core.ticks(core.cfg.hello_timeout),
+                deadline: core.deadline_in(core.cfg.hello_timeout),
                 bucket: RigBucket::full(core.cfg.rig_burst, core.now_ms()),
                 paused_until: None,
                 linger_until: None,

@@ -172,7 +172,7 @@ fn upgrade(core: &Core, conn: &Conn, st: &mut ConnState, path: &str, key: &str) 
     } else {
         // The hello deadline runs from the upgrade (CONTRACT.md §1 `--hello-timeout`).
         st.phase = Phase::AwaitHello;
-        st.deadline = core.now_tick() + core.ticks(core.cfg.hello_timeout);
+        st.deadline = core.deadline_in(core.cfg.hello_timeout);
         let deadline = st.deadline;
         core.schedule(st, deadline, conn.id);
     }
