@@ -613,6 +613,12 @@ fn a_sigterm_reports_every_acked_command_before_the_close() {
         assert_eq!(recv_ack(&mut ws, &mut results), seq);
     }
     agent.wait_line("command seq=3", Duration::from_secs(5));
+    // The first command's process has started (the log line above says only that seq 3
+    // arrived): the stop must kill it, not report it not run.
+    let agent_pid = agent.child.id();
+    eventually(Duration::from_secs(5), "sleep 30 running", || {
+        children_named(agent_pid, "sleep") > 0
+    });
     unsafe { libc::kill(agent.child.id() as i32, libc::SIGTERM) };
     let mut close = None;
     while let Ok(msg) = ws.read() {
@@ -1039,4 +1045,26 @@ fn wss_mtls_against_the_real_tls_broker_and_4403_for_a_borrowed_identity() {
     drop(agent);
     drop(impostor);
     let _ = std::fs::remove_dir_all(dir);
+}
+
+/// How many processes whose parent is `pid` run the program `name` (from /proc).
+fn children_named(pid: u32, name: &str) -> usize {
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return 0;
+    };
+    dir.filter_map(Result::ok)
+        .filter_map(|e| std::fs::read_to_string(e.path().join("stat")).ok())
+        .filter(|stat| {
+            // "pid (comm) state ppid ...": comm may hold spaces, so split after its ')'.
+            let Some((head, rest)) = stat.rsplit_once(") ") else {
+                return false;
+            };
+            let comm = head.split_once(" (").map(|(_, c)| c);
+            let ppid = rest
+                .split_whitespace()
+                .nth(1)
+                .and_then(|p| p.parse::<u32>().ok());
+            comm == Some(name) && ppid == Some(pid)
+        })
+        .count()
 }
