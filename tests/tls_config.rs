@@ -224,6 +224,56 @@ fn revoked_cert_is_refused_others_pass() {
     handshake(&mut client, &mut server).expect("not revoked");
 }
 
+/// An older CRL of the same CA left beside the newer one, as two files in either order or
+/// appended in one, does not un-revoke what the newer one revokes: the newest per issuer is
+/// used. Before, the first listed won.
+#[test]
+fn an_older_crl_beside_a_newer_one_of_the_same_ca_does_not_unrevoke() {
+    let pki = Pki::new("two-crls");
+    let old = pki.crl("old", &[]);
+    let new = pki.crl("new", &[&pki.rig2]);
+    let bundle = pki.dir.join("bundle.crl");
+    let appended = format!(
+        "{}{}",
+        fs::read_to_string(&old).expect("old"),
+        fs::read_to_string(&new).expect("new")
+    );
+    fs::write(&bundle, appended).expect("write");
+    for crls in [
+        vec![old.clone(), new.clone()],
+        vec![new.clone(), old.clone()],
+        vec![bundle],
+    ] {
+        let config = build_server_config(&pki.paths(true, crls.clone())).expect("config");
+        let mut server = new_connection(config.clone()).expect("server");
+        let mut client = pki.client_with(&pki.rig2, Versions::Both);
+        let err = handshake(&mut client, &mut server).expect_err("revoked");
+        assert_eq!(err, cert_error(CertificateError::Revoked), "{crls:?}");
+        let (mut client, mut server) = pki.pair(&config, Some("rig-0001"), Versions::Both);
+        handshake(&mut client, &mut server).expect("not revoked");
+    }
+}
+
+/// A CRL that names our CA as its issuer but is signed by another key would refuse every rig
+/// of the CA at the handshake: refused at load instead, and a reload to it keeps the
+/// configuration in force.
+#[test]
+fn a_crl_not_signed_by_the_client_ca_it_names_is_refused() {
+    let pki = Pki::new("forged-crl");
+    let impostor = Ca::new("fleetlink test CA", pki.not_before, pki.not_after).expect("ca");
+    let forged = pki.dir.join("forged.crl");
+    write_crl(&impostor, &[], &forged).expect("crl");
+    let err = build_server_config(&pki.paths(true, vec![forged.clone()])).expect_err("forged");
+    assert!(err.to_string().contains("is not signed by"), "{err}");
+    let ours = pki.crl("ours", &[]);
+    let reloader = TlsReloader::new(pki.paths(true, vec![ours.clone()])).expect("reloader");
+    fs::copy(&forged, &ours).expect("replace");
+    assert!(reloader.reload().is_err());
+    assert_eq!(reloader.generation(), 0, "the configuration in force stays");
+    let (mut client, mut server) = pki.pair(&reloader.current(), Some("rig-0001"), Versions::Both);
+    handshake(&mut client, &mut server).expect("still admitted");
+}
+
 #[test]
 fn cert_of_an_issuer_without_crl_is_refused_once_crls_are_given() {
     let pki = Pki::new("unknown-status");

@@ -152,6 +152,16 @@ pub enum TlsError {
         /// The CRLs' issuers, as text.
         issuers: String,
     },
+    /// A CRL names a client CA as its issuer but that CA did not sign it: taken, it would fail
+    /// every handshake of the CA's rigs (rustls checks the signature only then). Refused here,
+    /// so a reload keeps the configuration in force.
+    #[error("{}: the CRL of {issuer} is not signed by that --client-ca certificate", path.display())]
+    CrlSignature {
+        /// The CRL file.
+        path: PathBuf,
+        /// The issuer it names, as text.
+        issuer: String,
+    },
     /// `--crl` without `--client-ca`: with no client certificates there is nothing to revoke,
     /// and silently checking nothing would mislead the operator.
     #[error("{}: --crl needs --client-ca", path.display())]
@@ -338,6 +348,7 @@ fn client_verifier(
         .filter_map(|der| x509_parser::parse_x509_certificate(der).ok())
         .map(|(_, cert)| (cert.subject().as_raw().to_vec(), cert.subject().to_string()))
         .collect();
+    let ca_ders = ca_certs.clone();
     for (i, cert) in ca_certs.into_iter().enumerate() {
         roots.add(cert).map_err(|source| TlsError::ClientCa {
             path: ca.to_owned(),
@@ -356,8 +367,10 @@ fn client_verifier(
                 path: path.clone(),
                 source,
             })?;
-        crls.extend(these);
+        crls.extend(these.into_iter().map(|crl| (path.clone(), crl)));
     }
+    check_crl_signatures(&crls, &ca_ders)?;
+    let crls = newest_per_issuer(crls);
     let parsed: Vec<_> = crls
         .iter()
         .filter_map(|crl| x509_parser::parse_x509_crl(crl).ok())
@@ -407,6 +420,92 @@ fn client_verifier(
             source,
         })?;
     Ok((verifier, next_update))
+}
+
+/// Each CRL that names a client CA as its issuer must be signed by it. (A CRL of an
+/// intermediate CA names an issuer outside the bundle, whose key comes only with a rig's
+/// chain: rustls checks those at the handshake.)
+fn check_crl_signatures(
+    crls: &[(PathBuf, CertificateRevocationListDer<'static>)],
+    cas: &[CertificateDer<'_>],
+) -> Result<(), TlsError> {
+    let cas: Vec<_> = cas
+        .iter()
+        .filter_map(|der| x509_parser::parse_x509_certificate(der).ok())
+        .map(|(_, cert)| cert)
+        .collect();
+    for (path, der) in crls {
+        let Ok((_, crl)) = x509_parser::parse_x509_crl(der) else {
+            continue;
+        };
+        let named: Vec<_> = cas
+            .iter()
+            .filter(|ca| ca.subject().as_raw() == crl.issuer().as_raw())
+            .collect();
+        if !named.is_empty()
+            && !named
+                .iter()
+                .any(|ca| crl.verify_signature(ca.public_key()).is_ok())
+        {
+            return Err(TlsError::CrlSignature {
+                path: path.clone(),
+                issuer: crl.issuer().to_string(),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// One CRL per issuer, the newest (highest CRL number, then latest thisUpdate): the verifier
+/// would use whichever came first, so an old CRL left beside its successor (two files, or one
+/// appended to the other) un-revoked what the newer one revokes. The older ones are logged.
+fn newest_per_issuer(
+    crls: Vec<(PathBuf, CertificateRevocationListDer<'static>)>,
+) -> Vec<CertificateRevocationListDer<'static>> {
+    type Rank = (Option<Vec<u8>>, i64);
+    let rank = |der: &CertificateRevocationListDer<'_>| -> Option<(Vec<u8>, Rank, String)> {
+        let (_, crl) = x509_parser::parse_x509_crl(der).ok()?;
+        let number = crl.crl_number().map(|n| {
+            // Big-endian bytes, padded so that longer means larger.
+            let mut b = n.to_bytes_be();
+            b.splice(
+                0..0,
+                std::iter::repeat_n(0, 32usize.saturating_sub(b.len())),
+            );
+            b
+        });
+        let issuer = crl.issuer();
+        let this_update = crl.last_update().timestamp();
+        Some((
+            issuer.as_raw().to_vec(),
+            (number, this_update),
+            issuer.to_string(),
+        ))
+    };
+    let ranked: Vec<_> = crls.iter().map(|(_, der)| rank(der)).collect();
+    let newest = |i: usize| {
+        let Some(Some((issuer, mine, _))) = ranked.get(i) else {
+            return true;
+        };
+        // Ties keep the first.
+        !ranked.iter().enumerate().any(|(j, other)| {
+            other.as_ref().is_some_and(|(theirs, r, _)| {
+                theirs == issuer && (r > mine || (r == mine && j < i))
+            })
+        })
+    };
+    let mut kept = Vec::with_capacity(crls.len());
+    for (i, (path, der)) in crls.into_iter().enumerate() {
+        if newest(i) {
+            kept.push(der);
+        } else if let Some(Some((_, (_, this_update), issuer))) = ranked.get(i) {
+            log::warn!(
+                "{}: a CRL of {issuer} (thisUpdate {this_update}) is older than another of the                  same issuer in --crl; only the newest is used",
+                path.display()
+            );
+        }
+    }
+    kept
 }
 
 /// The certificates of a CA bundle (position from 1, subject) that are not CA certificates.
