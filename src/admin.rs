@@ -947,7 +947,6 @@ pub(crate) fn command_req(
     body: &[u8],
     reply: ReplyTo,
 ) -> Result<Box<CommandReq>, Answer> {
-    let raw = body;
     let parsed: Result<CommandBody, _> = serde_json::from_slice(body);
     let id = parsed
         .as_ref()
@@ -960,6 +959,10 @@ pub(crate) fn command_req(
     };
     if id.len() > CONTROL_NAME_MAX {
         return Err(bad(&format!("id longer than {CONTROL_NAME_MAX} bytes")));
+    }
+    // serde takes a struct from an array of its fields too; the contract's body is an object.
+    if body_is_not_an_object(body) {
+        return Err(bad(NOT_AN_OBJECT));
     }
     let (body, args) = match parsed {
         Ok(mut b) if !b.name.is_empty() && b.name.len() <= crate::ids::COMMAND_NAME_MAX => {
@@ -976,13 +979,8 @@ pub(crate) fn command_req(
             let max = crate::ids::COMMAND_NAME_MAX;
             return Err(bad(&format!("name must be 1-{max} bytes")));
         }
-        Err(_) if body_is_not_an_object(raw) => return Err(bad(NOT_AN_OBJECT)),
         Err(e) => return Err(bad(&e.to_string())),
     };
-    // serde takes a struct from an array of its fields too; the contract's body is an object.
-    if body_is_not_an_object(raw) {
-        return Err(bad(NOT_AN_OBJECT));
-    }
     Ok(Box::new(CommandReq {
         id,
         rig: rig_id,
