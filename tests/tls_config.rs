@@ -58,6 +58,19 @@ fn refuses_bad_files_and_names_them() {
         "{err:?}"
     );
 
+    // An encrypted key is named as such, not as PEM the reader cannot parse.
+    let encrypted = pki.dir.join("encrypted.key");
+    fs::write(
+        &encrypted,
+        "-----BEGIN EC PRIVATE KEY-----\nProc-Type: 4,ENCRYPTED\nDEK-Info: AES-256-CBC,0011\n\nMHcCAQEE\n-----END EC PRIVATE KEY-----\n",
+    )
+    .expect("write");
+    let mut paths = pki.paths(false, vec![]);
+    paths.key = encrypted;
+    let err = build_server_config(&paths).expect_err("encrypted key");
+    assert!(matches!(err, TlsError::EncryptedKey { .. }), "{err:?}");
+    assert!(err.to_string().contains("encrypted.key"), "{err}");
+
     let mut paths = pki.paths(false, vec![]);
     paths.cert = paths.key.clone();
     let err = build_server_config(&paths).expect_err("key as cert");

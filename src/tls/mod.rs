@@ -102,6 +102,13 @@ pub enum TlsError {
         /// What was looked for, e.g. "CERTIFICATE block".
         what: &'static str,
     },
+    /// The key file holds an encrypted private key, which would need a passphrase at every
+    /// start and reload.
+    #[error("{}: an encrypted private key; give it decrypted (`openssl pkey -in KEY -out PLAIN`), readable by the broker alone", path.display())]
+    EncryptedKey {
+        /// The key file.
+        path: PathBuf,
+    },
     /// The key file holds more than one private key: which one is meant is a guess we refuse.
     #[error("{}: {count} private keys; expected exactly one", path.display())]
     ManyKeys {
@@ -545,7 +552,20 @@ fn read_certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError> {
     Ok(certs)
 }
 
+/// Whether PEM text holds an encrypted private key (PKCS#8 `ENCRYPTED PRIVATE KEY`, or a
+/// traditional key with `Proc-Type: 4,ENCRYPTED`), which the PEM reader would report only as
+/// unreadable.
+pub fn encrypted_key_pem(pem: &[u8]) -> bool {
+    let has = |needle: &[u8]| pem.windows(needle.len()).any(|w| w == needle);
+    has(b"-----BEGIN ENCRYPTED PRIVATE KEY-----") || has(b"Proc-Type: 4,ENCRYPTED")
+}
+
 fn read_key(path: &Path) -> Result<PrivateKeyDer<'static>, TlsError> {
+    if fs::read(path).is_ok_and(|pem| encrypted_key_pem(&pem)) {
+        return Err(TlsError::EncryptedKey {
+            path: path.to_owned(),
+        });
+    }
     let mut keys: Vec<PrivateKeyDer<'static>> = read_pem(path)?
         .into_iter()
         .filter_map(|item| match item {
@@ -601,7 +621,18 @@ fn read_pem(path: &Path) -> Result<Vec<Item>, TlsError> {
 
 #[cfg(test)]
 mod tests {
-    use super::{not_cas, without_crl};
+    use super::{encrypted_key_pem, not_cas, without_crl};
+
+    #[test]
+    fn encrypted_keys_are_told_apart() {
+        let pkcs8 =
+            b"-----BEGIN ENCRYPTED PRIVATE KEY-----\nMIIB\n-----END ENCRYPTED PRIVATE KEY-----\n";
+        let traditional = b"-----BEGIN EC PRIVATE KEY-----\nProc-Type: 4,ENCRYPTED\nDEK-Info: AES-256-CBC,00\n\nMHc\n-----END EC PRIVATE KEY-----\n";
+        let plain = b"-----BEGIN PRIVATE KEY-----\nMIGH\n-----END PRIVATE KEY-----\n";
+        assert!(encrypted_key_pem(pkcs8));
+        assert!(encrypted_key_pem(traditional));
+        assert!(!encrypted_key_pem(plain));
+    }
     use rustls::pki_types::CertificateDer;
 
     fn named(pairs: &[(&[u8], &str)]) -> Vec<(Vec<u8>, String)> {

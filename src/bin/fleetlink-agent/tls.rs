@@ -73,6 +73,12 @@ fn read_certs(path: &Path) -> anyhow::Result<Vec<CertificateDer<'static>>> {
 }
 
 fn read_key(path: &Path) -> anyhow::Result<PrivateKeyDer<'static>> {
+    if std::fs::read(path).is_ok_and(|pem| fleetlink::tls::encrypted_key_pem(&pem)) {
+        anyhow::bail!(
+            "{}: an encrypted private key; give it decrypted (`openssl pkey -in KEY -out PLAIN`)",
+            path.display()
+        );
+    }
     let file = File::open(path).with_context(|| format!("opening {}", path.display()))?;
     rustls_pemfile::private_key(&mut BufReader::new(file))
         .with_context(|| format!("reading PEM key from {}", path.display()))?
