@@ -349,19 +349,24 @@ fn client_verifier(
             ca.display()
         );
     }
-    // (raw DER, text) of each client CA's subject.
-    let subjects: Vec<(Vec<u8>, String)> = ca_certs
+    let cas: Vec<_> = ca_certs
         .iter()
         .filter_map(|der| x509_parser::parse_x509_certificate(der).ok())
-        .map(|(_, cert)| (cert.subject().as_raw().to_vec(), cert.subject().to_string()))
+        .map(|(_, cert)| cert)
         .collect();
-    let ca_ders = ca_certs.clone();
-    for (i, cert) in ca_certs.into_iter().enumerate() {
-        roots.add(cert).map_err(|source| TlsError::ClientCa {
-            path: ca.to_owned(),
-            index: i + 1,
-            source,
-        })?;
+    // (raw DER, text) of each client CA's subject.
+    let subjects: Vec<(Vec<u8>, String)> = cas
+        .iter()
+        .map(|cert| (cert.subject().as_raw().to_vec(), cert.subject().to_string()))
+        .collect();
+    for (i, cert) in ca_certs.iter().enumerate() {
+        roots
+            .add(cert.clone())
+            .map_err(|source| TlsError::ClientCa {
+                path: ca.to_owned(),
+                index: i + 1,
+                source,
+            })?;
     }
     let roots = Arc::new(roots);
     let mut crls = Vec::new();
@@ -374,29 +379,19 @@ fn client_verifier(
                 path: path.clone(),
                 source,
             })?;
-        crls.extend(these.into_iter().map(|crl| (path.clone(), crl)));
+        for crl in these {
+            let facts = crl_facts(path, &crl, &cas)?;
+            crls.push((path.clone(), crl, facts));
+        }
     }
-    check_crl_signatures(&crls, &ca_ders)?;
-    let crls = newest_per_issuer(crls);
-    let parsed: Vec<_> = crls
-        .iter()
-        .filter_map(|crl| x509_parser::parse_x509_crl(crl).ok())
-        .map(|(_, parsed)| parsed)
-        .collect();
-    let next_update = parsed
-        .iter()
-        .filter_map(|crl| crl.next_update())
-        .map(|t| t.timestamp())
-        .min();
+    let (crls, facts): (Vec<_>, Vec<_>) = newest_per_issuer(crls).into_iter().unzip();
+    let facts: Vec<CrlFacts> = facts.into_iter().flatten().collect();
+    let next_update = facts.iter().filter_map(|f| f.next_update).min();
     // (raw DER, text) of each CRL's issuer.
-    let issuers: Vec<(Vec<u8>, String)> = parsed
-        .iter()
-        .map(|crl| {
-            let issuer = crl.issuer();
-            (issuer.as_raw().to_vec(), issuer.to_string())
-        })
+    let issuers: Vec<(Vec<u8>, String)> = facts
+        .into_iter()
+        .map(|f| (f.issuer, f.issuer_text))
         .collect();
-    drop(parsed);
     if let Some(first) = crl_files.first() {
         let uncovered = without_crl(&subjects, &issuers);
         if uncovered.len() == subjects.len() && !issuers.is_empty() {
@@ -429,87 +424,97 @@ fn client_verifier(
     Ok((verifier, next_update))
 }
 
-/// Each CRL that names a client CA as its issuer must be signed by it. (A CRL of an
-/// intermediate CA names an issuer outside the bundle, whose key comes only with a rig's
-/// chain: rustls checks those at the handshake.)
-fn check_crl_signatures(
-    crls: &[(PathBuf, CertificateRevocationListDer<'static>)],
-    cas: &[CertificateDer<'_>],
-) -> Result<(), TlsError> {
-    let cas: Vec<_> = cas
-        .iter()
-        .filter_map(|der| x509_parser::parse_x509_certificate(der).ok())
-        .map(|(_, cert)| cert)
-        .collect();
-    for (path, der) in crls {
-        let Ok((_, crl)) = x509_parser::parse_x509_crl(der) else {
-            continue;
-        };
-        let named: Vec<_> = cas
-            .iter()
-            .filter(|ca| ca.subject().as_raw() == crl.issuer().as_raw())
-            .collect();
-        if !named.is_empty()
-            && !named
-                .iter()
-                .any(|ca| crl.verify_signature(ca.public_key()).is_ok())
-        {
-            return Err(TlsError::CrlSignature {
-                path: path.clone(),
-                issuer: crl.issuer().to_string(),
-            });
-        }
-    }
-    Ok(())
+/// What the loader uses of one CRL, read from one parse.
+struct CrlFacts {
+    /// Its issuer, raw DER and as text.
+    issuer: Vec<u8>,
+    issuer_text: String,
+    /// CRL number (big-endian, padded so that longer means larger), then thisUpdate: the
+    /// greater is the newer CRL of an issuer.
+    rank: (Option<Vec<u8>>, i64),
+    next_update: Option<i64>,
 }
 
-/// One CRL per issuer, the newest (highest CRL number, then latest thisUpdate): the verifier
-/// would use whichever came first, so an old CRL left beside its successor (two files, or one
-/// appended to the other) un-revoked what the newer one revokes. The older ones are logged.
-fn newest_per_issuer(
-    crls: Vec<(PathBuf, CertificateRevocationListDer<'static>)>,
-) -> Vec<CertificateRevocationListDer<'static>> {
-    type Rank = (Option<Vec<u8>>, i64);
-    let rank = |der: &CertificateRevocationListDer<'_>| -> Option<(Vec<u8>, Rank, String)> {
-        let (_, crl) = x509_parser::parse_x509_crl(der).ok()?;
-        let number = crl.crl_number().map(|n| {
-            // Big-endian bytes, padded so that longer means larger.
-            let mut b = n.to_bytes_be();
-            b.splice(
-                0..0,
-                std::iter::repeat_n(0, 32usize.saturating_sub(b.len())),
-            );
-            b
-        });
-        let issuer = crl.issuer();
-        let this_update = crl.last_update().timestamp();
-        Some((
-            issuer.as_raw().to_vec(),
-            (number, this_update),
-            issuer.to_string(),
-        ))
+/// Reads one CRL of `path`; None for one the parser cannot read (rustls took it, and checks
+/// it at the handshake). A CRL that names a client CA as its issuer must be signed by it:
+/// rustls checks the signature only at the handshake, where a bad one refuses every rig of
+/// that CA. (A CRL of an intermediate CA names an issuer outside the bundle, whose key comes
+/// only with a rig's chain.)
+fn crl_facts(
+    path: &Path,
+    der: &CertificateRevocationListDer<'_>,
+    cas: &[x509_parser::certificate::X509Certificate<'_>],
+) -> Result<Option<CrlFacts>, TlsError> {
+    let Ok((_, crl)) = x509_parser::parse_x509_crl(der) else {
+        return Ok(None);
     };
-    let ranked: Vec<_> = crls.iter().map(|(_, der)| rank(der)).collect();
-    let newest = |i: usize| {
-        let Some(Some((issuer, mine, _))) = ranked.get(i) else {
-            return true;
-        };
+    let issuer = crl.issuer();
+    let named: Vec<_> = cas
+        .iter()
+        .filter(|ca| ca.subject().as_raw() == issuer.as_raw())
+        .collect();
+    if !named.is_empty()
+        && !named
+            .iter()
+            .any(|ca| crl.verify_signature(ca.public_key()).is_ok())
+    {
+        return Err(TlsError::CrlSignature {
+            path: path.to_owned(),
+            issuer: issuer.to_string(),
+        });
+    }
+    let number = crl.crl_number().map(|n| {
+        let mut b = n.to_bytes_be();
+        b.splice(
+            0..0,
+            std::iter::repeat_n(0, 32usize.saturating_sub(b.len())),
+        );
+        b
+    });
+    Ok(Some(CrlFacts {
+        issuer: issuer.as_raw().to_vec(),
+        issuer_text: issuer.to_string(),
+        rank: (number, crl.last_update().timestamp()),
+        next_update: crl.next_update().map(|t| t.timestamp()),
+    }))
+}
+
+/// One CRL per issuer, the newest (see [`CrlFacts::rank`]): the verifier would use whichever
+/// came first, so an old CRL left beside its successor (two files, or one appended to the
+/// other) un-revoked what the newer one revokes. The older ones are logged. A CRL the parser
+/// could not read is kept as it is.
+fn newest_per_issuer(
+    crls: Vec<(
+        PathBuf,
+        CertificateRevocationListDer<'static>,
+        Option<CrlFacts>,
+    )>,
+) -> Vec<(CertificateRevocationListDer<'static>, Option<CrlFacts>)> {
+    let newest = |i: usize, mine: &CrlFacts| {
         // Ties keep the first.
-        !ranked.iter().enumerate().any(|(j, other)| {
-            other.as_ref().is_some_and(|(theirs, r, _)| {
-                theirs == issuer && (r > mine || (r == mine && j < i))
+        !crls.iter().enumerate().any(|(j, (_, _, other))| {
+            other.as_ref().is_some_and(|o| {
+                o.issuer == mine.issuer && (o.rank > mine.rank || (o.rank == mine.rank && j < i))
             })
         })
     };
+    let keep: Vec<bool> = crls
+        .iter()
+        .enumerate()
+        .map(|(i, (_, _, facts))| facts.as_ref().is_none_or(|f| newest(i, f)))
+        .collect();
     let mut kept = Vec::with_capacity(crls.len());
-    for (i, (path, der)) in crls.into_iter().enumerate() {
-        if newest(i) {
-            kept.push(der);
-        } else if let Some(Some((_, (_, this_update), issuer))) = ranked.get(i) {
-            log::warn!(
-                "{}: a CRL of {issuer} (thisUpdate {this_update}) is older than another of the                  same issuer in --crl; only the newest is used",
-                path.display()
-            );
+    for ((path, der, facts), keep) in crls.into_iter().zip(keep) {
+        match facts {
+            Some(f) if keep => kept.push((der, Some(f))),
+            Some(f) => log::warn!(
+                "{}: a CRL of {} (thisUpdate {}) is older than another of the same issuer in \
+                 --crl; only the newest is used",
+                path.display(),
+                f.issuer_text,
+                f.rank.1
+            ),
+            None => kept.push((der, None)),
         }
     }
     kept
