@@ -213,22 +213,26 @@ fn a_close_notify_that_comes_with_data_ends_the_connection() {
     }
     s.sock.write_all(&out).unwrap();
     let sent = Instant::now();
-    // The broker closes its side: the socket reads to its end (alerts, then EOF).
+    // The broker closes its side: the socket reads to its end (its close_notify, then EOF).
     s.sock
         .set_read_timeout(Some(Duration::from_secs(10)))
         .unwrap();
-    let mut buf = [0u8; 4096];
-    loop {
-        match s.sock.read(&mut buf) {
-            Ok(0) => break,
-            Ok(_) => {}
-            Err(e) if e.kind() == ErrorKind::ConnectionReset => break,
-            Err(e) => panic!(
-                "the broker kept the connection open: {e} after {:?}",
-                sent.elapsed()
-            ),
-        }
+    let mut records = Vec::new();
+    match s.sock.read_to_end(&mut records) {
+        Ok(_) => {}
+        Err(e) => panic!(
+            "the broker kept the connection open: {e} after {:?}",
+            sent.elapsed()
+        ),
     }
+    let mut records = &records[..];
+    while !records.is_empty() {
+        s.conn.read_tls(&mut records).unwrap();
+    }
+    assert!(
+        s.conn.process_new_packets().unwrap().peer_has_closed(),
+        "the broker answered the rig's close_notify with none of its own"
+    );
     assert!(
         sent.elapsed() < Duration::from_secs(5),
         "{:?}",
@@ -237,6 +241,34 @@ fn a_close_notify_that_comes_with_data_ends_the_connection() {
     eventually(Duration::from_secs(5), "the rig unlisted", || {
         b.http("GET", "/v1/rigs", "").1.trim() == "[]"
     });
+}
+
+/// The broker ends its side of a TLS session with close_notify, so that a rig can tell the
+/// end of the session from a truncation (rustls reports a bare FIN as an unexpected EOF).
+#[test]
+fn a_kicked_tls_rig_reads_the_close_frame_then_close_notify() {
+    let dir = Dir::new("bye");
+    let pki = dev_certs::generate(&dir.0, 1, &[]).unwrap();
+    let b = tls_broker(&pki, &dir.0, &[]);
+    let r = &pki.rigs[0];
+    let mut ws = wss(&b, &pki.ca_cert, Some((&r.cert, &r.key)), &[]).unwrap();
+    assert_eq!(hello(&mut ws, &r.rig_id)["type"], "welcome");
+    let (status, body) = b.http("POST", &format!("/v1/rigs/{}/kick", r.rig_id), "");
+    assert_eq!(status, 200, "{body}");
+    let code = loop {
+        match ws.read().unwrap() {
+            Message::Close(c) => break c.map(|c| u16::from(c.code)),
+            _ => continue,
+        }
+    };
+    assert_eq!(code, Some(1012));
+    // tungstenite answers the close frame; then the session must end cleanly.
+    assert!(ws.read().is_err());
+    let mut rest = Vec::new();
+    match ws.get_mut().read_to_end(&mut rest) {
+        Ok(_) => {}
+        Err(e) => panic!("the TLS session ended without close_notify: {e}"),
+    }
 }
 
 /// A certificate from the right CA that names no rig (no CN, only a URI SAN) proves no

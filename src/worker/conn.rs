@@ -334,6 +334,11 @@ async fn finish(core: &Core, conn: &Conn, stream: &TcpStream) {
         session::on_closed(core, conn, &mut st);
     }
     let fd = conn.fd;
+    if let Some(sec) = conn.st.borrow_mut().sec.as_mut().filter(|s| !s.output_dead) {
+        if let Some(tls) = sec.tls.as_mut() {
+            transport::send_close_notify(fd, tls);
+        }
+    }
     // SAFETY: fd is this task's open socket.
     unsafe { libc::shutdown(fd, libc::SHUT_WR) };
     // Only our own marker counts (borrowed): a rig's close reason is owned text and may say

@@ -93,6 +93,25 @@ pub(crate) fn flush_tls(
     }
 }
 
+/// Ends our side of the TLS session with close_notify before the TCP half-close (RFC 8446
+/// §6.1): without it a client cannot tell our close from a truncation, and TLS libraries
+/// report the end as an error. Best effort, never waiting: a socket that cannot take the
+/// record now gets the FIN alone. Nothing is sent mid-handshake or after a fatal alert.
+pub(crate) fn send_close_notify(fd: RawFd, tls: &mut ServerConnection) {
+    if tls.is_handshaking() {
+        return;
+    }
+    tls.send_close_notify();
+    while tls.wants_write() {
+        match tls.write_tls(&mut Fd(fd)) {
+            Ok(0) => return,
+            Ok(_) => {}
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(_) => return,
+        }
+    }
+}
+
 /// What a readable TLS socket yielded.
 pub(crate) enum TlsRead {
     /// `n` plaintext bytes are in the buffer (0: only handshake or control records).
