@@ -21,7 +21,8 @@
 //! - [`tls`], [`jwt`]: TLS configuration with reload and client identities; bearer tokens.
 //! - [`admin`]: health, readiness, metrics, rigs, standalone control plane.
 //! - [`metrics`], [`reply`], [`events`]: what the broker reports, in the contract's shapes;
-//!   [`heap_stats`]: optional allocation accounting.
+//!   [`heap_stats`]: optional allocation accounting; [`heap_trim`]: memory given back after a
+//!   burst.
 //! - [`doctor`], [`dev_certs`]: operator tools bundled in the binary.
 //!
 //! The binaries: `fleetlink-fe` (`src/main.rs`), `fleetctl` (`src/bin/fleetctl/`) and
@@ -38,6 +39,7 @@ pub mod doorbell;
 pub mod event_log;
 pub mod events;
 pub mod heap_stats;
+pub mod heap_trim;
 pub mod http_upgrade;
 pub mod ids;
 pub mod jwt;

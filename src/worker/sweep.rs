@@ -4,6 +4,7 @@
 use std::rc::Rc;
 use std::time::Duration;
 
+use crate::heap_trim;
 use crate::ids::ConnId;
 use crate::metrics::C;
 use crate::worker::core::{Core, Liveness, Phase};
@@ -14,6 +15,7 @@ use crate::ws::OpCode;
 pub(crate) async fn run(core: Rc<Core>) {
     let start = monoio::time::Instant::from_std(core.started);
     let tick = Duration::from_millis(core.tick_ms);
+    let trim = core.ticks(heap_trim::EVERY);
     while !core.finished.get() {
         let next = core.wheel.borrow().now() + 1;
         monoio::time::sleep_until(start + tick * next as u32).await;
@@ -22,6 +24,9 @@ pub(crate) async fn run(core: Rc<Core>) {
             visit(&core, *id);
         }
         core.wheel.borrow_mut().recycle(due);
+        if next.is_multiple_of(trim) {
+            heap_trim::collect();
+        }
     }
 }
 

@@ -131,6 +131,8 @@ struct Bridge {
     next_heartbeat: Instant,
     next_canary: Instant,
     next_expire: Instant,
+    /// When the bridge next gives memory back ([`crate::heap_trim`]).
+    next_trim: Instant,
     started_at: String,
     /// This process's mark in its canaries: another process's canary with our broker id is
     /// a twin on our channel.
@@ -179,6 +181,7 @@ impl Bridge {
             instance: format!("{}-{:016x}", std::process::id(), fastrand::u64(..)),
             twin_log: crate::registry::throttle::Throttle::default(),
             next_expire: now,
+            next_trim: now + crate::heap_trim::EVERY,
             started_at: reply::rfc3339(SystemTime::now()),
         }
     }

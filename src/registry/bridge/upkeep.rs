@@ -8,6 +8,7 @@ use serde_json::json;
 
 use super::shared::unix_ms;
 use super::Bridge;
+use crate::heap_trim;
 use crate::ids::{BootId, RigId};
 use crate::registry::fleet;
 use crate::registry::msg::ToCore;
@@ -25,6 +26,11 @@ impl Bridge {
         if now >= self.next_expire {
             self.registry.expire(now);
             self.next_expire = now + Duration::from_secs(1);
+            // On the expiry timer, so that it never wakes the bridge by itself.
+            if now >= self.next_trim {
+                self.next_trim = now + heap_trim::EVERY;
+                heap_trim::collect();
+            }
         }
         let late: Vec<u64> = self
             .broadcasts
