@@ -145,6 +145,44 @@ fn acked_commands_still_in_redis_are_not_replayed_past_last_seq() {
     );
 }
 
+/// A broker keeps the session of a rig that left it parked, for the rig's return. If the rig
+/// resumed elsewhere meanwhile and acked there, that copy is stale: the command acked on the
+/// other broker must not come back from it when the rig returns (it did, in every run).
+#[test]
+fn a_command_acked_elsewhere_is_not_replayed_from_the_copy_parked_when_the_rig_left() {
+    let redis = RedisServer::start();
+    let (a, b, boot, mut on_a, mut ctl) = rig_with_commands_on_a(&redis, "rig-p", "p", 1);
+    // The rig leaves A with seq 1 unacked (A parks the session), resumes on B, gets 1 again
+    // and acks it there, and leaves B too.
+    on_a.close(None).unwrap();
+    let mut on_b = b.connect("/agent");
+    assert_eq!(hello(&mut on_b, "rig-p", &boot, Some(0))["resumed"], true);
+    assert_eq!(read_json(&mut on_b)["id"], "p1");
+    ack(&mut on_b, 1);
+    let key = format!("sess:rig-p:{boot}");
+    let mut con = redis.connection();
+    eventually(
+        Duration::from_secs(10),
+        "the ack forgotten in Redis",
+        || !con.hexists::<_, _, bool>(&key, "c:1").unwrap_or(true),
+    );
+    on_b.close(None).unwrap();
+    eventually(Duration::from_secs(10), "the lease released", || {
+        !con.exists::<_, bool>("rig:rig-p").unwrap_or(true)
+    });
+    // Back on A, again with last_seq 0: the next command is the first thing it gets.
+    let mut again = a.connect("/agent");
+    assert_eq!(hello(&mut again, "rig-p", &boot, Some(0))["resumed"], true);
+    let r = ctl.command_id("fe-a", "rig-p", "p2", "n", json!({}));
+    assert_eq!(r["seq"], 2, "{r}");
+    let first = read_json(&mut again);
+    assert_eq!(
+        (first["seq"].clone(), first["id"].clone()),
+        (json!(2), json!("p2")),
+        "acked on B, replayed by A: {first}"
+    );
+}
+
 /// A rig that reconnects with commands it received but never acked (its `last_seq` covers
 /// them) may ack them on the new connection: then they leave Redis too, and do not sit in the
 /// session for as long as the rig keeps coming back.

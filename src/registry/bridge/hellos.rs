@@ -377,6 +377,13 @@ impl Bridge {
                 if recall.is_none() {
                     *recall = found.recall.clone().map(Box::new);
                 }
+                // Except a command Redis kept once (its seq is below Redis's `next`) and no
+                // longer holds: it was acked, on another connection since this copy was
+                // taken (a session parked here while the rig resumed and acked elsewhere).
+                // A local one at or above `next` was delivered while Redis was away, never
+                // kept, and stays.
+                let in_redis: HashSet<Seq> = found.commands.iter().map(|(seq, _)| *seq).collect();
+                carried.retain(|c| c.seq >= next || in_redis.contains(&c.seq));
                 let local: HashSet<Seq> = carried.iter().map(|c| c.seq).collect();
                 for (seq, json) in &found.commands {
                     if !local.contains(seq) {
