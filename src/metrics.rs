@@ -604,13 +604,14 @@ pub fn render_as(
     }
     // In both modes, since CONTRACT.md §6 lists it among /metrics; standalone it reads 0, and
     // an alert on it should also ask `fleetlink_info{mode="fleet"}`. Only the bridge's own
-    // refusals (op="refused") and a new boot's dropped commands (resume/rebooted, standalone's
-    // only report of them besides its log) are registry ops in both modes.
+    // refusals (op="refused"), a new boot's dropped commands (resume/rebooted, standalone's
+    // only report of them besides its log) and commands held for offline rigs (standalone
+    // holds them in the broker) are registry ops in both modes.
     family(&mut out, "fleetlink_redis_up", "gauge");
     let _ = writeln!(out, "fleetlink_redis_up {}", bridge.redis_up);
     family(&mut out, "fleetlink_registry_ops_total", "counter");
     for (op, result, n) in &bridge.registry_ops {
-        if identity.fleet || op == "refused" || (op == "resume" && result == "rebooted") {
+        if identity.fleet || in_both_modes(op, result) {
             let _ = writeln!(
                 out,
                 "fleetlink_registry_ops_total{{op=\"{op}\",result=\"{result}\"}} {n}"
@@ -638,6 +639,16 @@ pub fn render_as(
         let _ = writeln!(out, "fleetlink_heap_live_allocations {allocs}");
     }
     out
+}
+
+/// Registry ops that standalone has too (the rest need Redis, or another broker).
+fn in_both_modes(op: &str, result: &str) -> bool {
+    match op {
+        "refused" => true,
+        "resume" => result == "rebooted",
+        "offline" => !matches!(result, "forwarded" | "connected_elsewhere"),
+        _ => false,
+    }
 }
 
 fn escape(s: &str) -> String {
@@ -901,7 +912,8 @@ mod tests {
         assert!(
             !ops.is_empty()
                 && ops.iter().all(|l| l.contains("op=\"refused\"")
-                    || l.contains("op=\"resume\",result=\"rebooted\"")),
+                    || l.contains("op=\"resume\",result=\"rebooted\"")
+                    || (l.contains("op=\"offline\"") && !l.contains("forwarded"))),
             "{ops:?}"
         );
         let version = env!("CARGO_PKG_VERSION");

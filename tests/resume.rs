@@ -1004,12 +1004,18 @@ fn standalone_holds_commands_for_offline_rigs_too() {
         status, 404,
         "without queue_if_offline an offline rig is rig_not_connected"
     );
+    let held = "fleetlink_registry_ops_total{op=\"offline\",result=\"held\"}";
+    let delivered = "fleetlink_registry_ops_total{op=\"offline\",result=\"delivered\"}";
+    assert_eq!((b.metric(held), b.metric(delivered)), (1, 0));
     let (mut ws, _, _) = b.rig("rig-later");
     let cmd = read_json(&mut ws);
     assert_eq!(
         (cmd["name"].clone(), cmd["seq"].clone()),
         (json!("fw"), json!(1))
     );
+    eventually(Duration::from_secs(5), "the delivery counted", || {
+        b.metric(delivered) == 1
+    });
 }
 
 /// A rig comes back to more held commands than its outbox takes (`--outbox 2`: 2 queued, 16
