@@ -24,7 +24,11 @@
 -- Returns:
 --   "ok"      written: every command HSET, "next" raised to at least ARGV[3] (never lowered:
 --             commands kept since Redis came back may already be above these), "sessof" set
---             to this boot unless another boot is recorded there, TTLs set. A parked session
+--             to this boot unless another boot is recorded there, TTLs set.
+--   "ok|<n>"  the same, where the session's "next" was already n, above ARGV[3]: another
+--             broker numbered commands of this session while Redis was away from this one
+--             (the rig connected to both, each deciding alone). The caller must number the
+--             rig's next command n or above, or it would reuse a seq the rig already has. A parked session
 --             whose newer boot has not been reported yet is written this way too: that boot's
 --             broker reports it (refresh.lua's "taken" and "restored|", or the hello's
 --             resume.lua), these commands with it
@@ -146,4 +150,7 @@ if tonumber(nxt) > have then
 end
 redis.call('PEXPIRE', sess, ttl)
 redis.call('SET', KEYS[3], boot, 'PX', ttl, 'NX')
+if have > tonumber(nxt) then
+  return 'ok|' .. string.format('%.0f', have)
+end
 return 'ok'

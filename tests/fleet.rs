@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 use common::broker::{boot_id, eventually, hello, read_close, read_json, Broker, KeepAlive};
 use common::control::Control;
 use common::redis::RedisServer;
+use common::relay::Relay;
 use redis::Commands;
 use serde_json::{json, Value};
 use tungstenite::Message;
@@ -523,6 +524,78 @@ fn a_command_delivered_during_an_outage_is_reported_when_its_rig_reboots_onto_an
     );
     // The newer boot keeps the rig.
     assert_eq!(owner(&redis, "rig-rb"), Some(format!("{new_boot}|fe-b")));
+}
+
+/// A rig connects to a second broker, same boot, while that broker cannot reach Redis (it
+/// decides alone, numbering from the rig's `last_seq`), and its first broker gives it one more
+/// command meanwhile. Once Redis is back for the second broker and the rig has left the first,
+/// the second must number after that command. It gave the next command the seq the rig
+/// already had (4 again, which the rig drops as a duplicate: a command control was told `ok`
+/// for, lost).
+#[test]
+fn after_an_outage_a_broker_numbers_past_commands_another_gave_the_rig_meanwhile() {
+    let redis = RedisServer::start();
+    let relay = Relay::start(redis.port());
+    let quick = ["--registry-refresh", "200ms"];
+    let a = fleet_broker(&redis, "fe-a", &quick);
+    let b = Broker::start(&[
+        "--redis",
+        &relay.url(),
+        "--broker-id",
+        "fe-b",
+        "--registry-refresh",
+        "200ms",
+    ]);
+    eventually(Duration::from_secs(10), "fe-b ready", || {
+        b.http("GET", "/readyz", "").0 == 200
+    });
+    let (mut on_a, boot, _) = a.rig("rig-sq");
+    let mut ctl = Control::new(&redis, &[]);
+    for i in 1..=3 {
+        let r = ctl.command_id("fe-a", "rig-sq", &format!("s{i}"), "n", json!({}));
+        assert_eq!(r["seq"], i, "{r}");
+        assert_eq!(read_json(&mut on_a)["seq"], i);
+        let ack = json!({"type": "ack", "seq": i}).to_string();
+        on_a.send(Message::Text(ack.into())).unwrap();
+    }
+    relay.freeze(true);
+    eventually(Duration::from_secs(15), "fe-b sees the outage", || {
+        b.http("GET", "/readyz", "").0 == 503
+    });
+    // Make-before-break onto fe-b, decided there alone; fe-a still holds the first connection.
+    let mut on_b = b.connect("/agent");
+    let hello = json!({"type":"hello","rig_id":"rig-sq","boot_id":boot,"version":"t","last_seq":3});
+    on_b.send(Message::Text(hello.to_string().into())).unwrap();
+    assert_eq!(read_json(&mut on_b)["type"], "welcome");
+    let r = ctl.command_id("fe-a", "rig-sq", "s4", "n", json!({}));
+    assert_eq!(r["seq"], 4, "{r}");
+    assert_eq!(read_json(&mut on_a)["seq"], 4);
+    let ack = json!({"type": "ack", "seq": 4}).to_string();
+    on_a.send(Message::Text(ack.into())).unwrap();
+    drop(on_a);
+    eventually(Duration::from_secs(15), "fe-a released the lease", || {
+        owner(&redis, "rig-sq").is_none()
+    });
+    relay.freeze(false);
+    eventually(Duration::from_secs(15), "the lease on fe-b", || {
+        owner(&redis, "rig-sq").is_some_and(|o| o.ends_with("|fe-b"))
+    });
+    // fe-b puts its session back once it holds the lease again (a restored lease).
+    eventually(Duration::from_secs(15), "fe-b's session put back", || {
+        ["ok", "behind"].iter().any(|r| {
+            b.metric(&format!(
+                "fleetlink_registry_ops_total{{op=\"rekeep\",result=\"{r}\"}}"
+            )) >= 1
+        })
+    });
+    let r = ctl.command_id("fe-b", "rig-sq", "s5", "n", json!({}));
+    assert_eq!(r["seq"], 5, "seq 4 is s4's: {r}");
+    let got = read_json(&mut on_b);
+    assert_eq!(
+        (&got["seq"], &got["id"]),
+        (&json!(5), &json!("s5")),
+        "{got}"
+    );
 }
 
 /// A Redis that hangs while the bridge has a long pipeline of publishes in flight (a rig

@@ -233,6 +233,15 @@ pub enum ToCore {
         /// The connection holding the rig.
         conn: ConnId,
     },
+    /// Redis's copy of this rig's session numbers further than the core does: another broker
+    /// gave the rig commands while each decided alone (a Redis outage). The next command
+    /// takes `next` or above, so that no seq the rig holds is given to another command.
+    RaiseSeq {
+        /// The connection holding the rig.
+        conn: ConnId,
+        /// The lowest seq the next command may take.
+        next: Seq,
+    },
     /// Send a snapshot of this core's metrics (and rigs when `rigs`).
     Snapshot {
         /// Include the rig list.

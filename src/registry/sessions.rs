@@ -138,6 +138,10 @@ pub struct Rekeep<'a> {
 pub enum Rekept {
     /// Written.
     Kept,
+    /// Written, and the session's next seq in Redis was already this one, above the one
+    /// sent: another broker numbered commands of the session meanwhile (each deciding alone
+    /// during an outage), and the rig's next command must take this seq or a later one.
+    Behind(Seq),
     /// Refused by the fence: someone else holds the rig, or wrote its session since.
     Fenced,
     /// A parked session that a newer boot of its rig ended: this many of its commands, which
@@ -358,10 +362,11 @@ fn kept(v: &Value) -> Option<Rekept> {
     match text(v)? {
         "ok" => Some(Rekept::Kept),
         "fenced" => Some(Rekept::Fenced),
-        other => other
-            .strip_prefix("reported|")
-            .and_then(|n| n.parse().ok())
-            .map(Rekept::Reported),
+        other => match other.split_once('|')? {
+            ("reported", n) => n.parse().ok().map(Rekept::Reported),
+            ("ok", n) => n.parse().ok().map(|n| Rekept::Behind(Seq(n))),
+            _ => None,
+        },
     }
 }
 

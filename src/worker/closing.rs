@@ -80,6 +80,17 @@ pub(crate) fn persisted(core: &Core, conn: ConnId, seq: Seq, kept: bool) -> bool
     true
 }
 
+/// [`session::raise_seq`] for a closed connection whose session waits here; false when none
+/// of this core waits under `conn`.
+pub(crate) fn raise_seq(core: &Core, conn: ConnId, next: Seq) -> bool {
+    let mut closing = core.closing.borrow_mut();
+    let Some(waiting) = closing.get_mut(&conn) else {
+        return false;
+    };
+    waiting.next_seq = waiting.next_seq.max(next);
+    true
+}
+
 /// Redis lost the session of a connection that has closed while its held commands wait: the
 /// session goes back as this closed one holds it (the held commands are being kept on their
 /// own). False when no closed session of this core waits under `conn`.

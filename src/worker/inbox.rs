@@ -96,6 +96,13 @@ pub(crate) fn handle(core: &Rc<Core>, msg: ToCore) {
                 }
             }
         }
+        ToCore::RaiseSeq { conn, next } => {
+            if !closing::raise_seq(core, conn, next) {
+                if let Some(c) = conn_of(conn) {
+                    session::raise_seq(&mut c.st.borrow_mut(), next);
+                }
+            }
+        }
         ToCore::Persisted { conn, seq, kept } => {
             // A closing connection's session may have left it while its socket lingers.
             if !closing::persisted(core, conn, seq, kept) {

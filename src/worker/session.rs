@@ -937,6 +937,14 @@ pub(crate) fn on_persisted(core: &Core, conn: &Conn, st: &mut ConnState, seq: Se
     pump(core, conn, st);
 }
 
+/// Redis's copy of the session numbers past this one (another broker gave the rig commands
+/// while each decided alone): the next command takes `next` or later. Never lowered.
+pub(crate) fn raise_seq(st: &mut ConnState, next: Seq) {
+    if let Some(s) = st.session.as_mut() {
+        s.next_seq = s.next_seq.max(next);
+    }
+}
+
 /// Redis lost this connection's session (it restarted empty): hands the bridge what the
 /// session holds, so a resume after this broker dies still finds its unacked commands. Held
 /// commands are left out: their own persist is on its way.

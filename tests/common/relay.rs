@@ -1,6 +1,7 @@
 //! A TCP relay in front of a test's redis-server that, once armed, cuts the connection whose
 //! client sends a given byte string, without passing that call on: a Redis that fails between
-//! two calls of one operation, which killing or freezing the server cannot aim at.
+//! two calls of one operation, which killing or freezing the server cannot aim at. It can also
+//! freeze what goes through it: a Redis that one broker cannot reach while others can.
 
 use std::io::{Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
@@ -14,6 +15,7 @@ pub struct Relay {
     armed: Arc<Mutex<Option<Vec<u8>>>>,
     cuts: Arc<AtomicUsize>,
     stop: Arc<AtomicBool>,
+    frozen: Arc<AtomicBool>,
 }
 
 impl Relay {
@@ -26,8 +28,10 @@ impl Relay {
             armed: Arc::new(Mutex::new(None)),
             cuts: Arc::new(AtomicUsize::new(0)),
             stop: Arc::new(AtomicBool::new(false)),
+            frozen: Arc::new(AtomicBool::new(false)),
         };
         let (armed, cuts, stop) = (relay.armed.clone(), relay.cuts.clone(), relay.stop.clone());
+        let frozen = relay.frozen.clone();
         thread::spawn(move || {
             for client in listener.incoming() {
                 if stop.load(Ordering::Relaxed) {
@@ -37,8 +41,8 @@ impl Relay {
                 let Ok(server) = TcpStream::connect(("127.0.0.1", upstream)) else {
                     continue;
                 };
-                let (armed, cuts) = (armed.clone(), cuts.clone());
-                thread::spawn(move || pump(client, server, &armed, &cuts));
+                let (armed, cuts, frozen) = (armed.clone(), cuts.clone(), frozen.clone());
+                thread::spawn(move || pump(client, server, &armed, &cuts, &frozen));
             }
         });
         relay
@@ -52,6 +56,12 @@ impl Relay {
     /// The next connection to send `pattern` is cut there, once.
     pub fn cut_on(&self, pattern: &[u8]) {
         *self.armed.lock().unwrap() = Some(pattern.to_vec());
+    }
+
+    /// Holds every call sent through the relay from now until unfrozen, as a Redis that
+    /// stopped answering this client alone (connections stay open, nothing is lost).
+    pub fn freeze(&self, frozen: bool) {
+        self.frozen.store(frozen, Ordering::SeqCst);
     }
 
     /// How many connections were cut so far.
@@ -75,6 +85,7 @@ fn pump(
     mut server: TcpStream,
     armed: &Mutex<Option<Vec<u8>>>,
     cuts: &AtomicUsize,
+    frozen: &AtomicBool,
 ) {
     let (Ok(mut back_from), Ok(mut back_to)) = (server.try_clone(), client.try_clone()) else {
         return;
@@ -106,6 +117,10 @@ fn pump(
             tail = window[window.len() - keep..].to_vec();
         }
         drop(guard);
+        // Not the test's synchronisation: the relay's stand-in for a server that hangs.
+        while frozen.load(Ordering::SeqCst) {
+            thread::sleep(std::time::Duration::from_millis(1));
+        }
         if server.write_all(&buf[..n]).is_err() {
             break;
         }

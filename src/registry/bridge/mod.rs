@@ -445,6 +445,8 @@ impl Bridge {
         // A persist's answer goes in past the bound: the core holds that command, and every
         // one behind it, until it hears whether Redis kept it. So does a request to put a
         // session back (one per connection): lost, Redis would lack that session for good.
+        // So does a raise of its next seq (one per put-back session): lost, the core would
+        // give a seq the rig holds to another command.
         // And a hello's verdict and a supersede (at most one each per connection): a lost
         // verdict loses the session it carries, and a lost supersede leaves a stale socket
         // the registry has already forgotten, which no refresh would close.
@@ -452,6 +454,7 @@ impl Bridge {
             msg,
             ToCore::Persisted { .. }
                 | ToCore::Rekeep { .. }
+                | ToCore::RaiseSeq { .. }
                 | ToCore::Verdict { .. }
                 | ToCore::Supersede { .. }
         );
