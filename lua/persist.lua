@@ -14,6 +14,12 @@
 --             that HSET created the key (a session Redis had lost, before its re-keep)
 --   "fenced"  the lease is someone else's: nothing written; the broker drops the command and
 --             tells control, which never got an ok for it
+--   "stale|<n>" the lease is ours, but the session's "next" is already n, above this seq:
+--             another broker gave the rig commands under this session while this one could
+--             not reach Redis (each deciding alone). Nothing written; the broker refuses the
+--             command (control may send it again) and numbers the rig's next one from n.
+--             A broker's own commands never meet this: it puts its session back with "next"
+--             no higher than its first command still on its way here (sessions.rs)
 --   "missing" there is no lease (Redis lost it: evicted, flushed, restarted empty): nothing
 --             written; a broker that still holds the rig puts its lease back (refresh.lua)
 --             and sends the command again, one that does not drops it as fenced
@@ -50,6 +56,10 @@ for i = 1, n do
     out[i] = 'missing'
   elseif lease ~= ARGV[3 * i - 1] then
     out[i] = 'fenced'
+  elseif (tonumber(redis.call('HGET', sess, 'next') or '0') or 0) > seqs[i] then
+    -- Numbered past this seq by another broker while this one could not reach Redis (the
+    -- rig connected to both): the rig may hold that seq with another command.
+    out[i] = 'stale|' .. redis.call('HGET', sess, 'next')
   else
     -- 2 new fields = "next" was new too: the key did not exist, and a key with no TTL would
     -- outlive its rig forever.

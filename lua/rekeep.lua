@@ -38,6 +38,10 @@
 --             lost the session altogether and all of them were never reported. Each of those
 --             n is published as a rig_rebooted event, in seq order, and the tombstone's
 --             "next" raised past them, so a second call reports nothing twice
+--   "merged"  parked, and the lease names this same boot on another broker: the rig went on
+--             with this session there while Redis was away from one of them. The commands
+--             Redis lacks are added (HSETNX: never over that broker's) and "next" raised to
+--             ARGV[3], so that broker's next command cannot take a seq the rig already holds
 --   "fenced"  the fence above refused: nothing written
 -- Errors "ERR fleetlink rekeep: ..." on malformed ARGV, before any write.
 
@@ -136,6 +140,22 @@ if lease ~= tuple then
         string.format('%.0f', math.max(kept_next, top + 1, from)))
     redis.call('PEXPIRE', sess, ttl)
     return 'reported|' .. n
+  end
+  -- The same boot leased to another broker: the rig went on with this session there while
+  -- each broker decided alone (a Redis outage). What this copy holds that Redis lacks was
+  -- delivered meanwhile: added, never over the other broker's own, and "next" raised past
+  -- it, so that no seq the rig holds goes to another command (persist.lua refuses one).
+  local same = type(lease) == 'string' and lease:match('^([^|]+)|') == boot
+  if same and not ended_by then
+    for i = 6, #ARGV, 2 do
+      redis.call('HSETNX', sess, 'c:' .. ARGV[i], ARGV[i + 1])
+    end
+    local have = tonumber(redis.call('HGET', sess, 'next') or '0') or 0
+    if tonumber(nxt) > have then
+      redis.call('HSET', sess, 'next', nxt)
+    end
+    redis.call('PEXPIRE', sess, ttl)
+    return 'merged'
   end
   if not ended_by and (lease ~= false or exists) then
     return 'fenced'

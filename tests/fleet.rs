@@ -526,6 +526,86 @@ fn a_command_delivered_during_an_outage_is_reported_when_its_rig_reboots_onto_an
     assert_eq!(owner(&redis, "rig-rb"), Some(format!("{new_boot}|fe-b")));
 }
 
+/// The same while Redis itself is away from both brokers: the second broker's hello reaches
+/// Redis when it comes back and takes the lease, so the first broker's refresh finds its
+/// connection superseded and closes it, with seq 4 (delivered during the outage, never kept)
+/// in its session. That session goes back into the rig's session in Redis (`rekeep.lua`
+/// merges it; before, a superseded connection's session was dropped), and the second broker
+/// must not then give seq 4 to another command: `persist.lua` refuses it (`stale`; control
+/// may send it again). It gave seq 4 again, which the rig drops as a duplicate (4 of 4 runs
+/// of the helper's script). A command the second broker numbers before the first broker's
+/// copy is back can still take seq 4: only the first broker knew of it (docs/protocol.md).
+#[test]
+fn after_an_outage_a_seq_delivered_unkept_by_a_superseded_broker_is_not_given_again() {
+    let redis = RedisServer::start();
+    let quick = ["--registry-refresh", "200ms"];
+    let a = fleet_broker(&redis, "fe-a", &quick);
+    let b = fleet_broker(&redis, "fe-b", &quick);
+    let (mut on_a, boot, _) = a.rig("rig-sv");
+    let mut ctl = Control::new(&redis, &[]);
+    for i in 1..=3 {
+        let r = ctl.command_id("fe-a", "rig-sv", &format!("v{i}"), "n", json!({}));
+        assert_eq!(r["seq"], i, "{r}");
+        assert_eq!(read_json(&mut on_a)["seq"], i);
+        let ack = json!({"type": "ack", "seq": i}).to_string();
+        on_a.send(Message::Text(ack.into())).unwrap();
+    }
+    // The hello goes to Redis at once, and is only run there when Redis comes back: fe-b
+    // decides alone when the call times out.
+    redis.freeze(true);
+    let mut on_b = b.connect("/agent");
+    let hello = json!({"type":"hello","rig_id":"rig-sv","boot_id":boot,"version":"t","last_seq":3});
+    on_b.send(Message::Text(hello.to_string().into())).unwrap();
+    assert_eq!(read_json(&mut on_b)["type"], "welcome");
+    let (status, body) = a.http(
+        "POST",
+        "/v1/rigs/rig-sv/commands",
+        r#"{"id":"v4","name":"n","args":{}}"#,
+    );
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(read_json(&mut on_a)["seq"], 4);
+    redis.freeze(false);
+    eventually(Duration::from_secs(15), "the lease on fe-b", || {
+        owner(&redis, "rig-sv").is_some_and(|o| o.ends_with("|fe-b"))
+    });
+    assert_eq!(read_close(&mut on_a), 4410);
+    // fe-a's copy of the session goes back once its connection has closed.
+    eventually(Duration::from_secs(15), "fe-a's session put back", || {
+        ["ok", "merged", "fenced", "reported"].iter().any(|r| {
+            a.metric(&format!(
+                "fleetlink_registry_ops_total{{op=\"rekeep_parked\",result=\"{r}\"}}"
+            )) >= 1
+        })
+    });
+    // fe-b back on Redis too (until then it numbers alone, as during the outage).
+    eventually(Duration::from_secs(15), "fe-b ready again", || {
+        b.http("GET", "/readyz", "").0 == 200
+    });
+    // Whichever way fe-b learns of seq 4, control never gets it for another command.
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let seq = loop {
+        assert!(Instant::now() < deadline, "no seq for v5");
+        let r = ctl.command_id("fe-b", "rig-sv", "v5", "n", json!({}));
+        if r["ok"] == true {
+            break r["seq"].as_u64().unwrap();
+        }
+        assert!(
+            r["detail"]
+                .as_str()
+                .unwrap_or("")
+                .contains("send the command again"),
+            "{r}"
+        );
+    };
+    assert_eq!(seq, 5);
+    let got = read_json(&mut on_b);
+    assert_eq!(
+        (&got["seq"], &got["id"]),
+        (&json!(5), &json!("v5")),
+        "{got}"
+    );
+}
+
 /// A rig connects to a second broker, same boot, while that broker cannot reach Redis (it
 /// decides alone, numbering from the rig's `last_seq`), and its first broker gives it one more
 /// command meanwhile. Once Redis is back for the second broker and the rig has left the first,

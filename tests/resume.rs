@@ -1208,6 +1208,38 @@ fn rigs_leased_to_fe_a_and_fe_b() -> (
     (redis, con, SessionScripts::new(), a, b, boot)
 }
 
+/// `persist.lua` refuses a seq below the session's `next`: another broker numbered past it
+/// while this one could not reach Redis, and the rig may hold that seq with another command.
+/// Nothing is written, and the answer names `next`, for the broker to number from.
+#[test]
+fn persist_refuses_a_seq_another_broker_numbered_past() {
+    // `_redis` (not `_`): the server lives as long as the test.
+    let (_redis, mut con, scripts, a, _b, boot) = rigs_leased_to_fe_a_and_fe_b();
+    let sess = format!("sess:rig-a:{boot}");
+    let _: () = con
+        .hset_multiple(&sess, &[("next", "5"), ("c:4", "theirs")])
+        .unwrap();
+    let cmd = |seq, json| Persist {
+        rig: &a,
+        boot: &boot,
+        seq: Seq(seq),
+        json,
+    };
+    let kept = scripts
+        .persist(
+            &mut con,
+            &[cmd(4, b"ours"), cmd(5, b"five")],
+            "fe-a",
+            Duration::from_secs(60),
+        )
+        .unwrap();
+    assert_eq!(kept, [Kept::Stale(Seq(5)), Kept::Yes]);
+    let fields: HashMap<String, String> = con.hgetall(&sess).unwrap();
+    assert_eq!(fields.get("c:4").map(String::as_str), Some("theirs"));
+    assert_eq!(fields.get("c:5").map(String::as_str), Some("five"));
+    assert_eq!(fields.get("next").map(String::as_str), Some("6"));
+}
+
 /// `persist.lua` on a batch: each command is checked against its own rig's lease, a kept one
 /// sets its session's `next` and TTL, and a malformed seq anywhere fails the call before any
 /// write.
@@ -1367,8 +1399,9 @@ fn rekeep_is_fenced_and_never_lowers_next() {
 /// `rekeep.lua` for a session parked on a broker for a disconnected rig: its lease was
 /// released or lost, so it is written only where no one else holds the rig: the lease absent
 /// and the session not in Redis, or the lease still ours (merged, as for a connected rig).
-/// A session Redis already holds under no lease is someone's newer truth, left alone; so is
-/// a rig leased to another broker. A mode other than live or parked writes nothing.
+/// A session Redis already holds under no lease is someone's newer truth, left alone. A rig
+/// leased to another broker with the same boot went on with the session there: what it lacks
+/// is added and `next` raised. A mode other than live or parked writes nothing.
 #[test]
 fn rekeep_of_a_parked_session_is_written_only_where_no_one_else_holds_the_rig() {
     // `_redis` (not `_`): the server lives as long as the test.
@@ -1383,6 +1416,10 @@ fn rekeep_of_a_parked_session_is_written_only_where_no_one_else_holds_the_rig() 
     let _: () = con.hset(sess(&d), "next", "1").unwrap();
     let _: () = con
         .hset_multiple(sess(&a), &[("next", "9"), ("c:8", "{}")])
+        .unwrap();
+    // rig-b: fe-b holds the same boot and numbered seq 1 itself (each decided alone).
+    let _: () = con
+        .hset_multiple(sess(&b), &[("next", "2"), ("c:1", "theirs")])
         .unwrap();
     let parked = |rig| Rekeep {
         rig,
@@ -1400,8 +1437,8 @@ fn rekeep_of_a_parked_session_is_written_only_where_no_one_else_holds_the_rig() 
             AT,
         )
         .unwrap();
-    use Rekept::{Behind, Fenced, Kept};
-    assert_eq!(kept, [Kept, Fenced, Behind(Seq(9)), Fenced]);
+    use Rekept::{Behind, Fenced, Kept, Merged};
+    assert_eq!(kept, [Kept, Fenced, Behind(Seq(9)), Merged]);
 
     let written: HashMap<String, String> = con.hgetall(sess(&c)).unwrap();
     let want: HashMap<String, String> = [("next", "3"), ("c:1", "c1"), ("c:2", "c2")]
@@ -1430,8 +1467,13 @@ fn rekeep_of_a_parked_session_is_written_only_where_no_one_else_holds_the_rig() 
     assert_eq!(merged.get("c:1").map(String::as_str), Some("c1"));
     assert!(merged.contains_key("c:8"));
 
-    let exists: bool = con.exists(sess(&b)).unwrap();
-    assert!(!exists, "written under another broker's lease");
+    // The same session went on at fe-b: ours added where it had none, `next` raised past them.
+    let merged: HashMap<String, String> = con.hgetall(sess(&b)).unwrap();
+    let want: HashMap<String, String> = [("next", "3"), ("c:1", "theirs"), ("c:2", "c2")]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    assert_eq!(merged, want);
 
     // A connected rig's session is not written without its lease, even where none exists.
     let live = Rekeep {

@@ -144,6 +144,9 @@ pub enum Rekept {
     Behind(Seq),
     /// Refused by the fence: someone else holds the rig, or wrote its session since.
     Fenced,
+    /// A parked session whose rig went on with the same boot on another broker while Redis
+    /// was away: what it held that Redis lacked was added, and the session's next seq raised.
+    Merged,
     /// A parked session that a newer boot of its rig ended: this many of its commands, which
     /// no report had covered yet, were published `rig_rebooted` (CONTRACT.md §5).
     Reported(u64),
@@ -343,6 +346,9 @@ pub enum Kept {
     Fenced,
     /// Not kept: no lease at all (Redis lost it); the holder may put it back and retry.
     LeaseMissing,
+    /// Not kept: the session's next seq in Redis is already this one, above the command's:
+    /// another broker numbered commands of the session while this one could not reach Redis.
+    Stale(Seq),
     /// Not the script's answer: Redis went away while the bridge was putting the lease back,
     /// so the command goes out unkept, as every command does while Redis is away.
     Unavailable,
@@ -353,7 +359,10 @@ fn persisted(v: &Value) -> Option<Kept> {
         "ok" => Some(Kept::Yes),
         "fenced" => Some(Kept::Fenced),
         "missing" => Some(Kept::LeaseMissing),
-        _ => None,
+        other => match other.split_once('|')? {
+            ("stale", n) => n.parse().ok().map(|n| Kept::Stale(Seq(n))),
+            _ => None,
+        },
     }
 }
 
@@ -362,6 +371,7 @@ fn kept(v: &Value) -> Option<Rekept> {
     match text(v)? {
         "ok" => Some(Rekept::Kept),
         "fenced" => Some(Rekept::Fenced),
+        "merged" => Some(Rekept::Merged),
         other => match other.split_once('|')? {
             ("reported", n) => n.parse().ok().map(Rekept::Reported),
             ("ok", n) => n.parse().ok().map(|n| Rekept::Behind(Seq(n))),

@@ -960,7 +960,8 @@ pub(crate) fn on_rekeep(core: &Core, st: &ConnState) {
 }
 
 /// Sends a session's state to be kept in Redis again: its commands but those held (their own
-/// persist is on its way), by seq.
+/// persist is on its way), by seq, and its next seq, but no higher than the first held one:
+/// `persist.lua` refuses a seq below the session's `next` as another broker's (`stale`).
 pub(crate) fn send_rekeep<'a>(
     core: &Core,
     rig: &RigId,
@@ -968,10 +969,16 @@ pub(crate) fn send_rekeep<'a>(
     next: Seq,
     cmds: impl Iterator<Item = &'a SeqCommand>,
 ) {
-    let mut cmds: Vec<(Seq, Box<[u8]>)> = cmds
-        .filter(|c| !c.held)
-        .map(|c| (c.seq, c.json.clone()))
-        .collect();
+    let mut next = next;
+    let mut kept: Vec<(Seq, Box<[u8]>)> = Vec::new();
+    for c in cmds {
+        if c.held {
+            next = next.min(c.seq);
+        } else {
+            kept.push((c.seq, c.json.clone()));
+        }
+    }
+    let mut cmds = kept;
     cmds.sort_by_key(|c| c.0);
     core.to_bridge_owed(ToBridge::Rekeep(Box::new(RekeepReq {
         rig: rig.clone(),

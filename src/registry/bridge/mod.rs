@@ -304,6 +304,16 @@ impl Bridge {
                 // For a resume on another broker: written into the session once its lease goes
                 // (fleet mode only; standalone, the parked session is the only copy needed).
                 let remember = recall.as_ref().filter(|_| self.fleet.is_some()).cloned();
+                // Superseded at the first refresh after a reconnect: the registry no longer
+                // holds the rig, so the session does not park; it goes back as it closed.
+                let superseded = (!self.rekeep_asked.is_empty()
+                    && self.registry.boot_of(&rig) != Some(boot))
+                .then(|| crate::registry::msg::RekeepReq {
+                    rig: rig.clone(),
+                    boot,
+                    next: next_seq,
+                    cmds: carried.iter().map(|c| (c.seq, c.json.clone())).collect(),
+                });
                 let (actions, released) = self.registry.closed(
                     conn,
                     rig.clone(),
@@ -335,9 +345,12 @@ impl Bridge {
                 // It was itself waiting for a hand-over, and went first.
                 self.drop_handover_resume(conn, &rig);
                 if self.rekeep_asked.remove(&(rig.clone(), boot)) {
-                    // Gone before its core could send the session back: it goes back from
-                    // here, and its lease is released only once it has.
-                    self.rekeeps.push_parked(rig, boot, released);
+                    match superseded {
+                        Some(r) => self.rekeeps.push_superseded(r),
+                        // Gone before its core could send the session back: it goes back
+                        // from here, and its lease is released only once it has.
+                        None => self.rekeeps.push_parked(rig, boot, released),
+                    }
                 } else if released {
                     self.release(rig, boot);
                 }

@@ -249,19 +249,27 @@ impl Bridge {
                 Kept::Yes => "ok",
                 Kept::Unavailable => "unavailable",
                 Kept::Fenced | Kept::LeaseMissing => "fenced",
+                Kept::Stale(_) => "stale",
             };
             self.shared.count("persist", result);
             let ok = match status {
                 Kept::Yes => true,
                 Kept::Unavailable => unkept_written,
-                Kept::Fenced | Kept::LeaseMissing => false,
+                Kept::Fenced | Kept::LeaseMissing | Kept::Stale(_) => false,
             };
+            if let Kept::Stale(next) = status {
+                // Before the answer: the core numbers what comes next past the other broker's.
+                self.send_to_core(p.conn, ToCore::RaiseSeq { conn: p.conn, next });
+            }
             let (body, route) = if ok {
                 (reply::enqueued(&p.id, &p.rig, p.seq), Some(p.conn))
             } else {
                 let why = match status {
                     Kept::Unavailable => {
                         "the broker shut down before the command was kept or written"
+                    }
+                    Kept::Stale(_) => {
+                        "another broker gave the rig this seq while Redis was away from this one; send the command again"
                     }
                     _ => "another broker owns this rig now",
                 };

@@ -30,6 +30,11 @@ pub(super) enum Pending {
     /// its lease's release was taken back from the queue (see `Fleet::hold_releases`) and is
     /// queued again once this is written.
     Parked { release: bool },
+    /// The session of a connection the first refresh after a reconnect found superseded
+    /// (the same boot went on at another broker while each decided alone): not parked here,
+    /// so kept as it closed. Written as a parked session is (`rekeep.lua` merges it into the
+    /// rig's session there: it may hold commands delivered while Redis was away).
+    Superseded(RekeepReq),
 }
 
 /// Sessions to put back, oldest first; a newer copy of a queued session replaces it in place.
@@ -96,8 +101,13 @@ impl Rekeeps {
                 self.latest.remove(&key);
                 Some(release)
             }
-            Pending::Live(_) => None,
+            Pending::Live(_) | Pending::Superseded(_) => None,
         }
+    }
+
+    /// Queues the session of a superseded connection ([`Pending::Superseded`]).
+    pub(super) fn push_superseded(&mut self, r: RekeepReq) {
+        self.insert((r.rig.clone(), r.boot), Pending::Superseded(r));
     }
 
     pub(super) fn len(&self) -> usize {
@@ -191,6 +201,13 @@ impl Bridge {
                     cmds: r.cmds.iter().map(|(seq, json)| (*seq, &json[..])).collect(),
                     parked: false,
                 }),
+                Pending::Superseded(r) => sessions.push(Rekeep {
+                    rig,
+                    boot,
+                    next: r.next,
+                    cmds: r.cmds.iter().map(|(seq, json)| (*seq, &json[..])).collect(),
+                    parked: true,
+                }),
                 Pending::Parked { release } => {
                     if *release {
                         releases.push((rig.clone(), *boot));
@@ -240,6 +257,7 @@ impl Bridge {
                     }
                     "behind"
                 }
+                Some(Some(Rekept::Merged)) => "merged",
                 Some(Some(Rekept::Reported(n))) => {
                     self.shared.count_n("resume", "rebooted", n);
                     "reported"

@@ -12,7 +12,7 @@ use crate::metrics::BridgeStats;
 const CANARY_STALE: Duration = Duration::from_secs(5);
 
 /// Registry operations counted by (op, result), in this order.
-pub const REGISTRY_OPS: [(&str, &str); 51] = [
+pub const REGISTRY_OPS: [(&str, &str); 53] = [
     ("offline", "held"),
     ("offline", "full"),
     ("offline", "connected_elsewhere"),
@@ -26,12 +26,14 @@ pub const REGISTRY_OPS: [(&str, &str); 51] = [
     ("persist", "fenced"),
     ("persist", "unavailable"),
     ("persist", "lease_restored"),
+    ("persist", "stale"),
     ("rekeep", "ok"),
     ("rekeep", "behind"),
     ("rekeep", "fenced"),
     ("rekeep", "unavailable"),
     ("rekeep_parked", "ok"),
     ("rekeep_parked", "behind"),
+    ("rekeep_parked", "merged"),
     ("rekeep_parked", "fenced"),
     ("rekeep_parked", "reported"),
     ("rekeep_parked", "unavailable"),
