@@ -85,6 +85,13 @@ fn main() -> ExitCode {
 }
 
 fn run(mut cfg: Config) -> anyhow::Result<()> {
+    // Caught from the start, answered once the broker runs: a SIGTERM during start-up (a
+    // Redis slow to answer the broker-id check holds it there for a second) drains and exits
+    // 0 as at any other time, rather than killing the process as the default action did.
+    let signals = {
+        use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
+        signal_hook::iterator::Signals::new([SIGTERM, SIGINT, SIGHUP])?
+    };
     let listeners = worker::bind_listeners(cfg.listen, cfg.cores, cfg.backlog, cfg.share_port)
         .with_context(|| format!("binding {}", cfg.listen))?;
     let listen = listeners
@@ -189,7 +196,7 @@ fn run(mut cfg: Config) -> anyhow::Result<()> {
     ));
     admin::spawn(admin_listener, admin, pool)?;
     let (signal_tx, signal_rx) = crossbeam_channel::bounded::<&'static str>(4);
-    spawn_signal_thread(signal_tx, cfg.tls.is_some())?;
+    spawn_signal_thread(signals, signal_tx, cfg.tls.is_some())?;
 
     // Machine-readable: tests and scripts wait for this line to learn the bound ports.
     println!(
@@ -316,11 +323,11 @@ impl std::fmt::Display for DrainCause {
 /// which must never keep its default action: that kills the broker without a drain, leaving
 /// its leases in Redis until they time out.
 fn spawn_signal_thread(
+    mut signals: signal_hook::iterator::Signals,
     drain: crossbeam_channel::Sender<&'static str>,
     tls: bool,
 ) -> anyhow::Result<()> {
-    use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
-    let mut signals = signal_hook::iterator::Signals::new([SIGTERM, SIGINT, SIGHUP])?;
+    use signal_hook::consts::{SIGINT, SIGTERM};
     std::thread::Builder::new()
         .name("fleetlink-signals".into())
         .spawn(move || {

@@ -230,3 +230,37 @@ fn core_threads(pid: u32) -> usize {
         .filter(|comm| comm.starts_with("fleetlink-core"))
         .count()
 }
+
+/// A SIGTERM while the broker is still starting (here held a second by a Redis that accepts
+/// and never answers) drains and exits 0 once it runs. The default action killed it: its
+/// handler was installed only at the end of start-up.
+#[test]
+fn a_sigterm_during_start_up_drains_and_exits_zero() {
+    use std::net::TcpListener;
+    use std::process::{Command, Stdio};
+    let silent = TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("redis://{}/", silent.local_addr().unwrap());
+    let mut child = Command::new(env!("CARGO_BIN_EXE_fleetlink-fe"))
+        .args(["--listen", "127.0.0.1:0", "--admin", "127.0.0.1:0"])
+        .args(["--redis", &url, "--broker-id", "fe-early"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    // Its first call to Redis: start-up has bound its ports and waits for the answer.
+    let (_held, _) = silent.accept().unwrap();
+    // SAFETY: kill(2) on our own child's pid.
+    assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGTERM) }, 0);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("the broker did not exit within 30 s of its SIGTERM");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert_eq!(status.code(), Some(0), "{status:?}");
+}
