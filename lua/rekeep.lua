@@ -115,6 +115,20 @@ local function report(rig, ended_by, from)
   return #order, top
 end
 
+-- Writes the commands (`set`: HSET, or HSETNX to keep what is there), raises "next" to ARGV[3]
+-- (never lowers it) and sets the TTL; returns "next" as it was.
+local function write(sess, set)
+  for i = 6, #ARGV, 2 do
+    redis.call(set, sess, 'c:' .. ARGV[i], ARGV[i + 1])
+  end
+  local have = tonumber(redis.call('HGET', sess, 'next') or '0') or 0
+  if tonumber(nxt) > have then
+    redis.call('HSET', sess, 'next', nxt)
+  end
+  redis.call('PEXPIRE', sess, ttl)
+  return have
+end
+
 -- pcall: a lease key of another type answers WRONGTYPE as a table: someone else's.
 local lease = redis.pcall('GET', KEYS[1])
 local sess = KEYS[2]
@@ -147,28 +161,14 @@ if lease ~= tuple then
   -- it, so that no seq the rig holds goes to another command (persist.lua refuses one).
   local same = type(lease) == 'string' and lease:match('^([^|]+)|') == boot
   if same and not ended_by then
-    for i = 6, #ARGV, 2 do
-      redis.call('HSETNX', sess, 'c:' .. ARGV[i], ARGV[i + 1])
-    end
-    local have = tonumber(redis.call('HGET', sess, 'next') or '0') or 0
-    if tonumber(nxt) > have then
-      redis.call('HSET', sess, 'next', nxt)
-    end
-    redis.call('PEXPIRE', sess, ttl)
+    write(sess, 'HSETNX')
     return 'merged'
   end
   if not ended_by and (lease ~= false or exists) then
     return 'fenced'
   end
 end
-for i = 6, #ARGV, 2 do
-  redis.call('HSET', sess, 'c:' .. ARGV[i], ARGV[i + 1])
-end
-local have = tonumber(redis.call('HGET', sess, 'next') or '0') or 0
-if tonumber(nxt) > have then
-  redis.call('HSET', sess, 'next', nxt)
-end
-redis.call('PEXPIRE', sess, ttl)
+local have = write(sess, 'HSET')
 redis.call('SET', KEYS[3], boot, 'PX', ttl, 'NX')
 if have > tonumber(nxt) then
   return 'ok|' .. string.format('%.0f', have)

@@ -194,19 +194,14 @@ impl Bridge {
         let mut sessions = Vec::with_capacity(taken.len());
         for (rig, boot, pending) in &taken {
             match pending {
-                Pending::Live(r) => sessions.push(Rekeep {
+                Pending::Live(r) | Pending::Superseded(r) => sessions.push(Rekeep {
                     rig,
                     boot,
                     next: r.next,
                     cmds: r.cmds.iter().map(|(seq, json)| (*seq, &json[..])).collect(),
-                    parked: false,
-                }),
-                Pending::Superseded(r) => sessions.push(Rekeep {
-                    rig,
-                    boot,
-                    next: r.next,
-                    cmds: r.cmds.iter().map(|(seq, json)| (*seq, &json[..])).collect(),
-                    parked: true,
+                    // A superseded connection's session is no longer held here: fenced as a
+                    // parked one is.
+                    parked: matches!(pending, Pending::Superseded(_)),
                 }),
                 Pending::Parked { release } => {
                     if *release {
