@@ -117,6 +117,15 @@ local function report(rig, boot, prev, key)
 end
 
 local function resume(sess, ptr, boot, rig)
+  -- A key of another type where the session belongs is damage (nothing of ours writes one):
+  -- it holds no command, and left there it would fail this call, and with it every hello in
+  -- the batch, at each of the rig's attempts. It goes, and the session starts afresh.
+  local kind = redis.call('TYPE', sess).ok
+  if kind ~= 'none' and kind ~= 'hash' then
+    redis.log(redis.LOG_WARNING, 'fleetlink resume: ' .. sess .. ' was a ' .. kind
+        .. ', not a session; deleted')
+    redis.call('DEL', sess)
+  end
   local f = fields(sess)
   local nxt = f['next']
   if type(nxt) ~= 'string' then

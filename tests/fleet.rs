@@ -1460,3 +1460,86 @@ fn a_release_lost_with_its_connection_is_sent_again() {
         !con.exists::<_, bool>("rig:rig-rel").unwrap()
     });
 }
+
+/// Redis refusing a hello's call on a sound connection (full under `maxmemory` with
+/// `noeviction`; a damaged session key) does not lock the rig out: the hello is decided here,
+/// as the docs say, counted once. Before, every such hello was closed 4503, with nothing
+/// logged for the damaged key, for as long as the condition lasted.
+#[test]
+fn a_hello_redis_refuses_is_decided_here_and_a_damaged_session_key_is_replaced() {
+    let redis = RedisServer::start();
+    let a = fleet_broker(&redis, "fe-a", &[]);
+    let mut con = redis.connection();
+    let unavailable = "fleetlink_registry_ops_total{op=\"hello\",result=\"unavailable\"}";
+    let _: () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("maxmemory-policy")
+        .arg("noeviction")
+        .query(&mut con)
+        .unwrap();
+    let _: () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("maxmemory")
+        .arg("1")
+        .query(&mut con)
+        .unwrap();
+    let (_full, _, welcome) = a.rig("rig-full");
+    assert_eq!(welcome["resumed"], false, "{welcome}");
+    assert_eq!(a.metric(unavailable), 1);
+    let _: () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("maxmemory")
+        .arg("0")
+        .query(&mut con)
+        .unwrap();
+    // A list where the rig's session belongs: the session starts afresh in its place.
+    let boot = boot_id();
+    let key = format!("sess:rig-dmg:{boot}");
+    let _: () = con.lpush(&key, "z").unwrap();
+    let mut ws = a.connect("/agent");
+    hello(&mut ws, "rig-dmg", &boot, json!({}));
+    let kind: String = redis::cmd("TYPE").arg(&key).query(&mut con).unwrap();
+    assert_eq!(kind, "hash");
+    let mut ctl = Control::new(&redis, &[]);
+    let r = ctl.command_id("fe-a", "rig-dmg", "d1", "n", json!({}));
+    assert_eq!((&r["ok"], &r["seq"]), (&json!(true), &json!(1)), "{r}");
+    assert_eq!(read_json(&mut ws)["id"], "d1");
+}
+
+/// A Redis user that may not run scripts: the releases of leases, refused, are not sent again
+/// at every pass of the bridge (it sent about 800 a second, for good, after one rig left).
+#[test]
+fn releases_redis_refuses_are_not_retried_in_a_loop() {
+    let redis = RedisServer::start();
+    let mut con = redis.connection();
+    let _: () = redis::cmd("ACL")
+        .arg(&[
+            "SETUSER",
+            "noscripts",
+            "on",
+            ">pw",
+            "~*",
+            "&*",
+            "+@all",
+            "-evalsha",
+            "-eval",
+        ])
+        .query(&mut con)
+        .unwrap();
+    let url = format!("redis://noscripts:pw@127.0.0.1:{}/", redis.port());
+    let a = Broker::start(&["--redis", &url, "--broker-id", "fe-a"]);
+    let refused = "fleetlink_registry_ops_total{op=\"redis\",result=\"refused\"}";
+    let (ws, _, _) = a.rig("rig-noscript");
+    drop(ws);
+    eventually(Duration::from_secs(10), "the rig gone", || {
+        a.http("GET", "/v1/rigs", "").1.trim() == "[]"
+    });
+    // Watched for two seconds: a handful of refusals (the release, a refresh), not a loop.
+    let start = a.metric(refused);
+    let until = Instant::now() + Duration::from_secs(2);
+    while Instant::now() < until {
+        let n = a.metric(refused) - start;
+        assert!(n < 20, "{n} calls refused within 2 s of the rig leaving");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}

@@ -387,22 +387,26 @@ impl Fleet {
     fn call_failed(&mut self, e: &dyn CallError) {
         let now = Instant::now();
         if let Some(redis) = e.redis().filter(|r| leaves_connection_sound(r)) {
-            self.refusals += 1;
             // Only a full Redis refuses the writes that keep leases and sessions; a refusal of
             // one command (an ACL without HDEL, say) would otherwise have every heartbeat
             // re-assert every session.
             self.refusing |= redis.code() == Some("OOM");
-            if let Some(n) = self.refusal_log.note(now) {
-                log::warn!(
-                    "redis: {n} calls refused since the last such line (the last: {e}); the \
-                     connections stay, and what was refused goes on without Redis: commands \
-                     are delivered unkept, hellos decided here"
-                );
-            }
-            return;
+            return self.note_refusal(e);
         }
         self.con = None;
         self.back_off(now, e);
+    }
+
+    /// Counts a call Redis refused on a sound connection, and logs it at most once a second.
+    fn note_refusal(&mut self, e: &dyn std::fmt::Display) {
+        self.refusals += 1;
+        if let Some(n) = self.refusal_log.note(Instant::now()) {
+            log::warn!(
+                "redis: {n} calls refused since the last such line (the last: {e}); the \
+                 connections stay, and what was refused goes on without Redis: commands \
+                 are delivered unkept, hellos decided here"
+            );
+        }
     }
 
     /// Schedules the next reconnect attempt after a failure.
@@ -476,8 +480,17 @@ impl Fleet {
                 .resume_many(con, entries, ttl, &self.broker_id)
                 .map(|r| r.into_iter().map(Result::ok).collect())
         };
+        let unreadable = resumed
+            .as_ref()
+            .map_or(0, |r| r.iter().filter(|x| x.is_none()).count());
         let rigs: Vec<&RigId> = entries.iter().map(|(r, _)| *r).collect();
         let outcome = resumed.and_then(|r| Ok((r, self.offline.take_many(con, &rigs)?)));
+        if unreadable > 0 {
+            // An entry that failed alone turns its hello away (4503): say so, as for any
+            // refused call, or a rig locked out that way leaves no trace.
+            let n = entries.len();
+            self.note_refusal(&format!("resume: {unreadable} of {n} sessions unreadable"));
+        }
         match outcome {
             Ok(found) => Some(found),
             Err(e) => {
@@ -834,8 +847,12 @@ impl Fleet {
                 // Sent again on the next connection (the script deletes only this broker's
                 // exact tuple, so twice is harmless): dropped, the lease would outlive its rig
                 // by a TTL, and commands held for the rig meanwhile would be refused as for a
-                // rig connected here.
-                self.releases = releases;
+                // rig connected here. Not when Redis refused them on a sound connection (an
+                // ACL without EVALSHA, say): sent again, they were refused again at every pass
+                // of the bridge, 800 calls a second; those leases lapse by their TTL.
+                if !e.redis().is_some_and(leaves_connection_sound) {
+                    self.releases = releases;
+                }
                 self.call_failed(&e);
                 return;
             }

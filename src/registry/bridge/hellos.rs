@@ -32,6 +32,10 @@ pub(super) struct Decided {
     accepted: bool,
     /// Waits for a same-boot hand-over from this rig's connection before it.
     handover: bool,
+    /// Redis took this hello's lease (`hello.lua` answered): its session is read there. A
+    /// hello Redis could not take (away, or refusing the call: OOM, an ACL) is decided here
+    /// alone, as during an outage.
+    leased: bool,
 }
 
 impl Bridge {
@@ -87,13 +91,13 @@ impl Bridge {
             }
             f.hello_many(&entries, ttl)
         });
-        let claimed = matches!(&outcomes, Some(Some(o)) if !o.is_empty());
-        if claimed {
+        if matches!(&outcomes, Some(Some(o)) if !o.is_empty()) {
             self.shared.count("hello_batch", "sent");
         }
         let mut outcomes = outcomes.map(|o| o.map(Vec::into_iter));
         let mut decided = Vec::with_capacity(hellos.len());
         for (h, older) in hellos.into_iter().zip(older) {
+            let mut leased = false;
             let actions = if older {
                 self.shared.count("hello", "older");
                 self.registry.hello(h.conn, h.rig.clone(), h.boot, h.labels)
@@ -103,6 +107,7 @@ impl Bridge {
                     Some(None) => Some(None),
                     Some(Some(each)) => Some(each.next()),
                 };
+                leased = matches!(outcome, Some(Some(Ok(HelloOutcome::Owned { .. }))));
                 self.decide_hello(h.conn, h.rig.clone(), h.boot, h.labels, outcome)
             };
             let accepted = actions.iter().any(|a| {
@@ -116,6 +121,7 @@ impl Bridge {
                 actions,
                 accepted,
                 handover,
+                leased,
             });
         }
         // A hand-over's session is read too, and merged when the hand-over completes: the
@@ -123,7 +129,7 @@ impl Bridge {
         // moved there and back while that connection stayed half-open here).
         let accepted: Vec<(&RigId, &BootId)> = decided
             .iter()
-            .filter(|d| d.accepted || (d.handover && claimed))
+            .filter(|d| d.leased && (d.accepted || d.handover))
             .map(|d| (&d.rig, &d.boot))
             .collect();
         let session_ttl = self.cfg.session_ttl;
@@ -134,14 +140,14 @@ impl Bridge {
         // Redis took the leases but then failed to say what their sessions hold: accepted
         // with local state only, a resumed rig could be given seqs Redis already keeps
         // commands under, and overwrite them. They are turned away (4503) to come back.
-        let unread = found.is_none() && !accepted.is_empty() && claimed;
+        let unread = found.is_none() && !accepted.is_empty();
         let (mut sessions, mut held) = match found {
             Some((s, h)) => (s.into_iter(), h.into_iter()),
             None => (Vec::new().into_iter(), Vec::new().into_iter()),
         };
         for d in decided {
             let mut actions = d.actions;
-            if d.handover && claimed {
+            if d.handover && d.leased {
                 let entry = sessions.next();
                 let taken = held.next().unwrap_or_default();
                 match entry {
@@ -155,11 +161,12 @@ impl Bridge {
                 self.carry_out(actions);
                 continue;
             }
-            let entry = if d.accepted { sessions.next() } else { None };
+            let read = d.accepted && d.leased;
+            let entry = if read { sessions.next() } else { None };
             // `unread` for this one rig: Redis answered the batch but failed its own entry
             // (BUSY, READONLY, a reply of the wrong shape).
-            let entry_failed = claimed && matches!(entry, Some(None));
-            if d.accepted && (unread || entry_failed) {
+            let entry_failed = matches!(entry, Some(None));
+            if read && (unread || entry_failed) {
                 self.turn_away(d.conn, &d.rig, &mut actions);
                 self.carry_out(actions);
                 // Taken from Redis for this hello: held again for the rig's return.
@@ -171,7 +178,11 @@ impl Bridge {
                 if let Some(Some(found)) = entry {
                     actions = self.resume(d.conn, &d.rig, &d.boot, found, actions);
                 }
-                let from_redis = held.next().unwrap_or_default();
+                let from_redis = if read {
+                    held.next().unwrap_or_default()
+                } else {
+                    Vec::new()
+                };
                 self.deliver_held(d.conn, &d.rig, from_redis, &mut actions);
             }
             self.carry_out(actions);
