@@ -1483,9 +1483,12 @@ fn a_hello_redis_refuses_is_decided_here_and_a_damaged_session_key_is_replaced()
         .arg("1")
         .query(&mut con)
         .unwrap();
+    let refused = "fleetlink_registry_ops_total{op=\"redis\",result=\"refused\"}";
+    let refused_before = a.metric(refused);
     let (_full, _, welcome) = a.rig("rig-full");
     assert_eq!(welcome["resumed"], false, "{welcome}");
     assert_eq!(a.metric(unavailable), 1);
+    assert!(a.metric(refused) > refused_before, "the refusal is counted");
     let _: () = redis::cmd("CONFIG")
         .arg("SET")
         .arg("maxmemory")

@@ -449,12 +449,19 @@ impl Fleet {
     ) -> Option<Vec<Result<HelloOutcome, String>>> {
         let con = self.con.as_mut()?;
         match self.scripts.hello_many(con, entries, &self.broker_id, ttl) {
-            Ok(outcomes) => Some(
-                outcomes
+            Ok(outcomes) => {
+                let outcomes: Vec<Result<HelloOutcome, String>> = outcomes
                     .into_iter()
                     .map(|o| o.map_err(|e| e.to_string()))
-                    .collect(),
-            ),
+                    .collect();
+                // Refused (a full Redis, an ACL): those hellos are decided here; counted and
+                // logged like any refused call.
+                if let Some(Err(e)) = outcomes.iter().find(|o| o.is_err()) {
+                    let e = e.clone();
+                    self.note_refusal(&e);
+                }
+                Some(outcomes)
+            }
             Err(e) => {
                 self.call_failed(&e);
                 None
