@@ -115,13 +115,19 @@ local function report(rig, ended_by, from)
   return #order, top
 end
 
--- Writes the commands (`set`: HSET, or HSETNX to keep what is there), raises "next" to ARGV[3]
--- (never lowers it) and sets the TTL; returns "next" as it was.
-local function write(sess, set)
-  for i = 6, #ARGV, 2 do
-    redis.call(set, sess, 'c:' .. ARGV[i], ARGV[i + 1])
-  end
+-- Writes the commands, raises "next" to ARGV[3] (never lowers it) and sets the TTL; returns
+-- "next" as it was. `merge`: into a session another broker holds, only the commands Redis
+-- never numbered (at or above its "next": delivered while this broker could not reach it),
+-- and never over one there; a command below "next" that Redis no longer holds was acked.
+local function write(sess, merge)
   local have = tonumber(redis.call('HGET', sess, 'next') or '0') or 0
+  for i = 6, #ARGV, 2 do
+    if not merge then
+      redis.call('HSET', sess, 'c:' .. ARGV[i], ARGV[i + 1])
+    elseif tonumber(ARGV[i]) >= have then
+      redis.call('HSETNX', sess, 'c:' .. ARGV[i], ARGV[i + 1])
+    end
+  end
   if tonumber(nxt) > have then
     redis.call('HSET', sess, 'next', nxt)
   end
@@ -161,14 +167,14 @@ if lease ~= tuple then
   -- it, so that no seq the rig holds goes to another command (persist.lua refuses one).
   local same = type(lease) == 'string' and lease:match('^([^|]+)|') == boot
   if same and not ended_by then
-    write(sess, 'HSETNX')
+    write(sess, true)
     return 'merged'
   end
   if not ended_by and (lease ~= false or exists) then
     return 'fenced'
   end
 end
-local have = write(sess, 'HSET')
+local have = write(sess, false)
 redis.call('SET', KEYS[3], boot, 'PX', ttl, 'NX')
 if have > tonumber(nxt) then
   return 'ok|' .. string.format('%.0f', have)

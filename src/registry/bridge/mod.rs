@@ -120,6 +120,13 @@ struct Bridge {
     /// One that disconnects first has its session parked only after the reconnect queued the
     /// parked ones; it is queued when its close arrives (see `ToBridge::Closed`).
     rekeep_asked: HashSet<(RigId, BootId)>,
+    /// Connections of these sessions closing because the first refresh after a reconnect found
+    /// the same boot leased elsewhere: their sessions go back as they close, merged into the
+    /// rig's session there. Kept across reconnects (unlike `rekeep_asked`); each entry goes at
+    /// its connection's close. (Not after an evict: a connection that lost a hello race holds
+    /// seqs it never wrote, and raising the session's `next` past them would refuse the
+    /// winner's own commands as stale.)
+    merge_on_close: HashSet<(RigId, BootId)>,
     /// When queued Redis writes may go out (see [`crate::registry::pace`]).
     pace: WritePace,
     /// Refused control messages that named no `reply_to`, logged at most once a second.
@@ -171,6 +178,7 @@ impl Bridge {
             refusals_counted: 0,
             drops_counted: 0,
             rekeep_asked: HashSet::new(),
+            merge_on_close: HashSet::new(),
             pace: WritePace::new(now),
             unanswered: redis_io::UnansweredLog::default(),
             next_agg: 0,
@@ -306,7 +314,7 @@ impl Bridge {
                 let remember = recall.as_ref().filter(|_| self.fleet.is_some()).cloned();
                 // Superseded at the first refresh after a reconnect: the registry no longer
                 // holds the rig, so the session does not park; it goes back as it closed.
-                let superseded = (!self.rekeep_asked.is_empty()
+                let superseded = (self.merge_on_close.remove(&(rig.clone(), boot))
                     && self.registry.boot_of(&rig) != Some(boot))
                 .then(|| crate::registry::msg::RekeepReq {
                     rig: rig.clone(),
@@ -344,13 +352,13 @@ impl Bridge {
                 let actions = self.merge_handover(&rig, boot, actions);
                 // It was itself waiting for a hand-over, and went first.
                 self.drop_handover_resume(conn, &rig);
-                if self.rekeep_asked.remove(&(rig.clone(), boot)) {
-                    match superseded {
-                        Some(r) => self.rekeeps.push_superseded(r),
-                        // Gone before its core could send the session back: it goes back
-                        // from here, and its lease is released only once it has.
-                        None => self.rekeeps.push_parked(rig, boot, released),
-                    }
+                let asked = self.rekeep_asked.remove(&(rig.clone(), boot));
+                if let Some(r) = superseded {
+                    self.rekeeps.push_superseded(r);
+                } else if asked {
+                    // Gone before its core could send the session back: it goes back from
+                    // here, and its lease is released only once it has.
+                    self.rekeeps.push_parked(rig, boot, released);
                 } else if released {
                     self.release(rig, boot);
                 }

@@ -177,7 +177,7 @@ impl Bridge {
                     // back from where it parks (`rekeep.lua` merges it into the rig's session
                     // on the broker that holds the rig now, if that is the same boot's).
                     if everyone && !self.cfg.session_ttl.is_zero() {
-                        self.rekeep_asked.insert((rig.clone(), *boot));
+                        self.merge_on_close.insert((rig.clone(), *boot));
                     }
                     let actions = self.registry.supersede(rig, None);
                     self.carry_out(actions);
