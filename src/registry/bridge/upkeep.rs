@@ -174,8 +174,8 @@ impl Bridge {
                 RefreshStatus::Superseded => {
                     self.shared.count("refresh", "superseded");
                     // Its session may hold commands delivered while Redis was away: it goes
-                    // back from where it parks (`rekeep.lua` merges it into the rig's session
-                    // on the broker that holds the rig now, if that is the same boot's).
+                    // back as its connection closes (`rekeep.lua` merges it into the rig's
+                    // session on the broker that holds the rig now, if that is the same boot's).
                     if everyone && !self.cfg.session_ttl.is_zero() {
                         self.merge_on_close.insert((rig.clone(), *boot));
                     }
