@@ -56,18 +56,21 @@ for i = 1, n do
     out[i] = 'missing'
   elseif lease ~= ARGV[3 * i - 1] then
     out[i] = 'fenced'
-  elseif (tonumber(redis.call('HGET', sess, 'next') or '0') or 0) > seqs[i] then
-    -- Numbered past this seq by another broker while this one could not reach Redis (the
-    -- rig connected to both): the rig may hold that seq with another command.
-    out[i] = 'stale|' .. redis.call('HGET', sess, 'next')
   else
-    -- 2 new fields = "next" was new too: the key did not exist, and a key with no TTL would
-    -- outlive its rig forever.
-    if redis.call('HSET', sess, 'c:' .. ARGV[3 * i], ARGV[3 * i + 1], 'next',
-        string.format('%.0f', seqs[i] + 1)) == 2 then
-      redis.call('PEXPIRE', sess, ttl)
+    local have = redis.call('HGET', sess, 'next')
+    if (tonumber(have or '0') or 0) > seqs[i] then
+      -- Numbered past this seq by another broker while this one could not reach Redis (the
+      -- rig connected to both): the rig may hold that seq with another command.
+      out[i] = 'stale|' .. have
+    else
+      -- 2 new fields = "next" was new too: the key did not exist, and a key with no TTL
+      -- would outlive its rig forever.
+      if redis.call('HSET', sess, 'c:' .. ARGV[3 * i], ARGV[3 * i + 1], 'next',
+          string.format('%.0f', seqs[i] + 1)) == 2 then
+        redis.call('PEXPIRE', sess, ttl)
+      end
+      out[i] = 'ok'
     end
-    out[i] = 'ok'
   end
 end
 return out

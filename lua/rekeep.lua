@@ -24,14 +24,14 @@
 -- Returns:
 --   "ok"      written: every command HSET, "next" raised to at least ARGV[3] (never lowered:
 --             commands kept since Redis came back may already be above these), "sessof" set
---             to this boot unless another boot is recorded there, TTLs set.
---   "ok|<n>"  the same, where the session's "next" was already n, above ARGV[3]: another
---             broker numbered commands of this session while Redis was away from this one
---             (the rig connected to both, each deciding alone). The caller must number the
---             rig's next command n or above, or it would reuse a seq the rig already has. A parked session
+--             to this boot unless another boot is recorded there, TTLs set. A parked session
 --             whose newer boot has not been reported yet is written this way too: that boot's
 --             broker reports it (refresh.lua's "taken" and "restored|", or the hello's
 --             resume.lua), these commands with it
+--   "ok|<n>"  the same, where the session's "next" was already n, above ARGV[3]: another
+--             broker numbered commands of this session while Redis was away from this one
+--             (the rig connected to both, each deciding alone). The caller must number the
+--             rig's next command n or above, or it would reuse a seq the rig already has
 --   "reported|<n>"  parked, and a newer boot ended this session: resume.lua already reported
 --             it (its tombstone, "gone" -> that boot) and these commands at or above the
 --             tombstone's "next" were never kept (delivered while Redis was away), or Redis
@@ -40,8 +40,9 @@
 --             "next" raised past them, so a second call reports nothing twice
 --   "merged"  parked, and the lease names this same boot on another broker: the rig went on
 --             with this session there while Redis was away from one of them. The commands
---             Redis lacks are added (HSETNX: never over that broker's) and "next" raised to
---             ARGV[3], so that broker's next command cannot take a seq the rig already holds
+--             Redis never numbered (at or above its "next") are added (HSETNX: never over
+--             that broker's) and "next" raised to ARGV[3], so that broker's next command
+--             cannot take a seq the rig already holds
 --   "fenced"  the fence above refused: nothing written
 -- Errors "ERR fleetlink rekeep: ..." on malformed ARGV, before any write.
 

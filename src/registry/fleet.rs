@@ -456,8 +456,7 @@ impl Fleet {
                     .collect();
                 // Refused (a full Redis, an ACL): those hellos are decided here; counted and
                 // logged like any refused call.
-                if let Some(Err(e)) = outcomes.iter().find(|o| o.is_err()) {
-                    let e = e.clone();
+                if let Some(e) = outcomes.iter().find_map(|o| o.as_ref().err().cloned()) {
                     self.note_refusal(&e);
                 }
                 Some(outcomes)

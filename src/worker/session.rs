@@ -978,13 +978,12 @@ pub(crate) fn send_rekeep<'a>(
             kept.push((c.seq, c.json.clone()));
         }
     }
-    let mut cmds = kept;
-    cmds.sort_by_key(|c| c.0);
+    kept.sort_by_key(|c| c.0);
     core.to_bridge_owed(ToBridge::Rekeep(Box::new(RekeepReq {
         rig: rig.clone(),
         boot,
         next,
-        cmds,
+        cmds: kept,
     })));
 }
 
