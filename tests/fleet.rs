@@ -678,6 +678,71 @@ fn after_an_outage_a_broker_numbers_past_commands_another_gave_the_rig_meanwhile
     );
 }
 
+/// A partition of the broker that held the rig (the rig, control and the other broker still
+/// on Redis): the rig moves to fe-b make-before-break, and a command sent meanwhile to fe-a's
+/// admin API is numbered and delivered there unkept. Once the partition heals fe-a hears
+/// fe-b's evict; the connection it closes puts its copy back, so fe-b numbers past that seq.
+/// Before, the evict closed it without a word and fe-b gave the rig seq 4 a second time.
+#[test]
+fn after_a_partition_the_broker_a_rig_left_puts_back_the_seqs_it_gave_meanwhile() {
+    let redis = RedisServer::start();
+    let relay = Relay::start(redis.port());
+    let a = Broker::start(&[
+        "--redis",
+        &relay.url(),
+        "--broker-id",
+        "fe-a",
+        "--registry-refresh",
+        "200ms",
+    ]);
+    eventually(Duration::from_secs(10), "fe-a ready", || {
+        a.http("GET", "/readyz", "").0 == 200
+    });
+    let b = fleet_broker(&redis, "fe-b", &["--registry-refresh", "200ms"]);
+    let (mut on_a, boot, _) = a.rig("rig-pt");
+    let mut ctl = Control::new(&redis, &[]);
+    for i in 1..=3 {
+        let r = ctl.command_id("fe-a", "rig-pt", &format!("p{i}"), "n", json!({}));
+        assert_eq!(r["seq"], i, "{r}");
+        assert_eq!(read_json(&mut on_a)["seq"], i);
+        let ack = json!({"type": "ack", "seq": i}).to_string();
+        on_a.send(Message::Text(ack.into())).unwrap();
+    }
+    relay.freeze_both(true);
+    eventually(Duration::from_secs(15), "fe-a sees the outage", || {
+        a.http("GET", "/readyz", "").0 == 503
+    });
+    // Make-before-break onto fe-b, which takes the lease in Redis and evicts fe-a's
+    // connection: the evict waits in the partition.
+    let mut on_b = b.connect("/agent");
+    let hello = json!({"type":"hello","rig_id":"rig-pt","boot_id":boot,"version":"t","last_seq":3});
+    on_b.send(Message::Text(hello.to_string().into())).unwrap();
+    assert_eq!(read_json(&mut on_b)["type"], "welcome");
+    let (status, r) = a.command("rig-pt", "n", json!({}));
+    assert_eq!((status, &r["seq"]), (200, &json!(4)), "{r}");
+    assert_eq!(read_json(&mut on_a)["seq"], 4);
+    relay.freeze_both(false);
+    // fe-a closes its connection (4410) and puts back what it gave.
+    assert_eq!(read_close(&mut on_a), 4410);
+    eventually(Duration::from_secs(15), "fe-a's copy merged", || {
+        a.metric("fleetlink_registry_ops_total{op=\"rekeep_parked\",result=\"merged\"}") >= 1
+    });
+    // fe-b's next seq was 4, which the rig holds: that command is refused, the next is 5.
+    let r = ctl.command_id("fe-b", "rig-pt", "q1", "n", json!({}));
+    assert_eq!(r["error"], "rig_not_connected", "seq 4 was fe-a's: {r}");
+    assert!(
+        r["detail"]
+            .as_str()
+            .unwrap()
+            .ends_with("send the command again"),
+        "{r}"
+    );
+    let r = ctl.command_id("fe-b", "rig-pt", "q2", "n", json!({}));
+    assert_eq!(r["seq"], 5, "{r}");
+    let got = read_json(&mut on_b);
+    assert_eq!((&got["seq"], &got["id"]), (&json!(5), &r["id"]), "{got}");
+}
+
 /// A Redis that hangs while the bridge has a long pipeline of publishes in flight (a rig
 /// flooding events) is noticed within a call timeout, and the broker goes on serving from its
 /// local registry: an admin command to another rig is delivered while Redis still hangs.

@@ -16,6 +16,7 @@ pub struct Relay {
     cuts: Arc<AtomicUsize>,
     stop: Arc<AtomicBool>,
     frozen: Arc<AtomicBool>,
+    frozen_back: Arc<AtomicBool>,
 }
 
 impl Relay {
@@ -29,9 +30,10 @@ impl Relay {
             cuts: Arc::new(AtomicUsize::new(0)),
             stop: Arc::new(AtomicBool::new(false)),
             frozen: Arc::new(AtomicBool::new(false)),
+            frozen_back: Arc::new(AtomicBool::new(false)),
         };
         let (armed, cuts, stop) = (relay.armed.clone(), relay.cuts.clone(), relay.stop.clone());
-        let frozen = relay.frozen.clone();
+        let (frozen, frozen_back) = (relay.frozen.clone(), relay.frozen_back.clone());
         thread::spawn(move || {
             for client in listener.incoming() {
                 if stop.load(Ordering::Relaxed) {
@@ -41,8 +43,9 @@ impl Relay {
                 let Ok(server) = TcpStream::connect(("127.0.0.1", upstream)) else {
                     continue;
                 };
-                let (armed, cuts, frozen) = (armed.clone(), cuts.clone(), frozen.clone());
-                thread::spawn(move || pump(client, server, &armed, &cuts, &frozen));
+                let (armed, cuts) = (armed.clone(), cuts.clone());
+                let (frozen, frozen_back) = (frozen.clone(), frozen_back.clone());
+                thread::spawn(move || pump(client, server, &armed, &cuts, &frozen, frozen_back));
             }
         });
         relay
@@ -62,6 +65,13 @@ impl Relay {
     /// stopped answering this client alone (connections stay open, nothing is lost).
     pub fn freeze(&self, frozen: bool) {
         self.frozen.store(frozen, Ordering::SeqCst);
+    }
+
+    /// Holds what Redis sends through the relay too (replies and pub/sub messages), as a
+    /// network partition would: nothing is lost, all of it arrives once unfrozen.
+    pub fn freeze_both(&self, frozen: bool) {
+        self.frozen_back.store(frozen, Ordering::SeqCst);
+        self.freeze(frozen);
     }
 
     /// How many connections were cut so far.
@@ -86,12 +96,19 @@ fn pump(
     armed: &Mutex<Option<Vec<u8>>>,
     cuts: &AtomicUsize,
     frozen: &AtomicBool,
+    frozen_back: Arc<AtomicBool>,
 ) {
     let (Ok(mut back_from), Ok(mut back_to)) = (server.try_clone(), client.try_clone()) else {
         return;
     };
     thread::spawn(move || {
-        let _ = std::io::copy(&mut back_from, &mut back_to);
+        let mut buf = [0u8; 16 * 1024];
+        while let Ok(n @ 1..) = back_from.read(&mut buf) {
+            hold_while(&frozen_back);
+            if back_to.write_all(&buf[..n]).is_err() {
+                break;
+            }
+        }
         let _ = back_to.shutdown(Shutdown::Both);
     });
     let mut tail: Vec<u8> = Vec::new();
@@ -117,14 +134,18 @@ fn pump(
             tail = window[window.len() - keep..].to_vec();
         }
         drop(guard);
-        // Not the test's synchronisation: the relay's stand-in for a server that hangs.
-        while frozen.load(Ordering::SeqCst) {
-            thread::sleep(std::time::Duration::from_millis(1));
-        }
+        hold_while(frozen);
         if server.write_all(&buf[..n]).is_err() {
             break;
         }
     }
     let _ = client.shutdown(Shutdown::Both);
     let _ = server.shutdown(Shutdown::Both);
+}
+
+/// Not the test's synchronisation: the relay's stand-in for a server or a network that hangs.
+fn hold_while(frozen: &AtomicBool) {
+    while frozen.load(Ordering::SeqCst) {
+        thread::sleep(std::time::Duration::from_millis(1));
+    }
 }

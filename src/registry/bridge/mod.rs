@@ -38,7 +38,7 @@ use upkeep::touch_every;
 
 use crate::config::Config;
 use crate::doorbell::{Full, Inbox, Mailbox};
-use crate::ids::{BootId, ConnId, CoreId, RigId};
+use crate::ids::{BootId, ConnId, CoreId, RigId, Seq};
 use crate::registry::embedded::{Action, Embedded};
 use crate::registry::fleet::{self, Fleet};
 use crate::registry::msg::{
@@ -123,10 +123,16 @@ struct Bridge {
     /// Connections of these sessions closing because the first refresh after a reconnect found
     /// the same boot leased elsewhere: their sessions go back as they close, merged into the
     /// rig's session there. Kept across reconnects (unlike `rekeep_asked`); each entry goes at
-    /// its connection's close. (Not after an evict: a connection that lost a hello race holds
-    /// seqs it never wrote, and raising the session's `next` past them would refuse the
-    /// winner's own commands as stale.)
+    /// its connection's close. After an evict of the same boot only if it was given seqs
+    /// unkept (`unkept_high`).
     merge_on_close: HashSet<(RigId, BootId)>,
+    /// The highest seq each live session here was delivered unkept, while Redis was away:
+    /// Redis lacks it, so if another broker takes the same boot (its evict arrives as a
+    /// partition of this broker heals), the session goes back as it closes, and only up to
+    /// that seq. A connection that merely lost a hello race holds seqs it never wrote, and
+    /// raising the session's `next` past them would refuse the winner's own commands as stale.
+    /// Gone at the close, or once the session is kept again.
+    unkept_high: HashMap<(RigId, BootId), Seq>,
     /// When queued Redis writes may go out (see [`crate::registry::pace`]).
     pace: WritePace,
     /// Refused control messages that named no `reply_to`, logged at most once a second.
@@ -179,6 +185,7 @@ impl Bridge {
             drops_counted: 0,
             rekeep_asked: HashSet::new(),
             merge_on_close: HashSet::new(),
+            unkept_high: HashMap::new(),
             pace: WritePace::new(now),
             unanswered: redis_io::UnansweredLog::default(),
             next_agg: 0,
@@ -314,13 +321,18 @@ impl Bridge {
                 let remember = recall.as_ref().filter(|_| self.fleet.is_some()).cloned();
                 // Superseded at the first refresh after a reconnect: the registry no longer
                 // holds the rig, so the session does not park; it goes back as it closed.
+                let high = self.unkept_high.remove(&(rig.clone(), boot));
                 let superseded = (self.merge_on_close.remove(&(rig.clone(), boot))
                     && self.registry.boot_of(&rig) != Some(boot))
                 .then(|| crate::registry::msg::RekeepReq {
                     rig: rig.clone(),
                     boot,
-                    next: next_seq,
-                    cmds: carried.iter().map(|c| (c.seq, c.json.clone())).collect(),
+                    next: high.map_or(next_seq, |h| next_seq.min(Seq(h.0.saturating_add(1)))),
+                    cmds: carried
+                        .iter()
+                        .filter(|c| high.is_none_or(|h| c.seq <= h))
+                        .map(|c| (c.seq, c.json.clone()))
+                        .collect(),
                 });
                 let (actions, released) = self.registry.closed(
                     conn,

@@ -111,7 +111,7 @@ impl Bridge {
     /// again, the evict is stale, and closing the rig's live connection would only bounce it
     /// once more. One round trip for all of a read's, since a whole fleet moving between two
     /// live brokers sends one per rig.
-    fn settle_evicts(&mut self) {
+    pub(super) fn settle_evicts(&mut self) {
         if self.same_boot_evicts.is_empty() {
             return;
         }
@@ -126,6 +126,10 @@ impl Bridge {
             {
                 self.shared.count("evict", "stale");
             } else {
+                // Seqs given here while Redis was away go back as the connection closes.
+                if self.unkept_high.contains_key(&(rig.clone(), boot)) {
+                    self.merge_on_close.insert((rig.clone(), boot));
+                }
                 let actions = self.registry.supersede(&rig, Some(boot));
                 self.carry_out(actions);
             }
@@ -257,6 +261,9 @@ impl Bridge {
                 Kept::Unavailable => unkept_written,
                 Kept::Fenced | Kept::LeaseMissing | Kept::Stale(_) => false,
             };
+            if let (Kept::Unavailable, true) = (status, ok) {
+                self.note_unkept(&p);
+            }
             if let Kept::Stale(next) = status {
                 // Before the answer: the core numbers what comes next past the other broker's.
                 self.send_to_core(p.conn, ToCore::RaiseSeq { conn: p.conn, next });
@@ -295,6 +302,22 @@ impl Bridge {
             }
             self.reply_routed(p.reply, body, route);
         }
+    }
+
+    /// `p` was delivered unkept: remembered while its connection is the rig's live one (see
+    /// `Bridge::unkept_high`).
+    fn note_unkept(&mut self, p: &PersistReq) {
+        if self.fleet.is_none()
+            || self.cfg.session_ttl.is_zero()
+            || self.registry.conn_of(&p.rig) != Some(p.conn)
+        {
+            return;
+        }
+        let high = self
+            .unkept_high
+            .entry((p.rig.clone(), p.boot))
+            .or_insert(p.seq);
+        *high = (*high).max(p.seq);
     }
 
     /// One lease-fenced script call for `held`. None when Redis is unavailable.

@@ -187,6 +187,13 @@ impl Bridge {
         }
     }
 
+    /// A live session's seqs are all in Redis again: none is unkept any longer.
+    fn kept_again(&mut self, parked: bool, rig: &RigId, boot: BootId) {
+        if !parked {
+            self.unkept_high.remove(&(rig.clone(), boot));
+        }
+    }
+
     /// One batch of `rekeep.lua` calls, counted by kind and outcome; then the releases held
     /// back for the parked sessions among them are queued again.
     fn rekeep_now(&mut self, taken: Vec<(RigId, BootId, Pending)>) {
@@ -242,8 +249,12 @@ impl Bridge {
         for (i, (parked, (rig, boot))) in parked.into_iter().zip(whose).enumerate() {
             let op = if parked { "rekeep_parked" } else { "rekeep" };
             let result = match kept.as_ref().map(|k| k.get(i).copied()) {
-                Some(Some(Rekept::Kept)) => "ok",
+                Some(Some(Rekept::Kept)) => {
+                    self.kept_again(parked, &rig, boot);
+                    "ok"
+                }
                 Some(Some(Rekept::Behind(next))) => {
+                    self.kept_again(parked, &rig, boot);
                     // A parked session takes Redis's next at its rig's hello (`resume`).
                     if !parked && self.registry.boot_of(&rig) == Some(boot) {
                         if let Some(conn) = self.registry.conn_of(&rig) {
@@ -400,6 +411,61 @@ mod tests {
 
     fn releases(b: &Bridge) -> usize {
         b.fleet.as_ref().map_or(0, |f| f.queued())
+    }
+
+    /// A rig on this broker, given seq `delivered` unkept (Redis away) if any, then evicted
+    /// by another broker's hello of the same boot; its connection closes holding seqs 4 and 5
+    /// with `next` 6. What goes back into Redis, if anything.
+    fn evicted_after(delivered: Option<u64>) -> Option<RekeepReq> {
+        let (mut b, _core) = bridge();
+        let (rig, conn) = (rig("rig-e"), ConnId::new(CoreId(0), 1));
+        b.registry.hello(conn, rig.clone(), boot(), vec![]);
+        if let Some(seq) = delivered {
+            let p = crate::registry::msg::PersistReq {
+                conn,
+                rig: rig.clone(),
+                boot: boot(),
+                seq: Seq(seq),
+                id: "c".into(),
+                json: Box::new([]),
+                reply: crate::registry::msg::ReplyTo::Channel("r".into()),
+                hold_left: None,
+            };
+            b.answer_persists(vec![p], None, true);
+        }
+        b.same_boot_evicts.push((rig.clone(), boot()));
+        b.settle_evicts();
+        b.handle(ToBridge::Closed {
+            conn,
+            rig,
+            boot: boot(),
+            next_seq: Seq(6),
+            carried: Box::new([
+                SeqCommand::for_test(4, 4, false),
+                SeqCommand::for_test(5, 4, false),
+            ]),
+            recall: Default::default(),
+        });
+        assert!(b.unkept_high.is_empty() && b.merge_on_close.is_empty());
+        b.rekeeps
+            .take(10)
+            .into_iter()
+            .find_map(|(_, _, p)| match p {
+                Pending::Superseded(r) => Some(r),
+                _ => None,
+            })
+    }
+
+    /// Evicted after delivering seq 4 unkept, the session goes back up to seq 4 alone: seq 5
+    /// was numbered and never written (fenced), and raising `next` past it would refuse the
+    /// new broker's own seq 5 as stale. Evicted with nothing delivered unkept (a hello race
+    /// lost with Redis up), nothing goes back.
+    #[test]
+    fn an_evicted_session_goes_back_up_to_the_last_seq_it_delivered_unkept() {
+        let r = evicted_after(Some(4)).expect("merged at the close");
+        let seqs: Vec<u64> = r.cmds.iter().map(|(s, _)| s.0).collect();
+        assert_eq!((r.next, seqs), (Seq(5), vec![4]));
+        assert!(evicted_after(None).is_none());
     }
 
     /// The release of a parked session's lease waits for the session to be put back: sent
