@@ -239,6 +239,8 @@ pub(crate) struct Fleet {
     pub(crate) dropped: u64,
     /// Those drops, logged at most once a second.
     drop_log: Throttle,
+    /// Bounds the lines about pipelines Redis refused part of.
+    refused_log: Throttle,
     /// Publishes sent.
     pub(crate) published: u64,
     /// Set after every successful (re)connect; the bridge re-asserts its rigs then.
@@ -281,6 +283,7 @@ impl Fleet {
             down_why_changed: false,
             dropped: 0,
             drop_log: Throttle::default(),
+            refused_log: Throttle::default(),
             published: 0,
             just_connected: false,
             keys_lost: false,
@@ -803,6 +806,9 @@ impl Fleet {
         if let Some(n) = self.drop_log.due(now) {
             self.log_drops(n);
         }
+        if let Some(n) = self.refused_log.due(now) {
+            log::warn!("redis: {n} more pipelines of publishes were refused in part");
+        }
     }
 
     fn log_drops(&self, n: u64) {
@@ -908,11 +914,15 @@ impl Fleet {
                 // broker's ACL may not publish to): the rest went out, and sending it all
                 // again would refuse it again, forever.
                 Err(e) if refused(&e) => {
-                    log::warn!(
-                        "redis: part of a pipeline of {n} publishes (and the removals of acked \
-                         commands riding with them) was refused ({e}); the refused ones are \
-                         dropped, counted as one"
-                    );
+                    // At most a line a second: a refusal that lasts (an ACL) meets every pass.
+                    if let Some(more) = self.refused_log.note(Instant::now()) {
+                        log::warn!(
+                            "redis: part of a pipeline of {n} publishes (and the removals of \
+                             acked commands riding with them) was refused ({e}); the refused \
+                             ones are dropped, counted as one per pipeline ({more} such \
+                             pipelines, this one included, since the last line)"
+                        );
+                    }
                     self.dropped += 1;
                 }
                 // Kept for the next connection: publishes are events and replies control

@@ -148,6 +148,7 @@ impl Bridge {
         for d in decided {
             let mut actions = d.actions;
             if d.handover && d.leased {
+                self.shared.count("hello", "ok");
                 let entry = sessions.next();
                 let taken = held.next().unwrap_or_default();
                 match entry {
@@ -173,6 +174,9 @@ impl Bridge {
                 let taken = held.next().unwrap_or_default();
                 self.hold_again(&d.rig, taken);
                 continue;
+            }
+            if d.leased {
+                self.shared.count("hello", "ok");
             }
             if d.accepted {
                 if let Some(Some(found)) = entry {
@@ -282,7 +286,7 @@ impl Bridge {
                 )];
             }
             Some(Some(Ok(HelloOutcome::Owned { previous }))) => {
-                self.shared.count("hello", "ok");
+                // Counted `ok` once its session is read, or `unavailable` if it is turned away.
                 if let Some(prev) = previous {
                     self.evict(&rig, boot, &prev);
                 }
