@@ -598,12 +598,15 @@ fn after_an_outage_a_seq_delivered_unkept_by_a_superseded_broker_is_not_given_ag
         );
     };
     assert_eq!(seq, 5);
-    let got = read_json(&mut on_b);
-    assert_eq!(
-        (&got["seq"], &got["id"]),
-        (&json!(5), &json!("v5")),
-        "{got}"
-    );
+    // fe-a's seq 4, unacked, is given on fe-b too (a rig drops a seq it has), then v5.
+    for (seq, id) in [(4, "v4"), (5, "v5")] {
+        let got = read_json(&mut on_b);
+        assert_eq!(
+            (&got["seq"], &got["id"]),
+            (&json!(seq), &json!(id)),
+            "{got}"
+        );
+    }
 }
 
 /// A rig connects to a second broker, same boot, while that broker cannot reach Redis (it
@@ -718,8 +721,8 @@ fn after_a_partition_the_broker_a_rig_left_puts_back_the_seqs_it_gave_meanwhile(
     let hello = json!({"type":"hello","rig_id":"rig-pt","boot_id":boot,"version":"t","last_seq":3});
     on_b.send(Message::Text(hello.to_string().into())).unwrap();
     assert_eq!(read_json(&mut on_b)["type"], "welcome");
-    let (status, r) = a.command("rig-pt", "n", json!({}));
-    assert_eq!((status, &r["seq"]), (200, &json!(4)), "{r}");
+    let (status, given) = a.command("rig-pt", "n", json!({}));
+    assert_eq!((status, &given["seq"]), (200, &json!(4)), "{given}");
     assert_eq!(read_json(&mut on_a)["seq"], 4);
     relay.freeze_both(false);
     // fe-a closes its connection (4410) and puts back what it gave.
@@ -727,7 +730,9 @@ fn after_a_partition_the_broker_a_rig_left_puts_back_the_seqs_it_gave_meanwhile(
     eventually(Duration::from_secs(15), "fe-a's copy merged", || {
         a.metric("fleetlink_registry_ops_total{op=\"rekeep_parked\",result=\"merged\"}") >= 1
     });
-    // fe-b's next seq was 4, which the rig holds: that command is refused, the next is 5.
+    // fe-b's next seq was 4, which the rig holds: that command is refused, fe-a's seq 4 is
+    // given on fe-b too (unacked, it may never have reached the rig; a rig drops a seq it
+    // has), and the next is 5.
     let r = ctl.command_id("fe-b", "rig-pt", "q1", "n", json!({}));
     assert_eq!(r["error"], "rig_not_connected", "seq 4 was fe-a's: {r}");
     assert!(
@@ -737,10 +742,87 @@ fn after_a_partition_the_broker_a_rig_left_puts_back_the_seqs_it_gave_meanwhile(
             .ends_with("send the command again"),
         "{r}"
     );
+    let got = read_json(&mut on_b);
+    assert_eq!(
+        (&got["seq"], &got["id"]),
+        (&json!(4), &given["id"]),
+        "{got}"
+    );
     let r = ctl.command_id("fe-b", "rig-pt", "q2", "n", json!({}));
     assert_eq!(r["seq"], 5, "{r}");
     let got = read_json(&mut on_b);
     assert_eq!((&got["seq"], &got["id"]), (&json!(5), &r["id"]), "{got}");
+}
+
+/// A partition of the broker a rig was on, and the rig leaves it before reading the commands
+/// it was given meanwhile (a wedged rig process, then a reconnect to fe-b with the last seq it
+/// has). Once the partition heals, fe-a's parked copy is merged into the session in Redis,
+/// and fe-b, whose next command meets `persist/stale`, gives the rig those commands, in order,
+/// before its own. Before, fe-b only numbered past them: the rig saw seq 1 then 4, a gap (the
+/// reference agent stops at one), and two commands control was told `ok` were never given.
+#[test]
+fn after_a_partition_a_rig_that_left_unread_commands_behind_is_given_them_by_its_new_broker() {
+    let redis = RedisServer::start();
+    let relay = Relay::start(redis.port());
+    let a = Broker::start(&[
+        "--redis",
+        &relay.url(),
+        "--broker-id",
+        "fe-a",
+        "--registry-refresh",
+        "200ms",
+    ]);
+    eventually(Duration::from_secs(10), "fe-a ready", || {
+        a.http("GET", "/readyz", "").0 == 200
+    });
+    let b = fleet_broker(&redis, "fe-b", &["--registry-refresh", "200ms"]);
+    let (mut on_a, boot, _) = a.rig("rig-gp");
+    let (status, r) = a.command("rig-gp", "n", json!({}));
+    assert_eq!((status, &r["seq"]), (200, &json!(1)), "{r}");
+    assert_eq!(read_json(&mut on_a)["seq"], 1);
+    on_a.send(Message::Text(
+        json!({"type": "ack", "seq": 1}).to_string().into(),
+    ))
+    .unwrap();
+    relay.freeze_both(true);
+    eventually(Duration::from_secs(15), "fe-a sees the outage", || {
+        a.http("GET", "/readyz", "").0 == 503
+    });
+    // Given while the rig reads nothing; then it leaves with seq 1 as its last.
+    let mut given = Vec::new();
+    for seq in 2..=3 {
+        let (status, r) = a.command("rig-gp", "n", json!({}));
+        assert_eq!((status, &r["seq"]), (200, &json!(seq)), "{r}");
+        given.push(r["id"].clone());
+    }
+    drop(on_a);
+    let mut on_b = b.connect("/agent");
+    let hello = json!({"type":"hello","rig_id":"rig-gp","boot_id":boot,"version":"t","last_seq":1});
+    on_b.send(Message::Text(hello.to_string().into())).unwrap();
+    assert_eq!(read_json(&mut on_b)["type"], "welcome");
+    relay.freeze_both(false);
+    eventually(Duration::from_secs(15), "fe-a's copy merged", || {
+        a.metric("fleetlink_registry_ops_total{op=\"rekeep_parked\",result=\"merged\"}") >= 1
+    });
+    let mut ctl = Control::new(&redis, &[]);
+    let r = ctl.command_id("fe-b", "rig-gp", "b1", "n", json!({}));
+    assert_eq!(r["error"], "rig_not_connected", "seq 2 was fe-a's: {r}");
+    for (seq, id) in (2..=3).zip(&given) {
+        let got = read_json(&mut on_b);
+        assert_eq!((&got["seq"], &got["id"]), (&json!(seq), id), "{got}");
+    }
+    let r = ctl.command_id("fe-b", "rig-gp", "b2", "n", json!({}));
+    assert_eq!(r["seq"], 4, "{r}");
+    let got = read_json(&mut on_b);
+    assert_eq!(
+        (&got["seq"], &got["id"]),
+        (&json!(4), &json!("b2")),
+        "{got}"
+    );
+    assert_eq!(
+        b.metric("fleetlink_registry_ops_total{op=\"missed\",result=\"given\"}"),
+        2
+    );
 }
 
 /// A Redis that hangs while the bridge has a long pipeline of publishes in flight (a rig

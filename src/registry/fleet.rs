@@ -601,6 +601,24 @@ impl Fleet {
         }
     }
 
+    /// The commands `rig`'s session holds under `seqs` (see [`sessions::read_commands`]).
+    /// None when Redis is unavailable.
+    pub(crate) fn session_commands(
+        &mut self,
+        rig: &RigId,
+        boot: &BootId,
+        seqs: std::ops::Range<u64>,
+    ) -> Option<Vec<(Seq, Vec<u8>)>> {
+        let con = self.con.as_mut()?;
+        match sessions::read_commands(con, rig, boot, seqs) {
+            Ok(found) => Some(found),
+            Err(e) => {
+                self.call_failed(&e);
+                None
+            }
+        }
+    }
+
     /// Keeps commands in their sessions (fenced by our leases). None when Redis is unavailable.
     pub(crate) fn persist(&mut self, cmds: &[Persist<'_>], ttl: Duration) -> Option<Vec<Kept>> {
         let con = self.con.as_mut()?;

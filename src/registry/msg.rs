@@ -241,6 +241,11 @@ pub enum ToCore {
         conn: ConnId,
         /// The lowest seq the next command may take.
         next: Seq,
+        /// What Redis holds below `next` that this core never numbered, in seq order: given
+        /// by another broker meanwhile, perhaps never received (the rig left that broker
+        /// before reading them). Written here, ahead of the core's own, so the rig sees no
+        /// gap; a rig drops a seq it already has.
+        missed: Box<[SeqCommand]>,
     },
     /// Send a snapshot of this core's metrics (and rigs when `rigs`).
     Snapshot {

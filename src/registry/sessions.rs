@@ -380,6 +380,30 @@ fn kept(v: &Value) -> Option<Rekept> {
     }
 }
 
+/// The commands a session in Redis holds under `seqs` (those it lacks are left out), in seq
+/// order: what another broker gave the rig while this one could not reach Redis, for the
+/// rig's live connection here to be given too. Bounded by the caller's range.
+pub fn read_commands(
+    con: &mut impl ConnectionLike,
+    rig: &RigId,
+    boot: &BootId,
+    seqs: std::ops::Range<u64>,
+) -> Result<Vec<(Seq, Vec<u8>)>, RegistryError> {
+    if seqs.is_empty() {
+        return Ok(Vec::new());
+    }
+    let mut cmd = redis::cmd("HMGET");
+    cmd.arg(session_key(rig, boot));
+    for seq in seqs.clone() {
+        cmd.arg(format!("c:{seq}"));
+    }
+    let found: Vec<Option<Vec<u8>>> = cmd.query(con)?;
+    Ok(seqs
+        .zip(found)
+        .filter_map(|(seq, json)| json.map(|j| (Seq(seq), j)))
+        .collect())
+}
+
 /// Extends the TTL of these sessions' keys and of their rigs' `sessof:` pointers (a missing
 /// key stays missing), [`TOUCH_CHUNK`] sessions per round trip.
 pub fn touch(

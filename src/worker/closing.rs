@@ -60,7 +60,7 @@ pub(crate) fn persisted(core: &Core, conn: ConnId, seq: Seq, kept: bool) -> bool
     let Some(waiting) = closing.get_mut(&conn) else {
         return false;
     };
-    if let Some(pos) = waiting.carried.iter().position(|c| c.seq == seq) {
+    if let Some(pos) = waiting.carried.iter().position(|c| c.seq == seq && c.held) {
         if kept {
             if let Some(cmd) = waiting.carried.get_mut(pos) {
                 cmd.held = false;

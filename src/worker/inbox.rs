@@ -96,10 +96,11 @@ pub(crate) fn handle(core: &Rc<Core>, msg: ToCore) {
                 }
             }
         }
-        ToCore::RaiseSeq { conn, next } => {
+        ToCore::RaiseSeq { conn, next, missed } => {
+            // A closed session's missed commands stay in Redis, for the rig's resume.
             if !closing::raise_seq(core, conn, next) {
                 if let Some(c) = conn_of(conn) {
-                    session::raise_seq(&mut c.st.borrow_mut(), next);
+                    session::raise_seq(core, &c, &mut c.st.borrow_mut(), next, missed);
                 }
             }
         }

@@ -925,7 +925,9 @@ pub(crate) fn on_persisted(core: &Core, conn: &Conn, st: &mut ConnState, seq: Se
     let Some(q) = st.session.as_mut().and_then(|s| s.queues.as_mut()) else {
         return;
     };
-    let Some(pos) = q.outbox().iter().position(|c| c.seq == seq) else {
+    // The held one: a command another broker gave under the same seq may be queued beside it
+    // (`raise_seq`).
+    let Some(pos) = q.outbox().iter().position(|c| c.seq == seq && c.held) else {
         return;
     };
     if kept {
@@ -938,11 +940,32 @@ pub(crate) fn on_persisted(core: &Core, conn: &Conn, st: &mut ConnState, seq: Se
 }
 
 /// Redis's copy of the session numbers past this one (another broker gave the rig commands
-/// while each decided alone): the next command takes `next` or later. Never lowered.
-pub(crate) fn raise_seq(st: &mut ConnState, next: Seq) {
-    if let Some(s) = st.session.as_mut() {
-        s.next_seq = s.next_seq.max(next);
+/// while each decided alone): the next command takes `next` or later (never lowered), and the
+/// rig is given what that broker gave it, `missed`, in order before this core's own. Without
+/// them a rig that left the other broker before reading them would see a gap in its seqs.
+/// Those at or below a seq the rig has shown it holds (acked, written here, or named by its
+/// hello) are left out; a rig drops a seq it already has anyway.
+pub(crate) fn raise_seq(
+    core: &Core,
+    conn: &Conn,
+    st: &mut ConnState,
+    next: Seq,
+    missed: Box<[SeqCommand]>,
+) {
+    let Some(s) = st.session.as_mut() else {
+        return;
+    };
+    s.next_seq = s.next_seq.max(next);
+    if missed.is_empty() {
+        return;
     }
+    let seen = s.last_ack.max(s.resume_from);
+    let q = s.queues();
+    let floor = q.unacked().back().map_or(seen, |c| seen.max(c.seq));
+    for cmd in missed.into_vec().into_iter().filter(|c| c.seq > floor) {
+        q.insert_outbox(cmd);
+    }
+    pump(core, conn, st);
 }
 
 /// Redis lost this connection's session (it restarted empty): hands the bridge what the

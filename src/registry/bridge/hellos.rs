@@ -441,7 +441,7 @@ impl Bridge {
 }
 
 /// The `id` inside an encoded command (for replayed commands' bookkeeping).
-fn command_id(json: &[u8]) -> Box<str> {
+pub(super) fn command_id(json: &[u8]) -> Box<str> {
     serde_json::from_slice::<Value>(json)
         .ok()
         .and_then(|v| v["id"].as_str().map(Into::into))

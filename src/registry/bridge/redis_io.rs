@@ -7,11 +7,11 @@ use std::time::Instant;
 
 use super::shared::unix_ms;
 use super::Bridge;
-use crate::ids::{BootId, ConnId, RigId};
+use crate::ids::{BootId, ConnId, RigId, Seq};
 use crate::log_text::{clip, LOG_CHARS};
 use crate::registry::control::{self, Control};
 use crate::registry::fleet::{self, Fleet};
-use crate::registry::msg::{PersistReq, ReplyTo, ToCore};
+use crate::registry::msg::{PersistReq, ReplyTo, SeqCommand, ToCore};
 use crate::registry::pace::Queued;
 use crate::registry::scripts::RefreshStatus;
 use crate::registry::sessions::{Kept, Persist};
@@ -244,6 +244,9 @@ impl Bridge {
         kept: Option<Vec<Kept>>,
         unkept_written: bool,
     ) {
+        // One read of what the rig missed per connection and batch: its later stale commands
+        // find the same.
+        let mut caught_up: Vec<ConnId> = Vec::new();
         for (i, p) in held.into_iter().enumerate() {
             let status = match &kept {
                 Some(k) => k.get(i).copied().unwrap_or(Kept::Fenced),
@@ -265,8 +268,16 @@ impl Bridge {
                 self.note_unkept(&p);
             }
             if let Kept::Stale(next) = status {
-                // Before the answer: the core numbers what comes next past the other broker's.
-                self.send_to_core(p.conn, ToCore::RaiseSeq { conn: p.conn, next });
+                // Before the answer: the core gives the rig what the other broker gave it, and
+                // numbers what comes next past it.
+                let missed = if caught_up.contains(&p.conn) {
+                    Box::default()
+                } else {
+                    caught_up.push(p.conn);
+                    self.missed(&p.rig, p.boot, p.seq, next)
+                };
+                let conn = p.conn;
+                self.send_to_core(conn, ToCore::RaiseSeq { conn, next, missed });
             }
             let (body, route) = if ok {
                 (reply::enqueued(&p.id, &p.rig, p.seq), Some(p.conn))
@@ -302,6 +313,41 @@ impl Bridge {
             }
             self.reply_routed(p.reply, body, route);
         }
+    }
+
+    /// What `rig`'s session in Redis holds from `from` up to `next`: commands another broker
+    /// numbered while this one could not reach Redis, which the rig's connection here never
+    /// had. At most a session's worth, the newest (a resume drops older ones too).
+    pub(super) fn missed(
+        &mut self,
+        rig: &RigId,
+        boot: BootId,
+        from: Seq,
+        next: Seq,
+    ) -> Box<[SeqCommand]> {
+        let limit = self.cfg.session_limit() as u64;
+        let from = from.0.max(next.0.saturating_sub(limit));
+        let Some(found) = self
+            .fleet
+            .as_mut()
+            .and_then(|f| f.session_commands(rig, &boot, from..next.0))
+        else {
+            // The rig has a gap then, as before this read existed: counted.
+            self.shared.count("missed", "unavailable");
+            return Box::default();
+        };
+        self.shared.count_n("missed", "given", found.len() as u64);
+        found
+            .into_iter()
+            .map(|(seq, json)| SeqCommand {
+                seq,
+                id: super::hellos::command_id(&json),
+                json: json.into_boxed_slice(),
+                queued_at: Instant::now(),
+                written_at: None,
+                held: false,
+            })
+            .collect()
     }
 
     /// `p` was delivered unkept: remembered while its connection is the rig's live one (see

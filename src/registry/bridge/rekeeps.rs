@@ -14,7 +14,7 @@
 use std::collections::{HashMap, HashSet, VecDeque};
 
 use super::Bridge;
-use crate::ids::{BootId, RigId};
+use crate::ids::{BootId, RigId, Seq};
 use crate::registry::msg::{RekeepReq, ToCore};
 use crate::registry::sessions::{Rekeep, Rekept};
 
@@ -238,15 +238,17 @@ impl Bridge {
             }
         }
         let parked: Vec<bool> = sessions.iter().map(|s| s.parked).collect();
-        let whose: Vec<(RigId, BootId)> =
-            sessions.iter().map(|s| (s.rig.clone(), *s.boot)).collect();
+        let whose: Vec<(RigId, BootId, Seq)> = sessions
+            .iter()
+            .map(|s| (s.rig.clone(), *s.boot, s.next))
+            .collect();
         let ttl = self.cfg.session_ttl;
         let kept = match sessions.is_empty() {
             true => Some(Vec::new()),
             false => self.fleet.as_mut().and_then(|f| f.rekeep(&sessions, ttl)),
         };
         drop(sessions);
-        for (i, (parked, (rig, boot))) in parked.into_iter().zip(whose).enumerate() {
+        for (i, (parked, (rig, boot, sent_next))) in parked.into_iter().zip(whose).enumerate() {
             let op = if parked { "rekeep_parked" } else { "rekeep" };
             let result = match kept.as_ref().map(|k| k.get(i).copied()) {
                 Some(Some(Rekept::Kept)) => {
@@ -258,7 +260,8 @@ impl Bridge {
                     // A parked session takes Redis's next at its rig's hello (`resume`).
                     if !parked && self.registry.boot_of(&rig) == Some(boot) {
                         if let Some(conn) = self.registry.conn_of(&rig) {
-                            self.send_to_core(conn, ToCore::RaiseSeq { conn, next });
+                            let missed = self.missed(&rig, boot, sent_next, next);
+                            self.send_to_core(conn, ToCore::RaiseSeq { conn, next, missed });
                         }
                     }
                     "behind"

@@ -12,7 +12,7 @@ use crate::metrics::BridgeStats;
 const CANARY_STALE: Duration = Duration::from_secs(5);
 
 /// Registry operations counted by (op, result), in this order.
-pub const REGISTRY_OPS: [(&str, &str); 53] = [
+pub const REGISTRY_OPS: [(&str, &str); 55] = [
     ("offline", "held"),
     ("offline", "full"),
     ("offline", "connected_elsewhere"),
@@ -31,6 +31,8 @@ pub const REGISTRY_OPS: [(&str, &str); 53] = [
     ("rekeep", "behind"),
     ("rekeep", "fenced"),
     ("rekeep", "unavailable"),
+    ("missed", "given"),
+    ("missed", "unavailable"),
     ("rekeep_parked", "ok"),
     ("rekeep_parked", "behind"),
     ("rekeep_parked", "merged"),
