@@ -495,6 +495,10 @@ impl Refusal {
         status: 413,
         detail: "request larger than 1 MiB, head and body",
     };
+    const TOO_MANY_HEADERS: Refusal = Refusal {
+        status: 431,
+        detail: "more than 64 header lines",
+    };
     const NO_LENGTH: Refusal = Refusal {
         status: 411,
         detail: "send the body with one Content-Length; Transfer-Encoding is not taken",
@@ -517,10 +521,14 @@ impl Refusal {
     }
 }
 
+/// Header lines a request may have: proxies and tracing add a few dozen at most; each slot
+/// costs the parser's stack 32 bytes.
+const MAX_HEADERS: usize = 64;
+
 /// Parses one request from the front of `buf` (sans-IO: both the pool's blocking reader and a
 /// core's reader use it).
 pub fn parse_request(buf: &[u8]) -> Parsed {
-    let mut headers = [httparse::EMPTY_HEADER; 32];
+    let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
     let mut req = httparse::Request::new(&mut headers);
     let head_len = match req.parse(buf) {
         Ok(httparse::Status::Complete(len)) => len,
@@ -530,6 +538,7 @@ pub fn parse_request(buf: &[u8]) -> Parsed {
             }
         }
         Ok(httparse::Status::Partial) => return Parsed::Bad(Refusal::TOO_LARGE),
+        Err(httparse::Error::TooManyHeaders) => return Parsed::Bad(Refusal::TOO_MANY_HEADERS),
         Err(_) => return Parsed::Bad(Refusal::MALFORMED),
     };
     let header = |name: &str| {
@@ -669,14 +678,26 @@ pub fn allowed_methods(path: &str) -> &'static str {
 }
 
 /// Every status an admin answer can carry, each counted in [`ANSWERED`].
-const STATUSES: [u16; 12] = [200, 202, 400, 403, 404, 405, 409, 411, 413, 503, 504, 0];
+const STATUSES: [u16; 13] = [
+    200, 202, 400, 403, 404, 405, 409, 411, 413, 431, 503, 504, 0,
+];
 
 /// Admin answers given, by status ([`STATUSES`]; the last slot counts any other): a refused
 /// request is counted like any other bad input. Shared by the cores and the admin pool, off
 /// the rigs' hot path.
 static ANSWERED: [AtomicU64; STATUSES.len()] = [const { AtomicU64::new(0) }; STATUSES.len()];
 
-/// Writes `fleetlink_admin_responses_total`, one series per status.
+/// Requests closed unanswered because they had not come whole within [`IO_TIMEOUT`] (an
+/// idle keep-alive connection that times out between requests is not one).
+static UNFINISHED: AtomicU64 = AtomicU64::new(0);
+
+/// Counts a request closed unanswered at its deadline.
+pub(crate) fn note_unfinished() {
+    UNFINISHED.fetch_add(1, Ordering::Relaxed);
+}
+
+/// Writes `fleetlink_admin_responses_total`, one series per status, and
+/// `fleetlink_admin_unfinished_total`.
 pub fn render_answered(out: &mut String) {
     metrics::family(out, "fleetlink_admin_responses_total", "counter");
     for (status, n) in STATUSES.iter().zip(&ANSWERED) {
@@ -689,6 +710,9 @@ pub fn render_answered(out: &mut String) {
             "fleetlink_admin_responses_total{{code=\"{code}\"}} {n}\n"
         ));
     }
+    metrics::family(out, "fleetlink_admin_unfinished_total", "counter");
+    let n = UNFINISHED.load(Ordering::Relaxed);
+    out.push_str(&format!("fleetlink_admin_unfinished_total {n}\n"));
 }
 
 /// The bytes of an answer; `head_only` leaves the body out (its length still said). A 405
@@ -1222,6 +1246,20 @@ mod tests {
         let (req, len) = complete(nowhere);
         assert_eq!((len, req.close), (nowhere.len(), true));
         assert_eq!(immediate(&req).map(|a| a.0), Some(404));
+    }
+
+    /// Up to 64 header lines are taken; more get 431, not "malformed".
+    #[test]
+    fn a_request_with_too_many_header_lines_gets_431() {
+        let with = |n: usize| {
+            let lines: String = (0..n).map(|i| format!("X-Trace-{i}: v\r\n")).collect();
+            parse_request(format!("GET /healthz HTTP/1.1\r\n{lines}\r\n").as_bytes())
+        };
+        assert!(matches!(with(64), Parsed::Complete(..)));
+        let Parsed::Bad(refusal) = with(65) else {
+            panic!("65 header lines taken");
+        };
+        assert_eq!(refusal.answer().0, 431);
     }
 
     #[test]

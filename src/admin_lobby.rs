@@ -326,6 +326,9 @@ impl Lobby {
         let (held, unsent) = (&mut self.held_bytes, &mut self.unsent_bytes);
         self.waiting.retain(|w| {
             let keep = w.deadline > now;
+            if !keep && w.conn.unsent.is_empty() && !w.conn.buf.is_empty() {
+                crate::admin::note_unfinished();
+            }
             if !keep {
                 *held -= w.conn.buf.len();
                 *unsent -= w.conn.unsent.len();

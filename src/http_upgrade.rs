@@ -162,9 +162,12 @@ fn check(
     if !upgrade {
         return Err(Reject::UpgradeRequired);
     }
-    // §4.2.2: any other version is answered with 426 and the versions we speak.
-    if single_value(headers, "sec-websocket-version") != Ok(Some(b"13")) {
-        return Err(Reject::UpgradeRequired);
+    // §4.2.2: any other version is answered with 426 and the versions we speak; the header
+    // twice is malformed (§11.3.5), and a 426 naming 13 would only have the client repeat it.
+    match single_value(headers, "sec-websocket-version") {
+        Ok(Some(b"13")) => {}
+        Err(()) => return Err(Reject::BadRequest),
+        Ok(_) => return Err(Reject::UpgradeRequired),
     }
     // §4.1/§11.3.1: exactly one key, base64 of a 16-byte nonce.
     let key = match single_value(headers, "sec-websocket-key") {
@@ -463,6 +466,10 @@ mod tests {
             (with_header("GET", "GET /agent HTTP/1.0"), Reject::UpgradeRequired),
             (with_header("Sec-WebSocket-Version", "Sec-WebSocket-Version: 8"), Reject::UpgradeRequired),
             (with_header("Sec-WebSocket-Version", ""), Reject::UpgradeRequired),
+            (
+                with_header("Sec-WebSocket-Version", "Sec-WebSocket-Version: 13\r\nSec-WebSocket-Version: 13"),
+                Reject::BadRequest,
+            ),
             (with_header("Sec-WebSocket-Key", ""), Reject::BadRequest),
             (with_header("Sec-WebSocket-Key", "Sec-WebSocket-Key: c2hvcnQ="), Reject::BadRequest),
             (with_header("Sec-WebSocket-Key", "Sec-WebSocket-Key: not base64 at all!!!!"), Reject::BadRequest),

@@ -340,6 +340,10 @@ const HELP: &[(&str, &str)] = &[
         "Admin HTTP answers given, by status code (\"other\" for any status not listed).",
     ),
     (
+        "fleetlink_admin_unfinished_total",
+        "Admin requests closed unanswered because they had not arrived whole within 5 s.",
+    ),
+    (
         "fleetlink_info",
         "Always 1; labels say the mode (standalone or fleet), broker id and version.",
     ),

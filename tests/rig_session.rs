@@ -1289,6 +1289,9 @@ fn an_admin_request_trickling_in_is_cut_off_at_its_deadline() {
         after >= Duration::from_millis(4900) && after < Duration::from_secs(8),
         "closed after {after:?}"
     );
+    // Counted, although nothing was answered; an idle connection closed is not.
+    drop(std::net::TcpStream::connect(b.admin).unwrap());
+    assert_eq!(b.metric("fleetlink_admin_unfinished_total"), 1);
 }
 
 #[test]
@@ -1301,6 +1304,7 @@ fn a_trickling_request_is_cut_off_by_the_pool_too() {
         after >= Duration::from_millis(4900) && after < Duration::from_secs(8),
         "closed after {after:?}"
     );
+    assert_eq!(b.metric("fleetlink_admin_unfinished_total"), 1);
 }
 
 /// Takes every admin connection the cores serve (`MAX_ON_CORES`, keep-alive, idle once

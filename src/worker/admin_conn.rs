@@ -223,6 +223,9 @@ async fn serve_requests(
             let read = monoio::time::timeout(wait, stream.read(buf.slice_mut(len..cap))).await;
             let Ok((res, back)) = read else {
                 // Timed out: the read was cancelled with the buffer, so nothing more comes.
+                if len > 0 {
+                    admin::note_unfinished();
+                }
                 return Ok(None);
             };
             buf = back.into_inner();
