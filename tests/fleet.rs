@@ -5,7 +5,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::broker::{boot_id, eventually, hello, read_close, read_json, Broker, KeepAlive};
+use common::broker::{boot_id, eventually, hello, read_close, read_json, Broker, KeepAlive, Ws};
 use common::control::Control;
 use common::redis::RedisServer;
 use common::relay::Relay;
@@ -26,6 +26,45 @@ fn fleet_broker(redis: &RedisServer, id: &str, extra: &[&str]) -> Broker {
 
 fn owner(redis: &RedisServer, rig: &str) -> Option<String> {
     redis.connection().get(format!("rig:{rig}")).unwrap()
+}
+
+/// A broker that reaches Redis through `relay` (so that it alone can be cut off), refreshing
+/// its leases every 200 ms, once ready.
+fn broker_behind(relay: &Relay, id: &str) -> Broker {
+    let url = relay.url();
+    let b = Broker::start(&[
+        "--redis",
+        &url,
+        "--broker-id",
+        id,
+        "--registry-refresh",
+        "200ms",
+    ]);
+    eventually(Duration::from_secs(10), "broker ready", || {
+        b.http("GET", "/readyz", "").0 == 200
+    });
+    b
+}
+
+/// Control sends `rig` (on `broker`) commands `<prefix>1..=n`, which the rig reads and acks.
+fn acked_commands(ctl: &mut Control, broker: &str, rig: &str, ws: &mut Ws, prefix: &str, n: u64) {
+    for i in 1..=n {
+        let r = ctl.command_id(broker, rig, &format!("{prefix}{i}"), "n", json!({}));
+        assert_eq!(r["seq"], i, "{r}");
+        assert_eq!(read_json(ws)["seq"], i);
+        let ack = json!({"type": "ack", "seq": i}).to_string();
+        ws.send(Message::Text(ack.into())).unwrap();
+    }
+}
+
+/// The same boot of `rig` says hello to `b` with `last_seq`, and is welcomed.
+fn hello_again(b: &Broker, rig: &str, boot: &str, last_seq: u64) -> Ws {
+    let mut ws = b.connect("/agent");
+    let hello =
+        json!({"type":"hello","rig_id":rig,"boot_id":boot,"version":"t","last_seq":last_seq});
+    ws.send(Message::Text(hello.to_string().into())).unwrap();
+    assert_eq!(read_json(&mut ws)["type"], "welcome");
+    ws
 }
 
 #[test]
@@ -621,35 +660,16 @@ fn after_an_outage_a_broker_numbers_past_commands_another_gave_the_rig_meanwhile
     let relay = Relay::start(redis.port());
     let quick = ["--registry-refresh", "200ms"];
     let a = fleet_broker(&redis, "fe-a", &quick);
-    let b = Broker::start(&[
-        "--redis",
-        &relay.url(),
-        "--broker-id",
-        "fe-b",
-        "--registry-refresh",
-        "200ms",
-    ]);
-    eventually(Duration::from_secs(10), "fe-b ready", || {
-        b.http("GET", "/readyz", "").0 == 200
-    });
+    let b = broker_behind(&relay, "fe-b");
     let (mut on_a, boot, _) = a.rig("rig-sq");
     let mut ctl = Control::new(&redis, &[]);
-    for i in 1..=3 {
-        let r = ctl.command_id("fe-a", "rig-sq", &format!("s{i}"), "n", json!({}));
-        assert_eq!(r["seq"], i, "{r}");
-        assert_eq!(read_json(&mut on_a)["seq"], i);
-        let ack = json!({"type": "ack", "seq": i}).to_string();
-        on_a.send(Message::Text(ack.into())).unwrap();
-    }
+    acked_commands(&mut ctl, "fe-a", "rig-sq", &mut on_a, "s", 3);
     relay.freeze(true);
     eventually(Duration::from_secs(15), "fe-b sees the outage", || {
         b.http("GET", "/readyz", "").0 == 503
     });
     // Make-before-break onto fe-b, decided there alone; fe-a still holds the first connection.
-    let mut on_b = b.connect("/agent");
-    let hello = json!({"type":"hello","rig_id":"rig-sq","boot_id":boot,"version":"t","last_seq":3});
-    on_b.send(Message::Text(hello.to_string().into())).unwrap();
-    assert_eq!(read_json(&mut on_b)["type"], "welcome");
+    let mut on_b = hello_again(&b, "rig-sq", &boot, 3);
     let r = ctl.command_id("fe-a", "rig-sq", "s4", "n", json!({}));
     assert_eq!(r["seq"], 4, "{r}");
     assert_eq!(read_json(&mut on_a)["seq"], 4);
@@ -690,37 +710,18 @@ fn after_an_outage_a_broker_numbers_past_commands_another_gave_the_rig_meanwhile
 fn after_a_partition_the_broker_a_rig_left_puts_back_the_seqs_it_gave_meanwhile() {
     let redis = RedisServer::start();
     let relay = Relay::start(redis.port());
-    let a = Broker::start(&[
-        "--redis",
-        &relay.url(),
-        "--broker-id",
-        "fe-a",
-        "--registry-refresh",
-        "200ms",
-    ]);
-    eventually(Duration::from_secs(10), "fe-a ready", || {
-        a.http("GET", "/readyz", "").0 == 200
-    });
+    let a = broker_behind(&relay, "fe-a");
     let b = fleet_broker(&redis, "fe-b", &["--registry-refresh", "200ms"]);
     let (mut on_a, boot, _) = a.rig("rig-pt");
     let mut ctl = Control::new(&redis, &[]);
-    for i in 1..=3 {
-        let r = ctl.command_id("fe-a", "rig-pt", &format!("p{i}"), "n", json!({}));
-        assert_eq!(r["seq"], i, "{r}");
-        assert_eq!(read_json(&mut on_a)["seq"], i);
-        let ack = json!({"type": "ack", "seq": i}).to_string();
-        on_a.send(Message::Text(ack.into())).unwrap();
-    }
+    acked_commands(&mut ctl, "fe-a", "rig-pt", &mut on_a, "p", 3);
     relay.freeze_both(true);
     eventually(Duration::from_secs(15), "fe-a sees the outage", || {
         a.http("GET", "/readyz", "").0 == 503
     });
     // Make-before-break onto fe-b, which takes the lease in Redis and evicts fe-a's
     // connection: the evict waits in the partition.
-    let mut on_b = b.connect("/agent");
-    let hello = json!({"type":"hello","rig_id":"rig-pt","boot_id":boot,"version":"t","last_seq":3});
-    on_b.send(Message::Text(hello.to_string().into())).unwrap();
-    assert_eq!(read_json(&mut on_b)["type"], "welcome");
+    let mut on_b = hello_again(&b, "rig-pt", &boot, 3);
     let (status, given) = a.command("rig-pt", "n", json!({}));
     assert_eq!((status, &given["seq"]), (200, &json!(4)), "{given}");
     assert_eq!(read_json(&mut on_a)["seq"], 4);
@@ -764,17 +765,7 @@ fn after_a_partition_the_broker_a_rig_left_puts_back_the_seqs_it_gave_meanwhile(
 fn after_a_partition_a_rig_that_left_unread_commands_behind_is_given_them_by_its_new_broker() {
     let redis = RedisServer::start();
     let relay = Relay::start(redis.port());
-    let a = Broker::start(&[
-        "--redis",
-        &relay.url(),
-        "--broker-id",
-        "fe-a",
-        "--registry-refresh",
-        "200ms",
-    ]);
-    eventually(Duration::from_secs(10), "fe-a ready", || {
-        a.http("GET", "/readyz", "").0 == 200
-    });
+    let a = broker_behind(&relay, "fe-a");
     let b = fleet_broker(&redis, "fe-b", &["--registry-refresh", "200ms"]);
     let (mut on_a, boot, _) = a.rig("rig-gp");
     let (status, r) = a.command("rig-gp", "n", json!({}));
@@ -796,10 +787,7 @@ fn after_a_partition_a_rig_that_left_unread_commands_behind_is_given_them_by_its
         given.push(r["id"].clone());
     }
     drop(on_a);
-    let mut on_b = b.connect("/agent");
-    let hello = json!({"type":"hello","rig_id":"rig-gp","boot_id":boot,"version":"t","last_seq":1});
-    on_b.send(Message::Text(hello.to_string().into())).unwrap();
-    assert_eq!(read_json(&mut on_b)["type"], "welcome");
+    let mut on_b = hello_again(&b, "rig-gp", &boot, 1);
     relay.freeze_both(false);
     eventually(Duration::from_secs(15), "fe-a's copy merged", || {
         a.metric("fleetlink_registry_ops_total{op=\"rekeep_parked\",result=\"merged\"}") >= 1
