@@ -813,6 +813,63 @@ fn after_a_partition_a_rig_that_left_unread_commands_behind_is_given_them_by_its
     );
 }
 
+/// Three boots of one rig: X leaves fe-a with a command unread (parked there), Y says hello to
+/// fe-b (which reports X's command) and leaves three unread commands kept in Redis, then Z says
+/// hello to fe-a while fe-a alone cannot reach Redis. fe-a decides Z alone, knowing nothing of
+/// Y; once the partition heals, Y's commands must still be reported `rig_rebooted`, each once.
+/// Before, fe-a's hello call, sent into the partition, took the lease when it reached Redis,
+/// so no refresh found anything to report: Y's commands, answered `ok`, were never delivered
+/// nor reported.
+#[test]
+fn a_boot_decided_alone_in_a_partition_reports_the_session_of_a_boot_it_never_saw() {
+    let redis = RedisServer::start();
+    let relay = Relay::start(redis.port());
+    let a = broker_behind(&relay, "fe-a");
+    let b = fleet_broker(&redis, "fe-b", &["--registry-refresh", "200ms"]);
+    let mut ctl = Control::new(&redis, &["fleetlink:events"]);
+    let (x, _, _) = a.rig("rig-3b");
+    let (status, r) = a.command("rig-3b", "n", json!({}));
+    assert_eq!((status, &r["seq"]), (200, &json!(1)), "{r}");
+    drop(x);
+    eventually(Duration::from_secs(10), "fe-a let go of X", || {
+        owner(&redis, "rig-3b").is_none()
+    });
+    let (y, y_boot, _) = b.rig("rig-3b");
+    let mut ys = Vec::new();
+    for seq in 1..=3 {
+        let (status, r) = b.command("rig-3b", "n", json!({}));
+        assert_eq!((status, &r["seq"]), (200, &json!(seq)), "{r}");
+        ys.push(r["id"].clone());
+    }
+    drop(y);
+    eventually(Duration::from_secs(10), "fe-b let go of Y", || {
+        owner(&redis, "rig-3b").is_none()
+    });
+    // Z's hello goes into the partition before fe-a notices it, and is decided alone when its
+    // call times out; the call itself reaches Redis once the partition heals.
+    relay.freeze_both(true);
+    let (_z, z_boot, _) = a.rig("rig-3b");
+    relay.freeze_both(false);
+    for id in &ys {
+        let ev = ctl.next(|ch, v| {
+            ch == "fleetlink:events" && v["type"] == "rig_rebooted" && v["id"] == *id
+        });
+        assert_eq!(
+            (&ev["boot_id"], &ev["new_boot_id"]),
+            (&json!(y_boot), &json!(z_boot))
+        );
+    }
+    // Each once: a later refresh reports nothing more of Y.
+    eventually(Duration::from_secs(10), "a few refreshes", || {
+        a.metric("fleetlink_registry_ops_total{op=\"refresh\",result=\"ok\"}") >= 10
+    });
+    ctl.take_in();
+    let again = ctl.backlog_count(|ch, v| {
+        ch == "fleetlink:events" && v["type"] == "rig_rebooted" && v["boot_id"] == json!(y_boot)
+    });
+    assert_eq!(again, 0, "Y's commands reported twice");
+}
+
 /// A Redis that hangs while the bridge has a long pipeline of publishes in flight (a rig
 /// flooding events) is noticed within a call timeout, and the broker goes on serving from its
 /// local registry: an admin command to another rig is delivered while Redis still hangs.

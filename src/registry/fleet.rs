@@ -549,6 +549,28 @@ impl Fleet {
         }
     }
 
+    /// Each rig's latest boot on record (`sessof:<rig>`; None where there is none or it is
+    /// not a boot id), in one round trip. None when Redis is unavailable.
+    pub(crate) fn latest_boots(&mut self, rigs: &[&RigId]) -> Option<Vec<Option<BootId>>> {
+        let con = self.con.as_mut()?;
+        let mut mget = redis::cmd("MGET");
+        for rig in rigs {
+            mget.arg(sessions::pointer_key(rig));
+        }
+        match mget.query::<Vec<Option<String>>>(con) {
+            Ok(boots) => Some(
+                boots
+                    .into_iter()
+                    .map(|b| b.and_then(|b| BootId::parse(&b)))
+                    .collect(),
+            ),
+            Err(e) => {
+                self.call_failed(&e);
+                None
+            }
+        }
+    }
+
     /// For each entry, whether `rig:<rig>` names that very boot on this broker, in one round
     /// trip. None when Redis is unavailable.
     pub(crate) fn owns_many(&mut self, entries: &[(RigId, BootId)]) -> Option<Vec<bool>> {

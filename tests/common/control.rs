@@ -51,15 +51,20 @@ impl Control {
     pub fn next(&mut self, mut want: impl FnMut(&str, &Value) -> bool) -> Value {
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
-            for push in self.sub.read().unwrap() {
-                self.backlog
-                    .push_back((push.channel, serde_json::from_slice(&push.payload).unwrap()));
-            }
+            self.take_in();
             if let Some(i) = self.backlog.iter().position(|(ch, v)| want(ch, v)) {
                 return self.backlog.remove(i).map(|(_, v)| v).unwrap();
             }
             assert!(Instant::now() < deadline, "no matching message in time");
             std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+
+    /// Reads what has arrived so far into the messages not yet taken.
+    pub fn take_in(&mut self) {
+        for push in self.sub.read().unwrap() {
+            self.backlog
+                .push_back((push.channel, serde_json::from_slice(&push.payload).unwrap()));
         }
     }
 

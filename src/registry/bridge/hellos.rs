@@ -269,11 +269,11 @@ impl Bridge {
         match outcome {
             None => {
                 self.shared.count("hello", "ok");
-                self.report_parked_reboot(&rig, boot);
+                self.decide_alone(&rig, boot);
             }
             Some(None) | Some(Some(Err(_))) => {
                 self.shared.count("hello", "unavailable");
-                self.report_parked_reboot(&rig, boot);
+                self.decide_alone(&rig, boot);
             }
             Some(Some(Ok(HelloOutcome::Older { .. }))) => {
                 self.shared.count("hello", "older");
@@ -300,15 +300,23 @@ impl Bridge {
     /// reported `rig_rebooted` from here (CONTRACT.md §5), as `resume.lua` would have done, and
     /// their copies in Redis are forgotten, so that a later hello does not report them again.
     /// Before, they went unreported: dropped with the parked session.
-    fn report_parked_reboot(&mut self, rig: &RigId, boot: BootId) {
-        let Some((old, _, carried)) = self.registry.parked(rig) else {
-            return;
-        };
+    fn report_parked_reboot(&mut self, rig: &RigId, boot: BootId) -> Option<BootId> {
+        let (old, _, carried) = self.registry.parked(rig)?;
         if old >= boot {
-            return;
+            return None;
         }
         let lost: Vec<(Seq, Box<str>)> = carried.iter().map(|c| (c.seq, c.id.clone())).collect();
         self.report_reboot(rig, old, boot, lost);
+        Some(old)
+    }
+
+    /// A hello decided here without Redis: the session parked here that it ends is reported
+    /// now; one that only Redis knows, once Redis is back (`Bridge::decided_alone`).
+    fn decide_alone(&mut self, rig: &RigId, boot: BootId) {
+        let reported = self.report_parked_reboot(rig, boot);
+        if self.fleet.is_some() && !self.cfg.session_ttl.is_zero() {
+            self.decided_alone.insert((rig.clone(), boot), reported);
+        }
     }
 
     /// Reports the unacked commands of `rig`'s session of boot `old`, which boot `boot` ended:

@@ -133,6 +133,13 @@ struct Bridge {
     /// raising the session's `next` past them would refuse the winner's own commands as stale.
     /// Gone at the close, or once the session is kept again.
     unkept_high: HashMap<(RigId, BootId), Seq>,
+    /// Hellos decided here while Redis was away, with the older boot whose session parked
+    /// here they ended (reported from here, `report_parked_reboot`). The rig may have had a
+    /// boot in between on another broker, whose session only Redis knows: the first refresh
+    /// after the reconnect reports it (see `upkeep`), even where the hello's own call reached
+    /// Redis late and took the lease, so that the refresh finds nothing amiss. Gone at the
+    /// close, or at that refresh.
+    decided_alone: HashMap<(RigId, BootId), Option<BootId>>,
     /// When queued Redis writes may go out (see [`crate::registry::pace`]).
     pace: WritePace,
     /// Refused control messages that named no `reply_to`, logged at most once a second.
@@ -186,6 +193,7 @@ impl Bridge {
             rekeep_asked: HashSet::new(),
             merge_on_close: HashSet::new(),
             unkept_high: HashMap::new(),
+            decided_alone: HashMap::new(),
             pace: WritePace::new(now),
             unanswered: redis_io::UnansweredLog::default(),
             next_agg: 0,
@@ -321,6 +329,7 @@ impl Bridge {
                 let remember = recall.as_ref().filter(|_| self.fleet.is_some()).cloned();
                 // Superseded at the first refresh after a reconnect: the registry no longer
                 // holds the rig, so the session does not park; it goes back as it closed.
+                self.decided_alone.remove(&(rig.clone(), boot));
                 let high = self.unkept_high.remove(&(rig.clone(), boot));
                 let superseded = (self.merge_on_close.remove(&(rig.clone(), boot))
                     && self.registry.boot_of(&rig) != Some(boot))

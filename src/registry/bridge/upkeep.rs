@@ -132,7 +132,7 @@ impl Bridge {
         // was this broker's own: it decided the new boot's hello with the old session in hand
         // and reported that session's commands itself (`report_parked_reboot`).
         let me = self.cfg.broker_id.as_str();
-        let ended: Vec<(&RigId, &BootId)> = entries
+        let mut ended: Vec<(&RigId, &BootId)> = entries
             .iter()
             .zip(&statuses)
             .filter(|(_, s)| match s {
@@ -142,6 +142,9 @@ impl Bridge {
             })
             .map(|((rig, boot), _)| (rig, boot))
             .collect();
+        if everyone {
+            ended.extend(self.ended_unseen(&entries, &statuses));
+        }
         self.report_ended_sessions(&ended);
         for ((rig, boot), status) in entries.iter().zip(statuses) {
             // A restored lease means Redis may have lost the session too (it restarted empty);
@@ -188,6 +191,42 @@ impl Bridge {
 }
 
 impl Bridge {
+    /// Of the hellos decided here while Redis was away whose lease the first refresh after
+    /// the reconnect finds in place (their own call reached Redis late), those whose rig's
+    /// latest boot on record is an older one this broker did not report itself: a boot in
+    /// between, on another broker. Its session is reported as the hello would have.
+    fn ended_unseen<'a>(
+        &mut self,
+        entries: &'a [(RigId, BootId)],
+        statuses: &[RefreshStatus],
+    ) -> Vec<(&'a RigId, &'a BootId)> {
+        let alone = std::mem::take(&mut self.decided_alone);
+        let unseen: Vec<(&RigId, &BootId, Option<BootId>)> = entries
+            .iter()
+            .zip(statuses)
+            .filter(|(_, s)| matches!(s, RefreshStatus::Ok))
+            .filter_map(|((rig, boot), _)| {
+                let reported = alone.get(&(rig.clone(), *boot))?;
+                Some((rig, boot, *reported))
+            })
+            .collect();
+        if unseen.is_empty() {
+            return Vec::new();
+        }
+        let rigs: Vec<&RigId> = unseen.iter().map(|(rig, _, _)| *rig).collect();
+        let Some(latest) = self.fleet.as_mut().and_then(|f| f.latest_boots(&rigs)) else {
+            return Vec::new();
+        };
+        unseen
+            .into_iter()
+            .zip(latest)
+            .filter(|((_, boot, reported), latest)| {
+                latest.is_some_and(|b| b < **boot && Some(b) != *reported)
+            })
+            .map(|((rig, boot, _), _)| (rig, boot))
+            .collect()
+    }
+
     /// Reports the older sessions these rigs' boots ended while Redis could not say so at
     /// their hellos (a refresh found the lease `Taken` from an older boot, or `Outlived`
     /// one), through `resume.lua` as the hellos would have (CONTRACT.md §5). Their removals
