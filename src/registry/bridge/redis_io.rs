@@ -287,7 +287,7 @@ impl Bridge {
                         "the broker shut down before the command was kept or written"
                     }
                     Kept::Stale(_) => {
-                        "another broker gave the rig this seq while Redis was away from this one; send the command again"
+                        "another broker gave the rig this seq while this broker could not reach Redis (an outage or a restart); send the command again"
                     }
                     _ => "another broker owns this rig now",
                 };
