@@ -110,9 +110,7 @@ impl Bridge {
                 leased = matches!(outcome, Some(Some(Ok(HelloOutcome::Owned { .. }))));
                 self.decide_hello(h.conn, h.rig.clone(), h.boot, h.labels, outcome)
             };
-            let accepted = actions.iter().any(|a| {
-                matches!(a, Action::Core(c, ToCore::Verdict { verdict: Verdict::Accept { .. }, .. }) if *c == h.conn)
-            });
+            let accepted = accepts(&actions, h.conn);
             let handover = !accepted && self.registry.awaits_handover(&h.rig, h.conn);
             decided.push(Decided {
                 conn: h.conn,
@@ -266,14 +264,19 @@ impl Bridge {
         labels: Vec<(String, String)>,
         outcome: Option<Option<Result<HelloOutcome, String>>>,
     ) -> Vec<Action> {
-        match outcome {
+        let alone = match outcome {
             None => {
                 self.shared.count("hello", "ok");
-                self.decide_alone(&rig, boot);
+                self.report_parked_reboot(&rig, boot);
+                None
             }
             Some(None) | Some(Some(Err(_))) => {
                 self.shared.count("hello", "unavailable");
-                self.decide_alone(&rig, boot);
+                let reported = self.report_parked_reboot(&rig, boot);
+                // Redis is away: a session of a boot in between, which only Redis knows, is
+                // reported once it is back (`Bridge::decided_alone`), if the hello is taken.
+                let wanted = !self.cfg.session_ttl.is_zero();
+                wanted.then_some((rig.clone(), reported))
             }
             Some(Some(Ok(HelloOutcome::Older { .. }))) => {
                 self.shared.count("hello", "older");
@@ -290,9 +293,16 @@ impl Bridge {
                 if let Some(prev) = previous {
                     self.evict(&rig, boot, &prev);
                 }
+                None
+            }
+        };
+        let actions = self.registry.hello(conn, rig, boot, labels);
+        if let Some((rig, reported)) = alone {
+            if accepts(&actions, conn) {
+                self.decided_alone.insert((rig, boot), reported);
             }
         }
-        self.registry.hello(conn, rig, boot, labels)
+        actions
     }
 
     /// Redis is away, so this broker decides a new boot's hello alone, and the session it keeps
@@ -308,15 +318,6 @@ impl Bridge {
         let lost: Vec<(Seq, Box<str>)> = carried.iter().map(|c| (c.seq, c.id.clone())).collect();
         self.report_reboot(rig, old, boot, lost);
         Some(old)
-    }
-
-    /// A hello decided here without Redis: the session parked here that it ends is reported
-    /// now; one that only Redis knows, once Redis is back (`Bridge::decided_alone`).
-    fn decide_alone(&mut self, rig: &RigId, boot: BootId) {
-        let reported = self.report_parked_reboot(rig, boot);
-        if self.fleet.is_some() && !self.cfg.session_ttl.is_zero() {
-            self.decided_alone.insert((rig.clone(), boot), reported);
-        }
     }
 
     /// Reports the unacked commands of `rig`'s session of boot `old`, which boot `boot` ended:
@@ -446,6 +447,13 @@ impl Bridge {
         }
         actions
     }
+}
+
+/// Whether `actions` welcome `conn`.
+fn accepts(actions: &[Action], conn: ConnId) -> bool {
+    actions.iter().any(|a| {
+        matches!(a, Action::Core(c, ToCore::Verdict { verdict: Verdict::Accept { .. }, .. }) if *c == conn)
+    })
 }
 
 /// The `id` inside an encoded command (for replayed commands' bookkeeping).
