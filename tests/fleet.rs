@@ -582,20 +582,11 @@ fn after_an_outage_a_seq_delivered_unkept_by_a_superseded_broker_is_not_given_ag
     let b = fleet_broker(&redis, "fe-b", &quick);
     let (mut on_a, boot, _) = a.rig("rig-sv");
     let mut ctl = Control::new(&redis, &[]);
-    for i in 1..=3 {
-        let r = ctl.command_id("fe-a", "rig-sv", &format!("v{i}"), "n", json!({}));
-        assert_eq!(r["seq"], i, "{r}");
-        assert_eq!(read_json(&mut on_a)["seq"], i);
-        let ack = json!({"type": "ack", "seq": i}).to_string();
-        on_a.send(Message::Text(ack.into())).unwrap();
-    }
+    acked_commands(&mut ctl, "fe-a", "rig-sv", &mut on_a, "v", 3);
     // The hello goes to Redis at once, and is only run there when Redis comes back: fe-b
     // decides alone when the call times out.
     redis.freeze(true);
-    let mut on_b = b.connect("/agent");
-    let hello = json!({"type":"hello","rig_id":"rig-sv","boot_id":boot,"version":"t","last_seq":3});
-    on_b.send(Message::Text(hello.to_string().into())).unwrap();
-    assert_eq!(read_json(&mut on_b)["type"], "welcome");
+    let mut on_b = hello_again(&b, "rig-sv", &boot, 3);
     let (status, body) = a.http(
         "POST",
         "/v1/rigs/rig-sv/commands",
