@@ -67,9 +67,7 @@ struct Line {
 
 impl Line {
     fn push(&mut self, cmd: SeqCommand) {
-        self.bytes += cmd.json.len();
-        charge(cmd.json.len(), 0);
-        self.cmds.push_back(cmd);
+        self.insert(self.cmds.len(), cmd);
     }
 
     fn insert(&mut self, pos: usize, cmd: SeqCommand) {
