@@ -18,6 +18,12 @@
 --                      wrote a newer truth there). When a newer boot of the rig is known (the
 --                      lease or sessof names one), the session has ended instead (CONTRACT.md
 --                      section 5): its commands are reported, not replayed (see "reported")
+--            "ended|<boot_id>"  a session parked here that the rig's newer boot <boot_id>
+--                      ended: its hello was decided here while Redis was away. Whether a boot
+--                      in between, on another broker, has reported the session already, only
+--                      Redis knows (its tombstone), so this broker reports through here: what
+--                      is left to report is, and the session becomes a tombstone (see
+--                      "reported"). Never fenced: a report is owed whoever holds the rig
 -- ARGV[5]  the rig_rebooted events' "at": the broker's clock, RFC 3339
 -- ARGV[6], ARGV[7], ...  seq, command JSON (exactly as sent), for each command not yet acked
 --
@@ -38,6 +44,10 @@
 --             lost the session altogether and all of them were never reported. Each of those
 --             n is published as a rig_rebooted event, in seq order, and the tombstone's
 --             "next" raised past them, so a second call reports nothing twice
+--             ended: every command this broker holds, and every one Redis holds that it
+--             numbered past ARGV[3] (the same boot went on at another broker meanwhile) is
+--             reported, unless a tombstone says they were (then only those at or above its
+--             "next"); the session is cut down to a tombstone naming the ending boot
 --   "merged"  parked, and the lease names this same boot on another broker: the rig went on
 --             with this session there while Redis was away from one of them. The commands
 --             Redis never numbered (at or above its "next") are added (HSETNX: never over
@@ -55,8 +65,9 @@ if #KEYS ~= 3 or #ARGV < 5 or (#ARGV - 5) % 2 ~= 0 or not count(ttl) or ttl:matc
     or type(tuple) ~= 'string' or not count(nxt) then
   return redis.error_reply('ERR fleetlink rekeep: expected KEYS lease, session, pointer; ARGV ttl_ms, tuple, next, mode, at, then seq/json pairs')
 end
-if mode ~= 'live' and mode ~= 'parked' then
-  return redis.error_reply('ERR fleetlink rekeep: mode must be live or parked')
+local ended = mode:match('^ended|(%x+%-%x+%-%x+%-%x+%-%x+)$')
+if mode ~= 'live' and mode ~= 'parked' and not ended then
+  return redis.error_reply('ERR fleetlink rekeep: mode must be live, parked or ended|<boot_id>')
 end
 local boot = tuple:match('^([^|]+)|')
 if not boot then
@@ -116,6 +127,46 @@ local function report(rig, ended_by, from)
   return #order, top
 end
 
+-- Mode "ended": the report this broker owes, made once whoever reported first.
+local function report_ended(sess)
+  local rig = KEYS[1]:match('^rig:(.+)$') or ''
+  local f = redis.pcall('HGETALL', sess)
+  local fields = {}
+  if type(f) == 'table' and not f.err then
+    for i = 1, #f, 2 do
+      fields[f[i]] = f[i + 1]
+    end
+  end
+  local kept_next = tonumber(fields['next'] or '0') or 0
+  local gone = fields['gone']
+  if type(gone) == 'string' then
+    local n, top = report(rig, gone, kept_next)
+    redis.call('HSET', sess, 'next', string.format('%.0f', math.max(kept_next, top + 1)))
+    redis.call('PEXPIRE', sess, ttl)
+    return 'reported|' .. n
+  end
+  -- Commands Redis holds numbered past what this broker holds: the same boot went on at
+  -- another broker while each decided alone. Below that, one Redis holds and this broker
+  -- does not was acked here (its removal may not have reached Redis yet).
+  local mine = {}
+  for i = 6, #ARGV, 2 do
+    mine[ARGV[i]] = true
+  end
+  for field, value in pairs(fields) do
+    local seq = field:match('^c:(%d+)$')
+    if seq and #seq <= 15 and not mine[seq] and tonumber(seq) >= tonumber(nxt) then
+      ARGV[#ARGV + 1] = seq
+      ARGV[#ARGV + 1] = value
+    end
+  end
+  local n, top = report(rig, ended, 0)
+  redis.call('DEL', sess)
+  redis.call('HSET', sess, 'gone', ended, 'next',
+      string.format('%.0f', math.max(kept_next, tonumber(nxt), top + 1)))
+  redis.call('PEXPIRE', sess, ttl)
+  return 'reported|' .. n
+end
+
 -- Writes the commands, raises "next" to ARGV[3] (never lowers it) and sets the TTL; returns
 -- "next" as it was. `merge`: into a session another broker holds, only the commands Redis
 -- never numbered (at or above its "next": delivered while this broker could not reach it),
@@ -136,6 +187,9 @@ local function write(sess, merge)
   return have
 end
 
+if ended then
+  return report_ended(KEYS[2])
+end
 -- pcall: a lease key of another type answers WRONGTYPE as a table: someone else's.
 local lease = redis.pcall('GET', KEYS[1])
 local sess = KEYS[2]

@@ -807,10 +807,11 @@ fn after_a_partition_a_rig_that_left_unread_commands_behind_is_given_them_by_its
 /// Three boots of one rig: X leaves fe-a with a command unread (parked there), Y says hello to
 /// fe-b (which reports X's command) and leaves three unread commands kept in Redis, then Z says
 /// hello to fe-a while fe-a alone cannot reach Redis. fe-a decides Z alone, knowing nothing of
-/// Y; once the partition heals, Y's commands must still be reported `rig_rebooted`, each once.
-/// Before, fe-a's hello call, sent into the partition, took the lease when it reached Redis,
-/// so no refresh found anything to report: Y's commands, answered `ok`, were never delivered
-/// nor reported.
+/// Y; once the partition heals, Y's commands must still be reported `rig_rebooted`, each once,
+/// and X's not again. Before, fe-a's hello call, sent into the partition, took the lease when
+/// it reached Redis, so no refresh found anything to report: Y's commands, answered `ok`, were
+/// never delivered nor reported. And fe-a reported X's command a second time, from the
+/// session it held parked.
 #[test]
 fn a_boot_decided_alone_in_a_partition_reports_the_session_of_a_boot_it_never_saw() {
     let redis = RedisServer::start();
@@ -818,9 +819,10 @@ fn a_boot_decided_alone_in_a_partition_reports_the_session_of_a_boot_it_never_sa
     let a = broker_behind(&relay, "fe-a");
     let b = fleet_broker(&redis, "fe-b", &["--registry-refresh", "200ms"]);
     let mut ctl = Control::new(&redis, &["fleetlink:events"]);
-    let (x, _, _) = a.rig("rig-3b");
+    let (x, x_boot, _) = a.rig("rig-3b");
     let (status, r) = a.command("rig-3b", "n", json!({}));
     assert_eq!((status, &r["seq"]), (200, &json!(1)), "{r}");
+    let x_cmd = r["id"].clone();
     drop(x);
     eventually(Duration::from_secs(10), "fe-a let go of X", || {
         owner(&redis, "rig-3b").is_none()
@@ -850,7 +852,8 @@ fn a_boot_decided_alone_in_a_partition_reports_the_session_of_a_boot_it_never_sa
             (&json!(y_boot), &json!(z_boot))
         );
     }
-    // Each once: a later refresh reports nothing more of Y.
+    // Each once: a later refresh reports nothing more of Y, and fe-a's parked X, put to Redis
+    // once it answers, finds X reported already.
     eventually(Duration::from_secs(10), "a few refreshes", || {
         a.metric("fleetlink_registry_ops_total{op=\"refresh\",result=\"ok\"}") >= 10
     });
@@ -859,6 +862,18 @@ fn a_boot_decided_alone_in_a_partition_reports_the_session_of_a_boot_it_never_sa
         ch == "fleetlink:events" && v["type"] == "rig_rebooted" && v["boot_id"] == json!(y_boot)
     });
     assert_eq!(again, 0, "Y's commands reported twice");
+    let of_x = |id: Option<&Value>| {
+        ctl.backlog_count(|_, v| {
+            v["type"] == "rig_rebooted"
+                && v["boot_id"] == json!(x_boot)
+                && id.is_none_or(|id| v["id"] == *id && v["new_boot_id"] == json!(y_boot))
+        })
+    };
+    assert_eq!(
+        (of_x(None), of_x(Some(&x_cmd))),
+        (1, 1),
+        "X's command, once, by Y"
+    );
 }
 
 /// A Redis that hangs while the bridge has a long pipeline of publishes in flight (a rig

@@ -12,7 +12,7 @@ use common::control::Control;
 use common::redis::RedisServer;
 use common::relay::Relay;
 use fleetlink::ids::{BootId, RigId, Seq};
-use fleetlink::registry::sessions::{Kept, Persist, Rekeep, Rekept, SessionScripts};
+use fleetlink::registry::sessions::{Kept, Persist, Rekeep, RekeepMode, Rekept, SessionScripts};
 use redis::Commands;
 use serde_json::{json, Value};
 use tungstenite::Message;
@@ -1341,7 +1341,7 @@ fn rekeep_is_fenced_and_never_lowers_next() {
         boot: &boot,
         next: Seq(next),
         cmds: vec![(Seq(5), b"{\"seq\":5}".as_slice())],
-        parked: false,
+        mode: RekeepMode::Live,
     };
     let kept = scripts
         .rekeep(
@@ -1430,7 +1430,7 @@ fn rekeep_of_a_parked_session_is_written_only_where_no_one_else_holds_the_rig() 
         boot: &boot,
         next: Seq(3),
         cmds: vec![(Seq(1), b"c1".as_slice()), (Seq(2), b"c2".as_slice())],
-        parked: true,
+        mode: RekeepMode::Parked,
     };
     let kept = scripts
         .rekeep(
@@ -1481,7 +1481,7 @@ fn rekeep_of_a_parked_session_is_written_only_where_no_one_else_holds_the_rig() 
 
     // A connected rig's session is not written without its lease, even where none exists.
     let live = Rekeep {
-        parked: false,
+        mode: RekeepMode::Live,
         ..parked(&c)
     };
     let _: () = con.del(sess(&c)).unwrap();
@@ -1538,7 +1538,7 @@ fn a_parked_session_a_newer_boot_ended_is_reported_once_whichever_runs_first() {
                 .map(Seq)
                 .zip(cmds.map(str::as_bytes))
                 .collect(),
-            parked: true,
+            mode: RekeepMode::Parked,
         }
     }
     let cmds = [c1.as_str(), c3.as_str(), c4.as_str()];
@@ -1656,6 +1656,131 @@ fn a_parked_session_a_newer_boot_ended_is_reported_once_whichever_runs_first() {
         .rekeep(&mut con, &[parked(&rig, &old, cmds)], "fe-a", ttl, AT)
         .unwrap();
     assert_eq!(kept, [Rekept::Kept]);
+}
+
+/// A broker decided a new boot's hello alone while Redis was away, ending the old session it
+/// held parked (commands 1, 3 and 4; 2 was acked there). Once Redis is back it owes that
+/// session's report, and reports through `rekeep.lua` (mode `ended`): what a boot in between
+/// reported already (its tombstone) is not reported again; otherwise everything it holds is,
+/// with what Redis numbered past it (the same boot went on elsewhere), but not what it acked.
+#[test]
+fn a_session_a_hello_decided_alone_ended_is_reported_once_through_redis() {
+    let redis = RedisServer::start();
+    let mut con = redis.connection();
+    let scripts = SessionScripts::new();
+    let mut ctl = Control::new(&redis, &["fleetlink:events"]);
+    let ttl = Duration::from_secs(60);
+    let rig = RigId::parse("rig-e").unwrap();
+    let cmd = |seq: u64| format!("{{\"seq\":{seq},\"id\":\"c{seq}\"}}");
+    let held: Vec<String> = [1, 3, 4].map(cmd).into();
+    let ended = |old: &BootId, by: &BootId| {
+        let session = Rekeep {
+            rig: &rig,
+            boot: old,
+            next: Seq(5),
+            cmds: [1, 3, 4]
+                .into_iter()
+                .map(Seq)
+                .zip(held.iter().map(|c| c.as_bytes()))
+                .collect(),
+            mode: RekeepMode::EndedBy(*by),
+        };
+        scripts
+            .rekeep(&mut redis.connection(), &[session], "fe-a", ttl, AT)
+            .unwrap()
+    };
+    // Each rig_rebooted event up to a marker published now: (seq, new_boot_id).
+    let reported = |ctl: &mut Control, old: &BootId| {
+        ctl.publish("fleetlink:events", json!({"type": "marker"}));
+        let mut out = Vec::new();
+        loop {
+            let ev = ctl.next(|ch, v| {
+                ch == "fleetlink:events" && (v["type"] == "rig_rebooted" || v["type"] == "marker")
+            });
+            if ev["type"] == "marker" {
+                return out;
+            }
+            assert_eq!(
+                (&ev["boot_id"], &ev["rig_id"]),
+                (&json!(old.to_string()), &json!("rig-e")),
+                "{ev}"
+            );
+            assert_eq!(ev["id"], format!("c{}", ev["seq"]), "{ev}");
+            out.push((ev["seq"].as_u64().unwrap(), ev["new_boot_id"].clone()));
+        }
+    };
+    let boots = || {
+        let mut b = [boot_id(), boot_id(), boot_id()].map(|b| BootId::parse(&b).unwrap());
+        b.sort();
+        b
+    };
+
+    // A boot in between (y) said hello elsewhere: resume.lua reported 1 and 3 and left the
+    // tombstone. Only 4, delivered while Redis was away, is left, reported as y ended it.
+    let [x, y, z] = boots();
+    let _: () = con
+        .hset_multiple(
+            format!("sess:rig-e:{x}"),
+            &[
+                ("next", "4"),
+                ("c:1", held[0].as_str()),
+                ("c:3", held[1].as_str()),
+            ],
+        )
+        .unwrap();
+    let _: () = con.set("sessof:rig-e", x.to_string()).unwrap();
+    let found = scripts.resume(&mut con, &rig, &y, ttl, "fe-b").unwrap();
+    assert_eq!(found.rebooted, 2);
+    assert_eq!(reported(&mut ctl, &x).len(), 2);
+    assert_eq!(ended(&x, &z), [Rekept::Reported(1)]);
+    assert_eq!(reported(&mut ctl, &x), [(4, json!(y.to_string()))]);
+    assert_eq!(ended(&x, &z), [Rekept::Reported(0)], "nothing twice");
+    assert_eq!(reported(&mut ctl, &x), []);
+
+    // No report yet. Redis holds 1, 2 (acked here: its removal never reached Redis) and 5,
+    // which another broker numbered for the same boot meanwhile. All but 2 are reported, as
+    // z ended them, and a later hello of z finds nothing more to report.
+    let _: () = redis::cmd("FLUSHALL").query(&mut con).unwrap();
+    let [x, _, z] = boots();
+    let c2 = cmd(2);
+    let c5 = cmd(5);
+    let _: () = con
+        .hset_multiple(
+            format!("sess:rig-e:{x}"),
+            &[
+                ("next", "6"),
+                ("c:1", held[0].as_str()),
+                ("c:2", &c2),
+                ("c:5", &c5),
+            ],
+        )
+        .unwrap();
+    let _: () = con.set("sessof:rig-e", x.to_string()).unwrap();
+    let _: () = con.set("rig:rig-e", format!("{x}|fe-a")).unwrap();
+    assert_eq!(ended(&x, &z), [Rekept::Reported(4)]);
+    let by_z = json!(z.to_string());
+    assert_eq!(
+        reported(&mut ctl, &x),
+        [1, 3, 4, 5].map(|seq| (seq, by_z.clone()))
+    );
+    let tomb: HashMap<String, String> = con.hgetall(format!("sess:rig-e:{x}")).unwrap();
+    assert_eq!(tomb.get("gone"), Some(&z.to_string()), "{tomb:?}");
+    assert_eq!(tomb.get("next").map(String::as_str), Some("6"), "{tomb:?}");
+    assert_eq!(tomb.len(), 2, "{tomb:?}");
+    let found = scripts.resume(&mut con, &rig, &z, ttl, "fe-a").unwrap();
+    assert_eq!(found.rebooted, 0);
+    assert_eq!(ended(&x, &z), [Rekept::Reported(0)], "nothing twice");
+    assert_eq!(reported(&mut ctl, &x), []);
+
+    // Redis lost the session: everything held here is reported.
+    let _: () = redis::cmd("FLUSHALL").query(&mut con).unwrap();
+    let [x, _, z] = boots();
+    assert_eq!(ended(&x, &z), [Rekept::Reported(3)]);
+    let by_z = json!(z.to_string());
+    assert_eq!(
+        reported(&mut ctl, &x),
+        [1, 3, 4].map(|seq| (seq, by_z.clone()))
+    );
 }
 
 /// The session under `key` holds commands 1 and 2 and numbers the next one 3.

@@ -127,10 +127,29 @@ pub struct Rekeep<'a> {
     pub next: Seq,
     /// Its commands not yet acked, as sent to the rig.
     pub cmds: Vec<(Seq, &'a [u8])>,
+    /// How it is fenced.
+    pub mode: RekeepMode,
+}
+
+/// Whose session a [`Rekeep`] is, which decides how `rekeep.lua` fences it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RekeepMode {
+    /// A rig connected here: written only under its lease.
+    Live,
     /// The rig is not connected here: the broker holds the session parked for its return, and
     /// its lease was released (or lost). Then no lease is ours to fence by, and the session
-    /// is written only where no one else holds the rig (`rekeep.lua`, mode `parked`).
-    pub parked: bool,
+    /// is written only where no one else holds the rig.
+    Parked,
+    /// A session parked here that this newer boot of the rig ended, its hello decided here
+    /// while Redis was away: reported, what no report has covered yet, and never written back.
+    EndedBy(BootId),
+}
+
+impl RekeepMode {
+    /// Not a connected rig's: fenced as a parked session is.
+    pub fn parked(self) -> bool {
+        self != RekeepMode::Live
+    }
 }
 
 /// What `rekeep.lua` did with one session.
@@ -204,7 +223,11 @@ impl SessionScripts {
                     .arg(ttl_ms(ttl))
                     .arg(tuple(s.boot, broker_id))
                     .arg(s.next.0)
-                    .arg(if s.parked { "parked" } else { "live" })
+                    .arg(match s.mode {
+                        RekeepMode::Live => "live".to_string(),
+                        RekeepMode::Parked => "parked".to_string(),
+                        RekeepMode::EndedBy(boot) => format!("ended|{boot}"),
+                    })
                     .arg(at);
                 for (seq, json) in &s.cmds {
                     call.arg(seq.0).arg(*json);

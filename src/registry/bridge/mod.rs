@@ -134,12 +134,15 @@ struct Bridge {
     /// Gone at the close, or once the session is kept again.
     unkept_high: HashMap<(RigId, BootId), Seq>,
     /// Hellos decided here while Redis was away, with the older boot whose session parked
-    /// here they ended (reported from here, `report_parked_reboot`). The rig may have had a
+    /// here they ended (this broker reports it: `report_parked_reboot`, or through Redis once
+    /// it is back, `ended_alone`). The rig may have had a
     /// boot in between on another broker, whose session only Redis knows: the first refresh
     /// after the reconnect reports it (see `upkeep`), even where the hello's own call reached
     /// Redis late and took the lease, so that the refresh finds nothing amiss. Gone at the
     /// close, or at that refresh.
     decided_alone: HashMap<(RigId, BootId), Option<BootId>>,
+    /// Parked sessions those hellos ended, waiting for Redis to say what is left to report.
+    ended_alone: rekeeps::EndedAlone,
     /// When queued Redis writes may go out (see [`crate::registry::pace`]).
     pace: WritePace,
     /// Refused control messages that named no `reply_to`, logged at most once a second.
@@ -194,6 +197,7 @@ impl Bridge {
             merge_on_close: HashSet::new(),
             unkept_high: HashMap::new(),
             decided_alone: HashMap::new(),
+            ended_alone: rekeeps::EndedAlone::default(),
             pace: WritePace::new(now),
             unanswered: redis_io::UnansweredLog::default(),
             next_agg: 0,

@@ -16,7 +16,7 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use super::Bridge;
 use crate::ids::{BootId, RigId, Seq};
 use crate::registry::msg::{RekeepReq, ToCore};
-use crate::registry::sessions::{Rekeep, Rekept};
+use crate::registry::sessions::{Rekeep, RekeepMode, Rekept};
 
 /// Sessions put back into Redis per pass of the bridge loop (see `Bridge::rekeep_sessions`).
 const REKEEP_PER_PASS: usize = 2000;
@@ -35,6 +35,61 @@ pub(super) enum Pending {
     /// so kept as it closed. Written as a parked session is (`rekeep.lua` merges it into the
     /// rig's session there: it may hold commands delivered while Redis was away).
     Superseded(RekeepReq),
+    /// A session parked here that the newer boot `by`, its hello decided here while Redis
+    /// was away, ended (see [`EndedAlone`]): `rekeep.lua` reports what no report covered.
+    Ended { req: RekeepReq, by: BootId },
+}
+
+/// The bytes [`EndedAlone`] may hold; past them, an ended session is reported from here at
+/// once, as before Redis had a say (a report another broker made may then repeat).
+const ENDED_ALONE_BYTES: usize = 256 << 20;
+
+/// Sessions parked here that a newer boot's hello ended while Redis was away, waiting for
+/// Redis. Only Redis knows whether a boot in between, on another broker, has reported them
+/// already (its tombstone), so they go back through `rekeep.lua` rather than being reported
+/// from here. Bounded by bytes; each leaves once Redis has answered for it.
+#[derive(Default)]
+pub(super) struct EndedAlone {
+    /// Each session, with the boot that ended it.
+    sessions: HashMap<(RigId, BootId), (RekeepReq, BootId)>,
+    bytes: usize,
+}
+
+impl EndedAlone {
+    fn cost(r: &RekeepReq) -> usize {
+        r.cmds
+            .iter()
+            .map(|(_, json)| json.len() + 32)
+            .sum::<usize>()
+            + 64
+    }
+
+    /// Holds `r`, which boot `by` ended, until Redis answers; false (and not held) when there
+    /// is no room.
+    pub(super) fn push(&mut self, r: RekeepReq, by: BootId) -> bool {
+        if self.bytes + Self::cost(&r) > ENDED_ALONE_BYTES {
+            return false;
+        }
+        self.put_back(r, by);
+        true
+    }
+
+    /// Holds `r` whatever the room: pushed before, and sent while Redis went away again.
+    fn put_back(&mut self, r: RekeepReq, by: BootId) {
+        self.bytes += Self::cost(&r);
+        if let Some((was, _)) = self.sessions.insert((r.rig.clone(), r.boot), (r, by)) {
+            self.bytes -= Self::cost(&was);
+        }
+    }
+
+    pub(super) fn take_all(&mut self) -> Vec<(RekeepReq, BootId)> {
+        self.bytes = 0;
+        self.sessions.drain().map(|(_, v)| v).collect()
+    }
+
+    pub(super) fn is_empty(&self) -> bool {
+        self.sessions.is_empty()
+    }
 }
 
 /// Sessions to put back, oldest first; a newer copy of a queued session replaces it in place.
@@ -101,7 +156,7 @@ impl Rekeeps {
                 self.latest.remove(&key);
                 Some(release)
             }
-            Pending::Live(_) | Pending::Superseded(_) => None,
+            Pending::Live(_) | Pending::Superseded(_) | Pending::Ended { .. } => None,
         }
     }
 
@@ -153,6 +208,18 @@ impl Bridge {
         }
     }
 
+    /// Redis answers again: the sessions a hello decided alone ended go back to it (see
+    /// [`EndedAlone`]).
+    pub(super) fn queue_ended_alone(&mut self) {
+        if self.ended_alone.is_empty() || !self.fleet.as_ref().is_some_and(|f| f.is_up()) {
+            return;
+        }
+        for (req, by) in self.ended_alone.take_all() {
+            self.rekeeps
+                .insert((req.rig.clone(), req.boot), Pending::Ended { req, by });
+        }
+    }
+
     /// Puts back the sessions queued after a reconnect or a restored lease, a pass's worth.
     pub(super) fn rekeep_sessions(&mut self) {
         if self.rekeeps.is_empty() {
@@ -201,15 +268,21 @@ impl Bridge {
         let mut sessions = Vec::with_capacity(taken.len());
         for (rig, boot, pending) in &taken {
             match pending {
-                Pending::Live(r) | Pending::Superseded(r) => sessions.push(Rekeep {
-                    rig,
-                    boot,
-                    next: r.next,
-                    cmds: r.cmds.iter().map(|(seq, json)| (*seq, &json[..])).collect(),
-                    // A superseded connection's session is no longer held here: fenced as a
-                    // parked one is.
-                    parked: matches!(pending, Pending::Superseded(_)),
-                }),
+                Pending::Live(r) | Pending::Superseded(r) | Pending::Ended { req: r, .. } => {
+                    sessions.push(Rekeep {
+                        rig,
+                        boot,
+                        next: r.next,
+                        cmds: r.cmds.iter().map(|(seq, json)| (*seq, &json[..])).collect(),
+                        mode: match pending {
+                            Pending::Live(_) => RekeepMode::Live,
+                            Pending::Ended { by, .. } => RekeepMode::EndedBy(*by),
+                            // A superseded connection's session is no longer held here:
+                            // fenced as a parked one is.
+                            _ => RekeepMode::Parked,
+                        },
+                    })
+                }
                 Pending::Parked { release } => {
                     if *release {
                         releases.push((rig.clone(), *boot));
@@ -232,12 +305,12 @@ impl Bridge {
                             .filter(|c| !c.held)
                             .map(|c| (c.seq, &c.json[..]))
                             .collect(),
-                        parked: true,
+                        mode: RekeepMode::Parked,
                     });
                 }
             }
         }
-        let parked: Vec<bool> = sessions.iter().map(|s| s.parked).collect();
+        let parked: Vec<bool> = sessions.iter().map(|s| s.mode.parked()).collect();
         let whose: Vec<(RigId, BootId, Seq)> = sessions
             .iter()
             .map(|s| (s.rig.clone(), *s.boot, s.next))
@@ -275,6 +348,14 @@ impl Bridge {
                 None => "unavailable",
             };
             self.shared.count(op, result);
+        }
+        // Redis away again: an ended session waits for it, as it did before this try.
+        if kept.is_none() {
+            for (_, _, pending) in taken {
+                if let Pending::Ended { req, by } = pending {
+                    self.ended_alone.put_back(req, by);
+                }
+            }
         }
         // Redis away again: the release waits in the queue as any other, and the next
         // reconnect takes it back again with its session.
@@ -469,6 +550,40 @@ mod tests {
         let seqs: Vec<u64> = r.cmds.iter().map(|(s, _)| s.0).collect();
         assert_eq!((r.next, seqs), (Seq(5), vec![4]));
         assert!(evicted_after(None).is_none());
+    }
+
+    /// A session a hello decided alone ended waits for Redis, within its bytes: queued only
+    /// while Redis is up, and held again when Redis goes away before it is written.
+    #[test]
+    fn an_ended_session_waits_for_redis_within_its_bytes() {
+        let newer = BootId::parse("0190f5c2-0000-7000-8000-000000000002").expect("boot");
+        let ended = |len: usize| RekeepReq {
+            cmds: vec![(Seq(1), vec![b' '; len].into())],
+            ..req("rig-x", 2)
+        };
+        let mut held = EndedAlone::default();
+        assert!(!held.push(ended(ENDED_ALONE_BYTES), newer), "no room");
+        assert!(held.is_empty());
+        assert!(held.push(ended(10), newer));
+
+        let (mut b, _core) = bridge();
+        assert!(b.ended_alone.push(ended(10), newer));
+        b.queue_ended_alone();
+        assert!(
+            !b.ended_alone.is_empty() && b.rekeeps.is_empty(),
+            "Redis is away"
+        );
+        let r = ended(10);
+        b.rekeeps.insert(
+            (r.rig.clone(), r.boot),
+            Pending::Ended { req: r, by: newer },
+        );
+        b.ended_alone.take_all();
+        b.rekeep_sessions();
+        assert_eq!(counted(&b, ("rekeep_parked", "unavailable")), 1);
+        let back = b.ended_alone.take_all();
+        assert_eq!(back.len(), 1, "held again");
+        assert_eq!((back[0].0.boot, back[0].1), (boot(), newer));
     }
 
     /// The release of a parked session's lease waits for the session to be put back: sent

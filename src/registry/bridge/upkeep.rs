@@ -107,6 +107,7 @@ impl Bridge {
             self.rekeep_asked.clear();
             self.queue_parked_rekeeps();
         }
+        self.queue_ended_alone();
         let entries = self.registry.live_sessions();
         if entries.is_empty() {
             return;
