@@ -711,27 +711,34 @@ fn check_tcp_mem(host: &HostSettings, n: u64) -> Finding {
     if pressure >= busy && high >= busy && !over_cap {
         return Finding::ok(SETTING, current, needed);
     }
-    let [low, pressure, high] = suggested_tcp_mem(n, cap);
+    let suggested = suggested_tcp_mem(n, cap, [low, pressure, high]);
+    let [low, pressure, high] = suggested;
     let mut fix = format!(
         "sysctl -w net.ipv4.tcp_mem=\"{low} {pressure} {high}\" and persist it in /etc/sysctl.d/99-fleetlink.conf"
     );
     if pressure < busy {
-        fix.push_str(&format!(" (N, 2N, 3N pages scaled down to a quarter of RAM: a command to every rig will put TCP under memory pressure; hold ≤ {} rigs per host to avoid it)", pressure / PAGES_PER_BUSY_CONN));
+        fix.push_str(&format!(" (scaled 1 : 2 : 3 down to a quarter of RAM: a command to every rig will put TCP under memory pressure; hold ≤ {} rigs per host to avoid it)", pressure / PAGES_PER_BUSY_CONN));
+    } else if cap == Some(high) {
+        fix.push_str(" (scaled 1 : 2 : 3 down to a quarter of RAM)");
     } else {
-        fix.push_str(" (N, 2N, 3N pages)");
+        fix.push_str(" (N, 2N, 3N pages, and no value below the current one)");
     }
     Finding::warn(SETTING, current, needed, fix)
 }
 
-/// `tcp_mem` to suggest, in pages: N, 2N, 3N; all three scaled down together (1 : 2 : 3) when
-/// 3N pages would be more than `cap`, a quarter of RAM.
-fn suggested_tcp_mem(n: u64, cap: Option<u64>) -> [u64; 3] {
+/// `tcp_mem` to suggest, in pages: N, 2N, 3N, or the current value where it is larger (a
+/// fix that shrinks TCP's memory below what the host has would starve everything else on
+/// it); all three scaled down together (1 : 2 : 3) when `high` would be more than `cap`, a
+/// quarter of RAM.
+fn suggested_tcp_mem(n: u64, cap: Option<u64>, current: [u64; 3]) -> [u64; 3] {
+    let want = [n, n.saturating_mul(2), n.saturating_mul(3)];
+    let up = [0, 1, 2].map(|i| want[i].max(current[i]));
     match cap {
-        Some(c) if n.saturating_mul(3) > c => {
+        Some(c) if up[2] > c => {
             let third = c / 3;
             [third, third * 2, c]
         }
-        _ => [n, n.saturating_mul(2), n.saturating_mul(3)],
+        _ => up,
     }
 }
 
@@ -1528,13 +1535,26 @@ mod tests {
         assert!(f.needed.contains("high ≤ 1542755 pages"), "{}", f.needed);
         assert!(f.fix.contains("\"514251 1028502 1542755\""), "{}", f.fix);
         assert!(f.fix.contains("hold ≤ 514251 rigs per host"), "{}", f.fix);
+        let kernel = [287_892, 383_858, 575_784];
         assert_eq!(
-            suggested_tcp_mem(MILLION, Some(1_542_755)),
+            suggested_tcp_mem(MILLION, Some(1_542_755), kernel),
             [514_251, 1_028_502, 1_542_755]
         );
         assert_eq!(
-            suggested_tcp_mem(MILLION, None),
+            suggested_tcp_mem(MILLION, None, kernel),
             [1_000_000, 2_000_000, 3_000_000]
+        );
+        // A small fleet is never told to shrink TCP's memory below the kernel's own.
+        assert_eq!(suggested_tcp_mem(100_000, Some(1_542_755), kernel), kernel);
+        assert_eq!(
+            suggested_tcp_mem(200_000, Some(1_542_755), kernel),
+            [287_892, 400_000, 600_000]
+        );
+        // Over the quarter of RAM, for any fleet: scaled down to it, never to N, 2N, 3N.
+        let conf = [1_048_576, 2_097_152, 3_145_728];
+        assert_eq!(
+            suggested_tcp_mem(1_000, Some(1_542_755), conf),
+            [514_251, 1_028_502, 1_542_755]
         );
         // The conf's values (high 12 GiB) on this RAM: over a quarter, so they warn even for a
         // fleet they would carry.
