@@ -44,6 +44,13 @@ const BROKERS: [Spec; 4] = [
             "1000000",
             "--accept-burst",
             "1000000",
+            // A rig acks every command; with few rigs that is more messages a second than
+            // the default --rig-rate lets a rig send, and the broker would stop reading it.
+            // The baseline has no such limit, and the figure is the broker's work.
+            "--rig-rate",
+            "1000000",
+            "--rig-burst",
+            "1000000",
         ],
     ),
     Spec::fe(
@@ -54,6 +61,13 @@ const BROKERS: [Spec; 4] = [
             "--accept-rate",
             "1000000",
             "--accept-burst",
+            "1000000",
+            // A rig acks every command; with few rigs that is more messages a second than
+            // the default --rig-rate lets a rig send, and the broker would stop reading it.
+            // The baseline has no such limit, and the figure is the broker's work.
+            "--rig-rate",
+            "1000000",
+            "--rig-burst",
             "1000000",
         ],
     ),
@@ -103,13 +117,24 @@ fn sustain(ctx: &Ctx, o: &Opts, spec: &Spec, round: usize) -> Result<Value> {
     let cpu = (cpu1 - cpu0).as_secs_f64();
     let send_s = u(&sender, "elapsed_ms") as f64 / 1e3;
     let acks = u(&report, "acks_sent") as f64;
+    // A refused POST, or a command answered ok that no rig received, makes the round
+    // incomplete: its acks per second would otherwise read as a broker's rate.
+    let refused: u64 = sender["errors"]
+        .as_object()
+        .map_or(0, |e| e.values().filter_map(Value::as_u64).sum());
+    let undelivered = u(&sender, "ok").saturating_sub(u(&report, "commands_received"));
     Ok(json!({
         "broker": spec.name,
         "round": round,
-        "complete": ramp.end == RampEnd::AllWelcomed && u(&report, "dropped_after_welcome") == 0,
+        "complete": ramp.end == RampEnd::AllWelcomed
+            && u(&report, "dropped_after_welcome") == 0
+            && refused == 0
+            && undelivered == 0,
         "send_s": send_s,
         "posts_ok": u(&sender, "ok"),
         "post_errors": sender["errors"],
+        "posts_refused": refused,
+        "undelivered": undelivered,
         "commands_received": u(&report, "commands_received"),
         "acks": acks,
         "cpu_s": cpu,
@@ -135,8 +160,10 @@ fn summarize(ctx: &Ctx, o: &Opts, brokers: &[Spec], runs: Vec<Value>) -> (Value,
          command per rig per round over {} keep-alive connections for {:.0} s; {} rounds, \
          brokers alternating. acked/s = rig acks / send time; per CPU-s = acks / broker \
          utime+stime over the window (+1 s for the last acks). Medians.\n\n\
-         | broker | complete | acked/s | per round | acked per broker CPU-s | per round | broker cores busy | POST p50 / p99 (ms) | publish→rig p50 / p99 (ms) | per CPU-s vs {reference} |\n\
-         |---|---|---|---|---|---|---|---|---|---|\n",
+         A round is complete when every rig was welcomed and stayed, no POST was refused and \
+         every command answered ok reached its rig; refused / undelivered sum the rounds.\n\n\
+         | broker | complete | refused / undelivered | acked/s | per round | acked per broker CPU-s | per round | broker cores busy | POST p50 / p99 (ms) | publish→rig p50 / p99 (ms) | per CPU-s vs {reference} |\n\
+         |---|---|---|---|---|---|---|---|---|---|---|\n",
         o.rigs,
         o.conns,
         o.duration.as_secs_f64(),
@@ -150,8 +177,16 @@ fn summarize(ctx: &Ctx, o: &Opts, brokers: &[Spec], runs: Vec<Value>) -> (Value,
             .filter(|r| r["broker"] == b && r["complete"] == true)
             .count();
         let ms = |k: &str| fmt(med(b, k).map(|u| u / 1e3), 2);
+        let total = |k: &str| -> u64 {
+            runs.iter()
+                .filter(|r| r["broker"] == b)
+                .filter_map(|r| r[k].as_u64())
+                .sum()
+        };
         md += &format!(
-            "| {b} | {complete}/{n} | {} | {} | {} | {} | {} | {} / {} | {} / {} | {} |\n",
+            "| {b} | {complete}/{n} | {} / {} | {} | {} | {} | {} | {} | {} / {} | {} / {} | {} |\n",
+            total("posts_refused"),
+            total("undelivered"),
             fmt(med(b, "acked_per_s"), 0),
             list(&series(&runs, b, "acked_per_s"), 0),
             fmt(med(b, "acked_per_cpu_s"), 0),
