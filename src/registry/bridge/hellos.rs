@@ -509,7 +509,6 @@ mod tests {
     use crate::ids::CoreId;
     use crate::registry::bridge::testing::bridge;
     use crate::registry::bridge::REGISTRY_OPS;
-    use serde_json::json;
 
     /// Redis may hold more of a session than any connection did (removals of acked commands
     /// that were lost): a resume carries no more than one session can hold, the newest.
