@@ -127,6 +127,14 @@ online=$(cat "$SYS/devices/system/cpu/online")
 [ -n "$BROKER_CPUS" ] || BROKER_CPUS=$online
 mapfile -t broker < <(expand "$BROKER_CPUS")
 mapfile -t irqcpus < <(expand "$IRQ_CPUS")
+# A CPU this host does not have would leave its IRQs (or the broker) nowhere.
+mapfile -t have < <(expand "$online")
+for cpu in "${broker[@]}" "${irqcpus[@]}"; do
+    if ! printf '%s\n' "${have[@]}" | grep -qx -- "$cpu"; then
+        echo "cpu '$cpu' (in --broker-cpus or --irq-cpus) is not online here; online: $online" >&2
+        exit 64
+    fi
+done
 
 # The NIC's MSI/MSI-X vectors: on the PCI device, or its parent for virtio_net.
 dev=$(readlink -f "$SYS/class/net/$IFACE/device" || true)

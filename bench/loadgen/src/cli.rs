@@ -61,8 +61,9 @@ pub struct RigsArgs {
     /// Number of rigs to open (at least 1).
     #[arg(long, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     pub rigs: usize,
-    /// Child processes to split the rigs over (default: enough for 18,000 sockets each).
-    #[arg(long)]
+    /// Child processes to split the rigs over, at least 1 (default: enough for 18,000 sockets
+    /// each).
+    #[arg(long, value_parser = parse_positive)]
     pub procs: Option<usize>,
     /// Source addresses, round-robin per rig: `127.0.0.1-127.0.0.16`, `a,b,c` or one address.
     /// Default: 127.0.0.1-127.0.0.16 for a loopback target, otherwise the kernel's choice.
@@ -80,8 +81,8 @@ pub struct RigsArgs {
     /// Labels sent in every hello: `k=v,k2=v2`.
     #[arg(long, default_value = "")]
     pub labels: String,
-    /// Handshakes (connect to welcome) in flight per process.
-    #[arg(long, default_value_t = 256)]
+    /// Handshakes (connect to welcome) in flight per process, at least 1.
+    #[arg(long, default_value_t = 256, value_parser = parse_positive)]
     pub concurrency: usize,
     /// How long to keep the rigs connected once the ramp is over.
     #[arg(long, default_value = "60s", value_parser = parse_duration)]
@@ -148,8 +149,8 @@ pub struct FanoutArgs {
     /// Command name to send.
     #[arg(long, default_value = "bench")]
     pub name: String,
-    /// Keep-alive HTTP connections used in parallel.
-    #[arg(long, default_value_t = 8)]
+    /// Keep-alive HTTP connections used in parallel, at least 1.
+    #[arg(long, default_value_t = 8, value_parser = parse_positive)]
     pub concurrency: usize,
     /// Rounds: the whole fan-out is repeated this many times (`--rigs 1 --count 500` = 500
     /// single commands to one rig, one at a time).
@@ -397,7 +398,17 @@ impl RigsArgs {
     /// The source list to bind to: the flag, or 16 loopback addresses for a loopback target.
     pub fn effective_sources(&self, target_is_loopback_v4: bool) -> Result<Vec<Ipv4Addr>> {
         match &self.sources {
-            Some(s) => parse_sources(s),
+            Some(s) => {
+                let sources = parse_sources(s)?;
+                // Not local, a source fails every rig at bind with EADDRNOTAVAIL, which a run
+                // would report as ports running out.
+                for ip in &sources {
+                    if let Err(e) = std::net::UdpSocket::bind((*ip, 0)) {
+                        anyhow::bail!("--sources: {ip} is not an address of this host ({e})");
+                    }
+                }
+                Ok(sources)
+            }
             None if target_is_loopback_v4 => parse_sources("127.0.0.1-127.0.0.16"),
             None => Ok(Vec::new()),
         }
@@ -449,6 +460,37 @@ mod tests {
         assert!(parse_sources("127.0.0.9-127.0.0.1").is_err());
         assert!(parse_sources("nope").is_err());
         assert!(parse_sources("").is_err());
+    }
+
+    /// A source address this host does not have is refused up front, not run into a
+    /// failure per rig; a count of 0 processes or handshakes is refused too.
+    #[test]
+    fn sources_must_be_local_and_counts_positive() {
+        use clap::Parser;
+        let rigs = |extra: &[&str]| {
+            let mut argv = vec!["loadgen", "rigs", "--url", "ws://127.0.0.1:1/agent"];
+            argv.extend(["--rigs", "2"]);
+            argv.extend(extra);
+            match Cli::try_parse_from(argv) {
+                Ok(Cli {
+                    cmd: Command::Rigs(a),
+                }) => Ok(a),
+                Ok(_) => panic!("not rigs"),
+                Err(e) => Err(e.to_string()),
+            }
+        };
+        let local = rigs(&["--sources", "127.0.0.1-127.0.0.3"]).unwrap();
+        assert_eq!(local.effective_sources(true).unwrap().len(), 3);
+        let far = rigs(&["--sources", "127.0.0.1,192.0.2.1"]).unwrap();
+        let e = far.effective_sources(true).unwrap_err().to_string();
+        assert!(
+            e.contains("192.0.2.1 is not an address of this host"),
+            "{e}"
+        );
+        for zero in [["--procs", "0"], ["--concurrency", "0"]] {
+            let e = rigs(&zero).unwrap_err();
+            assert!(e.contains("at least 1"), "{e}");
+        }
     }
 
     #[test]

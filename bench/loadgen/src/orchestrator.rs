@@ -357,8 +357,8 @@ pub async fn run_parent(args: RigsArgs) -> Result<i32> {
         };
         let hold_detail = |p: &Progress| {
             format!(
-                "commands={} welcomed={} failed={}",
-                p.commands, p.welcomed, p.failed
+                "commands={} welcomed={} open={} failed={}",
+                p.commands, p.welcomed, p.open, p.failed
             )
         };
         while exit_reason.is_none() {
@@ -459,23 +459,38 @@ pub async fn run_parent(args: RigsArgs) -> Result<i32> {
     };
     let json = serde_json::to_string_pretty(&report)?;
     match args.report.as_deref() {
-        Some("-") => println!("{json}"),
+        Some("-") => {
+            // A reader that went away (`| head`) must not turn the run into a panic.
+            let mut out = std::io::stdout().lock();
+            if let Err(e) = writeln!(out, "{json}").and_then(|()| out.flush()) {
+                eprintln!("loadgen: the report could not be written to stdout: {e}");
+            }
+        }
         Some(path) => {
             std::fs::write(path, format!("{json}\n")).with_context(|| format!("writing {path}"))?
         }
         None => {}
     }
     eprintln!(
-        "loadgen: done ({}) welcomed={} failed={} commands={} latency_us p50={:?} p99={:?} max={:?}",
+        "loadgen: done ({}) welcomed={} failed={} dropped_after_welcome={} commands={} latency_us p50={:?} p99={:?} max={:?}",
         report.exit_reason,
         report.welcomed,
         report.failed,
+        report.dropped_after_welcome,
         report.commands_received,
         report.latency_us.p50,
         report.latency_us.p99,
         report.latency_us.max
     );
-    Ok(if all_welcomed && lost == 0 {
+    // Without --reconnect a rig the broker dropped stays gone: the hold did not hold it.
+    let dropped = !args.reconnect && report.dropped_after_welcome > 0;
+    if dropped {
+        eprintln!(
+            "loadgen: {} rigs lost their connection after the welcome and were not held (close codes: {:?}); exit {EXIT_INCOMPLETE}",
+            report.dropped_after_welcome, report.close_codes
+        );
+    }
+    Ok(if all_welcomed && lost == 0 && !dropped {
         0
     } else {
         EXIT_INCOMPLETE

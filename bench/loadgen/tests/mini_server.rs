@@ -29,6 +29,8 @@ struct Seen {
     bad_messages: AtomicU64,
     peers: Mutex<BTreeSet<IpAddr>>,
     rig_ids: Mutex<BTreeSet<String>>,
+    /// Closes each connection once its command is acked, as a broker that dies would.
+    hang_up: bool,
 }
 
 fn now_us() -> u64 {
@@ -105,6 +107,9 @@ async fn handle(tcp: tokio::net::TcpStream, peer: SocketAddr, seen: Arc<Seen>, r
             match serde_json::from_str::<Value>(&t) {
                 Ok(v) if v["type"] == "ack" && v["seq"] == 1 => {
                     seen.acks.fetch_add(1, SeqCst);
+                    if seen.hang_up {
+                        return;
+                    }
                 }
                 Ok(_) => {}
                 Err(_) => {
@@ -116,8 +121,18 @@ async fn handle(tcp: tokio::net::TcpStream, peer: SocketAddr, seen: Arc<Seen>, r
 }
 
 fn run_loadgen(port: u16, procs: &str, report: &std::path::Path) -> (i32, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_fleetlink-loadgen"))
-        .args(["rigs", "--url", &format!("ws://127.0.0.1:{port}/agent")])
+    let out = loadgen(port, procs, report).output().expect("run loadgen");
+    eprintln!("loadgen stderr:\n{}", String::from_utf8_lossy(&out.stderr));
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+    )
+}
+
+/// The loadgen's command line for 20 rigs against the mini server on `port`.
+fn loadgen(port: u16, procs: &str, report: &std::path::Path) -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_fleetlink-loadgen"));
+    cmd.args(["rigs", "--url", &format!("ws://127.0.0.1:{port}/agent")])
         .args([
             "--rigs",
             "20",
@@ -137,17 +152,12 @@ fn run_loadgen(port: u16, procs: &str, report: &std::path::Path) -> (i32, String
             "30s",
         ])
         .arg("--report")
-        .arg(report)
-        .output()
-        .expect("run loadgen");
-    eprintln!("loadgen stderr:\n{}", String::from_utf8_lossy(&out.stderr));
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-    )
+        .arg(report);
+    cmd
 }
 
-fn check(procs: &str, reject_first: u64) {
+/// A server on a free port, with what it saw.
+fn mini_server(seen: Seen, reject_first: u64) -> (tokio::runtime::Runtime, u16, Arc<Seen>) {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -155,8 +165,13 @@ fn check(procs: &str, reject_first: u64) {
         .unwrap();
     let listener = rt.block_on(TcpListener::bind("127.0.0.1:0")).unwrap();
     let port = listener.local_addr().unwrap().port();
-    let seen = Arc::new(Seen::default());
+    let seen = Arc::new(seen);
     rt.spawn(serve(listener, seen.clone(), reject_first));
+    (rt, port, seen)
+}
+
+fn check(procs: &str, reject_first: u64) {
+    let (_rt, port, seen) = mini_server(Seen::default(), reject_first);
 
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("report.json");
@@ -214,4 +229,50 @@ fn twenty_rigs_in_two_children() {
 #[test]
 fn twenty_rigs_in_process_with_a_503_retry() {
     check("1", 1);
+}
+
+/// Rigs the server drops after their welcome (without `--reconnect`) were not held: the run
+/// exits 2 and says so, although every rig was welcomed.
+#[test]
+fn rigs_dropped_after_their_welcome_make_the_run_incomplete() {
+    let (_rt, port, seen) = mini_server(
+        Seen {
+            hang_up: true,
+            ..Seen::default()
+        },
+        0,
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("report.json");
+    let (code, stdout) = run_loadgen(port, "1", &path);
+    assert!(stdout.contains("ALL_WELCOMED rigs=20"), "{stdout}");
+    let r: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    assert_eq!(
+        (r["welcomed"].as_u64(), r["dropped_after_welcome"].as_u64()),
+        (Some(20), Some(20)),
+        "{r:#}"
+    );
+    assert_eq!(seen.acks.load(SeqCst), 20);
+    assert_eq!(code, 2, "{r:#}");
+}
+
+/// A report to stdout whose reader has gone (`| head -1`) is not a panic: the run still ends
+/// with its own exit code.
+#[test]
+fn a_report_to_a_closed_stdout_is_not_a_panic() {
+    let (_rt, port, _seen) = mini_server(Seen::default(), 0);
+    let mut child = loadgen(port, "1", std::path::Path::new("-"))
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("run loadgen");
+    drop(child.stdout.take());
+    let out = child.wait_with_output().expect("wait");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert!(
+        stderr.contains("could not be written to stdout"),
+        "{stderr}"
+    );
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
 }
