@@ -71,13 +71,23 @@ local function fields(key)
   return out
 end
 
--- { seq1, json1, seq2, json2, ... } of a session's unacked commands.
-local function unacked(f)
+-- A seq as the broker reads it: decimal digits, fewer than 20 (below 2^64).
+local function seq_text(s)
+  return type(s) == 'string' and #s <= 19 and s:match('^%d+$') ~= nil
+end
+
+-- { seq1, json1, seq2, json2, ... } of a session's unacked commands. A "c:" field whose seq
+-- is no seq is skipped (`bad` lists them): nothing of ours writes one.
+local function unacked(f, bad)
   local out = {}
   for field, value in pairs(f) do
     if field:sub(1, 2) == 'c:' then
-      out[#out + 1] = field:sub(3)
-      out[#out + 1] = value
+      if seq_text(field:sub(3)) then
+        out[#out + 1] = field:sub(3)
+        out[#out + 1] = value
+      elseif bad then
+        bad[#bad + 1] = field
+      end
     end
   end
   return out
@@ -128,6 +138,14 @@ local function resume(sess, ptr, boot, rig)
   end
   local f = fields(sess)
   local nxt = f['next']
+  -- A "next" the broker cannot read is damage too: left, it would turn the rig's every
+  -- hello away (each of which extends the key's TTL). The session starts afresh.
+  if nxt ~= nil and not seq_text(nxt) then
+    redis.log(redis.LOG_WARNING, 'fleetlink resume: ' .. sess .. ' had next "'
+        .. tostring(nxt):sub(1, 40) .. '", not a seq; deleted')
+    redis.call('DEL', sess)
+    f, nxt = {}, nil
+  end
   if type(nxt) ~= 'string' then
     nxt = '0'
   end
@@ -135,7 +153,13 @@ local function resume(sess, ptr, boot, rig)
   if nxt ~= '0' and type(f['r']) == 'string' then
     recall = f['r']
   end
-  local cmds = unacked(f)
+  local bad = {}
+  local cmds = unacked(f, bad)
+  for _, field in ipairs(bad) do
+    redis.log(redis.LOG_WARNING, 'fleetlink resume: ' .. sess .. ' had field "'
+        .. field:sub(1, 40) .. '", not a command; deleted')
+    redis.call('HDEL', sess, field)
+  end
   local rebooted, previous = 0, ''
   local prev = redis.pcall('GET', ptr)
   if type(prev) == 'string' and prev:match(BOOT) and prev ~= boot then

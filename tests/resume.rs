@@ -1920,33 +1920,49 @@ fn rig_left_with_one_command(
     (a, boot, ctl)
 }
 
-/// A rig's session key damaged in Redis (a string where the hash belongs): the rig's next hello
-/// replaces it with a fresh session rather than failing. The broker still holds the session it
-/// parked when the rig left, so the rig gets its unacked command again, then the one held for
-/// it, in order. Before, the damaged key turned every hello of that boot away (4503), and
-/// every hello whose read shared its batch, with nothing logged.
+/// A rig's session key damaged in Redis: the rig's next hello repairs it rather than failing.
+/// A string where the hash belongs, or a `next` that is no seq, is replaced with a fresh
+/// session; a command field whose seq is no seq is removed. The broker still holds the session
+/// it parked when the rig left, so the rig gets its unacked command again, then the one held
+/// for it, in order. Before, the damaged key turned every hello of that boot away (4503), and
+/// every hello whose read shared its batch, with nothing logged; and each refused hello
+/// extended the damaged key's TTL, so it never went.
 #[test]
 fn a_damaged_session_key_is_replaced_at_the_hello_and_the_parked_session_resumes() {
+    damaged_session_resumes("rig-w", |p, key| {
+        p.del(key).set(key, "not a hash");
+    });
+    damaged_session_resumes("rig-n", |p, key| {
+        p.hset(key, "next", "99999999999999999999999");
+    });
+    damaged_session_resumes("rig-f", |p, key| {
+        p.hset(key, "c:x", "{}");
+    });
+}
+
+fn damaged_session_resumes(rig: &str, damage: impl Fn(&mut redis::Pipeline, &str)) {
     let redis = RedisServer::start();
-    let (a, boot, mut ctl) = rig_left_with_one_command(&redis, "rig-w", "w1");
+    let (a, boot, mut ctl) = rig_left_with_one_command(&redis, rig, "w1");
     let mut con = redis.connection();
     let reply_to = ctl.reply_to.clone();
-    let msg = json!({"type":"command","id":"held-1","rig_id":"rig-w","name":"fw","args":{},
+    let msg = json!({"type":"command","id":"held-1","rig_id":rig,"name":"fw","args":{},
                      "reply_to":reply_to,"queue_if_offline":true,"ttl_ms":60_000});
     ctl.publish("fleetlink:broker:fe-a", msg);
     assert_eq!(
         ctl.next(|ch, v| ch == reply_to && v["id"] == "held-1")["queued"],
         true
     );
-    let key = format!("sess:rig-w:{boot}");
-    let _: () = redis::pipe()
-        .del(&key)
-        .set(&key, "not a hash")
-        .query(&mut con)
-        .unwrap();
+    let key = format!("sess:{rig}:{boot}");
+    let mut pipe = redis::pipe();
+    damage(&mut pipe, &key);
+    let _: () = pipe.query(&mut con).unwrap();
 
     let mut ws = a.connect("/agent");
-    assert_eq!(hello(&mut ws, "rig-w", &boot, Some(0))["resumed"], true);
+    assert_eq!(
+        hello(&mut ws, rig, &boot, Some(0))["resumed"],
+        true,
+        "{rig}"
+    );
     let first = read_json(&mut ws);
     assert_eq!((&first["seq"], &first["id"]), (&json!(1), &json!("w1")));
     let second = read_json(&mut ws);
@@ -1956,6 +1972,15 @@ fn a_damaged_session_key_is_replaced_at_the_hello_and_the_parked_session_resumes
     );
     let kind: String = redis::cmd("TYPE").arg(&key).query(&mut con).unwrap();
     assert_eq!(kind, "hash");
+    let fields: HashMap<String, String> = con.hgetall(&key).unwrap();
+    assert!(
+        fields
+            .keys()
+            .all(|f| f == "next" || f == "r" || f.starts_with("c:"))
+            && !fields.contains_key("c:x")
+            && fields["next"].len() < 20,
+        "{rig}: {fields:?}"
+    );
 }
 
 /// Redis loses its keys while it stays up (FLUSHALL) on a broker with no rig connected, only
