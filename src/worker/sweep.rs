@@ -8,17 +8,17 @@ use crate::heap_trim;
 use crate::ids::ConnId;
 use crate::metrics::C;
 use crate::worker::core::{Core, Liveness, Phase};
+use crate::worker::wheel::Tick;
 use crate::worker::{conn, quiet_pong, session, slow_reader};
 use crate::ws::OpCode;
 
 /// Runs until the core finishes.
 pub(crate) async fn run(core: Rc<Core>) {
     let start = monoio::time::Instant::from_std(core.started);
-    let tick = Duration::from_millis(core.tick_ms);
     let trim = core.ticks(heap_trim::EVERY);
     while !core.finished.get() {
         let next = core.wheel.borrow().now() + 1;
-        monoio::time::sleep_until(start + tick * next as u32).await;
+        monoio::time::sleep_until(start + since_start(core.tick_ms, next)).await;
         let due = core.wheel.borrow_mut().advance();
         for id in &due {
             visit(&core, *id);
@@ -28,6 +28,13 @@ pub(crate) async fn run(core: Rc<Core>) {
             heap_trim::collect();
         }
     }
+}
+
+/// When tick `tick` is due, from the core's start. In u64 milliseconds: a u32 count of ticks
+/// wrapped after 248 days of 5 ms ticks, and the sweep then found every tick already due and
+/// spun, firing deadlines early and starving the core.
+fn since_start(tick_ms: u64, tick: Tick) -> Duration {
+    Duration::from_millis(tick_ms.saturating_mul(tick))
 }
 
 pub(super) fn visit(core: &Core, id: ConnId) {
@@ -131,4 +138,19 @@ pub(crate) fn past_pong_deadline(core: &Core, live: &Liveness) -> bool {
 fn pong_ticks(core: &Core) -> crate::worker::wheel::Tick {
     core.ticks(core.cfg.pong_timeout)
         .min(core.ticks(core.cfg.ping_interval))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Past 2^32 ticks (248 days of 5 ms ticks) a tick is still due after the one before it.
+    #[test]
+    fn ticks_past_two_to_the_32_are_due_in_order() {
+        let wrap: Tick = 1 << 32;
+        let before = since_start(5, wrap - 1);
+        let after = since_start(5, wrap + 1);
+        assert_eq!(after - before, Duration::from_millis(10));
+        assert_eq!(after, Duration::from_millis(5 * (wrap + 1)));
+    }
 }

@@ -7,6 +7,11 @@ use crate::ids::ConnId;
 /// Ticks since the core started.
 pub(crate) type Tick = u64;
 
+/// The most slots a wheel has: 384 KiB of empty slots. A longer horizon (a ping interval of
+/// hours, say) costs an early visit per lap instead of memory: at the 250 ms tick of long
+/// settings a lap is 68 minutes, at the 5 ms tick of the shortest 82 s.
+pub(crate) const MAX_SLOTS: usize = 1 << 14;
+
 /// A hashed wheel of `slots` ticks. Deadlines further than `slots - 1` ticks ahead are clamped
 /// (the entry is revisited early and rescheduled), so any horizon works.
 #[derive(Debug)]
@@ -16,10 +21,10 @@ pub(crate) struct Wheel {
 }
 
 impl Wheel {
-    /// A wheel covering `slots` ticks (at least 2).
+    /// A wheel covering `slots` ticks (at least 2, at most [`MAX_SLOTS`]).
     pub(crate) fn new(slots: usize) -> Self {
         Self {
-            slots: (0..slots.max(2)).map(|_| Vec::new()).collect(),
+            slots: (0..slots.clamp(2, MAX_SLOTS)).map(|_| Vec::new()).collect(),
             now: 0,
         }
     }
@@ -91,5 +96,17 @@ mod tests {
         assert_eq!(due[2], (3, vec![a]));
         assert_eq!(due[6], (7, vec![b]));
         assert!(due.iter().filter(|(_, v)| !v.is_empty()).count() == 2);
+    }
+
+    /// A horizon of a year in 5 ms ticks would be 6.3 billion slots (150 GB): the wheel stops
+    /// at its most, and a deadline past it comes due at the end of the lap instead.
+    #[test]
+    fn a_long_horizon_costs_early_visits_not_memory() {
+        let year_in_ticks = 365 * 24 * 3600 * 1000 / 5;
+        let mut w = Wheel::new(year_in_ticks);
+        assert_eq!(w.slots.len(), MAX_SLOTS);
+        let a = ConnId::new(CoreId(0), 1);
+        let at = w.insert(year_in_ticks as Tick, a);
+        assert_eq!(at, MAX_SLOTS as Tick - 1);
     }
 }
