@@ -16,8 +16,10 @@ pub enum ProtocolError {
     /// A control frame with FIN clear (§5.5: control frames MUST NOT be fragmented).
     #[error("fragmented control frame")]
     FragmentedControl,
-    /// A control frame whose payload is longer than 125 bytes (§5.5).
-    #[error("control frame payload longer than 125 bytes")]
+    /// A control frame whose 7-bit length is above 125 (§5.5): its payload is longer than 125
+    /// bytes, or its length is in an extended form, which is then not minimal (§5.2). Refused
+    /// before the extended length arrives.
+    #[error("control frame length above 125 (a longer payload, or an extended length form)")]
     ControlTooLong,
     /// A payload length not written in the minimal number of bytes (§5.2).
     #[error("payload length not minimally encoded")]
