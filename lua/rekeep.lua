@@ -47,7 +47,8 @@
 --             ended: every command this broker holds, and every one Redis holds that it
 --             numbered past ARGV[3] (the same boot went on at another broker meanwhile) is
 --             reported, unless a tombstone says they were (then only those at or above its
---             "next"); the session is cut down to a tombstone naming the ending boot
+--             "next"); the session is cut down to a tombstone naming the ending boot, and
+--             "sessof" names the ending boot unless it names a newer one
 --   "merged"  parked, and the lease names this same boot on another broker: the rig went on
 --             with this session there while Redis was away from one of them. The commands
 --             Redis never numbered (at or above its "next") are added (HSETNX: never over
@@ -127,8 +128,18 @@ local function report(rig, ended_by, from)
   return #order, top
 end
 
+-- The rig's record of its latest boot names `b`, unless it names a newer one already: a
+-- later hello must find the newer boot's session to report, not this ended one.
+local function raise_pointer(b)
+  local cur = redis.pcall('GET', KEYS[3])
+  if type(cur) ~= 'string' or (#cur == #b and newer(b, cur)) then
+    redis.call('SET', KEYS[3], b, 'PX', ttl)
+  end
+end
+
 -- Mode "ended": the report this broker owes, made once whoever reported first.
 local function report_ended(sess)
+  raise_pointer(ended)
   local rig = KEYS[1]:match('^rig:(.+)$') or ''
   local f = redis.pcall('HGETALL', sess)
   local fields = {}

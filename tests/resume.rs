@@ -1767,6 +1767,12 @@ fn a_session_a_hello_decided_alone_ended_is_reported_once_through_redis() {
     assert_eq!(tomb.get("gone"), Some(&z.to_string()), "{tomb:?}");
     assert_eq!(tomb.get("next").map(String::as_str), Some("6"), "{tomb:?}");
     assert_eq!(tomb.len(), 2, "{tomb:?}");
+    let latest: String = con.get("sessof:rig-e").unwrap();
+    assert_eq!(
+        latest,
+        z.to_string(),
+        "the ending boot is the latest on record"
+    );
     let found = scripts.resume(&mut con, &rig, &z, ttl, "fe-a").unwrap();
     assert_eq!(found.rebooted, 0);
     assert_eq!(ended(&x, &z), [Rekept::Reported(0)], "nothing twice");
@@ -1797,6 +1803,9 @@ fn holds_commands_1_and_2(con: &mut redis::Connection, key: &str) -> bool {
 /// A new boot that says hello to the broker holding its old session parked while Redis is
 /// away is decided there alone: the old session's unacked commands (one kept before the
 /// outage, one delivered during it) are still reported `rig_rebooted`, once Redis is back.
+/// And the new boot is the rig's latest on record from then on: its own unacked command is
+/// reported when a third boot says hello. Before, the record still named the first boot, so
+/// the third boot's hello reported that one's (empty) session and never the second's.
 #[test]
 fn a_new_boot_during_an_outage_on_the_same_broker_reports_the_old_sessions_commands() {
     let mut redis = RedisServer::start();
@@ -1838,6 +1847,15 @@ fn a_new_boot_during_an_outage_on_the_same_broker_reports_the_old_sessions_comma
         a.metric("fleetlink_registry_ops_total{op=\"resume\",result=\"rebooted\"}"),
         2,
         "reported once, by A alone"
+    );
+    let mut third = a.connect("/agent");
+    let third_boot = boot_id();
+    hello(&mut third, "rig-n", &third_boot, None);
+    let ev = ctl.next(|ch, v| ch == "fleetlink:events" && v["type"] == "rig_rebooted");
+    assert_eq!(
+        (&ev["boot_id"], &ev["new_boot_id"], &ev["seq"]),
+        (&json!(new_boot), &json!(third_boot), &json!(1)),
+        "{ev}"
     );
 }
 

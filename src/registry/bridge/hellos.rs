@@ -268,21 +268,21 @@ impl Bridge {
             None => {
                 self.shared.count("hello", "ok");
                 self.report_parked_reboot(&rig, boot);
-                None
+                false
             }
             Some(None) | Some(Some(Err(_))) => {
                 self.shared.count("hello", "unavailable");
                 // Away: Redis may have had that session reported already, by a boot in between
                 // on another broker; it decides what is left to report once it is back.
                 // Refusing the call: it is here now, and would not say.
-                let reported = match outcome {
+                match outcome {
                     Some(None) => self.defer_parked_reboot(&rig, boot),
                     _ => self.report_parked_reboot(&rig, boot),
-                };
-                // Redis is away: a session of a boot in between, which only Redis knows, is
-                // reported once it is back (`Bridge::decided_alone`), if the hello is taken.
-                let wanted = !self.cfg.session_ttl.is_zero();
-                wanted.then_some((rig.clone(), reported))
+                }
+                // What only Redis knows (the older boot's session there, or a boot in between
+                // on another broker) is reported once it is back (`Bridge::decided_alone`), if
+                // the hello is taken.
+                !self.cfg.session_ttl.is_zero()
             }
             Some(Some(Ok(HelloOutcome::Older { .. }))) => {
                 self.shared.count("hello", "older");
@@ -299,13 +299,14 @@ impl Bridge {
                 if let Some(prev) = previous {
                     self.evict(&rig, boot, &prev);
                 }
-                None
+                false
             }
         };
+        let rig_of_alone = alone.then(|| rig.clone());
         let actions = self.registry.hello(conn, rig, boot, labels);
-        if let Some((rig, reported)) = alone {
+        if let Some(rig) = rig_of_alone {
             if accepts(&actions, conn) {
-                self.decided_alone.insert((rig, boot), reported);
+                self.decided_alone.insert((rig, boot));
             }
         }
         actions
@@ -316,14 +317,15 @@ impl Bridge {
     /// reported `rig_rebooted` from here (CONTRACT.md §5), as `resume.lua` would have done, and
     /// their copies in Redis are forgotten, so that a later hello does not report them again.
     /// Before, they went unreported: dropped with the parked session.
-    fn report_parked_reboot(&mut self, rig: &RigId, boot: BootId) -> Option<BootId> {
-        let (old, _, carried) = self.registry.parked(rig)?;
+    fn report_parked_reboot(&mut self, rig: &RigId, boot: BootId) {
+        let Some((old, _, carried)) = self.registry.parked(rig) else {
+            return;
+        };
         if old >= boot {
-            return None;
+            return;
         }
         let lost: Vec<(Seq, Box<str>)> = carried.iter().map(|c| (c.seq, c.id.clone())).collect();
         self.report_reboot(rig, old, boot, lost);
-        Some(old)
     }
 
     /// Redis is away, and a new boot's hello, decided here alone, ends the session parked here
@@ -331,15 +333,17 @@ impl Bridge {
     /// already: a boot in between may have said hello to another broker, whose `resume.lua`
     /// reported that session and left its tombstone. So the report waits for Redis
     /// (`rekeep.lua`, mode `ended`), which publishes what no report has covered: all of it,
-    /// or only what was delivered unkept while Redis was away. Returns the older boot, whose
-    /// report this broker has taken on (at once, when there is no room to wait).
-    fn defer_parked_reboot(&mut self, rig: &RigId, boot: BootId) -> Option<BootId> {
+    /// or only what was delivered unkept while Redis was away. Reported from here at once
+    /// when there is no room to wait.
+    fn defer_parked_reboot(&mut self, rig: &RigId, boot: BootId) {
         if self.cfg.session_ttl.is_zero() {
             return self.report_parked_reboot(rig, boot);
         }
-        let (old, next, carried) = self.registry.parked(rig)?;
+        let Some((old, next, carried)) = self.registry.parked(rig) else {
+            return;
+        };
         if old >= boot {
-            return None;
+            return;
         }
         let req = crate::registry::msg::RekeepReq {
             rig: rig.clone(),
@@ -351,10 +355,9 @@ impl Bridge {
                 .map(|c| (c.seq, c.json.clone()))
                 .collect(),
         };
-        if self.ended_alone.push(req, boot) {
-            return Some(old);
+        if !self.ended_alone.push(req, boot) {
+            self.report_parked_reboot(rig, boot);
         }
-        self.report_parked_reboot(rig, boot)
     }
 
     /// Reports the unacked commands of `rig`'s session of boot `old`, which boot `boot` ended:

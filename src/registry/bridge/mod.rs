@@ -133,14 +133,14 @@ struct Bridge {
     /// raising the session's `next` past them would refuse the winner's own commands as stale.
     /// Gone at the close, or once the session is kept again.
     unkept_high: HashMap<(RigId, BootId), Seq>,
-    /// Hellos decided here while Redis was away, with the older boot whose session parked
-    /// here they ended (this broker reports it: `report_parked_reboot`, or through Redis once
-    /// it is back, `ended_alone`). The rig may have had a
-    /// boot in between on another broker, whose session only Redis knows: the first refresh
-    /// after the reconnect reports it (see `upkeep`), even where the hello's own call reached
-    /// Redis late and took the lease, so that the refresh finds nothing amiss. Gone at the
-    /// close, or at that refresh.
-    decided_alone: HashMap<(RigId, BootId), Option<BootId>>,
+    /// Hellos decided here while Redis was away. The older boot's session in Redis, or that
+    /// of a boot in between on another broker, which only Redis knows, is reported by the
+    /// first refresh after the reconnect (see `upkeep`), even where the hello's own call
+    /// reached Redis late and took the lease, so that the refresh finds nothing amiss; and
+    /// the rig's record of its latest boot then names this one. Gone at the close, or at that
+    /// refresh. (A session parked here that the hello ended is reported through
+    /// `ended_alone`; the tombstone each report leaves keeps the two from repeating.)
+    decided_alone: HashSet<(RigId, BootId)>,
     /// Parked sessions those hellos ended, waiting for Redis to say what is left to report.
     ended_alone: rekeeps::EndedAlone,
     /// When queued Redis writes may go out (see [`crate::registry::pace`]).
@@ -196,7 +196,7 @@ impl Bridge {
             rekeep_asked: HashSet::new(),
             merge_on_close: HashSet::new(),
             unkept_high: HashMap::new(),
-            decided_alone: HashMap::new(),
+            decided_alone: HashSet::new(),
             ended_alone: rekeeps::EndedAlone::default(),
             pace: WritePace::new(now),
             unanswered: redis_io::UnansweredLog::default(),

@@ -129,17 +129,18 @@ impl Bridge {
             self.next_heartbeat = Instant::now();
         }
         // Before their sessions go back: `rekeep.lua` leaves the rig's latest-boot record as
-        // it finds it, and that record still names the older boot. Not when the older boot
-        // was this broker's own: it decided the new boot's hello with the old session in hand
-        // and reported that session's commands itself (`report_parked_reboot`).
-        let me = self.cfg.broker_id.as_str();
+        // it finds it, and that record still names the older boot. Also when the older boot
+        // was this broker's own: what it reported of it from here, its parked copy, was
+        // removed from Redis or left a tombstone, and the report moves the rig's record to the
+        // newer boot, whose own session a later hello must find to report.
         let mut ended: Vec<(&RigId, &BootId)> = entries
             .iter()
             .zip(&statuses)
-            .filter(|(_, s)| match s {
-                RefreshStatus::Taken { from } => from.broker_id != me,
-                RefreshStatus::Outlived { .. } => true,
-                _ => false,
+            .filter(|(_, s)| {
+                matches!(
+                    s,
+                    RefreshStatus::Taken { .. } | RefreshStatus::Outlived { .. }
+                )
             })
             .map(|((rig, boot), _)| (rig, boot))
             .collect();
@@ -194,37 +195,34 @@ impl Bridge {
 impl Bridge {
     /// Of the hellos decided here while Redis was away whose lease the first refresh after
     /// the reconnect finds in place (their own call reached Redis late), those whose rig's
-    /// latest boot on record is an older one this broker did not report itself: a boot in
-    /// between, on another broker. Its session is reported as the hello would have.
+    /// latest boot on record is an older one: its session, or that of a boot in between on
+    /// another broker, is reported as the hello would have (what this broker reported of it
+    /// from here was removed or left a tombstone, so nothing is reported twice).
     fn ended_unseen<'a>(
         &mut self,
         entries: &'a [(RigId, BootId)],
         statuses: &[RefreshStatus],
     ) -> Vec<(&'a RigId, &'a BootId)> {
         let alone = std::mem::take(&mut self.decided_alone);
-        let unseen: Vec<(&RigId, &BootId, Option<BootId>)> = entries
+        let unseen: Vec<(&RigId, &BootId)> = entries
             .iter()
             .zip(statuses)
             .filter(|(_, s)| matches!(s, RefreshStatus::Ok))
-            .filter_map(|((rig, boot), _)| {
-                let reported = alone.get(&(rig.clone(), *boot))?;
-                Some((rig, boot, *reported))
-            })
+            .map(|((rig, boot), _)| (rig, boot))
+            .filter(|(rig, boot)| alone.contains(&((*rig).clone(), **boot)))
             .collect();
         if unseen.is_empty() {
             return Vec::new();
         }
-        let rigs: Vec<&RigId> = unseen.iter().map(|(rig, _, _)| *rig).collect();
+        let rigs: Vec<&RigId> = unseen.iter().map(|(rig, _)| *rig).collect();
         let Some(latest) = self.fleet.as_mut().and_then(|f| f.latest_boots(&rigs)) else {
             return Vec::new();
         };
         unseen
             .into_iter()
             .zip(latest)
-            .filter(|((_, boot, reported), latest)| {
-                latest.is_some_and(|b| b < **boot && Some(b) != *reported)
-            })
-            .map(|((rig, boot, _), _)| (rig, boot))
+            .filter(|((_, boot), latest)| latest.is_some_and(|b| b < **boot))
+            .map(|(entry, _)| entry)
             .collect()
     }
 
