@@ -227,7 +227,28 @@ pub fn spawn(
         std::thread::Builder::new()
             .name(format!("fleetlink-admin-{i}"))
             .spawn(move || {
-                for work in rx {
+                // An answer is built here and freed on the core that writes it: mimalloc gives
+                // such pages back only when this thread collects (see `heap_trim`), so after
+                // a burst of requests it does, once the burst has been quiet for a while.
+                let mut busy = false;
+                loop {
+                    let work = if busy {
+                        match rx.recv_timeout(crate::heap_trim::EVERY) {
+                            Ok(work) => work,
+                            Err(crossbeam_channel::RecvTimeoutError::Timeout) => {
+                                crate::heap_trim::collect();
+                                busy = false;
+                                continue;
+                            }
+                            Err(crossbeam_channel::RecvTimeoutError::Disconnected) => break,
+                        }
+                    } else {
+                        match rx.recv() {
+                            Ok(work) => work,
+                            Err(_) => break,
+                        }
+                    };
+                    busy = true;
                     match work {
                         Work::Lobbied(l) => {
                             if let Some(conn) = answer_lobbied(&admin, *l) {
