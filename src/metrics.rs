@@ -437,7 +437,7 @@ const HELP: &[(&str, &str)] = &[
     ),
     (
         "fleetlink_registry_ops_total",
-        "Registry operations by op and result (standalone: only op=refused, and resume/rebooted: commands a new boot dropped).",
+        "Registry operations by op and result (standalone: op=refused, offline but for forwarded and connected_elsewhere, parked/dropped, and resume/rebooted: commands a new boot dropped).",
     ),
     (
         "fleetlink_pubsub_messages_total",
@@ -649,6 +649,7 @@ pub fn render_as(
 fn in_both_modes(op: &str, result: &str) -> bool {
     match op {
         "refused" => true,
+        "parked" => true,
         "resume" => result == "rebooted",
         "offline" => !matches!(result, "forwarded" | "connected_elsewhere"),
         _ => false,
@@ -917,6 +918,7 @@ mod tests {
             !ops.is_empty()
                 && ops.iter().all(|l| l.contains("op=\"refused\"")
                     || l.contains("op=\"resume\",result=\"rebooted\"")
+                    || l.contains("op=\"parked\",result=\"dropped\"")
                     || (l.contains("op=\"offline\"") && !l.contains("forwarded"))),
             "{ops:?}"
         );

@@ -1558,6 +1558,40 @@ fn a_killed_command_connection_leaves_the_subscription_and_loses_no_command() {
     assert_eq!(numsub(&redis, "fleetlink:broker:fe-kill"), 1);
 }
 
+/// Redis ends the broker's subscription while it still answers (its output buffer limit for a
+/// subscriber that reads too slowly, or CLIENT KILL): the loss of what was published meanwhile
+/// is counted (`subscription/cut`), not only logged, and the broker subscribes again and goes
+/// on answering.
+#[test]
+fn a_subscription_redis_ends_is_counted_and_taken_up_again() {
+    let redis = RedisServer::start();
+    let b = fleet_broker(&redis, "fe-cut", &[]);
+    let (mut ws, _, _) = b.rig("rig-cut");
+    let ctl = Control::new(&redis, &[]);
+    let mut con = redis.connection();
+    let killed: i64 = redis::cmd("CLIENT")
+        .arg("KILL")
+        .arg("TYPE")
+        .arg("pubsub")
+        .arg("SKIPME")
+        .arg("yes")
+        .query(&mut con)
+        .unwrap();
+    // Control's own subscription went too.
+    assert!(killed >= 2, "{killed}");
+    eventually(Duration::from_secs(10), "the cut counted", || {
+        b.metric("fleetlink_registry_ops_total{op=\"subscription\",result=\"cut\"}") == 1
+    });
+    eventually(Duration::from_secs(10), "subscribed again", || {
+        numsub(&redis, "fleetlink:broker:fe-cut") == 1
+    });
+    let mut ctl_sub = Control::new(&redis, &[]);
+    let r = ctl_sub.command_id("fe-cut", "rig-cut", "after-cut", "n", json!({}));
+    assert_eq!(r["ok"], true, "{r}");
+    assert_eq!(read_json(&mut ws)["id"], "after-cut");
+    drop(ctl);
+}
+
 /// A second broker with the id of one that is running is refused at start (exit 1, saying
 /// why): both would take every command on the shared channel, and the one without the rig
 /// would answer `rig_not_connected` for a command the other ran. Once the first is gone the

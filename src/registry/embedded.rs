@@ -103,6 +103,8 @@ pub struct Embedded {
     max_parked_bytes: usize,
     /// Parked commands dropped for the bound since the bridge last asked.
     parked_dropped: u64,
+    /// Those drops, logged at most once a second (a burst drops them rig after rig).
+    parked_drop_log: crate::registry::throttle::Throttle,
     /// The session a newer boot took over while it was live, from the last [`Self::closed`]:
     /// its unacked commands never run (`rig_rebooted`).
     rebooted: Option<Rebooted>,
@@ -124,6 +126,7 @@ impl Embedded {
             parked_bytes: 0,
             max_parked_bytes: MAX_PARKED_BYTES,
             parked_dropped: 0,
+            parked_drop_log: Default::default(),
             rebooted: None,
             awaiting_return: HashMap::new(),
             park_for,
@@ -617,9 +620,12 @@ impl Embedded {
                 r
             });
             self.parked_dropped += dropped.len() as u64;
-            if !dropped.is_empty() {
+            if dropped.is_empty() {
+                continue;
+            }
+            if let Some(n) = self.parked_drop_log.note(Instant::now()) {
                 log::warn!(
-                    "rig {rig}: {} commands kept for its return dropped: parked sessions hold {} bytes",
+                    "rig {rig}: {} commands kept for its return dropped: parked sessions hold {} bytes ({n} sessions lost theirs since the last such line; parked/dropped counts the commands)",
                     dropped.len(),
                     self.max_parked_bytes
                 );

@@ -250,6 +250,9 @@ pub(crate) struct Fleet {
     pub(crate) keys_lost: bool,
     /// Calls Redis refused on a sound connection (see [`leaves_connection_sound`]).
     pub(crate) refusals: u64,
+    /// Subscriptions Redis ended while it still answered on the other connection, since the
+    /// bridge last took them.
+    pub(crate) subscription_cuts: u64,
     /// Those refusals, logged at most once a second.
     refusal_log: Throttle,
     /// Redis refused a write for want of memory since the last heartbeat that went through:
@@ -288,6 +291,7 @@ impl Fleet {
             just_connected: false,
             keys_lost: false,
             refusals: 0,
+            subscription_cuts: 0,
             refusal_log: Throttle::default(),
             refusing: false,
         })
@@ -994,8 +998,19 @@ impl Fleet {
                 // or two late. Asked now, both reconnect together. A sound one stays, with
                 // what it holds (queued publishes, the scripts).
                 self.sub = None;
-                if self.con.as_mut().is_some_and(|con| !answers_ping(con)) {
-                    self.con = None;
+                match self.con.as_mut().map(answers_ping) {
+                    Some(false) => self.con = None,
+                    // Redis is up and ended this one client: its output buffer for the
+                    // subscription passed `client-output-buffer-limit pubsub` (control published
+                    // faster than this broker reads), or someone ran CLIENT KILL. What was
+                    // published to this broker until it is subscribed again is lost, unanswered.
+                    Some(true) => {
+                        self.subscription_cuts += 1;
+                        log::warn!(
+                            "redis: ended this broker's subscription while answering (its client-output-buffer-limit for pubsub, most likely: messages come faster than this broker reads them); what is published to it until it resubscribes is lost, unanswered"
+                        );
+                    }
+                    None => {}
                 }
                 self.back_off(Instant::now(), &e);
                 Vec::new()

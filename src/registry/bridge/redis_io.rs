@@ -30,6 +30,8 @@ impl Bridge {
         self.refusals_counted = f.refusals;
         let (up, subscribed) = (f.is_up(), f.is_subscribed());
         self.shared.count_n("redis", "refused", refused);
+        let cuts = std::mem::take(&mut f.subscription_cuts);
+        self.shared.count_n("subscription", "cut", cuts);
         if let Some(why) = f.take_down_why() {
             if let Ok(mut slot) = self.shared.redis_down_why.lock() {
                 *slot = why;

@@ -12,7 +12,7 @@ use crate::metrics::BridgeStats;
 const CANARY_STALE: Duration = Duration::from_secs(5);
 
 /// Registry operations counted by (op, result), in this order.
-pub const REGISTRY_OPS: [(&str, &str); 55] = [
+pub const REGISTRY_OPS: [(&str, &str); 56] = [
     ("offline", "held"),
     ("offline", "full"),
     ("offline", "connected_elsewhere"),
@@ -61,6 +61,7 @@ pub const REGISTRY_OPS: [(&str, &str); 55] = [
     ("control", "bad_request"),
     ("reply", "orphaned"),
     ("publish", "dropped"),
+    ("subscription", "cut"),
     ("redis", "refused"),
     ("broadcast", "overloaded"),
     ("parked", "dropped"),
