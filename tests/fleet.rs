@@ -1592,6 +1592,51 @@ fn a_subscription_redis_ends_is_counted_and_taken_up_again() {
     drop(ctl);
 }
 
+/// A broker drained while Redis is away from it still holds the `ack` event of an ack it took
+/// meanwhile. At the end of the drain it waits a few seconds for Redis, and a Redis back in
+/// that time gets the event. Before, the broker exited at once and the ack was lost without a
+/// word: control had `ok` for the command and never heard more.
+#[test]
+fn a_broker_drained_while_redis_is_away_hands_over_its_acks_if_redis_returns_in_time() {
+    let redis = RedisServer::start();
+    let relay = Relay::start(redis.port());
+    let url = relay.url();
+    let mut a = Broker::start(&["--redis", &url, "--broker-id", "fe-dx", "--drain", "300ms"]);
+    eventually(Duration::from_secs(10), "broker ready", || {
+        a.http("GET", "/readyz", "").0 == 200
+    });
+    let (mut ws, _, _) = a.rig("rig-dx");
+    let mut ctl = Control::new(&redis, &["fleetlink:events"]);
+    let r = ctl.command_id("fe-dx", "rig-dx", "dx1", "n", json!({}));
+    assert_eq!(r["seq"], 1, "{r}");
+    assert_eq!(read_json(&mut ws)["id"], "dx1");
+    relay.down(true);
+    eventually(Duration::from_secs(15), "the outage noticed", || {
+        a.http("GET", "/readyz", "").0 == 503
+    });
+    let ack = json!({"type": "ack", "seq": 1}).to_string();
+    ws.send(Message::Text(ack.into())).unwrap();
+    a.wait_metric("fleetlink_commands_total{result=\"acked\"} 1");
+    // Reconnect attempts back off, doubling: after a few, the next is a second or more away,
+    // as in any outage of more than a moment.
+    eventually(Duration::from_secs(20), "attempts backed off", || {
+        relay.turned_away() >= 5
+    });
+    a.sigterm();
+    // The drain's end: the rig is closed, and the bridge is on its way out.
+    loop {
+        match ws.read() {
+            Ok(Message::Close(_)) | Err(_) => break,
+            Ok(_) => {}
+        }
+    }
+    relay.down(false);
+    let ev = ctl.next(|ch, v| ch == "fleetlink:events" && v["type"] == "ack");
+    assert_eq!((&ev["id"], &ev["seq"]), (&json!("dx1"), &json!(1)), "{ev}");
+    let status = a.wait_exit(Duration::from_secs(20)).expect("exited");
+    assert!(status.success(), "{status:?}");
+}
+
 /// A second broker with the id of one that is running is refused at start (exit 1, saying
 /// why): both would take every command on the shared channel, and the one without the rig
 /// would answer `rig_not_connected` for a command the other ran. Once the first is gone the

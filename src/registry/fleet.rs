@@ -134,6 +134,9 @@ impl CallError for crate::registry::scripts::RegistryError {
 
 /// Backoff cap between reconnect attempts.
 const MAX_BACKOFF: Duration = Duration::from_secs(5);
+
+/// Between the attempts to reach Redis at the end of a drain (see `Fleet::flush_before_exit`).
+const EXIT_RETRY: Duration = Duration::from_millis(100);
 /// Removals of acked commands that find no publish to ride with (see [`Fleet::flush`]) wait up
 /// to this long, or for [`FORGET_BATCH`] of them. Until then a resume elsewhere still finds
 /// them, and drops them by the rig's `last_seq`: a rig acks only what it has.
@@ -768,6 +771,38 @@ impl Fleet {
             }
             Ok(had) => self.keys_lost |= !had,
             Err(e) => self.call_failed(&e),
+        }
+    }
+
+    /// The end of a drain: sends everything queued, waiting up to `limit` for a Redis that is
+    /// away (or paused) to answer again, then says what could not be sent. Before, a broker
+    /// that drained during an outage exited at once, and the `ack` events it held (acks it
+    /// took while Redis could not keep them) were lost without a word.
+    pub(crate) fn flush_before_exit(&mut self, limit: Duration) {
+        let end = Instant::now() + limit;
+        loop {
+            let now = Instant::now();
+            // At its own pace, not the backoff's: after a long outage that is seconds.
+            self.next_attempt = self.next_attempt.min(now);
+            self.ensure(now);
+            if self.con.is_some() {
+                self.flush(None);
+            }
+            let (publishes, forgets, writes) = (
+                self.outgoing.len(),
+                self.forgets.len(),
+                self.releases.len() + self.recalls.len(),
+            );
+            if publishes + forgets + writes == 0 {
+                return;
+            }
+            if now >= end {
+                log::warn!(
+                    "redis: exiting with {publishes} events and replies unpublished, {forgets} removals of acked commands and {writes} lease releases and session notes unwritten: Redis did not answer within {limit:?} (the leases lapse by their TTL; an acked command whose removal is lost may be reported rig_rebooted at its rig's next boot)"
+                );
+                return;
+            }
+            std::thread::sleep(EXIT_RETRY.min(end.saturating_duration_since(now)));
         }
     }
 

@@ -17,6 +17,11 @@ pub struct Relay {
     stop: Arc<AtomicBool>,
     frozen: Arc<AtomicBool>,
     frozen_back: Arc<AtomicBool>,
+    down: Arc<AtomicBool>,
+    /// Connections closed at once while down.
+    turned_away: Arc<AtomicUsize>,
+    /// Both ends of every connection relayed so far, to cut when the relay goes down.
+    open: Arc<Mutex<Vec<TcpStream>>>,
 }
 
 impl Relay {
@@ -31,18 +36,31 @@ impl Relay {
             stop: Arc::new(AtomicBool::new(false)),
             frozen: Arc::new(AtomicBool::new(false)),
             frozen_back: Arc::new(AtomicBool::new(false)),
+            down: Arc::new(AtomicBool::new(false)),
+            turned_away: Arc::new(AtomicUsize::new(0)),
+            open: Arc::new(Mutex::new(Vec::new())),
         };
         let (armed, cuts, stop) = (relay.armed.clone(), relay.cuts.clone(), relay.stop.clone());
         let (frozen, frozen_back) = (relay.frozen.clone(), relay.frozen_back.clone());
+        let (down, open) = (relay.down.clone(), relay.open.clone());
+        let turned_away = relay.turned_away.clone();
         thread::spawn(move || {
             for client in listener.incoming() {
                 if stop.load(Ordering::Relaxed) {
                     return;
                 }
+                // Down: accepted and closed at once, as a Redis that is not there fails fast.
                 let Ok(client) = client else { continue };
+                if down.load(Ordering::SeqCst) {
+                    turned_away.fetch_add(1, Ordering::SeqCst);
+                    continue;
+                }
                 let Ok(server) = TcpStream::connect(("127.0.0.1", upstream)) else {
                     continue;
                 };
+                if let (Ok(c), Ok(s)) = (client.try_clone(), server.try_clone()) {
+                    open.lock().unwrap().extend([c, s]);
+                }
                 let (armed, cuts) = (armed.clone(), cuts.clone());
                 let (frozen, frozen_back) = (frozen.clone(), frozen_back.clone());
                 thread::spawn(move || pump(client, server, &armed, &cuts, &frozen, frozen_back));
@@ -72,6 +90,24 @@ impl Relay {
     pub fn freeze_both(&self, frozen: bool) {
         self.frozen_back.store(frozen, Ordering::SeqCst);
         self.freeze(frozen);
+    }
+
+    /// A Redis this broker alone finds gone, failing fast: every relayed connection is cut,
+    /// and new ones are closed as they come, until the relay is up again.
+    #[allow(dead_code)] // not every test binary takes its Redis down
+    pub fn down(&self, down: bool) {
+        self.down.store(down, Ordering::SeqCst);
+        if down {
+            for s in self.open.lock().unwrap().drain(..) {
+                let _ = s.shutdown(Shutdown::Both);
+            }
+        }
+    }
+
+    /// How many connections were closed at once while the relay was down.
+    #[allow(dead_code)]
+    pub fn turned_away(&self) -> usize {
+        self.turned_away.load(Ordering::SeqCst)
     }
 
     /// How many connections were cut so far.

@@ -690,11 +690,15 @@ impl Bridge {
             self.release(rig, boot);
         }
         if let Some(f) = self.fleet.as_mut() {
-            f.flush(None);
+            f.flush_before_exit(EXIT_FLUSH_WAIT);
             f.retire();
         }
     }
 }
+
+/// How long the end of a drain waits for an absent Redis to take what the broker still holds
+/// for it (events, removals of acked commands, lease releases).
+const EXIT_FLUSH_WAIT: Duration = Duration::from_secs(5);
 
 #[cfg(test)]
 pub(super) mod testing {
