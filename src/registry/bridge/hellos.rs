@@ -312,8 +312,9 @@ impl Bridge {
         actions
     }
 
-    /// Redis is away, so this broker decides a new boot's hello alone, and the session it keeps
-    /// parked for the rig's older boot ends with it: that session's unacked commands are
+    /// This broker decides a new boot's hello without Redis (standalone, or Redis refused the
+    /// call, or no room to wait for it: see [`Self::defer_parked_reboot`]), and the session it
+    /// keeps parked for the rig's older boot ends with it: that session's unacked commands are
     /// reported `rig_rebooted` from here (CONTRACT.md §5), as `resume.lua` would have done, and
     /// their copies in Redis are forgotten, so that a later hello does not report them again.
     /// Before, they went unreported: dropped with the parked session.
