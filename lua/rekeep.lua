@@ -44,9 +44,8 @@
 --             lost the session altogether and all of them were never reported. Each of those
 --             n is published as a rig_rebooted event, in seq order, and the tombstone's
 --             "next" raised past them, so a second call reports nothing twice
---             ended: every command this broker holds (but one below the session's "next"
---             that Redis no longer holds: acked since, elsewhere), and every one Redis holds
---             numbered past ARGV[3] (the same boot went on at another broker meanwhile) is
+--             ended: every command this broker holds, and every one Redis holds numbered
+--             past ARGV[3] (the same boot went on at another broker meanwhile) is
 --             reported, unless a tombstone says they were (then only those at or above its
 --             "next"); the session is cut down to a tombstone naming the ending boot, and
 --             "sessof" names the ending boot unless it names a newer one
@@ -106,10 +105,10 @@ end
 
 -- Publishes a rig_rebooted event for each command with a seq at or above `from`, in seq
 -- order, as resume.lua does for the ones Redis kept; returns how many and the highest seq.
-local function report(rig, ended_by, from, skip)
+local function report(rig, ended_by, from)
   local order = {}
   for i = 6, #ARGV, 2 do
-    if tonumber(ARGV[i]) >= from and not (skip and skip[ARGV[i]]) then
+    if tonumber(ARGV[i]) >= from then
       order[#order + 1] = i
     end
   end
@@ -159,16 +158,14 @@ local function report_ended(sess)
   end
   -- Commands Redis holds numbered past what this broker holds: the same boot went on at
   -- another broker while each decided alone. Below that, one Redis holds and this broker
-  -- does not was acked here (its removal may not have reached Redis yet).
-  -- And one this broker holds below the session's next in Redis that Redis no longer holds
-  -- was acked since, on another connection (this copy was parked while the rig resumed and
-  -- acked elsewhere): not reported.
-  local mine, acked = {}, {}
+  -- does not was acked here (its removal may not have reached Redis yet). Every one this
+  -- broker holds is reported, even below the session's next in Redis and absent there: it
+  -- may have been acked elsewhere since this copy was parked, or never kept, numbered past
+  -- by another broker while this one could not reach Redis. Only a report tells control of
+  -- the second; an ack of the first wins over its report.
+  local mine = {}
   for i = 6, #ARGV, 2 do
     mine[ARGV[i]] = true
-    if tonumber(ARGV[i]) < kept_next and fields['c:' .. ARGV[i]] == nil then
-      acked[ARGV[i]] = true
-    end
   end
   for field, value in pairs(fields) do
     local seq = field:match('^c:(%d+)$')
@@ -177,7 +174,7 @@ local function report_ended(sess)
       ARGV[#ARGV + 1] = value
     end
   end
-  local n, top = report(rig, ended, 0, acked)
+  local n, top = report(rig, ended, 0)
   redis.call('DEL', sess)
   redis.call('HSET', sess, 'gone', ended, 'next',
       string.format('%.0f', math.max(kept_next, tonumber(nxt), top + 1)))
