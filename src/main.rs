@@ -226,6 +226,8 @@ fn run(mut cfg: Config) -> anyhow::Result<()> {
         DrainCause::AdminApi => 2,
     };
     let cut_txs = core_txs.clone();
+    let cut = Arc::new(AtomicBool::new(false));
+    let cut_seen = cut.clone();
     std::thread::Builder::new()
         .name("fleetlink-drain-cut".into())
         .spawn(move || {
@@ -237,13 +239,16 @@ fn run(mut cfg: Config) -> anyhow::Result<()> {
             }
             if let Ok(name) = signal_rx.recv() {
                 log::warn!("{name} during the drain: closing every rig now (1001)");
+                cut_seen.store(true, Ordering::SeqCst);
                 drain_cores(&cut_txs, Duration::ZERO);
             }
         })?;
     for core in cores {
         let _ = core.join();
     }
-    let _ = bridge_tx.push_owed(ToBridge::Shutdown);
+    let _ = bridge_tx.push_owed(ToBridge::Shutdown {
+        wait_for_redis: !cut.load(Ordering::SeqCst),
+    });
     bridge_tx.ring();
     let _ = bridge.join();
     log::info!("drained; exiting");

@@ -876,6 +876,57 @@ fn a_boot_decided_alone_in_a_partition_reports_the_session_of_a_boot_it_never_sa
     );
 }
 
+/// A rig's boot is on a broker cut off from Redis, which gives it a command Redis never keeps;
+/// the rig reboots onto the same broker while its old connection is still open. Once the
+/// partition heals, both of the old session's unacked commands are reported `rig_rebooted`,
+/// each once: the one Redis kept, by the new boot's report from Redis, and the one only the
+/// broker held. Before, the broker dropped the old live session when the new boot took over
+/// (Redis would report it), and the unkept command was never reported.
+#[test]
+fn a_live_session_a_new_boot_takes_over_during_a_partition_is_reported_whole() {
+    let redis = RedisServer::start();
+    let relay = Relay::start(redis.port());
+    let a = broker_behind(&relay, "fe-a");
+    let mut ctl = Control::new(&redis, &["fleetlink:events"]);
+    let (mut x, x_boot, _) = a.rig("rig-tk");
+    let (status, r) = a.command("rig-tk", "n", json!({}));
+    assert_eq!((status, &r["seq"]), (200, &json!(1)), "{r}");
+    let kept = r["id"].clone();
+    assert_eq!(read_json(&mut x)["seq"], 1);
+    relay.freeze_both(true);
+    eventually(Duration::from_secs(15), "fe-a sees the outage", || {
+        a.http("GET", "/readyz", "").0 == 503
+    });
+    let (status, r) = a.command("rig-tk", "n", json!({}));
+    assert_eq!((status, &r["seq"]), (200, &json!(2)), "{r}");
+    let unkept = r["id"].clone();
+    assert_eq!(read_json(&mut x)["seq"], 2);
+    let (_z, z_boot, _) = a.rig("rig-tk");
+    relay.freeze_both(false);
+    let mut seen = Vec::new();
+    for _ in 0..2 {
+        let ev = ctl.next(|ch, v| {
+            ch == "fleetlink:events" && v["type"] == "rig_rebooted" && v["boot_id"] == json!(x_boot)
+        });
+        assert_eq!(ev["new_boot_id"], json!(z_boot), "{ev}");
+        seen.push(ev["id"].clone());
+    }
+    seen.sort_by_key(|v| v.to_string());
+    let mut want = vec![kept, unkept];
+    want.sort_by_key(|v| v.to_string());
+    assert_eq!(seen, want);
+    // Each once: later refreshes and the ended session's own report add nothing.
+    eventually(Duration::from_secs(10), "a few refreshes", || {
+        a.metric("fleetlink_registry_ops_total{op=\"refresh\",result=\"ok\"}") >= 10
+    });
+    ctl.take_in();
+    let again = ctl.backlog_count(|ch, v| {
+        ch == "fleetlink:events" && v["type"] == "rig_rebooted" && v["boot_id"] == json!(x_boot)
+    });
+    assert_eq!(again, 0, "reported twice");
+    drop(x);
+}
+
 /// A Redis that hangs while the bridge has a long pipeline of publishes in flight (a rig
 /// flooding events) is noticed within a call timeout, and the broker goes on serving from its
 /// local registry: an admin command to another rig is delivered while Redis still hangs.
@@ -1592,21 +1643,17 @@ fn a_subscription_redis_ends_is_counted_and_taken_up_again() {
     drop(ctl);
 }
 
-/// A broker drained while Redis is away from it still holds the `ack` event of an ack it took
-/// meanwhile. At the end of the drain it waits a few seconds for Redis, and a Redis back in
-/// that time gets the event. Before, the broker exited at once and the ack was lost without a
-/// word: control had `ok` for the command and never heard more.
-#[test]
-fn a_broker_drained_while_redis_is_away_hands_over_its_acks_if_redis_returns_in_time() {
-    let redis = RedisServer::start();
-    let relay = Relay::start(redis.port());
+/// A broker behind `relay` whose rig acked command `dx1` while Redis was away from the broker
+/// (the relay down, and the broker's reconnect attempts backed off): the `ack` event waits in
+/// the broker for Redis.
+fn acked_while_redis_is_away(redis: &RedisServer, relay: &Relay) -> (Broker, Ws, Control) {
     let url = relay.url();
-    let mut a = Broker::start(&["--redis", &url, "--broker-id", "fe-dx", "--drain", "300ms"]);
+    let a = Broker::start(&["--redis", &url, "--broker-id", "fe-dx", "--drain", "300ms"]);
     eventually(Duration::from_secs(10), "broker ready", || {
         a.http("GET", "/readyz", "").0 == 200
     });
     let (mut ws, _, _) = a.rig("rig-dx");
-    let mut ctl = Control::new(&redis, &["fleetlink:events"]);
+    let mut ctl = Control::new(redis, &["fleetlink:events"]);
     let r = ctl.command_id("fe-dx", "rig-dx", "dx1", "n", json!({}));
     assert_eq!(r["seq"], 1, "{r}");
     assert_eq!(read_json(&mut ws)["id"], "dx1");
@@ -1622,18 +1669,51 @@ fn a_broker_drained_while_redis_is_away_hands_over_its_acks_if_redis_returns_in_
     eventually(Duration::from_secs(20), "attempts backed off", || {
         relay.turned_away() >= 5
     });
-    a.sigterm();
-    // The drain's end: the rig is closed, and the bridge is on its way out.
+    (a, ws, ctl)
+}
+
+/// Reads until the broker closes the rig: the drain's end, and the bridge on its way out.
+fn until_closed(ws: &mut Ws) {
     loop {
         match ws.read() {
             Ok(Message::Close(_)) | Err(_) => break,
             Ok(_) => {}
         }
     }
+}
+
+/// A broker drained while Redis is away from it still holds the `ack` event of an ack it took
+/// meanwhile. At the end of the drain it waits a few seconds for Redis, and a Redis back in
+/// that time gets the event. Before, the broker exited at once and the ack was lost without a
+/// word: control had `ok` for the command and never heard more.
+#[test]
+fn a_broker_drained_while_redis_is_away_hands_over_its_acks_if_redis_returns_in_time() {
+    let redis = RedisServer::start();
+    let relay = Relay::start(redis.port());
+    let (mut a, mut ws, mut ctl) = acked_while_redis_is_away(&redis, &relay);
+    a.sigterm();
+    until_closed(&mut ws);
     relay.down(false);
     let ev = ctl.next(|ch, v| ch == "fleetlink:events" && v["type"] == "ack");
     assert_eq!((&ev["id"], &ev["seq"]), (&json!("dx1"), &json!(1)), "{ev}");
     let status = a.wait_exit(Duration::from_secs(20)).expect("exited");
+    assert!(status.success(), "{status:?}");
+}
+
+/// A second SIGTERM during that drain means "now", as always: the broker does not wait for the
+/// absent Redis, and exits 0 at once, saying what it could not send.
+#[test]
+fn a_second_sigterm_does_not_wait_for_an_absent_redis() {
+    let redis = RedisServer::start();
+    let relay = Relay::start(redis.port());
+    let (mut a, mut ws, _ctl) = acked_while_redis_is_away(&redis, &relay);
+    a.sigterm();
+    // The drain is under way: the rig has its goaway.
+    while read_json(&mut ws)["type"] != "goaway" {}
+    a.sigterm();
+    until_closed(&mut ws);
+    // The 5 s wait for Redis would still be under way.
+    let status = a.wait_exit(Duration::from_secs(3)).expect("exited at once");
     assert!(status.success(), "{status:?}");
 }
 

@@ -376,7 +376,11 @@ pub enum ToBridge {
         reply: ReplyTo,
     },
     /// The broker is stopping: release what it holds and exit.
-    Shutdown,
+    Shutdown {
+        /// A Redis that is away gets a few seconds to come back for what the broker still
+        /// holds for it; not after a second signal, which means "now".
+        wait_for_redis: bool,
+    },
 }
 
 #[cfg(test)]

@@ -922,7 +922,9 @@ pub(crate) mod tests {
                 let mut buf = [0u8; 8];
                 let mut rung_early = false;
                 for _ in 0..3 {
-                    assert!(core.to_bridge(ToBridge::Shutdown));
+                    assert!(core.to_bridge(ToBridge::Shutdown {
+                        wait_for_redis: true
+                    }));
                     rung_early |= (&rx.listen).read(&mut buf).is_ok();
                 }
                 // A task spawned now queues behind the woken ringer.

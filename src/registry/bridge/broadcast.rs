@@ -205,7 +205,7 @@ mod tests {
     fn a_broadcast_still_waiting_at_shutdown_is_answered() {
         let (mut b, _core) = bridge_with_rig();
         send(&mut b, "w");
-        b.shutdown();
+        b.shutdown(true);
         assert!(b.broadcasts.is_empty());
         let body = answer(&b);
         assert_eq!(

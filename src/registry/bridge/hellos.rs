@@ -361,6 +361,29 @@ impl Bridge {
         }
     }
 
+    /// A live session of `r.old`, its next seq `next`, that the newer boot `r.new` took over
+    /// (see `ToBridge::Closed`).
+    pub(super) fn report_taken_over(&mut self, r: crate::registry::embedded::Rebooted, next: Seq) {
+        if self.fleet.is_some() && !self.cfg.session_ttl.is_zero() {
+            let req = crate::registry::msg::RekeepReq {
+                rig: r.rig.clone(),
+                boot: r.old,
+                next,
+                cmds: r
+                    .carried
+                    .iter()
+                    .filter(|c| !c.held)
+                    .map(|c| (c.seq, c.json.clone()))
+                    .collect(),
+            };
+            if self.ended_alone.push(req, r.new) {
+                return;
+            }
+        }
+        let lost = r.carried.into_iter().map(|c| (c.seq, c.id)).collect();
+        self.report_reboot(&r.rig, r.old, r.new, lost);
+    }
+
     /// Reports the unacked commands of `rig`'s session of boot `old`, which boot `boot` ended:
     /// counted, published as `rig_rebooted` events (standalone: kept for `GET /v1/events`, and
     /// logged with their ids).

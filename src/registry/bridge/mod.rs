@@ -141,7 +141,8 @@ struct Bridge {
     /// refresh. (A session parked here that the hello ended is reported through
     /// `ended_alone`; the tombstone each report leaves keeps the two from repeating.)
     decided_alone: HashSet<(RigId, BootId)>,
-    /// Parked sessions those hellos ended, waiting for Redis to say what is left to report.
+    /// Sessions those hellos ended, and live ones a newer boot took over, waiting for Redis
+    /// to say what is left to report.
     ended_alone: rekeeps::EndedAlone,
     /// When queued Redis writes may go out (see [`crate::registry::pace`]).
     pace: WritePace,
@@ -216,13 +217,13 @@ impl Bridge {
     fn run(&mut self, inbox: &Inbox<ToBridge>) {
         loop {
             let mut handled = 0;
-            let mut shutdown = false;
+            let mut shutdown = None;
             // Verdicts of an accept storm's hellos, say, reach each core with one ring.
             self.batched(|b| {
                 while handled < BATCH {
                     match inbox.try_recv() {
-                        Some(ToBridge::Shutdown) => {
-                            shutdown = true;
+                        Some(ToBridge::Shutdown { wait_for_redis }) => {
+                            shutdown = Some(wait_for_redis);
                             break;
                         }
                         Some(msg) => b.handle(msg),
@@ -233,10 +234,10 @@ impl Bridge {
                 b.flush_hellos();
                 b.flush_holds();
             });
-            if shutdown {
+            if let Some(wait_for_redis) = shutdown {
                 self.flush_hellos();
                 self.flush_holds();
-                return self.shutdown();
+                return self.shutdown(wait_for_redis);
             }
             let now = Instant::now();
             self.redis_io(now);
@@ -363,15 +364,13 @@ impl Bridge {
                 }
                 let dropped = self.registry.take_parked_dropped();
                 self.shared.count_n("parked", "dropped", dropped);
-                // Standalone only: in fleet mode `resume.lua` reported them at the new boot's
-                // hello, from the session's copy in Redis.
-                if let Some(r) = self
-                    .registry
-                    .take_rebooted()
-                    .filter(|_| self.fleet.is_none())
-                {
-                    let lost = r.carried.into_iter().map(|c| (c.seq, c.id)).collect();
-                    self.report_reboot(&r.rig, r.old, r.new, lost);
+                // A live session a newer boot took over. In fleet mode the new boot's hello
+                // reported it from the session's copy in Redis, but that copy lacks what was
+                // delivered while Redis was away (or all of it, after an empty restart): it
+                // goes to Redis as an ended session (`rekeep.lua`), which reports what no
+                // report covered. Standalone, or with no sessions kept, it is reported here.
+                if let Some(r) = self.registry.take_rebooted() {
+                    self.report_taken_over(r, next_seq);
                 }
                 // A connection that waited for this one's session, and what Redis held for it.
                 let actions = self.merge_handover(&rig, boot, actions);
@@ -443,7 +442,7 @@ impl Bridge {
                 }
                 Vec::new()
             }
-            ToBridge::Shutdown => Vec::new(),
+            ToBridge::Shutdown { .. } => Vec::new(),
         };
         self.carry_out(actions);
     }
@@ -663,7 +662,7 @@ impl Bridge {
 
     /// Answers the commands still waiting to be kept, releases every lease this broker holds,
     /// then returns (the end of a drain, after the cores have stopped).
-    fn shutdown(&mut self) {
+    fn shutdown(&mut self, wait_for_redis: bool) {
         // Kept before the leases go (a released lease fences the persist), a command reaches
         // its rig by resume wherever it reconnects, so control is told `ok`. With Redis away it
         // was neither written nor kept: control hears that instead of nothing.
@@ -690,7 +689,10 @@ impl Bridge {
             self.release(rig, boot);
         }
         if let Some(f) = self.fleet.as_mut() {
-            f.flush_before_exit(EXIT_FLUSH_WAIT);
+            f.flush_before_exit(match wait_for_redis {
+                true => EXIT_FLUSH_WAIT,
+                false => Duration::ZERO,
+            });
             f.retire();
         }
     }
@@ -758,7 +760,7 @@ mod tests {
                 hold_left: None,
             });
         }
-        b.shutdown();
+        b.shutdown(true);
         assert!(b.persists.is_empty());
         let sent = b.fleet.as_ref().expect("fleet").queued_publishes();
         let bodies: Vec<Value> = sent

@@ -44,10 +44,12 @@ pub(super) enum Pending {
 /// once, as before Redis had a say (a report another broker made may then repeat).
 const ENDED_ALONE_BYTES: usize = 256 << 20;
 
-/// Sessions parked here that a newer boot's hello ended while Redis was away, waiting for
-/// Redis. Only Redis knows whether a boot in between, on another broker, has reported them
-/// already (its tombstone), so they go back through `rekeep.lua` rather than being reported
-/// from here. Bounded by bytes; each leaves once Redis has answered for it.
+/// Sessions here that a newer boot's hello ended, waiting for Redis to settle their report:
+/// parked ones a hello decided here alone while Redis was away ended, and live ones a newer
+/// boot took over (Redis's copy lacks what was delivered unkept). Only Redis knows what
+/// another report (`resume.lua`, a boot in between) covered already (its tombstone), so they
+/// go through `rekeep.lua` rather than being reported from here. Bounded by bytes; each
+/// leaves once Redis has answered for it.
 #[derive(Default)]
 pub(super) struct EndedAlone {
     /// Each session, with the boot that ended it.
