@@ -103,6 +103,24 @@ pub struct RekeepReq {
     pub cmds: Vec<(Seq, Box<[u8]>)>,
 }
 
+impl RekeepReq {
+    /// A copy of the session `carried` holds: its commands but those still held for their
+    /// persist (the connection waits for those before it hands its session over; filtered in
+    /// case).
+    pub fn of(rig: &RigId, boot: BootId, next: Seq, carried: &[SeqCommand]) -> RekeepReq {
+        RekeepReq {
+            rig: rig.clone(),
+            boot,
+            next,
+            cmds: carried
+                .iter()
+                .filter(|c| !c.held)
+                .map(|c| (c.seq, c.json.clone()))
+                .collect(),
+        }
+    }
+}
+
 /// What an admin request thread gets back.
 #[derive(Debug)]
 pub struct AdminAnswer {

@@ -346,16 +346,7 @@ impl Bridge {
         if old >= boot {
             return;
         }
-        let req = crate::registry::msg::RekeepReq {
-            rig: rig.clone(),
-            boot: old,
-            next,
-            cmds: carried
-                .iter()
-                .filter(|c| !c.held)
-                .map(|c| (c.seq, c.json.clone()))
-                .collect(),
-        };
+        let req = crate::registry::msg::RekeepReq::of(rig, old, next, carried);
         if !self.ended_alone.push(req, boot) {
             self.report_parked_reboot(rig, boot);
         }
@@ -365,17 +356,7 @@ impl Bridge {
     /// (see `ToBridge::Closed`).
     pub(super) fn report_taken_over(&mut self, r: crate::registry::embedded::Rebooted, next: Seq) {
         if self.fleet.is_some() && !self.cfg.session_ttl.is_zero() {
-            let req = crate::registry::msg::RekeepReq {
-                rig: r.rig.clone(),
-                boot: r.old,
-                next,
-                cmds: r
-                    .carried
-                    .iter()
-                    .filter(|c| !c.held)
-                    .map(|c| (c.seq, c.json.clone()))
-                    .collect(),
-            };
+            let req = crate::registry::msg::RekeepReq::of(&r.rig, r.old, next, &r.carried);
             if self.ended_alone.push(req, r.new) {
                 return;
             }
