@@ -922,6 +922,12 @@ mod tests {
                     || (l.contains("op=\"offline\"") && !l.contains("forwarded"))),
             "{ops:?}"
         );
+        // The parked sessions' bound is standalone's too (docs/operations.md, the queue table).
+        assert!(
+            ops.iter()
+                .any(|l| l.contains("op=\"parked\",result=\"dropped\"")),
+            "{ops:?}"
+        );
         let version = env!("CARGO_PKG_VERSION");
         let info = format!(
             "fleetlink_info{{mode=\"standalone\",broker_id=\"fe-s\",version=\"{version}\"}} 1"
