@@ -39,16 +39,19 @@
 --             (the rig connected to both, each deciding alone). The caller must number the
 --             rig's next command n or above, or it would reuse a seq the rig already has
 --   "reported|<n>"  parked, and a newer boot ended this session: resume.lua already reported
---             it (its tombstone, "gone" -> that boot) and these commands at or above the
---             tombstone's "next" were never kept (delivered while Redis was away), or Redis
---             lost the session altogether and all of them were never reported. Each of those
---             n is published as a rig_rebooted event, in seq order, and the tombstone's
---             "next" raised past them, so a second call reports nothing twice
+--             it (its tombstone: "gone" -> that boot, "rep" -> the seqs it reported) and
+--             these commands, not among them, were never kept (delivered while Redis was
+--             away; below the tombstone's "next" too, when another broker numbered past them),
+--             or Redis lost the session altogether and all of them were never reported. Each
+--             of those n is published as a rig_rebooted event, in seq order, and added to
+--             "rep" ("next" raised past them), so a second call reports nothing twice. A
+--             tombstone with no "rep" (written before it existed) counts as listing every seq
+--             below its "next".
 --             ended: every command this broker holds, and every one Redis holds numbered
 --             past ARGV[3] (the same boot went on at another broker meanwhile) is
---             reported, unless a tombstone says they were (then only those at or above its
---             "next"); the session is cut down to a tombstone naming the ending boot, and
---             "sessof" names the ending boot unless it names a newer one
+--             reported, but those a tombstone lists; the session is cut down to a tombstone
+--             naming the ending boot and listing what was reported, and "sessof" names the
+--             ending boot unless it names a newer one
 --   "merged"  parked, and the lease names this same boot on another broker: the rig went on
 --             with this session there while Redis was away from one of them. The commands
 --             Redis never numbered (at or above its "next") are added (HSETNX: never over
@@ -105,10 +108,10 @@ end
 
 -- Publishes a rig_rebooted event for each command with a seq at or above `from`, in seq
 -- order, as resume.lua does for the ones Redis kept; returns how many and the highest seq.
-local function report(rig, ended_by, from)
+local function report(rig, ended_by, from, skip)
   local order = {}
   for i = 6, #ARGV, 2 do
-    if tonumber(ARGV[i]) >= from then
+    if tonumber(ARGV[i]) >= from and not (skip and skip[ARGV[i]]) then
       order[#order + 1] = i
     end
   end
@@ -125,7 +128,35 @@ local function report(rig, ended_by, from)
         .. ',"at":' .. cjson.encode(at) .. '}')
     top = math.max(top, tonumber(ARGV[i]))
   end
-  return #order, top
+  local seqs = {}
+  for _, i in ipairs(order) do
+    seqs[#seqs + 1] = ARGV[i]
+  end
+  return #order, top, table.concat(seqs, ',')
+end
+
+-- A tombstone's report of what was reported (see `settle`): where it lists the seqs ("rep"),
+-- every command not among them; else, from an older tombstone, those at or above its "next".
+local function tombstone_report(rig, ended_by, kept_next, rep)
+  if type(rep) ~= 'string' then
+    return report(rig, ended_by, kept_next)
+  end
+  local skip = {}
+  for seq in rep:gmatch('%d+') do
+    skip[seq] = true
+  end
+  return report(rig, ended_by, 0, skip)
+end
+
+-- "rep" with `seqs` added: what the tombstone has seen reported.
+local function rep_with(rep, seqs)
+  if type(rep) ~= 'string' or rep == '' then
+    return seqs
+  end
+  if seqs == '' then
+    return rep
+  end
+  return rep .. ',' .. seqs
 end
 
 -- The rig's record of its latest boot names `b`, unless it names a newer one already: a
@@ -151,8 +182,9 @@ local function report_ended(sess)
   local kept_next = tonumber(fields['next'] or '0') or 0
   local gone = fields['gone']
   if type(gone) == 'string' then
-    local n, top = report(rig, gone, kept_next)
-    redis.call('HSET', sess, 'next', string.format('%.0f', math.max(kept_next, top + 1)))
+    local n, top, seqs = tombstone_report(rig, gone, kept_next, fields['rep'])
+    redis.call('HSET', sess, 'next', string.format('%.0f', math.max(kept_next, top + 1)),
+        'rep', rep_with(fields['rep'], seqs))
     redis.call('PEXPIRE', sess, ttl)
     return 'reported|' .. n
   end
@@ -174,10 +206,10 @@ local function report_ended(sess)
       ARGV[#ARGV + 1] = value
     end
   end
-  local n, top = report(rig, ended, 0)
+  local n, top, seqs = report(rig, ended, 0)
   redis.call('DEL', sess)
   redis.call('HSET', sess, 'gone', ended, 'next',
-      string.format('%.0f', math.max(kept_next, tonumber(nxt), top + 1)))
+      string.format('%.0f', math.max(kept_next, tonumber(nxt), top + 1)), 'rep', seqs)
   redis.call('PEXPIRE', sess, ttl)
   return 'reported|' .. n
 end
@@ -213,21 +245,25 @@ if lease ~= tuple then
     return 'fenced'
   end
   local rig = KEYS[1]:match('^rig:(.+)$') or ''
-  local f = redis.pcall('HMGET', sess, 'gone', 'next')
-  local gone, kept_next = nil, 0
+  local f = redis.pcall('HMGET', sess, 'gone', 'next', 'rep')
+  local gone, kept_next, rep = nil, 0, nil
   if type(f) == 'table' and not f.err then
-    gone, kept_next = f[1], tonumber(f[2] or '0') or 0
+    gone, kept_next, rep = f[1], tonumber(f[2] or '0') or 0, f[3]
   end
   local ended_by = (type(gone) == 'string' and gone)
       or newer_boot(lease) or newer_boot(redis.pcall('GET', KEYS[3]))
   local exists = redis.call('EXISTS', sess) == 1
   if ended_by and (gone or not exists) then
-    -- Reported already up to the tombstone's next (gone), or Redis lost the session (none):
+    -- Reported already, what the tombstone lists (gone), or Redis lost the session (none):
     -- what only this broker holds is reported here, once.
-    local from = gone and kept_next or 0
-    local n, top = report(rig, ended_by, from)
+    local n, top, seqs
+    if gone then
+      n, top, seqs = tombstone_report(rig, ended_by, kept_next, rep)
+    else
+      n, top, seqs = report(rig, ended_by, 0)
+    end
     redis.call('HSET', sess, 'gone', ended_by, 'next',
-        string.format('%.0f', math.max(kept_next, top + 1, from)))
+        string.format('%.0f', math.max(kept_next, top + 1)), 'rep', rep_with(rep, seqs))
     redis.call('PEXPIRE', sess, ttl)
     return 'reported|' .. n
   end

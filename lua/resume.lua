@@ -98,7 +98,7 @@ end
 -- (cjson would round a large one), so seqs compare as digit strings: shorter first, then by
 -- text. The id comes from the command as sent.
 local function report(rig, boot, prev, key)
-  local cmds, n = unacked(fields(key)), 0
+  local cmds, n, seqs = unacked(fields(key)), 0, {}
   local order = {}
   for i = 1, #cmds, 2 do
     if cmds[i]:match('^%d+$') then
@@ -115,6 +115,7 @@ local function report(rig, boot, prev, key)
   for _, i in ipairs(order) do
     local seq = cmds[i]
     n = n + 1
+    seqs[#seqs + 1] = seq
     local decoded, cmd = pcall(cjson.decode, cmds[i + 1])
     local id = (decoded and type(cmd) == 'table' and type(cmd.id) == 'string') and cmd.id or nil
     redis.call('PUBLISH', 'fleetlink:events', '{"type":"rig_rebooted","rig_id":'
@@ -123,7 +124,7 @@ local function report(rig, boot, prev, key)
         .. (id and cjson.encode(id) or 'null') .. ',"broker_id":' .. cjson.encode(broker)
         .. ',"at":' .. cjson.encode(at) .. '}')
   end
-  return n
+  return n, table.concat(seqs, ',')
 end
 
 local function resume(sess, ptr, boot, rig)
@@ -167,15 +168,22 @@ local function resume(sess, ptr, boot, rig)
       local prefix = 'sess:' .. rig .. ':'
       previous = prev
       local old = prefix .. prev
-      rebooted = report(rig, boot, prev, old)
-      -- What is left is a tombstone: the old session's next seq and the boot that ended it. A
-      -- broker still holding that session with commands Redis never kept (delivered while
-      -- Redis was away) reports just those when it puts the session back (rekeep.lua), not
-      -- the ones reported here a second time.
+      local seqs
+      rebooted, seqs = report(rig, boot, prev, old)
+      -- What is left is a tombstone: the old session's next seq, the boot that ended it, and
+      -- the seqs reported ("rep", with those of any report before). A broker still holding
+      -- that session with commands Redis never kept (delivered while Redis was away) reports
+      -- just those when it puts the session back (rekeep.lua), not the ones reported here a
+      -- second time: a seq below "next" need not be one Redis held, when another broker
+      -- numbered past it.
       local old_next = redis.pcall('HGET', old, 'next')
+      local prior = redis.pcall('HGET', old, 'rep')
+      if type(prior) == 'string' and prior ~= '' then
+        seqs = seqs == '' and prior or (prior .. ',' .. seqs)
+      end
       redis.call('DEL', old)
       if type(old_next) == 'string' then
-        redis.call('HSET', old, 'next', old_next, 'gone', boot)
+        redis.call('HSET', old, 'next', old_next, 'gone', boot, 'rep', seqs)
         redis.call('PEXPIRE', old, ttl)
       end
       redis.call('SET', ptr, boot, 'PX', ttl)

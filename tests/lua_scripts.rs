@@ -857,14 +857,18 @@ fn resume_of_a_newer_boot_publishes_the_old_sessions_commands_as_rig_rebooted() 
     let after = fleetlink::reply::rfc3339(std::time::SystemTime::now() + Duration::from_secs(2));
     assert_eq!(found.rebooted, 2);
     assert_eq!(found.previous_boot.as_deref(), Some(old.as_str()));
-    // What is left is a tombstone: the old session's next seq and the boot that ended it.
+    // What is left is a tombstone: the old session's next seq, the boot that ended it, and
+    // the seqs reported.
     let left: std::collections::HashMap<String, String> =
         redis::cmd("HGETALL").arg(&old_key).query(&mut con).unwrap();
-    let tombstone: std::collections::HashMap<String, String> =
-        [("next", "1"), ("gone", new.as_str())]
-            .into_iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect();
+    let tombstone: std::collections::HashMap<String, String> = [
+        ("next", "1"),
+        ("gone", new.as_str()),
+        ("rep", "2,9007199254740993"),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v.to_string()))
+    .collect();
     assert_eq!(left, tombstone, "the old session's commands are gone");
     let ttl: i64 = redis::cmd("PTTL").arg(&old_key).query(&mut con).unwrap();
     assert!(ttl > 0, "the tombstone lapses: {ttl}");
