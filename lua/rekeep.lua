@@ -135,7 +135,7 @@ local function report(rig, ended_by, from, skip)
   return #order, top, table.concat(seqs, ',')
 end
 
--- A tombstone's report of what was reported (see `settle`): where it lists the seqs ("rep"),
+-- The report owed past a tombstone (its "gone"): where it lists the seqs reported ("rep"),
 -- every command not among them; else, from an older tombstone, those at or above its "next".
 local function tombstone_report(rig, ended_by, kept_next, rep)
   if type(rep) ~= 'string' then
