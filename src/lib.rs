@@ -22,7 +22,7 @@
 //! - [`admin`]: health, readiness, metrics, rigs, standalone control plane.
 //! - [`metrics`], [`reply`], [`events`]: what the broker reports, in the contract's shapes;
 //!   [`heap_stats`]: optional allocation accounting; [`heap_trim`]: memory given back after a
-//!   burst.
+//!   burst; [`thread_loss`]: a thread lost drains the rest and exits non-zero.
 //! - [`doctor`], [`dev_certs`]: operator tools bundled in the binary.
 //!
 //! The binaries: `fleetlink-fe` (`src/main.rs`), `fleetctl` (`src/bin/fleetctl/`) and
@@ -48,6 +48,7 @@ pub mod metrics;
 pub mod protocol;
 pub mod registry;
 pub mod reply;
+pub mod thread_loss;
 pub mod tls;
 pub mod worker;
 pub mod ws;

@@ -12,7 +12,7 @@ use fleetlink::jwt::JwtVerifier;
 use fleetlink::registry::bridge::{self, BridgeShared};
 use fleetlink::registry::msg::{ToBridge, ToCore};
 use fleetlink::tls::{TlsPaths, TlsReloader};
-use fleetlink::{admin, doorbell, metrics, worker};
+use fleetlink::{admin, doorbell, metrics, thread_loss, worker};
 
 #[cfg(not(feature = "heap-stats"))]
 #[global_allocator]
@@ -144,6 +144,7 @@ fn run(mut cfg: Config) -> anyhow::Result<()> {
     let admin_addr = admin_listener.local_addr()?;
 
     let guard = security(cfg)?;
+    let lost = thread_loss::watch();
     let (bridge_tx, bridge_rx) = doorbell::channel::<ToBridge>(QUEUE)?;
     let mut core_txs = Vec::with_capacity(cfg.cores);
     let mut core_rxs = Vec::with_capacity(cfg.cores);
@@ -212,8 +213,12 @@ fn run(mut cfg: Config) -> anyhow::Result<()> {
     let cause = crossbeam_channel::select! {
         recv(signal_rx) -> name => name.map_or(DrainCause::AdminApi, DrainCause::Signal),
         recv(drain_rx) -> _ => DrainCause::AdminApi,
+        recv(lost) -> first => DrainCause::Lost(first.map_or_else(|e| e.to_string(), |l| l.to_string())),
     };
     draining.store(true, Ordering::SeqCst);
+    if let DrainCause::Lost(what) = &cause {
+        log::error!("!!! {what}: draining the rest of the broker and exiting 1, for the supervisor to start a whole one");
+    }
     // In seconds: `{:?}` of a zero window reads "0ns".
     log::info!("draining over {}s ({cause})", cfg.drain.as_secs_f64());
     drain_cores(&core_txs, cfg.drain);
@@ -222,7 +227,7 @@ fn run(mut cfg: Config) -> anyhow::Result<()> {
     // the first signal is the usual `systemctl stop` that follows it, not a "now": cut at
     // once, every rig would reconnect in the same instant instead of over the window.
     let signals_before_cut = match cause {
-        DrainCause::Signal(_) => 1,
+        DrainCause::Signal(_) | DrainCause::Lost(_) => 1,
         DrainCause::AdminApi => 2,
     };
     let cut_txs = core_txs.clone();
@@ -251,6 +256,12 @@ fn run(mut cfg: Config) -> anyhow::Result<()> {
     });
     bridge_tx.ring();
     let _ = bridge.join();
+    let lost_meanwhile: Vec<String> = lost.try_iter().map(|l| l.to_string()).collect();
+    match (cause, lost_meanwhile.first()) {
+        (DrainCause::Lost(what), _) => anyhow::bail!("drained after {what}"),
+        (_, Some(what)) => anyhow::bail!("drained, but {what} during the drain"),
+        _ => {}
+    }
     log::info!("drained; exiting");
     Ok(())
 }
@@ -309,10 +320,12 @@ fn check_files(cfg: &Config) -> anyhow::Result<()> {
 }
 
 /// What started the drain, for the log.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 enum DrainCause {
     Signal(&'static str),
     AdminApi,
+    /// A thread stopped unasked ([`thread_loss`]).
+    Lost(String),
 }
 
 impl std::fmt::Display for DrainCause {
@@ -320,6 +333,7 @@ impl std::fmt::Display for DrainCause {
         match self {
             DrainCause::Signal(name) => f.write_str(name),
             DrainCause::AdminApi => f.write_str("POST /v1/drain"),
+            DrainCause::Lost(what) => f.write_str(what),
         }
     }
 }

@@ -264,3 +264,46 @@ fn a_sigterm_during_start_up_drains_and_exits_zero() {
     };
     assert_eq!(status.code(), Some(0), "{status:?}");
 }
+
+/// Sends `rig`'s hello on a fresh connection without waiting for an answer: the failpoint
+/// makes the broker's thread panic on it, so none comes.
+fn doomed_hello(b: &Broker, rig: &str) -> common::broker::Ws {
+    let mut ws = b.connect("/agent");
+    let msg = json!({"type": "hello", "rig_id": rig, "boot_id": common::broker::boot_id(), "version": "test", "labels": {}});
+    ws.send(tungstenite::Message::Text(msg.to_string().into()))
+        .expect("send hello");
+    ws
+}
+
+#[test]
+fn a_core_that_panics_takes_the_broker_down_with_a_failure_exit() {
+    // Left running, the process would hold its listener's port, answer /healthz and keep
+    // the rigs of its other cores, with none of the panicked core's: a supervisor would
+    // never restart it.
+    let mut b = Broker::start_with_env(
+        &["--cores", "1", "--drain", "300ms"],
+        &[("FLEETLINK_FAILPOINT", "core-panic-on-hello=rig-doomed")],
+    );
+    let _doomed = doomed_hello(&b, "rig-doomed");
+    let status = b
+        .wait_exit(Duration::from_secs(20))
+        .expect("the broker kept running without its only core");
+    assert_eq!(status.code(), Some(1), "{status:?}");
+}
+
+#[test]
+fn a_bridge_that_panics_drains_the_cores_rigs_and_exits_with_a_failure() {
+    let mut b = Broker::start_with_env(
+        &["--cores", "1", "--drain", "300ms"],
+        &[("FLEETLINK_FAILPOINT", "bridge-panic-on-hello=rig-doomed")],
+    );
+    let (mut kept, _, _) = b.rig("rig-kept");
+    let _doomed = doomed_hello(&b, "rig-doomed");
+    // The rigs a core still holds are drained as for SIGTERM: told to go, then closed.
+    assert_eq!(read_json(&mut kept)["type"], "goaway");
+    assert_eq!(read_close(&mut kept), 1001);
+    let status = b
+        .wait_exit(Duration::from_secs(20))
+        .expect("the broker kept running without its bridge");
+    assert_eq!(status.code(), Some(1), "{status:?}");
+}

@@ -153,7 +153,10 @@ pub fn spawn(
             };
             match result {
                 Ok(Ok(())) => {}
-                Ok(Err(e)) | Err(e) => log::error!("core {index} stopped: {e}"),
+                Ok(Err(e)) | Err(e) => {
+                    log::error!("core {index} stopped: {e}");
+                    crate::thread_loss::report_current(e.to_string());
+                }
             }
         })
 }

@@ -273,6 +273,7 @@ fn on_text(core: &Core, conn: &Conn, st: &mut ConnState, text: &[u8]) {
 
 fn on_hello(core: &Core, conn: &Conn, st: &mut ConnState, hello: Hello) {
     core.metrics.inc(C::MsgHello);
+    crate::thread_loss::Failpoint::CoreHello.check(hello.rig_id.as_str());
     if core.draining.get() {
         conn.close(st, 4503, "retry_after=5");
         return;

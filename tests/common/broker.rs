@@ -29,7 +29,13 @@ pub struct Broker {
 impl Broker {
     /// Starts the broker with `args` (plus loopback port-0 listeners unless given).
     pub fn start(args: &[&str]) -> Broker {
+        Broker::start_with_env(args, &[])
+    }
+
+    /// [`Broker::start`] with extra environment variables (e.g. `FLEETLINK_FAILPOINT`).
+    pub fn start_with_env(args: &[&str], env: &[(&str, &str)]) -> Broker {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_fleetlink-fe"));
+        cmd.envs(env.iter().copied());
         if !args.contains(&"--listen") {
             cmd.args(["--listen", "127.0.0.1:0"]);
         }

@@ -313,6 +313,7 @@ impl Bridge {
             labels,
         } = msg
         {
+            crate::thread_loss::Failpoint::BridgeHello.check(rig.as_str());
             self.queue_hello(conn, rig, boot, labels);
             return;
         }
