@@ -712,13 +712,26 @@ static ANSWERED: [AtomicU64; STATUSES.len()] = [const { AtomicU64::new(0) }; STA
 /// idle keep-alive connection that times out between requests is not one).
 static UNFINISHED: AtomicU64 = AtomicU64::new(0);
 
+/// Idle keep-alive connections the lobby closed to make room for a new one.
+static EVICTED: AtomicU64 = AtomicU64::new(0);
+
 /// Counts a request closed unanswered at its deadline.
 pub(crate) fn note_unfinished() {
     UNFINISHED.fetch_add(1, Ordering::Relaxed);
 }
 
-/// Writes `fleetlink_admin_responses_total`, one series per status, and
-/// `fleetlink_admin_unfinished_total`.
+/// Counts an idle connection closed for a newer one (see `admin_lobby`).
+pub(crate) fn note_evicted() {
+    EVICTED.fetch_add(1, Ordering::Relaxed);
+}
+
+/// Idle connections closed for newer ones so far.
+pub fn evicted() -> u64 {
+    EVICTED.load(Ordering::Relaxed)
+}
+
+/// Writes `fleetlink_admin_responses_total`, one series per status,
+/// `fleetlink_admin_unfinished_total` and `fleetlink_admin_idle_closed_total`.
 pub fn render_answered(out: &mut String) {
     metrics::family(out, "fleetlink_admin_responses_total", "counter");
     for (status, n) in STATUSES.iter().zip(&ANSWERED) {
@@ -734,6 +747,11 @@ pub fn render_answered(out: &mut String) {
     metrics::family(out, "fleetlink_admin_unfinished_total", "counter");
     let n = UNFINISHED.load(Ordering::Relaxed);
     out.push_str(&format!("fleetlink_admin_unfinished_total {n}\n"));
+    metrics::family(out, "fleetlink_admin_idle_closed_total", "counter");
+    out.push_str(&format!(
+        "fleetlink_admin_idle_closed_total {}\n",
+        evicted()
+    ));
 }
 
 /// The bytes of an answer; `head_only` leaves the body out (its length still said). A 405

@@ -162,6 +162,7 @@ impl Lobby {
         };
         // An idle connection holds no bytes the lobby counts.
         drop(self.waiting.swap_remove(i));
+        crate::admin::note_evicted();
         true
     }
 
@@ -507,9 +508,12 @@ mod tests {
             lobby.admit(conn, t0).expect("room");
             clients.push(client);
         }
+        let evicted = crate::admin::evicted();
         let (_new, server) = connect(&s);
         lobby.admit(Held::new(server), t0).expect("room made");
         assert_eq!(lobby.len(), MAX_WAITING);
+        // Only this test closes idle connections for room.
+        assert_eq!(crate::admin::evicted(), evicted + 1);
         // The idle one was closed: its client reads the end.
         let mut b = [0u8; 1];
         clients[1]

@@ -344,6 +344,10 @@ const HELP: &[(&str, &str)] = &[
         "Admin requests closed unanswered because they had not arrived whole within 5 s.",
     ),
     (
+        "fleetlink_admin_idle_closed_total",
+        "Idle admin keep-alive connections closed to make room for a new one when 1,024 were waiting.",
+    ),
+    (
         "fleetlink_info",
         "Always 1; labels say the mode (standalone or fleet), broker id and version.",
     ),
