@@ -57,8 +57,19 @@ for i = 1, n do
   elseif lease ~= ARGV[3 * i - 1] then
     out[i] = 'fenced'
   else
-    local have = redis.call('HGET', sess, 'next')
-    if (tonumber(have or '0') or 0) > seqs[i] then
+    -- pcall: a key of another type where the session belongs is damage (nothing of ours
+    -- writes one); raised, it would fail every command of this batch, every time. It goes,
+    -- as resume.lua does at a hello. A "next" that is no count ("inf") counts as none.
+    local have = redis.pcall('HGET', sess, 'next')
+    if type(have) == 'table' then
+      redis.log(redis.LOG_WARNING, 'fleetlink persist: ' .. sess .. ' was not a session; deleted')
+      redis.call('DEL', sess)
+      have = false
+    end
+    if type(have) ~= 'string' or #have > 15 or not have:match('^%d+$') then
+      have = '0'
+    end
+    if tonumber(have) > seqs[i] then
       -- Numbered past this seq by another broker while this one could not reach Redis (the
       -- rig connected to both): the rig may hold that seq with another command.
       out[i] = 'stale|' .. have

@@ -25,7 +25,13 @@
 --                      is left to report is, and the session becomes a tombstone (see
 --                      "reported"). Never fenced: a report is owed whoever holds the rig
 -- ARGV[5]  the rig_rebooted events' "at": the broker's clock, RFC 3339
--- ARGV[6], ARGV[7], ...  seq, command JSON (exactly as sent), for each command not yet acked
+-- ARGV[6]  unkept_to: the highest seq of this session the broker delivered while Redis was
+--          away and has not put back since, "0" when none. Every command above it Redis kept
+--          (persist.lua) before the broker gave it, so a parked or ended copy's command
+--          above it that Redis no longer holds, below the session's "next", was acked (or
+--          reported) since: it is neither written back nor reported. One at or below it may
+--          never have reached Redis, and only this copy can tell of it
+-- ARGV[7], ARGV[8], ...  seq, command JSON (exactly as sent), for each command not yet acked
 --
 -- Returns:
 --   "ok"      written: every command HSET, "next" raised to at least ARGV[3] (never lowered:
@@ -64,11 +70,12 @@ local function count(s)
   return type(s) == 'string' and #s <= 15 and s:match('^%d+$') ~= nil
 end
 
-local ttl, tuple, nxt, mode, at = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
-if #KEYS ~= 3 or #ARGV < 5 or (#ARGV - 5) % 2 ~= 0 or not count(ttl) or ttl:match('^0')
-    or type(tuple) ~= 'string' or not count(nxt) then
-  return redis.error_reply('ERR fleetlink rekeep: expected KEYS lease, session, pointer; ARGV ttl_ms, tuple, next, mode, at, then seq/json pairs')
+local ttl, tuple, nxt, mode, at, unkept = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]
+if #KEYS ~= 3 or #ARGV < 6 or (#ARGV - 6) % 2 ~= 0 or not count(ttl) or ttl:match('^0')
+    or type(tuple) ~= 'string' or not count(nxt) or not count(unkept) then
+  return redis.error_reply('ERR fleetlink rekeep: expected KEYS lease, session, pointer; ARGV ttl_ms, tuple, next, mode, at, unkept_to, then seq/json pairs')
 end
+local unkept_to = tonumber(unkept)
 local ended = mode:match('^ended|(%x+%-%x+%-%x+%-%x+%-%x+)$')
 if mode ~= 'live' and mode ~= 'parked' and not ended then
   return redis.error_reply('ERR fleetlink rekeep: mode must be live, parked or ended|<boot_id>')
@@ -77,7 +84,7 @@ local boot = tuple:match('^([^|]+)|')
 if not boot then
   return redis.error_reply('ERR fleetlink rekeep: the tuple must be boot_id|broker_id')
 end
-for i = 6, #ARGV, 2 do
+for i = 7, #ARGV, 2 do
   if not count(ARGV[i]) then
     return redis.error_reply('ERR fleetlink rekeep: seq must be a decimal integer')
   end
@@ -106,11 +113,41 @@ local function newer_boot(v)
   return nil
 end
 
+-- A session's "next" as a number, 0 when there is none or it is no count (damage: resume.lua
+-- repairs it at the rig's next hello; "inf" or "1e400" must not read as a number here).
+local function next_of(v)
+  if count(v) then
+    return tonumber(v)
+  end
+  return 0
+end
+
+-- Whether this copy's command `seq` is one Redis kept, and has since forgotten although its
+-- session `f` (field -> value, or nil when Redis has none) numbers past it: acked, or
+-- reported, since this copy was made (see unkept_to).
+local function settled(f, seq)
+  return f ~= nil and tonumber(seq) > unkept_to and tonumber(seq) < next_of(f['next'])
+      and f['c:' .. seq] == nil
+end
+
+-- The session's fields (nil when Redis has no such hash).
+local function fields_of(sess)
+  local all = redis.pcall('HGETALL', sess)
+  if type(all) ~= 'table' or all.err or #all == 0 then
+    return nil
+  end
+  local f = {}
+  for i = 1, #all, 2 do
+    f[all[i]] = all[i + 1]
+  end
+  return f
+end
+
 -- Publishes a rig_rebooted event for each command with a seq at or above `from`, in seq
 -- order, as resume.lua does for the ones Redis kept; returns how many and the highest seq.
 local function report(rig, ended_by, from, skip)
   local order = {}
-  for i = 6, #ARGV, 2 do
+  for i = 7, #ARGV, 2 do
     if tonumber(ARGV[i]) >= from and not (skip and skip[ARGV[i]]) then
       order[#order + 1] = i
     end
@@ -135,15 +172,23 @@ local function report(rig, ended_by, from, skip)
   return #order, top, table.concat(seqs, ',')
 end
 
--- The report owed past a tombstone (its "gone"): where it lists the seqs reported ("rep"),
--- every command not among them; else, from an older tombstone, those at or above its "next".
-local function tombstone_report(rig, ended_by, kept_next, rep)
+-- The report owed past a tombstone `f` (its "gone"): where it lists the seqs reported
+-- ("rep"), every command not among them and not settled (one Redis kept was reported by
+-- that report, or acked before it); else, from an older tombstone, those at or above its
+-- "next".
+local function tombstone_report(rig, ended_by, f)
+  local rep = f['rep']
   if type(rep) ~= 'string' then
-    return report(rig, ended_by, kept_next)
+    return report(rig, ended_by, next_of(f['next']))
   end
   local skip = {}
   for seq in rep:gmatch('%d+') do
     skip[seq] = true
+  end
+  for i = 7, #ARGV, 2 do
+    if settled(f, ARGV[i]) then
+      skip[ARGV[i]] = true
+    end
   end
   return report(rig, ended_by, 0, skip)
 end
@@ -172,17 +217,12 @@ end
 local function report_ended(sess)
   raise_pointer(ended)
   local rig = KEYS[1]:match('^rig:(.+)$') or ''
-  local f = redis.pcall('HGETALL', sess)
-  local fields = {}
-  if type(f) == 'table' and not f.err then
-    for i = 1, #f, 2 do
-      fields[f[i]] = f[i + 1]
-    end
-  end
-  local kept_next = tonumber(fields['next'] or '0') or 0
+  local found = fields_of(sess)
+  local fields = found or {}
+  local kept_next = next_of(fields['next'])
   local gone = fields['gone']
   if type(gone) == 'string' then
-    local n, top, seqs = tombstone_report(rig, gone, kept_next, fields['rep'])
+    local n, top, seqs = tombstone_report(rig, gone, fields)
     redis.call('HSET', sess, 'next', string.format('%.0f', math.max(kept_next, top + 1)),
         'rep', rep_with(fields['rep'], seqs))
     redis.call('PEXPIRE', sess, ttl)
@@ -191,13 +231,15 @@ local function report_ended(sess)
   -- Commands Redis holds numbered past what this broker holds: the same boot went on at
   -- another broker while each decided alone. Below that, one Redis holds and this broker
   -- does not was acked here (its removal may not have reached Redis yet). Every one this
-  -- broker holds is reported, even below the session's next in Redis and absent there: it
-  -- may have been acked elsewhere since this copy was parked, or never kept, numbered past
-  -- by another broker while this one could not reach Redis. Only a report tells control of
-  -- the second; an ack of the first wins over its report.
-  local mine = {}
-  for i = 6, #ARGV, 2 do
+  -- broker holds is reported, but those settled: one absent from Redis below its "next"
+  -- that Redis never kept (delivered while this broker could not reach it, and numbered
+  -- past by another broker) only a report tells control of.
+  local mine, skip = {}, {}
+  for i = 7, #ARGV, 2 do
     mine[ARGV[i]] = true
+    if settled(found, ARGV[i]) then
+      skip[ARGV[i]] = true
+    end
   end
   for field, value in pairs(fields) do
     local seq = field:match('^c:(%d+)$')
@@ -206,7 +248,7 @@ local function report_ended(sess)
       ARGV[#ARGV + 1] = value
     end
   end
-  local n, top, seqs = report(rig, ended, 0)
+  local n, top, seqs = report(rig, ended, 0, skip)
   redis.call('DEL', sess)
   redis.call('HSET', sess, 'gone', ended, 'next',
       string.format('%.0f', math.max(kept_next, tonumber(nxt), top + 1)), 'rep', seqs)
@@ -218,11 +260,16 @@ end
 -- "next" as it was. `merge`: into a session another broker holds, only the commands Redis
 -- never numbered (at or above its "next": delivered while this broker could not reach it),
 -- and never over one there; a command below "next" that Redis no longer holds was acked.
+-- A parked copy's settled commands are not written back either: acked meanwhile, they would
+-- be delivered or reported again.
 local function write(sess, merge)
-  local have = tonumber(redis.call('HGET', sess, 'next') or '0') or 0
-  for i = 6, #ARGV, 2 do
+  local found = mode ~= 'live' and fields_of(sess) or nil
+  local have = next_of(redis.call('HGET', sess, 'next'))
+  for i = 7, #ARGV, 2 do
     if not merge then
-      redis.call('HSET', sess, 'c:' .. ARGV[i], ARGV[i + 1])
+      if not settled(found, ARGV[i]) then
+        redis.call('HSET', sess, 'c:' .. ARGV[i], ARGV[i + 1])
+      end
     elseif tonumber(ARGV[i]) >= have then
       redis.call('HSETNX', sess, 'c:' .. ARGV[i], ARGV[i + 1])
     end
@@ -234,6 +281,14 @@ local function write(sess, merge)
   return have
 end
 
+-- A key of another type where the session belongs is damage (nothing of ours writes one): it
+-- holds no command, and left there it would fail this call at every reconnect.
+local kind = redis.call('TYPE', KEYS[2]).ok
+if kind ~= 'none' and kind ~= 'hash' then
+  redis.log(redis.LOG_WARNING, 'fleetlink rekeep: ' .. KEYS[2] .. ' was a ' .. kind
+      .. ', not a session; deleted')
+  redis.call('DEL', KEYS[2])
+end
 if ended then
   return report_ended(KEYS[2])
 end
@@ -245,20 +300,19 @@ if lease ~= tuple then
     return 'fenced'
   end
   local rig = KEYS[1]:match('^rig:(.+)$') or ''
-  local f = redis.pcall('HMGET', sess, 'gone', 'next', 'rep')
-  local gone, kept_next, rep = nil, 0, nil
-  if type(f) == 'table' and not f.err then
-    gone, kept_next, rep = f[1], tonumber(f[2] or '0') or 0, f[3]
-  end
+  local f = fields_of(sess) or {}
+  local gone, kept_next, rep = f['gone'], next_of(f['next']), f['rep']
   local ended_by = (type(gone) == 'string' and gone)
       or newer_boot(lease) or newer_boot(redis.pcall('GET', KEYS[3]))
-  local exists = redis.call('EXISTS', sess) == 1
+  -- A session is there when it numbers seqs: a key holding only what a broker remembered at
+  -- a release ("r", written after Redis restarted empty) is no one's newer truth.
+  local exists = f['next'] ~= nil
   if ended_by and (gone or not exists) then
     -- Reported already, what the tombstone lists (gone), or Redis lost the session (none):
     -- what only this broker holds is reported here, once.
     local n, top, seqs
     if gone then
-      n, top, seqs = tombstone_report(rig, ended_by, kept_next, rep)
+      n, top, seqs = tombstone_report(rig, ended_by, f)
     else
       n, top, seqs = report(rig, ended_by, 0)
     end

@@ -71,9 +71,11 @@ local function fields(key)
   return out
 end
 
--- A seq as the broker reads it: decimal digits, fewer than 20 (below 2^64).
+-- A seq as the brokers write it: decimal digits without a leading zero, at most 15 (the
+-- broker's last seq is 999999999999998, and rekeep.lua and persist.lua take no more). A
+-- "c:007" would reach control as "seq":007, which is no JSON.
 local function seq_text(s)
-  return type(s) == 'string' and #s <= 19 and s:match('^%d+$') ~= nil
+  return type(s) == 'string' and #s <= 15 and (s == '0' or s:match('^[1-9]%d*$') ~= nil)
 end
 
 -- { seq1, json1, seq2, json2, ... } of a session's unacked commands. A "c:" field whose seq

@@ -829,8 +829,9 @@ fn offline_push_refuses_a_rig_connected_to_another_live_broker() {
 
 /// A newer boot's resume reports the older session's unacked commands itself, in the same
 /// atomic call that deletes them (leaving a tombstone of the session): a reply lost on its way back cannot lose the reports
-/// with the session. The seq is the stored field's own text (no float rounding), the id comes
-/// from the command as sent (null when it cannot be read), and `at` is the broker's clock.
+/// with the session. The seq is the stored field's own text, up to the broker's last seq; the
+/// id comes from the command as sent (null when it cannot be read), and `at` is the broker's
+/// clock.
 #[test]
 fn resume_of_a_newer_boot_publishes_the_old_sessions_commands_as_rig_rebooted() {
     use fleetlink::registry::sessions::SessionScripts;
@@ -841,7 +842,7 @@ fn resume_of_a_newer_boot_publishes_the_old_sessions_commands_as_rig_rebooted() 
     let first = sessions.resume(&mut con, &r, &old, TTL, "fe-a").unwrap();
     assert_eq!((first.rebooted, first.previous_boot), (0, None));
     let old_key = format!("sess:rig-rb:{old}");
-    let big = "9007199254740993";
+    let big = "999999999999998";
     let _: () = redis::cmd("HSET")
         .arg(&old_key)
         .arg(format!("c:{big}"))
@@ -864,7 +865,7 @@ fn resume_of_a_newer_boot_publishes_the_old_sessions_commands_as_rig_rebooted() 
     let tombstone: std::collections::HashMap<String, String> = [
         ("next", "1"),
         ("gone", new.as_str()),
-        ("rep", "2,9007199254740993"),
+        ("rep", "2,999999999999998"),
     ]
     .into_iter()
     .map(|(k, v)| (k.to_string(), v.to_string()))
@@ -890,7 +891,7 @@ fn resume_of_a_newer_boot_publishes_the_old_sessions_commands_as_rig_rebooted() 
         (&events[0]["seq"], &events[0]["id"]),
         (&serde_json::json!(2), &serde_json::Value::Null)
     );
-    assert_eq!(events[1]["seq"].as_u64(), Some(9_007_199_254_740_993));
+    assert_eq!(events[1]["seq"].as_u64(), Some(999_999_999_999_998));
     assert_eq!(events[1]["id"], "big");
     // The same boot again finds no older session: nothing more is reported.
     let again = sessions.resume(&mut con, &r, &new, TTL, "fe-b").unwrap();

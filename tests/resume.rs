@@ -1341,6 +1341,7 @@ fn rekeep_is_fenced_and_never_lowers_next() {
         boot: &boot,
         next: Seq(next),
         cmds: vec![(Seq(5), b"{\"seq\":5}".as_slice())],
+        unkept_to: Seq(0),
         mode: RekeepMode::Live,
     };
     let kept = scripts
@@ -1389,11 +1390,12 @@ fn rekeep_is_fenced_and_never_lowers_next() {
         .arg(13)
         .arg("live")
         .arg(AT)
+        .arg(0)
         .arg("x1")
         .arg("{}")
         .query::<redis::Value>(&mut con)
         .unwrap_err();
-    assert!(err.to_string().contains("fleetlink rekeep"), "{err}");
+    assert!(err.to_string().contains("seq must be"), "{err}");
     let c_x: Option<String> = con.hget(&sess_a, "c:x1").unwrap();
     assert!(c_x.is_none());
     let next: String = con.hget(&sess_a, "next").unwrap();
@@ -1430,6 +1432,8 @@ fn rekeep_of_a_parked_session_is_written_only_where_no_one_else_holds_the_rig() 
         boot: &boot,
         next: Seq(3),
         cmds: vec![(Seq(1), b"c1".as_slice()), (Seq(2), b"c2".as_slice())],
+        // Delivered while Redis was away: only this copy holds them.
+        unkept_to: Seq(2),
         mode: RekeepMode::Parked,
     };
     let kept = scripts
@@ -1501,6 +1505,7 @@ fn rekeep_of_a_parked_session_is_written_only_where_no_one_else_holds_the_rig() 
         .arg(3)
         .arg("stale")
         .arg(AT)
+        .arg(0)
         .query::<redis::Value>(&mut con)
         .unwrap_err();
     assert!(err.to_string().contains("mode must be"), "{err}");
@@ -1538,6 +1543,8 @@ fn a_parked_session_a_newer_boot_ended_is_reported_once_whichever_runs_first() {
                 .map(Seq)
                 .zip(cmds.map(str::as_bytes))
                 .collect(),
+            // Delivered while Redis was away: only this copy holds them.
+            unkept_to: Seq(4),
             mode: RekeepMode::Parked,
         }
     }
@@ -1684,6 +1691,7 @@ fn a_session_a_hello_decided_alone_ended_is_reported_once_through_redis() {
                 .map(Seq)
                 .zip(held.iter().map(|c| c.as_bytes()))
                 .collect(),
+            unkept_to: Seq(4),
             mode: RekeepMode::EndedBy(*by),
         };
         scripts
@@ -2089,4 +2097,179 @@ fn a_result_sent_after_a_resume_on_another_broker_names_its_command() {
         (&json!("m1"), &json!(1), &json!("fe-b")),
         "{ev}"
     );
+}
+
+/// A broker's copy of a session (parked, or ended by a hello it decided alone) can be older
+/// than Redis's: the rig acked some of its commands on another broker since. `unkept_to`
+/// says which of them Redis never kept; one above it that Redis kept and has forgotten,
+/// below its `next`, was acked, and is neither reported `rig_rebooted` nor written back.
+/// One at or below it only the copy knows of, and is reported.
+#[test]
+fn a_stale_copy_reports_and_writes_back_none_of_what_redis_kept_and_forgot() {
+    let redis = RedisServer::start();
+    let mut con = redis.connection();
+    let scripts = SessionScripts::new();
+    let mut ctl = Control::new(&redis, &["fleetlink:events"]);
+    let ttl = Duration::from_secs(60);
+    let rig = RigId::parse("rig-s").unwrap();
+    let cmd = |seq: u64| format!("{{\"seq\":{seq},\"id\":\"c{seq}\"}}");
+    let held: Vec<String> = [1, 2, 3].map(cmd).into();
+    let copy = |old: &BootId, unkept_to: u64, mode: RekeepMode| {
+        let session = Rekeep {
+            rig: &rig,
+            boot: old,
+            next: Seq(4),
+            cmds: [1, 2, 3]
+                .into_iter()
+                .map(Seq)
+                .zip(held.iter().map(|c| c.as_bytes()))
+                .collect(),
+            unkept_to: Seq(unkept_to),
+            mode,
+        };
+        scripts
+            .rekeep(&mut redis.connection(), &[session], "fe-x", ttl, AT)
+            .unwrap()
+    };
+    let reported = |ctl: &mut Control| {
+        ctl.publish("fleetlink:events", json!({"type": "marker"}));
+        let mut seqs = Vec::new();
+        loop {
+            let ev = ctl.next(|ch, v| {
+                ch == "fleetlink:events" && (v["type"] == "rig_rebooted" || v["type"] == "marker")
+            });
+            if ev["type"] == "marker" {
+                return seqs;
+            }
+            seqs.push(ev["seq"].as_u64().unwrap());
+        }
+    };
+    let boots = || {
+        let mut b = [boot_id(), boot_id()].map(|b| BootId::parse(&b).unwrap());
+        b.sort();
+        b
+    };
+    let sess = |b: &BootId| format!("sess:rig-s:{b}");
+
+    // Parked: boot a acked 1-3 on another broker, then boot b's hello there found nothing
+    // to report and left the tombstone. All three were kept: nothing is reported.
+    let [a, b] = boots();
+    let _: () = con
+        .hset_multiple(
+            sess(&a),
+            &[("next", "4"), ("gone", b.as_str()), ("rep", "")],
+        )
+        .unwrap();
+    let _: () = con.set("sessof:rig-s", b.to_string()).unwrap();
+    assert_eq!(copy(&a, 0, RekeepMode::Parked), [Rekept::Reported(0)]);
+    assert_eq!(reported(&mut ctl), Vec::<u64>::new());
+    // 1 and 2 were delivered while Redis was away: those only this copy tells of.
+    assert_eq!(copy(&a, 2, RekeepMode::Parked), [Rekept::Reported(2)]);
+    assert_eq!(reported(&mut ctl), [1, 2]);
+    assert_eq!(
+        copy(&a, 2, RekeepMode::Parked),
+        [Rekept::Reported(0)],
+        "once"
+    );
+
+    // Ended by a hello decided here alone; Redis has the session, acked down to nothing.
+    let _: () = redis::cmd("FLUSHALL").query(&mut con).unwrap();
+    let [a, b] = boots();
+    let _: () = con.hset(sess(&a), "next", "4").unwrap();
+    assert_eq!(copy(&a, 0, RekeepMode::EndedBy(b)), [Rekept::Reported(0)]);
+    assert_eq!(reported(&mut ctl), Vec::<u64>::new());
+    // Redis lost the session altogether (an empty restart): everything is reported.
+    let _: () = redis::cmd("FLUSHALL").query(&mut con).unwrap();
+    assert_eq!(copy(&a, 0, RekeepMode::EndedBy(b)), [Rekept::Reported(3)]);
+    assert_eq!(reported(&mut ctl), [1, 2, 3]);
+
+    // Parked, a newer boot recorded but its session not yet reported: written back for that
+    // boot's broker to report, but without what was acked.
+    let _: () = redis::cmd("FLUSHALL").query(&mut con).unwrap();
+    let [a, b] = boots();
+    let _: () = con
+        .hset_multiple(sess(&a), &[("next", "4"), ("c:3", held[2].as_str())])
+        .unwrap();
+    let _: () = con.set("sessof:rig-s", b.to_string()).unwrap();
+    assert_eq!(copy(&a, 1, RekeepMode::Parked), [Rekept::Kept]);
+    let left: HashMap<String, String> = con.hgetall(sess(&a)).unwrap();
+    let mut fields: Vec<&str> = left.keys().map(String::as_str).collect();
+    fields.sort();
+    assert_eq!(fields, ["c:1", "c:3", "next"], "2 was acked: {left:?}");
+
+    // A key holding only what a broker remembered at a release (Redis restarted empty) is
+    // nobody's session: the copy goes in whole.
+    let _: () = redis::cmd("FLUSHALL").query(&mut con).unwrap();
+    let _: () = con.hset(sess(&a), "r", "{}").unwrap();
+    assert_eq!(copy(&a, 0, RekeepMode::Parked), [Rekept::Kept]);
+    let left: HashMap<String, String> = con.hgetall(sess(&a)).unwrap();
+    assert_eq!(left.len(), 5, "{left:?}");
+}
+
+/// Damage that comes while a rig is connected is met by the writes: a session `next` that is
+/// no count, or a key of another type, no longer fails every persist and re-keep of it (the
+/// broker dropped its Redis connection at each `ok|inf` and reconnected in a loop), and a
+/// hello no longer takes seqs the other scripts refuse (16 digits, a leading zero).
+#[test]
+fn damage_to_a_live_session_is_written_over_not_answered_in_a_loop() {
+    let (_redis, mut con, scripts, a, _b, boot) = rigs_leased_to_fe_a_and_fe_b();
+    let ttl = Duration::from_secs(60);
+    let sess = format!("sess:rig-a:{boot}");
+    let live = |next: u64| Rekeep {
+        rig: &a,
+        boot: &boot,
+        next: Seq(next),
+        cmds: vec![(Seq(5), b"c5".as_slice())],
+        unkept_to: Seq(0),
+        mode: RekeepMode::Live,
+    };
+    for bad in ["inf", "1e400", "-3", "12345678901234567"] {
+        let _: () = con.hset(&sess, "next", bad).unwrap();
+        let kept = scripts
+            .rekeep(&mut con, &[live(6)], "fe-a", ttl, AT)
+            .unwrap();
+        assert_eq!(kept, [Rekept::Kept], "next {bad}");
+        let next: String = con.hget(&sess, "next").unwrap();
+        assert_eq!(next, "6", "next {bad}");
+
+        let _: () = con.hset(&sess, "next", bad).unwrap();
+        let one = Persist {
+            rig: &a,
+            boot: &boot,
+            seq: Seq(7),
+            json: b"c7",
+        };
+        let kept = scripts.persist(&mut con, &[one], "fe-a", ttl).unwrap();
+        assert_eq!(kept, [Kept::Yes], "next {bad}");
+    }
+    let _: () = con.del(&sess).unwrap();
+    let _: () = con.rpush(&sess, "not a session").unwrap();
+    let one = Persist {
+        rig: &a,
+        boot: &boot,
+        seq: Seq(8),
+        json: b"c8",
+    };
+    let kept = scripts.persist(&mut con, &[one], "fe-a", ttl).unwrap();
+    assert_eq!(kept, [Kept::Yes]);
+    let c8: Option<String> = con.hget(&sess, "c:8").unwrap();
+    assert_eq!(c8.as_deref(), Some("c8"));
+    let _: () = con.del(&sess).unwrap();
+    let _: () = con.rpush(&sess, "not a session").unwrap();
+    let kept = scripts
+        .rekeep(&mut con, &[live(6)], "fe-a", ttl, AT)
+        .unwrap();
+    assert_eq!(kept, [Rekept::Kept]);
+
+    // At a hello: a 16-digit next and a leading-zero seq are no seqs of ours.
+    let _: () = con.del(&sess).unwrap();
+    let _: () = con
+        .hset_multiple(&sess, &[("next", "9"), ("c:007", "c7"), ("c:8", "c8")])
+        .unwrap();
+    let found = scripts.resume(&mut con, &a, &boot, ttl, "fe-a").unwrap();
+    let seqs: Vec<u64> = found.commands.iter().map(|c| c.0 .0).collect();
+    assert_eq!(seqs, [8]);
+    let _: () = con.hset(&sess, "next", "1234567890123456").unwrap();
+    let found = scripts.resume(&mut con, &a, &boot, ttl, "fe-a").unwrap();
+    assert_eq!(found.next, None, "a fresh session");
 }

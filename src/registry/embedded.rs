@@ -60,6 +60,9 @@ struct Parked {
     carried: Vec<SeqCommand>,
     /// None when the session remembers nothing past its commands (most do: no allocation).
     recall: Option<Box<Recall>>,
+    /// Fleet mode: the highest seq delivered while Redis was away and not put back since
+    /// (0: none), for `rekeep.lua` to tell the commands only this copy knows of.
+    unkept_to: Seq,
     at: Instant,
 }
 
@@ -436,6 +439,19 @@ impl Embedded {
             .collect()
     }
 
+    /// Records that `rig`'s session of `boot`, if it is the one parked, holds commands up to
+    /// `to` that Redis may never have kept (`Seq(0)`: none, once it has put them back).
+    pub fn mark_parked_unkept(&mut self, rig: &RigId, boot: BootId, to: Seq) {
+        if let Some(p) = self.parked.get_mut(rig).filter(|p| p.boot == boot) {
+            p.unkept_to = to;
+        }
+    }
+
+    /// The highest seq of `rig`'s parked session Redis may never have kept (0: none).
+    pub fn parked_unkept_to(&self, rig: &RigId) -> Seq {
+        self.parked.get(rig).map_or(Seq(0), |p| p.unkept_to)
+    }
+
     /// `rig`'s parked session: its boot, next seq and the unacked commands it carries.
     pub fn parked(&self, rig: &RigId) -> Option<(BootId, Seq, &[SeqCommand])> {
         self.parked
@@ -590,6 +606,7 @@ impl Embedded {
             next_seq,
             carried,
             recall,
+            unkept_to: Seq(0),
             at: now,
         };
         self.parked_bytes += p.bytes();

@@ -101,17 +101,27 @@ pub struct RekeepReq {
     pub next: Seq,
     /// Its commands not yet acked (written or queued, none held), by seq.
     pub cmds: Vec<(Seq, Box<[u8]>)>,
+    /// The highest seq among them Redis may never have kept (delivered while it was away),
+    /// `Seq(0)` when Redis kept them all (see `rekeep.lua`'s `unkept_to`).
+    pub unkept_to: Seq,
 }
 
 impl RekeepReq {
     /// A copy of the session `carried` holds: its commands but those still held for their
     /// persist (the connection waits for those before it hands its session over; filtered in
     /// case).
-    pub fn of(rig: &RigId, boot: BootId, next: Seq, carried: &[SeqCommand]) -> RekeepReq {
+    pub fn of(
+        rig: &RigId,
+        boot: BootId,
+        next: Seq,
+        carried: &[SeqCommand],
+        unkept_to: Seq,
+    ) -> RekeepReq {
         RekeepReq {
             rig: rig.clone(),
             boot,
             next,
+            unkept_to,
             cmds: carried
                 .iter()
                 .filter(|c| !c.held)

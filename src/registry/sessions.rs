@@ -127,6 +127,9 @@ pub struct Rekeep<'a> {
     pub next: Seq,
     /// Its commands not yet acked, as sent to the rig.
     pub cmds: Vec<(Seq, &'a [u8])>,
+    /// The highest seq among them Redis may never have kept, `Seq(0)` when it kept them all:
+    /// a parked or ended copy's command above it that Redis has forgotten was acked.
+    pub unkept_to: Seq,
     /// How it is fenced.
     pub mode: RekeepMode,
 }
@@ -228,7 +231,8 @@ impl SessionScripts {
                         RekeepMode::Parked => "parked".to_string(),
                         RekeepMode::EndedBy(boot) => format!("ended|{boot}"),
                     })
-                    .arg(at);
+                    .arg(at)
+                    .arg(s.unkept_to.0);
                 for (seq, json) in &s.cmds {
                     call.arg(seq.0).arg(*json);
                 }

@@ -1008,6 +1008,9 @@ pub(crate) fn send_rekeep<'a>(
         boot,
         next,
         cmds: kept,
+        // The bridge knows which of them Redis never kept; a live session needs it only
+        // once it parks.
+        unkept_to: Seq(0),
     })));
 }
 

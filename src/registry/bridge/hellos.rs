@@ -340,23 +340,30 @@ impl Bridge {
         if self.cfg.session_ttl.is_zero() {
             return self.report_parked_reboot(rig, boot);
         }
+        let unkept_to = self.registry.parked_unkept_to(rig);
         let Some((old, next, carried)) = self.registry.parked(rig) else {
             return;
         };
         if old >= boot {
             return;
         }
-        let req = crate::registry::msg::RekeepReq::of(rig, old, next, carried);
+        let req = crate::registry::msg::RekeepReq::of(rig, old, next, carried, unkept_to);
         if !self.ended_alone.push(req, boot) {
             self.report_parked_reboot(rig, boot);
         }
     }
 
     /// A live session of `r.old`, its next seq `next`, that the newer boot `r.new` took over
-    /// (see `ToBridge::Closed`).
-    pub(super) fn report_taken_over(&mut self, r: crate::registry::embedded::Rebooted, next: Seq) {
+    /// (see `ToBridge::Closed`); Redis may never have kept its commands up to `unkept_to`.
+    pub(super) fn report_taken_over(
+        &mut self,
+        r: crate::registry::embedded::Rebooted,
+        next: Seq,
+        unkept_to: Seq,
+    ) {
         if self.fleet.is_some() && !self.cfg.session_ttl.is_zero() {
-            let req = crate::registry::msg::RekeepReq::of(&r.rig, r.old, next, &r.carried);
+            let req =
+                crate::registry::msg::RekeepReq::of(&r.rig, r.old, next, &r.carried, unkept_to);
             if self.ended_alone.push(req, r.new) {
                 return;
             }

@@ -348,6 +348,7 @@ impl Bridge {
                         .filter(|c| high.is_none_or(|h| c.seq <= h))
                         .map(|c| (c.seq, c.json.clone()))
                         .collect(),
+                    unkept_to: high.unwrap_or(Seq(0)),
                 });
                 let (actions, released) = self.registry.closed(
                     conn,
@@ -363,6 +364,14 @@ impl Bridge {
                         self.shared.count("remember", "dropped");
                     }
                 }
+                if let Some(high) = high {
+                    if self.registry.boot_of(&rig) == Some(boot) {
+                        // Handed over to the same boot's new connection here: still its own.
+                        self.unkept_high.insert((rig.clone(), boot), high);
+                    } else {
+                        self.registry.mark_parked_unkept(&rig, boot, high);
+                    }
+                }
                 let dropped = self.registry.take_parked_dropped();
                 self.shared.count_n("parked", "dropped", dropped);
                 // A live session a newer boot took over. In fleet mode the new boot's hello
@@ -371,7 +380,7 @@ impl Bridge {
                 // goes to Redis as an ended session (`rekeep.lua`), which reports what no
                 // report covered. Standalone, or with no sessions kept, it is reported here.
                 if let Some(r) = self.registry.take_rebooted() {
-                    self.report_taken_over(r, next_seq);
+                    self.report_taken_over(r, next_seq, high.unwrap_or(Seq(0)));
                 }
                 // A connection that waited for this one's session, and what Redis held for it.
                 let actions = self.merge_handover(&rig, boot, actions);
@@ -674,7 +683,9 @@ impl Bridge {
         };
         self.answer_persists(held, kept, false);
         // Sessions Redis lost go back before the leases are released, or the resume elsewhere
-        // would miss their commands.
+        // would miss their commands; so do the reports owed for sessions that hellos decided
+        // here alone ended, queued otherwise only at the next refresh.
+        self.queue_ended_alone();
         while !self.rekeeps.is_empty() && self.fleet.as_ref().is_some_and(Fleet::is_up) {
             self.rekeep_sessions();
         }
@@ -695,6 +706,13 @@ impl Bridge {
                 false => Duration::ZERO,
             });
             f.retire();
+        }
+        if !self.ended_alone.is_empty() {
+            log::warn!(
+                "exiting with {} ended sessions unreported: Redis did not take them (their \
+                 rigs' commands are not reported rig_rebooted)",
+                self.ended_alone.len()
+            );
         }
     }
 }

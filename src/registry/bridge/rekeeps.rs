@@ -92,6 +92,10 @@ impl EndedAlone {
     pub(super) fn is_empty(&self) -> bool {
         self.sessions.is_empty()
     }
+
+    pub(super) fn len(&self) -> usize {
+        self.sessions.len()
+    }
 }
 
 /// Sessions to put back, oldest first; a newer copy of a queued session replaces it in place.
@@ -256,9 +260,11 @@ impl Bridge {
         }
     }
 
-    /// A live session's seqs are all in Redis again: none is unkept any longer.
+    /// A session's seqs are all in Redis again: none is unkept any longer.
     fn kept_again(&mut self, parked: bool, rig: &RigId, boot: BootId) {
-        if !parked {
+        if parked {
+            self.registry.mark_parked_unkept(rig, boot, Seq(0));
+        } else {
             self.unkept_high.remove(&(rig.clone(), boot));
         }
     }
@@ -276,6 +282,7 @@ impl Bridge {
                         boot,
                         next: r.next,
                         cmds: r.cmds.iter().map(|(seq, json)| (*seq, &json[..])).collect(),
+                        unkept_to: r.unkept_to,
                         mode: match pending {
                             Pending::Live(_) => RekeepMode::Live,
                             Pending::Ended { by, .. } => RekeepMode::EndedBy(*by),
@@ -307,6 +314,7 @@ impl Bridge {
                             .filter(|c| !c.held)
                             .map(|c| (c.seq, &c.json[..]))
                             .collect(),
+                        unkept_to: self.registry.parked_unkept_to(rig),
                         mode: RekeepMode::Parked,
                     });
                 }
@@ -391,6 +399,7 @@ mod tests {
             boot: boot(),
             next: Seq(next),
             cmds: Vec::new(),
+            unkept_to: Seq(0),
         }
     }
 
