@@ -1903,3 +1903,56 @@ fn releases_redis_refuses_are_not_retried_in_a_loop() {
         std::thread::sleep(Duration::from_millis(100));
     }
 }
+
+/// A broker's parked copy of a session can be older than what happened to the session
+/// elsewhere: the rig resumed on another broker and acked everything there, and a newer
+/// boot's hello found nothing left to report. When the first broker reconnects to Redis and
+/// puts its parked sessions back, the copy's commands, which Redis kept and forgot at their
+/// acks, are not reported `rig_rebooted`. Before, all three were, after any reconnect.
+#[test]
+fn a_stale_parked_copy_does_not_report_commands_acked_elsewhere_after_a_reconnect() {
+    let redis = RedisServer::start();
+    let relay = Relay::start(redis.port());
+    let x = broker_behind(&relay, "fe-x");
+    let y = fleet_broker(&redis, "fe-y", &[]);
+    let mut ctl = Control::new(&redis, &["fleetlink:events"]);
+    let boot = boot_id();
+    let mut ws = x.connect("/agent");
+    hello(&mut ws, "rig-st", &boot, json!({}));
+    for i in 1..=3u64 {
+        let r = ctl.command_id("fe-x", "rig-st", &format!("st{i}"), "n", json!({}));
+        assert_eq!(r["seq"], i, "{r}");
+        assert_eq!(read_json(&mut ws)["seq"], i);
+    }
+    drop(ws);
+    let gone = |ctl: &mut Control, broker: &str| {
+        ctl.next(|ch, v| {
+            ch == "fleetlink:events" && v["type"] == "disconnected" && v["broker_id"] == broker
+        });
+    };
+    gone(&mut ctl, "fe-x");
+    let mut ws = hello_again(&y, "rig-st", &boot, 3);
+    for i in 1..=3u64 {
+        let ack = json!({"type": "ack", "seq": i}).to_string();
+        ws.send(Message::Text(ack.into())).unwrap();
+    }
+    ctl.next(|ch, v| ch == "fleetlink:events" && v["type"] == "ack" && v["seq"] == 3);
+    drop(ws);
+    gone(&mut ctl, "fe-y");
+    let (_ws, _, _) = y.rig("rig-st");
+
+    relay.down(true);
+    eventually(Duration::from_secs(15), "fe-x cut off", || {
+        x.http("GET", "/readyz", "").0 == 503
+    });
+    relay.down(false);
+    let series = "fleetlink_registry_ops_total{op=\"rekeep_parked\",result=\"reported\"}";
+    eventually(Duration::from_secs(20), "fe-x put its copy back", || {
+        x.metric(series) == 1
+    });
+    ctl.publish("fleetlink:events", json!({"type": "marker"}));
+    let ev = ctl.next(|ch, v| {
+        ch == "fleetlink:events" && (v["type"] == "rig_rebooted" || v["type"] == "marker")
+    });
+    assert_eq!(ev["type"], "marker", "an acked command reported: {ev}");
+}
