@@ -16,35 +16,27 @@
 --   next           this session's next seq as text, "0" when the session is new (it is
 --                  then recorded with next = 1, so a later hello of the same boot resumes it)
 --   cmds           { seq1, json1, seq2, json2, ... }: its unacked commands (any order)
---   rebooted       how many unacked commands the previous, older boot's session had: each is
+--   rebooted       how many unacked commands the previous boot's session had (the rig's latest
+--                  on record, sessof, when it names another boot: a newer one too, when this
+--                  older boot came back after it and found its lease free): each is
 --                  published here as a rig_rebooted event on fleetlink:events, and the session
 --                  is cut down to a tombstone ("next", and "gone" -> this boot_id), in this one
 --                  atomic call (never replayed). Reported by the
 --                  broker instead, a reply lost after this ran would lose the reports with the
 --                  session.
---   previous_boot  that older boot_id, or ""
+--   previous_boot  that boot_id, or ""
 --   recall         the session's "r" field as its last broker wrote it when the rig
 --                  disconnected (acked commands' ids awaiting results, the last ack's time),
 --                  or "" (a new session, or none written)
--- Sets each sessof: key to its boot (unless a newer boot is recorded there) and refreshes the
--- session's TTL. The previous session's key is "sess:<rig_id>:<previous boot>" (single-instance
--- Redis; not cluster-safe). The rigs run in order, as separate calls would.
+-- Sets each sessof: key to its boot and refreshes the session's TTL; a session of its own that
+-- a newer boot ended (a tombstone: "gone") goes on, no longer one. The previous session's key
+-- is "sess:<rig_id>:<previous boot>" (single-instance Redis; not cluster-safe). The rigs run
+-- in order, as separate calls would.
 -- Errors "ERR fleetlink resume: ..." on malformed ARGV, before any write.
 
 local H = '[0-9a-f]'
 local BOOT = '^' .. H:rep(8) .. '%-' .. H:rep(4) .. '%-' .. H:rep(4) .. '%-' .. H:rep(4)
     .. '%-' .. H:rep(12) .. '$'
-
--- a > b for canonical boot ids, byte by byte (Lua's '<' follows the locale; see hello.lua).
-local function newer(a, b)
-  for i = 1, #a do
-    local x, y = a:byte(i), b:byte(i)
-    if x ~= y then
-      return x > y
-    end
-  end
-  return false
-end
 
 local ttl, broker, at = ARGV[1], ARGV[2], ARGV[3]
 local n = #KEYS / 2
@@ -165,31 +157,38 @@ local function resume(sess, ptr, boot, rig)
   end
   local rebooted, previous = 0, ''
   local prev = redis.pcall('GET', ptr)
+  -- The hello's own session a newer boot ended (a tombstone): this boot is back after it,
+  -- its lease free (a stale process, or a rig whose clock went back). It goes on from the
+  -- tombstone's "next", so no seq repeats; what the tombstone lists as reported stays listed.
+  if f['gone'] ~= nil then
+    redis.call('HDEL', sess, 'gone')
+  end
+  -- The rig's latest session on record is another boot's: this hello, which hello.lua let
+  -- in, ends it, whichever boot is newer. Left alone when the older boot came back, that
+  -- session would be the one a later hello reports, and this boot's commands never.
   if type(prev) == 'string' and prev:match(BOOT) and prev ~= boot then
-    if newer(boot, prev) then
-      local prefix = 'sess:' .. rig .. ':'
-      previous = prev
-      local old = prefix .. prev
-      local seqs
-      rebooted, seqs = report(rig, boot, prev, old)
-      -- What is left is a tombstone: the old session's next seq, the boot that ended it, and
-      -- the seqs reported ("rep", with those of any report before). A broker still holding
-      -- that session with commands Redis never kept (delivered while Redis was away) reports
-      -- just those when it puts the session back (rekeep.lua), not the ones reported here a
-      -- second time: a seq below "next" need not be one Redis held, when another broker
-      -- numbered past it.
-      local old_next = redis.pcall('HGET', old, 'next')
-      local prior = redis.pcall('HGET', old, 'rep')
-      if type(prior) == 'string' and prior ~= '' then
-        seqs = seqs == '' and prior or (prior .. ',' .. seqs)
-      end
-      redis.call('DEL', old)
-      if type(old_next) == 'string' then
-        redis.call('HSET', old, 'next', old_next, 'gone', boot, 'rep', seqs)
-        redis.call('PEXPIRE', old, ttl)
-      end
-      redis.call('SET', ptr, boot, 'PX', ttl)
+    local prefix = 'sess:' .. rig .. ':'
+    previous = prev
+    local old = prefix .. prev
+    local seqs
+    rebooted, seqs = report(rig, boot, prev, old)
+    -- What is left is a tombstone: the old session's next seq, the boot that ended it, and
+    -- the seqs reported ("rep", with those of any report before). A broker still holding
+    -- that session with commands Redis never kept (delivered while Redis was away) reports
+    -- just those when it puts the session back (rekeep.lua), not the ones reported here a
+    -- second time: a seq below "next" need not be one Redis held, when another broker
+    -- numbered past it.
+    local old_next = redis.pcall('HGET', old, 'next')
+    local prior = redis.pcall('HGET', old, 'rep')
+    if type(prior) == 'string' and prior ~= '' then
+      seqs = seqs == '' and prior or (prior .. ',' .. seqs)
     end
+    redis.call('DEL', old)
+    if type(old_next) == 'string' then
+      redis.call('HSET', old, 'next', old_next, 'gone', boot, 'rep', seqs)
+      redis.call('PEXPIRE', old, ttl)
+    end
+    redis.call('SET', ptr, boot, 'PX', ttl)
   else
     redis.call('SET', ptr, boot, 'PX', ttl)
   end

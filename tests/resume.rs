@@ -2273,3 +2273,83 @@ fn damage_to_a_live_session_is_written_over_not_answered_in_a_loop() {
     let found = scripts.resume(&mut con, &a, &boot, ttl, "fe-a").unwrap();
     assert_eq!(found.next, None, "a fresh session");
 }
+
+/// An older boot back after a newer one left (its lease free, so hello.lua lets it in: a
+/// stale process, or a rig whose clock went back) ends the newer boot's session as any hello
+/// ends the rig's latest, and goes on with its own from where its tombstone left it. Before,
+/// it was welcomed into its tombstone and its commands went there, while the rig's record
+/// still named the newer boot: the next boot's hello reported that one, and never them.
+#[test]
+fn an_older_boot_back_after_a_newer_one_left_has_its_commands_reported_at_the_next_boot() {
+    let redis = RedisServer::start();
+    let mut con = redis.connection();
+    let scripts = SessionScripts::new();
+    let mut ctl = Control::new(&redis, &["fleetlink:events"]);
+    let ttl = Duration::from_secs(60);
+    let rig = RigId::parse("rig-o").unwrap();
+    let mut b = [boot_id(), boot_id(), boot_id()].map(|b| BootId::parse(&b).unwrap());
+    b.sort();
+    let [a, newer, newest] = b;
+    let sess = |b: &BootId| format!("sess:rig-o:{b}");
+    let reported = |ctl: &mut Control| {
+        ctl.publish("fleetlink:events", json!({"type": "marker"}));
+        let mut out = Vec::new();
+        loop {
+            let ev = ctl.next(|ch, v| {
+                ch == "fleetlink:events" && (v["type"] == "rig_rebooted" || v["type"] == "marker")
+            });
+            if ev["type"] == "marker" {
+                return out;
+            }
+            out.push((
+                ev["boot_id"].as_str().unwrap_or_default().to_string(),
+                ev["new_boot_id"].as_str().unwrap_or_default().to_string(),
+                ev["id"].as_str().unwrap_or_default().to_string(),
+            ));
+        }
+    };
+
+    scripts.resume(&mut con, &rig, &a, ttl, "fe-x").unwrap();
+    let _: () = con
+        .hset_multiple(sess(&a), &[("next", "2"), ("c:1", r#"{"id":"a1"}"#)])
+        .unwrap();
+    let found = scripts.resume(&mut con, &rig, &newer, ttl, "fe-x").unwrap();
+    assert_eq!(found.rebooted, 1);
+    assert_eq!(
+        reported(&mut ctl),
+        [(a.to_string(), newer.to_string(), "a1".into())]
+    );
+
+    // The older boot is back: the newer one's (empty) session ends, its own goes on at 2.
+    let found = scripts.resume(&mut con, &rig, &a, ttl, "fe-y").unwrap();
+    assert_eq!(found.next, Some(Seq(2)));
+    assert_eq!(found.previous_boot.as_deref(), Some(newer.as_str()));
+    let gone: Option<String> = con.hget(sess(&a), "gone").unwrap();
+    assert_eq!(gone, None, "no longer a tombstone");
+    let gone: Option<String> = con.hget(sess(&newer), "gone").unwrap();
+    assert_eq!(gone.as_deref(), Some(a.as_str()));
+    let latest: String = con.get("sessof:rig-o").unwrap();
+    assert_eq!(latest, a.as_str());
+    assert_eq!(reported(&mut ctl), []);
+
+    // It gets command 2 and leaves it unacked; the next boot reports it, and not 1 again.
+    let _: () = con.set("rig:rig-o", format!("{a}|fe-y")).unwrap();
+    let a2 = Persist {
+        rig: &rig,
+        boot: &a,
+        seq: Seq(2),
+        json: br#"{"id":"a2"}"#,
+    };
+    assert_eq!(
+        scripts.persist(&mut con, &[a2], "fe-y", ttl).unwrap(),
+        [Kept::Yes]
+    );
+    let found = scripts
+        .resume(&mut con, &rig, &newest, ttl, "fe-y")
+        .unwrap();
+    assert_eq!(found.rebooted, 1);
+    assert_eq!(
+        reported(&mut ctl),
+        [(a.to_string(), newest.to_string(), "a2".into())]
+    );
+}
