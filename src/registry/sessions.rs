@@ -393,7 +393,7 @@ fn persisted(v: &Value) -> Option<Kept> {
     }
 }
 
-/// A fenced write's status (`rekeep.lua`): true = kept, false = fenced.
+/// `rekeep.lua`'s answer for one session; None for an answer it never gives.
 fn kept(v: &Value) -> Option<Rekept> {
     match text(v)? {
         "ok" => Some(Rekept::Kept),
