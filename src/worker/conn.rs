@@ -258,10 +258,8 @@ fn read_some(
         Ok(TlsRead::Failed(e)) => {
             core.metrics.inc(C::TlsFailed);
             let now = std::time::Instant::now();
-            if let Some(n) = core.tls_fail_log.borrow_mut().note(now) {
-                log::warn!(
-                    "tls: {n} connections failed TLS since the last such line (the last: {e})"
-                );
+            if let Some(line) = core.tls_fail_log.borrow_mut().note(now, &e) {
+                log::warn!("{line}");
             }
             // Send the alert rustls queued, then end.
             let _ = flush(fd, st);

@@ -95,7 +95,7 @@ pub(crate) struct Core {
     pub(crate) retired: Arc<crate::metrics::Retired>,
     /// Failed TLS handshakes, logged at most once a second with the last one's reason: a rig
     /// refused for its certificate is told only the alert, so the log must say why.
-    pub(crate) tls_fail_log: RefCell<crate::registry::throttle::Throttle>,
+    pub(crate) tls_fail_log: RefCell<crate::worker::tls_fail_log::TlsFailLog>,
 }
 
 /// The queues a core sends on.

@@ -32,6 +32,7 @@ mod quiet_pong;
 mod session;
 mod slow_reader;
 mod sweep;
+mod tls_fail_log;
 mod transport;
 mod wheel;
 

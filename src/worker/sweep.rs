@@ -16,6 +16,7 @@ use crate::ws::OpCode;
 pub(crate) async fn run(core: Rc<Core>) {
     let start = monoio::time::Instant::from_std(core.started);
     let trim = core.ticks(heap_trim::EVERY);
+    let second = core.ticks(std::time::Duration::from_secs(1)).max(1);
     while !core.finished.get() {
         let next = core.wheel.borrow().now() + 1;
         monoio::time::sleep_until(start + since_start(core.tick_ms, next)).await;
@@ -26,6 +27,15 @@ pub(crate) async fn run(core: Rc<Core>) {
         core.wheel.borrow_mut().recycle(due);
         if next.is_multiple_of(trim) {
             heap_trim::collect();
+        }
+        if next.is_multiple_of(second) {
+            if let Some(line) = core
+                .tls_fail_log
+                .borrow_mut()
+                .due(std::time::Instant::now())
+            {
+                log::warn!("{line}");
+            }
         }
     }
 }
