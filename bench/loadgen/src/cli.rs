@@ -13,6 +13,14 @@ use clap::{Args, Parser, Subcommand};
 /// child also needs a few descriptors for itself.
 pub const MAX_SOCKETS_PER_PROC: usize = 18_000;
 
+/// Most child processes one run starts: 512 of 18,000 sockets is 9.2M rigs, past what one
+/// host's port ranges and memory hold. A typo of a few digits more would otherwise start
+/// processes for minutes until --max-time.
+pub const MAX_PROCS: usize = 512;
+
+/// Most rigs one run opens: [`MAX_PROCS`] full processes.
+pub const MAX_RIGS: u64 = (MAX_PROCS * MAX_SOCKETS_PER_PROC) as u64;
+
 #[derive(Debug, Parser)]
 #[command(
     name = "fleetlink-loadgen",
@@ -58,12 +66,12 @@ pub struct RigsArgs {
     /// only where to connect).
     #[arg(long, default_value = "localhost")]
     pub server_name: String,
-    /// Number of rigs to open (at least 1).
-    #[arg(long, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
+    /// Number of rigs to open (1 to 9,216,000: 512 processes of 18,000).
+    #[arg(long, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=MAX_RIGS))]
     pub rigs: usize,
-    /// Child processes to split the rigs over, at least 1 (default: enough for 18,000 sockets
+    /// Child processes to split the rigs over, 1 to 512 (default: enough for 18,000 sockets
     /// each).
-    #[arg(long, value_parser = parse_positive)]
+    #[arg(long, value_parser = parse_procs)]
     pub procs: Option<usize>,
     /// Source addresses, round-robin per rig: `127.0.0.1-127.0.0.16`, `a,b,c` or one address.
     /// Default: 127.0.0.1-127.0.0.16 for a loopback target, otherwise the kernel's choice.
@@ -172,6 +180,16 @@ fn parse_positive(s: &str) -> Result<usize, String> {
     match s.trim().parse::<usize>() {
         Ok(n) if n >= 1 => Ok(n),
         _ => Err(format!("{s:?}: a whole number, at least 1")),
+    }
+}
+
+/// A count of child processes: at least 1, at most [`MAX_PROCS`].
+fn parse_procs(s: &str) -> Result<usize, String> {
+    match s.trim().parse::<usize>() {
+        Ok(n) if (1..=MAX_PROCS).contains(&n) => Ok(n),
+        _ => Err(format!(
+            "{s:?}: a whole number, at least 1 and at most {MAX_PROCS}"
+        )),
     }
 }
 
@@ -460,6 +478,32 @@ mod tests {
         assert!(parse_sources("127.0.0.9-127.0.0.1").is_err());
         assert!(parse_sources("nope").is_err());
         assert!(parse_sources("").is_err());
+    }
+
+    /// A count past what one host holds is refused up front: `--rigs 99999999999` started
+    /// child processes for minutes, aiming at 5.5 million of them.
+    #[test]
+    fn counts_past_one_host_are_refused() {
+        use clap::Parser;
+        let parse = |rigs: &str, procs: &str| {
+            Cli::try_parse_from([
+                "loadgen",
+                "rigs",
+                "--url",
+                "ws://127.0.0.1:1/agent",
+                "--rigs",
+                rigs,
+                "--procs",
+                procs,
+            ])
+            .map(|_| ())
+            .map_err(|e| e.kind())
+        };
+        let refused = Err(clap::error::ErrorKind::ValueValidation);
+        assert_eq!(parse("99999999999", "1"), refused);
+        assert_eq!(parse("9216001", "512"), refused);
+        assert_eq!(parse("1000", "513"), refused);
+        assert_eq!(parse("9216000", "512"), Ok(()));
     }
 
     /// A source address this host does not have is refused up front, not run into a
