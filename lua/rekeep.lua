@@ -14,8 +14,9 @@
 --            "parked"  a rig that disconnected from here, whose session this broker still
 --                      holds: its lease was released or lost, so written when no one else
 --                      holds the rig: the lease is ours, or it is absent and the session key
---                      does not exist (if it does, another broker or the rig's new connection
---                      wrote a newer truth there). When a newer boot of the rig is known (the
+--                      does not exist; merged when the same boot holds it elsewhere, or no
+--                      one does and the session key exists (another broker's copy, newer or
+--                      older: see "merged"). When a newer boot of the rig is known (the
 --                      lease or sessof names one), the session has ended instead (CONTRACT.md
 --                      section 5): its commands are reported, not replayed (see "reported")
 --            "ended|<boot_id>"  a session parked here that the rig's newer boot <boot_id>
@@ -36,7 +37,7 @@
 -- Returns:
 --   "ok"      written: every command HSET, "next" raised to at least ARGV[3] (never lowered:
 --             commands kept since Redis came back may already be above these), "sessof" set
---             to this boot unless another boot is recorded there, TTLs set. A parked session
+--             to this boot unless a newer boot is recorded there, TTLs set. A parked session
 --             whose newer boot has not been reported yet is written this way too: that boot's
 --             broker reports it (refresh.lua's "taken" and "restored|", or the hello's
 --             resume.lua), these commands with it
@@ -58,8 +59,10 @@
 --             reported, but those a tombstone lists; the session is cut down to a tombstone
 --             naming the ending boot and listing what was reported, and "sessof" names the
 --             ending boot unless it names a newer one
---   "merged"  parked, and the lease names this same boot on another broker: the rig went on
---             with this session there while Redis was away from one of them. The commands
+--   "merged"  parked, and the lease names this same boot on another broker (the rig went on
+--             with this session there while Redis was away from one of them), or there is
+--             no lease and Redis holds the session (another broker's copy, put back first
+--             after an empty restart or left by a resume there). The commands
 --             Redis never numbered (at or above its "next") are added (HSETNX: never over
 --             that broker's) and "next" raised to ARGV[3], so that broker's next command
 --             cannot take a seq the rig already holds
@@ -324,18 +327,23 @@ if lease ~= tuple then
   -- The same boot leased to another broker: the rig went on with this session there while
   -- each broker decided alone (a Redis outage). What this copy holds that Redis lacks was
   -- delivered meanwhile: added, never over the other broker's own, and "next" raised past
-  -- it, so that no seq the rig holds goes to another command (persist.lua refuses one).
+  -- it, so that no seq the rig holds goes to another command (persist.lua refuses one). So
+  -- too where no one holds the rig and Redis has the session: another broker's copy of it,
+  -- newer or older than this one (put back first after an empty restart, say). Fenced, this
+  -- copy's commands Redis never kept would be lost, and the rig's seqs numbered again.
   local same = type(lease) == 'string' and lease:match('^([^|]+)|') == boot
-  if same and not ended_by then
+  if not ended_by and (same or (lease == false and exists)) then
     write(sess, true)
     return 'merged'
   end
-  if not ended_by and (lease ~= false or exists) then
+  if not ended_by and lease ~= false then
     return 'fenced'
   end
 end
 local have = write(sess, false)
-redis.call('SET', KEYS[3], boot, 'PX', ttl, 'NX')
+-- Raised, not only set where absent: after an empty restart an older boot's copy may have
+-- been put back first, and a later hello would report that session, not this one.
+raise_pointer(boot)
 if have > tonumber(nxt) then
   return 'ok|' .. string.format('%.0f', have)
 end

@@ -337,7 +337,11 @@ impl Bridge {
                 // holds the rig, so the session does not park; it goes back as it closed.
                 self.decided_alone.remove(&(rig.clone(), boot));
                 let high = self.unkept_high.remove(&(rig.clone(), boot));
+                // Only what it delivered unkept: a connection that gave nothing unkept left
+                // Redis all it needs, and its own next seq may count a command fenced at its
+                // persist (never delivered), which would leave the rig a gap.
                 let superseded = (self.merge_on_close.remove(&(rig.clone(), boot))
+                    && high.is_some()
                     && self.registry.boot_of(&rig) != Some(boot))
                 .then(|| crate::registry::msg::RekeepReq {
                     rig: rig.clone(),

@@ -512,6 +512,12 @@ mod tests {
     /// by another broker's hello of the same boot; its connection closes holding seqs 4 and 5
     /// with `next` 6. What goes back into Redis, if anything.
     fn evicted_after(delivered: Option<u64>) -> Option<RekeepReq> {
+        superseded_after(delivered, false)
+    }
+
+    /// [`evicted_after`], or (`by_refresh`) superseded at the first refresh after a
+    /// reconnect instead.
+    fn superseded_after(delivered: Option<u64>, by_refresh: bool) -> Option<RekeepReq> {
         let (mut b, _core) = bridge();
         let (rig, conn) = (rig("rig-e"), ConnId::new(CoreId(0), 1));
         b.registry.hello(conn, rig.clone(), boot(), vec![]);
@@ -528,8 +534,14 @@ mod tests {
             };
             b.answer_persists(vec![p], None, true);
         }
-        b.same_boot_evicts.push((rig.clone(), boot()));
-        b.settle_evicts();
+        if by_refresh {
+            b.merge_on_close.insert((rig.clone(), boot()));
+            let actions = b.registry.supersede(&rig, None);
+            b.carry_out(actions);
+        } else {
+            b.same_boot_evicts.push((rig.clone(), boot()));
+            b.settle_evicts();
+        }
         b.handle(ToBridge::Closed {
             conn,
             rig,
@@ -561,6 +573,18 @@ mod tests {
         let seqs: Vec<u64> = r.cmds.iter().map(|(s, _)| s.0).collect();
         assert_eq!((r.next, seqs), (Seq(5), vec![4]));
         assert!(evicted_after(None).is_none());
+    }
+
+    /// The same when the first refresh after a reconnect finds the rig superseded. Before, a
+    /// connection with nothing delivered unkept put its whole session back, `next` counting
+    /// seq 5, which it had numbered for a command Redis fenced (never delivered): the rig's
+    /// next broker numbered from 6, and the rig saw a gap.
+    #[test]
+    fn a_session_superseded_at_a_refresh_goes_back_only_with_what_it_delivered_unkept() {
+        let r = superseded_after(Some(4), true).expect("merged at the close");
+        let seqs: Vec<u64> = r.cmds.iter().map(|(s, _)| s.0).collect();
+        assert_eq!((r.next, seqs), (Seq(5), vec![4]));
+        assert!(superseded_after(None, true).is_none());
     }
 
     /// A session a hello decided alone ended waits for Redis, within its bytes: queued only
