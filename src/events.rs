@@ -6,6 +6,7 @@ use std::time::SystemTime;
 use serde_json::{json, Value};
 
 use crate::ids::{BootId, RigId, Seq};
+use crate::protocol::RawJson;
 use crate::reply::rfc3339;
 
 /// A rig was welcomed. Written straight to bytes, as [`ack`] is: a storm of hellos makes one
@@ -67,7 +68,8 @@ fn json_str(out: &mut Vec<u8>, s: &str) {
 }
 
 /// The rig reported the result of command `seq`; `id` when the command was not yet acked (an
-/// acked command is forgotten at its ack, whose event carried the id).
+/// acked command is forgotten at its ack, whose event carried the id). `output` goes on as
+/// the rig sent it.
 pub fn result(
     broker: &str,
     rig: &RigId,
@@ -75,17 +77,41 @@ pub fn result(
     seq: Seq,
     id: Option<&str>,
     ok: bool,
-    output: Option<Value>,
-) -> Value {
-    json!({"type": "result", "rig_id": rig.as_str(), "boot_id": boot.as_str(),
-           "broker_id": broker, "seq": seq.0, "id": id, "ok": ok, "output": output,
-           "at": rfc3339(SystemTime::now())})
+    output: Option<&RawJson>,
+) -> Vec<u8> {
+    let output = output.map_or("null", RawJson::get);
+    let mut out = head(
+        "result",
+        broker,
+        rig,
+        boot,
+        output.len() + id.map_or(0, str::len),
+    );
+    out.extend_from_slice(format!(r#","seq":{},"id":"#, seq.0).as_bytes());
+    match id {
+        Some(id) => json_str(&mut out, id),
+        None => out.extend_from_slice(b"null"),
+    }
+    out.extend_from_slice(format!(r#","ok":{ok},"output":"#).as_bytes());
+    out.extend_from_slice(output.as_bytes());
+    finish(out)
 }
 
-/// The rig reported an event of its own.
-pub fn event(broker: &str, rig: &RigId, boot: &BootId, name: &str, data: Option<Value>) -> Value {
-    json!({"type": "event", "rig_id": rig.as_str(), "boot_id": boot.as_str(),
-           "broker_id": broker, "name": name, "data": data, "at": rfc3339(SystemTime::now())})
+/// The rig reported an event of its own; `data` goes on as the rig sent it.
+pub fn event(
+    broker: &str,
+    rig: &RigId,
+    boot: &BootId,
+    name: &str,
+    data: Option<&RawJson>,
+) -> Vec<u8> {
+    let data = data.map_or("null", RawJson::get);
+    let mut out = head("event", broker, rig, boot, name.len() + data.len());
+    out.extend_from_slice(br#","name":"#);
+    json_str(&mut out, name);
+    out.extend_from_slice(br#","data":"#);
+    out.extend_from_slice(data.as_bytes());
+    finish(out)
 }
 
 /// Command `seq` of the rig's older session `old` was never acked and will not be replayed: a
@@ -154,5 +180,43 @@ mod tests {
                        "broker_id": "fe-a", "seq": 7, "id": id, "at": at})
             );
         }
+    }
+
+    #[test]
+    fn a_result_and_an_event_written_as_bytes_are_the_json_they_say() {
+        let rig = RigId::parse("rig-1").unwrap();
+        let boot = BootId::generate(1_700_000_000_000);
+        let raw = |text: &str| match crate::protocol::parse_client_msg(
+            format!(r#"{{"type":"result","seq":1,"ok":true,"output":{text}}}"#).as_bytes(),
+        ) {
+            Ok(crate::protocol::ClientMsg::Result { output, .. }) => output,
+            other => panic!("{other:?}"),
+        };
+        for (output, id) in [(r#"{"exit":0}"#, Some("c-\"1")), ("null", None)] {
+            let out = raw(output);
+            let bytes = result("fe-a", &rig, &boot, Seq(7), id, false, out.as_ref());
+            let v: Value = serde_json::from_slice(&bytes).expect("JSON");
+            let at = v["at"].as_str().unwrap_or_default().to_string();
+            let output: Value = serde_json::from_str(output).expect("JSON");
+            assert_eq!(
+                v,
+                json!({"type": "result", "rig_id": "rig-1", "boot_id": boot.as_str(),
+                       "broker_id": "fe-a", "seq": 7, "id": id, "ok": false,
+                       "output": output, "at": at})
+            );
+            let bytes = event("fe-a", &rig, &boot, "t\"emp", out.as_ref());
+            let v: Value = serde_json::from_slice(&bytes).expect("JSON");
+            let at = v["at"].as_str().unwrap_or_default().to_string();
+            assert_eq!(
+                v,
+                json!({"type": "event", "rig_id": "rig-1", "boot_id": boot.as_str(),
+                       "broker_id": "fe-a", "name": "t\"emp", "data": output, "at": at})
+            );
+        }
+        // A value a `Value` cannot hold goes on as its text.
+        let big = "123456789012345678901234567890";
+        let bytes = result("fe-a", &rig, &boot, Seq(7), None, true, raw(big).as_ref());
+        let text = String::from_utf8(bytes).expect("utf-8");
+        assert!(text.contains(&format!(r#""output":{big},"at":"#)), "{text}");
     }
 }

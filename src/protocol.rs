@@ -36,8 +36,8 @@ pub enum ClientMsg {
         seq: Seq,
         /// Whether it succeeded.
         ok: bool,
-        /// Whatever the rig reported.
-        output: Option<Value>,
+        /// Whatever the rig reported, as it sent it.
+        output: Option<RawJson>,
     },
     /// Anything else the rig reports.
     Event {
@@ -45,14 +45,39 @@ pub enum ClientMsg {
         v: u32,
         /// Event name.
         name: String,
-        /// Event payload.
-        data: Option<Value>,
+        /// Event payload, as the rig sent it.
+        data: Option<RawJson>,
     },
     /// A well-formed message of a type this broker does not know (counted, then ignored).
     Unknown {
         /// The unknown `type` value.
         ty: String,
     },
+}
+
+/// JSON a rig sent, kept as its text: control gets it exactly as sent, as a rig gets a
+/// command's args. Parsed into a `Value` and written again, a number past 64 bits lost its
+/// digits, `1e400` or a lone surrogate escape (`"\udcff"`, which Python writes for bytes that
+/// are no UTF-8) failed the whole message, and a key given twice kept only its last value.
+#[derive(Debug, Clone)]
+pub struct RawJson(Box<RawValue>);
+
+impl RawJson {
+    /// The JSON text.
+    pub fn get(&self) -> &str {
+        self.0.get()
+    }
+}
+
+impl PartialEq for RawJson {
+    fn eq(&self, other: &Self) -> bool {
+        self.get() == other.get()
+    }
+}
+
+/// A field kept as its text; `null` reads as absent.
+fn raw_own(raw: Option<&RawValue>) -> Option<RawJson> {
+    raw.map(|r| RawJson(r.to_owned()))
 }
 
 /// A validated hello.
@@ -151,7 +176,7 @@ pub fn parse_client_msg(bytes: &[u8]) -> Result<ClientMsg, ProtocolError> {
                 v,
                 seq: Seq(seq),
                 ok,
-                output: own(raw.output)?,
+                output: raw_own(raw.output),
             })
         }
         "event" => {
@@ -162,7 +187,7 @@ pub fn parse_client_msg(bytes: &[u8]) -> Result<ClientMsg, ProtocolError> {
             Ok(ClientMsg::Event {
                 v,
                 name,
-                data: own(raw.data)?,
+                data: raw_own(raw.data),
             })
         }
         _ => Ok(ClientMsg::Unknown {
@@ -295,6 +320,45 @@ fn to_vec<T: Serialize>(msg: &T) -> Vec<u8> {
 mod tests {
     use super::*;
 
+    fn raw(text: &str) -> RawJson {
+        RawJson(RawValue::from_string(text.to_owned()).expect("json"))
+    }
+
+    /// What a rig reports goes on as it sent it: numbers past 64 bits, `1e400`, lone
+    /// surrogate escapes and repeated keys alike (they failed the message, or lost digits).
+    #[test]
+    fn a_results_output_and_an_events_data_are_kept_as_sent() {
+        for output in [
+            r#"123456789012345678901234567890"#,
+            r#"0.1000000000000000055511151231257827"#,
+            r#"1e400"#,
+            r#""ok \udcff\udcfe bytes""#,
+            r#"{"a":1,"a":2}"#,
+        ] {
+            let msg = format!(r#"{{"type":"result","seq":1,"ok":true,"output":{output}}}"#);
+            assert_eq!(
+                parse_client_msg(msg.as_bytes()),
+                Ok(ClientMsg::Result {
+                    v: 1,
+                    seq: Seq(1),
+                    ok: true,
+                    output: Some(raw(output)),
+                }),
+                "{msg}"
+            );
+            let msg = format!(r#"{{"type":"event","name":"n","data":{output}}}"#);
+            let Ok(ClientMsg::Event {
+                data: Some(data), ..
+            }) = parse_client_msg(msg.as_bytes())
+            else {
+                panic!("{msg}")
+            };
+            assert_eq!(data.get(), output);
+        }
+        // Still JSON: a broken value fails the message.
+        assert!(parse_client_msg(br#"{"type":"result","seq":1,"ok":true,"output":[1,}"#).is_err());
+    }
+
     const BOOT: &str = "01890a5d-ac96-774b-bcce-b302099a8057";
 
     #[test]
@@ -397,7 +461,7 @@ mod tests {
                     v: 1,
                     seq: Seq(4),
                     ok: true,
-                    output: Some(Value::from("done")),
+                    output: Some(raw(r#""done""#)),
                 }),
                 "{result}"
             );
@@ -412,7 +476,7 @@ mod tests {
                 Ok(ClientMsg::Event {
                     v: 1,
                     name: "temp".into(),
-                    data: Some(serde_json::json!({"c": 21})),
+                    data: Some(raw(r#"{"c":21}"#)),
                 }),
                 "{event}"
             );
@@ -451,7 +515,7 @@ mod tests {
                 Ok(ClientMsg::Event {
                     v: 1,
                     name: "n".into(),
-                    data: Some(serde_json::json!([1])),
+                    data: Some(raw("[1]")),
                 }),
             ),
             (

@@ -368,24 +368,24 @@ fn on_rig_message(core: &Core, conn: &Conn, st: &mut ConnState, text: &[u8]) {
             core.metrics.inc(C::MsgResult);
             let id = session.queues.as_mut().and_then(|q| q.result_id(seq));
             session.shrink_queues();
-            core.event(events::result(
+            core.event_bytes(events::result(
                 broker,
                 &session.rig,
                 &session.boot,
                 seq,
                 id.as_deref(),
                 ok,
-                output,
+                output.as_ref(),
             ));
         }
         Ok(ClientMsg::Event { name, data, .. }) => {
             core.metrics.inc(C::MsgEvent);
-            core.event(events::event(
+            core.event_bytes(events::event(
                 broker,
                 &session.rig,
                 &session.boot,
                 &name,
-                data,
+                data.as_ref(),
             ));
         }
         Ok(ClientMsg::Unknown { .. }) => {
