@@ -26,6 +26,12 @@ pub(crate) async fn run(core: Rc<Core>) {
         }
         core.wheel.borrow_mut().recycle(due);
         if next.is_multiple_of(trim) {
+            let mut conns = core.conns.borrow_mut();
+            if conns.capacity() > 256 && conns.len() < conns.capacity() / 4 {
+                let keep = conns.len() * 2;
+                conns.shrink_to(keep);
+            }
+            drop(conns);
             heap_trim::collect();
         }
         if next.is_multiple_of(second) {

@@ -29,6 +29,7 @@ impl Bridge {
             // On the expiry timer, so that it never wakes the bridge by itself.
             if now >= self.next_trim {
                 self.next_trim = now + heap_trim::EVERY;
+                self.registry.shrink_idle();
                 heap_trim::collect();
             }
         }
