@@ -1520,6 +1520,22 @@ fn rekeep_of_a_parked_session_is_written_only_where_no_one_else_holds_the_rig() 
 /// The `at` of the `rig_rebooted` events `rekeep.lua` may publish.
 const AT: &str = "2026-12-03T12:00:00Z";
 
+/// Every `rig_rebooted` event published before a marker published now, in order: the marker
+/// follows everything the scripts that ran before it published.
+fn rebooted_so_far(ctl: &mut Control) -> Vec<Value> {
+    ctl.publish("fleetlink:events", json!({"type": "marker"}));
+    let mut out = Vec::new();
+    loop {
+        let ev = ctl.next(|ch, v| {
+            ch == "fleetlink:events" && (v["type"] == "rig_rebooted" || v["type"] == "marker")
+        });
+        if ev["type"] == "marker" {
+            return out;
+        }
+        out.push(ev);
+    }
+}
+
 /// A rig rebooted onto another broker while Redis was away, and its old broker still parks
 /// the old session with a command Redis never kept (seq 4, delivered during the outage). The
 /// old session ends there (CONTRACT.md §5): each unacked command is reported `rig_rebooted`
@@ -1554,16 +1570,8 @@ fn a_parked_session_a_newer_boot_ended_is_reported_once_whichever_runs_first() {
     }
     let cmds = [c1.as_str(), c3.as_str(), c4.as_str()];
     let reported = |ctl: &mut Control, n: usize, old: &BootId, new: &BootId| {
-        // A marker published after the scripts ran arrives after everything they published.
-        ctl.publish("fleetlink:events", json!({"type": "marker"}));
         let mut seqs = Vec::new();
-        loop {
-            let ev = ctl.next(|ch, v| {
-                ch == "fleetlink:events" && (v["type"] == "rig_rebooted" || v["type"] == "marker")
-            });
-            if ev["type"] == "marker" {
-                break;
-            }
+        for ev in rebooted_so_far(ctl) {
             assert_eq!(
                 (&ev["boot_id"], &ev["new_boot_id"], &ev["rig_id"]),
                 (
@@ -1704,15 +1712,8 @@ fn a_session_a_hello_decided_alone_ended_is_reported_once_through_redis() {
     };
     // Each rig_rebooted event up to a marker published now: (seq, new_boot_id).
     let reported = |ctl: &mut Control, old: &BootId| {
-        ctl.publish("fleetlink:events", json!({"type": "marker"}));
         let mut out = Vec::new();
-        loop {
-            let ev = ctl.next(|ch, v| {
-                ch == "fleetlink:events" && (v["type"] == "rig_rebooted" || v["type"] == "marker")
-            });
-            if ev["type"] == "marker" {
-                return out;
-            }
+        for ev in rebooted_so_far(ctl) {
             assert_eq!(
                 (&ev["boot_id"], &ev["rig_id"]),
                 (&json!(old.to_string()), &json!("rig-e")),
@@ -1721,6 +1722,7 @@ fn a_session_a_hello_decided_alone_ended_is_reported_once_through_redis() {
             assert_eq!(ev["id"], format!("c{}", ev["seq"]), "{ev}");
             out.push((ev["seq"].as_u64().unwrap(), ev["new_boot_id"].clone()));
         }
+        out
     };
     let boots = || {
         let mut b = [boot_id(), boot_id(), boot_id()].map(|b| BootId::parse(&b).unwrap());
@@ -2135,18 +2137,11 @@ fn a_stale_copy_reports_and_writes_back_none_of_what_redis_kept_and_forgot() {
             .rekeep(&mut redis.connection(), &[session], "fe-x", ttl, AT)
             .unwrap()
     };
-    let reported = |ctl: &mut Control| {
-        ctl.publish("fleetlink:events", json!({"type": "marker"}));
-        let mut seqs = Vec::new();
-        loop {
-            let ev = ctl.next(|ch, v| {
-                ch == "fleetlink:events" && (v["type"] == "rig_rebooted" || v["type"] == "marker")
-            });
-            if ev["type"] == "marker" {
-                return seqs;
-            }
-            seqs.push(ev["seq"].as_u64().unwrap());
-        }
+    let reported = |ctl: &mut Control| -> Vec<u64> {
+        rebooted_so_far(ctl)
+            .iter()
+            .map(|ev| ev["seq"].as_u64().unwrap_or_default())
+            .collect()
     };
     let boots = || {
         let mut b = [boot_id(), boot_id()].map(|b| BootId::parse(&b).unwrap());
@@ -2295,22 +2290,18 @@ fn an_older_boot_back_after_a_newer_one_left_has_its_commands_reported_at_the_ne
     b.sort();
     let [a, newer, newest] = b;
     let sess = |b: &BootId| format!("sess:rig-o:{b}");
-    let reported = |ctl: &mut Control| {
-        ctl.publish("fleetlink:events", json!({"type": "marker"}));
-        let mut out = Vec::new();
-        loop {
-            let ev = ctl.next(|ch, v| {
-                ch == "fleetlink:events" && (v["type"] == "rig_rebooted" || v["type"] == "marker")
-            });
-            if ev["type"] == "marker" {
-                return out;
-            }
-            out.push((
-                ev["boot_id"].as_str().unwrap_or_default().to_string(),
-                ev["new_boot_id"].as_str().unwrap_or_default().to_string(),
-                ev["id"].as_str().unwrap_or_default().to_string(),
-            ));
-        }
+    let reported = |ctl: &mut Control| -> Vec<(String, String, String)> {
+        let text = |v: &Value| v.as_str().unwrap_or_default().to_string();
+        rebooted_so_far(ctl)
+            .iter()
+            .map(|ev| {
+                (
+                    text(&ev["boot_id"]),
+                    text(&ev["new_boot_id"]),
+                    text(&ev["id"]),
+                )
+            })
+            .collect()
     };
 
     scripts.resume(&mut con, &rig, &a, ttl, "fe-x").unwrap();
