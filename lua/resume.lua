@@ -157,6 +157,13 @@ local function resume(sess, ptr, boot, rig)
   end
   local rebooted, previous = 0, ''
   local prev = redis.pcall('GET', ptr)
+  -- A record that names no boot is damage: which session it named is lost with it, and that
+  -- session goes unreported. Said in Redis's log, since nothing else can tell.
+  if prev ~= false and not (type(prev) == 'string' and prev:match(BOOT)) then
+    redis.log(redis.LOG_WARNING, 'fleetlink resume: ' .. ptr
+        .. ' named no boot; replaced (the session it named, if any, is not reported)')
+    redis.call('DEL', ptr)
+  end
   -- The hello's own session a newer boot ended (a tombstone): this boot is back after it,
   -- its lease free (a stale process, or a rig whose clock went back). It goes on from the
   -- tombstone's "next", so no seq repeats; what the tombstone lists as reported stays listed.

@@ -85,21 +85,18 @@ pub enum Failpoint {
 }
 
 impl Failpoint {
-    fn name(self) -> &'static str {
-        match self {
-            Failpoint::CoreHello => "core-panic-on-hello",
-            Failpoint::BridgeHello => "bridge-panic-on-hello",
-        }
-    }
-
     /// Panics when the test asked this point to fire for `rig`.
     pub fn check(self, rig: &str) {
         #[cfg(debug_assertions)]
         {
             static SET: OnceLock<Option<String>> = OnceLock::new();
             let set = SET.get_or_init(|| std::env::var("FLEETLINK_FAILPOINT").ok());
+            let name = match self {
+                Failpoint::CoreHello => "core-panic-on-hello",
+                Failpoint::BridgeHello => "bridge-panic-on-hello",
+            };
             if let Some((point, target)) = set.as_deref().and_then(|s| s.split_once('=')) {
-                if point == self.name() && target == rig {
+                if point == name && target == rig {
                     panic!("failpoint {point} for rig {rig}");
                 }
             }
