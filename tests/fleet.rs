@@ -1956,3 +1956,40 @@ fn a_stale_parked_copy_does_not_report_commands_acked_elsewhere_after_a_reconnec
     });
     assert_eq!(ev["type"], "marker", "an acked command reported: {ev}");
 }
+
+/// A rig the drain closes holding a command delivered while Redis was away from its broker
+/// (the broker numbered it alone): at the end of the drain the broker puts that session back
+/// into a Redis that returns in time, before it releases the lease, as a reconnect would
+/// have. Before, only the release went, and a resume or a new boot never heard of it.
+#[test]
+fn a_broker_drained_while_redis_is_away_puts_back_what_it_delivered_meanwhile() {
+    let redis = RedisServer::start();
+    let relay = Relay::start(redis.port());
+    let url = relay.url();
+    let mut a = Broker::start(&["--redis", &url, "--broker-id", "fe-du", "--drain", "300ms"]);
+    eventually(Duration::from_secs(10), "broker ready", || {
+        a.http("GET", "/readyz", "").0 == 200
+    });
+    let (mut ws, boot, _) = a.rig("rig-du");
+    relay.down(true);
+    eventually(Duration::from_secs(15), "the outage noticed", || {
+        a.http("GET", "/readyz", "").0 == 503
+    });
+    let (status, reply) = a.command("rig-du", "n", json!({}));
+    assert_eq!((status, &reply["seq"]), (200, &json!(1)), "{reply}");
+    assert_eq!(read_json(&mut ws)["seq"], 1);
+    // The broker's own reconnect is a second or more away: the drain's end must do it.
+    eventually(Duration::from_secs(20), "attempts backed off", || {
+        relay.turned_away() >= 5
+    });
+    a.sigterm();
+    until_closed(&mut ws);
+    relay.down(false);
+    let status = a.wait_exit(Duration::from_secs(20)).expect("exited");
+    assert!(status.success(), "{status:?}");
+    let kept: Option<String> = redis
+        .connection()
+        .hget(format!("sess:rig-du:{boot}"), "c:1")
+        .unwrap();
+    assert!(kept.is_some(), "the command delivered unkept went back");
+}

@@ -466,6 +466,15 @@ impl Embedded {
         }
     }
 
+    /// The parked sessions holding commands Redis may never have kept.
+    pub fn parked_unkept(&self) -> Vec<(RigId, BootId)> {
+        self.parked
+            .iter()
+            .filter(|(_, p)| p.unkept_to > Seq(0))
+            .map(|(r, p)| (r.clone(), p.boot))
+            .collect()
+    }
+
     /// The highest seq of `rig`'s parked session Redis may never have kept (0: none).
     pub fn parked_unkept_to(&self, rig: &RigId) -> Seq {
         self.parked.get(rig).map_or(Seq(0), |p| p.unkept_to)

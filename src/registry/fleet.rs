@@ -778,6 +778,22 @@ impl Fleet {
     /// away (or paused) to answer again, then says what could not be sent. Before, a broker
     /// that drained during an outage exited at once, and the `ack` events it held (acks it
     /// took while Redis could not keep them) were lost without a word.
+    /// Tries to reach Redis until `until`, every [`EXIT_RETRY`] rather than at the backoff's
+    /// pace; true once both connections are up.
+    pub(crate) fn wait_up(&mut self, until: Instant) -> bool {
+        loop {
+            let now = Instant::now();
+            self.next_attempt = self.next_attempt.min(now);
+            if self.ensure(now) {
+                return true;
+            }
+            if now >= until {
+                return false;
+            }
+            std::thread::sleep(EXIT_RETRY.min(until.saturating_duration_since(now)));
+        }
+    }
+
     pub(crate) fn flush_before_exit(&mut self, limit: Duration) {
         let end = Instant::now() + limit;
         loop {

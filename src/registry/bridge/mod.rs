@@ -677,6 +677,11 @@ impl Bridge {
     /// Answers the commands still waiting to be kept, releases every lease this broker holds,
     /// then returns (the end of a drain, after the cores have stopped).
     fn shutdown(&mut self, wait_for_redis: bool) {
+        let until = Instant::now()
+            + match wait_for_redis {
+                true => EXIT_FLUSH_WAIT,
+                false => Duration::ZERO,
+            };
         // Kept before the leases go (a released lease fences the persist), a command reaches
         // its rig by resume wherever it reconnects, so control is told `ok`. With Redis away it
         // was neither written nor kept: control hears that instead of nothing.
@@ -687,11 +692,27 @@ impl Bridge {
         };
         self.answer_persists(held, kept, false);
         // Sessions Redis lost go back before the leases are released, or the resume elsewhere
-        // would miss their commands; so do the reports owed for sessions that hellos decided
-        // here alone ended, queued otherwise only at the next refresh.
-        self.queue_ended_alone();
-        while !self.rekeeps.is_empty() && self.fleet.as_ref().is_some_and(Fleet::is_up) {
+        // would miss their commands: so do the rigs the drain closed holding commands
+        // delivered while Redis was away (queued otherwise only at the next reconnect, which
+        // does not come), and the reports owed for sessions that hellos decided here alone
+        // ended. Redis away (an outage, a pause) gets the same wait as the events below.
+        let unkept = self.registry.parked_unkept();
+        self.queue_rekeeps_of(unkept);
+        loop {
+            let owed = !self.rekeeps.is_empty() || !self.ended_alone.is_empty();
+            // After a second signal ("now"), only a Redis already there.
+            let up = self
+                .fleet
+                .as_mut()
+                .is_some_and(|f| f.is_up() || (wait_for_redis && f.wait_up(until)));
+            if !owed || !up {
+                break;
+            }
+            self.queue_ended_alone();
             self.rekeep_sessions();
+            if Instant::now() >= until {
+                break;
+            }
         }
         // Every broker answers a broadcast once: those still waiting say who never answered.
         let waiting: Vec<u64> = self.broadcasts.keys().copied().collect();
@@ -705,17 +726,16 @@ impl Bridge {
             self.release(rig, boot);
         }
         if let Some(f) = self.fleet.as_mut() {
-            f.flush_before_exit(match wait_for_redis {
-                true => EXIT_FLUSH_WAIT,
-                false => Duration::ZERO,
-            });
+            f.flush_before_exit(until.saturating_duration_since(Instant::now()));
             f.retire();
         }
-        if !self.ended_alone.is_empty() {
+        if !self.ended_alone.is_empty() || !self.rekeeps.is_empty() {
             log::warn!(
-                "exiting with {} ended sessions unreported: Redis did not take them (their \
-                 rigs' commands are not reported rig_rebooted)",
-                self.ended_alone.len()
+                "exiting with {} ended sessions unreported and {} sessions not put back: \
+                 Redis did not take them (commands delivered while it was away are lost to a \
+                 resume elsewhere, and ended sessions' commands are not reported rig_rebooted)",
+                self.ended_alone.len(),
+                self.rekeeps.len()
             );
         }
     }

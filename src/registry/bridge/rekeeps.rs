@@ -199,6 +199,11 @@ impl Bridge {
     /// holding back the queued releases of their leases until each is written.
     pub(super) fn queue_parked_rekeeps(&mut self) {
         let parked = self.registry.parked_sessions();
+        self.queue_rekeeps_of(parked);
+    }
+
+    /// Queues these parked sessions to go back, as [`Self::queue_parked_rekeeps`] does.
+    pub(super) fn queue_rekeeps_of(&mut self, parked: Vec<(RigId, BootId)>) {
         if parked.is_empty() {
             return;
         }
