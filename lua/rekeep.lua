@@ -261,8 +261,9 @@ end
 
 -- Writes the commands, raises "next" to ARGV[3] (never lowers it) and sets the TTL; returns
 -- "next" as it was. `merge`: into a session another broker holds, only the commands Redis
--- never numbered (at or above its "next": delivered while this broker could not reach it),
--- and never over one there; a command below "next" that Redis no longer holds was acked.
+-- never numbered (at or above its "next": delivered while this broker could not reach it)
+-- and those at or below unkept_to (Redis may never have had them, or lost them), and never
+-- over one there; another below "next" that Redis no longer holds was acked.
 -- A parked copy's settled commands are not written back either: acked meanwhile, they would
 -- be delivered or reported again.
 local function write(sess, merge)
@@ -273,7 +274,7 @@ local function write(sess, merge)
       if not settled(found, ARGV[i]) then
         redis.call('HSET', sess, 'c:' .. ARGV[i], ARGV[i + 1])
       end
-    elseif tonumber(ARGV[i]) >= have then
+    elseif tonumber(ARGV[i]) >= have or tonumber(ARGV[i]) <= unkept_to then
       redis.call('HSETNX', sess, 'c:' .. ARGV[i], ARGV[i + 1])
     end
   end

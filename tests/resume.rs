@@ -2391,3 +2391,50 @@ fn a_newer_boots_copy_put_back_after_an_older_ones_becomes_the_rigs_latest() {
     assert_eq!(found.previous_boot.as_deref(), Some(newer.as_str()));
     assert_eq!(found.rebooted, 1);
 }
+
+/// After an empty restart a broker's copy can meet the session another broker wrote since,
+/// numbered past what the copy holds: the rig resumed there with the copy's seqs. What the
+/// copy holds up to `unkept_to` (every command, once the broker found Redis had lost keys)
+/// Redis may never have had: it is added below that session's `next` too, never over what it
+/// holds. Before, it was taken for acked, and the next boot never heard of it.
+#[test]
+fn a_copy_meeting_a_session_numbered_past_it_adds_what_redis_may_never_have_had() {
+    let (_redis, mut con, scripts, a, _b, boot) = rigs_leased_to_fe_a_and_fe_b();
+    let ttl = Duration::from_secs(60);
+    let sess = format!("sess:rig-a:{boot}");
+    let _: () = con.del("rig:rig-a").unwrap();
+    let _: () = con
+        .hset_multiple(&sess, &[("next", "4"), ("c:3", "theirs")])
+        .unwrap();
+    let copy = |unkept_to: u64| Rekeep {
+        rig: &a,
+        boot: &boot,
+        next: Seq(3),
+        cmds: vec![(Seq(1), b"c1".as_slice()), (Seq(2), b"c2".as_slice())],
+        unkept_to: Seq(unkept_to),
+        mode: RekeepMode::Parked,
+    };
+    // Kept by Redis before, and gone: acked.
+    let kept = scripts
+        .rekeep(&mut con, &[copy(0)], "fe-a", ttl, AT)
+        .unwrap();
+    assert_eq!(kept, [Rekept::Merged]);
+    let fields: HashMap<String, String> = con.hgetall(&sess).unwrap();
+    assert_eq!(fields.len(), 2, "{fields:?}");
+    // Redis may never have had them.
+    let kept = scripts
+        .rekeep(&mut con, &[copy(2)], "fe-a", ttl, AT)
+        .unwrap();
+    assert_eq!(kept, [Rekept::Merged]);
+    let fields: HashMap<String, String> = con.hgetall(&sess).unwrap();
+    let want: HashMap<String, String> = [
+        ("next", "4"),
+        ("c:1", "c1"),
+        ("c:2", "c2"),
+        ("c:3", "theirs"),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v.to_string()))
+    .collect();
+    assert_eq!(fields, want);
+}

@@ -466,6 +466,15 @@ impl Embedded {
         }
     }
 
+    /// Redis lost keys (it restarted empty, or was flushed): every parked session's commands
+    /// are now ones Redis may not hold, as if delivered while it was away.
+    pub fn mark_all_parked_unkept(&mut self) {
+        for p in self.parked.values_mut() {
+            let top = p.carried.iter().map(|c| c.seq).max().unwrap_or(Seq(0));
+            p.unkept_to = p.unkept_to.max(top);
+        }
+    }
+
     /// The parked sessions holding commands Redis may never have kept.
     pub fn parked_unkept(&self) -> Vec<(RigId, BootId)> {
         self.parked
@@ -1037,6 +1046,25 @@ mod tests {
             other => panic!("{other:?}"),
         }
         assert_eq!(r.parked_bytes, 0);
+    }
+
+    /// Redis lost keys: every parked copy's commands count as never kept, up to its last.
+    #[test]
+    fn a_parked_copy_counts_as_unkept_once_redis_lost_keys() {
+        let mut r = Embedded::new(Duration::from_secs(60), 4);
+        let now = Instant::now();
+        let b = boot(1);
+        r.hello(conn(1), rig(), b, vec![]);
+        let carried = vec![
+            SeqCommand::for_test(2, 4, false),
+            SeqCommand::for_test(3, 4, false),
+        ];
+        r.closed(conn(1), rig(), b, Seq(4), carried, None, now);
+        assert_eq!(r.parked_unkept_to(&rig()), Seq(0));
+        assert!(r.parked_unkept().is_empty());
+        r.mark_all_parked_unkept();
+        assert_eq!(r.parked_unkept_to(&rig()), Seq(3));
+        assert_eq!(r.parked_unkept(), [(rig(), b)]);
     }
 
     /// 2,000 rigs that came and went leave their tables' room behind until the next trim.

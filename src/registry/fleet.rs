@@ -774,10 +774,6 @@ impl Fleet {
         }
     }
 
-    /// The end of a drain: sends everything queued, waiting up to `limit` for a Redis that is
-    /// away (or paused) to answer again, then says what could not be sent. Before, a broker
-    /// that drained during an outage exited at once, and the `ack` events it held (acks it
-    /// took while Redis could not keep them) were lost without a word.
     /// Tries to reach Redis until `until`, every [`EXIT_RETRY`] rather than at the backoff's
     /// pace; true once both connections are up.
     pub(crate) fn wait_up(&mut self, until: Instant) -> bool {
@@ -794,6 +790,10 @@ impl Fleet {
         }
     }
 
+    /// The end of a drain: sends everything queued, waiting up to `limit` for a Redis that is
+    /// away (or paused) to answer again, then says what could not be sent. Before, a broker
+    /// that drained during an outage exited at once, and the `ack` events it held (acks it
+    /// took while Redis could not keep them) were lost without a word.
     pub(crate) fn flush_before_exit(&mut self, limit: Duration) {
         let end = Instant::now() + limit;
         loop {

@@ -336,7 +336,16 @@ impl Bridge {
                 // Superseded at the first refresh after a reconnect: the registry no longer
                 // holds the rig, so the session does not park; it goes back as it closed.
                 self.decided_alone.remove(&(rig.clone(), boot));
-                let high = self.unkept_high.remove(&(rig.clone(), boot));
+                let high = self
+                    .unkept_high
+                    .remove(&(rig.clone(), boot))
+                    .map(|h| match h {
+                        // Everything it holds (Redis lost keys): up to its last command, not
+                        // its next seq, which may count one fenced since.
+                        ALL_UNKEPT => carried.iter().map(|c| c.seq).max().unwrap_or(Seq(0)),
+                        h => h,
+                    })
+                    .filter(|h| *h > Seq(0));
                 // Only what it delivered unkept: a connection that gave nothing unkept left
                 // Redis all it needs, and its own next seq may count a command fenced at its
                 // persist (never delivered), which would leave the rig a gap.
@@ -740,6 +749,10 @@ impl Bridge {
         }
     }
 }
+
+/// An `unkept_high` that stands for every command the session holds: Redis lost keys while
+/// it was live here, and with them what it had kept of it.
+pub(super) const ALL_UNKEPT: Seq = Seq(u64::MAX);
 
 /// How long the end of a drain waits for an absent Redis to take what the broker still holds
 /// for it (events, removals of acked commands, lease releases).

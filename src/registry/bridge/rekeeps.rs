@@ -523,9 +523,23 @@ mod tests {
     /// [`evicted_after`], or (`by_refresh`) superseded at the first refresh after a
     /// reconnect instead.
     fn superseded_after(delivered: Option<u64>, by_refresh: bool) -> Option<RekeepReq> {
+        superseded_after_with(delivered, by_refresh, false)
+    }
+
+    /// [`superseded_after`], where the broker first found that Redis had lost keys
+    /// (`keys_lost`) while the rig was connected.
+    fn superseded_after_with(
+        delivered: Option<u64>,
+        by_refresh: bool,
+        keys_lost: bool,
+    ) -> Option<RekeepReq> {
         let (mut b, _core) = bridge();
         let (rig, conn) = (rig("rig-e"), ConnId::new(CoreId(0), 1));
         b.registry.hello(conn, rig.clone(), boot(), vec![]);
+        if keys_lost {
+            b.unkept_high
+                .insert((rig.clone(), boot()), crate::registry::bridge::ALL_UNKEPT);
+        }
         if let Some(seq) = delivered {
             let p = crate::registry::msg::PersistReq {
                 conn,
@@ -590,6 +604,16 @@ mod tests {
         let seqs: Vec<u64> = r.cmds.iter().map(|(s, _)| s.0).collect();
         assert_eq!((r.next, seqs), (Seq(5), vec![4]));
         assert!(superseded_after(None, true).is_none());
+    }
+
+    /// After Redis lost keys (an empty restart) every command a live session holds may be
+    /// gone from Redis: superseded then, it puts back all it holds (4 and 5), with `next`
+    /// past the last of them rather than its own next seq.
+    #[test]
+    fn a_session_superseded_after_redis_lost_keys_goes_back_whole() {
+        let r = superseded_after_with(None, true, true).expect("merged at the close");
+        let seqs: Vec<u64> = r.cmds.iter().map(|(s, _)| s.0).collect();
+        assert_eq!((r.next, seqs, r.unkept_to), (Seq(6), vec![4, 5], Seq(5)));
     }
 
     /// A session a hello decided alone ended waits for Redis, within its bytes: queued only

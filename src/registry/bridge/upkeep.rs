@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use serde_json::json;
 
 use super::shared::unix_ms;
-use super::Bridge;
+use super::{Bridge, ALL_UNKEPT};
 use crate::heap_trim;
 use crate::ids::{BootId, RigId};
 use crate::registry::fleet;
@@ -69,6 +69,13 @@ impl Bridge {
             // Redis lost its keys while it stayed up. A broker with rigs connected learns it
             // from a restored lease at its next refresh too; one with none, only here.
             if lost && !self.cfg.session_ttl.is_zero() {
+                // What Redis kept of the sessions here may be gone with the keys: each
+                // copy's commands count as never kept, so that a copy meeting another
+                // broker's session adds them rather than take them for acked.
+                self.registry.mark_all_parked_unkept();
+                for key in self.registry.live_sessions() {
+                    self.unkept_high.entry(key).or_insert(ALL_UNKEPT);
+                }
                 self.queue_parked_rekeeps();
             }
         }
