@@ -790,12 +790,11 @@ impl Fleet {
         }
     }
 
-    /// The end of a drain: sends everything queued, waiting up to `limit` for a Redis that is
+    /// The end of a drain: sends everything queued, waiting until `end` for a Redis that is
     /// away (or paused) to answer again, then says what could not be sent. Before, a broker
     /// that drained during an outage exited at once, and the `ack` events it held (acks it
     /// took while Redis could not keep them) were lost without a word.
-    pub(crate) fn flush_before_exit(&mut self, limit: Duration) {
-        let end = Instant::now() + limit;
+    pub(crate) fn flush_before_exit(&mut self, end: Instant) {
         loop {
             let now = Instant::now();
             // At its own pace, not the backoff's: after a long outage that is seconds.
@@ -814,7 +813,7 @@ impl Fleet {
             }
             if now >= end {
                 log::warn!(
-                    "redis: exiting with {publishes} events and replies unpublished, {forgets} removals of acked commands and {writes} lease releases and session notes unwritten: Redis did not answer within {limit:?} (the leases lapse by their TTL; an acked command whose removal is lost may be reported rig_rebooted at its rig's next boot)"
+                    "redis: exiting with {publishes} events and replies unpublished, {forgets} removals of acked commands and {writes} lease releases and session notes unwritten: Redis did not answer by the end of the drain's wait for it (the leases lapse by their TTL; an acked command whose removal is lost may be reported rig_rebooted at its rig's next boot)"
                 );
                 return;
             }

@@ -735,7 +735,7 @@ impl Bridge {
             self.release(rig, boot);
         }
         if let Some(f) = self.fleet.as_mut() {
-            f.flush_before_exit(until.saturating_duration_since(Instant::now()));
+            f.flush_before_exit(until);
             f.retire();
         }
         if !self.ended_alone.is_empty() || !self.rekeeps.is_empty() {
