@@ -53,7 +53,10 @@
 --             of those n is published as a rig_rebooted event, in seq order, and added to
 --             "rep" ("next" raised past them), so a second call reports nothing twice. A
 --             tombstone with no "rep" (written before it existed) counts as listing every seq
---             below its "next".
+--             below its "next". So too when the newer boot is already the rig's latest on
+--             record (its hello came first, and reported an older session) while this one is
+--             no tombstone: no later hello would report it, so it is reported here, but the
+--             settled commands, with what Redis holds numbered past it, and cut to a tombstone.
 --             ended: every command this broker holds, and every one Redis holds numbered
 --             past ARGV[3] (the same boot went on at another broker meanwhile) is
 --             reported, but those a tombstone lists; the session is cut down to a tombstone
@@ -306,19 +309,42 @@ if lease ~= tuple then
   local rig = KEYS[1]:match('^rig:(.+)$') or ''
   local f = fields_of(sess) or {}
   local gone, kept_next, rep = f['gone'], next_of(f['next']), f['rep']
+  local latest = redis.pcall('GET', KEYS[3])
   local ended_by = (type(gone) == 'string' and gone)
-      or newer_boot(lease) or newer_boot(redis.pcall('GET', KEYS[3]))
+      or newer_boot(lease) or newer_boot(latest)
   -- A session is there when it numbers seqs: a key holding only what a broker remembered at
   -- a release ("r", written after Redis restarted empty) is no one's newer truth.
   local exists = f['next'] ~= nil
-  if ended_by and (gone or not exists) then
-    -- Reported already, what the tombstone lists (gone), or Redis lost the session (none):
-    -- what only this broker holds is reported here, once.
+  -- The newer boot is the rig's latest on record, yet this session is no tombstone: that
+  -- boot's hello came first and reported another (the record named an older boot then, this
+  -- broker having decided this one's hello alone), and no later hello will report this one.
+  local orphaned = ended_by and not gone and exists and latest == ended_by
+  if ended_by and (gone or not exists or orphaned) then
+    -- Reported already, what the tombstone lists (gone), or Redis lost the session (none),
+    -- or no one will (orphaned): what only this broker holds is reported here, once.
     local n, top, seqs
     if gone then
       n, top, seqs = tombstone_report(rig, ended_by, f)
     else
-      n, top, seqs = report(rig, ended_by, 0)
+      local skip, mine = {}, {}
+      for i = 7, #ARGV, 2 do
+        mine[ARGV[i]] = true
+        if orphaned and settled(f, ARGV[i]) then
+          skip[ARGV[i]] = true
+        end
+      end
+      -- What Redis holds numbered past this copy: the same boot went on elsewhere meanwhile.
+      for field, value in pairs(orphaned and f or {}) do
+        local seq = field:match('^c:(%d+)$')
+        if seq and #seq <= 15 and not mine[seq] and tonumber(seq) >= tonumber(nxt) then
+          ARGV[#ARGV + 1] = seq
+          ARGV[#ARGV + 1] = value
+        end
+      end
+      n, top, seqs = report(rig, ended_by, 0, skip)
+    end
+    if orphaned then
+      redis.call('DEL', sess)
     end
     redis.call('HSET', sess, 'gone', ended_by, 'next',
         string.format('%.0f', math.max(kept_next, top + 1)), 'rep', rep_with(rep, seqs))

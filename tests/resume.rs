@@ -2182,14 +2182,16 @@ fn a_stale_copy_reports_and_writes_back_none_of_what_redis_kept_and_forgot() {
     assert_eq!(copy(&a, 0, RekeepMode::EndedBy(b)), [Rekept::Reported(3)]);
     assert_eq!(reported(&mut ctl), [1, 2, 3]);
 
-    // Parked, a newer boot recorded but its session not yet reported: written back for that
-    // boot's broker to report, but without what was acked.
+    // Parked, a newer boot holding the rig whose hello has not reported this session yet (the
+    // record still names it): written back for that boot's broker to report, but without what
+    // was acked.
     let _: () = redis::cmd("FLUSHALL").query(&mut con).unwrap();
     let [a, b] = boots();
     let _: () = con
         .hset_multiple(sess(&a), &[("next", "4"), ("c:3", held[2].as_str())])
         .unwrap();
-    let _: () = con.set("sessof:rig-s", b.to_string()).unwrap();
+    let _: () = con.set("sessof:rig-s", a.to_string()).unwrap();
+    let _: () = con.set("rig:rig-s", format!("{b}|fe-y")).unwrap();
     assert_eq!(copy(&a, 1, RekeepMode::Parked), [Rekept::Kept]);
     let left: HashMap<String, String> = con.hgetall(sess(&a)).unwrap();
     let mut fields: Vec<&str> = left.keys().map(String::as_str).collect();
@@ -2437,4 +2439,49 @@ fn a_copy_meeting_a_session_numbered_past_it_adds_what_redis_may_never_have_had(
     .map(|(k, v)| (k.to_string(), v.to_string()))
     .collect();
     assert_eq!(fields, want);
+}
+
+/// A broker decided boot X's hello alone and gave it a command Redis never kept; the rig
+/// rebooted as Y, whose hello on another broker came right after Redis returned, before this
+/// broker's first refresh made X the rig's latest on record: it reported the boot before X and
+/// named Y the latest. X's session, put back by this broker since (a `next` and no commands),
+/// is then no tombstone, and no later hello reports it. The copy parked here reports it, once.
+#[test]
+fn a_copy_of_a_session_a_newer_boots_hello_passed_over_is_reported_once() {
+    let redis = RedisServer::start();
+    let mut con = redis.connection();
+    let scripts = SessionScripts::new();
+    let mut ctl = Control::new(&redis, &["fleetlink:events"]);
+    let ttl = Duration::from_secs(60);
+    let rig = RigId::parse("rig-p").unwrap();
+    let mut b = [boot_id(), boot_id()].map(|b| BootId::parse(&b).unwrap());
+    b.sort();
+    let [x, y] = b;
+    let _: () = con
+        .hset_multiple(format!("sess:rig-p:{x}"), &[("next", "1")])
+        .unwrap();
+    let _: () = con.set("sessof:rig-p", y.as_str()).unwrap();
+    let _: () = con.set("rig:rig-p", format!("{y}|fe-b")).unwrap();
+    let copy = Rekeep {
+        rig: &rig,
+        boot: &x,
+        next: Seq(4),
+        cmds: vec![(Seq(3), br#"{"id":"x3"}"#.as_slice())],
+        unkept_to: Seq(3),
+        mode: RekeepMode::Parked,
+    };
+    let kept = scripts
+        .rekeep(&mut con, std::slice::from_ref(&copy), "fe-a", ttl, AT)
+        .unwrap();
+    assert_eq!(kept, [Rekept::Reported(1)]);
+    let seen: Vec<(Value, Value)> = rebooted_so_far(&mut ctl)
+        .iter()
+        .map(|e| (e["id"].clone(), e["new_boot_id"].clone()))
+        .collect();
+    assert_eq!(seen, [(json!("x3"), json!(y.as_str()))]);
+    let kept = scripts
+        .rekeep(&mut con, std::slice::from_ref(&copy), "fe-a", ttl, AT)
+        .unwrap();
+    assert_eq!(kept, [Rekept::Reported(0)], "once");
+    assert_eq!(rebooted_so_far(&mut ctl), Vec::<Value>::new());
 }
