@@ -178,6 +178,27 @@ local function report(rig, ended_by, from, skip)
   return #order, top, table.concat(seqs, ',')
 end
 
+-- Reports this copy against its session in Redis, `f` (nil or empty: none): every command
+-- the copy holds but the settled, and those Redis holds numbered past the copy (the same boot
+-- went on at another broker while each decided alone).
+local function report_copy(rig, ended_by, f)
+  local mine, skip = {}, {}
+  for i = 7, #ARGV, 2 do
+    mine[ARGV[i]] = true
+    if settled(f, ARGV[i]) then
+      skip[ARGV[i]] = true
+    end
+  end
+  for field, value in pairs(f or {}) do
+    local seq = field:match('^c:(%d+)$')
+    if seq and #seq <= 15 and not mine[seq] and tonumber(seq) >= tonumber(nxt) then
+      ARGV[#ARGV + 1] = seq
+      ARGV[#ARGV + 1] = value
+    end
+  end
+  return report(rig, ended_by, 0, skip)
+end
+
 -- The report owed past a tombstone `f` (its "gone"): where it lists the seqs reported
 -- ("rep"), every command not among them and not settled (one Redis kept was reported by
 -- that report, or acked before it); else, from an older tombstone, those at or above its
@@ -240,21 +261,7 @@ local function report_ended(sess)
   -- broker holds is reported, but those settled: one absent from Redis below its "next"
   -- that Redis never kept (delivered while this broker could not reach it, and numbered
   -- past by another broker) only a report tells control of.
-  local mine, skip = {}, {}
-  for i = 7, #ARGV, 2 do
-    mine[ARGV[i]] = true
-    if settled(found, ARGV[i]) then
-      skip[ARGV[i]] = true
-    end
-  end
-  for field, value in pairs(fields) do
-    local seq = field:match('^c:(%d+)$')
-    if seq and #seq <= 15 and not mine[seq] and tonumber(seq) >= tonumber(nxt) then
-      ARGV[#ARGV + 1] = seq
-      ARGV[#ARGV + 1] = value
-    end
-  end
-  local n, top, seqs = report(rig, ended, 0, skip)
+  local n, top, seqs = report_copy(rig, ended, found)
   redis.call('DEL', sess)
   redis.call('HSET', sess, 'gone', ended, 'next',
       string.format('%.0f', math.max(kept_next, tonumber(nxt), top + 1)), 'rep', seqs)
@@ -326,22 +333,7 @@ if lease ~= tuple then
     if gone then
       n, top, seqs = tombstone_report(rig, ended_by, f)
     else
-      local skip, mine = {}, {}
-      for i = 7, #ARGV, 2 do
-        mine[ARGV[i]] = true
-        if orphaned and settled(f, ARGV[i]) then
-          skip[ARGV[i]] = true
-        end
-      end
-      -- What Redis holds numbered past this copy: the same boot went on elsewhere meanwhile.
-      for field, value in pairs(orphaned and f or {}) do
-        local seq = field:match('^c:(%d+)$')
-        if seq and #seq <= 15 and not mine[seq] and tonumber(seq) >= tonumber(nxt) then
-          ARGV[#ARGV + 1] = seq
-          ARGV[#ARGV + 1] = value
-        end
-      end
-      n, top, seqs = report(rig, ended_by, 0, skip)
+      n, top, seqs = report_copy(rig, ended_by, f)
     end
     if orphaned then
       redis.call('DEL', sess)
