@@ -275,10 +275,15 @@ end
 -- and those at or below unkept_to (Redis may never have had them, or lost them), and never
 -- over one there; another below "next" that Redis no longer holds was acked.
 -- A parked copy's settled commands are not written back either: acked meanwhile, they would
--- be delivered or reported again.
-local function write(sess, merge)
-  local found = mode ~= 'live' and fields_of(sess) or nil
-  local have = next_of(redis.call('HGET', sess, 'next'))
+-- be delivered or reported again. `found`: the session's fields, read already (nil for a
+-- connected rig's copy, which is written whole and needs only Redis's "next").
+local function write(sess, merge, found)
+  local have
+  if mode == 'live' then
+    have = next_of(redis.call('HGET', sess, 'next'))
+  else
+    have = next_of(found and found['next'])
+  end
   for i = 7, #ARGV, 2 do
     if not merge then
       if not settled(found, ARGV[i]) then
@@ -309,12 +314,14 @@ end
 -- pcall: a lease key of another type answers WRONGTYPE as a table: someone else's.
 local lease = redis.pcall('GET', KEYS[1])
 local sess = KEYS[2]
+if lease ~= tuple and mode == 'live' then
+  return 'fenced'
+end
+-- What Redis holds of a parked copy's session (nil: none), read once for every check below.
+local found = mode ~= 'live' and fields_of(sess) or nil
 if lease ~= tuple then
-  if mode == 'live' then
-    return 'fenced'
-  end
   local rig = KEYS[1]:match('^rig:(.+)$') or ''
-  local f = fields_of(sess) or {}
+  local f = found or {}
   local gone, kept_next, rep = f['gone'], next_of(f['next']), f['rep']
   local latest = redis.pcall('GET', KEYS[3])
   local ended_by = (type(gone) == 'string' and gone)
@@ -352,14 +359,14 @@ if lease ~= tuple then
   -- copy's commands Redis never kept would be lost, and the rig's seqs numbered again.
   local same = type(lease) == 'string' and lease:match('^([^|]+)|') == boot
   if not ended_by and (same or (lease == false and exists)) then
-    write(sess, true)
+    write(sess, true, found)
     return 'merged'
   end
   if not ended_by and lease ~= false then
     return 'fenced'
   end
 end
-local have = write(sess, false)
+local have = write(sess, false, found)
 -- Raised, not only set where absent: after an empty restart an older boot's copy may have
 -- been put back first, and a later hello would report that session, not this one.
 raise_pointer(boot)

@@ -162,7 +162,6 @@ local function resume(sess, ptr, boot, rig)
   if prev ~= false and not (type(prev) == 'string' and prev:match(BOOT)) then
     redis.log(redis.LOG_WARNING, 'fleetlink resume: ' .. ptr
         .. ' named no boot; replaced (the session it named, if any, is not reported)')
-    redis.call('DEL', ptr)
   end
   -- The hello's own session a newer boot ended (a tombstone): this boot is back after it,
   -- its lease free (a stale process, or a rig whose clock went back). It goes on from the

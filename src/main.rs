@@ -256,8 +256,7 @@ fn run(mut cfg: Config) -> anyhow::Result<()> {
     });
     bridge_tx.ring();
     let _ = bridge.join();
-    let lost_meanwhile: Vec<String> = lost.try_iter().map(|l| l.to_string()).collect();
-    match (cause, lost_meanwhile.first()) {
+    match (cause, lost.try_recv().ok()) {
         (DrainCause::Lost(what), _) => anyhow::bail!("drained after {what}"),
         (_, Some(what)) => anyhow::bail!("drained, but {what} during the drain"),
         _ => {}
