@@ -37,7 +37,11 @@
 -- Returns:
 --   "ok"      written: every command HSET, "next" raised to at least ARGV[3] (never lowered:
 --             commands kept since Redis came back may already be above these), "sessof" set
---             to this boot unless a newer boot is recorded there, TTLs set. A parked session
+--             to this boot unless a newer boot is recorded there, TTLs set. Where that moves
+--             "sessof" off an older boot whose session Redis holds and no report ended yet,
+--             that session is ended here as this boot's hello would have (resume.lua): its
+--             commands published rig_rebooted, the session cut to a tombstone. This boot's
+--             hello was decided alone (one through Redis would have done so). A parked session
 --             whose newer boot has not been reported yet is written this way too: that boot's
 --             broker reports it (refresh.lua's "taken" and "restored|", or the hello's
 --             resume.lua), these commands with it
@@ -231,11 +235,65 @@ local function rep_with(rep, seqs)
   return rep .. ',' .. seqs
 end
 
+local H = '[0-9a-f]'
+local BOOT = '^' .. H:rep(8) .. '%-' .. H:rep(4) .. '%-' .. H:rep(4) .. '%-' .. H:rep(4)
+    .. '%-' .. H:rep(12) .. '$'
+
+-- Ends the session of the rig's older boot `prev` that Redis holds, as the hello of `by`
+-- would have (resume.lua): each unacked command is published rig_rebooted, in seq order, and
+-- the session is cut down to a tombstone naming `by` and listing what was reported. Needed
+-- where `by`'s hello was decided by a broker alone: no resume.lua ran for it, and once the
+-- record names `by`, no later hello would report `prev`. A tombstone already, or no
+-- session: nothing owed here. Returns how many were reported.
+local function end_displaced(prev, by)
+  local rig = KEYS[1]:match('^rig:(.+)$') or ''
+  local key = 'sess:' .. rig .. ':' .. prev
+  local f = fields_of(key)
+  if f == nil or f['gone'] ~= nil or f['next'] == nil then
+    return 0
+  end
+  local order = {}
+  for field in pairs(f) do
+    local seq = field:match('^c:(%d+)$')
+    if seq and #seq <= 15 and (seq == '0' or seq:sub(1, 1) ~= '0') then
+      order[#order + 1] = seq
+    end
+  end
+  -- Digit strings: shorter first, then by text (cjson would round a large seq).
+  table.sort(order, function(x, y)
+    if #x ~= #y then
+      return #x < #y
+    end
+    return x < y
+  end)
+  local broker = tuple:match('|(.*)$')
+  for _, seq in ipairs(order) do
+    local decoded, cmd = pcall(cjson.decode, f['c:' .. seq])
+    local id = (decoded and type(cmd) == 'table' and type(cmd.id) == 'string') and cmd.id or nil
+    redis.call('PUBLISH', 'fleetlink:events', '{"type":"rig_rebooted","rig_id":'
+        .. cjson.encode(rig) .. ',"boot_id":' .. cjson.encode(prev) .. ',"new_boot_id":'
+        .. cjson.encode(by) .. ',"seq":' .. seq .. ',"id":'
+        .. (id and cjson.encode(id) or 'null') .. ',"broker_id":' .. cjson.encode(broker)
+        .. ',"at":' .. cjson.encode(at) .. '}')
+  end
+  local seqs = table.concat(order, ',')
+  local next_text = f['next']
+  redis.call('DEL', key)
+  redis.call('HSET', key, 'next', next_text, 'gone', by, 'rep', rep_with(f['rep'], seqs))
+  redis.call('PEXPIRE', key, ttl)
+  return #order
+end
+
 -- The rig's record of its latest boot names `b`, unless it names a newer one already: a
--- later hello must find the newer boot's session to report, not this ended one.
+-- later hello must find the newer boot's session to report, not this ended one. The older
+-- boot it named, when not this copy's own (whose caller settles it), has its session ended
+-- by `b` here: moving the record past it unreported would leave it to no one.
 local function raise_pointer(b)
   local cur = redis.pcall('GET', KEYS[3])
   if type(cur) ~= 'string' or (#cur == #b and newer(b, cur)) then
+    if type(cur) == 'string' and cur ~= boot and cur:match(BOOT) then
+      end_displaced(cur, b)
+    end
     redis.call('SET', KEYS[3], b, 'PX', ttl)
   end
 end

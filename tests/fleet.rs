@@ -1993,3 +1993,63 @@ fn a_broker_drained_while_redis_is_away_puts_back_what_it_delivered_meanwhile() 
         .unwrap();
     assert!(kept.is_some(), "the command delivered unkept went back");
 }
+
+/// Both brokers lose Redis while boot X holds a kept, unacked command on fe-a. X leaves fe-a,
+/// and the rig's new boot Z says hello to fe-b (decided alone) and leaves too. Redis comes
+/// back to fe-a first, which puts X's session back (the rig's latest on record is still X),
+/// then to fe-b, which puts Z's back and moves the record to Z. X's command is reported
+/// `rig_rebooted` then, as ended by Z, once. Before, moving the record reported nothing, and
+/// Z's next hello found itself on record: the command was lost without a word.
+#[test]
+fn a_new_boot_decided_alone_that_left_reports_the_older_boot_when_its_broker_reconnects_last() {
+    let redis = RedisServer::start();
+    let (ra, rb) = (Relay::start(redis.port()), Relay::start(redis.port()));
+    let a = broker_behind(&ra, "fe-a");
+    let b = broker_behind(&rb, "fe-b");
+    let mut ctl = Control::new(&redis, &["fleetlink:events"]);
+    let (mut x, x_boot, _) = a.rig("rig-pz");
+    let r = ctl.command_id("fe-a", "rig-pz", "pz1", "n", json!({}));
+    assert_eq!(r["seq"], 1, "{r}");
+    assert_eq!(read_json(&mut x)["seq"], 1);
+    ra.down(true);
+    rb.down(true);
+    eventually(Duration::from_secs(15), "both brokers cut off", || {
+        a.http("GET", "/readyz", "").0 == 503 && b.http("GET", "/readyz", "").0 == 503
+    });
+    drop(x);
+    let none_here = |broker: &Broker| broker.http("GET", "/v1/rigs", "").1.trim() == "[]";
+    eventually(Duration::from_secs(5), "fe-a parks X", || none_here(&a));
+    let (z, z_boot, _) = b.rig("rig-pz");
+    drop(z);
+    eventually(Duration::from_secs(5), "fe-b parks Z", || none_here(&b));
+
+    ra.down(false);
+    eventually(
+        Duration::from_secs(20),
+        "fe-a put X back and let go",
+        || {
+            a.metric("fleetlink_registry_ops_total{op=\"rekeep_parked\",result=\"ok\"}") >= 1
+                && owner(&redis, "rig-pz").is_none()
+        },
+    );
+    let latest: Option<String> = redis.connection().get("sessof:rig-pz").unwrap();
+    assert_eq!(
+        latest,
+        Some(x_boot.clone()),
+        "X on record before fe-b is back"
+    );
+    rb.down(false);
+    let ev = ctl.next(|ch, v| ch == "fleetlink:events" && v["type"] == "rig_rebooted");
+    assert_eq!(
+        (&ev["boot_id"], &ev["new_boot_id"], &ev["id"], &ev["seq"]),
+        (&json!(x_boot), &json!(z_boot), &json!("pz1"), &json!(1)),
+        "{ev}"
+    );
+    // Once: Z's next hello finds nothing more to report.
+    let _z = hello_again(&b, "rig-pz", &z_boot, 0);
+    ctl.publish("fleetlink:events", json!({"type": "marker"}));
+    let ev = ctl.next(|ch, v| {
+        ch == "fleetlink:events" && (v["type"] == "rig_rebooted" || v["type"] == "marker")
+    });
+    assert_eq!(ev["type"], "marker", "reported twice: {ev}");
+}

@@ -1830,6 +1830,152 @@ fn a_session_a_hello_decided_alone_ended_is_reported_once_through_redis() {
     );
 }
 
+/// A newer boot's hello decided alone (Redis away) runs no `resume.lua`, so nothing reported
+/// the session the rig's record (`sessof`) named then. When a broker puts the newer boot's
+/// session back and moves the record to it, it ends the older session there, as that hello
+/// would have: its unacked commands reported `rig_rebooted` once, the session cut to a
+/// tombstone. Otherwise the newer boot's next hello finds itself on record and reports
+/// nothing, and the older boot's command is lost without a word (checker, 8 of 8 before).
+/// So too for a connected rig's copy (live), and for a session a hello decided alone ended
+/// (`ended`) when the record named a third boot, not the one that session belongs to.
+#[test]
+fn moving_the_record_to_a_newer_boot_reports_the_session_it_named() {
+    let redis = RedisServer::start();
+    let mut con = redis.connection();
+    let scripts = SessionScripts::new();
+    let mut ctl = Control::new(&redis, &["fleetlink:events"]);
+    let ttl = Duration::from_secs(60);
+    let rig = RigId::parse("rig-m").unwrap();
+    let cmd = |seq: u64| format!("{{\"seq\":{seq},\"id\":\"c{seq}\"}}");
+    let boots = || {
+        let mut b = [boot_id(), boot_id(), boot_id()].map(|b| BootId::parse(&b).unwrap());
+        b.sort();
+        b
+    };
+    // Each rig_rebooted event up to a marker published now: (boot, new boot, seq, id).
+    let reported = |ctl: &mut Control| {
+        rebooted_so_far(ctl)
+            .into_iter()
+            .map(|ev| {
+                assert_eq!(ev["rig_id"], "rig-m", "{ev}");
+                (
+                    ev["boot_id"].as_str().unwrap().to_string(),
+                    ev["new_boot_id"].as_str().unwrap().to_string(),
+                    ev["seq"].as_u64().unwrap(),
+                    ev["id"].as_str().unwrap_or("").to_string(),
+                )
+            })
+            .collect::<Vec<_>>()
+    };
+    // The older boot's session as Redis kept it: 1 and 2 unacked, the rig's latest on record.
+    let older_session = |con: &mut redis::Connection, old: &BootId| {
+        let _: () = con
+            .hset_multiple(
+                format!("sess:rig-m:{old}"),
+                &[("next", "3"), ("c:2", cmd(2).as_str()), ("c:1", &cmd(1))],
+            )
+            .unwrap();
+        let _: () = con.set("sessof:rig-m", old.to_string()).unwrap();
+    };
+    let copy = |boot, mode| Rekeep {
+        rig: &rig,
+        boot,
+        next: Seq(1),
+        cmds: Vec::new(),
+        unkept_to: Seq(0),
+        mode,
+    };
+    let tombstone = |con: &mut redis::Connection, old: &BootId, by: &BootId| {
+        let tomb: HashMap<String, String> = con.hgetall(format!("sess:rig-m:{old}")).unwrap();
+        let want: HashMap<String, String> =
+            [("next", "3"), ("gone", &by.to_string()), ("rep", "1,2")]
+                .into_iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect();
+        assert_eq!(tomb, want);
+        let latest: String = con.get("sessof:rig-m").unwrap();
+        assert_eq!(latest, by.to_string(), "the newer boot is on record");
+    };
+
+    // Parked: the newer boot z said hello to fe-b alone and left; no lease, no session of z.
+    let [x, _, z] = boots();
+    older_session(&mut con, &x);
+    let kept = scripts
+        .rekeep(&mut con, &[copy(&z, RekeepMode::Parked)], "fe-b", ttl, AT)
+        .unwrap();
+    assert_eq!(kept, [Rekept::Kept]);
+    let (xs, zs) = (x.to_string(), z.to_string());
+    assert_eq!(
+        reported(&mut ctl),
+        [
+            (xs.clone(), zs.clone(), 1, "c1".to_string()),
+            (xs.clone(), zs.clone(), 2, "c2".to_string())
+        ]
+    );
+    tombstone(&mut con, &x, &z);
+    // Nothing twice: not by the copy put back again, nor by z's next hello.
+    let kept = scripts
+        .rekeep(&mut con, &[copy(&z, RekeepMode::Parked)], "fe-b", ttl, AT)
+        .unwrap();
+    assert_eq!(kept, [Rekept::Merged]);
+    let found = scripts.resume(&mut con, &rig, &z, ttl, "fe-b").unwrap();
+    assert_eq!(found.rebooted, 0);
+    assert_eq!(reported(&mut ctl), []);
+
+    // Live: z is connected to fe-b, whose lease is back.
+    let _: () = redis::cmd("FLUSHALL").query(&mut con).unwrap();
+    let [x, _, z] = boots();
+    older_session(&mut con, &x);
+    let _: () = con.set("rig:rig-m", format!("{z}|fe-b")).unwrap();
+    let kept = scripts
+        .rekeep(&mut con, &[copy(&z, RekeepMode::Live)], "fe-b", ttl, AT)
+        .unwrap();
+    assert_eq!(kept, [Rekept::Kept]);
+    assert_eq!(reported(&mut ctl).len(), 2);
+    tombstone(&mut con, &x, &z);
+
+    // Ended: fe-a parked w's session, then decided z's hello alone; the record names y, whose
+    // session another broker kept. z ended both; each is reported once, as z ended it.
+    let _: () = redis::cmd("FLUSHALL").query(&mut con).unwrap();
+    let [w, y, z] = boots();
+    older_session(&mut con, &y);
+    let ended = Rekeep {
+        rig: &rig,
+        boot: &w,
+        next: Seq(2),
+        cmds: vec![(Seq(1), b"{\"id\":\"w1\"}".as_slice())],
+        unkept_to: Seq(1),
+        mode: RekeepMode::EndedBy(z),
+    };
+    let kept = scripts.rekeep(&mut con, &[ended], "fe-a", ttl, AT).unwrap();
+    assert_eq!(kept, [Rekept::Reported(1)]);
+    let (ws, ys, zs) = (w.to_string(), y.to_string(), z.to_string());
+    let mut events = reported(&mut ctl);
+    events.sort();
+    let mut want = vec![
+        (ws, zs.clone(), 1, "w1".to_string()),
+        (ys.clone(), zs.clone(), 1, "c1".to_string()),
+        (ys, zs, 2, "c2".to_string()),
+    ];
+    want.sort();
+    assert_eq!(events, want);
+    tombstone(&mut con, &y, &z);
+
+    // A record naming an older boot whose session is a tombstone already, or gone: nothing.
+    let _: () = redis::cmd("FLUSHALL").query(&mut con).unwrap();
+    let [x, y, z] = boots();
+    older_session(&mut con, &x);
+    let found = scripts.resume(&mut con, &rig, &y, ttl, "fe-c").unwrap();
+    assert_eq!(found.rebooted, 2);
+    assert_eq!(reported(&mut ctl).len(), 2);
+    let _: () = con.set("sessof:rig-m", x.to_string()).unwrap();
+    let kept = scripts
+        .rekeep(&mut con, &[copy(&z, RekeepMode::Parked)], "fe-b", ttl, AT)
+        .unwrap();
+    assert_eq!(kept, [Rekept::Kept]);
+    assert_eq!(reported(&mut ctl), []);
+}
+
 /// The session under `key` holds commands 1 and 2 and numbers the next one 3.
 fn holds_commands_1_and_2(con: &mut redis::Connection, key: &str) -> bool {
     let (c1, c2, next): (Option<String>, Option<String>, Option<String>) = redis::pipe()
