@@ -153,6 +153,18 @@ local function fields_of(sess)
   return f
 end
 
+-- Publishes the rig_rebooted event of boot `of`'s command `seq` (its text as written, so a
+-- large seq is not rounded) sent as `json`, the session ended by boot `by`.
+local function publish_rebooted(rig, of, by, seq, json)
+  local decoded, cmd = pcall(cjson.decode, json)
+  local id = (decoded and type(cmd) == 'table' and type(cmd.id) == 'string') and cmd.id or nil
+  redis.call('PUBLISH', 'fleetlink:events', '{"type":"rig_rebooted","rig_id":'
+      .. cjson.encode(rig) .. ',"boot_id":' .. cjson.encode(of) .. ',"new_boot_id":'
+      .. cjson.encode(by) .. ',"seq":' .. seq .. ',"id":'
+      .. (id and cjson.encode(id) or 'null') .. ',"broker_id":'
+      .. cjson.encode(tuple:match('|(.*)$')) .. ',"at":' .. cjson.encode(at) .. '}')
+end
+
 -- Publishes a rig_rebooted event for each command with a seq at or above `from`, in seq
 -- order, as resume.lua does for the ones Redis kept; returns how many and the highest seq.
 local function report(rig, ended_by, from, skip)
@@ -163,16 +175,9 @@ local function report(rig, ended_by, from, skip)
     end
   end
   table.sort(order, function(a, b) return tonumber(ARGV[a]) < tonumber(ARGV[b]) end)
-  local broker = tuple:match('|(.*)$')
   local top = 0
   for _, i in ipairs(order) do
-    local decoded, cmd = pcall(cjson.decode, ARGV[i + 1])
-    local id = (decoded and type(cmd) == 'table' and type(cmd.id) == 'string') and cmd.id or nil
-    redis.call('PUBLISH', 'fleetlink:events', '{"type":"rig_rebooted","rig_id":'
-        .. cjson.encode(rig) .. ',"boot_id":' .. cjson.encode(boot) .. ',"new_boot_id":'
-        .. cjson.encode(ended_by) .. ',"seq":' .. ARGV[i] .. ',"id":'
-        .. (id and cjson.encode(id) or 'null') .. ',"broker_id":' .. cjson.encode(broker)
-        .. ',"at":' .. cjson.encode(at) .. '}')
+    publish_rebooted(rig, boot, ended_by, ARGV[i], ARGV[i + 1])
     top = math.max(top, tonumber(ARGV[i]))
   end
   local seqs = {}
@@ -266,15 +271,8 @@ local function end_displaced(prev, by)
     end
     return x < y
   end)
-  local broker = tuple:match('|(.*)$')
   for _, seq in ipairs(order) do
-    local decoded, cmd = pcall(cjson.decode, f['c:' .. seq])
-    local id = (decoded and type(cmd) == 'table' and type(cmd.id) == 'string') and cmd.id or nil
-    redis.call('PUBLISH', 'fleetlink:events', '{"type":"rig_rebooted","rig_id":'
-        .. cjson.encode(rig) .. ',"boot_id":' .. cjson.encode(prev) .. ',"new_boot_id":'
-        .. cjson.encode(by) .. ',"seq":' .. seq .. ',"id":'
-        .. (id and cjson.encode(id) or 'null') .. ',"broker_id":' .. cjson.encode(broker)
-        .. ',"at":' .. cjson.encode(at) .. '}')
+    publish_rebooted(rig, prev, by, seq, f['c:' .. seq])
   end
   local seqs = table.concat(order, ',')
   local next_text = f['next']
