@@ -679,7 +679,7 @@ type PathParts<'a> = (
 );
 
 fn path_parts(path: &str) -> PathParts<'_> {
-    let mut parts = path.trim_matches('/').split('/');
+    let mut parts = segments(path);
     (
         parts.next(),
         parts.next(),
@@ -687,6 +687,14 @@ fn path_parts(path: &str) -> PathParts<'_> {
         parts.next(),
         parts.next(),
     )
+}
+
+/// A path's segments as sent: one leading `/`, nothing trimmed or merged. `/v1/drain/` and
+/// `//metrics` then name no route (an empty segment matches none), so a stray slash is a 404,
+/// not the drain (operations.md: paths are matched as sent). A path without its leading `/`
+/// is one empty segment: it matches nothing either.
+fn segments(path: &str) -> std::str::Split<'_, char> {
+    path.strip_prefix('/').unwrap_or("").split('/')
 }
 
 /// The methods a path takes, for a 405's `Allow` header (RFC 9110 §15.5.6).
@@ -810,7 +818,7 @@ pub type Answer = (u16, &'static str, Vec<u8>);
 /// the process runs). None for a request that needs the broker's state (and for commands,
 /// which [`command_rig`] picks out first).
 pub fn immediate(req: &Request) -> Option<Answer> {
-    let parts: Vec<&str> = req.path.trim_matches('/').split('/').collect();
+    let parts: Vec<&str> = segments(&req.path).collect();
     match (req.get_method(), parts.as_slice()) {
         ("GET", ["healthz"]) => Some((200, "text/plain", b"ok\n".to_vec())),
         ("GET", ["readyz" | "metrics"] | ["v1", "rigs"] | ["v1", "events"])
@@ -835,7 +843,7 @@ fn route(admin: &Admin, req: &Request) -> Answer {
     if let Some(answer) = immediate(req) {
         return answer;
     }
-    let parts: Vec<&str> = req.path.trim_matches('/').split('/').collect();
+    let parts: Vec<&str> = segments(&req.path).collect();
     match (req.get_method(), parts.as_slice()) {
         ("GET", ["readyz"]) => readyz(admin),
         ("GET", ["metrics"]) => {
@@ -1251,6 +1259,15 @@ mod tests {
             "GET /v1/rigs/r1/foo",
             "POST /v1/rigs/a/b/c",
             "POST /v1/rigs/r1/commands/x",
+            // Matched as sent: a stray slash names no route (it used to be trimmed, and
+            // `POST /v1/drain/` drained the broker).
+            "POST /v1/drain/",
+            "POST //v1/drain",
+            "GET /healthz/",
+            "GET //metrics",
+            "GET /v1/rigs/",
+            "POST /v1/rigs/r1/commands/",
+            "GET /",
         ] {
             assert_eq!(status(unknown), Some(404), "{unknown}");
         }
@@ -1318,7 +1335,7 @@ mod tests {
         for (path, allow) in [
             ("/v1/drain", "POST"),
             ("/v1/rigs/r1/commands", "POST"),
-            ("/v1/rigs/r1/kick/", "POST"),
+            ("/v1/rigs/r1/kick", "POST"),
             ("/v1/rigs", "GET, HEAD"),
             ("/metrics", "GET, HEAD"),
         ] {
@@ -1444,8 +1461,8 @@ mod tests {
             close: false,
         };
         assert_eq!(command_rig(&req("POST", "/v1/rigs/a/commands")), Some("a"));
-        assert_eq!(command_rig(&req("POST", "/v1/rigs/a/commands/")), Some("a"));
         for (m, p) in [
+            ("POST", "/v1/rigs/a/commands/"),
             ("GET", "/v1/rigs/a/commands"),
             ("POST", "/v1/rigs/a/kick"),
             ("POST", "/v1/rigs/a/commands/b"),
