@@ -2053,3 +2053,34 @@ fn a_new_boot_decided_alone_that_left_reports_the_older_boot_when_its_broker_rec
     });
     assert_eq!(ev["type"], "marker", "reported twice: {ev}");
 }
+
+/// A rig's newer boot closes cleanly, and an older boot of it (a rig whose clock stepped back,
+/// restarting at once) says hello to the same broker straight after: nothing live owns the
+/// rig, so it is welcomed (CONTRACT.md §2: 4409 is for a live session with a newer boot). The
+/// closed connection's lease release goes to Redis before the hello's claim. Before, the
+/// release waited for the paced flush, the claim found the closed boot's lease, and the older
+/// boot was turned away 4409 (contract helper: 10 of 20 tries), for good by `fleetlink-agent`.
+#[test]
+fn an_older_boot_right_after_the_newer_one_closed_cleanly_is_welcomed() {
+    let redis = RedisServer::start();
+    let b = fleet_broker(&redis, "fe-a", &[]);
+    for i in 0..10 {
+        let rig = format!("rig-cs{i}");
+        let (older, newer) = (boot_id(), boot_id());
+        let mut ws = b.connect("/agent");
+        hello(&mut ws, &rig, &newer, json!({}));
+        ws.close(None).unwrap();
+        until_closed(&mut ws);
+        let mut ws = b.connect("/agent");
+        let msg = json!({"type": "hello", "rig_id": rig, "boot_id": older, "version": "t"});
+        ws.send(Message::Text(msg.to_string().into())).unwrap();
+        match ws.read() {
+            Ok(Message::Text(t)) => {
+                let v: Value = serde_json::from_str(&t).unwrap();
+                assert_eq!(v["type"], "welcome", "try {i}: {v}");
+            }
+            other => panic!("try {i}: the older boot was not welcomed: {other:?}"),
+        }
+        assert_eq!(owner(&redis, &rig), Some(format!("{older}|fe-a")));
+    }
+}

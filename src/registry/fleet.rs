@@ -720,20 +720,50 @@ impl Fleet {
         true
     }
 
+    /// Sends these lease releases in one round trip; false when the call failed (the
+    /// connection is then dropped).
+    fn send_releases(&mut self, releases: Vec<(RigId, BootId)>) -> bool {
+        let Some(con) = self.con.as_mut() else {
+            self.releases.extend(releases);
+            return false;
+        };
+        if let Err(e) = self.scripts.release(con, &releases, &self.broker_id) {
+            // Sent again on the next connection (the script deletes only this broker's
+            // exact tuple, so twice is harmless): dropped, the lease would outlive its rig
+            // by a TTL, and commands held for the rig meanwhile would be refused as for a
+            // rig connected here. Not when Redis refused them on a sound connection (an
+            // ACL without EVALSHA, say): sent again, they were refused again at every pass
+            // of the bridge, 800 calls a second; those leases lapse by their TTL.
+            if !e.redis().is_some_and(leaves_connection_sound) {
+                self.releases.extend(releases);
+            }
+            self.call_failed(&e);
+            return false;
+        }
+        // A released session's TTL counts from its disconnect, not from its last touch.
+        self.touch_sessions(&releases);
+        true
+    }
+
     /// Before these rigs' sessions are read: their acked commands leave Redis first (a new
     /// boot would otherwise report an acked command `rig_rebooted`), and a release queued for
     /// the very lease a hello is about to claim again is dropped (sent after the claim, its
-    /// compare-and-delete would find the same tuple and delete the new claim).
+    /// compare-and-delete would find the same tuple and delete the new claim). One queued
+    /// for another boot of a rig saying hello goes first: left for the paced flush, the
+    /// claim would find the lease of a connection already closed, and an older boot (a rig
+    /// whose clock stepped back, restarting at once) would be turned away 4409.
     pub(crate) fn settle_before_hellos(&mut self, hellos: &[(&RigId, &BootId)]) {
-        if !self.releases.is_empty() {
-            let claimed: HashSet<(&RigId, &BootId)> = hellos.iter().copied().collect();
-            self.releases
-                .retain(|(rig, boot)| !claimed.contains(&(rig, boot)));
-        }
-        if self.forgets.is_empty() {
-            return;
-        }
+        let claimed: HashSet<(&RigId, &BootId)> = hellos.iter().copied().collect();
         let rigs: HashSet<&RigId> = hellos.iter().map(|(rig, _)| *rig).collect();
+        self.releases
+            .retain(|(rig, boot)| !claimed.contains(&(rig, boot)));
+        if self.con.is_some() && self.releases.iter().any(|(rig, _)| rigs.contains(rig)) {
+            let (first, rest) = std::mem::take(&mut self.releases)
+                .into_iter()
+                .partition(|(rig, _)| rigs.contains(rig));
+            self.releases = rest;
+            self.send_releases(first);
+        }
         if self.forgets.iter().any(|(rig, _, _)| rigs.contains(rig)) {
             self.send_forgets();
         }
@@ -946,24 +976,14 @@ impl Fleet {
                 Some(now) => self.forget_due().is_some_and(|due| due <= now),
                 None => true,
             };
-        let Some(con) = self.con.as_mut() else { return };
+        if self.con.is_none() {
+            return;
+        }
         if !self.releases.is_empty() {
             let releases = std::mem::take(&mut self.releases);
-            if let Err(e) = self.scripts.release(con, &releases, &self.broker_id) {
-                // Sent again on the next connection (the script deletes only this broker's
-                // exact tuple, so twice is harmless): dropped, the lease would outlive its rig
-                // by a TTL, and commands held for the rig meanwhile would be refused as for a
-                // rig connected here. Not when Redis refused them on a sound connection (an
-                // ACL without EVALSHA, say): sent again, they were refused again at every pass
-                // of the bridge, 800 calls a second; those leases lapse by their TTL.
-                if !e.redis().is_some_and(leaves_connection_sound) {
-                    self.releases = releases;
-                }
-                self.call_failed(&e);
+            if !self.send_releases(releases) {
                 return;
             }
-            // A released session's TTL counts from its disconnect, not from its last touch.
-            self.touch_sessions(&releases);
         }
         if !self.recalls.is_empty() {
             let Some(con) = self.con.as_mut() else { return };
