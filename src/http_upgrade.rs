@@ -135,6 +135,20 @@ fn parse_into<'b>(
     Some(check(head_len, req, known_path))
 }
 
+/// The path of an absolute-form target (`http://host:port/agent`, as a client that speaks to
+/// proxies sends), which a server must accept (RFC 9112 §3.2.2); any other target as it is.
+fn origin_form(target: &str) -> &str {
+    let scheme_end = target.find("://").filter(|&i| {
+        let scheme = &target[..i];
+        scheme.eq_ignore_ascii_case("http") || scheme.eq_ignore_ascii_case("https")
+    });
+    let Some(i) = scheme_end else {
+        return target;
+    };
+    let rest = &target[i + 3..];
+    rest.find('/').map_or("/", |slash| &rest[slash..])
+}
+
 /// The checks of a complete head, after the parse.
 fn check(
     head_len: usize,
@@ -146,6 +160,7 @@ fn check(
         return Err(Reject::BadRequest);
     };
     let path = target.split_once('?').map_or(target, |(path, _query)| path);
+    let path = origin_form(path);
     if !known_path(path) {
         return Err(Reject::NotFound);
     }
@@ -385,6 +400,28 @@ mod tests {
     fn every_prefix_of_a_head_is_incomplete() {
         for end in 0..RFC_HEAD.len() {
             assert_eq!(parse(&RFC_HEAD[..end]), Ok(None), "cut at {end}");
+        }
+    }
+
+    #[test]
+    fn an_absolute_form_target_is_taken_by_its_path() {
+        for (target, want) in [
+            ("GET http://127.0.0.1:8080/agent HTTP/1.1", Ok("/agent")),
+            ("GET HTTP://rigs.example/agent?x=1 HTTP/1.1", Ok("/agent")),
+            ("GET http://rigs.example HTTP/1.1", Err(Reject::NotFound)),
+            (
+                "GET http://rigs.example/other HTTP/1.1",
+                Err(Reject::NotFound),
+            ),
+            (
+                "GET ftp://rigs.example/agent HTTP/1.1",
+                Err(Reject::NotFound),
+            ),
+        ] {
+            let head = with_header("GET", target);
+            let got = parse_request(&head, MAX_HEAD, |path| path == "/agent")
+                .map(|r| r.map(|(_, req)| req.path));
+            assert_eq!(got, want.map(|p| Some(p.to_string())), "{target}");
         }
     }
 
