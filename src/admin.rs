@@ -1031,6 +1031,11 @@ pub(crate) fn command_req(
     if id.len() > CONTROL_NAME_MAX {
         return Err(bad(&format!("id longer than {CONTROL_NAME_MAX} bytes")));
     }
+    // As on the command channel, where an empty id is refused too: replies and events would
+    // name no command.
+    if id.is_empty() {
+        return Err(bad("id is empty: leave it out and the broker makes one"));
+    }
     // serde takes a struct from an array of its fields too; the contract's body is an object.
     if body_is_not_an_object(body) {
         return Err(bad(NOT_AN_OBJECT));

@@ -588,6 +588,9 @@ fn unknown_rig_and_bad_requests_get_contract_errors() {
     let (status, text) = b.http("POST", "/v1/rigs/rig-x/commands", &with_id(257));
     assert_eq!(status, 400, "{text}");
     assert!(text.contains("id longer than 256 bytes"), "{text}");
+    let (status, text) = b.http("POST", "/v1/rigs/rig-x/commands", &with_id(0));
+    assert_eq!(status, 400, "{text}");
+    assert!(text.contains("id is empty"), "{text}");
     // Both refusals for a rig nobody holds are commands' outcomes; a kick is not a command.
     let (status, _) = b.http("POST", "/v1/rigs/rig-nobody/kick", "");
     assert_eq!(status, 404);
