@@ -13,12 +13,14 @@
 --            "live"    a rig connected here: written only under our lease (as persist.lua)
 --            "parked"  a rig that disconnected from here, whose session this broker still
 --                      holds: its lease was released or lost, so written when no one else
---                      holds the rig: the lease is ours, or it is absent and the session key
---                      does not exist; merged when the same boot holds it elsewhere, or no
---                      one does and the session key exists (another broker's copy, newer or
+--                      holds the rig: the lease is ours, or it is absent or names an older
+--                      boot (which this one beats, as at a hello) and the session key does
+--                      not exist; merged when the same boot holds it elsewhere, or no one
+--                      newer does and the session key exists (another broker's copy, newer or
 --                      older: see "merged"). When a newer boot of the rig is known (the
---                      lease or sessof names one), the session has ended instead (CONTRACT.md
---                      section 5): its commands are reported, not replayed (see "reported")
+--                      lease or sessof names one, or the session is a tombstone), the session
+--                      has ended instead (CONTRACT.md section 5), under our own lease too:
+--                      its commands are reported, not replayed (see "reported")
 --            "ended|<boot_id>"  a session parked here that the rig's newer boot <boot_id>
 --                      ended: its hello was decided here while Redis was away. Whether a boot
 --                      in between, on another broker, has reported the session already, only
@@ -40,7 +42,9 @@
 --             to this boot unless a newer boot is recorded there, TTLs set. Where that moves
 --             "sessof" off an older boot whose session Redis holds and no report ended yet,
 --             that session is ended here as this boot's hello would have (resume.lua): its
---             commands published rig_rebooted, the session cut to a tombstone. This boot's
+--             commands published rig_rebooted, the session cut to a tombstone, and the lease
+--             deleted where it names that boot (a stale process of it is then closed 4410 at
+--             its broker's next refresh, rather than adding to a tombstone). This boot's
 --             hello was decided alone (one through Redis would have done so). A parked session
 --             whose newer boot has not been reported yet is written this way too: that boot's
 --             broker reports it (refresh.lua's "taken" and "restored|", or the hello's
@@ -276,6 +280,13 @@ local function end_displaced(prev, by)
   end
   local seqs = table.concat(order, ',')
   local next_text = f['next']
+  -- Its lease goes with it: a stale process of that boot still connected somewhere would
+  -- otherwise go on adding commands to a tombstone no report reads. Without the lease its
+  -- broker's next refresh finds the newer boot on record and closes it 4410.
+  local lease = redis.pcall('GET', KEYS[1])
+  if type(lease) == 'string' and lease:match('^([^|]+)|') == prev then
+    redis.call('DEL', KEYS[1])
+  end
   redis.call('DEL', key)
   redis.call('HSET', key, 'next', next_text, 'gone', by, 'rep', rep_with(f['rep'], seqs))
   redis.call('PEXPIRE', key, ttl)
@@ -375,7 +386,11 @@ if lease ~= tuple and mode == 'live' then
 end
 -- What Redis holds of a parked copy's session (nil: none), read once for every check below.
 local found = mode ~= 'live' and fields_of(sess) or nil
-if lease ~= tuple then
+-- A parked copy under its own lease too: the broker could not release it while Redis was
+-- away, and meanwhile a newer boot may have ended the session (its tombstone, or the record
+-- naming it). Written back there, the copy's unkept commands would sit in a tombstone that
+-- nothing reports.
+if mode == 'parked' then
   local rig = KEYS[1]:match('^rig:(.+)$') or ''
   local f = found or {}
   local gone, kept_next, rep = f['gone'], next_of(f['next']), f['rep']
@@ -413,12 +428,18 @@ if lease ~= tuple then
   -- too where no one holds the rig and Redis has the session: another broker's copy of it,
   -- newer or older than this one (put back first after an empty restart, say). Fenced, this
   -- copy's commands Redis never kept would be lost, and the rig's seqs numbered again.
-  local same = type(lease) == 'string' and lease:match('^([^|]+)|') == boot
-  if not ended_by and (same or (lease == false and exists)) then
+  local leased = type(lease) == 'string' and lease:match('^([^|]+)|') or nil
+  local same = leased == boot and lease ~= tuple
+  -- An older boot's lease holds that boot's session, not this one: by hello's rule this
+  -- newer boot beats it, so it fences nothing here (the lease is often this broker's own,
+  -- its release waiting for the older boot's copy to go back first). Fenced, this copy was
+  -- never written anywhere, and its commands were lost to a resume elsewhere.
+  local older = leased ~= nil and #leased == #boot and newer(boot, leased)
+  if not ended_by and (same or ((lease == false or older) and exists)) then
     write(sess, true, found)
     return 'merged'
   end
-  if not ended_by and lease ~= false then
+  if not ended_by and lease ~= false and lease ~= tuple and not older then
     return 'fenced'
   end
 end

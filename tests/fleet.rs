@@ -2084,3 +2084,109 @@ fn an_older_boot_right_after_the_newer_one_closed_cleanly_is_welcomed() {
         assert_eq!(owner(&redis, &rig), Some(format!("{older}|fe-a")));
     }
 }
+
+/// Boot X on fe-a, cut off from Redis by a partition, is given a command Redis never keeps.
+/// The rig's new boot Z says hello to fe-b, which still reaches Redis: Z's hello reports what
+/// Redis kept of X and fe-b sends fe-a an evict naming Z. When the partition heals the evict
+/// is the first thing fe-a hears, and it closes X: the unkept command goes back as X closes
+/// and is reported `rig_rebooted`, once. Before, an evict naming a newer boot closed the
+/// connection without putting anything back, and that command was lost without a word
+/// (orderings helper, 4 of 4).
+#[test]
+fn an_evict_naming_the_new_boot_after_a_partition_puts_back_what_the_old_one_was_given() {
+    let redis = RedisServer::start();
+    let relay = Relay::start(redis.port());
+    let a = broker_behind(&relay, "fe-a");
+    let b = fleet_broker(&redis, "fe-b", &["--registry-refresh", "200ms"]);
+    let mut ctl = Control::new(&redis, &["fleetlink:events"]);
+    let (mut x, x_boot, _) = a.rig("rig-ev");
+    let r = ctl.command_id("fe-a", "rig-ev", "ev1", "n", json!({}));
+    assert_eq!(r["seq"], 1, "{r}");
+    assert_eq!(read_json(&mut x)["seq"], 1);
+    relay.freeze_both(true);
+    eventually(Duration::from_secs(15), "fe-a sees the outage", || {
+        a.http("GET", "/readyz", "").0 == 503
+    });
+    let (status, body) = a.http(
+        "POST",
+        "/v1/rigs/rig-ev/commands",
+        r#"{"id":"ev2","name":"n","args":{}}"#,
+    );
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(read_json(&mut x)["id"], "ev2");
+    let (_z, z_boot, _) = b.rig("rig-ev");
+    let first = ctl.next(|ch, v| ch == "fleetlink:events" && v["type"] == "rig_rebooted");
+    assert_eq!(
+        (&first["id"], &first["broker_id"]),
+        (&json!("ev1"), &json!("fe-b"))
+    );
+    relay.freeze_both(false);
+    let ev = ctl.next(|ch, v| ch == "fleetlink:events" && v["type"] == "rig_rebooted");
+    assert_eq!(
+        (&ev["id"], &ev["seq"], &ev["boot_id"], &ev["new_boot_id"]),
+        (&json!("ev2"), &json!(2), &json!(x_boot), &json!(z_boot)),
+        "{ev}"
+    );
+    assert_eq!(read_close(&mut x), 4410);
+    // Once: nothing more once fe-a is ready again and its copy went back.
+    eventually(Duration::from_secs(10), "fe-a settled", || {
+        a.http("GET", "/readyz", "").0 == 200
+            && a.metric("fleetlink_registry_ops_total{op=\"rekeep_parked\",result=\"reported\"}")
+                == 1
+    });
+    ctl.publish("fleetlink:events", json!({"type": "marker"}));
+    let ev = ctl.next(|ch, v| {
+        ch == "fleetlink:events" && (v["type"] == "rig_rebooted" || v["type"] == "marker")
+    });
+    assert_eq!(ev["type"], "marker", "reported twice: {ev}");
+}
+
+/// Boot X leaves fe-a while Redis is away from it; the rig's new boot Z says hello to fe-a
+/// (decided alone), is given a command Redis never keeps, and leaves too. When Redis is back
+/// fe-a puts Z's session back although X's lease is still there (its release waits for X's
+/// copy): an older boot's lease fences nothing of a newer one. Z resumes on fe-b and is given
+/// the command. Before, Z's copy was fenced, never written, and Z's resume elsewhere got
+/// nothing, with no report (orderings helper, 3 of 3).
+#[test]
+fn a_new_boots_session_parked_under_an_older_boots_lease_goes_back_for_its_resume_elsewhere() {
+    let redis = RedisServer::start();
+    let relay = Relay::start(redis.port());
+    let a = broker_behind(&relay, "fe-a");
+    let b = fleet_broker(&redis, "fe-b", &[]);
+    let mut ctl = Control::new(&redis, &["fleetlink:events"]);
+    let (x, _, _) = a.rig("rig-of");
+    relay.down(true);
+    eventually(Duration::from_secs(15), "fe-a cut off", || {
+        a.http("GET", "/readyz", "").0 == 503
+    });
+    drop(x);
+    let none_here = || a.http("GET", "/v1/rigs", "").1.trim() == "[]";
+    eventually(Duration::from_secs(5), "fe-a parks X", none_here);
+    let (mut z, z_boot, _) = a.rig("rig-of");
+    let (status, body) = a.http(
+        "POST",
+        "/v1/rigs/rig-of/commands",
+        r#"{"id":"of1","name":"n","args":{}}"#,
+    );
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(read_json(&mut z)["id"], "of1");
+    drop(z);
+    eventually(Duration::from_secs(5), "fe-a parks Z", none_here);
+    relay.down(false);
+    let session = format!("sess:rig-of:{z_boot}");
+    eventually(Duration::from_secs(20), "Z's session back in Redis", || {
+        redis.connection().hexists(&session, "c:1").unwrap_or(false)
+    });
+    let mut z = hello_again(&b, "rig-of", &z_boot, 0);
+    let cmd = read_json(&mut z);
+    assert_eq!(
+        (&cmd["id"], &cmd["seq"]),
+        (&json!("of1"), &json!(1)),
+        "{cmd}"
+    );
+    ctl.publish("fleetlink:events", json!({"type": "marker"}));
+    let ev = ctl.next(|ch, v| {
+        ch == "fleetlink:events" && (v["type"] == "rig_rebooted" || v["type"] == "marker")
+    });
+    assert_eq!(ev["type"], "marker", "nothing to report: {ev}");
+}

@@ -2631,3 +2631,94 @@ fn a_copy_of_a_session_a_newer_boots_hello_passed_over_is_reported_once() {
     assert_eq!(kept, [Rekept::Reported(0)], "once");
     assert_eq!(rebooted_so_far(&mut ctl), Vec::<Value>::new());
 }
+
+/// Two parked copies Redis must not lose, from the orderings helper (each 3–5 of 5 before):
+/// a newer boot's copy under an older boot's lease (often the broker's own, its release
+/// waiting for the older copy) is written, not fenced, and the record moves to it, ending the
+/// older session and its lease; a copy under its own lease, whose session a newer boot ended
+/// meanwhile (a tombstone), reports its unkept command instead of writing it into the
+/// tombstone, where no report would ever read it.
+#[test]
+fn a_parked_copy_is_neither_fenced_by_an_older_boot_nor_hidden_in_its_own_tombstone() {
+    let redis = RedisServer::start();
+    let mut con = redis.connection();
+    let scripts = SessionScripts::new();
+    let mut ctl = Control::new(&redis, &["fleetlink:events"]);
+    let ttl = Duration::from_secs(60);
+    let rig = RigId::parse("rig-f").unwrap();
+    let mut boots = [boot_id(), boot_id()].map(|b| BootId::parse(&b).unwrap());
+    boots.sort();
+    let [x, z] = boots;
+    let c = |seq: u64| format!("{{\"seq\":{seq},\"id\":\"c{seq}\"}}");
+    let (c1, c2) = (c(1), c(2));
+
+    // X is parked on fe-a, its lease still there; Z (decided alone on fe-a) got c1 unkept.
+    let _: () = con.hset(format!("sess:rig-f:{x}"), "next", "1").unwrap();
+    let _: () = con.set("sessof:rig-f", x.to_string()).unwrap();
+    let _: () = con.set("rig:rig-f", format!("{x}|fe-a")).unwrap();
+    let z_copy = Rekeep {
+        rig: &rig,
+        boot: &z,
+        next: Seq(2),
+        cmds: vec![(Seq(1), c1.as_bytes())],
+        unkept_to: Seq(1),
+        mode: RekeepMode::Parked,
+    };
+    let kept = scripts
+        .rekeep(&mut con, &[z_copy], "fe-a", ttl, AT)
+        .unwrap();
+    assert_eq!(kept, [Rekept::Kept]);
+    let written: Option<String> = con.hget(format!("sess:rig-f:{z}"), "c:1").unwrap();
+    assert_eq!(written, Some(c1.clone()), "Z's command kept for its resume");
+    let latest: String = con.get("sessof:rig-f").unwrap();
+    assert_eq!(latest, z.to_string());
+    let gone: Option<String> = con.hget(format!("sess:rig-f:{x}"), "gone").unwrap();
+    assert_eq!(gone, Some(z.to_string()), "X's session ended by Z");
+    let lease: Option<String> = con.get("rig:rig-f").unwrap();
+    assert_eq!(lease, None, "X's lease went with its session");
+    let found = scripts.resume(&mut con, &rig, &z, ttl, "fe-b").unwrap();
+    assert_eq!(found.next, Some(Seq(2)));
+    assert_eq!(found.commands.len(), 1, "{:?}", found.commands);
+    assert_eq!(rebooted_so_far(&mut ctl).len(), 0);
+
+    // X parked on fe-a under its own lease with c1 (kept) and c2 (delivered unkept); Z ended
+    // the session meanwhile, reporting c1.
+    let _: () = redis::cmd("FLUSHALL").query(&mut con).unwrap();
+    let _: () = con
+        .hset_multiple(
+            format!("sess:rig-f:{x}"),
+            &[("next", "2"), ("gone", &z.to_string()), ("rep", "1")],
+        )
+        .unwrap();
+    let _: () = con.set("sessof:rig-f", z.to_string()).unwrap();
+    let _: () = con.set("rig:rig-f", format!("{x}|fe-a")).unwrap();
+    let x_copy = Rekeep {
+        rig: &rig,
+        boot: &x,
+        next: Seq(3),
+        cmds: vec![(Seq(1), c1.as_bytes()), (Seq(2), c2.as_bytes())],
+        unkept_to: Seq(2),
+        mode: RekeepMode::Parked,
+    };
+    let kept = scripts
+        .rekeep(&mut con, std::slice::from_ref(&x_copy), "fe-a", ttl, AT)
+        .unwrap();
+    assert_eq!(kept, [Rekept::Reported(1)]);
+    let events = rebooted_so_far(&mut ctl);
+    assert_eq!(events.len(), 1, "{events:?}");
+    assert_eq!(
+        (
+            &events[0]["seq"],
+            &events[0]["boot_id"],
+            &events[0]["new_boot_id"]
+        ),
+        (&json!(2), &json!(x.to_string()), &json!(z.to_string()))
+    );
+    let tomb: HashMap<String, String> = con.hgetall(format!("sess:rig-f:{x}")).unwrap();
+    assert_eq!(tomb.get("rep").map(String::as_str), Some("1,2"), "{tomb:?}");
+    assert!(!tomb.keys().any(|k| k.starts_with("c:")), "{tomb:?}");
+    let kept = scripts
+        .rekeep(&mut con, &[x_copy], "fe-a", ttl, AT)
+        .unwrap();
+    assert_eq!(kept, [Rekept::Reported(0)], "nothing twice");
+}

@@ -180,6 +180,15 @@ impl Bridge {
                 if self.registry.boot_of(&rig) == Some(boot) {
                     self.same_boot_evicts.push((rig, boot));
                 } else {
+                    // An evict naming the rig's newer boot (sent by the broker that welcomed
+                    // it) closes the older one held here: seqs given here while Redis was away
+                    // go back as it closes, as at a refresh that finds it superseded.
+                    // Dropped, those commands were never reported.
+                    if let Some(held) = self.registry.boot_of(&rig).filter(|held| *held < boot) {
+                        if self.unkept_high.contains_key(&(rig.clone(), held)) {
+                            self.merge_on_close.insert((rig.clone(), held));
+                        }
+                    }
                     let actions = self.registry.supersede(&rig, Some(boot));
                     self.carry_out(actions);
                 }
