@@ -1077,7 +1077,7 @@ impl Fleet {
                     Some(true) => {
                         self.subscription_cuts += 1;
                         log::warn!(
-                            "redis: ended this broker's subscription while answering (its client-output-buffer-limit for pubsub, most likely: messages come faster than this broker reads them); what is published to it until it resubscribes is lost, unanswered"
+                            "redis: ended this broker's subscription while still answering: a CLIENT KILL, or its client-output-buffer-limit for pubsub (messages published faster than this broker reads them; Redis's own log names that one); what is published to it until it resubscribes is lost, unanswered"
                         );
                     }
                     None => {}

@@ -154,6 +154,8 @@ struct Bridge {
     next_touch: Instant,
     next_heartbeat: Instant,
     next_canary: Instant,
+    /// Whether the canary's lateness (`/readyz` failing) has been logged, and not its return.
+    canary_late: bool,
     next_expire: Instant,
     /// When the bridge next gives memory back ([`crate::heap_trim`]).
     next_trim: Instant,
@@ -206,6 +208,7 @@ impl Bridge {
             next_touch: now + touch_every(cfg.session_ttl),
             next_heartbeat: now,
             next_canary: now,
+            canary_late: false,
             instance: format!("{}-{:016x}", std::process::id(), fastrand::u64(..)),
             twin_log: crate::registry::throttle::Throttle::default(),
             next_expire: now,

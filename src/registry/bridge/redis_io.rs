@@ -166,6 +166,9 @@ impl Bridge {
                     return;
                 }
                 self.shared.canary_at_ms.store(unix_ms(), Ordering::Relaxed);
+                if std::mem::take(&mut self.canary_late) {
+                    log::info!("redis: the canary is back; /readyz no longer fails on it");
+                }
             }
             Ok(Control::Command(req)) => {
                 let actions = self.route_command(Box::new(req));

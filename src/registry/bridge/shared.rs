@@ -9,7 +9,7 @@ use crate::event_log::EventLog;
 use crate::metrics::BridgeStats;
 
 /// Readiness fails when no canary came back for this long.
-const CANARY_STALE: Duration = Duration::from_secs(5);
+pub(super) const CANARY_STALE: Duration = Duration::from_secs(5);
 
 /// Registry operations counted by (op, result), in this order.
 pub const REGISTRY_OPS: [(&str, &str); 56] = [

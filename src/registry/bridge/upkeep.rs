@@ -2,11 +2,12 @@
 //! broadcasts, and in fleet mode the canary, the heartbeat, lease refreshes and session
 //! touches.
 
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use serde_json::json;
 
-use super::shared::unix_ms;
+use super::shared::{unix_ms, CANARY_STALE};
 use super::{Bridge, ALL_UNKEPT};
 use crate::heap_trim;
 use crate::ids::{BootId, RigId};
@@ -47,6 +48,17 @@ impl Bridge {
         }
         if now >= self.next_canary {
             self.next_canary = now + CANARY_EVERY;
+            // Readiness fails on a late canary while every call still succeeds (a path to
+            // Redis that trickles, a subscription read falling behind): said once, or the
+            // 503 has no trace in the log.
+            let last = self.shared.canary_at_ms.load(Ordering::Relaxed);
+            let age = unix_ms().saturating_sub(last);
+            if last != 0 && age > CANARY_STALE.as_millis() as u64 && !self.canary_late {
+                self.canary_late = true;
+                log::warn!(
+                    "redis: no canary back for {age} ms, though Redis answers calls: the subscription or the path to Redis is slow; /readyz fails until one comes back"
+                );
+            }
             let canary = json!({
                 "type": "canary",
                 "broker_id": self.cfg.broker_id,
