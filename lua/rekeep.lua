@@ -21,8 +21,9 @@
 --                      lease or sessof names one, or the session is a tombstone), the session
 --                      has ended instead (CONTRACT.md section 5), under our own lease too:
 --                      its commands are reported, not replayed (see "reported")
---            "ended|<boot_id>"  a session parked here that the rig's newer boot <boot_id>
---                      ended: its hello was decided here while Redis was away. Whether a boot
+--            "ended|<boot_id>"  a session parked here that the rig's boot <boot_id> ended
+--                      (a newer one, or an older one welcomed after this one left): its
+--                      hello was decided here while Redis was away. Whether a boot
 --                      in between, on another broker, has reported the session already, only
 --                      Redis knows (its tombstone), so this broker reports through here: what
 --                      is left to report is, and the session becomes a tombstone (see
@@ -309,7 +310,15 @@ end
 
 -- Mode "ended": the report this broker owes, made once whoever reported first.
 local function report_ended(sess)
-  raise_pointer(ended)
+  -- The record names the session ending here: it names the ending boot now, even an older
+  -- one (a stale process welcomed once this boot left), as its hello's resume.lua would
+  -- have; left on this boot, the ending boot's refresh would find a newer boot on record
+  -- and close it. Otherwise raised as any copy raises it.
+  if redis.pcall('GET', KEYS[3]) == boot then
+    redis.call('SET', KEYS[3], ended, 'PX', ttl)
+  else
+    raise_pointer(ended)
+  end
   local rig = KEYS[1]:match('^rig:(.+)$') or ''
   local found = fields_of(sess)
   local fields = found or {}

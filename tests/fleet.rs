@@ -2190,3 +2190,65 @@ fn a_new_boots_session_parked_under_an_older_boots_lease_goes_back_for_its_resum
     });
     assert_eq!(ev["type"], "marker", "nothing to report: {ev}");
 }
+
+/// Redis is away from fe-a. The rig's boot Z says hello there, is given a command Redis never
+/// keeps, and leaves; then an older boot X of the rig (a stale process) says hello there and
+/// is welcomed, as it may once Z is gone. X's hello ends Z's session as any other boot's
+/// would: once Redis is back Z's command is reported `rig_rebooted`, naming X. Before, an
+/// older boot's hello dropped the newer boot's parked session, and the command was lost
+/// without a word (orderings re-check helper, 8 of 8).
+#[test]
+fn an_older_boots_hello_decided_alone_reports_the_newer_boots_parked_session() {
+    let redis = RedisServer::start();
+    let relay = Relay::start(redis.port());
+    let a = broker_behind(&relay, "fe-a");
+    let mut ctl = Control::new(&redis, &["fleetlink:events"]);
+    let (x_boot, z_boot) = (boot_id(), boot_id());
+    relay.down(true);
+    eventually(Duration::from_secs(15), "fe-a cut off", || {
+        a.http("GET", "/readyz", "").0 == 503
+    });
+    let mut z = a.connect("/agent");
+    hello(&mut z, "rig-old", &z_boot, json!({}));
+    let (status, body) = a.http(
+        "POST",
+        "/v1/rigs/rig-old/commands",
+        r#"{"id":"old1","name":"n","args":{}}"#,
+    );
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(read_json(&mut z)["id"], "old1");
+    drop(z);
+    eventually(Duration::from_secs(5), "fe-a parks Z", || {
+        a.http("GET", "/v1/rigs", "").1.trim() == "[]"
+    });
+    let mut x = a.connect("/agent");
+    hello(&mut x, "rig-old", &x_boot, json!({}));
+    relay.down(false);
+    let ev = ctl.next(|ch, v| ch == "fleetlink:events" && v["type"] == "rig_rebooted");
+    assert_eq!(
+        (&ev["id"], &ev["boot_id"], &ev["new_boot_id"]),
+        (&json!("old1"), &json!(z_boot), &json!(x_boot)),
+        "{ev}"
+    );
+    eventually(Duration::from_secs(10), "fe-a back and settled", || {
+        a.http("GET", "/readyz", "").0 == 200
+            && a.metric("fleetlink_registry_ops_total{op=\"rekeep_parked\",result=\"reported\"}")
+                == 1
+    });
+    ctl.publish("fleetlink:events", json!({"type": "marker"}));
+    let ev = ctl.next(|ch, v| {
+        ch == "fleetlink:events" && (v["type"] == "rig_rebooted" || v["type"] == "marker")
+    });
+    assert_eq!(ev["type"], "marker", "reported twice: {ev}");
+    // X keeps the rig: the record names it, so its refresh puts its lease back.
+    eventually(Duration::from_secs(10), "X's lease back", || {
+        owner(&redis, "rig-old") == Some(format!("{x_boot}|fe-a"))
+    });
+    let latest: Option<String> = redis.connection().get("sessof:rig-old").unwrap();
+    assert_eq!(latest, Some(x_boot.clone()));
+    x.send(Message::Ping(Vec::new().into())).unwrap();
+    assert!(
+        matches!(x.read(), Ok(Message::Pong(_))),
+        "X still connected"
+    );
+}

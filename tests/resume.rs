@@ -2722,3 +2722,59 @@ fn a_parked_copy_is_neither_fenced_by_an_older_boot_nor_hidden_in_its_own_tombst
         .unwrap();
     assert_eq!(kept, [Rekept::Reported(0)], "nothing twice");
 }
+
+/// A broker decided an older boot's hello alone (X, a stale process, welcomed once the newer
+/// boot Z left), ending Z's session parked there: Z's command, delivered while Redis was away,
+/// is reported through `rekeep.lua` (mode `ended`, by X), and the record names X now, as X's
+/// hello's `resume.lua` would have made it. Left naming Z, X's refresh would find a newer
+/// boot on record and close it, and a later boot's hello would report Z's tombstone, not X.
+#[test]
+fn a_session_an_older_boots_hello_ended_is_reported_and_the_record_names_that_boot() {
+    let redis = RedisServer::start();
+    let mut con = redis.connection();
+    let scripts = SessionScripts::new();
+    let mut ctl = Control::new(&redis, &["fleetlink:events"]);
+    let ttl = Duration::from_secs(60);
+    let rig = RigId::parse("rig-o").unwrap();
+    let mut boots = [boot_id(), boot_id()].map(|b| BootId::parse(&b).unwrap());
+    boots.sort();
+    let [x, z] = boots;
+    let c1 = "{\"seq\":1,\"id\":\"c1\"}";
+    for on_record in [Some(z), None] {
+        let _: () = redis::cmd("FLUSHALL").query(&mut con).unwrap();
+        if let Some(b) = on_record {
+            let _: () = con.set("sessof:rig-o", b.to_string()).unwrap();
+        }
+        let ended = Rekeep {
+            rig: &rig,
+            boot: &z,
+            next: Seq(2),
+            cmds: vec![(Seq(1), c1.as_bytes())],
+            unkept_to: Seq(1),
+            mode: RekeepMode::EndedBy(x),
+        };
+        let kept = scripts
+            .rekeep(&mut con, std::slice::from_ref(&ended), "fe-a", ttl, AT)
+            .unwrap();
+        assert_eq!(kept, [Rekept::Reported(1)], "{on_record:?}");
+        let events = rebooted_so_far(&mut ctl);
+        assert_eq!(events.len(), 1, "{events:?}");
+        assert_eq!(
+            (
+                &events[0]["boot_id"],
+                &events[0]["new_boot_id"],
+                &events[0]["id"]
+            ),
+            (&json!(z.to_string()), &json!(x.to_string()), &json!("c1"))
+        );
+        let latest: String = con.get("sessof:rig-o").unwrap();
+        assert_eq!(latest, x.to_string(), "{on_record:?}");
+        let kept = scripts.rekeep(&mut con, &[ended], "fe-a", ttl, AT).unwrap();
+        assert_eq!(kept, [Rekept::Reported(0)], "nothing twice");
+        let found = scripts.resume(&mut con, &rig, &x, ttl, "fe-a").unwrap();
+        assert_eq!(
+            found.rebooted, 0,
+            "X's next hello finds nothing more to report"
+        );
+    }
+}

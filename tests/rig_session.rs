@@ -816,6 +816,38 @@ fn a_new_boot_standalone_counts_its_old_sessions_commands_rebooted() {
     }
 }
 
+/// Standalone, an older boot welcomed once the newer one left (a stale process) ends the
+/// newer boot's parked session as any other boot's hello would: its unacked command is
+/// reported `rig_rebooted`, naming the older boot. Before, it was dropped unreported.
+#[test]
+fn an_older_boot_back_standalone_reports_the_newer_boots_parked_session() {
+    let b = Broker::start(&[]);
+    let (older, newer) = (boot_id(), boot_id());
+    let mut ws = b.connect("/agent");
+    hello(&mut ws, "rig-back", &newer, json!({}));
+    command_reaches(&b, "rig-back", "n", &mut ws, 1);
+    drop(ws);
+    eventually(Duration::from_secs(5), "the newer boot parked", || {
+        b.http("GET", "/v1/rigs", "").1.trim() == "[]"
+    });
+    let mut ws = b.connect("/agent");
+    hello(&mut ws, "rig-back", &older, json!({}));
+    b.wait_metric("fleetlink_registry_ops_total{op=\"resume\",result=\"rebooted\"} 1");
+    let (_, events) = b.http("GET", "/v1/events", "");
+    let events: Value = serde_json::from_str(&events).unwrap();
+    let rebooted: Vec<&Value> = events["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["type"] == "rig_rebooted")
+        .collect();
+    assert_eq!(rebooted.len(), 1, "{events}");
+    assert_eq!(
+        (&rebooted[0]["boot_id"], &rebooted[0]["new_boot_id"]),
+        (&json!(newer), &json!(older))
+    );
+}
+
 #[test]
 fn admin_commands_go_straight_to_the_rigs_core_and_follow_it_to_a_new_connection() {
     let b = Broker::start(&[]);

@@ -312,7 +312,7 @@ impl Bridge {
         actions
     }
 
-    /// This broker decides a new boot's hello without Redis (standalone, or Redis refused the
+    /// This broker decides another boot's hello without Redis (standalone, or Redis refused the
     /// call, or no room to wait for it: see [`Self::defer_parked_reboot`]), and the session it
     /// keeps parked for the rig's older boot ends with it: that session's unacked commands are
     /// reported `rig_rebooted` from here (CONTRACT.md §5), as `resume.lua` would have done, and
@@ -322,7 +322,10 @@ impl Bridge {
         let Some((old, _, carried)) = self.registry.parked(rig) else {
             return;
         };
-        if old >= boot {
+        // Any other boot's hello ends it, an older one's too (a stale process, or a rig whose
+        // clock went back, welcomed once the newer one left): as `resume.lua` ends the rig's
+        // latest session whichever boot is newer. Dropped, its commands went unreported.
+        if old == boot {
             return;
         }
         let lost: Vec<(Seq, Box<str>)> = carried.iter().map(|c| (c.seq, c.id.clone())).collect();
@@ -344,7 +347,10 @@ impl Bridge {
         let Some((old, next, carried)) = self.registry.parked(rig) else {
             return;
         };
-        if old >= boot {
+        // Any other boot's hello ends it, an older one's too (a stale process, or a rig whose
+        // clock went back, welcomed once the newer one left): as `resume.lua` ends the rig's
+        // latest session whichever boot is newer. Dropped, its commands went unreported.
+        if old == boot {
             return;
         }
         let req = crate::registry::msg::RekeepReq::of(rig, old, next, carried, unkept_to);
