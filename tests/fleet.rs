@@ -46,6 +46,25 @@ fn broker_behind(relay: &Relay, id: &str) -> Broker {
     b
 }
 
+/// Asserts that no `rig_rebooted` event came before a marker published now, which follows
+/// everything the brokers published so far; `why` says what one would mean.
+fn assert_no_more_rebooted(ctl: &mut Control, why: &str) {
+    ctl.publish("fleetlink:events", json!({"type": "marker"}));
+    let ev = ctl.next(|ch, v| {
+        ch == "fleetlink:events" && (v["type"] == "rig_rebooted" || v["type"] == "marker")
+    });
+    assert_eq!(ev["type"], "marker", "{why}: {ev}");
+}
+
+/// Takes Redis away from `broker` (its relay goes down, failing fast) and waits until it
+/// notices.
+fn cut_off(relay: &Relay, broker: &Broker) {
+    relay.down(true);
+    eventually(Duration::from_secs(15), "the outage noticed", || {
+        broker.http("GET", "/readyz", "").0 == 503
+    });
+}
+
 /// Control sends `rig` (on `broker`) commands `<prefix>1..=n`, which the rig reads and acks.
 fn acked_commands(ctl: &mut Control, broker: &str, rig: &str, ws: &mut Ws, prefix: &str, n: u64) {
     for i in 1..=n {
@@ -1657,10 +1676,7 @@ fn acked_while_redis_is_away(redis: &RedisServer, relay: &Relay) -> (Broker, Ws,
     let r = ctl.command_id("fe-dx", "rig-dx", "dx1", "n", json!({}));
     assert_eq!(r["seq"], 1, "{r}");
     assert_eq!(read_json(&mut ws)["id"], "dx1");
-    relay.down(true);
-    eventually(Duration::from_secs(15), "the outage noticed", || {
-        a.http("GET", "/readyz", "").0 == 503
-    });
+    cut_off(relay, &a);
     let ack = json!({"type": "ack", "seq": 1}).to_string();
     ws.send(Message::Text(ack.into())).unwrap();
     a.wait_metric("fleetlink_commands_total{result=\"acked\"} 1");
@@ -1941,20 +1957,13 @@ fn a_stale_parked_copy_does_not_report_commands_acked_elsewhere_after_a_reconnec
     gone(&mut ctl, "fe-y");
     let (_ws, _, _) = y.rig("rig-st");
 
-    relay.down(true);
-    eventually(Duration::from_secs(15), "fe-x cut off", || {
-        x.http("GET", "/readyz", "").0 == 503
-    });
+    cut_off(&relay, &x);
     relay.down(false);
     let series = "fleetlink_registry_ops_total{op=\"rekeep_parked\",result=\"reported\"}";
     eventually(Duration::from_secs(20), "fe-x put its copy back", || {
         x.metric(series) == 1
     });
-    ctl.publish("fleetlink:events", json!({"type": "marker"}));
-    let ev = ctl.next(|ch, v| {
-        ch == "fleetlink:events" && (v["type"] == "rig_rebooted" || v["type"] == "marker")
-    });
-    assert_eq!(ev["type"], "marker", "an acked command reported: {ev}");
+    assert_no_more_rebooted(&mut ctl, "an acked command reported");
 }
 
 /// A rig the drain closes holding a command delivered while Redis was away from its broker
@@ -1971,10 +1980,7 @@ fn a_broker_drained_while_redis_is_away_puts_back_what_it_delivered_meanwhile() 
         a.http("GET", "/readyz", "").0 == 200
     });
     let (mut ws, boot, _) = a.rig("rig-du");
-    relay.down(true);
-    eventually(Duration::from_secs(15), "the outage noticed", || {
-        a.http("GET", "/readyz", "").0 == 503
-    });
+    cut_off(&relay, &a);
     let (status, reply) = a.command("rig-du", "n", json!({}));
     assert_eq!((status, &reply["seq"]), (200, &json!(1)), "{reply}");
     assert_eq!(read_json(&mut ws)["seq"], 1);
@@ -2047,11 +2053,7 @@ fn a_new_boot_decided_alone_that_left_reports_the_older_boot_when_its_broker_rec
     );
     // Once: Z's next hello finds nothing more to report.
     let _z = hello_again(&b, "rig-pz", &z_boot, 0);
-    ctl.publish("fleetlink:events", json!({"type": "marker"}));
-    let ev = ctl.next(|ch, v| {
-        ch == "fleetlink:events" && (v["type"] == "rig_rebooted" || v["type"] == "marker")
-    });
-    assert_eq!(ev["type"], "marker", "reported twice: {ev}");
+    assert_no_more_rebooted(&mut ctl, "reported twice");
 }
 
 /// A rig's newer boot closes cleanly, and an older boot of it (a rig whose clock stepped back,
@@ -2134,11 +2136,7 @@ fn an_evict_naming_the_new_boot_after_a_partition_puts_back_what_the_old_one_was
             && a.metric("fleetlink_registry_ops_total{op=\"rekeep_parked\",result=\"reported\"}")
                 == 1
     });
-    ctl.publish("fleetlink:events", json!({"type": "marker"}));
-    let ev = ctl.next(|ch, v| {
-        ch == "fleetlink:events" && (v["type"] == "rig_rebooted" || v["type"] == "marker")
-    });
-    assert_eq!(ev["type"], "marker", "reported twice: {ev}");
+    assert_no_more_rebooted(&mut ctl, "reported twice");
 }
 
 /// Boot X leaves fe-a while Redis is away from it; the rig's new boot Z says hello to fe-a
@@ -2155,10 +2153,7 @@ fn a_new_boots_session_parked_under_an_older_boots_lease_goes_back_for_its_resum
     let b = fleet_broker(&redis, "fe-b", &[]);
     let mut ctl = Control::new(&redis, &["fleetlink:events"]);
     let (x, _, _) = a.rig("rig-of");
-    relay.down(true);
-    eventually(Duration::from_secs(15), "fe-a cut off", || {
-        a.http("GET", "/readyz", "").0 == 503
-    });
+    cut_off(&relay, &a);
     drop(x);
     let none_here = || a.http("GET", "/v1/rigs", "").1.trim() == "[]";
     eventually(Duration::from_secs(5), "fe-a parks X", none_here);
@@ -2184,11 +2179,7 @@ fn a_new_boots_session_parked_under_an_older_boots_lease_goes_back_for_its_resum
         (&json!("of1"), &json!(1)),
         "{cmd}"
     );
-    ctl.publish("fleetlink:events", json!({"type": "marker"}));
-    let ev = ctl.next(|ch, v| {
-        ch == "fleetlink:events" && (v["type"] == "rig_rebooted" || v["type"] == "marker")
-    });
-    assert_eq!(ev["type"], "marker", "nothing to report: {ev}");
+    assert_no_more_rebooted(&mut ctl, "nothing to report");
 }
 
 /// Redis is away from fe-a. The rig's boot Z says hello there, is given a command Redis never
@@ -2204,10 +2195,7 @@ fn an_older_boots_hello_decided_alone_reports_the_newer_boots_parked_session() {
     let a = broker_behind(&relay, "fe-a");
     let mut ctl = Control::new(&redis, &["fleetlink:events"]);
     let (x_boot, z_boot) = (boot_id(), boot_id());
-    relay.down(true);
-    eventually(Duration::from_secs(15), "fe-a cut off", || {
-        a.http("GET", "/readyz", "").0 == 503
-    });
+    cut_off(&relay, &a);
     let mut z = a.connect("/agent");
     hello(&mut z, "rig-old", &z_boot, json!({}));
     let (status, body) = a.http(
@@ -2235,11 +2223,7 @@ fn an_older_boots_hello_decided_alone_reports_the_newer_boots_parked_session() {
             && a.metric("fleetlink_registry_ops_total{op=\"rekeep_parked\",result=\"reported\"}")
                 == 1
     });
-    ctl.publish("fleetlink:events", json!({"type": "marker"}));
-    let ev = ctl.next(|ch, v| {
-        ch == "fleetlink:events" && (v["type"] == "rig_rebooted" || v["type"] == "marker")
-    });
-    assert_eq!(ev["type"], "marker", "reported twice: {ev}");
+    assert_no_more_rebooted(&mut ctl, "reported twice");
     // X keeps the rig: the record names it, so its refresh puts its lease back.
     eventually(Duration::from_secs(10), "X's lease back", || {
         owner(&redis, "rig-old") == Some(format!("{x_boot}|fe-a"))
