@@ -65,10 +65,7 @@ pub(crate) async fn serve(core: Rc<Core>, stream: TcpStream, conn: Rc<Conn>) {
             }
             let pending_out = st.has_output();
             if matches!(st.phase, Phase::Closing | Phase::Done) && st.linger_until.is_none() {
-                st.linger_until = Some(core.now_ms().wrapping_add(CLOSE_LINGER.as_millis() as u32));
-                // The rig is gone as far as the registry is concerned: release now, so a
-                // reconnect is not kept waiting on this socket's close handshake.
-                session::on_closed(&core, &conn, &mut st);
+                released(&core, &conn, &mut st);
             }
             if st.phase == Phase::Done && !pending_out {
                 break;
@@ -308,6 +305,16 @@ pub(crate) async fn await_fin(core: &Core, stream: &TcpStream, deadline: monoio:
             Err(_) => return,
         }
     }
+}
+
+/// The rig is gone as far as the registry is concerned: released now, once, so a reconnect
+/// is not kept waiting on this socket's close handshake; the linger for the peer's FIN starts.
+pub(crate) fn released(core: &Core, conn: &Conn, st: &mut ConnState) {
+    if st.linger_until.is_some() {
+        return;
+    }
+    st.linger_until = Some(core.now_ms().wrapping_add(CLOSE_LINGER.as_millis() as u32));
+    session::on_closed(core, conn, st);
 }
 
 /// Closes the TCP connection (after a half-close so the peer reads our last bytes), removes the

@@ -227,6 +227,10 @@ fn on_message(core: &Core, conn: &Conn, st: &mut ConnState, msg: Message) {
             // The rig's own words for `disconnected` (at most 123 bytes, RFC 6455 §5.5).
             st.close_reason = frame.map_or(Cow::Borrowed(""), |f| Cow::Owned(f.reason));
             st.phase = Phase::Done;
+            // The registry hears of it before the rig sees the echo: a rig that says hello
+            // again the moment its close handshake ends (an older boot, say) must not find
+            // this connection still live there (4409 for a session that has ended).
+            crate::worker::conn::released(core, conn, st);
             let _ = crate::worker::core::flush(conn.fd, st);
         }
         Message::Text(text) if st.phase == Phase::Echo => {
