@@ -101,21 +101,28 @@ impl EndedAlone {
 /// Sessions to put back, oldest first; a newer copy of a queued session replaces it in place.
 #[derive(Default)]
 pub(super) struct Rekeeps {
-    order: VecDeque<(RigId, BootId)>,
-    latest: HashMap<(RigId, BootId), Pending>,
+    order: VecDeque<Key>,
+    latest: HashMap<Key, Pending>,
 }
+
+/// A queued session: its rig and boot, and whether it is the report of a session a hello
+/// decided alone ended ([`Pending::Ended`]). That report has a place of its own: the same
+/// boot may be connected here again meanwhile (a stale process back after the newer boot
+/// left), and its live copy, queued under the same rig and boot, replaced the report, whose
+/// commands then went unreported.
+type Key = (RigId, BootId, bool);
 
 impl Rekeeps {
     pub(super) fn push(&mut self, r: RekeepReq) {
         // A connected rig's state replaces a parked copy of the same session: the rig came
         // back, and a release taken back for it would now delete the rig's current lease.
-        self.insert((r.rig.clone(), r.boot), Pending::Live(r));
+        self.insert((r.rig.clone(), r.boot, false), Pending::Live(r));
     }
 
     /// Queues the session parked for `rig`; `release` as in [`Pending::Parked`] (kept when it
     /// was queued already: that release is still held back).
     pub(super) fn push_parked(&mut self, rig: RigId, boot: BootId, release: bool) {
-        let key = (rig, boot);
+        let key = (rig, boot, false);
         let release = release
             || matches!(
                 self.latest.get(&key),
@@ -124,10 +131,19 @@ impl Rekeeps {
         self.insert(key, Pending::Parked { release });
     }
 
-    fn insert(&mut self, key: (RigId, BootId), p: Pending) {
+    fn insert(&mut self, key: Key, p: Pending) {
         if self.latest.insert(key.clone(), p).is_none() {
             self.order.push_back(key);
         }
+    }
+
+    /// Queues the report of `req`'s session, which boot `by` ended, ahead of everything: a
+    /// copy of the same boot's later session (connected here again) must go after it, or the
+    /// report would cut that session's commands in Redis down to a tombstone.
+    fn push_ended(&mut self, req: RekeepReq, by: BootId) {
+        let key = (req.rig.clone(), req.boot, true);
+        self.latest.insert(key.clone(), Pending::Ended { req, by });
+        self.order.push_front(key);
     }
 
     /// The rig acked `seq` after its core sent the queued copy of its session: the copy must
@@ -138,7 +154,7 @@ impl Rekeeps {
         if self.latest.is_empty() {
             return;
         }
-        if let Some(Pending::Live(r)) = self.latest.get_mut(&(rig.clone(), boot)) {
+        if let Some(Pending::Live(r)) = self.latest.get_mut(&(rig.clone(), boot, false)) {
             r.cmds.retain(|(s, _)| *s != seq);
         }
     }
@@ -147,7 +163,7 @@ impl Rekeeps {
     /// Redis would refuse it. (Its old place in the order is skipped when reached.) A parked
     /// one holds its own release back.
     pub(super) fn hurry(&mut self, rig: &RigId, boot: BootId) {
-        let key = (rig.clone(), boot);
+        let key = (rig.clone(), boot, false);
         if matches!(self.latest.get(&key), Some(Pending::Live(_))) {
             self.order.push_front(key);
         }
@@ -155,7 +171,7 @@ impl Rekeeps {
 
     /// Takes the parked session queued for `rig` and `boot`, if any: its `release` flag.
     pub(super) fn take_parked(&mut self, rig: &RigId, boot: BootId) -> Option<bool> {
-        let key = (rig.clone(), boot);
+        let key = (rig.clone(), boot, false);
         match self.latest.get(&key)? {
             Pending::Parked { release } => {
                 let release = *release;
@@ -168,7 +184,7 @@ impl Rekeeps {
 
     /// Queues the session of a superseded connection ([`Pending::Superseded`]).
     pub(super) fn push_superseded(&mut self, r: RekeepReq) {
-        self.insert((r.rig.clone(), r.boot), Pending::Superseded(r));
+        self.insert((r.rig.clone(), r.boot, false), Pending::Superseded(r));
     }
 
     pub(super) fn len(&self) -> usize {
@@ -226,8 +242,7 @@ impl Bridge {
             return;
         }
         for (req, by) in self.ended_alone.take_all() {
-            self.rekeeps
-                .insert((req.rig.clone(), req.boot), Pending::Ended { req, by });
+            self.rekeeps.push_ended(req, by);
         }
     }
 
@@ -427,6 +442,33 @@ mod tests {
         }
         let rest = q.take(10);
         assert_eq!(rigs(&rest), ["rig-b"]);
+        assert!(q.is_empty());
+    }
+
+    /// The report of a session a hello decided alone ended, and a copy of the same boot's
+    /// later session (a stale process connected here again): both go, the report first.
+    /// Before, they shared one place, and the later one replaced the other.
+    #[test]
+    fn an_ended_sessions_report_and_the_same_boots_live_copy_both_go_the_report_first() {
+        let mut q = Rekeeps::default();
+        let newer = BootId::parse("01a24000-0000-7000-8000-000000000000").expect("boot");
+        q.push(req("rig-e", 3));
+        q.push(req("rig-o", 1));
+        q.push_ended(req("rig-e", 2), newer);
+        let taken = q.take(10);
+        let kinds: Vec<(String, &str)> = taken
+            .iter()
+            .map(|(r, _, p)| {
+                let kind = match p {
+                    Pending::Ended { .. } => "ended",
+                    Pending::Live(_) => "live",
+                    _ => "other",
+                };
+                (r.to_string(), kind)
+            })
+            .collect();
+        let want = [("rig-e", "ended"), ("rig-e", "live"), ("rig-o", "live")];
+        assert_eq!(kinds, want.map(|(r, k)| (r.to_string(), k)));
         assert!(q.is_empty());
     }
 
@@ -637,11 +679,7 @@ mod tests {
             !b.ended_alone.is_empty() && b.rekeeps.is_empty(),
             "Redis is away"
         );
-        let r = ended(10);
-        b.rekeeps.insert(
-            (r.rig.clone(), r.boot),
-            Pending::Ended { req: r, by: newer },
-        );
+        b.rekeeps.push_ended(ended(10), newer);
         b.ended_alone.take_all();
         b.rekeep_sessions();
         assert_eq!(counted(&b, ("rekeep_parked", "unavailable")), 1);
