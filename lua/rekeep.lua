@@ -73,7 +73,8 @@
 --             ending boot unless it names a newer one
 --   "merged"  parked, and the lease names this same boot on another broker (the rig went on
 --             with this session there while Redis was away from one of them), or there is
---             no lease and Redis holds the session (another broker's copy, put back first
+--             no lease (or an older boot's) and Redis holds the session (another broker's
+--             copy, put back first
 --             after an empty restart or left by a resume there). The commands
 --             Redis never numbered (at or above its "next") are added (HSETNX: never over
 --             that broker's) and "next" raised to ARGV[3], so that broker's next command
