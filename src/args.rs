@@ -60,11 +60,14 @@ impl Args {
         if !raw.get().starts_with('{') {
             return Err("args must be an object".into());
         }
+        // A rig gets them one level down, inside its command: as deep as the parser takes
+        // here, the frame is one level past what a rig's parser takes.
+        let deepest = crate::protocol::MAX_DEPTH - 1;
+        if crate::protocol::nests_deeper_than(raw.get().as_bytes(), deepest) {
+            return Err(format!("args nest deeper than {deepest} levels"));
+        }
         match serde_json::from_str::<Checked>(raw.get()) {
             Ok(Checked) => Ok(Args(Arc::from(raw))),
-            Err(e) if e.to_string().starts_with("recursion limit") => {
-                Err("args nest deeper than 128 levels".into())
-            }
             Err(e) => Err(format!("args are not JSON a rig can parse: {e}")),
         }
     }
@@ -177,6 +180,30 @@ impl fmt::Debug for Args {
 mod tests {
     use super::*;
 
+    /// The deepest args taken still parse inside the command a rig is sent, one level deeper;
+    /// one level more is refused.
+    #[test]
+    fn the_deepest_args_taken_parse_inside_their_command() {
+        let args = |depth: usize| {
+            let text = format!("{}1{}", r#"{"a":"#.repeat(depth), "}".repeat(depth));
+            Args::checked(RawValue::from_string(text).unwrap_or_else(|_| panic!("{depth}")))
+        };
+        let deepest = (1..200)
+            .take_while(|&d| args(d).is_ok())
+            .last()
+            .unwrap_or(0);
+        let taken = args(deepest).unwrap_or_else(|e| panic!("{e}"));
+        let frame = crate::protocol::encode_command(1, crate::ids::Seq(1), "c", "n", &taken.0);
+        assert!(
+            serde_json::from_slice::<serde_json::Value>(&frame).is_ok(),
+            "args {deepest} deep make a command no rig can parse"
+        );
+        assert_eq!(
+            args(deepest + 1).err().as_deref(),
+            Some(format!("args nest deeper than {deepest} levels").as_str())
+        );
+    }
+
     #[test]
     fn args_keep_their_text_and_only_objects_are_args() {
         let raw = |s: &str| RawValue::from_string(s.to_string()).unwrap_or_else(|_| panic!("{s}"));
@@ -190,7 +217,7 @@ mod tests {
             assert!(Args::object(raw(bad)).is_none(), "{bad}");
         }
         let why = |s: &str| Args::checked(raw(s)).err().unwrap_or_default();
-        assert_eq!(why(&deep), "args nest deeper than 128 levels");
+        assert_eq!(why(&deep), "args nest deeper than 126 levels");
         assert_eq!(why("[1]"), "args must be an object");
         assert!(why(r#"{"a":1e400}"#)
             .starts_with("args are not JSON a rig can parse: number out of range"));

@@ -153,9 +153,51 @@ fn own<'a, T: Deserialize<'a>>(raw: Option<&'a RawValue>) -> Result<Option<T>, P
     })
 }
 
+/// Deepest nesting of arrays and objects a rig's message may have, counting the message's own
+/// object: serde_json's own bound, which its parser enforces on what it builds but not on what
+/// it skims (unknown keys, and the `output` and `data` kept as text).
+pub(crate) const MAX_DEPTH: usize = 127;
+
+/// Whether `bytes`, read as JSON, nest arrays and objects deeper than `limit`. Brackets inside
+/// strings do not count; text that is not JSON may read either way, and fails the parse that
+/// follows anyway.
+pub(crate) fn nests_deeper_than(bytes: &[u8], limit: usize) -> bool {
+    let (mut depth, mut in_string, mut escaped) = (0usize, false, false);
+    for &b in bytes {
+        if in_string {
+            match b {
+                _ if escaped => escaped = false,
+                b'\\' => escaped = true,
+                b'"' => in_string = false,
+                _ => {}
+            }
+            continue;
+        }
+        match b {
+            b'"' => in_string = true,
+            b'[' | b'{' => {
+                depth += 1;
+                if depth > limit {
+                    return true;
+                }
+            }
+            b']' | b'}' => depth = depth.saturating_sub(1),
+            _ => {}
+        }
+    }
+    false
+}
+
 /// Parses one text message from a rig. Unknown fields, and fields of other message types, are
 /// ignored; unknown types are `ClientMsg::Unknown`, not errors.
 pub fn parse_client_msg(bytes: &[u8]) -> Result<ClientMsg, ProtocolError> {
+    // Kept as text, a result's output or an event's data 10,000 levels deep went on to control,
+    // whose JSON parsers (Python's, fleetctl's) then failed on every event after it.
+    if nests_deeper_than(bytes, MAX_DEPTH) {
+        return Err(ProtocolError::Malformed(format!(
+            "nested deeper than {MAX_DEPTH} levels"
+        )));
+    }
     let raw: RawMsg<'_> =
         serde_json::from_slice(bytes).map_err(|e| ProtocolError::Malformed(e.to_string()))?;
     let v = raw.v.unwrap_or(1);
@@ -322,6 +364,58 @@ mod tests {
 
     fn raw(text: &str) -> RawJson {
         RawJson(RawValue::from_string(text.to_owned()).expect("json"))
+    }
+
+    fn nested(depth: usize, inner: &str) -> String {
+        format!("{}{inner}{}", "[".repeat(depth), "]".repeat(depth))
+    }
+
+    /// The depth check refuses exactly what serde_json's parser would refuse to build, for
+    /// arrays and objects, and does not count brackets inside strings.
+    #[test]
+    fn the_nesting_bound_is_serde_jsons_own() {
+        for depth in MAX_DEPTH - 3..MAX_DEPTH + 3 {
+            let arrays = nested(depth, "1");
+            let objects = format!("{}1{}", r#"{"a":"#.repeat(depth), "}".repeat(depth));
+            for text in [arrays, objects] {
+                let parses = serde_json::from_str::<Value>(&text).is_ok();
+                let deep = nests_deeper_than(text.as_bytes(), MAX_DEPTH);
+                assert_eq!(!deep, parses, "depth {depth}");
+            }
+        }
+        let quoted = format!(r#"{{"s":"{}\"{}"}}"#, "[".repeat(500), "{".repeat(500));
+        assert!(!nests_deeper_than(quoted.as_bytes(), MAX_DEPTH));
+        assert!(serde_json::from_str::<Value>(&quoted).is_ok());
+    }
+
+    /// A rig's message nested past the bound is refused whatever field holds the depth, the
+    /// ones kept as text and unknown keys included, in every message type; one level less
+    /// is taken as before.
+    #[test]
+    fn a_rig_message_nested_too_deep_is_refused_wherever_the_depth_is() {
+        let deep = nested(MAX_DEPTH, "1");
+        let ok_depth = nested(MAX_DEPTH - 1, "1");
+        for (template, field) in [
+            (
+                r#"{"type":"result","seq":1,"ok":true,"output":X}"#,
+                "output",
+            ),
+            (r#"{"type":"event","name":"e","data":X}"#, "data"),
+            (r#"{"type":"ack","seq":1,"extra":X}"#, "unknown key"),
+            (
+                r#"{"type":"hello","rig_id":"r","boot_id":"0190b6c0-0000-7000-8000-000000000000","version":"1","x":X}"#,
+                "hello's unknown key",
+            ),
+            (r#"{"type":"later","x":X}"#, "unknown type"),
+        ] {
+            let refused = parse_client_msg(template.replace('X', &deep).as_bytes());
+            assert!(
+                matches!(&refused, Err(ProtocolError::Malformed(why)) if why.contains("nested deeper")),
+                "{field}: {refused:?}"
+            );
+            let taken = parse_client_msg(template.replace('X', &ok_depth).as_bytes());
+            assert!(taken.is_ok(), "{field}: {taken:?}");
+        }
     }
 
     /// What a rig reports goes on as it sent it: numbers past 64 bits, `1e400`, lone

@@ -1700,6 +1700,38 @@ fn strict_closes_unknown_types_and_a_second_hello_with_4400() {
     assert_eq!(close_frame(&mut ws), (4400, "a second hello".into()));
 }
 
+/// A rig's message nested deeper than any JSON parser here takes is refused and counted
+/// `invalid`, not passed on: a result whose output nested 10,000 levels deep reached
+/// `GET /v1/events`, and every reader of that page (serde_json, Python's `json`, fleetctl)
+/// failed on it and on every page after.
+#[test]
+fn a_rig_message_nested_too_deep_is_counted_invalid_and_never_reaches_control() {
+    let b = Broker::start(&[]);
+    let (mut ws, _, _) = b.rig("rig-deep");
+    let deep = format!("{}1{}", "[".repeat(10_000), "]".repeat(10_000));
+    for text in [
+        format!(r#"{{"type":"result","seq":1,"ok":true,"output":{deep}}}"#),
+        format!(r#"{{"type":"event","name":"deep","data":{deep}}}"#),
+    ] {
+        ws.send(Message::Text(text.into())).unwrap();
+    }
+    b.wait_metric("fleetlink_messages_in_total{type=\"invalid\"} 2");
+    ws.send(Message::Text(
+        json!({"type": "event", "name": "after", "data": {"n": 1}})
+            .to_string()
+            .into(),
+    ))
+    .unwrap();
+    let seen = wait_for_event(&b, 0, "the event after the deep ones", |e| {
+        e["name"] == "after"
+    });
+    assert!(
+        seen.iter()
+            .all(|e| e["name"] != "deep" && e["type"] != "result"),
+        "{seen:?}"
+    );
+}
+
 /// The default broker id is the host name and the port: the port as bound when `--listen`
 /// asked for port 0, so two such brokers on one host do not share an id (and a channel).
 #[test]
