@@ -276,8 +276,19 @@ pub fn spawn(
             let on_cores = Arc::new(AtomicUsize::new(0));
             let mut next = 0usize;
             let mut lobby = Lobby::default();
+            // As on the pool threads: the bytes of requests that waited here are freed here,
+            // and mimalloc gives their pages back only when this thread collects. A burst of
+            // stalled bodies otherwise left the lobby's 32 MiB resident for good.
+            let mut busy_at: Option<Instant> = None;
             loop {
+                lobby.wake_by(busy_at.map(|at| at + crate::heap_trim::EVERY));
                 let woken = lobby.wait(&listener, bell.as_raw_fd());
+                if !woken.is_quiet() || !lobby.is_empty() {
+                    busy_at = Some(Instant::now());
+                } else if busy_at.is_some_and(|at| at.elapsed() >= crate::heap_trim::EVERY) {
+                    crate::heap_trim::collect();
+                    busy_at = None;
+                }
                 for stream in woken.over {
                     busy(stream);
                 }
@@ -782,6 +793,7 @@ pub(crate) fn response(
         405 => "Method Not Allowed",
         411 => "Length Required",
         413 => "Content Too Large",
+        431 => "Request Header Fields Too Large",
         503 => "Service Unavailable",
         504 => "Gateway Timeout",
         _ => "Error",
@@ -1307,6 +1319,23 @@ mod tests {
         let (req, len) = complete(nowhere);
         assert_eq!((len, req.close), (nowhere.len(), true));
         assert_eq!(immediate(&req).map(|a| a.0), Some(404));
+    }
+
+    /// Every status the admin API answers with carries its RFC 9110 reason phrase: a 431 once
+    /// went out as `431 Error` while the rig endpoint said what it was.
+    #[test]
+    fn every_admin_status_has_its_reason_phrase() {
+        for &status in STATUSES.iter().filter(|&&s| s != 0) {
+            let head = response(status, "application/json", b"{}", true, false, "");
+            let line = String::from_utf8_lossy(&head);
+            let line = line.lines().next().unwrap_or_default();
+            assert!(
+                line.starts_with(&format!("HTTP/1.1 {status} ")) && !line.ends_with(" Error"),
+                "{line}"
+            );
+        }
+        let head = response(431, "application/json", b"{}", true, false, "");
+        assert!(head.starts_with(b"HTTP/1.1 431 Request Header Fields Too Large\r\n"));
     }
 
     /// Up to 64 header lines are taken; more get 431, not "malformed".

@@ -107,12 +107,22 @@ pub(crate) struct Woken {
     pub(crate) over: Vec<TcpStream>,
 }
 
+impl Woken {
+    /// Whether nothing arrived: no connection to accept, none back from the pool, none with a
+    /// request, none over the bound.
+    pub(crate) fn is_quiet(&self) -> bool {
+        !self.accept && !self.rung && self.ready.is_empty() && self.over.is_empty()
+    }
+}
+
 /// Connections waiting for a whole request.
 #[derive(Default)]
 pub(crate) struct Lobby {
     waiting: Vec<Waiting>,
     held_bytes: usize,
     unsent_bytes: usize,
+    /// When the next [`Lobby::wait`] returns at the latest, whatever arrives.
+    wake_by: Option<Instant>,
 }
 
 impl Lobby {
@@ -172,6 +182,17 @@ impl Lobby {
         self.waiting.len()
     }
 
+    /// Whether no connection waits here.
+    pub(crate) fn is_empty(&self) -> bool {
+        self.waiting.is_empty()
+    }
+
+    /// Makes the next waits return by `at` at the latest (`None`: only when something arrives
+    /// or a connection runs out of time).
+    pub(crate) fn wake_by(&mut self, at: Option<Instant>) {
+        self.wake_by = at;
+    }
+
     /// Waits until the listener, `bell` or a waiting connection is readable, and reads what
     /// arrived. Connections out of time (a request has 5 s from its first byte, an idle
     /// keep-alive connection 2 s) are closed.
@@ -189,6 +210,14 @@ impl Lobby {
                 let left = d.saturating_duration_since(now);
                 left.as_millis().saturating_add(1).min(i32::MAX as u128) as i32
             });
+        if let Some(at) = self.wake_by {
+            let left = at
+                .saturating_duration_since(now)
+                .as_millis()
+                .saturating_add(1);
+            let left = left.min(i32::MAX as u128) as i32;
+            timeout = if timeout < 0 { left } else { timeout.min(left) };
+        }
         if self.waiting.iter().any(|w| w.unparsed) {
             timeout = 0;
         }
@@ -579,7 +608,7 @@ mod tests {
         let mut woken = wait_for_ready(&mut lobby, &s, Duration::from_secs(5));
         let (_, req) = woken.ready.pop().expect("the cut-short one");
         assert_eq!(req.err(), Some(Refusal::CUT_SHORT));
-        while lobby.len() > 0 {
+        while !lobby.is_empty() {
             lobby.wait(&s.listener, s.bell.as_raw_fd());
         }
         assert_eq!(lobby.held_bytes, 0);
