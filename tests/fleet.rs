@@ -2236,3 +2236,74 @@ fn an_older_boots_hello_decided_alone_reports_the_newer_boots_parked_session() {
         "X still connected"
     );
 }
+
+/// A command queued for an offline rig while its broker could not reach Redis is held by that
+/// broker alone; once Redis is back it goes there, so the rig's hello on another broker gets
+/// it. Before, it stayed in fe-a's memory: the rig back on fe-b never got it, and fe-a
+/// reported it `expired` at its deadline, or lost it if it restarted (offline-queue helper,
+/// 4 of 4).
+#[test]
+fn a_command_queued_while_redis_was_away_reaches_the_rig_on_another_broker() {
+    let redis = RedisServer::start();
+    let relay = Relay::start(redis.port());
+    let a = broker_behind(&relay, "fe-a");
+    let b = fleet_broker(&redis, "fe-b", &[]);
+    cut_off(&relay, &a);
+    let (status, body) = a.http(
+        "POST",
+        "/v1/rigs/rig-q/commands",
+        r#"{"id":"q1","name":"n","args":{},"queue_if_offline":true,"ttl_ms":60000}"#,
+    );
+    let reply: Value = serde_json::from_str(&body).unwrap();
+    assert!(status < 300 && reply["queued"] == true, "{status} {body}");
+    relay.down(false);
+    let held = || -> usize { redis.connection().llen("offline:rig-q").unwrap() };
+    eventually(Duration::from_secs(15), "the command held in Redis", || {
+        held() == 1
+    });
+    let (mut ws, _, _) = b.rig("rig-q");
+    let cmd = read_json(&mut ws);
+    assert_eq!(
+        (&cmd["id"], &cmd["seq"]),
+        (&json!("q1"), &json!(1)),
+        "{cmd}"
+    );
+}
+
+/// A queued command whose deadline passes while its broker cannot reach Redis is reported
+/// `expired` once Redis is back, although no hello comes to find it. Before, the deadline was
+/// dropped unanswered: the command ended with no outcome when its list lapsed in Redis a
+/// minute later (offline-queue helper).
+#[test]
+fn a_queued_command_whose_deadline_passed_in_an_outage_is_reported_expired_after_it() {
+    let redis = RedisServer::start();
+    let relay = Relay::start(redis.port());
+    let a = broker_behind(&relay, "fe-a");
+    let mut ctl = Control::new(&redis, &["fleetlink:events"]);
+    let (status, body) = a.http(
+        "POST",
+        "/v1/rigs/rig-e/commands",
+        r#"{"id":"e1","name":"n","args":{},"queue_if_offline":true,"ttl_ms":1000}"#,
+    );
+    assert!(status < 300 && body.contains("\"queued\":true"), "{body}");
+    let due = Instant::now() + Duration::from_millis(1000);
+    cut_off(&relay, &a);
+    // fe-a looks at the deadline while Redis is still away from it.
+    eventually(Duration::from_secs(10), "the deadline passed", || {
+        Instant::now() > due + Duration::from_millis(1500)
+    });
+    assert_eq!(
+        a.http("GET", "/readyz", "").0,
+        503,
+        "still cut off at the deadline"
+    );
+    relay.down(false);
+    let ev = ctl.next(|ch, v| ch == "fleetlink:events" && v["type"] == "expired");
+    assert_eq!(
+        (&ev["id"], &ev["rig_id"], &ev["broker_id"]),
+        (&json!("e1"), &json!("rig-e"), &json!("fe-a")),
+        "{ev}"
+    );
+    let held: usize = redis.connection().llen("offline:rig-e").unwrap();
+    assert_eq!(held, 0, "removed from Redis when reported");
+}

@@ -235,6 +235,14 @@ impl LocalHeld {
         self.rigs.remove(rig).map(Vec::from).unwrap_or_default()
     }
 
+    /// Takes every held command of every rig, with its deadline's key.
+    pub fn take_all(&mut self) -> Vec<(RigId, Vec<(u64, Held)>)> {
+        self.rigs
+            .drain()
+            .map(|(rig, q)| (rig, Vec::from(q)))
+            .collect()
+    }
+
     /// Removes one held command by id; true when it was there.
     pub fn remove(&mut self, rig: &RigId, id: &str) -> bool {
         let Some(q) = self.rigs.get_mut(rig) else {

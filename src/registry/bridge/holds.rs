@@ -14,6 +14,9 @@ use crate::registry::msg::{CommandReq, ReplyTo, ToCore};
 use crate::registry::offline::{Held, Pushed};
 use crate::reply;
 
+/// How soon a deadline that passed while Redis was away is looked at again.
+const EXPIRY_RETRY: Duration = Duration::from_secs(1);
+
 /// A command for an offline rig, its deadline running, waiting for its batch's round trip.
 pub(super) struct PendingHold {
     rig: RigId,
@@ -193,6 +196,23 @@ impl Bridge {
         }
     }
 
+    /// Redis is back: the commands held here while it was away go to it, where the rig's
+    /// hello on any broker finds them. Held here, only this broker could deliver them, and a
+    /// rig that came back to another one never got them (they expired there unseen, or were
+    /// lost with this broker).
+    pub(super) fn hold_in_redis_again(&mut self) {
+        for (rig, held) in self.held.take_all() {
+            let held = held
+                .into_iter()
+                .map(|(key, entry)| {
+                    self.deadlines.forget(key);
+                    entry
+                })
+                .collect();
+            self.hold_again(&rig, held);
+        }
+    }
+
     /// Commands taken from Redis for a hello that was then turned away: held again (or
     /// reported `expired`), so that each still has its one outcome to come.
     pub(super) fn hold_again(&mut self, rig: &RigId, taken: Vec<Held>) {
@@ -264,11 +284,18 @@ impl Bridge {
             let entries: Vec<(&RigId, &Held)> = due.iter().map(|(r, e)| (r, e)).collect();
             f.offline_remove_many(&entries)
         });
+        let unanswered = self.fleet.is_some() && in_redis.is_none();
         let mut in_redis = in_redis.map(Vec::into_iter);
         for (rig, entry) in due {
             let from_redis = in_redis.as_mut().and_then(Iterator::next).unwrap_or(false);
             if from_redis || self.held.remove(&rig, &entry.id) {
                 self.report_expired(&rig, &entry.id);
+            } else if unanswered {
+                // Redis did not answer whether it still holds this one: asked again once it
+                // is back, or the command would end with no outcome (its list lapses a
+                // minute past the deadline, and no hello may come to find it).
+                let size = entry.size();
+                self.deadlines.add(now + EXPIRY_RETRY, rig, entry, size);
             }
         }
     }
