@@ -2307,3 +2307,33 @@ fn a_queued_command_whose_deadline_passed_in_an_outage_is_reported_expired_after
     let held: usize = redis.connection().llen("offline:rig-e").unwrap();
     assert_eq!(held, 0, "removed from Redis when reported");
 }
+
+/// A rig welcomed while its broker could not reach Redis gets what Redis held for it once the
+/// broker is back: the hello could not take the list then. Before, the commands waited in
+/// Redis for the rig's next hello, and were reported `expired` with the rig connected.
+#[test]
+fn a_rig_welcomed_in_an_outage_gets_its_held_commands_when_redis_is_back() {
+    let redis = RedisServer::start();
+    let relay = Relay::start(redis.port());
+    let a = broker_behind(&relay, "fe-a");
+    let b = fleet_broker(&redis, "fe-b", &[]);
+    let (status, body) = b.http(
+        "POST",
+        "/v1/rigs/rig-u/commands",
+        r#"{"id":"u1","name":"n","args":{},"queue_if_offline":true,"ttl_ms":60000}"#,
+    );
+    assert!(status < 300 && body.contains("\"queued\":true"), "{body}");
+    cut_off(&relay, &a);
+    let (mut ws, _, welcome) = a.rig("rig-u");
+    assert_eq!(welcome["type"], "welcome", "{welcome}");
+    let held = || -> usize { redis.connection().llen("offline:rig-u").unwrap() };
+    assert_eq!(held(), 1, "not taken while fe-a is cut off");
+    relay.down(false);
+    let cmd = read_json(&mut ws);
+    assert_eq!(
+        (&cmd["id"], &cmd["seq"]),
+        (&json!("u1"), &json!(1)),
+        "{cmd}"
+    );
+    eventually(Duration::from_secs(10), "taken from Redis", || held() == 0);
+}

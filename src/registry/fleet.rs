@@ -660,6 +660,18 @@ impl Fleet {
         }
     }
 
+    /// Takes the commands held for `rigs`, in one round trip. None when Redis is unavailable.
+    pub(crate) fn offline_take_many(&mut self, rigs: &[&RigId]) -> Option<Vec<Vec<Held>>> {
+        let con = self.con.as_mut()?;
+        match self.offline.take_many(con, rigs) {
+            Ok(taken) => Some(taken),
+            Err(e) => {
+                self.call_failed(&e);
+                None
+            }
+        }
+    }
+
     /// Holds commands for offline rigs, in one round trip: per entry, what came of it (`None`
     /// for an entry whose own call failed). None when Redis is unavailable.
     pub(crate) fn offline_push_many(

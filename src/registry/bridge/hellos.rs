@@ -264,6 +264,8 @@ impl Bridge {
         labels: Vec<(String, String)>,
         outcome: Option<Option<Result<HelloOutcome, String>>>,
     ) -> Vec<Action> {
+        // Redis did not answer: what it holds for the rig was not taken either.
+        let unread = matches!(outcome, Some(None) | Some(Some(Err(_))));
         let alone = match outcome {
             None => {
                 self.shared.count("hello", "ok");
@@ -303,10 +305,14 @@ impl Bridge {
             }
         };
         let rig_of_alone = alone.then(|| rig.clone());
+        let unread = unread.then(|| rig.clone());
         let actions = self.registry.hello(conn, rig, boot, labels);
-        if let Some(rig) = rig_of_alone {
-            if accepts(&actions, conn) {
+        if accepts(&actions, conn) {
+            if let Some(rig) = rig_of_alone {
                 self.decided_alone.insert((rig, boot));
+            }
+            if let Some(rig) = unread {
+                self.held_unread.insert(rig);
             }
         }
         actions

@@ -213,6 +213,38 @@ impl Bridge {
         }
     }
 
+    /// Redis is back: the commands it held for rigs welcomed here while it was away, which
+    /// their hellos could not take, are delivered now, as at a welcome. Before, they waited in
+    /// Redis for the rig's next hello and were reported `expired` with the rig connected.
+    pub(super) fn deliver_held_unread(&mut self) {
+        let rigs: Vec<RigId> = std::mem::take(&mut self.held_unread)
+            .into_iter()
+            .filter(|rig| self.registry.conn_of(rig).is_some())
+            .collect();
+        if rigs.is_empty() {
+            return;
+        }
+        let refs: Vec<&RigId> = rigs.iter().collect();
+        let Some(taken) = self.fleet.as_mut().and_then(|f| f.offline_take_many(&refs)) else {
+            // Away again: asked at the next reconnect.
+            self.held_unread.extend(rigs);
+            return;
+        };
+        for (rig, held) in rigs.iter().zip(taken) {
+            if held.is_empty() {
+                continue;
+            }
+            match self.registry.conn_of(rig) {
+                Some(conn) => {
+                    let mut actions = Vec::new();
+                    self.deliver_held(conn, rig, held, &mut actions);
+                    self.carry_out(actions);
+                }
+                None => self.hold_again(rig, held),
+            }
+        }
+    }
+
     /// Commands taken from Redis for a hello that was then turned away: held again (or
     /// reported `expired`), so that each still has its one outcome to come.
     pub(super) fn hold_again(&mut self, rig: &RigId, taken: Vec<Held>) {

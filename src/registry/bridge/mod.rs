@@ -141,6 +141,10 @@ struct Bridge {
     /// refresh. (A session parked here that the hello ended is reported through
     /// `ended_alone`; the tombstone each report leaves keeps the two from repeating.)
     decided_alone: HashSet<(RigId, BootId)>,
+    /// Rigs welcomed here while Redis was away, whatever the session store: the commands Redis
+    /// held for them while they were offline were not taken at their hello, so they are taken
+    /// and delivered at the reconnect (see `holds`).
+    held_unread: HashSet<RigId>,
     /// Sessions those hellos ended, and live ones a newer boot took over, waiting for Redis
     /// to say what is left to report.
     ended_alone: rekeeps::EndedAlone,
@@ -200,6 +204,7 @@ impl Bridge {
             merge_on_close: HashSet::new(),
             unkept_high: HashMap::new(),
             decided_alone: HashSet::new(),
+            held_unread: HashSet::new(),
             ended_alone: rekeeps::EndedAlone::default(),
             pace: WritePace::new(now),
             unanswered: redis_io::UnansweredLog::default(),

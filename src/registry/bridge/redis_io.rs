@@ -69,6 +69,9 @@ impl Bridge {
                 b.settle_evicts();
             }
             b.flush_holds();
+            if up && !b.held_unread.is_empty() {
+                b.deliver_held_unread();
+            }
         });
         if !up {
             self.persist_held();
