@@ -222,6 +222,43 @@ fn an_expired_or_future_broker_certificate_is_refused() {
     build_server_config(&pki.paths(false, vec![])).expect("valid certificate");
 }
 
+/// The certificates sent after the broker's own count as much as it: a rig refuses the whole
+/// chain for an expired intermediate. Such a chain was taken at start-up and by a reload, and
+/// the expiry metric showed the leaf's end, years away, so no alert would fire before every
+/// reconnect failed (TLS audit of stop 46).
+#[test]
+fn an_expired_intermediate_is_refused_and_the_chains_end_is_its_earliest() {
+    let pki = Pki::new("broker-chain");
+    let now = OffsetDateTime::now_utc();
+    let chain = |stem: &str, from: OffsetDateTime, until: OffsetDateTime| {
+        let int = Ca::new(&format!("int {stem}"), from, until).expect("intermediate");
+        let leaf = fs::read_to_string(&pki.broker_cert).expect("leaf");
+        let path = pki.dir.join(format!("chain-{stem}.pem"));
+        fs::write(&path, leaf + &int.cert_pem()).expect("write chain");
+        let mut paths = pki.paths(false, vec![]);
+        paths.cert = path;
+        paths
+    };
+    let expired = chain(
+        "expired",
+        now - time::Duration::days(30),
+        now - time::Duration::days(1),
+    );
+    let err = fleetlink::tls::build(&expired).expect_err("refused");
+    let text = err.to_string();
+    assert!(
+        matches!(err, TlsError::NotValidNow { .. })
+            && text.contains("the chain's certificate 2")
+            && text.contains("int expired")
+            && text.contains("expired since"),
+        "{text}"
+    );
+    let soon = now + time::Duration::days(3);
+    let (_, validity) =
+        fleetlink::tls::build(&chain("soon", now - time::Duration::days(1), soon)).expect("valid");
+    assert_eq!(validity.cert_not_after, Some(soon.unix_timestamp()));
+}
+
 #[test]
 fn revoked_cert_is_refused_others_pass() {
     let pki = Pki::new("revoked");

@@ -470,6 +470,19 @@ fn wrong_ca_expired_and_certless_clients_are_refused() {
     let mut ok = wss(&b, &pki.ca_cert, Some((&r.cert, &r.key)), &[]).unwrap();
     assert_eq!(hello(&mut ok, &r.rig_id)["type"], "welcome");
     assert_eq!(b.metric(failures), 4, "a good handshake counted as failed");
+    // A session that breaks after its handshake (a record that does not decrypt) is not a
+    // failed handshake: it ends as a close without a close frame, counted there alone.
+    let dropped = "fleetlink_closes_total{code=\"1006\"}";
+    let before = b.metric(dropped);
+    let mut record = vec![0x17, 0x03, 0x03, 0x00, 0x20];
+    record.extend([0x5a; 0x20]);
+    ok.get_mut().sock.write_all(&record).unwrap();
+    b.wait_metric(&format!("{dropped} {}", before + 1));
+    assert_eq!(
+        b.metric(failures),
+        4,
+        "a broken session counted as a failed handshake"
+    );
 }
 
 #[test]

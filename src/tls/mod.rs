@@ -190,10 +190,12 @@ pub enum TlsError {
     /// The broker's own certificate is outside its validity period: every rig would refuse
     /// it, while the rigs already connected stay, so an outage would show only as failed
     /// reconnects. Refused, so a reload keeps the certificate in force.
-    #[error("{}: the certificate is {why}", path.display())]
+    #[error("{}: {which} is {why}", path.display())]
     NotValidNow {
         /// The certificate file.
         path: PathBuf,
+        /// "the certificate", or which one of the chain after it.
+        which: String,
         /// "expired since …" or "not valid before …".
         why: String,
     },
@@ -202,10 +204,16 @@ pub enum TlsError {
 /// Warn when the broker's certificate has less than this left.
 const EXPIRY_WARNING: Duration = Duration::from_secs(14 * 24 * 3600);
 
-/// Refuses a leaf certificate outside its validity period, and warns when it ends soon;
-/// returns its end (Unix seconds) when it can be read.
-fn check_validity(path: &Path, leaf: &CertificateDer<'_>) -> Result<Option<i64>, TlsError> {
-    let Ok((_, cert)) = x509_parser::parse_x509_certificate(leaf) else {
+/// Refuses a certificate of the served chain (`at` 0: the broker's own) outside its validity
+/// period, and warns when it ends soon; returns its end (Unix seconds) when it can be read.
+/// The chain's intermediates count as much as the leaf: a rig refuses the whole chain for an
+/// expired one.
+fn check_validity(
+    path: &Path,
+    at: usize,
+    der: &CertificateDer<'_>,
+) -> Result<Option<i64>, TlsError> {
+    let Ok((_, cert)) = x509_parser::parse_x509_certificate(der) else {
         // rustls judges what it can parse; a certificate it takes is not ours to refuse.
         return Ok(None);
     };
@@ -224,16 +232,21 @@ fn check_validity(path: &Path, leaf: &CertificateDer<'_>) -> Result<Option<i64>,
     } else {
         None
     };
+    let which = match at {
+        0 => "the certificate".to_string(),
+        n => format!("the chain's certificate {} ({})", n + 1, cert.subject()),
+    };
     if let Some(why) = why {
         return Err(TlsError::NotValidNow {
             path: path.to_owned(),
+            which,
             why,
         });
     }
     if until - now < EXPIRY_WARNING.as_secs() as i64 {
         log::warn!(
-            "{}: the certificate expires on {} (in {} h): renew it; the broker reloads it \
-             when the file changes",
+            "{}: {which} expires on {} (in {} h): renew it; the broker reloads it when the \
+             file changes",
             path.display(),
             validity.not_after,
             (until - now) / 3600
@@ -270,7 +283,8 @@ pub fn build_server_config(paths: &TlsPaths) -> Result<Arc<ServerConfig>, TlsErr
 /// When the TLS material in force stops being usable, for the metrics operators alert on.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Validity {
-    /// The served certificate's end (Unix seconds), when it could be read.
+    /// The end of the served chain (Unix seconds): the earliest `notAfter` of its
+    /// certificates, the broker's own and the intermediates sent with it, when read.
     pub cert_not_after: Option<i64>,
     /// The earliest `nextUpdate` among the CRLs (Unix seconds): past it a CRL still revokes,
     /// but is stale. None without CRLs, or when none says.
@@ -282,8 +296,11 @@ pub fn build(paths: &TlsPaths) -> Result<(Arc<ServerConfig>, Validity), TlsError
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let chain = read_certs(&paths.cert)?;
     let mut validity = Validity::default();
-    if let Some(leaf) = chain.first() {
-        validity.cert_not_after = check_validity(&paths.cert, leaf)?;
+    for (at, cert) in chain.iter().enumerate() {
+        if let Some(until) = check_validity(&paths.cert, at, cert)? {
+            let first = validity.cert_not_after.map_or(until, |end| end.min(until));
+            validity.cert_not_after = Some(first);
+        }
     }
     let key = read_key(&paths.key)?;
     let builder = ServerConfig::builder_with_provider(provider.clone())

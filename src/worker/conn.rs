@@ -23,6 +23,8 @@ use crate::worker::{quiet_pong, session};
 const PEER_CLOSED: &str = "peer closed the connection";
 /// Why a connection ended when its TLS handshake or a TLS record failed.
 const TLS_FAILED: &str = "tls error";
+/// A TLS error on a session whose handshake had finished: a failed handshake it is not.
+const TLS_BROKEN: &str = "tls error after the handshake";
 
 /// How long a closing connection waits for the peer's close frame / FIN.
 const CLOSE_LINGER: Duration = Duration::from_secs(2);
@@ -253,14 +255,20 @@ fn read_some(
         Ok(TlsRead::Last(n)) => Ok(Some((n, true))),
         Ok(TlsRead::Closed) => Err(PEER_CLOSED),
         Ok(TlsRead::Failed(e)) => {
-            core.metrics.inc(C::TlsFailed);
             let now = std::time::Instant::now();
             if let Some(line) = core.tls_fail_log.borrow_mut().note(now, &e) {
                 log::warn!("{line}");
             }
             // Send the alert rustls queued, then end.
             let _ = flush(fd, st);
-            Err(TLS_FAILED)
+            // A session that breaks later (a bad record, a fatal alert) is counted where its
+            // connection ends: an abandoned request, or a close without a close frame (1006).
+            if was_handshaking {
+                core.metrics.inc(C::TlsFailed);
+                Err(TLS_FAILED)
+            } else {
+                Err(TLS_BROKEN)
+            }
         }
         Err(_) => Err("socket error"),
     };
