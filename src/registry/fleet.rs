@@ -394,6 +394,11 @@ impl Fleet {
     /// and logged (at most once a second), and both connections stay; anything else drops
     /// the command connection alone, and the subscription goes on delivering commands (kept
     /// or not as Redis allows, their replies queued until it is back).
+    /// A call's answer, or None once its failure is handled as [`Self::call_failed`] says.
+    fn answered<T, E: CallError>(&mut self, r: Result<T, E>) -> Option<T> {
+        r.map_err(|e| self.call_failed(&e)).ok()
+    }
+
     fn call_failed(&mut self, e: &dyn CallError) {
         let now = Instant::now();
         if let Some(redis) = e.redis().filter(|r| leaves_connection_sound(r)) {
@@ -663,13 +668,8 @@ impl Fleet {
     /// Takes the commands held for `rigs`, in one round trip. None when Redis is unavailable.
     pub(crate) fn offline_take_many(&mut self, rigs: &[&RigId]) -> Option<Vec<Vec<Held>>> {
         let con = self.con.as_mut()?;
-        match self.offline.take_many(con, rigs) {
-            Ok(taken) => Some(taken),
-            Err(e) => {
-                self.call_failed(&e);
-                None
-            }
-        }
+        let taken = self.offline.take_many(con, rigs);
+        self.answered(taken)
     }
 
     /// Holds commands for offline rigs, in one round trip: per entry, what came of it (`None`
@@ -692,13 +692,8 @@ impl Fleet {
     /// unavailable.
     pub(crate) fn offline_remove_many(&mut self, entries: &[(&RigId, &Held)]) -> Option<Vec<bool>> {
         let con = self.con.as_mut()?;
-        match self.offline.remove_many(con, entries) {
-            Ok(removed) => Some(removed),
-            Err(e) => {
-                self.call_failed(&e);
-                None
-            }
-        }
+        let removed = self.offline.remove_many(con, entries);
+        self.answered(removed)
     }
 
     /// Queues the removal of an acked command from its session (sent when
