@@ -868,7 +868,8 @@ fn route(admin: &Admin, req: &Request) -> Answer {
             let stats = admin.bridge_stats.stats(admin.bridge.len());
             let mut text = metrics::render(&snaps, &stats, admin.draining.load(Ordering::SeqCst));
             if let Some(tls) = &admin.tls {
-                metrics::render_tls(&mut text, tls.validity());
+                let reloads = (tls.generation(), tls.failed_reloads());
+                metrics::render_tls(&mut text, tls.validity(), reloads);
             }
             render_answered(&mut text);
             (200, "text/plain; version=0.0.4", text.into_bytes())

@@ -461,6 +461,10 @@ const HELP: &[(&str, &str)] = &[
         "The earliest nextUpdate of the CRLs in force (Unix time): past it they are stale.",
     ),
     (
+        "fleetlink_tls_reloads_total",
+        "TLS reloads by result: ok (put in force) or failed (a bad file; the config in force stays).",
+    ),
+    (
         "fleetlink_heap_live_bytes",
         "Live heap bytes (heap-stats builds only).",
     ),
@@ -472,7 +476,7 @@ const HELP: &[(&str, &str)] = &[
 
 /// Appends when the TLS material in force stops being usable, as far as it is known: an
 /// expired certificate or a stale CRL shows only as rigs failing their next handshake.
-pub fn render_tls(out: &mut String, validity: crate::tls::Validity) {
+pub fn render_tls(out: &mut String, validity: crate::tls::Validity, reloads: (u64, u64)) {
     let gauges = [
         (
             "fleetlink_tls_cert_expiry_timestamp_seconds",
@@ -489,6 +493,13 @@ pub fn render_tls(out: &mut String, validity: crate::tls::Validity) {
             let _ = writeln!(out, "{name} {at}");
         }
     }
+    let name = "fleetlink_tls_reloads_total";
+    family(out, name, "counter");
+    let (ok, failed) = reloads;
+    let _ = writeln!(
+        out,
+        "{name}{{result=\"ok\"}} {ok}\n{name}{{result=\"failed\"}} {failed}"
+    );
 }
 
 /// Writes a family's `# HELP` and `# TYPE` lines.

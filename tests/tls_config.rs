@@ -409,6 +409,7 @@ fn failed_reload_keeps_the_config() {
     let err = reloader.reload().expect_err("bad key");
     assert!(err.to_string().contains("broker.key"), "{err}");
     assert_eq!(reloader.generation(), 0);
+    assert_eq!(reloader.failed_reloads(), 1, "counted for /metrics");
     assert!(Arc::ptr_eq(&reloader.current(), &before));
     let (mut client, mut server) = pki.pair(&reloader.current(), Some("rig-0001"), Versions::Both);
     handshake(&mut client, &mut server).expect("old config in force");

@@ -512,6 +512,15 @@ fn a_revoked_cert_is_refused_after_the_crl_changes_and_others_stay_up() {
     });
     refused_with(Err(refusal.unwrap()), "CertificateRevoked");
     b.wait_metric(&format!("{failures} 1"));
+    let reloads = |result: &str| {
+        b.metric(&format!(
+            "fleetlink_tls_reloads_total{{result=\"{result}\"}}"
+        ))
+    };
+    assert!(
+        reloads("ok") >= 1 && reloads("failed") == 0,
+        "the reload counted"
+    );
     // No connection was dropped by the reload, not even the one whose cert is now revoked.
     for (ws, rig) in [(&mut kept, &keep.rig_id), (&mut doomed, &revoke.rig_id)] {
         let (status, reply) = b.command(rig, "still-there", json!({}));

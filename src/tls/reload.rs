@@ -35,6 +35,8 @@ pub struct TlsReloader {
     current: Mutex<(u64, Arc<ServerConfig>)>,
     /// When the material in force stops being usable (for `/metrics`).
     validity: Mutex<Validity>,
+    /// Reloads refused (a bad file): the old config stays, so only this and the log say so.
+    failed: AtomicU64,
     /// Held for a whole reload, so reloads from the watcher and SIGHUP do not interleave;
     /// holds the file stamps of the last attempt, good or bad, so a bad file set is not retried
     /// until it changes again.
@@ -51,6 +53,7 @@ impl TlsReloader {
             generation: AtomicU64::new(0),
             current: Mutex::new((0, config)),
             validity: Mutex::new(validity),
+            failed: AtomicU64::new(0),
             attempted: Mutex::new(stamps),
         }))
     }
@@ -63,6 +66,11 @@ impl TlsReloader {
     /// How many reloads succeeded: 0 for the config built by [`TlsReloader::new`].
     pub fn generation(&self) -> u64 {
         self.generation.load(Ordering::Acquire)
+    }
+
+    /// How many reloads were refused, the config in force kept.
+    pub fn failed_reloads(&self) -> u64 {
+        self.failed.load(Ordering::Relaxed)
     }
 
     /// When the certificate and the CRLs in force stop being usable.
@@ -80,7 +88,9 @@ impl TlsReloader {
     pub fn reload(&self) -> Result<(), TlsError> {
         let mut attempted = lock(&self.attempted);
         *attempted = stamps(&self.paths);
-        let (config, validity) = build(&self.paths)?;
+        let (config, validity) = build(&self.paths).inspect_err(|_| {
+            self.failed.fetch_add(1, Ordering::Relaxed);
+        })?;
         let mut current = lock(&self.current);
         let generation = current.0 + 1;
         *current = (generation, config);
