@@ -214,33 +214,30 @@ impl Bridge {
     }
 
     /// Redis is back: the commands it held for rigs welcomed here while it was away, which
-    /// their hellos could not take, are delivered now, as at a welcome. Before, they waited in
+    /// their hellos could not take, are delivered now, as at a welcome (a connection that
+    /// cannot take one holds it again, as at any welcome). Before, they waited in
     /// Redis for the rig's next hello and were reported `expired` with the rig connected.
     pub(super) fn deliver_held_unread(&mut self) {
-        let rigs: Vec<RigId> = std::mem::take(&mut self.held_unread)
+        // A rig gone since has nothing to take: its next hello takes the list.
+        let conns: Vec<(RigId, ConnId)> = std::mem::take(&mut self.held_unread)
             .into_iter()
-            .filter(|rig| self.registry.conn_of(rig).is_some())
+            .filter_map(|rig| self.registry.conn_of(&rig).map(|conn| (rig, conn)))
             .collect();
-        if rigs.is_empty() {
+        if conns.is_empty() {
             return;
         }
-        let refs: Vec<&RigId> = rigs.iter().collect();
+        let refs: Vec<&RigId> = conns.iter().map(|(rig, _)| rig).collect();
         let Some(taken) = self.fleet.as_mut().and_then(|f| f.offline_take_many(&refs)) else {
             // Away again: asked at the next reconnect.
-            self.held_unread.extend(rigs);
+            self.held_unread
+                .extend(conns.into_iter().map(|(rig, _)| rig));
             return;
         };
-        for (rig, held) in rigs.iter().zip(taken) {
-            if held.is_empty() {
-                continue;
-            }
-            match self.registry.conn_of(rig) {
-                Some(conn) => {
-                    let mut actions = Vec::new();
-                    self.deliver_held(conn, rig, held, &mut actions);
-                    self.carry_out(actions);
-                }
-                None => self.hold_again(rig, held),
+        for ((rig, conn), held) in conns.iter().zip(taken) {
+            if !held.is_empty() {
+                let mut actions = Vec::new();
+                self.deliver_held(*conn, rig, held, &mut actions);
+                self.carry_out(actions);
             }
         }
     }
