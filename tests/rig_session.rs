@@ -1128,6 +1128,25 @@ fn admin_requests_refused_before_routing_get_json_errors() {
     }
 }
 
+/// A client refused while it still sends its body reads the answer: the broker reads and
+/// drops the rest before it closes. Closing on bytes it had not read sent a reset, which failed
+/// the client's write and could destroy the answer before the client read it.
+#[test]
+fn a_refused_client_still_sending_its_body_reads_the_answer() {
+    let b = Broker::start(&[]);
+    let head = "POST /v1/rigs/r1/commands HTTP/1.1\r\nHost: x\r\nContent-Length: 1100000\r\n\r\n";
+    let mut s = std::net::TcpStream::connect(b.admin).unwrap();
+    s.write_all(head.as_bytes()).unwrap();
+    // The answer is in before the body goes, so the broker has finished with the request.
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    assert!(s.peek(&mut [0u8; 16]).unwrap() > 0, "an answer to the head");
+    s.write_all(&vec![b'x'; 1_100_000])
+        .expect("the broker reads what the client still sends");
+    let mut answer = String::new();
+    std::io::Read::read_to_string(&mut s, &mut answer).expect("the answer, then the close");
+    assert!(answer.starts_with("HTTP/1.1 413 "), "{answer}");
+}
+
 /// A method a route does not take is answered 405 with the methods it does (RFC 9110).
 #[test]
 fn admin_405s_name_the_methods_the_route_takes() {

@@ -35,6 +35,10 @@ const POOL_WAIT: Duration = Duration::from_secs(admin::IO_TIMEOUT.as_secs() + 1)
 /// Bytes of unfinished requests past [`KEEP_BUFFER`] each that one core's admin connections
 /// may hold together: without it, 1,024 connections trickling 1 MiB bodies held a gigabyte.
 const CORE_REQUEST_BYTES: usize = 16 << 20;
+/// How long a refused connection reads its client's remaining bytes before it closes (see
+/// [`linger`]), and how many of them it reads at most.
+const LINGER: Duration = Duration::from_secs(2);
+const LINGER_BYTES: usize = 2 << 20;
 /// Commands in a row taken on one other core before a connection moves there (see [`Streak`]).
 const MOVE_AFTER: u32 = 16;
 
@@ -215,7 +219,13 @@ async fn serve_requests(
             buf.reserve(READ_CHUNK);
             if !charge.hold(buf.capacity()) {
                 core.metrics.inc(C::AdminRequestMemoryFull);
+                // Given back before the answer goes: a refused connection that kept its share
+                // while its write was in flight got the next ones refused too, until every
+                // connection of a burst was refused and none held.
+                drop(std::mem::take(&mut buf));
+                charge.hold(0);
                 write(stream, request_memory_full(), true, false, "").await?;
+                linger(stream).await;
                 return Ok(None);
             }
             // A read fills a Vec from its start: read into the part after what it holds.
@@ -239,7 +249,10 @@ async fn serve_requests(
         let req = match req {
             Ok(req) => req,
             Err(refusal) => {
+                drop(std::mem::take(&mut buf));
+                charge.hold(0);
                 write(stream, refusal.answer(), true, false, "").await?;
+                linger(stream).await;
                 return Ok(None);
             }
         };
@@ -263,6 +276,28 @@ async fn serve_requests(
         }
     }
     Ok(None)
+}
+
+/// Closes a refused connection's sending side and reads what its client still sends, until
+/// the client closes or [`LINGER`] or [`LINGER_BYTES`] runs out. A refusal comes with part of
+/// the request unread; closing on unread bytes sends a reset, which destroys the answer in the
+/// client's buffers before it reads it, and fails the write of a client still sending its body.
+async fn linger(stream: &mut monoio::net::TcpStream) {
+    if stream.shutdown().await.is_err() {
+        return;
+    }
+    let until = Instant::now() + LINGER;
+    let mut sink = Vec::with_capacity(READ_CHUNK);
+    let mut drained = 0;
+    while drained < LINGER_BYTES {
+        let left = until.saturating_duration_since(Instant::now());
+        let Ok((Ok(n @ 1..), back)) = monoio::time::timeout(left, stream.read(sink)).await else {
+            return;
+        };
+        drained += n;
+        sink = back;
+        sink.clear();
+    }
 }
 
 /// One connection's part of its core's [`CORE_REQUEST_BYTES`]: what its buffer holds past
