@@ -56,6 +56,12 @@ pub const MAX_REQUEST: usize = 1 << 20;
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
 /// How long a request may take to arrive, and a core or the bridge to answer.
 pub(crate) const IO_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long a refused connection reads and drops what its client still sends before it
+/// closes, and how many bytes at most. A refusal leaves part of the request unread; closing on
+/// unread bytes sends a reset, which fails the write of a client still sending its body and
+/// can destroy the answer in its buffers before it reads it.
+pub(crate) const LINGER: Duration = Duration::from_secs(2);
+pub(crate) const LINGER_BYTES: usize = 2 << 20;
 /// Rigs a request thread or core remembers a route to; past it the memory starts afresh.
 const MAX_ROUTES: usize = 4096;
 
@@ -289,9 +295,6 @@ pub fn spawn(
                     crate::heap_trim::collect();
                     busy_at = None;
                 }
-                for stream in woken.over {
-                    busy(stream);
-                }
                 for (conn, req) in woken.ready {
                     let conn = match answer_here(conn, &req) {
                         Here::Pool(conn) => conn,
@@ -410,6 +413,8 @@ fn answer_lobbied(admin: &Admin, l: Lobbied) -> Option<Held> {
                 lobby_response(&mut conn, &req, answer)
             }
             Err(refusal) => {
+                conn.linger = true;
+                conn.buf = Vec::new();
                 let (status, ctype, body) = refusal.answer();
                 (response(status, ctype, &body, true, false, ""), true)
             }
@@ -417,7 +422,8 @@ fn answer_lobbied(admin: &Admin, l: Lobbied) -> Option<Held> {
         if !conn.send(&bytes, close) {
             return None;
         }
-        if !conn.unsent.is_empty() {
+        // The lobby sends the rest, or reads what a refused client still sends.
+        if !conn.unsent.is_empty() || conn.linger {
             return Some(conn);
         }
         if close {

@@ -41,6 +41,9 @@ pub(crate) struct Held {
     pub(crate) unsent: Vec<u8>,
     /// Close once `unsent` has gone.
     pub(crate) close_after: bool,
+    /// Its request was refused: once the answer has gone, read and drop what the client still
+    /// sends before closing (see [`crate::admin::LINGER`]).
+    pub(crate) linger: bool,
 }
 
 impl Held {
@@ -51,6 +54,7 @@ impl Held {
             served: 0,
             unsent: Vec::new(),
             close_after: false,
+            linger: false,
         }
     }
 
@@ -92,6 +96,8 @@ struct Waiting {
     /// Admitted with bytes in `buf`: they may already hold a whole request, which no poll
     /// would announce.
     unparsed: bool,
+    /// Refused and answered: the bytes read and dropped since (see [`Held::linger`]).
+    lingering: Option<usize>,
 }
 
 /// What one wait found.
@@ -103,15 +109,13 @@ pub(crate) struct Woken {
     pub(crate) rung: bool,
     /// Connections with a whole request to answer, or one refused before routing.
     pub(crate) ready: Vec<(Held, Result<Request, Refusal>)>,
-    /// Connections whose bytes would pass [`MAX_HELD_BYTES`]: answered 503.
-    pub(crate) over: Vec<TcpStream>,
 }
 
 impl Woken {
     /// Whether nothing arrived: no connection to accept, none back from the pool, none with a
-    /// request, none over the bound.
+    /// request.
     pub(crate) fn is_quiet(&self) -> bool {
-        !self.accept && !self.rung && self.ready.is_empty() && self.over.is_empty()
+        !self.accept && !self.rung && self.ready.is_empty()
     }
 }
 
@@ -144,14 +148,59 @@ impl Lobby {
         };
         self.held_bytes += conn.buf.len();
         self.unsent_bytes += conn.unsent.len();
-        self.waiting.push(Waiting {
+        let mut w = Waiting {
             unparsed: !conn.buf.is_empty() && conn.unsent.is_empty(),
             conn,
             clock,
             deadline,
             continued: false,
-        });
+            lingering: None,
+        };
+        if w.conn.unsent.is_empty() && w.conn.linger {
+            // A refusal the pool answered whole: nothing is left but to linger.
+            if let Step::Gone = Self::start_lingering(&mut w, now) {
+                self.held_bytes -= w.conn.buf.len();
+                return Ok(());
+            }
+        }
+        self.waiting.push(w);
         Ok(())
+    }
+
+    /// Shuts the sending side of a refused connection whose answer has gone, and reads what
+    /// its client still sends from now on, for up to [`crate::admin::LINGER`].
+    fn start_lingering(w: &mut Waiting, now: Instant) -> Step {
+        if w.conn.stream.shutdown(std::net::Shutdown::Write).is_err() {
+            return Step::Gone;
+        }
+        w.conn.buf = Vec::new();
+        w.lingering = Some(0);
+        w.unparsed = false;
+        w.deadline = now + crate::admin::LINGER;
+        Step::Wait
+    }
+
+    /// Reads and drops what a lingering connection's client sent; Gone once it closed or
+    /// sent [`crate::admin::LINGER_BYTES`].
+    fn drain(w: &mut Waiting) -> Step {
+        let mut chunk = [0u8; 16 << 10];
+        let Some(drained) = w.lingering.as_mut() else {
+            return Step::Wait;
+        };
+        loop {
+            match w.conn.stream.read(&mut chunk) {
+                Ok(0) => return Step::Gone,
+                Ok(n) => {
+                    *drained += n;
+                    if *drained >= crate::admin::LINGER_BYTES {
+                        return Step::Gone;
+                    }
+                }
+                Err(e) if e.kind() == ErrorKind::WouldBlock => return Step::Wait,
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(_) => return Step::Gone,
+            }
+        }
     }
 
     /// Closes the waiting connection that has been idle longest (nothing of a request read,
@@ -252,6 +301,8 @@ impl Lobby {
                 } else {
                     Step::Wait
                 }
+            } else if readable(i + 2) && w.lingering.is_some() {
+                Self::drain(&mut w)
             } else if readable(i + 2) {
                 self.read(&mut w, now)
             } else if std::mem::take(&mut w.unparsed) {
@@ -283,8 +334,22 @@ impl Lobby {
                     continue;
                 }
                 Step::Over => {
-                    woken.over.push(w.conn.stream);
-                    continue;
+                    // Answered here; its bytes are dropped before the answer goes, and what
+                    // its client still sends is read and dropped too.
+                    w.conn.buf = Vec::new();
+                    w.conn.linger = true;
+                    let busy =
+                        crate::admin::response(503, "text/plain", b"busy\n", true, false, "");
+                    if !w.conn.send(&busy, true) {
+                        continue;
+                    }
+                    if w.conn.unsent.is_empty() {
+                        if let Step::Gone = Self::start_lingering(&mut w, now) {
+                            continue;
+                        }
+                    } else {
+                        w.deadline = now + crate::admin::IO_TIMEOUT;
+                    }
                 }
                 Step::Gone => continue,
             }
@@ -312,7 +377,10 @@ impl Lobby {
             return Step::Wait;
         }
         if w.conn.close_after {
-            return Step::Gone;
+            return match w.conn.linger {
+                true => Self::start_lingering(w, now),
+                false => Step::Gone,
+            };
         }
         w.clock = RequestClock::new(true);
         w.deadline = now + w.clock.wait(!w.conn.buf.is_empty(), now);
@@ -415,7 +483,7 @@ mod tests {
         let end = Instant::now() + limit;
         loop {
             let woken = lobby.wait(&s.listener, s.bell.as_raw_fd());
-            if !woken.ready.is_empty() || !woken.over.is_empty() || Instant::now() >= end {
+            if !woken.ready.is_empty() || Instant::now() >= end {
                 return woken;
             }
         }
@@ -618,7 +686,7 @@ mod tests {
     fn the_lobby_is_bounded_in_connections_and_bytes() {
         let s = setup();
         let mut lobby = Lobby::default();
-        let (mut client, server) = connect(&s);
+        let (client, server) = connect(&s);
         let now = Instant::now();
         for _ in 0..MAX_WAITING - 1 {
             let dup = server.try_clone().expect("dup");
@@ -632,13 +700,54 @@ mod tests {
             .admit(Held::new(extra), now)
             .expect("an idle one gives way");
         assert_eq!(lobby.len(), MAX_WAITING);
+        drop(client);
+    }
 
-        // Past the byte bound the reading connection is refused, not buffered.
+    /// Past the byte bound a reading connection is answered 503 and holds nothing; what its
+    /// client still sends is read and dropped until it closes, so the answer is not lost to a
+    /// reset.
+    #[test]
+    fn a_connection_past_the_byte_bound_is_answered_and_read_to_its_end() {
+        let s = setup();
+        let mut lobby = Lobby::default();
+        let (mut client, server) = connect(&s);
+        lobby
+            .admit(Held::new(server), Instant::now())
+            .expect("room");
         lobby.held_bytes = MAX_HELD_BYTES - 10;
         client
-            .write_all(b"POST /v1/drain HTTP/1.1\r\nContent-Length: 100\r\n\r\n")
+            .write_all(b"POST /v1/drain HTTP/1.1\r\nContent-Length: 100000\r\n\r\n")
             .expect("write");
-        let woken = wait_for_ready(&mut lobby, &s, Duration::from_secs(5));
-        assert!(!woken.over.is_empty());
+        client.set_nonblocking(true).expect("nonblocking");
+        let end = Instant::now() + Duration::from_secs(5);
+        while !matches!(client.peek(&mut [0u8; 1]), Ok(1)) {
+            assert!(Instant::now() < end, "no answer");
+            lobby.wait(&s.listener, s.bell.as_raw_fd());
+        }
+        assert_eq!(
+            lobby.held_bytes,
+            MAX_HELD_BYTES - 10,
+            "its bytes are not held"
+        );
+        client.set_nonblocking(false).expect("blocking");
+        client
+            .write_all(&[b'x'; 50_000])
+            .expect("the rest of the body");
+        while lobby.waiting.first().and_then(|w| w.lingering) != Some(50_000) {
+            assert!(Instant::now() < end, "the rest was not read");
+            lobby.wait(&s.listener, s.bell.as_raw_fd());
+        }
+        client
+            .shutdown(std::net::Shutdown::Write)
+            .expect("shutdown");
+        while !lobby.is_empty() {
+            assert!(Instant::now() < end, "not closed once the client was done");
+            lobby.wait(&s.listener, s.bell.as_raw_fd());
+        }
+        let mut answer = String::new();
+        client
+            .read_to_string(&mut answer)
+            .expect("the answer, then the close");
+        assert!(answer.starts_with("HTTP/1.1 503 "), "{answer}");
     }
 }

@@ -1128,14 +1128,21 @@ fn admin_requests_refused_before_routing_get_json_errors() {
     }
 }
 
-/// A client refused while it still sends its body reads the answer: the broker reads and
-/// drops the rest before it closes. Closing on bytes it had not read sent a reset, which failed
-/// the client's write and could destroy the answer before the client read it.
+/// A client refused while it still sends its body reads the answer, on a core and in the
+/// lobby past the cores' share: the broker reads and drops the rest before it closes. Closing
+/// on bytes it had not read sent a reset, which failed the client's write and could destroy
+/// the answer before the client read it.
 #[test]
 fn a_refused_client_still_sending_its_body_reads_the_answer() {
     let b = Broker::start(&[]);
+    the_answer_survives_the_rest_of_the_body(b.admin);
+    let _on_cores = hold_the_cores_admin_connections(b.admin);
+    the_answer_survives_the_rest_of_the_body(b.admin);
+}
+
+fn the_answer_survives_the_rest_of_the_body(admin: std::net::SocketAddr) {
     let head = "POST /v1/rigs/r1/commands HTTP/1.1\r\nHost: x\r\nContent-Length: 1100000\r\n\r\n";
-    let mut s = std::net::TcpStream::connect(b.admin).unwrap();
+    let mut s = std::net::TcpStream::connect(admin).unwrap();
     s.write_all(head.as_bytes()).unwrap();
     // The answer is in before the body goes, so the broker has finished with the request.
     s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();

@@ -35,10 +35,6 @@ const POOL_WAIT: Duration = Duration::from_secs(admin::IO_TIMEOUT.as_secs() + 1)
 /// Bytes of unfinished requests past [`KEEP_BUFFER`] each that one core's admin connections
 /// may hold together: without it, 1,024 connections trickling 1 MiB bodies held a gigabyte.
 const CORE_REQUEST_BYTES: usize = 16 << 20;
-/// How long a refused connection reads its client's remaining bytes before it closes (see
-/// [`linger`]), and how many of them it reads at most.
-const LINGER: Duration = Duration::from_secs(2);
-const LINGER_BYTES: usize = 2 << 20;
 /// Commands in a row taken on one other core before a connection moves there (see [`Streak`]).
 const MOVE_AFTER: u32 = 16;
 
@@ -279,17 +275,15 @@ async fn serve_requests(
 }
 
 /// Closes a refused connection's sending side and reads what its client still sends, until
-/// the client closes or [`LINGER`] or [`LINGER_BYTES`] runs out. A refusal comes with part of
-/// the request unread; closing on unread bytes sends a reset, which destroys the answer in the
-/// client's buffers before it reads it, and fails the write of a client still sending its body.
+/// the client closes or [`admin::LINGER`] or [`admin::LINGER_BYTES`] runs out (see there why).
 async fn linger(stream: &mut monoio::net::TcpStream) {
     if stream.shutdown().await.is_err() {
         return;
     }
-    let until = Instant::now() + LINGER;
+    let until = Instant::now() + admin::LINGER;
     let mut sink = Vec::with_capacity(READ_CHUNK);
     let mut drained = 0;
-    while drained < LINGER_BYTES {
+    while drained < admin::LINGER_BYTES {
         let left = until.saturating_duration_since(Instant::now());
         let Ok((Ok(n @ 1..), back)) = monoio::time::timeout(left, stream.read(sink)).await else {
             return;
