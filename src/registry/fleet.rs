@@ -390,15 +390,15 @@ impl Fleet {
         Ok(CommandCon::new(con))
     }
 
-    /// A call on the command connection failed. A refusal on a sound connection is counted
-    /// and logged (at most once a second), and both connections stay; anything else drops
-    /// the command connection alone, and the subscription goes on delivering commands (kept
-    /// or not as Redis allows, their replies queued until it is back).
     /// A call's answer, or None once its failure is handled as [`Self::call_failed`] says.
     fn answered<T, E: CallError>(&mut self, r: Result<T, E>) -> Option<T> {
         r.map_err(|e| self.call_failed(&e)).ok()
     }
 
+    /// A call on the command connection failed. A refusal on a sound connection is counted
+    /// and logged (at most once a second), and both connections stay; anything else drops
+    /// the command connection alone, and the subscription goes on delivering commands (kept
+    /// or not as Redis allows, their replies queued until it is back).
     fn call_failed(&mut self, e: &dyn CallError) {
         let now = Instant::now();
         if let Some(redis) = e.redis().filter(|r| leaves_connection_sound(r)) {
@@ -463,24 +463,18 @@ impl Fleet {
         ttl: Duration,
     ) -> Option<Vec<Result<HelloOutcome, String>>> {
         let con = self.con.as_mut()?;
-        match self.scripts.hello_many(con, entries, &self.broker_id, ttl) {
-            Ok(outcomes) => {
-                let outcomes: Vec<Result<HelloOutcome, String>> = outcomes
-                    .into_iter()
-                    .map(|o| o.map_err(|e| e.to_string()))
-                    .collect();
-                // Refused (a full Redis, an ACL): those hellos are decided here; counted and
-                // logged like any refused call.
-                if let Some(e) = outcomes.iter().find_map(|o| o.as_ref().err().cloned()) {
-                    self.note_refusal(&e);
-                }
-                Some(outcomes)
-            }
-            Err(e) => {
-                self.call_failed(&e);
-                None
-            }
+        let r = self.scripts.hello_many(con, entries, &self.broker_id, ttl);
+        let outcomes: Vec<Result<HelloOutcome, String>> = self
+            .answered(r)?
+            .into_iter()
+            .map(|o| o.map_err(|e| e.to_string()))
+            .collect();
+        // Refused (a full Redis, an ACL): those hellos are decided here; counted and logged
+        // like any refused call.
+        if let Some(e) = outcomes.iter().find_map(|o| o.as_ref().err().cloned()) {
+            self.note_refusal(&e);
         }
+        Some(outcomes)
     }
 
     /// What Redis holds of many rigs' sessions, and the commands held for them while they
@@ -512,13 +506,7 @@ impl Fleet {
             let n = entries.len();
             self.note_refusal(&format!("resume: {unreadable} of {n} sessions unreadable"));
         }
-        match outcome {
-            Ok(found) => Some(found),
-            Err(e) => {
-                self.call_failed(&e);
-                None
-            }
-        }
+        self.answered(outcome)
     }
 
     /// Runs the sessions of boots this broker took a rig for without Redis (decided while it
@@ -533,16 +521,10 @@ impl Fleet {
         ttl: Duration,
     ) -> Option<u64> {
         let con = self.con.as_mut()?;
-        match self
+        let r = self
             .sessions
-            .resume_many(con, entries, ttl, &self.broker_id)
-        {
-            Ok(found) => Some(found.iter().flatten().map(|r| r.rebooted).sum()),
-            Err(e) => {
-                self.call_failed(&e);
-                None
-            }
-        }
+            .resume_many(con, entries, ttl, &self.broker_id);
+        Some(self.answered(r)?.iter().flatten().map(|r| r.rebooted).sum())
     }
 
     /// Refreshes the leases of `entries`. None when Redis is unavailable.
@@ -552,13 +534,8 @@ impl Fleet {
         ttl: Duration,
     ) -> Option<Vec<RefreshStatus>> {
         let con = self.con.as_mut()?;
-        match self.scripts.refresh(con, entries, &self.broker_id, ttl) {
-            Ok(statuses) => Some(statuses),
-            Err(e) => {
-                self.call_failed(&e);
-                None
-            }
-        }
+        let r = self.scripts.refresh(con, entries, &self.broker_id, ttl);
+        self.answered(r)
     }
 
     /// Each rig's latest boot on record (`sessof:<rig>`; None where there is none or it is
@@ -569,18 +546,13 @@ impl Fleet {
         for rig in rigs {
             mget.arg(sessions::pointer_key(rig));
         }
-        match mget.query::<Vec<Option<String>>>(con) {
-            Ok(boots) => Some(
-                boots
-                    .into_iter()
-                    .map(|b| b.and_then(|b| BootId::parse(&b)))
-                    .collect(),
-            ),
-            Err(e) => {
-                self.call_failed(&e);
-                None
-            }
-        }
+        let r = mget.query::<Vec<Option<String>>>(con);
+        Some(
+            self.answered(r)?
+                .into_iter()
+                .map(|b| b.and_then(|b| BootId::parse(&b)))
+                .collect(),
+        )
     }
 
     /// For each entry, whether `rig:<rig>` names that very boot on this broker, in one round
@@ -591,21 +563,17 @@ impl Fleet {
         for (rig, _) in entries {
             mget.arg(crate::registry::scripts::rig_key(rig));
         }
-        match mget.query::<Vec<Option<String>>>(con) {
-            Ok(owners) => Some(
-                entries
-                    .iter()
-                    .zip(owners)
-                    .map(|((_, boot), owner)| {
-                        owner == Some(crate::registry::scripts::tuple(boot, &self.broker_id))
-                    })
-                    .collect(),
-            ),
-            Err(e) => {
-                self.call_failed(&e);
-                None
-            }
-        }
+        let r = mget.query::<Vec<Option<String>>>(con);
+        let owners = self.answered(r)?;
+        Some(
+            entries
+                .iter()
+                .zip(owners)
+                .map(|((_, boot), owner)| {
+                    owner == Some(crate::registry::scripts::tuple(boot, &self.broker_id))
+                })
+                .collect(),
+        )
     }
 
     /// Extends these sessions' TTLs to `--session-ttl` (see [`sessions::touch`]).
@@ -623,16 +591,10 @@ impl Fleet {
     pub(crate) fn rekeep(&mut self, sessions: &[Rekeep<'_>], ttl: Duration) -> Option<Vec<Rekept>> {
         let con = self.con.as_mut()?;
         let at = crate::reply::rfc3339(std::time::SystemTime::now());
-        match self
+        let r = self
             .sessions
-            .rekeep(con, sessions, &self.broker_id, ttl, &at)
-        {
-            Ok(kept) => Some(kept),
-            Err(e) => {
-                self.call_failed(&e);
-                None
-            }
-        }
+            .rekeep(con, sessions, &self.broker_id, ttl, &at);
+        self.answered(r)
     }
 
     /// The commands `rig`'s session holds under `seqs` (see [`sessions::read_commands`]).
@@ -644,25 +606,15 @@ impl Fleet {
         seqs: std::ops::Range<u64>,
     ) -> Option<Vec<(Seq, Vec<u8>)>> {
         let con = self.con.as_mut()?;
-        match sessions::read_commands(con, rig, boot, seqs) {
-            Ok(found) => Some(found),
-            Err(e) => {
-                self.call_failed(&e);
-                None
-            }
-        }
+        let r = sessions::read_commands(con, rig, boot, seqs);
+        self.answered(r)
     }
 
     /// Keeps commands in their sessions (fenced by our leases). None when Redis is unavailable.
     pub(crate) fn persist(&mut self, cmds: &[Persist<'_>], ttl: Duration) -> Option<Vec<Kept>> {
         let con = self.con.as_mut()?;
-        match self.sessions.persist(con, cmds, &self.broker_id, ttl) {
-            Ok(kept) => Some(kept),
-            Err(e) => {
-                self.call_failed(&e);
-                None
-            }
-        }
+        let r = self.sessions.persist(con, cmds, &self.broker_id, ttl);
+        self.answered(r)
     }
 
     /// Takes the commands held for `rigs`, in one round trip. None when Redis is unavailable.
@@ -679,13 +631,8 @@ impl Fleet {
         entries: &[(&RigId, &Held, Duration)],
     ) -> Option<Vec<Option<Pushed>>> {
         let con = self.con.as_mut()?;
-        match self.offline.push_many(con, entries, &self.broker_id) {
-            Ok(stored) => Some(stored.into_iter().map(Result::ok).collect()),
-            Err(e) => {
-                self.call_failed(&e);
-                None
-            }
-        }
+        let r = self.offline.push_many(con, entries, &self.broker_id);
+        Some(self.answered(r)?.into_iter().map(Result::ok).collect())
     }
 
     /// Removes held commands that are still there, in one round trip. None when Redis is
