@@ -478,6 +478,17 @@ mod tests {
         (client, server)
     }
 
+    /// A lobby holding one new connection, and that connection's client.
+    fn one_admitted() -> (Setup, Lobby, TcpStream) {
+        let s = setup();
+        let mut lobby = Lobby::default();
+        let (client, server) = connect(&s);
+        lobby
+            .admit(Held::new(server), Instant::now())
+            .expect("room");
+        (s, lobby, client)
+    }
+
     /// Waits until the lobby hands something over, or `limit` passes.
     fn wait_for_ready(lobby: &mut Lobby, s: &Setup, limit: Duration) -> Woken {
         let end = Instant::now() + limit;
@@ -491,12 +502,7 @@ mod tests {
 
     #[test]
     fn a_request_trickling_in_is_handed_over_only_once_whole() {
-        let s = setup();
-        let mut lobby = Lobby::default();
-        let (mut client, server) = connect(&s);
-        lobby
-            .admit(Held::new(server), Instant::now())
-            .expect("room");
+        let (s, mut lobby, mut client) = one_admitted();
         for part in [&b"GET /hea"[..], b"lthz HTTP/1.1\r\n", b"Host: x\r\n"] {
             client.write_all(part).expect("write");
             let woken = lobby.wait(&s.listener, s.bell.as_raw_fd());
@@ -686,7 +692,7 @@ mod tests {
     fn the_lobby_is_bounded_in_connections_and_bytes() {
         let s = setup();
         let mut lobby = Lobby::default();
-        let (client, server) = connect(&s);
+        let (_client, server) = connect(&s);
         let now = Instant::now();
         for _ in 0..MAX_WAITING - 1 {
             let dup = server.try_clone().expect("dup");
@@ -700,7 +706,6 @@ mod tests {
             .admit(Held::new(extra), now)
             .expect("an idle one gives way");
         assert_eq!(lobby.len(), MAX_WAITING);
-        drop(client);
     }
 
     /// Past the byte bound a reading connection is answered 503 and holds nothing; what its
@@ -708,12 +713,7 @@ mod tests {
     /// reset.
     #[test]
     fn a_connection_past_the_byte_bound_is_answered_and_read_to_its_end() {
-        let s = setup();
-        let mut lobby = Lobby::default();
-        let (mut client, server) = connect(&s);
-        lobby
-            .admit(Held::new(server), Instant::now())
-            .expect("room");
+        let (s, mut lobby, mut client) = one_admitted();
         lobby.held_bytes = MAX_HELD_BYTES - 10;
         client
             .write_all(b"POST /v1/drain HTTP/1.1\r\nContent-Length: 100000\r\n\r\n")
