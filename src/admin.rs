@@ -57,10 +57,13 @@ const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
 /// How long a request may take to arrive, and a core or the bridge to answer.
 pub(crate) const IO_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long a refused connection reads and drops what its client still sends before it
-/// closes, and how many bytes at most. A refusal leaves part of the request unread; closing on
-/// unread bytes sends a reset, which fails the write of a client still sending its body and
-/// can destroy the answer in its buffers before it reads it.
+/// closes. A refusal leaves part of the request unread; closing on unread bytes sends a reset,
+/// which fails the write of a client still sending its body and can destroy the answer in its
+/// buffers before it reads it.
 pub(crate) const LINGER: Duration = Duration::from_secs(2);
+/// Bytes the lobby reads from one lingering connection at most: its one thread polls every
+/// waiting connection, so a client streaming without pause must not keep it for the whole
+/// [`LINGER`].
 pub(crate) const LINGER_BYTES: usize = 2 << 20;
 /// Rigs a request thread or core remembers a route to; past it the memory starts afresh.
 const MAX_ROUTES: usize = 4096;

@@ -221,7 +221,7 @@ async fn serve_requests(
                 drop(std::mem::take(&mut buf));
                 charge.hold(0);
                 write(stream, request_memory_full(), true, false, "").await?;
-                linger(stream).await;
+                linger(core, stream).await;
                 return Ok(None);
             }
             // A read fills a Vec from its start: read into the part after what it holds.
@@ -248,7 +248,7 @@ async fn serve_requests(
                 drop(std::mem::take(&mut buf));
                 charge.hold(0);
                 write(stream, refusal.answer(), true, false, "").await?;
-                linger(stream).await;
+                linger(core, stream).await;
                 return Ok(None);
             }
         };
@@ -275,23 +275,14 @@ async fn serve_requests(
 }
 
 /// Closes a refused connection's sending side and reads what its client still sends, until
-/// the client closes or [`admin::LINGER`] or [`admin::LINGER_BYTES`] runs out (see there why).
-async fn linger(stream: &mut monoio::net::TcpStream) {
+/// the client closes or [`admin::LINGER`] runs out (see there why), as a rig's connection
+/// waits for its peer's FIN: into the core's scratch buffer, so lingering holds none.
+async fn linger(core: &Core, stream: &mut monoio::net::TcpStream) {
     if stream.shutdown().await.is_err() {
         return;
     }
-    let until = Instant::now() + admin::LINGER;
-    let mut sink = Vec::with_capacity(READ_CHUNK);
-    let mut drained = 0;
-    while drained < admin::LINGER_BYTES {
-        let left = until.saturating_duration_since(Instant::now());
-        let Ok((Ok(n @ 1..), back)) = monoio::time::timeout(left, stream.read(sink)).await else {
-            return;
-        };
-        drained += n;
-        sink = back;
-        sink.clear();
-    }
+    let deadline = monoio::time::Instant::now() + admin::LINGER;
+    crate::worker::conn::await_fin(core, stream, deadline).await;
 }
 
 /// One connection's part of its core's [`CORE_REQUEST_BYTES`]: what its buffer holds past
