@@ -353,8 +353,12 @@ pub fn spawn(
 /// waiting: a client that does not take a few dozen bytes at once is not reading.
 fn busy(mut stream: TcpStream) {
     let _ = stream.set_nonblocking(true);
-    let bytes = response(503, "text/plain", b"busy\n", true, false, "");
-    let _ = crate::admin_lobby::write_some(&mut stream, &bytes);
+    let _ = crate::admin_lobby::write_some(&mut stream, &busy_answer());
+}
+
+/// The 503 for a connection nothing can serve now (it closes after it).
+pub(crate) fn busy_answer() -> Vec<u8> {
+    response(503, "text/plain", b"busy\n", true, false, "")
 }
 
 /// What the acceptor did with a request the lobby read.

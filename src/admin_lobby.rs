@@ -338,9 +338,7 @@ impl Lobby {
                     // its client still sends is read and dropped too.
                     w.conn.buf = Vec::new();
                     w.conn.linger = true;
-                    let busy =
-                        crate::admin::response(503, "text/plain", b"busy\n", true, false, "");
-                    if !w.conn.send(&busy, true) {
+                    if !w.conn.send(&crate::admin::busy_answer(), true) {
                         continue;
                     }
                     if w.conn.unsent.is_empty() {

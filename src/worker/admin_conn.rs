@@ -215,14 +215,7 @@ async fn serve_requests(
             buf.reserve(READ_CHUNK);
             if !charge.hold(buf.capacity()) {
                 core.metrics.inc(C::AdminRequestMemoryFull);
-                // Given back before the answer goes: a refused connection that kept its share
-                // while its write was in flight got the next ones refused too, until every
-                // connection of a burst was refused and none held.
-                drop(std::mem::take(&mut buf));
-                charge.hold(0);
-                write(stream, request_memory_full(), true, false, "").await?;
-                linger(core, stream).await;
-                return Ok(None);
+                return refuse(core, stream, buf, charge, request_memory_full()).await;
             }
             // A read fills a Vec from its start: read into the part after what it holds.
             let (len, cap) = (buf.len(), buf.capacity());
@@ -244,13 +237,7 @@ async fn serve_requests(
         };
         let req = match req {
             Ok(req) => req,
-            Err(refusal) => {
-                drop(std::mem::take(&mut buf));
-                charge.hold(0);
-                write(stream, refusal.answer(), true, false, "").await?;
-                linger(core, stream).await;
-                return Ok(None);
-            }
+            Err(refusal) => return refuse(core, stream, buf, charge, refusal.answer()).await,
         };
         if buf.is_empty() && buf.capacity() > KEEP_BUFFER {
             // A big request's buffer does not stay with a connection that waits for the next.
@@ -271,6 +258,24 @@ async fn serve_requests(
             return Ok(to);
         }
     }
+    Ok(None)
+}
+
+/// Answers a request refused before it was read whole, and ends the connection. Its bytes and
+/// their charge are given back before the answer goes: a refused connection that kept its share
+/// while its write was in flight got the next ones refused too, until every connection of a
+/// burst was refused and none held.
+async fn refuse(
+    core: &Core,
+    stream: &mut monoio::net::TcpStream,
+    buf: Vec<u8>,
+    mut charge: Charge<'_>,
+    answer: Answer,
+) -> std::io::Result<Option<CoreId>> {
+    drop(buf);
+    charge.hold(0);
+    write(stream, answer, true, false, "").await?;
+    linger(core, stream).await;
     Ok(None)
 }
 
