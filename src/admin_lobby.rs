@@ -146,8 +146,6 @@ impl Lobby {
             // An answer has as long to leave as a request to come, from its last progress.
             false => now + crate::admin::IO_TIMEOUT,
         };
-        self.held_bytes += conn.buf.len();
-        self.unsent_bytes += conn.unsent.len();
         let mut w = Waiting {
             unparsed: !conn.buf.is_empty() && conn.unsent.is_empty(),
             conn,
@@ -159,10 +157,12 @@ impl Lobby {
         if w.conn.unsent.is_empty() && w.conn.linger {
             // A refusal the pool answered whole: nothing is left but to linger.
             if let Step::Gone = Self::start_lingering(&mut w, now) {
-                self.held_bytes -= w.conn.buf.len();
                 return Ok(());
             }
         }
+        // Counted as it waits: a lingering connection's bytes are gone already.
+        self.held_bytes += w.conn.buf.len();
+        self.unsent_bytes += w.conn.unsent.len();
         self.waiting.push(w);
         Ok(())
     }

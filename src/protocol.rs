@@ -162,6 +162,11 @@ pub(crate) const MAX_DEPTH: usize = 127;
 /// strings do not count; text that is not JSON may read either way, and fails the parse that
 /// follows anyway.
 pub(crate) fn nests_deeper_than(bytes: &[u8], limit: usize) -> bool {
+    // Each level takes at least a byte: a message no longer than `limit` (an ack, most
+    // hellos) cannot pass it, and skips the scan.
+    if bytes.len() <= limit {
+        return false;
+    }
     let (mut depth, mut in_string, mut escaped) = (0usize, false, false);
     for &b in bytes {
         if in_string {
