@@ -334,6 +334,38 @@ fn a_crashed_brokers_keys_expire_by_ttl() {
     });
 }
 
+/// `--redis unix:///PATH` (a Redis on the same host, through its Unix socket) serves as a TCP
+/// URL does: the subscription reads its own canary (ready), and a command published on the
+/// broker's channel reaches the rig and is kept in its session. The subscription used to
+/// take TCP alone, so such a broker never became ready and got no command.
+#[test]
+fn a_redis_on_a_unix_socket_serves_subscription_and_commands() {
+    let redis = RedisServer::start();
+    let url = redis.unix_url();
+    let b = Broker::start(&["--redis", url.as_str(), "--broker-id", "fe-unix"]);
+    eventually(Duration::from_secs(10), "ready through the socket", || {
+        b.http("GET", "/readyz", "") == (200, "ready\n".to_string())
+    });
+    let (mut ws, boot, _) = b.rig("rig-unix");
+    assert_eq!(owner(&redis, "rig-unix"), Some(format!("{boot}|fe-unix")));
+    let mut ctl = Control::new(&redis, &[]);
+    let reply = ctl.command("fe-unix", "rig-unix", "dmesg", json!({"lines": 500}));
+    assert_eq!(reply["ok"], true, "{reply}");
+    let cmd = read_json(&mut ws);
+    assert_eq!(
+        (cmd["seq"].as_u64(), cmd["name"].as_str()),
+        (Some(1), Some("dmesg"))
+    );
+    let kept: Option<String> = redis
+        .connection()
+        .hget(format!("sess:rig-unix:{boot}"), "c:1")
+        .unwrap();
+    assert!(
+        kept.is_some_and(|c| c.contains("dmesg")),
+        "kept before written"
+    );
+}
+
 #[test]
 fn readyz_says_when_redis_refuses_the_brokers_password() {
     let redis = RedisServer::start();

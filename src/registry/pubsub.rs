@@ -7,6 +7,7 @@
 use std::io::{self, Read, Write};
 use std::net::{TcpStream, ToSocketAddrs};
 use std::os::fd::{AsRawFd, RawFd};
+use std::os::unix::net::UnixStream;
 use std::time::Duration;
 
 use redis::{ConnectionAddr, ConnectionInfo};
@@ -28,9 +29,94 @@ pub struct Push {
     pub payload: Vec<u8>,
 }
 
+/// The socket to Redis: TCP, or a Unix socket for a Redis on the same host (`unix://`).
+enum Stream {
+    Tcp(TcpStream),
+    Unix(UnixStream),
+}
+
+impl Stream {
+    /// Connects to what `addr` names, giving up after `timeout`.
+    fn connect(addr: &ConnectionAddr, timeout: Duration) -> io::Result<Stream> {
+        let stream = match addr {
+            ConnectionAddr::Tcp(host, port) => {
+                let addr = (host.as_str(), *port)
+                    .to_socket_addrs()?
+                    .next()
+                    .ok_or_else(|| {
+                        io::Error::new(io::ErrorKind::NotFound, "redis host did not resolve")
+                    })?;
+                let stream = TcpStream::connect_timeout(&addr, timeout)?;
+                stream.set_nodelay(true)?;
+                Stream::Tcp(stream)
+            }
+            // A connect to a Unix socket does not wait on the network: it succeeds, or fails
+            // at once when nothing listens there.
+            ConnectionAddr::Unix(path) => Stream::Unix(UnixStream::connect(path)?),
+            _ => {
+                return Err(io::Error::new(
+                    io::ErrorKind::Unsupported,
+                    "only redis:// over TCP and unix:// are supported",
+                ))
+            }
+        };
+        stream.set_timeouts(Some(timeout))?;
+        Ok(stream)
+    }
+
+    fn set_timeouts(&self, timeout: Option<Duration>) -> io::Result<()> {
+        match self {
+            Stream::Tcp(s) => s
+                .set_read_timeout(timeout)
+                .and_then(|()| s.set_write_timeout(timeout)),
+            Stream::Unix(s) => s
+                .set_read_timeout(timeout)
+                .and_then(|()| s.set_write_timeout(timeout)),
+        }
+    }
+
+    fn set_nonblocking(&self) -> io::Result<()> {
+        match self {
+            Stream::Tcp(s) => s.set_nonblocking(true),
+            Stream::Unix(s) => s.set_nonblocking(true),
+        }
+    }
+}
+
+impl Read for Stream {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        match self {
+            Stream::Tcp(s) => s.read(buf),
+            Stream::Unix(s) => s.read(buf),
+        }
+    }
+}
+
+impl Write for Stream {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        match self {
+            Stream::Tcp(s) => s.write(buf),
+            Stream::Unix(s) => s.write(buf),
+        }
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+impl AsRawFd for Stream {
+    fn as_raw_fd(&self) -> RawFd {
+        match self {
+            Stream::Tcp(s) => s.as_raw_fd(),
+            Stream::Unix(s) => s.as_raw_fd(),
+        }
+    }
+}
+
 /// A subscription connection.
 pub struct Subscriber {
-    stream: TcpStream,
+    stream: Stream,
     buf: Vec<u8>,
     /// Channels confirmed by Redis so far.
     pub confirmed: usize,
@@ -43,23 +129,7 @@ impl Subscriber {
         channels: &[String],
         timeout: Duration,
     ) -> io::Result<Self> {
-        let (host, port) = match &info.addr {
-            ConnectionAddr::Tcp(host, port) => (host.clone(), *port),
-            _ => {
-                return Err(io::Error::new(
-                    io::ErrorKind::Unsupported,
-                    "only redis:// over TCP is supported",
-                ))
-            }
-        };
-        let addr = (host.as_str(), port)
-            .to_socket_addrs()?
-            .next()
-            .ok_or_else(|| io::Error::new(io::ErrorKind::NotFound, "redis host did not resolve"))?;
-        let mut stream = TcpStream::connect_timeout(&addr, timeout)?;
-        stream.set_nodelay(true)?;
-        stream.set_read_timeout(Some(timeout))?;
-        stream.set_write_timeout(Some(timeout))?;
+        let mut stream = Stream::connect(&info.addr, timeout)?;
         if let Some(password) = &info.redis.password {
             let mut args = vec!["AUTH"];
             if let Some(user) = &info.redis.username {
@@ -69,17 +139,24 @@ impl Subscriber {
             stream.write_all(&command(&args))?;
             let mut reply = [0u8; 256];
             let n = stream.read(&mut reply)?;
-            if !reply.get(..n).unwrap_or_default().starts_with(b"+OK") {
+            let reply = reply.get(..n).unwrap_or_default();
+            if !reply.starts_with(b"+OK") {
+                // Redis's own words say which: a wrong password, or no such user.
+                let said = String::from_utf8_lossy(reply);
+                let said = said.trim_start_matches('-').lines().next().unwrap_or("");
                 return Err(io::Error::new(
                     io::ErrorKind::PermissionDenied,
-                    "redis AUTH failed",
+                    format!(
+                        "redis AUTH failed: {}",
+                        said.chars().take(200).collect::<String>()
+                    ),
                 ));
             }
         }
         let mut args = vec!["SUBSCRIBE"];
         args.extend(channels.iter().map(String::as_str));
         stream.write_all(&command(&args))?;
-        stream.set_nonblocking(true)?;
+        stream.set_nonblocking()?;
         Ok(Self {
             stream,
             buf: Vec::new(),

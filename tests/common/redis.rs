@@ -16,6 +16,8 @@ use std::time::{Duration, Instant};
 const START_DEADLINE: Duration = Duration::from_secs(10);
 /// Pause between readiness probes inside the deadline loop.
 const POLL: Duration = Duration::from_millis(10);
+/// The server's Unix socket, in its own directory.
+const SOCKET: &str = "redis.sock";
 /// Fresh ports tried before giving up (each failure means the port was taken meanwhile).
 const PORT_ATTEMPTS: usize = 5;
 
@@ -54,6 +56,12 @@ impl RedisServer {
     /// `redis://127.0.0.1:<port>/`.
     pub fn url(&self) -> String {
         format!("redis://127.0.0.1:{}/", self.port)
+    }
+
+    /// `unix://<dir>/redis.sock`: the same server through its Unix socket.
+    #[allow(dead_code)] // not every test binary reaches Redis through its Unix socket
+    pub fn unix_url(&self) -> String {
+        format!("unix://{}", self.dir.join(SOCKET).display())
     }
 
     /// The TCP port, stable across [`RedisServer::restart`].
@@ -130,6 +138,9 @@ fn spawn_ready(bin: &Path, port: u16, dir: &Path) -> Result<Child, String> {
     let log = dir.join(format!("redis-{port}.log"));
     let mut child = Command::new(bin)
         .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+        .arg("--unixsocket")
+        .arg(dir.join(SOCKET))
+        .args(["--unixsocketperm", "700"])
         .args(["--save", "", "--appendonly", "no"])
         .arg("--dir")
         .arg(dir)
