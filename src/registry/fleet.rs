@@ -85,10 +85,9 @@ fn plain_timeout(why: String) -> String {
 /// Whether `con` still answers, asked with a PING under [`PROBE_TIMEOUT`] (PING is not a write,
 /// so a Redis paused for writes answers it).
 fn answers_ping(con: &mut CommandCon) -> bool {
-    let con = con.inner();
-    let probe = con.set_read_timeout(Some(PROBE_TIMEOUT)).is_ok()
-        && redis::cmd("PING").query::<String>(con).is_ok();
-    probe && con.set_read_timeout(Some(IO_TIMEOUT)).is_ok()
+    let probe =
+        con.set_timeout(PROBE_TIMEOUT).is_ok() && redis::cmd("PING").query::<String>(con).is_ok();
+    probe && con.set_timeout(IO_TIMEOUT).is_ok()
 }
 
 /// Whether Redis answered a command with a refusal that sending it again would repeat, as
@@ -387,7 +386,7 @@ impl Fleet {
             .arg("LOAD")
             .arg(include_str!("../../lua/resume.lua"))
             .query::<String>(&mut con)?;
-        Ok(CommandCon::new(con))
+        Ok(CommandCon::new(con, IO_TIMEOUT)?)
     }
 
     /// A call's answer, or None once its failure is handled as [`Self::call_failed`] says.
