@@ -491,6 +491,38 @@ mod tests {
         }
     }
 
+    /// What a hello may hold is bounded, since the broker keeps it for the whole connection:
+    /// each bound is taken at its size and refused one past it.
+    #[test]
+    fn a_hellos_version_and_labels_are_bounded_at_128_bytes_and_32_labels() {
+        let hello = |version: &str, labels: serde_json::Value| {
+            let text = serde_json::json!({
+                "type": "hello", "rig_id": "r", "boot_id": BOOT,
+                "version": version, "labels": labels,
+            });
+            parse_client_msg(text.to_string().as_bytes())
+        };
+        let labels = |n: usize, key_len: usize, value_len: usize| {
+            let map = (0..n)
+                .map(|i| (format!("{i:0>key_len$}"), "v".repeat(value_len).into()))
+                .collect::<serde_json::Map<_, _>>();
+            serde_json::Value::Object(map)
+        };
+        let v = |n: usize| "1".repeat(n);
+        assert!(hello(&v(MAX_LABEL_LEN), labels(32, 128, 128)).is_ok());
+        for (version, labels, why) in [
+            (v(129), labels(0, 1, 1), "version too long"),
+            (v(1), labels(33, 3, 1), "too many labels"),
+            (v(1), labels(1, 129, 1), "label too long"),
+            (v(1), labels(1, 1, 129), "label too long"),
+        ] {
+            assert_eq!(
+                hello(&version, labels).map(|_| ()),
+                Err(ProtocolError::Invalid { ty: "hello", why }),
+            );
+        }
+    }
+
     /// Any u64 is a valid last_seq; past the last seq a session can use, it is held there.
     #[test]
     fn a_last_seq_past_the_last_usable_seq_is_held_at_it() {
