@@ -49,7 +49,8 @@
 # script dies without its cleanup); --time-limit is checked before every session, and every
 # step inside a session has its own bound. Ports: LATENCY_LISTEN_PORT (24080),
 # LATENCY_ADMIN_PORT (24090); a broker that cannot start (say, a port taken meanwhile) is
-# retried twice, 2 s apart.
+# retried twice, 2 s apart. LATENCY_REDIS_UNIX=1 has every broker and the publisher reach Redis
+# through its Unix socket (`unix://`) instead of TCP: Redis on the broker's own host.
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -139,6 +140,11 @@ lg_pid=""
 pub_pid=""
 start_s=$SECONDS
 redis_url="redis://127.0.0.1:$rport/"
+redis_unix=()
+if [[ "${LATENCY_REDIS_UNIX:-0}" == 1 ]]; then
+  redis_unix=(--unixsocket "$work/redis.sock" --unixsocketperm 700)
+  redis_url="unix://$work/redis.sock"
+fi
 
 # Stops one process we started (and its process group): TERM, up to $2 tenths of a second,
 # then KILL.
@@ -165,7 +171,7 @@ over_time() { (( SECONDS - start_s >= time_limit )); }
 
 # --- Redis -------------------------------------------------------------------------------
 procs_spawn -o /dev/null -e - redis-server --port "$rport" --bind 127.0.0.1 --save "" \
-  --appendonly no --logfile "$work/redis.log" --daemonize no
+  --appendonly no --logfile "$work/redis.log" --daemonize no "${redis_unix[@]}"
 redis_pid=$PROCS_PID
 for _ in $(seq 100); do
   [[ "$(redis-cli -p "$rport" ping 2>/dev/null)" == PONG ]] && break
