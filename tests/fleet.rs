@@ -386,6 +386,7 @@ fn readyz_says_when_redis_refuses_the_brokers_password() {
         status == 503 && body.contains("credentials refused")
     });
     assert!(last.starts_with("redis unreachable: "), "{last}");
+    assert!(last.contains("WRONGPASS"), "Redis's own words: {last}");
     // Fixed on Redis's side: the broker gets in at its next attempt, and readiness says so.
     let _: () = redis::cmd("CONFIG")
         .arg("SET")
@@ -397,6 +398,44 @@ fn readyz_says_when_redis_refuses_the_brokers_password() {
         Duration::from_secs(15),
         "readyz 200 once the password is right",
         || b.http("GET", "/readyz", "") == (200, "ready\n".to_string()),
+    );
+}
+
+/// A password in `--redis` for a Redis that asks for none is a misconfiguration, and the
+/// broker says so in Redis's words rather than "authentication failed"; and with the right
+/// password, a database number in the URL is selected once the broker has authenticated.
+#[test]
+fn redis_auth_refusals_carry_redis_words_and_the_db_follows_the_auth() {
+    let redis = RedisServer::start();
+    let url = format!("redis://:needless@127.0.0.1:{}/", redis.port());
+    let b = Broker::start(&["--redis", url.as_str(), "--broker-id", "fe-nopw"]);
+    eventually(Duration::from_secs(10), "readyz naming the refusal", || {
+        let (status, body) = b.http("GET", "/readyz", "");
+        status == 503
+            && body.contains("credentials refused")
+            && body.contains("without any password configured")
+    });
+    drop(b);
+
+    let mut admin = redis.connection();
+    let _: () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("requirepass")
+        .arg("s3cret")
+        .query(&mut admin)
+        .unwrap();
+    let url = format!("redis://:s3cret@127.0.0.1:{}/3", redis.port());
+    let b = Broker::start(&["--redis", url.as_str(), "--broker-id", "fe-db3"]);
+    eventually(Duration::from_secs(10), "ready on db 3", || {
+        b.http("GET", "/readyz", "") == (200, "ready\n".to_string())
+    });
+    let (_ws, boot, _) = b.rig("rig-db3");
+    let _: () = redis::cmd("SELECT").arg(3).query(&mut admin).unwrap();
+    let lease: Option<String> = admin.get("rig:rig-db3").unwrap();
+    assert_eq!(
+        lease,
+        Some(format!("{boot}|fe-db3")),
+        "the lease is in db 3"
     );
 }
 

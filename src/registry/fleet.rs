@@ -63,6 +63,8 @@ fn refuses_credentials(why: &str) -> bool {
         "NOPERM",
         "AuthenticationFailed",
         "invalid username-password",
+        // A password in --redis for a Redis that asks for none.
+        "without any password configured",
     ]
     .iter()
     .any(|code| why.contains(code))
@@ -359,7 +361,14 @@ impl Fleet {
     }
 
     fn open_con(&mut self) -> anyhow::Result<CommandCon> {
-        let client = redis::Client::open(self.info.clone())?;
+        // The AUTH and SELECT are ours, not the client's: redis-rs turns a refused AUTH into
+        // "Password authentication failed" whatever Redis said, and Redis's words tell a wrong
+        // password from a URL with one for a Redis that has none.
+        let mut bare = self.info.clone();
+        let user = bare.redis.username.take();
+        let password = bare.redis.password.take();
+        let db = std::mem::take(&mut bare.redis.db);
+        let client = redis::Client::open(bare)?;
         // A hung Redis (frozen, or a black-holed path) still accepts TCP connections; a short
         // probe keeps each reconnect attempt from stalling the bridge, and with it hellos and
         // admin commands, for a whole IO_TIMEOUT. The probe is a write, since a Redis paused
@@ -371,6 +380,13 @@ impl Fleet {
         let mut con = client.get_connection_with_timeout(PROBE_TIMEOUT)?;
         con.set_read_timeout(Some(PROBE_TIMEOUT))?;
         con.set_write_timeout(Some(PROBE_TIMEOUT))?;
+        if let Some(password) = password {
+            let mut auth = redis::cmd("AUTH");
+            auth.arg(user).arg(password).query::<()>(&mut con)?;
+        }
+        if db != 0 {
+            redis::cmd("SELECT").arg(db).query::<()>(&mut con)?;
+        }
         redis::cmd("PEXPIRE")
             .arg(crate::registry::scripts::broker_key(&self.broker_id))
             .arg(HEARTBEAT_TTL.as_millis() as u64)
