@@ -366,17 +366,22 @@ fn a_redis_on_a_unix_socket_serves_subscription_and_commands() {
     );
 }
 
+/// Makes Redis ask new connections for `password`; `admin`, already in, stays so.
+fn require_password(admin: &mut redis::Connection, password: &str) {
+    let _: () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("requirepass")
+        .arg(password)
+        .query(admin)
+        .unwrap();
+}
+
 #[test]
 fn readyz_says_when_redis_refuses_the_brokers_password() {
     let redis = RedisServer::start();
     let mut admin = redis.connection();
     // Our own connection stays authenticated; the broker's new ones must give the password.
-    let _: () = redis::cmd("CONFIG")
-        .arg("SET")
-        .arg("requirepass")
-        .arg("right-one")
-        .query(&mut admin)
-        .unwrap();
+    require_password(&mut admin, "right-one");
     let url = format!("redis://:wrong-one@127.0.0.1:{}/", redis.port());
     let b = Broker::start(&["--redis", url.as_str(), "--broker-id", "fe-pw"]);
     let mut last = String::new();
@@ -388,12 +393,7 @@ fn readyz_says_when_redis_refuses_the_brokers_password() {
     assert!(last.starts_with("redis unreachable: "), "{last}");
     assert!(last.contains("WRONGPASS"), "Redis's own words: {last}");
     // Fixed on Redis's side: the broker gets in at its next attempt, and readiness says so.
-    let _: () = redis::cmd("CONFIG")
-        .arg("SET")
-        .arg("requirepass")
-        .arg("wrong-one")
-        .query(&mut admin)
-        .unwrap();
+    require_password(&mut admin, "wrong-one");
     eventually(
         Duration::from_secs(15),
         "readyz 200 once the password is right",
@@ -418,12 +418,7 @@ fn redis_auth_refusals_carry_redis_words_and_the_db_follows_the_auth() {
     drop(b);
 
     let mut admin = redis.connection();
-    let _: () = redis::cmd("CONFIG")
-        .arg("SET")
-        .arg("requirepass")
-        .arg("s3cret")
-        .query(&mut admin)
-        .unwrap();
+    require_password(&mut admin, "s3cret");
     let url = format!("redis://:s3cret@127.0.0.1:{}/3", redis.port());
     let b = Broker::start(&["--redis", url.as_str(), "--broker-id", "fe-db3"]);
     eventually(Duration::from_secs(10), "ready on db 3", || {
