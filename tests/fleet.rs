@@ -403,7 +403,8 @@ fn readyz_says_when_redis_refuses_the_brokers_password() {
 
 /// A password in `--redis` for a Redis that asks for none is a misconfiguration, and the
 /// broker says so in Redis's words rather than "authentication failed"; and with the right
-/// password, a database number in the URL is selected once the broker has authenticated.
+/// password, a database number in the URL is selected once the broker has authenticated,
+/// whatever protocol the URL asks for.
 #[test]
 fn redis_auth_refusals_carry_redis_words_and_the_db_follows_the_auth() {
     let redis = RedisServer::start();
@@ -419,7 +420,11 @@ fn redis_auth_refusals_carry_redis_words_and_the_db_follows_the_auth() {
 
     let mut admin = redis.connection();
     require_password(&mut admin, "s3cret");
-    let url = format!("redis://:s3cret@127.0.0.1:{}/3", redis.port());
+    // RESP3 asked for too: the broker speaks RESP2, and a HELLO 3 before the AUTH was refused.
+    let url = format!(
+        "redis://:s3cret@127.0.0.1:{}/3?protocol=resp3",
+        redis.port()
+    );
     let b = Broker::start(&["--redis", url.as_str(), "--broker-id", "fe-db3"]);
     eventually(Duration::from_secs(10), "ready on db 3", || {
         b.http("GET", "/readyz", "") == (200, "ready\n".to_string())

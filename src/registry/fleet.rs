@@ -368,6 +368,9 @@ impl Fleet {
         let user = bare.redis.username.take();
         let password = bare.redis.password.take();
         let db = std::mem::take(&mut bare.redis.db);
+        // RESP2 whatever the URL asks (`?protocol=resp3`): a RESP3 HELLO before the AUTH is
+        // refused by a Redis with a password, and the bridge reads RESP2 replies alone.
+        bare.redis.protocol = redis::ProtocolVersion::RESP2;
         let client = redis::Client::open(bare)?;
         // A hung Redis (frozen, or a black-holed path) still accepts TCP connections; a short
         // probe keeps each reconnect attempt from stalling the bridge, and with it hellos and
