@@ -251,9 +251,9 @@ fn run(mut cfg: Config) -> anyhow::Result<()> {
     for core in cores {
         let _ = core.join();
     }
-    let _ = bridge_tx.push_owed(ToBridge::Shutdown {
-        wait_for_redis: !cut.load(Ordering::SeqCst),
-    });
+    // The flag, not its value now: a second signal during the bridge's wait for Redis ends
+    // that wait too.
+    let _ = bridge_tx.push_owed(ToBridge::Shutdown { now: cut });
     bridge_tx.ring();
     let _ = bridge.join();
     match (cause, lost.try_recv().ok()) {

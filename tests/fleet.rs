@@ -1804,6 +1804,32 @@ fn a_second_sigterm_does_not_wait_for_an_absent_redis() {
     assert!(status.success(), "{status:?}");
 }
 
+/// The same "now" when the second SIGTERM comes after the drain's window, while the broker is
+/// already waiting for Redis (a `systemctl stop` repeated during an outage): the wait ends at
+/// once. Before, the broker read the second signal only as the wait began, and waited out the
+/// whole 5 s.
+#[test]
+fn a_second_sigterm_during_the_wait_for_an_absent_redis_ends_it() {
+    let redis = RedisServer::start();
+    let relay = Relay::start(redis.port());
+    let (mut a, mut ws, _ctl) = acked_while_redis_is_away(&redis, &relay);
+    a.sigterm();
+    until_closed(&mut ws);
+    // The wait is under way once attempts come at its own pace (every 100 ms), not the
+    // outage's backoff (a second or more apart by now).
+    let before = relay.turned_away();
+    eventually(Duration::from_secs(3), "the exit's own attempts", || {
+        relay.turned_away() >= before + 3
+    });
+    let cut_at = Instant::now();
+    a.sigterm();
+    let status = a
+        .wait_exit(Duration::from_millis(1500))
+        .expect("exited within 1.5 s of the second SIGTERM, not at the end of the 5 s wait");
+    assert!(status.success(), "{status:?}");
+    assert!(cut_at.elapsed() < Duration::from_millis(1500));
+}
+
 /// A second broker with the id of one that is running is refused at start (exit 1, saying
 /// why): both would take every command on the shared channel, and the one without the rig
 /// would answer `rig_not_connected` for a command the other ran. Once the first is gone the

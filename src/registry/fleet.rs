@@ -12,6 +12,7 @@ use redis::{ConnectionInfo, IntoConnectionInfo};
 use crate::ids::Seq;
 use crate::ids::{BootId, RigId};
 use crate::registry::command_con::CommandCon;
+use crate::registry::exit_wait::ExitWait;
 use crate::registry::msg::Recall;
 use crate::registry::offline::{Held, OfflineScripts, Pushed};
 use crate::registry::pubsub::{Push, Subscriber};
@@ -778,17 +779,19 @@ impl Fleet {
 
     /// Tries to reach Redis until `until`, every [`EXIT_RETRY`] rather than at the backoff's
     /// pace; true once both connections are up.
-    pub(crate) fn wait_up(&mut self, until: Instant) -> bool {
+    pub(crate) fn wait_up(&mut self, wait: &ExitWait) -> bool {
         loop {
             let now = Instant::now();
+            // After "now", only a Redis already there: no attempt that could take a probe's
+            // wait.
+            if wait.over(now) {
+                return false;
+            }
             self.next_attempt = self.next_attempt.min(now);
             if self.ensure(now) {
                 return true;
             }
-            if now >= until {
-                return false;
-            }
-            std::thread::sleep(EXIT_RETRY.min(until.saturating_duration_since(now)));
+            std::thread::sleep(wait.pause(now, EXIT_RETRY));
         }
     }
 
@@ -796,7 +799,7 @@ impl Fleet {
     /// away (or paused) to answer again, then says what could not be sent. Before, a broker
     /// that drained during an outage exited at once, and the `ack` events it held (acks it
     /// took while Redis could not keep them) were lost without a word.
-    pub(crate) fn flush_before_exit(&mut self, end: Instant) {
+    pub(crate) fn flush_before_exit(&mut self, wait: &ExitWait) {
         loop {
             let now = Instant::now();
             // At its own pace, not the backoff's: after a long outage that is seconds.
@@ -813,13 +816,13 @@ impl Fleet {
             if publishes + forgets + writes == 0 {
                 return;
             }
-            if now >= end {
+            if wait.over(now) {
                 log::warn!(
                     "redis: exiting with {publishes} events and replies unpublished, {forgets} removals of acked commands and {writes} lease releases and session notes unwritten: Redis did not answer by the end of the drain's wait for it (the leases lapse by their TTL; an acked command whose removal is lost may be reported rig_rebooted at its rig's next boot)"
                 );
                 return;
             }
-            std::thread::sleep(EXIT_RETRY.min(end.saturating_duration_since(now)));
+            std::thread::sleep(wait.pause(now, EXIT_RETRY));
         }
     }
 

@@ -13,6 +13,7 @@ pub mod bridge;
 pub(crate) mod command_con;
 pub mod control;
 pub mod embedded;
+pub mod exit_wait;
 pub mod fleet;
 pub mod msg;
 pub mod offline;

@@ -405,9 +405,9 @@ pub enum ToBridge {
     },
     /// The broker is stopping: release what it holds and exit.
     Shutdown {
-        /// A Redis that is away gets a few seconds to come back for what the broker still
-        /// holds for it; not after a second signal, which means "now".
-        wait_for_redis: bool,
+        /// Set by a second signal, which means "now": until then, a Redis that is away gets a
+        /// few seconds to come back for what the broker still holds for it.
+        now: std::sync::Arc<std::sync::atomic::AtomicBool>,
     },
 }
 

@@ -923,7 +923,7 @@ pub(crate) mod tests {
                 let mut rung_early = false;
                 for _ in 0..3 {
                     assert!(core.to_bridge(ToBridge::Shutdown {
-                        wait_for_redis: true
+                        now: Default::default()
                     }));
                     rung_early |= (&rx.listen).read(&mut buf).is_ok();
                 }

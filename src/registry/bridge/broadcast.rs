@@ -128,7 +128,9 @@ mod tests {
     use crate::doorbell::Inbox;
     use crate::ids::{BootId, ConnId, CoreId, RigId};
     use crate::registry::bridge::testing::bridge;
+    use crate::registry::bridge::EXIT_FLUSH_WAIT;
     use crate::registry::bridge::REGISTRY_OPS;
+    use crate::registry::exit_wait::ExitWait;
     use crate::registry::msg::ToCore;
 
     /// A bridge holding rig-7 (label pool=a) on core 0.
@@ -205,7 +207,11 @@ mod tests {
     fn a_broadcast_still_waiting_at_shutdown_is_answered() {
         let (mut b, _core) = bridge_with_rig();
         send(&mut b, "w");
-        b.shutdown(true);
+        b.shutdown(ExitWait::new(
+            Instant::now(),
+            EXIT_FLUSH_WAIT,
+            Default::default(),
+        ));
         assert!(b.broadcasts.is_empty());
         let body = answer(&b);
         assert_eq!(

@@ -40,6 +40,7 @@ use crate::config::Config;
 use crate::doorbell::{Full, Inbox, Mailbox};
 use crate::ids::{BootId, ConnId, CoreId, RigId, Seq};
 use crate::registry::embedded::{Action, Embedded};
+use crate::registry::exit_wait::ExitWait;
 use crate::registry::fleet::{self, Fleet};
 use crate::registry::msg::{
     AdminAnswer, AdminReply, CommandReq, PersistReq, ReplyTo, ToBridge, ToCore,
@@ -230,8 +231,8 @@ impl Bridge {
             self.batched(|b| {
                 while handled < BATCH {
                     match inbox.try_recv() {
-                        Some(ToBridge::Shutdown { wait_for_redis }) => {
-                            shutdown = Some(wait_for_redis);
+                        Some(ToBridge::Shutdown { now }) => {
+                            shutdown = Some(now);
                             break;
                         }
                         Some(msg) => b.handle(msg),
@@ -242,10 +243,10 @@ impl Bridge {
                 b.flush_hellos();
                 b.flush_holds();
             });
-            if let Some(wait_for_redis) = shutdown {
+            if let Some(now) = shutdown {
                 self.flush_hellos();
                 self.flush_holds();
-                return self.shutdown(wait_for_redis);
+                return self.shutdown(ExitWait::new(Instant::now(), EXIT_FLUSH_WAIT, now));
             }
             let now = Instant::now();
             self.redis_io(now);
@@ -693,12 +694,7 @@ impl Bridge {
 
     /// Answers the commands still waiting to be kept, releases every lease this broker holds,
     /// then returns (the end of a drain, after the cores have stopped).
-    fn shutdown(&mut self, wait_for_redis: bool) {
-        let until = Instant::now()
-            + match wait_for_redis {
-                true => EXIT_FLUSH_WAIT,
-                false => Duration::ZERO,
-            };
+    fn shutdown(&mut self, wait: ExitWait) {
         // Kept before the leases go (a released lease fences the persist), a command reaches
         // its rig by resume wherever it reconnects, so control is told `ok`. With Redis away it
         // was neither written nor kept: control hears that instead of nothing.
@@ -721,13 +717,13 @@ impl Bridge {
             let up = self
                 .fleet
                 .as_mut()
-                .is_some_and(|f| f.is_up() || (wait_for_redis && f.wait_up(until)));
+                .is_some_and(|f| f.is_up() || f.wait_up(&wait));
             if !owed || !up {
                 break;
             }
             self.queue_ended_alone();
             self.rekeep_sessions();
-            if Instant::now() >= until {
+            if wait.over(Instant::now()) {
                 break;
             }
         }
@@ -743,7 +739,7 @@ impl Bridge {
             self.release(rig, boot);
         }
         if let Some(f) = self.fleet.as_mut() {
-            f.flush_before_exit(until);
+            f.flush_before_exit(&wait);
             f.retire();
         }
         if !self.ended_alone.is_empty() || !self.rekeeps.is_empty() {
@@ -764,7 +760,7 @@ pub(super) const ALL_UNKEPT: Seq = Seq(u64::MAX);
 
 /// How long the end of a drain waits for an absent Redis to take what the broker still holds
 /// for it (events, removals of acked commands, lease releases).
-const EXIT_FLUSH_WAIT: Duration = Duration::from_secs(5);
+pub(super) const EXIT_FLUSH_WAIT: Duration = Duration::from_secs(5);
 
 #[cfg(test)]
 pub(super) mod testing {
@@ -824,7 +820,11 @@ mod tests {
                 hold_left: None,
             });
         }
-        b.shutdown(true);
+        b.shutdown(ExitWait::new(
+            Instant::now(),
+            EXIT_FLUSH_WAIT,
+            Default::default(),
+        ));
         assert!(b.persists.is_empty());
         let sent = b.fleet.as_ref().expect("fleet").queued_publishes();
         let bodies: Vec<Value> = sent
