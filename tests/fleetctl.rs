@@ -887,8 +887,9 @@ fn usage_errors_exit_64() {
 }
 
 /// A Redis that takes connections but never answers (SIGSTOP: hung, or a black-holed path)
-/// costs `send` its `--timeout` and the commands without one their stated 5 s, then exit 3
-/// saying so, not a fixed 10 s and an exit 2 "cannot connect".
+/// costs `send` its `--timeout`, `events` its `--for`, and the commands without one their
+/// stated 5 s, then exit 3 saying so, not a fixed 10 s and an exit 2 "cannot connect". (The
+/// tail's subscription, dropped, waited once more for Redis to confirm its unsubscribe.)
 #[test]
 fn a_hung_redis_is_a_timeout_within_the_commands_wait() {
     let (redis, _fe) = one_rig_fleet(true);
@@ -903,6 +904,7 @@ fn a_hung_redis_is_a_timeout_within_the_commands_wait() {
     // All at once, so the test waits 5 s, not 12; the shortest first.
     let runs = [
         (spawn(&["send", "rig-1", "reboot", "--timeout", "2s"]), 2),
+        (spawn(&["events", "--for", "3s"]), 3),
         (spawn(&["status", "rig-1"]), 5),
         (spawn(&["brokers"]), 5),
     ];
@@ -922,6 +924,33 @@ fn a_hung_redis_is_a_timeout_within_the_commands_wait() {
         );
     }
     redis.freeze(false);
+}
+
+/// A Redis that hangs once the tail is subscribed: `events --for 3s` still ends at its 3 s
+/// (exit 0, nothing arrived), not 3 s more, which its dropped subscription spent waiting for
+/// Redis to confirm the unsubscribe.
+#[test]
+fn an_events_tail_ends_at_its_for_when_redis_hangs_under_it() {
+    let redis = RedisServer::start();
+    let mut con = redis.connection();
+    let started = Instant::now();
+    let child = spawn_piped(&mut fleetctl_cmd(&[
+        "--redis",
+        &redis.url(),
+        "events",
+        "--for",
+        "3s",
+    ]));
+    wait_for_events_subscriber(&mut con);
+    redis.freeze(true);
+    let run = Run::from(child.output_within(Duration::from_secs(3) + MARGIN));
+    let took = started.elapsed();
+    redis.freeze(false);
+    run.assert_code(0);
+    assert!(
+        took < Duration::from_millis(4500),
+        "a 3 s tail took {took:?}"
+    );
 }
 
 /// With `--admin`, `events` tails a standalone broker's kept events (`GET /v1/events`) from

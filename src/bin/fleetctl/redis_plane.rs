@@ -497,17 +497,25 @@ impl ControlPlane for RedisPlane {
         let deadline = limit.map(|_| start);
         let mut sub_con = self.open()?;
         let mut sub = sub_con.as_pubsub();
-        sub.subscribe(EVENTS_CHANNEL)
-            .map_err(self.failed("SUBSCRIBE"))?;
-        let mut seen = 0;
-        while count.is_none_or(|n| seen < n) {
-            let Some(event) = next_json(&mut sub, deadline)? else {
-                break;
-            };
-            each(&event);
-            seen += 1;
-        }
-        Ok(seen)
+        let mut tail = |sub: &mut PubSub<'_>| -> anyhow::Result<u64> {
+            sub.subscribe(EVENTS_CHANNEL)
+                .map_err(self.failed("SUBSCRIBE"))?;
+            let mut seen = 0;
+            while count.is_none_or(|n| seen < n) {
+                let Some(event) = next_json(sub, deadline)? else {
+                    break;
+                };
+                each(&event);
+                seen += 1;
+            }
+            Ok(seen)
+        };
+        let seen = tail(&mut sub);
+        // Dropped, a subscription unsubscribes and waits for Redis's confirmation as long as
+        // its last read could: from a Redis that stopped answering, a second whole wait.
+        // fleetctl exits next, which ends the subscription all the same.
+        let _ = sub.set_read_timeout(Some(Duration::from_millis(1)));
+        seen
     }
 }
 
