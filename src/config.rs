@@ -49,7 +49,8 @@ the broker's flags, environment and --config too).";
 #[derive(Subcommand, Debug)]
 pub enum Tool {
     /// Check this host's kernel and limits for N connections, and the broker's flags and
-    /// files as a start would; exit 1 if it cannot hold them or would not start. The broker's
+    /// files (config, TLS, tokens) as a start would; exit 1 if it cannot hold them or those
+    /// would not start it. Ports are not tried: doctor runs beside a live broker. The broker's
     /// flags go before `doctor`: `fleetlink-fe --cores 8 doctor --connections N`.
     Doctor {
         /// Connections the host should hold (at least 1; above 100,000,000 checked as that).
