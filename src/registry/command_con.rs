@@ -10,7 +10,7 @@
 //!
 //! The socket's timeout bounds one read, not a call: a path to Redis that trickles, each reply
 //! inside the timeout, held the bridge for as long as the pipeline lasted. So a call also ends
-//! once it has taken the timeout in all, wherever it is.
+//! once it has taken the timeout in all (a long pipeline, 1 ms a reply), wherever it is.
 
 use std::time::{Duration, Instant};
 
@@ -19,8 +19,8 @@ use redis::{ConnectionLike, RedisResult, Value};
 /// A [`redis::Connection`] whose calls fail at their first failed read, or past their timeout.
 pub(crate) struct CommandCon {
     con: redis::Connection,
-    /// The most one call may take, from its send to its last reply; also the socket's read
-    /// timeout.
+    /// The socket's read timeout, and the most one call may take from its send to its last
+    /// reply (more for a long pipeline: [`call_budget`]).
     timeout: Duration,
 }
 
@@ -42,7 +42,7 @@ impl CommandCon {
     /// call's deadline.
     fn call(&mut self, cmd: &[u8], offset: usize, count: usize) -> RedisResult<Vec<Value>> {
         let timeout = self.timeout;
-        let deadline = Instant::now() + timeout;
+        let deadline = Instant::now() + call_budget(timeout, offset + count);
         self.con.send_packed_command(cmd)?;
         let con = &mut self.con;
         let mut shortened = false;
@@ -51,7 +51,7 @@ impl CommandCon {
             if left.is_zero() {
                 return Err(std::io::Error::new(
                     std::io::ErrorKind::TimedOut,
-                    format!("call timed out: its replies took more than {timeout:?}"),
+                    format!("call timed out: its {count} replies took too long"),
                 )
                 .into());
             }
@@ -98,6 +98,13 @@ impl ConnectionLike for CommandCon {
     fn is_open(&self) -> bool {
         self.con.is_open()
     }
+}
+
+/// How long a call expecting `replies` may take: the timeout, or 1 ms a reply for a pipeline
+/// long enough to need more (Redis runs a simple command in microseconds, so a healthy one
+/// never comes near it; thousands of publishes on a slow host could come near 2 s in all).
+fn call_budget(timeout: Duration, replies: usize) -> Duration {
+    timeout.max(Duration::from_millis(replies as u64))
 }
 
 /// Reads `offset + count` replies with `next`, keeping the last `count`, as redis-rs does (an
@@ -171,6 +178,14 @@ mod tests {
         assert!(took < Duration::from_millis(1500), "{took:?}");
         drop(con);
         server.join().unwrap();
+    }
+
+    #[test]
+    fn a_long_pipeline_has_a_millisecond_a_reply() {
+        let two = Duration::from_secs(2);
+        assert_eq!(call_budget(two, 1), two);
+        assert_eq!(call_budget(two, 2_000), two);
+        assert_eq!(call_budget(two, 16_384), Duration::from_millis(16_384));
     }
 
     #[test]
