@@ -27,15 +27,6 @@ impl ExitWait {
         }
     }
 
-    /// No wait at all: only a Redis already there is used.
-    pub fn none() -> Self {
-        ExitWait::new(
-            Instant::now(),
-            Duration::ZERO,
-            Arc::new(AtomicBool::new(true)),
-        )
-    }
-
     /// Whether the wait is over at `at`: its deadline passed, or "now" was said.
     pub fn over(&self, at: Instant) -> bool {
         at >= self.until || self.now.load(Ordering::SeqCst)
@@ -67,6 +58,5 @@ mod tests {
         );
         now.store(true, Ordering::SeqCst);
         assert!(wait.over(t0), "said while waiting: over at once");
-        assert!(ExitWait::none().over(Instant::now()));
     }
 }

@@ -777,8 +777,8 @@ impl Fleet {
         }
     }
 
-    /// Tries to reach Redis until `until`, every [`EXIT_RETRY`] rather than at the backoff's
-    /// pace; true once both connections are up.
+    /// Tries to reach Redis until `wait` is over, every [`EXIT_RETRY`] rather than at the
+    /// backoff's pace; true once both connections are up.
     pub(crate) fn wait_up(&mut self, wait: &ExitWait) -> bool {
         loop {
             let now = Instant::now();
@@ -795,7 +795,7 @@ impl Fleet {
         }
     }
 
-    /// The end of a drain: sends everything queued, waiting until `end` for a Redis that is
+    /// The end of a drain: sends everything queued, waiting as `wait` allows for a Redis that is
     /// away (or paused) to answer again, then says what could not be sent. Before, a broker
     /// that drained during an outage exited at once, and the `ack` events it held (acks it
     /// took while Redis could not keep them) were lost without a word.
