@@ -8,72 +8,129 @@
 //! the outage was never noticed. Here the first read that fails ends the call; the caller then
 //! drops the connection (`Fleet::call_failed`), so the replies left unread never matter.
 //!
-//! The socket's timeout bounds one read, not a call: a path to Redis that trickles, each reply
-//! inside the timeout, held the bridge for as long as the pipeline lasted. So a call also ends
-//! once it has taken the timeout in all (a long pipeline, 1 ms a reply), wherever it is.
+//! A socket's timeout bounds one read, not a call: a path to Redis that trickles, each piece
+//! inside the timeout, held the bridge for as long as the pipeline (or one reply, a byte at a
+//! time) lasted. So a call also ends once it has taken the timeout in all (a long pipeline,
+//! 1 ms a reply), wherever it is: this connection does its own reads to keep that bound.
 
+use std::io::{self, Read, Write};
 use std::time::{Duration, Instant};
 
-use redis::{ConnectionLike, RedisResult, Value};
+use redis::{ConnectionInfo, ConnectionLike, RedisResult, Value};
 
-/// A [`redis::Connection`] whose calls fail at their first failed read, or past their timeout.
+use crate::registry::pubsub::Stream;
+
+/// Largest reply kept while it arrives; a longer one is a protocol failure.
+const MAX_REPLY: usize = 512 << 20;
+
+/// The bridge's command connection: its own socket, read a reply at a time, every read bounded
+/// by what its call has left. redis-rs read a reply in as many reads as it came in, each with
+/// the whole timeout, so one reply trickling a byte at a time held the bridge about 22 s in
+/// an audit; its parser still turns each whole reply into a [`Value`].
 pub(crate) struct CommandCon {
-    con: redis::Connection,
-    /// The socket's read timeout, and the most one call may take from its send to its last
-    /// reply (more for a long pipeline: [`call_budget`]).
+    stream: Stream,
+    /// Bytes read past the last whole reply.
+    buf: Vec<u8>,
+    /// The most one call may take from its send to its last reply (more for a long pipeline:
+    /// [`call_budget`]); also the socket's timeouts between calls.
     timeout: Duration,
+    /// The socket's read timeout now: shortened late in a slow call.
+    read_timeout: Duration,
+    db: i64,
+    /// False once a read or write failed: the caller drops the connection.
+    open: bool,
 }
 
 impl CommandCon {
-    /// Wraps `con`, whose calls may take `timeout` each.
-    pub(crate) fn new(con: redis::Connection, timeout: Duration) -> RedisResult<Self> {
-        con.set_read_timeout(Some(timeout))?;
-        Ok(CommandCon { con, timeout })
+    /// Connects to the address `info` names, giving up after `timeout`; sends no AUTH or
+    /// SELECT (the caller does, to see Redis's answers).
+    pub(crate) fn connect(info: &ConnectionInfo, timeout: Duration) -> io::Result<Self> {
+        Ok(CommandCon {
+            stream: Stream::connect(&info.addr, timeout)?,
+            buf: Vec::new(),
+            timeout,
+            read_timeout: timeout,
+            db: info.redis.db,
+            open: true,
+        })
     }
 
     /// Sets how long each call may take from now on.
     pub(crate) fn set_timeout(&mut self, timeout: Duration) -> RedisResult<()> {
-        self.con.set_read_timeout(Some(timeout))?;
+        self.stream.set_timeouts(Some(timeout))?;
         self.timeout = timeout;
+        self.read_timeout = timeout;
         Ok(())
     }
 
     /// Sends `cmd`, then reads `offset + count` replies as [`read_replies`] does, all by the
     /// call's deadline.
     fn call(&mut self, cmd: &[u8], offset: usize, count: usize) -> RedisResult<Vec<Value>> {
-        let timeout = self.timeout;
-        let deadline = Instant::now() + call_budget(timeout, offset + count);
-        self.con.send_packed_command(cmd)?;
-        let con = &mut self.con;
-        let mut shortened = false;
-        let replies = read_replies(offset, count, || {
+        let deadline = Instant::now() + call_budget(self.timeout, offset + count);
+        if let Err(e) = self.stream.write_all(cmd) {
+            self.open = false;
+            return Err(e.into());
+        }
+        let replies = read_replies(offset, count, || self.reply(deadline, count));
+        if self.read_timeout != self.timeout {
+            self.stream.set_read_timeout(Some(self.timeout))?;
+            self.read_timeout = self.timeout;
+        }
+        if replies.is_err() {
+            // Replies may be left unread: the connection is out of step.
+            self.open = false;
+        }
+        replies
+    }
+
+    /// The next whole reply, read by `deadline`.
+    fn reply(&mut self, deadline: Instant, count: usize) -> RedisResult<Value> {
+        let mut chunk = [0u8; 16 << 10];
+        loop {
+            if let Some(len) = reply_len(&self.buf)? {
+                let value = redis::parse_redis_value(self.buf.get(..len).unwrap_or_default());
+                self.buf.drain(..len);
+                return value;
+            }
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
-                return Err(std::io::Error::new(
-                    std::io::ErrorKind::TimedOut,
+                return Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
                     format!("call timed out: its {count} replies took too long"),
                 )
                 .into());
             }
-            // A read that starts late in the call may wait only what the call has left (a
-            // syscall, so only once a call is slow).
-            if left < timeout / 2 {
-                con.set_read_timeout(Some(left))?;
-                shortened = true;
+            // A read late in the call may wait only what the call has left (a syscall, so
+            // only once a call is slow).
+            if left < self.read_timeout / 2 {
+                self.stream.set_read_timeout(Some(left))?;
+                self.read_timeout = left;
             }
-            con.recv_response()
-        });
-        if shortened {
-            self.con.set_read_timeout(Some(timeout))?;
+            match self.stream.read(&mut chunk) {
+                Ok(0) => {
+                    return Err(io::Error::new(
+                        io::ErrorKind::UnexpectedEof,
+                        "redis closed the connection",
+                    )
+                    .into())
+                }
+                Ok(n) => self
+                    .buf
+                    .extend_from_slice(chunk.get(..n).unwrap_or_default()),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e.into()),
+            }
+            if self.buf.len() > MAX_REPLY {
+                return Err(
+                    io::Error::new(io::ErrorKind::InvalidData, "oversized redis reply").into(),
+                );
+            }
         }
-        replies
     }
 }
 
 impl ConnectionLike for CommandCon {
     fn req_packed_command(&mut self, cmd: &[u8]) -> RedisResult<Value> {
-        // One reply: the first that is not a RESP3 push, which this RESP2 connection never
-        // gets.
         let mut reply = self.call(cmd, 0, 1)?;
         Ok(reply.pop().unwrap_or(Value::Nil))
     }
@@ -88,16 +145,53 @@ impl ConnectionLike for CommandCon {
     }
 
     fn get_db(&self) -> i64 {
-        self.con.get_db()
+        self.db
     }
 
     fn check_connection(&mut self) -> bool {
-        self.con.check_connection()
+        redis::cmd("PING").query::<String>(self).is_ok()
     }
 
     fn is_open(&self) -> bool {
-        self.con.is_open()
+        self.open
     }
+}
+
+/// The length of the first whole RESP2 value in `buf`, or None while it is incomplete. Counts
+/// the values still owed rather than recursing, so a deep reply cannot overflow the stack.
+fn reply_len(buf: &[u8]) -> io::Result<Option<usize>> {
+    let bad = || io::Error::new(io::ErrorKind::InvalidData, "malformed redis reply");
+    let (mut pos, mut owed) = (0usize, 1u64);
+    while owed > 0 {
+        let rest = buf.get(pos..).unwrap_or_default();
+        let Some(end) = rest.windows(2).position(|w| w == b"\r\n") else {
+            return Ok(None);
+        };
+        let number = || -> io::Result<i64> {
+            std::str::from_utf8(rest.get(1..end).unwrap_or_default())
+                .ok()
+                .and_then(|t| t.parse().ok())
+                .ok_or_else(bad)
+        };
+        let after = pos + end + 2;
+        owed -= 1;
+        pos = match rest.first() {
+            Some(b'+' | b'-' | b':') => after,
+            Some(b'$') => match usize::try_from(number()?) {
+                Ok(n) if buf.len() < after + n + 2 => return Ok(None),
+                Ok(n) => after + n + 2,
+                Err(_) => after, // a nil bulk string ($-1)
+            },
+            Some(b'*') => {
+                if let Ok(n) = u64::try_from(number()?) {
+                    owed = owed.saturating_add(n);
+                }
+                after
+            }
+            _ => return Err(bad()),
+        };
+    }
+    Ok(Some(pos))
 }
 
 /// How long a call expecting `replies` may take: the timeout, or 1 ms a reply for a pipeline
@@ -133,36 +227,47 @@ fn read_replies(
 mod tests {
     use super::*;
 
-    /// A server whose replies each come well inside the socket's read timeout, but whose
-    /// pipeline takes six times the call's timeout in all: the call ends at its timeout.
-    #[test]
-    fn a_call_whose_replies_trickle_in_ends_at_its_timeout() {
-        use std::io::{Read, Write};
-        const PINGS: usize = 30;
+    /// A fake Redis at the returned address: takes `request_len` bytes, then writes `reply`
+    /// in pieces of `piece` bytes, `gap` apart (the trickle the test injects, not a wait for
+    /// anything).
+    fn trickling_server(
+        request_len: usize,
+        reply: Vec<u8>,
+        piece: usize,
+        gap: Duration,
+    ) -> (redis::ConnectionInfo, std::thread::JoinHandle<()>) {
+        use redis::IntoConnectionInfo;
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = listener.local_addr().unwrap();
         let server = std::thread::spawn(move || {
             let (mut s, _) = listener.accept().unwrap();
             let (mut got, mut buf) = (0, [0u8; 1024]);
-            // The whole pipeline first: each PING is `*1\r\n$4\r\nPING\r\n`, 14 bytes.
-            while got < PINGS * 14 {
+            while got < request_len {
                 match s.read(&mut buf) {
                     Ok(0) | Err(_) => return,
                     Ok(n) => got += n,
                 }
             }
-            // The trickle itself, which the test injects, not a wait for anything.
-            for _ in 0..PINGS {
-                if s.write_all(b"+PONG\r\n").is_err() {
+            for part in reply.chunks(piece) {
+                if s.write_all(part).is_err() {
                     return;
                 }
-                std::thread::sleep(Duration::from_millis(100));
+                std::thread::sleep(gap);
             }
         });
-        let con = redis::Client::open(format!("redis://{addr}/"))
-            .and_then(|c| c.get_connection())
-            .unwrap();
-        let mut con = CommandCon::new(con, Duration::from_millis(500)).unwrap();
+        let info = format!("redis://{addr}/").into_connection_info().unwrap();
+        (info, server)
+    }
+
+    /// Replies that each come well inside the socket's read timeout, a pipeline that takes six
+    /// times the call's timeout in all: the call ends at its timeout.
+    #[test]
+    fn a_call_whose_replies_trickle_in_ends_at_its_timeout() {
+        const PINGS: usize = 30;
+        // Each PING is `*1\r\n$4\r\nPING\r\n`, 14 bytes; each reply 7.
+        let replies = b"+PONG\r\n".repeat(PINGS);
+        let (info, server) = trickling_server(PINGS * 14, replies, 7, Duration::from_millis(100));
+        let mut con = CommandCon::connect(&info, Duration::from_millis(500)).unwrap();
         let mut pipe = redis::pipe();
         for _ in 0..PINGS {
             pipe.cmd("PING");
@@ -173,11 +278,59 @@ mod tests {
         // Ended by the deadline itself, or by a read it shortened to what was left.
         let e = r.expect_err("the whole pipeline took 3 s");
         assert!(e.is_timeout(), "{e}");
+        assert!(!con.is_open(), "out of step: to be dropped");
         // Before, the call took the whole 3 s and succeeded: each read was within 500 ms.
         assert!(took >= Duration::from_millis(500), "{took:?}");
         assert!(took < Duration::from_millis(1500), "{took:?}");
         drop(con);
         server.join().unwrap();
+    }
+
+    /// One reply a byte at a time, each byte well inside the read timeout: the call still
+    /// ends at its timeout. The redis crate read a reply in as many reads as it came in, each
+    /// with the whole timeout: a Redis-fault audit held the bridge 22 s so.
+    #[test]
+    fn one_reply_trickling_a_byte_at_a_time_ends_at_the_calls_timeout() {
+        let reply = b"$40\r\n"
+            .iter()
+            .chain([b'x'; 40].iter())
+            .chain(b"\r\n")
+            .copied();
+        let (info, server) = trickling_server(14, reply.collect(), 1, Duration::from_millis(60));
+        let mut con = CommandCon::connect(&info, Duration::from_millis(500)).unwrap();
+        let started = Instant::now();
+        let r: RedisResult<String> = redis::cmd("PING").query(&mut con);
+        let took = started.elapsed();
+        let e = r.expect_err("the reply took 2.8 s");
+        assert!(e.is_timeout(), "{e}");
+        assert!(took >= Duration::from_millis(500), "{took:?}");
+        assert!(took < Duration::from_millis(1500), "{took:?}");
+        drop(con);
+        server.join().unwrap();
+    }
+
+    #[test]
+    fn a_reply_is_whole_only_with_its_last_byte_and_deep_or_huge_ones_do_not_panic() {
+        let reply = b"*3\r\n$3\r\nabc\r\n*2\r\n:1\r\n$-1\r\n+OK\r\n";
+        for cut in 0..reply.len() {
+            assert_eq!(reply_len(&reply[..cut]).unwrap(), None, "cut at {cut}");
+        }
+        let mut more = reply.to_vec();
+        more.extend_from_slice(b"+next\r\n");
+        assert_eq!(reply_len(&more).unwrap(), Some(reply.len()));
+        assert_eq!(
+            redis::parse_redis_value(&more[..reply.len()]).ok(),
+            Some(Value::Array(vec![
+                Value::BulkString(b"abc".to_vec()),
+                Value::Array(vec![Value::Int(1), Value::Nil]),
+                Value::Okay,
+            ]))
+        );
+        assert!(reply_len(b"?x\r\n").is_err());
+        assert_eq!(reply_len(&b"*1\r\n".repeat(100_000)).unwrap(), None);
+        let huge = b"*9223372036854775807\r\n*9223372036854775807\r\n$9223372036854775807\r\n";
+        assert_eq!(reply_len(huge).unwrap(), None);
+        assert_eq!(reply_len(b"*-1\r\n").unwrap(), Some(5));
     }
 
     #[test]

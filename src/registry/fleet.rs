@@ -362,17 +362,11 @@ impl Fleet {
     }
 
     fn open_con(&mut self) -> anyhow::Result<CommandCon> {
-        // The AUTH and SELECT are ours, not the client's: redis-rs turns a refused AUTH into
-        // "Password authentication failed" whatever Redis said, and Redis's words tell a wrong
-        // password from a URL with one for a Redis that has none.
-        let mut bare = self.info.clone();
-        let user = bare.redis.username.take();
-        let password = bare.redis.password.take();
-        let db = std::mem::take(&mut bare.redis.db);
-        // RESP2 whatever the URL asks (`?protocol=resp3`): a RESP3 HELLO before the AUTH is
-        // refused by a Redis with a password, and the bridge reads RESP2 replies alone.
-        bare.redis.protocol = redis::ProtocolVersion::RESP2;
-        let client = redis::Client::open(bare)?;
+        // The AUTH and SELECT are ours, on a connection of our own (`CommandCon`): redis-rs
+        // turned a refused AUTH into "Password authentication failed" whatever Redis said,
+        // and Redis's words tell a wrong password from a URL with one for a Redis that has
+        // none. The connection speaks RESP2 whatever the URL asks (`?protocol=resp3`).
+        //
         // A hung Redis (frozen, or a black-holed path) still accepts TCP connections; a short
         // probe keeps each reconnect attempt from stalling the bridge, and with it hellos and
         // admin commands, for a whole IO_TIMEOUT. The probe is a write, since a Redis paused
@@ -381,22 +375,22 @@ impl Fleet {
         // It sets our own liveness key's TTL to what the heartbeat gives it (a key this
         // broker alone writes, which now says what is true: the broker is alive), and
         // creates nothing when the key is gone; the heartbeat after the reconnect writes it.
-        let mut con = client.get_connection_with_timeout(PROBE_TIMEOUT)?;
-        con.set_read_timeout(Some(PROBE_TIMEOUT))?;
-        con.set_write_timeout(Some(PROBE_TIMEOUT))?;
-        if let Some(password) = password {
-            let mut auth = redis::cmd("AUTH");
-            auth.arg(user).arg(password).query::<()>(&mut con)?;
+        let mut con = CommandCon::connect(&self.info, PROBE_TIMEOUT)?;
+        let auth = &self.info.redis;
+        if let Some(password) = &auth.password {
+            redis::cmd("AUTH")
+                .arg(&auth.username)
+                .arg(password)
+                .query::<()>(&mut con)?;
         }
-        if db != 0 {
-            redis::cmd("SELECT").arg(db).query::<()>(&mut con)?;
+        if auth.db != 0 {
+            redis::cmd("SELECT").arg(auth.db).query::<()>(&mut con)?;
         }
         redis::cmd("PEXPIRE")
             .arg(crate::registry::scripts::broker_key(&self.broker_id))
             .arg(HEARTBEAT_TTL.as_millis() as u64)
             .query::<()>(&mut con)?;
-        con.set_read_timeout(Some(IO_TIMEOUT))?;
-        con.set_write_timeout(Some(IO_TIMEOUT))?;
+        con.set_timeout(IO_TIMEOUT)?;
         self.scripts.load(&mut con)?;
         redis::cmd("SCRIPT")
             .arg("LOAD")
@@ -406,7 +400,7 @@ impl Fleet {
             .arg("LOAD")
             .arg(include_str!("../../lua/resume.lua"))
             .query::<String>(&mut con)?;
-        Ok(CommandCon::new(con, IO_TIMEOUT)?)
+        Ok(con)
     }
 
     /// A call's answer, or None once its failure is handled as [`Self::call_failed`] says.

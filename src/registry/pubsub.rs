@@ -30,14 +30,14 @@ pub struct Push {
 }
 
 /// The socket to Redis: TCP, or a Unix socket for a Redis on the same host (`unix://`).
-enum Stream {
+pub(crate) enum Stream {
     Tcp(TcpStream),
     Unix(UnixStream),
 }
 
 impl Stream {
     /// Connects to what `addr` names, giving up after `timeout`.
-    fn connect(addr: &ConnectionAddr, timeout: Duration) -> io::Result<Stream> {
+    pub(crate) fn connect(addr: &ConnectionAddr, timeout: Duration) -> io::Result<Stream> {
         let stream = match addr {
             ConnectionAddr::Tcp(host, port) => {
                 let addr = (host.as_str(), *port)
@@ -64,7 +64,15 @@ impl Stream {
         Ok(stream)
     }
 
-    fn set_timeouts(&self, timeout: Option<Duration>) -> io::Result<()> {
+    /// The read timeout alone: what the next read may wait.
+    pub(crate) fn set_read_timeout(&self, timeout: Option<Duration>) -> io::Result<()> {
+        match self {
+            Stream::Tcp(s) => s.set_read_timeout(timeout),
+            Stream::Unix(s) => s.set_read_timeout(timeout),
+        }
+    }
+
+    pub(crate) fn set_timeouts(&self, timeout: Option<Duration>) -> io::Result<()> {
         match self {
             Stream::Tcp(s) => s
                 .set_read_timeout(timeout)
