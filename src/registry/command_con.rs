@@ -10,8 +10,9 @@
 //!
 //! A socket's timeout bounds one read, not a call: a path to Redis that trickles, each piece
 //! inside the timeout, held the bridge for as long as the pipeline (or one reply, a byte at a
-//! time) lasted. So a call also ends once it has taken the timeout in all (a long pipeline,
-//! 1 ms a reply), wherever it is: this connection does its own reads to keep that bound.
+//! time) lasted, and so did a Redis reading a long request slowly. So a call also ends once it
+//! has taken the timeout in all (a long pipeline, 1 ms a reply), wherever it is: this
+//! connection does its own writes and reads to keep that bound.
 
 use std::io::{self, Read, Write};
 use std::time::{Duration, Instant};
@@ -37,8 +38,9 @@ pub(crate) struct CommandCon {
     /// The most one call may take from its send to its last reply (more for a long pipeline:
     /// [`call_budget`]); also the socket's timeouts between calls.
     timeout: Duration,
-    /// The socket's read timeout now: shortened late in a slow call.
+    /// The socket's read and write timeouts now: shortened late in a slow call.
     read_timeout: Duration,
+    write_timeout: Duration,
     db: i64,
     /// False once a read or write failed: the caller drops the connection.
     open: bool,
@@ -54,6 +56,7 @@ impl CommandCon {
             start: 0,
             timeout,
             read_timeout: timeout,
+            write_timeout: timeout,
             db: info.redis.db,
             open: true,
         })
@@ -64,6 +67,7 @@ impl CommandCon {
         self.stream.set_timeouts(Some(timeout))?;
         self.timeout = timeout;
         self.read_timeout = timeout;
+        self.write_timeout = timeout;
         Ok(())
     }
 
@@ -71,20 +75,48 @@ impl CommandCon {
     /// call's deadline.
     fn call(&mut self, cmd: &[u8], offset: usize, count: usize) -> RedisResult<Vec<Value>> {
         let deadline = Instant::now() + call_budget(self.timeout, offset + count);
-        if let Err(e) = self.stream.write_all(cmd) {
-            self.open = false;
-            return Err(e.into());
-        }
-        let replies = read_replies(offset, count, || self.reply(deadline, count));
-        if self.read_timeout != self.timeout {
-            self.stream.set_read_timeout(Some(self.timeout))?;
+        let replies = match self.send(cmd, deadline) {
+            Ok(()) => read_replies(offset, count, || self.reply(deadline, count)),
+            Err(e) => Err(e.into()),
+        };
+        let restored = if self.read_timeout != self.timeout || self.write_timeout != self.timeout {
             self.read_timeout = self.timeout;
-        }
+            self.write_timeout = self.timeout;
+            self.stream.set_timeouts(Some(self.timeout))
+        } else {
+            Ok(())
+        };
+        let replies = restored.map_err(Into::into).and(replies);
         if replies.is_err() {
             // Replies may be left unread: the connection is out of step.
             self.open = false;
         }
         replies
+    }
+
+    /// Writes all of `cmd` by `deadline`. A Redis that reads a long pipeline slowly takes each
+    /// write inside the socket's timeout, so the timeout alone bounded a write, not the call.
+    fn send(&mut self, mut cmd: &[u8], deadline: Instant) -> io::Result<()> {
+        while !cmd.is_empty() {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    "call timed out: redis took its request too slowly",
+                ));
+            }
+            if left < self.write_timeout / 2 {
+                self.stream.set_write_timeout(Some(left))?;
+                self.write_timeout = left;
+            }
+            match self.stream.write(cmd) {
+                Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+                Ok(n) => cmd = cmd.get(n..).unwrap_or_default(),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
     }
 
     /// The next whole reply, read by `deadline`.
@@ -315,6 +347,57 @@ mod tests {
         let took = started.elapsed();
         let e = r.expect_err("the reply took 2.8 s");
         assert!(e.is_timeout(), "{e}");
+        assert!(took >= Duration::from_millis(500), "{took:?}");
+        assert!(took < Duration::from_millis(1500), "{took:?}");
+        drop(con);
+        server.join().unwrap();
+    }
+
+    /// A Redis that takes a long request 16 KiB at a time, each piece well inside the write
+    /// timeout: the call ends at its timeout. Before, each write waited for room only as long
+    /// as the socket's timeout, so the call lasted as long as Redis took to read it all.
+    #[test]
+    fn a_request_that_redis_reads_slowly_ends_at_the_calls_timeout() {
+        use redis::IntoConnectionInfo;
+        use std::sync::atomic::{AtomicBool, Ordering};
+        use std::sync::Arc;
+        // A small receive buffer, so that each read opens the window and each of the
+        // client's writes gets somewhere inside its timeout.
+        let socket =
+            socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+        socket.set_recv_buffer_size(32 << 10).unwrap();
+        let any: std::net::SocketAddr = "127.0.0.1:0".parse().unwrap();
+        socket.bind(&any.into()).unwrap();
+        socket.listen(1).unwrap();
+        let listener = std::net::TcpListener::from(socket);
+        let addr = listener.local_addr().unwrap();
+        let done = Arc::new(AtomicBool::new(false));
+        let server = std::thread::spawn({
+            let done = done.clone();
+            move || {
+                let (mut s, _) = listener.accept().unwrap();
+                let mut buf = vec![0u8; 16 << 10];
+                while !done.load(Ordering::Relaxed) {
+                    if matches!(s.read(&mut buf), Ok(0) | Err(_)) {
+                        return;
+                    }
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+            }
+        });
+        let info = format!("redis://{addr}/").into_connection_info().unwrap();
+        let mut con = CommandCon::connect(&info, Duration::from_millis(500)).unwrap();
+        // 16 MiB at about 1.6 MiB/s is several seconds past what the kernel buffers.
+        let started = Instant::now();
+        let r: RedisResult<()> = redis::cmd("SET")
+            .arg("k")
+            .arg(vec![b'x'; 16 << 20])
+            .query(&mut con);
+        let took = started.elapsed();
+        done.store(true, Ordering::Relaxed);
+        let e = r.expect_err("redis took seconds to read the request");
+        assert!(e.is_timeout(), "{e}");
+        assert!(!con.is_open(), "out of step: to be dropped");
         assert!(took >= Duration::from_millis(500), "{took:?}");
         assert!(took < Duration::from_millis(1500), "{took:?}");
         drop(con);

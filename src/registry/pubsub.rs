@@ -72,6 +72,14 @@ impl Stream {
         }
     }
 
+    /// The write timeout alone: what the next write may wait.
+    pub(crate) fn set_write_timeout(&self, timeout: Option<Duration>) -> io::Result<()> {
+        match self {
+            Stream::Tcp(s) => s.set_write_timeout(timeout),
+            Stream::Unix(s) => s.set_write_timeout(timeout),
+        }
+    }
+
     pub(crate) fn set_timeouts(&self, timeout: Option<Duration>) -> io::Result<()> {
         match self {
             Stream::Tcp(s) => s
