@@ -303,6 +303,20 @@ mod tests {
         (info, server)
     }
 
+    /// A call with a 500 ms budget ended by its deadline (or a read or write it shortened to
+    /// what was left), about when its budget ran out, leaving the connection to be dropped.
+    fn ended_at_its_timeout<T: std::fmt::Debug>(
+        r: RedisResult<T>,
+        took: Duration,
+        con: &CommandCon,
+    ) {
+        let e = r.expect_err("the call should not have finished within its budget");
+        assert!(e.is_timeout(), "{e}");
+        assert!(!con.is_open(), "out of step: to be dropped");
+        assert!(took >= Duration::from_millis(500), "{took:?}");
+        assert!(took < Duration::from_millis(1500), "{took:?}");
+    }
+
     /// Replies that each come well inside the socket's read timeout, a pipeline that takes six
     /// times the call's timeout in all: the call ends at its timeout.
     #[test]
@@ -318,14 +332,8 @@ mod tests {
         }
         let started = Instant::now();
         let r: RedisResult<Vec<String>> = pipe.query(&mut con);
-        let took = started.elapsed();
-        // Ended by the deadline itself, or by a read it shortened to what was left.
-        let e = r.expect_err("the whole pipeline took 3 s");
-        assert!(e.is_timeout(), "{e}");
-        assert!(!con.is_open(), "out of step: to be dropped");
         // Before, the call took the whole 3 s and succeeded: each read was within 500 ms.
-        assert!(took >= Duration::from_millis(500), "{took:?}");
-        assert!(took < Duration::from_millis(1500), "{took:?}");
+        ended_at_its_timeout(r, started.elapsed(), &con);
         drop(con);
         server.join().unwrap();
     }
@@ -344,11 +352,8 @@ mod tests {
         let mut con = CommandCon::connect(&info, Duration::from_millis(500)).unwrap();
         let started = Instant::now();
         let r: RedisResult<String> = redis::cmd("PING").query(&mut con);
-        let took = started.elapsed();
-        let e = r.expect_err("the reply took 2.8 s");
-        assert!(e.is_timeout(), "{e}");
-        assert!(took >= Duration::from_millis(500), "{took:?}");
-        assert!(took < Duration::from_millis(1500), "{took:?}");
+        // The reply takes 2.8 s.
+        ended_at_its_timeout(r, started.elapsed(), &con);
         drop(con);
         server.join().unwrap();
     }
@@ -395,11 +400,7 @@ mod tests {
             .query(&mut con);
         let took = started.elapsed();
         done.store(true, Ordering::Relaxed);
-        let e = r.expect_err("redis took seconds to read the request");
-        assert!(e.is_timeout(), "{e}");
-        assert!(!con.is_open(), "out of step: to be dropped");
-        assert!(took >= Duration::from_millis(500), "{took:?}");
-        assert!(took < Duration::from_millis(1500), "{took:?}");
+        ended_at_its_timeout(r, took, &con);
         drop(con);
         server.join().unwrap();
     }
