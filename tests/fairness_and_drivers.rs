@@ -95,9 +95,9 @@ fn a_rig_held_back_by_its_rate_is_not_closed_for_pongs_behind_its_messages() {
     while metric(&b, "fleetlink_messages_in_total{type=\"event\"} ") < 30 {
         assert!(Instant::now() < deadline, "never read the whole burst");
         match rig.read_frame_within(Duration::from_millis(50)) {
-            Some((0x9, _)) => {
+            Some((0x9, ping)) => {
                 pings += 1;
-                rig.send_frame(fleetlink::ws::OpCode::Pong, &[]);
+                rig.send_frame(fleetlink::ws::OpCode::Pong, &ping);
             }
             Some((op, payload)) => panic!(
                 "opcode {op} while held back: {:?}",
@@ -119,7 +119,7 @@ fn a_rig_held_back_by_its_rate_is_not_closed_for_pongs_behind_its_messages() {
             "no command once the burst was read"
         );
         match rig.read_frame_within(Duration::from_secs(5)) {
-            Some((0x9, _)) => rig.send_frame(fleetlink::ws::OpCode::Pong, &[]),
+            Some((0x9, ping)) => rig.send_frame(fleetlink::ws::OpCode::Pong, &ping),
             Some((0x1, payload)) => {
                 assert!(String::from_utf8_lossy(&payload).contains("\"command\""));
                 break;

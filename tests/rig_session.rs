@@ -236,21 +236,22 @@ fn a_bare_pong_is_read_at_its_deadline_and_anything_more_at_once() {
     }
 }
 
-/// A raw rig, welcomed, that has just read the broker's first PING (unanswered).
-fn pinged_rig(b: &Broker, name: &str) -> RawRig {
+/// A raw rig, welcomed, that has just read the broker's first PING (unanswered), and that
+/// PING's payload, which its PONG must echo.
+fn pinged_rig(b: &Broker, name: &str) -> (RawRig, Vec<u8>) {
     let mut rig = RawRig::hello(b, name);
-    let (op, _) = rig.read_frame();
+    let (op, ping) = rig.read_frame();
     assert_eq!(op, 0x9, "{name}: expected the first PING");
-    rig
+    (rig, ping)
 }
 
 fn bare_pong_then_more(b: &Broker) {
     use fleetlink::ws::OpCode as Op;
-    let mut rig = pinged_rig(b, "rig-quiet");
+    let (mut rig, ping) = pinged_rig(b, "rig-quiet");
     let pongs = "fleetlink_pongs_received_total ";
     // Interval 1: a bare PONG. It is counted at the deadline, not when it lands.
     let pinged = std::time::Instant::now();
-    rig.send_frame(Op::Pong, &[]);
+    rig.send_frame(Op::Pong, &ping);
     eventually(Duration::from_secs(5), "the first PONG counted", || {
         b.metric(pongs) == 1
     });
@@ -261,10 +262,10 @@ fn bare_pong_then_more(b: &Broker) {
     );
     // Interval 2: a PONG with a PING of the rig's own behind it. Both are read at once: the
     // broker's answer and the count come long before the deadline.
-    let (op, _) = rig.read_frame();
+    let (op, ping) = rig.read_frame();
     assert_eq!(op, 0x9);
     let pinged = std::time::Instant::now();
-    rig.send_frame(Op::Pong, &[]);
+    rig.send_frame(Op::Pong, &ping);
     rig.send_frame(Op::Ping, b"x");
     let (op, payload) = rig.read_frame();
     assert_eq!((op, payload.as_slice()), (0xA, &b"x"[..]));
@@ -272,9 +273,9 @@ fn bare_pong_then_more(b: &Broker) {
     assert!(pinged.elapsed() < Duration::from_millis(400));
     // Interval 3 and on: the rig is alive; a bare PONG each time keeps it so.
     for _ in 0..2 {
-        let (op, _) = rig.read_frame();
+        let (op, ping) = rig.read_frame();
         assert_eq!(op, 0x9);
-        rig.send_frame(Op::Pong, &[]);
+        rig.send_frame(Op::Pong, &ping);
     }
     eventually(Duration::from_secs(5), "four PONGs counted", || {
         b.metric(pongs) == 4
@@ -288,7 +289,7 @@ fn bare_pong_then_more(b: &Broker) {
 fn a_message_tail_as_short_as_a_pong_is_read_at_once() {
     use fleetlink::ws::OpCode as Op;
     let b = Broker::start(&["--ping-interval", "1s", "--pong-timeout", "900ms"]);
-    let mut rig = pinged_rig(&b, "rig-tail");
+    let (mut rig, _) = pinged_rig(&b, "rig-tail");
     let pinged = std::time::Instant::now();
     // One write: a whole PING "a" and all but the last 3 bytes of a PING "abcdefgh". The
     // answer to the first proves the broker has read the partial second one.
@@ -335,14 +336,14 @@ fn a_bare_close_is_heard_while_a_pong_is_awaited() {
     use fleetlink::ws::OpCode as Op;
     let b = Broker::start(&["--ping-interval", "1s", "--pong-timeout", "300ms"]);
     // After the deadline (PONG read, mark back down): at once.
-    let mut rig = pinged_rig(&b, "rig-bare-close");
-    rig.send_frame(Op::Pong, &[]);
+    let (mut rig, ping) = pinged_rig(&b, "rig-bare-close");
+    rig.send_frame(Op::Pong, &ping);
     eventually(Duration::from_secs(5), "the PONG counted", || {
         b.metric("fleetlink_pongs_received_total ") == 1
     });
     bare_close_answered(&mut rig, Duration::from_millis(250));
     // While a PING is out and unanswered: by its deadline.
-    let mut rig = pinged_rig(&b, "rig-bare-close-2");
+    let (mut rig, _) = pinged_rig(&b, "rig-bare-close-2");
     bare_close_answered(&mut rig, Duration::from_millis(800));
     // A close without a code has a series of its own (1005, "no status received").
     b.wait_metric("fleetlink_closes_total{code=\"1005\"} 2");
@@ -451,6 +452,23 @@ fn rigs_are_counted_by_group_label_and_the_unlabelled_too() {
 /// is closed 4002 after `--max-missed-pongs` PINGs; one answering at once, beside it, is not.
 #[test]
 fn a_rig_answering_every_ping_late_is_closed_4002() {
+    // 350 ms after a PING whose PONG is due within 200 ms, and before the next PING.
+    every_pong_late_is_closed_4002(Duration::from_millis(350));
+}
+
+/// A PONG that comes after the next PING, inside that PING's window, answers the PING before
+/// it: still a miss. Each PING carries its own payload, which its PONG echoes. Before, any PONG
+/// counted for the last PING, so a rig answering every PING more than an interval late was
+/// never closed, while one answering less late was (timers audit).
+#[test]
+fn a_rig_answering_every_ping_after_the_next_one_is_closed_4002() {
+    every_pong_late_is_closed_4002(Duration::from_millis(700));
+}
+
+/// PINGs every 600 ms, PONGs due within 200 ms, 3 misses: a rig answering each PING `late_by`
+/// after it (echoing its payload) is closed 4002 after its third PING, and a prompt rig beside
+/// it stays up and is served.
+fn every_pong_late_is_closed_4002(late_by: Duration) {
     let b = Broker::start(&[
         "--ping-interval",
         "600ms",
@@ -463,26 +481,36 @@ fn a_rig_answering_every_ping_late_is_closed_4002() {
     let prompt_rig = std::thread::spawn(move || {
         // Four PINGs answered at once: past the late rig's third PING deadline.
         for _ in 0..4 {
-            let (op, _) = prompt.read_frame();
+            let (op, payload) = prompt.read_frame();
             assert_eq!(op, 0x9, "the prompt rig got a frame other than a PING");
-            prompt.send_frame(fleetlink::ws::OpCode::Pong, &[]);
+            prompt.send_frame(fleetlink::ws::OpCode::Pong, &payload);
         }
         prompt
     });
     let mut late = RawRig::hello(&b, "rig-late");
+    // Each PING's PONG, and when the rig sends it: the rig's own delay, the behaviour under
+    // test, kept per PING so that the delays do not add up.
+    let mut due: std::collections::VecDeque<(std::time::Instant, Vec<u8>)> = Default::default();
     let mut pings = 0;
     let code = loop {
-        let (op, payload) = late.read_frame();
-        match op {
-            0x9 => {
-                pings += 1;
-                // The rig's own delay, the behaviour under test: 350 ms after a PING whose
-                // PONG is due within 200 ms, and before the next PING.
-                std::thread::sleep(Duration::from_millis(350));
-                late.send_frame(fleetlink::ws::OpCode::Pong, &[]);
+        let now = std::time::Instant::now();
+        while due.front().is_some_and(|(at, _)| *at <= now) {
+            if let Some((_, payload)) = due.pop_front() {
+                late.send_frame(fleetlink::ws::OpCode::Pong, &payload);
             }
-            0x8 => break u16::from_be_bytes([payload[0], payload[1]]),
-            other => panic!("unexpected opcode {other}"),
+        }
+        let wait = due.front().map_or(Duration::from_millis(50), |(at, _)| {
+            at.saturating_duration_since(now)
+                .max(Duration::from_millis(1))
+        });
+        match late.read_frame_within(wait) {
+            Some((0x9, payload)) => {
+                pings += 1;
+                due.push_back((std::time::Instant::now() + late_by, payload));
+            }
+            Some((0x8, payload)) => break u16::from_be_bytes([payload[0], payload[1]]),
+            Some((other, _)) => panic!("unexpected opcode {other}"),
+            None => {}
         }
         assert!(pings <= 6, "still up after {pings} late PONGs");
     };
@@ -502,7 +530,7 @@ fn a_rig_answering_every_ping_late_is_closed_4002() {
             break;
         }
         assert_eq!(op, 0x9, "the prompt rig was closed");
-        prompt.send_frame(fleetlink::ws::OpCode::Pong, &[]);
+        prompt.send_frame(fleetlink::ws::OpCode::Pong, &payload);
     }
     b.wait_metric("fleetlink_closes_total{code=\"4002\"} 1");
 }

@@ -11,17 +11,18 @@
 //! real input puts the mark back at once, so the tail of a message, which can be as short as
 //! a PONG, never waits behind it: the mark stays up only while the rig is silent.
 //!
-//! Our PINGs carry no payload, so a conforming PONG is a masked empty frame of exactly
-//! [`PONG_LEN`] bytes. The only other frames that small have an empty payload (a PING, a
-//! close without a code, an empty text, binary or continuation frame); sent alone by a silent
-//! rig while a PING of ours is out, they wait for the PONG deadline at most. TLS connections are left alone: a record's size does not tell a PONG from a message.
+//! Our PINGs carry a 4-byte payload ([`sweep::ping_payload`]), so a conforming PONG is a
+//! masked frame of exactly [`PONG_LEN`] bytes. The only other frames that small have a payload
+//! of 4 bytes or less (a PING, a close, a tiny text, binary or continuation frame); sent alone
+//! by a silent rig while a PING of ours is out, they wait for the PONG deadline at most. TLS connections are left alone: a record's size does not tell a PONG from a message.
 
 use std::os::fd::RawFd;
 
 use crate::worker::core::Liveness;
+use crate::worker::sweep;
 
-/// A client's PONG to an empty PING: 2 header bytes and the 4-byte mask.
-pub(crate) const PONG_LEN: usize = 6;
+/// A client's PONG to our PING: 2 header bytes, the 4-byte mask and the PING's payload.
+pub(crate) const PONG_LEN: usize = 6 + sweep::PING_PAYLOAD_LEN;
 
 /// Raises the low-water mark above a bare PONG. False if the kernel refused (then the PONG
 /// wakes the connection as usual and nothing else changes).
@@ -103,7 +104,8 @@ mod tests {
         let (mut c, s) = pair();
         let fd = s.as_raw_fd();
         assert!(hide(fd));
-        let pong = [0x8a, 0x80, 1, 2, 3, 4];
+        let pong = [0x8a, 0x84, 1, 2, 3, 4, 9, 9, 9, 9];
+        assert_eq!(pong.len(), PONG_LEN);
         c.write_all(&pong).unwrap();
         queued(fd, PONG_LEN as i32);
         assert!(

@@ -193,21 +193,20 @@ fn on_message(core: &Core, conn: &Conn, st: &mut ConnState, msg: Message) {
                 crate::ws::encode_frame(st.out(), OpCode::Pong, &payload);
             }
         }
-        Message::Pong(_) => {
+        Message::Pong(payload) => {
             st.bucket.spend(CONTROL_FRAME_COST);
-            // Only answers count: unsolicited PONGs (RFC 6455 allows them) would hide a gap
-            // between PINGs sent and answered, which is what the series is watched for.
-            if st.live.awaiting_pong {
+            // Only answers to the last PING count: unsolicited PONGs (RFC 6455 allows them)
+            // and answers to an earlier PING would hide a gap between PINGs sent and
+            // answered, which is what the series is watched for.
+            let answer = st.live.awaiting_pong && sweep::answers_last_ping(&st.live, &payload);
+            if answer {
                 core.metrics.inc(C::PongsReceived);
             }
             // Only the answer to our PING, in time, counts (CONTRACT.md §2): a late one is a
             // miss, which the sweep counts and which must not wipe out the misses before it.
             // A rig that started a fragmented message and never ends it would hold its buffer
             // for good while its pongs kept it alive: liveness includes finishing messages.
-            if st.live.awaiting_pong
-                && !sweep::past_pong_deadline(core, &st.live)
-                && st.decoder.is_idle()
-            {
+            if answer && !sweep::past_pong_deadline(core, &st.live) && st.decoder.is_idle() {
                 st.live.awaiting_pong = false;
                 st.live.missed = 0;
             }

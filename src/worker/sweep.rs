@@ -120,7 +120,8 @@ pub(super) fn visit(core: &Core, id: ConnId) {
                     st.live.pong_hidden = quiet_pong::hide(conn.fd);
                 }
                 slow_reader::mark(conn.fd, &mut st);
-                conn.send_frame(&mut st, OpCode::Ping, &[]);
+                let payload = ping_payload(st.live.last_ping);
+                conn.send_frame(&mut st, OpCode::Ping, &payload);
             } else {
                 // Past the PONG deadline (the only other visit while a PONG is hidden), after
                 // the read above: the mark goes back before anything else can hide behind it.
@@ -148,6 +149,22 @@ pub(super) fn visit(core: &Core, id: ConnId) {
 /// own, so a hidden PONG read at its deadline visit is in time.
 pub(crate) fn past_pong_deadline(core: &Core, live: &Liveness) -> bool {
     core.wheel.borrow().now() > live.last_ping + pong_ticks(core)
+}
+
+/// What a PING sent at tick `sent` carries, which its PONG echoes (RFC 6455 §5.5.3): the tick's
+/// low 32 bits, different for every PING a connection is sent. Without it, a PONG later than
+/// the next PING passed for that PING's answer, so a rig answering every PING more than an
+/// interval late was never closed, while one answering less late was.
+pub(crate) fn ping_payload(sent: Tick) -> [u8; PING_PAYLOAD_LEN] {
+    (sent as u32).to_be_bytes()
+}
+
+/// The size of [`ping_payload`].
+pub(crate) const PING_PAYLOAD_LEN: usize = 4;
+
+/// Whether a PONG carrying `payload` answers the connection's last PING.
+pub(crate) fn answers_last_ping(live: &Liveness, payload: &[u8]) -> bool {
+    payload == ping_payload(live.last_ping)
 }
 
 /// A PONG later than the next PING counts as missed too.
