@@ -516,6 +516,55 @@ fn hello_fields_duplicates_resume_and_seq_gap() {
     );
 }
 
+/// A broker that lost the rig's session (`resumed: false`) still gets the results of commands
+/// the agent acked before: it numbers new commands above the hello's `last_seq`, so control
+/// can join them to their acks. The agent used to drop them, and control heard nothing.
+#[test]
+fn results_of_a_lost_session_still_go_out() {
+    let fake = FakeBroker::new();
+    let _agent = Agent::start(&fake.url(), "rig-lost-session", &["--allow", "sleep,echo"]);
+    let (mut ws, _) = fake.accept();
+    welcome(&mut ws, false);
+    push(
+        &mut ws,
+        json!({"type": "command", "seq": 1, "id": "cmd-1", "name": "sleep", "args": {"argv": ["1"]}}),
+    );
+    let mut results = Vec::new();
+    assert_eq!(recv_ack(&mut ws, &mut results), 1);
+    // Gone before the result: the next broker has no session for this boot.
+    close_with(&mut ws, 1012, "kicked");
+    let (mut ws, hello) = fake.accept();
+    assert_eq!(hello["last_seq"], 1);
+    welcome(&mut ws, false);
+    push(&mut ws, command(2, "echo"));
+    assert_eq!(recv_ack(&mut ws, &mut results), 2);
+    // One worker runs in seq order: seq 1's result comes before seq 2's.
+    while !results.iter().any(|r| r["seq"] == 2) {
+        results.push(recv(&mut ws));
+    }
+    let seqs: Vec<_> = results.iter().map(|r| r["seq"].clone()).collect();
+    assert_eq!(seqs, [json!(1), json!(2)], "{results:?}");
+    assert_eq!(results[0]["ok"], true, "{results:?}");
+}
+
+/// A kick (close 1012) after a welcome is no failed attempt: `--max-attempts 1` does not stop
+/// the agent, and it reconnects at the first step of its backoff each time. A kick used to
+/// count, so one kick stopped it (agent and fleetctl audit).
+#[test]
+fn kicks_are_no_failed_attempts() {
+    let fake = FakeBroker::new();
+    let mut agent = Agent::start(&fake.url(), "rig-kicked", &["--max-attempts", "1"]);
+    for _ in 0..3 {
+        let (mut ws, _) = fake.accept();
+        welcome(&mut ws, true);
+        close_with(&mut ws, 1012, "kicked by control; reconnect");
+    }
+    let (_ws, _) = fake.accept();
+    assert!(agent.child.try_wait().unwrap().is_none(), "{}", agent.log());
+    assert!(agent.has_line("(backoff n=0)"), "{}", agent.log());
+    assert!(!agent.has_line("giving up"), "{}", agent.log());
+}
+
 #[test]
 fn retry_after_close_and_refusal() {
     let fake = FakeBroker::new();

@@ -23,10 +23,19 @@ before the close: the running one is killed, the ones not started are reported o
 broker will not send an acked command again, so a result that cannot go out (stopped while
 disconnected) is logged as an error with its seq.
 
+Reconnecting (the same boot id, so the broker resumes the session):
+  goaway                 at the reconnect_after_ms it gave, exactly (at most 600 s)
+  HTTP 503 Retry-After N, close 4503 retry_after=N
+                         N s, give or take 10 %
+  kicked (close 1012)    0.5-1.5 s: control asked for the reconnect
+  anything else          uniform(0.5, 1.5) x min(2^n, 30) s, n the failures in a row
+                         (at most 45 s); a connection up 10 s after its welcome starts n over
+  4400, 4403, 4409, or a final 4xx to the upgrade: no retry (exit 5)
+
 Exit codes:
   0   stopped: SIGTERM/SIGINT, or --run-for elapsed
   1   startup error (TLS files, --exec-log) or the command worker died
-  3   gave up after --max-attempts consecutive failed connection attempts
+  3   gave up after --max-attempts attempts in a row that never got a welcome
   4   a seq gap: commands were lost, so going on would hide it
   5   refused by the broker for good: 4400 (bad hello), 4403 (TLS identity is not
       --rig-id), 4409 (a newer boot of this rig is connected), or the upgrade answered
@@ -82,7 +91,8 @@ pub(crate) struct Cli {
     /// acking, and the broker replays the rest later.
     #[arg(long, env = "FLEETLINK_AGENT_MAX_PENDING", default_value_t = 1024)]
     max_pending: usize,
-    /// Give up (exit 3) after this many consecutive failed connection attempts.
+    /// Give up (exit 3) after this many connection attempts in a row that never got a welcome.
+    /// A welcomed connection is a successful attempt, however soon it ends (a kick, a 4410).
     #[arg(long, env = "FLEETLINK_AGENT_MAX_ATTEMPTS")]
     max_attempts: Option<u32>,
     /// Stop (exit 0) after this long, e.g. `30s`.

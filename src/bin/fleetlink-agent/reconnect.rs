@@ -9,9 +9,12 @@
 //!   path, 426, 431, 401/403): the broker will refuse this rig every time; stop;
 //! - HTTP 503 `Retry-After: N`, close 4503 `retry_after=N`: N s ± 10 %;
 //! - anything else: `backoff::next_delay(n)`, n = consecutive failures, reset by a connection
-//!   that got `welcome` and stayed up `HEALTHY_AFTER`.
+//!   that got `welcome` and stayed up `HEALTHY_AFTER`, or that the broker closed with 1012
+//!   (control's kick: "reconnect", which is no failure of the rig's);
 //!
-//! `--max-attempts` bounds the consecutive failures (hinted ones included).
+//! `--max-attempts` bounds the consecutive attempts that never got `welcome` (hinted ones
+//! included): a welcomed connection is a successful attempt, however soon it ends. Before, a
+//! kick counted as a failed attempt, so `--max-attempts 1` made one kick stop the agent.
 
 use std::time::{Duration, Instant};
 
@@ -72,6 +75,8 @@ pub(crate) enum End {
 pub(crate) struct Policy {
     /// Consecutive failed attempts: the backoff's n.
     failures: u32,
+    /// Consecutive attempts that never got `welcome`: what `--max-attempts` bounds.
+    unwelcomed: u32,
     max_attempts: Option<u32>,
     rng: Rng,
 }
@@ -80,6 +85,7 @@ impl Policy {
     pub(crate) fn new(max_attempts: Option<u32>, rng: Rng) -> Policy {
         Policy {
             failures: 0,
+            unwelcomed: 0,
             max_attempts,
             rng,
         }
@@ -92,6 +98,7 @@ impl Policy {
             End::Exit(exit) => Err(exit),
             End::Goaway(at) => {
                 self.failures = 0;
+                self.unwelcomed = 0;
                 let delay = at.saturating_duration_since(now);
                 log::info!(
                     "reconnecting in {}ms as the goaway asked",
@@ -123,8 +130,19 @@ impl Policy {
                     }
                     _ => {}
                 }
-                let healthy = welcomed_for.is_some_and(|d| d >= HEALTHY_AFTER);
-                self.backoff(&why, healthy)
+                let Some(up) = welcomed_for else {
+                    return self.backoff(&why);
+                };
+                self.unwelcomed = 0;
+                let kicked = matches!(close, Some((1012, _)));
+                if up >= HEALTHY_AFTER || kicked {
+                    self.failures = 0;
+                    return Ok(self.delay(&why));
+                }
+                // Welcomed, then lost soon: no failed attempt, but the backoff still grows,
+                // so a rig that keeps being dropped at once does not reconnect in a loop.
+                self.failures = self.failures.saturating_add(1);
+                Ok(self.delay(&why))
             }
         }
     }
@@ -132,7 +150,7 @@ impl Policy {
     /// A broker hint (`Retry-After`); without one, the ordinary backoff.
     fn hinted(&mut self, secs: Option<u64>, what: &str) -> Result<Duration, Exit> {
         let Some(secs) = secs else {
-            return self.backoff(&format!("{what} without a usable Retry-After"), false);
+            return self.backoff(&format!("{what} without a usable Retry-After"));
         };
         self.count_failure(what)?;
         let delay = retry_after_delay(secs, &mut self.rng);
@@ -143,25 +161,28 @@ impl Policy {
         Ok(delay)
     }
 
-    fn backoff(&mut self, why: &str, healthy: bool) -> Result<Duration, Exit> {
-        if healthy {
-            self.failures = 0;
-        } else {
-            self.count_failure(why)?;
-        }
+    /// A failed attempt (never welcomed) and the backoff after it.
+    fn backoff(&mut self, why: &str) -> Result<Duration, Exit> {
+        self.count_failure(why)?;
+        Ok(self.delay(why))
+    }
+
+    fn delay(&mut self, why: &str) -> Duration {
         let delay = next_delay(self.failures, &mut self.rng);
         log::warn!(
             "{why}; retry in {:.2}s (backoff n={})",
             delay.as_secs_f64(),
             self.failures
         );
-        Ok(delay)
+        delay
     }
 
+    /// An attempt that never got `welcome`.
     fn count_failure(&mut self, why: &str) -> Result<(), Exit> {
         self.failures = self.failures.saturating_add(1);
+        self.unwelcomed = self.unwelcomed.saturating_add(1);
         match self.max_attempts {
-            Some(max) if self.failures >= max => {
+            Some(max) if self.unwelcomed >= max => {
                 log::error!("{why}; giving up after {max} consecutive failed attempts");
                 Err(Exit::GaveUp)
             }
@@ -192,7 +213,7 @@ mod tests {
         let now = Instant::now();
         let first = secs(p.plan(lost(None, None), now));
         assert!((1.0..3.0).contains(&first), "{first}");
-        let second = secs(p.plan(lost(Some(2), Some((1012, ""))), now));
+        let second = secs(p.plan(lost(Some(2), Some((4410, "superseded"))), now));
         assert!((2.0..6.0).contains(&second), "{second}");
         for _ in 0..10 {
             p.plan(lost(None, None), now).unwrap();
@@ -201,6 +222,28 @@ mod tests {
         assert!((15.0..45.0).contains(&capped), "{capped}");
         let healthy = secs(p.plan(lost(Some(10), Some((1001, ""))), now));
         assert!((0.5..1.5).contains(&healthy), "{healthy}");
+    }
+
+    #[test]
+    fn a_kick_or_a_short_welcomed_connection_is_no_failed_attempt() {
+        let now = Instant::now();
+        // Kicked at once, again and again: reconnect promptly, never give up.
+        let mut p = Policy::new(Some(1), Rng::with_seed(6));
+        for _ in 0..5 {
+            let kicked = lost(Some(0), Some((1012, "kicked by control; reconnect")));
+            let d = secs(p.plan(kicked, now));
+            assert!((0.5..1.5).contains(&d), "{d}");
+        }
+        // Dropped soon after each welcome: no failed attempt, but the backoff grows.
+        let mut p = Policy::new(Some(1), Rng::with_seed(6));
+        for _ in 0..3 {
+            p.plan(lost(Some(1), Some((4410, "superseded"))), now)
+                .unwrap();
+        }
+        let fourth = secs(p.plan(lost(Some(1), Some((4410, "superseded"))), now));
+        assert!((8.0..24.0).contains(&fourth), "{fourth}");
+        // The first attempt that fails after them is the first failed attempt.
+        assert_eq!(p.plan(lost(None, None), now), Err(Exit::GaveUp));
     }
 
     #[test]

@@ -57,9 +57,6 @@ pub(crate) struct Agent {
     /// Fresh per process, never per connection: a reconnect resumes the broker session.
     boot: BootId,
     seqs: SeqTracker,
-    /// Counts broker sessions (bumped by every `resumed: false` welcome). A result carries its
-    /// command's epoch and is dropped if that session is gone: its seq means nothing now.
-    epoch: u64,
     jobs: SyncSender<Job>,
     done: Receiver<Done>,
     /// A result taken from `done` whose send failed; sent first on the next connection.
@@ -126,7 +123,6 @@ impl Agent {
             tls,
             boot: BootId::generate(unix_ms),
             seqs: SeqTracker::default(),
-            epoch: 0,
             jobs,
             done,
             unsent: VecDeque::new(),
@@ -301,14 +297,15 @@ impl Agent {
     fn on_welcome(&mut self, conn: &mut Conn, broker_id: &str, resumed: bool) {
         if !resumed {
             if let Some(last) = self.seqs.last_seq() {
+                // Results of the lost session still go out: the broker numbers new commands
+                // above the hello's last_seq, so their seqs cannot be mistaken for new ones,
+                // and control joins each to its ack by rig_id, boot_id and seq.
                 log::warn!(
                     "!!! broker {broker_id} has no session for boot {} (restarted, or the session expired): \
-                     its seqs go on above {last} (or start again at 1); unsent results of the old session \
-                     are dropped",
+                     its seqs go on above {last}; results of commands already acked still go out",
                     self.boot
                 );
             }
-            self.epoch += 1;
         }
         self.seqs.welcomed(resumed);
         conn.welcomed = Some(Instant::now());
@@ -373,10 +370,7 @@ impl Agent {
             }
             SeqVerdict::Run => {
                 log::info!("command seq={seq} id={} name={}", cmd.id, cmd.name);
-                match self.jobs.try_send(Job {
-                    epoch: self.epoch,
-                    cmd,
-                }) {
+                match self.jobs.try_send(Job { cmd }) {
                     Ok(()) => {
                         self.seqs.record(seq);
                         self.pending += 1;
@@ -417,13 +411,6 @@ impl Agent {
                     Err(_) => return Ok(()),
                 },
             };
-            if done.epoch != self.epoch {
-                log::warn!(
-                    "dropping the result of seq={}: its broker session is gone",
-                    done.seq
-                );
-                continue;
-            }
             let text = proto::result(done.seq, done.ok, done.output.clone(), self.cfg.max_message);
             if let Err(e) = ws.send(Message::text(text)) {
                 let why = format!("sending result seq={}: {e}", done.seq);

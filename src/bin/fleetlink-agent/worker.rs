@@ -21,15 +21,12 @@ use crate::proto::Command;
 
 /// An accepted command.
 pub(crate) struct Job {
-    /// The broker session it belongs to (see `session::Agent::epoch`).
-    pub(crate) epoch: u64,
     pub(crate) cmd: Command,
 }
 
 /// A finished command, to be sent as `result`.
 #[derive(Debug)]
 pub(crate) struct Done {
-    pub(crate) epoch: u64,
     pub(crate) seq: u64,
     pub(crate) ok: bool,
     pub(crate) output: Value,
@@ -91,7 +88,7 @@ pub(crate) fn spawn(
     thread::Builder::new()
         .name("agent-worker".into())
         .spawn(move || {
-            for Job { epoch, cmd } in job_rx {
+            for Job { cmd } in job_rx {
                 // The agent is stopping: what it accepted and has not started ends now, as a
                 // result saying so. It was acked, so the broker will not send it again, and
                 // control must hear it did not run rather than nothing at all.
@@ -102,7 +99,6 @@ pub(crate) fn spawn(
                         cmd.name
                     );
                     let done = Done {
-                        epoch,
                         seq: cmd.seq,
                         ok: false,
                         output: serde_json::json!({"error": "not run: the agent stopped first"}),
@@ -127,7 +123,6 @@ pub(crate) fn spawn(
                     }
                 }
                 let done = Done {
-                    epoch,
                     seq: cmd.seq,
                     ok: outcome.ok,
                     output: outcome.output,
@@ -183,7 +178,7 @@ mod tests {
                 name: name.into(),
                 args: json!({"n": seq}),
             };
-            jobs.send(Job { epoch: 1, cmd }).unwrap();
+            jobs.send(Job { cmd }).unwrap();
         }
         let got: Vec<Done> = (0..4)
             .map(|_| {
