@@ -439,10 +439,11 @@ fn redis_broadcast_reports_a_broker_with_nothing_on_its_channel_at_once() {
     let url = redis.url();
     let human = fleetctl(&["--redis", &url, "send", "--selector", "group=lab", "x"]);
     human.assert_code(2);
+    // The dead broker's line is fleetctl's, not a reply of the broker's.
     assert!(
         human
             .stdout
-            .contains("total: 2/2 brokers replied, 2 matched"),
+            .contains("total: 1/2 brokers replied, 1 not listening, 2 matched"),
         "{}",
         human.stdout
     );
@@ -809,6 +810,14 @@ fn admin_status_list_and_selector() {
         "{}",
         human.stdout
     );
+    // A page past the end is empty, with this broker's columns all the same.
+    let past = fleetctl(&["--admin", &admin, "list", "--cursor", "99"]);
+    past.assert_code(0);
+    assert!(
+        past.stdout.contains("CONNECTED_AT") && !past.stdout.contains("BROKER"),
+        "{}",
+        past.stdout
+    );
 
     // brokers: the broker's own id, not the admin address.
     let brokers = fleetctl(&["--admin", &admin, "--json", "brokers"]);
@@ -997,7 +1006,8 @@ fn admin_events_tail_a_standalone_brokers_events() {
             "{lines:?}"
         );
     }
-    // A broker in fleet mode keeps none: a usage error, as before.
+    // A broker in fleet mode keeps none: the broker's refusal (exit 2), not a usage error (64):
+    // the command line was right.
     let redis = RedisServer::start();
     let fe = Broker::start(&["--redis", &redis.url(), "--broker-id", "fe-tail"]);
     let run = fleetctl(&[
@@ -1007,5 +1017,24 @@ fn admin_events_tail_a_standalone_brokers_events() {
         "--for",
         "1s",
     ]);
-    assert_eq!(run.code, 64, "{}", run.stderr);
+    assert_eq!(run.code, 2, "{}", run.stderr);
+    assert!(run.stderr.contains("keeps no events"), "{}", run.stderr);
+}
+
+/// `events --for` bounds the tail even when the admin API never answers: it used to wait
+/// for its poll's own 10 s (agent and fleetctl audit).
+#[test]
+fn an_admin_events_tail_ends_at_its_for_when_nothing_answers() {
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let admin = format!("http://{}", silent.local_addr().unwrap());
+    let started = Instant::now();
+    let run = fleetctl(&["--admin", &admin, "events", "--for", "2s"]);
+    let took = started.elapsed();
+    run.assert_code(3);
+    assert!(run.stderr.contains("no answer"), "{}", run.stderr);
+    assert!(
+        took >= Duration::from_secs(2) && took < Duration::from_secs(6),
+        "a 2 s tail took {took:?}"
+    );
+    drop(silent);
 }

@@ -13,7 +13,7 @@ use fleetlink::admin::new_id;
 use fleetlink::ids::RigId;
 use serde_json::{json, Map, Value};
 
-use crate::cli::{usage, AdminUrl, Selector};
+use crate::cli::{AdminUrl, Selector};
 use crate::render::secs;
 use crate::{error_reply, Broadcast, ControlPlane, Page, TimedOut};
 
@@ -292,7 +292,11 @@ impl ControlPlane for AdminPlane {
             .min(rigs.len());
         let next_cursor = if end < rigs.len() { end as u64 } else { 0 };
         let rows = rigs.into_iter().skip(start).take(end - start).collect();
-        Ok(Page { rows, next_cursor })
+        Ok(Page {
+            rows,
+            next_cursor,
+            admin: true,
+        })
     }
 
     /// `brokers`: liveness and readiness of this one broker, under the id it announces in
@@ -331,16 +335,28 @@ impl ControlPlane for AdminPlane {
         // Past the newest event: the broker answers with the newest's number, and nothing.
         let mut after = u64::MAX;
         let mut seen = 0;
+        let mut answered = false;
         loop {
             let path = format!("/v1/events?after={after}");
-            let resp = self
-                .call("GET", &path, None, IO_TIMEOUT)?
-                .ok_or_else(|| no_answer("GET /v1/events", IO_TIMEOUT))?;
+            // No poll outlasts --for: a broker that does not answer ends the tail on time.
+            let wait = deadline.map_or(IO_TIMEOUT, |d| {
+                d.saturating_duration_since(Instant::now())
+                    .clamp(Duration::from_millis(1), IO_TIMEOUT)
+            });
+            let resp = match self.call("GET", &path, None, wait)? {
+                Some(resp) => resp,
+                // --for ran out during a poll of a broker that has answered before.
+                None if answered && deadline.is_some_and(|d| Instant::now() >= d) => {
+                    return Ok(seen)
+                }
+                None => return Err(no_answer("GET /v1/events", wait).into()),
+            };
+            answered = true;
             let mut page: Value = match serde_json::from_slice(&resp.body) {
                 Ok(v) if resp.status == 200 => v,
+                // The broker's refusal, not a usage error: exit 2.
                 _ if resp.status == 404 => {
-                    let msg = "this broker keeps no events (fleet mode: use --redis URL)";
-                    return Err(usage(clap::error::ErrorKind::InvalidSubcommand, msg.into()).into());
+                    bail!("this broker keeps no events (fleet mode: use --redis URL)")
                 }
                 _ => bail!(
                     "admin API answered {} to GET /v1/events: {}",

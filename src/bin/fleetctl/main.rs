@@ -134,6 +134,9 @@ pub(crate) struct Page {
     pub(crate) rows: Vec<Value>,
     /// Cursor of the next page; 0 when this was the last.
     pub(crate) next_cursor: u64,
+    /// One broker's rows from its admin API, rather than the registry's: the table's columns,
+    /// which an empty page cannot tell from its rows.
+    pub(crate) admin: bool,
 }
 
 /// An error reply built by fleetctl itself (the same shape the brokers use, CONTRACT.md §4).

@@ -453,6 +453,7 @@ impl ControlPlane for RedisPlane {
         Ok(Page {
             rows,
             next_cursor: cursor,
+            admin: false,
         })
     }
 

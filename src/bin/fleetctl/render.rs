@@ -104,9 +104,19 @@ impl Render {
                 );
             }
         }
+        // A broker found not listening was answered for by fleetctl, not by itself.
+        let deaf = b
+            .replies
+            .iter()
+            .filter(|r| r["error"] == "broker_not_listening")
+            .count();
+        let replied = b.expected.len().saturating_sub(missing.len() + deaf);
+        let deaf = match deaf {
+            0 => String::new(),
+            n => format!(", {n} not listening"),
+        };
         println!(
-            "total: {}/{} brokers replied, {} matched, {} enqueued, {failed} failed (id {})",
-            b.expected.len() - missing.len(),
+            "total: {replied}/{} brokers replied{deaf}, {} matched, {} enqueued, {failed} failed (id {})",
             b.expected.len(),
             sum("matched"),
             sum("enqueued"),
@@ -180,8 +190,7 @@ impl Render {
     /// One page of `list` as a table, then where the next one starts (`--json` follows the
     /// pages in `main` instead).
     pub(crate) fn page(&self, p: &Page) -> Exit {
-        let admin = p.rows.iter().any(|r| r.get("connected_at").is_some());
-        if admin {
+        if p.admin {
             let rows: Vec<Vec<String>> = p
                 .rows
                 .iter()
