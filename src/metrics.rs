@@ -381,7 +381,7 @@ const HELP: &[(&str, &str)] = &[
     ),
     (
         "fleetlink_pongs_received_total",
-        "Websocket PONGs received from rigs.",
+        "Websocket PONGs received from rigs in answer to the last PING.",
     ),
     (
         "fleetlink_rig_rate_paused_total",

@@ -5,7 +5,7 @@ use std::collections::HashSet;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
-use super::shared::unix_ms;
+use super::shared::mono_ms;
 use super::Bridge;
 use crate::ids::{BootId, ConnId, RigId, Seq};
 use crate::log_text::{clip, LOG_CHARS};
@@ -156,7 +156,7 @@ impl Bridge {
                     // Another process with our id is subscribed to our channel: it takes our
                     // commands too (see `BridgeShared::not_ready`).
                     self.shared.count("canary", "twin");
-                    self.shared.twin_at_ms.store(unix_ms(), Ordering::Relaxed);
+                    self.shared.twin_at_ms.store(mono_ms(), Ordering::Relaxed);
                     if let Some(n) = self.twin_log.note(now) {
                         log::error!(
                             "another broker runs with --broker-id {broker_id} (instance \
@@ -169,7 +169,7 @@ impl Bridge {
                     }
                     return;
                 }
-                self.shared.canary_at_ms.store(unix_ms(), Ordering::Relaxed);
+                self.shared.canary_at_ms.store(mono_ms(), Ordering::Relaxed);
                 if std::mem::take(&mut self.canary_late) {
                     log::info!("redis: the canary is back; /readyz no longer fails on it");
                 }

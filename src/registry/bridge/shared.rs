@@ -2,8 +2,8 @@
 //! Redis and subscription state, readiness.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::Mutex;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::sync::{Mutex, OnceLock};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use crate::event_log::EventLog;
 use crate::metrics::BridgeStats;
@@ -80,9 +80,9 @@ pub struct BridgeShared {
     pub redis_up: AtomicU64,
     /// True once the scripts are loaded and both channels are subscribed.
     pub subscribed: AtomicBool,
-    /// Unix ms when our own canary last came back.
+    /// When our own canary last came back, in [`mono_ms`] (0: never).
     pub canary_at_ms: AtomicU64,
-    /// Unix ms when a canary with our broker id came from another process (0: never).
+    /// When a canary with our broker id came from another process, in [`mono_ms`] (0: never).
     pub twin_at_ms: AtomicU64,
     /// Why the last attempt to reach Redis failed, while it is down. Written when that
     /// changes, read by `/readyz`: never on a hot path.
@@ -177,7 +177,7 @@ impl BridgeShared {
             return Some("subscription not live".into());
         }
         let twin = self.twin_at_ms.load(Ordering::Relaxed);
-        if twin != 0 && unix_ms().saturating_sub(twin) <= CANARY_STALE.as_millis() as u64 {
+        if twin != 0 && mono_ms().saturating_sub(twin) <= CANARY_STALE.as_millis() as u64 {
             // Both take every command sent to this id, and the one without the rig answers
             // rig_not_connected for what the other runs: neither should be sent rigs.
             return Some(
@@ -192,7 +192,7 @@ impl BridgeShared {
             // without PUBLISH on our channel), or the first is still on its way.
             return Some("no canary back yet (can this broker PUBLISH on its own channel?)".into());
         }
-        let age = unix_ms().saturating_sub(last);
+        let age = mono_ms().saturating_sub(last);
         if age > CANARY_STALE.as_millis() as u64 {
             return Some(format!("no canary for {age} ms"));
         }
@@ -223,6 +223,16 @@ impl BridgeShared {
             ],
         }
     }
+}
+
+/// Milliseconds since the process first asked, on a clock that only moves forward, and never
+/// 0: for how old something this process saw is. The wall clock can step (NTP, a VM paused or
+/// moved): in CI a step of about 20 s made a canary that had come back a second earlier look
+/// 20 s old, and `/readyz` failed until the next one.
+pub(super) fn mono_ms() -> u64 {
+    static START: OnceLock<Instant> = OnceLock::new();
+    let start = *START.get_or_init(Instant::now);
+    (start.elapsed().as_millis() as u64).saturating_add(1)
 }
 
 pub(super) fn unix_ms() -> u64 {

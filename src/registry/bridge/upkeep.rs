@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::json;
 
-use super::shared::{unix_ms, CANARY_STALE};
+use super::shared::{mono_ms, unix_ms, CANARY_STALE};
 use super::{Bridge, ALL_UNKEPT};
 use crate::heap_trim;
 use crate::ids::{BootId, RigId};
@@ -52,7 +52,7 @@ impl Bridge {
             // Redis that trickles, a subscription read falling behind): said once, or the
             // 503 has no trace in the log.
             let last = self.shared.canary_at_ms.load(Ordering::Relaxed);
-            let age = unix_ms().saturating_sub(last);
+            let age = mono_ms().saturating_sub(last);
             if last != 0 && age > CANARY_STALE.as_millis() as u64 && !self.canary_late {
                 self.canary_late = true;
                 log::warn!(
