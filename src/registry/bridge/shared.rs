@@ -80,9 +80,10 @@ pub struct BridgeShared {
     pub redis_up: AtomicU64,
     /// True once the scripts are loaded and both channels are subscribed.
     pub subscribed: AtomicBool,
-    /// When our own canary last came back, in [`mono_ms`] (0: never).
+    /// When our own canary last came back, in `mono_ms` milliseconds (0: never).
     pub canary_at_ms: AtomicU64,
-    /// When a canary with our broker id came from another process, in [`mono_ms`] (0: never).
+    /// When a canary with our broker id came from another process, in `mono_ms` milliseconds
+    /// (0: never).
     pub twin_at_ms: AtomicU64,
     /// Why the last attempt to reach Redis failed, while it is down. Written when that
     /// changes, read by `/readyz`: never on a hot path.
