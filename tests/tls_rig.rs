@@ -777,3 +777,43 @@ fn a_reset_with_tls_records_unsent_ends_the_connection() {
         gauge() == 0
     });
 }
+
+/// A client that gives up in the middle of its TLS 1.3 handshake with a close_notify (after the
+/// server's flight, before its own Finished) has abandoned its connection, as one that closes
+/// TCP there has: counted as an abandoned upgrade, not a failed handshake, and not logged as
+/// one. rustls raises such an alert as an error, which the broker used to count as a failure.
+#[test]
+fn a_close_notify_in_the_middle_of_a_handshake_is_an_abandoned_connection() {
+    let dir = Dir::new("abandon");
+    let pki = dev_certs::generate(&dir.0, 1, &[]).unwrap();
+    let b = tls_broker(&pki, &dir.0, &[]);
+    let r = &pki.rigs[0];
+    let mut tcp = TcpStream::connect(b.listen).unwrap();
+    tcp.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut conn = rustls::ClientConnection::new(
+        client_config(&pki.ca_cert, Some((&r.cert, &r.key))),
+        ServerName::try_from("localhost").unwrap(),
+    )
+    .unwrap();
+    while conn.wants_write() {
+        conn.write_tls(&mut tcp).unwrap();
+    }
+    // The server's first record is its ServerHello: with it alone the client has its
+    // handshake keys and has not sent its Finished yet.
+    let mut head = [0u8; 5];
+    tcp.read_exact(&mut head).unwrap();
+    assert_eq!(head[0], 0x16, "a handshake record first");
+    let mut hello = vec![0u8; usize::from(u16::from_be_bytes([head[3], head[4]]))];
+    tcp.read_exact(&mut hello).unwrap();
+    let record = [&head[..], &hello[..]].concat();
+    conn.read_tls(&mut &record[..]).unwrap();
+    conn.process_new_packets().unwrap();
+    assert!(conn.is_handshaking());
+    conn.send_close_notify();
+    while conn.wants_write() {
+        conn.write_tls(&mut tcp).unwrap();
+    }
+    tcp.shutdown(std::net::Shutdown::Write).unwrap();
+    b.wait_metric("fleetlink_upgrades_total{result=\"abandoned\"} 1");
+    assert_eq!(b.metric("fleetlink_tls_handshake_failures_total"), 0);
+}

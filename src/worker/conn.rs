@@ -254,6 +254,11 @@ fn read_some(
         Ok(TlsRead::Data(n)) => Ok(Some((n, false))),
         Ok(TlsRead::Last(n)) => Ok(Some((n, true))),
         Ok(TlsRead::Closed) => Err(PEER_CLOSED),
+        // A client giving up mid-handshake with a close_notify has left, as at EOF there:
+        // rustls raises the alert as an error, but nothing failed on our side.
+        Ok(TlsRead::Failed(rustls::Error::AlertReceived(
+            rustls::AlertDescription::CloseNotify,
+        ))) if was_handshaking => Err(PEER_CLOSED),
         Ok(TlsRead::Failed(e)) => {
             let now = std::time::Instant::now();
             if let Some(line) = core.tls_fail_log.borrow_mut().note(now, &e) {
