@@ -98,17 +98,13 @@ impl CommandCon {
     /// write inside the socket's timeout, so the timeout alone bounded a write, not the call.
     fn send(&mut self, mut cmd: &[u8], deadline: Instant) -> io::Result<()> {
         while !cmd.is_empty() {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return Err(io::Error::new(
-                    io::ErrorKind::TimedOut,
-                    "call timed out: redis took its request too slowly",
-                ));
-            }
-            if left < self.write_timeout / 2 {
-                self.stream.set_write_timeout(Some(left))?;
-                self.write_timeout = left;
-            }
+            let stream = &self.stream;
+            wait_within(
+                deadline,
+                &mut self.write_timeout,
+                |t| stream.set_write_timeout(t),
+                || "redis took its request too slowly".into(),
+            )?;
             match self.stream.write(cmd) {
                 Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
                 Ok(n) => cmd = cmd.get(n..).unwrap_or_default(),
@@ -136,20 +132,13 @@ impl CommandCon {
             // Room for the rest of a reply at the front, once per read rather than per reply.
             self.buf.drain(..self.start);
             self.start = 0;
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return Err(io::Error::new(
-                    io::ErrorKind::TimedOut,
-                    format!("call timed out: its {count} replies took too long"),
-                )
-                .into());
-            }
-            // A read late in the call may wait only what the call has left (a syscall, so
-            // only once a call is slow).
-            if left < self.read_timeout / 2 {
-                self.stream.set_read_timeout(Some(left))?;
-                self.read_timeout = left;
-            }
+            let stream = &self.stream;
+            wait_within(
+                deadline,
+                &mut self.read_timeout,
+                |t| stream.set_read_timeout(t),
+                || format!("its {count} replies took too long"),
+            )?;
             match self.stream.read(&mut chunk) {
                 Ok(0) => {
                     return Err(io::Error::new(
@@ -236,6 +225,28 @@ fn reply_len(buf: &[u8]) -> io::Result<Option<usize>> {
         };
     }
     Ok(Some(pos))
+}
+
+/// Readies the socket for one more read or write of a call ending at `deadline`: a wait late
+/// in the call may take only what the call has left, so `timeout` (the socket's, set with
+/// `set`) is shortened to it once under half (a syscall, so only once a call is slow).
+/// TimedOut, saying `late`, once nothing is left.
+fn wait_within(
+    deadline: Instant,
+    timeout: &mut Duration,
+    set: impl FnOnce(Option<Duration>) -> io::Result<()>,
+    late: impl FnOnce() -> String,
+) -> io::Result<()> {
+    let left = deadline.saturating_duration_since(Instant::now());
+    if left.is_zero() {
+        let why = format!("call timed out: {}", late());
+        return Err(io::Error::new(io::ErrorKind::TimedOut, why));
+    }
+    if left < *timeout / 2 {
+        set(Some(left))?;
+        *timeout = left;
+    }
+    Ok(())
 }
 
 /// How long a call expecting `replies` may take: the timeout, or 1 ms a reply for a pipeline

@@ -105,18 +105,21 @@ impl Render {
             }
         }
         // A broker found not listening was answered for by fleetctl, not by itself.
-        let deaf = b
+        let not_listening = b
             .replies
             .iter()
             .filter(|r| r["error"] == "broker_not_listening")
             .count();
-        let replied = b.expected.len().saturating_sub(missing.len() + deaf);
-        let deaf = match deaf {
+        let replied = b
+            .expected
+            .len()
+            .saturating_sub(missing.len() + not_listening);
+        let unheard = match not_listening {
             0 => String::new(),
             n => format!(", {n} not listening"),
         };
         println!(
-            "total: {replied}/{} brokers replied{deaf}, {} matched, {} enqueued, {failed} failed (id {})",
+            "total: {replied}/{} brokers replied{unheard}, {} matched, {} enqueued, {failed} failed (id {})",
             b.expected.len(),
             sum("matched"),
             sum("enqueued"),
