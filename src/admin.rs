@@ -312,7 +312,7 @@ pub fn spawn(
                     if let Err(crossbeam_channel::TrySendError::Full(Work::Lobbied(l))) =
                         tx.try_send(work)
                     {
-                        busy(l.conn.stream);
+                        lobby.refuse(l.conn, Instant::now());
                     }
                 }
                 if woken.rung {
@@ -342,18 +342,11 @@ pub fn spawn(
                         continue;
                     };
                     if let Err(conn) = lobby.admit(Held::new(stream), Instant::now()) {
-                        busy(conn.stream);
+                        lobby.refuse(conn, Instant::now());
                     }
                 }
             }
         })
-}
-
-/// Answers 503 on a connection nothing can serve now, and closes it. On the acceptor, so never
-/// waiting: a client that does not take a few dozen bytes at once is not reading.
-fn busy(mut stream: TcpStream) {
-    let _ = stream.set_nonblocking(true);
-    let _ = crate::admin_lobby::write_some(&mut stream, &busy_answer());
 }
 
 /// The 503 for a connection nothing can serve now (it closes after it).

@@ -16,8 +16,12 @@ use std::time::Instant;
 
 use crate::admin::{parse_request, Parsed, Refusal, Request, RequestClock, CONTINUE};
 
-/// Connections that may wait at once; past it a new one is answered 503 at once.
+/// Connections that may wait at once for a request or an answer; past it a new one is refused
+/// (503).
 pub(crate) const MAX_WAITING: usize = 1024;
+/// Refused connections that may linger besides them, reading and dropping what their clients
+/// still send (see [`Held::linger`]); past it a refusal closes once its 503 is written.
+pub(crate) const MAX_LINGERING: usize = 256;
 /// Bytes of unfinished requests held in all. One request may be 1 MiB; a thousand of them
 /// trickling in would otherwise hold a gigabyte. A read past it is answered 503.
 pub(crate) const MAX_HELD_BYTES: usize = 32 << 20;
@@ -73,7 +77,7 @@ impl Held {
 }
 
 /// Writes what a non-blocking socket takes now: the count, or None when it broke.
-pub(crate) fn write_some(stream: &mut TcpStream, bytes: &[u8]) -> Option<usize> {
+fn write_some(stream: &mut TcpStream, bytes: &[u8]) -> Option<usize> {
     let mut done = 0;
     while let Some(rest) = bytes.get(done..).filter(|r| !r.is_empty()) {
         match stream.write(rest) {
@@ -130,9 +134,10 @@ pub(crate) struct Lobby {
 }
 
 impl Lobby {
-    /// Lets `conn` wait for its next request; gives it back when [`MAX_WAITING`] wait already.
+    /// Lets `conn` wait for its next request, or linger once refused; gives it back when its
+    /// kind is at its bound ([`MAX_WAITING`], [`MAX_LINGERING`]).
     pub(crate) fn admit(&mut self, conn: Held, now: Instant) -> Result<(), Held> {
-        if self.waiting.len() >= MAX_WAITING && !self.evict_idle() {
+        if !self.has_room(conn.linger) {
             return Err(conn);
         }
         if conn.stream.set_nonblocking(true).is_err()
@@ -165,6 +170,41 @@ impl Lobby {
         self.unsent_bytes += w.conn.unsent.len();
         self.waiting.push(w);
         Ok(())
+    }
+
+    /// Answers 503 on a connection nothing can serve now (the lobby or the pool is full), then
+    /// lets it linger as any refused one: its client may still be sending a request, and a
+    /// close with its bytes unread would reset the connection, and the answer with it, under
+    /// the client's next write. With [`MAX_LINGERING`] lingering already it closes after
+    /// what the socket took at once.
+    pub(crate) fn refuse(&mut self, mut conn: Held, now: Instant) {
+        if conn.stream.set_nonblocking(true).is_err() {
+            return;
+        }
+        conn.buf = Vec::new();
+        conn.linger = true;
+        if conn.send(&crate::admin::busy_answer(), true) {
+            let _ = self.admit(conn, now);
+        }
+    }
+
+    /// Whether a connection may wait here: a refused one (`lingering`) within its own bound,
+    /// so that refusals never take the place of a connection being served nor close one for
+    /// room; any other within [`MAX_WAITING`], making room by closing the one idle longest.
+    /// Connections refused while they waited linger in place, in their own bound first, so
+    /// that the lobby never holds more than both bounds together.
+    fn has_room(&mut self, lingering: bool) -> bool {
+        // Neither bound is reached below the smaller one, and counting walks the set.
+        if self.waiting.len() < MAX_LINGERING.min(MAX_WAITING) {
+            return true;
+        }
+        let refused = self.waiting.iter().filter(|w| w.conn.linger).count();
+        match lingering {
+            true => refused < MAX_LINGERING,
+            false => {
+                self.waiting.len() - refused.min(MAX_LINGERING) < MAX_WAITING || self.evict_idle()
+            }
+        }
     }
 
     /// Shuts the sending side of a refused connection whose answer has gone, and reads what
@@ -213,7 +253,7 @@ impl Lobby {
             .waiting
             .iter()
             .enumerate()
-            .filter(|(_, w)| w.conn.buf.is_empty() && w.conn.unsent.is_empty())
+            .filter(|(_, w)| !w.conn.linger && w.conn.buf.is_empty() && w.conn.unsent.is_empty())
             .min_by_key(|(_, w)| w.deadline)
             .map(|(i, _)| i);
         let Some(i) = idle else {
@@ -704,6 +744,84 @@ mod tests {
             .admit(Held::new(extra), now)
             .expect("an idle one gives way");
         assert_eq!(lobby.len(), MAX_WAITING);
+    }
+
+    /// A lobby holding [`MAX_WAITING`] connections each halfway through a request, none idle;
+    /// all are duplicates of one socket, so as not to spend a client each.
+    fn full_of_requests(s: &Setup) -> (Lobby, TcpStream) {
+        let mut lobby = Lobby::default();
+        let (client, server) = connect(s);
+        for _ in 0..MAX_WAITING {
+            let mut conn = Held::new(server.try_clone().expect("dup"));
+            conn.buf = b"GET /he".to_vec();
+            lobby.admit(conn, Instant::now()).expect("room");
+        }
+        (lobby, client)
+    }
+
+    /// A connection refused because the lobby is full is answered 503 and then read to its
+    /// end: a client still sending its body finishes, reads the answer, and sees the close,
+    /// where a close with its bytes unread would have reset both.
+    #[test]
+    fn a_connection_refused_by_a_full_lobby_lingers_until_its_client_is_done() {
+        let s = setup();
+        let (mut lobby, _first) = full_of_requests(&s);
+        let (mut client, server) = connect(&s);
+        let refused = lobby.admit(Held::new(server), Instant::now());
+        lobby.refuse(refused.expect_err("full"), Instant::now());
+        assert_eq!(lobby.len(), MAX_WAITING + 1);
+        // The largest body an admin request may carry; the lobby reads up to twice that.
+        let body = 1 << 20;
+        let writer = std::thread::spawn(move || {
+            let head = format!("POST /v1/drain HTTP/1.1\r\nContent-Length: {body}\r\n\r\n");
+            client.write_all(head.as_bytes())?;
+            client.write_all(&vec![b'x'; body])?;
+            client.shutdown(std::net::Shutdown::Write)?;
+            let mut answer = String::new();
+            client.read_to_string(&mut answer)?;
+            Ok::<_, std::io::Error>(answer)
+        });
+        let end = Instant::now() + Duration::from_secs(10);
+        while lobby.len() > MAX_WAITING {
+            assert!(Instant::now() < end, "the refused connection never closed");
+            lobby.wait(&s.listener, s.bell.as_raw_fd());
+        }
+        let answer = writer
+            .join()
+            .expect("writer")
+            .expect("the client's writes and read");
+        assert!(answer.starts_with("HTTP/1.1 503 "), "{answer}");
+    }
+
+    /// Refused connections linger within their own bound: past it one is answered and closed
+    /// at once, and none of them takes the room of a connection being served.
+    #[test]
+    fn refused_connections_lingering_are_bounded_apart_from_the_rest() {
+        let s = setup();
+        let (mut lobby, _first) = full_of_requests(&s);
+        // A client each: a refusal shuts its socket's sending side, which a duplicate shares.
+        let mut clients = Vec::new();
+        for _ in 0..MAX_LINGERING {
+            let (client, server) = connect(&s);
+            lobby.refuse(Held::new(server), Instant::now());
+            clients.push(client);
+        }
+        assert_eq!(lobby.len(), MAX_WAITING + MAX_LINGERING);
+        let (mut last, server) = connect(&s);
+        lobby.refuse(Held::new(server), Instant::now());
+        assert_eq!(lobby.len(), MAX_WAITING + MAX_LINGERING);
+        last.set_read_timeout(Some(Duration::from_secs(5)))
+            .expect("timeout");
+        let mut answer = String::new();
+        last.read_to_string(&mut answer)
+            .expect("the answer, then the close");
+        assert!(answer.starts_with("HTTP/1.1 503 "), "{answer}");
+        // The served ones' room is theirs alone: a new busy one is still refused, and an
+        // idle one is let in only in place of another idle one.
+        let (_next, server) = connect(&s);
+        let mut busy = Held::new(server);
+        busy.buf = b"GET /he".to_vec();
+        assert!(lobby.admit(busy, Instant::now()).is_err());
     }
 
     /// Past the byte bound a reading connection is answered 503 and holds nothing; what its

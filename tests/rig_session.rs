@@ -1160,12 +1160,75 @@ fn admin_requests_refused_before_routing_get_json_errors() {
 /// lobby past the cores' share: the broker reads and drops the rest before it closes. Closing
 /// on bytes it had not read sent a reset, which failed the client's write and could destroy
 /// the answer before the client read it.
+///
+/// So does one refused `busy` because the lobby is full too: it was closed at once, and its
+/// client failed to write its body.
 #[test]
 fn a_refused_client_still_sending_its_body_reads_the_answer() {
     let b = Broker::start(&[]);
     the_answer_survives_the_rest_of_the_body(b.admin);
     let _on_cores = hold_the_cores_admin_connections(b.admin);
     the_answer_survives_the_rest_of_the_body(b.admin);
+    // Then fill the cores' share and the lobby (1,024) with half-sent requests, none idle,
+    // and refuse one `busy`. Each stalled request has 5 s to come whole: the rest runs
+    // within that. In steps the broker takes whole, since a full accept queue would let
+    // some in only a second or more later.
+    let b = Broker::start(&[]);
+    let sockets = || broker_sockets(&b);
+    let mut stalled: Vec<std::net::TcpStream> = Vec::new();
+    let started = std::time::Instant::now();
+    while stalled.len() < MAX_ON_CORES + 1024 {
+        let before = sockets();
+        let step = (MAX_ON_CORES + 1024 - stalled.len()).min(256);
+        for _ in 0..step {
+            let mut s = std::net::TcpStream::connect(b.admin).unwrap();
+            s.write_all(b"GET /v1/rigs HTTP/1.1\r\nHo").unwrap();
+            stalled.push(s);
+        }
+        eventually(Duration::from_secs(3), "the broker taking a step", || {
+            sockets() >= before + step
+        });
+    }
+    // The lobby may not have read the last of them yet: a client it takes instead waits
+    // with them, unanswered, and the next one tries.
+    loop {
+        assert!(
+            started.elapsed() < Duration::from_millis(4500),
+            "no busy answer within the stalled requests' 5 s"
+        );
+        let head =
+            "POST /v1/rigs/r1/commands HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000\r\n\r\n";
+        let mut s = std::net::TcpStream::connect(b.admin).unwrap();
+        s.write_all(head.as_bytes()).unwrap();
+        s.set_read_timeout(Some(Duration::from_millis(300)))
+            .unwrap();
+        if s.peek(&mut [0u8; 16]).is_err() {
+            stalled.push(s);
+            continue;
+        }
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        s.write_all(&vec![b'x'; 1_000_000])
+            .expect("the broker reads what the refused client still sends");
+        let mut answer = String::new();
+        std::io::Read::read_to_string(&mut s, &mut answer).expect("the answer, then the close");
+        assert!(
+            answer.starts_with("HTTP/1.1 503 ") && answer.ends_with("busy\n"),
+            "{answer}"
+        );
+        break;
+    }
+}
+
+/// The sockets `b`'s process holds.
+fn broker_sockets(b: &Broker) -> usize {
+    let Ok(fds) = std::fs::read_dir(format!("/proc/{}/fd", b.pid())) else {
+        return 0;
+    };
+    fds.filter_map(Result::ok)
+        .filter(|fd| {
+            std::fs::read_link(fd.path()).is_ok_and(|l| l.to_string_lossy().starts_with("socket:"))
+        })
+        .count()
 }
 
 fn the_answer_survives_the_rest_of_the_body(admin: std::net::SocketAddr) {
