@@ -61,9 +61,10 @@ pub(crate) const IO_TIMEOUT: Duration = Duration::from_secs(5);
 /// which fails the write of a client still sending its body and can destroy the answer in its
 /// buffers before it reads it.
 pub(crate) const LINGER: Duration = Duration::from_secs(2);
-/// Bytes the lobby reads from one lingering connection at most: its one thread polls every
-/// waiting connection, so a client streaming without pause must not keep it for the whole
-/// [`LINGER`].
+/// Bytes read and dropped from one refused connection at most, in the lobby and on a core
+/// (admin requests and refused upgrades alike): twice the largest request, so a client
+/// finishing its body reads the answer, while one streaming without pause holds neither the
+/// lobby's one thread, which polls every waiting connection, nor a core for all of [`LINGER`].
 pub(crate) const LINGER_BYTES: usize = 2 << 20;
 /// Rigs a request thread or core remembers a route to; past it the memory starts afresh.
 const MAX_ROUTES: usize = 4096;

@@ -8,7 +8,8 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
 use common::broker::{
-    boot_id, eventually, hello, raw_exchange, read_close, read_json, Broker, KeepAlive, RawRig, Ws,
+    boot_id, bytes_until_cut_off, eventually, hello, raw_exchange, read_close, read_json, Broker,
+    KeepAlive, RawRig, Ws,
 };
 use fleetlink::admin::MAX_ON_CORES;
 use serde_json::{json, Value};
@@ -1217,6 +1218,22 @@ fn a_refused_client_still_sending_its_body_reads_the_answer() {
         );
         break;
     }
+}
+
+/// A refused client that streams without end is read for 2 MiB at most, as in the lobby, not
+/// for all of the 2 s its connection lingers: a core reading it the whole time got through
+/// hundreds of MiB.
+#[test]
+fn a_refused_client_streaming_without_end_is_cut_off_after_two_mib() {
+    let b = Broker::start(&[]);
+    let head = "POST /v1/rigs/r1/commands HTTP/1.1\r\nHost: x\r\nContent-Length: 1100000\r\n\r\n";
+    let mut s = std::net::TcpStream::connect(b.admin).unwrap();
+    s.write_all(head.as_bytes()).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    assert!(s.peek(&mut [0u8; 16]).unwrap() > 0, "an answer to the head");
+    // Besides the 2 MiB read, both sockets' buffers hold a few MiB.
+    let sent = bytes_until_cut_off(&mut s, 32 << 20);
+    assert!(sent >= 2 << 20, "cut off after {sent} bytes");
 }
 
 /// The sockets `b`'s process holds.

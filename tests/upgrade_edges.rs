@@ -154,6 +154,21 @@ fn a_connection_gone_before_its_head_is_counted_abandoned() {
     );
 }
 
+/// A client refused 503 at accept that streams without end is read for 2 MiB at most, not for
+/// the whole second its refusal waits for the client's FIN.
+#[test]
+fn a_refused_upgrade_streaming_without_end_is_cut_off_after_two_mib() {
+    let b = Broker::start(&["--max-connections", "0", "--cores", "1"]);
+    let mut s = TcpStream::connect(b.listen).expect("connect");
+    s.write_all(upgrade_head("/agent").as_bytes())
+        .expect("head");
+    s.set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("timeout");
+    assert!(s.peek(&mut [0u8; 16]).expect("the 503") > 0);
+    let sent = common::broker::bytes_until_cut_off(&mut s, 32 << 20);
+    assert!(sent >= 2 << 20, "cut off after {sent} bytes");
+}
+
 /// Past the 503s a core may have in flight, connections are closed unanswered and counted as
 /// `shed` only: each connection has one result, so the results add up to the connections.
 #[test]

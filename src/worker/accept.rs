@@ -196,6 +196,7 @@ fn reject(core: &Rc<Core>, buckets: &mut Buckets, stream: TcpStream, why: C) {
             &core,
             &stream,
             monoio::time::Instant::now() + Duration::from_secs(1),
+            crate::admin::LINGER_BYTES,
         )
         .await;
         core.rejecting.set(core.rejecting.get() - 1);

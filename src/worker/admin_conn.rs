@@ -280,14 +280,15 @@ async fn refuse(
 }
 
 /// Closes a refused connection's sending side and reads what its client still sends, until
-/// the client closes or [`admin::LINGER`] runs out (see there why), as a rig's connection
-/// waits for its peer's FIN: into the core's scratch buffer, so lingering holds none.
+/// the client closes, [`admin::LINGER`] runs out (see there why) or [`admin::LINGER_BYTES`]
+/// have come, as a rig's connection waits for its peer's FIN: into the core's scratch buffer,
+/// so lingering holds none.
 async fn linger(core: &Core, stream: &mut monoio::net::TcpStream) {
     if stream.shutdown().await.is_err() {
         return;
     }
     let deadline = monoio::time::Instant::now() + admin::LINGER;
-    crate::worker::conn::await_fin(core, stream, deadline).await;
+    crate::worker::conn::await_fin(core, stream, deadline, admin::LINGER_BYTES).await;
 }
 
 /// One connection's part of its core's [`CORE_REQUEST_BYTES`]: what its buffer holds past

@@ -294,11 +294,17 @@ fn keep_rest(st: &mut ConnState, mut buf: Vec<u8>, used: usize) {
     st.put_rbuf(buf);
 }
 
-/// Reads and drops input until the peer's FIN (or `deadline`), after our half-close: closing a
-/// socket with unread input makes the kernel send RST, which can destroy our last bytes in
-/// flight.
-pub(crate) async fn await_fin(core: &Core, stream: &TcpStream, deadline: monoio::time::Instant) {
+/// Reads and drops input until the peer's FIN (or `deadline`, or `budget` bytes), after our
+/// half-close: closing a socket with unread input makes the kernel send RST, which can destroy
+/// our last bytes in flight.
+pub(crate) async fn await_fin(
+    core: &Core,
+    stream: &TcpStream,
+    deadline: monoio::time::Instant,
+    budget: usize,
+) {
     let fd = stream.as_raw_fd();
+    let mut dropped = 0usize;
     loop {
         // Checked first: on epoll a socket that keeps receiving is ready at every poll, and
         // `timeout_at` polls the read before its timer, so a peer streaming without pause
@@ -313,7 +319,12 @@ pub(crate) async fn await_fin(core: &Core, stream: &TcpStream, deadline: monoio:
         let mut scratch = core.scratch.borrow_mut();
         match recv(fd, &mut scratch) {
             Ok(0) => return,
-            Ok(_) => {}
+            Ok(n) => {
+                dropped += n;
+                if dropped >= budget {
+                    return;
+                }
+            }
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
             Err(_) => return,
         }
@@ -367,7 +378,9 @@ async fn finish(core: &Core, conn: &Conn, stream: &TcpStream) {
     );
     if !peer_closed {
         // Read and drop until the peer's FIN so our close frame or HTTP answer is not reset.
-        await_fin(core, stream, deadline).await;
+        // Unbounded in bytes: a rig closed for a message over `--max-message` may still be
+        // sending the rest of it, and must read the 1009 that says why.
+        await_fin(core, stream, deadline, usize::MAX).await;
     }
     core.conns.borrow_mut().remove(&conn.id);
     if conn.st.borrow().refusing() {

@@ -360,6 +360,25 @@ pub fn raw_exchange(addr: SocketAddr, bytes: &[u8]) -> String {
     String::from_utf8_lossy(&out).into_owned()
 }
 
+/// Writes to `s` without pause until the broker cuts it off (a reset or a broken pipe), and
+/// returns how many bytes went; panics past `limit` bytes, still taken.
+#[allow(dead_code)]
+pub fn bytes_until_cut_off(s: &mut TcpStream, limit: usize) -> usize {
+    let chunk = vec![b'x'; 64 << 10];
+    let mut sent = 0;
+    loop {
+        match s.write(&chunk) {
+            Ok(n) => sent += n,
+            Err(e) => {
+                use std::io::ErrorKind::{BrokenPipe, ConnectionReset};
+                assert!(matches!(e.kind(), BrokenPipe | ConnectionReset), "{e}");
+                return sent;
+            }
+        }
+        assert!(sent < limit, "the broker took {sent} bytes and still reads");
+    }
+}
+
 /// Polls `cond` every 10 ms until it holds, panicking with `what` after `limit`.
 pub fn eventually(limit: Duration, what: &str, mut cond: impl FnMut() -> bool) {
     let deadline = Instant::now() + limit;
