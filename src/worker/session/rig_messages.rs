@@ -1,0 +1,330 @@
+//! What a rig sends once upgraded: control frames, its hello, and then acks, results and
+//! events. Separate from the upgrade (HTTP, before any rig) and from control's commands (what
+//! goes to the rig): this is the inbound half of a live session.
+
+use std::borrow::Cow;
+
+use crate::events;
+use crate::http_upgrade;
+use crate::ids::{BootId, RigId, Seq};
+use crate::metrics::C;
+use crate::protocol::{self, ClientMsg, Hello};
+use crate::registry::msg::ToBridge;
+use crate::worker::core::{unix_ms, Conn, ConnState, Core, Phase, Session};
+use crate::worker::sweep;
+use crate::ws::{Message, OpCode};
+
+use super::commands::{pump, scope_allows};
+use super::upgrade::identity_ok;
+
+/// What a PING or PONG from a rig takes from its `--rig-rate` bucket: free, a rig could keep
+/// its core busy decoding PINGs and writing PONGs at line rate while taking no token; at a
+/// whole token, a rig's own keepalive would eat into its messages under a low rate.
+const CONTROL_FRAME_COST: f32 = 0.125;
+
+pub(super) fn on_message(core: &Core, conn: &Conn, st: &mut ConnState, msg: Message) {
+    match msg {
+        Message::Ping(payload) => {
+            st.bucket.spend(CONTROL_FRAME_COST);
+            if st.phase != Phase::Closing {
+                // Queued, not written: the connection's loop writes what this read produced
+                // in one go, so a flood of PINGs costs one write per read, not one each.
+                crate::ws::encode_frame(st.out(), OpCode::Pong, &payload);
+            }
+        }
+        Message::Pong(payload) => {
+            st.bucket.spend(CONTROL_FRAME_COST);
+            // Only answers to the last PING count: unsolicited PONGs (RFC 6455 allows them)
+            // and answers to an earlier PING would hide a gap between PINGs sent and
+            // answered, which is what the series is watched for.
+            let answer = st.live.awaiting_pong && sweep::answers_last_ping(&st.live, &payload);
+            if answer {
+                core.metrics.inc(C::PongsReceived);
+            }
+            // Only the answer to our PING, in time, counts (CONTRACT.md §2): a late one is a
+            // miss, which the sweep counts and which must not wipe out the misses before it.
+            // A rig that started a fragmented message and never ends it would hold its buffer
+            // for good while its pongs kept it alive: liveness includes finishing messages.
+            if answer && !sweep::past_pong_deadline(core, &st.live) && st.decoder.is_idle() {
+                st.live.awaiting_pong = false;
+                st.live.missed = 0;
+            }
+        }
+        Message::Close(frame) => {
+            if st.phase == Phase::Closing {
+                st.phase = Phase::Done;
+                return;
+            }
+            // Echo the peer's code (RFC 6455 §5.5.1), then close the TCP connection first.
+            let code = frame.as_ref().map(|f| f.code);
+            match code {
+                Some(code) => crate::ws::encode_close(st.out(), code, ""),
+                None => crate::ws::encode_frame(st.out(), OpCode::Close, &[]),
+            }
+            st.close_code = Some(code.unwrap_or(1005));
+            // The rig's own words for `disconnected` (at most 123 bytes, RFC 6455 §5.5).
+            st.close_reason = frame.map_or(Cow::Borrowed(""), |f| Cow::Owned(f.reason));
+            st.phase = Phase::Done;
+            // The registry hears of it before the rig sees the echo: a rig that says hello
+            // again the moment its close handshake ends (an older boot, say) must not find
+            // this connection still live there (4409 for a session that has ended).
+            crate::worker::conn::released(core, conn, st);
+            let _ = crate::worker::core::flush(conn.fd, st);
+        }
+        Message::Text(text) if st.phase == Phase::Echo => {
+            conn.send_frame(st, OpCode::Text, text.as_bytes())
+        }
+        Message::Binary(data) if st.phase == Phase::Echo => {
+            conn.send_frame(st, OpCode::Binary, &data)
+        }
+        // CONTRACT.md §2: a first message that is not a valid hello is 4400, binary or not.
+        Message::Binary(_) if st.phase == Phase::AwaitHello => {
+            core.metrics.inc(C::MsgInvalid);
+            conn.close(st, 4400, "the first message must be a hello");
+        }
+        Message::Binary(_) => {
+            core.metrics.inc(C::MsgBinary);
+            if st.phase != Phase::Closing {
+                conn.close(st, 1003, "messages are JSON text frames");
+            }
+        }
+        Message::Text(text) => on_text(core, conn, st, text.as_bytes()),
+    }
+}
+
+fn on_text(core: &Core, conn: &Conn, st: &mut ConnState, text: &[u8]) {
+    match st.phase {
+        Phase::AwaitHello => match protocol::parse_client_msg(text) {
+            Ok(ClientMsg::Hello(hello)) => on_hello(core, conn, st, hello),
+            _ => {
+                core.metrics.inc(C::MsgInvalid);
+                conn.close(st, 4400, "first message must be a valid hello");
+            }
+        },
+        Phase::Live => {
+            // `consume` checked a token is there before decoding this message.
+            let _ = st
+                .bucket
+                .take(core.cfg.rig_rate, core.cfg.rig_burst, core.now_ms());
+            on_rig_message(core, conn, st, text);
+        }
+        // Closing: the RFC says data after our close frame is ignored.
+        _ => {}
+    }
+}
+
+fn on_hello(core: &Core, conn: &Conn, st: &mut ConnState, hello: Hello) {
+    core.metrics.inc(C::MsgHello);
+    crate::thread_loss::Failpoint::CoreHello.check(hello.rig_id.as_str());
+    if core.draining.get() {
+        conn.close(st, 4503, "retry_after=5");
+        return;
+    }
+    if !identity_ok(st, hello.rig_id.as_str()) {
+        core.metrics.inc(C::IdentityMismatch);
+        conn.close(
+            st,
+            4403,
+            "rig_id is not the identity this connection proved",
+        );
+        return;
+    }
+    let Hello {
+        v,
+        rig_id,
+        boot_id,
+        labels,
+        last_seq,
+        ..
+    } = hello;
+    let msg = ToBridge::Hello {
+        conn: conn.id,
+        rig: rig_id.clone(),
+        boot: boot_id,
+        labels: labels.clone(),
+    };
+    st.session = Some(Box::new(Session {
+        rig: rig_id,
+        boot: boot_id,
+        v,
+        labels: labels.into_boxed_slice(),
+        next_seq: Seq(1),
+        last_ack: Seq(0),
+        last_ack_ms: 0,
+        connected_ms: unix_ms(),
+        resume_from: last_seq.unwrap_or(Seq(0)),
+        welcomed: false,
+        group_overflow: false,
+        queues: None,
+    }));
+    if core.to_bridge(msg) {
+        st.phase = Phase::AwaitVerdict;
+    } else {
+        st.session = None;
+        conn.close(st, 4503, retry_after());
+    }
+}
+
+/// The reason of a 4503 close (CONTRACT.md §2).
+pub(crate) fn retry_after() -> String {
+    format!("retry_after={}", http_upgrade::retry_after_s())
+}
+
+fn on_rig_message(core: &Core, conn: &Conn, st: &mut ConnState, text: &[u8]) {
+    let msg = protocol::parse_client_msg(text);
+    if let Ok(ClientMsg::Event { name, .. }) = &msg {
+        if !scope_allows(&st.sec, |s| s.allows_emit(name)) {
+            core.metrics.inc(C::Forbidden);
+            return;
+        }
+    }
+    let Some(session) = st.session.as_mut() else {
+        return;
+    };
+    let broker = core.cfg.broker_id.as_str();
+    match msg {
+        Ok(ClientMsg::Ack { seq, .. }) => {
+            core.metrics.inc(C::MsgAck);
+            if !ackable(session, seq) {
+                // Not a command this rig could have: no event for control to puzzle over,
+                // and none to crowd control's replies out of the publish queue.
+                return;
+            }
+            let (counted, id) = on_ack(core, session, seq);
+            // An ack sent again (a rig that acks twice) is the first one's: one event.
+            if counted {
+                core.event_bytes(events::ack(
+                    broker,
+                    &session.rig,
+                    &session.boot,
+                    seq,
+                    id.as_deref(),
+                ));
+            }
+            // The ack may have opened the window for commands waiting behind it.
+            pump(core, conn, st);
+        }
+        Ok(ClientMsg::Result {
+            seq, ok, output, ..
+        }) => {
+            core.metrics.inc(C::MsgResult);
+            let id = session.queues.as_mut().and_then(|q| q.result_id(seq));
+            session.shrink_queues();
+            core.event_bytes(events::result(
+                broker,
+                &session.rig,
+                &session.boot,
+                seq,
+                id.as_deref(),
+                ok,
+                output.as_ref(),
+            ));
+        }
+        Ok(ClientMsg::Event { name, data, .. }) => {
+            core.metrics.inc(C::MsgEvent);
+            core.event_bytes(events::event(
+                broker,
+                &session.rig,
+                &session.boot,
+                &name,
+                data.as_ref(),
+            ));
+        }
+        Ok(ClientMsg::Unknown { .. }) => {
+            core.metrics.inc(C::MsgUnknown);
+            if core.cfg.strict {
+                conn.close(st, 4400, "unknown message type");
+            }
+        }
+        // Counted and ignored as an unknown type is: a session has one hello.
+        Ok(ClientMsg::Hello(_)) => {
+            core.metrics.inc(C::MsgUnknown);
+            if core.cfg.strict {
+                conn.close(st, 4400, "a second hello");
+            }
+        }
+        Err(_) => {
+            core.metrics.inc(C::MsgInvalid);
+            if core.cfg.strict {
+                conn.close(st, 4400, "invalid message");
+            }
+        }
+    }
+}
+
+/// Whether `seq` names a command written to this rig's session. The outbox holds the
+/// unwritten commands, lowest seq first: an ack of one of them cannot be the rig's
+/// (CONTRACT.md §2: it accepted the command), and is ignored like an ack of a seq never
+/// assigned.
+fn ackable(s: &Session, seq: Seq) -> bool {
+    let unwritten = s
+        .queues
+        .as_ref()
+        .and_then(|q| q.outbox().front())
+        .is_some_and(|first| seq >= first.seq);
+    seq.0 > 0 && seq < s.next_seq && !unwritten
+}
+
+/// Records an ack of command `seq`, and only of it (CONTRACT.md §2: "the rig accepted command
+/// `seq`"): a command below it the rig has not acked stays unacked, given back by a resume and
+/// reported `rig_rebooted` by a new boot. Returns whether it acked something not acked before
+/// (a command still unacked here, or a seq past the last ack), and the command id for the ack
+/// event (fleet mode) when the broker still held the command.
+fn on_ack(core: &Core, s: &mut Session, seq: Seq) -> (bool, Option<Box<str>>) {
+    if seq > s.resume_from {
+        forget_had_before(core, s);
+    }
+    let cmd = s.queues.as_mut().and_then(|q| q.take_unacked(seq));
+    let latest = seq > s.last_ack && seq < s.next_seq;
+    if cmd.is_some() || latest {
+        core.metrics.inc(C::CmdAcked);
+    }
+    if latest {
+        s.last_ack = seq;
+        s.last_ack_ms = unix_ms();
+    }
+    let Some(cmd) = cmd else {
+        return (latest, None);
+    };
+    forget_kept(core, &s.rig, s.boot, cmd.seq);
+    if let Some(at) = cmd.written_at {
+        core.metrics.ack_latency(at.elapsed());
+    }
+    // Events name the command: the ack's and, hours later maybe, the result's (CONTRACT.md
+    // §4; standalone keeps them for `GET /v1/events`).
+    let id = Some(cmd.id.clone());
+    if let Some(q) = s.queues.as_mut() {
+        q.await_result(cmd.seq, cmd.id);
+    }
+    s.shrink_queues();
+    (true, id)
+}
+
+/// Forgets the unacked commands this connection's rig said it had at its hello (at or below
+/// its `last_seq`), once it acks a later one. They were received on an earlier connection, and
+/// their acks, if sent, were lost with it: a rig that acks on receipt never sends them again,
+/// so kept for their own acks they would stay in the session for its whole life, each holding
+/// a place in the rig's window.
+fn forget_had_before(core: &Core, s: &mut Session) {
+    let (rig, boot, had) = (&s.rig, s.boot, s.resume_from);
+    let Some(q) = s.queues.as_mut() else {
+        return;
+    };
+    while q.unacked().front().is_some_and(|c| c.seq <= had) {
+        let Some(cmd) = q.pop_unacked() else {
+            break;
+        };
+        forget_kept(core, rig, boot, cmd.seq);
+    }
+}
+
+/// Fleet mode: has the session store forget command `seq`, no longer kept for a resume.
+pub(super) fn forget_kept(core: &Core, rig: &RigId, boot: BootId, seq: Seq) {
+    if core.persist {
+        core.to_bridge(ToBridge::Forget {
+            rig: rig.clone(),
+            boot,
+            seq,
+        });
+    }
+}
