@@ -28,7 +28,7 @@ const FD_BASE: u64 = 64;
 const FD_PER_CORE: u64 = 6;
 /// Admin connections the broker lets in at once: those served on the cores and those
 /// waiting in the lobby. A host full to its limit of rigs must still answer `/metrics`.
-const FD_ADMIN: u64 = (crate::admin::MAX_ON_CORES + crate::admin_lobby::MAX_WAITING) as u64;
+const FD_ADMIN: u64 = (crate::admin::MAX_ON_CORES + crate::admin::lobby::MAX_WAITING) as u64;
 
 /// File descriptors beyond one per rig, on `cores` cores.
 fn fd_slack(cores: u64) -> u64 {

@@ -30,7 +30,6 @@
 #![warn(missing_docs, unreachable_pub)]
 
 pub mod admin;
-mod admin_lobby;
 pub mod args;
 pub mod config;
 pub mod dev_certs;
