@@ -98,8 +98,8 @@ struct GiveBack {
 
 impl GiveBack {
     fn give(&self, conn: Held) {
-        // A full queue means the lobby is full too: the connection closes, as a new one would
-        // be refused.
+        // Never full: the queue holds as many as the lobby, and at most the pool's queue and
+        // threads hold connections away from it.
         if self.queue.try_send(conn).is_ok() {
             // Non-blocking: a full bell has rung already.
             let _ = (&self.bell).write(&[1]);
@@ -232,8 +232,8 @@ pub fn spawn(
                     let mut drain = [0u8; 64];
                     while matches!((&bell).read(&mut drain), Ok(n) if n > 0) {}
                     for conn in back_rx.try_iter() {
-                        // A full lobby closes it.
-                        let _ = lobby.admit(conn, Instant::now());
+                        // Closed only when its answer's bytes would pass the lobby's bound.
+                        let _ = lobby.take_back(conn, Instant::now());
                     }
                 }
                 if !woken.accept {

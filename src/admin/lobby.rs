@@ -140,6 +140,16 @@ impl Lobby {
         if !self.has_room(conn.linger) {
             return Err(conn);
         }
+        self.take_back(conn, now)
+    }
+
+    /// Lets a connection the pool answered wait here again, whatever the count: it had its
+    /// place before the pool took it, and the lobby may have filled since with connections
+    /// still sending their requests, which no longer made room for it; closing it cut its
+    /// answer short. At most the pool's queue and threads hold connections away from here, so
+    /// this stays bounded by that many past the bounds. Given back still when its answer's
+    /// bytes would pass [`MAX_UNSENT_BYTES`].
+    pub(crate) fn take_back(&mut self, conn: Held, now: Instant) -> Result<(), Held> {
         if conn.stream.set_nonblocking(true).is_err()
             || self.unsent_bytes + conn.unsent.len() > MAX_UNSENT_BYTES
         {
@@ -791,6 +801,38 @@ mod tests {
             .expect("writer")
             .expect("the client's writes and read");
         assert!(answer.starts_with("HTTP/1.1 503 "), "{answer}");
+    }
+
+    /// A connection the pool answered comes back to its place even when the lobby has filled
+    /// up meanwhile, where a new connection would be refused, and its client reads the whole
+    /// answer.
+    #[test]
+    fn a_connection_back_from_the_pool_finds_its_place_in_a_full_lobby() {
+        let s = setup();
+        let (mut lobby, _first) = full_of_requests(&s);
+        let (mut client, server) = connect(&s);
+        let answer = b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nConnection: close\r\n\r\nhello";
+        let mut conn = Held::new(server);
+        conn.served = 1;
+        conn.unsent = answer.to_vec();
+        conn.close_after = true;
+        let conn = lobby
+            .admit(conn, Instant::now())
+            .expect_err("full to new ones");
+        lobby.take_back(conn, Instant::now()).expect("its place");
+        client.set_nonblocking(true).expect("nonblocking");
+        let end = Instant::now() + Duration::from_secs(5);
+        let mut got = Vec::new();
+        loop {
+            lobby.wait(&s.listener, s.bell.as_raw_fd());
+            match client.read_to_end(&mut got) {
+                Ok(_) => break,
+                Err(e) if e.kind() == ErrorKind::WouldBlock => {}
+                Err(e) => panic!("after {} bytes: {e}", got.len()),
+            }
+            assert!(Instant::now() < end, "the answer never ended: {got:?}");
+        }
+        assert_eq!(got, answer);
     }
 
     /// Refused connections linger within their own bound: past it one is answered and closed
