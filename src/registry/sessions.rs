@@ -9,7 +9,7 @@
 //!   commands (delivered while it was away): a connected rig's fenced like `persist.lua`, a
 //!   session parked here for a disconnected rig only where no one else holds the rig.
 //! - Acks delete with a plain `HDEL` (no check needed: deleting an acked command is always
-//!   right), sent in paced batches by the bridge's Redis I/O (`fleet.rs`).
+//!   right), sent in paced batches by the bridge's Redis I/O (`fleet/writes.rs`).
 
 use std::time::Duration;
 

@@ -1,0 +1,221 @@
+//! The registry and session script calls the bridge waits on: hellos, resumes, lease
+//! refreshes, ownership and session reads, commands kept in sessions or held for offline rigs,
+//! the heartbeat. Apart from the queued writes because each goes out at once, in one round
+//! trip, and the bridge acts on its answer (None: Redis is unavailable, and the broker decides
+//! without it), where a queued write needs no answer and waits for its pace.
+
+use std::time::Duration;
+
+use super::Fleet;
+use crate::ids::Seq;
+use crate::ids::{BootId, RigId};
+use crate::registry::offline::{Held, Pushed};
+use crate::registry::scripts::{HelloOutcome, RefreshStatus};
+use crate::registry::sessions::{self, Kept, Persist, Rekeep, Rekept, Resumed};
+
+impl Fleet {
+    /// Runs `hello.lua` for many rigs in one round trip. None when Redis is unavailable.
+    pub(crate) fn hello_many(
+        &mut self,
+        entries: &[(&RigId, &BootId)],
+        ttl: Duration,
+    ) -> Option<Vec<Result<HelloOutcome, String>>> {
+        let con = self.con.as_mut()?;
+        let r = self.scripts.hello_many(con, entries, &self.broker_id, ttl);
+        let outcomes: Vec<Result<HelloOutcome, String>> = self
+            .answered(r)?
+            .into_iter()
+            .map(|o| o.map_err(|e| e.to_string()))
+            .collect();
+        // Refused (a full Redis, an ACL): those hellos are decided here; counted and logged
+        // like any refused call.
+        if let Some(e) = outcomes.iter().find_map(|o| o.as_ref().err().cloned()) {
+            self.note_refusal(&e);
+        }
+        Some(outcomes)
+    }
+
+    /// What Redis holds of many rigs' sessions, and the commands held for them while they
+    /// were offline (taken), in one round trip each. None when Redis is unavailable; an
+    /// entry's own error is a `None` in its place (with the session store off, every entry is
+    /// an empty `Resumed`).
+    #[allow(clippy::type_complexity)]
+    pub(crate) fn resume_many(
+        &mut self,
+        entries: &[(&RigId, &BootId)],
+        ttl: Duration,
+    ) -> Option<(Vec<Option<Resumed>>, Vec<Vec<Held>>)> {
+        let con = self.con.as_mut()?;
+        let resumed = if ttl.is_zero() {
+            Ok(vec![Some(Resumed::default()); entries.len()])
+        } else {
+            self.sessions
+                .resume_many(con, entries, ttl, &self.broker_id)
+                .map(|r| r.into_iter().map(Result::ok).collect())
+        };
+        let unreadable = resumed
+            .as_ref()
+            .map_or(0, |r| r.iter().filter(|x| x.is_none()).count());
+        let rigs: Vec<&RigId> = entries.iter().map(|(r, _)| *r).collect();
+        let outcome = resumed.and_then(|r| Ok((r, self.offline.take_many(con, &rigs)?)));
+        if unreadable > 0 {
+            // An entry that failed alone turns its hello away (4503): say so, as for any
+            // refused call, or a rig locked out that way leaves no trace.
+            let n = entries.len();
+            self.note_refusal(&format!("resume: {unreadable} of {n} sessions unreadable"));
+        }
+        self.answered(outcome)
+    }
+
+    /// Runs the sessions of boots this broker took a rig for without Redis (decided while it
+    /// was away, their leases taken back from an older boot since) through `resume.lua`, as
+    /// their hellos would have: the older boot's session, still recorded as the rig's latest,
+    /// has its unacked commands reported `rig_rebooted` and is deleted. What the script finds
+    /// of these sessions is not used: the cores hold them, and put them back (`rekeep`) after.
+    /// Returns how many commands were reported; None when Redis is unavailable.
+    pub(crate) fn report_reboots(
+        &mut self,
+        entries: &[(&RigId, &BootId)],
+        ttl: Duration,
+    ) -> Option<u64> {
+        let con = self.con.as_mut()?;
+        let r = self
+            .sessions
+            .resume_many(con, entries, ttl, &self.broker_id);
+        Some(self.answered(r)?.iter().flatten().map(|r| r.rebooted).sum())
+    }
+
+    /// Refreshes the leases of `entries`. None when Redis is unavailable.
+    pub(crate) fn refresh(
+        &mut self,
+        entries: &[(RigId, BootId)],
+        ttl: Duration,
+    ) -> Option<Vec<RefreshStatus>> {
+        let con = self.con.as_mut()?;
+        let r = self.scripts.refresh(con, entries, &self.broker_id, ttl);
+        self.answered(r)
+    }
+
+    /// Each rig's latest boot on record (`sessof:<rig>`; None where there is none or it is
+    /// not a boot id), in one round trip. None when Redis is unavailable.
+    pub(crate) fn latest_boots(&mut self, rigs: &[&RigId]) -> Option<Vec<Option<BootId>>> {
+        let con = self.con.as_mut()?;
+        let mut mget = redis::cmd("MGET");
+        for rig in rigs {
+            mget.arg(sessions::pointer_key(rig));
+        }
+        let r = mget.query::<Vec<Option<String>>>(con);
+        Some(
+            self.answered(r)?
+                .into_iter()
+                .map(|b| b.and_then(|b| BootId::parse(&b)))
+                .collect(),
+        )
+    }
+
+    /// For each entry, whether `rig:<rig>` names that very boot on this broker, in one round
+    /// trip. None when Redis is unavailable.
+    pub(crate) fn owns_many(&mut self, entries: &[(RigId, BootId)]) -> Option<Vec<bool>> {
+        let con = self.con.as_mut()?;
+        let mut mget = redis::cmd("MGET");
+        for (rig, _) in entries {
+            mget.arg(crate::registry::scripts::rig_key(rig));
+        }
+        let r = mget.query::<Vec<Option<String>>>(con);
+        let owners = self.answered(r)?;
+        Some(
+            entries
+                .iter()
+                .zip(owners)
+                .map(|((_, boot), owner)| {
+                    owner == Some(crate::registry::scripts::tuple(boot, &self.broker_id))
+                })
+                .collect(),
+        )
+    }
+
+    /// Extends these sessions' TTLs to `--session-ttl` (see [`sessions::touch`]).
+    pub(crate) fn touch_sessions(&mut self, sessions: &[(RigId, BootId)]) {
+        if self.session_ttl.is_zero() {
+            return;
+        }
+        let Some(con) = self.con.as_mut() else { return };
+        if let Err(e) = sessions::touch(con, sessions, self.session_ttl) {
+            self.call_failed(&e);
+        }
+    }
+
+    /// Puts sessions back (see [`SessionScripts::rekeep`]). None when Redis is unavailable.
+    ///
+    /// [`SessionScripts::rekeep`]: sessions::SessionScripts::rekeep
+    pub(crate) fn rekeep(&mut self, sessions: &[Rekeep<'_>], ttl: Duration) -> Option<Vec<Rekept>> {
+        let con = self.con.as_mut()?;
+        let at = crate::reply::rfc3339(std::time::SystemTime::now());
+        let r = self
+            .sessions
+            .rekeep(con, sessions, &self.broker_id, ttl, &at);
+        self.answered(r)
+    }
+
+    /// The commands `rig`'s session holds under `seqs` (see [`sessions::read_commands`]).
+    /// None when Redis is unavailable.
+    pub(crate) fn session_commands(
+        &mut self,
+        rig: &RigId,
+        boot: &BootId,
+        seqs: std::ops::Range<u64>,
+    ) -> Option<Vec<(Seq, Vec<u8>)>> {
+        let con = self.con.as_mut()?;
+        let r = sessions::read_commands(con, rig, boot, seqs);
+        self.answered(r)
+    }
+
+    /// Keeps commands in their sessions (fenced by our leases). None when Redis is unavailable.
+    pub(crate) fn persist(&mut self, cmds: &[Persist<'_>], ttl: Duration) -> Option<Vec<Kept>> {
+        let con = self.con.as_mut()?;
+        let r = self.sessions.persist(con, cmds, &self.broker_id, ttl);
+        self.answered(r)
+    }
+
+    /// Takes the commands held for `rigs`, in one round trip. None when Redis is unavailable.
+    pub(crate) fn offline_take_many(&mut self, rigs: &[&RigId]) -> Option<Vec<Vec<Held>>> {
+        let con = self.con.as_mut()?;
+        let taken = self.offline.take_many(con, rigs);
+        self.answered(taken)
+    }
+
+    /// Holds commands for offline rigs, in one round trip: per entry, what came of it (`None`
+    /// for an entry whose own call failed). None when Redis is unavailable.
+    pub(crate) fn offline_push_many(
+        &mut self,
+        entries: &[(&RigId, &Held, Duration)],
+    ) -> Option<Vec<Option<Pushed>>> {
+        let con = self.con.as_mut()?;
+        let r = self.offline.push_many(con, entries, &self.broker_id);
+        Some(self.answered(r)?.into_iter().map(Result::ok).collect())
+    }
+
+    /// Removes held commands that are still there, in one round trip. None when Redis is
+    /// unavailable.
+    pub(crate) fn offline_remove_many(&mut self, entries: &[(&RigId, &Held)]) -> Option<Vec<bool>> {
+        let con = self.con.as_mut()?;
+        let removed = self.offline.remove_many(con, entries);
+        self.answered(removed)
+    }
+
+    /// Writes the `broker:<id>` liveness key.
+    pub(crate) fn heartbeat(&mut self, json: &str, ttl: Duration) {
+        let Some(con) = self.con.as_mut() else { return };
+        match self
+            .scripts
+            .broker_heartbeat(con, &self.broker_id, json, ttl)
+        {
+            Ok(_) if std::mem::take(&mut self.refusing) => {
+                log::info!("redis: writes go through again; leases and sessions are put back");
+                self.just_connected = true;
+            }
+            Ok(had) => self.keys_lost |= !had,
+            Err(e) => self.call_failed(&e),
+        }
+    }
+}

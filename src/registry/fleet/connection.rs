@@ -1,0 +1,322 @@
+//! Getting and keeping fleet mode's two Redis connections: the start-time check of the broker
+//! id, connecting (with its short probe), whether both are up, what a failed call does to a
+//! connection, the subscription's reads, and the capped, jittered backoff between attempts.
+//! Apart because the rest of fleet mode only asks whether a connection is there and hands its
+//! failures here: when to drop a connection and when to try again is decided in this one place.
+
+use std::os::fd::{AsRawFd, RawFd};
+use std::time::{Duration, Instant};
+
+use super::errors::{
+    answers_ping, leaves_connection_sound, plain_timeout, refuses_credentials, CallError,
+};
+use super::{Fleet, BROADCAST, EXIT_RETRY, HEARTBEAT_TTL, IO_TIMEOUT, PROBE_TIMEOUT};
+use crate::registry::command_con::CommandCon;
+use crate::registry::exit_wait::ExitWait;
+use crate::registry::pubsub::{Push, Subscriber};
+
+/// Backoff cap between reconnect attempts.
+const MAX_BACKOFF: Duration = Duration::from_secs(5);
+
+/// What Redis says of a broker id at start ([`broker_id_in_use`]).
+#[derive(Debug, PartialEq, Eq)]
+pub enum IdCheck {
+    /// Nothing is subscribed to the id's channel.
+    Free,
+    /// Something is: another broker runs with this id.
+    Taken,
+    /// Redis could not be reached in time; the broker starts and runs without it until it can.
+    Unreachable,
+    /// Redis answered, but not the question (an ACL refusing `PUBSUB`, say).
+    Failed(String),
+}
+
+/// Whether another broker with `broker_id` is running on the Redis at `url`: something is
+/// subscribed to its channel.
+///
+/// A predecessor that just died may still be listed for a moment, until Redis reads the close
+/// of its connection; so a listed subscriber counts only when it is still there a second later.
+/// Two brokers started at the same instant can both pass: each one's canaries then tell the
+/// other at run time (`BridgeShared::not_ready`).
+pub fn broker_id_in_use(url: &str, broker_id: &str) -> IdCheck {
+    let timeout = Duration::from_millis(1000);
+    let connect = || -> redis::RedisResult<redis::Connection> {
+        let con = redis::Client::open(url)?.get_connection_with_timeout(timeout)?;
+        con.set_read_timeout(Some(timeout))?;
+        con.set_write_timeout(Some(timeout))?;
+        Ok(con)
+    };
+    let Ok(mut con) = connect() else {
+        return IdCheck::Unreachable;
+    };
+    let channel = broker_channel(broker_id);
+    let deadline = Instant::now() + Duration::from_secs(1);
+    loop {
+        let subscribers = redis::cmd("PUBSUB")
+            .arg("NUMSUB")
+            .arg(&channel)
+            .query::<(String, u64)>(&mut con);
+        match subscribers {
+            Ok((_, 0)) => return IdCheck::Free,
+            Ok(_) if Instant::now() >= deadline => return IdCheck::Taken,
+            Ok(_) => std::thread::sleep(Duration::from_millis(50)),
+            Err(e) if e.is_timeout() || e.is_io_error() => return IdCheck::Unreachable,
+            Err(e) => return IdCheck::Failed(e.to_string()),
+        }
+    }
+}
+
+/// A broker's own control channel.
+pub fn broker_channel(id: &str) -> String {
+    format!("fleetlink:broker:{id}")
+}
+
+impl Fleet {
+    /// Why Redis is down, when that changed since the last call: `Some(None)` once it is back.
+    pub(crate) fn take_down_why(&mut self) -> Option<Option<String>> {
+        std::mem::take(&mut self.down_why_changed).then(|| self.down_why.clone())
+    }
+
+    /// When the next reconnect attempt is due, while a connection is down.
+    pub(crate) fn reconnect_due(&self) -> Option<Instant> {
+        (!self.is_up()).then_some(self.next_attempt)
+    }
+
+    /// True while both connections are up.
+    pub(crate) fn is_up(&self) -> bool {
+        self.con.is_some() && self.sub.is_some()
+    }
+
+    /// True once Redis confirmed both subscriptions.
+    pub(crate) fn is_subscribed(&self) -> bool {
+        self.sub.as_ref().is_some_and(|s| s.confirmed >= 2)
+    }
+
+    /// Connects what is down (the command connection, the subscription, or both) if the
+    /// backoff allows. Returns true when both are up.
+    pub(crate) fn ensure(&mut self, now: Instant) -> bool {
+        if self.is_up() {
+            return true;
+        }
+        if now < self.next_attempt {
+            return false;
+        }
+        match self.open_missing() {
+            Ok(()) => {
+                log::info!("redis: connected, scripts loaded, subscribed");
+                self.failures = 0;
+                self.down_why_changed |= self.down_why.take().is_some();
+                true
+            }
+            Err(e) => {
+                self.back_off(now, &e);
+                false
+            }
+        }
+    }
+
+    /// Opens whichever connection is down. The other is left as it is: a subscription that
+    /// outlived its command connection (a `CLIENT KILL`, a refused write) has kept every
+    /// message Redis pushed meanwhile, and each of those is a command control was told
+    /// someone received.
+    fn open_missing(&mut self) -> anyhow::Result<()> {
+        if self.con.is_none() {
+            self.con = Some(self.open_con()?);
+            self.just_connected = true;
+        }
+        if self.sub.is_none() {
+            let channels = [broker_channel(&self.broker_id), BROADCAST.to_string()];
+            self.sub = Some(Subscriber::connect(&self.info, &channels, IO_TIMEOUT)?);
+        }
+        Ok(())
+    }
+
+    fn open_con(&mut self) -> anyhow::Result<CommandCon> {
+        // The AUTH and SELECT are ours, on a connection of our own (`CommandCon`): redis-rs
+        // turned a refused AUTH into "Password authentication failed" whatever Redis said,
+        // and Redis's words tell a wrong password from a URL with one for a Redis that has
+        // none. The connection speaks RESP2 whatever the URL asks (`?protocol=resp3`).
+        //
+        // A hung Redis (frozen, or a black-holed path) still accepts TCP connections; a short
+        // probe keeps each reconnect attempt from stalling the bridge, and with it hellos and
+        // admin commands, for a whole IO_TIMEOUT. The probe is a write, since a Redis paused
+        // for writes (`CLIENT PAUSE … WRITE`, as in a failover) answers PING but holds every
+        // write: a PING probe let each reconnect "work" and the next write stall IO_TIMEOUT.
+        // It sets our own liveness key's TTL to what the heartbeat gives it (a key this
+        // broker alone writes, which now says what is true: the broker is alive), and
+        // creates nothing when the key is gone; the heartbeat after the reconnect writes it.
+        let mut con = CommandCon::connect(&self.info, PROBE_TIMEOUT)?;
+        let auth = &self.info.redis;
+        if let Some(password) = &auth.password {
+            redis::cmd("AUTH")
+                .arg(&auth.username)
+                .arg(password)
+                .query::<()>(&mut con)?;
+        }
+        if auth.db != 0 {
+            redis::cmd("SELECT").arg(auth.db).query::<()>(&mut con)?;
+        }
+        redis::cmd("PEXPIRE")
+            .arg(crate::registry::scripts::broker_key(&self.broker_id))
+            .arg(HEARTBEAT_TTL.as_millis() as u64)
+            .query::<()>(&mut con)?;
+        con.set_timeout(IO_TIMEOUT)?;
+        self.scripts.load(&mut con)?;
+        redis::cmd("SCRIPT")
+            .arg("LOAD")
+            .arg(include_str!("../../../lua/persist.lua"))
+            .query::<String>(&mut con)?;
+        redis::cmd("SCRIPT")
+            .arg("LOAD")
+            .arg(include_str!("../../../lua/resume.lua"))
+            .query::<String>(&mut con)?;
+        Ok(con)
+    }
+
+    /// A call's answer, or None once its failure is handled as [`Self::call_failed`] says.
+    pub(super) fn answered<T, E: CallError>(&mut self, r: Result<T, E>) -> Option<T> {
+        r.map_err(|e| self.call_failed(&e)).ok()
+    }
+
+    /// A call on the command connection failed. A refusal on a sound connection is counted
+    /// and logged (at most once a second), and both connections stay; anything else drops
+    /// the command connection alone, and the subscription goes on delivering commands (kept
+    /// or not as Redis allows, their replies queued until it is back).
+    pub(super) fn call_failed(&mut self, e: &dyn CallError) {
+        let now = Instant::now();
+        if let Some(redis) = e.redis().filter(|r| leaves_connection_sound(r)) {
+            // Only a full Redis refuses the writes that keep leases and sessions; a refusal of
+            // one command (an ACL without HDEL, say) would otherwise have every heartbeat
+            // re-assert every session.
+            self.refusing |= redis.code() == Some("OOM");
+            return self.note_refusal(e);
+        }
+        self.con = None;
+        self.back_off(now, e);
+    }
+
+    /// Counts a call Redis refused on a sound connection, and logs it at most once a second.
+    pub(super) fn note_refusal(&mut self, e: &dyn std::fmt::Display) {
+        self.refusals += 1;
+        if let Some(n) = self.refusal_log.note(Instant::now()) {
+            log::warn!(
+                "redis: {n} calls refused since the last such line (the last: {e}); the \
+                 connections stay, and what was refused goes on without Redis: commands \
+                 are delivered unkept, hellos decided here"
+            );
+        }
+    }
+
+    /// Schedules the next reconnect attempt after a failure.
+    fn back_off(&mut self, now: Instant, why: &dyn std::fmt::Display) {
+        let mut why = plain_timeout(why.to_string());
+        if refuses_credentials(&why) {
+            why = format!("credentials refused ({why})");
+            // Not an outage that ends by itself: the log must say what to fix. Every attempt
+            // up to the fourth, then at doubling counts, so a fix is seen to take.
+            if self.failures < 4 || self.failures.is_power_of_two() {
+                log::error!(
+                    "redis: {why}: check the user and password in --redis and Redis's ACL; \
+                     retrying, and serving from the local registry meanwhile"
+                );
+            }
+        } else if self.failures == 0 {
+            log::warn!("redis: {why}; serving from the local registry until it returns");
+        } else if self.failures >= 4 && self.failures.is_power_of_two() {
+            log::warn!(
+                "redis: still unreachable after {} attempts (the last: {why})",
+                self.failures
+            );
+        }
+        if self.down_why.as_deref() != Some(why.as_str()) {
+            self.down_why = Some(why);
+            self.down_why_changed = true;
+        }
+        self.failures = self.failures.saturating_add(1);
+        let base = Duration::from_millis(100)
+            .saturating_mul(1 << self.failures.min(10))
+            .min(MAX_BACKOFF);
+        self.next_attempt = now + base.mul_f64(0.5 + fastrand::f64());
+    }
+
+    /// Tries to reach Redis until `wait` is over, every [`EXIT_RETRY`] rather than at the
+    /// backoff's pace; true once both connections are up.
+    pub(crate) fn wait_up(&mut self, wait: &ExitWait) -> bool {
+        loop {
+            let now = Instant::now();
+            // After "now", only a Redis already there: no attempt that could take a probe's
+            // wait.
+            if wait.over(now) {
+                return false;
+            }
+            self.next_attempt = self.next_attempt.min(now);
+            if self.ensure(now) {
+                return true;
+            }
+            std::thread::sleep(wait.pause(now, EXIT_RETRY));
+        }
+    }
+
+    /// Messages that arrived on the subscription.
+    pub(crate) fn read(&mut self) -> Vec<Push> {
+        let Some(sub) = self.sub.as_mut() else {
+            return Vec::new();
+        };
+        match sub.read() {
+            Ok(pushes) => pushes,
+            Err(e) => {
+                // The subscription alone, unless the command connection is gone too: a
+                // subscription usually ends because Redis did (a restart), and the command
+                // connection would only find out at its next call, a heartbeat later, and
+                // start its own reconnect then, putting the leases and sessions back a second
+                // or two late. Asked now, both reconnect together. A sound one stays, with
+                // what it holds (queued publishes, the scripts).
+                self.sub = None;
+                match self.con.as_mut().map(answers_ping) {
+                    Some(false) => self.con = None,
+                    // Redis is up and ended this one client: its output buffer for the
+                    // subscription passed `client-output-buffer-limit pubsub` (control published
+                    // faster than this broker reads), or someone ran CLIENT KILL. What was
+                    // published to this broker until it is subscribed again is lost, unanswered.
+                    Some(true) => {
+                        self.subscription_cuts += 1;
+                        log::warn!(
+                            "redis: ended this broker's subscription while still answering: a CLIENT KILL, or its client-output-buffer-limit for pubsub (messages published faster than this broker reads them; Redis's own log names that one); what is published to it until it resubscribes is lost, unanswered"
+                        );
+                    }
+                    None => {}
+                }
+                self.back_off(Instant::now(), &e);
+                Vec::new()
+            }
+        }
+    }
+
+    /// The subscription socket, for poll(2).
+    pub(crate) fn fd(&self) -> Option<RawFd> {
+        self.sub.as_ref().map(AsRawFd::as_raw_fd)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::registry::fleet::tests::fleet;
+
+    #[test]
+    fn the_reason_redis_is_down_is_handed_over_once_and_cleared_on_reconnect() {
+        let mut f = fleet();
+        assert_eq!(f.take_down_why(), None);
+        let now = Instant::now();
+        f.back_off(now, &"Connection refused (os error 111)");
+        assert_eq!(
+            f.take_down_why(),
+            Some(Some("Connection refused (os error 111)".into()))
+        );
+        f.back_off(now, &"Connection refused (os error 111)");
+        assert_eq!(f.take_down_why(), None, "unchanged: nothing to hand over");
+        f.back_off(now, &"WRONGPASS: invalid username-password pair");
+        let why = f.take_down_why().flatten().unwrap_or_default();
+        assert!(why.starts_with("credentials refused ("), "{why}");
+    }
+}

@@ -1,0 +1,119 @@
+//! How a failed Redis call or connection attempt is read: Redis refusing who we are, not
+//! answering in time, refusing one command on a connection still in step, or a connection
+//! gone. Apart because these are verdicts on an error (or, asked with a PING, on a
+//! connection) that keep no state of their own: the reconnect path and the paced writes both
+//! consult them, and the rules on error texts and codes can be tested without a Redis.
+
+use super::{IO_TIMEOUT, PROBE_TIMEOUT};
+use crate::registry::command_con::CommandCon;
+
+/// Whether a failed connection attempt's error is Redis refusing who we are (a wrong
+/// password, a user without the rights the broker needs) rather than Redis being away.
+pub(super) fn refuses_credentials(why: &str) -> bool {
+    [
+        "WRONGPASS",
+        "NOAUTH",
+        "NOPERM",
+        "AuthenticationFailed",
+        "invalid username-password",
+        // A password in --redis for a Redis that asks for none.
+        "without any password configured",
+    ]
+    .iter()
+    .any(|code| why.contains(code))
+}
+
+/// A socket timeout reads as the OS's EAGAIN text ("Resource temporarily unavailable (os
+/// error 11)"), which says nothing to an operator about a Redis that accepts connections but
+/// does not answer (hung, or paused for writes during a failover): say that instead.
+pub(super) fn plain_timeout(why: String) -> String {
+    let timed_out = ["(os error 11)", "(os error 110)", "timed out", "WouldBlock"]
+        .iter()
+        .any(|t| why.contains(t));
+    if !timed_out {
+        return why;
+    }
+    // The call's own timeout, or the reconnect probe's shorter one.
+    format!("no answer in time (a hung Redis, or one paused for writes): {why}")
+}
+
+/// Whether `con` still answers, asked with a PING under [`PROBE_TIMEOUT`] (PING is not a write,
+/// so a Redis paused for writes answers it).
+pub(super) fn answers_ping(con: &mut CommandCon) -> bool {
+    let probe =
+        con.set_timeout(PROBE_TIMEOUT).is_ok() && redis::cmd("PING").query::<String>(con).is_ok();
+    probe && con.set_timeout(IO_TIMEOUT).is_ok()
+}
+
+/// Whether Redis answered a command with a refusal that sending it again would repeat, as
+/// opposed to a broken connection or a passing state (loading, a failover, a busy script).
+pub(super) fn refused(e: &redis::RedisError) -> bool {
+    e.code().is_some_and(|code| {
+        !matches!(
+            code,
+            "LOADING" | "READONLY" | "MASTERDOWN" | "TRYAGAIN" | "CLUSTERDOWN" | "BUSY"
+        )
+    })
+}
+
+/// Whether a failed call leaves its connection sound: Redis refused it (OOM under `maxmemory`
+/// with `noeviction`, an ACL's NOPERM, a script's own error) and redis-rs read every reply of
+/// the call, so the connection is still in step. Dropping it would take the subscription,
+/// which works through all of these, down with it, and reconnecting would change nothing.
+/// NOSCRIPT is the exception: a reconnect loads the scripts again.
+pub(super) fn leaves_connection_sound(e: &redis::RedisError) -> bool {
+    refused(e) && e.code() != Some("NOSCRIPT")
+}
+
+/// An error of a call on the command connection, and the Redis error inside it, if any.
+pub(super) trait CallError: std::fmt::Display {
+    fn redis(&self) -> Option<&redis::RedisError>;
+}
+
+impl CallError for redis::RedisError {
+    fn redis(&self) -> Option<&redis::RedisError> {
+        Some(self)
+    }
+}
+
+impl CallError for crate::registry::scripts::RegistryError {
+    fn redis(&self) -> Option<&redis::RedisError> {
+        match self {
+            Self::Redis(e) => Some(e),
+            // The scripts on the server and this binary disagree: reconnecting loads ours.
+            Self::UnexpectedReply(_) => None,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn credential_refusals_are_told_from_outages() {
+        for why in [
+            "NOAUTH: Authentication required.",
+            "WRONGPASS: invalid username-password pair or user is disabled.",
+            "Password authentication failed- AuthenticationFailed",
+            "NOPERM: this user has no permissions to run the 'pexpire' command",
+        ] {
+            assert!(refuses_credentials(why), "{why}");
+        }
+        for why in [
+            "Connection refused (os error 111)",
+            "LOADING: Redis is loading the dataset in memory",
+            "timed out",
+        ] {
+            assert!(!refuses_credentials(why), "{why}");
+        }
+    }
+
+    #[test]
+    fn a_timeout_says_redis_did_not_answer() {
+        let why = plain_timeout("Resource temporarily unavailable (os error 11)".into());
+        assert!(why.starts_with("no answer in time"), "{why}");
+        let refused = "Connection refused (os error 111)".to_string();
+        assert_eq!(plain_timeout(refused.clone()), refused);
+    }
+}

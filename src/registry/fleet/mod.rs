@@ -1,0 +1,147 @@
+//! Fleet mode's Redis I/O, owned by the bridge thread: the command connection (Lua registry
+//! scripts, batched publishes, heartbeats) and the subscription. Every call is bounded by a
+//! socket timeout; any failure drops both connections and schedules a reconnect with capped,
+//! jittered backoff, while the broker keeps serving its rigs from the embedded registry.
+//!
+//! The files: `errors` (how a failed call or connection attempt is read), `connection`
+//! (connecting, health, the subscription and the reconnect backoff), `calls` (the script
+//! calls answered at once) and `writes` (the queued writes that go out paced).
+
+use std::time::{Duration, Instant};
+
+use redis::{ConnectionInfo, IntoConnectionInfo};
+
+use crate::ids::Seq;
+use crate::ids::{BootId, RigId};
+use crate::registry::command_con::CommandCon;
+use crate::registry::offline::OfflineScripts;
+use crate::registry::pubsub::Subscriber;
+use crate::registry::scripts::Scripts;
+use crate::registry::sessions::SessionScripts;
+use crate::registry::throttle::Throttle;
+
+mod calls;
+mod connection;
+mod errors;
+mod writes;
+
+pub use connection::{broker_channel, broker_id_in_use, IdCheck};
+
+/// Socket timeout for every Redis call: a hung Redis stalls the bridge at most this long.
+const IO_TIMEOUT: Duration = Duration::from_secs(2);
+/// How long a reconnect attempt waits for Redis to take its probe write before giving up.
+const PROBE_TIMEOUT: Duration = Duration::from_millis(250);
+/// The `broker:<id>` key's TTL (CONTRACT.md §3); the heartbeat sets it, and so does the
+/// reconnect probe.
+pub(crate) const HEARTBEAT_TTL: Duration = Duration::from_secs(30);
+
+/// Between the attempts to reach Redis at the end of a drain (see `Fleet::flush_before_exit`).
+const EXIT_RETRY: Duration = Duration::from_millis(100);
+
+/// Channel every broker subscribes to for broadcasts (CONTRACT.md §4).
+pub const BROADCAST: &str = "fleetlink:broadcast";
+/// Channel of lifecycle events (CONTRACT.md §4).
+pub const EVENTS: &str = "fleetlink:events";
+
+/// Redis connections and what is waiting to be sent on them.
+pub(crate) struct Fleet {
+    info: ConnectionInfo,
+    broker_id: String,
+    scripts: Scripts,
+    sessions: SessionScripts,
+    offline: OfflineScripts,
+    forgets: Vec<(RigId, BootId, Seq)>,
+    /// When the oldest queued forget was queued.
+    forgets_since: Option<Instant>,
+    con: Option<CommandCon>,
+    sub: Option<Subscriber>,
+    outgoing: Vec<(String, Box<[u8]>)>,
+    /// Bytes in `outgoing`, channel names and payloads.
+    outgoing_bytes: usize,
+    /// Rig events in `outgoing`.
+    outgoing_events: usize,
+    releases: Vec<(RigId, BootId)>,
+    /// What this broker remembers of sessions whose rigs disconnected, to write into them
+    /// (`sessions::remember`).
+    recalls: Vec<(RigId, BootId, String)>,
+    /// `--session-ttl`: touched and released sessions get it afresh (0 = no session kept).
+    session_ttl: Duration,
+    failures: u32,
+    next_attempt: Instant,
+    /// Why the last connection attempt failed, while Redis is down: `/readyz` says it.
+    down_why: Option<String>,
+    /// `down_why` changed since the bridge last took it.
+    down_why_changed: bool,
+    /// Publishes dropped because the queue was full while Redis was away.
+    pub(crate) dropped: u64,
+    /// Those drops, logged at most once a second.
+    drop_log: Throttle,
+    /// Bounds the lines about pipelines Redis refused part of.
+    refused_log: Throttle,
+    /// Publishes sent.
+    pub(crate) published: u64,
+    /// Set after every successful (re)connect; the bridge re-asserts its rigs then.
+    pub(crate) just_connected: bool,
+    /// Set when the heartbeat found this broker's liveness key gone on a live connection:
+    /// Redis lost keys (FLUSHALL, eviction), and the sessions parked here go back.
+    pub(crate) keys_lost: bool,
+    /// Calls Redis refused on a sound connection (see [`leaves_connection_sound`]).
+    ///
+    /// [`leaves_connection_sound`]: errors::leaves_connection_sound
+    pub(crate) refusals: u64,
+    /// Subscriptions Redis ended while it still answered on the other connection, since the
+    /// bridge last took them.
+    pub(crate) subscription_cuts: u64,
+    /// Those refusals, logged at most once a second.
+    refusal_log: Throttle,
+    /// Redis refused a write for want of memory since the last heartbeat that went through:
+    /// when one does, the bridge re-asserts its rigs as after a reconnect, since what was
+    /// refused was not kept.
+    refusing: bool,
+}
+
+impl Fleet {
+    pub(crate) fn new(url: &str, broker_id: &str, session_ttl: Duration) -> anyhow::Result<Self> {
+        let info = url.into_connection_info()?;
+        Ok(Self {
+            info,
+            broker_id: broker_id.to_string(),
+            scripts: Scripts::new(),
+            sessions: SessionScripts::new(),
+            offline: OfflineScripts::default(),
+            forgets: Vec::new(),
+            forgets_since: None,
+            con: None,
+            sub: None,
+            outgoing: Vec::new(),
+            outgoing_bytes: 0,
+            outgoing_events: 0,
+            releases: Vec::new(),
+            recalls: Vec::new(),
+            session_ttl,
+            failures: 0,
+            next_attempt: Instant::now(),
+            down_why: None,
+            down_why_changed: false,
+            dropped: 0,
+            drop_log: Throttle::default(),
+            refused_log: Throttle::default(),
+            published: 0,
+            just_connected: false,
+            keys_lost: false,
+            refusals: 0,
+            subscription_cuts: 0,
+            refusal_log: Throttle::default(),
+            refusing: false,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    pub(super) fn fleet() -> Fleet {
+        Fleet::new("redis://127.0.0.1:1/", "fx", Duration::from_secs(600)).expect("url")
+    }
+}
