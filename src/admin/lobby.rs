@@ -230,18 +230,25 @@ impl Lobby {
         Step::Wait
     }
 
-    /// Reads and drops what a lingering connection's client sent; Gone once it closed or
-    /// sent [`crate::admin::LINGER_BYTES`].
+    /// Reads and drops what a lingering connection's client sent, up to [`READ_PER_WAKE`] at
+    /// a time as for a request: a few hundred refused clients streaming at once would
+    /// otherwise hold `/healthz` behind their megabytes. Gone once it closed or sent
+    /// [`crate::admin::LINGER_BYTES`].
     fn drain(w: &mut Waiting) -> Step {
         let mut chunk = [0u8; 16 << 10];
         let Some(drained) = w.lingering.as_mut() else {
             return Step::Wait;
         };
+        let mut now = 0;
         loop {
+            if now >= READ_PER_WAKE {
+                return Step::Wait;
+            }
             match w.conn.stream.read(&mut chunk) {
                 Ok(0) => return Step::Gone,
                 Ok(n) => {
                     *drained += n;
+                    now += n;
                     if *drained >= crate::admin::LINGER_BYTES {
                         return Step::Gone;
                     }
@@ -833,6 +840,46 @@ mod tests {
             assert!(Instant::now() < end, "the answer never ended: {got:?}");
         }
         assert_eq!(got, answer);
+    }
+
+    /// A lingering connection is read a share at a time, like a request, however much its
+    /// client has sent: the rest waits for the next wake-up.
+    #[test]
+    fn a_lingering_connection_is_read_a_share_at_a_time() {
+        let s = setup();
+        let mut lobby = Lobby::default();
+        let (mut client, server) = connect(&s);
+        // Room for all the client sends, so that it is all there before the lobby reads.
+        socket2::SockRef::from(&server)
+            .set_recv_buffer_size(4 << 20)
+            .expect("receive buffer");
+        lobby.refuse(Held::new(server), Instant::now());
+        let sent = 8 * READ_PER_WAKE;
+        // The client stays open after it: a close would end the lingering.
+        let writer =
+            std::thread::spawn(move || client.write_all(&vec![b'x'; sent]).map(|()| client));
+        let end = Instant::now() + Duration::from_secs(5);
+        while !writer.is_finished() {
+            assert!(
+                Instant::now() < end,
+                "the body did not fit the sockets' buffers"
+            );
+            std::thread::yield_now();
+        }
+        let _client = writer.join().expect("writer").expect("the body");
+        let mut shares = Vec::new();
+        while shares.iter().sum::<usize>() < sent {
+            assert!(Instant::now() < end, "read {shares:?}");
+            let before = lobby.waiting.first().and_then(|w| w.lingering).unwrap_or(0);
+            lobby.wait(&s.listener, s.bell.as_raw_fd());
+            let after = lobby
+                .waiting
+                .first()
+                .and_then(|w| w.lingering)
+                .expect("lingering");
+            shares.push(after - before);
+        }
+        assert!(shares.iter().all(|&n| n <= READ_PER_WAKE), "{shares:?}");
     }
 
     /// Refused connections linger within their own bound: past it one is answered and closed
