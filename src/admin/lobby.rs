@@ -102,6 +102,8 @@ struct Waiting {
     unparsed: bool,
     /// Refused and answered: the bytes read and dropped since (see [`Held::linger`]).
     lingering: Option<usize>,
+    /// A wait has polled it since it came: only then may it be closed for room.
+    polled: bool,
 }
 
 /// What one wait found.
@@ -168,6 +170,7 @@ impl Lobby {
             deadline,
             continued: false,
             lingering: None,
+            polled: false,
         };
         if w.conn.unsent.is_empty() && w.conn.linger {
             // A refusal the pool answered whole: nothing is left but to linger.
@@ -264,13 +267,17 @@ impl Lobby {
     /// nothing of an answer left to send), to make room for a new one; false when none is
     /// idle. Without it, 1,024 connections that never send a byte held the lobby, and with the
     /// cores' share full too, `/healthz` answered 503 to every probe for as long as they were
-    /// renewed.
+    /// renewed. Only one a wait has polled: a connection taken in this very round has had no
+    /// chance to send, and closing it for the next one in the same burst served neither, and
+    /// answered it with a reset instead of the 503 the newer one then gets.
     fn evict_idle(&mut self) -> bool {
         let idle = self
             .waiting
             .iter()
             .enumerate()
-            .filter(|(_, w)| !w.conn.linger && w.conn.buf.is_empty() && w.conn.unsent.is_empty())
+            .filter(|(_, w)| {
+                w.polled && !w.conn.linger && w.conn.buf.is_empty() && w.conn.unsent.is_empty()
+            })
             .min_by_key(|(_, w)| w.deadline)
             .map(|(i, _)| i);
         let Some(i) = idle else {
@@ -349,6 +356,7 @@ impl Lobby {
         let now = Instant::now();
         let mut still = Vec::with_capacity(self.waiting.len());
         for (i, mut w) in std::mem::take(&mut self.waiting).into_iter().enumerate() {
+            w.polled = true;
             // The lobby counts a connection's bytes only while it holds them.
             self.held_bytes -= w.conn.buf.len();
             self.unsent_bytes -= w.conn.unsent.len();
@@ -544,6 +552,14 @@ mod tests {
         (s, lobby, client)
     }
 
+    /// One wait that returns at once: every connection waiting is polled.
+    fn one_round(lobby: &mut Lobby, s: &Setup) -> Woken {
+        lobby.wake_by(Some(Instant::now()));
+        let woken = lobby.wait(&s.listener, s.bell.as_raw_fd());
+        lobby.wake_by(None);
+        woken
+    }
+
     /// Waits until the lobby hands something over, or `limit` passes.
     fn wait_for_ready(lobby: &mut Lobby, s: &Setup, limit: Duration) -> Woken {
         let end = Instant::now() + limit;
@@ -666,6 +682,8 @@ mod tests {
             lobby.admit(conn, t0).expect("room");
             clients.push(client);
         }
+        // Only connections a wait has polled may give way.
+        one_round(&mut lobby, &s);
         let evicted = crate::admin::evicted();
         let (_new, server) = connect(&s);
         lobby.admit(Held::new(server), t0).expect("room made");
@@ -678,8 +696,9 @@ mod tests {
             .set_read_timeout(Some(Duration::from_secs(5)))
             .expect("timeout");
         assert_eq!(clients[1].read(&mut b).expect("eof"), 0);
-        // The new one is the only idle one now; once it too gives way, none is left to
+        // The new one is the only idle one now; once polled and given way, none is left to
         // close, and a further connection is refused.
+        one_round(&mut lobby, &s);
         for refused in [false, true] {
             let (_next, server) = connect(&s);
             let mut busy = Held::new(server);
@@ -754,6 +773,7 @@ mod tests {
             lobby.admit(Held::new(dup), now).expect("room");
         }
         lobby.admit(Held::new(server), now).expect("room");
+        one_round(&mut lobby, &s);
         // Full: a new one is let in only in place of an idle one (here, a duplicate of the
         // first), so the count stays at the bound.
         let (_other, extra) = connect(&s);
@@ -880,6 +900,37 @@ mod tests {
             shares.push(after - before);
         }
         assert!(shares.iter().all(|&n| n <= READ_PER_WAKE), "{shares:?}");
+    }
+
+    /// A connection taken in this very round is not closed to make room for the next one: no
+    /// wait has polled it, so it had no chance to send its request. The newer one is refused
+    /// instead, and the first is served once its request is read.
+    #[test]
+    fn a_connection_not_yet_polled_is_not_closed_for_room() {
+        let s = setup();
+        let mut lobby = Lobby::default();
+        let (_first, server) = connect(&s);
+        for _ in 0..MAX_WAITING - 1 {
+            let mut conn = Held::new(server.try_clone().expect("dup"));
+            conn.buf = b"GET /he".to_vec();
+            lobby.admit(conn, Instant::now()).expect("room");
+        }
+        let (mut fresh, server) = connect(&s);
+        fresh
+            .write_all(b"GET /healthz HTTP/1.1\r\n\r\n")
+            .expect("request");
+        lobby
+            .admit(Held::new(server), Instant::now())
+            .expect("room");
+        let (_newer, server) = connect(&s);
+        assert!(lobby.admit(Held::new(server), Instant::now()).is_err());
+        let woken = wait_for_ready(&mut lobby, &s, Duration::from_secs(5));
+        let served: Vec<_> = woken
+            .ready
+            .iter()
+            .map(|(_, r)| r.as_ref().map(|r| r.path.clone()))
+            .collect();
+        assert_eq!(served, [Ok("/healthz".to_string())]);
     }
 
     /// Refused connections linger within their own bound: past it one is answered and closed
