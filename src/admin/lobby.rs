@@ -142,16 +142,22 @@ impl Lobby {
         if !self.has_room(conn.linger) {
             return Err(conn);
         }
-        self.take_back(conn, now)
+        self.enter(conn, now)
     }
 
     /// Lets a connection the pool answered wait here again, whatever the count: it had its
     /// place before the pool took it, and the lobby may have filled since with connections
     /// still sending their requests, which no longer made room for it; closing it cut its
     /// answer short. At most the pool's queue and threads hold connections away from here, so
-    /// this stays bounded by that many past the bounds. Given back still when its answer's
-    /// bytes would pass [`MAX_UNSENT_BYTES`].
+    /// this stays bounded by that many past the bounds.
     pub(crate) fn take_back(&mut self, conn: Held, now: Instant) -> Result<(), Held> {
+        self.enter(conn, now)
+    }
+
+    /// Puts `conn` in the poll set, to wait for its next request, to send the rest of its
+    /// answer or to linger; gives it back when its answer's bytes would pass
+    /// [`MAX_UNSENT_BYTES`].
+    fn enter(&mut self, conn: Held, now: Instant) -> Result<(), Held> {
         if conn.stream.set_nonblocking(true).is_err()
             || self.unsent_bytes + conn.unsent.len() > MAX_UNSENT_BYTES
         {
