@@ -169,6 +169,20 @@ fn a_refused_upgrade_streaming_without_end_is_cut_off_after_two_mib() {
     assert!(sent >= 2 << 20, "cut off after {sent} bytes");
 }
 
+/// So is a client whose upgrade was refused for its request (here a 404).
+#[test]
+fn a_refused_request_streaming_without_end_is_cut_off_after_two_mib() {
+    let b = Broker::start(&["--cores", "1"]);
+    let mut s = TcpStream::connect(b.listen).expect("connect");
+    s.write_all(upgrade_head("/nowhere").as_bytes())
+        .expect("head");
+    s.set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("timeout");
+    assert!(s.peek(&mut [0u8; 16]).expect("the 404") > 0);
+    let sent = common::broker::bytes_until_cut_off(&mut s, 32 << 20);
+    assert!(sent >= 2 << 20, "cut off after {sent} bytes");
+}
+
 /// Past the 503s a core may have in flight, connections are closed unanswered and counted as
 /// `shed` only: each connection has one result, so the results add up to the connections.
 #[test]

@@ -378,9 +378,14 @@ async fn finish(core: &Core, conn: &Conn, stream: &TcpStream) {
     );
     if !peer_closed {
         // Read and drop until the peer's FIN so our close frame or HTTP answer is not reset.
-        // Unbounded in bytes: a rig closed for a message over `--max-message` may still be
-        // sending the rest of it, and must read the 1009 that says why.
-        await_fin(core, stream, deadline, usize::MAX).await;
+        // Unbounded in bytes once upgraded: a rig closed for a message over `--max-message`
+        // may still be sending the rest of it, and must read the 1009 that says why. A
+        // refused request is bounded as the accept's 503 is.
+        let budget = match conn.st.borrow().upgraded {
+            true => usize::MAX,
+            false => crate::admin::LINGER_BYTES,
+        };
+        await_fin(core, stream, deadline, budget).await;
     }
     core.conns.borrow_mut().remove(&conn.id);
     if conn.st.borrow().refusing() {
