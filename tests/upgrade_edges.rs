@@ -159,13 +159,8 @@ fn a_connection_gone_before_its_head_is_counted_abandoned() {
 #[test]
 fn a_refused_upgrade_streaming_without_end_is_cut_off_after_two_mib() {
     let b = Broker::start(&["--max-connections", "0", "--cores", "1"]);
-    let mut s = TcpStream::connect(b.listen).expect("connect");
-    s.write_all(upgrade_head("/agent").as_bytes())
-        .expect("head");
-    s.set_read_timeout(Some(Duration::from_secs(10)))
-        .expect("timeout");
-    assert!(s.peek(&mut [0u8; 16]).expect("the 503") > 0);
-    let sent = common::broker::bytes_until_cut_off(&mut s, 32 << 20);
+    let head = upgrade_head("/agent");
+    let sent = common::broker::bytes_until_cut_off(b.listen, head.as_bytes(), 32 << 20);
     assert!(sent >= 2 << 20, "cut off after {sent} bytes");
 }
 
@@ -173,13 +168,8 @@ fn a_refused_upgrade_streaming_without_end_is_cut_off_after_two_mib() {
 #[test]
 fn a_refused_request_streaming_without_end_is_cut_off_after_two_mib() {
     let b = Broker::start(&["--cores", "1"]);
-    let mut s = TcpStream::connect(b.listen).expect("connect");
-    s.write_all(upgrade_head("/nowhere").as_bytes())
-        .expect("head");
-    s.set_read_timeout(Some(Duration::from_secs(10)))
-        .expect("timeout");
-    assert!(s.peek(&mut [0u8; 16]).expect("the 404") > 0);
-    let sent = common::broker::bytes_until_cut_off(&mut s, 32 << 20);
+    let head = upgrade_head("/nowhere");
+    let sent = common::broker::bytes_until_cut_off(b.listen, head.as_bytes(), 32 << 20);
     assert!(sent >= 2 << 20, "cut off after {sent} bytes");
 }
 

@@ -360,10 +360,16 @@ pub fn raw_exchange(addr: SocketAddr, bytes: &[u8]) -> String {
     String::from_utf8_lossy(&out).into_owned()
 }
 
-/// Writes to `s` without pause until the broker cuts it off (a reset or a broken pipe), and
-/// returns how many bytes went; panics past `limit` bytes, still taken.
+/// Sends `head` to `addr`, waits for the broker's answer (a refusal), then writes without
+/// pause until the broker cuts the connection off (a reset or a broken pipe), and returns how
+/// many bytes went after the head; panics past `limit` bytes, still taken.
 #[allow(dead_code)]
-pub fn bytes_until_cut_off(s: &mut TcpStream, limit: usize) -> usize {
+pub fn bytes_until_cut_off(addr: SocketAddr, head: &[u8], limit: usize) -> usize {
+    let mut s = TcpStream::connect(addr).expect("connect");
+    s.write_all(head).expect("head");
+    s.set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("timeout");
+    assert!(s.peek(&mut [0u8; 16]).expect("an answer to the head") > 0);
     let chunk = vec![b'x'; 64 << 10];
     let mut sent = 0;
     loop {
