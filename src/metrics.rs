@@ -348,6 +348,10 @@ const HELP: &[(&str, &str)] = &[
         "Idle admin keep-alive connections closed to make room for a new one when 1,024 were waiting.",
     ),
     (
+        "fleetlink_admin_slow_refused_total",
+        "Admin requests still arriving answered 503, the one arriving longest first, to make room for a new connection when 1,024 were waiting and none was idle.",
+    ),
+    (
         "fleetlink_info",
         "Always 1; labels say the mode (standalone or fleet), broker id and version.",
     ),

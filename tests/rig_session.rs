@@ -1162,20 +1162,25 @@ fn admin_requests_refused_before_routing_get_json_errors() {
 /// on bytes it had not read sent a reset, which failed the client's write and could destroy
 /// the answer before the client read it.
 ///
-/// So does one refused `busy` because the lobby is full too: it was closed at once, and its
-/// client failed to write its body.
+/// So does one refused `busy` to make room in a full lobby: it was closed at once, and its
+/// client failed to write its body. And a probe on a new connection is answered `200` while
+/// the cores' share and the lobby are full of requests still arriving: the one arriving
+/// longest is refused to make room for it, where every new connection was refused before.
 #[test]
 fn a_refused_client_still_sending_its_body_reads_the_answer() {
     let b = Broker::start(&[]);
     the_answer_survives_the_rest_of_the_body(b.admin);
     let _on_cores = hold_the_cores_admin_connections(b.admin);
     the_answer_survives_the_rest_of_the_body(b.admin);
-    // Then fill the cores' share and the lobby (1,024) with half-sent requests, none idle,
-    // and refuse one `busy`. Each stalled request has 5 s to come whole: the rest runs
-    // within that. In steps the broker takes whole, since a full accept queue would let
-    // some in only a second or more later.
+    // Then fill the cores' share and the lobby (1,024) with requests whose bodies have not
+    // come, none idle. Each has 5 s to come whole: the rest runs within that. In steps the
+    // broker takes whole, since a full accept queue would let some in only a second or more
+    // later.
     let b = Broker::start(&[]);
     let sockets = || broker_sockets(&b);
+    let body = 1_000_000;
+    let head =
+        format!("POST /v1/rigs/r1/commands HTTP/1.1\r\nHost: x\r\nContent-Length: {body}\r\n\r\n");
     let mut stalled: Vec<std::net::TcpStream> = Vec::new();
     let started = std::time::Instant::now();
     while stalled.len() < MAX_ON_CORES + 1024 {
@@ -1183,41 +1188,51 @@ fn a_refused_client_still_sending_its_body_reads_the_answer() {
         let step = (MAX_ON_CORES + 1024 - stalled.len()).min(256);
         for _ in 0..step {
             let mut s = std::net::TcpStream::connect(b.admin).unwrap();
-            s.write_all(b"GET /v1/rigs HTTP/1.1\r\nHo").unwrap();
+            s.write_all(head.as_bytes()).unwrap();
             stalled.push(s);
         }
         eventually(Duration::from_secs(3), "the broker taking a step", || {
             sockets() >= before + step
         });
     }
-    // The lobby may not have read the last of them yet: a client it takes instead waits
-    // with them, unanswered, and the next one tries.
-    loop {
-        assert!(
-            started.elapsed() < Duration::from_millis(4500),
-            "no busy answer within the stalled requests' 5 s"
-        );
-        let head =
-            "POST /v1/rigs/r1/commands HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000\r\n\r\n";
-        let mut s = std::net::TcpStream::connect(b.admin).unwrap();
-        s.write_all(head.as_bytes()).unwrap();
-        s.set_read_timeout(Some(Duration::from_millis(300)))
-            .unwrap();
-        if s.peek(&mut [0u8; 16]).is_err() {
-            stalled.push(s);
-            continue;
-        }
-        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-        s.write_all(&vec![b'x'; 1_000_000])
-            .expect("the broker reads what the refused client still sends");
-        let mut answer = String::new();
-        std::io::Read::read_to_string(&mut s, &mut answer).expect("the answer, then the close");
-        assert!(
-            answer.starts_with("HTTP/1.1 503 ") && answer.ends_with("busy\n"),
-            "{answer}"
-        );
-        break;
-    }
+    let (status, text) = answered_within(b.admin, "/healthz", Duration::from_secs(2));
+    assert_eq!((status, text.as_str()), (200, "ok\n"));
+    assert!(
+        started.elapsed() < Duration::from_millis(4500),
+        "filled too slowly to tell: the stalled requests' 5 s ran out"
+    );
+    // The one refused for the probe has its answer waiting; it still sends its body, then
+    // reads the answer.
+    let refused = stalled
+        .iter_mut()
+        .find(|s| {
+            s.set_nonblocking(true).unwrap();
+            let answered = s.peek(&mut [0u8; 16]).is_ok_and(|n| n > 0);
+            s.set_nonblocking(false).unwrap();
+            answered
+        })
+        .expect("a request refused to make room for the probe");
+    refused
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    refused
+        .write_all(&vec![b'x'; body])
+        .expect("the broker reads what the refused client still sends");
+    let mut answer = String::new();
+    std::io::Read::read_to_string(refused, &mut answer).expect("the answer, then the close");
+    assert!(
+        answer.starts_with("HTTP/1.1 503 ") && answer.ends_with("busy\n"),
+        "{answer}"
+    );
+    // Counted: the probe's refusal, and perhaps this request's own.
+    let (status, text) = answered_within(b.admin, "/metrics", Duration::from_secs(2));
+    assert_eq!(status, 200);
+    let refused: u64 = text
+        .lines()
+        .find_map(|l| l.strip_prefix("fleetlink_admin_slow_refused_total "))
+        .and_then(|n| n.parse().ok())
+        .expect("the count of requests refused for room");
+    assert!(refused >= 1, "{refused}");
 }
 
 /// A refused client that streams without end is read for 2 MiB at most, as in the lobby, not

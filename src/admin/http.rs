@@ -249,6 +249,10 @@ static UNFINISHED: AtomicU64 = AtomicU64::new(0);
 /// Idle keep-alive connections the lobby closed to make room for a new one.
 static EVICTED: AtomicU64 = AtomicU64::new(0);
 
+/// Requests still arriving that the lobby refused, the one arriving longest first, to make
+/// room for a new connection when none was idle.
+static SLOW_REFUSED: AtomicU64 = AtomicU64::new(0);
+
 /// Counts a request closed unanswered at its deadline.
 pub(crate) fn note_unfinished() {
     UNFINISHED.fetch_add(1, Ordering::Relaxed);
@@ -259,13 +263,24 @@ pub(crate) fn note_evicted() {
     EVICTED.fetch_add(1, Ordering::Relaxed);
 }
 
+/// Counts a request refused for a newer connection (see `lobby`).
+pub(crate) fn note_slow_refused() {
+    SLOW_REFUSED.fetch_add(1, Ordering::Relaxed);
+}
+
+/// Requests refused for newer connections so far.
+pub fn slow_refused() -> u64 {
+    SLOW_REFUSED.load(Ordering::Relaxed)
+}
+
 /// Idle connections closed for newer ones so far.
 pub fn evicted() -> u64 {
     EVICTED.load(Ordering::Relaxed)
 }
 
 /// Writes `fleetlink_admin_responses_total`, one series per status,
-/// `fleetlink_admin_unfinished_total` and `fleetlink_admin_idle_closed_total`.
+/// `fleetlink_admin_unfinished_total`, `fleetlink_admin_idle_closed_total` and
+/// `fleetlink_admin_slow_refused_total`.
 pub fn render_answered(out: &mut String) {
     metrics::family(out, "fleetlink_admin_responses_total", "counter");
     for (status, n) in STATUSES.iter().zip(&ANSWERED) {
@@ -285,6 +300,11 @@ pub fn render_answered(out: &mut String) {
     out.push_str(&format!(
         "fleetlink_admin_idle_closed_total {}\n",
         evicted()
+    ));
+    metrics::family(out, "fleetlink_admin_slow_refused_total", "counter");
+    out.push_str(&format!(
+        "fleetlink_admin_slow_refused_total {}\n",
+        slow_refused()
     ));
 }
 

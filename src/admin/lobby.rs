@@ -139,7 +139,7 @@ impl Lobby {
     /// Lets `conn` wait for its next request, or linger once refused; gives it back when its
     /// kind is at its bound ([`MAX_WAITING`], [`MAX_LINGERING`]).
     pub(crate) fn admit(&mut self, conn: Held, now: Instant) -> Result<(), Held> {
-        if !self.has_room(conn.linger) {
+        if !self.has_room(conn.linger, now) {
             return Err(conn);
         }
         self.enter(conn, now)
@@ -209,10 +209,11 @@ impl Lobby {
 
     /// Whether a connection may wait here: a refused one (`lingering`) within its own bound,
     /// so that refusals never take the place of a connection being served nor close one for
-    /// room; any other within [`MAX_WAITING`], making room by closing the one idle longest.
+    /// room; any other within [`MAX_WAITING`], making room by closing the one idle longest or,
+    /// with none idle, by refusing the request that has been arriving longest.
     /// Connections refused while they waited linger in place, in their own bound first, so
     /// that the lobby never holds more than both bounds together.
-    fn has_room(&mut self, lingering: bool) -> bool {
+    fn has_room(&mut self, lingering: bool, now: Instant) -> bool {
         // Neither bound is reached below the smaller one, and counting walks the set.
         if self.waiting.len() < MAX_LINGERING.min(MAX_WAITING) {
             return true;
@@ -221,7 +222,9 @@ impl Lobby {
         match lingering {
             true => refused < MAX_LINGERING,
             false => {
-                self.waiting.len() - refused.min(MAX_LINGERING) < MAX_WAITING || self.evict_idle()
+                self.waiting.len() - refused.min(MAX_LINGERING) < MAX_WAITING
+                    || self.evict_idle()
+                    || self.refuse_slowest(now)
             }
         }
     }
@@ -292,6 +295,34 @@ impl Lobby {
         // An idle connection holds no bytes the lobby counts.
         drop(self.waiting.swap_remove(i));
         crate::admin::note_evicted();
+        true
+    }
+
+    /// With no connection idle, answers 503 (`busy`) to the request that has been arriving
+    /// longest and lets it linger as any refused one, to make room for a new connection. A
+    /// client sending 1,024 requests a byte at a time, each renewed before its 5 s ran out,
+    /// otherwise kept every new connection refused, `/healthz` included, and a liveness probe
+    /// failing under such a client gets the broker restarted and its rigs dropped. The oldest
+    /// is the one its deadline would cut first anyway, and a probe, sent whole at once, is
+    /// never it. Only one a wait has polled, as for [`Lobby::evict_idle`]; false when none is.
+    fn refuse_slowest(&mut self, now: Instant) -> bool {
+        let slowest = self
+            .waiting
+            .iter()
+            .enumerate()
+            .filter(|(_, w)| {
+                w.polled && !w.conn.linger && !w.conn.buf.is_empty() && w.conn.unsent.is_empty()
+            })
+            .min_by_key(|(_, w)| w.deadline)
+            .map(|(i, _)| i);
+        let Some(i) = slowest else {
+            return false;
+        };
+        let w = self.waiting.swap_remove(i);
+        self.held_bytes -= w.conn.buf.len();
+        crate::admin::note_slow_refused();
+        // Lingers in the refused connections' own room, or closes once its 503 is written.
+        self.refuse(w.conn, now);
         true
     }
 
@@ -525,6 +556,14 @@ mod tests {
     use std::os::unix::net::UnixStream;
     use std::time::Duration;
 
+    /// Held by the tests that make room in a full lobby, so that each reads the counters of
+    /// connections closed or refused for room as only its own changed them.
+    static MAKING_ROOM: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+    fn making_room() -> std::sync::MutexGuard<'static, ()> {
+        MAKING_ROOM.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     struct Setup {
         listener: TcpListener,
         bell: UnixStream,
@@ -674,6 +713,7 @@ mod tests {
     /// one in the middle of a request.
     #[test]
     fn a_full_lobby_closes_its_longest_idle_connection_for_a_new_one() {
+        let _room = making_room();
         let s = setup();
         let mut lobby = Lobby::default();
         let t0 = Instant::now();
@@ -694,7 +734,6 @@ mod tests {
         let (_new, server) = connect(&s);
         lobby.admit(Held::new(server), t0).expect("room made");
         assert_eq!(lobby.len(), MAX_WAITING);
-        // Only this test closes idle connections for room.
         assert_eq!(crate::admin::evicted(), evicted + 1);
         // The idle one was closed: its client reads the end.
         let mut b = [0u8; 1];
@@ -702,16 +741,60 @@ mod tests {
             .set_read_timeout(Some(Duration::from_secs(5)))
             .expect("timeout");
         assert_eq!(clients[1].read(&mut b).expect("eof"), 0);
-        // The new one is the only idle one now; once polled and given way, none is left to
-        // close, and a further connection is refused.
+        // The new one is the only idle one now: once polled, it gives way to the next.
         one_round(&mut lobby, &s);
-        for refused in [false, true] {
-            let (_next, server) = connect(&s);
-            let mut busy = Held::new(server);
-            busy.buf = b"GET /he".to_vec();
-            assert_eq!(lobby.admit(busy, t0).is_err(), refused);
-        }
+        let (_next, server) = connect(&s);
+        let mut busy = Held::new(server);
+        busy.buf = b"GET /he".to_vec();
+        lobby.admit(busy, t0).expect("room made");
+        assert_eq!(crate::admin::evicted(), evicted + 2);
+        assert_eq!(lobby.len(), MAX_WAITING);
         drop(clients);
+    }
+
+    /// A full lobby with none idle makes room for a new connection by refusing the request
+    /// that has been arriving longest: its client reads a 503, and the new one waits.
+    #[test]
+    fn a_full_lobby_with_none_idle_refuses_the_request_arriving_longest_for_a_new_one() {
+        let _room = making_room();
+        let s = setup();
+        let mut lobby = Lobby::default();
+        let t0 = Instant::now();
+        let (mut oldest, server) = connect(&s);
+        let mut conn = Held::new(server);
+        conn.buf = b"GET /he".to_vec();
+        lobby.admit(conn, t0).expect("room");
+        let (_rest, server) = connect(&s);
+        for _ in 1..MAX_WAITING {
+            let mut conn = Held::new(server.try_clone().expect("dup"));
+            conn.buf = b"GET /he".to_vec();
+            lobby
+                .admit(conn, t0 + Duration::from_millis(100))
+                .expect("room");
+        }
+        // Only connections a wait has polled may give way.
+        one_round(&mut lobby, &s);
+        let refused = crate::admin::slow_refused();
+        let (_new, server) = connect(&s);
+        lobby
+            .admit(Held::new(server), Instant::now())
+            .expect("room made");
+        assert_eq!(crate::admin::slow_refused(), refused + 1);
+        // The refused one lingers in its own room; the rest and the new one wait.
+        assert_eq!(lobby.len(), MAX_WAITING + 1);
+        assert_eq!(lobby.waiting.iter().filter(|w| w.conn.linger).count(), 1);
+        assert_eq!(lobby.held_bytes, (MAX_WAITING - 1) * 7);
+        oldest
+            .set_read_timeout(Some(Duration::from_secs(5)))
+            .expect("timeout");
+        let mut answer = String::new();
+        oldest
+            .read_to_string(&mut answer)
+            .expect("the answer, then the close");
+        assert!(
+            answer.starts_with("HTTP/1.1 503 ") && answer.ends_with("busy\n"),
+            "{answer}"
+        );
     }
 
     #[test]
@@ -770,6 +853,7 @@ mod tests {
 
     #[test]
     fn the_lobby_is_bounded_in_connections_and_bytes() {
+        let _room = making_room();
         let s = setup();
         let mut lobby = Lobby::default();
         let (_client, server) = connect(&s);

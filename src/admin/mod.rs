@@ -35,8 +35,12 @@ pub(crate) use acceptor::busy_answer;
 pub use acceptor::{bind, pool_queue, spawn, Lobbied, OnCore, Ticket, Work};
 pub(crate) use commands::{command_answer, command_req, overloaded, route_of};
 pub use commands::{command_rig, new_id};
-pub use http::{evicted, parse_request, render_answered, Answer, Parsed, Refusal, Request};
-pub(crate) use http::{note_evicted, note_unfinished, response, RequestClock, CONTINUE};
+pub use http::{
+    evicted, parse_request, render_answered, slow_refused, Answer, Parsed, Refusal, Request,
+};
+pub(crate) use http::{
+    note_evicted, note_slow_refused, note_unfinished, response, RequestClock, CONTINUE,
+};
 pub use routes::{allowed_methods, immediate};
 
 /// Admin connections the cores serve at once; past it the lobby and the pool serve them.
