@@ -9,15 +9,16 @@ use super::settings::MAX_CORES;
 /// The longest duration any flag takes: a deadline that far ahead always fits the clock.
 pub const MAX_DURATION: Duration = Duration::from_secs(365 * 24 * 3600);
 
-/// [`parse_duration`] for the broker's flags, whose values may also come from its `--config`
-/// file, where a duration is a string.
+/// `--cores`: a whole number; its range (1 to 1024) is checked with the other values',
+/// wherever the value came from.
 pub(super) fn parse_cores(s: &str) -> Result<usize, String> {
-    // Its range (1 to 1024) is checked with the other values', wherever the value came from.
     s.trim()
         .parse()
         .map_err(|_| format!("{s:?} is not a number of cores (1 to {MAX_CORES})"))
 }
 
+/// [`parse_duration`] for the broker's flags, whose values may also come from its `--config`
+/// file, where a duration is a string.
 pub(super) fn parse_broker_duration(s: &str) -> Result<Duration, String> {
     parse_duration(s).map_err(|e| {
         // A bare number is what a TOML file's `ping-interval = 20` hands over.
