@@ -30,9 +30,7 @@ fn fleet_broker_at(url: &str, id: &str, extra: &[&str]) -> Broker {
     let mut args = vec!["--redis", url, "--broker-id", id];
     args.extend_from_slice(extra);
     let b = Broker::start(&args);
-    eventually(Duration::from_secs(10), "broker ready", || {
-        b.http("GET", "/readyz", "").0 == 200
-    });
+    wait_readyz(&b, 200, Duration::from_secs(10), "broker ready");
     b
 }
 
@@ -58,6 +56,86 @@ fn ack(ws: &mut Ws, seq: u64) {
     .unwrap();
 }
 
+/// Brokers fe-a and fe-b on `redis`, both ready.
+fn brokers_a_and_b(redis: &RedisServer) -> (Broker, Broker) {
+    (fleet_broker(redis, "fe-a"), fleet_broker(redis, "fe-b"))
+}
+
+/// Connects to `b`'s rig endpoint and says hello; returns the socket and the welcome.
+fn connect_hello(b: &Broker, rig: &str, boot: &str, last_seq: Option<u64>) -> (Ws, Value) {
+    let mut ws = b.connect("/agent");
+    let welcome = hello(&mut ws, rig, boot, last_seq);
+    (ws, welcome)
+}
+
+/// Connects to `b` as `rig`'s `boot`, whose hello must resume its session there.
+fn resume_on(b: &Broker, rig: &str, boot: &str, last_seq: Option<u64>) -> Ws {
+    let (ws, welcome) = connect_hello(b, rig, boot, last_seq);
+    assert_eq!(
+        welcome["resumed"], true,
+        "{rig} not resumed on {}: {welcome}",
+        b.broker_id
+    );
+    ws
+}
+
+/// Control sends command `id` to `rig` through `broker`: the reply numbers it `seq`, and it
+/// is the next thing the rig reads.
+fn send_and_read(ctl: &mut Control, broker: &str, rig: &str, id: &str, ws: &mut Ws, seq: u64) {
+    let r = ctl.command_id(broker, rig, id, "n", json!({}));
+    assert_eq!(r["seq"], seq, "{r}");
+    assert_eq!(
+        read_json(ws)["seq"],
+        seq,
+        "{rig} read another seq than {id}'s"
+    );
+}
+
+/// Reads the rig's next message, which must be command `id` numbered `seq`.
+fn read_command(ws: &mut Ws, seq: u64, id: &str) {
+    let cmd = read_json(ws);
+    assert_eq!(
+        (&cmd["seq"], &cmd["id"]),
+        (&json!(seq), &json!(id)),
+        "{cmd}"
+    );
+}
+
+/// The next event of type `kind` on `fleetlink:events` (control must subscribe to it).
+fn next_event(ctl: &mut Control, kind: &str) -> Value {
+    ctl.next(|ch, v| ch == "fleetlink:events" && v["type"] == kind)
+}
+
+/// Delivers command `id` to `rig` through `b`'s admin API, which needs no Redis, and checks
+/// the rig reads it as `seq`.
+fn admin_command_reaches(b: &Broker, ws: &mut Ws, rig: &str, id: &str, seq: u64) {
+    let (status, body) = b.http(
+        "POST",
+        &format!("/v1/rigs/{rig}/commands"),
+        &format!(r#"{{"id":"{id}","name":"n","args":{{}}}}"#),
+    );
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(read_json(ws)["seq"], seq);
+}
+
+/// Waits up to `limit` for `b`'s `/readyz` to answer `status` (200 on Redis, 503 off it).
+fn wait_readyz(b: &Broker, status: u16, limit: Duration, what: &str) {
+    eventually(limit, what, || b.http("GET", "/readyz", "").0 == status);
+}
+
+/// Waits (up to 5 s) until no broker holds `rig`'s lease.
+fn wait_lease_released(con: &mut redis::Connection, rig: &str, what: &str) {
+    eventually(Duration::from_secs(5), what, || {
+        !con.exists::<_, bool>(format!("rig:{rig}")).unwrap()
+    });
+}
+
+/// SIGKILLs `b`, as a crash would (nothing released, nothing flushed), and waits for its exit.
+fn kill_broker(b: &mut Broker) {
+    b.signal(libc::SIGKILL);
+    b.wait_exit(Duration::from_secs(5)).expect("killed");
+}
+
 /// Brokers fe-a and fe-b; `rig` (a new boot) welcomed on fe-a, sent `n` commands with ids
 /// `<prefix>1..n`, each answered ok with seq 1..n and read by the rig in order.
 fn rig_with_commands_on_a(
@@ -66,11 +144,10 @@ fn rig_with_commands_on_a(
     prefix: &str,
     n: u64,
 ) -> (Broker, Broker, String, Ws, Control) {
-    let a = fleet_broker(redis, "fe-a");
-    let b = fleet_broker(redis, "fe-b");
+    let (a, b) = brokers_a_and_b(redis);
     let boot = boot_id();
-    let mut on_a = a.connect("/agent");
-    assert_eq!(hello(&mut on_a, rig, &boot, None)["resumed"], false);
+    let (mut on_a, welcome) = connect_hello(&a, rig, &boot, None);
+    assert_eq!(welcome["resumed"], false);
     let mut ctl = Control::new(redis, &[]);
     for i in 1..=n {
         let r = ctl.command_id("fe-a", rig, &format!("{prefix}{i}"), "n", json!({}));
@@ -89,8 +166,7 @@ fn rig_with_commands_on_a(
 /// The rig, still connected to A, says hello on B with the same boot and `last_seq`: B welcomes
 /// it (the welcome is returned) and A closes the old connection with 4410.
 fn move_to_b(b: &Broker, on_a: &mut Ws, rig: &str, boot: &str, last_seq: u64) -> (Ws, Value) {
-    let mut on_b = b.connect("/agent");
-    let welcome = hello(&mut on_b, rig, boot, Some(last_seq));
+    let (on_b, welcome) = connect_hello(b, rig, boot, Some(last_seq));
     assert_eq!(read_close(on_a), 4410);
     (on_b, welcome)
 }
@@ -116,9 +192,7 @@ fn a_session_resumes_on_another_broker_with_unacked_commands_in_order() {
     assert_eq!(replayed[0]["seq"], 4);
     assert_eq!(replayed[0]["id"], "c4");
     assert_eq!(replayed[1]["seq"], 5);
-    let r = ctl.command_id("fe-b", "rig-r", "c6", "n", json!({}));
-    assert_eq!(r["seq"], 6, "{r}");
-    assert_eq!(read_json(&mut on_b)["seq"], 6);
+    send_and_read(&mut ctl, "fe-b", "rig-r", "c6", &mut on_b, 6);
 }
 
 /// Acked commands leave Redis in paced batches (up to a second later), so a resume can find
@@ -131,11 +205,7 @@ fn acked_commands_still_in_redis_are_not_replayed_past_last_seq() {
     // Moves at once, whether or not A has removed 1 and 2 from Redis yet.
     let (mut on_b, welcome) = move_to_b(&b, &mut on_a, "rig-f", &boot, 2);
     assert_eq!(welcome["resumed"], true);
-    let first = read_json(&mut on_b);
-    assert_eq!(
-        (first["seq"].clone(), first["id"].clone()),
-        (json!(3), json!("f3"))
-    );
+    read_command(&mut on_b, 3, "f3");
     let r = ctl.command_id("fe-b", "rig-f", "f4", "n", json!({}));
     assert_eq!(r["seq"], 4, "{r}");
     assert_eq!(
@@ -155,8 +225,7 @@ fn a_command_acked_elsewhere_is_not_replayed_from_the_copy_parked_when_the_rig_l
     // The rig leaves A with seq 1 unacked (A parks the session), resumes on B, gets 1 again
     // and acks it there, and leaves B too.
     on_a.close(None).unwrap();
-    let mut on_b = b.connect("/agent");
-    assert_eq!(hello(&mut on_b, "rig-p", &boot, Some(0))["resumed"], true);
+    let mut on_b = resume_on(&b, "rig-p", &boot, Some(0));
     assert_eq!(read_json(&mut on_b)["id"], "p1");
     ack(&mut on_b, 1);
     let key = format!("sess:rig-p:{boot}");
@@ -171,8 +240,7 @@ fn a_command_acked_elsewhere_is_not_replayed_from_the_copy_parked_when_the_rig_l
         !con.exists::<_, bool>("rig:rig-p").unwrap_or(true)
     });
     // Back on A, again with last_seq 0: the next command is the first thing it gets.
-    let mut again = a.connect("/agent");
-    assert_eq!(hello(&mut again, "rig-p", &boot, Some(0))["resumed"], true);
+    let mut again = resume_on(&a, "rig-p", &boot, Some(0));
     let r = ctl.command_id("fe-a", "rig-p", "p2", "n", json!({}));
     assert_eq!(r["seq"], 2, "{r}");
     let first = read_json(&mut again);
@@ -221,9 +289,7 @@ fn a_session_lost_in_redis_continues_after_the_rigs_last_seq() {
         .del(format!("sess:rig-l:{boot}"))
         .unwrap();
     let (mut on_b, _) = move_to_b(&b, &mut on_a, "rig-l", &boot, 3);
-    let r = ctl.command_id("fe-b", "rig-l", "l4", "n", json!({}));
-    assert_eq!(r["seq"], 4, "{r}");
-    assert_eq!(read_json(&mut on_b)["seq"], 4);
+    send_and_read(&mut ctl, "fe-b", "rig-l", "l4", &mut on_b, 4);
 }
 
 /// Broker fe-a with `--session-ttl ttl`; `rig` welcomed, sent one command (seq 1) and read it.
@@ -296,13 +362,7 @@ fn a_session_redis_lost_is_kept_again_and_survives_its_broker() {
     let mut redis = RedisServer::start();
     let (mut a, b, boot, mut on_a, _) = rig_with_commands_on_a(&redis, "rig-e", "e", 2);
     redis.kill9();
-    let (status, body) = a.http(
-        "POST",
-        "/v1/rigs/rig-e/commands",
-        r#"{"id":"e3","name":"n","args":{}}"#,
-    );
-    assert_eq!(status, 200, "{body}");
-    assert_eq!(read_json(&mut on_a)["seq"], 3);
+    admin_command_reaches(&a, &mut on_a, "rig-e", "e3", 3);
     redis.restart();
     let key = format!("sess:rig-e:{boot}");
     let mut con = redis.connection();
@@ -320,25 +380,18 @@ fn a_session_redis_lost_is_kept_again_and_survives_its_broker() {
     let pointer: Option<String> = con.get("sessof:rig-e").unwrap();
     assert_eq!(pointer.as_deref(), Some(boot.as_str()));
 
-    // SAFETY: kill(2) on our own child's pid.
-    unsafe { libc::kill(a.pid() as i32, libc::SIGKILL) };
-    a.wait_exit(Duration::from_secs(5)).expect("killed");
+    kill_broker(&mut a);
     // Control's new Redis connection: the old one went with the restart. B lost its own too;
     // a hello before it is back would be served from its local registry alone.
     let mut ctl = Control::new(&redis, &[]);
-    eventually(Duration::from_secs(20), "B back on Redis", || {
-        b.http("GET", "/readyz", "").0 == 200
-    });
-    let mut on_b = b.connect("/agent");
-    assert_eq!(hello(&mut on_b, "rig-e", &boot, Some(1))["resumed"], true);
+    wait_readyz(&b, 200, Duration::from_secs(20), "B back on Redis");
+    let mut on_b = resume_on(&b, "rig-e", &boot, Some(1));
     let replayed: Vec<Value> = (0..2).map(|_| read_json(&mut on_b)).collect();
     assert_eq!(
         (replayed[0]["id"].clone(), replayed[1]["id"].clone()),
         (json!("e2"), json!("e3"))
     );
-    let r = ctl.command_id("fe-b", "rig-e", "e4", "n", json!({}));
-    assert_eq!(r["seq"], 4, "{r}");
-    assert_eq!(read_json(&mut on_b)["seq"], 4);
+    send_and_read(&mut ctl, "fe-b", "rig-e", "e4", &mut on_b, 4);
 }
 
 /// Redis loses a connected rig's lease and session without restarting (evicted, flushed): the
@@ -349,18 +402,14 @@ fn a_lease_redis_lost_under_a_connected_rig_is_put_back_before_its_next_command(
     let redis = RedisServer::start();
     let (_a, _b, boot, mut on_a, mut ctl) = rig_with_commands_on_a(&redis, "rig-l", "l", 1);
     let mut con = redis.connection();
-    let _: () = redis::cmd("FLUSHALL").query(&mut con).unwrap();
+    flushall(&mut con);
     let r = ctl.command_id("fe-a", "rig-l", "l2", "n", json!({}));
     assert_eq!(
         (r["ok"].clone(), r["seq"].clone()),
         (json!(true), json!(2)),
         "{r}"
     );
-    let cmd = read_json(&mut on_a);
-    assert_eq!(
-        (cmd["seq"].clone(), cmd["id"].clone()),
-        (json!(2), json!("l2"))
-    );
+    read_command(&mut on_a, 2, "l2");
     let lease: Option<String> = con.get("rig:rig-l").unwrap();
     assert_eq!(lease.as_deref(), Some(format!("{boot}|fe-a").as_str()));
     let key = format!("sess:rig-l:{boot}");
@@ -378,16 +427,8 @@ fn a_command_delivered_while_redis_was_away_is_kept_when_it_returns() {
     let redis = RedisServer::start();
     let (a, _b, boot, mut on_a, _) = rig_with_commands_on_a(&redis, "rig-w", "w", 1);
     redis.freeze(true);
-    eventually(Duration::from_secs(15), "readyz 503", || {
-        a.http("GET", "/readyz", "").0 == 503
-    });
-    let (status, body) = a.http(
-        "POST",
-        "/v1/rigs/rig-w/commands",
-        r#"{"id":"w2","name":"n","args":{}}"#,
-    );
-    assert_eq!(status, 200, "{body}");
-    assert_eq!(read_json(&mut on_a)["seq"], 2);
+    wait_readyz(&a, 503, Duration::from_secs(15), "readyz 503");
+    admin_command_reaches(&a, &mut on_a, "rig-w", "w2", 2);
     redis.freeze(false);
     let key = format!("sess:rig-w:{boot}");
     let mut con = redis.connection();
@@ -414,19 +455,11 @@ fn rig_left_during_an_outage(
     let (a, b, boot, mut on_a, _) = rig_with_commands_on_a(redis, rig, "p", 1);
     if freeze {
         redis.freeze(true);
-        eventually(Duration::from_secs(15), "readyz 503", || {
-            a.http("GET", "/readyz", "").0 == 503
-        });
+        wait_readyz(&a, 503, Duration::from_secs(15), "readyz 503");
     } else {
         redis.kill9();
     }
-    let (status, body) = a.http(
-        "POST",
-        &format!("/v1/rigs/{rig}/commands"),
-        r#"{"id":"p2","name":"n","args":{}}"#,
-    );
-    assert_eq!(status, 200, "{body}");
-    assert_eq!(read_json(&mut on_a)["seq"], 2);
+    admin_command_reaches(&a, &mut on_a, rig, "p2", 2);
     drop(on_a);
     eventually(Duration::from_secs(10), "A sees the rig leave", || {
         let body: Value = serde_json::from_str(&a.http("GET", "/v1/rigs", "").1).unwrap();
@@ -439,17 +472,10 @@ fn rig_left_during_an_outage(
 /// command through `broker` gets seq 3.
 fn replayed_then_continued(ws: &mut Ws, redis: &RedisServer, broker: &str, rig: &str) {
     for i in 1..=2u64 {
-        let cmd = read_json(ws);
-        assert_eq!(
-            (cmd["seq"].clone(), cmd["id"].clone()),
-            (json!(i), json!(format!("p{i}"))),
-            "{cmd}"
-        );
+        read_command(ws, i, &format!("p{i}"));
     }
     let mut ctl = Control::new(redis, &[]);
-    let r = ctl.command_id(broker, rig, "p3", "n", json!({}));
-    assert_eq!(r["seq"], 3, "{r}");
-    assert_eq!(read_json(ws)["seq"], 3);
+    send_and_read(&mut ctl, broker, rig, "p3", ws, 3);
 }
 
 /// A rig that disconnected while Redis was away, which then came back empty, resumes on
@@ -469,7 +495,7 @@ fn a_rig_that_left_during_an_outage_resumes_elsewhere_with_what_its_broker_held(
     );
     let lease: Option<String> = con.get("rig:rig-p").unwrap();
     assert_eq!(lease, None, "A claims no lease for a rig it does not hold");
-    resumes_on_b(&b, &redis, "rig-p", &boot);
+    resumes_whole_on(&b, &redis, "rig-p", &boot);
 }
 
 /// Redis unreachable but keeping everything (the lease too): the session goes back before the
@@ -495,18 +521,17 @@ fn a_parked_session_goes_back_before_its_lease_is_released() {
             c2.is_some() && next.as_deref() == Some("3") && lease.is_none()
         },
     );
-    resumes_on_b(&b, &redis, "rig-q", &boot);
+    resumes_whole_on(&b, &redis, "rig-q", &boot);
 }
 
-/// Once B is back on Redis, `rig` resuming there finds its whole session: resumed, commands 1
-/// and 2 replayed, the next one numbered 3.
-fn resumes_on_b(b: &Broker, redis: &RedisServer, rig: &str, boot: &str) {
-    eventually(Duration::from_secs(10), "B back on Redis", || {
-        b.http("GET", "/readyz", "").0 == 200
-    });
-    let mut on_b = b.connect("/agent");
-    assert_eq!(hello(&mut on_b, rig, boot, Some(0))["resumed"], true);
-    replayed_then_continued(&mut on_b, redis, "fe-b", rig);
+/// Once `b` is back on Redis, `rig` resuming there finds its whole session: resumed, commands
+/// 1 and 2 replayed, the next one numbered 3. Returns the rig's connection, still open.
+fn resumes_whole_on(b: &Broker, redis: &RedisServer, rig: &str, boot: &str) -> Ws {
+    let back = format!("{} back on Redis", b.broker_id);
+    wait_readyz(b, 200, Duration::from_secs(10), &back);
+    let mut ws = resume_on(b, rig, boot, Some(0));
+    replayed_then_continued(&mut ws, redis, &b.broker_id, rig);
+    ws
 }
 
 /// The same rig coming back to A itself resumes from A's parked state, and the session in
@@ -516,12 +541,7 @@ fn a_rig_that_left_during_an_outage_resumes_on_its_own_broker() {
     let mut redis = RedisServer::start();
     let (a, _b, boot) = rig_left_during_an_outage(&mut redis, "rig-s", false);
     redis.restart();
-    eventually(Duration::from_secs(10), "A back on Redis", || {
-        a.http("GET", "/readyz", "").0 == 200
-    });
-    let mut on_a = a.connect("/agent");
-    assert_eq!(hello(&mut on_a, "rig-s", &boot, Some(0))["resumed"], true);
-    replayed_then_continued(&mut on_a, &redis, "fe-a", "rig-s");
+    let _on_a = resumes_whole_on(&a, &redis, "rig-s", &boot);
     let mut con = redis.connection();
     let key = format!("sess:rig-s:{boot}");
     let (c1, c2): (Option<String>, Option<String>) = redis::pipe()
@@ -535,11 +555,9 @@ fn a_rig_that_left_during_an_outage_resumes_on_its_own_broker() {
 #[test]
 fn a_killed_brokers_unacked_commands_reach_the_rig_on_the_survivor() {
     let redis = RedisServer::start();
-    let mut a = fleet_broker(&redis, "fe-a");
-    let b = fleet_broker(&redis, "fe-b");
+    let (mut a, b) = brokers_a_and_b(&redis);
     let boot = boot_id();
-    let mut on_a = a.connect("/agent");
-    hello(&mut on_a, "rig-k", &boot, None);
+    let (on_a, _) = connect_hello(&a, "rig-k", &boot, None);
     let mut ctl = Control::new(&redis, &[]);
     for i in 1..=3 {
         assert_eq!(
@@ -547,17 +565,11 @@ fn a_killed_brokers_unacked_commands_reach_the_rig_on_the_survivor() {
             true
         );
     }
-    unsafe { libc::kill(a.pid() as i32, libc::SIGKILL) };
-    a.wait_exit(Duration::from_secs(5)).expect("killed");
+    kill_broker(&mut a);
     drop(on_a);
-    let mut on_b = b.connect("/agent");
-    assert_eq!(hello(&mut on_b, "rig-k", &boot, None)["resumed"], true);
+    let mut on_b = resume_on(&b, "rig-k", &boot, None);
     for i in 1..=3u64 {
-        let cmd = read_json(&mut on_b);
-        assert_eq!(
-            (cmd["seq"].clone(), cmd["id"].clone()),
-            (json!(i), json!(format!("k{i}")))
-        );
+        read_command(&mut on_b, i, &format!("k{i}"));
     }
     assert_eq!(
         ctl.command_id("fe-b", "rig-k", "k4", "n", json!({}))["seq"],
@@ -576,20 +588,15 @@ fn a_hello_whose_session_read_fails_is_turned_away_and_resumes_on_the_next() {
     let relay = Relay::start(redis.port());
     let b = fleet_broker_at(&relay.url(), "fe-b", &[]);
     let boot = boot_id();
-    let mut on_a = a.connect("/agent");
-    hello(&mut on_a, "rig-u", &boot, None);
+    let (mut on_a, _) = connect_hello(&a, "rig-u", &boot, None);
     let mut ctl = Control::new(&redis, &[]);
     for i in 1..=3u64 {
-        let r = ctl.command_id("fe-a", "rig-u", &format!("u{i}"), "n", json!({}));
-        assert_eq!(r["seq"], i, "{r}");
-        assert_eq!(read_json(&mut on_a)["seq"], i);
+        send_and_read(&mut ctl, "fe-a", "rig-u", &format!("u{i}"), &mut on_a, i);
     }
     // The rig leaves A (A releases its lease) and has seen 1..3 but acked none.
     drop(on_a);
     let mut con = redis.connection();
-    eventually(Duration::from_secs(5), "fe-a's lease released", || {
-        !con.exists::<_, bool>("rig:rig-u").unwrap()
-    });
+    wait_lease_released(&mut con, "rig-u", "fe-a's lease released");
 
     let resume_sha = redis::Script::new(include_str!("../lua/resume.lua"))
         .get_hash()
@@ -607,26 +614,15 @@ fn a_hello_whose_session_read_fails_is_turned_away_and_resumes_on_the_next() {
     // Counted once, as turned away, not also as ok.
     assert_eq!((hellos("unavailable"), hellos("ok")), (1, 0));
     // Back on Redis, B lets go of the lease that hello claimed.
-    eventually(Duration::from_secs(10), "fe-b back on Redis", || {
-        b.http("GET", "/readyz", "").0 == 200
-    });
-    eventually(Duration::from_secs(5), "fe-b's claim released", || {
-        !con.exists::<_, bool>("rig:rig-u").unwrap()
-    });
+    wait_readyz(&b, 200, Duration::from_secs(10), "fe-b back on Redis");
+    wait_lease_released(&mut con, "rig-u", "fe-b's claim released");
 
-    let mut on_b = b.connect("/agent");
-    assert_eq!(hello(&mut on_b, "rig-u", &boot, Some(1))["resumed"], true);
+    let mut on_b = resume_on(&b, "rig-u", &boot, Some(1));
     assert_eq!((hellos("unavailable"), hellos("ok")), (1, 1));
     for i in 2..=3u64 {
-        let cmd = read_json(&mut on_b);
-        assert_eq!(
-            (cmd["seq"].clone(), cmd["id"].clone()),
-            (json!(i), json!(format!("u{i}")))
-        );
+        read_command(&mut on_b, i, &format!("u{i}"));
     }
-    let r = ctl.command_id("fe-b", "rig-u", "u4", "n", json!({}));
-    assert_eq!(r["seq"], 4, "{r}");
-    assert_eq!(read_json(&mut on_b)["seq"], 4);
+    send_and_read(&mut ctl, "fe-b", "rig-u", "u4", &mut on_b, 4);
 }
 
 #[test]
@@ -634,8 +630,7 @@ fn a_new_boot_reports_the_old_sessions_commands_as_rig_rebooted() {
     let redis = RedisServer::start();
     let a = fleet_broker(&redis, "fe-a");
     let old_boot = boot_id();
-    let mut ws = a.connect("/agent");
-    hello(&mut ws, "rig-b", &old_boot, None);
+    let (ws, _) = connect_hello(&a, "rig-b", &old_boot, None);
     let mut ctl = Control::new(&redis, &["fleetlink:events"]);
     assert_eq!(
         ctl.command_id("fe-a", "rig-b", "lost-1", "n", json!({}))["ok"],
@@ -646,15 +641,12 @@ fn a_new_boot_reports_the_old_sessions_commands_as_rig_rebooted() {
         true
     );
     drop(ws);
-    let mut again = a.connect("/agent");
     let new_boot = boot_id();
-    assert_eq!(
-        hello(&mut again, "rig-b", &new_boot, None)["resumed"],
-        false
-    );
+    let (mut again, welcome) = connect_hello(&a, "rig-b", &new_boot, None);
+    assert_eq!(welcome["resumed"], false);
     let mut ids = Vec::new();
     while ids.len() < 2 {
-        let ev = ctl.next(|ch, v| ch == "fleetlink:events" && v["type"] == "rig_rebooted");
+        let ev = next_event(&mut ctl, "rig_rebooted");
         assert_eq!(ev["boot_id"], old_boot.as_str());
         assert_eq!(ev["new_boot_id"], new_boot.as_str());
         assert_eq!(
@@ -680,27 +672,10 @@ fn a_new_boot_reports_the_old_sessions_commands_as_rig_rebooted() {
 fn a_command_acked_just_before_a_reboot_is_not_reported_rig_rebooted() {
     let redis = RedisServer::start();
     let a = fleet_broker(&redis, "fe-a");
-    let mut ws = a.connect("/agent");
-    hello(&mut ws, "rig-ack", &boot_id(), None);
-    let mut ctl = Control::new(&redis, &["fleetlink:events"]);
-    for id in ["acked", "unacked"] {
-        assert_eq!(
-            ctl.command_id("fe-a", "rig-ack", id, "n", json!({}))["ok"],
-            true
-        );
-        assert_eq!(read_json(&mut ws)["id"], id);
-    }
-    ws.send(Message::Text(
-        json!({"type":"ack","seq":1}).to_string().into(),
-    ))
-    .unwrap();
-    // The broker has taken the ack: its event follows the removal on the bridge's way out.
-    let ack = ctl.next(|ch, v| ch == "fleetlink:events" && v["type"] == "ack");
-    assert_eq!(ack["id"], "acked");
+    let (ws, mut ctl) = rig_acked_the_first_of_two(&a, &redis, "rig-ack");
     drop(ws);
     let new_boot = boot_id();
-    let mut again = a.connect("/agent");
-    hello(&mut again, "rig-ack", &new_boot, None);
+    let _again = connect_hello(&a, "rig-ack", &new_boot, None);
     assert_eq!(rebooted_before_connected(&mut ctl, &new_boot), ["unacked"]);
 }
 
@@ -710,27 +685,12 @@ fn a_command_acked_just_before_a_reboot_is_not_reported_rig_rebooted() {
 #[test]
 fn a_command_acked_just_before_its_broker_dies_is_not_reported_rig_rebooted() {
     let redis = RedisServer::start();
-    let mut a = fleet_broker(&redis, "fe-a");
-    let b = fleet_broker(&redis, "fe-b");
-    let mut ws = a.connect("/agent");
-    hello(&mut ws, "rig-ackd", &boot_id(), None);
-    let mut ctl = Control::new(&redis, &["fleetlink:events"]);
-    for id in ["acked", "unacked"] {
-        assert_eq!(
-            ctl.command_id("fe-a", "rig-ackd", id, "n", json!({}))["ok"],
-            true
-        );
-        assert_eq!(read_json(&mut ws)["id"], id);
-    }
-    ack(&mut ws, 1);
-    let ack = ctl.next(|ch, v| ch == "fleetlink:events" && v["type"] == "ack");
-    assert_eq!(ack["id"], "acked");
-    unsafe { libc::kill(a.pid() as i32, libc::SIGKILL) };
-    a.wait_exit(Duration::from_secs(5)).expect("killed");
+    let (mut a, b) = brokers_a_and_b(&redis);
+    let (ws, mut ctl) = rig_acked_the_first_of_two(&a, &redis, "rig-ackd");
+    kill_broker(&mut a);
     drop(ws);
     let new_boot = boot_id();
-    let mut on_b = b.connect("/agent");
-    hello(&mut on_b, "rig-ackd", &new_boot, None);
+    let _on_b = connect_hello(&b, "rig-ackd", &new_boot, None);
     assert_eq!(rebooted_before_connected(&mut ctl, &new_boot), ["unacked"]);
 }
 
@@ -741,30 +701,23 @@ fn a_command_acked_just_before_its_broker_dies_is_not_reported_rig_rebooted() {
 #[test]
 fn commands_acked_in_a_burst_just_before_their_broker_dies_are_not_replayed() {
     let redis = RedisServer::start();
-    let mut a = fleet_broker(&redis, "fe-a");
-    let b = fleet_broker(&redis, "fe-b");
+    let (mut a, b) = brokers_a_and_b(&redis);
     let boot = boot_id();
-    let mut ws = a.connect("/agent");
-    hello(&mut ws, "rig-burst", &boot, None);
+    let (mut ws, _) = connect_hello(&a, "rig-burst", &boot, None);
     let mut ctl = Control::new(&redis, &["fleetlink:events"]);
     for i in 1..=20 {
-        let r = ctl.command_id("fe-a", "rig-burst", &format!("b{i}"), "n", json!({}));
-        assert_eq!(r["seq"], i, "{r}");
-        assert_eq!(read_json(&mut ws)["seq"], i);
+        send_and_read(&mut ctl, "fe-a", "rig-burst", &format!("b{i}"), &mut ws, i);
     }
     // The odd ones, back to back.
     for seq in (1..=20).step_by(2) {
         ack(&mut ws, seq);
     }
     for _ in 0..10 {
-        ctl.next(|ch, v| ch == "fleetlink:events" && v["type"] == "ack");
+        next_event(&mut ctl, "ack");
     }
-    unsafe { libc::kill(a.pid() as i32, libc::SIGKILL) };
-    a.wait_exit(Duration::from_secs(5)).expect("killed");
+    kill_broker(&mut a);
     drop(ws);
-    let mut on_b = b.connect("/agent");
-    let welcome = hello(&mut on_b, "rig-burst", &boot, Some(12));
-    assert_eq!(welcome["resumed"], true, "{welcome}");
+    let mut on_b = resume_on(&b, "rig-burst", &boot, Some(12));
     // In seq order: the first replay says whether an acked 13 came back.
     for seq in [14, 16, 18, 20] {
         assert_eq!(read_json(&mut on_b)["seq"], seq);
@@ -773,6 +726,22 @@ fn commands_acked_in_a_burst_just_before_their_broker_dies_are_not_replayed() {
     let r = ctl.command_id("fe-b", "rig-burst", "after", "n", json!({}));
     assert_eq!(r["seq"], 21, "{r}");
     assert_eq!(read_json(&mut on_b)["id"], "after");
+}
+
+/// `rig` (a new boot) on fe-a `a` reads commands `acked` (seq 1) and `unacked` and acks the
+/// first; returns once control (on `fleetlink:events`) has seen the ack's event.
+fn rig_acked_the_first_of_two(a: &Broker, redis: &RedisServer, rig: &str) -> (Ws, Control) {
+    let (mut ws, _) = connect_hello(a, rig, &boot_id(), None);
+    let mut ctl = Control::new(redis, &["fleetlink:events"]);
+    for id in ["acked", "unacked"] {
+        assert_eq!(ctl.command_id("fe-a", rig, id, "n", json!({}))["ok"], true);
+        assert_eq!(read_json(&mut ws)["id"], id);
+    }
+    ack(&mut ws, 1);
+    // The broker has taken the ack: its event follows the removal on the bridge's way out.
+    let ack = next_event(&mut ctl, "ack");
+    assert_eq!(ack["id"], "acked");
+    (ws, ctl)
 }
 
 /// The ids reported `rig_rebooted` before `new_boot`'s `connected`: the session script
@@ -860,8 +829,7 @@ fn persisting_is_fenced_by_the_lease() {
 #[test]
 fn commands_for_an_offline_rig_are_held_then_delivered_or_expired() {
     let redis = RedisServer::start();
-    let a = fleet_broker(&redis, "fe-a");
-    let b = fleet_broker(&redis, "fe-b");
+    let (a, b) = brokers_a_and_b(&redis);
     let mut ctl = Control::new(&redis, &["fleetlink:events"]);
     let reply_to = ctl.reply_to.clone();
     let publish = |ctl: &mut Control, id: &str, ttl_ms: u64| {
@@ -878,17 +846,12 @@ fn commands_for_an_offline_rig_are_held_then_delivered_or_expired() {
     );
     assert_eq!(publish(&mut ctl, "short", 200)["queued"], true);
     // The short one expires on time, reported by the broker that held it.
-    let ev = ctl.next(|ch, v| ch == "fleetlink:events" && v["type"] == "expired");
+    let ev = next_event(&mut ctl, "expired");
     assert_eq!(ev["id"], "short");
     // The rig comes back on the other broker and gets what is still held, as seq 1.
-    let mut ws = b.connect("/agent");
-    hello(&mut ws, "rig-off", &boot_id(), None);
-    let cmd = read_json(&mut ws);
-    assert_eq!(
-        (cmd["id"].clone(), cmd["seq"].clone()),
-        (json!("keep"), json!(1))
-    );
-    let ev = ctl.next(|ch, v| ch == "fleetlink:events" && v["type"] == "offline_delivered");
+    let (mut ws, _) = connect_hello(&b, "rig-off", &boot_id(), None);
+    read_command(&mut ws, 1, "keep");
+    let ev = next_event(&mut ctl, "offline_delivered");
     assert_eq!(
         (ev["id"].clone(), ev["seq"].clone()),
         (json!("keep"), json!(1))
@@ -906,6 +869,18 @@ fn commands_for_an_offline_rig_are_held_then_delivered_or_expired() {
     drop(a);
 }
 
+/// PUBLISHes each of `msgs` to fe-a in one pipeline, as a fan-out arrives all at once.
+fn publish_to_fe_a_at_once(redis: &RedisServer, msgs: impl Iterator<Item = Value>) {
+    let mut pipe = redis::pipe();
+    for msg in msgs {
+        pipe.cmd("PUBLISH")
+            .arg("fleetlink:broker:fe-a")
+            .arg(msg.to_string())
+            .ignore();
+    }
+    let () = pipe.query(&mut redis.connection()).unwrap();
+}
+
 #[test]
 fn a_fan_out_to_offline_rigs_is_held_in_batches_and_each_rig_gets_its_own() {
     let redis = RedisServer::start();
@@ -913,17 +888,14 @@ fn a_fan_out_to_offline_rigs_is_held_in_batches_and_each_rig_gets_its_own() {
     let mut ctl = Control::new(&redis, &[]);
     let reply_to = ctl.reply_to.clone();
     // 300 commands for 300 rigs that are all away, in one pipeline of PUBLISHes.
-    let mut pipe = redis::pipe();
-    for i in 0..300 {
-        let msg = json!({"type":"command","id":format!("h{i}"),"rig_id":format!("away-{i:03}"),
-                         "name":"fw","args":{"i":i},"reply_to":reply_to,
-                         "queue_if_offline":true,"ttl_ms":60_000});
-        pipe.cmd("PUBLISH")
-            .arg("fleetlink:broker:fe-a")
-            .arg(msg.to_string())
-            .ignore();
-    }
-    let () = pipe.query(&mut redis.connection()).unwrap();
+    publish_to_fe_a_at_once(
+        &redis,
+        (0..300).map(|i| {
+            json!({"type":"command","id":format!("h{i}"),"rig_id":format!("away-{i:03}"),
+                   "name":"fw","args":{"i":i},"reply_to":reply_to,
+                   "queue_if_offline":true,"ttl_ms":60_000})
+        }),
+    );
     let replies = ctl.replies(300, Duration::from_secs(10));
     assert!(
         replies
@@ -933,9 +905,7 @@ fn a_fan_out_to_offline_rigs_is_held_in_batches_and_each_rig_gets_its_own() {
     );
     // Each rig that comes back gets exactly its own command, as seq 1.
     for i in [0, 150, 299] {
-        let rig = format!("away-{i:03}");
-        let mut ws = a.connect("/agent");
-        hello(&mut ws, &rig, &boot_id(), None);
+        let (mut ws, _) = connect_hello(&a, &format!("away-{i:03}"), &boot_id(), None);
         let cmd = read_json(&mut ws);
         assert_eq!(
             (
@@ -966,21 +936,18 @@ fn a_fan_out_held_for_offline_rigs_expires_together_each_reported_once() {
     let _a = fleet_broker(&redis, "fe-a");
     let mut ctl = Control::new(&redis, &["fleetlink:events"]);
     let reply_to = ctl.reply_to.clone();
-    let mut pipe = redis::pipe();
-    for i in 0..200 {
-        let msg = json!({"type":"command","id":format!("x{i}"),"rig_id":format!("gone-{i:03}"),
-                         "name":"fw","args":{},"reply_to":reply_to,
-                         "queue_if_offline":true,"ttl_ms":300});
-        pipe.cmd("PUBLISH")
-            .arg("fleetlink:broker:fe-a")
-            .arg(msg.to_string())
-            .ignore();
-    }
-    let () = pipe.query(&mut redis.connection()).unwrap();
+    publish_to_fe_a_at_once(
+        &redis,
+        (0..200).map(|i| {
+            json!({"type":"command","id":format!("x{i}"),"rig_id":format!("gone-{i:03}"),
+                   "name":"fw","args":{},"reply_to":reply_to,
+                   "queue_if_offline":true,"ttl_ms":300})
+        }),
+    );
     assert_eq!(ctl.replies(200, Duration::from_secs(10)).len(), 200);
     let mut expired = std::collections::BTreeSet::new();
     while expired.len() < 200 {
-        let ev = ctl.next(|ch, v| ch == "fleetlink:events" && v["type"] == "expired");
+        let ev = next_event(&mut ctl, "expired");
         assert!(
             expired.insert(ev["id"].as_str().unwrap().to_string()),
             "twice: {ev}"
@@ -1083,7 +1050,7 @@ fn held_commands_past_the_outbox_wait_for_room_and_all_arrive_in_order() {
     let mut ctl = Control::new(&redis, &["fleetlink:events"]);
     hold_then_drain(&a, "rig-backlog-fleet");
     for _ in 0..HELD {
-        let ev = ctl.next(|ch, v| ch == "fleetlink:events" && v["type"] == "offline_delivered");
+        let ev = next_event(&mut ctl, "offline_delivered");
         assert!(ev["seq"].is_u64(), "{ev}");
     }
 }
@@ -1102,8 +1069,7 @@ fn held_commands_still_waiting_when_the_rig_leaves_are_held_again() {
         assert_eq!(status, 200, "{text}");
     }
     let boot = boot_id();
-    let mut first = b.connect("/agent");
-    hello(&mut first, "rig-leaves", &boot, None);
+    let (mut first, _) = connect_hello(&b, "rig-leaves", &boot, None);
     // `--outbox 1`: 8 written ahead of acks and 1 queued; the rest wait. Take 3, ack none.
     let mut got: Vec<(u64, String)> = Vec::new();
     for _ in 0..3 {
@@ -1122,12 +1088,8 @@ fn held_commands_still_waiting_when_the_rig_leaves_are_held_again() {
             body.as_array().is_some_and(Vec::is_empty)
         },
     );
-    let mut again = b.connect("/agent");
     let last = got.last().map(|(seq, _)| *seq);
-    assert_eq!(
-        hello(&mut again, "rig-leaves", &boot, last)["resumed"],
-        true
-    );
+    let mut again = resume_on(&b, "rig-leaves", &boot, last);
     while got.len() < HELD {
         let cmd = read_json(&mut again);
         let ack = json!({"type": "ack", "seq": cmd["seq"]});
@@ -1151,16 +1113,11 @@ fn held_commands_still_waiting_when_the_rig_leaves_are_held_again() {
 #[test]
 fn the_same_boot_resumes_on_another_broker_even_without_commands() {
     let redis = RedisServer::start();
-    let a = fleet_broker(&redis, "fe-a");
-    let b = fleet_broker(&redis, "fe-b");
+    let (a, b) = brokers_a_and_b(&redis);
     let boot = boot_id();
-    let mut on_a = a.connect("/agent");
-    assert_eq!(hello(&mut on_a, "rig-quiet", &boot, None)["resumed"], false);
-    let mut on_b = b.connect("/agent");
-    assert_eq!(
-        hello(&mut on_b, "rig-quiet", &boot, Some(0))["resumed"],
-        true
-    );
+    let (_on_a, welcome) = connect_hello(&a, "rig-quiet", &boot, None);
+    assert_eq!(welcome["resumed"], false);
+    let _on_b = resume_on(&b, "rig-quiet", &boot, Some(0));
     let mut ctl = Control::new(&redis, &[]);
     assert_eq!(
         ctl.command_id("fe-b", "rig-quiet", "q1", "n", json!({}))["seq"],
@@ -1451,10 +1408,7 @@ fn rekeep_of_a_parked_session_is_written_only_where_no_one_else_holds_the_rig() 
     assert_eq!(kept, [Kept, Merged, Behind(Seq(9)), Merged]);
 
     let written: HashMap<String, String> = con.hgetall(sess(&c)).unwrap();
-    let want: HashMap<String, String> = [("next", "3"), ("c:1", "c1"), ("c:2", "c2")]
-        .into_iter()
-        .map(|(k, v)| (k.to_string(), v.to_string()))
-        .collect();
+    let want = hash_of(&[("next", "3"), ("c:1", "c1"), ("c:2", "c2")]);
     assert_eq!(written, want);
     let ttl: i64 = con.pttl(sess(&c)).unwrap();
     assert!(ttl > 50_000 && ttl <= 60_000, "{ttl}");
@@ -1464,10 +1418,7 @@ fn rekeep_of_a_parked_session_is_written_only_where_no_one_else_holds_the_rig() 
     assert_eq!(lease, None, "a parked session claims no lease");
 
     let merged: HashMap<String, String> = con.hgetall(sess(&d)).unwrap();
-    let want: HashMap<String, String> = [("next", "3"), ("c:1", "c1"), ("c:2", "c2")]
-        .into_iter()
-        .map(|(k, v)| (k.to_string(), v.to_string()))
-        .collect();
+    let want = hash_of(&[("next", "3"), ("c:1", "c1"), ("c:2", "c2")]);
     assert_eq!(merged, want, "what the other copy lacked added");
 
     let merged: HashMap<String, String> = con.hgetall(sess(&a)).unwrap();
@@ -1481,10 +1432,7 @@ fn rekeep_of_a_parked_session_is_written_only_where_no_one_else_holds_the_rig() 
 
     // The same session went on at fe-b: ours added where it had none, `next` raised past them.
     let merged: HashMap<String, String> = con.hgetall(sess(&b)).unwrap();
-    let want: HashMap<String, String> = [("next", "3"), ("c:1", "theirs"), ("c:2", "c2")]
-        .into_iter()
-        .map(|(k, v)| (k.to_string(), v.to_string()))
-        .collect();
+    let want = hash_of(&[("next", "3"), ("c:1", "theirs"), ("c:2", "c2")]);
     assert_eq!(merged, want);
 
     // A connected rig's session is not written without its lease, even where none exists.
@@ -1520,6 +1468,49 @@ fn rekeep_of_a_parked_session_is_written_only_where_no_one_else_holds_the_rig() 
 /// The `at` of the `rig_rebooted` events `rekeep.lua` may publish.
 const AT: &str = "2026-12-03T12:00:00Z";
 
+/// For the session scripts' tests that read the events they publish: a fresh Redis, a
+/// connection, the scripts, control subscribed to `fleetlink:events`, and `rig`.
+fn scripts_and_events(
+    rig: &str,
+) -> (
+    RedisServer,
+    redis::Connection,
+    SessionScripts,
+    Control,
+    RigId,
+) {
+    let redis = RedisServer::start();
+    let con = redis.connection();
+    let scripts = SessionScripts::new();
+    let ctl = Control::new(&redis, &["fleetlink:events"]);
+    (redis, con, scripts, ctl, RigId::parse(rig).unwrap())
+}
+
+/// A command as the session scripts keep it: seq `seq`, id `c<seq>`.
+fn kept_command(seq: u64) -> String {
+    format!("{{\"seq\":{seq},\"id\":\"c{seq}\"}}")
+}
+
+/// `N` fresh boots, oldest first.
+fn boots<const N: usize>() -> [BootId; N] {
+    let mut b = [(); N].map(|_| BootId::parse(&boot_id()).unwrap());
+    b.sort();
+    b
+}
+
+/// Empties Redis while it stays up (as an eviction or an empty restart leaves it).
+fn flushall(con: &mut redis::Connection) {
+    let _: () = redis::cmd("FLUSHALL").query(con).unwrap();
+}
+
+/// A Redis hash's fields as `hgetall` reads them.
+fn hash_of(fields: &[(&str, &str)]) -> HashMap<String, String> {
+    fields
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
+}
+
 /// Every `rig_rebooted` event published before a marker published now, in order: the marker
 /// follows everything the scripts that ran before it published.
 fn rebooted_so_far(ctl: &mut Control) -> Vec<Value> {
@@ -1545,14 +1536,9 @@ fn rebooted_so_far(ctl: &mut Control) -> Vec<Value> {
 /// altogether, the old broker reports all it holds.
 #[test]
 fn a_parked_session_a_newer_boot_ended_is_reported_once_whichever_runs_first() {
-    let redis = RedisServer::start();
-    let mut con = redis.connection();
-    let scripts = SessionScripts::new();
-    let mut ctl = Control::new(&redis, &["fleetlink:events"]);
+    let (_redis, mut con, scripts, mut ctl, rig) = scripts_and_events("rig-r");
     let ttl = Duration::from_secs(60);
-    let rig = RigId::parse("rig-r").unwrap();
-    let cmd = |seq: u64| format!("{{\"seq\":{seq},\"id\":\"c{seq}\"}}");
-    let (c1, c3, c4) = (cmd(1), cmd(3), cmd(4));
+    let (c1, c3, c4) = (kept_command(1), kept_command(3), kept_command(4));
     fn parked<'a>(rig: &'a RigId, boot: &'a BootId, cmds: [&'a str; 3]) -> Rekeep<'a> {
         Rekeep {
             rig,
@@ -1600,10 +1586,7 @@ fn a_parked_session_a_newer_boot_ended_is_reported_once_whichever_runs_first() {
     };
 
     // The newer boot's report first: 1 and 3 from Redis, then 4 from the old broker.
-    let (old, new) = (
-        BootId::parse(&boot_id()).unwrap(),
-        BootId::parse(&boot_id()).unwrap(),
-    );
+    let [old, new] = boots();
     setup(&mut con, &old, &new);
     let found = scripts.resume(&mut con, &rig, &new, ttl, "fe-b").unwrap();
     assert_eq!(found.rebooted, 2);
@@ -1624,11 +1607,8 @@ fn a_parked_session_a_newer_boot_ended_is_reported_once_whichever_runs_first() {
     assert_eq!(reported(&mut ctl, 0, &old, &new), Vec::<u64>::new());
 
     // The old broker first: its session is merged for the newer boot's report to take.
-    let _: () = redis::cmd("FLUSHALL").query(&mut con).unwrap();
-    let (old, new) = (
-        BootId::parse(&boot_id()).unwrap(),
-        BootId::parse(&boot_id()).unwrap(),
-    );
+    flushall(&mut con);
+    let [old, new] = boots();
     setup(&mut con, &old, &new);
     let kept = scripts
         .rekeep(&mut con, &[parked(&rig, &old, cmds)], "fe-a", ttl, AT)
@@ -1644,11 +1624,8 @@ fn a_parked_session_a_newer_boot_ended_is_reported_once_whichever_runs_first() {
 
     // Redis lost everything; the newer boot's lease (or only its session pointer) is back.
     for newer_on_record in ["rig:rig-r", "sessof:rig-r"] {
-        let _: () = redis::cmd("FLUSHALL").query(&mut con).unwrap();
-        let (old, new) = (
-            BootId::parse(&boot_id()).unwrap(),
-            BootId::parse(&boot_id()).unwrap(),
-        );
+        flushall(&mut con);
+        let [old, new] = boots();
         let value = match newer_on_record {
             "rig:rig-r" => format!("{new}|fe-b"),
             _ => new.to_string(),
@@ -1666,11 +1643,8 @@ fn a_parked_session_a_newer_boot_ended_is_reported_once_whichever_runs_first() {
     }
 
     // An older boot on record ends nothing: the parked session is written as before.
-    let _: () = redis::cmd("FLUSHALL").query(&mut con).unwrap();
-    let (older, old) = (
-        BootId::parse(&boot_id()).unwrap(),
-        BootId::parse(&boot_id()).unwrap(),
-    );
+    flushall(&mut con);
+    let [older, old] = boots();
     let _: () = con.set("sessof:rig-r", older.to_string()).unwrap();
     let kept = scripts
         .rekeep(&mut con, &[parked(&rig, &old, cmds)], "fe-a", ttl, AT)
@@ -1685,14 +1659,9 @@ fn a_parked_session_a_newer_boot_ended_is_reported_once_whichever_runs_first() {
 /// with what Redis numbered past it (the same boot went on elsewhere), but not what it acked.
 #[test]
 fn a_session_a_hello_decided_alone_ended_is_reported_once_through_redis() {
-    let redis = RedisServer::start();
-    let mut con = redis.connection();
-    let scripts = SessionScripts::new();
-    let mut ctl = Control::new(&redis, &["fleetlink:events"]);
+    let (redis, mut con, scripts, mut ctl, rig) = scripts_and_events("rig-e");
     let ttl = Duration::from_secs(60);
-    let rig = RigId::parse("rig-e").unwrap();
-    let cmd = |seq: u64| format!("{{\"seq\":{seq},\"id\":\"c{seq}\"}}");
-    let held: Vec<String> = [1, 3, 4].map(cmd).into();
+    let held: Vec<String> = [1, 3, 4].map(kept_command).into();
     let ended = |old: &BootId, by: &BootId| {
         let session = Rekeep {
             rig: &rig,
@@ -1724,11 +1693,6 @@ fn a_session_a_hello_decided_alone_ended_is_reported_once_through_redis() {
         }
         out
     };
-    let boots = || {
-        let mut b = [boot_id(), boot_id(), boot_id()].map(|b| BootId::parse(&b).unwrap());
-        b.sort();
-        b
-    };
 
     // A boot in between (y) said hello elsewhere: resume.lua reported 1 and 3 and left the
     // tombstone. Only 4, delivered while Redis was away, is left, reported as y ended it.
@@ -1756,10 +1720,10 @@ fn a_session_a_hello_decided_alone_ended_is_reported_once_through_redis() {
     // never reached Redis) and 5, which another broker numbered for the same boot meanwhile;
     // not 4, delivered here while Redis was away. All but 2 are reported, as z ended them,
     // and a later hello of z finds nothing more to report.
-    let _: () = redis::cmd("FLUSHALL").query(&mut con).unwrap();
+    flushall(&mut con);
     let [x, _, z] = boots();
-    let c2 = cmd(2);
-    let c5 = cmd(5);
+    let c2 = kept_command(2);
+    let c5 = kept_command(5);
     let _: () = con
         .hset_multiple(
             format!("sess:rig-e:{x}"),
@@ -1804,7 +1768,7 @@ fn a_session_a_hello_decided_alone_ended_is_reported_once_through_redis() {
     // them while this one could not reach Redis, and Redis never held them. Below the
     // tombstone's `next`, but not among the seqs it lists as reported: reported now, as y
     // ended them. (Before, only those at or above its `next` were, and 1 and 3 never.)
-    let _: () = redis::cmd("FLUSHALL").query(&mut con).unwrap();
+    flushall(&mut con);
     let [x, y, z] = boots();
     let _: () = con.hset(format!("sess:rig-e:{x}"), "next", "4").unwrap();
     let _: () = con.set("sessof:rig-e", x.to_string()).unwrap();
@@ -1820,7 +1784,7 @@ fn a_session_a_hello_decided_alone_ended_is_reported_once_through_redis() {
     assert_eq!(reported(&mut ctl, &x), []);
 
     // Redis lost the session: everything held here is reported.
-    let _: () = redis::cmd("FLUSHALL").query(&mut con).unwrap();
+    flushall(&mut con);
     let [x, _, z] = boots();
     assert_eq!(ended(&x, &z), [Rekept::Reported(3)]);
     let by_z = json!(z.to_string());
@@ -1840,18 +1804,8 @@ fn a_session_a_hello_decided_alone_ended_is_reported_once_through_redis() {
 /// (`ended`) when the record named a third boot, not the one that session belongs to.
 #[test]
 fn moving_the_record_to_a_newer_boot_reports_the_session_it_named() {
-    let redis = RedisServer::start();
-    let mut con = redis.connection();
-    let scripts = SessionScripts::new();
-    let mut ctl = Control::new(&redis, &["fleetlink:events"]);
+    let (_redis, mut con, scripts, mut ctl, rig) = scripts_and_events("rig-m");
     let ttl = Duration::from_secs(60);
-    let rig = RigId::parse("rig-m").unwrap();
-    let cmd = |seq: u64| format!("{{\"seq\":{seq},\"id\":\"c{seq}\"}}");
-    let boots = || {
-        let mut b = [boot_id(), boot_id(), boot_id()].map(|b| BootId::parse(&b).unwrap());
-        b.sort();
-        b
-    };
     // Each rig_rebooted event up to a marker published now: (boot, new boot, seq, id).
     let reported = |ctl: &mut Control| {
         rebooted_so_far(ctl)
@@ -1872,7 +1826,11 @@ fn moving_the_record_to_a_newer_boot_reports_the_session_it_named() {
         let _: () = con
             .hset_multiple(
                 format!("sess:rig-m:{old}"),
-                &[("next", "3"), ("c:2", cmd(2).as_str()), ("c:1", &cmd(1))],
+                &[
+                    ("next", "3"),
+                    ("c:2", kept_command(2).as_str()),
+                    ("c:1", &kept_command(1)),
+                ],
             )
             .unwrap();
         let _: () = con.set("sessof:rig-m", old.to_string()).unwrap();
@@ -1887,11 +1845,7 @@ fn moving_the_record_to_a_newer_boot_reports_the_session_it_named() {
     };
     let tombstone = |con: &mut redis::Connection, old: &BootId, by: &BootId| {
         let tomb: HashMap<String, String> = con.hgetall(format!("sess:rig-m:{old}")).unwrap();
-        let want: HashMap<String, String> =
-            [("next", "3"), ("gone", &by.to_string()), ("rep", "1,2")]
-                .into_iter()
-                .map(|(k, v)| (k.to_string(), v.to_string()))
-                .collect();
+        let want = hash_of(&[("next", "3"), ("gone", &by.to_string()), ("rep", "1,2")]);
         assert_eq!(tomb, want);
         let latest: String = con.get("sessof:rig-m").unwrap();
         assert_eq!(latest, by.to_string(), "the newer boot is on record");
@@ -1923,7 +1877,7 @@ fn moving_the_record_to_a_newer_boot_reports_the_session_it_named() {
     assert_eq!(reported(&mut ctl), []);
 
     // Live: z is connected to fe-b, whose lease is back.
-    let _: () = redis::cmd("FLUSHALL").query(&mut con).unwrap();
+    flushall(&mut con);
     let [x, _, z] = boots();
     older_session(&mut con, &x);
     let _: () = con.set("rig:rig-m", format!("{z}|fe-b")).unwrap();
@@ -1936,7 +1890,7 @@ fn moving_the_record_to_a_newer_boot_reports_the_session_it_named() {
 
     // Ended: fe-a parked w's session, then decided z's hello alone; the record names y, whose
     // session another broker kept. z ended both; each is reported once, as z ended it.
-    let _: () = redis::cmd("FLUSHALL").query(&mut con).unwrap();
+    flushall(&mut con);
     let [w, y, z] = boots();
     older_session(&mut con, &y);
     let ended = Rekeep {
@@ -1962,7 +1916,7 @@ fn moving_the_record_to_a_newer_boot_reports_the_session_it_named() {
     tombstone(&mut con, &y, &z);
 
     // A record naming an older boot whose session is a tombstone already, or gone: nothing.
-    let _: () = redis::cmd("FLUSHALL").query(&mut con).unwrap();
+    flushall(&mut con);
     let [x, y, z] = boots();
     older_session(&mut con, &x);
     let found = scripts.resume(&mut con, &rig, &y, ttl, "fe-c").unwrap();
@@ -1998,16 +1952,13 @@ fn a_new_boot_during_an_outage_on_the_same_broker_reports_the_old_sessions_comma
     let mut redis = RedisServer::start();
     let mut ctl = Control::new(&redis, &["fleetlink:events"]);
     let (a, _b, old_boot) = rig_left_during_an_outage(&mut redis, "rig-n", true);
-    let mut again = a.connect("/agent");
     let new_boot = boot_id();
-    assert_eq!(
-        hello(&mut again, "rig-n", &new_boot, None)["resumed"],
-        false
-    );
+    let (mut again, welcome) = connect_hello(&a, "rig-n", &new_boot, None);
+    assert_eq!(welcome["resumed"], false);
     redis.freeze(false);
     let mut seqs = Vec::new();
     while seqs.len() < 2 {
-        let ev = ctl.next(|ch, v| ch == "fleetlink:events" && v["type"] == "rig_rebooted");
+        let ev = next_event(&mut ctl, "rig_rebooted");
         assert_eq!(
             (&ev["boot_id"], &ev["new_boot_id"], &ev["rig_id"]),
             (&json!(old_boot), &json!(new_boot), &json!("rig-n")),
@@ -2035,10 +1986,9 @@ fn a_new_boot_during_an_outage_on_the_same_broker_reports_the_old_sessions_comma
         2,
         "reported once, by A alone"
     );
-    let mut third = a.connect("/agent");
     let third_boot = boot_id();
-    hello(&mut third, "rig-n", &third_boot, None);
-    let ev = ctl.next(|ch, v| ch == "fleetlink:events" && v["type"] == "rig_rebooted");
+    let _third = connect_hello(&a, "rig-n", &third_boot, None);
+    let ev = next_event(&mut ctl, "rig_rebooted");
     assert_eq!(
         (&ev["boot_id"], &ev["new_boot_id"], &ev["seq"]),
         (&json!(new_boot), &json!(third_boot), &json!(1)),
@@ -2087,8 +2037,7 @@ fn back_from_b(lease_still_bs: bool) {
         .hset(&key, "next", "5")
         .query(&mut con)
         .unwrap();
-    let mut back = a.connect("/agent");
-    assert_eq!(hello(&mut back, "rig-h", &boot, Some(2))["resumed"], true);
+    let mut back = resume_on(&a, "rig-h", &boot, Some(2));
     assert_eq!(read_close(&mut on_a), 4410);
     let replayed: Vec<Value> = (0..2).map(|_| read_json(&mut back)).collect();
     assert_eq!(
@@ -2096,9 +2045,7 @@ fn back_from_b(lease_still_bs: bool) {
         (&json!("b3"), &json!("b4")),
         "{replayed:?}"
     );
-    let r = ctl.command_id("fe-a", "rig-h", "h5", "n", json!({}));
-    assert_eq!(r["seq"], 5, "{r}");
-    assert_eq!(read_json(&mut back)["seq"], 5);
+    send_and_read(&mut ctl, "fe-a", "rig-h", "h5", &mut back, 5);
     let b3: Option<String> = con.hget(&key, "c:3").unwrap();
     assert_eq!(b3, Some(cmd(3)), "B's command kept as it was");
 }
@@ -2112,16 +2059,11 @@ fn rig_left_with_one_command(
 ) -> (Broker, String, Control) {
     let a = fleet_broker(redis, "fe-a");
     let boot = boot_id();
-    let mut ws = a.connect("/agent");
-    hello(&mut ws, rig, &boot, None);
+    let (mut ws, _) = connect_hello(&a, rig, &boot, None);
     let mut ctl = Control::new(redis, &[]);
-    assert_eq!(ctl.command_id("fe-a", rig, id, "n", json!({}))["seq"], 1);
-    assert_eq!(read_json(&mut ws)["seq"], 1);
+    send_and_read(&mut ctl, "fe-a", rig, id, &mut ws, 1);
     drop(ws);
-    let mut con = redis.connection();
-    eventually(Duration::from_secs(5), "fe-a's lease released", || {
-        !con.exists::<_, bool>(format!("rig:{rig}")).unwrap()
-    });
+    wait_lease_released(&mut redis.connection(), rig, "fe-a's lease released");
     (a, boot, ctl)
 }
 
@@ -2162,19 +2104,9 @@ fn damaged_session_resumes(rig: &str, damage: impl Fn(&mut redis::Pipeline, &str
     damage(&mut pipe, &key);
     let _: () = pipe.query(&mut con).unwrap();
 
-    let mut ws = a.connect("/agent");
-    assert_eq!(
-        hello(&mut ws, rig, &boot, Some(0))["resumed"],
-        true,
-        "{rig}"
-    );
-    let first = read_json(&mut ws);
-    assert_eq!((&first["seq"], &first["id"]), (&json!(1), &json!("w1")));
-    let second = read_json(&mut ws);
-    assert_eq!(
-        (&second["seq"], &second["id"]),
-        (&json!(2), &json!("held-1"))
-    );
+    let mut ws = resume_on(&a, rig, &boot, Some(0));
+    read_command(&mut ws, 1, "w1");
+    read_command(&mut ws, 2, "held-1");
     let kind: String = redis::cmd("TYPE").arg(&key).query(&mut con).unwrap();
     assert_eq!(kind, "hash");
     let fields: HashMap<String, String> = con.hgetall(&key).unwrap();
@@ -2197,7 +2129,7 @@ fn a_parked_session_goes_back_after_a_flushall_on_a_broker_with_no_rigs() {
     let redis = RedisServer::start();
     let (_a, boot, _ctl) = rig_left_with_one_command(&redis, "rig-p", "p1");
     let mut con = redis.connection();
-    let _: () = redis::cmd("FLUSHALL").query(&mut con).unwrap();
+    flushall(&mut con);
     let key = format!("sess:rig-p:{boot}");
     // One heartbeat (10 s) and the pass after it.
     eventually(
@@ -2238,12 +2170,11 @@ fn a_result_sent_after_a_resume_on_another_broker_names_its_command() {
         "the session's recall in Redis",
         || redis.connection().hexists(&key, "r").unwrap(),
     );
-    let mut on_b = b.connect("/agent");
-    assert_eq!(hello(&mut on_b, "rig-m", &boot, Some(1))["resumed"], true);
+    let mut on_b = resume_on(&b, "rig-m", &boot, Some(1));
     assert_eq!(acked_at(&b), on_a_at, "the ack's time came along");
     let out = json!({"type": "result", "seq": 1, "ok": true, "output": "done"});
     on_b.send(Message::Text(out.to_string().into())).unwrap();
-    let ev = ctl.next(|ch, v| ch == "fleetlink:events" && v["type"] == "result");
+    let ev = next_event(&mut ctl, "result");
     assert_eq!(
         (&ev["id"], &ev["seq"], &ev["broker_id"]),
         (&json!("m1"), &json!(1), &json!("fe-b")),
@@ -2258,14 +2189,9 @@ fn a_result_sent_after_a_resume_on_another_broker_names_its_command() {
 /// One at or below it only the copy knows of, and is reported.
 #[test]
 fn a_stale_copy_reports_and_writes_back_none_of_what_redis_kept_and_forgot() {
-    let redis = RedisServer::start();
-    let mut con = redis.connection();
-    let scripts = SessionScripts::new();
-    let mut ctl = Control::new(&redis, &["fleetlink:events"]);
+    let (redis, mut con, scripts, mut ctl, rig) = scripts_and_events("rig-s");
     let ttl = Duration::from_secs(60);
-    let rig = RigId::parse("rig-s").unwrap();
-    let cmd = |seq: u64| format!("{{\"seq\":{seq},\"id\":\"c{seq}\"}}");
-    let held: Vec<String> = [1, 2, 3].map(cmd).into();
+    let held: Vec<String> = [1, 2, 3].map(kept_command).into();
     let copy = |old: &BootId, unkept_to: u64, mode: RekeepMode| {
         let session = Rekeep {
             rig: &rig,
@@ -2288,11 +2214,6 @@ fn a_stale_copy_reports_and_writes_back_none_of_what_redis_kept_and_forgot() {
             .iter()
             .map(|ev| ev["seq"].as_u64().unwrap_or_default())
             .collect()
-    };
-    let boots = || {
-        let mut b = [boot_id(), boot_id()].map(|b| BootId::parse(&b).unwrap());
-        b.sort();
-        b
     };
     let sess = |b: &BootId| format!("sess:rig-s:{b}");
 
@@ -2318,20 +2239,20 @@ fn a_stale_copy_reports_and_writes_back_none_of_what_redis_kept_and_forgot() {
     );
 
     // Ended by a hello decided here alone; Redis has the session, acked down to nothing.
-    let _: () = redis::cmd("FLUSHALL").query(&mut con).unwrap();
+    flushall(&mut con);
     let [a, b] = boots();
     let _: () = con.hset(sess(&a), "next", "4").unwrap();
     assert_eq!(copy(&a, 0, RekeepMode::EndedBy(b)), [Rekept::Reported(0)]);
     assert_eq!(reported(&mut ctl), Vec::<u64>::new());
     // Redis lost the session altogether (an empty restart): everything is reported.
-    let _: () = redis::cmd("FLUSHALL").query(&mut con).unwrap();
+    flushall(&mut con);
     assert_eq!(copy(&a, 0, RekeepMode::EndedBy(b)), [Rekept::Reported(3)]);
     assert_eq!(reported(&mut ctl), [1, 2, 3]);
 
     // Parked, a newer boot holding the rig whose hello has not reported this session yet (the
     // record still names it): written back for that boot's broker to report, but without what
     // was acked.
-    let _: () = redis::cmd("FLUSHALL").query(&mut con).unwrap();
+    flushall(&mut con);
     let [a, b] = boots();
     let _: () = con
         .hset_multiple(sess(&a), &[("next", "4"), ("c:3", held[2].as_str())])
@@ -2346,7 +2267,7 @@ fn a_stale_copy_reports_and_writes_back_none_of_what_redis_kept_and_forgot() {
 
     // A key holding only what a broker remembered at a release (Redis restarted empty) is
     // nobody's session: the copy goes in whole.
-    let _: () = redis::cmd("FLUSHALL").query(&mut con).unwrap();
+    flushall(&mut con);
     let _: () = con.hset(sess(&a), "r", "{}").unwrap();
     assert_eq!(copy(&a, 0, RekeepMode::Parked), [Rekept::Kept]);
     let left: HashMap<String, String> = con.hgetall(sess(&a)).unwrap();
@@ -2428,15 +2349,9 @@ fn damage_to_a_live_session_is_written_over_not_answered_in_a_loop() {
 /// still named the newer boot: the next boot's hello reported that one, and never them.
 #[test]
 fn an_older_boot_back_after_a_newer_one_left_has_its_commands_reported_at_the_next_boot() {
-    let redis = RedisServer::start();
-    let mut con = redis.connection();
-    let scripts = SessionScripts::new();
-    let mut ctl = Control::new(&redis, &["fleetlink:events"]);
+    let (_redis, mut con, scripts, mut ctl, rig) = scripts_and_events("rig-o");
     let ttl = Duration::from_secs(60);
-    let rig = RigId::parse("rig-o").unwrap();
-    let mut b = [boot_id(), boot_id(), boot_id()].map(|b| BootId::parse(&b).unwrap());
-    b.sort();
-    let [a, newer, newest] = b;
+    let [a, newer, newest] = boots();
     let sess = |b: &BootId| format!("sess:rig-o:{b}");
     let reported = |ctl: &mut Control| -> Vec<(String, String, String)> {
         let text = |v: &Value| v.as_str().unwrap_or_default().to_string();
@@ -2508,9 +2423,7 @@ fn a_newer_boots_copy_put_back_after_an_older_ones_becomes_the_rigs_latest() {
     let scripts = SessionScripts::new();
     let ttl = Duration::from_secs(60);
     let rig = RigId::parse("rig-n").unwrap();
-    let mut b = [boot_id(), boot_id()].map(|b| BootId::parse(&b).unwrap());
-    b.sort();
-    let [older, newer] = b;
+    let [older, newer] = boots();
     fn copy<'a>(rig: &'a RigId, boot: &'a BootId, next: u64) -> Rekeep<'a> {
         Rekeep {
             rig,
@@ -2575,15 +2488,12 @@ fn a_copy_meeting_a_session_numbered_past_it_adds_what_redis_may_never_have_had(
         .unwrap();
     assert_eq!(kept, [Rekept::Merged]);
     let fields: HashMap<String, String> = con.hgetall(&sess).unwrap();
-    let want: HashMap<String, String> = [
+    let want = hash_of(&[
         ("next", "4"),
         ("c:1", "c1"),
         ("c:2", "c2"),
         ("c:3", "theirs"),
-    ]
-    .into_iter()
-    .map(|(k, v)| (k.to_string(), v.to_string()))
-    .collect();
+    ]);
     assert_eq!(fields, want);
 }
 
@@ -2594,15 +2504,9 @@ fn a_copy_meeting_a_session_numbered_past_it_adds_what_redis_may_never_have_had(
 /// is then no tombstone, and no later hello reports it. The copy parked here reports it, once.
 #[test]
 fn a_copy_of_a_session_a_newer_boots_hello_passed_over_is_reported_once() {
-    let redis = RedisServer::start();
-    let mut con = redis.connection();
-    let scripts = SessionScripts::new();
-    let mut ctl = Control::new(&redis, &["fleetlink:events"]);
+    let (_redis, mut con, scripts, mut ctl, rig) = scripts_and_events("rig-p");
     let ttl = Duration::from_secs(60);
-    let rig = RigId::parse("rig-p").unwrap();
-    let mut b = [boot_id(), boot_id()].map(|b| BootId::parse(&b).unwrap());
-    b.sort();
-    let [x, y] = b;
+    let [x, y] = boots();
     let _: () = con
         .hset_multiple(format!("sess:rig-p:{x}"), &[("next", "1")])
         .unwrap();
@@ -2640,17 +2544,10 @@ fn a_copy_of_a_session_a_newer_boots_hello_passed_over_is_reported_once() {
 /// tombstone, where no report would ever read it.
 #[test]
 fn a_parked_copy_is_neither_fenced_by_an_older_boot_nor_hidden_in_its_own_tombstone() {
-    let redis = RedisServer::start();
-    let mut con = redis.connection();
-    let scripts = SessionScripts::new();
-    let mut ctl = Control::new(&redis, &["fleetlink:events"]);
+    let (_redis, mut con, scripts, mut ctl, rig) = scripts_and_events("rig-f");
     let ttl = Duration::from_secs(60);
-    let rig = RigId::parse("rig-f").unwrap();
-    let mut boots = [boot_id(), boot_id()].map(|b| BootId::parse(&b).unwrap());
-    boots.sort();
-    let [x, z] = boots;
-    let c = |seq: u64| format!("{{\"seq\":{seq},\"id\":\"c{seq}\"}}");
-    let (c1, c2) = (c(1), c(2));
+    let [x, z] = boots();
+    let (c1, c2) = (kept_command(1), kept_command(2));
 
     // X is parked on fe-a, its lease still there; Z (decided alone on fe-a) got c1 unkept.
     let _: () = con.hset(format!("sess:rig-f:{x}"), "next", "1").unwrap();
@@ -2683,7 +2580,7 @@ fn a_parked_copy_is_neither_fenced_by_an_older_boot_nor_hidden_in_its_own_tombst
 
     // X parked on fe-a under its own lease with c1 (kept) and c2 (delivered unkept); Z ended
     // the session meanwhile, reporting c1.
-    let _: () = redis::cmd("FLUSHALL").query(&mut con).unwrap();
+    flushall(&mut con);
     let _: () = con
         .hset_multiple(
             format!("sess:rig-f:{x}"),
@@ -2730,18 +2627,12 @@ fn a_parked_copy_is_neither_fenced_by_an_older_boot_nor_hidden_in_its_own_tombst
 /// boot on record and close it, and a later boot's hello would report Z's tombstone, not X.
 #[test]
 fn a_session_an_older_boots_hello_ended_is_reported_and_the_record_names_that_boot() {
-    let redis = RedisServer::start();
-    let mut con = redis.connection();
-    let scripts = SessionScripts::new();
-    let mut ctl = Control::new(&redis, &["fleetlink:events"]);
+    let (_redis, mut con, scripts, mut ctl, rig) = scripts_and_events("rig-o");
     let ttl = Duration::from_secs(60);
-    let rig = RigId::parse("rig-o").unwrap();
-    let mut boots = [boot_id(), boot_id()].map(|b| BootId::parse(&b).unwrap());
-    boots.sort();
-    let [x, z] = boots;
+    let [x, z] = boots();
     let c1 = "{\"seq\":1,\"id\":\"c1\"}";
     for on_record in [Some(z), None] {
-        let _: () = redis::cmd("FLUSHALL").query(&mut con).unwrap();
+        flushall(&mut con);
         if let Some(b) = on_record {
             let _: () = con.set("sessof:rig-o", b.to_string()).unwrap();
         }
