@@ -13,15 +13,23 @@ use redis::Commands;
 use serde_json::{json, Value};
 use tungstenite::Message;
 
-fn fleet_broker(redis: &RedisServer, id: &str, extra: &[&str]) -> Broker {
-    let url = redis.url();
-    let mut args = vec!["--redis", url.as_str(), "--broker-id", id];
+/// A fleet-mode broker on the Redis at `url` (a relay in front of one, say), once ready.
+fn fleet_broker_at(url: &str, id: &str, extra: &[&str]) -> Broker {
+    let mut args = vec!["--redis", url, "--broker-id", id];
     args.extend_from_slice(extra);
     let b = Broker::start(&args);
-    eventually(Duration::from_secs(10), "broker ready", || {
-        b.http("GET", "/readyz", "").0 == 200
-    });
+    wait_readyz(&b, 200, Duration::from_secs(10), "broker ready");
     b
+}
+
+/// A fleet-mode broker on `redis`, once ready.
+fn fleet_broker(redis: &RedisServer, id: &str, extra: &[&str]) -> Broker {
+    fleet_broker_at(&redis.url(), id, extra)
+}
+
+/// Waits up to `limit` for `b`'s `/readyz` to answer `status` (200 on Redis, 503 off it).
+fn wait_readyz(b: &Broker, status: u16, limit: Duration, what: &str) {
+    eventually(limit, what, || b.http("GET", "/readyz", "").0 == status);
 }
 
 fn owner(redis: &RedisServer, rig: &str) -> Option<String> {
@@ -31,19 +39,7 @@ fn owner(redis: &RedisServer, rig: &str) -> Option<String> {
 /// A broker that reaches Redis through `relay` (so that it alone can be cut off), refreshing
 /// its leases every 200 ms, once ready.
 fn broker_behind(relay: &Relay, id: &str) -> Broker {
-    let url = relay.url();
-    let b = Broker::start(&[
-        "--redis",
-        &url,
-        "--broker-id",
-        id,
-        "--registry-refresh",
-        "200ms",
-    ]);
-    eventually(Duration::from_secs(10), "broker ready", || {
-        b.http("GET", "/readyz", "").0 == 200
-    });
-    b
+    fleet_broker_at(&relay.url(), id, &["--registry-refresh", "200ms"])
 }
 
 /// Asserts that no `rig_rebooted` event came before a marker published now, which follows
@@ -60,20 +56,100 @@ fn assert_no_more_rebooted(ctl: &mut Control, why: &str) {
 /// notices.
 fn cut_off(relay: &Relay, broker: &Broker) {
     relay.down(true);
-    eventually(Duration::from_secs(15), "the outage noticed", || {
-        broker.http("GET", "/readyz", "").0 == 503
-    });
+    wait_readyz(broker, 503, Duration::from_secs(15), "the outage noticed");
+}
+
+/// Partitions `broker` from Redis (its relay frozen both ways, hanging its calls) and waits
+/// until it notices.
+fn partition(relay: &Relay, broker: &Broker, what: &str) {
+    relay.freeze_both(true);
+    wait_readyz(broker, 503, Duration::from_secs(15), what);
 }
 
 /// Control sends `rig` (on `broker`) commands `<prefix>1..=n`, which the rig reads and acks.
 fn acked_commands(ctl: &mut Control, broker: &str, rig: &str, ws: &mut Ws, prefix: &str, n: u64) {
     for i in 1..=n {
-        let r = ctl.command_id(broker, rig, &format!("{prefix}{i}"), "n", json!({}));
-        assert_eq!(r["seq"], i, "{r}");
-        assert_eq!(read_json(ws)["seq"], i);
-        let ack = json!({"type": "ack", "seq": i}).to_string();
-        ws.send(Message::Text(ack.into())).unwrap();
+        send_and_read(ctl, broker, rig, &format!("{prefix}{i}"), ws, i);
+        ack(ws, i);
     }
+}
+
+/// Control sends command `id` to `rig` through `broker`: the reply numbers it `seq`, and it
+/// is the next thing the rig reads.
+fn send_and_read(ctl: &mut Control, broker: &str, rig: &str, id: &str, ws: &mut Ws, seq: u64) {
+    let r = ctl.command_id(broker, rig, id, "n", json!({}));
+    assert_eq!(r["seq"], seq, "{r}");
+    assert_eq!(
+        read_json(ws)["seq"],
+        seq,
+        "{rig} read another seq than {id}'s"
+    );
+}
+
+/// Control sends command `id` to `rig` through `broker`: answered ok, it is the next thing
+/// the rig reads. Returns the reply.
+fn command_reaches(ctl: &mut Control, broker: &str, rig: &str, id: &str, ws: &mut Ws) -> Value {
+    let r = ctl.command_id(broker, rig, id, "n", json!({}));
+    assert_eq!(r["ok"], true, "{r}");
+    assert_eq!(
+        read_json(ws)["id"],
+        id,
+        "{rig} read another command than {id}"
+    );
+    r
+}
+
+/// Sends `rig` a command through `b`'s admin API, which needs no Redis: answered 200 with seq
+/// `seq`. Returns the reply.
+fn admin_command_numbered(b: &Broker, rig: &str, seq: u64) -> Value {
+    let (status, r) = b.command(rig, "n", json!({}));
+    assert_eq!((status, &r["seq"]), (200, &json!(seq)), "{r}");
+    r
+}
+
+/// Delivers command `id` to `rig` through `b`'s admin API, which needs no Redis: answered 200,
+/// it is the next thing the rig reads.
+fn admin_command_reaches(b: &Broker, ws: &mut Ws, rig: &str, id: &str) {
+    let (status, body) = b.http(
+        "POST",
+        &format!("/v1/rigs/{rig}/commands"),
+        &format!(r#"{{"id":"{id}","name":"n","args":{{}}}}"#),
+    );
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(read_json(ws)["id"], id);
+}
+
+/// Reads the rig's next message, which must be command `id` numbered `seq`.
+fn read_command(ws: &mut Ws, seq: u64, id: impl Into<Value>) {
+    let cmd = read_json(ws);
+    assert_eq!(
+        (&cmd["seq"], &cmd["id"]),
+        (&json!(seq), &id.into()),
+        "{cmd}"
+    );
+}
+
+/// The rig acks `seq`.
+fn ack(ws: &mut Ws, seq: u64) {
+    let ack = json!({"type": "ack", "seq": seq}).to_string();
+    ws.send(Message::Text(ack.into())).unwrap();
+}
+
+/// The next event of type `kind` on `fleetlink:events` (control must subscribe to it).
+fn next_event(ctl: &mut Control, kind: &str) -> Value {
+    ctl.next(|ch, v| ch == "fleetlink:events" && v["type"] == kind)
+}
+
+/// `rig`'s `boot` connects to `b` (no `last_seq`) and is welcomed.
+fn hello_on(b: &Broker, rig: &str, boot: &str) -> Ws {
+    let mut ws = b.connect("/agent");
+    hello(&mut ws, rig, boot, json!({}));
+    ws
+}
+
+/// Whether `b` lists no rig: the ones that left are parked or gone.
+fn lists_no_rig(b: &Broker) -> bool {
+    b.http("GET", "/v1/rigs", "").1.trim() == "[]"
 }
 
 /// The same boot of `rig` says hello to `b` with `last_seq`, and is welcomed.
@@ -113,13 +189,10 @@ fn commands_through_redis_arrive_in_order_and_acks_become_events() {
         let cmd = read_json(&mut ws);
         assert_eq!(cmd["seq"], i + 1);
         assert_eq!(cmd["args"]["i"], i);
-        ws.send(Message::Text(
-            json!({"type":"ack","seq":i + 1}).to_string().into(),
-        ))
-        .unwrap();
+        ack(&mut ws, i + 1);
     }
     for seq in 1..=1000u64 {
-        let ev = ctl.next(|ch, v| ch == "fleetlink:events" && v["type"] == "ack");
+        let ev = next_event(&mut ctl, "ack");
         assert_eq!(ev["seq"], seq);
         assert_eq!(ev["rig_id"], "rig-0414");
     }
@@ -214,12 +287,10 @@ fn ownership_converges_across_brokers() {
     );
     let b = fleet_broker(&redis, "fe-b", &[]);
     let boot = boot_id();
-    let mut on_a = a.connect("/agent");
-    hello(&mut on_a, "rig-7", &boot, json!({}));
+    let mut on_a = hello_on(&a, "rig-7", &boot);
     // Same boot on another broker: the new owner evicts the old socket at once.
     let started = Instant::now();
-    let mut on_b = b.connect("/agent");
-    hello(&mut on_b, "rig-7", &boot, json!({}));
+    let mut on_b = hello_on(&b, "rig-7", &boot);
     assert_eq!(read_close(&mut on_a), 4410);
     assert!(
         started.elapsed() < Duration::from_secs(5),
@@ -299,9 +370,7 @@ fn a_stale_evict_leaves_the_rig_and_a_real_one_closes_it() {
     ctl.publish("fleetlink:broker:fe-a", evict.clone());
     a.wait_metric("fleetlink_registry_ops_total{op=\"evict\",result=\"stale\"} 1");
     // Still connected, and still this broker's: a command goes through.
-    let r = ctl.command_id("fe-a", "rig-bounce", "after-stale", "n", json!({}));
-    assert_eq!(r["ok"], true, "{r}");
-    assert_eq!(read_json(&mut ws)["id"], "after-stale");
+    command_reaches(&mut ctl, "fe-a", "rig-bounce", "after-stale", &mut ws);
     // Now the lease really moved (same boot, another broker): the evict closes the socket.
     let _: () = redis
         .connection()
@@ -471,17 +540,13 @@ fn readiness_follows_redis_and_rigs_survive_an_outage() {
     let a = fleet_broker(&redis, "fe-a", &["--registry-refresh", "200ms"]);
     let (mut ws, boot, _) = a.rig("rig-steady");
     redis.kill9();
-    eventually(Duration::from_secs(10), "readyz 503", || {
-        a.http("GET", "/readyz", "").0 == 503
-    });
+    wait_readyz(&a, 503, Duration::from_secs(10), "readyz 503");
     // Local control keeps working through the admin API.
     let (status, reply) = a.command("rig-steady", "still-here", json!({}));
     assert_eq!(status, 200, "{reply}");
     assert_eq!(read_json(&mut ws)["name"], "still-here");
     redis.restart();
-    eventually(Duration::from_secs(15), "readyz 200 again", || {
-        a.http("GET", "/readyz", "").0 == 200
-    });
+    wait_readyz(&a, 200, Duration::from_secs(15), "readyz 200 again");
     // The fresh, empty Redis has the lease again (re-asserted by the refresh).
     eventually(Duration::from_secs(5), "lease restored", || {
         owner(&redis, "rig-steady") == Some(format!("{boot}|fe-a"))
@@ -511,9 +576,7 @@ fn after_an_outage_the_newer_boot_keeps_the_rig_whichever_broker_refreshes_first
     );
     // One command the old boot receives and never acks: the reboot must report it.
     let mut ctl = Control::new(&redis, &["fleetlink:events"]);
-    let r = ctl.command_id("fe-a", "rig-reboot", "before-reboot", "n", json!({}));
-    assert_eq!(r["ok"], true, "{r}");
-    assert_eq!(read_json(&mut old_ws)["id"], "before-reboot");
+    command_reaches(&mut ctl, "fe-a", "rig-reboot", "before-reboot", &mut old_ws);
     redis.freeze(true);
     // Both must know Redis is away, so that fe-b decides the new boot's hello alone.
     eventually(
@@ -522,22 +585,19 @@ fn after_an_outage_the_newer_boot_keeps_the_rig_whichever_broker_refreshes_first
         || a.http("GET", "/readyz", "").0 == 503 && b.http("GET", "/readyz", "").0 == 503,
     );
     let new_boot = boot_id();
-    let mut new_ws = b.connect("/agent");
-    hello(&mut new_ws, "rig-reboot", &new_boot, json!({}));
+    let mut new_ws = hello_on(&b, "rig-reboot", &new_boot);
     redis.freeze(false);
     assert_eq!(read_close(&mut old_ws), 4410, "the older boot goes");
     eventually(Duration::from_secs(10), "the newer boot's lease", || {
         owner(&redis, "rig-reboot") == Some(format!("{new_boot}|fe-b"))
     });
-    eventually(Duration::from_secs(10), "fe-b ready again", || {
-        b.http("GET", "/readyz", "").0 == 200
-    });
+    wait_readyz(&b, 200, Duration::from_secs(10), "fe-b ready again");
     // Taken by fe-b's refresh, not by a hello sent before the outage was noticed.
     assert_eq!(
         b.metric("fleetlink_registry_ops_total{op=\"refresh\",result=\"taken\"}"),
         1
     );
-    let rebooted = ctl.next(|ch, v| ch == "fleetlink:events" && v["type"] == "rig_rebooted");
+    let rebooted = next_event(&mut ctl, "rig_rebooted");
     assert_eq!(
         (
             &rebooted["id"],
@@ -548,9 +608,7 @@ fn after_an_outage_the_newer_boot_keeps_the_rig_whichever_broker_refreshes_first
         "{rebooted}"
     );
     // The newer boot is still connected and gets control's commands, kept in its session.
-    let r = ctl.command_id("fe-b", "rig-reboot", "after-outage", "n", json!({}));
-    assert_eq!(r["ok"], true, "{r}");
-    assert_eq!(read_json(&mut new_ws)["id"], "after-outage");
+    let r = command_reaches(&mut ctl, "fe-b", "rig-reboot", "after-outage", &mut new_ws);
     let kept: Option<String> = redis
         .connection()
         .hget(
@@ -580,12 +638,9 @@ fn a_command_delivered_during_an_outage_is_reported_when_its_rig_reboots_onto_an
     let (mut old_ws, old_boot, _) = a.rig("rig-rb");
     let mut ctl = Control::new(&redis, &["fleetlink:events"]);
     for i in 1..=4 {
-        let r = ctl.command_id("fe-a", "rig-rb", &format!("k{i}"), "n", json!({}));
-        assert_eq!(r["seq"], i, "{r}");
-        assert_eq!(read_json(&mut old_ws)["seq"], i);
+        send_and_read(&mut ctl, "fe-a", "rig-rb", &format!("k{i}"), &mut old_ws, i);
     }
-    let ack = json!({"type": "ack", "seq": 2}).to_string();
-    old_ws.send(Message::Text(ack.into())).unwrap();
+    ack(&mut old_ws, 2);
     let session = format!("sess:rig-rb:{old_boot}");
     eventually(
         Duration::from_secs(5),
@@ -599,20 +654,13 @@ fn a_command_delivered_during_an_outage_is_reported_when_its_rig_reboots_onto_an
         || a.http("GET", "/readyz", "").0 == 503 && b.http("GET", "/readyz", "").0 == 503,
     );
     // Delivered through the admin API while Redis is away: never kept.
-    let (status, body) = a.http(
-        "POST",
-        "/v1/rigs/rig-rb/commands",
-        r#"{"id":"k5","name":"n","args":{}}"#,
-    );
-    assert_eq!(status, 200, "{body}");
-    assert_eq!(read_json(&mut old_ws)["id"], "k5");
+    admin_command_reaches(&a, &mut old_ws, "rig-rb", "k5");
     drop(old_ws);
     eventually(Duration::from_secs(5), "fe-a parks the session", || {
-        a.http("GET", "/v1/rigs", "").1.trim() == "[]"
+        lists_no_rig(&a)
     });
     let new_boot = boot_id();
-    let mut new_ws = b.connect("/agent");
-    hello(&mut new_ws, "rig-rb", &new_boot, json!({}));
+    let _new_ws = hello_on(&b, "rig-rb", &new_boot);
     redis.freeze(false);
     let ops = |broker: &Broker, op: &str, results: &[&str]| -> u64 {
         results
@@ -632,7 +680,7 @@ fn a_command_delivered_during_an_outage_is_reported_when_its_rig_reboots_onto_an
     });
     let mut seqs = Vec::new();
     while seqs.len() < 4 {
-        let ev = ctl.next(|ch, v| ch == "fleetlink:events" && v["type"] == "rig_rebooted");
+        let ev = next_event(&mut ctl, "rig_rebooted");
         assert_eq!(
             (&ev["boot_id"], &ev["new_boot_id"]),
             (&json!(old_boot), &json!(new_boot)),
@@ -698,9 +746,7 @@ fn after_an_outage_a_seq_delivered_unkept_by_a_superseded_broker_is_not_given_ag
         })
     });
     // fe-b back on Redis too (until then it numbers alone, as during the outage).
-    eventually(Duration::from_secs(15), "fe-b ready again", || {
-        b.http("GET", "/readyz", "").0 == 200
-    });
+    wait_readyz(&b, 200, Duration::from_secs(15), "fe-b ready again");
     // Whichever way fe-b learns of seq 4, control never gets it for another command.
     let deadline = Instant::now() + Duration::from_secs(15);
     let seq = loop {
@@ -720,12 +766,7 @@ fn after_an_outage_a_seq_delivered_unkept_by_a_superseded_broker_is_not_given_ag
     assert_eq!(seq, 5);
     // fe-a's seq 4, unacked, is given on fe-b too (a rig drops a seq it has), then v5.
     for (seq, id) in [(4, "v4"), (5, "v5")] {
-        let got = read_json(&mut on_b);
-        assert_eq!(
-            (&got["seq"], &got["id"]),
-            (&json!(seq), &json!(id)),
-            "{got}"
-        );
+        read_command(&mut on_b, seq, id);
     }
 }
 
@@ -746,16 +787,11 @@ fn after_an_outage_a_broker_numbers_past_commands_another_gave_the_rig_meanwhile
     let mut ctl = Control::new(&redis, &[]);
     acked_commands(&mut ctl, "fe-a", "rig-sq", &mut on_a, "s", 3);
     relay.freeze(true);
-    eventually(Duration::from_secs(15), "fe-b sees the outage", || {
-        b.http("GET", "/readyz", "").0 == 503
-    });
+    wait_readyz(&b, 503, Duration::from_secs(15), "fe-b sees the outage");
     // Make-before-break onto fe-b, decided there alone; fe-a still holds the first connection.
     let mut on_b = hello_again(&b, "rig-sq", &boot, 3);
-    let r = ctl.command_id("fe-a", "rig-sq", "s4", "n", json!({}));
-    assert_eq!(r["seq"], 4, "{r}");
-    assert_eq!(read_json(&mut on_a)["seq"], 4);
-    let ack = json!({"type": "ack", "seq": 4}).to_string();
-    on_a.send(Message::Text(ack.into())).unwrap();
+    send_and_read(&mut ctl, "fe-a", "rig-sq", "s4", &mut on_a, 4);
+    ack(&mut on_a, 4);
     drop(on_a);
     eventually(Duration::from_secs(15), "fe-a released the lease", || {
         owner(&redis, "rig-sq").is_none()
@@ -774,12 +810,7 @@ fn after_an_outage_a_broker_numbers_past_commands_another_gave_the_rig_meanwhile
     });
     let r = ctl.command_id("fe-b", "rig-sq", "s5", "n", json!({}));
     assert_eq!(r["seq"], 5, "seq 4 is s4's: {r}");
-    let got = read_json(&mut on_b);
-    assert_eq!(
-        (&got["seq"], &got["id"]),
-        (&json!(5), &json!("s5")),
-        "{got}"
-    );
+    read_command(&mut on_b, 5, "s5");
 }
 
 /// A partition of the broker that held the rig (the rig, control and the other broker still
@@ -796,15 +827,11 @@ fn after_a_partition_the_broker_a_rig_left_puts_back_the_seqs_it_gave_meanwhile(
     let (mut on_a, boot, _) = a.rig("rig-pt");
     let mut ctl = Control::new(&redis, &[]);
     acked_commands(&mut ctl, "fe-a", "rig-pt", &mut on_a, "p", 3);
-    relay.freeze_both(true);
-    eventually(Duration::from_secs(15), "fe-a sees the outage", || {
-        a.http("GET", "/readyz", "").0 == 503
-    });
+    partition(&relay, &a, "fe-a sees the outage");
     // Make-before-break onto fe-b, which takes the lease in Redis and evicts fe-a's
     // connection: the evict waits in the partition.
     let mut on_b = hello_again(&b, "rig-pt", &boot, 3);
-    let (status, given) = a.command("rig-pt", "n", json!({}));
-    assert_eq!((status, &given["seq"]), (200, &json!(4)), "{given}");
+    let given = admin_command_numbered(&a, "rig-pt", 4);
     assert_eq!(read_json(&mut on_a)["seq"], 4);
     relay.freeze_both(false);
     // fe-a closes its connection (4410) and puts back what it gave.
@@ -824,16 +851,10 @@ fn after_a_partition_the_broker_a_rig_left_puts_back_the_seqs_it_gave_meanwhile(
             .ends_with("send the command again"),
         "{r}"
     );
-    let got = read_json(&mut on_b);
-    assert_eq!(
-        (&got["seq"], &got["id"]),
-        (&json!(4), &given["id"]),
-        "{got}"
-    );
+    read_command(&mut on_b, 4, given["id"].clone());
     let r = ctl.command_id("fe-b", "rig-pt", "q2", "n", json!({}));
     assert_eq!(r["seq"], 5, "{r}");
-    let got = read_json(&mut on_b);
-    assert_eq!((&got["seq"], &got["id"]), (&json!(5), &r["id"]), "{got}");
+    read_command(&mut on_b, 5, r["id"].clone());
 }
 
 /// A partition of the broker a rig was on, and the rig leaves it before reading the commands
@@ -849,22 +870,14 @@ fn after_a_partition_a_rig_that_left_unread_commands_behind_is_given_them_by_its
     let a = broker_behind(&relay, "fe-a");
     let b = fleet_broker(&redis, "fe-b", &["--registry-refresh", "200ms"]);
     let (mut on_a, boot, _) = a.rig("rig-gp");
-    let (status, r) = a.command("rig-gp", "n", json!({}));
-    assert_eq!((status, &r["seq"]), (200, &json!(1)), "{r}");
+    admin_command_numbered(&a, "rig-gp", 1);
     assert_eq!(read_json(&mut on_a)["seq"], 1);
-    on_a.send(Message::Text(
-        json!({"type": "ack", "seq": 1}).to_string().into(),
-    ))
-    .unwrap();
-    relay.freeze_both(true);
-    eventually(Duration::from_secs(15), "fe-a sees the outage", || {
-        a.http("GET", "/readyz", "").0 == 503
-    });
+    ack(&mut on_a, 1);
+    partition(&relay, &a, "fe-a sees the outage");
     // Given while the rig reads nothing; then it leaves with seq 1 as its last.
     let mut given = Vec::new();
     for seq in 2..=3 {
-        let (status, r) = a.command("rig-gp", "n", json!({}));
-        assert_eq!((status, &r["seq"]), (200, &json!(seq)), "{r}");
+        let r = admin_command_numbered(&a, "rig-gp", seq);
         given.push(r["id"].clone());
     }
     drop(on_a);
@@ -877,17 +890,11 @@ fn after_a_partition_a_rig_that_left_unread_commands_behind_is_given_them_by_its
     let r = ctl.command_id("fe-b", "rig-gp", "b1", "n", json!({}));
     assert_eq!(r["error"], "rig_not_connected", "seq 2 was fe-a's: {r}");
     for (seq, id) in (2..=3).zip(&given) {
-        let got = read_json(&mut on_b);
-        assert_eq!((&got["seq"], &got["id"]), (&json!(seq), id), "{got}");
+        read_command(&mut on_b, seq, id.clone());
     }
     let r = ctl.command_id("fe-b", "rig-gp", "b2", "n", json!({}));
     assert_eq!(r["seq"], 4, "{r}");
-    let got = read_json(&mut on_b);
-    assert_eq!(
-        (&got["seq"], &got["id"]),
-        (&json!(4), &json!("b2")),
-        "{got}"
-    );
+    read_command(&mut on_b, 4, "b2");
     assert_eq!(
         b.metric("fleetlink_registry_ops_total{op=\"missed\",result=\"given\"}"),
         2
@@ -910,9 +917,7 @@ fn a_boot_decided_alone_in_a_partition_reports_the_session_of_a_boot_it_never_sa
     let b = fleet_broker(&redis, "fe-b", &["--registry-refresh", "200ms"]);
     let mut ctl = Control::new(&redis, &["fleetlink:events"]);
     let (x, x_boot, _) = a.rig("rig-3b");
-    let (status, r) = a.command("rig-3b", "n", json!({}));
-    assert_eq!((status, &r["seq"]), (200, &json!(1)), "{r}");
-    let x_cmd = r["id"].clone();
+    let x_cmd = admin_command_numbered(&a, "rig-3b", 1)["id"].clone();
     drop(x);
     eventually(Duration::from_secs(10), "fe-a let go of X", || {
         owner(&redis, "rig-3b").is_none()
@@ -920,9 +925,7 @@ fn a_boot_decided_alone_in_a_partition_reports_the_session_of_a_boot_it_never_sa
     let (y, y_boot, _) = b.rig("rig-3b");
     let mut ys = Vec::new();
     for seq in 1..=3 {
-        let (status, r) = b.command("rig-3b", "n", json!({}));
-        assert_eq!((status, &r["seq"]), (200, &json!(seq)), "{r}");
-        ys.push(r["id"].clone());
+        ys.push(admin_command_numbered(&b, "rig-3b", seq)["id"].clone());
     }
     drop(y);
     eventually(Duration::from_secs(10), "fe-b let go of Y", || {
@@ -979,17 +982,10 @@ fn a_live_session_a_new_boot_takes_over_during_a_partition_is_reported_whole() {
     let a = broker_behind(&relay, "fe-a");
     let mut ctl = Control::new(&redis, &["fleetlink:events"]);
     let (mut x, x_boot, _) = a.rig("rig-tk");
-    let (status, r) = a.command("rig-tk", "n", json!({}));
-    assert_eq!((status, &r["seq"]), (200, &json!(1)), "{r}");
-    let kept = r["id"].clone();
+    let kept = admin_command_numbered(&a, "rig-tk", 1)["id"].clone();
     assert_eq!(read_json(&mut x)["seq"], 1);
-    relay.freeze_both(true);
-    eventually(Duration::from_secs(15), "fe-a sees the outage", || {
-        a.http("GET", "/readyz", "").0 == 503
-    });
-    let (status, r) = a.command("rig-tk", "n", json!({}));
-    assert_eq!((status, &r["seq"]), (200, &json!(2)), "{r}");
-    let unkept = r["id"].clone();
+    partition(&relay, &a, "fe-a sees the outage");
+    let unkept = admin_command_numbered(&a, "rig-tk", 2)["id"].clone();
     assert_eq!(read_json(&mut x)["seq"], 2);
     let (_z, z_boot, _) = a.rig("rig-tk");
     relay.freeze_both(false);
@@ -1198,10 +1194,8 @@ fn the_seed_race_two_brokers_converge_on_the_newer_owner() {
     // Another rig stays on fe_03, so that each of its refresh ticks counts one lease.
     let (_witness, _, _) = fe03.rig("rig-witness");
     let boot = boot_id();
-    let mut old = fe03.connect("/agent");
-    hello(&mut old, "rig-seed", &boot, json!({}));
-    let mut new = fe07.connect("/agent");
-    hello(&mut new, "rig-seed", &boot, json!({}));
+    let mut old = hello_on(&fe03, "rig-seed", &boot);
+    let mut new = hello_on(&fe07, "rig-seed", &boot);
     assert_eq!(read_close(&mut old), 4410);
     let refresh = |result: &str| {
         fe03.metric(&format!(
@@ -1343,10 +1337,7 @@ fn a_publish_redis_refuses_does_not_hold_back_the_ones_after_it() {
         .query(&mut con)
         .unwrap();
     let url = format!("redis://fe:pw@127.0.0.1:{}/", redis.port());
-    let b = Broker::start(&["--redis", url.as_str(), "--broker-id", "fe-acl"]);
-    eventually(Duration::from_secs(10), "broker ready", || {
-        b.http("GET", "/readyz", "").0 == 200
-    });
+    let b = fleet_broker_at(&url, "fe-acl", &[]);
     let mut ctl = Control::new(&redis, &[]);
     let refused = json!({"type":"command","id":"lost","rig_id":"rig-x","name":"n","args":{},
                          "reply_to":"elsewhere:x"});
@@ -1368,9 +1359,7 @@ fn events_name_the_session_and_malformed_control_messages_are_answered() {
     let (mut ws, boot, _) = a.rig("rig-ev");
     let mut ctl = Control::new(&redis, &["fleetlink:events"]);
     for seq in 1..=2u64 {
-        let r = ctl.command_id("fe-a", "rig-ev", &format!("c{seq}"), "n", json!({}));
-        assert_eq!(r["seq"], seq, "{r}");
-        assert_eq!(read_json(&mut ws)["seq"], seq);
+        send_and_read(&mut ctl, "fe-a", "rig-ev", &format!("c{seq}"), &mut ws, seq);
     }
     // A result names its command whether it comes before its ack or after it (CONTRACT.md §4:
     // the id where it applies).
@@ -1383,10 +1372,7 @@ fn events_name_the_session_and_malformed_control_messages_are_answered() {
     // Acks of seqs never assigned (the next one, one far past it) are not the rig's to give,
     // and an ack sent again is the first one's: one event.
     for seq in [3u64, 99, 2, 2] {
-        ws.send(Message::Text(
-            json!({"type":"ack","seq":seq}).to_string().into(),
-        ))
-        .unwrap();
+        ack(&mut ws, seq);
     }
     ws.send(Message::Text(
         json!({"type":"result","seq":2,"ok":false})
@@ -1394,17 +1380,17 @@ fn events_name_the_session_and_malformed_control_messages_are_answered() {
             .into(),
     ))
     .unwrap();
-    let first = ctl.next(|ch, v| ch == "fleetlink:events" && v["type"] == "result");
+    let first = next_event(&mut ctl, "result");
     assert_eq!(
         (&first["seq"], &first["id"]),
         (&json!(1), &json!("c1")),
         "{first}"
     );
     assert_eq!(first["boot_id"], boot.as_str());
-    let ack = ctl.next(|ch, v| ch == "fleetlink:events" && v["type"] == "ack");
+    let ack = next_event(&mut ctl, "ack");
     assert_eq!(ack["seq"], 2, "{ack}");
     assert_eq!((&ack["id"], &ack["boot_id"]), (&json!("c2"), &json!(boot)));
-    let second = ctl.next(|ch, v| ch == "fleetlink:events" && v["type"] == "result");
+    let second = next_event(&mut ctl, "result");
     assert_eq!((&second["seq"], &second["id"]), (&json!(2), &json!("c2")));
     assert_eq!(second["boot_id"], boot.as_str());
     // The result came after both acks on the wire: had the second made an event, it would be
@@ -1441,9 +1427,7 @@ fn events_name_the_session_and_malformed_control_messages_are_answered() {
         r["detail"].as_str().is_some_and(|d| d.contains("id")),
         "{r}"
     );
-    let r = ctl.command_id("fe-a", "rig-ev", "with-id", "n", json!({}));
-    assert_eq!(r["ok"], true, "{r}");
-    assert_eq!(read_json(&mut ws)["id"], "with-id");
+    command_reaches(&mut ctl, "fe-a", "rig-ev", "with-id", &mut ws);
 
     // The rig's own close reason reaches `disconnected`.
     ws.close(Some(tungstenite::protocol::CloseFrame {
@@ -1451,7 +1435,7 @@ fn events_name_the_session_and_malformed_control_messages_are_answered() {
         reason: "firmware update".into(),
     }))
     .unwrap();
-    let gone = ctl.next(|ch, v| ch == "fleetlink:events" && v["type"] == "disconnected");
+    let gone = next_event(&mut ctl, "disconnected");
     assert_eq!(
         (&gone["code"], &gone["reason"]),
         (&json!(1000), &json!("firmware update"))
@@ -1727,9 +1711,7 @@ fn a_subscription_redis_ends_is_counted_and_taken_up_again() {
         numsub(&redis, "fleetlink:broker:fe-cut") == 1
     });
     let mut ctl_sub = Control::new(&redis, &[]);
-    let r = ctl_sub.command_id("fe-cut", "rig-cut", "after-cut", "n", json!({}));
-    assert_eq!(r["ok"], true, "{r}");
-    assert_eq!(read_json(&mut ws)["id"], "after-cut");
+    command_reaches(&mut ctl_sub, "fe-cut", "rig-cut", "after-cut", &mut ws);
     drop(ctl);
 }
 
@@ -1737,19 +1719,14 @@ fn a_subscription_redis_ends_is_counted_and_taken_up_again() {
 /// (the relay down, and the broker's reconnect attempts backed off): the `ack` event waits in
 /// the broker for Redis.
 fn acked_while_redis_is_away(redis: &RedisServer, relay: &Relay) -> (Broker, Ws, Control) {
-    let url = relay.url();
-    let a = Broker::start(&["--redis", &url, "--broker-id", "fe-dx", "--drain", "300ms"]);
-    eventually(Duration::from_secs(10), "broker ready", || {
-        a.http("GET", "/readyz", "").0 == 200
-    });
+    let a = fleet_broker_at(&relay.url(), "fe-dx", &["--drain", "300ms"]);
     let (mut ws, _, _) = a.rig("rig-dx");
     let mut ctl = Control::new(redis, &["fleetlink:events"]);
     let r = ctl.command_id("fe-dx", "rig-dx", "dx1", "n", json!({}));
     assert_eq!(r["seq"], 1, "{r}");
     assert_eq!(read_json(&mut ws)["id"], "dx1");
     cut_off(relay, &a);
-    let ack = json!({"type": "ack", "seq": 1}).to_string();
-    ws.send(Message::Text(ack.into())).unwrap();
+    ack(&mut ws, 1);
     a.wait_metric("fleetlink_commands_total{result=\"acked\"} 1");
     // Reconnect attempts back off, doubling: after a few, the next is a second or more away,
     // as in any outage of more than a moment.
@@ -1781,7 +1758,7 @@ fn a_broker_drained_while_redis_is_away_hands_over_its_acks_if_redis_returns_in_
     a.sigterm();
     until_closed(&mut ws);
     relay.down(false);
-    let ev = ctl.next(|ch, v| ch == "fleetlink:events" && v["type"] == "ack");
+    let ev = next_event(&mut ctl, "ack");
     assert_eq!((&ev["id"], &ev["seq"]), (&json!("dx1"), &json!(1)), "{ev}");
     let status = a.wait_exit(Duration::from_secs(20)).expect("exited");
     assert!(status.success(), "{status:?}");
@@ -1891,9 +1868,7 @@ fn twins_with_one_broker_id_fail_readiness_once_both_run() {
     });
     assert!(a.metric("fleetlink_registry_ops_total{op=\"canary\",result=\"twin\"}") > 0);
     drop(b);
-    eventually(Duration::from_secs(15), "the survivor ready again", || {
-        a.http("GET", "/readyz", "").0 == 200
-    });
+    wait_readyz(&a, 200, Duration::from_secs(15), "the survivor ready again");
 }
 
 /// A release cut off on its way to Redis is sent again on the next connection: dropped, the
@@ -1903,18 +1878,7 @@ fn twins_with_one_broker_id_fail_readiness_once_both_run() {
 fn a_release_lost_with_its_connection_is_sent_again() {
     let redis = RedisServer::start();
     let relay = common::relay::Relay::start(redis.port());
-    let url = relay.url();
-    let a = Broker::start(&[
-        "--redis",
-        &url,
-        "--broker-id",
-        "fe-a",
-        "--registry-ttl",
-        "60s",
-    ]);
-    eventually(Duration::from_secs(10), "broker ready", || {
-        a.http("GET", "/readyz", "").0 == 200
-    });
+    let a = fleet_broker_at(&relay.url(), "fe-a", &["--registry-ttl", "60s"]);
     let (ws, _, _) = a.rig("rig-rel");
     let mut con = redis.connection();
     assert!(con.exists::<_, bool>("rig:rig-rel").unwrap());
@@ -1969,8 +1933,7 @@ fn a_hello_redis_refuses_is_decided_here_and_a_damaged_session_key_is_replaced()
     let boot = boot_id();
     let key = format!("sess:rig-dmg:{boot}");
     let _: () = con.lpush(&key, "z").unwrap();
-    let mut ws = a.connect("/agent");
-    hello(&mut ws, "rig-dmg", &boot, json!({}));
+    let mut ws = hello_on(&a, "rig-dmg", &boot);
     let kind: String = redis::cmd("TYPE").arg(&key).query(&mut con).unwrap();
     assert_eq!(kind, "hash");
     let mut ctl = Control::new(&redis, &[]);
@@ -2004,9 +1967,7 @@ fn releases_redis_refuses_are_not_retried_in_a_loop() {
     let refused = "fleetlink_registry_ops_total{op=\"redis\",result=\"refused\"}";
     let (ws, _, _) = a.rig("rig-noscript");
     drop(ws);
-    eventually(Duration::from_secs(10), "the rig gone", || {
-        a.http("GET", "/v1/rigs", "").1.trim() == "[]"
-    });
+    eventually(Duration::from_secs(10), "the rig gone", || lists_no_rig(&a));
     // Watched for two seconds: a handful of refusals (the release, a refresh), not a loop.
     let start = a.metric(refused);
     let until = Instant::now() + Duration::from_secs(2);
@@ -2030,12 +1991,9 @@ fn a_stale_parked_copy_does_not_report_commands_acked_elsewhere_after_a_reconnec
     let y = fleet_broker(&redis, "fe-y", &[]);
     let mut ctl = Control::new(&redis, &["fleetlink:events"]);
     let boot = boot_id();
-    let mut ws = x.connect("/agent");
-    hello(&mut ws, "rig-st", &boot, json!({}));
+    let mut ws = hello_on(&x, "rig-st", &boot);
     for i in 1..=3u64 {
-        let r = ctl.command_id("fe-x", "rig-st", &format!("st{i}"), "n", json!({}));
-        assert_eq!(r["seq"], i, "{r}");
-        assert_eq!(read_json(&mut ws)["seq"], i);
+        send_and_read(&mut ctl, "fe-x", "rig-st", &format!("st{i}"), &mut ws, i);
     }
     drop(ws);
     let gone = |ctl: &mut Control, broker: &str| {
@@ -2046,8 +2004,7 @@ fn a_stale_parked_copy_does_not_report_commands_acked_elsewhere_after_a_reconnec
     gone(&mut ctl, "fe-x");
     let mut ws = hello_again(&y, "rig-st", &boot, 3);
     for i in 1..=3u64 {
-        let ack = json!({"type": "ack", "seq": i}).to_string();
-        ws.send(Message::Text(ack.into())).unwrap();
+        ack(&mut ws, i);
     }
     ctl.next(|ch, v| ch == "fleetlink:events" && v["type"] == "ack" && v["seq"] == 3);
     drop(ws);
@@ -2071,15 +2028,10 @@ fn a_stale_parked_copy_does_not_report_commands_acked_elsewhere_after_a_reconnec
 fn a_broker_drained_while_redis_is_away_puts_back_what_it_delivered_meanwhile() {
     let redis = RedisServer::start();
     let relay = Relay::start(redis.port());
-    let url = relay.url();
-    let mut a = Broker::start(&["--redis", &url, "--broker-id", "fe-du", "--drain", "300ms"]);
-    eventually(Duration::from_secs(10), "broker ready", || {
-        a.http("GET", "/readyz", "").0 == 200
-    });
+    let mut a = fleet_broker_at(&relay.url(), "fe-du", &["--drain", "300ms"]);
     let (mut ws, boot, _) = a.rig("rig-du");
     cut_off(&relay, &a);
-    let (status, reply) = a.command("rig-du", "n", json!({}));
-    assert_eq!((status, &reply["seq"]), (200, &json!(1)), "{reply}");
+    admin_command_numbered(&a, "rig-du", 1);
     assert_eq!(read_json(&mut ws)["seq"], 1);
     // The broker's own reconnect is a second or more away: the drain's end must do it.
     eventually(Duration::from_secs(20), "attempts backed off", || {
@@ -2111,20 +2063,17 @@ fn a_new_boot_decided_alone_that_left_reports_the_older_boot_when_its_broker_rec
     let b = broker_behind(&rb, "fe-b");
     let mut ctl = Control::new(&redis, &["fleetlink:events"]);
     let (mut x, x_boot, _) = a.rig("rig-pz");
-    let r = ctl.command_id("fe-a", "rig-pz", "pz1", "n", json!({}));
-    assert_eq!(r["seq"], 1, "{r}");
-    assert_eq!(read_json(&mut x)["seq"], 1);
+    send_and_read(&mut ctl, "fe-a", "rig-pz", "pz1", &mut x, 1);
     ra.down(true);
     rb.down(true);
     eventually(Duration::from_secs(15), "both brokers cut off", || {
         a.http("GET", "/readyz", "").0 == 503 && b.http("GET", "/readyz", "").0 == 503
     });
     drop(x);
-    let none_here = |broker: &Broker| broker.http("GET", "/v1/rigs", "").1.trim() == "[]";
-    eventually(Duration::from_secs(5), "fe-a parks X", || none_here(&a));
+    eventually(Duration::from_secs(5), "fe-a parks X", || lists_no_rig(&a));
     let (z, z_boot, _) = b.rig("rig-pz");
     drop(z);
-    eventually(Duration::from_secs(5), "fe-b parks Z", || none_here(&b));
+    eventually(Duration::from_secs(5), "fe-b parks Z", || lists_no_rig(&b));
 
     ra.down(false);
     eventually(
@@ -2142,7 +2091,7 @@ fn a_new_boot_decided_alone_that_left_reports_the_older_boot_when_its_broker_rec
         "X on record before fe-b is back"
     );
     rb.down(false);
-    let ev = ctl.next(|ch, v| ch == "fleetlink:events" && v["type"] == "rig_rebooted");
+    let ev = next_event(&mut ctl, "rig_rebooted");
     assert_eq!(
         (&ev["boot_id"], &ev["new_boot_id"], &ev["id"], &ev["seq"]),
         (&json!(x_boot), &json!(z_boot), &json!("pz1"), &json!(1)),
@@ -2199,28 +2148,17 @@ fn an_evict_naming_the_new_boot_after_a_partition_puts_back_what_the_old_one_was
     let b = fleet_broker(&redis, "fe-b", &["--registry-refresh", "200ms"]);
     let mut ctl = Control::new(&redis, &["fleetlink:events"]);
     let (mut x, x_boot, _) = a.rig("rig-ev");
-    let r = ctl.command_id("fe-a", "rig-ev", "ev1", "n", json!({}));
-    assert_eq!(r["seq"], 1, "{r}");
-    assert_eq!(read_json(&mut x)["seq"], 1);
-    relay.freeze_both(true);
-    eventually(Duration::from_secs(15), "fe-a sees the outage", || {
-        a.http("GET", "/readyz", "").0 == 503
-    });
-    let (status, body) = a.http(
-        "POST",
-        "/v1/rigs/rig-ev/commands",
-        r#"{"id":"ev2","name":"n","args":{}}"#,
-    );
-    assert_eq!(status, 200, "{body}");
-    assert_eq!(read_json(&mut x)["id"], "ev2");
+    send_and_read(&mut ctl, "fe-a", "rig-ev", "ev1", &mut x, 1);
+    partition(&relay, &a, "fe-a sees the outage");
+    admin_command_reaches(&a, &mut x, "rig-ev", "ev2");
     let (_z, z_boot, _) = b.rig("rig-ev");
-    let first = ctl.next(|ch, v| ch == "fleetlink:events" && v["type"] == "rig_rebooted");
+    let first = next_event(&mut ctl, "rig_rebooted");
     assert_eq!(
         (&first["id"], &first["broker_id"]),
         (&json!("ev1"), &json!("fe-b"))
     );
     relay.freeze_both(false);
-    let ev = ctl.next(|ch, v| ch == "fleetlink:events" && v["type"] == "rig_rebooted");
+    let ev = next_event(&mut ctl, "rig_rebooted");
     assert_eq!(
         (&ev["id"], &ev["seq"], &ev["boot_id"], &ev["new_boot_id"]),
         (&json!("ev2"), &json!(2), &json!(x_boot), &json!(z_boot)),
@@ -2252,30 +2190,18 @@ fn a_new_boots_session_parked_under_an_older_boots_lease_goes_back_for_its_resum
     let (x, _, _) = a.rig("rig-of");
     cut_off(&relay, &a);
     drop(x);
-    let none_here = || a.http("GET", "/v1/rigs", "").1.trim() == "[]";
-    eventually(Duration::from_secs(5), "fe-a parks X", none_here);
+    eventually(Duration::from_secs(5), "fe-a parks X", || lists_no_rig(&a));
     let (mut z, z_boot, _) = a.rig("rig-of");
-    let (status, body) = a.http(
-        "POST",
-        "/v1/rigs/rig-of/commands",
-        r#"{"id":"of1","name":"n","args":{}}"#,
-    );
-    assert_eq!(status, 200, "{body}");
-    assert_eq!(read_json(&mut z)["id"], "of1");
+    admin_command_reaches(&a, &mut z, "rig-of", "of1");
     drop(z);
-    eventually(Duration::from_secs(5), "fe-a parks Z", none_here);
+    eventually(Duration::from_secs(5), "fe-a parks Z", || lists_no_rig(&a));
     relay.down(false);
     let session = format!("sess:rig-of:{z_boot}");
     eventually(Duration::from_secs(20), "Z's session back in Redis", || {
         redis.connection().hexists(&session, "c:1").unwrap_or(false)
     });
     let mut z = hello_again(&b, "rig-of", &z_boot, 0);
-    let cmd = read_json(&mut z);
-    assert_eq!(
-        (&cmd["id"], &cmd["seq"]),
-        (&json!("of1"), &json!(1)),
-        "{cmd}"
-    );
+    read_command(&mut z, 1, "of1");
     assert_no_more_rebooted(&mut ctl, "nothing to report");
 }
 
@@ -2293,23 +2219,13 @@ fn an_older_boots_hello_decided_alone_reports_the_newer_boots_parked_session() {
     let mut ctl = Control::new(&redis, &["fleetlink:events"]);
     let (x_boot, z_boot) = (boot_id(), boot_id());
     cut_off(&relay, &a);
-    let mut z = a.connect("/agent");
-    hello(&mut z, "rig-old", &z_boot, json!({}));
-    let (status, body) = a.http(
-        "POST",
-        "/v1/rigs/rig-old/commands",
-        r#"{"id":"old1","name":"n","args":{}}"#,
-    );
-    assert_eq!(status, 200, "{body}");
-    assert_eq!(read_json(&mut z)["id"], "old1");
+    let mut z = hello_on(&a, "rig-old", &z_boot);
+    admin_command_reaches(&a, &mut z, "rig-old", "old1");
     drop(z);
-    eventually(Duration::from_secs(5), "fe-a parks Z", || {
-        a.http("GET", "/v1/rigs", "").1.trim() == "[]"
-    });
-    let mut x = a.connect("/agent");
-    hello(&mut x, "rig-old", &x_boot, json!({}));
+    eventually(Duration::from_secs(5), "fe-a parks Z", || lists_no_rig(&a));
+    let mut x = hello_on(&a, "rig-old", &x_boot);
     relay.down(false);
-    let ev = ctl.next(|ch, v| ch == "fleetlink:events" && v["type"] == "rig_rebooted");
+    let ev = next_event(&mut ctl, "rig_rebooted");
     assert_eq!(
         (&ev["id"], &ev["boot_id"], &ev["new_boot_id"]),
         (&json!("old1"), &json!(z_boot), &json!(x_boot)),
@@ -2359,12 +2275,7 @@ fn a_command_queued_while_redis_was_away_reaches_the_rig_on_another_broker() {
         held() == 1
     });
     let (mut ws, _, _) = b.rig("rig-q");
-    let cmd = read_json(&mut ws);
-    assert_eq!(
-        (&cmd["id"], &cmd["seq"]),
-        (&json!("q1"), &json!(1)),
-        "{cmd}"
-    );
+    read_command(&mut ws, 1, "q1");
 }
 
 /// A queued command whose deadline passes while its broker cannot reach Redis is reported
@@ -2395,7 +2306,7 @@ fn a_queued_command_whose_deadline_passed_in_an_outage_is_reported_expired_after
         "still cut off at the deadline"
     );
     relay.down(false);
-    let ev = ctl.next(|ch, v| ch == "fleetlink:events" && v["type"] == "expired");
+    let ev = next_event(&mut ctl, "expired");
     assert_eq!(
         (&ev["id"], &ev["rig_id"], &ev["broker_id"]),
         (&json!("e1"), &json!("rig-e"), &json!("fe-a")),
@@ -2426,11 +2337,6 @@ fn a_rig_welcomed_in_an_outage_gets_its_held_commands_when_redis_is_back() {
     let held = || -> usize { redis.connection().llen("offline:rig-u").unwrap() };
     assert_eq!(held(), 1, "not taken while fe-a is cut off");
     relay.down(false);
-    let cmd = read_json(&mut ws);
-    assert_eq!(
-        (&cmd["id"], &cmd["seq"]),
-        (&json!("u1"), &json!(1)),
-        "{cmd}"
-    );
+    read_command(&mut ws, 1, "u1");
     eventually(Duration::from_secs(10), "taken from Redis", || held() == 0);
 }
