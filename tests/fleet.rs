@@ -5,8 +5,10 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::broker::{boot_id, eventually, hello, read_close, read_json, Broker, KeepAlive, Ws};
-use common::control::Control;
+use common::broker::{
+    ack, boot_id, eventually, hello, read_close, read_command, read_json, Broker, KeepAlive, Ws,
+};
+use common::control::{send_and_read, Control};
 use common::redis::RedisServer;
 use common::relay::Relay;
 use redis::Commands;
@@ -74,18 +76,6 @@ fn acked_commands(ctl: &mut Control, broker: &str, rig: &str, ws: &mut Ws, prefi
     }
 }
 
-/// Control sends command `id` to `rig` through `broker`: the reply numbers it `seq`, and it
-/// is the next thing the rig reads.
-fn send_and_read(ctl: &mut Control, broker: &str, rig: &str, id: &str, ws: &mut Ws, seq: u64) {
-    let r = ctl.command_id(broker, rig, id, "n", json!({}));
-    assert_eq!(r["seq"], seq, "{r}");
-    assert_eq!(
-        read_json(ws)["seq"],
-        seq,
-        "{rig} read another seq than {id}'s"
-    );
-}
-
 /// Control sends command `id` to `rig` through `broker`: answered ok, it is the next thing
 /// the rig reads. Returns the reply.
 fn command_reaches(ctl: &mut Control, broker: &str, rig: &str, id: &str, ws: &mut Ws) -> Value {
@@ -117,27 +107,6 @@ fn admin_command_reaches(b: &Broker, ws: &mut Ws, rig: &str, id: &str) {
     );
     assert_eq!(status, 200, "{body}");
     assert_eq!(read_json(ws)["id"], id);
-}
-
-/// Reads the rig's next message, which must be command `id` numbered `seq`.
-fn read_command(ws: &mut Ws, seq: u64, id: impl Into<Value>) {
-    let cmd = read_json(ws);
-    assert_eq!(
-        (&cmd["seq"], &cmd["id"]),
-        (&json!(seq), &id.into()),
-        "{cmd}"
-    );
-}
-
-/// The rig acks `seq`.
-fn ack(ws: &mut Ws, seq: u64) {
-    let ack = json!({"type": "ack", "seq": seq}).to_string();
-    ws.send(Message::Text(ack.into())).unwrap();
-}
-
-/// The next event of type `kind` on `fleetlink:events` (control must subscribe to it).
-fn next_event(ctl: &mut Control, kind: &str) -> Value {
-    ctl.next(|ch, v| ch == "fleetlink:events" && v["type"] == kind)
 }
 
 /// `rig`'s `boot` connects to `b` (no `last_seq`) and is welcomed.
@@ -192,7 +161,7 @@ fn commands_through_redis_arrive_in_order_and_acks_become_events() {
         ack(&mut ws, i + 1);
     }
     for seq in 1..=1000u64 {
-        let ev = next_event(&mut ctl, "ack");
+        let ev = ctl.next_event("ack");
         assert_eq!(ev["seq"], seq);
         assert_eq!(ev["rig_id"], "rig-0414");
     }
@@ -597,7 +566,7 @@ fn after_an_outage_the_newer_boot_keeps_the_rig_whichever_broker_refreshes_first
         b.metric("fleetlink_registry_ops_total{op=\"refresh\",result=\"taken\"}"),
         1
     );
-    let rebooted = next_event(&mut ctl, "rig_rebooted");
+    let rebooted = ctl.next_event("rig_rebooted");
     assert_eq!(
         (
             &rebooted["id"],
@@ -680,7 +649,7 @@ fn a_command_delivered_during_an_outage_is_reported_when_its_rig_reboots_onto_an
     });
     let mut seqs = Vec::new();
     while seqs.len() < 4 {
-        let ev = next_event(&mut ctl, "rig_rebooted");
+        let ev = ctl.next_event("rig_rebooted");
         assert_eq!(
             (&ev["boot_id"], &ev["new_boot_id"]),
             (&json!(old_boot), &json!(new_boot)),
@@ -1380,17 +1349,17 @@ fn events_name_the_session_and_malformed_control_messages_are_answered() {
             .into(),
     ))
     .unwrap();
-    let first = next_event(&mut ctl, "result");
+    let first = ctl.next_event("result");
     assert_eq!(
         (&first["seq"], &first["id"]),
         (&json!(1), &json!("c1")),
         "{first}"
     );
     assert_eq!(first["boot_id"], boot.as_str());
-    let ack = next_event(&mut ctl, "ack");
+    let ack = ctl.next_event("ack");
     assert_eq!(ack["seq"], 2, "{ack}");
     assert_eq!((&ack["id"], &ack["boot_id"]), (&json!("c2"), &json!(boot)));
-    let second = next_event(&mut ctl, "result");
+    let second = ctl.next_event("result");
     assert_eq!((&second["seq"], &second["id"]), (&json!(2), &json!("c2")));
     assert_eq!(second["boot_id"], boot.as_str());
     // The result came after both acks on the wire: had the second made an event, it would be
@@ -1435,7 +1404,7 @@ fn events_name_the_session_and_malformed_control_messages_are_answered() {
         reason: "firmware update".into(),
     }))
     .unwrap();
-    let gone = next_event(&mut ctl, "disconnected");
+    let gone = ctl.next_event("disconnected");
     assert_eq!(
         (&gone["code"], &gone["reason"]),
         (&json!(1000), &json!("firmware update"))
@@ -1758,7 +1727,7 @@ fn a_broker_drained_while_redis_is_away_hands_over_its_acks_if_redis_returns_in_
     a.sigterm();
     until_closed(&mut ws);
     relay.down(false);
-    let ev = next_event(&mut ctl, "ack");
+    let ev = ctl.next_event("ack");
     assert_eq!((&ev["id"], &ev["seq"]), (&json!("dx1"), &json!(1)), "{ev}");
     let status = a.wait_exit(Duration::from_secs(20)).expect("exited");
     assert!(status.success(), "{status:?}");
@@ -2091,7 +2060,7 @@ fn a_new_boot_decided_alone_that_left_reports_the_older_boot_when_its_broker_rec
         "X on record before fe-b is back"
     );
     rb.down(false);
-    let ev = next_event(&mut ctl, "rig_rebooted");
+    let ev = ctl.next_event("rig_rebooted");
     assert_eq!(
         (&ev["boot_id"], &ev["new_boot_id"], &ev["id"], &ev["seq"]),
         (&json!(x_boot), &json!(z_boot), &json!("pz1"), &json!(1)),
@@ -2152,13 +2121,13 @@ fn an_evict_naming_the_new_boot_after_a_partition_puts_back_what_the_old_one_was
     partition(&relay, &a, "fe-a sees the outage");
     admin_command_reaches(&a, &mut x, "rig-ev", "ev2");
     let (_z, z_boot, _) = b.rig("rig-ev");
-    let first = next_event(&mut ctl, "rig_rebooted");
+    let first = ctl.next_event("rig_rebooted");
     assert_eq!(
         (&first["id"], &first["broker_id"]),
         (&json!("ev1"), &json!("fe-b"))
     );
     relay.freeze_both(false);
-    let ev = next_event(&mut ctl, "rig_rebooted");
+    let ev = ctl.next_event("rig_rebooted");
     assert_eq!(
         (&ev["id"], &ev["seq"], &ev["boot_id"], &ev["new_boot_id"]),
         (&json!("ev2"), &json!(2), &json!(x_boot), &json!(z_boot)),
@@ -2225,7 +2194,7 @@ fn an_older_boots_hello_decided_alone_reports_the_newer_boots_parked_session() {
     eventually(Duration::from_secs(5), "fe-a parks Z", || lists_no_rig(&a));
     let mut x = hello_on(&a, "rig-old", &x_boot);
     relay.down(false);
-    let ev = next_event(&mut ctl, "rig_rebooted");
+    let ev = ctl.next_event("rig_rebooted");
     assert_eq!(
         (&ev["id"], &ev["boot_id"], &ev["new_boot_id"]),
         (&json!("old1"), &json!(z_boot), &json!(x_boot)),
@@ -2306,7 +2275,7 @@ fn a_queued_command_whose_deadline_passed_in_an_outage_is_reported_expired_after
         "still cut off at the deadline"
     );
     relay.down(false);
-    let ev = next_event(&mut ctl, "expired");
+    let ev = ctl.next_event("expired");
     assert_eq!(
         (&ev["id"], &ev["rig_id"], &ev["broker_id"]),
         (&json!("e1"), &json!("rig-e"), &json!("fe-a")),

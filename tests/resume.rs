@@ -7,8 +7,8 @@ mod common;
 use std::collections::HashMap;
 use std::time::Duration;
 
-use common::broker::{boot_id, eventually, read_close, read_json, Broker, Ws};
-use common::control::Control;
+use common::broker::{ack, boot_id, eventually, read_close, read_command, read_json, Broker, Ws};
+use common::control::{send_and_read, Control};
 use common::redis::RedisServer;
 use common::relay::Relay;
 use fleetlink::ids::{BootId, RigId, Seq};
@@ -49,13 +49,6 @@ fn send_hello(ws: &mut Ws, rig: &str, boot: &str, last_seq: Option<u64>) {
     ws.send(Message::Text(msg.to_string().into())).unwrap();
 }
 
-fn ack(ws: &mut Ws, seq: u64) {
-    ws.send(Message::Text(
-        json!({"type":"ack","seq":seq}).to_string().into(),
-    ))
-    .unwrap();
-}
-
 /// Brokers fe-a and fe-b on `redis`, both ready.
 fn brokers_a_and_b(redis: &RedisServer) -> (Broker, Broker) {
     (fleet_broker(redis, "fe-a"), fleet_broker(redis, "fe-b"))
@@ -77,33 +70,6 @@ fn resume_on(b: &Broker, rig: &str, boot: &str, last_seq: Option<u64>) -> Ws {
         b.broker_id
     );
     ws
-}
-
-/// Control sends command `id` to `rig` through `broker`: the reply numbers it `seq`, and it
-/// is the next thing the rig reads.
-fn send_and_read(ctl: &mut Control, broker: &str, rig: &str, id: &str, ws: &mut Ws, seq: u64) {
-    let r = ctl.command_id(broker, rig, id, "n", json!({}));
-    assert_eq!(r["seq"], seq, "{r}");
-    assert_eq!(
-        read_json(ws)["seq"],
-        seq,
-        "{rig} read another seq than {id}'s"
-    );
-}
-
-/// Reads the rig's next message, which must be command `id` numbered `seq`.
-fn read_command(ws: &mut Ws, seq: u64, id: &str) {
-    let cmd = read_json(ws);
-    assert_eq!(
-        (&cmd["seq"], &cmd["id"]),
-        (&json!(seq), &json!(id)),
-        "{cmd}"
-    );
-}
-
-/// The next event of type `kind` on `fleetlink:events` (control must subscribe to it).
-fn next_event(ctl: &mut Control, kind: &str) -> Value {
-    ctl.next(|ch, v| ch == "fleetlink:events" && v["type"] == kind)
 }
 
 /// Delivers command `id` to `rig` through `b`'s admin API, which needs no Redis, and checks
@@ -472,7 +438,7 @@ fn rig_left_during_an_outage(
 /// command through `broker` gets seq 3.
 fn replayed_then_continued(ws: &mut Ws, redis: &RedisServer, broker: &str, rig: &str) {
     for i in 1..=2u64 {
-        read_command(ws, i, &format!("p{i}"));
+        read_command(ws, i, format!("p{i}"));
     }
     let mut ctl = Control::new(redis, &[]);
     send_and_read(&mut ctl, broker, rig, "p3", ws, 3);
@@ -569,7 +535,7 @@ fn a_killed_brokers_unacked_commands_reach_the_rig_on_the_survivor() {
     drop(on_a);
     let mut on_b = resume_on(&b, "rig-k", &boot, None);
     for i in 1..=3u64 {
-        read_command(&mut on_b, i, &format!("k{i}"));
+        read_command(&mut on_b, i, format!("k{i}"));
     }
     assert_eq!(
         ctl.command_id("fe-b", "rig-k", "k4", "n", json!({}))["seq"],
@@ -620,7 +586,7 @@ fn a_hello_whose_session_read_fails_is_turned_away_and_resumes_on_the_next() {
     let mut on_b = resume_on(&b, "rig-u", &boot, Some(1));
     assert_eq!((hellos("unavailable"), hellos("ok")), (1, 1));
     for i in 2..=3u64 {
-        read_command(&mut on_b, i, &format!("u{i}"));
+        read_command(&mut on_b, i, format!("u{i}"));
     }
     send_and_read(&mut ctl, "fe-b", "rig-u", "u4", &mut on_b, 4);
 }
@@ -646,7 +612,7 @@ fn a_new_boot_reports_the_old_sessions_commands_as_rig_rebooted() {
     assert_eq!(welcome["resumed"], false);
     let mut ids = Vec::new();
     while ids.len() < 2 {
-        let ev = next_event(&mut ctl, "rig_rebooted");
+        let ev = ctl.next_event("rig_rebooted");
         assert_eq!(ev["boot_id"], old_boot.as_str());
         assert_eq!(ev["new_boot_id"], new_boot.as_str());
         assert_eq!(
@@ -713,7 +679,7 @@ fn commands_acked_in_a_burst_just_before_their_broker_dies_are_not_replayed() {
         ack(&mut ws, seq);
     }
     for _ in 0..10 {
-        next_event(&mut ctl, "ack");
+        ctl.next_event("ack");
     }
     kill_broker(&mut a);
     drop(ws);
@@ -739,7 +705,7 @@ fn rig_acked_the_first_of_two(a: &Broker, redis: &RedisServer, rig: &str) -> (Ws
     }
     ack(&mut ws, 1);
     // The broker has taken the ack: its event follows the removal on the bridge's way out.
-    let ack = next_event(&mut ctl, "ack");
+    let ack = ctl.next_event("ack");
     assert_eq!(ack["id"], "acked");
     (ws, ctl)
 }
@@ -846,12 +812,12 @@ fn commands_for_an_offline_rig_are_held_then_delivered_or_expired() {
     );
     assert_eq!(publish(&mut ctl, "short", 200)["queued"], true);
     // The short one expires on time, reported by the broker that held it.
-    let ev = next_event(&mut ctl, "expired");
+    let ev = ctl.next_event("expired");
     assert_eq!(ev["id"], "short");
     // The rig comes back on the other broker and gets what is still held, as seq 1.
     let (mut ws, _) = connect_hello(&b, "rig-off", &boot_id(), None);
     read_command(&mut ws, 1, "keep");
-    let ev = next_event(&mut ctl, "offline_delivered");
+    let ev = ctl.next_event("offline_delivered");
     assert_eq!(
         (ev["id"].clone(), ev["seq"].clone()),
         (json!("keep"), json!(1))
@@ -947,7 +913,7 @@ fn a_fan_out_held_for_offline_rigs_expires_together_each_reported_once() {
     assert_eq!(ctl.replies(200, Duration::from_secs(10)).len(), 200);
     let mut expired = std::collections::BTreeSet::new();
     while expired.len() < 200 {
-        let ev = next_event(&mut ctl, "expired");
+        let ev = ctl.next_event("expired");
         assert!(
             expired.insert(ev["id"].as_str().unwrap().to_string()),
             "twice: {ev}"
@@ -1050,7 +1016,7 @@ fn held_commands_past_the_outbox_wait_for_room_and_all_arrive_in_order() {
     let mut ctl = Control::new(&redis, &["fleetlink:events"]);
     hold_then_drain(&a, "rig-backlog-fleet");
     for _ in 0..HELD {
-        let ev = next_event(&mut ctl, "offline_delivered");
+        let ev = ctl.next_event("offline_delivered");
         assert!(ev["seq"].is_u64(), "{ev}");
     }
 }
@@ -1958,7 +1924,7 @@ fn a_new_boot_during_an_outage_on_the_same_broker_reports_the_old_sessions_comma
     redis.freeze(false);
     let mut seqs = Vec::new();
     while seqs.len() < 2 {
-        let ev = next_event(&mut ctl, "rig_rebooted");
+        let ev = ctl.next_event("rig_rebooted");
         assert_eq!(
             (&ev["boot_id"], &ev["new_boot_id"], &ev["rig_id"]),
             (&json!(old_boot), &json!(new_boot), &json!("rig-n")),
@@ -1988,7 +1954,7 @@ fn a_new_boot_during_an_outage_on_the_same_broker_reports_the_old_sessions_comma
     );
     let third_boot = boot_id();
     let _third = connect_hello(&a, "rig-n", &third_boot, None);
-    let ev = next_event(&mut ctl, "rig_rebooted");
+    let ev = ctl.next_event("rig_rebooted");
     assert_eq!(
         (&ev["boot_id"], &ev["new_boot_id"], &ev["seq"]),
         (&json!(new_boot), &json!(third_boot), &json!(1)),
@@ -2174,7 +2140,7 @@ fn a_result_sent_after_a_resume_on_another_broker_names_its_command() {
     assert_eq!(acked_at(&b), on_a_at, "the ack's time came along");
     let out = json!({"type": "result", "seq": 1, "ok": true, "output": "done"});
     on_b.send(Message::Text(out.to_string().into())).unwrap();
-    let ev = next_event(&mut ctl, "result");
+    let ev = ctl.next_event("result");
     assert_eq!(
         (&ev["id"], &ev["seq"], &ev["broker_id"]),
         (&json!("m1"), &json!(1), &json!("fe-b")),

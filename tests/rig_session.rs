@@ -8,8 +8,8 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
 use common::broker::{
-    boot_id, bytes_until_cut_off, eventually, hello, raw_exchange, read_close, read_json, Broker,
-    KeepAlive, RawRig, Ws,
+    ack, boot_id, bytes_until_cut_off, eventually, hello, raw_exchange, read_close, read_json,
+    Broker, KeepAlive, RawRig, Ws,
 };
 use fleetlink::admin::MAX_ON_CORES;
 use serde_json::{json, Value};
@@ -723,14 +723,6 @@ fn same_boot_reconnect_continues_the_session() {
     assert_eq!(read_json(&mut c)["seq"], 1);
     command_reaches(&b, "rig-resume", "two", &mut c, 2);
     assert_eq!(read_close(&mut a), 4410);
-}
-
-/// Sends the rig's ack of `seq`.
-fn ack(ws: &mut Ws, seq: u64) {
-    ws.send(Message::Text(
-        json!({"type":"ack","seq":seq}).to_string().into(),
-    ))
-    .unwrap();
 }
 
 /// An ack names one command (CONTRACT.md §2): acking seq 2 of 1–3 leaves 1 and 3 unacked, and

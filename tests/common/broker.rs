@@ -233,6 +233,24 @@ pub fn read_json(ws: &mut Ws) -> Value {
     }
 }
 
+/// Reads the rig's next message, which must be command `id` numbered `seq`.
+pub fn read_command(ws: &mut Ws, seq: u64, id: impl Into<Value>) {
+    let cmd = read_json(ws);
+    assert_eq!(
+        (&cmd["seq"], &cmd["id"]),
+        (&json!(seq), &id.into()),
+        "{cmd}"
+    );
+}
+
+/// Sends the rig's ack of `seq`.
+pub fn ack(ws: &mut Ws, seq: u64) {
+    ws.send(Message::Text(
+        json!({"type":"ack","seq":seq}).to_string().into(),
+    ))
+    .unwrap();
+}
+
 /// Reads until the broker's close frame; returns its code.
 pub fn read_close(ws: &mut Ws) -> u16 {
     let deadline = Instant::now() + READ_LIMIT;

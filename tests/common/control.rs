@@ -9,7 +9,7 @@ use fleetlink::registry::pubsub::Subscriber;
 use redis::{Commands, IntoConnectionInfo};
 use serde_json::{json, Value};
 
-use super::broker::{boot_id, eventually};
+use super::broker::{boot_id, eventually, read_json, Ws};
 use super::redis::RedisServer;
 
 /// Publishes control messages and collects what comes back.
@@ -104,4 +104,23 @@ impl Control {
     pub fn command(&mut self, broker: &str, rig: &str, name: &str, args: Value) -> Value {
         self.command_id(broker, rig, &boot_id(), name, args)
     }
+}
+
+impl Control {
+    /// The next event of type `kind` on `fleetlink:events` (this control must subscribe to it).
+    pub fn next_event(&mut self, kind: &str) -> Value {
+        self.next(|ch, v| ch == "fleetlink:events" && v["type"] == kind)
+    }
+}
+
+/// Control sends command `id` to `rig` through `broker`: the reply numbers it `seq`, and it
+/// is the next thing the rig reads.
+pub fn send_and_read(ctl: &mut Control, broker: &str, rig: &str, id: &str, ws: &mut Ws, seq: u64) {
+    let r = ctl.command_id(broker, rig, id, "n", json!({}));
+    assert_eq!(r["seq"], seq, "{r}");
+    assert_eq!(
+        read_json(ws)["seq"],
+        seq,
+        "{rig} read another seq than {id}'s"
+    );
 }
