@@ -20,18 +20,13 @@ fn fleet_broker_at(url: &str, id: &str, extra: &[&str]) -> Broker {
     let mut args = vec!["--redis", url, "--broker-id", id];
     args.extend_from_slice(extra);
     let b = Broker::start(&args);
-    wait_readyz(&b, 200, Duration::from_secs(10), "broker ready");
+    b.wait_readyz(200, Duration::from_secs(10), "broker ready");
     b
 }
 
 /// A fleet-mode broker on `redis`, once ready.
 fn fleet_broker(redis: &RedisServer, id: &str, extra: &[&str]) -> Broker {
     fleet_broker_at(&redis.url(), id, extra)
-}
-
-/// Waits up to `limit` for `b`'s `/readyz` to answer `status` (200 on Redis, 503 off it).
-fn wait_readyz(b: &Broker, status: u16, limit: Duration, what: &str) {
-    eventually(limit, what, || b.http("GET", "/readyz", "").0 == status);
 }
 
 fn owner(redis: &RedisServer, rig: &str) -> Option<String> {
@@ -58,14 +53,14 @@ fn assert_no_more_rebooted(ctl: &mut Control, why: &str) {
 /// notices.
 fn cut_off(relay: &Relay, broker: &Broker) {
     relay.down(true);
-    wait_readyz(broker, 503, Duration::from_secs(15), "the outage noticed");
+    broker.wait_readyz(503, Duration::from_secs(15), "the outage noticed");
 }
 
 /// Partitions `broker` from Redis (its relay frozen both ways, hanging its calls) and waits
 /// until it notices.
 fn partition(relay: &Relay, broker: &Broker, what: &str) {
     relay.freeze_both(true);
-    wait_readyz(broker, 503, Duration::from_secs(15), what);
+    broker.wait_readyz(503, Duration::from_secs(15), what);
 }
 
 /// Control sends `rig` (on `broker`) commands `<prefix>1..=n`, which the rig reads and acks.
@@ -100,11 +95,7 @@ fn admin_command_numbered(b: &Broker, rig: &str, seq: u64) -> Value {
 /// Delivers command `id` to `rig` through `b`'s admin API, which needs no Redis: answered 200,
 /// it is the next thing the rig reads.
 fn admin_command_reaches(b: &Broker, ws: &mut Ws, rig: &str, id: &str) {
-    let (status, body) = b.http(
-        "POST",
-        &format!("/v1/rigs/{rig}/commands"),
-        &format!(r#"{{"id":"{id}","name":"n","args":{{}}}}"#),
-    );
+    let (status, body) = b.command_with_id(rig, id);
     assert_eq!(status, 200, "{body}");
     assert_eq!(read_json(ws)["id"], id);
 }
@@ -509,13 +500,13 @@ fn readiness_follows_redis_and_rigs_survive_an_outage() {
     let a = fleet_broker(&redis, "fe-a", &["--registry-refresh", "200ms"]);
     let (mut ws, boot, _) = a.rig("rig-steady");
     redis.kill9();
-    wait_readyz(&a, 503, Duration::from_secs(10), "readyz 503");
+    a.wait_readyz(503, Duration::from_secs(10), "readyz 503");
     // Local control keeps working through the admin API.
     let (status, reply) = a.command("rig-steady", "still-here", json!({}));
     assert_eq!(status, 200, "{reply}");
     assert_eq!(read_json(&mut ws)["name"], "still-here");
     redis.restart();
-    wait_readyz(&a, 200, Duration::from_secs(15), "readyz 200 again");
+    a.wait_readyz(200, Duration::from_secs(15), "readyz 200 again");
     // The fresh, empty Redis has the lease again (re-asserted by the refresh).
     eventually(Duration::from_secs(5), "lease restored", || {
         owner(&redis, "rig-steady") == Some(format!("{boot}|fe-a"))
@@ -560,7 +551,7 @@ fn after_an_outage_the_newer_boot_keeps_the_rig_whichever_broker_refreshes_first
     eventually(Duration::from_secs(10), "the newer boot's lease", || {
         owner(&redis, "rig-reboot") == Some(format!("{new_boot}|fe-b"))
     });
-    wait_readyz(&b, 200, Duration::from_secs(10), "fe-b ready again");
+    b.wait_readyz(200, Duration::from_secs(10), "fe-b ready again");
     // Taken by fe-b's refresh, not by a hello sent before the outage was noticed.
     assert_eq!(
         b.metric("fleetlink_registry_ops_total{op=\"refresh\",result=\"taken\"}"),
@@ -715,7 +706,7 @@ fn after_an_outage_a_seq_delivered_unkept_by_a_superseded_broker_is_not_given_ag
         })
     });
     // fe-b back on Redis too (until then it numbers alone, as during the outage).
-    wait_readyz(&b, 200, Duration::from_secs(15), "fe-b ready again");
+    b.wait_readyz(200, Duration::from_secs(15), "fe-b ready again");
     // Whichever way fe-b learns of seq 4, control never gets it for another command.
     let deadline = Instant::now() + Duration::from_secs(15);
     let seq = loop {
@@ -756,7 +747,7 @@ fn after_an_outage_a_broker_numbers_past_commands_another_gave_the_rig_meanwhile
     let mut ctl = Control::new(&redis, &[]);
     acked_commands(&mut ctl, "fe-a", "rig-sq", &mut on_a, "s", 3);
     relay.freeze(true);
-    wait_readyz(&b, 503, Duration::from_secs(15), "fe-b sees the outage");
+    b.wait_readyz(503, Duration::from_secs(15), "fe-b sees the outage");
     // Make-before-break onto fe-b, decided there alone; fe-a still holds the first connection.
     let mut on_b = hello_again(&b, "rig-sq", &boot, 3);
     send_and_read(&mut ctl, "fe-a", "rig-sq", "s4", &mut on_a, 4);
@@ -1837,7 +1828,7 @@ fn twins_with_one_broker_id_fail_readiness_once_both_run() {
     });
     assert!(a.metric("fleetlink_registry_ops_total{op=\"canary\",result=\"twin\"}") > 0);
     drop(b);
-    wait_readyz(&a, 200, Duration::from_secs(15), "the survivor ready again");
+    a.wait_readyz(200, Duration::from_secs(15), "the survivor ready again");
 }
 
 /// A release cut off on its way to Redis is sent again on the next connection: dropped, the

@@ -30,7 +30,7 @@ fn fleet_broker_at(url: &str, id: &str, extra: &[&str]) -> Broker {
     let mut args = vec!["--redis", url, "--broker-id", id];
     args.extend_from_slice(extra);
     let b = Broker::start(&args);
-    wait_readyz(&b, 200, Duration::from_secs(10), "broker ready");
+    b.wait_readyz(200, Duration::from_secs(10), "broker ready");
     b
 }
 
@@ -75,18 +75,9 @@ fn resume_on(b: &Broker, rig: &str, boot: &str, last_seq: Option<u64>) -> Ws {
 /// Delivers command `id` to `rig` through `b`'s admin API, which needs no Redis, and checks
 /// the rig reads it as `seq`.
 fn admin_command_reaches(b: &Broker, ws: &mut Ws, rig: &str, id: &str, seq: u64) {
-    let (status, body) = b.http(
-        "POST",
-        &format!("/v1/rigs/{rig}/commands"),
-        &format!(r#"{{"id":"{id}","name":"n","args":{{}}}}"#),
-    );
+    let (status, body) = b.command_with_id(rig, id);
     assert_eq!(status, 200, "{body}");
     assert_eq!(read_json(ws)["seq"], seq);
-}
-
-/// Waits up to `limit` for `b`'s `/readyz` to answer `status` (200 on Redis, 503 off it).
-fn wait_readyz(b: &Broker, status: u16, limit: Duration, what: &str) {
-    eventually(limit, what, || b.http("GET", "/readyz", "").0 == status);
 }
 
 /// Waits (up to 5 s) until no broker holds `rig`'s lease.
@@ -350,7 +341,7 @@ fn a_session_redis_lost_is_kept_again_and_survives_its_broker() {
     // Control's new Redis connection: the old one went with the restart. B lost its own too;
     // a hello before it is back would be served from its local registry alone.
     let mut ctl = Control::new(&redis, &[]);
-    wait_readyz(&b, 200, Duration::from_secs(20), "B back on Redis");
+    b.wait_readyz(200, Duration::from_secs(20), "B back on Redis");
     let mut on_b = resume_on(&b, "rig-e", &boot, Some(1));
     let replayed: Vec<Value> = (0..2).map(|_| read_json(&mut on_b)).collect();
     assert_eq!(
@@ -393,7 +384,7 @@ fn a_command_delivered_while_redis_was_away_is_kept_when_it_returns() {
     let redis = RedisServer::start();
     let (a, _b, boot, mut on_a, _) = rig_with_commands_on_a(&redis, "rig-w", "w", 1);
     redis.freeze(true);
-    wait_readyz(&a, 503, Duration::from_secs(15), "readyz 503");
+    a.wait_readyz(503, Duration::from_secs(15), "readyz 503");
     admin_command_reaches(&a, &mut on_a, "rig-w", "w2", 2);
     redis.freeze(false);
     let key = format!("sess:rig-w:{boot}");
@@ -421,7 +412,7 @@ fn rig_left_during_an_outage(
     let (a, b, boot, mut on_a, _) = rig_with_commands_on_a(redis, rig, "p", 1);
     if freeze {
         redis.freeze(true);
-        wait_readyz(&a, 503, Duration::from_secs(15), "readyz 503");
+        a.wait_readyz(503, Duration::from_secs(15), "readyz 503");
     } else {
         redis.kill9();
     }
@@ -494,7 +485,7 @@ fn a_parked_session_goes_back_before_its_lease_is_released() {
 /// 1 and 2 replayed, the next one numbered 3. Returns the rig's connection, still open.
 fn resumes_whole_on(b: &Broker, redis: &RedisServer, rig: &str, boot: &str) -> Ws {
     let back = format!("{} back on Redis", b.broker_id);
-    wait_readyz(b, 200, Duration::from_secs(10), &back);
+    b.wait_readyz(200, Duration::from_secs(10), &back);
     let mut ws = resume_on(b, rig, boot, Some(0));
     replayed_then_continued(&mut ws, redis, &b.broker_id, rig);
     ws
@@ -580,7 +571,7 @@ fn a_hello_whose_session_read_fails_is_turned_away_and_resumes_on_the_next() {
     // Counted once, as turned away, not also as ok.
     assert_eq!((hellos("unavailable"), hellos("ok")), (1, 0));
     // Back on Redis, B lets go of the lease that hello claimed.
-    wait_readyz(&b, 200, Duration::from_secs(10), "fe-b back on Redis");
+    b.wait_readyz(200, Duration::from_secs(10), "fe-b back on Redis");
     wait_lease_released(&mut con, "rig-u", "fe-b's claim released");
 
     let mut on_b = resume_on(&b, "rig-u", &boot, Some(1));

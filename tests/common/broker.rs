@@ -107,6 +107,18 @@ impl Broker {
         (status, serde_json::from_str(&text).unwrap_or(Value::Null))
     }
 
+    /// POSTs command `id` (name `n`, no args) to `rig` through the admin API: the status and
+    /// the reply's text.
+    pub fn command_with_id(&self, rig: &str, id: &str) -> (u16, String) {
+        let body = json!({"id": id, "name": "n", "args": {}}).to_string();
+        self.http("POST", &format!("/v1/rigs/{rig}/commands"), &body)
+    }
+
+    /// Waits up to `limit` for `/readyz` to answer `status` (200 on Redis, 503 off it).
+    pub fn wait_readyz(&self, status: u16, limit: Duration, what: &str) {
+        eventually(limit, what, || self.http("GET", "/readyz", "").0 == status);
+    }
+
     /// Polls `/metrics` until `line` shows up (or panics at the deadline).
     pub fn wait_metric(&self, line: &str) {
         let deadline = Instant::now() + Duration::from_secs(10);
