@@ -409,6 +409,45 @@ fn tls_refusals_past_their_budget_are_closed_unanswered() {
     );
 }
 
+/// A ClientHello longer than the 64 KiB rustls buffers (TLS allows 16 MiB) is refused with a
+/// `decode_error` alert and counted as a failed handshake, like any other bad handshake. rustls
+/// refuses such input before parsing it and queues no alert; the broker closed the
+/// connection without one and counted nothing.
+#[test]
+fn an_oversized_client_hello_gets_a_decode_error_alert() {
+    let dir = Dir::new("bighello");
+    let pki = dev_certs::generate(&dir.0, 1, &[]).unwrap();
+    let b = tls_broker(&pki, &dir.0, &[]);
+    let failures = "fleetlink_tls_handshake_failures_total";
+    assert_eq!(b.metric(failures), 0);
+    let mut tcp = TcpStream::connect(b.listen).unwrap();
+    tcp.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    // A ClientHello declaring 16 MiB - 1, in full records of 16 KiB: rustls stops taking
+    // them at 64 KiB.
+    let mut first = vec![1u8, 0xff, 0xff, 0xff];
+    first.resize(16 << 10, 0);
+    for i in 0..5 {
+        let body = if i == 0 {
+            first.clone()
+        } else {
+            vec![0u8; 16 << 10]
+        };
+        let mut record = vec![22u8, 3, 1, 0x40, 0x00];
+        record.extend_from_slice(&body);
+        if tcp.write_all(&record).is_err() {
+            break;
+        }
+    }
+    let mut got = Vec::new();
+    closed_by_peer(&mut tcp, &mut got);
+    // A fatal decode_error alert record, whatever its legacy version bytes.
+    assert!(
+        got.len() == 7 && got[0] == 21 && got[3..] == [0, 2, 2, 50],
+        "expected a decode_error alert, got {got:?}"
+    );
+    b.wait_metric(&format!("{failures} 1"));
+}
+
 #[test]
 fn wrong_ca_expired_and_certless_clients_are_refused() {
     let dir = Dir::new("refuse");

@@ -256,15 +256,19 @@ fn read_some(
         Ok(TlsRead::Closed) => Err(PEER_CLOSED),
         // A client giving up mid-handshake with a close_notify has left, as at EOF there:
         // rustls raises the alert as an error, but nothing failed on our side.
-        Ok(TlsRead::Failed(rustls::Error::AlertReceived(
-            rustls::AlertDescription::CloseNotify,
-        ))) if was_handshaking => Err(PEER_CLOSED),
-        Ok(TlsRead::Failed(e)) => {
+        Ok(TlsRead::Failed {
+            why: rustls::Error::AlertReceived(rustls::AlertDescription::CloseNotify),
+            ..
+        }) if was_handshaking => Err(PEER_CLOSED),
+        Ok(TlsRead::Failed { why, plain_alert }) => {
             let now = std::time::Instant::now();
-            if let Some(line) = core.tls_fail_log.borrow_mut().note(now, &e) {
+            if let Some(line) = core.tls_fail_log.borrow_mut().note(now, &why) {
                 log::warn!("{line}");
             }
-            // Send the alert rustls queued, then end.
+            // Send the alert rustls queued, or ours where it queued none, then end.
+            if plain_alert {
+                transport::send_plain_alert(fd);
+            }
             let _ = flush(fd, st);
             // A session that breaks later (a bad record, a fatal alert) is counted where its
             // connection ends: an abandoned request, or a close without a close frame (1006).

@@ -122,8 +122,37 @@ pub(crate) enum TlsRead {
     Last(usize),
     /// The peer closed (EOF or close_notify).
     Closed,
-    /// A TLS error: the alert is queued; the connection must end.
-    Failed(rustls::Error),
+    /// A TLS error: the connection must end.
+    Failed {
+        /// What rustls refused.
+        why: rustls::Error,
+        /// rustls queued no alert and has taken no ClientHello: the caller sends
+        /// [`PLAIN_DECODE_ERROR`] itself (see [`send_plain_alert`]).
+        plain_alert: bool,
+    },
+}
+
+/// A fatal `decode_error` alert as a plaintext record, what rustls sends for a handshake
+/// message it will not take when it gets to check one.
+const PLAIN_DECODE_ERROR: [u8; 7] = [21, 3, 3, 0, 2, 2, 50];
+
+/// Sends [`PLAIN_DECODE_ERROR`] where rustls refused input without queuing an alert: a
+/// handshake message over the 64 KiB it takes (TLS allows 16 MiB), which it refuses while
+/// joining the message's records, before its handshake code (which would send the alert)
+/// sees it. Only right before a ClientHello was taken: until then nothing is encrypted and
+/// the client reads a plaintext alert; later it expects encrypted records, and the FIN alone
+/// must do. Best effort, like any last words: 7 bytes to a socket that has sent nothing yet.
+pub(crate) fn send_plain_alert(fd: RawFd) {
+    let _ = Fd(fd).write(&PLAIN_DECODE_ERROR);
+}
+
+/// The end of a session rustls refused: whether the caller owes the alert itself (never in
+/// answer to the client's own alert).
+fn failed(tls: &ServerConnection, why: rustls::Error) -> TlsRead {
+    let plain_alert = !matches!(why, rustls::Error::AlertReceived(_))
+        && !tls.wants_write()
+        && tls.protocol_version().is_none();
+    TlsRead::Failed { why, plain_alert }
 }
 
 /// Reads records from the socket, processes them, and copies out plaintext into `buf`.
@@ -136,11 +165,17 @@ pub(crate) fn read_tls(
         Ok(0) => return Ok(TlsRead::Closed),
         Ok(_) => {}
         Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+        // The socket's errors carry an errno; rustls's own refusals of input (a buffer it
+        // will not grow further) do not, and are the peer's doing like any bad record.
+        Err(e) if e.raw_os_error().is_none() => {
+            let why = rustls::Error::General(e.to_string());
+            return Ok(failed(tls, why));
+        }
         Err(e) => return Err(e),
     }
     let io = match tls.process_new_packets() {
         Ok(io) => io,
-        Err(e) => return Ok(TlsRead::Failed(e)),
+        Err(why) => return Ok(failed(tls, why)),
     };
     match tls.reader().read(buf) {
         Ok(0) => Ok(TlsRead::Closed),
