@@ -409,10 +409,10 @@ fn tls_refusals_past_their_budget_are_closed_unanswered() {
     );
 }
 
-/// A ClientHello longer than the 64 KiB rustls buffers (TLS allows 16 MiB) is refused with a
-/// `decode_error` alert and counted as a failed handshake, like any other bad handshake. rustls
-/// refuses such input before parsing it and queues no alert; the broker closed the
-/// connection without one and counted nothing.
+/// A ClientHello longer than the 64 KiB rustls takes (TLS allows 16 MiB) is refused with a
+/// `decode_error` alert and counted as a failed handshake, like any other bad handshake.
+/// rustls refuses such a message while joining its records and queues no alert: the broker
+/// closed the connection with none.
 #[test]
 fn an_oversized_client_hello_gets_a_decode_error_alert() {
     let dir = Dir::new("bighello");
