@@ -46,14 +46,7 @@ impl Finding {
         needed: String,
         fix: String,
     ) -> Finding {
-        Finding {
-            setting,
-            current,
-            needed,
-            fix,
-            blocking: false,
-            ok: false,
-        }
+        Finding::needs_fix(setting, current, needed, fix, false)
     }
 
     pub(super) fn block(
@@ -62,12 +55,24 @@ impl Finding {
         needed: String,
         fix: String,
     ) -> Finding {
+        Finding::needs_fix(setting, current, needed, fix, true)
+    }
+
+    /// A setting short of what N connections need: `blocking` when the host cannot hold them
+    /// until it is fixed.
+    fn needs_fix(
+        setting: &'static str,
+        current: String,
+        needed: String,
+        fix: String,
+        blocking: bool,
+    ) -> Finding {
         Finding {
             setting,
             current,
             needed,
             fix,
-            blocking: true,
+            blocking,
             ok: false,
         }
     }
