@@ -280,16 +280,7 @@ impl Lobby {
     /// chance to send, and closing it for the next one in the same burst served neither, and
     /// answered it with a reset instead of the 503 the newer one then gets.
     fn evict_idle(&mut self) -> bool {
-        let idle = self
-            .waiting
-            .iter()
-            .enumerate()
-            .filter(|(_, w)| {
-                w.polled && !w.conn.linger && w.conn.buf.is_empty() && w.conn.unsent.is_empty()
-            })
-            .min_by_key(|(_, w)| w.deadline)
-            .map(|(i, _)| i);
-        let Some(i) = idle else {
+        let Some(i) = self.nearest_deadline(false) else {
             return false;
         };
         // An idle connection holds no bytes the lobby counts.
@@ -306,16 +297,7 @@ impl Lobby {
     /// is the one its deadline would cut first anyway, and a probe, sent whole at once, is
     /// never it. Only one a wait has polled, as for [`Lobby::evict_idle`]; false when none is.
     fn refuse_slowest(&mut self, now: Instant) -> bool {
-        let slowest = self
-            .waiting
-            .iter()
-            .enumerate()
-            .filter(|(_, w)| {
-                w.polled && !w.conn.linger && !w.conn.buf.is_empty() && w.conn.unsent.is_empty()
-            })
-            .min_by_key(|(_, w)| w.deadline)
-            .map(|(i, _)| i);
-        let Some(i) = slowest else {
+        let Some(i) = self.nearest_deadline(true) else {
             return false;
         };
         let w = self.waiting.swap_remove(i);
@@ -324,6 +306,23 @@ impl Lobby {
         // Lingers in the refused connections' own room, or closes once its 503 is written.
         self.refuse(w.conn, now);
         true
+    }
+
+    /// Of the connections that may give way for a new one (polled, not refused, no answer
+    /// left to send), idle or holding part of a request as `holding` says, the one whose
+    /// deadline comes first: idle the longest, or its request arriving the longest.
+    fn nearest_deadline(&self, holding: bool) -> Option<usize> {
+        self.waiting
+            .iter()
+            .enumerate()
+            .filter(|(_, w)| {
+                w.polled
+                    && !w.conn.linger
+                    && w.conn.unsent.is_empty()
+                    && w.conn.buf.is_empty() != holding
+            })
+            .min_by_key(|(_, w)| w.deadline)
+            .map(|(i, _)| i)
     }
 
     /// Connections waiting now.
