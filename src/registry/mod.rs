@@ -19,6 +19,7 @@ pub mod msg;
 pub mod offline;
 pub(crate) mod pace;
 pub mod pubsub;
+pub(crate) mod resp;
 pub mod scripts;
 pub mod sessions;
 pub(crate) mod throttle;

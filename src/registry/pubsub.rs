@@ -12,6 +12,8 @@ use std::time::Duration;
 
 use redis::{ConnectionAddr, ConnectionInfo};
 
+use crate::registry::resp::{self, Value};
+
 /// Largest unparsed input kept; a longer message than this from Redis is a protocol failure.
 const MAX_BUFFER: usize = 64 << 20;
 
@@ -152,7 +154,7 @@ impl Subscriber {
                 args.push(user);
             }
             args.push(password);
-            stream.write_all(&command(&args))?;
+            stream.write_all(&resp::command(&args))?;
             let mut reply = [0u8; 256];
             let n = stream.read(&mut reply)?;
             let reply = reply.get(..n).unwrap_or_default();
@@ -171,7 +173,7 @@ impl Subscriber {
         }
         let mut args = vec!["SUBSCRIBE"];
         args.extend(channels.iter().map(String::as_str));
-        stream.write_all(&command(&args))?;
+        stream.write_all(&resp::command(&args))?;
         stream.set_nonblocking()?;
         Ok(Self {
             stream,
@@ -212,7 +214,7 @@ impl Subscriber {
         }
         let mut out = Vec::new();
         let mut pos = 0;
-        while let Some((used, value)) = parse(self.buf.get(pos..).unwrap_or_default())? {
+        while let Some((used, value)) = resp::parse(self.buf.get(pos..).unwrap_or_default())? {
             pos += used;
             match value {
                 Value::Array(items) => match items.as_slice() {
@@ -250,113 +252,5 @@ impl Subscriber {
 impl AsRawFd for Subscriber {
     fn as_raw_fd(&self) -> RawFd {
         self.stream.as_raw_fd()
-    }
-}
-
-fn command(args: &[&str]) -> Vec<u8> {
-    let mut out = format!("*{}\r\n", args.len()).into_bytes();
-    for a in args {
-        out.extend_from_slice(format!("${}\r\n", a.len()).as_bytes());
-        out.extend_from_slice(a.as_bytes());
-        out.extend_from_slice(b"\r\n");
-    }
-    out
-}
-
-#[derive(Debug, PartialEq)]
-enum Value {
-    Bulk(Vec<u8>),
-    Int(i64),
-    Error(Vec<u8>),
-    Simple,
-    Nil,
-    Array(Vec<Value>),
-}
-
-/// How deep arrays may nest. A subscription's pushes are flat arrays; the cap keeps a
-/// malformed stream of `*1\r\n*1\r\n…` from recursing until the bridge's stack overflows.
-const MAX_DEPTH: usize = 4;
-
-/// Parses one RESP2 value. Ok(None) = incomplete.
-fn parse(buf: &[u8]) -> io::Result<Option<(usize, Value)>> {
-    parse_nested(buf, 0)
-}
-
-fn parse_nested(buf: &[u8], depth: usize) -> io::Result<Option<(usize, Value)>> {
-    let bad = || io::Error::new(io::ErrorKind::InvalidData, "malformed redis reply");
-    let Some(line_end) = buf.windows(2).position(|w| w == b"\r\n") else {
-        return Ok(None);
-    };
-    let line = buf.get(1..line_end).ok_or_else(bad)?;
-    let after = line_end + 2;
-    let number = || -> io::Result<i64> {
-        std::str::from_utf8(line)
-            .ok()
-            .and_then(|s| s.parse().ok())
-            .ok_or_else(bad)
-    };
-    match buf.first() {
-        Some(b'+') => Ok(Some((after, Value::Simple))),
-        Some(b'-') => Ok(Some((after, Value::Error(line.to_vec())))),
-        Some(b':') => Ok(Some((after, Value::Int(number()?)))),
-        Some(b'$') => {
-            let n = number()?;
-            if n < 0 {
-                return Ok(Some((after, Value::Nil)));
-            }
-            let n = usize::try_from(n).map_err(|_| bad())?;
-            if buf.len() < after + n + 2 {
-                return Ok(None);
-            }
-            let data = buf.get(after..after + n).ok_or_else(bad)?.to_vec();
-            Ok(Some((after + n + 2, Value::Bulk(data))))
-        }
-        Some(b'*') => {
-            let n = number()?;
-            if n < 0 {
-                return Ok(Some((after, Value::Nil)));
-            }
-            if depth >= MAX_DEPTH {
-                return Err(bad());
-            }
-            let mut items = Vec::new();
-            let mut pos = after;
-            for _ in 0..n {
-                let Some((used, v)) = parse_nested(buf.get(pos..).unwrap_or_default(), depth + 1)?
-                else {
-                    return Ok(None);
-                };
-                pos += used;
-                items.push(v);
-            }
-            Ok(Some((pos, Value::Array(items))))
-        }
-        _ => Err(bad()),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn parses_messages_and_partials() {
-        let msg = b"*3\r\n$7\r\nmessage\r\n$2\r\nch\r\n$5\r\nhello\r\n";
-        let (n, v) = parse(msg).unwrap().unwrap();
-        assert_eq!(n, msg.len());
-        assert!(matches!(v, Value::Array(ref items) if items.len() == 3));
-        for cut in 0..msg.len() {
-            assert!(parse(&msg[..cut]).unwrap().is_none(), "cut at {cut}");
-        }
-        assert!(parse(b"?x\r\n").is_err());
-        // Nested past the cap: refused, not recursed into.
-        let deep = b"*1\r\n".repeat(100_000);
-        assert!(parse(&deep).is_err());
-        let ok = b"*1\r\n*1\r\n*1\r\n*1\r\n:5\r\n";
-        assert!(parse(ok).unwrap().is_some());
-        assert_eq!(
-            command(&["SUBSCRIBE", "a"]),
-            b"*2\r\n$9\r\nSUBSCRIBE\r\n$1\r\na\r\n".to_vec()
-        );
     }
 }
