@@ -13,6 +13,11 @@ use crate::ids::{BootId, ConnId, RigId, Seq};
 use crate::registry::msg::{CommandReq, Recall, ReplyTo, SeqCommand, ToCore, Verdict};
 use crate::reply;
 
+mod parked;
+
+use parked::Parked;
+pub use parked::MAX_PARKED_BYTES;
+
 /// Something the bridge must do.
 #[derive(Debug)]
 pub enum Action {
@@ -52,31 +57,6 @@ struct Entry {
     owner: Owner,
     labels: Box<[(String, String)]>,
 }
-
-#[derive(Debug)]
-struct Parked {
-    boot: BootId,
-    next_seq: Seq,
-    carried: Vec<SeqCommand>,
-    /// None when the session remembers nothing past its commands (most do: no allocation).
-    recall: Option<Box<Recall>>,
-    /// Fleet mode: the highest seq delivered while Redis was away and not put back since
-    /// (0: none), for `rekeep.lua` to tell the commands only this copy knows of.
-    unkept_to: Seq,
-    at: Instant,
-}
-
-impl Parked {
-    fn bytes(&self) -> usize {
-        self.carried.iter().map(|c| c.json.len()).sum::<usize>()
-            + self.recall.as_ref().map_or(0, |r| r.bytes())
-    }
-}
-
-/// Bytes of commands parked sessions may keep for their rigs' return. A rig's session may hold
-/// 24 MiB (`crate::worker::queues`), so a few hundred slow rigs dropping at once could
-/// otherwise park gigabytes for the park window.
-pub const MAX_PARKED_BYTES: usize = 1 << 30;
 
 /// Connections whose accepted session is on its way back from a core (see
 /// [`Embedded::returned`]); only a lost message could leave one here, so this only guards.
@@ -140,11 +120,6 @@ impl Embedded {
     /// The session the last [`Self::closed`] ended for a newer boot of its rig, if it did.
     pub fn take_rebooted(&mut self) -> Option<Rebooted> {
         self.rebooted.take()
-    }
-
-    /// Commands parked sessions dropped for [`MAX_PARKED_BYTES`] since the last call.
-    pub fn take_parked_dropped(&mut self) -> u64 {
-        std::mem::take(&mut self.parked_dropped)
     }
 
     /// Rigs currently owned by a connection.
@@ -430,15 +405,6 @@ impl Embedded {
         self.rigs.iter().map(|(r, e)| (r.clone(), e.boot)).collect()
     }
 
-    /// Every session parked here for a disconnected rig, with its boot (to be put back into
-    /// Redis after Redis lost them or missed commands delivered while it was away).
-    pub fn parked_sessions(&self) -> Vec<(RigId, BootId)> {
-        self.parked
-            .iter()
-            .map(|(r, p)| (r.clone(), p.boot))
-            .collect()
-    }
-
     /// Gives back the room of tables a burst grew and that now hold a quarter of it or less:
     /// 10,000 rigs that connected and left kept about 5 MB of empty table room here until
     /// the broker restarted. Called now and then, never on a rig's path.
@@ -456,44 +422,6 @@ impl Embedded {
         {
             self.parked_order.shrink_to(self.parked_order.len() * 2);
         }
-    }
-
-    /// Records that `rig`'s session of `boot`, if it is the one parked, holds commands up to
-    /// `to` that Redis may never have kept (`Seq(0)`: none, once it has put them back).
-    pub fn mark_parked_unkept(&mut self, rig: &RigId, boot: BootId, to: Seq) {
-        if let Some(p) = self.parked.get_mut(rig).filter(|p| p.boot == boot) {
-            p.unkept_to = to;
-        }
-    }
-
-    /// Redis lost keys (it restarted empty, or was flushed): every parked session's commands
-    /// are now ones Redis may not hold, as if delivered while it was away.
-    pub fn mark_all_parked_unkept(&mut self) {
-        for p in self.parked.values_mut() {
-            let top = p.carried.iter().map(|c| c.seq).max().unwrap_or(Seq(0));
-            p.unkept_to = p.unkept_to.max(top);
-        }
-    }
-
-    /// The parked sessions holding commands Redis may never have kept.
-    pub fn parked_unkept(&self) -> Vec<(RigId, BootId)> {
-        self.parked
-            .iter()
-            .filter(|(_, p)| p.unkept_to > Seq(0))
-            .map(|(r, p)| (r.clone(), p.boot))
-            .collect()
-    }
-
-    /// The highest seq of `rig`'s parked session Redis may never have kept (0: none).
-    pub fn parked_unkept_to(&self, rig: &RigId) -> Seq {
-        self.parked.get(rig).map_or(Seq(0), |p| p.unkept_to)
-    }
-
-    /// `rig`'s parked session: its boot, next seq and the unacked commands it carries.
-    pub fn parked(&self, rig: &RigId) -> Option<(BootId, Seq, &[SeqCommand])> {
-        self.parked
-            .get(rig)
-            .map(|p| (p.boot, p.next_seq, &p.carried[..]))
     }
 
     /// Another broker owns `rig` now (a refresh said superseded, or an evict arrived with a boot
@@ -608,84 +536,6 @@ impl Embedded {
         }
         out
     }
-
-    /// Forgets parked sessions older than the park window.
-    pub fn expire(&mut self, now: Instant) {
-        while let Some((at, _)) = self.parked_order.front() {
-            if now.duration_since(*at) < self.park_for {
-                break;
-            }
-            if let Some((at, rig)) = self.parked_order.pop_front() {
-                if self.parked.get(&rig).is_some_and(|p| p.at == at) {
-                    self.unpark(&rig);
-                }
-            }
-        }
-    }
-
-    fn unpark(&mut self, rig: &RigId) -> Option<Parked> {
-        let p = self.parked.remove(rig)?;
-        self.parked_bytes = self.parked_bytes.saturating_sub(p.bytes());
-        Some(p)
-    }
-
-    fn park(
-        &mut self,
-        rig: RigId,
-        boot: BootId,
-        next_seq: Seq,
-        carried: Vec<SeqCommand>,
-        recall: Option<Box<Recall>>,
-        now: Instant,
-    ) {
-        let p = Parked {
-            boot,
-            next_seq,
-            carried,
-            recall,
-            unkept_to: Seq(0),
-            at: now,
-        };
-        self.parked_bytes += p.bytes();
-        if let Some(old) = self.parked.insert(rig.clone(), p) {
-            self.parked_bytes = self.parked_bytes.saturating_sub(old.bytes());
-        }
-        self.parked_order.push_back((now, rig));
-        self.drop_oldest_parked_commands();
-    }
-
-    /// Past [`MAX_PARKED_BYTES`], the oldest parked sessions lose their commands (counted), and
-    /// keep their seq, so that a resume never numbers a command with a seq the rig has seen.
-    fn drop_oldest_parked_commands(&mut self) {
-        let mut order = self.parked_order.iter();
-        while self.parked_bytes > self.max_parked_bytes {
-            let Some((at, rig)) = order.next() else {
-                break;
-            };
-            let Some(p) = self.parked.get_mut(rig).filter(|p| p.at == *at) else {
-                continue;
-            };
-            self.parked_bytes = self.parked_bytes.saturating_sub(p.bytes());
-            let dropped = std::mem::take(&mut p.carried);
-            // The ids awaiting results go with them: a result reported without its id still
-            // names the rig, boot and seq that its ack event joined to the id.
-            p.recall = p.recall.take().filter(|r| r.last_ack_ms != 0).map(|mut r| {
-                r.results = Vec::new();
-                r
-            });
-            self.parked_dropped += dropped.len() as u64;
-            if dropped.is_empty() {
-                continue;
-            }
-            if let Some(n) = self.parked_drop_log.note(Instant::now()) {
-                log::warn!(
-                    "rig {rig}: {} commands kept for its return dropped: parked sessions hold {} bytes ({n} sessions lost theirs since the last such line; parked/dropped counts the commands)",
-                    dropped.len(),
-                    self.max_parked_bytes
-                );
-            }
-        }
-    }
 }
 
 fn accept(
@@ -720,25 +570,32 @@ fn not_connected(req: CommandReq) -> Action {
 }
 
 #[cfg(test)]
-mod tests {
+mod test_support {
     use super::*;
     use crate::ids::CoreId;
 
-    fn rig() -> RigId {
+    pub(super) fn rig() -> RigId {
         RigId::parse("rig-1").unwrap()
     }
-    fn boot(ms: u64) -> BootId {
+    pub(super) fn boot(ms: u64) -> BootId {
         BootId::generate(ms)
     }
-    fn conn(n: u64) -> ConnId {
+    pub(super) fn conn(n: u64) -> ConnId {
         ConnId::new(CoreId(0), n)
     }
-    fn verdict_of(actions: &[Action], c: ConnId) -> Option<&Verdict> {
+    pub(super) fn verdict_of(actions: &[Action], c: ConnId) -> Option<&Verdict> {
         actions.iter().find_map(|a| match a {
             Action::Core(to, ToCore::Verdict { verdict, .. }) if *to == c => Some(verdict),
             _ => None,
         })
     }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::test_support::*;
+    use super::*;
+
     fn superseded(actions: &[Action]) -> Vec<ConnId> {
         actions
             .iter()
@@ -972,101 +829,6 @@ mod tests {
         assert!(accept.is_some() && rekeep > accept, "{done:?}");
     }
 
-    /// A parked session's ids awaiting results count against the parked bytes and go with its
-    /// commands past the bound; the last ack's time stays, as the seq does.
-    #[test]
-    fn a_parked_sessions_recall_comes_back_and_counts_against_the_bound() {
-        let mut r = Embedded::new(Duration::from_secs(60), 4);
-        let now = Instant::now();
-        let recall = Recall {
-            results: vec![(Seq(2), "c2".into())],
-            last_ack: Seq(2),
-            last_ack_ms: 1_700_000_000_000,
-        };
-        let up = boot(1);
-        let recall_of = |r: &mut Embedded, c: u64| match verdict_of(
-            &r.hello(conn(c), rig(), up, vec![]),
-            conn(c),
-        ) {
-            Some(Verdict::Accept { recall, .. }) => recall.as_deref().cloned().unwrap_or_default(),
-            other => panic!("{other:?}"),
-        };
-        let park = |r: &mut Embedded, c: u64| {
-            let recall = Some(Box::new(recall.clone()));
-            r.closed(conn(c), rig(), up, Seq(3), vec![], recall, now)
-        };
-        r.hello(conn(1), rig(), up, vec![]);
-        park(&mut r, 1);
-        assert_eq!(r.parked_bytes, recall.bytes());
-        assert_eq!(recall_of(&mut r, 2), recall);
-        assert_eq!(r.parked_bytes, 0);
-
-        r.max_parked_bytes = recall.bytes() - 1;
-        park(&mut r, 2);
-        assert_eq!(r.parked_bytes, 0);
-        let kept = Recall {
-            results: vec![],
-            ..recall
-        };
-        assert_eq!(recall_of(&mut r, 3), kept, "the time stays");
-    }
-
-    #[test]
-    fn parked_commands_past_the_byte_bound_go_oldest_first_and_seqs_stay() {
-        let mut r = Embedded::new(Duration::from_secs(60), 4);
-        r.max_parked_bytes = 250;
-        let now = Instant::now();
-        let cmds = |n: u64| -> Vec<SeqCommand> {
-            (1..=n)
-                .map(|seq| SeqCommand::for_test(seq, 50, false))
-                .collect()
-        };
-        let (a, b, up) = (
-            RigId::parse("a").unwrap(),
-            RigId::parse("b").unwrap(),
-            boot(1),
-        );
-        r.hello(conn(1), a.clone(), up, vec![]);
-        r.hello(conn(2), b.clone(), up, vec![]);
-        r.closed(conn(1), a.clone(), up, Seq(4), cmds(3), None, now);
-        assert_eq!((r.parked_bytes, r.take_parked_dropped()), (150, 0));
-        // 150 + 200 > 250: the older session, a's, gives up its commands.
-        r.closed(conn(2), b.clone(), up, Seq(5), cmds(4), None, now);
-        assert_eq!((r.parked_bytes, r.take_parked_dropped()), (200, 3));
-        let back = r.hello(conn(3), a, up, vec![]);
-        match verdict_of(&back, conn(3)) {
-            Some(Verdict::Accept {
-                next_seq, carried, ..
-            }) => assert_eq!((*next_seq, carried.len()), (Seq(4), 0)),
-            other => panic!("{other:?}"),
-        }
-        let back = r.hello(conn(4), b, up, vec![]);
-        match verdict_of(&back, conn(4)) {
-            Some(Verdict::Accept { carried, .. }) => assert_eq!(carried.len(), 4),
-            other => panic!("{other:?}"),
-        }
-        assert_eq!(r.parked_bytes, 0);
-    }
-
-    /// Redis lost keys: every parked copy's commands count as never kept, up to its last.
-    #[test]
-    fn a_parked_copy_counts_as_unkept_once_redis_lost_keys() {
-        let mut r = Embedded::new(Duration::from_secs(60), 4);
-        let now = Instant::now();
-        let b = boot(1);
-        r.hello(conn(1), rig(), b, vec![]);
-        let carried = vec![
-            SeqCommand::for_test(2, 4, false),
-            SeqCommand::for_test(3, 4, false),
-        ];
-        r.closed(conn(1), rig(), b, Seq(4), carried, None, now);
-        assert_eq!(r.parked_unkept_to(&rig()), Seq(0));
-        assert!(r.parked_unkept().is_empty());
-        r.mark_all_parked_unkept();
-        assert_eq!(r.parked_unkept_to(&rig()), Seq(3));
-        assert_eq!(r.parked_unkept(), [(rig(), b)]);
-    }
-
     /// 2,000 rigs that came and went leave their tables' room behind until the next trim.
     #[test]
     fn tables_a_burst_grew_give_their_room_back_once_mostly_empty() {
@@ -1097,36 +859,6 @@ mod tests {
         let room = busy.rigs.capacity();
         busy.shrink_idle();
         assert_eq!(busy.rigs.capacity(), room);
-    }
-
-    #[test]
-    fn parked_session_resumes_then_expires() {
-        let mut r = Embedded::new(Duration::from_secs(60), 4);
-        let now = Instant::now();
-        let b = boot(100);
-        r.hello(conn(1), rig(), b, vec![]);
-        assert!(r.closed(conn(1), rig(), b, Seq(4), vec![], None, now).1);
-        assert!(r.is_empty());
-        let a = r.hello(conn(2), rig(), b, vec![]);
-        assert!(matches!(
-            verdict_of(&a, conn(2)),
-            Some(Verdict::Accept {
-                next_seq: Seq(4),
-                resumed: true,
-                ..
-            })
-        ));
-        r.closed(conn(2), rig(), b, Seq(6), vec![], None, now);
-        r.expire(now + Duration::from_secs(61));
-        let a = r.hello(conn(3), rig(), b, vec![]);
-        assert!(matches!(
-            verdict_of(&a, conn(3)),
-            Some(Verdict::Accept {
-                next_seq: Seq(1),
-                resumed: false,
-                ..
-            })
-        ));
     }
 
     #[test]
