@@ -573,6 +573,7 @@ fn not_connected(req: CommandReq) -> Action {
 mod test_support {
     use super::*;
     use crate::ids::CoreId;
+    use crate::registry::msg::AdminAnswer;
 
     pub(super) fn rig() -> RigId {
         RigId::parse("rig-1").unwrap()
@@ -582,6 +583,20 @@ mod test_support {
     }
     pub(super) fn conn(n: u64) -> ConnId {
         ConnId::new(CoreId(0), n)
+    }
+    /// Command `x` for [`rig`] from the admin API, answered on `reply`.
+    pub(super) fn admin_command(
+        id: &str,
+        reply: crossbeam_channel::Sender<AdminAnswer>,
+    ) -> Box<CommandReq> {
+        Box::new(CommandReq {
+            id: id.into(),
+            rig: rig(),
+            name: "x".into(),
+            args: crate::args::Args::null(),
+            reply: ReplyTo::Admin(reply),
+            offline_ttl: None,
+        })
     }
     pub(super) fn verdict_of(actions: &[Action], c: ConnId) -> Option<&Verdict> {
         actions.iter().find_map(|a| match a {
@@ -650,14 +665,7 @@ mod tests {
             "waits for the old connection's seq"
         );
         let (tx, _rx) = crossbeam_channel::bounded(1);
-        let req = Box::new(CommandReq {
-            id: "c".into(),
-            rig: rig(),
-            name: "x".into(),
-            args: crate::args::Args::null(),
-            reply: ReplyTo::Admin(tx),
-            offline_ttl: None,
-        });
+        let req = admin_command("c", tx);
         assert!(r.command(req).is_empty(), "held during the hand-over");
         let (done, released) = r.closed(conn(1), rig(), b, Seq(8), vec![], None, now);
         assert!(!released, "the session moved, the lease stays");
@@ -767,14 +775,7 @@ mod tests {
         r.hello(conn(1), rig(), b, vec![]);
         r.hello(conn(2), rig(), b, vec![]);
         let (tx, rx) = crossbeam_channel::bounded(4);
-        let req = Box::new(CommandReq {
-            id: "held".into(),
-            rig: rig(),
-            name: "x".into(),
-            args: crate::args::Args::null(),
-            reply: ReplyTo::Admin(tx),
-            offline_ttl: None,
-        });
+        let req = admin_command("held", tx);
         assert!(r.command(req).is_empty());
         let out = r.end_hand_overs();
         assert_eq!(out.len(), 1);
@@ -881,14 +882,7 @@ mod tests {
     fn unknown_rig_gets_not_connected() {
         let mut r = Embedded::new(Duration::from_secs(60), 4);
         let (tx, _rx) = crossbeam_channel::bounded(1);
-        let req = Box::new(CommandReq {
-            id: "c".into(),
-            rig: rig(),
-            name: "x".into(),
-            args: crate::args::Args::null(),
-            reply: ReplyTo::Admin(tx),
-            offline_ttl: None,
-        });
+        let req = admin_command("c", tx);
         let a = r.command(req);
         assert!(matches!(&a[..], [Action::Reply(_, v)] if v["error"] == "rig_not_connected"));
     }
