@@ -15,8 +15,17 @@ use crate::registry::command_con::CommandCon;
 use crate::registry::exit_wait::ExitWait;
 use crate::registry::pubsub::{Push, Subscriber};
 
-/// Backoff cap between reconnect attempts.
+/// Backoff cap between reconnect attempts that each held the bridge: a hung Redis or a
+/// black-holed path keeps an attempt up to its probe's 250 ms, and hellos and admin commands
+/// wait behind it, so such attempts come at most one every 2.5–7.5 s.
 const MAX_BACKOFF: Duration = Duration::from_secs(5);
+/// The cap once an attempt failed at once (refused: Redis restarting, or loading its data).
+/// Trying again costs next to nothing then, and every second saved is a second sooner that
+/// commands published through Redis reach this broker again.
+const MAX_BACKOFF_REFUSED: Duration = Duration::from_secs(1);
+/// Between the two caps, an attempt's cap is this many times what it took, so that attempts
+/// hold the bridge about a twentieth of the time (a tenth at the shortest jitter).
+const CAP_PER_ATTEMPT_TIME: u32 = 20;
 
 /// What Redis says of a broker id at start ([`broker_id_in_use`]).
 #[derive(Debug, PartialEq, Eq)]
@@ -101,6 +110,7 @@ impl Fleet {
         if now < self.next_attempt {
             return false;
         }
+        let started = Instant::now();
         match self.open_missing() {
             Ok(()) => {
                 log::info!("redis: connected, scripts loaded, subscribed");
@@ -109,7 +119,7 @@ impl Fleet {
                 true
             }
             Err(e) => {
-                self.back_off(now, &e);
+                self.back_off(now, &e, cap_after(started.elapsed()));
                 false
             }
         }
@@ -192,7 +202,7 @@ impl Fleet {
             return self.note_refusal(e);
         }
         self.con = None;
-        self.back_off(now, e);
+        self.back_off(now, e, MAX_BACKOFF);
     }
 
     /// Counts a call Redis refused on a sound connection, and logs it at most once a second.
@@ -207,8 +217,9 @@ impl Fleet {
         }
     }
 
-    /// Schedules the next reconnect attempt after a failure.
-    fn back_off(&mut self, now: Instant, why: &dyn std::fmt::Display) {
+    /// Schedules the next reconnect attempt after a failure, at most `cap` (before jitter)
+    /// after the last.
+    fn back_off(&mut self, now: Instant, why: &dyn std::fmt::Display, cap: Duration) {
         let mut why = plain_timeout(why.to_string());
         if refuses_credentials(&why) {
             why = format!("credentials refused ({why})");
@@ -233,10 +244,7 @@ impl Fleet {
             self.down_why_changed = true;
         }
         self.failures = self.failures.saturating_add(1);
-        let base = Duration::from_millis(100)
-            .saturating_mul(1 << self.failures.min(10))
-            .min(MAX_BACKOFF);
-        self.next_attempt = now + base.mul_f64(0.5 + fastrand::f64());
+        self.next_attempt = now + backoff(self.failures, cap, fastrand::f64());
     }
 
     /// Tries to reach Redis until `wait` is over, every [`EXIT_RETRY`] rather than at the
@@ -286,7 +294,7 @@ impl Fleet {
                     }
                     None => {}
                 }
-                self.back_off(Instant::now(), &e);
+                self.back_off(Instant::now(), &e, MAX_BACKOFF);
                 Vec::new()
             }
         }
@@ -296,6 +304,23 @@ impl Fleet {
     pub(crate) fn fd(&self) -> Option<RawFd> {
         self.sub.as_ref().map(AsRawFd::as_raw_fd)
     }
+}
+
+/// The cap for the wait after an attempt that failed in `took`: short when it was refused at
+/// once, long when it held the bridge.
+fn cap_after(took: Duration) -> Duration {
+    took.saturating_mul(CAP_PER_ATTEMPT_TIME)
+        .clamp(MAX_BACKOFF_REFUSED, MAX_BACKOFF)
+}
+
+/// The wait after `failures` failed attempts in a row: doubling from 200 ms up to `cap`, then
+/// scaled by 0.5–1.5 (`jitter` in 0–1), so that brokers that lost Redis together do not
+/// all come back in the same instant.
+fn backoff(failures: u32, cap: Duration, jitter: f64) -> Duration {
+    Duration::from_millis(100)
+        .saturating_mul(1 << failures.min(10))
+        .min(cap)
+        .mul_f64(0.5 + jitter)
 }
 
 #[cfg(test)]
@@ -308,15 +333,65 @@ mod tests {
         let mut f = fleet();
         assert_eq!(f.take_down_why(), None);
         let now = Instant::now();
-        f.back_off(now, &"Connection refused (os error 111)");
+        f.back_off(now, &"Connection refused (os error 111)", MAX_BACKOFF);
         assert_eq!(
             f.take_down_why(),
             Some(Some("Connection refused (os error 111)".into()))
         );
-        f.back_off(now, &"Connection refused (os error 111)");
+        f.back_off(now, &"Connection refused (os error 111)", MAX_BACKOFF);
         assert_eq!(f.take_down_why(), None, "unchanged: nothing to hand over");
-        f.back_off(now, &"WRONGPASS: invalid username-password pair");
+        f.back_off(
+            now,
+            &"WRONGPASS: invalid username-password pair",
+            MAX_BACKOFF,
+        );
         let why = f.take_down_why().flatten().unwrap_or_default();
         assert!(why.starts_with("credentials refused ("), "{why}");
+    }
+
+    #[test]
+    fn a_refused_attempt_is_tried_again_within_1_5_s_and_one_that_held_the_bridge_backs_off_to_7_5_s(
+    ) {
+        let refused = cap_after(Duration::from_millis(1));
+        let held = cap_after(Duration::from_millis(250));
+        assert_eq!((refused, held), (MAX_BACKOFF_REFUSED, MAX_BACKOFF));
+        // A slow refusal (a Redis far away) is paced by what it took.
+        assert_eq!(
+            cap_after(Duration::from_millis(100)),
+            Duration::from_secs(2)
+        );
+        // The first waits are the same either way: 200 ms, 400 ms, 800 ms before jitter.
+        for failures in 1..=3 {
+            assert_eq!(
+                backoff(failures, refused, 0.5),
+                backoff(failures, held, 0.5)
+            );
+        }
+        assert_eq!(backoff(1, held, 0.5), Duration::from_millis(200));
+        // After a long outage: at most 1.5 s while Redis refuses, 7.5 s while it hangs.
+        for failures in [10, 11, 1_000, u32::MAX] {
+            assert_eq!(
+                backoff(failures, refused, 1.0),
+                Duration::from_millis(1_500)
+            );
+            assert_eq!(backoff(failures, refused, 0.0), Duration::from_millis(500));
+            assert_eq!(backoff(failures, held, 1.0), Duration::from_millis(7_500));
+            assert_eq!(backoff(failures, held, 0.0), Duration::from_millis(2_500));
+        }
+    }
+
+    #[test]
+    fn while_redis_refuses_connections_attempts_come_at_the_short_pace() {
+        // Its Redis is 127.0.0.1:1, where nothing listens: each attempt is refused at once.
+        let mut f = fleet();
+        f.failures = 20;
+        let now = Instant::now();
+        f.next_attempt = now;
+        assert!(!f.ensure(now));
+        let wait = f.next_attempt - now;
+        assert!(
+            wait <= Duration::from_millis(1_500),
+            "a refused attempt after a long outage waits {wait:?}"
+        );
     }
 }
