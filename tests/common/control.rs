@@ -104,9 +104,7 @@ impl Control {
     pub fn command(&mut self, broker: &str, rig: &str, name: &str, args: Value) -> Value {
         self.command_id(broker, rig, &boot_id(), name, args)
     }
-}
 
-impl Control {
     /// The next event of type `kind` on `fleetlink:events` (this control must subscribe to it).
     pub fn next_event(&mut self, kind: &str) -> Value {
         self.next(|ch, v| ch == "fleetlink:events" && v["type"] == kind)
