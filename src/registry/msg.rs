@@ -68,6 +68,26 @@ impl Recall {
     }
 }
 
+/// A welcomed connection's session once the connection has closed, as the connection's end
+/// hands it from its core to the registry (waiting in `crate::worker::closing` for Redis when
+/// it must, then through the bridge). One value, so that no step on the way can drop or swap
+/// one of its parts, or has to spell all five out again.
+#[derive(Debug)]
+pub struct ClosedSession {
+    /// Its rig.
+    pub rig: RigId,
+    /// Its boot.
+    pub boot: BootId,
+    /// The next seq the session would have used.
+    pub next_seq: Seq,
+    /// Commands of the session not yet acked, kept for the session's next connection.
+    pub carried: Vec<SeqCommand>,
+    /// What the session remembers besides them; None when nothing (no allocation for the many
+    /// sessions that have acked nothing). Boxed as parked sessions and verdicts hold it (a
+    /// verdict's queue slot is preallocated).
+    pub recall: Option<Box<Recall>>,
+}
+
 /// A command to keep in Redis before it is written and control hears `ok` (fleet mode).
 #[derive(Debug)]
 pub struct PersistReq {
@@ -316,18 +336,10 @@ pub enum ToBridge {
     Closed {
         /// The connection.
         conn: ConnId,
-        /// Its rig.
-        rig: RigId,
-        /// Its boot.
-        boot: BootId,
-        /// The next seq the session would have used.
-        next_seq: Seq,
-        /// Commands of the session not yet acked, kept for the session's next connection (a
-        /// boxed slice: this is the largest message, and queue slots are preallocated).
-        carried: Box<[SeqCommand]>,
-        /// What the session remembers besides them; None when nothing (no allocation for the
-        /// many sessions that have acked nothing). Boxed: queue slots are preallocated.
-        recall: Option<Box<Recall>>,
+        /// Its session. Boxed, as queue slots are preallocated: inline, it would make every
+        /// slot 104 bytes (the enum's tag finds no room in the struct's padding), even with its
+        /// commands as a boxed slice.
+        session: Box<ClosedSession>,
     },
     /// A hello never got a verdict because its connection went away first.
     Abandoned {

@@ -11,45 +11,21 @@
 
 use std::collections::HashMap;
 
-use crate::ids::{BootId, ConnId, RigId, Seq};
-use crate::registry::msg::{Recall, SeqCommand, ToBridge};
+use crate::ids::{ConnId, Seq};
+use crate::registry::msg::{ClosedSession, ToBridge};
 use crate::worker::core::Core;
 use crate::worker::session;
 
-/// A closed connection's session whose held commands wait for Redis.
-pub(crate) struct Closing {
-    rig: RigId,
-    boot: BootId,
-    next_seq: Seq,
-    carried: Vec<SeqCommand>,
-    recall: Option<Box<Recall>>,
-}
-
-/// Closed sessions of this core waiting for their persists' answers, by connection. At most
-/// one per connection that closed with a persist in flight, each for one bridge pass.
-pub(crate) type Waiting = HashMap<ConnId, Closing>;
+/// Closed sessions of this core whose held commands wait for Redis's answers, by connection.
+/// At most one per connection that closed with a persist in flight, each for one bridge pass.
+pub(crate) type Waiting = HashMap<ConnId, ClosedSession>;
 
 /// Tells the bridge `conn` closed, or waits for the answers to its held commands first.
-pub(crate) fn closed(
-    core: &Core,
-    conn: ConnId,
-    rig: RigId,
-    boot: BootId,
-    next_seq: Seq,
-    carried: Vec<SeqCommand>,
-    recall: Option<Box<Recall>>,
-) {
-    let waiting = Closing {
-        rig,
-        boot,
-        next_seq,
-        carried,
-        recall,
-    };
-    if waiting.carried.iter().any(|c| c.held) {
-        core.closing.borrow_mut().insert(conn, waiting);
+pub(crate) fn closed(core: &Core, conn: ConnId, session: ClosedSession) {
+    if session.carried.iter().any(|c| c.held) {
+        core.closing.borrow_mut().insert(conn, session);
     } else {
-        hand_over(core, conn, waiting);
+        hand_over(core, conn, session);
     }
 }
 
@@ -104,14 +80,13 @@ pub(crate) fn rekeep(core: &Core, conn: ConnId) -> bool {
     true
 }
 
-fn hand_over(core: &Core, conn: ConnId, s: Closing) {
+fn hand_over(core: &Core, conn: ConnId, mut session: ClosedSession) {
+    // Kept parked for the park window, or queued on the rig's next connection: no spare room
+    // goes along.
+    session.carried.shrink_to_fit();
     core.to_bridge_owed(ToBridge::Closed {
         conn,
-        rig: s.rig,
-        boot: s.boot,
-        next_seq: s.next_seq,
-        carried: s.carried.into_boxed_slice(),
-        recall: s.recall,
+        session: Box::new(session),
     });
 }
 
@@ -121,7 +96,8 @@ mod tests {
 
     use super::*;
     use crate::doorbell::{self, Inbox};
-    use crate::registry::msg::ToCore;
+    use crate::ids::{BootId, RigId};
+    use crate::registry::msg::{SeqCommand, ToCore};
     use crate::worker::core::tests::test_core;
     use crate::worker::core::{Conn, Session};
     use crate::worker::queues::Queues;
@@ -181,8 +157,8 @@ mod tests {
 
     fn closed_carried(rx: &Inbox<ToBridge>) -> Option<Vec<(u64, bool)>> {
         std::iter::from_fn(|| rx.try_recv()).find_map(|m| match m {
-            ToBridge::Closed { carried, .. } => {
-                Some(carried.iter().map(|c| (c.seq.0, c.held)).collect())
+            ToBridge::Closed { session, .. } => {
+                Some(session.carried.iter().map(|c| (c.seq.0, c.held)).collect())
             }
             _ => None,
         })

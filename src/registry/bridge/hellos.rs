@@ -534,7 +534,7 @@ mod tests {
 
     use super::*;
     use crate::ids::CoreId;
-    use crate::registry::bridge::testing::bridge;
+    use crate::registry::bridge::testing::{bridge, closed};
     use crate::registry::bridge::REGISTRY_OPS;
 
     /// Redis may hold more of a session than any connection did (removals of acked commands
@@ -616,17 +616,11 @@ mod tests {
         assert!(old < new);
         let first = ConnId::new(CoreId(0), 1);
         b.registry.hello(first, rig.clone(), old, vec![]);
-        b.handle(crate::registry::msg::ToBridge::Closed {
-            conn: first,
-            rig: rig.clone(),
-            boot: old,
-            next_seq: Seq(3),
-            carried: Box::new([
-                SeqCommand::for_test(1, 4, false),
-                SeqCommand::for_test(2, 4, false),
-            ]),
-            recall: Default::default(),
-        });
+        let carried = vec![
+            SeqCommand::for_test(1, 4, false),
+            SeqCommand::for_test(2, 4, false),
+        ];
+        b.handle(closed(first, rig.clone(), old, Seq(3), carried));
         b.queue_hello(ConnId::new(CoreId(0), 2), rig.clone(), new, vec![]);
         b.flush_hellos();
         let f = b.fleet.as_ref().expect("fleet");

@@ -331,17 +331,17 @@ impl Bridge {
         let actions = match msg {
             // Queued above, answered by `flush_hellos`.
             ToBridge::Hello { .. } => Vec::new(),
-            ToBridge::Closed {
-                conn,
-                rig,
-                boot,
-                next_seq,
-                carried,
-                recall,
-            } => {
+            ToBridge::Closed { conn, session } => {
+                // The registry takes the session; what is left to do with it here needs these.
+                let (rig, boot, next_seq) = (session.rig.clone(), session.boot, session.next_seq);
+                let carried = &session.carried;
                 // For a resume on another broker: written into the session once its lease goes
                 // (fleet mode only; standalone, the parked session is the only copy needed).
-                let remember = recall.as_ref().filter(|_| self.fleet.is_some()).cloned();
+                let remember = session
+                    .recall
+                    .as_ref()
+                    .filter(|_| self.fleet.is_some())
+                    .cloned();
                 // Superseded at the first refresh after a reconnect: the registry no longer
                 // holds the rig, so the session does not park; it goes back as it closed.
                 self.decided_alone.remove(&(rig.clone(), boot));
@@ -372,15 +372,7 @@ impl Bridge {
                         .collect(),
                     unkept_to: high.unwrap_or(Seq(0)),
                 });
-                let (actions, released) = self.registry.closed(
-                    conn,
-                    rig.clone(),
-                    boot,
-                    next_seq,
-                    carried.into_vec(),
-                    recall,
-                    Instant::now(),
-                );
+                let (actions, released) = self.registry.closed(conn, *session, Instant::now());
                 if let (true, Some(recall), Some(f)) = (released, &remember, self.fleet.as_mut()) {
                     if !f.remember(rig.clone(), boot, recall) {
                         self.shared.count("remember", "dropped");
@@ -767,6 +759,7 @@ pub(super) mod testing {
 
     use super::*;
     use crate::doorbell;
+    use crate::registry::msg::{ClosedSession, SeqCommand};
 
     /// A bridge of one core whose Redis is never reached: its publishes stay queued for the
     /// test to read, and so do its messages to the core.
@@ -782,6 +775,28 @@ pub(super) mod testing {
             Instant::now(),
         );
         (b, inbox)
+    }
+
+    /// The close of `conn`, whose session of `rig` and `boot` holds `carried` unacked and
+    /// remembers nothing besides them.
+    pub(super) fn closed(
+        conn: ConnId,
+        rig: RigId,
+        boot: BootId,
+        next_seq: Seq,
+        carried: Vec<SeqCommand>,
+    ) -> ToBridge {
+        let session = ClosedSession {
+            rig,
+            boot,
+            next_seq,
+            carried,
+            recall: None,
+        };
+        ToBridge::Closed {
+            conn,
+            session: Box::new(session),
+        }
     }
 }
 

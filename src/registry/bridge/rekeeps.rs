@@ -401,7 +401,7 @@ mod tests {
 
     use super::*;
     use crate::ids::{ConnId, CoreId, Seq};
-    use crate::registry::bridge::testing::bridge;
+    use crate::registry::bridge::testing::{bridge, closed};
     use crate::registry::bridge::REGISTRY_OPS;
     use crate::registry::msg::{SeqCommand, ToBridge};
 
@@ -540,14 +540,8 @@ mod tests {
     fn parked_rig(b: &mut Bridge) -> (RigId, ConnId) {
         let (rig, conn) = (rig("rig-p"), ConnId::new(CoreId(0), 1));
         b.registry.hello(conn, rig.clone(), boot(), vec![]);
-        b.handle(ToBridge::Closed {
-            conn,
-            rig: rig.clone(),
-            boot: boot(),
-            next_seq: Seq(3),
-            carried: Box::new([SeqCommand::for_test(2, 4, false)]),
-            recall: Default::default(),
-        });
+        let carried = vec![SeqCommand::for_test(2, 4, false)];
+        b.handle(closed(conn, rig.clone(), boot(), Seq(3), carried));
         (rig, conn)
     }
 
@@ -603,17 +597,11 @@ mod tests {
             b.same_boot_evicts.push((rig.clone(), boot()));
             b.settle_evicts();
         }
-        b.handle(ToBridge::Closed {
-            conn,
-            rig,
-            boot: boot(),
-            next_seq: Seq(6),
-            carried: Box::new([
-                SeqCommand::for_test(4, 4, false),
-                SeqCommand::for_test(5, 4, false),
-            ]),
-            recall: Default::default(),
-        });
+        let carried = vec![
+            SeqCommand::for_test(4, 4, false),
+            SeqCommand::for_test(5, 4, false),
+        ];
+        b.handle(closed(conn, rig, boot(), Seq(6), carried));
         assert!(b.unkept_high.is_empty() && b.merge_on_close.is_empty());
         b.rekeeps
             .take(10)
@@ -720,14 +708,8 @@ mod tests {
         let conn = ConnId::new(CoreId(0), 1);
         b.registry.hello(conn, gone.clone(), boot(), vec![]);
         let queued = releases(&b);
-        b.handle(ToBridge::Closed {
-            conn,
-            rig: gone.clone(),
-            boot: boot(),
-            next_seq: Seq(3),
-            carried: Box::new([SeqCommand::for_test(2, 4, false)]),
-            recall: Default::default(),
-        });
+        let carried = vec![SeqCommand::for_test(2, 4, false)];
+        b.handle(closed(conn, gone.clone(), boot(), Seq(3), carried));
         assert!(b.rekeep_asked.is_empty());
         assert_eq!(releases(&b), queued, "the release waits for the session");
         let taken = b.rekeeps.take(10);

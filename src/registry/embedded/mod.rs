@@ -10,7 +10,9 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 
 use crate::ids::{BootId, ConnId, RigId, Seq};
-use crate::registry::msg::{CommandReq, Recall, ReplyTo, SeqCommand, ToCore, Verdict};
+use crate::registry::msg::{
+    ClosedSession, CommandReq, Recall, ReplyTo, SeqCommand, ToCore, Verdict,
+};
 use crate::reply;
 
 mod parked;
@@ -228,25 +230,20 @@ impl Embedded {
 
     /// A welcomed connection closed. Only the exact owner releases the entry; the flag says
     /// whether it did (fleet mode then releases the Redis lease too).
-    #[allow(clippy::too_many_arguments)] // one session's parts, as the core hands them over
     pub fn closed(
         &mut self,
         conn: ConnId,
-        rig: RigId,
-        boot: BootId,
-        next_seq: Seq,
-        carried: Vec<SeqCommand>,
-        recall: Option<Box<Recall>>,
+        session: ClosedSession,
         now: Instant,
     ) -> (Vec<Action>, bool) {
         let mut out = Vec::new();
-        let Some(entry) = self.rigs.get_mut(&rig) else {
+        let Some(entry) = self.rigs.get_mut(&session.rig) else {
             return (out, false);
         };
         match &mut entry.owner {
             Owner::Live(c) if *c == conn => {
-                self.rigs.remove(&rig);
-                self.park(rig, boot, next_seq, carried, recall, now);
+                self.rigs.remove(&session.rig);
+                self.park(session, now);
                 return (out, true);
             }
             Owner::Handover(h) if h.old == conn && h.new.is_none() => {
@@ -254,8 +251,8 @@ impl Embedded {
                 // if the old connection had closed alone.
                 let pending = std::mem::take(&mut h.pending);
                 out.extend(pending.into_iter().map(not_connected));
-                self.rigs.remove(&rig);
-                self.park(rig, boot, next_seq, carried, recall, now);
+                self.rigs.remove(&session.rig);
+                self.park(session, now);
                 return (out, true);
             }
             Owner::Handover(h) if h.old == conn => {
@@ -265,7 +262,13 @@ impl Embedded {
                 let pending = std::mem::take(&mut h.pending);
                 let rekeep = h.rekeep;
                 entry.owner = Owner::Live(new);
-                out.push(accept(new, next_seq, true, carried, recall));
+                out.push(accept(
+                    new,
+                    session.next_seq,
+                    true,
+                    session.carried,
+                    session.recall,
+                ));
                 for req in pending {
                     out.push(Action::Core(
                         new,
@@ -281,12 +284,12 @@ impl Embedded {
                 }
             }
             // Superseded by a newer boot while live (`hello`): nothing will ever resume it.
-            _ if entry.boot > boot && !carried.is_empty() => {
+            _ if entry.boot > session.boot && !session.carried.is_empty() => {
                 self.rebooted = Some(Rebooted {
-                    rig,
-                    old: boot,
+                    rig: session.rig,
+                    old: session.boot,
                     new: entry.boot,
-                    carried,
+                    carried: session.carried,
                 });
             }
             _ => {}
@@ -358,7 +361,14 @@ impl Embedded {
             }
         };
         if next_seq > Seq(1) || !carried.is_empty() {
-            self.park(rig.clone(), boot, next_seq, carried, recall, now);
+            let session = ClosedSession {
+                rig: rig.clone(),
+                boot,
+                next_seq,
+                carried,
+                recall,
+            };
+            self.park(session, now);
         }
         release.then_some((rig, boot))
     }
@@ -584,6 +594,22 @@ mod test_support {
     pub(super) fn conn(n: u64) -> ConnId {
         ConnId::new(CoreId(0), n)
     }
+    /// `rig`'s session of `boot` as its closed connection's core hands it over.
+    pub(super) fn session(
+        rig: RigId,
+        boot: BootId,
+        next_seq: Seq,
+        carried: Vec<SeqCommand>,
+        recall: Option<Box<Recall>>,
+    ) -> ClosedSession {
+        ClosedSession {
+            rig,
+            boot,
+            next_seq,
+            carried,
+            recall,
+        }
+    }
     /// Command `x` for [`rig`] from the admin API, answered on `reply`.
     pub(super) fn admin_command(
         id: &str,
@@ -643,7 +669,11 @@ mod tests {
             })
         ));
         // The stale connection's close must not release the new owner.
-        let (_, released) = r.closed(conn(1), rig(), boot(200), Seq(5), vec![], None, now);
+        let (_, released) = r.closed(
+            conn(1),
+            session(rig(), boot(200), Seq(5), vec![], None),
+            now,
+        );
         assert!(!released);
         assert_eq!(r.len(), 1);
         // A refresh that finds another owner supersedes the local connection.
@@ -667,7 +697,7 @@ mod tests {
         let (tx, _rx) = crossbeam_channel::bounded(1);
         let req = admin_command("c", tx);
         assert!(r.command(req).is_empty(), "held during the hand-over");
-        let (done, released) = r.closed(conn(1), rig(), b, Seq(8), vec![], None, now);
+        let (done, released) = r.closed(conn(1), session(rig(), b, Seq(8), vec![], None), now);
         assert!(!released, "the session moved, the lease stays");
         assert!(matches!(
             verdict_of(&done, conn(2)),
@@ -701,7 +731,7 @@ mod tests {
             matches!(&kicked[..], [Action::Reply(_, body)] if body["error"] == "rig_not_connected"),
             "{kicked:?}"
         );
-        let (done, released) = r.closed(conn(1), rig(), b, Seq(8), vec![], None, now);
+        let (done, released) = r.closed(conn(1), session(rig(), b, Seq(8), vec![], None), now);
         assert!(released, "nobody holds the rig now: its lease goes");
         assert!(verdict_of(&done, conn(2)).is_none(), "{done:?}");
         assert!(r.is_empty() && r.conn_of(&rig()).is_none());
@@ -798,7 +828,11 @@ mod tests {
         r.hello(conn(2), rig(), b, vec![]);
         r.abandoned(conn(2), &rig());
         r.hello(conn(3), rig(), b, vec![]);
-        let (done, released) = r.closed(conn(1), rig(), b, Seq(4), vec![], None, Instant::now());
+        let (done, released) = r.closed(
+            conn(1),
+            session(rig(), b, Seq(4), vec![], None),
+            Instant::now(),
+        );
         assert!(!released);
         assert!(matches!(
             verdict_of(&done, conn(3)),
@@ -820,7 +854,11 @@ mod tests {
         assert_eq!(r.rekeep_from(&rig()), Some(conn(1)));
         r.hello(conn(2), rig(), b, vec![]);
         assert_eq!(r.rekeep_from(&rig()), None, "asked later");
-        let (done, _) = r.closed(conn(1), rig(), b, Seq(3), vec![], None, Instant::now());
+        let (done, _) = r.closed(
+            conn(1),
+            session(rig(), b, Seq(3), vec![], None),
+            Instant::now(),
+        );
         let accept = done
             .iter()
             .position(|a| matches!(a, Action::Core(c, ToCore::Verdict { .. }) if *c == conn(2)));

@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use super::Embedded;
 use crate::ids::{BootId, RigId, Seq};
-use crate::registry::msg::{Recall, SeqCommand};
+use crate::registry::msg::{ClosedSession, Recall, SeqCommand};
 
 #[derive(Debug)]
 pub(super) struct Parked {
@@ -108,15 +108,14 @@ impl Embedded {
         Some(p)
     }
 
-    pub(super) fn park(
-        &mut self,
-        rig: RigId,
-        boot: BootId,
-        next_seq: Seq,
-        carried: Vec<SeqCommand>,
-        recall: Option<Box<Recall>>,
-        now: Instant,
-    ) {
+    pub(super) fn park(&mut self, session: ClosedSession, now: Instant) {
+        let ClosedSession {
+            rig,
+            boot,
+            next_seq,
+            carried,
+            recall,
+        } = session;
         let p = Parked {
             boot,
             next_seq,
@@ -196,7 +195,7 @@ mod tests {
         };
         let park = |r: &mut Embedded, c: u64| {
             let recall = Some(Box::new(recall.clone()));
-            r.closed(conn(c), rig(), up, Seq(3), vec![], recall, now)
+            r.closed(conn(c), session(rig(), up, Seq(3), vec![], recall), now)
         };
         r.hello(conn(1), rig(), up, vec![]);
         park(&mut r, 1);
@@ -231,10 +230,10 @@ mod tests {
         );
         r.hello(conn(1), a.clone(), up, vec![]);
         r.hello(conn(2), b.clone(), up, vec![]);
-        r.closed(conn(1), a.clone(), up, Seq(4), cmds(3), None, now);
+        r.closed(conn(1), session(a.clone(), up, Seq(4), cmds(3), None), now);
         assert_eq!((r.parked_bytes, r.take_parked_dropped()), (150, 0));
         // 150 + 200 > 250: the older session, a's, gives up its commands.
-        r.closed(conn(2), b.clone(), up, Seq(5), cmds(4), None, now);
+        r.closed(conn(2), session(b.clone(), up, Seq(5), cmds(4), None), now);
         assert_eq!((r.parked_bytes, r.take_parked_dropped()), (200, 3));
         let back = r.hello(conn(3), a, up, vec![]);
         match verdict_of(&back, conn(3)) {
@@ -262,7 +261,7 @@ mod tests {
             SeqCommand::for_test(2, 4, false),
             SeqCommand::for_test(3, 4, false),
         ];
-        r.closed(conn(1), rig(), b, Seq(4), carried, None, now);
+        r.closed(conn(1), session(rig(), b, Seq(4), carried, None), now);
         assert_eq!(r.parked_unkept_to(&rig()), Seq(0));
         assert!(r.parked_unkept().is_empty());
         r.mark_all_parked_unkept();
@@ -276,7 +275,8 @@ mod tests {
         let now = Instant::now();
         let b = boot(100);
         r.hello(conn(1), rig(), b, vec![]);
-        assert!(r.closed(conn(1), rig(), b, Seq(4), vec![], None, now).1);
+        let (_, released) = r.closed(conn(1), session(rig(), b, Seq(4), vec![], None), now);
+        assert!(released);
         assert!(r.is_empty());
         let a = r.hello(conn(2), rig(), b, vec![]);
         assert!(matches!(
@@ -287,7 +287,7 @@ mod tests {
                 ..
             })
         ));
-        r.closed(conn(2), rig(), b, Seq(6), vec![], None, now);
+        r.closed(conn(2), session(rig(), b, Seq(6), vec![], None), now);
         r.expire(now + Duration::from_secs(61));
         let a = r.hello(conn(3), rig(), b, vec![]);
         assert!(matches!(

@@ -5,7 +5,7 @@
 
 use crate::ids::{BootId, ConnId, RigId, Seq};
 use crate::metrics::C;
-use crate::registry::msg::{Recall, RekeepReq, SeqCommand, ToBridge, Verdict};
+use crate::registry::msg::{ClosedSession, Recall, RekeepReq, SeqCommand, ToBridge, Verdict};
 use crate::worker::closing;
 use crate::worker::core::{Conn, ConnState, Core, Phase};
 use crate::ws::OpCode;
@@ -266,7 +266,14 @@ pub(crate) fn on_closed(core: &Core, conn: &Conn, st: &mut ConnState) {
         last_ack_ms: s.last_ack_ms,
     };
     let recall = (!recall.is_empty()).then(|| Box::new(recall));
-    closing::closed(core, conn.id, s.rig, s.boot, s.next_seq, carried, recall);
+    let session = ClosedSession {
+        rig: s.rig,
+        boot: s.boot,
+        next_seq: s.next_seq,
+        carried,
+        recall,
+    };
+    closing::closed(core, conn.id, session);
 }
 
 #[cfg(test)]
