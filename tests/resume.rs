@@ -885,6 +885,68 @@ fn a_fan_out_to_offline_rigs_is_held_in_batches_and_each_rig_gets_its_own() {
     );
 }
 
+/// Bursts to a rig that reads but never acks: commands waiting for Redis do not count against
+/// `--outbox`, but join the queue once kept, so the broker must stop taking them at what a
+/// resume carries. Every command control was told was taken comes back when the rig resumes on
+/// another broker (before, all 30 were taken and the resume gave back only the newest 18).
+#[test]
+fn a_burst_to_a_rig_that_never_acks_comes_back_whole_on_resume() {
+    let redis = RedisServer::start();
+    let a = fleet_broker_with(&redis, "fe-a", &["--outbox", "2"]);
+    let b = fleet_broker_with(&redis, "fe-b", &["--outbox", "2"]);
+    let boot = boot_id();
+    let (mut on_a, _) = connect_hello(&a, "rig-burst", &boot, None);
+    let mut ctl = Control::new(&redis, &[]);
+    let reply_to = ctl.reply_to.clone();
+    let mut burst = |ids: std::ops::Range<u64>| {
+        let n = ids.clone().count();
+        publish_to_fe_a_at_once(
+            &redis,
+            ids.map(|i| {
+                json!({"type":"command","id":format!("b{i}"),"rig_id":"rig-burst",
+                       "name":"n","args":{"i":i},"reply_to":reply_to})
+            }),
+        );
+        ctl.replies(n, Duration::from_secs(10))
+    };
+    // The first 16 (8 x --outbox) are kept and written, and fill the unacked window.
+    let first = burst(0..16);
+    assert!(first.iter().all(|r| r["ok"] == true), "{first:?}");
+    for seq in 1..=16u64 {
+        assert_eq!(read_json(&mut on_a)["seq"], seq);
+    }
+    // The next burst all waits for Redis at once, with none queued ahead of it: only --outbox
+    // of it fits behind the window.
+    let second = burst(16..30);
+    let mut taken: Vec<u64> = first
+        .iter()
+        .chain(&second)
+        .filter(|r| r["ok"] == true)
+        .filter_map(|r| r["seq"].as_u64())
+        .collect();
+    taken.sort_unstable();
+    assert_eq!(taken, (1..=18).collect::<Vec<_>>(), "{second:?}");
+    assert!(
+        second
+            .iter()
+            .filter(|r| r["ok"] != true)
+            .all(|r| r["error"] == "rig_unresponsive"),
+        "{second:?}"
+    );
+    drop(on_a);
+    wait_lease_released(&mut redis.connection(), "rig-burst", "fe-a let the rig go");
+    let mut on_b = resume_on(&b, "rig-burst", &boot, Some(0));
+    for seq in 1..=18u64 {
+        let cmd = read_json(&mut on_b);
+        assert_eq!(cmd["seq"], seq, "{cmd}");
+        ack(&mut on_b, seq);
+    }
+    assert_eq!(
+        b.metric("fleetlink_registry_ops_total{op=\"resume\",result=\"stale_dropped\"}"),
+        0
+    );
+}
+
 #[test]
 fn a_fan_out_held_for_offline_rigs_expires_together_each_reported_once() {
     // Each rig's list holds only this one short-lived command: the broker must still find it

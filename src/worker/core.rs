@@ -460,6 +460,14 @@ impl Session {
             .map_or(0, |q| q.outbox().iter().filter(|c| !c.held).count())
     }
 
+    /// Commands the session holds for the rig: queued (those waiting for Redis too) and written
+    /// but unacked, what its next connection would be given.
+    pub(crate) fn commands_len(&self) -> usize {
+        self.queues
+            .as_ref()
+            .map_or(0, |q| q.outbox().len() + q.unacked().len())
+    }
+
     /// Commands still waiting for Redis to keep them (fleet mode).
     pub(crate) fn held_len(&self) -> usize {
         self.queues

@@ -56,7 +56,7 @@ fn wait_for_room(core: &Core, conn: &Conn, st: &mut ConnState, req: CommandReq) 
         return not_taken(core, conn.id, req, "the rig's connection is closing");
     };
     if session.queues.as_ref().map_or(0, |q| q.waiting_len()) >= MAX_PER_RIG {
-        return outbox_full(core, session, req, None);
+        return outbox_full(core, session, req, Filled::Count);
     }
     if core_full(core, queues::weight(&req)) {
         return memory_full(core, req);
@@ -103,7 +103,18 @@ fn enqueue(
         if held {
             return Err(req);
         }
-        outbox_full(core, session, req, None);
+        outbox_full(core, session, req, Filled::Count);
+        return Ok(());
+    }
+    // Those waiting for Redis join the queue once kept, past --outbox: the session as a whole
+    // (queued, waiting and written unacked) must stay within what a resume carries, or a burst
+    // to a rig that does not ack would have its next resume drop the oldest of commands control
+    // was told were taken.
+    if session.commands_len() >= core.cfg.session_limit() {
+        if held {
+            return Err(req);
+        }
+        outbox_full(core, session, req, Filled::Session);
         return Ok(());
     }
     let seq = session.next_seq;
@@ -121,7 +132,7 @@ fn enqueue(
         if held {
             return Err(req);
         }
-        outbox_full(core, session, req, Some(queued));
+        outbox_full(core, session, req, Filled::Bytes(queued));
         return Ok(());
     }
     if core_full(core, json.len()) {
@@ -163,9 +174,18 @@ fn enqueue(
     Ok(())
 }
 
-/// Answers a command refused for a full outbox (by count, or by `bytes` queued) with
-/// `rig_unresponsive`, and counts it.
-fn outbox_full(core: &Core, session: &mut Session, req: CommandReq, bytes: Option<usize>) {
+/// What filled a rig's outbox, which says what control's `detail` counts.
+enum Filled {
+    /// `--outbox` commands ready to write: the count leaves out those waiting for Redis.
+    Count,
+    /// The whole session, what a resume carries: every queued command counts.
+    Session,
+    /// This many bytes queued, every queued command's.
+    Bytes(usize),
+}
+
+/// Answers a command refused for a full outbox with `rig_unresponsive`, and counts it.
+fn outbox_full(core: &Core, session: &mut Session, req: CommandReq, filled: Filled) {
     core.metrics.inc(C::CmdOutboxFull);
     let oldest = session
         .queues()
@@ -173,17 +193,19 @@ fn outbox_full(core: &Core, session: &mut Session, req: CommandReq, bytes: Optio
         .front()
         .map(|c| c.queued_at.elapsed())
         .unwrap_or_default();
+    let all_queued = session.queues.as_ref().map_or(0, |q| q.outbox().len());
+    let (queued, bytes) = match filled {
+        Filled::Count => (session.outbox_len(), None),
+        Filled::Session => (all_queued, None),
+        Filled::Bytes(b) => (all_queued, Some((b, RIG_OUTBOX_BYTES))),
+    };
     let body = reply::unresponsive(
         &req.id,
         &session.rig,
         Unresponsive {
-            // Bytes count every queued command, those still waiting for Redis too.
-            queued: match bytes {
-                Some(_) => session.queues.as_ref().map_or(0, |q| q.outbox().len()),
-                None => session.outbox_len(),
-            },
+            queued,
             capacity: core.cfg.outbox,
-            bytes: bytes.map(|b| (b, RIG_OUTBOX_BYTES)),
+            bytes,
             oldest_age: oldest,
             last_ack_seq: session.last_ack,
             last_ack_at: stamp(session.last_ack_ms),
