@@ -244,23 +244,30 @@ pub fn parse_client_msg(bytes: &[u8]) -> Result<ClientMsg, ProtocolError> {
 }
 
 fn parse_hello(v: u32, raw: &RawMsg<'_>) -> Result<Hello, ProtocolError> {
+    // Each why names the field and what it must be: it is the 4400's close reason, all a rig's
+    // developer gets to see of why the broker turned the hello away.
     let invalid = |why| ProtocolError::Invalid { ty: "hello", why };
-    let rig_id: Option<String> = own(raw.rig_id)?;
+    const RIG_ID: &str = "rig_id must be 1 to 64 of A-Z a-z 0-9 . _ -";
+    const BOOT_ID: &str = "boot_id must be a UUIDv7 in canonical lowercase text";
+    let rig_id: Option<String> = own(raw.rig_id).map_err(|_| invalid(RIG_ID))?;
     let rig_id = rig_id
         .as_deref()
         .and_then(RigId::parse)
-        .ok_or(invalid("rig_id"))?;
-    let boot_id: Option<String> = own(raw.boot_id)?;
+        .ok_or(invalid(RIG_ID))?;
+    let boot_id: Option<String> = own(raw.boot_id).map_err(|_| invalid(BOOT_ID))?;
     let boot_id = boot_id
         .as_deref()
         .and_then(BootId::parse)
-        .ok_or(invalid("boot_id"))?;
-    let version: String = own(raw.version)?.ok_or(invalid("missing version"))?;
+        .ok_or(invalid(BOOT_ID))?;
+    let version: String = own(raw.version)
+        .map_err(|_| invalid("version must be a string"))?
+        .ok_or(invalid("missing version"))?;
     if version.len() > MAX_LABEL_LEN {
         return Err(invalid("version too long"));
     }
     let mut labels = Vec::new();
-    let map: Option<serde_json::Map<String, Value>> = own(raw.labels)?;
+    let map: Option<serde_json::Map<String, Value>> =
+        own(raw.labels).map_err(|_| invalid("labels must be an object"))?;
     if let Some(map) = map {
         if map.len() > MAX_LABELS {
             return Err(invalid("too many labels"));
@@ -279,7 +286,9 @@ fn parse_hello(v: u32, raw: &RawMsg<'_>) -> Result<Hello, ProtocolError> {
     // Any u64 is a valid last_seq (CONTRACT.md section 2). One past the last seq a session
     // can use says the rig has every seq there will be: held at that last one, it means the
     // same, and the session refuses its commands with `seq_exhausted` rather than the hello.
-    let last_seq: Option<u64> = own::<u64>(raw.last_seq)?.map(|s| s.min(Seq::LAST.0));
+    let last_seq: Option<u64> = own::<u64>(raw.last_seq)
+        .map_err(|_| invalid("last_seq must be an integer from 0 to 2^64-1"))?
+        .map(|s| s.min(Seq::LAST.0));
     Ok(Hello {
         v,
         rig_id,

@@ -99,20 +99,60 @@ fn fragmented_hello_is_reassembled() {
     assert!(saw_pong);
 }
 
+/// Each bad first message closes 4400 with a reason saying what was wrong with it: a rig's
+/// developer sees nothing else (no registry write, no event).
 #[test]
-fn bad_first_message_closes_4400() {
+fn bad_first_message_closes_4400_saying_what_was_wrong() {
     let b = Broker::start(&[]);
-    for bad in [
-        json!({"type":"ack","seq":1}).to_string(),
-        json!({"type":"hello","rig_id":"bad id","boot_id":boot_id(),"version":"t"}).to_string(),
-        json!({"type":"hello","rig_id":"r1","boot_id":"01890a5d-ac96-474b-bcce-b302099a8057","version":"t"}).to_string(),
-        "not json".to_string(),
-    ] {
+    let hello = |field: &str, value: Value| {
+        let mut h = json!({"type":"hello","rig_id":"r1","boot_id":boot_id(),"version":"t"});
+        h[field] = value;
+        h.to_string()
+    };
+    let cases = [
+        (
+            json!({"type":"ack","seq":1}).to_string(),
+            "first message must be a hello",
+        ),
+        (
+            hello("rig_id", json!("bad id")),
+            "invalid hello: rig_id must be 1 to 64 of A-Z a-z 0-9 . _ -",
+        ),
+        (
+            hello("rig_id", json!(7)),
+            "invalid hello: rig_id must be 1 to 64 of A-Z a-z 0-9 . _ -",
+        ),
+        // A UUIDv4, not v7.
+        (
+            hello("boot_id", json!("01890a5d-ac96-474b-bcce-b302099a8057")),
+            "invalid hello: boot_id must be a UUIDv7 in canonical lowercase text",
+        ),
+        (
+            hello("version", json!(5)),
+            "invalid hello: version must be a string",
+        ),
+        (
+            hello("labels", json!(["a"])),
+            "invalid hello: labels must be an object",
+        ),
+        (
+            hello("last_seq", json!(-1)),
+            "invalid hello: last_seq must be an integer from 0 to 2^64-1",
+        ),
+        (
+            "not json".to_string(),
+            "first message must be a hello: a JSON object with \"type\":\"hello\"",
+        ),
+    ];
+    for (bad, reason) in &cases {
         let mut ws = b.connect("/agent");
         ws.send(Message::Text(bad.clone().into())).unwrap();
-        assert_eq!(read_close(&mut ws), 4400, "{bad}");
+        assert_eq!(close_frame(&mut ws), (4400, reason.to_string()), "{bad}");
     }
-    b.wait_metric("fleetlink_closes_total{code=\"4400\"} 4");
+    b.wait_metric(&format!(
+        "fleetlink_closes_total{{code=\"4400\"}} {}",
+        cases.len()
+    ));
 }
 
 #[test]

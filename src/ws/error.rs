@@ -40,9 +40,13 @@ pub enum ProtocolError {
     /// A close frame with a status code that may not be sent on the wire (§7.4).
     #[error("invalid close code {0}")]
     InvalidCloseCode(u16),
-    /// A text message or close reason that is not valid UTF-8 (§5.5.1, §8.1).
+    /// A text message that is not valid UTF-8 (§8.1).
     #[error("invalid UTF-8 in text")]
     InvalidUtf8,
+    /// A close frame's reason that is not valid UTF-8 (§5.5.1): the same code as a text
+    /// message's, told apart in the reason, as the peer may look for its own mistake in either.
+    #[error("invalid UTF-8 in the close reason")]
+    InvalidCloseReason,
     /// The reassembled message would exceed `Limits::max_message` bytes; detected from the
     /// frame header, before any of the payload is buffered.
     #[error("message longer than {limit} bytes")]
@@ -63,7 +67,7 @@ impl ProtocolError {
     /// for invalid UTF-8, 1009 for a message over the limits.
     pub fn close_code(&self) -> u16 {
         match self {
-            ProtocolError::InvalidUtf8 => 1007,
+            ProtocolError::InvalidUtf8 | ProtocolError::InvalidCloseReason => 1007,
             ProtocolError::MessageTooBig { .. } | ProtocolError::TooManyFragments { .. } => 1009,
             ProtocolError::ReservedBits
             | ProtocolError::ReservedOpCode(_)

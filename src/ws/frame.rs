@@ -159,7 +159,7 @@ pub(crate) fn close_frame(payload: Vec<u8>) -> Result<Option<CloseFrame>, Protoc
     if !is_valid_close_code(code) {
         return Err(ProtocolError::InvalidCloseCode(code));
     }
-    let reason = std::str::from_utf8(reason).map_err(|_| ProtocolError::InvalidUtf8)?;
+    let reason = std::str::from_utf8(reason).map_err(|_| ProtocolError::InvalidCloseReason)?;
     Ok(Some(CloseFrame {
         code,
         reason: reason.to_owned(),
@@ -314,7 +314,7 @@ mod tests {
         let bad_reason = close(b"\x03\xe8\xce\xba\xed\xa0\x80").unwrap_err();
         assert_eq!(
             (bad_reason, bad_reason.close_code()),
-            (ProtocolError::InvalidUtf8, 1007)
+            (ProtocolError::InvalidCloseReason, 1007)
         );
     }
 }

@@ -8,7 +8,7 @@ use crate::events;
 use crate::http_upgrade;
 use crate::ids::{BootId, RigId, Seq};
 use crate::metrics::C;
-use crate::protocol::{self, ClientMsg, Hello};
+use crate::protocol::{self, ClientMsg, Hello, ProtocolError};
 use crate::registry::msg::ToBridge;
 use crate::worker::core::{unix_ms, Conn, ConnState, Core, Phase, Session};
 use crate::worker::sweep;
@@ -92,13 +92,25 @@ pub(super) fn on_message(core: &Core, conn: &Conn, st: &mut ConnState, msg: Mess
     }
 }
 
+/// The 4400's close reason for a first message that is not a valid hello: which field of a
+/// hello was wrong, when it was one. Nothing of the rig's own text goes into it.
+fn not_a_hello(parsed: Result<ClientMsg, ProtocolError>) -> Cow<'static, str> {
+    match parsed {
+        Err(ProtocolError::Invalid { ty: "hello", why }) => format!("invalid hello: {why}").into(),
+        Err(ProtocolError::Malformed(_)) => {
+            "first message must be a hello: a JSON object with \"type\":\"hello\"".into()
+        }
+        _ => "first message must be a hello".into(),
+    }
+}
+
 fn on_text(core: &Core, conn: &Conn, st: &mut ConnState, text: &[u8]) {
     match st.phase {
         Phase::AwaitHello => match protocol::parse_client_msg(text) {
             Ok(ClientMsg::Hello(hello)) => on_hello(core, conn, st, hello),
-            _ => {
+            other => {
                 core.metrics.inc(C::MsgInvalid);
-                conn.close(st, 4400, "first message must be a valid hello");
+                conn.close(st, 4400, not_a_hello(other));
             }
         },
         Phase::Live => {
