@@ -130,7 +130,7 @@ fn tls_broker(pki: &Summary, dir: &Path, extra: &[&str]) -> Broker {
     ];
     args.extend(extra.iter().map(|s| s.to_string()));
     let refs: Vec<&str> = args.iter().map(String::as_str).collect();
-    Broker::start(&refs)
+    Broker::start_logged(&refs)
 }
 
 /// Asserts `attempt` failed with the TLS alert `alert` from the broker (rustls'
@@ -177,10 +177,19 @@ fn mtls_identity_is_the_certificate() {
         }
     };
     assert_eq!(cmd["name"], "uptime");
-    // rig-0002's certificate saying hello as rig-0001: 4403.
+    // rig-0002's certificate saying hello as rig-0001: 4403, and a line in the log naming
+    // both and where the client connected from, for whoever must find it.
     let mut liar = wss(&b, &pki.ca_cert, Some((&r2.cert, &r2.key)), &[]).unwrap();
     assert_eq!(hello(&mut liar, &r1.rig_id)["close"], 4403);
     b.wait_metric("fleetlink_identity_mismatch_total 1");
+    b.wait_log(&[
+        "1 hellos named a rig their connection did not prove (4403)",
+        &format!(
+            "hello as {}; certificate names Some([\"{}\"])",
+            r1.rig_id, r2.rig_id
+        ),
+        "from 127.0.0.1:",
+    ]);
 }
 
 /// A rig's last message and its TLS close_notify in one read: the broker must see the close
@@ -474,6 +483,12 @@ fn wrong_ca_expired_and_certless_clients_are_refused() {
     assert_eq!(b.metric(failures), 0);
     refused_with(wss(&b, &pki.ca_cert, Some((&fc, &fk)), &[]), "UnknownCA");
     b.wait_metric(&format!("{failures} 1"));
+    // The log says why, and where the client connected from.
+    b.wait_log(&[
+        "1 connections failed TLS",
+        "UnknownIssuer",
+        "from 127.0.0.1:",
+    ]);
     let expired = dev_certs::generate_rig(
         &pki.ca,
         "rig-0001",

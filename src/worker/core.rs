@@ -29,6 +29,7 @@ use crate::worker::admin_conn::Waits;
 use crate::worker::bucket::RigBucket;
 use crate::worker::closing;
 use crate::worker::queues::Queues;
+use crate::worker::refusal_log::RefusalLog;
 use crate::worker::transport::{self, Security};
 use crate::worker::wheel::{Tick, Wheel};
 use crate::worker::ConnCap;
@@ -95,7 +96,9 @@ pub(crate) struct Core {
     pub(crate) retired: Arc<crate::metrics::Retired>,
     /// Failed TLS handshakes, logged at most once a second with the last one's reason: a rig
     /// refused for its certificate is told only the alert, so the log must say why.
-    pub(crate) tls_fail_log: RefCell<crate::worker::tls_fail_log::TlsFailLog>,
+    pub(crate) tls_refusals: RefCell<RefusalLog>,
+    /// Hellos closed 4403, logged as the TLS failures are.
+    pub(crate) identity_refusals: RefCell<RefusalLog>,
 }
 
 /// The queues a core sends on.
@@ -158,7 +161,8 @@ impl Core {
             closing: RefCell::new(closing::Waiting::new()),
             bridge_shared: links.bridge_shared,
             retired: links.retired,
-            tls_fail_log: RefCell::default(),
+            tls_refusals: RefCell::new(RefusalLog::tls()),
+            identity_refusals: RefCell::new(RefusalLog::identity()),
         }
     }
 

@@ -29,10 +29,10 @@ mod inbox;
 mod listen_check;
 pub(crate) mod queues;
 mod quiet_pong;
+mod refusal_log;
 mod session;
 mod slow_reader;
 mod sweep;
-mod tls_fail_log;
 mod transport;
 mod wheel;
 

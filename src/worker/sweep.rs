@@ -35,12 +35,11 @@ pub(crate) async fn run(core: Rc<Core>) {
             heap_trim::collect();
         }
         if next.is_multiple_of(second) {
-            if let Some(line) = core
-                .tls_fail_log
-                .borrow_mut()
-                .due(std::time::Instant::now())
-            {
-                log::warn!("{line}");
+            let now = std::time::Instant::now();
+            for log in [&core.tls_refusals, &core.identity_refusals] {
+                if let Some(line) = log.borrow_mut().due(now) {
+                    log::warn!("{line}");
+                }
             }
         }
     }

@@ -24,6 +24,9 @@ pub struct Broker {
     pub admin: SocketAddr,
     /// The broker id it announced.
     pub broker_id: String,
+    /// Its log so far, when started with [`Broker::start_logged`] (otherwise it goes to the
+    /// test's own stderr).
+    log: Option<std::sync::Arc<std::sync::Mutex<String>>>,
 }
 
 impl Broker {
@@ -34,6 +37,15 @@ impl Broker {
 
     /// [`Broker::start`] with extra environment variables (e.g. `FLEETLINK_FAILPOINT`).
     pub fn start_with_env(args: &[&str], env: &[(&str, &str)]) -> Broker {
+        Broker::spawn(args, env, false)
+    }
+
+    /// [`Broker::start`] with its log (warnings and up) kept for [`Broker::wait_log`].
+    pub fn start_logged(args: &[&str]) -> Broker {
+        Broker::spawn(args, &[], true)
+    }
+
+    fn spawn(args: &[&str], env: &[(&str, &str)], keep_log: bool) -> Broker {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_fleetlink-fe"));
         cmd.envs(env.iter().copied());
         if !args.contains(&"--listen") {
@@ -45,8 +57,24 @@ impl Broker {
         cmd.args(args)
             .env("RUST_LOG", "warn")
             .stdout(Stdio::piped())
-            .stderr(Stdio::inherit());
+            .stderr(if keep_log {
+                Stdio::piped()
+            } else {
+                Stdio::inherit()
+            });
         let mut child = cmd.spawn().expect("spawn fleetlink-fe");
+        let log = child.stderr.take().map(|stderr| {
+            let log = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+            let sink = log.clone();
+            std::thread::spawn(move || {
+                for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                    let mut log = sink.lock().unwrap();
+                    log.push_str(&line);
+                    log.push('\n');
+                }
+            });
+            log
+        });
         let stdout = child.stdout.take().expect("stdout");
         let (tx, rx) = mpsc::channel();
         std::thread::spawn(move || {
@@ -68,7 +96,27 @@ impl Broker {
             admin: field("admin").parse().unwrap(),
             broker_id: field("broker_id"),
             child,
+            log,
         }
+    }
+
+    /// Waits (up to 10 s) for a line of the broker's log containing every one of `parts`; the
+    /// line. The broker must have been started with [`Broker::start_logged`].
+    pub fn wait_log(&self, parts: &[&str]) -> String {
+        let log = self.log.as_ref().expect("started with start_logged");
+        let found = || {
+            log.lock()
+                .unwrap()
+                .lines()
+                .find(|l| parts.iter().all(|p| l.contains(p)))
+                .map(str::to_string)
+        };
+        eventually(
+            Duration::from_secs(10),
+            &format!("a log line with {parts:?}"),
+            || found().is_some(),
+        );
+        found().unwrap_or_default()
     }
 
     /// ws URL for `path`.

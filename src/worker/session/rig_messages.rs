@@ -3,6 +3,7 @@
 //! goes to the rig): this is the inbound half of a live session.
 
 use std::borrow::Cow;
+use std::time::Instant;
 
 use crate::events;
 use crate::http_upgrade;
@@ -125,6 +126,16 @@ fn on_text(core: &Core, conn: &Conn, st: &mut ConnState, text: &[u8]) {
     }
 }
 
+/// What a 4403 refused: the rig the hello named and what its connection proved. The proofs
+/// are the client's own text (certificate names, a token's claim), quoted as Rust strings so
+/// that no control character reaches the log raw.
+fn identity_refused(st: &ConnState, rig: &RigId) -> String {
+    let sec = st.sec.as_ref();
+    let certificate = sec.and_then(|s| s.peer_ids.as_ref());
+    let token = sec.and_then(|s| s.token_rig.as_ref());
+    format!("hello as {rig}; certificate names {certificate:?}, token's rig {token:?}")
+}
+
 fn on_hello(core: &Core, conn: &Conn, st: &mut ConnState, hello: Hello) {
     core.metrics.inc(C::MsgHello);
     crate::thread_loss::Failpoint::CoreHello.check(hello.rig_id.as_str());
@@ -134,6 +145,16 @@ fn on_hello(core: &Core, conn: &Conn, st: &mut ConnState, hello: Hello) {
     }
     if !identity_ok(st, hello.rig_id.as_str()) {
         core.metrics.inc(C::IdentityMismatch);
+        // A client with a valid certificate or token claiming another rig: worth a line for
+        // whoever must find it, within the log's pace, since any client can repeat it.
+        let why = identity_refused(st, &hello.rig_id);
+        if let Some(line) = core
+            .identity_refusals
+            .borrow_mut()
+            .note(Instant::now(), conn.fd, &why)
+        {
+            log::warn!("{line}");
+        }
         conn.close(
             st,
             4403,
