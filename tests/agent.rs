@@ -495,9 +495,12 @@ fn hello_fields_duplicates_resume_and_seq_gap() {
     assert_eq!(hello["boot_id"], boot.as_str());
     assert_eq!(hello["last_seq"], 1);
     welcome(&mut ws, true);
+    let mut results = Vec::new();
+    // Its last acks again first: one on its way when the old connection broke was lost with
+    // it, and the broker would hold that command unacked for good.
+    assert_eq!(recv_ack(&mut ws, &mut results), 1);
     push(&mut ws, command(1, "echo"));
     push(&mut ws, command(2, "echo"));
-    let mut results = Vec::new();
     assert_eq!(recv_ack(&mut ws, &mut results), 1);
     assert_eq!(recv_ack(&mut ws, &mut results), 2);
     while !results.iter().any(|r| r["seq"] == 2) {

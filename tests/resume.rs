@@ -209,10 +209,11 @@ fn a_command_acked_elsewhere_is_not_replayed_from_the_copy_parked_when_the_rig_l
 }
 
 /// A rig that reconnects with commands it received but never acked (its `last_seq` covers
-/// them) may ack them on the new connection: then they leave Redis too, and do not sit in the
-/// session for as long as the rig keeps coming back.
+/// them) is not sent them again, but they stay unacked until it acks them, on the new
+/// connection too: acking a later one says nothing of them (CONTRACT.md §2: an ack names the
+/// command the rig accepted). Acked, they leave Redis.
 #[test]
-fn commands_a_rig_had_but_acks_only_after_its_resume_leave_redis() {
+fn commands_a_rig_had_at_its_resume_stay_until_it_acks_them() {
     let redis = RedisServer::start();
     let (_a, b, boot, mut on_a, mut ctl) = rig_with_commands_on_a(&redis, "rig-u", "u", 3);
     let (mut on_b, welcome) = move_to_b(&b, &mut on_a, "rig-u", &boot, 3);
@@ -220,15 +221,44 @@ fn commands_a_rig_had_but_acks_only_after_its_resume_leave_redis() {
     let r = ctl.command_id("fe-b", "rig-u", "u4", "n", json!({}));
     assert_eq!(r["seq"], 4, "{r}");
     assert_eq!(read_json(&mut on_b)["seq"], 4, "1-3 are not sent again");
-    // Only 4 is acked: 1-3 arrived on A, where their acks (if any) were lost, and the rig
-    // acking a later one on B is what says it has them.
     ack(&mut on_b, 4);
     let key = format!("sess:rig-u:{boot}");
     let mut con = redis.connection();
-    eventually(Duration::from_secs(10), "every acked command gone", || {
-        let fields: Vec<String> = con.hkeys(&key).unwrap_or_default();
-        fields == ["next"]
+    let fields = |con: &mut redis::Connection| {
+        let mut f: Vec<String> = con.hkeys(&key).unwrap_or_default();
+        f.sort();
+        f
+    };
+    eventually(Duration::from_secs(10), "4 gone", || {
+        !fields(&mut con).contains(&"c:4".to_string())
     });
+    assert_eq!(fields(&mut con), ["c:1", "c:2", "c:3", "next"]);
+    for seq in 1..=3 {
+        ack(&mut on_b, seq);
+    }
+    eventually(Duration::from_secs(10), "every acked command gone", || {
+        fields(&mut con) == ["next"]
+    });
+}
+
+/// A command the rig had at its resume and never acked is the old session's unacked command
+/// when the rig reboots: reported `rig_rebooted`, though the rig acked a later one. Before, a
+/// later ack had the broker forget it, and control never heard of it again.
+#[test]
+fn a_command_had_at_a_resume_and_never_acked_is_reported_when_the_rig_reboots() {
+    let redis = RedisServer::start();
+    let (_a, b, boot, mut on_a, _) = rig_with_commands_on_a(&redis, "rig-h", "h", 1);
+    let (mut on_b, _) = move_to_b(&b, &mut on_a, "rig-h", &boot, 1);
+    let mut ctl = Control::new(&redis, &["fleetlink:events"]);
+    let r = ctl.command_id("fe-b", "rig-h", "h2", "n", json!({}));
+    assert_eq!(r["seq"], 2, "{r}");
+    assert_eq!(read_json(&mut on_b)["seq"], 2);
+    ack(&mut on_b, 2);
+    assert_eq!(ctl.next_event("ack")["id"], "h2");
+    drop(on_b);
+    let new_boot = boot_id();
+    let _again = connect_hello(&b, "rig-h", &new_boot, None);
+    assert_eq!(rebooted_before_connected(&mut ctl, &new_boot), ["h1"]);
 }
 
 /// Redis lost the session (restarted empty, say, or the key expired): the rig's `last_seq`

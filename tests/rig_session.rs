@@ -1808,6 +1808,37 @@ fn a_rig_that_never_acks_gets_back_every_command_it_was_given_on_resume() {
     );
 }
 
+/// Commands a rig said at its hello it had, and has not acked, wait for their acks only while
+/// the unacked window has room: past it the oldest of them gives way to the next command
+/// written (counted `resume_dropped`), so that acks lost with earlier connections cannot hold
+/// the window shut for the session's whole life.
+#[test]
+fn commands_a_rig_had_at_its_hello_give_way_to_new_ones_when_the_window_is_full() {
+    let b = Broker::start(&["--cores", "1", "--outbox", "1"]);
+    let boot = boot_id();
+    let mut first = b.connect("/agent");
+    hello(&mut first, "rig-had", &boot, json!({}));
+    // 8 (8 x --outbox) written and never acked: the window is full.
+    for seq in 1..=8u64 {
+        let (status, reply) = b.command("rig-had", "n", json!({}));
+        assert_eq!((status, &reply["seq"]), (200, &json!(seq)), "{reply}");
+        assert_eq!(read_json(&mut first)["seq"], seq);
+    }
+    drop(first);
+    // Back with every one of them: none is sent again, and the next command is written.
+    let mut again = b.connect("/agent");
+    let msg = json!({"type":"hello","rig_id":"rig-had","boot_id":boot,"version":"t","last_seq":8});
+    again.send(Message::Text(msg.to_string().into())).unwrap();
+    assert_eq!(read_json(&mut again)["resumed"], true);
+    let (status, reply) = b.command("rig-had", "n", json!({}));
+    assert_eq!((status, &reply["seq"]), (200, &json!(9)), "{reply}");
+    assert_eq!(read_json(&mut again)["seq"], 9);
+    assert_eq!(
+        b.metric("fleetlink_commands_total{result=\"resume_dropped\"}"),
+        1
+    );
+}
+
 /// A command's args reach the rig as the text control sent, not re-encoded.
 #[test]
 fn args_reach_the_rig_as_the_text_control_sent() {

@@ -68,7 +68,16 @@ pub(crate) struct Agent {
     /// Commands handed to the worker whose result has not come back from it yet.
     pending: usize,
     stopping: Stopping,
+    /// The last seqs acked (at most [`RECENT_ACKS`]), acked again after a resumed welcome: an
+    /// ack on its way when a connection broke is lost with it, and the broker then holds that
+    /// command unacked for good (not sent again, since the hello's `last_seq` covers it), to
+    /// be reported `rig_rebooted` when this process ends.
+    recent_acks: VecDeque<u64>,
 }
+
+/// How many of the last acks a resumed connection sends again: more than can be on their way
+/// when a connection breaks, and few enough to cost nothing.
+const RECENT_ACKS: usize = 32;
 
 /// One live websocket and what the session loop tracks about it.
 struct Conn {
@@ -131,6 +140,7 @@ impl Agent {
             deadline,
             pending: 0,
             stopping,
+            recent_acks: VecDeque::new(),
         }
     }
 
@@ -308,6 +318,14 @@ impl Agent {
             }
         }
         self.seqs.welcomed(resumed);
+        if !resumed {
+            self.recent_acks.clear();
+        }
+        for &seq in &self.recent_acks {
+            // An ack the broker already has changes nothing there; a failed send shows at the
+            // next read, as any broken connection does.
+            let _ = conn.ws.send(Message::text(proto::ack(seq)));
+        }
         conn.welcomed = Some(Instant::now());
         log::info!(
             "connected to {}: broker_id={broker_id} resumed={resumed} boot_id={} last_seq={:?}",
@@ -391,6 +409,13 @@ impl Agent {
                     }
                 }
             }
+        }
+        // A duplicate's ack is the same ack again.
+        if !self.recent_acks.contains(&seq) {
+            if self.recent_acks.len() == RECENT_ACKS {
+                self.recent_acks.pop_front();
+            }
+            self.recent_acks.push_back(seq);
         }
         match conn.ws.send(Message::text(proto::ack(seq))) {
             Ok(()) => None,

@@ -292,6 +292,25 @@ pub(super) fn keep_unacked(core: &Core, s: &mut Session, cmd: SeqCommand) {
     q.push_unacked(cmd);
 }
 
+/// Drops from resume memory the oldest unacked command the rig said it had at its hello (at or
+/// below its `last_seq`), counted, and has the session store forget it; false when there is
+/// none. The rig has it, and an ack for it would be its first on this connection.
+fn drop_oldest_had(core: &Core, s: &mut Session) -> bool {
+    let had = s.resume_from;
+    let Some(q) = s.queues.as_mut() else {
+        return false;
+    };
+    if q.unacked().front().is_none_or(|c| c.seq > had) {
+        return false;
+    }
+    let Some(old) = q.pop_unacked() else {
+        return false;
+    };
+    core.metrics.inc(C::CmdResumeDropped);
+    forget_kept(core, &s.rig, s.boot, old.seq);
+    true
+}
+
 /// Moves queued commands to the socket while it keeps up, and commands waiting from the
 /// offline hold into the outbox as it makes room. Called after enqueue, after an ack and after
 /// the task flushed a backlog.
@@ -345,9 +364,14 @@ fn write_out(core: &Core, conn: &Conn, st: &mut ConnState) {
             return;
         };
         // The rig has as many commands unacked as a resume may carry: the next waits for its
-        // acks, so that a resume can still give back every command written.
+        // acks, so that a resume can still give back every command written. Those it said at
+        // its hello it had give way first: one whose ack was lost with an earlier connection
+        // would otherwise hold its place for the session's whole life.
         if window_full(core, q, front.json.len()) {
-            return;
+            if !drop_oldest_had(core, session) {
+                return;
+            }
+            continue;
         }
         let Some(mut cmd) = q.pop_outbox() else {
             return;

@@ -304,9 +304,6 @@ fn ackable(s: &Session, seq: Seq) -> bool {
 /// (a command still unacked here, or a seq past the last ack), and the command id for the ack
 /// event (fleet mode) when the broker still held the command.
 fn on_ack(core: &Core, s: &mut Session, seq: Seq) -> (bool, Option<Box<str>>) {
-    if seq > s.resume_from {
-        forget_had_before(core, s);
-    }
     let cmd = s.queues.as_mut().and_then(|q| q.take_unacked(seq));
     let latest = seq > s.last_ack && seq < s.next_seq;
     if cmd.is_some() || latest {
@@ -331,24 +328,6 @@ fn on_ack(core: &Core, s: &mut Session, seq: Seq) -> (bool, Option<Box<str>>) {
     }
     s.shrink_queues();
     (true, id)
-}
-
-/// Forgets the unacked commands this connection's rig said it had at its hello (at or below
-/// its `last_seq`), once it acks a later one. They were received on an earlier connection, and
-/// their acks, if sent, were lost with it: a rig that acks on receipt never sends them again,
-/// so kept for their own acks they would stay in the session for its whole life, each holding
-/// a place in the rig's window.
-fn forget_had_before(core: &Core, s: &mut Session) {
-    let (rig, boot, had) = (&s.rig, s.boot, s.resume_from);
-    let Some(q) = s.queues.as_mut() else {
-        return;
-    };
-    while q.unacked().front().is_some_and(|c| c.seq <= had) {
-        let Some(cmd) = q.pop_unacked() else {
-            break;
-        };
-        forget_kept(core, rig, boot, cmd.seq);
-    }
 }
 
 /// Fleet mode: has the session store forget command `seq`, no longer kept for a resume.
