@@ -66,6 +66,7 @@ fn main() -> ExitCode {
                 transport,
                 cli.broker.listen,
                 u64::try_from(cli.broker.backlog).unwrap_or(fleetlink::doctor::LISTEN_BACKLOG),
+                cli.broker.max_connections,
             );
         }
         Some(Tool::DevCerts {
@@ -116,6 +117,7 @@ fn run(mut cfg: Config) -> anyhow::Result<()> {
     } else if driver != "io_uring" {
         log::warn!("!!! io_uring unavailable or disabled: running on the epoll driver (metric fleetlink_driver{{driver=\"epoll\"}})");
     }
+    log_connection_room(cfg);
     let admin_listener =
         admin::bind(cfg.admin).with_context(|| format!("binding admin {}", cfg.admin))?;
     if let Some(url) = &cfg.redis {
@@ -305,6 +307,29 @@ fn tls_paths(cfg: &Config) -> Option<TlsPaths> {
         client_ca: files.client_ca.clone(),
         crl: files.crl.clone(),
     })
+}
+
+/// Says at start how many connections the open-file limit leaves room for: past it accepts
+/// fail with EMFILE, counted but not logged one by one.
+fn log_connection_room(cfg: &Config) {
+    let Some(room) = fleetlink::doctor::connection_room(cfg.cores as u64) else {
+        return;
+    };
+    match cfg.max_connections {
+        Some(cap) if room < cap => log::warn!(
+            "!!! the open-file limit (RLIMIT_NOFILE) leaves room for about {room} connections \
+             (rigs and admin clients), below --max-connections {cap}: accepts past it fail \
+             with EMFILE (counted in \
+             fleetlink_accepts_total{{result=\"error\"}}); raise it (ulimit -n, LimitNOFILE=), \
+             see `fleetlink-fe doctor --connections {cap}`"
+        ),
+        Some(_) => {}
+        None => log::info!(
+            "the open-file limit (RLIMIT_NOFILE) leaves room for about {room} connections, \
+             rigs and admin clients (`fleetlink-fe doctor --connections N` checks this host \
+             for N)"
+        ),
+    }
 }
 
 /// Loads the TLS and token files as a start would, and drops them: `doctor`'s check.

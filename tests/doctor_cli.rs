@@ -48,3 +48,33 @@ fn doctor_refuses_what_the_broker_would_refuse_at_start() {
     let (code, err) = doctor(&["doctor", "--connections", "10"]);
     assert_eq!(code, Some(0), "{err}");
 }
+
+/// The broker's own cap is part of what stops N connections: a host that could hold them, with
+/// `--max-connections` below N (as a flag or from the environment, as a unit sets it), fails
+/// the check and says the fix.
+#[test]
+fn doctor_blocks_a_max_connections_below_the_count_asked_for() {
+    let stdout = |args: &[&str], env: &[(&str, &str)]| {
+        let out = output_within(
+            Command::new(env!("CARGO_BIN_EXE_fleetlink-fe"))
+                .args(args)
+                .envs(env.iter().copied())
+                .env_remove("RUST_LOG"),
+            Duration::from_secs(30),
+        );
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+        )
+    };
+    let check = ["doctor", "--connections", "10"];
+    let (code, out) = stdout(&[&["--max-connections", "5"], &check[..]].concat(), &[]);
+    assert_eq!(code, Some(1), "{out}");
+    assert!(out.contains("[BLOCKS] --max-connections = 5"), "{out}");
+    assert!(out.contains("fix:    --max-connections 10"), "{out}");
+    let (code, out) = stdout(&check, &[("FLEETLINK_MAX_CONNECTIONS", "5")]);
+    assert_eq!(code, Some(1), "{out}");
+    let (code, out) = stdout(&check, &[("FLEETLINK_MAX_CONNECTIONS", "10")]);
+    assert_eq!(code, Some(0), "{out}");
+    assert!(out.contains("[    ok] --max-connections = 10"), "{out}");
+}

@@ -1839,6 +1839,31 @@ fn commands_a_rig_had_at_its_hello_give_way_to_new_ones_when_the_window_is_full(
     );
 }
 
+/// A broker whose open-file limit cannot hold its `--max-connections` says so at start, and a
+/// storm past the limit is logged (a line a second at most) besides being counted: EMFILE at
+/// accept used to show only in `/metrics`.
+#[test]
+fn an_open_file_limit_below_max_connections_is_logged_at_start_and_at_accept() {
+    let b = Broker::start_logged_with_nofile(&["--cores", "1", "--max-connections", "1000"], 200);
+    b.wait_log(&[
+        "leaves room for about 130 connections",
+        "below --max-connections 1000",
+    ]);
+    // More connections than 200 descriptors hold, each held by the broker until its hello
+    // deadline: accept fails with EMFILE past the limit.
+    let conns: Vec<std::net::TcpStream> = (0..260)
+        .filter_map(|_| std::net::TcpStream::connect(b.listen).ok())
+        .collect();
+    b.wait_log(&[
+        "accept: ",
+        "failed since the last such line",
+        "out of file descriptors",
+    ]);
+    // Closed first: the admin API needs a descriptor too.
+    drop(conns);
+    assert!(b.metric("fleetlink_accepts_total{result=\"error\"}") > 0);
+}
+
 /// A command's args reach the rig as the text control sent, not re-encoded.
 #[test]
 fn args_reach_the_rig_as_the_text_control_sent() {

@@ -31,7 +31,7 @@ mod report;
 #[cfg(test)]
 mod testing;
 
-pub use checks::{check, check_with_backlog};
-pub use host::HostSettings;
+pub use checks::{check, check_max_connections, check_with_backlog};
+pub use host::{connection_room, HostSettings};
 pub use model::{Transport, LISTEN_BACKLOG, MAX_CONNECTIONS};
 pub use report::{main_with, run, Finding};

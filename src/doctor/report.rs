@@ -8,7 +8,7 @@
 
 use std::io::Write;
 
-use super::{check_with_backlog, HostSettings, Transport, MAX_CONNECTIONS};
+use super::{check_max_connections, check_with_backlog, HostSettings, Transport, MAX_CONNECTIONS};
 
 /// One checked setting: what it is, what N connections need, and the exact fix.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -94,6 +94,7 @@ pub fn main_with(
     transport: Transport,
     listen: Option<std::net::SocketAddr>,
     backlog: u64,
+    max_connections: Option<u64>,
 ) -> std::process::ExitCode {
     let cores = cores
         .or_else(|| std::thread::available_parallelism().ok())
@@ -103,7 +104,7 @@ pub fn main_with(
         connections,
         cores,
         transport,
-        (port, backlog),
+        (port, backlog, max_connections),
         &mut std::io::stdout().lock(),
     );
     std::process::ExitCode::from(u8::try_from(code).unwrap_or(1))
@@ -115,11 +116,12 @@ pub fn run(
     connections: u64,
     cores: usize,
     transport: Transport,
-    (port, backlog): (u16, u64),
+    (port, backlog, max_connections): (u16, u64, Option<u64>),
     out: &mut dyn Write,
 ) -> i32 {
     let host = HostSettings::read();
-    let findings = check_with_backlog(&host, connections, cores, transport, port, backlog);
+    let mut findings = check_with_backlog(&host, connections, cores, transport, port, backlog);
+    findings.push(check_max_connections(max_connections, connections));
     let blocking = findings.iter().filter(|f| f.blocking).count();
     if connections > MAX_CONNECTIONS
         && writeln!(out, "--connections {connections} is more than one host can hold; checking for {MAX_CONNECTIONS}").is_err()
@@ -235,7 +237,7 @@ mod tests {
             u64::MAX,
             2,
             Transport::Plain,
-            (8080, LISTEN_BACKLOG),
+            (8080, LISTEN_BACKLOG, None),
             &mut out,
         );
         let out = String::from_utf8_lossy(&out);
@@ -252,7 +254,13 @@ mod tests {
     #[test]
     fn run_prints_every_setting() {
         let mut out = Vec::new();
-        let code = run(1_000, 2, Transport::Plain, (8080, LISTEN_BACKLOG), &mut out);
+        let code = run(
+            1_000,
+            2,
+            Transport::Plain,
+            (8080, LISTEN_BACKLOG, None),
+            &mut out,
+        );
         let text = String::from_utf8(out).unwrap_or_default();
         assert_eq!(code, i32::from(text.contains("BLOCKS")), "{text}");
         for f in check(&HostSettings::read(), 1_000, 2, Transport::Plain, 8080) {

@@ -14,6 +14,7 @@ use socket2::{Domain, Protocol, Socket, Type};
 
 use crate::http_upgrade;
 use crate::metrics::C;
+use crate::registry::throttle::Throttle;
 use crate::worker::bucket::TokenBucket;
 use crate::worker::conn;
 use crate::worker::core::{Conn, Core};
@@ -78,6 +79,7 @@ pub(crate) async fn run(core: Rc<Core>, listener: TcpListener) {
     };
     let fd = listener.as_raw_fd();
     let mut stopping = false;
+    let mut failures = Throttle::default();
     loop {
         let accepted = {
             let mut accept = pin!(listener.accept());
@@ -105,10 +107,20 @@ pub(crate) async fn run(core: Rc<Core>, listener: TcpListener) {
             Err(e) => {
                 core.metrics.inc(C::AcceptError);
                 // Out of descriptors or memory: back off instead of spinning on the error.
-                if matches!(
+                let short = matches!(
                     e.raw_os_error(),
                     Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM)
-                ) {
+                );
+                // A line a second at most: a storm past the limit fails thousands a second.
+                if let Some(n) = failures.note(Instant::now()) {
+                    let hint = match e.raw_os_error() {
+                        Some(libc::EMFILE) => ": out of file descriptors, raise RLIMIT_NOFILE (ulimit -n, LimitNOFILE=) or set --max-connections below it (fleetlink-fe doctor --connections N)",
+                        Some(libc::ENFILE) => ": the host is out of file descriptors (fs.file-max)",
+                        _ => "",
+                    };
+                    log::warn!("accept: {n} failed since the last such line (the last: {e}){hint}");
+                }
+                if short {
                     monoio::time::sleep(Duration::from_millis(50)).await;
                 }
             }

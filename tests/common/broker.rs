@@ -37,17 +37,42 @@ impl Broker {
 
     /// [`Broker::start`] with extra environment variables (e.g. `FLEETLINK_FAILPOINT`).
     pub fn start_with_env(args: &[&str], env: &[(&str, &str)]) -> Broker {
-        Broker::spawn(args, env, false)
+        Broker::spawn(args, env, false, None)
     }
 
     /// [`Broker::start`] with its log (warnings and up) kept for [`Broker::wait_log`].
     pub fn start_logged(args: &[&str]) -> Broker {
-        Broker::spawn(args, &[], true)
+        Broker::spawn(args, &[], true, None)
     }
 
-    fn spawn(args: &[&str], env: &[(&str, &str)], keep_log: bool) -> Broker {
+    /// [`Broker::start_logged`] under a soft open-file limit of `nofile`.
+    pub fn start_logged_with_nofile(args: &[&str], nofile: u64) -> Broker {
+        Broker::spawn(args, &[], true, Some(nofile))
+    }
+
+    fn spawn(args: &[&str], env: &[(&str, &str)], keep_log: bool, nofile: Option<u64>) -> Broker {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_fleetlink-fe"));
         cmd.envs(env.iter().copied());
+        if let Some(soft) = nofile {
+            use std::os::unix::process::CommandExt;
+            // SAFETY: only setrlimit, which is async-signal-safe, runs between fork and exec.
+            unsafe {
+                cmd.pre_exec(move || {
+                    let mut lim = libc::rlimit {
+                        rlim_cur: 0,
+                        rlim_max: 0,
+                    };
+                    if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) != 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    lim.rlim_cur = soft.min(lim.rlim_max);
+                    if libc::setrlimit(libc::RLIMIT_NOFILE, &lim) != 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    Ok(())
+                });
+            }
+        }
         if !args.contains(&"--listen") {
             cmd.args(["--listen", "127.0.0.1:0"]);
         }

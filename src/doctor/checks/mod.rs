@@ -20,6 +20,23 @@ use super::model::{LISTEN_BACKLOG, MAX_CONNECTIONS};
 use super::report::opt_text;
 use super::{Finding, HostSettings, Transport};
 
+/// The broker's own `--max-connections` against N: the kernel may hold N while the broker turns
+/// away every upgrade past its cap (503), so a deploy gate must see both.
+pub fn check_max_connections(cap: Option<u64>, connections: u64) -> Finding {
+    let n = connections.min(MAX_CONNECTIONS);
+    let needed = format!("unset, or at least {n}: past it the broker answers upgrades 503");
+    match cap {
+        None => Finding::ok("--max-connections", "unset (no cap)".into(), needed),
+        Some(cap) if cap >= n => Finding::ok("--max-connections", cap.to_string(), needed),
+        Some(cap) => Finding::block(
+            "--max-connections",
+            cap.to_string(),
+            needed,
+            format!("--max-connections {n} (FLEETLINK_MAX_CONNECTIONS={n}), or leave it unset"),
+        ),
+    }
+}
+
 /// Checks `host` against `connections` rigs over `transport`, served by `cores` worker
 /// threads. Returns one finding per setting, in report order; pure, so tests feed it
 /// synthetic hosts.
