@@ -763,6 +763,48 @@ fn admin_kick_closes_the_rig_with_1012() {
     assert_eq!(read_close(&mut ws), 1012);
 }
 
+/// Rigs leaving between two pages of `list --admin` make none of the others skipped: the
+/// cursor names the last rig shown, not its place (with an offset, the two rigs after the
+/// leavers were never listed).
+#[test]
+fn admin_list_pages_skip_no_rig_when_rigs_leave_between_pages() {
+    let b = Broker::start(&["--cores", "1"]);
+    let admin = format!("http://{}", b.admin);
+    let mut rigs: Vec<_> = (0..7).map(|i| b.rig(&format!("rig-{i}")).0).collect();
+    let first = fleetctl(&["--admin", &admin, "list", "--page-size", "2"]);
+    first.assert_code(0);
+    assert!(
+        first.stdout.contains("next: --cursor after:rig-1"),
+        "{}",
+        first.stdout
+    );
+    // The two rigs of the first page leave.
+    for mut ws in rigs.drain(..2) {
+        ws.close(None).unwrap();
+        while ws.read().is_ok() {}
+    }
+    common::broker::eventually(Duration::from_secs(10), "two rigs gone", || {
+        b.http("GET", "/v1/rigs", "").1.matches("rig_id").count() == 5
+    });
+    let rest = fleetctl(&[
+        "--admin",
+        &admin,
+        "--json",
+        "list",
+        "--page-size",
+        "2",
+        "--cursor",
+        "after:rig-1",
+    ]);
+    let ids: Vec<_> = rest.lines().iter().map(|l| l["rig_id"].clone()).collect();
+    assert_eq!(
+        ids,
+        ["rig-2", "rig-3", "rig-4", "rig-5", "rig-6"].map(|id| json!(id)),
+        "{}",
+        rest.stdout
+    );
+}
+
 #[test]
 fn admin_status_list_and_selector() {
     let b = Broker::start(&["--cores", "1"]);
@@ -800,18 +842,20 @@ fn admin_status_list_and_selector() {
         "--page-size",
         "1",
         "--cursor",
-        "1",
+        "after:rig-lab",
     ]);
     let ids: Vec<_> = page.lines().iter().map(|l| l["rig_id"].clone()).collect();
     assert_eq!(ids, [json!("rig-other")], "{}", page.stdout);
     let human = fleetctl(&["--admin", &admin, "list", "--page-size", "1"]);
     assert!(
-        human.stdout.contains("next: --cursor 1"),
+        human.stdout.contains("next: --cursor after:rig-lab"),
         "{}",
         human.stdout
     );
+    // Another plane's cursor is a usage error, not a silent first page.
+    fleetctl(&["--admin", &admin, "list", "--cursor", "1"]).assert_code(64);
     // A page past the end is empty, with this broker's columns all the same.
-    let past = fleetctl(&["--admin", &admin, "list", "--cursor", "99"]);
+    let past = fleetctl(&["--admin", &admin, "list", "--cursor", "after:zzz"]);
     past.assert_code(0);
     assert!(
         past.stdout.contains("CONNECTED_AT") && !past.stdout.contains("BROKER"),

@@ -281,17 +281,29 @@ impl ControlPlane for AdminPlane {
         })
     }
 
-    /// `list`: `GET /v1/rigs`, paged locally; the cursor is an offset into the sorted list.
-    fn list(&mut self, page_size: u64, cursor: u64) -> anyhow::Result<Page> {
+    /// `list`: `GET /v1/rigs` (sorted by rig id), paged here. The cursor names the last rig of
+    /// the page before, not its place: rigs leaving between pages would shift every place,
+    /// and the rigs past them would be skipped.
+    fn list(&mut self, page_size: u64, cursor: &str) -> anyhow::Result<Page> {
+        let after = match cursor {
+            "0" => None,
+            c => Some(c.strip_prefix("after:").ok_or_else(|| {
+                clap::Error::raw(clap::error::ErrorKind::InvalidValue, format!(
+                    "--cursor {c}: with --admin, a cursor is `after:RIG` as a page printed (0 = start)\n"
+                ))
+            })?),
+        };
         let rigs = self.rigs(IO_TIMEOUT)?;
-        let start = usize::try_from(cursor)
-            .unwrap_or(usize::MAX)
-            .min(rigs.len());
-        let end = start
-            .saturating_add(usize::try_from(page_size).unwrap_or(usize::MAX))
-            .min(rigs.len());
-        let next_cursor = if end < rigs.len() { end as u64 } else { 0 };
-        let rows = rigs.into_iter().skip(start).take(end - start).collect();
+        let page = usize::try_from(page_size).unwrap_or(usize::MAX);
+        let mut rest = rigs
+            .into_iter()
+            .filter(|r| after.is_none_or(|a| r["rig_id"].as_str().is_some_and(|id| id > a)))
+            .peekable();
+        let rows: Vec<Value> = rest.by_ref().take(page).collect();
+        let next_cursor = match (rest.peek(), rows.last()) {
+            (Some(_), Some(last)) => last["rig_id"].as_str().map(|id| format!("after:{id}")),
+            _ => None,
+        };
         Ok(Page {
             rows,
             next_cursor,

@@ -78,9 +78,11 @@ pub(crate) enum Command {
         /// Rigs per page (Redis: SCAN COUNT; a page may hold a few more).
         #[arg(long, default_value_t = 500, value_parser = clap::value_parser!(u64).range(1..=100_000))]
         page_size: u64,
-        /// Where to resume: the `next cursor` of the previous page (0 = start).
-        #[arg(long, default_value_t = 0)]
-        cursor: u64,
+        /// Where to resume: the `next: --cursor` of the previous page (0 = start). With --redis a
+        /// SCAN cursor (a number); with --admin `after:RIG`, the last rig of that page, so that
+        /// rigs leaving between pages make none of the others skipped.
+        #[arg(long, default_value = "0")]
+        cursor: String,
     },
     /// List broker keys (Redis), or the health of the admin broker.
     ///

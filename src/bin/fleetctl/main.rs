@@ -113,8 +113,8 @@ pub(crate) trait ControlPlane {
     fn kick(&mut self, rig: &RigId, timeout: Duration) -> anyhow::Result<Value>;
     /// `status RIG`: an object with `ok: true`, or a `rig_not_connected` error reply.
     fn status(&mut self, rig: &RigId) -> anyhow::Result<Value>;
-    /// `list`: one page from `cursor`.
-    fn list(&mut self, page_size: u64, cursor: u64) -> anyhow::Result<Page>;
+    /// `list`: one page from `cursor` ("0" for the first).
+    fn list(&mut self, page_size: u64, cursor: &str) -> anyhow::Result<Page>;
     /// `brokers`: one object per broker.
     fn brokers(&mut self) -> anyhow::Result<Vec<Value>>;
     /// `events`: calls `each` per event until `limit` passes or `count` arrived; returns how
@@ -132,8 +132,8 @@ pub(crate) trait ControlPlane {
 pub(crate) struct Page {
     /// One object per rig.
     pub(crate) rows: Vec<Value>,
-    /// Cursor of the next page; 0 when this was the last.
-    pub(crate) next_cursor: u64,
+    /// Cursor of the next page; None when this was the last.
+    pub(crate) next_cursor: Option<String>,
     /// One broker's rows from its admin API, rather than the registry's: the table's columns,
     /// which an empty page cannot tell from its rows.
     pub(crate) admin: bool,
@@ -230,19 +230,19 @@ fn run(cli: Cli, plane: Plane) -> anyhow::Result<Exit> {
             let mut seen = std::collections::HashSet::new();
             let mut cursor = cursor;
             loop {
-                let page = plane.list(page_size, cursor)?;
+                let page = plane.list(page_size, &cursor)?;
                 for row in &page.rows {
                     if seen.insert(row["rig_id"].as_str().unwrap_or_default().to_owned()) {
                         println!("{row}");
                     }
                 }
                 match page.next_cursor {
-                    0 => break Exit::Ok,
-                    next => cursor = next,
+                    None => break Exit::Ok,
+                    Some(next) => cursor = next,
                 }
             }
         }
-        Command::List { page_size, cursor } => out.page(&plane.list(page_size, cursor)?),
+        Command::List { page_size, cursor } => out.page(&plane.list(page_size, &cursor)?),
         Command::Brokers => out.brokers(&plane.brokers()?),
         Command::Events { count, for_ } => {
             match plane.events(for_, count, &mut |event| out.event(event))? {

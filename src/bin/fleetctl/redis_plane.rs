@@ -403,10 +403,14 @@ impl ControlPlane for RedisPlane {
     }
 
     /// `list`: SCAN `rig:*` from `cursor` until at least `page_size` rigs or the end.
-    fn list(&mut self, page_size: u64, cursor: u64) -> anyhow::Result<Page> {
+    fn list(&mut self, page_size: u64, cursor: &str) -> anyhow::Result<Page> {
+        let mut cursor: u64 = cursor.parse().map_err(|_| {
+            clap::Error::raw(clap::error::ErrorKind::InvalidValue, format!(
+                "--cursor {cursor}: with --redis, a cursor is the number a page printed (0 = start)\n"
+            ))
+        })?;
         self.begin(DEFAULT_WAIT);
         let mut keys = Vec::new();
-        let mut cursor = cursor;
         loop {
             let (next, batch): (u64, Vec<String>) = redis::cmd("SCAN")
                 .arg(cursor)
@@ -452,7 +456,7 @@ impl ControlPlane for RedisPlane {
         rows.sort_by(|a, b| a["rig_id"].as_str().cmp(&b["rig_id"].as_str()));
         Ok(Page {
             rows,
-            next_cursor: cursor,
+            next_cursor: (cursor != 0).then(|| cursor.to_string()),
             admin: false,
         })
     }

@@ -234,9 +234,9 @@ impl Render {
                 .collect();
             table(&["RIG", "BOOT_ID", "BROKER"], &rows);
         }
-        match p.next_cursor {
-            0 => println!("({} rigs, end of list)", p.rows.len()),
-            c => println!("({} rigs) next: --cursor {c}", p.rows.len()),
+        match &p.next_cursor {
+            None => println!("({} rigs, end of list)", p.rows.len()),
+            Some(c) => println!("({} rigs) next: --cursor {c}", p.rows.len()),
         }
         Exit::Ok
     }

@@ -528,7 +528,7 @@ impl Embedded {
                     &id,
                     Some(rig.as_str()),
                     "rig_not_connected",
-                    "no connection holds this rig",
+                    "this broker holds no connection of this rig",
                 );
                 vec![Action::Reply(reply_to, body)]
             }
@@ -574,7 +574,7 @@ fn not_connected(req: CommandReq) -> Action {
         &req.id,
         Some(req.rig.as_str()),
         "rig_not_connected",
-        "no connection holds this rig",
+        "this broker holds no connection of this rig",
     );
     Action::Reply(req.reply, body)
 }
