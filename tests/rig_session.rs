@@ -1808,12 +1808,13 @@ fn a_rig_that_never_acks_gets_back_every_command_it_was_given_on_resume() {
     );
 }
 
-/// Commands a rig said at its hello it had, and has not acked, wait for their acks only while
-/// the unacked window has room: past it the oldest of them gives way to the next command
-/// written (counted `resume_dropped`), so that acks lost with earlier connections cannot hold
-/// the window shut for the session's whole life.
+/// Commands a rig said at its hello it had, and has not acked, are not on the new connection's
+/// wire: they do not hold its write window shut, only count against the session's whole bound
+/// (9 x `--outbox`). A rig that acks nothing keeps them, and control hears `rig_unresponsive`
+/// past that bound; once the rig acks a later command (so its acks for them were lost with the
+/// old connection), the oldest of them gives way to a new command, counted `resume_dropped`.
 #[test]
-fn commands_a_rig_had_at_its_hello_give_way_to_new_ones_when_the_window_is_full() {
+fn commands_a_rig_had_at_its_hello_hold_no_window_and_give_way_once_it_acks_a_later_one() {
     let b = Broker::start(&["--cores", "1", "--outbox", "1"]);
     let boot = boot_id();
     let mut first = b.connect("/agent");
@@ -1833,10 +1834,25 @@ fn commands_a_rig_had_at_its_hello_give_way_to_new_ones_when_the_window_is_full(
     let (status, reply) = b.command("rig-had", "n", json!({}));
     assert_eq!((status, &reply["seq"]), (200, &json!(9)), "{reply}");
     assert_eq!(read_json(&mut again)["seq"], 9);
+    // Nine held, the session's bound, and no later ack yet: refused, nothing dropped.
+    let (status, reply) = b.command("rig-had", "n", json!({}));
     assert_eq!(
-        b.metric("fleetlink_commands_total{result=\"resume_dropped\"}"),
-        1
+        (status, &reply["error"]),
+        (503, &json!("rig_unresponsive")),
+        "{reply}"
     );
+    let dropped = "fleetlink_commands_total{result=\"resume_dropped\"}";
+    assert_eq!(b.metric(dropped), 0);
+    // The rig acks 9: the next fits beside the eight, the one after takes the oldest's place.
+    let ack = json!({"type":"ack","seq":9}).to_string();
+    again.send(Message::Text(ack.into())).unwrap();
+    b.wait_metric("fleetlink_commands_total{result=\"acked\"} 1");
+    for seq in [10u64, 11] {
+        let (status, reply) = b.command("rig-had", "n", json!({}));
+        assert_eq!((status, &reply["seq"]), (200, &json!(seq)), "{reply}");
+        assert_eq!(read_json(&mut again)["seq"], seq);
+    }
+    assert_eq!(b.metric(dropped), 1);
 }
 
 /// A broker whose open-file limit cannot hold its `--max-connections` says so at start, and a

@@ -110,7 +110,7 @@ fn enqueue(
     // (queued, waiting and written unacked) must stay within what a resume carries, or a burst
     // to a rig that does not ack would have its next resume drop the oldest of commands control
     // was told were taken.
-    if session.commands_len() >= core.cfg.session_limit() {
+    if session.commands_len() >= core.cfg.session_limit() && !drop_oldest_had(core, session) {
         if held {
             return Err(req);
         }
@@ -269,10 +269,19 @@ pub(crate) fn holds(st: &ConnState, rig: &RigId) -> bool {
 /// Whether the commands written and not yet acked fill what a resume may carry (a count, and
 /// [`RIG_UNACKED_BYTES`]), so that one more of `len` bytes must wait for an ack. Past it the
 /// rig's outbox fills, and control hears `rig_unresponsive` rather than a resume losing what
-/// the socket buffers took.
-fn window_full(core: &Core, q: &queues::Queues, len: usize) -> bool {
-    q.unacked().len() >= core.cfg.unacked_limit()
-        || (!q.unacked().is_empty() && q.unacked_bytes() + len > RIG_UNACKED_BYTES)
+/// the socket buffers took. Those the rig said at its hello it had (at or below `had`, its
+/// `last_seq`) are not on this connection's wire and do not count: an ack lost with an earlier
+/// connection is never sent again by a rig that acks on receipt, and would hold its place for
+/// the session's whole life. They count against the session's whole bound instead (`enqueue`).
+fn window_full(core: &Core, q: &queues::Queues, had: Seq, len: usize) -> bool {
+    let (had_n, had_bytes) = q
+        .unacked()
+        .iter()
+        .take_while(|c| c.seq <= had)
+        .fold((0, 0), |(n, b), c| (n + 1, b + c.json.len()));
+    let n = q.unacked().len() - had_n;
+    n >= core.cfg.unacked_limit()
+        || (n > 0 && q.unacked_bytes() - had_bytes + len > RIG_UNACKED_BYTES)
 }
 
 /// Remembers a command the rig has (written, or received before it reconnected) until its ack,
@@ -280,9 +289,9 @@ fn window_full(core: &Core, q: &queues::Queues, len: usize) -> bool {
 /// resume memory, counted, and removed from the session store too, or Redis would keep it for
 /// the session's whole life.
 pub(super) fn keep_unacked(core: &Core, s: &mut Session, cmd: SeqCommand) {
-    let (rig, boot) = (&s.rig, s.boot);
+    let (rig, boot, had) = (&s.rig, s.boot, s.resume_from);
     let q = s.queues.get_or_insert_with(Default::default);
-    while window_full(core, q, cmd.json.len()) {
+    while window_full(core, q, had, cmd.json.len()) {
         let Some(old) = q.pop_unacked() else {
             break;
         };
@@ -292,11 +301,17 @@ pub(super) fn keep_unacked(core: &Core, s: &mut Session, cmd: SeqCommand) {
     q.push_unacked(cmd);
 }
 
-/// Drops from resume memory the oldest unacked command the rig said it had at its hello (at or
-/// below its `last_seq`), counted, and has the session store forget it; false when there is
-/// none. The rig has it, and an ack for it would be its first on this connection.
+/// Makes room in a full session by dropping from resume memory the oldest unacked command the
+/// rig said at its hello it had (at or below its `last_seq`), counted, and having the session
+/// store forget it; false when there is none to drop. Only once the rig has acked a later
+/// command on this connection: a rig that acks is one whose ack for that older command was
+/// lost with its old connection, while one that acks nothing may yet, and its commands stay
+/// (control hears `rig_unresponsive` for the new one instead).
 fn drop_oldest_had(core: &Core, s: &mut Session) -> bool {
     let had = s.resume_from;
+    if s.last_ack <= had {
+        return false;
+    }
     let Some(q) = s.queues.as_mut() else {
         return false;
     };
@@ -364,14 +379,9 @@ fn write_out(core: &Core, conn: &Conn, st: &mut ConnState) {
             return;
         };
         // The rig has as many commands unacked as a resume may carry: the next waits for its
-        // acks, so that a resume can still give back every command written. Those it said at
-        // its hello it had give way first: one whose ack was lost with an earlier connection
-        // would otherwise hold its place for the session's whole life.
-        if window_full(core, q, front.json.len()) {
-            if !drop_oldest_had(core, session) {
-                return;
-            }
-            continue;
+        // acks, so that a resume can still give back every command written.
+        if window_full(core, q, session.resume_from, front.json.len()) {
+            return;
         }
         let Some(mut cmd) = q.pop_outbox() else {
             return;
