@@ -148,18 +148,18 @@ fn sys_triple(name: &str) -> Option<[u64; 3]> {
     sys_nums(name)?.try_into().ok()
 }
 
-/// (soft, hard); `None` is `RLIM_INFINITY`.
 /// How many connections (rigs and admin clients together) this process's soft `RLIMIT_NOFILE`
 /// leaves room for, past the descriptors a broker of `cores` cores holds itself; None when it
 /// is unlimited. What the broker says at start, so that an EMFILE at accept (counted, but a
 /// peer's doing is no reason to log every one) is not its operator's first sign. `doctor`
-/// reserves the admin API's share on top ([`super::model::fd_slack`]).
+/// reserves the admin API's share on top (`model::fd_slack`).
 pub fn connection_room(cores: u64) -> Option<u64> {
     use super::model::{FD_BASE, FD_PER_CORE};
     let (soft, _) = rlimit(libc::RLIMIT_NOFILE);
     soft.map(|soft| soft.saturating_sub(FD_BASE + FD_PER_CORE * cores))
 }
 
+/// (soft, hard); `None` is `RLIM_INFINITY`.
 fn rlimit(resource: libc::__rlimit_resource_t) -> (Option<u64>, Option<u64>) {
     let mut lim = libc::rlimit {
         rlim_cur: 0,
