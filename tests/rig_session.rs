@@ -1871,8 +1871,7 @@ fn an_open_file_limit_below_max_connections_is_logged_at_start_and_at_accept() {
         .filter_map(|_| std::net::TcpStream::connect(b.listen).ok())
         .collect();
     b.wait_log(&[
-        "accept: ",
-        "failed since the last such line",
+        "accepts failed since the last such line",
         "out of file descriptors",
     ]);
     // Closed first: the admin API needs a descriptor too.

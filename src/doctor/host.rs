@@ -154,9 +154,8 @@ fn sys_triple(name: &str) -> Option<[u64; 3]> {
 /// peer's doing is no reason to log every one) is not its operator's first sign. `doctor`
 /// reserves the admin API's share on top (`model::fd_slack`).
 pub fn connection_room(cores: u64) -> Option<u64> {
-    use super::model::{FD_BASE, FD_PER_CORE};
     let (soft, _) = rlimit(libc::RLIMIT_NOFILE);
-    soft.map(|soft| soft.saturating_sub(FD_BASE + FD_PER_CORE * cores))
+    soft.map(|soft| soft.saturating_sub(super::model::fd_own(cores)))
 }
 
 /// (soft, hard); `None` is `RLIM_INFINITY`.

@@ -17,9 +17,14 @@ pub(super) const FD_PER_CORE: u64 = 6;
 pub(super) const FD_ADMIN: u64 =
     (crate::admin::MAX_ON_CORES + crate::admin::lobby::MAX_WAITING) as u64;
 
+/// File descriptors the broker holds itself on `cores` cores, before any connection.
+pub(super) fn fd_own(cores: u64) -> u64 {
+    FD_BASE + FD_PER_CORE * cores
+}
+
 /// File descriptors beyond one per rig, on `cores` cores.
 pub(super) fn fd_slack(cores: u64) -> u64 {
-    FD_BASE + FD_PER_CORE * cores + FD_ADMIN
+    fd_own(cores) + FD_ADMIN
 }
 
 /// Most connections `doctor` checks for. Far past what one host's memory holds (~5 KB each with

@@ -14,7 +14,6 @@ use socket2::{Domain, Protocol, Socket, Type};
 
 use crate::http_upgrade;
 use crate::metrics::C;
-use crate::registry::throttle::Throttle;
 use crate::worker::bucket::TokenBucket;
 use crate::worker::conn;
 use crate::worker::core::{Conn, Core};
@@ -79,7 +78,6 @@ pub(crate) async fn run(core: Rc<Core>, listener: TcpListener) {
     };
     let fd = listener.as_raw_fd();
     let mut stopping = false;
-    let mut failures = Throttle::default();
     loop {
         let accepted = {
             let mut accept = pin!(listener.accept());
@@ -112,13 +110,18 @@ pub(crate) async fn run(core: Rc<Core>, listener: TcpListener) {
                     Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM)
                 );
                 // A line a second at most: a storm past the limit fails thousands a second.
-                if let Some(n) = failures.note(Instant::now()) {
-                    let hint = match e.raw_os_error() {
-                        Some(libc::EMFILE) => ": out of file descriptors, raise RLIMIT_NOFILE (ulimit -n, LimitNOFILE=) or set --max-connections below it (fleetlink-fe doctor --connections N)",
-                        Some(libc::ENFILE) => ": the host is out of file descriptors (fs.file-max)",
-                        _ => "",
-                    };
-                    log::warn!("accept: {n} failed since the last such line (the last: {e}){hint}");
+                let hint = match e.raw_os_error() {
+                    Some(libc::EMFILE) => ": out of file descriptors, raise RLIMIT_NOFILE (ulimit -n, LimitNOFILE=) or set --max-connections below it (fleetlink-fe doctor --connections N)",
+                    Some(libc::ENFILE) => ": the host is out of file descriptors (fs.file-max)",
+                    _ => "",
+                };
+                let why = format!("{e}{hint}");
+                let line = core
+                    .accept_failures
+                    .borrow_mut()
+                    .note(Instant::now(), None, &why);
+                if let Some(line) = line {
+                    log::warn!("{line}");
                 }
                 if short {
                     monoio::time::sleep(Duration::from_millis(50)).await;

@@ -262,7 +262,7 @@ fn read_some(
         }) if was_handshaking => Err(PEER_CLOSED),
         Ok(TlsRead::Failed { why, plain_alert }) => {
             let now = std::time::Instant::now();
-            if let Some(line) = core.tls_refusals.borrow_mut().note(now, fd, &why) {
+            if let Some(line) = core.tls_refusals.borrow_mut().note(now, Some(fd), &why) {
                 log::warn!("{line}");
             }
             // Send the alert rustls queued, or ours where it queued none, then end.

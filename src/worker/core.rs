@@ -99,6 +99,8 @@ pub(crate) struct Core {
     pub(crate) tls_refusals: RefCell<RefusalLog>,
     /// Hellos closed 4403, logged as the TLS failures are.
     pub(crate) identity_refusals: RefCell<RefusalLog>,
+    /// Failed accepts, logged as the TLS failures are, with the fix for a full fd table.
+    pub(crate) accept_failures: RefCell<RefusalLog>,
 }
 
 /// The queues a core sends on.
@@ -163,6 +165,7 @@ impl Core {
             retired: links.retired,
             tls_refusals: RefCell::new(RefusalLog::tls()),
             identity_refusals: RefCell::new(RefusalLog::identity()),
+            accept_failures: RefCell::new(RefusalLog::accepts()),
         }
     }
 

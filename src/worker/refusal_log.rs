@@ -1,5 +1,6 @@
-//! Logs of refusals a peer can cause as fast as it connects: failed TLS handshakes, and hellos
-//! naming a rig their connection did not prove (4403). A core writes at most one line a second
+//! Logs of refusals a peer can cause as fast as it connects: failed TLS handshakes, hellos
+//! naming a rig their connection did not prove (4403), and accepts that failed (EMFILE past
+//! the open-file limit, in a storm). A core writes at most one line a second
 //! of each, with how many since the last line and the last one's reason and peer, which is what
 //! an operator needs to find the client. A burst that stops is logged by the sweep within the
 //! next second, not only when the next refusal comes (which may be hours later, and another).
@@ -30,6 +31,11 @@ impl RefusalLog {
         Self::new("hellos named a rig their connection did not prove (4403)")
     }
 
+    /// Accepts that failed.
+    pub(crate) fn accepts() -> Self {
+        Self::new("accepts failed")
+    }
+
     fn new(what: &'static str) -> Self {
         Self {
             what,
@@ -38,16 +44,16 @@ impl RefusalLog {
         }
     }
 
-    /// Notes a refusal of the peer on `fd`; the line to log when one is due now. The peer is
-    /// asked for here, on the refusal's path: an address kept per connection would cost every
-    /// idle connection its bytes.
+    /// Notes a refusal of the peer on `fd` (None: no connection, as for a failed accept); the
+    /// line to log when one is due now. The peer is asked for here, on the refusal's path: an
+    /// address kept per connection would cost every idle connection its bytes.
     pub(crate) fn note(
         &mut self,
         now: Instant,
-        fd: RawFd,
+        fd: Option<RawFd>,
         why: &dyn std::fmt::Display,
     ) -> Option<String> {
-        self.last = match peer_addr(fd) {
+        self.last = match fd.and_then(peer_addr) {
             Some(peer) => format!("{why}, from {peer}"),
             None => why.to_string(),
         };
@@ -91,7 +97,7 @@ mod tests {
         let mut log = RefusalLog::tls();
         let t0 = Instant::now();
         let ms = |n| t0 + Duration::from_millis(n);
-        let first = log.note(t0, fd, &"unknown ca");
+        let first = log.note(t0, Some(fd), &"unknown ca");
         assert!(
             first
                 .as_deref()
@@ -100,7 +106,7 @@ mod tests {
             "{first:?}"
         );
         for i in 1..=5 {
-            assert_eq!(log.note(ms(i * 30), fd, &"unknown ca"), None);
+            assert_eq!(log.note(ms(i * 30), Some(fd), &"unknown ca"), None);
         }
         assert_eq!(log.due(ms(900)), None, "not before a second");
         let held = log.due(ms(1000));
@@ -118,7 +124,7 @@ mod tests {
         // A socket with no peer: getpeername fails, as for a connection already reset.
         let unconnected = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
         let mut log = RefusalLog::identity();
-        let line = log.note(Instant::now(), unconnected.as_raw_fd(), &"rig_id r1");
+        let line = log.note(Instant::now(), Some(unconnected.as_raw_fd()), &"rig_id r1");
         assert_eq!(
             line.as_deref(),
             Some(

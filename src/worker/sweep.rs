@@ -36,7 +36,11 @@ pub(crate) async fn run(core: Rc<Core>) {
         }
         if next.is_multiple_of(second) {
             let now = std::time::Instant::now();
-            for log in [&core.tls_refusals, &core.identity_refusals] {
+            for log in [
+                &core.tls_refusals,
+                &core.identity_refusals,
+                &core.accept_failures,
+            ] {
                 if let Some(line) = log.borrow_mut().due(now) {
                     log::warn!("{line}");
                 }

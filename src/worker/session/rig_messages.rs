@@ -148,10 +148,10 @@ fn on_hello(core: &Core, conn: &Conn, st: &mut ConnState, hello: Hello) {
         // A client with a valid certificate or token claiming another rig: worth a line for
         // whoever must find it, within the log's pace, since any client can repeat it.
         let why = identity_refused(st, &hello.rig_id);
-        if let Some(line) = core
-            .identity_refusals
-            .borrow_mut()
-            .note(Instant::now(), conn.fd, &why)
+        if let Some(line) =
+            core.identity_refusals
+                .borrow_mut()
+                .note(Instant::now(), Some(conn.fd), &why)
         {
             log::warn!("{line}");
         }
