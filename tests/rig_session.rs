@@ -488,6 +488,67 @@ fn rigs_are_counted_by_group_label_and_the_unlabelled_too() {
     b.wait_metric("fleetlink_rigs{group=\"\"} 1");
 }
 
+/// Commands, closes and ack latency are counted by the rig's `--group-label` value too, and a
+/// value's counters outlive its last rig (its gauge goes).
+#[test]
+fn commands_closes_and_ack_latency_are_counted_by_group_label() {
+    let b = Broker::start(&["--group-label", "site", "--outbox", "1"]);
+    let mut lab = b.connect("/agent");
+    hello(&mut lab, "rig-lab", &boot_id(), json!({"site": "lab"}));
+    let mut far = b.connect("/agent");
+    hello(
+        &mut far,
+        "rig-far",
+        &boot_id(),
+        json!({"site": "far \"x\""}),
+    );
+    let (status, reply) = b.command("rig-lab", "n", json!({}));
+    assert_eq!((status, &reply["seq"]), (200, &json!(1)), "{reply}");
+    assert_eq!(read_json(&mut lab)["seq"], 1);
+    ack(&mut lab, 1);
+    // rig-far never acks: 8 written (the window of 8 × --outbox), 1 queued, the 10th refused.
+    for i in 1..=10 {
+        let (status, reply) = b.command("rig-far", "n", json!({}));
+        let want = if i <= 9 { 200 } else { 503 };
+        assert_eq!(status, want, "command {i}: {reply}");
+    }
+    let series = |g: &str, result: &str| {
+        format!("fleetlink_group_commands_total{{group=\"{g}\",result=\"{result}\"}}")
+    };
+    b.wait_metric(&format!("{} 1", series("lab", "acked")));
+    b.wait_metric("fleetlink_group_ack_latency_seconds_count{group=\"lab\"} 1");
+    let text = b.http("GET", "/metrics", "").1;
+    let far_x = "far \\\"x\\\"";
+    for (g, result, n) in [
+        ("lab", "enqueued", 1),
+        ("lab", "written", 1),
+        ("lab", "outbox_full", 0),
+        (far_x, "enqueued", 9),
+        (far_x, "written", 8),
+        (far_x, "acked", 0),
+        (far_x, "outbox_full", 1),
+    ] {
+        assert_eq!(
+            common::broker::series_value(&text, &series(g, result)),
+            n,
+            "{g} {result}"
+        );
+    }
+    assert!(!text.contains("fleetlink_group_ack_latency_seconds_count{group=\"far"));
+    far.close(None).unwrap(); // a close frame without a code: 1005
+    b.wait_metric(&format!(
+        "fleetlink_group_closes_total{{group=\"{far_x}\",code=\"1005\"}} 1"
+    ));
+    let text = b.http("GET", "/metrics", "").1;
+    assert!(!text.contains(&format!("fleetlink_rigs{{group=\"{far_x}\"}}")));
+    assert!(text.contains("fleetlink_rigs{group=\"lab\"} 1\n"));
+    assert_eq!(
+        common::broker::series_value(&text, &series(far_x, "written")),
+        8
+    );
+    assert!(!text.contains("fleetlink_group_closes_total{group=\"lab\""));
+}
+
 /// A PONG must come within `--pong-timeout` (CONTRACT.md §2): one that comes after it is a
 /// miss, and must not wipe out the misses counted before it. A rig answering every PING late
 /// is closed 4002 after `--max-missed-pongs` PINGs; one answering at once, beside it, is not.

@@ -2,9 +2,9 @@
 //! counting stays free of locks and atomics and of everything the admin thread does later.
 
 use std::cell::{Cell, RefCell};
-use std::collections::HashMap;
 use std::time::Duration;
 
+use super::groups::{count, GroupCount, GroupSlot, GroupTable};
 use super::snapshot::CoreSnapshot;
 
 /// A counter's index. Keep `COUNTERS` in the same order.
@@ -113,10 +113,13 @@ pub const CLOSE_CODES: [u16; 18] = [
 /// Upper bounds (ms) of the ack latency histogram buckets.
 pub const ACK_BUCKETS_MS: [u64; 12] = [1, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000];
 
-/// Distinct `--group-label` values one core counts apart; more share [`OTHER_GROUP`].
-pub const MAX_GROUPS: usize = 1000;
-/// The series rigs beyond [`MAX_GROUPS`] values are counted in.
-pub const OTHER_GROUP: &str = "(other)";
+/// [`CLOSE_CODES`] index of `code`; anything else counts last, as other.
+fn close_index(code: u16) -> usize {
+    CLOSE_CODES
+        .iter()
+        .position(|&c| c == code)
+        .unwrap_or(CLOSE_CODES.len())
+}
 
 /// One core's counters. Not `Send`: only its core touches it.
 pub struct CoreMetrics {
@@ -126,7 +129,7 @@ pub struct CoreMetrics {
     ack_sum_us: Cell<u64>,
     /// Open TCP connections (any phase).
     pub connections: Cell<u64>,
-    groups: RefCell<HashMap<Box<str>, u64>>,
+    groups: RefCell<GroupTable>,
 }
 
 impl Default for CoreMetrics {
@@ -156,17 +159,28 @@ impl CoreMetrics {
 
     /// Counts a close by its code.
     pub fn close(&self, code: u16) {
-        let i = CLOSE_CODES
-            .iter()
-            .position(|&c| c == code)
-            .unwrap_or(CLOSE_CODES.len());
-        let cell = &self.closes[i];
+        let cell = &self.closes[close_index(code)];
         cell.set(cell.get() + 1);
+    }
+
+    /// Counts a welcomed rig's close in its group too.
+    pub fn group_close(&self, slot: GroupSlot, code: u16) {
+        if let Some(f) = self.groups.borrow_mut().figures(slot) {
+            f.closes[close_index(code)] += 1;
+        }
+    }
+
+    /// Counts a command outcome in the rig's group (broker-wide counts are [`C`]'s).
+    pub fn group_count(&self, slot: GroupSlot, c: GroupCount) {
+        if let Some(f) = self.groups.borrow_mut().figures(slot) {
+            count(f, c);
+        }
     }
 
     /// Records one ack latency. Summed in microseconds: acks on a LAN take well under a
     /// millisecond, and whole milliseconds summed them as 0.
-    pub fn ack_latency(&self, latency: Duration) {
+    /// Counted broker-wide and in the rig's group `slot`.
+    pub fn ack_latency(&self, latency: Duration, slot: GroupSlot) {
         let us = u64::try_from(latency.as_micros()).unwrap_or(u64::MAX);
         let i = ACK_BUCKETS_MS
             .iter()
@@ -176,30 +190,23 @@ impl CoreMetrics {
         cell.set(cell.get() + 1);
         self.ack_sum_us
             .set(self.ack_sum_us.get().saturating_add(us));
-    }
-
-    /// A welcomed rig joined group `g`. Past [`MAX_GROUPS`] values on this core, a new value
-    /// is counted as [`OTHER_GROUP`]: label values come from the rigs, and one series per rig
-    /// is what grouping exists to avoid. True when it was: the rig leaves from there.
-    pub fn join_group(&self, g: &str) -> bool {
-        let mut groups = self.groups.borrow_mut();
-        let listed = groups.len() - usize::from(groups.contains_key(OTHER_GROUP));
-        let other = !groups.contains_key(g) && listed >= MAX_GROUPS;
-        let g = if other { OTHER_GROUP } else { g };
-        *groups.entry(g.into()).or_default() += 1;
-        other
-    }
-
-    /// A welcomed rig left group `g`, or the overflow when it was counted there.
-    pub fn leave_group(&self, g: &str, other: bool) {
-        let g = if other { OTHER_GROUP } else { g };
-        let mut groups = self.groups.borrow_mut();
-        if let Some(n) = groups.get_mut(g) {
-            *n = n.saturating_sub(1);
-            if *n == 0 {
-                groups.remove(g);
-            }
+        if let Some(f) = self.groups.borrow_mut().figures(slot) {
+            f.ack_buckets[i] += 1;
+            f.ack_sum_us = f.ack_sum_us.saturating_add(us);
         }
+    }
+
+    /// A welcomed rig joined group `g`: its slot, which the rig's counts and its leaving name.
+    /// Past [`MAX_GROUPS`](super::MAX_GROUPS) values on this core a new value is counted as
+    /// [`OTHER_GROUP`](super::OTHER_GROUP): label values come from the rigs, and one series
+    /// per rig is what grouping exists to avoid.
+    pub fn join_group(&self, g: &str) -> GroupSlot {
+        self.groups.borrow_mut().join(g)
+    }
+
+    /// A welcomed rig counted in `slot` left.
+    pub fn leave_group(&self, slot: GroupSlot) {
+        self.groups.borrow_mut().leave(slot);
     }
 
     /// Copies everything into a `Send` snapshot.
@@ -212,12 +219,7 @@ impl CoreMetrics {
             ack_buckets: self.ack_buckets.iter().map(Cell::get).collect(),
             ack_sum_us: self.ack_sum_us.get(),
             connections: self.connections.get(),
-            groups: self
-                .groups
-                .borrow()
-                .iter()
-                .map(|(k, v)| (k.to_string(), *v))
-                .collect(),
+            groups: self.groups.borrow().snapshot(),
             rigs: Vec::new(),
         }
     }
@@ -232,7 +234,7 @@ mod tests {
     fn ack_latency_sums_real_time_below_a_millisecond() {
         let m = CoreMetrics::default();
         for _ in 0..3 {
-            m.ack_latency(Duration::from_micros(300));
+            m.ack_latency(Duration::from_micros(300), GroupSlot::NONE);
         }
         let text = render(&[m.snapshot(0, "epoll")], &BridgeStats::default(), false);
         assert!(text.contains("fleetlink_ack_latency_seconds_bucket{le=\"0.001\"} 3"));
@@ -245,32 +247,9 @@ mod tests {
         assert!((sum - 0.0009).abs() < 1e-9, "{sum}");
         // Bucket edges are inclusive, as Prometheus' `le` says.
         let m = CoreMetrics::default();
-        m.ack_latency(Duration::from_millis(5));
-        m.ack_latency(Duration::from_micros(5001));
+        m.ack_latency(Duration::from_millis(5), GroupSlot::NONE);
+        m.ack_latency(Duration::from_micros(5001), GroupSlot::NONE);
         let snap = m.snapshot(0, "epoll");
         assert_eq!(&snap.ack_buckets[..3], &[0, 1, 1]);
-    }
-
-    #[test]
-    fn group_values_beyond_the_cap_share_one_series_and_leave_it_again() {
-        let m = CoreMetrics::default();
-        for i in 0..MAX_GROUPS {
-            assert!(!m.join_group(&format!("g{i}")));
-        }
-        let late_1 = m.join_group("late");
-        assert!(late_1 && m.join_group("late-2"));
-        assert!(!m.join_group("g0"), "a listed value keeps its series");
-        let count = |g: &str| m.groups.borrow().get(g).copied();
-        assert_eq!(m.groups.borrow().len(), MAX_GROUPS + 1);
-        assert_eq!((count(OTHER_GROUP), count("g0")), (Some(2), Some(2)));
-        // Room again: the same value gets its own series for the next rig...
-        m.leave_group("g1", false);
-        m.leave_group("late-2", true);
-        assert!(!m.join_group("late"));
-        // ...and the first rig still leaves from the overflow, where it was counted.
-        m.leave_group("late", late_1);
-        assert_eq!((count(OTHER_GROUP), count("late")), (None, Some(1)));
-        let total: u64 = m.groups.borrow().values().sum();
-        assert_eq!(total, MAX_GROUPS as u64 + 1);
     }
 }

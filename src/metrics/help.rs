@@ -108,6 +108,18 @@ pub(super) const HELP: &[(&str, &str)] = &[
         "Welcomed rigs by the value of their --group-label hello label.",
     ),
     (
+        "fleetlink_group_commands_total",
+        "Commands by the rig's --group-label value and result: enqueued, written, acked, outbox_full (answered rig_unresponsive).",
+    ),
+    (
+        "fleetlink_group_closes_total",
+        "Welcomed rigs' connections closed, by their --group-label value and close code (codes not seen are left out).",
+    ),
+    (
+        "fleetlink_group_ack_latency_seconds",
+        "Time from writing a command to the rig's ack, by the rig's --group-label value.",
+    ),
+    (
         "fleetlink_redis_up",
         "1 while Redis answers; always 0 standalone, which has no Redis (see fleetlink_info's mode).",
     ),

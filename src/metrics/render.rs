@@ -1,7 +1,6 @@
 //! Only the admin thread renders, once a scrape: the exposition format's rules (one `# TYPE`
 //! per family, its samples together, escaped label values) live here and nowhere else.
 
-use std::collections::HashMap;
 use std::fmt::Write as _;
 use std::sync::OnceLock;
 
@@ -162,18 +161,7 @@ pub fn render_as(
         sum(&|c: &CoreSnapshot| c.ack_sum_us) as f64 / 1e6
     );
     let _ = writeln!(out, "fleetlink_ack_latency_seconds_count {cumulative}");
-    let mut groups: HashMap<&str, u64> = HashMap::new();
-    for c in cores {
-        for (g, n) in &c.groups {
-            *groups.entry(g).or_default() += n;
-        }
-    }
-    family(&mut out, "fleetlink_rigs", "gauge");
-    let mut groups: Vec<_> = groups.into_iter().collect();
-    groups.sort();
-    for (g, n) in groups {
-        let _ = writeln!(out, "fleetlink_rigs{{group=\"{}\"}} {n}", escape(g));
-    }
+    super::groups::render_groups(&mut out, cores.iter().map(|c| &c.groups[..]));
     // In both modes, since CONTRACT.md §6 lists it among /metrics; standalone it reads 0, and
     // an alert on it should also ask `fleetlink_info{mode="fleet"}`. Only the bridge's own
     // refusals (op="refused"), a new boot's dropped commands (resume/rebooted, standalone's
@@ -224,7 +212,7 @@ fn in_both_modes(op: &str, result: &str) -> bool {
     }
 }
 
-fn escape(s: &str) -> String {
+pub(super) fn escape(s: &str) -> String {
     s.replace('\\', "\\\\")
         .replace('"', "\\\"")
         .replace('\n', "\\n")
@@ -233,8 +221,9 @@ fn escape(s: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::metrics::CoreMetrics;
+    use crate::metrics::{CoreMetrics, GroupCount};
     use crate::registry::bridge::BridgeShared;
+    use std::collections::HashMap;
     use std::time::Duration;
 
     #[test]
@@ -243,10 +232,10 @@ mod tests {
         m.inc(C::AcceptOk);
         m.close(4002);
         m.close(4999);
-        m.ack_latency(Duration::from_millis(3));
+        m.ack_latency(Duration::from_millis(3), crate::metrics::GroupSlot::NONE);
+        let slot = m.join_group("lab-a");
         m.join_group("lab-a");
-        m.join_group("lab-a");
-        m.leave_group("lab-a", false);
+        m.leave_group(slot);
         let text = render(&[m.snapshot(0, "io_uring")], &BridgeStats::default(), false);
         assert!(text.contains("fleetlink_accepts_total{result=\"ok\"} 1"));
         assert!(text.contains("fleetlink_closes_total{code=\"4002\"} 1"));
@@ -380,15 +369,17 @@ mod tests {
                 for i in 0..COUNTERS.len() {
                     m.counters[i].set((core * 100 + i) as u64 + 1);
                 }
+                let lab = m.join_group("lab-a");
+                let odd = m.join_group(&format!("odd \"{core}\"\n\\ {{}}"));
                 for code in CLOSE_CODES.iter().copied().chain([4999]) {
                     m.close(code);
+                    m.group_close(odd, code);
                 }
                 for ms in [0, 3, 20, 400, 20_000] {
-                    m.ack_latency(Duration::from_millis(ms));
+                    m.ack_latency(Duration::from_millis(ms), lab);
+                    m.group_count(odd, GroupCount::Written);
                 }
                 m.connections.set(core as u64 + 5);
-                m.join_group("lab-a");
-                m.join_group(&format!("odd \"{core}\"\n\\ {{}}"));
                 m.snapshot(core, if core == 0 { "io_uring" } else { "epoll" })
             })
             .collect();

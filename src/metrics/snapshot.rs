@@ -6,6 +6,8 @@ use std::sync::Mutex;
 
 use serde::Serialize;
 
+use super::groups::GroupFigures;
+
 /// A rig as `/v1/rigs` lists it.
 #[derive(Debug, Clone, Serialize)]
 pub struct RigInfo {
@@ -70,8 +72,8 @@ pub struct CoreSnapshot {
     pub ack_sum_us: u64,
     /// Open connections.
     pub connections: u64,
-    /// Welcomed rigs per group label value.
-    pub groups: Vec<(String, u64)>,
+    /// Figures per group label value.
+    pub groups: Vec<(String, GroupFigures)>,
     /// Rig list, when asked for.
     pub rigs: Vec<RigInfo>,
 }

@@ -97,6 +97,7 @@ mod tests {
     use super::*;
     use crate::doorbell::{self, Inbox};
     use crate::ids::{BootId, RigId};
+    use crate::metrics::GroupSlot;
     use crate::registry::msg::{SeqCommand, ToCore};
     use crate::worker::core::tests::test_core;
     use crate::worker::core::{Conn, Session};
@@ -124,7 +125,7 @@ mod tests {
             connected_ms: 0,
             resume_from: Seq(0),
             welcomed: true,
-            group_overflow: false,
+            group: GroupSlot::NONE,
             queues: Some(Box::new({
                 let mut q = Queues::default();
                 q.push_unacked(cmd(1, false));

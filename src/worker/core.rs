@@ -21,7 +21,7 @@ use crate::config::Config;
 use crate::doorbell::{Full, Mailbox};
 use crate::ids::{BootId, ConnId, CoreId, RigId, Seq};
 use crate::jwt::JwtVerifier;
-use crate::metrics::CoreMetrics;
+use crate::metrics::{CoreMetrics, GroupSlot};
 use crate::registry::bridge::{event_charge, BridgeShared, MAX_EVENT_BYTES};
 use crate::registry::msg::{AdminReply, ToBridge, ToCore};
 use crate::tls::ConfigCache;
@@ -419,8 +419,8 @@ pub(crate) struct Session {
     pub(crate) v: u32,
     /// The registry accepted the hello and `welcome` went out.
     pub(crate) welcomed: bool,
-    /// Counted in the metrics' overflow group rather than its own label value.
-    pub(crate) group_overflow: bool,
+    /// Where the metrics count this rig's group (`--group-label`), from the welcome on.
+    pub(crate) group: GroupSlot,
     pub(crate) labels: Box<[(String, String)]>,
     pub(crate) next_seq: Seq,
     pub(crate) last_ack: Seq,

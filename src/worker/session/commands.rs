@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use crate::doorbell::Full;
 use crate::ids::{ConnId, RigId, Seq};
-use crate::metrics::C;
+use crate::metrics::{GroupCount, C};
 use crate::protocol;
 use crate::registry::msg::{
     AdminAnswer, AdminReply, CommandReq, PersistReq, ReplyTo, SeqCommand, ToBridge,
@@ -171,6 +171,8 @@ fn enqueue(
         held: core.persist,
     });
     core.metrics.inc(C::CmdEnqueued);
+    core.metrics
+        .group_count(session.group, GroupCount::Enqueued);
     Ok(())
 }
 
@@ -187,6 +189,8 @@ enum Filled {
 /// Answers a command refused for a full outbox with `rig_unresponsive`, and counts it.
 fn outbox_full(core: &Core, session: &mut Session, req: CommandReq, filled: Filled) {
     core.metrics.inc(C::CmdOutboxFull);
+    core.metrics
+        .group_count(session.group, GroupCount::OutboxFull);
     let oldest = session
         .queues()
         .outbox()
@@ -390,6 +394,7 @@ fn write_out(core: &Core, conn: &Conn, st: &mut ConnState) {
         let json = cmd.json.clone();
         keep_unacked(core, session, cmd);
         core.metrics.inc(C::CmdWritten);
+        core.metrics.group_count(session.group, GroupCount::Written);
         conn.send_frame(st, OpCode::Text, &json);
     }
 }

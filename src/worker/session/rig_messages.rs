@@ -8,7 +8,7 @@ use std::time::Instant;
 use crate::events;
 use crate::http_upgrade;
 use crate::ids::{BootId, RigId, Seq};
-use crate::metrics::C;
+use crate::metrics::{GroupCount, GroupSlot, C};
 use crate::protocol::{self, ClientMsg, Hello, ProtocolError};
 use crate::registry::msg::ToBridge;
 use crate::worker::core::{unix_ms, Conn, ConnState, Core, Phase, Session};
@@ -187,7 +187,7 @@ fn on_hello(core: &Core, conn: &Conn, st: &mut ConnState, hello: Hello) {
         connected_ms: unix_ms(),
         resume_from: last_seq.unwrap_or(Seq(0)),
         welcomed: false,
-        group_overflow: false,
+        group: GroupSlot::NONE,
         queues: None,
     }));
     if core.to_bridge(msg) {
@@ -308,6 +308,7 @@ fn on_ack(core: &Core, s: &mut Session, seq: Seq) -> (bool, Option<Box<str>>) {
     let latest = seq > s.last_ack && seq < s.next_seq;
     if cmd.is_some() || latest {
         core.metrics.inc(C::CmdAcked);
+        core.metrics.group_count(s.group, GroupCount::Acked);
     }
     if latest {
         s.last_ack = seq;
@@ -318,7 +319,7 @@ fn on_ack(core: &Core, s: &mut Session, seq: Seq) -> (bool, Option<Box<str>>) {
     };
     forget_kept(core, &s.rig, s.boot, cmd.seq);
     if let Some(at) = cmd.written_at {
-        core.metrics.ack_latency(at.elapsed());
+        core.metrics.ack_latency(at.elapsed(), s.group);
     }
     // Events name the command: the ack's and, hours later maybe, the result's (CONTRACT.md
     // §4; standalone keeps them for `GET /v1/events`).

@@ -81,7 +81,7 @@ pub(crate) fn on_verdict(core: &Core, conn: &Conn, st: &mut ConnState, verdict: 
     }
     // A rig without the label counts under the empty value, so the series add up to every rig.
     let g = session.group(&core.cfg.group_label).unwrap_or("");
-    session.group_overflow = core.metrics.join_group(g);
+    session.group = core.metrics.join_group(g);
     let ev = events::connected(&core.cfg.broker_id, &session.rig, &session.boot, resumed);
     core.event_bytes(ev);
     st.phase = Phase::Live;
@@ -241,11 +241,9 @@ pub(crate) fn on_closed(core: &Core, conn: &Conn, st: &mut ConnState) {
         });
         return;
     }
-    core.metrics.leave_group(
-        s.group(&core.cfg.group_label).unwrap_or(""),
-        s.group_overflow,
-    );
     let code = st.close_code.unwrap_or(1006);
+    core.metrics.group_close(s.group, code);
+    core.metrics.leave_group(s.group);
     let ev = events::disconnected(&core.cfg.broker_id, &s.rig, &s.boot, code, &st.close_reason);
     core.event(ev);
     // Commands from the offline hold that never got a seq go back to be held (or to the rig's
