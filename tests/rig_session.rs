@@ -488,6 +488,54 @@ fn rigs_are_counted_by_group_label_and_the_unlabelled_too() {
     b.wait_metric("fleetlink_rigs{group=\"\"} 1");
 }
 
+/// `GET /v1/rigs` lists every rig without a query, and pages by rig id with `after` and
+/// `limit` across the cores; a query it does not take is a 400, not ignored.
+#[test]
+fn the_rig_list_pages_by_rig_id_across_cores() {
+    let b = Broker::start(&["--cores", "2"]);
+    // Connected out of order, so that neither the cores nor the order of hellos sort them.
+    let rigs: Vec<_> = ["rig-3", "rig-0", "rig-4", "rig-1", "rig-2"]
+        .into_iter()
+        .map(|r| b.rig(r).0)
+        .collect();
+    let ids = |query: &str| -> Vec<String> {
+        let (status, body) = b.http("GET", &format!("/v1/rigs{query}"), "");
+        assert_eq!(status, 200, "{query}: {body}");
+        let rows: Vec<Value> = serde_json::from_str(&body).unwrap();
+        rows.iter()
+            .map(|r| r["rig_id"].as_str().unwrap_or_default().to_string())
+            .collect()
+    };
+    eventually(Duration::from_secs(10), "5 rigs listed", || {
+        ids("").len() == 5
+    });
+    assert_eq!(ids(""), ["rig-0", "rig-1", "rig-2", "rig-3", "rig-4"]);
+    assert_eq!(ids("?limit=2"), ["rig-0", "rig-1"]);
+    assert_eq!(ids("?after=rig-1&limit=2"), ["rig-2", "rig-3"]);
+    assert_eq!(ids("?limit=2&after=rig-3"), ["rig-4"]);
+    assert_eq!(ids("?after=rig-2"), ["rig-3", "rig-4"]);
+    assert_eq!(ids("?after=rig-4"), Vec::<String>::new());
+    assert_eq!(
+        ids("?after=rig-10"),
+        ["rig-2", "rig-3", "rig-4"],
+        "ids sort as text"
+    );
+    for bad in [
+        "limit=0",
+        "limit=10001",
+        "limit=x",
+        "after=",
+        "after=a%20b",
+        "page=2",
+        "x",
+    ] {
+        let (status, body) = b.http("GET", &format!("/v1/rigs?{bad}"), "");
+        assert_eq!(status, 400, "{bad}: {body}");
+        assert!(body.contains("\"bad_request\""), "{bad}: {body}");
+    }
+    drop(rigs);
+}
+
 /// Commands, closes and ack latency are counted by the rig's `--group-label` value too, and a
 /// value's counters outlive its last rig (its gauge goes).
 #[test]

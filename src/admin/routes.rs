@@ -14,8 +14,9 @@ use super::commands::{command, command_rig, kick};
 use super::http::{render_answered, Answer, Request};
 use super::Admin;
 use crate::event_log;
+use crate::ids::RigId;
 use crate::metrics::{self, CoreSnapshot};
-use crate::registry::msg::ToCore;
+use crate::registry::msg::{RigPage, ToCore};
 
 /// The first four segments of a path and whether a fifth follows (Some), for matching routes
 /// without allocating.
@@ -89,7 +90,7 @@ pub(super) fn route(admin: &Admin, req: &Request) -> Answer {
     match (req.get_method(), parts.as_slice()) {
         ("GET", ["readyz"]) => readyz(admin),
         ("GET", ["metrics"]) => {
-            let (snaps, asked) = snapshots(admin, false);
+            let (snaps, asked) = snapshots(admin, None);
             // Without a core's counters a scrape would read as a counter reset, then as a
             // burst when the core answers again: no figures beat wrong ones.
             if let Some(answer) = cores_missing(admin, snaps.len(), asked) {
@@ -105,13 +106,19 @@ pub(super) fn route(admin: &Admin, req: &Request) -> Answer {
             (200, "text/plain; version=0.0.4", text.into_bytes())
         }
         ("GET", ["v1", "rigs"]) => {
-            let (snaps, asked) = snapshots(admin, true);
+            let page = match rig_page(&req.query) {
+                Ok(page) => page,
+                Err(answer) => return answer,
+            };
+            let limit = page.limit;
+            let (snaps, asked) = snapshots(admin, Some(page));
             // A list without a core's rigs would say they are not here.
             if let Some(answer) = cores_missing(admin, snaps.len(), asked) {
                 return answer;
             }
             let mut rigs: Vec<_> = snaps.into_iter().flat_map(|s| s.rigs).collect();
             rigs.sort_by(|a, b| a.rig_id.cmp(&b.rig_id));
+            rigs.truncate(limit);
             // Straight to bytes: through a `Value` tree, 9,000 rigs took 18.8 ms against 10.0.
             json_answer(200, &rigs)
         }
@@ -158,6 +165,35 @@ fn events(admin: &Admin, query: &str) -> Answer {
     }
 }
 
+/// Most rigs one page of `GET /v1/rigs` lists.
+const RIGS_PAGE_MAX: usize = 10_000;
+
+/// `GET /v1/rigs?after=RIG&limit=N`: the rigs whose id sorts after RIG, at most N. Without a
+/// query the whole list, as CONTRACT.md §6 has it; a query it does not know is refused, as
+/// `/v1/events` refuses one, rather than answered as if it had not been asked.
+fn rig_page(query: &str) -> Result<RigPage, Answer> {
+    let mut page = RigPage::ALL;
+    for pair in query.split('&').filter(|p| !p.is_empty()) {
+        let parsed = match pair.split_once('=') {
+            Some(("after", v)) => RigId::parse(v).map(|r| page.after = Some(r.as_str().into())),
+            Some(("limit", v)) => v
+                .parse()
+                .ok()
+                .filter(|n| (1..=RIGS_PAGE_MAX).contains(n))
+                .map(|n| page.limit = n),
+            _ => None,
+        };
+        if parsed.is_none() {
+            let detail = format!(
+                "query: after=RIG (a rig id; the list is sorted by it) and limit=1..{RIGS_PAGE_MAX}"
+            );
+            let body = json!({"ok": false, "error": "bad_request", "detail": detail});
+            return Err((400, "application/json", body.to_string().into_bytes()));
+        }
+    }
+    Ok(page)
+}
+
 /// A refusal in the JSON every other admin error uses, so a client reads all of them alike.
 fn error_answer(status: u16, error: &str) -> Answer {
     let body = json!({"ok": false, "error": error});
@@ -172,7 +208,7 @@ fn readyz(admin: &Admin) -> Answer {
         return (503, "text/plain", format!("{why}\n").into_bytes());
     }
     // Every core must answer: a wedged core is not ready.
-    let (snaps, asked) = snapshots(admin, false);
+    let (snaps, asked) = snapshots(admin, None);
     if let Some(answer) = cores_missing(admin, snaps.len(), asked) {
         return answer;
     }
@@ -196,14 +232,14 @@ fn cores_missing(admin: &Admin, answered: usize, asked: usize) -> Option<Answer>
 
 /// Asks every core for a snapshot; cores that do not answer in time are left out. Also says
 /// how many cores were asked (not those whose inbox is full or gone).
-fn snapshots(admin: &Admin, rigs: bool) -> (Vec<CoreSnapshot>, usize) {
+fn snapshots(admin: &Admin, rigs: Option<RigPage>) -> (Vec<CoreSnapshot>, usize) {
     let (tx, rx) = crossbeam_channel::bounded(admin.cores.len());
     let asked = admin
         .cores
         .iter()
         .filter(|core| {
             core.send(ToCore::Snapshot {
-                rigs,
+                rigs: rigs.clone(),
                 reply: tx.clone(),
             })
             .is_ok()

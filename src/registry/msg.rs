@@ -229,6 +229,24 @@ pub enum Verdict {
     Busy,
 }
 
+/// A page of `GET /v1/rigs` (sorted by rig id): the rigs after `after`, at most `limit`. Each
+/// core sends its own first `limit`, so the admin thread merges at most cores × `limit`.
+#[derive(Debug, Clone)]
+pub struct RigPage {
+    /// Only rigs whose id sorts after this one (None: from the first).
+    pub after: Option<Box<str>>,
+    /// At most this many.
+    pub limit: usize,
+}
+
+impl RigPage {
+    /// The whole list.
+    pub const ALL: RigPage = RigPage {
+        after: None,
+        limit: usize::MAX,
+    };
+}
+
 /// Bridge/admin → core.
 #[derive(Debug)]
 pub enum ToCore {
@@ -297,8 +315,8 @@ pub enum ToCore {
     },
     /// Send a snapshot of this core's metrics (and rigs when `rigs`).
     Snapshot {
-        /// Include the rig list.
-        rigs: bool,
+        /// Include the rigs of this page of the list.
+        rigs: Option<RigPage>,
         /// Where the snapshot goes.
         reply: Sender<crate::metrics::CoreSnapshot>,
     },

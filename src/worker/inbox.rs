@@ -9,7 +9,7 @@ use std::task::Poll;
 use crate::doorbell::Full;
 use crate::doorbell::Inbox;
 use crate::metrics::{RigInfo, C};
-use crate::registry::msg::{ToBridge, ToCore};
+use crate::registry::msg::{RigPage, ToBridge, ToCore};
 use crate::reply;
 use crate::worker::core::{Core, Phase};
 use crate::worker::{admin_conn, closing, drain, session};
@@ -135,8 +135,8 @@ pub(crate) fn handle(core: &Rc<Core>, msg: ToCore) {
         }
         ToCore::Snapshot { rigs, reply } => {
             let mut snap = core.metrics.snapshot(core.id.0 as usize, core.driver);
-            if rigs {
-                snap.rigs = rig_list(core);
+            if let Some(page) = rigs {
+                snap.rigs = rig_list(core, &page);
             }
             // The admin thread may have given up waiting; nothing to do then.
             let _ = reply.try_send(snap);
@@ -149,16 +149,28 @@ pub(crate) fn handle(core: &Rc<Core>, msg: ToCore) {
     }
 }
 
-fn rig_list(core: &Core) -> Vec<RigInfo> {
+/// This core's live rigs on `page`, sorted by rig id.
+fn rig_list(core: &Core, page: &RigPage) -> Vec<RigInfo> {
     let conns = core.conns.borrow();
-    let mut out = Vec::new();
-    for conn in conns.values() {
+    let after = page.after.as_deref();
+    // Picked and sorted by id before anything is formatted: a page of 100 out of 19,000 rigs
+    // builds 100 entries.
+    let mut live: Vec<_> = conns
+        .values()
+        .filter_map(|conn| {
+            let st = conn.st.borrow();
+            let s = st.session.as_ref()?;
+            let on_page =
+                s.welcomed && st.phase == Phase::Live && after.is_none_or(|a| s.rig.as_str() > a);
+            on_page.then(|| (s.rig.clone(), conn))
+        })
+        .collect();
+    live.sort_unstable_by(|a, b| a.0.as_str().cmp(b.0.as_str()));
+    live.truncate(page.limit);
+    let mut out = Vec::with_capacity(live.len());
+    for (_, conn) in live {
         let st = conn.st.borrow();
-        let Some(s) = st
-            .session
-            .as_ref()
-            .filter(|s| s.welcomed && st.phase == Phase::Live)
-        else {
+        let Some(s) = st.session.as_ref() else {
             continue;
         };
         out.push(RigInfo {

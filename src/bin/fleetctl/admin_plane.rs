@@ -91,13 +91,18 @@ impl AdminPlane {
 
     /// The rows of `GET /v1/rigs`.
     fn rigs(&self, timeout: Duration) -> anyhow::Result<Vec<Value>> {
+        self.rigs_at("/v1/rigs", timeout)
+    }
+
+    /// The rows `GET path` (`/v1/rigs` with or without a page's query) answers.
+    fn rigs_at(&self, path: &str, timeout: Duration) -> anyhow::Result<Vec<Value>> {
         let resp = self
-            .call("GET", "/v1/rigs", None, timeout)?
-            .ok_or_else(|| no_answer("GET /v1/rigs", timeout))?;
+            .call("GET", path, None, timeout)?
+            .ok_or_else(|| no_answer(&format!("GET {path}"), timeout))?;
         match serde_json::from_slice(&resp.body) {
             Ok(Value::Array(rows)) if resp.status == 200 => Ok(rows),
             _ => bail!(
-                "admin API answered {} to GET /v1/rigs: {}",
+                "admin API answered {} to GET {path}: {}",
                 resp.status,
                 excerpt(&resp.body)
             ),
@@ -190,6 +195,10 @@ impl AdminPlane {
     }
 }
 
+/// Most rows one page of `fleetctl --admin list` asks for: one less than the broker lists in a
+/// page of `/v1/rigs` (10,000), since the row past the page tells whether another follows.
+const RIGS_PAGE_MAX: usize = 9_999;
+
 impl ControlPlane for AdminPlane {
     /// `send RIG NAME`: `POST /v1/rigs/{rig}/commands`.
     fn send(
@@ -281,24 +290,25 @@ impl ControlPlane for AdminPlane {
         })
     }
 
-    /// `list`: `GET /v1/rigs` (sorted by rig id), paged here. The cursor names the last rig of
-    /// the page before, not its place: rigs leaving between pages would shift every place,
-    /// and the rigs past them would be skipped.
+    /// `list`: one page of `GET /v1/rigs?after=RIG&limit=N` (sorted by rig id), one row more
+    /// than the page to tell whether another follows. The cursor names the last rig of the
+    /// page before, not its place: rigs leaving between pages would shift every place, and
+    /// the rigs past them would be skipped.
     fn list(&mut self, page_size: u64, cursor: &str) -> anyhow::Result<Page> {
         let after = match cursor {
             "0" => None,
-            c => Some(c.strip_prefix("after:").ok_or_else(|| {
+            c => Some(c.strip_prefix("after:").and_then(RigId::parse).ok_or_else(|| {
                 clap::Error::raw(clap::error::ErrorKind::InvalidValue, format!(
                     "--cursor {c}: with --admin, a cursor is `after:RIG` as a page printed (0 = start)\n"
                 ))
             })?),
         };
-        let rigs = self.rigs(IO_TIMEOUT)?;
-        let page = usize::try_from(page_size).unwrap_or(usize::MAX);
-        let mut rest = rigs
-            .into_iter()
-            .filter(|r| after.is_none_or(|a| r["rig_id"].as_str().is_some_and(|id| id > a)))
-            .peekable();
+        let page = usize::try_from(page_size).map_or(RIGS_PAGE_MAX, |p| p.min(RIGS_PAGE_MAX));
+        let mut path = format!("/v1/rigs?limit={}", page + 1);
+        if let Some(a) = after {
+            path.push_str(&format!("&after={a}"));
+        }
+        let mut rest = self.rigs_at(&path, IO_TIMEOUT)?.into_iter().peekable();
         let rows: Vec<Value> = rest.by_ref().take(page).collect();
         let next_cursor = match (rest.peek(), rows.last()) {
             (Some(_), Some(last)) => last["rig_id"].as_str().map(|id| format!("after:{id}")),
