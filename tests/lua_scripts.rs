@@ -761,6 +761,58 @@ fn take_many_empties_each_rigs_offline_queue_and_returns_it_in_order() {
     assert!(again.iter().all(Vec::is_empty));
 }
 
+/// A connection that cannot number all it took puts the rest back at the head, in order, ahead
+/// of anything held since, and the list's TTL is only ever lengthened; it then takes them from
+/// the head by count and by bytes, the first whatever its size, and hears whether more are left.
+#[test]
+fn held_commands_go_back_to_the_head_in_order_and_come_out_by_count_and_bytes() {
+    use fleetlink::registry::offline::{offline_key, Held, OfflineScripts, Pushed};
+    let (_server, mut con, _) = setup();
+    let offline = OfflineScripts::default();
+    let r = rig("rig-1");
+    let held = |id: &str, pad: usize| Held {
+        id: id.into(),
+        name: "fw".into(),
+        args: fleetlink::args::Args::from_value(&serde_json::json!({ "p": "x".repeat(pad) })),
+        deadline_ms: u64::MAX / 2,
+        reply_to: None,
+    };
+    // Held since the take: "late".
+    let pushed = offline.push(&mut con, &r, &held("late", 0), TTL, "fe-a");
+    assert_eq!(pushed.unwrap(), Pushed::Held);
+    let ttl_before = pttl(&mut con, &offline_key(&r));
+    let back = [held("a", 0), held("b", 1000), held("c", 0)];
+    let short = Duration::from_secs(1);
+    offline.put_back(&mut con, &r, &back, short).unwrap();
+    assert!(
+        pttl(&mut con, &offline_key(&r)) >= ttl_before - 1000,
+        "not shortened"
+    );
+    let ids = |list: &[Held]| list.iter().map(|h| h.id.clone()).collect::<Vec<_>>();
+    // Two at most: "a" and "b".
+    let (taken, more) = offline.take_some(&mut con, &r, 2, 1 << 20).unwrap();
+    assert_eq!(
+        (ids(&taken), more),
+        (vec!["a".to_string(), "b".into()], true)
+    );
+    // "c" fits the bytes, "late" would pass them: only "c".
+    let len_c = serde_json::to_string(&held("c", 0)).unwrap().len();
+    let (taken, more) = offline.take_some(&mut con, &r, 10, len_c + 5).unwrap();
+    assert_eq!((ids(&taken), more), (vec!["c".to_string()], true));
+    // The first always, even past the bytes; then nothing is left.
+    let (taken, more) = offline.take_some(&mut con, &r, 10, 1).unwrap();
+    assert_eq!((ids(&taken), more), (vec!["late".to_string()], false));
+    let (taken, more) = offline.take_some(&mut con, &r, 10, 1 << 20).unwrap();
+    assert!(taken.is_empty() && !more);
+    // Put back onto nothing: the list gets a TTL again.
+    offline.put_back(&mut con, &r, &back[..1], short).unwrap();
+    let ttl = pttl(&mut con, &offline_key(&r));
+    assert!(
+        ttl > 0 && ttl <= (short + Duration::from_secs(60)).as_millis() as i64,
+        "{ttl}"
+    );
+}
+
 /// A command to hold for a rig whose lease names another live broker is not held: the rig is
 /// connected there (control looked before its hello). A lease of this broker's own, or of a
 /// broker whose liveness key has lapsed (it died), leaves the rig offline: held.

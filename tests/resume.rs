@@ -1104,6 +1104,66 @@ fn held_commands_past_the_outbox_wait_for_room_and_all_arrive_in_order() {
     }
 }
 
+/// Fleet mode: a rig comes back to more held commands than its outbox takes, and the broker
+/// it came back to is killed before the rig made room for them. Those it could not number
+/// went back to the hold in Redis, not into its memory: the rig, resuming on another broker,
+/// gets every held command exactly once, in hold order.
+#[test]
+fn held_commands_a_killed_broker_could_not_number_yet_reach_the_rig_elsewhere() {
+    const HELD: usize = 60;
+    let redis = RedisServer::start();
+    let a = fleet_broker_with(&redis, "fe-a", &["--outbox", "2"]);
+    let mut b = fleet_broker_with(&redis, "fe-b", &["--outbox", "2"]);
+    for i in 0..HELD {
+        let body = json!({"id": format!("k{i}"), "name": "n", "args": {},
+                          "queue_if_offline": true, "ttl_ms": 60_000});
+        let (status, text) = a.http("POST", "/v1/rigs/rig-k/commands", &body.to_string());
+        assert_eq!(status, 200, "{text}");
+    }
+    let boot = boot_id();
+    let (mut on_b, _) = connect_hello(&b, "rig-k", &boot, None);
+    // `--outbox 2`: 16 written ahead of acks and 2 queued; the rest go back to Redis as soon as
+    // the outbox is full, and come out again as it drains into the write window.
+    let mut got: Vec<(u64, String)> = Vec::new();
+    for _ in 0..16 {
+        let cmd = read_json(&mut on_b);
+        got.push((
+            cmd["seq"].as_u64().unwrap(),
+            cmd["id"].as_str().unwrap().into(),
+        ));
+    }
+    // The 2 queued are kept in the session; the other 42 are back in the hold, not in memory.
+    let mut con = redis.connection();
+    eventually(Duration::from_secs(10), "42 back in the hold", || {
+        redis::cmd("LLEN")
+            .arg("offline:rig-k")
+            .query::<i64>(&mut con)
+            .unwrap()
+            == 42
+    });
+    assert!(b.metric("fleetlink_registry_ops_total{op=\"offline\",result=\"returned\"}") >= 42);
+    kill_broker(&mut b);
+    let last = got.last().map(|(seq, _)| *seq);
+    let mut on_a = resume_on(&a, "rig-k", &boot, last);
+    while got.len() < HELD {
+        let cmd = read_json(&mut on_a);
+        ack(&mut on_a, cmd["seq"].as_u64().unwrap());
+        got.push((
+            cmd["seq"].as_u64().unwrap(),
+            cmd["id"].as_str().unwrap().into(),
+        ));
+    }
+    let ids: Vec<String> = got.iter().map(|(_, id)| id.clone()).collect();
+    let want: Vec<String> = (0..HELD).map(|i| format!("k{i}")).collect();
+    assert_eq!(ids, want, "each once, in hold order");
+    let seqs: Vec<u64> = got.iter().map(|(seq, _)| *seq).collect();
+    assert!(seqs.windows(2).all(|w| w[0] < w[1]), "{seqs:?}");
+    assert_eq!(
+        a.metric("fleetlink_commands_total{result=\"outbox_full\"}"),
+        0
+    );
+}
+
 /// The rig leaves while held commands still wait for room at the broker: those go back to the
 /// hold, and its next connection (the same boot, resuming) gets every held command exactly
 /// once, in hold order: first the session's own (numbered before it left), then the rest.

@@ -284,6 +284,14 @@ pub enum ToCore {
         /// Where the reply goes.
         reply: ReplyTo,
     },
+    /// The end of a delivery from the rig's offline hold to `conn` (fleet mode): what the
+    /// connection could not number goes back to Redis. `more`: Redis holds others behind them.
+    HoldDelivered {
+        /// The connection the commands went to.
+        conn: ConnId,
+        /// Whether the hold has more in Redis.
+        more: bool,
+    },
     /// Redis kept (or, fenced, refused) a held command.
     Persisted {
         /// The connection.
@@ -423,6 +431,26 @@ pub enum ToBridge {
         conn: ConnId,
         /// The command, its `offline_ttl` what is left of its hold.
         req: Box<CommandReq>,
+    },
+    /// Commands from the rig's offline hold that its connection could not number yet, in hold
+    /// order: back to the head of the hold in Redis (fleet mode).
+    HeldBack {
+        /// The rig.
+        rig: RigId,
+        /// The commands, each `offline_ttl` what is left of its hold.
+        reqs: Box<[CommandReq]>,
+    },
+    /// Take up to `max` more of the rig's held commands from Redis for connection `conn`,
+    /// delivered as at a welcome, then [`ToCore::HoldDelivered`].
+    TakeHeld {
+        /// The connection with room for them.
+        conn: ConnId,
+        /// The rig.
+        rig: RigId,
+        /// How many fit.
+        max: u32,
+        /// How many bytes of them fit (the first is taken whatever its size).
+        max_bytes: u32,
     },
     /// Close a rig's connection with 1012.
     Kick {

@@ -81,12 +81,16 @@ pub fn offline_key(rig: &RigId) -> String {
 #[derive(Debug, Clone)]
 pub struct OfflineScripts {
     push: Script,
+    put_back: Script,
+    take: Script,
 }
 
 impl Default for OfflineScripts {
     fn default() -> Self {
         Self {
             push: Script::new(include_str!("../../lua/offline_push.lua")),
+            put_back: Script::new(include_str!("../../lua/offline_return.lua")),
+            take: Script::new(include_str!("../../lua/offline_take.lua")),
         }
     }
 }
@@ -183,6 +187,75 @@ impl OfflineScripts {
                     .collect()
             })
             .collect())
+    }
+
+    /// Puts `entries` (oldest first) back at the head of `rig`'s hold, its list kept at least
+    /// `ttl` plus the usual margin.
+    pub fn put_back(
+        &self,
+        con: &mut impl ConnectionLike,
+        rig: &RigId,
+        entries: &[Held],
+        ttl: Duration,
+    ) -> Result<(), RegistryError> {
+        let mut replies = evalsha_many(
+            con,
+            &self.put_back,
+            &[entries],
+            |_| 1,
+            |call, entries| {
+                call.arg(offline_key(rig))
+                    .arg((ttl + LIST_GRACE).as_millis().clamp(1, 999_999_999_999_999) as u64);
+                for entry in entries.iter() {
+                    call.arg(serde_json::to_string(entry).unwrap_or_default());
+                }
+            },
+        )?;
+        match replies.pop() {
+            Some(Ok(redis::Value::Int(_))) => Ok(()),
+            Some(Err(e)) => Err(e),
+            other => Err(RegistryError::UnexpectedReply(format!(
+                "offline_return: {other:?}"
+            ))),
+        }
+    }
+
+    /// Takes up to `max` of `rig`'s held commands, and `max_bytes` of them (but always the
+    /// first), from the head of its hold; also says whether more are left.
+    pub fn take_some(
+        &self,
+        con: &mut impl ConnectionLike,
+        rig: &RigId,
+        max: usize,
+        max_bytes: usize,
+    ) -> Result<(Vec<Held>, bool), RegistryError> {
+        let mut replies = evalsha_many(
+            con,
+            &self.take,
+            &[rig],
+            |_| 1,
+            |call, rig| {
+                call.arg(offline_key(rig)).arg(max.max(1)).arg(max_bytes);
+            },
+        )?;
+        let items = match replies.pop() {
+            Some(Ok(redis::Value::Array(items))) => items,
+            Some(Err(e)) => return Err(e),
+            other => {
+                return Err(RegistryError::UnexpectedReply(format!(
+                    "offline_take: {other:?}"
+                )))
+            }
+        };
+        let mut items = items.into_iter();
+        let left = matches!(items.next(), Some(redis::Value::Int(n)) if n > 0);
+        let held = items
+            .filter_map(|v| match v {
+                redis::Value::BulkString(b) => serde_json::from_slice(&b).ok(),
+                _ => None,
+            })
+            .collect();
+        Ok((held, left))
     }
 
     /// Removes held commands if they are still there (expiry), in one round trip: per entry,

@@ -126,6 +126,7 @@ mod tests {
             resume_from: Seq(0),
             welcomed: true,
             group: GroupSlot::NONE,
+            hold: Default::default(),
             queues: Some(Box::new({
                 let mut q = Queues::default();
                 q.push_unacked(cmd(1, false));

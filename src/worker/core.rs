@@ -30,6 +30,7 @@ use crate::worker::bucket::RigBucket;
 use crate::worker::closing;
 use crate::worker::queues::Queues;
 use crate::worker::refusal_log::RefusalLog;
+use crate::worker::session::HoldFetch;
 use crate::worker::transport::{self, Security};
 use crate::worker::wheel::{Tick, Wheel};
 use crate::worker::ConnCap;
@@ -101,6 +102,9 @@ pub(crate) struct Core {
     pub(crate) identity_refusals: RefCell<RefusalLog>,
     /// Failed accepts, logged as the TLS failures are, with the fix for a full fd table.
     pub(crate) accept_failures: RefCell<RefusalLog>,
+    /// Connections whose rig has held commands left in Redis (fleet mode), looked at once a
+    /// second by the sweep.
+    pub(crate) hold_left: RefCell<std::collections::HashSet<ConnId>>,
 }
 
 /// The queues a core sends on.
@@ -166,6 +170,7 @@ impl Core {
             tls_refusals: RefCell::new(RefusalLog::tls()),
             identity_refusals: RefCell::new(RefusalLog::identity()),
             accept_failures: RefCell::new(RefusalLog::accepts()),
+            hold_left: RefCell::default(),
         }
     }
 
@@ -421,6 +426,8 @@ pub(crate) struct Session {
     pub(crate) welcomed: bool,
     /// Where the metrics count this rig's group (`--group-label`), from the welcome on.
     pub(crate) group: GroupSlot,
+    /// What is left of the rig's offline hold in Redis (fleet mode).
+    pub(crate) hold: HoldFetch,
     pub(crate) labels: Box<[(String, String)]>,
     pub(crate) next_seq: Seq,
     pub(crate) last_ack: Seq,

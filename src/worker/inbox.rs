@@ -104,6 +104,11 @@ pub(crate) fn handle(core: &Rc<Core>, msg: ToCore) {
                 }
             }
         }
+        ToCore::HoldDelivered { conn, more } => {
+            if let Some(c) = conn_of(conn) {
+                session::on_delivery_end(core, &c, &mut c.st.borrow_mut(), more);
+            }
+        }
         ToCore::Persisted { conn, seq, kept } => {
             // A closing connection's session may have left it while its socket lingers.
             if !closing::persisted(core, conn, seq, kept) {

@@ -35,6 +35,7 @@ pub(crate) async fn run(core: Rc<Core>) {
             heap_trim::collect();
         }
         if next.is_multiple_of(second) {
+            session::sweep_holds(&core);
             let now = std::time::Instant::now();
             for log in [
                 &core.tls_refusals,

@@ -175,7 +175,21 @@ impl Bridge {
         &mut self,
         conn: ConnId,
         rig: &RigId,
+        held: Vec<Held>,
+        actions: &mut Vec<Action>,
+    ) {
+        self.deliver_held_more(conn, rig, held, false, actions);
+    }
+
+    /// [`Self::deliver_held`], `more` saying Redis holds others behind these. In fleet mode
+    /// the delivery ends with [`ToCore::HoldDelivered`], at which the connection puts back
+    /// what it could not number.
+    fn deliver_held_more(
+        &mut self,
+        conn: ConnId,
+        rig: &RigId,
         mut held: Vec<Held>,
+        more: bool,
         actions: &mut Vec<Action>,
     ) {
         for (key, h) in self.held.take(rig) {
@@ -183,8 +197,10 @@ impl Bridge {
             self.deadlines.forget(key);
             held.push(h);
         }
+        let mut delivered = false;
         for req in self.unexpired(rig, held) {
             self.shared.count("offline", "delivered");
+            delivered = true;
             actions.push(Action::Core(
                 conn,
                 ToCore::Command {
@@ -194,6 +210,78 @@ impl Bridge {
                 },
             ));
         }
+        if self.fleet.is_some() && (delivered || more) {
+            actions.push(Action::Core(conn, ToCore::HoldDelivered { conn, more }));
+        }
+    }
+
+    /// Commands from `rig`'s hold that its connection could not number yet (fleet mode): back
+    /// at the head of the hold in Redis, in order, this broker keeping their deadlines to
+    /// report them `expired`, as it does for any command it holds. With Redis away they are
+    /// held as any command for an offline rig is then (here, and in Redis once it is back).
+    pub(super) fn put_back_held(&mut self, rig: RigId, reqs: Vec<CommandReq>) {
+        let now = unix_ms();
+        let ttls: Vec<Duration> = reqs
+            .iter()
+            .map(|r| r.offline_ttl.unwrap_or(Duration::from_millis(1)))
+            .collect();
+        let entries: Vec<Held> = reqs
+            .iter()
+            .zip(&ttls)
+            .map(|(r, ttl)| Held {
+                id: r.id.clone(),
+                name: r.name.clone(),
+                args: r.args.clone(),
+                deadline_ms: now + ttl.as_millis() as u64,
+                reply_to: None,
+            })
+            .collect();
+        let longest = ttls.iter().copied().max().unwrap_or_default();
+        let stored = self
+            .fleet
+            .as_mut()
+            .and_then(|f| f.offline_put_back(&rig, &entries, longest));
+        if stored.is_none() {
+            for (req, ttl) in reqs.into_iter().zip(ttls) {
+                self.hold(req, ttl);
+            }
+            return;
+        }
+        self.shared
+            .count_n("offline", "returned", entries.len() as u64);
+        let at = Instant::now();
+        for (entry, ttl) in entries.into_iter().zip(ttls) {
+            let size = entry.size();
+            self.deadlines.add(at + ttl, rig.clone(), entry, size);
+        }
+    }
+
+    /// Takes up to `max` more of `rig`'s held commands (`max_bytes` of them) from Redis for
+    /// `conn`, which has room for them now. With Redis away, asked again once it is back.
+    pub(super) fn take_held(
+        &mut self,
+        conn: ConnId,
+        rig: RigId,
+        max: u32,
+        max_bytes: u32,
+    ) -> Vec<Action> {
+        let mut actions = Vec::new();
+        let (max, bytes) = (max as usize, max_bytes as usize);
+        match self
+            .fleet
+            .as_mut()
+            .and_then(|f| f.offline_take_some(&rig, max, bytes))
+        {
+            Some((held, more)) => self.deliver_held_more(conn, &rig, held, more, &mut actions),
+            None => {
+                self.held_unread.insert(rig);
+                actions.push(Action::Core(
+                    conn,
+                    ToCore::HoldDelivered { conn, more: false },
+                ));
+            }
+        }
+        actions
     }
 
     /// Redis is back: the commands held here while it was away go to it, where the rig's

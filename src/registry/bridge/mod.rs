@@ -447,6 +447,16 @@ impl Bridge {
             }
             ToBridge::Command(req) => self.route_command(req),
             ToBridge::Undelivered { conn, req } => self.undelivered(conn, req),
+            ToBridge::HeldBack { rig, reqs } => {
+                self.put_back_held(rig, reqs.into_vec());
+                Vec::new()
+            }
+            ToBridge::TakeHeld {
+                conn,
+                rig,
+                max,
+                max_bytes,
+            } => self.take_held(conn, rig, max, max_bytes),
             ToBridge::Kick { id, rig, reply } => self.registry.kick(id, rig, reply),
             ToBridge::Persist(p) => {
                 self.persists.push(*p);

@@ -12,7 +12,7 @@ use crate::metrics::BridgeStats;
 pub(super) const CANARY_STALE: Duration = Duration::from_secs(5);
 
 /// Registry operations counted by (op, result), in this order.
-pub const REGISTRY_OPS: [(&str, &str); 56] = [
+pub const REGISTRY_OPS: [(&str, &str); 57] = [
     ("offline", "held"),
     ("offline", "full"),
     ("offline", "connected_elsewhere"),
@@ -21,6 +21,7 @@ pub const REGISTRY_OPS: [(&str, &str); 56] = [
     ("offline", "undelivered"),
     ("offline", "forwarded"),
     ("offline", "held_again"),
+    ("offline", "returned"),
     ("offline_batch", "sent"),
     ("persist", "ok"),
     ("persist", "fenced"),

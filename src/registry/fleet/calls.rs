@@ -184,6 +184,31 @@ impl Fleet {
         self.answered(taken)
     }
 
+    /// Puts commands back at the head of `rig`'s hold. None when Redis is unavailable.
+    pub(crate) fn offline_put_back(
+        &mut self,
+        rig: &RigId,
+        entries: &[Held],
+        ttl: Duration,
+    ) -> Option<()> {
+        let con = self.con.as_mut()?;
+        let r = self.offline.put_back(con, rig, entries, ttl);
+        self.answered(r)
+    }
+
+    /// Takes up to `max` of `rig`'s held commands and `max_bytes` of them (but always the
+    /// first), and whether more are left. None when Redis is unavailable.
+    pub(crate) fn offline_take_some(
+        &mut self,
+        rig: &RigId,
+        max: usize,
+        max_bytes: usize,
+    ) -> Option<(Vec<Held>, bool)> {
+        let con = self.con.as_mut()?;
+        let r = self.offline.take_some(con, rig, max, max_bytes);
+        self.answered(r)
+    }
+
     /// Holds commands for offline rigs, in one round trip: per entry, what came of it (`None`
     /// for an entry whose own call failed). None when Redis is unavailable.
     pub(crate) fn offline_push_many(

@@ -19,12 +19,16 @@ use crate::worker::queues::{self, RIG_OUTBOX_BYTES, RIG_UNACKED_BYTES};
 use crate::worker::transport::Security;
 use crate::ws::OpCode;
 
+use super::hold_fetch;
+
 use super::rig_messages::forget_kept;
 
 /// Control's command for this connection's rig.
 pub(crate) fn on_command(core: &Core, conn: &Conn, st: &mut ConnState, req: CommandReq) {
-    // One from the offline hold goes behind those of it already waiting: hold order.
-    let req = match waiting(st) > 0 && from_hold(&req) {
+    // One from the offline hold goes behind those of it already waiting, here or in Redis:
+    // hold order.
+    let behind = waiting(st) > 0 || st.session.as_ref().is_some_and(|s| s.hold.behind());
+    let req = match behind && from_hold(&req) {
         true => Err(req),
         false => enqueue(core, conn, st, req),
     };
@@ -343,8 +347,11 @@ pub(crate) fn pump(core: &Core, conn: &Conn, st: &mut ConnState) {
     loop {
         write_out(core, conn, st);
         if !admit_waiting(core, conn, st) {
-            return;
+            break;
         }
+    }
+    if let Some(session) = st.session.as_mut() {
+        hold_fetch::take_more(core, conn, session);
     }
 }
 
@@ -393,6 +400,7 @@ fn write_out(core: &Core, conn: &Conn, st: &mut ConnState) {
         cmd.written_at = Some(Instant::now());
         let json = cmd.json.clone();
         keep_unacked(core, session, cmd);
+        hold_fetch::on_room(session);
         core.metrics.inc(C::CmdWritten);
         core.metrics.group_count(session.group, GroupCount::Written);
         conn.send_frame(st, OpCode::Text, &json);

@@ -4,16 +4,19 @@
 //!
 //! One job a file: [`upgrade`] (the HTTP upgrade and its checks, and `consume`, the entry
 //! point), [`rig_messages`] (what a rig sends), [`commands`] (control's commands and the
-//! outbox) and [`verdicts`] (the registry's answers, and the connection's end).
+//! outbox), [`hold_fetch`] (a big offline hold taken from Redis as room frees) and [`verdicts`]
+//! (the registry's answers, and the connection's end).
 //!
 //! [`Conn`]: crate::worker::core::Conn
 
 mod commands;
+mod hold_fetch;
 mod rig_messages;
 mod upgrade;
 mod verdicts;
 
 pub(crate) use commands::{bridge_full, deliver, holds, not_taken, on_command, pump};
+pub(crate) use hold_fetch::{on_delivery_end, sweep as sweep_holds, HoldFetch};
 pub(crate) use rig_messages::retry_after;
 pub(crate) use upgrade::consume;
 pub(crate) use verdicts::{

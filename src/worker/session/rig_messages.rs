@@ -188,6 +188,7 @@ fn on_hello(core: &Core, conn: &Conn, st: &mut ConnState, hello: Hello) {
         resume_from: last_seq.unwrap_or(Seq(0)),
         welcomed: false,
         group: GroupSlot::NONE,
+        hold: Default::default(),
         queues: None,
     }));
     if core.to_bridge(msg) {
@@ -224,6 +225,7 @@ fn on_rig_message(core: &Core, conn: &Conn, st: &mut ConnState, text: &[u8]) {
                 return;
             }
             let (counted, id) = on_ack(core, session, seq);
+            super::hold_fetch::on_room(session);
             // An ack sent again (a rig that acks twice) is the first one's: one event.
             if counted {
                 core.event_bytes(events::ack(

@@ -1,0 +1,27 @@
+-- offline_return.lua: put commands back at the head of a rig's hold, in order (CONTRACT.md
+-- section 5). A broker that took them at the rig's hello and cannot number them yet (the rig
+-- has more held than its outbox takes) returns them here rather than keep them in its memory,
+-- so a broker killed before the rig made room for them loses none; it takes them again as the
+-- rig acks, and the rig's next hello, on any broker, finds them. Run by EVALSHA from
+-- src/registry/offline.rs.
+--
+-- KEYS[1]  offline:<rig_id>   (list of command entries, oldest first)
+-- ARGV[1]  ttl_ms for the list: decimal integer, 1 to 15 digits (their latest deadline plus
+--          the margin offline_push.lua keeps); the list's TTL is only ever lengthened
+-- ARGV[2..] the entries, oldest first
+--
+-- No per-rig bound: each was counted when it was first held. Returns the list's length.
+
+local ttl = ARGV[1]
+if #KEYS ~= 1 or #ARGV < 2 or type(ttl) ~= 'string' or #ttl > 15
+    or not ttl:match('^[1-9]%d*$') then
+  return redis.error_reply('ERR fleetlink offline_return: expected KEYS list; ARGV ttl_ms, entries')
+end
+local len = 0
+for i = #ARGV, 2, -1 do
+  len = redis.call('LPUSH', KEYS[1], ARGV[i])
+end
+if redis.call('PTTL', KEYS[1]) < tonumber(ttl) then
+  redis.call('PEXPIRE', KEYS[1], ttl)
+end
+return len
