@@ -307,3 +307,37 @@ fn a_bridge_that_panics_drains_the_cores_rigs_and_exits_with_a_failure() {
         .expect("the broker kept running without its bridge");
     assert_eq!(status.code(), Some(1), "{status:?}");
 }
+
+/// A drain says what becomes of the commands the broker holds for offline rigs, since control
+/// was told each was `queued`: standalone they are lost with the process (the log names them);
+/// in fleet mode they stay in Redis, but their deadlines were this broker's to report.
+#[test]
+fn a_drain_says_what_becomes_of_commands_held_for_offline_rigs() {
+    let hold = |b: &Broker, n: usize| {
+        for i in 0..n {
+            let body = json!({"id": format!("held-{i}"), "name": "n", "args": {},
+                              "queue_if_offline": true, "ttl_ms": 60_000});
+            let (status, text) = b.http("POST", "/v1/rigs/rig-away/commands", &body.to_string());
+            assert_eq!(status, 200, "{text}");
+        }
+    };
+    let mut b = Broker::start_logged(&["--drain", "100ms"]);
+    hold(&b, 3);
+    b.sigterm();
+    assert!(b
+        .wait_exit(Duration::from_secs(10))
+        .is_some_and(|s| s.success()));
+    let line = b.wait_log(&["exiting with 3 commands held for offline rigs"]);
+    assert!(line.contains("held-0") && line.contains("held-2"), "{line}");
+
+    let redis = common::redis::RedisServer::start();
+    let url = redis.url();
+    let mut b = Broker::start_logged(&["--drain", "100ms", "--redis", &url]);
+    b.wait_readyz(200, Duration::from_secs(10), "fleet broker ready");
+    hold(&b, 2);
+    b.sigterm();
+    assert!(b
+        .wait_exit(Duration::from_secs(10))
+        .is_some_and(|s| s.success()));
+    b.wait_log(&["keeping the deadlines of 2 commands held for offline rigs"]);
+}

@@ -49,8 +49,9 @@ struct CommandBody {
     args: Option<Box<RawValue>>,
     #[serde(default)]
     id: Option<String>,
+    /// `null` is absent, as for `ttl_ms`.
     #[serde(default)]
-    queue_if_offline: bool,
+    queue_if_offline: Option<bool>,
     #[serde(default)]
     ttl_ms: Option<u64>,
 }
@@ -120,6 +121,7 @@ pub(crate) fn command_req(
         reply,
         offline_ttl: body
             .queue_if_offline
+            .unwrap_or(false)
             .then(|| crate::registry::control::offline_ttl(body.ttl_ms)),
     }))
 }

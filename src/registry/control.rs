@@ -87,8 +87,9 @@ struct Raw {
     broker_id: Option<String>,
     #[serde(default)]
     instance: Option<String>,
+    /// `null` is absent, as for `ttl_ms`.
     #[serde(default)]
-    queue_if_offline: bool,
+    queue_if_offline: Option<bool>,
     #[serde(default)]
     ttl_ms: Option<u64>,
     /// Broker to broker: a command held for the rig while it was offline, taken from the
@@ -387,7 +388,9 @@ pub fn parse(payload: &[u8], broadcast: bool) -> Result<Control, Bad> {
                 true => (ReplyTo::Event, Some(offline_ttl(raw.ttl_ms))),
                 false => (
                     ReplyTo::Channel(reply_to),
-                    raw.queue_if_offline.then(|| offline_ttl(raw.ttl_ms)),
+                    raw.queue_if_offline
+                        .unwrap_or(false)
+                        .then(|| offline_ttl(raw.ttl_ms)),
                 ),
             };
             Ok(Control::Command(CommandReq {
@@ -471,6 +474,9 @@ mod tests {
             let bad = parse(msg.as_bytes(), true).unwrap_err();
             assert_eq!(bad.reply_to, Some(("c9".into(), "chan".into())), "{wrong}");
         }
+        // null is absent, for either field.
+        let nulls = br#"{"type":"command","id":"c9","rig_id":"r1","name":"x","reply_to":"chan","queue_if_offline":null,"ttl_ms":null}"#;
+        assert!(parse(nulls, false).is_ok());
         // What breaks the message after its reply channel does not lose the answer: bad
         // UTF-8, a duplicated key, nesting past the parser's bound.
         let deep = format!(r#"{{"a":{}1{}}}"#, "[".repeat(5000), "]".repeat(5000));

@@ -288,6 +288,19 @@ pub struct LocalHeld {
 }
 
 impl LocalHeld {
+    /// How many commands are held, and the ids of the first `ids` of them.
+    pub fn summary(&self, ids: usize) -> (usize, Vec<&str>) {
+        let n = self.rigs.values().map(VecDeque::len).sum();
+        let first = self
+            .rigs
+            .values()
+            .flatten()
+            .take(ids)
+            .map(|(_, h)| h.id.as_str())
+            .collect();
+        (n, first)
+    }
+
     /// Whether `rig`'s queue has room for one more.
     pub fn has_room(&self, rig: &RigId) -> bool {
         self.rigs.get(rig).is_none_or(|q| q.len() < MAX_PER_RIG)
@@ -377,6 +390,16 @@ impl Deadlines {
             let entries = &self.entries;
             self.heap.retain(|Reverse((_, k))| entries.contains_key(k));
         }
+    }
+
+    /// How many deadlines are kept.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// Whether none is.
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
     }
 
     /// The next deadline, if any.

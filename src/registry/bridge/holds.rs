@@ -384,6 +384,32 @@ impl Bridge {
             .collect()
     }
 
+    /// At exit: what this broker's end does to the commands it holds for offline rigs, said
+    /// once, since control was told each was `queued`. In fleet mode they stay in Redis, but
+    /// the deadlines were this broker's to report; standalone they were in this process.
+    pub(super) fn log_holds_left(&self) {
+        if self.fleet.is_some() {
+            let n = self.deadlines.len();
+            if n > 0 {
+                log::warn!(
+                    "exiting while keeping the deadlines of {n} commands held for offline rigs: \
+                     they stay held in Redis and reach their rigs at the next hello on any \
+                     broker, but one whose deadline passes is reported expired only at its \
+                     rig's hello, and not at all if the rig stays away past a minute after it"
+                );
+            }
+            return;
+        }
+        let (n, first) = self.held.summary(10);
+        if n > 0 {
+            log::warn!(
+                "exiting with {n} commands held for offline rigs, lost with this process \
+                 (standalone keeps them in memory) and never reported; the first: {}",
+                first.join(", ")
+            );
+        }
+    }
+
     fn report_expired(&mut self, rig: &RigId, id: &str) {
         self.shared.count("offline", "expired");
         let ev = crate::events::expired(&self.cfg.broker_id, rig, id);

@@ -744,6 +744,7 @@ impl Bridge {
             f.flush_before_exit(&wait);
             f.retire();
         }
+        self.log_holds_left();
         if !self.ended_alone.is_empty() || !self.rekeeps.is_empty() {
             log::warn!(
                 "exiting with {} ended sessions unreported and {} sessions not put back: \
