@@ -1938,6 +1938,41 @@ fn releases_redis_refuses_are_not_retried_in_a_loop() {
     }
 }
 
+/// A Redis user whose ACL leaves out the session keys: the broker says so where an operator
+/// looks (`/readyz`, the log, naming the keys to grant), serves rigs from its local registry
+/// meanwhile rather than turn every hello away, and is ready once the ACL is mended, without a
+/// restart. Before, every hello was closed 4503 with `/readyz` at 200.
+#[test]
+fn an_acl_without_the_session_keys_is_named_and_rigs_are_still_served() {
+    let redis = RedisServer::start();
+    let mut con = redis.connection();
+    let setuser = |con: &mut redis::Connection, keys: &[&str]| {
+        let mut args = vec!["SETUSER", "fl", "on", ">pw", "resetkeys"];
+        args.extend_from_slice(keys);
+        args.extend_from_slice(&["&fleetlink:*", "+@all"]);
+        let _: () = redis::cmd("ACL").arg(&args).query(con).unwrap();
+    };
+    setuser(&mut con, &["~rig:*", "~broker:*"]);
+    let url = format!("redis://fl:pw@127.0.0.1:{}/", redis.port());
+    let a = Broker::start_logged(&["--redis", &url, "--broker-id", "fe-a"]);
+    eventually(Duration::from_secs(10), "/readyz names the keys", || {
+        let (status, body) = a.http("GET", "/readyz", "");
+        status == 503 && body.contains("~sess:*")
+    });
+    a.wait_log(&["ERROR", "NOPERM", "~sessof:*", "~offline:*"]);
+    let (_ws, _, welcome) = a.rig("rig-acl");
+    assert_eq!(welcome["type"], "welcome", "{welcome}");
+    setuser(
+        &mut con,
+        &["~rig:*", "~broker:*", "~sess:*", "~sessof:*", "~offline:*"],
+    );
+    a.wait_readyz(
+        200,
+        Duration::from_secs(15),
+        "ready once the ACL covers the keys",
+    );
+}
+
 /// A broker's parked copy of a session can be older than what happened to the session
 /// elsewhere: the rig resumed on another broker and acked everything there, and a newer
 /// boot's hello found nothing left to report. When the first broker reconnects to Redis and

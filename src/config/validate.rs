@@ -161,12 +161,18 @@ fn check_redis_url(url: &str) -> anyhow::Result<()> {
     let scheme = url.split_once("://").map(|(s, _)| s);
     let why = match scheme {
         Some("rediss") => "this build has no TLS to Redis (rediss://)".to_string(),
-        Some("redis" | "unix" | "redis+unix") => "it does not parse".to_string(),
+        Some("redis" | "redis+unix") => {
+            "it does not parse: a path after the host must be a database number (/3), \
+             and a password with @ : / ? # or % in it must be percent-encoded"
+                .to_string()
+        }
+        Some("unix") => "it does not parse: unix:///PATH[?db=N&user=U&pass=P]".to_string(),
         Some(other) => format!("{other}:// is not a Redis scheme"),
         None => "no scheme".to_string(),
     };
+    let shown = crate::log_text::redact_url(url);
     anyhow::bail!(
-        "--redis {url:?}: not a usable Redis URL ({why}); expected redis://[USER:PASSWORD@]HOST[:PORT][/DB] or unix:///PATH"
+        "--redis {shown:?}: not a usable Redis URL ({why}); expected redis://[USER:PASSWORD@]HOST[:PORT][/DB] or unix:///PATH[?db=N&user=U&pass=P]"
     )
 }
 

@@ -321,13 +321,7 @@ fn parse_admin_url(s: &str) -> Result<AdminUrl, clap::Error> {
 
 /// `url` with any password replaced, for messages.
 pub(crate) fn redact(url: &str) -> String {
-    match (url.split_once("://"), url.rfind('@')) {
-        (Some((scheme, rest)), Some(_)) => match rest.rsplit_once('@') {
-            Some((_, host)) => format!("{scheme}://***@{host}"),
-            None => url.to_owned(),
-        },
-        _ => url.to_owned(),
-    }
+    fleetlink::log_text::redact_url(url)
 }
 
 #[cfg(test)]

@@ -11,7 +11,7 @@ use anyhow::{anyhow, bail, Context};
 use fleetlink::admin::new_id;
 use fleetlink::ids::RigId;
 use fleetlink::registry::scripts::{broker_key, rig_key, Owner};
-use redis::{Client, Connection, PubSub};
+use redis::{Client, Connection, IntoConnectionInfo, PubSub, RedisConnectionInfo};
 use serde_json::{json, Map, Value};
 
 use crate::cli::{redact, Selector};
@@ -30,7 +30,11 @@ const EVENTS_CHANNEL: &str = "fleetlink:events";
 
 /// A lazily connected view of the fleet's Redis.
 pub(crate) struct RedisPlane {
+    /// Connects to the URL's address and says nothing: the AUTH and SELECT are `open`'s, so
+    /// that together they get what is left of the command's wait, not a wait each.
     client: Client,
+    /// The URL's user, password and database.
+    auth: RedisConnectionInfo,
     /// The command connection, opened on first use so usage errors never need Redis.
     con: Option<Connection>,
     /// The URL without its password, for messages.
@@ -47,9 +51,14 @@ impl RedisPlane {
     /// Checks the URL; no connection is made yet.
     pub(crate) fn new(url: &str) -> anyhow::Result<RedisPlane> {
         let shown = redact(url);
-        let client = Client::open(url).with_context(|| format!("invalid Redis URL {shown}"))?;
+        let mut info = url
+            .into_connection_info()
+            .with_context(|| format!("invalid Redis URL {shown}"))?;
+        let auth = std::mem::take(&mut info.redis);
+        let client = Client::open(info).with_context(|| format!("invalid Redis URL {shown}"))?;
         Ok(RedisPlane {
             client,
+            auth,
             con: None,
             shown,
             wait: DEFAULT_WAIT,
@@ -251,9 +260,27 @@ impl RedisPlane {
                     anyhow!("cannot connect to Redis at {}: {e}", self.shown)
                 }
             })?;
+        let mut con = con;
         let left = self.left()?;
         con.set_read_timeout(Some(left))?;
         con.set_write_timeout(Some(left))?;
+        if let Some(password) = &self.auth.password {
+            let mut auth = redis::cmd("AUTH");
+            if let Some(user) = &self.auth.username {
+                auth.arg(user);
+            }
+            auth.arg(password)
+                .query::<()>(&mut con)
+                .map_err(self.failed("AUTH"))?;
+        }
+        if self.auth.db != 0 {
+            let left = self.left()?;
+            con.set_read_timeout(Some(left))?;
+            redis::cmd("SELECT")
+                .arg(self.auth.db)
+                .query::<()>(&mut con)
+                .map_err(self.failed("SELECT"))?;
+        }
         Ok(con)
     }
 }

@@ -80,6 +80,33 @@ pub fn broker_channel(id: &str) -> String {
     format!("fleetlink:broker:{id}")
 }
 
+/// The key prefixes the broker reads and writes (CONTRACT.md §3 names the first two).
+const KEY_PREFIXES: [&str; 5] = ["rig:", "broker:", "sess:", "sessof:", "offline:"];
+
+/// Checks that Redis's ACL lets this user read and write every key prefix the broker uses, on
+/// names no rig or broker can have (ids never hold a space), so nothing real is touched. An
+/// ACL that left out the session keys (`~sess:*`) had every hello turned away (4503) with
+/// `/readyz` at 200; refused here, it reads as refused credentials: `/readyz` says why, the log
+/// says what to grant, and rigs are served from the local registry meanwhile.
+fn check_key_access(con: &mut CommandCon) -> anyhow::Result<()> {
+    let probe: Vec<String> = KEY_PREFIXES
+        .iter()
+        .map(|p| format!("{p}fleetlink probe"))
+        .collect();
+    let read = redis::cmd("EXISTS").arg(&probe).query::<i64>(con);
+    let write = read.and_then(|_| redis::cmd("DEL").arg(&probe).query::<i64>(con));
+    match write {
+        Ok(_) => Ok(()),
+        Err(e) if e.code() == Some("NOPERM") => anyhow::bail!(
+            "NOPERM: Redis's ACL for this user does not let it read and write all of the keys \
+             {} ({e}); grant them, e.g. `ACL SETUSER <user> ~rig:* ~broker:* ~sess:* \
+             ~sessof:* ~offline:* &fleetlink:* +@all`",
+            KEY_PREFIXES.map(|p| format!("{p}*")).join(" ")
+        ),
+        Err(e) => Err(e.into()),
+    }
+}
+
 impl Fleet {
     /// Why Redis is down, when that changed since the last call: `Some(None)` once it is back.
     pub(crate) fn take_down_why(&mut self) -> Option<Option<String>> {
@@ -180,6 +207,7 @@ impl Fleet {
             .arg("LOAD")
             .arg(include_str!("../../../lua/resume.lua"))
             .query::<String>(&mut con)?;
+        check_key_access(&mut con)?;
         Ok(con)
     }
 
