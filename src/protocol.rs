@@ -122,8 +122,8 @@ pub enum ProtocolError {
 struct RawMsg<'a> {
     #[serde(rename = "type", borrow)]
     ty: Cow<'a, str>,
-    #[serde(default)]
-    v: Option<u32>,
+    #[serde(default, borrow)]
+    v: Option<&'a RawValue>,
     #[serde(default, borrow)]
     rig_id: Option<&'a RawValue>,
     #[serde(default, borrow)]
@@ -205,7 +205,17 @@ pub fn parse_client_msg(bytes: &[u8]) -> Result<ClientMsg, ProtocolError> {
     }
     let raw: RawMsg<'_> =
         serde_json::from_slice(bytes).map_err(|e| ProtocolError::Malformed(e.to_string()))?;
-    let v = raw.v.unwrap_or(1);
+    // A hello's close reason names the field; another message's bad `v` is malformed.
+    let v = match own::<u32>(raw.v) {
+        Ok(v) => v.unwrap_or(1),
+        Err(_) if raw.ty == "hello" => {
+            return Err(ProtocolError::Invalid {
+                ty: "hello",
+                why: "v must be an integer from 0 to 2^32-1",
+            })
+        }
+        Err(e) => return Err(e),
+    };
     match &*raw.ty {
         "hello" => parse_hello(v, &raw).map(ClientMsg::Hello),
         "ack" => {

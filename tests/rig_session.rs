@@ -140,6 +140,14 @@ fn bad_first_message_closes_4400_saying_what_was_wrong() {
             "invalid hello: last_seq must be an integer from 0 to 2^64-1",
         ),
         (
+            hello("v", json!(1u64 << 32)),
+            "invalid hello: v must be an integer from 0 to 2^32-1",
+        ),
+        (
+            hello("v", json!("1")),
+            "invalid hello: v must be an integer from 0 to 2^32-1",
+        ),
+        (
             "not json".to_string(),
             "first message must be a hello: a JSON object with \"type\":\"hello\"",
         ),
