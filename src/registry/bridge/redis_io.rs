@@ -492,6 +492,14 @@ impl Bridge {
 pub(super) struct UnansweredLog(Throttle);
 
 impl UnansweredLog {
+    /// Logs the refusals a line a second held back, once one is due: a burst that stopped
+    /// is counted too, not only when the next refusal comes.
+    pub(super) fn flush(&mut self, now: Instant) {
+        if let Some(n) = self.0.due(now) {
+            log::warn!("control messages refused with no reply_to to answer: {n} more since the last such line");
+        }
+    }
+
     /// Logs `bad` unless a line went out less than a second ago; true when it did.
     pub(super) fn note(&mut self, now: Instant, bad: &control::Bad) -> bool {
         let Some(n) = self.0.note(now) else {

@@ -22,11 +22,26 @@ const CANARY_EVERY: Duration = Duration::from_secs(1);
 const HEARTBEAT_EVERY: Duration = Duration::from_secs(10);
 
 impl Bridge {
+    /// Once a second: the counts that once-a-second log lines held back since their last
+    /// line, for bursts that stopped (the next occurrence would have carried them).
+    fn flush_logs(&mut self, now: Instant) {
+        self.unanswered.flush(now);
+        self.registry.flush_parked_drop_log(now);
+        if let Some(n) = self.twin_log.due(now) {
+            log::error!(
+                "another broker runs with --broker-id {}: {n} more of its canaries since the \
+                 last line",
+                self.cfg.broker_id
+            );
+        }
+    }
+
     pub(super) fn timers(&mut self, now: Instant) {
         self.expire_held(now);
         if now >= self.next_expire {
             self.registry.expire(now);
             self.next_expire = now + Duration::from_secs(1);
+            self.flush_logs(now);
             // On the expiry timer, so that it never wakes the bridge by itself.
             if now >= self.next_trim {
                 self.next_trim = now + heap_trim::EVERY;

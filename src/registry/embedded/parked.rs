@@ -36,6 +36,16 @@ impl Parked {
 pub const MAX_PARKED_BYTES: usize = 1 << 30;
 
 impl Embedded {
+    /// Logs the parked sessions a line a second held back, once one is due.
+    pub(crate) fn flush_parked_drop_log(&mut self, now: Instant) {
+        if let Some(n) = self.parked_drop_log.due(now) {
+            log::warn!(
+                "{n} more parked sessions lost commands kept for their rigs' return since the \
+                 last such line (parked/dropped counts the commands)"
+            );
+        }
+    }
+
     /// Commands parked sessions dropped for [`MAX_PARKED_BYTES`] since the last call.
     pub fn take_parked_dropped(&mut self) -> u64 {
         std::mem::take(&mut self.parked_dropped)

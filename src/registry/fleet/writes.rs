@@ -271,6 +271,9 @@ impl Fleet {
         if let Some(n) = self.refused_log.due(now) {
             log::warn!("redis: {n} more pipelines of publishes were refused in part");
         }
+        if let Some(n) = self.refusal_log.due(now) {
+            log::warn!("redis: {n} more calls refused since the last such line");
+        }
     }
 
     fn log_drops(&self, n: u64) {
