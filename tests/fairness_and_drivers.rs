@@ -34,6 +34,47 @@ fn a_chatty_rig_is_slowed_not_dropped() {
 
 /// PINGs are not messages, but each costs the broker a decode and a PONG: a rig flooding them
 /// is paused like a chatty one, at an eighth of a token each, and stays connected.
+/// Many chatty rigs at once, each within its own rate but together sending more events than
+/// the bridge's 64 MiB of waiting events hold: none is dropped; the rigs wait instead.
+#[test]
+fn many_rigs_bursting_large_events_together_lose_none() {
+    const RIGS: usize = 12;
+    const EACH: usize = 200;
+    let b = Broker::start(&[]);
+    let rigs: Vec<RawRig> = (0..RIGS)
+        .map(|i| RawRig::hello(&b, &format!("rig-loud-{i}")))
+        .collect();
+    let pad = "x".repeat(60_000);
+    let senders: Vec<_> = rigs
+        .into_iter()
+        .enumerate()
+        .map(|(r, mut rig)| {
+            let pad = pad.clone();
+            std::thread::spawn(move || {
+                for i in 0..EACH {
+                    let ev = json!({"type":"event","name":"dump","data":{"r":r,"i":i,"pad":pad}});
+                    rig.send_text(&ev.to_string());
+                }
+                rig
+            })
+        })
+        .collect();
+    let _rigs: Vec<RawRig> = senders.into_iter().map(|t| t.join().unwrap()).collect();
+    let all = RIGS * EACH;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while metric(&b, "fleetlink_messages_in_total{type=\"event\"} ") < all as u64 {
+        assert!(
+            Instant::now() < deadline,
+            "not every event was read in time"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let dropped = metric(&b, "fleetlink_bridge_queue_full_total{from=\"core\"} ");
+    assert_eq!(dropped, 0, "{dropped} of {all} events dropped");
+    // Paused, if the bridge fell behind at all: counted where an operator can see it.
+    metric(&b, "fleetlink_rig_events_paused_total ");
+}
+
 #[test]
 fn a_rig_flooding_pings_is_slowed_too() {
     let b = Broker::start(&["--rig-rate", "10", "--rig-burst", "5"]);

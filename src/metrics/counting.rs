@@ -44,6 +44,7 @@ pub enum C {
     PingsSent,
     PongsReceived,
     RigRatePaused,
+    EventsPaused,
     BridgeQueueFull,
     Kicks,
     TlsFailed,
@@ -57,7 +58,7 @@ pub enum C {
 }
 
 /// (metric name, label pair) for each counter, in [`C`] order.
-pub(super) const COUNTERS: [(&str, &str); 43] = [
+pub(super) const COUNTERS: [(&str, &str); 44] = [
     ("fleetlink_accepts_total", "result=\"ok\""),
     ("fleetlink_accepts_total", "result=\"rate_limited\""),
     ("fleetlink_accepts_total", "result=\"over_capacity\""),
@@ -91,6 +92,7 @@ pub(super) const COUNTERS: [(&str, &str); 43] = [
     ("fleetlink_pings_sent_total", ""),
     ("fleetlink_pongs_received_total", ""),
     ("fleetlink_rig_rate_paused_total", ""),
+    ("fleetlink_rig_events_paused_total", ""),
     ("fleetlink_bridge_queue_full_total", "from=\"core\""),
     ("fleetlink_kicks_total", ""),
     ("fleetlink_tls_handshake_failures_total", ""),

@@ -60,6 +60,10 @@ pub(super) const HELP: &[(&str, &str)] = &[
         "Times a rig's reads were paused for exceeding --rig-rate.",
     ),
     (
+        "fleetlink_rig_events_paused_total",
+        "Times a rig's reads were paused for 10 ms because the events waiting for the bridge neared their 64 MiB bound.",
+    ),
+    (
         "fleetlink_bridge_queue_full_total",
         "Messages refused by a full cross-thread queue, by sender.",
     ),

@@ -289,6 +289,16 @@ impl Core {
         self.event_bytes(serde_json::to_vec(&ev).unwrap_or_default())
     }
 
+    /// Whether the events waiting for the bridge are so near [`MAX_EVENT_BYTES`] that one more
+    /// message from a rig on every core could pass it: rigs then wait before their next
+    /// message is read, so that none is dropped at the bound.
+    pub(crate) fn events_backlogged(&self) -> bool {
+        let per_message = event_charge(self.cfg.max_message.saturating_add(EVENT_ENVELOPE));
+        let headroom = per_message.saturating_mul(self.cfg.cores.max(1));
+        self.bridge_shared.event_bytes.load(Ordering::Relaxed)
+            > MAX_EVENT_BYTES.saturating_sub(headroom)
+    }
+
     /// [`Self::event`] for an event already serialized.
     pub(crate) fn event_bytes(&self, bytes: Vec<u8>) -> bool {
         let bytes = bytes.into_boxed_slice();
@@ -308,9 +318,11 @@ impl Core {
             // one-second timer, or enough events waiting) instead of waking it. Rung per batch
             // of acks, the otherwise idle bridge cost a third of the CPU per acked command.
             let pushed = self.bridge.push(msg).is_ok();
+            let heavy = queued.load(Ordering::Relaxed) >= MAX_EVENT_BYTES / 4;
             if !pushed {
                 self.metrics.inc(crate::metrics::C::BridgeQueueFull);
-            } else if self.bridge.len() >= QUIET_EVENTS {
+            } else if self.bridge.len() >= QUIET_EVENTS || heavy {
+                // Many events, or large ones: rigs would soon wait on the bound.
                 self.bridge_owed.notify();
             }
             pushed
@@ -339,6 +351,10 @@ impl Core {
         Ok(())
     }
 }
+
+/// What an event adds to the rig's message it reports (its type, ids, broker id, seq): a
+/// generous bound, for [`Core::events_backlogged`]'s headroom.
+const EVENT_ENVELOPE: usize = 1024;
 
 /// Standalone events waiting in the bridge's inbox past which a core rings it after all: a
 /// second of acks at full speed would outgrow the inbox's share for events.

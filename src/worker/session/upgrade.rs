@@ -23,6 +23,9 @@ const ECHO_LIMITS: Limits = Limits {
     max_fragments: 65_536 + 1,
 };
 
+/// How long a rig's reading waits while the events waiting for the bridge are near their bound.
+const EVENTS_PAUSE_MS: u32 = 10;
+
 /// Parses as much of `input` as the connection may consume now; returns the bytes used.
 pub(crate) fn consume(core: &Core, conn: &Conn, st: &mut ConnState, input: &[u8]) -> usize {
     let mut pos = 0;
@@ -70,6 +73,16 @@ pub(crate) fn consume(core: &Core, conn: &Conn, st: &mut ConnState, input: &[u8]
                 // on this rig alone; nothing is dropped (CONTRACT.md §2 fairness).
                 core.metrics.inc(C::RigRatePaused);
                 st.paused_until = Some(now.wrapping_add(wait_ms));
+                st.live.throttled = true;
+                st.rbuf_ready = true;
+                break;
+            }
+            if core.events_backlogged() {
+                // The bridge is behind on the events rigs send (many chatty rigs at once):
+                // this rig waits a moment, as over its rate, rather than have what it sends
+                // dropped at the bound (CONTRACT.md §2: a chatty rig loses nothing).
+                core.metrics.inc(C::EventsPaused);
+                st.paused_until = Some(now.wrapping_add(EVENTS_PAUSE_MS));
                 st.live.throttled = true;
                 st.rbuf_ready = true;
                 break;
