@@ -151,15 +151,18 @@ pub fn spawn(
             .spawn(move || {
                 // An answer is built here and freed on the core that writes it: mimalloc gives
                 // such pages back only when this thread collects (see `heap_trim`), so after
-                // a burst of requests it does, once the burst has been quiet for a while.
-                let mut busy = false;
+                // a burst of requests it does, once the burst has been quiet for a while, and
+                // again at 3, 9, 27 and 81 times that: an answer read slowly (a long rig list
+                // to a slow client) is freed long after the burst, and its pages stayed held
+                // until the next request.
+                let mut quiet_collects: Option<u32> = None;
                 loop {
-                    let work = if busy {
-                        match rx.recv_timeout(crate::heap_trim::EVERY) {
+                    let work = if let Some(k) = quiet_collects.filter(|k| *k < 5) {
+                        match rx.recv_timeout(crate::heap_trim::EVERY * 3u32.pow(k)) {
                             Ok(work) => work,
                             Err(crossbeam_channel::RecvTimeoutError::Timeout) => {
                                 crate::heap_trim::collect();
-                                busy = false;
+                                quiet_collects = Some(k + 1);
                                 continue;
                             }
                             Err(crossbeam_channel::RecvTimeoutError::Disconnected) => break,
@@ -170,7 +173,7 @@ pub fn spawn(
                             Err(_) => break,
                         }
                     };
-                    busy = true;
+                    quiet_collects = Some(0);
                     match work {
                         Work::Lobbied(l) => {
                             if let Some(conn) = answer_lobbied(&admin, *l) {
