@@ -43,6 +43,10 @@ fn main() -> ExitCode {
             }
         },
     };
+    let names = std::env::vars_os().map(|(k, _)| k.to_string_lossy().into_owned());
+    for var in fleetlink::config::unknown_env(names) {
+        log::warn!("{var} is set but names no fleetlink-fe option; ignored (see --help)");
+    }
     let result = match cli.tool {
         Some(Tool::Doctor { connections, tls }) => {
             // A deploy gate: a configuration the broker would refuse at start fails here too.

@@ -8,6 +8,25 @@ use clap::{ArgAction, CommandFactory, FromArgMatches, Parser};
 
 use super::flags::Cli;
 
+/// Environment variables of the `FLEETLINK_` prefix that name no broker option (a typo, say
+/// `FLEETLINK_PING_INTERVL`), which clap ignores: said at start, or a setting the operator
+/// believes in force silently is not. `FLEETLINK_AGENT_*` belongs to `fleetlink-agent`, and
+/// `FLEETLINK_FAILPOINT` to the tests.
+pub fn unknown_env(vars: impl Iterator<Item = String>) -> Vec<String> {
+    let cmd = Cli::command();
+    let known: Vec<String> = cmd
+        .get_arguments()
+        .filter_map(|a| a.get_env())
+        .map(|e| e.to_string_lossy().into_owned())
+        .collect();
+    let mut unknown: Vec<String> = vars
+        .filter(|v| v.starts_with("FLEETLINK_") && !v.starts_with("FLEETLINK_AGENT_"))
+        .filter(|v| v != "FLEETLINK_FAILPOINT" && !known.contains(v))
+        .collect();
+    unknown.sort();
+    unknown
+}
+
 impl Cli {
     /// Parses argv + env, then fills flags still at their defaults from `--config`.
     pub fn load(argv: Vec<OsString>) -> anyhow::Result<Cli> {
@@ -117,6 +136,21 @@ fn toml_values(v: &toml::Value) -> Vec<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn unknown_fleetlink_variables_are_named_and_known_ones_are_not() {
+        let vars = [
+            "FLEETLINK_PING_INTERVAL",
+            "FLEETLINK_PING_INTERVL",
+            "FLEETLINK_AGENT_URL",
+            "FLEETLINK_FAILPOINT",
+            "HOME",
+            "FLEETLINK_REDIS",
+            "FLEETLINK_JWT_KEY",
+        ];
+        let unknown = unknown_env(vars.iter().map(|v| v.to_string()));
+        assert_eq!(unknown, ["FLEETLINK_PING_INTERVL"]);
+    }
     use crate::config::testing::{config_file, load};
     use crate::config::Tool;
     use std::path::PathBuf;
