@@ -259,6 +259,15 @@ impl Fleet {
                      retrying, and serving from the local registry meanwhile"
                 );
             }
+        } else if why.contains("DB index is out of range") {
+            // Configuration too: the database --redis names is past Redis's `databases`.
+            if self.failures < 4 || self.failures.is_power_of_two() {
+                log::error!(
+                    "redis: {why}: the database in --redis is not one this Redis has (its \
+                     `databases` setting, 16 by default); retrying, and serving from the local \
+                     registry meanwhile"
+                );
+            }
         } else if self.failures == 0 {
             log::warn!("redis: {why}; serving from the local registry until it returns");
         } else if self.failures >= 4 && self.failures.is_power_of_two() {
