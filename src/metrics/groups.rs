@@ -7,7 +7,7 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::fmt::Write as _;
 
 use super::counting::{ACK_BUCKETS_MS, CLOSE_CODES};
-use super::render::{escape, family};
+use super::render::{ack_histogram, escape, family};
 
 /// Distinct `--group-label` values one core counts apart; more share [`OTHER_GROUP`].
 pub const MAX_GROUPS: usize = 1000;
@@ -216,21 +216,8 @@ pub(super) fn render_groups<'a>(
         .iter()
         .filter(|(_, f)| f.ack_buckets.iter().any(|n| *n > 0))
     {
-        let g = escape(g);
-        let mut cumulative = 0;
-        for (i, n) in f.ack_buckets.iter().enumerate() {
-            cumulative += n;
-            let le = ACK_BUCKETS_MS
-                .get(i)
-                .map_or("+Inf".to_string(), |ms| format!("{}", *ms as f64 / 1000.0));
-            let _ = writeln!(
-                out,
-                "{name}_bucket{{group=\"{g}\",le=\"{le}\"}} {cumulative}"
-            );
-        }
-        let sum = f.ack_sum_us as f64 / 1e6;
-        let _ = writeln!(out, "{name}_sum{{group=\"{g}\"}} {sum}");
-        let _ = writeln!(out, "{name}_count{{group=\"{g}\"}} {cumulative}");
+        let labels = format!("group=\"{}\"", escape(g));
+        ack_histogram(out, name, &labels, &f.ack_buckets, f.ack_sum_us);
     }
 }
 

@@ -144,23 +144,17 @@ pub fn render_as(
             .unwrap_or(0))
     );
     family(&mut out, "fleetlink_ack_latency_seconds", "histogram");
-    let mut cumulative = 0;
-    for i in 0..=ACK_BUCKETS_MS.len() {
-        cumulative += sum(&|c: &CoreSnapshot| c.ack_buckets.get(i).copied().unwrap_or(0));
-        let le = ACK_BUCKETS_MS
-            .get(i)
-            .map_or("+Inf".to_string(), |ms| format!("{}", *ms as f64 / 1000.0));
-        let _ = writeln!(
-            out,
-            "fleetlink_ack_latency_seconds_bucket{{le=\"{le}\"}} {cumulative}"
-        );
-    }
-    let _ = writeln!(
-        out,
-        "fleetlink_ack_latency_seconds_sum {}",
-        sum(&|c: &CoreSnapshot| c.ack_sum_us) as f64 / 1e6
+    let buckets: Vec<u64> = (0..=ACK_BUCKETS_MS.len())
+        .map(|i| sum(&|c: &CoreSnapshot| c.ack_buckets.get(i).copied().unwrap_or(0)))
+        .collect();
+    let sum_us = sum(&|c: &CoreSnapshot| c.ack_sum_us);
+    ack_histogram(
+        &mut out,
+        "fleetlink_ack_latency_seconds",
+        "",
+        &buckets,
+        sum_us,
     );
-    let _ = writeln!(out, "fleetlink_ack_latency_seconds_count {cumulative}");
     super::groups::render_groups(&mut out, cores.iter().map(|c| &c.groups[..]));
     // In both modes, since CONTRACT.md §6 lists it among /metrics; standalone it reads 0, and
     // an alert on it should also ask `fleetlink_info{mode="fleet"}`. Only the bridge's own
@@ -199,6 +193,36 @@ pub fn render_as(
         let _ = writeln!(out, "fleetlink_heap_live_allocations {allocs}");
     }
     out
+}
+
+/// One ack latency histogram's samples: `buckets` (per [`ACK_BUCKETS_MS`], then +Inf) made
+/// cumulative, the sum in seconds and the count. `labels` are the series' own, ahead of `le`
+/// (empty for none).
+pub(super) fn ack_histogram(
+    out: &mut String,
+    name: &str,
+    labels: &str,
+    buckets: &[u64],
+    sum_us: u64,
+) {
+    let (open, close, sep) = match labels.is_empty() {
+        true => ("", "", ""),
+        false => ("{", "}", ","),
+    };
+    let mut cumulative = 0;
+    for (i, n) in buckets.iter().enumerate() {
+        cumulative += n;
+        let le = ACK_BUCKETS_MS
+            .get(i)
+            .map_or("+Inf".to_string(), |ms| format!("{}", *ms as f64 / 1000.0));
+        let _ = writeln!(
+            out,
+            "{name}_bucket{{{labels}{sep}le=\"{le}\"}} {cumulative}"
+        );
+    }
+    let sum = sum_us as f64 / 1e6;
+    let _ = writeln!(out, "{name}_sum{open}{labels}{close} {sum}");
+    let _ = writeln!(out, "{name}_count{open}{labels}{close} {cumulative}");
 }
 
 /// Registry ops that standalone has too (the rest need Redis, or another broker).
