@@ -528,7 +528,9 @@ impl Bridge {
         // give a seq the rig holds to another command.
         // And a hello's verdict and a supersede (at most one each per connection): a lost
         // verdict loses the session it carries, and a lost supersede leaves a stale socket
-        // the registry has already forgotten, which no refresh would close.
+        // the registry has already forgotten, which no refresh would close. So does the end of
+        // a delivery from the offline hold (one per delivery): lost, the connection would keep
+        // what it could not number in memory and never take the rest from Redis.
         let owed = matches!(
             msg,
             ToCore::Persisted { .. }
@@ -536,6 +538,7 @@ impl Bridge {
                 | ToCore::RaiseSeq { .. }
                 | ToCore::Verdict { .. }
                 | ToCore::Supersede { .. }
+                | ToCore::HoldDelivered { .. }
         );
         let queued = if owed {
             core.push_owed(msg)
