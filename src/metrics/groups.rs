@@ -14,7 +14,7 @@ pub const MAX_GROUPS: usize = 1000;
 /// The series rigs beyond [`MAX_GROUPS`] values are counted in.
 pub const OTHER_GROUP: &str = "(other)";
 
-/// Command outcomes counted per group, in [`GROUP_RESULTS`] order.
+/// Command outcomes counted per group, in the order of their `result` label values.
 #[derive(Clone, Copy, Debug)]
 pub enum GroupCount {
     /// Taken and numbered for the rig.
@@ -30,7 +30,7 @@ pub enum GroupCount {
 /// `result` label values of `fleetlink_group_commands_total`, in [`GroupCount`] order.
 const GROUP_RESULTS: [&str; 4] = ["enqueued", "written", "acked", "outbox_full"];
 
-/// A session's place in its core's [`GroupTable`]; [`GroupSlot::NONE`] before its welcome.
+/// A session's place in its core's table of groups; [`GroupSlot::NONE`] before its welcome.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct GroupSlot(u16);
 
