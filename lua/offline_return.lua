@@ -6,19 +6,32 @@
 -- src/registry/offline.rs.
 --
 -- KEYS[1]  offline:<rig_id>   (list of command entries, oldest first)
+-- KEYS[2]  rig:<rig_id>       (the rig's lease)
 -- ARGV[1]  ttl_ms for the list: decimal integer, 1 to 15 digits (their latest deadline plus
 --          the margin offline_push.lua keeps); the list's TTL is only ever lengthened
--- ARGV[2..] the entries, oldest first
+-- ARGV[2]  the calling broker's id
+-- ARGV[3..] the entries, oldest first
 --
--- No per-rig bound: each was counted when it was first held. Returns the list's length.
+-- No per-rig bound: each was counted when it was first held. Returns the list's length, or,
+-- writing nothing, the id of another live broker whose lease holds the rig: the rig moved
+-- there (its connection here closed, or was superseded), and its connection there took the
+-- hold at its hello; put back, these would wait for the rig's next hello. The caller hands
+-- them to that broker instead. Checked as offline_push.lua checks, through broker:<holder>.
 
 local ttl = ARGV[1]
-if #KEYS ~= 1 or #ARGV < 2 or type(ttl) ~= 'string' or #ttl > 15
+if #KEYS ~= 2 or #ARGV < 3 or type(ttl) ~= 'string' or #ttl > 15
     or not ttl:match('^[1-9]%d*$') then
-  return redis.error_reply('ERR fleetlink offline_return: expected KEYS list; ARGV ttl_ms, entries')
+  return redis.error_reply('ERR fleetlink offline_return: expected KEYS list, lease; ARGV ttl_ms, broker_id, entries')
+end
+local lease = redis.call('GET', KEYS[2])
+if lease then
+  local holder = string.match(lease, '^[^|]*|(.+)$')
+  if holder and holder ~= ARGV[2] and redis.call('EXISTS', 'broker:' .. holder) == 1 then
+    return holder
+  end
 end
 local len = 0
-for i = #ARGV, 2, -1 do
+for i = #ARGV, 3, -1 do
   len = redis.call('LPUSH', KEYS[1], ARGV[i])
 end
 if redis.call('PTTL', KEYS[1]) < tonumber(ttl) then

@@ -732,7 +732,7 @@ fn hello_many_answers_each_in_order_and_reloads_a_flushed_script() {
 }
 
 #[test]
-fn take_many_empties_each_rigs_offline_queue_and_returns_it_in_order() {
+fn take_many_takes_the_head_of_each_rigs_offline_queue_in_order() {
     use fleetlink::registry::offline::{Held, OfflineScripts};
     let (_server, mut con, _) = setup();
     let offline = OfflineScripts::default();
@@ -750,14 +750,25 @@ fn take_many_empties_each_rigs_offline_queue_and_returns_it_in_order() {
             fleetlink::registry::offline::Pushed::Held
         );
     }
-    let taken = offline.take_many(&mut con, &[&r1, &r2, &r3]).unwrap();
-    let ids: Vec<Vec<String>> = taken
-        .iter()
-        .map(|list| list.iter().map(|h| h.id.clone()).collect())
-        .collect();
-    assert_eq!(ids, vec![vec!["a", "b"], vec![], vec!["c"]]);
+    let ids = |taken: Vec<Vec<Held>>| -> Vec<Vec<String>> {
+        taken
+            .iter()
+            .map(|list| list.iter().map(|h| h.id.clone()).collect())
+            .collect()
+    };
+    // At most one each: what a connection's outbox takes at once; the rest stay.
+    let taken = offline
+        .take_many(&mut con, &[&r1, &r2, &r3], 1, 1 << 20)
+        .unwrap();
+    assert_eq!(ids(taken), vec![vec!["a"], vec![], vec!["c"]]);
+    let taken = offline
+        .take_many(&mut con, &[&r1, &r3], 10, 1 << 20)
+        .unwrap();
+    assert_eq!(ids(taken), vec![vec!["b"], vec![]]);
     // Taken means gone.
-    let again = offline.take_many(&mut con, &[&r1, &r3]).unwrap();
+    let again = offline
+        .take_many(&mut con, &[&r1, &r3], 10, 1 << 20)
+        .unwrap();
     assert!(again.iter().all(Vec::is_empty));
 }
 
@@ -783,7 +794,12 @@ fn held_commands_go_back_to_the_head_in_order_and_come_out_by_count_and_bytes() 
     let ttl_before = pttl(&mut con, &offline_key(&r));
     let back = [held("a", 0), held("b", 1000), held("c", 0)];
     let short = Duration::from_secs(1);
-    offline.put_back(&mut con, &r, &back, short).unwrap();
+    assert_eq!(
+        offline
+            .put_back(&mut con, &r, &back, short, "fe-a")
+            .unwrap(),
+        Pushed::Held
+    );
     assert!(
         pttl(&mut con, &offline_key(&r)) >= ttl_before - 1000,
         "not shortened"
@@ -804,8 +820,23 @@ fn held_commands_go_back_to_the_head_in_order_and_come_out_by_count_and_bytes() 
     assert_eq!((ids(&taken), more), (vec!["late".to_string()], false));
     let (taken, more) = offline.take_some(&mut con, &r, 10, 1 << 20).unwrap();
     assert!(taken.is_empty() && !more);
+    // The rig moved to another live broker: nothing is written, and that broker is named.
+    let set = |con: &mut Connection, k: &str, v: &str| {
+        let _: () = redis::cmd("SET").arg(k).arg(v).query(con).unwrap();
+    };
+    set(&mut con, "rig:rig-1", &tuple(&BootId::generate(1), "fe-b"));
+    set(&mut con, "broker:fe-b", "{}");
+    let moved = offline
+        .put_back(&mut con, &r, &back, short, "fe-a")
+        .unwrap();
+    assert_eq!(moved, Pushed::ConnectedAt("fe-b".into()));
+    let (taken, _) = offline.take_some(&mut con, &r, 10, 1 << 20).unwrap();
+    assert!(taken.is_empty(), "nothing was put back");
+    let _: () = redis::cmd("DEL").arg("rig:rig-1").query(&mut con).unwrap();
     // Put back onto nothing: the list gets a TTL again.
-    offline.put_back(&mut con, &r, &back[..1], short).unwrap();
+    offline
+        .put_back(&mut con, &r, &back[..1], short, "fe-a")
+        .unwrap();
     let ttl = pttl(&mut con, &offline_key(&r));
     assert!(
         ttl > 0 && ttl <= (short + Duration::from_secs(60)).as_millis() as i64,

@@ -161,58 +161,67 @@ impl OfflineScripts {
             .collect())
     }
 
-    /// Takes every held command of each of `rigs` in one round trip: one transaction of LRANGE
-    /// + DEL per rig, so nothing pushed meanwhile is lost. One list per rig, in order.
+    /// Takes the first held commands of each of `rigs`, at most `max` and `max_bytes` of them
+    /// (but always the first), in one round trip (a pipeline of `offline_take.lua`): what a
+    /// new connection's outbox takes at once. The rest stay in Redis, where the connection
+    /// takes them as it makes room, and where a broker killed meanwhile leaves them. One list
+    /// per rig, in order; a rig whose call failed gets none.
     pub fn take_many(
         &self,
         con: &mut impl ConnectionLike,
         rigs: &[&RigId],
+        max: usize,
+        max_bytes: usize,
     ) -> Result<Vec<Vec<Held>>, RegistryError> {
-        if rigs.is_empty() {
-            return Ok(Vec::new());
-        }
-        let mut pipe = redis::pipe();
-        pipe.atomic();
-        for rig in rigs {
-            let key = offline_key(rig);
-            pipe.lrange(&key, 0, -1).del(&key).ignore();
-        }
-        let lists: Vec<Vec<String>> = pipe.query(con)?;
-        Ok(lists
-            .iter()
-            .map(|items| {
-                items
-                    .iter()
-                    .filter_map(|s| serde_json::from_str(s).ok())
-                    .collect()
+        let replies = evalsha_many(
+            con,
+            &self.take,
+            rigs,
+            |_| 1,
+            |call, rig| {
+                call.arg(offline_key(rig)).arg(max.max(1)).arg(max_bytes);
+            },
+        )?;
+        Ok(replies
+            .into_iter()
+            .map(|reply| match reply {
+                Ok(redis::Value::Array(items)) => parse_taken(items).0,
+                _ => Vec::new(),
             })
             .collect())
     }
 
     /// Puts `entries` (oldest first) back at the head of `rig`'s hold, its list kept at least
-    /// `ttl` plus the usual margin.
+    /// `ttl` plus the usual margin, unless the rig's lease names another live broker
+    /// (`ConnectedAt`: nothing written).
     pub fn put_back(
         &self,
         con: &mut impl ConnectionLike,
         rig: &RigId,
         entries: &[Held],
         ttl: Duration,
-    ) -> Result<(), RegistryError> {
+        broker_id: &str,
+    ) -> Result<Pushed, RegistryError> {
         let mut replies = evalsha_many(
             con,
             &self.put_back,
             &[entries],
-            |_| 1,
+            |_| 2,
             |call, entries| {
                 call.arg(offline_key(rig))
-                    .arg((ttl + LIST_GRACE).as_millis().clamp(1, 999_999_999_999_999) as u64);
+                    .arg(crate::registry::scripts::rig_key(rig))
+                    .arg((ttl + LIST_GRACE).as_millis().clamp(1, 999_999_999_999_999) as u64)
+                    .arg(broker_id);
                 for entry in entries.iter() {
                     call.arg(serde_json::to_string(entry).unwrap_or_default());
                 }
             },
         )?;
         match replies.pop() {
-            Some(Ok(redis::Value::Int(_))) => Ok(()),
+            Some(Ok(redis::Value::Int(_))) => Ok(Pushed::Held),
+            Some(Ok(redis::Value::BulkString(holder))) => Ok(Pushed::ConnectedAt(
+                String::from_utf8_lossy(&holder).into_owned(),
+            )),
             Some(Err(e)) => Err(e),
             other => Err(RegistryError::UnexpectedReply(format!(
                 "offline_return: {other:?}"
@@ -247,15 +256,7 @@ impl OfflineScripts {
                 )))
             }
         };
-        let mut items = items.into_iter();
-        let left = matches!(items.next(), Some(redis::Value::Int(n)) if n > 0);
-        let held = items
-            .filter_map(|v| match v {
-                redis::Value::BulkString(b) => serde_json::from_slice(&b).ok(),
-                _ => None,
-            })
-            .collect();
-        Ok((held, left))
+        Ok(parse_taken(items))
     }
 
     /// Removes held commands if they are still there (expiry), in one round trip: per entry,
@@ -278,6 +279,19 @@ impl OfflineScripts {
         let removed: Vec<i64> = pipe.query(con)?;
         Ok(removed.into_iter().map(|n| n > 0).collect())
     }
+}
+
+/// `offline_take.lua`'s answer: the commands taken, and whether more are left.
+fn parse_taken(items: Vec<redis::Value>) -> (Vec<Held>, bool) {
+    let mut items = items.into_iter();
+    let left = matches!(items.next(), Some(redis::Value::Int(n)) if n > 0);
+    let held = items
+        .filter_map(|v| match v {
+            redis::Value::BulkString(b) => serde_json::from_slice(&b).ok(),
+            _ => None,
+        })
+        .collect();
+    (held, left)
 }
 
 /// Standalone side: per-rig bounded queues in the bridge, each entry with its key in

@@ -131,8 +131,9 @@ impl Bridge {
             .map(|d| (&d.rig, &d.boot))
             .collect();
         let session_ttl = self.cfg.session_ttl;
+        let take = self.hold_take();
         let found = match self.fleet.as_mut() {
-            Some(f) if !accepted.is_empty() => f.resume_many(&accepted, session_ttl),
+            Some(f) if !accepted.is_empty() => f.resume_many(&accepted, session_ttl, take),
             _ => None,
         };
         // Redis took the leases but then failed to say what their sessions hold: accepted

@@ -178,7 +178,16 @@ impl Bridge {
         held: Vec<Held>,
         actions: &mut Vec<Action>,
     ) {
-        self.deliver_held_more(conn, rig, held, false, actions);
+        // More may be left in Redis (a new connection takes what its outbox does at once):
+        // the connection asks, and an empty answer ends it.
+        self.deliver_held_more(conn, rig, held, true, actions);
+    }
+
+    /// How much of a rig's hold a new connection takes at once: what its outbox takes of it
+    /// (all but the quarter left to control's new commands, `hold_reserve`).
+    pub(super) fn hold_take(&self) -> (usize, usize) {
+        let outbox = self.cfg.outbox - self.cfg.outbox / 4;
+        (outbox, crate::worker::queues::RIG_OUTBOX_BYTES)
     }
 
     /// [`Self::deliver_held`], `more` saying Redis holds others behind these. In fleet mode
@@ -241,9 +250,26 @@ impl Bridge {
             .fleet
             .as_mut()
             .and_then(|f| f.offline_put_back(&rig, &entries, longest));
-        if stored.is_none() {
+        let Some(stored) = stored else {
             for (req, ttl) in reqs.into_iter().zip(ttls) {
                 self.hold(req, ttl);
+            }
+            return;
+        };
+        if let Pushed::ConnectedAt(holder) = stored {
+            // The rig moved to that broker, whose connection took the hold at its hello:
+            // handed on, in order, as any held command a connection lost to another is.
+            for entry in entries {
+                self.shared.count("offline", "forwarded");
+                let left = entry.deadline_ms.saturating_sub(now).max(1);
+                let payload = crate::registry::control::forwarded_hold(
+                    &entry.id,
+                    &rig,
+                    &entry.name,
+                    &entry.args,
+                    left,
+                );
+                self.publish_bytes(fleet::broker_channel(&holder), payload);
             }
             return;
         }
@@ -315,7 +341,12 @@ impl Bridge {
             return;
         }
         let refs: Vec<&RigId> = conns.iter().map(|(rig, _)| rig).collect();
-        let Some(taken) = self.fleet.as_mut().and_then(|f| f.offline_take_many(&refs)) else {
+        let take = self.hold_take();
+        let Some(taken) = self
+            .fleet
+            .as_mut()
+            .and_then(|f| f.offline_take_many(&refs, take))
+        else {
             // Away again: asked at the next reconnect.
             self.held_unread
                 .extend(conns.into_iter().map(|(rig, _)| rig));

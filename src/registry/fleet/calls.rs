@@ -44,6 +44,7 @@ impl Fleet {
         &mut self,
         entries: &[(&RigId, &BootId)],
         ttl: Duration,
+        take: (usize, usize),
     ) -> Option<(Vec<Option<Resumed>>, Vec<Vec<Held>>)> {
         let con = self.con.as_mut()?;
         let resumed = if ttl.is_zero() {
@@ -57,7 +58,9 @@ impl Fleet {
             .as_ref()
             .map_or(0, |r| r.iter().filter(|x| x.is_none()).count());
         let rigs: Vec<&RigId> = entries.iter().map(|(r, _)| *r).collect();
-        let outcome = resumed.and_then(|r| Ok((r, self.offline.take_many(con, &rigs)?)));
+        let (max, bytes) = take;
+        let outcome =
+            resumed.and_then(|r| Ok((r, self.offline.take_many(con, &rigs, max, bytes)?)));
         if unreadable > 0 {
             // An entry that failed alone turns its hello away (4503): say so, as for any
             // refused call, or a rig locked out that way leaves no trace.
@@ -178,21 +181,28 @@ impl Fleet {
     }
 
     /// Takes the commands held for `rigs`, in one round trip. None when Redis is unavailable.
-    pub(crate) fn offline_take_many(&mut self, rigs: &[&RigId]) -> Option<Vec<Vec<Held>>> {
+    pub(crate) fn offline_take_many(
+        &mut self,
+        rigs: &[&RigId],
+        take: (usize, usize),
+    ) -> Option<Vec<Vec<Held>>> {
         let con = self.con.as_mut()?;
-        let taken = self.offline.take_many(con, rigs);
+        let taken = self.offline.take_many(con, rigs, take.0, take.1);
         self.answered(taken)
     }
 
-    /// Puts commands back at the head of `rig`'s hold. None when Redis is unavailable.
+    /// Puts commands back at the head of `rig`'s hold, or says which live broker holds the rig
+    /// now. None when Redis is unavailable.
     pub(crate) fn offline_put_back(
         &mut self,
         rig: &RigId,
         entries: &[Held],
         ttl: Duration,
-    ) -> Option<()> {
+    ) -> Option<Pushed> {
         let con = self.con.as_mut()?;
-        let r = self.offline.put_back(con, rig, entries, ttl);
+        let r = self
+            .offline
+            .put_back(con, rig, entries, ttl, &self.broker_id);
         self.answered(r)
     }
 

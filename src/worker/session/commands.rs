@@ -99,11 +99,17 @@ fn enqueue(
         return Ok(());
     }
     // Those still waiting for Redis count too for the hold's: it delivers a thousand at once.
-    let queued = match held {
-        true => session.queues.as_ref().map_or(0, |q| q.outbox().len()),
-        false => session.outbox_len(),
+    // And the hold leaves a quarter of the outbox and of the session to control's new
+    // commands, which may go ahead of it: filled by a hold the rig works through, a healthy
+    // rig was answered rig_unresponsive.
+    let (queued, room) = match held {
+        true => (
+            session.queues.as_ref().map_or(0, |q| q.outbox().len()),
+            core.cfg.outbox - hold_reserve(core),
+        ),
+        false => (session.outbox_len(), core.cfg.outbox),
     };
-    if queued >= core.cfg.outbox {
+    if queued >= room {
         if held {
             return Err(req);
         }
@@ -114,7 +120,11 @@ fn enqueue(
     // (queued, waiting and written unacked) must stay within what a resume carries, or a burst
     // to a rig that does not ack would have its next resume drop the oldest of commands control
     // was told were taken.
-    if session.commands_len() >= core.cfg.session_limit() && !drop_oldest_had(core, session) {
+    let session_room = match held {
+        true => core.cfg.session_limit() - hold_reserve(core),
+        false => core.cfg.session_limit(),
+    };
+    if session.commands_len() >= session_room && !drop_oldest_had(core, session) {
         if held {
             return Err(req);
         }
@@ -178,6 +188,12 @@ fn enqueue(
     core.metrics
         .group_count(session.group, GroupCount::Enqueued);
     Ok(())
+}
+
+/// Places of the outbox, and of the session, that commands from the offline hold leave to
+/// control's new ones: a quarter of `--outbox` (none below 4, where the hold takes it all).
+pub(super) fn hold_reserve(core: &Core) -> usize {
+    core.cfg.outbox / 4
 }
 
 /// What filled a rig's outbox, which says what control's `detail` counts.

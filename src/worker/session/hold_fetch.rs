@@ -10,7 +10,7 @@ use crate::registry::msg::ToBridge;
 use crate::worker::core::{Conn, ConnState, Core, Phase, Session};
 use crate::worker::queues::RIG_OUTBOX_BYTES;
 
-use super::commands::pump;
+use super::commands::{hold_reserve, pump};
 
 /// Where a connection stands with the rest of its rig's hold.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -148,7 +148,7 @@ pub(crate) fn take_more(core: &Core, conn: &Conn, session: &mut Session) {
 /// resume that a new one may push out, the commands waiting for Redis, and its bytes).
 fn room(core: &Core, session: &Session) -> (usize, usize) {
     let Some(q) = session.queues.as_ref() else {
-        return (core.cfg.outbox, RIG_OUTBOX_BYTES);
+        return (core.cfg.outbox - hold_reserve(core), RIG_OUTBOX_BYTES);
     };
     let had = match session.last_ack > session.resume_from {
         true => q
@@ -158,11 +158,10 @@ fn room(core: &Core, session: &Session) -> (usize, usize) {
             .count(),
         false => 0,
     };
-    let count = core
-        .cfg
-        .outbox
+    let reserve = hold_reserve(core);
+    let count = (core.cfg.outbox - reserve)
         .saturating_sub(q.outbox().len())
-        .min((core.cfg.session_limit() + had).saturating_sub(session.commands_len()))
+        .min((core.cfg.session_limit() - reserve + had).saturating_sub(session.commands_len()))
         .min(core.cfg.unacked_limit().saturating_sub(session.held_len()));
     (count, RIG_OUTBOX_BYTES.saturating_sub(q.outbox_bytes()))
 }
