@@ -186,7 +186,7 @@ impl Bridge {
     /// How much of a rig's hold a new connection takes at once: what its outbox takes of it
     /// (all but the quarter left to control's new commands, `hold_reserve`).
     pub(super) fn hold_take(&self) -> (usize, usize) {
-        let outbox = self.cfg.outbox - self.cfg.outbox / 4;
+        let outbox = self.cfg.outbox - crate::config::hold_reserve(self.cfg.outbox);
         (outbox, crate::worker::queues::RIG_OUTBOX_BYTES)
     }
 

@@ -191,9 +191,10 @@ fn enqueue(
 }
 
 /// Places of the outbox, and of the session, that commands from the offline hold leave to
-/// control's new ones: a quarter of `--outbox` (none below 4, where the hold takes it all).
+/// control's new ones: a quarter of `--outbox`, at least one (none with `--outbox 1`, where the
+/// hold would otherwise never get in).
 pub(super) fn hold_reserve(core: &Core) -> usize {
-    core.cfg.outbox / 4
+    crate::config::hold_reserve(core.cfg.outbox)
 }
 
 /// What filled a rig's outbox, which says what control's `detail` counts.
