@@ -757,18 +757,12 @@ fn take_many_takes_the_head_of_each_rigs_offline_queue_in_order() {
             .collect()
     };
     // At most one each: what a connection's outbox takes at once; the rest stay.
-    let taken = offline
-        .take_many(&mut con, &[&r1, &r2, &r3], 1, 1 << 20)
-        .unwrap();
+    let taken = offline.take_many(&mut con, &[&r1, &r2, &r3], 1).unwrap();
     assert_eq!(ids(taken), vec![vec!["a"], vec![], vec!["c"]]);
-    let taken = offline
-        .take_many(&mut con, &[&r1, &r3], 10, 1 << 20)
-        .unwrap();
+    let taken = offline.take_many(&mut con, &[&r1, &r3], 10).unwrap();
     assert_eq!(ids(taken), vec![vec!["b"], vec![]]);
     // Taken means gone.
-    let again = offline
-        .take_many(&mut con, &[&r1, &r3], 10, 1 << 20)
-        .unwrap();
+    let again = offline.take_many(&mut con, &[&r1, &r3], 10).unwrap();
     assert!(again.iter().all(Vec::is_empty));
 }
 

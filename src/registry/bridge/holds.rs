@@ -178,16 +178,17 @@ impl Bridge {
         held: Vec<Held>,
         actions: &mut Vec<Action>,
     ) {
-        // More may be left in Redis (a new connection takes what its outbox does at once):
-        // the connection asks, and an empty answer ends it.
-        self.deliver_held_more(conn, rig, held, true, actions);
+        // A take that got all it asked for may have left more in Redis (a new connection takes
+        // what its outbox does at once): the connection asks, and an empty answer ends it. One
+        // that got less emptied the list, and a storm's hellos make no second call each.
+        let more = held.len() >= self.hold_take();
+        self.deliver_held_more(conn, rig, held, more, actions);
     }
 
-    /// How much of a rig's hold a new connection takes at once: what its outbox takes of it
-    /// (all but the quarter left to control's new commands, `hold_reserve`).
-    pub(super) fn hold_take(&self) -> (usize, usize) {
-        let outbox = self.cfg.outbox - crate::config::hold_reserve(self.cfg.outbox);
-        (outbox, crate::worker::queues::RIG_OUTBOX_BYTES)
+    /// How many of a rig's held commands a new connection takes at once: what its outbox
+    /// takes of them (all but the places left to control's new commands).
+    pub(super) fn hold_take(&self) -> usize {
+        self.cfg.outbox - crate::config::hold_reserve(self.cfg.outbox)
     }
 
     /// [`Self::deliver_held`], `more` saying Redis holds others behind these. In fleet mode

@@ -44,7 +44,7 @@ impl Fleet {
         &mut self,
         entries: &[(&RigId, &BootId)],
         ttl: Duration,
-        take: (usize, usize),
+        take: usize,
     ) -> Option<(Vec<Option<Resumed>>, Vec<Vec<Held>>)> {
         let con = self.con.as_mut()?;
         let resumed = if ttl.is_zero() {
@@ -58,9 +58,7 @@ impl Fleet {
             .as_ref()
             .map_or(0, |r| r.iter().filter(|x| x.is_none()).count());
         let rigs: Vec<&RigId> = entries.iter().map(|(r, _)| *r).collect();
-        let (max, bytes) = take;
-        let outcome =
-            resumed.and_then(|r| Ok((r, self.offline.take_many(con, &rigs, max, bytes)?)));
+        let outcome = resumed.and_then(|r| Ok((r, self.offline.take_many(con, &rigs, take)?)));
         if unreadable > 0 {
             // An entry that failed alone turns its hello away (4503): say so, as for any
             // refused call, or a rig locked out that way leaves no trace.
@@ -184,10 +182,10 @@ impl Fleet {
     pub(crate) fn offline_take_many(
         &mut self,
         rigs: &[&RigId],
-        take: (usize, usize),
+        take: usize,
     ) -> Option<Vec<Vec<Held>>> {
         let con = self.con.as_mut()?;
-        let taken = self.offline.take_many(con, rigs, take.0, take.1);
+        let taken = self.offline.take_many(con, rigs, take);
         self.answered(taken)
     }
 
