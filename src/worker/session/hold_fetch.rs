@@ -1,9 +1,10 @@
-//! A rig that comes back to more held commands than its outbox takes (fleet mode). What its
-//! connection cannot number yet goes back to the head of the rig's hold in Redis rather than
-//! wait in this broker's memory, so a broker killed before the rig made room for them loses
-//! none (the rig's next hello, on any broker, finds them); the connection takes them again, as
-//! many as fit, as the rig's acks make room. Standalone keeps them waiting here: its hold is
-//! in this process anyway.
+//! A rig that comes back to more held commands than its outbox takes (fleet mode). Its hello
+//! takes from Redis only what the outbox takes, and the connection takes more, as many as fit,
+//! each time a write or an ack makes room; what it cannot number after all goes back to the
+//! head of the hold rather than wait in this broker's memory. So a broker killed while the rig
+//! works through the hold loses at most one take on its way to being kept, and the rig's next
+//! hello, on any broker, finds the rest. Standalone keeps them waiting here: its hold is in
+//! this process anyway.
 
 use crate::doorbell::Full;
 use crate::registry::msg::ToBridge;
