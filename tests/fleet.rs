@@ -331,6 +331,12 @@ fn a_stale_evict_leaves_the_rig_and_a_real_one_closes_it() {
     a.wait_metric("fleetlink_registry_ops_total{op=\"evict\",result=\"stale\"} 1");
     // Still connected, and still this broker's: a command goes through.
     command_reaches(&mut ctl, "fe-a", "rig-bounce", "after-stale", &mut ws);
+    // One naming a newer boot that no broker welcomed (anyone may publish on the channel):
+    // the lease still names this broker and the boot held here, so it is stale too.
+    let forged = json!({"type":"evict","rig_id":"rig-bounce","boot_id":common::broker::boot_id()});
+    ctl.publish("fleetlink:broker:fe-a", forged);
+    a.wait_metric("fleetlink_registry_ops_total{op=\"evict\",result=\"stale\"} 2");
+    command_reaches(&mut ctl, "fe-a", "rig-bounce", "after-forged", &mut ws);
     // Now the lease really moved (same boot, another broker): the evict closes the socket.
     let _: () = redis
         .connection()
@@ -340,7 +346,7 @@ fn a_stale_evict_leaves_the_rig_and_a_real_one_closes_it() {
     assert_eq!(read_close(&mut ws), 4410);
     assert_eq!(
         a.metric("fleetlink_registry_ops_total{op=\"evict\",result=\"stale\"}"),
-        1
+        2
     );
 }
 

@@ -101,9 +101,9 @@ struct Bridge {
     /// connection before it hands it over: another broker may have numbered commands of the
     /// session since this one last did. At most one per connection waiting.
     handover_resumes: HashMap<ConnId, (Resumed, Vec<Held>)>,
-    /// Evicts of the very boot held here, read this pass: checked against the leases in one
-    /// round trip after the read (see `Self::settle_evicts`).
-    same_boot_evicts: Vec<(RigId, BootId)>,
+    /// Evicts read this pass of a rig held here, each with the boot held: checked against the
+    /// leases in one round trip after the read (see `Self::settle_evicts`).
+    evicts_to_settle: Vec<(RigId, BootId)>,
     /// Commands for offline rigs not yet held (see [`Self::flush_holds`]).
     holds: Vec<PendingHold>,
     /// The sizes of `holds`' commands.
@@ -193,7 +193,7 @@ impl Bridge {
             deadlines: Deadlines::default(),
             hellos: Vec::new(),
             handover_resumes: HashMap::new(),
-            same_boot_evicts: Vec::new(),
+            evicts_to_settle: Vec::new(),
             holds: Vec::new(),
             holds_bytes: 0,
             persists: Vec::new(),

@@ -112,16 +112,17 @@ impl Bridge {
         writes.into_iter().chain(forgets).min()
     }
 
-    /// The evicts of a boot this broker holds. The rig may have come back after the evict
-    /// was sent (A to B and back to A within pub/sub's latency): if the lease names this broker
-    /// again, the evict is stale, and closing the rig's live connection would only bounce it
-    /// once more. One round trip for all of a read's, since a whole fleet moving between two
-    /// live brokers sends one per rig.
+    /// The evicts of rigs this broker holds. The rig may have come back after the evict was
+    /// sent (A to B and back to A within pub/sub's latency), or the evict was never a broker's
+    /// (anyone who may publish on the channel can send one): if the lease still names this
+    /// broker and the boot held here, the evict is stale, and closing the rig's live connection
+    /// would only bounce it once more. One round trip for all of a read's, since a whole fleet
+    /// moving between two live brokers sends one per rig.
     pub(super) fn settle_evicts(&mut self) {
-        if self.same_boot_evicts.is_empty() {
+        if self.evicts_to_settle.is_empty() {
             return;
         }
-        let evicts = std::mem::take(&mut self.same_boot_evicts);
+        let evicts = std::mem::take(&mut self.evicts_to_settle);
         let ours = self.fleet.as_mut().and_then(|f| f.owns_many(&evicts));
         for (i, (rig, boot)) in evicts.into_iter().enumerate() {
             if ours
@@ -184,20 +185,13 @@ impl Bridge {
             }
             Ok(Control::Evict { rig, boot }) => {
                 self.shared.count("evict", "received");
-                if self.registry.boot_of(&rig) == Some(boot) {
-                    self.same_boot_evicts.push((rig, boot));
-                } else {
-                    // An evict naming the rig's newer boot (sent by the broker that welcomed
-                    // it) closes the older one held here: seqs given here while Redis was away
-                    // go back as it closes, as at a refresh that finds it superseded.
-                    // Dropped, those commands were never reported.
-                    if let Some(held) = self.registry.boot_of(&rig).filter(|held| *held < boot) {
-                        if self.unkept_high.contains_key(&(rig.clone(), held)) {
-                            self.merge_on_close.insert((rig.clone(), held));
-                        }
-                    }
-                    let actions = self.registry.supersede(&rig, Some(boot));
-                    self.carry_out(actions);
+                // An evict naming the boot held here, or a newer one (sent by the broker that
+                // welcomed it), closes the connection here once the lease says another holds
+                // the rig (settled after the read); one naming an older boot changes nothing.
+                // Seqs given here while Redis was away go back as it closes, as at a refresh
+                // that finds it superseded (see `settle_evicts`).
+                if let Some(held) = self.registry.boot_of(&rig).filter(|held| *held <= boot) {
+                    self.evicts_to_settle.push((rig, held));
                 }
             }
             Ok(Control::Broadcast {

@@ -594,7 +594,7 @@ mod tests {
             let actions = b.registry.supersede(&rig, None);
             b.carry_out(actions);
         } else {
-            b.same_boot_evicts.push((rig.clone(), boot()));
+            b.evicts_to_settle.push((rig.clone(), boot()));
             b.settle_evicts();
         }
         let carried = vec![
