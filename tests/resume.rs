@@ -87,6 +87,29 @@ fn wait_lease_released(con: &mut redis::Connection, rig: &str, what: &str) {
     });
 }
 
+/// Holds `n` commands for the offline `rig` through `b`'s admin API (`queue_if_offline`, a
+/// minute each), with ids `<prefix>0..`, each answered 200.
+fn hold_via_admin(b: &Broker, rig: &str, prefix: &str, n: usize) {
+    for i in 0..n {
+        let body = json!({"id": format!("{prefix}{i}"), "name": "n", "args": {},
+                          "queue_if_offline": true, "ttl_ms": 60_000});
+        let (status, text) = b.http(
+            "POST",
+            &format!("/v1/rigs/{rig}/commands"),
+            &body.to_string(),
+        );
+        assert_eq!(status, 200, "{text}");
+    }
+}
+
+/// A command frame's seq and id.
+fn seq_and_id(cmd: &Value) -> (u64, String) {
+    (
+        cmd["seq"].as_u64().unwrap(),
+        cmd["id"].as_str().unwrap().to_owned(),
+    )
+}
+
 /// SIGKILLs `b`, as a crash would (nothing released, nothing flushed), and waits for its exit.
 fn kill_broker(b: &mut Broker) {
     b.signal(libc::SIGKILL);
@@ -1114,12 +1137,7 @@ fn held_commands_a_killed_broker_could_not_number_yet_reach_the_rig_elsewhere() 
     let redis = RedisServer::start();
     let a = fleet_broker_with(&redis, "fe-a", &["--outbox", "2"]);
     let mut b = fleet_broker_with(&redis, "fe-b", &["--outbox", "2"]);
-    for i in 0..HELD {
-        let body = json!({"id": format!("k{i}"), "name": "n", "args": {},
-                          "queue_if_offline": true, "ttl_ms": 60_000});
-        let (status, text) = a.http("POST", "/v1/rigs/rig-k/commands", &body.to_string());
-        assert_eq!(status, 200, "{text}");
-    }
+    hold_via_admin(&a, "rig-k", "k", HELD);
     let boot = boot_id();
     let (mut on_b, _) = connect_hello(&b, "rig-k", &boot, None);
     // `--outbox 2`: 16 written ahead of acks and 1 queued (the hold leaves the other place of
@@ -1128,10 +1146,7 @@ fn held_commands_a_killed_broker_could_not_number_yet_reach_the_rig_elsewhere() 
     let mut got: Vec<(u64, String)> = Vec::new();
     for _ in 0..16 {
         let cmd = read_json(&mut on_b);
-        got.push((
-            cmd["seq"].as_u64().unwrap(),
-            cmd["id"].as_str().unwrap().into(),
-        ));
+        got.push(seq_and_id(&cmd));
     }
     // The one queued is kept in the session ("next" and 17 commands); the other 43 are in the
     // hold, none in memory. (Killed with a take on its way, before Redis kept what it took,
@@ -1156,10 +1171,7 @@ fn held_commands_a_killed_broker_could_not_number_yet_reach_the_rig_elsewhere() 
     while got.len() < HELD {
         let cmd = read_json(&mut on_a);
         ack(&mut on_a, cmd["seq"].as_u64().unwrap());
-        got.push((
-            cmd["seq"].as_u64().unwrap(),
-            cmd["id"].as_str().unwrap().into(),
-        ));
+        got.push(seq_and_id(&cmd));
     }
     let ids: Vec<String> = got.iter().map(|(_, id)| id.clone()).collect();
     let want: Vec<String> = (0..HELD).map(|i| format!("k{i}")).collect();
@@ -1178,12 +1190,7 @@ fn held_commands_a_killed_broker_could_not_number_yet_reach_the_rig_elsewhere() 
 #[test]
 fn control_commands_go_ahead_of_a_big_hold() {
     let b = Broker::start(&["--outbox", "8"]);
-    for i in 0..200 {
-        let body = json!({"id": format!("b{i}"), "name": "n", "args": {},
-                          "queue_if_offline": true, "ttl_ms": 60_000});
-        let (status, text) = b.http("POST", "/v1/rigs/rig-busy/commands", &body.to_string());
-        assert_eq!(status, 200, "{text}");
-    }
+    hold_via_admin(&b, "rig-busy", "b", 200);
     let (_ws, _, _) = b.rig("rig-busy");
     // 64 written ahead of acks (8 x --outbox), 6 queued: the hold's share of both.
     let depth = || -> u64 {
@@ -1214,22 +1221,14 @@ fn control_commands_go_ahead_of_a_big_hold() {
 fn held_commands_still_waiting_when_the_rig_leaves_are_held_again() {
     const HELD: usize = 30;
     let b = Broker::start(&["--outbox", "1"]);
-    for i in 0..HELD {
-        let body = json!({"id": format!("w{i}"), "name": "n", "args": {},
-                          "queue_if_offline": true, "ttl_ms": 60_000});
-        let (status, text) = b.http("POST", "/v1/rigs/rig-leaves/commands", &body.to_string());
-        assert_eq!(status, 200, "{text}");
-    }
+    hold_via_admin(&b, "rig-leaves", "w", HELD);
     let boot = boot_id();
     let (mut first, _) = connect_hello(&b, "rig-leaves", &boot, None);
     // `--outbox 1`: 8 written ahead of acks and 1 queued; the rest wait. Take 3, ack none.
     let mut got: Vec<(u64, String)> = Vec::new();
     for _ in 0..3 {
         let cmd = read_json(&mut first);
-        got.push((
-            cmd["seq"].as_u64().unwrap(),
-            cmd["id"].as_str().unwrap().to_owned(),
-        ));
+        got.push(seq_and_id(&cmd));
     }
     drop(first);
     eventually(
@@ -1246,10 +1245,7 @@ fn held_commands_still_waiting_when_the_rig_leaves_are_held_again() {
         let cmd = read_json(&mut again);
         let ack = json!({"type": "ack", "seq": cmd["seq"]});
         again.send(Message::Text(ack.to_string().into())).unwrap();
-        got.push((
-            cmd["seq"].as_u64().unwrap(),
-            cmd["id"].as_str().unwrap().to_owned(),
-        ));
+        got.push(seq_and_id(&cmd));
     }
     let ids: Vec<String> = got.iter().map(|(_, id)| id.clone()).collect();
     let want: Vec<String> = (0..HELD).map(|i| format!("w{i}")).collect();

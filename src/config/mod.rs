@@ -21,7 +21,7 @@ mod validate;
 pub use error_line::error_line;
 pub use flags::{BrokerArgs, Cli, Tool};
 pub use parse::{parse_addr, parse_duration, MAX_DURATION};
-pub use settings::{hold_reserve, Config, TlsFiles, MAX_CORES};
+pub use settings::{Config, TlsFiles, MAX_CORES};
 pub use sources::unknown_env;
 #[cfg(test)]
 pub(crate) use testing::test_config;

@@ -107,14 +107,14 @@ impl Config {
     pub fn session_limit(&self) -> usize {
         self.outbox + self.unacked_limit()
     }
-}
 
-/// Places of a rig's outbox (and of its session's bound) that commands from its offline hold
-/// leave to control's new commands: a quarter of `--outbox`, at least one, none with an outbox
-/// of one.
-pub fn hold_reserve(outbox: usize) -> usize {
-    match outbox {
-        0 | 1 => 0,
-        n => (n / 4).max(1),
+    /// Places of a rig's outbox (and of its session's bound) that commands from its offline
+    /// hold leave to control's new commands: a quarter of `--outbox`, at least one, none with
+    /// an outbox of one (where the hold would otherwise never get in).
+    pub fn hold_reserve(&self) -> usize {
+        match self.outbox {
+            0 | 1 => 0,
+            n => (n / 4).max(1),
+        }
     }
 }

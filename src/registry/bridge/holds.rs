@@ -146,16 +146,7 @@ impl Bridge {
             // A held command whose rig moved to that broker as it was being delivered here:
             // that broker delivers it, or holds it again, and reports it as delivered from
             // the hold (`offline_delivery`), since control was answered when it was held.
-            self.shared.count("offline", "forwarded");
-            let left = hold.entry.deadline_ms.saturating_sub(unix_ms()).max(1);
-            let payload = crate::registry::control::forwarded_hold(
-                &hold.entry.id,
-                &hold.rig,
-                &hold.entry.name,
-                &hold.entry.args,
-                left,
-            );
-            return self.publish_bytes(fleet::broker_channel(holder), payload);
+            return self.forward_held(holder, &hold.rig, &hold.entry, unix_ms());
         }
         self.shared.count("offline", "connected_elsewhere");
         let why = format!("the rig is connected to broker {holder}; send it there");
@@ -166,6 +157,22 @@ impl Bridge {
             &why,
         );
         self.reply(hold.reply_to, body);
+    }
+
+    /// Hands a held command whose rig is connected to broker `holder` to that broker (on its
+    /// channel, with `offline_delivery`), which delivers it and reports it delivered from the
+    /// hold, or holds it again, for what is left of its time at `now_ms`.
+    fn forward_held(&mut self, holder: &str, rig: &RigId, entry: &Held, now_ms: u64) {
+        self.shared.count("offline", "forwarded");
+        let left = entry.deadline_ms.saturating_sub(now_ms).max(1);
+        let payload = crate::registry::control::forwarded_hold(
+            &entry.id,
+            rig,
+            &entry.name,
+            &entry.args,
+            left,
+        );
+        self.publish_bytes(fleet::broker_channel(holder), payload);
     }
 
     /// At a rig's welcome: the commands held for it (`held`, taken from Redis, then any held
@@ -188,7 +195,7 @@ impl Bridge {
     /// How many of a rig's held commands a new connection takes at once: what its outbox
     /// takes of them (all but the places left to control's new commands).
     pub(super) fn hold_take(&self) -> usize {
-        self.cfg.outbox - crate::config::hold_reserve(self.cfg.outbox)
+        self.cfg.outbox - self.cfg.hold_reserve()
     }
 
     /// [`Self::deliver_held`], `more` saying Redis holds others behind these. In fleet mode
@@ -260,17 +267,8 @@ impl Bridge {
         if let Pushed::ConnectedAt(holder) = stored {
             // The rig moved to that broker, whose connection took the hold at its hello:
             // handed on, in order, as any held command a connection lost to another is.
-            for entry in entries {
-                self.shared.count("offline", "forwarded");
-                let left = entry.deadline_ms.saturating_sub(now).max(1);
-                let payload = crate::registry::control::forwarded_hold(
-                    &entry.id,
-                    &rig,
-                    &entry.name,
-                    &entry.args,
-                    left,
-                );
-                self.publish_bytes(fleet::broker_channel(&holder), payload);
+            for entry in &entries {
+                self.forward_held(&holder, &rig, entry, now);
             }
             return;
         }

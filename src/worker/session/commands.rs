@@ -105,7 +105,7 @@ fn enqueue(
     let (queued, room) = match held {
         true => (
             session.queues.as_ref().map_or(0, |q| q.outbox().len()),
-            core.cfg.outbox - hold_reserve(core),
+            core.cfg.outbox - core.cfg.hold_reserve(),
         ),
         false => (session.outbox_len(), core.cfg.outbox),
     };
@@ -121,7 +121,7 @@ fn enqueue(
     // to a rig that does not ack would have its next resume drop the oldest of commands control
     // was told were taken.
     let session_room = match held {
-        true => core.cfg.session_limit() - hold_reserve(core),
+        true => core.cfg.session_limit() - core.cfg.hold_reserve(),
         false => core.cfg.session_limit(),
     };
     if session.commands_len() >= session_room && !drop_oldest_had(core, session) {
@@ -188,13 +188,6 @@ fn enqueue(
     core.metrics
         .group_count(session.group, GroupCount::Enqueued);
     Ok(())
-}
-
-/// Places of the outbox, and of the session, that commands from the offline hold leave to
-/// control's new ones: a quarter of `--outbox`, at least one (none with `--outbox 1`, where the
-/// hold would otherwise never get in).
-pub(super) fn hold_reserve(core: &Core) -> usize {
-    crate::config::hold_reserve(core.cfg.outbox)
 }
 
 /// What filled a rig's outbox, which says what control's `detail` counts.

@@ -11,7 +11,7 @@ use crate::registry::msg::ToBridge;
 use crate::worker::core::{Conn, ConnState, Core, Phase, Session};
 use crate::worker::queues::RIG_OUTBOX_BYTES;
 
-use super::commands::{hold_reserve, pump};
+use super::commands::pump;
 
 /// Where a connection stands with the rest of its rig's hold.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -149,7 +149,7 @@ pub(crate) fn take_more(core: &Core, conn: &Conn, session: &mut Session) {
 /// resume that a new one may push out, the commands waiting for Redis, and its bytes).
 fn room(core: &Core, session: &Session) -> (usize, usize) {
     let Some(q) = session.queues.as_ref() else {
-        return (core.cfg.outbox - hold_reserve(core), RIG_OUTBOX_BYTES);
+        return (core.cfg.outbox - core.cfg.hold_reserve(), RIG_OUTBOX_BYTES);
     };
     let had = match session.last_ack > session.resume_from {
         true => q
@@ -159,7 +159,7 @@ fn room(core: &Core, session: &Session) -> (usize, usize) {
             .count(),
         false => 0,
     };
-    let reserve = hold_reserve(core);
+    let reserve = core.cfg.hold_reserve();
     let count = (core.cfg.outbox - reserve)
         .saturating_sub(q.outbox().len())
         .min((core.cfg.session_limit() - reserve + had).saturating_sub(session.commands_len()))
