@@ -1608,6 +1608,124 @@ fn unfinished_admin_bodies_on_a_core_are_bounded_in_all() {
     drop(conns);
 }
 
+/// Answers being written to admin clients that do not read them hold at most 64 MiB of a
+/// core together (the first one whatever its size): a rig list that would pass it is answered
+/// 503 at once and counted, and the bound is given back once the clients have gone (before, 40
+/// slow readers of a 17 MB list held 1.4 GB).
+#[test]
+fn answers_waiting_for_slow_admin_clients_are_bounded_in_all() {
+    let b = Broker::start(&[
+        "--cores",
+        "1",
+        "--accept-rate",
+        "100000",
+        "--accept-burst",
+        "10000",
+    ]);
+    // The largest labels a hello may carry: about 8.5 KB a rig in the list.
+    let labels: serde_json::Map<String, Value> = (0..fleetlink::protocol::MAX_LABELS)
+        .map(|i| {
+            let key = format!("{i:0>128}");
+            (
+                key,
+                Value::from("v".repeat(fleetlink::protocol::MAX_LABEL_LEN)),
+            )
+        })
+        .collect();
+    let labels = Value::Object(labels);
+    let rigs: Vec<Ws> = (0..2000)
+        .map(|i| {
+            let mut ws = b.connect("/agent");
+            hello(&mut ws, &format!("rig-{i:04}"), &boot_id(), labels.clone());
+            ws
+        })
+        .collect();
+    let (status, list) = b.http("GET", "/v1/rigs", "");
+    assert_eq!(status, 200);
+    assert!(list.len() > 16_000_000, "{} bytes", list.len());
+    // Each client asks for the whole list once the one before has its answer's head, then
+    // reads 64 KiB every 80 ms: slowly enough that its answer stays with the core for the
+    // rest of the test, steadily enough that the core does not cut it off as stalled (the
+    // kernel's buffers take 4 MB, and the next write waits until a third of that has gone).
+    // As many fit as 64 MiB holds past their first 64 KiB each; the next is refused.
+    const CLIENTS: usize = 6;
+    let fit = (64 << 20) / (list.len() - (64 << 10));
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut clients: Vec<(std::net::TcpStream, String)> = Vec::new();
+    let mut readers = Vec::new();
+    for _ in 0..CLIENTS {
+        let mut s = std::net::TcpStream::connect(b.admin).unwrap();
+        // Locked small, or the kernel grows it to take a whole answer (tcp_rmem allows 32 MB).
+        set_rcvbuf(&s, 64 << 10);
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        s.write_all(b"GET /v1/rigs HTTP/1.1\r\nHost: x\r\n\r\n")
+            .unwrap();
+        let mut head = [0u8; 12];
+        std::io::Read::read_exact(&mut s, &mut head).unwrap();
+        if &head == b"HTTP/1.1 503" {
+            let (mut rest, mut buf) = (Vec::new(), [0u8; 512]);
+            while !rest.ends_with(b"}") {
+                let n = std::io::Read::read(&mut s, &mut buf).unwrap();
+                assert!(n > 0, "closed");
+                rest.extend_from_slice(&buf[..n]);
+            }
+            let rest = String::from_utf8_lossy(&rest);
+            assert!(
+                rest.contains("\"overloaded\"") && rest.contains("?limit="),
+                "{rest}"
+            );
+        }
+        let (mut slow, stop) = (s.try_clone().unwrap(), stop.clone());
+        readers.push(std::thread::spawn(move || {
+            let mut chunk = vec![0u8; 64 << 10];
+            slow.set_nonblocking(true).unwrap();
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let _ = std::io::Read::read(&mut slow, &mut chunk);
+                std::thread::sleep(Duration::from_millis(80));
+            }
+        }));
+        clients.push((s, String::from_utf8_lossy(&head).to_string()));
+    }
+    let sent = clients.iter().filter(|(_, h)| h == "HTTP/1.1 200").count();
+    let refused = clients.iter().filter(|(_, h)| h == "HTTP/1.1 503").count();
+    assert_eq!(sent + refused, CLIENTS);
+    assert!(
+        sent >= fit && refused >= 1,
+        "{sent} sent, {refused} refused"
+    );
+    let series = "fleetlink_admin_refused_total{reason=\"answer_memory\"}";
+    eventually(Duration::from_secs(5), "each refusal counted", || {
+        b.metric(series) == refused as u64
+    });
+    // The held answers are given back as their clients go: the next list is sent again.
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    for r in readers {
+        r.join().unwrap();
+    }
+    drop(clients);
+    eventually(Duration::from_secs(10), "the whole list sent again", || {
+        b.http("GET", "/v1/rigs", "").0 == 200
+    });
+    // Small answers take no part of the bound.
+    assert_eq!(b.http("GET", "/healthz", "").0, 200);
+    drop(rigs);
+}
+
+fn set_rcvbuf(s: &std::net::TcpStream, bytes: i32) {
+    use std::os::fd::AsRawFd;
+    // SAFETY: setsockopt with a pointer to a c_int and its size, on our own socket.
+    let rc = unsafe {
+        libc::setsockopt(
+            s.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_RCVBUF,
+            std::ptr::from_ref(&bytes).cast(),
+            std::mem::size_of::<i32>() as libc::socklen_t,
+        )
+    };
+    assert_eq!(rc, 0, "SO_RCVBUF");
+}
+
 #[test]
 fn an_admin_request_trickling_in_is_cut_off_at_its_deadline() {
     let b = Broker::start(&[]);

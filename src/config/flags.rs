@@ -132,8 +132,15 @@ pub struct BrokerArgs {
     #[arg(long, env = "FLEETLINK_PONG_TIMEOUT", default_value = "10s", value_parser = parse_broker_duration)]
     pub pong_timeout: Duration,
     /// Missed PONGs in a row before the broker closes the socket with 4002 (1 to 255).
-    #[arg(long, env = "FLEETLINK_MAX_MISSED_PONGS", default_value_t = 3)]
-    pub max_missed_pongs: u32,
+    // Wide and signed so that 0, -1 or 300 reach validate's own "1 to 255" rather than
+    // clap's message about the type.
+    #[arg(
+        long,
+        env = "FLEETLINK_MAX_MISSED_PONGS",
+        default_value_t = 3,
+        allow_negative_numbers = true
+    )]
+    pub max_missed_pongs: i64,
     /// Time from TCP accept to a complete request head, and from upgrade to a valid hello.
     #[arg(long, env = "FLEETLINK_HELLO_TIMEOUT", default_value = "10s", value_parser = parse_broker_duration)]
     pub hello_timeout: Duration,
@@ -168,7 +175,7 @@ pub struct BrokerArgs {
     /// at least two thirds of this are left for the resume elsewhere). 0 keeps
     /// nothing in Redis: commands are written at once (one Redis round trip less per command),
     /// but a rig that resumes on another broker starts a fresh session and whatever the old
-    /// broker had not seen acked is gone with it.
+    /// broker had not seen acked is gone with it. Otherwise at least 1s.
     #[arg(long, env = "FLEETLINK_SESSION_TTL", default_value = "10m", value_parser = parse_broker_duration)]
     pub session_ttl: Duration,
     /// Graceful shutdown window: goaway delays spread over it, 1001 at its end.

@@ -112,6 +112,12 @@ impl BrokerArgs {
                 "{name} must be at least 10ms"
             );
         }
+        // The broker touches a live session a few times per TTL but not more often than every
+        // 100 ms; a shorter TTL would let connected rigs' sessions lapse between touches.
+        anyhow::ensure!(
+            self.session_ttl.is_zero() || self.session_ttl >= Duration::from_secs(1),
+            "--session-ttl must be 0 (keep no session) or at least 1s"
+        );
         anyhow::ensure!(
             self.registry_ttl > self.registry_refresh,
             "--registry-ttl must exceed --registry-refresh"
@@ -292,6 +298,18 @@ mod tests {
                 "256",
                 "--max-missed-pongs must be 1 to 255",
             ),
+            (
+                "max-missed-pongs",
+                "-1",
+                "-1",
+                "--max-missed-pongs must be 1 to 255",
+            ),
+            (
+                "session-ttl",
+                "500ms",
+                "\"500ms\"",
+                "--session-ttl must be 0 (keep no session) or at least 1s",
+            ),
             ("max-message", "10", "10", "--max-message must be"),
             (
                 "accept-rate",
@@ -343,6 +361,15 @@ mod tests {
                 .to_string();
             assert!(e.starts_with("config "), "{key} = {toml_value}: {e}");
         }
+        // A negative count written with a space is a value, not a flag.
+        let cli = Cli::load(vec![
+            "fleetlink-fe".into(),
+            "--max-missed-pongs".into(),
+            "-1".into(),
+        ])
+        .unwrap_or_else(|e| panic!("--max-missed-pongs -1 should parse: {e}"));
+        let e = cli.broker.validate().unwrap_err().to_string();
+        assert!(e.contains("--max-missed-pongs must be 1 to 255"), "{e}");
         // The file hint is for a bare number, which is what a TOML number hands over.
         let e = Cli::load(vec!["fleetlink-fe".into(), "--ping-interval=20x".into()])
             .map(|_| ())

@@ -55,10 +55,11 @@ pub enum C {
     AdminAnswerDropped,
     AdminConnMoved,
     AdminRequestMemoryFull,
+    AdminAnswerMemoryFull,
 }
 
 /// (metric name, label pair) for each counter, in [`C`] order.
-pub(super) const COUNTERS: [(&str, &str); 44] = [
+pub(super) const COUNTERS: [(&str, &str); 45] = [
     ("fleetlink_accepts_total", "result=\"ok\""),
     ("fleetlink_accepts_total", "result=\"rate_limited\""),
     ("fleetlink_accepts_total", "result=\"over_capacity\""),
@@ -103,6 +104,7 @@ pub(super) const COUNTERS: [(&str, &str); 44] = [
     ("fleetlink_admin_routes_total", "result=\"answer_dropped\""),
     ("fleetlink_admin_connections_moved_total", ""),
     ("fleetlink_admin_refused_total", "reason=\"request_memory\""),
+    ("fleetlink_admin_refused_total", "reason=\"answer_memory\""),
 ];
 
 /// Close codes counted one by one; anything else is `other`. 1006 = closed without a close

@@ -93,7 +93,7 @@ pub(super) const HELP: &[(&str, &str)] = &[
     ),
     (
         "fleetlink_admin_refused_total",
-        "Admin requests refused 503 while they arrived: request_memory, a core's connections held all the unfinished request bytes they may.",
+        "Admin requests refused 503: request_memory, while they arrived, a core's connections held all the unfinished request bytes they may; answer_memory, the answer built, a core's connections held all the answer bytes being sent they may.",
     ),
     (
         "fleetlink_closes_total",

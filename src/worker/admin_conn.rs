@@ -35,6 +35,10 @@ const POOL_WAIT: Duration = Duration::from_secs(admin::IO_TIMEOUT.as_secs() + 1)
 /// Bytes of unfinished requests past [`KEEP_BUFFER`] each that one core's admin connections
 /// may hold together: without it, 1,024 connections trickling 1 MiB bodies held a gigabyte.
 const CORE_REQUEST_BYTES: usize = 16 << 20;
+/// Bytes of answers past [`KEEP_BUFFER`] each that one core's admin connections may hold
+/// while their clients read them, as the lobby bounds its own: without it, 40 clients reading
+/// a 17 MB rig list slowly held 1.4 GB. The first is always sent, however big.
+const CORE_ANSWER_BYTES: usize = 64 << 20;
 /// Commands in a row taken on one other core before a connection moves there (see [`Streak`]).
 const MOVE_AFTER: u32 = 16;
 
@@ -191,10 +195,7 @@ async fn serve_requests(
     streak: &mut Streak,
 ) -> std::io::Result<Option<CoreId>> {
     let mut buf: Vec<u8> = Vec::new();
-    let mut charge = Charge {
-        total: &core.admin_request_bytes,
-        held: 0,
-    };
+    let mut charge = Charge::new(&core.admin_request_bytes, CORE_REQUEST_BYTES);
     for served in 0..admin::MAX_PER_CONNECTION {
         let mut clock = admin::RequestClock::new(served > 0);
         let mut continued = false;
@@ -248,7 +249,16 @@ async fn serve_requests(
         let head_only = req.head_only();
         let allow = admin::allowed_methods(&req.path);
         let (answer, taken_at) = answer(core, req).await;
+        let mut sending = Charge::new(&core.admin_answer_bytes, CORE_ANSWER_BYTES);
+        let answer = match sending.hold_first(answer.2.len()) {
+            true => answer,
+            false => {
+                core.metrics.inc(C::AdminAnswerMemoryFull);
+                answer_memory_full()
+            }
+        };
         write(stream, answer, close, head_only, allow).await?;
+        drop(sending);
         if close {
             return Ok(None);
         }
@@ -291,20 +301,42 @@ async fn linger(core: &Core, stream: &mut monoio::net::TcpStream) {
     crate::worker::conn::await_fin(core, stream, deadline, admin::LINGER_BYTES).await;
 }
 
-/// One connection's part of its core's [`CORE_REQUEST_BYTES`]: what its buffer holds past
-/// [`KEEP_BUFFER`], given back when the connection ends.
+/// One connection's part of a core-wide bound ([`CORE_REQUEST_BYTES`] for the request it
+/// reads, [`CORE_ANSWER_BYTES`] for the answer it writes): what it holds past [`KEEP_BUFFER`],
+/// given back when the charge drops.
 struct Charge<'a> {
     total: &'a Cell<usize>,
+    limit: usize,
     held: usize,
 }
 
-impl Charge<'_> {
+impl<'a> Charge<'a> {
+    fn new(total: &'a Cell<usize>, limit: usize) -> Self {
+        Charge {
+            total,
+            limit,
+            held: 0,
+        }
+    }
+
     /// Charges a buffer of `capacity` bytes; false (nothing charged) when that would take the
     /// core past its bound. Shrinking always succeeds.
     fn hold(&mut self, capacity: usize) -> bool {
+        self.charge(capacity, false)
+    }
+
+    /// As [`Charge::hold`], but succeeds whatever the size while no other connection of the
+    /// core holds any: an answer bigger than the bound (a whole rig list of a large fleet) is
+    /// then sent alone rather than never.
+    fn hold_first(&mut self, capacity: usize) -> bool {
+        self.charge(capacity, true)
+    }
+
+    fn charge(&mut self, capacity: usize, first_fits: bool) -> bool {
         let want = capacity.saturating_sub(KEEP_BUFFER);
         let others = self.total.get() - self.held;
-        if want > self.held && others + want > CORE_REQUEST_BYTES {
+        let alone = first_fits && others == 0;
+        if want > self.held && others + want > self.limit && !alone {
             return false;
         }
         self.total.set(others + want);
@@ -330,6 +362,18 @@ fn request_memory_full() -> Answer {
     (503, "application/json", body.to_string().into_bytes())
 }
 
+/// The answer to a request whose answer would take this core's admin connections past what
+/// they may hold in answers being sent; the answer was built and is dropped unsent.
+fn answer_memory_full() -> Answer {
+    let body = serde_json::json!({
+        "ok": false,
+        "error": "overloaded",
+        "detail": "admin answers being sent hold as much memory as this core allows; retry, \
+                   or page the rig list with ?limit=",
+    });
+    (503, "application/json", body.to_string().into_bytes())
+}
+
 async fn write(
     stream: &mut monoio::net::TcpStream,
     (status, ctype, body): Answer,
@@ -338,6 +382,8 @@ async fn write(
     allow: &str,
 ) -> std::io::Result<()> {
     let bytes = admin::response(status, ctype, &body, close, head_only, allow);
+    // A slow client holds the answer for as long as it reads: once, not twice.
+    drop(body);
     write_bytes(stream, bytes).await
 }
 
@@ -377,7 +423,11 @@ async fn answer(core: &Rc<Core>, req: Request) -> (Answer, Option<CoreId>) {
         return (answer, None);
     }
     // Anything else may block (snapshots of every core, this one included): a pool thread
-    // works it out.
+    // works it out, unless the answers already being sent leave no room for another.
+    if core.admin_answer_bytes.get() >= CORE_ANSWER_BYTES {
+        core.metrics.inc(C::AdminAnswerMemoryFull);
+        return (answer_memory_full(), None);
+    }
     let slot = core.admin_waits.open();
     let work = Work::Request {
         req,
@@ -546,6 +596,31 @@ mod tests {
 
     /// A client that reads a big answer slowly but steadily gets all of it, however long that
     /// takes; one that stops reading is given up after the stall time.
+    #[test]
+    fn an_answer_past_the_bound_is_refused_unless_it_would_be_alone() {
+        let total = Cell::new(0);
+        let limit = 10 * KEEP_BUFFER;
+        let mut big = Charge::new(&total, limit);
+        assert!(big.hold_first(50 * KEEP_BUFFER), "alone, any size goes");
+        assert!(!Charge::new(&total, limit).hold_first(2 * KEEP_BUFFER));
+        assert!(
+            Charge::new(&total, limit).hold_first(KEEP_BUFFER),
+            "what a connection keeps anyway is not charged"
+        );
+        drop(big);
+        assert_eq!(total.get(), 0);
+        let mut a = Charge::new(&total, limit);
+        assert!(a.hold_first(6 * KEEP_BUFFER));
+        assert!(!Charge::new(&total, limit).hold_first(7 * KEEP_BUFFER));
+        assert!(!Charge::new(&total, limit).hold(7 * KEEP_BUFFER));
+        assert!(Charge::new(&total, limit).hold_first(6 * KEEP_BUFFER));
+        assert_eq!(
+            total.get(),
+            5 * KEEP_BUFFER,
+            "the charges dropped gave theirs back"
+        );
+    }
+
     #[test]
     fn an_answer_is_cut_only_when_the_client_stops_taking_it() {
         use std::io::Read;

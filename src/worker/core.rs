@@ -89,6 +89,8 @@ pub(crate) struct Core {
     pub(crate) admin_waits: Waits,
     /// Bytes of unfinished admin requests this core's connections hold (see `admin_conn`).
     pub(crate) admin_request_bytes: Cell<usize>,
+    /// Bytes of answers this core's admin connections are sending (`admin_conn`'s bound).
+    pub(crate) admin_answer_bytes: Cell<usize>,
     /// Closed sessions waiting for Redis's answer to commands they held.
     pub(crate) closing: RefCell<closing::Waiting>,
     /// Where the bytes of events queued for the bridge are counted.
@@ -164,6 +166,7 @@ impl Core {
             admin_pool: links.pool,
             admin_waits: Waits::default(),
             admin_request_bytes: Cell::new(0),
+            admin_answer_bytes: Cell::new(0),
             closing: RefCell::new(closing::Waiting::new()),
             bridge_shared: links.bridge_shared,
             retired: links.retired,
