@@ -32,8 +32,43 @@ fn a_chatty_rig_is_slowed_not_dropped() {
     assert_eq!(read_json(&mut ws)["type"], "command");
 }
 
-/// PINGs are not messages, but each costs the broker a decode and a PONG: a rig flooding them
-/// is paused like a chatty one, at an eighth of a token each, and stays connected.
+/// Acks and results answer the broker's own commands: a rig that acks and reports each command
+/// at once is not held back by its rate (at a token each, a rig answering 50 commands a second
+/// at the default rate filled its outbox and was reported `rig_unresponsive`), while an ack
+/// repeated still costs a whole token.
+#[test]
+fn a_rig_answering_its_commands_is_not_held_back_by_its_rate() {
+    const COMMANDS: u64 = 40;
+    let b = Broker::start(&["--rig-rate", "50", "--rig-burst", "10"]);
+    let (mut ws, _, _) = b.rig("rig-busy");
+    for i in 1..=COMMANDS {
+        let (status, reply) = b.command("rig-busy", "noop", json!({}));
+        assert_eq!(status, 200, "{reply}");
+        let cmd = read_json(&mut ws);
+        assert_eq!(cmd["seq"], i, "{cmd}");
+        for answer in [
+            json!({"type":"ack","seq":i}),
+            json!({"type":"result","seq":i,"ok":true}),
+        ] {
+            ws.send(Message::Text(answer.to_string().into())).unwrap();
+        }
+    }
+    // Two messages a command, 80 in all against a burst of 10: an eighth of a token each.
+    b.wait_metric(&format!(
+        "fleetlink_messages_in_total{{type=\"result\"}} {COMMANDS}"
+    ));
+    assert_eq!(metric(&b, "fleetlink_rig_rate_paused_total "), 0);
+    for _ in 0..30 {
+        let again = json!({"type":"ack","seq":1});
+        ws.send(Message::Text(again.to_string().into())).unwrap();
+    }
+    b.wait_metric(&format!(
+        "fleetlink_messages_in_total{{type=\"ack\"}} {}",
+        COMMANDS + 30
+    ));
+    assert!(metric(&b, "fleetlink_rig_rate_paused_total ") > 0);
+}
+
 /// Many chatty rigs at once, each within its own rate but together sending more events than
 /// the bridge's 64 MiB of waiting events hold: none is dropped; the rigs wait instead.
 #[test]
@@ -75,6 +110,8 @@ fn many_rigs_bursting_large_events_together_lose_none() {
     metric(&b, "fleetlink_rig_events_paused_total ");
 }
 
+/// PINGs are not messages, but each costs the broker a decode and a PONG: a rig flooding them
+/// is paused like a chatty one, at an eighth of a token each, and stays connected.
 #[test]
 fn a_rig_flooding_pings_is_slowed_too() {
     let b = Broker::start(&["--rig-rate", "10", "--rig-burst", "5"]);

@@ -23,6 +23,20 @@ use super::upgrade::identity_ok;
 /// whole token, a rig's own keepalive would eat into its messages under a low rate.
 const CONTROL_FRAME_COST: f32 = 0.125;
 
+/// What the first ack of a command written to the rig, and its result once acked, take from
+/// the bucket: answers to the broker's own commands, bounded by them, so charged as a control
+/// frame. At a whole token each, the rate capped commands at half of `--rig-rate` a second
+/// for a rig that acks and reports each, and the outbox of a healthy rig filled behind its
+/// unread acks (`rig_unresponsive`, "force_reconnect"). An ack repeated or of a seq never
+/// written, a result for an unacked command or one repeated, and every event cost a token.
+const ANSWER_COST: f32 = 0.125;
+
+/// What a rig's message takes from its bucket once handled.
+enum Cost {
+    Message,
+    Answer,
+}
+
 pub(super) fn on_message(core: &Core, conn: &Conn, st: &mut ConnState, msg: Message) {
     match msg {
         Message::Ping(payload) => {
@@ -114,13 +128,15 @@ fn on_text(core: &Core, conn: &Conn, st: &mut ConnState, text: &[u8]) {
                 conn.close(st, 4400, not_a_hello(other));
             }
         },
-        Phase::Live => {
+        Phase::Live => match on_rig_message(core, conn, st, text) {
             // `consume` checked a token is there before decoding this message.
-            let _ = st
-                .bucket
-                .take(core.cfg.rig_rate, core.cfg.rig_burst, core.now_ms());
-            on_rig_message(core, conn, st, text);
-        }
+            Cost::Message => {
+                let _ = st
+                    .bucket
+                    .take(core.cfg.rig_rate, core.cfg.rig_burst, core.now_ms());
+            }
+            Cost::Answer => st.bucket.spend(ANSWER_COST),
+        },
         // Closing: the RFC says data after our close frame is ignored.
         _ => {}
     }
@@ -204,16 +220,16 @@ pub(crate) fn retry_after() -> String {
     format!("retry_after={}", http_upgrade::retry_after_s())
 }
 
-fn on_rig_message(core: &Core, conn: &Conn, st: &mut ConnState, text: &[u8]) {
+fn on_rig_message(core: &Core, conn: &Conn, st: &mut ConnState, text: &[u8]) -> Cost {
     let msg = protocol::parse_client_msg(text);
     if let Ok(ClientMsg::Event { name, .. }) = &msg {
         if !scope_allows(&st.sec, |s| s.allows_emit(name)) {
             core.metrics.inc(C::Forbidden);
-            return;
+            return Cost::Message;
         }
     }
     let Some(session) = st.session.as_mut() else {
-        return;
+        return Cost::Message;
     };
     let broker = core.cfg.broker_id.as_str();
     match msg {
@@ -222,7 +238,7 @@ fn on_rig_message(core: &Core, conn: &Conn, st: &mut ConnState, text: &[u8]) {
             if !ackable(session, seq) {
                 // Not a command this rig could have: no event for control to puzzle over,
                 // and none to crowd control's replies out of the publish queue.
-                return;
+                return Cost::Message;
             }
             let (counted, id) = on_ack(core, session, seq);
             super::hold_fetch::on_room(session);
@@ -238,12 +254,18 @@ fn on_rig_message(core: &Core, conn: &Conn, st: &mut ConnState, text: &[u8]) {
             }
             // The ack may have opened the window for commands waiting behind it.
             pump(core, conn, st);
+            return if counted { Cost::Answer } else { Cost::Message };
         }
         Ok(ClientMsg::Result {
             seq, ok, output, ..
         }) => {
             core.metrics.inc(C::MsgResult);
+            let unacked = session
+                .queues
+                .as_ref()
+                .is_some_and(|q| q.id_of(seq).is_some());
             let id = session.queues.as_mut().and_then(|q| q.result_id(seq));
+            let awaited = id.is_some() && !unacked;
             session.shrink_queues();
             core.event_bytes(events::result(
                 broker,
@@ -254,6 +276,9 @@ fn on_rig_message(core: &Core, conn: &Conn, st: &mut ConnState, text: &[u8]) {
                 ok,
                 output.as_ref(),
             ));
+            if awaited {
+                return Cost::Answer;
+            }
         }
         Ok(ClientMsg::Event { name, data, .. }) => {
             core.metrics.inc(C::MsgEvent);
@@ -285,6 +310,7 @@ fn on_rig_message(core: &Core, conn: &Conn, st: &mut ConnState, text: &[u8]) {
             }
         }
     }
+    Cost::Message
 }
 
 /// Whether `seq` names a command written to this rig's session. The outbox holds the
