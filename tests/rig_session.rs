@@ -535,6 +535,8 @@ fn the_rig_list_pages_by_rig_id_across_cores() {
         "after=",
         "after=a%20b",
         "page=2",
+        "limit=2&limit=3",
+        "after=rig-1&after=rig-2",
         "x",
     ] {
         let (status, body) = b.http("GET", &format!("/v1/rigs?{bad}"), "");
@@ -1693,9 +1695,30 @@ fn answers_waiting_for_slow_admin_clients_are_bounded_in_all() {
         sent >= fit && refused >= 1,
         "{sent} sent, {refused} refused"
     );
+    // A burst asking at once is refused before any of it is built: each reserves the last
+    // list's size first (without that, each was built, then refused, and the broker's peak
+    // grew by a list or two for each).
+    let peak = peak_rss(&b);
+    const BURST: usize = 8;
+    let burst: Vec<std::net::TcpStream> = (0..BURST)
+        .map(|_| {
+            let mut s = std::net::TcpStream::connect(b.admin).unwrap();
+            s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+            s.write_all(b"GET /v1/rigs HTTP/1.1\r\nHost: x\r\n\r\n")
+                .unwrap();
+            s
+        })
+        .collect();
+    for mut s in burst {
+        let mut head = [0u8; 12];
+        std::io::Read::read_exact(&mut s, &mut head).unwrap();
+        assert_eq!(&head, b"HTTP/1.1 503");
+    }
+    let grown = peak_rss(&b).saturating_sub(peak);
+    assert!(grown < list.len() as u64, "the peak grew by {grown} bytes");
     let series = "fleetlink_admin_refused_total{reason=\"answer_memory\"}";
     eventually(Duration::from_secs(5), "each refusal counted", || {
-        b.metric(series) == refused as u64
+        b.metric(series) == (refused + BURST) as u64
     });
     // The held answers are given back as their clients go: the next list is sent again.
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
@@ -1709,6 +1732,17 @@ fn answers_waiting_for_slow_admin_clients_are_bounded_in_all() {
     // Small answers take no part of the bound.
     assert_eq!(b.http("GET", "/healthz", "").0, 200);
     drop(rigs);
+}
+
+/// The broker's peak resident set size so far, in bytes.
+fn peak_rss(b: &Broker) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{}/status", b.pid())).unwrap();
+    let kb: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .unwrap();
+    kb * 1024
 }
 
 fn set_rcvbuf(s: &std::net::TcpStream, bytes: i32) {

@@ -173,10 +173,14 @@ const RIGS_PAGE_MAX: usize = 10_000;
 /// `/v1/events` refuses one, rather than answered as if it had not been asked.
 fn rig_page(query: &str) -> Result<RigPage, Answer> {
     let mut page = RigPage::ALL;
+    // A key given twice is refused: which one counts would be a guess.
+    let (mut after, mut limit) = (false, false);
     for pair in query.split('&').filter(|p| !p.is_empty()) {
         let parsed = match pair.split_once('=') {
-            Some(("after", v)) => RigId::parse(v).map(|r| page.after = Some(r.as_str().into())),
-            Some(("limit", v)) => v
+            Some(("after", v)) if !std::mem::replace(&mut after, true) => {
+                RigId::parse(v).map(|r| page.after = Some(r.as_str().into()))
+            }
+            Some(("limit", v)) if !std::mem::replace(&mut limit, true) => v
                 .parse()
                 .ok()
                 .filter(|n| (1..=RIGS_PAGE_MAX).contains(n))
@@ -185,7 +189,7 @@ fn rig_page(query: &str) -> Result<RigPage, Answer> {
         };
         if parsed.is_none() {
             let detail = format!(
-                "query: after=RIG (a rig id; the list is sorted by it) and limit=1..{RIGS_PAGE_MAX}"
+                "query: after=RIG (a rig id; the list is sorted by it) and limit=1..{RIGS_PAGE_MAX}, each at most once"
             );
             let body = json!({"ok": false, "error": "bad_request", "detail": detail});
             return Err((400, "application/json", body.to_string().into_bytes()));

@@ -91,6 +91,9 @@ pub(crate) struct Core {
     pub(crate) admin_request_bytes: Cell<usize>,
     /// Bytes of answers this core's admin connections are sending (`admin_conn`'s bound).
     pub(crate) admin_answer_bytes: Cell<usize>,
+    /// The size of the last whole rig list this core's admin connections answered: what the
+    /// next one reserves before it is built.
+    pub(crate) admin_list_bytes: Cell<usize>,
     /// Closed sessions waiting for Redis's answer to commands they held.
     pub(crate) closing: RefCell<closing::Waiting>,
     /// Where the bytes of events queued for the bridge are counted.
@@ -167,6 +170,7 @@ impl Core {
             admin_waits: Waits::default(),
             admin_request_bytes: Cell::new(0),
             admin_answer_bytes: Cell::new(0),
+            admin_list_bytes: Cell::new(0),
             closing: RefCell::new(closing::Waiting::new()),
             bridge_shared: links.bridge_shared,
             retired: links.retired,
