@@ -44,6 +44,15 @@ fn doctor_refuses_what_the_broker_would_refuse_at_start() {
     // A host check for no connections at all is a usage error.
     let (code, err) = doctor(&["doctor", "--connections", "0"]);
     assert_eq!(code, Some(2), "{err}");
+    // So is one that is not a count, said as such, a negative one too.
+    for bad in ["-1", "1e6", "1_000"] {
+        let (code, err) = doctor(&["doctor", "--connections", bad]);
+        assert_eq!(code, Some(2), "{err}");
+        assert!(
+            err.contains("a whole number of connections, 1 or more"),
+            "{err}"
+        );
+    }
     // Ten connections fit this host (its own limit is 20,000 open files).
     let (code, err) = doctor(&["doctor", "--connections", "10"]);
     assert_eq!(code, Some(0), "{err}");

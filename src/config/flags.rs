@@ -41,6 +41,22 @@ read or parsed, or holds an unknown key or a value that does not parse as its ki
 or the broker would not start with this configuration (and 2 or 64 as above: doctor reads
 the broker's flags, environment and --config too).";
 
+/// `doctor --connections`: a count, said plainly when it is not one (clap's own messages read
+/// "unexpected argument '-1'" and "invalid digit found in string").
+fn parse_connections(s: &str) -> Result<u64, String> {
+    match s.parse::<u64>() {
+        Ok(n) if n >= 1 => Ok(n),
+        Err(e) if *e.kind() == std::num::IntErrorKind::PosOverflow => Err(format!(
+            "{s} is more than {}; the largest count checked is {}",
+            u64::MAX,
+            crate::doctor::MAX_CONNECTIONS
+        )),
+        _ => Err(format!(
+            "a whole number of connections, 1 or more, in plain digits (not {s:?})"
+        )),
+    }
+}
+
 /// Tools bundled into the broker binary.
 #[derive(Subcommand, Debug)]
 pub enum Tool {
@@ -50,7 +66,7 @@ pub enum Tool {
     /// flags go before `doctor`: `fleetlink-fe --cores 8 doctor --connections N`.
     Doctor {
         /// Connections the host should hold (at least 1; above 100,000,000 checked as that).
-        #[arg(long, default_value_t = 1_000_000, value_parser = clap::value_parser!(u64).range(1..))]
+        #[arg(long, default_value_t = 1_000_000, value_parser = parse_connections, allow_negative_numbers = true)]
         connections: u64,
         /// Rigs connect over wss: size memory with the TLS figure (~9,000 B of broker memory
         /// per idle connection instead of ~1,130 B). Implied by --tls-cert/FLEETLINK_TLS_CERT.

@@ -148,15 +148,18 @@ fn sys_triple(name: &str) -> Option<[u64; 3]> {
     sys_nums(name)?.try_into().ok()
 }
 
-/// How many connections (rigs and admin clients together) this process's soft `RLIMIT_NOFILE`
-/// leaves room for, past the descriptors a broker of `cores` cores holds itself; None when it
-/// is unlimited. What the broker says at start, so that an EMFILE at accept (counted, but a
-/// peer's doing is no reason to log every one) is not its operator's first sign. `doctor`
-/// reserves the admin API's share on top (`model::fd_slack`).
-pub fn connection_room(cores: u64) -> Option<u64> {
+/// How many rigs this process's soft `RLIMIT_NOFILE` leaves room for, past the descriptors a
+/// broker of `cores` cores holds itself and the admin API's share (`model::fd_slack`, as
+/// `doctor` counts them); None when it is unlimited. What the broker says at start, so that
+/// an EMFILE at accept (counted, but a peer's doing is no reason to log every one) is not its
+/// operator's first sign.
+pub fn rig_room(cores: u64) -> Option<u64> {
     let (soft, _) = rlimit(libc::RLIMIT_NOFILE);
-    soft.map(|soft| soft.saturating_sub(super::model::fd_own(cores)))
+    soft.map(|soft| soft.saturating_sub(super::model::fd_slack(cores)))
 }
+
+/// The admin connections the broker lets in at once, which [`rig_room`] leaves room for.
+pub const ADMIN_CONNECTIONS: u64 = super::model::FD_ADMIN;
 
 /// (soft, hard); `None` is `RLIM_INFINITY`.
 fn rlimit(resource: libc::__rlimit_resource_t) -> (Option<u64>, Option<u64>) {

@@ -89,7 +89,12 @@ pub(super) fn check_conntrack(host: &HostSettings, fds: u64, port: u16) -> Findi
         .saturating_mul(2)
         .checked_next_power_of_two()
         .unwrap_or(fds);
-    let fix = format!("{}, or exempt the rig port (--listen, {port} here) from tracking: `iptables -t raw -A PREROUTING -p tcp --dport {port} -j NOTRACK` and `iptables -t raw -A OUTPUT -p tcp --sport {port} -j NOTRACK`", sysctl_fix(SETTING, max_fix));
+    let exempt = match port {
+        // The kernel picks the port at bind: a rule for port 0 would match nothing.
+        0 => "or give --listen a fixed port and exempt it from tracking (`iptables -t raw -A PREROUTING -p tcp --dport PORT -j NOTRACK` and `iptables -t raw -A OUTPUT -p tcp --sport PORT -j NOTRACK`)".to_string(),
+        _ => format!("or exempt the rig port (--listen, {port} here) from tracking: `iptables -t raw -A PREROUTING -p tcp --dport {port} -j NOTRACK` and `iptables -t raw -A OUTPUT -p tcp --sport {port} -j NOTRACK`"),
+    };
+    let fix = format!("{}, {exempt}", sysctl_fix(SETTING, max_fix));
     match (max >= fds, count > 0) {
         (true, _) => Finding::ok(SETTING, max.to_string(), needed),
         (false, true) => Finding::block(SETTING, max.to_string(), needed, fix),
@@ -228,6 +233,11 @@ mod tests {
             let other = if port == 8443 { "8080" } else { "8443" };
             assert!(!fix.contains(other), "{fix}");
         }
+        // Port 0 is the kernel's choice at bind: no rule can name it in advance.
+        let fs = check(&host, MILLION, 16, Transport::Plain, 0);
+        let fix = &finding(&fs, "net.netfilter.nf_conntrack_max").fix;
+        assert!(fix.contains("give --listen a fixed port"), "{fix}");
+        assert!(!fix.contains("--dport 0"), "{fix}");
         assert_eq!(Transport::Plain.default_port(), 8080);
         assert_eq!(Transport::Tls.default_port(), 8443);
     }
