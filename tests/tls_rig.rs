@@ -457,6 +457,38 @@ fn an_oversized_client_hello_gets_a_decode_error_alert() {
     b.wait_metric(&format!("{failures} 1"));
 }
 
+/// Plain HTTP on the TLS port (a rig configured with `ws://` for a `wss://` broker) is answered
+/// in HTTP, saying so, rather than with an alert such a client shows as a protocol error; it is
+/// counted as a failed handshake. A record that is TLS but wrong still gets its alert.
+#[test]
+fn plain_http_on_the_tls_port_is_told_to_use_tls() {
+    let dir = Dir::new("plainhttp");
+    let pki = dev_certs::generate(&dir.0, 1, &[]).unwrap();
+    let b = tls_broker(&pki, &dir.0, &[]);
+    let mut tcp = TcpStream::connect(b.listen).unwrap();
+    tcp.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    tcp.write_all(b"GET /agent HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n")
+        .unwrap();
+    let mut got = Vec::new();
+    closed_by_peer(&mut tcp, &mut got);
+    let text = String::from_utf8_lossy(&got);
+    assert!(text.starts_with("HTTP/1.1 400 Bad Request\r\n"), "{text}");
+    let (head, body) = text.split_once("\r\n\r\n").unwrap();
+    assert!(body.contains("wss://"), "{body}");
+    assert!(
+        head.contains(&format!("Content-Length: {}", body.len())),
+        "{text}"
+    );
+    b.wait_metric("fleetlink_tls_handshake_failures_total 1");
+    // A TLS record of a type TLS does not have is still answered in TLS: an alert.
+    let mut tcp = TcpStream::connect(b.listen).unwrap();
+    tcp.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    tcp.write_all(&[22, 9, 9, 0, 4, 1, 0, 0, 0]).unwrap();
+    let mut got = Vec::new();
+    closed_by_peer(&mut tcp, &mut got);
+    assert_eq!(got.first(), Some(&21), "an alert record: {got:?}");
+}
+
 #[test]
 fn wrong_ca_expired_and_certless_clients_are_refused() {
     let dir = Dir::new("refuse");
@@ -504,7 +536,7 @@ fn wrong_ca_expired_and_certless_clients_are_refused() {
     b.wait_metric(&format!("{failures} 2"));
     refused_with(wss(&b, &pki.ca_cert, None, &[]), "CertificateRequired");
     b.wait_metric(&format!("{failures} 3"));
-    // A plain-text client on the TLS port gets the connection closed, and the broker lives on.
+    // A plain-text client on the TLS port is told to use TLS, and the broker lives on.
     let mut plain = TcpStream::connect(b.listen).unwrap();
     plain
         .set_read_timeout(Some(Duration::from_secs(10)))
@@ -515,8 +547,8 @@ fn wrong_ca_expired_and_certless_clients_are_refused() {
     let mut buf = Vec::new();
     closed_by_peer(&mut plain, &mut buf);
     assert!(
-        !String::from_utf8_lossy(&buf).contains("HTTP/1.1"),
-        "no plaintext answer on the TLS port"
+        String::from_utf8_lossy(&buf).starts_with("HTTP/1.1 400 "),
+        "{buf:?}"
     );
     // Plain text is not a TLS record: the fourth handshake failure.
     b.wait_metric(&format!("{failures} 4"));

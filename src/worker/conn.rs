@@ -260,16 +260,26 @@ fn read_some(
             why: rustls::Error::AlertReceived(rustls::AlertDescription::CloseNotify),
             ..
         }) if was_handshaking => Err(PEER_CLOSED),
-        Ok(TlsRead::Failed { why, plain_alert }) => {
+        Ok(TlsRead::Failed {
+            why,
+            plain_alert,
+            plain_http,
+        }) => {
             let now = std::time::Instant::now();
             if let Some(line) = core.tls_refusals.borrow_mut().note(now, Some(fd), &why) {
                 log::warn!("{line}");
             }
-            // Send the alert rustls queued, or ours where it queued none, then end.
-            if plain_alert {
-                transport::send_plain_alert(fd);
+            // Send the alert rustls queued, or ours where it queued none, then end; plain
+            // HTTP gets an answer it can show instead.
+            let tls = st.sec.as_mut().and_then(|s| s.tls.as_mut());
+            if let (true, Some(tls)) = (plain_http, tls) {
+                transport::send_plain_http_refusal(fd, tls);
+            } else {
+                if plain_alert {
+                    transport::send_plain_alert(fd);
+                }
+                let _ = flush(fd, st);
             }
-            let _ = flush(fd, st);
             // A session that breaks later (a bad record, a fatal alert) is counted where its
             // connection ends: an abandoned request, or a close without a close frame (1006).
             if was_handshaking {

@@ -129,7 +129,28 @@ pub(crate) enum TlsRead {
         /// rustls queued no alert and has taken no ClientHello: the caller sends
         /// [`PLAIN_DECODE_ERROR`] itself (see [`send_plain_alert`]).
         plain_alert: bool,
+        /// The first record was no TLS record at all, before any ClientHello: almost always
+        /// plain HTTP (`ws://` or `http://` to the TLS port). The caller answers
+        /// [`PLAIN_HTTP_REFUSAL`] instead of the alert rustls queued, which such a client
+        /// would show as garbage or an opaque protocol error.
+        plain_http: bool,
     },
+}
+
+/// The answer to plain HTTP on the TLS port.
+const PLAIN_HTTP_REFUSAL: &[u8] = b"HTTP/1.1 400 Bad Request\r\nContent-Type: text/plain\r\n\
+Content-Length: 67\r\nConnection: close\r\n\r\n\
+this port speaks TLS: connect with wss:// (or https://), not ws://\n";
+
+/// Sends [`PLAIN_HTTP_REFUSAL`] in place of the alert rustls queued, which is dropped: after
+/// the answer it would read as the start of a body. Best effort, as [`send_plain_alert`].
+pub(crate) fn send_plain_http_refusal(fd: RawFd, tls: &mut ServerConnection) {
+    while tls.wants_write() {
+        if tls.write_tls(&mut io::sink()).is_err() {
+            break;
+        }
+    }
+    let _ = Fd(fd).write(PLAIN_HTTP_REFUSAL);
 }
 
 /// A fatal `decode_error` alert as a plaintext record, what rustls sends for a handshake
@@ -149,10 +170,19 @@ pub(crate) fn send_plain_alert(fd: RawFd) {
 /// The end of a session rustls refused: whether the caller owes the alert itself (never in
 /// answer to the client's own alert).
 fn failed(tls: &ServerConnection, why: rustls::Error) -> TlsRead {
-    let plain_alert = !matches!(why, rustls::Error::AlertReceived(_))
-        && !tls.wants_write()
-        && tls.protocol_version().is_none();
-    TlsRead::Failed { why, plain_alert }
+    let before_hello = tls.protocol_version().is_none();
+    let plain_alert =
+        !matches!(why, rustls::Error::AlertReceived(_)) && !tls.wants_write() && before_hello;
+    let plain_http = before_hello
+        && matches!(
+            why,
+            rustls::Error::InvalidMessage(rustls::InvalidMessage::InvalidContentType)
+        );
+    TlsRead::Failed {
+        why,
+        plain_alert,
+        plain_http,
+    }
 }
 
 /// Reads records from the socket, processes them, and copies out plaintext into `buf`.
