@@ -1088,6 +1088,17 @@ fn wss_mtls_against_the_real_tls_broker_and_4403_for_a_borrowed_identity() {
         "retried after 4403:\n{}",
         impostor.log()
     );
+    // An agent given ws:// for the TLS port is told so by the broker, in its log, and stops.
+    let plain_url = format!("ws://127.0.0.1:{}/agent", b.listen.port());
+    let mut plain = Agent::start(&plain_url, "rig-0002", &[]);
+    assert_eq!(
+        plain.wait_exit(Duration::from_secs(10)).code(),
+        Some(5),
+        "{}",
+        plain.log()
+    );
+    let (_, line) = plain.wait_line("upgrade refused with HTTP 400", Duration::from_secs(5));
+    assert!(line.contains("connect with wss://"), "{line}");
     // The real rig-0001 keeps its session and still takes commands.
     let r = rig(&b, "rig-0001").expect("rig-0001 still listed");
     assert_eq!(r["boot_id"], boot.as_str(), "{r}");

@@ -125,8 +125,26 @@ pub(crate) fn dial(endpoint: &Endpoint, tls: Option<&Arc<ClientConfig>>) -> Dial
         Err(HandshakeError::Failure(tungstenite::Error::Http(resp)))
             if refusal_is_final(resp.status().as_u16()) =>
         {
+            // The broker's own words where it gave some: a TLS port reached with ws:// says so.
+            let said = resp
+                .body()
+                .as_deref()
+                .map(|b| {
+                    String::from_utf8_lossy(b)
+                        .trim()
+                        .chars()
+                        .take(200)
+                        .collect::<String>()
+                })
+                .filter(|b| !b.is_empty())
+                .map(|b| format!(": {b:?}"))
+                .unwrap_or_default();
+            let guess = match resp.status().as_u16() {
+                404 => " (is --url's path /agent?)",
+                _ => "",
+            };
             Err(DialError::Refused(format!(
-                "{addr}: upgrade refused with HTTP {} (is --url's path /agent?)",
+                "{addr}: upgrade refused with HTTP {}{said}{guess}",
                 resp.status()
             )))
         }
