@@ -80,6 +80,9 @@
 --             that broker's) and "next" raised to ARGV[3], so that broker's next command
 --             cannot take a seq the rig already holds
 --   "fenced"  the fence above refused: nothing written
+-- Writing ("ok", "merged"), a seq that holds another command in Redis (two brokers each gave
+-- it while deciding alone) keeps one of the two, as above, and publishes the other on
+-- fleetlink:events as {"type":"lost","rig_id","boot_id","seq","id","broker_id","at","detail"}.
 -- Errors "ERR fleetlink rekeep: ..." on malformed ARGV, before any write.
 
 local function count(s)
@@ -354,6 +357,34 @@ end
 -- A parked copy's settled commands are not written back either: acked meanwhile, they would
 -- be delivered or reported again. `found`: the session's fields, read already (nil for a
 -- connected rig's copy, which is written whole and needs only Redis's "next").
+-- Where a seq of this copy holds another command in Redis, one broker gave it to a command
+-- while another had given it to this one, each deciding alone: only one of the two can stay,
+-- and the rig holds at most one of them under that seq. The one that goes is published as
+-- `lost`, so control hears of it (and may send it again once no result for it came) rather
+-- than the command vanishing: it was answered ok, and no resume or report would name it.
+local function id_of(json)
+  local decoded, cmd = pcall(cjson.decode, json)
+  return (decoded and type(cmd) == 'table' and type(cmd.id) == 'string') and cmd.id or nil
+end
+
+local function publish_lost(seq, json)
+  local id = id_of(json)
+  redis.call('PUBLISH', 'fleetlink:events', '{"type":"lost","rig_id":'
+      .. cjson.encode(KEYS[1]:match('^rig:(.+)$') or '') .. ',"boot_id":' .. cjson.encode(boot)
+      .. ',"seq":' .. seq .. ',"id":' .. (id and cjson.encode(id) or 'null')
+      .. ',"broker_id":' .. cjson.encode(tuple:match('|(.*)$')) .. ',"at":' .. cjson.encode(at)
+      .. ',"detail":"its seq went to another command while the rig\'s brokers could not reach '
+      .. 'Redis; the rig may not have run it: send it again if no result for it came"}')
+end
+
+local function other_command(a, b)
+  if a == b then
+    return false
+  end
+  local x, y = id_of(a), id_of(b)
+  return x == nil or y == nil or x ~= y
+end
+
 local function write(sess, merge, found)
   local have
   if mode == 'live' then
@@ -362,12 +393,22 @@ local function write(sess, merge, found)
     have = next_of(found and found['next'])
   end
   for i = 7, #ARGV, 2 do
+    local field = 'c:' .. ARGV[i]
     if not merge then
       if not settled(found, ARGV[i]) then
-        redis.call('HSET', sess, 'c:' .. ARGV[i], ARGV[i + 1])
+        local there = redis.call('HGET', sess, field)
+        if there and other_command(there, ARGV[i + 1]) then
+          publish_lost(ARGV[i], there)
+        end
+        redis.call('HSET', sess, field, ARGV[i + 1])
       end
     elseif tonumber(ARGV[i]) >= have or tonumber(ARGV[i]) <= unkept_to then
-      redis.call('HSETNX', sess, 'c:' .. ARGV[i], ARGV[i + 1])
+      if redis.call('HSETNX', sess, field, ARGV[i + 1]) == 0 then
+        local there = redis.call('HGET', sess, field)
+        if other_command(there, ARGV[i + 1]) then
+          publish_lost(ARGV[i], ARGV[i + 1])
+        end
+      end
     end
   end
   if tonumber(nxt) > have then

@@ -1179,3 +1179,131 @@ fn a_batch_of_resumes_is_one_script_call_per_chunk_each_rig_its_own() {
         .all(|f| f.as_ref().unwrap().next == Some(Seq(1))));
     assert_eq!(again[0].as_ref().unwrap().next, Some(Seq(2)));
 }
+
+/// Two brokers that each decided alone (Redis away from one of them) can give one seq of a
+/// session to two commands. Putting a session back keeps one under that seq, as before, and
+/// now publishes the other as `lost` rather than let a command control was told `ok` about
+/// vanish: the one Redis held when a connected rig's copy goes over it, the copy's own when a
+/// parked copy is merged under it. The same command twice is no loss.
+#[test]
+fn a_seq_two_brokers_gave_to_two_commands_reports_the_one_that_goes() {
+    use fleetlink::ids::Seq;
+    use fleetlink::registry::sessions::{session_key, Rekeep, RekeepMode, Rekept, SessionScripts};
+    let (server, mut con, _) = setup();
+    let sessions = SessionScripts::new();
+    let mut sub = server.client().get_connection().unwrap();
+    let mut ps = sub.as_pubsub();
+    ps.subscribe("fleetlink:events").unwrap();
+    ps.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut next_event = || -> serde_json::Value {
+        let msg = ps.get_message().expect("an event");
+        serde_json::from_slice(msg.get_payload_bytes()).expect("JSON")
+    };
+    let cmd = |seq: u64, id: &str| {
+        format!(r#"{{"type":"command","seq":{seq},"id":"{id}","name":"n","args":{{}}}}"#)
+    };
+    let (r, b) = (rig("rig-two"), boot(1));
+    let sess = session_key(&r, &b);
+    let kept = cmd(3, "kept-by-a");
+    let _: () = redis::cmd("HSET")
+        .arg(&sess)
+        .arg("next")
+        .arg("5")
+        .arg("c:3")
+        .arg(&kept)
+        .arg("c:4")
+        .arg(cmd(4, "also-a"))
+        .query(&mut con)
+        .unwrap();
+    // Broker fe-b holds the rig, and gave seq 3 to another command while it could not reach
+    // Redis; its copy goes over the one Redis kept.
+    set(&mut con, &rig_key(&r), &tuple(&b, "fe-b"));
+    let given = cmd(3, "given-by-b");
+    fn copy<'a>(r: &'a RigId, b: &'a BootId, json: &'a str, mode: RekeepMode) -> Rekeep<'a> {
+        Rekeep {
+            rig: r,
+            boot: b,
+            next: Seq(4),
+            cmds: vec![(Seq(3), json.as_bytes())],
+            unkept_to: Seq(3),
+            mode,
+        }
+    }
+    let answer = sessions
+        .rekeep(
+            &mut con,
+            &[copy(&r, &b, &given, RekeepMode::Live)],
+            "fe-b",
+            TTL,
+            "2026-12-05T00:00:00Z",
+        )
+        .unwrap();
+    assert_eq!(answer, [Rekept::Behind(Seq(5))]);
+    let lost = next_event();
+    assert_eq!(
+        (
+            &lost["type"],
+            &lost["id"],
+            &lost["seq"],
+            &lost["rig_id"],
+            &lost["broker_id"]
+        ),
+        (
+            &serde_json::json!("lost"),
+            &serde_json::json!("kept-by-a"),
+            &serde_json::json!(3),
+            &serde_json::json!("rig-two"),
+            &serde_json::json!("fe-b")
+        ),
+        "{lost}"
+    );
+    assert_eq!(lost["boot_id"], b.as_str());
+    assert!(lost["detail"]
+        .as_str()
+        .is_some_and(|d| d.contains("send it again")));
+    let field: Option<String> = redis::cmd("HGET")
+        .arg(&sess)
+        .arg("c:3")
+        .query(&mut con)
+        .unwrap();
+    assert_eq!(field.as_deref(), Some(given.as_str()));
+    // The same copy again: the same command under its seq, nothing lost.
+    sessions
+        .rekeep(
+            &mut con,
+            &[copy(&r, &b, &given, RekeepMode::Live)],
+            "fe-b",
+            TTL,
+            "2026-12-05T00:00:00Z",
+        )
+        .unwrap();
+    // A parked copy of fe-c, the same boot now leased to fe-b: merged, never over what Redis
+    // holds, and its own command under a taken seq is the one reported.
+    let third = cmd(3, "given-by-c");
+    let answer = sessions
+        .rekeep(
+            &mut con,
+            &[copy(&r, &b, &third, RekeepMode::Parked)],
+            "fe-c",
+            TTL,
+            "2026-12-05T00:00:00Z",
+        )
+        .unwrap();
+    assert_eq!(answer, [Rekept::Merged]);
+    let lost = next_event();
+    assert_eq!(
+        (&lost["type"], &lost["id"]),
+        (&serde_json::json!("lost"), &serde_json::json!("given-by-c")),
+        "{lost}"
+    );
+    let field: Option<String> = redis::cmd("HGET")
+        .arg(&sess)
+        .arg("c:3")
+        .query(&mut con)
+        .unwrap();
+    assert_eq!(
+        field.as_deref(),
+        Some(given.as_str()),
+        "merged under, never over"
+    );
+}
