@@ -138,6 +138,15 @@ pub fn offline_delivered(broker: &str, mut body: Value) -> Value {
     body
 }
 
+/// Standalone: an unacked command of a session kept for its rig's return, dropped when the rig
+/// stayed away past `--session-ttl`. Written to the rig, it may have run.
+pub fn session_expired(broker: &str, rig: &RigId, boot: &BootId, seq: Seq, id: &str) -> Value {
+    json!({"type": "expired", "rig_id": rig.as_str(), "boot_id": boot.as_str(), "seq": seq.0,
+           "id": id, "broker_id": broker, "at": rfc3339(SystemTime::now()),
+           "detail": "its rig stayed away longer than its session is kept (--session-ttl) \
+                      and never acked it; the rig may have run it"})
+}
+
 /// A command held for an offline rig expired before the rig came back.
 pub fn expired(broker: &str, rig: &RigId, id: &str) -> Value {
     json!({"type": "expired", "rig_id": rig.as_str(), "id": id, "broker_id": broker,

@@ -195,7 +195,7 @@ fn run(mut cfg: Config) -> anyhow::Result<()> {
     let admin = Arc::new(admin::Admin::new(
         bridge_tx.clone(),
         core_txs.clone(),
-        shared,
+        shared.clone(),
         draining.clone(),
         drain_tx.clone(),
         retired,
@@ -222,6 +222,7 @@ fn run(mut cfg: Config) -> anyhow::Result<()> {
         recv(lost) -> first => DrainCause::Lost(first.map_or_else(|e| e.to_string(), |l| l.to_string())),
     };
     draining.store(true, Ordering::SeqCst);
+    shared.draining.store(true, Ordering::SeqCst);
     if let DrainCause::Lost(what) = &cause {
         log::error!("!!! {what}: draining the rest of the broker and exiting 1, for the supervisor to start a whole one");
     }

@@ -5,7 +5,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::broker::{read_close, read_json, Broker};
+use common::broker::{eventually, read_close, read_json, Broker};
 use serde_json::json;
 
 fn drain_with(trigger: impl FnOnce(&Broker)) {
@@ -340,4 +340,41 @@ fn a_drain_says_what_becomes_of_commands_held_for_offline_rigs() {
         .wait_exit(Duration::from_secs(10))
         .is_some_and(|s| s.success()));
     b.wait_log(&["keeping the deadlines of 2 commands held for offline rigs"]);
+}
+
+/// A standalone broker keeps sessions in memory: a drain says, at exit, which commands it
+/// leaves unacked in them (queued, or written and maybe run), rather than let them go without
+/// a word after control was told `ok`; and once draining it holds no new command for an
+/// offline rig, which it could only lose.
+#[test]
+fn a_standalone_drain_names_the_commands_it_exits_with_and_holds_no_more() {
+    let mut b = Broker::start_logged(&["--drain", "1s"]);
+    let (mut ws, _, _) = b.rig("rig-busy");
+    for i in 1..=2u64 {
+        let (status, reply) = b.command_with_id("rig-busy", &format!("busy-{i}"));
+        assert_eq!(status, 200, "{reply}");
+        assert_eq!(read_json(&mut ws)["seq"], i);
+    }
+    let (status, _) = b.http("POST", "/v1/drain", "");
+    assert_eq!(status, 202);
+    assert_eq!(read_json(&mut ws)["type"], "goaway");
+    let body = json!({"id": "late", "name": "n", "args": {}, "queue_if_offline": true});
+    let refused = "fleetlink_registry_ops_total{op=\"offline\",result=\"draining\"}";
+    // Readiness fails first; the bridge hears of the drain a moment later.
+    eventually(
+        Duration::from_secs(5),
+        "a hold refused while draining",
+        || {
+            let (status, text) = b.http("POST", "/v1/rigs/rig-away/commands", &body.to_string());
+            assert!(status == 200 || status == 404, "{status} {text}");
+            status == 404 && text.contains("draining")
+        },
+    );
+    assert!(b.metric(refused) >= 1);
+    assert!(b
+        .wait_exit(Duration::from_secs(15))
+        .is_some_and(|s| s.success()));
+    let line = b.wait_log(&["exiting with 2 commands of 1 rigs' sessions never acked"]);
+    assert!(line.contains("rig-busy: busy-1"), "{line}");
+    drop(ws);
 }

@@ -1082,3 +1082,80 @@ fn an_admin_events_tail_ends_at_its_for_when_nothing_answers() {
     );
     drop(silent);
 }
+
+/// `send --selector` against the admin API is one POST per matching rig, and the whole of it
+/// keeps to one `--timeout`, as a broadcast over Redis does: each POST gets what is left, and
+/// rigs not reached in time are reported failed rather than waited for in turn (three rigs
+/// behind a broker taking 1 s a POST used to take up to three timeouts).
+#[test]
+fn an_admin_broadcast_keeps_to_one_timeout() {
+    use std::io::{BufRead, BufReader, Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let admin = format!("http://{}", listener.local_addr().unwrap());
+    // A broker listing three rigs at once, then answering each command POST after 1 s.
+    let server = std::thread::spawn(move || {
+        for conn in listener.incoming().take(8) {
+            let Ok(mut conn) = conn else { break };
+            let mut reader = BufReader::new(conn.try_clone().unwrap());
+            let mut request = String::new();
+            let (mut line, mut length) = (String::new(), 0usize);
+            let _ = reader.read_line(&mut request);
+            while reader.read_line(&mut line).is_ok_and(|n| n > 2) {
+                if let Some(v) = line.to_ascii_lowercase().strip_prefix("content-length:") {
+                    length = v.trim().parse().unwrap_or(0);
+                }
+                line.clear();
+            }
+            let mut body = vec![0u8; length];
+            let _ = reader.read_exact(&mut body);
+            let answer = if request.starts_with("GET /v1/rigs") {
+                json!([0, 1, 2].map(|i| json!({"rig_id": format!("rig-{i}"),
+                    "labels": {"group": "a"}})))
+                .to_string()
+            } else if request.starts_with("POST /v1/rigs/") {
+                std::thread::sleep(Duration::from_secs(1));
+                json!({"id": "x", "ok": true, "rig_id": "rig", "seq": 1}).to_string()
+            } else {
+                json!({"ok": false, "error": "not_found"}).to_string()
+            };
+            let status = if request.starts_with("GET /metrics") {
+                "404 Not Found"
+            } else {
+                "200 OK"
+            };
+            let _ = write!(
+                conn,
+                "HTTP/1.1 {status}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{answer}",
+                answer.len()
+            );
+        }
+    });
+    let started = Instant::now();
+    let run = fleetctl(&[
+        "--admin",
+        &admin,
+        "--json",
+        "send",
+        "--selector",
+        "group=a",
+        "reboot",
+        "--timeout",
+        "1500ms",
+    ]);
+    let took = started.elapsed();
+    assert!(
+        took < Duration::from_millis(2900),
+        "took {took:?}: {}",
+        run.stderr
+    );
+    let reply: Value = serde_json::from_str(run.stdout.lines().next().unwrap_or("")).unwrap();
+    assert_eq!(
+        (reply["matched"].as_u64(), reply["enqueued"].as_u64()),
+        (Some(3), Some(1)),
+        "{reply}"
+    );
+    let failed = reply["failed"].as_array().cloned().unwrap_or_default();
+    assert_eq!(failed.len(), 2, "{reply}");
+    assert_eq!(failed[1]["error"], "timeout", "{reply}");
+    drop(server);
+}

@@ -536,6 +536,7 @@ fn the_rig_list_pages_by_rig_id_across_cores() {
         "after=a%20b",
         "page=2",
         "limit=2&limit=3",
+        "limit=+2",
         "after=rig-1&after=rig-2",
         "x",
     ] {
@@ -1610,12 +1611,14 @@ fn unfinished_admin_bodies_on_a_core_are_bounded_in_all() {
     drop(conns);
 }
 
-/// Answers being written to admin clients that do not read them hold at most 64 MiB of a
-/// core together (the first one whatever its size): a rig list that would pass it is answered
-/// 503 at once and counted, and the bound is given back once the clients have gone (before, 40
-/// slow readers of a 17 MB list held 1.4 GB).
+/// Answers being written to admin clients that do not read them hold at most
+/// `--admin-answer-bytes` of a core together (the first whatever its size): a rig list that
+/// would pass it is answered 503 at once, before it is built, and counted; and the bound is
+/// given back once the clients have gone (before, 40 slow readers of a 17 MB list held 1.4 GB).
 #[test]
 fn answers_waiting_for_slow_admin_clients_are_bounded_in_all() {
+    const BOUND: usize = 8 << 20;
+    let bound = BOUND.to_string();
     let b = Broker::start(&[
         "--cores",
         "1",
@@ -1623,8 +1626,11 @@ fn answers_waiting_for_slow_admin_clients_are_bounded_in_all() {
         "100000",
         "--accept-burst",
         "10000",
+        "--admin-answer-bytes",
+        &bound,
     ]);
-    // The largest labels a hello may carry: about 8.5 KB a rig in the list.
+    // The largest labels a hello may carry: about 8.5 KB a rig in the list, so 700 rigs make
+    // a list larger than the 4 MB the kernel's buffers take of an answer nobody reads.
     let labels: serde_json::Map<String, Value> = (0..fleetlink::protocol::MAX_LABELS)
         .map(|i| {
             let key = format!("{i:0>128}");
@@ -1635,7 +1641,7 @@ fn answers_waiting_for_slow_admin_clients_are_bounded_in_all() {
         })
         .collect();
     let labels = Value::Object(labels);
-    let rigs: Vec<Ws> = (0..2000)
+    let rigs: Vec<Ws> = (0..700)
         .map(|i| {
             let mut ws = b.connect("/agent");
             hello(&mut ws, &format!("rig-{i:04}"), &boot_id(), labels.clone());
@@ -1644,18 +1650,14 @@ fn answers_waiting_for_slow_admin_clients_are_bounded_in_all() {
         .collect();
     let (status, list) = b.http("GET", "/v1/rigs", "");
     assert_eq!(status, 200);
-    assert!(list.len() > 16_000_000, "{} bytes", list.len());
-    // Each client asks for the whole list once the one before has its answer's head, then
-    // reads 64 KiB every 80 ms: slowly enough that its answer stays with the core for the
-    // rest of the test, steadily enough that the core does not cut it off as stalled (the
-    // kernel's buffers take 4 MB, and the next write waits until a third of that has gone).
-    // As many fit as 64 MiB holds past their first 64 KiB each; the next is refused.
-    const CLIENTS: usize = 6;
-    let fit = (64 << 20) / (list.len() - (64 << 10));
-    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let mut clients: Vec<(std::net::TcpStream, String)> = Vec::new();
-    let mut readers = Vec::new();
-    for _ in 0..CLIENTS {
+    assert!(list.len() > 5_500_000, "{} bytes", list.len());
+    // Each client asks for the whole list once the one before has its answer's head, and
+    // reads nothing: its answer stays with the core once the kernel's buffers are full, for
+    // the 5 s a client may take nothing. As many fit as the bound holds past their first
+    // 64 KiB each, and always one; the next is refused.
+    const CLIENTS: usize = 4;
+    let fit = (BOUND / (list.len() - (64 << 10))).max(1);
+    let ask = || {
         let mut s = std::net::TcpStream::connect(b.admin).unwrap();
         // Locked small, or the kernel grows it to take a whole answer (tcp_rmem allows 32 MB).
         set_rcvbuf(&s, 64 << 10);
@@ -1664,7 +1666,8 @@ fn answers_waiting_for_slow_admin_clients_are_bounded_in_all() {
             .unwrap();
         let mut head = [0u8; 12];
         std::io::Read::read_exact(&mut s, &mut head).unwrap();
-        if &head == b"HTTP/1.1 503" {
+        let head = String::from_utf8_lossy(&head).to_string();
+        if head == "HTTP/1.1 503" {
             let (mut rest, mut buf) = (Vec::new(), [0u8; 512]);
             while !rest.ends_with(b"}") {
                 let n = std::io::Read::read(&mut s, &mut buf).unwrap();
@@ -1677,54 +1680,31 @@ fn answers_waiting_for_slow_admin_clients_are_bounded_in_all() {
                 "{rest}"
             );
         }
-        let (mut slow, stop) = (s.try_clone().unwrap(), stop.clone());
-        readers.push(std::thread::spawn(move || {
-            let mut chunk = vec![0u8; 64 << 10];
-            slow.set_nonblocking(true).unwrap();
-            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                let _ = std::io::Read::read(&mut slow, &mut chunk);
-                std::thread::sleep(Duration::from_millis(80));
-            }
-        }));
-        clients.push((s, String::from_utf8_lossy(&head).to_string()));
-    }
-    let sent = clients.iter().filter(|(_, h)| h == "HTTP/1.1 200").count();
-    let refused = clients.iter().filter(|(_, h)| h == "HTTP/1.1 503").count();
-    assert_eq!(sent + refused, CLIENTS);
-    assert!(
-        sent >= fit && refused >= 1,
-        "{sent} sent, {refused} refused"
-    );
-    // A burst asking at once is refused before any of it is built: each reserves the last
-    // list's size first (without that, each was built, then refused, and the broker's peak
-    // grew by a list or two for each).
+        (s, head)
+    };
     let peak = peak_rss(&b);
-    const BURST: usize = 8;
-    let burst: Vec<std::net::TcpStream> = (0..BURST)
-        .map(|_| {
-            let mut s = std::net::TcpStream::connect(b.admin).unwrap();
-            s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-            s.write_all(b"GET /v1/rigs HTTP/1.1\r\nHost: x\r\n\r\n")
-                .unwrap();
-            s
+    let clients: Vec<(std::net::TcpStream, String)> = (0..CLIENTS).map(|_| ask()).collect();
+    let heads: Vec<&String> = clients.iter().map(|(_, h)| h).collect();
+    let want: Vec<&str> = (0..CLIENTS)
+        .map(|i| {
+            if i < fit {
+                "HTTP/1.1 200"
+            } else {
+                "HTTP/1.1 503"
+            }
         })
         .collect();
-    for mut s in burst {
-        let mut head = [0u8; 12];
-        std::io::Read::read_exact(&mut s, &mut head).unwrap();
-        assert_eq!(&head, b"HTTP/1.1 503");
-    }
+    assert_eq!(heads, want);
+    // Refused before they were built: each reserved the last list's size first (without
+    // that, each was built, then refused, and the broker's peak grew by a list or two each).
     let grown = peak_rss(&b).saturating_sub(peak);
-    assert!(grown < list.len() as u64, "the peak grew by {grown} bytes");
+    let built = (fit as u64 + 1) * list.len() as u64;
+    assert!(grown < built * 2, "the peak grew by {grown} bytes");
     let series = "fleetlink_admin_refused_total{reason=\"answer_memory\"}";
     eventually(Duration::from_secs(5), "each refusal counted", || {
-        b.metric(series) == (refused + BURST) as u64
+        b.metric(series) == (CLIENTS - fit) as u64
     });
     // The held answers are given back as their clients go: the next list is sent again.
-    stop.store(true, std::sync::atomic::Ordering::Relaxed);
-    for r in readers {
-        r.join().unwrap();
-    }
     drop(clients);
     eventually(Duration::from_secs(10), "the whole list sent again", || {
         b.http("GET", "/v1/rigs", "").0 == 200
@@ -2393,7 +2373,15 @@ fn a_standalone_broker_keeps_its_events_for_the_admin_api() {
     // A page takes up where the last one ended; bad queries are refused.
     let (next, _, _) = events_after(&b, 0);
     assert_eq!(events_after(&b, next).2, Vec::<Value>::new());
-    for bad in ["after=x", "limit=0", "limit=1001", "from=3"] {
+    for bad in [
+        "after=x",
+        "limit=0",
+        "limit=1001",
+        "from=3",
+        "after=1&after=2",
+        "limit=5&limit=6",
+        "after=+1",
+    ] {
         let (status, body) = b.http("GET", &format!("/v1/events?{bad}"), "");
         assert_eq!(status, 400, "{bad}: {body}");
     }
@@ -2473,14 +2461,83 @@ fn a_result_after_a_reconnect_keeps_its_commands_id_and_the_ack_time() {
     assert_eq!(result_id(&mut third, 2), two["id"], "handed over");
 }
 
+/// Standalone, a rig's session waits for its return for `--session-ttl`, and when the rig
+/// stays away longer its unacked commands are reported `expired` (the events API, the log and
+/// `parked/expired`), where they used to vanish unreported after `--registry-ttl`, after
+/// control had been told `ok`.
+#[test]
+fn a_standalone_session_whose_rig_stays_away_reports_its_commands_expired() {
+    let b = Broker::start_logged(&[
+        "--registry-ttl",
+        "1s",
+        "--registry-refresh",
+        "500ms",
+        "--session-ttl",
+        "2s",
+    ]);
+    let (mut ws, _, _) = b.rig("rig-gone");
+    for i in 1..=3u64 {
+        let (status, reply) = b.command_with_id("rig-gone", &format!("rig-gone-{i}"));
+        assert_eq!(status, 200, "{reply}");
+        assert_eq!(read_json(&mut ws)["seq"], i);
+    }
+    // One acked: only the other two are owed a report.
+    let ack = json!({"type":"ack","seq":1}).to_string();
+    ws.send(Message::Text(ack.into())).unwrap();
+    b.wait_metric("fleetlink_commands_total{result=\"acked\"} 1");
+    drop(ws);
+    let expired = "fleetlink_registry_ops_total{op=\"parked\",result=\"expired\"}";
+    eventually(
+        Duration::from_secs(15),
+        "rig-gone's commands expired",
+        || b.metric(expired) == 2,
+    );
+    let (status, body) = b.http("GET", "/v1/events?limit=1000", "");
+    assert_eq!(status, 200);
+    let events: Value = serde_json::from_str(&body).unwrap();
+    let reported: Vec<(u64, String)> = events["events"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|e| e["type"] == "expired")
+        .map(|e| {
+            assert_eq!(e["rig_id"], "rig-gone", "{e}");
+            assert!(
+                e["detail"]
+                    .as_str()
+                    .is_some_and(|d| d.contains("--session-ttl")),
+                "{e}"
+            );
+            (
+                e["seq"].as_u64().unwrap_or(0),
+                e["id"].as_str().unwrap_or("").to_string(),
+            )
+        })
+        .collect();
+    let want = [(2, "rig-gone-2"), (3, "rig-gone-3")].map(|(s, i)| (s, i.to_string()));
+    assert_eq!(reported, want, "{body}");
+    b.wait_log(&[
+        "rig rig-gone",
+        "stayed away past --session-ttl",
+        "rig-gone-2, rig-gone-3",
+    ]);
+}
+
 /// Memory a burst needed goes back to the kernel once the burst is over. Rigs that do not read
 /// fill their sessions with big commands, then leave; their parked sessions expire
-/// (`--registry-ttl`), dropped by the bridge thread although the cores allocated them. The
+/// (`--session-ttl`), dropped by the bridge thread although the cores allocated them. The
 /// allocator returns such pages only when their own thread looks at them again, and the idle
 /// cores did not: the broker kept its peak RSS with nothing live (600 MB for 0.4 MB of heap).
 #[test]
 fn memory_a_burst_of_commands_needed_is_returned_after_its_rigs_leave() {
-    let b = Broker::start(&["--registry-ttl", "2s", "--registry-refresh", "1s"]);
+    let b = Broker::start(&[
+        "--registry-ttl",
+        "2s",
+        "--registry-refresh",
+        "1s",
+        "--session-ttl",
+        "2s",
+    ]);
     let before = b.rss();
     let blob = "x".repeat(500_000);
     let mut rigs = Vec::new();

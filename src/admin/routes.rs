@@ -143,10 +143,15 @@ fn events(admin: &Admin, query: &str) -> Answer {
     }
     let mut after = 0u64;
     let mut limit = event_log::PAGE_MAX;
+    // Plain digits, each key at most once, as the rig list takes them.
+    let digits = |v: &str| !v.is_empty() && v.bytes().all(|b| b.is_ascii_digit());
+    let (mut after_seen, mut limit_seen) = (false, false);
     for pair in query.split('&').filter(|p| !p.is_empty()) {
         let parsed = match pair.split_once('=') {
-            Some(("after", v)) => v.parse().map(|n| after = n).ok(),
-            Some(("limit", v)) => v
+            Some(("after", v)) if digits(v) && !std::mem::replace(&mut after_seen, true) => {
+                v.parse().map(|n| after = n).ok()
+            }
+            Some(("limit", v)) if digits(v) && !std::mem::replace(&mut limit_seen, true) => v
                 .parse()
                 .ok()
                 .filter(|n| (1..=event_log::PAGE_MAX).contains(n))
@@ -155,7 +160,7 @@ fn events(admin: &Admin, query: &str) -> Answer {
         };
         if parsed.is_none() {
             let body = json!({"ok": false, "error": "bad_request",
-                "detail": "query: after=N (an event number, 0 for the oldest kept) and limit=1..1000"});
+                "detail": "query: after=N (an event number, 0 for the oldest kept) and limit=1..1000, each at most once"});
             return (400, "application/json", body.to_string().into_bytes());
         }
     }
@@ -180,11 +185,15 @@ fn rig_page(query: &str) -> Result<RigPage, Answer> {
             Some(("after", v)) if !std::mem::replace(&mut after, true) => {
                 RigId::parse(v).map(|r| page.after = Some(r.as_str().into()))
             }
-            Some(("limit", v)) if !std::mem::replace(&mut limit, true) => v
-                .parse()
-                .ok()
-                .filter(|n| (1..=RIGS_PAGE_MAX).contains(n))
-                .map(|n| page.limit = n),
+            Some(("limit", v))
+                if v.bytes().all(|b| b.is_ascii_digit())
+                    && !std::mem::replace(&mut limit, true) =>
+            {
+                v.parse()
+                    .ok()
+                    .filter(|n| (1..=RIGS_PAGE_MAX).contains(n))
+                    .map(|n| page.limit = n)
+            }
             _ => None,
         };
         if parsed.is_none() {

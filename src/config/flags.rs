@@ -177,6 +177,11 @@ pub struct BrokerArgs {
     /// resume can give back every one.
     #[arg(long, env = "FLEETLINK_OUTBOX", default_value_t = 128)]
     pub outbox: u32,
+    /// Bytes of admin answers (rig lists, metrics) each core may hold while their clients
+    /// read them, past the first 64 KiB of each, at least 1 MiB; one past it is answered 503
+    /// (a single answer always goes, however big).
+    #[arg(long, env = "FLEETLINK_ADMIN_ANSWER_BYTES", default_value_t = 64 << 20)]
+    pub admin_answer_bytes: usize,
     /// Largest inbound message in bytes (125 B to 16 MiB); larger closes with 1009.
     #[arg(long, env = "FLEETLINK_MAX_MESSAGE", default_value_t = 65536)]
     pub max_message: usize,
@@ -186,8 +191,9 @@ pub struct BrokerArgs {
     /// Registry lease refresh interval.
     #[arg(long, env = "FLEETLINK_REGISTRY_REFRESH", default_value = "10s", value_parser = parse_broker_duration)]
     pub registry_refresh: Duration,
-    /// Fleet mode: how long Redis keeps a session's unacked commands after its rig was last
-    /// seen (while it stays connected its broker keeps the session alive; if that broker dies,
+    /// How long a session's unacked commands are kept for a rig that left. Standalone: in
+    /// memory, at least --registry-ttl; past it they are reported expired. Fleet mode: how
+    /// long Redis keeps them after its rig was last seen (while it stays connected its broker keeps the session alive; if that broker dies,
     /// at least two thirds of this are left for the resume elsewhere). 0 keeps
     /// nothing in Redis: commands are written at once (one Redis round trip less per command),
     /// but a rig that resumes on another broker starts a fresh session and whatever the old

@@ -46,6 +46,8 @@ pub struct Config {
     pub outbox: usize,
     /// Inbound message cap (bytes).
     pub max_message: usize,
+    /// Bytes of admin answers one core may hold for clients still reading them.
+    pub admin_answer_bytes: usize,
     /// Registry lease TTL.
     pub registry_ttl: Duration,
     /// Registry refresh period.
@@ -101,6 +103,16 @@ impl Config {
     /// Most written-but-unacked commands a rig's session remembers for a resume.
     pub fn unacked_limit(&self) -> usize {
         self.outbox * UNACKED_PER_OUTBOX
+    }
+
+    /// How long the broker remembers a disconnected rig's session. Fleet mode: the lease's
+    /// lifetime (Redis keeps the session itself, for `--session-ttl`). Standalone: this memory
+    /// is the only copy, so it is kept for `--session-ttl` too (never less than the lease's).
+    pub fn park_for(&self) -> std::time::Duration {
+        match self.redis {
+            Some(_) => self.registry_ttl,
+            None => self.registry_ttl.max(self.session_ttl),
+        }
     }
 
     /// Most commands one session holds, queued and unacked together: what a resume can carry.

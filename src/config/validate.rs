@@ -90,6 +90,10 @@ impl BrokerArgs {
             (125..=MAX_MESSAGE_CAP).contains(&self.max_message),
             "--max-message must be 125 bytes to 16 MiB (a larger result belongs in a file transfer)"
         );
+        anyhow::ensure!(
+            self.admin_answer_bytes >= 1 << 20,
+            "--admin-answer-bytes must be at least 1 MiB (1048576)"
+        );
         let max_missed_pongs = u8::try_from(self.max_missed_pongs)
             .ok()
             .filter(|&n| n > 0)
@@ -141,6 +145,7 @@ impl BrokerArgs {
             max_connections: self.max_connections,
             outbox: self.outbox as usize,
             max_message: self.max_message,
+            admin_answer_bytes: self.admin_answer_bytes,
             registry_ttl: self.registry_ttl,
             registry_refresh: self.registry_refresh,
             session_ttl: self.session_ttl,
@@ -330,6 +335,12 @@ mod tests {
                 "--rig-rate and --rig-burst must be numbers > 0",
             ),
             ("accept-burst", "0", "0", "--accept-burst must be > 0"),
+            (
+                "admin-answer-bytes",
+                "1000",
+                "1000",
+                "--admin-answer-bytes must be at least 1 MiB",
+            ),
         ];
         for (key, flag_value, toml_value, want) in out_of_range {
             let flag = format!("--{key}={flag_value}");
@@ -376,6 +387,21 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(!e.contains("--config"), "{e}");
+    }
+
+    /// Standalone keeps a left rig's session for --session-ttl (the only copy), never less
+    /// than the lease's lifetime; fleet mode for the lease's, Redis keeping the session.
+    #[test]
+    fn a_session_is_parked_for_the_session_ttl_standalone_only() {
+        let park = |args: &[&str]| load(args).unwrap().park_for();
+        let s = std::time::Duration::from_secs;
+        assert_eq!(park(&[]), s(600));
+        assert_eq!(park(&["--session-ttl", "0"]), s(60));
+        assert_eq!(
+            park(&["--session-ttl", "5s", "--registry-ttl", "30s"]),
+            s(30)
+        );
+        assert_eq!(park(&["--redis", "redis://127.0.0.1:1"]), s(60));
     }
 
     #[test]

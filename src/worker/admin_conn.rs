@@ -35,10 +35,6 @@ const POOL_WAIT: Duration = Duration::from_secs(admin::IO_TIMEOUT.as_secs() + 1)
 /// Bytes of unfinished requests past [`KEEP_BUFFER`] each that one core's admin connections
 /// may hold together: without it, 1,024 connections trickling 1 MiB bodies held a gigabyte.
 const CORE_REQUEST_BYTES: usize = 16 << 20;
-/// Bytes of answers past [`KEEP_BUFFER`] each that one core's admin connections may hold
-/// while their clients read them, as the lobby bounds its own: without it, 40 clients reading
-/// a 17 MB rig list slowly held 1.4 GB. The first is always sent, however big.
-const CORE_ANSWER_BYTES: usize = 64 << 20;
 /// Commands in a row taken on one other core before a connection moves there (see [`Streak`]).
 const MOVE_AFTER: u32 = 16;
 
@@ -249,7 +245,9 @@ async fn serve_requests(
         let head_only = req.head_only();
         let allow = admin::allowed_methods(&req.path);
         let whole_list = whole_rig_list(&req);
-        let mut sending = Charge::new(&core.admin_answer_bytes, CORE_ANSWER_BYTES);
+        // `--admin-answer-bytes`: without a bound, 40 clients reading a 17 MB rig list slowly
+        // held 1.4 GB. The first is always sent, however big.
+        let mut sending = Charge::new(&core.admin_answer_bytes, core.cfg.admin_answer_bytes);
         // A burst of whole-list requests would each be built before the first is charged (40
         // clients at once peaked at 15 lists for 9 sent): each reserves the last one's size
         // before it is built, and is refused unbuilt when that does not fit.
@@ -316,7 +314,7 @@ async fn linger(core: &Core, stream: &mut monoio::net::TcpStream) {
 }
 
 /// One connection's part of a core-wide bound ([`CORE_REQUEST_BYTES`] for the request it
-/// reads, [`CORE_ANSWER_BYTES`] for the answer it writes): what it holds past [`KEEP_BUFFER`],
+/// reads, `--admin-answer-bytes` for the answer it writes): what it holds past [`KEEP_BUFFER`],
 /// given back when the charge drops.
 struct Charge<'a> {
     total: &'a Cell<usize>,
@@ -383,7 +381,7 @@ fn whole_rig_list(req: &Request) -> bool {
         && !req.query.split('&').any(|p| p.starts_with("limit="))
 }
 
-/// Counts and answers a request refused for [`CORE_ANSWER_BYTES`].
+/// Counts and answers a request refused for `--admin-answer-bytes`.
 fn refuse_answer(core: &Core) -> Answer {
     core.metrics.inc(C::AdminAnswerMemoryFull);
     answer_memory_full()
@@ -451,7 +449,7 @@ async fn answer(core: &Rc<Core>, req: Request) -> (Answer, Option<CoreId>) {
     }
     // Anything else may block (snapshots of every core, this one included): a pool thread
     // works it out, unless the answers already being sent leave no room for another.
-    if core.admin_answer_bytes.get() >= CORE_ANSWER_BYTES {
+    if core.admin_answer_bytes.get() >= core.cfg.admin_answer_bytes {
         return (refuse_answer(core), None);
     }
     let slot = core.admin_waits.open();

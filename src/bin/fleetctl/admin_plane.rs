@@ -232,6 +232,9 @@ impl ControlPlane for AdminPlane {
         timeout: Duration,
     ) -> anyhow::Result<Broadcast> {
         let id = new_id();
+        // One --timeout for the whole broadcast, as over Redis: each POST gets what is left,
+        // and rigs it does not reach in time are reported failed, not waited for in turn.
+        let deadline = Instant::now() + timeout;
         let matching: Vec<RigId> = self
             .rigs(timeout)?
             .iter()
@@ -244,7 +247,14 @@ impl ControlPlane for AdminPlane {
             .collect();
         let mut failed = Vec::new();
         for rig in &matching {
-            let reply = match self.send_with_id(&id, rig, name, args, timeout) {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                let why = "not sent: the broadcast's --timeout ran out before this rig";
+                let reply = error_reply(Some(&id), Some(rig.as_str()), "timeout", why);
+                failed.push(json!({"rig_id": rig.as_str(), "error": reply["error"], "detail": reply["detail"]}));
+                continue;
+            }
+            let reply = match self.send_with_id(&id, rig, name, args, left) {
                 Ok(reply) => reply,
                 Err(e) => error_reply(
                     Some(&id),

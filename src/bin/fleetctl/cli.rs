@@ -75,8 +75,9 @@ pub(crate) enum Command {
     ///
     /// Gives up when the plane does not answer (exit 3): after 5s with --redis, 10s with --admin.
     List {
-        /// Rigs per page (Redis: SCAN COUNT, and a page may hold a few more; admin: at most
-        /// 9,999).
+        /// Rigs per page (Redis: SCAN COUNT, and a page may hold a few more; admin: a larger
+        /// one is taken as 9,999, the most a page of /v1/rigs holds beside the row that tells
+        /// whether another page follows).
         #[arg(long, default_value_t = 500, value_parser = clap::value_parser!(u64).range(1..=100_000))]
         page_size: u64,
         /// Where to resume: the `next: --cursor` of the previous page (0 = start). With --redis a

@@ -426,6 +426,38 @@ impl Bridge {
         }
     }
 
+    /// Sessions kept for their rigs' return whose window ran out with commands never acked.
+    /// Standalone holds the only copy: each command is counted (`parked/expired`), published
+    /// as an `expired` event and its id logged, as a reboot's are, rather than vanish after
+    /// control was told `ok`. Fleet mode keeps the session in Redis, where a resume still
+    /// finds it: the copy here goes quietly.
+    pub(super) fn report_lapsed(&mut self, lapsed: Vec<(RigId, BootId, Vec<SeqCommand>)>) {
+        if self.fleet.is_some() {
+            return;
+        }
+        for (rig, boot, cmds) in lapsed {
+            self.shared.count_n("parked", "expired", cmds.len() as u64);
+            let ids: Vec<String> = cmds
+                .iter()
+                .map(|c| crate::log_text::clip(&c.id, crate::log_text::LOG_CHARS).into_owned())
+                .collect();
+            let lines = ids.len().div_ceil(20);
+            for (i, chunk) in ids.chunks(20).enumerate() {
+                log::warn!(
+                    "rig {rig} (boot {boot}) stayed away past --session-ttl: {} unacked commands of its session are dropped (expired; it may have run those written to it); ids ({}/{lines}): {}",
+                    ids.len(),
+                    i + 1,
+                    chunk.join(", "),
+                );
+            }
+            for c in cmds {
+                let ev =
+                    crate::events::session_expired(&self.cfg.broker_id, &rig, &boot, c.seq, &c.id);
+                self.publish(fleet::EVENTS.to_string(), &ev);
+            }
+        }
+    }
+
     /// Fleet mode: what Redis holds of this session, merged into the local verdict (the
     /// previous boot's unacked commands were reported `rig_rebooted` by the script).
     fn resume(

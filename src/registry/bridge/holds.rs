@@ -1,6 +1,7 @@
 //! Commands for rigs that are not connected: held in Redis (fleet mode) or here, delivered at
 //! the rig's welcome, reported `expired` at their deadline.
 
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use serde_json::json;
@@ -41,6 +42,14 @@ impl Bridge {
             },
         };
         let size = entry.size();
+        if self.fleet.is_none() && self.shared.draining.load(Ordering::Relaxed) {
+            // Standalone keeps holds in this process, which is on its way out: `queued` now
+            // would be a promise broken at exit, unreported.
+            self.shared.count("offline", "draining");
+            let why = "this standalone broker is draining: it would exit with the command held";
+            let body = reply::error(&entry.id, Some(req.rig.as_str()), "rig_not_connected", why);
+            return self.reply(req.reply, body);
+        }
         if self
             .deadlines
             .would_overflow(self.holds.len() + 1, self.holds_bytes + size)
@@ -435,6 +444,15 @@ impl Bridge {
             log::warn!(
                 "exiting with {n} commands held for offline rigs, lost with this process \
                  (standalone keeps them in memory) and never reported; the first: {}",
+                first.join(", ")
+            );
+        }
+        let (n, sessions, first) = self.registry.parked_commands(10);
+        if n > 0 {
+            log::warn!(
+                "exiting with {n} commands of {sessions} rigs' sessions never acked (queued, or \
+                 written and maybe run), lost with this process (standalone keeps sessions in \
+                 memory: their rigs' next hello starts afresh) and never reported; the first: {}",
                 first.join(", ")
             );
         }

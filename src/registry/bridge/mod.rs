@@ -182,7 +182,7 @@ impl Bridge {
     ) -> Self {
         Bridge {
             cfg,
-            registry: Embedded::new(cfg.registry_ttl, cfg.outbox),
+            registry: Embedded::new(cfg.park_for(), cfg.outbox),
             owed: vec![false; cores.len()],
             cores,
             batching: false,

@@ -12,7 +12,7 @@ use crate::metrics::BridgeStats;
 pub(super) const CANARY_STALE: Duration = Duration::from_secs(5);
 
 /// Registry operations counted by (op, result), in this order.
-pub const REGISTRY_OPS: [(&str, &str); 57] = [
+pub const REGISTRY_OPS: [(&str, &str); 59] = [
     ("offline", "held"),
     ("offline", "full"),
     ("offline", "connected_elsewhere"),
@@ -66,6 +66,8 @@ pub const REGISTRY_OPS: [(&str, &str); 57] = [
     ("redis", "refused"),
     ("broadcast", "overloaded"),
     ("parked", "dropped"),
+    ("parked", "expired"),
+    ("offline", "draining"),
     ("refused", "rig_not_connected"),
     ("refused", "rig_unresponsive"),
     ("refused", "overloaded"),
@@ -94,6 +96,9 @@ pub struct BridgeShared {
     /// Commands answered `rig_not_connected` here, for `fleetlink_commands_total`: what
     /// control sees as a command's outcome, whichever thread refused it.
     pub commands_not_connected: AtomicU64,
+    /// Set once the broker drains: standalone, a command held for an offline rig now would
+    /// only be lost with the process.
+    pub draining: AtomicBool,
     /// Counters in [`REGISTRY_OPS`] order.
     pub ops: [AtomicU64; REGISTRY_OPS.len()],
     /// Pub/sub messages received.
@@ -136,6 +141,7 @@ impl BridgeShared {
             redis_down_why: Mutex::new(None),
             core_queue_full: AtomicU64::new(0),
             commands_not_connected: AtomicU64::new(0),
+            draining: AtomicBool::new(false),
             ops: std::array::from_fn(|_| AtomicU64::new(0)),
             pubsub_in: AtomicU64::new(0),
             pubsub_out: AtomicU64::new(0),

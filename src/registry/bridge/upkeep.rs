@@ -39,7 +39,8 @@ impl Bridge {
     pub(super) fn timers(&mut self, now: Instant) {
         self.expire_held(now);
         if now >= self.next_expire {
-            self.registry.expire(now);
+            let lapsed = self.registry.expire(now);
+            self.report_lapsed(lapsed);
             self.next_expire = now + Duration::from_secs(1);
             self.flush_logs(now);
             // On the expiry timer, so that it never wakes the bridge by itself.

@@ -91,6 +91,22 @@ impl Embedded {
         self.parked.get(rig).map_or(Seq(0), |p| p.unkept_to)
     }
 
+    /// How many commands the parked sessions carry, how many sessions carry any, and the
+    /// first `ids` of their ids (rig: id), for the log at exit.
+    pub fn parked_commands(&self, ids: usize) -> (usize, usize, Vec<String>) {
+        let carrying = self.parked.iter().filter(|(_, p)| !p.carried.is_empty());
+        let (mut n, mut sessions, mut first) = (0, 0, Vec::new());
+        for (rig, p) in carrying {
+            n += p.carried.len();
+            sessions += 1;
+            for c in p.carried.iter().take(ids.saturating_sub(first.len())) {
+                let id = crate::log_text::clip(&c.id, crate::log_text::LOG_CHARS);
+                first.push(format!("{rig}: {id}"));
+            }
+        }
+        (n, sessions, first)
+    }
+
     /// `rig`'s parked session: its boot, next seq and the unacked commands it carries.
     pub fn parked(&self, rig: &RigId) -> Option<(BootId, Seq, &[SeqCommand])> {
         self.parked
@@ -98,18 +114,23 @@ impl Embedded {
             .map(|p| (p.boot, p.next_seq, &p.carried[..]))
     }
 
-    /// Forgets parked sessions older than the park window.
-    pub fn expire(&mut self, now: Instant) {
+    /// Forgets parked sessions older than the park window; returns those that still carried
+    /// commands (rig, boot, commands), which no resume will give back now.
+    pub fn expire(&mut self, now: Instant) -> Vec<(RigId, BootId, Vec<SeqCommand>)> {
+        let mut lapsed = Vec::new();
         while let Some((at, _)) = self.parked_order.front() {
             if now.duration_since(*at) < self.park_for {
                 break;
             }
             if let Some((at, rig)) = self.parked_order.pop_front() {
                 if self.parked.get(&rig).is_some_and(|p| p.at == at) {
-                    self.unpark(&rig);
+                    if let Some(p) = self.unpark(&rig).filter(|p| !p.carried.is_empty()) {
+                        lapsed.push((rig, p.boot, p.carried));
+                    }
                 }
             }
         }
+        lapsed
     }
 
     pub(super) fn unpark(&mut self, rig: &RigId) -> Option<Parked> {
