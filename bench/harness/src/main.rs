@@ -76,8 +76,14 @@ fn main() -> Result<()> {
     };
     if result.is_err() {
         let work = ctx::work_dir();
-        if work.exists() {
+        // The logs are what a failed run leaves for its reader; the copied binaries (about
+        // 125 MB) would only pile up in /tmp run after run.
+        let _ = std::fs::remove_dir_all(work.join("bin"));
+        let kept = std::fs::read_dir(&work).is_ok_and(|mut d| d.next().is_some());
+        if kept {
             eprintln!("bench: child logs kept in {}", work.display());
+        } else {
+            let _ = std::fs::remove_dir(&work);
         }
     }
     result

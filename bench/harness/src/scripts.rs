@@ -29,7 +29,9 @@ pub(crate) fn exec(script: &str, passed: &Passed) -> Result<()> {
     let path = repo().join("bench").join(script);
     if !path.is_file() {
         bail!(
-            "{} not found: run from the fleetlink repository, or set FLEETLINK_REPO to it",
+            "{} not found: the script scenarios run the scripts of the checkout this binary \
+             was built from (or of FLEETLINK_REPO when set); set FLEETLINK_REPO to a fleetlink \
+             checkout, or use `cargo run -p fleetlink-bench` in one",
             path.display()
         );
     }

@@ -20,6 +20,8 @@ use crate::rig::unix_us;
 
 #[derive(Debug, Default)]
 struct Tally {
+    /// POSTs written (answered or not).
+    sent: u64,
     ok: u64,
     errors: BTreeMap<String, u64>,
     http_us: Histogram,
@@ -35,8 +37,14 @@ pub struct FanoutReport {
     pub rounds: u64,
     /// rigs × rounds.
     pub commands: u64,
+    /// POSTs written: the others were never sent (`--max-time` came first).
+    pub sent: u64,
     pub ok: u64,
+    /// Not answered ok: `errors`, `unanswered` and the commands never sent.
     pub failed: u64,
+    /// POSTs written whose answer never came (cut off [`ANSWER_GRACE`] past `--max-time`): the
+    /// broker may have taken them.
+    pub unanswered: u64,
     /// Reply `error` values (`rig_not_connected`, `rig_unresponsive`, …) or transport failures.
     pub errors: BTreeMap<String, u64>,
     pub elapsed_ms: u64,
@@ -59,6 +67,12 @@ fn classify(status: u16, body: &[u8]) -> Option<String> {
         Err(_) => Some(format!("http_{status}")),
     }
 }
+
+/// How long POSTs in flight at `--max-time` may take to be answered before they are cut off
+/// and counted `unanswered`: cut at once, a command the broker took counted as neither ok nor
+/// failed, and a harness comparing commands answered ok with commands received could not tell
+/// one lost from one in flight.
+const ANSWER_GRACE: std::time::Duration = std::time::Duration::from_secs(10);
 
 pub async fn run_fanout(args: FanoutArgs) -> Result<i32> {
     let url = parse_plain_url(&args.admin, "http", 80)?;
@@ -95,6 +109,10 @@ pub async fn run_fanout(args: FanoutArgs) -> Result<i32> {
             let (rigs, start, width) = (args.rigs, args.start_index, args.id_width);
             tasks.spawn(async move {
                 loop {
+                    // At --max-time no new POST goes; those in flight get their answers.
+                    if tokio::time::Instant::now() >= deadline {
+                        break;
+                    }
                     let i = next.fetch_add(1, Relaxed);
                     if i >= rigs {
                         break;
@@ -104,6 +122,7 @@ pub async fn run_fanout(args: FanoutArgs) -> Result<i32> {
                         RigsArgs::rig_id(&prefix, width, start + i)
                     );
                     let sent = unix_us();
+                    tally.lock().unwrap_or_else(|e| e.into_inner()).sent += 1;
                     let body = format!(r#"{{"name":{name_json},"args":{{"sent_at_us":{sent}}}}}"#);
                     let t0 = Instant::now();
                     let result = conn.request("POST", &path, body.as_bytes()).await;
@@ -124,7 +143,7 @@ pub async fn run_fanout(args: FanoutArgs) -> Result<i32> {
                 conn
             });
         }
-        let joined = tokio::time::timeout_at(deadline, async {
+        let joined = tokio::time::timeout_at(deadline + ANSWER_GRACE, async {
             let mut back = Vec::new();
             while let Some(r) = tasks.join_next().await {
                 if let Ok(conn) = r {
@@ -135,6 +154,10 @@ pub async fn run_fanout(args: FanoutArgs) -> Result<i32> {
         })
         .await;
         match joined {
+            Ok(_) if tokio::time::Instant::now() >= deadline && round + 1 < rounds => {
+                timed_out = true;
+                break;
+            }
             Ok(back) => conns = back,
             Err(_) => {
                 tasks.abort_all();
@@ -158,12 +181,17 @@ pub async fn run_fanout(args: FanoutArgs) -> Result<i32> {
 
     let t = tally.lock().unwrap_or_else(|e| e.into_inner());
     let total = (args.rigs * rounds) as u64;
+    let answered = t.ok + t.errors.values().sum::<u64>();
+    // --max-time came before the last POST, even in the last round.
+    timed_out |= t.sent < total;
     let report = FanoutReport {
         rigs: args.rigs as u64,
         rounds: rounds as u64,
         commands: total,
+        sent: t.sent,
         ok: t.ok,
         failed: total - t.ok,
+        unanswered: t.sent.saturating_sub(answered),
         errors: t.errors.clone(),
         elapsed_ms: started.elapsed().as_millis() as u64,
         timed_out,

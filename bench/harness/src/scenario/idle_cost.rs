@@ -165,6 +165,15 @@ fn summarize(ctx: &Ctx, o: &Opts, brokers: &[Spec], runs: Vec<Value>) -> (Value,
         o.settle.as_secs_f64(),
         ctx.rounds
     );
+    if o.window < Duration::from_secs(20) {
+        // No ping falls in it for every rig, and a broker that did nothing reads 0.000, its
+        // ratio 0.00x: a figure of the window's shortness, not of the brokers.
+        md.insert_str(
+            0,
+            "**The window is shorter than the 20 s ping interval: not every rig is pinged in it, \
+             and the figures below (zeros and their ratios among them) do not compare brokers.**\n\n",
+        );
+    }
     for spec in brokers {
         let b = spec.name;
         let n = runs.iter().filter(|r| r["broker"] == b).count();

@@ -122,19 +122,25 @@ fn sustain(ctx: &Ctx, o: &Opts, spec: &Spec, round: usize) -> Result<Value> {
     let refused: u64 = sender["errors"]
         .as_object()
         .map_or(0, |e| e.values().filter_map(Value::as_u64).sum());
-    let undelivered = u(&sender, "ok").saturating_sub(u(&report, "commands_received"));
+    // Exact only when every POST written was answered (the sender waits for those in flight
+    // at its deadline): then the rigs received exactly the commands answered ok, and one more
+    // is a command taken without its answer, one fewer a command lost.
+    let unanswered = u(&sender, "unanswered");
+    let undelivered = u(&sender, "ok").abs_diff(u(&report, "commands_received"));
     Ok(json!({
         "broker": spec.name,
         "round": round,
         "complete": ramp.end == RampEnd::AllWelcomed
             && u(&report, "dropped_after_welcome") == 0
             && refused == 0
+            && unanswered == 0
             && undelivered == 0,
         "send_s": send_s,
         "posts_ok": u(&sender, "ok"),
         "post_errors": sender["errors"],
         "posts_refused": refused,
         "undelivered": undelivered,
+        "unanswered": unanswered,
         "commands_received": u(&report, "commands_received"),
         "acks": acks,
         "cpu_s": cpu,
@@ -160,8 +166,9 @@ fn summarize(ctx: &Ctx, o: &Opts, brokers: &[Spec], runs: Vec<Value>) -> (Value,
          command per rig per round over {} keep-alive connections for {:.0} s; {} rounds, \
          brokers alternating. acked/s = rig acks / send time; per CPU-s = acks / broker \
          utime+stime over the window (+1 s for the last acks). Medians.\n\n\
-         A round is complete when every rig was welcomed and stayed, no POST was refused and \
-         every command answered ok reached its rig; refused / undelivered sum the rounds.\n\n\
+         A round is complete when every rig was welcomed and stayed, no POST was refused or \
+         left unanswered, and the rigs received exactly the commands answered ok; refused / \
+         undelivered sum the rounds (undelivered: the difference either way).\n\n\
          | broker | complete | refused / undelivered | acked/s | per round | acked per broker CPU-s | per round | broker cores busy | POST p50 / p99 (ms) | publish→rig p50 / p99 (ms) | per CPU-s vs {reference} |\n\
          |---|---|---|---|---|---|---|---|---|---|---|\n",
         o.rigs,
