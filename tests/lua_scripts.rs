@@ -1229,15 +1229,12 @@ fn a_seq_two_brokers_gave_to_two_commands_reports_the_one_that_goes() {
             mode,
         }
     }
-    let answer = sessions
-        .rekeep(
-            &mut con,
-            &[copy(&r, &b, &given, RekeepMode::Live)],
-            "fe-b",
-            TTL,
-            "2026-12-05T00:00:00Z",
-        )
-        .unwrap();
+    let rekeep = |con: &mut redis::Connection, broker: &str, copy: Rekeep<'_>| {
+        sessions
+            .rekeep(con, &[copy], broker, TTL, "2026-12-05T00:00:00Z")
+            .unwrap()
+    };
+    let answer = rekeep(&mut con, "fe-b", copy(&r, &b, &given, RekeepMode::Live));
     assert_eq!(answer, [Rekept::Behind(Seq(5))]);
     let lost = next_event();
     assert_eq!(
@@ -1268,27 +1265,11 @@ fn a_seq_two_brokers_gave_to_two_commands_reports_the_one_that_goes() {
         .unwrap();
     assert_eq!(field.as_deref(), Some(given.as_str()));
     // The same copy again: the same command under its seq, nothing lost.
-    sessions
-        .rekeep(
-            &mut con,
-            &[copy(&r, &b, &given, RekeepMode::Live)],
-            "fe-b",
-            TTL,
-            "2026-12-05T00:00:00Z",
-        )
-        .unwrap();
+    rekeep(&mut con, "fe-b", copy(&r, &b, &given, RekeepMode::Live));
     // A parked copy of fe-c, the same boot now leased to fe-b: merged, never over what Redis
     // holds, and its own command under a taken seq is the one reported.
     let third = cmd(3, "given-by-c");
-    let answer = sessions
-        .rekeep(
-            &mut con,
-            &[copy(&r, &b, &third, RekeepMode::Parked)],
-            "fe-c",
-            TTL,
-            "2026-12-05T00:00:00Z",
-        )
-        .unwrap();
+    let answer = rekeep(&mut con, "fe-c", copy(&r, &b, &third, RekeepMode::Parked));
     assert_eq!(answer, [Rekept::Merged]);
     let lost = next_event();
     assert_eq!(

@@ -1682,7 +1682,7 @@ fn answers_waiting_for_slow_admin_clients_are_bounded_in_all() {
         }
         (s, head)
     };
-    let peak = peak_rss(&b);
+    let peak = b.peak_rss();
     let clients: Vec<(std::net::TcpStream, String)> = (0..CLIENTS).map(|_| ask()).collect();
     let heads: Vec<&String> = clients.iter().map(|(_, h)| h).collect();
     let want: Vec<&str> = (0..CLIENTS)
@@ -1697,7 +1697,7 @@ fn answers_waiting_for_slow_admin_clients_are_bounded_in_all() {
     assert_eq!(heads, want);
     // Refused before they were built: each reserved the last list's size first (without
     // that, each was built, then refused, and the broker's peak grew by a list or two each).
-    let grown = peak_rss(&b).saturating_sub(peak);
+    let grown = b.peak_rss().saturating_sub(peak);
     let built = (fit as u64 + 1) * list.len() as u64;
     assert!(grown < built * 2, "the peak grew by {grown} bytes");
     let series = "fleetlink_admin_refused_total{reason=\"answer_memory\"}";
@@ -1712,17 +1712,6 @@ fn answers_waiting_for_slow_admin_clients_are_bounded_in_all() {
     // Small answers take no part of the bound.
     assert_eq!(b.http("GET", "/healthz", "").0, 200);
     drop(rigs);
-}
-
-/// The broker's peak resident set size so far, in bytes.
-fn peak_rss(b: &Broker) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{}/status", b.pid())).unwrap();
-    let kb: u64 = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmHWM:"))
-        .and_then(|v| v.split_whitespace().next()?.parse().ok())
-        .unwrap();
-    kb * 1024
 }
 
 fn set_rcvbuf(s: &std::net::TcpStream, bytes: i32) {

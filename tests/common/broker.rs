@@ -250,10 +250,20 @@ impl Broker {
 
     /// Resident set size of the broker process in bytes.
     pub fn rss(&self) -> u64 {
+        self.status_bytes("VmRSS:")
+    }
+
+    /// The broker process's peak resident set size so far, in bytes.
+    pub fn peak_rss(&self) -> u64 {
+        self.status_bytes("VmHWM:")
+    }
+
+    /// A size from /proc/PID/status (`field` with its colon), in bytes.
+    fn status_bytes(&self, field: &str) -> u64 {
         let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id())).unwrap();
         let kb: u64 = status
             .lines()
-            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .find_map(|l| l.strip_prefix(field))
             .and_then(|v| v.split_whitespace().next()?.parse().ok())
             .unwrap();
         kb * 1024

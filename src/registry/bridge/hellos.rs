@@ -397,24 +397,11 @@ impl Bridge {
     ) {
         self.shared.count_n("resume", "rebooted", lost.len() as u64);
         if self.fleet.is_none() && !lost.is_empty() {
-            // Standalone has no events channel: besides `GET /v1/events`, which keeps only the
-            // latest events, the log is where control can find them, so every id is logged,
-            // 20 to a line (at most 64 characters each: control's ids are
-            // whatever it sent, and one log line must stay a line). A session holds at most
-            // `Config::session_limit` commands, which bounds the lines.
-            let ids: Vec<String> = lost
-                .iter()
-                .map(|(_, id)| crate::log_text::clip(id, crate::log_text::LOG_CHARS).into_owned())
-                .collect();
-            let lines = ids.len().div_ceil(20);
-            for (i, chunk) in ids.chunks(20).enumerate() {
-                log::warn!(
-                    "rig {rig} rebooted (boot {boot}, was {old}): {} unacked commands of its old session are dropped, never run here (rig_rebooted); ids ({}/{lines}): {}",
-                    lost.len(),
-                    i + 1,
-                    chunk.join(", "),
-                );
-            }
+            let what = format!(
+                "rig {rig} rebooted (boot {boot}, was {old}): {} unacked commands of its old session are dropped, never run here (rig_rebooted)",
+                lost.len()
+            );
+            log_ids(&what, lost.iter().map(|(_, id)| &**id));
         }
         for (seq, id) in lost {
             let ev = crate::events::rig_rebooted(&self.cfg.broker_id, rig, &old, &boot, seq, &id);
@@ -437,19 +424,11 @@ impl Bridge {
         }
         for (rig, boot, cmds) in lapsed {
             self.shared.count_n("parked", "expired", cmds.len() as u64);
-            let ids: Vec<String> = cmds
-                .iter()
-                .map(|c| crate::log_text::clip(&c.id, crate::log_text::LOG_CHARS).into_owned())
-                .collect();
-            let lines = ids.len().div_ceil(20);
-            for (i, chunk) in ids.chunks(20).enumerate() {
-                log::warn!(
-                    "rig {rig} (boot {boot}) stayed away past --session-ttl: {} unacked commands of its session are dropped (expired; it may have run those written to it); ids ({}/{lines}): {}",
-                    ids.len(),
-                    i + 1,
-                    chunk.join(", "),
-                );
-            }
+            let what = format!(
+                "rig {rig} (boot {boot}) stayed away past --session-ttl: {} unacked commands of its session are dropped (expired; it may have run those written to it)",
+                cmds.len()
+            );
+            log_ids(&what, cmds.iter().map(|c| &*c.id));
             for c in cmds {
                 let ev =
                     crate::events::session_expired(&self.cfg.broker_id, &rig, &boot, c.seq, &c.id);
@@ -559,6 +538,20 @@ pub(super) fn command_id(json: &[u8]) -> Box<str> {
         .ok()
         .and_then(|v| v["id"].as_str().map(Into::into))
         .unwrap_or_default()
+}
+
+/// Logs `what` with every id of `ids`, 20 to a line (each clipped to `LOG_CHARS`: control's ids
+/// are whatever it sent, and one log line must stay a line): standalone has no events channel,
+/// and `GET /v1/events` keeps only the latest events, so the log is where control finds them.
+/// A session holds at most `Config::session_limit` commands, which bounds the lines.
+fn log_ids<'a>(what: &str, ids: impl Iterator<Item = &'a str>) {
+    let ids: Vec<String> = ids
+        .map(|id| crate::log_text::clip(id, crate::log_text::LOG_CHARS).into_owned())
+        .collect();
+    let lines = ids.len().div_ceil(20);
+    for (i, chunk) in ids.chunks(20).enumerate() {
+        log::warn!("{what}; ids ({}/{lines}): {}", i + 1, chunk.join(", "));
+    }
 }
 
 #[cfg(test)]
