@@ -6,7 +6,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::broker::{read_json, Broker, RawRig};
-use serde_json::json;
+use serde_json::{json, Value};
 use tungstenite::Message;
 
 #[test]
@@ -38,22 +38,30 @@ fn a_chatty_rig_is_slowed_not_dropped() {
 /// repeated still costs a whole token.
 #[test]
 fn a_rig_answering_its_commands_is_not_held_back_by_its_rate() {
-    const COMMANDS: u64 = 40;
-    let b = Broker::start(&["--rig-rate", "50", "--rig-burst", "10"]);
+    const COMMANDS: u64 = 120;
+    let b = Broker::start(&["--rig-rate", "5", "--rig-burst", "40"]);
     let (mut ws, _, _) = b.rig("rig-busy");
+    // The first half reported at once; the second acked at once, its results sent after the
+    // last command, as a rig running its commands for a while does (more owed than the 16
+    // most recent ids the broker keeps for results).
+    let send = |ws: &mut common::broker::Ws, msg: Value| {
+        ws.send(Message::Text(msg.to_string().into())).unwrap();
+    };
     for i in 1..=COMMANDS {
         let (status, reply) = b.command("rig-busy", "noop", json!({}));
         assert_eq!(status, 200, "{reply}");
         let cmd = read_json(&mut ws);
         assert_eq!(cmd["seq"], i, "{cmd}");
-        for answer in [
-            json!({"type":"ack","seq":i}),
-            json!({"type":"result","seq":i,"ok":true}),
-        ] {
-            ws.send(Message::Text(answer.to_string().into())).unwrap();
+        send(&mut ws, json!({"type":"ack","seq":i}));
+        if i <= COMMANDS / 2 {
+            send(&mut ws, json!({"type":"result","seq":i,"ok":true}));
         }
     }
-    // Two messages a command, 80 in all against a burst of 10: an eighth of a token each.
+    for i in COMMANDS / 2 + 1..=COMMANDS {
+        send(&mut ws, json!({"type":"result","seq":i,"ok":true}));
+    }
+    // Two messages a command, 240 in all against a burst of 40 and 5 more a second: an eighth
+    // of a token each, 30 in all (at a token each for the 44 results past the ids kept, 68).
     b.wait_metric(&format!(
         "fleetlink_messages_in_total{{type=\"result\"}} {COMMANDS}"
     ));

@@ -1086,7 +1086,9 @@ fn an_admin_events_tail_ends_at_its_for_when_nothing_answers() {
 /// `send --selector` against the admin API is one POST per matching rig, and the whole of it
 /// keeps to one `--timeout`, as a broadcast over Redis does: each POST gets what is left, and
 /// rigs not reached in time are reported failed rather than waited for in turn (three rigs
-/// behind a broker taking 1 s a POST used to take up to three timeouts).
+/// behind a broker taking 1 s a POST used to take up to three timeouts), and the broker's id,
+/// read last, is not waited for past it (a `/metrics` that did not answer in a whole fresh
+/// timeout failed the broadcast, exit 3, though its commands went).
 #[test]
 fn an_admin_broadcast_keeps_to_one_timeout() {
     use std::io::{BufRead, BufReader, Read, Write};
@@ -1115,6 +1117,11 @@ fn an_admin_broadcast_keeps_to_one_timeout() {
             } else if request.starts_with("POST /v1/rigs/") {
                 std::thread::sleep(Duration::from_secs(1));
                 json!({"id": "x", "ok": true, "rig_id": "rig", "seq": 1}).to_string()
+            } else if request.starts_with("GET /metrics") {
+                // Where the broker's id is read, last: it must not add its own wait, nor
+                // turn a broadcast that went into a timeout.
+                std::thread::sleep(Duration::from_secs(5));
+                String::new()
             } else {
                 json!({"ok": false, "error": "not_found"}).to_string()
             };
@@ -1148,7 +1155,13 @@ fn an_admin_broadcast_keeps_to_one_timeout() {
         "took {took:?}: {}",
         run.stderr
     );
+    run.assert_code(2);
     let reply: Value = serde_json::from_str(run.stdout.lines().next().unwrap_or("")).unwrap();
+    assert_eq!(
+        reply["broker_id"],
+        admin.trim_start_matches("http://"),
+        "{reply}"
+    );
     assert_eq!(
         (reply["matched"].as_u64(), reply["enqueued"].as_u64()),
         (Some(3), Some(1)),

@@ -448,10 +448,8 @@ async fn answer(core: &Rc<Core>, req: Request) -> (Answer, Option<CoreId>) {
         return (answer, None);
     }
     // Anything else may block (snapshots of every core, this one included): a pool thread
-    // works it out, unless the answers already being sent leave no room for another.
-    if core.admin_answer_bytes.get() >= core.cfg.admin_answer_bytes {
-        return (refuse_answer(core), None);
-    }
+    // works it out. Whether its answer fits the answers being sent is checked once it is
+    // built: most are small (`/readyz`, `/metrics`, a kick, a page), which always fit.
     let slot = core.admin_waits.open();
     let work = Work::Request {
         req,

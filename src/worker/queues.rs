@@ -130,6 +130,10 @@ pub(crate) struct Queues {
     /// The rig's acknowledged bytes when last looked at, while PINGs wait behind other bytes
     /// ([`crate::worker::slow_reader`]).
     pub(crate) taken_seen: Option<u64>,
+    /// Results the rig owes for commands it acked (one per first ack, less the results that
+    /// came): each takes an eighth of a `--rig-rate` token, as the acks did, however long the
+    /// rig runs its commands; past them a result costs a whole token.
+    pub(crate) results_owed: u32,
 }
 
 impl Queues {

@@ -267,11 +267,15 @@ impl ControlPlane for AdminPlane {
                 failed.push(json!({"rig_id": rig.as_str(), "error": reply["error"], "detail": reply["detail"]}));
             }
         }
-        // Named as its replies over Redis would name it; by its admin address only when it
-        // does not say its id.
-        let broker = self
-            .broker_id(timeout)?
-            .unwrap_or_else(|| self.url.authority.clone());
+        // Named as its replies over Redis would name it; by its admin address when it does
+        // not say its id in the time left: the commands went, and a broadcast that reached its
+        // rigs must not read as one that timed out.
+        let left = deadline.saturating_duration_since(Instant::now());
+        let named = match left.is_zero() {
+            true => None,
+            false => self.broker_id(left).ok().flatten(),
+        };
+        let broker = named.unwrap_or_else(|| self.url.authority.clone());
         let reply = json!({"id": id, "ok": true, "broker_id": broker, "matched": matching.len(),
                            "enqueued": matching.len() - failed.len(), "failed": failed});
         Ok(Broadcast {

@@ -398,7 +398,7 @@ impl Bridge {
         self.shared.count_n("resume", "rebooted", lost.len() as u64);
         if self.fleet.is_none() && !lost.is_empty() {
             let what = format!(
-                "rig {rig} rebooted (boot {boot}, was {old}): {} unacked commands of its old session are dropped, never run here (rig_rebooted)",
+                "rig {rig} rebooted (boot {boot}, was {old}): {} unacked commands of its old session are dropped, not replayed to the new boot (rig_rebooted; those written to the old boot may have run)",
                 lost.len()
             );
             log_ids(&what, lost.iter().map(|(_, id)| &**id));

@@ -241,6 +241,9 @@ fn on_rig_message(core: &Core, conn: &Conn, st: &mut ConnState, text: &[u8]) -> 
                 return Cost::Message;
             }
             let (counted, id) = on_ack(core, session, seq);
+            if let (true, Some(q)) = (counted, session.queues.as_mut()) {
+                q.results_owed = q.results_owed.saturating_add(1);
+            }
             super::hold_fetch::on_room(session);
             // An ack sent again (a rig that acks twice) is the first one's: one event.
             if counted {
@@ -265,7 +268,16 @@ fn on_rig_message(core: &Core, conn: &Conn, st: &mut ConnState, text: &[u8]) -> 
                 .as_ref()
                 .is_some_and(|q| q.id_of(seq).is_some());
             let id = session.queues.as_mut().and_then(|q| q.result_id(seq));
-            let awaited = id.is_some() && !unacked;
+            // A result for an acked command the rig still owes one for: its id may be past
+            // the last few kept for results, and it is still an answer.
+            let acked = seq.0 > 0 && seq < session.next_seq && !unacked;
+            let awaited = match session.queues.as_mut() {
+                Some(q) if acked && (id.is_some() || q.results_owed > 0) => {
+                    q.results_owed = q.results_owed.saturating_sub(1);
+                    true
+                }
+                _ => false,
+            };
             session.shrink_queues();
             core.event_bytes(events::result(
                 broker,
