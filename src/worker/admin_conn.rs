@@ -366,11 +366,12 @@ impl Drop for Charge<'_> {
 /// The answer to a request refused because this core's admin connections hold as many
 /// unfinished request bytes as they may.
 fn request_memory_full() -> Answer {
-    let body = serde_json::json!({
-        "ok": false,
-        "error": "overloaded",
-        "detail": "admin requests in progress hold as much memory as this core allows; retry",
-    });
+    overloaded("admin requests in progress hold as much memory as this core allows; retry")
+}
+
+/// A 503 `overloaded` saying which of the core's bounds refused the request.
+fn overloaded(detail: &str) -> Answer {
+    let body = serde_json::json!({"ok": false, "error": "overloaded", "detail": detail});
     (503, "application/json", body.to_string().into_bytes())
 }
 
@@ -390,13 +391,10 @@ fn refuse_answer(core: &Core) -> Answer {
 /// The answer to a request whose answer would take this core's admin connections past what
 /// they may hold in answers being sent.
 fn answer_memory_full() -> Answer {
-    let body = serde_json::json!({
-        "ok": false,
-        "error": "overloaded",
-        "detail": "admin answers being sent hold as much memory as this core allows; retry, \
-                   or page the rig list with ?limit=",
-    });
-    (503, "application/json", body.to_string().into_bytes())
+    overloaded(
+        "admin answers being sent hold as much memory as this core allows; retry, or page the \
+         rig list with ?limit=",
+    )
 }
 
 async fn write(
