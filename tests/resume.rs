@@ -1069,16 +1069,7 @@ fn standalone_holds_commands_for_offline_rigs_too() {
 fn held_commands_past_the_outbox_wait_for_room_and_all_arrive_in_order() {
     const HELD: usize = 40;
     let hold_then_drain = |b: &Broker, rig: &str| {
-        for i in 0..HELD {
-            let body = json!({"id": format!("h{i}"), "name": "n", "args": {"i": i},
-                              "queue_if_offline": true, "ttl_ms": 60_000});
-            let (status, text) = b.http(
-                "POST",
-                &format!("/v1/rigs/{rig}/commands"),
-                &body.to_string(),
-            );
-            assert_eq!(status, 200, "{text}");
-        }
+        hold_via_admin(b, rig, "h", HELD);
         let (mut ws, _, _) = b.rig(rig);
         for i in 0..HELD {
             let cmd = read_json(&mut ws);
