@@ -1061,6 +1061,50 @@ fn standalone_holds_commands_for_offline_rigs_too() {
     });
 }
 
+/// Two commands held for one offline rig under one id, with different deadlines: the first
+/// one's deadline reports it `expired`, and the second still reaches the rig. The deadline
+/// removed every held command with its id, so the second vanished with no event (the
+/// command-accounting review, 2 of 2 runs).
+#[test]
+fn standalone_holds_two_commands_with_one_id_each_to_its_own_end() {
+    let b = Broker::start(&[]);
+    for (id, ttl_ms) in [("dup", 300), ("dup", 60_000), ("other", 60_000)] {
+        let body = json!({"id": id, "name": "fw", "args": {"ttl": ttl_ms},
+                          "queue_if_offline": true, "ttl_ms": ttl_ms});
+        let (status, text) = b.http("POST", "/v1/rigs/rig-dup/commands", &body.to_string());
+        assert_eq!(status, 200, "{text}");
+    }
+    let expired = "fleetlink_registry_ops_total{op=\"offline\",result=\"expired\"}";
+    eventually(Duration::from_secs(5), "the short one expired", || {
+        b.metric(expired) == 1
+    });
+    let (mut ws, _, _) = b.rig("rig-dup");
+    let got: Vec<(Value, Value)> = (0..2)
+        .map(|_| {
+            let cmd = read_json(&mut ws);
+            (cmd["id"].clone(), cmd["args"]["ttl"].clone())
+        })
+        .collect();
+    assert_eq!(
+        got,
+        [
+            (json!("dup"), json!(60_000)),
+            (json!("other"), json!(60_000))
+        ]
+    );
+    let (status, body) = b.http("GET", "/v1/events?limit=1000", "");
+    assert_eq!(status, 200);
+    let events: Value = serde_json::from_str(&body).unwrap();
+    let expired_ids: Vec<&Value> = events["events"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|e| e["type"] == "expired")
+        .map(|e| &e["id"])
+        .collect();
+    assert_eq!(expired_ids, [&json!("dup")], "{body}");
+}
+
 /// A rig comes back to more held commands than its outbox takes (`--outbox 2`: 2 queued, 16
 /// written ahead of acks). The rest wait at the broker and go in as it acks: every one
 /// arrives, in hold order, none refused. Standalone, and in fleet mode where each is kept in

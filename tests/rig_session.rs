@@ -2520,6 +2520,77 @@ fn a_standalone_session_whose_rig_stays_away_reports_its_commands_expired() {
     ]);
 }
 
+/// A rig's new boot that says hello and leaves at once, its close reaching the registry before
+/// the old boot's connection (on the other core) has closed: the old session's unacked
+/// commands are still reported `rig_rebooted`, each once. The old connection's close found the
+/// rig's entry gone and its commands were dropped with no event and no log line (the
+/// command-accounting review: 64 of 150 trials on two cores).
+#[test]
+fn the_old_boots_commands_are_reported_when_the_new_boot_leaves_first() {
+    let b = Broker::start(&[
+        "--cores",
+        "2",
+        "--accept-rate",
+        "2000",
+        "--accept-burst",
+        "2000",
+    ]);
+    let mut owed = Vec::new();
+    for t in 0..30 {
+        let rig = format!("rig-rb{t}");
+        let mut old = RawRig::hello(&b, &rig);
+        for k in 0..3 {
+            let id = format!("{rig}-c{k}");
+            let (status, reply) = b.command_with_id(&rig, &id);
+            assert_eq!(status, 200, "{reply}");
+            owed.push(id);
+        }
+        // The new boot's hello and its close in one write: it goes as soon as it is welcomed.
+        let mut new = RawRig::upgraded(&b);
+        let hello = json!({"type":"hello","rig_id":rig,"boot_id":boot_id(),"version":"raw"});
+        let mut frames = Vec::new();
+        let text = hello.to_string();
+        fleetlink::ws::encode_client_frame(
+            &mut frames,
+            true,
+            fleetlink::ws::OpCode::Text,
+            [1, 2, 3, 4],
+            text.as_bytes(),
+        );
+        let close = 1000u16.to_be_bytes();
+        fleetlink::ws::encode_client_frame(
+            &mut frames,
+            true,
+            fleetlink::ws::OpCode::Close,
+            [5, 6, 7, 8],
+            &close,
+        );
+        new.write_raw(&frames);
+        assert_eq!(old.read_close(), 4410, "{rig}'s old boot is superseded");
+    }
+    let mut reported: Vec<String> = Vec::new();
+    eventually(
+        Duration::from_secs(10),
+        "every command of the old boots reported rig_rebooted",
+        || {
+            let (status, body) = b.http("GET", "/v1/events?limit=1000", "");
+            assert_eq!(status, 200, "{body}");
+            let events: Value = serde_json::from_str(&body).unwrap();
+            reported = events["events"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter(|e| e["type"] == "rig_rebooted")
+                .filter_map(|e| e["id"].as_str().map(str::to_string))
+                .collect();
+            reported.len() >= owed.len()
+        },
+    );
+    reported.sort();
+    owed.sort();
+    assert_eq!(reported, owed, "each reported once");
+}
+
 /// Memory a burst needed goes back to the kernel once the burst is over. Rigs that do not read
 /// fill their sessions with big commands, then leave; their parked sessions expire
 /// (`--session-ttl`), dropped by the bridge thread although the cores allocated them. The

@@ -379,9 +379,10 @@ pub enum ToBridge {
     Returned {
         /// The connection the verdict was for.
         conn: ConnId,
-        /// Its rig, when the core still knew the connection; None when the connection had
-        /// already gone (its `Abandoned` came first, and the registry remembers the rig).
-        rig: Option<RigId>,
+        /// Its rig and the hello's boot, when the core still knew the connection; None when
+        /// the connection had already gone (its `Abandoned` came first, and the registry
+        /// remembers the rig). Boxed: rare, and it would widen every queue slot.
+        rig: Option<Box<(RigId, BootId)>>,
         /// The session's next seq.
         next_seq: Seq,
         /// The session's unacked commands.

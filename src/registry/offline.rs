@@ -346,18 +346,20 @@ impl LocalHeld {
             .collect()
     }
 
-    /// Removes one held command by id; true when it was there.
-    pub fn remove(&mut self, rig: &RigId, id: &str) -> bool {
+    /// Removes the held command whose deadline's key is `key`; true when it was there. By
+    /// key, not id: control may hold two commands with one id, each with its own deadline.
+    pub fn remove(&mut self, rig: &RigId, key: u64) -> bool {
         let Some(q) = self.rigs.get_mut(rig) else {
             return false;
         };
-        let before = q.len();
-        q.retain(|(_, h)| h.id != id);
-        let removed = q.len() < before;
+        let Some(at) = q.iter().position(|(k, _)| *k == key) else {
+            return false;
+        };
+        q.remove(at);
         if q.is_empty() {
             self.rigs.remove(rig);
         }
-        removed
+        true
     }
 }
 
@@ -424,8 +426,8 @@ impl Deadlines {
         self.heap.peek().map(|Reverse((at, _))| *at)
     }
 
-    /// Entries due at `now`.
-    pub fn due(&mut self, now: Instant) -> Vec<(RigId, Held)> {
+    /// Entries due at `now`, each with its key.
+    pub fn due(&mut self, now: Instant) -> Vec<(u64, RigId, Held)> {
         let mut out = Vec::new();
         while let Some(Reverse((at, k))) = self.heap.peek().copied() {
             if at > now {
@@ -434,7 +436,7 @@ impl Deadlines {
             self.heap.pop();
             if let Some((rig, entry, size)) = self.entries.remove(&k) {
                 self.bytes -= size;
-                out.push((rig, entry));
+                out.push((k, rig, entry));
             }
         }
         out
@@ -465,12 +467,23 @@ mod tests {
         }
         assert!(!q.has_room(&rig));
         assert!(!q.push(&rig, 0, held("over")));
-        assert!(q.remove(&rig, "0"));
-        assert!(!q.remove(&rig, "0"));
+        assert!(q.remove(&rig, 0));
+        assert!(!q.remove(&rig, 0));
         let taken = q.take(&rig);
         assert_eq!(taken.len(), MAX_PER_RIG - 1);
         assert_eq!(taken[0], (1, held("1")));
         assert!(q.take(&rig).is_empty());
+    }
+
+    /// Two held commands with one id: the deadline of one removes that one only.
+    #[test]
+    fn a_deadline_removes_its_own_command_not_another_with_the_same_id() {
+        let rig = RigId::parse("r").unwrap();
+        let mut q = LocalHeld::default();
+        assert!(q.push(&rig, 7, held("dup")));
+        assert!(q.push(&rig, 8, held("dup")));
+        assert!(q.remove(&rig, 7));
+        assert_eq!(q.take(&rig), [(8, held("dup"))]);
     }
 
     #[test]
@@ -484,7 +497,9 @@ mod tests {
         assert!(d.due(t0).is_empty());
         let due = d.due(t0 + Duration::from_secs(3));
         assert_eq!(
-            due.iter().map(|(_, h)| h.id.as_str()).collect::<Vec<_>>(),
+            due.iter()
+                .map(|(_, _, h)| h.id.as_str())
+                .collect::<Vec<_>>(),
             ["a", "b"]
         );
     }
@@ -499,7 +514,7 @@ mod tests {
         d.forget(a);
         let due = d.due(t0);
         assert_eq!(due.len(), 1);
-        assert_eq!(due[0].1.id, "b");
+        assert_eq!(due[0].2.id, "b");
         assert!(!d.would_overflow(Deadlines::MAX, 0));
         d.add(t0 + Duration::from_secs(60), rig.clone(), held("c"), 1);
         assert!(d.would_overflow(Deadlines::MAX, 0));
@@ -522,7 +537,7 @@ mod tests {
         assert!(d.heap.len() <= 2 + 1024, "{}", d.heap.len());
         let due = d.due(t0 + Duration::from_secs(61));
         assert_eq!(due.len(), 1);
-        assert_eq!(due[0].1.id, "c");
+        assert_eq!(due[0].2.id, "c");
     }
 
     #[test]

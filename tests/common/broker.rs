@@ -522,6 +522,18 @@ impl RawRig {
 
     /// Upgrades on /agent and sends a hello; returns after the welcome frame.
     pub fn hello(b: &Broker, rig: &str) -> RawRig {
+        let mut rig_conn = RawRig::upgraded(b);
+        let hello =
+            json!({"type":"hello","rig_id":rig,"boot_id":boot_id(),"version":"raw"}).to_string();
+        rig_conn.send_text(&hello);
+        let (op, payload) = rig_conn.read_frame();
+        assert_eq!(op, 0x1);
+        assert!(String::from_utf8_lossy(&payload).contains("welcome"));
+        rig_conn
+    }
+
+    /// Upgrades on /agent; returns once the 101 is read, before any message.
+    pub fn upgraded(b: &Broker) -> RawRig {
         let mut stream = TcpStream::connect(b.listen).unwrap();
         stream
             .set_read_timeout(Some(Duration::from_secs(10)))
@@ -542,12 +554,6 @@ impl RawRig {
             + 4;
         assert!(rig_conn.buf.starts_with(b"HTTP/1.1 101"));
         rig_conn.buf.drain(..end);
-        let hello =
-            json!({"type":"hello","rig_id":rig,"boot_id":boot_id(),"version":"raw"}).to_string();
-        rig_conn.send_text(&hello);
-        let (op, payload) = rig_conn.read_frame();
-        assert_eq!(op, 0x1);
-        assert!(String::from_utf8_lossy(&payload).contains("welcome"));
         rig_conn
     }
 

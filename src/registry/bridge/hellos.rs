@@ -167,7 +167,7 @@ impl Bridge {
             // (BUSY, READONLY, a reply of the wrong shape).
             let entry_failed = matches!(entry, Some(None));
             if read && (unread || entry_failed) {
-                self.turn_away(d.conn, &d.rig, &mut actions);
+                self.turn_away(d.conn, &d.rig, d.boot, &mut actions);
                 self.carry_out(actions);
                 // Taken from Redis for this hello: held again for the rig's return.
                 let taken = held.next().unwrap_or_default();
@@ -233,9 +233,23 @@ impl Bridge {
     }
 
     /// Replaces `conn`'s acceptance with 4503: the session it carried goes back to the
-    /// registry (parked for the rig's next hello), and the lease just claimed is released.
-    fn turn_away(&mut self, conn: ConnId, rig: &RigId, actions: &mut [Action]) {
+    /// registry (parked for the rig's next hello), and the lease just claimed is released. A
+    /// connection of the same boot that said hello right after, and waits for this one's
+    /// session, is turned away too: it would get the session with local state only.
+    fn turn_away(&mut self, conn: ConnId, rig: &RigId, boot: BootId, actions: &mut Vec<Action>) {
         self.shared.count("hello", "unavailable");
+        let (answers, waiting) = self.registry.stop_waiting_for(conn, rig);
+        actions.extend(answers);
+        if let Some(next) = waiting {
+            actions.push(Action::Core(
+                next,
+                ToCore::Verdict {
+                    conn: next,
+                    verdict: Verdict::Busy,
+                },
+            ));
+        }
+        let mut back = Vec::new();
         for action in actions.iter_mut() {
             let Action::Core(c, ToCore::Verdict { verdict, .. }) = action else {
                 continue;
@@ -250,8 +264,12 @@ impl Bridge {
                 ..
             } = std::mem::replace(verdict, Verdict::Busy)
             {
-                self.take_back(conn, Some(rig.clone()), next_seq, carried, recall);
+                back.push((next_seq, carried, recall));
             }
+        }
+        for (next_seq, carried, recall) in back {
+            let more = self.take_back(conn, Some((rig.clone(), boot)), next_seq, carried, recall);
+            actions.extend(more);
         }
     }
 

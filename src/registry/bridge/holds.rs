@@ -472,14 +472,14 @@ impl Bridge {
         }
         // A fan-out held for many rigs expires at once: one round trip removes it all.
         let in_redis = self.fleet.as_mut().and_then(|f| {
-            let entries: Vec<(&RigId, &Held)> = due.iter().map(|(r, e)| (r, e)).collect();
+            let entries: Vec<(&RigId, &Held)> = due.iter().map(|(_, r, e)| (r, e)).collect();
             f.offline_remove_many(&entries)
         });
         let unanswered = self.fleet.is_some() && in_redis.is_none();
         let mut in_redis = in_redis.map(Vec::into_iter);
-        for (rig, entry) in due {
+        for (key, rig, entry) in due {
             let from_redis = in_redis.as_mut().and_then(Iterator::next).unwrap_or(false);
-            if from_redis || self.held.remove(&rig, &entry.id) {
+            if from_redis || self.held.remove(&rig, key) {
                 self.report_expired(&rig, &entry.id);
             } else if unanswered {
                 // Redis did not answer whether it still holds this one: asked again once it

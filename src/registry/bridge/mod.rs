@@ -418,10 +418,7 @@ impl Bridge {
                 next_seq,
                 carried,
                 recall,
-            } => {
-                self.take_back(conn, rig, next_seq, carried, recall);
-                Vec::new()
-            }
+            } => self.take_back(conn, rig.map(|r| *r), next_seq, carried, recall),
             ToBridge::Abandoned { conn, rig } => {
                 self.drop_handover_resume(conn, &rig);
                 let (actions, released) = self.registry.abandoned(conn, &rig);
@@ -618,21 +615,33 @@ impl Bridge {
     }
 
     /// An accepted session that never reached its connection goes back to the registry
-    /// (see `Embedded::returned`); the lease it held, if any, is released.
+    /// (see `Embedded::returned`): the lease it held, if any, is released; a connection of the
+    /// same boot that waited for it takes it (with what Redis held for that one); a session a
+    /// newer boot took over meanwhile is reported.
     fn take_back(
         &mut self,
         conn: ConnId,
-        rig: Option<RigId>,
+        rig: Option<(RigId, BootId)>,
         next_seq: crate::ids::Seq,
         carried: Vec<crate::registry::msg::SeqCommand>,
         recall: Option<Box<crate::registry::msg::Recall>>,
-    ) {
-        let released = self
+    ) -> Vec<Action> {
+        let back = self
             .registry
             .returned(conn, rig, next_seq, carried, recall, Instant::now());
-        if let Some((rig, boot)) = released {
-            self.release(rig, boot);
+        let dropped = self.registry.take_parked_dropped();
+        self.shared.count_n("parked", "dropped", dropped);
+        if let Some(r) = self.registry.take_rebooted() {
+            // Never written: nothing of it went out while Redis was away.
+            self.report_taken_over(r, next_seq, crate::ids::Seq(0));
         }
+        let Some((rig, boot)) = back.session else {
+            return back.actions;
+        };
+        if back.release {
+            self.release(rig.clone(), boot);
+        }
+        self.merge_handover(&rig, boot, back.actions)
     }
 
     fn release(&mut self, rig: RigId, boot: BootId) {

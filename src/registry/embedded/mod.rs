@@ -64,6 +64,18 @@ struct Entry {
 /// [`Embedded::returned`]); only a lost message could leave one here, so this only guards.
 const MAX_AWAITING_RETURN: usize = 65_536;
 
+/// What became of a session its connection could not take ([`Embedded::returned`]).
+#[derive(Debug, Default)]
+pub struct Returned {
+    /// What to carry out: the acceptance of a connection that waited for the session, or
+    /// answers to commands that did.
+    pub actions: Vec<Action>,
+    /// The session's rig and boot, when it ended as at its connection's close.
+    pub session: Option<(RigId, BootId)>,
+    /// Whether the rig's entry went with it: its lease is to be released.
+    pub release: bool,
+}
+
 /// A session ended by a newer boot of its rig while its connection was still up.
 #[derive(Debug)]
 pub struct Rebooted {
@@ -238,6 +250,7 @@ impl Embedded {
     ) -> (Vec<Action>, bool) {
         let mut out = Vec::new();
         let Some(entry) = self.rigs.get_mut(&session.rig) else {
+            self.closed_after_its_rig_left(session, now);
             return (out, false);
         };
         match &mut entry.owner {
@@ -297,6 +310,65 @@ impl Embedded {
         (out, false)
     }
 
+    /// A session whose connection a newer boot superseded, closing only after that boot's
+    /// own connection went too (its close overtook this one's on another core): the rig has
+    /// no entry, and the newer boot's session is parked. Whichever of the two is older ends as
+    /// a reboot would end it (`rig_rebooted`); with nothing parked, this one is parked for its
+    /// rig's return, as if it had closed alone. Dropped, its commands went unreported.
+    fn closed_after_its_rig_left(&mut self, session: ClosedSession, now: Instant) {
+        let newer = match self.parked.get(&session.rig) {
+            None => return self.park(session, now),
+            Some(p) if p.boot == session.boot => {
+                // The one session of that boot is parked already: nothing reaches here that
+                // way (a hand-over waits for this close), but nothing is dropped unsaid either.
+                if !session.carried.is_empty() {
+                    log::warn!(
+                        "rig {}: a second copy of its parked session closed, with {} unacked commands; the parked copy is kept",
+                        session.rig,
+                        session.carried.len()
+                    );
+                }
+                return;
+            }
+            Some(p) => p.boot,
+        };
+        if newer > session.boot {
+            if !session.carried.is_empty() {
+                self.rebooted = Some(Rebooted {
+                    rig: session.rig,
+                    old: session.boot,
+                    new: newer,
+                    carried: session.carried,
+                });
+            }
+            return;
+        }
+        // This session is the newer one: the parked one ends, and this takes its place.
+        if let Some(old) = self.unpark(&session.rig).filter(|p| !p.carried.is_empty()) {
+            self.rebooted = Some(Rebooted {
+                rig: session.rig.clone(),
+                old: old.boot,
+                new: session.boot,
+                carried: old.carried,
+            });
+        }
+        self.park(session, now);
+    }
+
+    /// `conn`'s acceptance is withdrawn (Redis failed to read its session): a connection
+    /// of the same boot waiting for its session stops waiting, and is returned to be turned
+    /// away as well, with the answers owed to commands that waited for it.
+    pub fn stop_waiting_for(&mut self, conn: ConnId, rig: &RigId) -> (Vec<Action>, Option<ConnId>) {
+        let Some(Owner::Handover(h)) = self.rigs.get_mut(rig).map(|e| &mut e.owner) else {
+            return (Vec::new(), None);
+        };
+        if h.old != conn {
+            return (Vec::new(), None);
+        }
+        let answers = h.pending.drain(..).map(not_connected).collect();
+        (answers, h.new.take())
+    }
+
     /// A connection that said hello closed before its verdict was carried out. The returned
     /// boot is set when that removed a live entry (its lease should be released).
     pub fn abandoned(&mut self, conn: ConnId, rig: &RigId) -> (Vec<Action>, Option<BootId>) {
@@ -322,55 +394,80 @@ impl Embedded {
                     out.push(not_connected(req));
                 }
             }
+            Owner::Handover(h) if h.old == conn => {
+                // It went before its own verdict reached it, and a connection of the same boot
+                // waits for its session: the core sends the session back, and the hand-over
+                // completes then ([`Self::returned`]). Forgotten, the waiting connection, and
+                // every later one of that boot, would wait for a close that never comes.
+                let boot = entry.boot;
+                if self.awaiting_return.len() >= MAX_AWAITING_RETURN {
+                    self.awaiting_return.clear();
+                }
+                self.awaiting_return.insert(conn, (rig.clone(), boot));
+            }
             _ => {}
         }
         (out, None)
     }
 
-    /// An accepted session its connection could not take. `rig` is set when the connection
-    /// was still there (closing): it still owns the entry, which goes, and the returned pair's
-    /// lease is to be released. Otherwise the connection's `Abandoned` came first and said
-    /// which rig. Either way the session is parked, unless the rig is already back: a hello
-    /// that came in between has started without it (`resumed: false`), and this one is
-    /// dropped rather than parked over a live rig.
+    /// An accepted session its connection could not take. `rig` (with the hello's boot) is
+    /// set when the connection was still there (closing); otherwise its `Abandoned` came
+    /// first and said which rig. The session then ends as at that connection's close,
+    /// whatever became of the rig since the verdict: parked if the connection still owns the
+    /// entry (whose lease is then released), handed to a same-boot connection waiting for it,
+    /// reported `rig_rebooted` if a newer boot took the rig. A session whose connection went
+    /// first and whose rig is back meanwhile (a hello that came in between has started
+    /// without it, `resumed: false`) is dropped rather than parked over a live rig.
     pub fn returned(
         &mut self,
         conn: ConnId,
-        rig: Option<RigId>,
+        rig: Option<(RigId, BootId)>,
         next_seq: Seq,
         carried: Vec<SeqCommand>,
         recall: Option<Box<Recall>>,
         now: Instant,
-    ) -> Option<(RigId, BootId)> {
-        let (rig, boot, release) = match rig {
-            Some(rig) => {
-                let entry = self.rigs.get(&rig)?;
-                if !matches!(entry.owner, Owner::Live(c) if c == conn) {
-                    return None;
-                }
-                let boot = entry.boot;
-                self.rigs.remove(&rig);
-                (rig, boot, true)
-            }
+    ) -> Returned {
+        let (rig, boot) = match rig {
+            Some(named) => named,
             None => {
-                let (rig, boot) = self.awaiting_return.remove(&conn)?;
-                if self.rigs.contains_key(&rig) || self.parked.contains_key(&rig) {
-                    return None;
+                let Some((rig, boot)) = self.awaiting_return.remove(&conn) else {
+                    return Returned::default();
+                };
+                let handing_over = matches!(self.rigs.get(&rig).map(|e| &e.owner),
+                    Some(Owner::Handover(h)) if h.old == conn);
+                if !handing_over {
+                    if !self.rigs.contains_key(&rig)
+                        && !self.parked.contains_key(&rig)
+                        && (next_seq > Seq(1) || !carried.is_empty())
+                    {
+                        let session = ClosedSession {
+                            rig,
+                            boot,
+                            next_seq,
+                            carried,
+                            recall,
+                        };
+                        self.park(session, now);
+                    }
+                    // Its lease went with its `Abandoned`.
+                    return Returned::default();
                 }
-                (rig, boot, false)
+                (rig, boot)
             }
         };
-        if next_seq > Seq(1) || !carried.is_empty() {
-            let session = ClosedSession {
-                rig: rig.clone(),
-                boot,
-                next_seq,
-                carried,
-                recall,
-            };
-            self.park(session, now);
+        let session = ClosedSession {
+            rig: rig.clone(),
+            boot,
+            next_seq,
+            carried,
+            recall,
+        };
+        let (actions, release) = self.closed(conn, session, now);
+        Returned {
+            actions,
+            session: Some((rig, boot)),
+            release,
         }
-        release.then_some((rig, boot))
     }
 
     /// The connection holding `rig`; None while it moves between connections.
@@ -637,6 +734,35 @@ mod tests {
     use super::test_support::*;
     use super::*;
 
+    /// The old boot's connection closes after the new boot's (two cores, two inboxes): the
+    /// rig's entry is gone by then, and the old session still ends as a reboot, not in silence.
+    #[test]
+    fn an_old_boot_closing_after_the_new_one_left_is_reported_rebooted() {
+        let mut r = Embedded::new(Duration::from_secs(60), 4);
+        let now = Instant::now();
+        let (old, new) = (boot(1), boot(2));
+        let command = SeqCommand::for_test(1, 8, false);
+        r.hello(conn(1), rig(), old, vec![]);
+        assert_eq!(superseded(&r.hello(conn(2), rig(), new, vec![])), [conn(1)]);
+        let (_, released) = r.closed(conn(2), session(rig(), new, Seq(1), vec![], None), now);
+        assert!(released);
+        assert!(r.take_rebooted().is_none());
+        let (_, released) = r.closed(
+            conn(1),
+            session(rig(), old, Seq(2), vec![command], None),
+            now,
+        );
+        assert!(!released, "the lease is the new boot's");
+        let rebooted = r.take_rebooted().expect("reported");
+        assert_eq!((rebooted.old, rebooted.new), (old, new));
+        assert_eq!(rebooted.carried.len(), 1);
+        assert_eq!(
+            r.parked(&rig()).map(|(b, ..)| b),
+            Some(new),
+            "the new boot's stays parked"
+        );
+    }
+
     fn superseded(actions: &[Action]) -> Vec<ConnId> {
         actions
             .iter()
@@ -762,12 +888,12 @@ mod tests {
         r.hello(conn(1), rig(), b, vec![]);
         let (_, released) = r.abandoned(conn(1), &rig());
         assert_eq!(released, Some(b));
-        assert_eq!(r.returned(conn(1), None, Seq(8), cmd(), None, now), None);
+        assert!(!r.returned(conn(1), None, Seq(8), cmd(), None, now).release);
         // The connection was closing when the verdict came: it goes back with the rig named.
         let mut r2 = Embedded::new(Duration::from_secs(60), 4);
         r2.hello(conn(1), rig(), b, vec![]);
-        let back = r2.returned(conn(1), Some(rig()), Seq(8), cmd(), None, now);
-        assert_eq!(back, Some((rig(), b)), "its lease is released");
+        let back = r2.returned(conn(1), Some((rig(), b)), Seq(8), cmd(), None, now);
+        assert!(back.release, "its lease is released");
         assert_eq!(
             r2.abandoned(conn(1), &rig()).1,
             None,
@@ -793,8 +919,107 @@ mod tests {
         r3.hello(conn(1), rig(), b, vec![]);
         r3.abandoned(conn(1), &rig());
         r3.hello(conn(2), rig(), b, vec![]);
-        assert_eq!(r3.returned(conn(1), None, Seq(8), cmd(), None, now), None);
+        assert!(!r3.returned(conn(1), None, Seq(8), cmd(), None, now).release);
         assert_eq!(r3.conn_of(&rig()), Some(conn(2)));
+    }
+
+    /// A closing connection's session comes back after the rig moved on: to the same boot's
+    /// connection that waits for it (which was left waiting for a close that never came, and
+    /// every later hello of that boot with it), or reported when a newer boot took the rig.
+    #[test]
+    fn a_returned_session_goes_where_the_rig_went_since_its_verdict() {
+        let now = Instant::now();
+        let b = boot(100);
+        let mut r = Embedded::new(Duration::from_secs(60), 4);
+        r.hello(conn(1), rig(), b, vec![]);
+        assert_eq!(superseded(&r.hello(conn(2), rig(), b, vec![])), [conn(1)]);
+        let cmd = vec![SeqCommand::for_test(7, 10, false)];
+        let back = r.returned(conn(1), Some((rig(), b)), Seq(8), cmd, None, now);
+        assert!(!back.release, "the lease stays with the waiting connection");
+        let out = back.actions;
+        match verdict_of(&out, conn(2)) {
+            Some(Verdict::Accept {
+                next_seq,
+                resumed,
+                carried,
+                ..
+            }) => {
+                assert_eq!((*next_seq, *resumed, carried.len()), (Seq(8), true, 1));
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(r.conn_of(&rig()), Some(conn(2)));
+
+        // A newer boot took the rig before the old boot's closing connection sent it back.
+        let mut r = Embedded::new(Duration::from_secs(60), 4);
+        let newer = boot(200);
+        r.hello(conn(1), rig(), b, vec![]);
+        r.hello(conn(2), rig(), newer, vec![]);
+        let cmd = vec![SeqCommand::for_test(7, 10, false)];
+        assert!(
+            !r.returned(conn(1), Some((rig(), b)), Seq(8), cmd, None, now)
+                .release
+        );
+        let rebooted = r.take_rebooted().expect("reported, not dropped");
+        assert_eq!(
+            (rebooted.old, rebooted.new, rebooted.carried.len()),
+            (b, newer, 1)
+        );
+        assert_eq!(r.conn_of(&rig()), Some(conn(2)));
+    }
+
+    /// The old connection of a hand-over goes before its own verdict reached it (`Abandoned`
+    /// first, then its session back from the core): the hand-over completes with that session
+    /// rather than wait for a close that never comes.
+    #[test]
+    fn a_hand_over_whose_old_connection_went_before_its_verdict_still_completes() {
+        let now = Instant::now();
+        let b = boot(100);
+        let mut r = Embedded::new(Duration::from_secs(60), 4);
+        r.hello(conn(1), rig(), b, vec![]);
+        r.hello(conn(2), rig(), b, vec![]);
+        let (out, released) = r.abandoned(conn(1), &rig());
+        assert!(
+            out.is_empty() && released.is_none(),
+            "the lease is the hand-over's"
+        );
+        let cmd = vec![SeqCommand::for_test(7, 10, false)];
+        let back = r.returned(conn(1), None, Seq(8), cmd, None, now);
+        assert!(!back.release);
+        assert_eq!(back.session, Some((rig(), b)));
+        match verdict_of(&back.actions, conn(2)) {
+            Some(Verdict::Accept {
+                next_seq, resumed, ..
+            }) => assert_eq!((*next_seq, *resumed), (Seq(8), true)),
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(r.conn_of(&rig()), Some(conn(2)));
+    }
+
+    /// An acceptance withdrawn while a same-boot connection waits for its session: that one
+    /// stops waiting (to be turned away too), and the session parks for the rig's return.
+    #[test]
+    fn a_withdrawn_acceptance_takes_the_connection_waiting_for_it_along() {
+        let now = Instant::now();
+        let b = boot(100);
+        let mut r = Embedded::new(Duration::from_secs(60), 4);
+        r.hello(conn(1), rig(), b, vec![]);
+        r.hello(conn(2), rig(), b, vec![]);
+        assert_eq!(
+            r.stop_waiting_for(conn(2), &rig()).1,
+            None,
+            "not the old one"
+        );
+        assert_eq!(r.stop_waiting_for(conn(1), &rig()).1, Some(conn(2)));
+        let cmd = vec![SeqCommand::for_test(7, 10, false)];
+        let back = r.returned(conn(1), Some((rig(), b)), Seq(8), cmd, None, now);
+        assert!(back.release, "nobody holds the rig now");
+        let out = back.actions;
+        assert!(verdict_of(&out, conn(2)).is_none(), "{out:?}");
+        assert_eq!(
+            r.parked(&rig()).map(|(_, next, c)| (next, c.len())),
+            Some((Seq(8), 1))
+        );
     }
 
     /// Shutdown answers what waited for a hand-over, once.

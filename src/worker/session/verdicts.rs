@@ -20,7 +20,12 @@ pub(crate) fn on_verdict(core: &Core, conn: &Conn, st: &mut ConnState, verdict: 
         // Closing before its welcome: the session goes back. (A welcomed session has had its
         // verdict; nothing else is owed one.)
         match st.session.as_ref() {
-            Some(s) if !s.welcomed => return_verdict(core, conn.id, Some(s.rig.clone()), verdict),
+            Some(s) if !s.welcomed => return_verdict(
+                core,
+                conn.id,
+                Some(Box::new((s.rig.clone(), s.boot))),
+                verdict,
+            ),
             Some(_) => {}
             // Closed, lingering for the peer's FIN: its end went to the bridge already
             // (`Abandoned`), which waits for this session back, as from a connection gone.
@@ -113,7 +118,12 @@ fn acked_before(next_seq: Seq, carried: &[SeqCommand]) -> Seq {
 
 /// A verdict its connection cannot take (closing, or gone): an accepted session goes back to
 /// the registry, which parks it, or a resume that raced a drop would lose its commands.
-pub(crate) fn return_verdict(core: &Core, conn: ConnId, rig: Option<RigId>, verdict: Verdict) {
+pub(crate) fn return_verdict(
+    core: &Core,
+    conn: ConnId,
+    rig: Option<Box<(RigId, BootId)>>,
+    verdict: Verdict,
+) {
     if let Verdict::Accept {
         next_seq,
         carried,
