@@ -250,7 +250,7 @@ impl Embedded {
     ) -> (Vec<Action>, bool) {
         let mut out = Vec::new();
         let Some(entry) = self.rigs.get_mut(&session.rig) else {
-            self.closed_after_its_rig_left(session, now);
+            self.closed_after_its_rig_left(session);
             return (out, false);
         };
         match &mut entry.owner {
@@ -312,47 +312,23 @@ impl Embedded {
 
     /// A session whose connection a newer boot superseded, closing only after that boot's
     /// own connection went too (its close overtook this one's on another core): the rig has
-    /// no entry, and the newer boot's session is parked. Whichever of the two is older ends as
-    /// a reboot would end it (`rig_rebooted`); with nothing parked, this one is parked for its
-    /// rig's return, as if it had closed alone. Dropped, its commands went unreported.
-    fn closed_after_its_rig_left(&mut self, session: ClosedSession, now: Instant) {
-        let newer = match self.parked.get(&session.rig) {
-            None => return self.park(session, now),
-            Some(p) if p.boot == session.boot => {
-                // The one session of that boot is parked already: nothing reaches here that
-                // way (a hand-over waits for this close), but nothing is dropped unsaid either.
-                if !session.carried.is_empty() {
-                    log::warn!(
-                        "rig {}: a second copy of its parked session closed, with {} unacked commands; the parked copy is kept",
-                        session.rig,
-                        session.carried.len()
-                    );
-                }
-                return;
-            }
-            Some(p) => p.boot,
-        };
-        if newer > session.boot {
-            if !session.carried.is_empty() {
-                self.rebooted = Some(Rebooted {
-                    rig: session.rig,
-                    old: session.boot,
-                    new: newer,
-                    carried: session.carried,
-                });
-            }
+    /// no entry, and the newer boot's session is parked. This one ends as a reboot would end
+    /// it (`rig_rebooted`); dropped, its commands went unreported. With nothing newer parked,
+    /// nothing is kept: in fleet mode another broker took the rig (an evict, or a refresh that
+    /// found the lease gone), the session goes back to Redis from the bridge as it closed, and
+    /// a copy parked here would only be behind the one the rig has there.
+    fn closed_after_its_rig_left(&mut self, session: ClosedSession) {
+        let Some(newer) = self.parked.get(&session.rig).map(|p| p.boot) else {
             return;
-        }
-        // This session is the newer one: the parked one ends, and this takes its place.
-        if let Some(old) = self.unpark(&session.rig).filter(|p| !p.carried.is_empty()) {
+        };
+        if newer > session.boot && !session.carried.is_empty() {
             self.rebooted = Some(Rebooted {
-                rig: session.rig.clone(),
-                old: old.boot,
-                new: session.boot,
-                carried: old.carried,
+                rig: session.rig,
+                old: session.boot,
+                new: newer,
+                carried: session.carried,
             });
         }
-        self.park(session, now);
     }
 
     /// `conn`'s acceptance is withdrawn (Redis failed to read its session): a connection
