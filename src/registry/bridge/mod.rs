@@ -421,11 +421,8 @@ impl Bridge {
             } => self.take_back(conn, rig.map(|r| *r), next_seq, carried, recall),
             ToBridge::Abandoned { conn, rig } => {
                 self.drop_handover_resume(conn, &rig);
-                let (actions, released) = self.registry.abandoned(conn, &rig);
-                if let Some(boot) = released {
-                    self.release(rig, boot);
-                }
-                actions
+                // Its lease, if it had the rig, goes once its session is back (`take_back`).
+                self.registry.abandoned(conn, &rig)
             }
             ToBridge::Event(ev) => {
                 self.shared

@@ -106,7 +106,7 @@ pub struct Embedded {
     /// its unacked commands never run (`rig_rebooted`).
     rebooted: Option<Rebooted>,
     /// Connections that went after their hello was accepted, before the verdict reached them:
-    /// the verdict's session comes back ([`Self::returned`]) and is parked for this rig.
+    /// the verdict's session comes back ([`Self::returned`]) and ends as at their close.
     awaiting_return: HashMap<ConnId, (RigId, BootId)>,
     park_for: Duration,
     max_pending: usize,
@@ -263,7 +263,7 @@ impl Embedded {
                 // Nobody waits for the session any more: it is parked for the rig's return, as
                 // if the old connection had closed alone.
                 let pending = std::mem::take(&mut h.pending);
-                out.extend(pending.into_iter().map(not_connected));
+                out.extend(pending.into_iter().map(no_connection));
                 self.rigs.remove(&session.rig);
                 self.park(session, now);
                 return (out, true);
@@ -341,59 +341,55 @@ impl Embedded {
         if h.old != conn {
             return (Vec::new(), None);
         }
-        let answers = h.pending.drain(..).map(not_connected).collect();
+        let answers = h.pending.drain(..).map(no_connection).collect();
         (answers, h.new.take())
     }
 
-    /// A connection that said hello closed before its verdict was carried out. The returned
-    /// boot is set when that removed a live entry (its lease should be released).
-    pub fn abandoned(&mut self, conn: ConnId, rig: &RigId) -> (Vec<Action>, Option<BootId>) {
+    /// A connection that said hello closed before its verdict was carried out. If it had been
+    /// given the rig, its session is on the way back from its core ([`Self::returned`]); until
+    /// then the rig is between connections as in a hand-over, so that a hello of the same boot
+    /// waits for that session rather than start afresh without it (its commands would go
+    /// unreported), another boot's hello reports it, and the lease stays until it is back.
+    pub fn abandoned(&mut self, conn: ConnId, rig: &RigId) -> Vec<Action> {
         let mut out = Vec::new();
         let Some(entry) = self.rigs.get_mut(rig) else {
-            return (out, None);
+            return out;
         };
+        let boot = entry.boot;
         match &mut entry.owner {
             Owner::Live(c) if *c == conn => {
-                // Its verdict is on the way to a connection that is gone; the core sends the
-                // session back. One per connection, and each comes back: the bound is a guard.
-                let boot = entry.boot;
-                self.rigs.remove(rig);
-                if self.awaiting_return.len() >= MAX_AWAITING_RETURN {
-                    self.awaiting_return.clear();
-                }
-                self.awaiting_return.insert(conn, (rig.clone(), boot));
-                return (out, Some(boot));
+                entry.owner = Owner::Handover(Box::new(Handover {
+                    old: conn,
+                    new: None,
+                    pending: Vec::new(),
+                    rekeep: false,
+                }));
             }
             Owner::Handover(h) if h.new == Some(conn) => {
                 h.new = None;
                 for req in h.pending.drain(..) {
-                    out.push(not_connected(req));
+                    out.push(no_connection(req));
                 }
+                return out;
             }
-            Owner::Handover(h) if h.old == conn => {
-                // It went before its own verdict reached it, and a connection of the same boot
-                // waits for its session: the core sends the session back, and the hand-over
-                // completes then ([`Self::returned`]). Forgotten, the waiting connection, and
-                // every later one of that boot, would wait for a close that never comes.
-                let boot = entry.boot;
-                if self.awaiting_return.len() >= MAX_AWAITING_RETURN {
-                    self.awaiting_return.clear();
-                }
-                self.awaiting_return.insert(conn, (rig.clone(), boot));
-            }
-            _ => {}
+            // The old connection of a hand-over, gone before its own verdict reached it.
+            Owner::Handover(h) if h.old == conn => {}
+            _ => return out,
         }
-        (out, None)
+        // One per connection, and each comes back: the bound is a guard.
+        if self.awaiting_return.len() >= MAX_AWAITING_RETURN {
+            self.awaiting_return.clear();
+        }
+        self.awaiting_return.insert(conn, (rig.clone(), boot));
+        out
     }
 
     /// An accepted session its connection could not take. `rig` (with the hello's boot) is
     /// set when the connection was still there (closing); otherwise its `Abandoned` came
-    /// first and said which rig. The session then ends as at that connection's close,
-    /// whatever became of the rig since the verdict: parked if the connection still owns the
-    /// entry (whose lease is then released), handed to a same-boot connection waiting for it,
-    /// reported `rig_rebooted` if a newer boot took the rig. A session whose connection went
-    /// first and whose rig is back meanwhile (a hello that came in between has started
-    /// without it, `resumed: false`) is dropped rather than parked over a live rig.
+    /// first and said which rig. Either way the session ends as at that connection's close,
+    /// whatever became of the rig since the verdict: parked if nobody else holds the rig
+    /// (whose lease is then released), handed to a same-boot connection waiting for it,
+    /// reported `rig_rebooted` if a newer boot took the rig.
     pub fn returned(
         &mut self,
         conn: ConnId,
@@ -403,33 +399,12 @@ impl Embedded {
         recall: Option<Box<Recall>>,
         now: Instant,
     ) -> Returned {
-        let (rig, boot) = match rig {
-            Some(named) => named,
-            None => {
-                let Some((rig, boot)) = self.awaiting_return.remove(&conn) else {
-                    return Returned::default();
-                };
-                let handing_over = matches!(self.rigs.get(&rig).map(|e| &e.owner),
-                    Some(Owner::Handover(h)) if h.old == conn);
-                if !handing_over {
-                    if !self.rigs.contains_key(&rig)
-                        && !self.parked.contains_key(&rig)
-                        && (next_seq > Seq(1) || !carried.is_empty())
-                    {
-                        let session = ClosedSession {
-                            rig,
-                            boot,
-                            next_seq,
-                            carried,
-                            recall,
-                        };
-                        self.park(session, now);
-                    }
-                    // Its lease went with its `Abandoned`.
-                    return Returned::default();
-                }
-                (rig, boot)
-            }
+        let named = match rig {
+            Some(named) => Some(named),
+            None => self.awaiting_return.remove(&conn),
+        };
+        let Some((rig, boot)) = named else {
+            return Returned::default();
         };
         let session = ClosedSession {
             rig: rig.clone(),
@@ -642,6 +617,16 @@ fn accept(
     )
 }
 
+/// A command that waited for a hand-over no connection will finish: held for the rig's
+/// return if control asked for that (`queue_if_offline`), as it would have been had it come a
+/// moment later, otherwise `rig_not_connected`.
+fn no_connection(req: CommandReq) -> Action {
+    match req.offline_ttl {
+        Some(ttl) => Action::Offline(Box::new(req), ttl),
+        None => not_connected(req),
+    }
+}
+
 fn not_connected(req: CommandReq) -> Action {
     let body = reply::error(
         &req.id,
@@ -824,8 +809,8 @@ mod tests {
         let b = boot(100);
         r.hello(conn(1), rig(), b, vec![]);
         r.hello(conn(2), rig(), b, vec![]);
-        let (gone, released) = r.abandoned(conn(2), &rig());
-        assert!(gone.is_empty() && released.is_none());
+        let gone = r.abandoned(conn(2), &rig());
+        assert!(gone.is_empty());
         // Meanwhile no connection holds the rig: a kick is answered, not sent to the one gone.
         let (tx, _rx) = crossbeam_channel::bounded(1);
         let kicked = r.kick("k".into(), rig(), ReplyTo::Admin(tx));
@@ -862,19 +847,23 @@ mod tests {
         // The connection went first (Abandoned), then the verdict came back.
         let mut r = Embedded::new(Duration::from_secs(60), 4);
         r.hello(conn(1), rig(), b, vec![]);
-        let (_, released) = r.abandoned(conn(1), &rig());
-        assert_eq!(released, Some(b));
-        assert!(!r.returned(conn(1), None, Seq(8), cmd(), None, now).release);
+        assert!(r.abandoned(conn(1), &rig()).is_empty());
+        assert!(
+            r.conn_of(&rig()).is_none(),
+            "between connections until it is back"
+        );
+        let back = r.returned(conn(1), None, Seq(8), cmd(), None, now);
+        assert!(
+            back.release,
+            "its lease goes once its session is back and parked"
+        );
         // The connection was closing when the verdict came: it goes back with the rig named.
         let mut r2 = Embedded::new(Duration::from_secs(60), 4);
         r2.hello(conn(1), rig(), b, vec![]);
         let back = r2.returned(conn(1), Some((rig(), b)), Seq(8), cmd(), None, now);
         assert!(back.release, "its lease is released");
-        assert_eq!(
-            r2.abandoned(conn(1), &rig()).1,
-            None,
-            "nothing left to abandon"
-        );
+        assert!(r2.abandoned(conn(1), &rig()).is_empty());
+        assert!(r2.is_empty(), "nothing left to abandon");
         for r in [&mut r, &mut r2] {
             let again = r.hello(conn(2), rig(), b, vec![]);
             match verdict_of(&again, conn(2)) {
@@ -890,13 +879,30 @@ mod tests {
                 other => panic!("{other:?}"),
             }
         }
-        // A session that comes back after the rig is already back is not parked over it.
+        // The rig's next hello came before the session did: it waits for it, and resumes it
+        // (it started afresh without it, and the session's commands went unreported).
         let mut r3 = Embedded::new(Duration::from_secs(60), 4);
         r3.hello(conn(1), rig(), b, vec![]);
         r3.abandoned(conn(1), &rig());
-        r3.hello(conn(2), rig(), b, vec![]);
-        assert!(!r3.returned(conn(1), None, Seq(8), cmd(), None, now).release);
+        assert!(verdict_of(&r3.hello(conn(2), rig(), b, vec![]), conn(2)).is_none());
+        let back = r3.returned(conn(1), None, Seq(8), cmd(), None, now);
+        assert!(!back.release, "the lease is the waiting connection's");
+        match verdict_of(&back.actions, conn(2)) {
+            Some(Verdict::Accept {
+                next_seq, resumed, ..
+            }) => assert_eq!((*next_seq, *resumed), (Seq(8), true)),
+            other => panic!("{other:?}"),
+        }
         assert_eq!(r3.conn_of(&rig()), Some(conn(2)));
+        // Another boot's hello came first: it starts afresh, and the session is reported.
+        let mut r4 = Embedded::new(Duration::from_secs(60), 4);
+        r4.hello(conn(1), rig(), b, vec![]);
+        r4.abandoned(conn(1), &rig());
+        let newer = boot(200);
+        assert!(verdict_of(&r4.hello(conn(2), rig(), newer, vec![]), conn(2)).is_some());
+        assert!(!r4.returned(conn(1), None, Seq(8), cmd(), None, now).release);
+        let rebooted = r4.take_rebooted().expect("reported, not dropped");
+        assert_eq!((rebooted.old, rebooted.new), (b, newer));
     }
 
     /// A closing connection's session comes back after the rig moved on: to the same boot's
@@ -954,11 +960,7 @@ mod tests {
         let mut r = Embedded::new(Duration::from_secs(60), 4);
         r.hello(conn(1), rig(), b, vec![]);
         r.hello(conn(2), rig(), b, vec![]);
-        let (out, released) = r.abandoned(conn(1), &rig());
-        assert!(
-            out.is_empty() && released.is_none(),
-            "the lease is the hand-over's"
-        );
+        assert!(r.abandoned(conn(1), &rig()).is_empty());
         let cmd = vec![SeqCommand::for_test(7, 10, false)];
         let back = r.returned(conn(1), None, Seq(8), cmd, None, now);
         assert!(!back.release);
@@ -996,6 +998,34 @@ mod tests {
             r.parked(&rig()).map(|(_, next, c)| (next, c.len())),
             Some((Seq(8), 1))
         );
+    }
+
+    /// Commands that waited for a hand-over no connection finishes: held for the rig's return
+    /// when control asked for that, refused otherwise (both were refused).
+    #[test]
+    fn commands_left_by_a_hand_over_nobody_finishes_are_held_if_asked() {
+        let now = Instant::now();
+        let b = boot(100);
+        let mut r = Embedded::new(Duration::from_secs(60), 4);
+        r.hello(conn(1), rig(), b, vec![]);
+        r.abandoned(conn(1), &rig());
+        let (tx, _rx) = crossbeam_channel::bounded(4);
+        let mut held = admin_command("held", tx.clone());
+        held.offline_ttl = Some(Duration::from_secs(30));
+        assert!(r.command(held).is_empty(), "waits for the session");
+        assert!(r.command(admin_command("plain", tx)).is_empty());
+        let back = r.returned(conn(1), None, Seq(3), vec![], None, now);
+        assert!(back.release);
+        let outcomes: Vec<&str> = back
+            .actions
+            .iter()
+            .map(|a| match a {
+                Action::Offline(req, ttl) if *ttl == Duration::from_secs(30) => &*req.id,
+                Action::Reply(_, body) if body["error"] == "rig_not_connected" => "refused",
+                other => panic!("{other:?}"),
+            })
+            .collect();
+        assert_eq!(outcomes, ["held", "refused"]);
     }
 
     /// Shutdown answers what waited for a hand-over, once.
