@@ -2341,3 +2341,32 @@ fn a_rig_welcomed_in_an_outage_gets_its_held_commands_when_redis_is_back() {
     read_command(&mut ws, 1, "u1");
     eventually(Duration::from_secs(10), "taken from Redis", || held() == 0);
 }
+
+/// A command held as an offline one for a rig that is connected, because its lease was missing
+/// when control looked (Redis lost the key: an eviction, or an empty restart before the holder
+/// put its leases back), reaches the rig once the holder's refresh restores the lease. It
+/// waited in Redis until the rig's next hello, or its deadline (the fleet-faults review: 1 of
+/// 1 with `DEL rig:X`, and once on its own in three empty-restart runs).
+#[test]
+fn a_command_held_while_a_connected_rigs_lease_was_missing_reaches_it() {
+    let redis = RedisServer::start();
+    let _a = fleet_broker(&redis, "fe-a", &["--registry-refresh", "1s"]);
+    let _b = fleet_broker(&redis, "fe-b", &["--registry-refresh", "1s"]);
+    let (mut ws, _, _) = _a.rig("rig-nolease");
+    let mut con = redis.connection();
+    let _: () = con.del("rig:rig-nolease").unwrap();
+    let mut ctl = Control::new(&redis, &[]);
+    let reply_to = ctl.reply_to.clone();
+    let msg = json!({"type":"command","id":"h1","rig_id":"rig-nolease","name":"n","args":{},
+        "reply_to":reply_to,"queue_if_offline":true,"ttl_ms":60_000});
+    ctl.publish("fleetlink:broker:fe-b", msg);
+    let r = ctl.next(|ch, v| ch == reply_to && v["id"] == "h1");
+    assert_eq!(r["ok"], true, "{r}");
+    let cmd = read_json(&mut ws);
+    assert_eq!(cmd["id"], "h1", "{cmd}");
+    eventually(Duration::from_secs(5), "the lease is back", || {
+        owner(&redis, "rig-nolease").is_some_and(|o| o.ends_with("|fe-a"))
+    });
+    let left: Vec<String> = con.lrange("offline:rig-nolease", 0, -1).unwrap();
+    assert!(left.is_empty(), "{left:?}");
+}

@@ -196,6 +196,17 @@ impl Bridge {
                 RefreshStatus::Ok => everyone,
                 RefreshStatus::Superseded => false,
             };
+            // While its lease was missing, another broker may have held a command for the rig
+            // as an offline one (control found no lease, `queue_if_offline`): nothing else
+            // would make its connection here look, so it is taken now, as at a hello.
+            if matches!(
+                status,
+                RefreshStatus::Restored
+                    | RefreshStatus::Outlived { .. }
+                    | RefreshStatus::Taken { .. }
+            ) {
+                self.held_unread.insert(rig.clone());
+            }
             if rekeep && !self.cfg.session_ttl.is_zero() {
                 if let Some(conn) = self.registry.rekeep_from(rig) {
                     if everyone {
@@ -224,6 +235,9 @@ impl Bridge {
                     self.carry_out(actions);
                 }
             }
+        }
+        if !self.held_unread.is_empty() {
+            self.deliver_held_unread();
         }
     }
 }
