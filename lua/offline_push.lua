@@ -9,7 +9,8 @@
 --          margin so the holding broker still finds the entry to report it expired)
 -- ARGV[4]  the calling broker's id
 --
--- Returns the list length after the push, or 0 when the list was full (nothing written), or
+-- Returns the list length after the push (or as it was, when the same entry is held already:
+-- nothing written), or 0 when the list was full (nothing written), or
 -- the id of another, live broker whose lease holds the rig (nothing written): the rig is
 -- connected there, not offline, and a command held now would wait for its next hello. Checked
 -- here, in the call that would write, so a hello landing between control's look-up of the
@@ -33,6 +34,23 @@ if lease then
   end
 end
 local len = redis.call('LLEN', KEYS[1])
+-- The same entry, byte for byte (its id, args and deadline), is held already: a push whose
+-- answer the broker never got (Redis hung past its wait) ran, and the broker, holding the
+-- command itself meanwhile, pushes it again once Redis is back. Held once, or it would reach
+-- the rig twice, under two seqs. LPOS needs Redis 6.0.6; before it, the list is scanned.
+local found = redis.pcall('LPOS', KEYS[1], ARGV[1])
+if type(found) == 'table' and found.err then
+  found = false
+  for _, e in ipairs(redis.call('LRANGE', KEYS[1], 0, -1)) do
+    if e == ARGV[1] then
+      found = true
+      break
+    end
+  end
+end
+if found then
+  return len
+end
 if len >= max then
   return 0
 end

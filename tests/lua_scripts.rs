@@ -904,6 +904,39 @@ fn offline_push_refuses_a_rig_connected_to_another_live_broker() {
     assert!(!exists, "nothing written");
 }
 
+/// The same entry pushed twice (a push whose answer never reached the broker ran, and the
+/// broker pushed its own copy again once Redis was back) is held once; another command with
+/// the same id but its own deadline is held beside it.
+#[test]
+fn offline_push_holds_an_entry_pushed_again_once() {
+    use fleetlink::registry::offline::{offline_key, Held, OfflineScripts, Pushed};
+    let (_server, mut con, _) = setup();
+    let offline = OfflineScripts::default();
+    let r = rig("rig-again");
+    let held = |deadline_ms: u64| Held {
+        id: "h1".into(),
+        name: "fw".into(),
+        args: fleetlink::args::Args::empty(),
+        deadline_ms,
+        reply_to: Some("fleetlink:reply:x".into()),
+    };
+    for _ in 0..2 {
+        let pushed = offline
+            .push(&mut con, &r, &held(1_000), TTL, "fe-a")
+            .unwrap();
+        assert_eq!(pushed, Pushed::Held);
+    }
+    let len = |con: &mut Connection| -> usize {
+        redis::cmd("LLEN").arg(offline_key(&r)).query(con).unwrap()
+    };
+    assert_eq!(len(&mut con), 1, "held once");
+    let pushed = offline
+        .push(&mut con, &r, &held(2_000), TTL, "fe-a")
+        .unwrap();
+    assert_eq!(pushed, Pushed::Held);
+    assert_eq!(len(&mut con), 2, "a command of its own");
+}
+
 /// A newer boot's resume reports the older session's unacked commands itself, in the same
 /// atomic call that deletes them (leaving a tombstone of the session): a reply lost on its way back cannot lose the reports
 /// with the session. The seq is the stored field's own text, up to the broker's last seq; the

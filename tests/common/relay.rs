@@ -13,6 +13,11 @@ use std::thread;
 pub struct Relay {
     addr: SocketAddr,
     armed: Arc<Mutex<Option<Vec<u8>>>>,
+    /// Like `armed`, but the call is passed on before the cut: Redis runs it, and its answer
+    /// is lost.
+    armed_after: Arc<Mutex<Option<Vec<u8>>>>,
+    /// Set: the relay goes down at that cut, as a Redis gone right after running the call.
+    down_after: Arc<AtomicBool>,
     cuts: Arc<AtomicUsize>,
     stop: Arc<AtomicBool>,
     frozen: Arc<AtomicBool>,
@@ -32,6 +37,8 @@ impl Relay {
         let relay = Relay {
             addr,
             armed: Arc::new(Mutex::new(None)),
+            armed_after: Arc::new(Mutex::new(None)),
+            down_after: Arc::new(AtomicBool::new(false)),
             cuts: Arc::new(AtomicUsize::new(0)),
             stop: Arc::new(AtomicBool::new(false)),
             frozen: Arc::new(AtomicBool::new(false)),
@@ -41,6 +48,8 @@ impl Relay {
             open: Arc::new(Mutex::new(Vec::new())),
         };
         let (armed, cuts, stop) = (relay.armed.clone(), relay.cuts.clone(), relay.stop.clone());
+        let armed_after = relay.armed_after.clone();
+        let down_after = relay.down_after.clone();
         let (frozen, frozen_back) = (relay.frozen.clone(), relay.frozen_back.clone());
         let (down, open) = (relay.down.clone(), relay.open.clone());
         let turned_away = relay.turned_away.clone();
@@ -61,9 +70,20 @@ impl Relay {
                 if let (Ok(c), Ok(s)) = (client.try_clone(), server.try_clone()) {
                     open.lock().unwrap().extend([c, s]);
                 }
-                let (armed, cuts) = (armed.clone(), cuts.clone());
+                let (armed, cuts) = ([armed.clone(), armed_after.clone()], cuts.clone());
                 let (frozen, frozen_back) = (frozen.clone(), frozen_back.clone());
-                thread::spawn(move || pump(client, server, &armed, &cuts, &frozen, frozen_back));
+                let then_down = [down_after.clone(), down.clone()];
+                thread::spawn(move || {
+                    pump(
+                        client,
+                        server,
+                        &armed,
+                        &cuts,
+                        &frozen,
+                        frozen_back,
+                        &then_down,
+                    )
+                });
             }
         });
         relay
@@ -77,6 +97,14 @@ impl Relay {
     /// The next connection to send `pattern` is cut there, once.
     pub fn cut_on(&self, pattern: &[u8]) {
         *self.armed.lock().unwrap() = Some(pattern.to_vec());
+    }
+
+    /// The next connection to send `pattern` passes that call on, then is cut before Redis's
+    /// answer comes back: a call that ran, whose caller cannot know it did.
+    #[allow(dead_code)] // not every test binary loses an answer
+    pub fn cut_after(&self, pattern: &[u8], then_down: bool) {
+        self.down_after.store(then_down, Ordering::SeqCst);
+        *self.armed_after.lock().unwrap() = Some(pattern.to_vec());
     }
 
     /// Holds every call sent through the relay from now until unfrozen, as a Redis that
@@ -124,23 +152,25 @@ impl Drop for Relay {
     }
 }
 
-/// Copies client→server, watching for the armed pattern (also across reads), while another
-/// thread copies server→client.
+/// Copies client→server, watching for the armed patterns (also across reads: `[cut before,
+/// cut after]` passing the call on), while another thread copies server→client.
 fn pump(
     mut client: TcpStream,
     mut server: TcpStream,
-    armed: &Mutex<Option<Vec<u8>>>,
+    armed: &[Arc<Mutex<Option<Vec<u8>>>>; 2],
     cuts: &AtomicUsize,
     frozen: &AtomicBool,
     frozen_back: Arc<AtomicBool>,
+    [down_after, down]: &[Arc<AtomicBool>; 2],
 ) {
     let (Ok(mut back_from), Ok(mut back_to)) = (server.try_clone(), client.try_clone()) else {
         return;
     };
+    let back_frozen = frozen_back.clone();
     thread::spawn(move || {
         let mut buf = [0u8; 16 * 1024];
         while let Ok(n @ 1..) = back_from.read(&mut buf) {
-            hold_while(&frozen_back);
+            hold_while(&back_frozen);
             if back_to.write_all(&buf[..n]).is_err() {
                 break;
             }
@@ -156,20 +186,39 @@ fn pump(
         };
         let mut window = std::mem::take(&mut tail);
         window.extend_from_slice(&buf[..n]);
-        let mut guard = armed.lock().unwrap();
-        if let Some(pattern) = guard.as_ref() {
-            if window
-                .windows(pattern.len())
-                .any(|w| w == pattern.as_slice())
-            {
-                *guard = None;
-                cuts.fetch_add(1, Ordering::SeqCst);
-                break;
+        let mut cut = None;
+        for (after, slot) in armed.iter().enumerate() {
+            let mut guard = slot.lock().unwrap();
+            if let Some(pattern) = guard.as_ref() {
+                if window
+                    .windows(pattern.len())
+                    .any(|w| w == pattern.as_slice())
+                {
+                    *guard = None;
+                    cut = Some(after == 1);
+                    break;
+                }
+                let keep = pattern.len().saturating_sub(1).min(window.len());
+                if keep > tail.len() {
+                    tail = window[window.len() - keep..].to_vec();
+                }
             }
-            let keep = pattern.len().saturating_sub(1).min(window.len());
-            tail = window[window.len() - keep..].to_vec();
         }
-        drop(guard);
+        if let Some(pass) = cut {
+            cuts.fetch_add(1, Ordering::SeqCst);
+            if pass {
+                // Redis's answer is held until both ends are shut: it never arrives.
+                frozen_back.store(true, Ordering::SeqCst);
+                if down_after.load(Ordering::SeqCst) {
+                    down.store(true, Ordering::SeqCst);
+                }
+                let _ = server.write_all(&buf[..n]);
+                let _ = client.shutdown(Shutdown::Both);
+                let _ = server.shutdown(Shutdown::Write);
+                frozen_back.store(false, Ordering::SeqCst);
+            }
+            break;
+        }
         hold_while(frozen);
         if server.write_all(&buf[..n]).is_err() {
             break;

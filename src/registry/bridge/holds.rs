@@ -221,6 +221,9 @@ impl Bridge {
         for (key, h) in self.held.take(rig) {
             // Delivered: nothing left to expire, and the copy need not wait for the deadline.
             self.deadlines.forget(key);
+            if self.fleet.is_some() {
+                self.delivered_here.push((rig.clone(), h.clone()));
+            }
             held.push(h);
         }
         let mut delivered = false;
@@ -316,6 +319,25 @@ impl Bridge {
             }
         }
         actions
+    }
+
+    /// Redis is back: the copies in Redis of commands this broker held and delivered itself
+    /// while it was away are removed (a push whose answer was lost may have run), before
+    /// anything takes from Redis again. Kept for the next reconnect if Redis does not answer.
+    pub(super) fn forget_delivered_here(&mut self) {
+        if self.delivered_here.is_empty() {
+            return;
+        }
+        let done = self.fleet.as_mut().and_then(|f| {
+            let entries: Vec<(&RigId, &Held)> =
+                self.delivered_here.iter().map(|(r, h)| (r, h)).collect();
+            f.offline_remove_many(&entries)
+        });
+        if let Some(removed) = done {
+            let n = removed.iter().filter(|r| **r).count() as u64;
+            self.shared.count_n("offline", "duplicate_removed", n);
+            self.delivered_here.clear();
+        }
     }
 
     /// Redis is back: the commands held here while it was away go to it, where the rig's

@@ -146,6 +146,11 @@ struct Bridge {
     /// held for them while they were offline were not taken at their hello, so they are taken
     /// and delivered at the reconnect (see `holds`).
     held_unread: HashSet<RigId>,
+    /// Fleet mode: commands held here (Redis away, or its answer to the push never came) that
+    /// this broker then delivered itself. A push whose answer was lost may have run: the copy
+    /// in Redis is removed at the reconnect, before anything takes from Redis again, or the
+    /// rig would get the command twice, under two seqs.
+    delivered_here: Vec<(RigId, Held)>,
     /// Sessions those hellos ended, and live ones a newer boot took over, waiting for Redis
     /// to say what is left to report.
     ended_alone: rekeeps::EndedAlone,
@@ -206,6 +211,7 @@ impl Bridge {
             unkept_high: HashMap::new(),
             decided_alone: HashSet::new(),
             held_unread: HashSet::new(),
+            delivered_here: Vec::new(),
             ended_alone: rekeeps::EndedAlone::default(),
             pace: WritePace::new(now),
             unanswered: redis_io::UnansweredLog::default(),

@@ -54,6 +54,7 @@ impl Bridge {
             // Re-assert every lease we hold: Redis may have restarted empty. And put every
             // session back: commands delivered while Redis was away were not kept.
             self.rekeep_all = true;
+            self.forget_delivered_here();
             self.hold_in_redis_again();
             self.next_refresh = now;
             self.next_heartbeat = now;
