@@ -2371,6 +2371,64 @@ fn a_command_held_while_a_connected_rigs_lease_was_missing_reaches_it() {
     assert!(left.is_empty(), "{left:?}");
 }
 
+/// Holds command `h1` for the offline `rig` through `a`, whose push runs in Redis while its
+/// answer is lost (the relay cuts the connection right after the call, and stays down after it
+/// if `then_down`): answered `queued`, held by the broker itself and once in Redis.
+fn hold_losing_the_answer(
+    redis: &RedisServer,
+    relay: &Relay,
+    a: &Broker,
+    rig: &str,
+    then_down: bool,
+) -> redis::Connection {
+    drop(a.rig(rig));
+    eventually(Duration::from_secs(5), "the rig is offline", || {
+        owner(redis, rig).is_none()
+    });
+    // Redis learns the script with a first hold (a lost answer to an unknown script ran
+    // nothing).
+    let warm = json!({"id":"w","name":"n","args":{},"queue_if_offline":true,"ttl_ms":60_000});
+    let (status, text) = a.http("POST", "/v1/rigs/rig-warm/commands", &warm.to_string());
+    assert_eq!(status, 200, "{text}");
+    relay.cut_after(format!("offline:{rig}").as_bytes(), then_down);
+    let body = json!({"id":"h1","name":"n","args":{},"queue_if_offline":true,"ttl_ms":60_000});
+    let (status, text) = a.http(
+        "POST",
+        &format!("/v1/rigs/{rig}/commands"),
+        &body.to_string(),
+    );
+    assert_eq!(status, 200, "{text}");
+    assert!(text.contains("\"queued\":true"), "{text}");
+    assert_eq!(relay.cuts(), 1, "the push's answer was lost");
+    let mut con = redis.connection();
+    let list: Vec<String> = con.lrange(format!("offline:{rig}"), 0, -1).unwrap();
+    assert_eq!(list.len(), 1, "the push ran: {list:?}");
+    con
+}
+
+/// Reads `id` under `seq` from the rig.
+fn reads(ws: &mut Ws, id: &str, seq: u64) {
+    let cmd = read_json(ws);
+    assert_eq!(
+        (&cmd["id"], &cmd["seq"]),
+        (&json!(id), &json!(seq)),
+        "{cmd}"
+    );
+}
+
+/// Sends the rig a command of id `next` through `a`'s admin API: it must be the rig's next
+/// message, under `seq` (no second copy of a held command before it).
+fn next_is_new(a: &Broker, rig: &str, ws: &mut Ws, seq: u64) {
+    let body = json!({"id":"next","name":"n","args":{}});
+    let (status, text) = a.http(
+        "POST",
+        &format!("/v1/rigs/{rig}/commands"),
+        &body.to_string(),
+    );
+    assert_eq!(status, 200, "{text}");
+    reads(ws, "next", seq);
+}
+
 /// A command held for an offline rig whose push ran in Redis but whose answer never came back
 /// (the connection cut right after the call) is held by the broker itself meanwhile, and
 /// pushed again once Redis is back: the rig gets it once. It was held twice in Redis and
@@ -2382,29 +2440,7 @@ fn a_hold_whose_answer_was_lost_reaches_the_rig_once() {
     let relay = Relay::start(redis.port());
     let a = broker_behind(&relay, "fe-a");
     let rig = "rig-lost-answer";
-    drop(a.rig(rig));
-    eventually(Duration::from_secs(5), "the rig is offline", || {
-        owner(&redis, rig).is_none()
-    });
-    // Redis learns the script with a first hold (a lost answer to an unknown script ran
-    // nothing).
-    let warm = json!({"id":"w","name":"n","args":{},"queue_if_offline":true,"ttl_ms":60_000});
-    let (status, text) = a.http("POST", "/v1/rigs/rig-warm/commands", &warm.to_string());
-    assert_eq!(status, 200, "{text}");
-    relay.cut_after(format!("offline:{rig}").as_bytes(), false);
-    let body = json!({"id":"h1","name":"n","args":{},"queue_if_offline":true,"ttl_ms":60_000});
-    let (status, text) = a.http(
-        "POST",
-        &format!("/v1/rigs/{rig}/commands"),
-        &body.to_string(),
-    );
-    assert_eq!(status, 200, "{text}");
-    assert!(text.contains("\"queued\":true"), "{text}");
-    assert_eq!(relay.cuts(), 1, "the push's answer was lost");
-    // The push ran: Redis holds the command the broker was left to hold itself.
-    let mut con = redis.connection();
-    let list: Vec<String> = con.lrange(format!("offline:{rig}"), 0, -1).unwrap();
-    assert_eq!(list.len(), 1, "{list:?}");
+    let mut con = hold_losing_the_answer(&redis, &relay, &a, rig, false);
     // Back on Redis, the broker hands its own copy to Redis, which holds it already.
     let again = "fleetlink_registry_ops_total{op=\"offline\",result=\"held_again\"}";
     eventually(Duration::from_secs(10), "the copy pushed again", || {
@@ -2413,26 +2449,9 @@ fn a_hold_whose_answer_was_lost_reaches_the_rig_once() {
     let list: Vec<String> = con.lrange(format!("offline:{rig}"), 0, -1).unwrap();
     assert_eq!(list.len(), 1, "held once: {list:?}");
     let (mut ws, _, _) = a.rig(rig);
-    let cmd = read_json(&mut ws);
-    assert_eq!(
-        (&cmd["id"], &cmd["seq"]),
-        (&json!("h1"), &json!(1)),
-        "{cmd}"
-    );
+    reads(&mut ws, "h1", 1);
     ack(&mut ws, 1);
-    let body = json!({"id":"next","name":"n","args":{}});
-    let (status, text) = a.http(
-        "POST",
-        &format!("/v1/rigs/{rig}/commands"),
-        &body.to_string(),
-    );
-    assert_eq!(status, 200, "{text}");
-    let cmd = read_json(&mut ws);
-    assert_eq!(
-        (&cmd["id"], &cmd["seq"]),
-        (&json!("next"), &json!(2)),
-        "{cmd}"
-    );
+    next_is_new(&a, rig, &mut ws, 2);
 }
 
 /// The same lost answer, and the rig back while Redis is still away for its broker: it gets
@@ -2445,33 +2464,10 @@ fn a_hold_whose_answer_was_lost_and_delivered_meanwhile_is_not_delivered_again()
     let relay = Relay::start(redis.port());
     let a = broker_behind(&relay, "fe-a");
     let rig = "rig-lost-early";
-    drop(a.rig(rig));
-    eventually(Duration::from_secs(5), "the rig is offline", || {
-        owner(&redis, rig).is_none()
-    });
-    let warm = json!({"id":"w","name":"n","args":{},"queue_if_offline":true,"ttl_ms":60_000});
-    let (status, text) = a.http("POST", "/v1/rigs/rig-warm/commands", &warm.to_string());
-    assert_eq!(status, 200, "{text}");
-    relay.cut_after(format!("offline:{rig}").as_bytes(), true);
-    let body = json!({"id":"h1","name":"n","args":{},"queue_if_offline":true,"ttl_ms":60_000});
-    let (status, text) = a.http(
-        "POST",
-        &format!("/v1/rigs/{rig}/commands"),
-        &body.to_string(),
-    );
-    assert_eq!(status, 200, "{text}");
-    assert!(text.contains("\"queued\":true"), "{text}");
-    let mut con = redis.connection();
-    let list: Vec<String> = con.lrange(format!("offline:{rig}"), 0, -1).unwrap();
-    assert_eq!(list.len(), 1, "the push ran: {list:?}");
+    let mut con = hold_losing_the_answer(&redis, &relay, &a, rig, true);
     // Redis away for fe-a: the hello is decided here, with the broker's own copy.
     let (mut ws, _, _) = a.rig(rig);
-    let cmd = read_json(&mut ws);
-    assert_eq!(
-        (&cmd["id"], &cmd["seq"]),
-        (&json!("h1"), &json!(1)),
-        "{cmd}"
-    );
+    reads(&mut ws, "h1", 1);
     ack(&mut ws, 1);
     relay.down(false);
     a.wait_readyz(200, Duration::from_secs(10), "Redis back");
@@ -2479,19 +2475,7 @@ fn a_hold_whose_answer_was_lost_and_delivered_meanwhile_is_not_delivered_again()
         let list: Vec<String> = con.lrange(format!("offline:{rig}"), 0, -1).unwrap();
         list.is_empty()
     });
-    let body = json!({"id":"next","name":"n","args":{}});
-    let (status, text) = a.http(
-        "POST",
-        &format!("/v1/rigs/{rig}/commands"),
-        &body.to_string(),
-    );
-    assert_eq!(status, 200, "{text}");
-    let cmd = read_json(&mut ws);
-    assert_eq!(
-        (&cmd["id"], &cmd["seq"]),
-        (&json!("next"), &json!(2)),
-        "{cmd}"
-    );
+    next_is_new(&a, rig, &mut ws, 2);
     let removed = "fleetlink_registry_ops_total{op=\"offline\",result=\"duplicate_removed\"}";
     assert_eq!(a.metric(removed), 1);
 }
