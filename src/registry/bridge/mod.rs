@@ -428,7 +428,11 @@ impl Bridge {
             ToBridge::Abandoned { conn, rig } => {
                 self.drop_handover_resume(conn, &rig);
                 // Its lease, if it had the rig, goes once its session is back (`take_back`).
-                self.registry.abandoned(conn, &rig)
+                let (actions, gone) = self.registry.abandoned(conn, &rig);
+                if let Some(boot) = gone {
+                    self.release(rig, boot);
+                }
+                actions
             }
             ToBridge::Event(ev) => {
                 self.shared

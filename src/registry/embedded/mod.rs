@@ -350,10 +350,13 @@ impl Embedded {
     /// then the rig is between connections as in a hand-over, so that a hello of the same boot
     /// waits for that session rather than start afresh without it (its commands would go
     /// unreported), another boot's hello reports it, and the lease stays until it is back.
-    pub fn abandoned(&mut self, conn: ConnId, rig: &RigId) -> Vec<Action> {
+    ///
+    /// The returned boot is set when the rig's entry went at once (the guard below), for its
+    /// lease to be released now.
+    pub fn abandoned(&mut self, conn: ConnId, rig: &RigId) -> (Vec<Action>, Option<BootId>) {
         let mut out = Vec::new();
         let Some(entry) = self.rigs.get_mut(rig) else {
-            return out;
+            return (out, None);
         };
         let boot = entry.boot;
         match &mut entry.owner {
@@ -370,18 +373,33 @@ impl Embedded {
                 for req in h.pending.drain(..) {
                     out.push(no_connection(req));
                 }
-                return out;
+                return (out, None);
             }
             // The old connection of a hand-over, gone before its own verdict reached it.
             Owner::Handover(h) if h.old == conn => {}
-            _ => return out,
+            _ => return (out, None),
         }
-        // One per connection, and each comes back: the bound is a guard.
+        // One per connection, and each comes back: the bound is a guard against a lost
+        // message. Past it the rig is not left waiting for a session that might not come: its
+        // entry goes now (a connection waiting for the session is turned away, to come back),
+        // and the session, when it does come, is dropped.
         if self.awaiting_return.len() >= MAX_AWAITING_RETURN {
-            self.awaiting_return.clear();
+            if let Some(Owner::Handover(h)) = self.rigs.remove(rig).map(|e| e.owner) {
+                out.extend(h.pending.into_iter().map(no_connection));
+                if let Some(next) = h.new {
+                    out.push(Action::Core(
+                        next,
+                        ToCore::Verdict {
+                            conn: next,
+                            verdict: Verdict::Busy,
+                        },
+                    ));
+                }
+            }
+            return (out, Some(boot));
         }
         self.awaiting_return.insert(conn, (rig.clone(), boot));
-        out
+        (out, None)
     }
 
     /// An accepted session its connection could not take. `rig` (with the hello's boot) is
@@ -809,7 +827,7 @@ mod tests {
         let b = boot(100);
         r.hello(conn(1), rig(), b, vec![]);
         r.hello(conn(2), rig(), b, vec![]);
-        let gone = r.abandoned(conn(2), &rig());
+        let (gone, _) = r.abandoned(conn(2), &rig());
         assert!(gone.is_empty());
         // Meanwhile no connection holds the rig: a kick is answered, not sent to the one gone.
         let (tx, _rx) = crossbeam_channel::bounded(1);
@@ -847,7 +865,11 @@ mod tests {
         // The connection went first (Abandoned), then the verdict came back.
         let mut r = Embedded::new(Duration::from_secs(60), 4);
         r.hello(conn(1), rig(), b, vec![]);
-        assert!(r.abandoned(conn(1), &rig()).is_empty());
+        let (out, gone) = r.abandoned(conn(1), &rig());
+        assert!(
+            out.is_empty() && gone.is_none(),
+            "the lease waits for the session"
+        );
         assert!(
             r.conn_of(&rig()).is_none(),
             "between connections until it is back"
@@ -862,7 +884,7 @@ mod tests {
         r2.hello(conn(1), rig(), b, vec![]);
         let back = r2.returned(conn(1), Some((rig(), b)), Seq(8), cmd(), None, now);
         assert!(back.release, "its lease is released");
-        assert!(r2.abandoned(conn(1), &rig()).is_empty());
+        assert!(r2.abandoned(conn(1), &rig()).0.is_empty());
         assert!(r2.is_empty(), "nothing left to abandon");
         for r in [&mut r, &mut r2] {
             let again = r.hello(conn(2), rig(), b, vec![]);
@@ -960,7 +982,7 @@ mod tests {
         let mut r = Embedded::new(Duration::from_secs(60), 4);
         r.hello(conn(1), rig(), b, vec![]);
         r.hello(conn(2), rig(), b, vec![]);
-        assert!(r.abandoned(conn(1), &rig()).is_empty());
+        assert!(r.abandoned(conn(1), &rig()).1.is_none());
         let cmd = vec![SeqCommand::for_test(7, 10, false)];
         let back = r.returned(conn(1), None, Seq(8), cmd, None, now);
         assert!(!back.release);
@@ -972,6 +994,32 @@ mod tests {
             other => panic!("{other:?}"),
         }
         assert_eq!(r.conn_of(&rig()), Some(conn(2)));
+    }
+
+    /// Past the guard on sessions awaited back, a rig is not left waiting for one: its entry
+    /// goes at once, its lease with it, and the connection waiting for the session is turned
+    /// away to come back.
+    #[test]
+    fn past_the_guard_a_rig_does_not_wait_for_a_session_that_might_not_come() {
+        let b = boot(100);
+        let mut r = Embedded::new(Duration::from_secs(60), 4);
+        for n in 0..MAX_AWAITING_RETURN as u64 {
+            r.awaiting_return.insert(conn(1_000_000 + n), (rig(), b));
+        }
+        r.hello(conn(1), rig(), b, vec![]);
+        r.hello(conn(2), rig(), b, vec![]);
+        let (out, gone) = r.abandoned(conn(1), &rig());
+        assert_eq!(gone, Some(b), "its lease goes now");
+        assert!(
+            matches!(verdict_of(&out, conn(2)), Some(Verdict::Busy)),
+            "{out:?}"
+        );
+        assert!(r.is_empty());
+        let back = r.hello(conn(3), rig(), b, vec![]);
+        assert!(
+            verdict_of(&back, conn(3)).is_some(),
+            "a later hello is answered"
+        );
     }
 
     /// An acceptance withdrawn while a same-boot connection waits for its session: that one
