@@ -240,15 +240,7 @@ impl Bridge {
         self.shared.count("hello", "unavailable");
         let (answers, waiting) = self.registry.stop_waiting_for(conn, rig);
         actions.extend(answers);
-        if let Some(next) = waiting {
-            actions.push(Action::Core(
-                next,
-                ToCore::Verdict {
-                    conn: next,
-                    verdict: Verdict::Busy,
-                },
-            ));
-        }
+        actions.extend(waiting.map(crate::registry::embedded::turned_away));
         let mut back = Vec::new();
         for action in actions.iter_mut() {
             let Action::Core(c, ToCore::Verdict { verdict, .. }) = action else {

@@ -384,18 +384,10 @@ impl Embedded {
         // entry goes now (a connection waiting for the session is turned away, to come back),
         // and the session, when it does come, is dropped.
         if self.awaiting_return.len() >= MAX_AWAITING_RETURN {
-            if let Some(Owner::Handover(h)) = self.rigs.remove(rig).map(|e| e.owner) {
-                out.extend(h.pending.into_iter().map(no_connection));
-                if let Some(next) = h.new {
-                    out.push(Action::Core(
-                        next,
-                        ToCore::Verdict {
-                            conn: next,
-                            verdict: Verdict::Busy,
-                        },
-                    ));
-                }
-            }
+            let (answers, waiting) = self.stop_waiting_for(conn, rig);
+            out.extend(answers);
+            out.extend(waiting.map(turned_away));
+            self.rigs.remove(rig);
             return (out, Some(boot));
         }
         self.awaiting_return.insert(conn, (rig.clone(), boot));
@@ -417,11 +409,7 @@ impl Embedded {
         recall: Option<Box<Recall>>,
         now: Instant,
     ) -> Returned {
-        let named = match rig {
-            Some(named) => Some(named),
-            None => self.awaiting_return.remove(&conn),
-        };
-        let Some((rig, boot)) = named else {
+        let Some((rig, boot)) = rig.or_else(|| self.awaiting_return.remove(&conn)) else {
             return Returned::default();
         };
         let session = ClosedSession {
@@ -612,6 +600,17 @@ impl Embedded {
         }
         out
     }
+}
+
+/// 4503 for `conn`, whose hello is not to be answered with a session after all: it comes back.
+pub(crate) fn turned_away(conn: ConnId) -> Action {
+    Action::Core(
+        conn,
+        ToCore::Verdict {
+            conn,
+            verdict: Verdict::Busy,
+        },
+    )
 }
 
 fn accept(
