@@ -153,6 +153,14 @@ for ((r = 1; r <= rounds; r++)); do
                  loadgen: ($lg * 1000 / $hz), redis: ($rd * 1000 / $hz)}
                 + ($a | with_entries(.value = ((.value - ($z[.key] // 0)) * 1000 / $hz))))}' \
       "$work/rigs.json" | tee -a "$work/sessions.jsonl"
+    # CPU is read in clock ticks (10 ms at 100 Hz): a reading of a few ticks is mostly rounding,
+    # and 0 ms does not mean no CPU. Say so rather than let it pass as a figure.
+    for part in broker_total redis loadgen; do
+      ms=$(tail -n 1 "$work/sessions.jsonl" | jq ".cpu_ms.$part")
+      if jq -en --argjson ms "$ms" --argjson hz "$hz" '$ms < 5 * 1000 / $hz' >/dev/null; then
+        echo "fanout-cpu: $b round $r: $part CPU reads $ms ms, under five clock ticks ($hz Hz): rounding, not a figure (more --rigs or --fanouts)" >&2
+      fi
+    done
     kill "$bpid" 2>/dev/null || true; wait "$bpid" 2>/dev/null || true
   done
 done

@@ -519,6 +519,11 @@ fn the_rig_list_pages_by_rig_id_across_cores() {
     });
     assert_eq!(ids(""), ["rig-0", "rig-1", "rig-2", "rig-3", "rig-4"]);
     assert_eq!(ids("?limit=2"), ["rig-0", "rig-1"]);
+    assert_eq!(
+        ids("?after=&limit=2"),
+        ["rig-0", "rig-1"],
+        "an empty cursor starts"
+    );
     assert_eq!(ids("?after=rig-1&limit=2"), ["rig-2", "rig-3"]);
     assert_eq!(ids("?limit=2&after=rig-3"), ["rig-4"]);
     assert_eq!(ids("?after=rig-2"), ["rig-3", "rig-4"]);
@@ -532,7 +537,7 @@ fn the_rig_list_pages_by_rig_id_across_cores() {
         "limit=0",
         "limit=10001",
         "limit=x",
-        "after=",
+        "after=&after=",
         "after=a%20b",
         "page=2",
         "limit=2&limit=3",
@@ -2370,12 +2375,19 @@ fn a_standalone_broker_keeps_its_events_for_the_admin_api() {
     // A page takes up where the last one ended; bad queries are refused.
     let (next, _, _) = events_after(&b, 0);
     assert_eq!(events_after(&b, next).2, Vec::<Value>::new());
+    let (status, body) = b.http("GET", "/v1/events?after=", "");
+    assert_eq!(status, 200, "an empty cursor is the oldest kept: {body}");
+    assert_eq!(
+        serde_json::from_str::<Value>(&body).unwrap()["next"],
+        json!(next)
+    );
     for bad in [
         "after=x",
         "limit=0",
         "limit=1001",
         "from=3",
         "after=1&after=2",
+        "after=&after=",
         "limit=5&limit=6",
         "after=+1",
     ] {

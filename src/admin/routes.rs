@@ -148,6 +148,8 @@ fn events(admin: &Admin, query: &str) -> Answer {
     let (mut after_seen, mut limit_seen) = (false, false);
     for pair in query.split('&').filter(|p| !p.is_empty()) {
         let parsed = match pair.split_once('=') {
+            // Empty is the default, so a pager can start with an empty cursor.
+            Some(("after", "")) if !std::mem::replace(&mut after_seen, true) => Some(()),
             Some(("after", v)) if digits(v) && !std::mem::replace(&mut after_seen, true) => {
                 v.parse().map(|n| after = n).ok()
             }
@@ -182,6 +184,8 @@ fn rig_page(query: &str) -> Result<RigPage, Answer> {
     let (mut after, mut limit) = (false, false);
     for pair in query.split('&').filter(|p| !p.is_empty()) {
         let parsed = match pair.split_once('=') {
+            // Empty is the start of the list, so a pager can begin with an empty cursor.
+            Some(("after", "")) if !std::mem::replace(&mut after, true) => Some(()),
             Some(("after", v)) if !std::mem::replace(&mut after, true) => {
                 RigId::parse(v).map(|r| page.after = Some(r.as_str().into()))
             }
