@@ -2479,3 +2479,80 @@ fn a_hold_whose_answer_was_lost_and_delivered_meanwhile_is_not_delivered_again()
     let removed = "fleetlink_registry_ops_total{op=\"offline\",result=\"duplicate_removed\"}";
     assert_eq!(a.metric(removed), 1);
 }
+
+/// Control queues `id` for `rig` through broker `via`, `queue_if_offline`: answered `queued`.
+fn queued_through(ctl: &mut Control, via: &str, rig: &str, id: &str) {
+    let msg = json!({"type":"command","id":id,"rig_id":rig,"name":"n","args":{},
+        "reply_to":ctl.reply_to,"queue_if_offline":true,"ttl_ms":60_000});
+    ctl.publish(&format!("fleetlink:broker:{via}"), msg);
+    let r = ctl.replies(1, Duration::from_secs(10)).remove(0);
+    assert_eq!((&r["id"], &r["queued"]), (&json!(id), &json!(true)), "{r}");
+}
+
+/// A rig whose broker was killed is offline at once for a command to hold: the dead broker's
+/// `broker:` key lingers up to 30 s, but nobody listens on its channel. Before, the command
+/// was refused `rig_not_connected`, naming the dead broker, until the key lapsed.
+#[test]
+fn a_command_for_a_rig_whose_broker_just_died_is_held_for_its_return() {
+    let redis = RedisServer::start();
+    let mut a = fleet_broker(&redis, "fe-a", &[]);
+    let b = fleet_broker(&redis, "fe-b", &[]);
+    let mut ctl = Control::new(&redis, &["fleetlink:events"]);
+    let boot = boot_id();
+    let ws = hello_on(&a, "rig-1", &boot);
+    eventually(Duration::from_secs(10), "the lease is fe-a's", || {
+        owner(&redis, "rig-1").is_some_and(|o| o.ends_with("|fe-a"))
+    });
+    a.signal(9);
+    a.wait_exit(Duration::from_secs(10));
+    drop(ws);
+    eventually(Duration::from_secs(10), "fe-a's channel unheard", || {
+        numsub(&redis, "fleetlink:broker:fe-a") == 0
+    });
+    let alive: bool = redis.connection().exists("broker:fe-a").unwrap();
+    assert!(
+        alive,
+        "the dead broker's key still there: the case under test"
+    );
+    queued_through(&mut ctl, "fe-b", "rig-1", "q1");
+    // The rig comes back to fe-b and is given it.
+    let mut back = hello_on(&b, "rig-1", &boot_id());
+    read_command(&mut back, 1, "q1");
+    let ev = ctl.next(|ch, v| ch == "fleetlink:events" && v["type"] == "offline_delivered");
+    assert_eq!((&ev["id"], &ev["seq"]), (&json!("q1"), &json!(1)), "{ev}");
+}
+
+/// A command held while the rig's broker could not hear its channel (reconnecting to Redis)
+/// though it still held the rig: that broker finds the rig named in `offline:for:` at its next
+/// refresh and the rig is given the command, as from any hold. Before, it was refused `rig_not_connected` naming that broker; handed to
+/// it on its channel instead, nobody would have heard it.
+#[test]
+fn a_command_held_while_the_rigs_broker_was_away_from_redis_reaches_the_rig_it_kept() {
+    let redis = RedisServer::start();
+    let relay = Relay::start(redis.port());
+    let a = broker_behind(&relay, "fe-a");
+    let _b = fleet_broker(&redis, "fe-b", &[]);
+    let mut ctl = Control::new(&redis, &["fleetlink:events"]);
+    let mut ws = hello_on(&a, "rig-1", &boot_id());
+    eventually(Duration::from_secs(10), "the lease is fe-a's", || {
+        owner(&redis, "rig-1").is_some_and(|o| o.ends_with("|fe-a"))
+    });
+    cut_off(&relay, &a);
+    eventually(Duration::from_secs(10), "fe-a's channel unheard", || {
+        numsub(&redis, "fleetlink:broker:fe-a") == 0
+    });
+    queued_through(&mut ctl, "fe-b", "rig-1", "q1");
+    relay.down(false);
+    read_command(&mut ws, 1, "q1");
+    let ev = ctl.next(|ch, v| ch == "fleetlink:events" && v["type"] == "offline_delivered");
+    assert_eq!((&ev["id"], &ev["seq"]), (&json!("q1"), &json!(1)), "{ev}");
+    assert_eq!(
+        a.metric(r#"fleetlink_registry_ops_total{op="offline",result="found"}"#),
+        1
+    );
+    // Taken once: nothing is left held for the rig, nor named for fe-a.
+    let mut con = redis.connection();
+    let left: bool = con.exists("offline:rig-1").unwrap();
+    let told: bool = con.exists("offline:for:fe-a").unwrap();
+    assert!(!left && !told);
+}

@@ -36,6 +36,17 @@ fn setup() -> (RedisServer, Connection, Scripts) {
     (server, con, scripts)
 }
 
+/// A connection subscribed to broker `id`'s channel, as that broker's own is while it runs:
+/// the scripts take a broker nobody listens to for a dead one.
+fn listen_as(server: &RedisServer, id: &str) -> Connection {
+    let mut sub = server.connection();
+    let _: () = redis::cmd("SUBSCRIBE")
+        .arg(format!("fleetlink:broker:{id}"))
+        .query(&mut sub)
+        .expect("SUBSCRIBE");
+    sub
+}
+
 fn get(con: &mut Connection, key: &str) -> Option<String> {
     redis::cmd("GET").arg(key).query(con).expect("GET")
 }
@@ -772,7 +783,7 @@ fn take_many_takes_the_head_of_each_rigs_offline_queue_in_order() {
 #[test]
 fn held_commands_go_back_to_the_head_in_order_and_come_out_by_count_and_bytes() {
     use fleetlink::registry::offline::{offline_key, Held, OfflineScripts, Pushed};
-    let (_server, mut con, _) = setup();
+    let (server, mut con, _) = setup();
     let offline = OfflineScripts::default();
     let r = rig("rig-1");
     let held = |id: &str, pad: usize| Held {
@@ -820,6 +831,7 @@ fn held_commands_go_back_to_the_head_in_order_and_come_out_by_count_and_bytes() 
     };
     set(&mut con, "rig:rig-1", &tuple(&BootId::generate(1), "fe-b"));
     set(&mut con, "broker:fe-b", "{}");
+    let _fe_b = listen_as(&server, "fe-b");
     let moved = offline
         .put_back(&mut con, &r, &back, short, "fe-a")
         .unwrap();
@@ -840,11 +852,12 @@ fn held_commands_go_back_to_the_head_in_order_and_come_out_by_count_and_bytes() 
 
 /// A command to hold for a rig whose lease names another live broker is not held: the rig is
 /// connected there (control looked before its hello). A lease of this broker's own, or of a
-/// broker whose liveness key has lapsed (it died), leaves the rig offline: held.
+/// broker whose liveness key has lapsed (it died), or whose channel nobody listens to (it
+/// died, or is reconnecting to Redis), leaves the rig offline: held.
 #[test]
 fn offline_push_refuses_a_rig_connected_to_another_live_broker() {
     use fleetlink::registry::offline::{offline_key, Held, OfflineScripts, Pushed};
-    let (_server, mut con, _) = setup();
+    let (server, mut con, _) = setup();
     let offline = OfflineScripts::default();
     let r = rig("rig-1");
     let held = Held {
@@ -867,13 +880,33 @@ fn offline_push_refuses_a_rig_connected_to_another_live_broker() {
         &["SET", "rig:rig-1", &tuple(&BootId::generate(1), "fe-b")],
     );
     cmd(&mut con, &["SET", "broker:fe-b", "{}"]);
+    let fe_b = listen_as(&server, "fe-b");
     assert_eq!(push(&mut con, "fe-a"), Pushed::ConnectedAt("fe-b".into()));
-    let len: usize = redis::cmd("LLEN")
-        .arg(offline_key(&r))
+    let len = |con: &mut Connection| -> usize {
+        redis::cmd("LLEN").arg(offline_key(&r)).query(con).unwrap()
+    };
+    assert_eq!(len(&mut con), 0, "nothing held");
+    // fe-b's liveness key is there, but nobody listens on its channel: it died moments ago,
+    // or is reconnecting to Redis. Held: its refresh, or the rig's next hello, finds it.
+    drop(fe_b);
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while push(&mut con, "fe-a") != Pushed::Held {
+        assert!(std::time::Instant::now() < deadline, "still refused");
+    }
+    assert_eq!(len(&mut con), 1);
+    // fe-b is told, should it still hold the rig once it hears again.
+    let told: Vec<String> = redis::cmd("SMEMBERS")
+        .arg("offline:for:fe-b")
         .query(&mut con)
         .unwrap();
-    assert_eq!(len, 0, "nothing held");
-    // Its own lease: the rig just left this broker (the release is on its way).
+    assert_eq!(told, ["rig-1"]);
+    assert!(
+        pttl(&mut con, "offline:for:fe-b") > 0,
+        "the set goes with the hold"
+    );
+    let _fe_b = listen_as(&server, "fe-b");
+    // Its own lease: the rig just left this broker (the release is on its way). The same
+    // entry is held once.
     assert_eq!(push(&mut con, "fe-b"), Pushed::Held);
     // fe-b died: its liveness key lapsed before the rig's lease did.
     cmd(&mut con, &["DEL", "broker:fe-b"]);

@@ -292,6 +292,13 @@ pub enum ToCore {
         /// Whether the hold has more in Redis.
         more: bool,
     },
+    /// A refresh found commands held in Redis for `conn`'s rig as an offline one (fleet
+    /// mode): the connection takes them as it takes the rest of a hold, unless it is taking
+    /// from the hold already.
+    HoldFound {
+        /// The connection holding the rig.
+        conn: ConnId,
+    },
     /// Redis kept (or, fenced, refused) a held command.
     Persisted {
         /// The connection.

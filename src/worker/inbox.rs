@@ -109,6 +109,11 @@ pub(crate) fn handle(core: &Rc<Core>, msg: ToCore) {
                 session::on_delivery_end(core, &c, &mut c.st.borrow_mut(), more);
             }
         }
+        ToCore::HoldFound { conn } => {
+            if let Some(c) = conn_of(conn) {
+                session::on_hold_found(core, &c, &mut c.st.borrow_mut());
+            }
+        }
         ToCore::Persisted { conn, seq, kept } => {
             // A closing connection's session may have left it while its socket lingers.
             if !closing::persisted(core, conn, seq, kept) {

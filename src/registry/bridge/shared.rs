@@ -12,7 +12,7 @@ use crate::metrics::BridgeStats;
 pub(super) const CANARY_STALE: Duration = Duration::from_secs(5);
 
 /// Registry operations counted by (op, result), in this order.
-pub const REGISTRY_OPS: [(&str, &str); 60] = [
+pub const REGISTRY_OPS: [(&str, &str); 61] = [
     ("offline", "held"),
     ("offline", "full"),
     ("offline", "connected_elsewhere"),
@@ -22,6 +22,7 @@ pub const REGISTRY_OPS: [(&str, &str); 60] = [
     ("offline", "forwarded"),
     ("offline", "held_again"),
     ("offline", "returned"),
+    ("offline", "found"),
     ("offline_batch", "sent"),
     ("persist", "ok"),
     ("persist", "fenced"),

@@ -15,6 +15,9 @@ use crate::registry::fleet;
 use crate::registry::msg::ToCore;
 use crate::registry::scripts::RefreshStatus;
 
+/// Most rigs named in `offline:for:<broker_id>` taken up per refresh: more wait for the next one.
+const HELD_FOR_ME_PER_TICK: usize = 1_000;
+
 /// How often the broker publishes a canary on its own channel.
 const CANARY_EVERY: Duration = Duration::from_secs(1);
 /// The `broker:<id>` key: refreshed every 10 s with a 30 s TTL (CONTRACT.md §3,
@@ -236,6 +239,7 @@ impl Bridge {
                 }
             }
         }
+        self.take_held_for_me();
         if !self.held_unread.is_empty() {
             self.deliver_held_unread();
         }
@@ -243,6 +247,27 @@ impl Bridge {
 }
 
 impl Bridge {
+    /// Rigs other brokers held commands for as offline ones because this broker, whose lease
+    /// held them, was not listening on its channel (reconnecting to Redis; `offline_push.lua`
+    /// names them in `offline:for:<broker_id>`). A rig still connected here has its connection
+    /// take them, as it takes the rest of a big hold; nothing else would make it look before
+    /// its next hello. A rig gone since finds them at that hello.
+    fn take_held_for_me(&mut self) {
+        let Some(rigs) = self
+            .fleet
+            .as_mut()
+            .and_then(|f| f.held_for_me(HELD_FOR_ME_PER_TICK))
+        else {
+            return;
+        };
+        for rig in rigs.iter().filter_map(|r| RigId::parse(r)) {
+            if let Some(conn) = self.registry.conn_of(&rig) {
+                self.shared.count("offline", "found");
+                self.send_to_core(conn, ToCore::HoldFound { conn });
+            }
+        }
+    }
+
     /// Of the hellos decided here while Redis was away whose lease the first refresh after
     /// the reconnect finds in place (their own call reached Redis late), those whose rig's
     /// latest boot on record is an older one: its session, or that of a boot in between on

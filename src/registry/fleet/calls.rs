@@ -236,6 +236,17 @@ impl Fleet {
         self.answered(removed)
     }
 
+    /// Up to `max` rigs other brokers held commands for while this one was not listening on
+    /// its channel (`offline:for:<broker_id>`, emptied as read). None when Redis is unavailable.
+    pub(crate) fn held_for_me(&mut self, max: usize) -> Option<Vec<String>> {
+        let con = self.con.as_mut()?;
+        let r = redis::cmd("SPOP")
+            .arg(format!("offline:for:{}", self.broker_id))
+            .arg(max)
+            .query::<Vec<String>>(con);
+        self.answered(r)
+    }
+
     /// Writes the `broker:<id>` liveness key.
     pub(crate) fn heartbeat(&mut self, json: &str, ttl: Duration) {
         let Some(con) = self.con.as_mut() else { return };

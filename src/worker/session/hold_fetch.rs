@@ -83,6 +83,24 @@ pub(crate) fn on_delivery_end(core: &Core, conn: &Conn, st: &mut ConnState, more
     pump(core, conn, st);
 }
 
+/// A refresh found commands held in Redis for this connection's rig (fleet mode): taken as
+/// the rest of a hold is, as the outbox has room. A connection taking from the hold already
+/// takes them in its turn.
+pub(crate) fn on_hold_found(core: &Core, conn: &Conn, st: &mut ConnState) {
+    if st.phase != Phase::Live {
+        return;
+    }
+    let Some(session) = st.session.as_mut() else {
+        return;
+    };
+    if session.hold != HoldFetch::Idle {
+        return;
+    }
+    session.hold = HoldFetch::Left;
+    core.hold_left.borrow_mut().insert(conn.id);
+    pump(core, conn, st);
+}
+
 /// Once a second, for each connection whose rig has held commands left in Redis: a take that
 /// waits for room goes now if there is room. The writes and acks that make room ask on their
 /// own; this catches what no event will, at the cost of one look a second at these few

@@ -16,7 +16,7 @@ mod upgrade;
 mod verdicts;
 
 pub(crate) use commands::{bridge_full, deliver, holds, not_taken, on_command, pump};
-pub(crate) use hold_fetch::{on_delivery_end, sweep as sweep_holds, HoldFetch};
+pub(crate) use hold_fetch::{on_delivery_end, on_hold_found, sweep as sweep_holds, HoldFetch};
 pub(crate) use rig_messages::retry_after;
 pub(crate) use upgrade::consume;
 pub(crate) use verdicts::{
