@@ -151,6 +151,23 @@ fn bad_first_message_closes_4400_saying_what_was_wrong() {
             "not json".to_string(),
             "first message must be a hello: a JSON object with \"type\":\"hello\"",
         ),
+        // A hello in every other way: the reason names the rule it broke.
+        (
+            format!(
+                r#"{{"type":"hello","rig_id":"a","rig_id":"b","boot_id":"{}","version":"t"}}"#,
+                boot_id()
+            ),
+            "first message must be a hello with each key at most once",
+        ),
+        (
+            format!(
+                r#"{{"type":"hello","rig_id":"a","boot_id":"{}","version":"t","x":{}{}}}"#,
+                boot_id(),
+                "[".repeat(200),
+                "]".repeat(200)
+            ),
+            "first message must be a hello nested at most 127 levels deep",
+        ),
     ];
     for (bad, reason) in &cases {
         let mut ws = b.connect("/agent");

@@ -112,6 +112,16 @@ pub(super) fn on_message(core: &Core, conn: &Conn, st: &mut ConnState, msg: Mess
 fn not_a_hello(parsed: Result<ClientMsg, ProtocolError>) -> Cow<'static, str> {
     match parsed {
         Err(ProtocolError::Invalid { ty: "hello", why }) => format!("invalid hello: {why}").into(),
+        // A hello may fail to parse for these two rules alone: saying it is no hello would
+        // send the rig's developer looking at the wrong thing.
+        Err(ProtocolError::Malformed(why)) if why.starts_with("duplicate field") => {
+            "first message must be a hello with each key at most once".into()
+        }
+        Err(ProtocolError::Malformed(why)) if why.starts_with("nested deeper") => format!(
+            "first message must be a hello nested at most {} levels deep",
+            protocol::MAX_DEPTH
+        )
+        .into(),
         Err(ProtocolError::Malformed(_)) => {
             "first message must be a hello: a JSON object with \"type\":\"hello\"".into()
         }
