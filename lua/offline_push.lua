@@ -1,6 +1,8 @@
 -- offline_push.lua: hold a command for a rig that is not connected (CONTRACT.md section 5),
 -- bounded per rig. Run by EVALSHA from src/registry/offline.rs.
 --
+-- Built with lua/lease_holder.lua in front of it (lease_holder, tell).
+--
 -- KEYS[1]  offline:<rig_id>   (list of command entries, oldest first)
 -- KEYS[2]  rig:<rig_id>       (the rig's lease)
 -- ARGV[1]  the entry: JSON {"id","name","args","deadline_ms","reply_to"}
@@ -31,36 +33,6 @@ if #KEYS ~= 2 or #ARGV ~= 4 or not max or type(ttl) ~= 'string' or #ttl > 15
     or not ttl:match('^[1-9]%d*$') then
   return redis.error_reply('ERR fleetlink offline_push: expected KEYS list, lease; ARGV entry, max, ttl_ms, broker_id')
 end
--- The broker the rig's lease names, when it is another one, and whether it is listening: its
--- broker:<id> key is there (it lapses 30 s after a broker dies) and something subscribes to its
--- channel (nothing does for a broker that died, or for one reconnecting to Redis). Where a
--- Redis refuses PUBSUB in scripts, the key alone decides.
-local function lease_holder(me)
-  local lease = redis.call('GET', KEYS[2])
-  local holder = lease and string.match(lease, '^[^|]*|(.+)$')
-  if not holder or holder == me then
-    return nil, false
-  end
-  if redis.call('EXISTS', 'broker:' .. holder) ~= 1 then
-    return holder, false
-  end
-  local subs = redis.pcall('PUBSUB', 'NUMSUB', 'fleetlink:broker:' .. holder)
-  return holder, type(subs) ~= 'table' or subs.err ~= nil or tonumber(subs[2]) ~= 0
-end
-
--- Held for a rig whose lease names a broker that is not listening: should that broker still
--- hold the rig (it was reconnecting to Redis), it finds the rig in offline:for:<broker> at its
--- next refresh and has its connection take them; otherwise the rig's next hello does.
-local function tell(holder)
-  if holder then
-    local set = 'offline:for:' .. holder
-    redis.call('SADD', set, string.sub(KEYS[1], #'offline:' + 1))
-    if redis.call('PTTL', set) < tonumber(ttl) then
-      redis.call('PEXPIRE', set, ttl)
-    end
-  end
-end
-
 local holder, listening = lease_holder(ARGV[4])
 if listening then
   return holder
@@ -81,7 +53,7 @@ if type(found) == 'table' and found.err then
   end
 end
 if found then
-  tell(holder)
+  tell(holder, ttl)
   return len
 end
 if len >= max then
@@ -92,5 +64,5 @@ local current = redis.call('PTTL', KEYS[1])
 if current < tonumber(ttl) then
   redis.call('PEXPIRE', KEYS[1], ttl)
 end
-tell(holder)
+tell(holder, ttl)
 return len

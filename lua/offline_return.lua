@@ -5,6 +5,8 @@
 -- rig acks, and the rig's next hello, on any broker, finds them. Run by EVALSHA from
 -- src/registry/offline.rs.
 --
+-- Built with lua/lease_holder.lua in front of it (lease_holder, tell).
+--
 -- KEYS[1]  offline:<rig_id>   (list of command entries, oldest first)
 -- KEYS[2]  rig:<rig_id>       (the rig's lease)
 -- ARGV[1]  ttl_ms for the list: decimal integer, 1 to 15 digits (their latest deadline plus
@@ -25,36 +27,6 @@ if #KEYS ~= 2 or #ARGV < 3 or type(ttl) ~= 'string' or #ttl > 15
     or not ttl:match('^[1-9]%d*$') then
   return redis.error_reply('ERR fleetlink offline_return: expected KEYS list, lease; ARGV ttl_ms, broker_id, entries')
 end
--- The broker the rig's lease names, when it is another one, and whether it is listening: its
--- broker:<id> key is there (it lapses 30 s after a broker dies) and something subscribes to its
--- channel (nothing does for a broker that died, or for one reconnecting to Redis). Where a
--- Redis refuses PUBSUB in scripts, the key alone decides.
-local function lease_holder(me)
-  local lease = redis.call('GET', KEYS[2])
-  local holder = lease and string.match(lease, '^[^|]*|(.+)$')
-  if not holder or holder == me then
-    return nil, false
-  end
-  if redis.call('EXISTS', 'broker:' .. holder) ~= 1 then
-    return holder, false
-  end
-  local subs = redis.pcall('PUBSUB', 'NUMSUB', 'fleetlink:broker:' .. holder)
-  return holder, type(subs) ~= 'table' or subs.err ~= nil or tonumber(subs[2]) ~= 0
-end
-
--- Held for a rig whose lease names a broker that is not listening: should that broker still
--- hold the rig (it was reconnecting to Redis), it finds the rig in offline:for:<broker> at its
--- next refresh and has its connection take them; otherwise the rig's next hello does.
-local function tell(holder)
-  if holder then
-    local set = 'offline:for:' .. holder
-    redis.call('SADD', set, string.sub(KEYS[1], #'offline:' + 1))
-    if redis.call('PTTL', set) < tonumber(ttl) then
-      redis.call('PEXPIRE', set, ttl)
-    end
-  end
-end
-
 local holder, listening = lease_holder(ARGV[2])
 if listening then
   return holder
@@ -66,5 +38,5 @@ end
 if redis.call('PTTL', KEYS[1]) < tonumber(ttl) then
   redis.call('PEXPIRE', KEYS[1], ttl)
 end
-tell(holder)
+tell(holder, ttl)
 return len

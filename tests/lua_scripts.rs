@@ -916,7 +916,7 @@ fn offline_push_refuses_a_rig_connected_to_another_live_broker() {
     assert_eq!(push(&mut con, "fe-a"), Pushed::Held);
     // A TTL PEXPIRE would refuse is refused before anything is written: a list pushed and
     // then left without its TTL would stay for good.
-    let sha = redis::Script::new(include_str!("../lua/offline_push.lua"))
+    let sha = redis::Script::new(fleetlink::registry::offline::PUSH)
         .get_hash()
         .to_string();
     let long: Result<redis::Value, _> = redis::cmd("EVALSHA")

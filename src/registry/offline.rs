@@ -85,11 +85,24 @@ pub struct OfflineScripts {
     take: Script,
 }
 
+/// `offline_push.lua` as Redis runs it: behind the lease check it shares with
+/// `offline_return.lua` (a script can call no other).
+pub const PUSH: &str = concat!(
+    include_str!("../../lua/lease_holder.lua"),
+    include_str!("../../lua/offline_push.lua")
+);
+
+/// `offline_return.lua` as Redis runs it, behind the same lease check.
+const RETURN: &str = concat!(
+    include_str!("../../lua/lease_holder.lua"),
+    include_str!("../../lua/offline_return.lua")
+);
+
 impl Default for OfflineScripts {
     fn default() -> Self {
         Self {
-            push: Script::new(include_str!("../../lua/offline_push.lua")),
-            put_back: Script::new(include_str!("../../lua/offline_return.lua")),
+            push: Script::new(PUSH),
+            put_back: Script::new(RETURN),
             take: Script::new(include_str!("../../lua/offline_take.lua")),
         }
     }
