@@ -31,8 +31,21 @@ const QUEUE: usize = 65_536;
 /// failure themselves, at most once a second.
 const DEFAULT_LOG: &str = "info,rustls=error";
 
+/// What goes after a `RUST_LOG` the operator set: rustls kept at error unless it names rustls
+/// itself, so that `RUST_LOG=info,fleetlink::worker=debug` does not also let any peer write a
+/// warning line per connection.
+fn quiet_rustls(rust_log: Option<&str>) -> Option<&'static str> {
+    let set = rust_log.map(str::trim).filter(|f| !f.is_empty())?;
+    (!set.contains("rustls") && set != "off").then_some("rustls=error")
+}
+
 fn main() -> ExitCode {
-    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or(DEFAULT_LOG)).init();
+    let mut logger =
+        env_logger::Builder::from_env(env_logger::Env::default().default_filter_or(DEFAULT_LOG));
+    if let Some(quiet) = quiet_rustls(std::env::var("RUST_LOG").ok().as_deref()) {
+        logger.parse_filters(quiet);
+    }
+    logger.init();
     let cli = match Cli::load(std::env::args_os().collect()) {
         Ok(cli) => cli,
         Err(e) => match e.downcast::<clap::Error>() {
@@ -394,4 +407,20 @@ fn spawn_signal_thread(
             }
         })?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::quiet_rustls;
+
+    #[test]
+    fn rustls_stays_at_error_unless_rust_log_names_it() {
+        for set in ["info", "debug", "info,fleetlink::worker=debug", " warn "] {
+            assert_eq!(quiet_rustls(Some(set)), Some("rustls=error"), "{set}");
+        }
+        for set in ["info,rustls=debug", "rustls=warn", "off", "", " "] {
+            assert_eq!(quiet_rustls(Some(set)), None, "{set:?}");
+        }
+        assert_eq!(quiet_rustls(None), None, "unset: the default has it");
+    }
 }

@@ -13,6 +13,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::broker::{eventually, Broker};
+use common::jwt::{now_s, Signer};
 use common::process::{output_within, RefusingPort};
 use serde_json::{json, Value};
 use tungstenite::protocol::frame::coding::CloseCode;
@@ -226,6 +227,54 @@ fn runs_allowed_commands_once_and_acks_refused_ones() {
         .map(|l| l.split_whitespace().next().unwrap().to_string())
         .collect();
     assert_eq!(seqs, ["seq=1", "seq=3"], "a refused command was executed");
+}
+
+/// With --token-file the agent sends its bearer token with each upgrade, reading the file
+/// again at each attempt: refused 401 (its token expired), it retries rather than stop, and
+/// gets in once the file holds a renewed token. A file missing at start is a startup error.
+#[test]
+fn a_bearer_token_is_read_at_each_attempt_and_a_renewed_one_gets_in() {
+    let dir = std::env::temp_dir().join(format!(
+        "fleetlink-agent-jwt-{}-{}",
+        std::process::id(),
+        fastrand::u64(..)
+    ));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (signer, key) = Signer::new(&dir);
+    let b = Broker::start(&["--jwt-key", key.to_str().unwrap()]);
+    let token =
+        |exp: u64| signer.token(json!({"exp": exp, "rig_id": "rig-tok", "scope": "cmd:echo"}));
+    let file = dir.join("token");
+    std::fs::write(&file, token(now_s() - 3600)).unwrap();
+    let agent = Agent::start(
+        &b.url("/agent"),
+        "rig-tok",
+        &["--allow", "echo", "--token-file", file.to_str().unwrap()],
+    );
+    agent.wait_line("HTTP 401", Duration::from_secs(10));
+    assert!(rig(&b, "rig-tok").is_none());
+    std::fs::write(&file, format!("{}\n", token(now_s() + 600))).unwrap();
+    wait_rig(&b, "rig-tok", "welcomed with the renewed token", |_| true);
+    assert_eq!(send(&b, "rig-tok", "echo", json!({"argv": ["t"]})), 1);
+    agent.wait_line("finished seq=1 name=echo ok=true", Duration::from_secs(10));
+    assert!(!agent.has_line("not retrying"), "{}", agent.log());
+
+    let missing = dir.join("none");
+    let out = output_within(
+        Command::new(env!("CARGO_BIN_EXE_fleetlink-agent")).args([
+            "--url",
+            &b.url("/agent"),
+            "--rig-id",
+            "rig-tok",
+            "--token-file",
+            missing.to_str().unwrap(),
+        ]),
+        Duration::from_secs(30),
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("--token-file"), "{stderr}");
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]

@@ -27,8 +27,9 @@ pub struct Cli {
 const AFTER_HELP: &str = "\
 Durations take a unit: 250ms, 20s, 5m, 1h (a bare number is refused, except 0).
 
-Logging: RUST_LOG sets the level and filters (default info,rustls=error), e.g. RUST_LOG=debug or
-RUST_LOG=info,fleetlink::worker=debug. Logs go to stderr.
+Logging: RUST_LOG sets the level and filters (default info,rustls=error; rustls stays at error
+unless RUST_LOG names it), e.g. RUST_LOG=debug or RUST_LOG=info,fleetlink::worker=debug. Logs
+go to stderr.
 
 Signals: SIGTERM/SIGINT (or POST /v1/drain) drain over --drain, then exit 0; a second
 SIGTERM/SIGINT during a drain ends it at once. SIGHUP reloads the TLS files when TLS is on.

@@ -77,7 +77,7 @@ pub(super) const HELP: &[(&str, &str)] = &[
     ),
     (
         "fleetlink_identity_mismatch_total",
-        "Hellos whose rig_id is not the TLS client identity (4403).",
+        "Hellos whose rig_id is not the identity the connection proved, its TLS client certificate or its bearer token's rig_id (4403).",
     ),
     (
         "fleetlink_forbidden_total",

@@ -3,6 +3,7 @@
 
 pub mod broker;
 pub mod control;
+pub mod jwt;
 pub mod process;
 pub mod redis;
 pub mod relay;

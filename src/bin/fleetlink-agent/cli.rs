@@ -30,17 +30,20 @@ Reconnecting (the same boot id, so the broker resumes the session):
   kicked (close 1012)    0.5-1.5 s: control asked for the reconnect
   anything else          uniform(0.5, 1.5) x min(2^n, 30) s, n the failures in a row
                          (at most 45 s); a connection up 10 s after its welcome starts n over
+  HTTP 401 with --token-file
+                         as anything else: the token may have expired, and the file is read
+                         again at each attempt, so a renewed token gets in
   4400, 4403, 4409, or a final 4xx to the upgrade: no retry (exit 5)
 
 Exit codes:
   0   stopped: SIGTERM/SIGINT, or --run-for elapsed
-  1   startup error (TLS files, --exec-log) or the command worker died
+  1   startup error (TLS files, --exec-log, --token-file) or the command worker died
   3   gave up after --max-attempts attempts in a row that never got a welcome
   4   a seq gap: commands were lost, so going on would hide it
   5   refused by the broker for good: 4400 (bad hello), 4403 (TLS identity is not
       --rig-id), 4409 (a newer boot of this rig is connected), or the upgrade answered
-      with a 4xx other than 408/429 (404: --url's path is not /agent); reconnecting would
-      not help
+      with a 4xx other than 408/429 (404: --url's path is not /agent; 401 only without
+      --token-file); reconnecting would not help
   64  usage: a flag that does not parse or does not validate";
 
 /// The reference rig agent: hello, ack, run allowed commands, reconnect with jitter.
@@ -74,6 +77,11 @@ pub(crate) struct Cli {
     /// CA bundle (PEM) to trust for the broker's certificate. Default: the system bundle.
     #[arg(long, env = "FLEETLINK_AGENT_CA")]
     ca: Option<PathBuf>,
+    /// File holding a bearer token (a JWT) for a broker started with --jwt-key, sent as
+    /// `Authorization: Bearer` with each upgrade. Read again at every connection attempt, so
+    /// a renewed token is used without a restart.
+    #[arg(long, env = "FLEETLINK_AGENT_TOKEN_FILE")]
+    token_file: Option<PathBuf>,
     /// Append `seq=N id=ID name=NAME ok=BOOL` per executed command, fsync'd (exactly-once checks).
     #[arg(long, env = "FLEETLINK_AGENT_EXEC_LOG")]
     exec_log: Option<PathBuf>,
@@ -110,6 +118,8 @@ pub(crate) struct Config {
     /// `(cert, key)` for mTLS.
     pub(crate) identity: Option<(PathBuf, PathBuf)>,
     pub(crate) ca: Option<PathBuf>,
+    /// The bearer token's file, read at each attempt.
+    pub(crate) token_file: Option<PathBuf>,
     pub(crate) exec_log: Option<PathBuf>,
     pub(crate) output_cap: usize,
     pub(crate) command_timeout: Duration,
@@ -167,6 +177,7 @@ impl Cli {
             allow: self.allow.into_iter().collect(),
             identity,
             ca: self.ca,
+            token_file: self.token_file,
             exec_log: self.exec_log,
             output_cap: self.output_cap,
             command_timeout: self.command_timeout,

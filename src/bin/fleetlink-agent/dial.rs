@@ -2,15 +2,20 @@
 //! connect to the first address that answers, TLS if `wss://`, then the websocket upgrade.
 //! A `503` answer is reported with its `Retry-After` so the caller can honour it; a `4xx`
 //! that no retry can change (a wrong path, a plain GET, a head too large, credentials the
-//! broker refuses) as a refusal, so the agent stops instead of knocking forever.
+//! broker refuses) as a refusal, so the agent stops instead of knocking forever. A bearer
+//! token is read from its file at every attempt, and its 401 is retried: the file may be
+//! renewed.
 
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
+use std::path::Path;
 use std::sync::mpsc::{self, RecvTimeoutError};
 use std::sync::Arc;
 use std::time::Duration;
 
 use rustls::ClientConfig;
+use tungstenite::client::IntoClientRequest;
 use tungstenite::handshake::HandshakeError;
+use tungstenite::http::header::{HeaderValue, AUTHORIZATION};
 use tungstenite::protocol::WebSocketConfig;
 use tungstenite::WebSocket;
 
@@ -52,19 +57,21 @@ pub(crate) type Dialed = Result<(WebSocket<Stream>, SocketAddr), DialError>;
 pub(crate) fn dial_unless(
     endpoint: &Endpoint,
     tls: Option<&Arc<ClientConfig>>,
+    token_file: Option<&Path>,
     stopping: impl Fn() -> bool,
     poll: Duration,
 ) -> Option<Dialed> {
     let (tx, rx) = mpsc::sync_channel(1);
     let (endpoint_, tls_) = (endpoint.clone(), tls.cloned());
+    let token_ = token_file.map(Path::to_path_buf);
     let spawned = std::thread::Builder::new()
         .name("dial".into())
         .spawn(move || {
-            let _ = tx.send(dial(&endpoint_, tls_.as_ref()));
+            let _ = tx.send(dial(&endpoint_, tls_.as_ref(), token_.as_deref()));
         });
     if spawned.is_err() {
         // No thread to spare: dial here, as stoppable as its timeouts.
-        return Some(dial(endpoint, tls));
+        return Some(dial(endpoint, tls, token_file));
     }
     loop {
         match rx.recv_timeout(poll) {
@@ -78,8 +85,38 @@ pub(crate) fn dial_unless(
     }
 }
 
+/// The `Authorization` value for the token in `path`: read now, so that a renewed token is
+/// the one sent. An empty file is an error, as the broker would refuse it anyway.
+pub(crate) fn bearer(path: &Path) -> Result<HeaderValue, String> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| format!("--token-file {}: {e}", path.display()))?;
+    let token = text.trim();
+    if token.is_empty() {
+        return Err(format!("--token-file {}: empty", path.display()));
+    }
+    HeaderValue::from_str(&format!("Bearer {token}")).map_err(|_| {
+        format!(
+            "--token-file {}: not a token (control characters or non-ASCII bytes)",
+            path.display()
+        )
+    })
+}
+
 /// Connects to `endpoint`, returning the websocket and the address it reached.
-pub(crate) fn dial(endpoint: &Endpoint, tls: Option<&Arc<ClientConfig>>) -> Dialed {
+pub(crate) fn dial(
+    endpoint: &Endpoint,
+    tls: Option<&Arc<ClientConfig>>,
+    token_file: Option<&Path>,
+) -> Dialed {
+    let mut request = endpoint
+        .url
+        .as_str()
+        .into_client_request()
+        .map_err(|e| DialError::Failed(format!("--url: {e}")))?;
+    if let Some(path) = token_file {
+        let value = bearer(path).map_err(DialError::Failed)?;
+        request.headers_mut().insert(AUTHORIZATION, value);
+    }
     let addrs = (endpoint.host.as_str(), endpoint.port)
         .to_socket_addrs()
         .map_err(|e| DialError::Failed(format!("resolving {}: {e}", endpoint.host)))?;
@@ -107,7 +144,7 @@ pub(crate) fn dial(endpoint: &Endpoint, tls: Option<&Arc<ClientConfig>>) -> Dial
         None => Stream::Plain(tcp),
     };
     let config = WebSocketConfig::default().max_message_size(Some(MAX_INBOUND_MESSAGE));
-    match tungstenite::client::client_with_config(endpoint.url.as_str(), stream, Some(config)) {
+    match tungstenite::client::client_with_config(request, stream, Some(config)) {
         Ok((ws, _response)) => Ok((ws, addr)),
         Err(HandshakeError::Interrupted(_)) => {
             Err(DialError::Failed(format!("{addr}: handshake timed out")))
@@ -121,6 +158,15 @@ pub(crate) fn dial(endpoint: &Endpoint, tls: Option<&Arc<ClientConfig>>) -> Dial
                 .and_then(|v| v.to_str().ok())
                 .and_then(parse_retry_after);
             Err(DialError::Unavailable { retry_after })
+        }
+        // The token may have expired; its file is read again at the next attempt.
+        Err(HandshakeError::Failure(tungstenite::Error::Http(resp)))
+            if resp.status().as_u16() == 401 && token_file.is_some() =>
+        {
+            Err(DialError::Failed(format!(
+                "{addr}: upgrade refused with HTTP 401: the broker does not take the token in \
+                 --token-file (expired, or signed with a key it does not have)"
+            )))
         }
         Err(HandshakeError::Failure(tungstenite::Error::Http(resp)))
             if refusal_is_final(resp.status().as_u16()) =>

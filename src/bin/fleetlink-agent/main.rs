@@ -83,6 +83,11 @@ fn run(cfg: Config) -> anyhow::Result<Exit> {
         }
         false => None,
     };
+    // Read at every attempt; a file that is not there at start is a mistake, not a renewal
+    // still to come.
+    if let Some(path) = cfg.token_file.as_deref() {
+        dial::bearer(path).map_err(anyhow::Error::msg)?;
+    }
     let exec_log = cfg.exec_log.as_deref().map(ExecLog::open).transpose()?;
     if cfg.allow.is_empty() {
         log::warn!("no --allow given: every command will be refused");

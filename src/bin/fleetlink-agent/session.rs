@@ -172,6 +172,7 @@ impl Agent {
             let dialed = dial::dial_unless(
                 &self.cfg.endpoint,
                 self.tls.as_ref(),
+                self.cfg.token_file.as_deref(),
                 || self.stopping(),
                 POLL,
             );
