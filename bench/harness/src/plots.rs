@@ -76,7 +76,7 @@ pub(crate) fn run(o: &Opts) -> Result<()> {
             "connections",
             "RSS (MiB, log scale)",
             0.0..x.end,
-            (y.start * 0.8..y.end * 1.25).log_scale(),
+            (decade_below(y.start)..y.end * 1.25).log_scale(),
             &density,
         )?;
         wrote += 1;
@@ -242,6 +242,12 @@ const COLORS: [RGBColor; 8] = [
 fn tick(v: f64) -> String {
     let s = format!("{v:.3}");
     s.trim_end_matches('0').trim_end_matches('.').to_string()
+}
+
+/// The power of ten at or below `v`: a log axis labels only its powers of ten, so one that
+/// started between two left its lowest points (a few MiB) under no label at all.
+fn decade_below(v: f64) -> f64 {
+    10f64.powf(v.log10().floor())
 }
 
 /// The x and y ranges covering every point.
@@ -425,6 +431,13 @@ mod tests {
         assert_eq!(labels("r12"), ["fleetlink-fe-redis"]);
         assert_eq!(labels("admin-r3"), ["fleetlink-fe-admin"]);
         assert!(labels("r99").is_empty());
+    }
+
+    #[test]
+    fn a_log_axis_starts_at_a_labelled_decade() {
+        assert_eq!(decade_below(4.7), 1.0);
+        assert_eq!(decade_below(10.0), 10.0);
+        assert_eq!(decade_below(123.0), 100.0);
     }
 
     #[test]
