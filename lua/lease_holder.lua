@@ -1,24 +1,17 @@
 -- lease_holder.lua: what offline_push.lua and offline_return.lua share, put in front of each
--- of them when they are built (src/registry/offline.rs), since a script that Redis runs can
--- call no other. Not a script of its own: it only defines two functions.
+-- of them when they are built (src/registry/offline.rs), behind listening.lua, since a script
+-- that Redis runs can call no other. Not a script of its own: it only defines two functions.
 --
 -- KEYS[1]  offline:<rig_id>, KEYS[2]  rig:<rig_id>, as in both scripts.
 
--- The broker the rig's lease names, when it is another one, and whether it is listening: its
--- broker:<id> key is there (it lapses 30 s after a broker dies) and something subscribes to its
--- channel (nothing does for a broker that died, or for one reconnecting to Redis). Where a
--- Redis refuses PUBSUB in scripts, the key alone decides.
+-- The broker the rig's lease names, when it is another one, and whether it is listening.
 local function lease_holder(me)
   local lease = redis.call('GET', KEYS[2])
   local holder = lease and string.match(lease, '^[^|]*|(.+)$')
   if not holder or holder == me then
     return nil, false
   end
-  if redis.call('EXISTS', 'broker:' .. holder) ~= 1 then
-    return holder, false
-  end
-  local subs = redis.pcall('PUBSUB', 'NUMSUB', 'fleetlink:broker:' .. holder)
-  return holder, type(subs) ~= 'table' or subs.err ~= nil or tonumber(subs[2]) ~= 0
+  return holder, listening(holder)
 end
 
 -- Held for a rig whose lease names a broker that is not listening: should that broker still

@@ -21,10 +21,16 @@
 --                 an older boot in over a newer one); the rule is hello's, newer boot wins, so
 --                 the older boot's broker must be told (its channel, evict), and the older
 --                 boot's session reported rig_rebooted (the caller runs resume.lua for it)
+--   "reclaimed"   the key held this very boot on another broker that is not listening (dead,
+--                 its broker:<id> key lapsed or its channel unheard): the rig's process said
+--                 hello here while this broker could not reach Redis, after that broker died.
+--                 The rig's only live connection is this broker's: SET expected PX ttl_ms, as
+--                 for "restored" (before, the refresh closed it 4410 for a dead broker's lease)
 --   "superseded"  any other value, of any type (a newer or equal boot elsewhere, or garbage),
 --                 or a missing key whose rig has a newer boot on record (it said hello since;
 --                 this broker's connection is a stale process's): nothing touched
 -- Errors "ERR fleetlink refresh: ..." on malformed ARGV, before any write.
+-- Built with lua/listening.lua in front of it (listening).
 -- sessof:<rig_id> is derived from KEYS[i] (single-instance Redis; not cluster-safe, as in
 -- resume.lua).
 
@@ -77,6 +83,17 @@ local function older_tuple(current, expected)
   return theirs ~= nil and ours ~= nil and #theirs == #ours and newer(ours, theirs)
 end
 
+-- Whether `current` is the boot `expected` names, held by another broker that is not
+-- listening (both "<boot>|<broker>").
+local function same_boot_unheard(current, expected)
+  if type(current) ~= 'string' then
+    return false
+  end
+  local boot, broker = current:match('^([^|]+)|(.+)$')
+  local ours = expected:match('^([^|]+)|')
+  return boot ~= nil and boot == ours and current ~= expected and not listening(broker)
+end
+
 local out = {}
 for i = 1, #KEYS do
   local key, expected = KEYS[i], ARGV[i + 1]
@@ -96,6 +113,9 @@ for i = 1, #KEYS do
   elseif older_tuple(current, expected) and not newer_boot_on_record(key, expected) then
     redis.call('SET', key, expected, 'PX', ttl)
     out[i] = 'taken|' .. current
+  elseif same_boot_unheard(current, expected) and not newer_boot_on_record(key, expected) then
+    redis.call('SET', key, expected, 'PX', ttl)
+    out[i] = 'reclaimed'
   else
     out[i] = 'superseded'
   end

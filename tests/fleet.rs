@@ -2556,3 +2556,40 @@ fn a_command_held_while_the_rigs_broker_was_away_from_redis_reaches_the_rig_it_k
     let told: bool = con.exists("offline:for:fe-a").unwrap();
     assert!(!left && !told);
 }
+
+/// A rig whose broker was killed says hello, the same boot, to a broker that cannot reach
+/// Redis, which welcomes it alone. When that broker reconnects, the lease in Redis still names
+/// the dead broker: the rig's only connection keeps the lease (before, the refresh closed it
+/// 4410 as superseded by a connection nobody held), and what was held for the rig meanwhile
+/// reaches it.
+#[test]
+fn a_dead_brokers_lease_of_the_same_boot_does_not_supersede_its_rigs_new_connection() {
+    let redis = RedisServer::start();
+    let relay = Relay::start(redis.port());
+    let mut a = fleet_broker(&redis, "fe-a", &[]);
+    let b = fleet_broker(&redis, "fe-b", &[]);
+    let c = broker_behind(&relay, "fe-c");
+    let mut ctl = Control::new(&redis, &["fleetlink:events"]);
+    let boot = boot_id();
+    let first = hello_on(&a, "rig-1", &boot);
+    eventually(Duration::from_secs(10), "the lease is fe-a's", || {
+        owner(&redis, "rig-1").is_some_and(|o| o.ends_with("|fe-a"))
+    });
+    a.signal(9);
+    a.wait_exit(Duration::from_secs(10));
+    drop(first);
+    cut_off(&relay, &c);
+    let mut ws = hello_on(&c, "rig-1", &boot);
+    queued_through(&mut ctl, "fe-b", "rig-1", "q1");
+    relay.down(false);
+    let cmd = read_json(&mut ws);
+    assert_eq!(cmd["id"], "q1", "{cmd}");
+    eventually(Duration::from_secs(10), "the lease is fe-c's", || {
+        owner(&redis, "rig-1").is_some_and(|o| o.ends_with("|fe-c"))
+    });
+    assert_eq!(
+        c.metric(r#"fleetlink_registry_ops_total{op="refresh",result="reclaimed"}"#),
+        1
+    );
+    drop(b);
+}

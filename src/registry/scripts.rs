@@ -92,6 +92,10 @@ pub enum RefreshStatus {
         /// The entry replaced.
         from: Owner,
     },
+    /// The key named this very boot on another broker that is not listening (dead, or
+    /// reconnecting): the rig's process said hello here while this broker could not reach
+    /// Redis. Written as ours, as for [`Self::Restored`].
+    Reclaimed,
     /// Someone else's entry (or garbage): untouched; the caller closes that socket with 4410.
     Superseded,
 }
@@ -110,12 +114,19 @@ pub enum RegistryError {
     UnexpectedReply(String),
 }
 
+/// `refresh.lua` as Redis runs it, behind the check of whether a broker is listening that it
+/// shares with the offline scripts (a script can call no other).
+pub const REFRESH: &str = concat!(
+    include_str!("../../lua/listening.lua"),
+    include_str!("../../lua/refresh.lua")
+);
+
 impl Scripts {
     /// Embeds and hashes the scripts; no Redis traffic.
     pub fn new() -> Scripts {
         Scripts {
             hello: Script::new(include_str!("../../lua/hello.lua")),
-            refresh: Script::new(include_str!("../../lua/refresh.lua")),
+            refresh: Script::new(REFRESH),
             release: Script::new(include_str!("../../lua/release.lua")),
             broker: Script::new(include_str!("../../lua/broker.lua")),
         }
@@ -439,6 +450,7 @@ fn refresh_status(v: &Value) -> Option<RefreshStatus> {
     match text(v)? {
         "ok" => Some(RefreshStatus::Ok),
         "restored" => Some(RefreshStatus::Restored),
+        "reclaimed" => Some(RefreshStatus::Reclaimed),
         "superseded" => Some(RefreshStatus::Superseded),
         other => match other.split_once('|') {
             Some(("taken", from)) => Some(RefreshStatus::Taken {

@@ -441,7 +441,7 @@ impl Bridge {
                     self.evict(rig, *boot, &from)
                 }
                 RefreshStatus::Outlived { .. } => ended.push((rig, boot)),
-                RefreshStatus::Ok | RefreshStatus::Restored => {}
+                RefreshStatus::Ok | RefreshStatus::Restored | RefreshStatus::Reclaimed => {}
             }
             restored.insert(rig);
         }

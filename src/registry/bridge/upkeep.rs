@@ -149,6 +149,8 @@ impl Bridge {
         self.queue_ended_alone();
         let entries = self.registry.live_sessions();
         if entries.is_empty() {
+            // No rig of it is connected here, but the set is emptied all the same.
+            self.take_held_for_me();
             return;
         }
         let ttl = self.cfg.registry_ttl;
@@ -194,6 +196,7 @@ impl Bridge {
             // Either way the core holding the rig sends its session back to be kept again.
             let rekeep = match status {
                 RefreshStatus::Restored
+                | RefreshStatus::Reclaimed
                 | RefreshStatus::Outlived { .. }
                 | RefreshStatus::Taken { .. } => true,
                 RefreshStatus::Ok => everyone,
@@ -205,6 +208,7 @@ impl Bridge {
             if matches!(
                 status,
                 RefreshStatus::Restored
+                    | RefreshStatus::Reclaimed
                     | RefreshStatus::Outlived { .. }
                     | RefreshStatus::Taken { .. }
             ) {
@@ -221,6 +225,7 @@ impl Bridge {
             match status {
                 RefreshStatus::Ok => self.shared.count("refresh", "ok"),
                 RefreshStatus::Restored => self.shared.count("refresh", "restored"),
+                RefreshStatus::Reclaimed => self.shared.count("refresh", "reclaimed"),
                 RefreshStatus::Outlived { .. } => self.shared.count("refresh", "outlived"),
                 RefreshStatus::Taken { from } => {
                     self.shared.count("refresh", "taken");
