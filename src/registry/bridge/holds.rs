@@ -453,10 +453,12 @@ impl Bridge {
             let n = self.deadlines.len();
             if n > 0 {
                 log::warn!(
-                    "exiting while keeping the deadlines of {n} commands held for offline rigs: \
-                     they stay held in Redis and reach their rigs at the next hello on any \
-                     broker, but one whose deadline passes is reported expired only at its \
-                     rig's hello, and not at all if the rig stays away past a minute after it"
+                    "exiting while keeping the deadlines of {n} commands this broker held for \
+                     offline rigs (delivered ones too: a deadline is kept until due, since \
+                     another broker may deliver the command): those still held stay in Redis \
+                     and reach their rigs at the next hello on any broker, but one whose \
+                     deadline passes is reported expired only at its rig's hello, and not at \
+                     all if the rig stays away past a minute after it"
                 );
             }
             return;

@@ -59,6 +59,9 @@ impl Bridge {
             self.next_refresh = now;
             self.next_heartbeat = now;
             self.next_canary = now;
+            // Readiness waits for a canary through the new subscription; the last one came
+            // before the outage, and its age would read as a slow subscription.
+            self.shared.canary_at_ms.store(0, Ordering::Relaxed);
         }
         self.batched(|b| {
             for push in pushes {
