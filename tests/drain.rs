@@ -339,7 +339,7 @@ fn a_drain_says_what_becomes_of_commands_held_for_offline_rigs() {
     assert!(b
         .wait_exit(Duration::from_secs(10))
         .is_some_and(|s| s.success()));
-    b.wait_log(&["keeping the deadlines of 2 commands held for offline rigs"]);
+    b.wait_log(&["keeping the deadlines of 2 commands this broker held for offline rigs"]);
 }
 
 /// A standalone broker keeps sessions in memory: a drain says, at exit, which commands it
