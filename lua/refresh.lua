@@ -6,6 +6,8 @@
 -- KEYS[1..n]    rig:<rig_id>, one per rig this broker holds
 -- ARGV[1]       ttl_ms: decimal integer, 1 to 15 digits, no leading zero
 -- ARGV[2..n+1]  "<boot_id>|<broker_id>": the value this broker expects in KEYS[i] at ARGV[i+1]
+-- ARGV[n+2]     optional: n characters, '1' where KEYS[i] may be reclaimed (below), '0' where
+--               not; without it, none may
 --
 -- Returns an array of n statuses, in KEYS order:
 --   "ok"          value == expected: PEXPIRE ttl_ms
@@ -21,11 +23,14 @@
 --                 an older boot in over a newer one); the rule is hello's, newer boot wins, so
 --                 the older boot's broker must be told (its channel, evict), and the older
 --                 boot's session reported rig_rebooted (the caller runs resume.lua for it)
---   "reclaimed"   the key held this very boot on another broker that is not listening (dead,
---                 its broker:<id> key lapsed or its channel unheard): the rig's process said
---                 hello here while this broker could not reach Redis, after that broker died.
---                 The rig's only live connection is this broker's: SET expected PX ttl_ms, as
---                 for "restored" (before, the refresh closed it 4410 for a dead broker's lease)
+--   "unheard"     the key holds this very boot on another broker that is not listening (its
+--                 broker:<id> key lapsed or its channel unheard), and KEYS[i] may not be
+--                 reclaimed: nothing touched. That broker died or drained (the rig's process
+--                 then said hello here while this broker could not reach Redis), or it is only
+--                 resubscribing: the caller waits to see which, keeping its connection
+--   "reclaimed"   the same, where KEYS[i] may be reclaimed (the caller found that broker
+--                 unheard for long enough: not a resubscription): SET expected PX ttl_ms, as
+--                 for "restored"
 --   "superseded"  any other value, of any type (a newer or equal boot elsewhere, or garbage),
 --                 or a missing key whose rig has a newer boot on record (it said hello since;
 --                 this broker's connection is a stale process's): nothing touched
@@ -34,10 +39,11 @@
 -- sessof:<rig_id> is derived from KEYS[i] (single-instance Redis; not cluster-safe, as in
 -- resume.lua).
 
-local ttl = ARGV[1]
-if #ARGV ~= #KEYS + 1 or type(ttl) ~= 'string' or #ttl > 15
-    or not ttl:match('^[1-9]%d*$') then
-  return redis.error_reply('ERR fleetlink refresh: expected ARGV ttl_ms, then one value per key')
+local ttl, flags = ARGV[1], ARGV[#KEYS + 2] or ''
+if (#ARGV ~= #KEYS + 1 and #ARGV ~= #KEYS + 2) or type(ttl) ~= 'string' or #ttl > 15
+    or not ttl:match('^[1-9]%d*$') or (#ARGV == #KEYS + 2 and not flags:match('^[01]*$'))
+    or (#ARGV == #KEYS + 2 and #flags ~= #KEYS) then
+  return redis.error_reply('ERR fleetlink refresh: expected ARGV ttl_ms, then one value per key, then optional reclaim flags')
 end
 
 -- a > b for two canonical boot ids, byte by byte (Lua's '<' follows the locale; see hello.lua).
@@ -114,8 +120,12 @@ for i = 1, #KEYS do
     redis.call('SET', key, expected, 'PX', ttl)
     out[i] = 'taken|' .. current
   elseif same_boot_unheard(current, expected) and not newer_boot_on_record(key, expected) then
-    redis.call('SET', key, expected, 'PX', ttl)
-    out[i] = 'reclaimed'
+    if flags:sub(i, i) == '1' then
+      redis.call('SET', key, expected, 'PX', ttl)
+      out[i] = 'reclaimed'
+    else
+      out[i] = 'unheard'
+    end
   else
     out[i] = 'superseded'
   end

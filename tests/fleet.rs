@@ -2559,9 +2559,9 @@ fn a_command_held_while_the_rigs_broker_was_away_from_redis_reaches_the_rig_it_k
 
 /// A rig whose broker was killed says hello, the same boot, to a broker that cannot reach
 /// Redis, which welcomes it alone. When that broker reconnects, the lease in Redis still names
-/// the dead broker: the rig's only connection keeps the lease (before, the refresh closed it
-/// 4410 as superseded by a connection nobody held), and what was held for the rig meanwhile
-/// reaches it.
+/// the dead broker: the rig's only connection keeps the lease once that broker has stayed
+/// unheard for the reclaim's wait (before, the refresh closed it 4410 as superseded by a
+/// connection nobody held), and what was held for the rig meanwhile reaches it.
 #[test]
 fn a_dead_brokers_lease_of_the_same_boot_does_not_supersede_its_rigs_new_connection() {
     let redis = RedisServer::start();
@@ -2592,4 +2592,37 @@ fn a_dead_brokers_lease_of_the_same_boot_does_not_supersede_its_rigs_new_connect
         1
     );
     drop(b);
+}
+
+/// A lease of the rig's own boot held by a broker whose channel is unheard for a moment (its
+/// subscription cut, and back) is not taken from it: that broker may hold the rig's live
+/// connection, and this one a stale one. This broker's connection stays while it waits, and
+/// is closed 4410 once the other is heard again. (Taken at once, the rig's live connection
+/// there was closed instead, and the lease pointed at a stale socket.)
+#[test]
+fn a_lease_of_a_broker_unheard_for_a_moment_is_not_taken_from_it() {
+    let redis = RedisServer::start();
+    let c = fleet_broker(&redis, "fe-c", &["--registry-refresh", "200ms"]);
+    let boot = boot_id();
+    let mut ws = hello_on(&c, "rig-1", &boot);
+    eventually(Duration::from_secs(10), "the lease is fe-c's", || {
+        owner(&redis, "rig-1").is_some_and(|o| o.ends_with("|fe-c"))
+    });
+    // The rig's process has a connection on fe-x too, which took the lease; fe-x's
+    // subscription is down for the moment.
+    let mut con = redis.connection();
+    let _: () = con.set("broker:fe-x", "{}").unwrap();
+    let _: () = con.set("rig:rig-1", format!("{boot}|fe-x")).unwrap();
+    c.wait_metric(r#"fleetlink_registry_ops_total{op="refresh",result="unheard"} 1"#);
+    let mut fe_x = redis.connection();
+    let _: () = redis::cmd("SUBSCRIBE")
+        .arg("fleetlink:broker:fe-x")
+        .query(&mut fe_x)
+        .unwrap();
+    assert_eq!(read_close(&mut ws), 4410);
+    assert_eq!(owner(&redis, "rig-1"), Some(format!("{boot}|fe-x")));
+    assert_eq!(
+        c.metric(r#"fleetlink_registry_ops_total{op="refresh",result="reclaimed"}"#),
+        0
+    );
 }

@@ -378,8 +378,9 @@ fn refresh_takes_the_lease_from_an_older_boot_and_names_it() {
 }
 
 /// The same boot's lease on another broker: that broker holds the rig's connection while it
-/// listens, so this one is superseded; once it does not (killed, its `broker:` key lingering
-/// or gone), the rig's process said hello here since, and the lease is reclaimed.
+/// listens, so this one is superseded. Once it does not (killed, its `broker:` key lingering
+/// or gone; or only resubscribing), the lease is left alone and said to be unheard, and taken
+/// back only where the caller asks (it waited long enough to rule out a resubscription).
 #[test]
 fn refresh_reclaims_the_same_boots_lease_from_a_broker_nobody_hears() {
     let (server, mut con, scripts) = setup();
@@ -388,18 +389,22 @@ fn refresh_reclaims_the_same_boots_lease_from_a_broker_nobody_hears() {
     scripts.hello(&mut con, &r, &b, "fe-a", TTL).unwrap();
     set(&mut con, "broker:fe-a", "{}");
     let fe_a = listen_as(&server, "fe-a");
-    let refresh = |con: &mut Connection| scripts.refresh(con, &[(r.clone(), b)], "fe-b", TTL);
+    let entries = [(r.clone(), b)];
+    let refresh =
+        |con: &mut Connection| scripts.refresh_reclaiming(con, &entries, "fe-b", TTL, |_| true);
     assert_eq!(refresh(&mut con).unwrap(), [RefreshStatus::Superseded]);
     assert_eq!(get(&mut con, "rig:rig-1"), Some(tuple(&b, "fe-a")));
     drop(fe_a);
     let deadline = Instant::now() + Duration::from_secs(10);
     let out = loop {
-        let out = refresh(&mut con).unwrap();
+        let out = scripts.refresh(&mut con, &entries, "fe-b", TTL).unwrap();
         if out != [RefreshStatus::Superseded] || Instant::now() > deadline {
             break out;
         }
     };
-    assert_eq!(out, [RefreshStatus::Reclaimed]);
+    assert_eq!(out, [RefreshStatus::Unheard], "not asked to reclaim");
+    assert_eq!(get(&mut con, "rig:rig-1"), Some(tuple(&b, "fe-a")));
+    assert_eq!(refresh(&mut con).unwrap(), [RefreshStatus::Reclaimed]);
     assert_eq!(get(&mut con, "rig:rig-1"), Some(tuple(&b, "fe-b")));
     assert!(pttl(&mut con, "rig:rig-1") > 50_000);
     // fe-a's key gone too, and a newer boot on record: the rig has moved on; not reclaimed.

@@ -426,17 +426,22 @@ impl Bridge {
             .into_iter()
             .collect();
         let ttl = self.cfg.registry_ttl;
-        let Some(statuses) = self.fleet.as_mut().and_then(|f| f.refresh(&leases, ttl)) else {
+        let Some(statuses) = self
+            .fleet
+            .as_mut()
+            .and_then(|f| f.refresh(&leases, ttl, |_| false))
+        else {
             self.release_unkept(&missing, kept);
             return Vec::new();
         };
-        // Superseded meanwhile: another broker's now, and the next refresh says so.
+        // Superseded meanwhile: another broker's now, and the next refresh says so. Unheard:
+        // the periodic refresh settles it.
         let mut restored: HashSet<&RigId> = HashSet::new();
         let mut ended = Vec::new();
         let me = self.cfg.broker_id.clone();
         for ((rig, boot), status) in leases.iter().zip(statuses) {
             match status {
-                RefreshStatus::Superseded => continue,
+                RefreshStatus::Superseded | RefreshStatus::Unheard => continue,
                 RefreshStatus::Taken { from } => {
                     if from.broker_id != me {
                         ended.push((rig, boot));

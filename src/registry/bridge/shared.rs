@@ -12,7 +12,7 @@ use crate::metrics::BridgeStats;
 pub(super) const CANARY_STALE: Duration = Duration::from_secs(5);
 
 /// Registry operations counted by (op, result), in this order.
-pub const REGISTRY_OPS: [(&str, &str); 62] = [
+pub const REGISTRY_OPS: [(&str, &str); 63] = [
     ("offline", "held"),
     ("offline", "full"),
     ("offline", "connected_elsewhere"),
@@ -51,6 +51,7 @@ pub const REGISTRY_OPS: [(&str, &str); 62] = [
     ("refresh", "ok"),
     ("refresh", "restored"),
     ("refresh", "reclaimed"),
+    ("refresh", "unheard"),
     ("refresh", "outlived"),
     ("refresh", "taken"),
     ("refresh", "superseded"),

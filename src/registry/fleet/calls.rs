@@ -91,9 +91,12 @@ impl Fleet {
         &mut self,
         entries: &[(RigId, BootId)],
         ttl: Duration,
+        may_reclaim: impl Fn(&RigId) -> bool,
     ) -> Option<Vec<RefreshStatus>> {
         let con = self.con.as_mut()?;
-        let r = self.scripts.refresh(con, entries, &self.broker_id, ttl);
+        let r = self
+            .scripts
+            .refresh_reclaiming(con, entries, &self.broker_id, ttl, may_reclaim);
         self.answered(r)
     }
 
