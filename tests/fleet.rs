@@ -2480,6 +2480,19 @@ fn a_hold_whose_answer_was_lost_and_delivered_meanwhile_is_not_delivered_again()
     assert_eq!(a.metric(removed), 1);
 }
 
+/// `boot` of rig-1 says hello to `a`, which takes its lease; then `a` is killed (SIGKILL)
+/// and the rig's socket there dropped.
+fn rig_left_on_a_killed_broker(redis: &RedisServer, a: &mut Broker, boot: &str) {
+    let ws = hello_on(a, "rig-1", boot);
+    let id = a.broker_id.clone();
+    eventually(Duration::from_secs(10), "the killed broker's lease", || {
+        owner(redis, "rig-1").is_some_and(|o| o.ends_with(&format!("|{id}")))
+    });
+    a.signal(9);
+    a.wait_exit(Duration::from_secs(10));
+    drop(ws);
+}
+
 /// Control queues `id` for `rig` through broker `via`, `queue_if_offline`: answered `queued`.
 fn queued_through(ctl: &mut Control, via: &str, rig: &str, id: &str) {
     let msg = json!({"type":"command","id":id,"rig_id":rig,"name":"n","args":{},
@@ -2499,13 +2512,7 @@ fn a_command_for_a_rig_whose_broker_just_died_is_held_for_its_return() {
     let b = fleet_broker(&redis, "fe-b", &[]);
     let mut ctl = Control::new(&redis, &["fleetlink:events"]);
     let boot = boot_id();
-    let ws = hello_on(&a, "rig-1", &boot);
-    eventually(Duration::from_secs(10), "the lease is fe-a's", || {
-        owner(&redis, "rig-1").is_some_and(|o| o.ends_with("|fe-a"))
-    });
-    a.signal(9);
-    a.wait_exit(Duration::from_secs(10));
-    drop(ws);
+    rig_left_on_a_killed_broker(&redis, &mut a, &boot);
     eventually(Duration::from_secs(10), "fe-a's channel unheard", || {
         numsub(&redis, "fleetlink:broker:fe-a") == 0
     });
@@ -2524,8 +2531,9 @@ fn a_command_for_a_rig_whose_broker_just_died_is_held_for_its_return() {
 
 /// A command held while the rig's broker could not hear its channel (reconnecting to Redis)
 /// though it still held the rig: that broker finds the rig named in `offline:for:` at its next
-/// refresh and the rig is given the command, as from any hold. Before, it was refused `rig_not_connected` naming that broker; handed to
-/// it on its channel instead, nobody would have heard it.
+/// refresh and the rig is given the command, as from any hold. Before, it was refused
+/// `rig_not_connected` naming that broker; handed to it on its channel instead, nobody would
+/// have heard it.
 #[test]
 fn a_command_held_while_the_rigs_broker_was_away_from_redis_reaches_the_rig_it_kept() {
     let redis = RedisServer::start();
@@ -2571,13 +2579,7 @@ fn a_dead_brokers_lease_of_the_same_boot_does_not_supersede_its_rigs_new_connect
     let c = broker_behind(&relay, "fe-c");
     let mut ctl = Control::new(&redis, &["fleetlink:events"]);
     let boot = boot_id();
-    let first = hello_on(&a, "rig-1", &boot);
-    eventually(Duration::from_secs(10), "the lease is fe-a's", || {
-        owner(&redis, "rig-1").is_some_and(|o| o.ends_with("|fe-a"))
-    });
-    a.signal(9);
-    a.wait_exit(Duration::from_secs(10));
-    drop(first);
+    rig_left_on_a_killed_broker(&redis, &mut a, &boot);
     cut_off(&relay, &c);
     let mut ws = hello_on(&c, "rig-1", &boot);
     queued_through(&mut ctl, "fe-b", "rig-1", "q1");
