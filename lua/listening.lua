@@ -1,7 +1,7 @@
 -- listening.lua: whether a broker is alive and listening, for the scripts that decide by it
--- (lease_holder.lua, refresh.lua): put in front of each when it is built
--- (src/registry/offline.rs, src/registry/scripts.rs), since a script Redis runs can call no
--- other. Not a script of its own: it only defines one function.
+-- (through lease_holder.lua): put in front of each when it is built (src/registry/offline.rs),
+-- since a script Redis runs can call no other. Not a script of its own: it only defines one
+-- function.
 
 -- Whether broker `id` is alive and listening: its broker:<id> key is there (it lapses 30 s
 -- after a broker dies) and something subscribes to its channel (nothing does for a broker that

@@ -6,8 +6,6 @@
 -- KEYS[1..n]    rig:<rig_id>, one per rig this broker holds
 -- ARGV[1]       ttl_ms: decimal integer, 1 to 15 digits, no leading zero
 -- ARGV[2..n+1]  "<boot_id>|<broker_id>": the value this broker expects in KEYS[i] at ARGV[i+1]
--- ARGV[n+2]     optional: n characters, '1' where KEYS[i] may be reclaimed (below), '0' where
---               not; without it, none may
 --
 -- Returns an array of n statuses, in KEYS order:
 --   "ok"          value == expected: PEXPIRE ttl_ms
@@ -23,27 +21,17 @@
 --                 an older boot in over a newer one); the rule is hello's, newer boot wins, so
 --                 the older boot's broker must be told (its channel, evict), and the older
 --                 boot's session reported rig_rebooted (the caller runs resume.lua for it)
---   "unheard"     the key holds this very boot on another broker that is not listening (its
---                 broker:<id> key lapsed or its channel unheard), and KEYS[i] may not be
---                 reclaimed: nothing touched. That broker died or drained (the rig's process
---                 then said hello here while this broker could not reach Redis), or it is only
---                 resubscribing: the caller waits to see which, keeping its connection
---   "reclaimed"   the same, where KEYS[i] may be reclaimed (the caller found that broker
---                 unheard for long enough: not a resubscription): SET expected PX ttl_ms, as
---                 for "restored"
 --   "superseded"  any other value, of any type (a newer or equal boot elsewhere, or garbage),
 --                 or a missing key whose rig has a newer boot on record (it said hello since;
 --                 this broker's connection is a stale process's): nothing touched
 -- Errors "ERR fleetlink refresh: ..." on malformed ARGV, before any write.
--- Built with lua/listening.lua in front of it (listening).
 -- sessof:<rig_id> is derived from KEYS[i] (single-instance Redis; not cluster-safe, as in
 -- resume.lua).
 
-local ttl, flags = ARGV[1], ARGV[#KEYS + 2] or ''
-if (#ARGV ~= #KEYS + 1 and #ARGV ~= #KEYS + 2) or type(ttl) ~= 'string' or #ttl > 15
-    or not ttl:match('^[1-9]%d*$') or (#ARGV == #KEYS + 2 and not flags:match('^[01]*$'))
-    or (#ARGV == #KEYS + 2 and #flags ~= #KEYS) then
-  return redis.error_reply('ERR fleetlink refresh: expected ARGV ttl_ms, then one value per key, then optional reclaim flags')
+local ttl = ARGV[1]
+if #ARGV ~= #KEYS + 1 or type(ttl) ~= 'string' or #ttl > 15
+    or not ttl:match('^[1-9]%d*$') then
+  return redis.error_reply('ERR fleetlink refresh: expected ARGV ttl_ms, then one value per key')
 end
 
 -- a > b for two canonical boot ids, byte by byte (Lua's '<' follows the locale; see hello.lua).
@@ -89,17 +77,6 @@ local function older_tuple(current, expected)
   return theirs ~= nil and ours ~= nil and #theirs == #ours and newer(ours, theirs)
 end
 
--- Whether `current` is the boot `expected` names, held by another broker that is not
--- listening (both "<boot>|<broker>").
-local function same_boot_unheard(current, expected)
-  if type(current) ~= 'string' then
-    return false
-  end
-  local boot, broker = current:match('^([^|]+)|(.+)$')
-  local ours = expected:match('^([^|]+)|')
-  return boot ~= nil and boot == ours and current ~= expected and not listening(broker)
-end
-
 local out = {}
 for i = 1, #KEYS do
   local key, expected = KEYS[i], ARGV[i + 1]
@@ -119,13 +96,6 @@ for i = 1, #KEYS do
   elseif older_tuple(current, expected) and not newer_boot_on_record(key, expected) then
     redis.call('SET', key, expected, 'PX', ttl)
     out[i] = 'taken|' .. current
-  elseif same_boot_unheard(current, expected) and not newer_boot_on_record(key, expected) then
-    if flags:sub(i, i) == '1' then
-      redis.call('SET', key, expected, 'PX', ttl)
-      out[i] = 'reclaimed'
-    else
-      out[i] = 'unheard'
-    end
   else
     out[i] = 'superseded'
   end

@@ -92,15 +92,6 @@ pub enum RefreshStatus {
         /// The entry replaced.
         from: Owner,
     },
-    /// The key names this very boot on another broker that is not listening, and the caller
-    /// did not ask to reclaim it: untouched. That broker died or drained (the rig's process
-    /// then said hello here while this broker could not reach Redis), or it is resubscribing
-    /// and still holds the rig's live connection: the caller keeps its connection and asks
-    /// again once that broker has stayed unheard for long enough.
-    Unheard,
-    /// As [`Self::Unheard`], where the caller asked to reclaim it: written as ours, as for
-    /// [`Self::Restored`].
-    Reclaimed,
     /// Someone else's entry (or garbage): untouched; the caller closes that socket with 4410.
     Superseded,
 }
@@ -119,19 +110,12 @@ pub enum RegistryError {
     UnexpectedReply(String),
 }
 
-/// `refresh.lua` as Redis runs it, behind the check of whether a broker is listening that it
-/// shares with the offline scripts (a script can call no other).
-pub const REFRESH: &str = concat!(
-    include_str!("../../lua/listening.lua"),
-    include_str!("../../lua/refresh.lua")
-);
-
 impl Scripts {
     /// Embeds and hashes the scripts; no Redis traffic.
     pub fn new() -> Scripts {
         Scripts {
             hello: Script::new(include_str!("../../lua/hello.lua")),
-            refresh: Script::new(REFRESH),
+            refresh: Script::new(include_str!("../../lua/refresh.lua")),
             release: Script::new(include_str!("../../lua/release.lua")),
             broker: Script::new(include_str!("../../lua/broker.lua")),
         }
@@ -207,31 +191,12 @@ impl Scripts {
         broker_id: &str,
         ttl: Duration,
     ) -> Result<Vec<RefreshStatus>, RegistryError> {
-        self.refresh_reclaiming(con, entries, broker_id, ttl, |_| false)
-    }
-
-    /// [`Self::refresh`], where a lease of the rig's own boot held by a broker that is not
-    /// listening is taken back for the rigs `may_reclaim` names ([`RefreshStatus::Reclaimed`])
-    /// and left alone for the others ([`RefreshStatus::Unheard`]).
-    pub fn refresh_reclaiming(
-        &self,
-        con: &mut impl ConnectionLike,
-        entries: &[(RigId, BootId)],
-        broker_id: &str,
-        ttl: Duration,
-        may_reclaim: impl Fn(&RigId) -> bool,
-    ) -> Result<Vec<RefreshStatus>, RegistryError> {
         let mut statuses = Vec::with_capacity(entries.len());
         for chunk in entries.chunks(REFRESH_CHUNK) {
             let mut call = self.refresh.prepare_invoke();
             call.arg(ttl_ms(ttl));
-            let mut flags = String::with_capacity(chunk.len());
             for (rig, boot) in chunk {
                 call.key(rig_key(rig)).arg(tuple(boot, broker_id));
-                flags.push(if may_reclaim(rig) { '1' } else { '0' });
-            }
-            if flags.contains('1') {
-                call.arg(flags);
             }
             let reply: Value = call.invoke(con)?;
             let parsed = match &reply {
@@ -474,8 +439,6 @@ fn refresh_status(v: &Value) -> Option<RefreshStatus> {
     match text(v)? {
         "ok" => Some(RefreshStatus::Ok),
         "restored" => Some(RefreshStatus::Restored),
-        "reclaimed" => Some(RefreshStatus::Reclaimed),
-        "unheard" => Some(RefreshStatus::Unheard),
         "superseded" => Some(RefreshStatus::Superseded),
         other => match other.split_once('|') {
             Some(("taken", from)) => Some(RefreshStatus::Taken {

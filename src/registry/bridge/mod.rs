@@ -146,10 +146,6 @@ struct Bridge {
     /// held for them while they were offline were not taken at their hello, so they are taken
     /// and delivered at the reconnect (see `holds`).
     held_unread: HashSet<RigId>,
-    /// Rigs whose lease names their own boot on another broker found not listening, and
-    /// since when: reclaimed once that has lasted [`upkeep::RECLAIM_AFTER`], so that a
-    /// broker that is only resubscribing keeps the rig's connection it holds.
-    unheard_since: HashMap<RigId, Instant>,
     /// Fleet mode: commands held here (Redis away, or its answer to the push never came) that
     /// this broker then delivered itself. A push whose answer was lost may have run: the copy
     /// in Redis is removed at the reconnect, before anything takes from Redis again, or the
@@ -215,7 +211,6 @@ impl Bridge {
             unkept_high: HashMap::new(),
             decided_alone: HashSet::new(),
             held_unread: HashSet::new(),
-            unheard_since: HashMap::new(),
             delivered_here: Vec::new(),
             ended_alone: rekeeps::EndedAlone::default(),
             pace: WritePace::new(now),

@@ -426,22 +426,17 @@ impl Bridge {
             .into_iter()
             .collect();
         let ttl = self.cfg.registry_ttl;
-        let Some(statuses) = self
-            .fleet
-            .as_mut()
-            .and_then(|f| f.refresh(&leases, ttl, |_| false))
-        else {
+        let Some(statuses) = self.fleet.as_mut().and_then(|f| f.refresh(&leases, ttl)) else {
             self.release_unkept(&missing, kept);
             return Vec::new();
         };
-        // Superseded meanwhile: another broker's now, and the next refresh says so. Unheard:
-        // the periodic refresh settles it.
+        // Superseded meanwhile: another broker's now, and the next refresh says so.
         let mut restored: HashSet<&RigId> = HashSet::new();
         let mut ended = Vec::new();
         let me = self.cfg.broker_id.clone();
         for ((rig, boot), status) in leases.iter().zip(statuses) {
             match status {
-                RefreshStatus::Superseded | RefreshStatus::Unheard => continue,
+                RefreshStatus::Superseded => continue,
                 RefreshStatus::Taken { from } => {
                     if from.broker_id != me {
                         ended.push((rig, boot));
@@ -449,7 +444,7 @@ impl Bridge {
                     self.evict(rig, *boot, &from)
                 }
                 RefreshStatus::Outlived { .. } => ended.push((rig, boot)),
-                RefreshStatus::Ok | RefreshStatus::Restored | RefreshStatus::Reclaimed => {}
+                RefreshStatus::Ok | RefreshStatus::Restored => {}
             }
             restored.insert(rig);
         }

@@ -12,7 +12,7 @@ use crate::metrics::BridgeStats;
 pub(super) const CANARY_STALE: Duration = Duration::from_secs(5);
 
 /// Registry operations counted by (op, result), in this order.
-pub const REGISTRY_OPS: [(&str, &str); 63] = [
+pub const REGISTRY_OPS: [(&str, &str); 61] = [
     ("offline", "held"),
     ("offline", "full"),
     ("offline", "connected_elsewhere"),
@@ -50,8 +50,6 @@ pub const REGISTRY_OPS: [(&str, &str); 63] = [
     ("canary", "twin"),
     ("refresh", "ok"),
     ("refresh", "restored"),
-    ("refresh", "reclaimed"),
-    ("refresh", "unheard"),
     ("refresh", "outlived"),
     ("refresh", "taken"),
     ("refresh", "superseded"),

@@ -2,7 +2,6 @@
 //! broadcasts, and in fleet mode the canary, the heartbeat, lease refreshes and session
 //! touches.
 
-use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
@@ -18,14 +17,6 @@ use crate::registry::scripts::RefreshStatus;
 
 /// Most rigs named in `offline:for:<broker_id>` taken up per refresh: more wait for the next one.
 const HELD_FOR_ME_PER_TICK: usize = 1_000;
-
-/// How long another broker holding a lease of a rig's own boot must stay unheard (no
-/// subscriber on its channel) before a refresh takes the lease back for this broker's
-/// connection: as long as a broker waits for its own canary before it calls its subscription
-/// broken. A broker that died stays unheard; one resubscribing after a cut is heard again
-/// within that, and keeps the connection it holds (taken back at once, the rig's live
-/// connection there was closed 4410 and the lease pointed at this broker's stale one).
-pub(super) const RECLAIM_AFTER: Duration = CANARY_STALE;
 
 /// How often the broker publishes a canary on its own channel.
 const CANARY_EVERY: Duration = Duration::from_secs(1);
@@ -163,21 +154,9 @@ impl Bridge {
             return;
         }
         let ttl = self.cfg.registry_ttl;
-        let now = Instant::now();
-        let unheard = &self.unheard_since;
-        let may_reclaim = |rig: &RigId| {
-            unheard
-                .get(rig)
-                .is_some_and(|since| now.duration_since(*since) >= RECLAIM_AFTER)
-        };
-        let Some(statuses) = self
-            .fleet
-            .as_mut()
-            .and_then(|f| f.refresh(&entries, ttl, may_reclaim))
-        else {
+        let Some(statuses) = self.fleet.as_mut().and_then(|f| f.refresh(&entries, ttl)) else {
             return;
         };
-        self.note_unheard(&entries, &statuses, now);
         // A restored lease without a reconnect: Redis lost keys while it stayed up (FLUSHALL,
         // eviction). The parked sessions and the liveness key went with them, as after an
         // empty restart: put them back now, as a reconnect would.
@@ -217,11 +196,10 @@ impl Bridge {
             // Either way the core holding the rig sends its session back to be kept again.
             let rekeep = match status {
                 RefreshStatus::Restored
-                | RefreshStatus::Reclaimed
                 | RefreshStatus::Outlived { .. }
                 | RefreshStatus::Taken { .. } => true,
                 RefreshStatus::Ok => everyone,
-                RefreshStatus::Superseded | RefreshStatus::Unheard => false,
+                RefreshStatus::Superseded => false,
             };
             // While its lease was missing, another broker may have held a command for the rig
             // as an offline one (control found no lease, `queue_if_offline`): nothing else
@@ -229,7 +207,6 @@ impl Bridge {
             if matches!(
                 status,
                 RefreshStatus::Restored
-                    | RefreshStatus::Reclaimed
                     | RefreshStatus::Outlived { .. }
                     | RefreshStatus::Taken { .. }
             ) {
@@ -246,8 +223,6 @@ impl Bridge {
             match status {
                 RefreshStatus::Ok => self.shared.count("refresh", "ok"),
                 RefreshStatus::Restored => self.shared.count("refresh", "restored"),
-                RefreshStatus::Reclaimed => self.shared.count("refresh", "reclaimed"),
-                RefreshStatus::Unheard => self.shared.count("refresh", "unheard"),
                 RefreshStatus::Outlived { .. } => self.shared.count("refresh", "outlived"),
                 RefreshStatus::Taken { from } => {
                     self.shared.count("refresh", "taken");
@@ -274,24 +249,6 @@ impl Bridge {
 }
 
 impl Bridge {
-    /// Keeps, for the rigs a refresh found `Unheard`, when that was first seen, and forgets
-    /// every other rig: one heard again, reclaimed, or no longer held here.
-    fn note_unheard(
-        &mut self,
-        entries: &[(RigId, BootId)],
-        statuses: &[RefreshStatus],
-        now: Instant,
-    ) {
-        let mut seen: HashMap<RigId, Instant> = HashMap::new();
-        for ((rig, _), status) in entries.iter().zip(statuses) {
-            if matches!(status, RefreshStatus::Unheard) {
-                let since = self.unheard_since.get(rig).copied().unwrap_or(now);
-                seen.insert(rig.clone(), since);
-            }
-        }
-        self.unheard_since = seen;
-    }
-
     /// Rigs other brokers held commands for as offline ones because this broker, whose lease
     /// held them, was not listening on its channel (reconnecting to Redis; `offline_push.lua`
     /// names them in `offline:for:<broker_id>`). A rig still connected here has its connection

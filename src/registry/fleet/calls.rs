@@ -91,12 +91,9 @@ impl Fleet {
         &mut self,
         entries: &[(RigId, BootId)],
         ttl: Duration,
-        may_reclaim: impl Fn(&RigId) -> bool,
     ) -> Option<Vec<RefreshStatus>> {
         let con = self.con.as_mut()?;
-        let r = self
-            .scripts
-            .refresh_reclaiming(con, entries, &self.broker_id, ttl, may_reclaim);
+        let r = self.scripts.refresh(con, entries, &self.broker_id, ttl);
         self.answered(r)
     }
 
