@@ -581,6 +581,43 @@ fn redis_brokers_lists_live_broker_keys() {
     );
 }
 
+/// A broker that starts draining says so in its `broker:` key at once, and `brokers` shows it:
+/// it still listens, but its rigs are leaving it.
+#[test]
+fn redis_brokers_shows_a_draining_broker() {
+    let redis = RedisServer::start();
+    let b = Broker::start(&[
+        "--redis",
+        &redis.url(),
+        "--broker-id",
+        "fe-d",
+        "--drain",
+        "30s",
+    ]);
+    b.wait_readyz(200, Duration::from_secs(10), "broker ready");
+    // A rig that stays keeps the drain going for its window.
+    let mut ws = b.connect("/agent");
+    hello(&mut ws, "rig-d", &boot_id(), json!({}));
+    let blob = || -> Value {
+        let raw: Option<String> = redis::cmd("GET")
+            .arg("broker:fe-d")
+            .query(&mut redis.connection())
+            .unwrap();
+        raw.and_then(|r| serde_json::from_str(&r).ok())
+            .unwrap_or(Value::Null)
+    };
+    common::broker::eventually(Duration::from_secs(10), "the heartbeat written", || {
+        blob()["draining"] == false
+    });
+    assert_eq!(b.http("POST", "/v1/drain", "").0, 202);
+    common::broker::eventually(Duration::from_secs(5), "the drain in the key", || {
+        blob()["draining"] == true
+    });
+    let human = fleetctl(&["--redis", &redis.url(), "brokers"]);
+    human.assert_code(0);
+    assert!(human.stdout.contains("yes (draining)"), "{}", human.stdout);
+}
+
 /// Returns once fleetctl listens on `fleetlink:events`: an event published earlier is lost.
 fn wait_for_events_subscriber(con: &mut redis::Connection) {
     common::broker::eventually(Duration::from_secs(10), "fleetctl subscribed", || {

@@ -273,7 +273,12 @@ impl Render {
                         .map(|k| cell(&r[*k]))
                         .collect();
                 row.push(ttl(&r["ttl_ms"]));
-                row.push(yes_no(&r["listening"]));
+                // A draining broker still listens, but its rigs are leaving it.
+                let mut listening = yes_no(&r["listening"]);
+                if r["draining"].as_bool() == Some(true) {
+                    listening.push_str(" (draining)");
+                }
+                row.push(listening);
                 row
             })
             .collect();

@@ -163,6 +163,9 @@ struct Bridge {
     /// When the connected rigs' session keys next get their TTL extended.
     next_touch: Instant,
     next_heartbeat: Instant,
+    /// What the last `broker:<id>` heartbeat said of the drain: a drain starting writes the
+    /// key again at the next tick, so that control sees it at once.
+    heartbeat_draining: bool,
     next_canary: Instant,
     /// Whether the canary's lateness (`/readyz` failing) has been logged, and not its return.
     canary_late: bool,
@@ -219,6 +222,7 @@ impl Bridge {
             next_refresh: now + cfg.registry_refresh,
             next_touch: now + touch_every(cfg.session_ttl),
             next_heartbeat: now,
+            heartbeat_draining: false,
             next_canary: now,
             canary_late: false,
             instance: format!("{}-{:016x}", std::process::id(), fastrand::u64(..)),

@@ -86,11 +86,17 @@ impl Bridge {
             });
             self.publish(fleet::broker_channel(&self.cfg.broker_id), &canary);
         }
+        let draining = self.shared.draining.load(Ordering::Relaxed);
+        if draining != self.heartbeat_draining {
+            self.next_heartbeat = now;
+        }
         if now >= self.next_heartbeat {
             self.next_heartbeat = now + HEARTBEAT_EVERY;
+            self.heartbeat_draining = draining;
             let blob = json!({
                 "broker_id": self.cfg.broker_id, "address": self.cfg.listen.to_string(),
                 "cores": self.cfg.cores, "started_at": self.started_at, "connections": self.registry.len(),
+                "draining": draining,
             });
             let mut lost = false;
             if let Some(f) = self.fleet.as_mut() {
