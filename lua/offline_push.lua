@@ -1,8 +1,7 @@
 -- offline_push.lua: hold a command for a rig that is not connected (CONTRACT.md section 5),
 -- bounded per rig. Run by EVALSHA from src/registry/offline.rs.
 --
--- Built with lua/listening.lua and lua/lease_holder.lua in front of it (listening,
--- lease_holder, tell).
+-- Built with lua/lease_holder.lua in front of it (listening, lease_holder, tell).
 --
 -- KEYS[1]  offline:<rig_id>   (list of command entries, oldest first)
 -- KEYS[2]  rig:<rig_id>       (the rig's lease)

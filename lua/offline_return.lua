@@ -5,8 +5,7 @@
 -- rig acks, and the rig's next hello, on any broker, finds them. Run by EVALSHA from
 -- src/registry/offline.rs.
 --
--- Built with lua/listening.lua and lua/lease_holder.lua in front of it (listening,
--- lease_holder, tell).
+-- Built with lua/lease_holder.lua in front of it (listening, lease_holder, tell).
 --
 -- KEYS[1]  offline:<rig_id>   (list of command entries, oldest first)
 -- KEYS[2]  rig:<rig_id>       (the rig's lease)

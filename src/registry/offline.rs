@@ -88,14 +88,12 @@ pub struct OfflineScripts {
 /// `offline_push.lua` as Redis runs it: behind the lease check it shares with
 /// `offline_return.lua` (a script can call no other).
 pub const PUSH: &str = concat!(
-    include_str!("../../lua/listening.lua"),
     include_str!("../../lua/lease_holder.lua"),
     include_str!("../../lua/offline_push.lua")
 );
 
 /// `offline_return.lua` as Redis runs it, behind the same lease check.
 const RETURN: &str = concat!(
-    include_str!("../../lua/listening.lua"),
     include_str!("../../lua/lease_holder.lua"),
     include_str!("../../lua/offline_return.lua")
 );
