@@ -2564,3 +2564,58 @@ fn a_command_held_while_the_rigs_broker_was_away_from_redis_reaches_the_rig_it_k
     let told: bool = con.exists("offline:for:fe-a").unwrap();
     assert!(!left && !told);
 }
+
+/// A hold's reports reach control in hold order in fleet mode, refusals among them: the rig's
+/// token allows only some of its held commands. Before, a refusal was published at once,
+/// ahead of the reports of the commands held before it, which wait for Redis to keep them.
+#[test]
+fn a_holds_reports_keep_hold_order_when_some_are_refused() {
+    let dir = std::env::temp_dir().join(format!(
+        "fleetlink-fleet-jwt-{}-{}",
+        std::process::id(),
+        fastrand::u64(..)
+    ));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (signer, key) = common::jwt::Signer::new(&dir);
+    let redis = RedisServer::start();
+    let b = fleet_broker(&redis, "fe-scope", &["--jwt-key", key.to_str().unwrap()]);
+    let mut ctl = Control::new(&redis, &["fleetlink:events"]);
+    let names = ["reboot", "dmesg", "reboot", "dmesg", "dmesg", "reboot"];
+    for (i, name) in names.iter().enumerate() {
+        let msg = json!({"type":"command","id":format!("h{i}"),"rig_id":"rig-scoped","name":name,
+            "args":{},"reply_to":ctl.reply_to,"queue_if_offline":true,"ttl_ms":60_000});
+        ctl.publish("fleetlink:broker:fe-scope", msg);
+    }
+    for r in ctl.replies(names.len(), Duration::from_secs(10)) {
+        assert_eq!(r["queued"], true, "{r}");
+    }
+    let token = signer.token(
+        json!({"exp": common::jwt::now_s() + 600, "rig_id": "rig-scoped", "scope": "cmd:reboot"}),
+    );
+    let mut req =
+        tungstenite::client::IntoClientRequest::into_client_request(b.url("/agent")).unwrap();
+    req.headers_mut()
+        .insert("Authorization", format!("Bearer {token}").parse().unwrap());
+    let stream = std::net::TcpStream::connect(b.listen).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let mut ws = tungstenite::client(req, tungstenite::stream::MaybeTlsStream::Plain(stream))
+        .unwrap()
+        .0;
+    hello(&mut ws, "rig-scoped", &boot_id(), json!({}));
+    let mut seq = 0;
+    for (i, name) in names.iter().enumerate() {
+        let ev = ctl.next(|ch, v| ch == "fleetlink:events" && v["type"] == "offline_delivered");
+        assert_eq!(ev["id"], format!("h{i}"), "reports out of hold order: {ev}");
+        if *name == "reboot" {
+            seq += 1;
+            assert_eq!((&ev["ok"], &ev["seq"]), (&json!(true), &json!(seq)), "{ev}");
+            read_command(&mut ws, seq, format!("h{i}"));
+        } else {
+            assert_eq!(ev["ok"], false, "{ev}");
+            assert!(ev.get("seq").is_none(), "{ev}");
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -401,6 +401,11 @@ pub enum ToBridge {
     /// A lifecycle event for `fleetlink:events` (CONTRACT.md §4), serialized by the core: its
     /// bytes are what [`crate::registry::bridge::BridgeShared::event_bytes`] counts.
     Event(Box<[u8]>),
+    /// An `offline_delivered` refusal of a held command (fleet mode), serialized and counted
+    /// like [`ToBridge::Event`]: published after the commands the core sent to be kept before
+    /// it, whose `offline_delivered` reports wait for Redis, so that control reads a hold's
+    /// reports in hold order.
+    HeldEvent(Box<[u8]>),
     /// A reply for a Redis `reply_to` channel.
     Reply {
         /// The channel.

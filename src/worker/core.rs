@@ -306,8 +306,19 @@ impl Core {
             > MAX_EVENT_BYTES.saturating_sub(headroom)
     }
 
+    /// [`Self::event`] for the report of a held command, which in fleet mode keeps its place
+    /// behind the reports still waiting for Redis (see [`ToBridge::HeldEvent`]).
+    pub(crate) fn held_event(&self, ev: serde_json::Value) -> bool {
+        let bytes = serde_json::to_vec(&ev).unwrap_or_default();
+        self.queue_event(bytes, self.bridge_shared.fleet)
+    }
+
     /// [`Self::event`] for an event already serialized.
     pub(crate) fn event_bytes(&self, bytes: Vec<u8>) -> bool {
+        self.queue_event(bytes, false)
+    }
+
+    fn queue_event(&self, bytes: Vec<u8>, held: bool) -> bool {
         let bytes = bytes.into_boxed_slice();
         let charge = event_charge(bytes.len());
         let queued = &self.bridge_shared.event_bytes;
@@ -316,7 +327,10 @@ impl Core {
             self.metrics.inc(crate::metrics::C::BridgeQueueFull);
             return false;
         }
-        let msg = ToBridge::Event(bytes);
+        let msg = match held {
+            true => ToBridge::HeldEvent(bytes),
+            false => ToBridge::Event(bytes),
+        };
         let sent = if self.bridge_shared.fleet {
             self.to_bridge(msg)
         } else {

@@ -110,6 +110,9 @@ struct Bridge {
     holds_bytes: usize,
     /// Commands waiting to be kept in Redis before they are written (fleet mode).
     persists: Vec<PersistReq>,
+    /// Reports of held commands refused while `persists` waited, each with how many of them
+    /// came before it: published among their answers (see [`ToBridge::HeldEvent`]).
+    after_keeps: Vec<(usize, Box<[u8]>)>,
     /// Sessions to put back into Redis after it lost them (see [`Self::refresh`]).
     rekeeps: rekeeps::Rekeeps,
     /// Redis just came back: the next refresh asks for every session, not only restored ones.
@@ -205,6 +208,7 @@ impl Bridge {
             holds: Vec::new(),
             holds_bytes: 0,
             persists: Vec::new(),
+            after_keeps: Vec::new(),
             rekeeps: rekeeps::Rekeeps::default(),
             rekeep_all: false,
             refusals_counted: 0,
@@ -443,6 +447,18 @@ impl Bridge {
                     .event_bytes
                     .fetch_sub(event_charge(ev.len()), Ordering::Relaxed);
                 self.publish_bytes(fleet::EVENTS.to_string(), ev.into_vec());
+                Vec::new()
+            }
+            ToBridge::HeldEvent(ev) => {
+                self.shared
+                    .event_bytes
+                    .fetch_sub(event_charge(ev.len()), Ordering::Relaxed);
+                if self.persists.is_empty() {
+                    self.publish_bytes(fleet::EVENTS.to_string(), ev.into_vec());
+                } else {
+                    // Bounded by the persists it waits for: one per inbox message at most.
+                    self.after_keeps.push((self.persists.len(), ev));
+                }
                 Vec::new()
             }
             ToBridge::Reply { channel, body } => {
@@ -728,7 +744,8 @@ impl Bridge {
             true => self.keep(held.iter()),
             false => None,
         };
-        self.answer_persists(held, kept, false);
+        let after = std::mem::take(&mut self.after_keeps);
+        self.answer_persists(held, kept, false, after);
         // Sessions Redis lost go back before the leases are released, or the resume elsewhere
         // would miss their commands: so do the rigs the drain closed holding commands
         // delivered while Redis was away (queued otherwise only at the next reconnect, which

@@ -247,23 +247,31 @@ impl Bridge {
         for conn in rekeep {
             self.send_to_core(conn, ToCore::Rekeep { conn });
         }
-        self.answer_persists(held, kept, true);
+        let after = std::mem::take(&mut self.after_keeps);
+        self.answer_persists(held, kept, true, after);
     }
 
     /// Releases each command to its core (or drops it) and answers control: `ok` only for
     /// what Redis kept. `kept` None means Redis was unavailable: then, with `unkept_written`,
     /// the command is released unkept (delivery goes on, only a cross-broker resume loses
     /// it); without it (shutdown: no core is left to write it) control hears it was not.
+    /// `after` are reports that came in among `held`, each after the number of them it names:
+    /// published in that place among the answers.
     pub(super) fn answer_persists(
         &mut self,
         held: Vec<PersistReq>,
         kept: Option<Vec<Kept>>,
         unkept_written: bool,
+        after: Vec<(usize, Box<[u8]>)>,
     ) {
         // One read of what the rig missed per connection and batch: its later stale commands
         // find the same.
         let mut caught_up: Vec<ConnId> = Vec::new();
+        let mut after = after.into_iter().peekable();
         for (i, p) in held.into_iter().enumerate() {
+            while let Some((_, ev)) = after.next_if(|(before, _)| *before <= i) {
+                self.publish_bytes(fleet::EVENTS.to_string(), ev.into_vec());
+            }
             let status = match &kept {
                 Some(k) => k.get(i).copied().unwrap_or(Kept::Fenced),
                 None => Kept::Unavailable,
@@ -328,6 +336,9 @@ impl Bridge {
                 }
             }
             self.reply_routed(p.reply, body, route);
+        }
+        for (_, ev) in after {
+            self.publish_bytes(fleet::EVENTS.to_string(), ev.into_vec());
         }
     }
 

@@ -587,7 +587,7 @@ mod tests {
                 reply: crate::registry::msg::ReplyTo::Channel("r".into()),
                 hold_left: None,
             };
-            b.answer_persists(vec![p], None, true);
+            b.answer_persists(vec![p], None, true, Vec::new());
         }
         if by_refresh {
             b.merge_on_close.insert((rig.clone(), boot()));

@@ -447,7 +447,7 @@ fn deliver_routed(core: &Core, to: ReplyTo, body: serde_json::Value, route: Opti
         ReplyTo::Channel(channel) => core.to_bridge_owed(ToBridge::Reply { channel, body }),
         ReplyTo::Aggregate(agg) => core.to_bridge_owed(ToBridge::Part { agg, body }),
         ReplyTo::Event => {
-            core.event(crate::events::offline_delivered(&core.cfg.broker_id, body));
+            core.held_event(crate::events::offline_delivered(&core.cfg.broker_id, body));
         }
     }
 }
