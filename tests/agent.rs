@@ -234,13 +234,9 @@ fn runs_allowed_commands_once_and_acks_refused_ones() {
 /// gets in once the file holds a renewed token. A file missing at start is a startup error.
 #[test]
 fn a_bearer_token_is_read_at_each_attempt_and_a_renewed_one_gets_in() {
-    let dir = std::env::temp_dir().join(format!(
-        "fleetlink-agent-jwt-{}-{}",
-        std::process::id(),
-        fastrand::u64(..)
-    ));
-    std::fs::create_dir_all(&dir).unwrap();
-    let (signer, key) = Signer::new(&dir);
+    let scratch = common::scratch::Scratch::new("agent-jwt");
+    let dir = &scratch.0;
+    let (signer, key) = Signer::new(dir);
     let b = Broker::start(&["--jwt-key", key.to_str().unwrap()]);
     let token =
         |exp: u64| signer.token(json!({"exp": exp, "rig_id": "rig-tok", "scope": "cmd:echo"}));
@@ -274,7 +270,6 @@ fn a_bearer_token_is_read_at_each_attempt_and_a_renewed_one_gets_in() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{stderr}");
     assert!(stderr.contains("--token-file"), "{stderr}");
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]

@@ -2570,13 +2570,8 @@ fn a_command_held_while_the_rigs_broker_was_away_from_redis_reaches_the_rig_it_k
 /// ahead of the reports of the commands held before it, which wait for Redis to keep them.
 #[test]
 fn a_holds_reports_keep_hold_order_when_some_are_refused() {
-    let dir = std::env::temp_dir().join(format!(
-        "fleetlink-fleet-jwt-{}-{}",
-        std::process::id(),
-        fastrand::u64(..)
-    ));
-    std::fs::create_dir_all(&dir).unwrap();
-    let (signer, key) = common::jwt::Signer::new(&dir);
+    let dir = common::scratch::Scratch::new("fleet-jwt");
+    let (signer, key) = common::jwt::Signer::new(&dir.0);
     let redis = RedisServer::start();
     let b = fleet_broker(&redis, "fe-scope", &["--jwt-key", key.to_str().unwrap()]);
     let mut ctl = Control::new(&redis, &["fleetlink:events"]);
@@ -2617,5 +2612,4 @@ fn a_holds_reports_keep_hold_order_when_some_are_refused() {
             assert!(ev.get("seq").is_none(), "{ev}");
         }
     }
-    let _ = std::fs::remove_dir_all(&dir);
 }

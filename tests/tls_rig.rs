@@ -7,7 +7,7 @@ mod common;
 
 use std::io::{ErrorKind, Read, Write};
 use std::net::TcpStream;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -20,25 +20,7 @@ use tungstenite::{Message, WebSocket};
 
 type TlsWs = WebSocket<rustls::StreamOwned<rustls::ClientConnection, TcpStream>>;
 
-struct Dir(PathBuf);
-
-impl Dir {
-    fn new(tag: &str) -> Dir {
-        let p = std::env::temp_dir().join(format!(
-            "fl-tls-{tag}-{}-{}",
-            std::process::id(),
-            fastrand::u64(..)
-        ));
-        std::fs::create_dir_all(&p).unwrap();
-        Dir(p)
-    }
-}
-
-impl Drop for Dir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
+use common::scratch::Scratch as Dir;
 
 fn certs(path: &Path) -> Vec<rustls::pki_types::CertificateDer<'static>> {
     rustls_pemfile::certs(&mut std::io::BufReader::new(

@@ -7,3 +7,4 @@ pub mod jwt;
 pub mod process;
 pub mod redis;
 pub mod relay;
+pub mod scratch;
