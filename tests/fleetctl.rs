@@ -925,6 +925,22 @@ fn admin_status_list_and_selector() {
     );
     assert_eq!(summary["broker_id"], b.broker_id.as_str(), "{summary}");
     assert_eq!(read_json(&mut lab)["name"], "ping");
+    // Where that name comes from: every admin answer says it.
+    let head = {
+        use std::io::{Read, Write};
+        let mut s = std::net::TcpStream::connect(admin.trim_start_matches("http://")).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        write!(
+            s,
+            "GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+        )
+        .unwrap();
+        let mut answer = String::new();
+        s.read_to_string(&mut answer).unwrap();
+        answer
+    };
+    let named = format!("\r\nFleetlink-Broker-Id: {}\r\n", b.broker_id);
+    assert!(head.contains(&named), "{head}");
 
     let health = fleetctl(&["--admin", &admin, "--json", "brokers"]);
     health.assert_code(0);
@@ -1120,18 +1136,12 @@ fn an_admin_events_tail_ends_at_its_for_when_nothing_answers() {
     drop(silent);
 }
 
-/// `send --selector` against the admin API is one POST per matching rig, and the whole of it
-/// keeps to one `--timeout`, as a broadcast over Redis does: each POST gets what is left, and
-/// rigs not reached in time are reported failed rather than waited for in turn (three rigs
-/// behind a broker taking 1 s a POST used to take up to three timeouts), and the broker's id,
-/// read last, is not waited for past it (a `/metrics` that did not answer in a whole fresh
-/// timeout failed the broadcast, exit 3, though its commands went).
-#[test]
-fn an_admin_broadcast_keeps_to_one_timeout() {
+/// An admin API listing three rigs at once, answering each command POST after 1 s and never
+/// answering `/metrics` in time; its answers name `named` as the broker, if given.
+fn slow_admin(named: Option<&'static str>) -> (String, std::thread::JoinHandle<()>) {
     use std::io::{BufRead, BufReader, Read, Write};
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let admin = format!("http://{}", listener.local_addr().unwrap());
-    // A broker listing three rigs at once, then answering each command POST after 1 s.
     let server = std::thread::spawn(move || {
         for conn in listener.incoming().take(8) {
             let Ok(mut conn) = conn else { break };
@@ -1155,8 +1165,8 @@ fn an_admin_broadcast_keeps_to_one_timeout() {
                 std::thread::sleep(Duration::from_secs(1));
                 json!({"id": "x", "ok": true, "rig_id": "rig", "seq": 1}).to_string()
             } else if request.starts_with("GET /metrics") {
-                // Where the broker's id is read, last: it must not add its own wait, nor
-                // turn a broadcast that went into a timeout.
+                // Where an older broker's id is read, last: it must not add its own wait,
+                // nor turn a broadcast that went into a timeout.
                 std::thread::sleep(Duration::from_secs(5));
                 String::new()
             } else {
@@ -1167,45 +1177,70 @@ fn an_admin_broadcast_keeps_to_one_timeout() {
             } else {
                 "200 OK"
             };
+            let named = named
+                .map(|id| format!("Fleetlink-Broker-Id: {id}\r\n"))
+                .unwrap_or_default();
             let _ = write!(
                 conn,
-                "HTTP/1.1 {status}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{answer}",
+                "HTTP/1.1 {status}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n{named}Connection: close\r\n\r\n{answer}",
                 answer.len()
             );
         }
     });
-    let started = Instant::now();
-    let run = fleetctl(&[
-        "--admin",
-        &admin,
-        "--json",
-        "send",
-        "--selector",
-        "group=a",
-        "reboot",
-        "--timeout",
-        "1500ms",
-    ]);
-    let took = started.elapsed();
-    assert!(
-        took < Duration::from_millis(2900),
-        "took {took:?}: {}",
-        run.stderr
-    );
-    run.assert_code(2);
-    let reply: Value = serde_json::from_str(run.stdout.lines().next().unwrap_or("")).unwrap();
-    assert_eq!(
-        reply["broker_id"],
-        admin.trim_start_matches("http://"),
-        "{reply}"
-    );
-    assert_eq!(
-        (reply["matched"].as_u64(), reply["enqueued"].as_u64()),
-        (Some(3), Some(1)),
-        "{reply}"
-    );
-    let failed = reply["failed"].as_array().cloned().unwrap_or_default();
-    assert_eq!(failed.len(), 2, "{reply}");
-    assert_eq!(failed[1]["error"], "timeout", "{reply}");
-    drop(server);
+    (admin, server)
+}
+
+/// `send --selector` against the admin API is one POST per matching rig, and the whole of it
+/// keeps to one `--timeout`, as a broadcast over Redis does: each POST gets what is left, and
+/// rigs not reached in time are reported failed rather than waited for in turn (three rigs
+/// behind a broker taking 1 s a POST used to take up to three timeouts). The broker is named
+/// as its answers name it (`Fleetlink-Broker-Id`), whatever time is left; one that does not
+/// is named by `/metrics`, read last and not waited for past the timeout (one that did not
+/// answer in a whole fresh timeout failed the broadcast, exit 3, though its commands went),
+/// else by its address. Before the header, a broadcast that ran out of time named the broker
+/// by its address and one that did not by its id: two names for one broker.
+#[test]
+fn an_admin_broadcast_keeps_to_one_timeout() {
+    for named in [None, Some("fe-named")] {
+        let (admin, server) = slow_admin(named);
+        let started = Instant::now();
+        let run = fleetctl(&[
+            "--admin",
+            &admin,
+            "--json",
+            "send",
+            "--selector",
+            "group=a",
+            "reboot",
+            "--timeout",
+            "1500ms",
+        ]);
+        let took = started.elapsed();
+        assert!(
+            took < Duration::from_millis(2900),
+            "took {took:?}: {}",
+            run.stderr
+        );
+        run.assert_code(2);
+        let reply: Value = serde_json::from_str(run.stdout.lines().next().unwrap_or("")).unwrap();
+        assert_eq!(
+            reply["broker_id"],
+            named.unwrap_or(admin.trim_start_matches("http://")),
+            "{reply}"
+        );
+        assert_eq!(
+            (reply["matched"].as_u64(), reply["enqueued"].as_u64()),
+            (Some(3), Some(1)),
+            "{reply}"
+        );
+        let failed = reply["failed"].as_array().cloned().unwrap_or_default();
+        assert_eq!(failed.len(), 2, "{reply}");
+        assert_eq!(failed[1]["error"], "timeout", "{reply}");
+        let detail = failed[0]["detail"].as_str().unwrap_or_default();
+        assert!(
+            detail.contains("--timeout (1500ms)") && detail.contains("may have reached"),
+            "the one in flight may have gone: {reply}"
+        );
+        drop(server);
+    }
 }

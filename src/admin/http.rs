@@ -308,6 +308,9 @@ pub fn render_answered(out: &mut String) {
     ));
 }
 
+/// The header naming the broker in every admin answer.
+const BROKER_HEADER: &str = "Fleetlink-Broker-Id";
+
 /// The bytes of an answer; `head_only` leaves the body out (its length still said). A 405
 /// names the methods `allow` (see [`allowed_methods`](super::allowed_methods)).
 pub(crate) fn response(
@@ -346,8 +349,14 @@ pub(crate) fn response(
     } else {
         String::new()
     };
+    // Every answer names the broker, so that a client that asked several (fleetctl's
+    // broadcast through the admin API) can say which answered without asking `/metrics`.
+    // `--broker-id` takes no byte a header cannot carry.
+    let broker = metrics::broker_id()
+        .map(|id| format!("{BROKER_HEADER}: {id}\r\n"))
+        .unwrap_or_default();
     let head = format!(
-        "HTTP/1.1 {status} {reason}\r\nContent-Type: {ctype}\r\nContent-Length: {}\r\n{allow}Connection: {connection}\r\n\r\n",
+        "HTTP/1.1 {status} {reason}\r\nContent-Type: {ctype}\r\nContent-Length: {}\r\n{allow}{broker}Connection: {connection}\r\n\r\n",
         body.len()
     );
     let mut out = head.into_bytes();

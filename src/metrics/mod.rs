@@ -13,5 +13,5 @@ mod snapshot;
 pub use counting::{CoreMetrics, ACK_BUCKETS_MS, C, CLOSE_CODES};
 pub use groups::{GroupCount, GroupFigures, GroupSlot, MAX_GROUPS, OTHER_GROUP};
 pub(crate) use render::family;
-pub use render::{render, render_as, render_tls, set_identity, Identity};
+pub use render::{broker_id, render, render_as, render_tls, set_identity, Identity};
 pub use snapshot::{BridgeStats, CoreSnapshot, Retired, RigInfo};

@@ -26,6 +26,11 @@ pub fn set_identity(identity: Identity) {
     let _ = IDENTITY.set(identity);
 }
 
+/// This broker's id, once `main` has said it.
+pub fn broker_id() -> Option<&'static str> {
+    IDENTITY.get().map(|i| i.broker_id.as_str())
+}
+
 /// Appends when the TLS material in force stops being usable, as far as it is known: an
 /// expired certificate or a stale CRL shows only as rigs failing their next handshake.
 pub fn render_tls(out: &mut String, validity: crate::tls::Validity, reloads: (u64, u64)) {

@@ -221,4 +221,42 @@ mod tests {
         assert!(core.finished.get());
         assert_eq!(closed_carried(&rx), Some(vec![(1, false), (2, false)]));
     }
+
+    /// A command that reaches a connection another connection of the rig has just taken over
+    /// (a broadcast published as the rig moved between brokers) is refused saying so: the rig
+    /// may have it where it went, which "closing" alone did not tell control.
+    #[test]
+    fn a_command_for_a_superseded_connection_says_the_rig_may_have_it_elsewhere() {
+        let (tx, rx) = doorbell::channel::<ToBridge>(16).expect("channel");
+        let core = test_core(tx);
+        let conn = live_conn(&core, Vec::new());
+        conn.st.borrow_mut().phase = crate::worker::core::Phase::Live;
+        inbox::handle(&core, ToCore::Supersede { conn: conn.id });
+        let req = crate::registry::msg::CommandReq {
+            id: "c1".into(),
+            rig: RigId::parse("rig-1").expect("rig"),
+            name: "noop".into(),
+            args: crate::args::Args::empty(),
+            reply: crate::registry::msg::ReplyTo::Channel("back".into()),
+            offline_ttl: None,
+        };
+        let msg = ToCore::Command {
+            conn: conn.id,
+            req: Box::new(req),
+            direct: false,
+        };
+        inbox::handle(&core, msg);
+        let body = std::iter::from_fn(|| rx.try_recv())
+            .find_map(|m| match m {
+                ToBridge::Reply { body, .. } => Some(body),
+                _ => None,
+            })
+            .expect("answered");
+        assert_eq!(body["error"], "rig_not_connected", "{body}");
+        let detail = body["detail"].as_str().unwrap_or_default();
+        assert!(
+            detail.contains("4410") && detail.contains("may have"),
+            "{body}"
+        );
+    }
 }

@@ -35,6 +35,8 @@ pub(crate) struct AdminPlane {
 struct Response {
     status: u16,
     body: Vec<u8>,
+    /// The broker's id, which its admin API names in every answer (`Fleetlink-Broker-Id`).
+    broker: Option<String>,
 }
 
 impl AdminPlane {
@@ -71,7 +73,11 @@ impl AdminPlane {
         timeout: Duration,
     ) -> anyhow::Result<Value> {
         let Some(resp) = self.call("POST", path, body, timeout)? else {
-            let detail = format!("no answer from the admin API within {}", secs(timeout));
+            // The request went: the broker may have carried it out all the same.
+            let detail = format!(
+                "no answer from the admin API within {}: it may have been carried out all the same",
+                secs(timeout)
+            );
             return Ok(error_reply(
                 Some(id),
                 Some(rig.as_str()),
@@ -91,16 +97,21 @@ impl AdminPlane {
 
     /// The rows of `GET /v1/rigs`.
     fn rigs(&self, timeout: Duration) -> anyhow::Result<Vec<Value>> {
-        self.rigs_at("/v1/rigs", timeout)
+        Ok(self.rigs_at("/v1/rigs", timeout)?.0)
     }
 
-    /// The rows `GET path` (`/v1/rigs` with or without a page's query) answers.
-    fn rigs_at(&self, path: &str, timeout: Duration) -> anyhow::Result<Vec<Value>> {
+    /// The rows `GET path` (`/v1/rigs` with or without a page's query) answers, and the id of
+    /// the broker that answered, if it said.
+    fn rigs_at(
+        &self,
+        path: &str,
+        timeout: Duration,
+    ) -> anyhow::Result<(Vec<Value>, Option<String>)> {
         let resp = self
             .call("GET", path, None, timeout)?
             .ok_or_else(|| no_answer(&format!("GET {path}"), timeout))?;
         match serde_json::from_slice(&resp.body) {
-            Ok(Value::Array(rows)) if resp.status == 200 => Ok(rows),
+            Ok(Value::Array(rows)) if resp.status == 200 => Ok((rows, resp.broker)),
             _ => bail!(
                 "admin API answered {} to GET {path}: {}",
                 resp.status,
@@ -235,8 +246,8 @@ impl ControlPlane for AdminPlane {
         // One --timeout for the whole broadcast, as over Redis: each POST gets what is left,
         // and rigs it does not reach in time are reported failed, not waited for in turn.
         let deadline = Instant::now() + timeout;
-        let matching: Vec<RigId> = self
-            .rigs(timeout)?
+        let (rows, named) = self.rigs_at("/v1/rigs", timeout)?;
+        let matching: Vec<RigId> = rows
             .iter()
             .filter(|row| {
                 selector
@@ -254,7 +265,7 @@ impl ControlPlane for AdminPlane {
                 failed.push(json!({"rig_id": rig.as_str(), "error": reply["error"], "detail": reply["detail"]}));
                 continue;
             }
-            let reply = match self.send_with_id(&id, rig, name, args, left) {
+            let mut reply = match self.send_with_id(&id, rig, name, args, left) {
                 Ok(reply) => reply,
                 Err(e) => error_reply(
                     Some(&id),
@@ -263,18 +274,29 @@ impl ControlPlane for AdminPlane {
                     &format!("{e:#}"),
                 ),
             };
+            if reply["error"] == "timeout" {
+                // Its own wait was only what the broadcast had left, which says nothing.
+                reply["detail"] = format!(
+                    "no answer before the broadcast's --timeout ({}) ran out: it may have reached the rig all the same",
+                    secs(timeout)
+                )
+                .into();
+            }
             if reply["ok"].as_bool() != Some(true) {
                 failed.push(json!({"rig_id": rig.as_str(), "error": reply["error"], "detail": reply["detail"]}));
             }
         }
-        // Named as its replies over Redis would name it; by its admin address when it does
-        // not say its id in the time left: the commands went, and a broadcast that reached its
-        // rigs must not read as one that timed out.
-        let left = deadline.saturating_duration_since(Instant::now());
-        let named = match left.is_zero() {
-            true => None,
-            false => self.broker_id(left).ok().flatten(),
-        };
+        // Named as its replies over Redis would name it: as its answer to the rig list did,
+        // or, from a broker that names itself only on `/metrics`, as that says in the time
+        // left; by its admin address otherwise (the commands went, and a broadcast that
+        // reached its rigs must not read as one that timed out).
+        let named = named.or_else(|| {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match left.is_zero() {
+                true => None,
+                false => self.broker_id(left).ok().flatten(),
+            }
+        });
         let broker = named.unwrap_or_else(|| self.url.authority.clone());
         let reply = json!({"id": id, "ok": true, "broker_id": broker, "matched": matching.len(),
                            "enqueued": matching.len() - failed.len(), "failed": failed});
@@ -322,7 +344,7 @@ impl ControlPlane for AdminPlane {
         if let Some(a) = after {
             path.push_str(&format!("&after={a}"));
         }
-        let mut rest = self.rigs_at(&path, IO_TIMEOUT)?.into_iter().peekable();
+        let mut rest = self.rigs_at(&path, IO_TIMEOUT)?.0.into_iter().peekable();
         let rows: Vec<Value> = rest.by_ref().take(page).collect();
         let next_cursor = match (rest.peek(), rows.last()) {
             (Some(_), Some(last)) => last["rig_id"].as_str().map(|id| format!("after:{id}")),
@@ -474,15 +496,24 @@ fn parse_response(buf: &[u8], eof: bool) -> anyhow::Result<Option<Response>> {
                 .parse::<usize>()
                 .ok()
         });
+    let broker = resp
+        .headers
+        .iter()
+        .find(|h| h.name.eq_ignore_ascii_case("fleetlink-broker-id"))
+        .and_then(|h| std::str::from_utf8(h.value).ok())
+        .map(|v| v.trim().to_string())
+        .filter(|v| !v.is_empty());
     let rest = buf.get(head_len..).unwrap_or_default();
     match length {
         Some(n) if rest.len() >= n => Ok(Some(Response {
             status,
             body: rest.get(..n).unwrap_or_default().to_vec(),
+            broker,
         })),
         None if eof => Ok(Some(Response {
             status,
             body: rest.to_vec(),
+            broker,
         })),
         _ => Ok(None),
     }

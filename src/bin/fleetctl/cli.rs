@@ -118,7 +118,9 @@ pub(crate) struct SendArgs {
     /// NAME (when a RIG is given).
     #[arg(value_name = "NAME")]
     second: Option<String>,
-    /// Broadcast to rigs whose hello labels match all pairs, e.g. group=lab,site=b.
+    /// Broadcast to rigs whose hello labels match all pairs, e.g. group=lab,site=b. Space
+    /// around each key and value is dropped ("group=lab, site=b" works), so a label value
+    /// that starts or ends with a space is matched only by publishing the broadcast yourself.
     #[arg(long, value_name = "k=v[,k=v]", value_parser = parse_selector)]
     selector: Option<Selector>,
     /// Command arguments: a JSON object.

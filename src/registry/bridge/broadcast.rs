@@ -90,8 +90,11 @@ impl Bridge {
         if body["ok"] == true {
             b.enqueued += 1;
         } else {
-            b.failed
-                .push(json!({"rig_id": body["rig_id"], "error": body["error"]}));
+            let mut failed = json!({"rig_id": body["rig_id"], "error": body["error"]});
+            if let Some(detail) = body.get("detail") {
+                failed["detail"] = detail.clone();
+            }
+            b.failed.push(failed);
         }
         self.finish_broadcast(agg, false);
     }
@@ -236,6 +239,32 @@ mod tests {
                 .queued_publishes()
                 .is_empty(),
             "no answer before the rig's core answers"
+        );
+    }
+
+    /// A rig's failure keeps its detail in the reply, as standalone's does: "the connection
+    /// is closing" and "another connection took the rig over, which may have it" call for
+    /// different things from control.
+    #[test]
+    fn a_failed_rig_keeps_its_detail() {
+        let (mut b, core) = bridge_with_rig();
+        send(&mut b, "d");
+        let agg = std::iter::from_fn(|| core.try_recv())
+            .find_map(|m| match m {
+                ToCore::Command { req, .. } => match req.reply {
+                    ReplyTo::Aggregate(agg) => Some(agg),
+                    _ => None,
+                },
+                _ => None,
+            })
+            .expect("the command went to the rig's core");
+        let why = "the rig's connection is closing";
+        let part = crate::reply::error("d", Some("rig-7"), "rig_not_connected", why);
+        b.broadcast_part(agg, &part);
+        let body = answer(&b);
+        assert_eq!(
+            body["failed"],
+            json!([{"rig_id": "rig-7", "error": "rig_not_connected", "detail": why}])
         );
     }
 }

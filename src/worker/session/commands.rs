@@ -77,7 +77,7 @@ fn enqueue(
     req: CommandReq,
 ) -> Result<(), CommandReq> {
     if !holds(st, &req.rig) {
-        not_taken(core, conn.id, req, "the rig's connection is closing");
+        not_taken(core, conn.id, req, leaving(st));
         return Ok(());
     };
     if !scope_allows(&st.sec, |s| s.allows_command(&req.name)) {
@@ -414,6 +414,18 @@ fn write_out(core: &Core, conn: &Conn, st: &mut ConnState) {
         core.metrics.inc(C::CmdWritten);
         core.metrics.group_count(session.group, GroupCount::Written);
         conn.send_frame(st, OpCode::Text, &json);
+    }
+}
+
+/// Why a connection that no longer holds its rig takes no command. Taken over by another
+/// connection of the rig, the rig may well have the command there: a broadcast published as
+/// the rig moved reaches the broker it moved to too, which may have matched it.
+fn leaving(st: &ConnState) -> &'static str {
+    match st.close_code {
+        Some(4410) => {
+            "the rig's connection is closing: another connection of the rig took it over (4410), where the rig may have this command all the same"
+        }
+        _ => "the rig's connection is closing",
     }
 }
 
