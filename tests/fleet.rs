@@ -2613,3 +2613,34 @@ fn a_holds_reports_keep_hold_order_when_some_are_refused() {
         }
     }
 }
+
+/// A held command whose deadline's removal runs in Redis while its answer is lost (Redis hung
+/// past the broker's wait after running it, or the connection broke) is still reported
+/// `expired` when the broker asks again once Redis answers. Before, that second ask found the
+/// command gone, took it for one a hello had delivered, and nothing reported it.
+#[test]
+fn a_held_commands_expiry_whose_answer_is_lost_is_still_reported() {
+    let redis = RedisServer::start();
+    let relay = Relay::start(redis.port());
+    let a = broker_behind(&relay, "fe-exp");
+    let mut ctl = Control::new(&redis, &["fleetlink:events"]);
+    let hold = |id: &str, ttl_ms: u64| {
+        let body = json!({"id":id,"name":"n","args":{},"queue_if_offline":true,"ttl_ms":ttl_ms});
+        let (status, text) = a.http("POST", "/v1/rigs/rig-gone/commands", &body.to_string());
+        assert_eq!(status, 200, "{text}");
+        assert!(text.contains("\"queued\":true"), "{text}");
+    };
+    // Redis learns the expiry's script first: a lost answer to an unknown script ran nothing.
+    hold("warm", 200);
+    let ev = ctl.next(|ch, v| ch == "fleetlink:events" && v["type"] == "expired");
+    assert_eq!(ev["id"], "warm", "{ev}");
+    hold("exp-lost", 1_500);
+    // Armed once the push has gone: the next call naming the command is its expiry.
+    relay.cut_after(b"exp-lost", false);
+    let ev = ctl.next(|ch, v| ch == "fleetlink:events" && v["type"] == "expired");
+    assert_eq!(ev["id"], "exp-lost", "{ev}");
+    assert_eq!(relay.cuts(), 1, "the expiry's answer was lost");
+    let mut con = redis.connection();
+    let left: Vec<String> = con.lrange("offline:rig-gone", 0, -1).unwrap();
+    assert!(left.is_empty(), "{left:?}");
+}

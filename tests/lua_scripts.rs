@@ -1354,3 +1354,46 @@ fn a_seq_two_brokers_gave_to_two_commands_reports_the_one_that_goes() {
         "merged under, never over"
     );
 }
+
+/// An expiry removes the held command and says so again when asked again (its first answer
+/// lost: Redis hung past the broker's wait after running it); a command a hello took is not
+/// taken for one it removed, nor is another command with the same id. The marks lapse.
+#[test]
+fn offline_expire_remembers_what_it_removed() {
+    use fleetlink::registry::offline::{expired_key, Held, OfflineScripts, Pushed};
+    let (_server, mut con, _) = setup();
+    let offline = OfflineScripts::default();
+    let r = rig("rig-exp");
+    let held = |deadline_ms: u64| Held {
+        id: "same-id".into(),
+        name: "fw".into(),
+        args: fleetlink::args::Args::empty(),
+        deadline_ms,
+        reply_to: None,
+    };
+    let (first, taken, twin) = (held(1_000), held(2_000), held(3_000));
+    for h in [&first, &taken, &twin] {
+        assert_eq!(
+            offline.push(&mut con, &r, h, TTL, "fe-a").unwrap(),
+            Pushed::Held
+        );
+    }
+    let expire = |con: &mut Connection, h: &Held| offline.expire_many(con, &[(&r, h)]).unwrap();
+    assert_eq!(expire(&mut con, &first), vec![Some(true)], "removed now");
+    assert_eq!(
+        expire(&mut con, &first),
+        vec![Some(true)],
+        "removed by the call before"
+    );
+    // `taken` goes the way a hello takes it: from the head of the list.
+    let took = offline.take_many(&mut con, &[&r], 1).unwrap();
+    assert_eq!(took[0][0].deadline_ms, 2_000);
+    assert_eq!(
+        expire(&mut con, &taken),
+        vec![Some(false)],
+        "a hello took it"
+    );
+    assert_eq!(expire(&mut con, &twin), vec![Some(true)]);
+    let ttl = pttl(&mut con, &expired_key(&r));
+    assert!(ttl > 0 && ttl <= 60_000, "{ttl}");
+}

@@ -77,12 +77,18 @@ pub fn offline_key(rig: &RigId) -> String {
     format!("offline:{rig}")
 }
 
+/// The Redis key of the marks `offline_expire.lua` leaves of the rig's commands it removed.
+pub fn expired_key(rig: &RigId) -> String {
+    format!("offline:expired:{rig}")
+}
+
 /// Redis side (fleet mode).
 #[derive(Debug, Clone)]
 pub struct OfflineScripts {
     push: Script,
     put_back: Script,
     take: Script,
+    expire: Script,
 }
 
 /// `offline_push.lua` as Redis runs it: behind the lease check it shares with
@@ -104,6 +110,7 @@ impl Default for OfflineScripts {
             push: Script::new(PUSH),
             put_back: Script::new(RETURN),
             take: Script::new(include_str!("../../lua/offline_take.lua")),
+            expire: Script::new(include_str!("../../lua/offline_expire.lua")),
         }
     }
 }
@@ -275,8 +282,38 @@ impl OfflineScripts {
         Ok(parse_taken(items))
     }
 
-    /// Removes held commands if they are still there (expiry), in one round trip: per entry,
-    /// true when it was there.
+    /// Removes held commands whose deadline passed, in one round trip: per entry, whether an
+    /// expiry removed it (this call, or an earlier one whose answer was lost), false when a
+    /// hello took it, None when its own call failed (ask again).
+    pub fn expire_many(
+        &self,
+        con: &mut impl ConnectionLike,
+        entries: &[(&RigId, &Held)],
+    ) -> Result<Vec<Option<bool>>, RegistryError> {
+        let remembered = LIST_GRACE.as_millis() as u64;
+        let replies = evalsha_many(
+            con,
+            &self.expire,
+            entries,
+            |_| 2,
+            |call, (rig, entry)| {
+                call.arg(offline_key(rig))
+                    .arg(expired_key(rig))
+                    .arg(serde_json::to_string(entry).unwrap_or_default())
+                    .arg(remembered);
+            },
+        )?;
+        Ok(replies
+            .into_iter()
+            .map(|reply| match reply {
+                Ok(redis::Value::Int(n)) => Some(n > 0),
+                _ => None,
+            })
+            .collect())
+    }
+
+    /// Removes held commands if they are still there (a copy this broker delivered itself),
+    /// in one round trip: per entry, true when it was there.
     pub fn remove_many(
         &self,
         con: &mut impl ConnectionLike,

@@ -497,18 +497,20 @@ impl Bridge {
         // A fan-out held for many rigs expires at once: one round trip removes it all.
         let in_redis = self.fleet.as_mut().and_then(|f| {
             let entries: Vec<(&RigId, &Held)> = due.iter().map(|(_, r, e)| (r, e)).collect();
-            f.offline_remove_many(&entries)
+            f.offline_expire_many(&entries)
         });
-        let unanswered = self.fleet.is_some() && in_redis.is_none();
+        let fleet = self.fleet.is_some();
         let mut in_redis = in_redis.map(Vec::into_iter);
         for (key, rig, entry) in due {
-            let from_redis = in_redis.as_mut().and_then(Iterator::next).unwrap_or(false);
-            if from_redis || self.held.remove(&rig, key) {
+            // None: Redis did not answer for this one (standalone: there is no Redis).
+            let expired = in_redis.as_mut().and_then(Iterator::next).flatten();
+            if expired == Some(true) || self.held.remove(&rig, key) {
                 self.report_expired(&rig, &entry.id);
-            } else if unanswered {
+            } else if fleet && expired.is_none() {
                 // Redis did not answer whether it still holds this one: asked again once it
                 // is back, or the command would end with no outcome (its list lapses a
-                // minute past the deadline, and no hello may come to find it).
+                // minute past the deadline, and no hello may come to find it). Should the
+                // call have run after all, its mark says so then.
                 let size = entry.size();
                 self.deadlines.add(now + EXPIRY_RETRY, rig, entry, size);
             }

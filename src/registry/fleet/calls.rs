@@ -228,6 +228,17 @@ impl Fleet {
         Some(self.answered(r)?.into_iter().map(Result::ok).collect())
     }
 
+    /// Removes held commands whose deadline passed, in one round trip (see
+    /// [`OfflineScripts::expire_many`]). None when Redis is unavailable.
+    pub(crate) fn offline_expire_many(
+        &mut self,
+        entries: &[(&RigId, &Held)],
+    ) -> Option<Vec<Option<bool>>> {
+        let con = self.con.as_mut()?;
+        let expired = self.offline.expire_many(con, entries);
+        self.answered(expired)
+    }
+
     /// Removes held commands that are still there, in one round trip. None when Redis is
     /// unavailable.
     pub(crate) fn offline_remove_many(&mut self, entries: &[(&RigId, &Held)]) -> Option<Vec<bool>> {
