@@ -2644,3 +2644,56 @@ fn a_held_commands_expiry_whose_answer_is_lost_is_still_reported() {
     let left: Vec<String> = con.lrange("offline:rig-gone", 0, -1).unwrap();
     assert!(left.is_empty(), "{left:?}");
 }
+
+/// A rig that left with a command unacked and stays away past `--session-ttl` has that command
+/// reported `expired` (with its seq and boot) just before Redis lets the session lapse, and a
+/// later boot's hello reports it no second time; a rig that came back with the same boot in
+/// time resumes it and hears no such report. Before, the session lapsed in silence: control,
+/// told `ok`, never heard of the command again (the soak review).
+#[test]
+fn a_command_left_unacked_past_the_session_ttl_is_reported_expired() {
+    let redis = RedisServer::start();
+    let a = fleet_broker(&redis, "fe-lapse", &["--session-ttl", "3s"]);
+    let mut ctl = Control::new(&redis, &["fleetlink:events"]);
+    let (mut away, away_boot, _) = a.rig("rig-away");
+    let (mut back, back_boot, _) = a.rig("rig-back");
+    let reply = ctl.command_id("fe-lapse", "rig-away", "lapse-1", "n", json!({}));
+    assert_eq!(reply["seq"], 1, "{reply}");
+    let reply = ctl.command_id("fe-lapse", "rig-back", "keep-1", "n", json!({}));
+    assert_eq!(reply["seq"], 1, "{reply}");
+    read_command(&mut away, 1, "lapse-1");
+    read_command(&mut back, 1, "keep-1");
+    drop(away);
+    drop(back);
+    // The same boot of rig-back comes back in time, resumes and acks.
+    eventually(Duration::from_secs(5), "rig-back released", || {
+        owner(&redis, "rig-back").is_none()
+    });
+    let mut back = a.connect("/agent");
+    let welcome = hello(&mut back, "rig-back", &back_boot, json!({}));
+    assert_eq!(welcome["resumed"], true, "{welcome}");
+    read_command(&mut back, 1, "keep-1");
+    ack(&mut back, 1);
+
+    let ev = ctl.next(|ch, v| ch == "fleetlink:events" && v["type"] == "expired");
+    assert_eq!(
+        (&ev["id"], &ev["seq"], &ev["rig_id"], &ev["boot_id"]),
+        (
+            &json!("lapse-1"),
+            &json!(1),
+            &json!("rig-away"),
+            &json!(away_boot)
+        ),
+        "{ev}"
+    );
+    a.wait_metric("fleetlink_registry_ops_total{op=\"parked\",result=\"expired\"} 1");
+    // A new boot finds nothing left to report as rebooted.
+    let (_new, _, _) = a.rig("rig-away");
+    assert_no_more_rebooted(&mut ctl, "lapse-1 was reported expired already");
+    ctl.publish("fleetlink:events", json!({"type": "marker"}));
+    let ev = ctl.next(|ch, v| {
+        ch == "fleetlink:events" && (v["type"] == "expired" || v["type"] == "marker")
+    });
+    assert_eq!(ev["type"], "marker", "rig-back resumed in time: {ev}");
+    drop(back);
+}

@@ -15,6 +15,7 @@
 mod broadcast;
 mod hellos;
 mod holds;
+mod lapses;
 mod redis_io;
 mod rekeeps;
 mod shared;
@@ -110,6 +111,8 @@ struct Bridge {
     holds_bytes: usize,
     /// Commands waiting to be kept in Redis before they are written (fleet mode).
     persists: Vec<PersistReq>,
+    /// Sessions of rigs that left with commands unacked, watched to their TTL's end.
+    lapses: lapses::Lapses,
     /// Reports of held commands refused while `persists` waited, each with how many of them
     /// came before it: published among their answers (see [`ToBridge::HeldEvent`]).
     after_keeps: Vec<(usize, Box<[u8]>)>,
@@ -209,6 +212,7 @@ impl Bridge {
             holds_bytes: 0,
             persists: Vec::new(),
             after_keeps: Vec::new(),
+            lapses: Default::default(),
             rekeeps: rekeeps::Rekeeps::default(),
             rekeep_all: false,
             refusals_counted: 0,
@@ -294,6 +298,9 @@ impl Bridge {
         if let Some(d) = self.deadlines.next_due() {
             next = next.min(d);
         }
+        if let Some(d) = self.lapses.next_due() {
+            next = next.min(d);
+        }
         // Timers may fire a little late; a paced write may not: it holds a command back.
         let mut wait = next.saturating_duration_since(now).max(TIMER_FLOOR);
         if let Some(d) = self.write_due(now) {
@@ -349,6 +356,7 @@ impl Bridge {
                 // The registry takes the session; what is left to do with it here needs these.
                 let (rig, boot, next_seq) = (session.rig.clone(), session.boot, session.next_seq);
                 let carried = &session.carried;
+                let unacked = !carried.is_empty();
                 // For a resume on another broker: written into the session once its lease goes
                 // (fleet mode only; standalone, the parked session is the only copy needed).
                 let remember = session
@@ -414,6 +422,9 @@ impl Bridge {
                 let actions = self.merge_handover(&rig, boot, actions);
                 // It was itself waiting for a hand-over, and went first.
                 self.drop_handover_resume(conn, &rig);
+                if released && unacked {
+                    self.watch_lapse(rig.clone(), boot);
+                }
                 let asked = self.rekeep_asked.remove(&(rig.clone(), boot));
                 if let Some(r) = superseded {
                     self.rekeeps.push_superseded(r);

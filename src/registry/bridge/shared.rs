@@ -12,7 +12,7 @@ use crate::metrics::BridgeStats;
 pub(super) const CANARY_STALE: Duration = Duration::from_secs(5);
 
 /// Registry operations counted by (op, result), in this order.
-pub const REGISTRY_OPS: [(&str, &str); 61] = [
+pub const REGISTRY_OPS: [(&str, &str); 62] = [
     ("offline", "held"),
     ("offline", "full"),
     ("offline", "connected_elsewhere"),
@@ -68,6 +68,7 @@ pub const REGISTRY_OPS: [(&str, &str); 61] = [
     ("broadcast", "overloaded"),
     ("parked", "dropped"),
     ("parked", "expired"),
+    ("session", "unwatched"),
     ("offline", "draining"),
     ("offline", "duplicate_removed"),
     ("refused", "rig_not_connected"),

@@ -124,6 +124,7 @@ impl Bridge {
             self.next_touch = now + touch_every(self.cfg.session_ttl);
             self.touch_sessions();
         }
+        self.check_lapses(now);
     }
 
     /// `--session-ttl` counts from when the rig was last seen, and a connected rig is seen

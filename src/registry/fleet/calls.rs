@@ -146,6 +146,20 @@ impl Fleet {
         }
     }
 
+    /// Sessions of rigs that left with commands unacked, near the end of their TTL (see
+    /// [`sessions::SessionScripts::lapse_many`]). None when Redis is unavailable.
+    pub(crate) fn session_lapses(
+        &mut self,
+        watched: &[(RigId, BootId)],
+        near: Duration,
+    ) -> Option<Vec<Option<sessions::Lapse>>> {
+        let con = self.con.as_mut()?;
+        let r = self
+            .sessions
+            .lapse_many(con, watched, &self.broker_id, near);
+        self.answered(r)
+    }
+
     /// Puts sessions back (see [`SessionScripts::rekeep`]). None when Redis is unavailable.
     ///
     /// [`SessionScripts::rekeep`]: sessions::SessionScripts::rekeep
@@ -229,7 +243,7 @@ impl Fleet {
     }
 
     /// Removes held commands whose deadline passed, in one round trip (see
-    /// [`OfflineScripts::expire_many`]). None when Redis is unavailable.
+    /// [`crate::registry::offline::OfflineScripts::expire_many`]). None when Redis is unavailable.
     pub(crate) fn offline_expire_many(
         &mut self,
         entries: &[(&RigId, &Held)],

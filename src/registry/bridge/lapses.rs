@@ -1,0 +1,156 @@
+//! Fleet mode: the sessions of rigs that left this broker with commands unacked, watched until
+//! Redis would let them lapse (`--session-ttl`), so that what they still hold then is reported
+//! `expired` (`lua/session_lapse.lua`) instead of vanishing with the key, after control was
+//! told `ok`. Standalone reports its own parked copies (`Bridge::report_lapsed`).
+
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
+use std::time::{Duration, Instant};
+
+use super::upkeep::touch_every;
+use super::Bridge;
+use crate::ids::{BootId, RigId};
+use crate::registry::sessions::Lapse;
+
+/// Most sessions watched at once: one per rig that left with commands unacked within a
+/// `--session-ttl` (a few dozen bytes each). Past it a session goes unwatched, counted
+/// (`session/unwatched`): its commands lapse unreported, as before this watch.
+pub(super) const MAX_WATCHED: usize = 1_000_000;
+/// How near its end a session is ended by the watch (a call that arrived later would find the
+/// key gone): a tenth of `--session-ttl`, from 100 ms up to 3 s. One with longer left is asked
+/// about again two thirds of that before its end.
+fn near(session_ttl: Duration) -> Duration {
+    (session_ttl / 10).clamp(Duration::from_millis(100), Duration::from_secs(3))
+}
+
+fn ask_before(session_ttl: Duration) -> Duration {
+    near(session_ttl) * 2 / 3
+}
+/// Redis did not answer: asked again this much later.
+const RETRY: Duration = Duration::from_secs(1);
+/// Most sessions asked about in one round trip.
+const PER_CALL: usize = 1_000;
+
+/// Sessions to ask about, soonest first.
+#[derive(Default)]
+pub(super) struct Lapses {
+    due: BinaryHeap<Reverse<(Instant, RigId, BootId)>>,
+}
+
+impl Lapses {
+    /// Watches (rig, boot) from `at`; false when full.
+    pub(super) fn watch(&mut self, at: Instant, rig: RigId, boot: BootId) -> bool {
+        if self.due.len() >= MAX_WATCHED {
+            return false;
+        }
+        self.due.push(Reverse((at, rig, boot)));
+        true
+    }
+
+    pub(super) fn next_due(&self) -> Option<Instant> {
+        self.due.peek().map(|Reverse((at, _, _))| *at)
+    }
+
+    /// Up to `max` sessions due by `now`, soonest first.
+    fn take_due(&mut self, now: Instant, max: usize) -> Vec<(RigId, BootId)> {
+        let mut out = Vec::new();
+        while out.len() < max && self.next_due().is_some_and(|at| at <= now) {
+            if let Some(Reverse((_, rig, boot))) = self.due.pop() {
+                out.push((rig, boot));
+            }
+        }
+        out
+    }
+
+    #[cfg(test)]
+    fn len(&self) -> usize {
+        self.due.len()
+    }
+}
+
+/// When a session whose rig just left is first asked about: its TTL counts from its last
+/// touch, at most one touch interval before the rig left, so it lapses no sooner than this.
+pub(super) fn first_ask(now: Instant, session_ttl: Duration) -> Instant {
+    let earliest = session_ttl.saturating_sub(touch_every(session_ttl));
+    now + earliest.saturating_sub(ask_before(session_ttl))
+}
+
+impl Bridge {
+    /// A rig left with commands unacked: its session is watched (fleet mode, sessions kept).
+    pub(super) fn watch_lapse(&mut self, rig: RigId, boot: BootId) {
+        if self.fleet.is_none() || self.cfg.session_ttl.is_zero() {
+            return;
+        }
+        let at = first_ask(Instant::now(), self.cfg.session_ttl);
+        if !self.lapses.watch(at, rig, boot) {
+            self.shared.count("session", "unwatched");
+        }
+    }
+
+    /// Asks Redis about the watched sessions that are due, in one round trip.
+    pub(super) fn check_lapses(&mut self, now: Instant) {
+        let due = self.lapses.take_due(now, PER_CALL);
+        if due.is_empty() {
+            return;
+        }
+        let ttl = self.cfg.session_ttl;
+        let answers = self
+            .fleet
+            .as_mut()
+            .and_then(|f| f.session_lapses(&due, near(ttl)));
+        let mut answers = answers.map(Vec::into_iter);
+        for (rig, boot) in due {
+            let answer = answers.as_mut().and_then(Iterator::next).flatten();
+            let again = match answer {
+                Some(Lapse::Done) => None,
+                Some(Lapse::Reported(n)) => {
+                    self.shared.count_n("parked", "expired", n);
+                    if n > 0 {
+                        log::info!(
+                            "rig {rig} (boot {boot}) stayed away past --session-ttl: {n} unacked commands of its session reported expired"
+                        );
+                    }
+                    None
+                }
+                Some(Lapse::Later(left)) => Some(now + left.saturating_sub(ask_before(ttl))),
+                None => Some(now + RETRY),
+            };
+            if let Some(at) = again {
+                // Back in the heap it was just taken from: there is room.
+                let _ = self.lapses.watch(at, rig, boot);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_session_is_first_asked_about_before_it_can_lapse() {
+        let now = Instant::now();
+        // 10 min: touched every 200 s, so it lapses 400 s after the rig left at the soonest.
+        let ttl = Duration::from_secs(600);
+        assert_eq!(first_ask(now, ttl), now + Duration::from_secs(398));
+        // 3 s: touched every second, so 2 s at the soonest; asked 200 ms before.
+        let ttl = Duration::from_secs(3);
+        assert_eq!(first_ask(now, ttl), now + Duration::from_millis(1800));
+    }
+
+    #[test]
+    fn watched_sessions_come_due_soonest_first_within_the_bound() {
+        let now = Instant::now();
+        let mut l = Lapses::default();
+        let rig = |n: u8| RigId::parse(&format!("rig-{n}")).expect("rig");
+        let boot = BootId::generate(1);
+        assert!(l.watch(now + Duration::from_secs(2), rig(2), boot));
+        assert!(l.watch(now + Duration::from_secs(1), rig(1), boot));
+        assert!(l.watch(now + Duration::from_secs(9), rig(9), boot));
+        assert_eq!(l.next_due(), Some(now + Duration::from_secs(1)));
+        let due = l.take_due(now + Duration::from_secs(3), 10);
+        assert_eq!(due, vec![(rig(1), boot), (rig(2), boot)]);
+        assert_eq!(l.len(), 1);
+        assert!(l.take_due(now + Duration::from_secs(3), 10).is_empty());
+    }
+}
