@@ -563,6 +563,60 @@ fn hello_fields_duplicates_resume_and_seq_gap() {
     );
 }
 
+/// A connection that breaks (a reset, no close handshake) may have lost the last results the
+/// agent sent into it: they go again after the next welcome, beside its last acks. Before,
+/// a result sent just before a broker crashed was gone for good, though the command ran. After
+/// a close handshake, the broker read everything before it, and nothing goes twice.
+#[test]
+fn results_sent_into_a_connection_that_broke_go_again() {
+    let fake = FakeBroker::new();
+    let agent = Agent::start(&fake.url(), "rig-reset", &["--allow", "echo"]);
+    let (mut ws, _) = fake.accept();
+    welcome(&mut ws, false);
+    let mut results = Vec::new();
+    push(&mut ws, command(1, "echo"));
+    assert_eq!(recv_ack(&mut ws, &mut results), 1);
+    while results.is_empty() {
+        results.push(recv(&mut ws));
+    }
+    assert_eq!(results[0]["seq"], 1, "{results:?}");
+    // Gone with a reset, as a crashed broker's socket goes.
+    socket2::SockRef::from(ws.get_ref())
+        .set_linger(Some(Duration::ZERO))
+        .unwrap();
+    drop(ws);
+
+    let (mut ws, hello) = fake.accept();
+    assert_eq!(hello["last_seq"], 1, "{hello}");
+    welcome(&mut ws, true);
+    let mut again = Vec::new();
+    assert_eq!(recv_ack(&mut ws, &mut again), 1);
+    while again.is_empty() {
+        again.push(recv(&mut ws));
+    }
+    assert_eq!(again[0], results[0], "the same result again");
+    // A close handshake this time: nothing is sent twice after it.
+    push(&mut ws, command(2, "echo"));
+    let mut results = Vec::new();
+    assert_eq!(recv_ack(&mut ws, &mut results), 2);
+    while results.is_empty() {
+        results.push(recv(&mut ws));
+    }
+    close_with(&mut ws, 1012, "kicked");
+    let (mut ws, _) = fake.accept();
+    welcome(&mut ws, true);
+    let mut after = Vec::new();
+    assert_eq!(recv_ack(&mut ws, &mut after), 1);
+    assert_eq!(recv_ack(&mut ws, &mut after), 2);
+    push(&mut ws, command(3, "echo"));
+    assert_eq!(recv_ack(&mut ws, &mut after), 3);
+    while !after.iter().any(|r| r["seq"] == 3) {
+        after.push(recv(&mut ws));
+    }
+    assert_eq!(after.len(), 1, "only seq 3's result: {after:?}");
+    assert_eq!(agent.exec_lines().len(), 3, "each ran once");
+}
+
 /// A broker that lost the rig's session (`resumed: false`) still gets the results of commands
 /// the agent acked before: it numbers new commands above the hello's `last_seq`, so control
 /// can join them to their acks. The agent used to drop them, and control heard nothing.

@@ -581,7 +581,25 @@ fn scripts_reject_bad_arguments_before_writing() {
     let hello = redis::Script::new(include_str!("../lua/hello.lua"));
     let broker = redis::Script::new(include_str!("../lua/broker.lua"));
     let release = redis::Script::new(include_str!("../lua/release.lua"));
+    let expire = redis::Script::new(include_str!("../lua/offline_expire.lua"));
+    let lapse = redis::Script::new(include_str!("../lua/session_lapse.lua"));
     let bad: Vec<redis::RedisResult<Value>> = vec![
+        // A mark's ttl of 0, then a session's "near" that is no number.
+        expire
+            .key("offline:a")
+            .key("offline:expired:a")
+            .arg("{}")
+            .arg("0")
+            .invoke(&mut con),
+        lapse
+            .key(format!("sess:a:{b}"))
+            .key("rig:a")
+            .arg("a")
+            .arg(&b)
+            .arg("fe")
+            .arg("2026-01-01T00:00:00Z")
+            .arg("soon")
+            .invoke(&mut con),
         // ttl 0, a missing ARGV, then a non-canonical boot id.
         refresh
             .key("rig:a")

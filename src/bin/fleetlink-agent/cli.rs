@@ -21,12 +21,13 @@ Stopping (SIGTERM/SIGINT, --run-for, a seq gap): every command already acked end
 before the close: the running one is killed, the ones not started are reported ok:false
 (\"not run: the agent stopped first\") and never run; up to 5 s for those to go out. The
 broker will not send an acked command again, so a result that cannot go out (stopped while
-disconnected) is logged as an error with its seq.
+disconnected) is logged as an error with its seq. After a connection that broke without a
+close handshake, its last 32 results go again on the next: control may see one twice.
 
 Reconnecting (the same boot id, so the broker resumes the session):
   goaway                 at the reconnect_after_ms it gave, exactly (at most 600 s)
   HTTP 503 Retry-After N, close 4503 retry_after=N
-                         N s, give or take 10 %
+                         N s, give or take 10 % (N = 0: as anything else)
   kicked (close 1012)    0.5-1.5 s: control asked for the reconnect
   anything else          uniform(0.5, 1.5) x min(2^n, 30) s, n the failures in a row
                          (at most 45 s); a connection up 10 s after its welcome starts n over

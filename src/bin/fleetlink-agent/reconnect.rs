@@ -147,9 +147,10 @@ impl Policy {
         }
     }
 
-    /// A broker hint (`Retry-After`); without one, the ordinary backoff.
+    /// A broker hint (`Retry-After`); without one, the ordinary backoff. `0` is no hint: taken
+    /// at its word from a proxy that says it, every rig behind it would retry in a tight loop.
     fn hinted(&mut self, secs: Option<u64>, what: &str) -> Result<Duration, Exit> {
-        let Some(secs) = secs else {
+        let Some(secs) = secs.filter(|&s| s > 0) else {
             return self.backoff(&format!("{what} without a usable Retry-After"));
         };
         self.count_failure(what)?;
@@ -274,6 +275,14 @@ mod tests {
         assert!((4.0..12.0).contains(&d), "{d}");
         let d = secs(p.plan(lost(None, Some((4503, "busy"))), now));
         assert!((8.0..24.0).contains(&d), "{d}");
+        // Zero is no hint either (a proxy's `Retry-After: 0` made a tight loop): the backoff.
+        for zero in [
+            End::Unavailable(Some(0)),
+            lost(None, Some((4503, "retry_after=0"))),
+        ] {
+            let d = secs(p.plan(zero, now));
+            assert!((4.0..46.0).contains(&d), "{d}");
+        }
     }
 
     #[test]

@@ -73,11 +73,20 @@ pub(crate) struct Agent {
     /// command unacked for good (not sent again, since the hello's `last_seq` covers it), to
     /// be reported `rig_rebooted` when this process ends.
     recent_acks: VecDeque<u64>,
+    /// The last results sent on this connection (at most [`RECENT_RESULTS`]): should it break
+    /// (no close handshake), they may have died in its buffers, and go again on the next.
+    sent_results: VecDeque<String>,
+    /// Results sent on a connection that broke, sent again after the next welcome.
+    resend: VecDeque<String>,
 }
 
 /// How many of the last acks a resumed connection sends again: more than can be on their way
 /// when a connection breaks, and few enough to cost nothing.
 const RECENT_ACKS: usize = 32;
+/// The same for results, which a broker publishes as they come: one that got through before
+/// the break reaches control twice (joined by rig_id, boot_id and seq), where without this one
+/// that did not would never reach it.
+const RECENT_RESULTS: usize = 32;
 
 /// One live websocket and what the session loop tracks about it.
 struct Conn {
@@ -141,6 +150,8 @@ impl Agent {
             pending: 0,
             stopping,
             recent_acks: VecDeque::new(),
+            sent_results: VecDeque::new(),
+            resend: VecDeque::new(),
         }
     }
 
@@ -180,12 +191,16 @@ impl Agent {
                 return Exit::Stopped;
             };
             let end = match dialed {
-                Ok((ws, addr)) => self.connection(Conn {
-                    ws,
-                    addr,
-                    welcomed: None,
-                    goaway: None,
-                }),
+                Ok((ws, addr)) => {
+                    let end = self.connection(Conn {
+                        ws,
+                        addr,
+                        welcomed: None,
+                        goaway: None,
+                    });
+                    self.after_connection(&end);
+                    end
+                }
                 Err(DialError::Unavailable { retry_after }) => End::Unavailable(retry_after),
                 Err(DialError::Refused(why)) => End::Refused(why),
                 Err(DialError::Failed(why)) => End::Lost {
@@ -200,6 +215,20 @@ impl Agent {
             };
             if !self.sleep(delay) {
                 return Exit::Stopped;
+            }
+        }
+    }
+
+    /// What a connection's end leaves of the results it sent: a close handshake means the
+    /// broker read everything before it; a connection that broke may have lost the last few.
+    fn after_connection(&mut self, end: &End) {
+        let sent = std::mem::take(&mut self.sent_results);
+        if let End::Lost { close: None, .. } = end {
+            for text in sent {
+                if self.resend.len() == RECENT_RESULTS {
+                    self.resend.pop_front();
+                }
+                self.resend.push_back(text);
             }
         }
     }
@@ -327,6 +356,17 @@ impl Agent {
             // next read, as any broken connection does.
             let _ = conn.ws.send(Message::text(proto::ack(seq)));
         }
+        let again = self.resend.len();
+        while let Some(text) = self.resend.pop_front() {
+            if conn.ws.send(Message::text(text.clone())).is_ok() {
+                self.remember_sent(text);
+            }
+        }
+        if again > 0 {
+            log::info!(
+                "sent the last {again} results of the connection that broke again: control may see them twice (the same rig_id, boot_id and seq)"
+            );
+        }
         conn.welcomed = Some(Instant::now());
         log::info!(
             "connected to {}: broker_id={broker_id} resumed={resumed} boot_id={} last_seq={:?}",
@@ -438,12 +478,20 @@ impl Agent {
                 },
             };
             let text = proto::result(done.seq, done.ok, done.output.clone(), self.cfg.max_message);
-            if let Err(e) = ws.send(Message::text(text)) {
+            if let Err(e) = ws.send(Message::text(text.clone())) {
                 let why = format!("sending result seq={}: {e}", done.seq);
                 self.unsent.push_front(done);
                 return Err(why);
             }
+            self.remember_sent(text);
         }
+    }
+
+    fn remember_sent(&mut self, text: String) {
+        if self.sent_results.len() == RECENT_RESULTS {
+            self.sent_results.pop_front();
+        }
+        self.sent_results.push_back(text);
     }
 
     /// Stopping while connected: what the worker has not started is reported not run, the
