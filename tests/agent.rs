@@ -617,6 +617,44 @@ fn results_sent_into_a_connection_that_broke_go_again() {
     assert_eq!(agent.exec_lines().len(), 3, "each ran once");
 }
 
+/// Commands waiting for the agent's worker are bounded by bytes too (64 MiB), not only by
+/// `--max-pending`: past it the next is not acked, and the agent closes 1013 and comes back
+/// for it. Before, 200 commands of 1 MB behind a long one grew the agent by 200 MB.
+#[test]
+fn big_commands_waiting_behind_a_long_one_are_bounded_by_bytes() {
+    let fake = FakeBroker::new();
+    let agent = Agent::start(
+        &fake.url(),
+        "rig-bytes",
+        &["--allow", "sleep", "--allow", "echo"],
+    );
+    let (mut ws, _) = fake.accept();
+    welcome(&mut ws, false);
+    push(
+        &mut ws,
+        json!({"type": "command", "seq": 1, "id": "long", "name": "sleep", "args": {"argv": ["60"]}}),
+    );
+    let pad = "x".repeat(12 << 20);
+    for seq in 2..=7 {
+        push(
+            &mut ws,
+            json!({"type": "command", "seq": seq, "id": format!("big-{seq}"), "name": "echo",
+                   "args": {"argv": ["b"], "pad": pad}}),
+        );
+    }
+    let mut results = Vec::new();
+    for seq in 1..=6 {
+        assert_eq!(recv_ack(&mut ws, &mut results), seq);
+    }
+    // 5 x 12 MiB wait; a sixth would pass 64 MiB.
+    assert_eq!(close_code_read(&mut ws), Some(1013), "{}", agent.log());
+    let (_ws, hello) = fake.accept();
+    assert_eq!(
+        hello["last_seq"], 6,
+        "the sixth big one was not taken: {hello}"
+    );
+}
+
 /// A broker that lost the rig's session (`resumed: false`) still gets the results of commands
 /// the agent acked before: it numbers new commands above the hello's `last_seq`, so control
 /// can join them to their acks. The agent used to drop them, and control heard nothing.

@@ -96,8 +96,9 @@ pub(crate) struct Cli {
     /// Bigger results are cut down to fit.
     #[arg(long, env = "FLEETLINK_AGENT_MAX_MESSAGE", default_value_t = 65_536)]
     max_message: usize,
-    /// Accepted commands waiting for the worker. When full, the agent reconnects without
-    /// acking, and the broker replays the rest later.
+    /// Accepted commands waiting for the worker (and at most 64 MiB of them, whatever the
+    /// count). When full, the agent closes 1013 without acking the next, reconnects, and the
+    /// broker replays the rest later.
     #[arg(long, env = "FLEETLINK_AGENT_MAX_PENDING", default_value_t = 1024)]
     max_pending: usize,
     /// Give up (exit 3) after this many connection attempts in a row that never got a welcome.

@@ -100,11 +100,13 @@ fn run(cfg: Config) -> anyhow::Result<Exit> {
         running.clone(),
     );
     let abandon = Arc::new(AtomicBool::new(false));
+    let queued = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let (jobs, done) = worker::spawn(
         Box::new(handler),
         exec_log,
         cfg.max_pending,
         abandon.clone(),
+        queued.clone(),
     )?;
     let stop = Arc::new(AtomicBool::new(false));
     for signal in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT] {
@@ -114,7 +116,7 @@ fn run(cfg: Config) -> anyhow::Result<Exit> {
         abandon,
         running: running.clone(),
     };
-    let exit = Agent::new(cfg, tls, jobs, done, stop, stopping).run();
+    let exit = Agent::new(cfg, tls, (jobs, queued), done, stop, stopping).run();
     // Nothing started after the agent's own wind-down; a command still running would
     // outlive us.
     running.kill();

@@ -9,7 +9,7 @@
 
 use std::collections::VecDeque;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, SyncSender, TrySendError};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -29,7 +29,7 @@ use crate::proto::{self, Command, ServerMsg};
 use crate::reconnect::{End, Exit, Policy};
 use crate::seq::{SeqTracker, SeqVerdict};
 use crate::tls::Stream;
-use crate::worker::{Done, Job};
+use crate::worker::{Done, Job, MAX_QUEUED_BYTES};
 
 /// Socket read timeout: the latency of sending a finished result and of noticing a stop.
 const POLL: Duration = Duration::from_millis(50);
@@ -58,6 +58,8 @@ pub(crate) struct Agent {
     boot: BootId,
     seqs: SeqTracker,
     jobs: SyncSender<Job>,
+    /// Bytes of the commands `jobs` holds or runs (see [`MAX_QUEUED_BYTES`]).
+    queued: Arc<AtomicUsize>,
     done: Receiver<Done>,
     /// A result taken from `done` whose send failed; sent first on the next connection.
     unsent: VecDeque<Done>,
@@ -125,7 +127,7 @@ impl Agent {
     pub(crate) fn new(
         cfg: Config,
         tls: Option<Arc<ClientConfig>>,
-        jobs: SyncSender<Job>,
+        (jobs, queued): (SyncSender<Job>, Arc<AtomicUsize>),
         done: Receiver<Done>,
         stop: Arc<AtomicBool>,
         stopping: Stopping,
@@ -142,6 +144,7 @@ impl Agent {
             boot: BootId::generate(unix_ms),
             seqs: SeqTracker::default(),
             jobs,
+            queued,
             done,
             unsent: VecDeque::new(),
             policy,
@@ -378,7 +381,7 @@ impl Agent {
 
     fn on_text(&mut self, conn: &mut Conn, text: &str) -> Option<End> {
         match proto::parse_server_msg(text) {
-            Ok(ServerMsg::Command(cmd)) => self.on_command(conn, cmd),
+            Ok(ServerMsg::Command(cmd)) => self.on_command(conn, cmd, text.len()),
             Ok(ServerMsg::Goaway {
                 reason,
                 reconnect_after_ms,
@@ -406,7 +409,7 @@ impl Agent {
         }
     }
 
-    fn on_command(&mut self, conn: &mut Conn, cmd: Command) -> Option<End> {
+    fn on_command(&mut self, conn: &mut Conn, cmd: Command, size: usize) -> Option<End> {
         let seq = cmd.seq;
         match self.seqs.judge(seq) {
             SeqVerdict::Duplicate => {
@@ -429,20 +432,26 @@ impl Agent {
             }
             SeqVerdict::Run => {
                 log::info!("command seq={seq} id={} name={}", cmd.id, cmd.name);
-                match self.jobs.try_send(Job { cmd }) {
+                let queued = self.queued.load(Ordering::SeqCst);
+                if queued > 0 && queued.saturating_add(size) > MAX_QUEUED_BYTES {
+                    let why = format!(
+                        "{queued} bytes of commands pending (at most {MAX_QUEUED_BYTES}), seq={seq} not accepted"
+                    );
+                    return Some(self.busy(conn, why));
+                }
+                self.queued.fetch_add(size, Ordering::SeqCst);
+                match self.jobs.try_send(Job { cmd, size }) {
                     Ok(()) => {
                         self.seqs.record(seq);
                         self.pending += 1;
                     }
                     Err(TrySendError::Full(_)) => {
-                        // Not recorded, not acked: the next hello's last_seq makes the broker
-                        // replay it and everything after.
+                        self.queued.fetch_sub(size, Ordering::SeqCst);
                         let why = format!(
                             "{} commands pending, seq={seq} not accepted",
                             self.cfg.max_pending
                         );
-                        close(&mut conn.ws, 1013, "agent busy");
-                        return Some(conn.lost(why, None));
+                        return Some(self.busy(conn, why));
                     }
                     Err(TrySendError::Disconnected(_)) => {
                         log::error!("the worker thread is gone");
@@ -462,6 +471,14 @@ impl Agent {
             Ok(()) => None,
             Err(e) => Some(conn.lost(format!("sending ack: {e}"), None)),
         }
+    }
+
+    /// Full: the command is neither recorded nor acked, and the connection ends, so that the
+    /// next hello's last_seq has the broker replay it and everything after, once there is room.
+    fn busy(&mut self, conn: &mut Conn, why: String) -> End {
+        close(&mut conn.ws, 1013, "agent busy");
+        // A close of its own: what it sent before went through, and goes no second time.
+        conn.lost(why, Some((1013, "agent busy".into())))
     }
 
     /// Sends every finished result; on a failed send the result is kept for the next connection.

@@ -8,7 +8,7 @@
 use std::fs::{File, OpenOptions};
 use std::io::Write;
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver, SyncSender};
 use std::sync::Arc;
 use std::thread;
@@ -22,7 +22,14 @@ use crate::proto::Command;
 /// An accepted command.
 pub(crate) struct Job {
     pub(crate) cmd: Command,
+    /// The bytes of the command as it came, counted in [`MAX_QUEUED_BYTES`] until it has run.
+    pub(crate) size: usize,
 }
+
+/// Most bytes of accepted commands waiting for the worker or running (beside `--max-pending`,
+/// which counts them): a broker sending many big commands to a rig busy with a long one would
+/// otherwise grow the agent by up to `--max-pending` times the largest message.
+pub(crate) const MAX_QUEUED_BYTES: usize = 64 << 20;
 
 /// A finished command, to be sent as `result`.
 #[derive(Debug)]
@@ -76,19 +83,32 @@ fn token(s: &str) -> String {
         .collect()
 }
 
+/// Gives a job's bytes back to the count when dropped, whichever way its turn ends.
+struct Freed<'a>(&'a AtomicUsize, usize);
+
+impl Drop for Freed<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(self.1, Ordering::SeqCst);
+    }
+}
+
 /// Starts the worker; it ends when the job sender is dropped.
 pub(crate) fn spawn(
     mut handler: Box<dyn Handler>,
     mut exec_log: Option<ExecLog>,
     max_pending: usize,
     abandon: Arc<AtomicBool>,
+    queued: Arc<AtomicUsize>,
 ) -> anyhow::Result<(SyncSender<Job>, Receiver<Done>)> {
     let (job_tx, job_rx) = mpsc::sync_channel::<Job>(max_pending);
     let (done_tx, done_rx) = mpsc::sync_channel::<Done>(max_pending);
     thread::Builder::new()
         .name("agent-worker".into())
         .spawn(move || {
-            for Job { cmd } in job_rx {
+            for Job { cmd, size } in job_rx {
+                // Its bytes are freed once it has run (or been reported not run), before its
+                // result waits (a result is capped at --max-message); given back on any way out.
+                let freed = Freed(&queued, size);
                 // The agent is stopping: what it accepted and has not started ends now, as a
                 // result saying so. It was acked, so the broker will not send it again, and
                 // control must hear it did not run rather than nothing at all.
@@ -103,6 +123,7 @@ pub(crate) fn spawn(
                         ok: false,
                         output: serde_json::json!({"error": "not run: the agent stopped first"}),
                     };
+                    drop(freed);
                     if done_tx.send(done).is_err() {
                         return;
                     }
@@ -127,6 +148,7 @@ pub(crate) fn spawn(
                     ok: outcome.ok,
                     output: outcome.output,
                 };
+                drop(freed);
                 if done_tx.send(done).is_err() {
                     return;
                 }
@@ -164,11 +186,13 @@ mod tests {
         let path = dir.join("exec.log");
         let _ = std::fs::remove_file(&path);
         let abandon = Arc::new(AtomicBool::new(false));
+        let queued = Arc::new(AtomicUsize::new(0));
         let (jobs, done) = spawn(
             Box::new(Echo),
             Some(ExecLog::open(&path).unwrap()),
             4,
             abandon.clone(),
+            queued.clone(),
         )
         .unwrap();
         for (seq, name) in [(1, "a"), (2, "refuse"), (3, "fail"), (4, "with space")] {
@@ -178,7 +202,8 @@ mod tests {
                 name: name.into(),
                 args: json!({"n": seq}),
             };
-            jobs.send(Job { cmd }).unwrap();
+            queued.fetch_add(100, Ordering::SeqCst);
+            jobs.send(Job { cmd, size: 100 }).unwrap();
         }
         let got: Vec<Done> = (0..4)
             .map(|_| {
@@ -187,6 +212,11 @@ mod tests {
             })
             .collect();
         assert_eq!(got.iter().map(|d| d.seq).collect::<Vec<_>>(), [1, 2, 3, 4]);
+        assert_eq!(
+            queued.load(Ordering::SeqCst),
+            0,
+            "every job's bytes given back"
+        );
         assert!(!got[2].ok);
         assert_eq!(got[3].output["n"], 4);
         let log = std::fs::read_to_string(&path).unwrap();
