@@ -113,6 +113,11 @@ impl Handler for Allowlist {
         if !self.allow.contains(&cmd.name) {
             return Outcome::refused("not allowed");
         }
+        // CONTRACT.md §2: args is an object (null counts as none, as a missing one does);
+        // anything else is not taken for an empty one.
+        if !(cmd.args.is_object() || cmd.args.is_null()) {
+            return Outcome::refused("bad args: args must be an object");
+        }
         let argv = match cmd.args.get("argv") {
             None | Some(Value::Null) => Vec::new(),
             Some(Value::Array(items)) => {
@@ -159,11 +164,12 @@ fn run_program(
         .spawn();
     let mut child = match spawned {
         Ok(child) => child,
+        // Nothing ran: no exec-log line, which counts executions.
         Err(e) => {
             return Outcome {
                 ok: false,
                 output: error_output(&format!("spawn failed: {e}")),
-                executed: true,
+                executed: false,
             }
         }
     };
@@ -347,7 +353,7 @@ mod tests {
         assert!(!out.ok && out.executed);
         assert_eq!(out.output["exit_code"], 1);
         let out = h.handle(&cmd("no-such-program-fleetlink", json!({})));
-        assert!(!out.ok && out.executed);
+        assert!(!out.ok && !out.executed, "nothing ran: {out:?}");
         assert!(out.output["error"]
             .as_str()
             .unwrap()
@@ -357,6 +363,8 @@ mod tests {
             json!({"argv": [1]}),
             json!({"timeout_ms": -5}),
             json!({"timeout_ms": 0}),
+            json!("not an object"),
+            json!(["argv"]),
         ] {
             let out = h.handle(&cmd("false", bad.clone()));
             assert!(!out.ok && !out.executed, "{bad}");
