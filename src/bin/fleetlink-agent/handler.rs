@@ -9,7 +9,7 @@ use std::io::Read;
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::process::{Child, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicI32, Ordering};
-use std::sync::{mpsc, Arc};
+use std::sync::{mpsc, Arc, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -178,8 +178,10 @@ fn run_program(
         kill_group(pgid);
     }
     let (tx, rx) = mpsc::channel();
-    spawn_reader(child.stdout.take(), cap, 0, tx.clone());
-    spawn_reader(child.stderr.take(), cap, 1, tx);
+    // What each pipe gave so far, read here should a pipe never end.
+    let read: [Arc<Mutex<Captured>>; 2] = Default::default();
+    spawn_reader(child.stdout.take(), cap, 0, tx.clone(), read[0].clone());
+    spawn_reader(child.stderr.take(), cap, 1, tx, read[1].clone());
     let (status, timed_out) = wait_until(&mut child, started + timeout, pgid);
     let mut streams: [Captured; 2] = Default::default();
     let mut pending = 2;
@@ -200,6 +202,18 @@ fn run_program(
         }
     }
     running.end(pgid);
+    // A process it started outside its group (setsid) still holds a pipe open: what came
+    // before is kept, and the result says the rest is missing, rather than an empty output.
+    let unfinished = pending > 0;
+    if unfinished {
+        for (i, shared) in read.iter().enumerate() {
+            if let (Some(slot), Ok(mut got)) = (streams.get_mut(i), shared.lock()) {
+                if slot.0.is_empty() && slot.1 == 0 {
+                    *slot = std::mem::take(&mut *got);
+                }
+            }
+        }
+    }
     let [(out, out_total), (err, err_total)] = streams;
     let exit_code = status.and_then(|s| s.code());
     let signal = status.and_then(|s| s.signal());
@@ -213,6 +227,12 @@ fn run_program(
         "stdout_truncated": out_total > out.len() as u64,
         "stderr_truncated": err_total > err.len() as u64,
     });
+    let mut output = output;
+    if unfinished {
+        output["output_incomplete"] = json!(
+            "a process it started outside its process group kept the output open; what came after is not here"
+        );
+    }
     let ok = !timed_out && status.is_some_and(|s| s.success());
     Outcome {
         ok,
@@ -253,28 +273,30 @@ fn spawn_reader<R: Read + Send + 'static>(
     cap: usize,
     index: usize,
     tx: mpsc::Sender<(usize, Captured)>,
+    so_far: Arc<Mutex<Captured>>,
 ) {
     let spawned = thread::Builder::new()
         .name("agent-pipe".into())
         .spawn(move || {
-            let mut kept = Vec::new();
-            let mut total = 0u64;
             if let Some(mut pipe) = pipe {
                 let mut buf = [0u8; 8192];
                 loop {
                     match pipe.read(&mut buf) {
                         Ok(0) => break,
                         Ok(n) => {
-                            total += n as u64;
+                            let Ok(mut got) = so_far.lock() else { break };
+                            let (kept, total) = &mut *got;
+                            *total += n as u64;
                             let room = cap.saturating_sub(kept.len()).min(n);
-                            kept.extend_from_slice(&buf[..room]);
+                            kept.extend_from_slice(buf.get(..room).unwrap_or_default());
                         }
                         Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
                         Err(_) => break,
                     }
                 }
             }
-            let _ = tx.send((index, (kept, total)));
+            let whole = so_far.lock().map(|mut got| std::mem::take(&mut *got));
+            let _ = tx.send((index, whole.unwrap_or_default()));
         });
     if let Err(e) = spawned {
         log::warn!("no thread to read a command's output: {e}");
@@ -284,6 +306,26 @@ fn spawn_reader<R: Read + Send + 'static>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A command that leaves a process of its own session (setsid) holding its output pipes:
+    /// what it printed before is reported, and the result says the rest is missing. Before,
+    /// the output came back empty, marked neither truncated nor incomplete.
+    #[test]
+    fn output_held_open_by_a_process_outside_the_group_is_kept_and_flagged() {
+        let out = run_program(
+            "sh",
+            &[
+                "-c".to_string(),
+                "echo important; echo err >&2; setsid sleep 3 & exit 0".to_string(),
+            ],
+            1024,
+            Duration::from_secs(10),
+            &Running::default(),
+        );
+        assert_eq!(out.output["stdout"], "important\n", "{out:?}");
+        assert_eq!(out.output["stderr"], "err\n", "{out:?}");
+        assert!(out.output["output_incomplete"].is_string(), "{out:?}");
+    }
 
     /// The stop came between the worker's check of it and the spawn: the command is killed as
     /// it starts, not left to run its course.
