@@ -2653,8 +2653,14 @@ fn a_held_commands_expiry_whose_answer_is_lost_is_still_reported() {
 #[test]
 fn a_command_left_unacked_past_the_session_ttl_is_reported_expired() {
     let redis = RedisServer::start();
+    // The broker keeps its own copy of a rig's session longer than Redis does here.
     let a = fleet_broker(&redis, "fe-lapse", &["--session-ttl", "3s"]);
     let mut ctl = Control::new(&redis, &["fleetlink:events"]);
+    let (mut again, again_boot, _) = a.rig("rig-again");
+    let reply = ctl.command_id("fe-lapse", "rig-again", "again-1", "n", json!({}));
+    assert_eq!(reply["seq"], 1, "{reply}");
+    read_command(&mut again, 1, "again-1");
+    drop(again);
     let (mut away, away_boot, _) = a.rig("rig-away");
     let (mut back, back_boot, _) = a.rig("rig-back");
     let reply = ctl.command_id("fe-lapse", "rig-away", "lapse-1", "n", json!({}));
@@ -2675,7 +2681,8 @@ fn a_command_left_unacked_past_the_session_ttl_is_reported_expired() {
     read_command(&mut back, 1, "keep-1");
     ack(&mut back, 1);
 
-    let ev = ctl.next(|ch, v| ch == "fleetlink:events" && v["type"] == "expired");
+    let ev = ctl
+        .next(|ch, v| ch == "fleetlink:events" && v["type"] == "expired" && v["id"] == "lapse-1");
     assert_eq!(
         (&ev["id"], &ev["seq"], &ev["rig_id"], &ev["boot_id"]),
         (
@@ -2686,7 +2693,24 @@ fn a_command_left_unacked_past_the_session_ttl_is_reported_expired() {
         ),
         "{ev}"
     );
-    a.wait_metric("fleetlink_registry_ops_total{op=\"parked\",result=\"expired\"} 1");
+    let ev = ctl
+        .next(|ch, v| ch == "fleetlink:events" && v["type"] == "expired" && v["id"] == "again-1");
+    assert_eq!(ev["seq"], 1, "{ev}");
+    a.wait_metric("fleetlink_registry_ops_total{op=\"parked\",result=\"expired\"} 2");
+    // The same boot back once Redis has let the session go is not given the reported command
+    // again from the broker's own copy (kept for --registry-ttl), and its next command takes
+    // the next seq, not a reported one's.
+    let key = format!("sess:rig-again:{again_boot}");
+    eventually(
+        Duration::from_secs(10),
+        "the session lapsed in Redis",
+        || !redis.connection().exists::<_, bool>(&key).unwrap(),
+    );
+    let mut again = a.connect("/agent");
+    hello(&mut again, "rig-again", &again_boot, json!({}));
+    let reply = ctl.command_id("fe-lapse", "rig-again", "again-2", "n", json!({}));
+    assert_eq!(reply["seq"], 2, "{reply}");
+    read_command(&mut again, 2, "again-2");
     // A new boot finds nothing left to report as rebooted.
     let (_new, _, _) = a.rig("rig-away");
     assert_no_more_rebooted(&mut ctl, "lapse-1 was reported expired already");

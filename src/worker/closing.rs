@@ -222,8 +222,8 @@ mod tests {
         assert_eq!(closed_carried(&rx), Some(vec![(1, false), (2, false)]));
     }
 
-    /// A command that reaches a connection another connection of the rig has just taken over
-    /// (a broadcast published as the rig moved between brokers) is refused saying so: the rig
+    /// A broadcast's command that reaches a connection another connection of the rig has just
+    /// taken over (published as the rig moved between brokers) is refused saying so: the rig
     /// may have it where it went, which "closing" alone did not tell control.
     #[test]
     fn a_command_for_a_superseded_connection_says_the_rig_may_have_it_elsewhere() {
@@ -237,7 +237,7 @@ mod tests {
             rig: RigId::parse("rig-1").expect("rig"),
             name: "noop".into(),
             args: crate::args::Args::empty(),
-            reply: crate::registry::msg::ReplyTo::Channel("back".into()),
+            reply: crate::registry::msg::ReplyTo::Aggregate(7),
             offline_ttl: None,
         };
         let msg = ToCore::Command {
@@ -248,7 +248,7 @@ mod tests {
         inbox::handle(&core, msg);
         let body = std::iter::from_fn(|| rx.try_recv())
             .find_map(|m| match m {
-                ToBridge::Reply { body, .. } => Some(body),
+                ToBridge::Part { agg: 7, body } => Some(body),
                 _ => None,
             })
             .expect("answered");

@@ -13,14 +13,16 @@ use crate::ids::{BootId, RigId};
 use crate::registry::sessions::Lapse;
 
 /// Most sessions watched at once: one per rig that left with commands unacked within a
-/// `--session-ttl` (a few dozen bytes each). Past it a session goes unwatched, counted
+/// `--session-ttl` (about 100 bytes each). Past it a session goes unwatched, counted
 /// (`session/unwatched`): its commands lapse unreported, as before this watch.
 pub(super) const MAX_WATCHED: usize = 1_000_000;
 /// How near its end a session is ended by the watch (a call that arrived later would find the
-/// key gone): a tenth of `--session-ttl`, from 100 ms up to 3 s. One with longer left is asked
-/// about again two thirds of that before its end.
+/// key gone): a tenth of `--session-ttl`, from 100 ms up to 30 s, so that Redis may stall (or
+/// the connection to it break) for most of that and the reports still go out, the call being
+/// made again each second. One with longer left is asked about again two thirds of that before
+/// its end.
 fn near(session_ttl: Duration) -> Duration {
-    (session_ttl / 10).clamp(Duration::from_millis(100), Duration::from_secs(3))
+    (session_ttl / 10).clamp(Duration::from_millis(100), Duration::from_secs(30))
 }
 
 fn ask_before(session_ttl: Duration) -> Duration {
@@ -104,6 +106,7 @@ impl Bridge {
             let again = match answer {
                 Some(Lapse::Done) => None,
                 Some(Lapse::Reported(n)) => {
+                    self.registry.drop_parked_commands(&rig, boot);
                     self.shared.count_n("parked", "expired", n);
                     if n > 0 {
                         log::info!(
@@ -126,16 +129,37 @@ impl Bridge {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ids::Seq;
 
     #[test]
     fn a_session_is_first_asked_about_before_it_can_lapse() {
         let now = Instant::now();
-        // 10 min: touched every 200 s, so it lapses 400 s after the rig left at the soonest.
+        // 10 min: touched every 200 s, so it lapses 400 s after the rig left at the soonest;
+        // asked 20 s before (two thirds of its last 30 s, the most a tenth of the TTL gets).
         let ttl = Duration::from_secs(600);
-        assert_eq!(first_ask(now, ttl), now + Duration::from_secs(398));
+        assert_eq!(first_ask(now, ttl), now + Duration::from_secs(380));
         // 3 s: touched every second, so 2 s at the soonest; asked 200 ms before.
         let ttl = Duration::from_secs(3);
         assert_eq!(first_ask(now, ttl), now + Duration::from_millis(1800));
+    }
+
+    /// A rig that leaves with commands unacked is watched; with Redis away, a due session is
+    /// asked about again a second later, not left due (which would wake the bridge at once,
+    /// over and over, for the whole outage).
+    #[test]
+    fn a_due_session_waits_a_second_while_redis_is_away() {
+        let (mut b, _core) = super::super::testing::bridge();
+        let rig = RigId::parse("rig-l").expect("rig");
+        let boot = BootId::generate(1);
+        let cmd = crate::registry::msg::SeqCommand::for_test(1, 2, false);
+        let conn = crate::ids::ConnId::new(crate::ids::CoreId(0), 1);
+        b.registry.hello(conn, rig.clone(), boot, Vec::new());
+        let closed = super::super::testing::closed(conn, rig, boot, Seq(2), vec![cmd]);
+        b.handle(closed);
+        let first = b.lapses.next_due().expect("watched");
+        let now = first + Duration::from_millis(5);
+        b.timers(now);
+        assert_eq!(b.lapses.next_due(), Some(now + RETRY));
     }
 
     #[test]

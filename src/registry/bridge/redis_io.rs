@@ -313,6 +313,10 @@ impl Bridge {
                     Kept::Stale(_) => {
                         "another broker gave the rig this seq while this broker could not reach Redis (an outage or a restart); send the command again"
                     }
+                    // A broadcast reaches that broker too, which may have matched the rig.
+                    _ if matches!(p.reply, ReplyTo::Aggregate(_)) => {
+                        "another broker took this rig over as the broadcast arrived, and may have enqueued it there"
+                    }
                     _ => "another broker owns this rig now",
                 };
                 let body = reply::error(&p.id, Some(p.rig.as_str()), "rig_not_connected", why);

@@ -41,6 +41,9 @@ impl Bridge {
 
     pub(super) fn timers(&mut self, now: Instant) {
         self.expire_held(now);
+        // Before the check for Redis below: with Redis away each due one is asked again a
+        // second later, where left due it would wake the bridge at once, again and again.
+        self.check_lapses(now);
         if now >= self.next_expire {
             let lapsed = self.registry.expire(now);
             self.report_lapsed(lapsed);
@@ -124,7 +127,6 @@ impl Bridge {
             self.next_touch = now + touch_every(self.cfg.session_ttl);
             self.touch_sessions();
         }
-        self.check_lapses(now);
     }
 
     /// `--session-ttl` counts from when the rig was last seen, and a connected rig is seen

@@ -114,6 +114,19 @@ impl Embedded {
             .map(|p| (p.boot, p.next_seq, &p.carried[..]))
     }
 
+    /// Drops the commands of `rig`'s parked session of `boot`, keeping its seq: Redis reported
+    /// them `expired` as the session lapsed there (fleet mode), and a copy here would give
+    /// them to the rig back with the same boot after all, under seqs Redis no longer knows.
+    pub fn drop_parked_commands(&mut self, rig: &RigId, boot: BootId) {
+        let Some(p) = self.parked.get_mut(rig).filter(|p| p.boot == boot) else {
+            return;
+        };
+        let before = p.bytes();
+        p.carried = Vec::new();
+        let after = p.bytes();
+        self.parked_bytes = self.parked_bytes.saturating_sub(before - after);
+    }
+
     /// Forgets parked sessions older than the park window; returns those that still carried
     /// commands (rig, boot, commands), which no resume will give back now.
     pub fn expire(&mut self, now: Instant) -> Vec<(RigId, BootId, Vec<SeqCommand>)> {

@@ -77,7 +77,8 @@ fn enqueue(
     req: CommandReq,
 ) -> Result<(), CommandReq> {
     if !holds(st, &req.rig) {
-        not_taken(core, conn.id, req, leaving(st));
+        let why = leaving(st, matches!(req.reply, ReplyTo::Aggregate(_)));
+        not_taken(core, conn.id, req, why);
         return Ok(());
     };
     if !scope_allows(&st.sec, |s| s.allows_command(&req.name)) {
@@ -418,12 +419,16 @@ fn write_out(core: &Core, conn: &Conn, st: &mut ConnState) {
 }
 
 /// Why a connection that no longer holds its rig takes no command. Taken over by another
-/// connection of the rig, the rig may well have the command there: a broadcast published as
-/// the rig moved reaches the broker it moved to too, which may have matched it.
-fn leaving(st: &ConnState) -> &'static str {
-    match st.close_code {
-        Some(4410) => {
-            "the rig's connection is closing: another connection of the rig took it over (4410), where the rig may have this command all the same"
+/// connection of the rig, the rig may well have a broadcast's command there: published as the
+/// rig moved, it reaches the broker the rig moved to too, which may have matched it. A command
+/// for this broker alone never reaches the other.
+fn leaving(st: &ConnState, broadcast: bool) -> &'static str {
+    match (st.close_code, broadcast) {
+        (Some(4410), true) => {
+            "the rig's connection is closing: another connection of the rig took it over (4410), where the rig may have this broadcast all the same"
+        }
+        (Some(4410), false) => {
+            "the rig's connection is closing: another connection of the rig took it over (4410); send the command again to reach it there"
         }
         _ => "the rig's connection is closing",
     }
