@@ -2708,6 +2708,13 @@ fn a_command_left_unacked_past_the_session_ttl_is_reported_expired() {
     );
     let mut again = a.connect("/agent");
     hello(&mut again, "rig-again", &again_boot, json!({}));
+    // And Redis learns that copy's next seq, which it had lost with the key: the rig's next
+    // broker would otherwise number from 1 again (the re-review: seq 1 of this boot given to
+    // a second command on another broker, 5 of 5 runs).
+    eventually(Duration::from_secs(10), "Redis numbers on from 2", || {
+        let next: Option<String> = redis.connection().hget(&key, "next").unwrap();
+        next.as_deref() == Some("2")
+    });
     let reply = ctl.command_id("fe-lapse", "rig-again", "again-2", "n", json!({}));
     assert_eq!(reply["seq"], 2, "{reply}");
     read_command(&mut again, 2, "again-2");

@@ -460,6 +460,18 @@ impl Bridge {
         // `resume.lua` itself published the previous boot's rig_rebooted reports.
         self.shared.count_n("resume", "rebooted", found.rebooted);
         let Some(next) = found.next else {
+            // Redis has no session of this boot (it lapsed there, or was lost) while the
+            // verdict numbers on from a copy parked here: Redis must learn that copy's `next`,
+            // or the rig's next broker would number from 1 again, under seqs the rig has.
+            let numbered = actions.iter().any(|a| {
+                matches!(a, Action::Core(c, ToCore::Verdict {
+                    verdict: Verdict::Accept { next_seq, .. }, ..
+                }) if *c == conn && next_seq.0 > 1)
+            });
+            if numbered && !self.cfg.session_ttl.is_zero() {
+                self.rekeep_asked.insert((rig.clone(), *boot));
+                actions.push(Action::Core(conn, ToCore::Rekeep { conn }));
+            }
             return actions;
         };
         let mut stale = Vec::new();

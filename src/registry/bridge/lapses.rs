@@ -4,7 +4,7 @@
 //! told `ok`. Standalone reports its own parked copies (`Bridge::report_lapsed`).
 
 use std::cmp::Reverse;
-use std::collections::BinaryHeap;
+use std::collections::{BinaryHeap, HashSet};
 use std::time::{Duration, Instant};
 
 use super::upkeep::touch_every;
@@ -13,7 +13,7 @@ use crate::ids::{BootId, RigId};
 use crate::registry::sessions::Lapse;
 
 /// Most sessions watched at once: one per rig that left with commands unacked within a
-/// `--session-ttl` (about 100 bytes each). Past it a session goes unwatched, counted
+/// `--session-ttl` (about 200 bytes each). Past it a session goes unwatched, counted
 /// (`session/unwatched`): its commands lapse unreported, as before this watch.
 pub(super) const MAX_WATCHED: usize = 1_000_000;
 /// How near its end a session is ended by the watch (a call that arrived later would find the
@@ -33,18 +33,26 @@ const RETRY: Duration = Duration::from_secs(1);
 /// Most sessions asked about in one round trip.
 const PER_CALL: usize = 1_000;
 
-/// Sessions to ask about, soonest first.
+/// Sessions to ask about, soonest first, each once.
 #[derive(Default)]
 pub(super) struct Lapses {
     due: BinaryHeap<Reverse<(Instant, RigId, BootId)>>,
+    /// What `due` holds: a rig that keeps coming back and leaving with the same boot is
+    /// watched once, not once per departure (asked about at its first due time, its session,
+    /// seen since, is asked about again nearer its new end).
+    watched: HashSet<(RigId, BootId)>,
 }
 
 impl Lapses {
-    /// Watches (rig, boot) from `at`; false when full.
+    /// Watches (rig, boot) from `at` unless it is watched already; false when full.
     pub(super) fn watch(&mut self, at: Instant, rig: RigId, boot: BootId) -> bool {
+        if self.watched.contains(&(rig.clone(), boot)) {
+            return true;
+        }
         if self.due.len() >= MAX_WATCHED {
             return false;
         }
+        self.watched.insert((rig.clone(), boot));
         self.due.push(Reverse((at, rig, boot)));
         true
     }
@@ -58,6 +66,7 @@ impl Lapses {
         let mut out = Vec::new();
         while out.len() < max && self.next_due().is_some_and(|at| at <= now) {
             if let Some(Reverse((_, rig, boot))) = self.due.pop() {
+                self.watched.remove(&(rig.clone(), boot));
                 out.push((rig, boot));
             }
         }
@@ -176,5 +185,8 @@ mod tests {
         assert_eq!(due, vec![(rig(1), boot), (rig(2), boot)]);
         assert_eq!(l.len(), 1);
         assert!(l.take_due(now + Duration::from_secs(3), 10).is_empty());
+        // A rig that leaves again with the same boot while watched is not watched twice.
+        assert!(l.watch(now + Duration::from_secs(20), rig(9), boot));
+        assert_eq!(l.len(), 1);
     }
 }
