@@ -177,22 +177,20 @@ fn run_program(
     if !running.start(pgid) {
         kill_group(pgid);
     }
+    // Each pipe's reader keeps what it read here as it reads, and says on `tx` when its pipe
+    // ended: a pipe that never ends (a process started outside the group, setsid, holds it)
+    // still leaves what came before it.
     let (tx, rx) = mpsc::channel();
-    // What each pipe gave so far, read here should a pipe never end.
     let read: [Arc<Mutex<Captured>>; 2] = Default::default();
-    spawn_reader(child.stdout.take(), cap, 0, tx.clone(), read[0].clone());
-    spawn_reader(child.stderr.take(), cap, 1, tx, read[1].clone());
+    spawn_reader(child.stdout.take(), cap, tx.clone(), read[0].clone());
+    spawn_reader(child.stderr.take(), cap, tx, read[1].clone());
     let (status, timed_out) = wait_until(&mut child, started + timeout, pgid);
-    let mut streams: [Captured; 2] = Default::default();
     let mut pending = 2;
     let mut grace = Instant::now() + PIPE_GRACE;
     let mut killed = false;
     while pending > 0 {
         match rx.recv_timeout(grace.saturating_duration_since(Instant::now())) {
-            Ok((i, captured)) => {
-                streams[i] = captured;
-                pending -= 1;
-            }
+            Ok(()) => pending -= 1,
             Err(mpsc::RecvTimeoutError::Timeout) if !killed => {
                 kill_group(pgid);
                 killed = true;
@@ -202,22 +200,14 @@ fn run_program(
         }
     }
     running.end(pgid);
-    // A process it started outside its group (setsid) still holds a pipe open: what came
-    // before is kept, and the result says the rest is missing, rather than an empty output.
-    let unfinished = pending > 0;
-    if unfinished {
-        for (i, shared) in read.iter().enumerate() {
-            if let (Some(slot), Ok(mut got)) = (streams.get_mut(i), shared.lock()) {
-                if slot.0.is_empty() && slot.1 == 0 {
-                    *slot = std::mem::take(&mut *got);
-                }
-            }
-        }
-    }
-    let [(out, out_total), (err, err_total)] = streams;
+    let [(out, out_total), (err, err_total)] = read.map(|r| {
+        r.lock()
+            .map(|mut got| std::mem::take(&mut *got))
+            .unwrap_or_default()
+    });
     let exit_code = status.and_then(|s| s.code());
     let signal = status.and_then(|s| s.signal());
-    let output = json!({
+    let mut output = json!({
         "exit_code": exit_code,
         "signal": signal,
         "timed_out": timed_out,
@@ -227,8 +217,7 @@ fn run_program(
         "stdout_truncated": out_total > out.len() as u64,
         "stderr_truncated": err_total > err.len() as u64,
     });
-    let mut output = output;
-    if unfinished {
+    if pending > 0 {
         output["output_incomplete"] = json!(
             "a process it started outside its process group kept the output open; what came after is not here"
         );
@@ -267,12 +256,12 @@ fn kill_group(pgid: i32) {
     unsafe { libc::kill(-pgid, libc::SIGKILL) };
 }
 
-/// Reads a pipe to its end on a thread: keeps `cap` bytes, counts the rest.
+/// Reads a pipe to its end on a thread into `so_far` (`cap` bytes kept, the rest counted),
+/// then says so on `tx`.
 fn spawn_reader<R: Read + Send + 'static>(
     pipe: Option<R>,
     cap: usize,
-    index: usize,
-    tx: mpsc::Sender<(usize, Captured)>,
+    tx: mpsc::Sender<()>,
     so_far: Arc<Mutex<Captured>>,
 ) {
     let spawned = thread::Builder::new()
@@ -295,8 +284,7 @@ fn spawn_reader<R: Read + Send + 'static>(
                     }
                 }
             }
-            let whole = so_far.lock().map(|mut got| std::mem::take(&mut *got));
-            let _ = tx.send((index, whole.unwrap_or_default()));
+            let _ = tx.send(());
         });
     if let Err(e) = spawned {
         log::warn!("no thread to read a command's output: {e}");
