@@ -349,6 +349,7 @@ impl Bridge {
         }
         // Whatever follows a hello in the inbox sees the registry as that hello left it.
         self.flush_hellos();
+        let held = matches!(msg, ToBridge::HeldEvent(_));
         let actions = match msg {
             // Queued above, answered by `flush_hellos`.
             ToBridge::Hello { .. } => Vec::new(),
@@ -453,22 +454,15 @@ impl Bridge {
                 }
                 actions
             }
-            ToBridge::Event(ev) => {
+            ToBridge::Event(ev) | ToBridge::HeldEvent(ev) => {
                 self.shared
                     .event_bytes
                     .fetch_sub(event_charge(ev.len()), Ordering::Relaxed);
-                self.publish_bytes(fleet::EVENTS.to_string(), ev.into_vec());
-                Vec::new()
-            }
-            ToBridge::HeldEvent(ev) => {
-                self.shared
-                    .event_bytes
-                    .fetch_sub(event_charge(ev.len()), Ordering::Relaxed);
-                if self.persists.is_empty() {
-                    self.publish_bytes(fleet::EVENTS.to_string(), ev.into_vec());
-                } else {
+                if held && !self.persists.is_empty() {
                     // Bounded by the persists it waits for: one per inbox message at most.
                     self.after_keeps.push((self.persists.len(), ev));
+                } else {
+                    self.publish_bytes(fleet::EVENTS.to_string(), ev.into_vec());
                 }
                 Vec::new()
             }
