@@ -100,7 +100,7 @@ for ((r = 1; r <= rounds; r++)); do
     sleep 0.02
   done
   ms=$(( ($(date +%s%N) - t0) / 1000000 ))
-  sessions=$(redis-cli -p "$rport" --scan --pattern 'sess:*' | wc -l)
+  sessions=$(redis-cli -p "$rport" --scan --pattern 'sess:*:*' | wc -l)
   leases=$(redis-cli -p "$rport" --scan --pattern 'rig:*' | wc -l)
   sample="sess:$(redis-cli -p "$rport" --scan --pattern 'sess:rig-000042:*' | head -1 | cut -d: -f2-)"
   fields=$(redis-cli -p "$rport" hlen "$sample")

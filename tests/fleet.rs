@@ -2728,3 +2728,78 @@ fn a_command_left_unacked_past_the_session_ttl_is_reported_expired() {
     assert_eq!(ev["type"], "marker", "rig-back resumed in time: {ev}");
     drop(back);
 }
+
+/// A rig that left a broker with a command unacked has it reported `expired` as its session
+/// lapses even when that broker is gone by then: killed after the rig left, or drained and
+/// exited with the rig still on it (closed by the drain's end). Another broker reports each,
+/// once.
+#[test]
+fn a_lapse_is_reported_by_another_broker_when_the_one_the_rig_left_is_gone() {
+    let redis = RedisServer::start();
+    let ttl = ["--session-ttl", "3s"];
+    let b = fleet_broker(&redis, "fe-stays", &ttl);
+    let mut ctl = Control::new(&redis, &["fleetlink:events"]);
+    let mut killed = fleet_broker(&redis, "fe-killed", &ttl);
+    // Its rigs closed at once as it exits: named in Redis on the way out.
+    let mut drained = fleet_broker(
+        &redis,
+        "fe-drained",
+        &["--session-ttl", "3s", "--drain", "0s"],
+    );
+    let mut rigs = Vec::new();
+    for (a, id, rig) in [
+        (&killed, "fe-killed", "rig-k"),
+        (&drained, "fe-drained", "rig-d"),
+    ] {
+        let (mut ws, _, _) = a.rig(rig);
+        let reply = ctl.command_id(id, rig, &format!("{rig}-1"), "n", json!({}));
+        assert_eq!(reply["seq"], 1, "{reply}");
+        read_command(&mut ws, 1, format!("{rig}-1").as_str());
+        rigs.push(ws);
+    }
+    drop(rigs.remove(0));
+    eventually(Duration::from_secs(5), "rig-k released", || {
+        owner(&redis, "rig-k").is_none()
+    });
+    // Named in Redis as the broker's to ask about.
+    eventually(
+        Duration::from_secs(5),
+        "rig-k's session named in lapses",
+        || {
+            let n: usize = redis.connection().zcard("sess:lapses").unwrap();
+            n == 1
+        },
+    );
+    // SAFETY: kill(2) has no memory preconditions; the pid is the test's own child's.
+    unsafe { libc::kill(killed.pid() as i32, libc::SIGKILL) };
+    drained.sigterm();
+    for a in [&mut killed, &mut drained] {
+        assert!(
+            a.wait_exit(Duration::from_secs(10)).is_some(),
+            "broker exited"
+        );
+    }
+    drop(rigs);
+    let n: usize = redis.connection().zcard("sess:lapses").unwrap();
+    assert_eq!(n, 2, "both sessions named in Redis");
+    let mut reported = Vec::new();
+    for _ in 0..2 {
+        let ev = ctl.next(|ch, v| ch == "fleetlink:events" && v["type"] == "expired");
+        assert_eq!(
+            (&ev["seq"], &ev["broker_id"]),
+            (&json!(1), &json!("fe-stays")),
+            "{ev}"
+        );
+        reported.push(ev["id"].as_str().unwrap_or_default().to_string());
+    }
+    reported.sort();
+    assert_eq!(reported, ["rig-d-1", "rig-k-1"]);
+    b.wait_metric("fleetlink_registry_ops_total{op=\"session\",result=\"swept\"} 2");
+    let n: usize = redis.connection().zcard("sess:lapses").unwrap();
+    assert_eq!(n, 0);
+    ctl.publish("fleetlink:events", json!({"type": "marker"}));
+    let ev = ctl.next(|ch, v| {
+        ch == "fleetlink:events" && (v["type"] == "expired" || v["type"] == "marker")
+    });
+    assert_eq!(ev["type"], "marker", "reported once: {ev}");
+}

@@ -582,7 +582,10 @@ fn scripts_reject_bad_arguments_before_writing() {
     let broker = redis::Script::new(include_str!("../lua/broker.lua"));
     let release = redis::Script::new(include_str!("../lua/release.lua"));
     let expire = redis::Script::new(include_str!("../lua/offline_expire.lua"));
-    let lapse = redis::Script::new(include_str!("../lua/session_lapse.lua"));
+    let lapse = redis::Script::new(concat!(
+        include_str!("../lua/lapse_end.lua"),
+        include_str!("../lua/session_lapse.lua")
+    ));
     let bad: Vec<redis::RedisResult<Value>> = vec![
         // A mark's ttl of 0, then a session's "near" that is no number.
         expire
@@ -592,13 +595,13 @@ fn scripts_reject_bad_arguments_before_writing() {
             .arg("0")
             .invoke(&mut con),
         lapse
-            .key(format!("sess:a:{b}"))
-            .key("rig:a")
+            .key("lapses")
             .arg("a")
             .arg(&b)
             .arg("fe")
             .arg("2026-01-01T00:00:00Z")
             .arg("soon")
+            .arg("10")
             .invoke(&mut con),
         // ttl 0, a missing ARGV, then a non-canonical boot id.
         refresh
@@ -1414,4 +1417,248 @@ fn offline_expire_remembers_what_it_removed() {
     assert_eq!(expire(&mut con, &twin), vec![Some(true)]);
     let ttl = pttl(&mut con, &expired_key(&r));
     assert!(ttl > 0 && ttl <= 60_000, "{ttl}");
+}
+
+// ---- sessions that may lapse with commands unacked (lapse_*.lua) ----
+
+mod lapses {
+    use super::*;
+    use fleetlink::registry::lapse_scripts::{LapseScripts, Swept, Timing, LAPSES_KEY};
+
+    const TIMING: Timing = Timing {
+        near: Duration::from_secs(1),
+        before: Duration::from_millis(600),
+        grace: Duration::from_secs(10),
+    };
+
+    /// A session of `r`/`b` holding one unacked command `id` under seq 1, with `ttl_ms` left.
+    fn session(con: &mut Connection, r: &str, b: &BootId, id: &str, ttl_ms: u64) -> String {
+        let key = format!("sess:{r}:{b}");
+        let _: () = redis::cmd("HSET")
+            .arg(&key)
+            .arg("next")
+            .arg("2")
+            .arg("c:1")
+            .arg(format!(
+                r#"{{"type":"command","seq":1,"id":"{id}","name":"n","args":{{}}}}"#
+            ))
+            .query(con)
+            .unwrap();
+        let _: () = redis::cmd("PEXPIRE")
+            .arg(&key)
+            .arg(ttl_ms)
+            .query(con)
+            .unwrap();
+        key
+    }
+
+    fn members(con: &mut Connection) -> Vec<(String, i64)> {
+        redis::cmd("ZRANGE")
+            .arg(LAPSES_KEY)
+            .arg(0)
+            .arg(-1)
+            .arg("WITHSCORES")
+            .query(con)
+            .unwrap()
+    }
+
+    fn redis_now_ms(con: &mut Connection) -> i64 {
+        let (s, us): (i64, i64) = redis::cmd("TIME").query(con).unwrap();
+        s * 1000 + us / 1000
+    }
+
+    fn due_now(con: &mut Connection, member: &str) {
+        let _: () = redis::cmd("ZADD")
+            .arg(LAPSES_KEY)
+            .arg(redis_now_ms(con) - 1)
+            .arg(member)
+            .query(con)
+            .unwrap();
+    }
+
+    /// A departure is named once, keeping its first time; the set names no more than it is
+    /// told to, and says how many it refused.
+    #[test]
+    fn a_session_is_named_once_within_the_bound() {
+        let (_server, mut con, _) = setup();
+        let scripts = LapseScripts::default();
+        let (a, b) = (rig("rig-a"), rig("rig-b"));
+        // Damage where the set belongs goes, rather than fail every call.
+        set(&mut con, LAPSES_KEY, "not a sorted set");
+        let before = redis_now_ms(&mut con);
+        let first = boot(1);
+        let one = [(a.clone(), first)];
+        let got = scripts.watch(&mut con, &one, "fe-a", Duration::from_secs(5), 10);
+        assert_eq!(got.unwrap(), (0, 0));
+        let named = members(&mut con);
+        assert_eq!(named.len(), 1, "{named:?}");
+        assert_eq!(named[0].0, format!("{first}|rig-a|fe-a"));
+        let at = named[0].1;
+        assert!(
+            at >= before + 5000 && at < before + 6000,
+            "{at} against {before}"
+        );
+        // Named again: one entry, its time kept.
+        let got = scripts.watch(&mut con, &one, "fe-a", Duration::from_secs(50), 10);
+        assert_eq!(got.unwrap(), (0, 0));
+        assert_eq!(members(&mut con), named);
+        // Full: refused and counted, the named one kept.
+        let two = [(b.clone(), boot(2)), (a, boot(3))];
+        let got = scripts.watch(&mut con, &two, "fe-a", Duration::from_secs(5), 2);
+        assert_eq!(got.unwrap(), (1, 0));
+        assert_eq!(members(&mut con).len(), 2);
+    }
+
+    /// A sweep asks about another broker's due session only once that broker stops listening
+    /// (or is past the grace), and reports its commands then, once; its own due sessions it
+    /// leaves to its own watch until they are past the grace.
+    #[test]
+    fn a_sweep_reports_only_what_no_live_broker_will() {
+        let (server, mut con, _) = setup();
+        let scripts = LapseScripts::default();
+        let b = boot(1);
+        let key = session(&mut con, "rig-a", &b, "cmd-a", 500);
+        let member = format!("{b}|rig-a|fe-a");
+        scripts
+            .watch(&mut con, &[(rig("rig-a"), b)], "fe-a", Duration::ZERO, 10)
+            .unwrap();
+        due_now(&mut con, &member);
+        set(&mut con, "broker:fe-a", "{}");
+        let listener = listen_as(&server, "fe-a");
+        // fe-a listens: not fe-b's to ask, and not fe-a's own sweep's within the grace.
+        for me in ["fe-b", "fe-a"] {
+            let s = scripts.sweep(&mut con, me, TIMING, 100).unwrap();
+            assert_eq!((s.looked, s.asked, s.reported.len()), (1, 0, 0), "{me}");
+        }
+        assert!(get_c1(&mut con, &key).is_some());
+        // fe-a gone: fe-b reports the command, named as the reporter, and the entry goes.
+        drop(listener);
+        let mut sub = server.client().get_connection().unwrap();
+        let mut ps = sub.as_pubsub();
+        ps.subscribe("fleetlink:events").unwrap();
+        ps.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let s = eventually_swept(&scripts, &mut con, "fe-b");
+        assert_eq!(
+            s.reported,
+            vec![Swept {
+                rig: rig("rig-a"),
+                boot: b,
+                reported: 1,
+                owner: "fe-a".into()
+            }]
+        );
+        let ev: serde_json::Value =
+            serde_json::from_slice(ps.get_message().unwrap().get_payload_bytes()).unwrap();
+        assert_eq!(
+            (&ev["type"], &ev["id"], &ev["seq"], &ev["broker_id"]),
+            (
+                &serde_json::json!("expired"),
+                &serde_json::json!("cmd-a"),
+                &serde_json::json!(1),
+                &serde_json::json!("fe-b")
+            ),
+            "{ev}"
+        );
+        assert!(get_c1(&mut con, &key).is_none());
+        assert!(members(&mut con).is_empty());
+        let s = scripts.sweep(&mut con, "fe-b", TIMING, 100).unwrap();
+        assert_eq!((s.looked, s.reported.len()), (0, 0));
+    }
+
+    fn get_c1(con: &mut Connection, key: &str) -> Option<String> {
+        redis::cmd("HGET").arg(key).arg("c:1").query(con).unwrap()
+    }
+
+    /// The subscription of a dropped connection goes a moment after the drop.
+    fn eventually_swept(
+        scripts: &LapseScripts,
+        con: &mut Connection,
+        me: &str,
+    ) -> fleetlink::registry::lapse_scripts::Sweep {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let s = scripts.sweep(con, me, TIMING, 100).unwrap();
+            if s.asked > 0 || Instant::now() > deadline {
+                return s;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// Past the grace, a live broker's session is asked about too (it is stuck, or cannot
+    /// reach Redis), as is the sweeper's own (it restarted under the same id); one seen since
+    /// is put off to nearer its new end, not reported; what no broker wrote is dropped.
+    #[test]
+    fn a_sweep_takes_late_sessions_and_puts_off_those_seen_since() {
+        let (server, mut con, _) = setup();
+        let scripts = LapseScripts::default();
+        set(&mut con, "broker:fe-a", "{}");
+        let _listener = listen_as(&server, "fe-a");
+        let (late, own, seen) = (boot(1), boot(2), boot(3));
+        session(&mut con, "rig-late", &late, "late", 500);
+        session(&mut con, "rig-own", &own, "own", 500);
+        let seen_key = session(&mut con, "rig-seen", &seen, "seen", 60_000);
+        let old = redis_now_ms(&mut con) - 20_000;
+        for member in [
+            format!("{late}|rig-late|fe-a"),
+            format!("{own}|rig-own|fe-b"),
+            format!("{seen}|rig-seen|fe-gone"),
+            "no broker wrote this".to_string(),
+        ] {
+            let _: () = redis::cmd("ZADD")
+                .arg(LAPSES_KEY)
+                .arg(old)
+                .arg(&member)
+                .query(&mut con)
+                .unwrap();
+        }
+        let s = scripts.sweep(&mut con, "fe-b", TIMING, 100).unwrap();
+        assert_eq!((s.looked, s.asked), (4, 4));
+        let mut got: Vec<(String, String)> = s
+            .reported
+            .iter()
+            .map(|r| (r.rig.to_string(), r.owner.clone()))
+            .collect();
+        got.sort();
+        assert_eq!(
+            got,
+            vec![
+                ("rig-late".to_string(), "fe-a".to_string()),
+                ("rig-own".to_string(), "fe-b".to_string())
+            ]
+        );
+        // rig-seen: still held, asked again 600 ms before its end, about 59 s from now.
+        assert!(get_c1(&mut con, &seen_key).is_some());
+        let left = members(&mut con);
+        assert_eq!(left.len(), 1, "{left:?}");
+        let now = redis_now_ms(&mut con);
+        assert!(
+            left[0].1 > now + 55_000 && left[0].1 < now + 60_000,
+            "{left:?} at {now}"
+        );
+    }
+
+    /// The broker a rig left, asking on time, takes the session's entry out when it is done
+    /// with it, or moves it to nearer the session's new end, so no sweep asks for it.
+    #[test]
+    fn the_owners_answer_settles_the_entry() {
+        let (_server, mut con, _) = setup();
+        let scripts = LapseScripts::default();
+        let (ended, seen) = (boot(1), boot(2));
+        let ended_key = session(&mut con, "rig-e", &ended, "e", 500);
+        session(&mut con, "rig-s", &seen, "s", 60_000);
+        let both = [(rig("rig-e"), ended), (rig("rig-s"), seen)];
+        scripts
+            .watch(&mut con, &both, "fe-a", Duration::ZERO, 10)
+            .unwrap();
+        let got = scripts.ask_many(&mut con, &both, "fe-a", TIMING).unwrap();
+        use fleetlink::registry::lapse_scripts::Lapse;
+        assert_eq!(got[0], Some(Lapse::Reported(1)));
+        assert!(matches!(got[1], Some(Lapse::Later(d)) if d > Duration::from_secs(55)));
+        assert!(get_c1(&mut con, &ended_key).is_none());
+        let left = members(&mut con);
+        assert_eq!(left.len(), 1, "{left:?}");
+        assert_eq!(left[0].0, format!("{seen}|rig-s|fe-a"));
+        assert!(left[0].1 > redis_now_ms(&mut con) + 55_000, "{left:?}");
+    }
 }

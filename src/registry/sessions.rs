@@ -180,18 +180,6 @@ pub struct SessionScripts {
     persist: Script,
     resume: Script,
     rekeep: Script,
-    lapse: Script,
-}
-
-/// What `session_lapse.lua` found of a session whose rig left with commands unacked.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Lapse {
-    /// Nothing left to watch: gone, ended by a newer boot, or the rig is back with this boot.
-    Done,
-    /// Seen since: this long left; ask again nearer its end.
-    Later(Duration),
-    /// Ended now: this many commands reported `expired`.
-    Reported(u64),
 }
 
 impl Default for SessionScripts {
@@ -207,52 +195,7 @@ impl SessionScripts {
             persist: Script::new(include_str!("../../lua/persist.lua")),
             resume: Script::new(include_str!("../../lua/resume.lua")),
             rekeep: Script::new(include_str!("../../lua/rekeep.lua")),
-            lapse: Script::new(include_str!("../../lua/session_lapse.lua")),
         }
-    }
-
-    /// Asks of each session (rig, boot) whether it is about to lapse with commands unacked,
-    /// and has those reported `expired` if it is within `near` of its end (see
-    /// `lua/session_lapse.lua`), in one round trip: one answer per session, None for one whose
-    /// own call failed.
-    pub fn lapse_many(
-        &self,
-        con: &mut impl ConnectionLike,
-        sessions: &[(RigId, BootId)],
-        broker_id: &str,
-        near: Duration,
-    ) -> Result<Vec<Option<Lapse>>, RegistryError> {
-        let at = crate::reply::rfc3339(std::time::SystemTime::now());
-        let near = ttl_ms(near).max(1);
-        let replies = crate::registry::scripts::evalsha_many(
-            con,
-            &self.lapse,
-            sessions,
-            |_| 2,
-            |call, (rig, boot)| {
-                call.arg(session_key(rig, boot))
-                    .arg(rig_key(rig))
-                    .arg(rig.as_str())
-                    .arg(boot.as_str())
-                    .arg(broker_id)
-                    .arg(&at)
-                    .arg(near.to_string());
-            },
-        )?;
-        Ok(replies
-            .into_iter()
-            .map(|reply| match reply {
-                Ok(Value::Int(n)) if n >= 0 => Some(Lapse::Reported(n as u64)),
-                Ok(Value::Int(_)) => Some(Lapse::Done),
-                Ok(Value::Array(left)) => match left.first() {
-                    Some(Value::Int(ms)) => {
-                        Some(Lapse::Later(Duration::from_millis((*ms).max(0) as u64)))
-                    }
-                    _ => None,
-                },
-                _ => None,
-            })
-            .collect())
     }
 
     /// Puts `sessions` back into Redis, each fenced by `broker_id`'s lease (a parked one as

@@ -1,7 +1,10 @@
 //! Fleet mode: the sessions of rigs that left this broker with commands unacked, watched until
 //! Redis would let them lapse (`--session-ttl`), so that what they still hold then is reported
 //! `expired` (`lua/session_lapse.lua`) instead of vanishing with the key, after control was
-//! told `ok`. Standalone reports its own parked copies (`Bridge::report_lapsed`).
+//! told `ok`. Each is named in Redis too (`sess:lapses`, `lua/lapse_watch.lua`), and every broker
+//! sweeps those whose broker is no longer there to ask (`lua/lapse_sweep.lua`), so a broker
+//! that dies or drains first loses none. Standalone reports its own parked copies
+//! (`Bridge::report_lapsed`).
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashSet};
@@ -10,17 +13,18 @@ use std::time::{Duration, Instant};
 use super::upkeep::touch_every;
 use super::Bridge;
 use crate::ids::{BootId, RigId};
-use crate::registry::sessions::Lapse;
+use crate::registry::lapse_scripts::{Lapse, Timing, WATCH_CHUNK};
 
 /// Most sessions watched at once: one per rig that left with commands unacked within a
-/// `--session-ttl` (about 200 bytes each). Past it a session goes unwatched, counted
-/// (`session/unwatched`): its commands lapse unreported, as before this watch.
+/// `--session-ttl` (about 200 bytes each). Past it a session goes unwatched here, counted
+/// (`session/unwatched`): only another broker's sweep can report it. Redis's `sess:lapses` names
+/// at most as many (`session/unnamed` counts those it refused).
 pub(super) const MAX_WATCHED: usize = 1_000_000;
 /// How near its end a session is ended by the watch (a call that arrived later would find the
 /// key gone): a tenth of `--session-ttl`, from 100 ms up to 30 s, so that Redis may stall (or
 /// the connection to it break) for most of that and the reports still go out, the call being
 /// made again each second. One with longer left is asked about again two thirds of that before
-/// its end.
+/// its end; another broker's sweep asks a third of it later, once this one failed to.
 fn near(session_ttl: Duration) -> Duration {
     (session_ttl / 10).clamp(Duration::from_millis(100), Duration::from_secs(30))
 }
@@ -28,10 +32,33 @@ fn near(session_ttl: Duration) -> Duration {
 fn ask_before(session_ttl: Duration) -> Duration {
     near(session_ttl) * 2 / 3
 }
+
+fn timing(session_ttl: Duration) -> Timing {
+    let near = near(session_ttl);
+    Timing {
+        near,
+        before: near * 2 / 3,
+        grace: near / 3,
+    }
+}
+
+/// How often a sweep asks Redis for sessions other brokers are not there to ask about: often
+/// enough to come within a session's grace, at most 10 times a second, at least once.
+fn sweep_every(session_ttl: Duration) -> Duration {
+    (near(session_ttl) / 6).clamp(Duration::from_millis(100), Duration::from_secs(1))
+}
+
 /// Redis did not answer: asked again this much later.
 const RETRY: Duration = Duration::from_secs(1);
 /// Most sessions asked about in one round trip.
 const PER_CALL: usize = 1_000;
+/// Most departures named in Redis in one round trip; the rest go at the next timer.
+const NAMED_PER_ROUND: usize = 50_000;
+/// Departures are named this long after the first of them at the soonest (or once a call's
+/// worth wait), so that rigs leaving one by one cost the bridge a round trip per batch, not
+/// one each: the bridge runs its timers on every wake. They are first asked about seconds
+/// later.
+const NAME_AFTER: Duration = Duration::from_millis(100);
 
 /// Sessions to ask about, soonest first, each once.
 #[derive(Default)]
@@ -41,6 +68,11 @@ pub(super) struct Lapses {
     /// watched once, not once per departure (asked about at its first due time, its session,
     /// seen since, is asked about again nearer its new end).
     watched: HashSet<(RigId, BootId)>,
+    /// Departures not named in Redis yet (it was away, or they came since the last timer),
+    /// with when the rig left; at most [`MAX_WATCHED`].
+    unnamed: Vec<(Instant, RigId, BootId)>,
+    /// When the next sweep is due (None: at the next timer).
+    next_sweep: Option<Instant>,
 }
 
 impl Lapses {
@@ -61,6 +93,14 @@ impl Lapses {
         self.due.peek().map(|Reverse((at, _, _))| *at)
     }
 
+    /// When the bridge must wake for these: a session due, or a sweep.
+    pub(super) fn next_wake(&self) -> Option<Instant> {
+        match (self.next_due(), self.next_sweep) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
     /// Up to `max` sessions due by `now`, soonest first.
     fn take_due(&mut self, now: Instant, max: usize) -> Vec<(RigId, BootId)> {
         let mut out = Vec::new();
@@ -79,11 +119,11 @@ impl Lapses {
     }
 }
 
-/// When a session whose rig just left is first asked about: its TTL counts from its last
+/// When a session whose rig left at `left` is first asked about: its TTL counts from its last
 /// touch, at most one touch interval before the rig left, so it lapses no sooner than this.
-pub(super) fn first_ask(now: Instant, session_ttl: Duration) -> Instant {
+pub(super) fn first_ask(left: Instant, session_ttl: Duration) -> Instant {
     let earliest = session_ttl.saturating_sub(touch_every(session_ttl));
-    now + earliest.saturating_sub(ask_before(session_ttl))
+    left + earliest.saturating_sub(ask_before(session_ttl))
 }
 
 impl Bridge {
@@ -92,14 +132,91 @@ impl Bridge {
         if self.fleet.is_none() || self.cfg.session_ttl.is_zero() {
             return;
         }
-        let at = first_ask(Instant::now(), self.cfg.session_ttl);
-        if !self.lapses.watch(at, rig, boot) {
+        let now = Instant::now();
+        let at = first_ask(now, self.cfg.session_ttl);
+        if !self.lapses.watch(at, rig.clone(), boot) {
             self.shared.count("session", "unwatched");
+        }
+        if self.lapses.unnamed.len() < MAX_WATCHED {
+            self.lapses.unnamed.push((now, rig, boot));
+        } else {
+            self.shared.count("session", "unnamed");
         }
     }
 
-    /// Asks Redis about the watched sessions that are due, in one round trip.
+    /// The watch's timers: departures named in Redis, due sessions asked about, and a sweep
+    /// for other brokers' when one is due.
     pub(super) fn check_lapses(&mut self, now: Instant) {
+        if self.fleet.is_none() || self.cfg.session_ttl.is_zero() {
+            return;
+        }
+        self.name_lapses(now, false);
+        self.ask_due(now);
+        if self.lapses.next_sweep.is_none_or(|at| at <= now) {
+            self.sweep_lapses(now);
+        }
+    }
+
+    /// At exit, while Redis answers: the departures not named yet (a drain's last rigs among
+    /// them) are named, so that another broker reports them should they lapse.
+    pub(super) fn name_lapses_before_exit(&mut self) {
+        while !self.lapses.unnamed.is_empty() && self.fleet.as_ref().is_some_and(|f| f.is_up()) {
+            if !self.name_lapses(Instant::now(), true) {
+                break;
+            }
+        }
+        if !self.lapses.unnamed.is_empty() {
+            log::warn!(
+                "exiting with {} sessions left with commands unacked not named in Redis: Redis did not take them, so should they lapse they go unreported",
+                self.lapses.unnamed.len()
+            );
+        }
+    }
+
+    /// Names the departures not yet named in Redis, up to [`NAMED_PER_ROUND`], once the first
+    /// has waited [`NAME_AFTER`] (at once with `now_all`); false when Redis did not answer.
+    fn name_lapses(&mut self, now: Instant, now_all: bool) -> bool {
+        let Some((first, _, _)) = self.lapses.unnamed.first() else {
+            return true;
+        };
+        let due = now_all || *first + NAME_AFTER <= now || self.lapses.unnamed.len() >= WATCH_CHUNK;
+        if !due || self.fleet.as_ref().is_none_or(|f| !f.is_up()) {
+            return true;
+        }
+        let n = self.lapses.unnamed.len().min(NAMED_PER_ROUND);
+        let ttl = self.cfg.session_ttl;
+        // Each chunk's sessions are asked about first when its earliest would be: the rest
+        // a little early, which only re-schedules them.
+        let earliest = self.lapses.unnamed[..n]
+            .iter()
+            .map(|(left, _, _)| *left)
+            .min()
+            .unwrap_or(now);
+        let delay = first_ask(earliest, ttl).saturating_duration_since(now);
+        let batch: Vec<(RigId, BootId)> = self.lapses.unnamed[..n]
+            .iter()
+            .map(|(_, rig, boot)| (rig.clone(), *boot))
+            .collect();
+        let answer = self
+            .fleet
+            .as_mut()
+            .and_then(|f| f.watch_lapses(&batch, delay, MAX_WATCHED));
+        let Some((refused, failed)) = answer else {
+            return false; // Redis away: named after the reconnect.
+        };
+        self.lapses.unnamed.drain(..n);
+        self.shared.count_n("session", "unnamed", refused + failed);
+        if refused + failed > 0 {
+            log::warn!(
+                "{} sessions left with commands unacked are not named in Redis's `sess:lapses` ({refused} refused, it names {MAX_WATCHED} already; {failed} failed): only this broker will report them should they lapse",
+                refused + failed
+            );
+        }
+        true
+    }
+
+    /// Asks Redis about the watched sessions that are due, in one round trip.
+    fn ask_due(&mut self, now: Instant) {
         let due = self.lapses.take_due(now, PER_CALL);
         if due.is_empty() {
             return;
@@ -108,20 +225,14 @@ impl Bridge {
         let answers = self
             .fleet
             .as_mut()
-            .and_then(|f| f.session_lapses(&due, near(ttl)));
+            .and_then(|f| f.session_lapses(&due, timing(ttl)));
         let mut answers = answers.map(Vec::into_iter);
         for (rig, boot) in due {
             let answer = answers.as_mut().and_then(Iterator::next).flatten();
             let again = match answer {
                 Some(Lapse::Done) => None,
                 Some(Lapse::Reported(n)) => {
-                    self.registry.drop_parked_commands(&rig, boot);
-                    self.shared.count_n("parked", "expired", n);
-                    if n > 0 {
-                        log::info!(
-                            "rig {rig} (boot {boot}) stayed away past --session-ttl: {n} unacked commands of its session reported expired"
-                        );
-                    }
+                    self.lapse_reported(&rig, boot, n, None);
                     None
                 }
                 Some(Lapse::Later(left)) => Some(now + left.saturating_sub(ask_before(ttl))),
@@ -131,6 +242,43 @@ impl Bridge {
                 // Back in the heap it was just taken from: there is room.
                 let _ = self.lapses.watch(at, rig, boot);
             }
+        }
+    }
+
+    /// Asks about due sessions other brokers named and are not there to ask about; again at
+    /// once while each call finds a full batch to ask about.
+    fn sweep_lapses(&mut self, now: Instant) {
+        let ttl = self.cfg.session_ttl;
+        self.lapses.next_sweep = Some(now + sweep_every(ttl));
+        let Some(fleet) = self.fleet.as_mut().filter(|f| f.is_up()) else {
+            return;
+        };
+        let Some(sweep) = fleet.sweep_lapses(timing(ttl), PER_CALL) else {
+            return;
+        };
+        for s in &sweep.reported {
+            self.shared.count("session", "swept");
+            self.lapse_reported(&s.rig, s.boot, s.reported, Some(&s.owner));
+        }
+        if sweep.looked >= PER_CALL && sweep.asked > 0 {
+            self.lapses.next_sweep = Some(now);
+        }
+    }
+
+    /// `n` unacked commands of session (rig, boot) were reported `expired`; by a sweep when
+    /// `owner` names the broker the rig had left.
+    fn lapse_reported(&mut self, rig: &RigId, boot: BootId, n: u64, owner: Option<&str>) {
+        // This broker's own copy of the session must not hand them out again.
+        self.registry.drop_parked_commands(rig, boot);
+        self.shared.count_n("parked", "expired", n);
+        match owner {
+            Some(owner) => log::info!(
+                "rig {rig} (boot {boot}) stayed away past --session-ttl after leaving broker {owner}, which is no longer there to say so: {n} unacked commands of its session reported expired"
+            ),
+            None if n > 0 => log::info!(
+                "rig {rig} (boot {boot}) stayed away past --session-ttl: {n} unacked commands of its session reported expired"
+            ),
+            None => {}
         }
     }
 }

@@ -298,7 +298,7 @@ impl Bridge {
         if let Some(d) = self.deadlines.next_due() {
             next = next.min(d);
         }
-        if let Some(d) = self.lapses.next_due() {
+        if let Some(d) = self.lapses.next_wake() {
             next = next.min(d);
         }
         // Timers may fire a little late; a paced write may not: it holds a command back.
@@ -774,6 +774,7 @@ impl Bridge {
                 break;
             }
         }
+        self.name_lapses_before_exit();
         // Every broker answers a broadcast once: those still waiting say who never answered.
         let waiting: Vec<u64> = self.broadcasts.keys().copied().collect();
         for agg in waiting {

@@ -12,7 +12,7 @@ use crate::metrics::BridgeStats;
 pub(super) const CANARY_STALE: Duration = Duration::from_secs(5);
 
 /// Registry operations counted by (op, result), in this order.
-pub const REGISTRY_OPS: [(&str, &str); 62] = [
+pub const REGISTRY_OPS: [(&str, &str); 64] = [
     ("offline", "held"),
     ("offline", "full"),
     ("offline", "connected_elsewhere"),
@@ -69,6 +69,8 @@ pub const REGISTRY_OPS: [(&str, &str); 62] = [
     ("parked", "dropped"),
     ("parked", "expired"),
     ("session", "unwatched"),
+    ("session", "unnamed"),
+    ("session", "swept"),
     ("offline", "draining"),
     ("offline", "duplicate_removed"),
     ("refused", "rig_not_connected"),

@@ -14,6 +14,7 @@ use redis::{ConnectionInfo, IntoConnectionInfo};
 use crate::ids::Seq;
 use crate::ids::{BootId, RigId};
 use crate::registry::command_con::CommandCon;
+use crate::registry::lapse_scripts::LapseScripts;
 use crate::registry::offline::OfflineScripts;
 use crate::registry::pubsub::Subscriber;
 use crate::registry::scripts::Scripts;
@@ -49,6 +50,7 @@ pub(crate) struct Fleet {
     broker_id: String,
     scripts: Scripts,
     sessions: SessionScripts,
+    lapses: LapseScripts,
     offline: OfflineScripts,
     forgets: Vec<(RigId, BootId, Seq)>,
     /// When the oldest queued forget was queued.
@@ -108,6 +110,7 @@ impl Fleet {
             broker_id: broker_id.to_string(),
             scripts: Scripts::new(),
             sessions: SessionScripts::new(),
+            lapses: LapseScripts::default(),
             offline: OfflineScripts::default(),
             forgets: Vec::new(),
             forgets_since: None,
