@@ -2803,3 +2803,34 @@ fn a_lapse_is_reported_by_another_broker_when_the_one_the_rig_left_is_gone() {
     });
     assert_eq!(ev["type"], "marker", "reported once: {ev}");
 }
+
+/// An ordinary outage longer than the canary's 5 s bound ends without the warning about a
+/// slow subscription: the canary before the outage is forgotten at the reconnect, and
+/// readiness waits for one through the new subscription. Before, every such outage ended with
+/// "no canary back for 8345 ms ... the subscription or the path to Redis is slow".
+#[test]
+fn a_long_outage_ends_without_a_slow_subscription_warning() {
+    let mut redis = RedisServer::start();
+    let url = redis.url();
+    let a = Broker::start_logged(&["--redis", &url, "--broker-id", "fe-canary"]);
+    a.wait_readyz(200, Duration::from_secs(10), "ready");
+    redis.kill9();
+    let down = Instant::now();
+    a.wait_readyz(503, Duration::from_secs(10), "not ready without Redis");
+    // The outage must outlast the canary's bound; readiness stays down all along.
+    eventually(Duration::from_secs(20), "an outage past 6 s", || {
+        assert_eq!(a.http("GET", "/readyz", "").0, 503);
+        down.elapsed() > Duration::from_secs(6)
+    });
+    redis.restart();
+    a.wait_readyz(200, Duration::from_secs(15), "ready again");
+    // A line logged after the reconnect's: the log up to it holds any warning the reconnect
+    // gave (one stream, in order).
+    redis.kill9();
+    let lost = "redis closed the subscription";
+    eventually(Duration::from_secs(10), "the second outage logged", || {
+        a.log_text().matches(lost).count() == 2
+    });
+    let log = a.log_text();
+    assert!(!log.contains("no canary back"), "{log}");
+}

@@ -144,6 +144,14 @@ impl Broker {
         found().unwrap_or_default()
     }
 
+    /// The broker's log so far. The broker must have been started with
+    /// [`Broker::start_logged`].
+    #[allow(dead_code)] // not every test binary reads the whole log
+    pub fn log_text(&self) -> String {
+        let log = self.log.as_ref().expect("started with start_logged");
+        log.lock().unwrap().clone()
+    }
+
     /// ws URL for `path`.
     pub fn url(&self, path: &str) -> String {
         format!("ws://{}{path}", self.listen)
