@@ -1,12 +1,20 @@
--- lapse_end.lua: what session_lapse.lua, lapse_watch.lua and lapse_sweep.lua share, put in
--- front of each when they are built (src/registry/sessions.rs), since a script that Redis runs
--- can call no other. Not a script of its own: it only defines functions.
+-- lapse_end.lua: what the scripts watching sessions share (session_lapse.lua, lapse_watch.lua,
+-- lapse_sweep.lua, and persist.lua, which names the sessions it adds commands to), put in
+-- front of each when they are built (src/registry/lapse_scripts.rs, sessions.rs), behind
+-- lua/lease_holder.lua, since a script that Redis runs can call no other. Not a script of its
+-- own: it only defines functions.
 --
--- A rig that left with commands unacked is named in the sorted set `sess:lapses`, scored by when
--- its session should first be asked about (Redis's clock, ms), as "<boot_id>|<rig_id>|<broker_id>"
--- (a rig_id has no '|', a boot_id is 36 characters): the broker it left asks on time; any
--- other asks for it once that broker has stopped (it died, or drained and exited), or a while
--- after it should have.
+-- A session holding commands unacked is named in the sorted set `sess:lapses` as
+-- "<boot_id>|<ttl_ms>|<rig_id>|<broker_id>" (a boot_id is 36 characters, a rig_id has no '|'):
+-- the broker that kept the commands, and the --session-ttl it keeps sessions for, which sets
+-- when the session is asked about. Its score (Redis's clock, ms) is when any broker's sweep may
+-- ask about it: a little after the broker the rig left asks by itself, so that a session
+-- whose broker stopped (killed, or drained and exited) is still reported as it lapses, and a
+-- session whose rig is still connected to a broker that dies too.
+
+-- Most sessions named at once, for every broker together: past it a session is not named,
+-- and only the broker it left can report it.
+local LAPSES_MOST = 1000000
 
 -- Damage: a key of another type where the set belongs (nothing of ours writes one) would fail
 -- every call, every time. It goes, as persist.lua drops a damaged session.
@@ -18,43 +26,113 @@ local function lapses_sound(set)
   end
 end
 
--- Redis's clock in ms: every broker's scores count on the one clock.
+-- Redis's clock in ms: every broker's scores count on the one clock. (Redis 5 and later
+-- replicate a script by its effects, so a script may read the clock and then write.)
 local function now_ms()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 
-local function lapse_member(rig, boot, broker)
-  return boot .. '|' .. rig .. '|' .. broker
+-- For a session kept `ttl` ms: how near its end it is ended (a tenth, 100 ms to 30 s), how
+-- long before its end the broker the rig left asks, and how much later a sweep may (as
+-- src/registry/bridge/lapses.rs reckons them).
+local function lapse_timing(ttl)
+  local near = math.min(math.max(math.floor(ttl / 10), 100), 30000)
+  return near, math.floor(near * 2 / 3), math.floor(near / 3)
 end
 
--- rig, boot, broker of a member, or nil for one no broker wrote.
+local function lapse_member(rig, boot, ttl, broker)
+  return boot .. '|' .. ttl .. '|' .. rig .. '|' .. broker
+end
+
+-- rig, boot, ttl (a number), broker of a member, or nil for one no broker wrote.
 local function lapse_parts(member)
-  local boot, rig, broker = string.match(member, '^(' .. string.rep('[0-9a-f-]', 36)
-      .. ')|([%w._-]+)|(.+)$')
-  return rig, boot, broker
+  local boot, ttl, rig, broker = string.match(member, '^(' .. string.rep('[0-9a-f-]', 36)
+      .. ')|(%d+)|([%w._-]+)|(.+)$')
+  if not boot or #ttl > 15 then
+    return nil
+  end
+  return rig, boot, tonumber(ttl), broker
+end
+
+-- When a sweep may ask about a session with `left` ms to live, kept `ttl` ms.
+local function lapse_score(left, ttl)
+  local _, before, grace = lapse_timing(ttl)
+  return now_ms() + math.max(left - before, 0) + grace
+end
+
+-- Names session (rig, boot), kept `ttl` ms by `broker`, unless it is named already (it keeps
+-- its time) or the set is full (false).
+local function lapse_name(set, rig, boot, ttl, broker)
+  local member = lapse_member(rig, boot, ttl, broker)
+  if redis.call('ZSCORE', set, member) then
+    return true
+  end
+  if redis.call('ZCARD', set) >= LAPSES_MOST then
+    return false
+  end
+  local left = redis.call('PTTL', 'sess:' .. rig .. ':' .. boot)
+  if left < 0 then
+    left = ttl
+  end
+  redis.call('ZADD', set, lapse_score(left, ttl), member)
+  return true
+end
+
+-- For persist.lua, which names each session it adds commands to: the score of a session kept
+-- `ttl` ms by a broker that holds its rig, computed once per call. Such a session is touched
+-- every third of its TTL, so it lapses no sooner than two thirds of it from now, should that
+-- broker die now; asked about then, one with longer left is put off (lapse_settle). False when
+-- the set is full: nothing is named.
+local function lapse_held_score(set, ttl)
+  if redis.call('ZCARD', set) >= LAPSES_MOST then
+    return false
+  end
+  return lapse_score(math.floor(ttl * 2 / 3), ttl)
+end
+
+local function has_unacked(sess)
+  for _, field in ipairs(redis.call('HKEYS', sess)) do
+    if field:sub(1, 2) == 'c:' then
+      return true
+    end
+  end
+  return false
 end
 
 -- What becomes of session (rig, boot) asked about as it nears its end, by `broker` (named in
--- the events, stamped `at`):
---   -1     nothing to do: no session, one a newer boot ended (reported then), or the rig is
---          connected again with this boot (whichever broker it leaves next watches it again)
---   {ms}   more than `near` ms left (the rig was seen since): ask again then
---   n      it was within `near` of its end: its n unacked commands are published `expired`
---          and removed from it, in this call, so a reply lost on its way back cannot lose
---          them. It keeps its "next": the same boot coming back in its last moments goes on
---          without reusing a seq.
+-- the events, stamped `at`), `near` being how near its end it is ended:
+--   -2       no session: it lapsed (or Redis lost it) before anyone asked, unreported
+--   -1       nothing left to watch: no command unacked (and the rig not connected), or a newer
+--            boot ended it (reported then)
+--   {ms, 1}  the rig is connected with this boot, through a broker that is there: asked again
+--            by a sweep as its new end nears, whether or not it holds commands now (that
+--            broker may die with the rig on it; it named the session once, with the
+--            connection's first command, and counts on it staying named)
+--   {ms}     more than `near` left (the rig was seen since): ask again then
+--   n        it was within `near` of its end: its n unacked commands are published `expired`
+--            and removed from it, in this call, so a reply lost on its way back cannot lose
+--            them. It keeps its "next": the same boot coming back in its last moments goes on
+--            without reusing a seq.
 local function lapse_end(rig, boot, broker, at, near)
-  local sess, lease_key = 'sess:' .. rig .. ':' .. boot, 'rig:' .. rig
-  if redis.call('TYPE', sess).ok ~= 'hash' or redis.call('HEXISTS', sess, 'gone') == 1 then
-    return -1
+  local sess = 'sess:' .. rig .. ':' .. boot
+  local kind = redis.call('TYPE', sess).ok
+  if kind == 'none' then
+    return -2
   end
-  local lease = redis.pcall('GET', lease_key)
-  if type(lease) == 'string' and lease:sub(1, #boot + 1) == boot .. '|' then
+  if kind ~= 'hash' or redis.call('HEXISTS', sess, 'gone') == 1 then
     return -1
   end
   local left = redis.call('PTTL', sess)
   if left < 0 then
+    return -1
+  end
+  local lease = redis.pcall('GET', 'rig:' .. rig)
+  if type(lease) == 'string' and lease:sub(1, #boot + 1) == boot .. '|'
+      and listening(lease:sub(#boot + 2)) then
+    return { left, 1 }
+  end
+  if not has_unacked(sess) then
     return -1
   end
   if left > near then
@@ -90,12 +168,12 @@ local function lapse_end(rig, boot, broker, at, near)
   return #order
 end
 
--- After lapse_end answered `r` for `member`: ended (or nothing to do), it is no longer
--- watched; seen since, it is asked about again `before` ms ahead of its new end (named again
--- if another broker's sweep took it out meanwhile: the broker asking still watches it).
-local function lapse_settle(set, member, r, before)
+-- After lapse_end answered `r` for `member` (a session kept `ttl` ms): one still to watch is
+-- asked about again by a sweep as its new end nears, named again if another broker's sweep
+-- took it out meanwhile; any other is no longer watched.
+local function lapse_settle(set, member, r, ttl)
   if type(r) == 'table' then
-    redis.call('ZADD', set, now_ms() + math.max(r[1] - before, 0), member)
+    redis.call('ZADD', set, lapse_score(r[1], ttl), member)
   else
     redis.call('ZREM', set, member)
   end

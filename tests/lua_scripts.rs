@@ -583,6 +583,7 @@ fn scripts_reject_bad_arguments_before_writing() {
     let release = redis::Script::new(include_str!("../lua/release.lua"));
     let expire = redis::Script::new(include_str!("../lua/offline_expire.lua"));
     let lapse = redis::Script::new(concat!(
+        include_str!("../lua/lease_holder.lua"),
         include_str!("../lua/lapse_end.lua"),
         include_str!("../lua/session_lapse.lua")
     ));
@@ -595,13 +596,12 @@ fn scripts_reject_bad_arguments_before_writing() {
             .arg("0")
             .invoke(&mut con),
         lapse
-            .key("lapses")
+            .key("sess:lapses")
             .arg("a")
             .arg(&b)
             .arg("fe")
             .arg("2026-01-01T00:00:00Z")
             .arg("soon")
-            .arg("10")
             .invoke(&mut con),
         // ttl 0, a missing ARGV, then a non-canonical boot id.
         refresh
@@ -1423,13 +1423,7 @@ fn offline_expire_remembers_what_it_removed() {
 
 mod lapses {
     use super::*;
-    use fleetlink::registry::lapse_scripts::{LapseScripts, Swept, Timing, LAPSES_KEY};
-
-    const TIMING: Timing = Timing {
-        near: Duration::from_secs(1),
-        before: Duration::from_millis(600),
-        grace: Duration::from_secs(10),
-    };
+    use fleetlink::registry::lapse_scripts::{Lapse, LapseScripts, Swept, LAPSES_KEY};
 
     /// A session of `r`/`b` holding one unacked command `id` under seq 1, with `ttl_ms` left.
     fn session(con: &mut Connection, r: &str, b: &BootId, id: &str, ttl_ms: u64) -> String {
@@ -1467,6 +1461,7 @@ mod lapses {
         s * 1000 + us / 1000
     }
 
+    /// Names `member` as due now.
     fn due_now(con: &mut Connection, member: &str) {
         let _: () = redis::cmd("ZADD")
             .arg(LAPSES_KEY)
@@ -1476,73 +1471,92 @@ mod lapses {
             .unwrap();
     }
 
-    /// A departure is named once, keeping its first time; the set names no more than it is
-    /// told to, and says how many it refused.
+    fn get_c1(con: &mut Connection, key: &str) -> Option<String> {
+        redis::cmd("HGET").arg(key).arg("c:1").query(con).unwrap()
+    }
+
+    /// A departure is named once, with the broker's --session-ttl, keeping its first time: a
+    /// sweep may ask about it a third of a tenth of that TTL after the broker itself would.
     #[test]
-    fn a_session_is_named_once_within_the_bound() {
+    fn a_session_is_named_once_with_its_brokers_ttl() {
         let (_server, mut con, _) = setup();
         let scripts = LapseScripts::default();
-        let (a, b) = (rig("rig-a"), rig("rig-b"));
         // Damage where the set belongs goes, rather than fail every call.
         set(&mut con, LAPSES_KEY, "not a sorted set");
-        let before = redis_now_ms(&mut con);
         let first = boot(1);
-        let one = [(a.clone(), first)];
-        let got = scripts.watch(&mut con, &one, "fe-a", Duration::from_secs(5), 10);
+        session(&mut con, "rig-a", &first, "a", 10_000);
+        let one = [(rig("rig-a"), first)];
+        let before = redis_now_ms(&mut con);
+        let got = scripts.watch(&mut con, &one, "fe-a", Duration::from_secs(10));
         assert_eq!(got.unwrap(), (0, 0));
         let named = members(&mut con);
         assert_eq!(named.len(), 1, "{named:?}");
-        assert_eq!(named[0].0, format!("{first}|rig-a|fe-a"));
+        assert_eq!(named[0].0, format!("{first}|10000|rig-a|fe-a"));
+        // 10 s: ended within its last second, asked by its broker 666 ms before its end, by a
+        // sweep 333 ms after that.
         let at = named[0].1;
+        let want = before + 10_000 - 666 + 333;
         assert!(
-            at >= before + 5000 && at < before + 6000,
-            "{at} against {before}"
+            (want - 200..=want + 50).contains(&at),
+            "{at} against {want}"
         );
-        // Named again: one entry, its time kept.
-        let got = scripts.watch(&mut con, &one, "fe-a", Duration::from_secs(50), 10);
+        let got = scripts.watch(&mut con, &one, "fe-a", Duration::from_secs(10));
         assert_eq!(got.unwrap(), (0, 0));
         assert_eq!(members(&mut con), named);
-        // Full: refused and counted, the named one kept.
-        let two = [(b.clone(), boot(2)), (a, boot(3))];
-        let got = scripts.watch(&mut con, &two, "fe-a", Duration::from_secs(5), 2);
-        assert_eq!(got.unwrap(), (1, 0));
-        assert_eq!(members(&mut con).len(), 2);
     }
 
-    /// A sweep asks about another broker's due session only once that broker stops listening
-    /// (or is past the grace), and reports its commands then, once; its own due sessions it
-    /// leaves to its own watch until they are past the grace.
+    /// A sweep asks about what is due, whoever named it, by the TTL the entry names (not the
+    /// sweeper's): reported once near its end, named as the reporter; one with longer left
+    /// is put off to nearer its end; one gone is counted missed; one with nothing unacked, or
+    /// no broker wrote, is dropped.
     #[test]
-    fn a_sweep_reports_only_what_no_live_broker_will() {
+    fn a_sweep_asks_about_what_is_due_by_its_own_ttl() {
         let (server, mut con, _) = setup();
         let scripts = LapseScripts::default();
-        let b = boot(1);
-        let key = session(&mut con, "rig-a", &b, "cmd-a", 500);
-        let member = format!("{b}|rig-a|fe-a");
-        scripts
-            .watch(&mut con, &[(rig("rig-a"), b)], "fe-a", Duration::ZERO, 10)
+        let (ending, longer, gone, acked) = (boot(1), boot(2), boot(3), boot(4));
+        let ending_key = session(&mut con, "rig-e", &ending, "e", 500);
+        // 2.5 s left of a 10 s session: not near its end (1 s), though it would be for a
+        // sweeper keeping sessions 10 min (30 s): the review's early report.
+        let longer_key = session(&mut con, "rig-l", &longer, "l", 2_500);
+        let acked_key = format!("sess:rig-a:{acked}");
+        let _: () = redis::cmd("HSET")
+            .arg(&acked_key)
+            .arg("next")
+            .arg("3")
+            .query(&mut con)
             .unwrap();
-        due_now(&mut con, &member);
-        set(&mut con, "broker:fe-a", "{}");
-        let listener = listen_as(&server, "fe-a");
-        // fe-a listens: not fe-b's to ask, and not fe-a's own sweep's within the grace.
-        for me in ["fe-b", "fe-a"] {
-            let s = scripts.sweep(&mut con, me, TIMING, 100).unwrap();
-            assert_eq!((s.looked, s.asked, s.reported.len()), (1, 0, 0), "{me}");
+        let _: () = redis::cmd("PEXPIRE")
+            .arg(&acked_key)
+            .arg(500)
+            .query(&mut con)
+            .unwrap();
+        for member in [
+            format!("{ending}|5000|rig-e|fe-a"),
+            format!("{longer}|10000|rig-l|fe-a"),
+            format!("{gone}|5000|rig-g|fe-a"),
+            format!("{acked}|5000|rig-a|fe-a"),
+            "no broker wrote this".to_string(),
+        ] {
+            due_now(&mut con, &member);
         }
-        assert!(get_c1(&mut con, &key).is_some());
-        // fe-a gone: fe-b reports the command, named as the reporter, and the entry goes.
-        drop(listener);
+        // Not due yet: left alone.
+        let _: () = redis::cmd("ZADD")
+            .arg(LAPSES_KEY)
+            .arg(redis_now_ms(&mut con) + 60_000)
+            .arg(format!("{}|5000|rig-later|fe-a", boot(5)))
+            .query(&mut con)
+            .unwrap();
         let mut sub = server.client().get_connection().unwrap();
         let mut ps = sub.as_pubsub();
         ps.subscribe("fleetlink:events").unwrap();
         ps.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-        let s = eventually_swept(&scripts, &mut con, "fe-b");
+        let s = scripts.sweep(&mut con, "fe-b", 100).unwrap();
+        assert_eq!((s.asked, s.missed), (5, 1));
         assert_eq!(
             s.reported,
             vec![Swept {
-                rig: rig("rig-a"),
-                boot: b,
+                rig: rig("rig-e"),
+                boot: ending,
                 reported: 1,
                 owner: "fe-a".into()
             }]
@@ -1553,112 +1567,150 @@ mod lapses {
             (&ev["type"], &ev["id"], &ev["seq"], &ev["broker_id"]),
             (
                 &serde_json::json!("expired"),
-                &serde_json::json!("cmd-a"),
+                &serde_json::json!("e"),
                 &serde_json::json!(1),
                 &serde_json::json!("fe-b")
             ),
             "{ev}"
         );
-        assert!(get_c1(&mut con, &key).is_none());
-        assert!(members(&mut con).is_empty());
-        let s = scripts.sweep(&mut con, "fe-b", TIMING, 100).unwrap();
-        assert_eq!((s.looked, s.reported.len()), (0, 0));
-    }
-
-    fn get_c1(con: &mut Connection, key: &str) -> Option<String> {
-        redis::cmd("HGET").arg(key).arg("c:1").query(con).unwrap()
-    }
-
-    /// The subscription of a dropped connection goes a moment after the drop.
-    fn eventually_swept(
-        scripts: &LapseScripts,
-        con: &mut Connection,
-        me: &str,
-    ) -> fleetlink::registry::lapse_scripts::Sweep {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            let s = scripts.sweep(con, me, TIMING, 100).unwrap();
-            if s.asked > 0 || Instant::now() > deadline {
-                return s;
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
-    }
-
-    /// Past the grace, a live broker's session is asked about too (it is stuck, or cannot
-    /// reach Redis), as is the sweeper's own (it restarted under the same id); one seen since
-    /// is put off to nearer its new end, not reported; what no broker wrote is dropped.
-    #[test]
-    fn a_sweep_takes_late_sessions_and_puts_off_those_seen_since() {
-        let (server, mut con, _) = setup();
-        let scripts = LapseScripts::default();
-        set(&mut con, "broker:fe-a", "{}");
-        let _listener = listen_as(&server, "fe-a");
-        let (late, own, seen) = (boot(1), boot(2), boot(3));
-        session(&mut con, "rig-late", &late, "late", 500);
-        session(&mut con, "rig-own", &own, "own", 500);
-        let seen_key = session(&mut con, "rig-seen", &seen, "seen", 60_000);
-        let old = redis_now_ms(&mut con) - 20_000;
-        for member in [
-            format!("{late}|rig-late|fe-a"),
-            format!("{own}|rig-own|fe-b"),
-            format!("{seen}|rig-seen|fe-gone"),
-            "no broker wrote this".to_string(),
-        ] {
-            let _: () = redis::cmd("ZADD")
-                .arg(LAPSES_KEY)
-                .arg(old)
-                .arg(&member)
-                .query(&mut con)
-                .unwrap();
-        }
-        let s = scripts.sweep(&mut con, "fe-b", TIMING, 100).unwrap();
-        assert_eq!((s.looked, s.asked), (4, 4));
-        let mut got: Vec<(String, String)> = s
-            .reported
-            .iter()
-            .map(|r| (r.rig.to_string(), r.owner.clone()))
-            .collect();
-        got.sort();
-        assert_eq!(
-            got,
-            vec![
-                ("rig-late".to_string(), "fe-a".to_string()),
-                ("rig-own".to_string(), "fe-b".to_string())
-            ]
-        );
-        // rig-seen: still held, asked again 600 ms before its end, about 59 s from now.
-        assert!(get_c1(&mut con, &seen_key).is_some());
+        assert!(get_c1(&mut con, &ending_key).is_none());
+        assert!(get_c1(&mut con, &longer_key).is_some());
+        // Left: rig-l, put off to 666 ms before its end and 333 ms after; and rig-later.
         let left = members(&mut con);
-        assert_eq!(left.len(), 1, "{left:?}");
         let now = redis_now_ms(&mut con);
+        assert_eq!(left.len(), 2, "{left:?}");
+        assert_eq!(left[0].0, format!("{longer}|10000|rig-l|fe-a"));
         assert!(
-            left[0].1 > now + 55_000 && left[0].1 < now + 60_000,
+            (now + 1_900..=now + 2_200).contains(&left[0].1),
             "{left:?} at {now}"
         );
+        let s = scripts.sweep(&mut con, "fe-b", 100).unwrap();
+        assert_eq!((s.asked, s.missed, s.reported.len()), (0, 0, 0));
     }
 
-    /// The broker a rig left, asking on time, takes the session's entry out when it is done
-    /// with it, or moves it to nearer the session's new end, so no sweep asks for it.
+    /// A session whose rig is still connected, with this boot, to a broker that is there is
+    /// watched on, not reported; once that broker is gone (killed with the rig on it), the
+    /// session is reported as it nears its end.
     #[test]
-    fn the_owners_answer_settles_the_entry() {
-        let (_server, mut con, _) = setup();
+    fn a_session_on_a_broker_that_died_is_reported() {
+        let (server, mut con, _) = setup();
         let scripts = LapseScripts::default();
-        let (ended, seen) = (boot(1), boot(2));
-        let ended_key = session(&mut con, "rig-e", &ended, "e", 500);
-        session(&mut con, "rig-s", &seen, "s", 60_000);
-        let both = [(rig("rig-e"), ended), (rig("rig-s"), seen)];
-        scripts
-            .watch(&mut con, &both, "fe-a", Duration::ZERO, 10)
+        let b = boot(1);
+        let key = session(&mut con, "rig-c", &b, "c", 3_000);
+        set(&mut con, "rig:rig-c", &format!("{b}|fe-c"));
+        set(&mut con, "broker:fe-c", "{}");
+        let listener = listen_as(&server, "fe-c");
+        // Kept 40 s: ended within its last 4 s, which it is in.
+        let member = format!("{b}|40000|rig-c|fe-c");
+        due_now(&mut con, &member);
+        let s = scripts.sweep(&mut con, "fe-b", 100).unwrap();
+        assert_eq!((s.asked, s.reported.len()), (1, 0));
+        assert!(get_c1(&mut con, &key).is_some());
+        assert_eq!(members(&mut con).len(), 1, "still watched");
+        // fe-c dies: its subscription goes a moment after.
+        drop(listener);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let reported = loop {
+            due_now(&mut con, &member);
+            let s = scripts.sweep(&mut con, "fe-b", 100).unwrap();
+            if !s.reported.is_empty() || Instant::now() > deadline {
+                break s.reported;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        assert_eq!(reported.len(), 1, "{reported:?}");
+        assert!(get_c1(&mut con, &key).is_none());
+        assert!(members(&mut con).is_empty());
+    }
+
+    /// A connected session is watched on while its broker is there, commands or none: that
+    /// broker named it once and counts on it staying named, should it die with the rig on it.
+    /// A position to name that is no command's is refused before any write.
+    #[test]
+    fn a_connected_session_stays_named() {
+        let (server, mut con, _) = setup();
+        let scripts = LapseScripts::default();
+        let b = boot(1);
+        let key = format!("sess:rig-q:{b}");
+        let _: () = redis::cmd("HSET")
+            .arg(&key)
+            .arg("next")
+            .arg("4")
+            .query(&mut con)
             .unwrap();
-        let got = scripts.ask_many(&mut con, &both, "fe-a", TIMING).unwrap();
-        use fleetlink::registry::lapse_scripts::Lapse;
-        assert_eq!(got[0], Some(Lapse::Reported(1)));
-        assert!(matches!(got[1], Some(Lapse::Later(d)) if d > Duration::from_secs(55)));
-        assert!(get_c1(&mut con, &ended_key).is_none());
+        let _: () = redis::cmd("PEXPIRE")
+            .arg(&key)
+            .arg(60_000)
+            .query(&mut con)
+            .unwrap();
+        set(&mut con, "rig:rig-q", &format!("{b}|fe-q"));
+        set(&mut con, "broker:fe-q", "{}");
+        let _listener = listen_as(&server, "fe-q");
+        let member = format!("{b}|60000|rig-q|fe-q");
+        due_now(&mut con, &member);
+        let s = scripts.sweep(&mut con, "fe-b", 100).unwrap();
+        assert_eq!((s.asked, s.missed, s.reported.len()), (1, 0, 0));
         let left = members(&mut con);
         assert_eq!(left.len(), 1, "{left:?}");
-        assert_eq!(left[0].0, format!("{seen}|rig-s|fe-a"));
-        assert!(left[0].1 > redis_now_ms(&mut con) + 55_000, "{left:?}");
+        assert!(left[0].1 > redis_now_ms(&mut con) + 50_000, "{left:?}");
+        let bad = redis::cmd("EVAL")
+            .arg(fleetlink::registry::sessions::PERSIST)
+            .arg(2)
+            .arg("rig:rig-q")
+            .arg(&key)
+            .arg(60_000)
+            .arg(format!("{b}|fe-q"))
+            .arg(4)
+            .arg("{}")
+            .arg(2)
+            .query::<Value>(&mut con);
+        assert!(bad.is_err(), "{bad:?}");
+        let next: String = redis::cmd("HGET")
+            .arg(&key)
+            .arg("next")
+            .query(&mut con)
+            .unwrap();
+        assert_eq!(next, "4");
+    }
+
+    /// The broker a rig left, asking by itself, reads each answer, and the session's entry
+    /// follows it: out once done with, put off to nearer its end when seen since.
+    #[test]
+    fn the_brokers_own_answers_settle_the_entry() {
+        let (server, mut con, _) = setup();
+        let scripts = LapseScripts::default();
+        let (ended, seen, back, gone) = (boot(1), boot(2), boot(3), boot(4));
+        let ended_key = session(&mut con, "rig-e", &ended, "e", 500);
+        session(&mut con, "rig-s", &seen, "s", 60_000);
+        session(&mut con, "rig-b", &back, "b", 60_000);
+        set(&mut con, "rig:rig-b", &format!("{back}|fe-z"));
+        set(&mut con, "broker:fe-z", "{}");
+        let _listener = listen_as(&server, "fe-z");
+        let all = [
+            (rig("rig-e"), ended),
+            (rig("rig-s"), seen),
+            (rig("rig-b"), back),
+            (rig("rig-g"), gone),
+        ];
+        scripts
+            .watch(&mut con, &all, "fe-a", Duration::from_secs(5))
+            .unwrap();
+        let got = scripts
+            .ask_many(&mut con, &all, "fe-a", Duration::from_secs(5))
+            .unwrap();
+        assert_eq!(got[0], Some(Lapse::Reported(1)));
+        assert!(matches!(got[1], Some(Lapse::Later(d)) if d > Duration::from_secs(55)));
+        // Back on fe-z with this boot: not fe-a's to watch; sweeps go on watching it.
+        assert_eq!(got[2], Some(Lapse::Done));
+        assert_eq!(got[3], Some(Lapse::Missed));
+        assert!(get_c1(&mut con, &ended_key).is_none());
+        let mut left: Vec<String> = members(&mut con).into_iter().map(|m| m.0).collect();
+        left.sort();
+        let mut want = vec![
+            format!("{seen}|5000|rig-s|fe-a"),
+            format!("{back}|5000|rig-b|fe-a"),
+        ];
+        want.sort();
+        assert_eq!(left, want);
     }
 }

@@ -784,6 +784,7 @@ fn persisting_is_fenced_by_the_lease() {
         boot: &boot,
         seq: Seq(1),
         json,
+        name: false,
     }];
     // No lease: not kept, said apart. Another broker's lease: fenced. Ours: kept.
     assert_eq!(
@@ -1375,6 +1376,7 @@ fn persist_refuses_a_seq_another_broker_numbered_past() {
         boot: &boot,
         seq: Seq(seq),
         json,
+        name: false,
     };
     let kept = scripts
         .persist(
@@ -1403,6 +1405,7 @@ fn a_persist_batch_is_fenced_per_rig_and_checked_before_any_write() {
         boot: &boot,
         seq: Seq(seq),
         json: b"{}",
+        name: seq != 8,
     };
     let kept = scripts
         .persist(
@@ -1413,6 +1416,16 @@ fn a_persist_batch_is_fenced_per_rig_and_checked_before_any_write() {
         )
         .unwrap();
     assert_eq!(kept, [Kept::Yes, Kept::Fenced, Kept::Yes]);
+    // The session of a command asking for it is named once, by the broker and the TTL it keeps
+    // it for, so that its commands are reported should it lapse (lua/lapse_end.lua); the fenced
+    // one's not.
+    let named: Vec<String> = redis::cmd("ZRANGE")
+        .arg("sess:lapses")
+        .arg(0)
+        .arg(-1)
+        .query(&mut con)
+        .unwrap();
+    assert_eq!(named, [format!("{boot}|60000|rig-a|fe-a")]);
     let sess_a = format!("sess:rig-a:{boot}");
     let next: String = con.hget(&sess_a, "next").unwrap();
     assert_eq!(next, "9");
@@ -1425,7 +1438,7 @@ fn a_persist_batch_is_fenced_per_rig_and_checked_before_any_write() {
 
     // A malformed seq (the script's own check, bypassing the typed wrapper) writes nothing.
     let err = redis::cmd("EVAL")
-        .arg(include_str!("../lua/persist.lua"))
+        .arg(fleetlink::registry::sessions::PERSIST)
         .arg(4)
         .arg("rig:rig-a")
         .arg(&sess_a)
@@ -1459,6 +1472,7 @@ fn the_last_usable_seq_is_kept_exactly() {
         boot: &boot,
         seq: Seq::LAST,
         json: b"{}",
+        name: false,
     };
     let kept = scripts
         .persist(&mut con, &[last], "fe-a", Duration::from_secs(60))
@@ -2496,6 +2510,7 @@ fn damage_to_a_live_session_is_written_over_not_answered_in_a_loop() {
             boot: &boot,
             seq: Seq(7),
             json: b"c7",
+            name: false,
         };
         let kept = scripts.persist(&mut con, &[one], "fe-a", ttl).unwrap();
         assert_eq!(kept, [Kept::Yes], "next {bad}");
@@ -2507,6 +2522,7 @@ fn damage_to_a_live_session_is_written_over_not_answered_in_a_loop() {
         boot: &boot,
         seq: Seq(8),
         json: b"c8",
+        name: false,
     };
     let kept = scripts.persist(&mut con, &[one], "fe-a", ttl).unwrap();
     assert_eq!(kept, [Kept::Yes]);
@@ -2587,6 +2603,7 @@ fn an_older_boot_back_after_a_newer_one_left_has_its_commands_reported_at_the_ne
         boot: &a,
         seq: Seq(2),
         json: br#"{"id":"a2"}"#,
+        name: false,
     };
     assert_eq!(
         scripts.persist(&mut con, &[a2], "fe-y", ttl).unwrap(),

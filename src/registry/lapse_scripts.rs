@@ -1,13 +1,16 @@
-//! Fleet mode: the Redis side of the watch on sessions whose rigs left with commands unacked
-//! (docs/protocol.md, "Sessions and resume"). Each such session is named in the sorted set
-//! `sess:lapses` with the broker it left, so that it is reported `expired` as it lapses whether or
-//! not that broker is still there then:
+//! Fleet mode: the Redis side of the watch on sessions holding commands unacked
+//! (docs/protocol.md, "Sessions and resume"). Each is named in the sorted set `sess:lapses`
+//! with the broker that kept its commands, so that they are reported `expired` as it lapses,
+//! whether or not that broker is still there then:
 //!
-//! - `lapse_watch.lua` names the sessions of rigs that just left;
-//! - `session_lapse.lua` is that broker asking about one on time;
-//! - `lapse_sweep.lua` is any broker asking about those whose broker stopped (or is late).
+//! - `persist.lua` names each session it adds commands to, and `lapse_watch.lua` the
+//!   sessions of rigs that just left (those not named already);
+//! - `session_lapse.lua` is the broker the rig left asking about one on time;
+//! - `lapse_sweep.lua` is any broker asking about those that are due, which is a little
+//!   later: those whose broker stopped, is stuck or late, or died with the rig still on it.
 //!
-//! All three are built behind `lua/lapse_end.lua`, which holds what they share.
+//! All are built behind `lua/lease_holder.lua` and `lua/lapse_end.lua`, which holds what they
+//! share.
 
 use std::time::Duration;
 
@@ -23,10 +26,12 @@ pub const LAPSES_KEY: &str = "sess:lapses";
 pub const WATCH_CHUNK: usize = 500;
 
 const OWNER: &str = concat!(
+    include_str!("../../lua/lease_holder.lua"),
     include_str!("../../lua/lapse_end.lua"),
     include_str!("../../lua/session_lapse.lua")
 );
 const WATCH: &str = concat!(
+    include_str!("../../lua/lease_holder.lua"),
     include_str!("../../lua/lapse_end.lua"),
     include_str!("../../lua/lapse_watch.lua")
 );
@@ -39,24 +44,16 @@ const SWEEP: &str = concat!(
 /// What `session_lapse.lua` found of a session whose rig left with commands unacked.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Lapse {
-    /// Nothing left to watch: gone, ended by a newer boot, or the rig is back with this boot.
+    /// Nothing left for this broker to watch: no command unacked, ended by a newer boot, or
+    /// the rig is connected with this boot (through a broker that is there; sweeps watch it).
     Done,
+    /// The session was gone before it was asked about: it lapsed, or Redis lost it, with
+    /// whatever it held unreported.
+    Missed,
     /// Seen since: this long left; ask again nearer its end.
     Later(Duration),
     /// Ended now: this many commands reported `expired`.
     Reported(u64),
-}
-
-/// When sessions are asked about and ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Timing {
-    /// How near its end a session is ended.
-    pub near: Duration,
-    /// How long before its new end one seen since is asked about again.
-    pub before: Duration,
-    /// How overdue a session must be before a sweep asks about it though the broker it left
-    /// still listens.
-    pub grace: Duration,
 }
 
 /// One session a sweep reported commands of, for a broker that stopped (or was late).
@@ -68,17 +65,19 @@ pub struct Swept {
     pub boot: BootId,
     /// How many commands were reported `expired`.
     pub reported: u64,
-    /// The broker the rig had left.
+    /// The broker that named it: the one the rig left, or the one it was connected to.
     pub owner: String,
 }
 
 /// One sweep's answer.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Sweep {
-    /// Due entries looked at.
-    pub looked: usize,
-    /// Of those, how many were asked about (and so left the due ones).
+    /// Due sessions asked about.
     pub asked: usize,
+    /// Of those, how many had lapsed (or Redis had lost them) before anyone asked.
+    pub missed: u64,
+    /// When the next one is due, if any is named.
+    pub next: Option<Duration>,
     /// The sessions it reported commands of.
     pub reported: Vec<Swept>,
 }
@@ -106,19 +105,18 @@ fn ms(d: Duration) -> String {
 }
 
 impl LapseScripts {
-    /// Names `sessions`, which just left `broker_id`, to be first asked about `delay` from now
-    /// (Redis's clock), `sess:lapses` naming at most `most`, [`WATCH_CHUNK`] per call, in one round
-    /// trip. Returns how many it could not name because `sess:lapses` was full, and how many a
-    /// failed call left unnamed; `Err` when Redis itself failed (nothing is known).
+    /// Names `sessions`, which just left `broker_id` (which keeps sessions `ttl`), unless named
+    /// already, [`WATCH_CHUNK`] per call, in one round trip. Returns how many it could not name
+    /// because `sess:lapses` was full, and how many a failed call left unnamed; `Err` when
+    /// Redis itself failed (nothing is known).
     pub fn watch(
         &self,
         con: &mut impl ConnectionLike,
         sessions: &[(RigId, BootId)],
         broker_id: &str,
-        delay: Duration,
-        most: usize,
+        ttl: Duration,
     ) -> Result<(u64, u64), RegistryError> {
-        let (delay, most) = (ms(delay), most.to_string());
+        let ttl = ms(ttl);
         let chunks: Vec<&[(RigId, BootId)]> = sessions.chunks(WATCH_CHUNK).collect();
         let replies = evalsha_many(
             con,
@@ -126,7 +124,7 @@ impl LapseScripts {
             &chunks,
             |_| 1,
             |call, chunk| {
-                call.arg(LAPSES_KEY).arg(&delay).arg(&most).arg(broker_id);
+                call.arg(LAPSES_KEY).arg(broker_id).arg(&ttl);
                 for (rig, boot) in chunk.iter() {
                     call.arg(rig.as_str()).arg(boot.as_str());
                 }
@@ -142,17 +140,18 @@ impl LapseScripts {
         Ok((refused, failed))
     }
 
-    /// Asks, as the broker they left, about each session (rig, boot) (`session_lapse.lua`),
-    /// in one round trip: one answer per session, None for one whose own call failed.
+    /// Asks, as the broker they left (which keeps sessions `ttl`), about each session (rig,
+    /// boot) (`session_lapse.lua`), in one round trip: one answer per session, None for one
+    /// whose own call failed.
     pub fn ask_many(
         &self,
         con: &mut impl ConnectionLike,
         sessions: &[(RigId, BootId)],
         broker_id: &str,
-        timing: Timing,
+        ttl: Duration,
     ) -> Result<Vec<Option<Lapse>>, RegistryError> {
         let at = crate::reply::rfc3339(std::time::SystemTime::now());
-        let (near, before) = (ms(timing.near), ms(timing.before));
+        let ttl = ms(ttl);
         let replies = evalsha_many(
             con,
             &self.owner,
@@ -164,32 +163,18 @@ impl LapseScripts {
                     .arg(boot.as_str())
                     .arg(broker_id)
                     .arg(&at)
-                    .arg(&near)
-                    .arg(&before);
+                    .arg(&ttl);
             },
         )?;
-        Ok(replies
-            .into_iter()
-            .map(|reply| match reply {
-                Ok(Value::Int(n)) if n >= 0 => Some(Lapse::Reported(n as u64)),
-                Ok(Value::Int(_)) => Some(Lapse::Done),
-                Ok(Value::Array(left)) => match left.first() {
-                    Some(Value::Int(ms)) => {
-                        Some(Lapse::Later(Duration::from_millis((*ms).max(0) as u64)))
-                    }
-                    _ => None,
-                },
-                _ => None,
-            })
-            .collect())
+        Ok(replies.into_iter().map(|r| lapse(r.ok())).collect())
     }
 
-    /// Asks about up to `most` due sessions of brokers no longer there to (`lapse_sweep.lua`).
+    /// Asks about up to `most` sessions that are due, whoever named them (`lapse_sweep.lua`):
+    /// those whose broker did not ask in time.
     pub fn sweep(
         &self,
         con: &mut impl ConnectionLike,
         broker_id: &str,
-        timing: Timing,
         most: usize,
     ) -> Result<Sweep, RegistryError> {
         let at = crate::reply::rfc3339(std::time::SystemTime::now());
@@ -198,13 +183,25 @@ impl LapseScripts {
             .key(LAPSES_KEY)
             .arg(broker_id)
             .arg(at)
-            .arg(ms(timing.near))
-            .arg(ms(timing.before))
-            .arg(ms(timing.grace))
             .arg(most.max(1))
             .invoke::<Value>(con)?;
         parse_sweep(&reply)
             .ok_or_else(|| RegistryError::UnexpectedReply(format!("lapse_sweep: {reply:?}")))
+    }
+}
+
+/// `lapse_end`'s answer (lua/lapse_end.lua) as the broker the rig left reads it.
+fn lapse(reply: Option<Value>) -> Option<Lapse> {
+    match reply? {
+        Value::Int(n) if n >= 0 => Some(Lapse::Reported(n as u64)),
+        Value::Int(-2) => Some(Lapse::Missed),
+        Value::Int(_) => Some(Lapse::Done),
+        Value::Array(a) => match a.as_slice() {
+            [Value::Int(ms)] => Some(Lapse::Later(Duration::from_millis((*ms).max(0) as u64))),
+            [Value::Int(_), Value::Int(_)] => Some(Lapse::Done),
+            _ => None,
+        },
+        _ => None,
     }
 }
 
@@ -219,8 +216,13 @@ fn parse_sweep(v: &Value) -> Option<Sweep> {
         _ => None,
     };
     let mut it = items.iter();
-    let looked = int(it.next()?)? as usize;
     let asked = int(it.next()?)? as usize;
+    let missed = int(it.next()?)?;
+    let next = match it.next()? {
+        Value::Int(ms) if *ms >= 0 => Some(Duration::from_millis(*ms as u64)),
+        Value::Int(_) => None,
+        _ => return None,
+    };
     let rest: Vec<&Value> = it.collect();
     let mut reported = Vec::new();
     for entry in rest.chunks(4) {
@@ -235,8 +237,9 @@ fn parse_sweep(v: &Value) -> Option<Sweep> {
         });
     }
     Some(Sweep {
-        looked,
         asked,
+        missed,
+        next,
         reported,
     })
 }

@@ -19,6 +19,14 @@ use crate::ids::{BootId, RigId, Seq};
 use crate::registry::msg::Recall;
 use crate::registry::scripts::{evalsha_chunks, only, rig_key, tuple, RegistryError};
 
+/// `persist.lua` as Redis runs it: behind what it shares with the scripts watching sessions
+/// that may lapse (it names each session it adds to; `lua/lapse_end.lua`).
+pub const PERSIST: &str = concat!(
+    include_str!("../../lua/lease_holder.lua"),
+    include_str!("../../lua/lapse_end.lua"),
+    include_str!("../../lua/persist.lua")
+);
+
 /// Commands sent in one persist call.
 pub const PERSIST_CHUNK: usize = 500;
 /// Most sessions read in one `resume.lua` call. A new session costs the script 5 writes and
@@ -51,6 +59,9 @@ pub struct Persist<'a> {
     pub seq: Seq,
     /// The command as sent to the rig.
     pub json: &'a [u8],
+    /// Name the session in `sess:lapses` (see `persist.lua`): its connection's first command
+    /// kept since this broker last connected to Redis.
+    pub name: bool,
 }
 
 /// What a hello found in Redis.
@@ -192,7 +203,7 @@ impl SessionScripts {
     /// Hashes the embedded scripts.
     pub fn new() -> Self {
         Self {
-            persist: Script::new(include_str!("../../lua/persist.lua")),
+            persist: Script::new(PERSIST),
             resume: Script::new(include_str!("../../lua/resume.lua")),
             rekeep: Script::new(include_str!("../../lua/rekeep.lua")),
         }
@@ -264,6 +275,9 @@ impl SessionScripts {
             for c in chunk {
                 call.key(rig_key(c.rig)).key(session_key(c.rig, c.boot));
                 call.arg(tuple(c.boot, broker_id)).arg(c.seq.0).arg(c.json);
+            }
+            for (i, _) in chunk.iter().enumerate().filter(|(_, c)| c.name) {
+                call.arg(i + 1);
             }
             let reply: Value = call.invoke(con)?;
             let parsed = match &reply {

@@ -200,7 +200,13 @@ impl Fleet {
         let keeping = if session_ttl.is_zero() {
             None
         } else {
-            let persist = Script::new(include_str!("../../../lua/persist.lua"));
+            // Built as fleetlink-fe builds it, behind what it shares with the lapse scripts (it
+            // names each session it adds to): the same script, the same cost.
+            let persist = Script::new(concat!(
+                include_str!("../../../lua/lease_holder.lua"),
+                include_str!("../../../lua/lapse_end.lua"),
+                include_str!("../../../lua/persist.lua")
+            ));
             persist.load_async(&mut con).await.context("SCRIPT LOAD")?;
             let (tx, rx) = mpsc::channel(KEEP_QUEUE);
             Some(Keeping {

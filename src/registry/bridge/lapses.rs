@@ -1,10 +1,11 @@
 //! Fleet mode: the sessions of rigs that left this broker with commands unacked, watched until
 //! Redis would let them lapse (`--session-ttl`), so that what they still hold then is reported
 //! `expired` (`lua/session_lapse.lua`) instead of vanishing with the key, after control was
-//! told `ok`. Each is named in Redis too (`sess:lapses`, `lua/lapse_watch.lua`), and every broker
-//! sweeps those whose broker is no longer there to ask (`lua/lapse_sweep.lua`), so a broker
-//! that dies or drains first loses none. Standalone reports its own parked copies
-//! (`Bridge::report_lapsed`).
+//! told `ok`. Each is named in Redis too (`sess:lapses`: by `persist.lua` as it keeps their
+//! commands, else by `lua/lapse_watch.lua` here), and every broker sweeps the named ones a
+//! little after their broker should have asked (`lua/lapse_sweep.lua`), so a broker that dies
+//! or drains first, with the rig gone or still on it, loses none. Standalone reports its own
+//! parked copies (`Bridge::report_lapsed`).
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashSet};
@@ -13,7 +14,7 @@ use std::time::{Duration, Instant};
 use super::upkeep::touch_every;
 use super::Bridge;
 use crate::ids::{BootId, RigId};
-use crate::registry::lapse_scripts::{Lapse, Timing, WATCH_CHUNK};
+use crate::registry::lapse_scripts::{Lapse, WATCH_CHUNK};
 
 /// Most sessions watched at once: one per rig that left with commands unacked within a
 /// `--session-ttl` (about 200 bytes each). Past it a session goes unwatched here, counted
@@ -24,7 +25,8 @@ pub(super) const MAX_WATCHED: usize = 1_000_000;
 /// key gone): a tenth of `--session-ttl`, from 100 ms up to 30 s, so that Redis may stall (or
 /// the connection to it break) for most of that and the reports still go out, the call being
 /// made again each second. One with longer left is asked about again two thirds of that before
-/// its end; another broker's sweep asks a third of it later, once this one failed to.
+/// its end; a sweep, a third of it later (`lapse_timing` in `lua/lapse_end.lua` reckons the
+/// same).
 fn near(session_ttl: Duration) -> Duration {
     (session_ttl / 10).clamp(Duration::from_millis(100), Duration::from_secs(30))
 }
@@ -33,20 +35,13 @@ fn ask_before(session_ttl: Duration) -> Duration {
     near(session_ttl) * 2 / 3
 }
 
-fn timing(session_ttl: Duration) -> Timing {
-    let near = near(session_ttl);
-    Timing {
-        near,
-        before: near * 2 / 3,
-        grace: near / 3,
-    }
-}
-
-/// How often a sweep asks Redis for sessions other brokers are not there to ask about: often
-/// enough to come within a session's grace, at most 10 times a second, at least once.
-fn sweep_every(session_ttl: Duration) -> Duration {
-    (near(session_ttl) / 6).clamp(Duration::from_millis(100), Duration::from_secs(1))
-}
+/// Longest between sweeps: one comes at least this often, so that a session named since the
+/// last (by this broker or another) is asked about in time; sooner when Redis said the next
+/// is due sooner.
+const SWEEP_EVERY: Duration = Duration::from_secs(1);
+/// Shortest between sweeps, but for one that found a full batch: no tight loop on entries due
+/// a few ms apart.
+const SWEEP_FLOOR: Duration = Duration::from_millis(10);
 
 /// Redis did not answer: asked again this much later.
 const RETRY: Duration = Duration::from_secs(1);
@@ -184,23 +179,11 @@ impl Bridge {
             return true;
         }
         let n = self.lapses.unnamed.len().min(NAMED_PER_ROUND);
-        let ttl = self.cfg.session_ttl;
-        // Each chunk's sessions are asked about first when its earliest would be: the rest
-        // a little early, which only re-schedules them.
-        let earliest = self.lapses.unnamed[..n]
-            .iter()
-            .map(|(left, _, _)| *left)
-            .min()
-            .unwrap_or(now);
-        let delay = first_ask(earliest, ttl).saturating_duration_since(now);
         let batch: Vec<(RigId, BootId)> = self.lapses.unnamed[..n]
             .iter()
             .map(|(_, rig, boot)| (rig.clone(), *boot))
             .collect();
-        let answer = self
-            .fleet
-            .as_mut()
-            .and_then(|f| f.watch_lapses(&batch, delay, MAX_WATCHED));
+        let answer = self.fleet.as_mut().and_then(|f| f.watch_lapses(&batch));
         let Some((refused, failed)) = answer else {
             return false; // Redis away: named after the reconnect.
         };
@@ -222,15 +205,16 @@ impl Bridge {
             return;
         }
         let ttl = self.cfg.session_ttl;
-        let answers = self
-            .fleet
-            .as_mut()
-            .and_then(|f| f.session_lapses(&due, timing(ttl)));
+        let answers = self.fleet.as_mut().and_then(|f| f.session_lapses(&due));
         let mut answers = answers.map(Vec::into_iter);
         for (rig, boot) in due {
             let answer = answers.as_mut().and_then(Iterator::next).flatten();
             let again = match answer {
                 Some(Lapse::Done) => None,
+                Some(Lapse::Missed) => {
+                    self.lapse_missed(1);
+                    None
+                }
                 Some(Lapse::Reported(n)) => {
                     self.lapse_reported(&rig, boot, n, None);
                     None
@@ -245,24 +229,39 @@ impl Bridge {
         }
     }
 
-    /// Asks about due sessions other brokers named and are not there to ask about; again at
-    /// once while each call finds a full batch to ask about.
+    /// Asks about the sessions due in Redis, whoever named them: those their broker did not
+    /// ask about in time. Again at once while each call finds a full batch.
     fn sweep_lapses(&mut self, now: Instant) {
-        let ttl = self.cfg.session_ttl;
-        self.lapses.next_sweep = Some(now + sweep_every(ttl));
+        self.lapses.next_sweep = Some(now + SWEEP_EVERY);
         let Some(fleet) = self.fleet.as_mut().filter(|f| f.is_up()) else {
             return;
         };
-        let Some(sweep) = fleet.sweep_lapses(timing(ttl), PER_CALL) else {
+        let Some(sweep) = fleet.sweep_lapses(PER_CALL) else {
             return;
         };
         for s in &sweep.reported {
             self.shared.count("session", "swept");
             self.lapse_reported(&s.rig, s.boot, s.reported, Some(&s.owner));
         }
-        if sweep.looked >= PER_CALL && sweep.asked > 0 {
-            self.lapses.next_sweep = Some(now);
+        self.lapse_missed(sweep.missed);
+        let wait = match sweep.next {
+            _ if sweep.asked >= PER_CALL => Duration::ZERO,
+            Some(next) => next.clamp(SWEEP_FLOOR, SWEEP_EVERY),
+            None => SWEEP_EVERY,
+        };
+        self.lapses.next_sweep = Some(now + wait);
+    }
+
+    /// `n` watched sessions were gone before anyone asked: whatever they held lapsed
+    /// unreported (Redis lost them, or no broker reached Redis in their last tenth).
+    fn lapse_missed(&mut self, n: u64) {
+        if n == 0 {
+            return;
         }
+        self.shared.count_n("session", "missed", n);
+        log::warn!(
+            "{n} sessions holding commands unacked were gone from Redis before they could be reported expired (Redis lost them, or was out of reach in their last tenth of --session-ttl): control hears nothing more of those commands"
+        );
     }
 
     /// `n` unacked commands of session (rig, boot) were reported `expired`; by a sweep when

@@ -113,6 +113,9 @@ struct Bridge {
     persists: Vec<PersistReq>,
     /// Sessions of rigs that left with commands unacked, watched to their TTL's end.
     lapses: lapses::Lapses,
+    /// Which connection to Redis this is (1 for the first): sessions named in `sess:lapses`
+    /// under an earlier one are named again (`Embedded::lapse_named`).
+    lapse_count: u32,
     /// Reports of held commands refused while `persists` waited, each with how many of them
     /// came before it: published among their answers (see [`ToBridge::HeldEvent`]).
     after_keeps: Vec<(usize, Box<[u8]>)>,
@@ -213,6 +216,7 @@ impl Bridge {
             persists: Vec::new(),
             after_keeps: Vec::new(),
             lapses: Default::default(),
+            lapse_count: 1,
             rekeeps: rekeeps::Rekeeps::default(),
             rekeep_all: false,
             refusals_counted: 0,

@@ -62,6 +62,9 @@ impl Bridge {
             // Readiness waits for a canary through the new subscription; the last one came
             // before the outage, and its age would read as a slow subscription.
             self.shared.canary_at_ms.store(0, Ordering::Relaxed);
+            // Redis may have lost `sess:lapses`, or a sweep dropped a session here while this
+            // broker could not say it holds the rig: each is named again with its next command.
+            self.lapse_count = self.lapse_count.wrapping_add(1).max(1);
         }
         self.batched(|b| {
             for push in pushes {
@@ -403,16 +406,26 @@ impl Bridge {
         held: impl Iterator<Item = &'a PersistReq>,
     ) -> Option<Vec<Kept>> {
         let ttl = self.cfg.session_ttl;
-        let f = self.fleet.as_mut()?;
+        let count = self.lapse_count;
+        let registry = &self.registry;
+        // A connection's session is named in `sess:lapses` with its first command kept under
+        // this connection to Redis (see `lua/persist.lua`), not with every command.
         let batch: Vec<Persist<'_>> = held
             .map(|p| Persist {
                 rig: &p.rig,
                 boot: &p.boot,
                 seq: p.seq,
                 json: &p.json,
+                name: registry.lapse_named(&p.rig, p.boot) != count,
             })
             .collect();
-        f.persist(&batch, ttl)
+        let kept = self.fleet.as_mut()?.persist(&batch, ttl)?;
+        for (p, k) in batch.iter().zip(&kept) {
+            if p.name && *k == Kept::Yes {
+                self.registry.set_lapse_named(p.rig, *p.boot, count);
+            }
+        }
+        Some(kept)
     }
 
     /// Redis lost the lease of a rig still connected here (evicted, flushed, restarted

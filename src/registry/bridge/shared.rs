@@ -12,7 +12,7 @@ use crate::metrics::BridgeStats;
 pub(super) const CANARY_STALE: Duration = Duration::from_secs(5);
 
 /// Registry operations counted by (op, result), in this order.
-pub const REGISTRY_OPS: [(&str, &str); 64] = [
+pub const REGISTRY_OPS: [(&str, &str); 65] = [
     ("offline", "held"),
     ("offline", "full"),
     ("offline", "connected_elsewhere"),
@@ -71,6 +71,7 @@ pub const REGISTRY_OPS: [(&str, &str); 64] = [
     ("session", "unwatched"),
     ("session", "unnamed"),
     ("session", "swept"),
+    ("session", "missed"),
     ("offline", "draining"),
     ("offline", "duplicate_removed"),
     ("refused", "rig_not_connected"),

@@ -113,6 +113,8 @@ impl Bridge {
                 // copy's commands count as never kept, so that a copy meeting another
                 // broker's session adds them rather than take them for acked.
                 self.registry.mark_all_parked_unkept();
+                // `sess:lapses` may be gone with them: sessions are named again.
+                self.lapse_count = self.lapse_count.wrapping_add(1).max(1);
                 for key in self.registry.live_sessions() {
                     self.unkept_high.entry(key).or_insert(ALL_UNKEPT);
                 }

@@ -58,6 +58,9 @@ struct Entry {
     boot: BootId,
     owner: Owner,
     labels: Box<[(String, String)]>,
+    /// The bridge's Redis connection (its count) under which this session was last named in
+    /// `sess:lapses`, 0 for never (fleet mode; see `lua/persist.lua`). In the entry's padding.
+    lapse_named: u32,
 }
 
 /// Connections whose accepted session is on its way back from a core (see
@@ -156,6 +159,23 @@ impl Embedded {
         self.rigs.get(rig).map(|e| e.boot)
     }
 
+    /// Under which Redis connection (the bridge's count) the live session (`rig`, `boot`)
+    /// here was last named in `sess:lapses`: 0 for never, or for no such session.
+    pub fn lapse_named(&self, rig: &RigId, boot: BootId) -> u32 {
+        self.rigs
+            .get(rig)
+            .filter(|e| e.boot == boot)
+            .map_or(0, |e| e.lapse_named)
+    }
+
+    /// The live session (`rig`, `boot`) here was named in `sess:lapses` under Redis
+    /// connection `count`.
+    pub fn set_lapse_named(&mut self, rig: &RigId, boot: BootId, count: u32) {
+        if let Some(e) = self.rigs.get_mut(rig).filter(|e| e.boot == boot) {
+            e.lapse_named = count;
+        }
+    }
+
     /// Whether a live session of `rig` here has a boot newer than `boot` (a hello with `boot`
     /// is then refused 4409).
     pub fn holds_newer(&self, rig: &RigId, boot: BootId) -> bool {
@@ -206,6 +226,7 @@ impl Embedded {
                 return out;
             }
             entry.boot = boot;
+            entry.lapse_named = 0;
             let held = match std::mem::replace(&mut entry.owner, Owner::Live(conn)) {
                 Owner::Handover(h) => h.pending,
                 Owner::Live(_) => Vec::new(),
@@ -234,6 +255,7 @@ impl Embedded {
                 boot,
                 owner: Owner::Live(conn),
                 labels: labels.into_boxed_slice(),
+                lapse_named: 0,
             },
         );
         out.push(accept(conn, next_seq, resumed, carried, recall));
@@ -711,6 +733,28 @@ mod test_support {
 mod tests {
     use super::test_support::*;
     use super::*;
+
+    /// A rig's entry is its cost here per connection: the flag naming its session in
+    /// `sess:lapses` sits in what was padding.
+    #[test]
+    fn an_entry_stays_72_bytes() {
+        assert_eq!(std::mem::size_of::<Entry>(), 72);
+    }
+
+    /// A session named under one Redis connection is named again under the next, and a new
+    /// boot starts unnamed.
+    #[test]
+    fn a_session_is_named_once_per_redis_connection_and_boot() {
+        let mut r = Embedded::new(Duration::from_secs(60), 4);
+        let (old, new) = (boot(1), boot(2));
+        r.hello(conn(1), rig(), old, vec![]);
+        assert_eq!(r.lapse_named(&rig(), old), 0);
+        r.set_lapse_named(&rig(), old, 3);
+        assert_eq!(r.lapse_named(&rig(), old), 3);
+        assert_eq!(r.lapse_named(&rig(), new), 0, "another boot's");
+        r.hello(conn(2), rig(), new, vec![]);
+        assert_eq!(r.lapse_named(&rig(), new), 0);
+    }
 
     /// The old boot's connection closes after the new boot's (two cores, two inboxes): the
     /// rig's entry is gone by then, and the old session still ends as a reboot, not in silence.

@@ -9,7 +9,7 @@ use std::time::Duration;
 use super::Fleet;
 use crate::ids::Seq;
 use crate::ids::{BootId, RigId};
-use crate::registry::lapse_scripts::{Lapse, Sweep, Timing};
+use crate::registry::lapse_scripts::{Lapse, Sweep};
 use crate::registry::offline::{Held, Pushed};
 use crate::registry::scripts::{HelloOutcome, RefreshStatus};
 use crate::registry::sessions::{self, Kept, Persist, Rekeep, Rekept, Resumed};
@@ -148,38 +148,37 @@ impl Fleet {
     }
 
     /// Sessions of rigs that left with commands unacked, near the end of their TTL (see
-    /// [`LapseScripts::ask_many`](crate::registry::lapse_scripts::LapseScripts::ask_many)). None when Redis is unavailable.
+    /// [`LapseScripts::ask_many`](crate::registry::lapse_scripts::LapseScripts::ask_many)).
+    /// None when Redis is unavailable.
     pub(crate) fn session_lapses(
         &mut self,
         watched: &[(RigId, BootId)],
-        timing: Timing,
     ) -> Option<Vec<Option<Lapse>>> {
-        let con = self.con.as_mut()?;
-        let r = self.lapses.ask_many(con, watched, &self.broker_id, timing);
-        self.answered(r)
-    }
-
-    /// Names sessions of rigs that just left with commands unacked in Redis (see
-    /// [`LapseScripts::watch`](crate::registry::lapse_scripts::LapseScripts::watch)): how many could not be named (full) and how many failed.
-    /// None when Redis is unavailable (nothing was named).
-    pub(crate) fn watch_lapses(
-        &mut self,
-        sessions: &[(RigId, BootId)],
-        delay: Duration,
-        most: usize,
-    ) -> Option<(u64, u64)> {
         let con = self.con.as_mut()?;
         let r = self
             .lapses
-            .watch(con, sessions, &self.broker_id, delay, most);
+            .ask_many(con, watched, &self.broker_id, self.session_ttl);
         self.answered(r)
     }
 
-    /// Asks about due sessions other brokers named but are not there to ask about (see
-    /// [`LapseScripts::sweep`](crate::registry::lapse_scripts::LapseScripts::sweep)). None when Redis is unavailable.
-    pub(crate) fn sweep_lapses(&mut self, timing: Timing, most: usize) -> Option<Sweep> {
+    /// Names in Redis sessions of rigs that just left with commands unacked (see
+    /// [`LapseScripts::watch`](crate::registry::lapse_scripts::LapseScripts::watch)): how
+    /// many could not be named (full) and how many failed. None when Redis is unavailable
+    /// (nothing was named).
+    pub(crate) fn watch_lapses(&mut self, sessions: &[(RigId, BootId)]) -> Option<(u64, u64)> {
         let con = self.con.as_mut()?;
-        let r = self.lapses.sweep(con, &self.broker_id, timing, most);
+        let r = self
+            .lapses
+            .watch(con, sessions, &self.broker_id, self.session_ttl);
+        self.answered(r)
+    }
+
+    /// Asks about the sessions that are due in Redis, whoever named them (see
+    /// [`LapseScripts::sweep`](crate::registry::lapse_scripts::LapseScripts::sweep)). None
+    /// when Redis is unavailable.
+    pub(crate) fn sweep_lapses(&mut self, most: usize) -> Option<Sweep> {
+        let con = self.con.as_mut()?;
+        let r = self.lapses.sweep(con, &self.broker_id, most);
         self.answered(r)
     }
 

@@ -201,7 +201,7 @@ impl Fleet {
         self.scripts.load(&mut con)?;
         redis::cmd("SCRIPT")
             .arg("LOAD")
-            .arg(include_str!("../../../lua/persist.lua"))
+            .arg(crate::registry::sessions::PERSIST)
             .query::<String>(&mut con)?;
         redis::cmd("SCRIPT")
             .arg("LOAD")

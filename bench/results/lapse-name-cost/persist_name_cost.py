@@ -1,0 +1,93 @@
+#!/usr/bin/env python3
+"""What naming a session in `sess:lapses` adds to `persist.lua`'s Redis time.
+
+Runs its own redis-server on a free loopback port. For each round, and for the script before
+the change (persist-before.lua, beside this file) and as fleetlink-fe runs it now
+(lua/lease_holder.lua + lua/lapse_end.lua + lua/persist.lua): 10,000 leased rigs get one
+command each in calls of 500 (as the bridge batches a fan-out), then a second command each.
+The current script names every session with the first command (a connection's first kept
+command) and none with the second. Prints Redis's own time per command (INFO commandstats).
+
+    python3 bench/results/lapse-name-cost/persist_name_cost.py [rounds]
+"""
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import redis
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.join(HERE, "..", "..", "..")
+N, BATCH = 10_000, 500
+BOOT = "018bcfe5-6801-71b2-bdcf-cbe7b3b4a717"
+
+
+def lua(*names):
+    return "".join(open(os.path.join(ROOT, "lua", n)).read() for n in names)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main():
+    rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 5
+    scripts = {
+        "before": (open(os.path.join(HERE, "persist-before.lua")).read(), False),
+        "now": (lua("lease_holder.lua", "lapse_end.lua", "persist.lua"), True),
+    }
+    port = free_port()
+    server = subprocess.Popen(
+        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+         "--appendonly", "no"], stdout=subprocess.DEVNULL)
+    try:
+        r = redis.Redis(port=port)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                r.ping()
+                break
+            except redis.ConnectionError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+        results = {}
+        for _ in range(rounds):
+            for name, (text, names) in scripts.items():
+                r.flushall()
+                sha = r.script_load(text)
+                pipe = r.pipeline(transaction=False)
+                for i in range(N):
+                    pipe.set(f"rig:r{i}", f"{BOOT}|fe-a")
+                pipe.execute()
+                for second in (False, True):
+                    r.config_resetstat()
+                    pipe = r.pipeline(transaction=False)
+                    for c in range(0, N, BATCH):
+                        keys, args = [], ["600000"]
+                        for i in range(c, c + BATCH):
+                            keys += [f"rig:r{i}", f"sess:r{i}:{BOOT}"]
+                            args += [f"{BOOT}|fe-a", str(2 if second else 1),
+                                     '{"type":"command","seq":1,"id":"x","name":"n","args":{}}']
+                        if names and not second:
+                            args += [str(j + 1) for j in range(BATCH)]
+                        pipe.evalsha(sha, len(keys), *keys, *args)
+                    assert all(o == [b"ok"] * BATCH for o in pipe.execute())
+                    st = r.info("commandstats")["cmdstat_evalsha"]
+                    results.setdefault((name, second), []).append(st["usec"] / N)
+        for (name, second), v in sorted(results.items()):
+            v.sort()
+            print(f"{name:6} {'second' if second else 'first '} command: median "
+                  f"{v[len(v) // 2]:.1f} us of Redis time per command (rounds: "
+                  + ", ".join(f"{x:.1f}" for x in v) + ")")
+    finally:
+        server.kill()
+        server.wait()
+
+
+if __name__ == "__main__":
+    main()
