@@ -16,6 +16,11 @@
 -- and only the broker it left can report it.
 local LAPSES_MOST = 1000000
 
+-- Whether `s` is a count as the brokers send them: decimal digits, 1 to 15 of them.
+local function count_text(s)
+  return type(s) == 'string' and #s <= 15 and s:match('^%d+$') ~= nil
+end
+
 -- Damage: a key of another type where the set belongs (nothing of ours writes one) would fail
 -- every call, every time. It goes, as persist.lua drops a damaged session.
 local function lapses_sound(set)
@@ -61,10 +66,19 @@ local function lapse_score(left, ttl)
   return now_ms() + math.max(left - before, 0) + grace
 end
 
+-- Writes into session `sess`, when Redis has it, the TTL its broker now keeps it for (see
+-- lapse_ttl).
+local function lapse_mark_ttl(sess, ttl)
+  if redis.call('TYPE', sess).ok == 'hash' then
+    redis.call('HSET', sess, 't', ttl)
+  end
+end
+
 -- Names session (rig, boot), kept `ttl` ms by `broker`, unless it is named already (it keeps
 -- its time) or the set is full (false).
 local function lapse_name(set, rig, boot, ttl, broker)
   local member = lapse_member(rig, boot, ttl, broker)
+  lapse_mark_ttl('sess:' .. rig .. ':' .. boot, ttl)
   if redis.call('ZSCORE', set, member) then
     return true
   end
@@ -100,8 +114,21 @@ local function has_unacked(sess)
   return false
 end
 
+-- The TTL the session now lives by: the one its last broker wrote into it ("t", as the rig
+-- left it or as it named it with a command), which can be shorter than the TTL of the broker
+-- that named an entry (a broker restarted with a shorter --session-ttl, or the rig moved to
+-- one); `ttl` (the entry's) for a session without one.
+local function lapse_ttl(sess, ttl)
+  local t = redis.pcall('HGET', sess, 't')
+  if type(t) == 'string' and count_text(t) and tonumber(t) >= 1 then
+    return tonumber(t)
+  end
+  return ttl
+end
+
 -- What becomes of session (rig, boot) asked about as it nears its end, by `broker` (named in
--- the events, stamped `at`), `near` being how near its end it is ended:
+-- the events, stamped `at`), kept `ttl` ms by the broker that named it (see lapse_ttl); the
+-- answer, then the TTL it was judged by:
 --   -2       no session: it lapsed (or Redis lost it) before anyone asked, unreported
 --   -1       nothing left to watch: no command unacked (and the rig not connected), or a newer
 --            boot ended it (reported then)
@@ -114,29 +141,30 @@ end
 --            and removed from it, in this call, so a reply lost on its way back cannot lose
 --            them. It keeps its "next": the same boot coming back in its last moments goes on
 --            without reusing a seq.
-local function lapse_end(rig, boot, broker, at, near)
+local function lapse_end(rig, boot, broker, at, ttl)
   local sess = 'sess:' .. rig .. ':' .. boot
   local kind = redis.call('TYPE', sess).ok
   if kind == 'none' then
-    return -2
+    return -2, ttl
   end
   if kind ~= 'hash' or redis.call('HEXISTS', sess, 'gone') == 1 then
-    return -1
+    return -1, ttl
   end
+  ttl = lapse_ttl(sess, ttl)
   local left = redis.call('PTTL', sess)
   if left < 0 then
-    return -1
+    return -1, ttl
   end
   local lease = redis.pcall('GET', 'rig:' .. rig)
   if type(lease) == 'string' and lease:sub(1, #boot + 1) == boot .. '|'
       and listening(lease:sub(#boot + 2)) then
-    return { left, 1 }
+    return { left, 1 }, ttl
   end
   if not has_unacked(sess) then
-    return -1
+    return -1, ttl
   end
-  if left > near then
-    return { left }
+  if left > (lapse_timing(ttl)) then
+    return { left }, ttl
   end
   local all = redis.call('HGETALL', sess)
   local order = {}
@@ -165,7 +193,7 @@ local function lapse_end(rig, boot, broker, at, near)
         .. '}')
     redis.call('HDEL', sess, c.field)
   end
-  return #order
+  return #order, ttl
 end
 
 -- After lapse_end answered `r` for `member` (a session kept `ttl` ms): one still to watch is
@@ -179,7 +207,3 @@ local function lapse_settle(set, member, r, ttl)
   end
 end
 
--- Whether `s` is a count as the brokers send them: decimal digits, 1 to 15 of them.
-local function count_text(s)
-  return type(s) == 'string' and #s <= 15 and s:match('^%d+$') ~= nil
-end

@@ -6,7 +6,8 @@
 --
 -- A session comes due here a little after the broker the rig left asks about it by itself
 -- (lapse_score): a sweep asks only for a broker that did not (it stopped, is stuck, or cannot
--- reach Redis though this one can). Each is asked by its own --session-ttl, named in it.
+-- reach Redis though this one can). Each is judged by the TTL its session now lives by
+-- (lapse_ttl), else by the one its entry names, not by the caller's.
 --
 -- KEYS[1]  sess:lapses
 -- ARGV[1]  broker_id of the caller (named in the events)
@@ -32,8 +33,8 @@ for _, member in ipairs(due) do
   if not rig then
     redis.call('ZREM', KEYS[1], member)
   else
-    local r = lapse_end(rig, boot, me, at, (lapse_timing(ttl)))
-    lapse_settle(KEYS[1], member, r, ttl)
+    local r, judged = lapse_end(rig, boot, me, at, ttl)
+    lapse_settle(KEYS[1], member, r, judged)
     if r == -2 then
       out[2] = out[2] + 1
     elseif type(r) == 'number' and r > 0 then

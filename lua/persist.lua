@@ -104,6 +104,7 @@ for i = 1, n do
           local tuple = ARGV[3 * i - 1]
           redis.call('ZADD', 'sess:lapses', 'NX', lapse_at, lapse_member(KEYS[2 * i - 1]:sub(5),
               tuple:sub(1, 36), ttl, tuple:sub(38)))
+          redis.call('HSET', sess, 't', ttl)
         end
       end
       out[i] = 'ok'

@@ -24,6 +24,6 @@ if #KEYS ~= 1 or #ARGV ~= 5 or not count_text(ttl) or tonumber(ttl) < 1 then
 end
 lapses_sound(KEYS[1])
 ttl = tonumber(ttl)
-local r = lapse_end(rig, boot, broker, at, (lapse_timing(ttl)))
-lapse_settle(KEYS[1], lapse_member(rig, boot, ttl, broker), r, ttl)
+local r, judged = lapse_end(rig, boot, broker, at, ttl)
+lapse_settle(KEYS[1], lapse_member(rig, boot, ttl, broker), r, judged)
 return r

@@ -2829,3 +2829,56 @@ fn a_long_outage_ends_without_a_slow_subscription_warning() {
     let log = a.log_text();
     assert!(!log.contains("no canary back"), "{log}");
 }
+
+/// A broker whose subscription alone was cut (Redis's output buffer limit, a `CLIENT KILL`)
+/// names its connected rigs' sessions in `sess:lapses` again with their next command: while
+/// it did not listen, a sweep elsewhere may have taken out a session that held nothing
+/// unacked, and a command after that would go unreported should the broker die with the rig
+/// on it (the re-review: 3 of 3 runs).
+#[test]
+fn a_session_is_named_again_after_the_subscription_was_cut() {
+    let redis = RedisServer::start();
+    let ttl = ["--session-ttl", "3s"];
+    let mut a = fleet_broker(&redis, "fe-cut", &ttl);
+    let _b = fleet_broker(&redis, "fe-sweeps", &ttl);
+    let (mut ws, _, _) = a.rig("rig-cut");
+    let mut ctl = Control::new(&redis, &[]);
+    let reply = ctl.command_id("fe-cut", "rig-cut", "cut-1", "n", json!({}));
+    assert_eq!(reply["seq"], 1, "{reply}");
+    read_command(&mut ws, 1, "cut-1");
+    ack(&mut ws, 1);
+    let named = || -> usize { redis.connection().zcard("sess:lapses").unwrap() };
+    assert_eq!(named(), 1);
+    // Every subscription goes (the brokers', and the test's own); while fe-cut is not
+    // listening, a sweep takes its session out, as one did in the review.
+    let _: () = redis::cmd("CLIENT")
+        .arg("KILL")
+        .arg("TYPE")
+        .arg("pubsub")
+        .query(&mut redis.connection())
+        .unwrap();
+    let _: () = redis::cmd("DEL")
+        .arg("sess:lapses")
+        .query(&mut redis.connection())
+        .unwrap();
+    a.wait_readyz(200, Duration::from_secs(15), "fe-cut listening again");
+    let mut ctl = Control::new(&redis, &["fleetlink:events"]);
+    let reply = ctl.command_id("fe-cut", "rig-cut", "cut-2", "n", json!({}));
+    assert_eq!(reply["seq"], 2, "{reply}");
+    read_command(&mut ws, 2, "cut-2");
+    assert_eq!(named(), 1, "named again with the next command");
+    // fe-cut dies with the rig on it; the rig never comes back. fe-sweeps reports cut-2.
+    // SAFETY: kill(2) has no memory preconditions; the pid is the test's own child's.
+    unsafe { libc::kill(a.pid() as i32, libc::SIGKILL) };
+    assert!(
+        a.wait_exit(Duration::from_secs(10)).is_some(),
+        "broker exited"
+    );
+    drop(ws);
+    let ev = ctl.next(|ch, v| ch == "fleetlink:events" && v["type"] == "expired");
+    assert_eq!(
+        (&ev["id"], &ev["seq"], &ev["broker_id"]),
+        (&json!("cut-2"), &json!(2), &json!("fe-sweeps")),
+        "{ev}"
+    );
+}

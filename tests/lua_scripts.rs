@@ -1588,6 +1588,49 @@ mod lapses {
         assert_eq!((s.asked, s.missed, s.reported.len()), (0, 0, 0));
     }
 
+    /// A session is judged by the TTL it now lives by (written into it as its rig left a
+    /// broker, or with a connection's first command), not by a longer one of the broker that
+    /// named an entry for it earlier: a broker restarted, or the rig moved, with a shorter
+    /// `--session-ttl` (the re-review: reported 2 s early of a 6 s session, and the rig back
+    /// in time got nothing).
+    #[test]
+    fn a_session_is_judged_by_the_ttl_it_now_lives_by() {
+        let (_server, mut con, _) = setup();
+        let scripts = LapseScripts::default();
+        let b = boot(1);
+        let key = session(&mut con, "rig-t", &b, "t", 2_000);
+        due_now(&mut con, &format!("{b}|60000|rig-t|fe-long"));
+        // It left a broker keeping sessions 6 s: named by it, which writes its TTL in.
+        let got = scripts.watch(
+            &mut con,
+            &[(rig("rig-t"), b)],
+            "fe-short",
+            Duration::from_secs(6),
+        );
+        assert_eq!(got.unwrap(), (0, 0));
+        let t: String = redis::cmd("HGET")
+            .arg(&key)
+            .arg("t")
+            .query(&mut con)
+            .unwrap();
+        assert_eq!(t, "6000");
+        // 2 s left of 6 s: not its last tenth, though it is the last tenth of 60 s.
+        let s = scripts.sweep(&mut con, "fe-b", 100).unwrap();
+        assert_eq!((s.asked, s.reported.len()), (1, 0));
+        assert!(get_c1(&mut con, &key).is_some());
+        // Put off to 200 ms before its end: its broker would ask 400 ms before (two thirds of
+        // its last 600 ms), a sweep 200 ms after that.
+        let now = redis_now_ms(&mut con);
+        let long = members(&mut con)
+            .into_iter()
+            .find(|(m, _)| m.contains("fe-long"))
+            .expect("still watched");
+        assert!(
+            (now + 1_600..=now + 1_850).contains(&long.1),
+            "{long:?} at {now}"
+        );
+    }
+
     /// A session whose rig is still connected, with this boot, to a broker that is there is
     /// watched on, not reported; once that broker is gone (killed with the rig on it), the
     /// session is reported as it nears its end.

@@ -163,7 +163,7 @@ fn a_session_resumes_on_another_broker_with_unacked_commands_in_order() {
             .connection()
             .hlen(format!("sess:rig-r:{boot}"))
             .unwrap();
-        n == 4 // "next" + c:3, c:4, c:5
+        n == 5 // "next", "t" (the TTL it lives by) + c:3, c:4, c:5
     });
     // The rig saw up to 3 and moves to B (same boot): B replays 4 and 5, then continues at 6.
     let (mut on_b, welcome) = move_to_b(&b, &mut on_a, "rig-r", &boot, 3);
@@ -255,12 +255,12 @@ fn commands_a_rig_had_at_its_resume_stay_until_it_acks_them() {
     eventually(Duration::from_secs(10), "4 gone", || {
         !fields(&mut con).contains(&"c:4".to_string())
     });
-    assert_eq!(fields(&mut con), ["c:1", "c:2", "c:3", "next"]);
+    assert_eq!(fields(&mut con), ["c:1", "c:2", "c:3", "next", "t"]);
     for seq in 1..=3 {
         ack(&mut on_b, seq);
     }
     eventually(Duration::from_secs(10), "every acked command gone", || {
-        fields(&mut con) == ["next"]
+        fields(&mut con) == ["next", "t"]
     });
 }
 
@@ -1191,7 +1191,7 @@ fn held_commands_a_killed_broker_could_not_number_yet_reach_the_rig_elsewhere() 
         let cmd = read_json(&mut on_b);
         got.push(seq_and_id(&cmd));
     }
-    // The one queued is kept in the session ("next" and 17 commands); the other 43 are in the
+    // The one queued is kept in the session ("next", "t" and 17 commands); the other 43 are in the
     // hold, none in memory. (Killed with a take on its way, before Redis kept what it took,
     // the broker would lose that take: the documented exception.)
     let mut con = redis.connection();
@@ -1205,7 +1205,7 @@ fn held_commands_a_killed_broker_could_not_number_yet_reach_the_rig_elsewhere() 
                 .query(&mut con)
                 .unwrap();
             let kept: i64 = redis::cmd("HLEN").arg(&session).query(&mut con).unwrap();
-            held == 43 && kept == 18
+            held == 43 && kept == 19
         },
     );
     kill_broker(&mut b);
@@ -1430,7 +1430,7 @@ fn a_persist_batch_is_fenced_per_rig_and_checked_before_any_write() {
     let next: String = con.hget(&sess_a, "next").unwrap();
     assert_eq!(next, "9");
     let fields: Vec<String> = con.hkeys(&sess_a).unwrap();
-    assert_eq!(fields.len(), 3, "{fields:?}"); // next, c:7, c:8
+    assert_eq!(fields.len(), 4, "{fields:?}"); // next, t (named with c:7), c:7, c:8
     let ttl: i64 = con.pttl(&sess_a).unwrap();
     assert!(ttl > 50_000 && ttl <= 60_000, "{ttl}");
     let exists: bool = con.exists(format!("sess:rig-b:{boot}")).unwrap();
@@ -1456,7 +1456,7 @@ fn a_persist_batch_is_fenced_per_rig_and_checked_before_any_write() {
     let fields: Vec<String> = con.hkeys(&sess_a).unwrap();
     assert_eq!(
         fields.len(),
-        3,
+        4,
         "the valid first command was written: {fields:?}"
     );
 }
@@ -2317,7 +2317,7 @@ fn damaged_session_resumes(rig: &str, damage: impl Fn(&mut redis::Pipeline, &str
     assert!(
         fields
             .keys()
-            .all(|f| f == "next" || f == "r" || f.starts_with("c:"))
+            .all(|f| f == "next" || f == "r" || f == "t" || f.starts_with("c:"))
             && !fields.contains_key("c:x")
             && fields["next"].len() < 20,
         "{rig}: {fields:?}"

@@ -116,6 +116,8 @@ struct Bridge {
     /// Which connection to Redis this is (1 for the first): sessions named in `sess:lapses`
     /// under an earlier one are named again (`Embedded::lapse_named`).
     lapse_count: u32,
+    /// Whether both connections to Redis were up at the last pass (see `lapse_count`).
+    lapse_listening: bool,
     /// Reports of held commands refused while `persists` waited, each with how many of them
     /// came before it: published among their answers (see [`ToBridge::HeldEvent`]).
     after_keeps: Vec<(usize, Box<[u8]>)>,
@@ -217,6 +219,7 @@ impl Bridge {
             after_keeps: Vec::new(),
             lapses: Default::default(),
             lapse_count: 1,
+            lapse_listening: false,
             rekeeps: rekeeps::Rekeeps::default(),
             rekeep_all: false,
             refusals_counted: 0,

@@ -49,6 +49,15 @@ impl Bridge {
         // The subscription is read even when the command connection is down: what Redis
         // pushed on it is control's, and it was told someone received it.
         let pushes = f.read();
+        // Each time this broker stops or starts listening (either connection, the
+        // subscription alone included), sessions are named in `sess:lapses` again with their
+        // next command: while it did not listen, a sweep may have taken out a connected rig's
+        // session that held nothing unacked (`lua/lapse_end.lua`).
+        let listening = f.is_up();
+        if listening != self.lapse_listening {
+            self.lapse_listening = listening;
+            self.lapse_count = self.lapse_count.wrapping_add(1).max(1);
+        }
         let reconnected = up && std::mem::take(&mut f.just_connected);
         if reconnected {
             // Re-assert every lease we hold: Redis may have restarted empty. And put every
@@ -62,8 +71,8 @@ impl Bridge {
             // Readiness waits for a canary through the new subscription; the last one came
             // before the outage, and its age would read as a slow subscription.
             self.shared.canary_at_ms.store(0, Ordering::Relaxed);
-            // Redis may have lost `sess:lapses`, or a sweep dropped a session here while this
-            // broker could not say it holds the rig: each is named again with its next command.
+            // Redis may have lost `sess:lapses` (restarted empty): each session is named
+            // again with its next command.
             self.lapse_count = self.lapse_count.wrapping_add(1).max(1);
         }
         self.batched(|b| {
