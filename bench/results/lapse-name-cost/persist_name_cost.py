@@ -2,7 +2,8 @@
 """What naming a session in `sess:lapses` adds to `persist.lua`'s Redis time.
 
 Runs its own redis-server on a free loopback port. For each round, and for the script before
-the change (persist-before.lua, beside this file) and as fleetlink-fe runs it now
+the change (`git show cad6228:lua/persist.lua`, so run it in the repository) and as
+fleetlink-fe runs it now
 (lua/lease_holder.lua + lua/lapse_end.lua + lua/persist.lua): 10,000 leased rigs get one
 command each in calls of 500 (as the bridge batches a fan-out), then a second command each.
 The current script names every session with the first command (a connection's first kept
@@ -37,7 +38,8 @@ def free_port():
 def main():
     rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 5
     scripts = {
-        "before": (open(os.path.join(HERE, "persist-before.lua")).read(), False),
+        "before": (subprocess.check_output(
+            ["git", "-C", ROOT, "show", "cad6228:lua/persist.lua"], text=True), False),
         "now": (lua("lease_holder.lua", "lapse_end.lua", "persist.lua"), True),
     }
     port = free_port()
