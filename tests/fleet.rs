@@ -2882,3 +2882,47 @@ fn a_session_is_named_again_after_the_subscription_was_cut() {
         "{ev}"
     );
 }
+
+/// A command delivered while the broker could not reach Redis is kept when it reconnects
+/// (`rekeep.lua`), and its session is named in `sess:lapses` then, so that should the broker
+/// die with the rig on it, another reports the command (the third review: 3 of 3 runs, none
+/// reported).
+#[test]
+fn a_command_delivered_during_an_outage_is_reported_should_its_broker_die() {
+    let redis = RedisServer::start();
+    let relay = Relay::start(redis.port());
+    let ttl = ["--session-ttl", "3s"];
+    let mut a = fleet_broker_at(&relay.url(), "fe-out", &ttl);
+    let _b = fleet_broker(&redis, "fe-left", &ttl);
+    let (mut ws, boot, _) = a.rig("rig-out");
+    relay.down(true);
+    a.wait_readyz(503, Duration::from_secs(15), "fe-out sees the outage");
+    admin_command_reaches(&a, &mut ws, "rig-out", "out-1");
+    let mut ctl = Control::new(&redis, &["fleetlink:events"]);
+    relay.down(false);
+    eventually(
+        Duration::from_secs(15),
+        "the command kept and named",
+        || {
+            let kept: bool = redis
+                .connection()
+                .hexists(format!("sess:rig-out:{boot}"), "c:1")
+                .unwrap_or(false);
+            let named: usize = redis.connection().zcard("sess:lapses").unwrap();
+            kept && named == 1
+        },
+    );
+    // SAFETY: kill(2) has no memory preconditions; the pid is the test's own child's.
+    unsafe { libc::kill(a.pid() as i32, libc::SIGKILL) };
+    assert!(
+        a.wait_exit(Duration::from_secs(10)).is_some(),
+        "broker exited"
+    );
+    drop(ws);
+    let ev = ctl.next(|ch, v| ch == "fleetlink:events" && v["type"] == "expired");
+    assert_eq!(
+        (&ev["id"], &ev["seq"], &ev["broker_id"]),
+        (&json!("out-1"), &json!(1), &json!("fe-left")),
+        "{ev}"
+    );
+}

@@ -133,8 +133,14 @@ impl Bridge {
         if !self.lapses.watch(at, rig.clone(), boot) {
             self.shared.count("session", "unwatched");
         }
+        self.name_lapse(rig, boot);
+    }
+
+    /// Names session (rig, boot) of a rig connected here in Redis's `sess:lapses` with the
+    /// next departures (no watch of this broker's own: the rig is here).
+    pub(super) fn name_lapse(&mut self, rig: RigId, boot: BootId) {
         if self.lapses.unnamed.len() < MAX_WATCHED {
-            self.lapses.unnamed.push((now, rig, boot));
+            self.lapses.unnamed.push((Instant::now(), rig, boot));
         } else {
             self.shared.count("session", "unnamed");
         }
@@ -261,7 +267,7 @@ impl Bridge {
         }
         self.shared.count_n("session", "missed", n);
         log::warn!(
-            "{n} sessions holding commands unacked were gone from Redis before they could be reported expired (Redis lost them, or was out of reach in their last tenth of --session-ttl): control hears nothing more of those commands"
+            "{n} watched sessions were gone from Redis when asked about: their unacked commands lapsed unreported (Redis lost them, or was out of reach in their last tenth of --session-ttl), unless a broker keeping sessions shorter reported them first (brokers with different --session-ttl)"
         );
     }
 

@@ -341,6 +341,12 @@ impl Bridge {
             }
         }
         let parked: Vec<bool> = sessions.iter().map(|s| s.mode.parked()).collect();
+        // A connected rig's session put back with commands: those were delivered while Redis
+        // was away, so no persist named it for them (`sess:lapses`).
+        let to_name: Vec<bool> = sessions
+            .iter()
+            .map(|s| matches!(s.mode, RekeepMode::Live) && !s.cmds.is_empty())
+            .collect();
         let whose: Vec<(RigId, BootId, Seq)> = sessions
             .iter()
             .map(|s| (s.rig.clone(), *s.boot, s.next))
@@ -356,10 +362,16 @@ impl Bridge {
             let result = match kept.as_ref().map(|k| k.get(i).copied()) {
                 Some(Some(Rekept::Kept)) => {
                     self.kept_again(parked, &rig, boot);
+                    if to_name.get(i) == Some(&true) {
+                        self.name_lapse(rig.clone(), boot);
+                    }
                     "ok"
                 }
                 Some(Some(Rekept::Behind(next))) => {
                     self.kept_again(parked, &rig, boot);
+                    if to_name.get(i) == Some(&true) {
+                        self.name_lapse(rig.clone(), boot);
+                    }
                     // A parked session takes Redis's next at its rig's hello (`resume`).
                     if !parked && self.registry.boot_of(&rig) == Some(boot) {
                         if let Some(conn) = self.registry.conn_of(&rig) {
