@@ -136,8 +136,9 @@ impl Bridge {
         self.name_lapse(rig, boot);
     }
 
-    /// Names session (rig, boot) of a rig connected here in Redis's `sess:lapses` with the
-    /// next departures (no watch of this broker's own: the rig is here).
+    /// Names session (rig, boot) in Redis's `sess:lapses` with the next batch: a departure's,
+    /// or a connected rig's put back with commands after an outage (which this broker does
+    /// not watch itself: the rig is here).
     pub(super) fn name_lapse(&mut self, rig: RigId, boot: BootId) {
         if self.lapses.unnamed.len() < MAX_WATCHED {
             self.lapses.unnamed.push((Instant::now(), rig, boot));
@@ -147,7 +148,7 @@ impl Bridge {
     }
 
     /// The watch's timers: departures named in Redis, due sessions asked about, and a sweep
-    /// for other brokers' when one is due.
+    /// of what is due in Redis when one is due.
     pub(super) fn check_lapses(&mut self, now: Instant) {
         if self.fleet.is_none() || self.cfg.session_ttl.is_zero() {
             return;
