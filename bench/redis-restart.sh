@@ -103,7 +103,8 @@ for ((r = 1; r <= rounds; r++)); do
   sessions=$(redis-cli -p "$rport" --scan --pattern 'sess:*:*' | wc -l)
   leases=$(redis-cli -p "$rport" --scan --pattern 'rig:*' | wc -l)
   sample="sess:$(redis-cli -p "$rport" --scan --pattern 'sess:rig-000042:*' | head -1 | cut -d: -f2-)"
-  fields=$(redis-cli -p "$rport" hlen "$sample")
+  # Its commands and "next" (a session also carries "t", its TTL, once named for its lapse).
+  fields=$(redis-cli -p "$rport" hkeys "$sample" | grep -c -E '^(c:[0-9]+|next)$')
   next=$(redis-cli -p "$rport" hget "$sample" next)
   ok=$([[ $done_ok == 1 && $sessions == "$rigs" && $leases == "$rigs" && $fields == $((unacked + 1)) \
           && $next == $((unacked + 1)) ]] && echo yes || echo NO)
