@@ -2729,14 +2729,19 @@ fn a_command_left_unacked_past_the_session_ttl_is_reported_expired() {
     drop(back);
 }
 
+/// How long a test waits for a lapse report: sessions kept 10 s (a sweep asks a third of a
+/// second before the end, a margin a loaded test machine keeps; 3 s left 100 ms, which one
+/// run under the whole suite missed).
+const LAPSE_WAIT: Duration = Duration::from_secs(25);
+
 /// A rig's unacked command is reported `expired` as its session lapses even when the broker
 /// that kept it is gone by then: killed after the rig left, killed with the rig still on it,
 /// or drained and exited with the rig on it (closed by the drain's end). Another broker, one
-/// keeping sessions far longer, reports each once, by the session's own TTL.
+/// keeping sessions far longer, reports each once, by the session's own TTL (10 s).
 #[test]
 fn a_lapse_is_reported_by_another_broker_when_the_one_the_rig_left_is_gone() {
     let redis = RedisServer::start();
-    let ttl = ["--session-ttl", "3s"];
+    let ttl = ["--session-ttl", "10s"];
     let b = fleet_broker(&redis, "fe-stays", &["--session-ttl", "10m"]);
     let mut ctl = Control::new(&redis, &["fleetlink:events"]);
     let mut killed = fleet_broker(&redis, "fe-killed", &ttl);
@@ -2744,7 +2749,7 @@ fn a_lapse_is_reported_by_another_broker_when_the_one_the_rig_left_is_gone() {
     let mut drained = fleet_broker(
         &redis,
         "fe-drained",
-        &["--session-ttl", "3s", "--drain", "0s"],
+        &["--session-ttl", "10s", "--drain", "0s"],
     );
     let mut rigs = Vec::new();
     for (a, id, rig) in [
@@ -2777,7 +2782,9 @@ fn a_lapse_is_reported_by_another_broker_when_the_one_the_rig_left_is_gone() {
     drop(rigs);
     let mut reported = Vec::new();
     for _ in 0..3 {
-        let ev = ctl.next(|ch, v| ch == "fleetlink:events" && v["type"] == "expired");
+        let ev = ctl.next_within(LAPSE_WAIT, |ch, v| {
+            ch == "fleetlink:events" && v["type"] == "expired"
+        });
         assert_eq!(
             (&ev["seq"], &ev["broker_id"]),
             (&json!(1), &json!("fe-stays")),
@@ -2838,7 +2845,7 @@ fn a_long_outage_ends_without_a_slow_subscription_warning() {
 #[test]
 fn a_session_is_named_again_after_the_subscription_was_cut() {
     let redis = RedisServer::start();
-    let ttl = ["--session-ttl", "3s"];
+    let ttl = ["--session-ttl", "10s"];
     let mut a = fleet_broker(&redis, "fe-cut", &ttl);
     let _b = fleet_broker(&redis, "fe-sweeps", &ttl);
     let (mut ws, _, _) = a.rig("rig-cut");
@@ -2875,7 +2882,9 @@ fn a_session_is_named_again_after_the_subscription_was_cut() {
         "broker exited"
     );
     drop(ws);
-    let ev = ctl.next(|ch, v| ch == "fleetlink:events" && v["type"] == "expired");
+    let ev = ctl.next_within(LAPSE_WAIT, |ch, v| {
+        ch == "fleetlink:events" && v["type"] == "expired"
+    });
     assert_eq!(
         (&ev["id"], &ev["seq"], &ev["broker_id"]),
         (&json!("cut-2"), &json!(2), &json!("fe-sweeps")),
@@ -2891,7 +2900,7 @@ fn a_session_is_named_again_after_the_subscription_was_cut() {
 fn a_command_delivered_during_an_outage_is_reported_should_its_broker_die() {
     let redis = RedisServer::start();
     let relay = Relay::start(redis.port());
-    let ttl = ["--session-ttl", "3s"];
+    let ttl = ["--session-ttl", "10s"];
     let mut a = fleet_broker_at(&relay.url(), "fe-out", &ttl);
     let _b = fleet_broker(&redis, "fe-left", &ttl);
     let (mut ws, boot, _) = a.rig("rig-out");
@@ -2919,7 +2928,9 @@ fn a_command_delivered_during_an_outage_is_reported_should_its_broker_die() {
         "broker exited"
     );
     drop(ws);
-    let ev = ctl.next(|ch, v| ch == "fleetlink:events" && v["type"] == "expired");
+    let ev = ctl.next_within(LAPSE_WAIT, |ch, v| {
+        ch == "fleetlink:events" && v["type"] == "expired"
+    });
     assert_eq!(
         (&ev["id"], &ev["seq"], &ev["broker_id"]),
         (&json!("out-1"), &json!(1), &json!("fe-left")),

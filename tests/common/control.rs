@@ -48,8 +48,17 @@ impl Control {
     }
 
     /// The first message (oldest first) that `want` accepts, waiting up to 10 s.
-    pub fn next(&mut self, mut want: impl FnMut(&str, &Value) -> bool) -> Value {
-        let deadline = Instant::now() + Duration::from_secs(10);
+    pub fn next(&mut self, want: impl FnMut(&str, &Value) -> bool) -> Value {
+        self.next_within(Duration::from_secs(10), want)
+    }
+
+    /// [`Control::next`], waiting up to `limit` (what comes only as a session lapses).
+    pub fn next_within(
+        &mut self,
+        limit: Duration,
+        mut want: impl FnMut(&str, &Value) -> bool,
+    ) -> Value {
+        let deadline = Instant::now() + limit;
         loop {
             self.take_in();
             if let Some(i) = self.backlog.iter().position(|(ch, v)| want(ch, v)) {

@@ -183,7 +183,10 @@ impl Bridge {
             return true;
         };
         let due = now_all || *first + NAME_AFTER <= now || self.lapses.unnamed.len() >= WATCH_CHUNK;
-        if !due || self.fleet.as_ref().is_none_or(|f| !f.is_up()) {
+        // Sessions going back after an outage first: named in between, 10,000 of them took
+        // 12% longer to go back (`bench/redis-restart.sh`).
+        let rekeeping = !now_all && (self.rekeep_all || !self.rekeeps.is_empty());
+        if !due || rekeeping || self.fleet.as_ref().is_none_or(|f| !f.is_up()) {
             return true;
         }
         let n = self.lapses.unnamed.len().min(NAMED_PER_ROUND);
