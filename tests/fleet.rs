@@ -2875,21 +2875,7 @@ fn a_session_is_named_again_after_the_subscription_was_cut() {
     read_command(&mut ws, 2, "cut-2");
     assert_eq!(named(), 1, "named again with the next command");
     // fe-cut dies with the rig on it; the rig never comes back. fe-sweeps reports cut-2.
-    // SAFETY: kill(2) has no memory preconditions; the pid is the test's own child's.
-    unsafe { libc::kill(a.pid() as i32, libc::SIGKILL) };
-    assert!(
-        a.wait_exit(Duration::from_secs(10)).is_some(),
-        "broker exited"
-    );
-    drop(ws);
-    let ev = ctl.next_within(LAPSE_WAIT, |ch, v| {
-        ch == "fleetlink:events" && v["type"] == "expired"
-    });
-    assert_eq!(
-        (&ev["id"], &ev["seq"], &ev["broker_id"]),
-        (&json!("cut-2"), &json!(2), &json!("fe-sweeps")),
-        "{ev}"
-    );
+    killed_with_its_rig_the_command_is_reported(&mut a, ws, &mut ctl, ("cut-2", 2), "fe-sweeps");
 }
 
 /// A command delivered while the broker could not reach Redis is kept when it reconnects
@@ -2921,6 +2907,18 @@ fn a_command_delivered_during_an_outage_is_reported_should_its_broker_die() {
             kept && named == 1
         },
     );
+    killed_with_its_rig_the_command_is_reported(&mut a, ws, &mut ctl, ("out-1", 1), "fe-left");
+}
+
+/// `a` is SIGKILLed with the rig on `ws` still connected, and the rig never comes back: its
+/// unacked command `(id, seq)` is reported `expired` by broker `by` as the session lapses.
+fn killed_with_its_rig_the_command_is_reported(
+    a: &mut Broker,
+    ws: Ws,
+    ctl: &mut Control,
+    (id, seq): (&str, u64),
+    by: &str,
+) {
     // SAFETY: kill(2) has no memory preconditions; the pid is the test's own child's.
     unsafe { libc::kill(a.pid() as i32, libc::SIGKILL) };
     assert!(
@@ -2933,7 +2931,7 @@ fn a_command_delivered_during_an_outage_is_reported_should_its_broker_die() {
     });
     assert_eq!(
         (&ev["id"], &ev["seq"], &ev["broker_id"]),
-        (&json!("out-1"), &json!(1), &json!("fe-left")),
+        (&json!(id), &json!(seq), &json!(by)),
         "{ev}"
     );
 }
