@@ -77,15 +77,15 @@ end
 -- Names session (rig, boot), kept `ttl` ms by `broker`, unless it is named already (it keeps
 -- its time) or the set is full (false).
 local function lapse_name(set, rig, boot, ttl, broker)
-  local member = lapse_member(rig, boot, ttl, broker)
-  lapse_mark_ttl('sess:' .. rig .. ':' .. boot, ttl)
+  local member, sess = lapse_member(rig, boot, ttl, broker), 'sess:' .. rig .. ':' .. boot
+  lapse_mark_ttl(sess, ttl)
   if redis.call('ZSCORE', set, member) then
     return true
   end
   if redis.call('ZCARD', set) >= LAPSES_MOST then
     return false
   end
-  local left = redis.call('PTTL', 'sess:' .. rig .. ':' .. boot)
+  local left = redis.call('PTTL', sess)
   if left < 0 then
     left = ttl
   end

@@ -18,6 +18,7 @@ use redis::{ConnectionLike, Script, Value};
 
 use crate::ids::{BootId, RigId};
 use crate::registry::scripts::{evalsha_many, RegistryError};
+use crate::registry::sessions::ttl_ms;
 
 /// The sorted set naming the watched sessions.
 pub const LAPSES_KEY: &str = "sess:lapses";
@@ -100,10 +101,6 @@ impl Default for LapseScripts {
     }
 }
 
-fn ms(d: Duration) -> String {
-    d.as_millis().clamp(1, 999_999_999_999_999).to_string()
-}
-
 impl LapseScripts {
     /// Names `sessions`, which just left `broker_id` (which keeps sessions `ttl`), unless named
     /// already, [`WATCH_CHUNK`] per call, in one round trip. Returns how many it could not name
@@ -116,7 +113,7 @@ impl LapseScripts {
         broker_id: &str,
         ttl: Duration,
     ) -> Result<(u64, u64), RegistryError> {
-        let ttl = ms(ttl);
+        let ttl = ttl_ms(ttl).to_string();
         let chunks: Vec<&[(RigId, BootId)]> = sessions.chunks(WATCH_CHUNK).collect();
         let replies = evalsha_many(
             con,
@@ -151,7 +148,7 @@ impl LapseScripts {
         ttl: Duration,
     ) -> Result<Vec<Option<Lapse>>, RegistryError> {
         let at = crate::reply::rfc3339(std::time::SystemTime::now());
-        let ttl = ms(ttl);
+        let ttl = ttl_ms(ttl).to_string();
         let replies = evalsha_many(
             con,
             &self.owner,

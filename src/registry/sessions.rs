@@ -482,6 +482,7 @@ fn bytes(v: &Value) -> Option<Vec<u8>> {
     }
 }
 
-fn ttl_ms(ttl: Duration) -> u128 {
+/// A TTL as the scripts take it: whole ms, 1 to 15 digits.
+pub(crate) fn ttl_ms(ttl: Duration) -> u128 {
     ttl.as_millis().clamp(1, 999_999_999_999_999)
 }
