@@ -1,8 +1,7 @@
 -- lapse_end.lua: what the scripts watching sessions share (session_lapse.lua, lapse_watch.lua,
--- lapse_sweep.lua, and persist.lua, which names the sessions it adds commands to), put in
--- front of each when they are built (src/registry/lapse_scripts.rs, sessions.rs), behind
--- lua/lease_holder.lua, since a script that Redis runs can call no other. Not a script of its
--- own: it only defines functions.
+-- lapse_sweep.lua), put in front of each when they are built (src/registry/lapse_scripts.rs),
+-- behind lua/lease_holder.lua, since a script that Redis runs can call no other. Not a script
+-- of its own: it only defines functions.
 --
 -- A session holding commands unacked is named in the sorted set `sess:lapses` as
 -- "<boot_id>|<ttl_ms>|<rig_id>|<broker_id>" (a boot_id is 36 characters, a rig_id has no '|'):
@@ -93,18 +92,6 @@ local function lapse_name(set, rig, boot, ttl, broker)
   return true
 end
 
--- For persist.lua, which names each session it adds commands to: the score of a session kept
--- `ttl` ms by a broker that holds its rig, computed once per call. Such a session is touched
--- every third of its TTL, so it lapses no sooner than two thirds of it from now, should that
--- broker die now; asked about then, one with longer left is put off (lapse_settle). False when
--- the set is full: nothing is named.
-local function lapse_held_score(set, ttl)
-  if redis.call('ZCARD', set) >= LAPSES_MOST then
-    return false
-  end
-  return lapse_score(math.floor(ttl * 2 / 3), ttl)
-end
-
 local function has_unacked(sess)
   for _, field in ipairs(redis.call('HKEYS', sess)) do
     if field:sub(1, 2) == 'c:' then
@@ -134,8 +121,8 @@ end
 --            boot ended it (reported then)
 --   {ms, 1}  the rig is connected with this boot, through a broker that is there: asked again
 --            by a sweep as its new end nears, whether or not it holds commands now (that
---            broker may die with the rig on it; it named the session once, with the
---            connection's first command, and counts on it staying named)
+--            broker may die with the rig on it; it named the session once, a second after
+--            the connection's first command, and counts on it staying named)
 --   {ms}     more than `near` left (the rig was seen since): ask again then
 --   n        it was within `near` of its end: its n unacked commands are published `expired`
 --            and removed from it, in this call, so a reply lost on its way back cannot lose

@@ -1,13 +1,13 @@
--- lapse_watch.lua: names in `sess:lapses` the sessions of rigs that just left this broker with
--- commands unacked, so that they are reported `expired` as they lapse even if this broker
--- stops before then (lapse_sweep.lua; docs/protocol.md, "Sessions and resume"). persist.lua
--- names most of them already, as it keeps their commands; this covers the rest (a session
--- Redis lost and got back, one named by a broker with another --session-ttl). Run by EVALSHA
--- from src/registry/lapse_scripts.rs, one call per batch of departures; built behind
+-- lapse_watch.lua: names in `sess:lapses` sessions holding commands, so that they are reported
+-- `expired` as they lapse even if this broker stops before then (lapse_sweep.lua;
+-- docs/protocol.md, "Sessions and resume"): those of rigs that just left this broker with
+-- commands unacked, and those of rigs still connected here a second after their connection's
+-- first command was kept (or put back after an outage), should this broker die with them on
+-- it. Run by EVALSHA from src/registry/lapse_scripts.rs, one call per batch; built behind
 -- lua/lease_holder.lua and lua/lapse_end.lua.
 --
 -- KEYS[1]  sess:lapses
--- ARGV[1]  broker_id of the broker they left
+-- ARGV[1]  broker_id of the broker naming them (the one they left, or are connected to)
 -- ARGV[2]  its --session-ttl, ms: decimal, 1 to 15 digits
 -- ARGV[3..] rig_id, boot_id per session
 --

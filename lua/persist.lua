@@ -9,13 +9,10 @@
 -- ARGV[3i]    seq: decimal integer
 -- ARGV[3i+1]  the command's JSON, exactly as sent to the rig
 --
--- ARGV[2+3n..] optional: positions (1-based) of commands whose sessions to name in
---             `sess:lapses` (lapse_end.lua, built in front of this script behind
---             lease_holder.lua), so that their commands are reported `expired` should the
---             broker die with the rig on it and the rig never come back. The broker names a
---             connection's session with its first command kept, and again after each
---             reconnect to Redis, not with every command (a name costs Redis about as much as
---             the rest of the command's keeping).
+-- Nothing here names the session in `sess:lapses` (for its lapse report should the broker die
+-- with the rig on it): the broker does that a second after a connection's first command is
+-- kept, with lapse_watch.lua, so that a fan-out's keeps do not wait behind the names (a name
+-- costs Redis about as much as the rest of the keep; src/registry/bridge/lapses.rs).
 --
 -- Returns an array of statuses, one per command in order:
 --   "ok"      the lease is still ours: HSET c:<seq> and "next" = seq+1; PEXPIRE only when
@@ -42,19 +39,11 @@
 -- this script's calls for nothing more.
 
 local ttl = ARGV[1]
-if #KEYS % 2 ~= 0 or #ARGV < 1 + 3 * (#KEYS / 2) or type(ttl) ~= 'string' or #ttl > 15
+if #KEYS % 2 ~= 0 or #ARGV ~= 1 + 3 * (#KEYS / 2) or type(ttl) ~= 'string' or #ttl > 15
     or not ttl:match('^[1-9]%d*$') then
-  return redis.error_reply('ERR fleetlink persist: expected pairs of keys and ttl_ms, then tuple, seq, json per pair, then positions to name')
+  return redis.error_reply('ERR fleetlink persist: expected pairs of keys and ttl_ms, then tuple, seq, json per pair')
 end
 local n = #KEYS / 2
-local to_name = {}
-for j = 2 + 3 * n, #ARGV do
-  local at = tonumber(ARGV[j])
-  if not count_text(ARGV[j]) or at < 1 or at > n then
-    return redis.error_reply('ERR fleetlink persist: a position to name must be a command\'s, 1 to ' .. n)
-  end
-  to_name[at] = true
-end
 local seqs = {}
 for i = 1, n do
   local seq = ARGV[3 * i]
@@ -64,7 +53,7 @@ for i = 1, n do
   seqs[i] = tonumber(seq)
 end
 
-local out, lapse_at = {}, nil
+local out = {}
 for i = 1, n do
   local sess = KEYS[2 * i]
   local lease = redis.pcall('GET', KEYS[2 * i - 1])
@@ -95,17 +84,6 @@ for i = 1, n do
       if redis.call('HSET', sess, 'c:' .. ARGV[3 * i], ARGV[3 * i + 1], 'next',
           string.format('%.0f', seqs[i] + 1)) == 2 then
         redis.call('PEXPIRE', sess, ttl)
-      end
-      if to_name[i] then
-        if lapse_at == nil then
-          lapse_at = lapse_held_score('sess:lapses', tonumber(ttl))
-        end
-        if lapse_at then
-          local tuple = ARGV[3 * i - 1]
-          redis.call('ZADD', 'sess:lapses', 'NX', lapse_at, lapse_member(KEYS[2 * i - 1]:sub(5),
-              tuple:sub(1, 36), ttl, tuple:sub(38)))
-          redis.call('HSET', sess, 't', ttl)
-        end
       end
       out[i] = 'ok'
     end

@@ -1668,7 +1668,7 @@ mod lapses {
 
     /// A connected session is watched on while its broker is there, commands or none: that
     /// broker named it once and counts on it staying named, should it die with the rig on it.
-    /// A position to name that is no command's is refused before any write.
+    /// (`persist.lua` takes no argument past its commands: one is refused before any write.)
     #[test]
     fn a_connected_session_stays_named() {
         let (server, mut con, _) = setup();

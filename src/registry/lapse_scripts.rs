@@ -3,8 +3,8 @@
 //! with the broker that kept its commands, so that they are reported `expired` as it lapses,
 //! whether or not that broker is still there then:
 //!
-//! - `persist.lua` names each session it adds commands to, and `lapse_watch.lua` the
-//!   sessions of rigs that just left (those not named already);
+//! - `lapse_watch.lua` names the sessions of rigs that just left with commands unacked, and
+//!   of rigs connected here whose connection had a command kept (those not named already);
 //! - `session_lapse.lua` is the broker the rig left asking about one on time;
 //! - `lapse_sweep.lua` is any broker asking about those that are due, which is a little
 //!   later: those whose broker stopped, is stuck or late, or died with the rig still on it.

@@ -19,13 +19,9 @@ use crate::ids::{BootId, RigId, Seq};
 use crate::registry::msg::Recall;
 use crate::registry::scripts::{evalsha_chunks, only, rig_key, tuple, RegistryError};
 
-/// `persist.lua` as Redis runs it: behind what it shares with the scripts watching sessions
-/// that may lapse (it names each session it adds to; `lua/lapse_end.lua`).
-pub const PERSIST: &str = concat!(
-    include_str!("../../lua/lease_holder.lua"),
-    include_str!("../../lua/lapse_end.lua"),
-    include_str!("../../lua/persist.lua")
-);
+/// `persist.lua`, which keeps commands in their sessions (and, since a fan-out's keeps should
+/// not wait behind them, names no session in `sess:lapses`: `bridge/lapses.rs` does that).
+pub const PERSIST: &str = include_str!("../../lua/persist.lua");
 
 /// Commands sent in one persist call.
 pub const PERSIST_CHUNK: usize = 500;
@@ -59,9 +55,6 @@ pub struct Persist<'a> {
     pub seq: Seq,
     /// The command as sent to the rig.
     pub json: &'a [u8],
-    /// Name the session in `sess:lapses` (see `persist.lua`): its connection's first command
-    /// kept since this broker last connected to Redis.
-    pub name: bool,
 }
 
 /// What a hello found in Redis.
@@ -275,9 +268,6 @@ impl SessionScripts {
             for c in chunk {
                 call.key(rig_key(c.rig)).key(session_key(c.rig, c.boot));
                 call.arg(tuple(c.boot, broker_id)).arg(c.seq.0).arg(c.json);
-            }
-            for (i, _) in chunk.iter().enumerate().filter(|(_, c)| c.name) {
-                call.arg(i + 1);
             }
             let reply: Value = call.invoke(con)?;
             let parsed = match &reply {

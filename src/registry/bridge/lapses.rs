@@ -1,8 +1,9 @@
 //! Fleet mode: the sessions of rigs that left this broker with commands unacked, watched until
 //! Redis would let them lapse (`--session-ttl`), so that what they still hold then is reported
 //! `expired` (`lua/session_lapse.lua`) instead of vanishing with the key, after control was
-//! told `ok`. Each is named in Redis too (`sess:lapses`: by `persist.lua` as it keeps their
-//! commands, else by `lua/lapse_watch.lua` here), and every broker sweeps the named ones a
+//! told `ok`. Each is named in Redis too (`sess:lapses`, by `lua/lapse_watch.lua`: a second
+//! after its connection's first command was kept, and as its rig leaves), and every broker
+//! sweeps the named ones a
 //! little after their broker should have asked (`lua/lapse_sweep.lua`), so a broker that dies
 //! or drains first, with the rig gone or still on it, loses none. Standalone reports its own
 //! parked copies (`Bridge::report_lapsed`).
@@ -55,6 +56,14 @@ const NAMED_PER_ROUND: usize = 50_000;
 /// one each: the bridge runs its timers on every wake. They are first asked about seconds
 /// later.
 const NAME_AFTER: Duration = Duration::from_millis(100);
+/// A connected rig's session is named this long after its connection's first command was kept,
+/// not in the keep's own call: the first commands of a fan-out to new connections would
+/// otherwise wait behind one name each in Redis (about as costly as the keep; six alternated
+/// pairs of 10,000-rig fan-outs read a p99 of 392 against 491 ms without the names in the
+/// keeps, docs/benchmarks.md), and a second later the burst is over. The price: a broker
+/// killed within this long of a connection's first command, with the rig still on it, leaves
+/// that session unnamed, and its commands unreported should the rig never come back.
+const HELD_NAME_AFTER: Duration = Duration::from_secs(1);
 
 /// Sessions to ask about, soonest first, each once.
 #[derive(Default)]
@@ -67,6 +76,10 @@ pub(super) struct Lapses {
     /// Departures not named in Redis yet (it was away, or they came since the last timer),
     /// with when the rig left; at most [`MAX_WATCHED`].
     unnamed: Vec<(Instant, RigId, BootId)>,
+    /// Connected rigs' sessions to name, with when their connection's first command was kept;
+    /// at most [`MAX_WATCHED`]. They join `unnamed` [`HELD_NAME_AFTER`] later, if the rig is
+    /// still connected here (one that left with commands unacked is named as it left).
+    held: Vec<(Instant, RigId, BootId)>,
     /// When the next sweep is due (None: at the next timer).
     next_sweep: Option<Instant>,
 }
@@ -89,12 +102,13 @@ impl Lapses {
         self.due.peek().map(|Reverse((at, _, _))| *at)
     }
 
-    /// When the bridge must wake for these: a session due, or a sweep.
+    /// When the bridge must wake for these: a session due, a sweep, or names to give.
     pub(super) fn next_wake(&self) -> Option<Instant> {
-        match (self.next_due(), self.next_sweep) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        }
+        let held = self.held.first().map(|(at, _, _)| *at + HELD_NAME_AFTER);
+        [self.next_due(), self.next_sweep, held]
+            .into_iter()
+            .flatten()
+            .min()
     }
 
     /// Up to `max` sessions due by `now`, soonest first.
@@ -147,6 +161,40 @@ impl Bridge {
         }
     }
 
+    /// The first command of a connection of `rig` (boot `boot`) was kept: its session is named
+    /// in `sess:lapses` a little later ([`HELD_NAME_AFTER`]), should the rig still be here.
+    pub(super) fn name_held_lapse(&mut self, rig: RigId, boot: BootId) {
+        if self.fleet.is_none() || self.cfg.session_ttl.is_zero() {
+            return;
+        }
+        if self.lapses.held.len() < MAX_WATCHED {
+            self.lapses.held.push((Instant::now(), rig, boot));
+        } else {
+            self.shared.count("session", "unnamed");
+        }
+    }
+
+    /// Connected sessions whose name is due (all of them with `all`) join the departures to
+    /// name, those whose rig is still connected here.
+    fn held_names_due(&mut self, now: Instant, all: bool) {
+        let due = self
+            .lapses
+            .held
+            .iter()
+            .take_while(|(at, _, _)| all || *at + HELD_NAME_AFTER <= now)
+            .count();
+        for (at, rig, boot) in self.lapses.held.drain(..due) {
+            if self.registry.boot_of(&rig) != Some(boot) {
+                continue;
+            }
+            if self.lapses.unnamed.len() < MAX_WATCHED {
+                self.lapses.unnamed.push((at, rig, boot));
+            } else {
+                self.shared.count("session", "unnamed");
+            }
+        }
+    }
+
     /// The watch's timers: departures named in Redis, due sessions asked about, and a sweep
     /// of what is due in Redis when one is due.
     pub(super) fn check_lapses(&mut self, now: Instant) {
@@ -163,6 +211,7 @@ impl Bridge {
     /// At exit, while Redis answers: the departures not named yet (a drain's last rigs among
     /// them) are named, so that another broker reports them should they lapse.
     pub(super) fn name_lapses_before_exit(&mut self) {
+        self.held_names_due(Instant::now(), true);
         while !self.lapses.unnamed.is_empty() && self.fleet.as_ref().is_some_and(|f| f.is_up()) {
             if !self.name_lapses(Instant::now(), true) {
                 break;
@@ -179,6 +228,7 @@ impl Bridge {
     /// Names the departures not yet named in Redis, up to [`NAMED_PER_ROUND`], once the first
     /// has waited [`NAME_AFTER`] (at once with `now_all`); false when Redis did not answer.
     fn name_lapses(&mut self, now: Instant, now_all: bool) -> bool {
+        self.held_names_due(now, now_all);
         let Some((first, _, _)) = self.lapses.unnamed.first() else {
             return true;
         };

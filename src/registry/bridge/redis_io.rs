@@ -415,23 +415,22 @@ impl Bridge {
         held: impl Iterator<Item = &'a PersistReq>,
     ) -> Option<Vec<Kept>> {
         let ttl = self.cfg.session_ttl;
-        let count = self.lapse_count;
-        let registry = &self.registry;
-        // A connection's session is named in `sess:lapses` with its first command kept under
-        // this connection to Redis (see `lua/persist.lua`), not with every command.
         let batch: Vec<Persist<'_>> = held
             .map(|p| Persist {
                 rig: &p.rig,
                 boot: &p.boot,
                 seq: p.seq,
                 json: &p.json,
-                name: registry.lapse_named(&p.rig, p.boot) != count,
             })
             .collect();
         let kept = self.fleet.as_mut()?.persist(&batch, ttl)?;
+        // A connection's session is named in `sess:lapses` after its first command kept under
+        // this connection to Redis, not with every command, and not in the keep's call.
+        let count = self.lapse_count;
         for (p, k) in batch.iter().zip(&kept) {
-            if p.name && *k == Kept::Yes {
+            if *k == Kept::Yes && self.registry.lapse_named(p.rig, *p.boot) != count {
                 self.registry.set_lapse_named(p.rig, *p.boot, count);
+                self.name_held_lapse(p.rig.clone(), *p.boot);
             }
         }
         Some(kept)
