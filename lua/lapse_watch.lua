@@ -1,9 +1,9 @@
 -- lapse_watch.lua: names in `sess:lapses` sessions holding commands, so that they are reported
 -- `expired` as they lapse even if this broker stops before then (lapse_sweep.lua;
 -- docs/protocol.md, "Sessions and resume"): those of rigs that just left this broker with
--- commands unacked, and those of rigs still connected here a second after their connection's
--- first command was kept (or put back after an outage), should this broker die with them on
--- it. Run by EVALSHA from src/registry/lapse_scripts.rs, one call per batch; built behind
+-- commands unacked, and a second after their connection's first command was kept (or they
+-- resumed here with commands, or were put back after an outage) those of rigs connected here,
+-- should this broker die with them on it. Run by EVALSHA from src/registry/lapse_scripts.rs, one call per batch; built behind
 -- lua/lease_holder.lua and lua/lapse_end.lua.
 --
 -- KEYS[1]  sess:lapses

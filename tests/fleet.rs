@@ -2893,6 +2893,35 @@ fn a_session_is_named_again_after_the_subscription_was_cut() {
     killed_with_its_rig_the_command_is_reported(&mut a, ws, &mut ctl, ("cut-2", 2), "fe-sweeps");
 }
 
+/// A rig taken over by another broker within the second before its first broker named its
+/// session (superseded there, so no departure names it), and given no command on the new one,
+/// is still reported should the new broker die with it (the review of be368bc: 5 of 5 runs
+/// unreported). The first broker names it anyway, and the new one names what it resumed.
+#[test]
+fn a_session_taken_over_before_it_was_named_is_reported_should_its_new_broker_die() {
+    let redis = RedisServer::start();
+    let ttl = ["--session-ttl", "10s"];
+    let a = fleet_broker(&redis, "fe-first", &ttl);
+    let mut b = fleet_broker(&redis, "fe-took", &ttl);
+    let mut ctl = Control::new(&redis, &["fleetlink:events"]);
+    let (mut on_a, boot, _) = a.rig("rig-took");
+    let reply = ctl.command_id("fe-first", "rig-took", "took-1", "n", json!({}));
+    assert_eq!(reply["seq"], 1, "{reply}");
+    read_command(&mut on_a, 1, "took-1");
+    // At once: the same boot says hello to fe-took, which takes the rig over (fe-first's
+    // socket still open) and gives it the command again.
+    let mut on_b = b.connect("/agent");
+    let welcome = hello(&mut on_b, "rig-took", &boot, json!({}));
+    assert_eq!(welcome["resumed"], true, "{welcome}");
+    read_command(&mut on_b, 1, "took-1");
+    assert_eq!(read_close(&mut on_a), 4410);
+    eventually(Duration::from_secs(10), "the session named", || {
+        let n: usize = redis.connection().zcard("sess:lapses").unwrap();
+        n >= 1
+    });
+    killed_with_its_rig_the_command_is_reported(&mut b, on_b, &mut ctl, ("took-1", 1), "fe-first");
+}
+
 /// A command delivered while the broker could not reach Redis is kept when it reconnects
 /// (`rekeep.lua`), and its session is named in `sess:lapses` then, so that should the broker
 /// die with the rig on it, another reports the command (the third review: 3 of 3 runs, none

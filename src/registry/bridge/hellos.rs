@@ -475,6 +475,7 @@ impl Bridge {
             return actions;
         };
         let mut stale = Vec::new();
+        let mut holds_commands = false;
         for action in &mut actions {
             if let Action::Core(
                 c,
@@ -533,7 +534,15 @@ impl Bridge {
                     excess += 1;
                 }
                 stale.extend(carried.drain(..excess).map(|c| c.seq));
+                holds_commands = !carried.is_empty();
             }
+        }
+        if holds_commands {
+            // Resumed here with commands unacked: named for their lapse report, should this
+            // broker die with the rig on it, as after a first command kept here. The broker it
+            // came from may not have named it (it took the rig over within the second).
+            self.registry.set_lapse_named(rig, *boot, self.lapse_count);
+            self.name_held_lapse(rig.clone(), *boot);
         }
         for seq in stale {
             self.shared.count("resume", "stale_dropped");

@@ -76,9 +76,9 @@ pub(super) struct Lapses {
     /// Departures not named in Redis yet (it was away, or they came since the last timer),
     /// with when the rig left; at most [`MAX_WATCHED`].
     unnamed: Vec<(Instant, RigId, BootId)>,
-    /// Connected rigs' sessions to name, with when their connection's first command was kept;
-    /// at most [`MAX_WATCHED`]. They join `unnamed` [`HELD_NAME_AFTER`] later, if the rig is
-    /// still connected here (one that left with commands unacked is named as it left).
+    /// Connected rigs' sessions to name, with when their connection's first command was kept
+    /// (or the session resumed here with commands); at most [`MAX_WATCHED`]. They join
+    /// `unnamed` [`HELD_NAME_AFTER`] later.
     held: Vec<(Instant, RigId, BootId)>,
     /// When the next sweep is due (None: at the next timer).
     next_sweep: Option<Instant>,
@@ -161,8 +161,9 @@ impl Bridge {
         }
     }
 
-    /// The first command of a connection of `rig` (boot `boot`) was kept: its session is named
-    /// in `sess:lapses` a little later ([`HELD_NAME_AFTER`]), should the rig still be here.
+    /// The first command of a connection of `rig` (boot `boot`) was kept, or its session
+    /// resumed here with commands: it is named in `sess:lapses` a little later
+    /// ([`HELD_NAME_AFTER`]).
     pub(super) fn name_held_lapse(&mut self, rig: RigId, boot: BootId) {
         if self.fleet.is_none() || self.cfg.session_ttl.is_zero() {
             return;
@@ -175,7 +176,9 @@ impl Bridge {
     }
 
     /// Connected sessions whose name is due (all of them with `all`) join the departures to
-    /// name, those whose rig is still connected here.
+    /// name. Whether or not the rig is still here: one taken over by another broker since
+    /// (superseded, so no departure named it) may hold commands that broker never kept, and
+    /// the sweep drops an entry whose session holds nothing.
     fn held_names_due(&mut self, now: Instant, all: bool) {
         let due = self
             .lapses
@@ -184,9 +187,6 @@ impl Bridge {
             .take_while(|(at, _, _)| all || *at + HELD_NAME_AFTER <= now)
             .count();
         for (at, rig, boot) in self.lapses.held.drain(..due) {
-            if self.registry.boot_of(&rig) != Some(boot) {
-                continue;
-            }
             if self.lapses.unnamed.len() < MAX_WATCHED {
                 self.lapses.unnamed.push((at, rig, boot));
             } else {
