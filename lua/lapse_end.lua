@@ -122,7 +122,11 @@ end
 --   {ms, 1}  the rig is connected with this boot, through a broker that is there: asked again
 --            by a sweep as its new end nears, whether or not it holds commands now (that
 --            broker may die with the rig on it; it named the session once, a second after
---            the connection's first command, and counts on it staying named)
+--            the connection's first command, and counts on it staying named). Not within
+--            `near` of its end: a broker holding the rig extends the session every third of
+--            its TTL, so one that got this near is held by no one, whatever the lease says (a
+--            dead connection's lease outlives a shorter session, and its broker, restarted
+--            under the same id, listens again); it is judged as a rig that left
 --   {ms}     more than `near` left (the rig was seen since): ask again then
 --   n        it was within `near` of its end: its n unacked commands are published `expired`
 --            and removed from it, in this call, so a reply lost on its way back cannot lose
@@ -142,15 +146,16 @@ local function lapse_end(rig, boot, broker, at, ttl)
   if left < 0 then
     return -1, ttl
   end
+  local near = lapse_timing(ttl)
   local lease = redis.pcall('GET', 'rig:' .. rig)
-  if type(lease) == 'string' and lease:sub(1, #boot + 1) == boot .. '|'
+  if left > near and type(lease) == 'string' and lease:sub(1, #boot + 1) == boot .. '|'
       and listening(lease:sub(#boot + 2)) then
     return { left, 1 }, ttl
   end
   if not has_unacked(sess) then
     return -1, ttl
   end
-  if left > (lapse_timing(ttl)) then
+  if left > near then
     return { left }, ttl
   end
   local all = redis.call('HGETALL', sess)
