@@ -74,10 +74,15 @@ local function lapse_mark_ttl(sess, ttl)
 end
 
 -- Names session (rig, boot), kept `ttl` ms by `broker`, unless it is named already (it keeps
--- its time) or the set is full (false).
-local function lapse_name(set, rig, boot, ttl, broker)
+-- its time) or the set is full (false). A departure's broker is the last to hold the rig, and
+-- writes its TTL into the session; a connected rig's (`held`) only while the lease is still
+-- its own: one named late, after the rig moved on, must not put its TTL over the TTL of the
+-- broker the rig moved to (which would have the session reported early, or late).
+local function lapse_name(set, rig, boot, ttl, broker, held)
   local member, sess = lapse_member(rig, boot, ttl, broker), 'sess:' .. rig .. ':' .. boot
-  lapse_mark_ttl(sess, ttl)
+  if not held or redis.call('GET', 'rig:' .. rig) == boot .. '|' .. broker then
+    lapse_mark_ttl(sess, ttl)
+  end
   if redis.call('ZSCORE', set, member) then
     return true
   end

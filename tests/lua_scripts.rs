@@ -1666,6 +1666,38 @@ mod lapses {
         assert!(members(&mut con).is_empty());
     }
 
+    /// A connected rig's session named late, by a broker the rig has since left (`held`, its
+    /// lease no longer that broker's), keeps the TTL the broker it moved to wrote into it, so
+    /// it is not reported by a longer one (the review of 1d72b51: reported 2 s early, 5 of 5
+    /// runs). A departure's broker, and a connected rig's whose lease is its own, write theirs.
+    #[test]
+    fn a_late_name_from_a_broker_the_rig_left_keeps_the_sessions_ttl() {
+        let (_server, mut con, _) = setup();
+        let scripts = LapseScripts::default();
+        let b = boot(1);
+        let key = session(&mut con, "rig-m", &b, "m", 5_000);
+        let t = |con: &mut Connection| -> Option<String> {
+            redis::cmd("HGET").arg(&key).arg("t").query(con).unwrap()
+        };
+        let one = [(rig("rig-m"), b)];
+        let five = Duration::from_secs(5);
+        let sixty = Duration::from_secs(60);
+        assert_eq!(scripts.watch(&mut con, &one, "fe-b", five).unwrap(), (0, 0));
+        assert_eq!(t(&mut con).as_deref(), Some("5000"));
+        assert_eq!(
+            scripts.name(&mut con, &one, "fe-a", sixty, true).unwrap(),
+            (0, 0)
+        );
+        assert_eq!(t(&mut con).as_deref(), Some("5000"), "a late name kept out");
+        assert_eq!(members(&mut con).len(), 2, "named by both");
+        set(&mut con, "rig:rig-m", &format!("{b}|fe-a"));
+        assert_eq!(
+            scripts.name(&mut con, &one, "fe-a", sixty, true).unwrap(),
+            (0, 0)
+        );
+        assert_eq!(t(&mut con).as_deref(), Some("60000"), "its own rig's");
+    }
+
     /// A session whose lease names a broker that is there, but which got within its last tenth,
     /// is held by no one (a holder extends it every third of its TTL): reported, as the session
     /// of a rig that left. So it is when a broker is restarted under the same id while the dead

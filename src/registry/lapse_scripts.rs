@@ -113,6 +113,19 @@ impl LapseScripts {
         broker_id: &str,
         ttl: Duration,
     ) -> Result<(u64, u64), RegistryError> {
+        self.name(con, sessions, broker_id, ttl, false)
+    }
+
+    /// [`Self::watch`] for `held` sessions: of rigs connected to `broker_id` when it queued
+    /// them, whose session takes its TTL only while the rig's lease is still its own.
+    pub fn name(
+        &self,
+        con: &mut impl ConnectionLike,
+        sessions: &[(RigId, BootId)],
+        broker_id: &str,
+        ttl: Duration,
+        held: bool,
+    ) -> Result<(u64, u64), RegistryError> {
         let ttl = ttl_ms(ttl).to_string();
         let chunks: Vec<&[(RigId, BootId)]> = sessions.chunks(WATCH_CHUNK).collect();
         let replies = evalsha_many(
@@ -121,7 +134,11 @@ impl LapseScripts {
             &chunks,
             |_| 1,
             |call, chunk| {
-                call.arg(LAPSES_KEY).arg(broker_id).arg(&ttl);
+                call.arg(LAPSES_KEY).arg(broker_id).arg(&ttl).arg(if held {
+                    "held"
+                } else {
+                    "left"
+                });
                 for (rig, boot) in chunk.iter() {
                     call.arg(rig.as_str()).arg(boot.as_str());
                 }

@@ -65,6 +65,10 @@ const NAME_AFTER: Duration = Duration::from_millis(100);
 /// that session unnamed, and its commands unreported should the rig never come back.
 const HELD_NAME_AFTER: Duration = Duration::from_secs(1);
 
+/// A session to name in Redis: since when, and whether its rig was connected here (`held`)
+/// rather than gone from here.
+type Unnamed = (Instant, RigId, BootId, bool);
+
 /// Sessions to ask about, soonest first, each once.
 #[derive(Default)]
 pub(super) struct Lapses {
@@ -75,13 +79,15 @@ pub(super) struct Lapses {
     watched: HashSet<(RigId, BootId)>,
     /// Departures not named in Redis yet (it was away, or they came since the last timer),
     /// with when the rig left; at most [`MAX_WATCHED`].
-    unnamed: Vec<(Instant, RigId, BootId)>,
+    unnamed: Vec<Unnamed>,
     /// Connected rigs' sessions to name, with when their connection's first command was kept
     /// (or the session resumed here with commands); at most [`MAX_WATCHED`]. They join
     /// `unnamed` [`HELD_NAME_AFTER`] later.
     held: Vec<(Instant, RigId, BootId)>,
     /// When the next sweep is due (None: at the next timer).
     next_sweep: Option<Instant>,
+    /// No names before this: a naming call just failed.
+    names_after: Option<Instant>,
 }
 
 impl Lapses {
@@ -147,15 +153,17 @@ impl Bridge {
         if !self.lapses.watch(at, rig.clone(), boot) {
             self.shared.count("session", "unwatched");
         }
-        self.name_lapse(rig, boot);
+        self.name_lapse(rig, boot, false);
     }
 
     /// Names session (rig, boot) in Redis's `sess:lapses` with the next batch: a departure's,
     /// or a connected rig's put back with commands after an outage (which this broker does
     /// not watch itself: the rig is here).
-    pub(super) fn name_lapse(&mut self, rig: RigId, boot: BootId) {
+    /// `held`: the rig is connected here (the session takes this broker's TTL only while its
+    /// lease is this broker's when Redis names it).
+    pub(super) fn name_lapse(&mut self, rig: RigId, boot: BootId, held: bool) {
         if self.lapses.unnamed.len() < MAX_WATCHED {
-            self.lapses.unnamed.push((Instant::now(), rig, boot));
+            self.lapses.unnamed.push((Instant::now(), rig, boot, held));
         } else {
             self.shared.count("session", "unnamed");
         }
@@ -188,11 +196,25 @@ impl Bridge {
             .count();
         for (at, rig, boot) in self.lapses.held.drain(..due) {
             if self.lapses.unnamed.len() < MAX_WATCHED {
-                self.lapses.unnamed.push((at, rig, boot));
+                self.lapses.unnamed.push((at, rig, boot, true));
             } else {
                 self.shared.count("session", "unnamed");
             }
         }
+    }
+
+    /// When the bridge must wake to name what is queued: [`NAME_AFTER`] after the first
+    /// (not while Redis is away, or sessions go back after an outage, or after a failed call).
+    pub(super) fn lapse_names_due(&self) -> Option<Instant> {
+        let (first, _, _, _) = self.lapses.unnamed.first()?;
+        if self.fleet.as_ref().is_none_or(|f| !f.is_up())
+            || self.rekeep_all
+            || !self.rekeeps.is_empty()
+        {
+            return None;
+        }
+        let at = *first + NAME_AFTER;
+        Some(self.lapses.names_after.map_or(at, |n| n.max(at)))
     }
 
     /// The watch's timers: departures named in Redis, due sessions asked about, and a sweep
@@ -229,10 +251,12 @@ impl Bridge {
     /// has waited [`NAME_AFTER`] (at once with `now_all`); false when Redis did not answer.
     fn name_lapses(&mut self, now: Instant, now_all: bool) -> bool {
         self.held_names_due(now, now_all);
-        let Some((first, _, _)) = self.lapses.unnamed.first() else {
+        let Some((first, _, _, _)) = self.lapses.unnamed.first() else {
             return true;
         };
-        let due = now_all || *first + NAME_AFTER <= now || self.lapses.unnamed.len() >= WATCH_CHUNK;
+        let due = now_all
+            || (self.lapses.names_after.is_none_or(|at| at <= now)
+                && (*first + NAME_AFTER <= now || self.lapses.unnamed.len() >= WATCH_CHUNK));
         // Sessions going back after an outage first: named in between, 10,000 of them took
         // 12% longer to go back (`bench/redis-restart.sh`).
         let rekeeping = !now_all && (self.rekeep_all || !self.rekeeps.is_empty());
@@ -240,15 +264,28 @@ impl Bridge {
             return true;
         }
         let n = self.lapses.unnamed.len().min(NAMED_PER_ROUND);
-        let batch: Vec<(RigId, BootId)> = self.lapses.unnamed[..n]
-            .iter()
-            .map(|(_, rig, boot)| (rig.clone(), *boot))
-            .collect();
-        let answer = self.fleet.as_mut().and_then(|f| f.watch_lapses(&batch));
-        let Some((refused, failed)) = answer else {
-            return false; // Redis away: named after the reconnect.
-        };
+        let (mut left, mut held) = (Vec::new(), Vec::new());
+        for (_, rig, boot, h) in &self.lapses.unnamed[..n] {
+            if *h { &mut held } else { &mut left }.push((rig.clone(), *boot));
+        }
+        let (mut refused, mut failed) = (0, 0);
+        for (batch, held) in [(left, false), (held, true)] {
+            if batch.is_empty() {
+                continue;
+            }
+            let answer = self
+                .fleet
+                .as_mut()
+                .and_then(|f| f.watch_lapses(&batch, held));
+            let Some((r, f)) = answer else {
+                // Redis away: named after the reconnect (naming twice is harmless).
+                self.lapses.names_after = Some(now + RETRY);
+                return false;
+            };
+            (refused, failed) = (refused + r, failed + f);
+        }
         self.lapses.unnamed.drain(..n);
+        self.lapses.names_after = None;
         self.shared.count_n("session", "unnamed", refused + failed);
         if refused + failed > 0 {
             log::warn!(
@@ -321,7 +358,7 @@ impl Bridge {
         }
         self.shared.count_n("session", "missed", n);
         log::warn!(
-            "{n} watched sessions were gone from Redis when asked about: their unacked commands lapsed unreported (Redis lost them, or was out of reach in their last tenth of --session-ttl), unless a broker keeping sessions shorter reported them first (brokers with different --session-ttl)"
+            "{n} watched sessions were gone from Redis when asked about: their unacked commands lapsed unreported (Redis lost them, or was out of reach in their last tenth of --session-ttl), unless their session ended first under a broker keeping sessions shorter (with brokers of different --session-ttl: its commands acked, or reported by that broker)"
         );
     }
 

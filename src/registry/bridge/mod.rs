@@ -308,6 +308,9 @@ impl Bridge {
         if let Some(d) = self.lapses.next_wake() {
             next = next.min(d);
         }
+        if let Some(d) = self.lapse_names_due() {
+            next = next.min(d);
+        }
         // Timers may fire a little late; a paced write may not: it holds a command back.
         let mut wait = next.saturating_duration_since(now).max(TIMER_FLOOR);
         if let Some(d) = self.write_due(now) {

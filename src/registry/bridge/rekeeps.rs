@@ -363,14 +363,14 @@ impl Bridge {
                 Some(Some(Rekept::Kept)) => {
                     self.kept_again(parked, &rig, boot);
                     if to_name.get(i) == Some(&true) {
-                        self.name_lapse(rig.clone(), boot);
+                        self.name_lapse(rig.clone(), boot, true);
                     }
                     "ok"
                 }
                 Some(Some(Rekept::Behind(next))) => {
                     self.kept_again(parked, &rig, boot);
                     if to_name.get(i) == Some(&true) {
-                        self.name_lapse(rig.clone(), boot);
+                        self.name_lapse(rig.clone(), boot, true);
                     }
                     // A parked session takes Redis's next at its rig's hello (`resume`).
                     if !parked && self.registry.boot_of(&rig) == Some(boot) {

@@ -165,11 +165,17 @@ impl Fleet {
     /// [`LapseScripts::watch`](crate::registry::lapse_scripts::LapseScripts::watch)): how
     /// many could not be named (full) and how many failed. None when Redis is unavailable
     /// (nothing was named).
-    pub(crate) fn watch_lapses(&mut self, sessions: &[(RigId, BootId)]) -> Option<(u64, u64)> {
+    /// `held`: sessions of rigs connected here when they were queued (see
+    /// [`LapseScripts::name`](crate::registry::lapse_scripts::LapseScripts::name)).
+    pub(crate) fn watch_lapses(
+        &mut self,
+        sessions: &[(RigId, BootId)],
+        held: bool,
+    ) -> Option<(u64, u64)> {
         let con = self.con.as_mut()?;
         let r = self
             .lapses
-            .watch(con, sessions, &self.broker_id, self.session_ttl);
+            .name(con, sessions, &self.broker_id, self.session_ttl, held);
         self.answered(r)
     }
 
