@@ -12,12 +12,11 @@ command) and none with the second. Prints Redis's own time per command (INFO com
     python3 bench/results/lapse-name-cost/persist_name_cost.py [rounds]
 """
 import os
-import socket
 import subprocess
 import sys
-import time
 
-import redis
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "lib"))
+from scratch_redis import scratch_redis  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.join(HERE, "..", "..", "..")
@@ -32,11 +31,6 @@ def lua(*names):
         ["git", "-C", ROOT, "show", f"84d8964:lua/{n}"], text=True) for n in names)
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def main():
     rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 5
@@ -45,21 +39,7 @@ def main():
             ["git", "-C", ROOT, "show", "cad6228:lua/persist.lua"], text=True), False),
         "now": (lua("lease_holder.lua", "lapse_end.lua", "persist.lua"), True),
     }
-    port = free_port()
-    server = subprocess.Popen(
-        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-         "--appendonly", "no"], stdout=subprocess.DEVNULL)
-    try:
-        r = redis.Redis(port=port)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                r.ping()
-                break
-            except redis.ConnectionError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
+    with scratch_redis() as r:
         results = {}
         for _ in range(rounds):
             for name, (text, names) in scripts.items():
@@ -89,9 +69,6 @@ def main():
             print(f"{name:6} {'second' if second else 'first '} command: median "
                   f"{v[len(v) // 2]:.1f} us of Redis time per command (rounds: "
                   + ", ".join(f"{x:.1f}" for x in v) + ")")
-    finally:
-        server.kill()
-        server.wait()
 
 
 if __name__ == "__main__":

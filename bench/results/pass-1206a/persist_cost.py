@@ -13,12 +13,10 @@ and Redis's own time per command is read from INFO commandstats; medians over ro
         HSET), an empty one, and the same commands sent plain, pipelined
 """
 import os
-import socket
-import subprocess
 import sys
-import time
 
-import redis
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "lib"))
+from scratch_redis import scratch_redis  # noqa: E402
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..")
 N, BATCH = 10_000, 500
@@ -80,11 +78,6 @@ PLAIN = {
 }
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def script_us(r, text):
     """Redis's time per command for the 2nd and 3rd command of each rig: two figures."""
@@ -125,21 +118,7 @@ def main():
         sys.exit(__doc__)
     rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 3
     scripts = parts() if mode == "parts" else calls()
-    port = free_port()
-    server = subprocess.Popen(
-        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-         "--appendonly", "no"], stdout=subprocess.DEVNULL)
-    try:
-        r = redis.Redis(port=port)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                r.ping()
-                break
-            except redis.ConnectionError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
+    with scratch_redis() as r:
         res = {}
         for _ in range(rounds):
             for name, text in scripts.items():
@@ -151,9 +130,6 @@ def main():
             v.sort()
             print(f"{name:30} median {v[len(v) // 2]:.2f} us of Redis time per command ("
                   + ", ".join(f"{x:.2f}" for x in v) + ")")
-    finally:
-        server.kill()
-        server.wait()
 
 
 if __name__ == "__main__":
