@@ -205,7 +205,12 @@ local function resume(sess, ptr, boot, rig)
     if f['r'] ~= nil then
       redis.call('HDEL', sess, 'r')
     end
-    redis.call('HSET', sess, 'next', '1')
+    redis.call('HSET', sess, 'next', '1', 't', ttl)
+  elseif f['t'] ~= ttl then
+    -- The session lives by this broker's TTL from now on ("t": what a lapse report is timed
+    -- by, lapse_end.lua); left at a longer one's, its new end could read as that one's last
+    -- tenth and have what it holds reported while the rig is here.
+    redis.call('HSET', sess, 't', ttl)
   end
   redis.call('PEXPIRE', sess, ttl)
   return { nxt, cmds, rebooted, previous, recall }

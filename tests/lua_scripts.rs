@@ -991,6 +991,39 @@ fn offline_push_holds_an_entry_pushed_again_once() {
     assert_eq!(len(&mut con), 2, "a command of its own");
 }
 
+/// A hello resuming a session writes its broker's TTL into it (`t`, which a lapse report is
+/// timed by), as it sets the session's TTL: left at a longer TTL of the broker the rig came
+/// from, the new, shorter end read as that TTL's last tenth, and a sweep reported the command
+/// of a rig connected to a live broker (the third review of the lapse reports: 9 of 15 rigs).
+#[test]
+fn resume_writes_its_ttl_into_the_session() {
+    use fleetlink::registry::sessions::SessionScripts;
+    let (_server, mut con, _) = setup();
+    let sessions = SessionScripts::new();
+    let r = rig("rig-tt");
+    let b = boot(1);
+    sessions.resume(&mut con, &r, &b, TTL, "fe-a").unwrap();
+    let key = format!("sess:rig-tt:{b}");
+    let t = |con: &mut Connection| -> Option<String> {
+        redis::cmd("HGET").arg(&key).arg("t").query(con).unwrap()
+    };
+    assert_eq!(t(&mut con).as_deref(), Some("60000"), "a new session");
+    let _: () = redis::cmd("HSET")
+        .arg(&key)
+        .arg("t")
+        .arg("600000")
+        .query(&mut con)
+        .unwrap();
+    sessions
+        .resume(&mut con, &r, &b, Duration::from_secs(3), "fe-b")
+        .unwrap();
+    assert_eq!(
+        t(&mut con).as_deref(),
+        Some("3000"),
+        "resumed on a 3 s broker"
+    );
+}
+
 /// A newer boot's resume reports the older session's unacked commands itself, in the same
 /// atomic call that deletes them (leaving a tombstone of the session): a reply lost on its way back cannot lose the reports
 /// with the session. The seq is the stored field's own text, up to the broker's last seq; the
