@@ -77,8 +77,9 @@ pub(super) struct Lapses {
     /// watched once, not once per departure (asked about at its first due time, its session,
     /// seen since, is asked about again nearer its new end).
     watched: HashSet<(RigId, BootId)>,
-    /// Departures not named in Redis yet (it was away, or they came since the last timer),
-    /// with when the rig left; at most [`MAX_WATCHED`].
+    /// Sessions not named in Redis yet (it was away, or they came since the last timer):
+    /// departures, with when the rig left, and connected rigs' sessions once due (`held`);
+    /// at most [`MAX_WATCHED`].
     unnamed: Vec<Unnamed>,
     /// Connected rigs' sessions to name, with when their connection's first command was kept
     /// (or the session resumed here with commands); at most [`MAX_WATCHED`]. They join
@@ -159,6 +160,7 @@ impl Bridge {
     /// Names session (rig, boot) in Redis's `sess:lapses` with the next batch: a departure's,
     /// or a connected rig's put back with commands after an outage (which this broker does
     /// not watch itself: the rig is here).
+    ///
     /// `held`: the rig is connected here (the session takes this broker's TTL only while its
     /// lease is this broker's when Redis names it).
     pub(super) fn name_lapse(&mut self, rig: RigId, boot: BootId, held: bool) {
