@@ -3,8 +3,8 @@
 -- docs/protocol.md, "Sessions and resume"): those of rigs that just left this broker with
 -- commands unacked, and a second after their connection's first command was kept (or they
 -- resumed here with commands, or were put back after an outage) those of rigs connected here,
--- should this broker die with them on it. Run by EVALSHA from src/registry/lapse_scripts.rs, one call per batch; built behind
--- lua/lease_holder.lua and lua/lapse_end.lua.
+-- should this broker die with them on it. Run by EVALSHA from src/registry/lapse_scripts.rs,
+-- one call per batch; built behind lua/lease_holder.lua and lua/lapse_end.lua.
 --
 -- KEYS[1]  sess:lapses
 -- ARGV[1]  broker_id of the broker naming them (the one they left, or are connected to)

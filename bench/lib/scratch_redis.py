@@ -40,3 +40,15 @@ def scratch_redis(wait_s=10.0):
     finally:
         server.kill()
         server.wait()
+
+
+def leased(r, script, rigs, boot, broker="fe-a"):
+    """Empties the scratch Redis, loads `script` and leases rigs r0..r<rigs-1> to boot|broker, as
+    a persist needs: the script's sha."""
+    r.flushall()
+    sha = r.script_load(script)
+    pipe = r.pipeline(transaction=False)
+    for i in range(rigs):
+        pipe.set(f"rig:r{i}", f"{boot}|{broker}")
+    pipe.execute()
+    return sha

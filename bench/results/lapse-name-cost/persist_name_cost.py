@@ -16,7 +16,7 @@ import subprocess
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "lib"))
-from scratch_redis import scratch_redis  # noqa: E402
+from scratch_redis import leased, scratch_redis  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.join(HERE, "..", "..", "..")
@@ -43,12 +43,7 @@ def main():
         results = {}
         for _ in range(rounds):
             for name, (text, names) in scripts.items():
-                r.flushall()
-                sha = r.script_load(text)
-                pipe = r.pipeline(transaction=False)
-                for i in range(N):
-                    pipe.set(f"rig:r{i}", f"{BOOT}|fe-a")
-                pipe.execute()
+                sha = leased(r, text, N, BOOT)
                 for second in (False, True):
                     r.config_resetstat()
                     pipe = r.pipeline(transaction=False)

@@ -16,7 +16,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "lib"))
-from scratch_redis import scratch_redis  # noqa: E402
+from scratch_redis import leased, scratch_redis  # noqa: E402
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..")
 N, BATCH = 10_000, 500
@@ -81,12 +81,7 @@ PLAIN = {
 
 def script_us(r, text):
     """Redis's time per command for the 2nd and 3rd command of each rig: two figures."""
-    r.flushall()
-    sha = r.script_load(text)
-    pipe = r.pipeline(transaction=False)
-    for i in range(N):
-        pipe.set(f"rig:r{i}", f"{BOOT}|fe-a")
-    pipe.execute()
+    sha = leased(r, text, N, BOOT)
     out = []
     for seq in (1, 2, 3):
         r.config_resetstat()

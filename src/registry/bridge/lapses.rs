@@ -209,14 +209,16 @@ impl Bridge {
     /// (not while Redis is away, or sessions go back after an outage, or after a failed call).
     pub(super) fn lapse_names_due(&self) -> Option<Instant> {
         let (first, _, _, _) = self.lapses.unnamed.first()?;
-        if self.fleet.as_ref().is_none_or(|f| !f.is_up())
-            || self.rekeep_all
-            || !self.rekeeps.is_empty()
-        {
+        if self.fleet.as_ref().is_none_or(|f| !f.is_up()) || self.sessions_going_back() {
             return None;
         }
         let at = *first + NAME_AFTER;
         Some(self.lapses.names_after.map_or(at, |n| n.max(at)))
+    }
+
+    /// Whether sessions are going back into Redis after an outage: names wait for them.
+    fn sessions_going_back(&self) -> bool {
+        self.rekeep_all || !self.rekeeps.is_empty()
     }
 
     /// The watch's timers: departures named in Redis, due sessions asked about, and a sweep
@@ -261,7 +263,7 @@ impl Bridge {
                 && (*first + NAME_AFTER <= now || self.lapses.unnamed.len() >= WATCH_CHUNK));
         // Sessions going back after an outage first: named in between, 10,000 of them took
         // 12% longer to go back (`bench/redis-restart.sh`).
-        let rekeeping = !now_all && (self.rekeep_all || !self.rekeeps.is_empty());
+        let rekeeping = !now_all && self.sessions_going_back();
         if !due || rekeeping || self.fleet.as_ref().is_none_or(|f| !f.is_up()) {
             return true;
         }
