@@ -500,6 +500,44 @@ fn after_a_redis_restart_the_leases_come_back_without_waiting_for_a_heartbeat() 
     assert_eq!(lease(), Some(format!("{boot}|fe-a")));
 }
 
+/// While Redis is away the bridge sleeps until its reconnect is due: the registry's timers
+/// (refresh, touch, heartbeat, canary) stay due for the whole outage, and once woke it every
+/// millisecond, a few percent of a CPU for nothing.
+#[test]
+fn the_bridge_sleeps_through_a_redis_outage() {
+    let mut redis = RedisServer::start();
+    let a = fleet_broker(&redis, "fe-a", &[]);
+    let (_ws, _, _) = a.rig("rig-asleep");
+    redis.kill9();
+    a.wait_readyz(503, Duration::from_secs(10), "readyz 503");
+    let before = bridge_switches(a.pid());
+    // The window the wake-ups are counted over, not a wait for anything.
+    std::thread::sleep(Duration::from_secs(2));
+    let woke = bridge_switches(a.pid()) - before;
+    // Reconnect attempts (backing off from 100 ms up to 1 s) and the 1 s expiry timer: a
+    // few dozen at most; a bridge woken every millisecond counts some 2,000.
+    assert!(woke < 100, "the bridge woke {woke} times in 2 s of outage");
+    redis.restart();
+    a.wait_readyz(200, Duration::from_secs(15), "readyz 200 again");
+}
+
+/// How often the broker's bridge thread has given up its CPU so far (each sleep is one).
+fn bridge_switches(pid: u32) -> u64 {
+    let tasks = std::fs::read_dir(format!("/proc/{pid}/task")).expect("the broker's tasks");
+    let bridge = tasks
+        .filter_map(|t| t.ok().map(|t| t.path()))
+        .find(|t| {
+            std::fs::read_to_string(t.join("comm")).is_ok_and(|c| c.starts_with("fleetlink-brid"))
+        })
+        .expect("a bridge thread");
+    let status = std::fs::read_to_string(bridge.join("status")).expect("its status");
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("voluntary_ctxt_switches:"))
+        .and_then(|v| v.trim().parse().ok())
+        .expect("voluntary_ctxt_switches")
+}
+
 #[test]
 fn readiness_follows_redis_and_rigs_survive_an_outage() {
     let mut redis = RedisServer::start();

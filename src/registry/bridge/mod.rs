@@ -276,6 +276,7 @@ impl Bridge {
             let now = Instant::now();
             self.redis_io(now);
             self.timers(now);
+            self.report_redis();
             if handled == BATCH || !inbox.arm() {
                 continue;
             }
@@ -288,11 +289,15 @@ impl Bridge {
     fn sleep(&self, inbox: &Inbox<ToBridge>, now: Instant) {
         let mut next = self.next_expire;
         if let Some(f) = self.fleet.as_ref() {
-            next = next
-                .min(self.next_refresh)
-                .min(self.next_touch)
-                .min(self.next_heartbeat)
-                .min(self.next_canary);
+            // Redis timers wait for the reconnect: left due while Redis is away, they would
+            // wake the bridge every `TIMER_FLOOR` for the whole outage.
+            if f.is_up() {
+                next = next
+                    .min(self.next_refresh)
+                    .min(self.next_touch)
+                    .min(self.next_heartbeat)
+                    .min(self.next_canary);
+            }
             // A reconnect is due at its backoff, not at whatever timer comes next (up to a
             // second later: the sessions after a Redis restart went back that late).
             if let Some(at) = f.reconnect_due() {

@@ -19,12 +19,11 @@ use crate::registry::throttle::Throttle;
 use crate::reply;
 
 impl Bridge {
-    /// Reads the subscription, then sends queued persists, publishes and releases unless
-    /// [`Self::write_due`] says to wait; reconnects when down.
-    pub(super) fn redis_io(&mut self, now: Instant) {
-        self.redis_pass(now);
-        // What the pass ended with, not what it began with: a call that failed in it dropped
-        // its connection, and `/metrics` and `/readyz` must say so until the reconnect.
+    /// Tells `/metrics` and `/readyz` how the connections to Redis stand at the end of a pass,
+    /// timers included: a call that failed anywhere in it dropped its connection, and while
+    /// Redis is away the bridge may then sleep until the reconnect's backoff is over, so a
+    /// state told any earlier would read as up all that time.
+    pub(super) fn report_redis(&mut self) {
         let Some(f) = self.fleet.as_mut() else { return };
         let refused = f.refusals - self.refusals_counted;
         self.refusals_counted = f.refusals;
@@ -40,24 +39,33 @@ impl Bridge {
         self.shared.redis_up.store(u64::from(up), Ordering::Relaxed);
         self.shared.subscribed.store(subscribed, Ordering::Relaxed);
         self.count_publish_drops();
+        self.note_listening();
     }
 
-    fn redis_pass(&mut self, now: Instant) {
+    /// Each time this broker stops or starts listening (either connection, the subscription
+    /// alone included), sessions are named in `sess:lapses` again with their next command:
+    /// while it did not listen, a sweep may have taken out a connected rig's session that held
+    /// nothing unacked (`lua/lapse_end.lua`). Noted at the end of a pass too: a call that
+    /// failed in the timers must not wait for the reconnect to be seen.
+    fn note_listening(&mut self) {
+        let listening = self.fleet.as_ref().is_some_and(Fleet::is_up);
+        if listening != self.lapse_listening {
+            self.lapse_listening = listening;
+            self.lapse_count = self.lapse_count.wrapping_add(1).max(1);
+        }
+    }
+
+    /// Reads the subscription, then sends queued persists, publishes and releases unless
+    /// [`Self::write_due`] says to wait; reconnects when down.
+    pub(super) fn redis_io(&mut self, now: Instant) {
         let Some(f) = self.fleet.as_mut() else { return };
         f.log_pending_drops(now);
         let up = f.ensure(now);
         // The subscription is read even when the command connection is down: what Redis
         // pushed on it is control's, and it was told someone received it.
         let pushes = f.read();
-        // Each time this broker stops or starts listening (either connection, the
-        // subscription alone included), sessions are named in `sess:lapses` again with their
-        // next command: while it did not listen, a sweep may have taken out a connected rig's
-        // session that held nothing unacked (`lua/lapse_end.lua`).
-        let listening = f.is_up();
-        if listening != self.lapse_listening {
-            self.lapse_listening = listening;
-            self.lapse_count = self.lapse_count.wrapping_add(1).max(1);
-        }
+        self.note_listening();
+        let Some(f) = self.fleet.as_mut() else { return };
         let reconnected = up && std::mem::take(&mut f.just_connected);
         if reconnected {
             // Re-assert every lease we hold: Redis may have restarted empty. And put every
