@@ -82,27 +82,46 @@ pub enum Failpoint {
     CoreHello,
     /// The bridge panics on this rig's hello.
     BridgeHello,
+    /// The bridge names sessions for their lapse reports only on its way out (any target), so
+    /// that a test can tell the naming at exit from the naming a moment after a rig left.
+    LapseNamesAtExitOnly,
 }
 
 impl Failpoint {
     /// Panics when the test asked this point to fire for `rig`.
     pub fn check(self, rig: &str) {
+        if self.target() == Some(rig) {
+            panic!("failpoint {} for rig {rig}", self.name());
+        }
+    }
+
+    /// Whether the test set this point, for whichever target.
+    pub fn is_set(self) -> bool {
+        self.target().is_some()
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Failpoint::CoreHello => "core-panic-on-hello",
+            Failpoint::BridgeHello => "bridge-panic-on-hello",
+            Failpoint::LapseNamesAtExitOnly => "lapse-names-at-exit-only",
+        }
+    }
+
+    /// The target the test set this point for, if it did (debug builds only).
+    fn target(self) -> Option<&'static str> {
         #[cfg(debug_assertions)]
         {
             static SET: OnceLock<Option<String>> = OnceLock::new();
             let set = SET.get_or_init(|| std::env::var("FLEETLINK_FAILPOINT").ok());
-            let name = match self {
-                Failpoint::CoreHello => "core-panic-on-hello",
-                Failpoint::BridgeHello => "bridge-panic-on-hello",
-            };
-            if let Some((point, target)) = set.as_deref().and_then(|s| s.split_once('=')) {
-                if point == name && target == rig {
-                    panic!("failpoint {point} for rig {rig}");
-                }
-            }
+            let (point, target) = set.as_deref()?.split_once('=')?;
+            (point == self.name()).then_some(target)
         }
         #[cfg(not(debug_assertions))]
-        let _ = (self, rig);
+        {
+            let _ = self;
+            None
+        }
     }
 }
 

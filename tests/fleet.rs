@@ -2783,12 +2783,24 @@ fn a_lapse_is_reported_by_another_broker_when_the_one_the_rig_left_is_gone() {
     let b = fleet_broker(&redis, "fe-stays", &["--session-ttl", "10m"]);
     let mut ctl = Control::new(&redis, &["fleetlink:events"]);
     let mut killed = fleet_broker(&redis, "fe-killed", &ttl);
-    // Its rigs closed at once as it exits: named in Redis on the way out.
-    let mut drained = fleet_broker(
-        &redis,
-        "fe-drained",
-        &["--session-ttl", "10s", "--drain", "0s"],
+    // Its rigs closed at once as it exits: named in Redis on the way out, and only then (the
+    // failpoint holds back the naming a moment after a rig left, which may otherwise come
+    // first).
+    let url = redis.url();
+    let mut drained = Broker::start_with_env(
+        &[
+            "--redis",
+            &url,
+            "--broker-id",
+            "fe-drained",
+            "--session-ttl",
+            "10s",
+            "--drain",
+            "0s",
+        ],
+        &[("FLEETLINK_FAILPOINT", "lapse-names-at-exit-only=any")],
     );
+    drained.wait_readyz(200, Duration::from_secs(10), "fe-drained ready");
     let mut rigs = Vec::new();
     for (a, id, rig) in [
         (&killed, "fe-killed", "rig-k"),

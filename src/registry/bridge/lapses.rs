@@ -16,6 +16,7 @@ use super::upkeep::touch_every;
 use super::Bridge;
 use crate::ids::{BootId, RigId};
 use crate::registry::lapse_scripts::{Lapse, WATCH_CHUNK};
+use crate::thread_loss::Failpoint;
 
 /// Most sessions watched at once: one per rig that left with commands unacked within a
 /// `--session-ttl` (about 200 bytes each). Past it a session goes unwatched here, counted
@@ -209,7 +210,10 @@ impl Bridge {
     /// (not while Redis is away, or sessions go back after an outage, or after a failed call).
     pub(super) fn lapse_names_due(&self) -> Option<Instant> {
         let (first, _, _, _) = self.lapses.unnamed.first()?;
-        if self.fleet.as_ref().is_none_or(|f| !f.is_up()) || self.sessions_going_back() {
+        if self.fleet.as_ref().is_none_or(|f| !f.is_up())
+            || self.sessions_going_back()
+            || Failpoint::LapseNamesAtExitOnly.is_set()
+        {
             return None;
         }
         let at = *first + NAME_AFTER;
@@ -254,6 +258,9 @@ impl Bridge {
     /// Names the departures not yet named in Redis, up to [`NAMED_PER_ROUND`], once the first
     /// has waited [`NAME_AFTER`] (at once with `now_all`); false when Redis did not answer.
     fn name_lapses(&mut self, now: Instant, now_all: bool) -> bool {
+        if !now_all && Failpoint::LapseNamesAtExitOnly.is_set() {
+            return true;
+        }
         self.held_names_due(now, now_all);
         let Some((first, _, _, _)) = self.lapses.unnamed.first() else {
             return true;
