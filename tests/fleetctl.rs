@@ -267,6 +267,37 @@ fn redis_send_to_a_gone_broker_is_rig_not_connected() {
     );
 }
 
+/// A tool watching the fleet with `PSUBSCRIBE *` counts as a receiver of every PUBLISH: a
+/// send to a gone broker still answers at once, rather than wait out its timeout.
+#[test]
+fn redis_send_to_a_gone_broker_is_rig_not_connected_while_a_pattern_watches() {
+    let redis = RedisServer::start();
+    register(&redis, "rig-1", "fe-dead");
+    let mut watcher = redis.connection();
+    let _: () = redis::cmd("PSUBSCRIBE")
+        .arg("*")
+        .query(&mut watcher)
+        .unwrap();
+    let started = Instant::now();
+    let run = fleetctl(&[
+        "--redis",
+        &redis.url(),
+        "--json",
+        "send",
+        "rig-1",
+        "reboot",
+        "--timeout",
+        "20s",
+    ]);
+    run.assert_code(2);
+    assert_eq!(run.lines()[0]["error"], "rig_not_connected");
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "waited {:?}",
+        started.elapsed()
+    );
+}
+
 #[test]
 fn redis_send_to_a_silent_broker_times_out() {
     let (redis, fe) = one_rig_fleet(false);

@@ -127,6 +127,17 @@ impl RedisPlane {
             return Ok(fail("rig_not_connected", &detail));
         }
         let channel = format!("fleetlink:broker:{}", owner.broker_id);
+        // PUBLISH counts pattern subscribers too (a `PSUBSCRIBE *` watching the fleet): its
+        // receiver count alone would have a dead broker's command wait out the timeout.
+        let broker = BTreeSet::from([owner.broker_id.clone()]);
+        if self.listening(&broker)?.is_empty() {
+            let detail = format!(
+                "{key} names broker {} but nothing subscribes to {channel}: the broker is gone \
+                 or cut off from Redis (the stale entry expires with its TTL); nothing was sent",
+                owner.broker_id
+            );
+            return Ok(fail("rig_not_connected", &detail));
+        }
         let build = |reply_to: &str| build(&id, reply_to);
         self.round_trip(&id, &channel, build, |sub, receivers| {
             if receivers == 0 {
