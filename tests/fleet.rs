@@ -2531,6 +2531,125 @@ fn rig_left_on_a_killed_broker(redis: &RedisServer, a: &mut Broker, boot: &str) 
     drop(ws);
 }
 
+/// The ids of the clients connected to `redis` now, besides the asking one, each with whether
+/// it is subscribed.
+fn client_ids(redis: &RedisServer) -> Vec<(u64, bool)> {
+    let list: String = redis::cmd("CLIENT")
+        .arg("LIST")
+        .query(&mut redis.connection())
+        .unwrap();
+    list.lines()
+        .filter(|l| !l.contains("cmd=client|list"))
+        .filter_map(|l| {
+            let field = |name: &str| {
+                l.split(' ')
+                    .find_map(|f| f.strip_prefix(name))
+                    .map(str::to_owned)
+            };
+            let id = field("id=")?.parse().ok()?;
+            Some((id, field("flags=")?.contains('P')))
+        })
+        .collect()
+}
+
+/// Ends client `id`'s connection, as an operator's `CLIENT KILL ID` does.
+fn kill_client(redis: &RedisServer, id: u64) {
+    let killed: i64 = redis::cmd("CLIENT")
+        .arg("KILL")
+        .arg("ID")
+        .arg(id)
+        .query(&mut redis.connection())
+        .unwrap();
+    assert_eq!(killed, 1, "client {id} killed");
+}
+
+/// Redis ends a broker's idle command connection alone (a `CLIENT KILL`, its `timeout`) and a
+/// rig says hello to it at once: the hello is still decided through Redis, which holds the
+/// rig's session from another broker, so it resumes it. Before, the hello's own call found
+/// the connection dead, and it was welcomed `resumed: false`, decided by the broker alone.
+#[test]
+fn a_hello_right_after_redis_closed_the_command_connection_still_resumes() {
+    let redis = RedisServer::start();
+    let a = fleet_broker(&redis, "fe-a", &[]);
+    let a_clients = client_ids(&redis);
+    let [(a_con, false)] = a_clients
+        .iter()
+        .copied()
+        .filter(|(_, sub)| !sub)
+        .collect::<Vec<_>>()[..]
+    else {
+        panic!("fe-a's one command connection: {a_clients:?}");
+    };
+    let b = fleet_broker(&redis, "fe-b", &[]);
+    let mut ctl = Control::new(&redis, &[]);
+    let boot = boot_id();
+    let mut on_b = hello_on(&b, "rig-h", &boot);
+    command_reaches(&mut ctl, "fe-b", "rig-h", "h1", &mut on_b);
+    drop(on_b);
+    eventually(Duration::from_secs(10), "fe-b lets rig-h go", || {
+        lists_no_rig(&b) && owner(&redis, "rig-h").is_none()
+    });
+    kill_client(&redis, a_con);
+    let mut ws = a.connect("/agent");
+    let hello = json!({"type":"hello","rig_id":"rig-h","boot_id":boot,"version":"t","last_seq":0});
+    ws.send(Message::Text(hello.to_string().into())).unwrap();
+    let welcome = read_json(&mut ws);
+    assert_eq!(welcome["resumed"], true, "{welcome}");
+    read_command(&mut ws, 1, "h1");
+}
+
+/// Redis ends a broker's subscription alone, and keeps it from coming back for a while (its
+/// user's channels taken away): a command control queues meanwhile for a rig connected there
+/// is held, naming the broker in `offline:for:`. Once the broker listens again it takes the
+/// command at once, not at its next lease refresh (30 s here).
+#[test]
+fn what_was_held_while_only_the_subscription_was_down_is_taken_once_it_is_back() {
+    let redis = RedisServer::start();
+    let mut con = redis.connection();
+    let channels = |grant: bool| {
+        let mut args = vec!["SETUSER", "fe", "on", ">pw", "~*", "+@all", "resetchannels"];
+        if grant {
+            args.push("&fleetlink:*");
+        }
+        args
+    };
+    let _: () = redis::cmd("ACL")
+        .arg(channels(true))
+        .query(&mut con)
+        .unwrap();
+    let url = format!("redis://fe:pw@127.0.0.1:{}/", redis.port());
+    let a = fleet_broker_at(&url, "fe-a", &["--registry-refresh", "30s"]);
+    let _b = fleet_broker(&redis, "fe-b", &[]);
+    let mut ctl = Control::new(&redis, &["fleetlink:events"]);
+    let mut ws = hello_on(&a, "rig-1", &boot_id());
+    eventually(Duration::from_secs(10), "the lease is fe-a's", || {
+        owner(&redis, "rig-1").is_some_and(|o| o.ends_with("|fe-a"))
+    });
+    // Redis ends the subscription of a user whose channels it takes away.
+    let _: () = redis::cmd("ACL")
+        .arg(channels(false))
+        .query(&mut con)
+        .unwrap();
+    eventually(Duration::from_secs(10), "fe-a's channel unheard", || {
+        numsub(&redis, "fleetlink:broker:fe-a") == 0
+    });
+    queued_through(&mut ctl, "fe-b", "rig-1", "q1");
+    let _: () = redis::cmd("ACL")
+        .arg(channels(true))
+        .query(&mut con)
+        .unwrap();
+    eventually(Duration::from_secs(10), "fe-a listens again", || {
+        numsub(&redis, "fleetlink:broker:fe-a") == 1
+    });
+    let back = Instant::now();
+    read_command(&mut ws, 1, "q1");
+    assert!(
+        back.elapsed() < Duration::from_secs(5),
+        "taken {:?} after fe-a listened again",
+        back.elapsed()
+    );
+}
+
 /// Control queues `id` for `rig` through broker `via`, `queue_if_offline`: answered `queued`.
 fn queued_through(ctl: &mut Control, via: &str, rig: &str, id: &str) {
     let msg = json!({"type":"command","id":id,"rig_id":rig,"name":"n","args":{},
@@ -2890,7 +3009,7 @@ fn a_long_outage_ends_without_a_slow_subscription_warning() {
     // A line logged after the reconnect's: the log up to it holds any warning the reconnect
     // gave (one stream, in order).
     redis.kill9();
-    let lost = "redis closed the subscription";
+    let lost = "serving from the local registry until it returns";
     eventually(Duration::from_secs(10), "the second outage logged", || {
         a.log_text().matches(lost).count() == 2
     });

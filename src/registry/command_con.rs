@@ -15,6 +15,7 @@
 //! connection does its own writes and reads to keep that bound.
 
 use std::io::{self, Read, Write};
+use std::os::fd::{AsRawFd, RawFd};
 use std::time::{Duration, Instant};
 
 use redis::{ConnectionInfo, ConnectionLike, RedisResult, Value};
@@ -64,6 +65,29 @@ impl CommandCon {
     }
 
     /// Sets how long each call may take from now on.
+    /// Whether Redis closed this connection (or sent what no call asked for) while it was
+    /// idle: between calls nothing is owed on it, so anything readable means it is done. A
+    /// `CLIENT KILL`, Redis's `timeout`, or a restart closes it without a word, and the next
+    /// call would only then find out, failing whatever it carried.
+    pub(crate) fn peer_gone(&self) -> bool {
+        if self.start < self.buf.len() {
+            return true;
+        }
+        let mut fd = libc::pollfd {
+            fd: self.stream.as_raw_fd(),
+            events: libc::POLLIN | libc::POLLRDHUP,
+            revents: 0,
+        };
+        // SAFETY: one valid, initialized pollfd; a zero timeout never blocks.
+        let ready = unsafe { libc::poll(&mut fd, 1, 0) };
+        ready != 0
+    }
+
+    /// The socket, for poll(2): its peer closing it wakes the bridge.
+    pub(crate) fn fd(&self) -> RawFd {
+        self.stream.as_raw_fd()
+    }
+
     pub(crate) fn set_timeout(&mut self, timeout: Duration) -> RedisResult<()> {
         self.stream.set_timeouts(Some(timeout))?;
         self.timeout = timeout;

@@ -338,6 +338,15 @@ impl Bridge {
                 revents: 0,
             });
         }
+        // Nothing is owed on the command connection between calls: its peer's close is all
+        // there is to wake for, and it is reconnected at once (`Fleet::revive`).
+        if let Some(fd) = self.fleet.as_ref().and_then(Fleet::con_fd) {
+            fds.push(libc::pollfd {
+                fd,
+                events: libc::POLLRDHUP,
+                revents: 0,
+            });
+        }
         // SAFETY: `fds` is a valid array of initialized pollfd for its length, `timeout` a
         // valid timespec, and a null sigmask leaves the thread's mask as it is.
         unsafe {

@@ -60,11 +60,18 @@ impl Bridge {
     pub(super) fn redis_io(&mut self, now: Instant) {
         let Some(f) = self.fleet.as_mut() else { return };
         f.log_pending_drops(now);
-        let up = f.ensure(now);
+        let up = f.revive(now);
         // The subscription is read even when the command connection is down: what Redis
         // pushed on it is control's, and it was told someone received it.
         let pushes = f.read();
         self.note_listening();
+        let Some(f) = self.fleet.as_mut() else { return };
+        if up && std::mem::take(&mut f.just_subscribed) {
+            // What control held for rigs connected here while this broker did not listen
+            // (`offline:for:<id>`) is taken by the refresh: now, not up to a refresh later.
+            self.next_refresh = now;
+            self.next_canary = now;
+        }
         let Some(f) = self.fleet.as_mut() else { return };
         let reconnected = up && std::mem::take(&mut f.just_connected);
         if reconnected {

@@ -164,8 +164,25 @@ impl Fleet {
         if self.sub.is_none() {
             let channels = [broker_channel(&self.broker_id), BROADCAST.to_string()];
             self.sub = Some(Subscriber::connect(&self.info, &channels, IO_TIMEOUT)?);
+            self.just_subscribed = true;
         }
         Ok(())
+    }
+
+    /// Drops the command connection if Redis closed it while it was idle, and reconnects at
+    /// once rather than at the backoff: Redis itself may well be fine (a `CLIENT KILL`, its
+    /// `timeout`), and the next call, a hello's say, would otherwise fail on the dead
+    /// connection and be decided without Redis. Returns true when both connections are up.
+    pub(crate) fn revive(&mut self, now: Instant) -> bool {
+        if self.con.as_ref().is_some_and(CommandCon::peer_gone) {
+            log::warn!(
+                "redis: closed the command connection while it was idle (a CLIENT KILL, \
+                 Redis's timeout setting, or a restart); reconnecting it"
+            );
+            self.con = None;
+            self.next_attempt = self.next_attempt.min(now);
+        }
+        self.ensure(now)
     }
 
     fn open_con(&mut self) -> anyhow::Result<CommandCon> {
@@ -290,8 +307,8 @@ impl Fleet {
         loop {
             let now = Instant::now();
             // After "now", only a Redis already there: no attempt that could take a probe's
-            // wait.
-            if wait.over(now) {
+            // wait. Nor one that could end past the wait.
+            if !attempt_fits(wait, now) {
                 return false;
             }
             self.next_attempt = self.next_attempt.min(now);
@@ -341,6 +358,17 @@ impl Fleet {
     pub(crate) fn fd(&self) -> Option<RawFd> {
         self.sub.as_ref().map(AsRawFd::as_raw_fd)
     }
+
+    /// The command connection's socket, for poll(2) on its peer's close alone.
+    pub(crate) fn con_fd(&self) -> Option<RawFd> {
+        self.con.as_ref().map(CommandCon::fd)
+    }
+}
+
+/// Whether a reconnect attempt begun at `now` ends within `wait` however Redis answers: a hung
+/// one holds it for the connect and then the probe, each up to [`PROBE_TIMEOUT`].
+pub(super) fn attempt_fits(wait: &ExitWait, now: Instant) -> bool {
+    !wait.over(now + PROBE_TIMEOUT.saturating_mul(2))
 }
 
 /// The cap for the wait after an attempt that failed in `took`: short when it was refused at

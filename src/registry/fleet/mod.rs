@@ -84,6 +84,9 @@ pub(crate) struct Fleet {
     pub(crate) published: u64,
     /// Set after every successful (re)connect; the bridge re-asserts its rigs then.
     pub(crate) just_connected: bool,
+    /// Set after every successful (re)subscribe: what was held for this broker's rigs while
+    /// it did not listen is taken at once (the bridge's refresh), not at the next one.
+    pub(crate) just_subscribed: bool,
     /// Set when the heartbeat found this broker's liveness key gone on a live connection:
     /// Redis lost keys (FLUSHALL, eviction), and the sessions parked here go back.
     pub(crate) keys_lost: bool,
@@ -131,6 +134,7 @@ impl Fleet {
             refused_log: Throttle::default(),
             published: 0,
             just_connected: false,
+            just_subscribed: false,
             keys_lost: false,
             refusals: 0,
             subscription_cuts: 0,

@@ -165,12 +165,15 @@ impl Fleet {
     pub(crate) fn flush_before_exit(&mut self, wait: &ExitWait) {
         loop {
             let now = Instant::now();
-            // At its own pace, not the backoff's: after a long outage that is seconds.
-            self.next_attempt = self.next_attempt.min(now);
-            self.ensure(now);
+            if super::connection::attempt_fits(wait, now) {
+                // At its own pace, not the backoff's: after a long outage that is seconds.
+                self.next_attempt = self.next_attempt.min(now);
+                self.ensure(now);
+            }
             if self.con.is_some() {
                 self.flush(None);
             }
+            let now = Instant::now();
             let (publishes, forgets, writes) = (
                 self.outgoing.len(),
                 self.forgets.len(),
