@@ -70,7 +70,7 @@ impl CommandCon {
     /// `CLIENT KILL`, Redis's `timeout`, or a restart closes it without a word, and the next
     /// call would only then find out, failing whatever it carried.
     pub(crate) fn peer_gone(&self) -> bool {
-        if self.start < self.buf.len() {
+        if !self.open || self.start < self.buf.len() {
             return true;
         }
         let mut fd = libc::pollfd {
@@ -303,6 +303,25 @@ mod tests {
         });
         let info = format!("redis://{addr}/").into_connection_info().unwrap();
         (info, server)
+    }
+
+    /// An idle connection Redis closed reads as gone, with no call made on it; one still
+    /// open does not.
+    #[test]
+    fn an_idle_connection_its_peer_closed_is_seen_gone_without_a_call() {
+        use redis::IntoConnectionInfo;
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let info = format!("redis://{addr}/").into_connection_info().unwrap();
+        let con = CommandCon::connect(&info, Duration::from_millis(500)).unwrap();
+        let (peer, _) = listener.accept().unwrap();
+        assert!(!con.peer_gone(), "open and idle");
+        drop(peer);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while !con.peer_gone() {
+            assert!(Instant::now() < deadline, "the close never seen");
+            std::thread::yield_now();
+        }
     }
 
     /// A call with a 500 ms budget ended by its deadline (or a read or write it shortened to
