@@ -85,9 +85,6 @@ impl Bridge {
                 .filter(|(_, older)| !**older)
                 .map(|(h, _)| (&h.rig, &h.boot))
                 .collect();
-            // A command connection Redis closed while idle would fail these hellos' call, and
-            // they would be decided here alone though Redis is there.
-            f.revive(Instant::now());
             f.settle_before_hellos(&entries);
             if entries.is_empty() {
                 return Some(Vec::new());

@@ -250,6 +250,16 @@ impl Bridge {
 
     fn run(&mut self, inbox: &Inbox<ToBridge>) {
         loop {
+            // A command connection Redis closed while idle is replaced before this pass's
+            // hellos make their calls: on it they would fail, and be decided here alone though
+            // Redis is there. Replaced as any reconnect is (leases, sessions put back), so
+            // they find in Redis what this broker holds for their rigs.
+            let now = Instant::now();
+            if self.fleet.as_mut().is_some_and(|f| f.drop_if_closed(now)) {
+                self.redis_io(now);
+                self.timers(now);
+                self.report_redis();
+            }
             let mut handled = 0;
             let mut shutdown = None;
             // Verdicts of an accept storm's hellos, say, reach each core with one ring.
@@ -339,7 +349,7 @@ impl Bridge {
             });
         }
         // Nothing is owed on the command connection between calls: its peer's close is all
-        // there is to wake for, and it is reconnected at once (`Fleet::revive`).
+        // there is to wake for, and it is reconnected at once (`Fleet::drop_if_closed`).
         if let Some(fd) = self.fleet.as_ref().and_then(Fleet::con_fd) {
             fds.push(libc::pollfd {
                 fd,

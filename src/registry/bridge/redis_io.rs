@@ -60,7 +60,7 @@ impl Bridge {
     pub(super) fn redis_io(&mut self, now: Instant) {
         let Some(f) = self.fleet.as_mut() else { return };
         f.log_pending_drops(now);
-        let up = f.revive(now);
+        let up = f.ensure(now);
         // The subscription is read even when the command connection is down: what Redis
         // pushed on it is control's, and it was told someone received it.
         let pushes = f.read();

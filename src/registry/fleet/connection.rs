@@ -169,20 +169,21 @@ impl Fleet {
         Ok(())
     }
 
-    /// Drops the command connection if Redis closed it while it was idle, and reconnects at
-    /// once rather than at the backoff: Redis itself may well be fine (a `CLIENT KILL`, its
-    /// `timeout`), and the next call, a hello's say, would otherwise fail on the dead
-    /// connection and be decided without Redis. Returns true when both connections are up.
-    pub(crate) fn revive(&mut self, now: Instant) -> bool {
-        if self.con.as_ref().is_some_and(CommandCon::peer_gone) {
-            log::warn!(
-                "redis: closed the command connection while it was idle (a CLIENT KILL, \
-                 Redis's timeout setting, or a restart); reconnecting it"
-            );
-            self.con = None;
-            self.next_attempt = self.next_attempt.min(now);
+    /// Drops the command connection if Redis closed it while it was idle, and makes its
+    /// reconnect due at once rather than at the backoff: Redis itself may well be fine (a
+    /// `CLIENT KILL`, its `timeout`), and the next call, a hello's say, would otherwise fail
+    /// on the dead connection and be decided without Redis. True when it dropped it.
+    pub(crate) fn drop_if_closed(&mut self, now: Instant) -> bool {
+        if !self.con.as_ref().is_some_and(CommandCon::peer_gone) {
+            return false;
         }
-        self.ensure(now)
+        log::warn!(
+            "redis: closed the command connection while it was idle (a CLIENT KILL, Redis's \
+             timeout setting, or a restart); reconnecting it"
+        );
+        self.con = None;
+        self.next_attempt = self.next_attempt.min(now);
+        true
     }
 
     fn open_con(&mut self) -> anyhow::Result<CommandCon> {
