@@ -78,7 +78,10 @@
 --             after an empty restart or left by a resume there). The commands
 --             Redis never numbered (at or above its "next") are added (HSETNX: never over
 --             that broker's) and "next" raised to ARGV[3], so that broker's next command
---             cannot take a seq the rig already holds
+--             cannot take a seq the rig already holds. Where the lease names that broker,
+--             {"type":"session_merged","rig_id","boot_id"} is published on its channel
+--             (fleetlink:broker:<id>): it puts back its connection's copy, finds Redis's
+--             "next" above it, and gives the rig what this copy added
 --   "fenced"  the fence above refused: nothing written
 -- Writing ("ok", "merged"), a seq that holds another command in Redis (two brokers each gave
 -- it while deciding alone) keeps one of the two, as above, and publishes the other on
@@ -488,6 +491,16 @@ if mode == 'parked' then
   local older = leased ~= nil and #leased == #boot and newer(boot, leased)
   if not ended_by and (same or ((lease == false or older) and exists)) then
     write(sess, true, found)
+    if same then
+      -- That broker's connection has the session as Redis had it at the rig's hello (after
+      -- an empty restart, a new one): told, it puts its copy back and is answered with what
+      -- this one added, which it gives the rig then, not at its next command.
+      local holder = lease:match('^[^|]+|(.+)$')
+      if holder then
+        redis.call('PUBLISH', 'fleetlink:broker:' .. holder, '{"type":"session_merged","rig_id":'
+            .. cjson.encode(rig) .. ',"boot_id":' .. cjson.encode(boot) .. '}')
+      end
+    end
     return 'merged'
   end
   if not ended_by and lease ~= false and lease ~= tuple and not older then

@@ -2865,3 +2865,40 @@ fn a_session_an_older_boots_hello_ended_is_reported_and_the_record_names_that_bo
         );
     }
 }
+
+/// After an empty Redis restart, the rig resumes the same boot on B before A, which keeps its
+/// session parked, is back on Redis: B finds nothing and welcomes it `resumed: false`. When A
+/// puts its copy back, merged into the session B started, B is told (`session_merged`) and
+/// gives the rig its unacked commands at once, in order. Before, they waited for control's
+/// next command to the rig, which was refused as stale (a black-box review: 5 of 6 runs).
+#[test]
+fn a_rig_resumed_elsewhere_before_its_parked_session_went_back_is_given_its_commands() {
+    let mut redis = RedisServer::start();
+    let relay = Relay::start(redis.port());
+    let a = fleet_broker_at(&relay.url(), "fe-a", &[]);
+    let b = fleet_broker(&redis, "fe-b");
+    let boot = boot_id();
+    let (mut on_a, _) = connect_hello(&a, "rig-m", &boot, None);
+    let mut ctl = Control::new(&redis, &[]);
+    for i in 1..=2u64 {
+        let r = ctl.command_id("fe-a", "rig-m", &format!("m{i}"), "n", json!({}));
+        assert_eq!(r["seq"], i, "{r}");
+        read_command(&mut on_a, i, format!("m{i}"));
+    }
+    drop(on_a);
+    eventually(Duration::from_secs(10), "fe-a parks rig-m", || {
+        a.http("GET", "/v1/rigs", "").1.trim() == "[]"
+    });
+    // fe-a stays away from Redis until the rig has resumed on fe-b.
+    relay.down(true);
+    a.wait_readyz(503, Duration::from_secs(15), "fe-a away");
+    redis.restart();
+    b.wait_readyz(200, Duration::from_secs(15), "fe-b back on the empty Redis");
+    let (mut on_b, welcome) = connect_hello(&b, "rig-m", &boot, Some(0));
+    assert_eq!(welcome["resumed"], false, "Redis had nothing: {welcome}");
+    relay.down(false);
+    read_command(&mut on_b, 1, "m1");
+    read_command(&mut on_b, 2, "m2");
+    let mut ctl = Control::new(&redis, &[]);
+    send_and_read(&mut ctl, "fe-b", "rig-m", "m3", &mut on_b, 3);
+}

@@ -44,6 +44,15 @@ pub enum Control {
         /// Reply channel.
         reply_to: String,
     },
+    /// Another broker added to the session of `rig`'s `boot` in Redis (its parked copy, put
+    /// back after an empty restart while the rig went on here): put ours back, and take
+    /// what was added.
+    Merged {
+        /// The rig.
+        rig: RigId,
+        /// The session's boot.
+        boot: BootId,
+    },
     /// A readiness canary (ours, or another broker's on a shared channel).
     Canary {
         /// Who sent it.
@@ -322,6 +331,19 @@ pub fn parse(payload: &[u8], broadcast: bool) -> Result<Control, Bad> {
                 .ok_or_else(|| bad("evict needs a valid boot_id"))?;
             Ok(Control::Evict { rig, boot })
         }
+        ("session_merged", false) => {
+            let rig = raw
+                .rig_id
+                .as_deref()
+                .and_then(RigId::parse)
+                .ok_or_else(|| bad("session_merged needs a valid rig_id"))?;
+            let boot = raw
+                .boot_id
+                .as_deref()
+                .and_then(BootId::parse)
+                .ok_or_else(|| bad("session_merged needs a valid boot_id"))?;
+            Ok(Control::Merged { rig, boot })
+        }
         ("kick", false) => {
             if id.is_empty() {
                 return Err(bad("kick needs an id"));
@@ -415,6 +437,21 @@ pub fn offline_ttl(ttl_ms: Option<u64>) -> std::time::Duration {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Broker to broker, on a broker's own channel only; a rig and boot it cannot parse are
+    /// refused, as for an evict.
+    #[test]
+    fn a_session_merged_notice_names_a_rig_and_boot() {
+        let ok = br#"{"type":"session_merged","rig_id":"r1","boot_id":"01890a5d-ac96-774b-bcce-b302099a8057"}"#;
+        assert!(matches!(
+            parse(ok, false),
+            Ok(Control::Merged { ref rig, .. }) if rig.as_str() == "r1"
+        ));
+        assert!(parse(ok, true).is_err(), "not on the broadcast channel");
+        assert!(parse(br#"{"type":"session_merged","rig_id":"r1"}"#, false).is_err());
+        let bad_boot = br#"{"type":"session_merged","rig_id":"r1","boot_id":"nope"}"#;
+        assert!(parse(bad_boot, false).is_err());
+    }
 
     #[test]
     fn commands_kicks_evicts_broadcasts() {

@@ -225,6 +225,17 @@ impl Bridge {
                     self.evicts_to_settle.push((rig, held));
                 }
             }
+            Ok(Control::Merged { rig, boot }) => {
+                // The connection's copy goes back (`rekeep.lua`, live): Redis numbers past it
+                // now, and its answer gives the rig what the other broker added.
+                match self.registry.conn_of(&rig) {
+                    Some(conn) if self.registry.boot_of(&rig) == Some(boot) => {
+                        self.shared.count("session", "merged");
+                        self.send_to_core(conn, ToCore::Rekeep { conn });
+                    }
+                    _ => {}
+                }
+            }
             Ok(Control::Broadcast {
                 id,
                 selector,

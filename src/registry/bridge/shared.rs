@@ -12,7 +12,7 @@ use crate::metrics::BridgeStats;
 pub(super) const CANARY_STALE: Duration = Duration::from_secs(5);
 
 /// Registry operations counted by (op, result), in this order.
-pub const REGISTRY_OPS: [(&str, &str); 65] = [
+pub const REGISTRY_OPS: [(&str, &str); 66] = [
     ("offline", "held"),
     ("offline", "full"),
     ("offline", "connected_elsewhere"),
@@ -72,6 +72,7 @@ pub const REGISTRY_OPS: [(&str, &str); 65] = [
     ("session", "unnamed"),
     ("session", "swept"),
     ("session", "missed"),
+    ("session", "merged"),
     ("offline", "draining"),
     ("offline", "duplicate_removed"),
     ("refused", "rig_not_connected"),
