@@ -792,6 +792,15 @@ impl Bridge {
         // ended. Redis away (an outage, a pause) gets the same wait as the events below.
         let unkept = self.registry.parked_unkept();
         self.queue_rekeeps_of(unkept);
+        // Redis away as the drain ends may come back empty (a restart), and with it what it
+        // held of the sessions parked here: back within the wait, it gets every one of them,
+        // as at any reconnect. Else a rig that resumed elsewhere meanwhile never got their
+        // commands, and nothing said so.
+        let away = self.fleet.as_ref().is_some_and(|f| !f.is_up());
+        let parked_owed = away && !self.cfg.session_ttl.is_zero() && self.registry.has_parked();
+        if parked_owed && self.fleet.as_mut().is_some_and(|f| f.wait_up(&wait)) {
+            self.queue_parked_rekeeps();
+        }
         loop {
             let owed = !self.rekeeps.is_empty() || !self.ended_alone.is_empty();
             // After a second signal ("now"), only a Redis already there.

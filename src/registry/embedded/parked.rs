@@ -51,6 +51,11 @@ impl Embedded {
         std::mem::take(&mut self.parked_dropped)
     }
 
+    /// Whether any session is parked here.
+    pub fn has_parked(&self) -> bool {
+        !self.parked.is_empty()
+    }
+
     /// Every session parked here for a disconnected rig, with its boot (to be put back into
     /// Redis after Redis lost them or missed commands delivered while it was away).
     pub fn parked_sessions(&self) -> Vec<(RigId, BootId)> {
