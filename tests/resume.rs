@@ -2939,3 +2939,55 @@ fn a_broker_draining_through_an_empty_restart_puts_its_parked_sessions_back() {
     let status = a.wait_exit(Duration::from_secs(15)).expect("fe-a exited");
     assert!(status.success(), "{status:?}");
 }
+
+/// After an empty Redis restart the rig resumes on fe-b (which finds nothing: `resumed:
+/// false`, a new session from seq 1) and, still connected there, says hello to fe-a, cut off
+/// from Redis, which resumes it alone from its parked copy and gives it seqs 1 and 2, acked.
+/// Back on Redis, fe-a finds the lease on fe-b and closes its connection (4410); its copy goes
+/// back up to the rig's last ack, so fe-b numbers past it. Before, a connection that had
+/// delivered nothing unkept sent nothing back, and fe-b gave seq 1 again, to another command
+/// (a black-box review: deterministic).
+#[test]
+fn a_rig_back_on_a_broker_deciding_alone_after_an_empty_restart_keeps_its_seqs() {
+    let mut redis = RedisServer::start();
+    let relay = Relay::start(redis.port());
+    let a = fleet_broker_at(&relay.url(), "fe-a", &[]);
+    let b = fleet_broker(&redis, "fe-b");
+    let boot = boot_id();
+    let (on_a, _) = connect_hello(&a, "rig-r", &boot, None);
+    let mut ctl = Control::new(&redis, &[]);
+    for i in 1..=2u64 {
+        let r = ctl.command_id("fe-a", "rig-r", &format!("r{i}"), "n", json!({}));
+        assert_eq!(r["seq"], i, "{r}");
+    }
+    // Left unread: parked on fe-a with both commands.
+    drop(on_a);
+    eventually(Duration::from_secs(10), "fe-a parks rig-r", || {
+        a.http("GET", "/v1/rigs", "").1.trim() == "[]"
+    });
+    relay.down(true);
+    a.wait_readyz(503, Duration::from_secs(15), "fe-a away");
+    redis.restart();
+    b.wait_readyz(200, Duration::from_secs(15), "fe-b back on the empty Redis");
+    let (_on_b, welcome) = connect_hello(&b, "rig-r", &boot, None);
+    assert_eq!(welcome["resumed"], false, "Redis had nothing: {welcome}");
+    let (mut on_a, welcome) = connect_hello(&a, "rig-r", &boot, None);
+    assert_eq!(welcome["resumed"], true, "fe-a's parked copy: {welcome}");
+    for i in 1..=2u64 {
+        read_command(&mut on_a, i, format!("r{i}"));
+        ack(&mut on_a, i);
+    }
+    eventually(Duration::from_secs(10), "fe-a took both acks", || {
+        a.http("GET", "/v1/rigs", "")
+            .1
+            .contains("\"last_ack_seq\":2")
+    });
+    relay.down(false);
+    assert_eq!(read_close(&mut on_a), 4410);
+    eventually(Duration::from_secs(15), "fe-b numbers past seq 2", || {
+        b.metric("fleetlink_registry_ops_total{op=\"rekeep\",result=\"behind\"}") >= 1
+    });
+    let mut ctl = Control::new(&redis, &[]);
+    let r = ctl.command_id("fe-b", "rig-r", "r3", "n", json!({}));
+    assert_eq!(r["seq"], 3, "seqs 1 and 2 are the rig's already: {r}");
+}

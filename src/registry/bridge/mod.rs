@@ -407,8 +407,15 @@ impl Bridge {
                     .remove(&(rig.clone(), boot))
                     .map(|h| match h {
                         // Everything it holds (Redis lost keys): up to its last command, not
-                        // its next seq, which may count one fenced since.
-                        ALL_UNKEPT => carried.iter().map(|c| c.seq).max().unwrap_or(Seq(0)),
+                        // its next seq, which may count one fenced since. Its last ack too:
+                        // the rig holds that seq, and the session Redis started meanwhile
+                        // (a resume elsewhere found nothing) would give it to another command.
+                        ALL_UNKEPT => carried
+                            .iter()
+                            .map(|c| c.seq)
+                            .chain(session.recall.as_ref().map(|r| r.last_ack))
+                            .max()
+                            .unwrap_or(Seq(0)),
                         h => h,
                     })
                     .filter(|h| *h > Seq(0));
