@@ -2601,17 +2601,15 @@ fn a_hello_right_after_redis_closed_the_command_connection_still_resumes() {
 fn what_was_held_while_only_the_subscription_was_down_is_taken_once_it_is_back() {
     let redis = RedisServer::start();
     let mut con = redis.connection();
-    let channels = |grant: bool| {
+    // The broker's user, with or without its channels.
+    let mut channels = |grant: bool| {
         let mut args = vec!["SETUSER", "fe", "on", ">pw", "~*", "+@all", "resetchannels"];
         if grant {
             args.push("&fleetlink:*");
         }
-        args
+        let _: () = redis::cmd("ACL").arg(args).query(&mut con).unwrap();
     };
-    let _: () = redis::cmd("ACL")
-        .arg(channels(true))
-        .query(&mut con)
-        .unwrap();
+    channels(true);
     let url = format!("redis://fe:pw@127.0.0.1:{}/", redis.port());
     let a = fleet_broker_at(&url, "fe-a", &["--registry-refresh", "30s"]);
     let _b = fleet_broker(&redis, "fe-b", &[]);
@@ -2621,18 +2619,12 @@ fn what_was_held_while_only_the_subscription_was_down_is_taken_once_it_is_back()
         owner(&redis, "rig-1").is_some_and(|o| o.ends_with("|fe-a"))
     });
     // Redis ends the subscription of a user whose channels it takes away.
-    let _: () = redis::cmd("ACL")
-        .arg(channels(false))
-        .query(&mut con)
-        .unwrap();
+    channels(false);
     eventually(Duration::from_secs(10), "fe-a's channel unheard", || {
         numsub(&redis, "fleetlink:broker:fe-a") == 0
     });
     queued_through(&mut ctl, "fe-b", "rig-1", "q1");
-    let _: () = redis::cmd("ACL")
-        .arg(channels(true))
-        .query(&mut con)
-        .unwrap();
+    channels(true);
     eventually(Duration::from_secs(10), "fe-a listens again", || {
         numsub(&redis, "fleetlink:broker:fe-a") == 1
     });

@@ -2866,6 +2866,41 @@ fn a_session_an_older_boots_hello_ended_is_reported_and_the_record_names_that_bo
     }
 }
 
+/// fe-a (behind `relay`, with `a_args`) and fe-b; `rig`'s new boot says hello to fe-a, is given
+/// commands `<prefix>1` and `<prefix>2` (seqs 1 and 2; read by the rig when `read`), and leaves
+/// with both unacked, parked on fe-a. Then fe-a is cut off from Redis, Redis restarts empty,
+/// and fe-b is back on it. Returns fe-a, fe-b and the boot.
+fn parked_on_a_through_an_empty_restart(
+    redis: &mut RedisServer,
+    relay: &Relay,
+    rig: &str,
+    prefix: &str,
+    a_args: &[&str],
+    read: bool,
+) -> (Broker, Broker, String) {
+    let a = fleet_broker_at(&relay.url(), "fe-a", a_args);
+    let b = fleet_broker(redis, "fe-b");
+    let boot = boot_id();
+    let (mut on_a, _) = connect_hello(&a, rig, &boot, None);
+    let mut ctl = Control::new(redis, &[]);
+    for i in 1..=2u64 {
+        let r = ctl.command_id("fe-a", rig, &format!("{prefix}{i}"), "n", json!({}));
+        assert_eq!(r["seq"], i, "{r}");
+        if read {
+            read_command(&mut on_a, i, format!("{prefix}{i}"));
+        }
+    }
+    drop(on_a);
+    eventually(Duration::from_secs(10), "fe-a parks the rig", || {
+        a.http("GET", "/v1/rigs", "").1.trim() == "[]"
+    });
+    relay.down(true);
+    a.wait_readyz(503, Duration::from_secs(15), "fe-a away");
+    redis.restart();
+    b.wait_readyz(200, Duration::from_secs(15), "fe-b back on the empty Redis");
+    (a, b, boot)
+}
+
 /// After an empty Redis restart, the rig resumes the same boot on B before A, which keeps its
 /// session parked, is back on Redis: B finds nothing and welcomes it `resumed: false`. When A
 /// puts its copy back, merged into the session B started, B is told (`session_merged`) and
@@ -2875,25 +2910,9 @@ fn a_session_an_older_boots_hello_ended_is_reported_and_the_record_names_that_bo
 fn a_rig_resumed_elsewhere_before_its_parked_session_went_back_is_given_its_commands() {
     let mut redis = RedisServer::start();
     let relay = Relay::start(redis.port());
-    let a = fleet_broker_at(&relay.url(), "fe-a", &[]);
-    let b = fleet_broker(&redis, "fe-b");
-    let boot = boot_id();
-    let (mut on_a, _) = connect_hello(&a, "rig-m", &boot, None);
-    let mut ctl = Control::new(&redis, &[]);
-    for i in 1..=2u64 {
-        let r = ctl.command_id("fe-a", "rig-m", &format!("m{i}"), "n", json!({}));
-        assert_eq!(r["seq"], i, "{r}");
-        read_command(&mut on_a, i, format!("m{i}"));
-    }
-    drop(on_a);
-    eventually(Duration::from_secs(10), "fe-a parks rig-m", || {
-        a.http("GET", "/v1/rigs", "").1.trim() == "[]"
-    });
     // fe-a stays away from Redis until the rig has resumed on fe-b.
-    relay.down(true);
-    a.wait_readyz(503, Duration::from_secs(15), "fe-a away");
-    redis.restart();
-    b.wait_readyz(200, Duration::from_secs(15), "fe-b back on the empty Redis");
+    let (_a, b, boot) =
+        parked_on_a_through_an_empty_restart(&mut redis, &relay, "rig-m", "m", &[], true);
     let (mut on_b, welcome) = connect_hello(&b, "rig-m", &boot, Some(0));
     assert_eq!(welcome["resumed"], false, "Redis had nothing: {welcome}");
     relay.down(false);
@@ -2912,25 +2931,10 @@ fn a_rig_resumed_elsewhere_before_its_parked_session_went_back_is_given_its_comm
 fn a_broker_draining_through_an_empty_restart_puts_its_parked_sessions_back() {
     let mut redis = RedisServer::start();
     let relay = Relay::start(redis.port());
-    let mut a = fleet_broker_at(&relay.url(), "fe-a", &["--drain", "0s"]);
-    let b = fleet_broker(&redis, "fe-b");
-    let boot = boot_id();
-    let (mut on_a, _) = connect_hello(&a, "rig-d", &boot, None);
-    let mut ctl = Control::new(&redis, &[]);
-    for i in 1..=2u64 {
-        let r = ctl.command_id("fe-a", "rig-d", &format!("d{i}"), "n", json!({}));
-        assert_eq!(r["seq"], i, "{r}");
-        read_command(&mut on_a, i, format!("d{i}"));
-    }
-    drop(on_a);
-    eventually(Duration::from_secs(10), "fe-a parks rig-d", || {
-        a.http("GET", "/v1/rigs", "").1.trim() == "[]"
-    });
-    relay.down(true);
-    a.wait_readyz(503, Duration::from_secs(15), "fe-a away");
-    redis.restart();
+    let drain = ["--drain", "0s"];
+    let (mut a, b, boot) =
+        parked_on_a_through_an_empty_restart(&mut redis, &relay, "rig-d", "d", &drain, true);
     a.sigterm();
-    b.wait_readyz(200, Duration::from_secs(15), "fe-b back on the empty Redis");
     let (mut on_b, welcome) = connect_hello(&b, "rig-d", &boot, Some(0));
     assert_eq!(welcome["resumed"], false, "Redis had nothing: {welcome}");
     relay.down(false);
@@ -2951,24 +2955,9 @@ fn a_broker_draining_through_an_empty_restart_puts_its_parked_sessions_back() {
 fn a_rig_back_on_a_broker_deciding_alone_after_an_empty_restart_keeps_its_seqs() {
     let mut redis = RedisServer::start();
     let relay = Relay::start(redis.port());
-    let a = fleet_broker_at(&relay.url(), "fe-a", &[]);
-    let b = fleet_broker(&redis, "fe-b");
-    let boot = boot_id();
-    let (on_a, _) = connect_hello(&a, "rig-r", &boot, None);
-    let mut ctl = Control::new(&redis, &[]);
-    for i in 1..=2u64 {
-        let r = ctl.command_id("fe-a", "rig-r", &format!("r{i}"), "n", json!({}));
-        assert_eq!(r["seq"], i, "{r}");
-    }
     // Left unread: parked on fe-a with both commands.
-    drop(on_a);
-    eventually(Duration::from_secs(10), "fe-a parks rig-r", || {
-        a.http("GET", "/v1/rigs", "").1.trim() == "[]"
-    });
-    relay.down(true);
-    a.wait_readyz(503, Duration::from_secs(15), "fe-a away");
-    redis.restart();
-    b.wait_readyz(200, Duration::from_secs(15), "fe-b back on the empty Redis");
+    let (a, b, boot) =
+        parked_on_a_through_an_empty_restart(&mut redis, &relay, "rig-r", "r", &[], false);
     let (_on_b, welcome) = connect_hello(&b, "rig-r", &boot, None);
     assert_eq!(welcome["resumed"], false, "Redis had nothing: {welcome}");
     let (mut on_a, welcome) = connect_hello(&a, "rig-r", &boot, None);

@@ -318,31 +318,22 @@ pub fn parse(payload: &[u8], broadcast: bool) -> Result<Control, Bad> {
             broker_id: raw.broker_id.unwrap_or_default(),
             instance: raw.instance,
         }),
-        ("evict", false) => {
+        // Broker to broker: a rig and the boot the message is about.
+        (ty @ ("evict" | "session_merged"), false) => {
             let rig = raw
                 .rig_id
                 .as_deref()
                 .and_then(RigId::parse)
-                .ok_or_else(|| bad("evict needs a valid rig_id"))?;
+                .ok_or_else(|| bad(&format!("{ty} needs a valid rig_id")))?;
             let boot = raw
                 .boot_id
                 .as_deref()
                 .and_then(BootId::parse)
-                .ok_or_else(|| bad("evict needs a valid boot_id"))?;
-            Ok(Control::Evict { rig, boot })
-        }
-        ("session_merged", false) => {
-            let rig = raw
-                .rig_id
-                .as_deref()
-                .and_then(RigId::parse)
-                .ok_or_else(|| bad("session_merged needs a valid rig_id"))?;
-            let boot = raw
-                .boot_id
-                .as_deref()
-                .and_then(BootId::parse)
-                .ok_or_else(|| bad("session_merged needs a valid boot_id"))?;
-            Ok(Control::Merged { rig, boot })
+                .ok_or_else(|| bad(&format!("{ty} needs a valid boot_id")))?;
+            Ok(match ty {
+                "evict" => Control::Evict { rig, boot },
+                _ => Control::Merged { rig, boot },
+            })
         }
         ("kick", false) => {
             if id.is_empty() {
