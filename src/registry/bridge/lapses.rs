@@ -238,6 +238,29 @@ impl Bridge {
         }
     }
 
+    /// At exit after Redis came back, perhaps empty, with `sess:lapses` lost: the sessions
+    /// this broker watches are named again, since its own watch of them ends here and only
+    /// another broker's sweep can report them now (one whose rig never came back lapsed
+    /// unreported).
+    pub(super) fn name_watched_again(&mut self) {
+        let queued: HashSet<(RigId, BootId)> = self
+            .lapses
+            .unnamed
+            .iter()
+            .map(|(_, rig, boot, _)| (rig.clone(), *boot))
+            .collect();
+        let again: Vec<(RigId, BootId)> = self
+            .lapses
+            .watched
+            .iter()
+            .filter(|key| !queued.contains(key))
+            .cloned()
+            .collect();
+        for (rig, boot) in again {
+            self.name_lapse(rig, boot, false);
+        }
+    }
+
     /// At exit, while Redis answers: the departures not named yet (a drain's last rigs among
     /// them) are named, so that another broker reports them should they lapse.
     pub(super) fn name_lapses_before_exit(&mut self) {

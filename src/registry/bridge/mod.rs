@@ -805,8 +805,16 @@ impl Bridge {
         // commands, and nothing said so.
         let away = self.fleet.as_ref().is_some_and(|f| !f.is_up());
         let parked_owed = away && !self.cfg.session_ttl.is_zero() && self.registry.has_parked();
+        if parked_owed {
+            log::warn!(
+                "draining while Redis is away: waiting for it (up to {} s) to put back the \
+                 sessions parked here, which it may have lost",
+                EXIT_FLUSH_WAIT.as_secs()
+            );
+        }
         if parked_owed && self.fleet.as_mut().is_some_and(|f| f.wait_up(&wait)) {
             self.queue_parked_rekeeps();
+            self.name_watched_again();
         }
         loop {
             let owed = !self.rekeeps.is_empty() || !self.ended_alone.is_empty();
