@@ -64,7 +64,6 @@ impl CommandCon {
         })
     }
 
-    /// Sets how long each call may take from now on.
     /// Whether Redis closed this connection (or sent what no call asked for) while it was
     /// idle: between calls nothing is owed on it, so anything readable means it is done. A
     /// `CLIENT KILL`, Redis's `timeout`, or a restart closes it without a word, and the next
@@ -88,6 +87,7 @@ impl CommandCon {
         self.stream.as_raw_fd()
     }
 
+    /// Sets how long each call may take from now on.
     pub(crate) fn set_timeout(&mut self, timeout: Duration) -> RedisResult<()> {
         self.stream.set_timeouts(Some(timeout))?;
         self.timeout = timeout;

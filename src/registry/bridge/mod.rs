@@ -256,9 +256,7 @@ impl Bridge {
             // they find in Redis what this broker holds for their rigs.
             let now = Instant::now();
             if self.fleet.as_mut().is_some_and(|f| f.drop_if_closed(now)) {
-                self.redis_io(now);
-                self.timers(now);
-                self.report_redis();
+                self.redis_and_timers(now);
             }
             let mut handled = 0;
             let mut shutdown = None;
@@ -284,15 +282,20 @@ impl Bridge {
                 return self.shutdown(ExitWait::new(Instant::now(), EXIT_FLUSH_WAIT, now));
             }
             let now = Instant::now();
-            self.redis_io(now);
-            self.timers(now);
-            self.report_redis();
+            self.redis_and_timers(now);
             if handled == BATCH || !inbox.arm() {
                 continue;
             }
             self.sleep(inbox, now);
             inbox.clear();
         }
+    }
+
+    /// A pass's turn at Redis and the timers, then what it left of Redis told to `/readyz`.
+    fn redis_and_timers(&mut self, now: Instant) {
+        self.redis_io(now);
+        self.timers(now);
+        self.report_redis();
     }
 
     /// Sleeps until the doorbell rings, the subscription has data, or the next timer is due.

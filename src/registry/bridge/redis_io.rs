@@ -64,16 +64,15 @@ impl Bridge {
         // The subscription is read even when the command connection is down: what Redis
         // pushed on it is control's, and it was told someone received it.
         let pushes = f.read();
+        let resubscribed = up && std::mem::take(&mut f.just_subscribed);
+        let reconnected = up && std::mem::take(&mut f.just_connected);
         self.note_listening();
-        let Some(f) = self.fleet.as_mut() else { return };
-        if up && std::mem::take(&mut f.just_subscribed) {
+        if resubscribed {
             // What control held for rigs connected here while this broker did not listen
             // (`offline:for:<id>`) is taken by the refresh: now, not up to a refresh later.
             self.next_refresh = now;
             self.next_canary = now;
         }
-        let Some(f) = self.fleet.as_mut() else { return };
-        let reconnected = up && std::mem::take(&mut f.just_connected);
         if reconnected {
             // Re-assert every lease we hold: Redis may have restarted empty. And put every
             // session back: commands delivered while Redis was away were not kept.
