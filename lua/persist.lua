@@ -3,7 +3,8 @@
 -- Run by EVALSHA from src/registry/sessions.rs, one batch per call.
 --
 -- KEYS[2i-1]  rig:<rig_id>                 (the lease, read only)
--- KEYS[2i]    sess:<rig_id>:<boot_id>      (hash: "next" -> next seq, "c:<seq>" -> command JSON)
+-- KEYS[2i]    sess:<rig_id>:<boot_id>      (hash: "next" -> next seq, "c:<seq>" -> command JSON,
+--                                           "from" -> the first seq Redis numbered)
 -- ARGV[1]     ttl_ms of session keys: decimal integer, 1 to 15 digits
 -- ARGV[3i-1]  "<boot_id>|<broker_id>": this broker's lease tuple for that rig
 -- ARGV[3i]    seq: decimal integer
@@ -84,6 +85,14 @@ for i = 1, n do
       if redis.call('HSET', sess, 'c:' .. ARGV[3 * i], ARGV[3 * i + 1], 'next',
           string.format('%.0f', seqs[i] + 1)) == 2 then
         redis.call('PEXPIRE', sess, ttl)
+      end
+      -- A seq past "next" (the rig's own last_seq after Redis lost the session, or a new
+      -- session resumed with one): Redis numbers this session from here, and never numbered
+      -- the seqs skipped. "from" tells rekeep.lua an empty seq a broker on Redis gave to a
+      -- command since acked (at or above it) from one the rig may hold (below it). Rare: a
+      -- session's commands come here in seq order.
+      if tonumber(have) < seqs[i] then
+        redis.call('HSET', sess, 'from', ARGV[3 * i])
       end
       out[i] = 'ok'
     end

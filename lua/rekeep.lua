@@ -4,7 +4,9 @@
 -- (only after a reconnect or a restored lease), so it favours checks over speed.
 --
 -- KEYS[1]  rig:<rig_id>               (the lease, read only)
--- KEYS[2]  sess:<rig_id>:<boot_id>    (hash: "next" -> next seq, "c:<seq>" -> command JSON)
+-- KEYS[2]  sess:<rig_id>:<boot_id>    (hash: "next" -> next seq, "c:<seq>" -> command JSON,
+--                                     "from" -> the first seq Redis numbered: resume.lua,
+--                                     persist.lua)
 -- KEYS[3]  sessof:<rig_id>            (the rig's latest boot)
 -- ARGV[1]  ttl_ms of session keys: decimal integer, 1 to 15 digits
 -- ARGV[2]  "<boot_id>|<broker_id>": this broker's lease tuple for the rig
@@ -30,12 +32,17 @@
 --                      "reported"). Never fenced: a report is owed whoever holds the rig
 -- ARGV[5]  the rig_rebooted events' "at": the broker's clock, RFC 3339
 -- ARGV[6]  unkept_to: the highest seq of this session the broker delivered while Redis was
---          away and has not put back since, "0" when none. Every command above it Redis kept
---          (persist.lua) before the broker gave it, so a parked or ended copy's command
---          above it that Redis no longer holds, below the session's "next", was acked (or
---          reported) since: it is neither written back nor reported. One at or below it may
---          never have reached Redis, and only this copy can tell of it
--- ARGV[7], ARGV[8], ...  seq, command JSON (exactly as sent), for each command not yet acked
+--          away and has not put back since, "0" when none
+-- ARGV[7]  unkept_from: the lowest such seq ("0" when only the highest is known: every
+--          command up to it counts). Every command outside the two Redis kept (persist.lua)
+--          before the broker gave it, so a parked or ended copy's command outside them that
+--          Redis no longer holds, below the session's "next", was acked (or reported) since:
+--          it is neither written back nor reported. One between them may never have reached
+--          Redis, and only this copy can tell of it. Unless Redis numbered that seq itself
+--          (at or above "from") and no longer holds it: a broker on Redis gave it to another
+--          command, since acked, and this copy's command is published `lost` (below), never
+--          written back under a seq the rig holds with another command
+-- ARGV[8], ARGV[9], ...  seq, command JSON (exactly as sent), for each command not yet acked
 --
 -- Returns:
 --   "ok"      written: every command HSET, "next" raised to at least ARGV[3] (never lowered:
@@ -76,8 +83,9 @@
 --             no lease (or an older boot's) and Redis holds the session (another broker's
 --             copy, put back first
 --             after an empty restart or left by a resume there). The commands
---             Redis never numbered (at or above its "next") are added (HSETNX: never over
---             that broker's) and "next" raised to ARGV[3], so that broker's next command
+--             Redis never numbered (at or above its "next") are added (never over that
+--             broker's), as are those at or below unkept_to that Redis never numbered, and
+--             "next" raised to ARGV[3], so that broker's next command
 --             cannot take a seq the rig already holds. Where the lease names that broker,
 --             {"type":"session_merged","rig_id","boot_id"} is published on its channel
 --             (fleetlink:broker:<id>): it puts back its connection's copy, finds Redis's
@@ -86,18 +94,27 @@
 -- Writing ("ok", "merged"), a seq that holds another command in Redis (two brokers each gave
 -- it while deciding alone) keeps one of the two, as above, and publishes the other on
 -- fleetlink:events as {"type":"lost","rig_id","boot_id","seq","id","broker_id","at","detail"}.
+-- So too a command of this copy under a seq Redis numbered that holds nothing now (see
+-- ARGV[7]): the other command was acked there, and this one is not written.
 -- Errors "ERR fleetlink rekeep: ..." on malformed ARGV, before any write.
 
 local function count(s)
   return type(s) == 'string' and #s <= 15 and s:match('^%d+$') ~= nil
 end
 
-local ttl, tuple, nxt, mode, at, unkept = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]
-if #KEYS ~= 3 or #ARGV < 6 or (#ARGV - 6) % 2 ~= 0 or not count(ttl) or ttl:match('^0')
-    or type(tuple) ~= 'string' or not count(nxt) or not count(unkept) then
-  return redis.error_reply('ERR fleetlink rekeep: expected KEYS lease, session, pointer; ARGV ttl_ms, tuple, next, mode, at, unkept_to, then seq/json pairs')
+local ttl, tuple, nxt, mode, at = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
+local unkept, unkept_low = ARGV[6], ARGV[7]
+if #KEYS ~= 3 or #ARGV < 7 or (#ARGV - 7) % 2 ~= 0 or not count(ttl) or ttl:match('^0')
+    or type(tuple) ~= 'string' or not count(nxt) or not count(unkept)
+    or not count(unkept_low) then
+  return redis.error_reply('ERR fleetlink rekeep: expected KEYS lease, session, pointer; ARGV ttl_ms, tuple, next, mode, at, unkept_to, unkept_from, then seq/json pairs')
 end
-local unkept_to = tonumber(unkept)
+local unkept_to, unkept_from = tonumber(unkept), tonumber(unkept_low)
+-- Whether this copy's command `seq` may never have reached Redis.
+local function unkept_seq(seq)
+  local s = tonumber(seq)
+  return s >= unkept_from and s <= unkept_to
+end
 local ended = mode:match('^ended|(%x+%-%x+%-%x+%-%x+%-%x+)$')
 if mode ~= 'live' and mode ~= 'parked' and not ended then
   return redis.error_reply('ERR fleetlink rekeep: mode must be live, parked or ended|<boot_id>')
@@ -106,7 +123,7 @@ local boot = tuple:match('^([^|]+)|')
 if not boot then
   return redis.error_reply('ERR fleetlink rekeep: the tuple must be boot_id|broker_id')
 end
-for i = 7, #ARGV, 2 do
+for i = 8, #ARGV, 2 do
   if not count(ARGV[i]) then
     return redis.error_reply('ERR fleetlink rekeep: seq must be a decimal integer')
   end
@@ -148,7 +165,7 @@ end
 -- session `f` (field -> value, or nil when Redis has none) numbers past it: acked, or
 -- reported, since this copy was made (see unkept_to).
 local function settled(f, seq)
-  return f ~= nil and tonumber(seq) > unkept_to and tonumber(seq) < next_of(f['next'])
+  return f ~= nil and not unkept_seq(seq) and tonumber(seq) < next_of(f['next'])
       and f['c:' .. seq] == nil
 end
 
@@ -181,7 +198,7 @@ end
 -- order, as resume.lua does for the ones Redis kept; returns how many and the highest seq.
 local function report(rig, ended_by, from, skip)
   local order = {}
-  for i = 7, #ARGV, 2 do
+  for i = 8, #ARGV, 2 do
     if tonumber(ARGV[i]) >= from and not (skip and skip[ARGV[i]]) then
       order[#order + 1] = i
     end
@@ -204,7 +221,7 @@ end
 -- went on at another broker while each decided alone).
 local function report_copy(rig, ended_by, f)
   local mine, skip = {}, {}
-  for i = 7, #ARGV, 2 do
+  for i = 8, #ARGV, 2 do
     mine[ARGV[i]] = true
     if settled(f, ARGV[i]) then
       skip[ARGV[i]] = true
@@ -233,7 +250,7 @@ local function tombstone_report(rig, ended_by, f)
   for seq in rep:gmatch('%d+') do
     skip[seq] = true
   end
-  for i = 7, #ARGV, 2 do
+  for i = 8, #ARGV, 2 do
     if settled(f, ARGV[i]) then
       skip[ARGV[i]] = true
     end
@@ -355,8 +372,9 @@ end
 -- Writes the commands, raises "next" to ARGV[3] (never lowers it) and sets the TTL; returns
 -- "next" as it was. `merge`: into a session another broker holds, only the commands Redis
 -- never numbered (at or above its "next": delivered while this broker could not reach it)
--- and those at or below unkept_to (Redis may never have had them, or lost them), and never
--- over one there; another below "next" that Redis no longer holds was acked.
+-- and the unkept ones (Redis may never have had them, or lost them), and never
+-- over one there; another below "next" that Redis no longer holds was acked. Either way
+-- none under a seq `taken` says another command had.
 -- A parked copy's settled commands are not written back either: acked meanwhile, they would
 -- be delivered or reported again. `found`: the session's fields, read already (nil for a
 -- connected rig's copy, which is written whole and needs only Redis's "next").
@@ -388,14 +406,28 @@ local function other_command(a, b)
   return x == nil or y == nil or x ~= y
 end
 
+-- Whether this copy's command `seq`, given while this broker could not reach Redis, finds
+-- its seq taken by a command a broker on Redis gave and the rig has since acked (or that was
+-- reported): the field is empty, but Redis numbered that seq itself (at or above "from",
+-- below "next" `have`). Written back there it would be stranded: below every broker's next
+-- seq, never given again, and never reported while the rig stays. Below "from" an empty seq
+-- is one Redis never numbered (it lost the session, or the rig's last_seq skipped it), which
+-- the rig may hold: that one is written back.
+local function taken(seq, have, from)
+  local s = tonumber(seq)
+  return unkept_seq(seq) and s < have and from ~= nil and s >= from
+end
+
 local function write(sess, merge, found)
-  local have
+  local have, from
   if mode == 'live' then
-    have = next_of(redis.call('HGET', sess, 'next'))
+    local f = redis.call('HMGET', sess, 'next', 'from')
+    have, from = next_of(f[1]), f[2]
   else
-    have = next_of(found and found['next'])
+    have, from = next_of(found and found['next']), found and found['from']
   end
-  for i = 7, #ARGV, 2 do
+  from = count(from) and tonumber(from) or nil
+  for i = 8, #ARGV, 2 do
     local field = 'c:' .. ARGV[i]
     if not merge then
       if not settled(found, ARGV[i]) then
@@ -403,19 +435,33 @@ local function write(sess, merge, found)
         if there and other_command(there, ARGV[i + 1]) then
           publish_lost(ARGV[i], there)
         end
-        redis.call('HSET', sess, field, ARGV[i + 1])
+        if there or not taken(ARGV[i], have, from) then
+          redis.call('HSET', sess, field, ARGV[i + 1])
+        else
+          publish_lost(ARGV[i], ARGV[i + 1])
+        end
       end
-    elseif tonumber(ARGV[i]) >= have or tonumber(ARGV[i]) <= unkept_to then
-      if redis.call('HSETNX', sess, field, ARGV[i + 1]) == 0 then
-        local there = redis.call('HGET', sess, field)
+    elseif tonumber(ARGV[i]) >= have or unkept_seq(ARGV[i]) then
+      -- Never over that broker's own command: the copy's is the one that goes.
+      local there = redis.call('HGET', sess, field)
+      if there then
         if other_command(there, ARGV[i + 1]) then
           publish_lost(ARGV[i], ARGV[i + 1])
         end
+      elseif taken(ARGV[i], have, from) then
+        publish_lost(ARGV[i], ARGV[i + 1])
+      else
+        redis.call('HSET', sess, field, ARGV[i + 1])
       end
     end
   end
   if tonumber(nxt) > have then
     redis.call('HSET', sess, 'next', nxt)
+    -- Redis had numbered none of this session itself: the seqs below this copy's next are
+    -- the copy's broker's, not Redis's (see taken).
+    if from == nil or from >= have then
+      redis.call('HSET', sess, 'from', nxt)
+    end
   end
   redis.call('PEXPIRE', sess, ttl)
   return have

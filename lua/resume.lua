@@ -4,7 +4,8 @@
 -- session's writes).
 --
 -- KEYS[2i-1]  sess:<rig_id>:<boot_id>   the i-th rig's session (hash: "next", "c:<seq>" -> JSON,
---                                       "r" -> what its last broker remembered of it)
+--                                       "r" -> what its last broker remembered of it,
+--                                       "from" -> the first seq Redis numbered: rekeep.lua)
 -- KEYS[2i]    sessof:<rig_id>           the boot_id of that rig's latest session
 -- ARGV[1]     ttl_ms of session keys: decimal integer, 1 to 15 digits
 -- ARGV[2]     broker_id of the broker running the hellos (named in the rig_rebooted events)
@@ -199,13 +200,14 @@ local function resume(sess, ptr, boot, rig)
     redis.call('SET', ptr, boot, 'PX', ttl)
   end
   if nxt == '0' then
-    -- A new session: record it, so the same boot saying hello anywhere later resumes it. An
+    -- A new session: record it, so the same boot saying hello anywhere later resumes it
+    -- ("from": Redis numbers it from 1, or from the rig's last_seq + 1, persist.lua). An
     -- "r" written after Redis had lost the session describes seqs of the session before: not
     -- this one's.
     if f['r'] ~= nil then
       redis.call('HDEL', sess, 'r')
     end
-    redis.call('HSET', sess, 'next', '1', 't', ttl)
+    redis.call('HSET', sess, 'next', '1', 't', ttl, 'from', '1')
   elseif f['t'] ~= ttl then
     -- The session lives by this broker's TTL from now on ("t": what a lapse report is timed
     -- by, lapse_end.lua); left at a longer one's, its new end could read as that one's last

@@ -857,6 +857,54 @@ fn after_a_partition_the_broker_a_rig_left_puts_back_the_seqs_it_gave_meanwhile(
     );
 }
 
+/// As above, but fe-b gives seq 4 to a command of its own before the partition heals, and the
+/// rig acks it there, which empties that seq in Redis. fe-a's copy held its own command under
+/// seq 4: put back there, it was stranded (below every broker's next seq, never given, and
+/// reported only as `expired` when the session lapsed, never while the rig stayed). Redis
+/// numbered seq 4 itself, so the seq was another command's: fe-a's is published `lost`, and
+/// fe-b numbers on from 5.
+#[test]
+fn after_a_partition_a_command_whose_seq_the_rig_acked_for_another_is_reported_lost() {
+    let redis = RedisServer::start();
+    let relay = Relay::start(redis.port());
+    let a = broker_behind(&relay, "fe-a");
+    let b = fleet_broker(&redis, "fe-b", &["--registry-refresh", "200ms"]);
+    let (mut on_a, boot, _) = a.rig("rig-ta");
+    let mut ctl = Control::new(&redis, &["fleetlink:events"]);
+    acked_commands(&mut ctl, "fe-a", "rig-ta", &mut on_a, "p", 3);
+    partition(&relay, &a, "fe-a sees the outage");
+    let mut on_b = hello_again(&b, "rig-ta", &boot, 3);
+    let given = admin_command_numbered(&a, "rig-ta", 4);
+    assert_eq!(read_json(&mut on_a)["seq"], 4);
+    send_and_read(&mut ctl, "fe-b", "rig-ta", "b4", &mut on_b, 4);
+    ack(&mut on_b, 4);
+    let mut con = redis.connection();
+    let sess = format!("sess:rig-ta:{boot}");
+    eventually(Duration::from_secs(10), "fe-b's ack in Redis", || {
+        !con.hexists::<_, _, bool>(&sess, "c:4").unwrap()
+    });
+    relay.freeze_both(false);
+    assert_eq!(read_close(&mut on_a), 4410);
+    let lost = ctl.next_within(Duration::from_secs(15), |ch, v| {
+        ch == "fleetlink:events" && v["type"] == "lost"
+    });
+    assert_eq!(
+        (
+            &lost["seq"],
+            &lost["id"],
+            &lost["broker_id"],
+            &lost["rig_id"]
+        ),
+        (&json!(4), &given["id"], &json!("fe-a"), &json!("rig-ta")),
+        "{lost}"
+    );
+    assert!(
+        !con.hexists::<_, _, bool>(&sess, "c:4").unwrap(),
+        "stranded"
+    );
+    send_and_read(&mut ctl, "fe-b", "rig-ta", "b5", &mut on_b, 5);
+}
+
 /// A partition of the broker a rig was on, and the rig leaves it before reading the commands
 /// it was given meanwhile (a wedged rig process, then a reconnect to fe-b with the last seq it
 /// has). Once the partition heals, fe-a's parked copy is merged into the session in Redis,

@@ -1308,7 +1308,9 @@ fn a_batch_of_resumes_is_one_script_call_per_chunk_each_rig_its_own() {
 #[test]
 fn a_seq_two_brokers_gave_to_two_commands_reports_the_one_that_goes() {
     use fleetlink::ids::Seq;
-    use fleetlink::registry::sessions::{session_key, Rekeep, RekeepMode, Rekept, SessionScripts};
+    use fleetlink::registry::sessions::{
+        session_key, Rekeep, RekeepMode, Rekept, SessionScripts, Unkept,
+    };
     let (server, mut con, _) = setup();
     let sessions = SessionScripts::new();
     let mut sub = server.client().get_connection().unwrap();
@@ -1345,7 +1347,7 @@ fn a_seq_two_brokers_gave_to_two_commands_reports_the_one_that_goes() {
             boot: b,
             next: Seq(4),
             cmds: vec![(Seq(3), json.as_bytes())],
-            unkept_to: Seq(3),
+            unkept: Unkept::up_to(Seq(3)),
             mode,
         }
     }
@@ -1407,6 +1409,171 @@ fn a_seq_two_brokers_gave_to_two_commands_reports_the_one_that_goes() {
         Some(given.as_str()),
         "merged under, never over"
     );
+}
+
+/// A broker cut off from Redis gives seq 3 to a command; meanwhile a broker on Redis gave seq 3
+/// to another, which the rig acked, leaving the field empty. Put back under it, the first
+/// command was stranded: below every broker's next seq, never given, and reported only as
+/// `expired` at the session's lapse. Redis now records the first seq it numbered (`from`), so
+/// that empty seq is told from one Redis never numbered (the rig may hold that one, and it is
+/// written back): the copy's command is published `lost`, and not written.
+#[test]
+fn a_seq_redis_numbered_and_the_rig_acked_is_not_given_a_copys_command() {
+    use fleetlink::ids::Seq;
+    use fleetlink::registry::sessions::{
+        session_key, Kept, Persist, Rekeep, RekeepMode, Rekept, SessionScripts, Unkept,
+    };
+    let (server, mut con, _) = setup();
+    let sessions = SessionScripts::new();
+    let mut sub = server.client().get_connection().unwrap();
+    let mut ps = sub.as_pubsub();
+    ps.subscribe("fleetlink:events").unwrap();
+    ps.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let cmd = |seq: u64, id: &str| {
+        format!(r#"{{"type":"command","seq":{seq},"id":"{id}","name":"n","args":{{}}}}"#)
+    };
+    let field = |con: &mut Connection, sess: &str, f: &str| -> Option<String> {
+        redis::cmd("HGET").arg(sess).arg(f).query(con).unwrap()
+    };
+    let persist = |con: &mut Connection, r: &RigId, b: &BootId, seq: u64, json: &str| {
+        let kept = sessions
+            .persist(
+                con,
+                &[Persist {
+                    rig: r,
+                    boot: b,
+                    seq: Seq(seq),
+                    json: json.as_bytes(),
+                }],
+                "fe-b",
+                TTL,
+            )
+            .unwrap();
+        assert_eq!(kept, [Kept::Yes], "seq {seq}");
+    };
+    let rekeep = |con: &mut Connection, broker: &str, copy: Rekeep<'_>| {
+        sessions
+            .rekeep(con, &[copy], broker, TTL, "2026-12-06T00:00:00Z")
+            .unwrap()
+    };
+    // Publishes a marker and returns every event before it: what a call published.
+    let mut events_until_marker = |con: &mut Connection| -> Vec<serde_json::Value> {
+        let _: i64 = redis::cmd("PUBLISH")
+            .arg("fleetlink:events")
+            .arg(r#"{"type":"marker"}"#)
+            .query(con)
+            .unwrap();
+        let mut out = Vec::new();
+        loop {
+            let msg = ps.get_message().expect("an event");
+            let v: serde_json::Value = serde_json::from_slice(msg.get_payload_bytes()).unwrap();
+            if v["type"] == "marker" {
+                return out;
+            }
+            out.push(v);
+        }
+    };
+
+    // Boot X on fe-b, on Redis all along: seqs 1 to 3 numbered there; the rig acked 3.
+    let (r, x) = (rig("rig-taken"), boot(1));
+    let sess = session_key(&r, &x);
+    set(&mut con, &rig_key(&r), &tuple(&x, "fe-b"));
+    sessions.resume(&mut con, &r, &x, TTL, "fe-b").unwrap();
+    for seq in 1..=3 {
+        persist(&mut con, &r, &x, seq, &cmd(seq, &format!("b{seq}")));
+    }
+    assert_eq!(field(&mut con, &sess, "from").as_deref(), Some("1"));
+    let _: i64 = redis::cmd("HDEL")
+        .arg(&sess)
+        .arg("c:3")
+        .query(&mut con)
+        .unwrap();
+    // fe-a gave seq 3 to a1 alone, and its parked copy goes back: merged, a1 reported lost.
+    let a1 = cmd(3, "a1");
+    // A copy holding seq 3 only, given while its broker could not reach Redis.
+    fn copy<'a>(json: &'a str, mode: RekeepMode, r: &'a RigId, b: &'a BootId) -> Rekeep<'a> {
+        Rekeep {
+            rig: r,
+            boot: b,
+            next: Seq(4),
+            cmds: vec![(Seq(3), json.as_bytes())],
+            unkept: Unkept::up_to(Seq(3)),
+            mode,
+        }
+    }
+    assert_eq!(
+        rekeep(&mut con, "fe-a", copy(&a1, RekeepMode::Parked, &r, &x)),
+        [Rekept::Merged]
+    );
+    let events = events_until_marker(&mut con);
+    let lost: Vec<_> = events
+        .iter()
+        .filter(|e| e["type"] == "lost")
+        .map(|e| (e["seq"].clone(), e["id"].clone()))
+        .collect();
+    assert_eq!(
+        lost,
+        [(serde_json::json!(3), serde_json::json!("a1"))],
+        "{events:?}"
+    );
+    assert_eq!(
+        field(&mut con, &sess, "c:3"),
+        None,
+        "not stranded under seq 3"
+    );
+    // fe-c kept b3 itself before it lost Redis, and gave a4 unkept (its copy: 3 and 4, the
+    // unkept ones from 4). The rig acked b3 elsewhere: the seq is empty, and Redis numbered it,
+    // but the command is the one Redis kept: neither written back nor reported lost.
+    let (b3, a4) = (cmd(3, "b3"), cmd(4, "a4"));
+    let kept_then_unkept = Rekeep {
+        rig: &r,
+        boot: &x,
+        next: Seq(5),
+        cmds: vec![(Seq(3), b3.as_bytes()), (Seq(4), a4.as_bytes())],
+        unkept: Unkept {
+            from: Seq(4),
+            to: Seq(4),
+        },
+        mode: RekeepMode::Parked,
+    };
+    assert_eq!(rekeep(&mut con, "fe-c", kept_then_unkept), [Rekept::Merged]);
+    assert_eq!(
+        events_until_marker(&mut con),
+        Vec::<serde_json::Value>::new()
+    );
+    assert_eq!(field(&mut con, &sess, "c:3"), None);
+    assert_eq!(
+        field(&mut con, &sess, "c:4"),
+        Some(a4),
+        "Redis never numbered 4"
+    );
+
+    // Boot Y: Redis lost its session, and the rig came back saying it has seq 4. Redis
+    // numbers from 5 (its first command there), so an empty seq 3 below that is one the rig
+    // holds from before: a copy's command there is written back, and nothing is lost.
+    let y = boot(2);
+    let sess = session_key(&r, &y);
+    set(&mut con, &rig_key(&r), &tuple(&y, "fe-b"));
+    sessions.resume(&mut con, &r, &y, TTL, "fe-b").unwrap();
+    persist(&mut con, &r, &y, 5, &cmd(5, "b5"));
+    assert_eq!(field(&mut con, &sess, "from").as_deref(), Some("5"));
+    persist(&mut con, &r, &y, 6, &cmd(6, "b6"));
+    assert_eq!(
+        field(&mut con, &sess, "from").as_deref(),
+        Some("5"),
+        "no gap at 6"
+    );
+    // Y's hello reported X's b1, b2 and a4.
+    assert_eq!(events_until_marker(&mut con).len(), 3);
+    assert_eq!(
+        rekeep(&mut con, "fe-a", copy(&a1, RekeepMode::Parked, &r, &y)),
+        [Rekept::Merged]
+    );
+    assert_eq!(
+        events_until_marker(&mut con),
+        Vec::<serde_json::Value>::new()
+    );
+    assert_eq!(field(&mut con, &sess, "c:3"), Some(a1));
 }
 
 /// An expiry removes the held command and says so again when asked again (its first answer

@@ -12,7 +12,9 @@ use common::control::{send_and_read, Control};
 use common::redis::RedisServer;
 use common::relay::Relay;
 use fleetlink::ids::{BootId, RigId, Seq};
-use fleetlink::registry::sessions::{Kept, Persist, Rekeep, RekeepMode, Rekept, SessionScripts};
+use fleetlink::registry::sessions::{
+    Kept, Persist, Rekeep, RekeepMode, Rekept, SessionScripts, Unkept,
+};
 use redis::Commands;
 use serde_json::{json, Value};
 use tungstenite::Message;
@@ -163,7 +165,7 @@ fn a_session_resumes_on_another_broker_with_unacked_commands_in_order() {
             .connection()
             .hlen(format!("sess:rig-r:{boot}"))
             .unwrap();
-        n == 5 // "next", "t" (the TTL it lives by) + c:3, c:4, c:5
+        n == 6 // "next", "t" (the TTL it lives by), "from" + c:3, c:4, c:5
     });
     // The rig saw up to 3 and moves to B (same boot): B replays 4 and 5, then continues at 6.
     let (mut on_b, welcome) = move_to_b(&b, &mut on_a, "rig-r", &boot, 3);
@@ -258,12 +260,12 @@ fn commands_a_rig_had_at_its_resume_stay_until_it_acks_them() {
     eventually(Duration::from_secs(10), "4 gone", || {
         !fields(&mut con).contains(&"c:4".to_string())
     });
-    assert_eq!(fields(&mut con), ["c:1", "c:2", "c:3", "next"]);
+    assert_eq!(fields(&mut con), ["c:1", "c:2", "c:3", "from", "next"]);
     for seq in 1..=3 {
         ack(&mut on_b, seq);
     }
     eventually(Duration::from_secs(10), "every acked command gone", || {
-        fields(&mut con) == ["next"]
+        fields(&mut con) == ["from", "next"]
     });
 }
 
@@ -1207,7 +1209,7 @@ fn held_commands_a_killed_broker_could_not_number_yet_reach_the_rig_elsewhere() 
                 .query(&mut con)
                 .unwrap();
             let kept: i64 = redis::cmd("HLEN").arg(&session).query(&mut con).unwrap();
-            held == 43 && kept == 19
+            held == 43 && kept == 20 // "next", "t", "from" + 17
         },
     );
     kill_broker(&mut b);
@@ -1423,7 +1425,10 @@ fn a_persist_batch_is_fenced_per_rig_and_checked_before_any_write() {
     let next: String = con.hget(&sess_a, "next").unwrap();
     assert_eq!(next, "9");
     let fields: Vec<String> = con.hkeys(&sess_a).unwrap();
-    assert_eq!(fields.len(), 3, "{fields:?}"); // next, c:7, c:8
+    // next, c:7, c:8, and from: Redis numbered this session from 7 (it held none before).
+    assert_eq!(fields.len(), 4, "{fields:?}");
+    let from: String = con.hget(&sess_a, "from").unwrap();
+    assert_eq!(from, "7");
     let ttl: i64 = con.pttl(&sess_a).unwrap();
     assert!(ttl > 50_000 && ttl <= 60_000, "{ttl}");
     let exists: bool = con.exists(format!("sess:rig-b:{boot}")).unwrap();
@@ -1449,7 +1454,7 @@ fn a_persist_batch_is_fenced_per_rig_and_checked_before_any_write() {
     let fields: Vec<String> = con.hkeys(&sess_a).unwrap();
     assert_eq!(
         fields.len(),
-        3,
+        4, // "next", "from", c:7, c:8
         "the valid first command was written: {fields:?}"
     );
 }
@@ -1494,7 +1499,7 @@ fn rekeep_is_fenced_and_never_lowers_next() {
         boot: &boot,
         next: Seq(next),
         cmds: vec![(Seq(5), b"{\"seq\":5}".as_slice())],
-        unkept_to: Seq(0),
+        unkept: Unkept::up_to(Seq(0)),
         mode: RekeepMode::Live,
     };
     let kept = scripts
@@ -1544,6 +1549,7 @@ fn rekeep_is_fenced_and_never_lowers_next() {
         .arg("live")
         .arg(AT)
         .arg(0)
+        .arg(0)
         .arg("x1")
         .arg("{}")
         .query::<redis::Value>(&mut con)
@@ -1588,7 +1594,7 @@ fn rekeep_of_a_parked_session_is_written_only_where_no_one_else_holds_the_rig() 
         next: Seq(3),
         cmds: vec![(Seq(1), b"c1".as_slice()), (Seq(2), b"c2".as_slice())],
         // Delivered while Redis was away: only this copy holds them.
-        unkept_to: Seq(2),
+        unkept: Unkept::up_to(Seq(2)),
         mode: RekeepMode::Parked,
     };
     let kept = scripts
@@ -1604,7 +1610,8 @@ fn rekeep_of_a_parked_session_is_written_only_where_no_one_else_holds_the_rig() 
     assert_eq!(kept, [Kept, Merged, Behind(Seq(9)), Merged]);
 
     let written: HashMap<String, String> = con.hgetall(sess(&c)).unwrap();
-    let want = hash_of(&[("next", "3"), ("c:1", "c1"), ("c:2", "c2")]);
+    // "from": Redis numbered none of it itself.
+    let want = hash_of(&[("next", "3"), ("from", "3"), ("c:1", "c1"), ("c:2", "c2")]);
     assert_eq!(written, want);
     let ttl: i64 = con.pttl(sess(&c)).unwrap();
     assert!(ttl > 50_000 && ttl <= 60_000, "{ttl}");
@@ -1614,7 +1621,8 @@ fn rekeep_of_a_parked_session_is_written_only_where_no_one_else_holds_the_rig() 
     assert_eq!(lease, None, "a parked session claims no lease");
 
     let merged: HashMap<String, String> = con.hgetall(sess(&d)).unwrap();
-    let want = hash_of(&[("next", "3"), ("c:1", "c1"), ("c:2", "c2")]);
+    // "from": Redis numbered none of it itself.
+    let want = hash_of(&[("next", "3"), ("from", "3"), ("c:1", "c1"), ("c:2", "c2")]);
     assert_eq!(merged, want, "what the other copy lacked added");
 
     let merged: HashMap<String, String> = con.hgetall(sess(&a)).unwrap();
@@ -1628,7 +1636,12 @@ fn rekeep_of_a_parked_session_is_written_only_where_no_one_else_holds_the_rig() 
 
     // The same session went on at fe-b: ours added where it had none, `next` raised past them.
     let merged: HashMap<String, String> = con.hgetall(sess(&b)).unwrap();
-    let want = hash_of(&[("next", "3"), ("c:1", "theirs"), ("c:2", "c2")]);
+    let want = hash_of(&[
+        ("next", "3"),
+        ("from", "3"),
+        ("c:1", "theirs"),
+        ("c:2", "c2"),
+    ]);
     assert_eq!(merged, want);
 
     // A connected rig's session is not written without its lease, even where none exists.
@@ -1653,6 +1666,7 @@ fn rekeep_of_a_parked_session_is_written_only_where_no_one_else_holds_the_rig() 
         .arg(3)
         .arg("stale")
         .arg(AT)
+        .arg(0)
         .arg(0)
         .query::<redis::Value>(&mut con)
         .unwrap_err();
@@ -1746,7 +1760,7 @@ fn a_parked_session_a_newer_boot_ended_is_reported_once_whichever_runs_first() {
                 .zip(cmds.map(str::as_bytes))
                 .collect(),
             // Delivered while Redis was away: only this copy holds them.
-            unkept_to: Seq(4),
+            unkept: Unkept::up_to(Seq(4)),
             mode: RekeepMode::Parked,
         }
     }
@@ -1868,7 +1882,7 @@ fn a_session_a_hello_decided_alone_ended_is_reported_once_through_redis() {
                 .map(Seq)
                 .zip(held.iter().map(|c| c.as_bytes()))
                 .collect(),
-            unkept_to: Seq(4),
+            unkept: Unkept::up_to(Seq(4)),
             mode: RekeepMode::EndedBy(*by),
         };
         scripts
@@ -2036,7 +2050,7 @@ fn moving_the_record_to_a_newer_boot_reports_the_session_it_named() {
         boot,
         next: Seq(1),
         cmds: Vec::new(),
-        unkept_to: Seq(0),
+        unkept: Unkept::up_to(Seq(0)),
         mode,
     };
     let tombstone = |con: &mut redis::Connection, old: &BootId, by: &BootId| {
@@ -2094,7 +2108,7 @@ fn moving_the_record_to_a_newer_boot_reports_the_session_it_named() {
         boot: &w,
         next: Seq(2),
         cmds: vec![(Seq(1), b"{\"id\":\"w1\"}".as_slice())],
-        unkept_to: Seq(1),
+        unkept: Unkept::up_to(Seq(1)),
         mode: RekeepMode::EndedBy(z),
     };
     let kept = scripts.rekeep(&mut con, &[ended], "fe-a", ttl, AT).unwrap();
@@ -2309,7 +2323,7 @@ fn damaged_session_resumes(rig: &str, damage: impl Fn(&mut redis::Pipeline, &str
     assert!(
         fields
             .keys()
-            .all(|f| f == "next" || f == "r" || f == "t" || f.starts_with("c:"))
+            .all(|f| ["next", "r", "t", "from"].contains(&f.as_str()) || f.starts_with("c:"))
             && !fields.contains_key("c:x")
             && fields["next"].len() < 20,
         "{rig}: {fields:?}"
@@ -2398,7 +2412,7 @@ fn a_stale_copy_reports_and_writes_back_none_of_what_redis_kept_and_forgot() {
                 .map(Seq)
                 .zip(held.iter().map(|c| c.as_bytes()))
                 .collect(),
-            unkept_to: Seq(unkept_to),
+            unkept: Unkept::up_to(Seq(unkept_to)),
             mode,
         };
         scripts
@@ -2467,7 +2481,7 @@ fn a_stale_copy_reports_and_writes_back_none_of_what_redis_kept_and_forgot() {
     let _: () = con.hset(sess(&a), "r", "{}").unwrap();
     assert_eq!(copy(&a, 0, RekeepMode::Parked), [Rekept::Kept]);
     let left: HashMap<String, String> = con.hgetall(sess(&a)).unwrap();
-    assert_eq!(left.len(), 5, "{left:?}");
+    assert_eq!(left.len(), 6, "{left:?}"); // "r", "next", "from" and three commands
 }
 
 /// Damage that comes while a rig is connected is met by the writes: a session `next` that is
@@ -2484,7 +2498,7 @@ fn damage_to_a_live_session_is_written_over_not_answered_in_a_loop() {
         boot: &boot,
         next: Seq(next),
         cmds: vec![(Seq(5), b"c5".as_slice())],
-        unkept_to: Seq(0),
+        unkept: Unkept::up_to(Seq(0)),
         mode: RekeepMode::Live,
     };
     for bad in ["inf", "1e400", "-3", "12345678901234567"] {
@@ -2626,7 +2640,7 @@ fn a_newer_boots_copy_put_back_after_an_older_ones_becomes_the_rigs_latest() {
             boot,
             next: Seq(next),
             cmds: vec![(Seq(next - 1), b"{}".as_slice())],
-            unkept_to: Seq(0),
+            unkept: Unkept::up_to(Seq(0)),
             mode: RekeepMode::Parked,
         }
     }
@@ -2668,7 +2682,7 @@ fn a_copy_meeting_a_session_numbered_past_it_adds_what_redis_may_never_have_had(
         boot: &boot,
         next: Seq(3),
         cmds: vec![(Seq(1), b"c1".as_slice()), (Seq(2), b"c2".as_slice())],
-        unkept_to: Seq(unkept_to),
+        unkept: Unkept::up_to(Seq(unkept_to)),
         mode: RekeepMode::Parked,
     };
     // Kept by Redis before, and gone: acked.
@@ -2713,7 +2727,7 @@ fn a_copy_of_a_session_a_newer_boots_hello_passed_over_is_reported_once() {
         boot: &x,
         next: Seq(4),
         cmds: vec![(Seq(3), br#"{"id":"x3"}"#.as_slice())],
-        unkept_to: Seq(3),
+        unkept: Unkept::up_to(Seq(3)),
         mode: RekeepMode::Parked,
     };
     let kept = scripts
@@ -2754,7 +2768,7 @@ fn a_parked_copy_is_neither_fenced_by_an_older_boot_nor_hidden_in_its_own_tombst
         boot: &z,
         next: Seq(2),
         cmds: vec![(Seq(1), c1.as_bytes())],
-        unkept_to: Seq(1),
+        unkept: Unkept::up_to(Seq(1)),
         mode: RekeepMode::Parked,
     };
     let kept = scripts
@@ -2790,7 +2804,7 @@ fn a_parked_copy_is_neither_fenced_by_an_older_boot_nor_hidden_in_its_own_tombst
         boot: &x,
         next: Seq(3),
         cmds: vec![(Seq(1), c1.as_bytes()), (Seq(2), c2.as_bytes())],
-        unkept_to: Seq(2),
+        unkept: Unkept::up_to(Seq(2)),
         mode: RekeepMode::Parked,
     };
     let kept = scripts
@@ -2837,7 +2851,7 @@ fn a_session_an_older_boots_hello_ended_is_reported_and_the_record_names_that_bo
             boot: &z,
             next: Seq(2),
             cmds: vec![(Seq(1), c1.as_bytes())],
-            unkept_to: Seq(1),
+            unkept: Unkept::up_to(Seq(1)),
             mode: RekeepMode::EndedBy(x),
         };
         let kept = scripts

@@ -8,6 +8,7 @@ use serde_json::Value;
 
 use crate::args::Args;
 use crate::ids::{BootId, ConnId, CoreId, RigId, Seq};
+use crate::registry::sessions::Unkept;
 
 /// A command that has its seq: queued on a connection, or carried to the next connection of the
 /// same session.
@@ -121,9 +122,9 @@ pub struct RekeepReq {
     pub next: Seq,
     /// Its commands not yet acked (written or queued, none held), by seq.
     pub cmds: Vec<(Seq, Box<[u8]>)>,
-    /// The highest seq among them Redis may never have kept (delivered while it was away),
-    /// `Seq(0)` when Redis kept them all (see `rekeep.lua`'s `unkept_to`).
-    pub unkept_to: Seq,
+    /// The seqs among them Redis may never have kept (delivered while it was away), none
+    /// when Redis kept them all (see `rekeep.lua`'s `unkept_from` and `unkept_to`).
+    pub unkept: Unkept,
 }
 
 impl RekeepReq {
@@ -135,13 +136,13 @@ impl RekeepReq {
         boot: BootId,
         next: Seq,
         carried: &[SeqCommand],
-        unkept_to: Seq,
+        unkept: Unkept,
     ) -> RekeepReq {
         RekeepReq {
             rig: rig.clone(),
             boot,
             next,
-            unkept_to,
+            unkept,
             cmds: carried
                 .iter()
                 .filter(|c| !c.held)

@@ -131,11 +131,68 @@ pub struct Rekeep<'a> {
     pub next: Seq,
     /// Its commands not yet acked, as sent to the rig.
     pub cmds: Vec<(Seq, &'a [u8])>,
-    /// The highest seq among them Redis may never have kept, `Seq(0)` when it kept them all:
-    /// a parked or ended copy's command above it that Redis has forgotten was acked.
-    pub unkept_to: Seq,
+    /// The seqs among them Redis may never have kept: a parked or ended copy's command
+    /// outside them that Redis has forgotten was acked.
+    pub unkept: Unkept,
     /// How it is fenced.
     pub mode: RekeepMode,
+}
+
+/// The seqs of a session its broker delivered while Redis was away, and has not put back
+/// since (`rekeep.lua`'s `unkept_from` and `unkept_to`). A connection delivers in seq order,
+/// so they are one range; two outages without a put-back between make it wider, which only
+/// counts a kept command as unkept (the cautious side).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Unkept {
+    /// The lowest.
+    pub from: Seq,
+    /// The highest; `Seq(0)` when there are none.
+    pub to: Seq,
+}
+
+impl Unkept {
+    /// None: Redis kept all of them.
+    pub const NONE: Unkept = Unkept {
+        from: Seq(0),
+        to: Seq(0),
+    };
+
+    /// Every seq up to `to`: where only the highest is known (Redis lost keys, and with them
+    /// whatever it had kept of the session).
+    pub fn up_to(to: Seq) -> Unkept {
+        Unkept { from: Seq(0), to }
+    }
+
+    /// Whether there are none.
+    pub fn is_none(&self) -> bool {
+        self.to == Seq(0)
+    }
+
+    /// These and `seq`.
+    pub fn with(self, seq: Seq) -> Unkept {
+        if self.is_none() {
+            Unkept { from: seq, to: seq }
+        } else {
+            Unkept {
+                from: self.from.min(seq),
+                to: self.to.max(seq),
+            }
+        }
+    }
+
+    /// These and `other`'s.
+    pub fn union(self, other: Unkept) -> Unkept {
+        if self.is_none() {
+            other
+        } else if other.is_none() {
+            self
+        } else {
+            Unkept {
+                from: self.from.min(other.from),
+                to: self.to.max(other.to),
+            }
+        }
+    }
 }
 
 /// Whose session a [`Rekeep`] is, which decides how `rekeep.lua` fences it.
@@ -236,7 +293,8 @@ impl SessionScripts {
                         RekeepMode::EndedBy(boot) => format!("ended|{boot}"),
                     })
                     .arg(at)
-                    .arg(s.unkept_to.0);
+                    .arg(s.unkept.to.0)
+                    .arg(s.unkept.from.0);
                 for (seq, json) in &s.cmds {
                     call.arg(seq.0).arg(*json);
                 }
@@ -475,4 +533,27 @@ fn bytes(v: &Value) -> Option<Vec<u8>> {
 /// A TTL as the scripts take it: whole ms, 1 to 15 digits.
 pub(crate) fn ttl_ms(ttl: Duration) -> u128 {
     ttl.as_millis().clamp(1, 999_999_999_999_999)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Seqs delivered unkept grow one range from none; a range meets another, or every seq
+    /// up to a last (Redis lost keys), as the range spanning both.
+    #[test]
+    fn unkept_seqs_are_one_range_spanning_all_of_them() {
+        let r = Unkept::NONE.with(Seq(7)).with(Seq(5)).with(Seq(9));
+        assert_eq!(
+            r,
+            Unkept {
+                from: Seq(5),
+                to: Seq(9)
+            }
+        );
+        assert!(Unkept::NONE.is_none() && !r.is_none());
+        assert_eq!(r.union(Unkept::NONE), r);
+        assert_eq!(Unkept::NONE.union(r), r);
+        assert_eq!(r.union(Unkept::up_to(Seq(6))), Unkept::up_to(Seq(9)));
+    }
 }

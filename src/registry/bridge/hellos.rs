@@ -13,6 +13,7 @@ use crate::registry::fleet;
 use crate::registry::msg::{SeqCommand, ToCore, Verdict};
 use crate::registry::scripts::HelloOutcome;
 use crate::registry::sessions::Resumed;
+use crate::registry::sessions::Unkept;
 use crate::worker::queues::RIG_SESSION_BYTES;
 
 /// A hello waiting for its batch's round trip.
@@ -360,7 +361,7 @@ impl Bridge {
         if self.cfg.session_ttl.is_zero() {
             return self.report_parked_reboot(rig, boot);
         }
-        let unkept_to = self.registry.parked_unkept_to(rig);
+        let unkept = self.registry.parked_unkept(rig);
         let Some((old, next, carried)) = self.registry.parked(rig) else {
             return;
         };
@@ -370,23 +371,22 @@ impl Bridge {
         if old == boot {
             return;
         }
-        let req = crate::registry::msg::RekeepReq::of(rig, old, next, carried, unkept_to);
+        let req = crate::registry::msg::RekeepReq::of(rig, old, next, carried, unkept);
         if !self.ended_alone.push(req, boot) {
             self.report_parked_reboot(rig, boot);
         }
     }
 
     /// A live session of `r.old`, its next seq `next`, that the newer boot `r.new` took over
-    /// (see `ToBridge::Closed`); Redis may never have kept its commands up to `unkept_to`.
+    /// (see `ToBridge::Closed`); Redis may never have kept its commands `unkept`.
     pub(super) fn report_taken_over(
         &mut self,
         r: crate::registry::embedded::Rebooted,
         next: Seq,
-        unkept_to: Seq,
+        unkept: Unkept,
     ) {
         if self.fleet.is_some() && !self.cfg.session_ttl.is_zero() {
-            let req =
-                crate::registry::msg::RekeepReq::of(&r.rig, r.old, next, &r.carried, unkept_to);
+            let req = crate::registry::msg::RekeepReq::of(&r.rig, r.old, next, &r.carried, unkept);
             if self.ended_alone.push(req, r.new) {
                 return;
             }

@@ -50,6 +50,7 @@ use crate::registry::offline::{Deadlines, Held, LocalHeld};
 use crate::registry::pace::WritePace;
 use crate::registry::scripts::Owner;
 use crate::registry::sessions::Resumed;
+use crate::registry::sessions::Unkept;
 use crate::reply;
 
 /// Inbox messages handled per wake before the bridge looks at Redis and its timers again.
@@ -138,13 +139,14 @@ struct Bridge {
     /// its connection's close. After an evict of the same boot only if it was given seqs
     /// unkept (`unkept_high`).
     merge_on_close: HashSet<(RigId, BootId)>,
-    /// The highest seq each live session here was delivered unkept, while Redis was away:
-    /// Redis lacks it, so if another broker takes the same boot (its evict arrives as a
-    /// partition of this broker heals), the session goes back as it closes, and only up to
-    /// that seq. A connection that merely lost a hello race holds seqs it never wrote, and
-    /// raising the session's `next` past them would refuse the winner's own commands as stale.
-    /// Gone at the close, or once the session is kept again.
-    unkept_high: HashMap<(RigId, BootId), Seq>,
+    /// The seqs each live session here was delivered unkept, while Redis was away: Redis
+    /// lacks them, so if another broker takes the same boot (its evict arrives as a partition
+    /// of this broker heals), the session goes back as it closes, and only up to the highest.
+    /// A connection that merely lost a hello race holds seqs it never wrote, and raising the
+    /// session's `next` past them would refuse the winner's own commands as stale. The lowest
+    /// tells `rekeep.lua` which commands below it Redis did keep. Gone at the close, or once
+    /// the session is kept again.
+    unkept_high: HashMap<(RigId, BootId), Unkept>,
     /// Hellos decided here while Redis was away. The older boot's session in Redis, or that
     /// of a boot in between on another broker, which only Redis knows, is reported by the
     /// first refresh after the reconnect (see `upkeep`), even where the hello's own call
@@ -413,15 +415,17 @@ impl Bridge {
                         // its next seq, which may count one fenced since. Its last ack too:
                         // the rig holds that seq, and the session Redis started meanwhile
                         // (a resume elsewhere found nothing) would give it to another command.
-                        ALL_UNKEPT => carried
-                            .iter()
-                            .map(|c| c.seq)
-                            .chain(session.recall.as_ref().map(|r| r.last_ack))
-                            .max()
-                            .unwrap_or(Seq(0)),
+                        ALL_UNKEPT => Unkept::up_to(
+                            carried
+                                .iter()
+                                .map(|c| c.seq)
+                                .chain(session.recall.as_ref().map(|r| r.last_ack))
+                                .max()
+                                .unwrap_or(Seq(0)),
+                        ),
                         h => h,
                     })
-                    .filter(|h| *h > Seq(0));
+                    .filter(|h| !h.is_none());
                 // Only what it delivered unkept: a connection that gave nothing unkept left
                 // Redis all it needs, and its own next seq may count a command fenced at its
                 // persist (never delivered), which would leave the rig a gap.
@@ -431,13 +435,13 @@ impl Bridge {
                 .then(|| crate::registry::msg::RekeepReq {
                     rig: rig.clone(),
                     boot,
-                    next: high.map_or(next_seq, |h| next_seq.min(Seq(h.0.saturating_add(1)))),
+                    next: high.map_or(next_seq, |h| next_seq.min(Seq(h.to.0.saturating_add(1)))),
                     cmds: carried
                         .iter()
-                        .filter(|c| high.is_none_or(|h| c.seq <= h))
+                        .filter(|c| high.is_none_or(|h| c.seq <= h.to))
                         .map(|c| (c.seq, c.json.clone()))
                         .collect(),
-                    unkept_to: high.unwrap_or(Seq(0)),
+                    unkept: high.unwrap_or(Unkept::NONE),
                 });
                 let (actions, released) = self.registry.closed(conn, *session, Instant::now());
                 if let (true, Some(recall), Some(f)) = (released, &remember, self.fleet.as_mut()) {
@@ -461,7 +465,7 @@ impl Bridge {
                 // goes to Redis as an ended session (`rekeep.lua`), which reports what no
                 // report covered. Standalone, or with no sessions kept, it is reported here.
                 if let Some(r) = self.registry.take_rebooted() {
-                    self.report_taken_over(r, next_seq, high.unwrap_or(Seq(0)));
+                    self.report_taken_over(r, next_seq, high.unwrap_or(Unkept::NONE));
                 }
                 // A connection that waited for this one's session, and what Redis held for it.
                 let actions = self.merge_handover(&rig, boot, actions);
@@ -709,7 +713,7 @@ impl Bridge {
         self.shared.count_n("parked", "dropped", dropped);
         if let Some(r) = self.registry.take_rebooted() {
             // Never written: nothing of it went out while Redis was away.
-            self.report_taken_over(r, next_seq, crate::ids::Seq(0));
+            self.report_taken_over(r, next_seq, Unkept::NONE);
         }
         let Some((rig, boot)) = back.session else {
             return back.actions;
@@ -800,7 +804,7 @@ impl Bridge {
         // delivered while Redis was away (queued otherwise only at the next reconnect, which
         // does not come), and the reports owed for sessions that hellos decided here alone
         // ended. Redis away (an outage, a pause) gets the same wait as the events below.
-        let unkept = self.registry.parked_unkept();
+        let unkept = self.registry.parked_unkept_sessions();
         self.queue_rekeeps_of(unkept);
         // Redis away as the drain ends may come back empty (a restart), and with it what it
         // held of the sessions parked here: back within the wait, it gets every one of them,
@@ -866,7 +870,10 @@ impl Bridge {
 
 /// An `unkept_high` that stands for every command the session holds: Redis lost keys while
 /// it was live here, and with them what it had kept of it.
-pub(super) const ALL_UNKEPT: Seq = Seq(u64::MAX);
+pub(super) const ALL_UNKEPT: Unkept = Unkept {
+    from: Seq(0),
+    to: Seq(u64::MAX),
+};
 
 /// How long the end of a drain waits for an absent Redis to take what the broker still holds
 /// for it (events, removals of acked commands, lease releases).

@@ -427,11 +427,8 @@ impl Bridge {
         {
             return;
         }
-        let high = self
-            .unkept_high
-            .entry((p.rig.clone(), p.boot))
-            .or_insert(p.seq);
-        *high = (*high).max(p.seq);
+        let unkept = self.unkept_high.entry((p.rig.clone(), p.boot)).or_default();
+        *unkept = unkept.with(p.seq);
     }
 
     /// One lease-fenced script call for `held`. None when Redis is unavailable.

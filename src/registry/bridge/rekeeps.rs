@@ -16,7 +16,7 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use super::Bridge;
 use crate::ids::{BootId, RigId, Seq};
 use crate::registry::msg::{RekeepReq, ToCore};
-use crate::registry::sessions::{Rekeep, RekeepMode, Rekept};
+use crate::registry::sessions::{Rekeep, RekeepMode, Rekept, Unkept};
 
 /// Sessions put back into Redis per pass of the bridge loop (see `Bridge::rekeep_sessions`).
 const REKEEP_PER_PASS: usize = 2000;
@@ -283,7 +283,7 @@ impl Bridge {
     /// A session's seqs are all in Redis again: none is unkept any longer.
     fn kept_again(&mut self, parked: bool, rig: &RigId, boot: BootId) {
         if parked {
-            self.registry.mark_parked_unkept(rig, boot, Seq(0));
+            self.registry.mark_parked_unkept(rig, boot, Unkept::NONE);
         } else {
             self.unkept_high.remove(&(rig.clone(), boot));
         }
@@ -302,7 +302,7 @@ impl Bridge {
                         boot,
                         next: r.next,
                         cmds: r.cmds.iter().map(|(seq, json)| (*seq, &json[..])).collect(),
-                        unkept_to: r.unkept_to,
+                        unkept: r.unkept,
                         mode: match pending {
                             Pending::Live(_) => RekeepMode::Live,
                             Pending::Ended { by, .. } => RekeepMode::EndedBy(*by),
@@ -334,7 +334,7 @@ impl Bridge {
                             .filter(|c| !c.held)
                             .map(|c| (c.seq, &c.json[..]))
                             .collect(),
-                        unkept_to: self.registry.parked_unkept_to(rig),
+                        unkept: self.registry.parked_unkept(rig),
                         mode: RekeepMode::Parked,
                     });
                 }
@@ -431,7 +431,7 @@ mod tests {
             boot: boot(),
             next: Seq(next),
             cmds: Vec::new(),
-            unkept_to: Seq(0),
+            unkept: Unkept::NONE,
         }
     }
 
@@ -633,6 +633,14 @@ mod tests {
         let r = evicted_after(Some(4)).expect("merged at the close");
         let seqs: Vec<u64> = r.cmds.iter().map(|(s, _)| s.0).collect();
         assert_eq!((r.next, seqs), (Seq(5), vec![4]));
+        // Only seq 4 counts as unkept: a command below it Redis kept (rekeep.lua's unkept_from).
+        assert_eq!(
+            r.unkept,
+            Unkept {
+                from: Seq(4),
+                to: Seq(4)
+            }
+        );
         assert!(evicted_after(None).is_none());
     }
 
@@ -655,7 +663,10 @@ mod tests {
     fn a_session_superseded_after_redis_lost_keys_goes_back_whole() {
         let r = superseded_after_with(None, true, true).expect("merged at the close");
         let seqs: Vec<u64> = r.cmds.iter().map(|(s, _)| s.0).collect();
-        assert_eq!((r.next, seqs, r.unkept_to), (Seq(6), vec![4, 5], Seq(5)));
+        assert_eq!(
+            (r.next, seqs, r.unkept),
+            (Seq(6), vec![4, 5], Unkept::up_to(Seq(5)))
+        );
     }
 
     /// A session a hello decided alone ended waits for Redis, within its bytes: queued only

@@ -116,7 +116,8 @@ impl Bridge {
                 // `sess:lapses` may be gone with them: sessions are named again.
                 self.lapse_count = self.lapse_count.wrapping_add(1).max(1);
                 for key in self.registry.live_sessions() {
-                    self.unkept_high.entry(key).or_insert(ALL_UNKEPT);
+                    // Whatever Redis kept of it before is gone too.
+                    self.unkept_high.insert(key, ALL_UNKEPT);
                 }
                 self.queue_parked_rekeeps();
             }

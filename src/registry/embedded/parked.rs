@@ -9,6 +9,7 @@ use std::time::Instant;
 use super::Embedded;
 use crate::ids::{BootId, RigId, Seq};
 use crate::registry::msg::{ClosedSession, Recall, SeqCommand};
+use crate::registry::sessions::Unkept;
 
 #[derive(Debug)]
 pub(super) struct Parked {
@@ -17,9 +18,9 @@ pub(super) struct Parked {
     pub(super) carried: Vec<SeqCommand>,
     /// None when the session remembers nothing past its commands (most do: no allocation).
     pub(super) recall: Option<Box<Recall>>,
-    /// Fleet mode: the highest seq delivered while Redis was away and not put back since
-    /// (0: none), for `rekeep.lua` to tell the commands only this copy knows of.
-    unkept_to: Seq,
+    /// Fleet mode: the seqs delivered while Redis was away and not put back since, for
+    /// `rekeep.lua` to tell the commands only this copy knows of.
+    unkept: Unkept,
     at: Instant,
 }
 
@@ -65,11 +66,11 @@ impl Embedded {
             .collect()
     }
 
-    /// Records that `rig`'s session of `boot`, if it is the one parked, holds commands up to
-    /// `to` that Redis may never have kept (`Seq(0)`: none, once it has put them back).
-    pub fn mark_parked_unkept(&mut self, rig: &RigId, boot: BootId, to: Seq) {
+    /// Records that `rig`'s session of `boot`, if it is the one parked, holds the commands
+    /// `unkept` that Redis may never have kept (none, once it has put them back).
+    pub fn mark_parked_unkept(&mut self, rig: &RigId, boot: BootId, unkept: Unkept) {
         if let Some(p) = self.parked.get_mut(rig).filter(|p| p.boot == boot) {
-            p.unkept_to = to;
+            p.unkept = unkept;
         }
     }
 
@@ -78,22 +79,22 @@ impl Embedded {
     pub fn mark_all_parked_unkept(&mut self) {
         for p in self.parked.values_mut() {
             let top = p.carried.iter().map(|c| c.seq).max().unwrap_or(Seq(0));
-            p.unkept_to = p.unkept_to.max(top);
+            p.unkept = p.unkept.union(Unkept::up_to(top));
         }
     }
 
     /// The parked sessions holding commands Redis may never have kept.
-    pub fn parked_unkept(&self) -> Vec<(RigId, BootId)> {
+    pub fn parked_unkept_sessions(&self) -> Vec<(RigId, BootId)> {
         self.parked
             .iter()
-            .filter(|(_, p)| p.unkept_to > Seq(0))
+            .filter(|(_, p)| !p.unkept.is_none())
             .map(|(r, p)| (r.clone(), p.boot))
             .collect()
     }
 
-    /// The highest seq of `rig`'s parked session Redis may never have kept (0: none).
-    pub fn parked_unkept_to(&self, rig: &RigId) -> Seq {
-        self.parked.get(rig).map_or(Seq(0), |p| p.unkept_to)
+    /// The seqs of `rig`'s parked session Redis may never have kept.
+    pub fn parked_unkept(&self, rig: &RigId) -> Unkept {
+        self.parked.get(rig).map_or(Unkept::NONE, |p| p.unkept)
     }
 
     /// How many commands the parked sessions carry, how many sessions carry any, and the
@@ -170,7 +171,7 @@ impl Embedded {
             next_seq,
             carried,
             recall,
-            unkept_to: Seq(0),
+            unkept: Unkept::NONE,
             at: now,
         };
         self.parked_bytes += p.bytes();
@@ -311,11 +312,11 @@ mod tests {
             SeqCommand::for_test(3, 4, false),
         ];
         r.closed(conn(1), session(rig(), b, Seq(4), carried, None), now);
-        assert_eq!(r.parked_unkept_to(&rig()), Seq(0));
-        assert!(r.parked_unkept().is_empty());
+        assert_eq!(r.parked_unkept(&rig()), Unkept::NONE);
+        assert!(r.parked_unkept_sessions().is_empty());
         r.mark_all_parked_unkept();
-        assert_eq!(r.parked_unkept_to(&rig()), Seq(3));
-        assert_eq!(r.parked_unkept(), [(rig(), b)]);
+        assert_eq!(r.parked_unkept(&rig()), Unkept::up_to(Seq(3)));
+        assert_eq!(r.parked_unkept_sessions(), [(rig(), b)]);
     }
 
     #[test]

@@ -230,7 +230,7 @@ pub(crate) fn send_rekeep<'a>(
         cmds: kept,
         // The bridge knows which of them Redis never kept; a live session needs it only
         // once it parks.
-        unkept_to: Seq(0),
+        unkept: crate::registry::sessions::Unkept::NONE,
     })));
 }
 
