@@ -817,6 +817,49 @@ fn after_an_outage_a_broker_numbers_past_commands_another_gave_the_rig_meanwhile
     read_command(&mut on_b, 5, "s5");
 }
 
+/// A rig on fe-a with seqs 1 to 3 acked, then fe-a cut off from Redis (control and fe-b
+/// still on it); the rig says hello to fe-b too (make-before-break: fe-b takes the lease and
+/// evicts fe-a's connection, and the evict waits in the partition), and fe-a's admin API gives
+/// it seq 4, delivered there unkept.
+struct PartitionedRig {
+    redis: RedisServer,
+    relay: Relay,
+    a: Broker,
+    b: Broker,
+    on_a: Ws,
+    on_b: Ws,
+    boot: String,
+    /// fe-a's reply for seq 4.
+    given: Value,
+    /// Control, subscribed to `fleetlink:events` too.
+    ctl: Control,
+}
+
+fn rig_on_both_sides_of_a_partition(rig: &str) -> PartitionedRig {
+    let redis = RedisServer::start();
+    let relay = Relay::start(redis.port());
+    let a = broker_behind(&relay, "fe-a");
+    let b = fleet_broker(&redis, "fe-b", &["--registry-refresh", "200ms"]);
+    let (mut on_a, boot, _) = a.rig(rig);
+    let mut ctl = Control::new(&redis, &["fleetlink:events"]);
+    acked_commands(&mut ctl, "fe-a", rig, &mut on_a, "p", 3);
+    partition(&relay, &a, "fe-a sees the outage");
+    let on_b = hello_again(&b, rig, &boot, 3);
+    let given = admin_command_numbered(&a, rig, 4);
+    assert_eq!(read_json(&mut on_a)["seq"], 4);
+    PartitionedRig {
+        redis,
+        relay,
+        a,
+        b,
+        on_a,
+        on_b,
+        boot,
+        given,
+        ctl,
+    }
+}
+
 /// A partition of the broker that held the rig (the rig, control and the other broker still
 /// on Redis): the rig moves to fe-b make-before-break, and a command sent meanwhile to fe-a's
 /// admin API is numbered and delivered there unkept. Once the partition heals fe-a hears
@@ -824,19 +867,18 @@ fn after_an_outage_a_broker_numbers_past_commands_another_gave_the_rig_meanwhile
 /// Before, the evict closed it without a word and fe-b gave the rig seq 4 a second time.
 #[test]
 fn after_a_partition_the_broker_a_rig_left_puts_back_the_seqs_it_gave_meanwhile() {
-    let redis = RedisServer::start();
-    let relay = Relay::start(redis.port());
-    let a = broker_behind(&relay, "fe-a");
-    let b = fleet_broker(&redis, "fe-b", &["--registry-refresh", "200ms"]);
-    let (mut on_a, boot, _) = a.rig("rig-pt");
-    let mut ctl = Control::new(&redis, &[]);
-    acked_commands(&mut ctl, "fe-a", "rig-pt", &mut on_a, "p", 3);
-    partition(&relay, &a, "fe-a sees the outage");
-    // Make-before-break onto fe-b, which takes the lease in Redis and evicts fe-a's
-    // connection: the evict waits in the partition.
-    let mut on_b = hello_again(&b, "rig-pt", &boot, 3);
-    let given = admin_command_numbered(&a, "rig-pt", 4);
-    assert_eq!(read_json(&mut on_a)["seq"], 4);
+    // Every field bound: one left to `..` would be dropped (its process stopped) here.
+    let PartitionedRig {
+        redis: _redis,
+        relay,
+        a,
+        b,
+        mut on_a,
+        mut on_b,
+        boot: _,
+        given,
+        mut ctl,
+    } = rig_on_both_sides_of_a_partition("rig-pt");
     relay.freeze_both(false);
     // fe-a closes its connection (4410) and puts back what it gave.
     assert_eq!(read_close(&mut on_a), 4410);
@@ -865,17 +907,17 @@ fn after_a_partition_the_broker_a_rig_left_puts_back_the_seqs_it_gave_meanwhile(
 /// fe-b numbers on from 5.
 #[test]
 fn after_a_partition_a_command_whose_seq_the_rig_acked_for_another_is_reported_lost() {
-    let redis = RedisServer::start();
-    let relay = Relay::start(redis.port());
-    let a = broker_behind(&relay, "fe-a");
-    let b = fleet_broker(&redis, "fe-b", &["--registry-refresh", "200ms"]);
-    let (mut on_a, boot, _) = a.rig("rig-ta");
-    let mut ctl = Control::new(&redis, &["fleetlink:events"]);
-    acked_commands(&mut ctl, "fe-a", "rig-ta", &mut on_a, "p", 3);
-    partition(&relay, &a, "fe-a sees the outage");
-    let mut on_b = hello_again(&b, "rig-ta", &boot, 3);
-    let given = admin_command_numbered(&a, "rig-ta", 4);
-    assert_eq!(read_json(&mut on_a)["seq"], 4);
+    let PartitionedRig {
+        redis,
+        relay,
+        a: _a,
+        b: _b,
+        mut on_a,
+        mut on_b,
+        boot,
+        given,
+        mut ctl,
+    } = rig_on_both_sides_of_a_partition("rig-ta");
     send_and_read(&mut ctl, "fe-b", "rig-ta", "b4", &mut on_b, 4);
     ack(&mut on_b, 4);
     let mut con = redis.connection();

@@ -1137,9 +1137,7 @@ fn resume_newer_boot(
     Vec<serde_json::Value>,
 ) {
     let mut sub = server.client().get_connection().unwrap();
-    let mut ps = sub.as_pubsub();
-    ps.subscribe("fleetlink:events").unwrap();
-    ps.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut ps = events_of(&mut sub);
     let found = sessions.resume(con, r, new, TTL, "fe-b").unwrap();
     let events = (0..found.rebooted)
         .map(|_| {
@@ -1300,6 +1298,37 @@ fn a_batch_of_resumes_is_one_script_call_per_chunk_each_rig_its_own() {
     assert_eq!(again[0].as_ref().unwrap().next, Some(Seq(2)));
 }
 
+/// `sub` subscribed to `fleetlink:events`, a read waiting up to 10 s.
+fn events_of(sub: &mut Connection) -> redis::PubSub<'_> {
+    let mut ps = sub.as_pubsub();
+    ps.subscribe("fleetlink:events").unwrap();
+    ps.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    ps
+}
+
+/// A command as a broker sends it, with seq `seq` and id `id`.
+fn cmd(seq: u64, id: &str) -> String {
+    format!(r#"{{"type":"command","seq":{seq},"id":"{id}","name":"n","args":{{}}}}"#)
+}
+
+/// A copy of a session holding seq 3 alone, given while its broker could not reach Redis.
+fn copy<'a>(
+    r: &'a RigId,
+    b: &'a BootId,
+    json: &'a str,
+    mode: fleetlink::registry::sessions::RekeepMode,
+) -> fleetlink::registry::sessions::Rekeep<'a> {
+    use fleetlink::ids::Seq;
+    fleetlink::registry::sessions::Rekeep {
+        rig: r,
+        boot: b,
+        next: Seq(4),
+        cmds: vec![(Seq(3), json.as_bytes())],
+        unkept: fleetlink::registry::sessions::Unkept::up_to(Seq(3)),
+        mode,
+    }
+}
+
 /// Two brokers that each decided alone (Redis away from one of them) can give one seq of a
 /// session to two commands. Putting a session back keeps one under that seq, as before, and
 /// now publishes the other as `lost` rather than let a command control was told `ok` about
@@ -1308,21 +1337,14 @@ fn a_batch_of_resumes_is_one_script_call_per_chunk_each_rig_its_own() {
 #[test]
 fn a_seq_two_brokers_gave_to_two_commands_reports_the_one_that_goes() {
     use fleetlink::ids::Seq;
-    use fleetlink::registry::sessions::{
-        session_key, Rekeep, RekeepMode, Rekept, SessionScripts, Unkept,
-    };
+    use fleetlink::registry::sessions::{session_key, Rekeep, RekeepMode, Rekept, SessionScripts};
     let (server, mut con, _) = setup();
     let sessions = SessionScripts::new();
     let mut sub = server.client().get_connection().unwrap();
-    let mut ps = sub.as_pubsub();
-    ps.subscribe("fleetlink:events").unwrap();
-    ps.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut ps = events_of(&mut sub);
     let mut next_event = || -> serde_json::Value {
         let msg = ps.get_message().expect("an event");
         serde_json::from_slice(msg.get_payload_bytes()).expect("JSON")
-    };
-    let cmd = |seq: u64, id: &str| {
-        format!(r#"{{"type":"command","seq":{seq},"id":"{id}","name":"n","args":{{}}}}"#)
     };
     let (r, b) = (rig("rig-two"), boot(1));
     let sess = session_key(&r, &b);
@@ -1341,16 +1363,6 @@ fn a_seq_two_brokers_gave_to_two_commands_reports_the_one_that_goes() {
     // Redis; its copy goes over the one Redis kept.
     set(&mut con, &rig_key(&r), &tuple(&b, "fe-b"));
     let given = cmd(3, "given-by-b");
-    fn copy<'a>(r: &'a RigId, b: &'a BootId, json: &'a str, mode: RekeepMode) -> Rekeep<'a> {
-        Rekeep {
-            rig: r,
-            boot: b,
-            next: Seq(4),
-            cmds: vec![(Seq(3), json.as_bytes())],
-            unkept: Unkept::up_to(Seq(3)),
-            mode,
-        }
-    }
     let rekeep = |con: &mut redis::Connection, broker: &str, copy: Rekeep<'_>| {
         sessions
             .rekeep(con, &[copy], broker, TTL, "2026-12-05T00:00:00Z")
@@ -1426,12 +1438,7 @@ fn a_seq_redis_numbered_and_the_rig_acked_is_not_given_a_copys_command() {
     let (server, mut con, _) = setup();
     let sessions = SessionScripts::new();
     let mut sub = server.client().get_connection().unwrap();
-    let mut ps = sub.as_pubsub();
-    ps.subscribe("fleetlink:events").unwrap();
-    ps.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    let cmd = |seq: u64, id: &str| {
-        format!(r#"{{"type":"command","seq":{seq},"id":"{id}","name":"n","args":{{}}}}"#)
-    };
+    let mut ps = events_of(&mut sub);
     let field = |con: &mut Connection, sess: &str, f: &str| -> Option<String> {
         redis::cmd("HGET").arg(sess).arg(f).query(con).unwrap()
     };
@@ -1490,19 +1497,8 @@ fn a_seq_redis_numbered_and_the_rig_acked_is_not_given_a_copys_command() {
         .unwrap();
     // fe-a gave seq 3 to a1 alone, and its parked copy goes back: merged, a1 reported lost.
     let a1 = cmd(3, "a1");
-    // A copy holding seq 3 only, given while its broker could not reach Redis.
-    fn copy<'a>(json: &'a str, mode: RekeepMode, r: &'a RigId, b: &'a BootId) -> Rekeep<'a> {
-        Rekeep {
-            rig: r,
-            boot: b,
-            next: Seq(4),
-            cmds: vec![(Seq(3), json.as_bytes())],
-            unkept: Unkept::up_to(Seq(3)),
-            mode,
-        }
-    }
     assert_eq!(
-        rekeep(&mut con, "fe-a", copy(&a1, RekeepMode::Parked, &r, &x)),
+        rekeep(&mut con, "fe-a", copy(&r, &x, &a1, RekeepMode::Parked)),
         [Rekept::Merged]
     );
     let events = events_until_marker(&mut con);
@@ -1566,7 +1562,7 @@ fn a_seq_redis_numbered_and_the_rig_acked_is_not_given_a_copys_command() {
     // Y's hello reported X's b1, b2 and a4.
     assert_eq!(events_until_marker(&mut con).len(), 3);
     assert_eq!(
-        rekeep(&mut con, "fe-a", copy(&a1, RekeepMode::Parked, &r, &y)),
+        rekeep(&mut con, "fe-a", copy(&r, &y, &a1, RekeepMode::Parked)),
         [Rekept::Merged]
     );
     assert_eq!(
@@ -1747,9 +1743,7 @@ mod lapses {
             .query(&mut con)
             .unwrap();
         let mut sub = server.client().get_connection().unwrap();
-        let mut ps = sub.as_pubsub();
-        ps.subscribe("fleetlink:events").unwrap();
-        ps.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let mut ps = events_of(&mut sub);
         let s = scripts.sweep(&mut con, "fe-b", 100).unwrap();
         assert_eq!((s.asked, s.missed), (5, 1));
         assert_eq!(
