@@ -169,6 +169,10 @@ local function resume(sess, ptr, boot, rig)
   -- tombstone's "next", so no seq repeats; what the tombstone lists as reported stays listed.
   if f['gone'] ~= nil then
     redis.call('HDEL', sess, 'gone')
+    -- A tombstone keeps no "from": Redis numbers the session again from its "next" on.
+    if nxt ~= '0' then
+      redis.call('HSET', sess, 'from', nxt)
+    end
   end
   -- The rig's latest session on record is another boot's: this hello, which hello.lua let
   -- in, ends it, whichever boot is newer. Left alone when the older boot came back, that

@@ -1570,6 +1570,15 @@ fn a_seq_redis_numbered_and_the_rig_acked_is_not_given_a_copys_command() {
         Vec::<serde_json::Value>::new()
     );
     assert_eq!(field(&mut con, &sess, "c:3"), Some(a1));
+
+    // X back after Y (a stale process): its tombstone goes on, and Redis numbers it from the
+    // tombstone's next seq (5) on; a tombstone keeps no "from" of its own.
+    let tomb = session_key(&r, &x);
+    assert_eq!(field(&mut con, &tomb, "from"), None);
+    assert_eq!(field(&mut con, &tomb, "next").as_deref(), Some("5"));
+    set(&mut con, &rig_key(&r), &tuple(&x, "fe-b"));
+    sessions.resume(&mut con, &r, &x, TTL, "fe-b").unwrap();
+    assert_eq!(field(&mut con, &tomb, "from").as_deref(), Some("5"));
 }
 
 /// An expiry removes the held command and says so again when asked again (its first answer
