@@ -947,6 +947,112 @@ fn after_a_partition_a_command_whose_seq_the_rig_acked_for_another_is_reported_l
     send_and_read(&mut ctl, "fe-b", "rig-ta", "b5", &mut on_b, 5);
 }
 
+/// As above, but the rig leaves fe-b before the partition heals (fe-b releases its lease) and
+/// stays on fe-a, which restores the lease and puts its connected rig's session back. The
+/// core sending that session does not know which seqs it gave unkept; the bridge does, and now
+/// says so, so fe-a's seq 4 is reported `lost` here too. Before, it was written back under the
+/// seq the rig had acked for fe-b's command: stranded until the session lapsed.
+#[test]
+fn after_a_partition_a_connected_rigs_command_whose_seq_was_acked_for_another_is_lost() {
+    let PartitionedRig {
+        redis,
+        relay,
+        a,
+        b: _b,
+        on_a: _on_a,
+        mut on_b,
+        boot,
+        given,
+        mut ctl,
+    } = rig_on_both_sides_of_a_partition("rig-tl");
+    send_and_read(&mut ctl, "fe-b", "rig-tl", "b4", &mut on_b, 4);
+    ack(&mut on_b, 4);
+    let mut con = redis.connection();
+    let sess = format!("sess:rig-tl:{boot}");
+    eventually(Duration::from_secs(10), "fe-b's ack in Redis", || {
+        !con.hexists::<_, _, bool>(&sess, "c:4").unwrap()
+    });
+    drop(on_b);
+    eventually(Duration::from_secs(10), "fe-b's lease released", || {
+        !con.exists::<_, bool>("rig:rig-tl").unwrap()
+    });
+    // The partition ends with fe-a's connections cut, as a long one's does (fe-a gives up on
+    // them): fe-b's evict, published meanwhile, is lost with them, so fe-a's connection stays
+    // and its first refresh restores the lease.
+    relay.down(true);
+    relay.freeze_both(false);
+    relay.down(false);
+    let lost = ctl.next_within(Duration::from_secs(15), |ch, v| {
+        ch == "fleetlink:events" && v["type"] == "lost"
+    });
+    assert_eq!(
+        (&lost["seq"], &lost["id"], &lost["broker_id"]),
+        (&json!(4), &given["id"], &json!("fe-a")),
+        "{lost}"
+    );
+    assert!(
+        !con.hexists::<_, _, bool>(&sess, "c:4").unwrap(),
+        "stranded"
+    );
+    assert_eq!(
+        a.metric("fleetlink_registry_ops_total{op=\"rekeep\",result=\"ok\"}"),
+        1,
+        "put back as a connected rig's session"
+    );
+}
+
+/// A command fe-a kept in Redis before a partition, which the rig then acked on fe-b. fe-a's
+/// liveness key lapses in a long partition (its 30 s TTL; deleted here to stand for that),
+/// while Redis keeps everything else. fe-a took the missing key for lost data, counted every
+/// command its parked copy held as never kept, and put the copy back again: the acked command
+/// was reported `lost`. Lost data now shows as a missing `sentinel:<broker_id>` key, which
+/// has no TTL, and nothing is reported.
+#[test]
+fn a_lapsed_liveness_key_is_not_taken_for_lost_data() {
+    let redis = RedisServer::start();
+    let relay = Relay::start(redis.port());
+    let a = broker_behind(&relay, "fe-a");
+    let b = fleet_broker(&redis, "fe-b", &["--registry-refresh", "200ms"]);
+    let (mut on_a, boot, _) = a.rig("rig-ll");
+    let mut ctl = Control::new(&redis, &["fleetlink:events"]);
+    acked_commands(&mut ctl, "fe-a", "rig-ll", &mut on_a, "p", 1);
+    send_and_read(&mut ctl, "fe-a", "rig-ll", "k2", &mut on_a, 2);
+    let mut con = redis.connection();
+    let sess = format!("sess:rig-ll:{boot}");
+    eventually(Duration::from_secs(10), "k2 kept", || {
+        con.hexists::<_, _, bool>(&sess, "c:2").unwrap()
+    });
+    partition(&relay, &a, "fe-a sees the outage");
+    drop(on_a);
+    // The rig resumes on fe-b, which gives k2 again from Redis; acked there.
+    let mut on_b = hello_again(&b, "rig-ll", &boot, 1);
+    read_command(&mut on_b, 2, "k2");
+    ack(&mut on_b, 2);
+    eventually(Duration::from_secs(10), "the ack in Redis", || {
+        !con.hexists::<_, _, bool>(&sess, "c:2").unwrap()
+    });
+    let _: () = con.del("broker:fe-a").unwrap();
+    relay.freeze_both(false);
+    eventually(Duration::from_secs(20), "fe-a's heartbeat", || {
+        con.exists::<_, bool>("broker:fe-a").unwrap()
+    });
+    // What a heartbeat that took the key for lost data set off comes within a bridge pass of
+    // it: a second put-back of the parked copy. A second is many passes.
+    let deadline = Instant::now() + Duration::from_secs(1);
+    while Instant::now() < deadline {
+        ctl.take_in();
+        let lost = ctl.backlog_count(|ch, v| ch == "fleetlink:events" && v["type"] == "lost");
+        assert_eq!(
+            lost, 0,
+            "a command Redis kept and the rig acked reported lost"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let r = ctl.command_id("fe-b", "rig-ll", "b3", "n", json!({}));
+    assert_eq!(r["seq"], 3, "{r}");
+    read_command(&mut on_b, 3, "b3");
+}
+
 /// A partition of the broker a rig was on, and the rig leaves it before reading the commands
 /// it was given meanwhile (a wedged rig process, then a reconnect to fe-b with the last seq it
 /// has). Once the partition heals, fe-a's parked copy is merged into the session in Redis,

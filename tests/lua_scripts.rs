@@ -521,11 +521,19 @@ fn broker_heartbeat_sets_json_with_ttl() {
     assert!(scripts
         .broker_heartbeat(&mut con, "fe-a", json, ttl)
         .unwrap());
+    // The liveness key expired (a partition longer than its TTL): Redis kept everything else,
+    // and the heartbeat does not say it lost keys.
+    run(&mut con, &["DEL", "broker:fe-a"]);
+    assert!(scripts
+        .broker_heartbeat(&mut con, "fe-a", json, ttl)
+        .unwrap());
+    assert_eq!(get(&mut con, "broker:fe-a").as_deref(), Some(json));
     // Redis lost its keys: the next heartbeat says so.
     run(&mut con, &["FLUSHALL"]);
     assert!(!scripts
         .broker_heartbeat(&mut con, "fe-a", json, ttl)
         .unwrap());
+    assert_eq!(pttl(&mut con, "sentinel:fe-a"), -1, "no TTL");
 }
 
 // ---- loading and bad input ----

@@ -234,7 +234,8 @@ impl Scripts {
     }
 
     /// Writes `broker:<broker_id>` = `json` with `ttl`, so control can count live brokers;
-    /// false when the key was not there before (see `broker.lua`).
+    /// false when Redis lost its keys since this broker id last wrote them, or the id is new
+    /// (`sentinel:<broker_id>`, see `broker.lua`).
     pub fn broker_heartbeat(
         &self,
         con: &mut impl ConnectionLike,
@@ -245,6 +246,7 @@ impl Scripts {
         let reply: Value = self
             .broker
             .key(broker_key(broker_id))
+            .key(sentinel_key(broker_id))
             .arg(json)
             .arg(ttl_ms(ttl))
             .invoke(con)?;
@@ -281,6 +283,11 @@ pub fn rig_key(rig: &RigId) -> String {
 /// The liveness key of a broker: `broker:<broker_id>`.
 pub fn broker_key(id: &str) -> String {
     format!("broker:{id}")
+}
+
+/// The key, without a TTL, whose absence tells broker `id` that Redis lost its keys.
+pub fn sentinel_key(id: &str) -> String {
+    format!("sentinel:{id}")
 }
 
 /// The value of a rig key: `<boot_id>|<broker_id>`.

@@ -13,7 +13,7 @@
 
 use std::collections::{HashMap, HashSet, VecDeque};
 
-use super::Bridge;
+use super::{Bridge, ALL_UNKEPT};
 use crate::ids::{BootId, RigId, Seq};
 use crate::registry::msg::{RekeepReq, ToCore};
 use crate::registry::sessions::{Rekeep, RekeepMode, Rekept, Unkept};
@@ -280,7 +280,20 @@ impl Bridge {
         }
     }
 
-    /// A session's seqs are all in Redis again: none is unkept any longer.
+    /// The seqs of a connected rig's session delivered while Redis was away (all it holds,
+    /// once Redis lost keys: up to the last of `cmds`).
+    fn live_unkept(&self, rig: &RigId, boot: BootId, cmds: &[(Seq, Box<[u8]>)]) -> Unkept {
+        match self.unkept_high.get(&(rig.clone(), boot)) {
+            None => Unkept::NONE,
+            Some(&ALL_UNKEPT) => {
+                Unkept::up_to(cmds.iter().map(|(seq, _)| *seq).max().unwrap_or(Seq(0)))
+            }
+            Some(u) => *u,
+        }
+    }
+
+    /// A session's seqs are all in Redis again (or reported `lost` there): none is unkept any
+    /// longer.
     fn kept_again(&mut self, parked: bool, rig: &RigId, boot: BootId) {
         if parked {
             self.registry.mark_parked_unkept(rig, boot, Unkept::NONE);
@@ -297,12 +310,19 @@ impl Bridge {
         for (rig, boot, pending) in &taken {
             match pending {
                 Pending::Live(r) | Pending::Superseded(r) | Pending::Ended { req: r, .. } => {
+                    // A connected rig's core does not know which of its commands Redis never
+                    // kept; the bridge does. Without them, one under a seq another broker
+                    // gave meanwhile (its command since acked) was written back there.
+                    let unkept = match pending {
+                        Pending::Live(_) => self.live_unkept(rig, *boot, &r.cmds),
+                        _ => r.unkept,
+                    };
                     sessions.push(Rekeep {
                         rig,
                         boot,
                         next: r.next,
                         cmds: r.cmds.iter().map(|(seq, json)| (*seq, &json[..])).collect(),
-                        unkept: r.unkept,
+                        unkept,
                         mode: match pending {
                             Pending::Live(_) => RekeepMode::Live,
                             Pending::Ended { by, .. } => RekeepMode::EndedBy(*by),
@@ -381,7 +401,16 @@ impl Bridge {
                     }
                     "behind"
                 }
-                Some(Some(Rekept::Merged)) => "merged",
+                Some(Some(Rekept::Merged)) => {
+                    // A parked copy merged is settled as one written is: taken again later
+                    // (another reconnect), its commands would count as unkept, and one
+                    // reported `lost` now would be reported again. (A superseded copy's
+                    // connection is gone, and with it what this broker knew of its seqs.)
+                    if parked {
+                        self.kept_again(true, &rig, boot);
+                    }
+                    "merged"
+                }
                 Some(Some(Rekept::Reported(n))) => {
                     self.shared.count_n("resume", "rebooted", n);
                     "reported"

@@ -87,8 +87,8 @@ pub(crate) struct Fleet {
     /// Set after every successful (re)subscribe: what was held for this broker's rigs while
     /// it did not listen is taken at once (the bridge's refresh), not at the next one.
     pub(crate) just_subscribed: bool,
-    /// Set when the heartbeat found this broker's liveness key gone on a live connection:
-    /// Redis lost keys (FLUSHALL, eviction), and the sessions parked here go back.
+    /// Set when the heartbeat found this broker's sentinel key gone: Redis lost keys (an
+    /// empty restart, FLUSHALL, eviction), and the sessions parked here go back.
     pub(crate) keys_lost: bool,
     /// Calls Redis refused on a sound connection (see [`leaves_connection_sound`]).
     ///
