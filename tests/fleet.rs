@@ -2194,12 +2194,19 @@ fn an_acl_without_the_session_keys_is_named_and_rigs_are_still_served() {
         let (status, body) = a.http("GET", "/readyz", "");
         status == 503 && body.contains("~sess:*")
     });
-    a.wait_log(&["ERROR", "NOPERM", "~sessof:*", "~offline:*"]);
+    a.wait_log(&["ERROR", "NOPERM", "~sessof:*", "~offline:*", "~sentinel:*"]);
     let (_ws, _, welcome) = a.rig("rig-acl");
     assert_eq!(welcome["type"], "welcome", "{welcome}");
     setuser(
         &mut con,
-        &["~rig:*", "~broker:*", "~sess:*", "~sessof:*", "~offline:*"],
+        &[
+            "~rig:*",
+            "~broker:*",
+            "~sess:*",
+            "~sessof:*",
+            "~offline:*",
+            "~sentinel:*",
+        ],
     );
     a.wait_readyz(
         200,

@@ -81,7 +81,14 @@ pub fn broker_channel(id: &str) -> String {
 }
 
 /// The key prefixes the broker reads and writes (CONTRACT.md §3 names the first two).
-const KEY_PREFIXES: [&str; 5] = ["rig:", "broker:", "sess:", "sessof:", "offline:"];
+const KEY_PREFIXES: [&str; 6] = [
+    "rig:",
+    "broker:",
+    "sess:",
+    "sessof:",
+    "offline:",
+    "sentinel:",
+];
 
 /// Checks that Redis's ACL lets this user read and write every key prefix the broker uses, on
 /// names no rig or broker can have (ids never hold a space), so nothing real is touched. An
@@ -100,7 +107,7 @@ fn check_key_access(con: &mut CommandCon) -> anyhow::Result<()> {
         Err(e) if e.code() == Some("NOPERM") => anyhow::bail!(
             "NOPERM: Redis's ACL for this user does not let it read and write all of the keys \
              {} ({e}); grant them, e.g. `ACL SETUSER <user> ~rig:* ~broker:* ~sess:* \
-             ~sessof:* ~offline:* &fleetlink:* +@all`",
+             ~sessof:* ~offline:* ~sentinel:* &fleetlink:* +@all`",
             KEY_PREFIXES.map(|p| format!("{p}*")).join(" ")
         ),
         Err(e) => Err(e.into()),
