@@ -95,7 +95,10 @@
 -- it while deciding alone) keeps one of the two, as above, and publishes the other on
 -- fleetlink:events as {"type":"lost","rig_id","boot_id","seq","id","broker_id","at","detail"}.
 -- So too a command of this copy under a seq Redis numbered that holds nothing now (see
--- ARGV[7]): the other command was acked there, and this one is not written.
+-- ARGV[7]): the other command was acked there, and this one is not written. Where one of
+-- this copy's own commands was published so, "ok", "ok|<n>" and "merged" end in
+-- ";<seq>,<seq>...": the broker drops them from its copy (its connected rig's session, or the
+-- parked one), which would otherwise give them or report them again.
 -- Errors "ERR fleetlink rekeep: ..." on malformed ARGV, before any write.
 
 local function count(s)
@@ -418,6 +421,9 @@ local function taken(seq, have, from)
   return unkept_seq(seq) and s < have and from ~= nil and s >= from
 end
 
+-- This copy's commands published `lost` by write(): seq texts, in ARGV order.
+local lost_own = {}
+
 local function write(sess, merge, found)
   local have, from
   if mode == 'live' then
@@ -439,6 +445,7 @@ local function write(sess, merge, found)
           redis.call('HSET', sess, field, ARGV[i + 1])
         else
           publish_lost(ARGV[i], ARGV[i + 1])
+          lost_own[#lost_own + 1] = ARGV[i]
         end
       end
     elseif tonumber(ARGV[i]) >= have or unkept_seq(ARGV[i]) then
@@ -447,9 +454,11 @@ local function write(sess, merge, found)
       if there then
         if other_command(there, ARGV[i + 1]) then
           publish_lost(ARGV[i], ARGV[i + 1])
+          lost_own[#lost_own + 1] = ARGV[i]
         end
       elseif taken(ARGV[i], have, from) then
         publish_lost(ARGV[i], ARGV[i + 1])
+        lost_own[#lost_own + 1] = ARGV[i]
       else
         redis.call('HSET', sess, field, ARGV[i + 1])
       end
@@ -465,6 +474,15 @@ local function write(sess, merge, found)
   end
   redis.call('PEXPIRE', sess, ttl)
   return have
+end
+
+-- ";<seq>,<seq>..." naming this copy's commands write() published `lost`, "" for none: the
+-- broker drops them from its copy, which would otherwise give or report them again.
+local function lost_suffix()
+  if #lost_own == 0 then
+    return ''
+  end
+  return ';' .. table.concat(lost_own, ',')
 end
 
 -- A key of another type where the session belongs is damage (nothing of ours writes one): it
@@ -547,7 +565,7 @@ if mode == 'parked' then
             .. cjson.encode(rig) .. ',"boot_id":' .. cjson.encode(boot) .. '}')
       end
     end
-    return 'merged'
+    return 'merged' .. lost_suffix()
   end
   if not ended_by and lease ~= false and lease ~= tuple and not older then
     return 'fenced'
@@ -558,6 +576,6 @@ local have = write(sess, false, found)
 -- been put back first, and a later hello would report that session, not this one.
 raise_pointer(boot)
 if have > tonumber(nxt) then
-  return 'ok|' .. string.format('%.0f', have)
+  return 'ok|' .. string.format('%.0f', have) .. lost_suffix()
 end
-return 'ok'
+return 'ok' .. lost_suffix()

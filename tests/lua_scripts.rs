@@ -1441,7 +1441,8 @@ fn a_seq_two_brokers_gave_to_two_commands_reports_the_one_that_goes() {
 fn a_seq_redis_numbered_and_the_rig_acked_is_not_given_a_copys_command() {
     use fleetlink::ids::Seq;
     use fleetlink::registry::sessions::{
-        session_key, Kept, Persist, Rekeep, RekeepMode, Rekept, SessionScripts, Unkept,
+        session_key, Kept, Persist, Rekeep, RekeepAnswer, RekeepMode, Rekept, SessionScripts,
+        Unkept,
     };
     let (server, mut con, _) = setup();
     let sessions = SessionScripts::new();
@@ -1505,9 +1506,22 @@ fn a_seq_redis_numbered_and_the_rig_acked_is_not_given_a_copys_command() {
         .unwrap();
     // fe-a gave seq 3 to a1 alone, and its parked copy goes back: merged, a1 reported lost.
     let a1 = cmd(3, "a1");
+    let answer = sessions
+        .rekeep_answers(
+            &mut con,
+            &[copy(&r, &x, &a1, RekeepMode::Parked)],
+            "fe-a",
+            TTL,
+            "2026-12-06T00:00:00Z",
+        )
+        .unwrap();
+    // Named in the answer too: fe-a drops it from its copy.
     assert_eq!(
-        rekeep(&mut con, "fe-a", copy(&r, &x, &a1, RekeepMode::Parked)),
-        [Rekept::Merged]
+        answer,
+        [RekeepAnswer {
+            status: Rekept::Merged,
+            lost: vec![Seq(3)]
+        }]
     );
     let events = events_until_marker(&mut con);
     let lost: Vec<_> = events

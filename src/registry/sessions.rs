@@ -235,6 +235,16 @@ pub enum Rekept {
     Reported(u64),
 }
 
+/// `rekeep.lua`'s answer for one session in full.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RekeepAnswer {
+    /// What became of the session.
+    pub status: Rekept,
+    /// The copy's commands published `lost` (their seqs went to other commands the rig
+    /// acked, or holds), which its broker drops from the copy.
+    pub lost: Vec<Seq>,
+}
+
 /// The session scripts.
 #[derive(Debug, Clone)]
 pub struct SessionScripts {
@@ -270,6 +280,19 @@ impl SessionScripts {
         ttl: Duration,
         at: &str,
     ) -> Result<Vec<Rekept>, RegistryError> {
+        let answers = self.rekeep_answers(con, sessions, broker_id, ttl, at)?;
+        Ok(answers.into_iter().map(|a| a.status).collect())
+    }
+
+    /// [`Self::rekeep`], with the commands of each copy it published `lost`.
+    pub fn rekeep_answers(
+        &self,
+        con: &mut impl ConnectionLike,
+        sessions: &[Rekeep<'_>],
+        broker_id: &str,
+        ttl: Duration,
+        at: &str,
+    ) -> Result<Vec<RekeepAnswer>, RegistryError> {
         // A pipeline of EVALSHAs does not load a missing script by itself (Script::invoke
         // does); this rare path loads it first instead.
         self.rekeep.prepare_invoke().load(con)?;
@@ -456,17 +479,28 @@ fn persisted(v: &Value) -> Option<Kept> {
 }
 
 /// `rekeep.lua`'s answer for one session; None for an answer it never gives.
-fn kept(v: &Value) -> Option<Rekept> {
-    match text(v)? {
-        "ok" => Some(Rekept::Kept),
-        "fenced" => Some(Rekept::Fenced),
-        "merged" => Some(Rekept::Merged),
+fn kept(v: &Value) -> Option<RekeepAnswer> {
+    let (status, lost) = match text(v)?.split_once(';') {
+        Some((status, seqs)) => {
+            let lost = seqs
+                .split(',')
+                .map(|n| n.parse().ok().map(Seq))
+                .collect::<Option<Vec<Seq>>>()?;
+            (status, lost)
+        }
+        None => (text(v)?, Vec::new()),
+    };
+    let status = match status {
+        "ok" => Rekept::Kept,
+        "fenced" => Rekept::Fenced,
+        "merged" => Rekept::Merged,
         other => match other.split_once('|')? {
-            ("reported", n) => n.parse().ok().map(Rekept::Reported),
-            ("ok", n) => n.parse().ok().map(|n| Rekept::Behind(Seq(n))),
-            _ => None,
+            ("reported", n) => Rekept::Reported(n.parse().ok()?),
+            ("ok", n) => Rekept::Behind(Seq(n.parse().ok()?)),
+            _ => return None,
         },
-    }
+    };
+    Some(RekeepAnswer { status, lost })
 }
 
 /// The commands a session in Redis holds under `seqs` (those it lacks are left out), in seq

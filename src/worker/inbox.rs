@@ -104,6 +104,11 @@ pub(crate) fn handle(core: &Rc<Core>, msg: ToCore) {
                 }
             }
         }
+        ToCore::Forget { conn, seqs } => {
+            if let Some(c) = conn_of(conn) {
+                session::forget_lost(&mut c.st.borrow_mut(), &seqs);
+            }
+        }
         ToCore::HoldDelivered { conn, more } => {
             if let Some(c) = conn_of(conn) {
                 session::on_delivery_end(core, &c, &mut c.st.borrow_mut(), more);

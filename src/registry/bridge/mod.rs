@@ -616,6 +616,7 @@ impl Bridge {
                 | ToCore::Verdict { .. }
                 | ToCore::Supersede { .. }
                 | ToCore::HoldDelivered { .. }
+                | ToCore::Forget { .. }
         );
         let queued = if owed {
             core.push_owed(msg)

@@ -292,6 +292,21 @@ impl Bridge {
         }
     }
 
+    /// `rekeep.lua` published the copy's commands `seqs` `lost`: they leave the copy, the
+    /// rig's connection here (a connected rig's, or one of the same boot a superseded one
+    /// handed its session to) or the parked session, which would give or report them again.
+    fn forget_lost(&mut self, parked: bool, rig: &RigId, boot: BootId, seqs: &[Seq]) {
+        self.shared.count_n("rekeep", "lost", seqs.len() as u64);
+        if parked {
+            self.registry.forget_parked(rig, boot, seqs);
+        } else if self.registry.boot_of(rig) == Some(boot) {
+            if let Some(conn) = self.registry.conn_of(rig) {
+                let seqs = seqs.into();
+                self.send_to_core(conn, ToCore::Forget { conn, seqs });
+            }
+        }
+    }
+
     /// A session's seqs are all in Redis again (or reported `lost` there): none is unkept any
     /// longer.
     fn kept_again(&mut self, parked: bool, rig: &RigId, boot: BootId) {
@@ -379,7 +394,11 @@ impl Bridge {
         drop(sessions);
         for (i, (parked, (rig, boot, sent_next))) in parked.into_iter().zip(whose).enumerate() {
             let op = if parked { "rekeep_parked" } else { "rekeep" };
-            let result = match kept.as_ref().map(|k| k.get(i).copied()) {
+            let answer = kept.as_ref().map(|k| k.get(i));
+            if let Some(Some(a)) = answer.filter(|a| a.is_some_and(|a| !a.lost.is_empty())) {
+                self.forget_lost(parked, &rig, boot, &a.lost);
+            }
+            let result = match answer.map(|a| a.map(|a| a.status)) {
                 Some(Some(Rekept::Kept)) => {
                     self.kept_again(parked, &rig, boot);
                     if to_name.get(i) == Some(&true) {

@@ -12,7 +12,7 @@ use crate::metrics::BridgeStats;
 pub(super) const CANARY_STALE: Duration = Duration::from_secs(5);
 
 /// Registry operations counted by (op, result), in this order.
-pub const REGISTRY_OPS: [(&str, &str); 66] = [
+pub const REGISTRY_OPS: [(&str, &str); 67] = [
     ("offline", "held"),
     ("offline", "full"),
     ("offline", "connected_elsewhere"),
@@ -33,6 +33,7 @@ pub const REGISTRY_OPS: [(&str, &str); 66] = [
     ("rekeep", "behind"),
     ("rekeep", "fenced"),
     ("rekeep", "unavailable"),
+    ("rekeep", "lost"),
     ("missed", "given"),
     ("missed", "unavailable"),
     ("rekeep_parked", "ok"),

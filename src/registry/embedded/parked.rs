@@ -74,6 +74,17 @@ impl Embedded {
         }
     }
 
+    /// Drops commands `seqs` from `rig`'s session of `boot`, if it is the one parked: Redis
+    /// published them `lost` as the session went back.
+    pub fn forget_parked(&mut self, rig: &RigId, boot: BootId, seqs: &[Seq]) {
+        let Some(p) = self.parked.get_mut(rig).filter(|p| p.boot == boot) else {
+            return;
+        };
+        let before = p.bytes();
+        p.carried.retain(|c| !seqs.contains(&c.seq));
+        self.parked_bytes = self.parked_bytes.saturating_sub(before - p.bytes());
+    }
+
     /// Redis lost keys (it restarted empty, or was flushed): every parked session's commands
     /// are now ones Redis may not hold, as if delivered while it was away.
     pub fn mark_all_parked_unkept(&mut self) {
@@ -317,6 +328,30 @@ mod tests {
         r.mark_all_parked_unkept();
         assert_eq!(r.parked_unkept(&rig()), Unkept::up_to(Seq(3)));
         assert_eq!(r.parked_unkept_sessions(), [(rig(), b)]);
+    }
+
+    /// Commands Redis published `lost` leave the parked copy, and their bytes with them.
+    #[test]
+    fn a_parked_copy_forgets_what_redis_published_lost() {
+        let mut r = Embedded::new(Duration::from_secs(60), 4);
+        let b = boot(1);
+        r.hello(conn(1), rig(), b, vec![]);
+        let carried = vec![
+            SeqCommand::for_test(2, 4, false),
+            SeqCommand::for_test(3, 4, false),
+        ];
+        r.closed(
+            conn(1),
+            session(rig(), b, Seq(4), carried, None),
+            Instant::now(),
+        );
+        let bytes = r.parked_bytes;
+        r.forget_parked(&rig(), boot(2), &[Seq(2)]);
+        assert_eq!(r.parked_bytes, bytes, "another boot's copy is not this one");
+        r.forget_parked(&rig(), b, &[Seq(2)]);
+        let (_, _, carried) = r.parked(&rig()).expect("parked");
+        assert_eq!(carried.iter().map(|c| c.seq).collect::<Vec<_>>(), [Seq(3)]);
+        assert_eq!(r.parked_bytes, bytes / 2);
     }
 
     #[test]

@@ -12,7 +12,7 @@ use crate::ids::{BootId, RigId};
 use crate::registry::lapse_scripts::{Lapse, Sweep};
 use crate::registry::offline::{Held, Pushed};
 use crate::registry::scripts::{HelloOutcome, RefreshStatus};
-use crate::registry::sessions::{self, Kept, Persist, Rekeep, Rekept, Resumed};
+use crate::registry::sessions::{self, Kept, Persist, Rekeep, RekeepAnswer, Resumed};
 
 impl Fleet {
     /// Runs `hello.lua` for many rigs in one round trip. None when Redis is unavailable.
@@ -191,12 +191,16 @@ impl Fleet {
     /// Puts sessions back (see [`SessionScripts::rekeep`]). None when Redis is unavailable.
     ///
     /// [`SessionScripts::rekeep`]: sessions::SessionScripts::rekeep
-    pub(crate) fn rekeep(&mut self, sessions: &[Rekeep<'_>], ttl: Duration) -> Option<Vec<Rekept>> {
+    pub(crate) fn rekeep(
+        &mut self,
+        sessions: &[Rekeep<'_>],
+        ttl: Duration,
+    ) -> Option<Vec<RekeepAnswer>> {
         let con = self.con.as_mut()?;
         let at = crate::reply::rfc3339(std::time::SystemTime::now());
         let r = self
             .sessions
-            .rekeep(con, sessions, &self.broker_id, ttl, &at);
+            .rekeep_answers(con, sessions, &self.broker_id, ttl, &at);
         self.answered(r)
     }
 

@@ -189,6 +189,27 @@ pub(crate) fn raise_seq(
     pump(core, conn, st);
 }
 
+/// Drops commands `seqs` from the session: Redis published them `lost` as the session went
+/// back (another command the rig acked took each one's seq). No ack or event: `lost` is their
+/// one outcome, which a resume giving them again, or a report at the session's end, would
+/// contradict.
+pub(crate) fn forget_lost(st: &mut ConnState, seqs: &[Seq]) {
+    let Some(s) = st.session.as_mut() else {
+        return;
+    };
+    let Some(q) = s.queues.as_mut() else {
+        return;
+    };
+    for &seq in seqs {
+        if q.take_unacked(seq).is_none() {
+            if let Some(pos) = q.outbox().iter().position(|c| c.seq == seq && !c.held) {
+                q.remove_outbox(pos);
+            }
+        }
+    }
+    s.shrink_queues();
+}
+
 /// Redis lost this connection's session (it restarted empty): hands the bridge what the
 /// session holds, so a resume after this broker dies still finds its unacked commands. Held
 /// commands are left out: their own persist is on its way.
