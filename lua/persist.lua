@@ -80,19 +80,22 @@ for i = 1, n do
       -- rig connected to both): the rig may hold that seq with another command.
       out[i] = 'stale|' .. have
     else
-      -- 2 new fields = "next" was new too: the key did not exist, and a key with no TTL
-      -- would outlive its rig forever.
-      if redis.call('HSET', sess, 'c:' .. ARGV[3 * i], ARGV[3 * i + 1], 'next',
-          string.format('%.0f', seqs[i] + 1)) == 2 then
-        redis.call('PEXPIRE', sess, ttl)
-      end
-      -- A seq past "next" (the rig's own last_seq after Redis lost the session, or a new
-      -- session resumed with one): Redis numbers this session from here, and never numbered
-      -- the seqs skipped. "from" tells rekeep.lua an empty seq a broker on Redis gave to a
-      -- command since acked (at or above it) from one the rig may hold (below it). Rare: a
-      -- session's commands come here in seq order.
+      -- A seq past "next" (a session this call creates, or one whose rig's last_seq was
+      -- past what Redis numbered: Redis lost the session, or it is new): Redis numbers this
+      -- session from here, and never numbered the seqs skipped. "from" tells rekeep.lua an
+      -- empty seq a broker on Redis gave to a command since acked (at or above it) from one
+      -- the rig may hold (below it). In the same call: a session's commands come here in seq
+      -- order, so this is once per session at most, the first command of a session created
+      -- here (the tokio baseline's every session).
+      local fields = { 'c:' .. ARGV[3 * i], ARGV[3 * i + 1], 'next',
+          string.format('%.0f', seqs[i] + 1) }
       if tonumber(have) < seqs[i] then
-        redis.call('HSET', sess, 'from', ARGV[3 * i])
+        fields[5], fields[6] = 'from', ARGV[3 * i]
+      end
+      -- Every field new ("next" too): the key did not exist, and a key with no TTL would
+      -- outlive its rig forever.
+      if redis.call('HSET', sess, unpack(fields)) == #fields / 2 then
+        redis.call('PEXPIRE', sess, ttl)
       end
       out[i] = 'ok'
     end

@@ -35,7 +35,7 @@
 --          away and has not put back since, "0" when none
 -- ARGV[7]  unkept_from: the lowest such seq ("0" when only the highest is known: every
 --          command up to it counts). Every command outside the two Redis kept (persist.lua)
---          before the broker gave it, so a parked or ended copy's command outside them that
+--          before the broker gave it, so a copy's command outside them that
 --          Redis no longer holds, below the session's "next", was acked (or reported) since:
 --          it is neither written back nor reported. One between them may never have reached
 --          Redis, and only this copy can tell of it. Unless Redis numbered that seq itself
@@ -96,9 +96,10 @@
 -- fleetlink:events as {"type":"lost","rig_id","boot_id","seq","id","broker_id","at","detail"}.
 -- So too a command of this copy under a seq Redis numbered that holds nothing now (see
 -- ARGV[7]): the other command was acked there, and this one is not written. Where one of
--- this copy's own commands was published so, "ok", "ok|<n>" and "merged" end in
--- ";<seq>,<seq>...": the broker drops them from its copy (its connected rig's session, or the
--- parked one), which would otherwise give them or report them again.
+-- this copy's own commands was published so, or is settled (see ARGV[7]: acked elsewhere
+-- since), "ok", "ok|<n>" and "merged" end in ";<seq>,<seq>...": the broker drops them from
+-- its copy (its connected rig's session, or the parked one), which would otherwise give
+-- them or report them again.
 -- Errors "ERR fleetlink rekeep: ..." on malformed ARGV, before any write.
 
 local function count(s)
@@ -421,8 +422,10 @@ local function taken(seq, have, from)
   return unkept_seq(seq) and s < have and from ~= nil and s >= from
 end
 
--- This copy's commands published `lost` by write(): seq texts, in ARGV order.
-local lost_own = {}
+-- This copy's commands write() found gone from Redis for good: published `lost` (another
+-- command took the seq), or settled (Redis kept it, and forgot it below its "next": acked
+-- or reported since, elsewhere). Seq texts, in ARGV order.
+local dropped = {}
 
 local function write(sess, merge, found)
   local have, from
@@ -435,30 +438,36 @@ local function write(sess, merge, found)
   from = count(from) and tonumber(from) or nil
   for i = 8, #ARGV, 2 do
     local field = 'c:' .. ARGV[i]
-    if not merge then
-      if not settled(found, ARGV[i]) then
-        local there = redis.call('HGET', sess, field)
-        if there and other_command(there, ARGV[i + 1]) then
-          publish_lost(ARGV[i], there)
-        end
-        if there or not taken(ARGV[i], have, from) then
-          redis.call('HSET', sess, field, ARGV[i + 1])
-        else
-          publish_lost(ARGV[i], ARGV[i + 1])
-          lost_own[#lost_own + 1] = ARGV[i]
-        end
+    local there = redis.call('HGET', sess, field)
+    -- Settled (see dropped); a connected rig's copy too: the rig acked it on another broker
+    -- during the outage, and written back it was reported `expired` or `rig_rebooted` later.
+    -- Only at or above "from": below it Redis never numbered the seq in this session, which
+    -- it lost (its copy's command was kept before Redis lost its data, and a command kept
+    -- since created the session anew), and only this copy holds the command.
+    local settled_here = not there and not unkept_seq(ARGV[i]) and tonumber(ARGV[i]) < have
+        and from ~= nil and tonumber(ARGV[i]) >= from
+    if settled_here then
+      dropped[#dropped + 1] = ARGV[i]
+    elseif not merge then
+      if there and other_command(there, ARGV[i + 1]) then
+        publish_lost(ARGV[i], there)
+      end
+      if there or not taken(ARGV[i], have, from) then
+        redis.call('HSET', sess, field, ARGV[i + 1])
+      else
+        publish_lost(ARGV[i], ARGV[i + 1])
+        dropped[#dropped + 1] = ARGV[i]
       end
     elseif tonumber(ARGV[i]) >= have or unkept_seq(ARGV[i]) then
       -- Never over that broker's own command: the copy's is the one that goes.
-      local there = redis.call('HGET', sess, field)
       if there then
         if other_command(there, ARGV[i + 1]) then
           publish_lost(ARGV[i], ARGV[i + 1])
-          lost_own[#lost_own + 1] = ARGV[i]
+          dropped[#dropped + 1] = ARGV[i]
         end
       elseif taken(ARGV[i], have, from) then
         publish_lost(ARGV[i], ARGV[i + 1])
-        lost_own[#lost_own + 1] = ARGV[i]
+        dropped[#dropped + 1] = ARGV[i]
       else
         redis.call('HSET', sess, field, ARGV[i + 1])
       end
@@ -476,13 +485,13 @@ local function write(sess, merge, found)
   return have
 end
 
--- ";<seq>,<seq>..." naming this copy's commands write() published `lost`, "" for none: the
--- broker drops them from its copy, which would otherwise give or report them again.
-local function lost_suffix()
-  if #lost_own == 0 then
+-- ";<seq>,<seq>..." naming this copy's commands write() dropped, "" for none: the broker
+-- drops them from its copy too, which would otherwise give or report them again.
+local function dropped_suffix()
+  if #dropped == 0 then
     return ''
   end
-  return ';' .. table.concat(lost_own, ',')
+  return ';' .. table.concat(dropped, ',')
 end
 
 -- A key of another type where the session belongs is damage (nothing of ours writes one): it
@@ -565,7 +574,7 @@ if mode == 'parked' then
             .. cjson.encode(rig) .. ',"boot_id":' .. cjson.encode(boot) .. '}')
       end
     end
-    return 'merged' .. lost_suffix()
+    return 'merged' .. dropped_suffix()
   end
   if not ended_by and lease ~= false and lease ~= tuple and not older then
     return 'fenced'
@@ -576,6 +585,6 @@ local have = write(sess, false, found)
 -- been put back first, and a later hello would report that session, not this one.
 raise_pointer(boot)
 if have > tonumber(nxt) then
-  return 'ok|' .. string.format('%.0f', have) .. lost_suffix()
+  return 'ok|' .. string.format('%.0f', have) .. dropped_suffix()
 end
-return 'ok' .. lost_suffix()
+return 'ok' .. dropped_suffix()

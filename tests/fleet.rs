@@ -1000,7 +1000,7 @@ fn after_a_partition_a_connected_rigs_command_whose_seq_was_acked_for_another_is
         "put back as a connected rig's session"
     );
     assert_eq!(
-        a.metric("fleetlink_registry_ops_total{op=\"rekeep\",result=\"lost\"}"),
+        a.metric("fleetlink_registry_ops_total{op=\"rekeep\",result=\"dropped\"}"),
         1
     );
     // fe-a's connection forgets seq 4: Redis restarting empty, which has fe-a put back all
@@ -1031,6 +1031,63 @@ fn after_a_partition_a_connected_rigs_command_whose_seq_was_acked_for_another_is
     ctl.take_in();
     let n = ctl.backlog_count(|_, v| v["type"] == "rig_rebooted" && v["id"] == given["id"]);
     assert_eq!(n, 0, "seq 4 had its outcome (lost)");
+}
+
+/// A command fe-a kept in Redis before a partition, unacked there, which the rig acked on
+/// fe-b during it; the rig then stays on fe-a, which puts its connected rig's session back.
+/// The command is settled (Redis forgot it below its next seq): not written back, and dropped
+/// from fe-a's connection. Before, it was written back, and reported `expired` at the
+/// session's lapse or `rig_rebooted` at the rig's next boot, on top of its `ack`.
+#[test]
+fn a_connected_rigs_session_put_back_leaves_out_what_the_rig_acked_elsewhere() {
+    let redis = RedisServer::start();
+    let relay = Relay::start(redis.port());
+    let a = broker_behind(&relay, "fe-a");
+    let b = fleet_broker(&redis, "fe-b", &["--registry-refresh", "200ms"]);
+    let (mut on_a, boot, _) = a.rig("rig-ks");
+    let mut ctl = Control::new(&redis, &["fleetlink:events"]);
+    acked_commands(&mut ctl, "fe-a", "rig-ks", &mut on_a, "p", 1);
+    send_and_read(&mut ctl, "fe-a", "rig-ks", "k2", &mut on_a, 2);
+    let mut con = redis.connection();
+    let sess = format!("sess:rig-ks:{boot}");
+    eventually(Duration::from_secs(10), "k2 kept", || {
+        con.hexists::<_, _, bool>(&sess, "c:2").unwrap()
+    });
+    partition(&relay, &a, "fe-a sees the outage");
+    let mut on_b = hello_again(&b, "rig-ks", &boot, 2);
+    ack(&mut on_b, 2);
+    eventually(Duration::from_secs(10), "k2's ack in Redis", || {
+        !con.hexists::<_, _, bool>(&sess, "c:2").unwrap()
+    });
+    drop(on_b);
+    eventually(Duration::from_secs(10), "fe-b's lease released", || {
+        !con.exists::<_, bool>("rig:rig-ks").unwrap()
+    });
+    // fe-b's evict is lost with fe-a's connections (see above): fe-a keeps the rig.
+    relay.down(true);
+    relay.freeze_both(false);
+    relay.down(false);
+    eventually(Duration::from_secs(15), "fe-a's session put back", || {
+        a.metric("fleetlink_registry_ops_total{op=\"rekeep\",result=\"ok\"}") >= 1
+    });
+    assert!(
+        !con.hexists::<_, _, bool>(&sess, "c:2").unwrap(),
+        "k2 written back"
+    );
+    assert_eq!(
+        a.metric("fleetlink_registry_ops_total{op=\"rekeep\",result=\"dropped\"}"),
+        1
+    );
+    // The rig's next boot: nothing of k2 is reported.
+    let mut ws = b.connect("/agent");
+    let new_boot = boot_id();
+    hello(&mut ws, "rig-ks", &new_boot, json!({}));
+    ctl.next(|ch, v| {
+        ch == "fleetlink:events" && v["type"] == "connected" && v["boot_id"] == new_boot.as_str()
+    });
+    ctl.take_in();
+    assert_eq!(ctl.backlog_count(|_, v| v["type"] == "rig_rebooted"), 0);
+    drop(on_a);
 }
 
 /// A command fe-a kept in Redis before a partition, which the rig then acked on fe-b. fe-a's

@@ -1520,7 +1520,7 @@ fn a_seq_redis_numbered_and_the_rig_acked_is_not_given_a_copys_command() {
         answer,
         [RekeepAnswer {
             status: Rekept::Merged,
-            lost: vec![Seq(3)]
+            dropped: vec![Seq(3)]
         }]
     );
     let events = events_until_marker(&mut con);

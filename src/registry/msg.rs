@@ -329,10 +329,10 @@ pub enum ToCore {
         /// gap; a rig drops a seq it already has.
         missed: Box<[SeqCommand]>,
     },
-    /// Drop these commands from the rig's session: putting it back into Redis published them
-    /// `lost` (their seqs went to other commands while this broker could not reach Redis, and
-    /// the rig acked those). Kept, a resume would give them again, or a report name them a
-    /// second time.
+    /// Drop these commands from the rig's session: putting it back into Redis found them gone
+    /// for good, published `lost` (their seqs went to other commands while this broker could
+    /// not reach Redis, and the rig acked those) or acked on another broker meanwhile. Kept,
+    /// a resume would give them again, or a report name them a second time.
     Forget {
         /// The connection holding the rig.
         conn: ConnId,

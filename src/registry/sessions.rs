@@ -240,9 +240,10 @@ pub enum Rekept {
 pub struct RekeepAnswer {
     /// What became of the session.
     pub status: Rekept,
-    /// The copy's commands published `lost` (their seqs went to other commands the rig
-    /// acked, or holds), which its broker drops from the copy.
-    pub lost: Vec<Seq>,
+    /// The copy's commands gone from the session for good, which its broker drops from the
+    /// copy: published `lost` (their seqs went to other commands the rig acked, or holds), or
+    /// settled (Redis kept them, and the rig acked them on another broker since).
+    pub dropped: Vec<Seq>,
 }
 
 /// The session scripts.
@@ -284,7 +285,8 @@ impl SessionScripts {
         Ok(answers.into_iter().map(|a| a.status).collect())
     }
 
-    /// [`Self::rekeep`], with the commands of each copy it published `lost`.
+    /// [`Self::rekeep`], with the commands of each copy gone for good (published `lost`, or
+    /// acked elsewhere).
     pub fn rekeep_answers(
         &self,
         con: &mut impl ConnectionLike,
@@ -480,13 +482,13 @@ fn persisted(v: &Value) -> Option<Kept> {
 
 /// `rekeep.lua`'s answer for one session; None for an answer it never gives.
 fn kept(v: &Value) -> Option<RekeepAnswer> {
-    let (status, lost) = match text(v)?.split_once(';') {
+    let (status, dropped) = match text(v)?.split_once(';') {
         Some((status, seqs)) => {
-            let lost = seqs
+            let dropped = seqs
                 .split(',')
                 .map(|n| n.parse().ok().map(Seq))
                 .collect::<Option<Vec<Seq>>>()?;
-            (status, lost)
+            (status, dropped)
         }
         None => (text(v)?, Vec::new()),
     };
@@ -500,7 +502,7 @@ fn kept(v: &Value) -> Option<RekeepAnswer> {
             _ => return None,
         },
     };
-    Some(RekeepAnswer { status, lost })
+    Some(RekeepAnswer { status, dropped })
 }
 
 /// The commands a session in Redis holds under `seqs` (those it lacks are left out), in seq

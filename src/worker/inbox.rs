@@ -106,7 +106,7 @@ pub(crate) fn handle(core: &Rc<Core>, msg: ToCore) {
         }
         ToCore::Forget { conn, seqs } => {
             if let Some(c) = conn_of(conn) {
-                session::forget_lost(&mut c.st.borrow_mut(), &seqs);
+                session::forget_dropped(&mut c.st.borrow_mut(), &seqs);
             }
         }
         ToCore::HoldDelivered { conn, more } => {

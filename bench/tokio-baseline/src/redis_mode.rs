@@ -582,6 +582,7 @@ async fn heartbeat(app: &App, fleet: &Fleet) {
     let r = fleet
         .broker
         .key(format!("broker:{}", fleet.broker_id))
+        .key(format!("sentinel:{}", fleet.broker_id))
         .arg(blob.to_string())
         .arg(HEARTBEAT_TTL_MS)
         .invoke_async::<String>(&mut fleet.con())

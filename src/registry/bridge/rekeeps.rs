@@ -292,11 +292,12 @@ impl Bridge {
         }
     }
 
-    /// `rekeep.lua` published the copy's commands `seqs` `lost`: they leave the copy, the
-    /// rig's connection here (a connected rig's, or one of the same boot a superseded one
-    /// handed its session to) or the parked session, which would give or report them again.
-    fn forget_lost(&mut self, parked: bool, rig: &RigId, boot: BootId, seqs: &[Seq]) {
-        self.shared.count_n("rekeep", "lost", seqs.len() as u64);
+    /// `rekeep.lua` found the copy's commands `seqs` gone for good (published `lost`, or acked
+    /// elsewhere): they leave the copy, the rig's connection here (a connected rig's, or one
+    /// of the same boot a superseded one handed its session to) or the parked session, which
+    /// would give or report them again.
+    fn forget_dropped(&mut self, parked: bool, rig: &RigId, boot: BootId, seqs: &[Seq]) {
+        self.shared.count_n("rekeep", "dropped", seqs.len() as u64);
         if parked {
             self.registry.forget_parked(rig, boot, seqs);
         } else if self.registry.boot_of(rig) == Some(boot) {
@@ -395,8 +396,8 @@ impl Bridge {
         for (i, (parked, (rig, boot, sent_next))) in parked.into_iter().zip(whose).enumerate() {
             let op = if parked { "rekeep_parked" } else { "rekeep" };
             let answer = kept.as_ref().map(|k| k.get(i));
-            if let Some(Some(a)) = answer.filter(|a| a.is_some_and(|a| !a.lost.is_empty())) {
-                self.forget_lost(parked, &rig, boot, &a.lost);
+            if let Some(Some(a)) = answer.filter(|a| a.is_some_and(|a| !a.dropped.is_empty())) {
+                self.forget_dropped(parked, &rig, boot, &a.dropped);
             }
             let result = match answer.map(|a| a.map(|a| a.status)) {
                 Some(Some(Rekept::Kept)) => {

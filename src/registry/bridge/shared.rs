@@ -33,7 +33,7 @@ pub const REGISTRY_OPS: [(&str, &str); 67] = [
     ("rekeep", "behind"),
     ("rekeep", "fenced"),
     ("rekeep", "unavailable"),
-    ("rekeep", "lost"),
+    ("rekeep", "dropped"),
     ("missed", "given"),
     ("missed", "unavailable"),
     ("rekeep_parked", "ok"),

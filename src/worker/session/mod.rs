@@ -20,6 +20,6 @@ pub(crate) use hold_fetch::{on_delivery_end, on_hold_found, sweep as sweep_holds
 pub(crate) use rig_messages::retry_after;
 pub(crate) use upgrade::consume;
 pub(crate) use verdicts::{
-    forget_lost, on_closed, on_persisted, on_rekeep, on_verdict, raise_seq, return_verdict,
+    forget_dropped, on_closed, on_persisted, on_rekeep, on_verdict, raise_seq, return_verdict,
     send_rekeep,
 };

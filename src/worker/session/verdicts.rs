@@ -189,11 +189,11 @@ pub(crate) fn raise_seq(
     pump(core, conn, st);
 }
 
-/// Drops commands `seqs` from the session: Redis published them `lost` as the session went
-/// back (another command the rig acked took each one's seq). No ack or event: `lost` is their
-/// one outcome, which a resume giving them again, or a report at the session's end, would
-/// contradict.
-pub(crate) fn forget_lost(st: &mut ConnState, seqs: &[Seq]) {
+/// Drops commands `seqs` from the session: putting it back found them gone from Redis for
+/// good, published `lost` (another command the rig acked took each one's seq) or acked on
+/// another broker meanwhile. No ack or event: each has had its one outcome, which a resume
+/// giving it again, or a report at the session's end, would contradict.
+pub(crate) fn forget_dropped(st: &mut ConnState, seqs: &[Seq]) {
     let Some(s) = st.session.as_mut() else {
         return;
     };
