@@ -817,6 +817,18 @@ fn after_an_outage_a_broker_numbers_past_commands_another_gave_the_rig_meanwhile
     read_command(&mut on_b, 5, "s5");
 }
 
+/// fe-a, reaching Redis through a relay, with a rig on it; fe-b on Redis directly; control,
+/// subscribed to `fleetlink:events` too.
+fn rig_on_a_behind_a_relay(rig: &str) -> (RedisServer, Relay, Broker, Broker, Ws, String, Control) {
+    let redis = RedisServer::start();
+    let relay = Relay::start(redis.port());
+    let a = broker_behind(&relay, "fe-a");
+    let b = fleet_broker(&redis, "fe-b", &["--registry-refresh", "200ms"]);
+    let (on_a, boot, _) = a.rig(rig);
+    let ctl = Control::new(&redis, &["fleetlink:events"]);
+    (redis, relay, a, b, on_a, boot, ctl)
+}
+
 /// A rig on fe-a with seqs 1 to 3 acked, then fe-a cut off from Redis (control and fe-b
 /// still on it); the rig says hello to fe-b too (make-before-break: fe-b takes the lease and
 /// evicts fe-a's connection, and the evict waits in the partition), and fe-a's admin API gives
@@ -836,12 +848,7 @@ struct PartitionedRig {
 }
 
 fn rig_on_both_sides_of_a_partition(rig: &str) -> PartitionedRig {
-    let redis = RedisServer::start();
-    let relay = Relay::start(redis.port());
-    let a = broker_behind(&relay, "fe-a");
-    let b = fleet_broker(&redis, "fe-b", &["--registry-refresh", "200ms"]);
-    let (mut on_a, boot, _) = a.rig(rig);
-    let mut ctl = Control::new(&redis, &["fleetlink:events"]);
+    let (redis, relay, a, b, mut on_a, boot, mut ctl) = rig_on_a_behind_a_relay(rig);
     acked_commands(&mut ctl, "fe-a", rig, &mut on_a, "p", 3);
     partition(&relay, &a, "fe-a sees the outage");
     let on_b = hello_again(&b, rig, &boot, 3);
@@ -947,6 +954,20 @@ fn after_a_partition_a_command_whose_seq_the_rig_acked_for_another_is_reported_l
     send_and_read(&mut ctl, "fe-b", "rig-ta", "b5", &mut on_b, 5);
 }
 
+/// The rig leaves fe-b, which releases its lease; then the partition ends with fe-a's
+/// connections cut, as a long one's does (fe-a gives up on them): fe-b's evict, published
+/// meanwhile, is lost with them, so fe-a keeps its connection, and its first refresh restores
+/// the lease and puts the connected rig's session back.
+fn leave_b_then_heal_cut(con: &mut redis::Connection, relay: &Relay, rig: &str, on_b: Ws) {
+    drop(on_b);
+    eventually(Duration::from_secs(10), "fe-b's lease released", || {
+        !con.exists::<_, bool>(format!("rig:{rig}")).unwrap()
+    });
+    relay.down(true);
+    relay.freeze_both(false);
+    relay.down(false);
+}
+
 /// As above, but the rig leaves fe-b before the partition heals (fe-b releases its lease) and
 /// stays on fe-a, which restores the lease and puts its connected rig's session back. The
 /// core sending that session does not know which seqs it gave unkept; the bridge does, and now
@@ -972,16 +993,7 @@ fn after_a_partition_a_connected_rigs_command_whose_seq_was_acked_for_another_is
     eventually(Duration::from_secs(10), "fe-b's ack in Redis", || {
         !con.hexists::<_, _, bool>(&sess, "c:4").unwrap()
     });
-    drop(on_b);
-    eventually(Duration::from_secs(10), "fe-b's lease released", || {
-        !con.exists::<_, bool>("rig:rig-tl").unwrap()
-    });
-    // The partition ends with fe-a's connections cut, as a long one's does (fe-a gives up on
-    // them): fe-b's evict, published meanwhile, is lost with them, so fe-a's connection stays
-    // and its first refresh restores the lease.
-    relay.down(true);
-    relay.freeze_both(false);
-    relay.down(false);
+    leave_b_then_heal_cut(&mut con, &relay, "rig-tl", on_b);
     let lost = ctl.next_within(Duration::from_secs(15), |ch, v| {
         ch == "fleetlink:events" && v["type"] == "lost"
     });
@@ -1033,6 +1045,45 @@ fn after_a_partition_a_connected_rigs_command_whose_seq_was_acked_for_another_is
     assert_eq!(n, 0, "seq 4 had its outcome (lost)");
 }
 
+/// A rig on fe-a with seq 1 acked and k2 (seq 2) kept in Redis and unacked, then fe-a cut off
+/// from Redis (control and fe-b still on it).
+struct KeptThenPartitioned {
+    redis: RedisServer,
+    relay: Relay,
+    a: Broker,
+    b: Broker,
+    on_a: Ws,
+    boot: String,
+    /// Control, subscribed to `fleetlink:events` too.
+    ctl: Control,
+    con: redis::Connection,
+    /// The session's key.
+    sess: String,
+}
+
+fn kept_then_partitioned(rig: &str) -> KeptThenPartitioned {
+    let (redis, relay, a, b, mut on_a, boot, mut ctl) = rig_on_a_behind_a_relay(rig);
+    acked_commands(&mut ctl, "fe-a", rig, &mut on_a, "p", 1);
+    send_and_read(&mut ctl, "fe-a", rig, "k2", &mut on_a, 2);
+    let mut con = redis.connection();
+    let sess = format!("sess:{rig}:{boot}");
+    eventually(Duration::from_secs(10), "k2 kept", || {
+        con.hexists::<_, _, bool>(&sess, "c:2").unwrap()
+    });
+    partition(&relay, &a, "fe-a sees the outage");
+    KeptThenPartitioned {
+        redis,
+        relay,
+        a,
+        b,
+        on_a,
+        boot,
+        ctl,
+        con,
+        sess,
+    }
+}
+
 /// A command fe-a kept in Redis before a partition, unacked there, which the rig acked on
 /// fe-b during it; the rig then stays on fe-a, which puts its connected rig's session back.
 /// The command is settled (Redis forgot it below its next seq): not written back, and dropped
@@ -1040,33 +1091,23 @@ fn after_a_partition_a_connected_rigs_command_whose_seq_was_acked_for_another_is
 /// session's lapse or `rig_rebooted` at the rig's next boot, on top of its `ack`.
 #[test]
 fn a_connected_rigs_session_put_back_leaves_out_what_the_rig_acked_elsewhere() {
-    let redis = RedisServer::start();
-    let relay = Relay::start(redis.port());
-    let a = broker_behind(&relay, "fe-a");
-    let b = fleet_broker(&redis, "fe-b", &["--registry-refresh", "200ms"]);
-    let (mut on_a, boot, _) = a.rig("rig-ks");
-    let mut ctl = Control::new(&redis, &["fleetlink:events"]);
-    acked_commands(&mut ctl, "fe-a", "rig-ks", &mut on_a, "p", 1);
-    send_and_read(&mut ctl, "fe-a", "rig-ks", "k2", &mut on_a, 2);
-    let mut con = redis.connection();
-    let sess = format!("sess:rig-ks:{boot}");
-    eventually(Duration::from_secs(10), "k2 kept", || {
-        con.hexists::<_, _, bool>(&sess, "c:2").unwrap()
-    });
-    partition(&relay, &a, "fe-a sees the outage");
+    let KeptThenPartitioned {
+        redis: _redis,
+        relay,
+        a,
+        b,
+        on_a,
+        boot,
+        mut ctl,
+        mut con,
+        sess,
+    } = kept_then_partitioned("rig-ks");
     let mut on_b = hello_again(&b, "rig-ks", &boot, 2);
     ack(&mut on_b, 2);
     eventually(Duration::from_secs(10), "k2's ack in Redis", || {
         !con.hexists::<_, _, bool>(&sess, "c:2").unwrap()
     });
-    drop(on_b);
-    eventually(Duration::from_secs(10), "fe-b's lease released", || {
-        !con.exists::<_, bool>("rig:rig-ks").unwrap()
-    });
-    // fe-b's evict is lost with fe-a's connections (see above): fe-a keeps the rig.
-    relay.down(true);
-    relay.freeze_both(false);
-    relay.down(false);
+    leave_b_then_heal_cut(&mut con, &relay, "rig-ks", on_b);
     eventually(Duration::from_secs(15), "fe-a's session put back", || {
         a.metric("fleetlink_registry_ops_total{op=\"rekeep\",result=\"ok\"}") >= 1
     });
@@ -1098,20 +1139,17 @@ fn a_connected_rigs_session_put_back_leaves_out_what_the_rig_acked_elsewhere() {
 /// has no TTL, and nothing is reported.
 #[test]
 fn a_lapsed_liveness_key_is_not_taken_for_lost_data() {
-    let redis = RedisServer::start();
-    let relay = Relay::start(redis.port());
-    let a = broker_behind(&relay, "fe-a");
-    let b = fleet_broker(&redis, "fe-b", &["--registry-refresh", "200ms"]);
-    let (mut on_a, boot, _) = a.rig("rig-ll");
-    let mut ctl = Control::new(&redis, &["fleetlink:events"]);
-    acked_commands(&mut ctl, "fe-a", "rig-ll", &mut on_a, "p", 1);
-    send_and_read(&mut ctl, "fe-a", "rig-ll", "k2", &mut on_a, 2);
-    let mut con = redis.connection();
-    let sess = format!("sess:rig-ll:{boot}");
-    eventually(Duration::from_secs(10), "k2 kept", || {
-        con.hexists::<_, _, bool>(&sess, "c:2").unwrap()
-    });
-    partition(&relay, &a, "fe-a sees the outage");
+    let KeptThenPartitioned {
+        redis: _redis,
+        relay,
+        a: _a,
+        b,
+        on_a,
+        boot,
+        mut ctl,
+        mut con,
+        sess,
+    } = kept_then_partitioned("rig-ll");
     drop(on_a);
     // The rig resumes on fe-b, which gives k2 again from Redis; acked there.
     let mut on_b = hello_again(&b, "rig-ll", &boot, 1);
