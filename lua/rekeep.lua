@@ -84,7 +84,8 @@
 --             copy, put back first
 --             after an empty restart or left by a resume there). The commands
 --             Redis never numbered (at or above its "next") are added (never over that
---             broker's), as are those at or below unkept_to that Redis never numbered, and
+--             broker's), as are the unkept ones Redis never numbered, and those below its
+--             "from" (Redis lost the session since, and started it again), and
 --             "next" raised to ARGV[3], so that broker's next command
 --             cannot take a seq the rig already holds. Where the lease names that broker,
 --             {"type":"session_merged","rig_id","boot_id"} is published on its channel
@@ -458,7 +459,12 @@ local function write(sess, merge, found)
         publish_lost(ARGV[i], ARGV[i + 1])
         dropped[#dropped + 1] = ARGV[i]
       end
-    elseif tonumber(ARGV[i]) >= have or unkept_seq(ARGV[i]) then
+    elseif tonumber(ARGV[i]) >= have or unkept_seq(ARGV[i])
+        or (from ~= nil and tonumber(ARGV[i]) < from) then
+      -- Below "from", Redis lost the session since this copy's command was kept there (it
+      -- lapsed while a partition kept its broker from extending it, or Redis lost its data),
+      -- and another broker started it again from the rig's last_seq: only this copy holds
+      -- the command, which the rig has and has not acked.
       -- Never over that broker's own command: the copy's is the one that goes.
       if there then
         if other_command(there, ARGV[i + 1]) then

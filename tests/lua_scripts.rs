@@ -1603,6 +1603,67 @@ fn a_seq_redis_numbered_and_the_rig_acked_is_not_given_a_copys_command() {
     assert_eq!(field(&mut con, &tomb, "from").as_deref(), Some("5"));
 }
 
+/// A session Redis let lapse while a partition kept its broker (fe-a) from extending it, its
+/// rig still connected there with seqs 2 and 3 kept and unacked; the rig then resumed on fe-b
+/// with last_seq 3, where Redis started the session again and numbered from 4. fe-a's copy
+/// goes back under fe-b's lease: its 2 and 3, below "from", only it holds, and they are added
+/// (for a resume, or a report). Before, the merge added only seqs at or above "next" or
+/// delivered unkept, and they were lost without a word.
+#[test]
+fn a_copys_kept_commands_below_a_restarted_sessions_from_are_added() {
+    use fleetlink::ids::Seq;
+    use fleetlink::registry::sessions::{
+        session_key, Rekeep, RekeepAnswer, RekeepMode, Rekept, SessionScripts, Unkept,
+    };
+    let (server, mut con, _) = setup();
+    let sessions = SessionScripts::new();
+    let (r, b) = (rig("rig-lapsed"), boot(1));
+    let sess = session_key(&r, &b);
+    let (y1, y2) = (cmd(4, "y1"), cmd(5, "y2"));
+    let _: () = redis::cmd("HSET")
+        .arg(&sess)
+        .arg(&["next", "6", "from", "4", "c:4", &y1, "c:5", &y2])
+        .query(&mut con)
+        .unwrap();
+    set(&mut con, &rig_key(&r), &tuple(&b, "fe-b"));
+    let (x2, x3) = (cmd(2, "x2"), cmd(3, "x3"));
+    let copy = Rekeep {
+        rig: &r,
+        boot: &b,
+        next: Seq(4),
+        cmds: vec![(Seq(2), x2.as_bytes()), (Seq(3), x3.as_bytes())],
+        unkept: Unkept::NONE,
+        mode: RekeepMode::Parked,
+    };
+    let mut sub = server.client().get_connection().unwrap();
+    let mut ps = events_of(&mut sub);
+    let answer = sessions
+        .rekeep_answers(&mut con, &[copy], "fe-a", TTL, "2026-12-06T00:00:00Z")
+        .unwrap();
+    assert_eq!(
+        answer,
+        [RekeepAnswer {
+            status: Rekept::Merged,
+            dropped: vec![]
+        }]
+    );
+    let field = |con: &mut Connection, f: &str| -> Option<String> {
+        redis::cmd("HGET").arg(&sess).arg(f).query(con).unwrap()
+    };
+    assert_eq!(field(&mut con, "c:2"), Some(x2));
+    assert_eq!(field(&mut con, "c:3"), Some(x3));
+    assert_eq!(field(&mut con, "c:4"), Some(y1), "fe-b's own untouched");
+    // Nothing is reported (no `lost`): the first event is a marker published now.
+    let _: i64 = redis::cmd("PUBLISH")
+        .arg("fleetlink:events")
+        .arg(r#"{"type":"marker"}"#)
+        .query(&mut con)
+        .unwrap();
+    let msg = ps.get_message().expect("a message");
+    let v: serde_json::Value = serde_json::from_slice(msg.get_payload_bytes()).unwrap();
+    assert_eq!(v["type"], "marker", "{v}");
+}
+
 /// An expiry removes the held command and says so again when asked again (its first answer
 /// lost: Redis hung past the broker's wait after running it); a command a hello took is not
 /// taken for one it removed, nor is another command with the same id. The marks lapse.
