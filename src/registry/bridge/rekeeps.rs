@@ -293,9 +293,10 @@ impl Bridge {
     }
 
     /// `rekeep.lua` found the copy's commands `seqs` gone for good (published `lost`, or acked
-    /// elsewhere): they leave the copy, the rig's connection here (a connected rig's, or one
-    /// of the same boot a superseded one handed its session to) or the parked session, which
-    /// would give or report them again.
+    /// elsewhere): they leave the copy, which would give or report them again. A connected
+    /// rig's copy is its connection's (told by message); any other is the parked session, or
+    /// a superseded connection's, gone already. Only the copy that was sent: another (a new
+    /// connection of the boot) may hold another command under one of these seqs.
     fn forget_dropped(&mut self, parked: bool, rig: &RigId, boot: BootId, seqs: &[Seq]) {
         self.shared.count_n("rekeep", "dropped", seqs.len() as u64);
         if parked {
