@@ -87,14 +87,18 @@ for i = 1, n do
       -- the rig may hold (below it). In the same call: a session's commands come here in seq
       -- order, so this is once per session at most, the first command of a session created
       -- here (the tokio baseline's every session).
-      local fields = { 'c:' .. ARGV[3 * i], ARGV[3 * i + 1], 'next',
-          string.format('%.0f', seqs[i] + 1) }
-      if tonumber(have) < seqs[i] then
-        fields[5], fields[6] = 'from', ARGV[3 * i]
-      end
       -- Every field new ("next" too): the key did not exist, and a key with no TTL would
-      -- outlive its rig forever.
-      if redis.call('HSET', sess, unpack(fields)) == #fields / 2 then
+      -- outlive its rig forever. (Two calls written out: a table per command would cost
+      -- every keep, and the gap is rare.)
+      local field, next_text = 'c:' .. ARGV[3 * i], string.format('%.0f', seqs[i] + 1)
+      local created
+      if tonumber(have) < seqs[i] then
+        created = redis.call('HSET', sess, field, ARGV[3 * i + 1], 'next', next_text, 'from',
+            ARGV[3 * i]) == 3
+      else
+        created = redis.call('HSET', sess, field, ARGV[3 * i + 1], 'next', next_text) == 2
+      end
+      if created then
         redis.call('PEXPIRE', sess, ttl)
       end
       out[i] = 'ok'
