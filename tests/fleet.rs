@@ -3369,6 +3369,13 @@ fn a_session_is_named_again_after_the_subscription_was_cut() {
         .arg("sess:lapses")
         .query(&mut redis.connection())
         .unwrap();
+    // Seen cut first: `/readyz` read 200 before fe-cut noticed (CI, once), and a command
+    // published then, to no one, was never answered.
+    eventually(
+        Duration::from_secs(15),
+        "fe-cut saw its subscription cut",
+        || a.metric("fleetlink_registry_ops_total{op=\"subscription\",result=\"cut\"}") >= 1,
+    );
     a.wait_readyz(200, Duration::from_secs(15), "fe-cut listening again");
     let mut ctl = Control::new(&redis, &["fleetlink:events"]);
     let reply = ctl.command_id("fe-cut", "rig-cut", "cut-2", "n", json!({}));
