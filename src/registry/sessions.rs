@@ -131,8 +131,8 @@ pub struct Rekeep<'a> {
     pub next: Seq,
     /// Its commands not yet acked, as sent to the rig.
     pub cmds: Vec<(Seq, &'a [u8])>,
-    /// The seqs among them Redis may never have kept: a parked or ended copy's command
-    /// outside them that Redis has forgotten was acked.
+    /// The seqs among them Redis may never have kept: a command outside them that Redis
+    /// has forgotten below its `next` was acked (a connected rig's copy too, since stop 62).
     pub unkept: Unkept,
     /// How it is fenced.
     pub mode: RekeepMode,
@@ -170,14 +170,7 @@ impl Unkept {
 
     /// These and `seq`.
     pub fn with(self, seq: Seq) -> Unkept {
-        if self.is_none() {
-            Unkept { from: seq, to: seq }
-        } else {
-            Unkept {
-                from: self.from.min(seq),
-                to: self.to.max(seq),
-            }
-        }
+        self.union(Unkept { from: seq, to: seq })
     }
 
     /// These and `other`'s.
