@@ -16,8 +16,13 @@
 -- costs Redis about as much as the rest of the keep; src/registry/bridge/lapses.rs).
 --
 -- Returns an array of statuses, one per command in order:
---   "ok"      the lease is still ours: HSET c:<seq> and "next" = seq+1; PEXPIRE only when
---             that HSET created the key (a session Redis had lost, before its re-keep)
+--   "ok"      the lease is still ours: HSET c:<seq> and "next" = seq+1
+--   "created" the same, but that HSET created the key, so it gets its PEXPIRE here: Redis had
+--             no session for a rig whose broker holds it (the key was deleted or evicted on
+--             its own, or lapsed with the rig connected and given nothing). The broker puts
+--             its copy of the session back (rekeep.lua), or the commands only the lost key
+--             held would be lost at the broker's death without a report. The tokio baseline,
+--             which creates its sessions here, reads it as "ok".
 --   "fenced"  the lease is someone else's: nothing written; the broker drops the command and
 --             tells control, which never got an ok for it
 --   "stale|<n>" the lease is ours, but the session's "next" is already n, above this seq:
@@ -100,8 +105,10 @@ for i = 1, n do
       end
       if created then
         redis.call('PEXPIRE', sess, ttl)
+        out[i] = 'created'
+      else
+        out[i] = 'ok'
       end
-      out[i] = 'ok'
     end
   end
 end

@@ -168,10 +168,24 @@ end
 
 -- Whether this copy's command `seq` is one Redis kept, and has since forgotten although its
 -- session `f` (field -> value, or nil when Redis has none) numbers past it: acked, or
--- reported, since this copy was made (see unkept_to).
+-- reported, since this copy was made (see unkept_to). Not below the session's "from": Redis
+-- lost the session since, and a command kept after made it anew, so only the copy holds it.
 local function settled(f, seq)
   return f ~= nil and not unkept_seq(seq) and tonumber(seq) < next_of(f['next'])
+      and not (count(f['from']) and tonumber(seq) < tonumber(f['from']))
       and f['c:' .. seq] == nil
+end
+
+-- Cuts session `key`, whose fields were `f`, to a tombstone: its next seq `next_text`, the boot
+-- `by` that ended it, and the seqs reported (`rep`). Its "from" stays, for `settled` above.
+local function tombstone(key, f, next_text, by, rep)
+  redis.call('DEL', key)
+  if count(f['from']) then
+    redis.call('HSET', key, 'next', next_text, 'gone', by, 'rep', rep, 'from', f['from'])
+  else
+    redis.call('HSET', key, 'next', next_text, 'gone', by, 'rep', rep)
+  end
+  redis.call('PEXPIRE', key, ttl)
 end
 
 -- The session's fields (nil when Redis has no such hash).
@@ -317,9 +331,7 @@ local function end_displaced(prev, by)
   if type(lease) == 'string' and lease:match('^([^|]+)|') == prev then
     redis.call('DEL', KEYS[1])
   end
-  redis.call('DEL', key)
-  redis.call('HSET', key, 'next', next_text, 'gone', by, 'rep', rep_with(f['rep'], seqs))
-  redis.call('PEXPIRE', key, ttl)
+  tombstone(key, f, next_text, by, rep_with(f['rep'], seqs))
   return #order
 end
 
@@ -367,10 +379,8 @@ local function report_ended(sess)
   -- that Redis never kept (delivered while this broker could not reach it, and numbered
   -- past by another broker) only a report tells control of.
   local n, top, seqs = report_copy(rig, ended, found)
-  redis.call('DEL', sess)
-  redis.call('HSET', sess, 'gone', ended, 'next',
-      string.format('%.0f', math.max(kept_next, tonumber(nxt), top + 1)), 'rep', seqs)
-  redis.call('PEXPIRE', sess, ttl)
+  tombstone(sess, found or {},
+      string.format('%.0f', math.max(kept_next, tonumber(nxt), top + 1)), ended, seqs)
   return 'reported|' .. n
 end
 

@@ -191,12 +191,18 @@ local function resume(sess, ptr, boot, rig)
     -- numbered past it.
     local old_next = redis.pcall('HGET', old, 'next')
     local prior = redis.pcall('HGET', old, 'rep')
+    -- Kept too: a seq below it is one Redis lost with the session, which the report above
+    -- could not cover, and the broker holding a copy reports it (rekeep.lua, `settled`).
+    local old_from = redis.pcall('HGET', old, 'from')
     if type(prior) == 'string' and prior ~= '' then
       seqs = seqs == '' and prior or (prior .. ',' .. seqs)
     end
     redis.call('DEL', old)
     if type(old_next) == 'string' then
       redis.call('HSET', old, 'next', old_next, 'gone', boot, 'rep', seqs)
+      if type(old_from) == 'string' then
+        redis.call('HSET', old, 'from', old_from)
+      end
       redis.call('PEXPIRE', old, ttl)
     end
     redis.call('SET', ptr, boot, 'PX', ttl)

@@ -1063,14 +1063,15 @@ fn resume_of_a_newer_boot_publishes_the_old_sessions_commands_as_rig_rebooted() 
     let after = fleetlink::reply::rfc3339(std::time::SystemTime::now() + Duration::from_secs(2));
     assert_eq!(found.rebooted, 2);
     assert_eq!(found.previous_boot.as_deref(), Some(old.as_str()));
-    // What is left is a tombstone: the old session's next seq, the boot that ended it, and
-    // the seqs reported.
+    // What is left is a tombstone: the old session's next seq, the boot that ended it, the
+    // seqs reported, and the first seq Redis numbered.
     let left: std::collections::HashMap<String, String> =
         redis::cmd("HGETALL").arg(&old_key).query(&mut con).unwrap();
     let tombstone: std::collections::HashMap<String, String> = [
         ("next", "1"),
         ("gone", new.as_str()),
         ("rep", "2,999999999999998"),
+        ("from", "1"),
     ]
     .into_iter()
     .map(|(k, v)| (k.to_string(), v.to_string()))
@@ -1594,9 +1595,9 @@ fn a_seq_redis_numbered_and_the_rig_acked_is_not_given_a_copys_command() {
     assert_eq!(field(&mut con, &sess, "c:3"), Some(a1));
 
     // X back after Y (a stale process): its tombstone goes on, and Redis numbers it from the
-    // tombstone's next seq (5) on; a tombstone keeps no "from" of its own.
+    // tombstone's next seq (5) on; the tombstone kept the ended session's "from" till then.
     let tomb = session_key(&r, &x);
-    assert_eq!(field(&mut con, &tomb, "from"), None);
+    assert_eq!(field(&mut con, &tomb, "from").as_deref(), Some("1"));
     assert_eq!(field(&mut con, &tomb, "next").as_deref(), Some("5"));
     set(&mut con, &rig_key(&r), &tuple(&x, "fe-b"));
     sessions.resume(&mut con, &r, &x, TTL, "fe-b").unwrap();
@@ -1662,6 +1663,104 @@ fn a_copys_kept_commands_below_a_restarted_sessions_from_are_added() {
     let msg = ps.get_message().expect("a message");
     let v: serde_json::Value = serde_json::from_slice(msg.get_payload_bytes()).unwrap();
     assert_eq!(v["type"], "marker", "{v}");
+}
+
+/// Redis lost a session and a kept command made it anew, numbered from 4 ("from"), while a
+/// broker's copy holds 2 and 3, kept before the loss and never acked. A new boot's hello
+/// reports what Redis holds (4 and 5) and leaves a tombstone that keeps "from"; the copy then
+/// put back as parked reports 2 and 3, which only it holds. Before, both counted as settled
+/// (absent below "next", as if acked) and went unreported. The same copy reported by the
+/// broker itself (`ended` mode) against the live session reports all four.
+#[test]
+fn a_copys_commands_below_a_lost_sessions_from_are_reported_when_the_session_ends() {
+    use fleetlink::ids::Seq;
+    use fleetlink::registry::sessions::{
+        session_key, Rekeep, RekeepMode, Rekept, SessionScripts, Unkept,
+    };
+    let (server, mut con, _) = setup();
+    let sessions = SessionScripts::new();
+    let (r, x, y) = (rig("rig-from"), boot(1), boot(2));
+    let sess = session_key(&r, &x);
+    let anew = |con: &mut Connection| {
+        let _: () = redis::cmd("HSET")
+            .arg(&sess)
+            .arg(&[
+                "next",
+                "6",
+                "from",
+                "4",
+                "c:4",
+                &cmd(4, "y4"),
+                "c:5",
+                &cmd(5, "y5"),
+            ])
+            .query(con)
+            .unwrap();
+        set(con, &format!("sessof:{}", r.as_str()), x.as_str());
+    };
+    let (x2, x3) = (cmd(2, "x2"), cmd(3, "x3"));
+    let copy = |mode| Rekeep {
+        rig: &r,
+        boot: &x,
+        next: Seq(4),
+        cmds: vec![(Seq(2), x2.as_bytes()), (Seq(3), x3.as_bytes())],
+        unkept: Unkept::NONE,
+        mode,
+    };
+    let mut sub = server.client().get_connection().unwrap();
+    let mut ps = events_of(&mut sub);
+    let mut reported = |n: usize| -> Vec<String> {
+        (0..n)
+            .map(|_| {
+                let msg = ps.get_message().expect("a message");
+                let v: serde_json::Value = serde_json::from_slice(msg.get_payload_bytes()).unwrap();
+                assert_eq!(v["type"], "rig_rebooted", "{v}");
+                v["id"].as_str().unwrap_or_default().to_string()
+            })
+            .collect()
+    };
+
+    anew(&mut con);
+    let found = sessions.resume(&mut con, &r, &y, TTL, "fe-b").unwrap();
+    assert_eq!(found.rebooted, 2);
+    assert_eq!(reported(2), ["y4", "y5"]);
+    let from: Option<String> = redis::cmd("HGET")
+        .arg(&sess)
+        .arg("from")
+        .query(&mut con)
+        .unwrap();
+    assert_eq!(from.as_deref(), Some("4"), "the tombstone keeps from");
+    let answer = sessions
+        .rekeep(
+            &mut con,
+            &[copy(RekeepMode::Parked)],
+            "fe-a",
+            TTL,
+            "2026-12-06T00:00:00Z",
+        )
+        .unwrap();
+    assert_eq!(answer, [Rekept::Reported(2)]);
+    assert_eq!(reported(2), ["x2", "x3"]);
+
+    let _: () = redis::cmd("DEL").arg(&sess).query(&mut con).unwrap();
+    anew(&mut con);
+    let answer = sessions
+        .rekeep(
+            &mut con,
+            &[copy(RekeepMode::EndedBy(y))],
+            "fe-a",
+            TTL,
+            "2026-12-06T00:00:00Z",
+        )
+        .unwrap();
+    assert_eq!(answer, [Rekept::Reported(4)]);
+    assert_eq!(reported(4), ["x2", "x3", "y4", "y5"]);
+    let from: Option<String> = redis::cmd("HGET")
+        .arg(&sess)
+        .arg("from")
+        .query(&mut con)
+        .unwrap();
+    assert_eq!(from.as_deref(), Some("4"), "the tombstone keeps from");
 }
 
 /// An expiry removes the held command and says so again when asked again (its first answer

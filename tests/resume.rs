@@ -435,6 +435,84 @@ fn a_lease_redis_lost_under_a_connected_rig_is_put_back_before_its_next_command(
     );
 }
 
+/// Redis loses one session key on its own (deleted by hand here; evicted, under a `volatile-*`
+/// policy) while the lease stays and the rig stays connected with command 1 unacked. The rig's
+/// next command creates the key again, and the broker puts its copy back with it: killed
+/// then, its rig resumes on the survivor with both commands, not only the newer one.
+#[test]
+fn a_session_key_lost_alone_is_put_back_at_the_rigs_next_command() {
+    let redis = RedisServer::start();
+    let (mut a, b, boot, mut on_a, mut ctl) = rig_with_commands_on_a(&redis, "rig-k", "k", 1);
+    let key = format!("sess:rig-k:{boot}");
+    let mut con = redis.connection();
+    let _: () = con.del(&key).unwrap();
+    send_and_read(&mut ctl, "fe-a", "rig-k", "k2", &mut on_a, 2);
+    eventually(
+        Duration::from_secs(10),
+        "the whole session kept again",
+        || holds_commands_1_and_2(&mut con, &key),
+    );
+    assert_eq!(
+        a.metric(r#"fleetlink_registry_ops_total{op="session",result="key_lost"}"#),
+        1
+    );
+    kill_broker(&mut a);
+    drop(on_a);
+    let mut on_b = resume_on(&b, "rig-k", &boot, Some(0));
+    read_command(&mut on_b, 1, "k1");
+    read_command(&mut on_b, 2, "k2");
+}
+
+/// The same key lost with no command after it: the periodic touch that keeps a connected
+/// rig's session alive finds it gone, and the broker puts its copy back then.
+#[test]
+fn a_session_key_lost_alone_is_put_back_at_the_next_touch() {
+    let redis = RedisServer::start();
+    let (a, ws, boot) = rig_with_one_command(&redis, "rig-j", "3s");
+    let key = format!("sess:rig-j:{boot}");
+    let mut con = redis.connection();
+    let _: () = con.del(&key).unwrap();
+    eventually(Duration::from_secs(10), "the session kept again", || {
+        let (c1, next): (Option<String>, Option<String>) = redis::pipe()
+            .hget(&key, "c:1")
+            .hget(&key, "next")
+            .query(&mut con)
+            .unwrap_or((None, None));
+        c1.is_some() && next.as_deref() == Some("2")
+    });
+    let pttl: i64 = con.pttl(&key).unwrap();
+    assert!(pttl > 0, "the key put back has a TTL: {pttl}");
+    assert_eq!(
+        a.metric(r#"fleetlink_registry_ops_total{op="session",result="key_lost"}"#),
+        1
+    );
+    drop(ws);
+}
+
+/// Redis is flushed while a rig with command 1 unacked is connected to A, and the rig leaves
+/// before A's next refresh could find its lease gone. With no rig left, no refresh of A's
+/// would notice the flush, and the parked copy lasts only `--registry-ttl` (3 s here, under
+/// the heartbeat's 10 s). The release that finds the lease gone runs the heartbeat at once,
+/// which finds A's sentinel gone too, and the parked copy goes back to Redis.
+#[test]
+fn a_release_that_finds_its_lease_gone_puts_parked_sessions_back_before_the_heartbeat() {
+    let redis = RedisServer::start();
+    let flags = ["--registry-ttl", "3s", "--registry-refresh", "1s"];
+    let a = fleet_broker_with(&redis, "fe-a", &flags);
+    let boot = boot_id();
+    let (mut ws, _) = connect_hello(&a, "rig-f", &boot, None);
+    let mut ctl = Control::new(&redis, &[]);
+    send_and_read(&mut ctl, "fe-a", "rig-f", "f1", &mut ws, 1);
+    let mut con = redis.connection();
+    flushall(&mut con);
+    drop(ws);
+    let key = format!("sess:rig-f:{boot}");
+    eventually(Duration::from_secs(6), "the parked copy put back", || {
+        let c1: Option<String> = con.hget(&key, "c:1").unwrap_or(None);
+        c1.is_some()
+    });
+}
+
 /// A command delivered while Redis was unreachable is not kept then; once Redis is back (with
 /// everything else it had), the reconnect puts every connected session back, so it is kept.
 #[test]
@@ -807,11 +885,12 @@ fn persisting_is_fenced_by_the_lease() {
         [Kept::Fenced]
     );
     let _: () = con.set("rig:rig-f", format!("{boot}|fe-a")).unwrap();
+    // No session before it: the keep says it created one (the broker then puts its copy back).
     assert_eq!(
         scripts
             .persist(&mut con, &cmd, "fe-a", Duration::from_secs(60))
             .unwrap(),
-        [Kept::Yes]
+        [Kept::Anew]
     );
     let found = scripts
         .resume(&mut con, &rig, &boot, Duration::from_secs(60), "fe-a")
@@ -1417,7 +1496,8 @@ fn a_persist_batch_is_fenced_per_rig_and_checked_before_any_write() {
             Duration::from_secs(60),
         )
         .unwrap();
-    assert_eq!(kept, [Kept::Yes, Kept::Fenced, Kept::Yes]);
+    // The first of rig-a's creates its session; the second finds it.
+    assert_eq!(kept, [Kept::Anew, Kept::Fenced, Kept::Yes]);
     // The keep names no session for its lapse report: the bridge does, later.
     let named: bool = con.exists("sess:lapses").unwrap();
     assert!(!named);
@@ -1474,7 +1554,7 @@ fn the_last_usable_seq_is_kept_exactly() {
     let kept = scripts
         .persist(&mut con, &[last], "fe-a", Duration::from_secs(60))
         .unwrap();
-    assert_eq!(kept, [Kept::Yes]);
+    assert_eq!(kept, [Kept::Anew]);
     let sess_a = format!("sess:rig-a:{boot}");
     let next: String = con.hget(&sess_a, "next").unwrap();
     assert_eq!(next, (Seq::LAST.0 + 1).to_string());
@@ -2538,7 +2618,8 @@ fn damage_to_a_live_session_is_written_over_not_answered_in_a_loop() {
         json: b"c8",
     };
     let kept = scripts.persist(&mut con, &[one], "fe-a", ttl).unwrap();
-    assert_eq!(kept, [Kept::Yes]);
+    // The list deleted, the command starts the session again.
+    assert_eq!(kept, [Kept::Anew]);
     let c8: Option<String> = con.hget(&sess, "c:8").unwrap();
     assert_eq!(c8.as_deref(), Some("c8"));
     let _: () = con.del(&sess).unwrap();

@@ -449,6 +449,9 @@ fn parse_resumed(reply: &Value) -> Option<Resumed> {
 pub enum Kept {
     /// Kept in its session under our lease.
     Yes,
+    /// Kept, in a session key this command created: Redis had lost the session of a rig this
+    /// broker holds (a key deleted or evicted on its own), so what else it held is gone.
+    Anew,
     /// Not kept: another broker's lease.
     Fenced,
     /// Not kept: no lease at all (Redis lost it); the holder may put it back and retry.
@@ -464,6 +467,7 @@ pub enum Kept {
 fn persisted(v: &Value) -> Option<Kept> {
     match text(v)? {
         "ok" => Some(Kept::Yes),
+        "created" => Some(Kept::Anew),
         "fenced" => Some(Kept::Fenced),
         "missing" => Some(Kept::LeaseMissing),
         other => match other.split_once('|')? {
@@ -523,25 +527,33 @@ pub fn read_commands(
 }
 
 /// Extends the TTL of these sessions' keys and of their rigs' `sessof:` pointers (a missing
-/// key stays missing), [`TOUCH_CHUNK`] sessions per round trip.
+/// key stays missing), [`TOUCH_CHUNK`] sessions per round trip. Returns the sessions whose
+/// key was missing: Redis lost them while their rigs were connected.
 pub fn touch(
     con: &mut impl ConnectionLike,
     sessions: &[(RigId, BootId)],
     ttl: Duration,
-) -> Result<(), RegistryError> {
+) -> Result<Vec<(RigId, BootId)>, RegistryError> {
     let ms = ttl_ms(ttl) as i64;
+    let mut missing = Vec::new();
     for chunk in sessions.chunks(TOUCH_CHUNK) {
         let mut pipe = redis::pipe();
         for (rig, boot) in chunk {
             pipe.pexpire(session_key(rig, boot), ms)
-                .ignore()
                 // The pointer to the latest boot, so a reboot still reports what was unacked.
                 .pexpire(pointer_key(rig), ms)
                 .ignore();
         }
-        pipe.query::<()>(con)?;
+        let found: Vec<bool> = pipe.query(con)?;
+        missing.extend(
+            chunk
+                .iter()
+                .zip(found)
+                .filter(|(_, found)| !found)
+                .map(|(s, _)| s.clone()),
+        );
     }
-    Ok(())
+    Ok(missing)
 }
 
 fn text(v: &Value) -> Option<&str> {

@@ -91,7 +91,8 @@ pub async fn keeper(app: Arc<App>, mut rx: mpsc::Receiver<Job>) {
             for (i, (rig_id, ticket, reply)) in keeps.into_iter().enumerate() {
                 // Redis unreachable: written unkept (only a resume elsewhere would miss it).
                 let ok = match &kept {
-                    Ok(k) => k.get(i).is_some_and(|s| s == "ok"),
+                    // "created": kept, in the session this call made (the first command's).
+                    Ok(k) => k.get(i).is_some_and(|s| s == "ok" || s == "created"),
                     Err(_) => true,
                 };
                 let counter = match (&kept, ok) {

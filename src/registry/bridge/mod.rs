@@ -129,7 +129,8 @@ struct Bridge {
     /// `Fleet::refusals` and `Fleet::dropped` already counted in the shared figures.
     refusals_counted: u64,
     drops_counted: u64,
-    /// Connected rigs asked for their sessions since Redis came back, until their cores answer.
+    /// Connected rigs asked for their sessions since Redis came back (or since it was found to
+    /// have lost one), until their cores answer.
     /// One that disconnects first has its session parked only after the reconnect queued the
     /// parked ones; it is queued when its close arrives (see `ToBridge::Closed`).
     rekeep_asked: HashSet<(RigId, BootId)>,

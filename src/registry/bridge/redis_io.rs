@@ -275,10 +275,13 @@ impl Bridge {
         }
         let held = std::mem::take(&mut self.persists);
         let mut kept = self.keep(held.iter());
-        let rekeep = match kept.as_mut() {
+        let mut rekeep = match kept.as_mut() {
             Some(kept) => self.keep_again_under_restored_leases(&held, kept),
             None => Vec::new(),
         };
+        if let Some(kept) = kept.as_ref() {
+            self.keep_again_sessions_lost_alone(&held, kept, &mut rekeep);
+        }
         // Before the answers: a closed connection's session hands over at its last answer,
         // and its core puts back what it then holds.
         for conn in rekeep {
@@ -315,13 +318,14 @@ impl Bridge {
             };
             let result = match status {
                 Kept::Yes => "ok",
+                Kept::Anew => "created",
                 Kept::Unavailable => "unavailable",
                 Kept::Fenced | Kept::LeaseMissing => "fenced",
                 Kept::Stale(_) => "stale",
             };
             self.shared.count("persist", result);
             let ok = match status {
-                Kept::Yes => true,
+                Kept::Yes | Kept::Anew => true,
                 Kept::Unavailable => unkept_written,
                 Kept::Fenced | Kept::LeaseMissing | Kept::Stale(_) => false,
             };
@@ -450,12 +454,37 @@ impl Bridge {
         // this connection to Redis, not with every command, and not in the keep's call.
         let count = self.lapse_count;
         for (p, k) in batch.iter().zip(&kept) {
-            if *k == Kept::Yes && self.registry.lapse_named(p.rig, *p.boot) != count {
+            if matches!(k, Kept::Yes | Kept::Anew)
+                && self.registry.lapse_named(p.rig, *p.boot) != count
+            {
                 self.registry.set_lapse_named(p.rig, *p.boot, count);
                 self.name_held_lapse(p.rig.clone(), *p.boot);
             }
         }
         Some(kept)
+    }
+
+    /// A command kept in a session key it created: Redis had lost that session alone (a key
+    /// deleted or evicted while the lease stayed), and with it every command it held that the
+    /// rig has not acked. Only this broker's copy has them now, gone with it if it dies, so
+    /// the connection's core sends its copy back, as after an empty restart. Adds those
+    /// connections to `rekeep`.
+    fn keep_again_sessions_lost_alone(
+        &mut self,
+        held: &[PersistReq],
+        kept: &[Kept],
+        rekeep: &mut Vec<ConnId>,
+    ) {
+        for (p, _) in held.iter().zip(kept).filter(|(_, k)| **k == Kept::Anew) {
+            if rekeep.contains(&p.conn) || !self.registry.held_by(&p.rig, p.conn) {
+                continue;
+            }
+            self.shared.count("session", "key_lost");
+            // Should the connection close before its core answers, its session goes back
+            // from here (`Closed`).
+            self.rekeep_asked.insert((p.rig.clone(), p.boot));
+            rekeep.push(p.conn);
+        }
     }
 
     /// Redis lost the lease of a rig still connected here (evicted, flushed, restarted

@@ -12,7 +12,7 @@ use crate::metrics::BridgeStats;
 pub(super) const CANARY_STALE: Duration = Duration::from_secs(5);
 
 /// Registry operations counted by (op, result), in this order.
-pub const REGISTRY_OPS: [(&str, &str); 67] = [
+pub const REGISTRY_OPS: [(&str, &str); 69] = [
     ("offline", "held"),
     ("offline", "full"),
     ("offline", "connected_elsewhere"),
@@ -29,6 +29,7 @@ pub const REGISTRY_OPS: [(&str, &str); 67] = [
     ("persist", "unavailable"),
     ("persist", "lease_restored"),
     ("persist", "stale"),
+    ("persist", "created"),
     ("rekeep", "ok"),
     ("rekeep", "behind"),
     ("rekeep", "fenced"),
@@ -74,6 +75,7 @@ pub const REGISTRY_OPS: [(&str, &str); 67] = [
     ("session", "swept"),
     ("session", "missed"),
     ("session", "merged"),
+    ("session", "key_lost"),
     ("offline", "draining"),
     ("offline", "duplicate_removed"),
     ("refused", "rig_not_connected"),
@@ -168,10 +170,12 @@ impl BridgeShared {
         if n == 0 {
             return;
         }
-        if let Some(i) = REGISTRY_OPS
+        let i = REGISTRY_OPS
             .iter()
-            .position(|&(o, r)| o == op && r == result)
-        {
+            .position(|&(o, r)| o == op && r == result);
+        // A pair missing from the list would count nothing, silently.
+        debug_assert!(i.is_some(), "{op}/{result} is not in REGISTRY_OPS");
+        if let Some(i) = i {
             self.ops[i].fetch_add(n, Ordering::Relaxed);
         }
     }

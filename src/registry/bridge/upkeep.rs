@@ -93,6 +93,15 @@ impl Bridge {
         if draining != self.heartbeat_draining {
             self.next_heartbeat = now;
         }
+        // A parked session lasts --registry-ttl, which may be shorter than the heartbeat's
+        // 10 s: a flush is checked for as soon as a release hints at one.
+        if self
+            .fleet
+            .as_mut()
+            .is_some_and(|f| std::mem::take(&mut f.release_missed))
+        {
+            self.next_heartbeat = now;
+        }
         if now >= self.next_heartbeat {
             self.next_heartbeat = now + HEARTBEAT_EVERY;
             self.heartbeat_draining = draining;
@@ -136,13 +145,26 @@ impl Bridge {
     /// all along; commands do not extend it (`persist.lua`). Without this, a connected rig's
     /// session (its `next` and unacked commands) would expire, and a resume after this broker
     /// died would find nothing.
+    /// A session found missing lost its commands in Redis with the rig still here (a key
+    /// deleted or evicted on its own; or never kept, decided here while Redis was away): the
+    /// core holding the rig puts its copy back, as after an empty restart.
     fn touch_sessions(&mut self) {
         if self.cfg.session_ttl.is_zero() {
             return;
         }
         let sessions = self.registry.live_sessions();
-        if let Some(f) = self.fleet.as_mut() {
-            f.touch_sessions(&sessions);
+        let Some(f) = self.fleet.as_mut() else {
+            return;
+        };
+        for (rig, boot) in f.touch_sessions(&sessions) {
+            if self.registry.boot_of(&rig) != Some(boot) {
+                continue;
+            }
+            if let Some(conn) = self.registry.rekeep_from(&rig) {
+                self.shared.count("session", "key_lost");
+                self.rekeep_asked.insert((rig, boot));
+                self.send_to_core(conn, ToCore::Rekeep { conn });
+            }
         }
     }
 

@@ -136,14 +136,21 @@ impl Fleet {
         )
     }
 
-    /// Extends these sessions' TTLs to `--session-ttl` (see [`sessions::touch`]).
-    pub(crate) fn touch_sessions(&mut self, sessions: &[(RigId, BootId)]) {
+    /// Extends these sessions' TTLs to `--session-ttl` (see [`sessions::touch`]). Returns
+    /// those Redis no longer had; none when the call failed.
+    pub(crate) fn touch_sessions(&mut self, sessions: &[(RigId, BootId)]) -> Vec<(RigId, BootId)> {
         if self.session_ttl.is_zero() {
-            return;
+            return Vec::new();
         }
-        let Some(con) = self.con.as_mut() else { return };
-        if let Err(e) = sessions::touch(con, sessions, self.session_ttl) {
-            self.call_failed(&e);
+        let Some(con) = self.con.as_mut() else {
+            return Vec::new();
+        };
+        match sessions::touch(con, sessions, self.session_ttl) {
+            Ok(missing) => missing,
+            Err(e) => {
+                self.call_failed(&e);
+                Vec::new()
+            }
         }
     }
 

@@ -90,6 +90,11 @@ pub(crate) struct Fleet {
     /// Set when the heartbeat found this broker's sentinel key gone: Redis lost keys (an
     /// empty restart, FLUSHALL, eviction), and the sessions parked here go back.
     pub(crate) keys_lost: bool,
+    /// Set when a lease release found a lease gone that it should have deleted: another
+    /// broker took the rig (its lease then names that broker), or Redis lost keys, which only
+    /// the heartbeat tells apart. A broker with no rig connected has no refresh to notice a
+    /// flush, so the bridge runs the heartbeat at once rather than within 10 s.
+    pub(crate) release_missed: bool,
     /// Calls Redis refused on a sound connection (see [`leaves_connection_sound`]).
     ///
     /// [`leaves_connection_sound`]: errors::leaves_connection_sound
@@ -136,6 +141,7 @@ impl Fleet {
             just_connected: false,
             just_subscribed: false,
             keys_lost: false,
+            release_missed: false,
             refusals: 0,
             subscription_cuts: 0,
             refusal_log: Throttle::default(),

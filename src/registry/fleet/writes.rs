@@ -97,7 +97,11 @@ impl Fleet {
             self.releases.extend(releases);
             return false;
         };
-        if let Err(e) = self.scripts.release(con, &releases, &self.broker_id) {
+        let released = self.scripts.release(con, &releases, &self.broker_id);
+        if let Ok(deleted) = released {
+            self.release_missed |= deleted < releases.len();
+        }
+        if let Err(e) = released {
             // Sent again on the next connection (the script deletes only this broker's
             // exact tuple, so twice is harmless): dropped, the lease would outlive its rig
             // by a TTL, and commands held for the rig meanwhile would be refused as for a
