@@ -147,6 +147,33 @@ struct RawMsg<'a> {
 }
 
 /// One field of the message's own type, parsed from its raw text (`null` reads as absent).
+/// A JSON object's entries as written, a key given twice kept twice (serde_json's map would
+/// keep only the last value).
+struct Entries(Vec<(String, Value)>);
+
+impl<'de> Deserialize<'de> for Entries {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Visit;
+        impl<'de> serde::de::Visitor<'de> for Visit {
+            type Value = Entries;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("an object")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut m: A,
+            ) -> Result<Entries, A::Error> {
+                let mut out = Vec::new();
+                while let Some(entry) = m.next_entry::<String, Value>()? {
+                    out.push(entry);
+                }
+                Ok(Entries(out))
+            }
+        }
+        d.deserialize_map(Visit)
+    }
+}
+
 fn own<'a, T: Deserialize<'a>>(raw: Option<&'a RawValue>) -> Result<Option<T>, ProtocolError> {
     raw.map_or(Ok(None), |r| {
         serde_json::from_str(r.get()).map_err(|e| ProtocolError::Malformed(e.to_string()))
@@ -276,9 +303,8 @@ fn parse_hello(v: u32, raw: &RawMsg<'_>) -> Result<Hello, ProtocolError> {
         return Err(invalid("version too long"));
     }
     let mut labels = Vec::new();
-    let map: Option<serde_json::Map<String, Value>> =
-        own(raw.labels).map_err(|_| invalid("labels must be an object"))?;
-    if let Some(map) = map {
+    let map: Option<Entries> = own(raw.labels).map_err(|_| invalid("labels must be an object"))?;
+    if let Some(Entries(map)) = map {
         if map.len() > MAX_LABELS {
             return Err(invalid("too many labels"));
         }
@@ -292,6 +318,10 @@ fn parse_hello(v: u32, raw: &RawMsg<'_>) -> Result<Hello, ProtocolError> {
             labels.push((k, s));
         }
         labels.sort();
+        // As for the message's own keys: which of the two values would be meant is a guess.
+        if labels.windows(2).any(|w| w[0].0 == w[1].0) {
+            return Err(invalid("a label key given twice"));
+        }
     }
     // Any u64 is a valid last_seq (CONTRACT.md section 2). One past the last seq a session
     // can use says the rig has every seq there will be: held at that last one, it means the
@@ -500,6 +530,8 @@ mod tests {
             r#"{"type":"hello","rig_id":"r","boot_id":"not-a-uuid","version":"1"}"#,
             r#"{"type":"hello","rig_id":"r","boot_id":"01890a5d-ac96-774b-bcce-b302099a8057"}"#,
             r#"{"type":"hello","rig_id":"r","boot_id":"01890a5d-ac96-774b-bcce-b302099a8057","version":"1","labels":{"a":1}}"#,
+            r#"{"type":"hello","rig_id":"r","boot_id":"01890a5d-ac96-774b-bcce-b302099a8057","version":"1","labels":{"g":"x","g":"y"}}"#,
+            r#"{"type":"hello","rig_id":"r","boot_id":"01890a5d-ac96-774b-bcce-b302099a8057","version":"1","labels":[]}"#,
             r#"{"rig_id":"r"}"#,
             r#"[1,2]"#,
             "not json",

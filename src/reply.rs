@@ -31,7 +31,11 @@ pub struct Unresponsive {
     pub capacity: usize,
     /// Bytes queued and their bound, when bytes filled the outbox rather than the count.
     pub bytes: Option<(usize, usize)>,
-    /// Age of the oldest queued command.
+    /// The session's commands (written and unacked, queued, waiting for Redis) and their
+    /// bound, what a resume carries, when that filled rather than the outbox: a rig that
+    /// reads everything and acks nothing can fill it with its outbox empty.
+    pub session: Option<(usize, usize)>,
+    /// Age of the oldest queued command (with `session`, the oldest the session holds).
     pub oldest_age: Duration,
     /// Last seq the rig acked, 0 if none.
     pub last_ack_seq: Seq,
@@ -47,12 +51,17 @@ pub fn unresponsive(id: &str, rig: &RigId, u: Unresponsive) -> Value {
         "ok": false,
         "error": "rig_unresponsive",
         "rig_id": rig.as_str(),
-        "detail": match u.bytes {
-            None => format!(
+        "detail": match (u.session, u.bytes) {
+            (Some((held, limit)), _) => format!(
+                "session full ({held}/{limit} commands unacked or queued, what a resume \
+                 carries; {} of them queued), oldest unacked cmd age {}s",
+                u.queued, u.oldest_age.as_secs()
+            ),
+            (None, None) => format!(
                 "outbox full ({}/{}), oldest queued cmd age {}s",
                 u.queued, u.capacity, u.oldest_age.as_secs()
             ),
-            Some((bytes, cap)) => format!(
+            (None, Some((bytes, cap))) => format!(
                 "outbox full ({bytes}/{cap} bytes in {} commands), oldest queued cmd age {}s",
                 u.queued, u.oldest_age.as_secs()
             ),
@@ -89,6 +98,7 @@ mod tests {
                 queued: 128,
                 capacity: 128,
                 bytes: None,
+                session: None,
                 oldest_age: Duration::from_secs(47),
                 last_ack_seq: Seq(9),
                 last_ack_at: Some(UNIX_EPOCH + Duration::from_millis(1_500)),
@@ -97,6 +107,20 @@ mod tests {
         assert_eq!(
             v["detail"],
             "outbox full (128/128), oldest queued cmd age 47s"
+        );
+        let session_full = Unresponsive {
+            queued: 0,
+            capacity: 2,
+            bytes: None,
+            session: Some((18, 18)),
+            oldest_age: Duration::from_secs(5),
+            last_ack_seq: Seq(0),
+            last_ack_at: None,
+        };
+        assert_eq!(
+            unresponsive("c2", &rig, session_full)["detail"],
+            "session full (18/18 commands unacked or queued, what a resume carries; 0 of them \
+             queued), oldest unacked cmd age 5s"
         );
         assert_eq!(v["last_ack_seq"], 9);
         assert_eq!(v["last_ack_at"], "1970-01-01T00:00:01.500Z");

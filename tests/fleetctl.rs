@@ -976,6 +976,12 @@ fn admin_status_list_and_selector() {
     let health = fleetctl(&["--admin", &admin, "--json", "brokers"]);
     health.assert_code(0);
     assert_eq!(health.lines()[0]["healthz"], 200);
+    // A path that is no broker's admin API (its /healthz is 404) is an error, not a broker
+    // listed as not ready.
+    let wrong = format!("{admin}/prefix");
+    let typo = fleetctl(&["--admin", &wrong, "--json", "brokers"]);
+    typo.assert_code(2);
+    assert!(typo.stderr.contains("answered 404"), "{}", typo.stderr);
 }
 
 #[test]

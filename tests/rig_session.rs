@@ -1774,6 +1774,28 @@ fn an_admin_request_trickling_in_is_cut_off_at_its_deadline() {
     assert_eq!(b.metric("fleetlink_admin_unfinished_total"), 1);
 }
 
+/// A client that closes inside its request is let go unanswered and counted as unfinished,
+/// on the cores and in the lobby alike, not as a 400: nothing was refused, the client left.
+#[test]
+fn an_admin_request_its_client_abandons_is_counted_unfinished_not_answered() {
+    use std::io::{Read, Write};
+    let b = Broker::start(&[]);
+    let abandon = |head: &[u8]| {
+        let mut s = std::net::TcpStream::connect(b.admin).unwrap();
+        s.write_all(head).unwrap();
+        s.shutdown(std::net::Shutdown::Write).unwrap();
+        let mut answer = Vec::new();
+        s.read_to_end(&mut answer).unwrap();
+        assert!(answer.is_empty(), "{}", String::from_utf8_lossy(&answer));
+    };
+    abandon(b"GET /heal");
+    abandon(b"POST /v1/rigs/r/commands HTTP/1.1\r\nContent-Length: 50\r\n\r\n{\"name\"");
+    let _held = hold_the_cores_admin_connections(b.admin);
+    abandon(b"GET /metr");
+    assert_eq!(b.metric("fleetlink_admin_unfinished_total"), 3);
+    assert_eq!(b.metric("fleetlink_admin_responses_total{code=\"400\"}"), 0);
+}
+
 #[test]
 fn a_trickling_request_is_cut_off_by_the_pool_too() {
     let b = Broker::start(&[]);
@@ -2021,6 +2043,45 @@ fn written_unacked_commands_stop_at_what_a_resume_can_carry() {
         b.metric("fleetlink_commands_total{result=\"resume_dropped\"}"),
         0
     );
+}
+
+/// A rig that resumes saying it has six unacked commands, then reads every new one and acks
+/// none, fills its session (9 × `--outbox`, what a resume carries) with its outbox empty: the
+/// refusal says the session is full, not "outbox full (0/2)", and how old its oldest is.
+#[test]
+fn a_full_session_with_an_empty_outbox_is_refused_as_a_full_session() {
+    let b = Broker::start(&["--cores", "1", "--outbox", "2"]);
+    let boot = boot_id();
+    let mut first = b.connect("/agent");
+    hello(&mut first, "rig-full", &boot, json!({}));
+    let mut admin = KeepAlive::open(b.admin);
+    for seq in 1..=6 {
+        command_arrives(&mut admin, "rig-full", &mut first, seq);
+    }
+    drop(first);
+    let mut again = b.connect("/agent");
+    let msg = json!({"type":"hello","rig_id":"rig-full","boot_id":boot,"version":"t","last_seq":6});
+    again.send(Message::Text(msg.to_string().into())).unwrap();
+    assert_eq!(read_json(&mut again)["resumed"], true);
+    let body = json!({"name":"n","args":{}}).to_string();
+    let mut seq = 6;
+    let refusal = loop {
+        let (status, reply) = admin.post("/v1/rigs/rig-full/commands", &body);
+        if status != 200 {
+            break reply;
+        }
+        seq += 1;
+        assert_eq!(reply["seq"], seq, "{reply}");
+        assert_eq!(read_json(&mut again)["seq"], seq);
+    };
+    assert_eq!(seq, 18, "{refusal}");
+    assert_eq!(refusal["error"], "rig_unresponsive", "{refusal}");
+    let detail = refusal["detail"].as_str().unwrap_or_default();
+    assert!(
+        detail.starts_with("session full (18/18 commands unacked or queued"),
+        "{detail}"
+    );
+    assert!(detail.contains("0 of them queued"), "{detail}");
 }
 
 /// Past `--outbox` × 8 written and unacked, commands wait in the outbox, then are refused; a

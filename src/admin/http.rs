@@ -85,11 +85,6 @@ impl Refusal {
         status: 411,
         detail: "send the body with one Content-Length; Transfer-Encoding is not taken",
     };
-    /// The connection ended inside a request.
-    pub const CUT_SHORT: Refusal = Refusal {
-        status: 400,
-        detail: "the connection ended inside a request",
-    };
 
     /// The answer: a JSON error as the routes give (`bad_request`), since a client of the
     /// commands route reads its answers as JSON.
@@ -256,6 +251,12 @@ static SLOW_REFUSED: AtomicU64 = AtomicU64::new(0);
 /// Counts a request closed unanswered at its deadline.
 pub(crate) fn note_unfinished() {
     UNFINISHED.fetch_add(1, Ordering::Relaxed);
+}
+
+/// Requests closed unanswered so far.
+#[cfg(test)]
+pub(crate) fn unfinished() -> u64 {
+    UNFINISHED.load(Ordering::Relaxed)
 }
 
 /// Counts an idle connection closed for a newer one (see `lobby`).

@@ -227,7 +227,12 @@ async fn serve_requests(
             buf = back.into_inner();
             match res {
                 Ok(0) if buf.is_empty() => return Ok(None),
-                Ok(0) => break Err(admin::Refusal::CUT_SHORT),
+                // The client left inside a request: nothing to answer, and no status to count
+                // (an alert on 400s would fire for clients giving up).
+                Ok(0) => {
+                    admin::note_unfinished();
+                    return Ok(None);
+                }
                 Ok(_) => clock.got_bytes(Instant::now()),
                 Err(e) => return Err(e),
             }

@@ -367,6 +367,16 @@ impl ControlPlane for AdminPlane {
         let health = self
             .call("GET", "/healthz", None, IO_TIMEOUT)?
             .ok_or_else(|| no_answer("GET /healthz", IO_TIMEOUT))?;
+        // A broker answers /healthz 200 for as long as it runs, draining or not: anything else
+        // is no broker's admin API (a wrong port or path prefix), and listing it as a broker
+        // that is merely not ready would exit 0 on a typo.
+        if health.status != 200 {
+            anyhow::bail!(
+                "{} is no fleetlink admin API: GET /healthz answered {}",
+                format_args!("http://{}{}", self.url.authority, self.url.prefix),
+                health.status
+            );
+        }
         let ready = self
             .call("GET", "/readyz", None, IO_TIMEOUT)?
             .ok_or_else(|| no_answer("GET /readyz", IO_TIMEOUT))?;

@@ -206,17 +206,26 @@ fn outbox_full(core: &Core, session: &mut Session, req: CommandReq, filled: Fill
     core.metrics.inc(C::CmdOutboxFull);
     core.metrics
         .group_count(session.group, GroupCount::OutboxFull);
-    let oldest = session
-        .queues()
-        .outbox()
-        .front()
-        .map(|c| c.queued_at.elapsed())
-        .unwrap_or_default();
+    let q = session.queues();
+    let oldest = |cmds: &mut dyn Iterator<Item = &SeqCommand>| {
+        cmds.map(|c| c.queued_at.elapsed())
+            .max()
+            .unwrap_or_default()
+    };
+    let oldest = match filled {
+        // Written and unacked ones too: the outbox may be empty.
+        Filled::Session => oldest(&mut q.unacked().front().into_iter().chain(q.outbox().front())),
+        _ => oldest(&mut q.outbox().front().into_iter()),
+    };
     let all_queued = session.queues.as_ref().map_or(0, |q| q.outbox().len());
-    let (queued, bytes) = match filled {
-        Filled::Count => (session.outbox_len(), None),
-        Filled::Session => (all_queued, None),
-        Filled::Bytes(b) => (all_queued, Some((b, RIG_OUTBOX_BYTES))),
+    let (queued, bytes, held) = match filled {
+        Filled::Count => (session.outbox_len(), None, None),
+        Filled::Session => (
+            all_queued,
+            None,
+            Some((session.commands_len(), core.cfg.session_limit())),
+        ),
+        Filled::Bytes(b) => (all_queued, Some((b, RIG_OUTBOX_BYTES)), None),
     };
     let body = reply::unresponsive(
         &req.id,
@@ -225,6 +234,7 @@ fn outbox_full(core: &Core, session: &mut Session, req: CommandReq, filled: Fill
             queued,
             capacity: core.cfg.outbox,
             bytes,
+            session: held,
             oldest_age: oldest,
             last_ack_seq: session.last_ack,
             last_ack_at: stamp(session.last_ack_ms),
