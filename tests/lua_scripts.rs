@@ -1720,47 +1720,41 @@ fn a_copys_commands_below_a_lost_sessions_from_are_reported_when_the_session_end
             .collect()
     };
 
+    let from_of = |con: &mut Connection| -> Option<String> {
+        redis::cmd("HGET")
+            .arg(&sess)
+            .arg("from")
+            .query(con)
+            .unwrap()
+    };
+    let put_back = |con: &mut Connection, copy: Rekeep<'_>| {
+        sessions
+            .rekeep(con, &[copy], "fe-a", TTL, "2026-12-06T00:00:00Z")
+            .unwrap()
+    };
     anew(&mut con);
     let found = sessions.resume(&mut con, &r, &y, TTL, "fe-b").unwrap();
     assert_eq!(found.rebooted, 2);
     assert_eq!(reported(2), ["y4", "y5"]);
-    let from: Option<String> = redis::cmd("HGET")
-        .arg(&sess)
-        .arg("from")
-        .query(&mut con)
-        .unwrap();
-    assert_eq!(from.as_deref(), Some("4"), "the tombstone keeps from");
-    let answer = sessions
-        .rekeep(
-            &mut con,
-            &[copy(RekeepMode::Parked)],
-            "fe-a",
-            TTL,
-            "2026-12-06T00:00:00Z",
-        )
-        .unwrap();
+    assert_eq!(
+        from_of(&mut con).as_deref(),
+        Some("4"),
+        "the tombstone keeps from"
+    );
+    let answer = put_back(&mut con, copy(RekeepMode::Parked));
     assert_eq!(answer, [Rekept::Reported(2)]);
     assert_eq!(reported(2), ["x2", "x3"]);
 
     let _: () = redis::cmd("DEL").arg(&sess).query(&mut con).unwrap();
     anew(&mut con);
-    let answer = sessions
-        .rekeep(
-            &mut con,
-            &[copy(RekeepMode::EndedBy(y))],
-            "fe-a",
-            TTL,
-            "2026-12-06T00:00:00Z",
-        )
-        .unwrap();
+    let answer = put_back(&mut con, copy(RekeepMode::EndedBy(y)));
     assert_eq!(answer, [Rekept::Reported(4)]);
     assert_eq!(reported(4), ["x2", "x3", "y4", "y5"]);
-    let from: Option<String> = redis::cmd("HGET")
-        .arg(&sess)
-        .arg("from")
-        .query(&mut con)
-        .unwrap();
-    assert_eq!(from.as_deref(), Some("4"), "the tombstone keeps from");
+    assert_eq!(
+        from_of(&mut con).as_deref(),
+        Some("4"),
+        "the tombstone keeps from"
+    );
 }
 
 /// An expiry removes the held command and says so again when asked again (its first answer

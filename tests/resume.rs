@@ -489,6 +489,35 @@ fn a_session_key_lost_alone_is_put_back_at_the_next_touch() {
     drop(ws);
 }
 
+/// The rig's latest-boot pointer `sessof:` lost alone (deleted here) while the rig stays
+/// connected with command 1 unacked: the touch writes it again, so that the rig's next boot
+/// still finds the session and reports the command `rig_rebooted` (without the pointer it
+/// came out `expired` a TTL later).
+#[test]
+fn a_latest_boot_pointer_lost_alone_is_written_again_at_the_next_touch() {
+    let redis = RedisServer::start();
+    let (a, ws, boot) = rig_with_one_command(&redis, "rig-p", "3s");
+    let mut con = redis.connection();
+    let _: () = con.del("sessof:rig-p").unwrap();
+    eventually(Duration::from_secs(10), "the pointer written again", || {
+        let latest: Option<String> = con.get("sessof:rig-p").unwrap_or(None);
+        latest.as_deref() == Some(boot.as_str())
+    });
+    let pttl: i64 = con.pttl("sessof:rig-p").unwrap();
+    assert!(pttl > 0, "the pointer has a TTL: {pttl}");
+    assert_eq!(
+        a.metric(r#"fleetlink_registry_ops_total{op="session",result="pointer_restored"}"#),
+        1
+    );
+    drop(ws);
+    let mut ctl = Control::new(&redis, &["fleetlink:events"]);
+    let new_boot = boot_id();
+    let (_again, welcome) = connect_hello(&a, "rig-p", &new_boot, None);
+    assert_eq!(welcome["resumed"], false);
+    let ev = ctl.next_event("rig_rebooted");
+    assert_eq!((&ev["seq"], &ev["boot_id"]), (&json!(1), &json!(boot)));
+}
+
 /// Redis is flushed while a rig with command 1 unacked is connected to A, and the rig leaves
 /// before A's next refresh could find its lease gone. With no rig left, no refresh of A's
 /// would notice the flush, and the parked copy lasts only `--registry-ttl` (3 s here, under

@@ -526,34 +526,50 @@ pub fn read_commands(
         .collect())
 }
 
-/// Extends the TTL of these sessions' keys and of their rigs' `sessof:` pointers (a missing
-/// key stays missing), [`TOUCH_CHUNK`] sessions per round trip. Returns the sessions whose
-/// key was missing: Redis lost them while their rigs were connected.
+/// What [`touch`] found gone.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Touched {
+    /// Sessions whose key was missing: Redis lost them while their rigs were connected. The
+    /// key stays missing; the caller puts the session back.
+    pub missing: Vec<(RigId, BootId)>,
+    /// `sessof:` pointers that were missing and were written again, naming the touched boot.
+    pub pointers_restored: usize,
+}
+
+/// Extends the TTL of these sessions' keys and of their rigs' `sessof:` pointers,
+/// [`TOUCH_CHUNK`] sessions per round trip. A missing pointer is written again (only where
+/// none is: a newer boot's, written meanwhile, stays): without it, the rig's next boot would
+/// find no session to report `rig_rebooted`, and its commands would come out `expired` a TTL
+/// later.
 pub fn touch(
     con: &mut impl ConnectionLike,
     sessions: &[(RigId, BootId)],
     ttl: Duration,
-) -> Result<Vec<(RigId, BootId)>, RegistryError> {
+) -> Result<Touched, RegistryError> {
     let ms = ttl_ms(ttl) as i64;
-    let mut missing = Vec::new();
+    let mut touched = Touched::default();
     for chunk in sessions.chunks(TOUCH_CHUNK) {
         let mut pipe = redis::pipe();
         for (rig, boot) in chunk {
             pipe.pexpire(session_key(rig, boot), ms)
-                // The pointer to the latest boot, so a reboot still reports what was unacked.
+                .cmd("SET")
+                .arg(pointer_key(rig))
+                .arg(boot.as_str())
+                .arg("NX")
+                .arg("PX")
+                .arg(ms)
                 .pexpire(pointer_key(rig), ms)
                 .ignore();
         }
-        let found: Vec<bool> = pipe.query(con)?;
-        missing.extend(
-            chunk
-                .iter()
-                .zip(found)
-                .filter(|(_, found)| !found)
-                .map(|(s, _)| s.clone()),
-        );
+        let found: Vec<(bool, Option<String>)> = pipe.query(con)?;
+        for (s, (kept, restored)) in chunk.iter().zip(found) {
+            if !kept {
+                touched.missing.push(s.clone());
+            }
+            touched.pointers_restored += usize::from(restored.is_some());
+        }
     }
-    Ok(missing)
+    Ok(touched)
 }
 
 fn text(v: &Value) -> Option<&str> {

@@ -12,7 +12,7 @@ use crate::metrics::BridgeStats;
 pub(super) const CANARY_STALE: Duration = Duration::from_secs(5);
 
 /// Registry operations counted by (op, result), in this order.
-pub const REGISTRY_OPS: [(&str, &str); 69] = [
+pub const REGISTRY_OPS: [(&str, &str); 70] = [
     ("offline", "held"),
     ("offline", "full"),
     ("offline", "connected_elsewhere"),
@@ -76,6 +76,7 @@ pub const REGISTRY_OPS: [(&str, &str); 69] = [
     ("session", "missed"),
     ("session", "merged"),
     ("session", "key_lost"),
+    ("session", "pointer_restored"),
     ("offline", "draining"),
     ("offline", "duplicate_removed"),
     ("refused", "rig_not_connected"),

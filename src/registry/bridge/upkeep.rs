@@ -156,7 +156,13 @@ impl Bridge {
         let Some(f) = self.fleet.as_mut() else {
             return;
         };
-        for (rig, boot) in f.touch_sessions(&sessions) {
+        let touched = f.touch_sessions(&sessions);
+        self.shared.count_n(
+            "session",
+            "pointer_restored",
+            touched.pointers_restored as u64,
+        );
+        for (rig, boot) in touched.missing {
             if self.registry.boot_of(&rig) != Some(boot) {
                 continue;
             }

@@ -137,19 +137,19 @@ impl Fleet {
     }
 
     /// Extends these sessions' TTLs to `--session-ttl` (see [`sessions::touch`]). Returns
-    /// those Redis no longer had; none when the call failed.
-    pub(crate) fn touch_sessions(&mut self, sessions: &[(RigId, BootId)]) -> Vec<(RigId, BootId)> {
+    /// what Redis no longer had; nothing when the call failed.
+    pub(crate) fn touch_sessions(&mut self, sessions: &[(RigId, BootId)]) -> sessions::Touched {
         if self.session_ttl.is_zero() {
-            return Vec::new();
+            return sessions::Touched::default();
         }
         let Some(con) = self.con.as_mut() else {
-            return Vec::new();
+            return sessions::Touched::default();
         };
         match sessions::touch(con, sessions, self.session_ttl) {
-            Ok(missing) => missing,
+            Ok(touched) => touched,
             Err(e) => {
                 self.call_failed(&e);
-                Vec::new()
+                sessions::Touched::default()
             }
         }
     }
