@@ -14,8 +14,8 @@
 # median of its rounds' slopes; its density-<broker>.json (what `bench/run plots` draws) is the
 # round closest to that median, and density-rounds.json keeps every round.
 #
-# Output: bench/results/density-summary.md (also on stdout), density-<broker>.json and
-# density-rounds.json under --out. BENCH_NO_BUILD=1 skips the cargo build; the binaries are
+# Output, all under --out (bench/results by default): density-summary.md (also on stdout),
+# density-<broker>.json and density-rounds.json. BENCH_NO_BUILD=1 skips the cargo build; the binaries are
 # then taken from ${CARGO_TARGET_DIR:-target}/release. A round of the three brokers at the
 # default steps takes about half a minute.
 #

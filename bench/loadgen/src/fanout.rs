@@ -49,7 +49,8 @@ pub struct FanoutReport {
     pub errors: BTreeMap<String, u64>,
     pub elapsed_ms: u64,
     pub timed_out: bool,
-    /// Request write to reply read, per POST.
+    /// Request write to reply read, per POST answered (any status; transport errors are
+    /// counted in `errors` only).
     pub http_us: Summary,
     pub first_sent_unix_us: Option<u64>,
     pub last_sent_unix_us: Option<u64>,
@@ -130,7 +131,10 @@ pub async fn run_fanout(args: FanoutArgs) -> Result<i32> {
                     let mut t = tally.lock().unwrap_or_else(|e| e.into_inner());
                     t.first_sent_unix_us = Some(t.first_sent_unix_us.map_or(sent, |f| f.min(sent)));
                     t.last_sent_unix_us = t.last_sent_unix_us.max(Some(sent));
-                    t.http_us.record(took);
+                    // Answered ones only: a transport error's time is no reply's.
+                    if result.is_ok() {
+                        t.http_us.record(took);
+                    }
                     let error = match result {
                         Ok(r) => classify(r.status, &r.body),
                         Err(_) => Some("transport_error".to_string()),

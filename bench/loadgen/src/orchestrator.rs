@@ -482,6 +482,9 @@ pub async fn run_parent(args: RigsArgs) -> Result<i32> {
         report.latency_us.p99,
         report.latency_us.max
     );
+    if !report.failed_by_reason.is_empty() {
+        eprintln!("loadgen: failed by reason: {:?}", report.failed_by_reason);
+    }
     // Without --reconnect a rig the broker dropped stays gone: the hold did not hold it.
     let dropped = !args.reconnect && report.dropped_after_welcome > 0;
     if dropped {

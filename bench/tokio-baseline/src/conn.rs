@@ -264,10 +264,12 @@ async fn claim(app: &App, fleet: &Fleet, conn: &RigConn) -> Result<(), (u16, &'s
     }
 }
 
-/// Liveness state: a ping every interval; a pong must follow within the timeout.
+/// Liveness state: a ping every interval; a pong must follow each within the timeout. One
+/// deadline per unanswered ping: with a timeout longer than the interval, several are out at
+/// once, and each counts its own miss (as fleetlink-fe does), not one per timeout.
 struct Liveness {
     next_ping: Instant,
-    pong_deadline: Option<Instant>,
+    pong_deadlines: VecDeque<Instant>,
     missed: u32,
 }
 
@@ -304,19 +306,20 @@ where
     let cfg = &app.cfg;
     let mut live = Liveness {
         next_ping: Instant::now() + cfg.ping_interval,
-        pong_deadline: None,
+        pong_deadlines: VecDeque::new(),
         missed: 0,
     };
 
     loop {
         let wake = live
-            .pong_deadline
-            .map_or(live.next_ping, |d| d.min(live.next_ping));
+            .pong_deadlines
+            .front()
+            .map_or(live.next_ping, |d| (*d).min(live.next_ping));
         tokio::select! {
             msg = ws.next() => match msg {
                 Some(Ok(Message::Text(t))) => on_text(app, conn, &t, written.as_mut()),
                 Some(Ok(Message::Pong(_))) => {
-                    live.pong_deadline = None;
+                    live.pong_deadlines.clear();
                     live.missed = 0;
                 }
                 Some(Ok(Message::Close(frame))) => {
@@ -360,8 +363,8 @@ where
             }
             _ = sleep_until(wake) => {
                 let now = Instant::now();
-                if live.pong_deadline.is_some_and(|d| now >= d) {
-                    live.pong_deadline = None;
+                while live.pong_deadlines.front().is_some_and(|d| now >= *d) {
+                    live.pong_deadlines.pop_front();
                     live.missed += 1;
                     if live.missed >= cfg.max_missed_pongs {
                         return close(app, ws, CLOSE_PING_TIMEOUT, "ping timeout").await;
@@ -372,9 +375,7 @@ where
                         return abnormal(app);
                     }
                     live.next_ping = now + cfg.ping_interval;
-                    if live.pong_deadline.is_none() {
-                        live.pong_deadline = Some(now + cfg.pong_timeout);
-                    }
+                    live.pong_deadlines.push_back(now + cfg.pong_timeout);
                 }
             }
         }

@@ -159,6 +159,35 @@ async fn metric(b: &Broker, series: &str) -> u64 {
         .unwrap_or(0)
 }
 
+/// A pong timeout longer than the ping interval: each unanswered ping is its own miss, so a
+/// silent rig is closed 4002 about `max-missed-pongs` intervals plus one timeout after its
+/// welcome (1.6 s here), as fleetlink-fe closes it; one deadline at a time took a timeout
+/// and an interval per miss (3.6 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_unanswered_ping_is_a_miss_when_the_timeout_outlasts_the_interval() {
+    let b = start_broker(&[
+        "--ping-interval",
+        "200ms",
+        "--pong-timeout",
+        "1s",
+        "--max-missed-pongs",
+        "3",
+    ]);
+    const PING_TIMEOUT_CLOSE: &str = "fleetlink_closes_total{code=\"4002\"}";
+    let started = Instant::now();
+    let _silent = hello(&b, "quiet", "019f22e2-79b0-7cc3-98c4-dc0c0c07398f").await;
+    let deadline = started + Duration::from_secs(10);
+    while metric(&b, PING_TIMEOUT_CLOSE).await == 0 {
+        assert!(Instant::now() < deadline, "never closed 4002");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let took = started.elapsed();
+    assert!(
+        took >= Duration::from_millis(1500) && took < Duration::from_millis(2800),
+        "closed after {took:?}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn registry_close_codes() {
     let b = start_broker(&[

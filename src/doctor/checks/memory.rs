@@ -125,10 +125,16 @@ pub(super) fn check_buffer_min(
     } else {
         format!("a rig the broker stops reading queues up to its receive buffer, default unless autotuning grew it: N × default = {} if none grew; tcp_mem caps the total", bytes_text(worst))
     };
-    let needed = format!(
-        "min ≤ one page, or N × min = {} within tcp_mem high; {queues}",
-        bytes_text(floor)
-    );
+    // Said as what holds here, not as a rule that reads like a claim about N × min.
+    let rule = if min <= page {
+        format!("min ≤ one page ({page}): the tcp_mem rule covers it")
+    } else {
+        format!(
+            "min over one page, so N × min = {} must fit tcp_mem high",
+            bytes_text(floor)
+        )
+    };
+    let needed = format!("{rule}; {queues}");
     let current = format!("{min} {default} {max}");
     match host.tcp_mem {
         Some([_, _, high]) if min > page && floor > high.saturating_mul(page) => {

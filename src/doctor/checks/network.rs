@@ -81,21 +81,25 @@ pub(super) fn check_conntrack(host: &HostSettings, fds: u64, port: u16) -> Findi
         );
     };
     let count = host.nf_conntrack_count.unwrap_or(0);
-    let needed = format!("≥ {fds} if conntrack tracks rig connections (tracking {count} now)");
-    // Twice the fds, to a power of two, as tuning/sysctl.d sizes it (2^21 for a million):
+    // What is tracked now takes room too, as open files do for file-max: the rigs get what is
+    // left (beside a live broker, its own rigs are counted twice, erring toward room).
+    let want = fds.saturating_add(count);
+    let needed =
+        format!("≥ {want} ({fds} if conntrack tracks rig connections + {count} tracked now)");
+    // Twice that, to a power of two, as tuning/sysctl.d sizes it (2^21 for a million):
     // conntrack also tracks Redis, admin and outbound connections, and entries of closed ones
     // linger in TIME_WAIT.
-    let max_fix = fds
+    let max_fix = want
         .saturating_mul(2)
         .checked_next_power_of_two()
-        .unwrap_or(fds);
+        .unwrap_or(want);
     let exempt = match port {
         // The kernel picks the port at bind: a rule for port 0 would match nothing.
         0 => "or give --listen a fixed port and exempt it from tracking (`iptables -t raw -A PREROUTING -p tcp --dport PORT -j NOTRACK` and `iptables -t raw -A OUTPUT -p tcp --sport PORT -j NOTRACK`)".to_string(),
         _ => format!("or exempt the rig port (--listen, {port} here) from tracking: `iptables -t raw -A PREROUTING -p tcp --dport {port} -j NOTRACK` and `iptables -t raw -A OUTPUT -p tcp --sport {port} -j NOTRACK`"),
     };
     let fix = format!("{}, {exempt}", sysctl_fix(SETTING, max_fix));
-    match (max >= fds, count > 0) {
+    match (max >= want, count > 0) {
         (true, _) => Finding::ok(SETTING, max.to_string(), needed),
         (false, true) => Finding::block(SETTING, max.to_string(), needed, fix),
         (false, false) => Finding::warn(
@@ -211,6 +215,43 @@ mod tests {
             blocking(&check(&tracking, MILLION, 16, Transport::Plain, 8080)),
             ["net.netfilter.nf_conntrack_max"]
         );
+    }
+
+    /// Entries tracked now leave that much less room: 12,500 with 5,000 tracked cannot take
+    /// 10,000 rigs' connections.
+    #[test]
+    fn conntrack_counts_what_it_tracks_now() {
+        let host = |max, count| HostSettings {
+            nf_conntrack_max: Some(max),
+            nf_conntrack_count: Some(count),
+            ..tuned()
+        };
+        let fs = check(&host(1 << 21, 5_000), 10_000, 16, Transport::Plain, 8080);
+        let verdict = finding(&fs, "net.netfilter.nf_conntrack_max");
+        assert!(verdict.needed.contains("tracked now"), "{}", verdict.needed);
+        assert!(!blocking(&fs).contains(&"net.netfilter.nf_conntrack_max"));
+        let fds = verdict
+            .needed
+            .split_once('(')
+            .and_then(|(_, rest)| rest.split_once(' '))
+            .and_then(|(n, _)| n.parse::<u64>().ok())
+            .expect("the rigs' share");
+        let tight = check(
+            &host(fds + 4_999, 5_000),
+            10_000,
+            16,
+            Transport::Plain,
+            8080,
+        );
+        assert_eq!(blocking(&tight), ["net.netfilter.nf_conntrack_max"]);
+        let room = check(
+            &host(fds + 5_000, 5_000),
+            10_000,
+            16,
+            Transport::Plain,
+            8080,
+        );
+        assert!(!blocking(&room).contains(&"net.netfilter.nf_conntrack_max"));
     }
 
     #[test]
