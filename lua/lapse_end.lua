@@ -186,7 +186,9 @@ local function lapse_end(rig, boot, broker, at, ttl)
         .. ',"boot_id":' .. cjson.encode(boot) .. ',"seq":' .. c.seq .. ',"id":'
         .. (id and cjson.encode(id) or 'null') .. ',"broker_id":' .. cjson.encode(broker)
         .. ',"at":' .. cjson.encode(at) .. ',"detail":'
-        .. cjson.encode('its rig stayed away longer than its session is kept (--session-ttl) and never acked it; the rig may have run it')
+        -- Not "the rig stayed away": a broker cut off from Redis for the session's last tenth
+        -- cannot renew it either, with its rig connected, and the rig's ack may follow.
+        .. cjson.encode('no broker renewed its session within --session-ttl (its rig stayed away, or the broker holding it could not reach Redis) and no ack of it reached Redis; the rig may have run it, and an ack may still follow')
         .. '}')
     redis.call('HDEL', sess, c.field)
   end

@@ -1952,6 +1952,9 @@ mod lapses {
             ),
             "{ev}"
         );
+        // A swept session's broker may be the one cut off from Redis, its rig still there.
+        let detail = ev["detail"].as_str().unwrap_or_default();
+        assert!(detail.contains("could not reach Redis"), "{detail}");
         assert!(get_c1(&mut con, &ending_key).is_none());
         assert!(get_c1(&mut con, &longer_key).is_some());
         // Left: rig-l, put off to 666 ms before its end and 333 ms after; and rig-later.
