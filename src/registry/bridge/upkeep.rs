@@ -145,6 +145,7 @@ impl Bridge {
     /// all along; commands do not extend it (`persist.lua`). Without this, a connected rig's
     /// session (its `next` and unacked commands) would expire, and a resume after this broker
     /// died would find nothing.
+    ///
     /// A session found missing lost its commands in Redis with the rig still here (a key
     /// deleted or evicted on its own; or never kept, decided here while Redis was away): the
     /// core holding the rig puts its copy back, as after an empty restart.

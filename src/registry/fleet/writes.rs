@@ -99,6 +99,7 @@ impl Fleet {
         };
         let released = self.scripts.release(con, &releases, &self.broker_id);
         if let Ok(deleted) = released {
+            // A lease gone: another broker's now, or Redis lost it (see `release_missed`).
             self.release_missed |= deleted < releases.len();
         }
         if let Err(e) = released {
