@@ -226,7 +226,8 @@ mod tests {
             nf_conntrack_count: Some(count),
             ..tuned()
         };
-        let fs = check(&host(1 << 21, 5_000), 10_000, 16, Transport::Plain, 8080);
+        let for_10k = |max| check(&host(max, 5_000), 10_000, 16, Transport::Plain, 8080);
+        let fs = for_10k(1 << 21);
         let verdict = finding(&fs, "net.netfilter.nf_conntrack_max");
         assert!(verdict.needed.contains("tracked now"), "{}", verdict.needed);
         assert!(!blocking(&fs).contains(&"net.netfilter.nf_conntrack_max"));
@@ -236,22 +237,11 @@ mod tests {
             .and_then(|(_, rest)| rest.split_once(' '))
             .and_then(|(n, _)| n.parse::<u64>().ok())
             .expect("the rigs' share");
-        let tight = check(
-            &host(fds + 4_999, 5_000),
-            10_000,
-            16,
-            Transport::Plain,
-            8080,
+        assert_eq!(
+            blocking(&for_10k(fds + 4_999)),
+            ["net.netfilter.nf_conntrack_max"]
         );
-        assert_eq!(blocking(&tight), ["net.netfilter.nf_conntrack_max"]);
-        let room = check(
-            &host(fds + 5_000, 5_000),
-            10_000,
-            16,
-            Transport::Plain,
-            8080,
-        );
-        assert!(!blocking(&room).contains(&"net.netfilter.nf_conntrack_max"));
+        assert!(!blocking(&for_10k(fds + 5_000)).contains(&"net.netfilter.nf_conntrack_max"));
     }
 
     #[test]
