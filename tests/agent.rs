@@ -454,6 +454,19 @@ fn recv(ws: &mut ServerWs) -> Value {
     }
 }
 
+/// Reads up to the agent's next ping and sends its pong: the agent then knows this broker
+/// read everything it sent before that ping.
+fn answer_ping(ws: &mut ServerWs) {
+    loop {
+        match ws.read().expect("read from agent") {
+            Message::Ping(_) => break,
+            Message::Text(t) => panic!("unexpected {t}"),
+            _ => continue,
+        }
+    }
+    ws.flush().expect("the pong");
+}
+
 fn push(ws: &mut ServerWs, msg: Value) {
     ws.send(Message::text(msg.to_string())).unwrap();
 }
@@ -540,9 +553,8 @@ fn hello_fields_duplicates_resume_and_seq_gap() {
     assert_eq!(hello["last_seq"], 1);
     welcome(&mut ws, true);
     let mut results = Vec::new();
-    // Its last acks again first: one on its way when the old connection broke was lost with
-    // it, and the broker would hold that command unacked for good.
-    assert_eq!(recv_ack(&mut ws, &mut results), 1);
+    // No ack or result again: this broker answered the agent's ping after them (as it closed),
+    // so it read them (`results_sent_into_a_connection_that_broke_go_again` has the others).
     push(&mut ws, command(1, "echo"));
     push(&mut ws, command(2, "echo"));
     assert_eq!(recv_ack(&mut ws, &mut results), 1);
@@ -565,8 +577,9 @@ fn hello_fields_duplicates_resume_and_seq_gap() {
 
 /// A connection that breaks (a reset, no close handshake) may have lost the last results the
 /// agent sent into it: they go again after the next welcome, beside its last acks. Before,
-/// a result sent just before a broker crashed was gone for good, though the command ran. After
-/// a close handshake, the broker read everything before it, and nothing goes twice.
+/// a result sent just before a broker crashed was gone for good, though the command ran. What
+/// the broker confirmed reading (its pong to the agent's ping after a result) goes no second
+/// time, even across a close.
 #[test]
 fn results_sent_into_a_connection_that_broke_go_again() {
     let fake = FakeBroker::new();
@@ -589,25 +602,23 @@ fn results_sent_into_a_connection_that_broke_go_again() {
     let (mut ws, hello) = fake.accept();
     assert_eq!(hello["last_seq"], 1, "{hello}");
     welcome(&mut ws, true);
-    let mut again = Vec::new();
-    assert_eq!(recv_ack(&mut ws, &mut again), 1);
-    while again.is_empty() {
-        again.push(recv(&mut ws));
-    }
-    assert_eq!(again[0], results[0], "the same result again");
-    // A close handshake this time: nothing is sent twice after it.
+    // The result again; not the ack, which this broker read (it answered the ping after it
+    // while waiting for the result).
+    let again = recv(&mut ws);
+    assert_eq!(again, results[0], "the same result again");
+    // Confirmed this time (the pong to the ping after the result), then a close: nothing is
+    // sent twice.
     push(&mut ws, command(2, "echo"));
     let mut results = Vec::new();
     assert_eq!(recv_ack(&mut ws, &mut results), 2);
     while results.is_empty() {
         results.push(recv(&mut ws));
     }
+    answer_ping(&mut ws);
     close_with(&mut ws, 1012, "kicked");
     let (mut ws, _) = fake.accept();
     welcome(&mut ws, true);
     let mut after = Vec::new();
-    assert_eq!(recv_ack(&mut ws, &mut after), 1);
-    assert_eq!(recv_ack(&mut ws, &mut after), 2);
     push(&mut ws, command(3, "echo"));
     assert_eq!(recv_ack(&mut ws, &mut after), 3);
     while !after.iter().any(|r| r["seq"] == 3) {
@@ -615,6 +626,46 @@ fn results_sent_into_a_connection_that_broke_go_again() {
     }
     assert_eq!(after.len(), 1, "only seq 3's result: {after:?}");
     assert_eq!(agent.exec_lines().len(), 3, "each ran once");
+}
+
+/// A broker that reads slowly (its per-rig rate limit) can have many results unread when the
+/// connection breaks: every one it never confirmed reading goes again, with its ack, however
+/// many. Before, only the last 32 did, and the others were lost with their acks (review bb98).
+#[test]
+fn every_result_the_broker_did_not_confirm_goes_again() {
+    let fake = FakeBroker::new();
+    let agent = Agent::start(&fake.url(), "rig-unread", &["--allow", "echo"]);
+    let (mut ws, _) = fake.accept();
+    welcome(&mut ws, false);
+    for seq in 1..=40 {
+        push(&mut ws, command(seq, "echo"));
+    }
+    // This broker reads nothing, so answers no ping, while the agent runs all forty.
+    eventually(Duration::from_secs(20), "all forty run", || {
+        agent.exec_lines().len() == 40
+    });
+    socket2::SockRef::from(ws.get_ref())
+        .set_linger(Some(Duration::ZERO))
+        .unwrap();
+    drop(ws);
+    let (mut ws, hello) = fake.accept();
+    assert_eq!(hello["last_seq"], 40, "{hello}");
+    welcome(&mut ws, true);
+    let (mut acks, mut results) = (
+        std::collections::BTreeSet::new(),
+        std::collections::BTreeSet::new(),
+    );
+    while acks.len() < 40 || results.len() < 40 {
+        let msg = recv(&mut ws);
+        let seq = msg["seq"].as_u64().unwrap_or(0);
+        match msg["type"].as_str() {
+            Some("ack") => acks.insert(seq),
+            Some("result") => results.insert(seq),
+            _ => panic!("unexpected {msg}"),
+        };
+    }
+    assert_eq!(results, (1..=40).collect());
+    assert_eq!(agent.exec_lines().len(), 40, "each ran once");
 }
 
 /// Commands waiting for the agent's worker are bounded by bytes too (64 MiB), not only by
@@ -653,6 +704,41 @@ fn big_commands_waiting_behind_a_long_one_are_bounded_by_bytes() {
         hello["last_seq"], 6,
         "the sixth big one was not taken: {hello}"
     );
+}
+
+/// Waiting commands cost about their text, not the parsed value's size: an array of 30,000
+/// zeros is 60 KB of text but about 1 MB parsed, so 200 of them behind a long command held
+/// about 200 MB before they were kept as text (review bb98); now the agent stays near 12 MB
+/// of them.
+#[test]
+fn waiting_commands_are_kept_as_their_text() {
+    let fake = FakeBroker::new();
+    let agent = Agent::start(&fake.url(), "rig-arrays", &["--allow", "sleep"]);
+    let (mut ws, _) = fake.accept();
+    welcome(&mut ws, false);
+    push(
+        &mut ws,
+        json!({"type": "command", "seq": 1, "id": "long", "name": "sleep", "args": {"argv": ["60"]}}),
+    );
+    let zeros = vec![0u8; 30_000];
+    for seq in 2..=201 {
+        push(
+            &mut ws,
+            json!({"type": "command", "seq": seq, "id": format!("z-{seq}"), "name": "nope",
+                   "args": {"pad": zeros}}),
+        );
+    }
+    let mut results = Vec::new();
+    for seq in 1..=201 {
+        assert_eq!(recv_ack(&mut ws, &mut results), seq);
+    }
+    let status = std::fs::read_to_string(format!("/proc/{}/status", agent.child.id())).unwrap();
+    let rss_kb: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches(" kB").trim().parse().ok())
+        .expect("VmRSS");
+    assert!(rss_kb < 80 * 1024, "agent RSS {rss_kb} kB with 200 waiting");
 }
 
 /// A broker that lost the rig's session (`resumed: false`) still gets the results of commands

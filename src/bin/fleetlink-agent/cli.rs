@@ -17,12 +17,14 @@ use fleetlink::protocol::{MAX_LABELS, MAX_LABEL_LEN};
 const AFTER_HELP: &str = "\
 Durations take a unit: 250ms, 20s, 5m, 1h. Logging: RUST_LOG (default info).
 
-Stopping (SIGTERM/SIGINT, --run-for, a seq gap): every command already acked ends in a result
+Stopping (SIGTERM/SIGINT/SIGHUP, --run-for, a seq gap): every command already acked ends in a result
 before the close: the running one is killed, the ones not started are reported ok:false
 (\"not run: the agent stopped first\") and never run; up to 5 s for those to go out. The
 broker will not send an acked command again, so a result that cannot go out (stopped while
-disconnected) is logged as an error with its seq. After a connection that broke without a
-close handshake, its last 32 results go again on the next: control may see one twice.
+disconnected) is logged as an error with its seq. After sending acks or results the agent
+pings the broker, whose pong says it read them; those a connection ends with unconfirmed go
+again on the next (up to 1,024; results after any welcome, acks after a resumed one):
+control may see a result twice.
 
 Reconnecting (the same boot id, so the broker resumes the session):
   goaway                 at the reconnect_after_ms it gave, exactly (at most 600 s)
@@ -37,7 +39,7 @@ Reconnecting (the same boot id, so the broker resumes the session):
   4400, 4403, 4409, or a final 4xx to the upgrade: no retry (exit 5)
 
 Exit codes:
-  0   stopped: SIGTERM/SIGINT, or --run-for elapsed
+  0   stopped: SIGTERM/SIGINT/SIGHUP, or --run-for elapsed
   1   startup error (TLS files, --exec-log, --token-file) or the command worker died
   3   gave up after --max-attempts attempts in a row that never got a welcome
   4   a seq gap: commands were lost, so going on would hide it
@@ -61,7 +63,7 @@ pub(crate) struct Cli {
     #[arg(long, env = "FLEETLINK_AGENT_LABELS", default_value = "")]
     labels: String,
     /// A command name the default handler may run (repeat the flag, or separate names with
-    /// commas). Others are refused.
+    /// commas; spaces around a name are dropped, as for --labels). Others are refused.
     #[arg(
         long = "allow",
         value_name = "CMD",
@@ -169,14 +171,16 @@ impl Cli {
             self.max_message >= 1024,
             "--max-message must be at least 1024"
         );
-        if let Some(bad) = self.allow.iter().find(|a| a.is_empty()) {
+        // `--allow "echo, true"` means `true`, not " true" (which no command is named).
+        let allow: Vec<String> = self.allow.iter().map(|a| a.trim().to_string()).collect();
+        if let Some(bad) = allow.iter().find(|a| a.is_empty()) {
             bail!("--allow {bad:?}: empty command name");
         }
         Ok(Config {
             endpoint,
             rig_id,
             labels,
-            allow: self.allow.into_iter().collect(),
+            allow: allow.into_iter().collect(),
             identity,
             ca: self.ca,
             token_file: self.token_file,

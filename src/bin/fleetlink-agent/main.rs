@@ -19,6 +19,7 @@
 
 mod backoff;
 mod cli;
+mod confirm;
 mod dial;
 mod handler;
 mod proto;
@@ -109,7 +110,13 @@ fn run(cfg: Config) -> anyhow::Result<Exit> {
         queued.clone(),
     )?;
     let stop = Arc::new(AtomicBool::new(false));
-    for signal in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT] {
+    // SIGHUP too (a closed terminal, a supervisor's reload): stopping winds down, killing the
+    // running command's process group; dying of it left that group running past its timeout.
+    for signal in [
+        signal_hook::consts::SIGTERM,
+        signal_hook::consts::SIGINT,
+        signal_hook::consts::SIGHUP,
+    ] {
         signal_hook::flag::register(signal, stop.clone())?;
     }
     let stopping = session::Stopping {

@@ -23,6 +23,7 @@ use tungstenite::{Message, WebSocket};
 
 use crate::backoff::MAX_RETRY_AFTER_S;
 use crate::cli::Config;
+use crate::confirm::Unconfirmed;
 use crate::dial::{self, DialError};
 use crate::handler::Running;
 use crate::proto::{self, Command, ServerMsg};
@@ -70,25 +71,18 @@ pub(crate) struct Agent {
     /// Commands handed to the worker whose result has not come back from it yet.
     pending: usize,
     stopping: Stopping,
-    /// The last seqs acked (at most [`RECENT_ACKS`]), acked again after a resumed welcome: an
-    /// ack on its way when a connection broke is lost with it, and the broker then holds that
+    /// Acks of the connection that ended which the broker had not shown it read, acked again
+    /// after a resumed welcome: an ack lost with a connection leaves the broker holding that
     /// command unacked for good (not sent again, since the hello's `last_seq` covers it), to
     /// be reported `rig_rebooted` when this process ends.
-    recent_acks: VecDeque<u64>,
-    /// The last results sent on this connection (at most [`RECENT_RESULTS`]): should it break
-    /// (no close handshake), they may have died in its buffers, and go again on the next.
-    sent_results: VecDeque<String>,
-    /// Results sent on a connection that broke, sent again after the next welcome.
-    resend: VecDeque<String>,
+    recent_acks: Vec<u64>,
+    /// Results and acks sent on this connection that the broker has not yet shown it read
+    /// (see [`Unconfirmed`]): they go again on the next connection.
+    unconfirmed: Unconfirmed,
+    /// Results of a connection that ended unconfirmed, (seq, text), sent again after the next
+    /// welcome.
+    resend: VecDeque<(u64, String)>,
 }
-
-/// How many of the last acks a resumed connection sends again: more than can be on their way
-/// when a connection breaks, and few enough to cost nothing.
-const RECENT_ACKS: usize = 32;
-/// The same for results, which a broker publishes as they come: one that got through before
-/// the break reaches control twice (joined by rig_id, boot_id and seq), where without this one
-/// that did not would never reach it.
-const RECENT_RESULTS: usize = 32;
 
 /// One live websocket and what the session loop tracks about it.
 struct Conn {
@@ -116,8 +110,10 @@ impl Conn {
 enum Read {
     /// Nothing within the poll interval.
     Idle,
-    /// A ping, pong or binary message: the broker is alive.
+    /// A ping, or a binary message: the broker is alive.
     Control,
+    /// A pong, with its payload: the broker is alive, and read what went before our ping.
+    Pong(Vec<u8>),
     Text(String),
     Closed(u16, String),
     Failed(String),
@@ -152,8 +148,8 @@ impl Agent {
             deadline,
             pending: 0,
             stopping,
-            recent_acks: VecDeque::new(),
-            sent_results: VecDeque::new(),
+            recent_acks: Vec::new(),
+            unconfirmed: Unconfirmed::default(),
             resend: VecDeque::new(),
         }
     }
@@ -222,18 +218,13 @@ impl Agent {
         }
     }
 
-    /// What a connection's end leaves of the results it sent: a close handshake means the
-    /// broker read everything before it; a connection that broke may have lost the last few.
-    fn after_connection(&mut self, end: &End) {
-        let sent = std::mem::take(&mut self.sent_results);
-        if let End::Lost { close: None, .. } = end {
-            for text in sent {
-                if self.resend.len() == RECENT_RESULTS {
-                    self.resend.pop_front();
-                }
-                self.resend.push_back(text);
-            }
-        }
+    /// What a connection's end leaves of the results it sent: those the broker had not shown
+    /// it read go again, however it ended (a broker that sends a close may not read what was
+    /// on its way; one that broke may have lost anything in its buffers).
+    fn after_connection(&mut self, _end: &End) {
+        let (results, acks) = self.unconfirmed.take();
+        self.resend.extend(results);
+        self.recent_acks = acks;
     }
 
     /// Runs one connection from hello to its end.
@@ -276,9 +267,18 @@ impl Agent {
             if let Err(why) = self.send_results(&mut conn.ws) {
                 return conn.lost(why, None);
             }
+            if let Some(round) = self.unconfirmed.ask() {
+                if let Err(e) = conn.ws.send(Message::Ping(round.to_vec().into())) {
+                    return conn.lost(format!("sending a ping: {e}"), None);
+                }
+            }
             match read(&mut conn.ws) {
                 Read::Idle => {}
                 Read::Control => last_rx = Instant::now(),
+                Read::Pong(payload) => {
+                    last_rx = Instant::now();
+                    self.unconfirmed.pong(&payload);
+                }
                 Read::Text(text) => {
                     last_rx = Instant::now();
                     if let Some(end) = self.on_text(&mut conn, &text) {
@@ -320,7 +320,7 @@ impl Agent {
                         clip(&text)
                     ),
                 },
-                Read::Idle | Read::Control => {
+                Read::Idle | Read::Control | Read::Pong(_) => {
                     if Instant::now() > deadline {
                         return Err(conn.lost(
                             format!("no welcome within {}s", WELCOME_TIMEOUT.as_secs()),
@@ -354,15 +354,16 @@ impl Agent {
         if !resumed {
             self.recent_acks.clear();
         }
-        for &seq in &self.recent_acks {
+        for seq in std::mem::take(&mut self.recent_acks) {
             // An ack the broker already has changes nothing there; a failed send shows at the
             // next read, as any broken connection does.
             let _ = conn.ws.send(Message::text(proto::ack(seq)));
+            self.unconfirmed.acked(seq);
         }
         let again = self.resend.len();
-        while let Some(text) = self.resend.pop_front() {
+        while let Some((seq, text)) = self.resend.pop_front() {
             if conn.ws.send(Message::text(text.clone())).is_ok() {
-                self.remember_sent(text);
+                self.remember_sent(seq, text);
             }
         }
         if again > 0 {
@@ -440,7 +441,7 @@ impl Agent {
                     return Some(self.busy(conn, why));
                 }
                 self.queued.fetch_add(size, Ordering::SeqCst);
-                match self.jobs.try_send(Job { cmd, size }) {
+                match self.jobs.try_send(Job::new(cmd, size)) {
                     Ok(()) => {
                         self.seqs.record(seq);
                         self.pending += 1;
@@ -460,13 +461,7 @@ impl Agent {
                 }
             }
         }
-        // A duplicate's ack is the same ack again.
-        if !self.recent_acks.contains(&seq) {
-            if self.recent_acks.len() == RECENT_ACKS {
-                self.recent_acks.pop_front();
-            }
-            self.recent_acks.push_back(seq);
-        }
+        self.unconfirmed.acked(seq);
         match conn.ws.send(Message::text(proto::ack(seq))) {
             Ok(()) => None,
             Err(e) => Some(conn.lost(format!("sending ack: {e}"), None)),
@@ -500,15 +495,16 @@ impl Agent {
                 self.unsent.push_front(done);
                 return Err(why);
             }
-            self.remember_sent(text);
+            self.remember_sent(done.seq, text);
         }
     }
 
-    fn remember_sent(&mut self, text: String) {
-        if self.sent_results.len() == RECENT_RESULTS {
-            self.sent_results.pop_front();
+    fn remember_sent(&mut self, seq: u64, text: String) {
+        for seq in self.unconfirmed.sent(seq, text) {
+            log::error!(
+                "result seq={seq}: the broker has not confirmed reading it, and the agent keeps                  no more unconfirmed results: if the connection breaks now, control may never see it"
+            );
         }
-        self.sent_results.push_back(text);
     }
 
     /// Stopping while connected: what the worker has not started is reported not run, the
@@ -595,7 +591,8 @@ fn read(ws: &mut WebSocket<Stream>) -> Read {
             log::warn!("binary message from the broker, ignored");
             Read::Control
         }
-        Ok(Message::Pong(_) | Message::Frame(_)) => Read::Control,
+        Ok(Message::Pong(payload)) => Read::Pong(payload.to_vec()),
+        Ok(Message::Frame(_)) => Read::Control,
         Ok(Message::Close(frame)) => {
             // tungstenite queued the close echo; write it.
             let _ = ws.flush();
