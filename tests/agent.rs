@@ -860,6 +860,18 @@ fn unknown_messages_and_garbage_do_not_stop_the_agent() {
 /// holds none of them any more, so without these results control would hear nothing.
 #[test]
 fn a_sigterm_reports_every_acked_command_before_the_close() {
+    stop_reports_every_acked_command(libc::SIGTERM);
+}
+
+/// A SIGHUP (a closed terminal, a supervisor's reload) stops the agent the same way. Before,
+/// it killed the agent outright, and the running command's process group lived on past its
+/// timeout (review bb98).
+#[test]
+fn a_sighup_stops_the_agent_as_a_sigterm_does() {
+    stop_reports_every_acked_command(libc::SIGHUP);
+}
+
+fn stop_reports_every_acked_command(signal: i32) {
     let fake = FakeBroker::new();
     let mut agent = Agent::start(
         &fake.url(),
@@ -893,7 +905,7 @@ fn a_sigterm_reports_every_acked_command_before_the_close() {
     eventually(Duration::from_secs(5), "sleep 30 running", || {
         children_named(agent_pid, "sleep") > 0
     });
-    unsafe { libc::kill(agent.child.id() as i32, libc::SIGTERM) };
+    unsafe { libc::kill(agent.child.id() as i32, signal) };
     let mut close = None;
     while let Ok(msg) = ws.read() {
         match msg {

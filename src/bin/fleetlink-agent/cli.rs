@@ -293,6 +293,23 @@ mod tests {
         assert!(parse_labels(&many.join(",")).is_err());
     }
 
+    /// `--allow "echo, true"` names `true`, as `--labels` drops such spaces.
+    #[test]
+    fn allowed_names_are_trimmed() {
+        let cli = Cli::try_parse_from([
+            "fleetlink-agent",
+            "--url",
+            "ws://127.0.0.1:1/agent",
+            "--rig-id",
+            "r",
+            "--allow",
+            "echo, true",
+        ])
+        .unwrap();
+        let cfg = cli.validate().unwrap();
+        assert_eq!(cfg.allow.iter().collect::<Vec<_>>(), ["echo", "true"]);
+    }
+
     #[test]
     fn every_flag_has_its_environment_variable() {
         use clap::CommandFactory;
