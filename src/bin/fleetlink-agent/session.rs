@@ -197,7 +197,7 @@ impl Agent {
                         welcomed: None,
                         goaway: None,
                     });
-                    self.after_connection(&end);
+                    self.after_connection();
                     end
                 }
                 Err(DialError::Unavailable { retry_after }) => End::Unavailable(retry_after),
@@ -221,7 +221,7 @@ impl Agent {
     /// What a connection's end leaves of the results it sent: those the broker had not shown
     /// it read go again, however it ended (a broker that sends a close may not read what was
     /// on its way; one that broke may have lost anything in its buffers).
-    fn after_connection(&mut self, _end: &End) {
+    fn after_connection(&mut self) {
         let (results, acks) = self.unconfirmed.take();
         self.resend.extend(results);
         self.recent_acks = acks;
@@ -362,13 +362,16 @@ impl Agent {
         }
         let again = self.resend.len();
         while let Some((seq, text)) = self.resend.pop_front() {
-            if conn.ws.send(Message::text(text.clone())).is_ok() {
-                self.remember_sent(seq, text);
+            if conn.ws.send(Message::text(text.clone())).is_err() {
+                // Broken already: kept for the next connection, not dropped.
+                self.resend.push_front((seq, text));
+                break;
             }
+            self.remember_sent(seq, text);
         }
         if again > 0 {
             log::info!(
-                "sent the last {again} results of the connection that broke again: control may see them twice (the same rig_id, boot_id and seq)"
+                "sent again {again} results the broker had not confirmed reading when the last connection ended: control may see them twice (the same rig_id, boot_id and seq)"
             );
         }
         conn.welcomed = Some(Instant::now());
