@@ -207,16 +207,13 @@ fn outbox_full(core: &Core, session: &mut Session, req: CommandReq, filled: Fill
     core.metrics
         .group_count(session.group, GroupCount::OutboxFull);
     let q = session.queues();
-    let oldest = |cmds: &mut dyn Iterator<Item = &SeqCommand>| {
-        cmds.map(|c| c.queued_at.elapsed())
-            .max()
-            .unwrap_or_default()
-    };
+    let age = |c: Option<&SeqCommand>| c.map(|c| c.queued_at.elapsed());
     let oldest = match filled {
         // Written and unacked ones too: the outbox may be empty.
-        Filled::Session => oldest(&mut q.unacked().front().into_iter().chain(q.outbox().front())),
-        _ => oldest(&mut q.outbox().front().into_iter()),
-    };
+        Filled::Session => age(q.unacked().front()).max(age(q.outbox().front())),
+        _ => age(q.outbox().front()),
+    }
+    .unwrap_or_default();
     let all_queued = session.queues.as_ref().map_or(0, |q| q.outbox().len());
     let (queued, bytes, held) = match filled {
         Filled::Count => (session.outbox_len(), None, None),
