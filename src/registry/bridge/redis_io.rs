@@ -479,12 +479,17 @@ impl Bridge {
             if rekeep.contains(&p.conn) || !self.registry.held_by(&p.rig, p.conn) {
                 continue;
             }
-            self.shared.count("session", "key_lost");
-            // Should the connection close before its core answers, its session goes back
-            // from here (`Closed`).
-            self.rekeep_asked.insert((p.rig.clone(), p.boot));
+            self.ask_back_lost_alone(p.rig.clone(), p.boot);
             rekeep.push(p.conn);
         }
+    }
+
+    /// A connected rig's session key was found gone on its own (at a keep or a touch): counted,
+    /// and its core's copy is owed back (the caller asks for it). Should the connection close
+    /// before its core answers, its session goes back from here (`Closed`).
+    pub(super) fn ask_back_lost_alone(&mut self, rig: RigId, boot: BootId) {
+        self.shared.count("session", "key_lost");
+        self.rekeep_asked.insert((rig, boot));
     }
 
     /// Redis lost the lease of a rig still connected here (evicted, flushed, restarted

@@ -168,8 +168,7 @@ impl Bridge {
                 continue;
             }
             if let Some(conn) = self.registry.rekeep_from(&rig) {
-                self.shared.count("session", "key_lost");
-                self.rekeep_asked.insert((rig, boot));
+                self.ask_back_lost_alone(rig, boot);
                 self.send_to_core(conn, ToCore::Rekeep { conn });
             }
         }
