@@ -1346,22 +1346,67 @@ fn wss_mtls_against_the_real_tls_broker_and_4403_for_a_borrowed_identity() {
 
 /// How many processes whose parent is `pid` run the program `name` (from /proc).
 fn children_named(pid: u32, name: &str) -> usize {
+    child_pids_named(pid, name).len()
+}
+
+/// The processes whose parent is `pid` and that run the program `name` (from /proc).
+fn child_pids_named(pid: u32, name: &str) -> Vec<u32> {
     let Ok(dir) = std::fs::read_dir("/proc") else {
-        return 0;
+        return Vec::new();
     };
     dir.filter_map(Result::ok)
         .filter_map(|e| std::fs::read_to_string(e.path().join("stat")).ok())
-        .filter(|stat| {
+        .filter_map(|stat| {
             // "pid (comm) state ppid ...": comm may hold spaces, so split after its ')'.
-            let Some((head, rest)) = stat.rsplit_once(") ") else {
-                return false;
-            };
-            let comm = head.split_once(" (").map(|(_, c)| c);
+            let (head, rest) = stat.rsplit_once(") ")?;
+            let (child, comm) = head.split_once(" (")?;
             let ppid = rest
                 .split_whitespace()
                 .nth(1)
                 .and_then(|p| p.parse::<u32>().ok());
-            comm == Some(name) && ppid == Some(pid)
+            (comm == name && ppid == Some(pid))
+                .then(|| child.parse().ok())
+                .flatten()
         })
-        .count()
+        .collect()
+}
+
+/// Whether `pid` has ended: no such process, or a zombie waiting for its new parent.
+fn ended(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Err(_) => true,
+        Ok(stat) => stat
+            .rsplit_once(") ")
+            .is_some_and(|(_, rest)| rest.starts_with('Z') || rest.starts_with('X')),
+    }
+}
+
+/// An agent killed outright (SIGKILL, a crash) cannot kill what it runs. Before, its running
+/// command went on unobserved, beside whatever the next agent ran; now the kernel kills it
+/// with the agent.
+#[test]
+fn a_command_dies_with_an_agent_killed_outright() {
+    let fake = FakeBroker::new();
+    let mut agent = Agent::start(&fake.url(), "rig-sigkill", &["--allow", "sleep"]);
+    let (mut ws, _) = fake.accept();
+    welcome(&mut ws, false);
+    push(
+        &mut ws,
+        json!({"type":"command","seq":1,"id":"cmd-1","name":"sleep","args":{"argv":["30"]}}),
+    );
+    let agent_pid = agent.child.id();
+    let mut running = Vec::new();
+    eventually(Duration::from_secs(5), "sleep 30 running", || {
+        running = child_pids_named(agent_pid, "sleep");
+        !running.is_empty()
+    });
+    agent.child.kill().unwrap();
+    agent.child.wait().unwrap();
+    for pid in running {
+        eventually(
+            Duration::from_secs(5),
+            "the command killed with its agent",
+            || ended(pid),
+        );
+    }
 }

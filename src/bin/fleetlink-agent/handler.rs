@@ -154,14 +154,16 @@ fn run_program(
     running: &Running,
 ) -> Outcome {
     let started = Instant::now();
-    let spawned = std::process::Command::new(program)
+    let mut command = std::process::Command::new(program);
+    command
         .args(argv)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         // Its own process group, so a timeout kills whatever it started too.
-        .process_group(0)
-        .spawn();
+        .process_group(0);
+    die_with_the_agent(&mut command);
+    let spawned = command.spawn();
     let mut child = match spawned {
         Ok(child) => child,
         // Nothing ran: no exec-log line, which counts executions.
@@ -249,6 +251,30 @@ fn wait_until(child: &mut Child, deadline: Instant, pgid: i32) -> (Option<ExitSt
         }
         thread::sleep(POLL);
     }
+}
+
+/// Has the kernel SIGKILL the command when the thread that spawned it ends. An agent killed
+/// with SIGKILL (or crashing) cannot kill what it runs itself, and the agent started next
+/// knows nothing of it: left alive, the command would go on unobserved, its result never
+/// sent, beside whatever the operator runs next. The spawning thread is the worker, which
+/// lives as long as the agent. Only the direct child is covered: what it started in its group
+/// outlives it unless it dies with its parent too.
+fn die_with_the_agent(command: &mut std::process::Command) {
+    let agent = std::process::id() as libc::pid_t;
+    // SAFETY: the closure runs in the forked child before exec and calls only prctl and
+    // getppid, both async-signal-safe; it allocates nothing.
+    unsafe {
+        command.pre_exec(move || {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) == -1 {
+                return Err(std::io::Error::last_os_error());
+            }
+            // The agent died between the fork and the prctl: no signal will come.
+            if libc::getppid() != agent {
+                return Err(std::io::Error::from_raw_os_error(libc::ESRCH));
+            }
+            Ok(())
+        })
+    };
 }
 
 fn kill_group(pgid: i32) {
