@@ -91,6 +91,10 @@
 --             {"type":"session_merged","rig_id","boot_id"} is published on its channel
 --             (fleetlink:broker:<id>): it puts back its connection's copy, finds Redis's
 --             "next" above it, and gives the rig what this copy added
+--   "anew"    live, written as "ok" is, into a session key that did not exist: Redis lost the
+--             whole session (again, where this call puts back an earlier loss). A command
+--             the copy left to its own keep (in flight when the copy was made) may have been
+--             kept into the key lost, so the broker sends the session once more
 --   "fenced"  the fence above refused: nothing written
 -- Writing ("ok", "merged"), a seq that holds another command in Redis (two brokers each gave
 -- it while deciding alone) keeps one of the two, as above, and publishes the other on
@@ -98,9 +102,9 @@
 -- So too a command of this copy under a seq Redis numbered that holds nothing now (see
 -- ARGV[7]): the other command was acked there, and this one is not written. Where one of
 -- this copy's own commands was published so, or is settled (see ARGV[7]: acked elsewhere
--- since), "ok", "ok|<n>" and "merged" end in ";<seq>,<seq>...": the broker drops them from
--- its copy (its connected rig's session, or the parked one), which would otherwise give
--- them or report them again.
+-- since), "ok", "ok|<n>", "anew" and "merged" end in ";<seq>,<seq>...": the broker drops
+-- them from its copy (its connected rig's session, or the parked one), which would
+-- otherwise give them or report them again.
 -- Errors "ERR fleetlink rekeep: ..." on malformed ARGV, before any write.
 
 local function count(s)
@@ -596,11 +600,18 @@ if mode == 'parked' then
     return 'fenced'
   end
 end
+-- A connected rig's key gone before this call: Redis lost it again since the broker's core
+-- made this copy, which left out the commands whose keep was in flight. One of those kept in
+-- between went with the key, and only the broker can put it back (see "anew").
+local anew = mode == 'live' and redis.call('EXISTS', sess) == 0
 local have = write(sess, false, found)
 -- Raised, not only set where absent: after an empty restart an older boot's copy may have
 -- been put back first, and a later hello would report that session, not this one.
 raise_pointer(boot)
 if have > tonumber(nxt) then
   return 'ok|' .. string.format('%.0f', have) .. dropped_suffix()
+end
+if anew then
+  return 'anew' .. dropped_suffix()
 end
 return 'ok' .. dropped_suffix()

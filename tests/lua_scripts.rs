@@ -1338,6 +1338,45 @@ fn copy<'a>(
     }
 }
 
+/// A connected rig's copy written into a session key that is gone answers `anew`: Redis lost
+/// the session again since the copy was made, so the broker must copy it once more (a command
+/// left to its own keep may have gone with the key). Into a key that exists it answers `ok`,
+/// and a parked copy never answers `anew`.
+#[test]
+fn a_live_copy_written_into_a_missing_session_key_answers_anew() {
+    use fleetlink::registry::sessions::{
+        session_key, Rekeep, RekeepAnswer, RekeepMode, Rekept, SessionScripts,
+    };
+    let (_server, mut con, _) = setup();
+    let sessions = SessionScripts::new();
+    let (r, b) = (rig("rig-anew"), boot(1));
+    set(&mut con, &rig_key(&r), &tuple(&b, "fe-a"));
+    let json = cmd(3, "c3");
+    let put_back = |con: &mut Connection, mode: RekeepMode| -> RekeepAnswer {
+        let copy: Rekeep<'_> = Rekeep {
+            unkept: fleetlink::registry::sessions::Unkept::NONE,
+            ..copy(&r, &b, &json, mode)
+        };
+        let mut answers = sessions
+            .rekeep_answers(con, &[copy], "fe-a", TTL, "2026-12-06T00:00:00Z")
+            .unwrap();
+        assert_eq!(answers.len(), 1);
+        answers.remove(0)
+    };
+    let kept = |anew: bool| RekeepAnswer {
+        status: Rekept::Kept,
+        dropped: vec![],
+        anew,
+    };
+    assert_eq!(put_back(&mut con, RekeepMode::Live), kept(true));
+    assert_eq!(put_back(&mut con, RekeepMode::Live), kept(false));
+    let _: () = redis::cmd("DEL")
+        .arg(session_key(&r, &b))
+        .query(&mut con)
+        .unwrap();
+    assert_eq!(put_back(&mut con, RekeepMode::Parked), kept(false));
+}
+
 /// Two brokers that each decided alone (Redis away from one of them) can give one seq of a
 /// session to two commands. Putting a session back keeps one under that seq, as before, and
 /// now publishes the other as `lost` rather than let a command control was told `ok` about
@@ -1521,7 +1560,8 @@ fn a_seq_redis_numbered_and_the_rig_acked_is_not_given_a_copys_command() {
         answer,
         [RekeepAnswer {
             status: Rekept::Merged,
-            dropped: vec![Seq(3)]
+            dropped: vec![Seq(3)],
+            anew: false,
         }]
     );
     let events = events_until_marker(&mut con);
@@ -1645,7 +1685,8 @@ fn a_copys_kept_commands_below_a_restarted_sessions_from_are_added() {
         answer,
         [RekeepAnswer {
             status: Rekept::Merged,
-            dropped: vec![]
+            dropped: vec![],
+            anew: false,
         }]
     );
     let field = |con: &mut Connection, f: &str| -> Option<String> {

@@ -489,6 +489,90 @@ fn a_session_key_lost_alone_is_put_back_at_the_next_touch() {
     drop(ws);
 }
 
+/// Redis loses a connected rig's session key twice within one put-back (as sustained
+/// `volatile-lru` eviction can). The first loss is found at command 2's keep, whose answer has
+/// the core copy its session; command 3 was numbered meanwhile and its keep still in flight,
+/// so the copy leaves it to that keep. Command 3's keep goes into the key command 2 created,
+/// and that key is lost again before the copy is written. Before, the copy went back without
+/// command 3 and nothing noticed: the rig's resume elsewhere never gave it. Now `rekeep.lua`
+/// says it wrote into a key that was gone, and the core copies the session again.
+#[test]
+fn a_command_kept_between_two_losses_of_its_session_key_goes_back_with_the_session() {
+    let redis = RedisServer::start();
+    let relay = Relay::start(redis.port());
+    // One core: the admin POSTs are numbered on the rig's own core, not through the bridge
+    // the held call below keeps waiting.
+    let a = fleet_broker_at(&relay.url(), "fe-a", &["--cores", "1"]);
+    let (mut ws, boot, _) = a.rig("rig-w");
+    assert_eq!(a.command("rig-w", "n", json!({})).1["seq"], 1);
+    assert_eq!(read_json(&mut ws)["seq"], 1);
+    let key = format!("sess:rig-w:{boot}");
+    let mut con = redis.connection();
+    let _: () = con.del(&key).unwrap();
+
+    let sha = |script: &str| redis::Script::new(script).get_hash().to_string();
+    let persist_sha = sha(include_str!("../lua/persist.lua"));
+    let rekeep_sha = sha(include_str!("../lua/rekeep.lua"));
+    // Command 2's keep is held before Redis sees it; the bridge waits for its answer.
+    relay.hold_on(persist_sha.as_bytes());
+    let post = |n: u64| {
+        let admin = a.admin;
+        std::thread::spawn(move || {
+            let body = json!({"id": format!("w{n}"), "name": "n", "args": {}}).to_string();
+            common::broker::http(admin, "POST", "/v1/rigs/rig-w/commands", &body)
+        })
+    };
+    let second = post(2);
+    eventually(Duration::from_secs(5), "command 2's keep held", || {
+        relay.holds() == 1
+    });
+    let third = post(3);
+    let enqueued = r#"fleetlink_commands_total{result="enqueued"}"#;
+    eventually(Duration::from_secs(5), "command 3 numbered", || {
+        a.metric(enqueued) == 3
+    });
+    // Command 2 creates the key again (`created`): the core copies its session, command 3
+    // left out for its own keep, which goes first, into that key.
+    relay.hold_on(rekeep_sha.as_bytes());
+    relay.release();
+    eventually(Duration::from_secs(5), "the copy's put-back held", || {
+        relay.holds() == 2
+    });
+    let held: Option<String> = con.hget(&key, "c:3").unwrap();
+    assert!(held.is_some(), "command 3 was kept before the second loss");
+    let _: () = con.del(&key).unwrap();
+    relay.release();
+    eventually(
+        Duration::from_secs(10),
+        "the whole session kept again",
+        || {
+            let (c1, c2, c3, next): (
+                Option<String>,
+                Option<String>,
+                Option<String>,
+                Option<String>,
+            ) = redis::pipe()
+                .hget(&key, "c:1")
+                .hget(&key, "c:2")
+                .hget(&key, "c:3")
+                .hget(&key, "next")
+                .query(&mut con)
+                .unwrap_or_default();
+            c1.is_some() && c2.is_some() && c3.is_some() && next.as_deref() == Some("4")
+        },
+    );
+    assert_eq!(
+        a.metric(r#"fleetlink_registry_ops_total{op="rekeep",result="anew"}"#),
+        1
+    );
+    for (n, post) in [(2, second), (3, third)] {
+        let (status, body) = post.join().unwrap();
+        assert_eq!(status, 200, "command {n}: {body}");
+    }
+    read_command(&mut ws, 2, "w2");
+    read_command(&mut ws, 3, "w3");
+}
+
 /// The rig's latest-boot pointer `sessof:` lost alone (deleted here) while the rig stays
 /// connected with command 1 unacked: the touch writes it again, so that the rig's next boot
 /// still finds the session and reports the command `rig_rebooted` (without the pointer it

@@ -125,6 +125,10 @@ pub struct RekeepReq {
     /// The seqs among them Redis may never have kept (delivered while it was away), none
     /// when Redis kept them all (see `rekeep.lua`'s `unkept_from` and `unkept_to`).
     pub unkept: Unkept,
+    /// Commands were left out for their own keep, in flight when the copy was made: should
+    /// Redis lose the session again before the copy is written, one kept meanwhile is in
+    /// neither, and the copy must be made again (`rekeep.lua`'s "anew").
+    pub left_held: bool,
 }
 
 impl RekeepReq {
@@ -143,6 +147,7 @@ impl RekeepReq {
             boot,
             next,
             unkept,
+            left_held: carried.iter().any(|c| c.held),
             cmds: carried
                 .iter()
                 .filter(|c| !c.held)

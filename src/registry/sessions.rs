@@ -237,6 +237,10 @@ pub struct RekeepAnswer {
     /// copy: published `lost` (their seqs went to other commands the rig acked, or holds), or
     /// settled (Redis kept them, and the rig acked them on another broker since).
     pub dropped: Vec<Seq>,
+    /// A connected rig's copy written ([`Rekept::Kept`]) into a session key that did not
+    /// exist: Redis lost the session again after the copy was made, and with it any command
+    /// the copy left to its own keep that was kept meanwhile.
+    pub anew: bool,
 }
 
 /// The session scripts.
@@ -489,8 +493,9 @@ fn kept(v: &Value) -> Option<RekeepAnswer> {
         }
         None => (text(v)?, Vec::new()),
     };
+    let anew = status == "anew";
     let status = match status {
-        "ok" => Rekept::Kept,
+        "ok" | "anew" => Rekept::Kept,
         "fenced" => Rekept::Fenced,
         "merged" => Rekept::Merged,
         other => match other.split_once('|')? {
@@ -499,7 +504,11 @@ fn kept(v: &Value) -> Option<RekeepAnswer> {
             _ => return None,
         },
     };
-    Some(RekeepAnswer { status, dropped })
+    Some(RekeepAnswer {
+        status,
+        dropped,
+        anew,
+    })
 }
 
 /// The commands a session in Redis holds under `seqs` (those it lacks are left out), in seq

@@ -1,7 +1,8 @@
 //! A TCP relay in front of a test's redis-server that, once armed, cuts the connection whose
 //! client sends a given byte string, without passing that call on: a Redis that fails between
 //! two calls of one operation, which killing or freezing the server cannot aim at. It can also
-//! freeze what goes through it: a Redis that one broker cannot reach while others can.
+//! freeze what goes through it: a Redis that one broker cannot reach while others can. And it
+//! can hold one call until the test lets it go, to change Redis just before that call runs.
 
 use std::io::{Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
@@ -25,6 +26,11 @@ pub struct Relay {
     down: Arc<AtomicBool>,
     /// Connections closed at once while down.
     turned_away: Arc<AtomicUsize>,
+    /// The call to hold back (see [`Relay::hold_on`]), how many were held so far, and
+    /// whether one is held now.
+    hold: Arc<Mutex<Option<Vec<u8>>>>,
+    holds: Arc<AtomicUsize>,
+    holding: Arc<AtomicBool>,
     /// Both ends of every connection relayed so far, to cut when the relay goes down.
     open: Arc<Mutex<Vec<TcpStream>>>,
 }
@@ -46,6 +52,9 @@ impl Relay {
             down: Arc::new(AtomicBool::new(false)),
             turned_away: Arc::new(AtomicUsize::new(0)),
             open: Arc::new(Mutex::new(Vec::new())),
+            hold: Arc::new(Mutex::new(None)),
+            holds: Arc::new(AtomicUsize::new(0)),
+            holding: Arc::new(AtomicBool::new(false)),
         };
         let (armed, cuts, stop) = (relay.armed.clone(), relay.cuts.clone(), relay.stop.clone());
         let armed_after = relay.armed_after.clone();
@@ -53,6 +62,11 @@ impl Relay {
         let (frozen, frozen_back) = (relay.frozen.clone(), relay.frozen_back.clone());
         let (down, open) = (relay.down.clone(), relay.open.clone());
         let turned_away = relay.turned_away.clone();
+        let held = Held {
+            pattern: relay.hold.clone(),
+            count: relay.holds.clone(),
+            holding: relay.holding.clone(),
+        };
         thread::spawn(move || {
             for client in listener.incoming() {
                 if stop.load(Ordering::Relaxed) {
@@ -73,16 +87,14 @@ impl Relay {
                 let (armed, cuts) = ([armed.clone(), armed_after.clone()], cuts.clone());
                 let (frozen, frozen_back) = (frozen.clone(), frozen_back.clone());
                 let then_down = [down_after.clone(), down.clone()];
+                let held = held.clone();
                 thread::spawn(move || {
-                    pump(
-                        client,
-                        server,
-                        &armed,
-                        &cuts,
-                        &frozen,
-                        frozen_back,
-                        &then_down,
-                    )
+                    let watch = Watch {
+                        armed: &armed,
+                        cuts: &cuts,
+                        held: &held,
+                    };
+                    pump(client, server, &watch, &frozen, frozen_back, &then_down)
                 });
             }
         });
@@ -142,6 +154,43 @@ impl Relay {
     pub fn cuts(&self) -> usize {
         self.cuts.load(Ordering::SeqCst)
     }
+
+    /// The next call to send `pattern` is held, once, before Redis sees it, until
+    /// [`Relay::release`]: the caller waits for its answer meanwhile, and the test changes
+    /// Redis in between ([`Relay::holds`] says when the call is there).
+    #[allow(dead_code)] // not every test binary holds a call
+    pub fn hold_on(&self, pattern: &[u8]) {
+        *self.hold.lock().unwrap() = Some(pattern.to_vec());
+    }
+
+    /// How many calls were held so far (released or not).
+    #[allow(dead_code)]
+    pub fn holds(&self) -> usize {
+        self.holds.load(Ordering::SeqCst)
+    }
+
+    /// Lets the held call go on to Redis.
+    #[allow(dead_code)]
+    pub fn release(&self) {
+        self.holding.store(false, Ordering::SeqCst);
+    }
+}
+
+/// What one connection's client→server copy watches for: the calls to cut (`[cut before, cut
+/// after]`), counted in `cuts`, and the one to hold.
+#[derive(Clone, Copy)]
+struct Watch<'a> {
+    armed: &'a [Arc<Mutex<Option<Vec<u8>>>>; 2],
+    cuts: &'a AtomicUsize,
+    held: &'a Held,
+}
+
+/// The relay's hold of one call (see [`Relay::hold_on`]), shared by its connections.
+#[derive(Clone)]
+struct Held {
+    pattern: Arc<Mutex<Option<Vec<u8>>>>,
+    count: Arc<AtomicUsize>,
+    holding: Arc<AtomicBool>,
 }
 
 impl Drop for Relay {
@@ -157,12 +206,12 @@ impl Drop for Relay {
 fn pump(
     mut client: TcpStream,
     mut server: TcpStream,
-    armed: &[Arc<Mutex<Option<Vec<u8>>>>; 2],
-    cuts: &AtomicUsize,
+    watch: &Watch<'_>,
     frozen: &AtomicBool,
     frozen_back: Arc<AtomicBool>,
     [down_after, down]: &[Arc<AtomicBool>; 2],
 ) {
+    let Watch { armed, cuts, held } = *watch;
     let (Ok(mut back_from), Ok(mut back_to)) = (server.try_clone(), client.try_clone()) else {
         return;
     };
@@ -203,6 +252,24 @@ fn pump(
                     tail = window[window.len() - keep..].to_vec();
                 }
             }
+        }
+        // Matched within this read (a call split between two reads passes unheld, and the
+        // test waiting for its hold fails rather than passing wrongly). Only this connection
+        // waits.
+        let hold = {
+            let mut pattern = held.pattern.lock().unwrap();
+            let found = pattern
+                .as_ref()
+                .is_some_and(|p| window.windows(p.len()).any(|w| w == p.as_slice()));
+            if found {
+                *pattern = None;
+                held.holding.store(true, Ordering::SeqCst);
+                held.count.fetch_add(1, Ordering::SeqCst);
+            }
+            found
+        };
+        if hold {
+            hold_while(&held.holding);
         }
         if let Some(pass) = cut {
             cuts.fetch_add(1, Ordering::SeqCst);

@@ -443,6 +443,8 @@ impl Bridge {
                         .map(|c| (c.seq, c.json.clone()))
                         .collect(),
                     unkept: high.unwrap_or(Unkept::NONE),
+                    // Its connection waited for every keep before it closed.
+                    left_held: false,
                 });
                 let (actions, released) = self.registry.closed(conn, *session, Instant::now());
                 if let (true, Some(recall), Some(f)) = (released, &remember, self.fleet.as_mut()) {

@@ -309,6 +309,32 @@ impl Bridge {
         }
     }
 
+    /// A connected rig's copy went back into a session key Redis had lost again since the
+    /// copy was made (see [`RekeepReq::left_held`]): a command the copy left to its own keep
+    /// may have been kept into the key lost in between, so its core sends the session once
+    /// more, now with that command. Counted `rekeep/anew`.
+    fn ask_again_lost_twice(&mut self, rig: RigId, boot: BootId) -> &'static str {
+        match self.registry.conn_of(&rig) {
+            Some(conn) if self.registry.boot_of(&rig) == Some(boot) => {
+                // Should the connection close before its core answers, its session goes
+                // back from its close (see `ToBridge::Closed`).
+                self.rekeep_asked.insert((rig, boot));
+                self.send_to_core(conn, ToCore::Rekeep { conn });
+            }
+            // Closed since the copy was sent: parked here with every keep answered, it goes
+            // back whole, fenced as any parked session.
+            _ if self
+                .registry
+                .parked(&rig)
+                .is_some_and(|(b, _, _)| b == boot) =>
+            {
+                self.rekeeps.push_parked(rig, boot, false);
+            }
+            _ => {}
+        }
+        "anew"
+    }
+
     /// A session's seqs are all in Redis again (or reported `lost` there): none is unkept any
     /// longer.
     fn kept_again(&mut self, parked: bool, rig: &RigId, boot: BootId) {
@@ -324,6 +350,8 @@ impl Bridge {
     fn rekeep_now(&mut self, taken: Vec<(RigId, BootId, Pending)>) {
         let mut releases = Vec::new();
         let mut sessions = Vec::with_capacity(taken.len());
+        // Whether each connected rig's copy left commands to their own keep.
+        let mut left_held = Vec::with_capacity(taken.len());
         for (rig, boot, pending) in &taken {
             match pending {
                 Pending::Live(r) | Pending::Superseded(r) | Pending::Ended { req: r, .. } => {
@@ -334,6 +362,7 @@ impl Bridge {
                         Pending::Live(_) => self.live_unkept(rig, *boot, &r.cmds),
                         _ => r.unkept,
                     };
+                    left_held.push(matches!(pending, Pending::Live(_)) && r.left_held);
                     sessions.push(Rekeep {
                         rig,
                         boot,
@@ -359,6 +388,7 @@ impl Bridge {
                     else {
                         continue;
                     };
+                    left_held.push(false);
                     sessions.push(Rekeep {
                         rig,
                         boot,
@@ -400,13 +430,18 @@ impl Bridge {
             if let Some(Some(a)) = answer.filter(|a| a.is_some_and(|a| !a.dropped.is_empty())) {
                 self.forget_dropped(parked, &rig, boot, &a.dropped);
             }
+            let anew = answer.is_some_and(|a| a.is_some_and(|a| a.anew));
             let result = match answer.map(|a| a.map(|a| a.status)) {
                 Some(Some(Rekept::Kept)) => {
                     self.kept_again(parked, &rig, boot);
                     if to_name.get(i) == Some(&true) {
                         self.name_lapse(rig.clone(), boot, true);
                     }
-                    "ok"
+                    if anew && left_held.get(i) == Some(&true) {
+                        self.ask_again_lost_twice(rig.clone(), boot)
+                    } else {
+                        "ok"
+                    }
                 }
                 Some(Some(Rekept::Behind(next))) => {
                     self.kept_again(parked, &rig, boot);
@@ -482,6 +517,7 @@ mod tests {
             next: Seq(next),
             cmds: Vec::new(),
             unkept: Unkept::NONE,
+            left_held: false,
         }
     }
 

@@ -12,7 +12,7 @@ use crate::metrics::BridgeStats;
 pub(super) const CANARY_STALE: Duration = Duration::from_secs(5);
 
 /// Registry operations counted by (op, result), in this order.
-pub const REGISTRY_OPS: [(&str, &str); 70] = [
+pub const REGISTRY_OPS: [(&str, &str); 71] = [
     ("offline", "held"),
     ("offline", "full"),
     ("offline", "connected_elsewhere"),
@@ -32,6 +32,7 @@ pub const REGISTRY_OPS: [(&str, &str); 70] = [
     ("persist", "created"),
     ("rekeep", "ok"),
     ("rekeep", "behind"),
+    ("rekeep", "anew"),
     ("rekeep", "fenced"),
     ("rekeep", "unavailable"),
     ("rekeep", "dropped"),

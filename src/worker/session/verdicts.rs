@@ -236,9 +236,11 @@ pub(crate) fn send_rekeep<'a>(
 ) {
     let mut next = next;
     let mut kept: Vec<(Seq, Box<[u8]>)> = Vec::new();
+    let mut left_held = false;
     for c in cmds {
         if c.held {
             next = next.min(c.seq);
+            left_held = true;
         } else {
             kept.push((c.seq, c.json.clone()));
         }
@@ -252,6 +254,7 @@ pub(crate) fn send_rekeep<'a>(
         // The bridge knows which of them Redis never kept; a live session needs it only
         // once it parks.
         unkept: crate::registry::sessions::Unkept::NONE,
+        left_held,
     })));
 }
 
