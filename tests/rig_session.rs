@@ -438,10 +438,16 @@ fn binary_message_closes_1003_and_oversize_closes_1009() {
     let (mut ws, _, _) = b.rig("rig-bin");
     ws.send(Message::Binary(vec![1, 2, 3].into())).unwrap();
     assert_eq!(read_close(&mut ws), 1003);
-    // Before the hello, a binary message is a first message that is not a valid hello.
+    // Before the hello, a binary message is a first message that is not a valid hello. It
+    // is counted `binary` all the same (it was counted `invalid`, as a bad hello is).
     let mut ws = b.connect("/agent");
     ws.send(Message::Binary(vec![1, 2, 3].into())).unwrap();
     assert_eq!(read_close(&mut ws), 4400);
+    b.wait_metric("fleetlink_messages_in_total{type=\"binary\"} 2");
+    assert_eq!(
+        b.metric(r#"fleetlink_messages_in_total{type="invalid"}"#),
+        0
+    );
 }
 
 /// A broker that pings every 100 ms and gives up after 2 missed pongs of 50 ms.

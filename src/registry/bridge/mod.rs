@@ -482,7 +482,11 @@ impl Bridge {
                     self.rekeeps.push_superseded(r);
                 } else if asked {
                     // Gone before its core could send the session back: it goes back from
-                    // here, and its lease is released only once it has.
+                    // here, and its lease is released only once it has (counted now, as
+                    // any release is when decided; queued then by `release_again`).
+                    if released {
+                        self.shared.count("release", "sent");
+                    }
                     self.rekeeps.push_parked(rig, boot, released);
                 } else if released {
                     self.release(rig, boot);
@@ -728,13 +732,30 @@ impl Bridge {
         self.merge_handover(&rig, boot, back.actions)
     }
 
+    /// Queues the release of `rig`'s lease for `boot`, counted `release/sent` (or `dropped`
+    /// when the queue is full).
     fn release(&mut self, rig: RigId, boot: BootId) {
+        self.queue_release(rig, boot, "sent");
+    }
+
+    /// Queues again a release that [`Self::release`] counted already and a put-back held
+    /// back (see `Fleet::hold_releases`): counted only if the queue refuses it now.
+    fn release_again(&mut self, rig: RigId, boot: BootId) {
+        self.queue_release(rig, boot, "");
+    }
+
+    fn queue_release(&mut self, rig: RigId, boot: BootId, queued_as: &'static str) {
         // A session waiting to be put back goes before the release, which would fence it.
         self.rekeeps.hurry(&rig, boot);
         if let Some(f) = self.fleet.as_mut() {
-            let queued = f.release(rig, boot);
-            self.shared
-                .count("release", if queued { "sent" } else { "dropped" });
+            let result = if f.release(rig, boot) {
+                queued_as
+            } else {
+                "dropped"
+            };
+            if !result.is_empty() {
+                self.shared.count("release", result);
+            }
         }
     }
 

@@ -487,7 +487,7 @@ impl Bridge {
         // Redis away again: the release waits in the queue as any other, and the next
         // reconnect takes it back again with its session.
         for (rig, boot) in releases {
-            self.release(rig, boot);
+            self.release_again(rig, boot);
         }
     }
 }
@@ -787,12 +787,15 @@ mod tests {
 
     /// The release of a parked session's lease waits for the session to be put back: sent
     /// first, it would fence the session where Redis kept the lease through the outage.
+    /// Queued again, it is not counted again (`release/sent` counted it twice).
     #[test]
     fn a_parked_sessions_release_waits_for_its_rekeep() {
         let (mut b, _core) = bridge();
         parked_rig(&mut b);
         let queued = releases(&b);
         assert!(queued >= 1, "the release queued");
+        let sent = counted(&b, ("release", "sent"));
+        assert_eq!(sent as usize, queued);
         b.queue_parked_rekeeps();
         assert_eq!(releases(&b), queued - 1, "held back");
         assert_eq!(b.rekeeps.len(), 1);
@@ -800,6 +803,7 @@ mod tests {
         b.rekeep_sessions();
         assert!(b.rekeeps.is_empty());
         assert_eq!(releases(&b), queued);
+        assert_eq!(counted(&b, ("release", "sent")), sent, "counted once");
         assert_eq!(counted(&b, ("rekeep_parked", "unavailable")), 1);
         assert_eq!(counted(&b, ("rekeep", "unavailable")), 0);
     }
@@ -821,9 +825,18 @@ mod tests {
         b.handle(closed(conn, gone.clone(), boot(), Seq(3), carried));
         assert!(b.rekeep_asked.is_empty());
         assert_eq!(releases(&b), queued, "the release waits for the session");
+        let sent = counted(&b, ("release", "sent"));
+        assert_eq!(sent as usize, queued + 1, "counted as decided");
         let taken = b.rekeeps.take(10);
         assert_eq!(rigs(&taken), ["rig-a", "rig-g"]);
         assert!(matches!(taken[1].2, Pending::Parked { release: true }));
+        b.rekeep_now(taken);
+        assert_eq!(releases(&b), queued + 1, "queued once the session went");
+        assert_eq!(
+            counted(&b, ("release", "sent")),
+            sent,
+            "and not counted again"
+        );
     }
 
     /// The rig says hello on this broker again while its parked session waits to go back: it

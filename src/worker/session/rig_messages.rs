@@ -92,9 +92,10 @@ pub(super) fn on_message(core: &Core, conn: &Conn, st: &mut ConnState, msg: Mess
         Message::Binary(data) if st.phase == Phase::Echo => {
             conn.send_frame(st, OpCode::Binary, &data)
         }
-        // CONTRACT.md §2: a first message that is not a valid hello is 4400, binary or not.
+        // CONTRACT.md §2: a first message that is not a valid hello is 4400, binary or not;
+        // counted by what it is, as a binary message after the hello is.
         Message::Binary(_) if st.phase == Phase::AwaitHello => {
-            core.metrics.inc(C::MsgInvalid);
+            core.metrics.inc(C::MsgBinary);
             conn.close(st, 4400, "the first message must be a hello");
         }
         Message::Binary(_) => {
