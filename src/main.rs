@@ -348,6 +348,12 @@ fn log_connection_room(cfg: &Config) {
              for N)"
         ),
     }
+    if let Some(ceiling) = fleetlink::worker::rig_fd_ceiling() {
+        log::info!(
+            "rigs are refused (503) once the broker holds {ceiling} file descriptors: the rest \
+             of the open-file limit is kept for Redis and the admin API"
+        );
+    }
 }
 
 /// Loads the TLS and token files as a start would, and drops them: `doctor`'s check.

@@ -235,6 +235,55 @@ fn broadcast_reaches_exactly_the_matching_rigs_on_both_brokers() {
     }
 }
 
+/// Each broker reads a broadcast at its own moment, so a rig that moves from fe-a to fe-b as
+/// it arrives can be given it by both. fe-a gave it (seq 1, not acked yet), and the rig
+/// resumed on fe-b, which then reads the same broadcast (published again here, as fe-b
+/// reading it late): the session the rig brought holds it already, so fe-b answers it
+/// enqueued under seq 1 rather than numbering it again. Before, the rig got it again as seq
+/// 2 and ran it twice (review bb101).
+#[test]
+fn a_broadcast_read_after_its_rig_moved_here_with_it_is_not_given_twice() {
+    let redis = RedisServer::start();
+    let a = fleet_broker(&redis, "fe-a", &[]);
+    let b = fleet_broker(&redis, "fe-b", &[]);
+    let boot = boot_id();
+    let mut on_a = a.connect("/agent");
+    hello(&mut on_a, "rig-bx", &boot, json!({"lab": "x"}));
+    let mut ctl = Control::new(&redis, &[]);
+    let msg = json!({"type":"command","id":"bx","selector":{"lab":"x"},"name":"fw","args":{},
+                     "reply_to":ctl.reply_to});
+    ctl.publish("fleetlink:broadcast", msg.clone());
+    let replies = ctl.replies(2, Duration::from_secs(10));
+    let enqueued: u64 = replies.iter().filter_map(|r| r["enqueued"].as_u64()).sum();
+    assert_eq!(enqueued, 1, "{replies:?}");
+    read_command(&mut on_a, 1, "bx");
+    // The rig moves to fe-b with the same boot, having seen seq 1 and acked nothing.
+    let mut on_b = b.connect("/agent");
+    let hello_msg = json!({"type":"hello","rig_id":"rig-bx","boot_id":boot,"version":"t",
+                           "labels":{"lab":"x"},"last_seq":1});
+    on_b.send(Message::Text(hello_msg.to_string().into()))
+        .unwrap();
+    let welcome = read_json(&mut on_b);
+    assert_eq!(welcome["resumed"], true, "{welcome}");
+    assert_eq!(read_close(&mut on_a), 4410);
+    ctl.publish("fleetlink:broadcast", msg);
+    let replies = ctl.replies(2, Duration::from_secs(10));
+    let from_b = replies
+        .iter()
+        .find(|r| r["broker_id"] == "fe-b")
+        .expect("fe-b's part");
+    assert_eq!(
+        (&from_b["matched"], &from_b["enqueued"]),
+        (&json!(1), &json!(1)),
+        "{from_b}"
+    );
+    assert_eq!(
+        b.metric(r#"fleetlink_commands_total{result="broadcast_again"}"#),
+        1
+    );
+    send_and_read(&mut ctl, "fe-b", "rig-bx", "direct", &mut on_b, 2);
+}
+
 #[test]
 fn ownership_converges_across_brokers() {
     let redis = RedisServer::start();
@@ -1972,6 +2021,57 @@ fn a_redis_out_of_memory_keeps_the_subscription_and_commands_flow() {
 /// Killing the broker's command connection leaves its subscription alone: a command Redis
 /// pushed meanwhile is delivered and answered, not dropped with a subscription torn down for
 /// a failure that was not its own.
+/// Rigs fill every descriptor they may have while the broker's connection to Redis breaks:
+/// its reconnect finds the descriptors kept for it, and commands go on. Before, the storm took
+/// each descriptor freed, the reconnect failed with EMFILE until rigs left, and commands (and
+/// the rigs' leases) waited on it.
+#[test]
+fn a_broker_full_of_rigs_still_reconnects_to_redis() {
+    let redis = RedisServer::start();
+    let url = redis.url();
+    let b = Broker::start_logged_with_nofile(
+        &[
+            "--redis",
+            &url,
+            "--broker-id",
+            "fe-full",
+            "--cores",
+            "1",
+            "--hello-timeout",
+            "60s",
+            "--accept-rate",
+            "10000",
+            "--accept-burst",
+            "10000",
+        ],
+        200,
+    );
+    b.wait_readyz(200, Duration::from_secs(10), "broker ready");
+    let (mut ws, _, _) = b.rig("rig-full");
+    let mut ctl = Control::new(&redis, &[]);
+    send_and_read(&mut ctl, "fe-full", "rig-full", "f1", &mut ws, 1);
+    // Held until their hello deadline, a minute away: the rest are refused.
+    let storm: Vec<std::net::TcpStream> = (0..260)
+        .filter_map(|_| std::net::TcpStream::connect(b.listen).ok())
+        .collect();
+    eventually(Duration::from_secs(10), "the storm's rest refused", || {
+        b.metric("fleetlink_accepts_total{result=\"over_capacity\"}") >= 100
+    });
+    let mut con = redis.connection();
+    let _: i64 = redis::cmd("CLIENT")
+        .arg("KILL")
+        .arg("TYPE")
+        .arg("normal")
+        .arg("SKIPME")
+        .arg("yes")
+        .query(&mut con)
+        .unwrap();
+    let mut ctl = Control::new(&redis, &[]);
+    send_and_read(&mut ctl, "fe-full", "rig-full", "f2", &mut ws, 2);
+    b.wait_readyz(200, Duration::from_secs(10), "ready again");
+    drop(storm);
+}
+
 #[test]
 fn a_killed_command_connection_leaves_the_subscription_and_loses_no_command() {
     let redis = RedisServer::start();

@@ -2190,29 +2190,58 @@ fn commands_a_rig_had_at_its_hello_hold_no_window_and_give_way_once_it_acks_a_la
     assert_eq!(b.metric(dropped), 1);
 }
 
-/// A broker whose open-file limit cannot hold its `--max-connections` says so at start, and a
-/// storm past the limit is logged (a line a second at most) besides being counted: EMFILE at
-/// accept used to show only in `/metrics`.
+/// A broker whose open-file limit cannot hold its `--max-connections` says so at start. A
+/// storm past the limit is refused (503, counted `over_capacity`, a log line a second at
+/// most) before it takes the last descriptors, which stay for the admin API and Redis: the
+/// admin API answers while rigs hold all they may. Before, accepts failed with EMFILE, and
+/// `/healthz` went unanswered (its connection left in the kernel's backlog) until rigs left.
 #[test]
-fn an_open_file_limit_below_max_connections_is_logged_at_start_and_at_accept() {
-    let b = Broker::start_logged_with_nofile(&["--cores", "1", "--max-connections", "1000"], 200);
+fn rigs_past_the_open_file_limit_are_refused_and_the_admin_api_still_answers() {
+    let b = Broker::start_logged_with_nofile(
+        &[
+            "--cores",
+            "1",
+            "--max-connections",
+            "1000",
+            "--accept-rate",
+            "10000",
+            "--accept-burst",
+            "10000",
+        ],
+        200,
+    );
     b.wait_log(&[
         // 200 less 70 of its own and the admin API's 2,048, as `doctor` counts.
         "leaves room for about 0 rigs beside 2048 admin connections",
         "below --max-connections 1000",
     ]);
     // More connections than 200 descriptors hold, each held by the broker until its hello
-    // deadline: accept fails with EMFILE past the limit.
+    // deadline.
     let conns: Vec<std::net::TcpStream> = (0..260)
         .filter_map(|_| std::net::TcpStream::connect(b.listen).ok())
         .collect();
+    let over = "fleetlink_accepts_total{result=\"over_capacity\"}";
+    eventually(Duration::from_secs(10), "the storm's rest refused", || {
+        b.metric(over) >= 100
+    });
     b.wait_log(&[
         "accepts failed since the last such line",
-        "out of file descriptors",
+        // 200 less the reserve, a quarter of so small a limit.
+        "the broker holds 150 file descriptors or more",
+        "keeps the rest of its open-file limit for Redis and the admin API",
     ]);
-    // Closed first: the admin API needs a descriptor too.
+    for path in ["/healthz", "/metrics"] {
+        assert_eq!(b.http("GET", path, "").0, 200, "{path}");
+    }
+    assert_eq!(b.metric("fleetlink_accepts_total{result=\"error\"}"), 0);
+    // A rig refused there hears why.
+    let answer = raw_exchange(
+        b.listen,
+        b"GET /agent HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\
+          Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n",
+    );
+    assert!(answer.starts_with("HTTP/1.1 503"), "{answer}");
     drop(conns);
-    assert!(b.metric("fleetlink_accepts_total{result=\"error\"}") > 0);
 }
 
 /// A command's args reach the rig as the text control sent, not re-encoded.

@@ -41,6 +41,7 @@ pub enum C {
     CmdResumeDropped,
     CmdSeqExhausted,
     CmdMemoryFull,
+    CmdBroadcastAgain,
     PingsSent,
     PongsReceived,
     RigRatePaused,
@@ -59,7 +60,7 @@ pub enum C {
 }
 
 /// (metric name, label pair) for each counter, in [`C`] order.
-pub(super) const COUNTERS: [(&str, &str); 45] = [
+pub(super) const COUNTERS: [(&str, &str); 46] = [
     ("fleetlink_accepts_total", "result=\"ok\""),
     ("fleetlink_accepts_total", "result=\"rate_limited\""),
     ("fleetlink_accepts_total", "result=\"over_capacity\""),
@@ -90,6 +91,7 @@ pub(super) const COUNTERS: [(&str, &str); 45] = [
     ("fleetlink_commands_total", "result=\"resume_dropped\""),
     ("fleetlink_commands_total", "result=\"seq_exhausted\""),
     ("fleetlink_commands_total", "result=\"memory_full\""),
+    ("fleetlink_commands_total", "result=\"broadcast_again\""),
     ("fleetlink_pings_sent_total", ""),
     ("fleetlink_pongs_received_total", ""),
     ("fleetlink_rig_rate_paused_total", ""),

@@ -17,6 +17,7 @@ use crate::metrics::C;
 use crate::worker::bucket::TokenBucket;
 use crate::worker::conn;
 use crate::worker::core::{Conn, Core};
+use crate::worker::fd_room;
 use crate::worker::listen_check;
 use crate::worker::transport::Security;
 
@@ -132,6 +133,9 @@ pub(crate) async fn run(core: Rc<Core>, listener: TcpListener) {
 }
 
 fn admit(core: &Rc<Core>, buckets: &mut Buckets, stream: TcpStream) {
+    if fd_room::in_reserve(core.fd_ceiling, stream.as_raw_fd()) {
+        return refuse_in_reserve(core, stream);
+    }
     let cap = core.conn_cap.as_ref();
     if cap.is_some_and(|cap| !cap.try_take()) {
         return reject(core, buckets, stream, C::AcceptOverCapacity);
@@ -223,6 +227,57 @@ fn reject(core: &Rc<Core>, buckets: &mut Buckets, stream: TcpStream, why: C) {
 /// have a budget of their own, the accept bucket's rate and burst, so refusing a storm costs
 /// at most the CPU admitting it would; past the budget a connection is closed unanswered
 /// (`shed`), and its client retries as after any failed connect.
+/// A rig's connection whose descriptor lies in the reserve kept for Redis and the admin API
+/// (see `fd_room`): answered and closed at once, since a refusal that lingers for the rig's
+/// FIN, as `reject` does, would hold the very descriptors the reserve keeps. Plain ws gets its
+/// 503 (what already came of the request is read first, so the close is no reset that
+/// could destroy the answer); TLS, which needs a handshake to answer, is closed unanswered.
+fn refuse_in_reserve(core: &Rc<Core>, stream: TcpStream) {
+    let limit = core.fd_ceiling.unwrap_or_default();
+    let why = format!(
+        "rig refused (503): the broker holds {limit} file descriptors or more, and keeps the \
+         rest of its open-file limit for Redis and the admin API; raise RLIMIT_NOFILE \
+         (ulimit -n, LimitNOFILE=), see `fleetlink-fe doctor --connections N`"
+    );
+    let line = core
+        .accept_failures
+        .borrow_mut()
+        .note(Instant::now(), None, &why);
+    if let Some(line) = line {
+        log::warn!("{line}");
+    }
+    if core.tls.borrow().is_some() {
+        core.metrics.inc(C::AcceptShed);
+        return;
+    }
+    core.metrics.inc(C::AcceptOverCapacity);
+    let fd = stream.as_raw_fd();
+    let answer = http_upgrade::service_unavailable(http_upgrade::retry_after_s());
+    let mut scratch = [0u8; 4096];
+    // SAFETY: fd is the open socket owned by `stream`, and `scratch` a writable buffer of
+    // its length; every call is non-blocking.
+    unsafe {
+        libc::send(
+            fd,
+            answer.as_ptr().cast(),
+            answer.len(),
+            libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
+        );
+        libc::shutdown(fd, libc::SHUT_WR);
+        for _ in 0..16 {
+            let n = libc::recv(
+                fd,
+                scratch.as_mut_ptr().cast(),
+                scratch.len(),
+                libc::MSG_DONTWAIT,
+            );
+            if n <= 0 {
+                break;
+            }
+        }
+    }
+}
+
 fn reject_tls(core: &Rc<Core>, buckets: &mut Buckets, stream: TcpStream, why: C) {
     if core.rejecting.get() >= MAX_TLS_REJECTING || !buckets.tls_refusals.try_take(Instant::now()) {
         core.metrics.inc(C::AcceptShed);

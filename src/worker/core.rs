@@ -72,6 +72,8 @@ pub(crate) struct Core {
     next_conn: Cell<u64>,
     /// `--max-connections`, shared by every core of the broker.
     pub(crate) conn_cap: Option<Arc<ConnCap>>,
+    /// The lowest descriptor a rig's connection may have no more (see `fd_room`).
+    pub(crate) fd_ceiling: Option<i32>,
     /// Rejections (503) in progress, bounded so a storm cannot pile up tasks.
     pub(crate) rejecting: Cell<u32>,
     /// Fleet mode with `--session-ttl` above 0: commands are kept in Redis before they are
@@ -161,6 +163,7 @@ impl Core {
             finished: Cell::new(false),
             next_conn: Cell::new(0),
             conn_cap: links.conn_cap,
+            fd_ceiling: super::fd_room::ceiling(),
             rejecting: Cell::new(0),
             persist: cfg.redis.is_some() && !cfg.session_ttl.is_zero(),
             tls: RefCell::new(guard.tls.map(ConfigCache::new)),

@@ -6,6 +6,7 @@
 //!
 //! - `accept`: listener, token bucket, 503s.
 //! - `conn_cap`: `--max-connections`, the one count the cores share.
+//! - `fd_room`: the descriptors rigs may not take, kept for Redis and the admin API.
 //! - `conn`: the per-connection IO loop.
 //! - `session`: what a connection does with messages, verdicts and commands.
 //! - `queues`: a rig's queued and unacked commands, bounded by bytes per rig and per core.
@@ -25,6 +26,7 @@ mod conn;
 mod conn_cap;
 pub(crate) mod core;
 mod drain;
+mod fd_room;
 mod inbox;
 mod listen_check;
 pub(crate) mod queues;
@@ -40,6 +42,7 @@ pub use accept::bind_listeners;
 pub use bucket::{RigBucket, TokenBucket};
 pub use conn_cap::ConnCap;
 pub use core::Links;
+pub use fd_room::ceiling as rig_fd_ceiling;
 
 use std::rc::Rc;
 use std::sync::Arc;

@@ -89,6 +89,12 @@ fn enqueue(
     let Some(session) = st.session.as_mut() else {
         return Ok(());
     };
+    if let Some(seq) = broadcast_had(session, &req) {
+        core.metrics.inc(C::CmdBroadcastAgain);
+        let body = reply::enqueued(&req.id, &session.rig, seq);
+        deliver_routed(core, req.reply, body, Some(conn.id));
+        return Ok(());
+    }
     let held = from_hold(&req);
     if session.held_len() >= core.cfg.unacked_limit() {
         if held {
@@ -189,6 +195,18 @@ fn enqueue(
     core.metrics
         .group_count(session.group, GroupCount::Enqueued);
     Ok(())
+}
+
+/// The seq under which the rig's session already holds this broadcast. Every broker reads a
+/// broadcast at its own moment, so a rig that moves between two of them as it arrives can be
+/// given it by both: the session the rig brought here (a resume carries the commands the
+/// broker it left gave and the rig has not acked) then holds it already, and numbered again
+/// it would reach the rig under a second seq, which the rig runs as another command.
+fn broadcast_had(session: &Session, req: &CommandReq) -> Option<Seq> {
+    if !matches!(req.reply, ReplyTo::Aggregate(_)) {
+        return None;
+    }
+    session.queues.as_ref()?.seq_of(&req.id)
 }
 
 /// What filled a rig's outbox, which says what control's `detail` counts.
