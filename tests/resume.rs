@@ -489,6 +489,42 @@ fn a_session_key_lost_alone_is_put_back_at_the_next_touch() {
     drop(ws);
 }
 
+/// A rig acks on its old connection just as it opens a new one to the same broker, then sends
+/// its acks again after the welcome, as the reference agent does. Each command's ack counts
+/// once. Before, the new connection's session, read from Redis before the old connection's
+/// ack had removed the command there, took the command back from Redis, and the repeated ack
+/// counted (and was published) a second time (review bb101). Two cores: the two connections'
+/// messages then reach the bridge in either order.
+#[test]
+fn an_ack_on_the_old_connection_during_a_reconnect_counts_once() {
+    const ROUNDS: u64 = 30;
+    let redis = RedisServer::start();
+    let a = fleet_broker_with(&redis, "fe-a", &["--cores", "2"]);
+    let boot = boot_id();
+    let (mut ws, _) = connect_hello(&a, "rig-o", &boot, None);
+    let mut ctl = Control::new(&redis, &[]);
+    for seq in 1..=ROUNDS {
+        send_and_read(&mut ctl, "fe-a", "rig-o", &format!("o{seq}"), &mut ws, seq);
+        // The new connection is upgraded first, so that its hello goes out right behind the
+        // old connection's ack.
+        let mut next = a.connect("/agent");
+        ack(&mut ws, seq);
+        send_hello(&mut next, "rig-o", &boot, Some(seq));
+        let welcome = read_json(&mut next);
+        assert_eq!(welcome["resumed"], true, "{welcome}");
+        ack(&mut next, seq);
+        ws = next;
+    }
+    // The last connection's last ack: counted once all before it are.
+    send_and_read(&mut ctl, "fe-a", "rig-o", "fence", &mut ws, ROUNDS + 1);
+    ack(&mut ws, ROUNDS + 1);
+    let acked = r#"fleetlink_commands_total{result="acked"}"#;
+    eventually(Duration::from_secs(10), "the fence's ack counted", || {
+        a.metric(acked) > ROUNDS
+    });
+    assert_eq!(a.metric(acked), ROUNDS + 1);
+}
+
 /// Redis loses a connected rig's session key twice within one put-back (as sustained
 /// `volatile-lru` eviction can). The first loss is found at command 2's keep, whose answer has
 /// the core copy its session; command 3 was numbered meanwhile and its keep still in flight,

@@ -180,7 +180,7 @@ impl Bridge {
             }
             if d.accepted {
                 if let Some(Some(found)) = entry {
-                    actions = self.resume(d.conn, &d.rig, &d.boot, found, actions);
+                    actions = self.resume(d.conn, &d.rig, &d.boot, found, actions, false);
                 }
                 let from_redis = if read {
                     held.next().unwrap_or_default()
@@ -218,7 +218,7 @@ impl Bridge {
             .collect();
         for conn in waited {
             if let Some((found, held)) = self.handover_resumes.remove(&conn) {
-                actions = self.resume(conn, rig, &boot, found, actions);
+                actions = self.resume(conn, rig, &boot, found, actions, true);
                 self.deliver_held(conn, rig, held, &mut actions);
             }
         }
@@ -456,6 +456,7 @@ impl Bridge {
         boot: &BootId,
         found: Resumed,
         mut actions: Vec<Action>,
+        handed_over: bool,
     ) -> Vec<Action> {
         // `resume.lua` itself published the previous boot's rig_rebooted reports.
         self.shared.count_n("resume", "rebooted", found.rebooted);
@@ -494,6 +495,7 @@ impl Bridge {
                 if *c != conn {
                     continue;
                 }
+                let local_next = *next_seq;
                 *next_seq = (*next_seq).max(next);
                 *resumed = true;
                 // What this broker holds of the session is the newer, when it holds any.
@@ -509,6 +511,15 @@ impl Bridge {
                 carried.retain(|c| c.seq >= next || in_redis.contains(&c.seq));
                 let local: HashSet<Seq> = carried.iter().map(|c| c.seq).collect();
                 for (seq, json) in &found.commands {
+                    // A hand-over's copy is the old connection's, live until it handed the
+                    // session over, so newer than what the hello read: a command Redis held
+                    // below that copy's next seq and the copy lacks was acked on the old
+                    // connection (its removal from Redis still on its way when the hello
+                    // read the session) or dropped from it. Given back, the rig acked it
+                    // again and the ack was published twice (review bb101).
+                    if handed_over && *seq < local_next {
+                        continue;
+                    }
                     if !local.contains(seq) {
                         carried.push(SeqCommand {
                             seq: *seq,
@@ -618,7 +629,7 @@ mod tests {
             recall: Default::default(),
         };
         let actions = vec![Action::Core(conn, ToCore::Verdict { conn, verdict })];
-        let out = b.resume(conn, &rig, &boot, found, actions);
+        let out = b.resume(conn, &rig, &boot, found, actions, false);
         let Some(Action::Core(
             _,
             ToCore::Verdict {
@@ -639,6 +650,52 @@ mod tests {
             .expect("counted op");
         let seqs = carried.iter().map(|c| c.seq).collect();
         (seqs, b.shared.ops[stale].load(Ordering::Relaxed))
+    }
+
+    /// The seqs a connection carries once the session Redis read at its hello (commands 1 to 3,
+    /// next 4) is merged into a copy holding only command 3, numbered up to 4: handed over by
+    /// the same boot's old connection here, or parked here.
+    fn merged_into_a_copy_holding_3(handed_over: bool) -> Vec<Seq> {
+        let (mut b, _core) = bridge();
+        let conn = ConnId::new(CoreId(0), 2);
+        let rig = RigId::parse("rig-1").expect("rig");
+        let boot = BootId::generate(1);
+        let found = Resumed {
+            next: Some(Seq(4)),
+            commands: (1..=3).map(|s| (Seq(s), b"{}".to_vec())).collect(),
+            rebooted: 0,
+            previous_boot: None,
+            recall: None,
+        };
+        let verdict = Verdict::Accept {
+            next_seq: Seq(4),
+            resumed: true,
+            carried: vec![SeqCommand::for_test(3, 4, false)],
+            recall: Default::default(),
+        };
+        let actions = vec![Action::Core(conn, ToCore::Verdict { conn, verdict })];
+        let out = b.resume(conn, &rig, &boot, found, actions, handed_over);
+        let Some(Action::Core(_, ToCore::Verdict { verdict, .. })) = out.first() else {
+            panic!("no verdict");
+        };
+        let Verdict::Accept { carried, .. } = verdict else {
+            panic!("no accept");
+        };
+        carried.iter().map(|c| c.seq).collect()
+    }
+
+    /// The old connection acked 1 and 2 just before it handed the session over, their
+    /// removals from Redis still on their way when the new connection's hello read the
+    /// session: they are not given back (the rig acked them again, and each ack was published
+    /// twice). A parked copy may be older than Redis (the rig went on elsewhere), so Redis's
+    /// commands go back into it.
+    #[test]
+    fn a_handed_over_session_does_not_take_back_what_its_old_connection_acked() {
+        assert_eq!(merged_into_a_copy_holding_3(true), [Seq(3)]);
+        assert_eq!(
+            merged_into_a_copy_holding_3(false),
+            [Seq(1), Seq(2), Seq(3)]
+        );
     }
 
     #[test]
