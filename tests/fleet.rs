@@ -2057,19 +2057,24 @@ fn a_broker_full_of_rigs_still_reconnects_to_redis() {
     eventually(Duration::from_secs(10), "the storm's rest refused", || {
         b.metric("fleetlink_accepts_total{result=\"over_capacity\"}") >= 100
     });
-    let mut con = redis.connection();
+    kill_command_connections(&mut redis.connection());
+    let mut ctl = Control::new(&redis, &[]);
+    send_and_read(&mut ctl, "fe-full", "rig-full", "f2", &mut ws, 2);
+    b.wait_readyz(200, Duration::from_secs(10), "ready again");
+    drop(storm);
+}
+
+/// Kills every connection to Redis but `con` and the subscribers: the brokers' command
+/// connections, and control's.
+fn kill_command_connections(con: &mut redis::Connection) {
     let _: i64 = redis::cmd("CLIENT")
         .arg("KILL")
         .arg("TYPE")
         .arg("normal")
         .arg("SKIPME")
         .arg("yes")
-        .query(&mut con)
+        .query(con)
         .unwrap();
-    let mut ctl = Control::new(&redis, &[]);
-    send_and_read(&mut ctl, "fe-full", "rig-full", "f2", &mut ws, 2);
-    b.wait_readyz(200, Duration::from_secs(10), "ready again");
-    drop(storm);
 }
 
 #[test]
@@ -2080,14 +2085,7 @@ fn a_killed_command_connection_leaves_the_subscription_and_loses_no_command() {
     let mut ctl = Control::new(&redis, &[]);
     let mut con = redis.connection();
     for seq in 1..=5u64 {
-        let _: i64 = redis::cmd("CLIENT")
-            .arg("KILL")
-            .arg("TYPE")
-            .arg("normal")
-            .arg("SKIPME")
-            .arg("yes")
-            .query(&mut con)
-            .unwrap();
+        kill_command_connections(&mut con);
         // Control's own connections were killed too; a fresh one publishes.
         let mut ctl_pub = redis.connection();
         let id = format!("k{seq}");

@@ -110,20 +110,12 @@ pub(crate) async fn run(core: Rc<Core>, listener: TcpListener) {
                     e.raw_os_error(),
                     Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM)
                 );
-                // A line a second at most: a storm past the limit fails thousands a second.
                 let hint = match e.raw_os_error() {
                     Some(libc::EMFILE) => ": out of file descriptors, raise RLIMIT_NOFILE (ulimit -n, LimitNOFILE=) or set --max-connections below it (fleetlink-fe doctor --connections N)",
                     Some(libc::ENFILE) => ": the host is out of file descriptors (fs.file-max)",
                     _ => "",
                 };
-                let why = format!("{e}{hint}");
-                let line = core
-                    .accept_failures
-                    .borrow_mut()
-                    .note(Instant::now(), None, &why);
-                if let Some(line) = line {
-                    log::warn!("{line}");
-                }
+                note_accept_failure(&core, &format!("{e}{hint}"));
                 if short {
                     monoio::time::sleep(Duration::from_millis(50)).await;
                 }
@@ -198,18 +190,7 @@ fn reject(core: &Rc<Core>, buckets: &mut Buckets, stream: TcpStream, why: C) {
     core.rejecting.set(core.rejecting.get() + 1);
     let core = core.clone();
     monoio::spawn(async move {
-        let fd = stream.as_raw_fd();
-        let answer = http_upgrade::service_unavailable(http_upgrade::retry_after_s());
-        // SAFETY: fd is the open socket owned by `stream`; the answer fits an empty send buffer.
-        unsafe {
-            libc::send(
-                fd,
-                answer.as_ptr().cast(),
-                answer.len(),
-                libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
-            );
-            libc::shutdown(fd, libc::SHUT_WR);
-        }
+        answer_503_and_shut(&stream);
         // Read the request (and the peer's FIN) so closing does not reset our answer away.
         conn::await_fin(
             &core,
@@ -239,31 +220,18 @@ fn refuse_in_reserve(core: &Rc<Core>, stream: TcpStream) {
          rest of its open-file limit for Redis and the admin API; raise RLIMIT_NOFILE \
          (ulimit -n, LimitNOFILE=), see `fleetlink-fe doctor --connections N`"
     );
-    let line = core
-        .accept_failures
-        .borrow_mut()
-        .note(Instant::now(), None, &why);
-    if let Some(line) = line {
-        log::warn!("{line}");
-    }
+    note_accept_failure(core, &why);
     if core.tls.borrow().is_some() {
         core.metrics.inc(C::AcceptShed);
         return;
     }
     core.metrics.inc(C::AcceptOverCapacity);
+    answer_503_and_shut(&stream);
     let fd = stream.as_raw_fd();
-    let answer = http_upgrade::service_unavailable(http_upgrade::retry_after_s());
     let mut scratch = [0u8; 4096];
     // SAFETY: fd is the open socket owned by `stream`, and `scratch` a writable buffer of
-    // its length; every call is non-blocking.
+    // its length; non-blocking.
     unsafe {
-        libc::send(
-            fd,
-            answer.as_ptr().cast(),
-            answer.len(),
-            libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
-        );
-        libc::shutdown(fd, libc::SHUT_WR);
         for _ in 0..16 {
             let n = libc::recv(
                 fd,
@@ -275,6 +243,34 @@ fn refuse_in_reserve(core: &Rc<Core>, stream: TcpStream) {
                 break;
             }
         }
+    }
+}
+
+/// Logs a failed or refused accept, a line a second at most: a storm past the limit fails
+/// thousands a second.
+fn note_accept_failure(core: &Core, why: &str) {
+    let line = core
+        .accept_failures
+        .borrow_mut()
+        .note(Instant::now(), None, &why);
+    if let Some(line) = line {
+        log::warn!("{line}");
+    }
+}
+
+/// Writes the 503 (CONTRACT.md §2) without waiting, and shuts the sending side.
+fn answer_503_and_shut(stream: &TcpStream) {
+    let fd = stream.as_raw_fd();
+    let answer = http_upgrade::service_unavailable(http_upgrade::retry_after_s());
+    // SAFETY: fd is the open socket owned by `stream`; the answer fits an empty send buffer.
+    unsafe {
+        libc::send(
+            fd,
+            answer.as_ptr().cast(),
+            answer.len(),
+            libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
+        );
+        libc::shutdown(fd, libc::SHUT_WR);
     }
 }
 
