@@ -2064,6 +2064,42 @@ fn a_broker_full_of_rigs_still_reconnects_to_redis() {
     drop(storm);
 }
 
+/// A Redis that may evict keys once full is named at warn when the broker connects, with the
+/// setting to use: evicted, a session or lease loses the unacked commands only it held,
+/// without a report. Under `noeviction` nothing is said.
+#[test]
+fn a_redis_that_may_evict_keys_is_named_at_connect() {
+    let redis = RedisServer::start();
+    let mut con = redis.connection();
+    for (key, value) in [("maxmemory", "100mb"), ("maxmemory-policy", "volatile-lru")] {
+        let _: () = redis::cmd("CONFIG")
+            .arg("SET")
+            .arg(key)
+            .arg(value)
+            .query(&mut con)
+            .unwrap();
+    }
+    let url = redis.url();
+    let b = Broker::start_logged(&["--redis", &url, "--broker-id", "fe-evict"]);
+    b.wait_log(&[
+        "maxmemory 104857600 with maxmemory-policy volatile-lru",
+        "set maxmemory-policy noeviction",
+    ]);
+    let _: () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("maxmemory-policy")
+        .arg("noeviction")
+        .query(&mut con)
+        .unwrap();
+    let quiet = Broker::start_logged(&["--redis", &url, "--broker-id", "fe-quiet"]);
+    quiet.wait_readyz(200, Duration::from_secs(10), "broker ready");
+    assert!(
+        !quiet.log_text().contains("maxmemory"),
+        "{}",
+        quiet.log_text()
+    );
+}
+
 /// Kills every connection to Redis but `con` and the subscribers: the brokers' command
 /// connections, and control's.
 fn kill_command_connections(con: &mut redis::Connection) {

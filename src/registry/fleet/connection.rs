@@ -4,6 +4,7 @@
 //! Apart because the rest of fleet mode only asks whether a connection is there and hands its
 //! failures here: when to drop a connection and when to try again is decided in this one place.
 
+use std::collections::HashMap;
 use std::os::fd::{AsRawFd, RawFd};
 use std::time::{Duration, Instant};
 
@@ -233,7 +234,38 @@ impl Fleet {
             .arg(include_str!("../../../lua/resume.lua"))
             .query::<String>(&mut con)?;
         check_key_access(&mut con)?;
+        self.warn_if_evicting(&mut con);
         Ok(con)
+    }
+
+    /// Says, at warn, when Redis may evict keys: with `maxmemory` set and a policy other than
+    /// `noeviction`, a full Redis drops sessions, leases and offline holds on its own, and the
+    /// unacked commands only they held go unreported (docs/operations.md, "Redis"). Nothing
+    /// when `CONFIG` is not allowed (a managed Redis, an ACL): the docs say what to set.
+    fn warn_if_evicting(&mut self, con: &mut CommandCon) {
+        let Ok(got) = redis::cmd("CONFIG")
+            .arg("GET")
+            // One pattern: Redis before 7 takes no more.
+            .arg("maxmemory*")
+            .query::<HashMap<String, String>>(con)
+        else {
+            return;
+        };
+        let (Some(limit), Some(policy)) = (got.get("maxmemory"), got.get("maxmemory-policy"))
+        else {
+            return;
+        };
+        let setting = format!("maxmemory {limit} with maxmemory-policy {policy}");
+        if limit == "0" || policy == "noeviction" || self.evicting_warned.as_ref() == Some(&setting)
+        {
+            return;
+        }
+        log::warn!(
+            "!!! redis: {setting}: once full, Redis evicts keys on its own, and a session, lease \
+             or offline hold it evicts loses the unacked commands only it held, without a \
+             report; set maxmemory-policy noeviction (docs/operations.md, \"Redis\")"
+        );
+        self.evicting_warned = Some(setting);
     }
 
     /// A call's answer, or None once its failure is handled as [`Self::call_failed`] says.

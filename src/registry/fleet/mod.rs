@@ -84,6 +84,9 @@ pub(crate) struct Fleet {
     pub(crate) published: u64,
     /// Set after every successful (re)connect; the bridge re-asserts its rigs then.
     pub(crate) just_connected: bool,
+    /// The eviction setting last warned of (see `connection::warn_if_evicting`), so a Redis
+    /// that flaps is named once.
+    evicting_warned: Option<String>,
     /// Set after every successful (re)subscribe: what was held for this broker's rigs while
     /// it did not listen is taken at once (the bridge's refresh), not at the next one.
     pub(crate) just_subscribed: bool,
@@ -139,6 +142,7 @@ impl Fleet {
             refused_log: Throttle::default(),
             published: 0,
             just_connected: false,
+            evicting_warned: None,
             just_subscribed: false,
             keys_lost: false,
             release_missed: false,
