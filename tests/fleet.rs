@@ -240,7 +240,8 @@ fn broadcast_reaches_exactly_the_matching_rigs_on_both_brokers() {
 /// resumed on fe-b, which then reads the same broadcast (published again here, as fe-b
 /// reading it late): the session the rig brought holds it already, so fe-b answers it
 /// enqueued under seq 1 rather than numbering it again. Before, the rig got it again as seq
-/// 2 and ran it twice (review bb101).
+/// 2 and ran it twice (review bb101). A direct command that shares a broadcast's id is
+/// another command: the broadcast is given beside it (review bb102 found it swallowed).
 #[test]
 fn a_broadcast_read_after_its_rig_moved_here_with_it_is_not_given_twice() {
     let redis = RedisServer::start();
@@ -281,7 +282,21 @@ fn a_broadcast_read_after_its_rig_moved_here_with_it_is_not_given_twice() {
         b.metric(r#"fleetlink_commands_total{result="broadcast_again"}"#),
         1
     );
-    send_and_read(&mut ctl, "fe-b", "rig-bx", "direct", &mut on_b, 2);
+    send_and_read(&mut ctl, "fe-b", "rig-bx", "cx", &mut on_b, 2);
+    let other = json!({"type":"command","id":"cx","selector":{"lab":"x"},"name":"fw",
+                       "args":{},"reply_to":ctl.reply_to});
+    ctl.publish("fleetlink:broadcast", other);
+    ctl.replies(2, Duration::from_secs(10));
+    let given = read_json(&mut on_b);
+    assert_eq!(
+        (&given["seq"], &given["id"], &given["name"]),
+        (&json!(3), &json!("cx"), &json!("fw")),
+        "{given}"
+    );
+    assert_eq!(
+        b.metric(r#"fleetlink_commands_total{result="broadcast_again"}"#),
+        1
+    );
 }
 
 #[test]

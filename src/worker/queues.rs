@@ -244,17 +244,6 @@ impl Queues {
         self.results.remove(pos).map(|(_, id)| id)
     }
 
-    /// The seq under which this session holds command `id`: queued, written and unacked, or
-    /// acked and awaiting its result.
-    pub(crate) fn seq_of(&self, id: &str) -> Option<Seq> {
-        let cmds = self.outbox.cmds.iter().chain(self.unacked.cmds.iter());
-        let mut held = cmds.map(|c| (c.seq, &*c.id));
-        let mut acked = self.results.iter().map(|(seq, i)| (*seq, &**i));
-        held.find(|(_, i)| *i == id)
-            .or_else(|| acked.find(|(_, i)| *i == id))
-            .map(|(seq, _)| seq)
-    }
-
     /// Whether nothing is queued, unacked or awaiting its result.
     pub(crate) fn is_empty(&self) -> bool {
         self.outbox.cmds.is_empty()

@@ -197,16 +197,29 @@ fn enqueue(
     Ok(())
 }
 
-/// The seq under which the rig's session already holds this broadcast. Every broker reads a
-/// broadcast at its own moment, so a rig that moves between two of them as it arrives can be
-/// given it by both: the session the rig brought here (a resume carries the commands the
-/// broker it left gave and the rig has not acked) then holds it already, and numbered again
-/// it would reach the rig under a second seq, which the rig runs as another command.
+/// The seq under which the rig's session already holds this broadcast, queued or written
+/// and not acked. Every broker reads a broadcast at its own moment, so a rig that moves
+/// between two of them as it arrives can be given it by both: the session the rig brought
+/// here (a resume carries the commands the broker it left gave and the rig has not acked)
+/// then holds it already, and numbered again it would reach the rig under a second seq,
+/// which the rig runs as another command. Only the very same command counts (its id, name
+/// and args, as it was sent): a direct command that shares the broadcast's id is another
+/// command, and taking it for the broadcast would lose the broadcast.
 fn broadcast_had(session: &Session, req: &CommandReq) -> Option<Seq> {
     if !matches!(req.reply, ReplyTo::Aggregate(_)) {
         return None;
     }
-    session.queues.as_ref()?.seq_of(&req.id)
+    let q = session.queues.as_ref()?;
+    q.outbox()
+        .iter()
+        .chain(q.unacked().iter())
+        .filter(|c| *c.id == *req.id)
+        .find(|c| {
+            let json =
+                protocol::encode_command(session.v, c.seq, &req.id, &req.name, req.args.raw());
+            *c.json == *json
+        })
+        .map(|c| c.seq)
 }
 
 /// What filled a rig's outbox, which says what control's `detail` counts.
