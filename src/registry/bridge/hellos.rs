@@ -495,9 +495,21 @@ impl Bridge {
                 if *c != conn {
                     continue;
                 }
-                let local_next = *next_seq;
                 *next_seq = (*next_seq).max(next);
                 *resumed = true;
+                // A hand-over's copy is the old connection's, live until it handed the
+                // session over, so newer than what the hello read: a command Redis held that
+                // the old connection acked (its removal from Redis still on its way when the
+                // hello read the session) is not taken back. Given back, the rig acked it
+                // again and the ack was published twice (review bb101). Only the very
+                // command acked there (seq and id, among those awaiting their results): one
+                // the copy lacks for another reason (another broker numbered that seq while
+                // this one was cut off, and this one's own was fenced) still goes to the rig
+                // (review bb104).
+                let acked_there: HashSet<(Seq, Box<str>)> = match (handed_over, recall.as_deref()) {
+                    (true, Some(r)) => r.results.iter().cloned().collect(),
+                    _ => HashSet::new(),
+                };
                 // What this broker holds of the session is the newer, when it holds any.
                 if recall.is_none() {
                     *recall = found.recall.clone().map(Box::new);
@@ -511,13 +523,7 @@ impl Bridge {
                 carried.retain(|c| c.seq >= next || in_redis.contains(&c.seq));
                 let local: HashSet<Seq> = carried.iter().map(|c| c.seq).collect();
                 for (seq, json) in &found.commands {
-                    // A hand-over's copy is the old connection's, live until it handed the
-                    // session over, so newer than what the hello read: a command Redis held
-                    // below that copy's next seq and the copy lacks was acked on the old
-                    // connection (its removal from Redis still on its way when the hello
-                    // read the session) or dropped from it. Given back, the rig acked it
-                    // again and the ack was published twice (review bb101).
-                    if handed_over && *seq < local_next {
+                    if !acked_there.is_empty() && acked_there.contains(&(*seq, command_id(json))) {
                         continue;
                     }
                     if !local.contains(seq) {
@@ -652,9 +658,10 @@ mod tests {
         (seqs, b.shared.ops[stale].load(Ordering::Relaxed))
     }
 
-    /// The seqs a connection carries once the session Redis read at its hello (commands 1 to 3,
-    /// next 4) is merged into a copy holding only command 3, numbered up to 4: handed over by
-    /// the same boot's old connection here, or parked here.
+    /// The seqs a connection carries once the session Redis read at its hello (commands c1,
+    /// other and c3 under seqs 1 to 3, next 4) is merged into a copy holding only c3, numbered
+    /// up to 4, whose rig acked c1 and c2 (awaiting their results): handed over by the same
+    /// boot's old connection here, or parked here.
     fn merged_into_a_copy_holding_3(handed_over: bool) -> Vec<Seq> {
         let (mut b, _core) = bridge();
         let conn = ConnId::new(CoreId(0), 2);
@@ -662,16 +669,23 @@ mod tests {
         let boot = BootId::generate(1);
         let found = Resumed {
             next: Some(Seq(4)),
-            commands: (1..=3).map(|s| (Seq(s), b"{}".to_vec())).collect(),
+            commands: [(1, "c1"), (2, "other"), (3, "c3")]
+                .map(|(s, id)| (Seq(s), format!(r#"{{"id":"{id}"}}"#).into_bytes()))
+                .into(),
             rebooted: 0,
             previous_boot: None,
             recall: None,
+        };
+        let recall = crate::registry::msg::Recall {
+            results: vec![(Seq(1), "c1".into()), (Seq(2), "c2".into())],
+            last_ack: Seq(2),
+            last_ack_ms: 1,
         };
         let verdict = Verdict::Accept {
             next_seq: Seq(4),
             resumed: true,
             carried: vec![SeqCommand::for_test(3, 4, false)],
-            recall: Default::default(),
+            recall: Some(Box::new(recall)),
         };
         let actions = vec![Action::Core(conn, ToCore::Verdict { conn, verdict })];
         let out = b.resume(conn, &rig, &boot, found, actions, handed_over);
@@ -684,14 +698,17 @@ mod tests {
         carried.iter().map(|c| c.seq).collect()
     }
 
-    /// The old connection acked 1 and 2 just before it handed the session over, their
-    /// removals from Redis still on their way when the new connection's hello read the
-    /// session: they are not given back (the rig acked them again, and each ack was published
-    /// twice). A parked copy may be older than Redis (the rig went on elsewhere), so Redis's
-    /// commands go back into it.
+    /// The old connection acked c1 just before it handed the session over, its removal from
+    /// Redis still on its way when the new connection's hello read the session: it is not
+    /// given back (the rig acked it again, and the ack was published twice). Under seq 2
+    /// Redis holds another command than the c2 acked there (another broker numbered seq 2
+    /// while this one was cut off, and this one's c2 was fenced): that one goes to the rig
+    /// (review bb104 found it dropped by a rule that skipped every seq below the copy's next).
+    /// A parked copy may be older than Redis (the rig went on elsewhere), so Redis's commands
+    /// go back into it.
     #[test]
     fn a_handed_over_session_does_not_take_back_what_its_old_connection_acked() {
-        assert_eq!(merged_into_a_copy_holding_3(true), [Seq(3)]);
+        assert_eq!(merged_into_a_copy_holding_3(true), [Seq(2), Seq(3)]);
         assert_eq!(
             merged_into_a_copy_holding_3(false),
             [Seq(1), Seq(2), Seq(3)]
