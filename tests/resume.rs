@@ -525,6 +525,37 @@ fn an_ack_on_the_old_connection_during_a_reconnect_counts_once() {
     assert_eq!(a.metric(acked), ROUNDS + 1);
 }
 
+/// Broker A hears nothing on its channels for a moment (its subscription held), and the rig
+/// says hello on B meanwhile, which takes the lease and gives it c3 as seq 2. A then numbers
+/// c2 as seq 2 too, and its keep is fenced (B holds the lease). The rig comes back to A while
+/// its old connection there is still live (A never heard B's evict), so the new connection
+/// takes the session from the old one, which lacks seq 2 though Redis holds B's c3 under it.
+/// The rig gets c3. Before, a hand-over skipped every seq below the old connection's next
+/// that it lacked, and c3, answered ok, was lost without a report (review bb104).
+#[test]
+fn a_hand_over_gives_the_command_another_broker_kept_under_a_seq_fenced_here() {
+    let redis = RedisServer::start();
+    let relay = Relay::start(redis.port());
+    let a = fleet_broker_at(&relay.url(), "fe-a", &["--cores", "1"]);
+    let b = fleet_broker(&redis, "fe-b");
+    let boot = boot_id();
+    let (mut conn1, _) = connect_hello(&a, "rig-h", &boot, None);
+    assert_eq!(a.command_with_id("rig-h", "c1").0, 200);
+    read_command(&mut conn1, 1, "c1");
+    ack(&mut conn1, 1);
+    relay.freeze_subscriptions(true);
+    let _conn_b = resume_on(&b, "rig-h", &boot, Some(1));
+    let (status, reply) = b.command_with_id("rig-h", "c3");
+    assert_eq!(status, 200, "{reply}");
+    assert!(reply.contains(r#""seq":2"#), "{reply}");
+    let (status, reply) = a.command_with_id("rig-h", "c2");
+    assert_eq!(status, 404, "fenced: {reply}");
+    let mut conn2 = resume_on(&a, "rig-h", &boot, Some(1));
+    read_command(&mut conn2, 2, "c3");
+    relay.freeze_subscriptions(false);
+    drop(conn1);
+}
+
 /// Redis loses a connected rig's session key twice within one put-back (as sustained
 /// `volatile-lru` eviction can). The first loss is found at command 2's keep, whose answer has
 /// the core copy its session; command 3 was numbered meanwhile and its keep still in flight,

@@ -31,6 +31,9 @@ pub struct Relay {
     hold: Arc<Mutex<Option<Vec<u8>>>>,
     holds: Arc<AtomicUsize>,
     holding: Arc<AtomicBool>,
+    /// Holds both directions of the subscriber connections (see
+    /// [`Relay::freeze_subscriptions`]).
+    subs_frozen: Arc<AtomicBool>,
     /// Both ends of every connection relayed so far, to cut when the relay goes down.
     open: Arc<Mutex<Vec<TcpStream>>>,
 }
@@ -55,6 +58,7 @@ impl Relay {
             hold: Arc::new(Mutex::new(None)),
             holds: Arc::new(AtomicUsize::new(0)),
             holding: Arc::new(AtomicBool::new(false)),
+            subs_frozen: Arc::new(AtomicBool::new(false)),
         };
         let (armed, cuts, stop) = (relay.armed.clone(), relay.cuts.clone(), relay.stop.clone());
         let armed_after = relay.armed_after.clone();
@@ -67,6 +71,7 @@ impl Relay {
             count: relay.holds.clone(),
             holding: relay.holding.clone(),
         };
+        let subs_frozen = relay.subs_frozen.clone();
         thread::spawn(move || {
             for client in listener.incoming() {
                 if stop.load(Ordering::Relaxed) {
@@ -88,11 +93,13 @@ impl Relay {
                 let (frozen, frozen_back) = (frozen.clone(), frozen_back.clone());
                 let then_down = [down_after.clone(), down.clone()];
                 let held = held.clone();
+                let subs_frozen = subs_frozen.clone();
                 thread::spawn(move || {
                     let watch = Watch {
                         armed: &armed,
                         cuts: &cuts,
                         held: &held,
+                        subs_frozen: &subs_frozen,
                     };
                     pump(client, server, &watch, &frozen, frozen_back, &then_down)
                 });
@@ -169,6 +176,14 @@ impl Relay {
         self.holds.load(Ordering::SeqCst)
     }
 
+    /// Holds what goes through the subscriber connections (those that sent a SUBSCRIBE), both
+    /// ways, from now until unfrozen: a broker that hears nothing on its channels (another
+    /// broker's evict, say) while its calls go through. Nothing is lost.
+    #[allow(dead_code)] // not every test binary partitions a subscription
+    pub fn freeze_subscriptions(&self, frozen: bool) {
+        self.subs_frozen.store(frozen, Ordering::SeqCst);
+    }
+
     /// Lets the held call go on to Redis.
     #[allow(dead_code)]
     pub fn release(&self) {
@@ -183,6 +198,7 @@ struct Watch<'a> {
     armed: &'a [Arc<Mutex<Option<Vec<u8>>>>; 2],
     cuts: &'a AtomicUsize,
     held: &'a Held,
+    subs_frozen: &'a Arc<AtomicBool>,
 }
 
 /// The relay's hold of one call (see [`Relay::hold_on`]), shared by its connections.
@@ -211,15 +227,24 @@ fn pump(
     frozen_back: Arc<AtomicBool>,
     [down_after, down]: &[Arc<AtomicBool>; 2],
 ) {
-    let Watch { armed, cuts, held } = *watch;
+    let Watch {
+        armed,
+        cuts,
+        held,
+        subs_frozen,
+    } = *watch;
     let (Ok(mut back_from), Ok(mut back_to)) = (server.try_clone(), client.try_clone()) else {
         return;
     };
     let back_frozen = frozen_back.clone();
+    // Whether this connection subscribed, and so is held by `subs_frozen`.
+    let is_sub = Arc::new(AtomicBool::new(false));
+    let (back_sub, back_subs_frozen) = (is_sub.clone(), subs_frozen.clone());
     thread::spawn(move || {
         let mut buf = [0u8; 16 * 1024];
         while let Ok(n @ 1..) = back_from.read(&mut buf) {
             hold_while(&back_frozen);
+            hold_subscriber(&back_sub, &back_subs_frozen);
             if back_to.write_all(&buf[..n]).is_err() {
                 break;
             }
@@ -235,6 +260,14 @@ fn pump(
         };
         let mut window = std::mem::take(&mut tail);
         window.extend_from_slice(&buf[..n]);
+        // The command itself, framed as RESP sends it: the word alone is in the scripts' text
+        // that the command connection loads.
+        if window
+            .windows(13)
+            .any(|w| w.eq_ignore_ascii_case(b"\r\nSUBSCRIBE\r\n"))
+        {
+            is_sub.store(true, Ordering::SeqCst);
+        }
         let mut cut = None;
         for (after, slot) in armed.iter().enumerate() {
             let mut guard = slot.lock().unwrap();
@@ -287,12 +320,20 @@ fn pump(
             break;
         }
         hold_while(frozen);
+        hold_subscriber(&is_sub, subs_frozen);
         if server.write_all(&buf[..n]).is_err() {
             break;
         }
     }
     let _ = client.shutdown(Shutdown::Both);
     let _ = server.shutdown(Shutdown::Both);
+}
+
+/// Holds a subscriber connection's bytes while subscriptions are frozen.
+fn hold_subscriber(is_sub: &AtomicBool, subs_frozen: &AtomicBool) {
+    while is_sub.load(Ordering::SeqCst) && subs_frozen.load(Ordering::SeqCst) {
+        thread::sleep(std::time::Duration::from_millis(1));
+    }
 }
 
 /// Not the test's synchronisation: the relay's stand-in for a server or a network that hangs.
