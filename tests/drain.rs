@@ -36,6 +36,41 @@ fn drain_with(trigger: impl FnOnce(&Broker)) {
     assert!(status.success(), "{status:?}");
 }
 
+/// A connection upgraded but not yet a rig's when the drain starts is told over capacity
+/// (4503 `retry_after=1`: CONTRACT.md §2), at once, not closed 1001, the code for the end of a
+/// drain (review bb106); so is a hello that arrives during the drain.
+#[test]
+fn a_connection_without_a_hello_at_a_drain_is_answered_4503_at_once() {
+    let mut b = Broker::start(&["--drain", "5s"]);
+    let (rig, _, _) = b.rig("rig-stays");
+    let mut waiting = b.connect("/agent");
+    let started = Instant::now();
+    b.sigterm();
+    let (code, reason) = close_of(&mut waiting);
+    assert_eq!((code, reason.as_str()), (4503, "retry_after=1"));
+    assert!(
+        started.elapsed() < Duration::from_secs(4),
+        "not at the window's end"
+    );
+    drop(rig);
+    assert!(b
+        .wait_exit(Duration::from_secs(10))
+        .is_some_and(|s| s.success()));
+}
+
+/// The code and reason of the broker's close frame.
+fn close_of(ws: &mut common::broker::Ws) -> (u16, String) {
+    loop {
+        match ws.read() {
+            Ok(tungstenite::Message::Close(Some(f))) => {
+                return (u16::from(f.code), f.reason.to_string())
+            }
+            Ok(_) => continue,
+            Err(e) => panic!("no close frame: {e}"),
+        }
+    }
+}
+
 #[test]
 fn sigterm_drains_and_exits_zero() {
     drain_with(|b| b.sigterm());

@@ -8,6 +8,10 @@ use crate::protocol;
 use crate::worker::core::{Core, Phase};
 use crate::ws::OpCode;
 
+/// The 4503's reason for a connection a draining broker will not take as a rig's: the rig
+/// is to try again at once, and finds another broker (this one's listener is closed).
+pub(crate) const DRAINING: &str = "retry_after=1";
+
 /// Extra time after the window for close handshakes before the core gives up on stragglers.
 const GRACE: Duration = Duration::from_secs(3);
 /// How long a drain lasts at least (or its whole window, if shorter), even with no rig left:
@@ -41,7 +45,13 @@ pub(crate) fn start(core: &Rc<Core>, window: Duration) {
                 let goaway = protocol::encode_goaway(v, "drain", delay);
                 conn.send_frame(&mut st, OpCode::Text, &goaway);
             }
-            Phase::Handshake | Phase::AwaitHello | Phase::AwaitVerdict | Phase::Echo => {
+            // Upgraded, not yet a rig's: a draining broker takes no new rig, which
+            // CONTRACT.md §2 answers 4503 (1001 is for the end of a drain). Soon: another
+            // broker takes it.
+            Phase::AwaitHello | Phase::AwaitVerdict => {
+                conn.close(&mut st, 4503, DRAINING);
+            }
+            Phase::Handshake | Phase::Echo => {
                 conn.close(&mut st, 1001, "broker draining");
             }
             Phase::Closing | Phase::Done => {}

@@ -167,7 +167,7 @@ fn on_hello(core: &Core, conn: &Conn, st: &mut ConnState, hello: Hello) {
     core.metrics.inc(C::MsgHello);
     crate::thread_loss::Failpoint::CoreHello.check(hello.rig_id.as_str());
     if core.draining.get() {
-        conn.close(st, 4503, "retry_after=5");
+        conn.close(st, 4503, crate::worker::drain::DRAINING);
         return;
     }
     if !identity_ok(st, hello.rig_id.as_str()) {
