@@ -467,11 +467,16 @@ fn a_redis_on_a_unix_socket_serves_subscription_and_commands() {
 
 /// Makes Redis ask new connections for `password`; `admin`, already in, stays so.
 fn require_password(admin: &mut redis::Connection, password: &str) {
+    config_set(admin, "requirepass", password);
+}
+
+/// `CONFIG SET key value` on `con`.
+fn config_set(con: &mut redis::Connection, key: &str, value: &str) {
     let _: () = redis::cmd("CONFIG")
         .arg("SET")
-        .arg("requirepass")
-        .arg(password)
-        .query(admin)
+        .arg(key)
+        .arg(value)
+        .query(con)
         .unwrap();
 }
 
@@ -2087,12 +2092,7 @@ fn a_redis_that_may_evict_keys_is_named_at_connect() {
     let redis = RedisServer::start();
     let mut con = redis.connection();
     for (key, value) in [("maxmemory", "100mb"), ("maxmemory-policy", "volatile-lru")] {
-        let _: () = redis::cmd("CONFIG")
-            .arg("SET")
-            .arg(key)
-            .arg(value)
-            .query(&mut con)
-            .unwrap();
+        config_set(&mut con, key, value);
     }
     let url = redis.url();
     let b = Broker::start_logged(&["--redis", &url, "--broker-id", "fe-evict"]);
@@ -2100,12 +2100,7 @@ fn a_redis_that_may_evict_keys_is_named_at_connect() {
         "maxmemory 104857600 with maxmemory-policy volatile-lru",
         "set maxmemory-policy noeviction",
     ]);
-    let _: () = redis::cmd("CONFIG")
-        .arg("SET")
-        .arg("maxmemory-policy")
-        .arg("noeviction")
-        .query(&mut con)
-        .unwrap();
+    config_set(&mut con, "maxmemory-policy", "noeviction");
     let quiet = Broker::start_logged(&["--redis", &url, "--broker-id", "fe-quiet"]);
     quiet.wait_readyz(200, Duration::from_secs(10), "broker ready");
     assert!(
@@ -2376,30 +2371,15 @@ fn a_hello_redis_refuses_is_decided_here_and_a_damaged_session_key_is_replaced()
     let a = fleet_broker(&redis, "fe-a", &[]);
     let mut con = redis.connection();
     let unavailable = "fleetlink_registry_ops_total{op=\"hello\",result=\"unavailable\"}";
-    let _: () = redis::cmd("CONFIG")
-        .arg("SET")
-        .arg("maxmemory-policy")
-        .arg("noeviction")
-        .query(&mut con)
-        .unwrap();
-    let _: () = redis::cmd("CONFIG")
-        .arg("SET")
-        .arg("maxmemory")
-        .arg("1")
-        .query(&mut con)
-        .unwrap();
+    config_set(&mut con, "maxmemory-policy", "noeviction");
+    config_set(&mut con, "maxmemory", "1");
     let refused = "fleetlink_registry_ops_total{op=\"redis\",result=\"refused\"}";
     let refused_before = a.metric(refused);
     let (_full, _, welcome) = a.rig("rig-full");
     assert_eq!(welcome["resumed"], false, "{welcome}");
     assert_eq!(a.metric(unavailable), 1);
     assert!(a.metric(refused) > refused_before, "the refusal is counted");
-    let _: () = redis::cmd("CONFIG")
-        .arg("SET")
-        .arg("maxmemory")
-        .arg("0")
-        .query(&mut con)
-        .unwrap();
+    config_set(&mut con, "maxmemory", "0");
     // A list where the rig's session belongs: the session starts afresh in its place.
     let boot = boot_id();
     let key = format!("sess:rig-dmg:{boot}");
