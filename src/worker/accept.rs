@@ -203,11 +203,6 @@ fn reject(core: &Rc<Core>, buckets: &mut Buckets, stream: TcpStream, why: C) {
     });
 }
 
-/// A TLS client can read a 503 only after a full handshake, so a refused connection is served
-/// as far as its request (the session answers it; `ConnState::refusing`). Those handshakes
-/// have a budget of their own, the accept bucket's rate and burst, so refusing a storm costs
-/// at most the CPU admitting it would; past the budget a connection is closed unanswered
-/// (`shed`), and its client retries as after any failed connect.
 /// A rig's connection whose descriptor lies in the reserve kept for Redis and the admin API
 /// (see `fd_room`): answered and closed at once, since a refusal that lingers for the rig's
 /// FIN, as `reject` does, would hold the very descriptors the reserve keeps. Plain ws gets its
@@ -274,6 +269,11 @@ fn answer_503_and_shut(stream: &TcpStream) {
     }
 }
 
+/// A TLS client can read a 503 only after a full handshake, so a refused connection is served
+/// as far as its request (the session answers it; `ConnState::refusing`). Those handshakes
+/// have a budget of their own, the accept bucket's rate and burst, so refusing a storm costs
+/// at most the CPU admitting it would; past the budget a connection is closed unanswered
+/// (`shed`), and its client retries as after any failed connect.
 fn reject_tls(core: &Rc<Core>, buckets: &mut Buckets, stream: TcpStream, why: C) {
     if core.rejecting.get() >= MAX_TLS_REJECTING || !buckets.tls_refusals.try_take(Instant::now()) {
         core.metrics.inc(C::AcceptShed);
