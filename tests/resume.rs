@@ -431,7 +431,7 @@ fn a_lease_redis_lost_under_a_connected_rig_is_put_back_before_its_next_command(
     eventually(
         Duration::from_secs(10),
         "the whole session kept again",
-        || holds_commands_1_and_2(&mut con, &key),
+        || holds_commands_up_to(&mut con, &key, 2),
     );
 }
 
@@ -450,7 +450,7 @@ fn a_session_key_lost_alone_is_put_back_at_the_rigs_next_command() {
     eventually(
         Duration::from_secs(10),
         "the whole session kept again",
-        || holds_commands_1_and_2(&mut con, &key),
+        || holds_commands_up_to(&mut con, &key, 2),
     );
     assert_eq!(
         a.metric(r#"fleetlink_registry_ops_total{op="session",result="key_lost"}"#),
@@ -612,21 +612,7 @@ fn a_command_kept_between_two_losses_of_its_session_key_goes_back_with_the_sessi
     eventually(
         Duration::from_secs(10),
         "the whole session kept again",
-        || {
-            let (c1, c2, c3, next): (
-                Option<String>,
-                Option<String>,
-                Option<String>,
-                Option<String>,
-            ) = redis::pipe()
-                .hget(&key, "c:1")
-                .hget(&key, "c:2")
-                .hget(&key, "c:3")
-                .hget(&key, "next")
-                .query(&mut con)
-                .unwrap_or_default();
-            c1.is_some() && c2.is_some() && c3.is_some() && next.as_deref() == Some("4")
-        },
+        || holds_commands_up_to(&mut con, &key, 3),
     );
     assert_eq!(
         a.metric(r#"fleetlink_registry_ops_total{op="rekeep",result="anew"}"#),
@@ -764,7 +750,7 @@ fn a_rig_that_left_during_an_outage_resumes_elsewhere_with_what_its_broker_held(
     eventually(
         Duration::from_secs(10),
         "A puts the parked session back",
-        || holds_commands_1_and_2(&mut con, &key),
+        || holds_commands_up_to(&mut con, &key, 2),
     );
     let lease: Option<String> = con.get("rig:rig-p").unwrap();
     assert_eq!(lease, None, "A claims no lease for a rig it does not hold");
@@ -2400,15 +2386,18 @@ fn moving_the_record_to_a_newer_boot_reports_the_session_it_named() {
     assert_eq!(reported(&mut ctl), []);
 }
 
-/// The session under `key` holds commands 1 and 2 and numbers the next one 3.
-fn holds_commands_1_and_2(con: &mut redis::Connection, key: &str) -> bool {
-    let (c1, c2, next): (Option<String>, Option<String>, Option<String>) = redis::pipe()
-        .hget(key, "c:1")
-        .hget(key, "c:2")
-        .hget(key, "next")
-        .query(con)
-        .unwrap_or((None, None, None));
-    c1.is_some() && c2.is_some() && next.as_deref() == Some("3")
+/// The session under `key` holds commands 1 to `last` and numbers the next one `last` + 1.
+fn holds_commands_up_to(con: &mut redis::Connection, key: &str, last: u64) -> bool {
+    let mut pipe = redis::pipe();
+    for seq in 1..=last {
+        pipe.hget(key, format!("c:{seq}"));
+    }
+    pipe.hget(key, "next");
+    let mut got: Vec<Option<String>> = pipe.query(con).unwrap_or_default();
+    let next = got.pop().flatten();
+    got.len() as u64 == last
+        && got.iter().all(Option::is_some)
+        && next == Some((last + 1).to_string())
 }
 
 /// A new boot that says hello to the broker holding its old session parked while Redis is
