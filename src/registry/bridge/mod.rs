@@ -735,26 +735,25 @@ impl Bridge {
     /// Queues the release of `rig`'s lease for `boot`, counted `release/sent` (or `dropped`
     /// when the queue is full).
     fn release(&mut self, rig: RigId, boot: BootId) {
-        self.queue_release(rig, boot, "sent");
+        self.queue_release(rig, boot, true);
     }
 
     /// Queues again a release that [`Self::release`] counted already and a put-back held
     /// back (see `Fleet::hold_releases`): counted only if the queue refuses it now.
     fn release_again(&mut self, rig: RigId, boot: BootId) {
-        self.queue_release(rig, boot, "");
+        self.queue_release(rig, boot, false);
     }
 
-    fn queue_release(&mut self, rig: RigId, boot: BootId, queued_as: &'static str) {
+    /// `count_sent`: a release queued is counted `release/sent`; one refused is counted
+    /// `release/dropped` either way.
+    fn queue_release(&mut self, rig: RigId, boot: BootId, count_sent: bool) {
         // A session waiting to be put back goes before the release, which would fence it.
         self.rekeeps.hurry(&rig, boot);
         if let Some(f) = self.fleet.as_mut() {
-            let result = if f.release(rig, boot) {
-                queued_as
-            } else {
-                "dropped"
-            };
-            if !result.is_empty() {
-                self.shared.count("release", result);
+            match f.release(rig, boot) {
+                true if count_sent => self.shared.count("release", "sent"),
+                true => {}
+                false => self.shared.count("release", "dropped"),
             }
         }
     }
