@@ -1023,6 +1023,63 @@ fn after_a_partition_a_command_whose_seq_the_rig_acked_for_another_is_reported_l
     send_and_read(&mut ctl, "fe-b", "rig-ta", "b5", &mut on_b, 5);
 }
 
+/// The other way round: fe-b keeps a command of its own under seq 4 (in Redis), which the rig
+/// never reads, and the rig acks fe-a's seq 4 there. The removal of that acked seq, sent once
+/// fe-a reaches Redis again, was a plain HDEL: it deleted fe-b's command, answered ok and never
+/// run, without a word (bb105 F2, 11 of 11). The seq was delivered unkept, so the removal now
+/// checks whose command Redis holds under it: fe-b's is published `lost`, then removed.
+#[test]
+fn the_removal_of_a_seq_acked_during_a_partition_reports_another_brokers_command_under_it() {
+    let PartitionedRig {
+        redis,
+        relay,
+        a,
+        b: _b,
+        mut on_a,
+        on_b: _on_b,
+        boot,
+        given,
+        mut ctl,
+    } = rig_on_both_sides_of_a_partition("rig-tf");
+    let kept = ctl.command_id("fe-b", "rig-tf", "b4", "n", json!({}));
+    assert_eq!(
+        (&kept["ok"], &kept["seq"]),
+        (&json!(true), &json!(4)),
+        "{kept}"
+    );
+    let mut con = redis.connection();
+    let sess = format!("sess:rig-tf:{boot}");
+    assert!(con.hexists::<_, _, bool>(&sess, "c:4").unwrap(), "b4 kept");
+    ack(&mut on_a, 4);
+    a.wait_metric("fleetlink_commands_total{result=\"acked\"} 4");
+    relay.freeze_both(false);
+    let lost = ctl.next_within(Duration::from_secs(15), |ch, v| {
+        ch == "fleetlink:events" && v["type"] == "lost"
+    });
+    assert_eq!(
+        (
+            &lost["seq"],
+            &lost["id"],
+            &lost["broker_id"],
+            &lost["rig_id"],
+            &lost["boot_id"]
+        ),
+        (
+            &json!(4),
+            &json!("b4"),
+            &json!("fe-a"),
+            &json!("rig-tf"),
+            &json!(boot)
+        ),
+        "{lost}"
+    );
+    assert_ne!(given["id"], "b4");
+    eventually(Duration::from_secs(10), "b4 removed", || {
+        !con.hexists::<_, _, bool>(&sess, "c:4").unwrap()
+    });
+    a.wait_metric("fleetlink_registry_ops_total{op=\"forget\",result=\"lost\"} 1");
+}
+
 /// The rig leaves fe-b, which releases its lease; then the partition ends with fe-a's
 /// connections cut, as a long one's does (fe-a gives up on them): fe-b's evict, published
 /// meanwhile, is lost with them, so fe-a keeps its connection, and its first refresh restores
@@ -1490,10 +1547,11 @@ fn a_stuck_rig_gets_rig_unresponsive_and_refused_commands_do_not_grow_memory() {
     // Keep pushing: every further command is refused. 1,000 of them carry 60 MB, so keeping
     // even a fraction of them would break the bound.
     const MORE: usize = 1000;
-    for _ in 0..MORE {
+    for i in 0..MORE {
+        let r = ctl.command("fe-a", "rig-stuck", "blob", json!({"data": blob}));
         assert_eq!(
-            ctl.command("fe-a", "rig-stuck", "blob", json!({"data": blob}))["error"],
-            "rig_unresponsive"
+            r["error"], "rig_unresponsive",
+            "command {i} after the first refusal: {r}"
         );
     }
     let grown = memory().saturating_sub(before);

@@ -589,6 +589,7 @@ fn scripts_reject_bad_arguments_before_writing() {
     let hello = redis::Script::new(include_str!("../lua/hello.lua"));
     let broker = redis::Script::new(include_str!("../lua/broker.lua"));
     let release = redis::Script::new(include_str!("../lua/release.lua"));
+    let forget = redis::Script::new(include_str!("../lua/forget.lua"));
     let expire = redis::Script::new(include_str!("../lua/offline_expire.lua"));
     let lapse = redis::Script::new(concat!(
         include_str!("../lua/lease_holder.lua"),
@@ -628,6 +629,24 @@ fn scripts_reject_bad_arguments_before_writing() {
             .key("rig:a")
             .key("rig:b")
             .arg(format!("{b}|fe"))
+            .invoke(&mut con),
+        // A seq that is no number, then one id short.
+        forget
+            .key("sess:a")
+            .arg("fe")
+            .arg("2026-01-01T00:00:00Z")
+            .arg("a")
+            .arg(&b)
+            .arg("-1")
+            .arg("id")
+            .invoke(&mut con),
+        forget
+            .key("sess:a")
+            .arg("fe")
+            .arg("2026-01-01T00:00:00Z")
+            .arg("a")
+            .arg(&b)
+            .arg("1")
             .invoke(&mut con),
     ];
     // hello.lua: a boot not in canonical form, a ttl that is not an integer, one boot short
@@ -1375,6 +1394,101 @@ fn a_live_copy_written_into_a_missing_session_key_answers_anew() {
         .query(&mut con)
         .unwrap();
     assert_eq!(put_back(&mut con, RekeepMode::Parked), kept(false));
+}
+
+/// The removal of a seq its broker delivered while Redis was away (`forget.lua`): the same
+/// command there (by id) goes without a word, as an HDEL would take it; another command there
+/// (another broker's, kept under the same seq) is published `lost` and removed, where an HDEL
+/// deleted it unreported; an empty seq, or a key of another type, is left as it is. One call
+/// does all of them, in order, and says how many it published.
+#[test]
+fn a_checked_removal_reports_another_command_under_the_acked_seq() {
+    use fleetlink::ids::Seq;
+    use fleetlink::registry::sessions::{session_key, CheckedForget, SessionScripts};
+    let (server, mut con, _) = setup();
+    let sessions = SessionScripts::new();
+    let mut sub = server.client().get_connection().unwrap();
+    let mut ps = events_of(&mut sub);
+    let (r, b) = (rig("rig-cf"), boot(1));
+    let sess = session_key(&r, &b);
+    let _: () = redis::cmd("HSET")
+        .arg(&sess)
+        .arg("next")
+        .arg("6")
+        .arg("c:2")
+        .arg(cmd(2, "same"))
+        .arg("c:3")
+        .arg(cmd(3, "kept-by-b"))
+        .arg("c:5")
+        .arg(cmd(5, "untouched"))
+        .query(&mut con)
+        .unwrap();
+    let (other, b2) = (rig("rig-cf-list"), boot(2));
+    let _: () = redis::cmd("RPUSH")
+        .arg(session_key(&other, &b2))
+        .arg("x")
+        .query(&mut con)
+        .unwrap();
+    let forget = |rig: &RigId, boot: &BootId, seq: u64, id: &str| CheckedForget {
+        rig: rig.clone(),
+        boot: *boot,
+        seq: Seq(seq),
+        id: id.into(),
+    };
+    let lost = sessions
+        .forget_checked(
+            &mut con,
+            &[
+                forget(&r, &b, 2, "same"),
+                forget(&r, &b, 3, "given-by-a"),
+                forget(&r, &b, 4, "never-kept"),
+                forget(&other, &b2, 1, "x"),
+            ],
+            "fe-a",
+            "2026-12-06T00:00:00Z",
+        )
+        .unwrap();
+    assert_eq!(lost, 1);
+    let msg = ps.get_message().expect("an event");
+    let ev: serde_json::Value = serde_json::from_slice(msg.get_payload_bytes()).expect("JSON");
+    assert_eq!(
+        (
+            &ev["type"],
+            &ev["id"],
+            &ev["seq"],
+            &ev["rig_id"],
+            &ev["boot_id"],
+            &ev["broker_id"],
+            &ev["at"]
+        ),
+        (
+            &serde_json::json!("lost"),
+            &serde_json::json!("kept-by-b"),
+            &serde_json::json!(3),
+            &serde_json::json!("rig-cf"),
+            &serde_json::json!(b.as_str()),
+            &serde_json::json!("fe-a"),
+            &serde_json::json!("2026-12-06T00:00:00Z")
+        ),
+        "{ev}"
+    );
+    let left: Vec<String> = redis::cmd("HKEYS").arg(&sess).query(&mut con).unwrap();
+    let mut left = left;
+    left.sort();
+    assert_eq!(left, ["c:5", "next"]);
+    let kind: String = redis::cmd("TYPE")
+        .arg(session_key(&other, &b2))
+        .query(&mut con)
+        .unwrap();
+    assert_eq!(kind, "list");
+    // Nothing else was published: the next event is this marker.
+    let _: () = redis::cmd("PUBLISH")
+        .arg("fleetlink:events")
+        .arg("marker")
+        .query(&mut con)
+        .unwrap();
+    let msg = ps.get_message().expect("the marker");
+    assert_eq!(msg.get_payload_bytes(), b"marker");
 }
 
 /// Two brokers that each decided alone (Redis away from one of them) can give one seq of a

@@ -441,6 +441,9 @@ pub enum ToBridge {
         boot: BootId,
         /// The command.
         seq: Seq,
+        /// Its id: delivered while Redis was away, the seq may name another broker's command
+        /// in Redis, which this removal must not take silently (`lua/forget.lua`).
+        id: Box<str>,
     },
     /// One rig's answer to a broadcast command.
     Part {

@@ -8,8 +8,11 @@
 //! - `rekeep.lua` puts a session back after Redis lost it (it restarted empty) or missed
 //!   commands (delivered while it was away): a connected rig's fenced like `persist.lua`, a
 //!   session parked here for a disconnected rig only where no one else holds the rig.
-//! - Acks delete with a plain `HDEL` (no check needed: deleting an acked command is always
-//!   right), sent in paced batches by the bridge's Redis I/O (`fleet/writes.rs`).
+//! - Acks delete with a plain `HDEL`, sent in paced batches by the bridge's Redis I/O
+//!   (`fleet/writes.rs`): Redis kept the acked command under its seq before the rig had it.
+//!   Not so for a seq delivered while Redis was away, which another broker may have given a
+//!   command of its own in Redis: `forget.lua` removes that seq only where it holds the
+//!   acked command, and publishes any other command there `lost`.
 
 use std::time::Duration;
 
@@ -168,6 +171,11 @@ impl Unkept {
         self.to == Seq(0)
     }
 
+    /// Whether `seq` is among these.
+    pub fn holds(&self, seq: Seq) -> bool {
+        !self.is_none() && self.from <= seq && seq <= self.to
+    }
+
     /// These and `seq`.
     pub fn with(self, seq: Seq) -> Unkept {
         self.union(Unkept { from: seq, to: seq })
@@ -249,7 +257,25 @@ pub struct SessionScripts {
     persist: Script,
     resume: Script,
     rekeep: Script,
+    forget: Script,
 }
+
+/// The removal of an acked command its broker delivered while Redis was away: the seq may name
+/// another command in Redis (`forget.lua`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CheckedForget {
+    /// The rig.
+    pub rig: RigId,
+    /// Its session's boot.
+    pub boot: BootId,
+    /// The acked command's seq.
+    pub seq: Seq,
+    /// The acked command's id: another id under `seq` in Redis is another command.
+    pub id: Box<str>,
+}
+
+/// Most removals in one `forget.lua` call.
+const FORGET_CHUNK: usize = 500;
 
 impl Default for SessionScripts {
     fn default() -> Self {
@@ -264,7 +290,36 @@ impl SessionScripts {
             persist: Script::new(PERSIST),
             resume: Script::new(include_str!("../../lua/resume.lua")),
             rekeep: Script::new(include_str!("../../lua/rekeep.lua")),
+            forget: Script::new(include_str!("../../lua/forget.lua")),
         }
+    }
+
+    /// Removes `forgets` from their sessions, each only where Redis holds the very command
+    /// under its seq or nothing; another command there is published `lost` by `forget.lua`
+    /// (`at` stamps those events) and removed too. Returns how many were published.
+    pub fn forget_checked(
+        &self,
+        con: &mut impl ConnectionLike,
+        forgets: &[CheckedForget],
+        broker_id: &str,
+        at: &str,
+    ) -> Result<u64, RegistryError> {
+        let mut lost = 0;
+        for chunk in forgets.chunks(FORGET_CHUNK) {
+            let mut call = self.forget.prepare_invoke();
+            for f in chunk {
+                call.key(session_key(&f.rig, &f.boot));
+            }
+            call.arg(broker_id).arg(at);
+            for f in chunk {
+                call.arg(f.rig.as_str())
+                    .arg(f.boot.to_string())
+                    .arg(f.seq.0)
+                    .arg(&*f.id);
+            }
+            lost += call.invoke::<u64>(con)?;
+        }
+        Ok(lost)
     }
 
     /// Puts `sessions` back into Redis, each fenced by `broker_id`'s lease (a parked one as

@@ -50,7 +50,7 @@ use crate::registry::offline::{Deadlines, Held, LocalHeld};
 use crate::registry::pace::WritePace;
 use crate::registry::scripts::Owner;
 use crate::registry::sessions::Resumed;
-use crate::registry::sessions::Unkept;
+use crate::registry::sessions::{CheckedForget, Unkept};
 use crate::reply;
 
 /// Inbox messages handled per wake before the bridge looks at Redis and its timers again.
@@ -551,18 +551,33 @@ impl Bridge {
                 self.rekeeps.push(*r);
                 Vec::new()
             }
-            ToBridge::Forget { rig, boot, seq } => {
+            ToBridge::Forget { rig, boot, seq, id } => {
                 self.rekeeps.forget(&rig, boot, seq);
-                if let Some(f) = self.fleet.as_mut() {
-                    if !f.forget(rig, boot, seq) {
-                        self.shared.count("forget", "dropped");
-                    }
-                }
+                self.forget(rig, boot, seq, id);
                 Vec::new()
             }
             ToBridge::Shutdown { .. } => Vec::new(),
         };
         self.carry_out(actions);
+    }
+
+    /// Queues the removal of an acked command from its session: a plain one, or, for a seq
+    /// this connection was given while Redis was away (which another broker may have given
+    /// a command of its own in Redis), one that reports that other command `lost`.
+    fn forget(&mut self, rig: RigId, boot: BootId, seq: Seq, id: Box<str>) {
+        let Some(f) = self.fleet.as_mut() else { return };
+        let unkept = self
+            .unkept_high
+            .get(&(rig.clone(), boot))
+            .is_some_and(|u| u.holds(seq));
+        let queued = if unkept {
+            f.forget_checked(CheckedForget { rig, boot, seq, id })
+        } else {
+            f.forget(rig, boot, seq)
+        };
+        if !queued {
+            self.shared.count("forget", "dropped");
+        }
     }
 
     fn carry_out(&mut self, actions: Vec<Action>) {
@@ -967,6 +982,38 @@ mod tests {
         assert_eq!(b.shared.event_bytes.load(Ordering::Relaxed), 7);
         let sent = b.fleet.as_ref().expect("fleet").queued_publishes();
         assert_eq!(sent.last(), Some(&(fleet::EVENTS.to_string(), ev)));
+    }
+
+    /// An ack's removal checks whose command Redis holds under the seq only where the
+    /// connection was given that seq while Redis was away; every other is a plain HDEL.
+    #[test]
+    fn only_the_removal_of_a_seq_delivered_unkept_is_checked() {
+        let (mut b, _core) = bridge();
+        let (rig, boot) = (RigId::parse("rig-7").expect("rig"), BootId::generate(1));
+        b.unkept_high.insert(
+            (rig.clone(), boot),
+            Unkept {
+                from: Seq(4),
+                to: Seq(6),
+            },
+        );
+        let other = BootId::generate(2);
+        for (boot, seq) in [(boot, 3), (boot, 4), (boot, 6), (boot, 7), (other, 5)] {
+            b.handle(ToBridge::Forget {
+                rig: rig.clone(),
+                boot,
+                seq: Seq(seq),
+                id: format!("c{seq}").into(),
+            });
+        }
+        let f = b.fleet.as_ref().expect("fleet");
+        assert_eq!(f.queued_forgets(), 3);
+        let checked: Vec<(u64, &str)> = f
+            .queued_checked_forgets()
+            .iter()
+            .map(|c| (c.seq.0, &*c.id))
+            .collect();
+        assert_eq!(checked, [(4, "c4"), (6, "c6")]);
     }
 
     #[test]

@@ -29,6 +29,8 @@ impl Bridge {
         self.refusals_counted = f.refusals;
         let (up, subscribed) = (f.is_up(), f.is_subscribed());
         self.shared.count_n("redis", "refused", refused);
+        let lost = std::mem::take(&mut f.forget_lost);
+        self.shared.count_n("forget", "lost", lost);
         let cuts = std::mem::take(&mut f.subscription_cuts);
         self.shared.count_n("subscription", "cut", cuts);
         if let Some(why) = f.take_down_why() {

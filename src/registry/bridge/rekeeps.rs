@@ -619,6 +619,7 @@ mod tests {
             rig: rig("rig-k"),
             boot: boot(),
             seq: Seq(2),
+            id: "c2".into(),
         });
         match &b.rekeeps.take(10)[..] {
             [(_, _, Pending::Live(r))] => {

@@ -12,7 +12,7 @@ use crate::metrics::BridgeStats;
 pub(super) const CANARY_STALE: Duration = Duration::from_secs(5);
 
 /// Registry operations counted by (op, result), in this order.
-pub const REGISTRY_OPS: [(&str, &str); 71] = [
+pub const REGISTRY_OPS: [(&str, &str); 72] = [
     ("offline", "held"),
     ("offline", "full"),
     ("offline", "connected_elsewhere"),
@@ -59,6 +59,7 @@ pub const REGISTRY_OPS: [(&str, &str); 71] = [
     ("release", "sent"),
     ("release", "dropped"),
     ("forget", "dropped"),
+    ("forget", "lost"),
     ("remember", "dropped"),
     ("evict", "sent"),
     ("evict", "received"),

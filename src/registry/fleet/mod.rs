@@ -18,7 +18,7 @@ use crate::registry::lapse_scripts::LapseScripts;
 use crate::registry::offline::OfflineScripts;
 use crate::registry::pubsub::Subscriber;
 use crate::registry::scripts::Scripts;
-use crate::registry::sessions::SessionScripts;
+use crate::registry::sessions::{CheckedForget, SessionScripts};
 use crate::registry::throttle::Throttle;
 
 mod calls;
@@ -53,6 +53,9 @@ pub(crate) struct Fleet {
     lapses: LapseScripts,
     offline: OfflineScripts,
     forgets: Vec<(RigId, BootId, Seq)>,
+    /// Removals of acked commands delivered while Redis was away, which may meet another
+    /// command under their seq (`forget.lua`); sent with the next flush, not paced.
+    checked_forgets: Vec<CheckedForget>,
     /// When the oldest queued forget was queued.
     forgets_since: Option<Instant>,
     con: Option<CommandCon>,
@@ -105,6 +108,8 @@ pub(crate) struct Fleet {
     /// Subscriptions Redis ended while it still answered on the other connection, since the
     /// bridge last took them.
     pub(crate) subscription_cuts: u64,
+    /// Commands `forget.lua` published `lost` (another command under an acked one's seq).
+    pub(crate) forget_lost: u64,
     /// Those refusals, logged at most once a second.
     refusal_log: Throttle,
     /// Redis refused a write for want of memory since the last heartbeat that went through:
@@ -124,6 +129,7 @@ impl Fleet {
             lapses: LapseScripts::default(),
             offline: OfflineScripts::default(),
             forgets: Vec::new(),
+            checked_forgets: Vec::new(),
             forgets_since: None,
             con: None,
             sub: None,
@@ -148,6 +154,7 @@ impl Fleet {
             release_missed: false,
             refusals: 0,
             subscription_cuts: 0,
+            forget_lost: 0,
             refusal_log: Throttle::default(),
             refusing: false,
         })

@@ -15,6 +15,7 @@ use crate::ids::{BootId, RigId};
 use crate::registry::exit_wait::ExitWait;
 use crate::registry::msg::Recall;
 use crate::registry::sessions;
+use crate::registry::sessions::CheckedForget;
 
 /// Publishes held while Redis is slow or down; beyond it they are dropped and counted.
 const MAX_OUTGOING: usize = 100_000;
@@ -63,12 +64,48 @@ impl Fleet {
     /// [`Self::forget_due`]). False when the queue is full: the command then stays in the
     /// session until the session expires, where a resume drops it by the rig's `last_seq`.
     pub(crate) fn forget(&mut self, rig: RigId, boot: BootId, seq: Seq) -> bool {
-        if self.forgets.len() >= MAX_OUTGOING {
+        if self.forgets.len() + self.checked_forgets.len() >= MAX_OUTGOING {
             return false;
         }
         self.forgets.push((rig, boot, seq));
         self.forgets_since.get_or_insert_with(Instant::now);
         true
+    }
+
+    /// Queues the removal of an acked command delivered while Redis was away, which Redis
+    /// may hold another command under the seq of (sent at the next [`Self::flush`]). False
+    /// when the queue is full, as [`Self::forget`].
+    pub(crate) fn forget_checked(&mut self, f: CheckedForget) -> bool {
+        if self.forgets.len() + self.checked_forgets.len() >= MAX_OUTGOING {
+            return false;
+        }
+        self.checked_forgets.push(f);
+        true
+    }
+
+    /// Sends the queued checked forgets now. False when Redis failed.
+    fn send_checked_forgets(&mut self) -> bool {
+        if self.checked_forgets.is_empty() {
+            return true;
+        }
+        let Some(con) = self.con.as_mut() else {
+            return false;
+        };
+        let at = crate::reply::rfc3339(std::time::SystemTime::now());
+        match self
+            .sessions
+            .forget_checked(con, &self.checked_forgets, &self.broker_id, &at)
+        {
+            Ok(lost) => {
+                self.forget_lost += lost;
+                self.checked_forgets.clear();
+                true
+            }
+            Err(e) => {
+                self.call_failed(&e);
+                false
+            }
+        }
     }
 
     /// Sends the queued forgets now, in one round trip. False when Redis failed.
@@ -139,6 +176,9 @@ impl Fleet {
             self.releases = rest;
             self.send_releases(first);
         }
+        if self.checked_forgets.iter().any(|f| rigs.contains(&f.rig)) {
+            self.send_checked_forgets();
+        }
         if self.forgets.iter().any(|(rig, _, _)| rigs.contains(rig)) {
             self.send_forgets();
         }
@@ -181,7 +221,7 @@ impl Fleet {
             let now = Instant::now();
             let (publishes, forgets, writes) = (
                 self.outgoing.len(),
-                self.forgets.len(),
+                self.forgets.len() + self.checked_forgets.len(),
                 self.releases.len() + self.recalls.len(),
             );
             if publishes + forgets + writes == 0 {
@@ -300,6 +340,12 @@ impl Fleet {
         self.forgets.len()
     }
 
+    /// Checked forgets queued and not yet sent.
+    #[cfg(test)]
+    pub(crate) fn queued_checked_forgets(&self) -> &[CheckedForget] {
+        &self.checked_forgets
+    }
+
     /// Publishes queued and not yet sent, oldest first.
     #[cfg(test)]
     pub(crate) fn queued_publishes(&self) -> &[(String, Box<[u8]>)] {
@@ -343,6 +389,9 @@ impl Fleet {
                 self.call_failed(&e);
                 return;
             }
+        }
+        if !self.send_checked_forgets() {
+            return;
         }
         if forgets_due && !self.send_forgets() {
             return;

@@ -353,7 +353,7 @@ pub(super) fn keep_unacked(core: &Core, s: &mut Session, cmd: SeqCommand) {
             break;
         };
         core.metrics.inc(C::CmdResumeDropped);
-        forget_kept(core, rig, boot, old.seq);
+        forget_kept(core, rig, boot, old.seq, &old.id);
     }
     q.push_unacked(cmd);
 }
@@ -379,7 +379,7 @@ fn drop_oldest_had(core: &Core, s: &mut Session) -> bool {
         return false;
     };
     core.metrics.inc(C::CmdResumeDropped);
-    forget_kept(core, &s.rig, s.boot, old.seq);
+    forget_kept(core, &s.rig, s.boot, old.seq, &old.id);
     true
 }
 

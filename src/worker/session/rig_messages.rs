@@ -368,7 +368,7 @@ fn on_ack(core: &Core, s: &mut Session, seq: Seq) -> (bool, Option<Box<str>>) {
     let Some(cmd) = cmd else {
         return (latest, None);
     };
-    forget_kept(core, &s.rig, s.boot, cmd.seq);
+    forget_kept(core, &s.rig, s.boot, cmd.seq, &cmd.id);
     if let Some(at) = cmd.written_at {
         core.metrics.ack_latency(at.elapsed(), s.group);
     }
@@ -383,12 +383,13 @@ fn on_ack(core: &Core, s: &mut Session, seq: Seq) -> (bool, Option<Box<str>>) {
 }
 
 /// Fleet mode: has the session store forget command `seq`, no longer kept for a resume.
-pub(super) fn forget_kept(core: &Core, rig: &RigId, boot: BootId, seq: Seq) {
+pub(super) fn forget_kept(core: &Core, rig: &RigId, boot: BootId, seq: Seq, id: &str) {
     if core.persist {
         core.to_bridge(ToBridge::Forget {
             rig: rig.clone(),
             boot,
             seq,
+            id: id.into(),
         });
     }
 }

@@ -1,0 +1,62 @@
+-- forget.lua: remove acked commands from their sessions where the seq may name another
+-- command in Redis (CONTRACT.md section 5). Run by EVALSHA from src/registry/sessions.rs, one
+-- batch per call; rare: only for commands a broker delivered while it could not reach Redis
+-- (every other ack's removal is a plain HDEL, fleet/writes.rs).
+--
+-- Such a command was numbered by its broker alone. Another broker that held the rig on Redis
+-- meanwhile (the rig's other connection during a partition) may have kept a command of its
+-- own under the same seq, which the rig never read: the rig holds this broker's command
+-- there. A plain HDEL of the seq would delete that other command unreported, though control
+-- was answered ok for it. Here it is published `lost` (as rekeep.lua does when a copy meets
+-- it) and removed, so no resume gives it under a seq the rig holds with another command and
+-- no later report names it again. The same command (same id) is removed without a word.
+--
+-- KEYS[i]       sess:<rig_id>:<boot_id>
+-- ARGV[1]       this broker's id (the events' broker_id)
+-- ARGV[2]       the events' "at": the broker's clock, RFC 3339
+-- ARGV[4i-1]    rig_id
+-- ARGV[4i]      boot_id
+-- ARGV[4i+1]    seq: decimal integer
+-- ARGV[4i+2]    the id of the command this broker delivered under that seq
+--
+-- Returns the number of commands published `lost`.
+-- Errors "ERR fleetlink forget: ..." on malformed ARGV, before any write.
+
+if #ARGV ~= 2 + 4 * #KEYS then
+  return redis.error_reply('ERR fleetlink forget: expected broker_id, at, then rig_id, boot_id, seq, id per key')
+end
+for i = 1, #KEYS do
+  local seq = ARGV[4 * i + 1]
+  if #seq > 15 or not seq:match('^%d+$') then
+    return redis.error_reply('ERR fleetlink forget: seq must be a decimal integer')
+  end
+end
+
+local function id_of(json)
+  local decoded, cmd = pcall(cjson.decode, json)
+  return (decoded and type(cmd) == 'table' and type(cmd.id) == 'string') and cmd.id or nil
+end
+
+local lost = 0
+for i = 1, #KEYS do
+  local sess, seq, id = KEYS[i], ARGV[4 * i + 1], ARGV[4 * i + 2]
+  local field = 'c:' .. seq
+  -- pcall: a key of another type is no session of ours (persist.lua deletes it at the next
+  -- keep); there is nothing here to remove.
+  local there = redis.pcall('HGET', sess, field)
+  if type(there) == 'string' then
+    local other = id_of(there)
+    if other ~= id then
+      lost = lost + 1
+      redis.call('PUBLISH', 'fleetlink:events', '{"type":"lost","rig_id":'
+          .. cjson.encode(ARGV[4 * i - 1]) .. ',"boot_id":' .. cjson.encode(ARGV[4 * i])
+          .. ',"seq":' .. seq .. ',"id":' .. (other and cjson.encode(other) or 'null')
+          .. ',"broker_id":' .. cjson.encode(ARGV[1]) .. ',"at":' .. cjson.encode(ARGV[2])
+          .. ',"detail":"its seq went to another command, which the rig holds, while the rig\'s '
+          .. 'brokers could not reach Redis; the rig may not have run it: send it again if no '
+          .. 'result for it came"}')
+    end
+    redis.call('HDEL', sess, field)
+  end
+end
+return lost
