@@ -6,6 +6,7 @@
 -- KEYS[2]  sentinel:<broker_id>   (no TTL: gone only when Redis lost data)
 -- ARGV[1]  JSON blob (address, cores, started_at, connections); stored as given
 -- ARGV[2]  ttl_ms: decimal integer, 1 to 15 digits, no leading zero
+-- ARGV[3]  optional: "start" on a process's first call (until one succeeds)
 --
 -- Returns "ok" after SET KEYS[1] ARGV[1] PX ttl_ms, or "new" when the sentinel was not there
 -- (and sets it): Redis lost its keys since this broker id last wrote it (it restarted empty,
@@ -13,16 +14,29 @@
 -- parked here must go back; or the id is new. The liveness key's own absence would say less:
 -- it also expires in a partition longer than its TTL, while Redis keeps the sessions, and
 -- taking that for lost data counted commands Redis did keep as never kept (rekeep.lua).
+-- With "start", "unclean" instead of "ok" when the sentinel does not say "clean": the last
+-- process under this id did not exit cleanly (killed, or its drain could not release its
+-- leases), so leases naming this id may be left over from it, holding rigs no process here
+-- has. The broker sweeps them (stale_leases.lua). The sentinel then says "running" until a
+-- clean exit writes "clean" (src/registry/fleet/writes.rs, `retire`); a sentinel an older
+-- build wrote ("1") counts as unclean.
 -- Errors  "ERR fleetlink broker: ..." on malformed ARGV, before any write.
 
 local ttl = ARGV[2]
-if #ARGV ~= 2 or type(ttl) ~= 'string' or #ttl > 15 or not ttl:match('^[1-9]%d*$') then
-  return redis.error_reply('ERR fleetlink broker: expected ARGV json, ttl_ms')
+if (#ARGV ~= 2 and #ARGV ~= 3) or type(ttl) ~= 'string' or #ttl > 15
+    or not ttl:match('^[1-9]%d*$') or (#ARGV == 3 and ARGV[3] ~= 'start') then
+  return redis.error_reply('ERR fleetlink broker: expected ARGV json, ttl_ms[, "start"]')
 end
-local had = redis.call('EXISTS', KEYS[2])
+local had = redis.call('GET', KEYS[2])
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ttl)
-if had == 1 then
-  return 'ok'
+if had == false then
+  redis.call('SET', KEYS[2], 'running')
+  return 'new'
 end
-redis.call('SET', KEYS[2], '1')
-return 'new'
+if ARGV[3] == 'start' then
+  redis.call('SET', KEYS[2], 'running')
+  if had ~= 'clean' then
+    return 'unclean'
+  end
+end
+return 'ok'

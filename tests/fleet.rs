@@ -433,6 +433,73 @@ fn a_crashed_brokers_keys_expire_by_ttl() {
     });
 }
 
+/// A broker killed outright and started again under the same id before its leases lapse used
+/// to listen on its channel again with its dead connections' leases in Redis: for the whole
+/// `--registry-ttl` `fleetctl status` named it for rigs it did not hold, and other brokers
+/// answered commands for them `rig_not_connected` (bb103 F1). Its first heartbeat now learns
+/// that the last process under the id did not exit cleanly, and it sweeps those leases, but
+/// for the rigs it holds (here one that came back while Redis was away from it, whose lease
+/// the refresh keeps). A clean exit says so, and the next process sweeps nothing.
+#[test]
+fn a_broker_killed_and_started_again_under_its_id_removes_the_leases_it_left() {
+    let redis = RedisServer::start();
+    let long = ["--registry-ttl", "120s", "--drain", "1s"];
+    let mut a = fleet_broker(&redis, "fe-a", &long);
+    let (gone, _, _) = a.rig("rig-gone");
+    let (back, boot, _) = a.rig("rig-back");
+    // SAFETY: kill(2) has no memory preconditions; the pid is the test's own child's.
+    unsafe { libc::kill(a.pid() as i32, libc::SIGKILL) };
+    a.wait_exit(Duration::from_secs(5));
+    drop((gone, back));
+    assert!(
+        owner(&redis, "rig-gone").is_some(),
+        "the lease outlives its broker"
+    );
+    let relay = Relay::start(redis.port());
+    relay.down(true);
+    let url = relay.url();
+    let mut args = vec!["--redis", url.as_str(), "--broker-id", "fe-a"];
+    args.extend_from_slice(&long);
+    let mut a2 = Broker::start(&args);
+    let _back = hello_again(&a2, "rig-back", &boot, 0);
+    relay.down(false);
+    a2.wait_readyz(200, Duration::from_secs(15), "fe-a on Redis again");
+    eventually(
+        Duration::from_secs(15),
+        "the dead connection's lease swept",
+        || owner(&redis, "rig-gone").is_none(),
+    );
+    a2.wait_metric("fleetlink_registry_ops_total{op=\"lease\",result=\"stale_removed\"} 1");
+    assert_eq!(
+        owner(&redis, "rig-back"),
+        Some(format!("{boot}|fe-a")),
+        "the rig held here keeps its lease"
+    );
+    let sentinel = || -> Option<String> { redis.connection().get("sentinel:fe-a").unwrap() };
+    assert_eq!(sentinel().as_deref(), Some("running"));
+    a2.sigterm();
+    assert!(a2
+        .wait_exit(Duration::from_secs(15))
+        .is_some_and(|s| s.success()));
+    assert_eq!(sentinel().as_deref(), Some("clean"));
+    assert_eq!(owner(&redis, "rig-back"), None, "released at the drain");
+    // A lease naming fe-a that no process of it wrote: only a sweep would remove it.
+    let planted = format!("{}|fe-a", boot_id());
+    let _: () = redis.connection().set("rig:rig-planted", &planted).unwrap();
+    let a3 = fleet_broker(&redis, "fe-a", &long);
+    eventually(Duration::from_secs(15), "a3's first heartbeat", || {
+        sentinel().as_deref() == Some("running")
+    });
+    // Answered by the bridge after the pass of that heartbeat, where a sweep's first step
+    // would have run.
+    assert_eq!(a3.command("rig-none", "n", json!({})).0, 404);
+    assert_eq!(owner(&redis, "rig-planted"), Some(planted));
+    assert_eq!(
+        a3.metric("fleetlink_registry_ops_total{op=\"lease\",result=\"stale_removed\"}"),
+        0
+    );
+}
+
 /// `--redis unix:///PATH` (a Redis on the same host, through its Unix socket) serves as a TCP
 /// URL does: the subscription reads its own canary (ready), and a command published on the
 /// broker's channel reaches the rig and is kept in its session. The subscription used to

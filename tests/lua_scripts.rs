@@ -11,8 +11,8 @@ use redis::{Connection, Value};
 use common::redis::RedisServer;
 use fleetlink::ids::{BootId, RigId};
 use fleetlink::registry::scripts::{
-    broker_key, rig_key, tuple, HelloOutcome, Owner, RefreshStatus, RegistryError, Scripts,
-    HELLO_CHUNK, REFRESH_CHUNK,
+    broker_key, rig_key, tuple, Heartbeat, HelloOutcome, Owner, RefreshStatus, RegistryError,
+    Scripts, HELLO_CHUNK, REFRESH_CHUNK,
 };
 
 const TTL: Duration = Duration::from_secs(60);
@@ -508,32 +508,104 @@ fn broker_heartbeat_sets_json_with_ttl() {
     let (_server, mut con, scripts) = setup();
     let json = r#"{"address":"10.0.0.1:8080","cores":2,"connections":7}"#;
     let ttl = Duration::from_secs(30);
-    assert!(
-        !scripts
-            .broker_heartbeat(&mut con, "fe-a", json, ttl)
+    assert_eq!(
+        scripts
+            .broker_heartbeat(&mut con, "fe-a", json, ttl, false)
             .unwrap(),
+        Heartbeat::New,
         "the key was new"
     );
     assert_eq!(broker_key("fe-a"), "broker:fe-a");
     assert_eq!(get(&mut con, "broker:fe-a").as_deref(), Some(json));
     let left = pttl(&mut con, "broker:fe-a");
     assert!((29_000..=30_000).contains(&left), "pttl {left}");
-    assert!(scripts
-        .broker_heartbeat(&mut con, "fe-a", json, ttl)
-        .unwrap());
+    assert_eq!(
+        scripts
+            .broker_heartbeat(&mut con, "fe-a", json, ttl, false)
+            .unwrap(),
+        Heartbeat::Kept
+    );
     // The liveness key expired (a partition longer than its TTL): Redis kept everything else,
     // and the heartbeat does not say it lost keys.
     run(&mut con, &["DEL", "broker:fe-a"]);
-    assert!(scripts
-        .broker_heartbeat(&mut con, "fe-a", json, ttl)
-        .unwrap());
+    assert_eq!(
+        scripts
+            .broker_heartbeat(&mut con, "fe-a", json, ttl, false)
+            .unwrap(),
+        Heartbeat::Kept
+    );
     assert_eq!(get(&mut con, "broker:fe-a").as_deref(), Some(json));
     // Redis lost its keys: the next heartbeat says so.
     run(&mut con, &["FLUSHALL"]);
-    assert!(!scripts
-        .broker_heartbeat(&mut con, "fe-a", json, ttl)
-        .unwrap());
+    assert_eq!(
+        scripts
+            .broker_heartbeat(&mut con, "fe-a", json, ttl, false)
+            .unwrap(),
+        Heartbeat::New
+    );
     assert_eq!(pttl(&mut con, "sentinel:fe-a"), -1, "no TTL");
+}
+
+/// A process's first heartbeat asks how the last one under its id ended: a sentinel a clean
+/// exit marked `clean` reads as kept; one still `running` (the process was killed) or
+/// written by an older build (`1`) reads as unclean, and the sentinel says `running` from
+/// then on. Later heartbeats ask nothing. With no sentinel it is new, as before.
+#[test]
+fn a_first_heartbeat_says_whether_the_last_process_under_its_id_exited_cleanly() {
+    let (_server, mut con, scripts) = setup();
+    let beat = |con: &mut Connection, start: bool| {
+        scripts
+            .broker_heartbeat(con, "fe-a", "{}", TTL, start)
+            .unwrap()
+    };
+    assert_eq!(beat(&mut con, true), Heartbeat::New);
+    assert_eq!(get(&mut con, "sentinel:fe-a").as_deref(), Some("running"));
+    assert_eq!(beat(&mut con, false), Heartbeat::Kept);
+    // Killed, then started again.
+    assert_eq!(beat(&mut con, true), Heartbeat::Unclean);
+    assert_eq!(beat(&mut con, false), Heartbeat::Kept);
+    set(&mut con, "sentinel:fe-a", "clean");
+    assert_eq!(beat(&mut con, true), Heartbeat::Kept);
+    assert_eq!(get(&mut con, "sentinel:fe-a").as_deref(), Some("running"));
+    set(&mut con, "sentinel:fe-a", "1");
+    assert_eq!(beat(&mut con, true), Heartbeat::Unclean);
+    let bad: redis::RedisResult<Value> = redis::Script::new(include_str!("../lua/broker.lua"))
+        .key("broker:fe-b")
+        .key("sentinel:fe-b")
+        .arg("{}")
+        .arg("1000")
+        .arg("begin")
+        .invoke(&mut con);
+    assert!(bad.is_err_and(|e| e.to_string().contains("fleetlink")));
+    assert_eq!(get(&mut con, "broker:fe-b"), None);
+}
+
+/// `stale_leases.lua` removes the leases naming this broker id among the keys it is given,
+/// and nothing else: another broker's, one whose id merely ends like this one's, a key of
+/// another type.
+#[test]
+fn the_stale_lease_sweep_removes_only_leases_naming_this_broker() {
+    let (_server, mut con, _) = setup();
+    let b = boot(1).to_string();
+    set(&mut con, "rig:r1", &format!("{b}|fe-a"));
+    set(&mut con, "rig:r2", &format!("{b}|fe-b"));
+    set(&mut con, "rig:r3", &format!("{b}|xfe-a"));
+    set(&mut con, "rig:r4", &format!("{b}|fe-a|x"));
+    run(&mut con, &["RPUSH", "rig:r5", "x|fe-a"]);
+    let removed: u64 = redis::Script::new(include_str!("../lua/stale_leases.lua"))
+        .key("rig:r1")
+        .key("rig:r2")
+        .key("rig:r3")
+        .key("rig:r4")
+        .key("rig:r5")
+        .key("rig:r6")
+        .arg("fe-a")
+        .invoke(&mut con)
+        .unwrap();
+    assert_eq!(removed, 1);
+    let mut left: Vec<String> = redis::cmd("KEYS").arg("rig:*").query(&mut con).unwrap();
+    left.sort();
+    assert_eq!(left, ["rig:r2", "rig:r3", "rig:r4", "rig:r5"]);
 }
 
 // ---- loading and bad input ----
@@ -572,7 +644,7 @@ fn evalsha_after_script_flush_reloads() {
     );
     run(&mut con, &["SCRIPT", "FLUSH"]);
     scripts
-        .broker_heartbeat(&mut con, "fe-a", "{}", TTL)
+        .broker_heartbeat(&mut con, "fe-a", "{}", TTL, false)
         .unwrap();
     run(&mut con, &["SCRIPT", "FLUSH"]);
     assert_eq!(scripts.release(&mut con, &entries, "fe-a").unwrap(), 1);

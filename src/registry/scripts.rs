@@ -41,6 +41,18 @@ pub struct Scripts {
     broker: Script,
 }
 
+/// What a heartbeat found of this broker id's past in Redis (`broker.lua`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Heartbeat {
+    /// Redis kept its keys since this id last wrote them.
+    Kept,
+    /// Redis lost its keys since this id last wrote them (or the id is new).
+    New,
+    /// As [`Self::Kept`], at the start of a process whose predecessor under this id did not
+    /// exit cleanly: leases naming this id may be left over from it.
+    Unclean,
+}
+
 /// What a hello did to the rig's entry.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum HelloOutcome {
@@ -233,26 +245,28 @@ impl Scripts {
         Ok(deleted)
     }
 
-    /// Writes `broker:<broker_id>` = `json` with `ttl`, so control can count live brokers;
-    /// false when Redis lost its keys since this broker id last wrote them, or the id is new
-    /// (`sentinel:<broker_id>`, see `broker.lua`).
+    /// Writes `broker:<broker_id>` = `json` with `ttl`, so control can count live brokers, and
+    /// says what `sentinel:<broker_id>` told of this id's past (see `broker.lua`). `start`: the
+    /// process's first heartbeat, which asks whether the last process under this id exited
+    /// cleanly.
     pub fn broker_heartbeat(
         &self,
         con: &mut impl ConnectionLike,
         broker_id: &str,
         json: &str,
         ttl: Duration,
-    ) -> Result<bool, RegistryError> {
-        let reply: Value = self
-            .broker
-            .key(broker_key(broker_id))
-            .key(sentinel_key(broker_id))
-            .arg(json)
-            .arg(ttl_ms(ttl))
-            .invoke(con)?;
+        start: bool,
+    ) -> Result<Heartbeat, RegistryError> {
+        let mut call = self.broker.key(broker_key(broker_id));
+        call.key(sentinel_key(broker_id)).arg(json).arg(ttl_ms(ttl));
+        if start {
+            call.arg("start");
+        }
+        let reply: Value = call.invoke(con)?;
         match text(&reply) {
-            Some("ok") => Ok(true),
-            Some("new") => Ok(false),
+            Some("ok") => Ok(Heartbeat::Kept),
+            Some("new") => Ok(Heartbeat::New),
+            Some("unclean") if start => Ok(Heartbeat::Unclean),
             _ => Err(unexpected("broker", &reply)),
         }
     }

@@ -313,6 +313,9 @@ impl Bridge {
                     .min(self.next_touch)
                     .min(self.next_heartbeat)
                     .min(self.next_canary);
+                if let Some(at) = f.stale_sweep_due() {
+                    next = next.min(at);
+                }
             }
             // A reconnect is due at its backoff, not at whatever timer comes next (up to a
             // second later: the sessions after a Redis restart went back that late).

@@ -29,6 +29,8 @@ impl Bridge {
         self.refusals_counted = f.refusals;
         let (up, subscribed) = (f.is_up(), f.is_subscribed());
         self.shared.count_n("redis", "refused", refused);
+        let stale = std::mem::take(&mut f.stale_removed);
+        self.shared.count_n("lease", "stale_removed", stale);
         let lost = std::mem::take(&mut f.forget_lost);
         self.shared.count_n("forget", "lost", lost);
         let cuts = std::mem::take(&mut f.subscription_cuts);

@@ -12,7 +12,7 @@ use crate::metrics::BridgeStats;
 pub(super) const CANARY_STALE: Duration = Duration::from_secs(5);
 
 /// Registry operations counted by (op, result), in this order.
-pub const REGISTRY_OPS: [(&str, &str); 72] = [
+pub const REGISTRY_OPS: [(&str, &str); 73] = [
     ("offline", "held"),
     ("offline", "full"),
     ("offline", "connected_elsewhere"),
@@ -60,6 +60,7 @@ pub const REGISTRY_OPS: [(&str, &str); 72] = [
     ("release", "dropped"),
     ("forget", "dropped"),
     ("forget", "lost"),
+    ("lease", "stale_removed"),
     ("remember", "dropped"),
     ("evict", "sent"),
     ("evict", "received"),

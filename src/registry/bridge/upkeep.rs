@@ -135,6 +135,12 @@ impl Bridge {
             self.next_refresh = now + self.cfg.registry_refresh;
             self.refresh();
         }
+        if let Some(f) = self.fleet.as_mut() {
+            let registry = &self.registry;
+            f.sweep_stale_step(now, |rig| {
+                registry.boot_of(rig).is_some() || registry.parked(rig).is_some()
+            });
+        }
         if now >= self.next_touch {
             self.next_touch = now + touch_every(self.cfg.session_ttl);
             self.touch_sessions();

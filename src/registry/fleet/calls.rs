@@ -11,7 +11,7 @@ use crate::ids::Seq;
 use crate::ids::{BootId, RigId};
 use crate::registry::lapse_scripts::{Lapse, Sweep};
 use crate::registry::offline::{Held, Pushed};
-use crate::registry::scripts::{HelloOutcome, RefreshStatus};
+use crate::registry::scripts::{Heartbeat, HelloOutcome, RefreshStatus};
 use crate::registry::sessions::{self, Kept, Persist, Rekeep, RekeepAnswer, Resumed};
 
 impl Fleet {
@@ -311,18 +311,28 @@ impl Fleet {
         self.answered(r)
     }
 
-    /// Writes the `broker:<id>` liveness key.
+    /// Writes the `broker:<id>` liveness key. The process's first one that goes through also
+    /// asks whether its predecessor under this id exited cleanly, and starts the sweep of the
+    /// leases it left when not (`sweep.rs`).
     pub(crate) fn heartbeat(&mut self, json: &str, ttl: Duration) {
         let Some(con) = self.con.as_mut() else { return };
+        let start = !self.heartbeat_went;
         match self
             .scripts
-            .broker_heartbeat(con, &self.broker_id, json, ttl)
+            .broker_heartbeat(con, &self.broker_id, json, ttl, start)
         {
-            Ok(_) if std::mem::take(&mut self.refusing) => {
-                log::info!("redis: writes go through again; leases and sessions are put back");
-                self.just_connected = true;
+            Ok(seen) => {
+                self.heartbeat_went = true;
+                if seen == Heartbeat::Unclean {
+                    self.start_stale_sweep();
+                }
+                if std::mem::take(&mut self.refusing) {
+                    log::info!("redis: writes go through again; leases and sessions are put back");
+                    self.just_connected = true;
+                } else {
+                    self.keys_lost |= seen == Heartbeat::New;
+                }
             }
-            Ok(had) => self.keys_lost |= !had,
             Err(e) => self.call_failed(&e),
         }
     }

@@ -5,7 +5,8 @@
 //!
 //! The files: `errors` (how a failed call or connection attempt is read), `connection`
 //! (connecting, health, the subscription and the reconnect backoff), `calls` (the script
-//! calls answered at once) and `writes` (the queued writes that go out paced).
+//! calls answered at once), `writes` (the queued writes that go out paced) and `sweep` (the
+//! leases a predecessor under this broker id left, removed after an unclean exit).
 
 use std::time::{Duration, Instant};
 
@@ -24,6 +25,7 @@ use crate::registry::throttle::Throttle;
 mod calls;
 mod connection;
 mod errors;
+mod sweep;
 mod writes;
 
 pub use connection::{broker_channel, broker_id_in_use, IdCheck};
@@ -110,6 +112,18 @@ pub(crate) struct Fleet {
     pub(crate) subscription_cuts: u64,
     /// Commands `forget.lua` published `lost` (another command under an acked one's seq).
     pub(crate) forget_lost: u64,
+    /// Whether a heartbeat of this process went through (its first asks after the last
+    /// process under this id: `broker.lua`'s "start").
+    heartbeat_went: bool,
+    /// The sweep of the leases a predecessor under this id left, while under way.
+    stale_sweep: Option<sweep::StaleSweep>,
+    /// `stale_leases.lua`.
+    stale_leases: redis::Script,
+    /// Leases the sweep removed, since the bridge last took them.
+    pub(crate) stale_removed: u64,
+    /// A lease release was dropped for a full queue: its lease lapses by its TTL, so the
+    /// exit is not a clean one (see `retire`).
+    release_dropped: bool,
     /// Those refusals, logged at most once a second.
     refusal_log: Throttle,
     /// Redis refused a write for want of memory since the last heartbeat that went through:
@@ -155,6 +169,11 @@ impl Fleet {
             refusals: 0,
             subscription_cuts: 0,
             forget_lost: 0,
+            heartbeat_went: false,
+            stale_sweep: None,
+            stale_leases: redis::Script::new(include_str!("../../../lua/stale_leases.lua")),
+            stale_removed: 0,
+            release_dropped: false,
             refusal_log: Throttle::default(),
             refusing: false,
         })

@@ -194,12 +194,31 @@ impl Fleet {
     }
 
     /// Removes the `broker:<id>` liveness key on a clean exit, so that control stops counting
-    /// this broker among those that answer a broadcast at once, not 30 s later.
+    /// this broker among those that answer a broadcast at once, not 30 s later. Where every
+    /// lease release went out (none still queued, none dropped for a full queue) and no sweep of a predecessor's leases is
+    /// under way, the sentinel says the exit was clean, so that the next process under this
+    /// id sweeps nothing (`sweep.rs`).
     pub(crate) fn retire(&mut self) {
+        let clean = self.releases.is_empty() && !self.release_dropped && !self.sweeping();
         let Some(con) = self.con.as_mut() else { return };
         let key = crate::registry::scripts::broker_key(&self.broker_id);
         if let Err(e) = redis::cmd("DEL").arg(key).query::<()>(con) {
             log::warn!("redis: broker key not removed at exit ({e}); it lapses by its TTL");
+        }
+        if clean {
+            // XX: a sentinel Redis lost meanwhile stays lost, as broker.lua reads it.
+            let sentinel = crate::registry::scripts::sentinel_key(&self.broker_id);
+            let done = redis::cmd("SET")
+                .arg(sentinel)
+                .arg("clean")
+                .arg("XX")
+                .query::<Option<String>>(con);
+            if let Err(e) = done {
+                log::warn!(
+                    "redis: clean exit not recorded ({e}); the next process under this id \
+                     sweeps for leases left over"
+                );
+            }
         }
     }
 
@@ -259,6 +278,7 @@ impl Fleet {
     /// by its own TTL, and the rig's next hello anywhere takes it over before that.
     pub(crate) fn release(&mut self, rig: RigId, boot: BootId) -> bool {
         if self.releases.len() >= MAX_OUTGOING {
+            self.release_dropped = true;
             return false;
         }
         self.releases.push((rig, boot));
