@@ -74,6 +74,19 @@ impl EventLog {
         }
     }
 
+    /// The length of [`Self::page_json`]'s answer, worked out without building it: an admin
+    /// connection reserves it against `--admin-answer-bytes` before the page is built.
+    pub fn page_json_len(&self, after: u64, limit: usize) -> usize {
+        let page = self.page(after, limit);
+        let digits = |n: u64| n.checked_ilog10().map_or(1, |d| d as usize + 1);
+        let commas = page.events.len().saturating_sub(1);
+        r#"{"next":,"missed":,"events":[]}"#.len()
+            + digits(page.next)
+            + digits(page.missed)
+            + commas
+            + page.events.iter().map(|e| e.len()).sum::<usize>()
+    }
+
     /// The page as the admin API's JSON: `{"next","missed","events":[…]}`.
     pub fn page_json(&self, after: u64, limit: usize) -> Vec<u8> {
         let page = self.page(after, limit);
@@ -99,6 +112,30 @@ mod tests {
 
     fn ev(n: u64) -> Box<[u8]> {
         format!(r#"{{"n":{n}}}"#).into_bytes().into_boxed_slice()
+    }
+
+    #[test]
+    fn a_pages_length_is_known_before_it_is_built() {
+        let mut log = EventLog::default();
+        for after in [0, 5, 12] {
+            assert_eq!(log.page_json_len(after, 10), log.page_json(after, 10).len());
+        }
+        for n in 0..12_345 {
+            log.push(ev(n));
+        }
+        for (after, limit) in [
+            (0, 1000),
+            (2_344, 1),
+            (12_000, 1000),
+            (99_999, 5),
+            (12_345, 3),
+        ] {
+            assert_eq!(
+                log.page_json_len(after, limit),
+                log.page_json(after, limit).len(),
+                "after {after}, limit {limit}"
+            );
+        }
     }
 
     fn numbers(p: &Page) -> Vec<String> {

@@ -1750,6 +1750,123 @@ fn answers_waiting_for_slow_admin_clients_are_bounded_in_all() {
     drop(rigs);
 }
 
+/// Pages of standalone's event log are bounded as rig lists are: a page's length is known
+/// before it is built, and reserved against `--admin-answer-bytes` first. Before, a burst of
+/// requests for a full page (16 MiB) from clients that do not read was built on every pool
+/// thread at once and weighed only then: about 1 GB of memory for 100 clients (review bb108).
+#[test]
+fn a_burst_of_event_pages_nobody_reads_is_refused_before_the_pages_are_built() {
+    const BOUND: usize = 1 << 20;
+    const CLIENTS: usize = 16;
+    let bound = BOUND.to_string();
+    let b = Broker::start(&[
+        "--cores",
+        "1",
+        "--admin-answer-bytes",
+        &bound,
+        "--rig-rate",
+        "100000",
+        "--rig-burst",
+        "100000",
+    ]);
+    let (mut ws, _, _) = b.rig("rig-ev");
+    let data = "x".repeat(60_000);
+    for i in 0..240 {
+        let ev = json!({"type": "event", "name": "blob", "data": {"i": i, "blob": data}});
+        ws.send(Message::Text(ev.to_string().into())).unwrap();
+    }
+    let page = || b.http("GET", "/v1/events?after=0", "").1.len();
+    eventually(Duration::from_secs(10), "the events logged", || {
+        page() > 14_000_000
+    });
+    let len = page();
+    let peak = b.peak_rss();
+    let clients: Vec<std::thread::JoinHandle<(std::net::TcpStream, String)>> = (0..CLIENTS)
+        .map(|_| {
+            let admin = b.admin;
+            std::thread::spawn(move || {
+                let mut s = std::net::TcpStream::connect(admin).unwrap();
+                set_rcvbuf(&s, 64 << 10);
+                s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+                s.write_all(b"GET /v1/events?after=0 HTTP/1.1\r\nHost: x\r\n\r\n")
+                    .unwrap();
+                let mut head = [0u8; 12];
+                std::io::Read::read_exact(&mut s, &mut head).unwrap();
+                (s, String::from_utf8_lossy(&head).to_string())
+            })
+        })
+        .collect();
+    let clients: Vec<_> = clients.into_iter().map(|c| c.join().unwrap()).collect();
+    let sent = clients
+        .iter()
+        .filter(|(_, head)| head == "HTTP/1.1 200")
+        .count();
+    assert!(sent >= 1, "the first page is always sent");
+    let series = "fleetlink_admin_refused_total{reason=\"answer_memory\"}";
+    assert_eq!(b.metric(series), (CLIENTS - sent) as u64);
+    // Each built page costs about twice its length while it is built: 8 pool threads built
+    // 8 at once before.
+    let grown = b.peak_rss().saturating_sub(peak);
+    assert!(
+        grown < (4 * len) as u64,
+        "the peak grew by {grown} bytes for {sent} pages of {len} sent"
+    );
+    assert_eq!(b.http("GET", "/healthz", "").0, 200);
+    drop(clients);
+}
+
+/// A rig that sends its bytes one TCP segment at a time cost the broker a wakeup and a read
+/// for each: 3 µs a byte, plain or TLS (one 1-byte TLS record at a time), so one connection
+/// could keep a core busy for as long as it sent (review bb108). Each read under 256 bytes
+/// that leaves a frame unfinished now takes a sixteenth of a `--rig-rate` token, and reading
+/// pauses while the bucket is empty, which lets the rest pile up in the socket for one read.
+/// The message still arrives whole; a rig sending its messages whole is never charged.
+#[test]
+fn a_rig_dripping_its_bytes_one_at_a_time_is_paused_and_its_message_arrives_whole() {
+    let b = Broker::start(&["--cores", "1", "--rig-burst", "1"]);
+    let rig = RawRig::hello(&b, "rig-drip");
+    let mut s = rig.stream_clone();
+    s.set_nodelay(true).unwrap();
+    let data = "d".repeat(4000);
+    let ev = json!({"type": "event", "name": "drip", "data": data}).to_string();
+    let mut frame = Vec::new();
+    fleetlink::ws::encode_client_frame(
+        &mut frame,
+        true,
+        fleetlink::ws::OpCode::Text,
+        [1, 2, 3, 4],
+        ev.as_bytes(),
+    );
+    for byte in frame.chunks(1) {
+        s.write_all(byte).unwrap();
+    }
+    let logged = |name: &str| -> Vec<Value> {
+        let (_, page) = b.http("GET", "/v1/events?after=0", "");
+        let page: Value = serde_json::from_str(&page).unwrap();
+        page["events"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|e| e["type"] == "event" && e["name"] == name)
+            .cloned()
+            .collect()
+    };
+    eventually(Duration::from_secs(10), "the dripped event logged", || {
+        !logged("drip").is_empty()
+    });
+    assert_eq!(logged("drip")[0]["data"], json!(data));
+    let paused = b.metric("fleetlink_tiny_reads_paused_total");
+    assert!(paused >= 1, "never paused");
+    let mut whole = RawRig::hello(&b, "rig-whole");
+    for i in 0..5 {
+        whole.send_text(&json!({"type": "event", "name": "whole", "data": i}).to_string());
+    }
+    eventually(Duration::from_secs(10), "the whole events logged", || {
+        logged("whole").len() == 5
+    });
+    assert_eq!(b.metric("fleetlink_tiny_reads_paused_total"), paused);
+}
+
 fn set_rcvbuf(s: &std::net::TcpStream, bytes: i32) {
     use std::os::fd::AsRawFd;
     // SAFETY: setsockopt with a pointer to a c_int and its size, on our own socket.

@@ -41,7 +41,7 @@ pub use http::{
 pub(crate) use http::{
     note_evicted, note_slow_refused, note_unfinished, response, RequestClock, CONTINUE,
 };
-pub use routes::{allowed_methods, immediate};
+pub use routes::{allowed_methods, events_answer_len, immediate};
 
 /// Admin connections the cores serve at once; past it the lobby and the pool serve them.
 /// Generous, since the cores serve a connection without handing it between threads. On a core

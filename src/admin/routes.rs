@@ -16,6 +16,7 @@ use super::Admin;
 use crate::event_log;
 use crate::ids::RigId;
 use crate::metrics::{self, CoreSnapshot};
+use crate::registry::bridge::BridgeShared;
 use crate::registry::msg::{RigPage, ToCore};
 
 /// The first four segments of a path and whether a fifth follows (Some), for matching routes
@@ -141,6 +142,35 @@ fn events(admin: &Admin, query: &str) -> Answer {
             "detail": "fleet mode: events are published on fleetlink:events"});
         return (404, "application/json", body.to_string().into_bytes());
     }
+    let Some((after, limit)) = events_query(query) else {
+        let body = json!({"ok": false, "error": "bad_request",
+            "detail": "query: after=N (an event number, 0 for the oldest kept) and limit=1..1000, each at most once"});
+        return (400, "application/json", body.to_string().into_bytes());
+    };
+    match admin.bridge_stats.event_log.lock() {
+        Ok(log) => (200, "application/json", log.page_json(after, limit)),
+        Err(_) => error_answer(503, "unavailable"),
+    }
+}
+
+/// The length of the page a `GET /v1/events` request (standalone) would be answered, before
+/// it is built; None for any other request, or one refused. A page of the whole log is 16 MiB:
+/// a burst of such requests from clients that do not read, each built before its answer was
+/// weighed against `--admin-answer-bytes`, held about 1 GB (review bb108).
+pub fn events_answer_len(req: &Request, bridge: &BridgeShared) -> Option<usize> {
+    if bridge.fleet || req.method != "GET" || req.path != "/v1/events" {
+        return None;
+    }
+    let (after, limit) = events_query(&req.query)?;
+    bridge
+        .event_log
+        .lock()
+        .ok()
+        .map(|log| log.page_json_len(after, limit))
+}
+
+/// `after` and `limit` of a `/v1/events` query; None when it is not one.
+fn events_query(query: &str) -> Option<(u64, usize)> {
     let mut after = 0u64;
     let mut limit = event_log::PAGE_MAX;
     // Plain digits, each key at most once, as the rig list takes them.
@@ -160,16 +190,9 @@ fn events(admin: &Admin, query: &str) -> Answer {
                 .map(|n| limit = n),
             _ => None,
         };
-        if parsed.is_none() {
-            let body = json!({"ok": false, "error": "bad_request",
-                "detail": "query: after=N (an event number, 0 for the oldest kept) and limit=1..1000, each at most once"});
-            return (400, "application/json", body.to_string().into_bytes());
-        }
+        parsed?;
     }
-    match admin.bridge_stats.event_log.lock() {
-        Ok(log) => (200, "application/json", log.page_json(after, limit)),
-        Err(_) => error_answer(503, "unavailable"),
-    }
+    Some((after, limit))
 }
 
 /// Most rigs one page of `GET /v1/rigs` lists.

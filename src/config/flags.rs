@@ -178,7 +178,7 @@ pub struct BrokerArgs {
     /// resume can give back every one.
     #[arg(long, env = "FLEETLINK_OUTBOX", default_value_t = 128)]
     pub outbox: u32,
-    /// Bytes of admin answers (rig lists, metrics) each core may hold while their clients
+    /// Bytes of admin answers (rig lists, event pages, metrics) each core may hold while their clients
     /// read them, past the first 64 KiB of each, at least 1 MiB; one past it is answered 503
     /// (a single answer always goes, however big).
     #[arg(long, env = "FLEETLINK_ADMIN_ANSWER_BYTES", default_value_t = 64 << 20)]

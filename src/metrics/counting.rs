@@ -46,6 +46,7 @@ pub enum C {
     PongsReceived,
     RigRatePaused,
     EventsPaused,
+    TinyReadsPaused,
     BridgeQueueFull,
     Kicks,
     TlsFailed,
@@ -60,7 +61,7 @@ pub enum C {
 }
 
 /// (metric name, label pair) for each counter, in [`C`] order.
-pub(super) const COUNTERS: [(&str, &str); 46] = [
+pub(super) const COUNTERS: [(&str, &str); 47] = [
     ("fleetlink_accepts_total", "result=\"ok\""),
     ("fleetlink_accepts_total", "result=\"rate_limited\""),
     ("fleetlink_accepts_total", "result=\"over_capacity\""),
@@ -96,6 +97,7 @@ pub(super) const COUNTERS: [(&str, &str); 46] = [
     ("fleetlink_pongs_received_total", ""),
     ("fleetlink_rig_rate_paused_total", ""),
     ("fleetlink_rig_events_paused_total", ""),
+    ("fleetlink_tiny_reads_paused_total", ""),
     ("fleetlink_bridge_queue_full_total", "from=\"core\""),
     ("fleetlink_kicks_total", ""),
     ("fleetlink_tls_handshake_failures_total", ""),

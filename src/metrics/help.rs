@@ -64,6 +64,10 @@ pub(super) const HELP: &[(&str, &str)] = &[
         "Times a rig's reads were paused for 10 ms because the events waiting for the bridge neared their 64 MiB bound.",
     ),
     (
+        "fleetlink_tiny_reads_paused_total",
+        "Times a connection's reads were paused because it sent its bytes a few at a time (each read under 256 bytes, leaving a frame or TLS record unfinished), which would otherwise cost a wakeup and a read per byte.",
+    ),
+    (
         "fleetlink_bridge_queue_full_total",
         "Messages refused by a full cross-thread queue, by sender.",
     ),

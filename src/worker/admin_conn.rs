@@ -255,11 +255,12 @@ async fn serve_requests(
         let mut sending = Charge::new(&core.admin_answer_bytes, core.cfg.admin_answer_bytes);
         // A burst of whole-list requests would each be built before the first is charged (40
         // clients at once peaked at 15 lists for 9 sent): each reserves the last one's size
-        // before it is built, and is refused unbuilt when that does not fit.
+        // before it is built, and is refused unbuilt when that does not fit. A page of events
+        // reserves its own length, known before it is built.
         let reserve = if whole_list {
             core.admin_list_bytes.get()
         } else {
-            0
+            admin::events_answer_len(&req, &core.bridge_shared).unwrap_or(0)
         };
         let (answer, taken_at) = match sending.hold_first(reserve) {
             true => answer(core, req).await,

@@ -185,15 +185,17 @@ fn failed(tls: &ServerConnection, why: rustls::Error) -> TlsRead {
     }
 }
 
-/// Reads records from the socket, processes them, and copies out plaintext into `buf`.
+/// Reads records from the socket, processes them, and copies out plaintext into `buf`;
+/// `wire` is set to the bytes that came off the socket.
 pub(crate) fn read_tls(
     fd: RawFd,
     tls: &mut ServerConnection,
     buf: &mut [u8],
+    wire: &mut usize,
 ) -> io::Result<TlsRead> {
     match tls.read_tls(&mut Fd(fd)) {
         Ok(0) => return Ok(TlsRead::Closed),
-        Ok(_) => {}
+        Ok(n) => *wire = n,
         Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
         // The socket's errors carry an errno; rustls's own refusals of input (a buffer it
         // will not grow further) do not, and are the peer's doing like any bad record.

@@ -1,0 +1,86 @@
+#!/usr/bin/env python3
+"""What a rig that sends its bytes one TCP segment at a time costs a broker.
+
+Connects to a running broker's /agent as one rig (plain ws), says hello, then sends MESSAGES
+events of about 60 KB, each one byte per write with TCP_NODELAY, and reports the broker's CPU
+(utime + stime from /proc) per byte sent. A PING carrying a marker follows, so the figure
+covers every byte read.
+
+usage: bench/drip.py --port PORT --pid BROKER_PID [--messages 3]
+Run two brokers side by side (one build each, same flags: --cores 1) and compare medians of
+a few rounds; docs/protocol.md ("fairness") quotes such a comparison.
+"""
+import argparse, json, os, socket, struct, time, uuid
+
+
+def cpu(pid):
+    f = open(f'/proc/{pid}/stat').read().rsplit(')', 1)[1].split()
+    return (int(f[11]) + int(f[12])) / os.sysconf('SC_CLK_TCK')
+
+
+def frame(op, payload):
+    mask = os.urandom(4)
+    n = len(payload)
+    if n < 126:
+        head = struct.pack('!BB', 0x80 | op, 0x80 | n)
+    elif n < 65536:
+        head = struct.pack('!BBH', 0x80 | op, 0x80 | 126, n)
+    else:
+        head = struct.pack('!BBQ', 0x80 | op, 0x80 | 127, n)
+    return head + mask + bytes(b ^ mask[i % 4] for i, b in enumerate(payload))
+
+
+def read_frame(s, buf):
+    while True:
+        if len(buf) >= 2:
+            n, at = buf[1] & 0x7F, 2
+            if n == 126 and len(buf) >= 4:
+                n, at = struct.unpack('!H', buf[2:4])[0], 4
+            elif n == 127 and len(buf) >= 10:
+                n, at = struct.unpack('!Q', buf[2:10])[0], 10
+            if n < 126 or at > 2:
+                if len(buf) >= at + n:
+                    return buf[0] & 0x0F, bytes(buf[at:at + n]), buf[at + n:]
+        chunk = s.recv(65536)
+        if not chunk:
+            raise SystemExit('the broker closed the connection')
+        buf += chunk
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument('--port', type=int, required=True)
+    ap.add_argument('--pid', type=int, required=True)
+    ap.add_argument('--messages', type=int, default=3)
+    a = ap.parse_args()
+    s = socket.create_connection(('127.0.0.1', a.port))
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    s.sendall(b'GET /agent HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n'
+              b'Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n')
+    buf = bytearray()
+    while b'\r\n\r\n' not in buf:
+        buf += s.recv(4096)
+    buf = buf.split(b'\r\n\r\n', 1)[1]
+    boot = str(uuid.UUID(int=(int(time.time() * 1000) << 80) | (0x7 << 76) | (0x2 << 62)))
+    hello = {'type': 'hello', 'rig_id': 'rig-drip', 'boot_id': boot, 'version': 'drip'}
+    s.sendall(frame(1, json.dumps(hello).encode()))
+    _, welcome, buf = read_frame(s, buf)
+    assert b'welcome' in welcome, welcome
+    msg = frame(1, json.dumps({'type': 'event', 'name': 'drip', 'data': 'a' * 60000}).encode())
+    c0, t0, n = cpu(a.pid), time.time(), 0
+    for _ in range(a.messages):
+        for k in range(len(msg)):
+            s.send(msg[k:k + 1])
+            n += 1
+    s.sendall(frame(9, b'drip-done'))
+    while True:
+        op, payload, buf = read_frame(s, buf)
+        if op == 10 and payload == b'drip-done':
+            break
+    dc = cpu(a.pid) - c0
+    print(f'{n} bytes one per segment: broker cpu {dc * 1000:.0f} ms = {dc * 1e9 / n:.0f} ns/byte, '
+          f'wall {time.time() - t0:.2f} s')
+
+
+if __name__ == '__main__':
+    main()
