@@ -1070,9 +1070,7 @@ fn after_a_partition_a_command_whose_seq_the_rig_acked_for_another_is_reported_l
     });
     relay.freeze_both(false);
     assert_eq!(read_close(&mut on_a), 4410);
-    let lost = ctl.next_within(Duration::from_secs(15), |ch, v| {
-        ch == "fleetlink:events" && v["type"] == "lost"
-    });
+    let lost = next_lost(&mut ctl);
     assert_eq!(
         (
             &lost["seq"],
@@ -1120,9 +1118,7 @@ fn the_removal_of_a_seq_acked_during_a_partition_reports_another_brokers_command
     ack(&mut on_a, 4);
     a.wait_metric("fleetlink_commands_total{result=\"acked\"} 4");
     relay.freeze_both(false);
-    let lost = ctl.next_within(Duration::from_secs(15), |ch, v| {
-        ch == "fleetlink:events" && v["type"] == "lost"
-    });
+    let lost = next_lost(&mut ctl);
     assert_eq!(
         (
             &lost["seq"],
@@ -1145,6 +1141,13 @@ fn the_removal_of_a_seq_acked_during_a_partition_reports_another_brokers_command
         !con.hexists::<_, _, bool>(&sess, "c:4").unwrap()
     });
     a.wait_metric("fleetlink_registry_ops_total{op=\"forget\",result=\"lost\"} 1");
+}
+
+/// The next `lost` event control hears, within 15 s.
+fn next_lost(ctl: &mut Control) -> Value {
+    ctl.next_within(Duration::from_secs(15), |ch, v| {
+        ch == "fleetlink:events" && v["type"] == "lost"
+    })
 }
 
 /// The rig leaves fe-b, which releases its lease; then the partition ends with fe-a's
@@ -1187,9 +1190,7 @@ fn after_a_partition_a_connected_rigs_command_whose_seq_was_acked_for_another_is
         !con.hexists::<_, _, bool>(&sess, "c:4").unwrap()
     });
     leave_b_then_heal_cut(&mut con, &relay, "rig-tl", on_b);
-    let lost = ctl.next_within(Duration::from_secs(15), |ch, v| {
-        ch == "fleetlink:events" && v["type"] == "lost"
-    });
+    let lost = next_lost(&mut ctl);
     assert_eq!(
         (&lost["seq"], &lost["id"], &lost["broker_id"]),
         (&json!(4), &given["id"], &json!("fe-a")),

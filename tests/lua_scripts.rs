@@ -1406,6 +1406,28 @@ fn events_of(sub: &mut Connection) -> redis::PubSub<'_> {
     ps
 }
 
+/// Asserts that `ev` is a `lost` event for command `id` under `seq` of `rig`, published by
+/// `broker`.
+fn assert_lost(ev: &serde_json::Value, id: &str, seq: u64, rig: &str, broker: &str) {
+    assert_eq!(
+        (
+            &ev["type"],
+            &ev["id"],
+            &ev["seq"],
+            &ev["rig_id"],
+            &ev["broker_id"]
+        ),
+        (
+            &serde_json::json!("lost"),
+            &serde_json::json!(id),
+            &serde_json::json!(seq),
+            &serde_json::json!(rig),
+            &serde_json::json!(broker)
+        ),
+        "{ev}"
+    );
+}
+
 /// A command as a broker sends it, with seq `seq` and id `id`.
 fn cmd(seq: u64, id: &str) -> String {
     format!(r#"{{"type":"command","seq":{seq},"id":"{id}","name":"n","args":{{}}}}"#)
@@ -1523,27 +1545,9 @@ fn a_checked_removal_reports_another_command_under_the_acked_seq() {
     assert_eq!(lost, 1);
     let msg = ps.get_message().expect("an event");
     let ev: serde_json::Value = serde_json::from_slice(msg.get_payload_bytes()).expect("JSON");
-    assert_eq!(
-        (
-            &ev["type"],
-            &ev["id"],
-            &ev["seq"],
-            &ev["rig_id"],
-            &ev["boot_id"],
-            &ev["broker_id"],
-            &ev["at"]
-        ),
-        (
-            &serde_json::json!("lost"),
-            &serde_json::json!("kept-by-b"),
-            &serde_json::json!(3),
-            &serde_json::json!("rig-cf"),
-            &serde_json::json!(b.as_str()),
-            &serde_json::json!("fe-a"),
-            &serde_json::json!("2026-12-06T00:00:00Z")
-        ),
-        "{ev}"
-    );
+    assert_lost(&ev, "kept-by-b", 3, "rig-cf", "fe-a");
+    assert_eq!(ev["boot_id"], b.as_str());
+    assert_eq!(ev["at"], "2026-12-06T00:00:00Z");
     let left: Vec<String> = redis::cmd("HKEYS").arg(&sess).query(&mut con).unwrap();
     let mut left = left;
     left.sort();
@@ -1605,23 +1609,7 @@ fn a_seq_two_brokers_gave_to_two_commands_reports_the_one_that_goes() {
     let answer = rekeep(&mut con, "fe-b", copy(&r, &b, &given, RekeepMode::Live));
     assert_eq!(answer, [Rekept::Behind(Seq(5))]);
     let lost = next_event();
-    assert_eq!(
-        (
-            &lost["type"],
-            &lost["id"],
-            &lost["seq"],
-            &lost["rig_id"],
-            &lost["broker_id"]
-        ),
-        (
-            &serde_json::json!("lost"),
-            &serde_json::json!("kept-by-a"),
-            &serde_json::json!(3),
-            &serde_json::json!("rig-two"),
-            &serde_json::json!("fe-b")
-        ),
-        "{lost}"
-    );
+    assert_lost(&lost, "kept-by-a", 3, "rig-two", "fe-b");
     assert_eq!(lost["boot_id"], b.as_str());
     assert!(lost["detail"]
         .as_str()
