@@ -2978,6 +2978,56 @@ fn a_queued_command_whose_deadline_passed_in_an_outage_is_reported_expired_after
     assert_eq!(held, 0, "removed from Redis when reported");
 }
 
+/// A broker that drains and exits before the deadlines of the commands it held for offline
+/// rigs hands them to Redis, and a broker still running reports each `expired` as it comes
+/// due; one whose rig took it first is not. Before, the deadlines left with the exiting
+/// process, and a rig that stayed away never had its commands reported (review bb107: 51 of
+/// 20,882 held commands in a soak with two restarts).
+#[test]
+fn the_deadlines_of_a_drained_broker_are_reported_by_one_still_running() {
+    let redis = RedisServer::start();
+    let mut a = fleet_broker(&redis, "fe-a", &["--drain", "0s"]);
+    let b = fleet_broker(&redis, "fe-b", &[]);
+    let mut ctl = Control::new(&redis, &["fleetlink:events"]);
+    for (rig, id) in [("rig-away", "h1"), ("rig-back", "h2")] {
+        let body = json!({"id": id, "name": "n", "args": {}, "queue_if_offline": true,
+                          "ttl_ms": 3000})
+        .to_string();
+        let (status, reply) = a.http("POST", &format!("/v1/rigs/{rig}/commands"), &body);
+        assert!(status < 300 && reply.contains("\"queued\":true"), "{reply}");
+    }
+    a.sigterm();
+    assert!(a
+        .wait_exit(Duration::from_secs(15))
+        .is_some_and(|s| s.success()));
+    let due: usize = redis.connection().zcard("offline:due:handed").unwrap();
+    assert_eq!(due, 2, "both deadlines handed to Redis");
+    let (mut ws, _, _) = b.rig("rig-back");
+    read_command(&mut ws, 1, "h2");
+    let ev = ctl.next_within(Duration::from_secs(15), |ch, v| {
+        ch == "fleetlink:events" && v["type"] == "expired"
+    });
+    assert_eq!(
+        (&ev["id"], &ev["rig_id"], &ev["broker_id"]),
+        (&json!("h1"), &json!("rig-away"), &json!("fe-b")),
+        "{ev}"
+    );
+    eventually(Duration::from_secs(10), "both deadlines taken", || {
+        redis
+            .connection()
+            .zcard::<_, usize>("offline:due:handed")
+            .unwrap()
+            == 0
+    });
+    assert_eq!(
+        b.metric("fleetlink_registry_ops_total{op=\"offline\",result=\"expired_handed\"}"),
+        1,
+        "the delivered one is not reported"
+    );
+    let held: usize = redis.connection().llen("offline:rig-away").unwrap();
+    assert_eq!(held, 0, "removed from Redis when reported");
+}
+
 /// A rig welcomed while its broker could not reach Redis gets what Redis held for it once the
 /// broker is back: the hello could not take the list then. Before, the commands waited in
 /// Redis for the rig's next hello, and were reported `expired` with the rig connected.

@@ -662,6 +662,7 @@ fn scripts_reject_bad_arguments_before_writing() {
     let broker = redis::Script::new(include_str!("../lua/broker.lua"));
     let release = redis::Script::new(include_str!("../lua/release.lua"));
     let forget = redis::Script::new(include_str!("../lua/forget.lua"));
+    let due = redis::Script::new(include_str!("../lua/offline_due.lua"));
     let expire = redis::Script::new(include_str!("../lua/offline_expire.lua"));
     let lapse = redis::Script::new(concat!(
         include_str!("../lua/lease_holder.lua"),
@@ -701,6 +702,13 @@ fn scripts_reject_bad_arguments_before_writing() {
             .key("rig:a")
             .key("rig:b")
             .arg(format!("{b}|fe"))
+            .invoke(&mut con),
+        // A count of 0 taken.
+        due.key("offline:due:handed")
+            .arg("fe")
+            .arg("2026-01-01T00:00:00Z")
+            .arg("0")
+            .arg("60000")
             .invoke(&mut con),
         // A seq that is no number, then one id short.
         forget
@@ -895,6 +903,80 @@ fn take_many_takes_the_head_of_each_rigs_offline_queue_in_order() {
     // Taken means gone.
     let again = offline.take_many(&mut con, &[&r1, &r3], 10).unwrap();
     assert!(again.iter().all(Vec::is_empty));
+}
+
+/// Deadlines an exiting broker handed to Redis (`offline_due.lua`): each due one is reported
+/// `expired` by the broker that takes it when its command is still held (and removed, with a
+/// mark) or was removed by the holder's own expiry call already (its mark); one a hello took
+/// is dropped unreported; one not yet due stays. Each is taken once.
+#[test]
+fn handed_over_deadlines_are_reported_once_each_as_they_come_due() {
+    use fleetlink::registry::offline::{offline_key, unix_ms, Held, OfflineScripts, DUE_KEY};
+    let (server, mut con, _) = setup();
+    let offline = OfflineScripts::default();
+    let mut sub = server.client().get_connection().unwrap();
+    let mut ps = events_of(&mut sub);
+    let held = |id: &str, deadline_ms: u64| Held {
+        id: id.into(),
+        name: "fw".into(),
+        args: fleetlink::args::Args::empty(),
+        deadline_ms,
+        reply_to: None,
+    };
+    let (r1, r2, r3, r4) = (rig("rig-1"), rig("rig-2"), rig("rig-3"), rig("rig-4"));
+    let past = unix_ms() - 1;
+    let (still, marked, taken, later) = (
+        held("still", past),
+        held("marked", past),
+        held("taken", past),
+        held("later", unix_ms() + 3_600_000),
+    );
+    for (r, h) in [(&r1, &still), (&r2, &marked), (&r3, &taken), (&r4, &later)] {
+        offline.push(&mut con, r, h, TTL, "fe-a").unwrap();
+    }
+    // The holder's own expiry of `marked` ran (its answer lost); a hello took `taken`.
+    assert_eq!(
+        offline.expire_many(&mut con, &[(&r2, &marked)]).unwrap(),
+        [Some(true)]
+    );
+    offline.take_many(&mut con, &[&r3], 10).unwrap();
+    offline
+        .hand_off(
+            &mut con,
+            &[(&r1, &still), (&r2, &marked), (&r3, &taken), (&r4, &later)],
+        )
+        .unwrap();
+    let left: i64 = redis::cmd("PTTL").arg(DUE_KEY).query(&mut con).unwrap();
+    assert!(left > 3_600_000, "lasts past the last deadline: {left}");
+    assert_eq!(offline.report_due(&mut con, "fe-b").unwrap(), 2);
+    let mut reported = Vec::new();
+    for _ in 0..2 {
+        let msg = ps.get_message().expect("an event");
+        let ev: serde_json::Value = serde_json::from_slice(msg.get_payload_bytes()).unwrap();
+        assert_eq!(
+            (&ev["type"], &ev["broker_id"]),
+            (&serde_json::json!("expired"), &serde_json::json!("fe-b")),
+            "{ev}"
+        );
+        reported.push((ev["rig_id"].clone(), ev["id"].clone()));
+    }
+    reported.sort_by_key(|(r, _)| r.to_string());
+    assert_eq!(
+        reported,
+        [
+            (serde_json::json!("rig-1"), serde_json::json!("still")),
+            (serde_json::json!("rig-2"), serde_json::json!("marked"))
+        ]
+    );
+    let held_left: usize = redis::cmd("LLEN")
+        .arg(offline_key(&r1))
+        .query(&mut con)
+        .unwrap();
+    assert_eq!(held_left, 0);
+    // Taken once: a second call (another broker's) reports nothing; `later` waits.
+    assert_eq!(offline.report_due(&mut con, "fe-c").unwrap(), 0);
+    let due: usize = redis::cmd("ZCARD").arg(DUE_KEY).query(&mut con).unwrap();
+    assert_eq!(due, 1);
 }
 
 /// A connection that cannot number all it took puts the rest back at the head, in order, ahead

@@ -89,7 +89,16 @@ pub struct OfflineScripts {
     put_back: Script,
     take: Script,
     expire: Script,
+    due: Script,
 }
+
+/// The sorted set of held commands' deadlines that exiting brokers handed to Redis, for any
+/// broker to report (`offline_due.lua`). Two colons: no rig's list (`offline:<rig_id>`, an id
+/// has none) and no `offline:expired:` or `offline:for:` key can be named so.
+pub const DUE_KEY: &str = "offline:due:handed";
+
+/// Most handed-over deadlines one `offline_due.lua` call reports.
+const DUE_MOST: usize = 1_000;
 
 /// `offline_push.lua` as Redis runs it: behind the lease check it shares with
 /// `offline_return.lua` (a script can call no other).
@@ -111,6 +120,7 @@ impl Default for OfflineScripts {
             put_back: Script::new(RETURN),
             take: Script::new(include_str!("../../lua/offline_take.lua")),
             expire: Script::new(include_str!("../../lua/offline_expire.lua")),
+            due: Script::new(include_str!("../../lua/offline_due.lua")),
         }
     }
 }
@@ -312,6 +322,55 @@ impl OfflineScripts {
             .collect())
     }
 
+    /// Hands the deadlines of `entries` (held in Redis by this broker, which is exiting) to
+    /// Redis, for any broker to report as they come due (`offline_due.lua`). The set lasts a
+    /// minute past the last of them.
+    pub fn hand_off(
+        &self,
+        con: &mut impl ConnectionLike,
+        entries: &[(&RigId, &Held)],
+    ) -> Result<(), RegistryError> {
+        let Some(last) = entries.iter().map(|(_, e)| e.deadline_ms).max() else {
+            return Ok(());
+        };
+        for chunk in entries.chunks(DUE_MOST) {
+            let mut add = redis::cmd("ZADD");
+            add.arg(DUE_KEY);
+            for (rig, entry) in chunk {
+                let json = serde_json::to_string(entry).unwrap_or_default();
+                add.arg(entry.deadline_ms).arg(format!("{rig}\n{json}"));
+            }
+            add.query::<()>(con)?;
+        }
+        let lasts = last.saturating_sub(unix_ms()) + LIST_GRACE.as_millis() as u64;
+        let left: i64 = redis::cmd("PTTL").arg(DUE_KEY).query(con)?;
+        if left == -1 || (left >= 0 && (left as u64) < lasts) {
+            redis::cmd("PEXPIRE")
+                .arg(DUE_KEY)
+                .arg(lasts)
+                .query::<()>(con)?;
+        }
+        Ok(())
+    }
+
+    /// Reports the handed-over deadlines that are due (`offline_due.lua`), as broker
+    /// `broker_id`; how many were published `expired`.
+    pub fn report_due(
+        &self,
+        con: &mut impl ConnectionLike,
+        broker_id: &str,
+    ) -> Result<u64, RegistryError> {
+        let at = crate::reply::rfc3339(std::time::SystemTime::now());
+        Ok(self
+            .due
+            .key(DUE_KEY)
+            .arg(broker_id)
+            .arg(at)
+            .arg(DUE_MOST)
+            .arg(LIST_GRACE.as_millis() as u64)
+            .invoke(con)?)
+    }
+
     /// Removes held commands if they are still there (a copy this broker delivered itself),
     /// in one round trip: per entry, true when it was there.
     pub fn remove_many(
@@ -459,6 +518,11 @@ impl Deadlines {
             let entries = &self.entries;
             self.heap.retain(|Reverse((_, k))| entries.contains_key(k));
         }
+    }
+
+    /// Every deadline kept, with its rig and command.
+    pub fn iter(&self) -> impl Iterator<Item = (&RigId, &Held)> {
+        self.entries.values().map(|(rig, entry, _)| (rig, entry))
     }
 
     /// How many deadlines are kept.

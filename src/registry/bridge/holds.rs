@@ -446,19 +446,34 @@ impl Bridge {
     }
 
     /// At exit: what this broker's end does to the commands it holds for offline rigs, said
-    /// once, since control was told each was `queued`. In fleet mode they stay in Redis, but
-    /// the deadlines were this broker's to report; standalone they were in this process.
-    pub(super) fn log_holds_left(&self) {
-        if self.fleet.is_some() {
-            let n = self.deadlines.len();
-            if n > 0 {
+    /// once, since control was told each was `queued`. In fleet mode they stay in Redis, and
+    /// the deadlines, this broker's to report, are handed to Redis for the brokers still
+    /// running (`offline_due.lua`); before, a rig that stayed away never heard of them
+    /// (review bb107). Standalone they were in this process.
+    pub(super) fn hand_off_holds(&mut self) {
+        if let Some(f) = self.fleet.as_mut() {
+            // A deadline of a command held here, not in Redis, has no entry there to report.
+            let entries: Vec<(&RigId, &Held)> = self
+                .deadlines
+                .iter()
+                .filter(|(_, e)| !e.name.is_empty())
+                .collect();
+            let n = entries.len();
+            if n == 0 {
+            } else if f.offline_hand_off(&entries) {
+                log::info!(
+                    "handed the deadlines of {n} commands this broker held for offline rigs to \
+                     Redis: a broker still running reports each expired when it comes due, \
+                     unless its rig took it first"
+                );
+            } else {
                 log::warn!(
                     "exiting while keeping the deadlines of {n} commands this broker held for \
                      offline rigs (delivered ones too: a deadline is kept until due, since \
-                     another broker may deliver the command): those still held stay in Redis \
-                     and reach their rigs at the next hello on any broker, but one whose \
-                     deadline passes is reported expired only at its rig's hello, and not at \
-                     all if the rig stays away past a minute after it"
+                     another broker may deliver the command), Redis not taking them: those \
+                     still held stay in Redis and reach their rigs at the next hello on any \
+                     broker, but one whose deadline passes is reported expired only at its \
+                     rig's hello, and not at all if the rig stays away past a minute after it"
                 );
             }
             return;
@@ -486,6 +501,14 @@ impl Bridge {
         self.shared.count("offline", "expired");
         let ev = crate::events::expired(&self.cfg.broker_id, rig, id);
         self.publish(fleet::EVENTS.to_string(), &ev);
+    }
+
+    /// Deadlines exited brokers handed to Redis that came due: reported there (once a second,
+    /// with the canary).
+    pub(super) fn report_handed_deadlines(&mut self) {
+        if let Some(n) = self.fleet.as_mut().and_then(|f| f.offline_report_due()) {
+            self.shared.count_n("offline", "expired_handed", n);
+        }
     }
 
     /// Commands this broker held whose deadline passed: reported `expired` if still held.

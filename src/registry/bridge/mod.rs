@@ -897,7 +897,7 @@ impl Bridge {
             f.flush_before_exit(&wait);
             f.retire();
         }
-        self.log_holds_left();
+        self.hand_off_holds();
         if !self.ended_alone.is_empty() || !self.rekeeps.is_empty() {
             log::warn!(
                 "exiting with {} ended sessions unreported and {} sessions not put back: \

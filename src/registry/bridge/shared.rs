@@ -12,12 +12,13 @@ use crate::metrics::BridgeStats;
 pub(super) const CANARY_STALE: Duration = Duration::from_secs(5);
 
 /// Registry operations counted by (op, result), in this order.
-pub const REGISTRY_OPS: [(&str, &str); 73] = [
+pub const REGISTRY_OPS: [(&str, &str); 74] = [
     ("offline", "held"),
     ("offline", "full"),
     ("offline", "connected_elsewhere"),
     ("offline", "delivered"),
     ("offline", "expired"),
+    ("offline", "expired_handed"),
     ("offline", "undelivered"),
     ("offline", "forwarded"),
     ("offline", "held_again"),

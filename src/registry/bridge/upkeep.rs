@@ -70,6 +70,7 @@ impl Bridge {
         }
         if now >= self.next_canary {
             self.next_canary = now + CANARY_EVERY;
+            self.report_handed_deadlines();
             // Readiness fails on a late canary while every call still succeeds (a path to
             // Redis that trickles, a subscription read falling behind): said once, or the
             // 503 has no trace in the log.

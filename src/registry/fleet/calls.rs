@@ -292,6 +292,24 @@ impl Fleet {
         self.answered(expired)
     }
 
+    /// Hands the deadlines of commands this exiting broker holds to Redis (see
+    /// `OfflineScripts::hand_off`); false when Redis did not take them.
+    pub(crate) fn offline_hand_off(&mut self, entries: &[(&RigId, &Held)]) -> bool {
+        let Some(con) = self.con.as_mut() else {
+            return false;
+        };
+        let done = self.offline.hand_off(con, entries);
+        self.answered(done).is_some()
+    }
+
+    /// Reports the deadlines exited brokers handed to Redis that are due; how many were
+    /// published `expired`. None when Redis is unavailable.
+    pub(crate) fn offline_report_due(&mut self) -> Option<u64> {
+        let con = self.con.as_mut()?;
+        let reported = self.offline.report_due(con, &self.broker_id);
+        self.answered(reported)
+    }
+
     /// Removes held commands that are still there, in one round trip. None when Redis is
     /// unavailable.
     pub(crate) fn offline_remove_many(&mut self, entries: &[(&RigId, &Held)]) -> Option<Vec<bool>> {
