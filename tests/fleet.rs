@@ -500,6 +500,28 @@ fn a_broker_killed_and_started_again_under_its_id_removes_the_leases_it_left() {
     );
 }
 
+/// A second process under a running broker's id, started while Redis was out of its reach
+/// (so the check at start could not refuse it), finds the sentinel saying `running`, as after
+/// a kill: it must not sweep the live process's leases. Before, it removed all of them, and
+/// the live broker's rigs had none until its next refresh (review bb109).
+#[test]
+fn a_second_process_under_a_running_brokers_id_sweeps_none_of_its_leases() {
+    let redis = RedisServer::start();
+    let a = fleet_broker(&redis, "fe-a", &[]);
+    let (_ws, boot, _) = a.rig("rig-live");
+    let relay = Relay::start(redis.port());
+    relay.down(true);
+    let url = relay.url();
+    let twin = Broker::start_logged(&["--redis", url.as_str(), "--broker-id", "fe-a"]);
+    relay.down(false);
+    twin.wait_log(&["another process listens on --broker-id fe-a's channel"]);
+    assert_eq!(owner(&redis, "rig-live"), Some(format!("{boot}|fe-a")));
+    assert_eq!(
+        twin.metric("fleetlink_registry_ops_total{op=\"lease\",result=\"stale_removed\"}"),
+        0
+    );
+}
+
 /// `--redis unix:///PATH` (a Redis on the same host, through its Unix socket) serves as a TCP
 /// URL does: the subscription reads its own canary (ready), and a command published on the
 /// broker's channel reaches the rig and is kept in its session. The subscription used to

@@ -1812,6 +1812,11 @@ fn a_burst_of_event_pages_nobody_reads_is_refused_before_the_pages_are_built() {
         "the peak grew by {grown} bytes for {sent} pages of {len} sent"
     );
     assert_eq!(b.http("GET", "/healthz", "").0, 200);
+    // A HEAD builds the page for its length though it sends none: refused the same, while the
+    // pages sent hold the bound (bb109: a HEAD burst took the broker to 0.7–1 GB).
+    let head = b.http("HEAD", "/v1/events?after=0", "").0;
+    assert_eq!(head, 503);
+    assert_eq!(b.metric(series), (CLIENTS - sent + 1) as u64);
     drop(clients);
 }
 
@@ -1865,6 +1870,48 @@ fn a_rig_dripping_its_bytes_one_at_a_time_is_paused_and_its_message_arrives_whol
         logged("whole").len() == 5
     });
     assert_eq!(b.metric("fleetlink_tiny_reads_paused_total"), paused);
+    // Whole frames a segment each, but of a message not yet ended: empty continuations cost
+    // as single bytes do (bb109: a third of a core, uncharged).
+    let ev = json!({"type": "event", "name": "frag", "data": 1}).to_string();
+    let mut frames = Vec::new();
+    let (first, last) = ev.as_bytes().split_at(1);
+    fleetlink::ws::encode_client_frame(
+        &mut frames,
+        false,
+        fleetlink::ws::OpCode::Text,
+        [1, 2, 3, 4],
+        first,
+    );
+    s.write_all(&frames).unwrap();
+    for _ in 0..600 {
+        let mut empty = Vec::new();
+        fleetlink::ws::encode_client_frame(
+            &mut empty,
+            false,
+            fleetlink::ws::OpCode::Continuation,
+            [1, 2, 3, 4],
+            b"",
+        );
+        s.write_all(&empty).unwrap();
+    }
+    let mut end = Vec::new();
+    fleetlink::ws::encode_client_frame(
+        &mut end,
+        true,
+        fleetlink::ws::OpCode::Continuation,
+        [1, 2, 3, 4],
+        last,
+    );
+    s.write_all(&end).unwrap();
+    eventually(
+        Duration::from_secs(10),
+        "the fragmented event logged",
+        || logged("frag").len() == 1,
+    );
+    assert!(
+        b.metric("fleetlink_tiny_reads_paused_total") > paused,
+        "empty fragments were not charged"
+    );
 }
 
 fn set_rcvbuf(s: &std::net::TcpStream, bytes: i32) {

@@ -158,7 +158,8 @@ fn events(admin: &Admin, query: &str) -> Answer {
 /// a burst of such requests from clients that do not read, each built before its answer was
 /// weighed against `--admin-answer-bytes`, held about 1 GB (review bb108).
 pub fn events_answer_len(req: &Request, bridge: &BridgeShared) -> Option<usize> {
-    if bridge.fleet || req.method != "GET" || req.path != "/v1/events" {
+    // HEAD too: its page is built (for its length) though not sent (review bb109).
+    if bridge.fleet || !matches!(req.method.as_str(), "GET" | "HEAD") || req.path != "/v1/events" {
         return None;
     }
     let (after, limit) = events_query(&req.query)?;

@@ -262,9 +262,10 @@ async fn serve_requests(
         } else {
             admin::events_answer_len(&req, &core.bridge_shared).unwrap_or(0)
         };
+        let events = req.path == "/v1/events";
         let (answer, taken_at) = match sending.hold_first(reserve) {
             true => answer(core, req).await,
-            false => (refuse_answer(core), None),
+            false => (refuse_answer(core, events), None),
         };
         if whole_list && answer.0 == 200 {
             core.admin_list_bytes.set(answer.2.len());
@@ -273,7 +274,7 @@ async fn serve_requests(
         // The reservation becomes the answer's own size, or the answer is refused.
         let answer = match sending.hold_first(body) {
             true => answer,
-            false => refuse_answer(core),
+            false => refuse_answer(core, events),
         };
         write(stream, answer, close, head_only, allow).await?;
         drop(sending);
@@ -388,9 +389,16 @@ fn whole_rig_list(req: &Request) -> bool {
         && !req.query.split('&').any(|p| p.starts_with("limit="))
 }
 
-/// Counts and answers a request refused for `--admin-answer-bytes`.
-fn refuse_answer(core: &Core) -> Answer {
+/// Counts and answers a request refused for `--admin-answer-bytes` (`events`: one for a page
+/// of events, which names its own way to ask for less).
+fn refuse_answer(core: &Core, events: bool) -> Answer {
     core.metrics.inc(C::AdminAnswerMemoryFull);
+    if events {
+        return overloaded(
+            "admin answers being sent hold as much memory as this core allows; retry, or ask \
+             for fewer events with ?limit=",
+        );
+    }
     answer_memory_full()
 }
 

@@ -198,7 +198,9 @@ fn on_readable(core: &Core, conn: &Conn) -> usize {
         let used = session::consume(core, conn, &mut st, &buf);
         keep_rest(&mut st, buf, used);
     }
-    let unfinished = !st.rbuf_is_empty() && !st.rbuf_ready;
+    // A frame cut short, or a message whose fragments are still coming: whole 6-byte frames of
+    // a fragmented message, one a segment, cost what single bytes do (review bb109).
+    let unfinished = (!st.rbuf_is_empty() && !st.rbuf_ready) || !st.decoder.is_idle();
     charge_tiny_read(core, &mut st, wire, unfinished);
     if last {
         // The peer's TLS close_notify came with these bytes: it sends nothing more, and no
@@ -218,8 +220,9 @@ const TINY_READ_COST: f32 = 1.0 / 16.0;
 /// A peer that sends its bytes a few at a time (one per TCP segment, or one per TLS record)
 /// costs a wakeup and a read for each: 3 µs a byte measured, plain or TLS, against 8 ns in
 /// whole segments, so one connection could keep a core busy for as long as it sent (review
-/// bb108). A read of fewer than [`TINY_READ`] bytes that leaves a frame, a request head or a
-/// TLS record unfinished takes [`TINY_READ_COST`] of the connection's bucket, in every phase,
+/// bb108). A read of fewer than [`TINY_READ`] bytes that leaves a frame, a fragmented message,
+/// a request head or a TLS record unfinished takes [`TINY_READ_COST`] of the connection's
+/// bucket, in every phase,
 /// and reading pauses while the bucket is empty, as over `--rig-rate`. A rig whose messages
 /// come whole is never charged: a read that ends them leaves nothing unfinished.
 fn charge_tiny_read(core: &Core, st: &mut ConnState, wire: usize, unfinished: bool) {
