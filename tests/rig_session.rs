@@ -1832,17 +1832,15 @@ fn a_rig_dripping_its_bytes_one_at_a_time_is_paused_and_its_message_arrives_whol
     let rig = RawRig::hello(&b, "rig-drip");
     let mut s = rig.stream_clone();
     s.set_nodelay(true).unwrap();
+    let frame = |fin: bool, op: fleetlink::ws::OpCode, payload: &[u8]| -> Vec<u8> {
+        let mut out = Vec::new();
+        fleetlink::ws::encode_client_frame(&mut out, fin, op, [1, 2, 3, 4], payload);
+        out
+    };
+    use fleetlink::ws::OpCode::{Continuation, Text};
     let data = "d".repeat(4000);
     let ev = json!({"type": "event", "name": "drip", "data": data}).to_string();
-    let mut frame = Vec::new();
-    fleetlink::ws::encode_client_frame(
-        &mut frame,
-        true,
-        fleetlink::ws::OpCode::Text,
-        [1, 2, 3, 4],
-        ev.as_bytes(),
-    );
-    for byte in frame.chunks(1) {
+    for byte in frame(true, Text, ev.as_bytes()).chunks(1) {
         s.write_all(byte).unwrap();
     }
     let logged = |name: &str| -> Vec<Value> {
@@ -1873,36 +1871,12 @@ fn a_rig_dripping_its_bytes_one_at_a_time_is_paused_and_its_message_arrives_whol
     // Whole frames a segment each, but of a message not yet ended: empty continuations cost
     // as single bytes do (bb109: a third of a core, uncharged).
     let ev = json!({"type": "event", "name": "frag", "data": 1}).to_string();
-    let mut frames = Vec::new();
     let (first, last) = ev.as_bytes().split_at(1);
-    fleetlink::ws::encode_client_frame(
-        &mut frames,
-        false,
-        fleetlink::ws::OpCode::Text,
-        [1, 2, 3, 4],
-        first,
-    );
-    s.write_all(&frames).unwrap();
+    s.write_all(&frame(false, Text, first)).unwrap();
     for _ in 0..600 {
-        let mut empty = Vec::new();
-        fleetlink::ws::encode_client_frame(
-            &mut empty,
-            false,
-            fleetlink::ws::OpCode::Continuation,
-            [1, 2, 3, 4],
-            b"",
-        );
-        s.write_all(&empty).unwrap();
+        s.write_all(&frame(false, Continuation, b"")).unwrap();
     }
-    let mut end = Vec::new();
-    fleetlink::ws::encode_client_frame(
-        &mut end,
-        true,
-        fleetlink::ws::OpCode::Continuation,
-        [1, 2, 3, 4],
-        last,
-    );
-    s.write_all(&end).unwrap();
+    s.write_all(&frame(true, Continuation, last)).unwrap();
     eventually(
         Duration::from_secs(10),
         "the fragmented event logged",
