@@ -5,26 +5,29 @@
 -- The broker that held a command for an offline rig keeps its deadline, to report it
 -- `expired` if the rig has not taken it by then. A broker that exits (a drain) before its
 -- deadlines come hands them to Redis instead (the sorted set below, by deadline), where any
--- broker still running reports each as it comes due, as the holder would have: removed from
--- the rig's list and published `expired` when it is still there, or when offline_expire.lua
--- removed it already (the holder's call ran, and its answer was lost); nothing when a hello
--- took it (delivered, and reported so). Each member is taken once: the first broker to run
--- this after its deadline has it.
+-- broker still running reports each as it comes due, as the holder would: removed from the
+-- rig's list and published `expired` when it is still there; nothing when it is gone. Gone,
+-- a hello took it (delivered, and reported so), or another broker that keeps a deadline for
+-- the very same entry (one that put it back into the hold) expired and reported it. No mark is
+-- read or left here: a mark says only that someone removed the entry, and the broker that
+-- put it back, expiring it after this script, reads its answer 0 (taken) and reports nothing;
+-- reading marks here reported such a command twice (review bb110). Each member is taken once:
+-- the first broker to run this after its deadline has it.
 --
--- KEYS[1]  offline:due:handed   (sorted set: score the deadline, unix ms; member "<rig_id>\n<entry>",
---                         the entry byte for byte as held in offline:<rig_id>)
+-- KEYS[1]  offline:due:handed   (sorted set: score the deadline, unix ms; member
+--                               "<rig_id>\n<entry>", the entry byte for byte as held in
+--                               offline:<rig_id>)
 -- ARGV[1]  this broker's id (the events' broker_id)
 -- ARGV[2]  the events' "at": the broker's clock, RFC 3339
 -- ARGV[3]  most members taken in this call: decimal integer, 1 to 15 digits
--- ARGV[4]  how long a removal's mark is kept, ms (as offline_expire.lua keeps it)
 --
--- Returns the number of commands published `expired`.
+-- Returns {taken, reported}: the members taken, and how many of them were published
+-- `expired`. A full `taken` means more may be due: the caller asks again at once.
 -- Errors "ERR fleetlink offline_due: ..." on malformed ARGV, before any write.
 
-local most, keep = ARGV[3], ARGV[4]
-if #KEYS ~= 1 or #ARGV ~= 4 or not most:match('^[1-9]%d*$') or #most > 15
-    or not keep:match('^[1-9]%d*$') or #keep > 15 then
-  return redis.error_reply('ERR fleetlink offline_due: expected KEYS due; ARGV broker_id, at, most, mark_ms')
+local most = ARGV[3]
+if #KEYS ~= 1 or #ARGV ~= 3 or not most:match('^[1-9]%d*$') or #most > 15 then
+  return redis.error_reply('ERR fleetlink offline_due: expected KEYS due; ARGV broker_id, at, most')
 end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -35,21 +38,9 @@ for _, member in ipairs(due) do
   local cut = string.find(member, '\n', 1, true)
   if cut then
     local rig, entry = string.sub(member, 1, cut - 1), string.sub(member, cut + 1)
-    local marks = 'offline:expired:' .. rig
-    local mark = redis.sha1hex(entry)
     -- pcall: a key of another type is none of ours; the command is then not there.
     local gone = redis.pcall('LREM', 'offline:' .. rig, 1, entry)
-    local expired = false
     if type(gone) == 'number' and gone > 0 then
-      redis.call('SADD', marks, mark)
-      if redis.call('PTTL', marks) < tonumber(keep) then
-        redis.call('PEXPIRE', marks, keep)
-      end
-      expired = true
-    else
-      expired = redis.pcall('SISMEMBER', marks, mark) == 1
-    end
-    if expired then
       local decoded, cmd = pcall(cjson.decode, entry)
       local id = (decoded and type(cmd) == 'table' and type(cmd.id) == 'string') and cmd.id or nil
       redis.call('PUBLISH', 'fleetlink:events', '{"type":"expired","rig_id":' .. cjson.encode(rig)
@@ -59,4 +50,4 @@ for _, member in ipairs(due) do
     end
   end
 end
-return reported
+return { #due, reported }

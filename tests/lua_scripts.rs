@@ -708,7 +708,6 @@ fn scripts_reject_bad_arguments_before_writing() {
             .arg("fe")
             .arg("2026-01-01T00:00:00Z")
             .arg("0")
-            .arg("60000")
             .invoke(&mut con),
         // A seq that is no number, then one id short.
         forget
@@ -906,9 +905,10 @@ fn take_many_takes_the_head_of_each_rigs_offline_queue_in_order() {
 }
 
 /// Deadlines an exiting broker handed to Redis (`offline_due.lua`): each due one is reported
-/// `expired` by the broker that takes it when its command is still held (and removed, with a
-/// mark) or was removed by the holder's own expiry call already (its mark); one a hello took
-/// is dropped unreported; one not yet due stays. Each is taken once.
+/// `expired` by the broker that takes it when its command is still held (and removed, leaving
+/// no mark, so a broker that put it back and expires it later reads it taken); one gone from
+/// the list (a hello took it, or a broker that put it back expired and reported it) is
+/// dropped unreported, whatever mark it left; one not yet due stays. Each is taken once.
 #[test]
 fn handed_over_deadlines_are_reported_once_each_as_they_come_due() {
     use fleetlink::registry::offline::{offline_key, unix_ms, Held, OfflineScripts, DUE_KEY};
@@ -934,7 +934,7 @@ fn handed_over_deadlines_are_reported_once_each_as_they_come_due() {
     for (r, h) in [(&r1, &still), (&r2, &marked), (&r3, &taken), (&r4, &later)] {
         offline.push(&mut con, r, h, TTL, "fe-a").unwrap();
     }
-    // The holder's own expiry of `marked` ran (its answer lost); a hello took `taken`.
+    // A broker that put `marked` back expired it (and reported it); a hello took `taken`.
     assert_eq!(
         offline.expire_many(&mut con, &[(&r2, &marked)]).unwrap(),
         [Some(true)]
@@ -948,35 +948,66 @@ fn handed_over_deadlines_are_reported_once_each_as_they_come_due() {
         .unwrap();
     let left: i64 = redis::cmd("PTTL").arg(DUE_KEY).query(&mut con).unwrap();
     assert!(left > 3_600_000, "lasts past the last deadline: {left}");
-    assert_eq!(offline.report_due(&mut con, "fe-b").unwrap(), 2);
-    let mut reported = Vec::new();
-    for _ in 0..2 {
-        let msg = ps.get_message().expect("an event");
-        let ev: serde_json::Value = serde_json::from_slice(msg.get_payload_bytes()).unwrap();
-        assert_eq!(
-            (&ev["type"], &ev["broker_id"]),
-            (&serde_json::json!("expired"), &serde_json::json!("fe-b")),
-            "{ev}"
-        );
-        reported.push((ev["rig_id"].clone(), ev["id"].clone()));
-    }
-    reported.sort_by_key(|(r, _)| r.to_string());
+    assert_eq!(offline.report_due(&mut con, "fe-b", 1).unwrap(), 1);
+    let msg = ps.get_message().expect("an event");
+    let ev: serde_json::Value = serde_json::from_slice(msg.get_payload_bytes()).unwrap();
     assert_eq!(
-        reported,
-        [
-            (serde_json::json!("rig-1"), serde_json::json!("still")),
-            (serde_json::json!("rig-2"), serde_json::json!("marked"))
-        ]
+        (&ev["type"], &ev["broker_id"], &ev["rig_id"], &ev["id"]),
+        (
+            &serde_json::json!("expired"),
+            &serde_json::json!("fe-b"),
+            &serde_json::json!("rig-1"),
+            &serde_json::json!("still")
+        ),
+        "{ev}"
     );
     let held_left: usize = redis::cmd("LLEN")
         .arg(offline_key(&r1))
         .query(&mut con)
         .unwrap();
     assert_eq!(held_left, 0);
+    // No mark left: a broker that put `still` back and expires it now reads it taken.
+    assert_eq!(
+        offline.expire_many(&mut con, &[(&r1, &still)]).unwrap(),
+        [Some(false)]
+    );
     // Taken once: a second call (another broker's) reports nothing; `later` waits.
-    assert_eq!(offline.report_due(&mut con, "fe-c").unwrap(), 0);
+    assert_eq!(offline.report_due(&mut con, "fe-c", 1).unwrap(), 0);
     let due: usize = redis::cmd("ZCARD").arg(DUE_KEY).query(&mut con).unwrap();
     assert_eq!(due, 1);
+}
+
+/// A large hand-off is taken 1,000 a call, the calls going on at once while each finds that
+/// many, up to the number asked for: at one call a second, 70,000 deadlines due together took
+/// longer than the minute their rigs' lists outlast them, and 10,000 went unreported (bb110).
+#[test]
+fn a_large_hand_off_is_reported_in_calls_of_a_thousand_until_none_is_due() {
+    use fleetlink::registry::offline::{unix_ms, Held, OfflineScripts, DUE_KEY};
+    let (_server, mut con, _) = setup();
+    let offline = OfflineScripts::default();
+    let past = unix_ms() - 1;
+    let rigs: Vec<RigId> = (0..3).map(|i| rig(&format!("rig-{i}"))).collect();
+    let held: Vec<(usize, Held)> = (0..2_100)
+        .map(|i| {
+            let h = Held {
+                id: format!("c{i}"),
+                name: "fw".into(),
+                args: fleetlink::args::Args::empty(),
+                deadline_ms: past,
+                reply_to: None,
+            };
+            (i % 3, h)
+        })
+        .collect();
+    for (r, h) in &held {
+        offline.push(&mut con, &rigs[*r], h, TTL, "fe-a").unwrap();
+    }
+    let entries: Vec<(&RigId, &Held)> = held.iter().map(|(r, h)| (&rigs[*r], h)).collect();
+    offline.hand_off(&mut con, &entries).unwrap();
+    assert_eq!(offline.report_due(&mut con, "fe-b", 2).unwrap(), 2_000);
+    assert_eq!(offline.report_due(&mut con, "fe-b", 2).unwrap(), 100);
+    let due: usize = redis::cmd("ZCARD").arg(DUE_KEY).query(&mut con).unwrap();
+    assert_eq!(due, 0);
 }
 
 /// A connection that cannot number all it took puts the rest back at the head, in order, ahead

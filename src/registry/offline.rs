@@ -97,8 +97,14 @@ pub struct OfflineScripts {
 /// has none) and no `offline:expired:` or `offline:for:` key can be named so.
 pub const DUE_KEY: &str = "offline:due:handed";
 
-/// Most handed-over deadlines one `offline_due.lua` call reports.
+/// Most handed-over deadlines one `offline_due.lua` call takes.
 const DUE_MOST: usize = 1_000;
+
+/// Most `offline_due.lua` calls a broker makes a second: 20,000 deadlines a second from one
+/// broker, so a full hand-off of a million is reported in 50 s, inside the minute the rigs'
+/// lists outlast their last deadline (at one call a second, bb110 saw 10,000 of 70,000
+/// deadlines outlive their lists unreported).
+pub const DUE_CALLS: usize = 20;
 
 /// `offline_push.lua` as Redis runs it: behind the lease check it shares with
 /// `offline_return.lua` (a script can call no other).
@@ -354,21 +360,30 @@ impl OfflineScripts {
     }
 
     /// Reports the handed-over deadlines that are due (`offline_due.lua`), as broker
-    /// `broker_id`; how many were published `expired`.
+    /// `broker_id`, [`DUE_MOST`] a call while calls find that many, up to `calls` calls; how
+    /// many were published `expired`.
     pub fn report_due(
         &self,
         con: &mut impl ConnectionLike,
         broker_id: &str,
+        calls: usize,
     ) -> Result<u64, RegistryError> {
         let at = crate::reply::rfc3339(std::time::SystemTime::now());
-        Ok(self
-            .due
-            .key(DUE_KEY)
-            .arg(broker_id)
-            .arg(at)
-            .arg(DUE_MOST)
-            .arg(LIST_GRACE.as_millis() as u64)
-            .invoke(con)?)
+        let mut reported = 0;
+        for _ in 0..calls {
+            let (taken, n): (usize, u64) = self
+                .due
+                .key(DUE_KEY)
+                .arg(broker_id)
+                .arg(&at)
+                .arg(DUE_MOST)
+                .invoke(con)?;
+            reported += n;
+            if taken < DUE_MOST {
+                break;
+            }
+        }
+        Ok(reported)
     }
 
     /// Removes held commands if they are still there (a copy this broker delivered itself),

@@ -306,7 +306,9 @@ impl Fleet {
     /// published `expired`. None when Redis is unavailable.
     pub(crate) fn offline_report_due(&mut self) -> Option<u64> {
         let con = self.con.as_mut()?;
-        let reported = self.offline.report_due(con, &self.broker_id);
+        let reported =
+            self.offline
+                .report_due(con, &self.broker_id, crate::registry::offline::DUE_CALLS);
         self.answered(reported)
     }
 
