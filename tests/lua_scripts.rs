@@ -911,18 +911,12 @@ fn take_many_takes_the_head_of_each_rigs_offline_queue_in_order() {
 /// dropped unreported, whatever mark it left; one not yet due stays. Each is taken once.
 #[test]
 fn handed_over_deadlines_are_reported_once_each_as_they_come_due() {
-    use fleetlink::registry::offline::{offline_key, unix_ms, Held, OfflineScripts, DUE_KEY};
+    use fleetlink::registry::offline::{offline_key, unix_ms, OfflineScripts, DUE_KEY};
     let (server, mut con, _) = setup();
     let offline = OfflineScripts::default();
     let mut sub = server.client().get_connection().unwrap();
     let mut ps = events_of(&mut sub);
-    let held = |id: &str, deadline_ms: u64| Held {
-        id: id.into(),
-        name: "fw".into(),
-        args: fleetlink::args::Args::empty(),
-        deadline_ms,
-        reply_to: None,
-    };
+    let held = held_at;
     let (r1, r2, r3, r4) = (rig("rig-1"), rig("rig-2"), rig("rig-3"), rig("rig-4"));
     let past = unix_ms() - 1;
     let (still, marked, taken, later) = (
@@ -973,8 +967,26 @@ fn handed_over_deadlines_are_reported_once_each_as_they_come_due() {
     );
     // Taken once: a second call (another broker's) reports nothing; `later` waits.
     assert_eq!(offline.report_due(&mut con, "fe-c", 1).unwrap(), 0);
-    let due: usize = redis::cmd("ZCARD").arg(DUE_KEY).query(&mut con).unwrap();
-    assert_eq!(due, 1);
+    assert_eq!(handed_left(&mut con), 1);
+}
+
+/// A held command `id` (name `fw`, no args) due at `deadline_ms`.
+fn held_at(id: &str, deadline_ms: u64) -> fleetlink::registry::offline::Held {
+    fleetlink::registry::offline::Held {
+        id: id.into(),
+        name: "fw".into(),
+        args: fleetlink::args::Args::empty(),
+        deadline_ms,
+        reply_to: None,
+    }
+}
+
+/// Deadlines still waiting in the hand-off set.
+fn handed_left(con: &mut Connection) -> usize {
+    redis::cmd("ZCARD")
+        .arg(fleetlink::registry::offline::DUE_KEY)
+        .query(con)
+        .unwrap()
 }
 
 /// A large hand-off is taken 1,000 a call, the calls going on at once while each finds that
@@ -982,22 +994,13 @@ fn handed_over_deadlines_are_reported_once_each_as_they_come_due() {
 /// longer than the minute their rigs' lists outlast them, and 10,000 went unreported (bb110).
 #[test]
 fn a_large_hand_off_is_reported_in_calls_of_a_thousand_until_none_is_due() {
-    use fleetlink::registry::offline::{unix_ms, Held, OfflineScripts, DUE_KEY};
+    use fleetlink::registry::offline::{unix_ms, Held, OfflineScripts};
     let (_server, mut con, _) = setup();
     let offline = OfflineScripts::default();
     let past = unix_ms() - 1;
     let rigs: Vec<RigId> = (0..3).map(|i| rig(&format!("rig-{i}"))).collect();
     let held: Vec<(usize, Held)> = (0..2_100)
-        .map(|i| {
-            let h = Held {
-                id: format!("c{i}"),
-                name: "fw".into(),
-                args: fleetlink::args::Args::empty(),
-                deadline_ms: past,
-                reply_to: None,
-            };
-            (i % 3, h)
-        })
+        .map(|i| (i % 3, held_at(&format!("c{i}"), past)))
         .collect();
     for (r, h) in &held {
         offline.push(&mut con, &rigs[*r], h, TTL, "fe-a").unwrap();
@@ -1006,8 +1009,7 @@ fn a_large_hand_off_is_reported_in_calls_of_a_thousand_until_none_is_due() {
     offline.hand_off(&mut con, &entries).unwrap();
     assert_eq!(offline.report_due(&mut con, "fe-b", 2).unwrap(), 2_000);
     assert_eq!(offline.report_due(&mut con, "fe-b", 2).unwrap(), 100);
-    let due: usize = redis::cmd("ZCARD").arg(DUE_KEY).query(&mut con).unwrap();
-    assert_eq!(due, 0);
+    assert_eq!(handed_left(&mut con), 0);
 }
 
 /// A connection that cannot number all it took puts the rest back at the head, in order, ahead
