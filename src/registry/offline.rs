@@ -98,7 +98,7 @@ pub struct OfflineScripts {
 pub const DUE_KEY: &str = "offline:due:handed";
 
 /// Most handed-over deadlines one `offline_due.lua` call takes.
-const DUE_MOST: usize = 1_000;
+pub const DUE_MOST: usize = 1_000;
 
 /// Most `offline_due.lua` calls a broker makes a second: 20,000 deadlines a second from one
 /// broker, so a full hand-off of a million is reported in 50 s, inside the minute the rigs'
