@@ -339,15 +339,16 @@ impl OfflineScripts {
         let Some(last) = entries.iter().map(|(_, e)| e.deadline_ms).max() else {
             return Ok(());
         };
+        // One round trip, a ZADD per chunk: this runs at the end of a drain, against its wait.
+        let mut pipe = redis::pipe();
         for chunk in entries.chunks(DUE_MOST) {
-            let mut add = redis::cmd("ZADD");
-            add.arg(DUE_KEY);
+            let add = pipe.cmd("ZADD").arg(DUE_KEY).ignore();
             for (rig, entry) in chunk {
                 let json = serde_json::to_string(entry).unwrap_or_default();
                 add.arg(entry.deadline_ms).arg(format!("{rig}\n{json}"));
             }
-            add.query::<()>(con)?;
         }
+        pipe.query::<()>(con)?;
         let lasts = last.saturating_sub(unix_ms()) + LIST_GRACE.as_millis() as u64;
         let left: i64 = redis::cmd("PTTL").arg(DUE_KEY).query(con)?;
         if left == -1 || (left >= 0 && (left as u64) < lasts) {

@@ -460,7 +460,9 @@ impl Bridge {
                 .collect();
             let n = entries.len();
             if n == 0 {
-            } else if f.offline_hand_off(&entries) {
+                return;
+            }
+            if f.offline_hand_off(&entries) {
                 log::info!(
                     "handed the deadlines of {n} commands this broker held for offline rigs to \
                      Redis: a broker still running reports each expired when it comes due, \

@@ -64,7 +64,7 @@ impl Fleet {
     /// [`Self::forget_due`]). False when the queue is full: the command then stays in the
     /// session until the session expires, where a resume drops it by the rig's `last_seq`.
     pub(crate) fn forget(&mut self, rig: RigId, boot: BootId, seq: Seq) -> bool {
-        if self.forgets.len() + self.checked_forgets.len() >= MAX_OUTGOING {
+        if self.forgets_full() {
             return false;
         }
         self.forgets.push((rig, boot, seq));
@@ -76,11 +76,16 @@ impl Fleet {
     /// may hold another command under the seq of (sent at the next [`Self::flush`]). False
     /// when the queue is full, as [`Self::forget`].
     pub(crate) fn forget_checked(&mut self, f: CheckedForget) -> bool {
-        if self.forgets.len() + self.checked_forgets.len() >= MAX_OUTGOING {
+        if self.forgets_full() {
             return false;
         }
         self.checked_forgets.push(f);
         true
+    }
+
+    /// Whether the removals of acked commands, plain and checked together, fill their bound.
+    fn forgets_full(&self) -> bool {
+        self.forgets.len() + self.checked_forgets.len() >= MAX_OUTGOING
     }
 
     /// Sends the queued checked forgets now. False when Redis failed.
@@ -195,9 +200,9 @@ impl Fleet {
 
     /// Removes the `broker:<id>` liveness key on a clean exit, so that control stops counting
     /// this broker among those that answer a broadcast at once, not 30 s later. Where every
-    /// lease release went out (none still queued, none dropped for a full queue) and no sweep of a predecessor's leases is
-    /// under way, the sentinel says the exit was clean, so that the next process under this
-    /// id sweeps nothing (`sweep.rs`).
+    /// lease release went out (none still queued, none dropped for a full queue) and no sweep
+    /// of a predecessor's leases is under way, the sentinel says the exit was clean, so that
+    /// the next process under this id sweeps nothing (`sweep.rs`).
     pub(crate) fn retire(&mut self) {
         let clean = self.releases.is_empty() && !self.release_dropped && !self.sweeping();
         let Some(con) = self.con.as_mut() else { return };
