@@ -216,18 +216,31 @@ impl OfflineScripts {
         pipe.atomic();
         for rig in rigs {
             let key = offline_key(rig);
-            pipe.lrange(&key, 0, max - 1).ltrim(&key, max, -1).ignore();
+            pipe.lrange(&key, 0, max - 1).ltrim(&key, max, -1);
         }
-        let lists: Vec<Vec<String>> = pipe.query(con)?;
-        Ok(lists
+        // Every reply is read, none `ignore`d: the crate counts a transaction's replies from
+        // the EXEC array, and subtracts the ignored ones from that count unchecked, so an
+        // array shorter than them (a broken proxy or server) panicked the bridge (review
+        // bb111). Its length is checked here instead.
+        let replies: Vec<redis::Value> = pipe.query(con)?;
+        if replies.len() != 2 * rigs.len() {
+            return Err(RegistryError::UnexpectedReply(format!(
+                "{} replies to a transaction of {} commands",
+                replies.len(),
+                2 * rigs.len()
+            )));
+        }
+        replies
             .iter()
-            .map(|items| {
-                items
+            .step_by(2)
+            .map(|list| {
+                let items: Vec<String> = redis::from_redis_value(list)?;
+                Ok(items
                     .iter()
                     .filter_map(|s| serde_json::from_str(s).ok())
-                    .collect()
+                    .collect())
             })
-            .collect())
+            .collect()
     }
 
     /// Puts `entries` (oldest first) back at the head of `rig`'s hold, its list kept at least
@@ -576,6 +589,7 @@ impl Deadlines {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use redis::Value;
 
     fn held(id: &str) -> Held {
         Held {
@@ -585,6 +599,67 @@ mod tests {
             deadline_ms: 1,
             reply_to: None,
         }
+    }
+
+    /// Answers every transaction with the EXEC reply it is given.
+    struct Exec(Value);
+
+    impl ConnectionLike for Exec {
+        fn req_packed_command(&mut self, _: &[u8]) -> redis::RedisResult<Value> {
+            Ok(Value::Nil)
+        }
+        fn req_packed_commands(
+            &mut self,
+            _: &[u8],
+            _: usize,
+            _: usize,
+        ) -> redis::RedisResult<Vec<Value>> {
+            Ok(vec![self.0.clone()])
+        }
+        fn get_db(&self) -> i64 {
+            0
+        }
+        fn check_connection(&mut self) -> bool {
+            true
+        }
+        fn is_open(&self) -> bool {
+            true
+        }
+    }
+
+    /// A transaction's replies are counted from its EXEC array, which a broken server or proxy
+    /// can cut short: an error, where the crate's own count of ignored replies panicked.
+    #[test]
+    fn a_take_answered_with_too_few_replies_is_an_error_not_a_panic() {
+        let (r1, r2) = (RigId::parse("r1").unwrap(), RigId::parse("r2").unwrap());
+        let offline = OfflineScripts::default();
+        let list = |items: &[&str]| {
+            Value::Array(
+                items
+                    .iter()
+                    .map(|s| Value::BulkString(s.as_bytes().to_vec()))
+                    .collect(),
+            )
+        };
+        let entry = serde_json::to_string(&held("a")).unwrap();
+        let ok = Value::Okay;
+        let whole = Value::Array(vec![list(&[&entry]), ok.clone(), list(&[]), ok.clone()]);
+        let taken = offline.take_many(&mut Exec(whole), &[&r1, &r2], 5).unwrap();
+        assert_eq!(taken, vec![vec![held("a")], vec![]]);
+        for short in [
+            Value::Array(vec![]),
+            Value::Array(vec![list(&[]), ok.clone()]),
+        ] {
+            match offline.take_many(&mut Exec(short), &[&r1, &r2], 5) {
+                Err(RegistryError::UnexpectedReply(why)) => {
+                    assert!(why.contains("of 4 commands"), "{why}")
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+        // A reply of another type in a list's place fails the take too.
+        let odd = Value::Array(vec![ok.clone(), ok.clone(), list(&[]), ok]);
+        assert!(offline.take_many(&mut Exec(odd), &[&r1, &r2], 5).is_err());
     }
 
     #[test]
