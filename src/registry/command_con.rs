@@ -37,6 +37,8 @@ pub(crate) struct CommandCon {
     /// in one read made that quadratic).
     buf: Vec<u8>,
     start: usize,
+    /// How far the reply at `start` was walked while it was incomplete.
+    scan: resp::Scan,
     /// The most one call may take from its send to its last reply (more for a long pipeline:
     /// [`call_budget`]); also the socket's timeouts between calls.
     timeout: Duration,
@@ -56,6 +58,7 @@ impl CommandCon {
             stream: Stream::connect(&info.addr, timeout)?,
             buf: Vec::new(),
             start: 0,
+            scan: resp::Scan::default(),
             timeout,
             read_timeout: timeout,
             write_timeout: timeout,
@@ -144,7 +147,7 @@ impl CommandCon {
     fn reply(&mut self, deadline: Instant, count: usize) -> RedisResult<Value> {
         loop {
             let unread = self.buf.get(self.start..).unwrap_or_default();
-            if let Some(len) = resp::value_len(unread)? {
+            if let Some(len) = resp::value_len(unread, &mut self.scan)? {
                 let value = redis::parse_redis_value(unread.get(..len).unwrap_or_default());
                 self.start += len;
                 if self.start == self.buf.len() {

@@ -136,6 +136,8 @@ impl AsRawFd for Stream {
 pub struct Subscriber {
     stream: Stream,
     buf: Vec<u8>,
+    /// How far the first push in `buf` was walked while it was incomplete.
+    scan: resp::Scan,
     /// Channels confirmed by Redis so far.
     pub confirmed: usize,
 }
@@ -178,6 +180,7 @@ impl Subscriber {
         Ok(Self {
             stream,
             buf: Vec::new(),
+            scan: resp::Scan::default(),
             confirmed: 0,
         })
     }
@@ -214,7 +217,15 @@ impl Subscriber {
         }
         let mut out = Vec::new();
         let mut pos = 0;
-        while let Some((used, value)) = resp::parse(self.buf.get(pos..).unwrap_or_default())? {
+        // Walked to its end before it is parsed: a push of many elements arriving over many
+        // reads is parsed once, not again after each read (review bb111).
+        while let Some(len) =
+            resp::value_len(self.buf.get(pos..).unwrap_or_default(), &mut self.scan)?
+        {
+            let whole = self.buf.get(pos..pos + len).unwrap_or_default();
+            let Some((used, value)) = resp::parse(whole)? else {
+                break;
+            };
             pos += used;
             match value {
                 Value::Array(items) => match items.as_slice() {

@@ -18,9 +18,16 @@ struct Line<'a> {
     after: usize,
 }
 
+/// The longest header line taken: Redis's are a type byte and a count, or a short status or
+/// error text. A line still open past it is refused rather than searched again on each read.
+const MAX_LINE: usize = 64 << 10;
+
 /// The header line at the start of `buf`, or None until its CRLF has come.
 fn line(buf: &[u8]) -> io::Result<Option<Line<'_>>> {
     let Some(end) = buf.windows(2).position(|w| w == b"\r\n") else {
+        if buf.len() > MAX_LINE {
+            return Err(malformed());
+        }
         return Ok(None);
     };
     let kind = buf.first().copied().ok_or_else(malformed)?;
@@ -40,20 +47,43 @@ fn number(text: &[u8]) -> io::Result<i64> {
         .ok_or_else(malformed)
 }
 
-/// The length of the first whole value in `buf`, or None while it is incomplete. Counts the
-/// values still owed rather than recursing, so a deep reply cannot overflow the stack.
-pub(crate) fn value_len(buf: &[u8]) -> io::Result<Option<usize>> {
-    let (mut pos, mut owed) = (0usize, 1u64);
-    while owed > 0 {
+/// How far [`value_len`] got through an incomplete value: where the next element starts and
+/// how many are still owed. Kept between reads, so that a reply of many small elements
+/// arriving over many reads is walked once, not again from its start after each read
+/// (review bb111: 22 million elements re-parsed a thousand times stalled the bridge). Valid
+/// while the buffer it was made on keeps the value at the same offset and only grows.
+#[derive(Debug, Default)]
+pub(crate) struct Scan {
+    pos: usize,
+    owed: u64,
+}
+
+/// The length of the first whole value in `buf`, or None while it is incomplete, resuming
+/// from `scan` (which is reset once the value is whole, or on an error). Counts the values
+/// still owed rather than recursing, so a deep reply cannot overflow the stack.
+pub(crate) fn value_len(buf: &[u8], scan: &mut Scan) -> io::Result<Option<usize>> {
+    if scan.owed == 0 {
+        *scan = Scan { pos: 0, owed: 1 };
+    }
+    let walked = walk(buf, scan);
+    if !matches!(walked, Ok(None)) {
+        *scan = Scan::default();
+    }
+    walked
+}
+
+fn walk(buf: &[u8], scan: &mut Scan) -> io::Result<Option<usize>> {
+    while scan.owed > 0 {
+        let pos = scan.pos;
         let Some(head) = line(buf.get(pos..).unwrap_or_default())? else {
             return Ok(None);
         };
         let after = pos + head.after;
-        owed -= 1;
-        pos = match head.kind {
+        let mut owed = scan.owed - 1;
+        let next = match head.kind {
             b'+' | b'-' | b':' => after,
             b'$' => match usize::try_from(number(head.text)?) {
-                Ok(n) if buf.len() < after + n + 2 => return Ok(None),
+                Ok(n) if buf.len() < after.saturating_add(n).saturating_add(2) => return Ok(None),
                 Ok(n) => after + n + 2,
                 Err(_) => after, // a nil bulk string ($-1)
             },
@@ -65,8 +95,9 @@ pub(crate) fn value_len(buf: &[u8]) -> io::Result<Option<usize>> {
             }
             _ => return Err(malformed()),
         };
+        *scan = Scan { pos: next, owed };
     }
-    Ok(Some(pos))
+    Ok(Some(scan.pos))
 }
 
 /// One value as the subscription reads it.
@@ -83,6 +114,9 @@ pub(crate) enum Value {
 /// How deep arrays may nest. A subscription's pushes are flat arrays; the cap keeps a
 /// malformed stream of `*1\r\n*1\r\n…` from recursing until the bridge's stack overflows.
 const MAX_DEPTH: usize = 4;
+/// How many elements an array may have. A push has three or four; a malformed one of
+/// millions of elements would otherwise be built in memory whole (about 50 bytes each).
+const MAX_ITEMS: i64 = 64;
 
 /// Parses one value. Ok(None) = incomplete.
 pub(crate) fn parse(buf: &[u8]) -> io::Result<Option<(usize, Value)>> {
@@ -114,7 +148,7 @@ fn parse_nested(buf: &[u8], depth: usize) -> io::Result<Option<(usize, Value)>> 
             if n < 0 {
                 return Ok(Some((after, Value::Nil)));
             }
-            if depth >= MAX_DEPTH {
+            if depth >= MAX_DEPTH || n > MAX_ITEMS {
                 return Err(malformed());
             }
             let mut items = Vec::new();
@@ -148,6 +182,45 @@ pub(crate) fn command(args: &[&str]) -> Vec<u8> {
 mod tests {
     use super::*;
 
+    /// A value's length, walked at once.
+    fn whole_len(buf: &[u8]) -> io::Result<Option<usize>> {
+        value_len(buf, &mut Scan::default())
+    }
+
+    /// Fed a byte at a time with one scan kept, a reply is whole exactly at its last byte,
+    /// and each byte is looked at a bounded number of times, not again from the start.
+    #[test]
+    fn a_scan_resumes_where_the_last_read_stopped() {
+        let reply = b"*3\r\n$3\r\nabc\r\n*2\r\n:1\r\n$-1\r\n+OK\r\n";
+        let mut scan = Scan::default();
+        for cut in 0..reply.len() {
+            assert_eq!(
+                value_len(&reply[..cut], &mut scan).unwrap(),
+                None,
+                "cut at {cut}"
+            );
+        }
+        assert_eq!(value_len(reply, &mut scan).unwrap(), Some(reply.len()));
+        // Reset once whole: the next value is walked from its own start.
+        assert_eq!(value_len(b"+OK\r\n", &mut scan).unwrap(), Some(5));
+        // A million small elements over a thousand reads: the scan has moved past all but
+        // the last when the last read comes.
+        let mut big = b"*1000000\r\n".to_vec();
+        big.extend_from_slice(&b":1\r\n".repeat(1_000_000));
+        let mut scan = Scan::default();
+        for chunk in 1..1000 {
+            let cut = big.len() * chunk / 1000;
+            assert_eq!(value_len(&big[..cut], &mut scan).unwrap(), None);
+        }
+        assert!(scan.pos > big.len() * 998 / 1000, "{scan:?}");
+        assert_eq!(value_len(&big, &mut scan).unwrap(), Some(big.len()));
+        // A header line that never ends is refused once past any Redis sends.
+        let open = [b'+'; MAX_LINE + 1];
+        assert!(whole_len(&open[..MAX_LINE]).unwrap().is_none());
+        assert!(whole_len(&open).is_err());
+        assert!(parse(&open).is_err());
+    }
+
     #[test]
     fn parses_messages_and_partials() {
         let msg = b"*3\r\n$7\r\nmessage\r\n$2\r\nch\r\n$5\r\nhello\r\n";
@@ -163,6 +236,11 @@ mod tests {
         assert!(parse(&deep).is_err());
         let ok = b"*1\r\n*1\r\n*1\r\n*1\r\n:5\r\n";
         assert!(parse(ok).unwrap().is_some());
+        // Wider than any push: refused before its elements are built.
+        let mut wide = b"*65\r\n".to_vec();
+        wide.extend_from_slice(&b":1\r\n".repeat(65));
+        assert!(parse(&wide).is_err());
+        assert!(parse(&wide[..10]).is_err(), "refused from its header alone");
         assert_eq!(
             command(&["SUBSCRIBE", "a"]),
             b"*2\r\n$9\r\nSUBSCRIBE\r\n$1\r\na\r\n".to_vec()
@@ -173,11 +251,11 @@ mod tests {
     fn a_reply_is_whole_only_with_its_last_byte_and_deep_or_huge_ones_do_not_panic() {
         let reply = b"*3\r\n$3\r\nabc\r\n*2\r\n:1\r\n$-1\r\n+OK\r\n";
         for cut in 0..reply.len() {
-            assert_eq!(value_len(&reply[..cut]).unwrap(), None, "cut at {cut}");
+            assert_eq!(whole_len(&reply[..cut]).unwrap(), None, "cut at {cut}");
         }
         let mut more = reply.to_vec();
         more.extend_from_slice(b"+next\r\n");
-        assert_eq!(value_len(&more).unwrap(), Some(reply.len()));
+        assert_eq!(whole_len(&more).unwrap(), Some(reply.len()));
         assert_eq!(
             redis::parse_redis_value(&more[..reply.len()]).ok(),
             Some(redis::Value::Array(vec![
@@ -186,17 +264,17 @@ mod tests {
                 redis::Value::Okay,
             ]))
         );
-        assert!(value_len(b"?x\r\n").is_err());
-        assert_eq!(value_len(&b"*1\r\n".repeat(100_000)).unwrap(), None);
+        assert!(whole_len(b"?x\r\n").is_err());
+        assert_eq!(whole_len(&b"*1\r\n".repeat(100_000)).unwrap(), None);
         let huge = b"*9223372036854775807\r\n*9223372036854775807\r\n$9223372036854775807\r\n";
-        assert_eq!(value_len(huge).unwrap(), None);
-        assert_eq!(value_len(b"*-1\r\n").unwrap(), Some(5));
+        assert_eq!(whole_len(huge).unwrap(), None);
+        assert_eq!(whole_len(b"*-1\r\n").unwrap(), Some(5));
     }
 
     #[test]
     fn both_readers_refuse_the_same_headers_and_take_the_same_whole_values() {
         for bad in [&b"\r\n"[..], b"?x\r\n", b"$x\r\nab\r\n", b"*1x\r\n:1\r\n"] {
-            assert!(value_len(bad).is_err(), "{bad:?}");
+            assert!(whole_len(bad).is_err(), "{bad:?}");
             assert!(parse(bad).is_err(), "{bad:?}");
         }
         for good in [
@@ -206,7 +284,7 @@ mod tests {
             b"*2\r\n$1\r\na\r\n:1\r\n",
         ] {
             let (len, _) = parse(good).unwrap().unwrap();
-            assert_eq!(value_len(good).unwrap(), Some(len), "{good:?}");
+            assert_eq!(whole_len(good).unwrap(), Some(len), "{good:?}");
             assert_eq!(len, good.len());
         }
     }
