@@ -259,6 +259,101 @@ fn a_kicked_tls_rig_reads_the_close_frame_then_close_notify() {
     }
 }
 
+/// Writes each of `records` as a TLS record of its own, all in one TCP write.
+fn send_records(ws: &mut TlsWs, records: &[&[u8]]) {
+    let s = ws.get_mut();
+    for r in records {
+        assert_eq!(s.conn.writer().write(r).unwrap(), r.len());
+    }
+    let mut out = Vec::new();
+    while s.conn.wants_write() {
+        s.conn.write_tls(&mut out).unwrap();
+    }
+    s.sock.write_all(&out).unwrap();
+}
+
+/// A masked client text frame (a zero mask leaves the payload as it is).
+fn text_frame(payload: &[u8]) -> Vec<u8> {
+    let mut frame = vec![0x81];
+    match u8::try_from(payload.len()) {
+        Ok(n) if n < 126 => frame.push(0x80 | n),
+        _ => {
+            frame.push(0xFE);
+            frame.extend_from_slice(&u16::try_from(payload.len()).unwrap().to_be_bytes());
+        }
+    }
+    frame.extend_from_slice(&[0, 0, 0, 0]);
+    frame.extend_from_slice(payload);
+    frame
+}
+
+/// One-byte TLS records sent together come many to a read (rustls takes 4 KiB at once), so
+/// the reads are not small, yet each record is decrypted on its own: the read charge for
+/// tiny reads missed them (review bb108). Each such record now costs the rig's bucket what a
+/// tiny read does, and its reading pauses; a rig whose records carry whole messages is not
+/// charged however many come in one read (15 here, within the burst so that no message
+/// waits for its rate either).
+#[test]
+fn one_byte_tls_records_sent_together_are_charged_each_and_the_message_arrives() {
+    let dir = Dir::new("records");
+    let pki = dev_certs::generate(&dir.0, 2, &[]).unwrap();
+    let b = tls_broker(&pki, &dir.0, &["--cores", "1", "--rig-burst", "20"]);
+    let events = |name: &str| -> Vec<serde_json::Value> {
+        let (_, page) = b.http("GET", "/v1/events?after=0", "");
+        let page: serde_json::Value = serde_json::from_str(&page).unwrap();
+        page["events"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|e| e["type"] == "event" && e["name"] == name)
+            .cloned()
+            .collect()
+    };
+    let (r, whole) = (&pki.rigs[0], &pki.rigs[1]);
+    let mut ws = wss(&b, &pki.ca_cert, Some((&whole.cert, &whole.key)), &[]).unwrap();
+    assert_eq!(hello(&mut ws, &whole.rig_id)["type"], "welcome");
+    let frames: Vec<Vec<u8>> = (0..15)
+        .map(|i| {
+            text_frame(
+                json!({"type": "event", "name": "whole", "data": i})
+                    .to_string()
+                    .as_bytes(),
+            )
+        })
+        .collect();
+    let refs: Vec<&[u8]> = frames.iter().map(Vec::as_slice).collect();
+    send_records(&mut ws, &refs);
+    eventually(Duration::from_secs(10), "the whole events logged", || {
+        events("whole").len() == 15
+    });
+    assert_eq!(b.metric("fleetlink_tiny_reads_paused_total"), 0);
+
+    let mut ws = wss(&b, &pki.ca_cert, Some((&r.cert, &r.key)), &[]).unwrap();
+    assert_eq!(hello(&mut ws, &r.rig_id)["type"], "welcome");
+    let data = "d".repeat(2000);
+    let ev = text_frame(
+        json!({"type": "event", "name": "drip", "data": data})
+            .to_string()
+            .as_bytes(),
+    );
+    let bytes: Vec<&[u8]> = ev.chunks(1).collect();
+    let sent = Instant::now();
+    send_records(&mut ws, &bytes);
+    eventually(Duration::from_secs(10), "the dripped event logged", || {
+        !events("drip").is_empty()
+    });
+    assert_eq!(events("drip")[0]["data"], json!(data));
+    eprintln!("PAUSED {}", b.metric("fleetlink_tiny_reads_paused_total"));
+    // About 2,050 records at a sixteenth of a token each, less the burst of 20, at 100 a second:
+    // at least 1.08 s of pauses.
+    assert!(
+        sent.elapsed() >= Duration::from_millis(1000),
+        "one-byte records were not charged: read in {:?}",
+        sent.elapsed()
+    );
+    assert!(b.metric("fleetlink_tiny_reads_paused_total") >= 5);
+}
+
 /// A certificate from the right CA that names no rig (no CN, only a URI SAN) proves no
 /// identity: every rig_id is refused, not every rig_id allowed.
 #[test]

@@ -77,6 +77,13 @@ impl RigBucket {
         self.tokens = (self.tokens - cost).max(0.0);
     }
 
+    /// Spends `cost`, going into debt: the next token then takes as long as the debt to
+    /// refill. For input whose cost is known only after it was read; the caller reads no more
+    /// while the bucket is not ready, so the debt stays within one read's cost.
+    pub fn owe(&mut self, cost: f32) {
+        self.tokens -= cost;
+    }
+
     /// Takes one token, or says how many ms until one is there.
     pub fn take(&mut self, rate: f64, burst: u32, now_ms: u32) -> Result<(), u32> {
         self.ready(rate, burst, now_ms)?;
@@ -126,5 +133,14 @@ mod tests {
         }
         assert_eq!(b.ready(100.0, 1, 0), Err(10), "empty, not below");
         assert_eq!(b.ready(1e-9, 1, 0), Err(60_000));
+    }
+
+    #[test]
+    fn a_debt_waits_its_own_length() {
+        let mut b = RigBucket::full(4, 0);
+        b.owe(6.0);
+        assert_eq!(b.ready(100.0, 4, 0), Err(30), "2 owed, 1 to take: 3 away");
+        assert!(b.ready(100.0, 4, 29).is_err());
+        assert!(b.ready(100.0, 4, 30).is_ok());
     }
 }
