@@ -119,6 +119,13 @@ kernel_mem() {
   echo "$slab ${pages:-0}"
 }
 
+# The same slab caches one by one, as a JSON object of bytes (empty when unreadable).
+slab_by_cache() {
+  [[ -r /proc/slabinfo ]] || { echo '{}'; return; }
+  awk -v want=" $SLABS " 'index(want, " " $1 " ") {s[$1] += $2 * $4}
+    END {printf "{"; sep = ""; for (c in s) {printf "%s\"%s\":%d", sep, c, s[c]; sep = ","}; print "}"}' /proc/slabinfo
+}
+
 # Waits for RSS to settle: two reads 1 s apart within 1 %. Sets settled="rss pd anon stable".
 # It runs in this shell, not in a <(...) subshell, which would outlive an interrupted run.
 settle() {
@@ -152,6 +159,7 @@ done
 settle
 read -r idle_rss idle_pd idle_anon idle_stable <<<"$settled"
 read -r idle_slab idle_pages <<<"$(kernel_mem)"
+idle_caches=$(slab_by_cache)
 echo "density: broker pid $broker_pid idle RSS ${idle_rss} kB" >&2
 
 rows=()
@@ -181,6 +189,7 @@ for n in $steps; do
   rows+=("$n $rss $pd $anon $ramp_ms $stable $slab $pages")
   prev=$n
 done
+last_caches=$(slab_by_cache)
 
 # Table and least-squares slopes (bytes/connection) over (0, idle) and every step.
 summary=$(printf '%s\n' "0 $idle_rss $idle_pd $idle_anon 0 $idle_stable $idle_slab $idle_pages" "${rows[@]}" | awk '
@@ -213,6 +222,7 @@ echo "$summary" | grep '^STEP' | jq -R -s \
   --arg kernel "$(uname -r)" --arg nproc "$(nproc)" \
   --argjson slope_rss "$slope_rss" --argjson slope_pd "$slope_pd" --argjson slope_anon "$slope_anon" \
   --argjson slope_slab "$slope_slab" --arg slabs "$SLABS" \
+  --argjson idle_caches "$idle_caches" --argjson last_caches "$last_caches" --argjson last_n "$prev" \
   --argjson command "$(printf '%s\n' "$@" | jq -R . | jq -s -c .)" \
   --argjson loadgen_args "$(printf '%s\n' ${lg_extra[@]+"${lg_extra[@]}"} | jq -R . | jq -s -c 'map(select(length > 0))')" '{
     broker: $broker, command: $command, url: $url, loadgen_args: $loadgen_args, date: $date,
@@ -222,7 +232,9 @@ echo "$summary" | grep '^STEP' | jq -R -s \
     kernel: {slab_caches: ($slabs | split(" ")),
              slab_bytes_per_conn_both_ends: (if $slope_slab < 0 then null else $slope_slab end),
              slab_bytes_per_socket: (if $slope_slab < 0 then null else ($slope_slab / 2 | round) end),
-             note: "machine-wide slab growth (other processes add noise); on loopback each broker connection has both of its sockets on this host"},
+             slab_bytes_per_socket_by_cache: ($last_caches | with_entries(.value =
+               (((.value - ($idle_caches[.key] // 0)) / ($last_n * 2)) | round))),
+             note: "machine-wide slab growth (other processes add noise); on loopback each broker connection has both of its sockets on this host; by_cache is the growth from idle to the last step, not a slope"},
     points: [split("\n")[] | select(length > 0) | split(" ") | {
       conns: (.[1] | tonumber), rss_kb: (.[2] | tonumber), private_dirty_kb: (.[3] | tonumber),
       anonymous_kb: (.[4] | tonumber), ramp_ms: (.[5] | tonumber), stable: (.[6] == "true"),

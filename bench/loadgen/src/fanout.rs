@@ -15,8 +15,12 @@ use serde_json::Value;
 
 use crate::cli::{parse_plain_url, FanoutArgs, RigsArgs};
 use crate::hist::{Histogram, Summary};
-use crate::http::HttpConn;
+use crate::http::{never_sent, HttpConn};
 use crate::rig::unix_us;
+
+/// The `errors` key of POSTs that were never written (no connection could be opened): not
+/// counted as sent.
+const NOT_SENT: &str = "not_sent";
 
 #[derive(Debug, Default)]
 struct Tally {
@@ -37,7 +41,8 @@ pub struct FanoutReport {
     pub rounds: u64,
     /// rigs × rounds.
     pub commands: u64,
-    /// POSTs written: the others were never sent (`--max-time` came first).
+    /// POSTs written: the others were never sent (`--max-time` came first, or the broker
+    /// could not be reached: `errors.not_sent`).
     pub sent: u64,
     pub ok: u64,
     /// Not answered ok: `errors`, `unanswered` and the commands never sent.
@@ -137,6 +142,10 @@ pub async fn run_fanout(args: FanoutArgs) -> Result<i32> {
                     }
                     let error = match result {
                         Ok(r) => classify(r.status, &r.body),
+                        Err(e) if never_sent(&e) => {
+                            t.sent -= 1;
+                            Some(NOT_SENT.to_string())
+                        }
                         Err(_) => Some("transport_error".to_string()),
                     };
                     match error {
@@ -185,7 +194,8 @@ pub async fn run_fanout(args: FanoutArgs) -> Result<i32> {
 
     let t = tally.lock().unwrap_or_else(|e| e.into_inner());
     let total = (args.rigs * rounds) as u64;
-    let answered = t.ok + t.errors.values().sum::<u64>();
+    let not_sent = t.errors.get(NOT_SENT).copied().unwrap_or(0);
+    let answered = t.ok + t.errors.values().sum::<u64>() - not_sent;
     // --max-time came before the last POST, even in the last round.
     timed_out |= t.sent < total;
     let report = FanoutReport {

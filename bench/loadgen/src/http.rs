@@ -22,6 +22,25 @@ impl std::fmt::Display for StaleConnection {
 
 impl std::error::Error for StaleConnection {}
 
+/// No connection to the server could be opened: the request was never written.
+#[derive(Debug)]
+struct Unreachable(std::io::Error);
+
+impl std::fmt::Display for Unreachable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "connect: {}", self.0)
+    }
+}
+
+impl std::error::Error for Unreachable {}
+
+/// Whether a failed [`HttpConn::request`] was never written: no connection could be opened.
+/// (A connection that ends before the reply may have had its request read, so it counts as
+/// sent.)
+pub fn never_sent(e: &anyhow::Error) -> bool {
+    e.is::<Unreachable>()
+}
+
 pub struct HttpConn {
     addr: SocketAddr,
     host: String,
@@ -64,7 +83,7 @@ impl HttpConn {
 
     async fn request_inner(&mut self, method: &str, path: &str, body: &[u8]) -> Result<Reply> {
         if self.stream.is_none() {
-            let s = TcpStream::connect(self.addr).await.context("connect")?;
+            let s = TcpStream::connect(self.addr).await.map_err(Unreachable)?;
             s.set_nodelay(true)?;
             self.stream = Some(BufReader::new(s));
         }

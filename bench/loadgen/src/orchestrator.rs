@@ -317,7 +317,16 @@ pub async fn run_parent(args: RigsArgs) -> Result<i32> {
     }
     let p = total_progress(&views);
     bar.finish(p.welcomed + p.failed, &ramp_detail(&p));
-    if exit_reason.is_none() {
+    if let Some(why) = exit_reason {
+        // Cut short: still the one line that says how the ramp ended.
+        print_line(&format!(
+            "RAMP_INCOMPLETE rigs={} welcomed={} failed={} elapsed_ms={} stopped_by={why}",
+            args.rigs,
+            p.welcomed,
+            p.failed,
+            started.elapsed().as_millis()
+        ));
+    } else {
         let elapsed = started.elapsed().as_millis() as u64;
         ramp_ms = Some(elapsed);
         all_welcomed = p.welcomed as usize == args.rigs;
@@ -362,6 +371,12 @@ pub async fn run_parent(args: RigsArgs) -> Result<i32> {
             )
         };
         while exit_reason.is_none() {
+            // Without --reconnect a closed rig stays closed: once none is open there is
+            // nothing left to hold (every rig failed, or the broker went away).
+            if !args.reconnect && total_progress(&views).open == 0 {
+                exit_reason = Some("none_open");
+                break;
+            }
             if enough(&views) {
                 exit_reason = Some("until_commands");
                 // Before the rigs close: scripts measuring the broker stop their clocks here.

@@ -276,3 +276,74 @@ fn a_report_to_a_closed_stdout_is_not_a_panic() {
     );
     assert_eq!(out.status.code(), Some(0), "{stderr}");
 }
+
+/// A port nothing listens on, and a listener that accepts and never answers.
+fn dead_ends() -> (u16, std::net::TcpListener) {
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = closed.local_addr().unwrap().port();
+    drop(closed);
+    (port, std::net::TcpListener::bind("127.0.0.1:0").unwrap())
+}
+
+/// Every rig refused: nothing is open, so the run ends at once rather than holding no rig
+/// for all of `--hold`; and a ramp cut off by `--max-time` still prints its one line.
+#[test]
+fn a_run_with_nothing_to_hold_ends_and_a_cut_ramp_says_so() {
+    let (closed, silent) = dead_ends();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("report.json");
+    let run = |port: u16, max_time: &str| {
+        let started = std::time::Instant::now();
+        let out = Command::new(env!("CARGO_BIN_EXE_fleetlink-loadgen"))
+            .args(["rigs", "--url", &format!("ws://127.0.0.1:{port}/agent")])
+            .args(["--rigs", "5", "--procs", "1", "--hold", "60s"])
+            .args(["--max-time", max_time, "--report"])
+            .arg(&path)
+            .output()
+            .expect("run loadgen");
+        let report: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        (out.status.code(), stdout, report, started.elapsed())
+    };
+    let (code, stdout, report, took) = run(closed, "60s");
+    assert!(
+        stdout.starts_with("RAMP_INCOMPLETE rigs=5 welcomed=0 failed=5"),
+        "{stdout}"
+    );
+    assert_eq!(report["exit_reason"], "none_open", "{report:#}");
+    assert!(
+        took < std::time::Duration::from_secs(20),
+        "held for {took:?}"
+    );
+    assert_eq!(code, Some(2));
+    let (code, stdout, report, _) = run(silent.local_addr().unwrap().port(), "2s");
+    assert_eq!(stdout.lines().count(), 1, "{stdout}");
+    assert!(
+        stdout.starts_with("RAMP_INCOMPLETE rigs=5 welcomed=0")
+            && stdout.trim_end().ends_with("stopped_by=max_time"),
+        "{stdout}"
+    );
+    assert_eq!(report["exit_reason"], "max_time", "{report:#}");
+    assert_eq!(code, Some(2));
+}
+
+/// POSTs to an admin port nothing listens on were never written: not counted as sent.
+#[test]
+fn admin_posts_that_could_not_connect_are_not_counted_sent() {
+    let (closed, _silent) = dead_ends();
+    let out = Command::new(env!("CARGO_BIN_EXE_fleetlink-loadgen"))
+        .args([
+            "admin-fanout",
+            "--admin",
+            &format!("http://127.0.0.1:{closed}"),
+        ])
+        .args(["--rigs", "4", "--max-time", "10s"])
+        .output()
+        .expect("run loadgen");
+    let report: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(report["sent"], 0, "{report:#}");
+    assert_eq!(report["unanswered"], 0, "{report:#}");
+    assert_eq!(report["failed"], 4, "{report:#}");
+    assert_eq!(report["errors"]["not_sent"], 4, "{report:#}");
+    assert_eq!(out.status.code(), Some(2));
+}
