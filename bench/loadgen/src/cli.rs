@@ -92,6 +92,11 @@ pub struct RigsArgs {
     /// Handshakes (connect to welcome) in flight per process, at least 1.
     #[arg(long, default_value_t = 256, value_parser = parse_positive)]
     pub concurrency: usize,
+    /// Paces the ramp: rigs started per second over the whole run, each process starting its
+    /// share evenly from its own start (still at most `--concurrency` handshakes in flight).
+    /// 0 = as fast as `--concurrency` allows.
+    #[arg(long, default_value_t = 0.0, value_parser = parse_rate)]
+    pub ramp_rate: f64,
     /// How long to keep the rigs connected once the ramp is over.
     #[arg(long, default_value = "60s", value_parser = parse_duration)]
     pub hold: Duration,
@@ -180,6 +185,14 @@ fn parse_positive(s: &str) -> Result<usize, String> {
     match s.trim().parse::<usize>() {
         Ok(n) if n >= 1 => Ok(n),
         _ => Err(format!("{s:?}: a whole number, at least 1")),
+    }
+}
+
+/// A ramp rate: rigs a second, 0 (unpaced) or more, finite.
+fn parse_rate(s: &str) -> Result<f64, String> {
+    match s.trim().parse::<f64>() {
+        Ok(r) if r.is_finite() && r >= 0.0 => Ok(r),
+        _ => Err(format!("{s:?}: rigs a second, 0 or more")),
     }
 }
 

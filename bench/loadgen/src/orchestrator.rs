@@ -17,7 +17,7 @@ use tokio::sync::{mpsc, watch, Notify, Semaphore};
 use crate::cli::{parse_labels, parse_ws_url, split_slices, RigsArgs};
 use crate::progress::{self, Unit};
 use crate::report::{Counters, FinalReport, Progress, WorkerReport};
-use crate::rig::{ExecLog, RigEnv};
+use crate::rig::{ExecLog, Ramp, RigEnv};
 use crate::tls::TlsClient;
 use crate::worker::{emit_stdout, run_worker, WorkerMsg};
 
@@ -118,6 +118,7 @@ async fn rig_env(
         ws_config: RigEnv::small_ws_config(),
         counters: Arc::new(Counters::new(count)),
         permits: Semaphore::new(args.concurrency.max(1)),
+        ramp: Ramp::new(args.ramp_rate, args.rigs, start, count),
         settled: Notify::new(),
         reconnect: args.reconnect.then_some(args.reconnect_backoff),
         exec_log,
@@ -162,6 +163,7 @@ fn spawn_child(args: &RigsArgs, start: usize, count: usize) -> Result<(Child, Ch
         .args(["--server-name", &args.server_name])
         .args(["--labels", &args.labels])
         .args(["--concurrency", &args.concurrency.to_string()])
+        .args(["--ramp-rate", &args.ramp_rate.to_string()])
         .args(["--hold", &ms(args.hold)])
         .args(["--max-time", &ms(args.max_time)])
         .args(["--handshake-timeout", &ms(args.handshake_timeout)])

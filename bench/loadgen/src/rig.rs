@@ -47,6 +47,8 @@ pub struct RigEnv {
     pub counters: Arc<Counters>,
     /// Bounds handshakes in flight (`--concurrency`).
     pub permits: Semaphore,
+    /// `--ramp-rate`: when each rig of this worker first connects; None = at once.
+    pub ramp: Option<Ramp>,
     /// Signalled when the last rig of this worker reaches its ramp outcome.
     pub settled: Notify,
     /// `--reconnect`: the backoff base after a lost connection; None = a rig ends with its
@@ -58,6 +60,37 @@ pub struct RigEnv {
     pub timeline_bucket_ms: u64,
     /// `--no-ack`: commands are received and counted, never acked.
     pub no_ack: bool,
+}
+
+/// A paced ramp: this worker's rigs start evenly at its share of `--ramp-rate`, from when the
+/// worker began.
+#[derive(Debug, Clone, Copy)]
+pub struct Ramp {
+    origin: tokio::time::Instant,
+    /// Between one of this worker's rigs and its next.
+    every: Duration,
+    /// The worker's first rig index.
+    start: usize,
+}
+
+impl Ramp {
+    /// The pacing of the worker of rigs `[start, start + count)` out of `total`, or None when
+    /// `rate` is 0 (unpaced).
+    pub fn new(rate: f64, total: usize, start: usize, count: usize) -> Option<Ramp> {
+        // The worker's share of the rate, so that the processes together start `rate` a second.
+        let share = rate * count as f64 / total.max(1) as f64;
+        (share > 0.0).then(|| Ramp {
+            origin: tokio::time::Instant::now(),
+            every: Duration::from_secs_f64((1.0 / share).min(3600.0)),
+            start,
+        })
+    }
+
+    /// When rig `index` of this worker first connects.
+    pub fn start_of(&self, index: usize) -> tokio::time::Instant {
+        let nth = u32::try_from(index.saturating_sub(self.start)).unwrap_or(u32::MAX);
+        self.origin + self.every.saturating_mul(nth)
+    }
 }
 
 /// `--exec-log`: one line per command run, buffered (flushed by the worker's ticks and at the
@@ -227,6 +260,12 @@ pub async fn run_rig(env: Arc<RigEnv>, index: usize, mut stop: watch::Receiver<b
     // Consecutive failed reconnect attempts, and when the last connection ended.
     let mut failures = 0u32;
     let mut ended_at = Instant::now();
+    if let Some(ramp) = &env.ramp {
+        tokio::select! {
+            _ = tokio::time::sleep_until(ramp.start_of(index)) => {}
+            _ = stop.changed() => return,
+        }
+    }
     loop {
         let hello = hello_json(&rig_id, &boot_id, &env.labels_json, seqs.last_seq());
         match welcome(&env, &hello, source, &mut stop).await {
@@ -647,6 +686,21 @@ async fn on_text(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Each worker takes its share of the rate; its rigs start evenly from its origin.
+    #[tokio::test]
+    async fn a_ramp_spreads_each_workers_share_of_the_rate() {
+        assert!(Ramp::new(0.0, 100, 0, 50).is_none());
+        // 100 a second over 100 rigs, this worker holding 25 of them (indices 50..75): 25 a
+        // second, 40 ms apart.
+        let r = Ramp::new(100.0, 100, 50, 25).unwrap();
+        assert_eq!(r.start_of(50), r.origin);
+        assert_eq!(r.start_of(51) - r.origin, Duration::from_millis(40));
+        assert_eq!(r.start_of(74) - r.origin, Duration::from_millis(960));
+        // A rate too low to matter is capped, not infinite.
+        let slow = Ramp::new(1e-12, 1, 0, 1).unwrap();
+        assert_eq!(slow.every, Duration::from_secs(3600));
+    }
 
     #[test]
     fn seqs_run_once_and_gaps_are_counted() {

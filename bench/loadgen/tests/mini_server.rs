@@ -347,3 +347,34 @@ fn admin_posts_that_could_not_connect_are_not_counted_sent() {
     assert_eq!(report["errors"]["not_sent"], 4, "{report:#}");
     assert_eq!(out.status.code(), Some(2));
 }
+
+/// `--ramp-rate` paces the ramp over the whole run: 20 rigs at 20 a second in two processes
+/// take about a second to start, where unpaced they start at once.
+#[test]
+fn a_paced_ramp_starts_its_rigs_at_the_rate_asked() {
+    let (_rt, port, _seen) = mini_server(Seen::default(), 0);
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("report.json");
+    let out = loadgen(port, "2", &path)
+        .args(["--ramp-rate", "20"])
+        .output()
+        .expect("run loadgen");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("ALL_WELCOMED rigs=20"), "{stdout}");
+    let r: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    // Each process starts its 10 rigs 100 ms apart: the last at 900 ms.
+    let ramp = r["ramp_ms"].as_u64().unwrap();
+    assert!((900..5_000).contains(&ramp), "ramp took {ramp} ms");
+    assert_eq!(out.status.code(), Some(0));
+    let bad = Command::new(env!("CARGO_BIN_EXE_fleetlink-loadgen"))
+        .args([
+            "rigs",
+            "--url",
+            "ws://127.0.0.1:1/agent",
+            "--ramp-rate",
+            "-1",
+        ])
+        .output()
+        .expect("run loadgen");
+    assert_eq!(bad.status.code(), Some(64));
+}
