@@ -168,14 +168,21 @@ impl Proc {
     }
 
     /// CPU time of the live threads grouped by name with trailing digits dropped
-    /// (`fleetlink-admin-3` → `fleetlink-admin`), from `/proc/PID/task/TID/stat` ticks.
+    /// (`fleetlink-admin-3` → `fleetlink-admin`): each thread's `schedstat` run time in
+    /// nanoseconds, or its `stat` ticks (10 ms) where that cannot be read. Ticks summed per
+    /// thread lost up to a tick each, so groups read 0.00 s beside a total of 0.02 s.
     pub(crate) fn cpu_by_thread(&self) -> Result<BTreeMap<String, Duration>> {
         let dir = format!("/proc/{}/task", self.pid());
         let mut out = BTreeMap::new();
         for task in std::fs::read_dir(&dir).with_context(|| dir.clone())? {
-            let Ok(stat) = std::fs::read_to_string(task?.path().join("stat")) else {
+            let task = task?.path();
+            let Ok(stat) = std::fs::read_to_string(task.join("stat")) else {
                 continue;
             };
+            let ran = std::fs::read_to_string(task.join("schedstat"))
+                .ok()
+                .and_then(|t| t.split_whitespace().next()?.parse::<u64>().ok())
+                .map(Duration::from_nanos);
             let name = stat
                 .split_once('(')
                 .and_then(|(_, r)| r.rsplit_once(')'))
@@ -183,7 +190,7 @@ impl Proc {
                 .trim_end_matches(|c: char| c.is_ascii_digit() || c == '-' || c == '_');
             let ticks = parse_cpu_ticks(&stat).unwrap_or(0);
             *out.entry(name.to_string()).or_default() +=
-                Duration::from_secs_f64(ticks as f64 / clock_ticks_per_s());
+                ran.unwrap_or_else(|| Duration::from_secs_f64(ticks as f64 / clock_ticks_per_s()));
         }
         Ok(out)
     }
@@ -257,6 +264,37 @@ mod tests {
         let stat = "1234 (a (b) c) S 1 2 3 4 5 6 7 8 9 10 250 30 0 0 20 0 4 0 100";
         assert_eq!(parse_cpu_ticks(stat), Some(280));
         assert_eq!(parse_cpu_ticks("garbage"), None);
+    }
+
+    /// A child that spins a while shows it in its thread's figure, in nanoseconds rather than
+    /// whole 10 ms ticks.
+    #[test]
+    fn thread_figures_count_time_below_a_tick() {
+        let dir = std::env::temp_dir().join(format!("proc-threads-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut cmd = Command::new("sh");
+        cmd.args([
+            "-c",
+            "i=0; while [ $i -lt 100000 ]; do i=$((i+1)); done; exec sleep 5",
+        ]);
+        let mut p =
+            Proc::spawn("spin", &mut cmd, &dir.join("out"), Duration::from_secs(1)).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let spun = loop {
+            let total: Duration = p.cpu_by_thread().unwrap().values().sum();
+            let name = std::fs::read_to_string(format!("/proc/{}/comm", p.pid())).unwrap();
+            if name.trim() == "sleep" || Instant::now() > deadline {
+                break total;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        };
+        p.stop();
+        let _ = std::fs::remove_dir_all(&dir);
+        assert!(spun >= Duration::from_millis(5), "{spun:?}");
+        assert!(
+            spun.subsec_nanos() % 10_000_000 != 0,
+            "whole ticks: {spun:?}"
+        );
     }
 
     #[test]
