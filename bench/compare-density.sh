@@ -4,7 +4,7 @@
 #
 #   bench/compare-density.sh [--rounds 3] [--steps "1000 5000 10000 19000"]
 #                            [--brokers "fleetlink-fe tokio-baseline-default tokio-baseline-rb4096"]
-#                            [--out DIR] [STEPS]
+#                            [--out DIR] [--name SFX] [STEPS]
 #
 # --brokers takes the names space-separated, in one argument. Brokers: fleetlink-fe
 # (standalone), tokio-baseline-default (tungstenite's default buffers) and
@@ -15,7 +15,9 @@
 # round closest to that median, and density-rounds.json keeps every round.
 #
 # Output, all under --out (bench/results by default): density-summary.md (also on stdout),
-# density-<broker>.json and density-rounds.json. BENCH_NO_BUILD=1 skips the cargo build; the binaries are
+# density-<broker>.json and density-rounds.json (with --name, each named -SFX before its
+# extension), then density-<broker>.svg ... drawn by `fleetlink-bench plots` from this run's
+# files when that binary is built (bench/run builds it). BENCH_NO_BUILD=1 skips the cargo build; the binaries are
 # then taken from ${CARGO_TARGET_DIR:-target}/release. A round of the three brokers at the
 # default steps takes about half a minute.
 #
@@ -35,6 +37,7 @@ rounds=3
 steps="1000 5000 10000 19000"
 brokers="fleetlink-fe tokio-baseline-default tokio-baseline-rb4096"
 out="$here/results"
+run_name=""
 usage() { awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0"; exit "${1:-64}"; }
 die() { echo "compare-density: $*" >&2; exit 1; }
 while [[ $# -gt 0 ]]; do
@@ -43,6 +46,7 @@ while [[ $# -gt 0 ]]; do
     --steps) steps="$2"; shift 2 ;;
     --brokers) brokers="$2"; shift 2 ;;
     --out) out="$2"; shift 2 ;;
+    --name) run_name="$2"; shift 2 ;;
     -h|--help) usage 0 ;;
     -*) echo "compare-density: unknown flag $1" >&2; usage ;;
     *) steps="$1"; shift ;;
@@ -104,18 +108,19 @@ for ((r = 1; r <= rounds; r++)); do
   done
 done
 
-python3 - "$work" "$out" "$rounds" "$steps" "${names[@]}" <<'PY' | tee "$out/density-summary.md"
+sfx="${run_name:+-$run_name}"
+python3 - "$work" "$out" "$rounds" "$steps" "$sfx" "${names[@]}" <<'PY' | tee "$out/density-summary$sfx.md"
 import json, os, shutil, statistics, sys
-work, out, rounds, steps, names = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5:]
+work, out, rounds, steps, sfx, names = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5], sys.argv[6:]
 runs = {n: [json.load(open(os.path.join(work, f"{n}-r{r}.json"))) for r in range(1, rounds + 1)] for n in names}
 slope = lambda j: j["slope_bytes_per_conn"]["rss"]
 med = {n: statistics.median(slope(j) for j in runs[n]) for n in names}
 # The round a broker's plot and kernel figures come from: the one closest to its median.
 pick = {n: min(range(rounds), key=lambda r: abs(slope(runs[n][r]) - med[n])) for n in names}
 for n in names:
-    shutil.copy(os.path.join(work, f"{n}-r{pick[n] + 1}.json"), os.path.join(out, f"density-{n}.json"))
+    shutil.copy(os.path.join(work, f"{n}-r{pick[n] + 1}.json"), os.path.join(out, f"density-{n}{sfx}.json"))
 json.dump({"rounds": rounds, "steps": [int(s) for s in steps.split()], "order": "rotating by one broker per round",
-           "median_rss_slope": med, "runs": runs}, open(os.path.join(out, "density-rounds.json"), "w"), indent=1)
+           "median_rss_slope": med, "runs": runs}, open(os.path.join(out, f"density-rounds{sfx}.json"), "w"), indent=1)
 first = runs[names[0]][0]
 print(f"Measured {first['date']}, kernel {first['host']['kernel']}, steps {steps} (incremental), "
       f"{rounds} round(s), brokers alternating (order rotated each round); figures are medians over rounds.\n")
@@ -142,3 +147,9 @@ ref = names[0]
 for n in names[1:]:
     print(f"\n{n} / {ref} = {med[n] / max(med[ref], 1):.1f}x")
 PY
+if [[ -x "$target/fleetlink-bench" ]]; then
+  "$target/fleetlink-bench" plots --out "$out" ${run_name:+--name "$run_name"} >&2 ||
+    echo "compare-density: the plots failed; the figures above stand" >&2
+else
+  echo "compare-density: no $target/fleetlink-bench: no plots (bench/run plots draws them)" >&2
+fi

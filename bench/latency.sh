@@ -43,7 +43,8 @@
 # share the machine's cores.
 #
 # Output (--results, default bench/results): latency-<broker>[-SUFFIX].json (every session's
-# reports) and latency-summary[-SUFFIX].md. Its own redis-server (port LATENCY_REDIS_PORT,
+# reports) and latency-summary[-SUFFIX].md, then the latency CDFs as SVGs, drawn by
+# `fleetlink-bench plots` from this run's files when that binary is built. Its own redis-server (port LATENCY_REDIS_PORT,
 # default 24379, --save "" --appendonly no) and every broker/loadgen it starts are stopped on
 # exit, failure or signal (bench/lib/procs.sh: each in its own process group, SIGKILLed if this
 # script dies without its cleanup); --time-limit is checked before every session, and every
@@ -436,3 +437,9 @@ open(os.path.join(outdir, f"latency-summary{sfx}.md"), "w").write(text)
 print(text)
 PY
 echo "latency: wrote $results/latency-*${suffix:+-$suffix}.json and latency-summary${suffix:+-$suffix}.md (in $((SECONDS - start_s)) s)" >&2
+if [[ -x "$target/fleetlink-bench" ]]; then
+  "$target/fleetlink-bench" plots --out "$results" ${suffix:+--name "$suffix"} >&2 ||
+    echo "latency: the plots failed; the figures above stand" >&2
+else
+  echo "latency: no $target/fleetlink-bench: no plots (bench/run plots draws them)" >&2
+fi
