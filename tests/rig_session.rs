@@ -1843,21 +1843,10 @@ fn a_rig_dripping_its_bytes_one_at_a_time_is_paused_and_its_message_arrives_whol
     for byte in frame(true, Text, ev.as_bytes()).chunks(1) {
         s.write_all(byte).unwrap();
     }
-    let logged = |name: &str| -> Vec<Value> {
-        let (_, page) = b.http("GET", "/v1/events?after=0", "");
-        let page: Value = serde_json::from_str(&page).unwrap();
-        page["events"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .filter(|e| e["type"] == "event" && e["name"] == name)
-            .cloned()
-            .collect()
-    };
     eventually(Duration::from_secs(10), "the dripped event logged", || {
-        !logged("drip").is_empty()
+        !b.events_named("drip").is_empty()
     });
-    assert_eq!(logged("drip")[0]["data"], json!(data));
+    assert_eq!(b.events_named("drip")[0]["data"], json!(data));
     let paused = b.metric("fleetlink_tiny_reads_paused_total");
     assert!(paused >= 1, "never paused");
     let mut whole = RawRig::hello(&b, "rig-whole");
@@ -1865,7 +1854,7 @@ fn a_rig_dripping_its_bytes_one_at_a_time_is_paused_and_its_message_arrives_whol
         whole.send_text(&json!({"type": "event", "name": "whole", "data": i}).to_string());
     }
     eventually(Duration::from_secs(10), "the whole events logged", || {
-        logged("whole").len() == 5
+        b.events_named("whole").len() == 5
     });
     assert_eq!(b.metric("fleetlink_tiny_reads_paused_total"), paused);
     // Whole frames a segment each, but of a message not yet ended: empty continuations cost
@@ -1880,7 +1869,7 @@ fn a_rig_dripping_its_bytes_one_at_a_time_is_paused_and_its_message_arrives_whol
     eventually(
         Duration::from_secs(10),
         "the fragmented event logged",
-        || logged("frag").len() == 1,
+        || b.events_named("frag").len() == 1,
     );
     assert!(
         b.metric("fleetlink_tiny_reads_paused_total") > paused,

@@ -11,6 +11,8 @@
 //! - `throttle`: one log line a second for things that can happen thousands of times a second.
 
 pub mod bridge;
+#[cfg(test)]
+mod canned;
 pub(crate) mod command_con;
 pub mod control;
 pub mod embedded;

@@ -589,7 +589,16 @@ impl Deadlines {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::registry::canned::Canned;
     use redis::Value;
+
+    /// A connection that answers a transaction with `exec`, its EXEC reply.
+    fn exec(exec: Value) -> Canned {
+        Canned {
+            replies: vec![vec![exec]],
+            sent: Vec::new(),
+        }
+    }
 
     fn held(id: &str) -> Held {
         Held {
@@ -598,32 +607,6 @@ mod tests {
             args: Args::null(),
             deadline_ms: 1,
             reply_to: None,
-        }
-    }
-
-    /// Answers every transaction with the EXEC reply it is given.
-    struct Exec(Value);
-
-    impl ConnectionLike for Exec {
-        fn req_packed_command(&mut self, _: &[u8]) -> redis::RedisResult<Value> {
-            Ok(Value::Nil)
-        }
-        fn req_packed_commands(
-            &mut self,
-            _: &[u8],
-            _: usize,
-            _: usize,
-        ) -> redis::RedisResult<Vec<Value>> {
-            Ok(vec![self.0.clone()])
-        }
-        fn get_db(&self) -> i64 {
-            0
-        }
-        fn check_connection(&mut self) -> bool {
-            true
-        }
-        fn is_open(&self) -> bool {
-            true
         }
     }
 
@@ -644,13 +627,13 @@ mod tests {
         let entry = serde_json::to_string(&held("a")).unwrap();
         let ok = Value::Okay;
         let whole = Value::Array(vec![list(&[&entry]), ok.clone(), list(&[]), ok.clone()]);
-        let taken = offline.take_many(&mut Exec(whole), &[&r1, &r2], 5).unwrap();
+        let taken = offline.take_many(&mut exec(whole), &[&r1, &r2], 5).unwrap();
         assert_eq!(taken, vec![vec![held("a")], vec![]]);
         for short in [
             Value::Array(vec![]),
             Value::Array(vec![list(&[]), ok.clone()]),
         ] {
-            match offline.take_many(&mut Exec(short), &[&r1, &r2], 5) {
+            match offline.take_many(&mut exec(short), &[&r1, &r2], 5) {
                 Err(RegistryError::UnexpectedReply(why)) => {
                     assert!(why.contains("of 4 commands"), "{why}")
                 }
@@ -659,7 +642,7 @@ mod tests {
         }
         // A reply of another type in a list's place fails the take too.
         let odd = Value::Array(vec![ok.clone(), ok.clone(), list(&[]), ok]);
-        assert!(offline.take_many(&mut Exec(odd), &[&r1, &r2], 5).is_err());
+        assert!(offline.take_many(&mut exec(odd), &[&r1, &r2], 5).is_err());
     }
 
     #[test]

@@ -513,42 +513,9 @@ fn shown(reply: &Value) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::registry::canned::Canned;
 
     const BOOT: &str = "01890a5d-ac96-774b-bcce-b302099a8057";
-
-    /// A connection that answers pipelines from a script of replies and counts the commands
-    /// of each pipeline it is sent.
-    struct Canned {
-        replies: Vec<Vec<Value>>,
-        sent: Vec<usize>,
-    }
-
-    impl ConnectionLike for Canned {
-        fn req_packed_command(&mut self, _: &[u8]) -> redis::RedisResult<Value> {
-            // SCRIPT LOAD: its hash.
-            let sha = Script::new("return 1").get_hash().to_string();
-            Ok(Value::BulkString(sha.into_bytes()))
-        }
-        fn req_packed_commands(
-            &mut self,
-            cmd: &[u8],
-            _: usize,
-            count: usize,
-        ) -> redis::RedisResult<Vec<Value>> {
-            assert_eq!(cmd.windows(7).filter(|w| w == b"EVALSHA").count(), count);
-            self.sent.push(count);
-            Ok(self.replies.remove(0))
-        }
-        fn get_db(&self) -> i64 {
-            0
-        }
-        fn check_connection(&mut self) -> bool {
-            true
-        }
-        fn is_open(&self) -> bool {
-            true
-        }
-    }
 
     /// A batched call's reply is split among its chunk's entries; a call that failed, or
     /// answered for another number of entries, fails its own chunk's entries and no others.

@@ -74,7 +74,8 @@ impl RigBucket {
     /// cost the broker a decode and, for a PING, a PONG, but are not messages of their own.
     /// Never below empty, so a flood of them waits one token's refill, not its own length.
     pub fn spend(&mut self, cost: f32) {
-        self.tokens = (self.tokens - cost).max(0.0);
+        // Never below empty, nor back up to it: a debt [`RigBucket::owe`]d stays owed.
+        self.tokens = (self.tokens - cost).max(self.tokens.min(0.0));
     }
 
     /// Spends `cost`, going into debt: the next token then takes as long as the debt to
@@ -140,6 +141,9 @@ mod tests {
         let mut b = RigBucket::full(4, 0);
         b.owe(6.0);
         assert_eq!(b.ready(100.0, 4, 0), Err(30), "2 owed, 1 to take: 3 away");
+        // A control frame's part of a token neither deepens the debt nor forgives it.
+        b.spend(0.125);
+        assert_eq!(b.ready(100.0, 4, 0), Err(30), "the debt stands");
         assert!(b.ready(100.0, 4, 29).is_err());
         assert!(b.ready(100.0, 4, 30).is_ok());
     }

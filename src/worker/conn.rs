@@ -16,7 +16,7 @@ use monoio::net::TcpStream;
 
 use crate::metrics::C;
 use crate::worker::core::{flush, recv, Conn, ConnState, Core, Phase};
-use crate::worker::transport::{self, TlsRead};
+use crate::worker::transport::{self, TlsRead, Wire};
 use crate::worker::{quiet_pong, session};
 
 /// The close reason recorded when the peer ended the TCP connection first.
@@ -170,12 +170,12 @@ pub(crate) fn read_while_parked(core: &Core, conn: &Conn) {
 fn on_readable(core: &Core, conn: &Conn) -> usize {
     let mut scratch = core.scratch.borrow_mut();
     let mut st = conn.st.borrow_mut();
-    let mut wire = 0;
+    let mut wire = Wire::default();
     let (n, last) = match read_some(core, conn.fd, &mut st, &mut scratch, &mut wire) {
         Ok(Some(read)) => read,
         Ok(None) => {
             // Bytes came, but no whole TLS record.
-            charge_tiny_read(core, &mut st, wire, true);
+            charge_tiny_read(core, &mut st, wire.bytes, true);
             return 0;
         }
         Err(reason) => {
@@ -201,7 +201,7 @@ fn on_readable(core: &Core, conn: &Conn) -> usize {
     // A frame cut short, or a message whose fragments are still coming: whole 6-byte frames of
     // a fragmented message, one a segment, cost what single bytes do (review bb109).
     let unfinished = (!st.rbuf_is_empty() && !st.rbuf_ready) || !st.decoder.is_idle();
-    charge_tiny_read(core, &mut st, wire, unfinished);
+    charge_tiny_read(core, &mut st, wire.bytes, unfinished);
     if last {
         // The peer's TLS close_notify came with these bytes: it sends nothing more, and no
         // readiness will tell us, so the connection ends as at EOF.
@@ -233,21 +233,18 @@ fn charge_tiny_read(core: &Core, st: &mut ConnState, wire: usize, unfinished: bo
     pause_while_empty(core, st);
 }
 
-/// What a TLS 1.3 record costs on the wire beyond its plaintext: a 5-byte header, the inner
-/// content type and a 16-byte AEAD tag (TLS 1.2's GCM records cost 29, so they are counted
-/// a little high).
-const TLS_RECORD_OVERHEAD: usize = 22;
 /// Records read together whose plaintext averages under this many bytes are charged each.
 const TINY_RECORD: usize = 16;
 
 /// Records that come several to a read escape [`charge_tiny_read`]: 100 one-byte records make
-/// a read of 2,300 bytes, yet each is decrypted on its own (about 0.6 µs a record here, review
-/// bb108). After the handshake, a read whose records average under [`TINY_RECORD`] bytes of
-/// plaintext takes [`TINY_READ_COST`] for each record, counted from the bytes the records
-/// added to the plaintext. A rig's ordinary messages (an ack is 28 bytes framed), one or
-/// several to a record, never come near it.
-fn charge_tiny_records(core: &Core, st: &mut ConnState, wire: usize, plain: usize) {
-    let records = wire.saturating_sub(plain) / TLS_RECORD_OVERHEAD;
+/// a read of 2,300 bytes, yet each is decrypted on its own (about 0.5 µs a record here, review
+/// bb108). After the handshake, a read that completed records averaging under [`TINY_RECORD`]
+/// bytes of plaintext takes [`TINY_READ_COST`] for each. The records are counted from the
+/// peer's own framing ([`transport::RecordCount`]), not estimated from the bytes: a small
+/// record read with the start of a large one is one record, not the 180 the large one's
+/// missing plaintext made it look like (review bb114). A rig's ordinary messages (an ack is
+/// 28 bytes framed), one or several to a record, never come near it.
+fn charge_tiny_records(core: &Core, st: &mut ConnState, records: usize, plain: usize) {
     if records < 2 || plain >= records.saturating_mul(TINY_RECORD) {
         return;
     }
@@ -301,13 +298,17 @@ fn read_some(
     fd: std::os::fd::RawFd,
     st: &mut ConnState,
     buf: &mut [u8],
-    wire: &mut usize,
+    wire: &mut Wire,
 ) -> Result<Option<(usize, bool)>, &'static str> {
-    let Some(tls) = st.sec.as_mut().and_then(|s| s.tls.as_mut()) else {
+    let Some((tls, records)) = st
+        .sec
+        .as_mut()
+        .and_then(|s| Some((s.tls.as_mut()?, &mut s.records)))
+    else {
         return match recv(fd, buf) {
             Ok(0) => Err(PEER_CLOSED),
             Ok(n) => {
-                *wire = n;
+                wire.bytes = n;
                 Ok(Some((n, false)))
             }
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => Ok(None),
@@ -315,7 +316,7 @@ fn read_some(
         };
     };
     let was_handshaking = tls.is_handshaking();
-    let read = transport::read_tls(fd, tls, buf, wire);
+    let read = transport::read_tls(fd, tls, records, buf, wire);
     if was_handshaking && !tls.is_handshaking() {
         // None only without a client certificate (no `--client-ca`): a certificate that
         // grants no name must not pass as one that was never asked for.
@@ -370,7 +371,7 @@ fn read_some(
     };
     // Handshake messages are large and carry no plaintext: only data records are counted.
     if let (false, Ok(Some((n, _)))) = (was_handshaking, &result) {
-        charge_tiny_records(core, st, *wire, *n);
+        charge_tiny_records(core, st, wire.records, *n);
     }
     // Handshake records and session tickets go out as soon as rustls has them.
     if st.has_output() {

@@ -280,6 +280,7 @@ impl Core {
             token_rig: None,
             refusing: false,
             output_dead: false,
+            records: Default::default(),
         })))
     }
 

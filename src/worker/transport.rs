@@ -30,6 +30,67 @@ pub(crate) struct Security {
     /// The socket failed: what rustls still holds to send never will be, and must not keep
     /// the connection waiting to write it (a reset socket is always "writable").
     pub(crate) output_dead: bool,
+    /// Where the peer's record stream stands, for counting the records each read ends.
+    pub(crate) records: RecordCount,
+}
+
+/// Follows the TLS record framing of the bytes a peer sends (a 5-byte header whose last two
+/// bytes are the body's length, then the body), across reads, to count the records each read
+/// completes: what rustls decrypts one by one. rustls keeps its own count to itself.
+#[derive(Debug, Default, Clone, Copy)]
+pub(crate) struct RecordCount {
+    header: [u8; 5],
+    /// Header bytes seen of the record in flight (5: its body is coming).
+    have: u8,
+    /// Body bytes of the record in flight still to come.
+    left: u16,
+}
+
+impl RecordCount {
+    /// Walks `bytes`, the next the peer sent, and says how many records ended in them.
+    pub(crate) fn ended_in(&mut self, mut bytes: &[u8]) -> usize {
+        let mut ended = 0;
+        while !bytes.is_empty() {
+            let have = usize::from(self.have);
+            if have < self.header.len() {
+                let take = (self.header.len() - have).min(bytes.len());
+                let (head, rest) = bytes.split_at(take);
+                if let Some(slot) = self.header.get_mut(have..have + take) {
+                    slot.copy_from_slice(head);
+                }
+                self.have += take as u8;
+                bytes = rest;
+                if usize::from(self.have) == self.header.len() {
+                    let [.., hi, lo] = self.header;
+                    self.left = u16::from_be_bytes([hi, lo]);
+                }
+            } else {
+                let take = usize::from(self.left).min(bytes.len());
+                self.left -= take as u16;
+                bytes = bytes.get(take..).unwrap_or_default();
+            }
+            if usize::from(self.have) == self.header.len() && self.left == 0 {
+                ended += 1;
+                self.have = 0;
+            }
+        }
+        ended
+    }
+}
+
+/// The socket as rustls reads it, counting the records each read completes.
+struct Counted<'a> {
+    fd: Fd,
+    records: &'a mut RecordCount,
+    ended: usize,
+}
+
+impl Read for Counted<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let n = self.fd.read(buf)?;
+        self.ended += self.records.ended_in(buf.get(..n).unwrap_or_default());
+        Ok(n)
+    }
 }
 
 /// The raw socket as `Read`/`Write` for rustls (non-blocking; WouldBlock passes through).
@@ -185,17 +246,33 @@ fn failed(tls: &ServerConnection, why: rustls::Error) -> TlsRead {
     }
 }
 
+/// What one read took off the socket.
+#[derive(Debug, Default, Clone, Copy)]
+pub(crate) struct Wire {
+    pub(crate) bytes: usize,
+    /// TLS records the read completed (0 on plain connections).
+    pub(crate) records: usize,
+}
+
 /// Reads records from the socket, processes them, and copies out plaintext into `buf`;
-/// `wire` is set to the bytes that came off the socket.
+/// `wire` is set to what came off the socket, `records` following the peer's framing.
 pub(crate) fn read_tls(
     fd: RawFd,
     tls: &mut ServerConnection,
+    records: &mut RecordCount,
     buf: &mut [u8],
-    wire: &mut usize,
+    wire: &mut Wire,
 ) -> io::Result<TlsRead> {
-    match tls.read_tls(&mut Fd(fd)) {
+    let mut counted = Counted {
+        fd: Fd(fd),
+        records,
+        ended: 0,
+    };
+    let read = tls.read_tls(&mut counted);
+    wire.records = counted.ended;
+    match read {
         Ok(0) => return Ok(TlsRead::Closed),
-        Ok(n) => *wire = n,
+        Ok(n) => wire.bytes = n,
         Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
         // The socket's errors carry an errno; rustls's own refusals of input (a buffer it
         // will not grow further) do not, and are the peer's doing like any bad record.
@@ -216,5 +293,43 @@ pub(crate) fn read_tls(
         Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(TlsRead::Data(0)),
         Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => Ok(TlsRead::Closed),
         Err(e) => Err(e),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(body: &[u8]) -> Vec<u8> {
+        let mut r = vec![23, 3, 3];
+        r.extend_from_slice(&u16::try_from(body.len()).unwrap().to_be_bytes());
+        r.extend_from_slice(body);
+        r
+    }
+
+    /// Records are counted where they end, however the reads cut them: a small record read
+    /// with the start of a large one is one record, and the large one counts when its last
+    /// byte comes.
+    #[test]
+    fn records_are_counted_where_they_end_across_reads() {
+        let small = record(&[1; 40]);
+        let large = record(&[2; 30_000]);
+        let mut stream = small.clone();
+        stream.extend_from_slice(&large);
+        for cut in [1, 3, 5, 45, 46, 4096, stream.len() - 1] {
+            let mut c = RecordCount::default();
+            let (a, b) = stream.split_at(cut);
+            let first = c.ended_in(a);
+            assert_eq!(first, usize::from(cut >= small.len()), "cut at {cut}");
+            assert_eq!(first + c.ended_in(b), 2, "cut at {cut}");
+        }
+        // Byte by byte, and records with empty bodies.
+        let mut c = RecordCount::default();
+        let tiny: Vec<u8> = (0..100)
+            .flat_map(|_| record(&[7]))
+            .chain(record(&[]))
+            .collect();
+        assert_eq!(tiny.iter().map(|b| c.ended_in(&[*b])).sum::<usize>(), 101);
+        assert_eq!(RecordCount::default().ended_in(&tiny), 101);
     }
 }

@@ -181,6 +181,20 @@ impl Broker {
         http(self.admin, method, path, body)
     }
 
+    /// The rig `event`s named `name` in the first page of `GET /v1/events` (standalone).
+    #[allow(dead_code)] // not every test binary reads events
+    pub fn events_named(&self, name: &str) -> Vec<Value> {
+        let (_, page) = self.http("GET", "/v1/events?after=0", "");
+        let page: Value = serde_json::from_str(&page).unwrap();
+        page["events"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|e| e["type"] == "event" && e["name"] == name)
+            .cloned()
+            .collect()
+    }
+
     /// Sends a command through the admin API and returns the reply.
     pub fn command(&self, rig: &str, name: &str, args: Value) -> (u16, Value) {
         let body = json!({"name": name, "args": args}).to_string();

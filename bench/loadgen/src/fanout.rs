@@ -196,8 +196,9 @@ pub async fn run_fanout(args: FanoutArgs) -> Result<i32> {
     let total = (args.rigs * rounds) as u64;
     let not_sent = t.errors.get(NOT_SENT).copied().unwrap_or(0);
     let answered = t.ok + t.errors.values().sum::<u64>() - not_sent;
-    // --max-time came before the last POST, even in the last round.
-    timed_out |= t.sent < total;
+    // --max-time came before the last POST, even in the last round (a POST that could not
+    // connect was tried, not cut off).
+    timed_out |= t.sent + not_sent < total;
     let report = FanoutReport {
         rigs: args.rigs as u64,
         rounds: rounds as u64,

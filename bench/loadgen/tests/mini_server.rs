@@ -345,6 +345,7 @@ fn admin_posts_that_could_not_connect_are_not_counted_sent() {
     assert_eq!(report["unanswered"], 0, "{report:#}");
     assert_eq!(report["failed"], 4, "{report:#}");
     assert_eq!(report["errors"]["not_sent"], 4, "{report:#}");
+    assert_eq!(report["timed_out"], false, "{report:#}");
     assert_eq!(out.status.code(), Some(2));
 }
 
