@@ -39,37 +39,35 @@ pub(crate) struct Security {
 /// completes: what rustls decrypts one by one. rustls keeps its own count to itself.
 #[derive(Debug, Default, Clone, Copy)]
 pub(crate) struct RecordCount {
-    header: [u8; 5],
     /// Header bytes seen of the record in flight (5: its body is coming).
     have: u8,
-    /// Body bytes of the record in flight still to come.
+    /// Body bytes of the record in flight still to come (built from the header's last two
+    /// bytes as they pass).
     left: u16,
 }
 
 impl RecordCount {
+    /// A record's header: type, version (2 bytes), body length (2 bytes).
+    const HEADER: u8 = 5;
+
     /// Walks `bytes`, the next the peer sent, and says how many records ended in them.
     pub(crate) fn ended_in(&mut self, mut bytes: &[u8]) -> usize {
         let mut ended = 0;
-        while !bytes.is_empty() {
-            let have = usize::from(self.have);
-            if have < self.header.len() {
-                let take = (self.header.len() - have).min(bytes.len());
-                let (head, rest) = bytes.split_at(take);
-                if let Some(slot) = self.header.get_mut(have..have + take) {
-                    slot.copy_from_slice(head);
+        while let Some((&byte, rest)) = bytes.split_first() {
+            if self.have < Self::HEADER {
+                match self.have {
+                    3 => self.left = u16::from(byte) << 8,
+                    4 => self.left |= u16::from(byte),
+                    _ => {}
                 }
-                self.have += take as u8;
+                self.have += 1;
                 bytes = rest;
-                if usize::from(self.have) == self.header.len() {
-                    let [.., hi, lo] = self.header;
-                    self.left = u16::from_be_bytes([hi, lo]);
-                }
             } else {
                 let take = usize::from(self.left).min(bytes.len());
                 self.left -= take as u16;
                 bytes = bytes.get(take..).unwrap_or_default();
             }
-            if usize::from(self.have) == self.header.len() && self.left == 0 {
+            if self.have == Self::HEADER && self.left == 0 {
                 ended += 1;
                 self.have = 0;
             }

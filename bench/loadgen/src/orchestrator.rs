@@ -290,8 +290,6 @@ pub async fn run_parent(args: RigsArgs) -> Result<i32> {
     let mut tick = tokio::time::interval(progress::REDRAW_EVERY);
     tick.tick().await;
     let mut exit_reason = None;
-    let mut ramp_ms = None;
-    let mut all_welcomed = false;
 
     // Ramp: until every worker has settled (each rig welcomed or failed for good).
     let all_settled = |views: &[WorkerView]| views.iter().all(WorkerView::settled);
@@ -319,28 +317,23 @@ pub async fn run_parent(args: RigsArgs) -> Result<i32> {
     }
     let p = total_progress(&views);
     bar.finish(p.welcomed + p.failed, &ramp_detail(&p));
-    if let Some(why) = exit_reason {
-        // Cut short: still the one line that says how the ramp ended.
-        print_line(&format!(
-            "RAMP_INCOMPLETE rigs={} welcomed={} failed={} elapsed_ms={} stopped_by={why}",
+    // The one line that says how the ramp ended, cut short or not.
+    let elapsed = started.elapsed().as_millis() as u64;
+    let all_welcomed = exit_reason.is_none() && p.welcomed as usize == args.rigs;
+    let ramp_ms = exit_reason.is_none().then_some(elapsed);
+    print_line(&if all_welcomed {
+        format!("ALL_WELCOMED rigs={} elapsed_ms={elapsed}", args.rigs)
+    } else {
+        let cut = exit_reason.map(|why| format!(" stopped_by={why}"));
+        format!(
+            "RAMP_INCOMPLETE rigs={} welcomed={} failed={} elapsed_ms={elapsed}{}",
             args.rigs,
             p.welcomed,
             p.failed,
-            started.elapsed().as_millis()
-        ));
-    } else {
-        let elapsed = started.elapsed().as_millis() as u64;
-        ramp_ms = Some(elapsed);
-        all_welcomed = p.welcomed as usize == args.rigs;
-        let line = if all_welcomed {
-            format!("ALL_WELCOMED rigs={} elapsed_ms={elapsed}", args.rigs)
-        } else {
-            format!(
-                "RAMP_INCOMPLETE rigs={} welcomed={} failed={} elapsed_ms={elapsed}",
-                args.rigs, p.welcomed, p.failed
-            )
-        };
-        print_line(&line);
+            cut.unwrap_or_default()
+        )
+    });
+    if exit_reason.is_none() {
         eprintln!(
             "loadgen: ramp done in {elapsed} ms: welcomed={} failed={}; holding {:?}",
             p.welcomed, p.failed, args.hold
