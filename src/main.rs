@@ -328,24 +328,21 @@ fn tls_paths(cfg: &Config) -> Option<TlsPaths> {
 }
 
 /// Says at start how many rigs the open-file limit leaves room for, by `doctor`'s count: past
-/// it accepts fail with EMFILE, counted but not logged one by one.
+/// it rigs are refused, counted but not logged one by one.
 fn log_connection_room(cfg: &Config) {
     let Some(room) = fleetlink::doctor::rig_room(cfg.cores as u64) else {
         return;
     };
-    let admin = fleetlink::doctor::ADMIN_CONNECTIONS;
     match cfg.max_connections {
         Some(cap) if room < cap => log::warn!(
-            "!!! the open-file limit (RLIMIT_NOFILE) leaves room for about {room} rigs beside \
-             {admin} admin connections, below --max-connections {cap}: accepts past it fail \
-             with EMFILE (counted in \
-             fleetlink_accepts_total{{result=\"error\"}}); raise it (ulimit -n, LimitNOFILE=), \
-             see `fleetlink-fe doctor --connections {cap}`"
+            "!!! the open-file limit (RLIMIT_NOFILE) leaves room for about {room} rigs, below \
+             --max-connections {cap}: rigs past it are refused (counted in \
+             fleetlink_accepts_total{{result=\"over_capacity\"}}); raise it (ulimit -n, \
+             LimitNOFILE=), see `fleetlink-fe doctor --connections {cap}`"
         ),
         _ => log::info!(
-            "the open-file limit (RLIMIT_NOFILE) leaves room for about {room} rigs beside \
-             {admin} admin connections (`fleetlink-fe doctor --connections N` checks this host \
-             for N)"
+            "the open-file limit (RLIMIT_NOFILE) leaves room for about {room} rigs \
+             (`fleetlink-fe doctor --connections N` checks this host for N)"
         ),
     }
     if let Some(ceiling) = fleetlink::worker::rig_fd_ceiling() {

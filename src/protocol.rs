@@ -7,7 +7,6 @@ use std::borrow::Cow;
 
 use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
-use serde_json::Value;
 
 use crate::ids::{BootId, RigId, Seq};
 
@@ -146,10 +145,12 @@ struct RawMsg<'a> {
     data: Option<&'a RawValue>,
 }
 
-/// One field of the message's own type, parsed from its raw text (`null` reads as absent).
 /// A JSON object's entries as written, a key given twice kept twice (serde_json's map would
-/// keep only the last value).
-struct Entries(Vec<(String, Value)>);
+/// keep only the last value). Each value is kept as its text: built as a `Value`, an object
+/// keyed `$serde_json::private::RawValue` (the `raw_value` feature's marker) was read as the
+/// JSON its string holds, so `{"$serde_json::private::RawValue":"\"x\""}` passed for the
+/// label `"x"`.
+struct Entries(Vec<(String, Box<RawValue>)>);
 
 impl<'de> Deserialize<'de> for Entries {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
@@ -164,7 +165,7 @@ impl<'de> Deserialize<'de> for Entries {
                 mut m: A,
             ) -> Result<Entries, A::Error> {
                 let mut out = Vec::new();
-                while let Some(entry) = m.next_entry::<String, Value>()? {
+                while let Some(entry) = m.next_entry::<String, Box<RawValue>>()? {
                     out.push(entry);
                 }
                 Ok(Entries(out))
@@ -309,7 +310,7 @@ fn parse_hello(v: u32, raw: &RawMsg<'_>) -> Result<Hello, ProtocolError> {
             return Err(invalid("too many labels"));
         }
         for (k, val) in map {
-            let Value::String(s) = val else {
+            let Ok(s) = serde_json::from_str::<String>(val.get()) else {
                 return Err(invalid("label values must be strings"));
             };
             if k.len() > MAX_LABEL_LEN || s.len() > MAX_LABEL_LEN {
@@ -415,6 +416,7 @@ fn to_vec<T: Serialize>(msg: &T) -> Vec<u8> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::Value;
 
     fn raw(text: &str) -> RawJson {
         RawJson(RawValue::from_string(text.to_owned()).expect("json"))
@@ -540,6 +542,34 @@ mod tests {
         ] {
             assert!(parse_client_msg(bad.as_bytes()).is_err(), "{bad}");
         }
+    }
+
+    /// serde_json's `raw_value` feature reads an object keyed by its private marker as the JSON
+    /// its string holds, when building a `Value`: a label value must be a string as written.
+    #[test]
+    fn a_label_value_written_as_serde_jsons_raw_value_marker_is_not_a_string() {
+        let hello = |labels: &str| {
+            format!(
+                r#"{{"type":"hello","rig_id":"r","boot_id":"01890a5d-ac96-774b-bcce-b302099a8057","version":"1","labels":{labels}}}"#
+            )
+        };
+        let marker = r#"{"g":{"$serde_json::private::RawValue":"\"x\""}}"#;
+        assert_eq!(
+            parse_client_msg(hello(marker).as_bytes()),
+            Err(ProtocolError::Invalid {
+                ty: "hello",
+                why: "label values must be strings"
+            })
+        );
+        // As a key it is only a string, kept as written.
+        let key = r#"{"$serde_json::private::RawValue":"\"x\""}"#;
+        let Ok(ClientMsg::Hello(h)) = parse_client_msg(hello(key).as_bytes()) else {
+            panic!("{key}");
+        };
+        assert_eq!(
+            h.labels,
+            [("$serde_json::private::RawValue".into(), "\"x\"".into())]
+        );
     }
 
     /// What a hello may hold is bounded, since the broker keeps it for the whole connection:

@@ -149,17 +149,16 @@ fn sys_triple(name: &str) -> Option<[u64; 3]> {
 }
 
 /// How many rigs this process's soft `RLIMIT_NOFILE` leaves room for, past the descriptors a
-/// broker of `cores` cores holds itself and the admin API's share (`model::fd_slack`, as
-/// `doctor` counts them); None when it is unlimited. What the broker says at start, so that
-/// an EMFILE at accept (counted, but a peer's doing is no reason to log every one) is not its
-/// operator's first sign.
+/// broker of `cores` cores holds itself (`model::fd_own`) and those it keeps from rigs
+/// (`worker::fd_room`), as `doctor` counts them; None when it is unlimited. What the broker
+/// says at start, so that a refusal at the limit is not its operator's first sign.
 pub fn rig_room(cores: u64) -> Option<u64> {
     let (soft, _) = rlimit(libc::RLIMIT_NOFILE);
-    soft.map(|soft| soft.saturating_sub(super::model::fd_slack(cores)))
+    soft.map(|soft| {
+        soft.saturating_sub(super::model::fd_own(cores))
+            .saturating_sub(crate::worker::rig_fd_reserve_for(soft))
+    })
 }
-
-/// The admin connections the broker lets in at once, which [`rig_room`] leaves room for.
-pub const ADMIN_CONNECTIONS: u64 = super::model::FD_ADMIN;
 
 /// (soft, hard); `None` is `RLIM_INFINITY`.
 fn rlimit(resource: libc::__rlimit_resource_t) -> (Option<u64>, Option<u64>) {

@@ -32,6 +32,6 @@ mod report;
 mod testing;
 
 pub use checks::{check, check_max_connections, check_with_backlog};
-pub use host::{rig_room, HostSettings, ADMIN_CONNECTIONS};
+pub use host::{rig_room, HostSettings};
 pub use model::{Transport, LISTEN_BACKLOG, MAX_CONNECTIONS};
 pub use report::{main_with, run, Finding};

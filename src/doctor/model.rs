@@ -17,14 +17,26 @@ pub(super) const FD_PER_CORE: u64 = 6;
 pub(super) const FD_ADMIN: u64 =
     (crate::admin::MAX_ON_CORES + crate::admin::lobby::MAX_WAITING) as u64;
 
+/// The descriptors at the top of the open-file limit that the broker keeps from rigs
+/// (`worker::fd_room`): a rig's socket landing among them is refused (503), so once rigs hold
+/// all they may, these are what Redis reconnects, admin connections and file reloads have.
+pub(super) const FD_KEPT: u64 = crate::worker::RIG_FD_RESERVE;
+
 /// File descriptors the broker holds itself on `cores` cores, before any connection.
 pub(super) fn fd_own(cores: u64) -> u64 {
     FD_BASE + FD_PER_CORE * cores
 }
 
-/// File descriptors beyond one per rig, on `cores` cores.
+/// File descriptors beyond one per rig below which the broker refuses rigs before N: its own
+/// and the ones it keeps from rigs.
+pub(super) fn fd_floor(cores: u64) -> u64 {
+    fd_own(cores) + FD_KEPT
+}
+
+/// File descriptors beyond one per rig, on `cores` cores, for N rigs and every admin
+/// connection the broker lets in at once beside them.
 pub(super) fn fd_slack(cores: u64) -> u64 {
-    fd_own(cores) + FD_ADMIN
+    fd_own(cores) + FD_ADMIN.max(FD_KEPT)
 }
 
 /// Most connections `doctor` checks for. Far past what one host's memory holds (~5 KB each with

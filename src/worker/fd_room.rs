@@ -13,7 +13,7 @@
 /// Descriptors kept from rigs, or a quarter of the limit when that is smaller: the bridge's
 /// Redis connections and their reconnects, admin probes and scrapes, TLS and CRL files
 /// being read, a log file.
-const RESERVE: u64 = 128;
+pub const RESERVE: u64 = 128;
 
 /// The lowest descriptor number a rig's connection may not have, by the soft open-file limit
 /// now; `None` when the limit is unlimited (or past what a descriptor number holds).
@@ -33,7 +33,12 @@ pub fn ceiling() -> Option<i32> {
 }
 
 fn ceiling_for(soft: u64) -> Option<i32> {
-    i32::try_from(soft - RESERVE.min(soft / 4)).ok()
+    i32::try_from(soft - reserve_for(soft)).ok()
+}
+
+/// The descriptors kept from rigs under a soft open-file limit of `soft`.
+pub fn reserve_for(soft: u64) -> u64 {
+    RESERVE.min(soft / 4)
 }
 
 /// Whether a socket numbered `fd` lies in the reserve.

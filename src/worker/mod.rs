@@ -43,6 +43,7 @@ pub use bucket::{RigBucket, TokenBucket};
 pub use conn_cap::ConnCap;
 pub use core::Links;
 pub use fd_room::ceiling as rig_fd_ceiling;
+pub use fd_room::{reserve_for as rig_fd_reserve_for, RESERVE as RIG_FD_RESERVE};
 
 use std::rc::Rc;
 use std::sync::Arc;

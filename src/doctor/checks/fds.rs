@@ -7,57 +7,80 @@
 
 use super::network::check_conntrack;
 use super::{at_least, sysctl_fix};
-use crate::doctor::model::{fd_slack, recommended_nofile, FD_ADMIN, FD_BASE, FD_PER_CORE};
+use crate::doctor::model::{
+    fd_floor, fd_own, fd_slack, recommended_nofile, FD_ADMIN, FD_BASE, FD_KEPT, FD_PER_CORE,
+};
 use crate::doctor::report::limit_text;
 use crate::doctor::{Finding, HostSettings};
 
-/// One fd per rig socket plus [`fd_slack`]. `accept` fails with EMFILE past the soft limit and
-/// ENFILE past `fs.file-max`. The broker never raises its own soft limit, so the soft limit is
-/// the one that blocks. The hard limit only says whether the soft one can be raised in place
-/// (`ulimit -Sn`); a new, higher limit (`LimitNOFILE=`, `ulimit -n` as root) needs `fs.nr_open`
-/// at least as high. So `fs.nr_open` blocks only when the soft limit is short of N + slack and
-/// neither the hard limit nor `fs.nr_open` lets it reach that; below the recommended
-/// `LimitNOFILE` (N + 10 %) it warns.
+/// One fd per rig socket plus the broker's own and the ones it keeps from rigs
+/// ([`fd_floor`]): below that the broker refuses rigs before N, which blocks. Up to
+/// [`fd_slack`] it holds N, but once they are all connected the admin API has fewer
+/// descriptors than the connections it lets in at once, which warns. `accept` fails with EMFILE
+/// past the soft limit and ENFILE past `fs.file-max`. The broker never raises its own soft
+/// limit, so the soft limit is the one that blocks. The hard limit only says whether the soft
+/// one can be raised in place (`ulimit -Sn`); a new, higher limit (`LimitNOFILE=`, `ulimit -n`
+/// as root) needs `fs.nr_open` at least as high. So `fs.nr_open` blocks only when the soft
+/// limit is short of the floor and neither the hard limit nor `fs.nr_open` lets it reach that;
+/// below the recommended `LimitNOFILE` (N + 10 %) it warns.
 pub(super) fn check_fds(host: &HostSettings, n: u64, cores: u64, port: u16) -> Vec<Finding> {
     const SOFT: &str = "RLIMIT_NOFILE (soft)";
     const HARD: &str = "RLIMIT_NOFILE (hard)";
     const NR_OPEN: &str = "fs.nr_open";
     let slack = fd_slack(cores);
     let fds = n.saturating_add(slack);
+    let floor = n.saturating_add(fd_floor(cores));
+    let own = fd_own(cores);
     let nofile = recommended_nofile(n, cores);
-    let needed = format!(
+    let all = format!(
         "≥ {fds} (N + {slack}: {FD_PER_CORE} per core for listeners, rings and eventfds, \
-         {FD_ADMIN} admin connections, {FD_BASE} for Redis, logs and files)"
+         {FD_BASE} for Redis, logs and files, {FD_ADMIN} admin connections)"
+    );
+    let needed = format!(
+        "{all}; below {floor} (N + {own} + the {FD_KEPT} the broker keeps from rigs) rigs are \
+         refused before N"
     );
     let unit_fix = format!("LimitNOFILE={nofile} in the systemd unit (tuning/fleetlink-fe.service), or `ulimit -n {nofile}` in the starting shell (needs fs.nr_open ≥ {nofile}; raising the hard limit needs CAP_SYS_RESOURCE, which root in a container may lack)");
-    let soft_holds = host.nofile_soft.is_none_or(|v| v >= fds);
+    let reaches_floor = |v: Option<u64>| v.is_none_or(|v| v >= floor);
     let hard_holds = host.nofile_hard.is_none_or(|v| v >= fds);
+    let soft_fix = if hard_holds {
+        format!("`ulimit -Sn {fds}` (within the hard limit), or {unit_fix}")
+    } else {
+        unit_fix.clone()
+    };
     let soft = match host.nofile_soft {
-        Some(v) if v < fds => {
-            let fix = if hard_holds {
-                format!("`ulimit -Sn {fds}` (within the hard limit), or {unit_fix}")
-            } else {
-                unit_fix.clone()
-            };
-            Finding::block(SOFT, v.to_string(), needed.clone(), fix)
-        }
+        Some(v) if v < floor => Finding::block(SOFT, v.to_string(), needed.clone(), soft_fix),
+        Some(v) if v < fds => Finding::warn(
+            SOFT,
+            v.to_string(),
+            format!(
+                "{needed}. It holds N rigs, but with all N connected the admin API has about \
+                 {} descriptors, not the {FD_ADMIN} connections it lets in at once",
+                v - n - own
+            ),
+            soft_fix,
+        ),
         v => Finding::ok(SOFT, limit_text(v), needed.clone()),
     };
     let hard = match host.nofile_hard {
         Some(v) if v < fds => Finding::warn(
             HARD,
             v.to_string(),
-            format!("{needed} to raise the soft limit in place; below it only a new limit helps (the soft limit is what blocks)"),
+            format!("{all} to raise the soft limit in place; below it only a new limit helps (the soft limit is what blocks)"),
             unit_fix,
         ),
-        v => Finding::ok(HARD, limit_text(v), needed),
+        v => Finding::ok(HARD, limit_text(v), all),
     };
-    let nr_needed = format!("≥ {nofile}, the LimitNOFILE to set (setrlimit above nr_open fails with EPERM); blocks only if the soft limit is below {fds} and neither the hard limit nor nr_open can raise it to {fds}");
+    let nr_needed = format!("≥ {nofile}, the LimitNOFILE to set (setrlimit above nr_open fails with EPERM); blocks only if the soft limit is below {floor} and neither the hard limit nor nr_open can raise it to {floor}");
     let nr_fix = sysctl_fix(NR_OPEN, nofile);
     let nr_open = match host.nr_open {
         None => Finding::unreadable(NR_OPEN, nr_needed),
         Some(v) if v >= nofile => Finding::ok(NR_OPEN, v.to_string(), nr_needed),
-        Some(v) if v < fds && !soft_holds && !hard_holds => {
+        Some(v)
+            if v < floor
+                && !reaches_floor(host.nofile_soft)
+                && !reaches_floor(host.nofile_hard) =>
+        {
             Finding::block(NR_OPEN, v.to_string(), nr_needed, nr_fix)
         }
         Some(v) => {
@@ -135,12 +158,33 @@ mod tests {
             assert!(f.fix.contains("LimitNOFILE=1100000"), "{}", f.fix);
             assert!(!f.fix.contains("ulimit -Sn"), "{}", f.fix);
         }
-        // 2,124 fds besides the rigs' on 2 cores (2,048 of them for admin connections).
-        assert!(check(&host, 17_876, 2, Transport::Plain, 8080)
-            .iter()
-            .all(|f| !f.blocking));
+        // 2,124 fds besides the rigs' on 2 cores (2,048 of them for admin connections) hold
+        // every admin connection beside the rigs.
+        assert!(
+            finding(
+                &check(&host, 17_876, 2, Transport::Plain, 8080),
+                "RLIMIT_NOFILE (soft)"
+            )
+            .ok
+        );
+        // Past that the broker still holds the rigs (the scenarios hold 19,000 here) and the
+        // admin API has what rigs may not take: a warning, not a block.
+        for n in [17_877, 19_000, 19_796] {
+            let fs = check(&host, n, 2, Transport::Plain, 8080);
+            assert!(blocking(&fs).is_empty(), "{n}: {fs:#?}");
+            let f = finding(&fs, "RLIMIT_NOFILE (soft)");
+            assert!(!f.ok, "{n}");
+            let left = 20_000 - n - 76;
+            assert!(
+                f.needed
+                    .contains(&format!("the admin API has about {left} descriptors")),
+                "{}",
+                f.needed
+            );
+        }
+        // 76 of its own (as doctor counts them) and the 128 kept from rigs: past 19,796, blocks.
         assert_eq!(
-            blocking(&check(&host, 17_877, 2, Transport::Plain, 8080)),
+            blocking(&check(&host, 19_797, 2, Transport::Plain, 8080)),
             ["RLIMIT_NOFILE (soft)"]
         );
     }
