@@ -47,6 +47,7 @@ pub mod metrics;
 pub mod protocol;
 pub mod registry;
 pub mod reply;
+pub mod string_pairs;
 pub mod thread_loss;
 pub mod tls;
 pub mod worker;

@@ -8,6 +8,8 @@ use std::borrow::Cow;
 use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
 
+use crate::string_pairs::{string_pairs, Refused};
+
 use crate::ids::{BootId, RigId, Seq};
 
 /// Most labels a hello may carry; more is a bad hello (bounded per-connection state).
@@ -145,36 +147,6 @@ struct RawMsg<'a> {
     data: Option<&'a RawValue>,
 }
 
-/// A JSON object's entries as written, a key given twice kept twice (serde_json's map would
-/// keep only the last value). Each value is kept as its text: built as a `Value`, an object
-/// keyed `$serde_json::private::RawValue` (the `raw_value` feature's marker) was read as the
-/// JSON its string holds, so `{"$serde_json::private::RawValue":"\"x\""}` passed for the
-/// label `"x"`.
-struct Entries(Vec<(String, Box<RawValue>)>);
-
-impl<'de> Deserialize<'de> for Entries {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct Visit;
-        impl<'de> serde::de::Visitor<'de> for Visit {
-            type Value = Entries;
-            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-                f.write_str("an object")
-            }
-            fn visit_map<A: serde::de::MapAccess<'de>>(
-                self,
-                mut m: A,
-            ) -> Result<Entries, A::Error> {
-                let mut out = Vec::new();
-                while let Some(entry) = m.next_entry::<String, Box<RawValue>>()? {
-                    out.push(entry);
-                }
-                Ok(Entries(out))
-            }
-        }
-        d.deserialize_map(Visit)
-    }
-}
-
 fn own<'a, T: Deserialize<'a>>(raw: Option<&'a RawValue>) -> Result<Option<T>, ProtocolError> {
     raw.map_or(Ok(None), |r| {
         serde_json::from_str(r.get()).map_err(|e| ProtocolError::Malformed(e.to_string()))
@@ -303,26 +275,26 @@ fn parse_hello(v: u32, raw: &RawMsg<'_>) -> Result<Hello, ProtocolError> {
     if version.len() > MAX_LABEL_LEN {
         return Err(invalid("version too long"));
     }
-    let mut labels = Vec::new();
-    let map: Option<Entries> = own(raw.labels).map_err(|_| invalid("labels must be an object"))?;
-    if let Some(Entries(map)) = map {
-        if map.len() > MAX_LABELS {
-            return Err(invalid("too many labels"));
-        }
-        for (k, val) in map {
-            let Ok(s) = serde_json::from_str::<String>(val.get()) else {
-                return Err(invalid("label values must be strings"));
-            };
-            if k.len() > MAX_LABEL_LEN || s.len() > MAX_LABEL_LEN {
-                return Err(invalid("label too long"));
-            }
-            labels.push((k, s));
-        }
-        labels.sort();
-        // As for the message's own keys: which of the two values would be meant is a guess.
-        if labels.windows(2).any(|w| w[0].0 == w[1].0) {
-            return Err(invalid("a label key given twice"));
-        }
+    let labels = match raw.labels.map(RawValue::get) {
+        None | Some("null") => Vec::new(),
+        Some(text) => string_pairs(text, MAX_LABELS).map_err(|why| {
+            invalid(match why {
+                Refused::NotAnObject => "labels must be an object",
+                Refused::NotAString => "label values must be strings",
+                Refused::NotUnicode => {
+                    "label keys and values must be valid Unicode (no lone surrogate escapes)"
+                }
+                Refused::TooMany => "too many labels",
+                // As for the message's own keys: which of the two values is meant is a guess.
+                Refused::Twice => "a label key given twice",
+            })
+        })?,
+    };
+    if labels
+        .iter()
+        .any(|(k, v)| k.len() > MAX_LABEL_LEN || v.len() > MAX_LABEL_LEN)
+    {
+        return Err(invalid("label too long"));
     }
     // Any u64 is a valid last_seq (CONTRACT.md section 2). One past the last seq a session
     // can use says the rig has every seq there will be: held at that last one, it means the

@@ -154,10 +154,7 @@ fn sys_triple(name: &str) -> Option<[u64; 3]> {
 /// says at start, so that a refusal at the limit is not its operator's first sign.
 pub fn rig_room(cores: u64) -> Option<u64> {
     let (soft, _) = rlimit(libc::RLIMIT_NOFILE);
-    soft.map(|soft| {
-        soft.saturating_sub(super::model::fd_own(cores))
-            .saturating_sub(crate::worker::rig_fd_reserve_for(soft))
-    })
+    soft.map(|soft| soft.saturating_sub(super::model::fd_floor(cores, Some(soft))))
 }
 
 /// (soft, hard); `None` is `RLIM_INFINITY`.

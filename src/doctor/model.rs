@@ -27,10 +27,16 @@ pub(super) fn fd_own(cores: u64) -> u64 {
     FD_BASE + FD_PER_CORE * cores
 }
 
+/// The descriptors kept from rigs under a soft open-file limit of `soft`: [`FD_KEPT`], or a
+/// quarter of a limit under 512 (`None`, unknown or unlimited: [`FD_KEPT`]).
+pub(super) fn fd_kept(soft: Option<u64>) -> u64 {
+    soft.map_or(FD_KEPT, crate::worker::rig_fd_reserve_for)
+}
+
 /// File descriptors beyond one per rig below which the broker refuses rigs before N: its own
-/// and the ones it keeps from rigs.
-pub(super) fn fd_floor(cores: u64) -> u64 {
-    fd_own(cores) + FD_KEPT
+/// and the ones it keeps from rigs under the soft limit `soft`.
+pub(super) fn fd_floor(cores: u64, soft: Option<u64>) -> u64 {
+    fd_own(cores) + fd_kept(soft)
 }
 
 /// File descriptors beyond one per rig, on `cores` cores, for N rigs and every admin

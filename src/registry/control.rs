@@ -4,11 +4,12 @@
 
 use serde::Deserialize;
 use serde_json::value::RawValue;
-use serde_json::{Map, Value};
 
 use crate::args::Args;
 use crate::ids::{BootId, RigId, COMMAND_NAME_MAX, CONTROL_NAME_MAX};
+use crate::protocol::MAX_LABELS;
 use crate::registry::msg::{CommandReq, ReplyTo};
+use crate::string_pairs::{string_pairs, Refused};
 
 /// A validated control message.
 #[derive(Debug)]
@@ -91,7 +92,7 @@ struct Raw {
     #[serde(default)]
     reply_to: Option<String>,
     #[serde(default)]
-    selector: Option<Map<String, Value>>,
+    selector: Option<Box<RawValue>>,
     #[serde(default)]
     broker_id: Option<String>,
     #[serde(default)]
@@ -375,13 +376,18 @@ pub fn parse(payload: &[u8], broadcast: bool) -> Result<Control, Bad> {
                     .selector
                     .as_ref()
                     .ok_or_else(|| bad("a broadcast command needs a selector"))?;
-                let mut pairs = Vec::with_capacity(selector.len());
-                for (k, v) in selector {
-                    let Value::String(v) = v else {
-                        return Err(bad("selector values must be strings"));
-                    };
-                    pairs.push((k.clone(), v.clone()));
-                }
+                // A rig has at most MAX_LABELS labels, so a longer selector matches none.
+                let pairs = string_pairs(selector.get(), MAX_LABELS).map_err(|why| {
+                    bad(match why {
+                        Refused::NotAnObject => "selector must be an object",
+                        Refused::NotAString => "selector values must be strings",
+                        Refused::NotUnicode => {
+                            "selector keys and values must be valid Unicode (no lone surrogate escapes)"
+                        }
+                        Refused::TooMany => "a selector names at most 32 labels (a rig has no more)",
+                        Refused::Twice => "a selector key given twice",
+                    })
+                })?;
                 return Ok(Control::Broadcast {
                     id,
                     selector: pairs,
@@ -466,6 +472,45 @@ mod tests {
         )
         .unwrap();
         assert!(matches!(b, Control::Broadcast { ref selector, .. } if selector.len() == 1));
+    }
+
+    /// A selector's values are strings as written: not serde_json's raw-value marker object
+    /// (which a `Value` read as the string it holds), and not a key given twice (of which a
+    /// map kept the last).
+    #[test]
+    fn a_selector_is_an_object_of_strings_each_key_once() {
+        let broadcast = |selector: &str| {
+            let msg = format!(
+                r#"{{"type":"command","id":"b","selector":{selector},"name":"x","reply_to":"r"}}"#
+            );
+            parse(msg.as_bytes(), true).map_err(|bad| bad.why)
+        };
+        let Ok(Control::Broadcast { selector, .. }) = broadcast(r#"{"g":"x","a":"1"}"#) else {
+            panic!("a plain selector");
+        };
+        assert_eq!(
+            selector,
+            [("a".into(), "1".into()), ("g".into(), "x".into())]
+        );
+        for (selector, why) in [
+            (
+                r#"{"g":{"$serde_json::private::RawValue":"\"x\""}}"#,
+                "selector values must be strings",
+            ),
+            (r#"{"g":{"x":"y"}}"#, "selector values must be strings"),
+            (r#"{"a":"1","a":"2"}"#, "a selector key given twice"),
+            (r#""a=1""#, "selector must be an object"),
+            (
+                r#"{"a":"\udcff"}"#,
+                "selector keys and values must be valid Unicode",
+            ),
+        ] {
+            let got = broadcast(selector).err().unwrap_or_default();
+            assert!(got.contains(why), "{selector}: {got}");
+        }
+        let wide: Vec<String> = (0..33).map(|i| format!(r#""k{i}":"v""#)).collect();
+        let got = broadcast(&format!("{{{}}}", wide.join(","))).err();
+        assert!(got.is_some_and(|why| why.contains("at most 32 labels")));
     }
 
     #[test]

@@ -8,7 +8,7 @@
 use super::network::check_conntrack;
 use super::{at_least, sysctl_fix};
 use crate::doctor::model::{
-    fd_floor, fd_own, fd_slack, recommended_nofile, FD_ADMIN, FD_BASE, FD_KEPT, FD_PER_CORE,
+    fd_floor, fd_kept, fd_own, fd_slack, recommended_nofile, FD_ADMIN, FD_BASE, FD_PER_CORE,
 };
 use crate::doctor::report::limit_text;
 use crate::doctor::{Finding, HostSettings};
@@ -29,7 +29,8 @@ pub(super) fn check_fds(host: &HostSettings, n: u64, cores: u64, port: u16) -> V
     const NR_OPEN: &str = "fs.nr_open";
     let slack = fd_slack(cores);
     let fds = n.saturating_add(slack);
-    let floor = n.saturating_add(fd_floor(cores));
+    let floor = n.saturating_add(fd_floor(cores, host.nofile_soft));
+    let kept = fd_kept(host.nofile_soft);
     let own = fd_own(cores);
     let nofile = recommended_nofile(n, cores);
     let all = format!(
@@ -37,7 +38,7 @@ pub(super) fn check_fds(host: &HostSettings, n: u64, cores: u64, port: u16) -> V
          {FD_BASE} for Redis, logs and files, {FD_ADMIN} admin connections)"
     );
     let needed = format!(
-        "{all}; below {floor} (N + {own} + the {FD_KEPT} the broker keeps from rigs) rigs are \
+        "{all}; below {floor} (N + {own} + the {kept} the broker keeps from rigs) rigs are \
          refused before N"
     );
     let unit_fix = format!("LimitNOFILE={nofile} in the systemd unit (tuning/fleetlink-fe.service), or `ulimit -n {nofile}` in the starting shell (needs fs.nr_open ≥ {nofile}; raising the hard limit needs CAP_SYS_RESOURCE, which root in a container may lack)");
@@ -186,6 +187,28 @@ mod tests {
         assert_eq!(
             blocking(&check(&host, 19_797, 2, Transport::Plain, 8080)),
             ["RLIMIT_NOFILE (soft)"]
+        );
+    }
+
+    /// Under a soft limit below 512 the broker keeps a quarter of it from rigs, not 128, and
+    /// doctor counts as the broker does (its start-up line gives the same room).
+    #[test]
+    fn a_small_limit_keeps_a_quarter_of_itself_from_rigs() {
+        let host = HostSettings {
+            nofile_soft: Some(300),
+            nofile_hard: Some(300),
+            ..tuned()
+        };
+        // 300 less 76 of its own on 2 cores and 75 kept.
+        assert!(blocking(&check(&host, 149, 2, Transport::Plain, 8080)).is_empty());
+        let fs = check(&host, 150, 2, Transport::Plain, 8080);
+        assert_eq!(blocking(&fs), ["RLIMIT_NOFILE (soft)"]);
+        let f = finding(&fs, "RLIMIT_NOFILE (soft)");
+        assert!(
+            f.needed
+                .contains("below 301 (N + 76 + the 75 the broker keeps"),
+            "{}",
+            f.needed
         );
     }
 
