@@ -1,5 +1,6 @@
 -- forget.lua: remove acked commands from their sessions where the seq may name another
--- command in Redis (CONTRACT.md section 5). Run by EVALSHA from src/registry/sessions.rs, one
+-- command in Redis (CONTRACT.md section 5). Run by EVALSHA from src/registry/sessions.rs (behind
+-- lua/before_event.lua, which guards its events against a full Redis), one
 -- batch per call; rare: only for commands a broker delivered while it could not reach Redis
 -- (every other ack's removal is a plain HDEL, fleet/writes.rs).
 --
@@ -48,6 +49,7 @@ for i = 1, #KEYS do
     local other = id_of(there)
     if other ~= id then
       lost = lost + 1
+      before_event()
       redis.call('PUBLISH', 'fleetlink:events', '{"type":"lost","rig_id":'
           .. cjson.encode(ARGV[4 * i - 1]) .. ',"boot_id":' .. cjson.encode(ARGV[4 * i])
           .. ',"seq":' .. seq .. ',"id":' .. (other and cjson.encode(other) or 'null')

@@ -1,7 +1,7 @@
 -- lapse_end.lua: what the scripts watching sessions share (session_lapse.lua, lapse_watch.lua,
 -- lapse_sweep.lua), put in front of each when they are built (src/registry/lapse_scripts.rs),
--- behind lua/lease_holder.lua, since a script that Redis runs can call no other. Not a script
--- of its own: it only defines functions.
+-- behind lua/before_event.lua and lua/lease_holder.lua, since a script that Redis runs can call
+-- no other. Not a script of its own: it only defines functions.
 --
 -- A session holding commands unacked is named in the sorted set `sess:lapses` as
 -- "<boot_id>|<ttl_ms>|<rig_id>|<broker_id>" (a boot_id is 36 characters, a rig_id has no '|'):
@@ -182,6 +182,7 @@ local function lapse_end(rig, boot, broker, at, ttl)
   for _, c in ipairs(order) do
     local decoded, cmd = pcall(cjson.decode, c.json)
     local id = (decoded and type(cmd) == 'table' and type(cmd.id) == 'string') and cmd.id or nil
+    before_event()
     redis.call('PUBLISH', 'fleetlink:events', '{"type":"expired","rig_id":' .. cjson.encode(rig)
         .. ',"boot_id":' .. cjson.encode(boot) .. ',"seq":' .. c.seq .. ',"id":'
         .. (id and cjson.encode(id) or 'null') .. ',"broker_id":' .. cjson.encode(broker)

@@ -1,6 +1,7 @@
 -- offline_due.lua: report the held commands whose deadlines an exiting broker handed to Redis
 -- (CONTRACT.md section 5, docs/protocol.md "Commands for offline rigs"). Run by EVALSHA from
--- src/registry/offline.rs by every broker, once a second.
+-- src/registry/offline.rs by every broker, once a second, behind lua/before_event.lua (which
+-- guards its events against a full Redis).
 --
 -- The broker that held a command for an offline rig keeps its deadline, to report it
 -- `expired` if the rig has not taken it by then. A broker that exits (a drain) before its
@@ -43,6 +44,7 @@ for _, member in ipairs(due) do
     if type(gone) == 'number' and gone > 0 then
       local decoded, cmd = pcall(cjson.decode, entry)
       local id = (decoded and type(cmd) == 'table' and type(cmd.id) == 'string') and cmd.id or nil
+      before_event()
       redis.call('PUBLISH', 'fleetlink:events', '{"type":"expired","rig_id":' .. cjson.encode(rig)
           .. ',"id":' .. (id and cjson.encode(id) or 'null') .. ',"broker_id":'
           .. cjson.encode(ARGV[1]) .. ',"at":' .. cjson.encode(ARGV[2]) .. '}')

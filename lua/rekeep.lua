@@ -1,6 +1,7 @@
 -- rekeep.lua: put a rig's session (its next seq and unacked commands) back into Redis after
 -- Redis lost it or missed part of it (it restarted empty, or was away while commands were
--- delivered unkept). Run by EVALSHA from src/registry/sessions.rs, one rig per call; rare
+-- delivered unkept). Run by EVALSHA from src/registry/sessions.rs (behind lua/before_event.lua,
+-- which guards its events against a full Redis), one rig per call; rare
 -- (only after a reconnect or a restored lease), so it favours checks over speed.
 --
 -- KEYS[1]  rig:<rig_id>               (the lease, read only)
@@ -210,6 +211,7 @@ end
 local function publish_rebooted(rig, of, by, seq, json)
   local decoded, cmd = pcall(cjson.decode, json)
   local id = (decoded and type(cmd) == 'table' and type(cmd.id) == 'string') and cmd.id or nil
+  before_event()
   redis.call('PUBLISH', 'fleetlink:events', '{"type":"rig_rebooted","rig_id":'
       .. cjson.encode(rig) .. ',"boot_id":' .. cjson.encode(of) .. ',"new_boot_id":'
       .. cjson.encode(by) .. ',"seq":' .. seq .. ',"id":'
@@ -409,6 +411,7 @@ end
 
 local function publish_lost(seq, json)
   local id = id_of(json)
+  before_event()
   redis.call('PUBLISH', 'fleetlink:events', '{"type":"lost","rig_id":'
       .. cjson.encode(KEYS[1]:match('^rig:(.+)$') or '') .. ',"boot_id":' .. cjson.encode(boot)
       .. ',"seq":' .. seq .. ',"id":' .. (id and cjson.encode(id) or 'null')
@@ -590,6 +593,7 @@ if mode == 'parked' then
       -- this one added, which it gives the rig then, not at its next command.
       local holder = lease:match('^[^|]+|(.+)$')
       if holder then
+        before_event()
         redis.call('PUBLISH', 'fleetlink:broker:' .. holder, '{"type":"session_merged","rig_id":'
             .. cjson.encode(rig) .. ',"boot_id":' .. cjson.encode(boot) .. '}')
       end

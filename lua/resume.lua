@@ -1,5 +1,6 @@
 -- resume.lua: what rigs' hellos find of their sessions (CONTRACT.md section 5). Run right after
--- hello.lua said these boots own their rigs, by EVALSHA from src/registry/sessions.rs, for
+-- hello.lua said these boots own their rigs, by EVALSHA from src/registry/sessions.rs (behind
+-- lua/before_event.lua, which guards its events against a full Redis), for
 -- every accepted hello of a batch in one call (a call's own setup cost Redis as much as a new
 -- session's writes).
 --
@@ -113,6 +114,7 @@ local function report(rig, boot, prev, key)
     seqs[#seqs + 1] = seq
     local decoded, cmd = pcall(cjson.decode, cmds[i + 1])
     local id = (decoded and type(cmd) == 'table' and type(cmd.id) == 'string') and cmd.id or nil
+    before_event()
     redis.call('PUBLISH', 'fleetlink:events', '{"type":"rig_rebooted","rig_id":'
         .. cjson.encode(rig) .. ',"boot_id":' .. cjson.encode(prev) .. ',"new_boot_id":'
         .. cjson.encode(boot) .. ',"seq":' .. seq .. ',"id":'

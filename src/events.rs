@@ -39,6 +39,26 @@ pub fn ack(broker: &str, rig: &RigId, boot: &BootId, seq: Seq, id: Option<&str>)
     finish(out)
 }
 
+/// Command `id`, written under `seq` on an earlier connection while the broker could not
+/// reach Redis, was acked on a later one: the rig may hold another broker's command under that
+/// seq (each deciding alone), so this one may never have reached it. Its `lost` has the shape
+/// of the ones Redis's scripts publish (`forget.lua`, `rekeep.lua`).
+pub fn lost_to_a_shared_seq(
+    broker: &str,
+    rig: &RigId,
+    boot: &BootId,
+    seq: Seq,
+    id: &str,
+) -> Vec<u8> {
+    let mut out = head("lost", broker, rig, boot, id.len());
+    out.extend_from_slice(format!(r#","seq":{},"id":"#, seq.0).as_bytes());
+    json_str(&mut out, id);
+    out.extend_from_slice(
+        br#","detail":"the rig acked its seq on a later connection, after it was written while its brokers could not reach Redis: another broker may have given the rig that seq for another command, so the rig may not have run it: send it again if no result for it came""#,
+    );
+    finish(out)
+}
+
 /// The start of an event written as bytes: its type and whose it is, with room for `more`.
 fn head(kind: &str, broker: &str, rig: &RigId, boot: &BootId, more: usize) -> Vec<u8> {
     let mut out = Vec::with_capacity(200 + more);

@@ -579,7 +579,7 @@ fn a_command_kept_between_two_losses_of_its_session_key_goes_back_with_the_sessi
 
     let sha = |script: &str| redis::Script::new(script).get_hash().to_string();
     let persist_sha = sha(include_str!("../lua/persist.lua"));
-    let rekeep_sha = sha(include_str!("../lua/rekeep.lua"));
+    let rekeep_sha = sha(fleetlink::registry::sessions::REKEEP);
     // Command 2's keep is held before Redis sees it; the bridge waits for its answer.
     relay.hold_on(persist_sha.as_bytes());
     let post = |n: u64| {
@@ -701,6 +701,71 @@ fn a_command_delivered_while_redis_was_away_is_kept_when_it_returns() {
     });
     let c1: Option<String> = con.hget(&key, "c:1").unwrap();
     assert!(c1.is_some(), "what Redis had is still there");
+}
+
+/// While Redis is away each broker decides alone, and both may give a rig moving between them
+/// the same seq: B numbers a command held for the rig 4 at a hello the rig closes at once; A,
+/// where the rig comes back, gives its own command seq 4, which the rig reads and acks; back on
+/// B, the rig sends its acks again. B cannot tell which command the rig acked: it reports its
+/// own `lost` (with the ack, of no id), not acked. Before, it was published acked, though the
+/// rig never read it, and nothing ever reported it (review bb115).
+#[test]
+fn an_ack_of_a_seq_two_brokers_gave_alone_does_not_ack_the_command_the_rig_never_read() {
+    let redis = RedisServer::start();
+    let mut events = Control::new(&redis, &["fleetlink:events"]);
+    let (a, b, boot, mut on_a, _) = rig_with_commands_on_a(&redis, "rig-sh", "p", 3);
+    for seq in 1..=3 {
+        ack(&mut on_a, seq);
+    }
+    a.wait_metric("fleetlink_commands_total{result=\"acked\"} 3");
+    drop(on_a);
+    eventually(Duration::from_secs(10), "A sees the rig leave", || {
+        let body: Value = serde_json::from_str(&a.http("GET", "/v1/rigs", "").1).unwrap();
+        body.as_array().is_some_and(Vec::is_empty)
+    });
+    redis.freeze(true);
+    for broker in [&a, &b] {
+        broker.wait_readyz(503, Duration::from_secs(15), "readyz 503");
+    }
+    hold_via_admin(&b, "rig-sh", "q", 1);
+    let (on_b, welcome) = connect_hello(&b, "rig-sh", &boot, Some(3));
+    assert_eq!(
+        welcome["resumed"], false,
+        "B has no session of it: {welcome}"
+    );
+    drop(on_b);
+    eventually(Duration::from_secs(10), "B sees the rig leave", || {
+        let body: Value = serde_json::from_str(&b.http("GET", "/v1/rigs", "").1).unwrap();
+        body.as_array().is_some_and(Vec::is_empty)
+    });
+    let mut on_a = resume_on(&a, "rig-sh", &boot, Some(3));
+    admin_command_reaches(&a, &mut on_a, "rig-sh", "p4", 4);
+    ack(&mut on_a, 4);
+    a.wait_metric("fleetlink_commands_total{result=\"acked\"} 4");
+    drop(on_a);
+    let mut on_b = resume_on(&b, "rig-sh", &boot, Some(4));
+    ack(&mut on_b, 4);
+    b.wait_metric("fleetlink_commands_total{result=\"lost_shared_seq\"} 1");
+    redis.freeze(false);
+    const EV: &str = "fleetlink:events";
+    let lost = events.next(|ch, v| ch == EV && v["type"] == "lost" && v["id"] == "q0");
+    assert_eq!(
+        (&lost["seq"], &lost["broker_id"], &lost["boot_id"]),
+        (&json!(4), &json!("fe-b"), &json!(boot)),
+        "{lost}"
+    );
+    let on_b_ack = events.next(|ch, v| ch == EV && v["type"] == "ack" && v["broker_id"] == "fe-b");
+    assert_eq!(
+        (&on_b_ack["seq"], &on_b_ack["id"]),
+        (&json!(4), &Value::Null)
+    );
+    let on_a_ack = events.next(|ch, v| ch == EV && v["type"] == "ack" && v["seq"] == 4);
+    assert_eq!(on_a_ack["id"], "p4", "{on_a_ack}");
+    assert_eq!(
+        events.backlog_count(|_, v| v["type"] == "ack" && v["id"] == "q0"),
+        0,
+        "q0 was never read"
+    );
 }
 
 /// Rig R on A has command 1 kept in Redis; Redis is then unreachable (`freeze`) or killed
@@ -857,7 +922,7 @@ fn a_hello_whose_session_read_fails_is_turned_away_and_resumes_on_the_next() {
     let mut con = redis.connection();
     wait_lease_released(&mut con, "rig-u", "fe-a's lease released");
 
-    let resume_sha = redis::Script::new(include_str!("../lua/resume.lua"))
+    let resume_sha = redis::Script::new(fleetlink::registry::sessions::RESUME)
         .get_hash()
         .to_string();
     relay.cut_on(resume_sha.as_bytes());
@@ -2106,6 +2171,67 @@ fn a_parked_session_a_newer_boot_ended_is_reported_once_whichever_runs_first() {
         .rekeep(&mut con, &[parked(&rig, &old, cmds)], "fe-a", ttl, AT)
         .unwrap();
     assert_eq!(kept, [Rekept::Kept]);
+}
+
+/// A full Redis (`maxmemory`, `noeviction`) refuses a script's first write that may grow memory
+/// but runs what comes before it: `rekeep.lua` published its `rig_rebooted` reports, then was
+/// refused, and published them again at every retry (review bb115: one report 274 times). Now
+/// a refused call publishes nothing, and the call once Redis takes writes again reports each
+/// command once.
+#[test]
+fn a_report_redis_refuses_for_want_of_memory_is_not_published() {
+    let (redis, mut con, scripts, mut ctl, rig) = scripts_and_events("rig-f");
+    let ttl = Duration::from_secs(60);
+    let held: Vec<String> = [1, 3, 4].map(kept_command).into();
+    // x's session a tombstone y left (1 reported), the record on a newer boot w: this
+    // broker's report of x as z ended it owes 3 and 4, and its first write comes after them.
+    let [x, y, z, w] = boots();
+    let ended = || {
+        let session = Rekeep {
+            rig: &rig,
+            boot: &x,
+            next: Seq(5),
+            cmds: [1, 3, 4]
+                .into_iter()
+                .map(Seq)
+                .zip(held.iter().map(|c| c.as_bytes()))
+                .collect(),
+            unkept: Unkept::up_to(Seq(4)),
+            mode: RekeepMode::EndedBy(z),
+        };
+        scripts.rekeep(&mut redis.connection(), &[session], "fe-a", ttl, AT)
+    };
+    let y_text = y.to_string();
+    let _: () = con
+        .hset_multiple(
+            format!("sess:rig-f:{x}"),
+            &[("next", "2"), ("gone", y_text.as_str()), ("rep", "1")],
+        )
+        .unwrap();
+    let _: () = con.set("sessof:rig-f", w.to_string()).unwrap();
+    let full = |con: &mut redis::Connection, bytes: &str| {
+        let _: () = redis::cmd("CONFIG")
+            .arg("SET")
+            .arg("maxmemory-policy")
+            .arg("noeviction")
+            .arg("maxmemory")
+            .arg(bytes)
+            .query(con)
+            .unwrap();
+    };
+    full(&mut con, "1");
+    for _ in 0..3 {
+        let refused = ended().expect_err("Redis is full");
+        assert!(refused.to_string().contains("OOM"), "{refused}");
+    }
+    assert_eq!(rebooted_so_far(&mut ctl), Vec::<Value>::new());
+    full(&mut con, "0");
+    assert_eq!(ended().unwrap(), [Rekept::Reported(2)]);
+    let seqs: Vec<u64> = rebooted_so_far(&mut ctl)
+        .iter()
+        .map(|ev| ev["seq"].as_u64().unwrap())
+        .collect();
+    assert_eq!(seqs, [3, 4], "each once");
 }
 
 /// A broker decided a new boot's hello alone while Redis was away, ending the old session it

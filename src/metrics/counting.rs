@@ -42,6 +42,7 @@ pub enum C {
     CmdSeqExhausted,
     CmdMemoryFull,
     CmdBroadcastAgain,
+    CmdLostToSharedSeq,
     PingsSent,
     PongsReceived,
     RigRatePaused,
@@ -61,7 +62,7 @@ pub enum C {
 }
 
 /// (metric name, label pair) for each counter, in [`C`] order.
-pub(super) const COUNTERS: [(&str, &str); 47] = [
+pub(super) const COUNTERS: [(&str, &str); 48] = [
     ("fleetlink_accepts_total", "result=\"ok\""),
     ("fleetlink_accepts_total", "result=\"rate_limited\""),
     ("fleetlink_accepts_total", "result=\"over_capacity\""),
@@ -93,6 +94,7 @@ pub(super) const COUNTERS: [(&str, &str); 47] = [
     ("fleetlink_commands_total", "result=\"seq_exhausted\""),
     ("fleetlink_commands_total", "result=\"memory_full\""),
     ("fleetlink_commands_total", "result=\"broadcast_again\""),
+    ("fleetlink_commands_total", "result=\"lost_shared_seq\""),
     ("fleetlink_pings_sent_total", ""),
     ("fleetlink_pongs_received_total", ""),
     ("fleetlink_rig_rate_paused_total", ""),

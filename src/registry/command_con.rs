@@ -107,6 +107,13 @@ impl CommandCon {
             Ok(()) => read_replies(offset, count, || self.reply(deadline, count)),
             Err(e) => Err(e.into()),
         };
+        // Every reply read, one of a transaction's refused (a full Redis refuses commands
+        // queued in MULTI): the connection is in step and stays. Dropped, it was reconnected
+        // at once, the refused call tried again and refused again, a thousand times a second.
+        let (replies, refused) = match replies {
+            Ok(Replies { kept, refused }) => (Ok(kept), refused),
+            Err(e) => (Err(e), None),
+        };
         let restored = if self.read_timeout != self.timeout || self.write_timeout != self.timeout {
             self.read_timeout = self.timeout;
             self.write_timeout = self.timeout;
@@ -119,7 +126,10 @@ impl CommandCon {
             // Replies may be left unread: the connection is out of step.
             self.open = false;
         }
-        replies
+        match refused {
+            Some(e) => Err(e),
+            None => replies,
+        }
     }
 
     /// Writes all of `cmd` by `deadline`. A Redis that reads a long pipeline slowly takes each
@@ -250,26 +260,32 @@ fn call_budget(timeout: Duration, replies: usize) -> Duration {
     timeout.max(Duration::from_millis(replies as u64))
 }
 
-/// Reads `offset + count` replies with `next`, keeping the last `count`, as redis-rs does (an
-/// error reply among the first `offset`, a transaction's, fails the call once all are read),
-/// except that a failed read ends it at once.
+/// What a call read: the last `count` replies, and the first error reply among those before
+/// them (a transaction's), with which redis-rs fails the call once all are read.
+struct Replies {
+    kept: Vec<Value>,
+    refused: Option<redis::RedisError>,
+}
+
+/// Reads `offset + count` replies with `next`, keeping the last `count`, as redis-rs does,
+/// except that a failed read ends it at once (an `Err`: the connection is out of step).
 fn read_replies(
     offset: usize,
     count: usize,
     mut next: impl FnMut() -> RedisResult<Value>,
-) -> RedisResult<Vec<Value>> {
-    let mut out = Vec::with_capacity(count);
-    let mut first_err = None;
+) -> RedisResult<Replies> {
+    let mut kept = Vec::with_capacity(count);
+    let mut refused = None;
     for idx in 0..offset + count {
         match next()? {
             Value::ServerError(e) if idx < offset => {
-                first_err.get_or_insert(e.into());
+                refused.get_or_insert(e.into());
             }
             _ if idx < offset => {}
-            reply => out.push(reply),
+            reply => kept.push(reply),
         }
     }
-    first_err.map_or(Ok(out), Err)
+    Ok(Replies { kept, refused })
 }
 
 #[cfg(test)]
@@ -339,6 +355,39 @@ mod tests {
         assert!(!con.is_open(), "out of step: to be dropped");
         assert!(took >= Duration::from_millis(500), "{took:?}");
         assert!(took < Duration::from_millis(1500), "{took:?}");
+    }
+
+    /// A full Redis refuses the commands a transaction queues: every reply read, the call
+    /// fails with Redis's refusal and the connection stays, in step for the next call. It was
+    /// dropped, and the bridge reconnected about a thousand times a second (review bb115).
+    #[test]
+    fn a_transaction_refused_whole_leaves_the_connection_in_step() {
+        let mut pipe = redis::pipe();
+        pipe.atomic().cmd("LRANGE").arg("k").arg(0).arg(1);
+        let request = pipe.get_packed_pipeline().len();
+        let refusal = b"+OK\r\n-OOM command not allowed when used memory > 'maxmemory'.\r\n\
+                        -EXECABORT Transaction discarded because of previous errors.\r\n";
+        // A fake Redis: refuses the transaction, then answers a PING (14 bytes).
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let server = std::thread::spawn(move || {
+            let (mut s, _) = listener.accept().unwrap();
+            for (len, reply) in [(request, &refusal[..]), (14, b"+PONG\r\n")] {
+                let mut got = vec![0u8; len];
+                s.read_exact(&mut got).unwrap();
+                s.write_all(reply).unwrap();
+            }
+        });
+        use redis::IntoConnectionInfo;
+        let info = format!("redis://{addr}/").into_connection_info().unwrap();
+        let mut con = CommandCon::connect(&info, Duration::from_secs(2)).unwrap();
+        let refused = pipe.query::<Vec<Value>>(&mut con).unwrap_err();
+        assert_eq!(refused.code(), Some("OOM"), "{refused}");
+        assert!(con.is_open() && !con.peer_gone(), "in step: kept");
+        let pong: String = redis::cmd("PING").query(&mut con).unwrap();
+        assert_eq!(pong, "PONG");
+        drop(con);
+        server.join().unwrap();
     }
 
     /// Replies that each come well inside the socket's read timeout, a pipeline that takes six
@@ -454,15 +503,19 @@ mod tests {
     #[test]
     fn replies_after_the_offset_are_kept_error_replies_among_them_too() {
         let mut replies = vec![Value::Okay, Value::Int(1), Value::Int(2)].into_iter();
-        let out = read_replies(1, 2, || Ok(replies.next().unwrap_or(Value::Nil)));
-        assert_eq!(out.ok(), Some(vec![Value::Int(1), Value::Int(2)]));
+        let out = read_replies(1, 2, || Ok(replies.next().unwrap_or(Value::Nil))).unwrap();
+        assert_eq!(out.kept, [Value::Int(1), Value::Int(2)]);
+        assert!(out.refused.is_none());
 
         let refused = || redis::parse_redis_value(b"-ERR refused\r\n").unwrap_or(Value::Nil);
         let mut replies = vec![refused(), Value::Int(1)].into_iter();
-        let out = read_replies(1, 1, || Ok(replies.next().unwrap_or(Value::Nil)));
-        assert!(out.is_err(), "a transaction's error reply fails the call");
+        let out = read_replies(1, 1, || Ok(replies.next().unwrap_or(Value::Nil))).unwrap();
+        assert!(
+            out.refused.is_some(),
+            "a transaction's error reply fails the call"
+        );
         let mut replies = vec![Value::Okay, refused()].into_iter();
-        let out = read_replies(1, 1, || Ok(replies.next().unwrap_or(Value::Nil)));
-        assert!(matches!(out.as_deref(), Ok([Value::ServerError(_)])));
+        let out = read_replies(1, 1, || Ok(replies.next().unwrap_or(Value::Nil))).unwrap();
+        assert!(matches!(out.kept.as_slice(), [Value::ServerError(_)]));
     }
 }

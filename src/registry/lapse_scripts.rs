@@ -27,16 +27,19 @@ pub const LAPSES_KEY: &str = "sess:lapses";
 pub const WATCH_CHUNK: usize = 500;
 
 const OWNER: &str = concat!(
+    include_str!("../../lua/before_event.lua"),
     include_str!("../../lua/lease_holder.lua"),
     include_str!("../../lua/lapse_end.lua"),
     include_str!("../../lua/session_lapse.lua")
 );
 const WATCH: &str = concat!(
+    include_str!("../../lua/before_event.lua"),
     include_str!("../../lua/lease_holder.lua"),
     include_str!("../../lua/lapse_end.lua"),
     include_str!("../../lua/lapse_watch.lua")
 );
 const SWEEP: &str = concat!(
+    include_str!("../../lua/before_event.lua"),
     include_str!("../../lua/lease_holder.lua"),
     include_str!("../../lua/lapse_end.lua"),
     include_str!("../../lua/lapse_sweep.lua")

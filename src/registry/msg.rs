@@ -27,6 +27,11 @@ pub struct SeqCommand {
     /// Fleet mode: not written until Redis keeps it (so no command control was told about can
     /// be lost with its broker).
     pub held: bool,
+    /// Fleet mode: released while Redis could not keep it (an outage). Another broker deciding
+    /// alone meanwhile may give the rig this seq for a command of its own.
+    pub unkept: bool,
+    /// The connection that wrote it, once written.
+    pub written_on: Option<ConnId>,
 }
 
 #[cfg(test)]
@@ -40,6 +45,8 @@ impl SeqCommand {
             queued_at: Instant::now(),
             written_at: None,
             held,
+            unkept: false,
+            written_on: None,
         }
     }
 }
@@ -313,6 +320,8 @@ pub enum ToCore {
         seq: Seq,
         /// False when another broker owns the rig now: drop the command.
         kept: bool,
+        /// Released without Redis keeping it (Redis away): see [`SeqCommand::unkept`].
+        unkept: bool,
     },
     /// Redis lost this rig's session (the bridge had to restore its lease): send back what the
     /// session holds so it is kept again.

@@ -113,6 +113,12 @@ pub const PUSH: &str = concat!(
     include_str!("../../lua/offline_push.lua")
 );
 
+/// `offline_due.lua` as Redis runs it: behind the guard its events are published after.
+const DUE: &str = concat!(
+    include_str!("../../lua/before_event.lua"),
+    include_str!("../../lua/offline_due.lua")
+);
+
 /// `offline_return.lua` as Redis runs it, behind the same lease check.
 const RETURN: &str = concat!(
     include_str!("../../lua/lease_holder.lua"),
@@ -126,7 +132,7 @@ impl Default for OfflineScripts {
             put_back: Script::new(RETURN),
             take: Script::new(include_str!("../../lua/offline_take.lua")),
             expire: Script::new(include_str!("../../lua/offline_expire.lua")),
-            due: Script::new(include_str!("../../lua/offline_due.lua")),
+            due: Script::new(DUE),
         }
     }
 }

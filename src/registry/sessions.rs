@@ -26,6 +26,24 @@ use crate::registry::scripts::{evalsha_chunks, only, rig_key, tuple, RegistryErr
 /// not wait behind them, names no session in `sess:lapses`: `bridge/lapses.rs` does that).
 pub const PERSIST: &str = include_str!("../../lua/persist.lua");
 
+/// `resume.lua` as Redis runs it: behind the guard its events are published after.
+pub const RESUME: &str = concat!(
+    include_str!("../../lua/before_event.lua"),
+    include_str!("../../lua/resume.lua")
+);
+
+/// `rekeep.lua` as Redis runs it, behind the same guard.
+pub const REKEEP: &str = concat!(
+    include_str!("../../lua/before_event.lua"),
+    include_str!("../../lua/rekeep.lua")
+);
+
+/// `forget.lua` as Redis runs it, behind the same guard.
+const FORGET: &str = concat!(
+    include_str!("../../lua/before_event.lua"),
+    include_str!("../../lua/forget.lua")
+);
+
 /// Commands sent in one persist call.
 pub const PERSIST_CHUNK: usize = 500;
 /// Most sessions read in one `resume.lua` call. A new session costs the script 5 writes and
@@ -288,9 +306,9 @@ impl SessionScripts {
     pub fn new() -> Self {
         Self {
             persist: Script::new(PERSIST),
-            resume: Script::new(include_str!("../../lua/resume.lua")),
-            rekeep: Script::new(include_str!("../../lua/rekeep.lua")),
-            forget: Script::new(include_str!("../../lua/forget.lua")),
+            resume: Script::new(RESUME),
+            rekeep: Script::new(REKEEP),
+            forget: Script::new(FORGET),
         }
     }
 

@@ -31,7 +31,7 @@ pub(crate) fn closed(core: &Core, conn: ConnId, session: ClosedSession) {
 
 /// Redis's answer to a held command of a connection that has closed. False when no closed
 /// session of this core waits for it.
-pub(crate) fn persisted(core: &Core, conn: ConnId, seq: Seq, kept: bool) -> bool {
+pub(crate) fn persisted(core: &Core, conn: ConnId, seq: Seq, kept: bool, unkept: bool) -> bool {
     let mut closing = core.closing.borrow_mut();
     let Some(waiting) = closing.get_mut(&conn) else {
         return false;
@@ -40,6 +40,7 @@ pub(crate) fn persisted(core: &Core, conn: ConnId, seq: Seq, kept: bool) -> bool
         if kept {
             if let Some(cmd) = waiting.carried.get_mut(pos) {
                 cmd.held = false;
+                cmd.unkept = unkept;
             }
         } else {
             waiting.carried.remove(pos);
@@ -153,6 +154,7 @@ mod tests {
             conn: conn.id,
             seq: Seq(seq),
             kept,
+            unkept: false,
         };
         inbox::handle(core, msg);
     }
@@ -188,7 +190,7 @@ mod tests {
         let (core, conn, rx) = closed_with(vec![cmd(2, false)]);
         assert_eq!(closed_carried(&rx), Some(vec![(1, false), (2, false)]));
         assert!(core.closing.borrow().is_empty());
-        assert!(!persisted(&core, conn.id, Seq(2), true), "nothing waits");
+        assert!(!persisted(&core, conn.id, Seq(2), true, false), "nothing waits");
     }
 
     /// Redis lost the session while the closed connection waits: what it holds goes back,

@@ -119,11 +119,16 @@ pub(crate) fn handle(core: &Rc<Core>, msg: ToCore) {
                 session::on_hold_found(core, &c, &mut c.st.borrow_mut());
             }
         }
-        ToCore::Persisted { conn, seq, kept } => {
+        ToCore::Persisted {
+            conn,
+            seq,
+            kept,
+            unkept,
+        } => {
             // A closing connection's session may have left it while its socket lingers.
-            if !closing::persisted(core, conn, seq, kept) {
+            if !closing::persisted(core, conn, seq, kept, unkept) {
                 if let Some(c) = conn_of(conn) {
-                    session::on_persisted(core, &c, &mut c.st.borrow_mut(), seq, kept);
+                    session::on_persisted(core, &c, &mut c.st.borrow_mut(), seq, kept, unkept);
                 }
             }
         }

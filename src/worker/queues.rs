@@ -187,10 +187,11 @@ impl Queues {
         self.outbox.remove(pos)
     }
 
-    /// Releases the held command at `pos` for writing (Redis kept it).
-    pub(crate) fn release(&mut self, pos: usize) {
+    /// Releases the held command at `pos` for writing: Redis kept it, or `unkept`, could not.
+    pub(crate) fn release(&mut self, pos: usize, unkept: bool) {
         if let Some(cmd) = self.outbox.cmds.get_mut(pos) {
             cmd.held = false;
+            cmd.unkept = unkept;
         }
     }
 

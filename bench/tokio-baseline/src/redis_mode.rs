@@ -203,6 +203,7 @@ impl Fleet {
             // Built as fleetlink-fe builds it, behind what it shares with the lapse scripts (it
             // names each session it adds to): the same script, the same cost.
             let persist = Script::new(concat!(
+                include_str!("../../../lua/before_event.lua"),
                 include_str!("../../../lua/lease_holder.lua"),
                 include_str!("../../../lua/lapse_end.lua"),
                 include_str!("../../../lua/persist.lua")

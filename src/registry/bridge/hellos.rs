@@ -534,6 +534,8 @@ impl Bridge {
                             queued_at: Instant::now(),
                             written_at: None,
                             held: false,
+                            unkept: false,
+                            written_on: None,
                         });
                     }
                 }

@@ -373,6 +373,7 @@ impl Bridge {
                     conn: p.conn,
                     seq: p.seq,
                     kept: ok,
+                    unkept: ok && status == Kept::Unavailable,
                 },
             );
             if let (false, Some(left)) = (ok, p.hold_left) {
@@ -422,6 +423,8 @@ impl Bridge {
                 queued_at: Instant::now(),
                 written_at: None,
                 held: false,
+                unkept: false,
+                written_on: None,
             })
             .collect()
     }

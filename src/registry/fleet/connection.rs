@@ -231,7 +231,7 @@ impl Fleet {
             .query::<String>(&mut con)?;
         redis::cmd("SCRIPT")
             .arg("LOAD")
-            .arg(include_str!("../../../lua/resume.lua"))
+            .arg(crate::registry::sessions::RESUME)
             .query::<String>(&mut con)?;
         check_key_access(&mut con)?;
         self.warn_if_evicting(&mut con);

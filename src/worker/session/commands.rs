@@ -190,6 +190,8 @@ fn enqueue(
         queued_at: Instant::now(),
         written_at: None,
         held: core.persist,
+        unkept: false,
+        written_on: None,
     });
     core.metrics.inc(C::CmdEnqueued);
     core.metrics
@@ -447,6 +449,7 @@ fn write_out(core: &Core, conn: &Conn, st: &mut ConnState) {
             return;
         };
         cmd.written_at = Some(Instant::now());
+        cmd.written_on = Some(conn.id);
         let json = cmd.json.clone();
         keep_unacked(core, session, cmd);
         hold_fetch::on_room(session);

@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use crate::events;
 use crate::http_upgrade;
-use crate::ids::{BootId, RigId, Seq};
+use crate::ids::{BootId, ConnId, RigId, Seq};
 use crate::metrics::{GroupCount, GroupSlot, C};
 use crate::protocol::{self, ClientMsg, Hello, ProtocolError};
 use crate::registry::msg::ToBridge;
@@ -251,9 +251,18 @@ fn on_rig_message(core: &Core, conn: &Conn, st: &mut ConnState, text: &[u8]) -> 
                 // and none to crowd control's replies out of the publish queue.
                 return Cost::Message;
             }
-            let (counted, id) = on_ack(core, session, seq);
+            let (counted, id, doubtful) = on_ack(core, session, seq, conn.id);
             if let (true, Some(q)) = (counted, session.queues.as_mut()) {
                 q.results_owed = q.results_owed.saturating_add(1);
+            }
+            if let Some(lost) = doubtful {
+                core.event_bytes(events::lost_to_a_shared_seq(
+                    broker,
+                    &session.rig,
+                    &session.boot,
+                    seq,
+                    &lost,
+                ));
             }
             super::hold_fetch::on_room(session);
             // An ack sent again (a rig that acks twice) is the first one's: one event.
@@ -352,9 +361,15 @@ fn ackable(s: &Session, seq: Seq) -> bool {
 /// Records an ack of command `seq`, and only of it (CONTRACT.md §2: "the rig accepted command
 /// `seq`"): a command below it the rig has not acked stays unacked, given back by a resume and
 /// reported `rig_rebooted` by a new boot. Returns whether it acked something not acked before
-/// (a command still unacked here, or a seq past the last ack), and the command id for the ack
-/// event (fleet mode) when the broker still held the command.
-fn on_ack(core: &Core, s: &mut Session, seq: Seq) -> (bool, Option<Box<str>>) {
+/// (a command still unacked here, or a seq past the last ack), the command id for the ack
+/// event (fleet mode) when the broker still held the command, and the id of a command the ack
+/// may not be for (below).
+fn on_ack(
+    core: &Core,
+    s: &mut Session,
+    seq: Seq,
+    on: ConnId,
+) -> (bool, Option<Box<str>>, Option<Box<str>>) {
     let cmd = s.queues.as_mut().and_then(|q| q.take_unacked(seq));
     let latest = seq > s.last_ack && seq < s.next_seq;
     if cmd.is_some() || latest {
@@ -366,9 +381,21 @@ fn on_ack(core: &Core, s: &mut Session, seq: Seq) -> (bool, Option<Box<str>>) {
         s.last_ack_ms = unix_ms();
     }
     let Some(cmd) = cmd else {
-        return (latest, None);
+        return (latest, None, None);
     };
     forget_kept(core, &s.rig, s.boot, cmd.seq, &cmd.id);
+    // Released unkept (Redis away) and not written on this connection, yet acked on it: while
+    // Redis was away the rig may have been given this seq by another broker deciding alone,
+    // for a command of its own, and be acking that one (review bb115: a held command numbered
+    // at a hello the rig closed at once was published acked, though the rig never read it).
+    // Which command the rig holds under the seq cannot be told, so this one is reported
+    // `lost`, to be sent again, rather than acked and never run; its result, should one come,
+    // is not joined to it.
+    if cmd.unkept && cmd.written_on != Some(on) {
+        core.metrics.inc(C::CmdLostToSharedSeq);
+        s.shrink_queues();
+        return (true, None, Some(cmd.id));
+    }
     if let Some(at) = cmd.written_at {
         core.metrics.ack_latency(at.elapsed(), s.group);
     }
@@ -379,7 +406,7 @@ fn on_ack(core: &Core, s: &mut Session, seq: Seq) -> (bool, Option<Box<str>>) {
         q.await_result(cmd.seq, cmd.id);
     }
     s.shrink_queues();
-    (true, id)
+    (true, id, None)
 }
 
 /// Fleet mode: has the session store forget command `seq`, no longer kept for a resume.

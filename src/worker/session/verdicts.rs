@@ -142,7 +142,14 @@ pub(crate) fn return_verdict(
 }
 
 /// Redis kept (or refused) a held command of this connection.
-pub(crate) fn on_persisted(core: &Core, conn: &Conn, st: &mut ConnState, seq: Seq, kept: bool) {
+pub(crate) fn on_persisted(
+    core: &Core,
+    conn: &Conn,
+    st: &mut ConnState,
+    seq: Seq,
+    kept: bool,
+    unkept: bool,
+) {
     let Some(q) = st.session.as_mut().and_then(|s| s.queues.as_mut()) else {
         return;
     };
@@ -152,7 +159,7 @@ pub(crate) fn on_persisted(core: &Core, conn: &Conn, st: &mut ConnState, seq: Se
         return;
     };
     if kept {
-        q.release(pos);
+        q.release(pos, unkept);
     } else {
         // Another broker owns the rig now; this connection is being superseded.
         q.remove_outbox(pos);
