@@ -190,7 +190,10 @@ mod tests {
         let (core, conn, rx) = closed_with(vec![cmd(2, false)]);
         assert_eq!(closed_carried(&rx), Some(vec![(1, false), (2, false)]));
         assert!(core.closing.borrow().is_empty());
-        assert!(!persisted(&core, conn.id, Seq(2), true, false), "nothing waits");
+        assert!(
+            !persisted(&core, conn.id, Seq(2), true, false),
+            "nothing waits"
+        );
     }
 
     /// Redis lost the session while the closed connection waits: what it holds goes back,
