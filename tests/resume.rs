@@ -2173,6 +2173,32 @@ fn a_parked_session_a_newer_boot_ended_is_reported_once_whichever_runs_first() {
     assert_eq!(kept, [Rekept::Kept]);
 }
 
+/// `rekeep.lua` in mode `ended` as fe-a calls it: its copy of `old`'s session (commands 1, 3
+/// and 4, `held`, all delivered while Redis was away; next 5), as the hello of `by` ended it.
+fn report_ended(
+    scripts: &SessionScripts,
+    redis: &RedisServer,
+    rig: &RigId,
+    held: &[String],
+    old: &BootId,
+    by: &BootId,
+) -> Result<Vec<Rekept>, fleetlink::registry::scripts::RegistryError> {
+    let session = Rekeep {
+        rig,
+        boot: old,
+        next: Seq(5),
+        cmds: [1, 3, 4]
+            .into_iter()
+            .map(Seq)
+            .zip(held.iter().map(|c| c.as_bytes()))
+            .collect(),
+        unkept: Unkept::up_to(Seq(4)),
+        mode: RekeepMode::EndedBy(*by),
+    };
+    let ttl = Duration::from_secs(60);
+    scripts.rekeep(&mut redis.connection(), &[session], "fe-a", ttl, AT)
+}
+
 /// A full Redis (`maxmemory`, `noeviction`) refuses a script's first write that may grow memory
 /// but runs what comes before it: `rekeep.lua` published its `rig_rebooted` reports, then was
 /// refused, and published them again at every retry (review bb115: one report 274 times). Now
@@ -2181,26 +2207,11 @@ fn a_parked_session_a_newer_boot_ended_is_reported_once_whichever_runs_first() {
 #[test]
 fn a_report_redis_refuses_for_want_of_memory_is_not_published() {
     let (redis, mut con, scripts, mut ctl, rig) = scripts_and_events("rig-f");
-    let ttl = Duration::from_secs(60);
     let held: Vec<String> = [1, 3, 4].map(kept_command).into();
     // x's session a tombstone y left (1 reported), the record on a newer boot w: this
     // broker's report of x as z ended it owes 3 and 4, and its first write comes after them.
     let [x, y, z, w] = boots();
-    let ended = || {
-        let session = Rekeep {
-            rig: &rig,
-            boot: &x,
-            next: Seq(5),
-            cmds: [1, 3, 4]
-                .into_iter()
-                .map(Seq)
-                .zip(held.iter().map(|c| c.as_bytes()))
-                .collect(),
-            unkept: Unkept::up_to(Seq(4)),
-            mode: RekeepMode::EndedBy(z),
-        };
-        scripts.rekeep(&mut redis.connection(), &[session], "fe-a", ttl, AT)
-    };
+    let ended = || report_ended(&scripts, &redis, &rig, &held, &x, &z);
     let y_text = y.to_string();
     let _: () = con
         .hset_multiple(
@@ -2244,23 +2255,8 @@ fn a_session_a_hello_decided_alone_ended_is_reported_once_through_redis() {
     let (redis, mut con, scripts, mut ctl, rig) = scripts_and_events("rig-e");
     let ttl = Duration::from_secs(60);
     let held: Vec<String> = [1, 3, 4].map(kept_command).into();
-    let ended = |old: &BootId, by: &BootId| {
-        let session = Rekeep {
-            rig: &rig,
-            boot: old,
-            next: Seq(5),
-            cmds: [1, 3, 4]
-                .into_iter()
-                .map(Seq)
-                .zip(held.iter().map(|c| c.as_bytes()))
-                .collect(),
-            unkept: Unkept::up_to(Seq(4)),
-            mode: RekeepMode::EndedBy(*by),
-        };
-        scripts
-            .rekeep(&mut redis.connection(), &[session], "fe-a", ttl, AT)
-            .unwrap()
-    };
+    let ended =
+        |old: &BootId, by: &BootId| report_ended(&scripts, &redis, &rig, &held, old, by).unwrap();
     // Each rig_rebooted event up to a marker published now: (seq, new_boot_id).
     let reported = |ctl: &mut Control, old: &BootId| {
         let mut out = Vec::new();
