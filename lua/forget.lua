@@ -12,6 +12,13 @@
 -- it) and removed, so no resume gives it under a seq the rig holds with another command and
 -- no later report names it again. The same command (same id) is removed without a word.
 --
+-- The seq is then marked acked, "a:<seq>" -> this broker's id for it, in a session that
+-- exists (and is a hash): another broker's copy of the session, put back after this removal (rekeep.lua,
+-- once Redis takes writes again), may hold a command of its own under the seq, which no
+-- one would report while the rig stays (review bb117). rekeep.lua publishes that one `lost`
+-- instead of writing it. Markers are few (commands given while Redis was away), and go with
+-- the session.
+--
 -- KEYS[i]       sess:<rig_id>:<boot_id>
 -- ARGV[1]       this broker's id (the events' broker_id)
 -- ARGV[2]       the events' "at": the broker's clock, RFC 3339
@@ -59,6 +66,9 @@ for i = 1, #KEYS do
           .. 'result for it came"}')
     end
     redis.call('HDEL', sess, field)
+  end
+  if redis.call('TYPE', sess).ok == 'hash' then
+    redis.call('HSET', sess, 'a:' .. seq, id)
   end
 end
 return lost

@@ -101,7 +101,9 @@
 -- it while deciding alone) keeps one of the two, as above, and publishes the other on
 -- fleetlink:events as {"type":"lost","rig_id","boot_id","seq","id","broker_id","at","detail"}.
 -- So too a command of this copy under a seq Redis numbered that holds nothing now (see
--- ARGV[7]): the other command was acked there, and this one is not written. Where one of
+-- ARGV[7]): the other command was acked there, and this one is not written; and one of this
+-- copy's unkept commands under a seq forget.lua marked acked ("a:<seq>") with another
+-- command (the rig acked that one, given by another broker, before this copy came back). Where one of
 -- this copy's own commands was published so, or is settled (see ARGV[7]: acked elsewhere
 -- since), "ok", "ok|<n>", "anew" and "merged" end in ";<seq>,<seq>...": the broker drops
 -- them from its copy (its connected rig's session, or the parked one), which would
@@ -457,6 +459,9 @@ local function write(sess, merge, found)
   for i = 8, #ARGV, 2 do
     local field = 'c:' .. ARGV[i]
     local there = redis.call('HGET', sess, field)
+    -- The rig acked another broker's command under this seq, which that broker also gave
+    -- while Redis was away from one of them (forget.lua's marker): this one lost the seq.
+    local acked_as = unkept_seq(ARGV[i]) and redis.call('HGET', sess, 'a:' .. ARGV[i])
     -- Settled (see dropped); a connected rig's copy too: the rig acked it on another broker
     -- during the outage, and written back it was reported `expired` or `rig_rebooted` later.
     -- Only at or above "from": below it Redis never numbered the seq in this session, which
@@ -464,7 +469,12 @@ local function write(sess, merge, found)
     -- since created the session anew), and only this copy holds the command.
     local settled_here = not there and not unkept_seq(ARGV[i]) and tonumber(ARGV[i]) < have
         and from ~= nil and tonumber(ARGV[i]) >= from
-    if settled_here then
+    if acked_as then
+      if acked_as ~= id_of(ARGV[i + 1]) then
+        publish_lost(ARGV[i], ARGV[i + 1])
+      end
+      dropped[#dropped + 1] = ARGV[i]
+    elseif settled_here then
       dropped[#dropped + 1] = ARGV[i]
     elseif not merge then
       if there and other_command(there, ARGV[i + 1]) then

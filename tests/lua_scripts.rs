@@ -1605,11 +1605,64 @@ fn a_live_copy_written_into_a_missing_session_key_answers_anew() {
     assert_eq!(put_back(&mut con, RekeepMode::Parked), kept(false));
 }
 
+/// A parked copy of fe-b goes back after fe-a's removal of the same seq marked it acked with
+/// fe-a's command (`forget.lua`'s `a:<seq>`): each gave seq 3 while Redis was away, and the rig
+/// acked fe-a's. fe-b's is published `lost` and dropped from its copy, not written under a seq
+/// below Redis's `from`, where no one reported it while the rig stayed (review bb117).
+#[test]
+fn a_copy_meeting_a_seq_marked_acked_with_another_command_reports_its_own_lost() {
+    use fleetlink::ids::Seq;
+    use fleetlink::registry::sessions::{
+        session_key, RekeepAnswer, RekeepMode, Rekept, SessionScripts,
+    };
+    let (server, mut con, _) = setup();
+    let sessions = SessionScripts::new();
+    let mut sub = server.client().get_connection().unwrap();
+    let mut ps = events_of(&mut sub);
+    let (r, b) = (rig("rig-mk"), boot(1));
+    let sess = session_key(&r, &b);
+    let _: () = redis::cmd("HSET")
+        .arg(&sess)
+        .arg(&["next", "4", "from", "4", "a:3", "given-by-a"])
+        .query(&mut con)
+        .unwrap();
+    set(&mut con, &rig_key(&r), &tuple(&b, "fe-a"));
+    let given = cmd(3, "given-by-b");
+    let answer = sessions
+        .rekeep_answers(
+            &mut con,
+            &[copy(&r, &b, &given, RekeepMode::Parked)],
+            "fe-b",
+            TTL,
+            "2026-12-07T00:00:00Z",
+        )
+        .unwrap();
+    assert_eq!(
+        answer,
+        [RekeepAnswer {
+            status: Rekept::Merged,
+            dropped: vec![Seq(3)],
+            anew: false,
+        }]
+    );
+    let msg = ps.get_message().expect("an event");
+    let lost: serde_json::Value = serde_json::from_slice(msg.get_payload_bytes()).unwrap();
+    assert_lost(&lost, "given-by-b", 3, "rig-mk", "fe-b");
+    let c3: Option<String> = redis::cmd("HGET")
+        .arg(&sess)
+        .arg("c:3")
+        .query(&mut con)
+        .unwrap();
+    assert_eq!(c3, None, "not stranded under the acked seq");
+}
+
 /// The removal of a seq its broker delivered while Redis was away (`forget.lua`): the same
 /// command there (by id) goes without a word, as an HDEL would take it; another command there
 /// (another broker's, kept under the same seq) is published `lost` and removed, where an HDEL
-/// deleted it unreported; an empty seq, or a key of another type, is left as it is. One call
-/// does all of them, in order, and says how many it published.
+/// deleted it unreported; an empty seq, or a key of another type, is left as it is. Each seq
+/// of the session is marked acked with the command the rig acked (`a:<seq>`), which a copy of
+/// another broker's session put back later meets (`rekeep.lua`). One call does all of them,
+/// in order, and says how many it published.
 #[test]
 fn a_checked_removal_reports_another_command_under_the_acked_seq() {
     use fleetlink::ids::Seq;
@@ -1666,7 +1719,13 @@ fn a_checked_removal_reports_another_command_under_the_acked_seq() {
     let left: Vec<String> = redis::cmd("HKEYS").arg(&sess).query(&mut con).unwrap();
     let mut left = left;
     left.sort();
-    assert_eq!(left, ["c:5", "next"]);
+    assert_eq!(left, ["a:2", "a:3", "a:4", "c:5", "next"]);
+    let marked: Vec<String> = redis::cmd("HMGET")
+        .arg(&sess)
+        .arg(&["a:2", "a:3", "a:4"])
+        .query(&mut con)
+        .unwrap();
+    assert_eq!(marked, ["same", "given-by-a", "never-kept"]);
     let kind: String = redis::cmd("TYPE")
         .arg(session_key(&other, &b2))
         .query(&mut con)

@@ -768,6 +768,66 @@ fn an_ack_of_a_seq_two_brokers_gave_alone_does_not_ack_the_command_the_rig_never
     );
 }
 
+/// While Redis is full (`maxmemory`, `noeviction`) B numbers a command held for the rig 4 at a
+/// hello the rig closes at once, and A, where the rig stays, gives its own command seq 4, which
+/// the rig acks. Once Redis takes writes again, whichever comes first, B's copy put back or
+/// A's removal of the acked seq, the held command is published `lost`: the rig holds the other
+/// command under its seq. Before, B's copy put it back under that seq after A's removal, where
+/// no one reported it while the rig stayed (review bb117).
+#[test]
+fn a_command_whose_seq_another_broker_gave_while_redis_was_full_is_reported_lost() {
+    let redis = RedisServer::start();
+    let mut events = Control::new(&redis, &["fleetlink:events"]);
+    let (a, b, boot, mut on_a, _) = rig_with_commands_on_a(&redis, "rig-vf", "p", 3);
+    for seq in 1..=3 {
+        ack(&mut on_a, seq);
+    }
+    a.wait_metric("fleetlink_commands_total{result=\"acked\"} 3");
+    drop(on_a);
+    let gone_from = |broker: &Broker, what: &str| {
+        eventually(Duration::from_secs(10), what, || {
+            let body: Value = serde_json::from_str(&broker.http("GET", "/v1/rigs", "").1).unwrap();
+            body.as_array().is_some_and(Vec::is_empty)
+        })
+    };
+    gone_from(&a, "A sees the rig leave");
+    let mut con = redis.connection();
+    let full = |con: &mut redis::Connection, bytes: &str| {
+        let _: () = redis::cmd("CONFIG")
+            .arg("SET")
+            .arg("maxmemory-policy")
+            .arg("noeviction")
+            .arg("maxmemory")
+            .arg(bytes)
+            .query(con)
+            .unwrap();
+    };
+    full(&mut con, "1");
+    hold_via_admin(&b, "rig-vf", "q", 1);
+    let (on_b, welcome) = connect_hello(&b, "rig-vf", &boot, Some(3));
+    assert_eq!(welcome["resumed"], false, "{welcome}");
+    drop(on_b);
+    gone_from(&b, "B sees the rig leave");
+    let mut on_a = resume_on(&a, "rig-vf", &boot, Some(3));
+    admin_command_reaches(&a, &mut on_a, "rig-vf", "p4", 4);
+    ack(&mut on_a, 4);
+    a.wait_metric("fleetlink_commands_total{result=\"acked\"} 4");
+    drop(on_a);
+    gone_from(&a, "A sees the rig leave again");
+    full(&mut con, "0");
+    let lost = events.next_within(Duration::from_secs(30), |ch, v| {
+        ch == "fleetlink:events" && v["type"] == "lost" && v["id"] == "q0"
+    });
+    let mut on_a = resume_on(&a, "rig-vf", &boot, Some(4));
+    assert_eq!(
+        (&lost["seq"], &lost["boot_id"]),
+        (&json!(4), &json!(boot)),
+        "{lost}"
+    );
+    // The rig keeps what it has: the next command is 5.
+    admin_command_reaches(&a, &mut on_a, "rig-vf", "p5", 5);
+}
+
 /// Rig R on A has command 1 kept in Redis; Redis is then unreachable (`freeze`) or killed
 /// (`!freeze`), command 2 is delivered through A's admin API (not kept), and R disconnects,
 /// seen by A. Returns the brokers and R's boot; Redis is still down.
