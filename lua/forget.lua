@@ -22,21 +22,28 @@
 -- KEYS[i]       sess:<rig_id>:<boot_id>
 -- ARGV[1]       this broker's id (the events' broker_id)
 -- ARGV[2]       the events' "at": the broker's clock, RFC 3339
--- ARGV[4i-1]    rig_id
--- ARGV[4i]      boot_id
--- ARGV[4i+1]    seq: decimal integer
--- ARGV[4i+2]    the id of the command this broker delivered under that seq
+-- ARGV[5i-2]    rig_id
+-- ARGV[5i-1]    boot_id
+-- ARGV[5i]      seq: decimal integer
+-- ARGV[5i+1]    the id of the command this broker delivered under that seq
+-- ARGV[5i+2]    "acked", or "doubtful": the rig acked the seq on another connection than the
+--               one that wrote this command, so the ack may be another broker's command's
+--               (the broker reported this one `lost`). Only this very command is removed then;
+--               another there is left as it is, and the seq is not marked.
 --
 -- Returns the number of commands published `lost`.
 -- Errors "ERR fleetlink forget: ..." on malformed ARGV, before any write.
 
-if #ARGV ~= 2 + 4 * #KEYS then
-  return redis.error_reply('ERR fleetlink forget: expected broker_id, at, then rig_id, boot_id, seq, id per key')
+if #ARGV ~= 2 + 5 * #KEYS then
+  return redis.error_reply('ERR fleetlink forget: expected broker_id, at, then rig_id, boot_id, seq, id, acked|doubtful per key')
 end
 for i = 1, #KEYS do
-  local seq = ARGV[4 * i + 1]
+  local seq, how = ARGV[5 * i], ARGV[5 * i + 2]
   if #seq > 15 or not seq:match('^%d+$') then
     return redis.error_reply('ERR fleetlink forget: seq must be a decimal integer')
+  end
+  if how ~= 'acked' and how ~= 'doubtful' then
+    return redis.error_reply('ERR fleetlink forget: expected acked or doubtful')
   end
 end
 
@@ -47,27 +54,30 @@ end
 
 local lost = 0
 for i = 1, #KEYS do
-  local sess, seq, id = KEYS[i], ARGV[4 * i + 1], ARGV[4 * i + 2]
+  local sess, seq, id = KEYS[i], ARGV[5 * i], ARGV[5 * i + 1]
+  local acked = ARGV[5 * i + 2] == 'acked'
   local field = 'c:' .. seq
   -- pcall: a key of another type is no session of ours (persist.lua deletes it at the next
   -- keep); there is nothing here to remove.
   local there = redis.pcall('HGET', sess, field)
   if type(there) == 'string' then
     local other = id_of(there)
-    if other ~= id then
+    if other ~= id and acked then
       lost = lost + 1
       before_event()
       redis.call('PUBLISH', 'fleetlink:events', '{"type":"lost","rig_id":'
-          .. cjson.encode(ARGV[4 * i - 1]) .. ',"boot_id":' .. cjson.encode(ARGV[4 * i])
+          .. cjson.encode(ARGV[5 * i - 2]) .. ',"boot_id":' .. cjson.encode(ARGV[5 * i - 1])
           .. ',"seq":' .. seq .. ',"id":' .. (other and cjson.encode(other) or 'null')
           .. ',"broker_id":' .. cjson.encode(ARGV[1]) .. ',"at":' .. cjson.encode(ARGV[2])
           .. ',"detail":"its seq went to another command, which the rig holds, while the rig\'s '
           .. 'brokers could not reach Redis; the rig may not have run it: send it again if no '
           .. 'result for it came"}')
     end
-    redis.call('HDEL', sess, field)
+    if other == id or acked then
+      redis.call('HDEL', sess, field)
+    end
   end
-  if redis.call('TYPE', sess).ok == 'hash' then
+  if acked and redis.call('TYPE', sess).ok == 'hash' then
     redis.call('HSET', sess, 'a:' .. seq, id)
   end
 end

@@ -1696,6 +1696,7 @@ fn a_checked_removal_reports_another_command_under_the_acked_seq() {
         boot: *boot,
         seq: Seq(seq),
         id: id.into(),
+        doubtful: false,
     };
     let lost = sessions
         .forget_checked(
@@ -1739,6 +1740,29 @@ fn a_checked_removal_reports_another_command_under_the_acked_seq() {
         .unwrap();
     let msg = ps.get_message().expect("the marker");
     assert_eq!(msg.get_payload_bytes(), b"marker");
+    // A doubtful removal (the ack may be another broker's command's: the broker reported its
+    // own `lost`) takes only its very command, reports nothing, and marks nothing.
+    let _: () = redis::cmd("HSET")
+        .arg(&sess)
+        .arg(&["c:7", &cmd(7, "kept-by-a"), "c:8", &cmd(8, "mine")])
+        .query(&mut con)
+        .unwrap();
+    let doubt = |seq: u64, id: &str| CheckedForget {
+        doubtful: true,
+        ..forget(&r, &b, seq, id)
+    };
+    let lost = sessions
+        .forget_checked(
+            &mut con,
+            &[doubt(7, "given-by-b"), doubt(8, "mine")],
+            "fe-b",
+            "2026-12-06T00:00:00Z",
+        )
+        .unwrap();
+    assert_eq!(lost, 0);
+    let mut left: Vec<String> = redis::cmd("HKEYS").arg(&sess).query(&mut con).unwrap();
+    left.sort();
+    assert_eq!(left, ["a:2", "a:3", "a:4", "c:5", "c:7", "next"]);
 }
 
 /// Two brokers that each decided alone (Redis away from one of them) can give one seq of a

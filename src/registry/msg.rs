@@ -453,6 +453,9 @@ pub enum ToBridge {
         /// Its id: delivered while Redis was away, the seq may name another broker's command
         /// in Redis, which this removal must not take silently (`lua/forget.lua`).
         id: Box<str>,
+        /// The ack may be for another broker's command under this seq (reported `lost`
+        /// here): only this very command is removed, and the seq is not marked acked with it.
+        doubtful: bool,
     },
     /// One rig's answer to a broadcast command.
     Part {

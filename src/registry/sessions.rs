@@ -290,6 +290,9 @@ pub struct CheckedForget {
     pub seq: Seq,
     /// The acked command's id: another id under `seq` in Redis is another command.
     pub id: Box<str>,
+    /// The ack may be another command's (reported `lost` by the core): another command under
+    /// `seq` is left as it is, and the seq is not marked acked with this one.
+    pub doubtful: bool,
 }
 
 /// Most removals in one `forget.lua` call.
@@ -333,7 +336,8 @@ impl SessionScripts {
                 call.arg(f.rig.as_str())
                     .arg(f.boot.to_string())
                     .arg(f.seq.0)
-                    .arg(&*f.id);
+                    .arg(&*f.id)
+                    .arg(if f.doubtful { "doubtful" } else { "acked" });
             }
             lost += call.invoke::<u64>(con)?;
         }

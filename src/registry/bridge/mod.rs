@@ -554,9 +554,15 @@ impl Bridge {
                 self.rekeeps.push(*r);
                 Vec::new()
             }
-            ToBridge::Forget { rig, boot, seq, id } => {
+            ToBridge::Forget {
+                rig,
+                boot,
+                seq,
+                id,
+                doubtful,
+            } => {
                 self.rekeeps.forget(&rig, boot, seq);
-                self.forget(rig, boot, seq, id);
+                self.forget(rig, boot, seq, id, doubtful);
                 Vec::new()
             }
             ToBridge::Shutdown { .. } => Vec::new(),
@@ -567,14 +573,20 @@ impl Bridge {
     /// Queues the removal of an acked command from its session: a plain one, or, for a seq
     /// this connection was given while Redis was away (which another broker may have given
     /// a command of its own in Redis), one that reports that other command `lost`.
-    fn forget(&mut self, rig: RigId, boot: BootId, seq: Seq, id: Box<str>) {
+    fn forget(&mut self, rig: RigId, boot: BootId, seq: Seq, id: Box<str>, doubtful: bool) {
         let Some(f) = self.fleet.as_mut() else { return };
         let unkept = self
             .unkept_high
             .get(&(rig.clone(), boot))
             .is_some_and(|u| u.holds(seq));
-        let queued = if unkept {
-            f.forget_checked(CheckedForget { rig, boot, seq, id })
+        let queued = if unkept || doubtful {
+            f.forget_checked(CheckedForget {
+                rig,
+                boot,
+                seq,
+                id,
+                doubtful,
+            })
         } else {
             f.forget(rig, boot, seq)
         };
@@ -1007,6 +1019,7 @@ mod tests {
                 boot,
                 seq: Seq(seq),
                 id: format!("c{seq}").into(),
+                doubtful: false,
             });
         }
         let f = b.fleet.as_ref().expect("fleet");

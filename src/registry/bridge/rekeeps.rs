@@ -620,6 +620,7 @@ mod tests {
             boot: boot(),
             seq: Seq(2),
             id: "c2".into(),
+            doubtful: false,
         });
         match &b.rekeeps.take(10)[..] {
             [(_, _, Pending::Live(r))] => {

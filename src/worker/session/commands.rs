@@ -355,7 +355,7 @@ pub(super) fn keep_unacked(core: &Core, s: &mut Session, cmd: SeqCommand) {
             break;
         };
         core.metrics.inc(C::CmdResumeDropped);
-        forget_kept(core, rig, boot, old.seq, &old.id);
+        forget_kept(core, rig, boot, old.seq, &old.id, false);
     }
     q.push_unacked(cmd);
 }
@@ -381,7 +381,7 @@ fn drop_oldest_had(core: &Core, s: &mut Session) -> bool {
         return false;
     };
     core.metrics.inc(C::CmdResumeDropped);
-    forget_kept(core, &s.rig, s.boot, old.seq, &old.id);
+    forget_kept(core, &s.rig, s.boot, old.seq, &old.id, false);
     true
 }
 

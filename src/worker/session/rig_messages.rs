@@ -383,7 +383,6 @@ fn on_ack(
     let Some(cmd) = cmd else {
         return (latest, None, None);
     };
-    forget_kept(core, &s.rig, s.boot, cmd.seq, &cmd.id);
     // Released unkept (Redis away) and not written on this connection, yet acked on it: while
     // Redis was away the rig may have been given this seq by another broker deciding alone,
     // for a command of its own, and be acking that one (review bb115: a held command numbered
@@ -391,7 +390,9 @@ fn on_ack(
     // Which command the rig holds under the seq cannot be told, so this one is reported
     // `lost`, to be sent again, rather than acked and never run; its result, should one come,
     // is not joined to it.
-    if cmd.unkept && cmd.written_on != Some(on) {
+    let doubtful = cmd.unkept && cmd.written_on != Some(on);
+    forget_kept(core, &s.rig, s.boot, cmd.seq, &cmd.id, doubtful);
+    if doubtful {
         core.metrics.inc(C::CmdLostToSharedSeq);
         s.shrink_queues();
         return (true, None, Some(cmd.id));
@@ -409,14 +410,23 @@ fn on_ack(
     (true, id, None)
 }
 
-/// Fleet mode: has the session store forget command `seq`, no longer kept for a resume.
-pub(super) fn forget_kept(core: &Core, rig: &RigId, boot: BootId, seq: Seq, id: &str) {
+/// Fleet mode: has the session store forget command `seq`, no longer kept for a resume;
+/// `doubtful` when the ack that ends it may be another command's (see `on_ack`).
+pub(super) fn forget_kept(
+    core: &Core,
+    rig: &RigId,
+    boot: BootId,
+    seq: Seq,
+    id: &str,
+    doubtful: bool,
+) {
     if core.persist {
         core.to_bridge(ToBridge::Forget {
             rig: rig.clone(),
             boot,
             seq,
             id: id.into(),
+            doubtful,
         });
     }
 }
