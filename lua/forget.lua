@@ -12,21 +12,24 @@
 -- it) and removed, so no resume gives it under a seq the rig holds with another command and
 -- no later report names it again. The same command (same id) is removed without a word.
 --
--- The seq is then marked acked, "a:<seq>" -> this broker's id for it, in a session that
--- exists (and is a hash): another broker's copy of the session, put back after this removal (rekeep.lua,
--- once Redis takes writes again), may hold a command of its own under the seq, which no
--- one would report while the rig stays (review bb117). rekeep.lua publishes that one `lost`
--- instead of writing it. Markers are few (commands given while Redis was away), and go with
--- the session.
+-- The seq is then marked acked, in "sess:<rig_id>:<boot_id>:acked" (a hash, seq -> the id of
+-- this broker's command, kept for --session-ttl from the last mark): another broker's copy
+-- of the session, put back after this removal (rekeep.lua, once Redis takes writes again),
+-- may hold a command of its own under the seq, which no one would report while the rig stays
+-- (review bb117). rekeep.lua publishes that one `lost` instead of writing it. The marks live
+-- apart from the session, so they need no session (a boot whose hellos were all decided
+-- while Redis was away has none yet: review bb118), and they lapse on their own rather than
+-- growing the session for as long as its rig stays.
 --
 -- KEYS[i]       sess:<rig_id>:<boot_id>
 -- ARGV[1]       this broker's id (the events' broker_id)
 -- ARGV[2]       the events' "at": the broker's clock, RFC 3339
--- ARGV[5i-2]    rig_id
--- ARGV[5i-1]    boot_id
--- ARGV[5i]      seq: decimal integer
--- ARGV[5i+1]    the id of the command this broker delivered under that seq
--- ARGV[5i+2]    "acked", or "doubtful": the rig acked the seq on another connection than the
+-- ARGV[3]       ttl_ms of the marks: decimal integer, 1 to 15 digits
+-- ARGV[5i-1]    rig_id
+-- ARGV[5i]      boot_id
+-- ARGV[5i+1]    seq: decimal integer
+-- ARGV[5i+2]    the id of the command this broker delivered under that seq
+-- ARGV[5i+3]    "acked", or "doubtful": the rig acked the seq on another connection than the
 --               one that wrote this command, so the ack may be another broker's command's
 --               (the broker reported this one `lost`). Only this very command is removed then;
 --               another there is left as it is, and the seq is not marked.
@@ -34,11 +37,13 @@
 -- Returns the number of commands published `lost`.
 -- Errors "ERR fleetlink forget: ..." on malformed ARGV, before any write.
 
-if #ARGV ~= 2 + 5 * #KEYS then
-  return redis.error_reply('ERR fleetlink forget: expected broker_id, at, then rig_id, boot_id, seq, id, acked|doubtful per key')
+local ttl = ARGV[3]
+if #ARGV ~= 3 + 5 * #KEYS or type(ttl) ~= 'string' or #ttl > 15
+    or not ttl:match('^[1-9]%d*$') then
+  return redis.error_reply('ERR fleetlink forget: expected broker_id, at, ttl_ms, then rig_id, boot_id, seq, id, acked|doubtful per key')
 end
 for i = 1, #KEYS do
-  local seq, how = ARGV[5 * i], ARGV[5 * i + 2]
+  local seq, how = ARGV[5 * i + 1], ARGV[5 * i + 3]
   if #seq > 15 or not seq:match('^%d+$') then
     return redis.error_reply('ERR fleetlink forget: seq must be a decimal integer')
   end
@@ -54,8 +59,8 @@ end
 
 local lost = 0
 for i = 1, #KEYS do
-  local sess, seq, id = KEYS[i], ARGV[5 * i], ARGV[5 * i + 1]
-  local acked = ARGV[5 * i + 2] == 'acked'
+  local sess, seq, id = KEYS[i], ARGV[5 * i + 1], ARGV[5 * i + 2]
+  local acked = ARGV[5 * i + 3] == 'acked'
   local field = 'c:' .. seq
   -- pcall: a key of another type is no session of ours (persist.lua deletes it at the next
   -- keep); there is nothing here to remove.
@@ -66,7 +71,7 @@ for i = 1, #KEYS do
       lost = lost + 1
       before_event()
       redis.call('PUBLISH', 'fleetlink:events', '{"type":"lost","rig_id":'
-          .. cjson.encode(ARGV[5 * i - 2]) .. ',"boot_id":' .. cjson.encode(ARGV[5 * i - 1])
+          .. cjson.encode(ARGV[5 * i - 1]) .. ',"boot_id":' .. cjson.encode(ARGV[5 * i])
           .. ',"seq":' .. seq .. ',"id":' .. (other and cjson.encode(other) or 'null')
           .. ',"broker_id":' .. cjson.encode(ARGV[1]) .. ',"at":' .. cjson.encode(ARGV[2])
           .. ',"detail":"its seq went to another command, which the rig holds, while the rig\'s '
@@ -77,8 +82,15 @@ for i = 1, #KEYS do
       redis.call('HDEL', sess, field)
     end
   end
-  if acked and redis.call('TYPE', sess).ok == 'hash' then
-    redis.call('HSET', sess, 'a:' .. seq, id)
+  if acked then
+    -- A key of another type where the marks belong holds none of ours: it goes.
+    local marks = sess .. ':acked'
+    local kind = redis.call('TYPE', marks).ok
+    if kind ~= 'none' and kind ~= 'hash' then
+      redis.call('DEL', marks)
+    end
+    redis.call('HSET', marks, seq, id)
+    redis.call('PEXPIRE', marks, ttl)
   end
 end
 return lost

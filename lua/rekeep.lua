@@ -102,7 +102,7 @@
 -- fleetlink:events as {"type":"lost","rig_id","boot_id","seq","id","broker_id","at","detail"}.
 -- So too a command of this copy under a seq Redis numbered that holds nothing now (see
 -- ARGV[7]): the other command was acked there, and this one is not written; and one of this
--- copy's unkept commands under a seq forget.lua marked acked ("a:<seq>") with another
+-- copy's unkept commands under a seq forget.lua marked acked (sess:<rig>:<boot>:acked) with another
 -- command (the rig acked that one, given by another broker, before this copy came back). Where one of
 -- this copy's own commands was published so, or is settled (see ARGV[7]: acked elsewhere
 -- since), "ok", "ok|<n>", "anew" and "merged" end in ";<seq>,<seq>...": the broker drops
@@ -461,7 +461,10 @@ local function write(sess, merge, found)
     local there = redis.call('HGET', sess, field)
     -- The rig acked another broker's command under this seq, which that broker also gave
     -- while Redis was away from one of them (forget.lua's marker): this one lost the seq.
-    local acked_as = unkept_seq(ARGV[i]) and redis.call('HGET', sess, 'a:' .. ARGV[i])
+    local acked_as = unkept_seq(ARGV[i]) and redis.pcall('HGET', sess .. ':acked', ARGV[i])
+    if type(acked_as) ~= 'string' then
+      acked_as = false
+    end
     -- Settled (see dropped); a connected rig's copy too: the rig acked it on another broker
     -- during the outage, and written back it was reported `expired` or `rig_rebooted` later.
     -- Only at or above "from": below it Redis never numbered the seq in this session, which

@@ -1606,7 +1606,7 @@ fn a_live_copy_written_into_a_missing_session_key_answers_anew() {
 }
 
 /// A parked copy of fe-b goes back after fe-a's removal of the same seq marked it acked with
-/// fe-a's command (`forget.lua`'s `a:<seq>`): each gave seq 3 while Redis was away, and the rig
+/// fe-a's command (`forget.lua`'s marks, `sess:<rig>:<boot>:acked`): each gave seq 3 while Redis was away, and the rig
 /// acked fe-a's. fe-b's is published `lost` and dropped from its copy, not written under a seq
 /// below Redis's `from`, where no one reported it while the rig stayed (review bb117).
 #[test]
@@ -1623,7 +1623,12 @@ fn a_copy_meeting_a_seq_marked_acked_with_another_command_reports_its_own_lost()
     let sess = session_key(&r, &b);
     let _: () = redis::cmd("HSET")
         .arg(&sess)
-        .arg(&["next", "4", "from", "4", "a:3", "given-by-a"])
+        .arg(&["next", "4", "from", "4"])
+        .query(&mut con)
+        .unwrap();
+    let _: () = redis::cmd("HSET")
+        .arg(format!("{sess}:acked"))
+        .arg(&["3", "given-by-a"])
         .query(&mut con)
         .unwrap();
     set(&mut con, &rig_key(&r), &tuple(&b, "fe-a"));
@@ -1660,8 +1665,8 @@ fn a_copy_meeting_a_seq_marked_acked_with_another_command_reports_its_own_lost()
 /// command there (by id) goes without a word, as an HDEL would take it; another command there
 /// (another broker's, kept under the same seq) is published `lost` and removed, where an HDEL
 /// deleted it unreported; an empty seq, or a key of another type, is left as it is. Each seq
-/// of the session is marked acked with the command the rig acked (`a:<seq>`), which a copy of
-/// another broker's session put back later meets (`rekeep.lua`). One call does all of them,
+/// is marked acked with the command the rig acked (`sess:<rig>:<boot>:acked`, for the session
+/// TTL), which a copy of another broker's session put back later meets (`rekeep.lua`). One call does all of them,
 /// in order, and says how many it published.
 #[test]
 fn a_checked_removal_reports_another_command_under_the_acked_seq() {
@@ -1709,6 +1714,7 @@ fn a_checked_removal_reports_another_command_under_the_acked_seq() {
             ],
             "fe-a",
             "2026-12-06T00:00:00Z",
+            TTL,
         )
         .unwrap();
     assert_eq!(lost, 1);
@@ -1720,13 +1726,34 @@ fn a_checked_removal_reports_another_command_under_the_acked_seq() {
     let left: Vec<String> = redis::cmd("HKEYS").arg(&sess).query(&mut con).unwrap();
     let mut left = left;
     left.sort();
-    assert_eq!(left, ["a:2", "a:3", "a:4", "c:5", "next"]);
+    assert_eq!(left, ["c:5", "next"]);
+    let marks = format!("{sess}:acked");
     let marked: Vec<String> = redis::cmd("HMGET")
-        .arg(&sess)
-        .arg(&["a:2", "a:3", "a:4"])
+        .arg(&marks)
+        .arg(&["2", "3", "4"])
         .query(&mut con)
         .unwrap();
     assert_eq!(marked, ["same", "given-by-a", "never-kept"]);
+    let ttl = pttl(&mut con, &marks);
+    assert!(ttl > 0 && ttl <= TTL.as_millis() as i64, "{ttl}");
+    // The marks need no session: a boot Redis holds no session of yet gets them too.
+    let (fresh, b3) = (rig("rig-cf-new"), boot(3));
+    let lost = sessions
+        .forget_checked(
+            &mut con,
+            &[forget(&fresh, &b3, 1, "first")],
+            "fe-a",
+            "2026-12-06T00:00:00Z",
+            TTL,
+        )
+        .unwrap();
+    assert_eq!(lost, 0);
+    let mark: Option<String> = redis::cmd("HGET")
+        .arg(format!("{}:acked", session_key(&fresh, &b3)))
+        .arg("1")
+        .query(&mut con)
+        .unwrap();
+    assert_eq!(mark.as_deref(), Some("first"));
     let kind: String = redis::cmd("TYPE")
         .arg(session_key(&other, &b2))
         .query(&mut con)
@@ -1757,12 +1784,15 @@ fn a_checked_removal_reports_another_command_under_the_acked_seq() {
             &[doubt(7, "given-by-b"), doubt(8, "mine")],
             "fe-b",
             "2026-12-06T00:00:00Z",
+            TTL,
         )
         .unwrap();
     assert_eq!(lost, 0);
     let mut left: Vec<String> = redis::cmd("HKEYS").arg(&sess).query(&mut con).unwrap();
     left.sort();
-    assert_eq!(left, ["a:2", "a:3", "a:4", "c:5", "c:7", "next"]);
+    assert_eq!(left, ["c:5", "c:7", "next"]);
+    let marked: Vec<String> = redis::cmd("HKEYS").arg(&marks).query(&mut con).unwrap();
+    assert_eq!(marked.len(), 3, "none for doubtful ones: {marked:?}");
 }
 
 /// Two brokers that each decided alone (Redis away from one of them) can give one seq of a

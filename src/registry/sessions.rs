@@ -324,6 +324,7 @@ impl SessionScripts {
         forgets: &[CheckedForget],
         broker_id: &str,
         at: &str,
+        ttl: Duration,
     ) -> Result<u64, RegistryError> {
         let mut lost = 0;
         for chunk in forgets.chunks(FORGET_CHUNK) {
@@ -331,7 +332,7 @@ impl SessionScripts {
             for f in chunk {
                 call.key(session_key(&f.rig, &f.boot));
             }
-            call.arg(broker_id).arg(at);
+            call.arg(broker_id).arg(at).arg(ttl_ms(ttl));
             for f in chunk {
                 call.arg(f.rig.as_str())
                     .arg(f.boot.to_string())

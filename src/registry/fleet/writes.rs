@@ -97,10 +97,13 @@ impl Fleet {
             return false;
         };
         let at = crate::reply::rfc3339(std::time::SystemTime::now());
-        match self
-            .sessions
-            .forget_checked(con, &self.checked_forgets, &self.broker_id, &at)
-        {
+        match self.sessions.forget_checked(
+            con,
+            &self.checked_forgets,
+            &self.broker_id,
+            &at,
+            self.session_ttl,
+        ) {
             Ok(lost) => {
                 self.forget_lost += lost;
                 self.checked_forgets.clear();
