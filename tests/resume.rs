@@ -104,6 +104,27 @@ fn hold_via_admin(b: &Broker, rig: &str, prefix: &str, n: usize) {
     }
 }
 
+/// Waits (up to 10 s) until `broker` lists no rig: it saw the rig's connection end.
+fn wait_no_rigs(broker: &Broker, what: &str) {
+    eventually(Duration::from_secs(10), what, || {
+        let body: Value = serde_json::from_str(&broker.http("GET", "/v1/rigs", "").1).unwrap();
+        body.as_array().is_some_and(Vec::is_empty)
+    });
+}
+
+/// Fills Redis: `maxmemory` of `bytes` (1: full at once; 0: no limit again) with
+/// `noeviction`, so that it refuses every write that may grow memory.
+fn set_maxmemory(con: &mut redis::Connection, bytes: &str) {
+    let _: () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("maxmemory-policy")
+        .arg("noeviction")
+        .arg("maxmemory")
+        .arg(bytes)
+        .query(con)
+        .unwrap();
+}
+
 /// A command frame's seq and id.
 fn seq_and_id(cmd: &Value) -> (u64, String) {
     (
@@ -719,10 +740,7 @@ fn an_ack_of_a_seq_two_brokers_gave_alone_does_not_ack_the_command_the_rig_never
     }
     a.wait_metric("fleetlink_commands_total{result=\"acked\"} 3");
     drop(on_a);
-    eventually(Duration::from_secs(10), "A sees the rig leave", || {
-        let body: Value = serde_json::from_str(&a.http("GET", "/v1/rigs", "").1).unwrap();
-        body.as_array().is_some_and(Vec::is_empty)
-    });
+    wait_no_rigs(&a, "A sees the rig leave");
     redis.freeze(true);
     for broker in [&a, &b] {
         broker.wait_readyz(503, Duration::from_secs(15), "readyz 503");
@@ -734,10 +752,7 @@ fn an_ack_of_a_seq_two_brokers_gave_alone_does_not_ack_the_command_the_rig_never
         "B has no session of it: {welcome}"
     );
     drop(on_b);
-    eventually(Duration::from_secs(10), "B sees the rig leave", || {
-        let body: Value = serde_json::from_str(&b.http("GET", "/v1/rigs", "").1).unwrap();
-        body.as_array().is_some_and(Vec::is_empty)
-    });
+    wait_no_rigs(&b, "B sees the rig leave");
     let mut on_a = resume_on(&a, "rig-sh", &boot, Some(3));
     admin_command_reaches(&a, &mut on_a, "rig-sh", "p4", 4);
     ack(&mut on_a, 4);
@@ -784,37 +799,21 @@ fn a_command_whose_seq_another_broker_gave_while_redis_was_full_is_reported_lost
     }
     a.wait_metric("fleetlink_commands_total{result=\"acked\"} 3");
     drop(on_a);
-    let gone_from = |broker: &Broker, what: &str| {
-        eventually(Duration::from_secs(10), what, || {
-            let body: Value = serde_json::from_str(&broker.http("GET", "/v1/rigs", "").1).unwrap();
-            body.as_array().is_some_and(Vec::is_empty)
-        })
-    };
-    gone_from(&a, "A sees the rig leave");
+    wait_no_rigs(&a, "A sees the rig leave");
     let mut con = redis.connection();
-    let full = |con: &mut redis::Connection, bytes: &str| {
-        let _: () = redis::cmd("CONFIG")
-            .arg("SET")
-            .arg("maxmemory-policy")
-            .arg("noeviction")
-            .arg("maxmemory")
-            .arg(bytes)
-            .query(con)
-            .unwrap();
-    };
-    full(&mut con, "1");
+    set_maxmemory(&mut con, "1");
     hold_via_admin(&b, "rig-vf", "q", 1);
     let (on_b, welcome) = connect_hello(&b, "rig-vf", &boot, Some(3));
     assert_eq!(welcome["resumed"], false, "{welcome}");
     drop(on_b);
-    gone_from(&b, "B sees the rig leave");
+    wait_no_rigs(&b, "B sees the rig leave");
     let mut on_a = resume_on(&a, "rig-vf", &boot, Some(3));
     admin_command_reaches(&a, &mut on_a, "rig-vf", "p4", 4);
     ack(&mut on_a, 4);
     a.wait_metric("fleetlink_commands_total{result=\"acked\"} 4");
     drop(on_a);
-    gone_from(&a, "A sees the rig leave again");
-    full(&mut con, "0");
+    wait_no_rigs(&a, "A sees the rig leave again");
+    set_maxmemory(&mut con, "0");
     let lost = events.next_within(Duration::from_secs(30), |ch, v| {
         ch == "fleetlink:events" && v["type"] == "lost" && v["id"] == "q0"
     });
@@ -845,10 +844,7 @@ fn rig_left_during_an_outage(
     }
     admin_command_reaches(&a, &mut on_a, rig, "p2", 2);
     drop(on_a);
-    eventually(Duration::from_secs(10), "A sees the rig leave", || {
-        let body: Value = serde_json::from_str(&a.http("GET", "/v1/rigs", "").1).unwrap();
-        body.as_array().is_some_and(Vec::is_empty)
-    });
+    wait_no_rigs(&a, "A sees the rig leave");
     (a, b, boot)
 }
 
@@ -1648,14 +1644,7 @@ fn held_commands_still_waiting_when_the_rig_leaves_are_held_again() {
         got.push(seq_and_id(&cmd));
     }
     drop(first);
-    eventually(
-        Duration::from_secs(10),
-        "the broker sees the rig leave",
-        || {
-            let body: Value = serde_json::from_str(&b.http("GET", "/v1/rigs", "").1).unwrap();
-            body.as_array().is_some_and(Vec::is_empty)
-        },
-    );
+    wait_no_rigs(&b, "the broker sees the rig leave");
     let last = got.last().map(|(seq, _)| *seq);
     let mut again = resume_on(&b, "rig-leaves", &boot, last);
     while got.len() < HELD {
@@ -2280,23 +2269,13 @@ fn a_report_redis_refuses_for_want_of_memory_is_not_published() {
         )
         .unwrap();
     let _: () = con.set("sessof:rig-f", w.to_string()).unwrap();
-    let full = |con: &mut redis::Connection, bytes: &str| {
-        let _: () = redis::cmd("CONFIG")
-            .arg("SET")
-            .arg("maxmemory-policy")
-            .arg("noeviction")
-            .arg("maxmemory")
-            .arg(bytes)
-            .query(con)
-            .unwrap();
-    };
-    full(&mut con, "1");
+    set_maxmemory(&mut con, "1");
     for _ in 0..3 {
         let refused = ended().expect_err("Redis is full");
         assert!(refused.to_string().contains("OOM"), "{refused}");
     }
     assert_eq!(rebooted_so_far(&mut ctl), Vec::<Value>::new());
-    full(&mut con, "0");
+    set_maxmemory(&mut con, "0");
     assert_eq!(ended().unwrap(), [Rekept::Reported(2)]);
     let seqs: Vec<u64> = rebooted_so_far(&mut ctl)
         .iter()
