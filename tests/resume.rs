@@ -827,6 +827,34 @@ fn a_command_whose_seq_another_broker_gave_while_redis_was_full_is_reported_lost
     admin_command_reaches(&a, &mut on_a, "rig-vf", "p5", 5);
 }
 
+/// While Redis is full it refuses the removal of an acked command given unkept (its mark is a
+/// write that may grow memory), and the broker tries it again later. Meanwhile replies and
+/// events go out as ever: they waited behind the refused removal for as long as Redis stayed
+/// full (review bb119 saw a reply 1.3 s late).
+#[test]
+fn replies_go_out_while_redis_refuses_the_removal_of_an_acked_command() {
+    let redis = RedisServer::start();
+    let (a, _b, boot, mut on_a, mut ctl) = rig_with_commands_on_a(&redis, "rig-fr", "p", 1);
+    ack(&mut on_a, 1);
+    a.wait_metric("fleetlink_commands_total{result=\"acked\"} 1");
+    let mut con = redis.connection();
+    set_maxmemory(&mut con, "1");
+    admin_command_reaches(&a, &mut on_a, "rig-fr", "p2", 2);
+    ack(&mut on_a, 2);
+    a.wait_metric("fleetlink_commands_total{result=\"acked\"} 2");
+    // Through Redis, still full: answered, and delivered.
+    send_and_read(&mut ctl, "fe-a", "rig-fr", "p3", &mut on_a, 3);
+    set_maxmemory(&mut con, "0");
+    let marks = format!("sess:rig-fr:{boot}:acked");
+    eventually(Duration::from_secs(10), "the removal goes through", || {
+        con.hget::<_, _, Option<String>>(&marks, "2")
+            .ok()
+            .flatten()
+            .as_deref()
+            == Some("p2")
+    });
+}
+
 /// Rig R on A has command 1 kept in Redis; Redis is then unreachable (`freeze`) or killed
 /// (`!freeze`), command 2 is delivered through A's admin API (not kept), and R disconnects,
 /// seen by A. Returns the brokers and R's boot; Redis is still down.

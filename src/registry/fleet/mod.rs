@@ -58,6 +58,8 @@ pub(crate) struct Fleet {
     /// Removals of acked commands delivered while Redis was away, which may meet another
     /// command under their seq (`forget.lua`); sent with the next flush, not paced.
     checked_forgets: Vec<CheckedForget>,
+    /// Checked forgets Redis refused wait until then (`writes.rs`, `send_checked_forgets`).
+    checked_forgets_after: Option<Instant>,
     /// When the oldest queued forget was queued.
     forgets_since: Option<Instant>,
     con: Option<CommandCon>,
@@ -144,6 +146,7 @@ impl Fleet {
             offline: OfflineScripts::default(),
             forgets: Vec::new(),
             checked_forgets: Vec::new(),
+            checked_forgets_after: None,
             forgets_since: None,
             con: None,
             sub: None,
