@@ -456,6 +456,32 @@ fn a_lease_redis_lost_under_a_connected_rig_is_put_back_before_its_next_command(
     );
 }
 
+/// While a connected rig's lease is gone from Redis, another broker holds a command for it
+/// as for an offline rig (control found no lease). The rig's next command puts the lease back,
+/// and the held command follows it to the rig then, not at the rig's next hello. Before, only
+/// a refresh that put a lease back took what was held: one put back under a command left the
+/// hold to wait out its deadline with the rig connected (review bb119: a hello decided while
+/// Redis was full left no lease, and a command held then waited its whole minute).
+#[test]
+fn a_command_held_while_the_lease_was_gone_follows_the_command_that_puts_it_back() {
+    let redis = RedisServer::start();
+    // No refresh of its own within the test: only the command puts the lease back.
+    let a = fleet_broker_with(&redis, "fe-a", &["--registry-refresh", "50s"]);
+    let b = fleet_broker(&redis, "fe-b");
+    let (mut on_a, welcome) = connect_hello(&a, "rig-hl", &boot_id(), None);
+    assert_eq!(welcome["resumed"], false, "{welcome}");
+    let mut con = redis.connection();
+    let _: () = con.del("rig:rig-hl").unwrap();
+    hold_via_admin(&b, "rig-hl", "q", 1);
+    assert_eq!(con.llen::<_, usize>("offline:rig-hl").unwrap(), 1);
+    admin_command_reaches(&a, &mut on_a, "rig-hl", "p1", 1);
+    assert!(
+        con.exists::<_, bool>("rig:rig-hl").unwrap(),
+        "the lease is back"
+    );
+    read_command(&mut on_a, 2, "q0");
+}
+
 /// Redis loses one session key on its own (deleted by hand here; evicted, under a `volatile-*`
 /// policy) while the lease stays and the rig stays connected with command 1 unacked. The rig's
 /// next command creates the key again, and the broker puts its copy back with it: killed
@@ -825,6 +851,60 @@ fn a_command_whose_seq_another_broker_gave_while_redis_was_full_is_reported_lost
     );
     // The rig keeps what it has: the next command is 5.
     admin_command_reaches(&a, &mut on_a, "rig-vf", "p5", 5);
+}
+
+/// As above, but the rig comes back to B once Redis takes writes again, before B has seen so:
+/// B learns it only at its next heartbeat (every 10 s), which is when it queues its parked
+/// copies to go back. B's hello found A's session in Redis numbered past seq 4 and took its own
+/// copy's command under that seq for one acked elsewhere: dropped, never reported (harness run
+/// bb120, 4 commands). A copy holding commands given unkept now goes back ahead of its rig's
+/// hello whether or not it was queued, and the marks report it.
+#[test]
+fn a_command_given_unkept_is_reported_lost_when_its_rig_returns_before_the_heartbeat() {
+    let redis = RedisServer::start();
+    let mut events = Control::new(&redis, &["fleetlink:events"]);
+    let (a, b, boot, mut on_a, _) = rig_with_commands_on_a(&redis, "rig-vg", "p", 3);
+    for seq in 1..=3 {
+        ack(&mut on_a, seq);
+    }
+    a.wait_metric("fleetlink_commands_total{result=\"acked\"} 3");
+    drop(on_a);
+    wait_no_rigs(&a, "A sees the rig leave");
+    let mut con = redis.connection();
+    set_maxmemory(&mut con, "1");
+    hold_via_admin(&b, "rig-vg", "q", 1);
+    let (on_b, welcome) = connect_hello(&b, "rig-vg", &boot, Some(3));
+    assert_eq!(welcome["resumed"], false, "{welcome}");
+    drop(on_b);
+    wait_no_rigs(&b, "B sees the rig leave");
+    let mut on_a = resume_on(&a, "rig-vg", &boot, Some(3));
+    admin_command_reaches(&a, &mut on_a, "rig-vg", "p4", 4);
+    ack(&mut on_a, 4);
+    a.wait_metric("fleetlink_commands_total{result=\"acked\"} 4");
+    drop(on_a);
+    wait_no_rigs(&a, "A sees the rig leave again");
+    set_maxmemory(&mut con, "0");
+    // A's retried removal marks seq 4 as p4's, within a second or so; B's heartbeat is then
+    // most likely still ahead.
+    let marks = format!("sess:rig-vg:{boot}:acked");
+    eventually(Duration::from_secs(10), "A's removal goes through", || {
+        con.hget::<_, _, Option<String>>(&marks, "4")
+            .ok()
+            .flatten()
+            .as_deref()
+            == Some("p4")
+    });
+    let (mut on_b, welcome) = connect_hello(&b, "rig-vg", &boot, Some(4));
+    assert_eq!(welcome["resumed"], true, "{welcome}");
+    let lost = events.next_within(Duration::from_secs(5), |ch, v| {
+        ch == "fleetlink:events" && v["type"] == "lost" && v["id"] == "q0"
+    });
+    assert_eq!(
+        (&lost["seq"], &lost["boot_id"]),
+        (&json!(4), &json!(boot)),
+        "{lost}"
+    );
+    admin_command_reaches(&b, &mut on_b, "rig-vg", "p5", 5);
 }
 
 /// While Redis is full it refuses the removal of an acked command given unkept (its mark is a

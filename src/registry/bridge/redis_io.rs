@@ -534,6 +534,11 @@ impl Bridge {
         let mut ended = Vec::new();
         let me = self.cfg.broker_id.clone();
         for ((rig, boot), status) in leases.iter().zip(statuses) {
+            // While the lease was missing, another broker may have held a command for the
+            // rig as an offline one; the refresh that put a lease back takes it, and so must
+            // this, or the refresh after finds the lease in place and the hold waits out its
+            // deadline with the rig connected (review bb119).
+            let put_back = !matches!(status, RefreshStatus::Ok | RefreshStatus::Superseded);
             match status {
                 RefreshStatus::Superseded => continue,
                 RefreshStatus::Taken { from } => {
@@ -544,6 +549,9 @@ impl Bridge {
                 }
                 RefreshStatus::Outlived { .. } => ended.push((rig, boot)),
                 RefreshStatus::Ok | RefreshStatus::Restored => {}
+            }
+            if put_back {
+                self.held_unread.insert(rig.clone());
             }
             restored.insert(rig);
         }
