@@ -809,6 +809,38 @@ fn an_ack_of_a_seq_two_brokers_gave_alone_does_not_ack_the_command_the_rig_never
     );
 }
 
+/// The setting of the two tests below: the rig, its commands 1 to 3 acked on A, leaves. While
+/// Redis is full B numbers a command held for it (`q0`) 4 at a hello the rig closes at once;
+/// the rig resumes on A, which gives its own `p4` seq 4, and the rig acks it there and leaves.
+/// Redis then takes writes again. Returns A, B, the boot and a Redis connection.
+fn seq_4_given_by_both_while_redis_was_full(
+    redis: &RedisServer,
+    rig: &str,
+) -> (Broker, Broker, String, redis::Connection) {
+    let (a, b, boot, mut on_a, _) = rig_with_commands_on_a(redis, rig, "p", 3);
+    for seq in 1..=3 {
+        ack(&mut on_a, seq);
+    }
+    a.wait_metric("fleetlink_commands_total{result=\"acked\"} 3");
+    drop(on_a);
+    wait_no_rigs(&a, "A sees the rig leave");
+    let mut con = redis.connection();
+    set_maxmemory(&mut con, "1");
+    hold_via_admin(&b, rig, "q", 1);
+    let (on_b, welcome) = connect_hello(&b, rig, &boot, Some(3));
+    assert_eq!(welcome["resumed"], false, "{welcome}");
+    drop(on_b);
+    wait_no_rigs(&b, "B sees the rig leave");
+    let mut on_a = resume_on(&a, rig, &boot, Some(3));
+    admin_command_reaches(&a, &mut on_a, rig, "p4", 4);
+    ack(&mut on_a, 4);
+    a.wait_metric("fleetlink_commands_total{result=\"acked\"} 4");
+    drop(on_a);
+    wait_no_rigs(&a, "A sees the rig leave again");
+    set_maxmemory(&mut con, "0");
+    (a, b, boot, con)
+}
+
 /// While Redis is full (`maxmemory`, `noeviction`) B numbers a command held for the rig 4 at a
 /// hello the rig closes at once, and A, where the rig stays, gives its own command seq 4, which
 /// the rig acks. Once Redis takes writes again, whichever comes first, B's copy put back or
@@ -819,27 +851,7 @@ fn an_ack_of_a_seq_two_brokers_gave_alone_does_not_ack_the_command_the_rig_never
 fn a_command_whose_seq_another_broker_gave_while_redis_was_full_is_reported_lost() {
     let redis = RedisServer::start();
     let mut events = Control::new(&redis, &["fleetlink:events"]);
-    let (a, b, boot, mut on_a, _) = rig_with_commands_on_a(&redis, "rig-vf", "p", 3);
-    for seq in 1..=3 {
-        ack(&mut on_a, seq);
-    }
-    a.wait_metric("fleetlink_commands_total{result=\"acked\"} 3");
-    drop(on_a);
-    wait_no_rigs(&a, "A sees the rig leave");
-    let mut con = redis.connection();
-    set_maxmemory(&mut con, "1");
-    hold_via_admin(&b, "rig-vf", "q", 1);
-    let (on_b, welcome) = connect_hello(&b, "rig-vf", &boot, Some(3));
-    assert_eq!(welcome["resumed"], false, "{welcome}");
-    drop(on_b);
-    wait_no_rigs(&b, "B sees the rig leave");
-    let mut on_a = resume_on(&a, "rig-vf", &boot, Some(3));
-    admin_command_reaches(&a, &mut on_a, "rig-vf", "p4", 4);
-    ack(&mut on_a, 4);
-    a.wait_metric("fleetlink_commands_total{result=\"acked\"} 4");
-    drop(on_a);
-    wait_no_rigs(&a, "A sees the rig leave again");
-    set_maxmemory(&mut con, "0");
+    let (a, _b, boot, _con) = seq_4_given_by_both_while_redis_was_full(&redis, "rig-vf");
     let lost = events.next_within(Duration::from_secs(30), |ch, v| {
         ch == "fleetlink:events" && v["type"] == "lost" && v["id"] == "q0"
     });
@@ -863,37 +875,10 @@ fn a_command_whose_seq_another_broker_gave_while_redis_was_full_is_reported_lost
 fn a_command_given_unkept_is_reported_lost_when_its_rig_returns_before_the_heartbeat() {
     let redis = RedisServer::start();
     let mut events = Control::new(&redis, &["fleetlink:events"]);
-    let (a, b, boot, mut on_a, _) = rig_with_commands_on_a(&redis, "rig-vg", "p", 3);
-    for seq in 1..=3 {
-        ack(&mut on_a, seq);
-    }
-    a.wait_metric("fleetlink_commands_total{result=\"acked\"} 3");
-    drop(on_a);
-    wait_no_rigs(&a, "A sees the rig leave");
-    let mut con = redis.connection();
-    set_maxmemory(&mut con, "1");
-    hold_via_admin(&b, "rig-vg", "q", 1);
-    let (on_b, welcome) = connect_hello(&b, "rig-vg", &boot, Some(3));
-    assert_eq!(welcome["resumed"], false, "{welcome}");
-    drop(on_b);
-    wait_no_rigs(&b, "B sees the rig leave");
-    let mut on_a = resume_on(&a, "rig-vg", &boot, Some(3));
-    admin_command_reaches(&a, &mut on_a, "rig-vg", "p4", 4);
-    ack(&mut on_a, 4);
-    a.wait_metric("fleetlink_commands_total{result=\"acked\"} 4");
-    drop(on_a);
-    wait_no_rigs(&a, "A sees the rig leave again");
-    set_maxmemory(&mut con, "0");
+    let (_a, b, boot, mut con) = seq_4_given_by_both_while_redis_was_full(&redis, "rig-vg");
     // A's retried removal marks seq 4 as p4's, within a second or so; B's heartbeat is then
     // most likely still ahead.
-    let marks = format!("sess:rig-vg:{boot}:acked");
-    eventually(Duration::from_secs(10), "A's removal goes through", || {
-        con.hget::<_, _, Option<String>>(&marks, "4")
-            .ok()
-            .flatten()
-            .as_deref()
-            == Some("p4")
-    });
+    wait_acked_mark(&mut con, "rig-vg", &boot, 4, "p4");
     let (mut on_b, welcome) = connect_hello(&b, "rig-vg", &boot, Some(4));
     assert_eq!(welcome["resumed"], true, "{welcome}");
     let lost = events.next_within(Duration::from_secs(5), |ch, v| {
@@ -925,13 +910,19 @@ fn replies_go_out_while_redis_refuses_the_removal_of_an_acked_command() {
     // Through Redis, still full: answered, and delivered.
     send_and_read(&mut ctl, "fe-a", "rig-fr", "p3", &mut on_a, 3);
     set_maxmemory(&mut con, "0");
-    let marks = format!("sess:rig-fr:{boot}:acked");
+    wait_acked_mark(&mut con, "rig-fr", &boot, 2, "p2");
+}
+
+/// Waits (up to 10 s) until the removal of `rig`'s acked `seq` has gone through: Redis marks
+/// the seq acked with the command's `id` (`sess:<rig>:<boot>:acked`).
+fn wait_acked_mark(con: &mut redis::Connection, rig: &str, boot: &str, seq: u64, id: &str) {
+    let marks = format!("sess:{rig}:{boot}:acked");
     eventually(Duration::from_secs(10), "the removal goes through", || {
-        con.hget::<_, _, Option<String>>(&marks, "2")
+        con.hget::<_, _, Option<String>>(&marks, seq)
             .ok()
             .flatten()
             .as_deref()
-            == Some("p2")
+            == Some(id)
     });
 }
 
