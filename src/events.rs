@@ -167,6 +167,16 @@ pub fn session_expired(broker: &str, rig: &RigId, boot: &BootId, seq: Seq, id: &
                       and never acked it; the rig may have run it"})
 }
 
+/// Command `id`, held in Redis for the offline `rig`, was not there at its deadline, and Redis
+/// had lost its keys since it was held (an empty restart, a flush): a hello may have taken it
+/// before the loss, or it went with the keys. Reported rather than taken for delivered, which
+/// left a command the loss took with no outcome at all.
+pub fn hold_lost(broker: &str, rig: &RigId, id: &str) -> Value {
+    json!({"type": "lost", "rig_id": rig.as_str(), "id": id, "broker_id": broker,
+           "at": rfc3339(SystemTime::now()),
+           "detail": "Redis lost its keys (restarted empty, or flushed) while it held this command for the offline rig: unless an offline_delivered event for it came before, it was not delivered; send it again"})
+}
+
 /// A command held for an offline rig expired before the rig came back.
 pub fn expired(broker: &str, rig: &RigId, id: &str) -> Value {
     json!({"type": "expired", "rig_id": rig.as_str(), "id": id, "broker_id": broker,

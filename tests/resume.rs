@@ -1349,6 +1349,62 @@ fn commands_for_an_offline_rig_are_held_then_delivered_or_expired() {
     drop(a);
 }
 
+/// Redis restarts empty while it holds a command for an offline rig: the broker that held it
+/// reports it `lost` at its deadline, where before it took the missing entry for one a hello
+/// had taken, and nothing was ever reported (carried since stop 56; seen by review bb117). A
+/// command held after the restart still expires, and one a hello took is not reported.
+#[test]
+fn a_hold_redis_lost_in_an_empty_restart_is_reported_lost_at_its_deadline() {
+    hold_lost_with_redis_keys(|redis| redis.restart());
+}
+
+/// The same with a flush, which the broker's connection lives through: the deadline comes
+/// before the heartbeat that would notice (every 10 s), so the broker's sentinel is asked.
+#[test]
+fn a_hold_redis_lost_in_a_flush_is_reported_lost_at_its_deadline() {
+    hold_lost_with_redis_keys(|redis| flushall(&mut redis.connection()));
+}
+
+/// A command held for an offline rig before `lose` empties Redis, then two held after it, one
+/// of which a hello takes: reported `lost`, `expired`, and nothing, in that order.
+fn hold_lost_with_redis_keys(lose: impl FnOnce(&mut RedisServer)) {
+    let mut redis = RedisServer::start();
+    let a = fleet_broker(&redis, "fe-a");
+    let hold = |id: &str, rig: &str| {
+        let body = json!({"id": id, "name": "n", "args": {}, "queue_if_offline": true,
+                          "ttl_ms": 3_000});
+        let path = format!("/v1/rigs/{rig}/commands");
+        let (status, text) = a.http("POST", &path, &body.to_string());
+        assert_eq!(status, 200, "{text}");
+    };
+    hold("before", "rig-rl");
+    let mut con = redis.connection();
+    assert_eq!(con.llen::<_, usize>("offline:rig-rl").unwrap(), 1);
+    lose(&mut redis);
+    a.wait_readyz(200, Duration::from_secs(15), "A back on Redis");
+    let mut events = Control::new(&redis, &["fleetlink:events"]);
+    // Held after the loss, "taken" first: its deadline comes before "after"'s.
+    hold("taken", "rig-rt");
+    hold("after", "rig-rl");
+    let (mut ws, _) = connect_hello(&a, "rig-rt", &boot_id(), None);
+    read_command(&mut ws, 1, "taken");
+    const EV: &str = "fleetlink:events";
+    let lost = events.next_within(Duration::from_secs(10), |ch, v| {
+        ch == EV && v["type"] == "lost" && v["id"] == "before"
+    });
+    assert_eq!(lost["rig_id"], "rig-rl", "{lost}");
+    events.next_within(Duration::from_secs(10), |ch, v| {
+        ch == EV && v["type"] == "expired" && v["id"] == "after"
+    });
+    let reported = |v: &Value| v["type"] == "lost" || v["type"] == "expired";
+    assert_eq!(
+        events.backlog_count(|ch, v| ch == EV && reported(v)),
+        0,
+        "one report each, none for the command a hello took"
+    );
+    a.wait_metric("fleetlink_registry_ops_total{op=\"offline\",result=\"lost\"} 1");
+}
+
 /// PUBLISHes each of `msgs` to fe-a in one pipeline, as a fan-out arrives all at once.
 fn publish_to_fe_a_at_once(redis: &RedisServer, msgs: impl Iterator<Item = Value>) {
     let mut pipe = redis::pipe();

@@ -512,10 +512,13 @@ impl LocalHeld {
 #[derive(Debug, Default)]
 pub struct Deadlines {
     heap: BinaryHeap<Reverse<(Instant, u64)>>,
-    entries: HashMap<u64, (RigId, Held, usize)>,
+    /// Each with the [`Self::epoch`] it was added in.
+    entries: HashMap<u64, (RigId, Held, usize, u32)>,
     /// The sizes of the commands behind `entries` ([`Held::size`]).
     bytes: usize,
     next: u64,
+    /// How many times this broker has seen Redis lose its keys (see [`Self::keys_lost`]).
+    epoch: u32,
 }
 
 impl Deadlines {
@@ -535,18 +538,41 @@ impl Deadlines {
 
     /// Remembers `entry` until `at`, counting `size` bytes for it; returns its key.
     pub fn add(&mut self, at: Instant, rig: RigId, entry: Held, size: usize) -> u64 {
+        self.add_from(at, rig, entry, size, self.epoch)
+    }
+
+    /// [`Self::add`] for an entry held since `epoch` (one due earlier, asked about again).
+    pub fn add_from(
+        &mut self,
+        at: Instant,
+        rig: RigId,
+        entry: Held,
+        size: usize,
+        epoch: u32,
+    ) -> u64 {
         self.next += 1;
         self.heap.push(Reverse((at, self.next)));
-        self.entries.insert(self.next, (rig, entry, size));
+        self.entries.insert(self.next, (rig, entry, size, epoch));
         self.bytes += size;
         self.next
+    }
+
+    /// Redis lost its keys (restarted empty, flushed): the commands held there before are
+    /// gone with them, so one not found at its deadline was not necessarily delivered.
+    pub fn keys_lost(&mut self) {
+        self.epoch = self.epoch.wrapping_add(1);
+    }
+
+    /// Whether an entry added in `epoch` was held in Redis across a loss of its keys.
+    pub fn held_across_a_loss(&self, epoch: u32) -> bool {
+        epoch != self.epoch
     }
 
     /// Drops a command delivered before its deadline. Its heap slot is skipped when due, and
     /// the heap is rebuilt once such slots outnumber the live ones, so that it stays within
     /// twice [`Self::MAX`].
     pub fn forget(&mut self, key: u64) {
-        if let Some((_, _, size)) = self.entries.remove(&key) {
+        if let Some((_, _, size, _)) = self.entries.remove(&key) {
             self.bytes -= size;
         }
         if self.heap.len() > 2 * self.entries.len() + 1024 {
@@ -557,7 +583,7 @@ impl Deadlines {
 
     /// Every deadline kept, with its rig and command.
     pub fn iter(&self) -> impl Iterator<Item = (&RigId, &Held)> {
-        self.entries.values().map(|(rig, entry, _)| (rig, entry))
+        self.entries.values().map(|(rig, entry, _, _)| (rig, entry))
     }
 
     /// How many deadlines are kept.
@@ -575,17 +601,17 @@ impl Deadlines {
         self.heap.peek().map(|Reverse((at, _))| *at)
     }
 
-    /// Entries due at `now`, each with its key.
-    pub fn due(&mut self, now: Instant) -> Vec<(u64, RigId, Held)> {
+    /// Entries due at `now`, each with its key and the epoch it was added in.
+    pub fn due(&mut self, now: Instant) -> Vec<(u64, RigId, Held, u32)> {
         let mut out = Vec::new();
         while let Some(Reverse((at, k))) = self.heap.peek().copied() {
             if at > now {
                 break;
             }
             self.heap.pop();
-            if let Some((rig, entry, size)) = self.entries.remove(&k) {
+            if let Some((rig, entry, size, epoch)) = self.entries.remove(&k) {
                 self.bytes -= size;
-                out.push((k, rig, entry));
+                out.push((k, rig, entry, epoch));
             }
         }
         out
@@ -692,10 +718,36 @@ mod tests {
         let due = d.due(t0 + Duration::from_secs(3));
         assert_eq!(
             due.iter()
-                .map(|(_, _, h)| h.id.as_str())
+                .map(|(_, _, h, _)| h.id.as_str())
                 .collect::<Vec<_>>(),
             ["a", "b"]
         );
+    }
+
+    /// A deadline tells whether its command was held in Redis before a loss of its keys, also
+    /// when it is asked about again (added back with the epoch it came due with).
+    #[test]
+    fn a_deadline_knows_whether_redis_lost_its_keys_since_its_command_was_held() {
+        let mut d = Deadlines::default();
+        let t0 = Instant::now();
+        let rig = RigId::parse("r").unwrap();
+        d.add(t0, rig.clone(), held("before"), 1);
+        d.keys_lost();
+        d.add(t0, rig.clone(), held("after"), 1);
+        let across: Vec<(String, bool)> = d
+            .due(t0)
+            .into_iter()
+            .map(|(_, _, h, epoch)| (h.id, d.held_across_a_loss(epoch)))
+            .collect();
+        assert_eq!(across, [("before".into(), true), ("after".into(), false)]);
+        let (_, _, h, epoch) = {
+            d.add(t0, rig.clone(), held("again"), 1);
+            d.keys_lost();
+            d.due(t0).remove(0)
+        };
+        d.add_from(t0, rig, h, 1, epoch);
+        let (_, _, _, epoch) = d.due(t0).remove(0);
+        assert!(d.held_across_a_loss(epoch), "still held across the loss");
     }
 
     #[test]

@@ -82,6 +82,9 @@ impl Bridge {
             // The verdicts and commands already decided must not wait on this round trip.
             self.ring_owed();
         }
+        // Deadlines of commands held in Redis before a loss of its keys must tell from those
+        // held after it, which the heartbeat (every 10 s) may not have seen yet.
+        self.keys_lost_unseen(Instant::now());
         let stored = self.fleet.as_mut().and_then(|f| {
             let batch: Vec<(&RigId, &Held, Duration)> =
                 holds.iter().map(|h| (&h.rig, &h.entry, h.ttl)).collect();
@@ -521,14 +524,15 @@ impl Bridge {
         }
         // A fan-out held for many rigs expires at once: one round trip removes it all.
         let in_redis = self.fleet.as_mut().and_then(|f| {
-            let entries: Vec<(&RigId, &Held)> = due.iter().map(|(_, r, e)| (r, e)).collect();
+            let entries: Vec<(&RigId, &Held)> = due.iter().map(|(_, r, e, _)| (r, e)).collect();
             f.offline_expire_many(&entries)
         });
         let fleet = self.fleet.is_some();
-        let mut in_redis = in_redis.map(Vec::into_iter);
-        for (key, rig, entry) in due {
+        let answers: Vec<Option<bool>> = in_redis.unwrap_or_default();
+        self.check_keys_lost(&due, &answers, now);
+        for (i, (key, rig, entry, epoch)) in due.into_iter().enumerate() {
             // None: Redis did not answer for this one (standalone: there is no Redis).
-            let expired = in_redis.as_mut().and_then(Iterator::next).flatten();
+            let expired = answers.get(i).copied().flatten();
             if expired == Some(true) || self.held.remove(&rig, key) {
                 self.report_expired(&rig, &entry.id);
             } else if fleet && expired.is_none() {
@@ -537,8 +541,59 @@ impl Bridge {
                 // minute past the deadline, and no hello may come to find it). Should the
                 // call have run after all, its mark says so then.
                 let size = entry.size();
-                self.deadlines.add(now + EXPIRY_RETRY, rig, entry, size);
+                self.deadlines
+                    .add_from(now + EXPIRY_RETRY, rig, entry, size, epoch);
+            } else if in_redis_whole(&entry) && self.deadlines.held_across_a_loss(epoch) {
+                // Not there, and Redis lost its keys since it held it: a hello may have
+                // taken it before, or the loss did. Taken for delivered, one the loss took
+                // never had an outcome.
+                self.shared.count("offline", "lost");
+                let ev = crate::events::hold_lost(&self.cfg.broker_id, &rig, &entry.id);
+                self.publish(fleet::EVENTS.to_string(), &ev);
             }
         }
     }
+
+    /// Before due commands Redis no longer holds are taken for delivered: Redis may have lost
+    /// its keys since the last heartbeat (every 10 s) looked, a flush say, which only this
+    /// broker's sentinel tells. Gone, the heartbeat runs now to recover from it, and every
+    /// command held before counts as held across the loss.
+    fn check_keys_lost(
+        &mut self,
+        due: &[(u64, RigId, Held, u32)],
+        answers: &[Option<bool>],
+        now: Instant,
+    ) {
+        let unseen = due
+            .iter()
+            .zip(answers)
+            .any(|((_, _, entry, epoch), answer)| {
+                *answer == Some(false)
+                    && in_redis_whole(entry)
+                    && !self.deadlines.held_across_a_loss(*epoch)
+            });
+        if !unseen {
+            return;
+        }
+        self.keys_lost_unseen(now);
+    }
+
+    /// Whether Redis lost its keys since the last heartbeat looked, by this broker's sentinel
+    /// (gone only with them): if so, the commands held in Redis before count as held across
+    /// the loss, and the heartbeat runs now to recover the rest (leases, sessions).
+    fn keys_lost_unseen(&mut self, now: Instant) {
+        if self.keys_loss_counted || !self.fleet.as_ref().is_some_and(|f| f.is_up()) {
+            return;
+        }
+        if self.fleet.as_mut().and_then(|f| f.sentinel_present()) == Some(false) {
+            self.deadlines.keys_lost();
+            self.keys_loss_counted = true;
+            self.next_heartbeat = now;
+        }
+    }
+}
+
+/// Whether this deadline's command was held in Redis (kept whole), not here (a stub).
+fn in_redis_whole(entry: &Held) -> bool {
+    !entry.name.is_empty()
 }

@@ -177,6 +177,9 @@ struct Bridge {
     /// When the connected rigs' session keys next get their TTL extended.
     next_touch: Instant,
     next_heartbeat: Instant,
+    /// A loss of Redis's keys this broker's sentinel showed before the heartbeat did (see
+    /// `Bridge::keys_lost_unseen`): the heartbeat then finds it too, and must not count it twice.
+    keys_loss_counted: bool,
     /// What the last `broker:<id>` heartbeat said of the drain: a drain starting writes the
     /// key again at the next tick, so that control sees it at once.
     heartbeat_draining: bool,
@@ -240,6 +243,7 @@ impl Bridge {
             next_refresh: now + cfg.registry_refresh,
             next_touch: now + touch_every(cfg.session_ttl),
             next_heartbeat: now,
+            keys_loss_counted: false,
             heartbeat_draining: false,
             next_canary: now,
             canary_late: false,

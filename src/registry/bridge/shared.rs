@@ -12,7 +12,7 @@ use crate::metrics::BridgeStats;
 pub(super) const CANARY_STALE: Duration = Duration::from_secs(5);
 
 /// Registry operations counted by (op, result), in this order.
-pub const REGISTRY_OPS: [(&str, &str); 74] = [
+pub const REGISTRY_OPS: [(&str, &str); 75] = [
     ("offline", "held"),
     ("offline", "full"),
     ("offline", "connected_elsewhere"),
@@ -24,6 +24,7 @@ pub const REGISTRY_OPS: [(&str, &str); 74] = [
     ("offline", "held_again"),
     ("offline", "returned"),
     ("offline", "found"),
+    ("offline", "lost"),
     ("offline_batch", "sent"),
     ("persist", "ok"),
     ("persist", "fenced"),

@@ -116,6 +116,12 @@ impl Bridge {
                 f.heartbeat(&blob.to_string(), fleet::HEARTBEAT_TTL);
                 lost = std::mem::take(&mut f.keys_lost);
             }
+            let counted = std::mem::take(&mut self.keys_loss_counted);
+            if lost && !counted {
+                // The commands held in Redis went with the keys: one not found at its
+                // deadline is reported, not taken for delivered.
+                self.deadlines.keys_lost();
+            }
             // Redis lost its keys while it stayed up. A broker with rigs connected learns it
             // from a restored lease at its next refresh too; one with none, only here.
             if lost && !self.cfg.session_ttl.is_zero() {

@@ -331,6 +331,16 @@ impl Fleet {
         self.answered(r)
     }
 
+    /// Whether this broker's sentinel key is still in Redis: gone, Redis lost its keys since
+    /// the last heartbeat wrote it (see `Fleet::keys_lost`). None when Redis is unavailable.
+    pub(crate) fn sentinel_present(&mut self) -> Option<bool> {
+        let con = self.con.as_mut()?;
+        let r = redis::cmd("EXISTS")
+            .arg(crate::registry::scripts::sentinel_key(&self.broker_id))
+            .query::<bool>(con);
+        self.answered(r)
+    }
+
     /// Writes the `broker:<id>` liveness key. The process's first one that goes through also
     /// asks whether its predecessor under this id exited cleanly, and starts the sweep of the
     /// leases it left when not (`sweep.rs`).
