@@ -59,6 +59,25 @@ pub fn lost_to_a_shared_seq(
     finish(out)
 }
 
+/// Command `id`, written under `seq` while the broker could not keep it in Redis, was still
+/// unacked when the rig resumed, and Redis's session had gone past that seq with nothing under
+/// it: another broker gave the rig that seq meanwhile, and the rig may hold its command there.
+pub fn lost_under_a_seq_given_since(
+    broker: &str,
+    rig: &RigId,
+    boot: &BootId,
+    seq: Seq,
+    id: &str,
+) -> Vec<u8> {
+    let mut out = head("lost", broker, rig, boot, id.len());
+    out.extend_from_slice(format!(r#","seq":{},"id":"#, seq.0).as_bytes());
+    json_str(&mut out, id);
+    out.extend_from_slice(
+        br#","detail":"it was written while its brokers could not reach Redis, and another broker has since given the rig its seq: the rig may hold that broker's command under it and not this one: send it again if no result for it came""#,
+    );
+    finish(out)
+}
+
 /// The start of an event written as bytes: its type and whose it is, with room for `more`.
 fn head(kind: &str, broker: &str, rig: &RigId, boot: &BootId, more: usize) -> Vec<u8> {
     let mut out = Vec::with_capacity(200 + more);

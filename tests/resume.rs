@@ -892,6 +892,46 @@ fn a_command_given_unkept_is_reported_lost_when_its_rig_returns_before_the_heart
     admin_command_reaches(&b, &mut on_b, "rig-vg", "p5", 5);
 }
 
+/// While Redis is full B numbers a command held for the rig 4 at a hello the rig closes at
+/// once, and the rig, after a moment on A, says hello to B again, still while Redis is full,
+/// and closes at once again. The copy B parks then still counts seq 4 as given unkept: it had
+/// lost that as the second hello resumed it, and once Redis took writes, A kept and the rig
+/// acked A's own command 4, and B's copy went back taking its command for one Redis had kept
+/// and the rig acked: dropped, never reported (review bb122). Now it is published `lost`.
+#[test]
+fn a_second_hello_while_redis_is_full_keeps_the_copys_unkept_command_reported() {
+    let redis = RedisServer::start();
+    let mut events = Control::new(&redis, &["fleetlink:events"]);
+    let (a, b, boot, mut on_a, _) = rig_with_commands_on_a(&redis, "rig-vr", "p", 3);
+    for seq in 1..=3 {
+        ack(&mut on_a, seq);
+    }
+    a.wait_metric("fleetlink_commands_total{result=\"acked\"} 3");
+    drop(on_a);
+    wait_no_rigs(&a, "A sees the rig leave");
+    let mut con = redis.connection();
+    set_maxmemory(&mut con, "1");
+    hold_via_admin(&b, "rig-vr", "q", 1);
+    for what in ["B sees the rig leave", "B sees the rig leave again"] {
+        let (on_b, _) = connect_hello(&b, "rig-vr", &boot, Some(3));
+        drop(on_b);
+        wait_no_rigs(&b, what);
+        if what.ends_with("leave") {
+            drop(resume_on(&a, "rig-vr", &boot, Some(3)));
+            wait_no_rigs(&a, "A sees the rig leave again");
+        }
+    }
+    let mut on_a = resume_on(&a, "rig-vr", &boot, Some(3));
+    set_maxmemory(&mut con, "0");
+    // Kept in Redis as 4 (the keep puts A's lease back if its refresh has not), read, acked.
+    admin_command_reaches(&a, &mut on_a, "rig-vr", "p4", 4);
+    ack(&mut on_a, 4);
+    let lost = events.next_within(Duration::from_secs(20), |ch, v| {
+        ch == "fleetlink:events" && v["type"] == "lost" && v["id"] == "q0"
+    });
+    assert_eq!(lost["seq"], 4, "{lost}");
+}
+
 /// While Redis is full it refuses the removal of an acked command given unkept (its mark is a
 /// write that may grow memory), and the broker tries it again later. Meanwhile replies and
 /// events go out as ever: they waited behind the refused removal for as long as Redis stayed

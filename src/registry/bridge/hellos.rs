@@ -99,6 +99,12 @@ impl Bridge {
         let mut decided = Vec::with_capacity(hellos.len());
         for (h, older) in hellos.into_iter().zip(older) {
             let mut leased = false;
+            // What the copy parked here for this very boot was given while Redis refused
+            // writes: the hello may resume it, and its connection then holds those commands.
+            let parked_unkept = match self.registry.parked(&h.rig) {
+                Some((b, _, _)) if b == h.boot => self.registry.parked_unkept(&h.rig),
+                _ => Unkept::NONE,
+            };
             let actions = if older {
                 self.shared.count("hello", "older");
                 self.registry.hello(h.conn, h.rig.clone(), h.boot, h.labels)
@@ -112,6 +118,14 @@ impl Bridge {
                 self.decide_hello(h.conn, h.rig.clone(), h.boot, h.labels, outcome)
             };
             let accepted = accepts(&actions, h.conn);
+            if accepted && !parked_unkept.is_none() {
+                // Else the session lost the knowledge as its copy was resumed, and the next
+                // copy parked, or put back, took those commands for ones Redis kept (review
+                // bb122: a second hello while Redis was full, and the command was dropped as
+                // settled, unreported).
+                let high = self.unkept_high.entry((h.rig.clone(), h.boot)).or_default();
+                *high = high.union(parked_unkept);
+            }
             let handover = !accepted && self.registry.awaits_handover(&h.rig, h.conn);
             decided.push(Decided {
                 conn: h.conn,
@@ -477,6 +491,14 @@ impl Bridge {
         };
         let mut stale = Vec::new();
         let mut holds_commands = false;
+        // The seqs of this session given while Redis refused writes, and not put back since
+        // (the parked copy's, carried over at the hello).
+        let unkept = self
+            .unkept_high
+            .get(&(rig.clone(), *boot))
+            .copied()
+            .unwrap_or(Unkept::NONE);
+        let mut lost = Vec::new();
         for action in &mut actions {
             if let Action::Core(
                 c,
@@ -519,8 +541,18 @@ impl Bridge {
                 // taken (a session parked here while the rig resumed and acked elsewhere).
                 // A local one at or above `next` was delivered while Redis was away, never
                 // kept, and stays.
+                // One given while Redis refused writes never reached it, so its absence says
+                // nothing of an ack: another broker numbered past its seq meanwhile, most
+                // likely giving the rig another command under it. Published `lost`, where it
+                // was dropped with no report (review bb120).
                 let in_redis: HashSet<Seq> = found.commands.iter().map(|(seq, _)| *seq).collect();
-                carried.retain(|c| c.seq >= next || in_redis.contains(&c.seq));
+                carried.retain(|c| {
+                    let stays = c.seq >= next || in_redis.contains(&c.seq);
+                    if !stays && unkept.holds(c.seq) {
+                        lost.push((c.seq, c.id.clone()));
+                    }
+                    stays
+                });
                 let local: HashSet<Seq> = carried.iter().map(|c| c.seq).collect();
                 for (seq, json) in &found.commands {
                     if !acked_there.is_empty() && acked_there.contains(&(*seq, command_id(json))) {
@@ -555,6 +587,17 @@ impl Bridge {
                 stale.extend(carried.drain(..excess).map(|c| c.seq));
                 holds_commands = !carried.is_empty();
             }
+        }
+        for (seq, id) in lost {
+            self.shared.count("resume", "lost");
+            let ev = crate::events::lost_under_a_seq_given_since(
+                &self.cfg.broker_id,
+                rig,
+                boot,
+                seq,
+                &id,
+            );
+            self.publish_bytes(fleet::EVENTS.to_string(), ev);
         }
         if holds_commands {
             // Resumed here with commands unacked: named for their lapse report, should this

@@ -263,30 +263,16 @@ impl Bridge {
     /// `rig_rebooted`), and the release held back for a lease the hello claims again is
     /// queued before the hello drops it.
     pub(super) fn rekeep_parked_of<'a>(&mut self, rigs: impl Iterator<Item = &'a RigId>) {
+        if self.rekeeps.is_empty() {
+            return;
+        }
         let mut taken = Vec::new();
-        let mut unqueued = Vec::new();
         for rig in rigs {
             let Some((boot, _, _)) = self.registry.parked(rig) else {
                 continue;
             };
             if let Some(release) = self.rekeeps.take_parked(rig, boot) {
                 taken.push((rig.clone(), boot, Pending::Parked { release }));
-            } else if !self.registry.parked_unkept(rig).is_none() {
-                unqueued.push((rig.clone(), boot));
-            }
-        }
-        // A copy holding commands given while Redis refused writes is queued only once this
-        // broker sees writes go through again, at its next heartbeat (up to 10 s on). A hello
-        // answered before then read the session in Redis alone, where another broker may
-        // have numbered those seqs since: the copy's commands under them were taken for
-        // commands acked elsewhere, and dropped with no report (review bb120). It goes first
-        // now; Redis still refusing, it fails and waits for that heartbeat as before.
-        if !unqueued.is_empty() {
-            self.queue_rekeeps_of(unqueued.clone());
-            for (rig, boot) in unqueued {
-                if let Some(release) = self.rekeeps.take_parked(&rig, boot) {
-                    taken.push((rig, boot, Pending::Parked { release }));
-                }
             }
         }
         if !taken.is_empty() {

@@ -12,7 +12,7 @@ use crate::metrics::BridgeStats;
 pub(super) const CANARY_STALE: Duration = Duration::from_secs(5);
 
 /// Registry operations counted by (op, result), in this order.
-pub const REGISTRY_OPS: [(&str, &str); 75] = [
+pub const REGISTRY_OPS: [(&str, &str); 76] = [
     ("offline", "held"),
     ("offline", "full"),
     ("offline", "connected_elsewhere"),
@@ -52,6 +52,7 @@ pub const REGISTRY_OPS: [(&str, &str); 75] = [
     ("hello_batch", "sent"),
     ("resume", "stale_dropped"),
     ("resume", "rebooted"),
+    ("resume", "lost"),
     ("canary", "twin"),
     ("refresh", "ok"),
     ("refresh", "restored"),
