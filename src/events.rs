@@ -39,42 +39,36 @@ pub fn ack(broker: &str, rig: &RigId, boot: &BootId, seq: Seq, id: Option<&str>)
     finish(out)
 }
 
-/// Command `id`, written under `seq` on an earlier connection while the broker could not
-/// reach Redis, was acked on a later one: the rig may hold another broker's command under that
-/// seq (each deciding alone), so this one may never have reached it. Its `lost` has the shape
-/// of the ones Redis's scripts publish (`forget.lua`, `rekeep.lua`).
+/// Why a command given while Redis was away is published `lost` by the broker that gave it:
+/// the rig may hold another broker's command under its seq (each deciding alone), so this
+/// one may never have reached it.
+#[derive(Debug, Clone, Copy)]
+pub enum SharedSeq {
+    /// Acked on a later connection than the one that wrote it.
+    AckedLater,
+    /// Still unacked at a resume that found Redis's session gone past its seq, nothing under it.
+    GivenSince,
+}
+
+/// Command `id` under `seq` is `lost` for `why`. Its `lost` has the shape of the ones Redis's
+/// scripts publish (`forget.lua`, `rekeep.lua`).
 pub fn lost_to_a_shared_seq(
     broker: &str,
     rig: &RigId,
     boot: &BootId,
     seq: Seq,
     id: &str,
+    why: SharedSeq,
 ) -> Vec<u8> {
-    let mut out = head("lost", broker, rig, boot, id.len());
+    let detail = match why {
+        SharedSeq::AckedLater => "the rig acked its seq on a later connection, after it was written while its brokers could not reach Redis: another broker may have given the rig that seq for another command, so the rig may not have run it: send it again if no result for it came",
+        SharedSeq::GivenSince => "it was written while its brokers could not reach Redis, and another broker has since given the rig its seq: the rig may hold that broker's command under it and not this one: send it again if no result for it came",
+    };
+    let mut out = head("lost", broker, rig, boot, id.len() + detail.len());
     out.extend_from_slice(format!(r#","seq":{},"id":"#, seq.0).as_bytes());
     json_str(&mut out, id);
-    out.extend_from_slice(
-        br#","detail":"the rig acked its seq on a later connection, after it was written while its brokers could not reach Redis: another broker may have given the rig that seq for another command, so the rig may not have run it: send it again if no result for it came""#,
-    );
-    finish(out)
-}
-
-/// Command `id`, written under `seq` while the broker could not keep it in Redis, was still
-/// unacked when the rig resumed, and Redis's session had gone past that seq with nothing under
-/// it: another broker gave the rig that seq meanwhile, and the rig may hold its command there.
-pub fn lost_under_a_seq_given_since(
-    broker: &str,
-    rig: &RigId,
-    boot: &BootId,
-    seq: Seq,
-    id: &str,
-) -> Vec<u8> {
-    let mut out = head("lost", broker, rig, boot, id.len());
-    out.extend_from_slice(format!(r#","seq":{},"id":"#, seq.0).as_bytes());
-    json_str(&mut out, id);
-    out.extend_from_slice(
-        br#","detail":"it was written while its brokers could not reach Redis, and another broker has since given the rig its seq: the rig may hold that broker's command under it and not this one: send it again if no result for it came""#,
-    );
+    out.extend_from_slice(br#","detail":"#);
+    json_str(&mut out, detail);
     finish(out)
 }
 

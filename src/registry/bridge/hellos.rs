@@ -590,12 +590,13 @@ impl Bridge {
         }
         for (seq, id) in lost {
             self.shared.count("resume", "lost");
-            let ev = crate::events::lost_under_a_seq_given_since(
+            let ev = crate::events::lost_to_a_shared_seq(
                 &self.cfg.broker_id,
                 rig,
                 boot,
                 seq,
                 &id,
+                crate::events::SharedSeq::GivenSince,
             );
             self.publish_bytes(fleet::EVENTS.to_string(), ev);
         }

@@ -429,17 +429,22 @@ impl Bridge {
             .collect()
     }
 
-    /// `p` was delivered unkept: remembered while its connection is the rig's live one (see
-    /// `Bridge::unkept_high`).
+    /// `p` was delivered unkept: remembered for its session while that session is here, live
+    /// (see `Bridge::unkept_high`) or parked. Not only on `p`'s own connection: a hello of
+    /// the same boot may have taken the session over before this answer came (the bridge
+    /// held up by Redis), and the copy parked after then took the command for one Redis had
+    /// kept, and dropped it unreported once Redis was back (review bb123).
     fn note_unkept(&mut self, p: &PersistReq) {
-        if self.fleet.is_none()
-            || self.cfg.session_ttl.is_zero()
-            || self.registry.conn_of(&p.rig) != Some(p.conn)
-        {
+        if self.fleet.is_none() || self.cfg.session_ttl.is_zero() {
             return;
         }
-        let unkept = self.unkept_high.entry((p.rig.clone(), p.boot)).or_default();
-        *unkept = unkept.with(p.seq);
+        if self.registry.boot_of(&p.rig) == Some(p.boot) {
+            let unkept = self.unkept_high.entry((p.rig.clone(), p.boot)).or_default();
+            *unkept = unkept.with(p.seq);
+        } else if matches!(self.registry.parked(&p.rig), Some((b, _, _)) if b == p.boot) {
+            let unkept = self.registry.parked_unkept(&p.rig).with(p.seq);
+            self.registry.mark_parked_unkept(&p.rig, p.boot, unkept);
+        }
     }
 
     /// One lease-fenced script call for `held`. None when Redis is unavailable.

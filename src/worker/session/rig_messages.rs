@@ -262,6 +262,7 @@ fn on_rig_message(core: &Core, conn: &Conn, st: &mut ConnState, text: &[u8]) -> 
                     &session.boot,
                     seq,
                     &lost,
+                    events::SharedSeq::AckedLater,
                 ));
             }
             super::hold_fetch::on_room(session);
