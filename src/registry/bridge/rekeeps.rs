@@ -732,6 +732,44 @@ mod tests {
         assert!(evicted_after(None).is_none());
     }
 
+    /// A command's unkept answer that comes after another connection of the same boot took
+    /// the session over counts for the session, live there or parked once it closed. Before,
+    /// only the answers of the session's own connection counted, and the copy parked later
+    /// took the command for one Redis had kept, dropped unreported once Redis was back
+    /// (review bb123).
+    #[test]
+    fn an_unkept_answer_after_a_same_boot_takeover_counts_for_the_session() {
+        let (mut b, _core) = bridge();
+        let rig = rig("rig-t");
+        let (old, new) = (ConnId::new(CoreId(0), 1), ConnId::new(CoreId(0), 2));
+        b.registry.hello(new, rig.clone(), boot(), vec![]);
+        let answer_unkept = |b: &mut Bridge, seq: u64| {
+            let p = crate::registry::msg::PersistReq {
+                conn: old,
+                rig: rig.clone(),
+                boot: boot(),
+                seq: Seq(seq),
+                id: "c".into(),
+                json: Box::new([]),
+                reply: crate::registry::msg::ReplyTo::Channel("r".into()),
+                hold_left: None,
+            };
+            b.answer_persists(vec![p], None, true, Vec::new());
+        };
+        answer_unkept(&mut b, 3);
+        let live = b.unkept_high.get(&(rig.clone(), boot())).copied();
+        assert!(live.is_some_and(|u| u.holds(Seq(3))), "{live:?}");
+        b.handle(closed(new, rig.clone(), boot(), Seq(5), Vec::new()));
+        answer_unkept(&mut b, 4);
+        assert_eq!(
+            b.registry.parked_unkept(&rig),
+            Unkept {
+                from: Seq(3),
+                to: Seq(4)
+            }
+        );
+    }
+
     /// The same when the first refresh after a reconnect finds the rig superseded. Before, a
     /// connection with nothing delivered unkept put its whole session back, `next` counting
     /// seq 5, which it had numbered for a command Redis fenced (never delivered): the rig's
