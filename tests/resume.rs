@@ -1448,6 +1448,42 @@ fn hold_lost_with_redis_keys(lose: impl FnOnce(&mut RedisServer)) {
     a.wait_metric("fleetlink_registry_ops_total{op=\"offline\",result=\"lost\"} 1");
 }
 
+/// The broker holding commands Redis lost with a flush drains before their deadlines: it
+/// reports them `lost` as it exits. Before, it handed their deadlines to Redis, and the broker
+/// that took them found them gone and took them for delivered, so nothing was reported (review
+/// bb126). A command held after the flush is handed over as ever, and expires on the other.
+#[test]
+fn holds_redis_lost_are_reported_by_their_broker_as_it_drains() {
+    let redis = RedisServer::start();
+    let (mut a, b) = brokers_a_and_b(&redis);
+    let hold = |id: &str, ttl_ms: u64| {
+        let body = json!({"id": id, "name": "n", "args": {}, "queue_if_offline": true,
+                          "ttl_ms": ttl_ms});
+        let (status, text) = a.http("POST", "/v1/rigs/rig-dl/commands", &body.to_string());
+        assert_eq!(status, 200, "{text}");
+    };
+    hold("before", 60_000);
+    flushall(&mut redis.connection());
+    let mut events = Control::new(&redis, &["fleetlink:events"]);
+    hold("after", 3_000);
+    a.signal(libc::SIGTERM);
+    a.wait_exit(Duration::from_secs(15)).expect("A drained");
+    const EV: &str = "fleetlink:events";
+    let lost = events.next_within(Duration::from_secs(5), |ch, v| {
+        ch == EV && v["type"] == "lost" && v["id"] == "before"
+    });
+    assert_eq!(lost["broker_id"], "fe-a", "{lost}");
+    events.next_within(Duration::from_secs(10), |ch, v| {
+        ch == EV && v["type"] == "expired" && v["id"] == "after"
+    });
+    assert_eq!(
+        events.backlog_count(|ch, v| ch == EV && v["type"] == "lost"),
+        0,
+        "one report each"
+    );
+    b.wait_metric("fleetlink_registry_ops_total{op=\"offline\",result=\"expired_handed\"} 1");
+}
+
 /// PUBLISHes each of `msgs` to fe-a in one pipeline, as a fan-out arrives all at once.
 fn publish_to_fe_a_at_once(redis: &RedisServer, msgs: impl Iterator<Item = Value>) {
     let mut pipe = redis::pipe();

@@ -568,6 +568,24 @@ impl Deadlines {
         epoch != self.epoch
     }
 
+    /// Takes out the entries held across a loss of Redis's keys that `whole` says were held
+    /// in Redis (not here): what is left to report of them is that the loss took them.
+    pub fn take_held_across_a_loss(&mut self, whole: impl Fn(&Held) -> bool) -> Vec<(RigId, Held)> {
+        let keys: Vec<u64> = self
+            .entries
+            .iter()
+            .filter(|(_, (_, entry, _, epoch))| *epoch != self.epoch && whole(entry))
+            .map(|(k, _)| *k)
+            .collect();
+        keys.into_iter()
+            .filter_map(|k| {
+                let (rig, entry, size, _) = self.entries.remove(&k)?;
+                self.bytes -= size;
+                Some((rig, entry))
+            })
+            .collect()
+    }
+
     /// Drops a command delivered before its deadline. Its heap slot is skipped when due, and
     /// the heap is rebuilt once such slots outnumber the live ones, so that it stays within
     /// twice [`Self::MAX`].
@@ -745,9 +763,21 @@ mod tests {
             d.keys_lost();
             d.due(t0).remove(0)
         };
-        d.add_from(t0, rig, h, 1, epoch);
+        d.add_from(t0, rig.clone(), h, 1, epoch);
         let (_, _, _, epoch) = d.due(t0).remove(0);
         assert!(d.held_across_a_loss(epoch), "still held across the loss");
+        // At a drain: those held across the loss, in Redis, are taken out; the rest stay.
+        d.add(t0, rig.clone(), held("whole"), 1);
+        d.add(t0, rig.clone(), held("here").stub(), 1);
+        d.keys_lost();
+        d.add(t0, rig, held("new"), 1);
+        let taken: Vec<String> = d
+            .take_held_across_a_loss(|h| !h.name.is_empty())
+            .into_iter()
+            .map(|(_, h)| h.id)
+            .collect();
+        assert_eq!(taken, ["whole"]);
+        assert_eq!(d.len(), 2);
     }
 
     #[test]

@@ -502,6 +502,25 @@ impl Bridge {
         }
     }
 
+    /// At exit: the commands held in Redis before it lost its keys are reported `lost` now,
+    /// as their deadlines would have. Handed to Redis instead, the broker that took their
+    /// deadlines found them gone and took them for delivered (review bb126).
+    pub(super) fn report_holds_lost_with_the_keys(&mut self) {
+        if self.fleet.is_none() {
+            return;
+        }
+        self.keys_lost_unseen(Instant::now());
+        for (rig, entry) in self.deadlines.take_held_across_a_loss(in_redis_whole) {
+            self.report_hold_lost(&rig, &entry.id);
+        }
+    }
+
+    fn report_hold_lost(&mut self, rig: &RigId, id: &str) {
+        self.shared.count("offline", "lost");
+        let ev = crate::events::hold_lost(&self.cfg.broker_id, rig, id);
+        self.publish(fleet::EVENTS.to_string(), &ev);
+    }
+
     fn report_expired(&mut self, rig: &RigId, id: &str) {
         self.shared.count("offline", "expired");
         let ev = crate::events::expired(&self.cfg.broker_id, rig, id);
@@ -547,9 +566,7 @@ impl Bridge {
                 // Not there, and Redis lost its keys since it held it: a hello may have
                 // taken it before, or the loss did. Taken for delivered, one the loss took
                 // never had an outcome.
-                self.shared.count("offline", "lost");
-                let ev = crate::events::hold_lost(&self.cfg.broker_id, &rig, &entry.id);
-                self.publish(fleet::EVENTS.to_string(), &ev);
+                self.report_hold_lost(&rig, &entry.id);
             }
         }
     }

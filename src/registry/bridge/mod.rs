@@ -909,6 +909,8 @@ impl Bridge {
         for (rig, boot) in self.registry.live_sessions() {
             self.release(rig, boot);
         }
+        // Before the last flush, which takes their events out.
+        self.report_holds_lost_with_the_keys();
         if let Some(f) = self.fleet.as_mut() {
             f.flush_before_exit(&wait);
             f.retire();
