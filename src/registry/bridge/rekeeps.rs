@@ -649,6 +649,22 @@ mod tests {
         b.fleet.as_ref().map_or(0, |f| f.queued())
     }
 
+    /// Redis away: command `seq` of `rig`'s session (boot [`boot`]), held by `conn`, is
+    /// answered unkept.
+    fn answer_unkept(b: &mut Bridge, conn: ConnId, rig: &RigId, seq: u64) {
+        let p = crate::registry::msg::PersistReq {
+            conn,
+            rig: rig.clone(),
+            boot: boot(),
+            seq: Seq(seq),
+            id: "c".into(),
+            json: Box::new([]),
+            reply: crate::registry::msg::ReplyTo::Channel("r".into()),
+            hold_left: None,
+        };
+        b.answer_persists(vec![p], None, true, Vec::new());
+    }
+
     /// A rig on this broker, given seq `delivered` unkept (Redis away) if any, then evicted
     /// by another broker's hello of the same boot; its connection closes holding seqs 4 and 5
     /// with `next` 6. What goes back into Redis, if anything.
@@ -677,17 +693,7 @@ mod tests {
                 .insert((rig.clone(), boot()), crate::registry::bridge::ALL_UNKEPT);
         }
         if let Some(seq) = delivered {
-            let p = crate::registry::msg::PersistReq {
-                conn,
-                rig: rig.clone(),
-                boot: boot(),
-                seq: Seq(seq),
-                id: "c".into(),
-                json: Box::new([]),
-                reply: crate::registry::msg::ReplyTo::Channel("r".into()),
-                hold_left: None,
-            };
-            b.answer_persists(vec![p], None, true, Vec::new());
+            answer_unkept(&mut b, conn, &rig, seq);
         }
         if by_refresh {
             b.merge_on_close.insert((rig.clone(), boot()));
@@ -743,24 +749,11 @@ mod tests {
         let rig = rig("rig-t");
         let (old, new) = (ConnId::new(CoreId(0), 1), ConnId::new(CoreId(0), 2));
         b.registry.hello(new, rig.clone(), boot(), vec![]);
-        let answer_unkept = |b: &mut Bridge, seq: u64| {
-            let p = crate::registry::msg::PersistReq {
-                conn: old,
-                rig: rig.clone(),
-                boot: boot(),
-                seq: Seq(seq),
-                id: "c".into(),
-                json: Box::new([]),
-                reply: crate::registry::msg::ReplyTo::Channel("r".into()),
-                hold_left: None,
-            };
-            b.answer_persists(vec![p], None, true, Vec::new());
-        };
-        answer_unkept(&mut b, 3);
+        answer_unkept(&mut b, old, &rig, 3);
         let live = b.unkept_high.get(&(rig.clone(), boot())).copied();
         assert!(live.is_some_and(|u| u.holds(Seq(3))), "{live:?}");
         b.handle(closed(new, rig.clone(), boot(), Seq(5), Vec::new()));
-        answer_unkept(&mut b, 4);
+        answer_unkept(&mut b, old, &rig, 4);
         assert_eq!(
             b.registry.parked_unkept(&rig),
             Unkept {
