@@ -82,8 +82,9 @@ impl Bridge {
             // The verdicts and commands already decided must not wait on this round trip.
             self.ring_owed();
         }
-        // Deadlines of commands held in Redis before a loss of its keys must tell from those
-        // held after it, which the heartbeat (every 10 s) may not have seen yet.
+        // A loss of Redis's keys the heartbeat (every 10 s) has not seen yet is looked for
+        // first: these commands are held after it, and must not be reported with those
+        // held before.
         self.keys_lost_unseen(Instant::now());
         let stored = self.fleet.as_mut().and_then(|f| {
             let batch: Vec<(&RigId, &Held, Duration)> =
