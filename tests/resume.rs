@@ -935,6 +935,45 @@ fn a_second_hello_while_redis_is_full_keeps_the_copys_unkept_command_reported() 
     assert_eq!(lost["seq"], 4, "{lost}");
 }
 
+/// A rig's old boot leaves a command unacked on B, kept in Redis; its new boot's hello on A
+/// reports it `rig_rebooted` (`resume.lua`). The new boot then says hello to B while Redis is
+/// full, and B still holds the old session parked: its report waits for Redis rather than
+/// going out at once, and finds the report made. Before, B published it a second time (review
+/// bb122: one `rig_rebooted` from both brokers).
+#[test]
+fn a_reboot_report_is_not_repeated_by_a_hello_while_redis_is_full() {
+    let redis = RedisServer::start();
+    let mut events = Control::new(&redis, &["fleetlink:events"]);
+    let (a, b) = brokers_a_and_b(&redis);
+    let (old, new) = (boot_id(), boot_id());
+    let (mut on_b, _) = connect_hello(&b, "rig-rr", &old, None);
+    admin_command_reaches(&b, &mut on_b, "rig-rr", "c1", 1);
+    drop(on_b);
+    wait_no_rigs(&b, "B sees the rig leave");
+    const EV: &str = "fleetlink:events";
+    let rebooted = |ch: &str, v: &Value| ch == EV && v["type"] == "rig_rebooted";
+    drop(connect_hello(&a, "rig-rr", &new, None).0);
+    let first = events.next_within(Duration::from_secs(10), rebooted);
+    assert_eq!(
+        (&first["id"], &first["broker_id"]),
+        (&json!("c1"), &json!("fe-a"))
+    );
+    wait_no_rigs(&a, "A sees the new boot leave");
+    let mut con = redis.connection();
+    set_maxmemory(&mut con, "1");
+    drop(connect_hello(&b, "rig-rr", &new, None).0);
+    wait_no_rigs(&b, "B sees the new boot leave");
+    set_maxmemory(&mut con, "0");
+    // B's report goes through Redis once it takes writes again (B's heartbeat), and Redis
+    // says the session's commands were reported.
+    let went = "fleetlink_registry_ops_total{op=\"rekeep_parked\",result=\"reported\"}";
+    eventually(Duration::from_secs(20), "B's report through Redis", || {
+        b.metric(went) >= 1
+    });
+    events.take_in();
+    assert_eq!(events.backlog_count(rebooted), 0, "reported once");
+}
+
 /// While Redis is full it refuses the removal of an acked command given unkept (its mark is a
 /// write that may grow memory), and the broker tries it again later. Meanwhile replies and
 /// events go out as ever: they waited behind the refused removal for as long as Redis stayed

@@ -301,10 +301,15 @@ impl Bridge {
             Some(None) | Some(Some(Err(_))) => {
                 self.shared.count("hello", "unavailable");
                 // Away: Redis may have had that session reported already, by a boot in between
-                // on another broker; it decides what is left to report once it is back.
-                // Refusing the call: it is here now, and would not say.
-                match outcome {
+                // on another broker; it decides what is left to report once it is back. So
+                // too when it is full: it takes writes again in time. Refusing the call for
+                // good (an ACL), it would never say, so the report goes from here. Reported
+                // from here while Redis was full, it repeated another broker's (review bb122).
+                match &outcome {
                     Some(None) => self.defer_parked_reboot(&rig, boot),
+                    Some(Some(Err(e))) if fleet::refused_for_memory(e) => {
+                        self.defer_parked_reboot(&rig, boot)
+                    }
                     _ => self.report_parked_reboot(&rig, boot),
                 }
                 // What only Redis knows (the older boot's session there, or a boot in between

@@ -56,6 +56,13 @@ pub(super) fn refused(e: &redis::RedisError) -> bool {
     })
 }
 
+/// Whether a refusal's text (a script's reply turned into a string) is Redis refusing for want
+/// of memory (`OOM` under `maxmemory` with `noeviction`): a state that passes, unlike an ACL's
+/// `NOPERM`, so what it refused can wait for Redis to take writes again.
+pub(crate) fn refused_for_memory(why: &str) -> bool {
+    why.contains("OOM")
+}
+
 /// Whether a failed call leaves its connection sound: Redis refused it (OOM under `maxmemory`
 /// with `noeviction`, an ACL's NOPERM, a script's own error) and redis-rs read every reply of
 /// the call, so the connection is still in step. Dropping it would take the subscription,
@@ -89,6 +96,15 @@ impl CallError for crate::registry::scripts::RegistryError {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A hello's refusal reaches the bridge as text: only a full Redis's waits for it.
+    #[test]
+    fn a_refusal_for_want_of_memory_is_told_from_one_for_good() {
+        let full = "unexpected reply from a registry script: hello.lua failed: OOM: command not allowed when used memory > 'maxmemory'.";
+        assert!(refused_for_memory(full));
+        let acl = "NOPERM this user has no permissions to run the 'evalsha' command";
+        assert!(!refused_for_memory(acl));
+    }
 
     #[test]
     fn credential_refusals_are_told_from_outages() {

@@ -29,6 +29,7 @@ mod sweep;
 mod writes;
 
 pub use connection::{broker_channel, broker_id_in_use, IdCheck};
+pub(crate) use errors::refused_for_memory;
 
 /// Socket timeout for every Redis call: a hung Redis stalls the bridge at most this long.
 const IO_TIMEOUT: Duration = Duration::from_secs(2);
