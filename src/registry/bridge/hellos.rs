@@ -101,10 +101,7 @@ impl Bridge {
             let mut leased = false;
             // What the copy parked here for this very boot was given while Redis refused
             // writes: the hello may resume it, and its connection then holds those commands.
-            let parked_unkept = match self.registry.parked(&h.rig) {
-                Some((b, _, _)) if b == h.boot => self.registry.parked_unkept(&h.rig),
-                _ => Unkept::NONE,
-            };
+            let parked_unkept = self.registry.parked_unkept_of(&h.rig, h.boot);
             let actions = if older {
                 self.shared.count("hello", "older");
                 self.registry.hello(h.conn, h.rig.clone(), h.boot, h.labels)

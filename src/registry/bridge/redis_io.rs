@@ -441,9 +441,8 @@ impl Bridge {
         if self.registry.boot_of(&p.rig) == Some(p.boot) {
             let unkept = self.unkept_high.entry((p.rig.clone(), p.boot)).or_default();
             *unkept = unkept.with(p.seq);
-        } else if matches!(self.registry.parked(&p.rig), Some((b, _, _)) if b == p.boot) {
-            let unkept = self.registry.parked_unkept(&p.rig).with(p.seq);
-            self.registry.mark_parked_unkept(&p.rig, p.boot, unkept);
+        } else {
+            self.registry.note_parked_unkept(&p.rig, p.boot, p.seq);
         }
     }
 

@@ -108,6 +108,23 @@ impl Embedded {
         self.parked.get(rig).map_or(Unkept::NONE, |p| p.unkept)
     }
 
+    /// [`Self::parked_unkept`], for `rig`'s session of `boot` alone (none when another boot's
+    /// is parked).
+    pub fn parked_unkept_of(&self, rig: &RigId, boot: BootId) -> Unkept {
+        self.parked
+            .get(rig)
+            .filter(|p| p.boot == boot)
+            .map_or(Unkept::NONE, |p| p.unkept)
+    }
+
+    /// Adds `seq` to the commands of `rig`'s session of `boot`, if it is the one parked, that
+    /// Redis may never have kept.
+    pub fn note_parked_unkept(&mut self, rig: &RigId, boot: BootId, seq: Seq) {
+        if let Some(p) = self.parked.get_mut(rig).filter(|p| p.boot == boot) {
+            p.unkept = p.unkept.with(seq);
+        }
+    }
+
     /// How many commands the parked sessions carry, how many sessions carry any, and the
     /// first `ids` of their ids (rig: id), for the log at exit.
     pub fn parked_commands(&self, ids: usize) -> (usize, usize, Vec<String>) {
