@@ -2125,6 +2125,57 @@ fn a_write_paused_redis_stalls_admin_commands_once() {
     assert!(took.len() >= 5, "{took:?}");
 }
 
+/// A rig that reads its commands and acks none, in fleet mode: once 8 x `--outbox` are written
+/// and `--outbox` more queued, the next command is refused "outbox full", as standalone and
+/// the contract's detail say, also while those queued still wait for Redis to keep them.
+/// Before, that refusal read "session full (18/18 ...)" whenever the last of them had not been
+/// kept yet: 7 of 10 bursts to such a rig (review bb128).
+#[test]
+fn a_rig_that_acks_nothing_is_refused_for_its_outbox_while_its_commands_wait_for_redis() {
+    let redis = RedisServer::start();
+    let a = fleet_broker(&redis, "fe-ob", &["--outbox", "2"]);
+    let (mut ws, _, _) = a.rig("rig-ob");
+    for seq in 1..=16u64 {
+        let (status, reply) = a.command("rig-ob", "n", json!({}));
+        assert_eq!((status, reply["seq"].as_u64()), (200, Some(seq)), "{reply}");
+        assert_eq!(read_json(&mut ws)["seq"], seq);
+    }
+    // Writes held (as a failover does): the next two wait for their keep, queued.
+    let _: () = redis::cmd("CLIENT")
+        .arg("PAUSE")
+        .arg(5000)
+        .arg("WRITE")
+        .query(&mut redis.connection())
+        .unwrap();
+    std::thread::scope(|s| {
+        let waiting: Vec<_> = (0..2)
+            .map(|_| s.spawn(|| a.command("rig-ob", "n", json!({}))))
+            .collect();
+        a.wait_metric("fleetlink_commands_total{result=\"enqueued\"} 18");
+        let (status, refusal) = a.command("rig-ob", "n", json!({}));
+        let _: () = redis::cmd("CLIENT")
+            .arg("UNPAUSE")
+            .query(&mut redis.connection())
+            .unwrap();
+        assert_eq!(
+            (status, &refusal["error"]),
+            (503, &json!("rig_unresponsive")),
+            "{refusal}"
+        );
+        let detail = refusal["detail"].as_str().unwrap_or_default();
+        assert!(
+            detail.starts_with("outbox full (2/2), oldest queued cmd age "),
+            "{detail}"
+        );
+        let mut seqs: Vec<_> = waiting
+            .into_iter()
+            .map(|w| w.join().unwrap().1["seq"].as_u64())
+            .collect();
+        seqs.sort();
+        assert_eq!(seqs, [Some(17), Some(18)]);
+    });
+}
+
 fn numsub(redis: &RedisServer, channel: &str) -> i64 {
     let (_, n): (String, i64) = redis::cmd("PUBSUB")
         .arg("NUMSUB")
