@@ -41,6 +41,7 @@ pub mod heap_stats;
 pub mod heap_trim;
 pub mod http_upgrade;
 pub mod ids;
+pub mod json_text;
 pub mod jwt;
 pub mod log_text;
 pub mod metrics;

@@ -203,6 +203,9 @@ pub fn parse_client_msg(bytes: &[u8]) -> Result<ClientMsg, ProtocolError> {
             "nested deeper than {MAX_DEPTH} levels"
         )));
     }
+    if !crate::json_text::opens_an_object(bytes) {
+        return Err(ProtocolError::Malformed("the text opens no object".into()));
+    }
     let raw: RawMsg<'_> =
         serde_json::from_slice(bytes).map_err(|e| ProtocolError::Malformed(e.to_string()))?;
     // A hello's close reason names the field; another message's bad `v` is malformed.
@@ -758,6 +761,11 @@ mod tests {
             r#"{"type":"nope","data":[1,}"#.into(),
             r#""ack""#.into(),
             "null".into(),
+            // The fields in order, as an array: serde's derive takes those for a struct
+            // (review bb130: welcomed, acked, published).
+            r#"["ack",null,null,null,null,null,null,1]"#.into(),
+            format!(r#"["hello",null,"r1","{BOOT}","x"]"#),
+            r#"["event",null,null,null,null,null,null,null,null,null,null,"e",[1]]"#.into(),
         ] {
             assert!(parse_client_msg(bad.as_bytes()).is_err(), "{bad}");
         }

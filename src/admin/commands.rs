@@ -37,11 +37,6 @@ thread_local! {
 
 const NOT_AN_OBJECT: &str = r#"the body must be a JSON object: {"name": "...", "args": {...}}"#;
 
-/// Whether a body's first JSON token opens something other than an object.
-fn body_is_not_an_object(body: &[u8]) -> bool {
-    body.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{')
-}
-
 #[derive(Deserialize)]
 struct CommandBody {
     name: String,
@@ -92,8 +87,7 @@ pub(crate) fn command_req(
     if id.is_empty() {
         return Err(bad("id is empty: leave it out and the broker makes one"));
     }
-    // serde takes a struct from an array of its fields too; the contract's body is an object.
-    if body_is_not_an_object(body) {
+    if !crate::json_text::opens_an_object(body) {
         return Err(bad(NOT_AN_OBJECT));
     }
     let (body, args) = match parsed {

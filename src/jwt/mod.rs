@@ -265,8 +265,9 @@ struct Payload {
 /// `bytes` as `T` if they are one JSON object (serde would also take an array for a struct)
 /// with no field twice (serde's derive refuses duplicates).
 fn json_object<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Option<T> {
-    let first = bytes.iter().find(|b| !b.is_ascii_whitespace())?;
-    (*first == b'{').then(|| serde_json::from_slice(bytes).ok())?
+    crate::json_text::opens_an_object(bytes)
+        .then(|| serde_json::from_slice(bytes).ok())
+        .flatten()
 }
 
 fn b64(part: &str) -> Result<Vec<u8>, JwtError> {

@@ -54,7 +54,7 @@ pub enum Control {
         /// The session's boot.
         boot: BootId,
     },
-    /// A readiness canary (ours, or another broker's on a shared channel).
+    /// A readiness canary (ours, or a twin's: another process subscribed with our id).
     Canary {
         /// Who sent it.
         broker_id: String,
@@ -289,6 +289,11 @@ pub fn parse(payload: &[u8], broadcast: bool) -> Result<Control, Bad> {
         // message is parsed, which for one of the subscription's 64 MiB could take gigabytes.
         return Err(Envelope::read(payload).bad("control message larger than 1 MiB".to_string()));
     }
+    if !crate::json_text::opens_an_object(payload) {
+        return Err(
+            Envelope::read(payload).bad("not a valid control message: not a JSON object".into())
+        );
+    }
     let raw: Raw = serde_json::from_slice(payload)
         .map_err(|e| Envelope::read(payload).bad(format!("not a valid control message: {e}")))?;
     // Not made up when missing: control matches replies and events by the id it chose, so a
@@ -315,7 +320,9 @@ pub fn parse(payload: &[u8], broadcast: bool) -> Result<Control, Bad> {
         return Err(bad(&format!("id longer than {CONTROL_NAME_MAX} bytes")));
     }
     match (raw.ty.as_str(), broadcast) {
-        ("canary", _) => Ok(Control::Canary {
+        // Published on a broker's own channel only: one on the broadcast channel is forged, and
+        // made every broker named in it fail /readyz as if it had a twin (review bb130).
+        ("canary", false) => Ok(Control::Canary {
             broker_id: raw.broker_id.unwrap_or_default(),
             instance: raw.instance,
         }),
@@ -434,6 +441,29 @@ pub fn offline_ttl(ttl_ms: Option<u64>) -> std::time::Duration {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Each message is one JSON object: serde takes a struct from an array of its fields too,
+    /// and `["command","c1","r1",…]` ran as a command (review bb130).
+    #[test]
+    fn a_message_that_is_not_an_object_is_refused_however_its_fields_line_up() {
+        let array = br#"["command","arr-1","r1",null,"from-array",{"k":1},"replies"]"#;
+        let Err(bad) = parse(array, false) else {
+            panic!("an array taken as a command");
+        };
+        assert!(bad.why.contains("not a JSON object"), "{}", bad.why);
+        assert!(bad.reply_to.is_none());
+        let object = br#"{"type":"command","id":"c1","rig_id":"r1","name":"n","args":{},"reply_to":"replies"}"#;
+        assert!(matches!(parse(object, false), Ok(Control::Command(_))));
+    }
+
+    /// Brokers publish their canaries on their own channels; one on the broadcast channel is
+    /// not taken for a twin's.
+    #[test]
+    fn a_canary_counts_on_a_brokers_own_channel_only() {
+        let canary = br#"{"type":"canary","broker_id":"fe-a","instance":"forged"}"#;
+        assert!(matches!(parse(canary, false), Ok(Control::Canary { .. })));
+        assert!(parse(canary, true).is_err());
+    }
 
     /// Broker to broker, on a broker's own channel only; a rig and boot it cannot parse are
     /// refused, as for an evict.
