@@ -124,9 +124,29 @@ fn many_rigs_bursting_large_events_together_lose_none() {
 fn a_rig_flooding_pings_is_slowed_too() {
     let b = Broker::start(&["--rig-rate", "10", "--rig-burst", "5"]);
     let mut rig = RawRig::hello(&b, "rig-pinger");
-    let flood = client_ping(b"p").repeat(2000);
-    rig.write_raw(&flood);
-    // 5 tokens are 40 PINGs; then 80 a second.
+    let pongs = pongs_to_a_flood(&mut rig);
+    assert!((40..400).contains(&pongs), "{pongs} PONGs in 0.5 s");
+    assert!(metric(&b, "fleetlink_rig_rate_paused_total ") > 0);
+    // Held back, not dropped: still served.
+    let (status, reply) = b.command("rig-pinger", "noop", json!({}));
+    assert_eq!(status, 200, "{reply}");
+}
+
+/// The same before the hello: a connection that has not said which rig it is held a core busy
+/// answering its PINGs until its hello timeout, 20 million PONGs in 1.5 s (review bb130).
+#[test]
+fn a_connection_flooding_pings_before_its_hello_is_slowed_too() {
+    let b = Broker::start(&["--rig-rate", "10", "--rig-burst", "5"]);
+    let mut conn = RawRig::upgraded(&b);
+    let pongs = pongs_to_a_flood(&mut conn);
+    assert!((40..400).contains(&pongs), "{pongs} PONGs in 0.5 s");
+    assert!(metric(&b, "fleetlink_rig_rate_paused_total ") > 0);
+}
+
+/// Writes 2,000 PINGs at once and counts the PONGs that come back within 0.5 s: at
+/// `--rig-rate 10 --rig-burst 5`, the burst's 40 and 80 a second after it.
+fn pongs_to_a_flood(rig: &mut RawRig) -> usize {
+    rig.write_raw(&client_ping(b"p").repeat(2000));
     let started = Instant::now();
     let mut pongs = 0;
     while started.elapsed() < Duration::from_millis(500) {
@@ -136,11 +156,7 @@ fn a_rig_flooding_pings_is_slowed_too() {
             None => {}
         }
     }
-    assert!((40..400).contains(&pongs), "{pongs} PONGs in 0.5 s");
-    assert!(metric(&b, "fleetlink_rig_rate_paused_total ") > 0);
-    // Held back, not dropped: still served.
-    let (status, reply) = b.command("rig-pinger", "noop", json!({}));
-    assert_eq!(status, 200, "{reply}");
+    pongs
 }
 
 /// While the broker holds a chatty rig back, that rig's PONGs wait in TCP behind messages the

@@ -66,17 +66,24 @@ pub(crate) fn consume(core: &Core, conn: &Conn, st: &mut ConnState, input: &[u8]
             }
             continue;
         }
-        if st.phase == Phase::Live {
+        // Before its hello too: a connection flooding PINGs before it said which rig it is
+        // kept a core busy answering them until its hello timeout (review bb130).
+        if matches!(st.phase, Phase::AwaitHello | Phase::Live) {
             let now = core.now_ms();
             if let Err(wait_ms) = st.bucket.ready(core.cfg.rig_rate, core.cfg.rig_burst, now) {
                 // Over its rate: stop reading this rig until a token is back. TCP pushes back
                 // on this rig alone; nothing is dropped (CONTRACT.md §2 fairness).
                 core.metrics.inc(C::RigRatePaused);
                 st.paused_until = Some(now.wrapping_add(wait_ms));
-                st.live.throttled = true;
+                if st.phase == Phase::Live {
+                    st.live.throttled = true;
+                }
                 st.rbuf_ready = true;
                 break;
             }
+        }
+        if st.phase == Phase::Live {
+            let now = core.now_ms();
             if core.events_backlogged() {
                 // The bridge is behind on the events rigs send (many chatty rigs at once):
                 // this rig waits a moment, as over its rate, rather than have what it sends
