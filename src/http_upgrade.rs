@@ -137,7 +137,7 @@ fn parse_into<'b>(
 
 /// The path of an absolute-form target (`http://host:port/agent`, as a client that speaks to
 /// proxies sends), which a server must accept (RFC 9112 §3.2.2); any other target as it is.
-fn origin_form(target: &str) -> &str {
+pub(crate) fn origin_form(target: &str) -> &str {
     let scheme_end = target.find("://").filter(|&i| {
         let scheme = &target[..i];
         scheme.eq_ignore_ascii_case("http") || scheme.eq_ignore_ascii_case("https")

@@ -157,11 +157,9 @@ pub fn parse_request(buf: &[u8]) -> Parsed {
     else {
         return Parsed::Bad(Refusal::TOO_LARGE);
     };
-    let (path, query) = req
-        .path
-        .unwrap_or("")
-        .split_once('?')
-        .unwrap_or((req.path.unwrap_or(""), ""));
+    // The admin API answers absolute-form targets as the rigs' endpoint does (review bb130).
+    let target = crate::http_upgrade::origin_form(req.path.unwrap_or(""));
+    let (path, query) = target.split_once('?').unwrap_or((target, ""));
     let request = |body: &[u8], close: bool| Request {
         method: req.method.unwrap_or("").to_string(),
         path: path.to_string(),
@@ -530,6 +528,15 @@ pub(super) mod tests {
         assert_eq!(command_rig(&next), None);
         let (old, _) = complete(b"GET /metrics HTTP/1.0\r\n\r\n");
         assert!(old.close, "HTTP/1.0 closes after one answer");
+    }
+
+    /// A server must take an absolute-form target (RFC 9112 §3.2.2): it was answered 404.
+    #[test]
+    fn an_absolute_form_target_is_taken_by_its_path_and_query() {
+        let (req, _) = complete(b"GET http://127.0.0.1:9090/v1/rigs?x=1 HTTP/1.1\r\n\r\n");
+        assert_eq!((req.path.as_str(), req.query.as_str()), ("/v1/rigs", "x=1"));
+        let (req, _) = complete(b"GET HTTPS://admin.example HTTP/1.1\r\n\r\n");
+        assert_eq!(req.path, "/");
     }
 
     #[test]
