@@ -4,7 +4,9 @@
 #
 #   . tests/ensure-toolchain.sh && cargo run --release --bin fleetlink-fe -- ...
 #
-# No `set -e` here: it would stay set in the shell that sources this.
+# No `set -e` here: it would stay set in the shell that sources this. Its status says whether
+# cargo is there to use, so that `&&` stops, and run-all.sh's `set -e` ends, with the reason
+# printed rather than at "cargo: command not found".
 
 fl_min_rust=1.88   # the oldest rustc the locked dependencies build with (Cargo.toml rust-version)
 
@@ -50,7 +52,17 @@ if ! command -v cargo >/dev/null 2>&1 || fl_too_old; then
   fi
 fi
 if command -v rustup >/dev/null 2>&1 && ! cargo fmt --version >/dev/null 2>&1; then
-  rustup component add rustfmt clippy >/dev/null 2>&1
+  # Only the test suite's fmt and clippy steps need them; they say so if they are missing.
+  rustup component add rustfmt clippy >/dev/null 2>&1 ||
+    echo "== rustup could not add rustfmt and clippy (the test suite's first steps need them)" >&2
+fi
+fl_ready=yes
+if ! command -v cargo >/dev/null 2>&1; then
+  echo "== cargo is not on PATH: the steps above could not install Rust (see their output)" >&2
+  fl_ready=no
+elif fl_too_old; then
+  fl_ready=no
 fi
 unset fl_min_rust fl_sudo fl_rustc
 unset -f fl_apt fl_too_old
+[ "$fl_ready" = yes ] && unset fl_ready

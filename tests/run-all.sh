@@ -33,6 +33,11 @@ if ! python3 -c 'import ensurepip, venv' >/dev/null 2>&1; then
   echo "== installing python3 and python3-venv"
   apt_install python3 python3-venv
 fi
+# The admin API's HTTP/1.0 and pipelining tests speak to it through curl.
+if ! command -v curl >/dev/null; then
+  echo "== installing curl"
+  apt_install curl ca-certificates
+fi
 # Network namespaces need root itself: sudo for apt-get does not give `cargo test` that.
 if [[ "$(id -u)" -ne 0 && -z "${FLEETLINK_SKIP_NETNS:-}" ]]; then
   echo "== not root: the network-namespace fault test will say SKIP (run as root to include it)"
@@ -47,8 +52,10 @@ echo "== cargo doc (warnings are errors)"
 RUSTDOCFLAGS="-D warnings" cargo doc --no-deps --document-private-items -p fleetlink >/dev/null
 echo "== cargo test"
 # Every wait in the tests is bounded; this bounds the whole run too (it takes about 8 min).
-timeout 3600 cargo test --workspace 2>&1 | tee /tmp/fleetlink-cargo-test.log
-grep -q "test result: FAILED" /tmp/fleetlink-cargo-test.log && exit 1
+test_log="$(mktemp -t fleetlink-cargo-test.XXXXXX)"
+timeout 3600 cargo test --workspace 2>&1 | tee "$test_log"
+grep -q "test result: FAILED" "$test_log" && exit 1
+rm -f "$test_log"
 
 case "${AUTOBAHN:-full}" in
   off) echo "== Autobahn skipped (AUTOBAHN=off)"; exit 0 ;;
@@ -64,10 +71,11 @@ if [[ -z "$installer" ]]; then
   exit 1
 fi
 echo "== installing Autobahn|Testsuite (cached after the first run)"
+install_log="$(mktemp -t fleetlink-autobahn-install.XXXXXX)"
 # wstest needs pyenv's CPython 2.7; where it is missing, run.sh uses kosoku (Python 3).
-if ! bash "$installer" >/tmp/fleetlink-autobahn-install.log 2>&1 || ! grep -q -E '^(wstest|kosoku): /' /tmp/fleetlink-autobahn-install.log; then
+if ! bash "$installer" >"$install_log" 2>&1 || ! grep -q -E '^(wstest|kosoku): /' "$install_log"; then
   echo "== Autobahn FAILED to start: the suite could not be installed here (AUTOBAHN=off skips it):"
-  tail -5 /tmp/fleetlink-autobahn-install.log
+  tail -5 "$install_log"
   exit 1
 fi
 echo "== Autobahn|Testsuite against /echo"
