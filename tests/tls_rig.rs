@@ -164,7 +164,7 @@ fn mtls_identity_is_the_certificate() {
     b.wait_log(&[
         "1 hellos named a rig their connection did not prove (4403)",
         &format!(
-            "hello as {}; certificate names Some([\"{}\"])",
+            "hello as {}; certificate names [\"{}\"], token's rig none",
             r1.rig_id, r2.rig_id
         ),
         "from 127.0.0.1:",

@@ -9,7 +9,10 @@ use std::time::Duration;
 use clap::builder::BoolishValueParser;
 use clap::{Args, Parser, Subcommand};
 
-use super::parse::{parse_addr, parse_broker_duration, parse_cores, parse_rig_count};
+use super::parse::{
+    parse_addr, parse_broker_duration, parse_cores, parse_i32, parse_rate, parse_rig_count,
+    parse_u32, parse_u64, parse_usize,
+};
 
 /// `fleetlink-fe`: the thread-per-core websocket broker for rig fleets.
 #[derive(Parser, Debug)]
@@ -113,7 +116,7 @@ pub struct BrokerArgs {
     /// (--redis) the bridge thread is busy too: leaving it a CPU (cores = CPUs - 1) cut a
     /// fan-out's context switches 11x (median; 4.8-12.7x by round) on a 2-CPU host (docs/tuning.md).
     /// 1 to 1024.
-    #[arg(long, env = "FLEETLINK_CORES", value_parser = parse_cores)]
+    #[arg(long, env = "FLEETLINK_CORES", value_parser = parse_cores, allow_negative_numbers = true)]
     pub cores: Option<usize>,
     /// Redis URL (redis://host:port/db, or unix:///path). Without it the broker runs standalone.
     #[arg(long, env = "FLEETLINK_REDIS")]
@@ -142,11 +145,11 @@ pub struct BrokerArgs {
     #[arg(long, env = "FLEETLINK_JWT_AUDIENCE")]
     pub jwt_audience: Option<String>,
     /// Interval between PINGs sent to each rig.
-    #[arg(long, env = "FLEETLINK_PING_INTERVAL", default_value = "20s", value_parser = parse_broker_duration)]
+    #[arg(long, env = "FLEETLINK_PING_INTERVAL", default_value = "20s", value_parser = parse_broker_duration, allow_negative_numbers = true)]
     pub ping_interval: Duration,
     /// Time a rig has to answer a PING with a PONG; a PONG later than the next PING counts as
     /// missed, so a timeout past --ping-interval acts as --ping-interval.
-    #[arg(long, env = "FLEETLINK_PONG_TIMEOUT", default_value = "10s", value_parser = parse_broker_duration)]
+    #[arg(long, env = "FLEETLINK_PONG_TIMEOUT", default_value = "10s", value_parser = parse_broker_duration, allow_negative_numbers = true)]
     pub pong_timeout: Duration,
     /// Missed PONGs in a row before the broker closes the socket with 4002 (1 to 255).
     // Wide and signed so that 0, -1 or 300 reach validate's own "1 to 255" rather than
@@ -159,38 +162,38 @@ pub struct BrokerArgs {
     )]
     pub max_missed_pongs: i64,
     /// Time from TCP accept to a complete request head, and from upgrade to a valid hello.
-    #[arg(long, env = "FLEETLINK_HELLO_TIMEOUT", default_value = "10s", value_parser = parse_broker_duration)]
+    #[arg(long, env = "FLEETLINK_HELLO_TIMEOUT", default_value = "10s", value_parser = parse_broker_duration, allow_negative_numbers = true)]
     pub hello_timeout: Duration,
     /// New connections per second for the whole broker (split evenly across cores); more
     /// than 0.
-    #[arg(long, env = "FLEETLINK_ACCEPT_RATE", default_value_t = 50.0)]
+    #[arg(long, env = "FLEETLINK_ACCEPT_RATE", default_value_t = 50.0, value_parser = parse_rate, allow_negative_numbers = true)]
     pub accept_rate: f64,
     /// Accept bucket size for the whole broker (split evenly across cores, each core's at
     /// least 1, so never below --cores); at least 1.
-    #[arg(long, env = "FLEETLINK_ACCEPT_BURST", default_value_t = 100)]
+    #[arg(long, env = "FLEETLINK_ACCEPT_BURST", default_value_t = 100, value_parser = parse_u32, allow_negative_numbers = true)]
     pub accept_burst: u32,
     /// Connection cap for the whole broker, all cores together; beyond it, 503 (0 refuses
     /// every rig). Default: none.
-    #[arg(long, env = "FLEETLINK_MAX_CONNECTIONS")]
+    #[arg(long, env = "FLEETLINK_MAX_CONNECTIONS", value_parser = parse_u64, allow_negative_numbers = true)]
     pub max_connections: Option<u64>,
     /// Per-rig bound on commands queued but not yet written, at least 1; beyond it, rig_unresponsive. A rig
     /// may have 8x this written and unacked; past that the next waits here for an ack, so a
     /// resume can give back every one.
-    #[arg(long, env = "FLEETLINK_OUTBOX", default_value_t = 128)]
+    #[arg(long, env = "FLEETLINK_OUTBOX", default_value_t = 128, value_parser = parse_u32, allow_negative_numbers = true)]
     pub outbox: u32,
     /// Bytes of admin answers (rig lists, event pages, metrics) each core may hold while their clients
     /// read them, past the first 64 KiB of each, at least 1 MiB; one past it is answered 503
     /// (a single answer always goes, however big).
-    #[arg(long, env = "FLEETLINK_ADMIN_ANSWER_BYTES", default_value_t = 64 << 20)]
+    #[arg(long, env = "FLEETLINK_ADMIN_ANSWER_BYTES", default_value_t = 64 << 20, value_parser = parse_usize, allow_negative_numbers = true)]
     pub admin_answer_bytes: usize,
     /// Largest inbound message in bytes (125 B to 16 MiB); larger closes with 1009.
-    #[arg(long, env = "FLEETLINK_MAX_MESSAGE", default_value_t = 65536)]
+    #[arg(long, env = "FLEETLINK_MAX_MESSAGE", default_value_t = 65536, value_parser = parse_usize, allow_negative_numbers = true)]
     pub max_message: usize,
     /// Registry lease lifetime.
-    #[arg(long, env = "FLEETLINK_REGISTRY_TTL", default_value = "60s", value_parser = parse_broker_duration)]
+    #[arg(long, env = "FLEETLINK_REGISTRY_TTL", default_value = "60s", value_parser = parse_broker_duration, allow_negative_numbers = true)]
     pub registry_ttl: Duration,
     /// Registry lease refresh interval.
-    #[arg(long, env = "FLEETLINK_REGISTRY_REFRESH", default_value = "10s", value_parser = parse_broker_duration)]
+    #[arg(long, env = "FLEETLINK_REGISTRY_REFRESH", default_value = "10s", value_parser = parse_broker_duration, allow_negative_numbers = true)]
     pub registry_refresh: Duration,
     /// How long a session's unacked commands are kept for a rig that left. Standalone: in
     /// memory, at least --registry-ttl; past it they are reported expired. Fleet mode: how
@@ -199,26 +202,26 @@ pub struct BrokerArgs {
     /// nothing in Redis: commands are written at once (one Redis round trip less per command),
     /// but a rig that resumes on another broker starts a fresh session and whatever the old
     /// broker had not seen acked is gone with it. Otherwise at least 1s.
-    #[arg(long, env = "FLEETLINK_SESSION_TTL", default_value = "10m", value_parser = parse_broker_duration)]
+    #[arg(long, env = "FLEETLINK_SESSION_TTL", default_value = "10m", value_parser = parse_broker_duration, allow_negative_numbers = true)]
     pub session_ttl: Duration,
     /// Graceful shutdown window: goaway delays spread over it, 1001 at its end.
-    #[arg(long, env = "FLEETLINK_DRAIN", default_value = "10s", value_parser = parse_broker_duration)]
+    #[arg(long, env = "FLEETLINK_DRAIN", default_value = "10s", value_parser = parse_broker_duration, allow_negative_numbers = true)]
     pub drain: Duration,
     /// Inbound messages per second per rig (a PING or PONG, the first ack of a written command
     /// and the result of an acked one count an eighth), more than 0; over it the broker stops
     /// reading that socket.
-    #[arg(long, env = "FLEETLINK_RIG_RATE", default_value_t = 100.0)]
+    #[arg(long, env = "FLEETLINK_RIG_RATE", default_value_t = 100.0, value_parser = parse_rate, allow_negative_numbers = true)]
     pub rig_rate: f64,
     /// Inbound message burst per rig, at least 1.
-    #[arg(long, env = "FLEETLINK_RIG_BURST", default_value_t = 200)]
+    #[arg(long, env = "FLEETLINK_RIG_BURST", default_value_t = 200, value_parser = parse_u32, allow_negative_numbers = true)]
     pub rig_burst: u32,
     /// Hello label whose value metrics aggregate rigs by.
     #[arg(long, env = "FLEETLINK_GROUP_LABEL", default_value = "group")]
     pub group_label: String,
     /// Listen backlog of each core's listener, at least 1; the kernel silently caps it at
     /// net.core.somaxconn (raise that to match).
-    #[arg(long, env = "FLEETLINK_BACKLOG", default_value_t = 4096,
-          value_parser = clap::value_parser!(i32).range(0..))]
+    #[arg(long, env = "FLEETLINK_BACKLOG", default_value_t = 4096, value_parser = parse_i32,
+          allow_negative_numbers = true)]
     pub backlog: i32,
     /// Close rigs that send unknown message types with 4400 instead of ignoring them.
     #[arg(long, env = "FLEETLINK_STRICT", value_parser = BoolishValueParser::new())]

@@ -30,6 +30,47 @@ pub(super) fn parse_broker_duration(s: &str) -> Result<Duration, String> {
     })
 }
 
+/// A whole-number flag (`--outbox`, `--max-message`, ...), said plainly when it is not one:
+/// clap's own parser answered "invalid digit found in string", and a negative value never
+/// reached it ("unexpected argument '-1' found": hence `allow_negative_numbers` on these flags).
+/// Its range is checked with the other values', wherever the value came from.
+fn whole<T: TryFrom<u64>>(s: &str, max: u64) -> Result<T, String> {
+    let refused = || format!("{s:?} is not a whole number from 0 to {max} in plain digits");
+    let n = s.trim().parse::<u64>().map_err(|e| match e.kind() {
+        std::num::IntErrorKind::PosOverflow => format!("{s} is more than {max}"),
+        _ => refused(),
+    })?;
+    T::try_from(n).map_err(|_| format!("{s} is more than {max}"))
+}
+
+/// [`whole`] for a `u32` flag.
+pub(super) fn parse_u32(s: &str) -> Result<u32, String> {
+    whole(s, u32::MAX.into())
+}
+
+/// [`whole`] for a `u64` flag.
+pub(super) fn parse_u64(s: &str) -> Result<u64, String> {
+    whole(s, u64::MAX)
+}
+
+/// [`whole`] for a `usize` flag.
+pub(super) fn parse_usize(s: &str) -> Result<usize, String> {
+    whole(s, usize::MAX as u64)
+}
+
+/// [`whole`] for an `i32` flag (`--backlog`, which the kernel takes as an int).
+pub(super) fn parse_i32(s: &str) -> Result<i32, String> {
+    whole(s, i32::MAX as u64)
+}
+
+/// A rate flag (`--accept-rate`, `--rig-rate`): a decimal number; its range (more than 0, and
+/// finite) is checked with the other values'.
+pub(super) fn parse_rate(s: &str) -> Result<f64, String> {
+    s.trim()
+        .parse::<f64>()
+        .map_err(|_| format!("{s:?} is not a number per second, such as 50 or 2.5"))
+}
+
 /// `dev-certs --rigs`: at most 100,000.
 pub(super) fn parse_rig_count(s: &str) -> Result<usize, String> {
     match s.parse::<usize>() {

@@ -133,7 +133,7 @@ pub(super) const HELP: &[(&str, &str)] = &[
     ),
     (
         "fleetlink_registry_ops_total",
-        "Registry operations by op and result (standalone: op=refused, offline but for forwarded and connected_elsewhere, parked/dropped, and resume/rebooted: commands a new boot dropped).",
+        "Registry operations by op and result (standalone: op=refused, offline but for forwarded and connected_elsewhere, parked/dropped and parked/expired, and resume/rebooted: commands a new boot dropped).",
     ),
     (
         "fleetlink_pubsub_messages_total",

@@ -101,7 +101,7 @@ pub(crate) enum Command {
     /// (exit 3).
     Events {
         /// Stop after this many events (exit 3 if --for ends first).
-        #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+        #[arg(long, value_parser = parse_count, allow_negative_numbers = true)]
         count: Option<u64>,
         /// Stop after this long.
         #[arg(long = "for", value_name = "DURATION", value_parser = parse_timeout)]
@@ -231,6 +231,16 @@ pub(crate) fn usage(kind: ErrorKind, msg: String) -> clap::Error {
 
 fn parse_rig(s: &str) -> Result<RigId, String> {
     RigId::parse(s).ok_or_else(|| format!("invalid rig id {s:?}: 1-64 of [A-Za-z0-9._-]"))
+}
+
+/// `events --count`: clap's range said "0 is not in 1..18446744073709551615" (review bb129).
+fn parse_count(s: &str) -> Result<u64, String> {
+    match s.parse::<u64>() {
+        Ok(n) if n >= 1 => Ok(n),
+        _ => Err(format!(
+            "{s:?} is not a count of events, a whole number from 1 up"
+        )),
+    }
 }
 
 /// A duration as the broker spells them (`250ms`, `5s`, `2m`), greater than zero (and, as

@@ -158,9 +158,15 @@ fn on_text(core: &Core, conn: &Conn, st: &mut ConnState, text: &[u8]) {
 /// that no control character reaches the log raw.
 fn identity_refused(st: &ConnState, rig: &RigId) -> String {
     let sec = st.sec.as_ref();
-    let certificate = sec.and_then(|s| s.peer_ids.as_ref());
-    let token = sec.and_then(|s| s.token_rig.as_ref());
-    format!("hello as {rig}; certificate names {certificate:?}, token's rig {token:?}")
+    // Debug formatting of each name, not of the Options around them: the log read
+    // `Some(["rig-0002"])` and `None` (review bb129).
+    let certificate = sec
+        .and_then(|s| s.peer_ids.as_ref())
+        .map_or("none".to_string(), |ids| format!("{ids:?}"));
+    let token = sec
+        .and_then(|s| s.token_rig.as_ref())
+        .map_or("none".to_string(), |t| format!("{t:?}"));
+    format!("hello as {rig}; certificate names {certificate}, token's rig {token}")
 }
 
 fn on_hello(core: &Core, conn: &Conn, st: &mut ConnState, hello: Hello) {
