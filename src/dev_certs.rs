@@ -196,6 +196,15 @@ pub fn main(out: &Path, rigs: usize, broker_names: &[String]) -> anyhow::Result<
 /// `localhost`, `127.0.0.1` and `broker_names`, and `rigs` client certs `rig-0001` … Validity:
 /// now − 1 h .. now + 365 d.
 pub fn generate(out: &Path, rigs: usize, broker_names: &[String]) -> anyhow::Result<Summary> {
+    if let Some(bad) = broker_names
+        .iter()
+        .find(|n| n.parse::<std::net::IpAddr>().is_err() && !dns_name(n))
+    {
+        anyhow::bail!(
+            "--broker-name {bad:?} is neither an IP address nor a DNS name (dot-separated labels \
+             of letters, digits and '-', each 1 to 63 long, not starting or ending with '-')"
+        );
+    }
     fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
     let now = OffsetDateTime::now_utc();
     let (not_before, not_after) = (now - SKEW, now + LIFETIME);
@@ -229,6 +238,8 @@ pub fn generate(out: &Path, rigs: usize, broker_names: &[String]) -> anyhow::Res
         });
     }
 
+    remove_stale_rigs(out, rigs)?;
+
     Ok(Summary {
         ca,
         ca_cert,
@@ -240,6 +251,49 @@ pub fn generate(out: &Path, rigs: usize, broker_names: &[String]) -> anyhow::Res
         not_before,
         not_after,
     })
+}
+
+/// Whether `name` can be a DNS SAN (RFC 1123 host name; a `*.` wildcard first label too).
+fn dns_name(name: &str) -> bool {
+    let name = name.strip_prefix("*.").unwrap_or(name);
+    !name.is_empty()
+        && name.len() <= 253
+        && name.split('.').all(|label| {
+            (1..=63).contains(&label.len())
+                && label
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'-')
+                && !label.starts_with('-')
+                && !label.ends_with('-')
+        })
+}
+
+/// Removes the rig certificates and keys past `rigs` that an earlier run left in `out`: the CA
+/// that signed them was just replaced, so they no longer verify (review bb129: a second run with
+/// fewer rigs left `rig-0002.pem` behind, failing at the broker with no hint why).
+fn remove_stale_rigs(out: &Path, rigs: usize) -> anyhow::Result<()> {
+    let entries = fs::read_dir(out).with_context(|| format!("reading {}", out.display()))?;
+    for entry in entries.flatten() {
+        let file = entry.file_name();
+        let Some(file) = file.to_str() else { continue };
+        let Some(stem) = file
+            .strip_suffix(".pem")
+            .or_else(|| file.strip_suffix(".key"))
+        else {
+            continue;
+        };
+        let number = stem
+            .strip_prefix("rig-")
+            .filter(|n| n.len() >= 4 && n.bytes().all(|b| b.is_ascii_digit()));
+        if number
+            .and_then(|n| n.parse::<usize>().ok())
+            .is_some_and(|n| n > rigs)
+        {
+            fs::remove_file(entry.path())
+                .with_context(|| format!("removing {}", entry.path().display()))?;
+        }
+    }
+    Ok(())
 }
 
 /// A server certificate (serverAuth) for `names`: each is an IP SAN if it parses as an IP
@@ -484,6 +538,56 @@ mod tests {
         assert_eq!(base64("Zm9vYmFy"), b"foobar");
         assert_eq!(base64("Zm9vYg=="), b"foob");
         assert_eq!(base64("Zm9vYmE="), b"fooba");
+    }
+
+    /// A second run replaces the CA: the rig files past its count, signed by the old one, go.
+    /// Files of other names stay.
+    #[test]
+    fn a_second_run_leaves_no_rig_certificate_of_the_replaced_ca() {
+        let dir = TempDir::new("dev-certs-again");
+        generate(&dir.0, 3, &[]).expect("first");
+        fs::write(dir.0.join("rig-notes.pem"), "mine").expect("write");
+        generate(&dir.0, 1, &[]).expect("second");
+        let mut left: Vec<String> = fs::read_dir(&dir.0)
+            .expect("dir")
+            .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+            .collect();
+        left.sort();
+        assert_eq!(
+            left,
+            [
+                "broker.key",
+                "broker.pem",
+                "ca.key",
+                "ca.pem",
+                "rig-0001.key",
+                "rig-0001.pem",
+                "rig-notes.pem"
+            ]
+        );
+    }
+
+    #[test]
+    fn a_broker_name_that_is_no_dns_name_or_address_is_refused() {
+        let dir = TempDir::new("dev-certs-names");
+        for bad in ["bad..name", "-x.example", "a b", "", &"l".repeat(64)] {
+            let Err(e) = generate(&dir.0, 0, &[bad.to_string()]) else {
+                panic!("{bad:?} taken");
+            };
+            assert!(
+                e.to_string()
+                    .contains("neither an IP address nor a DNS name"),
+                "{e}"
+            );
+        }
+        let fine = [
+            "broker-1.example",
+            "*.rigs.example",
+            "10.0.0.1",
+            "::1",
+            "xn--bcher-kva",
+        ];
+        generate(&dir.0, 0, &fine.map(String::from)).expect("valid names");
     }
 
     #[test]

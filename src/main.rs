@@ -340,6 +340,13 @@ fn log_connection_room(cfg: &Config) {
              fleetlink_accepts_total{{result=\"over_capacity\"}}); raise it (ulimit -n, \
              LimitNOFILE=), see `fleetlink-fe doctor --connections {cap}`"
         ),
+        // No cap to compare with, but no room at all is never meant (review bb129: said at INFO).
+        None if room == 0 => log::warn!(
+            "!!! the open-file limit (RLIMIT_NOFILE) leaves room for about 0 rigs beside what the \
+             admin API and Redis need: rigs past the few the rest holds are refused (503, counted \
+             in fleetlink_accepts_total{{result=\"over_capacity\"}}); raise it (ulimit -n, \
+             LimitNOFILE=), see `fleetlink-fe doctor --connections N`"
+        ),
         _ => log::info!(
             "the open-file limit (RLIMIT_NOFILE) leaves room for about {room} rigs \
              (`fleetlink-fe doctor --connections N` checks this host for N)"
