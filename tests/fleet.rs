@@ -2081,6 +2081,16 @@ impl RawSubscriber {
     }
 }
 
+/// Holds every write to `redis` for `ms`, as a failover does (`CLIENT PAUSE … WRITE`).
+fn pause_writes(redis: &RedisServer, ms: u64) {
+    let _: () = redis::cmd("CLIENT")
+        .arg("PAUSE")
+        .arg(ms)
+        .arg("WRITE")
+        .query(&mut redis.connection())
+        .unwrap();
+}
+
 /// A Redis paused for writes (`CLIENT PAUSE … WRITE`, as a failover does) answers PING but
 /// holds every write. The reconnect probe is a write, so after the one call timeout (2 s) that
 /// noticed the pause, admin commands wait at most a probe each, not another 2 s per reconnect.
@@ -2089,12 +2099,7 @@ fn a_write_paused_redis_stalls_admin_commands_once() {
     let redis = RedisServer::start();
     let a = fleet_broker(&redis, "fe-wp", &[]);
     let (mut ws, _, _) = a.rig("rig-wp");
-    let _: () = redis::cmd("CLIENT")
-        .arg("PAUSE")
-        .arg(6000)
-        .arg("WRITE")
-        .query(&mut redis.connection())
-        .unwrap();
+    pause_writes(&redis, 6000);
     let paused = Instant::now();
     let mut took = Vec::new();
     while paused.elapsed() < Duration::from_millis(5500) {
@@ -2141,12 +2146,7 @@ fn a_rig_that_acks_nothing_is_refused_for_its_outbox_while_its_commands_wait_for
         assert_eq!(read_json(&mut ws)["seq"], seq);
     }
     // Writes held (as a failover does): the next two wait for their keep, queued.
-    let _: () = redis::cmd("CLIENT")
-        .arg("PAUSE")
-        .arg(5000)
-        .arg("WRITE")
-        .query(&mut redis.connection())
-        .unwrap();
+    pause_writes(&redis, 5000);
     std::thread::scope(|s| {
         let waiting: Vec<_> = (0..2)
             .map(|_| s.spawn(|| a.command("rig-ob", "n", json!({}))))
