@@ -572,6 +572,44 @@ fn plain_http_on_the_tls_port_is_told_to_use_tls() {
     assert_eq!(got.first(), Some(&21), "an alert record: {got:?}");
 }
 
+/// A chain of certificates named like the client CA, from a client holding no key of ours: each
+/// was a candidate issuer, and the broker spent up to 100 signature checks (10–13 ms of CPU)
+/// on each such handshake before refusing it (review bb131). Now refused before any path is
+/// built, as is a chain of more intermediates than a path may have, and the log says which.
+#[test]
+fn a_chain_of_look_alike_issuers_is_refused_before_its_paths_are_tried() {
+    let dir = Dir::new("lookalike");
+    let pki = dev_certs::generate(&dir.0, 1, &[]).unwrap();
+    let b = tls_broker(&pki, &dir.0, &[]);
+    let now = time::OffsetDateTime::now_utc();
+    let (from, until) = (
+        now - time::Duration::hours(1),
+        now + time::Duration::days(1),
+    );
+    let look_alike = || dev_certs::Ca::new("fleetlink dev CA", from, until).unwrap();
+    let signer = look_alike();
+    let leaf = dev_certs::generate_rig(&signer, "rig-0001", from, until).unwrap();
+    let (leaf_cert, leaf_key) = leaf.write(&dir.0, "lookalike").unwrap();
+    let with_intermediates = |n: usize| {
+        let mut chain = leaf.cert_pem.clone();
+        chain.push_str(&signer.cert_pem());
+        for _ in 1..n {
+            chain.push_str(&look_alike().cert_pem());
+        }
+        std::fs::write(&leaf_cert, chain).unwrap();
+        wss(&b, &pki.ca_cert, Some((&leaf_cert, &leaf_key)), &[])
+    };
+    refused_with(with_intermediates(3), "CertificateUnknown");
+    b.wait_log(&["intermediate certificates have the same subject"]);
+    refused_with(with_intermediates(7), "CertificateUnknown");
+    b.wait_log(&["the client sent 7 intermediate certificates, more than 6"]);
+    b.wait_metric("fleetlink_tls_handshake_failures_total 2");
+    // A rig's own certificate is still taken.
+    let rig = &pki.rigs[0];
+    let mut ws = wss(&b, &pki.ca_cert, Some((&rig.cert, &rig.key)), &[]).unwrap();
+    assert_eq!(hello(&mut ws, &rig.rig_id)["type"], "welcome");
+}
+
 #[test]
 fn wrong_ca_expired_and_certless_clients_are_refused() {
     let dir = Dir::new("refuse");

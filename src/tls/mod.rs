@@ -25,6 +25,7 @@
 //!   no CRL among the files is refused (unknown revocation status). CRL `nextUpdate` is not
 //!   enforced: a stale CRL still revokes.
 
+mod chain_bound;
 mod identity;
 mod reload;
 
@@ -438,7 +439,7 @@ fn client_verifier(
             path: ca.to_owned(),
             source,
         })?;
-    Ok((verifier, next_update))
+    Ok((Arc::new(chain_bound::BoundedChains(verifier)), next_update))
 }
 
 /// What the loader uses of one CRL, read from one parse.
