@@ -202,7 +202,8 @@ pub fn generate(out: &Path, rigs: usize, broker_names: &[String]) -> anyhow::Res
     {
         anyhow::bail!(
             "--broker-name {bad:?} is neither an IP address nor a DNS name (dot-separated labels \
-             of letters, digits and '-', each 1 to 63 long, not starting or ending with '-')"
+             of letters, digits and '-', each 1 to 63 long, not starting or ending with '-', the last \
+             not all digits)"
         );
     }
     fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
@@ -253,10 +254,17 @@ pub fn generate(out: &Path, rigs: usize, broker_names: &[String]) -> anyhow::Res
     })
 }
 
-/// Whether `name` can be a DNS SAN (RFC 1123 host name; a `*.` wildcard first label too).
+/// Whether `name` can be a DNS SAN (RFC 1123 host name; a `*.` wildcard first label too). A
+/// top-level label of digits alone would read as a dotted-decimal address, which a host name
+/// never is (RFC 1123 §2.1): `1.2.3` and `256.1.1.1` are mistyped addresses (review bb132).
 fn dns_name(name: &str) -> bool {
     let name = name.strip_prefix("*.").unwrap_or(name);
-    !name.is_empty()
+    let numeric_top = name
+        .rsplit('.')
+        .next()
+        .is_some_and(|top| !top.is_empty() && top.bytes().all(|b| b.is_ascii_digit()));
+    !numeric_top
+        && !name.is_empty()
         && name.len() <= 253
         && name.split('.').all(|label| {
             (1..=63).contains(&label.len())
@@ -570,7 +578,15 @@ mod tests {
     #[test]
     fn a_broker_name_that_is_no_dns_name_or_address_is_refused() {
         let dir = TempDir::new("dev-certs-names");
-        for bad in ["bad..name", "-x.example", "a b", "", &"l".repeat(64)] {
+        for bad in [
+            "bad..name",
+            "-x.example",
+            "a b",
+            "",
+            &"l".repeat(64),
+            "1.2.3",
+            "256.1.1.1",
+        ] {
             let Err(e) = generate(&dir.0, 0, &[bad.to_string()]) else {
                 panic!("{bad:?} taken");
             };

@@ -65,4 +65,4 @@ elif fl_too_old; then
 fi
 unset fl_min_rust fl_sudo fl_rustc
 unset -f fl_apt fl_too_old
-[ "$fl_ready" = yes ] && unset fl_ready
+case $fl_ready in yes) unset fl_ready ;; *) unset fl_ready; false ;; esac

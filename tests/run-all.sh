@@ -53,8 +53,11 @@ RUSTDOCFLAGS="-D warnings" cargo doc --no-deps --document-private-items -p fleet
 echo "== cargo test"
 # Every wait in the tests is bounded; this bounds the whole run too (it takes about 8 min).
 test_log="$(mktemp -t fleetlink-cargo-test.XXXXXX)"
-timeout 3600 cargo test --workspace 2>&1 | tee "$test_log"
-grep -q "test result: FAILED" "$test_log" && exit 1
+if ! timeout 3600 cargo test --workspace 2>&1 | tee "$test_log" ||
+  grep -q "test result: FAILED" "$test_log"; then
+  echo "== cargo test FAILED; its whole output is in $test_log"
+  exit 1
+fi
 rm -f "$test_log"
 
 case "${AUTOBAHN:-full}" in
@@ -74,10 +77,12 @@ echo "== installing Autobahn|Testsuite (cached after the first run)"
 install_log="$(mktemp -t fleetlink-autobahn-install.XXXXXX)"
 # wstest needs pyenv's CPython 2.7; where it is missing, run.sh uses kosoku (Python 3).
 if ! bash "$installer" >"$install_log" 2>&1 || ! grep -q -E '^(wstest|kosoku): /' "$install_log"; then
-  echo "== Autobahn FAILED to start: the suite could not be installed here (AUTOBAHN=off skips it):"
+  echo "== Autobahn FAILED to start: the suite could not be installed here (AUTOBAHN=off skips it);" \
+    "the installer's output is in $install_log:"
   tail -5 "$install_log"
   exit 1
 fi
+rm -f "$install_log"
 echo "== Autobahn|Testsuite against /echo"
 cargo build --release --bin fleetlink-fe
 if [[ "${AUTOBAHN:-full}" == quick ]]; then

@@ -157,9 +157,11 @@ pub fn parse_request(buf: &[u8]) -> Parsed {
     else {
         return Parsed::Bad(Refusal::TOO_LARGE);
     };
-    // The admin API answers absolute-form targets as the rigs' endpoint does (review bb130).
-    let target = crate::http_upgrade::origin_form(req.path.unwrap_or(""));
-    let (path, query) = target.split_once('?').unwrap_or((target, ""));
+    // The admin API answers absolute-form targets as the rigs' endpoint does (review bb130),
+    // the query split off first: `http://h?x=/healthz` has the path `/` (review bb132).
+    let target = req.path.unwrap_or("");
+    let (target, query) = target.split_once('?').unwrap_or((target, ""));
+    let path = crate::http_upgrade::origin_form(target);
     let request = |body: &[u8], close: bool| Request {
         method: req.method.unwrap_or("").to_string(),
         path: path.to_string(),
@@ -537,6 +539,12 @@ pub(super) mod tests {
         assert_eq!((req.path.as_str(), req.query.as_str()), ("/v1/rigs", "x=1"));
         let (req, _) = complete(b"GET HTTPS://admin.example HTTP/1.1\r\n\r\n");
         assert_eq!(req.path, "/");
+        // A `/` in the query is the query's (review bb132: `?x=/healthz` answered /healthz).
+        let (req, _) = complete(b"GET http://admin.example?x=/v1/drain HTTP/1.1\r\n\r\n");
+        assert_eq!(
+            (req.path.as_str(), req.query.as_str()),
+            ("/", "x=/v1/drain")
+        );
     }
 
     #[test]

@@ -145,11 +145,11 @@ pub struct BrokerArgs {
     #[arg(long, env = "FLEETLINK_JWT_AUDIENCE")]
     pub jwt_audience: Option<String>,
     /// Interval between PINGs sent to each rig.
-    #[arg(long, env = "FLEETLINK_PING_INTERVAL", default_value = "20s", value_parser = parse_broker_duration, allow_negative_numbers = true)]
+    #[arg(long, env = "FLEETLINK_PING_INTERVAL", default_value = "20s", value_parser = parse_broker_duration, allow_hyphen_values = true)]
     pub ping_interval: Duration,
     /// Time a rig has to answer a PING with a PONG; a PONG later than the next PING counts as
     /// missed, so a timeout past --ping-interval acts as --ping-interval.
-    #[arg(long, env = "FLEETLINK_PONG_TIMEOUT", default_value = "10s", value_parser = parse_broker_duration, allow_negative_numbers = true)]
+    #[arg(long, env = "FLEETLINK_PONG_TIMEOUT", default_value = "10s", value_parser = parse_broker_duration, allow_hyphen_values = true)]
     pub pong_timeout: Duration,
     /// Missed PONGs in a row before the broker closes the socket with 4002 (1 to 255).
     // Wide and signed so that 0, -1 or 300 reach validate's own "1 to 255" rather than
@@ -162,7 +162,7 @@ pub struct BrokerArgs {
     )]
     pub max_missed_pongs: i64,
     /// Time from TCP accept to a complete request head, and from upgrade to a valid hello.
-    #[arg(long, env = "FLEETLINK_HELLO_TIMEOUT", default_value = "10s", value_parser = parse_broker_duration, allow_negative_numbers = true)]
+    #[arg(long, env = "FLEETLINK_HELLO_TIMEOUT", default_value = "10s", value_parser = parse_broker_duration, allow_hyphen_values = true)]
     pub hello_timeout: Duration,
     /// New connections per second for the whole broker (split evenly across cores); more
     /// than 0.
@@ -190,10 +190,10 @@ pub struct BrokerArgs {
     #[arg(long, env = "FLEETLINK_MAX_MESSAGE", default_value_t = 65536, value_parser = parse_usize, allow_negative_numbers = true)]
     pub max_message: usize,
     /// Registry lease lifetime.
-    #[arg(long, env = "FLEETLINK_REGISTRY_TTL", default_value = "60s", value_parser = parse_broker_duration, allow_negative_numbers = true)]
+    #[arg(long, env = "FLEETLINK_REGISTRY_TTL", default_value = "60s", value_parser = parse_broker_duration, allow_hyphen_values = true)]
     pub registry_ttl: Duration,
     /// Registry lease refresh interval.
-    #[arg(long, env = "FLEETLINK_REGISTRY_REFRESH", default_value = "10s", value_parser = parse_broker_duration, allow_negative_numbers = true)]
+    #[arg(long, env = "FLEETLINK_REGISTRY_REFRESH", default_value = "10s", value_parser = parse_broker_duration, allow_hyphen_values = true)]
     pub registry_refresh: Duration,
     /// How long a session's unacked commands are kept for a rig that left. Standalone: in
     /// memory, at least --registry-ttl; past it they are reported expired. Fleet mode: how
@@ -202,10 +202,10 @@ pub struct BrokerArgs {
     /// nothing in Redis: commands are written at once (one Redis round trip less per command),
     /// but a rig that resumes on another broker starts a fresh session and whatever the old
     /// broker had not seen acked is gone with it. Otherwise at least 1s.
-    #[arg(long, env = "FLEETLINK_SESSION_TTL", default_value = "10m", value_parser = parse_broker_duration, allow_negative_numbers = true)]
+    #[arg(long, env = "FLEETLINK_SESSION_TTL", default_value = "10m", value_parser = parse_broker_duration, allow_hyphen_values = true)]
     pub session_ttl: Duration,
     /// Graceful shutdown window: goaway delays spread over it, 1001 at its end.
-    #[arg(long, env = "FLEETLINK_DRAIN", default_value = "10s", value_parser = parse_broker_duration, allow_negative_numbers = true)]
+    #[arg(long, env = "FLEETLINK_DRAIN", default_value = "10s", value_parser = parse_broker_duration, allow_hyphen_values = true)]
     pub drain: Duration,
     /// Inbound messages per second per rig (a PING or PONG, the first ack of a written command
     /// and the result of an acked one count an eighth), more than 0; over it the broker stops

@@ -36,6 +36,10 @@ pub(super) fn parse_broker_duration(s: &str) -> Result<Duration, String> {
 /// Its range is checked with the other values', wherever the value came from.
 fn whole<T: TryFrom<u64>>(s: &str, max: u64) -> Result<T, String> {
     let refused = || format!("{s:?} is not a whole number from 0 to {max} in plain digits");
+    // Rust's parser takes a leading `+`, which plain digits do not have (review bb132).
+    if s.trim().starts_with('+') {
+        return Err(refused());
+    }
     let n = s.trim().parse::<u64>().map_err(|e| match e.kind() {
         std::num::IntErrorKind::PosOverflow => format!("{s} is more than {max}"),
         _ => refused(),

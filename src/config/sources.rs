@@ -293,6 +293,10 @@ mod tests {
             );
         }
         assert_eq!(load(&["--outbox", " 7 "]).unwrap().outbox, 7);
+        assert!(load(&["--outbox", "+7"]).is_err());
+        // A duration takes a leading `-` as its value too, for its own message.
+        let e = load(&["--drain", "-1s"]).unwrap_err();
+        assert!(format!("{e:#}").contains("bad duration"), "{e:#}");
     }
 
     #[test]

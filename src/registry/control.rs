@@ -326,6 +326,9 @@ pub fn parse(payload: &[u8], broadcast: bool) -> Result<Control, Bad> {
             broker_id: raw.broker_id.unwrap_or_default(),
             instance: raw.instance,
         }),
+        ("canary", true) => Err(bad(
+            "a canary belongs on a broker's own channel, not on fleetlink:broadcast",
+        )),
         // Broker to broker: a rig and the boot the message is about.
         (ty @ ("evict" | "session_merged"), false) => {
             let rig = raw

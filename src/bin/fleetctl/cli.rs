@@ -236,7 +236,7 @@ fn parse_rig(s: &str) -> Result<RigId, String> {
 /// `events --count`: clap's range said "0 is not in 1..18446744073709551615" (review bb129).
 fn parse_count(s: &str) -> Result<u64, String> {
     match s.parse::<u64>() {
-        Ok(n) if n >= 1 => Ok(n),
+        Ok(n) if n >= 1 && !s.starts_with('+') => Ok(n),
         _ => Err(format!(
             "{s:?} is not a count of events, a whole number from 1 up"
         )),
