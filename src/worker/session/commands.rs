@@ -135,15 +135,7 @@ fn enqueue(
         if held {
             return Err(req);
         }
-        // A rig that reads nothing fills both on one command: the outbox is what the contract
-        // names, even where some of it still waits for Redis (review bb128: "session full"
-        // in 7 of 10 bursts to such a rig in fleet mode, never standalone).
-        let queued = session.queues.as_ref().map_or(0, |q| q.outbox().len());
-        let filled = match queued >= core.cfg.outbox {
-            true => Filled::Queued,
-            false => Filled::Session,
-        };
-        outbox_full(core, session, req, filled);
+        outbox_full(core, session, req, Filled::Session);
         return Ok(());
     }
     let seq = session.next_seq;
@@ -238,7 +230,8 @@ enum Filled {
     Count,
     /// The whole session, what a resume carries: every queued command counts.
     Session,
-    /// The whole session, with `--outbox` commands queued, those waiting for Redis among them.
+    /// The whole session, with `--outbox` commands queued, those waiting for Redis among them:
+    /// answered as the outbox.
     Queued,
     /// This many bytes queued, every queued command's.
     Bytes(usize),
@@ -249,6 +242,14 @@ fn outbox_full(core: &Core, session: &mut Session, req: CommandReq, filled: Fill
     core.metrics.inc(C::CmdOutboxFull);
     core.metrics
         .group_count(session.group, GroupCount::OutboxFull);
+    let all_queued = session.queues.as_ref().map_or(0, |q| q.outbox().len());
+    // A rig that reads nothing fills both on one command: the outbox is what the contract
+    // names, even where some of it still waits for Redis (review bb128: "session full" in 7
+    // of 10 bursts to such a rig in fleet mode, never standalone).
+    let filled = match filled {
+        Filled::Session if all_queued >= core.cfg.outbox => Filled::Queued,
+        f => f,
+    };
     let q = session.queues();
     let age = |c: Option<&SeqCommand>| c.map(|c| c.queued_at.elapsed());
     let oldest = match filled {
@@ -257,7 +258,6 @@ fn outbox_full(core: &Core, session: &mut Session, req: CommandReq, filled: Fill
         _ => age(q.outbox().front()),
     }
     .unwrap_or_default();
-    let all_queued = session.queues.as_ref().map_or(0, |q| q.outbox().len());
     let (queued, bytes, held) = match filled {
         Filled::Count => (session.outbox_len(), None, None),
         Filled::Session => (
