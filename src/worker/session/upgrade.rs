@@ -81,10 +81,7 @@ pub(crate) fn consume(core: &Core, conn: &Conn, st: &mut ConnState, input: &[u8]
                 st.rbuf_ready = true;
                 break;
             }
-        }
-        if st.phase == Phase::Live {
-            let now = core.now_ms();
-            if core.events_backlogged() {
+            if st.phase == Phase::Live && core.events_backlogged() {
                 // The bridge is behind on the events rigs send (many chatty rigs at once):
                 // this rig waits a moment, as over its rate, rather than have what it sends
                 // dropped at the bound (CONTRACT.md §2: a chatty rig loses nothing).
