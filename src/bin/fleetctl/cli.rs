@@ -315,9 +315,17 @@ fn parse_admin_url(s: &str) -> Result<AdminUrl, clap::Error> {
     if authority.is_empty() || authority.contains('@') {
         return Err(bad("expected http://host:port"));
     }
-    let has_port = authority
-        .rsplit_once(':')
-        .is_some_and(|(_, p)| p.parse::<u16>().is_ok());
+    // A port that is no port (`:99999`) is the user's typo, not part of a host name to look up
+    // (review bb133: exit 2 "Name or service not known" for http://127.0.0.1:99999).
+    let port = match authority.strip_prefix('[') {
+        // An IPv6 literal: its own colons are no port's.
+        Some(v6) => v6.split_once("]:").map(|(_, p)| p),
+        None => authority.rsplit_once(':').map(|(_, p)| p),
+    };
+    if let Some(p) = port.filter(|p| !p.is_empty() && p.parse::<u16>().is_err()) {
+        return Err(bad(&format!("port {p:?} is not a number from 0 to 65535")));
+    }
+    let has_port = port.is_some_and(|p| p.parse::<u16>().is_ok());
     let authority = if has_port {
         authority.to_owned()
     } else {
@@ -364,6 +372,15 @@ mod tests {
             ("fe-1.lab:80", "/api")
         );
         assert!(parse_admin_url("https://x:1").is_err());
+        // A port that is no port is a usage error, not a host to look up (review bb133).
+        for bad in ["http://127.0.0.1:99999", "http://h:x/", "[::1]:65536"] {
+            assert!(parse_admin_url(bad).is_err(), "{bad}");
+        }
+        assert_eq!(parse_admin_url("[::1]").unwrap().authority, "[::1]:80");
+        assert_eq!(
+            parse_admin_url("http://[::1]:9090").unwrap().authority,
+            "[::1]:9090"
+        );
     }
 
     fn load(args: &[&str]) -> Result<(Cli, Plane), clap::Error> {

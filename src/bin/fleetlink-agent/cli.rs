@@ -27,7 +27,8 @@ again on the next (up to 1,024; results after any welcome, acks after a resumed 
 control may see a result twice.
 
 Reconnecting (the same boot id, so the broker resumes the session):
-  goaway                 at the reconnect_after_ms it gave, exactly (at most 600 s)
+  goaway                 at the reconnect_after_ms it gave, exactly (at most 600 s); one
+                         without a number is ignored, and the close after it is as below
   HTTP 503 Retry-After N, close 4503 retry_after=N
                          N s, give or take 10 % (N = 0: as anything else)
   kicked (close 1012)    0.5-1.5 s: control asked for the reconnect
@@ -37,6 +38,8 @@ Reconnecting (the same boot id, so the broker resumes the session):
                          as anything else: the token may have expired, and the file is read
                          again at each attempt, so a renewed token gets in
   4400, 4403, 4409, or a final 4xx to the upgrade: no retry (exit 5)
+  no welcome within 30 s of the hello, or a message from the broker over 16 MiB (the
+  connection is dropped): as anything else
 
 Exit codes:
   0   stopped: SIGTERM/SIGINT/SIGHUP, or --run-for elapsed

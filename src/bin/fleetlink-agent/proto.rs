@@ -20,10 +20,10 @@ pub(crate) enum ServerMsg {
     },
     /// A command to ack and run.
     Command(Command),
-    /// The broker is draining: reconnect after this delay.
+    /// The broker is draining: reconnect after this delay (None: it gave no number).
     Goaway {
         reason: String,
-        reconnect_after_ms: u64,
+        reconnect_after_ms: Option<u64>,
     },
     /// A type this agent does not know (ignored, per the contract).
     Unknown(String),
@@ -75,7 +75,7 @@ pub(crate) fn parse_server_msg(text: &str) -> Result<ServerMsg, String> {
         }
         "goaway" => Ok(ServerMsg::Goaway {
             reason: str_field("reason").unwrap_or_default(),
-            reconnect_after_ms: u64_field("reconnect_after_ms").unwrap_or(0),
+            reconnect_after_ms: u64_field("reconnect_after_ms"),
         }),
         other => Ok(ServerMsg::Unknown(other.to_string())),
     }
@@ -198,9 +198,18 @@ mod tests {
             g,
             Ok(ServerMsg::Goaway {
                 reason: "draining".into(),
-                reconnect_after_ms: 250
+                reconnect_after_ms: Some(250)
             })
         );
+        // No number, no delay made up: 0 sent every rig back at once (review bb133).
+        let g = parse_server_msg(r#"{"type":"goaway","reason":"x","reconnect_after_ms":"soon"}"#);
+        assert!(matches!(
+            g,
+            Ok(ServerMsg::Goaway {
+                reconnect_after_ms: None,
+                ..
+            })
+        ));
         assert_eq!(
             parse_server_msg(r#"{"type":"news"}"#),
             Ok(ServerMsg::Unknown("news".into()))

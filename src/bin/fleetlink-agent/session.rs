@@ -388,7 +388,19 @@ impl Agent {
             Ok(ServerMsg::Command(cmd)) => self.on_command(conn, cmd, text.len()),
             Ok(ServerMsg::Goaway {
                 reason,
-                reconnect_after_ms,
+                reconnect_after_ms: None,
+            }) => {
+                // Taken as 0, every rig of a draining broker came back at once (review bb133):
+                // the close that follows is handled as any close, with the backoff's jitter.
+                log::warn!(
+                    "goaway (reason {reason:?}) without a reconnect_after_ms number, ignored: \
+                     reconnecting as after any close"
+                );
+                None
+            }
+            Ok(ServerMsg::Goaway {
+                reason,
+                reconnect_after_ms: Some(reconnect_after_ms),
             }) => {
                 let delay = Duration::from_millis(reconnect_after_ms.min(MAX_RETRY_AFTER_S * 1000));
                 log::info!(
