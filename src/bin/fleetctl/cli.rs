@@ -325,7 +325,8 @@ fn parse_admin_url(s: &str) -> Result<AdminUrl, clap::Error> {
     if let Some(p) = port.filter(|p| !p.is_empty() && p.parse::<u16>().is_err()) {
         return Err(bad(&format!("port {p:?} is not a number from 0 to 65535")));
     }
-    let has_port = port.is_some_and(|p| p.parse::<u16>().is_ok());
+    // Any port left is a number (checked just above).
+    let has_port = port.is_some_and(|p| !p.is_empty());
     let authority = if has_port {
         authority.to_owned()
     } else {
