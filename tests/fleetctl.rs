@@ -1096,6 +1096,65 @@ fn an_events_tail_ends_at_its_for_when_redis_hangs_under_it() {
     );
 }
 
+/// How many PINGs Redis has served since it started (`INFO commandstats`).
+fn pings_served(con: &mut redis::Connection) -> u64 {
+    let info: String = redis::cmd("INFO").arg("commandstats").query(con).unwrap();
+    info.lines()
+        .find_map(|l| l.strip_prefix("cmdstat_ping:calls="))
+        .and_then(|rest| rest.split(',').next())
+        .map_or(0, |n| n.parse().unwrap())
+}
+
+/// A tail with no `--for` asks a quiet Redis whether it is still there: a live one answers
+/// and the tail goes on (an event after the PING still arrives); a hung one (SIGSTOP after
+/// the subscription) ends the tail with exit 3 within the probe's 2 s and the PING's 5 s,
+/// where before it waited for ever.
+#[test]
+fn an_events_tail_without_for_notices_a_redis_that_hangs_under_it() {
+    let redis = RedisServer::start();
+    let mut con = redis.connection();
+    let child = spawn_piped(&mut fleetctl_cmd(&[
+        "--redis",
+        &redis.url(),
+        "--json",
+        "events",
+        "--count",
+        "1",
+    ]));
+    wait_for_events_subscriber(&mut con);
+    let before = pings_served(&mut con);
+    common::broker::eventually(Duration::from_secs(10), "the tail's PING", || {
+        pings_served(&mut con) > before
+    });
+    let event = json!({"type": "ack", "rig_id": "rig-1", "seq": 1});
+    let _: i64 = redis::cmd("PUBLISH")
+        .arg("fleetlink:events")
+        .arg(event.to_string())
+        .query(&mut con)
+        .unwrap();
+    let run = Run::from(child.output_within(MARGIN));
+    run.assert_code(0);
+    assert_eq!(run.lines(), vec![event]);
+
+    let child = spawn_piped(&mut fleetctl_cmd(&["--redis", &redis.url(), "events"]));
+    wait_for_events_subscriber(&mut con);
+    let started = Instant::now();
+    redis.freeze(true);
+    let run = Run::from(child.output_within(Duration::from_secs(7) + MARGIN));
+    let took = started.elapsed();
+    redis.freeze(false);
+    run.assert_code(3);
+    assert!(
+        run.stderr.contains(&format!(
+            "Redis at {} stopped answering: no answer to a PING on the subscription within 5s",
+            redis.url()
+        )),
+        "{}",
+        run.stderr
+    );
+    assert!(took < Duration::from_millis(8500), "noticed after {took:?}");
+}
+
 /// With `--admin`, `events` tails a standalone broker's kept events (`GET /v1/events`) from
 /// the newest when it starts.
 #[test]

@@ -27,10 +27,47 @@ pub fn unknown_env(vars: impl Iterator<Item = String>) -> Vec<String> {
     unknown
 }
 
+/// Adds a tip to clap's "unexpected argument" when the argument is a broker flag given after
+/// `doctor` or `dev-certs` (`fleetlink-fe doctor --cores 2`), which take only their own: the
+/// broker's flags go before the tool's name.
+fn placed_after_a_tool(mut e: clap::Error, argv: &[OsString]) -> clap::Error {
+    use clap::error::{ContextKind, ContextValue, ErrorKind};
+    if e.kind() != ErrorKind::UnknownArgument {
+        return e;
+    }
+    let Some(ContextValue::String(arg)) = e.get(ContextKind::InvalidArg) else {
+        return e;
+    };
+    let name = arg.split('=').next().unwrap_or_default();
+    let Some(long) = name.strip_prefix("--") else {
+        return e;
+    };
+    let cmd = Cli::command();
+    let broker_flag = cmd.get_arguments().any(|a| a.get_long() == Some(long));
+    let tool = argv.iter().skip(1).find_map(|a| {
+        let a = a.to_str()?;
+        cmd.get_subcommands().find(|t| t.get_name() == a)
+    });
+    if let (true, Some(tool)) = (broker_flag, tool) {
+        let tip = format!(
+            "{name} is a broker flag: give it before the tool's name \
+             (`fleetlink-fe {name} ... {} ...`)",
+            tool.get_name()
+        );
+        e.insert(
+            ContextKind::Suggested,
+            ContextValue::StyledStrs(vec![tip.into()]),
+        );
+    }
+    e
+}
+
 impl Cli {
     /// Parses argv + env, then fills flags still at their defaults from `--config`.
     pub fn load(argv: Vec<OsString>) -> anyhow::Result<Cli> {
-        let matches = Cli::command().try_get_matches_from(&argv)?;
+        let matches = Cli::command()
+            .try_get_matches_from(&argv)
+            .map_err(|e| placed_after_a_tool(e, &argv))?;
         let cli = Cli::from_arg_matches(&matches)?;
         let Some(path) = cli.broker.config.clone() else {
             return Ok(cli);
@@ -150,6 +187,23 @@ mod tests {
         ];
         let unknown = unknown_env(vars.iter().map(|v| v.to_string()));
         assert_eq!(unknown, ["FLEETLINK_PING_INTERVL"]);
+    }
+
+    /// A broker flag after a tool's name gets a tip to move it; a flag no one knows does not.
+    #[test]
+    fn a_broker_flag_after_a_tool_gets_a_tip_to_move_it() {
+        let render = |args: &[&str]| {
+            let argv = std::iter::once("fleetlink-fe").chain(args.iter().copied());
+            let e = Cli::load(argv.map(OsString::from).collect()).unwrap_err();
+            e.downcast::<clap::Error>().unwrap().to_string()
+        };
+        let tip = "tip: --cores is a broker flag: give it before the tool's name \
+                   (`fleetlink-fe --cores ... doctor ...`)";
+        assert!(render(&["doctor", "--cores", "2"]).contains(tip));
+        assert!(render(&["doctor", "--cores=2"]).contains(tip));
+        assert!(render(&["dev-certs", "--cores", "2"])
+            .contains("(`fleetlink-fe --cores ... dev-certs ...`)"));
+        assert!(!render(&["doctor", "--corse", "2"]).contains("broker flag"));
     }
     use crate::config::testing::{config_file, load};
     use crate::config::Tool;

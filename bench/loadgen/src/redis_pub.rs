@@ -75,11 +75,22 @@ impl Run {
     }
 }
 
+/// A client for `url`, or an error that says which URLs are taken: the redis crate's own
+/// reads "Redis URL did not parse- InvalidClientConfig" for any other scheme.
+fn open_client(url: &str) -> Result<redis::Client> {
+    let scheme = url.split_once("://").map(|(s, _)| s);
+    if !matches!(scheme, Some("redis" | "unix" | "redis+unix")) {
+        anyhow::bail!(
+            "bad redis URL {url:?}: it must start with redis:// (or unix:// for Redis's socket)"
+        );
+    }
+    redis::Client::open(url).with_context(|| format!("bad redis URL {url:?}"))
+}
+
 pub fn run_publish(args: RedisPublishArgs) -> Result<i32> {
     let started = Instant::now();
     let deadline = started + args.max_time;
-    let client = redis::Client::open(args.redis.as_str())
-        .with_context(|| format!("bad redis URL {:?}", args.redis))?;
+    let client = open_client(&args.redis)?;
     let io_timeout = args
         .max_time
         .clamp(Duration::from_secs(1), Duration::from_secs(60));
@@ -205,6 +216,14 @@ fn record(report: &mut PublishReport, r: redis::RedisResult<Vec<i64>>) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_url_of_another_scheme_says_which_are_taken() {
+        let e = open_client("http://x").unwrap_err().to_string();
+        assert!(e.contains("it must start with redis://"), "{e}");
+        assert!(open_client("redis://127.0.0.1:1/").is_ok());
+        assert!(open_client("unix:///tmp/redis.sock").is_ok());
+    }
 
     #[test]
     fn command_matches_the_contract() {

@@ -98,7 +98,8 @@ pub(crate) enum Command {
     /// Ctrl-C, --count or --for.
     ///
     /// Gives up when Redis does not answer the subscription within --for, or 5s without it
-    /// (exit 3).
+    /// (exit 3). With --redis, after each 2s without an event it asks Redis whether it is
+    /// still there, and gives up (exit 3) when no answer comes within 5s.
     Events {
         /// Stop after this many events (exit 3 if --for ends first).
         #[arg(long, value_parser = parse_count, allow_negative_numbers = true)]

@@ -148,7 +148,7 @@ impl RedisPlane {
                 );
                 return Ok(fail("rig_not_connected", &detail));
             }
-            while let Some(reply) = next_json(sub, Some(deadline))? {
+            while let Some(reply) = next_json(sub, Some(deadline), None)? {
                 if reply["id"].as_str().is_none_or(|r| r == id) {
                     return Ok(reply);
                 }
@@ -369,7 +369,7 @@ impl ControlPlane for RedisPlane {
             let mut waiting = listening;
             let mut replied = BTreeSet::new();
             while !waiting.is_empty() {
-                let Some(reply) = next_json(sub, Some(deadline))? else {
+                let Some(reply) = next_json(sub, Some(deadline), None)? else {
                     break;
                 };
                 if reply["id"].as_str() != Some(id.as_str()) {
@@ -545,7 +545,7 @@ impl ControlPlane for RedisPlane {
                 .map_err(self.failed("SUBSCRIBE"))?;
             let mut seen = 0;
             while count.is_none_or(|n| seen < n) {
-                let Some(event) = next_json(sub, deadline)? else {
+                let Some(event) = next_json(sub, deadline, Some(&self.shown))? else {
                     break;
                 };
                 each(&event);
@@ -562,21 +562,68 @@ impl ControlPlane for RedisPlane {
     }
 }
 
+/// How long a tail listens to silence before it asks Redis whether it is still there. A Redis
+/// that hangs under a subscription (stopped, or its path black-holed) sends nothing, which
+/// reads the same as a quiet fleet; a dead one closes the socket and is noticed at once.
+const QUIET_PROBE: Duration = Duration::from_secs(2);
+
+/// What is left until `deadline` (`None`: no deadline), or `Err(())` once it has passed.
+fn until(deadline: Option<Instant>) -> Result<Option<Duration>, ()> {
+    match deadline {
+        Some(d) => match d.checked_duration_since(Instant::now()) {
+            Some(left) if !left.is_zero() => Ok(Some(left)),
+            _ => Err(()),
+        },
+        None => Ok(None),
+    }
+}
+
 /// The next JSON object on `sub`, or `None` once `deadline` passes. Payloads that are not JSON
-/// objects are skipped with a warning.
-fn next_json(sub: &mut PubSub<'_>, deadline: Option<Instant>) -> anyhow::Result<Option<Value>> {
+/// objects are skipped with a warning. With `probe` (the Redis's name for the error), after
+/// [`QUIET_PROBE`] without a message a PING must be answered within [`DEFAULT_WAIT`] (or what
+/// is left of the deadline), or the wait gives up with the timeout error (exit 3). A reply's
+/// wait has its own deadline and goes without.
+fn next_json(
+    sub: &mut PubSub<'_>,
+    deadline: Option<Instant>,
+    probe: Option<&str>,
+) -> anyhow::Result<Option<Value>> {
     loop {
-        let wait = match deadline {
-            Some(d) => match d.checked_duration_since(Instant::now()) {
-                Some(left) if !left.is_zero() => Some(left),
-                _ => return Ok(None),
-            },
-            None => None,
+        let Ok(left) = until(deadline) else {
+            return Ok(None);
+        };
+        let wait = match (probe, left) {
+            (Some(_), left) => Some(left.map_or(QUIET_PROBE, |l| l.min(QUIET_PROBE))),
+            (None, left) => left,
         };
         sub.set_read_timeout(wait)?;
         let msg = match sub.get_message() {
             Ok(msg) => msg,
-            Err(e) if e.is_timeout() => return Ok(None),
+            Err(e) if e.is_timeout() => {
+                let Some(shown) = probe else {
+                    return Ok(None);
+                };
+                let Ok(left) = until(deadline) else {
+                    return Ok(None);
+                };
+                let answer_within = left.map_or(DEFAULT_WAIT, |l| l.min(DEFAULT_WAIT));
+                sub.set_read_timeout(Some(answer_within))?;
+                match sub.ping::<redis::Value>() {
+                    Ok(_) => continue,
+                    Err(e) if e.is_timeout() => {
+                        if until(deadline).is_err() {
+                            return Ok(None);
+                        }
+                        return Err(TimedOut(format!(
+                            "Redis at {shown} stopped answering: no answer to a PING on the \
+                             subscription within {}",
+                            secs(answer_within)
+                        ))
+                        .into());
+                    }
+                    Err(e) => bail!("lost the Redis subscription: {e}"),
+                }
+            }
             Err(e) => bail!("lost the Redis subscription: {e}"),
         };
         let payload: Vec<u8> = match msg.get_payload() {
