@@ -44,7 +44,8 @@
 #
 # Output (--results, default bench/results): latency-<broker>[-SUFFIX].json (every session's
 # reports) and latency-summary[-SUFFIX].md, then the latency CDFs as SVGs, drawn by
-# `fleetlink-bench plots` from this run's files when that binary is built. Its own redis-server (port LATENCY_REDIS_PORT,
+# `fleetlink-bench plots` (FLEETLINK_BENCH, default from the target dir as for the brokers:
+# FLEETLINK_FE, TOKIO_BASELINE, LOADGEN) from this run's files when that binary is built. Its own redis-server (port LATENCY_REDIS_PORT,
 # default 24379, --save "" --appendonly no) and every broker/loadgen it starts are stopped on
 # exit, failure or signal (bench/lib/procs.sh: each in its own process group, SIGKILLed if this
 # script dies without its cleanup); --time-limit is checked before every session, and every
@@ -62,6 +63,7 @@ target="${CARGO_TARGET_DIR:-$root/target}/release"
 loadgen="${LOADGEN:-$target/fleetlink-loadgen}"
 fe="${FLEETLINK_FE:-$target/fleetlink-fe}"
 baseline="${TOKIO_BASELINE:-$target/fleetlink-tokio-baseline}"
+bench_bin="${FLEETLINK_BENCH:-$target/fleetlink-bench}"
 lport="${LATENCY_LISTEN_PORT:-24080}"
 aport="${LATENCY_ADMIN_PORT:-24090}"
 rport="${LATENCY_REDIS_PORT:-24379}"
@@ -437,9 +439,9 @@ open(os.path.join(outdir, f"latency-summary{sfx}.md"), "w").write(text)
 print(text)
 PY
 echo "latency: wrote $results/latency-*${suffix:+-$suffix}.json and latency-summary${suffix:+-$suffix}.md (in $((SECONDS - start_s)) s)" >&2
-if [[ -x "$target/fleetlink-bench" ]]; then
-  "$target/fleetlink-bench" plots --out "$results" ${suffix:+--name "$suffix"} >&2 ||
+if [[ -x "$bench_bin" ]]; then
+  "$bench_bin" plots --out "$results" ${suffix:+--name "$suffix"} >&2 ||
     echo "latency: the plots failed; the figures above stand" >&2
 else
-  echo "latency: no $target/fleetlink-bench: no plots (bench/run plots draws them)" >&2
+  echo "latency: no $bench_bin: no plots (bench/run plots draws them)" >&2
 fi

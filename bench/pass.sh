@@ -66,7 +66,7 @@ sfx="pass$name"
 mkdir -p "$out"
 log="$out/pass-log.txt"
 stamp() { echo "$1 $(date -u +%FT%TZ)" | tee -a "$log"; }
-echo "commit $(git rev-parse --short HEAD)$(git diff --quiet HEAD -- src lua bench || echo ' (dirty)') kernel $(uname -r)" | tee "$log"
+echo "commit $(git rev-parse --short HEAD)$(git diff --quiet HEAD -- src lua bench ':(exclude)bench/results' Cargo.toml Cargo.lock || echo ' (dirty)') kernel $(uname -r)" | tee "$log"
 redis_brokers="fleetlink-fe-redis fleetlink-fe-redis-nopersist tokio-baseline-redis-rb4096 tokio-baseline-redis-store-rb4096"
 
 stamp "latency start"

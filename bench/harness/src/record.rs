@@ -74,7 +74,11 @@ pub(crate) fn host() -> Value {
         "cpu": read("/proc/cpuinfo").and_then(|c| c.lines()
             .find_map(|l| l.strip_prefix("model name").map(|m| m.trim_start_matches([' ', '\t', ':']).to_string()))),
         "git_commit": cmd("git", &["rev-parse", "--short", "HEAD"]),
-        "git_dirty": cmd("git", &["status", "--porcelain"]).map(|s| !s.is_empty()),
+        // Dirty means the measured code differs from the commit: the pass's own result files
+        // and the docs do not count, as in bench/pass.sh's check.
+        "git_dirty": cmd("git", &["status", "--porcelain", "--untracked-files=no", "--",
+            ":(top)src", ":(top)lua", ":(top)bench", ":(top,exclude)bench/results",
+            ":(top)Cargo.toml", ":(top)Cargo.lock"]).map(|s| !s.is_empty()),
     })
 }
 
