@@ -2579,6 +2579,35 @@ fn twins_with_one_broker_id_fail_readiness_once_both_run() {
     a.wait_readyz(200, Duration::from_secs(15), "the survivor ready again");
 }
 
+/// Broker-to-broker messages that change nothing here are counted, not dropped unseen: another
+/// broker's canary on this broker's channel (`canary/foreign`, readiness untouched), and a
+/// `session_merged` notice for a rig not connected here (`session/merged_stale`).
+#[test]
+fn ignored_broker_messages_are_counted() {
+    let redis = RedisServer::start();
+    let a = fleet_broker(&redis, "fe-quiet", &[]);
+    let mut con = redis.connection();
+    for msg in [
+        json!({"type": "canary", "broker_id": "fe-other"}),
+        json!({"type": "session_merged", "rig_id": "rig-gone", "boot_id": boot_id()}),
+    ] {
+        let _: i64 = redis::cmd("PUBLISH")
+            .arg("fleetlink:broker:fe-quiet")
+            .arg(msg.to_string())
+            .query(&mut con)
+            .unwrap();
+    }
+    eventually(Duration::from_secs(10), "both counted", || {
+        a.metric("fleetlink_registry_ops_total{op=\"canary\",result=\"foreign\"}") == 1
+            && a.metric("fleetlink_registry_ops_total{op=\"session\",result=\"merged_stale\"}") == 1
+    });
+    assert_eq!(
+        a.metric("fleetlink_registry_ops_total{op=\"control\",result=\"bad_request\"}"),
+        0
+    );
+    assert_eq!(a.http("GET", "/readyz", "").0, 200);
+}
+
 /// A release cut off on its way to Redis is sent again on the next connection: dropped, the
 /// lease would outlive its rig by the registry TTL (a minute here), and commands held for the
 /// rig meanwhile would be refused as for a rig still connected to this broker.

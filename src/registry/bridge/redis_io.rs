@@ -185,6 +185,9 @@ impl Bridge {
                 instance,
             }) => {
                 if broker_id != self.cfg.broker_id {
+                    // Another broker's canary, on our channel: misrouted or made by hand. It
+                    // says nothing of our subscription, and only a counter shows it came.
+                    self.shared.count("canary", "foreign");
                     return;
                 }
                 if instance.as_deref().is_some_and(|i| i != self.instance) {
@@ -236,7 +239,9 @@ impl Bridge {
                         self.shared.count("session", "merged");
                         self.send_to_core(conn, ToCore::Rekeep { conn });
                     }
-                    _ => {}
+                    // The rig left or moved since (or the notice was made by hand): its
+                    // session goes back from wherever it is now.
+                    _ => self.shared.count("session", "merged_stale"),
                 }
             }
             Ok(Control::Broadcast {

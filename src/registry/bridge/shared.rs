@@ -12,7 +12,7 @@ use crate::metrics::BridgeStats;
 pub(super) const CANARY_STALE: Duration = Duration::from_secs(5);
 
 /// Registry operations counted by (op, result), in this order.
-pub const REGISTRY_OPS: [(&str, &str); 76] = [
+pub const REGISTRY_OPS: [(&str, &str); 78] = [
     ("offline", "held"),
     ("offline", "full"),
     ("offline", "connected_elsewhere"),
@@ -54,6 +54,7 @@ pub const REGISTRY_OPS: [(&str, &str); 76] = [
     ("resume", "rebooted"),
     ("resume", "lost"),
     ("canary", "twin"),
+    ("canary", "foreign"),
     ("refresh", "ok"),
     ("refresh", "restored"),
     ("refresh", "outlived"),
@@ -81,6 +82,7 @@ pub const REGISTRY_OPS: [(&str, &str); 76] = [
     ("session", "swept"),
     ("session", "missed"),
     ("session", "merged"),
+    ("session", "merged_stale"),
     ("session", "key_lost"),
     ("session", "pointer_restored"),
     ("offline", "draining"),
