@@ -2176,6 +2176,58 @@ fn a_rig_that_acks_nothing_is_refused_for_its_outbox_while_its_commands_wait_for
     });
 }
 
+/// Commands waiting for Redis to keep them are bounded per rig at 8 x `--outbox`: past it,
+/// `overloaded` (the store is slow, not the rig), counted as `store_backlog`, not as a full
+/// bridge inbox (review bb135). Those waiting are kept and given once Redis takes writes.
+#[test]
+fn a_rigs_commands_waiting_for_redis_are_bounded_and_counted() {
+    let redis = RedisServer::start();
+    // One core: the admin connections are served on the rig's core, which takes their commands
+    // while the bridge waits on the paused Redis (it answers nothing else meanwhile).
+    let a = fleet_broker(&redis, "fe-sb", &["--outbox", "2", "--cores", "1"]);
+    let (mut ws, _, _) = a.rig("rig-sb");
+    // The first answer teaches the admin API the rig's core: the later commands go there
+    // directly, not through the bridge.
+    assert_eq!(a.command("rig-sb", "n", json!({})).1["seq"], 1);
+    assert_eq!(read_json(&mut ws)["seq"], 1);
+    pause_writes(&redis, 5000);
+    std::thread::scope(|s| {
+        let waiting: Vec<_> = (0..16)
+            .map(|_| s.spawn(|| a.command("rig-sb", "n", json!({}))))
+            .collect();
+        a.wait_metric("fleetlink_commands_total{result=\"enqueued\"} 17");
+        let (_, refusal) = a.command("rig-sb", "n", json!({}));
+        let _: () = redis::cmd("CLIENT")
+            .arg("UNPAUSE")
+            .query(&mut redis.connection())
+            .unwrap();
+        assert_eq!(refusal["error"], "overloaded", "{refusal}");
+        assert_eq!(
+            refusal["detail"], "too many commands waiting for the session store",
+            "{refusal}"
+        );
+        assert_eq!(
+            a.metric("fleetlink_commands_total{result=\"store_backlog\"}"),
+            1
+        );
+        assert_eq!(
+            a.metric("fleetlink_bridge_queue_full_total{from=\"core\"}"),
+            0
+        );
+        let mut seqs: Vec<_> = waiting
+            .into_iter()
+            .map(|w| w.join().unwrap().1["seq"].as_u64().unwrap())
+            .collect();
+        seqs.sort();
+        assert_eq!(seqs, (2..=17).collect::<Vec<_>>());
+    });
+    // Written up to 8 x --outbox unacked, as always: acked as read, every one arrives.
+    for seq in 2..=17u64 {
+        assert_eq!(read_json(&mut ws)["seq"], seq);
+        ack(&mut ws, seq);
+    }
+}
+
 fn numsub(redis: &RedisServer, channel: &str) -> i64 {
     let (_, n): (String, i64) = redis::cmd("PUBSUB")
         .arg("NUMSUB")

@@ -178,7 +178,9 @@ pub struct BrokerArgs {
     pub max_connections: Option<u64>,
     /// Per-rig bound on commands queued but not yet written, at least 1; beyond it, rig_unresponsive. A rig
     /// may have 8x this written and unacked; past that the next waits here for an ack, so a
-    /// resume can give back every one.
+    /// resume can give back every one. In fleet mode, commands still being kept in Redis when
+    /// the rig falls behind join the queue past this bound, never past 9x it in the session as
+    /// a whole (queued, being kept and unacked).
     #[arg(long, env = "FLEETLINK_OUTBOX", default_value_t = 128, value_parser = parse_u32, allow_negative_numbers = true)]
     pub outbox: u32,
     /// Bytes of admin answers (rig lists, event pages, metrics) each core may hold while their clients

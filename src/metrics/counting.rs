@@ -41,6 +41,7 @@ pub enum C {
     CmdResumeDropped,
     CmdSeqExhausted,
     CmdMemoryFull,
+    CmdStoreBacklog,
     CmdBroadcastAgain,
     CmdLostToSharedSeq,
     PingsSent,
@@ -62,7 +63,7 @@ pub enum C {
 }
 
 /// (metric name, label pair) for each counter, in [`C`] order.
-pub(super) const COUNTERS: [(&str, &str); 48] = [
+pub(super) const COUNTERS: [(&str, &str); 49] = [
     ("fleetlink_accepts_total", "result=\"ok\""),
     ("fleetlink_accepts_total", "result=\"rate_limited\""),
     ("fleetlink_accepts_total", "result=\"over_capacity\""),
@@ -93,6 +94,7 @@ pub(super) const COUNTERS: [(&str, &str); 48] = [
     ("fleetlink_commands_total", "result=\"resume_dropped\""),
     ("fleetlink_commands_total", "result=\"seq_exhausted\""),
     ("fleetlink_commands_total", "result=\"memory_full\""),
+    ("fleetlink_commands_total", "result=\"store_backlog\""),
     ("fleetlink_commands_total", "result=\"broadcast_again\""),
     ("fleetlink_commands_total", "result=\"lost_shared_seq\""),
     ("fleetlink_pings_sent_total", ""),

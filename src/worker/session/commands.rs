@@ -102,7 +102,7 @@ fn enqueue(
         }
         // Redis is slower than control right now: a broker-side condition, not the rig's.
         let why = "too many commands waiting for the session store";
-        refuse_command(core, req, C::BridgeQueueFull, "overloaded", why);
+        refuse_command(core, req, C::CmdStoreBacklog, "overloaded", why);
         return Ok(());
     }
     // Those still waiting for Redis count too for the hold's: it delivers a thousand at once.
