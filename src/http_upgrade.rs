@@ -503,6 +503,9 @@ mod tests {
             (with_header("Connection", "Connection: keep-alive"), Reject::UpgradeRequired),
             (with_header("GET", "GET /agent HTTP/1.0"), Reject::UpgradeRequired),
             (with_header("Sec-WebSocket-Version", "Sec-WebSocket-Version: 8"), Reject::UpgradeRequired),
+            (with_header("Sec-WebSocket-Version", "Sec-WebSocket-Version: 12"), Reject::UpgradeRequired),
+            (with_header("Sec-WebSocket-Version", "Sec-WebSocket-Version: 14"), Reject::UpgradeRequired),
+            (with_header("Sec-WebSocket-Version", "Sec-WebSocket-Version: 13, 8"), Reject::UpgradeRequired),
             (with_header("Sec-WebSocket-Version", ""), Reject::UpgradeRequired),
             (
                 with_header("Sec-WebSocket-Version", "Sec-WebSocket-Version: 13\r\nSec-WebSocket-Version: 13"),
@@ -510,6 +513,9 @@ mod tests {
             ),
             (with_header("Sec-WebSocket-Key", ""), Reject::BadRequest),
             (with_header("Sec-WebSocket-Key", "Sec-WebSocket-Key: c2hvcnQ="), Reject::BadRequest),
+            // 17 and 20 bytes: the key is exactly 16.
+            (with_header("Sec-WebSocket-Key", "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZXg="), Reject::BadRequest),
+            (with_header("Sec-WebSocket-Key", "Sec-WebSocket-Key: AAAAAAAAAAAAAAAAAAAAAAAAAAA="), Reject::BadRequest),
             (with_header("Sec-WebSocket-Key", "Sec-WebSocket-Key: not base64 at all!!!!"), Reject::BadRequest),
             (
                 with_header("Sec-WebSocket-Key", "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ=="),

@@ -429,6 +429,35 @@ fn bare_close_answered(rig: &mut RawRig, bound: Duration) {
     );
 }
 
+/// Each codec refusal reaches the rig as its own close code, and is counted by it: invalid
+/// UTF-8 1007, an unmasked frame, a control frame over 125 bytes and reserved bits 1002 (the
+/// codec's unit tests pin the refusals; this pins what the connection does with them).
+#[test]
+fn codec_refusals_close_with_their_own_codes() {
+    let b = Broker::start(&[]);
+    use fleetlink::ws::{encode_client_frame, OpCode as Op};
+    let masked = |op: Op, payload: &[u8]| {
+        let mut frame = Vec::new();
+        encode_client_frame(&mut frame, true, op, [1, 2, 3, 4], payload);
+        frame
+    };
+    let mut reserved_bits = masked(Op::Text, b"{}");
+    reserved_bits[0] |= 0x40;
+    let cases = [
+        ("invalid UTF-8", masked(Op::Text, b"ok \xff"), 1007),
+        ("unmasked", b"\x81\x02ok".to_vec(), 1002),
+        ("a 126-byte ping", masked(Op::Ping, &[b'p'; 126]), 1002),
+        ("reserved bits", reserved_bits, 1002),
+    ];
+    for (i, (what, frame, code)) in cases.into_iter().enumerate() {
+        let mut rig = RawRig::hello(&b, &format!("rig-codec-{i}"));
+        rig.write_raw(&frame);
+        assert_eq!(rig.read_close(), code, "{what}");
+    }
+    b.wait_metric("fleetlink_closes_total{code=\"1007\"} 1");
+    b.wait_metric("fleetlink_closes_total{code=\"1002\"} 3");
+}
+
 #[test]
 fn binary_message_closes_1003_and_oversize_closes_1009() {
     let b = Broker::start(&["--max-message", "1024"]);
@@ -820,17 +849,26 @@ fn unknown_rig_and_bad_requests_get_contract_errors() {
 #[test]
 fn full_outbox_answers_rig_unresponsive() {
     let b = Broker::start(&["--outbox", "4"]);
-    // Raw TCP upgrade, hello, then never read again: the socket buffers fill, then the outbox.
-    let (ws, _, _) = b.rig("rig-stuck");
-    let big = "x".repeat(60_000);
+    // Hello, then never read again: the socket buffers fill, then the outbox. Commands of
+    // 900 KB fill the socket buffers (a few MB) with far fewer than the 32 the rig may have
+    // unacked, so the outbox's own count refuses, not the session's bound.
+    let rig = RawRig::hello(&b, "rig-stuck");
+    rig.set_rcvbuf(4096);
+    let big = "x".repeat(900_000);
     let mut last = serde_json::Value::Null;
+    let mut taken = 0;
     for _ in 0..2000 {
         let (status, reply) = b.command("rig-stuck", "blob", json!({"data": big}));
         last = reply;
         if status == 503 {
             break;
         }
+        taken += 1;
     }
+    assert!(
+        taken < 32,
+        "{taken} taken: the session's bound refused, not the outbox's"
+    );
     assert_eq!(last["error"], "rig_unresponsive", "{last}");
     assert!(
         last["detail"]
@@ -842,7 +880,7 @@ fn full_outbox_answers_rig_unresponsive() {
     assert_eq!(last["last_ack_seq"], 0);
     assert_eq!(last["suggested_action"], "force_reconnect");
     assert!(last.get("last_ack_at").is_some());
-    drop(ws);
+    drop(rig);
 }
 
 /// A hello's `last_seq` moves the session's next seq past it; near the top of the seq space

@@ -530,10 +530,13 @@ impl Session {
             .map_or(0, |q| q.outbox().iter().filter(|c| c.held).count())
     }
 
-    /// Frees the queues once nothing is in flight.
+    /// Frees the queues once nothing is in flight, and their lines' room once only ids
+    /// awaiting results are left.
     pub(crate) fn shrink_queues(&mut self) {
         if self.queues.as_ref().is_some_and(|q| q.is_empty()) {
             self.queues = None;
+        } else if let Some(q) = self.queues.as_mut() {
+            q.release_lines();
         }
     }
 }

@@ -257,7 +257,7 @@ mod tests {
 
     #[test]
     fn header_violations() {
-        let cases: [(&[u8], ProtocolError); 10] = [
+        let cases: [(&[u8], ProtocolError); 12] = [
             (b"\xc1\x80", ProtocolError::ReservedBits),
             (b"\xa1\x80", ProtocolError::ReservedBits),
             (b"\x91\x80", ProtocolError::ReservedBits),
@@ -266,6 +266,8 @@ mod tests {
             (b"\x81\x05", ProtocolError::UnmaskedFrame),
             (b"\x09\x80", ProtocolError::FragmentedControl),
             (b"\x89\xfe", ProtocolError::ControlTooLong),
+            (b"\x8a\xfe", ProtocolError::ControlTooLong),
+            (b"\x88\xfe", ProtocolError::ControlTooLong),
             (b"\x82\xfe\x00\x7d", ProtocolError::NonMinimalLength),
             (
                 b"\x82\xff\x80\x00\x00\x00\x00\x00\x00\x00",

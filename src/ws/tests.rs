@@ -28,6 +28,22 @@ fn decode_stream(input: &[u8]) -> (Vec<Message>, Option<ProtocolError>) {
     }
 }
 
+/// What RFC 6455 bounds in any message a decoder hands out, whatever the input: a control
+/// frame's payload is at most 125 bytes (§5.5), and a message no larger than the limit.
+/// Chunking alone cannot check this: a decoder that wrongly takes a frame agrees with itself.
+fn within_the_spec(msgs: &[Message]) -> Result<(), TestCaseError> {
+    for msg in msgs {
+        match msg {
+            Message::Ping(p) | Message::Pong(p) => prop_assert!(p.len() <= 125),
+            Message::Close(Some(c)) => prop_assert!(2 + c.reason.len() <= 125),
+            Message::Close(None) => {}
+            Message::Text(t) => prop_assert!(t.len() <= LIMITS.max_message),
+            Message::Binary(b) => prop_assert!(b.len() <= LIMITS.max_message),
+        }
+    }
+    Ok(())
+}
+
 /// Same as `decode_stream`, but the bytes arrive one at a time into a growing buffer, the way
 /// a connection with tiny reads would see them.
 fn decode_byte_by_byte(input: &[u8]) -> (Vec<Message>, Option<ProtocolError>) {
@@ -227,6 +243,15 @@ fn early_scan_never_refuses_valid_text_in_any_chops() {
 }
 
 #[test]
+fn invalid_byte_in_the_final_fragment_closes_with_1007() {
+    let frames = [
+        frame(false, OpCode::Text, b"ok"),
+        frame(true, OpCode::Continuation, b"\xff"),
+    ];
+    assert_eq!(error_of(&frames), ProtocolError::InvalidUtf8);
+}
+
+#[test]
 fn incomplete_code_point_at_the_final_fragment_closes_with_1007() {
     let frames = [
         frame(false, OpCode::Text, b"ab\xe2"),
@@ -309,22 +334,38 @@ proptest! {
     #[test]
     fn arbitrary_bytes_never_panic_and_chunking_does_not_matter(bytes in proptest::collection::vec(any::<u8>(), 0..512)) {
         let whole = decode_stream(&bytes);
+        within_the_spec(&whole.0)?;
+        // No message comes out of a stream whose first frame is unmasked (§5.1).
+        if bytes.get(1).is_some_and(|b| b & 0x80 == 0) {
+            prop_assert!(whole.0.is_empty());
+        }
         prop_assert_eq!(decode_byte_by_byte(&bytes), whole);
     }
 
     #[test]
     fn arbitrary_masked_frames_never_panic(
-        frames in proptest::collection::vec((any::<bool>(), 0u8..16, any::<u8>(), proptest::collection::vec(any::<u8>(), 0..200)), 0..8),
+        frames in proptest::collection::vec((any::<bool>(), 0u8..16, any::<u8>(), proptest::collection::vec(any::<u8>(), 0..200), proptest::bool::weighted(0.05)), 0..8),
     ) {
         // Valid-looking headers with random opcodes and RSV bits get past the first checks far
-        // more often than random bytes do.
+        // more often than random bytes do. One in twenty is sent unmasked.
         let mut stream = Vec::new();
-        for (fin, op, rsv, payload) in &frames {
+        let mut unmasked_at = None;
+        for (i, (fin, op, rsv, payload, unmasked)) in frames.iter().enumerate() {
             let start = stream.len();
             encode_client_frame(&mut stream, *fin, OpCode::Binary, [3, 1, 4, 1], payload);
             stream[start] = (stream[start] & 0x80) | (rsv & 0x70) | op;
+            if *unmasked {
+                stream[start + 1] &= 0x7f;
+                unmasked_at.get_or_insert(i);
+            }
         }
         let whole = decode_stream(&stream);
+        within_the_spec(&whole.0)?;
+        // Nothing from the unmasked frame on: the stream ends in an error at it or before.
+        if let Some(i) = unmasked_at {
+            prop_assert!(whole.0.len() <= i);
+            prop_assert!(whole.1.is_some());
+        }
         prop_assert_eq!(decode_byte_by_byte(&stream), whole);
     }
 }
