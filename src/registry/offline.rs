@@ -507,6 +507,68 @@ impl LocalHeld {
     }
 }
 
+/// Held commands this broker delivered itself, its `offline_delivered` published, the newest
+/// [`DeliveredHolds::MAX`]. Redis may then lose its keys before the command's deadline; the
+/// holding broker cannot tell a command a hello took before the loss from one the loss took,
+/// and reports `lost`. When the hello was its own it can: that command's story is told
+/// (review bb138 saw `offline_delivered`, `ack`, `result`, then `lost` from one broker).
+#[derive(Debug, Default)]
+pub struct DeliveredHolds {
+    /// Oldest first, each with the number it was noted under; one taken since stays here,
+    /// stale, until it comes up for eviction.
+    order: VecDeque<((RigId, Box<str>), u64)>,
+    noted: HashMap<(RigId, Box<str>), u64>,
+    next: u64,
+}
+
+impl DeliveredHolds {
+    /// Most remembered: about 2.5 MB at most. An older delivery is reported `lost` after a
+    /// loss, as before, which errs toward sending it again (the rig checks the `id`).
+    pub const MAX: usize = 16_384;
+
+    /// Remembers that `id` for `rig` was delivered here.
+    pub fn note(&mut self, rig: RigId, id: &str) {
+        if self.order.len() >= Self::MAX {
+            if let Some((old, n)) = self.order.pop_front() {
+                if self.noted.get(&old) == Some(&n) {
+                    self.noted.remove(&old);
+                }
+            }
+        }
+        self.next += 1;
+        let key = (rig, Box::from(id));
+        self.noted.insert(key.clone(), self.next);
+        self.order.push_back((key, self.next));
+    }
+
+    /// Whether `id` for `rig` was delivered here; forgotten as it is asked (its deadline came).
+    pub fn take(&mut self, rig: &RigId, id: &str) -> bool {
+        self.noted.remove(&(rig.clone(), Box::from(id))).is_some()
+    }
+}
+
+#[cfg(test)]
+mod delivered_tests {
+    use super::*;
+
+    #[test]
+    fn delivered_holds_are_remembered_once_and_the_oldest_go_first() {
+        let rig = RigId::parse("r").unwrap();
+        let mut d = DeliveredHolds::default();
+        d.note(rig.clone(), "a");
+        assert!(d.take(&rig, "a"));
+        assert!(!d.take(&rig, "a"), "taken once");
+        for i in 0..DeliveredHolds::MAX {
+            d.note(rig.clone(), &i.to_string());
+        }
+        // "0" is the oldest; one more pushes it out, and the rest stay.
+        d.note(rig.clone(), "new");
+        assert!(!d.take(&rig, "0"));
+        assert!(d.take(&rig, "1") && d.take(&rig, "new"));
+        assert!(d.order.len() <= DeliveredHolds::MAX && d.noted.len() < DeliveredHolds::MAX);
+    }
+}
+
 /// Deadlines of the commands this broker put on hold, so it can report them `expired` on time.
 /// Bounded by [`Deadlines::MAX`]: past it, a command for an offline rig is refused.
 #[derive(Debug, Default)]

@@ -512,7 +512,9 @@ impl Bridge {
         }
         self.keys_lost_unseen(Instant::now());
         for (rig, entry) in self.deadlines.take_held_across_a_loss(in_redis_whole) {
-            self.report_hold_lost(&rig, &entry.id);
+            if !self.delivered_holds.take(&rig, &entry.id) {
+                self.report_hold_lost(&rig, &entry.id);
+            }
         }
     }
 
@@ -563,10 +565,12 @@ impl Bridge {
                 let size = entry.size();
                 self.deadlines
                     .add_from(now + EXPIRY_RETRY, rig, entry, size, epoch);
+            } else if self.delivered_holds.take(&rig, &entry.id) {
+                // Delivered here: its `offline_delivered` told its story.
             } else if in_redis_whole(&entry) && self.deadlines.held_across_a_loss(epoch) {
-                // Not there, and Redis lost its keys since it held it: a hello may have
-                // taken it before, or the loss did. Taken for delivered, one the loss took
-                // never had an outcome.
+                // Not there, and Redis lost its keys since it held it: a hello elsewhere may
+                // have taken it before, or the loss did. Taken for delivered, one the loss
+                // took never had an outcome.
                 self.report_hold_lost(&rig, &entry.id);
             }
         }

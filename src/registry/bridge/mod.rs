@@ -165,6 +165,9 @@ struct Bridge {
     /// in Redis is removed at the reconnect, before anything takes from Redis again, or the
     /// rig would get the command twice, under two seqs.
     delivered_here: Vec<(RigId, Held)>,
+    /// Held commands delivered here (fleet mode), so that a loss of Redis's keys before their
+    /// deadline does not get them reported `lost` as well.
+    delivered_holds: crate::registry::offline::DeliveredHolds,
     /// Sessions those hellos ended, and live ones a newer boot took over, waiting for Redis
     /// to say what is left to report.
     ended_alone: rekeeps::EndedAlone,
@@ -236,6 +239,7 @@ impl Bridge {
             decided_alone: HashSet::new(),
             held_unread: HashSet::new(),
             delivered_here: Vec::new(),
+            delivered_holds: Default::default(),
             ended_alone: rekeeps::EndedAlone::default(),
             pace: WritePace::new(now),
             unanswered: redis_io::UnansweredLog::default(),
@@ -730,6 +734,10 @@ impl Bridge {
             ReplyTo::Channel(channel) => self.publish(channel, &body),
             ReplyTo::Aggregate(agg) => self.broadcast_part(agg, &body),
             ReplyTo::Event => {
+                let rig = body["rig_id"].as_str().and_then(RigId::parse);
+                if let (Some(rig), Some(id)) = (rig, body["id"].as_str()) {
+                    self.delivered_holds.note(rig, id);
+                }
                 let ev = crate::events::offline_delivered(&self.cfg.broker_id, body);
                 self.publish(fleet::EVENTS.to_string(), &ev);
             }
