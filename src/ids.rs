@@ -168,8 +168,9 @@ mod tests {
         let ok = "01890a5d-ac96-774b-bcce-b302099a8057";
         assert!(BootId::parse(ok).is_some());
         assert!(BootId::parse(&ok.to_uppercase()).is_none());
-        assert!(BootId::parse("01890a5d-ac96-474b-bcce-b302099a8057").is_none()); // v4
-                                                                                  // The variant is RFC 9562's: its top bits 10, a nibble of 8, 9, a or b.
+        // Version 4, not 7.
+        assert!(BootId::parse("01890a5d-ac96-474b-bcce-b302099a8057").is_none());
+        // The variant is RFC 9562's: its top bits 10, a nibble of 8, 9, a or b.
         for variant in ['0', '7', 'c', 'f'] {
             let id = format!("01890a5d-ac96-774b-{variant}cce-b302099a8057");
             assert!(BootId::parse(&id).is_none(), "{id}");

@@ -592,9 +592,9 @@ fn next_json(
         let Ok(left) = until(deadline) else {
             return Ok(None);
         };
-        let wait = match (probe, left) {
-            (Some(_), left) => Some(left.map_or(QUIET_PROBE, |l| l.min(QUIET_PROBE))),
-            (None, left) => left,
+        let wait = match probe {
+            Some(_) => Some(left.map_or(QUIET_PROBE, |l| l.min(QUIET_PROBE))),
+            None => left,
         };
         sub.set_read_timeout(wait)?;
         let msg = match sub.get_message() {
