@@ -2660,36 +2660,6 @@ fn ignored_broker_messages_are_counted() {
     assert_eq!(a.http("GET", "/readyz", "").0, 200);
 }
 
-/// Redis paused long enough for the reconnect's backoff to grow to seconds: the first command
-/// Redis pushes on the subscription after the pause (which the subscription lived through)
-/// brings the command connection back at once. Before, it waited out the backoff, 1.6–4.8 s
-/// here, with the command delivered unkept and its reply held; a broker killed meanwhile left
-/// control with neither (review bb138).
-#[test]
-fn a_push_after_a_pause_brings_the_command_connection_back_at_once() {
-    let redis = RedisServer::start();
-    let url = redis.url();
-    let a = Broker::start_logged(&["--redis", url.as_str(), "--broker-id", "fe-pp"]);
-    a.wait_readyz(200, Duration::from_secs(15), "fe-pp ready");
-    let (mut ws, _, _) = a.rig("rig-pp");
-    let mut ctl = Control::new(&redis, &[]);
-    redis.freeze(true);
-    // The fifth failed attempt in a row says so, and sets the next one 3.2 s (x 0.5-1.5) on.
-    eventually(Duration::from_secs(30), "five attempts failed", || {
-        a.log_text().contains("still unreachable after 4 attempts")
-    });
-    redis.freeze(false);
-    let thawed = Instant::now();
-    let reply = ctl.command_id("fe-pp", "rig-pp", "after-pause", "n", json!({}));
-    let took = thawed.elapsed();
-    assert_eq!(reply["ok"], true, "{reply}");
-    assert_eq!(read_json(&mut ws)["id"], "after-pause");
-    assert!(
-        took < Duration::from_millis(1200),
-        "the reply came {took:?} after the pause: the reconnect waited out its backoff"
-    );
-}
-
 /// A release cut off on its way to Redis is sent again on the next connection: dropped, the
 /// lease would outlive its rig by the registry TTL (a minute here), and commands held for the
 /// rig meanwhile would be refused as for a rig still connected to this broker.

@@ -78,8 +78,9 @@ impl Run {
 /// A client for `url`, or an error that says which URLs are taken: the redis crate's own
 /// reads "Redis URL did not parse- InvalidClientConfig" for any other scheme.
 fn open_client(url: &str) -> Result<redis::Client> {
-    let scheme = url.split_once("://").map(|(s, _)| s);
-    if !matches!(scheme, Some("redis" | "unix" | "redis+unix")) {
+    // Schemes are case-insensitive (RFC 3986 section 3.1): `REDIS://` is taken too.
+    let scheme = url.split_once("://").map(|(s, _)| s.to_ascii_lowercase());
+    if !matches!(scheme.as_deref(), Some("redis" | "unix" | "redis+unix")) {
         anyhow::bail!(
             "bad redis URL {url:?}: it must start with redis:// (or unix:// for Redis's socket)"
         );
@@ -222,6 +223,7 @@ mod tests {
         let e = open_client("http://x").unwrap_err().to_string();
         assert!(e.contains("it must start with redis://"), "{e}");
         assert!(open_client("redis://127.0.0.1:1/").is_ok());
+        assert!(open_client("REDIS://127.0.0.1:1/").is_ok());
         assert!(open_client("unix:///tmp/redis.sock").is_ok());
     }
 
