@@ -3621,6 +3621,78 @@ fn a_held_commands_expiry_whose_answer_is_lost_is_still_reported() {
     assert!(left.is_empty(), "{left:?}");
 }
 
+/// Redis's count of connected clients.
+fn connected_clients(redis: &RedisServer) -> u64 {
+    let info: String = redis::cmd("INFO")
+        .arg("clients")
+        .query(&mut redis.connection())
+        .unwrap();
+    info.lines()
+        .find_map(|l| l.strip_prefix("connected_clients:"))
+        .and_then(|n| n.trim().parse().ok())
+        .expect("connected_clients in INFO")
+}
+
+/// A reply is published once (CONTRACT.md §4) even when the batch of publishes that carried it
+/// lost its answer: one that ran is not sent again, and one still held in a hung Redis's
+/// buffer when the broker sends it again never runs. Before, the broker sent every batch
+/// whose answer was lost again on its next connection, and control read the reply twice
+/// (review bb140: about one Redis pause in six).
+#[test]
+fn a_reply_whose_answer_was_lost_is_published_once() {
+    let redis = RedisServer::start();
+    let relay = Relay::start(redis.port());
+    let a = broker_behind(&relay, "fe-once");
+    let mut ctl = Control::new(&redis, &[]);
+    let (mut ws, _, _) = a.rig("rig-once");
+    let reply_to = ctl.reply_to.clone();
+    let send = |ctl: &mut Control, id: &str| {
+        let msg = json!({"type":"command","id":id,"rig_id":"rig-once","name":"n","args":{},"reply_to":reply_to});
+        ctl.publish("fleetlink:broker:fe-once", msg);
+    };
+    // Only the reply's bytes hold both: the command's own JSON, kept by persist.lua, has no
+    // "ok" after its id.
+    let reply_bytes = |id: &str| format!(r#""id":"{id}","ok""#).into_bytes();
+
+    // The batch runs and its answer is lost: the reply went out, and does not go again.
+    relay.cut_after(&reply_bytes("once-1"), false);
+    send(&mut ctl, "once-1");
+    read_command(&mut ws, 1, "once-1");
+    let r = ctl.next(|ch, v| ch == reply_to && v["id"] == "once-1");
+    assert_eq!(r["seq"], 1, "{r}");
+    assert_eq!(relay.cuts(), 1, "the batch's answer was lost");
+    // Its reply is published behind whatever the broker sends again at its reconnect.
+    send(&mut ctl, "once-2");
+    read_command(&mut ws, 2, "once-2");
+    let r = ctl.next(|ch, v| ch == reply_to && v["id"] == "once-2");
+    assert_eq!(r["seq"], 2, "{r}");
+    let again = ctl.backlog_count(|ch, v| ch == reply_to && v["id"] == "once-1");
+    assert_eq!(again, 0, "the reply to once-1 was published again");
+    a.wait_metric("fleetlink_registry_ops_total{op=\"publish\",result=\"unanswered_ran\"} 1");
+
+    // The batch is held on its way (a Redis that hangs with it in its buffer): the broker gives
+    // up on it, asks, and sends it again; released, the old batch runs and publishes nothing.
+    relay.hold_on(&reply_bytes("once-3"));
+    send(&mut ctl, "once-3");
+    read_command(&mut ws, 3, "once-3");
+    eventually(Duration::from_secs(5), "the batch held", || {
+        relay.holds() == 1
+    });
+    let r = ctl.next(|ch, v| ch == reply_to && v["id"] == "once-3");
+    assert_eq!(r["seq"], 3, "{r}");
+    a.wait_metric("fleetlink_registry_ops_total{op=\"publish\",result=\"unanswered_resent\"} 1");
+    let before = connected_clients(&redis);
+    relay.release();
+    // Redis runs what the old connection held, then sees it closed.
+    eventually(Duration::from_secs(5), "the held batch run", || {
+        connected_clients(&redis) < before
+    });
+    ctl.publish(&reply_to, json!({"id": "marker"}));
+    ctl.next(|ch, v| ch == reply_to && v["id"] == "marker");
+    let again = ctl.backlog_count(|ch, v| ch == reply_to && v["id"] == "once-3");
+    assert_eq!(again, 0, "the held batch published its reply a second time");
+}
+
 /// A rig that left with a command unacked and stays away past `--session-ttl` has that command
 /// reported `expired` (with its seq and boot) just before Redis lets the session lapse, and a
 /// later boot's hello reports it no second time; a rig that came back with the same boot in

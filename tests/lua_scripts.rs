@@ -608,6 +608,194 @@ fn the_stale_lease_sweep_removes_only_leases_naming_this_broker() {
     assert_eq!(left, ["rig:r2", "rig:r3", "rig:r4", "rig:r5"]);
 }
 
+// ---- publish.lua ----
+
+/// Runs publish.lua: `mode`, the mark's key for broker "b1", instance "i1", and the rest.
+fn publish_lua(
+    con: &mut Connection,
+    mode: &str,
+    gen: u64,
+    n: u64,
+    pairs: &[(&str, &str)],
+) -> Value {
+    let script = redis::Script::new(include_str!("../lua/publish.lua"));
+    let mut call = script.prepare_invoke();
+    call.key("sentinel:b1|published")
+        .arg(mode)
+        .arg("i1")
+        .arg(gen)
+        .arg(n)
+        .arg(60_000);
+    for (channel, payload) in pairs {
+        call.arg(*channel).arg(*payload);
+    }
+    call.invoke(con).expect("publish.lua")
+}
+
+/// What arrived on `sub` within a moment after `marker` was published behind it (the marker
+/// follows everything published before it).
+fn heard(server: &RedisServer, sub: &mut redis::PubSub<'_>, channel: &str) -> Vec<String> {
+    let _: i64 = redis::cmd("PUBLISH")
+        .arg(channel)
+        .arg("marker")
+        .query(&mut server.connection())
+        .expect("PUBLISH");
+    let mut got = Vec::new();
+    loop {
+        let msg = sub.get_message().expect("a message before the marker");
+        let payload: String = msg.get_payload().expect("text");
+        if payload == "marker" {
+            return got;
+        }
+        got.push(payload);
+    }
+}
+
+/// A batch publishes in order and leaves its mark; a check names whether a batch ran and
+/// fences the batches of older connections, which then publish nothing; a mark of another
+/// process counts as none.
+#[test]
+fn publish_lua_runs_a_batch_once_and_fences_older_connections() {
+    let server = RedisServer::start();
+    let mut con = server.connection();
+    let mut sub_con = server.connection();
+    let mut sub = sub_con.as_pubsub();
+    sub.subscribe("ch").expect("SUBSCRIBE");
+    sub.set_read_timeout(Some(Duration::from_secs(5)))
+        .expect("timeout");
+    let ran = publish_lua(&mut con, "publish", 1, 1, &[("ch", "a"), ("ch", "b")]);
+    assert_eq!(ran, Value::Int(0));
+    assert_eq!(heard(&server, &mut sub, "ch"), ["a", "b"]);
+    assert_eq!(
+        get(&mut con, "sentinel:b1|published").as_deref(),
+        Some("i1|1|1")
+    );
+    assert!(
+        pttl(&mut con, "sentinel:b1|published") > 0,
+        "the mark lapses"
+    );
+
+    // Batch 2 of connection 1 never arrived when connection 2 asks: it did not run, and it
+    // is fenced; the mark keeps batch 1 as the last that ran.
+    assert_eq!(publish_lua(&mut con, "check", 2, 2, &[]), Value::Int(0));
+    assert_eq!(
+        get(&mut con, "sentinel:b1|published").as_deref(),
+        Some("i1|2|1")
+    );
+    assert_eq!(
+        publish_lua(&mut con, "publish", 1, 2, &[("ch", "late")]),
+        Value::Int(-1)
+    );
+    assert_eq!(
+        heard(&server, &mut sub, "ch"),
+        Vec::<String>::new(),
+        "a fenced batch ran"
+    );
+    // Batch 1 did run.
+    assert_eq!(publish_lua(&mut con, "check", 3, 1, &[]), Value::Int(1));
+    assert_eq!(
+        publish_lua(&mut con, "publish", 3, 3, &[("ch", "c")]),
+        Value::Int(0)
+    );
+    assert_eq!(heard(&server, &mut sub, "ch"), ["c"]);
+    assert_eq!(publish_lua(&mut con, "check", 4, 3, &[]), Value::Int(1));
+    assert_eq!(publish_lua(&mut con, "check", 4, 4, &[]), Value::Int(0));
+
+    // Another process's mark (a restart under the same broker id) says nothing of ours.
+    set(&mut con, "sentinel:b1|published", "i0|9|99");
+    assert_eq!(publish_lua(&mut con, "check", 1, 1, &[]), Value::Int(0));
+    assert_eq!(
+        get(&mut con, "sentinel:b1|published").as_deref(),
+        Some("i1|1|0")
+    );
+    set(&mut con, "sentinel:b1|published", "i0|9|99");
+    assert_eq!(
+        publish_lua(&mut con, "publish", 1, 1, &[("ch", "d")]),
+        Value::Int(0)
+    );
+    assert_eq!(heard(&server, &mut sub, "ch"), ["d"]);
+    // Damage where the mark belongs counts as none, and is replaced.
+    set(&mut con, "sentinel:b1|published", "i1|x|1");
+    assert_eq!(publish_lua(&mut con, "check", 5, 1, &[]), Value::Int(0));
+}
+
+/// Publishes Redis refuses (an ACL) are counted and the rest go out; a Redis too full to
+/// write the mark still publishes the batch (only a check after it would send it again).
+#[test]
+fn publish_lua_counts_refused_publishes_and_publishes_when_full() {
+    let server = RedisServer::start();
+    let mut admin = server.connection();
+    run(
+        &mut admin,
+        &[
+            "ACL",
+            "SETUSER",
+            "narrow",
+            "on",
+            ">pw",
+            "~*",
+            "resetchannels",
+            "&ok",
+            "+@all",
+        ],
+    );
+    let mut sub_con = server.connection();
+    let mut sub = sub_con.as_pubsub();
+    sub.subscribe("ok").expect("SUBSCRIBE");
+    sub.set_read_timeout(Some(Duration::from_secs(5)))
+        .expect("timeout");
+    let mut narrow = server.connection();
+    run(&mut narrow, &["AUTH", "narrow", "pw"]);
+    let refused = publish_lua(
+        &mut narrow,
+        "publish",
+        1,
+        1,
+        &[("ok", "1"), ("no", "2"), ("ok", "3")],
+    );
+    assert_eq!(refused, Value::Int(1));
+    assert_eq!(heard(&server, &mut sub, "ok"), ["1", "3"]);
+
+    run(&mut admin, &["DEL", "sentinel:b1|published"]);
+    run(&mut admin, &["CONFIG", "SET", "maxmemory", "1"]);
+    let full = publish_lua(&mut admin, "publish", 1, 2, &[("ok", "4")]);
+    run(&mut admin, &["CONFIG", "SET", "maxmemory", "0"]);
+    assert_eq!(full, Value::Int(0));
+    assert_eq!(heard(&server, &mut sub, "ok"), ["4"]);
+    assert_eq!(
+        get(&mut admin, "sentinel:b1|published"),
+        None,
+        "no room for the mark"
+    );
+}
+
+/// Bad arguments are refused before anything is published or written.
+#[test]
+fn publish_lua_refuses_bad_arguments() {
+    let server = RedisServer::start();
+    let mut con = server.connection();
+    let script = redis::Script::new(include_str!("../lua/publish.lua"));
+    let cases: [&[&str]; 7] = [
+        &["send", "i1", "1", "1", "60000"],
+        &["publish", "i|1", "1", "1", "60000"],
+        &["publish", "i1", "x", "1", "60000"],
+        &["publish", "i1", "1", "1", "0"],
+        &["publish", "i1", "1", "1", "60000", "ch"],
+        &["check", "i1", "1", "1", "60000", "ch", "p"],
+        &["publish", "i1", "1", "1234567890123456", "60000"],
+    ];
+    for args in cases {
+        let mut call = script.prepare_invoke();
+        call.key("sentinel:b1|published");
+        for a in args {
+            call.arg(*a);
+        }
+        let e = call.invoke::<Value>(&mut con).expect_err("refused");
+        assert!(e.to_string().contains("fleetlink publish"), "{args:?}: {e}");
+    }
+    assert_eq!(get(&mut con, "sentinel:b1|published"), None);
+}
+
 // ---- loading and bad input ----
 
 #[test]

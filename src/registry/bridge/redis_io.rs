@@ -33,6 +33,10 @@ impl Bridge {
         self.shared.count_n("lease", "stale_removed", stale);
         let lost = std::mem::take(&mut f.forget_lost);
         self.shared.count_n("forget", "lost", lost);
+        let ran = std::mem::take(&mut f.unanswered_ran);
+        self.shared.count_n("publish", "unanswered_ran", ran);
+        let resent = std::mem::take(&mut f.unanswered_resent);
+        self.shared.count_n("publish", "unanswered_resent", resent);
         let cuts = std::mem::take(&mut f.subscription_cuts);
         self.shared.count_n("subscription", "cut", cuts);
         if let Some(why) = f.take_down_why() {

@@ -12,7 +12,7 @@ use crate::metrics::BridgeStats;
 pub(super) const CANARY_STALE: Duration = Duration::from_secs(5);
 
 /// Registry operations counted by (op, result), in this order.
-pub const REGISTRY_OPS: [(&str, &str); 78] = [
+pub const REGISTRY_OPS: [(&str, &str); 80] = [
     ("offline", "held"),
     ("offline", "full"),
     ("offline", "connected_elsewhere"),
@@ -72,6 +72,8 @@ pub const REGISTRY_OPS: [(&str, &str); 78] = [
     ("control", "bad_request"),
     ("reply", "orphaned"),
     ("publish", "dropped"),
+    ("publish", "unanswered_ran"),
+    ("publish", "unanswered_resent"),
     ("subscription", "cut"),
     ("redis", "refused"),
     ("broadcast", "overloaded"),

@@ -233,6 +233,7 @@ impl Fleet {
             .arg("LOAD")
             .arg(crate::registry::sessions::RESUME)
             .query::<String>(&mut con)?;
+        self.once.connected(&mut con)?;
         check_key_access(&mut con)?;
         self.warn_if_evicting(&mut con);
         Ok(con)

@@ -5,7 +5,8 @@
 //!
 //! The files: `errors` (how a failed call or connection attempt is read), `connection`
 //! (connecting, health, the subscription and the reconnect backoff), `calls` (the script
-//! calls answered at once), `writes` (the queued writes that go out paced) and `sweep` (the
+//! calls answered at once), `writes` (the queued writes that go out paced), `once` (how a
+//! batch of publishes whose answer was lost is sent again only if it did not run) and `sweep` (the
 //! leases a predecessor under this broker id left, removed after an unclean exit).
 
 use std::time::{Duration, Instant};
@@ -25,6 +26,7 @@ use crate::registry::throttle::Throttle;
 mod calls;
 mod connection;
 mod errors;
+mod once;
 mod sweep;
 mod writes;
 
@@ -66,6 +68,9 @@ pub(crate) struct Fleet {
     con: Option<CommandCon>,
     sub: Option<Subscriber>,
     outgoing: Vec<(String, Box<[u8]>)>,
+    /// Numbers the batches of `outgoing` sent, so that one whose answer was lost is sent again
+    /// only if it did not run.
+    once: once::Once,
     /// Bytes in `outgoing`, channel names and payloads.
     outgoing_bytes: usize,
     /// Rig events in `outgoing`.
@@ -115,6 +120,10 @@ pub(crate) struct Fleet {
     pub(crate) subscription_cuts: u64,
     /// Commands `forget.lua` published `lost` (another command under an acked one's seq).
     pub(crate) forget_lost: u64,
+    /// Publishes of batches whose answer a lost connection took: found to have run, so not
+    /// sent again; and found not to have run, so sent again (`once.rs`).
+    pub(crate) unanswered_ran: u64,
+    pub(crate) unanswered_resent: u64,
     /// Whether a heartbeat of this process went through (its first asks after the last
     /// process under this id: `broker.lua`'s "start").
     heartbeat_went: bool,
@@ -152,6 +161,7 @@ impl Fleet {
             con: None,
             sub: None,
             outgoing: Vec::new(),
+            once: once::Once::new(broker_id),
             outgoing_bytes: 0,
             outgoing_events: 0,
             releases: Vec::new(),
@@ -173,6 +183,8 @@ impl Fleet {
             refusals: 0,
             subscription_cuts: 0,
             forget_lost: 0,
+            unanswered_ran: 0,
+            unanswered_resent: 0,
             heartbeat_went: false,
             stale_sweep: None,
             stale_leases: redis::Script::new(include_str!("../../../lua/stale_leases.lua")),
