@@ -1437,23 +1437,33 @@ fn commands_for_an_offline_rig_are_held_then_delivered_or_expired() {
 /// command held after the restart still expires, and one a hello took is not reported.
 #[test]
 fn a_hold_redis_lost_in_an_empty_restart_is_reported_lost_at_its_deadline() {
-    hold_lost_with_redis_keys(|redis| redis.restart());
+    hold_lost_with_redis_keys(&[], |redis| redis.restart());
 }
 
 /// The same with a flush, which the broker's connection lives through: the deadline comes
 /// before the heartbeat that would notice (every 10 s), so the broker's sentinel is asked.
 #[test]
 fn a_hold_redis_lost_in_a_flush_is_reported_lost_at_its_deadline() {
-    hold_lost_with_redis_keys(|redis| flushall(&mut redis.connection()));
+    hold_lost_with_redis_keys(&[], |redis| flushall(&mut redis.connection()));
+}
+
+/// The same without sessions kept (`--session-ttl 0`), where the core reports a delivery
+/// itself, not through the bridge's answer to a keep: the one delivered here before the loss
+/// is still not reported `lost`.
+#[test]
+fn a_hold_redis_lost_in_a_flush_is_reported_lost_at_its_deadline_without_sessions() {
+    hold_lost_with_redis_keys(&["--session-ttl", "0"], |redis| {
+        flushall(&mut redis.connection())
+    });
 }
 
 /// A command held for an offline rig before `lose` empties Redis, then two held after it, one
 /// of which a hello takes: reported `lost`, `expired`, and nothing, in that order. One held
 /// before the loss and delivered here before it is not reported either: its `offline_delivered`
 /// told its story (review bb138 saw it reported `lost` after its `ack` and `result`).
-fn hold_lost_with_redis_keys(lose: impl FnOnce(&mut RedisServer)) {
+fn hold_lost_with_redis_keys(broker_args: &[&str], lose: impl FnOnce(&mut RedisServer)) {
     let mut redis = RedisServer::start();
-    let a = fleet_broker(&redis, "fe-a");
+    let a = fleet_broker_with(&redis, "fe-a", broker_args);
     let hold = |id: &str, rig: &str| {
         let body = json!({"id": id, "name": "n", "args": {}, "queue_if_offline": true,
                           "ttl_ms": 3_000});

@@ -31,6 +31,9 @@ pub struct Relay {
     hold: Arc<Mutex<Option<Vec<u8>>>>,
     holds: Arc<AtomicUsize>,
     holding: Arc<AtomicBool>,
+    /// The relay's own address on its connection to Redis that carried the last held call:
+    /// Redis's `CLIENT LIST` names that connection by it.
+    held_from: Arc<Mutex<Option<SocketAddr>>>,
     /// Holds both directions of the subscriber connections (see
     /// [`Relay::freeze_subscriptions`]).
     subs_frozen: Arc<AtomicBool>,
@@ -58,6 +61,7 @@ impl Relay {
             hold: Arc::new(Mutex::new(None)),
             holds: Arc::new(AtomicUsize::new(0)),
             holding: Arc::new(AtomicBool::new(false)),
+            held_from: Arc::new(Mutex::new(None)),
             subs_frozen: Arc::new(AtomicBool::new(false)),
         };
         let (armed, cuts, stop) = (relay.armed.clone(), relay.cuts.clone(), relay.stop.clone());
@@ -70,6 +74,7 @@ impl Relay {
             pattern: relay.hold.clone(),
             count: relay.holds.clone(),
             holding: relay.holding.clone(),
+            from: relay.held_from.clone(),
         };
         let subs_frozen = relay.subs_frozen.clone();
         thread::spawn(move || {
@@ -184,6 +189,12 @@ impl Relay {
         self.subs_frozen.store(frozen, Ordering::SeqCst);
     }
 
+    /// The relay's address on the Redis connection of the last held call.
+    #[allow(dead_code)]
+    pub fn held_from(&self) -> Option<SocketAddr> {
+        *self.held_from.lock().unwrap()
+    }
+
     /// Lets the held call go on to Redis.
     #[allow(dead_code)]
     pub fn release(&self) {
@@ -207,6 +218,7 @@ struct Held {
     pattern: Arc<Mutex<Option<Vec<u8>>>>,
     count: Arc<AtomicUsize>,
     holding: Arc<AtomicBool>,
+    from: Arc<Mutex<Option<SocketAddr>>>,
 }
 
 impl Drop for Relay {
@@ -296,6 +308,7 @@ fn pump(
                 .is_some_and(|p| window.windows(p.len()).any(|w| w == p.as_slice()));
             if found {
                 *pattern = None;
+                *held.from.lock().unwrap() = server.local_addr().ok();
                 held.holding.store(true, Ordering::SeqCst);
                 held.count.fetch_add(1, Ordering::SeqCst);
             }

@@ -524,6 +524,11 @@ impl Bridge {
                 self.shared
                     .event_bytes
                     .fetch_sub(event_charge(ev.len()), Ordering::Relaxed);
+                if held {
+                    // An `offline_delivered` the core made itself (no session kept: nothing
+                    // went through the bridge's reply path): remembered as that path does.
+                    self.note_delivered_hold(&ev);
+                }
                 if held && !self.persists.is_empty() {
                     // Bounded by the persists it waits for: one per inbox message at most.
                     self.after_keeps.push((self.persists.len(), ev));
@@ -741,6 +746,28 @@ impl Bridge {
                 let ev = crate::events::offline_delivered(&self.cfg.broker_id, body);
                 self.publish(fleet::EVENTS.to_string(), &ev);
             }
+        }
+    }
+
+    /// Remembers the held command an `offline_delivered` event names as delivered here, so
+    /// that a loss of Redis's keys before its deadline does not report it `lost`.
+    fn note_delivered_hold(&mut self, ev: &[u8]) {
+        #[derive(serde::Deserialize)]
+        struct Named<'a> {
+            #[serde(borrow)]
+            rig_id: Option<std::borrow::Cow<'a, str>>,
+            #[serde(borrow)]
+            id: Option<std::borrow::Cow<'a, str>>,
+        }
+        let Ok(Named {
+            rig_id: Some(rig),
+            id: Some(id),
+        }) = serde_json::from_slice::<Named<'_>>(ev)
+        else {
+            return;
+        };
+        if let Some(rig) = RigId::parse(&rig) {
+            self.delivered_holds.note(rig, &id);
         }
     }
 

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use redis::{ConnectionLike, Value};
 
 use super::errors::{leaves_connection_sound, refused, CallError};
-use super::once::{Doubt, Once, Sent};
+use super::once::{Once, Sent};
 use super::{Fleet, EVENTS, EXIT_RETRY};
 use crate::ids::Seq;
 use crate::ids::{BootId, RigId};
@@ -45,10 +45,10 @@ const EVENT_SHARE_COUNT: usize = MAX_OUTGOING / 4 * 3;
 /// Bytes of publishes sent in one pipeline: a Redis back from an outage gets the queue in
 /// pieces, not as one write of everything held.
 const FLUSH_BYTES: usize = 8 << 20;
-/// Publishes in one batch: a batch is one script call (`lua/publish.lua`), which Redis runs
-/// without serving anyone else, so 4,096 (about 5 ms of Redis at 1.2 µs each) keeps other
-/// brokers' calls from waiting long behind an outage's backlog; a pipeline of plain PUBLISHes
-/// let Redis serve others between its reads.
+/// Publishes in one batch: a batch is one transaction (`once.rs`), which Redis runs without
+/// serving anyone else, so 4,096 (a few ms of Redis) keeps other brokers' calls from waiting
+/// long behind an outage's backlog; a pipeline of plain PUBLISHes let Redis serve others
+/// between its reads.
 const FLUSH_COUNT: usize = 4096;
 /// Pipelines of publishes sent per pass of the bridge.
 const FLUSH_PIPELINES: usize = 4;
@@ -400,8 +400,8 @@ impl Fleet {
 
     /// Sends queued releases and publishes, and the forgets (all of them when `now` is None),
     /// each batch in one round trip, publishes in batches of [`FLUSH_BYTES`] or
-    /// [`FLUSH_COUNT`], each one call of `lua/publish.lua` (`once.rs`): a batch whose answer
-    /// is lost goes again only if it did not run.
+    /// [`FLUSH_COUNT`], each one transaction (`once.rs`): a batch whose answer is lost goes
+    /// again only if it did not run.
     ///
     /// The queued forgets of up to [`FORGET_RIDE_MAX`] sessions lead the first pipeline of
     /// publishes: an ack's removal reaches Redis in the round trip that publishes its `ack`
@@ -471,71 +471,66 @@ impl Fleet {
                 bytes += size;
                 events += usize::from(channel == EVENTS);
             }
+            let now = Instant::now();
             let batch = self.once.add_batch(
                 &mut pipe,
                 self.outgoing[..n]
                     .iter()
                     .map(|(channel, payload)| (channel.as_str(), &payload[..])),
+                now,
             );
-            let replies = con.req_packed_commands(&pipe.get_packed_pipeline(), 0, hdels + 1);
-            let mut replies = match replies {
+            let count = hdels + batch.replies;
+            let replies = con.req_packed_commands(&pipe.get_packed_pipeline(), 0, count);
+            let replies = match replies {
                 Ok(replies) => replies,
                 Err(e) => {
                     // No answer: the batch may have run, or may yet, in a Redis that hangs
                     // with it in its buffer. The next connection asks before sending it again.
-                    self.once.doubt = Some(Doubt {
-                        batch,
-                        publishes: n,
-                    });
+                    self.once.in_doubt(batch, n);
                     return self.call_failed(&e);
                 }
             };
-            let answer = replies.pop();
+            let (removals, answer) = replies.split_at(hdels.min(replies.len()));
             // A removal Redis refused (an ACL without HDEL, a key of another type) leaves its
             // command in the session until it expires; the publishes went out all the same.
-            if let Some(Value::ServerError(e)) = replies
-                .into_iter()
-                .find(|r| matches!(r, Value::ServerError(_)))
+            if let Some(Value::ServerError(e)) =
+                removals.iter().find(|r| matches!(r, Value::ServerError(_)))
             {
-                self.note_refusal(&redis::RedisError::from(e));
+                self.note_refusal(&redis::RedisError::from(e.clone()));
             }
-            match Once::sent(answer) {
+            match Once::sent(batch, answer) {
                 Sent::Ran { refused } => {
                     self.published += n as u64 - refused.min(n as u64);
                     if refused > 0 {
                         self.dropped += refused;
-                        // At most a line a second: a refusal that lasts (an ACL) meets every
-                        // pass.
-                        if let Some(more) = self.refused_log.note(Instant::now()) {
-                            log::warn!(
-                                "redis: {refused} of a batch of {n} publishes were refused \
-                                 (an ACL that does not let this user publish to a reply_to \
-                                 channel?); they are dropped and counted ({more} such \
-                                 batches, this one included, since the last line)"
-                            );
-                        }
+                        self.log_refused_publishes(refused, n, "failed as they ran");
                     }
                 }
-                Sent::NoScript => {
-                    // `SCRIPT FLUSH`: nothing of the batch ran. Loaded again, it goes next.
-                    let Some(con) = self.con.as_mut() else { return };
-                    if let Err(e) = self.once.reload(con) {
-                        return self.call_failed(&e);
+                // Nothing ran: what Redis refused goes (sent again it would be refused again,
+                // forever), and the rest goes next.
+                Sent::Aborted { refused, mark } => {
+                    if mark {
+                        self.once.mark_refused(now);
+                    }
+                    for &i in refused.iter().rev() {
+                        if i < n {
+                            let (channel, payload) = self.outgoing.remove(i);
+                            self.outgoing_bytes -= channel.len() + payload.len();
+                            self.outgoing_events -= usize::from(channel == EVENTS);
+                        }
+                    }
+                    if !refused.is_empty() {
+                        self.dropped += refused.len() as u64;
+                        self.log_refused_publishes(refused.len() as u64, n, "were refused");
+                    }
+                    self.forgets.drain(..forgets);
+                    if self.forgets.is_empty() {
+                        self.forgets_since = None;
                     }
                     continue;
                 }
-                Sent::Fenced => {
-                    // Only a later connection of this process fences a batch, and this one is
-                    // the latest: the mark is not ours to trust. Nothing ran; a new
-                    // connection numbers past it.
-                    let e = redis::RedisError::from((
-                        redis::ErrorKind::IoError,
-                        "publish.lua fenced a batch of the current connection",
-                    ));
-                    return self.call_failed(&e);
-                }
-                // Refused outright (say, a user that may not run scripts): sent again, it
-                // would be refused again, forever.
+                // Refused outright (say, a user that may not use MULTI): sent again, it would
+                // be refused again, forever.
                 Sent::Refused(e) if refused(&e) => {
                     if let Some(more) = self.refused_log.note(Instant::now()) {
                         log::warn!(
@@ -559,18 +554,30 @@ impl Fleet {
         }
     }
 
+    /// Logs publishes Redis refused, at most a line a second: a refusal that lasts (an ACL)
+    /// meets every batch.
+    fn log_refused_publishes(&mut self, refused: u64, n: usize, how: &str) {
+        if let Some(more) = self.refused_log.note(Instant::now()) {
+            log::warn!(
+                "redis: {refused} of a batch of {n} publishes {how} (an ACL that does not let \
+                 this user publish to a reply_to channel?); they are dropped and counted \
+                 ({more} such batches, this one included, since the last line)"
+            );
+        }
+    }
+
     /// Settles the batch of publishes whose answer a lost connection took, before anything
     /// else is published: if it ran, its publishes leave the queue; if not, the question has
     /// fenced it from running later, and they go again with the next batch. False when the
     /// question failed too (the batch stays in doubt for the next connection).
     fn settle_doubt(&mut self) -> bool {
-        let Some(doubt) = self.once.doubt else {
+        let Some(doubt) = self.once.doubt.clone() else {
             return true;
         };
         let Some(con) = self.con.as_mut() else {
             return false;
         };
-        match self.once.ran(con, doubt.batch) {
+        match self.once.ran(con, &doubt) {
             Ok(true) => {
                 let n = doubt.publishes.min(self.outgoing.len());
                 for (channel, payload) in self.outgoing.drain(..n) {

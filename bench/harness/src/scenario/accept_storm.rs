@@ -164,8 +164,7 @@ fn summarize(ctx: &Ctx, o: &Opts, brokers: &[Spec], runs: Vec<Value>) -> (Value,
          `GET /v1/rigs` listing all rigs, and for the `-redis` (fleet-mode) brokers every \
          `rig:<id>` lease in Redis too (medians, s); CPU = broker utime+stime from start to \
          ALL_WELCOMED (median CPU-s), Redis's own beside it in fleet mode, with the time Redis \
-         spent in its scripts by its own count (`INFO commandstats`) and their calls: the \
-         registry's, and for fleetlink-fe the batches that publish its events (`publish.lua`). \
+         spent in the registry's scripts by its own count (`INFO commandstats`) and their calls. \
          Bucket on = \
          `--accept-rate 2000 --accept-burst 500`: its time includes the 5–15 s Retry-After \
          waits the loadgen honours.\n\n\
@@ -241,8 +240,7 @@ fn summarize(ctx: &Ctx, o: &Opts, brokers: &[Spec], runs: Vec<Value>) -> (Value,
                    (a SCAN inside Redis every 100 ms): registered_ms (cpu_to_listed_s includes those \
                    GETs). redis_cpu_s = redis-server utime+stime over the same span as cpu_s, \
                    fleet mode only, with redis_script_ms/_calls from INFO commandstats (EVALSHA and \
-                   EVAL, reset when the span opens; fleetlink-fe's event publishes run in \
-                   publish.lua, the baseline's as plain PUBLISH); Redis is emptied before each session. Summary = \
+                   EVAL, reset when the span opens); Redis is emptied before each session. Summary = \
                    medians over rounds; ratios vs fleetlink-fe-bucket-off.",
         "summary": summary,
         "runs": runs,
