@@ -1886,6 +1886,55 @@ fn a_publish_redis_refuses_does_not_hold_back_the_ones_after_it() {
         assert_eq!(r["error"], "rig_not_connected", "{r}");
     }
     assert_eq!(b.http("GET", "/readyz", "").0, 200, "still on Redis");
+    // The refused one alone is dropped, and the others came once each.
+    b.wait_metric("fleetlink_registry_ops_total{op=\"publish\",result=\"dropped\"} 1");
+    assert_replies_once(&mut ctl, &["after0", "after1", "after2"]);
+}
+
+/// Asserts that no second reply to any of `ids` came before a marker published now on the
+/// reply channel (the marker follows everything published so far).
+fn assert_replies_once(ctl: &mut Control, ids: &[&str]) {
+    let reply_to = ctl.reply_to.clone();
+    ctl.publish(&reply_to, json!({"id": "marker"}));
+    ctl.next(|ch, v| ch == reply_to && v["id"] == "marker");
+    let again = ctl.backlog_count(|ch, v| ch == reply_to && ids.iter().any(|id| v["id"] == *id));
+    assert_eq!(again, 0, "a reply came twice");
+}
+
+/// A broker user that may not use `CLIENT` or `INFO` (a narrow ACL) still gets its replies
+/// out, once each; the log says what it loses (a batch whose answer is lost cannot be ended
+/// inside Redis before it is sent again).
+#[test]
+fn a_user_without_client_or_info_still_publishes_replies_once() {
+    let redis = RedisServer::start();
+    let mut con = redis.connection();
+    let _: () = redis::cmd("ACL")
+        .arg(&[
+            "SETUSER", "fe", "on", ">pw", "~*", "&*", "+@all", "-client", "-info",
+        ])
+        .query(&mut con)
+        .unwrap();
+    let url = format!("redis://fe:pw@127.0.0.1:{}/", redis.port());
+    let b = Broker::start_logged(&["--redis", &url, "--broker-id", "fe-narrow"]);
+    b.wait_readyz(200, Duration::from_secs(10), "broker ready");
+    let (mut ws, _, _) = b.rig("rig-narrow");
+    let mut ctl = Control::new(&redis, &[]);
+    for seq in 1..=3u64 {
+        send_and_read(
+            &mut ctl,
+            "fe-narrow",
+            "rig-narrow",
+            &format!("n{seq}"),
+            &mut ws,
+            seq,
+        );
+    }
+    assert_replies_once(&mut ctl, &["n1", "n2", "n3"]);
+    assert_eq!(
+        b.metric("fleetlink_registry_ops_total{op=\"publish\",result=\"dropped\"}"),
+        0
+    );
+    b.wait_log(&["WARN", "may not use CLIENT ID and INFO server"]);
 }
 
 /// What control reads on `fleetlink:events` names the session, and what it sends wrong is
@@ -2275,6 +2324,13 @@ fn a_redis_out_of_memory_keeps_the_subscription_and_commands_flow() {
         assert_eq!(read_json(&mut ws)["seq"], seq);
     }
     assert_eq!(numsub(&redis, "fleetlink:broker:fe-oom"), 1);
+    let none: [&str; 0] = [];
+    assert_replies_once(&mut ctl, &none);
+    assert_eq!(
+        b.metric("fleetlink_registry_ops_total{op=\"publish\",result=\"dropped\"}"),
+        0,
+        "a full Redis still takes a plain PUBLISH"
+    );
     assert!(b.metric("fleetlink_registry_ops_total{op=\"redis\",result=\"refused\"} ") > 0);
     assert_eq!(b.metric("fleetlink_redis_up "), 1);
     config(&mut con, "maxmemory", "0");
@@ -2792,6 +2848,38 @@ fn an_acl_without_the_session_keys_is_named_and_rigs_are_still_served() {
         Duration::from_secs(15),
         "ready once the ACL covers the keys",
     );
+}
+
+/// A Redis user that may not run transactions (`-multi` or `-exec`): named in `/readyz` and the
+/// log, rigs served from the local registry meanwhile, ready once mended. Before, `/readyz`
+/// read 200 and every hello that took offline holds was closed 4503 (review bb141).
+#[test]
+fn an_acl_without_transactions_is_named_and_rigs_are_still_served() {
+    for refused in ["-multi", "-exec"] {
+        let redis = RedisServer::start();
+        let mut con = redis.connection();
+        let setuser = |con: &mut redis::Connection, extra: Option<&str>| {
+            let mut args = vec!["SETUSER", "fl", "on", ">pw", "~*", "&*", "+@all"];
+            args.extend(extra);
+            let _: () = redis::cmd("ACL").arg(&args).query(con).unwrap();
+        };
+        setuser(&mut con, Some(refused));
+        let url = format!("redis://fl:pw@127.0.0.1:{}/", redis.port());
+        let a = Broker::start_logged(&["--redis", &url, "--broker-id", "fe-a"]);
+        eventually(Duration::from_secs(10), "/readyz names MULTI", || {
+            let (status, body) = a.http("GET", "/readyz", "");
+            status == 503 && body.contains("MULTI and EXEC")
+        });
+        a.wait_log(&["ERROR", "NOPERM", "+multi +exec"]);
+        let (_ws, _, welcome) = a.rig("rig-acl");
+        assert_eq!(welcome["type"], "welcome", "{refused}: {welcome}");
+        setuser(&mut con, Some(&refused.replace('-', "+")));
+        a.wait_readyz(
+            200,
+            Duration::from_secs(15),
+            "ready once transactions are allowed",
+        );
+    }
 }
 
 /// A broker's parked copy of a session can be older than what happened to the session

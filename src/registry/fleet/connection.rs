@@ -115,6 +115,41 @@ fn check_key_access(con: &mut CommandCon) -> anyhow::Result<()> {
     }
 }
 
+/// Checks that Redis's ACL lets this user run transactions: offline holds are taken, and
+/// replies and events published, in them. Refused, a hello found every take refused and was
+/// turned away (4503) while `/readyz` read 200 (review bb141); here it reads as refused
+/// credentials, as a missing key prefix does.
+fn check_transactions(con: &mut CommandCon) -> anyhow::Result<()> {
+    let probe = format!("{}fleetlink probe", KEY_PREFIXES[0]);
+    let mut pipe = redis::pipe();
+    pipe.cmd("MULTI").cmd("EXISTS").arg(&probe).cmd("EXEC");
+    // Every reply read as it came: a refused MULTI leaves the rest to run as plain commands,
+    // and a refused EXEC answers EXECABORT naming NOPERM in its text.
+    let replies = redis::ConnectionLike::req_packed_commands(
+        con,
+        &pipe.get_packed_pipeline(),
+        0,
+        pipe.len(),
+    )?;
+    let refusal = replies.iter().find_map(|r| match r {
+        redis::Value::ServerError(e)
+            if e.code() == "NOPERM" || e.details().is_some_and(|d| d.contains("NOPERM")) =>
+        {
+            Some(format!("{} {}", e.code(), e.details().unwrap_or("")))
+        }
+        _ => None,
+    });
+    // Refused for a passing reason (a full Redis refuses every command inside MULTI), the
+    // connection is sound, and the broker connects as to any full Redis.
+    match refusal {
+        Some(why) => anyhow::bail!(
+            "NOPERM: Redis's ACL for this user does not let it run MULTI and EXEC ({why}), \
+             which the broker needs; grant them, e.g. `ACL SETUSER <user> +multi +exec`"
+        ),
+        None => Ok(()),
+    }
+}
+
 impl Fleet {
     /// Why Redis is down, when that changed since the last call: `Some(None)` once it is back.
     pub(crate) fn take_down_why(&mut self) -> Option<Option<String>> {
@@ -235,6 +270,7 @@ impl Fleet {
             .query::<String>(&mut con)?;
         self.once.connected(&mut con)?;
         check_key_access(&mut con)?;
+        check_transactions(&mut con)?;
         self.warn_if_evicting(&mut con);
         Ok(con)
     }

@@ -23,9 +23,9 @@ use redis::{ConnectionLike, Value};
 
 /// How long a mark lasts after its batch: the question comes right after the reconnect.
 const MARK_TTL: Duration = Duration::from_secs(24 * 3600);
-/// How long batches go without the mark after Redis refused it for want of memory: each
-/// marked batch would otherwise be refused whole and sent twice while Redis stays full.
-const UNMARKED_AFTER_FULL: Duration = Duration::from_secs(1);
+/// How long batches go plain after Redis refused a transaction for want of memory: each
+/// transaction would otherwise be refused whole and sent twice while Redis stays full.
+const PLAIN_AFTER_FULL: Duration = Duration::from_secs(1);
 
 /// A command connection as Redis knows it: the client id Redis gave it, in the run of Redis
 /// (its `run_id`) that gave it. Ids start again at a restart, so an id is only killed in the
@@ -36,19 +36,46 @@ pub(super) struct ClientId {
     run: String,
 }
 
-/// What a batch's transaction answered.
+/// What became of one publish of a batch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Fate {
+    /// It went out.
+    Ran,
+    /// Redis refused it for good (an ACL that does not let this user publish to its channel),
+    /// or it failed as it ran: dropped and counted, since sent again it would fail again.
+    Refused,
+    /// It did not run, for a reason that passes (Redis full, busy, loading): it stays queued.
+    Again,
+}
+
+/// What to do after a batch's answer.
 #[derive(Debug)]
-pub(super) enum Sent {
-    /// It ran; this many of its publishes failed as they ran, and are dropped.
-    Ran { refused: u64 },
-    /// Redis refused to queue some of it (`EXECABORT`), so none of it ran: the publishes it
-    /// refused (an ACL that does not let this user publish to a `reply_to`), by their place in
-    /// the batch, and whether it refused the mark (Redis full: a `SET` is refused at
-    /// `maxmemory`, a `PUBLISH` is not).
-    Aborted { refused: Vec<usize>, mark: bool },
-    /// Redis refused the transaction itself, or answered what no transaction answers: none of
-    /// it ran.
-    Refused(redis::RedisError),
+pub(super) enum Then {
+    /// Go on with the next batch.
+    Next,
+    /// Stop for this pass: Redis is in a passing state (the error says which); the batch's
+    /// publishes that did not run go in a later pass.
+    Wait(redis::RedisError),
+    /// The answer is not one a batch gets: the batch may have run. Settle it as a lost answer.
+    Doubt(String),
+}
+
+/// A batch's answer: each publish's fate, in batch order, and what to do next.
+#[derive(Debug)]
+pub(super) struct Answer {
+    pub(super) fates: Vec<Fate>,
+    pub(super) then: Then,
+}
+
+/// How batches are sent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    /// A transaction with the mark: sent once.
+    Marked,
+    /// Plain `PUBLISH`es in a pipeline: Redis is full (inside `MULTI` it refuses every
+    /// command at `maxmemory`, `PUBLISH` too, where a plain `PUBLISH` still goes out), or the
+    /// broker's user may not use `MULTI`/`EXEC`. A batch whose answer is lost goes again.
+    Plain,
 }
 
 /// The batch numbering, the connection the batches go on, and what is in doubt.
@@ -61,30 +88,46 @@ pub(super) struct Once {
     last: u64,
     /// The command connection now, when Redis said who it is.
     client: Option<ClientId>,
-    /// Batches go without the mark until then (Redis refused the mark for want of memory).
-    unmarked_until: Option<Instant>,
+    /// Batches go plain until then: Redis refused a transaction for want of memory.
+    plain_until: Option<Instant>,
+    /// Batches go plain on this connection: the broker's user may not use transactions.
+    plain_here: bool,
+    /// Said once per process: the guarantee is weaker with this ACL.
+    acl_told: bool,
     /// The batch whose answer was lost with its connection: the next connection asks about
-    /// it before anything else goes out.
+    /// it before anything else is published.
     pub(super) doubt: Option<Doubt>,
 }
 
 /// A batch sent on a connection that failed before its answer.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) struct Doubt {
-    pub(super) batch: u64,
+    batch: u64,
     /// The publishes at the head of the queue that it carried.
     pub(super) publishes: usize,
     /// The connection it went on, to end inside Redis before asking.
     client: Option<ClientId>,
+    /// Whether it set the mark (a plain batch can only be sent again).
+    marked: bool,
 }
 
 /// A batch added to a pipeline.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) struct Batch {
-    pub(super) number: u64,
-    /// Replies its transaction takes in the pipeline.
-    pub(super) replies: usize,
-    pub(super) marked: bool,
+    number: u64,
+    mode: Mode,
+    publishes: usize,
+}
+
+impl Batch {
+    /// Replies the batch takes in the pipeline.
+    pub(super) fn replies(&self) -> usize {
+        match self.mode {
+            // MULTI, SET, the publishes, EXEC.
+            Mode::Marked => self.publishes + 3,
+            Mode::Plain => self.publishes,
+        }
+    }
 }
 
 impl Once {
@@ -94,7 +137,9 @@ impl Once {
             instance: format!("{}-{:016x}", std::process::id(), fastrand::u64(..)),
             last: 0,
             client: None,
-            unmarked_until: None,
+            plain_until: None,
+            plain_here: false,
+            acl_told: false,
             doubt: None,
         }
     }
@@ -102,22 +147,38 @@ impl Once {
     /// A new command connection: asks Redis who it is, so that a batch left in doubt on it
     /// can be ended inside Redis later. A user whose ACL refuses `CLIENT ID` or `INFO` leaves
     /// that unknown, and the mark alone then decides (a batch still on its way as the mark
-    /// is read could then run after it). Errors only when the connection failed.
+    /// is read could then run after it); said once. Errors only when the connection failed.
     pub(super) fn connected(&mut self, con: &mut impl ConnectionLike) -> redis::RedisResult<()> {
         self.client = None;
+        self.plain_here = false;
         let id = refusal_as_none(redis::cmd("CLIENT").arg("ID").query::<i64>(con))?;
         let info = refusal_as_none(redis::cmd("INFO").arg("server").query::<String>(con))?;
         let run = info.as_deref().and_then(run_id);
-        if let (Some(id), Some(run)) = (id, run) {
-            self.client = Some(ClientId {
-                id,
-                run: run.to_string(),
-            });
+        match (id, run) {
+            (Some(id), Some(run)) => {
+                self.client = Some(ClientId {
+                    id,
+                    run: run.to_string(),
+                });
+            }
+            _ => self.tell_acl("CLIENT ID and INFO server"),
         }
         Ok(())
     }
 
-    /// Numbers the next batch and adds its transaction to `pipe`, after whatever `pipe` holds.
+    /// Says once per process that the broker's ACL weakens the once-only publishing.
+    fn tell_acl(&mut self, what: &str) {
+        if !std::mem::replace(&mut self.acl_told, true) {
+            log::warn!(
+                "redis: this broker's user may not use {what}: a batch of replies and events \
+                 whose answer a broken connection takes may be published twice (grant +@all, \
+                 or MULTI, EXEC, CLIENT and INFO; docs/operations.md)"
+            );
+        }
+    }
+
+    /// Numbers the next batch of `publishes` and adds it to `pipe`, after whatever `pipe`
+    /// holds.
     pub(super) fn add_batch<'a>(
         &mut self,
         pipe: &mut redis::Pipeline,
@@ -125,98 +186,158 @@ impl Once {
         now: Instant,
     ) -> Batch {
         self.last += 1;
-        let marked = self.unmarked_until.is_none_or(|until| now >= until);
-        pipe.cmd("MULTI");
-        if marked {
+        let plain = self.plain_here || self.plain_until.is_some_and(|until| now < until);
+        let mode = if plain { Mode::Plain } else { Mode::Marked };
+        if mode == Mode::Marked {
+            pipe.cmd("MULTI");
             pipe.cmd("SET")
                 .arg(&self.key)
                 .arg(format!("{}|{}", self.instance, self.last))
                 .arg("PX")
                 .arg(MARK_TTL.as_millis() as u64);
         }
-        let mut replies = 2 + usize::from(marked);
+        let mut count = 0;
         for (channel, payload) in publishes {
             pipe.cmd("PUBLISH").arg(channel).arg(payload);
-            replies += 1;
+            count += 1;
         }
-        pipe.cmd("EXEC");
+        if mode == Mode::Marked {
+            pipe.cmd("EXEC");
+        }
         Batch {
             number: self.last,
-            replies,
-            marked,
+            mode,
+            publishes: count,
         }
     }
 
     /// The batch was sent and its answer lost: asked about on the next connection.
-    pub(super) fn in_doubt(&mut self, batch: Batch, publishes: usize) {
+    pub(super) fn in_doubt(&mut self, batch: Batch) {
         self.doubt = Some(Doubt {
             batch: batch.number,
-            publishes,
+            publishes: batch.publishes,
             client: self.client.clone(),
+            marked: batch.mode == Mode::Marked,
         });
     }
 
-    /// Redis refused the mark for want of memory: batches go unmarked for a moment.
-    pub(super) fn mark_refused(&mut self, now: Instant) {
-        self.unmarked_until = Some(now + UNMARKED_AFTER_FULL);
+    /// Reads a batch's answer (its replies, in pipeline order), and learns from it how the
+    /// next batches go.
+    pub(super) fn answer(&mut self, batch: Batch, replies: &[Value], now: Instant) -> Answer {
+        if replies.len() != batch.replies() {
+            return Answer {
+                fates: vec![Fate::Again; batch.publishes],
+                then: Then::Doubt(format!(
+                    "{} replies to a batch of publishes that takes {}",
+                    replies.len(),
+                    batch.replies()
+                )),
+            };
+        }
+        match batch.mode {
+            Mode::Plain => plain_answer(replies),
+            Mode::Marked => self.marked_answer(replies, now),
+        }
     }
 
-    /// Reads a batch's answer: the replies of its transaction, `MULTI`'s first and `EXEC`'s
-    /// last.
-    pub(super) fn sent(batch: Batch, replies: &[Value]) -> Sent {
-        let odd = |what: &str| {
-            Sent::Refused(redis::RedisError::from((
-                redis::ErrorKind::TypeError,
-                "a batch of publishes got an unexpected answer",
-                what.to_string(),
-            )))
+    /// A transaction's answer: `MULTI`'s, the `SET`'s and each publish's as queued, `EXEC`'s.
+    fn marked_answer(&mut self, replies: &[Value], now: Instant) -> Answer {
+        // At least MULTI, SET and EXEC: `answer` checked the count.
+        let (Some((multi, rest)), Some(exec)) = (replies.split_first(), replies.last()) else {
+            return plain_answer(&[]);
         };
-        let (Some(multi), Some(exec)) = (replies.first(), replies.last()) else {
-            return odd("no replies");
+        let Some((mark, publishes)) = rest
+            .get(..rest.len().saturating_sub(1))
+            .and_then(<[Value]>::split_first)
+        else {
+            return plain_answer(&[]);
         };
-        if replies.len() != batch.replies {
-            return odd(&format!("{} replies for {}", replies.len(), batch.replies));
-        }
         if let Value::ServerError(e) = multi {
-            return Sent::Refused(e.clone().into());
+            // Without MULTI what followed ran as plain commands: the publishes' own replies
+            // say which went out. Later batches go plain on this connection.
+            if e.code() == "NOPERM" {
+                self.plain_here = true;
+                self.tell_acl("MULTI");
+            }
+            let mut answer = plain_answer(publishes);
+            if e.code() != "NOPERM" && matches!(answer.then, Then::Next) {
+                answer.then = Then::Wait(e.clone().into());
+            }
+            return answer;
         }
-        let queued = &replies[1..replies.len() - 1];
-        let first_publish = usize::from(batch.marked);
         match exec {
-            Value::Array(results) => {
-                let failed = results
+            Value::Array(results) => Answer {
+                fates: results
                     .iter()
-                    .skip(first_publish)
-                    .filter(|r| matches!(r, Value::ServerError(_)))
-                    .count();
-                Sent::Ran {
-                    refused: failed as u64,
-                }
-            }
-            Value::ServerError(e) if e.code() == "EXECABORT" => {
-                let refused_at = |r: &Value| matches!(r, Value::ServerError(_));
-                let mark = batch.marked && queued.first().is_some_and(refused_at);
-                let refused: Vec<usize> = queued
+                    .skip(1)
+                    .map(|r| match r {
+                        Value::ServerError(_) => Fate::Refused,
+                        _ => Fate::Ran,
+                    })
+                    .chain(std::iter::repeat(Fate::Ran))
+                    .take(publishes.len())
+                    .collect(),
+                then: Then::Next,
+            },
+            Value::ServerError(e) => {
+                // Nothing ran. Publishes an ACL refused go; the rest stay, and the reason the
+                // transaction was discarded says how they go next.
+                let code = |v: &Value| match v {
+                    Value::ServerError(e) => Some(e.code().to_string()),
+                    _ => None,
+                };
+                let fates = publishes
                     .iter()
-                    .skip(first_publish)
-                    .enumerate()
-                    .filter(|(_, r)| refused_at(r))
-                    .map(|(i, _)| i)
+                    .map(|p| match code(p).as_deref() {
+                        Some("NOPERM") => Fate::Refused,
+                        _ => Fate::Again,
+                    })
                     .collect();
-                if !mark && refused.is_empty() {
-                    // Aborted for nothing it names: sent again, it would abort again.
-                    return Sent::Refused(e.clone().into());
-                }
-                Sent::Aborted { refused, mark }
+                let why = e.details().unwrap_or("");
+                let mark_code = code(mark);
+                let full = publishes.iter().any(|v| code(v).as_deref() == Some("OOM"))
+                    || why.contains("OOM")
+                    || mark_code.as_deref().is_some_and(|c| c != "NOPERM");
+                let then = if full {
+                    // Redis takes no writes (full at `maxmemory`, a read-only replica, a failed
+                    // save): inside MULTI it then refuses every command, where a plain PUBLISH
+                    // still goes out.
+                    self.plain_until = Some(now + PLAIN_AFTER_FULL);
+                    Then::Next
+                } else if mark_code.as_deref() == Some("NOPERM")
+                    || e.code() == "NOPERM"
+                    || why.contains("NOPERM")
+                {
+                    // The user may not write the mark or use EXEC.
+                    self.plain_here = true;
+                    self.tell_acl("MULTI, EXEC or the mark's key");
+                    Then::Next
+                } else if let Some(passing) =
+                    [mark].into_iter().chain(publishes).find_map(|v| match v {
+                        Value::ServerError(e) if e.code() != "NOPERM" => Some(e.clone()),
+                        _ => None,
+                    })
+                {
+                    Then::Wait(passing.into())
+                } else if publishes.iter().any(|p| code(p).is_some()) {
+                    // Only ACL refusals of publishes: the rest go at once.
+                    Then::Next
+                } else {
+                    Then::Wait(e.clone().into())
+                };
+                Answer { fates, then }
             }
-            Value::ServerError(e) => Sent::Refused(e.clone().into()),
-            other => odd(&format!("{other:?}")),
+            other => Answer {
+                fates: vec![Fate::Again; publishes.len()],
+                then: Then::Doubt(format!("EXEC answered {other:?}")),
+            },
         }
     }
 
     /// Asks whether the batch in doubt ran. First ends the connection it went on inside Redis
     /// (when that connection is of this run of Redis), so nothing of it can run after the
-    /// answer; then reads the mark, which a batch that ran set to its number or later.
+    /// answer; then reads the mark, which a batch that ran set to its number or later. A plain
+    /// batch left no mark: it counts as not run. An error reply leaves the doubt for later.
     pub(super) fn ran(
         &self,
         con: &mut impl ConnectionLike,
@@ -242,16 +363,19 @@ impl Once {
                 log::warn!(
                     "redis: could not end the connection a batch of publishes was lost on \
                      ({}: {}); a batch Redis still holds could run after this broker sends it \
-                     again (grant the broker's user CLIENT)",
+                     again",
                     e.code(),
                     e.details().unwrap_or("")
                 );
             }
         }
-        Ok(match replies.last() {
-            Some(Value::BulkString(mark)) => self.marks_at_least(mark, doubt.batch),
-            _ => false,
-        })
+        match replies.last() {
+            Some(Value::ServerError(e)) => Err(e.clone().into()),
+            Some(Value::BulkString(mark)) => {
+                Ok(doubt.marked && self.marks_at_least(mark, doubt.batch))
+            }
+            _ => Ok(false),
+        }
     }
 
     /// Whether `mark` is this process's, at batch `batch` or later.
@@ -264,6 +388,28 @@ impl Once {
         };
         instance == self.instance && n.parse::<u64>().is_ok_and(|n| n >= batch)
     }
+}
+
+/// Plain publishes' replies: a count is a publish that went out, an ACL's refusal one that
+/// never will, any other error one that may later (the first such error says to wait).
+fn plain_answer(replies: &[Value]) -> Answer {
+    let mut wait = None;
+    let fates = replies
+        .iter()
+        .map(|r| match r {
+            Value::ServerError(e) if e.code() == "NOPERM" => Fate::Refused,
+            Value::ServerError(e) => {
+                wait.get_or_insert_with(|| e.clone());
+                Fate::Again
+            }
+            _ => Fate::Ran,
+        })
+        .collect();
+    let then = match wait {
+        Some(e) => Then::Wait(e.into()),
+        None => Then::Next,
+    };
+    Answer { fates, then }
 }
 
 /// The mark's key: under `sentinel:`, which the broker's ACL grant names already; `|` is not
@@ -293,104 +439,173 @@ fn refusal_as_none<T>(r: redis::RedisResult<T>) -> redis::RedisResult<Option<T>>
 mod tests {
     use super::*;
 
-    fn reply(text: &[u8]) -> Value {
-        redis::parse_redis_value(text).expect("a reply")
+    fn reply(text: &str) -> Value {
+        redis::parse_redis_value(text.as_bytes()).expect("a reply")
     }
 
-    fn batch(publishes: usize, marked: bool) -> Batch {
-        Batch {
-            number: 1,
-            replies: 2 + usize::from(marked) + publishes,
-            marked,
-        }
+    fn replies(texts: &[&str]) -> Vec<Value> {
+        texts.iter().map(|t| reply(t)).collect()
     }
 
-    /// EXEC's array is a batch that ran (a publish failing as it ran is counted); EXECABORT
-    /// names the publishes and the mark Redis would not queue, and nothing ran; anything else
-    /// is a batch that did not run.
+    const OK: &str = "+OK\r\n";
+    const QUEUED: &str = "+QUEUED\r\n";
+    const NOPERM: &str = "-NOPERM this user has no permissions to access one of the channels\r\n";
+    const OOM: &str = "-OOM command not allowed when used memory > 'maxmemory'.\r\n";
+    const ABORT: &str = "-EXECABORT Transaction discarded because of previous errors.\r\n";
+
+    /// A marked batch of `publishes`, numbered as `once` numbers it.
+    fn marked(once: &mut Once, publishes: usize) -> Batch {
+        let batch = once.add_batch(
+            &mut redis::pipe(),
+            std::iter::repeat_n(("ch", &b"p"[..]), publishes),
+            Instant::now(),
+        );
+        assert_eq!(batch.mode, Mode::Marked);
+        batch
+    }
+
+    fn fates_and_then(once: &mut Once, batch: Batch, texts: &[&str]) -> (Vec<Fate>, String) {
+        let Answer { fates, then } = once.answer(batch, &replies(texts), Instant::now());
+        (fates, format!("{then:?}"))
+    }
+
+    /// The answers Redis 7 gives a transaction (each seen in review bb142's experiments): EXEC's
+    /// array is a batch that ran, one of its publishes failing as it ran; an ACL's refusal at
+    /// queueing drops that publish alone and the rest go at once; a busy Redis keeps them all.
     #[test]
-    fn a_batchs_answer_says_whether_it_ran_and_what_was_refused() {
-        let ok = reply(b"+OK\r\n");
-        let queued = reply(b"+QUEUED\r\n");
-        let noperm = reply(b"-NOPERM this user has no permissions to access the channel\r\n");
-        let oom = reply(b"-OOM command not allowed when used memory > 'maxmemory'.\r\n");
-        let abort = reply(b"-EXECABORT Transaction discarded because of previous errors.\r\n");
-        let ran = reply(b"*3\r\n+OK\r\n:1\r\n:0\r\n");
-        let replies = [
-            ok.clone(),
-            queued.clone(),
-            queued.clone(),
-            queued.clone(),
-            ran,
-        ];
-        assert!(matches!(
-            Once::sent(batch(2, true), &replies),
-            Sent::Ran { refused: 0 }
-        ));
-        let replies = [
-            ok.clone(),
-            queued.clone(),
-            queued.clone(),
-            noperm.clone(),
-            abort.clone(),
-        ];
-        match Once::sent(batch(2, true), &replies) {
-            Sent::Aborted { refused, mark } => assert_eq!((refused, mark), (vec![1], false)),
-            other => panic!("{other:?}"),
-        }
-        let replies = [ok.clone(), oom, queued.clone(), abort.clone()];
-        match Once::sent(batch(1, true), &replies) {
-            Sent::Aborted { refused, mark } => assert_eq!((refused, mark), (vec![], true)),
-            other => panic!("{other:?}"),
-        }
-        // Unmarked: the first queued reply is a publish's.
-        let replies = [ok.clone(), noperm, queued.clone(), abort.clone()];
-        match Once::sent(batch(2, false), &replies) {
-            Sent::Aborted { refused, mark } => assert_eq!((refused, mark), (vec![0], false)),
-            other => panic!("{other:?}"),
-        }
-        // Aborted for nothing it names, short of replies, MULTI refused: did not run.
-        let replies = [ok.clone(), queued.clone(), queued.clone(), abort];
-        assert!(matches!(
-            Once::sent(batch(1, true), &replies),
-            Sent::Refused(_)
-        ));
-        assert!(matches!(
-            Once::sent(batch(2, true), &[ok, queued]),
-            Sent::Refused(_)
-        ));
-        let busy = reply(b"-BUSY Redis is busy running a script.\r\n");
-        let replies = [busy.clone(), busy.clone(), busy];
-        assert!(matches!(
-            Once::sent(batch(0, true), &replies),
-            Sent::Refused(_)
-        ));
+    fn a_transactions_answer_says_what_ran_what_goes_and_what_stays() {
+        use Fate::*;
+        let mut once = Once::new("b1");
+        let b = marked(&mut once, 2);
+        let ran = "*3\r\n+OK\r\n:1\r\n:0\r\n";
+        let (fates, then) = fates_and_then(&mut once, b, &[OK, QUEUED, QUEUED, QUEUED, ran]);
+        assert_eq!((fates, then.as_str()), (vec![Ran, Ran], "Next"));
+        let b = marked(&mut once, 2);
+        let failed = "*3\r\n+OK\r\n-NOPERM no permissions\r\n:0\r\n";
+        let (fates, _) = fates_and_then(&mut once, b, &[OK, QUEUED, QUEUED, QUEUED, failed]);
+        assert_eq!(fates, [Refused, Ran]);
+        let b = marked(&mut once, 3);
+        let (fates, then) =
+            fates_and_then(&mut once, b, &[OK, QUEUED, QUEUED, NOPERM, QUEUED, ABORT]);
+        assert_eq!(
+            (fates, then.as_str()),
+            (vec![Again, Refused, Again], "Next")
+        );
+        let b = marked(&mut once, 2);
+        let busy = "-BUSY Redis is busy running a script.\r\n";
+        let (fates, then) = fates_and_then(&mut once, b, &[OK, QUEUED, busy, QUEUED, ABORT]);
+        assert_eq!(fates, [Again, Again]);
+        assert!(then.starts_with("Wait"), "{then}");
+        assert_eq!(marked(&mut once, 1).mode, Mode::Marked, "still marked");
+        // Fewer replies than the batch takes: it may have run.
+        let b = marked(&mut once, 1);
+        let (fates, then) = fates_and_then(&mut once, b, &[OK, QUEUED]);
+        assert_eq!(fates, [Again]);
+        assert!(then.starts_with("Doubt"), "{then}");
     }
 
-    /// Each batch takes the next number and sets the mark to it, unless Redis refused the mark
-    /// a moment ago; only this process's mark at the batch or later says the batch ran.
+    /// A full Redis refuses every command queued in MULTI, PUBLISH too, where it takes a plain
+    /// PUBLISH: the batch stays and the next ones go plain for a moment. So does a Redis that
+    /// refuses the mark for another passing reason (a read-only replica), and one that discards
+    /// the transaction at EXEC for memory.
+    #[test]
+    fn a_full_redis_sends_batches_plain_for_a_moment() {
+        use Fate::*;
+        let mut once = Once::new("b1");
+        let b = marked(&mut once, 2);
+        let now = Instant::now();
+        let Answer { fates, then } = once.answer(b, &replies(&[OK, OOM, OOM, OOM, ABORT]), now);
+        assert_eq!(fates, [Again, Again]);
+        assert!(matches!(then, Then::Next), "{then:?}");
+        let plain = once.add_batch(&mut redis::pipe(), std::iter::empty(), now);
+        assert_eq!(plain.mode, Mode::Plain);
+        let later = once.add_batch(
+            &mut redis::pipe(),
+            std::iter::empty(),
+            now + PLAIN_AFTER_FULL,
+        );
+        assert_eq!(
+            later.mode,
+            Mode::Marked,
+            "marked again once the moment is over"
+        );
+
+        let mut once = Once::new("b1");
+        let b = marked(&mut once, 1);
+        let readonly = "-READONLY You can't write against a read only replica.\r\n";
+        once.answer(b, &replies(&[OK, readonly, QUEUED, ABORT]), now);
+        assert_eq!(marked_or_plain(&mut once, now), Mode::Plain);
+
+        let mut once = Once::new("b1");
+        let b = marked(&mut once, 1);
+        let at_exec = "-EXECABORT Transaction discarded because of: OOM command not allowed\r\n";
+        let (fates, _) = fates_and_then(&mut once, b, &[OK, QUEUED, QUEUED, at_exec]);
+        assert_eq!(fates, [Again]);
+        assert_eq!(marked_or_plain(&mut once, now), Mode::Plain);
+    }
+
+    fn marked_or_plain(once: &mut Once, now: Instant) -> Mode {
+        once.add_batch(&mut redis::pipe(), std::iter::empty(), now)
+            .mode
+    }
+
+    /// A user that may not use MULTI: what followed ran as plain commands, and the publishes'
+    /// own replies say which went out; one that may not use EXEC: nothing ran. Either way the
+    /// connection's later batches go plain.
+    #[test]
+    fn a_user_without_transactions_sends_plain_batches() {
+        use Fate::*;
+        let now = Instant::now();
+        let mut once = Once::new("b1");
+        let b = marked(&mut once, 2);
+        let no_multi = "-NOPERM this user has no permissions to run the 'multi' command\r\n";
+        let no_exec = "-ERR EXEC without MULTI\r\n";
+        let (fates, then) =
+            fates_and_then(&mut once, b, &[no_multi, OK, ":1\r\n", NOPERM, no_exec]);
+        assert_eq!((fates, then.as_str()), (vec![Ran, Refused], "Next"));
+        assert_eq!(marked_or_plain(&mut once, now), Mode::Plain);
+
+        let mut once = Once::new("b1");
+        let b = marked(&mut once, 1);
+        let exec_refused = "-EXECABORT Transaction discarded because of: NOPERM this user has no permissions to run the 'exec' command\r\n";
+        let (fates, then) = fates_and_then(&mut once, b, &[OK, QUEUED, QUEUED, exec_refused]);
+        assert_eq!((fates, then.as_str()), (vec![Again], "Next"));
+        assert_eq!(marked_or_plain(&mut once, now), Mode::Plain);
+        // A new connection tries transactions again (the ACL may have been mended).
+        once.plain_here = false;
+        assert_eq!(marked_or_plain(&mut once, now), Mode::Marked);
+    }
+
+    /// Plain publishes: a count went out, an ACL's refusal never will, anything else may later.
+    #[test]
+    fn a_plain_batchs_answer_is_read_publish_by_publish() {
+        use Fate::*;
+        let loading = "-LOADING Redis is loading the dataset in memory\r\n";
+        let Answer { fates, then } = plain_answer(&replies(&[":1\r\n", NOPERM, loading]));
+        assert_eq!(fates, [Ran, Refused, Again]);
+        assert!(matches!(then, Then::Wait(_)), "{then:?}");
+        let Answer { then, .. } = plain_answer(&replies(&[":0\r\n", NOPERM]));
+        assert!(matches!(then, Then::Next), "{then:?}");
+    }
+
+    /// Each batch takes the next number and sets the mark to it; only this process's mark at
+    /// the batch or later says the batch ran.
     #[test]
     fn batches_are_numbered_and_marked() {
         let mut once = Once::new("b1");
-        let now = Instant::now();
         let mut pipe = redis::pipe();
-        let one = once.add_batch(&mut pipe, [("ch", &b"a"[..])].into_iter(), now);
-        assert_eq!((one.number, one.replies, one.marked), (1, 4, true));
+        let one = once.add_batch(&mut pipe, [("ch", &b"a"[..])].into_iter(), Instant::now());
+        assert_eq!((one.number, one.replies()), (1, 4));
         let packed = String::from_utf8_lossy(&pipe.get_packed_pipeline()).into_owned();
+        assert!(packed.starts_with("*1\r\n$5\r\nMULTI\r\n"), "{packed}");
         assert!(packed.contains("sentinel:b1|published"), "{packed}");
         assert!(packed.contains(&format!("{}|1", once.instance)), "{packed}");
         assert!(
             packed.contains("PUBLISH\r\n$2\r\nch\r\n$1\r\na\r\n"),
             "{packed}"
         );
-        once.mark_refused(now);
-        let two = once.add_batch(&mut redis::pipe(), std::iter::empty(), now);
-        assert_eq!((two.number, two.replies, two.marked), (2, 2, false));
-        let later = now + UNMARKED_AFTER_FULL;
-        assert!(
-            once.add_batch(&mut redis::pipe(), std::iter::empty(), later)
-                .marked
-        );
+        assert!(packed.ends_with("*1\r\n$4\r\nEXEC\r\n"), "{packed}");
+        assert_eq!(marked(&mut once, 0).number, 2);
 
         let mine = |n: u64| format!("{}|{n}", once.instance).into_bytes();
         assert!(once.marks_at_least(&mine(3), 3));

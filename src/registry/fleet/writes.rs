@@ -10,8 +10,8 @@ use std::time::{Duration, Instant};
 
 use redis::{ConnectionLike, Value};
 
-use super::errors::{leaves_connection_sound, refused, CallError};
-use super::once::{Once, Sent};
+use super::errors::{leaves_connection_sound, CallError};
+use super::once::{Answer, Fate, Then};
 use super::{Fleet, EVENTS, EXIT_RETRY};
 use crate::ids::Seq;
 use crate::ids::{BootId, RigId};
@@ -273,8 +273,16 @@ impl Fleet {
                 return;
             }
             if wait.over(now) {
+                // A batch whose answer was lost may have gone out: say how many of those
+                // "unpublished" it holds.
+                let doubt = self.once.doubt.as_ref().map_or(String::new(), |d| {
+                    format!(
+                        " (the first {} of them may have gone out: their answer was lost)",
+                        d.publishes
+                    )
+                });
                 log::warn!(
-                    "redis: exiting with {publishes} events and replies unpublished, {forgets} removals of acked commands and {writes} lease releases and session notes unwritten: Redis did not answer by the end of the drain's wait for it (the leases lapse by their TTL; an acked command whose removal is lost may be reported rig_rebooted at its rig's next boot)"
+                    "redis: exiting with {publishes} events and replies unpublished{doubt}, {forgets} removals of acked commands and {writes} lease releases and session notes unwritten: Redis did not answer by the end of the drain's wait for it (the leases lapse by their TTL; an acked command whose removal is lost may be reported rig_rebooted at its rig's next boot)"
                 );
                 return;
             }
@@ -461,7 +469,7 @@ impl Fleet {
             let forgets = if ride { self.forgets.len() } else { 0 };
             hdel_by_session(&mut pipe, &self.forgets[..forgets]);
             let hdels = pipe.len();
-            let (mut n, mut bytes, mut events) = (0, 0, 0);
+            let (mut n, mut bytes) = (0, 0);
             for (channel, payload) in &self.outgoing {
                 let size = channel.len() + payload.len();
                 if n > 0 && (bytes + size > FLUSH_BYTES || n == FLUSH_COUNT) {
@@ -469,7 +477,6 @@ impl Fleet {
                 }
                 n += 1;
                 bytes += size;
-                events += usize::from(channel == EVENTS);
             }
             let now = Instant::now();
             let batch = self.once.add_batch(
@@ -479,79 +486,77 @@ impl Fleet {
                     .map(|(channel, payload)| (channel.as_str(), &payload[..])),
                 now,
             );
-            let count = hdels + batch.replies;
+            let count = hdels + batch.replies();
             let replies = con.req_packed_commands(&pipe.get_packed_pipeline(), 0, count);
             let replies = match replies {
                 Ok(replies) => replies,
                 Err(e) => {
                     // No answer: the batch may have run, or may yet, in a Redis that hangs
                     // with it in its buffer. The next connection asks before sending it again.
-                    self.once.in_doubt(batch, n);
+                    self.once.in_doubt(batch);
                     return self.call_failed(&e);
                 }
             };
             let (removals, answer) = replies.split_at(hdels.min(replies.len()));
             // A removal Redis refused (an ACL without HDEL, a key of another type) leaves its
-            // command in the session until it expires; the publishes went out all the same.
+            // command in the session until it expires; the publishes are told apart below.
             if let Some(Value::ServerError(e)) =
                 removals.iter().find(|r| matches!(r, Value::ServerError(_)))
             {
                 self.note_refusal(&redis::RedisError::from(e.clone()));
             }
-            match Once::sent(batch, answer) {
-                Sent::Ran { refused } => {
-                    self.published += n as u64 - refused.min(n as u64);
-                    if refused > 0 {
-                        self.dropped += refused;
-                        self.log_refused_publishes(refused, n, "failed as they ran");
-                    }
-                }
-                // Nothing ran: what Redis refused goes (sent again it would be refused again,
-                // forever), and the rest goes next.
-                Sent::Aborted { refused, mark } => {
-                    if mark {
-                        self.once.mark_refused(now);
-                    }
-                    for &i in refused.iter().rev() {
-                        if i < n {
-                            let (channel, payload) = self.outgoing.remove(i);
-                            self.outgoing_bytes -= channel.len() + payload.len();
-                            self.outgoing_events -= usize::from(channel == EVENTS);
-                        }
-                    }
-                    if !refused.is_empty() {
-                        self.dropped += refused.len() as u64;
-                        self.log_refused_publishes(refused.len() as u64, n, "were refused");
-                    }
-                    self.forgets.drain(..forgets);
-                    if self.forgets.is_empty() {
-                        self.forgets_since = None;
-                    }
-                    continue;
-                }
-                // Refused outright (say, a user that may not use MULTI): sent again, it would
-                // be refused again, forever.
-                Sent::Refused(e) if refused(&e) => {
-                    if let Some(more) = self.refused_log.note(Instant::now()) {
-                        log::warn!(
-                            "redis: a batch of {n} publishes was refused ({e}); dropped and \
-                             counted ({more} such batches, this one included, since the last \
-                             line)"
-                        );
-                    }
-                    self.dropped += n as u64;
-                }
-                // A passing state (loading, a busy script): nothing ran, the batch stays.
-                Sent::Refused(e) => return self.call_failed(&e),
-            }
-            self.outgoing_bytes -= bytes;
-            self.outgoing_events -= events;
-            self.outgoing.drain(..n);
             self.forgets.drain(..forgets);
             if self.forgets.is_empty() {
                 self.forgets_since = None;
             }
+            let Answer { fates, then } = self.once.answer(batch, answer, now);
+            let (ran, refused) = self.take_publishes(n, &fates);
+            self.published += ran;
+            if refused > 0 {
+                self.dropped += refused;
+                self.log_refused_publishes(refused, n, "were refused or failed as they ran");
+            }
+            match then {
+                Then::Next => {}
+                // Redis is full, busy or loading: what did not run goes in a later pass.
+                Then::Wait(e) => return self.call_failed(&e),
+                Then::Doubt(why) => {
+                    self.once.in_doubt(batch);
+                    let e = redis::RedisError::from((
+                        redis::ErrorKind::IoError,
+                        "a batch of publishes got an answer no batch gets",
+                        why,
+                    ));
+                    return self.call_failed(&e);
+                }
+            }
         }
+    }
+
+    /// Takes out of the queue the first `n` publishes' that ran or were refused for good (by
+    /// `fates`, in order; one without a fate stays), and returns how many of each.
+    fn take_publishes(&mut self, n: usize, fates: &[Fate]) -> (u64, u64) {
+        let (mut ran, mut refused, mut bytes, mut events) = (0, 0, 0, 0);
+        let mut i = 0;
+        self.outgoing.retain(|(channel, payload)| {
+            let fate = if i < n {
+                fates.get(i).copied().unwrap_or(Fate::Again)
+            } else {
+                Fate::Again
+            };
+            i += 1;
+            match fate {
+                Fate::Again => return true,
+                Fate::Ran => ran += 1,
+                Fate::Refused => refused += 1,
+            }
+            bytes += channel.len() + payload.len();
+            events += usize::from(channel == EVENTS);
+            false
+        });
+        self.outgoing_bytes -= bytes;
+        self.outgoing_events -= events;
+        (ran, refused)
     }
 
     /// Logs publishes Redis refused, at most a line a second: a refusal that lasts (an ACL)
