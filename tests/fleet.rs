@@ -1934,7 +1934,7 @@ fn a_user_without_client_or_info_still_publishes_replies_once() {
         b.metric("fleetlink_registry_ops_total{op=\"publish\",result=\"dropped\"}"),
         0
     );
-    b.wait_log(&["WARN", "may not use CLIENT ID and INFO server"]);
+    b.wait_log(&["WARN", "may not use CLIENT ID or INFO server"]);
 }
 
 /// What control reads on `fleetlink:events` names the session, and what it sends wrong is
@@ -2880,6 +2880,49 @@ fn an_acl_without_transactions_is_named_and_rigs_are_still_served() {
             "ready once transactions are allowed",
         );
     }
+}
+
+/// Transactions revoked from the broker's user while it is connected: the first refusal (here
+/// a reply's batch, which ran as plain commands and so still reaches control) drops the
+/// connection, and the reconnect reports refused credentials. The broker unsubscribes, so
+/// control's PUBLISH says no one received a command rather than a rig running it unanswered,
+/// and new rigs are welcomed from the local registry; all of it mends once the ACL does.
+/// Before, hellos were closed 4503 with `/readyz` at 200 for as long as the connection lasted,
+/// and after a reconnect commands ran with their replies held (review bb143).
+#[test]
+fn transactions_revoked_while_connected_are_named_and_commands_are_not_taken_unanswered() {
+    let redis = RedisServer::start();
+    let mut con = redis.connection();
+    let acl = |con: &mut redis::Connection, rule: &str| {
+        let args = ["SETUSER", "fl", "on", ">pw", "~*", "&*", "+@all", rule];
+        let _: () = redis::cmd("ACL").arg(&args).query(con).unwrap();
+    };
+    acl(&mut con, "+multi");
+    let url = format!("redis://fl:pw@127.0.0.1:{}/", redis.port());
+    let a = fleet_broker_at(&url, "fe-rv", &[]);
+    let (mut ws, _, _) = a.rig("rig-rv");
+    let mut ctl = Control::new(&redis, &[]);
+    send_and_read(&mut ctl, "fe-rv", "rig-rv", "before", &mut ws, 1);
+    acl(&mut con, "-multi");
+    // Its batch's MULTI refused, the reply ran as a plain PUBLISH.
+    send_and_read(&mut ctl, "fe-rv", "rig-rv", "revoked", &mut ws, 2);
+    eventually(Duration::from_secs(15), "/readyz names MULTI", || {
+        let (status, body) = a.http("GET", "/readyz", "");
+        status == 503 && body.contains("MULTI and EXEC")
+    });
+    eventually(Duration::from_secs(5), "unsubscribed", || {
+        numsub(&redis, "fleetlink:broker:fe-rv") == 0
+    });
+    let (_other, _, welcome) = a.rig("rig-rv2");
+    assert_eq!(welcome["type"], "welcome", "{welcome}");
+    acl(&mut con, "+multi");
+    a.wait_readyz(
+        200,
+        Duration::from_secs(15),
+        "ready once MULTI is allowed again",
+    );
+    assert_eq!(numsub(&redis, "fleetlink:broker:fe-rv"), 1);
+    send_and_read(&mut ctl, "fe-rv", "rig-rv", "after", &mut ws, 3);
 }
 
 /// A broker's parked copy of a session can be older than what happened to the session

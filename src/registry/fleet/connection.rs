@@ -115,6 +115,13 @@ fn check_key_access(con: &mut CommandCon) -> anyhow::Result<()> {
     }
 }
 
+/// Whether Redis refused MULTI or EXEC to this user (its ACL), in whichever reply says so.
+fn refuses_transactions(e: &redis::RedisError) -> bool {
+    let text = format!("{} {e}", e.detail().unwrap_or(""));
+    let nopermission = e.code() == Some("NOPERM") || text.contains("NOPERM");
+    nopermission && (text.contains("'multi'") || text.contains("'exec'"))
+}
+
 /// Checks that Redis's ACL lets this user run transactions: offline holds are taken, and
 /// replies and events published, in them. Refused, a hello found every take refused and was
 /// turned away (4503) while `/readyz` read 200 (review bb141); here it reads as refused
@@ -189,6 +196,17 @@ impl Fleet {
                 true
             }
             Err(e) => {
+                let why = e.to_string();
+                if refuses_credentials(&why) && self.sub.take().is_some() {
+                    // Kept, the subscription took commands this broker ran on its rigs with
+                    // no way to answer them (no command connection) for as long as the ACL
+                    // stays as it is: control timed out and sent them again (review bb143).
+                    // Unsubscribed, control's PUBLISH says no one received them.
+                    log::warn!(
+                        "redis: unsubscribed while Redis refuses this broker's user: commands \
+                         published to it reach no one (PUBLISH answers 0) until it is accepted"
+                    );
+                }
                 self.back_off(now, &e, cap_after(started.elapsed()));
                 false
             }
@@ -316,6 +334,13 @@ impl Fleet {
     /// or not as Redis allows, their replies queued until it is back).
     pub(super) fn call_failed(&mut self, e: &dyn CallError) {
         let now = Instant::now();
+        // MULTI or EXEC refused by the ACL (revoked while connected): hellos taking offline
+        // holds were turned away (4503) with `/readyz` at 200 for as long as the connection
+        // lasted (review bb143). Dropped, the reconnect's check reports refused credentials.
+        if e.redis().is_some_and(refuses_transactions) {
+            self.con = None;
+            return self.back_off(now, e, MAX_BACKOFF);
+        }
         if let Some(redis) = e.redis().filter(|r| leaves_connection_sound(r)) {
             // Only a full Redis refuses the writes that keep leases and sessions; a refusal of
             // one command (an ACL without HDEL, say) would otherwise have every heartbeat

@@ -161,18 +161,28 @@ impl Once {
                     run: run.to_string(),
                 });
             }
-            _ => self.tell_acl("CLIENT ID and INFO server"),
+            (id, _) => {
+                let mut refused = Vec::new();
+                if id.is_none() {
+                    refused.push("CLIENT ID");
+                }
+                if info.is_none() {
+                    refused.push("INFO server");
+                }
+                self.tell_acl(&refused);
+            }
         }
         Ok(())
     }
 
     /// Says once per process that the broker's ACL weakens the once-only publishing.
-    fn tell_acl(&mut self, what: &str) {
+    fn tell_acl(&mut self, what: &[&str]) {
         if !std::mem::replace(&mut self.acl_told, true) {
             log::warn!(
-                "redis: this broker's user may not use {what}: a batch of replies and events \
-                 whose answer a broken connection takes may be published twice (grant +@all, \
-                 or MULTI, EXEC, CLIENT and INFO; docs/operations.md)"
+                "redis: this broker's user may not use {}: a batch of replies and events whose \
+                 answer a broken connection takes may be published twice (grant CLIENT ID, \
+                 CLIENT KILL and INFO, or +@all; docs/operations.md)",
+                what.join(" or ")
             );
         }
     }
@@ -254,13 +264,10 @@ impl Once {
         };
         if let Value::ServerError(e) = multi {
             // Without MULTI what followed ran as plain commands: the publishes' own replies
-            // say which went out. Later batches go plain on this connection.
-            if e.code() == "NOPERM" {
-                self.plain_here = true;
-                self.tell_acl("MULTI");
-            }
+            // say which went out. Then the refusal is waited on: one the ACL makes (MULTI
+            // revoked while connected) drops the connection, whose reconnect reports it.
             let mut answer = plain_answer(publishes);
-            if e.code() != "NOPERM" && matches!(answer.then, Then::Next) {
+            if matches!(answer.then, Then::Next) {
                 answer.then = Then::Wait(e.clone().into());
             }
             return answer;
@@ -297,20 +304,22 @@ impl Once {
                 let mark_code = code(mark);
                 let full = publishes.iter().any(|v| code(v).as_deref() == Some("OOM"))
                     || why.contains("OOM")
-                    || mark_code.as_deref().is_some_and(|c| c != "NOPERM");
+                    || mark_code.as_deref().is_some_and(takes_no_writes);
                 let then = if full {
                     // Redis takes no writes (full at `maxmemory`, a read-only replica, a failed
                     // save): inside MULTI it then refuses every command, where a plain PUBLISH
                     // still goes out.
                     self.plain_until = Some(now + PLAIN_AFTER_FULL);
                     Then::Next
-                } else if mark_code.as_deref() == Some("NOPERM")
-                    || e.code() == "NOPERM"
-                    || why.contains("NOPERM")
-                {
-                    // The user may not write the mark or use EXEC.
+                } else if e.code() == "NOPERM" || why.contains("NOPERM") {
+                    // EXEC refused by the ACL (revoked while connected): the connection drops
+                    // and its reconnect reports it.
+                    Then::Wait(e.clone().into())
+                } else if mark_code.as_deref() == Some("NOPERM") {
+                    // The user may not write the mark's key (an ACL narrower than the
+                    // `sentinel:*` the broker checks at connect): plain on this connection.
                     self.plain_here = true;
-                    self.tell_acl("MULTI, EXEC or the mark's key");
+                    self.tell_acl(&["the mark's key, sentinel:<id>|published"]);
                     Then::Next
                 } else if let Some(passing) =
                     [mark].into_iter().chain(publishes).find_map(|v| match v {
@@ -339,7 +348,7 @@ impl Once {
     /// answer; then reads the mark, which a batch that ran set to its number or later. A plain
     /// batch left no mark: it counts as not run. An error reply leaves the doubt for later.
     pub(super) fn ran(
-        &self,
+        &mut self,
         con: &mut impl ConnectionLike,
         doubt: &Doubt,
     ) -> redis::RedisResult<bool> {
@@ -360,13 +369,17 @@ impl Once {
         let replies = con.req_packed_commands(&pipe.get_packed_pipeline(), 0, pipe.len())?;
         if kill {
             if let Some(Value::ServerError(e)) = replies.first() {
-                log::warn!(
-                    "redis: could not end the connection a batch of publishes was lost on \
-                     ({}: {}); a batch Redis still holds could run after this broker sends it \
-                     again",
-                    e.code(),
-                    e.details().unwrap_or("")
-                );
+                if e.code() == "NOPERM" {
+                    self.tell_acl(&["CLIENT KILL"]);
+                } else {
+                    log::warn!(
+                        "redis: could not end the connection a batch of publishes was lost on \
+                         ({}: {}); a batch Redis still holds could run after this broker sends \
+                         it again",
+                        e.code(),
+                        e.details().unwrap_or("")
+                    );
+                }
             }
         }
         match replies.last() {
@@ -388,6 +401,12 @@ impl Once {
         };
         instance == self.instance && n.parse::<u64>().is_ok_and(|n| n >= batch)
     }
+}
+
+/// Whether an error code is Redis refusing every write for now (full at `maxmemory`, a
+/// read-only replica, a failed save, too few replicas), as opposed to being busy or loading.
+fn takes_no_writes(code: &str) -> bool {
+    matches!(code, "OOM" | "READONLY" | "MISCONF" | "NOREPLICAS")
 }
 
 /// Plain publishes' replies: a count is a publish that went out, an ACL's refusal one that
@@ -551,9 +570,10 @@ mod tests {
 
     /// A user that may not use MULTI: what followed ran as plain commands, and the publishes'
     /// own replies say which went out; one that may not use EXEC: nothing ran. Either way the
-    /// connection's later batches go plain.
+    /// refusal is waited on (the connection drops, and its reconnect reports the ACL). A user
+    /// that may not write the mark's key sends plain batches on this connection.
     #[test]
-    fn a_user_without_transactions_sends_plain_batches() {
+    fn transactions_the_acl_refuses_are_waited_on_and_an_unwritable_mark_goes_plain() {
         use Fate::*;
         let now = Instant::now();
         let mut once = Once::new("b1");
@@ -562,17 +582,44 @@ mod tests {
         let no_exec = "-ERR EXEC without MULTI\r\n";
         let (fates, then) =
             fates_and_then(&mut once, b, &[no_multi, OK, ":1\r\n", NOPERM, no_exec]);
-        assert_eq!((fates, then.as_str()), (vec![Ran, Refused], "Next"));
-        assert_eq!(marked_or_plain(&mut once, now), Mode::Plain);
+        assert_eq!(fates, [Ran, Refused]);
+        assert!(
+            then.starts_with("Wait") && then.contains("'multi'"),
+            "{then}"
+        );
 
-        let mut once = Once::new("b1");
         let b = marked(&mut once, 1);
         let exec_refused = "-EXECABORT Transaction discarded because of: NOPERM this user has no permissions to run the 'exec' command\r\n";
         let (fates, then) = fates_and_then(&mut once, b, &[OK, QUEUED, QUEUED, exec_refused]);
+        assert_eq!(fates, [Again]);
+        assert!(
+            then.starts_with("Wait") && then.contains("'exec'"),
+            "{then}"
+        );
+        assert_eq!(marked_or_plain(&mut once, now), Mode::Marked);
+
+        let b = marked(&mut once, 1);
+        let no_key =
+            "-NOPERM this user has no permissions to access one of the keys used as arguments\r\n";
+        let (fates, then) = fates_and_then(&mut once, b, &[OK, no_key, QUEUED, ABORT]);
         assert_eq!((fates, then.as_str()), (vec![Again], "Next"));
         assert_eq!(marked_or_plain(&mut once, now), Mode::Plain);
-        // A new connection tries transactions again (the ACL may have been mended).
+        // A new connection tries the mark again (the ACL may have been mended).
         once.plain_here = false;
+        assert_eq!(marked_or_plain(&mut once, now), Mode::Marked);
+    }
+
+    /// A busy or loading Redis refusing the mark is waited on, not taken for one that takes no
+    /// writes.
+    #[test]
+    fn a_busy_redis_is_waited_on() {
+        let now = Instant::now();
+        let mut once = Once::new("b1");
+        let b = marked(&mut once, 1);
+        let busy = "-BUSY Redis is busy running a script.\r\n";
+        let (fates, then) = fates_and_then(&mut once, b, &[OK, busy, busy, ABORT]);
+        assert_eq!(fates, [Fate::Again]);
+        assert!(then.starts_with("Wait"), "{then}");
         assert_eq!(marked_or_plain(&mut once, now), Mode::Marked);
     }
 
