@@ -1861,21 +1861,7 @@ fn a_storm_of_hellos_is_answered_together_each_with_its_own_lease_session_and_he
 #[test]
 fn a_publish_redis_refuses_does_not_hold_back_the_ones_after_it() {
     let redis = RedisServer::start();
-    let mut con = redis.connection();
-    let _: () = redis::cmd("ACL")
-        .arg(&[
-            "SETUSER",
-            "fe",
-            "on",
-            ">pw",
-            "~*",
-            "resetchannels",
-            "&fleetlink:*",
-            "+@all",
-        ])
-        .query(&mut con)
-        .unwrap();
-    let url = format!("redis://fe:pw@127.0.0.1:{}/", redis.port());
+    let url = redis_user(&redis, &["~*", "resetchannels", "&fleetlink:*", "+@all"]);
     let b = fleet_broker_at(&url, "fe-acl", &[]);
     let mut ctl = Control::new(&redis, &[]);
     let refused = json!({"type":"command","id":"lost","rig_id":"rig-x","name":"n","args":{},
@@ -1889,6 +1875,17 @@ fn a_publish_redis_refuses_does_not_hold_back_the_ones_after_it() {
     // The refused one alone is dropped, and the others came once each.
     b.wait_metric("fleetlink_registry_ops_total{op=\"publish\",result=\"dropped\"} 1");
     assert_replies_once(&mut ctl, &["after0", "after1", "after2"]);
+}
+
+/// Makes the Redis user `fe` (password `pw`) with these ACL `rules`; its URL.
+fn redis_user(redis: &RedisServer, rules: &[&str]) -> String {
+    let mut args = vec!["SETUSER", "fe", "on", ">pw"];
+    args.extend_from_slice(rules);
+    let _: () = redis::cmd("ACL")
+        .arg(&args)
+        .query(&mut redis.connection())
+        .unwrap();
+    format!("redis://fe:pw@127.0.0.1:{}/", redis.port())
 }
 
 /// Asserts that no second reply to any of `ids` came before a marker published now on the
@@ -1907,14 +1904,7 @@ fn assert_replies_once(ctl: &mut Control, ids: &[&str]) {
 #[test]
 fn a_user_without_client_or_info_still_publishes_replies_once() {
     let redis = RedisServer::start();
-    let mut con = redis.connection();
-    let _: () = redis::cmd("ACL")
-        .arg(&[
-            "SETUSER", "fe", "on", ">pw", "~*", "&*", "+@all", "-client", "-info",
-        ])
-        .query(&mut con)
-        .unwrap();
-    let url = format!("redis://fe:pw@127.0.0.1:{}/", redis.port());
+    let url = redis_user(&redis, &["~*", "&*", "+@all", "-client", "-info"]);
     let b = Broker::start_logged(&["--redis", &url, "--broker-id", "fe-narrow"]);
     b.wait_readyz(200, Duration::from_secs(10), "broker ready");
     let (mut ws, _, _) = b.rig("rig-narrow");
