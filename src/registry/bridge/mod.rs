@@ -739,10 +739,7 @@ impl Bridge {
             ReplyTo::Channel(channel) => self.publish(channel, &body),
             ReplyTo::Aggregate(agg) => self.broadcast_part(agg, &body),
             ReplyTo::Event => {
-                let rig = body["rig_id"].as_str().and_then(RigId::parse);
-                if let (Some(rig), Some(id)) = (rig, body["id"].as_str()) {
-                    self.delivered_holds.note(rig, id);
-                }
+                self.note_delivered(body["rig_id"].as_str(), body["id"].as_str());
                 let ev = crate::events::offline_delivered(&self.cfg.broker_id, body);
                 self.publish(fleet::EVENTS.to_string(), &ev);
             }
@@ -759,15 +756,15 @@ impl Bridge {
             #[serde(borrow)]
             id: Option<std::borrow::Cow<'a, str>>,
         }
-        let Ok(Named {
-            rig_id: Some(rig),
-            id: Some(id),
-        }) = serde_json::from_slice::<Named<'_>>(ev)
-        else {
-            return;
-        };
-        if let Some(rig) = RigId::parse(&rig) {
-            self.delivered_holds.note(rig, &id);
+        if let Ok(named) = serde_json::from_slice::<Named<'_>>(ev) {
+            self.note_delivered(named.rig_id.as_deref(), named.id.as_deref());
+        }
+    }
+
+    /// Remembers that the held command `id` for `rig` was delivered here.
+    fn note_delivered(&mut self, rig: Option<&str>, id: Option<&str>) {
+        if let (Some(rig), Some(id)) = (rig.and_then(RigId::parse), id) {
+            self.delivered_holds.note(rig, id);
         }
     }
 

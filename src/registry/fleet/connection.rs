@@ -139,9 +139,7 @@ fn check_transactions(con: &mut CommandCon) -> anyhow::Result<()> {
         pipe.len(),
     )?;
     let refusal = replies.iter().find_map(|r| match r {
-        redis::Value::ServerError(e)
-            if e.code() == "NOPERM" || e.details().is_some_and(|d| d.contains("NOPERM")) =>
-        {
+        redis::Value::ServerError(e) if refuses_transactions(&e.clone().into()) => {
             Some(format!("{} {}", e.code(), e.details().unwrap_or("")))
         }
         _ => None,

@@ -23,8 +23,8 @@ use redis::{ConnectionLike, Value};
 
 /// How long a mark lasts after its batch: the question comes right after the reconnect.
 const MARK_TTL: Duration = Duration::from_secs(24 * 3600);
-/// How long batches go plain after Redis refused a transaction for want of memory: each
-/// transaction would otherwise be refused whole and sent twice while Redis stays full.
+/// How long batches go plain after Redis refused a transaction because it takes no writes:
+/// each transaction would otherwise be refused whole and sent twice meanwhile.
 const PLAIN_AFTER_FULL: Duration = Duration::from_secs(1);
 
 /// A command connection as Redis knows it: the client id Redis gave it, in the run of Redis
@@ -72,9 +72,9 @@ pub(super) struct Answer {
 enum Mode {
     /// A transaction with the mark: sent once.
     Marked,
-    /// Plain `PUBLISH`es in a pipeline: Redis is full (inside `MULTI` it refuses every
-    /// command at `maxmemory`, `PUBLISH` too, where a plain `PUBLISH` still goes out), or the
-    /// broker's user may not use `MULTI`/`EXEC`. A batch whose answer is lost goes again.
+    /// Plain `PUBLISH`es in a pipeline: Redis takes no writes (inside `MULTI` it then refuses
+    /// every command, `PUBLISH` too, where a plain `PUBLISH` still goes out), or the broker's
+    /// user may not write the mark's key. A batch whose answer is lost goes again.
     Plain,
 }
 
@@ -88,9 +88,9 @@ pub(super) struct Once {
     last: u64,
     /// The command connection now, when Redis said who it is.
     client: Option<ClientId>,
-    /// Batches go plain until then: Redis refused a transaction for want of memory.
+    /// Batches go plain until then: Redis refused a transaction because it takes no writes.
     plain_until: Option<Instant>,
-    /// Batches go plain on this connection: the broker's user may not use transactions.
+    /// Batches go plain on this connection: the broker's user may not write the mark's key.
     plain_here: bool,
     /// Said once per process: the guarantee is weaker with this ACL.
     acl_told: bool,

@@ -584,13 +584,10 @@ impl Fleet {
         };
         match self.once.ran(con, &doubt) {
             Ok(true) => {
-                let n = doubt.publishes.min(self.outgoing.len());
-                for (channel, payload) in self.outgoing.drain(..n) {
-                    self.outgoing_bytes -= channel.len() + payload.len();
-                    self.outgoing_events -= usize::from(channel == EVENTS);
-                }
-                self.published += n as u64;
-                self.unanswered_ran += n as u64;
+                let (ran, _) =
+                    self.take_publishes(doubt.publishes, &vec![Fate::Ran; doubt.publishes]);
+                self.published += ran;
+                self.unanswered_ran += ran;
             }
             Ok(false) => self.unanswered_resent += doubt.publishes as u64,
             Err(e) => {
