@@ -31,11 +31,20 @@ pub(super) struct PendingHold {
 impl Bridge {
     /// Holds a command for a rig that is not connected (Redis in fleet mode, else here).
     pub(super) fn hold(&mut self, req: CommandReq, ttl: Duration) {
+        self.hold_until(req, unix_ms() + ttl.as_millis() as u64, ttl);
+    }
+
+    /// [`Self::hold`] with its deadline given: a command held again keeps the one it was held
+    /// with to the millisecond, so that its entry is byte for byte the one Redis may hold
+    /// already (`offline_push.lua` finds a push whose answer was lost by that). Recomputed
+    /// from what was left, it could come out a millisecond later, and the command was then
+    /// held twice (a CI run of `a_hold_whose_answer_was_lost_reaches_the_rig_once`).
+    fn hold_until(&mut self, req: CommandReq, deadline_ms: u64, ttl: Duration) {
         let entry = Held {
             id: req.id,
             name: req.name,
             args: req.args,
-            deadline_ms: unix_ms() + ttl.as_millis() as u64,
+            deadline_ms,
             reply_to: match &req.reply {
                 ReplyTo::Channel(c) => Some(c.clone()),
                 _ => None,
@@ -231,7 +240,7 @@ impl Bridge {
             held.push(h);
         }
         let mut delivered = false;
-        for req in self.unexpired(rig, held) {
+        for req in self.unexpired(rig, held, unix_ms()) {
             self.shared.count("offline", "delivered");
             delivered = true;
             actions.push(Action::Core(
@@ -398,9 +407,11 @@ impl Bridge {
     /// Commands taken from Redis for a hello that was then turned away: held again (or
     /// reported `expired`), so that each still has its one outcome to come.
     pub(super) fn hold_again(&mut self, rig: &RigId, taken: Vec<Held>) {
-        for req in self.unexpired(rig, taken) {
+        let now = unix_ms();
+        for req in self.unexpired(rig, taken, now) {
+            // Unexpired, its deadline is `now` and what is left, exactly.
             let left = req.offline_ttl.unwrap_or(Duration::from_millis(1));
-            self.hold(req, left);
+            self.hold_until(req, now + left.as_millis() as u64, left);
         }
     }
 
@@ -408,8 +419,7 @@ impl Bridge {
     /// the connection not take it: see `undelivered`); those past their deadline are reported
     /// `expired` instead. Control heard `queued` when each was first held: its outcome comes
     /// as events.
-    fn unexpired(&mut self, rig: &RigId, held: Vec<Held>) -> Vec<CommandReq> {
-        let now = unix_ms();
+    fn unexpired(&mut self, rig: &RigId, held: Vec<Held>, now: u64) -> Vec<CommandReq> {
         let mut out = Vec::with_capacity(held.len());
         for h in held {
             if h.expired(now) {
