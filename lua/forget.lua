@@ -1,8 +1,10 @@
 -- forget.lua: remove acked commands from their sessions where the seq may name another
 -- command in Redis (CONTRACT.md section 5). Run by EVALSHA from src/registry/sessions.rs (behind
 -- lua/before_event.lua, which guards its events against a full Redis), one
--- batch per call; rare: only for commands a broker delivered while it could not reach Redis
--- (every other ack's removal is a plain HDEL, fleet/writes.rs).
+-- batch per call; rare: only for commands a broker delivered while it could not reach Redis,
+-- and for commands it read back from Redis (a resume, or those another broker gave the rig),
+-- whose mark below a copy put back later needs (every other ack's removal is a plain HDEL,
+-- fleet/writes.rs).
 --
 -- Such a command was numbered by its broker alone. Another broker that held the rig on Redis
 -- meanwhile (the rig's other connection during a partition) may have kept a command of its
@@ -16,7 +18,10 @@
 -- this broker's command, kept for --session-ttl from the last mark): another broker's copy
 -- of the session, put back after this removal (rekeep.lua, once Redis takes writes again),
 -- may hold a command of its own under the seq, which no one would report while the rig stays
--- (review bb117). rekeep.lua publishes that one `lost` instead of writing it. The marks live
+-- (review bb117). rekeep.lua publishes that one `lost` instead of writing it. Or the copy
+-- holds this very command, as one it could not confirm Redis kept (the keep ran, its answer
+-- was lost), found empty here: the mark tells rekeep.lua the rig acked it (review bb140).
+-- The marks live
 -- apart from the session, so they need no session (a boot whose hellos were all decided
 -- while Redis was away has none yet: review bb118), and they lapse on their own rather than
 -- growing the session for as long as its rig stays.

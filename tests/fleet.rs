@@ -1300,6 +1300,55 @@ fn kept_then_partitioned(rig: &str) -> KeptThenPartitioned {
     }
 }
 
+/// A command fe-a kept in Redis, though the answer to its keep was lost with the connection
+/// (Redis ran the call; fe-a, cut off, took the command for one it delivered unkept), which
+/// the rig then read on fe-b from Redis's session and acked there. Once fe-a is back and puts
+/// its parked copy of the session back, the seq is empty in Redis: fe-a took that for a seq
+/// another command had taken and published the command `lost`, though the rig ran it (review
+/// bb140: 2 of 15 trials of a rig moving during Redis pauses). fe-b's removal of a command it
+/// read back from Redis now marks the seq acked with its id, and the copy's one is dropped
+/// unreported.
+#[test]
+fn a_command_kept_though_its_answer_was_lost_and_acked_elsewhere_is_not_reported_lost() {
+    let (redis, relay, a, b, on_a, boot, mut ctl) = rig_on_a_behind_a_relay("rig-ka");
+    // Only fe-a's keep carries the command's JSON as it goes to the rig ("v" after "type").
+    relay.cut_after(br#""type":"command","v":1,"seq":1,"id":"k1""#, true);
+    let msg = json!({"type":"command","id":"k1","rig_id":"rig-ka","name":"n","args":{},"reply_to":ctl.reply_to});
+    ctl.publish("fleetlink:broker:fe-a", msg);
+    a.wait_readyz(
+        503,
+        Duration::from_secs(15),
+        "fe-a cut off after its keep ran",
+    );
+    assert_eq!(relay.cuts(), 1, "the keep's answer was lost");
+    let mut con = redis.connection();
+    let sess = format!("sess:rig-ka:{boot}");
+    assert!(con.hexists::<_, _, bool>(&sess, "c:1").unwrap(), "k1 kept");
+    // The rig leaves fe-a unread (parked there with k1) and resumes on fe-b, which gives k1
+    // from Redis.
+    drop(on_a);
+    eventually(Duration::from_secs(10), "fe-a parked the session", || {
+        lists_no_rig(&a)
+    });
+    let mut on_b = hello_again(&b, "rig-ka", &boot, 0);
+    read_command(&mut on_b, 1, "k1");
+    ack(&mut on_b, 1);
+    eventually(Duration::from_secs(10), "the ack in Redis", || {
+        !con.hexists::<_, _, bool>(&sess, "c:1").unwrap()
+    });
+    relay.down(false);
+    eventually(Duration::from_secs(20), "fe-a's copy put back", || {
+        a.metric("fleetlink_registry_ops_total{op=\"rekeep\",result=\"dropped\"}") >= 1
+    });
+    ctl.publish("fleetlink:events", json!({"type": "marker"}));
+    let ev = ctl
+        .next(|ch, v| ch == "fleetlink:events" && (v["type"] == "lost" || v["type"] == "marker"));
+    assert_eq!(ev["type"], "marker", "k1, run by the rig, reported: {ev}");
+    let r = ctl.command_id("fe-b", "rig-ka", "b2", "n", json!({}));
+    assert_eq!(r["seq"], 2, "{r}");
+    read_command(&mut on_b, 2, "b2");
+}
+
 /// A command fe-a kept in Redis before a partition, unacked there, which the rig acked on
 /// fe-b during it; the rig then stays on fe-a, which puts its connected rig's session back.
 /// The command is settled (Redis forgot it below its next seq): not written back, and dropped
@@ -2704,6 +2753,36 @@ fn ignored_broker_messages_are_counted() {
         0
     );
     assert_eq!(a.http("GET", "/readyz", "").0, 200);
+}
+
+/// Redis paused long enough for the reconnect's backoff to grow to seconds: the first command
+/// Redis pushes on the subscription after the pause (which the subscription lived through)
+/// brings the command connection back at once. Before, it waited out the backoff, 1.6–4.8 s
+/// here, with the command delivered unkept and its reply held; a broker killed meanwhile left
+/// control with neither (review bb138).
+#[test]
+fn a_push_after_a_pause_brings_the_command_connection_back_at_once() {
+    let redis = RedisServer::start();
+    let url = redis.url();
+    let a = Broker::start_logged(&["--redis", url.as_str(), "--broker-id", "fe-pp"]);
+    a.wait_readyz(200, Duration::from_secs(15), "fe-pp ready");
+    let (mut ws, _, _) = a.rig("rig-pp");
+    let mut ctl = Control::new(&redis, &[]);
+    redis.freeze(true);
+    // The fifth failed attempt in a row says so, and sets the next one 3.2 s (x 0.5-1.5) on.
+    eventually(Duration::from_secs(30), "five attempts failed", || {
+        a.log_text().contains("still unreachable after 4 attempts")
+    });
+    redis.freeze(false);
+    let thawed = Instant::now();
+    let reply = ctl.command_id("fe-pp", "rig-pp", "after-pause", "n", json!({}));
+    let took = thawed.elapsed();
+    assert_eq!(reply["ok"], true, "{reply}");
+    assert_eq!(read_json(&mut ws)["id"], "after-pause");
+    assert!(
+        took < Duration::from_millis(1200),
+        "the reply came {took:?} after the pause: the reconnect waited out its backoff"
+    );
 }
 
 /// A release cut off on its way to Redis is sent again on the next connection: dropped, the

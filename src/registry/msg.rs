@@ -30,6 +30,12 @@ pub struct SeqCommand {
     /// Fleet mode: released while Redis could not keep it (an outage). Another broker deciding
     /// alone meanwhile may give the rig this seq for a command of its own.
     pub unkept: bool,
+    /// Fleet mode: read from Redis's copy of the session (a resume, or commands another broker
+    /// gave the rig meanwhile), not kept here. The broker that kept it may hold it in a copy
+    /// as one whose keep it could not confirm (the answer was lost with its connection), and
+    /// put that copy back later: its removal here marks the seq acked with its id, or that
+    /// put-back, finding the seq empty, reports it `lost` though the rig ran it (review bb140).
+    pub read_back: bool,
     /// The connection that wrote it, once written.
     pub written_on: Option<ConnId>,
 }
@@ -46,6 +52,7 @@ impl SeqCommand {
             written_at: None,
             held,
             unkept: false,
+            read_back: false,
             written_on: None,
         }
     }
@@ -456,6 +463,9 @@ pub enum ToBridge {
         /// The ack may be for another broker's command under this seq (reported `lost`
         /// here): only this very command is removed, and the seq is not marked acked with it.
         doubtful: bool,
+        /// It was read back from Redis (`SeqCommand::read_back`): its removal marks the seq
+        /// acked with its id.
+        read_back: bool,
     },
     /// One rig's answer to a broadcast command.
     Part {

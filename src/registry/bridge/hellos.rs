@@ -569,6 +569,7 @@ impl Bridge {
                             written_at: None,
                             held: false,
                             unkept: false,
+                            read_back: true,
                             written_on: None,
                         });
                     }

@@ -573,9 +573,10 @@ impl Bridge {
                 seq,
                 id,
                 doubtful,
+                read_back,
             } => {
                 self.rekeeps.forget(&rig, boot, seq);
-                self.forget(rig, boot, seq, id, doubtful);
+                self.forget(rig, boot, seq, id, doubtful || read_back, doubtful);
                 Vec::new()
             }
             ToBridge::Shutdown { .. } => Vec::new(),
@@ -585,14 +586,24 @@ impl Bridge {
 
     /// Queues the removal of an acked command from its session: a plain one, or, for a seq
     /// this connection was given while Redis was away (which another broker may have given
-    /// a command of its own in Redis), one that reports that other command `lost`.
-    fn forget(&mut self, rig: RigId, boot: BootId, seq: Seq, id: Box<str>, doubtful: bool) {
+    /// a command of its own in Redis), one that reports that other command `lost`. `checked`
+    /// asks for the second anyway: a command read back from Redis, whose removal must leave
+    /// the seq marked acked with its id (`SeqCommand::read_back`).
+    fn forget(
+        &mut self,
+        rig: RigId,
+        boot: BootId,
+        seq: Seq,
+        id: Box<str>,
+        checked: bool,
+        doubtful: bool,
+    ) {
         let Some(f) = self.fleet.as_mut() else { return };
         let unkept = self
             .unkept_high
             .get(&(rig.clone(), boot))
             .is_some_and(|u| u.holds(seq));
-        let queued = if unkept || doubtful {
+        let queued = if unkept || checked {
             f.forget_checked(CheckedForget {
                 rig,
                 boot,
@@ -1037,10 +1048,11 @@ mod tests {
         assert_eq!(sent.last(), Some(&(fleet::EVENTS.to_string(), ev)));
     }
 
-    /// An ack's removal checks whose command Redis holds under the seq only where the
-    /// connection was given that seq while Redis was away; every other is a plain HDEL.
+    /// An ack's removal checks whose command Redis holds under the seq, and marks the seq
+    /// acked, only where the connection was given that seq while Redis was away, or the
+    /// command was read back from Redis (another broker kept it); every other is a plain HDEL.
     #[test]
-    fn only_the_removal_of_a_seq_delivered_unkept_is_checked() {
+    fn only_the_removal_of_a_seq_delivered_unkept_or_read_back_is_checked() {
         let (mut b, _core) = bridge();
         let (rig, boot) = (RigId::parse("rig-7").expect("rig"), BootId::generate(1));
         b.unkept_high.insert(
@@ -1051,23 +1063,41 @@ mod tests {
             },
         );
         let other = BootId::generate(2);
-        for (boot, seq) in [(boot, 3), (boot, 4), (boot, 6), (boot, 7), (other, 5)] {
+        let seqs = [
+            (boot, 3, false),
+            (boot, 4, false),
+            (boot, 6, false),
+            (boot, 7, false),
+            (other, 5, false),
+            (boot, 8, true),
+            (other, 9, true),
+        ];
+        for (boot, seq, read_back) in seqs {
             b.handle(ToBridge::Forget {
                 rig: rig.clone(),
                 boot,
                 seq: Seq(seq),
                 id: format!("c{seq}").into(),
                 doubtful: false,
+                read_back,
             });
         }
         let f = b.fleet.as_ref().expect("fleet");
         assert_eq!(f.queued_forgets(), 3);
-        let checked: Vec<(u64, &str)> = f
+        let checked: Vec<(u64, &str, bool)> = f
             .queued_checked_forgets()
             .iter()
-            .map(|c| (c.seq.0, &*c.id))
+            .map(|c| (c.seq.0, &*c.id, c.doubtful))
             .collect();
-        assert_eq!(checked, [(4, "c4"), (6, "c6")]);
+        assert_eq!(
+            checked,
+            [
+                (4, "c4", false),
+                (6, "c6", false),
+                (8, "c8", false),
+                (9, "c9", false)
+            ]
+        );
     }
 
     #[test]

@@ -621,6 +621,7 @@ mod tests {
             seq: Seq(2),
             id: "c2".into(),
             doubtful: false,
+            read_back: false,
         });
         match &b.rekeeps.take(10)[..] {
             [(_, _, Pending::Live(r))] => {

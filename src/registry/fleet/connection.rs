@@ -425,7 +425,12 @@ impl Fleet {
             return Vec::new();
         };
         match sub.read() {
-            Ok(pushes) => pushes,
+            Ok(pushes) => {
+                if !pushes.is_empty() && self.con.is_none() {
+                    self.reconnect_sooner(Instant::now());
+                }
+                pushes
+            }
             Err(e) => {
                 // The subscription alone, unless the command connection is gone too: a
                 // subscription usually ends because Redis did (a restart), and the command
@@ -454,6 +459,20 @@ impl Fleet {
         }
     }
 
+    /// Redis pushed on the subscription while the command connection is down: Redis answers,
+    /// so the reconnect should not wait out a backoff grown while it hung (up to 7.5 s after a
+    /// pause of a few seconds). Until then, commands that arrive are delivered unkept and
+    /// their replies wait; should the broker die meanwhile, control never hears of them
+    /// (review bb138). At most once per [`SOONER_EVERY`], in case the command connection keeps
+    /// failing for a reason of its own (Redis at `maxclients`, say).
+    fn reconnect_sooner(&mut self, now: Instant) {
+        if self.sooner_at.is_some_and(|at| now < at + SOONER_EVERY) {
+            return;
+        }
+        self.sooner_at = Some(now);
+        self.next_attempt = self.next_attempt.min(now);
+    }
+
     /// The subscription socket, for poll(2).
     pub(crate) fn fd(&self) -> Option<RawFd> {
         self.sub.as_ref().map(AsRawFd::as_raw_fd)
@@ -464,6 +483,9 @@ impl Fleet {
         self.con.as_ref().map(CommandCon::fd)
     }
 }
+
+/// Least time between two reconnects brought forward by the subscription's pushes.
+const SOONER_EVERY: Duration = Duration::from_millis(500);
 
 /// Whether a reconnect attempt begun at `now` ends within `wait` however Redis answers: a hung
 /// one holds it for the connect and then the probe, each up to [`PROBE_TIMEOUT`].

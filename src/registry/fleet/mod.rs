@@ -83,6 +83,9 @@ pub(crate) struct Fleet {
     session_ttl: Duration,
     failures: u32,
     next_attempt: Instant,
+    /// When pushes on the subscription last brought a reconnect of the command connection
+    /// forward (see `connection.rs`).
+    sooner_at: Option<Instant>,
     /// Why the last connection attempt failed, while Redis is down: `/readyz` says it.
     down_why: Option<String>,
     /// `down_why` changed since the bridge last took it.
@@ -169,6 +172,7 @@ impl Fleet {
             session_ttl,
             failures: 0,
             next_attempt: Instant::now(),
+            sooner_at: None,
             down_why: None,
             down_why_changed: false,
             dropped: 0,

@@ -191,6 +191,7 @@ fn enqueue(
         written_at: None,
         held: core.persist,
         unkept: false,
+        read_back: false,
         written_on: None,
     });
     core.metrics.inc(C::CmdEnqueued);
@@ -366,7 +367,7 @@ pub(super) fn keep_unacked(core: &Core, s: &mut Session, cmd: SeqCommand) {
             break;
         };
         core.metrics.inc(C::CmdResumeDropped);
-        forget_kept(core, rig, boot, old.seq, &old.id, false);
+        forget_kept(core, rig, boot, old.seq, &old.id, false, false);
     }
     q.push_unacked(cmd);
 }
@@ -392,7 +393,7 @@ fn drop_oldest_had(core: &Core, s: &mut Session) -> bool {
         return false;
     };
     core.metrics.inc(C::CmdResumeDropped);
-    forget_kept(core, &s.rig, s.boot, old.seq, &old.id, false);
+    forget_kept(core, &s.rig, s.boot, old.seq, &old.id, false, false);
     true
 }
 

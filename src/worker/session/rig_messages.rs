@@ -398,7 +398,15 @@ fn on_ack(
     // `lost`, to be sent again, rather than acked and never run; its result, should one come,
     // is not joined to it.
     let doubtful = cmd.unkept && cmd.written_on != Some(on);
-    forget_kept(core, &s.rig, s.boot, cmd.seq, &cmd.id, doubtful);
+    forget_kept(
+        core,
+        &s.rig,
+        s.boot,
+        cmd.seq,
+        &cmd.id,
+        doubtful,
+        cmd.read_back,
+    );
     if doubtful {
         core.metrics.inc(C::CmdLostToSharedSeq);
         s.shrink_queues();
@@ -418,7 +426,8 @@ fn on_ack(
 }
 
 /// Fleet mode: has the session store forget command `seq`, no longer kept for a resume;
-/// `doubtful` when the ack that ends it may be another command's (see `on_ack`).
+/// `doubtful` when the ack that ends it may be another command's (see `on_ack`), `read_back`
+/// when the command came from Redis rather than from this broker (`SeqCommand::read_back`).
 pub(super) fn forget_kept(
     core: &Core,
     rig: &RigId,
@@ -426,6 +435,7 @@ pub(super) fn forget_kept(
     seq: Seq,
     id: &str,
     doubtful: bool,
+    read_back: bool,
 ) {
     if core.persist {
         core.to_bridge(ToBridge::Forget {
@@ -434,6 +444,7 @@ pub(super) fn forget_kept(
             seq,
             id: id.into(),
             doubtful,
+            read_back,
         });
     }
 }
