@@ -411,8 +411,17 @@ local function id_of(json)
   return (decoded and type(cmd) == 'table' and type(cmd.id) == 'string') and cmd.id or nil
 end
 
+-- A put-back whose answer a broken connection took goes again, the same copy, at the broker's
+-- next reconnect, and would report the same command again: each report is recorded beside
+-- forget.lua's marks ("l<seq>" -> the id, "" for none; forget.lua's own fields are bare seqs)
+-- and lapses with them.
 local function publish_lost(seq, json)
   local id = id_of(json)
+  local marks = KEYS[2] .. ':acked'
+  local told = redis.pcall('HGET', marks, 'l' .. seq)
+  if type(told) == 'string' and told == (id or '') then
+    return
+  end
   before_event()
   redis.call('PUBLISH', 'fleetlink:events', '{"type":"lost","rig_id":'
       .. cjson.encode(KEYS[1]:match('^rig:(.+)$') or '') .. ',"boot_id":' .. cjson.encode(boot)
@@ -420,6 +429,10 @@ local function publish_lost(seq, json)
       .. ',"broker_id":' .. cjson.encode(tuple:match('|(.*)$')) .. ',"at":' .. cjson.encode(at)
       .. ',"detail":"its seq went to another command while the rig\'s brokers could not reach '
       .. 'Redis; the rig may not have run it: send it again if no result for it came"}')
+  -- pcall: a key of another type there holds no marks of ours (forget.lua deletes it).
+  if type(redis.pcall('HSET', marks, 'l' .. seq, id or '')) == 'number' then
+    redis.call('PEXPIRE', marks, ttl)
+  end
 end
 
 local function other_command(a, b)

@@ -1486,6 +1486,17 @@ fn after_a_partition_a_rig_that_left_unread_commands_behind_is_given_them_by_its
         b.metric("fleetlink_registry_ops_total{op=\"missed\",result=\"given\"}"),
         2
     );
+    // Read back from Redis and acked here, each leaves its seq marked acked with its id: fe-a
+    // may yet put back a copy holding it as one whose keep it could not confirm (review bb140).
+    let mut con = redis.connection();
+    let marks = format!("sess:rig-gp:{boot}:acked");
+    for (seq, id) in (2..=3).zip(&given) {
+        ack(&mut on_b, seq);
+        let id = id.as_str().unwrap().to_string();
+        eventually(Duration::from_secs(10), "the ack's mark", || {
+            con.hget::<_, _, Option<String>>(&marks, seq).unwrap() == Some(id.clone())
+        });
+    }
 }
 
 /// Three boots of one rig: X leaves fe-a with a command unread (parked there), Y says hello to

@@ -1982,6 +1982,23 @@ fn a_seq_redis_numbered_and_the_rig_acked_is_not_given_a_copys_command() {
         None,
         "not stranded under seq 3"
     );
+    // The same copy again, as fe-a sends it when the answer was lost with its connection: a1
+    // is dropped again, and not reported a second time.
+    let again = sessions
+        .rekeep_answers(
+            &mut con,
+            &[copy(&r, &x, &a1, RekeepMode::Parked)],
+            "fe-a",
+            TTL,
+            "2026-12-06T00:00:01Z",
+        )
+        .unwrap();
+    assert_eq!(again, answer);
+    let events = events_until_marker(&mut con);
+    assert!(
+        events.iter().all(|e| e["type"] != "lost"),
+        "a1 reported again: {events:?}"
+    );
     // fe-c kept b3 itself before it lost Redis, and gave a4 unkept (its copy: 3 and 4, the
     // unkept ones from 4). The rig acked b3 elsewhere: the seq is empty, and Redis numbered it,
     // but the command is the one Redis kept: neither written back nor reported lost.

@@ -140,6 +140,11 @@ pub struct Subscriber {
     scan: resp::Scan,
     /// Channels confirmed by Redis so far.
     pub confirmed: usize,
+    /// How the connection ended, once it has: said by the call after the one that returns
+    /// the messages read before the end. Redis may push a command and close the subscription
+    /// in one breath (a `CLIENT KILL`): that command was published to a subscriber, control
+    /// was told someone has it, and dropped with the end it went unanswered (review bb144).
+    ended: Option<(io::ErrorKind, String)>,
 }
 
 impl Subscriber {
@@ -182,22 +187,25 @@ impl Subscriber {
             buf: Vec::new(),
             scan: resp::Scan::default(),
             confirmed: 0,
+            ended: None,
         })
     }
 
     /// Reads what arrived, up to 64 KiB per call, and returns the complete messages. An
     /// error means the connection is gone (EOF, reset, or a reply this reader does not
-    /// understand).
+    /// understand); the messages that came before it are returned first, by the call before.
     pub fn read(&mut self) -> io::Result<Vec<Push>> {
+        if let Some((kind, why)) = &self.ended {
+            return Err(io::Error::new(*kind, why.clone()));
+        }
         let mut chunk = [0u8; 16 * 1024];
         let mut taken = 0;
         while taken < READ_PER_CALL {
             match self.stream.read(&mut chunk) {
                 Ok(0) => {
-                    return Err(io::Error::new(
-                        io::ErrorKind::UnexpectedEof,
-                        "redis closed the subscription",
-                    ))
+                    let why = "redis closed the subscription".to_string();
+                    self.ended = Some((io::ErrorKind::UnexpectedEof, why));
+                    break;
                 }
                 Ok(n) => {
                     taken += n;
@@ -206,7 +214,10 @@ impl Subscriber {
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(e),
+                Err(e) => {
+                    self.ended = Some((e.kind(), e.to_string()));
+                    break;
+                }
             }
             if self.buf.len() > MAX_BUFFER {
                 return Err(io::Error::new(
@@ -243,15 +254,22 @@ impl Subscriber {
                     _ => {}
                 },
                 Value::Error(e) => {
-                    return Err(io::Error::other(format!(
+                    let why = format!(
                         "an error reply on the subscription: {}",
                         String::from_utf8_lossy(&e)
-                    )))
+                    );
+                    self.ended = Some((io::ErrorKind::Other, why));
+                    break;
                 }
                 _ => {}
             }
         }
         self.buf.drain(..pos);
+        if out.is_empty() {
+            if let Some((kind, why)) = &self.ended {
+                return Err(io::Error::new(*kind, why.clone()));
+            }
+        }
         // One large message grew it: do not keep that much for the subscription's life.
         if self.buf.capacity() > 4 * READ_PER_CALL && self.buf.len() <= READ_PER_CALL {
             self.buf.shrink_to(READ_PER_CALL);
@@ -263,5 +281,53 @@ impl Subscriber {
 impl AsRawFd for Subscriber {
     fn as_raw_fd(&self) -> RawFd {
         self.stream.as_raw_fd()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::TcpListener;
+    use std::thread;
+
+    use redis::IntoConnectionInfo;
+
+    use super::*;
+
+    /// A message Redis pushes just before it ends the subscription (a `CLIENT KILL` right
+    /// after a `PUBLISH`) is returned, and the end is said by the next call. Before, a read
+    /// that met both returned the end alone, and the command in the message went unanswered
+    /// though control was told someone received it (review bb144).
+    #[test]
+    fn a_message_pushed_just_before_the_end_comes_before_the_end() {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let redis = thread::spawn(move || {
+            let (mut s, _) = listener.accept().expect("accept");
+            let mut subscribe = [0u8; 256];
+            let _ = s.read(&mut subscribe);
+            s.write_all(b"*3\r\n$9\r\nsubscribe\r\n$2\r\nch\r\n:1\r\n")
+                .expect("confirm");
+            s.write_all(b"*3\r\n$7\r\nmessage\r\n$2\r\nch\r\n$3\r\ncmd\r\n")
+                .expect("push");
+        });
+        let info = format!("redis://{addr}/")
+            .into_connection_info()
+            .expect("url");
+        let mut sub =
+            Subscriber::connect(&info, &["ch".to_string()], Duration::from_secs(5)).expect("sub");
+        // Gone: the push and the end are both in the socket before the first read.
+        redis.join().expect("redis");
+        let got = sub.read().expect("the push first");
+        assert_eq!(
+            got,
+            [Push {
+                channel: "ch".into(),
+                payload: b"cmd".to_vec(),
+            }]
+        );
+        assert_eq!(sub.confirmed, 1);
+        let end = sub.read().expect_err("then the end");
+        assert_eq!(end.kind(), io::ErrorKind::UnexpectedEof, "{end}");
+        assert!(sub.read().is_err(), "the end stays");
     }
 }
