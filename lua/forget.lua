@@ -70,9 +70,11 @@ for i = 1, #KEYS do
   -- pcall: a key of another type is no session of ours (persist.lua deletes it at the next
   -- keep); there is nothing here to remove.
   local there = redis.pcall('HGET', sess, field)
+  local reported = nil
   if type(there) == 'string' then
     local other = id_of(there)
     if other ~= id and acked then
+      reported = other or ''
       lost = lost + 1
       before_event()
       redis.call('PUBLISH', 'fleetlink:events', '{"type":"lost","rig_id":'
@@ -95,6 +97,11 @@ for i = 1, #KEYS do
       redis.call('DEL', marks)
     end
     redis.call('HSET', marks, seq, id)
+    -- The report too, as rekeep.lua records its own: a copy of the other broker's holding
+    -- that command, put back later, would report it a second time.
+    if reported then
+      redis.call('HSET', marks, 'l' .. seq .. ':' .. reported, '1')
+    end
     redis.call('PEXPIRE', marks, ttl)
   end
 end

@@ -413,13 +413,13 @@ end
 
 -- A put-back whose answer a broken connection took goes again, the same copy, at the broker's
 -- next reconnect, and would report the same command again: each report is recorded beside
--- forget.lua's marks ("l<seq>" -> the id, "" for none; forget.lua's own fields are bare seqs)
--- and lapses with them.
+-- forget.lua's marks ("l<seq>:<id>", the id "" for none; forget.lua's acked marks are bare
+-- seqs, and it records its own reports the same way), and lapses with them.
 local function publish_lost(seq, json)
   local id = id_of(json)
   local marks = KEYS[2] .. ':acked'
-  local told = redis.pcall('HGET', marks, 'l' .. seq)
-  if type(told) == 'string' and told == (id or '') then
+  local record = 'l' .. seq .. ':' .. (id or '')
+  if redis.pcall('HEXISTS', marks, record) == 1 then
     return
   end
   before_event()
@@ -430,7 +430,7 @@ local function publish_lost(seq, json)
       .. ',"detail":"its seq went to another command while the rig\'s brokers could not reach '
       .. 'Redis; the rig may not have run it: send it again if no result for it came"}')
   -- pcall: a key of another type there holds no marks of ours (forget.lua deletes it).
-  if type(redis.pcall('HSET', marks, 'l' .. seq, id or '')) == 'number' then
+  if type(redis.pcall('HSET', marks, record, '1')) == 'number' then
     redis.call('PEXPIRE', marks, ttl)
   end
 end

@@ -1671,7 +1671,7 @@ fn a_copy_meeting_a_seq_marked_acked_with_another_command_reports_its_own_lost()
 #[test]
 fn a_checked_removal_reports_another_command_under_the_acked_seq() {
     use fleetlink::ids::Seq;
-    use fleetlink::registry::sessions::{session_key, CheckedForget, SessionScripts};
+    use fleetlink::registry::sessions::{session_key, CheckedForget, RekeepMode, SessionScripts};
     let (server, mut con, _) = setup();
     let sessions = SessionScripts::new();
     let mut sub = server.client().get_connection().unwrap();
@@ -1759,6 +1759,25 @@ fn a_checked_removal_reports_another_command_under_the_acked_seq() {
         .query(&mut con)
         .unwrap();
     assert_eq!(kind, "list");
+    // The report is recorded as rekeep.lua records its own: fe-b's copy, holding kept-by-b
+    // under seq 3 as given while it could not reach Redis, put back now, does not report it
+    // a second time.
+    let recorded: bool = redis::cmd("HEXISTS")
+        .arg(&marks)
+        .arg("l3:kept-by-b")
+        .query(&mut con)
+        .unwrap();
+    assert!(recorded, "the report recorded");
+    let kept_by_b = cmd(3, "kept-by-b");
+    sessions
+        .rekeep_answers(
+            &mut con,
+            &[copy(&r, &b, &kept_by_b, RekeepMode::Parked)],
+            "fe-b",
+            TTL,
+            "2026-12-06T00:00:00Z",
+        )
+        .unwrap();
     // Nothing else was published: the next event is this marker.
     let _: () = redis::cmd("PUBLISH")
         .arg("fleetlink:events")
@@ -1792,7 +1811,11 @@ fn a_checked_removal_reports_another_command_under_the_acked_seq() {
     left.sort();
     assert_eq!(left, ["c:5", "c:7", "next"]);
     let marked: Vec<String> = redis::cmd("HKEYS").arg(&marks).query(&mut con).unwrap();
-    assert_eq!(marked.len(), 3, "none for doubtful ones: {marked:?}");
+    assert_eq!(
+        marked.len(),
+        4,
+        "three marks and a report, none for doubtful ones: {marked:?}"
+    );
 }
 
 /// Two brokers that each decided alone (Redis away from one of them) can give one seq of a
@@ -1999,6 +2022,26 @@ fn a_seq_redis_numbered_and_the_rig_acked_is_not_given_a_copys_command() {
         events.iter().all(|e| e["type"] != "lost"),
         "a1 reported again: {events:?}"
     );
+    // A third broker's copy with c1 under seq 3 is reported in turn, and a1's sent again after
+    // it still is not: each report is recorded by seq and id.
+    let c1 = cmd(3, "c1");
+    for (json, broker) in [(&c1, "fe-d"), (&a1, "fe-a")] {
+        sessions
+            .rekeep_answers(
+                &mut con,
+                &[copy(&r, &x, json, RekeepMode::Parked)],
+                broker,
+                TTL,
+                "2026-12-06T00:00:02Z",
+            )
+            .unwrap();
+    }
+    let lost: Vec<_> = events_until_marker(&mut con)
+        .into_iter()
+        .filter(|e| e["type"] == "lost")
+        .map(|e| e["id"].clone())
+        .collect();
+    assert_eq!(lost, [serde_json::json!("c1")]);
     // fe-c kept b3 itself before it lost Redis, and gave a4 unkept (its copy: 3 and 4, the
     // unkept ones from 4). The rig acked b3 elsewhere: the seq is empty, and Redis numbered it,
     // but the command is the one Redis kept: neither written back nor reported lost.

@@ -443,12 +443,13 @@ impl Fleet {
                     Some(false) => self.con = None,
                     // Redis is up and ended this one client: its output buffer for the
                     // subscription passed `client-output-buffer-limit pubsub` (control published
-                    // faster than this broker reads), or someone ran CLIENT KILL. What was
-                    // published to this broker until it is subscribed again is lost, unanswered.
+                    // faster than this broker reads), or someone ran CLIENT KILL. What Redis had
+                    // not yet sent (it drops the output buffer with the client), and what is
+                    // published until the broker is subscribed again, is lost, unanswered.
                     Some(true) => {
                         self.subscription_cuts += 1;
                         log::warn!(
-                            "redis: ended this broker's subscription while still answering: a CLIENT KILL, or its client-output-buffer-limit for pubsub (messages published faster than this broker reads them; Redis's own log names that one); what is published to it until it resubscribes is lost, unanswered"
+                            "redis: ended this broker's subscription while still answering: a CLIENT KILL, or its client-output-buffer-limit for pubsub (messages published faster than this broker reads them; Redis's own log names that one); what Redis had not yet sent it, and what is published to it until it resubscribes, is lost, unanswered"
                         );
                     }
                     None => {}
