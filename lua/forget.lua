@@ -63,6 +63,9 @@ local function id_of(json)
 end
 
 local lost = 0
+-- Marks keys this call checked, to set their TTL once at the end: a resume's acks of one
+-- session come in one call, and TYPE and PEXPIRE per command were two of its five calls.
+local marked = {}
 for i = 1, #KEYS do
   local sess, seq, id = KEYS[i], ARGV[5 * i + 1], ARGV[5 * i + 2]
   local acked = ARGV[5 * i + 3] == 'acked'
@@ -92,9 +95,12 @@ for i = 1, #KEYS do
   if acked then
     -- A key of another type where the marks belong holds none of ours: it goes.
     local marks = sess .. ':acked'
-    local kind = redis.call('TYPE', marks).ok
-    if kind ~= 'none' and kind ~= 'hash' then
-      redis.call('DEL', marks)
+    if not marked[marks] then
+      local kind = redis.call('TYPE', marks).ok
+      if kind ~= 'none' and kind ~= 'hash' then
+        redis.call('DEL', marks)
+      end
+      marked[marks] = true
     end
     redis.call('HSET', marks, seq, id)
     -- The report too, as rekeep.lua records its own: a copy of the other broker's holding
@@ -102,7 +108,9 @@ for i = 1, #KEYS do
     if reported then
       redis.call('HSET', marks, 'l' .. seq .. ':' .. reported, '1')
     end
-    redis.call('PEXPIRE', marks, ttl)
   end
+end
+for marks in pairs(marked) do
+  redis.call('PEXPIRE', marks, ttl)
 end
 return lost
