@@ -3,8 +3,8 @@
 -- lua/before_event.lua, which guards its events against a full Redis), one
 -- batch per call; rare: only for commands a broker delivered while it could not reach Redis,
 -- and for commands it read back from Redis (a resume, or those another broker gave the rig),
--- whose mark below a copy put back later needs (every other ack's removal is a plain HDEL,
--- fleet/writes.rs).
+-- since a copy put back later needs their marks (below); every other ack's removal is a plain
+-- HDEL (fleet/writes.rs).
 --
 -- Such a command was numbered by its broker alone. Another broker that held the rig on Redis
 -- meanwhile (the rig's other connection during a partition) may have kept a command of its
