@@ -5,27 +5,17 @@ marked acked with the id), with two versions of the script side by side. 5,000 a
 of 100 sessions, forget.lua in calls of 500 as the broker sends them, the three alternating in
 each round. Redis's own CPU per command, from INFO commandstats.
 
-usage: forget_cost.py PORT ROUNDS OLD_FORGET_LUA NEW_FORGET_LUA   (run from the repo's top)
+usage: forget_cost.py ROUNDS OLD_FORGET_LUA NEW_FORGET_LUA   (run from the repo's top)
 needs: redis-server on PATH, python3 with the `redis` package"""
-import json, subprocess, sys, time
-import redis
+import json, os, sys
 
-PORT, ROUNDS = int(sys.argv[1]), int(sys.argv[2])
-SCRIPTS = {"old": sys.argv[3], "new": sys.argv[4]}
+sys.path.insert(0, os.path.join("bench", "lib"))
+from scratch_redis import scratch_redis  # noqa: E402
+
+ROUNDS = int(sys.argv[1])
+SCRIPTS = {"old": sys.argv[2], "new": sys.argv[3]}
 N, SESSIONS, CALL = 5000, 100, 500
 BOOT = "0190f5c2-0000-7000-8000-000000000001"
-srv = subprocess.Popen(["redis-server", "--port", str(PORT), "--save", "", "--appendonly", "no",
-                        "--bind", "127.0.0.1"], stdout=subprocess.DEVNULL)
-r = redis.Redis(port=PORT)
-deadline = time.time() + 10
-while True:
-    try:
-        r.ping()
-        break
-    except redis.ConnectionError:
-        if time.time() > deadline:
-            raise
-        time.sleep(0.05)
 guard = open("lua/before_event.lua").read()
 
 
@@ -33,7 +23,7 @@ def where(i):
     return f"sess:rig-{i % SESSIONS}:{BOOT}", i // SESSIONS + 1
 
 
-def fill():
+def fill(r):
     p = r.pipeline(transaction=False)
     for i in range(N):
         sess, seq = where(i)
@@ -42,9 +32,9 @@ def fill():
     p.execute()
 
 
-def run(how):
+def run(r, how):
     r.flushall()
-    fill()
+    fill(r)
     shas = {k: r.script_load(guard + open(path).read()) for k, path in SCRIPTS.items()}
     r.config_resetstat()
     if how == "hdel":
@@ -66,15 +56,12 @@ def run(how):
     return r.info("commandstats")[stat]["usec"] / N
 
 
-try:
+with scratch_redis() as r:
     got = {"hdel": [], "old": [], "new": []}
     for rnd in range(ROUNDS):
         order = ["hdel", "old", "new"]
         for how in order if rnd % 2 == 0 else order[::-1]:
-            got[how].append(run(how))
+            got[how].append(run(r, how))
     for how, v in got.items():
         v.sort()
         print(f"{how}: Redis µs per command, median {v[len(v) // 2]:.2f}, all {[round(x, 2) for x in v]}")
-finally:
-    srv.kill()
-    srv.wait()
