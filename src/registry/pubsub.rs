@@ -195,8 +195,8 @@ impl Subscriber {
     /// error means the connection is gone (EOF, reset, or a reply this reader does not
     /// understand); the messages that came before it are returned first, by the call before.
     pub fn read(&mut self) -> io::Result<Vec<Push>> {
-        if let Some((kind, why)) = &self.ended {
-            return Err(io::Error::new(*kind, why.clone()));
+        if let Some(end) = self.end() {
+            return Err(end);
         }
         let mut chunk = [0u8; 16 * 1024];
         let mut taken = 0;
@@ -265,16 +265,21 @@ impl Subscriber {
             }
         }
         self.buf.drain(..pos);
-        if out.is_empty() {
-            if let Some((kind, why)) = &self.ended {
-                return Err(io::Error::new(*kind, why.clone()));
-            }
+        if let Some(end) = self.end().filter(|_| out.is_empty()) {
+            return Err(end);
         }
         // One large message grew it: do not keep that much for the subscription's life.
         if self.buf.capacity() > 4 * READ_PER_CALL && self.buf.len() <= READ_PER_CALL {
             self.buf.shrink_to(READ_PER_CALL);
         }
         Ok(out)
+    }
+
+    /// The end of the connection, once it came, as the error each later read returns.
+    fn end(&self) -> Option<io::Error> {
+        self.ended
+            .as_ref()
+            .map(|(kind, why)| io::Error::new(*kind, why.clone()))
     }
 }
 
