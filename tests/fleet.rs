@@ -583,13 +583,53 @@ fn readyz_says_when_redis_refuses_the_brokers_password() {
         last = body.clone();
         status == 503 && body.contains("credentials refused")
     });
-    assert!(last.starts_with("redis unreachable: "), "{last}");
+    assert!(last.starts_with("redis credentials refused: "), "{last}");
     assert!(last.contains("WRONGPASS"), "Redis's own words: {last}");
     // Fixed on Redis's side: the broker gets in at its next attempt, and readiness says so.
     require_password(&mut admin, "wrong-one");
     eventually(
         Duration::from_secs(15),
         "readyz 200 once the password is right",
+        || b.http("GET", "/readyz", "") == (200, "ready\n".to_string()),
+    );
+}
+
+/// A Redis that answers but refuses the broker's writes (here a read-only replica) is not
+/// "unreachable": `/readyz` says it answered, in Redis's words, so an operator looks at its
+/// role rather than at the network (review bb146); and readiness returns with writes.
+#[test]
+fn readyz_says_when_redis_answers_but_refuses_writes() {
+    let redis = RedisServer::start();
+    let mut admin = redis.connection();
+    let b = Broker::start(&["--redis", redis.url().as_str(), "--broker-id", "fe-ro"]);
+    b.wait_readyz(200, Duration::from_secs(10), "broker ready");
+    // A master nothing listens on: the replica keeps its data and refuses every write.
+    let nowhere = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = nowhere.local_addr().unwrap().port();
+    drop(nowhere);
+    let _: () = redis::cmd("REPLICAOF")
+        .arg("127.0.0.1")
+        .arg(port)
+        .query(&mut admin)
+        .unwrap();
+    let mut last = String::new();
+    eventually(Duration::from_secs(20), "readyz naming the refusal", || {
+        let (status, body) = b.http("GET", "/readyz", "");
+        last = body;
+        status == 503 && last.contains("ReadOnly")
+    });
+    assert!(
+        last.starts_with("redis answers but refuses: ReadOnly: "),
+        "{last}"
+    );
+    let _: () = redis::cmd("REPLICAOF")
+        .arg("NO")
+        .arg("ONE")
+        .query(&mut admin)
+        .unwrap();
+    eventually(
+        Duration::from_secs(15),
+        "readyz 200 once Redis takes writes",
         || b.http("GET", "/readyz", "") == (200, "ready\n".to_string()),
     );
 }

@@ -200,7 +200,9 @@ impl BridgeShared {
         if self.redis_up.load(Ordering::Relaxed) == 0 {
             let why = self.redis_down_why.lock().ok().and_then(|w| w.clone());
             return Some(match why {
-                Some(why) => format!("redis unreachable: {why}"),
+                // Says whether Redis was not reached, refused the credentials, or answered
+                // with a refusal (fleet::connection, `back_off`).
+                Some(why) => format!("redis {why}"),
                 None => "redis unreachable".into(),
             });
         }

@@ -9,7 +9,8 @@ use std::os::fd::{AsRawFd, RawFd};
 use std::time::{Duration, Instant};
 
 use super::errors::{
-    answers_ping, leaves_connection_sound, plain_timeout, refuses_credentials, CallError,
+    answered_refusal, answers_ping, leaves_connection_sound, plain_timeout, refuses_credentials,
+    CallError,
 };
 use super::{Fleet, BROADCAST, EXIT_RETRY, HEARTBEAT_TTL, IO_TIMEOUT, PROBE_TIMEOUT};
 use crate::registry::command_con::CommandCon;
@@ -363,17 +364,29 @@ impl Fleet {
     }
 
     /// Schedules the next reconnect attempt after a failure, at most `cap` (before jitter)
-    /// after the last.
+    /// after the last. The reason kept for `/readyz` says whether Redis could not be reached,
+    /// refused the credentials, or answered but refused the call.
     fn back_off(&mut self, now: Instant, why: &dyn std::fmt::Display, cap: Duration) {
         let mut why = plain_timeout(why.to_string());
+        let answered = answered_refusal(&why).map(str::to_string);
+        let state = if refuses_credentials(&why) {
+            "credentials refused"
+        } else if answered.is_some() {
+            "answers but refuses"
+        } else {
+            "unreachable"
+        };
+        if let Some(said) = answered {
+            why = said;
+        }
         if refuses_credentials(&why) {
-            why = format!("credentials refused ({why})");
             // Not an outage that ends by itself: the log must say what to fix. Every attempt
             // up to the fourth, then at doubling counts, so a fix is seen to take.
             if self.failures < 4 || self.failures.is_power_of_two() {
                 log::error!(
-                    "redis: {why}: check the user and password in --redis and Redis's ACL; \
-                     retrying, and serving from the local registry meanwhile"
+                    "redis: credentials refused ({why}): check the user and password in \
+                     --redis and Redis's ACL; retrying, and serving from the local registry \
+                     meanwhile"
                 );
             }
         } else if why.contains("DB index is out of range") {
@@ -388,11 +401,17 @@ impl Fleet {
         } else if self.failures == 0 {
             log::warn!("redis: {why}; serving from the local registry until it returns");
         } else if self.failures >= 4 && self.failures.is_power_of_two() {
+            let still = if state == "unreachable" {
+                "unreachable"
+            } else {
+                "refusing"
+            };
             log::warn!(
-                "redis: still unreachable after {} attempts (the last: {why})",
+                "redis: still {still} after {} attempts (the last: {why})",
                 self.failures
             );
         }
+        let why = format!("{state}: {why}");
         if self.down_why.as_deref() != Some(why.as_str()) {
             self.down_why = Some(why);
             self.down_why_changed = true;
@@ -524,7 +543,9 @@ mod tests {
         f.back_off(now, &"Connection refused (os error 111)", MAX_BACKOFF);
         assert_eq!(
             f.take_down_why(),
-            Some(Some("Connection refused (os error 111)".into()))
+            Some(Some(
+                "unreachable: Connection refused (os error 111)".into()
+            ))
         );
         f.back_off(now, &"Connection refused (os error 111)", MAX_BACKOFF);
         assert_eq!(f.take_down_why(), None, "unchanged: nothing to hand over");
@@ -534,7 +555,21 @@ mod tests {
             MAX_BACKOFF,
         );
         let why = f.take_down_why().flatten().unwrap_or_default();
-        assert!(why.starts_with("credentials refused ("), "{why}");
+        assert_eq!(
+            why,
+            "credentials refused: WRONGPASS: invalid username-password pair"
+        );
+        // Redis answered, so not "unreachable" (review bb146: a read-only replica).
+        f.back_off(
+            now,
+            &"An error was signalled by the server - ReadOnly: You can't write against a read only replica.",
+            MAX_BACKOFF,
+        );
+        let why = f.take_down_why().flatten().unwrap_or_default();
+        assert_eq!(
+            why,
+            "answers but refuses: ReadOnly: You can't write against a read only replica."
+        );
     }
 
     #[test]

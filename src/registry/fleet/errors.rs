@@ -7,6 +7,17 @@
 use super::{IO_TIMEOUT, PROBE_TIMEOUT};
 use crate::registry::command_con::CommandCon;
 
+/// redis-rs's preamble to every error reply of a kind it knows (READONLY, LOADING, BUSY, ...).
+const SERVER_SAID: &str = "An error was signalled by the server - ";
+
+/// What Redis said when it answered a call with a refusal that passes (a read-only replica,
+/// a Redis still loading, a busy script), without redis-rs's preamble; `None` when the error
+/// is not Redis's answer (a refused connection, a reset, a timeout). An operator told such a
+/// Redis is "unreachable" would look for a network fault (review bb146).
+pub(super) fn answered_refusal(why: &str) -> Option<&str> {
+    why.split_once(SERVER_SAID).map(|(_, said)| said)
+}
+
 /// Whether a failed connection attempt's error is Redis refusing who we are (a wrong
 /// password, a user without the rights the broker needs) rather than Redis being away.
 pub(super) fn refuses_credentials(why: &str) -> bool {
