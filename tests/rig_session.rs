@@ -2964,3 +2964,36 @@ fn memory_a_burst_of_admin_answers_needed_is_returned_once_it_is_over() {
     );
     drop(rigs);
 }
+
+/// A boot back after a newer one of its rig ended its session (a stale process, a rig whose
+/// clock went back) numbers on where it stopped. It was numbered from 1 again, under seqs the
+/// rig had acked: a rig dropping the seqs it has (CONTRACT.md §5) never ran that command,
+/// which control was told was enqueued (review bb147).
+#[test]
+fn an_older_boot_back_after_a_newer_one_numbers_on_where_it_stopped() {
+    let b = Broker::start(&[]);
+    let (older, newer) = (boot_id(), boot_id());
+    let gone = |what: &str| {
+        eventually(Duration::from_secs(10), what, || {
+            !b.http("GET", "/v1/rigs", "").1.contains("rig-back")
+        })
+    };
+    let mut ws = b.connect("/agent");
+    hello(&mut ws, "rig-back", &older, json!({}));
+    for seq in 1..=3 {
+        command_reaches(&b, "rig-back", "n", &mut ws, seq);
+        ack(&mut ws, seq);
+    }
+    ws.close(None).unwrap();
+    gone("the older boot gone");
+    let mut ws = b.connect("/agent");
+    let welcome = hello(&mut ws, "rig-back", &newer, json!({}));
+    assert_eq!(welcome["resumed"], false);
+    command_reaches(&b, "rig-back", "n", &mut ws, 1);
+    ws.close(None).unwrap();
+    gone("the newer boot gone");
+    let mut ws = b.connect("/agent");
+    let welcome = hello(&mut ws, "rig-back", &older, json!({}));
+    assert_eq!(welcome["resumed"], false, "{welcome}");
+    command_reaches(&b, "rig-back", "n", &mut ws, 4);
+}

@@ -15,6 +15,7 @@ use crate::registry::msg::{
 };
 use crate::reply;
 
+mod ended;
 mod parked;
 
 use parked::Parked;
@@ -111,6 +112,9 @@ pub struct Embedded {
     /// Connections that went after their hello was accepted, before the verdict reached them:
     /// the verdict's session comes back ([`Self::returned`]) and ends as at their close.
     awaiting_return: HashMap<ConnId, (RigId, BootId)>,
+    /// The next seq of sessions another boot ended, for the park window: that boot back
+    /// numbers on from it.
+    ended: ended::Ended,
     park_for: Duration,
     max_pending: usize,
 }
@@ -129,9 +133,15 @@ impl Embedded {
             parked_drop_log: Default::default(),
             rebooted: None,
             awaiting_return: HashMap::new(),
+            ended: ended::Ended::default(),
             park_for,
             max_pending,
         }
+    }
+
+    /// Where sessions another boot of their rig ended stopped numbering.
+    fn ended_here(&mut self, rig: &RigId, boot: BootId, next: Seq) {
+        self.ended.record(rig, boot, next, Instant::now());
     }
 
     /// The session the last [`Self::closed`] ended for a newer boot of its rig, if it did.
@@ -231,7 +241,8 @@ impl Embedded {
                 Owner::Handover(h) => h.pending,
                 Owner::Live(_) => Vec::new(),
             };
-            out.push(accept(conn, Seq(1), false, Vec::new(), None));
+            let next = self.ended.take(&rig, boot).unwrap_or(Seq(1));
+            out.push(accept(conn, next, false, Vec::new(), None));
             out.extend(held.into_iter().map(|req| {
                 Action::Core(
                     conn,
@@ -247,7 +258,15 @@ impl Embedded {
         let parked = self.unpark(&rig);
         let (next_seq, resumed, carried, recall) = match parked {
             Some(p) if p.boot == boot => (p.next_seq, true, p.carried, p.recall),
-            _ => (Seq(1), false, Vec::new(), None),
+            other => {
+                // This hello ends the session parked for another boot (the bridge reports
+                // its commands), an older boot's as much as a newer one's.
+                if let Some(p) = other {
+                    self.ended_here(&rig, p.boot, p.next_seq);
+                }
+                let next = self.ended.take(&rig, boot).unwrap_or(Seq(1));
+                (next, false, Vec::new(), None)
+            }
         };
         self.rigs.insert(
             rig,
@@ -319,13 +338,18 @@ impl Embedded {
                 }
             }
             // Superseded by a newer boot while live (`hello`): nothing will ever resume it.
-            _ if entry.boot > session.boot && !session.carried.is_empty() => {
-                self.rebooted = Some(Rebooted {
-                    rig: session.rig,
-                    old: session.boot,
-                    new: entry.boot,
-                    carried: session.carried,
-                });
+            _ if entry.boot > session.boot => {
+                let (new, now) = (entry.boot, Instant::now());
+                self.ended
+                    .record(&session.rig, session.boot, session.next_seq, now);
+                if !session.carried.is_empty() {
+                    self.rebooted = Some(Rebooted {
+                        rig: session.rig,
+                        old: session.boot,
+                        new,
+                        carried: session.carried,
+                    });
+                }
             }
             _ => {}
         }
@@ -343,6 +367,9 @@ impl Embedded {
         let Some(newer) = self.parked.get(&session.rig).map(|p| p.boot) else {
             return;
         };
+        if newer != session.boot {
+            self.ended_here(&session.rig, session.boot, session.next_seq);
+        }
         if newer > session.boot && !session.carried.is_empty() {
             self.rebooted = Some(Rebooted {
                 rig: session.rig,
@@ -782,6 +809,52 @@ mod tests {
             r.parked(&rig()).map(|(b, ..)| b),
             Some(new),
             "the new boot's stays parked"
+        );
+    }
+
+    /// A boot back after a newer one ended its session (review bb147) numbers on where it
+    /// stopped, not from 1 under seqs the rig has: whether it was parked or live when the
+    /// newer boot's hello came, and whichever boot is older.
+    #[test]
+    fn a_boot_back_after_another_ended_its_session_numbers_on() {
+        let next_of = |actions: &[Action], c| match verdict_of(actions, c) {
+            Some(Verdict::Accept {
+                next_seq, resumed, ..
+            }) => (next_seq.0, *resumed),
+            other => panic!("{other:?}"),
+        };
+        let mut r = Embedded::new(Duration::from_secs(60), 4);
+        let now = Instant::now();
+        let (b1, b2) = (boot(1), boot(2));
+        // Parked: b1 leaves at 4, b2's hello ends it, b2 leaves at 3, b1 is back.
+        r.hello(conn(1), rig(), b1, vec![]);
+        r.closed(conn(1), session(rig(), b1, Seq(4), vec![], None), now);
+        assert_eq!(
+            next_of(&r.hello(conn(2), rig(), b2, vec![]), conn(2)),
+            (1, false)
+        );
+        r.closed(conn(2), session(rig(), b2, Seq(3), vec![], None), now);
+        assert_eq!(
+            next_of(&r.hello(conn(3), rig(), b1, vec![]), conn(3)),
+            (4, false)
+        );
+        // Live: b2, newer, takes the rig from b1's connection, which closes at 6 after it.
+        let taken = r.hello(conn(4), rig(), b2, vec![]);
+        assert_eq!(next_of(&taken, conn(4)), (3, false));
+        r.closed(conn(3), session(rig(), b1, Seq(6), vec![], None), now);
+        r.closed(conn(4), session(rig(), b2, Seq(5), vec![], None), now);
+        assert_eq!(
+            next_of(&r.hello(conn(5), rig(), b1, vec![]), conn(5)),
+            (6, false)
+        );
+        // Past the park window it is forgotten with the parked sessions.
+        r.closed(conn(5), session(rig(), b1, Seq(8), vec![], None), now);
+        r.hello(conn(6), rig(), b2, vec![]);
+        r.closed(conn(6), session(rig(), b2, Seq(5), vec![], None), now);
+        r.expire(Instant::now() + Duration::from_secs(61));
+        assert_eq!(
+            next_of(&r.hello(conn(7), rig(), b1, vec![]), conn(7)),
+            (1, false)
         );
     }
 

@@ -164,6 +164,7 @@ impl Embedded {
     /// Forgets parked sessions older than the park window; returns those that still carried
     /// commands (rig, boot, commands), which no resume will give back now.
     pub fn expire(&mut self, now: Instant) -> Vec<(RigId, BootId, Vec<SeqCommand>)> {
+        self.ended.expire(now, self.park_for);
         let mut lapsed = Vec::new();
         while let Some((at, _)) = self.parked_order.front() {
             if now.duration_since(*at) < self.park_for {
