@@ -135,6 +135,16 @@ fn run(mut cfg: Config) -> anyhow::Result<()> {
         log::warn!("!!! io_uring unavailable or disabled: running on the epoll driver (metric fleetlink_driver{{driver=\"epoll\"}})");
     }
     log_connection_room(cfg);
+    // Standalone keeps a parked session at least as long as a lease would last (review bb147:
+    // `--session-ttl 1s` under a 5 s `--registry-ttl` reported `expired` after 5.9 s, unsaid).
+    if cfg.redis.is_none() && !cfg.session_ttl.is_zero() && cfg.session_ttl < cfg.registry_ttl {
+        log::info!(
+            "--session-ttl {:?} is below --registry-ttl {:?}: standalone, a rig's parked session is kept {:?} before its commands are reported expired",
+            cfg.session_ttl,
+            cfg.registry_ttl,
+            cfg.park_for()
+        );
+    }
     let admin_listener =
         admin::bind(cfg.admin).with_context(|| format!("binding admin {}", cfg.admin))?;
     if let Some(url) = &cfg.redis {

@@ -209,9 +209,9 @@ pub struct BrokerArgs {
     /// Graceful shutdown window: goaway delays spread over it, 1001 at its end.
     #[arg(long, env = "FLEETLINK_DRAIN", default_value = "10s", value_parser = parse_broker_duration, allow_hyphen_values = true)]
     pub drain: Duration,
-    /// Inbound messages per second per rig (a PING or PONG, the first ack of a written command
-    /// and the result of an acked one count an eighth), more than 0; over it the broker stops
-    /// reading that socket.
+    /// Inbound messages per second per rig (a PING or PONG counts an eighth; the first ack of a
+    /// written command and the result of an acked one nothing), more than 0; over it the broker
+    /// stops reading that socket.
     #[arg(long, env = "FLEETLINK_RIG_RATE", default_value_t = 100.0, value_parser = parse_rate, allow_negative_numbers = true)]
     pub rig_rate: f64,
     /// Inbound message burst per rig, at least 1.

@@ -23,17 +23,19 @@ use super::upgrade::identity_ok;
 /// whole token, a rig's own keepalive would eat into its messages under a low rate.
 const CONTROL_FRAME_COST: f32 = 0.125;
 
-/// What the first ack of a command written to the rig, and its result once acked, take from
-/// the bucket: answers to the broker's own commands, bounded by them, so charged as a control
-/// frame. At a whole token each, the rate capped commands at half of `--rig-rate` a second
-/// for a rig that acks and reports each, and the outbox of a healthy rig filled behind its
-/// unread acks (`rig_unresponsive`, "force_reconnect"). An ack repeated or of a seq never
-/// written, a result for an unacked command or one repeated, and every event cost a token.
-const ANSWER_COST: f32 = 0.125;
-
 /// What a rig's message takes from its bucket once handled.
 enum Cost {
+    /// A token.
     Message,
+    /// Nothing: the first ack of a command written to the rig, and its result once acked.
+    /// These answer the broker's own commands, so control's rate bounds them, not the rig's
+    /// choice. Charged, they held a healthy rig's reading back behind a burst of commands:
+    /// at a whole token each the rate capped commands at half of `--rig-rate` a second, and
+    /// at an eighth (until review bb148) a burst of 2,000 to a rig acking each at once left
+    /// its acks unread past the bucket's burst, until the unacked commands filled the session
+    /// and the next were refused `rig_unresponsive`, "force_reconnect", "oldest queued cmd
+    /// age 0s". An ack repeated or of a seq never written, a result for an unacked command or
+    /// one repeated, and every event cost a token.
     Answer,
 }
 
@@ -146,7 +148,7 @@ fn on_text(core: &Core, conn: &Conn, st: &mut ConnState, text: &[u8]) {
                     .bucket
                     .take(core.cfg.rig_rate, core.cfg.rig_burst, core.now_ms());
             }
-            Cost::Answer => st.bucket.spend(ANSWER_COST),
+            Cost::Answer => {}
         },
         // Closing: the RFC says data after our close frame is ignored.
         _ => {}
