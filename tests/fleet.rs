@@ -4302,3 +4302,51 @@ fn killed_with_its_rig_the_command_is_reported(
         "{ev}"
     );
 }
+
+/// An older boot welcomed while Redis held writes (its hello decided here alone, after the
+/// newer boot had left) keeps its connection once Redis is back, and numbers on: the report
+/// of the newer boot's session that its hello ended goes to Redis before the refresh, so
+/// the rig's record names the older boot when the refresh asks. The refresh went first, found
+/// the newer boot on record, and closed the rig 4410 though nothing else held it; its command
+/// given meanwhile was then reported `rig_rebooted`, or given again under its seq (review
+/// bb149).
+#[test]
+fn an_older_boot_welcomed_while_redis_held_writes_keeps_its_connection_after() {
+    let redis = RedisServer::start();
+    let a = fleet_broker(&redis, "fe-ob", &["--registry-refresh", "500ms"]);
+    let (older, newer) = (boot_id(), boot_id());
+    let command = |seq: u64, ws: &mut Ws| {
+        let (status, reply) = a.command("rig-ob", "n", json!({}));
+        assert_eq!((status, &reply["seq"]), (200, &json!(seq)), "{reply}");
+        assert_eq!(read_json(ws)["seq"], seq);
+        ws.send(Message::Text(
+            json!({"type":"ack","seq":seq}).to_string().into(),
+        ))
+        .unwrap();
+    };
+    let mut ws = a.connect("/agent");
+    hello(&mut ws, "rig-ob", &older, json!({}));
+    for seq in 1..=3 {
+        command(seq, &mut ws);
+    }
+    ws.close(None).unwrap();
+    eventually(Duration::from_secs(10), "the older boot gone", || {
+        lists_no_rig(&a)
+    });
+    let mut ws = a.connect("/agent");
+    hello(&mut ws, "rig-ob", &newer, json!({}));
+    command(1, &mut ws);
+    ws.close(None).unwrap();
+    eventually(Duration::from_secs(10), "the newer boot gone", || {
+        lists_no_rig(&a) && owner(&redis, "rig-ob").is_none()
+    });
+    pause_writes(&redis, 5000);
+    let mut ws = a.connect("/agent");
+    let welcome = hello(&mut ws, "rig-ob", &older, json!({}));
+    assert_eq!(welcome["resumed"], false, "{welcome}");
+    command(4, &mut ws);
+    eventually(Duration::from_secs(20), "the older boot's lease", || {
+        owner(&redis, "rig-ob") == Some(format!("{older}|fe-ob"))
+    });
+    command(5, &mut ws);
+}

@@ -195,6 +195,14 @@ impl Rekeeps {
         self.latest.is_empty()
     }
 
+    /// Takes every queued report of a session a hello decided alone ended, in queue order.
+    pub(super) fn take_ended(&mut self) -> Vec<(RigId, BootId, Pending)> {
+        let keys: Vec<Key> = self.order.iter().filter(|k| k.2).cloned().collect();
+        keys.into_iter()
+            .filter_map(|k| self.latest.remove(&k).map(|p| (k.0, k.1, p)))
+            .collect()
+    }
+
     /// Takes up to `n`, oldest first.
     pub(super) fn take(&mut self, n: usize) -> Vec<(RigId, BootId, Pending)> {
         let mut out = Vec::with_capacity(n.min(self.len()));
@@ -243,6 +251,20 @@ impl Bridge {
         }
         for (req, by) in self.ended_alone.take_all() {
             self.rekeeps.push_ended(req, by);
+        }
+    }
+
+    /// Sends now the reports of sessions that hellos decided alone ended, before a refresh:
+    /// until one goes, the rig's record names the boot whose session it ended, and a refresh
+    /// of the older boot that hello welcomed (a stale process, or a rig whose clock went back,
+    /// in after the newer one left) found that newer boot on record and closed the connection
+    /// 4410, though nothing else held the rig; its commands given meanwhile were then reported
+    /// `rig_rebooted` or given again under their seqs (review bb149).
+    pub(super) fn send_ended_alone(&mut self) {
+        self.queue_ended_alone();
+        let ended = self.rekeeps.take_ended();
+        if !ended.is_empty() {
+            self.rekeep_now(ended);
         }
     }
 

@@ -199,7 +199,7 @@ impl Bridge {
             self.rekeep_asked.clear();
             self.queue_parked_rekeeps();
         }
-        self.queue_ended_alone();
+        self.send_ended_alone();
         let entries = self.registry.live_sessions();
         if entries.is_empty() {
             // No rig of it is connected here, but the set is emptied all the same.
