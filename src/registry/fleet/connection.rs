@@ -368,8 +368,9 @@ impl Fleet {
     /// refused the credentials, or answered but refused the call.
     fn back_off(&mut self, now: Instant, why: &dyn std::fmt::Display, cap: Duration) {
         let mut why = plain_timeout(why.to_string());
+        let credentials = refuses_credentials(&why);
         let answered = answered_refusal(&why).map(str::to_string);
-        let state = if refuses_credentials(&why) {
+        let state = if credentials {
             "credentials refused"
         } else if answered.is_some() {
             "answers but refuses"
@@ -379,7 +380,7 @@ impl Fleet {
         if let Some(said) = answered {
             why = said;
         }
-        if refuses_credentials(&why) {
+        if credentials {
             // Not an outage that ends by itself: the log must say what to fix. Every attempt
             // up to the fourth, then at doubling counts, so a fix is seen to take.
             if self.failures < 4 || self.failures.is_power_of_two() {
@@ -401,6 +402,7 @@ impl Fleet {
         } else if self.failures == 0 {
             log::warn!("redis: {why}; serving from the local registry until it returns");
         } else if self.failures >= 4 && self.failures.is_power_of_two() {
+            // Credentials were handled above: what is left either never answered or refused.
             let still = if state == "unreachable" {
                 "unreachable"
             } else {
