@@ -4312,13 +4312,42 @@ fn killed_with_its_rig_the_command_is_reported(
 /// bb149).
 #[test]
 fn an_older_boot_welcomed_while_redis_held_writes_keeps_its_connection_after() {
+    older_boot_back_while_redis_held_writes(false);
+}
+
+/// The same on a broker that never held the newer boot (or held it longer ago than its park
+/// window): nothing here reports the newer boot's session, so the rig's record still names
+/// that boot when the refresh asks. The refresh of a boot decided alone follows the hello's
+/// rule instead, taking the free lease, and the newer boot's session is reported as the
+/// hello would have. It was closed 4410 there too (review bb150).
+#[test]
+fn an_older_boot_welcomed_elsewhere_while_redis_held_writes_keeps_its_connection_after() {
+    older_boot_back_while_redis_held_writes(true);
+}
+
+/// An older boot of a rig acks seqs 1–3 on `fe-ob`, a newer boot is given one command there
+/// and leaves without acking it, and the older boot comes back while Redis holds writes, on
+/// `fe-ob` or, `elsewhere`, on `fe-ob2`. It keeps that connection and its numbering, and the
+/// newer boot's command is reported `rig_rebooted` once.
+fn older_boot_back_while_redis_held_writes(elsewhere: bool) {
     let redis = RedisServer::start();
-    let a = fleet_broker(&redis, "fe-ob", &["--registry-refresh", "500ms"]);
+    let refresh = ["--registry-refresh", "500ms"];
+    let a = fleet_broker(&redis, "fe-ob", &refresh);
+    let b = fleet_broker(&redis, "fe-ob2", &refresh);
+    let (back_on, back_id) = if elsewhere {
+        (&b, "fe-ob2")
+    } else {
+        (&a, "fe-ob")
+    };
+    let mut ctl = Control::new(&redis, &["fleetlink:events"]);
     let (older, newer) = (boot_id(), boot_id());
-    let command = |seq: u64, ws: &mut Ws| {
-        let (status, reply) = a.command("rig-ob", "n", json!({}));
+    let command = |on: &Broker, seq: u64, ws: &mut Ws| {
+        let (status, reply) = on.command("rig-ob", "n", json!({}));
         assert_eq!((status, &reply["seq"]), (200, &json!(seq)), "{reply}");
         assert_eq!(read_json(ws)["seq"], seq);
+        reply["id"].clone()
+    };
+    let ack = |seq: u64, ws: &mut Ws| {
         ws.send(Message::Text(
             json!({"type":"ack","seq":seq}).to_string().into(),
         ))
@@ -4327,7 +4356,8 @@ fn an_older_boot_welcomed_while_redis_held_writes_keeps_its_connection_after() {
     let mut ws = a.connect("/agent");
     hello(&mut ws, "rig-ob", &older, json!({}));
     for seq in 1..=3 {
-        command(seq, &mut ws);
+        command(&a, seq, &mut ws);
+        ack(seq, &mut ws);
     }
     ws.close(None).unwrap();
     eventually(Duration::from_secs(10), "the older boot gone", || {
@@ -4335,18 +4365,32 @@ fn an_older_boot_welcomed_while_redis_held_writes_keeps_its_connection_after() {
     });
     let mut ws = a.connect("/agent");
     hello(&mut ws, "rig-ob", &newer, json!({}));
-    command(1, &mut ws);
+    let owed = command(&a, 1, &mut ws);
     ws.close(None).unwrap();
     eventually(Duration::from_secs(10), "the newer boot gone", || {
         lists_no_rig(&a) && owner(&redis, "rig-ob").is_none()
     });
     pause_writes(&redis, 5000);
-    let mut ws = a.connect("/agent");
-    let welcome = hello(&mut ws, "rig-ob", &older, json!({}));
-    assert_eq!(welcome["resumed"], false, "{welcome}");
-    command(4, &mut ws);
+    let mut ws = back_on.connect("/agent");
+    let msg = json!({"type":"hello","rig_id":"rig-ob","boot_id":older,"version":"t","last_seq":3});
+    ws.send(Message::Text(msg.to_string().into())).unwrap();
+    let welcome = read_json(&mut ws);
+    assert_eq!(
+        (&welcome["type"], &welcome["resumed"]),
+        (&json!("welcome"), &json!(false)),
+        "{welcome}"
+    );
+    command(back_on, 4, &mut ws);
+    ack(4, &mut ws);
     eventually(Duration::from_secs(20), "the older boot's lease", || {
-        owner(&redis, "rig-ob") == Some(format!("{older}|fe-ob"))
+        owner(&redis, "rig-ob") == Some(format!("{older}|{back_id}"))
     });
-    command(5, &mut ws);
+    command(back_on, 5, &mut ws);
+    let rebooted = ctl.next_event("rig_rebooted");
+    assert_eq!(
+        (&rebooted["id"], &rebooted["boot_id"], &rebooted["seq"]),
+        (&owed, &json!(newer), &json!(1)),
+        "{rebooted}"
+    );
+    assert_no_more_rebooted(&mut ctl, "the newer boot's command reported once");
 }

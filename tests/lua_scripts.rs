@@ -3,7 +3,7 @@
 
 mod common;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
 use redis::{Connection, Value};
@@ -268,6 +268,60 @@ fn refresh_does_not_restore_a_lease_for_a_boot_older_than_the_rigs_latest() {
     assert_eq!(out, [RefreshStatus::Restored], "no boot on record");
 }
 
+/// An older boot whose hello a broker decided alone while Redis was away, after a newer boot
+/// of its rig had come and gone (review bb150): its refresh follows the hello's rule, as
+/// `hello.lua` would have let it in over the free lease, and names the newer boot whose
+/// session it ended. A lease another boot holds, equal or newer, is still not taken.
+#[test]
+fn refresh_of_a_boot_decided_alone_takes_a_free_lease_by_the_hellos_rule() {
+    let (_server, mut con, scripts) = setup();
+    let (r, old, new) = (rig("rig-1"), boot(1), boot(2));
+    let claims: HashSet<(RigId, BootId)> = [(r.clone(), old)].into();
+    run(&mut con, &["SET", "sessof:rig-1", new.as_str()]);
+    let out = scripts
+        .refresh_claiming(&mut con, &[(r.clone(), old)], "fe-a", TTL, &claims)
+        .unwrap();
+    assert_eq!(out, [RefreshStatus::Outlived { other: new }]);
+    assert_eq!(get(&mut con, "rig:rig-1"), Some(tuple(&old, "fe-a")));
+    // The newer boot connected elsewhere keeps its lease; so does the same boot elsewhere,
+    // whose hello reached Redis.
+    for holder in [tuple(&new, "fe-b"), tuple(&old, "fe-b")] {
+        run(&mut con, &["SET", "rig:rig-1", &holder]);
+        let out = scripts
+            .refresh_claiming(&mut con, &[(r.clone(), old)], "fe-a", TTL, &claims)
+            .unwrap();
+        assert_eq!(out, [RefreshStatus::Superseded], "held by {holder}");
+        assert_eq!(get(&mut con, "rig:rig-1"), Some(holder));
+    }
+    // An older boot's lease is taken, the newer boot on record notwithstanding.
+    let oldest = boot(0);
+    run(&mut con, &["SET", "rig:rig-1", &tuple(&oldest, "fe-b")]);
+    let out = scripts
+        .refresh_claiming(&mut con, &[(r.clone(), old)], "fe-a", TTL, &claims)
+        .unwrap();
+    assert_eq!(
+        out,
+        [RefreshStatus::Taken {
+            from: Owner::parse(&tuple(&oldest, "fe-b"))
+        }]
+    );
+    // Entries not claimed keep the refresh's own rule.
+    run(&mut con, &["DEL", "rig:rig-1"]);
+    let other = rig("rig-2");
+    run(&mut con, &["SET", "sessof:rig-2", new.as_str()]);
+    let out = scripts
+        .refresh_claiming(&mut con, &[(r, old), (other, old)], "fe-a", TTL, &claims)
+        .unwrap();
+    assert_eq!(
+        out,
+        [
+            RefreshStatus::Outlived { other: new },
+            RefreshStatus::Superseded
+        ]
+    );
+    assert_eq!(get(&mut con, "rig:rig-2"), None);
+}
+
 /// A lease that lapsed while Redis was away, whose rig meanwhile said hello with a newer boot
 /// (decided by a broker alone): the refresh puts it back for the newer boot and names the
 /// older boot on record, whose session the caller then reports `rig_rebooted`.
@@ -279,7 +333,7 @@ fn refresh_restoring_a_newer_boots_lease_names_the_older_session_it_outlived() {
     let out = scripts
         .refresh(&mut con, &[(r.clone(), new)], "fe-b", TTL)
         .unwrap();
-    assert_eq!(out, [RefreshStatus::Outlived { older: old }]);
+    assert_eq!(out, [RefreshStatus::Outlived { other: old }]);
     assert_eq!(get(&mut con, "rig:rig-1"), Some(tuple(&new, "fe-b")));
     // Its own boot on record is a plain restore.
     run(&mut con, &["DEL", "rig:rig-1"]);

@@ -10,6 +10,7 @@
 //! (Redis restarted, `SCRIPT FLUSH`, failover to a replica), load the script and retry once:
 //! `redis::ScriptInvocation::invoke` does exactly that.
 
+use std::collections::HashSet;
 use std::time::Duration;
 
 use redis::{ConnectionLike, Script, Value};
@@ -89,13 +90,14 @@ pub enum RefreshStatus {
     Ok,
     /// The key was gone (expired, or Redis restarted empty): it was written again as ours.
     Restored,
-    /// As [`Self::Restored`], but the rig's latest session on record is an older boot's,
-    /// `older`: it outlived its lease (while Redis was away longer than the lease, or after
+    /// As [`Self::Restored`], but the rig's latest session on record is another boot's,
+    /// `other`: it outlived its lease (while Redis was away longer than the lease, or after
     /// its broker released it), and the caller reports it `rig_rebooted` (`resume.lua`), as
-    /// this boot's hello would have.
+    /// this boot's hello would have. An older boot's, or, for a boot whose hello was decided
+    /// alone ([`Scripts::refresh_claiming`]), a newer one's that its rig had left.
     Outlived {
-        /// The older boot on record.
-        older: BootId,
+        /// The boot on record.
+        other: BootId,
     },
     /// The key named an older boot, `from` (welcomed elsewhere while this broker decided the
     /// newer one's hello alone, Redis being away): written as ours, as a hello would have.
@@ -203,12 +205,33 @@ impl Scripts {
         broker_id: &str,
         ttl: Duration,
     ) -> Result<Vec<RefreshStatus>, RegistryError> {
+        self.refresh_claiming(con, entries, broker_id, ttl, &HashSet::new())
+    }
+
+    /// [`Self::refresh`], where the entries in `claims` are boots whose hellos this broker
+    /// decided alone while Redis was away: their refresh applies the hello's rule, taking a
+    /// free lease (or an older boot's) whatever boot the rig's record names, and answers
+    /// [`RefreshStatus::Outlived`] when that record names another boot, newer ones too.
+    pub fn refresh_claiming(
+        &self,
+        con: &mut impl ConnectionLike,
+        entries: &[(RigId, BootId)],
+        broker_id: &str,
+        ttl: Duration,
+        claims: &HashSet<(RigId, BootId)>,
+    ) -> Result<Vec<RefreshStatus>, RegistryError> {
         let mut statuses = Vec::with_capacity(entries.len());
         for chunk in entries.chunks(REFRESH_CHUNK) {
             let mut call = self.refresh.prepare_invoke();
             call.arg(ttl_ms(ttl));
-            for (rig, boot) in chunk {
-                call.key(rig_key(rig)).arg(tuple(boot, broker_id));
+            for entry @ (rig, boot) in chunk {
+                let value = tuple(boot, broker_id);
+                let value = if claims.contains(entry) {
+                    format!("+{value}")
+                } else {
+                    value
+                };
+                call.key(rig_key(rig)).arg(value);
             }
             let reply: Value = call.invoke(con)?;
             let parsed = match &reply {
@@ -465,8 +488,8 @@ fn refresh_status(v: &Value) -> Option<RefreshStatus> {
             Some(("taken", from)) => Some(RefreshStatus::Taken {
                 from: Owner::parse(from),
             }),
-            Some(("restored", older)) => {
-                BootId::parse(older).map(|older| RefreshStatus::Outlived { older })
+            Some(("restored", other)) => {
+                BootId::parse(other).map(|other| RefreshStatus::Outlived { other })
             }
             _ => None,
         },

@@ -154,7 +154,10 @@ struct Bridge {
     /// reached Redis late and took the lease, so that the refresh finds nothing amiss; and
     /// the rig's record of its latest boot then names this one. Gone at the close, or at that
     /// refresh. (A session parked here that the hello ended is reported through
-    /// `ended_alone`; the tombstone each report leaves keeps the two from repeating.)
+    /// `ended_alone`; the tombstone each report leaves keeps the two from repeating.) Their
+    /// refreshes follow the hello's rule (`refresh.lua`'s claims): a lease their rig's newer
+    /// boot left free is taken, as the hello would have taken it, not refused as a stale
+    /// process's (review bb150).
     decided_alone: HashSet<(RigId, BootId)>,
     /// Rigs welcomed here while Redis was away, whatever the session store: the commands Redis
     /// held for them while they were offline were not taken at their hello, so they are taken

@@ -539,7 +539,11 @@ impl Bridge {
             .into_iter()
             .collect();
         let ttl = self.cfg.registry_ttl;
-        let Some(statuses) = self.fleet.as_mut().and_then(|f| f.refresh(&leases, ttl)) else {
+        let Some(statuses) = self
+            .fleet
+            .as_mut()
+            .and_then(|f| f.refresh(&leases, ttl, &self.decided_alone))
+        else {
             self.release_unkept(&missing, kept);
             return Vec::new();
         };

@@ -207,7 +207,11 @@ impl Bridge {
             return;
         }
         let ttl = self.cfg.registry_ttl;
-        let Some(statuses) = self.fleet.as_mut().and_then(|f| f.refresh(&entries, ttl)) else {
+        let Some(statuses) = self
+            .fleet
+            .as_mut()
+            .and_then(|f| f.refresh(&entries, ttl, &self.decided_alone))
+        else {
             return;
         };
         // A restored lease without a reconnect: Redis lost keys while it stayed up (FLUSHALL,

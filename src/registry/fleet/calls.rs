@@ -4,6 +4,7 @@
 //! trip, and the bridge acts on its answer (None: Redis is unavailable, and the broker decides
 //! without it), where a queued write needs no answer and waits for its pace.
 
+use std::collections::HashSet;
 use std::time::Duration;
 
 use super::Fleet;
@@ -87,14 +88,19 @@ impl Fleet {
         Some(self.answered(r)?.iter().flatten().map(|r| r.rebooted).sum())
     }
 
-    /// Refreshes the leases of `entries`. None when Redis is unavailable.
+    /// Refreshes the leases of `entries`, those in `claims` by the hello's rule (boots whose
+    /// hellos were decided alone: [`crate::registry::scripts::Scripts::refresh_claiming`]).
+    /// None when Redis is unavailable.
     pub(crate) fn refresh(
         &mut self,
         entries: &[(RigId, BootId)],
         ttl: Duration,
+        claims: &HashSet<(RigId, BootId)>,
     ) -> Option<Vec<RefreshStatus>> {
         let con = self.con.as_mut()?;
-        let r = self.scripts.refresh(con, entries, &self.broker_id, ttl);
+        let r = self
+            .scripts
+            .refresh_claiming(con, entries, &self.broker_id, ttl, claims);
         self.answered(r)
     }
 
