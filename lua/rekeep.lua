@@ -30,7 +30,10 @@
 --                      in between, on another broker, has reported the session already, only
 --                      Redis knows (its tombstone), so this broker reports through here: what
 --                      is left to report is, and the session becomes a tombstone (see
---                      "reported"). Never fenced: a report is owed whoever holds the rig
+--                      "reported"). Never fenced: a report is owed whoever holds the rig,
+--                      but the session's own boot on another broker: that boot said hello
+--                      there since, through Redis, and goes on with the session, which this
+--                      copy then joins as a parked one does ("merged")
 -- ARGV[5]  the rig_rebooted events' "at": the broker's clock, RFC 3339
 -- ARGV[6]  unkept_to: the highest seq of this session the broker delivered while Redis was
 --          away and has not put back since, "0" when none
@@ -551,11 +554,20 @@ if kind ~= 'none' and kind ~= 'hash' then
       .. ', not a session; deleted')
   redis.call('DEL', KEYS[2])
 end
-if ended then
-  return report_ended(KEYS[2])
-end
 -- pcall: a lease key of another type answers WRONGTYPE as a table: someone else's.
 local lease = redis.pcall('GET', KEYS[1])
+if ended then
+  -- The session's own boot holds the rig on another broker: it said hello there once Redis
+  -- was back, before this report, and goes on with the session (its unacked commands given
+  -- again). The hello decided here alone lost to it, in Redis's order: reported now, those
+  -- commands would be both given and reported, and the live session cut to a tombstone
+  -- (review bb150). This copy goes back as a parked one does, merged into that session.
+  local held = type(lease) == 'string' and lease:match('^([^|]+)|') or nil
+  if held ~= boot or lease == tuple then
+    return report_ended(KEYS[2])
+  end
+  mode = 'parked'
+end
 local sess = KEYS[2]
 if lease ~= tuple and mode == 'live' then
   return 'fenced'

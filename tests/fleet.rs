@@ -4325,6 +4325,69 @@ fn an_older_boot_welcomed_elsewhere_while_redis_held_writes_keeps_its_connection
     older_boot_back_while_redis_held_writes(true);
 }
 
+/// The newer boot back, through Redis, on another broker while the broker that welcomed an
+/// older boot alone (ending the newer boot's session it held parked) is still away: that
+/// session goes on there, its command given again. Once the other broker is back, the older
+/// boot is closed 4410 (the newer boot holds the rig) and its own command reported
+/// `rig_rebooted`; the newer boot's command is not also reported, nor its live session cut to
+/// a tombstone: the report of the ended session gives way to the boot that resumed it.
+/// Before, it was both given and reported (review bb150).
+#[test]
+fn a_newer_boot_that_resumed_elsewhere_first_keeps_the_session_an_older_hello_ended_alone() {
+    let redis = RedisServer::start();
+    let relay = Relay::start(redis.port());
+    let x = broker_behind(&relay, "fe-ex");
+    let y = fleet_broker(&redis, "fe-ey", &["--registry-refresh", "200ms"]);
+    let mut ctl = Control::new(&redis, &["fleetlink:events"]);
+    let (older, newer) = (boot_id(), boot_id());
+    let given = |on: &Broker, seq: u64, ws: &mut Ws| {
+        let (status, reply) = on.command("rig-ey", "n", json!({}));
+        assert_eq!((status, &reply["seq"]), (200, &json!(seq)), "{reply}");
+        read_command(ws, seq, reply["id"].clone());
+        reply["id"].clone()
+    };
+    let mut ws = hello_on(&x, "rig-ey", &older);
+    given(&x, 1, &mut ws);
+    let ack = json!({"type":"ack","seq":1}).to_string();
+    ws.send(Message::Text(ack.into())).unwrap();
+    x.wait_metric("fleetlink_commands_total{result=\"acked\"} 1");
+    ws.close(None).unwrap();
+    let mut ws = hello_on(&x, "rig-ey", &newer);
+    let owed = given(&x, 1, &mut ws);
+    ws.close(None).unwrap();
+    eventually(Duration::from_secs(10), "the newer boot gone", || {
+        lists_no_rig(&x) && owner(&redis, "rig-ey").is_none()
+    });
+    cut_off(&relay, &x);
+    let mut on_x = hello_on(&x, "rig-ey", &older);
+    let older_owed = given(&x, 2, &mut on_x);
+    let mut on_y = y.connect("/agent");
+    let msg = json!({"type":"hello","rig_id":"rig-ey","boot_id":newer,"version":"t","last_seq":0});
+    on_y.send(Message::Text(msg.to_string().into())).unwrap();
+    let welcome = read_json(&mut on_y);
+    assert_eq!(welcome["resumed"], true, "{welcome}");
+    read_command(&mut on_y, 1, owed.clone());
+    relay.down(false);
+    assert_eq!(read_close(&mut on_x), 4410);
+    let rebooted = ctl.next_event("rig_rebooted");
+    assert_eq!(
+        (
+            &rebooted["id"],
+            &rebooted["boot_id"],
+            &rebooted["new_boot_id"]
+        ),
+        (&older_owed, &json!(older), &json!(newer)),
+        "{rebooted}"
+    );
+    assert_no_more_rebooted(&mut ctl, "the newer boot's command, given again on fe-ey");
+    let gone: Option<String> = redis
+        .connection()
+        .hget(format!("sess:rig-ey:{newer}"), "gone")
+        .unwrap();
+    assert_eq!(gone, None, "the newer boot's session is live");
+    given(&y, 2, &mut on_y);
+}
+
 /// An older boot of a rig acks seqs 1–3 on `fe-ob`, a newer boot is given one command there
 /// and leaves without acking it, and the older boot comes back while Redis holds writes, on
 /// `fe-ob` or, `elsewhere`, on `fe-ob2`. It keeps that connection and its numbering, and the
