@@ -22,11 +22,13 @@
 --                 For a "+" value b may be newer: a newer boot's session its rig left, which
 --                 this hello ended as hello.lua and resume.lua would have
 --   "taken|<v>"   the key held v = "<boot>|<broker>" of an older boot than the expected one's,
---                 and no newer boot is on record (or the value is "+"): SET expected PX ttl_ms. Only a broker that
---                 welcomed the newer boot while Redis was away gets here (hello.lua never lets
---                 an older boot in over a newer one); the rule is hello's, newer boot wins, so
---                 the older boot's broker must be told (its channel, evict), and the older
---                 boot's session reported rig_rebooted (the caller runs resume.lua for it)
+--                 and no newer boot is on record (or the value is "+"): SET expected PX
+--                 ttl_ms. Only a broker that welcomed the newer boot while Redis was away
+--                 gets here (hello.lua never lets an older boot in over a newer one), or
+--                 one that welcomed an older boot then ("+"); the rule is hello's, newer
+--                 boot wins, so the older boot's broker must be told (its channel, evict),
+--                 and the boot on record's session reported rig_rebooted (the caller runs
+--                 resume.lua for it)
 --   "superseded"  any other value, of any type (a newer or equal boot elsewhere, or garbage),
 --                 or a missing key whose rig has a newer boot on record and a value without
 --                 "+" (the newer boot said hello since this broker's connection did; that
