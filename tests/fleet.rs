@@ -112,6 +112,19 @@ fn lists_no_rig(b: &Broker) -> bool {
     b.http("GET", "/v1/rigs", "").1.trim() == "[]"
 }
 
+/// Waits until the removal of `rig`'s acked command `seq` (of `boot`'s session) has reached
+/// Redis: removals leave in batches, and a hello elsewhere before then reports the command
+/// `rig_rebooted` (documented).
+fn ack_reached_redis(redis: &RedisServer, rig: &str, boot: &str, seq: u64) {
+    let sess = format!("sess:{rig}:{boot}");
+    eventually(Duration::from_secs(10), "the acked command removed", || {
+        !redis
+            .connection()
+            .hexists::<_, _, bool>(&sess, format!("c:{seq}"))
+            .unwrap_or(true)
+    });
+}
+
 /// The same boot of `rig` says hello to `b` with `last_seq`, and is welcomed.
 fn hello_again(b: &Broker, rig: &str, boot: &str, last_seq: u64) -> Ws {
     let mut ws = b.connect("/agent");
@@ -4323,6 +4336,124 @@ fn an_older_boot_welcomed_while_redis_held_writes_keeps_its_connection_after() {
 #[test]
 fn an_older_boot_welcomed_elsewhere_while_redis_held_writes_keeps_its_connection_after() {
     older_boot_back_while_redis_held_writes(true);
+}
+
+/// An older boot welcomed alone while the newer boot is still connected on another broker
+/// whose lease Redis no longer holds (it lapsed while that broker was cut off): the older
+/// boot's refresh finds the lease free and the newer boot on record, and waits a refresh
+/// interval before taking it by the hello's rule. The newer boot's broker puts its lease
+/// back meanwhile, and the older boot is closed 4410; nothing of the newer boot's session is
+/// reported, and the older boot's own command is reported once. Taken at once, the lease went
+/// to the stale process, and the live boot's commands were reported `rig_rebooted` (review
+/// bb151).
+#[test]
+fn an_older_boot_decided_alone_waits_for_a_newer_boot_still_connected_to_come_back() {
+    let redis = RedisServer::start();
+    let (relay_x, relay_y) = (Relay::start(redis.port()), Relay::start(redis.port()));
+    let x = fleet_broker_at(&relay_x.url(), "fe-sx", &["--registry-refresh", "3s"]);
+    let y = broker_behind(&relay_y, "fe-sy");
+    let mut ctl = Control::new(&redis, &["fleetlink:events"]);
+    let (older, newer) = (boot_id(), boot_id());
+    let given = |on: &Broker, seq: u64, ws: &mut Ws| {
+        let (status, reply) = on.command("rig-sx", "n", json!({}));
+        assert_eq!((status, &reply["seq"]), (200, &json!(seq)), "{reply}");
+        read_command(ws, seq, reply["id"].clone());
+        reply["id"].clone()
+    };
+    let mut ws = hello_on(&x, "rig-sx", &older);
+    given(&x, 1, &mut ws);
+    ack(&mut ws, 1);
+    x.wait_metric("fleetlink_commands_total{result=\"acked\"} 1");
+    ack_reached_redis(&redis, "rig-sx", &older, 1);
+    ws.close(None).unwrap();
+    let mut on_y = hello_on(&y, "rig-sx", &newer);
+    given(&y, 1, &mut on_y);
+    eventually(Duration::from_secs(10), "the newer boot's lease", || {
+        owner(&redis, "rig-sx") == Some(format!("{newer}|fe-sy"))
+    });
+    cut_off(&relay_y, &y);
+    let _: () = redis.connection().del("rig:rig-sx").unwrap();
+    cut_off(&relay_x, &x);
+    let mut on_x = hello_again(&x, "rig-sx", &older, 1);
+    let older_owed = given(&x, 2, &mut on_x);
+    relay_x.down(false);
+    let refreshed = |result: &str| {
+        x.metric(&format!(
+            "fleetlink_registry_ops_total{{op=\"refresh\",result=\"{result}\"}}"
+        ))
+    };
+    eventually(Duration::from_secs(15), "fe-sx's refresh", || {
+        ["vacant", "outlived", "restored", "superseded"]
+            .iter()
+            .any(|r| refreshed(r) >= 1)
+    });
+    assert_eq!(owner(&redis, "rig-sx"), None, "nothing taken yet");
+    assert_eq!(refreshed("vacant"), 1);
+    relay_y.down(false);
+    assert_eq!(read_close(&mut on_x), 4410);
+    assert_eq!(owner(&redis, "rig-sx"), Some(format!("{newer}|fe-sy")));
+    let rebooted = ctl.next_event("rig_rebooted");
+    assert_eq!(
+        (
+            &rebooted["id"],
+            &rebooted["boot_id"],
+            &rebooted["new_boot_id"]
+        ),
+        (&older_owed, &json!(older), &json!(newer)),
+        "{rebooted}"
+    );
+    assert_no_more_rebooted(&mut ctl, "the newer boot's command, still owed on fe-sy");
+    given(&y, 2, &mut on_y);
+}
+
+/// An older boot's hello whose call ran in Redis but whose answer the broker lost (the
+/// connection cut right after: decided alone) took the free lease there, but no session was
+/// read, so the newer boot's session it ended was never reported: the refresh finds the
+/// lease in place and the newer boot on record. It is reported once the claim is due, as the
+/// hello would have (review bb151, seen with `DEBUG SLEEP`).
+#[test]
+fn an_older_boots_hello_that_ran_unanswered_reports_the_newer_boots_session() {
+    let redis = RedisServer::start();
+    let relay = Relay::start(redis.port());
+    let x = broker_behind(&relay, "fe-lx");
+    let y = fleet_broker(&redis, "fe-ly", &[]);
+    let mut ctl = Control::new(&redis, &["fleetlink:events"]);
+    let (older, newer) = (boot_id(), boot_id());
+    let given = |on: &Broker, seq: u64, ws: &mut Ws| {
+        let (status, reply) = on.command("rig-lh", "n", json!({}));
+        assert_eq!((status, &reply["seq"]), (200, &json!(seq)), "{reply}");
+        read_command(ws, seq, reply["id"].clone());
+        reply["id"].clone()
+    };
+    let mut ws = hello_on(&x, "rig-lh", &older);
+    given(&x, 1, &mut ws);
+    ack(&mut ws, 1);
+    x.wait_metric("fleetlink_commands_total{result=\"acked\"} 1");
+    ack_reached_redis(&redis, "rig-lh", &older, 1);
+    ws.close(None).unwrap();
+    let mut ws = hello_on(&y, "rig-lh", &newer);
+    let owed = given(&y, 1, &mut ws);
+    ws.close(None).unwrap();
+    eventually(Duration::from_secs(10), "the newer boot gone", || {
+        lists_no_rig(&y) && owner(&redis, "rig-lh").is_none()
+    });
+    relay.cut_after(older.as_bytes(), true);
+    let _on_x = hello_again(&x, "rig-lh", &older, 1);
+    assert_eq!(owner(&redis, "rig-lh"), Some(format!("{older}|fe-lx")));
+    relay.down(false);
+    let rebooted = ctl.next_within(Duration::from_secs(20), |ch, v| {
+        ch == "fleetlink:events" && v["type"] == "rig_rebooted"
+    });
+    assert_eq!(
+        (
+            &rebooted["id"],
+            &rebooted["boot_id"],
+            &rebooted["new_boot_id"]
+        ),
+        (&owed, &json!(newer), &json!(older)),
+        "{rebooted}"
+    );
+    assert_no_more_rebooted(&mut ctl, "the newer boot's command reported once");
 }
 
 /// The newer boot back, through Redis, on another broker while the broker that welcomed an

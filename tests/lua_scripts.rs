@@ -3,7 +3,7 @@
 
 mod common;
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use redis::{Connection, Value};
@@ -11,8 +11,8 @@ use redis::{Connection, Value};
 use common::redis::RedisServer;
 use fleetlink::ids::{BootId, RigId};
 use fleetlink::registry::scripts::{
-    broker_key, rig_key, tuple, Heartbeat, HelloOutcome, Owner, RefreshStatus, RegistryError,
-    Scripts, HELLO_CHUNK, REFRESH_CHUNK,
+    broker_key, rig_key, tuple, Claim, Heartbeat, HelloOutcome, Owner, RefreshStatus,
+    RegistryError, Scripts, HELLO_CHUNK, REFRESH_CHUNK,
 };
 
 const TTL: Duration = Duration::from_secs(60);
@@ -269,17 +269,25 @@ fn refresh_does_not_restore_a_lease_for_a_boot_older_than_the_rigs_latest() {
 }
 
 /// An older boot whose hello a broker decided alone while Redis was away, after a newer boot
-/// of its rig had come and gone (review bb150): its refresh follows the hello's rule, as
-/// `hello.lua` would have let it in over the free lease, and names the newer boot whose
-/// session it ended. A lease another boot holds, equal or newer, is still not taken.
+/// of its rig had come and gone (review bb150): asked first, its refresh touches nothing
+/// while a newer boot is on record (that boot may be connected still, its lease not yet back:
+/// review bb151); taken, it follows the hello's rule, as `hello.lua` would have let it in
+/// over the free lease, and names the newer boot whose session it ended. A lease another
+/// boot holds, equal or newer, is never taken.
 #[test]
 fn refresh_of_a_boot_decided_alone_takes_a_free_lease_by_the_hellos_rule() {
     let (_server, mut con, scripts) = setup();
     let (r, old, new) = (rig("rig-1"), boot(1), boot(2));
-    let claims: HashSet<(RigId, BootId)> = [(r.clone(), old)].into();
+    let claim = |c: Claim| -> HashMap<(RigId, BootId), Claim> { [((r.clone(), old), c)].into() };
+    let (ask, take) = (claim(Claim::Ask), claim(Claim::Take));
     run(&mut con, &["SET", "sessof:rig-1", new.as_str()]);
     let out = scripts
-        .refresh_claiming(&mut con, &[(r.clone(), old)], "fe-a", TTL, &claims)
+        .refresh_claiming(&mut con, &[(r.clone(), old)], "fe-a", TTL, &ask)
+        .unwrap();
+    assert_eq!(out, [RefreshStatus::Vacant]);
+    assert_eq!(get(&mut con, "rig:rig-1"), None, "nothing written");
+    let out = scripts
+        .refresh_claiming(&mut con, &[(r.clone(), old)], "fe-a", TTL, &take)
         .unwrap();
     assert_eq!(out, [RefreshStatus::Outlived { other: new }]);
     assert_eq!(get(&mut con, "rig:rig-1"), Some(tuple(&old, "fe-a")));
@@ -287,38 +295,37 @@ fn refresh_of_a_boot_decided_alone_takes_a_free_lease_by_the_hellos_rule() {
     // whose hello reached Redis.
     for holder in [tuple(&new, "fe-b"), tuple(&old, "fe-b")] {
         run(&mut con, &["SET", "rig:rig-1", &holder]);
-        let out = scripts
-            .refresh_claiming(&mut con, &[(r.clone(), old)], "fe-a", TTL, &claims)
-            .unwrap();
-        assert_eq!(out, [RefreshStatus::Superseded], "held by {holder}");
-        assert_eq!(get(&mut con, "rig:rig-1"), Some(holder));
+        for claims in [&ask, &take] {
+            let out = scripts
+                .refresh_claiming(&mut con, &[(r.clone(), old)], "fe-a", TTL, claims)
+                .unwrap();
+            assert_eq!(out, [RefreshStatus::Superseded], "held by {holder}");
+            assert_eq!(get(&mut con, "rig:rig-1"), Some(holder.clone()));
+        }
     }
-    // An older boot's lease is taken, the newer boot on record notwithstanding.
-    let oldest = boot(0);
-    run(&mut con, &["SET", "rig:rig-1", &tuple(&oldest, "fe-b")]);
+    // An older boot's lease is asked about, then taken, the newer boot on record
+    // notwithstanding.
+    let oldest = tuple(&boot(0), "fe-b");
+    run(&mut con, &["SET", "rig:rig-1", &oldest]);
     let out = scripts
-        .refresh_claiming(&mut con, &[(r.clone(), old)], "fe-a", TTL, &claims)
+        .refresh_claiming(&mut con, &[(r.clone(), old)], "fe-a", TTL, &ask)
         .unwrap();
-    assert_eq!(
-        out,
-        [RefreshStatus::Taken {
-            from: Owner::parse(&tuple(&oldest, "fe-b"))
-        }]
-    );
-    // Entries not claimed keep the refresh's own rule.
+    assert_eq!(out, [RefreshStatus::Vacant]);
+    let out = scripts
+        .refresh_claiming(&mut con, &[(r.clone(), old)], "fe-a", TTL, &take)
+        .unwrap();
+    let from = Owner::parse(&oldest);
+    assert_eq!(out, [RefreshStatus::Taken { from }]);
+    // Without a newer boot on record an ask is a plain refresh; entries not claimed keep the
+    // refresh's own rule.
     run(&mut con, &["DEL", "rig:rig-1"]);
     let other = rig("rig-2");
+    run(&mut con, &["SET", "sessof:rig-1", old.as_str()]);
     run(&mut con, &["SET", "sessof:rig-2", new.as_str()]);
     let out = scripts
-        .refresh_claiming(&mut con, &[(r, old), (other, old)], "fe-a", TTL, &claims)
+        .refresh_claiming(&mut con, &[(r, old), (other, old)], "fe-a", TTL, &ask)
         .unwrap();
-    assert_eq!(
-        out,
-        [
-            RefreshStatus::Outlived { other: new },
-            RefreshStatus::Superseded
-        ]
-    );
+    assert_eq!(out, [RefreshStatus::Restored, RefreshStatus::Superseded]);
     assert_eq!(get(&mut con, "rig:rig-2"), None);
 }
 

@@ -10,7 +10,7 @@
 //! (Redis restarted, `SCRIPT FLUSH`, failover to a replica), load the script and retry once:
 //! `redis::ScriptInvocation::invoke` does exactly that.
 
-use std::collections::HashSet;
+use std::collections::HashMap;
 use std::time::Duration;
 
 use redis::{ConnectionLike, Script, Value};
@@ -108,6 +108,22 @@ pub enum RefreshStatus {
     },
     /// Someone else's entry (or garbage): untouched; the caller closes that socket with 4410.
     Superseded,
+    /// A boot whose hello was decided alone, asked with [`Claim::Ask`]: the lease is free (or
+    /// an older boot's) but the rig's record names a newer boot, which may be connected still
+    /// with its lease not yet put back. Untouched; the caller asks again, with
+    /// [`Claim::Take`], a refresh interval later.
+    Vacant,
+}
+
+/// How a refresh treats a boot whose hello this broker decided alone while Redis was away
+/// (`refresh.lua`'s marked values).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Claim {
+    /// Where the hello's rule would take the lease and the refresh's would not (a newer boot
+    /// on record), answer [`RefreshStatus::Vacant`] and touch nothing.
+    Ask,
+    /// Take it by the hello's rule.
+    Take,
 }
 
 /// Why a registry call failed.
@@ -205,20 +221,21 @@ impl Scripts {
         broker_id: &str,
         ttl: Duration,
     ) -> Result<Vec<RefreshStatus>, RegistryError> {
-        self.refresh_claiming(con, entries, broker_id, ttl, &HashSet::new())
+        self.refresh_claiming(con, entries, broker_id, ttl, &HashMap::new())
     }
 
     /// [`Self::refresh`], where the entries in `claims` are boots whose hellos this broker
-    /// decided alone while Redis was away: their refresh applies the hello's rule, taking a
-    /// free lease (or an older boot's) whatever boot the rig's record names, and answers
-    /// [`RefreshStatus::Outlived`] when that record names another boot, newer ones too.
+    /// decided alone while Redis was away: their refresh follows the hello's rule, which
+    /// takes a free lease (or an older boot's) whatever boot the rig's record names, as
+    /// their [`Claim`] says. A lease so taken answers [`RefreshStatus::Outlived`] when that
+    /// record names another boot, newer ones too.
     pub fn refresh_claiming(
         &self,
         con: &mut impl ConnectionLike,
         entries: &[(RigId, BootId)],
         broker_id: &str,
         ttl: Duration,
-        claims: &HashSet<(RigId, BootId)>,
+        claims: &HashMap<(RigId, BootId), Claim>,
     ) -> Result<Vec<RefreshStatus>, RegistryError> {
         let mut statuses = Vec::with_capacity(entries.len());
         for chunk in entries.chunks(REFRESH_CHUNK) {
@@ -226,10 +243,10 @@ impl Scripts {
             call.arg(ttl_ms(ttl));
             for entry @ (rig, boot) in chunk {
                 let value = tuple(boot, broker_id);
-                let value = if claims.contains(entry) {
-                    format!("+{value}")
-                } else {
-                    value
+                let value = match claims.get(entry) {
+                    None => value,
+                    Some(Claim::Ask) => format!("+{value}"),
+                    Some(Claim::Take) => format!("!{value}"),
                 };
                 call.key(rig_key(rig)).arg(value);
             }
@@ -484,6 +501,7 @@ fn refresh_status(v: &Value) -> Option<RefreshStatus> {
         "ok" => Some(RefreshStatus::Ok),
         "restored" => Some(RefreshStatus::Restored),
         "superseded" => Some(RefreshStatus::Superseded),
+        "vacant" => Some(RefreshStatus::Vacant),
         other => match other.split_once('|') {
             Some(("taken", from)) => Some(RefreshStatus::Taken {
                 from: Owner::parse(from),

@@ -157,8 +157,16 @@ struct Bridge {
     /// `ended_alone`; the tombstone each report leaves keeps the two from repeating.) Their
     /// refreshes follow the hello's rule (`refresh.lua`'s claims): a lease their rig's newer
     /// boot left free is taken, as the hello would have taken it, not refused as a stale
-    /// process's (review bb150).
+    /// process's (review bb150); but not at once (`pending_claims`).
     decided_alone: HashSet<(RigId, BootId)>,
+    /// Hellos decided alone that would end a newer boot's session (the first refresh after
+    /// the reconnect found the lease free and that boot on record, or the hello's own late
+    /// call had taken the lease), since when. The newer boot may be connected still, its
+    /// lease not yet back (its hello decided alone elsewhere too, or its lease lapsed during
+    /// the outage): its broker restores it at its first refresh, which then supersedes this
+    /// one. Taken, and that session reported, only a refresh interval later (review bb151).
+    /// Gone at the close, or once taken or superseded.
+    pending_claims: HashMap<(RigId, BootId), Instant>,
     /// Rigs welcomed here while Redis was away, whatever the session store: the commands Redis
     /// held for them while they were offline were not taken at their hello, so they are taken
     /// and delivered at the reconnect (see `holds`).
@@ -240,6 +248,7 @@ impl Bridge {
             merge_on_close: HashSet::new(),
             unkept_high: HashMap::new(),
             decided_alone: HashSet::new(),
+            pending_claims: HashMap::new(),
             held_unread: HashSet::new(),
             delivered_here: Vec::new(),
             delivered_holds: Default::default(),
@@ -422,6 +431,7 @@ impl Bridge {
                 // Superseded at the first refresh after a reconnect: the registry no longer
                 // holds the rig, so the session does not park; it goes back as it closed.
                 self.decided_alone.remove(&(rig.clone(), boot));
+                self.pending_claims.remove(&(rig.clone(), boot));
                 let high = self
                     .unkept_high
                     .remove(&(rig.clone(), boot))

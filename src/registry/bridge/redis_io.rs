@@ -539,10 +539,13 @@ impl Bridge {
             .into_iter()
             .collect();
         let ttl = self.cfg.registry_ttl;
+        // A command for such a boot is taken as a sign it holds the rig: fenced, it would
+        // leave a gap in the rig's seqs.
+        let claims = self.claims(Instant::now(), true);
         let Some(statuses) = self
             .fleet
             .as_mut()
-            .and_then(|f| f.refresh(&leases, ttl, &self.decided_alone))
+            .and_then(|f| f.refresh(&leases, ttl, &claims))
         else {
             self.release_unkept(&missing, kept);
             return Vec::new();
@@ -558,7 +561,7 @@ impl Bridge {
             // deadline with the rig connected (review bb119).
             let put_back = !matches!(status, RefreshStatus::Ok | RefreshStatus::Superseded);
             match status {
-                RefreshStatus::Superseded => continue,
+                RefreshStatus::Superseded | RefreshStatus::Vacant => continue,
                 RefreshStatus::Taken { from } => {
                     if from.broker_id != me {
                         ended.push((rig, boot));

@@ -12,7 +12,7 @@ use crate::metrics::BridgeStats;
 pub(super) const CANARY_STALE: Duration = Duration::from_secs(5);
 
 /// Registry operations counted by (op, result), in this order.
-pub const REGISTRY_OPS: [(&str, &str); 80] = [
+pub const REGISTRY_OPS: [(&str, &str); 81] = [
     ("offline", "held"),
     ("offline", "full"),
     ("offline", "connected_elsewhere"),
@@ -60,6 +60,7 @@ pub const REGISTRY_OPS: [(&str, &str); 80] = [
     ("refresh", "outlived"),
     ("refresh", "taken"),
     ("refresh", "superseded"),
+    ("refresh", "vacant"),
     ("release", "sent"),
     ("release", "dropped"),
     ("forget", "dropped"),

@@ -2,6 +2,7 @@
 //! broadcasts, and in fleet mode the canary, the heartbeat, lease refreshes and session
 //! touches.
 
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
@@ -13,7 +14,7 @@ use crate::heap_trim;
 use crate::ids::{BootId, RigId};
 use crate::registry::fleet;
 use crate::registry::msg::ToCore;
-use crate::registry::scripts::RefreshStatus;
+use crate::registry::scripts::{Claim, RefreshStatus};
 
 /// Most rigs named in `offline:for:<broker_id>` taken up per refresh: more wait for the next one.
 const HELD_FOR_ME_PER_TICK: usize = 1_000;
@@ -207,20 +208,23 @@ impl Bridge {
             return;
         }
         let ttl = self.cfg.registry_ttl;
+        let now = Instant::now();
+        let claims = self.claims(now, false);
         let Some(statuses) = self
             .fleet
             .as_mut()
-            .and_then(|f| f.refresh(&entries, ttl, &self.decided_alone))
+            .and_then(|f| f.refresh(&entries, ttl, &claims))
         else {
             return;
         };
         // A restored lease without a reconnect: Redis lost keys while it stayed up (FLUSHALL,
         // eviction). The parked sessions and the liveness key went with them, as after an
-        // empty restart: put them back now, as a reconnect would.
-        let restored = |s: &RefreshStatus| {
+        // empty restart: put them back now, as a reconnect would. (Not a lease a claim took.)
+        let restored = |(e, s): (&(RigId, BootId), &RefreshStatus)| {
             matches!(s, RefreshStatus::Restored | RefreshStatus::Outlived { .. })
+                && !claims.contains_key(e)
         };
-        if !everyone && statuses.iter().any(restored) {
+        if !everyone && entries.iter().zip(&statuses).any(restored) {
             if !self.cfg.session_ttl.is_zero() {
                 self.queue_parked_rekeeps();
             }
@@ -242,9 +246,8 @@ impl Bridge {
             })
             .map(|((rig, boot), _)| (rig, boot))
             .collect();
-        if everyone {
-            ended.extend(self.ended_unseen(&entries, &statuses));
-        }
+        ended.extend(self.ended_unseen(&entries, &statuses, &claims, everyone, now));
+        self.settle_claims(&entries, &statuses, &claims, now);
         self.report_ended_sessions(&ended);
         for ((rig, boot), status) in entries.iter().zip(statuses) {
             // A restored lease means Redis may have lost the session too (it restarted empty);
@@ -256,7 +259,7 @@ impl Bridge {
                 | RefreshStatus::Outlived { .. }
                 | RefreshStatus::Taken { .. } => true,
                 RefreshStatus::Ok => everyone,
-                RefreshStatus::Superseded => false,
+                RefreshStatus::Superseded | RefreshStatus::Vacant => false,
             };
             // While its lease was missing, another broker may have held a command for the rig
             // as an offline one (control found no lease, `queue_if_offline`): nothing else
@@ -279,6 +282,7 @@ impl Bridge {
             }
             match status {
                 RefreshStatus::Ok => self.shared.count("refresh", "ok"),
+                RefreshStatus::Vacant => self.shared.count("refresh", "vacant"),
                 RefreshStatus::Restored => self.shared.count("refresh", "restored"),
                 RefreshStatus::Outlived { .. } => self.shared.count("refresh", "outlived"),
                 RefreshStatus::Taken { from } => {
@@ -290,7 +294,9 @@ impl Bridge {
                     // Its session may hold commands delivered while Redis was away: it goes
                     // back as its connection closes (`rekeep.lua` merges it into the rig's
                     // session on the broker that holds the rig now, if that is the same boot's).
-                    if everyone && !self.cfg.session_ttl.is_zero() {
+                    // So may a hello decided alone whose claim waited.
+                    let claimed = claims.contains_key(&(rig.clone(), *boot));
+                    if (everyone || claimed) && !self.cfg.session_ttl.is_zero() {
                         self.merge_on_close.insert((rig.clone(), *boot));
                     }
                     let actions = self.registry.supersede(rig, None);
@@ -327,37 +333,94 @@ impl Bridge {
         }
     }
 
-    /// Of the hellos decided here while Redis was away whose lease the first refresh after
-    /// the reconnect finds in place (their own call reached Redis late), those whose rig's
-    /// latest boot on record is an older one: its session, or that of a boot in between on
-    /// another broker, is reported as the hello would have (what this broker reported of it
-    /// from here was removed or left a tombstone, so nothing is reported twice).
+    /// What this refresh asks of the leases of hellos decided alone (`refresh.lua`'s
+    /// claims): those pending since a refresh interval or more are taken, the others asked.
+    /// `hurry` (a command for the rig is waiting): every one is taken, since fenced, that
+    /// command would leave a gap in the rig's seqs.
+    pub(super) fn claims(&self, now: Instant, hurry: bool) -> HashMap<(RigId, BootId), Claim> {
+        let due = |since: &Instant| hurry || now >= *since + self.cfg.registry_refresh;
+        let first = if hurry { Claim::Take } else { Claim::Ask };
+        let alone = self.decided_alone.iter().map(|e| (e.clone(), first));
+        let pending = self.pending_claims.iter().map(|(e, since)| {
+            let claim = if due(since) { Claim::Take } else { Claim::Ask };
+            (e.clone(), claim)
+        });
+        alone.chain(pending).collect()
+    }
+
+    /// Of the hellos decided here while Redis was away whose lease this refresh finds in
+    /// place, those whose rig's latest boot on record is another's: its session, or that of
+    /// a boot in between on another broker, is reported as the hello would have (what this
+    /// broker reported of it from here was removed or left a tombstone, so nothing is
+    /// reported twice). Asked at the first refresh after the reconnect (`everyone`), where
+    /// the hello's own call reached Redis late and took the lease; and for a pending claim
+    /// taken now. An older boot's is reported at once; a newer boot's only once the claim is
+    /// due (see `pending_claims`), since that boot may be connected still.
     fn ended_unseen<'a>(
         &mut self,
         entries: &'a [(RigId, BootId)],
         statuses: &[RefreshStatus],
+        claims: &HashMap<(RigId, BootId), Claim>,
+        everyone: bool,
+        now: Instant,
     ) -> Vec<(&'a RigId, &'a BootId)> {
-        let alone = std::mem::take(&mut self.decided_alone);
-        let unseen: Vec<(&RigId, &BootId)> = entries
+        let alone = match everyone {
+            true => std::mem::take(&mut self.decided_alone),
+            false => HashSet::new(),
+        };
+        let unseen: Vec<(&(RigId, BootId), bool)> = entries
             .iter()
             .zip(statuses)
             .filter(|(_, s)| matches!(s, RefreshStatus::Ok))
-            .map(|((rig, boot), _)| (rig, boot))
-            .filter(|(rig, boot)| alone.contains(&((*rig).clone(), **boot)))
+            .filter_map(|(e, _)| match claims.get(e) {
+                Some(Claim::Take) => Some((e, true)),
+                Some(Claim::Ask) if alone.contains(e) => Some((e, false)),
+                _ => None,
+            })
             .collect();
         if unseen.is_empty() {
             return Vec::new();
         }
-        let rigs: Vec<&RigId> = unseen.iter().map(|(rig, _)| *rig).collect();
+        let rigs: Vec<&RigId> = unseen.iter().map(|((rig, _), _)| rig).collect();
         let Some(latest) = self.fleet.as_mut().and_then(|f| f.latest_boots(&rigs)) else {
             return Vec::new();
         };
-        unseen
-            .into_iter()
-            .zip(latest)
-            .filter(|((_, boot), latest)| latest.is_some_and(|b| b < **boot))
-            .map(|(entry, _)| entry)
-            .collect()
+        let mut ended = Vec::new();
+        for (((rig, boot), due), latest) in unseen.into_iter().zip(latest) {
+            match latest {
+                Some(b) if b < *boot || (b > *boot && due) => ended.push((rig, boot)),
+                Some(b) if b > *boot => {
+                    self.pending_claims
+                        .entry((rig.clone(), *boot))
+                        .or_insert(now);
+                }
+                _ => {}
+            }
+        }
+        ended
+    }
+
+    /// After a refresh, the claims of hellos decided alone: one found vacant waits (from
+    /// now, if it was not waiting already); one taken, or superseded, is settled.
+    fn settle_claims(
+        &mut self,
+        entries: &[(RigId, BootId)],
+        statuses: &[RefreshStatus],
+        claims: &HashMap<(RigId, BootId), Claim>,
+        now: Instant,
+    ) {
+        for (e, status) in entries.iter().zip(statuses) {
+            match (claims.get(e), status) {
+                (None, _) => {}
+                (Some(_), RefreshStatus::Vacant) => {
+                    self.pending_claims.entry(e.clone()).or_insert(now);
+                }
+                (Some(Claim::Take), _) | (Some(_), RefreshStatus::Superseded) => {
+                    self.pending_claims.remove(e);
+                }
+                (Some(Claim::Ask), _) => {}
+            }
+        }
     }
 
     /// Reports the older sessions these rigs' boots ended while Redis could not say so at

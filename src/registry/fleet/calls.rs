@@ -4,7 +4,7 @@
 //! trip, and the bridge acts on its answer (None: Redis is unavailable, and the broker decides
 //! without it), where a queued write needs no answer and waits for its pace.
 
-use std::collections::HashSet;
+use std::collections::HashMap;
 use std::time::Duration;
 
 use super::Fleet;
@@ -12,7 +12,7 @@ use crate::ids::Seq;
 use crate::ids::{BootId, RigId};
 use crate::registry::lapse_scripts::{Lapse, Sweep};
 use crate::registry::offline::{Held, Pushed};
-use crate::registry::scripts::{Heartbeat, HelloOutcome, RefreshStatus};
+use crate::registry::scripts::{Claim, Heartbeat, HelloOutcome, RefreshStatus};
 use crate::registry::sessions::{self, Kept, Persist, Rekeep, RekeepAnswer, Resumed};
 
 impl Fleet {
@@ -95,7 +95,7 @@ impl Fleet {
         &mut self,
         entries: &[(RigId, BootId)],
         ttl: Duration,
-        claims: &HashSet<(RigId, BootId)>,
+        claims: &HashMap<(RigId, BootId), Claim>,
     ) -> Option<Vec<RefreshStatus>> {
         let con = self.con.as_mut()?;
         let r = self
