@@ -387,6 +387,9 @@ impl Bridge {
         };
         let mut ended = Vec::new();
         for (((rig, boot), due), latest) in unseen.into_iter().zip(latest) {
+            if due {
+                self.pending_claims.remove(&(rig.clone(), *boot));
+            }
             match latest {
                 Some(b) if b < *boot || (b > *boot && due) => ended.push((rig, boot)),
                 Some(b) if b > *boot => {
@@ -401,7 +404,9 @@ impl Bridge {
     }
 
     /// After a refresh, the claims of hellos decided alone: one found vacant waits (from
-    /// now, if it was not waiting already); one taken, or superseded, is settled.
+    /// now, if it was not waiting already); one superseded, or taken from another (reported
+    /// with the `ended` leases), is settled. One taken that was already in place is settled
+    /// by [`Self::ended_unseen`], once it has read the rig's record.
     fn settle_claims(
         &mut self,
         entries: &[(RigId, BootId)],
@@ -415,10 +420,16 @@ impl Bridge {
                 (Some(_), RefreshStatus::Vacant) => {
                     self.pending_claims.entry(e.clone()).or_insert(now);
                 }
-                (Some(Claim::Take), _) | (Some(_), RefreshStatus::Superseded) => {
+                (Some(_), RefreshStatus::Superseded)
+                | (
+                    Some(Claim::Take),
+                    RefreshStatus::Restored
+                    | RefreshStatus::Outlived { .. }
+                    | RefreshStatus::Taken { .. },
+                ) => {
                     self.pending_claims.remove(e);
                 }
-                (Some(Claim::Ask), _) => {}
+                (Some(_), _) => {}
             }
         }
     }
