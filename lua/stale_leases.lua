@@ -12,15 +12,17 @@
 -- KEYS[i]  rig:<rig_id>
 -- ARGV[1]  this broker's id
 --
--- Returns the number of leases removed.
+-- Returns { key1, lease1, key2, lease2, ... }: the leases removed, with what they held, so
+-- that the broker publishes a `disconnected` for each rig (its predecessor, killed, could not).
 
-local removed = 0
+local removed = {}
 for _, key in ipairs(KEYS) do
   -- pcall: a key of another type under rig:* is none of ours to judge.
   local lease = redis.pcall('GET', key)
   if type(lease) == 'string' and string.match(lease, '^[^|]*|(.+)$') == ARGV[1] then
     redis.call('DEL', key)
-    removed = removed + 1
+    removed[#removed + 1] = key
+    removed[#removed + 1] = lease
   end
 end
 return removed

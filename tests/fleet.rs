@@ -458,7 +458,8 @@ fn a_broker_killed_and_started_again_under_its_id_removes_the_leases_it_left() {
     let redis = RedisServer::start();
     let long = ["--registry-ttl", "120s", "--drain", "1s"];
     let mut a = fleet_broker(&redis, "fe-a", &long);
-    let (gone, _, _) = a.rig("rig-gone");
+    let mut ctl = Control::new(&redis, &["fleetlink:events"]);
+    let (gone, gone_boot, _) = a.rig("rig-gone");
     let (back, boot, _) = a.rig("rig-back");
     // SAFETY: kill(2) has no memory preconditions; the pid is the test's own child's.
     unsafe { libc::kill(a.pid() as i32, libc::SIGKILL) };
@@ -483,6 +484,23 @@ fn a_broker_killed_and_started_again_under_its_id_removes_the_leases_it_left() {
         || owner(&redis, "rig-gone").is_none(),
     );
     a2.wait_metric("fleetlink_registry_ops_total{op=\"lease\",result=\"stale_removed\"} 1");
+    // Its predecessor published no `disconnected` for that rig; the sweep does (review bb152).
+    let ev = ctl.next_event("disconnected");
+    assert_eq!(
+        (&ev["rig_id"], &ev["boot_id"], &ev["broker_id"], &ev["code"]),
+        (
+            &json!("rig-gone"),
+            &json!(gone_boot),
+            &json!("fe-a"),
+            &json!(1006)
+        ),
+        "{ev}"
+    );
+    ctl.publish("fleetlink:events", json!({"type": "marker"}));
+    let next = ctl.next(|ch, v| {
+        ch == "fleetlink:events" && (v["type"] == "disconnected" || v["type"] == "marker")
+    });
+    assert_eq!(next["type"], "marker", "none for the rig held here: {next}");
     assert_eq!(
         owner(&redis, "rig-back"),
         Some(format!("{boot}|fe-a")),

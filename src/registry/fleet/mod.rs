@@ -136,6 +136,9 @@ pub(crate) struct Fleet {
     stale_leases: redis::Script,
     /// Leases the sweep removed, since the bridge last took them.
     pub(crate) stale_removed: u64,
+    /// The rigs of those leases, with their boots, for the `disconnected` events their dead
+    /// broker never published (taken by the bridge).
+    pub(crate) stale_gone: Vec<(RigId, BootId)>,
     /// A lease release was dropped for a full queue: its lease lapses by its TTL, so the
     /// exit is not a clean one (see `retire`).
     release_dropped: bool,
@@ -193,6 +196,7 @@ impl Fleet {
             stale_sweep: None,
             stale_leases: redis::Script::new(include_str!("../../../lua/stale_leases.lua")),
             stale_removed: 0,
+            stale_gone: Vec::new(),
             release_dropped: false,
             refusal_log: Throttle::default(),
             refusing: false,
