@@ -125,6 +125,15 @@ fn ack_reached_redis(redis: &RedisServer, rig: &str, boot: &str, seq: u64) {
     });
 }
 
+/// A command for `rig` through `on`'s admin API, numbered `seq` and read by the rig on `ws`;
+/// returns its id.
+fn give(on: &Broker, rig: &str, seq: u64, ws: &mut Ws) -> Value {
+    let (status, reply) = on.command(rig, "n", json!({}));
+    assert_eq!((status, &reply["seq"]), (200, &json!(seq)), "{reply}");
+    read_command(ws, seq, reply["id"].clone());
+    reply["id"].clone()
+}
+
 /// The same boot of `rig` says hello to `b` with `last_seq`, and is welcomed.
 fn hello_again(b: &Broker, rig: &str, boot: &str, last_seq: u64) -> Ws {
     let mut ws = b.connect("/agent");
@@ -4372,20 +4381,14 @@ fn an_older_boot_decided_alone_waits_for_a_newer_boot_still_connected_to_come_ba
     let y = broker_behind(&relay_y, "fe-sy");
     let mut ctl = Control::new(&redis, &["fleetlink:events"]);
     let (older, newer) = (boot_id(), boot_id());
-    let given = |on: &Broker, seq: u64, ws: &mut Ws| {
-        let (status, reply) = on.command("rig-sx", "n", json!({}));
-        assert_eq!((status, &reply["seq"]), (200, &json!(seq)), "{reply}");
-        read_command(ws, seq, reply["id"].clone());
-        reply["id"].clone()
-    };
     let mut ws = hello_on(&x, "rig-sx", &older);
-    given(&x, 1, &mut ws);
+    give(&x, "rig-sx", 1, &mut ws);
     ack(&mut ws, 1);
     x.wait_metric("fleetlink_commands_total{result=\"acked\"} 1");
     ack_reached_redis(&redis, "rig-sx", &older, 1);
     ws.close(None).unwrap();
     let mut on_y = hello_on(&y, "rig-sx", &newer);
-    given(&y, 1, &mut on_y);
+    give(&y, "rig-sx", 1, &mut on_y);
     eventually(Duration::from_secs(10), "the newer boot's lease", || {
         owner(&redis, "rig-sx") == Some(format!("{newer}|fe-sy"))
     });
@@ -4393,7 +4396,7 @@ fn an_older_boot_decided_alone_waits_for_a_newer_boot_still_connected_to_come_ba
     let _: () = redis.connection().del("rig:rig-sx").unwrap();
     cut_off(&relay_x, &x);
     let mut on_x = hello_again(&x, "rig-sx", &older, 1);
-    let older_owed = given(&x, 2, &mut on_x);
+    let older_owed = give(&x, "rig-sx", 2, &mut on_x);
     relay_x.down(false);
     let refreshed = |result: &str| {
         x.metric(&format!(
@@ -4421,7 +4424,7 @@ fn an_older_boot_decided_alone_waits_for_a_newer_boot_still_connected_to_come_ba
         "{rebooted}"
     );
     assert_no_more_rebooted(&mut ctl, "the newer boot's command, still owed on fe-sy");
-    given(&y, 2, &mut on_y);
+    give(&y, "rig-sx", 2, &mut on_y);
 }
 
 /// An older boot's hello whose call ran in Redis but whose answer the broker lost (the
@@ -4437,20 +4440,14 @@ fn an_older_boots_hello_that_ran_unanswered_reports_the_newer_boots_session() {
     let y = fleet_broker(&redis, "fe-ly", &[]);
     let mut ctl = Control::new(&redis, &["fleetlink:events"]);
     let (older, newer) = (boot_id(), boot_id());
-    let given = |on: &Broker, seq: u64, ws: &mut Ws| {
-        let (status, reply) = on.command("rig-lh", "n", json!({}));
-        assert_eq!((status, &reply["seq"]), (200, &json!(seq)), "{reply}");
-        read_command(ws, seq, reply["id"].clone());
-        reply["id"].clone()
-    };
     let mut ws = hello_on(&x, "rig-lh", &older);
-    given(&x, 1, &mut ws);
+    give(&x, "rig-lh", 1, &mut ws);
     ack(&mut ws, 1);
     x.wait_metric("fleetlink_commands_total{result=\"acked\"} 1");
     ack_reached_redis(&redis, "rig-lh", &older, 1);
     ws.close(None).unwrap();
     let mut ws = hello_on(&y, "rig-lh", &newer);
-    let owed = given(&y, 1, &mut ws);
+    let owed = give(&y, "rig-lh", 1, &mut ws);
     ws.close(None).unwrap();
     eventually(Duration::from_secs(10), "the newer boot gone", || {
         lists_no_rig(&y) && owner(&redis, "rig-lh").is_none()
@@ -4489,27 +4486,21 @@ fn a_newer_boot_that_resumed_elsewhere_first_keeps_the_session_an_older_hello_en
     let y = fleet_broker(&redis, "fe-ey", &["--registry-refresh", "200ms"]);
     let mut ctl = Control::new(&redis, &["fleetlink:events"]);
     let (older, newer) = (boot_id(), boot_id());
-    let given = |on: &Broker, seq: u64, ws: &mut Ws| {
-        let (status, reply) = on.command("rig-ey", "n", json!({}));
-        assert_eq!((status, &reply["seq"]), (200, &json!(seq)), "{reply}");
-        read_command(ws, seq, reply["id"].clone());
-        reply["id"].clone()
-    };
     let mut ws = hello_on(&x, "rig-ey", &older);
-    given(&x, 1, &mut ws);
+    give(&x, "rig-ey", 1, &mut ws);
     let ack = json!({"type":"ack","seq":1}).to_string();
     ws.send(Message::Text(ack.into())).unwrap();
     x.wait_metric("fleetlink_commands_total{result=\"acked\"} 1");
     ws.close(None).unwrap();
     let mut ws = hello_on(&x, "rig-ey", &newer);
-    let owed = given(&x, 1, &mut ws);
+    let owed = give(&x, "rig-ey", 1, &mut ws);
     ws.close(None).unwrap();
     eventually(Duration::from_secs(10), "the newer boot gone", || {
         lists_no_rig(&x) && owner(&redis, "rig-ey").is_none()
     });
     cut_off(&relay, &x);
     let mut on_x = hello_on(&x, "rig-ey", &older);
-    let older_owed = given(&x, 2, &mut on_x);
+    let older_owed = give(&x, "rig-ey", 2, &mut on_x);
     let mut on_y = y.connect("/agent");
     let msg = json!({"type":"hello","rig_id":"rig-ey","boot_id":newer,"version":"t","last_seq":0});
     on_y.send(Message::Text(msg.to_string().into())).unwrap();
@@ -4534,7 +4525,7 @@ fn a_newer_boot_that_resumed_elsewhere_first_keeps_the_session_an_older_hello_en
         .hget(format!("sess:rig-ey:{newer}"), "gone")
         .unwrap();
     assert_eq!(gone, None, "the newer boot's session is live");
-    given(&y, 2, &mut on_y);
+    give(&y, "rig-ey", 2, &mut on_y);
 }
 
 /// An older boot of a rig acks seqs 1–3 on `fe-ob`, a newer boot is given one command there
