@@ -15,8 +15,8 @@
 --                   connected still, its lease not yet put back after the outage (its hello
 --                   decided alone elsewhere, or its lease lapsed meanwhile): its broker's
 --                   refresh restores it first (review bb151)
---               "!" takes, by hello's rule: asked again a refresh interval later, no one
---                   has put a lease back
+--               "!" takes, by hello's rule: asked again a refresh interval and the longest
+--                   reconnect later, no one has put a lease back
 --
 -- Returns an array of n statuses, in KEYS order:
 --   "ok"          value == expected: PEXPIRE ttl_ms

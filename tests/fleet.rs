@@ -4427,6 +4427,51 @@ fn an_older_boot_decided_alone_waits_for_a_newer_boot_still_connected_to_come_ba
     give(&y, "rig-sx", 2, &mut on_y);
 }
 
+/// An older boot welcomed alone that leaves while its claim on the lease waits (a newer boot
+/// on record), and says hello on another broker: what it was given while Redis was away went
+/// back to Redis as it closed, reported `rig_rebooted` (the session it belonged to was the
+/// newer boot's to end), and the next command on the other broker is numbered past it.
+/// Before, it stayed parked with the broker until the next outage: never given again, never
+/// reported, and its seq given to another command (review bb153).
+#[test]
+fn an_older_boot_that_leaves_while_its_claim_waits_leaves_nothing_unreported() {
+    let redis = RedisServer::start();
+    let relay = Relay::start(redis.port());
+    let x = broker_behind(&relay, "fe-wx");
+    let y = fleet_broker(&redis, "fe-wy", &[]);
+    let mut ctl = Control::new(&redis, &["fleetlink:events"]);
+    let (older, newer) = (boot_id(), boot_id());
+    let mut ws = hello_on(&x, "rig-w", &older);
+    for seq in 1..=2 {
+        give(&x, "rig-w", seq, &mut ws);
+        ack(&mut ws, seq);
+        ack_reached_redis(&redis, "rig-w", &older, seq);
+    }
+    ws.close(None).unwrap();
+    let on_y = hello_on(&y, "rig-w", &newer);
+    drop(on_y);
+    eventually(Duration::from_secs(10), "the newer boot gone", || {
+        lists_no_rig(&y) && owner(&redis, "rig-w").is_none()
+    });
+    cut_off(&relay, &x);
+    let mut ws = hello_again(&x, "rig-w", &older, 2);
+    let owed = give(&x, "rig-w", 3, &mut ws);
+    relay.down(false);
+    x.wait_metric("fleetlink_registry_ops_total{op=\"refresh\",result=\"vacant\"} 1");
+    ws.close(None).unwrap();
+    let rebooted = ctl.next_within(Duration::from_secs(20), |ch, v| {
+        ch == "fleetlink:events" && v["type"] == "rig_rebooted"
+    });
+    assert_eq!(
+        (&rebooted["id"], &rebooted["boot_id"], &rebooted["seq"]),
+        (&owed, &json!(older), &json!(3)),
+        "{rebooted}"
+    );
+    let mut on_y = hello_again(&y, "rig-w", &older, 2);
+    give(&y, "rig-w", 4, &mut on_y);
+    assert_no_more_rebooted(&mut ctl, "the outage's command reported once");
+}
+
 /// An older boot's hello whose call ran in Redis but whose answer the broker lost (the
 /// connection cut right after: decided alone) took the free lease there, but no session was
 /// read, so the newer boot's session it ended was never reported: the refresh finds the

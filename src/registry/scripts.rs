@@ -111,7 +111,7 @@ pub enum RefreshStatus {
     /// A boot whose hello was decided alone, asked with [`Claim::Ask`]: the lease is free (or
     /// an older boot's) but the rig's record names a newer boot, which may be connected still
     /// with its lease not yet put back. Untouched; the caller asks again, with
-    /// [`Claim::Take`], a refresh interval later.
+    /// [`Claim::Take`], once that boot's broker has had time to put it back.
     Vacant,
 }
 

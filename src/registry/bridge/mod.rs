@@ -164,7 +164,8 @@ struct Bridge {
     /// call had taken the lease), since when. The newer boot may be connected still, its
     /// lease not yet back (its hello decided alone elsewhere too, or its lease lapsed during
     /// the outage): its broker restores it at its first refresh, which then supersedes this
-    /// one. Taken, and that session reported, only a refresh interval later (review bb151).
+    /// one. Taken, and that session reported, only a refresh interval and the longest
+    /// reconnect later (reviews bb151, bb153).
     /// Gone at the close, or once taken or superseded.
     pending_claims: HashMap<(RigId, BootId), Instant>,
     /// Rigs welcomed here while Redis was away, whatever the session store: the commands Redis

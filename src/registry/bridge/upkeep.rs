@@ -209,6 +209,13 @@ impl Bridge {
         }
         let ttl = self.cfg.registry_ttl;
         let now = Instant::now();
+        if everyone {
+            // Waited from this reconnect: an outage within the wait held the newer boot's
+            // broker back too (review bb153).
+            self.pending_claims
+                .values_mut()
+                .for_each(|since| *since = now);
+        }
         let claims = self.claims(now, false);
         let Some(statuses) = self
             .fleet
@@ -334,11 +341,13 @@ impl Bridge {
     }
 
     /// What this refresh asks of the leases of hellos decided alone (`refresh.lua`'s
-    /// claims): those pending since a refresh interval or more are taken, the others asked.
+    /// claims): those pending since a refresh interval and the longest reconnect or more are
+    /// taken (by then the newer boot's broker, if up, has refreshed), the others asked.
     /// `hurry` (a command for the rig is waiting): every one is taken, since fenced, that
     /// command would leave a gap in the rig's seqs.
     pub(super) fn claims(&self, now: Instant, hurry: bool) -> HashMap<(RigId, BootId), Claim> {
-        let due = |since: &Instant| hurry || now >= *since + self.cfg.registry_refresh;
+        let wait = self.cfg.registry_refresh + fleet::LONGEST_RECONNECT;
+        let due = |since: &Instant| hurry || now >= *since + wait;
         let first = if hurry { Claim::Take } else { Claim::Ask };
         let alone = self.decided_alone.iter().map(|e| (e.clone(), first));
         let pending = self.pending_claims.iter().map(|(e, since)| {
@@ -419,6 +428,11 @@ impl Bridge {
                 (None, _) => {}
                 (Some(_), RefreshStatus::Vacant) => {
                     self.pending_claims.entry(e.clone()).or_insert(now);
+                    // Should the rig leave meanwhile, its session goes back to Redis as it
+                    // closed (`Closed`), what it was given while Redis was away with it, rather
+                    // than wait parked for a reconnect: a resume elsewhere would otherwise not
+                    // find those commands, and give their seqs to others (review bb153).
+                    self.rekeep_asked.insert(e.clone());
                 }
                 (Some(_), RefreshStatus::Superseded)
                 | (

@@ -30,6 +30,7 @@ mod once;
 mod sweep;
 mod writes;
 
+pub(crate) use connection::LONGEST_RECONNECT;
 pub use connection::{broker_channel, broker_id_in_use, IdCheck};
 pub(crate) use errors::refused_for_memory;
 
