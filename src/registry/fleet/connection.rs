@@ -22,9 +22,13 @@ use crate::registry::pubsub::{Push, Subscriber};
 /// wait behind it, so such attempts come at most one every 2.5–7.5 s.
 const MAX_BACKOFF: Duration = Duration::from_secs(5);
 /// The longest a broker can take to get back to a Redis that returned: [`MAX_BACKOFF`] at the
-/// jitter's longest, and an attempt's probe. Another broker's first refresh after an outage
-/// may come that long after this one's.
-pub(crate) const LONGEST_RECONNECT: Duration = Duration::from_millis(7_750);
+/// jitter's longest (1.5 times), and an attempt's connect and probe. Another broker's first
+/// refresh after an outage may come that long after this one's.
+pub(crate) const LONGEST_RECONNECT: Duration = MAX_BACKOFF
+    .saturating_mul(3)
+    .saturating_add(PROBE_TIMEOUT.saturating_mul(4))
+    .checked_div(2)
+    .expect("a constant divided by 2");
 /// The cap once an attempt failed at once (refused: Redis restarting, or loading its data).
 /// Trying again costs next to nothing then, and every second saved is a second sooner that
 /// commands published through Redis reach this broker again.
