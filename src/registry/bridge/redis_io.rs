@@ -7,7 +7,6 @@ use std::time::Instant;
 
 use super::shared::mono_ms;
 use super::Bridge;
-use crate::events;
 use crate::ids::{BootId, ConnId, RigId, Seq};
 use crate::log_text::{clip, LOG_CHARS};
 use crate::registry::control::{self, Control};
@@ -32,20 +31,7 @@ impl Bridge {
         self.shared.count_n("redis", "refused", refused);
         let stale = std::mem::take(&mut f.stale_removed);
         self.shared.count_n("lease", "stale_removed", stale);
-        // The rigs of a predecessor killed outright: it published no `disconnected` for them,
-        // and no rig of them is here (the sweep leaves those out). Review bb152.
         let gone = std::mem::take(&mut f.stale_gone);
-        for (rig, boot) in gone {
-            let ev = events::disconnected(
-                &self.cfg.broker_id,
-                &rig,
-                &boot,
-                1006,
-                "the broker's previous process exited without closing (killed, or crashed)",
-            );
-            self.publish_bytes(fleet::EVENTS.to_string(), ev.to_string().into_bytes());
-        }
-        let Some(f) = self.fleet.as_mut() else { return };
         let lost = std::mem::take(&mut f.forget_lost);
         self.shared.count_n("forget", "lost", lost);
         let ran = std::mem::take(&mut f.unanswered_ran);
@@ -61,6 +47,18 @@ impl Bridge {
         }
         self.shared.redis_up.store(u64::from(up), Ordering::Relaxed);
         self.shared.subscribed.store(subscribed, Ordering::Relaxed);
+        // The rigs of a predecessor killed outright: it published no `disconnected` for them,
+        // and no rig of them is here (the sweep leaves those out). Review bb152.
+        for (rig, boot) in gone {
+            let ev = crate::events::disconnected(
+                &self.cfg.broker_id,
+                &rig,
+                &boot,
+                1006,
+                "the broker's previous process exited without closing (killed, or crashed)",
+            );
+            self.publish(fleet::EVENTS.to_string(), &ev);
+        }
         self.count_publish_drops();
         self.note_listening();
     }

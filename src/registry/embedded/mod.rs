@@ -139,11 +139,6 @@ impl Embedded {
         }
     }
 
-    /// Where sessions another boot of their rig ended stopped numbering.
-    fn ended_here(&mut self, rig: &RigId, boot: BootId, next: Seq) {
-        self.ended.record(rig, boot, next, Instant::now());
-    }
-
     /// The session the last [`Self::closed`] ended for a newer boot of its rig, if it did.
     pub fn take_rebooted(&mut self) -> Option<Rebooted> {
         self.rebooted.take()
@@ -262,7 +257,7 @@ impl Embedded {
                 // This hello ends the session parked for another boot (the bridge reports
                 // its commands), an older boot's as much as a newer one's.
                 if let Some(p) = other {
-                    self.ended_here(&rig, p.boot, p.next_seq);
+                    self.ended.record(&rig, p.boot, p.next_seq, Instant::now());
                 }
                 let next = self.ended.take(&rig, boot).unwrap_or(Seq(1));
                 (next, false, Vec::new(), None)
@@ -368,7 +363,9 @@ impl Embedded {
             return;
         };
         if newer != session.boot {
-            self.ended_here(&session.rig, session.boot, session.next_seq);
+            let now = Instant::now();
+            self.ended
+                .record(&session.rig, session.boot, session.next_seq, now);
         }
         if newer > session.boot && !session.carried.is_empty() {
             self.rebooted = Some(Rebooted {

@@ -24,11 +24,8 @@ const MAX_BACKOFF: Duration = Duration::from_secs(5);
 /// The longest a broker can take to get back to a Redis that returned: [`MAX_BACKOFF`] at the
 /// jitter's longest (1.5 times), and an attempt's connect and probe. Another broker's first
 /// refresh after an outage may come that long after this one's.
-pub(crate) const LONGEST_RECONNECT: Duration = MAX_BACKOFF
-    .saturating_mul(3)
-    .saturating_add(PROBE_TIMEOUT.saturating_mul(4))
-    .checked_div(2)
-    .expect("a constant divided by 2");
+pub(crate) const LONGEST_RECONNECT: Duration =
+    Duration::from_millis((MAX_BACKOFF.as_millis() * 3 / 2 + PROBE_TIMEOUT.as_millis() * 2) as u64);
 /// The cap once an attempt failed at once (refused: Redis restarting, or loading its data).
 /// Trying again costs next to nothing then, and every second saved is a second sooner that
 /// commands published through Redis reach this broker again.
@@ -544,6 +541,12 @@ fn backoff(failures: u32, cap: Duration, jitter: f64) -> Duration {
 mod tests {
     use super::*;
     use crate::registry::fleet::tests::fleet;
+
+    #[test]
+    fn another_broker_is_back_within_the_longest_reconnect() {
+        // The backoff's cap at its longest jitter (1.5 times), then a connect and a probe.
+        assert_eq!(LONGEST_RECONNECT, Duration::from_secs(8));
+    }
 
     #[test]
     fn the_reason_redis_is_down_is_handed_over_once_and_cleared_on_reconnect() {
