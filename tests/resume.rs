@@ -3092,6 +3092,82 @@ fn a_result_sent_after_a_resume_on_another_broker_names_its_command() {
     );
 }
 
+/// Closes `ws` from the rig's side and reads the broker's echo, which ends the handshake;
+/// nothing else is owed before it.
+fn close_handshake(ws: &mut Ws) {
+    ws.close(None).unwrap();
+    match ws.read() {
+        Ok(Message::Close(_)) => {}
+        Ok(other) => panic!("{other:?} before the close's echo"),
+        Err(e) => panic!("no echo of the close: {e}"),
+    }
+}
+
+/// Rigs that end their close handshake with one broker and at once resume on another (as the
+/// reference agent does after a drain's `goaway`) have their results named too: the old broker
+/// writes what it remembers of the session before it releases the lease, and at once rather
+/// than at the pace of replies. Before, the release went first and the note a round trip or
+/// a pace later, and the next broker could read the session between the two (review bb152:
+/// some results in flight at a drain came with `id` null).
+#[test]
+fn results_of_rigs_that_resume_elsewhere_the_moment_they_leave_name_their_commands() {
+    let redis = RedisServer::start();
+    let (a, b) = brokers_a_and_b(&redis);
+    let mut ctl = Control::new(&redis, &[]);
+    let mut events = Control::new(&redis, &["fleetlink:events"]);
+    let rigs: Vec<(String, String, Ws)> = (0..20)
+        .map(|i| {
+            let (rig, boot) = (format!("rig-q{i}"), boot_id());
+            let (mut ws, _) = connect_hello(&a, &rig, &boot, None);
+            send_and_read(&mut ctl, "fe-a", &rig, &format!("q{i}"), &mut ws, 1);
+            ack(&mut ws, 1);
+            (rig, boot, ws)
+        })
+        .collect();
+    for _ in 0..rigs.len() {
+        events.next_event("ack");
+    }
+    let mut on_b = Vec::new();
+    for (rig, boot, mut ws) in rigs {
+        close_handshake(&mut ws);
+        let mut ws = resume_on(&b, &rig, &boot, Some(1));
+        let out = json!({"type": "result", "seq": 1, "ok": true});
+        ws.send(Message::Text(out.to_string().into())).unwrap();
+        on_b.push(ws);
+    }
+    let mut unnamed = Vec::new();
+    for _ in 0..on_b.len() {
+        let ev = events.next_event("result");
+        let rig = ev["rig_id"].as_str().unwrap_or_default();
+        let want = format!("q{}", rig.trim_start_matches("rig-q"));
+        if ev["id"] != json!(want) {
+            unnamed.push(format!("{rig}: {}", ev["id"]));
+        }
+    }
+    assert!(unnamed.is_empty(), "{} of 20: {unnamed:?}", unnamed.len());
+}
+
+/// The echo of a rig's close waits for the session's note only so long: with Redis holding
+/// every write, a rig awaiting a result has its close echoed within about half a second,
+/// and its reconnect is not held up for the length of the pause.
+#[test]
+fn a_rigs_close_is_echoed_soon_though_redis_holds_the_sessions_note() {
+    let redis = RedisServer::start();
+    let (a, _b, _boot, mut on_a, _ctl) = rig_with_commands_on_a(&redis, "rig-e", "e", 1);
+    ack(&mut on_a, 1);
+    a.wait_metric("fleetlink_commands_total{result=\"acked\"} 1");
+    let _: () = redis::cmd("CLIENT")
+        .arg("PAUSE")
+        .arg(5000)
+        .arg("WRITE")
+        .query(&mut redis.connection())
+        .unwrap();
+    let asked = std::time::Instant::now();
+    close_handshake(&mut on_a);
+    let waited = asked.elapsed();
+    assert!(waited < Duration::from_secs(3), "echoed after {waited:?}");
+}
+
 /// A broker's copy of a session (parked, or ended by a hello it decided alone) can be older
 /// than Redis's: the rig acked some of its commands on another broker since. `unkept_to`
 /// says which of them Redis never kept; one above it that Redis kept and has forgotten,

@@ -330,6 +330,14 @@ pub enum ToCore {
         /// Released without Redis keeping it (Redis away): see [`SeqCommand::unkept`].
         unkept: bool,
     },
+    /// What a closed connection's session remembers (its `r`: acked commands' ids awaiting
+    /// results) is in Redis, or will not be written: the connection may echo the rig's close,
+    /// which it held so that a resume on another broker the moment the rig has the echo
+    /// finds the note there.
+    Noted {
+        /// The closed connection.
+        conn: ConnId,
+    },
     /// Redis lost this rig's session (the bridge had to restore its lease): send back what the
     /// session holds so it is kept again.
     Rekeep {

@@ -7,7 +7,8 @@
 //! A persist is different: it holds its command back from the rig. It must not wait behind the
 //! canary's publish or last second's forgets, so persists have a token bucket (GCRA) of their
 //! own: up to [`BURST`] go out back to back, then one per [`PACE`]. Everything else queued
-//! leaves with them. Replies and events stay paced: sent at once they would take the CPU from
+//! leaves with them. A session's note (its `r`) written as its rig leaves goes with the
+//! persists too: a rig back on another broker at once is read there within a millisecond. Replies and events stay paced: sent at once they would take the CPU from
 //! the delivery they report on.
 //!
 //! With one fixed gap for all, an idle single-command run (1,000 commands 10 ms apart) had 5
@@ -25,7 +26,8 @@ pub(crate) const BATCH: usize = 1024;
 /// What is queued for the next write.
 #[derive(Clone, Copy, Debug, Default)]
 pub(crate) struct Queued {
-    /// Persists: commands held back until Redis keeps them.
+    /// Persists: commands held back until Redis keeps them; and sessions' notes for a resume
+    /// elsewhere, which the rig's next broker may read within a millisecond.
     pub persists: usize,
     /// Everything else: publishes, releases, session re-keeps.
     pub others: usize,

@@ -46,7 +46,11 @@ pub(crate) async fn serve(core: Rc<Core>, stream: TcpStream, conn: Rc<Conn>) {
     loop {
         let (read, write, until) = {
             let mut st = conn.st.borrow_mut();
-            if st.has_output() {
+            if st.echo_held && st.paused_until.is_none() {
+                // Held as long as it may be: the rig's reconnect waits no longer.
+                st.echo_held = false;
+            }
+            if st.has_output() && !st.echo_held {
                 match flush(conn.fd, &mut st) {
                     Ok(true) => session::pump(&core, &conn, &mut st),
                     Ok(false) => {}
@@ -85,7 +89,7 @@ pub(crate) async fn serve(core: Rc<Core>, stream: TcpStream, conn: Rc<Conn>) {
                 (Some(a), Some(b)) => Some(if (a.wrapping_sub(b) as i32) < 0 { a } else { b }),
                 (a, b) => a.or(b),
             };
-            (read, pending_out, until)
+            (read, pending_out && !st.echo_held, until)
         };
         let mut readable = pin!(read.then(|| stream.readable(false)));
         // Boxed: a full socket buffer is rare, so its op must not widen every idle task.
@@ -429,6 +433,32 @@ pub(crate) async fn await_fin(
 
 /// The rig is gone as far as the registry is concerned: released now, once, so a reconnect
 /// is not kept waiting on this socket's close handshake; the linger for the peer's FIN starts.
+/// The longest a rig's close waits for its echo while the session's note goes to Redis: a
+/// Redis that is slow or away delays the rig's reconnect by this much at most, and the note
+/// then may come after its resume elsewhere (its results' ids null, as before the hold).
+pub(crate) const ECHO_HOLD: Duration = Duration::from_millis(500);
+// Past the linger, the connection would end with the echo never sent.
+const _: () = assert!(ECHO_HOLD.as_millis() < CLOSE_LINGER.as_millis());
+
+/// Holds the echo of the rig's close (already in the output) until the bridge says the
+/// session's note is in Redis, or [`ECHO_HOLD`] has passed.
+pub(crate) fn hold_echo(core: &Core, st: &mut ConnState) {
+    st.echo_held = true;
+    // Reading is over (the phase is Done), so the pause's deadline is free to bound the hold.
+    st.paused_until = Some(core.now_ms().wrapping_add(ECHO_HOLD.as_millis() as u32));
+}
+
+/// The bridge wrote (or gave up on) the note a held echo waits for.
+pub(crate) fn noted(conn: &Conn) {
+    let mut st = conn.st.borrow_mut();
+    if st.echo_held {
+        st.echo_held = false;
+        st.paused_until = None;
+        drop(st);
+        conn.notify();
+    }
+}
+
 pub(crate) fn released(core: &Core, conn: &Conn, st: &mut ConnState) {
     if st.linger_until.is_some() {
         return;

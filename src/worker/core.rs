@@ -523,6 +523,11 @@ impl Session {
             .map_or(0, |q| q.outbox().len() + q.unacked().len())
     }
 
+    /// Whether it keeps ids of acked commands for their results.
+    pub(crate) fn awaits_results(&self) -> bool {
+        self.queues.as_ref().is_some_and(|q| q.awaits_results())
+    }
+
     /// Commands still waiting for Redis to keep them (fleet mode).
     pub(crate) fn held_len(&self) -> usize {
         self.queues
@@ -583,6 +588,10 @@ pub(crate) struct ConnState {
     pub(crate) linger_until: Option<u32>,
     /// `rbuf` holds input that was left unprocessed on purpose (paused), not a partial frame.
     pub(crate) rbuf_ready: bool,
+    /// The echo of the rig's close waits in the output until the bridge has written the
+    /// session's note into Redis (`ToCore::Noted`), or until `paused_until`, which bounds the
+    /// wait (reading is over by then): see [`crate::worker::conn::ECHO_HOLD`].
+    pub(crate) echo_held: bool,
     /// TLS session and token scope; None on plain, token-less connections.
     pub(crate) sec: Option<Box<Security>>,
     /// Close code we sent (or echoed), for metrics and events.
@@ -620,6 +629,7 @@ impl Conn {
                 paused_until: None,
                 linger_until: None,
                 rbuf_ready: false,
+                echo_held: false,
                 sec: None,
                 close_code: None,
                 close_reason: Cow::Borrowed(""),

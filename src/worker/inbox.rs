@@ -89,6 +89,11 @@ pub(crate) fn handle(core: &Rc<Core>, msg: ToCore) {
                 None => session::not_taken(core, conn, *req, "the rig's connection closed"),
             }
         }
+        ToCore::Noted { conn } => {
+            if let Some(c) = conn_of(conn) {
+                crate::worker::conn::noted(&c);
+            }
+        }
         ToCore::Rekeep { conn } => {
             if !closing::rekeep(core, conn) {
                 if let Some(c) = conn_of(conn) {

@@ -306,6 +306,11 @@ impl Queues {
         std::iter::from_fn(|| self.next_waiting()).collect()
     }
 
+    /// Whether ids of acked commands wait here for their results.
+    pub(crate) fn awaits_results(&self) -> bool {
+        !self.results.is_empty()
+    }
+
     /// Every command, unacked then queued (seq order), leaving the core's count, and the ids
     /// awaiting results, oldest first.
     pub(crate) fn into_parts(mut self) -> (Vec<SeqCommand>, Vec<(Seq, Box<str>)>) {

@@ -471,11 +471,20 @@ impl Bridge {
                     // Its connection waited for every keep before it closed.
                     left_held: false,
                 });
-                let (actions, released) = self.registry.closed(conn, *session, Instant::now());
+                let (mut actions, released) = self.registry.closed(conn, *session, Instant::now());
+                // Its core may hold the echo of the rig's close until the note is written (only
+                // when it awaits results): told at once when nothing is to be waited for.
+                let mut noted = remember.as_ref().is_some_and(|r| !r.results.is_empty());
                 if let (true, Some(recall), Some(f)) = (released, &remember, self.fleet.as_mut()) {
-                    if !f.remember(rig.clone(), boot, recall) {
+                    let waits = f.is_up().then_some(conn).filter(|_| noted);
+                    if !f.remember(rig.clone(), boot, recall, waits) {
                         self.shared.count("remember", "dropped");
+                    } else if waits.is_some() {
+                        noted = false;
                     }
+                }
+                if noted {
+                    actions.push(Action::Core(conn, ToCore::Noted { conn }));
                 }
                 if let Some(high) = high {
                     if self.registry.boot_of(&rig) == Some(boot) {

@@ -143,9 +143,13 @@ impl Bridge {
         let Some(f) = self.fleet.as_mut() else { return };
         let published = f.published;
         f.flush(Some(now));
+        let noted = f.take_noted();
         self.shared
             .pubsub_out
             .fetch_add(f.published - published, Ordering::Relaxed);
+        for conn in noted {
+            self.send_to_core(conn, ToCore::Noted { conn });
+        }
     }
 
     /// When the queued Redis writes should go out: None when nothing is queued.
@@ -155,7 +159,7 @@ impl Bridge {
             return None;
         }
         let queued = Queued {
-            persists: self.persists.len(),
+            persists: self.persists.len() + self.fleet.as_ref().map_or(0, Fleet::recalls_queued),
             others: self.rekeeps.len() + self.fleet.as_ref().map_or(0, Fleet::queued),
         };
         let writes = self.pace.due(queued, now);

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use redis::{ConnectionInfo, IntoConnectionInfo};
 
 use crate::ids::Seq;
-use crate::ids::{BootId, RigId};
+use crate::ids::{BootId, ConnId, RigId};
 use crate::registry::command_con::CommandCon;
 use crate::registry::lapse_scripts::LapseScripts;
 use crate::registry::offline::OfflineScripts;
@@ -80,6 +80,11 @@ pub(crate) struct Fleet {
     /// What this broker remembers of sessions whose rigs disconnected, to write into them
     /// (`sessions::remember`).
     recalls: Vec<(RigId, BootId, String)>,
+    /// Closed connections holding the echo of their rig's close until their session's note in
+    /// `recalls` is written (see `ToCore::Noted`).
+    noting: Vec<ConnId>,
+    /// Those whose note went (or failed), for the bridge to tell their cores.
+    noted: Vec<ConnId>,
     /// `--session-ttl`: touched and released sessions get it afresh (0 = no session kept).
     session_ttl: Duration,
     failures: u32,
@@ -173,6 +178,8 @@ impl Fleet {
             outgoing_events: 0,
             releases: Vec::new(),
             recalls: Vec::new(),
+            noting: Vec::new(),
+            noted: Vec::new(),
             session_ttl,
             failures: 0,
             next_attempt: Instant::now(),

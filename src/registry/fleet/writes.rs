@@ -14,7 +14,7 @@ use super::errors::{leaves_connection_sound, CallError};
 use super::once::{Answer, Fate, Then};
 use super::{Fleet, EVENTS, EXIT_RETRY};
 use crate::ids::Seq;
-use crate::ids::{BootId, RigId};
+use crate::ids::{BootId, ConnId, RigId};
 use crate::registry::exit_wait::ExitWait;
 use crate::registry::msg::Recall;
 use crate::registry::sessions;
@@ -290,21 +290,45 @@ impl Fleet {
         }
     }
 
-    /// Writes waiting for the next [`Self::flush`], forgets aside (see [`Self::forget_due`]).
+    /// Writes waiting for the next [`Self::flush`], forgets and recalls aside (see
+    /// [`Self::forget_due`] and [`Self::recalls_queued`]).
     pub(crate) fn queued(&self) -> usize {
-        self.outgoing.len() + self.releases.len() + self.recalls.len()
+        self.outgoing.len() + self.releases.len()
+    }
+
+    /// Sessions' notes (`r`) waiting for the next [`Self::flush`]. They go as soon as the
+    /// persists' bucket lets them, not at the pace of replies: the rig may be saying hello to
+    /// another broker already, which reads the note as it resumes the session.
+    pub(crate) fn recalls_queued(&self) -> usize {
+        self.recalls.len()
     }
 
     /// Queues what this broker remembers of a session whose rig disconnected (acked commands'
     /// ids awaiting results, the last ack's time), for a resume on another broker; sent with
     /// the next flush. False when not queued: no session is kept, or the queue is full.
-    pub(crate) fn remember(&mut self, rig: RigId, boot: BootId, recall: &Recall) -> bool {
+    /// `conn`, when its core holds the echo of the rig's close for it, hears once the note
+    /// went ([`Self::take_noted`]); while Redis is away, not at all (the hold ends by itself).
+    pub(crate) fn remember(
+        &mut self,
+        rig: RigId,
+        boot: BootId,
+        recall: &Recall,
+        conn: Option<ConnId>,
+    ) -> bool {
         if self.session_ttl.is_zero() || self.recalls.len() >= MAX_OUTGOING {
             return false;
         }
         let text = sessions::encode_recall(recall);
         self.recalls.push((rig, boot, text));
+        if let Some(conn) = conn.filter(|_| self.is_up()) {
+            self.noting.push(conn);
+        }
         true
+    }
+
+    /// The connections whose session's note went to Redis (or failed to) since the last call.
+    pub(crate) fn take_noted(&mut self) -> Vec<ConnId> {
+        std::mem::take(&mut self.noted)
     }
 
     /// Queues a compare-and-delete of a released lease, and a fresh `--session-ttl` for its
@@ -430,19 +454,25 @@ impl Fleet {
         if self.con.is_none() {
             return;
         }
-        if !self.releases.is_empty() {
-            let releases = std::mem::take(&mut self.releases);
-            if !self.send_releases(releases) {
-                return;
-            }
-        }
+        // What a session remembers goes before its lease: a rig that reconnects the moment
+        // its close handshake ends (after a drain's goaway) is read by the next broker about a
+        // round trip after the release, and written after, the note came too late for it
+        // (review bb152: results with `id` null).
         if !self.recalls.is_empty() {
             let Some(con) = self.con.as_mut() else { return };
             // Not sent again: a resume without it still has every command, only results
             // without their ids and a null `last_ack_at`.
             let recalls = std::mem::take(&mut self.recalls);
-            if let Err(e) = sessions::remember(con, &recalls, self.session_ttl) {
+            let written = sessions::remember(con, &recalls, self.session_ttl);
+            self.noted.append(&mut self.noting);
+            if let Err(e) = written {
                 self.call_failed(&e);
+                return;
+            }
+        }
+        if !self.releases.is_empty() {
+            let releases = std::mem::take(&mut self.releases);
+            if !self.send_releases(releases) {
                 return;
             }
         }

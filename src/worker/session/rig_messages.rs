@@ -85,8 +85,22 @@ pub(super) fn on_message(core: &Core, conn: &Conn, st: &mut ConnState, msg: Mess
             // The registry hears of it before the rig sees the echo: a rig that says hello
             // again the moment its close handshake ends (an older boot, say) must not find
             // this connection still live there (4409 for a session that has ended).
+            // In fleet mode the echo also waits for the session's note (the ids of acked
+            // commands awaiting results) to reach Redis: a rig resuming on another broker
+            // once it has the echo, as after a drain's `goaway`, was read there before the
+            // note, and its results came with `id` null (review bb152).
+            let noting = core.persist
+                && st.linger_until.is_none()
+                && st
+                    .session
+                    .as_ref()
+                    .is_some_and(|s| s.welcomed && s.awaits_results());
             crate::worker::conn::released(core, conn, st);
-            let _ = crate::worker::core::flush(conn.fd, st);
+            if noting {
+                crate::worker::conn::hold_echo(core, st);
+            } else {
+                let _ = crate::worker::core::flush(conn.fd, st);
+            }
         }
         Message::Text(text) if st.phase == Phase::Echo => {
             conn.send_frame(st, OpCode::Text, text.as_bytes())
