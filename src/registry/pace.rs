@@ -8,8 +8,9 @@
 //! canary's publish or last second's forgets, so persists have a token bucket (GCRA) of their
 //! own: up to [`BURST`] go out back to back, then one per [`PACE`]. Everything else queued
 //! leaves with them. A session's note (its `r`) written as its rig leaves goes with the
-//! persists too: a rig back on another broker at once is read there within a millisecond. Replies and events stay paced: sent at once they would take the CPU from
-//! the delivery they report on.
+//! persists too: a rig back on another broker at once is read there within a millisecond.
+//! Replies and events stay paced: sent at once they would take the CPU from the delivery they
+//! report on.
 //!
 //! With one fixed gap for all, an idle single-command run (1,000 commands 10 ms apart) had 5
 //! persists wait 1.1 ms each behind a canary or a forget: a p99 of their own.

@@ -260,6 +260,11 @@ fn charge_tiny_records(core: &Core, st: &mut ConnState, records: usize, plain: u
 
 /// Pauses the connection's reading while its bucket is empty, as over `--rig-rate`.
 fn pause_while_empty(core: &Core, st: &mut ConnState) {
+    if st.echo_held {
+        // Reading is over, and the deadline is the hold's, which a pause must not stretch
+        // past the linger (the echo would never go).
+        return;
+    }
     let now = core.now_ms();
     if let Err(wait_ms) = st.bucket.ready(core.cfg.rig_rate, core.cfg.rig_burst, now) {
         core.metrics.inc(C::TinyReadsPaused);
@@ -431,8 +436,6 @@ pub(crate) async fn await_fin(
     }
 }
 
-/// The rig is gone as far as the registry is concerned: released now, once, so a reconnect
-/// is not kept waiting on this socket's close handshake; the linger for the peer's FIN starts.
 /// The longest a rig's close waits for its echo while the session's note goes to Redis: a
 /// Redis that is slow or away delays the rig's reconnect by this much at most, and the note
 /// then may come after its resume elsewhere (its results' ids null, as before the hold).
@@ -459,6 +462,8 @@ pub(crate) fn noted(conn: &Conn) {
     }
 }
 
+/// The rig is gone as far as the registry is concerned: released now, once, so a reconnect
+/// is not kept waiting on this socket's close handshake; the linger for the peer's FIN starts.
 pub(crate) fn released(core: &Core, conn: &Conn, st: &mut ConnState) {
     if st.linger_until.is_some() {
         return;
