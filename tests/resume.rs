@@ -3147,6 +3147,55 @@ fn results_of_rigs_that_resume_elsewhere_the_moment_they_leave_name_their_comman
     assert!(unnamed.is_empty(), "{} of 20: {unnamed:?}", unnamed.len());
 }
 
+/// So do rigs the broker closes itself and that resume elsewhere at once: at a drain's end
+/// (1001) the close frame waits, as the echo of a rig's own close does, until the session's
+/// note is in Redis. Before, the frame went first, and a rig quick to resume on the next broker
+/// was read there before the note.
+#[test]
+fn results_of_rigs_closed_at_a_drains_end_that_resume_elsewhere_at_once_name_their_commands() {
+    let redis = RedisServer::start();
+    let mut a = fleet_broker_with(&redis, "fe-a", &["--drain", "1s"]);
+    let b = fleet_broker(&redis, "fe-b");
+    let mut ctl = Control::new(&redis, &[]);
+    let mut events = Control::new(&redis, &["fleetlink:events"]);
+    let rigs: Vec<(String, String, Ws)> = (0..20)
+        .map(|i| {
+            let (rig, boot) = (format!("rig-d{i}"), boot_id());
+            let (mut ws, _) = connect_hello(&a, &rig, &boot, None);
+            send_and_read(&mut ctl, "fe-a", &rig, &format!("d{i}"), &mut ws, 1);
+            ack(&mut ws, 1);
+            (rig, boot, ws)
+        })
+        .collect();
+    for _ in 0..rigs.len() {
+        events.next_event("ack");
+    }
+    a.sigterm();
+    let mut on_b = Vec::new();
+    for (rig, boot, mut ws) in rigs {
+        // The goaway is ignored: this rig stays until the broker closes it.
+        let code = read_close(&mut ws);
+        assert_eq!(code, 1001, "{rig}");
+        let mut ws = resume_on(&b, &rig, &boot, Some(1));
+        let out = json!({"type": "result", "seq": 1, "ok": true});
+        ws.send(Message::Text(out.to_string().into())).unwrap();
+        on_b.push(ws);
+    }
+    let mut unnamed = Vec::new();
+    for _ in 0..on_b.len() {
+        let ev = events.next_event("result");
+        let rig = ev["rig_id"].as_str().unwrap_or_default();
+        let want = format!("d{}", rig.trim_start_matches("rig-d"));
+        if ev["id"] != json!(want) {
+            unnamed.push(format!("{rig}: {}", ev["id"]));
+        }
+    }
+    assert!(unnamed.is_empty(), "{} of 20: {unnamed:?}", unnamed.len());
+    assert!(a
+        .wait_exit(Duration::from_secs(10))
+        .is_some_and(|s| s.success()));
+}
+
 /// The echo of a rig's close waits for the session's note only so long: with Redis holding
 /// every write, a rig awaiting a result has its close echoed within about half a second,
 /// and its reconnect is not held up for the length of the pause.
