@@ -3103,6 +3103,58 @@ fn close_handshake(ws: &mut Ws) {
     }
 }
 
+/// 20 rigs on `a`, each given command `<tag><i>` and acking it. After `then`, each leaves `a`
+/// by `leave` and at once resumes on `b`, where it sends that command's result. Returns the
+/// results whose `id` is not their command's.
+fn results_after_leaving_at_once(
+    redis: &RedisServer,
+    (a, b): (&Broker, &Broker),
+    tag: &str,
+    then: impl FnOnce(),
+    leave: impl Fn(&str, &mut Ws),
+) -> Vec<String> {
+    let mut ctl = Control::new(redis, &[]);
+    let mut events = Control::new(redis, &["fleetlink:events"]);
+    let rigs: Vec<(String, String, Ws)> = (0..20)
+        .map(|i| {
+            let (rig, boot) = (format!("rig-{tag}{i}"), boot_id());
+            let (mut ws, _) = connect_hello(a, &rig, &boot, None);
+            send_and_read(
+                &mut ctl,
+                &a.broker_id,
+                &rig,
+                &format!("{tag}{i}"),
+                &mut ws,
+                1,
+            );
+            ack(&mut ws, 1);
+            (rig, boot, ws)
+        })
+        .collect();
+    for _ in 0..rigs.len() {
+        events.next_event("ack");
+    }
+    then();
+    let mut on_b = Vec::new();
+    for (rig, boot, mut ws) in rigs {
+        leave(&rig, &mut ws);
+        let mut ws = resume_on(b, &rig, &boot, Some(1));
+        let out = json!({"type": "result", "seq": 1, "ok": true});
+        ws.send(Message::Text(out.to_string().into())).unwrap();
+        on_b.push(ws);
+    }
+    let mut unnamed = Vec::new();
+    for _ in 0..on_b.len() {
+        let ev = events.next_event("result");
+        let rig = ev["rig_id"].as_str().unwrap_or_default();
+        let want = format!("{tag}{}", rig.trim_start_matches(&format!("rig-{tag}")));
+        if ev["id"] != json!(want) {
+            unnamed.push(format!("{rig}: {}", ev["id"]));
+        }
+    }
+    unnamed
+}
+
 /// Rigs that end their close handshake with one broker and at once resume on another (as the
 /// reference agent does after a drain's `goaway`) have their results named too: the old broker
 /// writes what it remembers of the session before it releases the lease, and at once rather
@@ -3113,37 +3165,8 @@ fn close_handshake(ws: &mut Ws) {
 fn results_of_rigs_that_resume_elsewhere_the_moment_they_leave_name_their_commands() {
     let redis = RedisServer::start();
     let (a, b) = brokers_a_and_b(&redis);
-    let mut ctl = Control::new(&redis, &[]);
-    let mut events = Control::new(&redis, &["fleetlink:events"]);
-    let rigs: Vec<(String, String, Ws)> = (0..20)
-        .map(|i| {
-            let (rig, boot) = (format!("rig-q{i}"), boot_id());
-            let (mut ws, _) = connect_hello(&a, &rig, &boot, None);
-            send_and_read(&mut ctl, "fe-a", &rig, &format!("q{i}"), &mut ws, 1);
-            ack(&mut ws, 1);
-            (rig, boot, ws)
-        })
-        .collect();
-    for _ in 0..rigs.len() {
-        events.next_event("ack");
-    }
-    let mut on_b = Vec::new();
-    for (rig, boot, mut ws) in rigs {
-        close_handshake(&mut ws);
-        let mut ws = resume_on(&b, &rig, &boot, Some(1));
-        let out = json!({"type": "result", "seq": 1, "ok": true});
-        ws.send(Message::Text(out.to_string().into())).unwrap();
-        on_b.push(ws);
-    }
-    let mut unnamed = Vec::new();
-    for _ in 0..on_b.len() {
-        let ev = events.next_event("result");
-        let rig = ev["rig_id"].as_str().unwrap_or_default();
-        let want = format!("q{}", rig.trim_start_matches("rig-q"));
-        if ev["id"] != json!(want) {
-            unnamed.push(format!("{rig}: {}", ev["id"]));
-        }
-    }
+    let unnamed =
+        results_after_leaving_at_once(&redis, (&a, &b), "q", || {}, |_, ws| close_handshake(ws));
     assert!(unnamed.is_empty(), "{} of 20: {unnamed:?}", unnamed.len());
 }
 
@@ -3156,40 +3179,14 @@ fn results_of_rigs_closed_at_a_drains_end_that_resume_elsewhere_at_once_name_the
     let redis = RedisServer::start();
     let mut a = fleet_broker_with(&redis, "fe-a", &["--drain", "1s"]);
     let b = fleet_broker(&redis, "fe-b");
-    let mut ctl = Control::new(&redis, &[]);
-    let mut events = Control::new(&redis, &["fleetlink:events"]);
-    let rigs: Vec<(String, String, Ws)> = (0..20)
-        .map(|i| {
-            let (rig, boot) = (format!("rig-d{i}"), boot_id());
-            let (mut ws, _) = connect_hello(&a, &rig, &boot, None);
-            send_and_read(&mut ctl, "fe-a", &rig, &format!("d{i}"), &mut ws, 1);
-            ack(&mut ws, 1);
-            (rig, boot, ws)
-        })
-        .collect();
-    for _ in 0..rigs.len() {
-        events.next_event("ack");
-    }
-    a.sigterm();
-    let mut on_b = Vec::new();
-    for (rig, boot, mut ws) in rigs {
-        // The goaway is ignored: this rig stays until the broker closes it.
-        let code = read_close(&mut ws);
-        assert_eq!(code, 1001, "{rig}");
-        let mut ws = resume_on(&b, &rig, &boot, Some(1));
-        let out = json!({"type": "result", "seq": 1, "ok": true});
-        ws.send(Message::Text(out.to_string().into())).unwrap();
-        on_b.push(ws);
-    }
-    let mut unnamed = Vec::new();
-    for _ in 0..on_b.len() {
-        let ev = events.next_event("result");
-        let rig = ev["rig_id"].as_str().unwrap_or_default();
-        let want = format!("d{}", rig.trim_start_matches("rig-d"));
-        if ev["id"] != json!(want) {
-            unnamed.push(format!("{rig}: {}", ev["id"]));
-        }
-    }
+    let unnamed = results_after_leaving_at_once(
+        &redis,
+        (&a, &b),
+        "d",
+        || a.sigterm(),
+        // The goaway is ignored: the rig stays until the broker closes it.
+        |rig, ws| assert_eq!(read_close(ws), 1001, "{rig}"),
+    );
     assert!(unnamed.is_empty(), "{} of 20: {unnamed:?}", unnamed.len());
     assert!(a
         .wait_exit(Duration::from_secs(10))
