@@ -3170,29 +3170,6 @@ fn results_of_rigs_that_resume_elsewhere_the_moment_they_leave_name_their_comman
     assert!(unnamed.is_empty(), "{} of 20: {unnamed:?}", unnamed.len());
 }
 
-/// So do rigs the broker closes itself and that resume elsewhere at once: at a drain's end
-/// (1001) the close frame waits, as the echo of a rig's own close does, until the session's
-/// note is in Redis. Before, the frame went first, and a rig quick to resume on the next broker
-/// was read there before the note.
-#[test]
-fn results_of_rigs_closed_at_a_drains_end_that_resume_elsewhere_at_once_name_their_commands() {
-    let redis = RedisServer::start();
-    let mut a = fleet_broker_with(&redis, "fe-a", &["--drain", "1s"]);
-    let b = fleet_broker(&redis, "fe-b");
-    let unnamed = results_after_leaving_at_once(
-        &redis,
-        (&a, &b),
-        "d",
-        || a.sigterm(),
-        // The goaway is ignored: the rig stays until the broker closes it.
-        |rig, ws| assert_eq!(read_close(ws), 1001, "{rig}"),
-    );
-    assert!(unnamed.is_empty(), "{} of 20: {unnamed:?}", unnamed.len());
-    assert!(a
-        .wait_exit(Duration::from_secs(10))
-        .is_some_and(|s| s.success()));
-}
-
 /// The echo of a rig's close waits for the session's note only so long: with Redis holding
 /// every write, a rig awaiting a result has its close echoed within about half a second,
 /// and its reconnect is not held up for the length of the pause.

@@ -687,53 +687,12 @@ impl Conn {
         code: u16,
         reason: impl Into<Cow<'static, str>>,
     ) {
-        if self.queue_close(st, code, reason) {
-            let _ = flush(self.fd, st);
-        }
-        self.notify();
-    }
-
-    /// [`Self::close`] for a close the rig answers by reconnecting at once (a drain's end, a
-    /// kick). In fleet mode, when the session awaits results, the registry hears of the close
-    /// first, and the frame waits until the session's note is in Redis, as the echo of a rig's
-    /// own close does: the rig's next broker reads the note as it resumes the session.
-    pub(crate) fn close_noting(
-        &self,
-        core: &Core,
-        st: &mut ConnState,
-        code: u16,
-        reason: &'static str,
-    ) {
-        let noting = core.persist
-            && st.phase == Phase::Live
-            && st.linger_until.is_none()
-            && st
-                .session
-                .as_ref()
-                .is_some_and(|s| s.welcomed && s.awaits_results());
-        if !noting {
-            return self.close(st, code, reason);
-        }
-        if self.queue_close(st, code, reason) {
-            crate::worker::conn::released(core, self, st);
-            crate::worker::conn::hold_echo(core, st);
-        }
-        self.notify();
-    }
-
-    /// Queues the close frame and enters `Closing`; false when the connection was closing
-    /// already (or had no websocket yet, and is done).
-    fn queue_close(
-        &self,
-        st: &mut ConnState,
-        code: u16,
-        reason: impl Into<Cow<'static, str>>,
-    ) -> bool {
         match st.phase {
-            Phase::Closing | Phase::Done => return false,
+            Phase::Closing | Phase::Done => return,
             Phase::Handshake => {
                 st.phase = Phase::Done;
-                return false;
+                self.notify();
+                return;
             }
             _ => {}
         }
@@ -746,7 +705,8 @@ impl Conn {
         st.close_code = Some(code);
         st.close_reason = reason;
         st.phase = Phase::Closing;
-        true
+        let _ = flush(self.fd, st);
+        self.notify();
     }
 }
 

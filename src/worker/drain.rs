@@ -79,12 +79,7 @@ pub(crate) fn start(core: &Rc<Core>, window: Duration) {
 fn close_all(core: &Rc<Core>) {
     let conns: Vec<_> = core.conns.borrow().values().cloned().collect();
     for conn in conns {
-        conn.close_noting(
-            core,
-            &mut conn.st.borrow_mut(),
-            1001,
-            "broker shutting down",
-        );
+        conn.close(&mut conn.st.borrow_mut(), 1001, "broker shutting down");
     }
     core.check_drained();
 }

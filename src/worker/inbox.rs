@@ -146,12 +146,7 @@ pub(crate) fn handle(core: &Rc<Core>, msg: ToCore) {
             let body = match conn_of(conn) {
                 Some(c) => {
                     core.metrics.inc(C::Kicks);
-                    c.close_noting(
-                        core,
-                        &mut c.st.borrow_mut(),
-                        1012,
-                        "kicked by control; reconnect",
-                    );
+                    c.close(&mut c.st.borrow_mut(), 1012, "kicked by control; reconnect");
                     reply::done(&id, &rig)
                 }
                 None => reply::error(
