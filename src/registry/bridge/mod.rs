@@ -476,7 +476,9 @@ impl Bridge {
                 // when it awaits results): told at once when nothing is to be waited for.
                 let mut noted = remember.as_ref().is_some_and(|r| !r.results.is_empty());
                 if let (true, Some(recall), Some(f)) = (released, &remember, self.fleet.as_mut()) {
-                    let waits = f.is_up().then_some(conn).filter(|_| noted);
+                    // While Redis is away the note waits for the reconnect: the hold ends by
+                    // itself rather than wait with it.
+                    let waits = (noted && f.is_up()).then_some(conn);
                     if !f.remember(rig.clone(), boot, recall, waits) {
                         self.shared.count("remember", "dropped");
                     } else if waits.is_some() {

@@ -307,7 +307,7 @@ impl Fleet {
     /// ids awaiting results, the last ack's time), for a resume on another broker; sent with
     /// the next flush. False when not queued: no session is kept, or the queue is full.
     /// `conn`, when its core holds the echo of the rig's close for it, hears once the note
-    /// went ([`Self::take_noted`]); while Redis is away, not at all (the hold ends by itself).
+    /// went ([`Self::take_noted`]).
     pub(crate) fn remember(
         &mut self,
         rig: RigId,
@@ -320,9 +320,7 @@ impl Fleet {
         }
         let text = sessions::encode_recall(recall);
         self.recalls.push((rig, boot, text));
-        if let Some(conn) = conn.filter(|_| self.is_up()) {
-            self.noting.push(conn);
-        }
+        self.noting.extend(conn);
         true
     }
 
