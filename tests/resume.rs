@@ -3191,6 +3191,74 @@ fn a_rigs_close_is_echoed_soon_though_redis_holds_the_sessions_note() {
     assert!(waited < Duration::from_secs(3), "echoed after {waited:?}");
 }
 
+/// A rig on a fleet broker started with `extra` holds command `x1` acked and `x2` written
+/// unacked. `close` makes the broker close it with `code`; once the broker has said so
+/// (`disconnected`), and before reading the close, the rig sends both results and an event.
+/// Returns what was published of them: (seq, id) of each result, and the event's data.
+fn sent_across_the_close(
+    extra: &[&str],
+    close: impl FnOnce(&Broker, &mut Control),
+    code: u16,
+) -> (Vec<(Value, Value)>, Value) {
+    let redis = RedisServer::start();
+    let a = fleet_broker_with(&redis, "fe-a", extra);
+    let mut ctl = Control::new(&redis, &[]);
+    let mut events = Control::new(&redis, &["fleetlink:events"]);
+    let (mut ws, _) = connect_hello(&a, "rig-x", &boot_id(), None);
+    send_and_read(&mut ctl, "fe-a", "rig-x", "x1", &mut ws, 1);
+    send_and_read(&mut ctl, "fe-a", "rig-x", "x2", &mut ws, 2);
+    ack(&mut ws, 1);
+    events.next_event("ack");
+    close(&a, &mut ctl);
+    let gone = events.next_event("disconnected");
+    assert_eq!(gone["code"], code, "{gone}");
+    for late in [
+        json!({"type": "result", "seq": 1, "ok": true}),
+        json!({"type": "result", "seq": 2, "ok": false}),
+        json!({"type": "event", "name": "late", "data": {"n": 1}}),
+    ] {
+        ws.send(Message::Text(late.to_string().into())).unwrap();
+    }
+    assert_eq!(read_close(&mut ws), code);
+    let results = (0..2)
+        .map(|_| events.next_event("result"))
+        .map(|r| (r["seq"].clone(), r["id"].clone()))
+        .collect();
+    (results, events.next_event("event")["data"].clone())
+}
+
+fn published_with_their_ids((results, data): (Vec<(Value, Value)>, Value)) {
+    assert_eq!(
+        results,
+        vec![(json!(1), json!("x1")), (json!(2), json!("x2"))],
+        "results in order, each with its command's id"
+    );
+    assert_eq!(data, json!({"n": 1}));
+}
+
+/// What a rig sent before it read a kick's 1012 is published: the result of a command it
+/// acked, of one it had not yet acked, and an event. Read after the close, it was dropped, and
+/// a rig that does not send its results again lost their outcomes (review bb155).
+#[test]
+fn results_a_rig_sent_before_it_read_a_kick_are_published_with_their_ids() {
+    let kick = |_: &Broker, ctl: &mut Control| {
+        let reply_to = ctl.reply_to.clone();
+        let kick = json!({"type": "kick", "id": "k1", "rig_id": "rig-x", "reply_to": reply_to});
+        ctl.publish("fleetlink:broker:fe-a", kick);
+        let done = ctl.next(|ch, v| ch == reply_to && v["id"] == "k1");
+        assert_eq!(done["ok"], true, "{done}");
+    };
+    published_with_their_ids(sent_across_the_close(&[], kick, 1012));
+}
+
+/// The same at a drain's end, for a rig that stayed past its `goaway` (review bb155: 61 of
+/// 150 results sent just after the window were lost).
+#[test]
+fn results_a_rig_sent_before_it_read_a_drains_close_are_published_with_their_ids() {
+    let drain = |a: &Broker, _: &mut Control| assert_eq!(a.http("POST", "/v1/drain", "").0, 202);
+    published_with_their_ids(sent_across_the_close(&["--drain", "1s"], drain, 1001));
+}
+
 /// A broker's copy of a session (parked, or ended by a hello it decided alone) can be older
 /// than Redis's: the rig acked some of its commands on another broker since. `unkept_to`
 /// says which of them Redis never kept; one above it that Redis kept and has forgotten,

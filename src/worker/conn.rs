@@ -17,7 +17,7 @@ use monoio::net::TcpStream;
 use crate::metrics::C;
 use crate::worker::core::{flush, recv, Conn, ConnState, Core, Phase};
 use crate::worker::transport::{self, TlsRead, Wire};
-use crate::worker::{quiet_pong, session};
+use crate::worker::{crossed, quiet_pong, session};
 
 /// The close reason recorded when the peer ended the TCP connection first.
 const PEER_CLOSED: &str = "peer closed the connection";
@@ -63,6 +63,11 @@ pub(crate) async fn serve(core: Rc<Core>, stream: TcpStream, conn: Rc<Conn>) {
                     }
                 }
             }
+            // Released before paused input is read on: what the rig sent before our close is
+            // then read as crossing it (`crossed`), with the session already in the registry.
+            if matches!(st.phase, Phase::Closing | Phase::Done) && st.linger_until.is_none() {
+                released(&core, &conn, &mut st);
+            }
             if st.rbuf_ready && st.can_consume(core.now_ms()) {
                 let buf = st.take_rbuf();
                 let used = session::consume(&core, &conn, &mut st, &buf);
@@ -70,9 +75,6 @@ pub(crate) async fn serve(core: Rc<Core>, stream: TcpStream, conn: Rc<Conn>) {
                 continue;
             }
             let pending_out = st.has_output();
-            if matches!(st.phase, Phase::Closing | Phase::Done) && st.linger_until.is_none() {
-                released(&core, &conn, &mut st);
-            }
             if st.phase == Phase::Done && !pending_out {
                 break;
             }
@@ -519,6 +521,7 @@ async fn finish(core: &Core, conn: &Conn, stream: &TcpStream) {
         await_fin(core, stream, deadline, budget).await;
     }
     core.conns.borrow_mut().remove(&conn.id);
+    crossed::forget(core, conn.id);
     if conn.st.borrow().refusing() {
         // A refusal held no place under the cap and was never counted as a connection.
         core.rejecting.set(core.rejecting.get().saturating_sub(1));

@@ -28,6 +28,7 @@ use crate::tls::ConfigCache;
 use crate::worker::admin_conn::Waits;
 use crate::worker::bucket::RigBucket;
 use crate::worker::closing;
+use crate::worker::crossed;
 use crate::worker::queues::Queues;
 use crate::worker::refusal_log::RefusalLog;
 use crate::worker::session::HoldFetch;
@@ -98,6 +99,8 @@ pub(crate) struct Core {
     pub(crate) admin_list_bytes: Cell<usize>,
     /// Closed sessions waiting for Redis's answer to commands they held.
     pub(crate) closing: RefCell<closing::Waiting>,
+    /// Connections closed by the broker that still read what the rig sent before the close.
+    pub(crate) crossed: RefCell<crossed::Closing>,
     /// Where the bytes of events queued for the bridge are counted.
     pub(crate) bridge_shared: Arc<BridgeShared>,
     /// Where this core leaves its last figures when it stops.
@@ -175,6 +178,7 @@ impl Core {
             admin_answer_bytes: Cell::new(0),
             admin_list_bytes: Cell::new(0),
             closing: RefCell::new(closing::Waiting::new()),
+            crossed: RefCell::new(crossed::Closing::new()),
             bridge_shared: links.bridge_shared,
             retired: links.retired,
             tls_refusals: RefCell::new(RefusalLog::tls()),

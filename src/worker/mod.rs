@@ -11,6 +11,7 @@
 //! - `session`: what a connection does with messages, verdicts and commands.
 //! - `queues`: a rig's queued and unacked commands, bounded by bytes per rig and per core.
 //! - `closing`: a closed session waits for Redis's answer to its held commands.
+//! - `crossed`: results a rig sent before it read the broker's close are still published.
 //! - `sweep` + `wheel`: deadlines and liveness without per-connection timers.
 //! - `quiet_pong`: a rig's PONG waits in the kernel for the sweep instead of waking the core.
 //! - `slow_reader`: a rig still reading through a backlog is not missing its PONGs.
@@ -25,6 +26,7 @@ mod closing;
 mod conn;
 mod conn_cap;
 pub(crate) mod core;
+mod crossed;
 mod drain;
 mod fd_room;
 mod inbox;

@@ -488,7 +488,7 @@ fn leaving(st: &ConnState, broadcast: bool) -> &'static str {
 }
 
 /// Whether the connection's token scope (if any) allows something.
-pub(super) fn scope_allows(
+pub(crate) fn scope_allows(
     sec: &Option<Box<Security>>,
     check: impl Fn(&crate::jwt::Scope) -> bool,
 ) -> bool {

@@ -15,7 +15,7 @@ mod rig_messages;
 mod upgrade;
 mod verdicts;
 
-pub(crate) use commands::{bridge_full, deliver, holds, not_taken, on_command, pump};
+pub(crate) use commands::{bridge_full, deliver, holds, not_taken, on_command, pump, scope_allows};
 pub(crate) use hold_fetch::{on_delivery_end, on_hold_found, sweep as sweep_holds, HoldFetch};
 pub(crate) use rig_messages::retry_after;
 pub(crate) use upgrade::consume;

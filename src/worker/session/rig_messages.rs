@@ -12,7 +12,7 @@ use crate::metrics::{GroupCount, GroupSlot, C};
 use crate::protocol::{self, ClientMsg, Hello, ProtocolError};
 use crate::registry::msg::ToBridge;
 use crate::worker::core::{unix_ms, Conn, ConnState, Core, Phase, Session};
-use crate::worker::sweep;
+use crate::worker::{crossed, sweep};
 use crate::ws::{Message, OpCode};
 
 use super::commands::{pump, scope_allows};
@@ -70,6 +70,7 @@ pub(super) fn on_message(core: &Core, conn: &Conn, st: &mut ConnState, msg: Mess
         Message::Close(frame) => {
             if st.phase == Phase::Closing {
                 st.phase = Phase::Done;
+                crossed::forget(core, conn.id);
                 return;
             }
             // Echo the peer's code (RFC 6455 §5.5.1), then close the TCP connection first.
@@ -164,7 +165,13 @@ fn on_text(core: &Core, conn: &Conn, st: &mut ConnState, text: &[u8]) {
             }
             Cost::Answer => {}
         },
-        // Closing: the RFC says data after our close frame is ignored.
+        // Sent before the rig read our close: a result or event is still the rig's.
+        Phase::Closing => {
+            let _ = st
+                .bucket
+                .take(core.cfg.rig_rate, core.cfg.rig_burst, core.now_ms());
+            crossed::on_text(core, conn.id, st, text);
+        }
         _ => {}
     }
 }

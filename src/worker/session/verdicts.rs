@@ -6,8 +6,8 @@
 use crate::ids::{BootId, ConnId, RigId, Seq};
 use crate::metrics::C;
 use crate::registry::msg::{ClosedSession, Recall, RekeepReq, SeqCommand, ToBridge, Verdict};
-use crate::worker::closing;
 use crate::worker::core::{Conn, ConnState, Core, Phase};
+use crate::worker::{closing, crossed};
 use crate::ws::OpCode;
 use crate::{events, protocol::encode_welcome};
 
@@ -299,6 +299,14 @@ pub(crate) fn on_closed(core: &Core, conn: &Conn, st: &mut ConnState) {
     }
     // A command still held for Redis goes along only once Redis has answered for it.
     let (carried, results) = queues.map(|q| q.into_parts()).unwrap_or_default();
+    if st.phase == Phase::Closing && crossed::may_cross(st.close_code) {
+        let written = carried
+            .iter()
+            .filter(|c| c.written_on == Some(conn.id))
+            .map(|c| (c.seq, c.id.clone()));
+        let ids = results.iter().cloned().chain(written).collect();
+        crossed::keep(core, conn.id, &s.rig, s.boot, ids);
+    }
     let recall = Recall {
         results,
         last_ack: s.last_ack,

@@ -1,0 +1,185 @@
+//! Results and events a rig sent before it read the broker's own close.
+//!
+//! The broker's close (a drain's 1001, a kick's 1012, a takeover's 4410, a missed pong's 4002)
+//! can cross a rig's `result` on the wire: the rig sent it before the close frame reached it,
+//! and the broker reads it after the session has gone to the registry. RFC 6455 forbids only
+//! *sending* data after a close; what the peer sent before it read ours is still its message.
+//! Dropped, a command's outcome was lost for any rig that does not send its results again on
+//! its next connection (review bb155: 61 of 150 results sent 4 ms after a drain's window). So
+//! a connection the broker closes keeps what publishing them takes (the rig, its boot, and the
+//! ids of the commands it may answer) here on its core, only while it waits for the rig's echo
+//! (the close linger at most).
+//!
+//! Kept on the core, not in the connection: every idle connection would pay for the slot.
+//! An ack is not taken: its command went to the registry unacked and is given to the rig's
+//! next connection, where the rig acks it again.
+
+use std::collections::HashMap;
+
+use crate::events;
+use crate::ids::{BootId, ConnId, RigId, Seq};
+use crate::metrics::C;
+use crate::protocol::{self, ClientMsg};
+use crate::worker::core::{ConnState, Core};
+use crate::worker::session;
+
+/// What a closing connection's late messages are published under.
+#[derive(Debug)]
+pub(crate) struct Left {
+    rig: RigId,
+    boot: BootId,
+    /// (seq, control's id): commands acked and awaiting results, and those written on this
+    /// connection and not yet acked.
+    ids: Vec<(Seq, Box<str>)>,
+}
+
+/// The connections of a core that closed on the broker's word and still read, by id.
+pub(crate) type Closing = HashMap<ConnId, Left>;
+
+/// Closes for which the rig did nothing wrong: what it sent before it read one is its own.
+/// A close for a protocol fault (4400, 1003, 1009, …) ends what is read with it.
+pub(crate) fn may_cross(code: Option<u16>) -> bool {
+    matches!(code, Some(1001 | 1012 | 4410 | 4002))
+}
+
+/// Keeps what `conn`'s late results and events need until it is [`forget`]ten.
+pub(crate) fn keep(
+    core: &Core,
+    conn: ConnId,
+    rig: &RigId,
+    boot: BootId,
+    ids: Vec<(Seq, Box<str>)>,
+) {
+    let left = Left {
+        rig: rig.clone(),
+        boot,
+        ids,
+    };
+    core.crossed.borrow_mut().insert(conn, left);
+}
+
+/// The rig's echo came, or the connection is gone: nothing more is read on it.
+pub(crate) fn forget(core: &Core, conn: ConnId) {
+    core.crossed.borrow_mut().remove(&conn);
+}
+
+/// A text message read on `conn` after the broker's close: a `result` or an `event` is
+/// published as it would have been before the close. Anything else is dropped, as is all of it
+/// on a connection that kept nothing (a close for a fault, or a session never welcomed).
+pub(crate) fn on_text(core: &Core, conn: ConnId, st: &ConnState, text: &[u8]) {
+    let broker = core.cfg.broker_id.as_str();
+    let bytes = {
+        let mut closing = core.crossed.borrow_mut();
+        let Some(left) = closing.get_mut(&conn) else {
+            return;
+        };
+        match protocol::parse_client_msg(text) {
+            Ok(ClientMsg::Result {
+                seq, ok, output, ..
+            }) => {
+                core.metrics.inc(C::MsgResult);
+                // Once, as on a live connection: a result repeated has no id to claim.
+                let id = left
+                    .ids
+                    .iter()
+                    .position(|(s, _)| *s == seq)
+                    .map(|i| left.ids.swap_remove(i).1);
+                let (rig, boot) = (&left.rig, &left.boot);
+                events::result(broker, rig, boot, seq, id.as_deref(), ok, output.as_ref())
+            }
+            Ok(ClientMsg::Event { name, data, .. }) => {
+                if !session::scope_allows(&st.sec, |s| s.allows_emit(&name)) {
+                    core.metrics.inc(C::Forbidden);
+                    return;
+                }
+                core.metrics.inc(C::MsgEvent);
+                events::event(broker, &left.rig, &left.boot, &name, data.as_ref())
+            }
+            _ => return,
+        }
+    };
+    core.event_bytes(bytes);
+}
+
+#[cfg(test)]
+mod tests {
+    use std::rc::Rc;
+
+    use super::*;
+    use crate::doorbell::{self, Inbox};
+    use crate::registry::msg::ToBridge;
+    use crate::worker::core::tests::test_core;
+    use crate::worker::core::Conn;
+
+    fn published(rx: &Inbox<ToBridge>) -> Vec<serde_json::Value> {
+        std::iter::from_fn(|| rx.try_recv())
+            .filter_map(|m| match m {
+                ToBridge::Event(bytes) => serde_json::from_slice(&bytes).ok(),
+                _ => None,
+            })
+            .collect()
+    }
+
+    fn closing_conn() -> (Rc<Core>, Conn, Inbox<ToBridge>) {
+        let (tx, rx) = doorbell::channel::<ToBridge>(16).expect("channel");
+        let core = test_core(tx);
+        let conn = Conn::new(&core, core.next_conn_id(), -1);
+        let rig = RigId::parse("rig-1").expect("rig");
+        let ids = vec![(Seq(1), "c1".into()), (Seq(2), "c2".into())];
+        keep(&core, conn.id, &rig, BootId::generate(1), ids);
+        (core, conn, rx)
+    }
+
+    fn late(core: &Core, conn: &Conn, text: &str) {
+        on_text(core, conn.id, &conn.st.borrow(), text.as_bytes());
+    }
+
+    #[test]
+    fn a_late_result_takes_its_commands_id_once() {
+        let (core, conn, rx) = closing_conn();
+        late(&core, &conn, r#"{"type":"result","seq":2,"ok":true}"#);
+        late(&core, &conn, r#"{"type":"result","seq":2,"ok":true}"#);
+        late(&core, &conn, r#"{"type":"result","seq":7,"ok":false}"#);
+        let ids: Vec<_> = published(&rx).iter().map(|e| e["id"].clone()).collect();
+        assert_eq!(
+            ids,
+            [
+                serde_json::json!("c2"),
+                serde_json::Value::Null,
+                serde_json::Value::Null
+            ]
+        );
+    }
+
+    #[test]
+    fn acks_and_anything_after_the_echo_are_dropped() {
+        let (core, conn, rx) = closing_conn();
+        late(&core, &conn, r#"{"type":"ack","seq":1}"#);
+        late(&core, &conn, r#"{"type":"result""#);
+        assert!(published(&rx).is_empty(), "an ack, and what does not parse");
+        forget(&core, conn.id);
+        late(&core, &conn, r#"{"type":"result","seq":1,"ok":true}"#);
+        assert!(
+            published(&rx).is_empty(),
+            "nothing is kept once the echo came"
+        );
+        assert!(core.crossed.borrow().is_empty());
+    }
+
+    #[test]
+    fn only_closes_that_were_not_the_rigs_fault_are_crossed() {
+        for code in [1001, 1012, 4410, 4002] {
+            assert!(may_cross(Some(code)), "{code}");
+        }
+        for code in [
+            None,
+            Some(1000),
+            Some(1003),
+            Some(1009),
+            Some(4400),
+            Some(4408),
+        ] {
+            assert!(!may_cross(code), "{code:?}");
+        }
+    }
+}
