@@ -342,3 +342,32 @@ fn client_ping(payload: &[u8]) -> Vec<u8> {
     );
     frame
 }
+
+/// What a rig sends after the broker's close is still held to its rate: it is read, and what
+/// crosses the close published, only as its bucket allows. A kicked rig that flooded its
+/// closing window (the 2 s linger) instead of echoing the close had 45,000 events read and
+/// published at `--rig-rate 100` (review bb156).
+#[test]
+fn a_kicked_rig_flooding_its_closing_window_is_held_to_its_rate() {
+    let b = Broker::start(&["--rig-rate", "10", "--rig-burst", "10"]);
+    let mut rig = RawRig::hello(&b, "rig-flood");
+    let (status, body) = b.http("POST", "/v1/rigs/rig-flood/kick", "");
+    assert_eq!(status, 200, "{body}");
+    // Small enough to sit in the socket buffers whatever the broker reads.
+    let flood = json!({"type":"event","name":"flood"}).to_string();
+    for _ in 0..500 {
+        rig.send_text(&flood);
+    }
+    assert_eq!(rig.read_close(), 1012);
+    // No echo: the broker ends the connection when its linger is over.
+    let mut reader = rig.stream_clone();
+    let mut buf = [0u8; 4096];
+    while !matches!(std::io::Read::read(&mut reader, &mut buf), Ok(0) | Err(_)) {}
+    let read = metric(&b, "fleetlink_messages_in_total{type=\"event\"}");
+    // The burst, then 10 a second for the linger's 2 s, and some slack for the clock.
+    assert!((10..=40).contains(&read), "{read} of 500 read");
+    common::broker::eventually(Duration::from_secs(5), "the read ones published", || {
+        b.events_named("flood").len() as u64 == read
+    });
+    assert!(metric(&b, "fleetlink_rig_rate_paused_total ") > 0);
+}

@@ -3031,3 +3031,40 @@ fn an_older_boot_back_after_a_newer_one_numbers_on_where_it_stopped() {
     assert_eq!(welcome["resumed"], false, "{welcome}");
     command_reaches(&b, "rig-back", "n", &mut ws, 4);
 }
+
+/// After the broker's close, what crosses it is published as on a live connection only so far
+/// as a live connection would have gone on: a message it would have been closed for (a binary
+/// one; under `--strict`, an unknown type) ends what is published (review bb156 saw what
+/// followed it published).
+#[test]
+fn what_a_kicked_rig_sends_after_a_fault_is_not_published() {
+    let b = Broker::start(&["--strict"]);
+    let faults = [
+        ("rig-bin", None),
+        ("rig-unknown", Some(r#"{"type":"nope"}"#)),
+    ];
+    let rigs: Vec<_> = faults
+        .iter()
+        .map(|(rig, _)| (*rig, RawRig::hello(&b, rig)))
+        .collect();
+    for ((rig, mut conn), (_, fault)) in rigs.into_iter().zip(faults) {
+        let (status, body) = b.http("POST", &format!("/v1/rigs/{rig}/kick"), "");
+        assert_eq!(status, 200, "{body}");
+        conn.send_text(&json!({"type":"event","name":"before"}).to_string());
+        match fault {
+            Some(text) => conn.send_text(text),
+            None => conn.send_frame(fleetlink::ws::OpCode::Binary, b"\x01"),
+        }
+        conn.send_text(&json!({"type":"event","name":"after"}).to_string());
+        assert_eq!(conn.read_close(), 1012);
+        // No echo: everything it sent has been read once the broker ends the connection.
+        let mut reader = conn.stream_clone();
+        let mut buf = [0u8; 4096];
+        while !matches!(std::io::Read::read(&mut reader, &mut buf), Ok(0) | Err(_)) {}
+    }
+    assert_eq!(b.metric("fleetlink_messages_in_total{type=\"event\"}"), 2);
+    eventually(Duration::from_secs(5), "both firsts published", || {
+        b.events_named("before").len() == 2
+    });
+    assert_eq!(b.events_named("after"), Vec::<Value>::new());
+}

@@ -11,6 +11,9 @@
 //! (the close linger at most).
 //!
 //! Kept on the core, not in the connection: every idle connection would pay for the slot.
+//! What is read after the close is held to the rig's `--rig-rate` as before it
+//! (`session::consume`): a rig flooding its closing window would otherwise have it all
+//! published (review bb156).
 //! An ack is not taken: its command went to the registry unacked and is given to the rig's
 //! next connection, where the rig acks it again.
 
@@ -58,7 +61,8 @@ pub(crate) fn keep(
     core.crossed.borrow_mut().insert(conn, left);
 }
 
-/// The rig's echo came, or the connection is gone: nothing more is read on it.
+/// Nothing more the rig sends on `conn` is published: its echo came, it sent what a live
+/// connection would have been closed for, or the connection is gone.
 pub(crate) fn forget(core: &Core, conn: ConnId) {
     core.crossed.borrow_mut().remove(&conn);
 }
@@ -95,7 +99,22 @@ pub(crate) fn on_text(core: &Core, conn: ConnId, st: &ConnState, text: &[u8]) {
                 core.metrics.inc(C::MsgEvent);
                 events::event(broker, &left.rig, &left.boot, &name, data.as_ref())
             }
-            _ => return,
+            Ok(ClientMsg::Ack { .. }) => {
+                core.metrics.inc(C::MsgAck);
+                return;
+            }
+            // As on a live connection: counted, and under `--strict` the end of what is read
+            // (live, it is closed 4400 for it: review bb156 saw what followed published).
+            other => {
+                core.metrics.inc(match other {
+                    Err(_) => C::MsgInvalid,
+                    Ok(_) => C::MsgUnknown,
+                });
+                if core.cfg.strict {
+                    closing.remove(&conn);
+                }
+                return;
+            }
         }
     };
     core.event_bytes(bytes);

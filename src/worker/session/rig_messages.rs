@@ -119,6 +119,9 @@ pub(super) fn on_message(core: &Core, conn: &Conn, st: &mut ConnState, msg: Mess
             core.metrics.inc(C::MsgBinary);
             if st.phase != Phase::Closing {
                 conn.close(st, 1003, "messages are JSON text frames");
+            } else {
+                // Live, it would have been closed for this: nothing after it is published.
+                crossed::forget(core, conn.id);
             }
         }
         Message::Text(text) => on_text(core, conn, st, text.as_bytes()),

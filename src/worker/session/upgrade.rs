@@ -67,8 +67,11 @@ pub(crate) fn consume(core: &Core, conn: &Conn, st: &mut ConnState, input: &[u8]
             continue;
         }
         // Before its hello too: a connection flooding PINGs before it said which rig it is
-        // kept a core busy answering them until its hello timeout (review bb130).
-        if matches!(st.phase, Phase::AwaitHello | Phase::Live) {
+        // kept a core busy answering them until its hello timeout (review bb130). And after
+        // our close: what crosses it is published (`crossed`), and a rig that flooded its
+        // closing window (a kick, or a 4410 it caused itself) was read at line rate, 45,000
+        // events in the 2 s linger at `--rig-rate 100` (review bb156).
+        if matches!(st.phase, Phase::AwaitHello | Phase::Live | Phase::Closing) {
             let now = core.now_ms();
             if let Err(wait_ms) = st.bucket.ready(core.cfg.rig_rate, core.cfg.rig_burst, now) {
                 // Over its rate: stop reading this rig until a token is back. TCP pushes back
@@ -81,13 +84,15 @@ pub(crate) fn consume(core: &Core, conn: &Conn, st: &mut ConnState, input: &[u8]
                 st.rbuf_ready = true;
                 break;
             }
-            if st.phase == Phase::Live && core.events_backlogged() {
+            if st.phase != Phase::AwaitHello && core.events_backlogged() {
                 // The bridge is behind on the events rigs send (many chatty rigs at once):
                 // this rig waits a moment, as over its rate, rather than have what it sends
                 // dropped at the bound (CONTRACT.md §2: a chatty rig loses nothing).
                 core.metrics.inc(C::EventsPaused);
                 st.paused_until = Some(now.wrapping_add(EVENTS_PAUSE_MS));
-                st.live.throttled = true;
+                if st.phase == Phase::Live {
+                    st.live.throttled = true;
+                }
                 st.rbuf_ready = true;
                 break;
             }
