@@ -371,3 +371,44 @@ fn a_kicked_rig_flooding_its_closing_window_is_held_to_its_rate() {
     });
     assert!(metric(&b, "fleetlink_rig_rate_paused_total ") > 0);
 }
+
+/// Results of acked commands are free of the rig's rate after the broker's close too, as they
+/// are live: a rig kicked as it reports a burst of them has every one published, with its id.
+/// At a token each, the rate cut off the last ones, those the broker kept ids for (review
+/// bb157: 7 of 16 at `--rig-rate 2 --rig-burst 4`; 398 of 600 at the defaults).
+#[test]
+fn results_a_kicked_rig_reports_in_a_burst_are_all_published() {
+    const COMMANDS: u64 = 16;
+    let b = Broker::start(&["--rig-rate", "2", "--rig-burst", "4"]);
+    let (mut ws, _, _) = b.rig("rig-report");
+    for i in 1..=COMMANDS {
+        let (status, reply) = b.command("rig-report", "noop", json!({}));
+        assert_eq!(status, 200, "{reply}");
+        assert_eq!(read_json(&mut ws)["seq"], i);
+        let ack = json!({"type":"ack","seq":i}).to_string();
+        ws.send(Message::Text(ack.into())).unwrap();
+    }
+    b.wait_metric(&format!(
+        "fleetlink_commands_total{{result=\"acked\"}} {COMMANDS}"
+    ));
+    let (status, body) = b.http("POST", "/v1/rigs/rig-report/kick", "");
+    assert_eq!(status, 200, "{body}");
+    for i in 1..=COMMANDS {
+        let result = json!({"type":"result","seq":i,"ok":true}).to_string();
+        ws.send(Message::Text(result.into())).unwrap();
+    }
+    assert_eq!(common::broker::read_close(&mut ws), 1012);
+    let named = || -> usize {
+        let (_, page) = b.http("GET", "/v1/events?after=0", "");
+        let page: Value = serde_json::from_str(&page).unwrap();
+        page["events"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|e| e["type"] == "result" && e["id"].is_string())
+            .count()
+    };
+    common::broker::eventually(Duration::from_secs(5), "every result published", || {
+        named() == COMMANDS as usize
+    });
+}

@@ -3068,3 +3068,24 @@ fn what_a_kicked_rig_sends_after_a_fault_is_not_published() {
     });
     assert_eq!(b.events_named("after"), Vec::<Value>::new());
 }
+
+/// The conformance endpoint is not a rig's and is not held to `--rig-rate`, after the broker's
+/// close either: a client that answers a drain's 1001 after a burst of frames has its close
+/// read at once, not at the rig rate's pace until the linger cut it off (review bb157: 2 s).
+#[test]
+fn an_echo_client_closing_after_a_burst_is_not_held_to_the_rig_rate() {
+    let b = Broker::start(&["--echo-endpoint", "--rig-rate", "10", "--rig-burst", "10"]);
+    let mut client = RawRig::upgraded_on(&b, "/echo");
+    assert_eq!(b.http("POST", "/v1/drain", "").0, 202);
+    assert_eq!(client.read_close(), 1001);
+    let started = std::time::Instant::now();
+    for _ in 0..500 {
+        client.send_text("x");
+    }
+    client.send_frame(fleetlink::ws::OpCode::Close, &1001u16.to_be_bytes());
+    let mut reader = client.stream_clone();
+    let mut buf = [0u8; 4096];
+    while !matches!(std::io::Read::read(&mut reader, &mut buf), Ok(0) | Err(_)) {}
+    let took = started.elapsed();
+    assert!(took < Duration::from_secs(1), "closed after {took:?}");
+}

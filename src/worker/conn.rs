@@ -15,7 +15,7 @@ use std::os::fd::AsRawFd;
 use monoio::net::TcpStream;
 
 use crate::metrics::C;
-use crate::worker::core::{flush, recv, Conn, ConnState, Core, Phase};
+use crate::worker::core::{flush, recv, Conn, ConnState, Core, Phase, Upgraded};
 use crate::worker::transport::{self, TlsRead, Wire};
 use crate::worker::{crossed, quiet_pong, session};
 
@@ -515,8 +515,8 @@ async fn finish(core: &Core, conn: &Conn, stream: &TcpStream) {
         // may still be sending the rest of it, and must read the 1009 that says why. A
         // refused request is bounded as the accept's 503 is.
         let budget = match conn.st.borrow().upgraded {
-            true => usize::MAX,
-            false => crate::admin::LINGER_BYTES,
+            Upgraded::Rig | Upgraded::Echo => usize::MAX,
+            Upgraded::Not => crate::admin::LINGER_BYTES,
         };
         await_fin(core, stream, deadline, budget).await;
     }

@@ -571,12 +571,23 @@ pub(crate) struct Liveness {
     pub(crate) wheel_at: u32,
 }
 
+/// Where a connection was upgraded.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(crate) enum Upgraded {
+    /// Not (yet): an HTTP request.
+    Not,
+    /// `/agent`: a rig, held to `--rig-rate` from its upgrade to its last read.
+    Rig,
+    /// `/echo` (conformance suites): no rig and no `--rig-rate`, closing included.
+    Echo,
+}
+
 /// The mutable state of one connection.
 pub(crate) struct ConnState {
     pub(crate) phase: Phase,
-    /// The upgrade was answered 101: how the connection ends is a websocket close (for
-    /// `fleetlink_closes_total`), not a refused or abandoned HTTP request.
-    pub(crate) upgraded: bool,
+    /// Whether and where the upgrade was answered 101: how the connection ends is then a
+    /// websocket close (for `fleetlink_closes_total`), not a refused or abandoned HTTP request.
+    pub(crate) upgraded: Upgraded,
     pub(crate) decoder: Decoder,
     /// Partial input and unsent output; None (no allocation at all) while idle.
     pub(crate) bufs: Option<Box<Bufs>>,
@@ -623,7 +634,7 @@ impl Conn {
             fd,
             st: RefCell::new(ConnState {
                 phase: Phase::Handshake,
-                upgraded: false,
+                upgraded: Upgraded::Not,
                 decoder: Decoder::new(limits),
                 bufs: None,
                 session: None,

@@ -34,6 +34,20 @@ pub(crate) struct Left {
     /// (seq, control's id): commands acked and awaiting results, and those written on this
     /// connection and not yet acked.
     ids: Vec<(Seq, Box<str>)>,
+    /// Results owed past the ids kept for them, and the session's next seq: what a result
+    /// must be to answer a command (below), as on a live connection.
+    owed: u32,
+    next: Seq,
+}
+
+/// What the rig owed when its connection closed.
+pub(crate) struct Owed {
+    /// As [`Left::ids`].
+    pub(crate) ids: Vec<(Seq, Box<str>)>,
+    /// Acked commands whose results are owed, ids kept or not.
+    pub(crate) results: u32,
+    /// The session's next seq.
+    pub(crate) next: Seq,
 }
 
 /// The connections of a core that closed on the broker's word and still read, by id.
@@ -46,17 +60,13 @@ pub(crate) fn may_cross(code: Option<u16>) -> bool {
 }
 
 /// Keeps what `conn`'s late results and events need until it is [`forget`]ten.
-pub(crate) fn keep(
-    core: &Core,
-    conn: ConnId,
-    rig: &RigId,
-    boot: BootId,
-    ids: Vec<(Seq, Box<str>)>,
-) {
+pub(crate) fn keep(core: &Core, conn: ConnId, rig: &RigId, boot: BootId, owed: Owed) {
     let left = Left {
         rig: rig.clone(),
         boot,
-        ids,
+        ids: owed.ids,
+        owed: owed.results,
+        next: owed.next,
     };
     core.crossed.borrow_mut().insert(conn, left);
 }
@@ -70,12 +80,14 @@ pub(crate) fn forget(core: &Core, conn: ConnId) {
 /// A text message read on `conn` after the broker's close: a `result` or an `event` is
 /// published as it would have been before the close. Anything else is dropped, as is all of it
 /// on a connection that kept nothing (a close for a fault, or a session never welcomed).
-pub(crate) fn on_text(core: &Core, conn: ConnId, st: &ConnState, text: &[u8]) {
+/// True when it answered one of the broker's commands: free of the rig's rate, as live.
+pub(crate) fn on_text(core: &Core, conn: ConnId, st: &ConnState, text: &[u8]) -> bool {
     let broker = core.cfg.broker_id.as_str();
+    let mut answer = false;
     let bytes = {
         let mut closing = core.crossed.borrow_mut();
         let Some(left) = closing.get_mut(&conn) else {
-            return;
+            return false;
         };
         match protocol::parse_client_msg(text) {
             Ok(ClientMsg::Result {
@@ -88,20 +100,28 @@ pub(crate) fn on_text(core: &Core, conn: ConnId, st: &ConnState, text: &[u8]) {
                     .iter()
                     .position(|(s, _)| *s == seq)
                     .map(|i| left.ids.swap_remove(i).1);
+                // Results of acked commands are free live (`rig_messages::Cost::Answer`): at a
+                // token each here, a rig reporting a burst of them as it was kicked had the
+                // last ones, those with ids, cut off at the linger (review bb157).
+                let owed = seq.0 > 0 && seq < left.next && left.owed > 0;
+                answer = id.is_some() || owed;
+                if answer {
+                    left.owed = left.owed.saturating_sub(1);
+                }
                 let (rig, boot) = (&left.rig, &left.boot);
                 events::result(broker, rig, boot, seq, id.as_deref(), ok, output.as_ref())
             }
             Ok(ClientMsg::Event { name, data, .. }) => {
                 if !session::scope_allows(&st.sec, |s| s.allows_emit(&name)) {
                     core.metrics.inc(C::Forbidden);
-                    return;
+                    return false;
                 }
                 core.metrics.inc(C::MsgEvent);
                 events::event(broker, &left.rig, &left.boot, &name, data.as_ref())
             }
             Ok(ClientMsg::Ack { .. }) => {
                 core.metrics.inc(C::MsgAck);
-                return;
+                return false;
             }
             // As on a live connection: counted, and under `--strict` the end of what is read
             // (live, it is closed 4400 for it: review bb156 saw what followed published).
@@ -113,11 +133,12 @@ pub(crate) fn on_text(core: &Core, conn: ConnId, st: &ConnState, text: &[u8]) {
                 if core.cfg.strict {
                     closing.remove(&conn);
                 }
-                return;
+                return false;
             }
         }
     };
     core.event_bytes(bytes);
+    answer
 }
 
 #[cfg(test)]
@@ -144,8 +165,12 @@ mod tests {
         let core = test_core(tx);
         let conn = Conn::new(&core, core.next_conn_id(), -1);
         let rig = RigId::parse("rig-1").expect("rig");
-        let ids = vec![(Seq(1), "c1".into()), (Seq(2), "c2".into())];
-        keep(&core, conn.id, &rig, BootId::generate(1), ids);
+        let owed = Owed {
+            ids: vec![(Seq(1), "c1".into()), (Seq(2), "c2".into())],
+            results: 2,
+            next: Seq(3),
+        };
+        keep(&core, conn.id, &rig, BootId::generate(1), owed);
         (core, conn, rx)
     }
 

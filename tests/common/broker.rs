@@ -556,11 +556,16 @@ impl RawRig {
 
     /// Upgrades on /agent; returns once the 101 is read, before any message.
     pub fn upgraded(b: &Broker) -> RawRig {
+        RawRig::upgraded_on(b, "/agent")
+    }
+
+    /// Upgrades on `path`; returns once the 101 is read.
+    pub fn upgraded_on(b: &Broker, path: &str) -> RawRig {
         let mut stream = TcpStream::connect(b.listen).unwrap();
         stream
             .set_read_timeout(Some(Duration::from_secs(10)))
             .unwrap();
-        write!(stream, "GET /agent HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n").unwrap();
+        write!(stream, "GET {path} HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n").unwrap();
         let mut rig_conn = RawRig {
             stream,
             buf: Vec::new(),

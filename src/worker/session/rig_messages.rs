@@ -170,10 +170,12 @@ fn on_text(core: &Core, conn: &Conn, st: &mut ConnState, text: &[u8]) {
         },
         // Sent before the rig read our close: a result or event is still the rig's.
         Phase::Closing => {
-            let _ = st
-                .bucket
-                .take(core.cfg.rig_rate, core.cfg.rig_burst, core.now_ms());
-            crossed::on_text(core, conn.id, st, text);
+            let answer = crossed::on_text(core, conn.id, st, text);
+            if !answer {
+                let _ = st
+                    .bucket
+                    .take(core.cfg.rig_rate, core.cfg.rig_burst, core.now_ms());
+            }
         }
         _ => {}
     }

@@ -7,7 +7,7 @@ use std::time::SystemTime;
 
 use crate::http_upgrade::{self, Reject};
 use crate::metrics::C;
-use crate::worker::core::{Conn, ConnState, Core, Phase};
+use crate::worker::core::{Conn, ConnState, Core, Phase, Upgraded};
 use crate::ws::{Decoder, Limits};
 
 use super::rig_messages::on_message;
@@ -71,7 +71,12 @@ pub(crate) fn consume(core: &Core, conn: &Conn, st: &mut ConnState, input: &[u8]
         // our close: what crosses it is published (`crossed`), and a rig that flooded its
         // closing window (a kick, or a 4410 it caused itself) was read at line rate, 45,000
         // events in the 2 s linger at `--rig-rate 100` (review bb156).
-        if matches!(st.phase, Phase::AwaitHello | Phase::Live | Phase::Closing) {
+        let metered = match st.phase {
+            Phase::AwaitHello | Phase::Live => true,
+            Phase::Closing => st.upgraded == Upgraded::Rig,
+            _ => false,
+        };
+        if metered {
             let now = core.now_ms();
             if let Err(wait_ms) = st.bucket.ready(core.cfg.rig_rate, core.cfg.rig_burst, now) {
                 // Over its rate: stop reading this rig until a token is back. TCP pushes back
@@ -175,14 +180,15 @@ pub(super) fn identity_ok(st: &ConnState, rig: &str) -> bool {
 
 fn upgrade(core: &Core, conn: &Conn, st: &mut ConnState, path: &str, key: &str) {
     core.metrics.inc(C::Upgraded);
-    st.upgraded = true;
     conn.send_raw(st, &http_upgrade::switching_protocols(key));
     if path == "/echo" {
         st.decoder = Decoder::new(ECHO_LIMITS);
         st.phase = Phase::Echo;
+        st.upgraded = Upgraded::Echo;
     } else {
         // The hello deadline runs from the upgrade (CONTRACT.md §1 `--hello-timeout`).
         st.phase = Phase::AwaitHello;
+        st.upgraded = Upgraded::Rig;
         st.deadline = core.deadline_in(core.cfg.hello_timeout);
         let deadline = st.deadline;
         core.schedule(st, deadline, conn.id);

@@ -6,7 +6,7 @@
 use crate::ids::{BootId, ConnId, RigId, Seq};
 use crate::metrics::C;
 use crate::registry::msg::{ClosedSession, Recall, RekeepReq, SeqCommand, ToBridge, Verdict};
-use crate::worker::core::{Conn, ConnState, Core, Phase};
+use crate::worker::core::{Conn, ConnState, Core, Phase, Upgraded};
 use crate::worker::{closing, crossed};
 use crate::ws::OpCode;
 use crate::{events, protocol::encode_welcome};
@@ -268,7 +268,7 @@ pub(crate) fn send_rekeep<'a>(
 /// Called once when the connection task ends: tell the registry, fix metrics.
 pub(crate) fn on_closed(core: &Core, conn: &Conn, st: &mut ConnState) {
     // A request refused or left unfinished is counted by `upgrades_total`, not as a close.
-    if st.upgraded {
+    if st.upgraded != Upgraded::Not {
         core.metrics.close(st.close_code.unwrap_or(1006));
     }
     let Some(session) = st.session.take() else {
@@ -297,6 +297,7 @@ pub(crate) fn on_closed(core: &Core, conn: &Conn, st: &mut ConnState) {
     {
         not_taken(core, conn.id, req, "the rig's connection closed");
     }
+    let owed = queues.as_ref().map_or(0, |q| q.results_owed);
     // A command still held for Redis goes along only once Redis has answered for it.
     let (carried, results) = queues.map(|q| q.into_parts()).unwrap_or_default();
     if st.phase == Phase::Closing && crossed::may_cross(st.close_code) {
@@ -304,8 +305,12 @@ pub(crate) fn on_closed(core: &Core, conn: &Conn, st: &mut ConnState) {
             .iter()
             .filter(|c| c.written_on == Some(conn.id))
             .map(|c| (c.seq, c.id.clone()));
-        let ids = results.iter().cloned().chain(written).collect();
-        crossed::keep(core, conn.id, &s.rig, s.boot, ids);
+        let owed = crossed::Owed {
+            ids: results.iter().cloned().chain(written).collect(),
+            results: owed,
+            next: s.next_seq,
+        };
+        crossed::keep(core, conn.id, &s.rig, s.boot, owed);
     }
     let recall = Recall {
         results,
