@@ -31,19 +31,28 @@ use crate::worker::session;
 pub(crate) struct Left {
     rig: RigId,
     boot: BootId,
-    /// (seq, control's id): commands acked and awaiting results, and those written on this
-    /// connection and not yet acked.
-    ids: Vec<(Seq, Box<str>)>,
-    /// Results owed past the ids kept for them, and the session's next seq: what a result
-    /// must be to answer a command (below), as on a live connection.
+    ids: Vec<Owing>,
+    /// Results the rig still owes for acked commands (ids kept or not), and the session's
+    /// next seq: what a result must be to answer a command (`on_text`), as live.
     owed: u32,
     next: Seq,
 }
 
+/// A command the rig may answer after the close, and control's id for it.
+#[derive(Debug)]
+pub(crate) struct Owing {
+    pub(crate) seq: Seq,
+    pub(crate) id: Box<str>,
+    /// Acked (before the close, or by an ack that crossed it): its result is an answer.
+    /// Otherwise written on this connection and not yet acked.
+    pub(crate) acked: bool,
+}
+
 /// What the rig owed when its connection closed.
 pub(crate) struct Owed {
-    /// As [`Left::ids`].
-    pub(crate) ids: Vec<(Seq, Box<str>)>,
+    /// Commands acked and awaiting results whose ids are kept, and those written on this
+    /// connection and not yet acked.
+    pub(crate) ids: Vec<Owing>,
     /// Acked commands whose results are owed, ids kept or not.
     pub(crate) results: u32,
     /// The session's next seq.
@@ -80,7 +89,10 @@ pub(crate) fn forget(core: &Core, conn: ConnId) {
 /// A text message read on `conn` after the broker's close: a `result` or an `event` is
 /// published as it would have been before the close. Anything else is dropped, as is all of it
 /// on a connection that kept nothing (a close for a fault, or a session never welcomed).
-/// True when it answered one of the broker's commands: free of the rig's rate, as live.
+/// True when it answered one of the broker's commands (the first ack of a written command, or
+/// the result of an acked one): free of the rig's rate, as live. At a token each, a rig
+/// acking and reporting a burst as it was kicked had the last ones, those with ids, cut off at
+/// the linger (reviews bb157, bb158).
 pub(crate) fn on_text(core: &Core, conn: ConnId, st: &ConnState, text: &[u8]) -> bool {
     let broker = core.cfg.broker_id.as_str();
     let mut answer = false;
@@ -95,19 +107,21 @@ pub(crate) fn on_text(core: &Core, conn: ConnId, st: &ConnState, text: &[u8]) ->
             }) => {
                 core.metrics.inc(C::MsgResult);
                 // Once, as on a live connection: a result repeated has no id to claim.
-                let id = left
+                let owing = left
                     .ids
                     .iter()
-                    .position(|(s, _)| *s == seq)
-                    .map(|i| left.ids.swap_remove(i).1);
-                // Results of acked commands are free live (`rig_messages::Cost::Answer`): at a
-                // token each here, a rig reporting a burst of them as it was kicked had the
-                // last ones, those with ids, cut off at the linger (review bb157).
-                let owed = seq.0 > 0 && seq < left.next && left.owed > 0;
-                answer = id.is_some() || owed;
+                    .position(|o| o.seq == seq)
+                    .map(|i| left.ids.swap_remove(i));
+                // As `rig_messages`: an acked command's result is an answer while one is owed,
+                // its id kept or not; a written, unacked one's is not.
+                answer = match &owing {
+                    Some(o) => o.acked,
+                    None => seq.0 > 0 && seq < left.next && left.owed > 0,
+                };
                 if answer {
                     left.owed = left.owed.saturating_sub(1);
                 }
+                let id = owing.map(|o| o.id);
                 let (rig, boot) = (&left.rig, &left.boot);
                 events::result(broker, rig, boot, seq, id.as_deref(), ok, output.as_ref())
             }
@@ -119,9 +133,18 @@ pub(crate) fn on_text(core: &Core, conn: ConnId, st: &ConnState, text: &[u8]) ->
                 core.metrics.inc(C::MsgEvent);
                 events::event(broker, &left.rig, &left.boot, &name, data.as_ref())
             }
-            Ok(ClientMsg::Ack { .. }) => {
+            Ok(ClientMsg::Ack { seq, .. }) => {
                 core.metrics.inc(C::MsgAck);
-                return false;
+                // Not taken (the module's note), but its result is then an answer, as live.
+                let first = left.ids.iter_mut().find(|o| o.seq == seq && !o.acked);
+                return match first {
+                    Some(o) => {
+                        o.acked = true;
+                        left.owed = left.owed.saturating_add(1);
+                        true
+                    }
+                    None => false,
+                };
             }
             // As on a live connection: counted, and under `--strict` the end of what is read
             // (live, it is closed 4400 for it: review bb156 saw what followed published).
@@ -165,17 +188,45 @@ mod tests {
         let core = test_core(tx);
         let conn = Conn::new(&core, core.next_conn_id(), -1);
         let rig = RigId::parse("rig-1").expect("rig");
+        let owing = |seq, id: &str, acked| Owing {
+            seq: Seq(seq),
+            id: id.into(),
+            acked,
+        };
         let owed = Owed {
-            ids: vec![(Seq(1), "c1".into()), (Seq(2), "c2".into())],
-            results: 2,
+            ids: vec![owing(1, "c1", true), owing(2, "c2", false)],
+            results: 1,
             next: Seq(3),
         };
         keep(&core, conn.id, &rig, BootId::generate(1), owed);
         (core, conn, rx)
     }
 
-    fn late(core: &Core, conn: &Conn, text: &str) {
-        on_text(core, conn.id, &conn.st.borrow(), text.as_bytes());
+    fn late(core: &Core, conn: &Conn, text: &str) -> bool {
+        on_text(core, conn.id, &conn.st.borrow(), text.as_bytes())
+    }
+
+    /// Which messages are answers (free of the rig's rate), as live: the result of an acked
+    /// command while one is owed, and the first ack of a written one, whose result then is too.
+    /// A written command's result before its ack is not, and takes nothing owed from the acked
+    /// (review bb158: such results used up the count, and the acked ones' were charged).
+    #[test]
+    fn answers_are_free_of_the_rate_as_live() {
+        let (core, conn, _rx) = closing_conn();
+        let result = |seq: u64| format!(r#"{{"type":"result","seq":{seq},"ok":true}}"#);
+        assert!(!late(&core, &conn, &result(2)), "written, unacked");
+        assert!(late(&core, &conn, &result(1)), "acked");
+        assert!(!late(&core, &conn, &result(1)), "nothing more owed");
+
+        let (core, conn, _rx) = closing_conn();
+        assert!(
+            late(&core, &conn, r#"{"type":"ack","seq":2}"#),
+            "its first ack"
+        );
+        assert!(!late(&core, &conn, r#"{"type":"ack","seq":2}"#), "again");
+        assert!(late(&core, &conn, &result(2)));
+        assert!(late(&core, &conn, &result(1)), "still owed");
+        assert!(!late(&core, &conn, &result(1)));
     }
 
     #[test]

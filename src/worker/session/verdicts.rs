@@ -301,12 +301,18 @@ pub(crate) fn on_closed(core: &Core, conn: &Conn, st: &mut ConnState) {
     // A command still held for Redis goes along only once Redis has answered for it.
     let (carried, results) = queues.map(|q| q.into_parts()).unwrap_or_default();
     if st.phase == Phase::Closing && crossed::may_cross(st.close_code) {
+        let owing = |seq, id: &str, acked| crossed::Owing {
+            seq,
+            id: id.into(),
+            acked,
+        };
+        let acked = results.iter().map(|(seq, id)| owing(*seq, id, true));
         let written = carried
             .iter()
             .filter(|c| c.written_on == Some(conn.id))
-            .map(|c| (c.seq, c.id.clone()));
+            .map(|c| owing(c.seq, &c.id, false));
         let owed = crossed::Owed {
-            ids: results.iter().cloned().chain(written).collect(),
+            ids: acked.chain(written).collect(),
             results: owed,
             next: s.next_seq,
         };
