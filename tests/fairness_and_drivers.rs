@@ -404,18 +404,9 @@ fn kicked_while_reporting(acked_live: bool) {
         send(&mut ws, json!({"type":"result","seq":i,"ok":true}));
     }
     assert_eq!(common::broker::read_close(&mut ws), 1012);
-    let named = || -> usize {
-        let (_, page) = b.http("GET", "/v1/events?after=0", "");
-        let page: Value = serde_json::from_str(&page).unwrap();
-        page["events"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .filter(|e| e["type"] == "result" && e["id"].is_string())
-            .count()
-    };
+    let named = || b.events_where(|e| e["type"] == "result" && e["id"].is_string());
     common::broker::eventually(Duration::from_secs(5), "every result published", || {
-        named() == COMMANDS as usize
+        named().len() == COMMANDS as usize
     });
 }
 

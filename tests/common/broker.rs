@@ -184,13 +184,19 @@ impl Broker {
     /// The rig `event`s named `name` in the first page of `GET /v1/events` (standalone).
     #[allow(dead_code)] // not every test binary reads events
     pub fn events_named(&self, name: &str) -> Vec<Value> {
+        self.events_where(|e| e["type"] == "event" && e["name"] == name)
+    }
+
+    /// The events `want` accepts in the first page of `GET /v1/events` (standalone).
+    #[allow(dead_code)] // not every test binary reads events
+    pub fn events_where(&self, want: impl Fn(&Value) -> bool) -> Vec<Value> {
         let (_, page) = self.http("GET", "/v1/events?after=0", "");
         let page: Value = serde_json::from_str(&page).unwrap();
         page["events"]
             .as_array()
             .unwrap()
             .iter()
-            .filter(|e| e["type"] == "event" && e["name"] == name)
+            .filter(|e| want(e))
             .cloned()
             .collect()
     }
