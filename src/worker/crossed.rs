@@ -31,11 +31,7 @@ use crate::worker::session;
 pub(crate) struct Left {
     rig: RigId,
     boot: BootId,
-    ids: Vec<Owing>,
-    /// Results the rig still owes for acked commands (ids kept or not), and the session's
-    /// next seq: what a result must be to answer a command (`on_text`), as live.
-    owed: u32,
-    next: Seq,
+    owed: Owed,
 }
 
 /// A command the rig may answer after the close, and control's id for it.
@@ -48,7 +44,9 @@ pub(crate) struct Owing {
     pub(crate) acked: bool,
 }
 
-/// What the rig owed when its connection closed.
+/// What the rig owed when its connection closed: what a result must be to answer a command
+/// (`on_text`), as live.
+#[derive(Debug)]
 pub(crate) struct Owed {
     /// Commands acked and awaiting results whose ids are kept, and those written on this
     /// connection and not yet acked.
@@ -73,9 +71,7 @@ pub(crate) fn keep(core: &Core, conn: ConnId, rig: &RigId, boot: BootId, owed: O
     let left = Left {
         rig: rig.clone(),
         boot,
-        ids: owed.ids,
-        owed: owed.results,
-        next: owed.next,
+        owed,
     };
     core.crossed.borrow_mut().insert(conn, left);
 }
@@ -107,19 +103,20 @@ pub(crate) fn on_text(core: &Core, conn: ConnId, st: &ConnState, text: &[u8]) ->
             }) => {
                 core.metrics.inc(C::MsgResult);
                 // Once, as on a live connection: a result repeated has no id to claim.
-                let owing = left
+                let owed = &mut left.owed;
+                let owing = owed
                     .ids
                     .iter()
                     .position(|o| o.seq == seq)
-                    .map(|i| left.ids.swap_remove(i));
+                    .map(|i| owed.ids.swap_remove(i));
                 // As `rig_messages`: an acked command's result is an answer while one is owed,
                 // its id kept or not; a written, unacked one's is not.
                 answer = match &owing {
                     Some(o) => o.acked,
-                    None => seq.0 > 0 && seq < left.next && left.owed > 0,
+                    None => seq.0 > 0 && seq < owed.next && owed.results > 0,
                 };
                 if answer {
-                    left.owed = left.owed.saturating_sub(1);
+                    owed.results = owed.results.saturating_sub(1);
                 }
                 let id = owing.map(|o| o.id);
                 let (rig, boot) = (&left.rig, &left.boot);
@@ -136,11 +133,12 @@ pub(crate) fn on_text(core: &Core, conn: ConnId, st: &ConnState, text: &[u8]) ->
             Ok(ClientMsg::Ack { seq, .. }) => {
                 core.metrics.inc(C::MsgAck);
                 // Not taken (the module's note), but its result is then an answer, as live.
-                let first = left.ids.iter_mut().find(|o| o.seq == seq && !o.acked);
+                let owed = &mut left.owed;
+                let first = owed.ids.iter_mut().find(|o| o.seq == seq && !o.acked);
                 return match first {
                     Some(o) => {
                         o.acked = true;
-                        left.owed = left.owed.saturating_add(1);
+                        owed.results = owed.results.saturating_add(1);
                         true
                     }
                     None => false,

@@ -297,7 +297,7 @@ pub(crate) fn on_closed(core: &Core, conn: &Conn, st: &mut ConnState) {
     {
         not_taken(core, conn.id, req, "the rig's connection closed");
     }
-    let owed = queues.as_ref().map_or(0, |q| q.results_owed);
+    let results_owed = queues.as_ref().map_or(0, |q| q.results_owed);
     // A command still held for Redis goes along only once Redis has answered for it.
     let (carried, results) = queues.map(|q| q.into_parts()).unwrap_or_default();
     if st.phase == Phase::Closing && crossed::may_cross(st.close_code) {
@@ -313,7 +313,7 @@ pub(crate) fn on_closed(core: &Core, conn: &Conn, st: &mut ConnState) {
             .map(|c| owing(c.seq, &c.id, false));
         let owed = crossed::Owed {
             ids: acked.chain(written).collect(),
-            results: owed,
+            results: results_owed,
             next: s.next_seq,
         };
         crossed::keep(core, conn.id, &s.rig, s.boot, owed);
